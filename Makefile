@@ -1,0 +1,29 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?= -m "not slow"
+
+.PHONY: demo test bench clean-venv
+
+# Torch goes in first, on its own: that takes the local CPU wheel instead of
+# letting a bare `torch` requirement pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/agentlog demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed
+	for b in tools/bench/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""engine: the SessionEngine runtime that drives sessions through the lifecycle and appends their events."""

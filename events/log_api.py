@@ -1,0 +1,161 @@
+"""The log interface every implementation honours, and the in-memory log.
+
+A log assigns each appended record the next LSN (gapless, from 0), stamps
+wall time, and enforces ``session_seq == last + 1`` per session. An append
+returns only once its record is durable under the log's fsync policy.
+Readers iterate from any LSN; followers tail the live log and see only
+durable records.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import time
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
+
+from .types import TERMINAL_EVENT_TYPES, Envelope, validate_id
+
+
+class LogError(Exception):
+    """Base of all log errors."""
+
+
+class SequenceError(LogError):
+    """An append's ``session_seq`` is not the session's ``last + 1``."""
+
+
+class LogClosed(LogError):
+    """The log was closed, or went fatal after an I/O error; reopen to recover."""
+
+
+class PendingRecord(NamedTuple):
+    """What a caller appends: the log adds the LSN and the timestamp."""
+
+    session_id: str
+    session_seq: int
+    body: Any
+
+
+class EventLog(abc.ABC):
+    """Writer and reader over one log. One writer per log."""
+
+    def __init__(self, clock: Callable[[], int] = time.time_ns) -> None:
+        self._clock = clock
+        # Next expected session_seq of every session that has not ended.
+        # Terminal events evict their session, so this stays bounded by the
+        # number of open sessions.
+        self._next_seq: dict[str, int] = {}
+
+    # -- sequence bookkeeping shared by every implementation ----------------
+
+    def next_seq(self, session_id: str) -> int:
+        """The session_seq the next append for ``session_id`` must carry
+        (0 for a session the log does not hold open)."""
+        return self._next_seq.get(session_id, 0)
+
+    def open_sessions(self) -> dict[str, int]:
+        """Sessions without a terminal event, with their next session_seq."""
+        return dict(self._next_seq)
+
+    def _check_batch(self, records: Iterable[PendingRecord]) -> list[PendingRecord]:
+        """Validate a batch against the per-session sequence without changing
+        state; raises SequenceError naming the session and both numbers."""
+        staged: dict[str, int] = {}
+        out = []
+        for rec in records:
+            rec = PendingRecord(*rec)
+            validate_id("session_id", rec.session_id)
+            expected = staged.get(rec.session_id, self._next_seq.get(rec.session_id, 0))
+            if rec.session_seq != expected:
+                raise SequenceError(
+                    f"session {rec.session_id!r}: session_seq {rec.session_seq} refused, expected {expected}"
+                    + (" (a repeat)" if rec.session_seq < expected else " (a gap)")
+                )
+            staged[rec.session_id] = expected + 1
+            out.append(rec)
+        return out
+
+    def _advance(self, rec: PendingRecord) -> None:
+        if isinstance(rec.body, TERMINAL_EVENT_TYPES):
+            self._next_seq.pop(rec.session_id, None)
+        else:
+            self._next_seq[rec.session_id] = rec.session_seq + 1
+
+    # -- the interface ------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def next_lsn(self) -> int:
+        """The LSN the next appended record gets."""
+
+    @abc.abstractmethod
+    def append_batch(self, records: Iterable[PendingRecord | tuple]) -> list[Envelope]:
+        """Append records atomically in order; returns their envelopes once durable."""
+
+    @abc.abstractmethod
+    async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
+        """Append one record from asyncio; concurrent calls are group-committed."""
+
+    @abc.abstractmethod
+    def read(self, from_lsn: int = 0) -> Iterator[Envelope]:
+        """Durable records with lsn >= from_lsn, in LSN order."""
+
+    @abc.abstractmethod
+    def follow(self, from_lsn: int = 0, *, poll_s: float = 0.05) -> AsyncIterator[Envelope]:
+        """Tail the log forever from ``from_lsn``; yields only durable records."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Flush, release the writer, and refuse further appends."""
+
+    def __enter__(self) -> "EventLog":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class MemoryLog(EventLog):
+    """An in-memory log with the same interface and rules (tests, dry runs)."""
+
+    def __init__(self, clock: Callable[[], int] = time.time_ns) -> None:
+        super().__init__(clock)
+        self._records: list[Envelope] = []
+        self._closed = False
+
+    @property
+    def next_lsn(self) -> int:
+        return len(self._records)
+
+    def append_batch(self, records: Iterable[PendingRecord | tuple]) -> list[Envelope]:
+        if self._closed:
+            raise LogClosed("memory log: closed; no further appends")
+        checked = self._check_batch(records)
+        out = []
+        for rec in checked:
+            env = Envelope(len(self._records), rec.session_id, rec.session_seq, self._clock(), rec.body)
+            self._records.append(env)
+            self._advance(rec)
+            out.append(env)
+        return out
+
+    async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
+        return self.append_batch([PendingRecord(session_id, session_seq, body)])[0]
+
+    def read(self, from_lsn: int = 0) -> Iterator[Envelope]:
+        lsn = max(0, from_lsn)
+        while lsn < len(self._records):
+            yield self._records[lsn]
+            lsn += 1
+
+    async def follow(self, from_lsn: int = 0, *, poll_s: float = 0.01) -> AsyncIterator[Envelope]:
+        lsn = max(0, from_lsn)
+        while True:
+            while lsn < len(self._records):
+                yield self._records[lsn]
+                lsn += 1
+            await asyncio.sleep(poll_s)
+
+    def close(self) -> None:
+        self._closed = True

@@ -1,0 +1,366 @@
+"""Schema v1: every event body, the envelope, and their validation.
+
+Bodies are frozen, tagged msgspec Structs. Schema evolution rules: a new
+field goes at the end and carries a default; tags are never renamed; field
+types never change. Unknown fields are tolerated on decode, so an old reader
+can read a newer log.
+
+Token ids and log-probs travel as raw little-endian ``int32`` / ``float32``
+bytes (see :func:`pack_tokens`, :func:`pack_log_probs`). Constructors accept
+lists or numpy arrays for those fields and convert them; accessors hand back
+read-only numpy views over the stored bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+#: Longest session / group id accepted, in UTF-8 bytes.
+MAX_ID_BYTES = 256
+#: Forbidden in ids: path separators (ids end up in file names and URLs).
+_ID_FORBIDDEN = frozenset("/\\")
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+_TOKEN_DTYPE = np.dtype("<i4")
+_LOGPROB_DTYPE = np.dtype("<f4")
+
+
+class EventValidationError(ValueError):
+    """An event field holds a value the schema does not allow.
+
+    The message names the event type, the field and the offending value.
+    """
+
+
+def _fail(event: str, field: str, expected: str, found: Any) -> None:
+    shown = repr(found)
+    if len(shown) > 120:
+        shown = shown[:117] + "..."
+    raise EventValidationError(f"{event}.{field}: expected {expected}, found {shown}")
+
+
+def validate_id(kind: str, value: Any) -> str:
+    """Check a session or group id: a non-empty str of at most MAX_ID_BYTES
+    UTF-8 bytes with no path separators and no control characters."""
+    if not isinstance(value, str) or not value:
+        raise EventValidationError(f"{kind}: expected a non-empty str, found {value!r}")
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+        raise EventValidationError(
+            f"{kind}: expected at most {MAX_ID_BYTES} UTF-8 bytes, found {len(value.encode('utf-8', 'surrogatepass'))} in {value[:40]!r}..."
+        )
+    for i, ch in enumerate(value):
+        if ch in _ID_FORBIDDEN or ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0:
+            raise EventValidationError(
+                f"{kind}: expected no path separator or control character, found {ch!r} at index {i} in {value!r}"
+            )
+    return value
+
+
+# ---------------------------------------------------------------- token arrays
+
+
+def pack_tokens(values: Any) -> bytes:
+    """Token ids (list, tuple, numpy array or bytes) -> little-endian int32 bytes."""
+    if isinstance(values, (bytes, bytearray, memoryview)):
+        raw = bytes(values)
+        if len(raw) % 4:
+            raise EventValidationError(f"token bytes: expected a multiple of 4 bytes, found {len(raw)}")
+        return raw
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return b""
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise EventValidationError(f"token ids: expected a 1-D sequence of ints, found dtype {arr.dtype} shape {arr.shape}")
+    if arr.min() < -(2**31) or arr.max() >= 2**31:
+        raise EventValidationError(f"token ids: expected int32 range, found min {arr.min()} max {arr.max()}")
+    return arr.astype(_TOKEN_DTYPE, copy=False).tobytes()
+
+
+def pack_log_probs(values: Any) -> bytes:
+    """Log-probs (list, tuple, numpy array or bytes) -> little-endian float32 bytes."""
+    if isinstance(values, (bytes, bytearray, memoryview)):
+        raw = bytes(values)
+        if len(raw) % 4:
+            raise EventValidationError(f"log-prob bytes: expected a multiple of 4 bytes, found {len(raw)}")
+        return raw
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0:
+        return b""
+    if arr.ndim != 1:
+        raise EventValidationError(f"log-probs: expected a 1-D sequence of floats, found shape {arr.shape}")
+    return arr.astype(_LOGPROB_DTYPE).tobytes()
+
+
+def tokens_view(raw: bytes) -> np.ndarray:
+    """Zero-copy read-only int32 view over packed token bytes."""
+    return np.frombuffer(raw, dtype=_TOKEN_DTYPE)
+
+
+def log_probs_view(raw: bytes) -> np.ndarray:
+    """Zero-copy read-only float32 view over packed log-prob bytes."""
+    return np.frombuffer(raw, dtype=_LOGPROB_DTYPE)
+
+
+def _packed(obj: msgspec.Struct, field: str, packer) -> bytes:
+    value = getattr(obj, field)
+    if isinstance(value, bytes):
+        if len(value) % 4:
+            _fail(type(obj).__name__, field, "a multiple of 4 bytes", f"{len(value)} bytes")
+        return value
+    try:
+        packed = packer(value)
+    except EventValidationError as exc:
+        raise EventValidationError(f"{type(obj).__name__}.{field}: {exc}") from None
+    msgspec.structs.force_setattr(obj, field, packed)
+    return packed
+
+
+# ---------------------------------------------------------------- rewards
+
+Reward = Union[float, dict[str, float]]
+
+
+def normalize_reward(event: str, field: str, value: Any, *, optional: bool = False) -> Any:
+    """Rewards are finite floats (int and bool converted) or dicts of them."""
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, int)) and not isinstance(value, float):
+        return float(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            _fail(event, field, "a finite float", value)
+        return value
+    if isinstance(value, dict):
+        out = {}
+        for key, v in value.items():
+            if not isinstance(key, str):
+                _fail(event, f"{field}[{key!r}]", "a str key", key)
+            if isinstance(v, (bool, int)) and not isinstance(v, float):
+                v = float(v)
+            if not isinstance(v, float) or not math.isfinite(v):
+                _fail(event, f"{field}[{key!r}]", "a finite float", v)
+            out[key] = v
+        return out
+    _fail(event, field, "a finite float or a dict of finite floats" + (" or None" if optional else ""), value)
+
+
+# ---------------------------------------------------------------- bodies
+
+
+class SessionOpened(msgspec.Struct, frozen=True, tag="session_opened"):
+    """A session was created; it belongs to a GRPO group of ``group_size``."""
+
+    group_id: str
+    group_size: int
+    sample_index: int = 0
+    prompt: list[dict[str, Any]] = []
+    prompt_ids: bytes = b""
+    label: Any = None
+    agent: str = ""
+    policy_version: int = 0
+    metadata: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        validate_id("session_opened.group_id", self.group_id)
+        if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1:
+            _fail("session_opened", "group_size", "an int >= 1", self.group_size)
+        if not isinstance(self.sample_index, int) or self.sample_index < 0:
+            _fail("session_opened", "sample_index", "an int >= 0", self.sample_index)
+        _packed(self, "prompt_ids", pack_tokens)
+
+    @property
+    def prompt_tokens(self) -> np.ndarray:
+        """Prompt token ids as an int32 view."""
+        return tokens_view(self.prompt_ids)
+
+
+class SessionStarted(msgspec.Struct, frozen=True, tag="session_started"):
+    """The agent began: sandbox ready, harness launched."""
+
+    harness: str = ""
+    sandbox: str = ""
+    details: dict[str, Any] = {}
+
+
+class TurnRecorded(msgspec.Struct, frozen=True, tag="turn_recorded"):
+    """One generation: the prompt the model saw, what it produced, and how."""
+
+    turn_index: int
+    messages: list[dict[str, Any]] = []
+    prompt_ids: bytes = b""
+    output_ids: bytes = b""
+    output_log_probs: bytes = b""
+    finish_reason: str = "stop"
+    response_message: dict[str, Any] | None = None
+    ill_formed: bool = False
+    policy_version: int = 0
+    generate_s: float = 0.0
+    sampling: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.turn_index, int) or self.turn_index < 0:
+            _fail("turn_recorded", "turn_index", "an int >= 0", self.turn_index)
+        if self.finish_reason not in FINISH_REASONS:
+            _fail("turn_recorded", "finish_reason", "one of stop/length/abort", self.finish_reason)
+        _packed(self, "prompt_ids", pack_tokens)
+        out = _packed(self, "output_ids", pack_tokens)
+        lp = _packed(self, "output_log_probs", pack_log_probs)
+        if lp and len(lp) != len(out):
+            _fail(
+                "turn_recorded",
+                "output_log_probs",
+                f"{len(out) // 4} log-probs (one per output token) or none",
+                f"{len(lp) // 4} log-probs",
+            )
+
+    @property
+    def prompt_tokens(self) -> np.ndarray:
+        """Prompt token ids as an int32 view."""
+        return tokens_view(self.prompt_ids)
+
+    @property
+    def output_tokens(self) -> np.ndarray:
+        """Output token ids as an int32 view."""
+        return tokens_view(self.output_ids)
+
+    @property
+    def log_probs(self) -> np.ndarray:
+        """Output log-probs as a float32 view (empty when not recorded)."""
+        return log_probs_view(self.output_log_probs)
+
+
+class TurnUndelivered(msgspec.Struct, frozen=True, tag="turn_undelivered"):
+    """A recorded turn's response never reached the agent; it is not trained."""
+
+    turn_index: int
+    reason: str = ""
+
+
+class CommandRan(msgspec.Struct, frozen=True, tag="command_ran"):
+    """A command ran in the session's sandbox (recorded for debugging)."""
+
+    command: str
+    exit_code: int | None = None
+    budget_exceeded: bool = False
+    duration_s: float = 0.0
+    output_tail: str = ""
+
+
+class RewardAssigned(msgspec.Struct, frozen=True, tag="reward_assigned"):
+    """A verifier or reward model scored the session."""
+
+    reward: Reward
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        msgspec.structs.force_setattr(self, "reward", normalize_reward("reward_assigned", "reward", self.reward))
+
+
+class SessionFinished(msgspec.Struct, frozen=True, tag="session_finished"):
+    """Terminal: the session ended normally. ``reward`` None means: use the last RewardAssigned."""
+
+    reward: Reward | None = None
+    metadata: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        msgspec.structs.force_setattr(
+            self, "reward", normalize_reward("session_finished", "reward", self.reward, optional=True)
+        )
+
+
+#: Cap on the traceback text kept in a SessionAborted.
+MAX_TRACEBACK_CHARS = 8192
+
+
+class SessionAborted(msgspec.Struct, frozen=True, tag="session_aborted"):
+    """Terminal: the session failed; it yields one zero-masked placeholder sample."""
+
+    reason: str
+    error: str = ""
+    traceback: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reason, str) or not self.reason:
+            _fail("session_aborted", "reason", "a non-empty str", self.reason)
+        if len(self.traceback) > MAX_TRACEBACK_CHARS:
+            # Keep the end: the innermost frames say what actually failed.
+            msgspec.structs.force_setattr(self, "traceback", "..." + self.traceback[-(MAX_TRACEBACK_CHARS - 3) :])
+
+
+class SessionDropped(msgspec.Struct, frozen=True, tag="session_dropped"):
+    """Terminal: cleanup only; the session is discarded without any sample."""
+
+    reason: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reason, str) or not self.reason:
+            _fail("session_dropped", "reason", "a non-empty str", self.reason)
+
+
+class PolicyUpdated(msgspec.Struct, frozen=True, tag="policy_updated"):
+    """Learner side: one optimiser step produced ``policy_version``."""
+
+    step: int
+    policy_version: int
+    checkpoint: str = ""
+    metrics: dict[str, float] = {}
+    sample_digest: str = ""
+    lsn_start: int = -1
+    lsn_end: int = -1
+    groups: list[str] = []
+
+
+Event = Union[
+    SessionOpened,
+    SessionStarted,
+    TurnRecorded,
+    TurnUndelivered,
+    CommandRan,
+    RewardAssigned,
+    SessionFinished,
+    SessionAborted,
+    SessionDropped,
+    PolicyUpdated,
+]
+
+EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]
+TERMINAL_EVENT_TYPES = (SessionFinished, SessionAborted, SessionDropped)
+
+
+def event_tag(body: Any) -> str:
+    """The snake_case tag of an event body (``session_opened``...)."""
+    return type(body).__struct_config__.tag
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    """One log record: position, session, per-session sequence, wall time, body."""
+
+    lsn: int
+    session_id: str
+    session_seq: int
+    ts_ns: int
+    body: Event
+
+
+# ---------------------------------------------------------------- codec
+
+_body_encoder = msgspec.msgpack.Encoder()
+_body_decoder = msgspec.msgpack.Decoder(Event)
+
+
+def encode_body(body: Any) -> bytes:
+    """msgpack bytes of an event body (tag included)."""
+    return _body_encoder.encode(body)
+
+
+def decode_body(payload: bytes | memoryview) -> Any:
+    """Decode an event body; raises msgspec.ValidationError/DecodeError or
+    EventValidationError (wrapped by msgspec as ValidationError) on bad input."""
+    return _body_decoder.decode(payload)

@@ -1,0 +1,1 @@
+"""learner: torch batching, advantages, policy losses, optimisers and the training step."""

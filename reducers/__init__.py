@@ -1,0 +1,1 @@
+"""reducers: pure folds over the log into timelines, trajectories, samples, groups and metrics."""

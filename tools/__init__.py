@@ -1,0 +1,1 @@
+"""tools: the agentlog command line and benchmark scripts."""

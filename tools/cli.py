@@ -1,0 +1,73 @@
+"""The `agentlog` command line.
+
+Each subcommand lives in its own module ``tools/cmd_<name>.py`` exposing
+``register(subparsers)``; that keeps commands thin and independent. Exit
+codes: 0 ok, 1 a problem found in the data, 2 usage or I/O error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+EXIT_OK = 0
+EXIT_DATA = 1
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A one-line error for the user; ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _version() -> str:
+    try:
+        return version("agentlog")
+    except PackageNotFoundError:  # running from a source tree without install
+        return "0+unknown"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        raise CliError(f"{self.prog}: {message}", EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The root parser with every ``tools.cmd_*`` subcommand registered."""
+    parser = _Parser(prog="agentlog", description="Durable, replayable agent-RL session logs.")
+    parser.add_argument("--version", action="version", version=f"agentlog {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    import tools
+
+    for mod in sorted(pkgutil.iter_modules(tools.__path__), key=lambda m: m.name):
+        if mod.name.startswith("cmd_"):
+            importlib.import_module(f"tools.{mod.name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``agentlog`` console script."""
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return EXIT_USAGE
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"agentlog: error: {exc}", file=sys.stderr)
+        return exc.code
+    except BrokenPipeError:  # `agentlog replay LOG | head` is normal use
+        return EXIT_OK
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
