@@ -138,3 +138,107 @@ def digest_samples(samples: Iterable[Sample]) -> str:
     for s in samples:
         d.update(s)
     return d.hexdigest()
+
+
+# ---------------------------------------------------------------- rewards and rows -> samples
+
+
+def resolve_reward(value: Any, reward_key: str | None = None) -> tuple[float | None, str]:
+    """The training reward of a raw reward value, or why there is none.
+
+    Returns ``(reward, "")`` or ``(None, problem)``. Never raises: int and
+    bool become floats; a dict gives its ``reward_key`` entry, or its only
+    entry; None, NaN, infinities, strings and ambiguous dicts are reported.
+    """
+    if isinstance(value, bool):
+        return float(value), ""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            f = float(value)
+        except OverflowError:
+            return None, f"reward {value!r} does not fit a float"
+        if f != f or f in (float("inf"), float("-inf")):
+            return None, f"reward is not finite: {value!r}"
+        return f, ""
+    if isinstance(value, dict):
+        if reward_key is not None and reward_key in value:
+            inner, problem = resolve_reward(value[reward_key], None)
+            return inner, (f"reward[{reward_key!r}]: {problem}" if problem else "")
+        if len(value) == 1:
+            (key, inner_value), = value.items()
+            if isinstance(inner_value, dict):
+                return None, f"reward[{key!r}] is itself a dict"
+            inner, problem = resolve_reward(inner_value, None)
+            return inner, (f"reward[{key!r}]: {problem}" if problem else "")
+        keys = sorted(str(k) for k in value)[:8]
+        wanted = f"key {reward_key!r} missing" if reward_key is not None else "no reward_key configured"
+        return None, f"dict reward with keys {keys}: {wanted} (set ReduceConfig.reward_key)"
+    if value is None:
+        return None, "no reward (SessionFinished.reward is None and no RewardAssigned)"
+    return None, f"reward of type {type(value).__name__} is not a number"
+
+
+def finished_samples(
+    rows: Iterable[Any],
+    *,
+    group_id: str,
+    session_id: str,
+    sample_index: int,
+    reward: float | None,
+    reward_problem: str = "",
+    turns: int,
+    lsn_first: int,
+    lsn_last: int,
+) -> list[Sample]:
+    """Samples of a finished session: one per trajectory row, each with the
+    session's reward. A row whose chain ended on a ``length`` finish is
+    TRUNCATED. Without a usable reward (``reward`` None) the rows are kept
+    for inspection but marked ``remove_sample`` with ``reward_error``, so they
+    carry no gradient and stay out of every baseline."""
+    out = []
+    for row_index, row in enumerate(rows):
+        metadata: dict[str, Any] = {
+            "turn_indices": list(row.turn_indices),
+            "leaf": row.leaf,
+            "use_tool": row.use_tool,
+            "ill_formed": row.ill_formed,
+        }
+        if row.cut:
+            metadata["cut_to_max_context"] = True
+        if reward is None:
+            metadata["reward_error"] = reward_problem
+        out.append(
+            Sample(
+                group_id=group_id,
+                session_id=session_id,
+                sample_index=sample_index,
+                tokens=row.tokens,
+                response_length=row.response_length,
+                loss_mask=row.loss_mask,
+                rollout_log_probs=row.rollout_log_probs,
+                reward=0.0 if reward is None else reward,
+                status=TRUNCATED if row.truncated else COMPLETED,
+                remove_sample=reward is None,
+                policy_version=row.policy_version,
+                turns=turns,
+                row_index=row_index,
+                lsn_first=lsn_first,
+                lsn_last=lsn_last,
+                metadata=metadata,
+            )
+        )
+    return out
+
+
+def check_sample(sample: Sample) -> None:
+    """Raise ValueError naming the session if a sample breaks the invariant
+    ``len(loss_mask) == len(rollout_log_probs) == response_length >= 1``."""
+    n_mask = len(sample.loss_mask)
+    n_lp = len(sample.rollout_log_probs) // 4
+    n_tok = len(sample.tokens) // 4
+    if not (n_mask == n_lp == sample.response_length >= 1) or sample.response_length > n_tok:
+        raise ValueError(
+            f"sample of session {sample.session_id!r} row {sample.row_index}: expected"
+            f" len(loss_mask) == len(rollout_log_probs) == response_length >= 1 (and <= {n_tok} tokens),"
+            f" found {n_mask}, {n_lp}, {sample.response_length}"
+        )

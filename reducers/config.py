@@ -1,0 +1,78 @@
+"""The one configuration object of the reducers, recorded with their outputs.
+
+Offline reconstruction may re-run a log under other settings (another fork
+threshold, another context limit), so every output stream states the exact
+configuration that produced it: :meth:`ReduceConfig.canonical_bytes` and
+:meth:`ReduceConfig.digest` are stable across processes and hash seeds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A ReduceConfig field holds a value it cannot take."""
+
+
+class ReduceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How a log is reduced into trajectories, samples, groups and metrics."""
+
+    #: Token drift: a turn whose output is strictly shorter than this may
+    #: REALIGN the last response instead of forking a new row; a generated
+    #: assistant leaf shorter than this may be replaced by a client rewrite.
+    #: 0 disables both (every drift forks, every rewrite forks).
+    fork_threshold: int = 1024
+    #: Rows longer than this many tokens (prompt + response) are cut to it;
+    #: 0 means no limit. A cut row with no trainable token left is not emitted.
+    max_context_tokens: int = 0
+    #: A group with fewer valid (finished, usable reward) members is released
+    #: as skipped.
+    min_valid: int = 2
+    #: Which entry of a dict reward is the training reward. None: a dict
+    #: reward must hold exactly one entry.
+    reward_key: str | None = None
+    #: A valid member whose reward is >= this counts as solved (metrics).
+    solve_threshold: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("fork_threshold", "max_context_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"ReduceConfig.{name}: expected an int >= 0, found {value!r}")
+        if not isinstance(self.min_valid, int) or isinstance(self.min_valid, bool) or self.min_valid < 1:
+            raise ConfigError(f"ReduceConfig.min_valid: expected an int >= 1, found {self.min_valid!r}")
+        if self.reward_key is not None and (not isinstance(self.reward_key, str) or not self.reward_key):
+            raise ConfigError(f"ReduceConfig.reward_key: expected a non-empty str or None, found {self.reward_key!r}")
+        if not isinstance(self.solve_threshold, (int, float)) or not math.isfinite(self.solve_threshold):
+            raise ConfigError(f"ReduceConfig.solve_threshold: expected a finite number, found {self.solve_threshold!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as plain data (for stream headers and JSON)."""
+        return msgspec.structs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ReduceConfig":
+        """Inverse of :meth:`to_dict`; unknown keys are an error naming them."""
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"ReduceConfig: {exc}") from None
+
+    def canonical_bytes(self) -> bytes:
+        """Deterministic msgpack of the configuration (sorted keys)."""
+        return _canonical.encode(self.to_dict())
+
+    def digest(self) -> str:
+        """``sha256:<hex>`` of :meth:`canonical_bytes`: names the configuration in outputs."""
+        return "sha256:" + hashlib.sha256(self.canonical_bytes()).hexdigest()
+
+
+_canonical = msgspec.msgpack.Encoder(order="deterministic")
+
+#: The configuration used when none is given.
+DEFAULT_CONFIG = ReduceConfig()

@@ -1,0 +1,165 @@
+"""GRPO groups: released exactly once, in completion order.
+
+A group is released when all ``group_size`` sessions that declared it are
+terminal. Finished members with a usable reward are valid. Aborted members
+stay as their zero-masked placeholder and are invalid (out of the baseline).
+Dropped members are absent: counted towards completion, carrying no sample.
+A group with fewer than ``min_valid`` valid members is released as skipped,
+with its reason. Released groups are forgotten, so memory stays bounded by
+the groups still in flight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from .samples import Sample
+
+FINISHED = "finished"
+ABORTED = "aborted"
+DROPPED = "dropped"
+
+
+class GroupError(ValueError):
+    """Sessions of one group contradict each other (group_size, sample_index,
+    too many members)."""
+
+
+class GroupMember(msgspec.Struct, frozen=True):
+    """One terminal, non-dropped member of a group and its samples."""
+
+    session_id: str
+    sample_index: int
+    status: str  # finished / aborted
+    valid: bool  # in the baseline: finished with a usable reward
+    reward: float | None  # None when invalid
+    reason: str = ""  # abort reason, or why a finished member is invalid
+    samples: tuple[Sample, ...] = ()
+
+
+class Group(msgspec.Struct, frozen=True):
+    """A released GRPO group."""
+
+    group_id: str
+    group_size: int
+    members: tuple[GroupMember, ...]  # by sample_index, dropped members absent
+    dropped: tuple[str, ...]  # session ids of dropped members
+    skipped: bool
+    skip_reason: str
+    release_index: int  # 0, 1, 2... in completion order
+    lsn_released: int  # LSN of the terminal event that completed the group
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every member's samples, in member order."""
+        return [s for m in self.members for s in m.samples]
+
+    @property
+    def valid(self) -> list[bool]:
+        """Per sample of :attr:`samples`: whether it is in the baseline."""
+        return [m.valid for m in self.members for _ in m.samples]
+
+    @property
+    def n_valid(self) -> int:
+        """Valid members."""
+        return sum(1 for m in self.members if m.valid)
+
+    @property
+    def valid_rewards(self) -> list[float]:
+        """Rewards of the valid members, one per member (not per row)."""
+        return [m.reward for m in self.members if m.valid and m.reward is not None]
+
+    def solve_rate(self, threshold: float = 1.0) -> float:
+        """Fraction of valid members with reward >= threshold (NaN without any)."""
+        rewards = self.valid_rewards
+        if not rewards:
+            return math.nan
+        return sum(1 for r in rewards if r >= threshold) / len(rewards)
+
+
+class _Pending:
+    __slots__ = ("group_size", "opened", "done", "dropped")
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self.opened: dict[str, tuple[int, int]] = {}  # session -> (sample_index, lsn)
+        self.done: list[GroupMember] = []
+        self.dropped: list[str] = []
+
+
+class GroupTracker:
+    """Incremental group state: ``open`` members, ``close`` them, get groups back."""
+
+    def __init__(self, min_valid: int = 2) -> None:
+        self.min_valid = min_valid
+        self._pending: dict[str, _Pending] = {}
+        self.released = 0
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def pending(self) -> dict[str, tuple[int, int, int]]:
+        """Groups in flight: ``group_id -> (group_size, opened, terminal)``."""
+        return {
+            gid: (p.group_size, len(p.opened), len(p.done) + len(p.dropped)) for gid, p in self._pending.items()
+        }
+
+    def open(self, group_id: str, session_id: str, group_size: int, sample_index: int, lsn: int) -> None:
+        """A session declared membership of ``group_id``."""
+        p = self._pending.get(group_id)
+        if p is None:
+            p = self._pending[group_id] = _Pending(group_size)
+        if group_size != p.group_size:
+            others = ", ".join(f"{s!r} (lsn {l})" for s, (_, l) in list(p.opened.items())[:8])
+            raise GroupError(
+                f"group {group_id!r}: session {session_id!r} at lsn {lsn} declares group_size {group_size},"
+                f" but sessions {others} declared group_size {p.group_size}"
+            )
+        if len(p.opened) >= group_size:
+            raise GroupError(
+                f"group {group_id!r}: session {session_id!r} at lsn {lsn} would be member {len(p.opened) + 1}"
+                f" of a group of group_size {group_size} (members: {', '.join(repr(s) for s in p.opened)})"
+            )
+        for other, (idx, other_lsn) in p.opened.items():
+            if idx == sample_index:
+                raise GroupError(
+                    f"group {group_id!r}: session {session_id!r} at lsn {lsn} repeats sample_index {sample_index}"
+                    f" of session {other!r} (lsn {other_lsn})"
+                )
+        p.opened[session_id] = (sample_index, lsn)
+
+    def close(self, group_id: str, member: GroupMember | None, session_id: str, lsn: int) -> Group | None:
+        """A member reached its terminal state (``member`` None: dropped).
+        Returns the group when this completes it, else None."""
+        p = self._pending[group_id]
+        if member is None:
+            p.dropped.append(session_id)
+        else:
+            p.done.append(member)
+        if len(p.done) + len(p.dropped) < p.group_size:
+            return None
+        del self._pending[group_id]
+        members = tuple(sorted(p.done, key=lambda m: (m.sample_index, m.session_id)))
+        n_valid = sum(1 for m in members if m.valid)
+        skip_reason = ""
+        if n_valid < self.min_valid:
+            aborted = sum(1 for m in members if m.status == ABORTED)
+            invalid_finished = sum(1 for m in members if m.status == FINISHED and not m.valid)
+            skip_reason = (
+                f"{n_valid} valid member(s) < min_valid {self.min_valid}"
+                f" ({aborted} aborted, {len(p.dropped)} dropped, {invalid_finished} finished without a usable reward)"
+            )
+        group = Group(
+            group_id=group_id,
+            group_size=p.group_size,
+            members=members,
+            dropped=tuple(sorted(p.dropped)),
+            skipped=bool(skip_reason),
+            skip_reason=skip_reason,
+            release_index=self.released,
+            lsn_released=lsn,
+        )
+        self.released += 1
+        return group

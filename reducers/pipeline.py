@@ -1,0 +1,315 @@
+"""The reducers composed: log envelopes in, samples and released groups out.
+
+One code path serves the online loop (:class:`Reducer`, fed envelope by
+envelope while the log is tailed) and offline reconstruction
+(:func:`reduce_log` over a whole log); both give byte-identical samples.
+
+Each envelope is checked against the lifecycle table (via
+``events.lifecycle.state_after_event``), its LSN must increase and its
+``session_seq`` must be the session's ``last + 1``; anything else raises
+:class:`ReduceError` naming the LSN and the session. A session's state is
+evicted at its terminal event, once its samples are emitted; a group's once
+it is released. The reducer is pure: no clock, randomness, I/O or torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, NamedTuple
+
+import msgspec
+
+from events.lifecycle import IllegalTransition, State, state_after_event
+from events.types import (
+    Envelope,
+    PolicyUpdated,
+    RewardAssigned,
+    SessionAborted,
+    SessionDropped,
+    SessionFinished,
+    SessionOpened,
+    TurnRecorded,
+    TurnUndelivered,
+    event_tag,
+)
+
+from .config import DEFAULT_CONFIG, ReduceConfig
+from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, GroupTracker
+from .metrics import MetricsAccumulator
+from .samples import Sample, SampleDigest, aborted_placeholder, finished_samples, resolve_reward
+from .trajectory import SessionTrajectory, Trajectory, TrajectoryError
+
+
+class ReduceError(ValueError):
+    """The log holds something the reducers refuse; names the LSN and session."""
+
+    def __init__(self, lsn: int, session_id: str, message: str) -> None:
+        self.lsn = lsn
+        self.session_id = session_id
+        super().__init__(f"lsn {lsn}, session {session_id!r}: {message}")
+
+
+class Outputs(NamedTuple):
+    """What one or more envelopes produced: samples (in emission order) and
+    groups (in release order)."""
+
+    samples: list[Sample]
+    groups: list[Group]
+
+
+class _Session:
+    __slots__ = (
+        "state",
+        "next_seq",
+        "group_id",
+        "group_size",
+        "sample_index",
+        "policy_version",
+        "lsn_first",
+        "trajectory",
+        "last_reward",
+    )
+
+    def __init__(self, opened: SessionOpened, session_id: str, lsn: int, fork_threshold: int) -> None:
+        self.state = State.OPEN
+        self.next_seq = 1
+        self.group_id = opened.group_id
+        self.group_size = opened.group_size
+        self.sample_index = opened.sample_index
+        self.policy_version = opened.policy_version
+        self.lsn_first = lsn
+        self.trajectory = SessionTrajectory(session_id, fork_threshold)
+        self.last_reward: Any = None
+
+
+class Reducer:
+    """Incremental reducer: ``feed`` envelopes in LSN order, get outputs back.
+
+    Memory is bounded by the sessions and groups still in flight.
+    """
+
+    def __init__(self, config: ReduceConfig = DEFAULT_CONFIG) -> None:
+        if not isinstance(config, ReduceConfig):
+            raise TypeError(f"Reducer: expected a ReduceConfig, found {type(config).__name__}")
+        self.config = config
+        self._sessions: dict[str, _Session] = {}
+        self._groups = GroupTracker(config.min_valid)
+        self.metrics = MetricsAccumulator(config.reward_key, config.solve_threshold)
+        self.digest = SampleDigest()
+        self.last_lsn = -1
+        self.events = 0
+        self.samples_emitted = 0
+        self.groups_released = 0
+
+    # ------------------------------------------------------------------ feed
+
+    def feed(self, env: Envelope) -> Outputs:
+        """Fold one envelope; returns the samples and groups it completed."""
+        lsn = env.lsn
+        if lsn <= self.last_lsn:
+            raise ReduceError(lsn, env.session_id, f"LSN went backwards or repeated: expected > {self.last_lsn}")
+        self.last_lsn = lsn
+        self.events += 1
+        body = env.body
+        if isinstance(body, PolicyUpdated):
+            return Outputs([], [])  # learner progress: not a session event
+        sid = env.session_id
+        session = self._sessions.get(sid)
+        if session is None and not isinstance(body, SessionOpened):
+            raise ReduceError(
+                lsn,
+                sid,
+                f"{event_tag(body)} for a session that is not in flight: it was never opened, or it already"
+                " reached its terminal event (nothing may follow a terminal event)",
+            )
+        try:
+            new_state = state_after_event(sid, session.state if session is not None else None, body)
+        except IllegalTransition as exc:
+            raise ReduceError(lsn, sid, str(exc)) from None
+        if session is None:
+            assert isinstance(body, SessionOpened)
+            if env.session_seq != 0:
+                raise ReduceError(lsn, sid, f"session_seq {env.session_seq} on session_opened, expected 0")
+            session = _Session(body, sid, lsn, self.config.fork_threshold)
+            try:
+                self._groups.open(body.group_id, sid, body.group_size, body.sample_index, lsn)
+            except GroupError as exc:
+                raise ReduceError(lsn, sid, str(exc)) from None
+            self._sessions[sid] = session
+            return Outputs([], [])
+        if env.session_seq != session.next_seq:
+            raise ReduceError(
+                lsn,
+                sid,
+                f"session_seq {env.session_seq} on {event_tag(body)}, expected {session.next_seq}"
+                + (" (a gap)" if env.session_seq > session.next_seq else " (a repeat)"),
+            )
+        session.next_seq += 1
+        session.state = new_state
+        try:
+            if isinstance(body, TurnRecorded):
+                session.trajectory.record_turn(body, lsn)
+            elif isinstance(body, TurnUndelivered):
+                session.trajectory.mark_undelivered(body.turn_index, body.reason, lsn)
+        except TrajectoryError as exc:
+            raise ReduceError(lsn, sid, str(exc)) from None
+        if isinstance(body, RewardAssigned):
+            session.last_reward = body.reward
+        if new_state is State.FINISHED or new_state is State.ABORTED or new_state is State.DROPPED:
+            return self._terminal(sid, session, body, lsn)
+        return Outputs([], [])
+
+    def feed_many(self, envelopes: Iterable[Envelope]) -> Outputs:
+        """Fold a chunk of envelopes; the outputs of every ``feed``, concatenated."""
+        samples: list[Sample] = []
+        groups: list[Group] = []
+        for env in envelopes:
+            out = self.feed(env)
+            samples.extend(out.samples)
+            groups.extend(out.groups)
+        return Outputs(samples, groups)
+
+    def _terminal(self, sid: str, session: _Session, body: Any, lsn: int) -> Outputs:
+        del self._sessions[sid]  # evict first: nothing may follow a terminal event
+        traj = session.trajectory
+        member: GroupMember | None
+        samples: list[Sample]
+        if isinstance(body, SessionFinished):
+            raw = body.reward if body.reward is not None else session.last_reward
+            reward, problem = resolve_reward(raw, self.config.reward_key)
+            rows = traj.linearise(self.config.max_context_tokens).rows
+            samples = finished_samples(
+                rows,
+                group_id=session.group_id,
+                session_id=sid,
+                sample_index=session.sample_index,
+                reward=reward,
+                reward_problem=problem,
+                turns=traj.n_turns,
+                lsn_first=session.lsn_first,
+                lsn_last=lsn,
+            )
+            member = GroupMember(sid, session.sample_index, FINISHED, reward is not None, reward, problem, tuple(samples))
+            self.metrics.observe_session(
+                FINISHED, reward=raw, turns=traj.n_turns, output_tokens=traj.output_tokens, samples=samples
+            )
+        elif isinstance(body, SessionAborted):
+            placeholder = aborted_placeholder(
+                session.group_id,
+                sid,
+                session.sample_index,
+                body.reason,
+                policy_version=session.policy_version,
+                turns=traj.n_turns,
+                lsn_first=session.lsn_first,
+                lsn_last=lsn,
+            )
+            samples = [placeholder]
+            member = GroupMember(sid, session.sample_index, ABORTED, False, None, body.reason, (placeholder,))
+            self.metrics.observe_session(
+                ABORTED, reason=body.reason, turns=traj.n_turns, output_tokens=traj.output_tokens, samples=samples
+            )
+        else:
+            assert isinstance(body, SessionDropped)
+            samples = []
+            member = None
+            self.metrics.observe_session(
+                DROPPED, reason=body.reason, turns=traj.n_turns, output_tokens=traj.output_tokens
+            )
+        for s in samples:
+            self.digest.update(s)
+        self.samples_emitted += len(samples)
+        group = self._groups.close(session.group_id, member, sid, lsn)
+        if group is None:
+            return Outputs(samples, [])
+        self.groups_released += 1
+        self.metrics.observe_group(group)
+        return Outputs(samples, [group])
+
+    # ---------------------------------------------------------------- state
+
+    def open_sessions(self) -> dict[str, str]:
+        """Sessions not yet terminal, with their state."""
+        return {sid: str(s.state) for sid, s in self._sessions.items()}
+
+    def pending_groups(self) -> dict[str, tuple[int, int, int]]:
+        """Groups not yet released: ``group_id -> (group_size, opened, terminal)``."""
+        return self._groups.pending()
+
+    def trajectory(self, session_id: str) -> Trajectory:
+        """The current linearisation of a session still in flight (for inspection)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise KeyError(f"session {session_id!r} is not in flight (never opened, or already terminal and evicted)")
+        return session.trajectory.linearise(self.config.max_context_tokens)
+
+
+class ReduceResult(msgspec.Struct):
+    """A whole log reduced: outputs plus what is needed to state and check them."""
+
+    config: ReduceConfig
+    samples: list[Sample]
+    groups: list[Group]
+    metrics: dict[str, Any]
+    digest: str  # sha256 over the sample stream, in emission order
+    events: int
+    last_lsn: int
+    open_sessions: dict[str, str]
+    pending_groups: dict[str, tuple[int, int, int]]
+
+    def header(self) -> dict[str, Any]:
+        """The stream header to write before the samples: the configuration
+        that produced them, its digest, and the sample digest."""
+        return {
+            "reduce_config": self.config.to_dict(),
+            "reduce_config_digest": self.config.digest(),
+            "sample_digest": self.digest,
+            "samples": len(self.samples),
+            "groups": len(self.groups),
+            "events": self.events,
+            "last_lsn": self.last_lsn,
+        }
+
+
+def reduce_log(source: Any, config: ReduceConfig = DEFAULT_CONFIG) -> ReduceResult:
+    """Reduce a whole log: any object with ``read(from_lsn)`` (an EventLog or a
+    reader) or any iterable of envelopes in LSN order."""
+    envelopes = source.read(0) if hasattr(source, "read") else source
+    reducer = Reducer(config)
+    out = reducer.feed_many(envelopes)
+    return ReduceResult(
+        config=config,
+        samples=out.samples,
+        groups=out.groups,
+        metrics=reducer.metrics.snapshot(),
+        digest=reducer.digest.hexdigest(),
+        events=reducer.events,
+        last_lsn=reducer.last_lsn,
+        open_sessions=reducer.open_sessions(),
+        pending_groups=reducer.pending_groups(),
+    )
+
+
+def session_trajectory(envelopes: Iterable[Envelope], session_id: str, config: ReduceConfig = DEFAULT_CONFIG) -> Trajectory:
+    """The linearised trajectory (rows and per-turn drift decisions) of one
+    session, from the envelopes of a log; for ``agentlog show``. The session's
+    events are taken in order; other sessions' events are skipped."""
+    traj: SessionTrajectory | None = None
+    state: State | None = None
+    for env in envelopes:
+        if env.session_id != session_id or isinstance(env.body, PolicyUpdated):
+            continue
+        try:
+            state = state_after_event(session_id, state, env.body)
+            if isinstance(env.body, SessionOpened):
+                traj = SessionTrajectory(session_id, config.fork_threshold)
+            elif isinstance(env.body, TurnRecorded):
+                assert traj is not None
+                traj.record_turn(env.body, env.lsn)
+            elif isinstance(env.body, TurnUndelivered):
+                assert traj is not None
+                traj.mark_undelivered(env.body.turn_index, env.body.reason, env.lsn)
+        except (IllegalTransition, TrajectoryError) as exc:
+            raise ReduceError(env.lsn, session_id, str(exc)) from None
+    if traj is None:
+        raise KeyError(f"session {session_id!r}: no session_opened in the log")
+    return traj.linearise(config.max_context_tokens)

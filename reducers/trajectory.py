@@ -1,0 +1,420 @@
+"""A session's turn tree and its linearisation into training rows.
+
+The semantics follow slime's TrajectoryManager (slime/agent/trajectory.py):
+
+* **Routing.** Each turn's prompt messages are matched down a message tree by
+  role and message equality (token ids play no part in routing). The
+  unmatched rest is mounted as routing-only nodes, and a generated assistant
+  leaf holding the turn hangs below. An assistant message the client replays
+  but we never generated is routing-only. When the next prompt rewrites the
+  mount point's single generated assistant leaf (shorter than
+  ``fork_threshold``), the rewrite replaces that leaf's message and the old
+  turn becomes routing-only, never trained.
+* **Leaves** are taken depth-first in insertion order. A response shared by
+  several leaves is trained on the first leaf only and is mask-0 context on
+  the others.
+* **Token drift** of a turn's ``prompt_ids`` against the tokens a row holds:
+  CLEAN (the prompt extends them), REALIGN (divergence inside the last
+  response and this output strictly shorter than ``fork_threshold``: that
+  span is overwritten from the prompt with mask 0 and log-prob 0), FORK
+  (anything else: a new row starts).
+
+Unlike slime the tree is never consumed: :meth:`SessionTrajectory.linearise`
+can run any number of times and gives the same rows. A turn is trainable only
+if it finished ``stop`` or ``length``, has one log-prob per output token and
+was delivered (no ``turn_undelivered``). Turns that carry no messages (token-
+only agents) are chained onto the previous generated turn, so token drift
+alone decides their rows.
+
+Token arrays stay packed little-endian bytes throughout: prefix checks are
+``bytes.startswith`` and spans are slice assignments, so no per-token Python
+runs on the hot path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import msgspec
+import numpy as np
+
+from events.types import TurnRecorded
+
+CLEAN = "clean"
+REALIGN = "realign"
+FORK = "fork"
+
+#: Why a turn contributes no trainable token.
+REASON_ABORT_FINISH = "finish_abort"
+REASON_MISSING_LOG_PROBS = "missing_log_probs"
+REASON_EMPTY_OUTPUT = "empty_output"
+REASON_UNDELIVERED = "undelivered"
+REASON_REWRITTEN = "rewritten"
+
+
+class TrajectoryError(ValueError):
+    """A turn cannot be placed in its session's tree (duplicate turn index,
+    malformed messages, an undelivered notice for an unknown turn)."""
+
+
+class TurnDecision(msgspec.Struct):
+    """What the reducer decided about one turn; ``agentlog show`` displays it."""
+
+    turn_index: int
+    lsn: int
+    #: How the prompt was routed: ``matched`` (the whole prompt matched
+    #: existing nodes), ``mounted`` (new routing-only nodes were added),
+    #: ``merged_rewrite`` (the prompt rewrote the previous short leaf),
+    #: ``linear`` (no messages: chained onto the previous turn).
+    routing: str = ""
+    #: Routing-only nodes this turn's prompt added to the tree.
+    mounted_nodes: int = 0
+    #: clean / realign / fork; "" while unplaced or for a rewritten turn.
+    drift: str = ""
+    #: Whether the turn's own tokens can carry loss at all.
+    trainable: bool = False
+    #: Why not, when not trainable ("" otherwise).
+    reason: str = ""
+    #: Leaf (depth-first order) on which the turn was first linearised.
+    leaf: int = -1
+    #: Index among the session's emitted rows where the turn's output is
+    #: trained or first appears; -1 when that row was not emitted.
+    row: int = -1
+    #: Whether its output carries mask 1 in that row.
+    trained: bool = False
+
+
+class Row(msgspec.Struct, frozen=True):
+    """One linearised training row, before it becomes a Sample."""
+
+    tokens: bytes  # int32 LE: prompt + response
+    response_length: int
+    loss_mask: bytes  # uint8 per response token
+    rollout_log_probs: bytes  # float32 LE per response token
+    turn_indices: tuple[int, ...]
+    leaf: int
+    truncated: bool  # the leaf's last generated turn finished with "length"
+    use_tool: bool
+    ill_formed: bool
+    policy_version: int  # oldest policy version among the row's trained turns
+    cut: bool = False  # shortened to max_context_tokens
+
+
+class Trajectory(msgspec.Struct, frozen=True):
+    """A linearised session: its rows and one decision per turn."""
+
+    rows: tuple[Row, ...]
+    decisions: tuple[TurnDecision, ...]  # by turn_index
+
+
+class _Turn:
+    __slots__ = ("index", "body", "lsn", "undelivered", "decision")
+
+    def __init__(self, body: TurnRecorded, lsn: int) -> None:
+        self.index = body.turn_index
+        self.body = body
+        self.lsn = lsn
+        self.undelivered: str | None = None
+        self.decision = TurnDecision(turn_index=body.turn_index, lsn=lsn)
+
+    def untrainable_reason(self) -> str:
+        body = self.body
+        if self.undelivered is not None:
+            return REASON_UNDELIVERED
+        if body.finish_reason not in ("stop", "length"):
+            return REASON_ABORT_FINISH
+        if not body.output_ids:
+            return REASON_EMPTY_OUTPUT
+        if len(body.output_log_probs) != len(body.output_ids):
+            return REASON_MISSING_LOG_PROBS
+        return ""
+
+
+class _Node:
+    __slots__ = ("role", "message", "parent", "children", "turn")
+
+    def __init__(self, role: Any, message: Any, parent: "_Node | None") -> None:
+        self.role = role
+        self.message = message
+        self.parent = parent
+        self.children: list[_Node] = []
+        # The generated turn this node holds; None for routing-only nodes.
+        self.turn: _Turn | None = None
+
+    def add(self, child: "_Node") -> "_Node":
+        self.children.append(child)
+        return child
+
+    def leaves(self) -> Iterator["_Node"]:
+        # Depth-first, children in insertion order (explicit stack: sessions
+        # can be hundreds of turns deep).
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            if not node.children:
+                yield node
+            else:
+                stack.extend(reversed(node.children))
+
+    def chain(self) -> list["_Node"]:
+        out = []
+        node: _Node | None = self
+        while node is not None and node.parent is not None:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+
+def common_prefix_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
+    """Number of leading int32 tokens two packed arrays share."""
+    n = min(len(a), len(b)) // 4
+    if n == 0:
+        return 0
+    if a[: n * 4] == b[: n * 4]:
+        return n
+    x = np.frombuffer(a, dtype="<i4", count=n)
+    y = np.frombuffer(b, dtype="<i4", count=n)
+    return int(np.argmax(x != y))
+
+
+_ZERO4 = b"\x00\x00\x00\x00"
+
+
+class _RowBuilder:
+    """Accumulates one chain of turns into one row's tokens, mask and log-probs."""
+
+    __slots__ = ("fork_threshold", "tokens", "mask", "log_probs", "last_start", "lead", "turns", "trained_versions")
+
+    def __init__(self, fork_threshold: int) -> None:
+        self.fork_threshold = fork_threshold
+        self.tokens = bytearray()
+        self.mask = bytearray()  # one byte per token (prompt included; cut at emit)
+        self.log_probs = bytearray()
+        self.last_start: int | None = None  # token index where the last response starts
+        self.lead = 0  # the first turn's prompt length: the row's prompt
+        self.turns: list[int] = []
+        self.trained_versions: list[int] = []
+
+    def classify(self, body: TurnRecorded) -> str:
+        prompt = body.prompt_ids
+        if prompt.startswith(self.tokens):
+            return CLEAN
+        agree = common_prefix_tokens(self.tokens, prompt)
+        if self.last_start is not None and agree >= self.last_start and len(body.output_ids) // 4 < self.fork_threshold:
+            return REALIGN
+        return FORK
+
+    def append(self, turn: _Turn, kind: str, train: bool) -> None:
+        body = turn.body
+        prompt = body.prompt_ids
+        first = self.last_start is None
+        if kind == REALIGN:
+            # The drifted span carries no signal: overwrite it from the prompt
+            # as context (mask 0, log-prob 0); earlier turns stay untouched.
+            start = self.last_start
+            assert start is not None
+            tail = prompt[start * 4 :]
+            n = len(tail) // 4
+            self.tokens[start * 4 :] = tail
+            self.mask[start:] = bytes(n)
+            self.log_probs[start * 4 :] = bytes(4 * n)
+        else:
+            tail = prompt[len(self.tokens) :]
+            n = len(tail) // 4
+            self.tokens += tail
+            self.mask += bytes(n)
+            self.log_probs += bytes(4 * n)
+        out = body.output_ids
+        n_out = len(out) // 4
+        self.last_start = len(self.tokens) // 4
+        self.tokens += out
+        if train:
+            self.mask += b"\x01" * n_out
+            self.log_probs += body.output_log_probs
+            self.trained_versions.append(body.policy_version)
+        else:
+            self.mask += bytes(n_out)
+            self.log_probs += bytes(4 * n_out)
+        if first:
+            self.lead = len(prompt) // 4
+        self.turns.append(turn.index)
+
+    def to_row(self, leaf: int, truncated: bool, use_tool: bool, ill_formed: bool, max_tokens: int) -> Row | None:
+        """The row, or None when it holds no trainable token (after any cut)."""
+        n_tok = len(self.tokens) // 4
+        cut = bool(max_tokens) and n_tok > max_tokens
+        if cut:
+            n_tok = max_tokens
+        response_length = n_tok - self.lead
+        if response_length < 1:
+            return None
+        mask = bytes(self.mask[self.lead : n_tok])
+        if b"\x01" not in mask:
+            return None
+        return Row(
+            tokens=bytes(self.tokens[: n_tok * 4]),
+            response_length=response_length,
+            loss_mask=mask,
+            rollout_log_probs=bytes(self.log_probs[self.lead * 4 : n_tok * 4]),
+            turn_indices=tuple(self.turns),
+            leaf=leaf,
+            truncated=truncated,
+            use_tool=use_tool,
+            ill_formed=ill_formed,
+            policy_version=min(self.trained_versions) if self.trained_versions else 0,
+            cut=cut,
+        )
+
+
+class SessionTrajectory:
+    """One session's message tree, built turn by turn as events arrive."""
+
+    def __init__(self, session_id: str, fork_threshold: int = 1024) -> None:
+        self.session_id = session_id
+        self.fork_threshold = fork_threshold
+        self._root = _Node(None, None, None)
+        self._turns: dict[int, _Turn] = {}
+        self._last_generated: _Node | None = None
+        self.output_tokens = 0
+
+    @property
+    def n_turns(self) -> int:
+        """Turns recorded so far."""
+        return len(self._turns)
+
+    # -------------------------------------------------------------- routing
+
+    def record_turn(self, body: TurnRecorded, lsn: int) -> TurnDecision:
+        """Route one turn into the tree; returns its (still open) decision."""
+        if body.turn_index in self._turns:
+            raise TrajectoryError(
+                f"session {self.session_id!r}, lsn {lsn}: turn_index {body.turn_index} recorded twice"
+                f" (first at lsn {self._turns[body.turn_index].lsn})"
+            )
+        turn = _Turn(body, lsn)
+        messages = body.messages
+        if not messages:
+            node = self._last_generated or self._root
+            turn.decision.routing = "linear"
+        else:
+            for i, msg in enumerate(messages):
+                if not isinstance(msg, dict):
+                    raise TrajectoryError(
+                        f"session {self.session_id!r}, lsn {lsn}, turn {body.turn_index}: messages[{i}]:"
+                        f" expected a dict with a 'role', found {type(msg).__name__}"
+                    )
+            node, depth = self._mount_point(messages)
+            node, depth, merged = self._merge_rewrite(node, messages, depth)
+            rest = messages[depth:]
+            for msg in rest:
+                node = node.add(_Node(msg.get("role"), msg, node))
+            turn.decision.mounted_nodes = len(rest)
+            turn.decision.routing = "merged_rewrite" if merged else ("mounted" if rest else "matched")
+        leaf = node.add(_Node("assistant", body.response_message, node))
+        leaf.turn = turn
+        self._last_generated = leaf
+        self._turns[turn.index] = turn
+        self.output_tokens += len(body.output_ids) // 4
+        return turn.decision
+
+    def mark_undelivered(self, turn_index: int, reason: str, lsn: int) -> None:
+        """The turn's response never reached the agent: it is not trained."""
+        turn = self._turns.get(turn_index)
+        if turn is None:
+            raise TrajectoryError(
+                f"session {self.session_id!r}, lsn {lsn}: turn_undelivered for turn_index {turn_index},"
+                f" but the session recorded only turns {sorted(self._turns)[:20]}"
+            )
+        turn.undelivered = reason or "undelivered"
+
+    def _mount_point(self, messages: list[dict[str, Any]]) -> tuple[_Node, int]:
+        node = self._root
+        depth = 0
+        while depth < len(messages):
+            msg = messages[depth]
+            role = msg.get("role")
+            for child in node.children:
+                if child.role == role and child.message == msg:
+                    node = child
+                    depth += 1
+                    break
+            else:
+                break
+        return node, depth
+
+    def _merge_rewrite(self, node: _Node, messages: list[dict[str, Any]], depth: int) -> tuple[_Node, int, bool]:
+        # A client that re-renders its last assistant message would otherwise
+        # fork, stranding the original turn as a dead-end leaf that trains on
+        # its own. Merge only when unambiguous (one assistant child), cheap to
+        # lose (a generated leaf shorter than fork_threshold) and enabled.
+        if self.fork_threshold <= 0 or depth >= len(messages) or messages[depth].get("role") != "assistant":
+            return node, depth, False
+        assistants = [c for c in node.children if c.role == "assistant"]
+        if len(assistants) != 1:
+            return node, depth, False
+        target = assistants[0]
+        turn = target.turn
+        if target.children or turn is None or len(turn.body.output_ids) // 4 >= self.fork_threshold:
+            return node, depth, False
+        turn.decision.routing = "rewritten"
+        target.turn = None
+        target.message = messages[depth]
+        if self._last_generated is target:
+            self._last_generated = None
+        return target, depth + 1, True
+
+    # -------------------------------------------------------- linearisation
+
+    def linearise(self, max_context_tokens: int = 0) -> Trajectory:
+        """The session's rows (depth-first leaves, one row per FORK segment)
+        and a decision per turn. Pure: the tree is left as it was."""
+        decisions = {i: msgspec.structs.replace(t.decision) for i, t in self._turns.items()}
+        for i, t in self._turns.items():
+            d = decisions[i]
+            reason = t.untrainable_reason()
+            d.trainable = not reason
+            d.reason = reason
+            if d.routing == "rewritten":
+                d.trainable = False
+                d.reason = REASON_REWRITTEN
+        claimed: set[int] = set()
+        rows: list[Row] = []
+        for leaf_no, leaf in enumerate(n for n in self._root.leaves() if n.parent is not None):
+            generated = [n for n in leaf.chain() if n.turn is not None]
+            if not generated:
+                continue
+            truncated = generated[-1].turn.body.finish_reason == "length"  # type: ignore[union-attr]
+            use_tool = any(isinstance(n.message, dict) and bool(n.message.get("tool_calls")) for n in generated)
+            ill_formed = any(n.turn.body.ill_formed for n in generated)  # type: ignore[union-attr]
+            builders: list[_RowBuilder] = []
+            first_seen: list[tuple[TurnDecision, int]] = []  # (decision, builder index)
+            for node in generated:
+                turn = node.turn
+                assert turn is not None
+                first = turn.index not in claimed
+                claimed.add(turn.index)
+                decision = decisions[turn.index]
+                train = first and decision.trainable
+                kind = builders[-1].classify(turn.body) if builders else CLEAN
+                if kind == FORK or not builders:
+                    builders.append(_RowBuilder(self.fork_threshold))
+                    builders[-1].append(turn, CLEAN, train)
+                else:
+                    builders[-1].append(turn, kind, train)
+                if first:
+                    decision.drift = kind
+                    decision.leaf = leaf_no
+                    decision.trained = train
+                    first_seen.append((decision, len(builders) - 1))
+            emitted: dict[int, int] = {}
+            for b_no, builder in enumerate(builders):
+                row = builder.to_row(leaf_no, truncated, use_tool, ill_formed, max_context_tokens)
+                if row is not None:
+                    emitted[b_no] = len(rows)
+                    rows.append(row)
+            for decision, b_no in first_seen:
+                decision.row = emitted.get(b_no, -1)
+                if decision.row < 0:
+                    decision.trained = False
+        return Trajectory(rows=tuple(rows), decisions=tuple(decisions[i] for i in sorted(decisions)))
