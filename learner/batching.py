@@ -1,0 +1,226 @@
+"""Samples to tensors, by padding or by packing.
+
+Padding puts one sample per row, right-padded to the longest row of the
+micro-batch; plain causal attention then needs no mask. Packing places
+several samples in one row (first-fit decreasing), restarts position ids at
+every sample and gives each row a block-diagonal causal attention mask, so
+no token sees another sample.
+
+Either way the per-token training tensors (``targets``, ``loss_mask``,
+``rollout_log_probs``) come out one sample per row, ``(N, L)``, over the
+response only, with ``predict_index`` pointing at the flattened position whose
+logits predict each response token. The loss never sees the layout.
+
+Samples with ``remove_sample`` are dropped here, before any tensor is built:
+they cost no forward pass and reach no loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from reducers.samples import Sample
+
+
+@dataclass
+class Batch:
+    """One micro-batch: model inputs plus per-sample response tensors."""
+
+    input_ids: torch.Tensor
+    """(R, T) long: token ids, padding with the pad id."""
+    position_ids: torch.Tensor | None
+    """(R, T) long: positions restarting at 0 for each packed sample; None when padded."""
+    attention_mask: torch.Tensor | None
+    """(R, T, T) bool: True where a query may attend to a key; None when padded (causal)."""
+    predict_index: torch.Tensor
+    """(N, L) long: index into the flattened (R*T) logits predicting each response token."""
+    targets: torch.Tensor
+    """(N, L) long: the response tokens (0 past a sample's response)."""
+    loss_mask: torch.Tensor
+    """(N, L) float32: 1 for trained tokens."""
+    rollout_log_probs: torch.Tensor
+    """(N, L) float32: log-probs recorded at rollout time."""
+    advantages: torch.Tensor
+    """(N,) float32: one advantage per sample."""
+    sample_indices: list[int]
+    """Position of each of the N samples in the list given to `make_batches`."""
+    num_tokens: int
+    """Real (non-padding) tokens in input_ids."""
+
+    @property
+    def num_padded(self) -> int:
+        """Tokens the model actually runs on, padding included (R * T)."""
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device | str) -> "Batch":
+        """A copy with every tensor on ``device``."""
+        def mv(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return Batch(
+            mv(self.input_ids), mv(self.position_ids), mv(self.attention_mask), mv(self.predict_index),
+            mv(self.targets), mv(self.loss_mask), mv(self.rollout_log_probs), mv(self.advantages),
+            list(self.sample_indices), self.num_tokens,
+        )
+
+
+@dataclass
+class _Item:
+    index: int
+    tokens: np.ndarray
+    prompt_length: int
+    response_length: int
+    mask: np.ndarray
+    log_probs: np.ndarray
+    advantage: float
+
+
+def _check(sample: Sample, index: int) -> None:
+    where = f"sample {index} (session {sample.session_id!r}, row {sample.row_index})"
+    n_tok = len(sample.tokens) // 4
+    if len(sample.tokens) % 4:
+        raise ValueError(f"{where}: tokens is {len(sample.tokens)} bytes, expected a multiple of 4 (int32)")
+    if sample.response_length < 1:
+        raise ValueError(f"{where}: response_length must be >= 1, got {sample.response_length}")
+    if not (len(sample.loss_mask) == len(sample.rollout_log_probs) // 4 == sample.response_length):
+        raise ValueError(
+            f"{where}: expected len(loss_mask) == len(rollout_log_probs) == response_length, got "
+            f"{len(sample.loss_mask)}, {len(sample.rollout_log_probs) // 4}, {sample.response_length}"
+        )
+    if n_tok - sample.response_length < 1:
+        raise ValueError(
+            f"{where}: needs at least one prompt token before the response "
+            f"({n_tok} tokens, response_length {sample.response_length})"
+        )
+
+
+def make_batches(
+    samples: Sequence[Sample],
+    advantages: Sequence[float] | torch.Tensor | None = None,
+    *,
+    packing: bool = True,
+    max_tokens_per_batch: int = 16384,
+    max_tokens_per_row: int | None = None,
+    pad_id: int = 0,
+) -> list[Batch]:
+    """Split samples into micro-batches of at most ``max_tokens_per_batch`` padded tokens.
+
+    ``advantages`` is aligned with ``samples`` (default 0). Samples with
+    ``remove_sample`` are dropped before anything is built; a micro-batch
+    holds at least one row even if that row alone exceeds the budget.
+    """
+    if advantages is None:
+        adv = np.zeros(len(samples), dtype=np.float32)
+    else:
+        adv = np.asarray(advantages.detach().cpu() if torch.is_tensor(advantages) else advantages, dtype=np.float32)
+        if adv.shape != (len(samples),):
+            raise ValueError(f"make_batches: expected {len(samples)} advantages, got shape {adv.shape}")
+    items: list[_Item] = []
+    for i, s in enumerate(samples):
+        if s.remove_sample:
+            continue
+        _check(s, i)
+        tok = s.token_ids
+        items.append(_Item(i, tok, len(tok) - s.response_length, s.response_length, s.mask, s.log_probs, float(adv[i])))
+    if not items:
+        return []
+    if packing:
+        longest = max(len(it.tokens) for it in items)
+        capacity = max(longest, max_tokens_per_row or 0)
+        rows = _first_fit_decreasing(items, capacity)
+    else:
+        rows = [[it] for it in items]
+    batches = []
+    for chunk in _split_rows(rows, max_tokens_per_batch):
+        batches.append(_collate(chunk, packed=packing, pad_id=pad_id))
+    return batches
+
+
+def _first_fit_decreasing(items: list[_Item], capacity: int) -> list[list[_Item]]:
+    rows: list[list[_Item]] = []
+    free: list[int] = []
+    for it in sorted(items, key=lambda it: len(it.tokens), reverse=True):
+        n = len(it.tokens)
+        for r, room in enumerate(free):
+            if room >= n:
+                rows[r].append(it)
+                free[r] -= n
+                break
+        else:
+            rows.append([it])
+            free.append(capacity - n)
+    return rows
+
+
+def _split_rows(rows: list[list[_Item]], budget: int) -> list[list[list[_Item]]]:
+    chunks: list[list[list[_Item]]] = []
+    current: list[list[_Item]] = []
+    width = 0
+    for row in rows:
+        n = sum(len(it.tokens) for it in row)
+        if current and (len(current) + 1) * max(width, n) > budget:
+            chunks.append(current)
+            current, width = [], 0
+        current.append(row)
+        width = max(width, n)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _collate(rows: list[list[_Item]], *, packed: bool, pad_id: int) -> Batch:
+    R = len(rows)
+    T = max(sum(len(it.tokens) for it in row) for row in rows)
+    flat = [it for row in rows for it in row]
+    N, L = len(flat), max(it.response_length for it in flat)
+
+    input_ids = np.full((R, T), pad_id, dtype=np.int64)
+    positions = np.zeros((R, T), dtype=np.int64)
+    segments = np.full((R, T), -1, dtype=np.int64)  # -1: padding, attends only to padding
+    predict_index = np.zeros((N, L), dtype=np.int64)
+    targets = np.zeros((N, L), dtype=np.int64)
+    loss_mask = np.zeros((N, L), dtype=np.float32)
+    rollout = np.zeros((N, L), dtype=np.float32)
+    advantages = np.zeros(N, dtype=np.float32)
+
+    n = 0
+    for r, row in enumerate(rows):
+        offset = 0
+        for k, it in enumerate(row):
+            length = len(it.tokens)
+            input_ids[r, offset : offset + length] = it.tokens
+            positions[r, offset : offset + length] = np.arange(length)
+            segments[r, offset : offset + length] = k
+            m = it.response_length
+            start = offset + it.prompt_length  # first response token
+            # The logits at position t predict the token at t + 1.
+            predict_index[n, :m] = r * T + np.arange(start - 1, start - 1 + m)
+            targets[n, :m] = it.tokens[it.prompt_length :]
+            loss_mask[n, :m] = it.mask
+            rollout[n, :m] = it.log_probs
+            advantages[n] = it.advantage
+            offset += length
+            n += 1
+
+    position_ids = attention_mask = None
+    if packed:
+        seg = torch.from_numpy(segments)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        attention_mask = (seg[:, :, None] == seg[:, None, :]) & causal
+        position_ids = torch.from_numpy(positions)
+    return Batch(
+        input_ids=torch.from_numpy(input_ids),
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        predict_index=torch.from_numpy(predict_index),
+        targets=torch.from_numpy(targets),
+        loss_mask=torch.from_numpy(loss_mask),
+        rollout_log_probs=torch.from_numpy(rollout),
+        advantages=torch.from_numpy(advantages),
+        sample_indices=[it.index for it in flat],
+        num_tokens=sum(len(it.tokens) for it in flat),
+    )

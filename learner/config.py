@@ -1,0 +1,124 @@
+"""LearnerConfig: every knob of the policy-optimisation step, in one dataclass.
+
+Names are chosen by string (estimator, kl_type, loss_agg, optimizer); an
+unknown name, an unknown field or an out-of-range value raises ValueError that
+says which field, what was given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+ESTIMATORS = ("grpo", "dr_grpo", "gspo")
+KL_TYPES = ("k1", "k2", "k3")
+LOSS_AGGS = ("token_mean", "sample_mean")
+OPTIMIZERS = ("adamw", "stateless_adam")
+
+
+@dataclass
+class LearnerConfig:
+    """Configuration of `Learner.step` (advantages, loss, optimiser, batching)."""
+
+    estimator: str = "grpo"
+    """Advantage estimator: grpo (mean/std-normalised), dr_grpo (mean only) or gspo (grpo advantage, sequence-level ratio)."""
+    adv_eps: float = 1e-6
+    """Added to the group std before dividing (grpo, gspo)."""
+    eps_clip: float = 0.2
+    """PPO clip range below 1: the ratio is clipped at 1 - eps_clip."""
+    eps_clip_high: float = 0.28
+    """PPO clip range above 1: the ratio is clipped at 1 + eps_clip_high (asymmetric, "clip-higher")."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1: for negative advantages the loss is capped at -c * A. None disables it."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: weight tokens by min(pi_old / pi_rollout, tis_cap). None disables it."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the frozen reference policy; 0 disables it (and the reference model)."""
+    kl_type: str = "k3"
+    """KL estimator: k1 (log ratio), k2 (half squared log ratio) or k3 (low-variance, always >= 0)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss); 0 disables it."""
+    loss_agg: str = "token_mean"
+    """Loss aggregation: token_mean (over all trained tokens of the step) or sample_mean (mean of per-sample means)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts; logits are divided by it before log-probs are taken."""
+    lr: float = 1e-3
+    """Learning rate (suits the built-in GPT; use about 1e-6 for billion-parameter LMs)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas (AdamW only; StatelessAdam has no moments to decay)."""
+    adam_eps: float = 1e-8
+    """Adam epsilon in the update denominator."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay: p *= 1 - lr * weight_decay each step."""
+    optimizer: str = "adamw"
+    """Optimiser: adamw or stateless_adam (Adam with moments reset every step)."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value before each optimiser step; None disables clipping."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over this many optimiser steps (0: full lr from the start)."""
+    updates_per_step: int = 1
+    """Optimiser updates per step() on the same batch; with 1 the PPO ratio is exactly 1."""
+    packing: bool = True
+    """Pack several samples into one row (position resets, block-diagonal causal attention) instead of padding each."""
+    max_tokens_per_batch: int = 16384
+    """Micro-batch budget in padded tokens (rows x row length); a step accumulates gradients over micro-batches."""
+    max_tokens_per_row: int | None = None
+    """Packed row capacity; None uses the longest sample of the step. A longer sample gets a row of its own."""
+    pad_id: int = 0
+    """Token id written into padding positions (never attended to by real tokens, never trained)."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(
+                f"LearnerConfig.{name}: expected {allowed}, got {getattr(self, name)!r}"
+            )
+
+        if self.estimator not in ESTIMATORS:
+            raise bad("estimator", f"one of {ESTIMATORS}")
+        if self.kl_type not in KL_TYPES:
+            raise bad("kl_type", f"one of {KL_TYPES}")
+        if self.loss_agg not in LOSS_AGGS:
+            raise bad("loss_agg", f"one of {LOSS_AGGS}")
+        if self.optimizer not in OPTIMIZERS:
+            raise bad("optimizer", f"one of {OPTIMIZERS}")
+        if not 0 <= self.eps_clip < 1:
+            raise bad("eps_clip", "a value in [0, 1)")
+        if not self.eps_clip_high >= 0:
+            raise bad("eps_clip_high", "a value >= 0")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise bad("dual_clip", "None or a value > 1")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise bad("tis_cap", "None or a value > 0")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise bad("grad_clip", "None or a value > 0")
+        if not self.temperature > 0:
+            raise bad("temperature", "a value > 0")
+        if not self.lr > 0:
+            raise bad("lr", "a value > 0")
+        if self.warmup_steps < 0:
+            raise bad("warmup_steps", "an integer >= 0")
+        if self.updates_per_step < 1:
+            raise bad("updates_per_step", "an integer >= 1")
+        if self.max_tokens_per_batch < 1:
+            raise bad("max_tokens_per_batch", "an integer >= 1")
+        if self.max_tokens_per_row is not None and self.max_tokens_per_row < 1:
+            raise bad("max_tokens_per_row", "None or an integer >= 1")
+        self.betas = tuple(self.betas)  # TOML and JSON hand back lists
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "LearnerConfig":
+        """Build a config from a mapping (e.g. a TOML table); unknown keys raise."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"LearnerConfig: unknown field(s) {unknown}; known fields are {sorted(known)}"
+            )
+        return cls(**dict(values))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (round-trips through from_dict)."""
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d

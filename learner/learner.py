@@ -1,0 +1,373 @@
+"""The training step: released groups in, one optimiser update out.
+
+``Learner(model, config).step(groups)`` computes group-relative advantages
+over valid members, drops every row that cannot train (aborted placeholders,
+members without a usable reward, rows with no trained token) before any
+forward pass, batches the rest (packing or padding), recomputes log-probs,
+takes the clipped policy loss, accumulates gradients over micro-batches,
+clips the gradient norm, steps the optimiser and bumps ``policy_version``.
+
+Checkpoints are ``torch.save`` files of state dicts and plain values, written
+atomically (temp file, fsync, rename) and read back with
+``torch.load(weights_only=True)``: loading one never runs code.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import structlog
+import torch
+
+from learner.advantages import compute_advantages
+from learner.batching import Batch, make_batches
+from learner.config import LearnerConfig
+from learner.loss import policy_loss
+from learner.model import token_log_probs
+from learner.optim import make_optimizer, make_scheduler
+from reducers.samples import Sample
+
+CHECKPOINT_FORMAT = "agentlog.learner.v1"
+
+
+@dataclass
+class _Member:
+    """One group member as the learner sees it."""
+
+    group: str
+    session_id: str
+    valid: bool
+    reward: float
+    samples: Sequence[Sample]
+
+
+def _members_from(items: Sequence[Any]) -> tuple[list[_Member], int]:
+    """Normalise released groups or plain samples into members; count skipped groups."""
+    members: list[_Member] = []
+    skipped = 0
+    if not items:
+        return members, skipped
+    if all(isinstance(x, Sample) for x in items):
+        # Plain samples: a member is a (group_id, session_id); its rows share the reward.
+        by_key: dict[tuple[str, str], _Member] = {}
+        for s in items:
+            key = (s.group_id, s.session_id)
+            m = by_key.get(key)
+            if m is None:
+                m = by_key[key] = _Member(s.group_id, s.session_id, not s.remove_sample, float(s.reward), [])
+                members.append(m)
+            elif float(s.reward) != m.reward and not (math.isnan(s.reward) and math.isnan(m.reward)):
+                raise ValueError(
+                    f"Learner.step: session {s.session_id!r} of group {s.group_id!r} has rows with different "
+                    f"rewards ({m.reward} and {s.reward}); a session has one reward"
+                )
+            m.samples.append(s)
+            m.valid = m.valid and not s.remove_sample
+        return members, skipped
+    for g in items:
+        if isinstance(g, Sample):
+            raise TypeError("Learner.step: pass either released groups or samples, not a mixture")
+        if not hasattr(g, "members"):
+            raise TypeError(f"Learner.step: expected released groups (reducers.groups.Group) or Samples, got {type(g).__name__}")
+        if g.skipped:
+            skipped += 1
+            continue
+        for m in g.members:
+            reward = m.reward if (m.valid and m.reward is not None) else 0.0
+            members.append(_Member(g.group_id, m.session_id, bool(m.valid), float(reward), m.samples))
+    return members, skipped
+
+
+class Learner:
+    """Owns the model, its optimiser and the policy version; trains on groups."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: LearnerConfig | None = None,
+        *,
+        ref_model: torch.nn.Module | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config or LearnerConfig()
+        self.optimizer = make_optimizer(self.config, [p for p in model.parameters() if p.requires_grad])
+        self.scheduler = make_scheduler(self.config, self.optimizer)
+        self.policy_version = 0
+        self.steps = 0
+        self.ref_model = None
+        if self.config.kl_coef != 0.0:
+            # The reference is the policy as it was handed over, frozen.
+            self.ref_model = ref_model if ref_model is not None else copy.deepcopy(model)
+            self.ref_model.eval().requires_grad_(False)
+        self.log = structlog.get_logger().bind(component="learner")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live."""
+        return next(self.model.parameters()).device
+
+    def _loss_kwargs(self) -> dict[str, Any]:
+        c = self.config
+        return dict(
+            estimator=c.estimator, eps_clip=c.eps_clip, eps_clip_high=c.eps_clip_high, dual_clip=c.dual_clip,
+            tis_cap=c.tis_cap, kl_coef=c.kl_coef, kl_type=c.kl_type, entropy_coef=c.entropy_coef,
+            loss_agg=c.loss_agg,
+        )
+
+    def prepare(
+        self,
+        items: Sequence[Any],
+        advantages: Sequence[float] | torch.Tensor | None = None,
+    ) -> tuple[list[Sample], torch.Tensor, dict[str, float]]:
+        """Trainable samples, their advantages and rollout metrics, from groups or samples.
+
+        With ``advantages`` (one per sample of a plain sample list) those are
+        used as given; otherwise they are computed per group over the valid
+        members. Only rows of valid members that are not removed and have at
+        least one trained token come back.
+        """
+        items = list(items)
+        if advantages is not None:
+            if not all(isinstance(x, Sample) for x in items):
+                raise TypeError("Learner.step: explicit advantages need a plain list of Samples")
+            adv = torch.as_tensor(advantages, dtype=torch.float32).flatten()
+            if len(adv) != len(items):
+                raise ValueError(f"Learner.step: {len(items)} samples but {len(adv)} advantages")
+            keep = [i for i, s in enumerate(items) if not s.remove_sample and s.mask.any()]
+            rewards = [float(s.reward) for s in items if not s.remove_sample]
+            metrics = {
+                "rollout/groups": float(len({s.group_id for s in items})),
+                "rollout/groups_skipped": 0.0,
+                "rollout/removed": float(sum(s.remove_sample for s in items)),
+            }
+            metrics.update(_reward_stats(rewards))
+            return [items[i] for i in keep], adv[keep], metrics
+
+        members, skipped = _members_from(items)
+        for m in members:
+            if m.valid and not math.isfinite(m.reward):
+                raise ValueError(
+                    f"Learner.step: session {m.session_id!r} of group {m.group!r} has non-finite reward {m.reward}"
+                )
+        group_index: dict[str, int] = {}
+        gids = torch.tensor([group_index.setdefault(m.group, len(group_index)) for m in members], dtype=torch.long)
+        rewards = torch.tensor([m.reward for m in members], dtype=torch.float64)
+        valid = torch.tensor([m.valid for m in members], dtype=torch.bool)
+        member_adv = compute_advantages(
+            rewards, gids, valid, estimator=self.config.estimator, eps=self.config.adv_eps
+        ).to(torch.float32)
+        samples: list[Sample] = []
+        adv: list[torch.Tensor] = []
+        removed = 0
+        for m, a in zip(members, member_adv):
+            for s in m.samples:
+                if s.remove_sample or not m.valid:
+                    removed += 1
+                    continue
+                if not s.mask.any():
+                    continue
+                samples.append(s)
+                adv.append(a)
+        metrics = {
+            "rollout/groups": float(len(group_index) + skipped),
+            "rollout/groups_skipped": float(skipped),
+            "rollout/removed": float(removed),
+        }
+        metrics.update(_reward_stats([m.reward for m in members if m.valid]))
+        return samples, (torch.stack(adv) if adv else torch.zeros(0)), metrics
+
+    def step(
+        self,
+        items: Sequence[Any],
+        advantages: Sequence[float] | torch.Tensor | None = None,
+    ) -> dict[str, float]:
+        """One training step on released groups (or a plain list of Samples).
+
+        Returns metrics (``loss/*``, ``stats/*``, ``rollout/*``, ``perf/*``,
+        ``learner/*``). When nothing is trainable (every row removed or
+        masked) no optimiser step is taken, ``policy_version`` is unchanged
+        and ``learner/skipped`` is 1.
+        """
+        t0 = time.perf_counter()
+        c = self.config
+        samples, adv, metrics = self.prepare(items, advantages)
+        batches = [
+            b.to(self.device)
+            for b in make_batches(
+                samples, adv, packing=c.packing, max_tokens_per_batch=c.max_tokens_per_batch,
+                max_tokens_per_row=c.max_tokens_per_row, pad_id=c.pad_id,
+            )
+        ]
+        metrics["rollout/samples"] = float(len(samples))
+        if not batches:
+            metrics.update({"learner/skipped": 1.0, "learner/policy_version": float(self.policy_version)})
+            self.log.info("learner.step_skipped", reason="no trainable tokens", **_short(metrics))
+            return metrics
+
+        self.model.train()
+        num_tokens = sum(float(b.loss_mask.sum()) for b in batches)
+        num_samples = sum(float((b.loss_mask.sum(-1) > 0).sum()) for b in batches)
+        old = ref = None
+        if c.updates_per_step > 1:
+            with torch.no_grad():
+                old = [token_log_probs(self.model, b, c.temperature)[0] for b in batches]
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = [token_log_probs(self.ref_model, b, c.temperature)[0] for b in batches]
+
+        sums: dict[str, float] = {}
+        grad_norm = torch.zeros(())
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for _ in range(c.updates_per_step):
+            self.optimizer.zero_grad(set_to_none=True)
+            for i, b in enumerate(batches):
+                log_probs, entropy = token_log_probs(self.model, b, c.temperature, with_entropy=True)
+                if c.entropy_coef == 0.0:
+                    entropy = entropy.detach()  # metric only: keep it out of the graph
+                loss, m = policy_loss(
+                    log_probs,
+                    log_probs.detach() if old is None else old[i],
+                    b.advantages,
+                    b.loss_mask,
+                    rollout_log_probs=b.rollout_log_probs,
+                    ref_log_probs=None if ref is None else ref[i],
+                    entropy=entropy,
+                    num_tokens=num_tokens,
+                    num_samples=num_samples,
+                    **self._loss_kwargs(),
+                )
+                loss.backward()
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, c.grad_clip if c.grad_clip is not None else math.inf)
+            if not torch.isfinite(grad_norm):
+                raise FloatingPointError(
+                    f"Learner.step: gradient norm is {float(grad_norm)} at step {self.steps}; no update was applied"
+                )
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        self.policy_version += 1
+
+        elapsed = time.perf_counter() - t0
+        real = sum(b.num_tokens for b in batches)
+        padded = sum(b.num_padded for b in batches)
+        metrics.update({k: v / c.updates_per_step for k, v in sums.items()})
+        metrics.update({
+            "learner/step": float(self.steps),
+            "learner/policy_version": float(self.policy_version),
+            "learner/lr": float(lr),
+            "learner/skipped": 0.0,
+            "stats/grad_norm": float(grad_norm),
+            "perf/tokens": float(real),
+            "perf/trained_tokens": float(num_tokens),
+            "perf/padded_tokens": float(padded),
+            "perf/padding_waste": 1.0 - real / padded,
+            "perf/micro_batches": float(len(batches)),
+            "perf/step_s": elapsed,
+            "perf/tokens_per_s": real / elapsed if elapsed > 0 else 0.0,
+        })
+        self.log.info("learner.step", **_short(metrics))
+        return metrics
+
+    # --- checkpoints ---------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: weights, optimiser, schedule, counters, config."""
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "policy_version": self.policy_version,
+            "steps": self.steps,
+            "config": self.config.to_dict(),
+        }
+        if self.ref_model is not None:
+            state["ref_model"] = self.ref_model.state_dict()
+        return state
+
+    def save_checkpoint(self, path: str | os.PathLike) -> Path:
+        """Write a resumable checkpoint atomically; returns its path."""
+        return save_state(self.state_dict(), path)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Resume from a checkpoint written by `save_checkpoint` (loaded with weights_only=True)."""
+        state = load_state(path)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: not a learner checkpoint (format {state.get('format')!r}, expected {CHECKPOINT_FORMAT!r})")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.ref_model is not None and "ref_model" in state:
+            self.ref_model.load_state_dict(state["ref_model"])
+        self.policy_version = int(state["policy_version"])
+        self.steps = int(state["steps"])
+
+
+def save_state(state: dict[str, Any], path: str | os.PathLike) -> Path:
+    """``torch.save`` a dict of tensors and plain values atomically (temp, fsync, rename, fsync dir)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def load_state(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a file written by `save_state`; never unpickles arbitrary objects."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"{path}: cannot load as a weights-only checkpoint: {exc}") from exc
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: expected a dict checkpoint, found {type(state).__name__}")
+    return state
+
+
+def save_weights(model: torch.nn.Module, path: str | os.PathLike) -> Path:
+    """Write only the model weights (what rollout workers load)."""
+    return save_state({"format": "agentlog.weights.v1", "model": model.state_dict()}, path)
+
+
+def load_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Load model weights from a learner checkpoint or a `save_weights` file."""
+    state = load_state(path)
+    if "model" not in state:
+        raise ValueError(f"{path}: no 'model' weights in checkpoint (keys {sorted(state)})")
+    model.load_state_dict(state["model"])
+
+
+def _reward_stats(rewards: Iterable[float]) -> dict[str, float]:
+    r = torch.tensor(list(rewards), dtype=torch.float64)
+    if len(r) == 0:
+        return {"rollout/reward_mean": math.nan, "rollout/reward_std": math.nan, "rollout/valid_members": 0.0}
+    return {
+        "rollout/reward_mean": float(r.mean()),
+        "rollout/reward_std": float(r.std()) if len(r) > 1 else 0.0,
+        "rollout/valid_members": float(len(r)),
+    }
+
+
+def _short(metrics: dict[str, float]) -> dict[str, float]:
+    keys = ("learner/policy_version", "loss/policy", "rollout/reward_mean", "rollout/samples", "perf/step_s")
+    return {k.replace("/", "_"): round(metrics[k], 5) for k in keys if k in metrics}

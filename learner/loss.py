@@ -1,0 +1,178 @@
+"""The clipped policy-gradient loss (PPO-clip / GSPO) with its optional extras.
+
+All per-token inputs are laid out one sample per row, ``(N, L)``, with
+``loss_mask`` marking the trained tokens. Rows flagged in ``remove`` are
+selected away before anything is computed, so they add nothing to any
+numerator, any denominator or any metric: a batch with an aborted row gives
+bit-for-bit the loss and gradients of the batch without it.
+
+Masked positions must hold finite numbers (padding uses 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from learner.config import ESTIMATORS, KL_TYPES, LOSS_AGGS
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3)."""
+    log_ratio = log_probs - ref_log_probs
+    if kl_type == "k1":
+        return log_ratio
+    if kl_type == "k2":
+        return 0.5 * log_ratio.square()
+    if kl_type == "k3":
+        # exp(-x) - 1 + x >= 0, unbiased and low-variance.
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"kl_penalty: kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    remove: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    ref_log_probs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    estimator: str = "grpo",
+    eps_clip: float = 0.2,
+    eps_clip_high: float = 0.28,
+    dual_clip: float | None = None,
+    tis_cap: float | None = None,
+    kl_coef: float = 0.0,
+    kl_type: str = "k3",
+    entropy_coef: float = 0.0,
+    loss_agg: str = "token_mean",
+    num_tokens: float | None = None,
+    num_samples: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate loss and its metrics.
+
+    Args:
+        log_probs: (N, L) log-probs of the taken tokens under the policy being trained.
+        old_log_probs: (N, L) the same under the policy that the ratio is taken against.
+        advantages: (N,) per-sample or (N, L) per-token advantages.
+        loss_mask: (N, L) 1 for trained tokens, 0 elsewhere.
+        remove: (N,) bool, rows to leave out entirely (aborted placeholders).
+        rollout_log_probs: (N, L) behaviour-policy log-probs, for truncated IS (needs tis_cap).
+        ref_log_probs: (N, L) reference-policy log-probs, for the KL penalty (needs kl_coef).
+        entropy: (N, L) per-token policy entropy, for the bonus and the metric.
+        estimator: "gspo" uses the sequence-level ratio; grpo / dr_grpo the per-token one.
+        num_tokens, num_samples: denominators of token_mean / sample_mean when a step
+            is split into micro-batches (the step totals); default: this batch's counts.
+
+    Returns ``(loss, metrics)``; metrics are detached scalars keyed
+    ``loss/policy``, ``loss/kl``, ``loss/entropy``, ``stats/clip_frac``,
+    ``stats/dual_clip_frac``, ``stats/approx_kl``, ``stats/entropy``,
+    ``stats/tis_clip_frac``, ``stats/ratio_mean``, each a token mean over the
+    trained tokens (with the same denominator, so micro-batches sum).
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"policy_loss: estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"policy_loss: loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
+    if log_probs.dim() != 2 or log_probs.shape != old_log_probs.shape or log_probs.shape != loss_mask.shape:
+        raise ValueError(
+            "policy_loss: log_probs, old_log_probs and loss_mask must all be (N, L), got "
+            f"{tuple(log_probs.shape)}, {tuple(old_log_probs.shape)}, {tuple(loss_mask.shape)}"
+        )
+    if tis_cap is not None and rollout_log_probs is None:
+        raise ValueError("policy_loss: tis_cap is set but rollout_log_probs was not given")
+    if kl_coef != 0.0 and ref_log_probs is None:
+        raise ValueError("policy_loss: kl_coef is non-zero but ref_log_probs was not given")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError("policy_loss: entropy_coef is non-zero but entropy was not given")
+
+    # --- drop removed rows before any arithmetic ---------------------------
+    if remove is not None and bool(remove.any()):
+        keep = ~remove.to(torch.bool)
+        log_probs, old_log_probs, loss_mask = log_probs[keep], old_log_probs[keep], loss_mask[keep]
+        advantages = advantages[keep]
+        rollout_log_probs = None if rollout_log_probs is None else rollout_log_probs[keep]
+        ref_log_probs = None if ref_log_probs is None else ref_log_probs[keep]
+        entropy = None if entropy is None else entropy[keep]
+
+    mask = loss_mask.to(log_probs.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    tokens_per_sample = mask.sum(-1)
+    if num_tokens is None:
+        num_tokens = tokens_per_sample.sum().clamp(min=1.0)
+    if num_samples is None:
+        num_samples = (tokens_per_sample > 0).sum().clamp(min=1)
+
+    def aggregate(per_token: torch.Tensor) -> torch.Tensor:
+        if loss_agg == "token_mean":
+            return (per_token * mask).sum() / num_tokens
+        per_sample = (per_token * mask).sum(-1) / tokens_per_sample.clamp(min=1.0)
+        return per_sample.sum() / num_samples
+
+    def token_mean(per_token: torch.Tensor) -> torch.Tensor:
+        return ((per_token * mask).sum() / num_tokens).detach()
+
+    # --- importance ratio: per token (PPO) or per sequence (GSPO) -----------
+    log_ratio = log_probs - old_log_probs
+    if estimator == "gspo":
+        seq_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / tokens_per_sample.clamp(min=1.0).unsqueeze(-1)
+        log_ratio = seq_log_ratio.expand_as(log_probs)
+    ratio = torch.exp(log_ratio)
+
+    # --- clipped surrogate, asymmetric clip ---------------------------------
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
+    pg_loss = torch.maximum(pg_loss1, pg_loss2)
+    clipped = (pg_loss2 > pg_loss1).to(mask.dtype)
+
+    # --- dual clip: bound the loss of negative advantages at -c * A ----------
+    dual_clipped = torch.zeros_like(mask)
+    if dual_clip is not None:
+        pg_loss3 = -advantages * dual_clip
+        capped = torch.minimum(pg_loss, pg_loss3)
+        negative = advantages < 0
+        dual_clipped = (negative & (pg_loss3 < pg_loss)).to(mask.dtype)
+        pg_loss = torch.where(negative, capped, pg_loss)
+
+    # --- truncated importance sampling against the rollout policy ------------
+    tis_clipped = torch.zeros_like(mask)
+    if tis_cap is not None:
+        tis_weight = torch.exp(old_log_probs - rollout_log_probs).detach()
+        tis_clipped = (tis_weight > tis_cap).to(mask.dtype)
+        pg_loss = pg_loss * torch.clamp(tis_weight, max=tis_cap)
+
+    policy = aggregate(pg_loss)
+    loss = policy
+
+    # --- KL penalty to the reference policy ----------------------------------
+    kl_value = torch.zeros((), dtype=log_probs.dtype)
+    if ref_log_probs is not None:
+        kl = kl_penalty(log_probs, ref_log_probs, kl_type)
+        kl_value = aggregate(kl)
+        if kl_coef != 0.0:
+            loss = loss + kl_coef * kl_value
+
+    # --- entropy bonus --------------------------------------------------------
+    entropy_value = torch.zeros((), dtype=log_probs.dtype)
+    if entropy is not None:
+        entropy_value = aggregate(entropy)
+        if entropy_coef != 0.0:
+            loss = loss - entropy_coef * entropy_value
+
+    with torch.no_grad():
+        approx_kl = (ratio - 1.0) - log_ratio  # k3 of pi_old vs pi, >= 0
+        metrics = {
+            "loss/policy": policy.detach(),
+            "loss/kl": kl_value.detach(),
+            "loss/entropy": entropy_value.detach(),
+            "stats/clip_frac": token_mean(clipped),
+            "stats/dual_clip_frac": token_mean(dual_clipped),
+            "stats/approx_kl": token_mean(approx_kl),
+            "stats/entropy": token_mean(entropy) if entropy is not None else torch.zeros(()),
+            "stats/tis_clip_frac": token_mean(tis_clipped),
+            "stats/ratio_mean": token_mean(ratio),
+        }
+    return loss, metrics

@@ -1,0 +1,335 @@
+"""The model interface, a small built-in GPT, and per-token log-probs.
+
+Interface: any ``torch.nn.Module`` that maps token ids ``(B, T)`` to logits
+``(B, T, V)``. Padded batches call ``model(input_ids)`` only (right padding
+plus causal attention needs nothing else). Packed batches also pass
+``position_ids`` ``(B, T)`` and ``attention_mask`` ``(B, T, T)`` (bool, True
+where a query may attend to a key: block-diagonal and causal), so a model
+must accept those keywords to be trained with packing.
+
+The built-in `GPT` serves the tests and the demo. It ties its input and
+output embeddings by default: in the lookup task of the demo untied runs
+collapsed or stalled. `GPT.sample` generates batches with a KV cache and
+returns the sampled tokens together with their log-probs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from learner.batching import Batch
+
+
+@dataclass
+class GPTConfig:
+    """Shape of the built-in GPT."""
+
+    vocab_size: int = 64
+    """Number of token ids."""
+    n_layer: int = 2
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block."""
+    d_model: int = 64
+    """Width of the residual stream (divisible by n_head)."""
+    max_seq_len: int = 256
+    """Longest sequence (positions) the model can see."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output projection."""
+    mlp_ratio: int = 4
+    """Hidden width of the MLP as a multiple of d_model."""
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(f"GPTConfig: d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name}: expected an integer >= 1, got {getattr(self, name)}")
+
+
+class _KVCache:
+    """Preallocated keys and values per layer, written in place while decoding."""
+
+    def __init__(self, n_layer: int, batch: int, n_head: int, length: int, head_dim: int, like: torch.Tensor):
+        shape = (batch, n_head, length, head_dim)
+        self.k = [like.new_zeros(shape) for _ in range(n_layer)]
+        self.v = [like.new_zeros(shape) for _ in range(n_layer)]
+        self.length = 0  # positions filled so far
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x, mask, cache: _KVCache | None, layer: int):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).split(D, dim=-1)
+        q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            start = cache.length
+            cache.k[layer][:, :, start : start + T] = k
+            cache.v[layer][:, :, start : start + T] = v
+            k = cache.k[layer][:, :, : start + T]
+            v = cache.v[layer][:, :, : start + T]
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = _Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model),
+            nn.GELU(),
+            nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model),
+        )
+
+    def forward(self, x, mask, cache, layer):
+        x = x + self.attn(self.ln1(x), mask, cache, layer)
+        return x + self.mlp(self.ln2(x))
+
+
+@dataclass
+class Generation:
+    """What `GPT.sample` returns, one entry per prompt."""
+
+    tokens: list[np.ndarray] = field(default_factory=list)
+    """Generated token ids (int32), stop token included."""
+    log_probs: list[np.ndarray] = field(default_factory=list)
+    """Log-prob (float32) of each generated token under the sampling distribution."""
+    finish_reasons: list[str] = field(default_factory=list)
+    """"stop" if a stop id was generated, else "length"."""
+
+
+class GPT(nn.Module):
+    """A small pre-LayerNorm decoder-only transformer with learned positions."""
+
+    def __init__(self, config: GPTConfig | None = None, **overrides) -> None:
+        super().__init__()
+        if config is None:
+            config = GPTConfig(**overrides)
+        elif overrides:
+            raise ValueError("GPT: pass either a GPTConfig or keyword overrides, not both")
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
+        self.blocks = nn.ModuleList(_Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        # GPT-2's scaled init of the residual projections keeps the stream stable.
+        for name, p in self.named_parameters():
+            if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``(B, T, V)`` for token ids ``(B, T)``.
+
+        ``position_ids`` (B, T) restart at 0 for every packed sample;
+        ``attention_mask`` (B, T, T) bool, True where query t may attend to
+        key s. Without a mask attention is plainly causal.
+        """
+        return self._run(input_ids, position_ids, attention_mask, None)
+
+    def _run(self, input_ids, position_ids, attention_mask, cache):
+        B, T = input_ids.shape
+        if position_ids is None:
+            offset = 0 if cache is None else cache.length
+            position_ids = torch.arange(offset, offset + T, device=input_ids.device).expand(B, T)
+        if int(position_ids.max()) >= self.config.max_seq_len:
+            raise ValueError(
+                f"GPT: position {int(position_ids.max())} is beyond max_seq_len={self.config.max_seq_len}"
+            )
+        x = self.tok_emb(input_ids) + self.pos_emb(position_ids)
+        for i, block in enumerate(self.blocks):
+            x = block(x, attention_mask, cache, i)
+        return self.lm_head(self.ln_f(x))
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]] | torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        stop_ids: Sequence[int] = (),
+        generator: torch.Generator | None = None,
+    ) -> Generation:
+        """Sample continuations of a batch of prompts (any lengths), with a KV cache.
+
+        Each sequence stops after it emits one of ``stop_ids`` (included in
+        its tokens) or after ``max_new_tokens``. Log-probs are those of the
+        sampling distribution, ``log_softmax(logits / temperature)``: train
+        with the same ``LearnerConfig.temperature``.
+        """
+        if not temperature > 0:
+            raise ValueError(f"GPT.sample: temperature must be > 0, got {temperature}")
+        if max_new_tokens < 1:
+            raise ValueError(f"GPT.sample: max_new_tokens must be >= 1, got {max_new_tokens}")
+        rows = [list(map(int, p)) for p in (prompts.tolist() if torch.is_tensor(prompts) else prompts)]
+        if not rows:
+            return Generation()
+        for i, p in enumerate(rows):
+            if not p:
+                raise ValueError(f"GPT.sample: prompt {i} is empty; it needs at least one token")
+            bad = [t for t in p if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"GPT.sample: prompt {i} has token ids {bad[:5]} outside [0, {self.config.vocab_size})")
+        lengths = torch.tensor([len(p) for p in rows])
+        B, P = len(rows), int(lengths.max())
+        total = P + max_new_tokens
+        if int(lengths.max()) + max_new_tokens > self.config.max_seq_len:
+            raise ValueError(
+                f"GPT.sample: longest prompt ({P}) + max_new_tokens ({max_new_tokens}) exceeds "
+                f"max_seq_len={self.config.max_seq_len}"
+            )
+        was_training = self.training
+        self.eval()
+        device = self.tok_emb.weight.device
+        try:
+            # Left-pad so every sequence's next token sits in the same column.
+            ids = torch.zeros(B, P, dtype=torch.long)
+            real = torch.zeros(B, total, dtype=torch.bool)  # which cache columns hold real tokens
+            for i, p in enumerate(rows):
+                ids[i, P - len(p) :] = torch.tensor(p)
+                real[i, P - len(p) : P] = True
+            ids, real, lengths = ids.to(device), real.to(device), lengths.to(device)
+            pos = (torch.arange(P, device=device) - (P - lengths).unsqueeze(1)).clamp(min=0)
+            causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+            # A padding query attends to itself so no softmax row is empty (NaN).
+            eye = torch.eye(P, dtype=torch.bool, device=device)
+            mask = (causal & real[:, None, :P]) | eye
+            cache = _KVCache(self.config.n_layer, B, self.config.n_head, total,
+                             self.config.d_model // self.config.n_head, self.tok_emb.weight)
+            logits = self._run(ids, pos, mask, cache)[:, -1]
+            cache.length = P
+
+            out_tok = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)
+            out_lp = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
+            n_out = torch.zeros(B, dtype=torch.long, device=device)
+            done = torch.zeros(B, dtype=torch.bool, device=device)
+            stopped = torch.zeros(B, dtype=torch.bool, device=device)
+            stop = torch.tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long, device=device)
+            next_pos = lengths.clone()
+            for step in range(max_new_tokens):
+                logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+                tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+                live = ~done
+                out_tok[live, step] = tok[live]
+                out_lp[live, step] = logp.gather(1, tok[:, None]).squeeze(1)[live]
+                n_out += live.long()
+                if len(stop):
+                    hit = live & torch.isin(tok, stop)
+                    stopped |= hit
+                    done |= hit
+                if bool(done.all()) or step == max_new_tokens - 1:
+                    break
+                real[:, P + step] = True
+                mask = real[:, None, : P + step + 1]
+                logits = self._run(tok[:, None], next_pos[:, None], mask, cache)[:, -1]
+                cache.length += 1
+                next_pos += 1
+        finally:
+            self.train(was_training)
+        gen = Generation()
+        for i in range(B):
+            n = int(n_out[i])
+            gen.tokens.append(out_tok[i, :n].to(torch.int32).cpu().numpy())
+            gen.log_probs.append(out_lp[i, :n].cpu().numpy())
+            gen.finish_reasons.append("stop" if bool(stopped[i]) else "length")
+        return gen
+
+
+def token_log_probs(
+    model: nn.Module, batch: "Batch", temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``(N, L)`` of each sample's response tokens, and optionally their entropy.
+
+    Works on padded and packed batches alike: the logits of the positions that
+    predict response tokens are gathered into one row per sample, so the
+    result is laid out as the loss expects whatever the packing.
+    """
+    if batch.attention_mask is None:
+        logits = model(batch.input_ids)
+    else:
+        logits = model(batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask)
+    if logits.dim() != 3 or logits.shape[:2] != batch.input_ids.shape:
+        raise ValueError(
+            f"token_log_probs: model returned logits of shape {tuple(logits.shape)}, "
+            f"expected (B, T, V) with (B, T) = {tuple(batch.input_ids.shape)}"
+        )
+    V = logits.shape[-1]
+    N, L = batch.targets.shape
+    picked = logits.reshape(-1, V)[batch.predict_index.reshape(-1)].float()
+    if temperature != 1.0:
+        picked = picked / temperature
+    logp_all = torch.log_softmax(picked, dim=-1)
+    log_probs = logp_all.gather(-1, batch.targets.reshape(-1, 1)).view(N, L)
+    entropy = None
+    if with_entropy:
+        entropy = -(logp_all.exp() * logp_all).sum(-1).view(N, L)
+    return log_probs, entropy
+
+
+class HFCausalLM(nn.Module):
+    """Adapter: a Hugging Face causal LM behind the (ids -> logits) interface.
+
+    Needs ``transformers`` (an optional extra). Packed batches pass the
+    block-diagonal mask as a 4-D additive float mask and per-sample
+    ``position_ids``; models whose attention accepts custom 4-D masks (most
+    decoder-only models in transformers >= 4.40) support packing that way.
+    """
+
+    def __init__(self, model_or_name, **from_pretrained_kwargs) -> None:
+        super().__init__()
+        if isinstance(model_or_name, str):
+            try:
+                from transformers import AutoModelForCausalLM
+            except ImportError as exc:  # pragma: no cover - depends on the environment
+                raise ImportError("HFCausalLM needs `transformers`: pip install transformers") from exc
+            model_or_name = AutoModelForCausalLM.from_pretrained(model_or_name, **from_pretrained_kwargs)
+        self.model = model_or_name
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None):
+        """Logits ``(B, T, V)``; see the module docstring for the packing masks."""
+        kwargs = {}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        if attention_mask is not None:
+            dtype = next(self.model.parameters()).dtype
+            additive = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
+            additive.masked_fill_(~attention_mask, torch.finfo(dtype).min)
+            kwargs["attention_mask"] = additive.unsqueeze(1)
+        return self.model(input_ids=input_ids, **kwargs).logits
