@@ -1,0 +1,657 @@
+"""The SessionEngine: many concurrent sessions, each an explicit state machine.
+
+The engine decides with the shared lifecycle table
+(:func:`events.lifecycle.next_state`; no per-session ``transitions`` models,
+which would be O(n) to add and remove) and records through the log: every
+operation returns once its event is durable. Operations of one session are
+serialised by that session's ``asyncio.Lock``, so turns are ordered and none
+can land after the terminal event. A terminal transition drains the
+session's in-flight work (bounded by ``drain_s``), cancels what is left, and
+releases everything the engine held for the session: after any mix of
+outcomes the engine holds no per-session state except a bounded cache of
+recently ended states (for :meth:`SessionEngine.status`) and a fixed-size id
+filter.
+
+Duplicate ids. Ids are never reused, even after their session ended and was
+evicted. ``open()`` folds the log with :mod:`reducers.lifecycle`, whose Bloom
+filter (:class:`reducers.lifecycle.IdFilter`, 1 MiB preallocated for 262,144
+ids, then ~4 B per id) holds every id in the log; the engine adds each id it
+opens. A filter miss proves the id is fresh (no false negatives). A hit is
+confirmed exactly: first against the live sessions and the recently ended
+cache, then by a sparse scan of the log in a worker thread (expected only for
+~3.4e-7 of fresh ids). So refusals are exact and memory stays fixed up to the
+filter's capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import traceback as _traceback
+from collections import OrderedDict
+from typing import Any, Coroutine
+
+import structlog
+from tqdm import tqdm
+
+from events.lifecycle import TERMINAL_STATES, IllegalTransition, LifecycleError, SessionClosed, State, next_state
+from events.log_api import EventLog
+from events.types import (
+    CommandRan,
+    Envelope,
+    RewardAssigned,
+    SessionAborted,
+    SessionDropped,
+    SessionFinished,
+    SessionOpened,
+    SessionStarted,
+    TurnRecorded,
+    TurnUndelivered,
+    validate_id,
+)
+from reducers.lifecycle import IdFilter, LifecycleReducer, Violation
+
+_log = structlog.get_logger("agentlog.engine")
+
+#: Reason recorded for sessions a crashed engine left open or running.
+RESTART_REASON = "engine_restart"
+#: Reason recorded when a session's wall-clock budget runs out.
+TIMEOUT_REASON = "wall_clock_timeout"
+
+
+class DuplicateSession(LifecycleError):
+    """open_session with an id the log (or a live session) already holds."""
+
+    def __init__(self, session_id: str, state: State | None, where: str) -> None:
+        self.session_id = session_id
+        self.state = state
+        super().__init__(
+            f"session {session_id!r}: id already used ({where}"
+            + (f", state {state}" if state is not None else "")
+            + "); session ids are never reused, expected a fresh id"
+        )
+
+
+class StragglerRefused(IllegalTransition):
+    """An in-session event (turn, command, reward) for a session that is not running.
+
+    It is logged (``session.straggler_refused``) and never appended.
+    """
+
+    def __init__(self, session_id: str, what: str, state: State | None) -> None:
+        super().__init__(
+            session_id, what, state,
+            detail="refused and not appended (straggler); only a running session takes it",
+        )
+
+
+class SessionTimeout(TimeoutError):
+    """Raised out of ``engine.session(...)`` when the wall-clock budget aborted the session."""
+
+    def __init__(self, session_id: str, budget_s: float) -> None:
+        self.session_id = session_id
+        self.budget_s = budget_s
+        super().__init__(f"session {session_id!r}: wall-clock budget of {budget_s}s exhausted; aborted with reason {TIMEOUT_REASON!r}")
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed; it opens no further sessions."""
+
+
+class SessionHandle:
+    """One live session. All methods return once their event is durable.
+
+    ``state`` stays readable after the session ended; the engine itself no
+    longer holds the handle then.
+    """
+
+    __slots__ = (
+        "_engine", "session_id", "group_id", "state", "turns", "budget_s",
+        "_seq", "_lock", "_inflight", "_timer", "_owner", "_owner_cancelled", "_expired", "_log",
+    )
+
+    def __init__(self, engine: "SessionEngine", session_id: str, group_id: str, budget_s: float | None) -> None:
+        self._engine = engine
+        self.session_id = session_id
+        self.group_id = group_id
+        self.state = State.OPEN
+        #: Turns recorded so far (the next turn_index).
+        self.turns = 0
+        self.budget_s = budget_s
+        self._seq = 0
+        self._lock = asyncio.Lock()
+        self._inflight: set[asyncio.Task] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._owner: asyncio.Task | None = None
+        self._owner_cancelled = False
+        self._expired = False
+        self._log: Any = None
+
+    def __repr__(self) -> str:
+        return f"SessionHandle({self.session_id!r}, state={self.state}, turns={self.turns})"
+
+    @property
+    def log(self) -> Any:
+        """A structlog logger bound to this session (bound on first use)."""
+        if self._log is None:
+            self._log = _log.bind(session_id=self.session_id, group_id=self.group_id)
+        return self._log
+
+    @property
+    def terminal(self) -> bool:
+        """True once the session reached finished, aborted or dropped."""
+        return self.state in TERMINAL_STATES
+
+    # -- lifecycle triggers --------------------------------------------------
+
+    async def start(self, harness: str = "", sandbox: str = "", details: dict[str, Any] | None = None) -> Envelope:
+        """open -> running: the agent began (sandbox ready, harness launched)."""
+        body = SessionStarted(harness=harness, sandbox=sandbox, details=details or {})
+        return await self._engine._transition(self, "start", body)  # type: ignore[return-value]
+
+    async def finish(self, reward: Any = None, metadata: dict[str, Any] | None = None) -> Envelope:
+        """running -> finished, with the reward (None: the last assigned one).
+        Raises SessionClosed if the session already ended."""
+        body = SessionFinished(reward=reward, metadata=metadata or {})
+        return await self._engine._transition(self, "finish", body)  # type: ignore[return-value]
+
+    async def abort(self, reason: str, error: str = "", traceback: str = "") -> Envelope:
+        """open/running -> aborted (a failure; yields one zero-masked placeholder).
+        Raises SessionClosed if the session already ended."""
+        body = SessionAborted(reason=reason, error=error, traceback=traceback)
+        return await self._engine._transition(self, "abort", body)  # type: ignore[return-value]
+
+    async def drop(self, reason: str) -> Envelope | None:
+        """open/running -> dropped (cleanup, no sample). A no-op returning None
+        on a session that already ended, so it is safe in every ``finally``."""
+        if self.state in TERMINAL_STATES:
+            return None
+        body = SessionDropped(reason=reason)
+        return await self._engine._transition(self, "drop", body)
+
+    # -- in-session events -----------------------------------------------------
+
+    async def record_turn(
+        self,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_ids: Any = b"",
+        output_ids: Any = b"",
+        output_log_probs: Any = b"",
+        finish_reason: str = "stop",
+        response_message: dict[str, Any] | None = None,
+        policy_version: int = 0,
+        ill_formed: bool = False,
+        generate_s: float = 0.0,
+        sampling: dict[str, Any] | None = None,
+    ) -> Envelope:
+        """Record one generation; the engine assigns ``turn_index``. Returns the durable envelope.
+        Raises StragglerRefused if the session is not running."""
+        h = self
+        eng = self._engine
+        async with h._lock:
+            if h.state is not State.RUNNING:
+                eng._refuse(h.session_id, "turn_recorded", h.state, h)
+            body = TurnRecorded(
+                turn_index=h.turns, messages=messages or [], prompt_ids=prompt_ids, output_ids=output_ids,
+                output_log_probs=output_log_probs, finish_reason=finish_reason, response_message=response_message,
+                ill_formed=ill_formed, policy_version=policy_version, generate_s=generate_s, sampling=sampling or {},
+            )
+            env = await eng._log_.append(h.session_id, h._seq, body)
+            h._seq += 1
+            h.turns += 1
+            return env
+
+    async def record_turn_undelivered(self, turn_index: int, reason: str = "") -> Envelope:
+        """The response of recorded turn ``turn_index`` never reached the agent."""
+        if not isinstance(turn_index, int) or not 0 <= turn_index < self.turns:
+            raise ValueError(
+                f"session {self.session_id!r}: turn_undelivered.turn_index: expected a recorded turn in [0, {self.turns}), found {turn_index!r}"
+            )
+        return await self._engine._in_session(self, TurnUndelivered(turn_index=turn_index, reason=reason))
+
+    async def record_command(
+        self, command: str, exit_code: int | None, budget_exceeded: bool, duration_s: float, output_tail: str
+    ) -> Envelope:
+        """Record a command that ran in the session's sandbox."""
+        body = CommandRan(command=command, exit_code=exit_code, budget_exceeded=budget_exceeded,
+                          duration_s=duration_s, output_tail=output_tail)
+        return await self._engine._in_session(self, body)
+
+    async def assign_reward(self, reward: Any, source: str = "") -> Envelope:
+        """Record a verifier's reward (a finite float or dict of them)."""
+        return await self._engine._in_session(self, RewardAssigned(reward=reward, source=source))
+
+    async def run_command(self, sandbox: Any, cmd: str, budget_s: float) -> Any:
+        """Run ``cmd`` in ``sandbox`` under a time budget and record ``command_ran``.
+
+        The run is in-flight work of the session: a terminal transition
+        drains it (bounded), then cancels it (the sandbox kills the process
+        group). Returns the sandbox's CommandResult. Raises StragglerRefused
+        if the session is not running, or ended while the command ran.
+        """
+        if self.state is not State.RUNNING:
+            self._engine._refuse(self.session_id, "command_ran", self.state, self)
+
+        async def run_and_record() -> Any:
+            res = await sandbox.run_command(cmd, budget_s)
+            await self.record_command(res.command, res.exit_code, res.budget_exceeded, res.duration_s, res.output_tail)
+            return res
+
+        task = self.spawn(run_and_record())
+        try:
+            return await task
+        except asyncio.CancelledError:
+            cur = asyncio.current_task()
+            if task.cancelled() and (cur is None or cur.cancelling() == 0):
+                # The engine cancelled the command because the session ended.
+                self._engine._refuse(self.session_id, "command_ran", self.state, self)
+            raise
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """Run ``coro`` as in-flight work of this session: a terminal transition
+        waits for it up to ``drain_s`` and then cancels it; the wall-clock
+        budget cancels it at once."""
+        if self.state in TERMINAL_STATES:
+            coro.close()
+            self._engine._refuse(self.session_id, "spawn", self.state, self)
+        task = asyncio.get_running_loop().create_task(coro)
+        if self._inflight is None:
+            self._inflight = set()
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        return task
+
+
+class _SessionContext:
+    """``async with engine.session(...)``: a session that always ends.
+
+    An exception inside aborts it (``exception:<Type>``, with the capped
+    traceback) and re-raises; cancellation drops it (``cancelled``) and
+    re-raises; leaving without a terminal event drops it (``unfinished``) with
+    a warning; an exhausted wall-clock budget raises SessionTimeout.
+    """
+
+    __slots__ = ("_engine", "_sid", "_kw", "_h")
+
+    def __init__(self, engine: "SessionEngine", session_id: str, kw: dict[str, Any]) -> None:
+        self._engine = engine
+        self._sid = session_id
+        self._kw = kw
+        self._h: SessionHandle | None = None
+
+    async def __aenter__(self) -> SessionHandle:
+        h = await self._engine.open_session(self._sid, **self._kw)
+        h._owner = asyncio.current_task()
+        self._h = h
+        return h
+
+    async def __aexit__(self, et: Any, exc: BaseException | None, tb: Any) -> bool:
+        h = self._h
+        assert h is not None
+        h._owner = None
+        if h._expired:
+            if h._owner_cancelled:
+                task = asyncio.current_task()
+                if task is not None and et is not None and issubclass(et, asyncio.CancelledError):
+                    task.uncancel()
+            if et is None or issubclass(et, (asyncio.CancelledError, LifecycleError)):
+                # Whatever the body was doing was cut short by the budget.
+                raise SessionTimeout(h.session_id, h.budget_s or 0.0) from exc
+            return False
+        if h.state in TERMINAL_STATES:
+            return False
+        if et is None:
+            h.log.warning("session.unfinished", state=str(h.state))
+            await h.drop("unfinished")
+            return False
+        if issubclass(et, asyncio.CancelledError):
+            await h.drop("cancelled")
+            return False
+        if issubclass(et, Exception):
+            tb_text = "".join(_traceback.format_exception(et, exc, tb))
+            await h.abort(f"exception:{et.__name__}", error=str(exc), traceback=tb_text)
+            return False
+        # KeyboardInterrupt / SystemExit / GeneratorExit: cleanup only.
+        await h.drop(f"interrupted:{et.__name__}")
+        return False
+
+
+class SessionEngine:
+    """Drives concurrent sessions over one :class:`events.log_api.EventLog`.
+
+    Create with ``await SessionEngine.open(log)``, which first aborts any
+    session a crashed process left open (reason ``engine_restart``).
+    """
+
+    def __init__(
+        self,
+        log: EventLog,
+        *,
+        session_budget_s: float | None = None,
+        drain_s: float = 1.0,
+        status_cache: int = 4096,
+        id_capacity: int = 1 << 18,
+        sandbox: Any = None,
+    ) -> None:
+        self._log_ = log
+        self.session_budget_s = session_budget_s
+        self.drain_s = drain_s
+        #: Default sandbox for callers that do not bring their own.
+        self.sandbox = sandbox
+        self._live: dict[str, SessionHandle] = {}
+        self._recent: OrderedDict[str, State] = OrderedDict()
+        self._status_cache = status_cache
+        self._ids = IdFilter(id_capacity)
+        self._bg: set[asyncio.Task] = set()
+        self._closed = False
+        #: Counters: opened, finished, aborted, dropped, stragglers, id_scans, restart_aborted, violations.
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("opened", "finished", "aborted", "dropped", "stragglers", "id_scans", "restart_aborted", "violations"), 0
+        )
+
+    # -- construction and restart ----------------------------------------------
+
+    @classmethod
+    async def open(
+        cls,
+        log: EventLog,
+        *,
+        session_budget_s: float | None = None,
+        drain_s: float = 1.0,
+        status_cache: int = 4096,
+        id_capacity: int = 1 << 18,
+        sandbox: Any = None,
+        progress: bool | None = None,
+    ) -> "SessionEngine":
+        """Fold the existing log with the lifecycle reducer and abort every
+        session left open or running (reason ``engine_restart``), so each
+        session in the log ends with exactly one terminal event."""
+        eng = cls(log, session_budget_s=session_budget_s, drain_s=drain_s, status_cache=status_cache,
+                  id_capacity=id_capacity, sandbox=sandbox)
+        eng._recover(progress)
+        return eng
+
+    def _recover(self, progress: bool | None) -> None:
+        reducer = LifecycleReducer(recent_window=self._status_cache, id_capacity=self._ids_capacity())
+        total = self._log_.next_lsn
+        show = progress if progress is not None else (None if total > 200_000 else False)
+        first_violations: list[Violation] = []
+        with tqdm(total=total, desc="engine: folding log", unit="ev", disable=show is False, leave=False) as bar:
+            n = 0
+            for env in self._log_.read(0):
+                for o in reducer.feed(env):
+                    if isinstance(o, Violation):
+                        self.stats["violations"] += 1
+                        if len(first_violations) < 20:
+                            first_violations.append(o)
+                n += 1
+                if n & 0x3FFF == 0:
+                    bar.update(0x4000)
+        for v in first_violations:
+            _log.warning("engine.log_violation", lsn=v.lsn, session_id=v.session_id, message=v.message)
+        st = reducer.state
+        self._ids = st.ids
+        for sid, (state, _lsn) in st.recent.items():
+            self._recent[sid] = state
+        orphans = st.open_sessions()
+        if not orphans:
+            return
+        records = []
+        for sid, (state, seq) in sorted(orphans.items()):
+            log_seq = self._log_.next_seq(sid)
+            if log_seq != seq:
+                # The log enforces its own sequence; a mismatch means the fold saw a violation here.
+                _log.warning("engine.restart_seq_mismatch", session_id=sid, reducer_seq=seq, log_seq=log_seq)
+                seq = log_seq
+            body = SessionAborted(
+                reason=RESTART_REASON,
+                error=f"left {state} by a previous engine process; aborted when a new engine opened the log",
+            )
+            records.append((sid, seq, body))
+        self._log_.append_batch(records)
+        for sid, (state, _seq) in sorted(orphans.items()):
+            _log.warning("session.aborted", session_id=sid, reason=RESTART_REASON, was=str(state))
+            self._remember(sid, State.ABORTED)
+        self.stats["restart_aborted"] += len(orphans)
+        self.stats["aborted"] += len(orphans)
+
+    def _ids_capacity(self) -> int:
+        return self._ids._first_capacity
+
+    # -- public API -------------------------------------------------------------
+
+    @property
+    def log(self) -> EventLog:
+        """The log this engine appends to."""
+        return self._log_
+
+    @property
+    def live_count(self) -> int:
+        """Sessions not yet ended."""
+        return len(self._live)
+
+    def get(self, session_id: str) -> SessionHandle | None:
+        """The live session's handle, or None (never opened, or ended)."""
+        return self._live.get(session_id)
+
+    def status(self, session_id: str) -> State | None:
+        """The state of a live or recently ended session (bounded cache), else None."""
+        h = self._live.get(session_id)
+        if h is not None:
+            return h.state
+        return self._recent.get(session_id)
+
+    def require(self, session_id: str, what: str = "turn_recorded") -> SessionHandle:
+        """The live, running session's handle, or refuse: logs
+        ``session.straggler_refused`` and raises StragglerRefused (for callers
+        that route by id, such as a gateway receiving a late turn)."""
+        h = self._live.get(session_id)
+        if h is None or h.state is not State.RUNNING:
+            self._refuse(session_id, what, h.state if h is not None else self._recent.get(session_id), h)
+        return h  # type: ignore[return-value]
+
+    async def open_session(
+        self,
+        session_id: str,
+        *,
+        group_id: str,
+        group_size: int,
+        sample_index: int = 0,
+        prompt: list[dict[str, Any]] | None = None,
+        prompt_ids: Any = b"",
+        label: Any = None,
+        agent: str = "",
+        policy_version: int = 0,
+        metadata: dict[str, Any] | None = None,
+        budget_s: float | None = None,
+    ) -> SessionHandle:
+        """Append ``session_opened`` for a fresh id and return its handle.
+        Raises DuplicateSession if the id was ever used."""
+        if self._closed:
+            raise EngineClosed(f"engine closed; cannot open session {session_id!r}")
+        validate_id("session_id", session_id)
+        body = SessionOpened(
+            group_id=group_id, group_size=group_size, sample_index=sample_index, prompt=prompt or [],
+            prompt_ids=prompt_ids, label=label, agent=agent, policy_version=policy_version, metadata=metadata or {},
+        )
+        live = self._live.get(session_id)
+        if live is not None:
+            raise DuplicateSession(session_id, live.state, "a live session")
+        budget = budget_s if budget_s is not None else self.session_budget_s
+        h = SessionHandle(self, session_id, group_id, budget)
+        # Claim the id before the first await, holding the session's lock, so
+        # no concurrent open of the same id and no early op can slip in.
+        await h._lock.acquire()
+        self._live[session_id] = h
+        try:
+            if session_id in self._ids:
+                await self._confirm_fresh(session_id)
+            self._ids.add(session_id)
+            await self._log_.append(session_id, 0, body)
+        except BaseException:
+            del self._live[session_id]
+            h._lock.release()
+            raise
+        h._seq = 1
+        self.stats["opened"] += 1
+        if budget is not None:
+            h._timer = asyncio.get_running_loop().call_later(budget, self._on_budget, h)
+        h._lock.release()
+        return h
+
+    def session(self, session_id: str, **kwargs: Any) -> _SessionContext:
+        """``async with engine.session(id, group_id=..., group_size=...) as h``:
+        same arguments as :meth:`open_session`; the session always ends."""
+        return _SessionContext(self, session_id, kwargs)
+
+    async def close(self) -> None:
+        """Drop every live session (reason ``shutdown``) and open no more.
+        The log stays open: whoever opened it closes it."""
+        self._closed = True
+        live = list(self._live.values())
+        results = await asyncio.gather(*(h.drop("shutdown") for h in live), return_exceptions=True)
+        for t in list(self._bg):
+            t.cancel()
+        if self._bg:
+            await asyncio.gather(*self._bg, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    async def __aenter__(self) -> "SessionEngine":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # -- internals ---------------------------------------------------------------
+
+    async def _confirm_fresh(self, session_id: str) -> None:
+        """The filter says the id may be in the log: confirm exactly."""
+        st = self._recent.get(session_id)
+        if st is not None:
+            raise DuplicateSession(session_id, st, "it already ended in this log")
+        self.stats["id_scans"] += 1
+        _log.info("engine.id_scan", session_id=session_id)
+        found = await asyncio.to_thread(self._scan_log_for, session_id)
+        if found is not None:
+            raise DuplicateSession(session_id, None, f"the log holds it at lsn {found}")
+
+    def _scan_log_for(self, session_id: str) -> int | None:
+        for env in self._log_.read(0):
+            if env.session_id == session_id:
+                return env.lsn
+        return None
+
+    def _refuse(self, session_id: str, what: str, state: State | None, h: SessionHandle | None) -> None:
+        self.stats["stragglers"] += 1
+        lg = h.log if h is not None else _log.bind(session_id=session_id)
+        lg.warning("session.straggler_refused", what=what, state=str(state) if state is not None else None)
+        raise StragglerRefused(session_id, what, state)
+
+    async def _in_session(self, h: SessionHandle, body: Any) -> Envelope:
+        # In-session events are legal only while running (events.lifecycle.RUNNING_ONLY_EVENTS).
+        async with h._lock:
+            if h.state is not State.RUNNING:
+                self._refuse(h.session_id, type(body).__struct_config__.tag, h.state, h)
+            env = await self._log_.append(h.session_id, h._seq, body)
+            h._seq += 1
+            return env
+
+    async def _transition(self, h: SessionHandle, trigger: str, body: Any, *, drain: bool = True) -> Envelope | None:
+        # Decide early (cheap) so a refused trigger does not wait for the drain.
+        if next_state(h.session_id, h.state, trigger) is None:
+            return None
+        if drain and trigger != "start" and h._inflight:
+            await self._drain(h)
+        async with h._lock:
+            dest = next_state(h.session_id, h.state, trigger)
+            if dest is None:
+                return None
+            env = await self._log_.append(h.session_id, h._seq, body)
+            h._seq += 1
+            h.state = dest
+            if dest in TERMINAL_STATES:
+                self._release(h, body)
+            return env
+
+    async def _drain(self, h: SessionHandle) -> None:
+        """Wait up to drain_s for the session's in-flight work, then cancel the rest."""
+        cur = asyncio.current_task()
+        tasks = {t for t in (h._inflight or ()) if t is not cur and not t.done()}
+        if not tasks:
+            return
+        _done, pending = await asyncio.wait(tasks, timeout=self.drain_s)
+        if pending:
+            h.log.info("session.inflight_cancelled", count=len(pending))
+            for t in pending:
+                t.cancel()
+            await asyncio.wait(pending, timeout=self.drain_s)
+
+    def _release(self, h: SessionHandle, body: Any) -> None:
+        """Forget everything held for a session that just ended."""
+        sid = h.session_id
+        self._live.pop(sid, None)
+        if h._timer is not None:
+            h._timer.cancel()
+            h._timer = None
+        if h._inflight:
+            cur = asyncio.current_task()
+            for t in list(h._inflight):
+                if t is not cur and not t.done():
+                    t.cancel()
+        self._remember(sid, h.state)
+        if h.state is State.FINISHED:
+            self.stats["finished"] += 1
+        elif h.state is State.ABORTED:
+            self.stats["aborted"] += 1
+            h.log.warning("session.aborted", reason=body.reason, error=body.error[:200])
+        else:
+            self.stats["dropped"] += 1
+            h.log.info("session.dropped", reason=body.reason)
+
+    def _remember(self, sid: str, state: State) -> None:
+        if self._status_cache <= 0:
+            return
+        self._recent[sid] = state
+        if len(self._recent) > self._status_cache:
+            self._recent.popitem(last=False)
+
+    def _on_budget(self, h: SessionHandle) -> None:
+        h._timer = None
+        if h.state in TERMINAL_STATES:
+            return
+        t = asyncio.get_running_loop().create_task(self._expire(h))
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    async def _expire(self, h: SessionHandle) -> None:
+        """The wall-clock budget ran out: cancel in-flight work, abort, stop the owner."""
+        if h.state in TERMINAL_STATES:
+            return
+        h._expired = True
+        for t in list(h._inflight or ()):
+            if not t.done():
+                t.cancel()
+        body = SessionAborted(reason=TIMEOUT_REASON, error=f"wall-clock budget of {h.budget_s}s exhausted")
+        try:
+            await self._transition(h, "abort", body, drain=False)
+        except SessionClosed:
+            # It ended on its own while we waited for its lock: nothing to abort.
+            h._expired = False
+            return
+        owner = h._owner
+        if owner is not None and not owner.done() and owner is not asyncio.current_task():
+            h._owner_cancelled = True
+            owner.cancel()
+
+
+__all__ = [
+    "DuplicateSession",
+    "EngineClosed",
+    "RESTART_REASON",
+    "SessionEngine",
+    "SessionHandle",
+    "SessionTimeout",
+    "StragglerRefused",
+    "TIMEOUT_REASON",
+]

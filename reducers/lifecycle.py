@@ -1,0 +1,406 @@
+"""The lifecycle reducer: replays the session grammar over the log.
+
+A pure, incremental fold ``reduce_lifecycle(state, envelope) -> (state,
+outputs)``. It checks every session against the same lifecycle table the
+engine decides with (:func:`events.lifecycle.state_after_event`) and emits:
+
+* :class:`Violation` for any illegal sequence (an event for a session that was
+  never opened, an event after the terminal one, a second terminal event, a
+  reused session id, a ``session_seq`` gap or repeat, an LSN that does not
+  increase). Illegal records are reported, never silently accepted.
+* :class:`SessionSummary` once a session ends (status, reason, turns, tokens,
+  reward, timestamps, duration); the session is then evicted, so memory is
+  bounded by the number of open sessions.
+
+No clock, randomness or I/O. The fold mutates ``state`` in place and returns
+it (copying per event would make a whole-log fold quadratic); feeding a log in
+one call or in arbitrary chunks gives identical outputs.
+
+Knowing "was this id ever used?" after sessions are evicted
+------------------------------------------------------------
+Exact knowledge needs memory that grows with every session ever opened. We
+keep instead (a) an exact window of the most recently ended sessions
+(``recent_window`` entries, default 4096, about 200 B each) and (b) a Bloom
+filter over every opened id (:class:`IdFilter`): 32 bits per id, 16 hashes,
+false-positive rate about 3.4e-7; it is preallocated (1 MiB for the first
+262,144 ids) and grows by doubled layers beyond that (about 4 B per id).
+The filter never gives a false negative. The reducer uses it to word its
+messages (``after its terminal event`` versus ``never opened``) and to flag a
+reused id whose first session ended outside the exact window (a false
+positive would flag a fresh id with probability ~3e-7; the message says the
+flag comes from the filter). The engine, which must be exact, confirms a
+filter hit with a sparse scan of the log (see ``engine.core``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Any, Iterable, Iterator, NamedTuple
+
+import msgspec
+
+from events.lifecycle import TERMINAL_STATES, IllegalTransition, State, state_after_event
+from events.types import (
+    CommandRan,
+    Envelope,
+    PolicyUpdated,
+    RewardAssigned,
+    SessionAborted,
+    SessionDropped,
+    SessionFinished,
+    SessionOpened,
+    TurnRecorded,
+    TurnUndelivered,
+    event_tag,
+)
+
+__all__ = [
+    "IdFilter",
+    "LifecycleReducer",
+    "LifecycleState",
+    "ReplayStep",
+    "SessionSummary",
+    "Violation",
+    "reduce_lifecycle",
+    "reduce_lifecycle_many",
+    "replay",
+]
+
+
+class Violation(msgspec.Struct, frozen=True):
+    """An illegal record: where it is, which session, and what was wrong."""
+
+    lsn: int
+    session_id: str
+    message: str
+
+
+class SessionSummary(msgspec.Struct, frozen=True):
+    """What one session did, emitted when its terminal event is reduced."""
+
+    session_id: str
+    group_id: str
+    group_size: int
+    sample_index: int
+    status: str  # finished | aborted | dropped
+    reason: str  # abort / drop reason; "" when finished
+    error: str
+    turns: int
+    undelivered: int
+    commands: int
+    tokens_in: int  # prompt tokens over all turns
+    tokens_out: int  # generated tokens over all turns
+    reward: Any  # float | dict[str, float] | None (finished only)
+    opened_lsn: int
+    ended_lsn: int
+    opened_ts_ns: int
+    ended_ts_ns: int
+    duration_s: float
+
+
+class IdFilter:
+    """A Bloom filter over session ids: no false negatives, ~3.4e-7 false positives.
+
+    Hashing is blake2b over the UTF-8 id, so the answer is identical in every
+    process (Python's ``hash`` is salted per process). Capacity grows by
+    adding layers of twice the previous size, so the false-positive rate
+    stays put as the log grows.
+    """
+
+    BITS_PER_ID = 32
+    HASHES = 16
+
+    __slots__ = ("_layers", "_capacity", "_count", "_first_capacity")
+
+    def __init__(self, capacity: int = 1 << 18) -> None:
+        if capacity < 1:
+            raise ValueError(f"IdFilter capacity: expected >= 1, found {capacity}")
+        self._first_capacity = capacity
+        self._layers: list[tuple[bytearray, int]] = [(bytearray(capacity * self.BITS_PER_ID // 8 + 1), capacity * self.BITS_PER_ID)]
+        self._capacity = capacity
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the bit arrays."""
+        return sum(len(b) for b, _ in self._layers)
+
+    @staticmethod
+    def _hashes(session_id: str) -> tuple[int, int]:
+        d = hashlib.blake2b(session_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        return int.from_bytes(d[:8], "little"), int.from_bytes(d[8:], "little") | 1
+
+    def add(self, session_id: str) -> None:
+        """Insert an id."""
+        if self._count >= self._capacity:
+            cap = self._layers[-1][1] // self.BITS_PER_ID * 2
+            self._layers.append((bytearray(cap * self.BITS_PER_ID // 8 + 1), cap * self.BITS_PER_ID))
+            self._capacity += cap
+        bits, m = self._layers[-1]
+        h1, h2 = self._hashes(session_id)
+        for i in range(self.HASHES):
+            idx = (h1 + i * h2) % m
+            bits[idx >> 3] |= 1 << (idx & 7)
+        self._count += 1
+
+    def __contains__(self, session_id: object) -> bool:
+        if not isinstance(session_id, str):
+            return False
+        h1, h2 = self._hashes(session_id)
+        for bits, m in self._layers:
+            for i in range(self.HASHES):
+                idx = (h1 + i * h2) % m
+                if not bits[idx >> 3] & (1 << (idx & 7)):
+                    break
+            else:
+                return True
+        return False
+
+    def copy(self) -> "IdFilter":
+        """An independent copy."""
+        new = IdFilter.__new__(IdFilter)
+        new._first_capacity = self._first_capacity
+        new._layers = [(bytearray(b), m) for b, m in self._layers]
+        new._capacity = self._capacity
+        new._count = self._count
+        return new
+
+
+class _Track:
+    """Per open session; evicted at its terminal event."""
+
+    __slots__ = (
+        "state", "next_seq", "group_id", "group_size", "sample_index", "turns", "undelivered", "commands",
+        "tokens_in", "tokens_out", "reward", "opened_lsn", "opened_ts_ns",
+    )
+
+    def __init__(self, env: Envelope, body: SessionOpened) -> None:
+        self.state = State.OPEN
+        self.next_seq = env.session_seq + 1
+        self.group_id = body.group_id
+        self.group_size = body.group_size
+        self.sample_index = body.sample_index
+        self.turns = 0
+        self.undelivered = 0
+        self.commands = 0
+        self.tokens_in = 0
+        self.tokens_out = 0
+        self.reward: Any = None
+        self.opened_lsn = env.lsn
+        self.opened_ts_ns = env.ts_ns
+
+    def copy(self) -> "_Track":
+        new = _Track.__new__(_Track)
+        for name in _Track.__slots__:
+            setattr(new, name, getattr(self, name))
+        return new
+
+
+class LifecycleState:
+    """The fold's state: open sessions, a window of recently ended ones, the id filter."""
+
+    __slots__ = ("live", "recent", "recent_window", "ids", "next_lsn", "events", "ended")
+
+    def __init__(self, *, recent_window: int = 4096, id_capacity: int = 1 << 18) -> None:
+        self.live: dict[str, _Track] = {}
+        #: session_id -> (terminal state, lsn of its terminal event); bounded.
+        self.recent: OrderedDict[str, tuple[State, int]] = OrderedDict()
+        self.recent_window = recent_window
+        self.ids = IdFilter(id_capacity)
+        #: The smallest LSN the next envelope may carry.
+        self.next_lsn = 0
+        self.events = 0
+        self.ended = 0
+
+    def open_sessions(self) -> dict[str, tuple[State, int]]:
+        """Sessions without a terminal event: ``{session_id: (state, next_session_seq)}``."""
+        return {sid: (t.state, t.next_seq) for sid, t in self.live.items()}
+
+    def state_of(self, session_id: str) -> State | None:
+        """A session's state: live, recently ended, or None (unknown or long ended)."""
+        t = self.live.get(session_id)
+        if t is not None:
+            return t.state
+        r = self.recent.get(session_id)
+        return r[0] if r is not None else None
+
+    def copy(self) -> "LifecycleState":
+        """An independent copy (the fold mutates its state in place)."""
+        new = LifecycleState(recent_window=self.recent_window, id_capacity=1)
+        new.live = {k: v.copy() for k, v in self.live.items()}
+        new.recent = OrderedDict(self.recent)
+        new.ids = self.ids.copy()
+        new.next_lsn = self.next_lsn
+        new.events = self.events
+        new.ended = self.ended
+        return new
+
+
+def _summary(sid: str, t: _Track, env: Envelope, state: State) -> SessionSummary:
+    body = env.body
+    reason = getattr(body, "reason", "")
+    error = getattr(body, "error", "")
+    reward = None
+    if isinstance(body, SessionFinished):
+        reward = body.reward if body.reward is not None else t.reward
+    return SessionSummary(
+        session_id=sid, group_id=t.group_id, group_size=t.group_size, sample_index=t.sample_index,
+        status=state.value, reason=reason, error=error, turns=t.turns, undelivered=t.undelivered,
+        commands=t.commands, tokens_in=t.tokens_in, tokens_out=t.tokens_out, reward=reward,
+        opened_lsn=t.opened_lsn, ended_lsn=env.lsn, opened_ts_ns=t.opened_ts_ns, ended_ts_ns=env.ts_ns,
+        duration_s=(env.ts_ns - t.opened_ts_ns) / 1e9,
+    )
+
+
+def _unknown_session_message(state: LifecycleState, sid: str, tag: str) -> str:
+    r = state.recent.get(sid)
+    if r is not None:
+        return f"{tag} after the session's terminal event (it ended {r[0]} at lsn {r[1]}); nothing may follow a terminal event"
+    if sid in state.ids:
+        return f"{tag} after the session's terminal event (it ended before the recent window; per the id filter); nothing may follow a terminal event"
+    return f"{tag} for a session that was never opened (expected session_opened first)"
+
+
+def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleState, list[Violation | SessionSummary]]:
+    """Fold one envelope. Returns the (same, mutated) state and its outputs.
+
+    Illegal records produce a :class:`Violation` and are not applied (a
+    ``session_seq`` gap is reported and the sequence resynchronised, then the
+    event is applied if the lifecycle allows it).
+    """
+    out: list[Violation | SessionSummary] = []
+    body = env.body
+    sid = env.session_id
+    state.events += 1
+    if env.lsn < state.next_lsn:
+        out.append(Violation(env.lsn, sid, f"lsn {env.lsn} does not increase (expected >= {state.next_lsn})"))
+    else:
+        state.next_lsn = env.lsn + 1
+    if isinstance(body, PolicyUpdated):
+        return state, out  # learner progress: not a session event
+    tag = event_tag(body)
+    t = state.live.get(sid)
+    if t is None:
+        if isinstance(body, SessionOpened):
+            r = state.recent.get(sid)
+            if r is not None:
+                out.append(Violation(env.lsn, sid, f"session id reused: the session already ended {r[0]} at lsn {r[1]} (ids are never reused)"))
+                return state, out
+            if sid in state.ids:
+                out.append(Violation(env.lsn, sid, "session id reused: the id filter holds it from an earlier session (ids are never reused)"))
+                return state, out
+            if env.session_seq != 0:
+                out.append(Violation(env.lsn, sid, f"session_seq {env.session_seq} on session_opened, expected 0"))
+            state.ids.add(sid)
+            state.live[sid] = _Track(env, body)
+            return state, out
+        out.append(Violation(env.lsn, sid, _unknown_session_message(state, sid, tag)))
+        return state, out
+
+    if env.session_seq != t.next_seq:
+        kind = "a gap" if env.session_seq > t.next_seq else "a repeat"
+        out.append(Violation(env.lsn, sid, f"session_seq {env.session_seq} is {kind}, expected {t.next_seq}"))
+    try:
+        new = state_after_event(sid, t.state, body)
+    except IllegalTransition as exc:
+        out.append(Violation(env.lsn, sid, str(exc)))
+        t.next_seq = env.session_seq + 1
+        return state, out
+    t.next_seq = env.session_seq + 1
+    if isinstance(body, TurnRecorded):
+        t.turns += 1
+        t.tokens_in += len(body.prompt_ids) // 4
+        t.tokens_out += len(body.output_ids) // 4
+    elif isinstance(body, TurnUndelivered):
+        t.undelivered += 1
+    elif isinstance(body, CommandRan):
+        t.commands += 1
+    elif isinstance(body, RewardAssigned):
+        t.reward = body.reward
+    if new in TERMINAL_STATES:
+        del state.live[sid]
+        state.ended += 1
+        if state.recent_window > 0:
+            state.recent[sid] = (new, env.lsn)
+            if len(state.recent) > state.recent_window:
+                state.recent.popitem(last=False)
+        out.append(_summary(sid, t, env, new))
+    else:
+        t.state = new
+    return state, out
+
+
+def reduce_lifecycle_many(state: LifecycleState, envs: Iterable[Envelope]) -> tuple[LifecycleState, list[Violation | SessionSummary]]:
+    """Fold a chunk of envelopes; identical to folding them one at a time."""
+    out: list[Violation | SessionSummary] = []
+    for env in envs:
+        state, o = reduce_lifecycle(state, env)
+        if o:
+            out.extend(o)
+    return state, out
+
+
+class LifecycleReducer:
+    """A small stateful wrapper: ``feed(env)`` / ``feed_many(envs)`` return outputs."""
+
+    def __init__(self, *, recent_window: int = 4096, id_capacity: int = 1 << 18) -> None:
+        self.state = LifecycleState(recent_window=recent_window, id_capacity=id_capacity)
+
+    def feed(self, env: Envelope) -> list[Violation | SessionSummary]:
+        """Fold one envelope."""
+        self.state, out = reduce_lifecycle(self.state, env)
+        return out
+
+    def feed_many(self, envs: Iterable[Envelope]) -> list[Violation | SessionSummary]:
+        """Fold many envelopes."""
+        self.state, out = reduce_lifecycle_many(self.state, envs)
+        return out
+
+    def open_sessions(self) -> dict[str, tuple[State, int]]:
+        """Sessions still open or running, with their next session_seq."""
+        return self.state.open_sessions()
+
+
+class ReplayStep(NamedTuple):
+    """One event of a replayed timeline, with the session's state around it."""
+
+    envelope: Envelope
+    state_before: State | None
+    state_after: State | None
+    violations: tuple[Violation, ...]
+    summary: SessionSummary | None
+
+    @property
+    def event(self) -> str:
+        """The event's tag."""
+        return event_tag(self.envelope.body)
+
+
+def replay(
+    envs: Iterable[Envelope],
+    *,
+    session_id: str | None = None,
+    until_lsn: int | None = None,
+    recent_window: int = 4096,
+) -> Iterator[ReplayStep]:
+    """Replay envelopes through the lifecycle, yielding each with the state
+    before and after it (None: no such session), its violations and, on a
+    terminal event, the session summary. ``session_id`` keeps one session;
+    ``until_lsn`` stops after that LSN. Learner events (policy_updated) are
+    yielded with both states None."""
+    state = LifecycleState(recent_window=recent_window)
+    for env in envs:
+        if until_lsn is not None and env.lsn > until_lsn:
+            break
+        if session_id is not None and env.session_id != session_id:
+            continue
+        before = None if isinstance(env.body, PolicyUpdated) else state.state_of(env.session_id)
+        state, out = reduce_lifecycle(state, env)
+        after = None if isinstance(env.body, PolicyUpdated) else state.state_of(env.session_id)
+        viol = tuple(o for o in out if isinstance(o, Violation))
+        summ = next((o for o in out if isinstance(o, SessionSummary)), None)
+        yield ReplayStep(env, before, after, viol, summ)
