@@ -1,0 +1,139 @@
+"""Builders of event streams for the reducer tests (not a test module).
+
+Log-probs are derived from token ids (``-token / 64``, exact in float32), so
+a hand-written expectation can name them without another table.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+
+from events.log_api import MemoryLog
+from events.types import (
+    RewardAssigned,
+    SessionAborted,
+    SessionDropped,
+    SessionFinished,
+    SessionOpened,
+    SessionStarted,
+    TurnRecorded,
+    TurnUndelivered,
+)
+from reducers.config import ReduceConfig
+from reducers.pipeline import ReduceResult, reduce_log
+
+
+def lp(tokens: Iterable[int]) -> list[float]:
+    """The log-probs the builders attach to ``tokens``."""
+    return [-t / 64 for t in tokens]
+
+
+def msg(role: str, content: str, **extra: Any) -> dict[str, Any]:
+    return {"role": role, "content": content, **extra}
+
+
+class Script:
+    """One session's events, in order."""
+
+    def __init__(self, sid: str, group_id: str = "g", group_size: int = 1, sample_index: int = 0, policy_version: int = 0):
+        self.sid = sid
+        self.bodies: list[Any] = [
+            SessionOpened(group_id=group_id, group_size=group_size, sample_index=sample_index, policy_version=policy_version),
+            SessionStarted(),
+        ]
+        self._turn = 0
+
+    def turn(
+        self,
+        messages: list[dict[str, Any]],
+        prompt: list[int],
+        output: list[int],
+        *,
+        response: dict[str, Any] | None = None,
+        finish: str = "stop",
+        log_probs: list[float] | None | str = "auto",
+        policy_version: int = 0,
+    ) -> "Script":
+        lps = lp(output) if log_probs == "auto" else (log_probs or [])
+        self.bodies.append(
+            TurnRecorded(
+                turn_index=self._turn,
+                messages=messages,
+                prompt_ids=prompt,
+                output_ids=output,
+                output_log_probs=lps,
+                finish_reason=finish,
+                response_message=response,
+                policy_version=policy_version,
+            )
+        )
+        self._turn += 1
+        return self
+
+    def undelivered(self, turn_index: int, reason: str = "client_gone") -> "Script":
+        self.bodies.append(TurnUndelivered(turn_index=turn_index, reason=reason))
+        return self
+
+    def reward(self, value: Any) -> "Script":
+        self.bodies.append(RewardAssigned(reward=value))
+        return self
+
+    def finish(self, reward: Any = 1.0) -> "Script":
+        self.bodies.append(SessionFinished(reward=reward))
+        return self
+
+    def abort(self, reason: str = "timeout") -> "Script":
+        self.bodies.append(SessionAborted(reason=reason))
+        return self
+
+    def drop(self, reason: str = "cancelled") -> "Script":
+        self.bodies.append(SessionDropped(reason=reason))
+        return self
+
+    def records(self) -> list[tuple[str, int, Any]]:
+        return [(self.sid, i, b) for i, b in enumerate(self.bodies)]
+
+
+def log_of(*scripts: Script, interleave: bool = False) -> MemoryLog:
+    """A MemoryLog holding the scripts one after another (or round-robin)."""
+    log = MemoryLog(clock=lambda: 0)
+    if not interleave:
+        for s in scripts:
+            log.append_batch(s.records())
+        return log
+    queues = [s.records() for s in scripts]
+    pos = [0] * len(queues)
+    while any(p < len(q) for p, q in zip(pos, queues)):
+        for i, q in enumerate(queues):
+            if pos[i] < len(q):
+                log.append_batch([q[pos[i]]])
+                pos[i] += 1
+    return log
+
+
+def reduce_scripts(*scripts: Script, config: ReduceConfig | None = None, interleave: bool = False) -> ReduceResult:
+    return reduce_log(log_of(*scripts, interleave=interleave), config or ReduceConfig())
+
+
+def row_view(sample) -> tuple[list[int], int, list[int], list[float]]:
+    """(tokens, response_length, mask, log-probs) as plain lists."""
+    return (
+        sample.token_ids.tolist(),
+        sample.response_length,
+        sample.mask.tolist(),
+        [float(x) for x in sample.log_probs],
+    )
+
+
+def expect_row(sample, tokens: list[int], mask: list[int], trained: list[int] | None = None) -> None:
+    """Assert a sample's tokens and mask; log-probs are ``-tok/64`` where the
+    mask is 1 and 0 elsewhere."""
+    got_tokens, resp_len, got_mask, got_lps = row_view(sample)
+    assert got_tokens == tokens, f"tokens {got_tokens} != {tokens}"
+    assert resp_len == len(mask), f"response_length {resp_len} != {len(mask)}"
+    assert got_mask == mask, f"mask {got_mask} != {mask}"
+    response = tokens[len(tokens) - len(mask) :]
+    want_lps = [(-t / 64 if m else 0.0) for t, m in zip(response, mask)]
+    np.testing.assert_array_equal(np.asarray(got_lps, dtype=np.float32), np.asarray(want_lps, dtype=np.float32))
