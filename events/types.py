@@ -315,6 +315,10 @@ class PolicyUpdated(msgspec.Struct, frozen=True, tag="policy_updated"):
     lsn_start: int = -1
     lsn_end: int = -1
     groups: list[str] = []
+    #: Groups consumed by this step without training: group id -> reason
+    #: (skipped by the reducer, or stale). With ``groups`` it makes every
+    #: released group appear in exactly one record of the learner log.
+    skipped: dict[str, str] = {}
 
 
 Event = Union[

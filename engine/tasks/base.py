@@ -1,0 +1,135 @@
+"""The task interface: a prompt, tool steps between generated turns, and a verifier.
+
+A task is the environment the online loop trains on. The rollout worker asks
+it for an episode (the prompt and hidden state, e.g. the values a tool will
+reveal), feeds it each generated turn, and appends what the tool returns to
+the context of the next turn. Tool output is context: the trajectory reducer
+gives it loss mask 0, because the model did not generate it. When the task
+says the episode is over, its verifier scores the outputs.
+
+Plugging in your own environment means subclassing :class:`Task` and
+registering it with :func:`register_task` (and, for the loop, selecting it by
+name in the config or through the harness registry).
+
+Everything here is plain Python over token ids: no torch, no I/O. Episodes
+draw their randomness from the ``random.Random`` the caller passes, so a run
+is reproducible from its seed.
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+
+class TaskError(ValueError):
+    """A task was asked for something it cannot do (unknown name, bad turn)."""
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What a tool step returns: tokens appended to the next turn's context."""
+
+    #: Token ids appended after the turn's output (trained with mask 0).
+    ids: tuple[int, ...]
+    #: The same as text, recorded as the ``tool`` message of the next turn.
+    text: str
+    #: The command the tool ran, as a one-line string (recorded for replay).
+    command: str = ""
+    #: Exit status of the tool (0 ok, non-zero: the call was malformed).
+    exit_code: int = 0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verifier's judgement of a whole episode."""
+
+    #: The scalar reward the learner trains on (finite).
+    reward: float
+    #: Whether the episode solved the task (the "solve rate" metric).
+    success: bool
+    #: Named parts of the judgement (recorded in the session's metadata).
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Episode:
+    """One instance of a task: the prompt, and whatever the tool and verifier need."""
+
+    #: Prompt token ids of turn 0.
+    prompt_ids: tuple[int, ...]
+    #: The prompt as chat messages (routes turns in the trajectory tree).
+    messages: list[dict[str, Any]]
+    #: Hidden per-episode state (for the lookup task: the key and its table).
+    state: dict[str, Any]
+    #: What the verifier expects, recorded as the session's label.
+    label: Any = None
+
+
+class Task(abc.ABC):
+    """An environment for multi-turn tool use with a verifiable reward."""
+
+    #: Registry name (``agentlog demo --task NAME``).
+    name: str = ""
+    #: Number of token ids the policy must be able to emit and read.
+    vocab_size: int = 0
+    #: Token that ends a generated turn.
+    eos_id: int = 0
+    #: Most tokens generated per turn.
+    max_new_tokens: int = 0
+    #: Most generated turns per episode.
+    max_turns: int = 1
+
+    @abc.abstractmethod
+    def new_episode(self, rng: random.Random) -> Episode:
+        """Draw a fresh episode (prompt and hidden state) from ``rng``."""
+
+    @abc.abstractmethod
+    def tool_step(self, episode: Episode, turn_index: int, output_ids: Sequence[int]) -> ToolResult | None:
+        """React to generated turn ``turn_index``: the tool's result to append
+        before the next turn, or None when the episode is over."""
+
+    @abc.abstractmethod
+    def verify(self, episode: Episode, outputs: Sequence[Sequence[int]]) -> Verdict:
+        """Score the generated turns of an episode."""
+
+    def demonstration(self, episode: Episode, rng: random.Random, *, wrong_answer_rate: float = 0.0) -> list[list[int]]:
+        """Target outputs of every turn for a supervised warm-up; optional."""
+        raise TaskError(f"task {self.name!r} has no demonstrations; set warmup_steps = 0")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids as readable text (for messages and replay)."""
+        return " ".join(str(int(i)) for i in ids)
+
+
+_TASKS: dict[str, Callable[..., Task]] = {}
+
+
+def register_task(name: str) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
+    """Decorator: register a task factory under ``name``."""
+    if not name:
+        raise TaskError("register_task: expected a non-empty task name")
+
+    def deco(factory: Callable[..., Task]) -> Callable[..., Task]:
+        if name in _TASKS and _TASKS[name] is not factory:
+            raise TaskError(f"register_task: a task named {name!r} is already registered ({_TASKS[name]!r})")
+        _TASKS[name] = factory
+        return factory
+
+    return deco
+
+
+def task_names() -> list[str]:
+    """Names of every registered task, sorted."""
+    return sorted(_TASKS)
+
+
+def get_task(name: str, **kwargs: Any) -> Task:
+    """Build the task registered as ``name``; an unknown name lists the valid ones."""
+    try:
+        factory = _TASKS[name]
+    except KeyError:
+        raise TaskError(f"unknown task {name!r}; expected one of: {', '.join(task_names()) or '(none registered)'}") from None
+    return factory(**kwargs)
