@@ -1,0 +1,483 @@
+"""SessionEngine behaviours: idempotent drop, stragglers, duplicates, context
+manager outcomes, budgets, draining, restart, shutdown, zero leftover state."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from structlog.testing import capture_logs
+
+from engine import (
+    DuplicateSession,
+    EngineClosed,
+    LocalSandbox,
+    SessionEngine,
+    SessionTimeout,
+    StragglerRefused,
+)
+from events.lifecycle import IllegalTransition, SessionClosed, State
+from events.log_api import LogClosed, MemoryLog
+from events.types import (
+    CommandRan,
+    EventValidationError,
+    SessionAborted,
+    SessionDropped,
+    SessionFinished,
+    TurnRecorded,
+)
+
+from engine_helpers import YieldingLog, check_log_invariants
+
+KW = dict(group_id="g", group_size=2)
+
+
+def bodies(log, sid):
+    return [e.body for e in log.read(0) if e.session_id == sid]
+
+
+def test_drop_is_idempotent_and_appends_one_event(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("s", **KW)
+        await h.start()
+        first = await h.drop("cancelled")
+        assert first is not None and isinstance(first.body, SessionDropped)
+        for _ in range(3):
+            assert await h.drop("again") is None
+        assert [type(b).__name__ for b in bodies(log, "s")].count("SessionDropped") == 1
+    arun(go())
+
+
+def test_finish_after_drop_raises_session_closed_naming_session_and_state(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("s", **KW)
+        await h.start()
+        await h.drop("cancelled")
+        with pytest.raises(SessionClosed) as info:
+            await h.finish(reward=1.0)
+        assert info.value.session_id == "s" and info.value.state is State.DROPPED
+        assert "'s'" in str(info.value) and "dropped" in str(info.value)
+        with pytest.raises(SessionClosed):
+            await h.abort("late")
+        assert not any(isinstance(b, (SessionFinished, SessionAborted)) for b in bodies(log, "s"))
+    arun(go())
+
+
+def test_straggler_turn_is_refused_logged_and_never_appended(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("s", **KW)
+        await h.start()
+        await h.record_turn(prompt_ids=[1], output_ids=[2])
+        await h.finish(reward=1.0)
+        n = log.next_lsn
+        with capture_logs() as logs:
+            with pytest.raises(StragglerRefused) as info:
+                await h.record_turn(prompt_ids=[1, 2], output_ids=[3])
+            with pytest.raises(StragglerRefused):
+                eng.require("s")  # a gateway routing a late turn by id
+        assert isinstance(info.value, IllegalTransition) and info.value.state is State.FINISHED
+        assert log.next_lsn == n
+        refused = [e for e in logs if e["event"] == "session.straggler_refused"]
+        assert len(refused) == 2 and all(e["session_id"] == "s" for e in refused)
+        assert eng.get("s") is None and eng.live_count == 0  # the straggler recreated nothing
+        assert [b.turn_index for b in bodies(log, "s") if isinstance(b, TurnRecorded)] == [0]
+    arun(go())
+
+
+def test_turn_before_start_is_refused(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("s", **KW)
+        with pytest.raises(StragglerRefused):
+            await h.record_turn(output_ids=[1])
+        assert log.next_lsn == 1
+    arun(go())
+
+
+def test_duplicate_session_id_is_refused_live_ended_and_long_ended(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log, status_cache=2)
+        h = await eng.open_session("live", **KW)
+        with pytest.raises(DuplicateSession, match="live"):
+            await eng.open_session("live", **KW)
+        await h.drop("x")
+        with pytest.raises(DuplicateSession, match="already ended"):
+            await eng.open_session("live", **KW)
+        # Push "live" out of the status cache: only the filter + log scan can know now.
+        for i in range(3):
+            await (await eng.open_session(f"other{i}", **KW)).drop("x")
+        assert eng.status("live") is None
+        with pytest.raises(DuplicateSession, match="lsn 0"):
+            await eng.open_session("live", **KW)
+        assert eng.stats["id_scans"] == 1
+        # A new engine on the same log knows every id from its fold.
+        eng2 = await SessionEngine.open(log, status_cache=0)
+        with pytest.raises(DuplicateSession):
+            await eng2.open_session("other1", **KW)
+        n = log.next_lsn
+        await eng2.open_session("fresh", **KW)
+        assert log.next_lsn == n + 1
+    arun(go())
+
+
+def test_fresh_ids_never_need_a_log_scan(arun):
+    async def go():
+        eng = await SessionEngine.open(MemoryLog())
+        for i in range(3000):
+            await (await eng.open_session(f"s{i}", **KW)).drop("x")
+        assert eng.stats["id_scans"] == 0
+    arun(go())
+
+
+def test_concurrent_opens_of_one_id_admit_exactly_one(arun):
+    async def go():
+        log = YieldingLog(seed=3)
+        eng = await SessionEngine.open(log)
+        res = await asyncio.gather(*(eng.open_session("same", **KW) for _ in range(10)), return_exceptions=True)
+        ok = [r for r in res if not isinstance(r, BaseException)]
+        assert len(ok) == 1 and all(isinstance(r, DuplicateSession) for r in res if r not in ok)
+        assert log.next_lsn == 1
+    arun(go())
+
+
+def test_exception_inside_session_block_aborts_with_reason_and_traceback(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        with pytest.raises(ZeroDivisionError):
+            async with eng.session("s", **KW) as h:
+                await h.start()
+                1 / 0
+        last = bodies(log, "s")[-1]
+        assert isinstance(last, SessionAborted)
+        assert last.reason == "exception:ZeroDivisionError" and "division by zero" in last.error
+        assert "ZeroDivisionError" in last.traceback and "test_engine_behaviour.py" in last.traceback
+        assert eng.live_count == 0
+    arun(go())
+
+
+def test_cancellation_drops_session_with_reason_cancelled(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        entered = asyncio.Event()
+
+        async def body():
+            async with eng.session("s", **KW) as h:
+                await h.start()
+                entered.set()
+                await asyncio.sleep(30)
+
+        t = asyncio.create_task(body())
+        await entered.wait()
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        last = bodies(log, "s")[-1]
+        assert isinstance(last, SessionDropped) and last.reason == "cancelled"
+        assert eng.live_count == 0
+    arun(go())
+
+
+def test_leaving_block_without_terminal_event_drops_unfinished_with_warning(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        with capture_logs() as logs:
+            async with eng.session("s", **KW) as h:
+                await h.start()
+        last = bodies(log, "s")[-1]
+        assert isinstance(last, SessionDropped) and last.reason == "unfinished"
+        warn = [e for e in logs if e["event"] == "session.unfinished"]
+        assert warn and warn[0]["log_level"] == "warning" and warn[0]["session_id"] == "s"
+    arun(go())
+
+
+def test_finished_block_appends_nothing_more(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        async with eng.session("s", **KW) as h:
+            await h.start()
+            await h.finish(reward=1.0)
+        assert isinstance(bodies(log, "s")[-1], SessionFinished)
+        check_log_invariants(log)
+    arun(go())
+
+
+def test_wall_clock_budget_aborts_and_cancels_inflight_work(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        cancelled = []
+
+        async def worker():
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.append("worker")
+                raise
+
+        with capture_logs() as logs:
+            with pytest.raises(SessionTimeout) as info:
+                async with eng.session("s", budget_s=0.1, **KW) as h:
+                    await h.start()
+                    h.spawn(worker())
+                    await h.record_turn(output_ids=[1])
+                    await asyncio.sleep(30)
+        assert info.value.session_id == "s"
+        last = bodies(log, "s")[-1]
+        assert isinstance(last, SessionAborted) and last.reason == "wall_clock_timeout"
+        await asyncio.sleep(0)
+        assert cancelled == ["worker"]
+        assert eng.live_count == 0
+        assert any(e["event"] == "session.aborted" and e.get("reason") == "wall_clock_timeout" and e["session_id"] == "s" for e in logs)
+        check_log_invariants(log)
+    arun(go())
+
+
+def test_engine_default_budget_aborts_a_plain_handle(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log, session_budget_s=0.05)
+        h = await eng.open_session("s", **KW)
+        await h.start()
+        await asyncio.sleep(0.3)
+        assert h.state is State.ABORTED
+        assert bodies(log, "s")[-1].reason == "wall_clock_timeout"
+        with pytest.raises(StragglerRefused):
+            await h.record_turn(output_ids=[1])
+    arun(go())
+
+
+def test_budget_timer_is_released_when_session_ends_first(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log, session_budget_s=0.05)
+        h = await eng.open_session("s", **KW)
+        await h.start()
+        await h.finish(reward=1.0)
+        assert h._timer is None
+        await asyncio.sleep(0.15)
+        assert len(bodies(log, "s")) == 3  # no abort after the finish
+    arun(go())
+
+
+def test_terminal_transition_drains_inflight_turns_then_cancels_the_rest(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log, drain_s=0.2)
+        h = await eng.open_session("s", **KW)
+        await h.start()
+        stuck_cancelled = asyncio.Event()
+
+        async def quick_turn():
+            await asyncio.sleep(0.02)  # a generation that completes within the drain window
+            await h.record_turn(output_ids=[7])
+
+        async def stuck():
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                stuck_cancelled.set()
+                raise
+
+        h.spawn(quick_turn())
+        t_stuck = h.spawn(stuck())
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await h.finish(reward=1.0)
+        elapsed = loop.time() - t0
+        kinds = [type(b).__name__ for b in bodies(log, "s")]
+        assert kinds[-2:] == ["TurnRecorded", "SessionFinished"]
+        assert stuck_cancelled.is_set() and t_stuck.cancelled()
+        assert 0.15 < elapsed < 5
+    arun(go())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_concurrent_turns_are_ordered_and_none_lands_after_the_terminal_event(arun, seed):
+    async def go():
+        log = YieldingLog(seed=seed)
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("s", **KW)
+        await h.start()
+        ops = [h.record_turn(output_ids=[i]) for i in range(20)]
+        ops.insert(10, h.finish(reward=1.0))
+        res = await asyncio.gather(*ops, return_exceptions=True)
+        per = check_log_invariants(log)
+        turns = [e.body for e in per["s"] if isinstance(e.body, TurnRecorded)]
+        assert [t.turn_index for t in turns] == list(range(len(turns)))
+        n_ok = sum(1 for r in res if not isinstance(r, BaseException)) - 1
+        assert n_ok == len(turns)
+        assert all(isinstance(r, StragglerRefused) for r in res if isinstance(r, BaseException))
+    arun(go())
+
+
+def test_restart_aborts_orphans_with_engine_restart(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        a = await eng.open_session("open-one", **KW)
+        b = await eng.open_session("running-one", **KW)
+        await b.start()
+        await b.record_turn(output_ids=[1])
+        c = await eng.open_session("done", **KW)
+        await c.start()
+        await c.finish(reward=1.0)
+        del a  # the process "dies" here: no terminal events for a and b
+        eng2 = await SessionEngine.open(log)
+        per = check_log_invariants(log)
+        for sid in ("open-one", "running-one"):
+            last = per[sid][-1].body
+            assert isinstance(last, SessionAborted) and last.reason == "engine_restart"
+            assert eng2.status(sid) is State.ABORTED
+        assert len(per["done"]) == 3
+        assert eng2.stats["restart_aborted"] == 2
+        # Restart again: nothing left to abort, nothing appended.
+        n = log.next_lsn
+        eng3 = await SessionEngine.open(log)
+        assert log.next_lsn == n and eng3.stats["restart_aborted"] == 0
+    arun(go())
+
+
+def test_close_drops_live_sessions_with_shutdown_and_refuses_new_ones(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        for i in range(5):
+            h = await eng.open_session(f"s{i}", **KW)
+            if i % 2:
+                await h.start()
+        await eng.close()
+        per = check_log_invariants(log)
+        assert all(isinstance(v[-1].body, SessionDropped) and v[-1].body.reason == "shutdown" for v in per.values())
+        assert eng.live_count == 0
+        with pytest.raises(EngineClosed):
+            await eng.open_session("late", **KW)
+    arun(go())
+
+
+def test_non_finite_reward_raises_and_appends_nothing(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("s", **KW)
+        await h.start()
+        n = log.next_lsn
+        with pytest.raises(EventValidationError, match="finite"):
+            await h.finish(reward=math.nan)
+        with pytest.raises(EventValidationError, match="finite"):
+            await h.assign_reward(math.inf)
+        assert log.next_lsn == n and h.state is State.RUNNING
+        await h.finish(reward=1)
+    arun(go())
+
+
+def test_failed_append_leaves_the_session_state_unchanged(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("s", **KW)
+        await h.start()
+        log.close()
+        with pytest.raises(LogClosed):
+            await h.finish(reward=1.0)
+        assert h.state is State.RUNNING and eng.get("s") is h
+        with pytest.raises(LogClosed):
+            await eng.open_session("t", **KW)
+        assert eng.get("t") is None
+    arun(go())
+
+
+def test_undelivered_turn_must_name_a_recorded_turn(arun):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("s", **KW)
+        await h.start()
+        await h.record_turn(output_ids=[1])
+        with pytest.raises(ValueError, match=r"expected a recorded turn in \[0, 1\), found 1"):
+            await h.record_turn_undelivered(1, "gone")
+        env = await h.record_turn_undelivered(0, "client gone")
+        assert env.body.turn_index == 0
+    arun(go())
+
+
+def test_run_command_records_command_ran_and_refuses_when_not_running(arun, tmp_path):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        sb = LocalSandbox(tmp_path)
+        h = await eng.open_session("s", **KW)
+        with pytest.raises(StragglerRefused):
+            await h.run_command(sb, "touch should-not-exist", 5)
+        assert not (tmp_path / "should-not-exist").exists()
+        await h.start()
+        res = await h.run_command(sb, "echo out; exit 4", 5)
+        assert res.exit_code == 4 and "out" in res.output_tail
+        cmd = [b for b in bodies(log, "s") if isinstance(b, CommandRan)]
+        assert cmd == [CommandRan(command="echo out; exit 4", exit_code=4, budget_exceeded=False,
+                                  duration_s=res.duration_s, output_tail=res.output_tail)]
+    arun(go())
+
+
+def test_finish_cancels_a_running_command_after_the_drain(arun, tmp_path):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log, drain_s=0.1)
+        sb = LocalSandbox(tmp_path)
+        h = await eng.open_session("s", **KW)
+        await h.start()
+        cmd = asyncio.create_task(h.run_command(sb, "sleep 30", 60))
+        await asyncio.sleep(0.2)
+        await h.finish(reward=0.0)
+        with pytest.raises(StragglerRefused):
+            await cmd
+        assert not any(isinstance(b, CommandRan) for b in bodies(log, "s"))
+        check_log_invariants(log)
+    arun(go())
+
+
+def test_engine_holds_no_per_session_state_after_sessions_end(arun):
+    async def go():
+        log = YieldingLog(seed=1)
+        eng = await SessionEngine.open(log, session_budget_s=60, status_cache=8)
+        loop = asyncio.get_running_loop()
+
+        async def one(i):
+            async with eng.session(f"s{i}", **KW) as h:
+                await h.start()
+                h.spawn(asyncio.sleep(0))
+                await h.record_turn(output_ids=[i])
+                if i % 3 == 0:
+                    await h.finish(reward=1.0)
+                elif i % 3 == 1:
+                    await h.abort("bad")
+
+        await asyncio.gather(*(one(i) for i in range(200)))
+        assert eng.live_count == 0 and eng._live == {}
+        assert len(eng._recent) == 8
+        assert not [t for t in loop._scheduled if not t.cancelled()]  # no budget timers left
+        assert eng._bg == set()
+    arun(go())
+
+
+def test_aborted_event_is_logged_with_session_id_bound(arun):
+    async def go():
+        eng = await SessionEngine.open(MemoryLog())
+        h = await eng.open_session("s", **KW)
+        with capture_logs() as logs:
+            await h.abort("sandbox_boot", error="no image")
+        [e] = [e for e in logs if e["event"] == "session.aborted"]
+        assert e["session_id"] == "s" and e["group_id"] == "g" and e["reason"] == "sandbox_boot"
+    arun(go())

@@ -1,0 +1,93 @@
+"""Every (state, trigger) pair, driven through the engine, against the lifecycle table."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from engine import SessionEngine, StragglerRefused
+from events.lifecycle import TRANSITIONS, IllegalTransition, SessionClosed, State
+from events.log_api import MemoryLog
+from events.types import SessionAborted, SessionDropped, SessionFinished, SessionStarted, TurnRecorded
+
+O, R, F, A, D = State.OPEN, State.RUNNING, State.FINISHED, State.ABORTED, State.DROPPED
+NOOP = "noop"
+
+#: DESIGN.md's table, written out by hand: a destination state, or what happens instead.
+EXPECTED = {
+    (O, "start"): R, (O, "finish"): IllegalTransition, (O, "abort"): A, (O, "drop"): D, (O, "turn"): StragglerRefused,
+    (R, "start"): IllegalTransition, (R, "finish"): F, (R, "abort"): A, (R, "drop"): D, (R, "turn"): R,
+}
+for _t in (F, A, D):
+    EXPECTED.update({
+        (_t, "start"): IllegalTransition, (_t, "finish"): SessionClosed, (_t, "abort"): SessionClosed,
+        (_t, "drop"): NOOP, (_t, "turn"): StragglerRefused,
+    })
+
+EVENT_OF = {"start": SessionStarted, "finish": SessionFinished, "abort": SessionAborted, "drop": SessionDropped, "turn": TurnRecorded}
+
+
+def test_hand_written_table_matches_the_shared_transition_table():
+    legal = {k: v for k, v in EXPECTED.items() if isinstance(v, State) and k[1] != "turn"}
+    assert legal == dict(TRANSITIONS)
+
+
+async def _session_in(engine: SessionEngine, sid: str, state: State):
+    h = await engine.open_session(sid, group_id="g", group_size=1)
+    if state in (R, F):
+        await h.start()
+    if state is F:
+        await h.finish(reward=1.0)
+    elif state is A:
+        await h.abort("setup")
+    elif state is D:
+        await h.drop("setup")
+    assert h.state is state
+    return h
+
+
+async def _fire(h, trigger: str):
+    if trigger == "start":
+        return await h.start()
+    if trigger == "finish":
+        return await h.finish(reward=0.5)
+    if trigger == "abort":
+        return await h.abort("test")
+    if trigger == "drop":
+        return await h.drop("test")
+    return await h.record_turn(prompt_ids=[1], output_ids=[2], output_log_probs=[-0.1])
+
+
+@pytest.mark.parametrize("state, trigger", sorted(EXPECTED, key=lambda k: (k[0].value, k[1])))
+def test_every_state_trigger_pair_follows_the_table(arun, state, trigger):
+    expected = EXPECTED[(state, trigger)]
+
+    async def go():
+        log = MemoryLog()
+        engine = await SessionEngine.open(log)
+        h = await _session_in(engine, "s", state)
+        before = log.next_lsn
+        if isinstance(expected, type) and issubclass(expected, Exception):
+            with pytest.raises(expected) as info:
+                await _fire(h, trigger)
+            assert type(info.value) is expected  # SessionClosed is not a plain IllegalTransition and vice versa
+            assert info.value.session_id == "s" and info.value.state is state
+            assert log.next_lsn == before, "a refused trigger appended an event"
+            assert h.state is state
+        elif expected == NOOP:
+            assert await _fire(h, trigger) is None
+            assert log.next_lsn == before
+            assert h.state is state
+        else:
+            env = await _fire(h, trigger)
+            assert log.next_lsn == before + 1
+            assert isinstance(env.body, EVENT_OF[trigger]) and env.lsn == before
+            assert h.state is expected
+            assert engine.status("s") is expected
+            assert (engine.get("s") is None) == (expected in (F, A, D))
+    arun(go())
+
+
+def test_all_pairs_are_covered():
+    assert set(EXPECTED) == set(itertools.product(list(State), ["start", "finish", "abort", "drop", "turn"]))
