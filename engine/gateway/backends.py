@@ -1,0 +1,391 @@
+"""Inference backends behind one interface: prompt ids in, output ids and log-probs out.
+
+* :class:`SGLangBackend`: SGLang's native ``POST /generate`` with
+  ``input_ids`` and ``return_logprob``; a cancelled call posts
+  ``/abort_request`` with its ``rid`` so the server stops generating.
+* :class:`OpenAICompletionsBackend`: an OpenAI-compatible ``/v1/completions``
+  server that returns token log-probs for token-id prompts (vLLM, with
+  ``return_tokens_as_token_ids``); a cancelled call closes its connection,
+  which makes vLLM abort the request.
+* :class:`TorchBackend`: the built-in policy (``learner.model.GPT``)
+  in-process, with simple dynamic batching in a worker thread.
+
+Every backend returns a :class:`Generation` or raises :class:`BackendError`
+(naming the backend, the URL and the upstream status); the gateway turns that
+into a 502 and records nothing.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any, Sequence
+
+import msgspec
+import structlog
+
+_log = structlog.get_logger("agentlog.gateway")
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """What the backend samples with (session defaults plus client overrides)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_ids: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict, recorded with the turn."""
+        return msgspec.structs.asdict(self) | {"stop_ids": list(self.stop_ids)}
+
+
+class Generation(msgspec.Struct):
+    """One backend call's result."""
+
+    output_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str  # "stop" | "length"
+    policy_version: int = 0
+    generate_s: float = 0.0
+
+
+class BackendError(RuntimeError):
+    """A backend call failed; ``status`` is the upstream HTTP status (0: no response)."""
+
+    def __init__(self, backend: str, message: str, status: int = 0) -> None:
+        super().__init__(f"backend {backend}: {message}")
+        self.backend = backend
+        self.status = status
+
+
+class Backend(abc.ABC):
+    """Generates from token ids. Implementations must be safe to call concurrently."""
+
+    name = ""
+    #: Longest prompt + output the model takes (None: unknown, the server enforces it).
+    context_length: int | None = None
+    #: Version of the weights answering right now (recorded with each turn).
+    policy_version: int = 0
+
+    @abc.abstractmethod
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        """Generate up to ``params.max_new_tokens`` tokens. Cancellation aborts the
+        request upstream; failure raises BackendError."""
+
+    async def close(self) -> None:
+        """Release connections and threads."""
+
+
+# ---------------------------------------------------------------- HTTP backends
+
+
+class _HTTPBackend(Backend):
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
+                 context_length: int | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.context_length = context_length
+        self._session: Any = None
+
+    def _headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def _client(self) -> Any:
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+        return self._session
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        import aiohttp
+
+        url = self.base_url + path
+        try:
+            async with self._client().post(url, json=body, headers=self._headers()) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    text = raw.decode("utf-8", "replace")[:500]
+                    raise BackendError(self.name, f"POST {url} answered HTTP {resp.status}: {text}", resp.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise BackendError(self.name, f"POST {url} failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            out = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise BackendError(self.name, f"POST {url}: response is not JSON ({exc}): {raw[:200]!r}", 200) from exc
+        if not isinstance(out, dict):
+            raise BackendError(self.name, f"POST {url}: expected a JSON object, found {type(out).__name__}", 200)
+        return out
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class SGLangBackend(_HTTPBackend):
+    """SGLang's native API: ``/generate`` with token ids and log-probs."""
+
+    name = "sglang"
+
+    def request_body(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str) -> dict[str, Any]:
+        """The ``/generate`` body for one call (exposed for tests and docs)."""
+        sp: dict[str, Any] = {
+            "max_new_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if params.stop_ids:
+            sp["stop_token_ids"] = list(params.stop_ids)
+        if params.seed is not None:
+            sp["sampling_seed"] = params.seed
+        return {"rid": rid, "input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True, "stream": False}
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        rid = uuid.uuid4().hex
+        t0 = time.perf_counter()
+        try:
+            out = await self._post("/generate", self.request_body(prompt_ids, params, rid))
+        except asyncio.CancelledError:
+            # Tell SGLang to stop; shielded so the abort itself is not cancelled.
+            await asyncio.shield(self._abort(rid))
+            raise
+        meta = out.get("meta_info")
+        if not isinstance(meta, dict):
+            raise BackendError(self.name, f"/generate response lacks meta_info (keys: {sorted(out)[:10]})", 200)
+        triples = meta.get("output_token_logprobs")
+        if not isinstance(triples, list):
+            raise BackendError(self.name, "/generate meta_info lacks output_token_logprobs (was return_logprob honoured?)", 200)
+        try:
+            log_probs = [float(t[0]) for t in triples]
+            output_ids = [int(t[1]) for t in triples]
+        except (TypeError, ValueError, IndexError) as exc:
+            raise BackendError(self.name, f"/generate output_token_logprobs: expected [logprob, token_id, ...] items: {exc}", 200) from exc
+        fr = meta.get("finish_reason")
+        kind = fr.get("type") if isinstance(fr, dict) else fr
+        if kind not in ("stop", "length"):
+            raise BackendError(self.name, f"/generate finished with {fr!r} (rid {rid}); nothing to record", 200)
+        version = meta.get("weight_version", self.policy_version)
+        try:
+            version = int(version)
+        except (TypeError, ValueError):
+            version = self.policy_version
+        return Generation(output_ids, log_probs, kind, version, time.perf_counter() - t0)
+
+    async def _abort(self, rid: str) -> None:
+        try:
+            await self._post("/abort_request", {"rid": rid})
+            _log.info("gateway.backend_aborted", backend=self.name, rid=rid)
+        except BackendError as exc:  # the cancel itself must not mask the cancellation
+            _log.warning("gateway.backend_abort_failed", backend=self.name, rid=rid, error=str(exc))
+
+
+class OpenAICompletionsBackend(_HTTPBackend):
+    """An OpenAI-compatible ``/v1/completions`` server with token log-probs (vLLM)."""
+
+    name = "openai-completions"
+
+    def __init__(self, base_url: str, model: str, **kw: Any) -> None:
+        super().__init__(base_url, **kw)
+        self.model = model
+
+    def request_body(self, prompt_ids: Sequence[int], params: SamplingParams) -> dict[str, Any]:
+        """The ``/v1/completions`` body for one call."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(prompt_ids),
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+        }
+        if params.top_k > 0:
+            body["top_k"] = params.top_k
+        if params.stop_ids:
+            body["stop_token_ids"] = list(params.stop_ids)
+        if params.seed is not None:
+            body["seed"] = params.seed
+        return body
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        t0 = time.perf_counter()
+        out = await self._post("/v1/completions", self.request_body(prompt_ids, params))
+        try:
+            choice = out["choices"][0]
+            lp = choice["logprobs"]
+            log_probs = [float(x) for x in lp["token_logprobs"]]
+            ids = choice.get("token_ids")
+            if ids is None:
+                ids = [int(str(t).removeprefix("token_id:")) for t in lp["tokens"]]
+            output_ids = [int(i) for i in ids]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise BackendError(self.name, f"/v1/completions: expected choices[0].logprobs with token ids: {type(exc).__name__}: {exc}", 200) from exc
+        if len(output_ids) != len(log_probs):
+            raise BackendError(self.name, f"/v1/completions: {len(output_ids)} token ids but {len(log_probs)} log-probs", 200)
+        fr = choice.get("finish_reason")
+        if fr not in ("stop", "length"):
+            raise BackendError(self.name, f"/v1/completions finished with {fr!r}; nothing to record", 200)
+        return Generation(output_ids, log_probs, fr, self.policy_version, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- built-in torch policy
+
+
+class _Pending:
+    __slots__ = ("prompt", "params", "future", "loop")
+
+    def __init__(self, prompt: list[int], params: SamplingParams, future: asyncio.Future, loop: asyncio.AbstractEventLoop):
+        self.prompt = prompt
+        self.params = params
+        self.future = future
+        self.loop = loop
+
+
+class TorchBackend(Backend):
+    """The built-in policy in-process: ``GPT.sample`` on a worker thread.
+
+    Calls that arrive while the model is busy are batched together (same
+    temperature, and only while the longest prompt plus the largest output
+    allowance fits the context), which is what keeps many concurrent sessions
+    cheap. A cancelled call is dropped from the queue if it has not started;
+    a batch already running finishes and its result is discarded.
+    """
+
+    name = "torch"
+
+    def __init__(self, model: Any = None, *, max_batch: int = 64, seed: int = 0, policy_version: int = 0) -> None:
+        import torch
+
+        from learner.model import GPT, GPTConfig
+
+        from .chat import ByteChatTemplate
+
+        if model is None:
+            torch.manual_seed(seed)
+            model = GPT(GPTConfig(vocab_size=ByteChatTemplate.VOCAB_SIZE, max_seq_len=4096, d_model=64, n_layer=2, n_head=4))
+        self.model = model
+        self.context_length = int(model.config.max_seq_len)
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_batch = max_batch
+        self.policy_version = policy_version
+        self._generator = torch.Generator().manual_seed(seed)
+        self._queue: list[_Pending] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._worker, name="agentlog-torch-backend", daemon=True)
+        self._thread.start()
+        self.batches = 0  # how many sample() calls ran (for tests and the benchmark)
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        prompt = [int(t) for t in prompt_ids]
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BackendError(self.name, f"prompt token ids {bad[:5]} outside the model's vocabulary [0, {self.vocab_size})")
+        if len(prompt) + params.max_new_tokens > self.context_length:
+            raise BackendError(
+                self.name, f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the context ({self.context_length})"
+            )
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        item = _Pending(prompt, params, fut, loop)
+        with self._cv:
+            if self._closed:
+                raise BackendError(self.name, "backend closed")
+            self._queue.append(item)
+            self._cv.notify()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            with self._cv:
+                if item in self._queue:
+                    self._queue.remove(item)
+            raise
+
+    def _take_batch(self) -> list[_Pending]:
+        first = self._queue.pop(0)
+        batch = [first]
+        longest, most = len(first.prompt), first.params.max_new_tokens
+        keep = []
+        for item in self._queue:
+            p = item.params
+            fits = max(longest, len(item.prompt)) + max(most, p.max_new_tokens) <= self.context_length
+            if len(batch) < self.max_batch and p.temperature == first.params.temperature and fits:
+                batch.append(item)
+                longest, most = max(longest, len(item.prompt)), max(most, p.max_new_tokens)
+            else:
+                keep.append(item)
+        self._queue[:] = keep
+        return batch
+
+    def _worker(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                batch = self._take_batch()
+            t0 = time.perf_counter()
+            try:
+                most = max(b.params.max_new_tokens for b in batch)
+                stops = sorted({s for b in batch for s in b.params.stop_ids})
+                gen = self.model.sample(
+                    [b.prompt for b in batch], most, temperature=batch[0].params.temperature,
+                    stop_ids=stops, generator=self._generator,
+                )
+                self.batches += 1
+                dt = time.perf_counter() - t0
+                for i, b in enumerate(batch):
+                    toks = gen.tokens[i].tolist()
+                    lps = gen.log_probs[i].tolist()
+                    own_stops = set(b.params.stop_ids)
+                    cut = b.params.max_new_tokens
+                    # Stop at this call's own stop ids and allowance (the batch
+                    # shared the union of stops and the largest allowance).
+                    end = next((j + 1 for j, t in enumerate(toks[:cut]) if t in own_stops), None)
+                    fr = "stop" if end is not None else "length"
+                    end = end if end is not None else min(cut, len(toks))
+                    res = Generation(toks[:end], lps[:end], fr, self.policy_version, dt)
+                    b.loop.call_soon_threadsafe(_settle, b.future, res, None)
+            except Exception as exc:  # surfaced to every caller of the batch, never swallowed
+                err = BackendError(self.name, f"sample() failed: {type(exc).__name__}: {exc}")
+                for b in batch:
+                    b.loop.call_soon_threadsafe(_settle, b.future, None, err)
+
+    async def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            pending, self._queue = self._queue, []
+            self._cv.notify_all()
+        for b in pending:
+            b.loop.call_soon_threadsafe(_settle, b.future, None, BackendError(self.name, "backend closed"))
+        await asyncio.to_thread(self._thread.join, 5.0)
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():  # the caller was cancelled meanwhile
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

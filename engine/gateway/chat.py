@@ -1,0 +1,328 @@
+"""Canonical chat messages, chat templates and tool-call parsers.
+
+Every API the gateway speaks (Chat Completions, Responses, Messages) is
+normalised to one canonical message form before anything else happens. The
+canonical form is what the log records in ``turn_recorded.messages`` and
+``response_message``, so it must be *stable*: the assistant message a client
+echoes back in its next request must normalise to exactly the dict we
+recorded as the response, whatever API it came through. That is what lets the
+trajectory reducer route turn n+1 under turn n by plain dict equality.
+
+Canonical message::
+
+    {"role": "system" | "user" | "assistant" | "tool", "content": str}
+    assistant messages add  "tool_calls": [{"id": str, "name": str, "arguments": dict | str}]
+    tool messages add       "tool_call_id": str
+
+Arguments are parsed JSON objects when they parse (clients re-serialise JSON
+with different spacing), else the raw string. Client-side ids, cache hints,
+thinking blocks and other decoration are dropped.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import re
+from typing import Any, Callable
+
+import msgspec
+
+# ---------------------------------------------------------------- messages
+
+
+class RequestError(ValueError):
+    """A request body that cannot be understood; ``where`` names the JSON path."""
+
+    def __init__(self, where: str, expected: str, found: Any) -> None:
+        shown = repr(found)
+        if len(shown) > 120:
+            shown = shown[:117] + "..."
+        super().__init__(f"{where}: expected {expected}, found {shown}")
+        self.where = where
+
+
+def canonical_arguments(args: Any) -> Any:
+    """Tool-call arguments as a dict when they are (or parse as) a JSON object."""
+    if isinstance(args, dict):
+        return args
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            return args
+        return parsed if isinstance(parsed, dict) else args
+    return {} if args is None else args
+
+
+def text_of(content: Any, where: str) -> str:
+    """Flatten message content (a str, or a list of typed parts) to text.
+
+    Text-bearing parts (``text``, ``input_text``, ``output_text``) are joined
+    as they are; images and files become a short placeholder so the prompt
+    still says something was there; thinking/reasoning parts are dropped.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(where, "a string or a list of content parts", content)
+    out = []
+    for i, part in enumerate(content):
+        if isinstance(part, str):
+            out.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise RequestError(f"{where}[{i}]", "a content part object", part)
+        kind = part.get("type")
+        if kind in ("text", "input_text", "output_text"):
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise RequestError(f"{where}[{i}].text", "a string", text)
+            out.append(text)
+        elif kind in ("image", "image_url", "input_image", "document", "input_file", "file"):
+            out.append(f"[{kind}]")
+        elif kind == "refusal":
+            out.append(str(part.get("refusal", "")))
+        # thinking, redacted_thinking, reasoning and unknown parts carry no prompt text
+    return "".join(out)
+
+
+def assistant_message(content: str, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A canonical assistant message (``tool_calls`` only when there are some)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        msg["tool_calls"] = [
+            {"id": tc["id"], "name": tc["name"], "arguments": canonical_arguments(tc.get("arguments"))} for tc in tool_calls
+        ]
+    return msg
+
+
+# ---------------------------------------------------------------- tools
+
+
+class ToolSpec(msgspec.Struct, frozen=True):
+    """A tool the client declared: name, description, JSON-schema parameters.
+
+    ``kind`` is ``function`` for JSON-argument tools and ``custom`` for
+    free-form ones (Responses API custom tools); ``namespace`` keeps the
+    Responses API namespace a tool was declared under.
+    """
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    kind: str = "function"
+    namespace: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for templates and the recorded sampling metadata."""
+        out: dict[str, Any] = {"name": self.name, "description": self.description}
+        if self.parameters is not None:
+            out["parameters"] = self.parameters
+        return out
+
+
+class ParsedOutput(msgspec.Struct, frozen=True):
+    """The model's decoded text split into content and tool calls."""
+
+    content: str
+    tool_calls: list[dict[str, Any]]  # {"name", "arguments"}; ids assigned by the gateway
+    ill_formed: bool = False
+    error: str = ""
+
+
+class ToolCallParser(abc.ABC):
+    """Turns generated text into content and tool calls (pluggable per model family)."""
+
+    name = ""
+
+    @abc.abstractmethod
+    def parse(self, text: str, tools: list[ToolSpec]) -> ParsedOutput:
+        """Split ``text``; set ``ill_formed`` with a reason when a call cannot be parsed."""
+
+    @abc.abstractmethod
+    def render(self, name: str, arguments: Any) -> str:
+        """How the model writes one call (used by the built-in template)."""
+
+
+class HermesToolParser(ToolCallParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen 2.5/3).
+
+    A call is ill-formed when its block is unterminated, its body is not a
+    JSON object with a string ``name`` and object ``arguments``, or it names
+    a tool the request did not declare. An ill-formed output is returned as
+    plain content with no tool calls, so the agent sees what the model wrote.
+    """
+
+    name = "hermes"
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
+    _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+    def render(self, name: str, arguments: Any) -> str:
+        return f"{self.OPEN}{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}{self.CLOSE}"
+
+    def parse(self, text: str, tools: list[ToolSpec]) -> ParsedOutput:
+        if self.OPEN not in text:
+            return ParsedOutput(text, [])
+        declared = {t.name for t in tools}
+        calls = []
+        for i, m in enumerate(self._block.finditer(text)):
+            try:
+                obj = json.loads(m.group(1))
+            except ValueError as exc:
+                return ParsedOutput(text, [], True, f"tool call {i}: invalid JSON: {exc}")
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                return ParsedOutput(text, [], True, f"tool call {i}: expected an object with a string 'name', found {m.group(1)[:80]!r}")
+            args = obj.get("arguments", {})
+            if isinstance(args, str):
+                args = canonical_arguments(args)
+            if not isinstance(args, dict):
+                return ParsedOutput(text, [], True, f"tool call {i}: expected object 'arguments', found {type(args).__name__}")
+            if declared and obj["name"] not in declared:
+                return ParsedOutput(text, [], True, f"tool call {i}: unknown tool {obj['name']!r} (declared: {sorted(declared)[:10]})")
+            calls.append({"name": obj["name"], "arguments": args})
+        rest = self._block.sub("", text)
+        if self.OPEN in rest or self.CLOSE in rest:
+            return ParsedOutput(text, [], True, "unterminated or stray <tool_call> block")
+        return ParsedOutput(rest.strip(), calls)
+
+
+class NoToolParser(ToolCallParser):
+    """Never parses tool calls: all output is content."""
+
+    name = "none"
+
+    def parse(self, text: str, tools: list[ToolSpec]) -> ParsedOutput:
+        return ParsedOutput(text, [])
+
+    def render(self, name: str, arguments: Any) -> str:
+        return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+
+
+TOOL_PARSERS: dict[str, Callable[[], ToolCallParser]] = {"hermes": HermesToolParser, "none": NoToolParser}
+
+
+def tool_parser(name: str) -> ToolCallParser:
+    """A parser by name; an unknown name raises listing the valid ones."""
+    try:
+        return TOOL_PARSERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown tool parser {name!r}; valid: {', '.join(sorted(TOOL_PARSERS))}") from None
+
+
+# ---------------------------------------------------------------- templates
+
+
+class ChatTemplate(abc.ABC):
+    """Messages (+ tools) -> prompt token ids; output ids -> text."""
+
+    #: Token ids that end generation.
+    stop_ids: tuple[int, ...] = ()
+    name = ""
+
+    @abc.abstractmethod
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[int]:
+        """Token ids of the rendered conversation, ending with the generation prompt."""
+
+    @abc.abstractmethod
+    def decode(self, output_ids: list[int]) -> str:
+        """Text of generated ids (stop tokens removed)."""
+
+
+class ByteChatTemplate(ChatTemplate):
+    """The built-in model's tokenizer and template: one id per ASCII character.
+
+    Ids 0..127 are ASCII characters, ``EOS`` (128) ends a message; any other
+    character is encoded as ``?``. Every id the model can emit decodes to one
+    character that encodes back to the same id, so an echoed response
+    re-tokenises exactly (no drift) whatever the model generated.
+
+    A message renders as ``<role>\\n`` + content (+ tool calls, one per line)
+    + EOS; declared tools go in a ``# Tools`` block of the first system
+    message; the generation prompt is ``<assistant>\\n``.
+    """
+
+    EOS = 128
+    VOCAB_SIZE = 129
+    stop_ids = (EOS,)
+    name = "builtin-ascii"
+
+    def __init__(self, parser: ToolCallParser | None = None) -> None:
+        self.parser = parser or HermesToolParser()
+
+    def encode_text(self, text: str) -> list[int]:
+        """ASCII ids of ``text`` (non-ASCII characters become ``?``)."""
+        raw = text.encode("ascii", "replace")  # one '?' per non-ASCII char
+        return list(raw)
+
+    def _render(self, msg: dict[str, Any]) -> str:
+        role = msg["role"]
+        parts = [f"<{role}>\n", msg.get("content") or ""]
+        if role == "tool":
+            parts.insert(1, f"[{msg.get('tool_call_id', '')}] ")
+        for tc in msg.get("tool_calls") or ():
+            parts.append(("\n" if parts[-1] else "") + self.parser.render(tc["name"], tc.get("arguments")))
+        return "".join(parts)
+
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[int]:
+        ids: list[int] = []
+        msgs = list(messages)
+        if tools:
+            block = "# Tools\n" + "\n".join(json.dumps(t.to_dict(), ensure_ascii=False) for t in tools)
+            if msgs and msgs[0]["role"] == "system":
+                msgs[0] = {**msgs[0], "content": (msgs[0].get("content") or "") + "\n\n" + block}
+            else:
+                msgs.insert(0, {"role": "system", "content": block})
+        for msg in msgs:
+            ids.extend(self.encode_text(self._render(msg)))
+            ids.append(self.EOS)
+        ids.extend(self.encode_text("<assistant>\n"))
+        return ids
+
+    def decode(self, output_ids: list[int]) -> str:
+        return "".join(chr(i) for i in output_ids if 0 <= i < 128)
+
+
+class HFChatTemplate(ChatTemplate):
+    """A Hugging Face tokenizer and its own chat template (needs ``transformers``)."""
+
+    name = "hf"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        eos = tokenizer.eos_token_id
+        self.stop_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str) -> "HFChatTemplate":
+        """Load ``AutoTokenizer.from_pretrained(name_or_path)``."""
+        from transformers import AutoTokenizer  # optional dependency
+
+        return cls(AutoTokenizer.from_pretrained(name_or_path))
+
+    @staticmethod
+    def _hf_message(msg: dict[str, Any]) -> dict[str, Any]:
+        out = {"role": msg["role"], "content": msg.get("content") or ""}
+        if msg.get("tool_calls"):
+            out["tool_calls"] = [
+                {"id": tc["id"], "type": "function", "function": {"name": tc["name"], "arguments": tc.get("arguments")}}
+                for tc in msg["tool_calls"]
+            ]
+        if msg["role"] == "tool":
+            out["tool_call_id"] = msg.get("tool_call_id", "")
+        return out
+
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[int]:
+        hf_tools = [{"type": "function", "function": t.to_dict()} for t in tools] or None
+        ids = self.tok.apply_chat_template(
+            [self._hf_message(m) for m in messages], tools=hf_tools, add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def decode(self, output_ids: list[int]) -> str:
+        return self.tok.decode(output_ids, skip_special_tokens=True)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install the agent CLIs the gateway end-to-end tests drive (Claude Code and
+# Codex) once per machine, into a cache folder outside the repository: they
+# are large (about 650 MB together) and must never land in the checkout.
+#
+# Usage: tools/gateway_clis.sh [DIR]    (default: $AGENTLOG_CLI_DIR or ~/.cache/agentlog-clis)
+# Prints the bin folder on success. Idempotent: a second run is a no-op.
+set -euo pipefail
+DIR="${1:-${AGENTLOG_CLI_DIR:-$HOME/.cache/agentlog-clis}}"
+BIN="$DIR/node_modules/.bin"
+if [[ -x "$BIN/claude" && -x "$BIN/codex" ]]; then
+    echo "$BIN"
+    exit 0
+fi
+command -v npm >/dev/null || { echo "gateway_clis.sh: npm not found; install node to run the CLI end-to-end tests" >&2; exit 2; }
+mkdir -p "$DIR"
+# A lock so concurrent test runs on one machine do not install twice.
+exec 9>"$DIR/.install.lock"
+flock 9
+if [[ ! -x "$BIN/claude" || ! -x "$BIN/codex" ]]; then
+    npm install --prefix "$DIR" --no-audit --no-fund --loglevel=error \
+        @anthropic-ai/claude-code @openai/codex >&2
+fi
+echo "$BIN"
