@@ -137,3 +137,109 @@ def expect_row(sample, tokens: list[int], mask: list[int], trained: list[int] | 
     response = tokens[len(tokens) - len(mask) :]
     want_lps = [(-t / 64 if m else 0.0) for t, m in zip(response, mask)]
     np.testing.assert_array_equal(np.asarray(got_lps, dtype=np.float32), np.asarray(want_lps, dtype=np.float32))
+
+
+# ---------------------------------------------------------------- random valid streams
+
+
+class RandomStream:
+    """A random but valid interleaved event stream; ``repr`` shows its seed so
+    a failure can be replayed with ``RandomStream(seed).log()``."""
+
+    def __init__(self, seed: int, max_groups: int = 4, max_group_size: int = 4, max_turns: int = 6) -> None:
+        import random
+
+        self.seed = seed
+        self._rng = random.Random(seed)
+        self.max_groups = max_groups
+        self.max_group_size = max_group_size
+        self.max_turns = max_turns
+
+    def __repr__(self) -> str:
+        return f"RandomStream(seed={self.seed})"
+
+    def _session(self, sid: str, gid: str, size: int, index: int) -> list[tuple[str, int, Any]]:
+        rng = self._rng
+        outcome = rng.choices(["finish", "abort", "drop", "abort_early", "drop_early"], [6, 2, 1, 1, 1])[0]
+        bodies: list[Any] = [SessionOpened(group_id=gid, group_size=size, sample_index=index, policy_version=rng.randrange(3))]
+        if outcome.endswith("_early"):
+            bodies.append(SessionAborted(reason="boot_failed") if outcome == "abort_early" else SessionDropped(reason="cancelled"))
+            return [(sid, i, b) for i, b in enumerate(bodies)]
+        bodies.append(SessionStarted())
+        use_messages = rng.random() < 0.85
+        system = msg("system", f"sys{rng.randrange(2)}")
+        # (messages, tokens) states a later turn may branch from.
+        states = [([system, msg("user", "task")], [1, 2, 3, 4][: rng.randrange(1, 5)])]
+        msgs, ctx = states[0]
+        last_prompt = None
+        for turn in range(rng.randrange(self.max_turns + 1)):
+            action = rng.choices(["continue", "branch", "rewrite", "retry"], [6, 2, 1, 1])[0]
+            if action == "retry" and last_prompt is not None:
+                # The client re-sends the previous prompt verbatim: routing matches it entirely.
+                msgs, ctx = last_prompt
+            if action == "branch" and len(states) > 1:
+                msgs, ctx = states[rng.randrange(len(states))]
+            if action == "rewrite" and len(msgs) > 2 and msgs[-1]["role"] == "assistant":
+                msgs = msgs[:-1] + [msg("assistant", msgs[-1]["content"] + " ")]
+            tool = [100 + rng.randrange(50) for _ in range(rng.randrange(0, 3))]
+            if turn and action != "retry":
+                msgs = msgs + [msg("tool", f"t{turn}-{rng.randrange(3)}")]
+            prompt = list(ctx) + tool if turn and action != "retry" else list(ctx)
+            drift = rng.random()
+            if turn and drift < 0.15 and len(prompt) > 1:
+                prompt[rng.randrange(len(prompt))] = 999  # anywhere: realign or fork
+            output = [200 + rng.randrange(100) for _ in range(rng.randrange(0, 5))]
+            finish = rng.choices(["stop", "length", "abort"], [8, 1, 1])[0]
+            lps = [] if rng.random() < 0.1 else [-(t % 7) / 8 for t in output]
+            response = msg("assistant", f"r{turn}-{rng.randrange(4)}")
+            bodies.append(
+                TurnRecorded(
+                    turn_index=turn,
+                    messages=msgs if use_messages else [],
+                    prompt_ids=prompt,
+                    output_ids=output,
+                    output_log_probs=lps,
+                    finish_reason=finish,
+                    response_message=response,
+                    policy_version=rng.randrange(3),
+                )
+            )
+            if rng.random() < 0.05:
+                bodies.append(TurnUndelivered(turn_index=turn, reason="client_gone"))
+            last_prompt = (msgs, prompt)
+            msgs = msgs + [response]
+            ctx = prompt + output
+            states.append((msgs, ctx))
+        if outcome == "finish":
+            kind = rng.randrange(4)
+            if kind == 0:
+                bodies.append(RewardAssigned(reward=float(rng.randrange(2))))
+                bodies.append(SessionFinished(reward=None))
+            elif kind == 1:
+                bodies.append(SessionFinished(reward={"pass": float(rng.randrange(2))}))
+            else:
+                bodies.append(SessionFinished(reward=rng.choice([0.0, 0.5, 1.0])))
+        elif outcome == "abort":
+            bodies.append(SessionAborted(reason=rng.choice(["timeout", "exception"])))
+        else:
+            bodies.append(SessionDropped(reason="shutdown"))
+        return [(sid, i, b) for i, b in enumerate(bodies)]
+
+    def log(self) -> MemoryLog:
+        """Build the MemoryLog (deterministic in the seed)."""
+        rng = self._rng
+        queues = []
+        for g in range(rng.randrange(1, self.max_groups + 1)):
+            size = rng.randrange(1, self.max_group_size + 1)
+            for i in range(size):
+                queues.append(self._session(f"g{g}-s{i}", f"g{g}", size, i))
+        log = MemoryLog(clock=lambda: 0)
+        pos = [0] * len(queues)
+        live = [i for i in range(len(queues))]
+        while live:
+            i = rng.choice(live)
+            log.append_batch([queues[i][pos[i]]])
+            pos[i] += 1
+            if pos[i] == len(queues[i]):
+                live.remove(i)
+        return log
