@@ -1,0 +1,439 @@
+"""On-disk format of the file log: segments, frames, the durable watermark
+and the checkpoint, plus the frame scanner every reader builds on.
+
+Layout of a log directory::
+
+    00000000000000000000.seg   segment files, each named by its first LSN
+    00000000000000004096.seg
+    DURABLE                    durable watermark: (next durable LSN, epoch)
+    INDEX                      checkpoint: sequence state + sparse index
+    LOCK                       flock'd by the one writer
+
+Segment header (32 bytes)::
+
+    magic b"AGLOGSEG" | u16 format version | u16 flags (0) | u64 writer epoch
+    | u64 first LSN | u32 masked CRC32C of the preceding 28 bytes
+
+Frame (all little-endian)::
+
+    u32 masked CRC32C of everything after it up to the end of the frame
+    u32 length     bytes after the type byte (envelope header + id + payload)
+    u8  type       1 = record; 0 is never valid, so a zero-filled tail never
+                   parses as a record
+    u64 lsn | u64 session_seq | i64 ts_ns | u8 flags (bit 0: terminal event)
+    | u16 session-id length | session id (UTF-8) | msgspec msgpack payload
+
+The CRC mask is LevelDB's: a CRC computed over data that itself embeds CRCs
+is weak, so the stored value is rotated and offset.
+
+The DURABLE file tells readers in other processes which records are durable:
+the writer rewrites it (one ``pwrite`` of 20 bytes) only after the records
+below it were made durable under its fsync policy. A reader or follower never
+yields a record at or past it. Recovery also uses it to tell a torn tail
+(records past the watermark, never acknowledged) from damage to acknowledged
+records (which is corruption, never silently truncated).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple
+
+import google_crc32c
+import msgspec
+
+from .log_api import LogError
+
+_crc_value = google_crc32c.value
+_crc_extend = google_crc32c.extend
+
+FORMAT_VERSION = 1
+SEG_MAGIC = b"AGLOGSEG"
+SEG_HDR = struct.Struct("<8sHHQQI")
+SEG_HDR_SIZE = SEG_HDR.size  # 32
+SEG_SUFFIX = ".seg"
+SEG_NAME_RE = re.compile(r"^(\d{20})\.seg$")
+
+#: crc, length, type
+FRAME_HDR = struct.Struct("<IIB")
+#: lsn, session_seq, ts_ns, flags, session-id length
+ENV_HDR = struct.Struct("<QQqBH")
+#: everything after the CRC, as one pack: length, type, lsn, seq, ts, flags, sid length
+HEAD = struct.Struct("<IBQQqBH")
+FRAME_CRC = struct.Struct("<I")
+FRAME_PREFIX = FRAME_HDR.size  # 9: crc + length + type
+FRAME_OVERHEAD = FRAME_CRC.size + HEAD.size  # 36 bytes before the session id
+TYPE_RECORD = 1
+FLAG_TERMINAL = 1
+
+DURABLE_NAME = "DURABLE"
+DURABLE_FMT = struct.Struct("<QQI")  # next durable lsn, epoch, masked crc
+INDEX_NAME = "INDEX"
+INDEX_MAGIC = b"AGLOGIDX"
+LOCK_NAME = "LOCK"
+
+DEFAULT_MAX_RECORD_BYTES = 16 << 20
+#: A sparse-index entry is kept every this many bytes of a segment.
+INDEX_EVERY_BYTES = 64 << 10
+
+_MASK_DELTA = 0xA282EAD8
+
+
+class LogCorruption(LogError):
+    """A frame that acknowledged data depends on is damaged.
+
+    ``segment``, ``offset`` and ``last_good_lsn`` (-1 when none) say where.
+    """
+
+    def __init__(self, message: str, *, segment: str = "", offset: int = -1, last_good_lsn: int = -1) -> None:
+        super().__init__(message)
+        self.segment = segment
+        self.offset = offset
+        self.last_good_lsn = last_good_lsn
+
+
+def mask_crc(crc: int) -> int:
+    """LevelDB's CRC mask: rotate right by 15 bits and add a constant."""
+    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def segment_name(first_lsn: int) -> str:
+    """File name of the segment whose first record is ``first_lsn``."""
+    return f"{first_lsn:020d}{SEG_SUFFIX}"
+
+
+def list_segments(directory: Path) -> list[int]:
+    """First LSNs of the segment files in ``directory``, ascending."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        m = SEG_NAME_RE.match(name)
+        if m:
+            out.append(int(m.group(1)))
+    out.sort()
+    return out
+
+
+def is_log_dir(directory: Path) -> bool:
+    """True when ``directory`` holds segment files or a DURABLE watermark."""
+    return directory.is_dir() and (bool(list_segments(directory)) or (directory / DURABLE_NAME).exists())
+
+
+# ---------------------------------------------------------------- segment header
+
+
+def pack_segment_header(epoch: int, first_lsn: int) -> bytes:
+    """The 32-byte header of a new segment."""
+    body = SEG_HDR.pack(SEG_MAGIC, FORMAT_VERSION, 0, epoch, first_lsn, 0)[:-4]
+    return body + FRAME_CRC.pack(mask_crc(_crc_value(body)))
+
+
+class SegmentHeader(NamedTuple):
+    version: int
+    epoch: int
+    first_lsn: int
+
+
+def parse_segment_header(raw: bytes, name: str, expected_first: int) -> SegmentHeader:
+    """Check a segment header; raises LogCorruption naming the segment and what is wrong."""
+    if len(raw) < SEG_HDR_SIZE:
+        raise LogCorruption(
+            f"segment {name}, offset 0: header is {len(raw)} bytes, expected {SEG_HDR_SIZE}", segment=name, offset=0
+        )
+    magic, version, _flags, epoch, first, crc = SEG_HDR.unpack_from(raw)
+    if magic != SEG_MAGIC:
+        raise LogCorruption(f"segment {name}, offset 0: bad magic {magic!r}, expected {SEG_MAGIC!r}", segment=name, offset=0)
+    if mask_crc(_crc_value(bytes(raw[: SEG_HDR_SIZE - 4]))) != crc:
+        raise LogCorruption(f"segment {name}, offset 0: header CRC mismatch", segment=name, offset=0)
+    if version > FORMAT_VERSION:
+        raise LogCorruption(
+            f"segment {name}: format version {version} is newer than this reader ({FORMAT_VERSION}); upgrade agentlog",
+            segment=name,
+            offset=0,
+        )
+    if first != expected_first:
+        raise LogCorruption(
+            f"segment {name}, offset 0: header says first lsn {first}, the file name says {expected_first}",
+            segment=name,
+            offset=0,
+        )
+    return SegmentHeader(version, epoch, first)
+
+
+# ---------------------------------------------------------------- frames
+
+
+def encode_frame(lsn: int, seq: int, ts_ns: int, flags: int, sid: bytes, payload: bytes) -> bytes:
+    """One framed record (see the module docstring for the layout)."""
+    head = HEAD.pack(ENV_HDR.size + len(sid) + len(payload), TYPE_RECORD, lsn, seq, ts_ns, flags, len(sid)) + sid
+    crc = _crc_extend(_crc_value(head), payload)
+    return FRAME_CRC.pack(mask_crc(crc)) + head + payload
+
+
+class Frame(NamedTuple):
+    """A CRC-valid frame found by the scanner; ``payload`` is a zero-copy view."""
+
+    offset: int
+    end: int
+    lsn: int
+    session_seq: int
+    ts_ns: int
+    flags: int
+    session_id: str
+    payload: memoryview
+
+
+class BadFrame(NamedTuple):
+    """Where and why scanning a segment stopped before its end."""
+
+    offset: int
+    reason: str
+    #: True when the frame simply runs past the end of the file (a clean cut).
+    past_eof: bool
+
+
+_sid_cache: dict[bytes, str] = {}
+
+
+def _decode_sid(raw: bytes) -> str:
+    sid = _sid_cache.get(raw)
+    if sid is None:
+        sid = raw.decode("utf-8")
+        if len(_sid_cache) > 65536:  # bounded: ids of ended sessions age out
+            _sid_cache.clear()
+        _sid_cache[raw] = sid
+    return sid
+
+
+class _Shrunk(Exception):
+    pass
+
+
+class SegmentScanner:
+    """Reads CRC-valid frames of one segment file sequentially from an offset.
+
+    It reads in large chunks with ``pread`` and never allocates more than
+    ``max_record_bytes`` plus one chunk, whatever a length field claims.
+    """
+
+    CHUNK = 1 << 20
+
+    def __init__(self, fd: int, name: str, offset: int, expected_lsn: int, max_record_bytes: int) -> None:
+        self.fd = fd
+        self.name = name
+        self.offset = offset
+        self.expected = expected_lsn
+        self.cap = max_record_bytes
+        self.bad: BadFrame | None = None
+        self._buf = b""
+        self._buf_off = offset  # file offset of _buf[0]
+
+    def _fill(self, need_end: int, size: int) -> None:
+        """Make _buf cover [self.offset, need_end) (need_end <= size)."""
+        if self._buf_off <= self.offset and need_end <= self._buf_off + len(self._buf):
+            return
+        want = max(need_end, min(size, self.offset + self.CHUNK)) - self.offset
+        self._buf = os.pread(self.fd, want, self.offset)
+        self._buf_off = self.offset
+        if len(self._buf) < need_end - self.offset:
+            # The file shrank under us (a writer truncating a torn tail).
+            raise _Shrunk()
+
+    def frames(self, limit: int | None = None, size: int | None = None) -> Iterator[Frame]:
+        """Yield valid frames until the end of the file, the first bad frame
+        (recorded in ``self.bad``) or ``limit`` (an exclusive LSN bound)."""
+        self.bad = None
+        if size is None:
+            size = os.fstat(self.fd).st_size
+        try:
+            yield from self._frames(limit, size)
+        except _Shrunk:
+            self.bad = BadFrame(self.offset, "file shrank while reading", True)
+
+    def _frames(self, limit: int | None, size: int) -> Iterator[Frame]:
+        cap = self.cap
+        while limit is None or self.expected < limit:
+            off = self.offset
+            if off >= size:
+                return
+            if size - off < FRAME_PREFIX:
+                self._fill(size, size)
+                self.bad = BadFrame(off, f"incomplete frame header ({size - off} bytes before end of file)", True)
+                return
+            self._fill(off + FRAME_PREFIX, size)
+            rel = off - self._buf_off
+            buf = self._buf
+            crc, length, typ = FRAME_HDR.unpack_from(buf, rel)
+            if typ != TYPE_RECORD:
+                what = "zero-filled" if typ == 0 and not any(buf[rel : rel + 64]) else f"type byte {typ}"
+                self.bad = BadFrame(off, f"{what} (expected a record, type {TYPE_RECORD})", False)
+                return
+            if length < ENV_HDR.size or length > cap:
+                self.bad = BadFrame(
+                    off, f"frame length {length} out of range (expected {ENV_HDR.size}..{cap} bytes)", False
+                )
+                return
+            end = off + FRAME_PREFIX + length
+            if end > size:
+                self.bad = BadFrame(off, f"frame of {FRAME_PREFIX + length} bytes runs past end of file ({size})", True)
+                return
+            self._fill(end, size)
+            rel = off - self._buf_off
+            buf = self._buf
+            body = buf[rel + 4 : rel + FRAME_PREFIX + length]
+            if mask_crc(_crc_value(body)) != crc:
+                self.bad = BadFrame(off, "CRC mismatch", False)
+                return
+            lsn, seq, ts, flags, sidlen = ENV_HDR.unpack_from(body, 5)
+            if ENV_HDR.size + sidlen > length:
+                self.bad = BadFrame(off, f"session-id length {sidlen} exceeds frame length {length}", False)
+                return
+            if lsn != self.expected:
+                self.bad = BadFrame(off, f"lsn {lsn}, expected {self.expected}", False)
+                return
+            p = 5 + ENV_HDR.size
+            try:
+                sid = _decode_sid(body[p : p + sidlen])
+            except UnicodeDecodeError:
+                self.bad = BadFrame(off, "session id is not UTF-8", False)
+                return
+            self.offset = end
+            self.expected = lsn + 1
+            yield Frame(off, end, lsn, seq, ts, flags, sid, memoryview(body)[p + sidlen :])
+
+
+def find_later_frame(fd: int, start: int, size: int, lsn_lo: int, max_record_bytes: int) -> int | None:
+    """Offset of a CRC-valid frame after ``start`` whose lsn is in
+    [lsn_lo, lsn_lo + 2], or None. It searches for the little-endian LSN bytes
+    (at a fixed place in every frame), so it runs at C speed over megabytes."""
+    patterns = [struct.pack("<Q", lsn_lo + k) for k in range(3)]
+    lsn_at = FRAME_PREFIX  # lsn follows crc, length and type
+    pos = start + 1
+    chunk = 1 << 20
+    seen: set[int] = set()
+    while pos < size:
+        buf = os.pread(fd, min(chunk + 16, size - pos), pos)
+        hits = []
+        for pat in patterns:
+            i = buf.find(pat, lsn_at)
+            while i != -1:
+                hits.append(i)
+                i = buf.find(pat, i + 1)
+        for i in sorted(hits):
+            cand = pos + i - lsn_at
+            if cand in seen:
+                continue
+            seen.add(cand)
+            expected = struct.unpack_from("<Q", buf, i)[0]
+            sc = SegmentScanner(fd, "", cand, expected, max_record_bytes)
+            for _ in sc.frames(limit=expected + 1, size=size):
+                return cand
+        pos += chunk
+    return None
+
+
+# ---------------------------------------------------------------- durable watermark
+
+
+def pack_durable(next_lsn: int, epoch: int) -> bytes:
+    """Contents of the DURABLE file."""
+    body = struct.pack("<QQ", next_lsn, epoch)
+    return body + FRAME_CRC.pack(mask_crc(_crc_value(body)))
+
+
+def read_durable(directory: Path) -> tuple[int, int] | None:
+    """(next durable lsn, writer epoch) from DURABLE, or None when the file is
+    missing or unreadable (then no watermark is known)."""
+    try:
+        with open(directory / DURABLE_NAME, "rb") as f:
+            raw = f.read(DURABLE_FMT.size)
+    except FileNotFoundError:
+        return None
+    if len(raw) != DURABLE_FMT.size:
+        return None
+    lsn, epoch, crc = DURABLE_FMT.unpack(raw)
+    if mask_crc(_crc_value(raw[:16])) != crc:
+        return None
+    return lsn, epoch
+
+
+# ---------------------------------------------------------------- checkpoint
+
+
+class Checkpoint(msgspec.Struct, frozen=True):
+    """Writer state as of record ``lsn``, which starts at ``offset`` in segment
+    ``segment`` (or would, if nothing follows). Rebuildable from the log."""
+
+    epoch: int
+    lsn: int
+    segment: int
+    offset: int
+    segments: list[int]
+    open_sessions: dict[str, int]
+    #: segment first lsn -> sparse [(lsn, offset), ...]
+    index: dict[int, list[tuple[int, int]]]
+
+
+_ckpt_encoder = msgspec.msgpack.Encoder()
+_ckpt_decoder = msgspec.msgpack.Decoder(Checkpoint)
+
+
+def pack_checkpoint(ckpt: Checkpoint) -> bytes:
+    """Magic, masked CRC, length, then msgpack."""
+    body = _ckpt_encoder.encode(ckpt)
+    return INDEX_MAGIC + struct.pack("<II", mask_crc(_crc_value(body)), len(body)) + body
+
+
+def load_checkpoint(directory: Path) -> tuple[Checkpoint | None, str]:
+    """The checkpoint, or (None, why not)."""
+    try:
+        raw = (directory / INDEX_NAME).read_bytes()
+    except FileNotFoundError:
+        return None, "no INDEX file"
+    if len(raw) < 16 or raw[:8] != INDEX_MAGIC:
+        return None, "INDEX has a bad header"
+    crc, n = struct.unpack_from("<II", raw, 8)
+    body = raw[16:]
+    if len(body) != n or mask_crc(_crc_value(body)) != crc:
+        return None, "INDEX CRC or length mismatch"
+    try:
+        return _ckpt_decoder.decode(body), ""
+    except msgspec.DecodeError as exc:
+        return None, f"INDEX does not decode: {exc}"
+
+
+def fsync_dir(directory: Path | str) -> None:
+    """fsync a directory so that created, renamed or removed entries persist."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(directory: Path, name: str, data: bytes) -> None:
+    """Write ``name`` via a temp file, fsync, rename and a directory fsync."""
+    tmp = directory / f".{name}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, directory / name)
+    fsync_dir(directory)
+
+
+def describe(value: Any) -> str:
+    """Short repr for error messages."""
+    r = repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."
