@@ -1,0 +1,182 @@
+"""Policy loss against hand-computed tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from learner.loss import kl_penalty, policy_loss
+
+T = torch.tensor
+
+
+def leaf(values):
+    return T(values, dtype=torch.float32, requires_grad=True)
+
+
+def ratios_to_log_probs(ratios):
+    """log-probs whose ratio against zeros is ``ratios``."""
+    return leaf([[math.log(r) for r in row] for row in ratios])
+
+
+def test_ppo_clip_acts_on_both_sides_with_asymmetric_ranges():
+    lp = ratios_to_log_probs([[1.5, 0.5, 1.1, 0.9], [1.5, 0.5, 1.1, 0.9]])
+    old = torch.zeros(2, 4)
+    adv = T([1.0, -1.0])
+    loss, m = policy_loss(lp, old, adv, torch.ones(2, 4))
+    # A > 0: -min(r, clip(r)); 1.5 clips at 1 + 0.28. A < 0: max(r, clip(r)); 0.5 clips at 1 - 0.2.
+    per_token = T([[-1.28, -0.5, -1.1, -0.9], [1.5, 0.8, 1.1, 0.9]])
+    assert_close(loss, per_token.mean())
+    assert_close(m["stats/clip_frac"], T(2 / 8))
+    loss.backward()
+    # clipped tokens carry no gradient; the others d/dlogp(-A r) = -A r / 8
+    assert_close(lp.grad, T([[0.0, -0.5, -1.1, -0.9], [1.5, 0.0, 1.1, 0.9]]) / 8)
+
+
+def test_clip_range_is_configurable_per_side():
+    lp = ratios_to_log_probs([[1.25, 0.85]])
+    loss, m = policy_loss(lp, torch.zeros(1, 2), T([1.0]), torch.ones(1, 2), eps_clip=0.1, eps_clip_high=0.2)
+    assert_close(loss, T((-1.2 - 0.85) / 2))
+    assert_close(m["stats/clip_frac"], T(0.5))
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    lp = ratios_to_log_probs([[5.0, 2.0], [5.0, 2.0]])
+    adv = T([-1.0, 1.0])
+    loss, m = policy_loss(lp, torch.zeros(2, 2), adv, torch.ones(2, 2), dual_clip=3.0)
+    # A < 0: min(max(r, clip(r)), c) -> [3, 2]; A > 0 untouched: -1.28 each
+    assert_close(loss, T([3.0, 2.0, -1.28, -1.28]).mean())
+    assert_close(m["stats/dual_clip_frac"], T(1 / 4))
+    loss_plain, _ = policy_loss(lp, torch.zeros(2, 2), adv, torch.ones(2, 2))
+    assert_close(loss_plain, T([5.0, 2.0, -1.28, -1.28]).mean())
+
+
+def test_gspo_uses_the_masked_sequence_mean_log_ratio():
+    lp = leaf([[0.1, 0.3, 5.0], [0.5, 0.5, 0.5]])
+    mask = T([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = T([1.0, 1.0])
+    loss, m = policy_loss(lp, torch.zeros(2, 3), adv, mask, estimator="gspo")
+    s0 = math.exp(0.2)  # inside the clip range
+    # row 1: exp(0.5) = 1.65 > 1.28, clipped
+    assert_close(loss, T((-s0 * 2 - 1.28 * 3) / 5))
+    assert_close(m["stats/clip_frac"], T(3 / 5))
+    loss.backward()
+    # d/dlogp_t of -s * (2 tokens) / 5 with s = exp(mean) : -s * (1/2) * 2 / 5 per valid token
+    assert_close(lp.grad, T([[-s0 / 5, -s0 / 5, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_truncated_importance_sampling_caps_the_weight():
+    lp = leaf([[0.0, 0.0]])
+    old = torch.zeros(1, 2)
+    rollout = T([[-math.log(3.0), math.log(2.0)]])  # pi_old / pi_rollout = [3, 0.5]
+    loss, m = policy_loss(lp, old, T([1.0]), torch.ones(1, 2), rollout_log_probs=rollout, tis_cap=2.0)
+    assert_close(loss, T(-(2.0 + 0.5) / 2))
+    assert_close(m["stats/tis_clip_frac"], T(0.5))
+    with pytest.raises(ValueError, match="rollout_log_probs"):
+        policy_loss(lp, old, T([1.0]), torch.ones(1, 2), tis_cap=2.0)
+
+
+@pytest.mark.parametrize("kl_type, per_token", [
+    ("k1", [0.5, -0.5]),
+    ("k2", [0.125, 0.125]),
+    ("k3", [math.exp(-0.5) - 1 + 0.5, math.exp(0.5) - 1 - 0.5]),
+])
+def test_kl_estimators_to_the_reference_policy(kl_type, per_token):
+    lp = leaf([[0.0, 0.0]])
+    ref = T([[-0.5, 0.5]])
+    assert_close(kl_penalty(lp.detach(), ref, kl_type), T([per_token]))
+    loss, m = policy_loss(lp, lp.detach(), T([0.0]), torch.ones(1, 2), ref_log_probs=ref,
+                          kl_coef=0.1, kl_type=kl_type)
+    assert_close(loss, T(0.1 * sum(per_token) / 2))
+    assert_close(m["loss/kl"], T(sum(per_token) / 2))
+
+
+def test_unknown_kl_type_raises():
+    with pytest.raises(ValueError, match="kl_type"):
+        kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
+
+
+def test_entropy_bonus_lowers_the_loss():
+    lp = leaf([[0.0, 0.0]])
+    ent = T([[1.0, 2.0]], requires_grad=True)
+    loss, m = policy_loss(lp, lp.detach(), T([0.0]), torch.ones(1, 2), entropy=ent, entropy_coef=0.01)
+    assert_close(loss, T(-0.01 * 1.5))
+    assert_close(m["stats/entropy"], T(1.5))
+    loss.backward()
+    assert_close(ent.grad, T([[-0.005, -0.005]]))
+
+
+def test_token_mean_and_sample_mean_aggregations():
+    lp = leaf([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = T([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = T([1.0, -2.0])  # ratio 1: per-token loss -A -> row 0: [-1], row 1: [2, 2, 2]
+    tok, _ = policy_loss(lp, lp.detach(), adv, mask, loss_agg="token_mean")
+    smp, _ = policy_loss(lp, lp.detach(), adv, mask, loss_agg="sample_mean")
+    assert_close(tok, T((-1.0 + 6.0) / 4))
+    assert_close(smp, T((-1.0 + 2.0) / 2))
+
+
+def test_per_token_advantages_are_accepted():
+    lp = leaf([[0.0, 0.0]])
+    loss, _ = policy_loss(lp, lp.detach(), T([[1.0, 3.0]]), torch.ones(1, 2))
+    assert_close(loss, T(-2.0))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "gspo"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "sample_mean"])
+def test_fully_masked_rows_never_give_nan(estimator, loss_agg):
+    lp = leaf([[0.3, -0.2], [0.1, 0.0]])
+    mask = torch.zeros(2, 2)
+    loss, m = policy_loss(lp, torch.zeros(2, 2), T([1.0, -1.0]), mask, estimator=estimator, loss_agg=loss_agg,
+                          rollout_log_probs=torch.zeros(2, 2), tis_cap=2.0, ref_log_probs=torch.zeros(2, 2),
+                          kl_coef=0.1, entropy=torch.ones(2, 2), entropy_coef=0.01, dual_clip=3.0)
+    assert loss.item() == 0.0
+    assert all(torch.isfinite(v) for v in m.values())
+    loss.backward()
+    assert torch.equal(lp.grad, torch.zeros(2, 2))
+    # and a fully masked row next to a live one changes nothing
+    mask = T([[0.0, 0.0], [1.0, 1.0]])
+    both, _ = policy_loss(lp, torch.zeros(2, 2), T([1.0, -1.0]), mask, estimator=estimator, loss_agg=loss_agg)
+    alone, _ = policy_loss(lp[1:], torch.zeros(1, 2), T([-1.0]), mask[1:], estimator=estimator, loss_agg=loss_agg)
+    assert_close(both, alone)
+
+
+def test_vectorised_loss_matches_a_plain_loop():
+    """Element by element against a per-token Python loop (PPO-clip, dual clip, TIS, token mean)."""
+    g = torch.Generator().manual_seed(3)
+    N, L = 5, 7
+    lp = (torch.randn(N, L, generator=g) * 0.3)
+    old = torch.randn(N, L, generator=g) * 0.3
+    roll = old + torch.randn(N, L, generator=g) * 0.5
+    adv = torch.randn(N, generator=g)
+    mask = (torch.rand(N, L, generator=g) > 0.3).float()
+    loss, _ = policy_loss(lp, old, adv, mask, dual_clip=2.0, rollout_log_probs=roll, tis_cap=1.5)
+    total, count = 0.0, 0
+    for i in range(N):
+        for t in range(L):
+            if not mask[i, t]:
+                continue
+            r = math.exp(lp[i, t] - old[i, t])
+            a = float(adv[i])
+            ell = max(-r * a, -min(max(r, 0.8), 1.28) * a)
+            if a < 0:
+                ell = min(ell, -2.0 * a)
+            ell *= min(math.exp(old[i, t] - roll[i, t]), 1.5)
+            total += ell
+            count += 1
+    assert_close(loss, T(total / count), rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_names_and_bad_shapes_raise():
+    z = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="estimator"):
+        policy_loss(z, z, T([0.0]), z, estimator="ppo2")
+    with pytest.raises(ValueError, match="loss_agg"):
+        policy_loss(z, z, T([0.0]), z, loss_agg="sum")
+    with pytest.raises(ValueError, match=r"\(N, L\)"):
+        policy_loss(z, torch.zeros(1, 3), T([0.0]), z)
+    with pytest.raises(ValueError, match="ref_log_probs"):
+        policy_loss(z, z, T([0.0]), z, kl_coef=0.1)
