@@ -1,0 +1,164 @@
+"""Schema v1: every event round-trips; every bad input is refused with a clear error."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from events.types import (
+    MAX_ID_BYTES,
+    EVENT_TYPES,
+    Envelope,
+    EventValidationError,
+    RewardAssigned,
+    SessionAborted,
+    SessionDropped,
+    SessionFinished,
+    SessionOpened,
+    TurnRecorded,
+    decode_body,
+    encode_body,
+    event_tag,
+    validate_id,
+)
+from event_samples import every_event
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+@pytest.mark.parametrize("body", every_event(), ids=lambda b: event_tag(b))
+def test_every_event_type_round_trips_through_the_codec(body):
+    raw = encode_body(body)
+    back = decode_body(raw)
+    assert type(back) is type(body)
+    assert back == body
+    env = Envelope(5, "s", 1, 123, body)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(env), type=Envelope) == env
+
+
+def test_event_tags_are_unique_snake_case():
+    tags = [t.__struct_config__.tag for t in EVENT_TYPES]
+    assert len(set(tags)) == len(tags)
+    assert all(t == t.lower() and " " not in t for t in tags)
+
+
+def test_token_arrays_are_stored_as_raw_little_endian_bytes_and_read_as_views():
+    t = TurnRecorded(turn_index=0, output_ids=[1, 2, 300000], output_log_probs=np.array([-0.5, -1.0, -2.0]))
+    assert t.output_ids == np.array([1, 2, 300000], dtype="<i4").tobytes()
+    assert t.output_log_probs == np.array([-0.5, -1.0, -2.0], dtype="<f4").tobytes()
+    back = decode_body(encode_body(t))
+    assert back.output_tokens.tolist() == [1, 2, 300000]
+    assert back.log_probs.dtype == np.float32 and back.log_probs.tolist() == [-0.5, -1.0, -2.0]
+    assert back.output_tokens.base is not None  # a view over the stored bytes, not a copy
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _raises(match: str, fn, *args, **kwargs):
+    with pytest.raises(EventValidationError, match=match) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+def test_log_prob_count_must_match_output_tokens():
+    msg = _raises("output_log_probs", TurnRecorded, turn_index=0, output_ids=[1, 2, 3], output_log_probs=[-0.1, -0.2])
+    assert "expected 3 log-probs" in msg and "2 log-probs" in msg
+    # Empty log-probs are allowed (not recorded).
+    assert TurnRecorded(turn_index=0, output_ids=[1, 2, 3]).log_probs.size == 0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, "1.0", None, [1.0]])
+def test_non_finite_or_non_numeric_rewards_are_refused(bad):
+    msg = _raises("reward_assigned.reward", RewardAssigned, reward=bad)
+    assert repr(bad)[:10] in msg
+
+
+@pytest.mark.parametrize("bad", [{"a": math.nan}, {"a": "x"}, {"a": None}, {1: 1.0}])
+def test_dict_rewards_must_hold_finite_floats_under_str_keys(bad):
+    _raises(r"reward\[", RewardAssigned, reward=bad)
+
+
+def test_int_and_bool_rewards_become_floats():
+    assert RewardAssigned(reward=1).reward == 1.0 and type(RewardAssigned(reward=1).reward) is float
+    assert RewardAssigned(reward=True).reward == 1.0
+    assert RewardAssigned(reward={"a": 2, "b": False}).reward == {"a": 2.0, "b": 0.0}
+    assert SessionFinished(reward=0).reward == 0.0
+    _raises("session_finished.reward", SessionFinished, reward=math.nan)
+
+
+def test_finish_reason_must_be_stop_length_or_abort():
+    msg = _raises("finish_reason", TurnRecorded, turn_index=0, finish_reason="eos")
+    assert "stop/length/abort" in msg and "'eos'" in msg
+
+
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ("", "non-empty"),
+        ("a/b", "path separator"),
+        ("a\\b", "path separator"),
+        ("a\nb", "control character"),
+        ("a\x00b", "control character"),
+        ("x" * (MAX_ID_BYTES + 1), "at most"),
+        (42, "non-empty str"),
+    ],
+)
+def test_ids_are_bounded_in_length_and_charset(bad, why):
+    msg = _raises(why, validate_id, "session_id", bad)
+    assert msg.startswith("session_id")
+    _raises(why, SessionOpened, group_id=bad, group_size=1)
+
+
+def test_other_bad_fields_name_field_and_value():
+    assert "group_size" in _raises("group_size", SessionOpened, group_id="g", group_size=0)
+    assert "turn_index" in _raises("turn_index", TurnRecorded, turn_index=-1)
+    _raises("int32 range", TurnRecorded, turn_index=0, output_ids=[2**31])
+    _raises("reason", SessionAborted, reason="")
+    _raises("reason", SessionDropped, reason="")
+
+
+def test_bad_events_from_bytes_are_refused_on_decode():
+    raw = msgspec.msgpack.encode({"type": "turn_recorded", "turn_index": 0, "finish_reason": "eos"})
+    with pytest.raises(msgspec.ValidationError, match="stop/length/abort"):
+        decode_body(raw)
+
+
+def test_aborted_traceback_is_capped_keeping_the_end():
+    tb = "x" * 50_000 + "END"
+    ev = SessionAborted(reason="exception", traceback=tb)
+    assert len(ev.traceback) <= 8192 and ev.traceback.endswith("END")
+
+
+# ---------------------------------------------------------------- schema evolution
+
+
+def test_golden_schema_v1_records_still_decode():
+    """The committed golden file (never regenerated by tests) decodes to the same events."""
+    import make_golden_shim
+
+    raw = (FIXTURES / "schema_v1_events.msgpack").read_bytes()
+    envs = msgspec.msgpack.decode(raw, type=list[Envelope])
+    assert {type(e.body) for e in envs} == set(EVENT_TYPES)
+    assert envs == make_golden_shim.golden_envelopes()
+    turn = next(e.body for e in envs if isinstance(e.body, TurnRecorded))
+    assert turn.output_tokens.tolist() == [10, -1, 2**31 - 1]
+
+
+def test_golden_v1_log_directory_still_reads():
+    """A log written in format v1 (segment + DURABLE) still reads, record for record."""
+    import make_golden_shim
+
+    from events.log import read_log, verify_log
+
+    assert list(read_log(FIXTURES / "golden_log_v1")) == make_golden_shim.golden_envelopes()
+    assert verify_log(FIXTURES / "golden_log_v1").status == "ok"
+
+
+def test_new_fields_in_a_newer_writer_are_tolerated():
+    raw = msgspec.msgpack.encode({"type": "session_dropped", "reason": "x", "added_in_v2": [1, 2]})
+    assert decode_body(raw) == SessionDropped(reason="x")
