@@ -537,7 +537,12 @@ class SessionEngine:
             raise DuplicateSession(session_id, None, f"the log holds it at lsn {found}")
 
     def _scan_log_for(self, session_id: str) -> int | None:
-        for env in self._log_.read(0):
+        try:
+            # Only ids are needed: skip decoding bodies where the log can (FileLog).
+            records = self._log_.read(0, raw=True)  # type: ignore[call-arg]
+        except TypeError:
+            records = self._log_.read(0)
+        for env in records:
             if env.session_id == session_id:
                 return env.lsn
         return None
