@@ -1,0 +1,169 @@
+"""One contract suite, run against every EventLog implementation."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from events.log import FileLog
+from events.log_api import EventLog, LogClosed, MemoryLog, PendingRecord, SequenceError
+from events.types import EventValidationError, SessionDropped, SessionOpened, SessionStarted
+import make_golden_shim
+from event_samples import small_event
+
+
+def opened(group: str = "g") -> SessionOpened:
+    return SessionOpened(group_id=group, group_size=2)
+
+
+class LogContract:
+    """Behaviour every log honours. Subclasses provide ``make_log``."""
+
+    def make_log(self, tmp_path, clock) -> EventLog:
+        raise NotImplementedError
+
+    @pytest.fixture
+    def clock(self):
+        ticks = itertools.count(1000)
+        return lambda: next(ticks)
+
+    @pytest.fixture
+    def log(self, tmp_path, clock):
+        lg = self.make_log(tmp_path, clock)
+        yield lg
+        lg.close()
+
+    def test_append_batch_assigns_gapless_lsns_from_zero(self, log):
+        envs = log.append_batch([PendingRecord("a", 0, opened()), ("a", 1, SessionStarted()), ("b", 0, opened())])
+        assert [e.lsn for e in envs] == [0, 1, 2]
+        assert [(e.session_id, e.session_seq) for e in envs] == [("a", 0), ("a", 1), ("b", 0)]
+        more = log.append_batch([("a", 2, small_event(1))])
+        assert more[0].lsn == 3 and log.next_lsn == 4
+
+    def test_every_event_type_survives_the_log(self, log):
+        golden = make_golden_shim.golden_envelopes()
+        log.append_batch([(e.session_id, e.session_seq, e.body) for e in golden])
+        stored = list(log.read())
+        assert [(e.lsn, e.session_id, e.session_seq, e.body) for e in stored] == [
+            (e.lsn, e.session_id, e.session_seq, e.body) for e in golden
+        ]
+
+    def test_read_from_any_lsn_returns_exactly_the_suffix(self, log):
+        for i in range(10):
+            log.append_batch([(f"s{i}", 0, opened()), (f"s{i}", 1, small_event(i))])
+        every = list(log.read())
+        assert [e.lsn for e in every] == list(range(20))
+        for k in (0, 1, 7, 19, 20, 500):
+            assert list(log.read(k)) == every[k:]
+
+    def test_seq_gap_and_repeat_are_refused_naming_session_and_numbers(self, log):
+        log.append_batch([("s", 0, opened()), ("s", 1, SessionStarted())])
+        with pytest.raises(SequenceError, match=r"'s'.*session_seq 3 refused, expected 2 \(a gap\)"):
+            log.append_batch([("s", 3, small_event(0))])
+        with pytest.raises(SequenceError, match=r"'s'.*session_seq 1 refused, expected 2 \(a repeat\)"):
+            log.append_batch([("s", 1, small_event(0))])
+        with pytest.raises(SequenceError, match=r"'new'.*session_seq 1 refused, expected 0"):
+            log.append_batch([("new", 1, opened())])
+
+    def test_a_refused_batch_appends_nothing(self, log):
+        log.append_batch([("s", 0, opened())])
+        with pytest.raises(SequenceError):
+            log.append_batch([("s", 1, small_event(0)), ("t", 0, opened()), ("s", 5, small_event(1))])
+        assert log.next_lsn == 1 and log.next_seq("s") == 1 and log.next_seq("t") == 0
+        with pytest.raises(EventValidationError):
+            log.append_batch([("u", 0, opened()), ("bad/id", 0, opened())])
+        assert log.next_lsn == 1 and [e.lsn for e in log.read()] == [0]
+
+    def test_terminal_event_closes_the_session(self, log):
+        log.append_batch([("a", 0, opened()), ("b", 0, opened()), ("a", 1, SessionDropped(reason="cancelled"))])
+        assert log.open_sessions() == {"b": 1}
+        assert log.next_seq("a") == 0 and log.next_seq("b") == 1
+
+    def test_timestamps_come_from_the_injected_clock(self, log):
+        envs = log.append_batch([("a", 0, opened())])
+        assert 1000 <= envs[0].ts_ns < 2000
+        assert list(log.read())[0].ts_ns == envs[0].ts_ns
+
+    def test_concurrent_async_appends_all_ack_with_gapless_lsns(self, log):
+        async def session(k):
+            sid = f"s{k}"
+            out = [await log.append(sid, 0, opened())]
+            for seq in range(1, 15):
+                out.append(await log.append(sid, seq, small_event(seq)))
+            return out
+
+        async def main():
+            return await asyncio.gather(*(session(k) for k in range(20)))
+
+        results = asyncio.run(main())
+        lsns = sorted(e.lsn for r in results for e in r)
+        assert lsns == list(range(300))
+        stored = list(log.read())
+        assert len(stored) == 300
+        for r in results:
+            assert [e.session_seq for e in r] == list(range(15))
+            assert all(stored[e.lsn] == e for e in r)
+
+    def test_async_append_refuses_bad_seq_immediately(self, log):
+        async def main():
+            await log.append("s", 0, opened())
+            with pytest.raises(SequenceError):
+                await log.append("s", 0, opened())
+
+        asyncio.run(main())
+        assert log.next_lsn == 1
+
+    def test_follow_yields_records_appended_later(self, log):
+        async def main():
+            got = []
+
+            async def follower():
+                async for env in log.follow(0, poll_s=0.005):
+                    got.append(env)
+                    if len(got) == 6:
+                        return
+
+            task = asyncio.create_task(follower())
+            for i in range(3):
+                await log.append(f"s{i}", 0, opened())
+                await asyncio.sleep(0.01)
+            log.append_batch([(f"s{i}", 1, small_event(i)) for i in range(3)])
+            await asyncio.wait_for(task, 5)
+            return got
+
+        got = asyncio.run(main())
+        assert got == list(log.read())
+
+    def test_closed_log_refuses_appends(self, log):
+        log.append_batch([("s", 0, opened())])
+        log.close()
+        with pytest.raises(LogClosed):
+            log.append_batch([("s", 1, small_event(0))])
+        log.close()  # idempotent
+
+
+class TestMemoryLog(LogContract):
+    def make_log(self, tmp_path, clock):
+        return MemoryLog(clock=clock)
+
+
+class TestFileLog(LogContract):
+    def make_log(self, tmp_path, clock):
+        return FileLog.open(tmp_path / "log", clock=clock, segment_bytes=1024)
+
+
+class TestFileLogAlwaysFsync(LogContract):
+    def make_log(self, tmp_path, clock):
+        return FileLog.open(tmp_path / "log", clock=clock, fsync="always")
+
+
+class TestFileLogIntervalFsync(LogContract):
+    def make_log(self, tmp_path, clock):
+        return FileLog.open(tmp_path / "log", clock=clock, fsync="interval", interval_s=0.01)
+
+
+class TestFileLogNoFsync(LogContract):
+    def make_log(self, tmp_path, clock):
+        return FileLog.open(tmp_path / "log", clock=clock, fsync="never")
