@@ -35,6 +35,9 @@ from .chat import ByteChatTemplate, ChatTemplate, HermesToolParser, RequestError
 
 _log = structlog.get_logger("agentlog.gateway")
 
+#: How often (in requests) the per-session table is swept for ended sessions.
+_SWEEP_EVERY = 1024
+
 _TOOL_ID_PREFIX = {"chat": "call_", "responses": "call_", "messages": "toolu_"}
 _RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
 
@@ -101,6 +104,7 @@ class Gateway:
         self.config = config or GatewayConfig()
         self.admin_token = admin_token
         self._sessions: dict[str, _SessionCfg] = {}
+        self._requests = 0
         self._runner: web.AppRunner | None = None
         self.url = ""
         self.stats = {"turns": 0, "undelivered": 0, "cancelled": 0, "backend_errors": 0, "refused": 0}
@@ -170,10 +174,24 @@ class Gateway:
         """Per-session entries the gateway holds (0 once all sessions ended)."""
         return len(self._sessions)
 
+    def forget(self, session_id: str) -> None:
+        """Drop the per-session configuration (harnesses call it when their session ends)."""
+        cfg = self._sessions.get(session_id)
+        if cfg is not None and cfg.inflight == 0:
+            del self._sessions[session_id]
+
     def _forget_if_ended(self, sid: str) -> None:
+        # Entries exist only while a request is in flight or a session was
+        # configured; configured ones go when their session is seen to have
+        # ended, and a sweep every _SWEEP_EVERY requests catches the rest, so
+        # the gateway's per-session state stays bounded by the live sessions.
         cfg = self._sessions.get(sid)
-        if cfg is not None and cfg.inflight == 0 and self.engine.get(sid) is None:
+        if cfg is not None and cfg.inflight == 0 and (self.engine.get(sid) is None or (not cfg.sampling and cfg.max_turns is None)):
             del self._sessions[sid]
+        self._requests += 1
+        if self._requests % _SWEEP_EVERY == 0:
+            for other in [k for k, c in self._sessions.items() if c.inflight == 0 and self.engine.get(k) is None]:
+                del self._sessions[other]
 
     # ------------------------------------------------------------ helpers
 

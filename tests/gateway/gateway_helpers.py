@@ -1,0 +1,131 @@
+"""Shared rig for the gateway tests: a log, an engine, a backend and a live gateway on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, Callable, Sequence
+
+from engine import SessionEngine
+from engine.gateway import Backend, ByteChatTemplate, Gateway, GatewayConfig, Generation, SamplingParams, TorchBackend
+from events.log_api import MemoryLog
+from events.types import TurnRecorded, TurnUndelivered
+
+TEMPLATE = ByteChatTemplate()
+
+
+#: Clients made by oa_client / an_client; rig() closes them on its own loop.
+CLIENTS: list[Any] = []
+
+
+def oa_client(url: str, sid: str) -> Any:
+    """The official async OpenAI client, API key = session id, no retries."""
+    import openai
+
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key=sid, max_retries=0, timeout=30)
+    CLIENTS.append(c)
+    return c
+
+
+def an_client(url: str, sid: str) -> Any:
+    """The official async Anthropic client, API key = session id, no retries."""
+    import anthropic
+
+    c = anthropic.AsyncAnthropic(base_url=url, api_key=sid, max_retries=0, timeout=30)
+    CLIENTS.append(c)
+    return c
+
+
+def run(coro: Any, timeout: float = 60.0) -> Any:
+    """Run one async test body with a hard timeout (a hung test fails, never stalls CI)."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+class SpyBackend(Backend):
+    """Wraps a real backend and keeps every generation it returned, by prompt,
+    so a test can compare the log with what the backend actually produced."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.context_length = inner.context_length
+        self.policy_version = inner.policy_version
+        self.produced: list[tuple[list[int], Generation]] = []
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        gen = await self.inner.generate(prompt_ids, params)
+        self.produced.append((list(prompt_ids), gen))
+        return gen
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class ScriptedBackend(Backend):
+    """Replies with text chosen by a function of the decoded prompt (the
+    gateway, not the model, is under test); fixed log-probs per token."""
+
+    name = "scripted"
+
+    def __init__(self, reply: Callable[[str], str], log_prob: float = -0.25, context_length: int | None = None) -> None:
+        self.reply = reply
+        self.log_prob = log_prob
+        self.context_length = context_length
+        self.prompts: list[str] = []
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        text = TEMPLATE.decode(list(prompt_ids))
+        self.prompts.append(text)
+        ids = TEMPLATE.encode_text(self.reply(text))[: params.max_new_tokens - 1] + [TEMPLATE.EOS]
+        return Generation(ids, [self.log_prob] * len(ids), "stop", 0, 0.001)
+
+
+class GatedLog(MemoryLog):
+    """A MemoryLog whose turn_recorded appends wait for ``gate``: lets a test
+    disconnect a client deterministically while its turn is being made durable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def append(self, session_id: str, session_seq: int, body: Any):
+        if isinstance(body, TurnRecorded):
+            self.waiting.set()
+            await self.gate.wait()
+        return await super().append(session_id, session_seq, body)
+
+
+@contextlib.asynccontextmanager
+async def rig(backend: Backend | None = None, *, log: MemoryLog | None = None, config: GatewayConfig | None = None, **backend_kw: Any):
+    """Yield (gateway, engine, log) with the gateway listening on 127.0.0.1."""
+    log = log if log is not None else MemoryLog()
+    engine = await SessionEngine.open(log)
+    backend = backend if backend is not None else SpyBackend(TorchBackend(**backend_kw))
+    gw = Gateway(engine, backend, config=config)
+    await gw.start("127.0.0.1", 0)
+    try:
+        yield gw, engine, log
+    finally:
+        while CLIENTS:
+            await CLIENTS.pop().close()
+        await gw.stop()
+        await engine.close()
+        await backend.close()
+
+
+async def open_running(engine: Any, sid: str, group: str = "g", size: int = 1, index: int = 0) -> Any:
+    """Open and start a session the way a rollout does before launching its agent."""
+    h = await engine.open_session(sid, group_id=group, group_size=size, sample_index=index)
+    await h.start(harness="test")
+    return h
+
+
+def turns_of(log: MemoryLog, sid: str | None = None) -> list[TurnRecorded]:
+    """The turn_recorded bodies in the log (of one session, or all)."""
+    return [e.body for e in log.read() if isinstance(e.body, TurnRecorded) and (sid is None or e.session_id == sid)]
+
+
+def undelivered_of(log: MemoryLog) -> list[TurnUndelivered]:
+    """The turn_undelivered bodies in the log."""
+    return [e.body for e in log.read() if isinstance(e.body, TurnUndelivered)]

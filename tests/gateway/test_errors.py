@@ -1,0 +1,238 @@
+"""Refusals and failure paths: each a clear error or event, nothing trainable recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import pytest
+from structlog.testing import capture_logs
+
+from engine.gateway import GatewayConfig, TorchBackend
+from events.types import TurnRecorded
+from gateway_helpers import GatedLog, ScriptedBackend, an_client, oa_client, open_running, rig, run, turns_of, undelivered_of
+from learner.model import GPT, GPTConfig
+from reducers.pipeline import reduce_log, session_trajectory
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+async def _post(url: str, path: str, key: str | None, data: bytes | str, headers: dict | None = None) -> tuple[int, dict]:
+    h = {"Content-Type": "application/json", **(headers or {})}
+    if key:
+        h["Authorization"] = f"Bearer {key}"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + path, data=data, headers=h) as r:
+            return r.status, await r.json(content_type=None)
+
+
+def test_unknown_session_is_404_and_never_auto_created():
+    async def body():
+        async with rig(ScriptedBackend(lambda p: "x")) as (gw, engine, log):
+            with pytest.raises(openai.NotFoundError, match="never opened"):
+                await oa_client(gw.url, "ghost").chat.completions.create(model="m", messages=CHAT)
+            status, err = await _post(gw.url, "/v1/messages", None, json.dumps({"messages": CHAT, "max_tokens": 5}), {"x-api-key": "ghost2"})
+            assert status == 404 and err["type"] == "error" and err["error"]["type"] == "not_found_error"
+            status, err = await _post(gw.url, "/v1/chat/completions", None, json.dumps({"messages": CHAT}))
+            assert status == 401 and "API key" in err["error"]["message"]
+            assert log.next_lsn == 0 and engine.live_count == 0 and engine.get("ghost") is None
+
+    run(body())
+
+
+@pytest.mark.parametrize("end", ["finish", "abort", "drop", "not_started"])
+def test_terminal_or_unstarted_session_is_409_and_nothing_is_appended(end):
+    async def body():
+        async with rig(ScriptedBackend(lambda p: "x")) as (gw, engine, log):
+            if end == "not_started":
+                await engine.open_session("s", group_id="g", group_size=1)
+            else:
+                h = await open_running(engine, "s")
+                await {"finish": lambda: h.finish(reward=1.0), "abort": lambda: h.abort("boom"), "drop": lambda: h.drop("x")}[end]()
+            before = log.next_lsn
+            with pytest.raises(openai.ConflictError) as ei:
+                await oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT)
+            expected = {"finish": "finished", "abort": "aborted", "drop": "dropped", "not_started": "open"}[end]
+            assert expected in str(ei.value)
+            assert log.next_lsn == before
+
+    run(body())
+
+
+def test_turn_cap_answers_429_and_records_nothing_more():
+    async def body():
+        async with rig(ScriptedBackend(lambda p: "x"), config=GatewayConfig(max_turns=2)) as (gw, engine, log):
+            await open_running(engine, "s")
+            gw.configure_session("s", max_turns=3)
+            await open_running(engine, "t")
+            c = oa_client(gw.url, "s")
+            for _ in range(3):
+                await c.chat.completions.create(model="m", messages=CHAT)
+            with pytest.raises(openai.RateLimitError, match="turn cap of 3"):
+                await c.chat.completions.create(model="m", messages=CHAT)
+            t = oa_client(gw.url, "t")
+            for _ in range(2):
+                await t.chat.completions.create(model="m", messages=CHAT)
+            with pytest.raises(openai.RateLimitError, match="turn cap of 2"):
+                await t.chat.completions.create(model="m", messages=CHAT)
+            assert len(turns_of(log, "s")) == 3 and len(turns_of(log, "t")) == 2
+
+    run(body())
+
+
+def test_context_exhaustion_finishes_the_turn_with_length():
+    async def body():
+        model = GPT(GPTConfig(vocab_size=129, max_seq_len=64, d_model=32, n_layer=1, n_head=2))
+        async with rig(TorchBackend(model)) as (gw, engine, log):
+            h = await open_running(engine, "s")
+            c = oa_client(gw.url, "s")
+            # 11-token prompt in a 64-token context: the output is cut at the room left
+            r = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=500, temperature=0.01)
+            t1 = turns_of(log, "s")[0]
+            assert len(t1.prompt_tokens) + len(t1.output_tokens) <= 64
+            if t1.finish_reason == "length":
+                assert r.choices[0].finish_reason == "length" and len(t1.prompt_tokens) + len(t1.output_tokens) == 64
+            # a prompt that fills the context: no room at all -> "length" with no output, not trainable
+            m = await an_client(gw.url, "s").messages.create(model="m", max_tokens=10, messages=[{"role": "user", "content": "y" * 80}])
+            assert m.stop_reason == "max_tokens" and m.content[0].text == ""
+            t2 = turns_of(log, "s")[1]
+            assert t2.finish_reason == "length" and len(t2.output_tokens) == 0
+            await h.finish(reward=1.0)
+            traj = session_trajectory(log.read(), "s")
+            assert traj.decisions[1].trainable is False and traj.decisions[1].reason == "empty_output"
+
+    run(body())
+
+
+def test_client_disconnect_after_recording_appends_turn_undelivered():
+    async def body():
+        log = GatedLog()
+        async with rig(ScriptedBackend(lambda p: "answer"), log=log) as (gw, engine, _):
+            log.gate.set()
+            h = await open_running(engine, "s")
+            log.gate.clear()
+            session = aiohttp.ClientSession()
+            req = asyncio.ensure_future(
+                session.post(gw.url + "/v1/chat/completions", json={"messages": CHAT}, headers={"Authorization": "Bearer s"})
+            )
+            await asyncio.wait_for(log.waiting.wait(), 10)  # the turn is being made durable...
+            req.cancel()  # ...when the client goes away
+            await session.close()
+            await asyncio.sleep(0.05)
+            log.gate.set()
+            for _ in range(200):
+                if undelivered_of(log):
+                    break
+                await asyncio.sleep(0.01)
+            (turn,) = turns_of(log, "s")
+            (und,) = undelivered_of(log)
+            assert und.turn_index == turn.turn_index and "client" in und.reason
+            await h.finish(reward=1.0)
+            traj = session_trajectory(log.read(), "s")
+            assert traj.decisions[0].trainable is False and traj.decisions[0].reason == "undelivered"
+            assert reduce_log(log).samples == []
+
+    run(body())
+
+
+def test_client_disconnect_during_generation_records_nothing_and_logs_why():
+    async def body():
+        started = asyncio.Event()
+
+        class Slow(ScriptedBackend):
+            async def generate(self, prompt_ids, params):
+                started.set()
+                await asyncio.sleep(30)
+
+        async with rig(Slow(lambda p: "")) as (gw, engine, log):
+            await open_running(engine, "s")
+            session = aiohttp.ClientSession()
+            with capture_logs() as logs:
+                req = asyncio.ensure_future(session.post(gw.url + "/v1/chat/completions", json={"messages": CHAT}, headers={"Authorization": "Bearer s"}))
+                await asyncio.wait_for(started.wait(), 10)
+                req.cancel()
+                await session.close()
+                for _ in range(200):
+                    if gw.stats["cancelled"]:
+                        break
+                    await asyncio.sleep(0.01)
+            assert gw.stats["cancelled"] == 1 and turns_of(log) == []
+            assert any(e["event"] == "gateway.turn_cancelled" and "client disconnected" in e["reason"] for e in logs)
+
+    run(body())
+
+
+def test_malformed_json_and_bad_fields_are_400_naming_the_problem():
+    async def body():
+        async with rig(ScriptedBackend(lambda p: "x")) as (gw, engine, log):
+            await open_running(engine, "s")
+            before = log.next_lsn
+            status, err = await _post(gw.url, "/v1/chat/completions", "s", '{"messages": [')
+            assert status == 400 and "malformed JSON" in err["error"]["message"]
+            status, err = await _post(gw.url, "/v1/chat/completions", "s", "[1, 2]")
+            assert status == 400 and "expected a JSON object" in err["error"]["message"]
+            status, err = await _post(gw.url, "/v1/chat/completions", "s", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}))
+            assert status == 400 and "messages[0].role" in err["error"]["message"]
+            status, err = await _post(gw.url, "/v1/messages", "s", json.dumps({"messages": CHAT, "max_tokens": "lots"}))
+            assert status == 400 and err["error"]["type"] == "invalid_request_error" and "max_tokens" in err["error"]["message"]
+            status, err = await _post(gw.url, "/v1/responses", "s", json.dumps({"input": 7}))
+            assert status == 400 and "input" in err["error"]["message"]
+            assert log.next_lsn == before
+
+    run(body())
+
+
+def test_oversized_body_is_413_and_records_nothing():
+    async def body():
+        async with rig(ScriptedBackend(lambda p: "x"), config=GatewayConfig(max_body_bytes=4096)) as (gw, engine, log):
+            await open_running(engine, "s")
+            before = log.next_lsn
+            big = json.dumps({"messages": [{"role": "user", "content": "z" * 10000}]})
+            status, err = await _post(gw.url, "/v1/chat/completions", "s", big)
+            assert status == 413 and "4096" in err["error"]["message"]
+            assert log.next_lsn == before
+
+    run(body())
+
+
+def test_backend_failure_is_502_and_records_nothing():
+    async def body():
+        class Broken(ScriptedBackend):
+            async def generate(self, prompt_ids, params):
+                from engine.gateway import BackendError
+
+                raise BackendError("broken", "HTTP 500 from upstream", 500)
+
+        async with rig(Broken(lambda p: "")) as (gw, engine, log):
+            await open_running(engine, "s")
+            with capture_logs() as logs:
+                with pytest.raises(openai.InternalServerError, match="HTTP 500 from upstream"):
+                    await oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT)
+            assert not any(isinstance(e.body, TurnRecorded) for e in log.read())
+            assert any(e["event"] == "gateway.backend_failed" for e in logs)
+
+    run(body())
+
+
+def test_session_ending_during_generation_cancels_the_call_and_records_nothing():
+    async def body():
+        started = asyncio.Event()
+
+        class Slow(ScriptedBackend):
+            async def generate(self, prompt_ids, params):
+                started.set()
+                await asyncio.sleep(30)
+
+        async with rig(Slow(lambda p: "")) as (gw, engine, log):
+            engine.drain_s = 0.05
+            h = await open_running(engine, "s")
+            call = asyncio.ensure_future(oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT))
+            await asyncio.wait_for(started.wait(), 10)
+            await h.abort("wall_clock_timeout")
+            with pytest.raises(openai.ConflictError, match="ended"):
+                await call
+            assert turns_of(log) == []
+
+    run(body())
