@@ -1,0 +1,102 @@
+"""End to end with the real agent CLIs from npm: Claude Code and Codex.
+
+Each CLI runs through the harness registry in a LocalSandbox, pointed at the
+gateway on loopback. The backend is scripted (it asks for one shell command,
+then answers from the tool result): the gateway is what is under test. The
+CLIs are installed once per machine into a cache folder outside the repo by
+``tools/gateway_clis.sh``; these tests run whenever ``node`` is present and
+skip cleanly otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engine import LocalSandbox, harness
+from engine.gateway import agents
+from events.types import CommandRan
+from gateway_helpers import ScriptedBackend, open_running, rig, run, turns_of
+from reducers.pipeline import reduce_log, session_trajectory
+
+pytestmark = pytest.mark.agent_cli
+
+REPO = Path(__file__).resolve().parents[2]
+SHELL_CMD = "echo gateway-roundtrip > out.txt && cat out.txt"
+
+
+@pytest.fixture(scope="module")
+def cli_dir() -> Path:
+    """The installed CLIs (installing them once per machine if needed), or skip."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node/npm not present: the agent-CLI end-to-end tests need them")
+    try:
+        out = subprocess.run([str(REPO / "tools" / "gateway_clis.sh"), str(agents.DEFAULT_CLI_DIR)], capture_output=True, text=True, timeout=1200)
+    except subprocess.TimeoutExpired:
+        pytest.skip("installing the agent CLIs from npm timed out")
+    if out.returncode != 0:
+        pytest.skip(f"could not install the agent CLIs from npm: {out.stderr.strip()[-300:]}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def _reply(prompt: str) -> str:
+    if "<tool>\n" in prompt:
+        return "The command printed gateway-roundtrip."
+    if '"name": "Bash"' in prompt:
+        return '<tool_call>{"name": "Bash", "arguments": {"command": "%s", "description": "write and read a file"}}</tool_call>' % SHELL_CMD
+    if '"name": "exec_command"' in prompt:
+        return '<tool_call>{"name": "exec_command", "arguments": {"cmd": "%s"}}</tool_call>' % SHELL_CMD
+    return "No shell tool was offered."
+
+
+@pytest.mark.parametrize("agent", ["claude-code", "codex"])
+def test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded(agent, cli_dir, tmp_path):
+    binary = {"claude-code": "claude", "codex": "codex"}[agent]
+    cli = cli_dir / binary
+    assert cli.exists(), f"{cli} missing after install"
+
+    async def body():
+        backend = ScriptedBackend(_reply)
+        async with rig(backend) as (gw, engine, log):
+            sid = f"e2e-{agent}"
+            h = await open_running(engine, sid)
+            runner = harness.get(agent)(gw.url, cli=str(cli), budget_s=120)
+            sandbox = LocalSandbox(tmp_path / "work")
+            res = await runner.run(h, sandbox, "Use the shell to run the command you need, then report its output.")
+            assert res.exit_code == 0, res.output_tail[-2000:]
+            assert (tmp_path / "work" / "out.txt").read_text().strip() == "gateway-roundtrip"
+            assert "gateway-roundtrip" in res.output_tail
+            turns = turns_of(log, sid)
+            assert len(turns) >= 2, [t.response_message for t in turns]
+            first, last = turns[0], turns[-1]
+            (call,) = first.response_message["tool_calls"]
+            assert call["name"] in ("Bash", "exec_command") and SHELL_CMD in json.dumps(call["arguments"])
+            # the tool result comes back routed under the call that asked for it
+            i = last.messages.index(first.response_message)
+            tool_msg = last.messages[i + 1]
+            assert tool_msg["role"] == "tool" and tool_msg["tool_call_id"] == call["id"]
+            assert "gateway-roundtrip" in tool_msg["content"]
+            assert last.response_message == {"role": "assistant", "content": "The command printed gateway-roundtrip."}
+            (ran,) = [e.body for e in log.read() if isinstance(e.body, CommandRan)]
+            assert ran.exit_code == 0 and binary in ran.command
+            await h.finish(reward=1.0)
+            traj = session_trajectory(log.read(), sid)
+            assert traj.decisions[-1].drift == "clean" and traj.decisions[-1].routing in ("mounted", "matched")
+            (sample,) = reduce_log(log).samples
+            assert int(sample.mask.sum()) == len(first.output_tokens) + len(last.output_tokens)
+
+    run(body(), timeout=240)
+
+
+def test_cli_harnesses_are_registered():
+    assert {"claude-code", "codex"} <= set(harness.names())
+    cmd = harness.get("codex")("http://127.0.0.1:1234", cli="/bin/codex").command("sid-1", Path("/w"), "do it")
+    assert 'base_url="http://127.0.0.1:1234/v1"' in cmd and "OPENAI_API_KEY=sid-1" in cmd and "< /dev/null" in cmd
+    cmd = harness.get("claude-code")("http://127.0.0.1:1234", cli="/bin/claude").command("sid-2", Path("/w"), "do it")
+    assert "ANTHROPIC_API_KEY=sid-2" in cmd and "ANTHROPIC_BASE_URL=http://127.0.0.1:1234" in cmd and "CLAUDE_CODE_MAX_RETRIES=0" in cmd
+    assert os.path.basename(agents.DEFAULT_CLI_DIR) == "agentlog-clis" or "AGENTLOG_CLI_DIR" in os.environ
