@@ -1,0 +1,64 @@
+"""`agentlog serve`: the gateway as a process over a durable log."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from events.log import FileLog
+from events.types import TurnRecorded
+from reducers.pipeline import reduce_log
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _call(url: str, body: dict | None, headers: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_serve_records_turns_of_admin_opened_sessions_into_a_durable_log(tmp_path):
+    logdir = tmp_path / "log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tools.cli", "serve", "--log", str(logdir), "--port", "0", "--admin-token", "tok", "--max-tokens", "6"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        url = None
+        deadline = time.time() + 60
+        lines = []
+        while time.time() < deadline and url is None:
+            line = proc.stdout.readline()
+            lines.append(line)
+            m = re.search(r"listening on (http://\S+)", line)
+            url = m.group(1) if m else None
+        assert url, "".join(lines)
+        admin = {"X-Admin-Token": "tok"}
+        assert _call(url + "/admin/sessions", {"session_id": "x"}, {})[0] == 403
+        status, out = _call(url + "/admin/sessions", {"session_id": "a1", "group_id": "g", "group_size": 1}, admin)
+        assert status == 200 and out["state"] == "running"
+        status, out = _call(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, {"Authorization": "Bearer a1"})
+        assert status == 200 and out["usage"]["completion_tokens"] <= 6
+        assert _call(url + "/v1/chat/completions", {"messages": []}, {"Authorization": "Bearer nobody"})[0] == 404
+        assert _call(url + "/admin/sessions/a1/finish", {"reward": 1.0}, admin) == (200, {"session_id": "a1", "state": "finished"})
+        assert _call(url + "/v1/chat/completions", {"messages": []}, {"Authorization": "Bearer a1"})[0] == 409
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    assert proc.returncode == 0
+    with FileLog.open(logdir) as log:
+        turns = [e.body for e in log.read() if isinstance(e.body, TurnRecorded)]
+        assert len(turns) == 1 and turns[0].output_tokens.size <= 6
+        (sample,) = reduce_log(log).samples
+        assert sample.session_id == "a1" and sample.reward == 1.0

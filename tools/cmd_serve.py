@@ -1,0 +1,117 @@
+"""`agentlog serve`: run the recording gateway over a log.
+
+Agent CLIs point at the printed URL with their API key set to a session id.
+Sessions are opened (and later finished) by the rollout through the admin
+API, authenticated with ``X-Admin-Token``::
+
+    POST /admin/sessions                {"session_id", "group_id", "group_size", "agent", "sampling", "max_turns"}
+    POST /admin/sessions/ID/finish      {"reward": 1.0}
+    POST /admin/sessions/ID/abort       {"reason": "...", "error": "..."}
+    POST /admin/sessions/ID/drop        {"reason": "..."}
+    GET  /admin/sessions/ID
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import sys
+
+from tools.cli import CliError
+
+
+def register(sub) -> None:
+    """Add the subcommand."""
+    p = sub.add_parser("serve", help="run the OpenAI/Anthropic-compatible recording gateway")
+    p.add_argument("--log", required=True, help="log directory (created if missing)")
+    p.add_argument("--backend", choices=["torch", "sglang", "vllm"], default="torch", help="inference backend (default: the built-in torch policy)")
+    p.add_argument("--backend-url", default="", help="base URL of the SGLang / vLLM server")
+    p.add_argument("--model", default="", help="model name sent to a vLLM server and reported by /v1/models")
+    p.add_argument("--tokenizer", default="", help="Hugging Face tokenizer (name or path) for the chat template; needs transformers")
+    p.add_argument("--checkpoint", default="", help="torch backend: a state_dict file for the built-in GPT (loaded with weights_only=True)")
+    p.add_argument("--tool-parser", default="hermes", help="how tool calls are parsed from model text (hermes, none)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    p.add_argument("--fsync", default="batch", help="log fsync policy (always/batch/interval/never)")
+    p.add_argument("--max-turns", type=int, default=256, help="turn cap per session (answered 429 beyond it)")
+    p.add_argument("--max-tokens", type=int, default=512, help="default output allowance per turn")
+    p.add_argument("--admin-token", default=os.environ.get("AGENTLOG_ADMIN_TOKEN", ""), help="admin API token (default: $AGENTLOG_ADMIN_TOKEN, else generated and printed)")
+    p.set_defaults(func=run)
+
+
+def _build(args):
+    from engine.gateway import ByteChatTemplate, HFChatTemplate, OpenAICompletionsBackend, SGLangBackend, TorchBackend, tool_parser
+
+    try:
+        parser = tool_parser(args.tool_parser)
+    except ValueError as exc:
+        raise CliError(f"--tool-parser: {exc}") from None
+    if args.backend == "torch":
+        model = None
+        if args.checkpoint:
+            import torch
+
+            from learner.model import GPT, GPTConfig
+
+            state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+            vocab, width = state["tok_emb.weight"].shape
+            model = GPT(GPTConfig(vocab_size=vocab, d_model=width, max_seq_len=state["pos_emb.weight"].shape[0]))
+            model.load_state_dict(state)
+        backend = TorchBackend(model)
+    else:
+        if not args.backend_url:
+            raise CliError(f"--backend {args.backend} needs --backend-url (the inference server's base URL)")
+        backend = SGLangBackend(args.backend_url) if args.backend == "sglang" else OpenAICompletionsBackend(args.backend_url, args.model or "default")
+    if args.tokenizer:
+        try:
+            template = HFChatTemplate.from_pretrained(args.tokenizer)
+        except ImportError:
+            raise CliError("--tokenizer needs transformers: pip install transformers") from None
+    else:
+        if args.backend != "torch":
+            print("agentlog serve: no --tokenizer: using the built-in ASCII template (right only for the built-in model)", file=sys.stderr)
+        template = ByteChatTemplate(parser)
+    return backend, template, parser
+
+
+async def _serve(args) -> int:
+    from engine import SessionEngine
+    from engine.gateway import Gateway, GatewayConfig
+    from events.log import FileLog
+
+    backend, template, parser = _build(args)
+    token = args.admin_token or secrets.token_urlsafe(18)
+    try:
+        log = FileLog.open(args.log, fsync=args.fsync)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--log {args.log}: {exc}") from None
+    engine = await SessionEngine.open(log)
+    config = GatewayConfig(max_turns=args.max_turns, default_max_tokens=args.max_tokens, model_name=args.model or "agentlog")
+    gw = Gateway(engine, backend, template=template, parser=parser, config=config, admin_token=token)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        try:
+            url = await gw.start(args.host, args.port)
+        except OSError as exc:
+            raise CliError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
+        print(f"agentlog gateway listening on {url} (backend {backend.name}, log {args.log})", flush=True)
+        if not args.admin_token:
+            print(f"admin token: {token}", flush=True)
+        await stop.wait()
+    finally:
+        await gw.stop()
+        await engine.close()  # live sessions are dropped with reason "shutdown"
+        await backend.close()
+        log.close()
+    print("agentlog gateway stopped", flush=True)
+    return 0
+
+
+def run(args) -> int:
+    """Serve until SIGINT/SIGTERM."""
+    return asyncio.run(_serve(args))
