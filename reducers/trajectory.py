@@ -276,6 +276,10 @@ class SessionTrajectory:
         self._root = _Node(None, None, None)
         self._turns: dict[int, _Turn] = {}
         self._last_generated: _Node | None = None
+        # The last routed prompt and the nodes its messages matched or mounted
+        # (the routing fast path, see _mount_point).
+        self._prev_messages: list[dict[str, Any]] = []
+        self._prev_path: list[_Node] = []
         self.output_tokens = 0
 
     @property
@@ -298,17 +302,25 @@ class SessionTrajectory:
             node = self._last_generated or self._root
             turn.decision.routing = "linear"
         else:
-            for i, msg in enumerate(messages):
-                if not isinstance(msg, dict):
-                    raise TrajectoryError(
-                        f"session {self.session_id!r}, lsn {lsn}, turn {body.turn_index}: messages[{i}]:"
-                        f" expected a dict with a 'role', found {type(msg).__name__}"
-                    )
-            node, depth = self._mount_point(messages)
-            node, depth, merged = self._merge_rewrite(node, messages, depth)
-            rest = messages[depth:]
-            for msg in rest:
-                node = node.add(_Node(msg.get("role"), msg, node))
+            try:
+                node, depth, path = self._mount_point(messages)
+                node, depth, merged = self._merge_rewrite(node, messages, depth)
+                if merged:
+                    path.append(node)
+                rest = messages[depth:]
+                for msg in rest:
+                    node = node.add(_Node(msg.get("role"), msg, node))
+                    path.append(node)
+            except AttributeError:
+                bad = next((i for i, m in enumerate(messages) if not isinstance(m, dict)), None)
+                if bad is None:
+                    raise
+                raise TrajectoryError(
+                    f"session {self.session_id!r}, lsn {lsn}, turn {body.turn_index}: messages[{bad}]:"
+                    f" expected a dict with a 'role', found {type(messages[bad]).__name__}"
+                ) from None
+            self._prev_messages = messages
+            self._prev_path = path
             turn.decision.mounted_nodes = len(rest)
             turn.decision.routing = "merged_rewrite" if merged else ("mounted" if rest else "matched")
         leaf = node.add(_Node("assistant", body.response_message, node))
@@ -328,20 +340,40 @@ class SessionTrajectory:
             )
         turn.undelivered = reason or "undelivered"
 
-    def _mount_point(self, messages: list[dict[str, Any]]) -> tuple[_Node, int]:
-        node = self._root
-        depth = 0
-        while depth < len(messages):
+    def _mount_point(self, messages: list[dict[str, Any]]) -> tuple[_Node, int, list[_Node]]:
+        """Walk down matching each message to the first child with its role and
+        an equal message; returns the deepest match, how many messages
+        matched, and the nodes matched.
+
+        Fast path (exact): when the prompt starts with the previous routed
+        prompt (compared in C), the walk over that prefix would end on the
+        same nodes. Since that routing the tree only gained children appended
+        after existing siblings (never ahead of a matched node) and, by a
+        rewrite merge, a new message on a node of that very path, so the
+        first match at every level is unchanged."""
+        prev = self._prev_messages
+        n_prev = len(prev)
+        if n_prev and len(messages) >= n_prev and messages[:n_prev] == prev:
+            path = list(self._prev_path)
+            node = path[-1]
+            depth = n_prev
+        else:
+            path = []
+            node = self._root
+            depth = 0
+        n = len(messages)
+        while depth < n:
             msg = messages[depth]
             role = msg.get("role")
             for child in node.children:
                 if child.role == role and child.message == msg:
                     node = child
+                    path.append(child)
                     depth += 1
                     break
             else:
                 break
-        return node, depth
+        return node, depth, path
 
     def _merge_rewrite(self, node: _Node, messages: list[dict[str, Any]], depth: int) -> tuple[_Node, int, bool]:
         # A client that re-renders its last assistant message would otherwise

@@ -191,7 +191,7 @@ class RandomStream:
             output = [200 + rng.randrange(100) for _ in range(rng.randrange(0, 5))]
             finish = rng.choices(["stop", "length", "abort"], [8, 1, 1])[0]
             lps = [] if rng.random() < 0.1 else [-(t % 7) / 8 for t in output]
-            response = msg("assistant", f"r{turn}-{rng.randrange(4)}")
+            response = msg("assistant", "ok" if rng.random() < 0.2 else f"r{turn}-{rng.randrange(4)}")
             bodies.append(
                 TurnRecorded(
                     turn_index=turn,

@@ -7,13 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reduce_streams import RandomStream
 
+from events.types import TurnRecorded, TurnUndelivered
 from reducers.config import ReduceConfig
 from reducers.pipeline import Reducer, reduce_log
 from reducers.samples import check_sample, digest_samples, encode_sample
+from reducers.trajectory import SessionTrajectory, TrajectoryError
 
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
 configs = st.sampled_from(
@@ -77,6 +80,7 @@ _DIGEST_SCRIPT = """
 import sys
 sys.path.insert(0, {here!r})
 from reduce_streams import RandomStream
+from events.types import TurnRecorded, TurnUndelivered
 from reducers.config import ReduceConfig
 from reducers.pipeline import reduce_log
 for seed in range(25):
@@ -95,3 +99,35 @@ def test_digest_is_identical_under_different_hash_seeds():
     first, second = _digests("1"), _digests("4242")
     assert len(first) == 25 and len(set(first)) > 1
     assert first == second
+
+
+class _SlowRouting(SessionTrajectory):
+    """Reference: the plain first-match walk from the root on every turn."""
+
+    def _mount_point(self, messages):
+        self._prev_messages = []
+        return super()._mount_point(messages)
+
+
+@PROPERTY
+@given(seed=seeds, threshold=st.sampled_from([0, 3, 1024]))
+def test_routing_fast_path_equals_plain_walk_from_the_root(seed, threshold):
+    per_session: dict[str, list] = {}
+    for env in RandomStream(seed).log().read(0):
+        if isinstance(env.body, (TurnRecorded, TurnUndelivered)):
+            per_session.setdefault(env.session_id, []).append(env)
+    for sid, envs in per_session.items():
+        fast, slow = SessionTrajectory(sid, threshold), _SlowRouting(sid, threshold)
+        for env in envs:
+            for traj in (fast, slow):
+                if isinstance(env.body, TurnRecorded):
+                    traj.record_turn(env.body, env.lsn)
+                else:
+                    traj.mark_undelivered(env.body.turn_index, env.body.reason, env.lsn)
+        assert fast.linearise() == slow.linearise()
+
+
+def test_malformed_message_is_an_error_naming_its_index():
+    traj = SessionTrajectory("s")
+    with pytest.raises(TrajectoryError, match=r"session 's', lsn 7, turn 0: messages\[1\]: expected a dict"):
+        traj.record_turn(TurnRecorded(turn_index=0, messages=[{"role": "user"}, "oops"], prompt_ids=[1]), 7)
