@@ -187,7 +187,9 @@ class HermesToolParser(ToolCallParser):
         rest = self._block.sub("", text)
         if self.OPEN in rest or self.CLOSE in rest:
             return ParsedOutput(text, [], True, "unterminated or stray <tool_call> block")
-        return ParsedOutput(rest.strip(), calls)
+        # Only the newlines that separate calls from text go: any other
+        # whitespace is the model's and must survive to re-render exactly.
+        return ParsedOutput(rest.rstrip("\n"), calls)
 
 
 class NoToolParser(ToolCallParser):
@@ -258,14 +260,19 @@ class ByteChatTemplate(ChatTemplate):
         raw = text.encode("ascii", "replace")  # one '?' per non-ASCII char
         return list(raw)
 
+    def render_body(self, content: str, tool_calls: list[dict[str, Any]] | None = None) -> str:
+        """A message's text after its role line: the content, then each tool
+        call on its own line (what the model is expected to generate)."""
+        parts = [content] if content else []
+        parts += [self.parser.render(tc["name"], tc.get("arguments")) for tc in tool_calls or ()]
+        return "\n".join(parts)
+
     def _render(self, msg: dict[str, Any]) -> str:
         role = msg["role"]
-        parts = [f"<{role}>\n", msg.get("content") or ""]
+        head = f"<{role}>\n"
         if role == "tool":
-            parts.insert(1, f"[{msg.get('tool_call_id', '')}] ")
-        for tc in msg.get("tool_calls") or ():
-            parts.append(("\n" if parts[-1] else "") + self.parser.render(tc["name"], tc.get("arguments")))
-        return "".join(parts)
+            head += f"[{msg.get('tool_call_id', '')}] "
+        return head + self.render_body(msg.get("content") or "", msg.get("tool_calls"))
 
     def encode_prompt(self, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[int]:
         ids: list[int] = []
