@@ -33,7 +33,7 @@ runs on the hot path.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -145,26 +145,6 @@ class _Node:
         self.children.append(child)
         return child
 
-    def leaves(self) -> Iterator["_Node"]:
-        # Depth-first, children in insertion order (explicit stack: sessions
-        # can be hundreds of turns deep).
-        stack = [self]
-        while stack:
-            node = stack.pop()
-            if not node.children:
-                yield node
-            else:
-                stack.extend(reversed(node.children))
-
-    def chain(self) -> list["_Node"]:
-        out = []
-        node: _Node | None = self
-        while node is not None and node.parent is not None:
-            out.append(node)
-            node = node.parent
-        out.reverse()
-        return out
-
 
 def common_prefix_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
     """Number of leading int32 tokens two packed arrays share."""
@@ -214,13 +194,13 @@ class _RowBuilder:
             # as context (mask 0, log-prob 0); earlier turns stay untouched.
             start = self.last_start
             assert start is not None
-            tail = prompt[start * 4 :]
+            tail = memoryview(prompt)[start * 4 :]
             n = len(tail) // 4
             self.tokens[start * 4 :] = tail
             self.mask[start:] = bytes(n)
             self.log_probs[start * 4 :] = bytes(4 * n)
         else:
-            tail = prompt[len(self.tokens) :]
+            tail = memoryview(prompt)[len(self.tokens) :]
             n = len(tail) // 4
             self.tokens += tail
             self.mask += bytes(n)
@@ -249,14 +229,14 @@ class _RowBuilder:
         response_length = n_tok - self.lead
         if response_length < 1:
             return None
-        mask = bytes(self.mask[self.lead : n_tok])
+        mask = bytes(memoryview(self.mask)[self.lead : n_tok])
         if b"\x01" not in mask:
             return None
         return Row(
-            tokens=bytes(self.tokens[: n_tok * 4]),
+            tokens=bytes(memoryview(self.tokens)[: n_tok * 4]),
             response_length=response_length,
             loss_mask=mask,
-            rollout_log_probs=bytes(self.log_probs[self.lead * 4 : n_tok * 4]),
+            rollout_log_probs=bytes(memoryview(self.log_probs)[self.lead * 4 : n_tok * 4]),
             turn_indices=tuple(self.turns),
             leaf=leaf,
             truncated=truncated,
@@ -398,6 +378,22 @@ class SessionTrajectory:
 
     # -------------------------------------------------------- linearisation
 
+    def _generated_chains(self) -> list[tuple[_Node, ...]]:
+        """For each leaf (depth-first, insertion order; the bare root is not
+        a leaf) the generated nodes on its root path, in one walk."""
+        out: list[tuple[_Node, ...]] = []
+        stack: list[tuple[_Node, tuple[_Node, ...]]] = [(c, ()) for c in reversed(self._root.children)]
+        while stack:
+            node, generated = stack.pop()
+            if node.turn is not None:
+                generated = generated + (node,)
+            children = node.children
+            if children:
+                stack.extend((c, generated) for c in reversed(children))
+            else:
+                out.append(generated)
+        return out
+
     def linearise(self, max_context_tokens: int = 0) -> Trajectory:
         """The session's rows (depth-first leaves, one row per FORK segment)
         and a decision per turn. Pure: the tree is left as it was."""
@@ -412,8 +408,7 @@ class SessionTrajectory:
                 d.reason = REASON_REWRITTEN
         claimed: set[int] = set()
         rows: list[Row] = []
-        for leaf_no, leaf in enumerate(n for n in self._root.leaves() if n.parent is not None):
-            generated = [n for n in leaf.chain() if n.turn is not None]
+        for leaf_no, generated in enumerate(self._generated_chains()):
             if not generated:
                 continue
             truncated = generated[-1].turn.body.finish_reason == "length"  # type: ignore[union-attr]
