@@ -184,6 +184,16 @@ def _classify_bad(
     return LogCorruption(f"{where}; {why}", segment=name, offset=bad.offset, last_good_lsn=expected - 1)
 
 
+def _torn_new_segment(size: int, header: bytes, first: int, watermark: int | None) -> bool:
+    """Is a last segment with a bad header the remains of a crash while it was
+    being created? Yes if it cannot hold an acknowledged record: the watermark
+    says nothing from its first LSN on was durable, or (no watermark) the
+    header is short or all zeros."""
+    if watermark is not None:
+        return first >= watermark
+    return size < SEG_HDR_SIZE or not any(header)
+
+
 def _open_segment(directory: Path, first: int, flags: int = os.O_RDONLY) -> tuple[int, int, int]:
     """Open a segment and check its header; returns (fd, epoch, size)."""
     name = segment_name(first)
@@ -272,7 +282,7 @@ class _Cursor:
         if entries:
             j = bisect.bisect_right(entries, (self.from_lsn, 1 << 62)) - 1
             if j >= 0:
-                offset, expected = entries[j]
+                expected, offset = entries[j]
         if not self._switch(first, offset, expected):
             return False
         if offset != SEG_HDR_SIZE:
@@ -536,7 +546,7 @@ class FileLog(EventLog):
             except LogCorruption as err:
                 size = (d / name).stat().st_size
                 raw = (d / name).read_bytes()[:SEG_HDR_SIZE]
-                if last and (size < SEG_HDR_SIZE or not any(raw)) and not (watermark is not None and first < watermark):
+                if last and _torn_new_segment(size, raw, first, watermark):
                     # Torn while being created: it never held an acknowledged record.
                     self._log.warning("log.recovery.removed_torn_segment", segment=name, size=size)
                     os.unlink(d / name)
@@ -607,10 +617,11 @@ class FileLog(EventLog):
         self._next_seq = state
         self._assigned = self._acked = expected
         self._seg_first = None
+        created = not (d / DURABLE_NAME).exists()
         self._durable_fd = os.open(d / DURABLE_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         self._publish(expected)
-        os.fsync(self._durable_fd)
-        fsync_dir(d)
+        if created:
+            fsync_dir(d)
         if rebuilt or changed or scanned > 1 or truncated_at is not None:
             self._write_checkpoint(self._snapshot_at_end())
         self._log.info(
@@ -752,9 +763,13 @@ class FileLog(EventLog):
             frame = encode_frame(lsn, rec.session_seq, ts, FLAG_TERMINAL if terminal else 0, sidb, payload)
             n = len(frame)
             if seg_first is None or (seg_size > SEG_HDR_SIZE and seg_size + n > seg_limit):
+                # A rotation checkpoints the state at the new segment's start, so a
+                # crash never makes the next open rescan sealed segments. The
+                # writer's first segment needs none: open left a checkpoint.
+                rotating = seg_first is not None
                 self._segments.append(lsn)
                 self._index[lsn] = [(lsn, SEG_HDR_SIZE)]
-                ckpt = Checkpoint(
+                ckpt = None if not rotating else Checkpoint(
                     epoch=self._epoch,
                     lsn=lsn,
                     segment=lsn,
@@ -885,8 +900,9 @@ class FileLog(EventLog):
         name = segment_name(op.first_lsn)
         self._seg_fd = os.open(self._dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._cur_seg = op.first_lsn
+        # The header becomes durable with the batch's fdatasync; the directory
+        # entry needs its own fsync before anything in the file is acknowledged.
         self._write_all(pack_segment_header(self._epoch, op.first_lsn))
-        self._os.fdatasync(self._seg_fd)
         fsync_dir(self._dir)
         if op.checkpoint is not None:
             self._write_checkpoint(op.checkpoint)
@@ -1232,7 +1248,8 @@ def verify_log(path: str | os.PathLike, repair: bool = False, *, max_record_byte
                 fd, _epoch, size = _open_segment(directory, first)
             except LogCorruption as exc:
                 size = (directory / name).stat().st_size
-                if last and size < SEG_HDR_SIZE and not (watermark is not None and first < watermark):
+                raw = (directory / name).read_bytes()[:SEG_HDR_SIZE]
+                if last and _torn_new_segment(size, raw, first, watermark):
                     rep.status, rep.problem, rep.segment, rep.offset = "torn", f"segment header torn ({size} bytes)", name, 0
                     rep.last_good_lsn, rep.torn_bytes = expected - 1, size
                     break

@@ -1,0 +1,83 @@
+"""Helpers for the file-log tests: building logs and poking their bytes."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+from events.log import FileLog, read_log
+from events.log_format import DURABLE_NAME, INDEX_NAME, list_segments, segment_name
+from events.types import SessionOpened
+from event_samples import small_event
+
+
+def seg_path(d: Path, k: int = -1) -> Path:
+    """Path of the k-th segment of log directory ``d``."""
+    return d / segment_name(list_segments(d)[k])
+
+
+def write_small_log(d: Path, n: int, **open_kw) -> list:
+    """n small records over n // 4 sessions; returns their envelopes."""
+    lg = FileLog.open(d, **open_kw)
+    envs = []
+    for i in range(n):
+        sid = f"s{i // 4}"
+        body = SessionOpened(group_id="g", group_size=1) if i % 4 == 0 else small_event(i)
+        envs += lg.append_batch([(sid, i % 4, body)])
+    lg.close()
+    return envs
+
+
+def frame_offsets(d: Path, k: int = -1) -> list[tuple[int, int]]:
+    """(start, end) byte offsets of every frame in the k-th segment, via the raw reader."""
+    from events.log_format import SEG_HDR_SIZE, SegmentScanner
+
+    p = seg_path(d, k)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        sc = SegmentScanner(fd, p.name, SEG_HDR_SIZE, list_segments(d)[k], 1 << 20)
+        return [(f.offset, f.end) for f in sc.frames()]
+    finally:
+        os.close(fd)
+
+
+def copy_log(src: Path, dst: Path, *, tail: bytes | None = None, cut: int | None = None, skip=(INDEX_NAME,)) -> Path:
+    """Copy a log directory; optionally cut the last segment at ``cut`` and append ``tail``."""
+    dst.mkdir(parents=True)
+    last = seg_path(src).name
+    for name in os.listdir(src):
+        if name in skip or name == "LOCK":
+            continue
+        data = (src / name).read_bytes()
+        if name == last and cut is not None:
+            data = data[:cut] + (tail or b"")
+        (dst / name).write_bytes(data)
+    return dst
+
+
+def flip_bit(path: Path, bit: int) -> None:
+    """Flip one bit of a file in place."""
+    data = bytearray(path.read_bytes())
+    data[bit // 8] ^= 1 << (bit % 8)
+    path.write_bytes(bytes(data))
+
+
+def drop_watermark(d: Path) -> None:
+    """Remove DURABLE: only the frames themselves then say what is valid."""
+    (d / DURABLE_NAME).unlink()
+
+
+def records(d: Path) -> list:
+    """Every valid record, ignoring the watermark."""
+    return list(read_log(d, durable_only=False))
+
+
+def rng(seed: int) -> random.Random:
+    """A seeded Random whose repr shows the seed, for reproducible failures."""
+
+    class _R(random.Random):
+        def __repr__(self) -> str:
+            return f"Random(seed={seed})"
+
+    return _R(seed)
