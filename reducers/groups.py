@@ -12,6 +12,7 @@ the groups still in flight.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import msgspec
 
@@ -89,12 +90,19 @@ class _Pending:
         self.dropped: list[str] = []
 
 
+#: How many recently released group ids are remembered to refuse a late
+#: member (a reused group id would otherwise release the group twice).
+#: Bounded so memory does not grow with the length of the run.
+RELEASED_WINDOW = 1024
+
+
 class GroupTracker:
     """Incremental group state: ``open`` members, ``close`` them, get groups back."""
 
     def __init__(self, min_valid: int = 2) -> None:
         self.min_valid = min_valid
         self._pending: dict[str, _Pending] = {}
+        self._recent: OrderedDict[str, int] = OrderedDict()  # group_id -> lsn released
         self.released = 0
 
     def __len__(self) -> int:
@@ -110,6 +118,12 @@ class GroupTracker:
         """A session declared membership of ``group_id``."""
         p = self._pending.get(group_id)
         if p is None:
+            released_at = self._recent.get(group_id)
+            if released_at is not None:
+                raise GroupError(
+                    f"group {group_id!r}: session {session_id!r} at lsn {lsn} joins a group already released"
+                    f" at lsn {released_at} (group ids are never reused)"
+                )
             p = self._pending[group_id] = _Pending(group_size)
         if group_size != p.group_size:
             others = ", ".join(f"{s!r} (lsn {l})" for s, (_, l) in list(p.opened.items())[:8])
@@ -162,4 +176,7 @@ class GroupTracker:
             lsn_released=lsn,
         )
         self.released += 1
+        self._recent[group_id] = lsn
+        if len(self._recent) > RELEASED_WINDOW:
+            self._recent.popitem(last=False)
         return group

@@ -235,3 +235,8 @@ def test_other_config_changes_the_samples_not_the_log():
     assert (len(realign.samples), len(fork.samples)) == (1, 2)
     assert realign.digest != fork.digest
     assert reduce_log(log, ReduceConfig()).digest == realign.digest
+
+
+def test_member_joining_an_already_released_group_is_an_error():
+    with pytest.raises(ReduceError, match=r"joins a group already released at lsn 3 \(group ids are never reused\)"):
+        reduce_scripts(member("a", size=1).finish(1.0), member("late", size=1))
