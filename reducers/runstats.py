@@ -1,0 +1,328 @@
+"""Run statistics over a log, in one cheap pass: the fold behind ``agentlog
+stats`` and ``agentlog tail --summary``.
+
+A pure, incremental fold. It counts sessions by state (live ones too), abort
+and drop reasons, turns and tokens, commands, rewards (through
+:class:`reducers.metrics.MetricsAccumulator`, finished sessions only) and
+GRPO groups (through :class:`reducers.groups.GroupTracker`: released,
+complete, skipped, pending), and the time span. Lifecycle moves are checked
+against the shared table (:data:`events.lifecycle.TRANSITIONS`); an illegal
+record is counted as a violation with its LSN and not applied.
+
+Why not the full reducers: statistics need no trajectories, and decoding
+every chat message of every turn dominates the cost on a big log. So this
+fold also accepts a *projection* of each body: :func:`decode_projection`
+decodes a raw payload into small Structs carrying only the fields the
+statistics need (msgspec skips the rest without building Python objects).
+The projection is a view of schema v1 from :mod:`events.types`: same tags,
+same field names (a test checks that every projected field exists there).
+Full event bodies are accepted as well (``feed``), with identical results.
+
+No clock, randomness, I/O or torch. Memory is bounded by the sessions and
+groups still in flight.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any, Union
+
+import msgspec
+
+from events.lifecycle import IN_SESSION_EVENTS, LIFECYCLE_SPEC, TERMINAL_STATES, TRANSITIONS, State
+from events.types import Envelope
+
+from .groups import ABORTED, DROPPED, FINISHED, GroupError, GroupMember, GroupTracker
+from .metrics import MetricsAccumulator
+from .samples import resolve_reward
+
+__all__ = ["RunStats", "decode_projection", "PROJECTED_FIELDS"]
+
+
+# ---------------------------------------------------------------- projection of schema v1
+
+
+class _Opened(msgspec.Struct, tag="session_opened"):
+    group_id: str
+    group_size: int
+    sample_index: int = 0
+
+
+class _Started(msgspec.Struct, tag="session_started"):
+    pass
+
+
+class _Turn(msgspec.Struct, tag="turn_recorded"):
+    turn_index: int
+    prompt_ids: bytes = b""
+    output_ids: bytes = b""
+    finish_reason: str = "stop"
+
+
+class _Undelivered(msgspec.Struct, tag="turn_undelivered"):
+    turn_index: int
+
+
+class _Command(msgspec.Struct, tag="command_ran"):
+    exit_code: int | None = None
+    budget_exceeded: bool = False
+
+
+class _Reward(msgspec.Struct, tag="reward_assigned"):
+    reward: Any = None
+
+
+class _Finished(msgspec.Struct, tag="session_finished"):
+    reward: Any = None
+
+
+class _Aborted(msgspec.Struct, tag="session_aborted"):
+    reason: str = ""
+
+
+class _Dropped(msgspec.Struct, tag="session_dropped"):
+    reason: str = ""
+
+
+class _Policy(msgspec.Struct, tag="policy_updated"):
+    step: int = 0
+    policy_version: int = 0
+
+
+_PROJECTIONS = (_Opened, _Started, _Turn, _Undelivered, _Command, _Reward, _Finished, _Aborted, _Dropped, _Policy)
+_projection_decoder = msgspec.msgpack.Decoder(Union[_PROJECTIONS])  # type: ignore[valid-type]
+
+#: tag -> the field names the projection reads (checked against events.types by a test).
+PROJECTED_FIELDS: dict[str, tuple[str, ...]] = {p.__struct_config__.tag: p.__struct_fields__ for p in _PROJECTIONS}
+
+
+def decode_projection(payload: bytes | memoryview) -> Any:
+    """Decode a raw event payload into its statistics projection (only the
+    fields :class:`RunStats` reads). Raises msgspec.DecodeError /
+    ValidationError on a payload that is not a schema-v1 event."""
+    return _projection_decoder.decode(payload)
+
+
+_TRIGGER_OF_TAG = {spec["event"]: spec["trigger"] for spec in LIFECYCLE_SPEC}
+_IN_SESSION = frozenset(IN_SESSION_EVENTS)
+_STATUS_OF = {State.FINISHED: FINISHED, State.ABORTED: ABORTED, State.DROPPED: DROPPED}
+
+
+class _Live:
+    __slots__ = ("state", "group_id", "sample_index", "turns", "tokens_out", "reward", "opened_ts")
+
+    def __init__(self, body: Any, ts_ns: int) -> None:
+        self.state = State.OPEN
+        self.group_id = body.group_id
+        self.sample_index = body.sample_index
+        self.turns = 0
+        self.tokens_out = 0
+        self.reward: Any = None
+        self.opened_ts = ts_ns
+
+
+class RunStats:
+    """Incremental run statistics. ``feed(envelope)`` or ``feed_record(lsn,
+    session_id, ts_ns, body)`` with a full body or a projection; ``snapshot()``
+    gives plain data (JSON-ready; NaN where nothing was measured)."""
+
+    #: Violations kept verbatim (the count covers all).
+    KEEP_VIOLATIONS = 10
+
+    def __init__(self, *, min_valid: int = 2, reward_key: str | None = None, solve_threshold: float = 1.0) -> None:
+        self.reward_key = reward_key
+        self._live: dict[str, _Live] = {}
+        self._groups = GroupTracker(min_valid)
+        self.metrics = MetricsAccumulator(reward_key, solve_threshold)
+        self.events = 0
+        self.first_lsn = -1
+        self.last_lsn = -1
+        self.first_ts_ns: int | None = None
+        self.last_ts_ns: int | None = None
+        self.tokens_in = 0
+        self.tokens_out = 0
+        self.turns = 0
+        self.undelivered = 0
+        self.finish_reasons: Counter[str] = Counter()
+        self.commands = 0
+        self.commands_failed = 0
+        self.commands_over_budget = 0
+        self.policy_updates = 0
+        self.policy_version: int | None = None
+        self.opened = 0
+        self.duration_sum_s = 0.0
+        self.duration_max_s = 0.0
+        self.ended = 0
+        self.groups_skipped = 0
+        self.violation_count = 0
+        self.violations: list[tuple[int, str, str]] = []
+
+    # ------------------------------------------------------------------ feed
+
+    def feed(self, env: Envelope) -> None:
+        """Fold one decoded envelope."""
+        self.feed_record(env.lsn, env.session_id, env.ts_ns, env.body)
+
+    def _violation(self, lsn: int, sid: str, message: str) -> None:
+        self.violation_count += 1
+        if len(self.violations) < self.KEEP_VIOLATIONS:
+            self.violations.append((lsn, sid, message))
+
+    def feed_record(self, lsn: int, session_id: str, ts_ns: int, body: Any) -> None:
+        """Fold one record; ``body`` is a schema-v1 body or its projection."""
+        self.events += 1
+        if self.first_lsn < 0:
+            self.first_lsn = lsn
+        if lsn <= self.last_lsn:
+            self._violation(lsn, session_id, f"lsn {lsn} does not increase (expected > {self.last_lsn})")
+        self.last_lsn = max(lsn, self.last_lsn)
+        if self.first_ts_ns is None:
+            self.first_ts_ns = ts_ns
+        self.last_ts_ns = ts_ns
+        tag = body.__struct_config__.tag
+        if tag == "policy_updated":
+            self.policy_updates += 1
+            self.policy_version = body.policy_version
+            return
+        live = self._live.get(session_id)
+        if tag == "session_opened":
+            if live is not None:
+                self._violation(lsn, session_id, "session_opened for a session already in flight (ids are never reused)")
+                return
+            try:
+                self._groups.open(body.group_id, session_id, body.group_size, body.sample_index, lsn)
+            except GroupError as exc:
+                self._violation(lsn, session_id, str(exc))
+                return
+            self._live[session_id] = _Live(body, ts_ns)
+            self.opened += 1
+            return
+        if live is None:
+            self._violation(lsn, session_id, f"{tag} for a session not in flight (never opened, or already ended)")
+            return
+        trigger = _TRIGGER_OF_TAG.get(tag)
+        if trigger is not None:
+            dest = TRANSITIONS.get((live.state, trigger))
+            if dest is None:
+                self._violation(lsn, session_id, f"illegal {trigger!r} in state {live.state}")
+                return
+        elif tag in _IN_SESSION:
+            if live.state is not State.RUNNING:
+                self._violation(lsn, session_id, f"{tag} in state {live.state} (allowed only while running)")
+                return
+            dest = live.state
+        else:  # a future tag: counted, not interpreted
+            return
+        if tag == "turn_recorded":
+            n_out = len(body.output_ids) // 4
+            self.turns += 1
+            live.turns += 1
+            live.tokens_out += n_out
+            self.tokens_in += len(body.prompt_ids) // 4
+            self.tokens_out += n_out
+            self.finish_reasons[body.finish_reason] += 1
+        elif tag == "turn_undelivered":
+            self.undelivered += 1
+        elif tag == "command_ran":
+            self.commands += 1
+            if body.exit_code != 0:
+                self.commands_failed += 1
+            if body.budget_exceeded:
+                self.commands_over_budget += 1
+        elif tag == "reward_assigned":
+            live.reward = body.reward
+        if dest in TERMINAL_STATES:
+            self._terminal(lsn, session_id, live, dest, body, ts_ns)
+        else:
+            live.state = dest
+
+    def _terminal(self, lsn: int, sid: str, live: _Live, dest: State, body: Any, ts_ns: int) -> None:
+        del self._live[sid]
+        status = _STATUS_OF[dest]
+        self.ended += 1
+        duration = (ts_ns - live.opened_ts) / 1e9
+        self.duration_sum_s += duration
+        self.duration_max_s = max(self.duration_max_s, duration)
+        member: GroupMember | None = None
+        if status == FINISHED:
+            raw = body.reward if body.reward is not None else live.reward
+            reward, problem = resolve_reward(raw, self.reward_key)
+            member = GroupMember(sid, live.sample_index, FINISHED, reward is not None, reward, problem)
+            self.metrics.observe_session(FINISHED, reward=raw, turns=live.turns, output_tokens=live.tokens_out)
+        elif status == ABORTED:
+            member = GroupMember(sid, live.sample_index, ABORTED, False, None, body.reason)
+            self.metrics.observe_session(ABORTED, reason=body.reason, turns=live.turns, output_tokens=live.tokens_out)
+        else:
+            self.metrics.observe_session(DROPPED, reason=body.reason, turns=live.turns, output_tokens=live.tokens_out)
+        group = self._groups.close(live.group_id, member, sid, lsn)
+        if group is not None:
+            self.metrics.observe_group(group)
+
+    # --------------------------------------------------------------- results
+
+    def live_by_state(self) -> dict[str, int]:
+        """Sessions in flight, by state (open / running)."""
+        c = Counter(str(s.state) for s in self._live.values())
+        return {"open": c.get("open", 0), "running": c.get("running", 0)}
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything, as plain data."""
+        m = self.metrics.snapshot()
+        by_status = m["sessions/by_status"]
+        live = self.live_by_state()
+        span = None
+        if self.first_ts_ns is not None and self.last_ts_ns is not None:
+            span = {
+                "first_ts_ns": self.first_ts_ns,
+                "last_ts_ns": self.last_ts_ns,
+                "seconds": (self.last_ts_ns - self.first_ts_ns) / 1e9,
+            }
+        pending = self._groups.pending()
+        return {
+            "events": self.events,
+            "lsn_first": self.first_lsn,
+            "lsn_last": self.last_lsn,
+            "time_span": span,
+            "sessions": {
+                "total": self.opened,
+                "finished": by_status.get(FINISHED, 0),
+                "aborted": by_status.get(ABORTED, 0),
+                "dropped": by_status.get(DROPPED, 0),
+                "open": live["open"],
+                "running": live["running"],
+                "duration_mean_s": self.duration_sum_s / self.ended if self.ended else math.nan,
+                "duration_max_s": self.duration_max_s if self.ended else math.nan,
+            },
+            "abort_reasons": m["sessions/abort_reasons"],
+            "drop_reasons": m["sessions/drop_reasons"],
+            "turns": {
+                "total": self.turns,
+                "mean_per_session": self.turns / self.opened if self.opened else math.nan,
+                "undelivered": self.undelivered,
+                "finish_reasons": dict(sorted(self.finish_reasons.items())),
+            },
+            "tokens": {"prompt": self.tokens_in, "output": self.tokens_out},
+            "commands": {"total": self.commands, "failed": self.commands_failed, "over_budget": self.commands_over_budget},
+            "reward": {
+                "count": m["rollout/reward_count"],
+                "mean": m["rollout/reward_mean"],
+                "std": m["rollout/reward_std"],
+                "min": m["rollout/reward_min"],
+                "max": m["rollout/reward_max"],
+                "unusable": m["rollout/reward_bad"],
+            },
+            "groups": {
+                "released": m["groups/released"],
+                "complete": m["groups/released"] - m["groups/skipped"],
+                "skipped": m["groups/skipped"],
+                "pending": len(pending),
+                "skip_reasons": m["groups/skip_reasons"],
+                "solve_rate_mean": m["groups/solve_rate_mean"],
+            },
+            "policy": {"updates": self.policy_updates, "version": self.policy_version},
+            "violations": {
+                "count": self.violation_count,
+                "first": [{"lsn": lsn, "session_id": sid, "message": msg} for lsn, sid, msg in self.violations],
+            },
+        }

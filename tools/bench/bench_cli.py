@@ -1,0 +1,231 @@
+"""Benchmark: the `agentlog` commands on a big generated log, against a raw read.
+
+Generates a log (default 1 GB; ``--quick``: 64 MB) of SWE-agent-like
+sessions in groups of 4, written with ``events.log.FileLog``: each turn's
+prompt carries the whole conversation so far (chat messages with text and
+its token ids), 60-400 generated tokens with log-probs, a command run per
+turn, a reward; ~10% of sessions abort, ~5% are dropped. Sessions of a
+group interleave, as they do in a live run.
+
+Then, in one run, it measures (each over the same files, page cache warm):
+
+* raw read: every segment file read into memory with ``readinto`` (the anchor);
+* ``agentlog stats LOG`` (in process, output discarded);
+* ``agentlog replay LOG --json > /dev/null``;
+* ``agentlog reconstruct LOG -o OUT --format msgpack``.
+
+Throughput is log bytes / wall seconds. The goal: ``stats`` >= 0.3x raw read.
+
+Usage: ``python tools/bench/bench_cli.py [--quick] [--size-mb N] [--dir D] [--keep]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from events.log import FileLog  # noqa: E402
+from events.types import (  # noqa: E402
+    CommandRan,
+    RewardAssigned,
+    SessionAborted,
+    SessionDropped,
+    SessionFinished,
+    SessionOpened,
+    SessionStarted,
+    TurnRecorded,
+)
+
+GROUP = 4
+WORDS = ("def", "return", "self", "import", "error", "test", "file", "line", "value", "class", "assert", "fix")
+
+
+def _session_bodies(rng: np.random.Generator, pool: np.ndarray, group: int, index: int) -> list:
+    """One session's event bodies, in order."""
+    text = " ".join(rng.choice(WORDS, 200))
+    msgs = [
+        {"role": "system", "content": "You are a coding agent. " + text[:400]},
+        {"role": "user", "content": f"Fix issue {group}: " + text},
+    ]
+    ctx_len = int(rng.integers(300, 1200))
+    bodies: list = [
+        SessionOpened(group_id=f"g{group}", group_size=GROUP, sample_index=index, prompt=msgs, agent="bench"),
+        SessionStarted(harness="bench", sandbox="local"),
+    ]
+    fate = rng.random()
+    n_turns = int(rng.integers(3, 16))
+    if fate < 0.15:
+        n_turns = int(rng.integers(1, n_turns + 1))
+    for t in range(n_turns):
+        n_out = int(rng.integers(60, 400))
+        start = int(rng.integers(0, len(pool) - ctx_len - n_out))
+        prompt = pool[start : start + ctx_len]
+        out = pool[start + ctx_len : start + ctx_len + n_out]
+        lp = -rng.random(n_out, dtype=np.float32)
+        reply = {"role": "assistant", "content": " ".join(rng.choice(WORDS, n_out // 2))}
+        bodies.append(
+            TurnRecorded(
+                turn_index=t, messages=list(msgs), prompt_ids=prompt, output_ids=out, output_log_probs=lp,
+                finish_reason="stop", response_message=reply, generate_s=0.5,
+            )
+        )
+        tool_out = " ".join(rng.choice(WORDS, int(rng.integers(50, 300))))
+        bodies.append(CommandRan(command=f"pytest -x tests/test_{t}.py", exit_code=int(t % 3 == 0), duration_s=1.5, output_tail=tool_out[-2000:]))
+        msgs = msgs + [reply, {"role": "tool", "content": tool_out}]
+        ctx_len += n_out + len(tool_out) // 5
+    if fate < 0.10:
+        bodies.append(SessionAborted(reason="wall_clock_timeout", error="budget exhausted"))
+    elif fate < 0.15:
+        bodies.append(SessionDropped(reason="cancelled"))
+    else:
+        bodies.append(RewardAssigned(reward=float(rng.random() < 0.4), source="tests"))
+        bodies.append(SessionFinished())
+    return bodies
+
+
+def generate_log(path: Path, target_bytes: int, seed: int = 0, quiet: bool = False) -> int:
+    """Write a log of about ``target_bytes`` at ``path``; returns its size in bytes."""
+    from tqdm import tqdm
+
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(0, 150_000, 1 << 20, dtype=np.int32)
+    log = FileLog.open(path, fsync="never", segment_bytes=64 << 20)
+    group = 0
+    size = 0
+    bar = tqdm(total=target_bytes, unit="B", unit_scale=True, desc="generate", disable=quiet, leave=False)
+    try:
+        while size < target_bytes:
+            sessions = [(f"s{group}-{i}", _session_bodies(rng, pool, group, i)) for i in range(GROUP)]
+            seqs = [0] * GROUP
+            batch = []
+            # Interleave the group's sessions round-robin, as concurrent agents do.
+            while any(seqs[i] < len(b) for i, (_, b) in enumerate(sessions)):
+                for i, (sid, bodies) in enumerate(sessions):
+                    if seqs[i] < len(bodies):
+                        batch.append((sid, seqs[i], bodies[seqs[i]]))
+                        seqs[i] += 1
+            log.append_batch(batch)
+            group += 1
+            if group % 16 == 0:
+                new = _log_bytes(path)
+                bar.update(new - size)
+                size = new
+    finally:
+        log.close()
+        bar.close()
+    return _log_bytes(path)
+
+
+def _log_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).glob("*.seg"))
+
+
+def raw_read(path: Path) -> int:
+    """Read every segment file into one reused buffer; returns bytes read."""
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    total = 0
+    for seg in sorted(Path(path).glob("*.seg")):
+        with open(seg, "rb", buffering=0) as f:
+            while True:
+                n = f.readinto(view)
+                if not n:
+                    break
+                total += n
+    return total
+
+
+def _run_cli(argv: list[str]) -> tuple[int, str]:
+    from tools.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
+def _run_cli_devnull(argv: list[str]) -> int:
+    """Run a command with stdout going to /dev/null (at the fd level, as a shell redirect does)."""
+    from tools.cli import main
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    fd = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(fd, 1)
+        with open(1, "w", closefd=False) as devnull, contextlib.redirect_stdout(devnull):
+            code = main(argv)
+            devnull.flush()
+    finally:
+        os.dup2(saved, 1)
+        os.close(fd)
+        os.close(saved)
+    return code
+
+
+def _timed(fn) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    res = fn()
+    return time.perf_counter() - t0, res
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print the table and the GOAL line."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a 64 MB log instead of 1 GB")
+    ap.add_argument("--size-mb", type=int, default=None, help="log size in MB (overrides --quick)")
+    ap.add_argument("--dir", default=None, help="where to write the log (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the generated log")
+    args = ap.parse_args(argv)
+    size_mb = args.size_mb or (64 if args.quick else 1024)
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_cli_"))
+    log_dir = base / "log"
+    out_file = base / "samples.msgpack"
+    try:
+        if not log_dir.exists():
+            t, nbytes = _timed(lambda: generate_log(log_dir, size_mb << 20))
+            print(f"generated {nbytes / 1e6:.0f} MB in {t:.1f} s at {log_dir}", file=sys.stderr)
+        nbytes = _log_bytes(log_dir)
+        raw_read(log_dir)  # warm the page cache
+        rows = []
+        t_raw, _ = _timed(lambda: raw_read(log_dir))
+        rows.append(("raw read (anchor)", t_raw))
+        t_stats, (code, _out) = _timed(lambda: _run_cli(["stats", str(log_dir), "--quiet"]))
+        assert code == 0, f"stats exited {code}"
+        rows.append(("agentlog stats", t_stats))
+        t_replay, code = _timed(lambda: _run_cli_devnull(["replay", str(log_dir), "--json", "--quiet"]))
+        assert code == 0, f"replay exited {code}"
+        rows.append(("agentlog replay --json > /dev/null", t_replay))
+        t_rec, (code, _out) = _timed(
+            lambda: _run_cli(["reconstruct", str(log_dir), "-o", str(out_file), "--format", "msgpack", "--quiet"])
+        )
+        assert code == 0, f"reconstruct exited {code}"
+        rows.append(("agentlog reconstruct --format msgpack", t_rec))
+        mb = nbytes / 1e6
+        print(f"log: {mb:.0f} MB in {len(list(log_dir.glob('*.seg')))} segments")
+        print(f"{'what':40s} {'seconds':>9s} {'MB/s':>9s} {'x raw':>7s}")
+        for name, t in rows:
+            print(f"{name:40s} {t:9.2f} {mb / t:9.0f} {t_raw / t:7.3f}")
+        ratio = t_raw / t_stats
+        print(f"GOAL stats_vs_raw_read: {ratio:.2f}x (goal >= 0.3x) {'PASS' if ratio >= 0.3 else 'MISS'}")
+    finally:
+        if not args.keep and not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

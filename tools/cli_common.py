@@ -1,0 +1,130 @@
+"""What the `agentlog` reading commands share: opening a log path with one-line
+errors, reading it with a progress bar, and formatting times.
+
+Errors become :class:`tools.cli.CliError`: a missing path or a directory that
+is not a log exits 2; corruption found while reading exits 1 and names the
+segment, offset and LSN (the log layer's message), prefixed by the path.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+from tools.cli import EXIT_DATA, EXIT_USAGE, CliError
+
+#: Logs smaller than this are read without a progress bar.
+PROGRESS_MIN_BYTES = 4 << 20
+
+
+def add_quiet(parser: Any) -> None:
+    """The shared ``--quiet`` option."""
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+
+def check_log_path(arg: str) -> Path:
+    """The log directory named on the command line, or a one-line exit-2 error."""
+    from events.log_format import DURABLE_NAME, is_log_dir
+
+    path = Path(arg)
+    if not path.exists():
+        raise CliError(f"{arg}: no such log directory", EXIT_USAGE)
+    if not path.is_dir():
+        raise CliError(f"{arg}: is a file, expected a log directory", EXIT_USAGE)
+    if not is_log_dir(path):
+        raise CliError(f"{arg}: not an agentlog log directory (no segment files, no {DURABLE_NAME})", EXIT_USAGE)
+    return path
+
+
+def log_bytes(path: Path) -> int:
+    """Total size of the log's segment files."""
+    from events.log_format import list_segments, segment_name
+
+    total = 0
+    for first in list_segments(path):
+        try:
+            total += (path / segment_name(first)).stat().st_size
+        except FileNotFoundError:  # rotated away under a live writer
+            pass
+    return total
+
+
+def read_records(
+    path: Path, *, raw: bool = False, from_lsn: int = 0, quiet: bool = False, desc: str = "read"
+) -> Iterator[Any]:
+    """Every durable record of the log at ``path`` from ``from_lsn`` (Envelopes,
+    or RawRecords with ``raw``), with a byte progress bar on stderr for logs
+    over PROGRESS_MIN_BYTES unless ``quiet``. Corruption raises CliError(1)."""
+    from events.log import NotALog, read_log
+    from events.log_api import LogError
+
+    total = log_bytes(path)
+    bar = None
+    if not quiet and total >= PROGRESS_MIN_BYTES:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False, file=sys.stderr, disable=None)
+    it = read_log(path, from_lsn, raw=True)
+    pending = 0
+    try:
+        for rec in it:
+            if bar is not None:
+                # Frame overhead is ~40 bytes plus the session id; close enough for a bar.
+                pending += len(rec.payload) + 40 + len(rec.session_id)
+                if pending >= 1 << 20:
+                    bar.update(pending)
+                    pending = 0
+            if raw:
+                yield rec
+                continue
+            try:
+                env = rec.decode()
+            except ValueError as exc:  # msgspec decode/validation errors are ValueErrors
+                raise CliError(
+                    f"{path}: lsn {rec.lsn}, session {rec.session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA
+                ) from None
+            yield env
+    except FileNotFoundError as exc:
+        raise CliError(f"{path}: {exc}", EXIT_USAGE) from None
+    except NotALog as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    except LogError as exc:  # LogCorruption and friends: a problem in the data
+        raise CliError(f"{path}: {exc}", EXIT_DATA) from None
+    except OSError as exc:
+        raise CliError(f"{path}: {exc.strerror or exc}", EXIT_USAGE) from None
+    finally:
+        it.close()
+        if bar is not None:
+            bar.close()
+
+
+def fmt_ts(ts_ns: int) -> str:
+    """``2026-11-30T17:21:15.123Z`` (UTC, milliseconds)."""
+    t = _dt.datetime.fromtimestamp(ts_ns / 1e9, tz=_dt.timezone.utc)
+    return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
+
+
+def nonneg_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, found {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, found {value}")
+    return value
+
+
+def open_output(path: str, mode: str = "w") -> Any:
+    """Open an output file for writing, or a one-line exit-2 error."""
+    try:
+        if path == "-":
+            return os.fdopen(os.dup(sys.stdout.fileno()), mode)
+        return open(path, mode)
+    except OSError as exc:
+        raise CliError(f"{path}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None

@@ -1,0 +1,237 @@
+"""`agentlog replay LOG [--session ID] [--group ID] [--status S] [--reason R]
+[--from LSN] [--until LSN] [--json]`: the timeline, one line per event, with
+the session's state before -> after (from the lifecycle reducer's replay
+helper, :func:`reducers.lifecycle.replay`) and a short summary. Illegal
+sequences are shown in place, marked ``!!``; the command then exits 1.
+
+``--status`` and ``--reason`` select sessions by how they ended (or ``open``
+/ ``running`` for sessions still in flight at the end of the range), which
+needs a first, cheap pass over the log.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
+from tools.cli_common import add_quiet, check_log_path, fmt_ts, nonneg_int, read_records
+
+STATUSES = ("open", "running", "finished", "aborted", "dropped")
+_TOKEN_FIELDS = ("prompt_ids", "output_ids")
+_LOGPROB_FIELDS = ("output_log_probs",)
+
+
+def register(sub) -> None:
+    """Add the subcommand."""
+    p = sub.add_parser("replay", help="the timeline: one line per event with state before -> after")
+    p.add_argument("log", metavar="LOG", help="the log directory")
+    p.add_argument("--session", metavar="ID", help="only this session")
+    p.add_argument("--group", metavar="ID", help="only sessions of this group")
+    p.add_argument("--status", choices=STATUSES, help="only sessions that ended so (open/running: still in flight)")
+    p.add_argument("--reason", metavar="R", help="only sessions aborted or dropped with this reason")
+    p.add_argument("--from", dest="from_lsn", type=nonneg_int, metavar="LSN", help="start printing at this LSN")
+    p.add_argument("--until", dest="until_lsn", type=nonneg_int, metavar="LSN", help="stop after this LSN")
+    p.add_argument("--json", action="store_true", help="one JSON object per event (token arrays as lists)")
+    add_quiet(p)
+    p.set_defaults(func=run)
+
+
+# ---------------------------------------------------------------- formatting (shared with tail)
+
+
+def _short(text: Any, n: int = 60) -> str:
+    s = " ".join(str(text).split())
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _reward(r: Any) -> str:
+    if isinstance(r, float):
+        return f"{r:g}"
+    if isinstance(r, dict):
+        return "{" + ", ".join(f"{k}: {v:g}" if isinstance(v, float) else f"{k}: {v}" for k, v in r.items()) + "}"
+    return str(r)
+
+
+def event_summary(body: Any) -> str:
+    """A short human summary of an event body."""
+    tag = body.__struct_config__.tag
+    if tag == "session_opened":
+        return f"group {body.group_id} [{body.sample_index}/{body.group_size}] agent {body.agent or '-'} policy v{body.policy_version}"
+    if tag == "session_started":
+        return f"harness {body.harness or '-'} sandbox {body.sandbox or '-'}"
+    if tag == "turn_recorded":
+        extra = " ill-formed" if body.ill_formed else ""
+        lp = "" if body.output_log_probs else " (no log-probs)"
+        return (
+            f"turn {body.turn_index}: in {len(body.prompt_ids) // 4} out {len(body.output_ids) // 4} tokens,"
+            f" finish {body.finish_reason}{extra}{lp}"
+        )
+    if tag == "turn_undelivered":
+        return f"turn {body.turn_index} undelivered: {body.reason or '-'}"
+    if tag == "command_ran":
+        over = " BUDGET EXCEEDED" if body.budget_exceeded else ""
+        return f"$ {_short(body.command, 50)} -> exit {body.exit_code} in {body.duration_s:.2f}s{over}"
+    if tag == "reward_assigned":
+        return f"reward {_reward(body.reward)}" + (f" from {body.source}" if body.source else "")
+    if tag == "session_finished":
+        return "reward " + ("(last assigned)" if body.reward is None else _reward(body.reward))
+    if tag == "session_aborted":
+        return f"reason {body.reason}" + (f": {_short(body.error)}" if body.error else "")
+    if tag == "session_dropped":
+        return f"reason {body.reason}"
+    if tag == "policy_updated":
+        return f"step {body.step} -> policy v{body.policy_version}, {len(body.groups)} groups"
+    return ""
+
+
+def _state(s: Any) -> str:
+    return "-" if s is None else str(s)
+
+
+def format_step(env: Any, before: Any, after: Any, violations: Any = ()) -> list[str]:
+    """The text lines of one replayed event (the event, then any violation)."""
+    tag = env.body.__struct_config__.tag
+    lines = [
+        f"{env.lsn:>8}  {fmt_ts(env.ts_ns)}  {env.session_id}  #{env.session_seq:<3} {tag:<17}"
+        f" {_state(before):>8} -> {_state(after):<8}  {event_summary(env.body)}"
+    ]
+    for v in violations:
+        lines.append(f"{env.lsn:>8}  !! VIOLATION session {v.session_id!r}: {v.message}")
+    return lines
+
+
+def event_fields(body: Any) -> dict[str, Any]:
+    """An event body's fields as JSON-ready data (token arrays as lists)."""
+    import msgspec
+
+    from events.types import log_probs_view, tokens_view
+
+    d = msgspec.structs.asdict(body)
+    for f in _TOKEN_FIELDS:
+        if f in d:
+            d[f] = tokens_view(d[f]).tolist()
+    for f in _LOGPROB_FIELDS:
+        if f in d:
+            d[f] = log_probs_view(d[f]).tolist()
+    return d
+
+
+def step_json(env: Any, before: Any, after: Any, violations: Any = ()) -> dict[str, Any]:
+    """One replayed event as the ``--json`` object."""
+    out = {
+        "lsn": env.lsn,
+        "session_id": env.session_id,
+        "session_seq": env.session_seq,
+        "ts_ns": env.ts_ns,
+        "type": env.body.__struct_config__.tag,
+        "state_before": None if before is None else str(before),
+        "state_after": None if after is None else str(after),
+    }
+    out.update(event_fields(env.body))
+    if violations:
+        out["violations"] = [v.message for v in violations]
+    return out
+
+
+# ---------------------------------------------------------------- selection
+
+
+def _sessions_by_outcome(path: Any, status: str | None, reason: str | None, until: int | None, quiet: bool) -> set[str]:
+    """First pass: the sessions that ended with ``status`` / ``reason`` by ``until``."""
+    import msgspec
+
+    from reducers.runstats import decode_projection
+
+    live: dict[str, str] = {}
+    chosen: set[str] = set()
+    ends = {"session_finished": "finished", "session_aborted": "aborted", "session_dropped": "dropped"}
+    for rec in read_records(path, raw=True, quiet=quiet, desc="select"):
+        if until is not None and rec.lsn > until:
+            break
+        try:
+            body = decode_projection(rec.payload)
+        except msgspec.DecodeError as exc:
+            raise CliError(f"{path}: lsn {rec.lsn}, session {rec.session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA) from None
+        tag = body.__struct_config__.tag
+        sid = rec.session_id
+        if tag == "session_opened":
+            live[sid] = "open"
+        elif tag == "session_started" and sid in live:
+            live[sid] = "running"
+        elif tag in ends and sid in live:
+            del live[sid]
+            if (status is None or status == ends[tag]) and (reason is None or getattr(body, "reason", None) == reason):
+                chosen.add(sid)
+    if reason is None:
+        chosen.update(sid for sid, st in live.items() if status == st)
+    return chosen
+
+
+def run(args) -> int:
+    """Replay and print."""
+    from reducers.lifecycle import replay
+
+    from events.types import SessionOpened
+
+    path = check_log_path(args.log)
+    if args.from_lsn is not None and args.until_lsn is not None and args.from_lsn > args.until_lsn:
+        raise CliError(f"replay: --from {args.from_lsn} is after --until {args.until_lsn}", EXIT_USAGE)
+    chosen = None
+    if args.status is not None or args.reason is not None:
+        chosen = _sessions_by_outcome(path, args.status, args.reason, args.until_lsn, args.quiet)
+    envs = read_records(path, quiet=args.quiet, desc="replay")
+    out = sys.stdout
+    encode = None
+    if args.json:
+        import msgspec
+
+        encoder = msgspec.json.Encoder()
+        encode = encoder.encode
+    group_of: dict[str, str] = {}
+    seen_session = args.session is None
+    seen_group = args.group is None
+    shown = 0
+    first_violation = None
+    n_violations = 0
+    from_lsn = args.from_lsn or 0
+    for step in replay(envs, session_id=args.session, until_lsn=args.until_lsn):
+        env = step.envelope
+        sid = env.session_id
+        seen_session = True
+        if args.group is not None:
+            if isinstance(env.body, SessionOpened):
+                group_of[sid] = env.body.group_id
+                if env.body.group_id == args.group:
+                    seen_group = True
+            gid = group_of.get(sid)
+            if step.summary is not None:
+                group_of.pop(sid, None)
+            if gid != args.group:
+                continue
+        if chosen is not None and sid not in chosen:
+            continue
+        if env.lsn < from_lsn:
+            continue
+        if step.violations:
+            n_violations += len(step.violations)
+            if first_violation is None:
+                first_violation = step.violations[0]
+        if encode is not None:
+            out.write(encode(step_json(env, step.state_before, step.state_after, step.violations)).decode())
+            out.write("\n")
+        else:
+            out.write("\n".join(format_step(env, step.state_before, step.state_after, step.violations)) + "\n")
+        shown += 1
+    out.flush()
+    if not seen_session:
+        raise CliError(f"{path}: unknown session id {args.session!r} (no event of it in the log)", EXIT_USAGE)
+    if not seen_group:
+        raise CliError(f"{path}: unknown group id {args.group!r} (no session_opened declares it)", EXIT_USAGE)
+    if first_violation is not None:
+        v = first_violation
+        raise CliError(
+            f"{path}: {n_violations} lifecycle violation(s) shown; first at lsn {v.lsn}, session {v.session_id!r}: {v.message}",
+            EXIT_DATA,
+        )
+    return EXIT_OK

@@ -1,0 +1,111 @@
+"""`agentlog stats LOG [--json]`: sessions by status, abort and drop reasons,
+turns and tokens, reward statistics, groups complete/skipped, time span.
+
+One pass over raw frames, decoding only the fields the statistics need
+(:mod:`reducers.runstats`). Exit 1 (after printing) when the log holds
+lifecycle violations.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+from tools.cli import EXIT_DATA, EXIT_OK, CliError
+from tools.cli_common import add_quiet, check_log_path, fmt_ts, read_records
+
+
+def register(sub) -> None:
+    """Add the subcommand."""
+    p = sub.add_parser("stats", help="sessions by status, reasons, turns, tokens, rewards, groups, time span")
+    p.add_argument("log", metavar="LOG", help="the log directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_quiet(p)
+    p.set_defaults(func=run)
+
+
+def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
+    """Statistics of the log at ``path`` (already checked) as plain data."""
+    import msgspec
+
+    from reducers.runstats import RunStats, decode_projection
+
+    stats = RunStats()
+    feed = stats.feed_record
+    for rec in read_records(path, raw=True, quiet=quiet, desc="stats"):
+        try:
+            body = decode_projection(rec.payload)
+        except msgspec.DecodeError as exc:
+            raise CliError(
+                f"{path}: lsn {rec.lsn}, session {rec.session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA
+            ) from None
+        feed(rec.lsn, rec.session_id, rec.ts_ns, body)
+    out = stats.snapshot()
+    out["log"] = str(path)
+    return out
+
+
+def run(args) -> int:
+    """Compute and print the statistics."""
+    path = check_log_path(args.log)
+    stats = compute_stats(path, quiet=args.quiet)
+    if args.json:
+        import msgspec
+
+        sys.stdout.write(msgspec.json.encode(stats).decode() + "\n")  # NaN -> null
+    else:
+        sys.stdout.write(render_text(stats))
+    v = stats["violations"]
+    if v["count"]:
+        first = v["first"][0]
+        raise CliError(
+            f"{path}: {v['count']} lifecycle violation(s); first at lsn {first['lsn']}, session {first['session_id']!r}: {first['message']}",
+            EXIT_DATA,
+        )
+    return EXIT_OK
+
+
+def _num(x: Any, fmt: str = ".3f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return format(x, fmt)
+
+
+def _counts(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
+
+
+def render_text(s: dict[str, Any]) -> str:
+    """The statistics as an aligned text report."""
+    ses, turns, tok, rw, g = s["sessions"], s["turns"], s["tokens"], s["reward"], s["groups"]
+    span = s["time_span"]
+    lines = [
+        f"log        {s['log']}",
+        f"events     {s['events']} (lsn {s['lsn_first']}..{s['lsn_last']})",
+    ]
+    if span:
+        lines.append(f"time span  {fmt_ts(span['first_ts_ns'])} .. {fmt_ts(span['last_ts_ns'])} ({span['seconds']:.1f} s)")
+    lines += [
+        f"sessions   {ses['total']}: finished {ses['finished']}, aborted {ses['aborted']}, dropped {ses['dropped']},"
+        f" open {ses['open']}, running {ses['running']}",
+        f"duration   mean {_num(ses['duration_mean_s'], '.2f')} s, max {_num(ses['duration_max_s'], '.2f')} s",
+        f"aborted by {_counts(s['abort_reasons'])}",
+        f"dropped by {_counts(s['drop_reasons'])}",
+        f"turns      {turns['total']} (mean {_num(turns['mean_per_session'], '.2f')} per session),"
+        f" undelivered {turns['undelivered']}, finish {_counts(turns['finish_reasons'])}",
+        f"tokens     prompt {tok['prompt']}, output {tok['output']}",
+        f"commands   {s['commands']['total']}, failed {s['commands']['failed']}, over budget {s['commands']['over_budget']}",
+        f"reward     n {rw['count']}, mean {_num(rw['mean'])}, std {_num(rw['std'])}, min {_num(rw['min'])},"
+        f" max {_num(rw['max'])}, unusable {rw['unusable']}",
+        f"groups     released {g['released']}: complete {g['complete']}, skipped {g['skipped']}; pending {g['pending']}",
+    ]
+    if g["skip_reasons"]:
+        lines.append(f"skipped by {_counts(g['skip_reasons'])}")
+    if s["policy"]["updates"]:
+        lines.append(f"policy     {s['policy']['updates']} updates, version {s['policy']['version']}")
+    if s["violations"]["count"]:
+        lines.append(f"VIOLATIONS {s['violations']['count']}")
+        for v in s["violations"]["first"]:
+            lines.append(f"  lsn {v['lsn']} session {v['session_id']!r}: {v['message']}")
+    return "\n".join(lines) + "\n"
