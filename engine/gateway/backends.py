@@ -273,7 +273,8 @@ class TorchBackend(Backend):
 
     name = "torch"
 
-    def __init__(self, model: Any = None, *, max_batch: int = 64, seed: int = 0, policy_version: int = 0) -> None:
+    def __init__(self, model: Any = None, *, max_batch: int = 64, seed: int = 0, policy_version: int = 0,
+                 batch_window_s: float = 0.005) -> None:
         import torch
 
         from learner.model import GPT, GPTConfig
@@ -287,6 +288,12 @@ class TorchBackend(Backend):
         self.context_length = int(model.config.max_seq_len)
         self.vocab_size = int(model.config.vocab_size)
         self.max_batch = max_batch
+        # After a batch of n, wait up to this long for n calls to gather
+        # before starting the next one: agents send their next turn a few ms
+        # after their answer, and without the wait they trickle into batches
+        # of one. A lone session (last batch of 1) never waits.
+        self.batch_window_s = batch_window_s
+        self._last_batch = 1
         self.policy_version = policy_version
         self._generator = torch.Generator().manual_seed(seed)
         self._queue: list[_Pending] = []
@@ -344,7 +351,17 @@ class TorchBackend(Backend):
                     self._cv.wait()
                 if self._closed:
                     return
+                deadline = time.monotonic() + self.batch_window_s
+                target = min(self._last_batch, self.max_batch)
+                while len(self._queue) < target and not self._closed:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cv.wait(remaining)
+                if self._closed:
+                    return
                 batch = self._take_batch()
+                self._last_batch = len(batch)
             t0 = time.perf_counter()
             try:
                 most = max(b.params.max_new_tokens for b in batch)

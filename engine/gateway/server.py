@@ -107,6 +107,9 @@ class Gateway:
         self._requests = 0
         self._runner: web.AppRunner | None = None
         self.url = ""
+        #: When a list, each turn appends (prepare_s, record_s, send_s): the
+        #: gateway's own time split (benchmarks); None (default) records nothing.
+        self.timings: list[tuple[float, float, float]] | None = None
         self.stats = {"turns": 0, "undelivered": 0, "cancelled": 0, "backend_errors": 0, "refused": 0}
 
     # ------------------------------------------------------------ lifecycle
@@ -314,11 +317,11 @@ class Gateway:
             self._forget_if_ended(key)
 
     async def _generate_record_send(self, request: web.Request, api: Any, req: TurnRequest, h: Any, cfg: _SessionCfg, log: Any) -> web.StreamResponse:
+        t0 = time.perf_counter()
         prompt_ids = self.template.encode_prompt(req.messages, req.tools)
         ctx = self.backend.context_length
         room = None if ctx is None else ctx - len(prompt_ids)
         params = self._params(h.session_id, req, room)
-        t0 = time.perf_counter()
         if params.max_new_tokens <= 0:
             # Context exhausted before a single token: the turn ends "length" with no output.
             gen = Generation([], [], "length", self.backend.policy_version, 0.0)
@@ -365,6 +368,7 @@ class Gateway:
                 sampling=sampling,
             )
         )
+        t_rec = time.perf_counter()
         try:
             env = await asyncio.shield(record)
         except asyncio.CancelledError:
@@ -389,8 +393,12 @@ class Gateway:
             completion_tokens=len(gen.output_ids),
             created=now_s(),
         )
+        t_send = time.perf_counter()
         try:
-            return await self._send(request, api, req, res)
+            resp = await self._send(request, api, req, res)
+            if self.timings is not None:
+                self.timings.append((t_rec - t0 - gen.generate_s, t_send - t_rec, time.perf_counter() - t_send))
+            return resp
         except (ConnectionError, asyncio.CancelledError) as exc:
             await self._undelivered(h, turn, f"client gone while sending: {type(exc).__name__}", log)
             if isinstance(exc, asyncio.CancelledError):

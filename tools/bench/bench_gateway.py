@@ -1,0 +1,202 @@
+"""Benchmark the recording gateway against its anchor: the same backend called directly.
+
+In one run, on the built-in torch policy (TorchBackend) with a durable
+FileLog (fsync policy ``batch``):
+
+1. Latency the gateway adds per turn, at one session: for every turn, the
+   client-measured round trip (HTTP, JSON, chat template, tool parsing,
+   ``record_turn`` made durable, response) minus the backend's own generation
+   time for that turn (``generate_s``, recorded in the log). p50 and p99.
+2. Turns/s at 1, 16 and 128 concurrent sessions, each session a multi-turn
+   conversation, through the gateway; and the backend alone replaying the
+   exact same prompts at the same concurrency.
+
+The HTTP load generator runs in its own process so its cost is not charged
+to the gateway's event loop. Goals: added p50 <= 2 ms; gateway turns/s at
+128 sessions >= 0.9x the backend alone.
+
+    python tools/bench/bench_gateway.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures as cf
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+# ---------------------------------------------------------------- client process
+
+
+def _client_run(url: str, sids: list[str], turns: int, max_tokens: int) -> dict:
+    """Drive ``len(sids)`` concurrent sessions of ``turns`` chat turns each; returns latencies."""
+    import aiohttp
+
+    async def session(http, sid, out):
+        msgs = [{"role": "system", "content": "You are a benchmark agent."}, {"role": "user", "content": f"task for {sid}"}]
+        for k in range(turns):
+            body = {"model": "m", "messages": msgs, "max_tokens": max_tokens, "temperature": 1.0}
+            t0 = time.perf_counter()
+            async with http.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {sid}"}) as r:
+                data = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(f"session {sid} turn {k}: HTTP {r.status}: {data}")
+            out.append((sid, k, time.perf_counter() - t0))
+            msgs = msgs + [data["choices"][0]["message"], {"role": "user", "content": f"step {k}"}]
+            if k % 8 == 7:  # a new episode now and then keeps prompts inside the context
+                msgs = msgs[:2]
+
+    async def main():
+        out: list = []
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(session(http, s, out) for s in sids))
+            wall = time.perf_counter() - t0
+        return {"latencies": out, "wall": wall}
+
+    return asyncio.run(main())
+
+
+# ---------------------------------------------------------------- server side
+
+
+async def _run(args) -> list[str]:
+    import torch
+
+    from engine import SessionEngine
+    from engine.gateway import ByteChatTemplate, Gateway, GatewayConfig, SamplingParams, TorchBackend
+    from events.log import FileLog
+    from events.types import TurnRecorded
+    from learner.model import GPT, GPTConfig
+
+    torch.set_num_threads(1)  # leave the other core to the gateway and the client
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=ByteChatTemplate.VOCAB_SIZE, max_seq_len=2048, d_model=64, n_layer=2, n_head=4))
+    backend = TorchBackend(model, max_batch=128)
+    tmp = tempfile.mkdtemp(prefix="bench-gateway-")
+    log = FileLog.open(Path(tmp) / "log", fsync="batch")
+    engine = await SessionEngine.open(log)
+    gw = Gateway(engine, backend, config=GatewayConfig(max_turns=10_000))
+    url = await gw.start("127.0.0.1", 0)
+    pool = cf.ProcessPoolExecutor(1)
+    loop = asyncio.get_running_loop()
+    counter = [0]
+
+    async def through_gateway(n: int, turns: int) -> tuple[float, list, dict]:
+        sids = []
+        handles = []
+        for _ in range(n):
+            counter[0] += 1
+            sid = f"b{counter[0]}"
+            h = await engine.open_session(sid, group_id=f"g{n}", group_size=n)
+            await h.start(harness="bench")
+            sids.append(sid)
+            handles.append(h)
+        res = await loop.run_in_executor(pool, _client_run, url, sids, turns, args.max_tokens)
+        for h in handles:
+            await h.finish(reward=0.0)
+        return res["wall"], res["latencies"], {s: i for i, s in enumerate(sids)}
+
+    def recorded(sids: set[str]) -> dict:
+        out = {}
+        for env in log.read(0):
+            if env.session_id in sids and isinstance(env.body, TurnRecorded):
+                out[(env.session_id, env.body.turn_index)] = env.body
+        return out
+
+    async def backend_alone(prompts_by_session: list[list[list[int]]]) -> float:
+        params = SamplingParams(max_new_tokens=args.max_tokens, temperature=1.0, stop_ids=(ByteChatTemplate.EOS,))
+
+        async def one(prompts):
+            for p in prompts:
+                await backend.generate(p, params)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in prompts_by_session))
+        return time.perf_counter() - t0
+
+    lines = []
+    try:
+        # warm-up: imports, allocator, first HTTP connections
+        await through_gateway(4, 2)
+
+        # 1. added latency at one session
+        gw.timings = []
+        wall, lats, _ = await through_gateway(1, args.latency_turns)
+        split = np.array(gw.timings) * 1e3
+        gw.timings = None
+        rec = recorded({s for s, _, _ in lats})
+        added = np.array([lat - rec[(s, k)].generate_s for s, k, lat in lats]) * 1e3
+        gen = np.array([rec[(s, k)].generate_s for s, k, _ in lats]) * 1e3
+        direct = []
+        params = SamplingParams(max_new_tokens=args.max_tokens, temperature=1.0, stop_ids=(ByteChatTemplate.EOS,))
+        for s, k, _ in lats:
+            t0 = time.perf_counter()
+            await backend.generate(rec[(s, k)].prompt_tokens.tolist(), params)
+            direct.append((time.perf_counter() - t0) * 1e3)
+        p50, p99 = float(np.percentile(added, 50)), float(np.percentile(added, 99))
+
+        # 2. throughput at 1, 16, 128 sessions: gateway, then the backend alone on the same prompts
+        rows = []
+        for n in args.sessions:
+            wall_gw, lats, _ = await through_gateway(n, args.turns)
+            rec = recorded({s for s, _, _ in lats})
+            by_session: dict[str, list] = {}
+            for (s, k), body in sorted(rec.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+                by_session.setdefault(s, []).append(body.prompt_tokens.tolist())
+            wall_be = await backend_alone(list(by_session.values()))
+            total = n * args.turns
+            rows.append((n, total / wall_be, total / wall_gw))
+
+        lines.append(f"bench_gateway: built-in GPT (d_model 64, 2 layers), max_tokens {args.max_tokens}, FileLog fsync=batch, "
+                     f"client in its own process")
+        lines.append("")
+        lines.append(f"{'per turn (1 session)':<28}{'p50 ms':>10}{'p99 ms':>10}")
+        lines.append(f"{'backend called directly':<28}{statistics.median(direct):>10.2f}{float(np.percentile(direct, 99)):>10.2f}")
+        lines.append(f"{'backend inside gateway':<28}{float(np.percentile(gen, 50)):>10.2f}{float(np.percentile(gen, 99)):>10.2f}")
+        lines.append(f"{'added by the gateway':<28}{p50:>10.2f}{p99:>10.2f}")
+        for i, what in enumerate(["  template, parse, handoff", "  record_turn (durable)", "  response write"]):
+            lines.append(f"{what:<28}{float(np.percentile(split[:, i], 50)):>10.2f}{float(np.percentile(split[:, i], 99)):>10.2f}")
+        lines.append(f"{'  HTTP + client (the rest)':<28}{p50 - float(np.percentile(split.sum(1), 50)):>10.2f}{'':>10}")
+        lines.append("")
+        lines.append(f"{'sessions':>9}{'backend turns/s':>18}{'gateway turns/s':>18}{'ratio':>8}")
+        for n, be, g in rows:
+            lines.append(f"{n:>9}{be:>18.1f}{g:>18.1f}{g / be:>8.2f}")
+        lines.append("")
+        ratio = rows[-1][2] / rows[-1][1]
+        lines.append(f"GOAL gateway_added_latency_p50_ms: {p50:.2f} (goal <= 2.0) {'PASS' if p50 <= 2.0 else 'MISS'}")
+        lines.append(f"GOAL gateway_vs_backend_turns_per_s_at_{rows[-1][0]}_sessions: {ratio:.2f}x (goal >= 0.9x) {'PASS' if ratio >= 0.9 else 'MISS'}")
+    finally:
+        pool.shutdown()
+        await gw.stop()
+        await engine.close()
+        await backend.close()
+        log.close()
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print its table and GOAL lines (exit 0 even on MISS)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a small run (fewer turns)")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per turn")
+    args = p.parse_args(argv)
+    args.sessions = [1, 16, 128]
+    args.turns = 2 if args.quick else 6
+    args.latency_turns = 30 if args.quick else 200
+    for line in asyncio.run(_run(args)):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
