@@ -6,10 +6,12 @@ several samples in one row (first-fit decreasing), restarts position ids at
 every sample and gives each row a block-diagonal causal attention mask, so
 no token sees another sample.
 
-Either way the per-token training tensors (``targets``, ``loss_mask``,
+Either way the per-token training tensors (``loss_mask``,
 ``rollout_log_probs``) come out one sample per row, ``(N, L)``, over the
-response only, with ``predict_index`` pointing at the flattened position whose
-logits predict each response token. The loss never sees the layout.
+response only. The response tokens themselves are listed flat (``targets``),
+with ``predict_index`` pointing at the flattened input position whose logits
+predict each and ``slots`` at its place in the ``(N, L)`` layout, so log-probs
+are taken on real response tokens only. The loss never sees the layout.
 
 Samples with ``remove_sample`` are dropped here, before any tensor is built:
 they cost no forward pass and reach no loss.
@@ -33,13 +35,15 @@ class Batch:
     input_ids: torch.Tensor
     """(R, T) long: token ids, padding with the pad id."""
     position_ids: torch.Tensor | None
-    """(R, T) long: positions restarting at 0 for each packed sample; None when padded."""
-    attention_mask: torch.Tensor | None
-    """(R, T, T) bool: True where a query may attend to a key; None when padded (causal)."""
+    """(R, T) long: positions restarting at 0 for each packed sample (and for the padding tail); None when padded."""
+    segment_ids: torch.Tensor | None
+    """(R, T) long: which sample of its row each position belongs to, -1 for padding; None when padded."""
     predict_index: torch.Tensor
-    """(N, L) long: index into the flattened (R*T) logits predicting each response token."""
+    """(M,) long: for each of the M response tokens, the flattened (R*T) position whose logits predict it."""
     targets: torch.Tensor
-    """(N, L) long: the response tokens (0 past a sample's response)."""
+    """(M,) long: the response tokens, sample after sample."""
+    slots: torch.Tensor
+    """(M,) long: where each response token sits in the flattened (N, L) per-sample layout."""
     loss_mask: torch.Tensor
     """(N, L) float32: 1 for trained tokens."""
     rollout_log_probs: torch.Tensor
@@ -52,6 +56,17 @@ class Batch:
     """Real (non-padding) tokens in input_ids."""
 
     @property
+    def attention_mask(self) -> torch.Tensor | None:
+        """(R, T, T) bool, True where a query may attend to a key: block-diagonal and
+        causal when packed (built on demand), None when padded (plain causal)."""
+        if self.segment_ids is None:
+            return None
+        seg = self.segment_ids
+        T = seg.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
+        return (seg[:, :, None] == seg[:, None, :]) & causal
+
+    @property
     def num_padded(self) -> int:
         """Tokens the model actually runs on, padding included (R * T)."""
         return self.input_ids.numel()
@@ -62,8 +77,8 @@ class Batch:
             return None if t is None else t.to(device, non_blocking=True)
 
         return Batch(
-            mv(self.input_ids), mv(self.position_ids), mv(self.attention_mask), mv(self.predict_index),
-            mv(self.targets), mv(self.loss_mask), mv(self.rollout_log_probs), mv(self.advantages),
+            mv(self.input_ids), mv(self.position_ids), mv(self.segment_ids), mv(self.predict_index),
+            mv(self.targets), mv(self.slots), mv(self.loss_mask), mv(self.rollout_log_probs), mv(self.advantages),
             list(self.sample_indices), self.num_tokens,
         )
 
@@ -181,13 +196,15 @@ def _collate(rows: list[list[_Item]], *, packed: bool, pad_id: int) -> Batch:
     input_ids = np.full((R, T), pad_id, dtype=np.int64)
     positions = np.zeros((R, T), dtype=np.int64)
     segments = np.full((R, T), -1, dtype=np.int64)  # -1: padding, attends only to padding
-    predict_index = np.zeros((N, L), dtype=np.int64)
-    targets = np.zeros((N, L), dtype=np.int64)
+    M = sum(it.response_length for it in flat)
+    predict_index = np.zeros(M, dtype=np.int64)
+    targets = np.zeros(M, dtype=np.int64)
+    slots = np.zeros(M, dtype=np.int64)
     loss_mask = np.zeros((N, L), dtype=np.float32)
     rollout = np.zeros((N, L), dtype=np.float32)
     advantages = np.zeros(N, dtype=np.float32)
 
-    n = 0
+    n = j = 0
     for r, row in enumerate(rows):
         offset = 0
         for k, it in enumerate(row):
@@ -198,26 +215,25 @@ def _collate(rows: list[list[_Item]], *, packed: bool, pad_id: int) -> Batch:
             m = it.response_length
             start = offset + it.prompt_length  # first response token
             # The logits at position t predict the token at t + 1.
-            predict_index[n, :m] = r * T + np.arange(start - 1, start - 1 + m)
-            targets[n, :m] = it.tokens[it.prompt_length :]
+            predict_index[j : j + m] = r * T + np.arange(start - 1, start - 1 + m)
+            targets[j : j + m] = it.tokens[it.prompt_length :]
+            slots[j : j + m] = n * L + np.arange(m)
+            j += m
             loss_mask[n, :m] = it.mask
             rollout[n, :m] = it.log_probs
             advantages[n] = it.advantage
             offset += length
             n += 1
+        # The padding tail is a segment of its own: its positions restart at 0 too.
+        positions[r, offset:] = np.arange(T - offset)
 
-    position_ids = attention_mask = None
-    if packed:
-        seg = torch.from_numpy(segments)
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        attention_mask = (seg[:, :, None] == seg[:, None, :]) & causal
-        position_ids = torch.from_numpy(positions)
     return Batch(
         input_ids=torch.from_numpy(input_ids),
-        position_ids=position_ids,
-        attention_mask=attention_mask,
+        position_ids=torch.from_numpy(positions) if packed else None,
+        segment_ids=torch.from_numpy(segments) if packed else None,
         predict_index=torch.from_numpy(predict_index),
         targets=torch.from_numpy(targets),
+        slots=torch.from_numpy(slots),
         loss_mask=torch.from_numpy(loss_mask),
         rollout_log_probs=torch.from_numpy(rollout),
         advantages=torch.from_numpy(advantages),

@@ -5,7 +5,11 @@ Interface: any ``torch.nn.Module`` that maps token ids ``(B, T)`` to logits
 plus causal attention needs nothing else). Packed batches also pass
 ``position_ids`` ``(B, T)`` and ``attention_mask`` ``(B, T, T)`` (bool, True
 where a query may attend to a key: block-diagonal and causal), so a model
-must accept those keywords to be trained with packing.
+must accept those keywords to be trained with packing. A model whose class
+sets ``packs_by_position_ids = True`` gets ``position_ids`` alone and keeps
+attention within each run of positions that starts at 0 (as flash-attention's
+variable-length kernels do); the built-in GPT does, and so never pays for a
+dense T x T mask.
 
 The built-in `GPT` serves the tests and the demo. It ties its input and
 output embeddings by default: in the lookup task of the demo untied runs
@@ -72,10 +76,13 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x, mask, cache: _KVCache | None, layer: int):
+    def forward(self, x, mask, cache: _KVCache | None, layer: int, plan: "_VarlenPlan | None" = None):
         B, T, D = x.shape
+        H = self.n_head
+        if plan is not None:
+            return self.proj(plan.attend(self.qkv(x), H))
         q, k, v = self.qkv(x).split(D, dim=-1)
-        q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, T, H, D // H).transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             start = cache.length
             cache.k[layer][:, :, start : start + T] = k
@@ -87,6 +94,62 @@ class _Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class _VarlenPlan:
+    """Causal attention within each packed sample only, at the cost of the samples' own lengths.
+
+    A dense block-diagonal mask makes every packed row pay T^2 attention and
+    forbids skipping masked blocks. Instead the segments (runs of positions
+    starting at 0) are sorted by length and cut into buckets of similar
+    length; each bucket is gathered into a right-padded batch and attended
+    with plain causal attention, and one gather puts the outputs back.
+    """
+
+    def __init__(self, position_ids: torch.Tensor, ratio: float = 0.7) -> None:
+        B, T = position_ids.shape
+        device = position_ids.device
+        is_start = (position_ids == 0).clone()
+        is_start[:, 0] = True  # every row starts a segment
+        starts = torch.nonzero(is_start.reshape(-1)).flatten()
+        ends = torch.cat([starts[1:], torch.tensor([B * T], device=device)])
+        ends = torch.minimum(ends, (starts // T + 1) * T)  # a segment never runs over a row end
+        lengths = ends - starts
+        order = torch.argsort(lengths, descending=True, stable=True)
+        starts_l, lengths_l = starts[order].tolist(), lengths[order].tolist()
+        self.buckets: list[torch.Tensor] = []
+        where = torch.empty(B * T, dtype=torch.long, device=device)
+        base, i = 0, 0
+        while i < len(starts_l):
+            top = lengths_l[i]
+            j = i
+            while j < len(starts_l) and lengths_l[j] >= ratio * top:
+                j += 1
+            st = torch.tensor(starts_l[i:j], device=device)
+            ln = torch.tensor(lengths_l[i:j], device=device)
+            ar = torch.arange(top, device=device)
+            valid = ar[None, :] < ln[:, None]
+            idx = st[:, None] + ar[None, :]
+            # Padding slots read position 0; under the causal mask no real query sees them.
+            self.buckets.append(torch.where(valid, idx, torch.zeros_like(idx)))
+            slots = base + torch.arange((j - i) * top, device=device).view(j - i, top)
+            where[idx[valid]] = slots[valid]
+            base += (j - i) * top
+            i = j
+        self.where = where
+
+    def attend(self, qkv: torch.Tensor, n_head: int) -> torch.Tensor:
+        """Attention output (B, T, D) for the fused projections ``qkv`` (B, T, 3D)."""
+        B, T, D3 = qkv.shape
+        D = D3 // 3
+        flat = qkv.reshape(B * T, D3)
+        outs = []
+        for idx in self.buckets:
+            n, L = idx.shape
+            q, k, v = (t.view(n, L, n_head, D // n_head).transpose(1, 2) for t in flat[idx].split(D, dim=-1))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            outs.append(y.transpose(1, 2).reshape(n * L, D))
+        return torch.cat(outs)[self.where].view(B, T, D)
 
 
 class _Block(nn.Module):
@@ -101,8 +164,8 @@ class _Block(nn.Module):
             nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model),
         )
 
-    def forward(self, x, mask, cache, layer):
-        x = x + self.attn(self.ln1(x), mask, cache, layer)
+    def forward(self, x, mask, cache, layer, plan=None):
+        x = x + self.attn(self.ln1(x), mask, cache, layer, plan)
         return x + self.mlp(self.ln2(x))
 
 
@@ -120,6 +183,11 @@ class Generation:
 
 class GPT(nn.Module):
     """A small pre-LayerNorm decoder-only transformer with learned positions."""
+
+    #: Packed batches may be passed as position_ids alone: attention then stays
+    #: within each run of positions that starts at 0 (the flash-attention
+    #: "varlen" convention), computed at the cost of the samples' own lengths.
+    packs_by_position_ids = True
 
     def __init__(self, config: GPTConfig | None = None, **overrides) -> None:
         super().__init__()
@@ -160,11 +228,15 @@ class GPT(nn.Module):
 
         ``position_ids`` (B, T) restart at 0 for every packed sample;
         ``attention_mask`` (B, T, T) bool, True where query t may attend to
-        key s. Without a mask attention is plainly causal.
+        key s. With position_ids and no mask, attention is causal within each
+        run of positions starting at 0; with neither, plainly causal.
         """
-        return self._run(input_ids, position_ids, attention_mask, None)
+        plan = None
+        if position_ids is not None and attention_mask is None:
+            plan = _VarlenPlan(position_ids)
+        return self._run(input_ids, position_ids, attention_mask, None, plan)
 
-    def _run(self, input_ids, position_ids, attention_mask, cache):
+    def _run(self, input_ids, position_ids, attention_mask, cache, plan=None):
         B, T = input_ids.shape
         if position_ids is None:
             offset = 0 if cache is None else cache.length
@@ -175,7 +247,7 @@ class GPT(nn.Module):
             )
         x = self.tok_emb(input_ids) + self.pos_emb(position_ids)
         for i, block in enumerate(self.blocks):
-            x = block(x, attention_mask, cache, i)
+            x = block(x, attention_mask, cache, i, plan)
         return self.lm_head(self.ln_f(x))
 
     @torch.no_grad()
@@ -281,8 +353,10 @@ def token_log_probs(
     predict response tokens are gathered into one row per sample, so the
     result is laid out as the loss expects whatever the packing.
     """
-    if batch.attention_mask is None:
+    if batch.position_ids is None:
         logits = model(batch.input_ids)
+    elif getattr(model, "packs_by_position_ids", False):
+        logits = model(batch.input_ids, position_ids=batch.position_ids)
     else:
         logits = model(batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask)
     if logits.dim() != 3 or logits.shape[:2] != batch.input_ids.shape:
@@ -291,15 +365,18 @@ def token_log_probs(
             f"expected (B, T, V) with (B, T) = {tuple(batch.input_ids.shape)}"
         )
     V = logits.shape[-1]
-    N, L = batch.targets.shape
-    picked = logits.reshape(-1, V)[batch.predict_index.reshape(-1)].float()
+    N, L = batch.loss_mask.shape
+    # Only real response positions go through the softmax: no padding, no prompt.
+    picked = logits.reshape(-1, V)[batch.predict_index].float()
     if temperature != 1.0:
         picked = picked / temperature
     logp_all = torch.log_softmax(picked, dim=-1)
-    log_probs = logp_all.gather(-1, batch.targets.reshape(-1, 1)).view(N, L)
+    flat = logp_all.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    log_probs = flat.new_zeros(N * L).scatter(0, batch.slots, flat).view(N, L)
     entropy = None
     if with_entropy:
-        entropy = -(logp_all.exp() * logp_all).sum(-1).view(N, L)
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+        entropy = ent.new_zeros(N * L).scatter(0, batch.slots, ent).view(N, L)
     return log_probs, entropy
 
 

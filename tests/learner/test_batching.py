@@ -86,8 +86,9 @@ def test_packed_layout_restarts_positions_and_is_block_diagonal():
     assert m[6].tolist() == [False] * 5 + [True, True, False]  # token 7 sees 6 and itself only
     assert m[4].tolist() == [True] * 5 + [False] * 3
     # per-sample response tensors: logits at t predict token t + 1
-    assert b.predict_index.tolist() == [[1, 2, 3], [5, 6, 0]]
-    assert b.targets.tolist() == [[3, 4, 5], [7, 8, 0]]
+    assert b.predict_index.tolist() == [1, 2, 3, 5, 6]
+    assert b.targets.tolist() == [3, 4, 5, 7, 8]
+    assert b.slots.tolist() == [0, 1, 2, 3, 4]  # (N, L) = (2, 3): sample 1 starts at slot 3
     assert b.loss_mask.tolist() == [[1, 0, 1], [1, 1, 0]]
     assert_close(b.rollout_log_probs, torch.tensor([[-0.1, -0.2, -0.3], [-0.4, -0.5, 0.0]]))
     assert b.advantages.tolist() == [0.5, -1.5]
@@ -117,3 +118,27 @@ def test_malformed_samples_are_rejected_naming_the_session():
         make_batches([no_prompt])
     with pytest.raises(ValueError, match="advantages"):
         make_batches([make_sample("g", "s", [1], [2])], advantages=[1.0, 2.0])
+
+
+class _DenseMaskOnly(torch.nn.Module):
+    """The built-in GPT seen as a generic model: packed batches arrive with a dense mask."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None):
+        assert position_ids is None or attention_mask is not None
+        return self.gpt(input_ids, position_ids=position_ids, attention_mask=attention_mask)
+
+
+def test_dense_mask_and_varlen_packing_agree(model):
+    """Generic models get the block-diagonal mask; the GPT's varlen path computes the same thing."""
+    rng = np.random.default_rng(4)
+    samples = random_samples(rng, 15, 24, max_prompt=12, max_response=20)
+    (b,) = make_batches(samples, packing=True)
+    varlen, ent_v = token_log_probs(model, b, with_entropy=True)
+    dense, ent_d = token_log_probs(_DenseMaskOnly(model), b, with_entropy=True)
+    assert_close(varlen, dense, rtol=1e-5, atol=1e-5)
+    assert_close(ent_v, ent_d, rtol=1e-5, atol=1e-5)
+    assert b.attention_mask.shape == (b.input_ids.shape[0], b.input_ids.shape[1], b.input_ids.shape[1])
