@@ -80,6 +80,20 @@ class ScriptedBackend(Backend):
         return Generation(ids, [self.log_prob] * len(ids), "stop", 0, 0.001)
 
 
+class HangingBackend(ScriptedBackend):
+    """A backend call that never finishes on its own (it must be cancelled);
+    ``started`` is set once a call is in progress."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda p: "")
+        self.started = asyncio.Event()
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        self.started.set()
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable: the call was meant to be cancelled")
+
+
 class GatedLog(MemoryLog):
     """A MemoryLog whose turn_recorded appends wait for ``gate``: lets a test
     disconnect a client deterministically while its turn is being made durable."""

@@ -79,6 +79,7 @@ def test_sglang_request_body_and_headers_on_the_wire_and_the_recorded_turn():
         async with ScriptedSGLang().serve() as srv:
             async with rig(SGLangBackend(srv.url, api_key="secret-k")) as (gw, engine, log):
                 await open_running(engine, "s")
+                gw.configure_session("s", sampling={"temperature": 0.7, "top_k": 20})  # the session's defaults
                 r = await oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT, temperature=0.3, max_tokens=40, top_p=0.9)
                 assert r.choices[0].message.content == "Hi!"
                 ((path, headers, sent),) = srv.requests
@@ -87,12 +88,13 @@ def test_sglang_request_body_and_headers_on_the_wire_and_the_recorded_turn():
                 assert headers["Content-Type"].startswith("application/json")
                 assert sent["input_ids"] == turn.prompt_tokens.tolist() and sent["return_logprob"] is True
                 sp = sent["sampling_params"]
-                assert sp["temperature"] == 0.3 and sp["top_p"] == 0.9 and sp["max_new_tokens"] == 40
+                assert sp["temperature"] == 0.3 and sp["top_p"] == 0.9 and sp["max_new_tokens"] == 40 and sp["top_k"] == 20
                 assert sp["stop_token_ids"] == [TEMPLATE.EOS] and sp["skip_special_tokens"] is False
                 assert turn.output_tokens.tolist() == TEMPLATE.encode_text("Hi!") + [TEMPLATE.EOS]
                 assert turn.log_probs.tolist() == pytest.approx([-0.1 * (i + 1) for i in range(4)])
                 assert turn.policy_version == 7 and turn.finish_reason == "stop"
-                assert turn.sampling["client"] == {"temperature": 0.3, "top_p": 0.9}
+                assert turn.sampling["client"] == {"temperature": 0.3, "top_p": 0.9}  # what the client overrode
+                assert turn.sampling["temperature"] == 0.3 and turn.sampling["top_k"] == 20  # what was used
 
     run(body())
 

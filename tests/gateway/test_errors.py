@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 
 from engine.gateway import GatewayConfig, TorchBackend
 from events.types import TurnRecorded
-from gateway_helpers import GatedLog, ScriptedBackend, an_client, oa_client, open_running, rig, run, turns_of, undelivered_of
+from gateway_helpers import GatedLog, HangingBackend, ScriptedBackend, an_client, oa_client, open_running, rig, run, turns_of, undelivered_of
 from learner.model import GPT, GPTConfig
 from reducers.pipeline import reduce_log, session_trajectory
 
@@ -139,14 +139,9 @@ def test_client_disconnect_after_recording_appends_turn_undelivered():
 
 def test_client_disconnect_during_generation_records_nothing_and_logs_why():
     async def body():
-        started = asyncio.Event()
-
-        class Slow(ScriptedBackend):
-            async def generate(self, prompt_ids, params):
-                started.set()
-                await asyncio.sleep(30)
-
-        async with rig(Slow(lambda p: "")) as (gw, engine, log):
+        slow = HangingBackend()
+        started = slow.started
+        async with rig(slow) as (gw, engine, log):
             await open_running(engine, "s")
             session = aiohttp.ClientSession()
             with capture_logs() as logs:
@@ -218,14 +213,9 @@ def test_backend_failure_is_502_and_records_nothing():
 
 def test_session_ending_during_generation_cancels_the_call_and_records_nothing():
     async def body():
-        started = asyncio.Event()
-
-        class Slow(ScriptedBackend):
-            async def generate(self, prompt_ids, params):
-                started.set()
-                await asyncio.sleep(30)
-
-        async with rig(Slow(lambda p: "")) as (gw, engine, log):
+        slow = HangingBackend()
+        started = slow.started
+        async with rig(slow) as (gw, engine, log):
             engine.drain_s = 0.05
             h = await open_running(engine, "s")
             call = asyncio.ensure_future(oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT))
