@@ -70,4 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m tools.cli`: run the imported module's main, so the commands'
+    # `from tools.cli import CliError` is the class this main catches.
+    from tools.cli import main as _main
+
+    sys.exit(_main())

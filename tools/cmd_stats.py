@@ -73,7 +73,7 @@ def _num(x: Any, fmt: str = ".3f") -> str:
 
 
 def _counts(d: dict[str, int]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
+    return ", ".join(f"{k} ({v})" for k, v in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
 
 
 def render_text(s: dict[str, Any]) -> str:

@@ -1,0 +1,169 @@
+"""Helpers for the CLI tests: a log written by the real SessionEngine on a
+FileLog (finished, aborted, dropped, straggler-refused, forked and still
+running sessions), reduced online while it is written, and a runner for
+``agentlog`` as a subprocess.
+
+Run as a script (``python cli_helpers.py DIR``) it writes that same run to
+DIR: the writer process of the tail test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SYSTEM = {"role": "system", "content": "You are a coding agent."}
+
+
+def _user(i: int) -> dict:
+    return {"role": "user", "content": f"Fix bug {i}."}
+
+
+def _reply(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+#: What the run holds, for the tests to check against (written by hand from
+#: build_run below, not computed by the code under test).
+EXPECTED = {
+    "sessions": {
+        "fin-0": {"group": "g-ok", "status": "finished", "reason": "", "turns": 2, "reward": 1.0},
+        "fin-1": {"group": "g-ok", "status": "finished", "reason": "", "turns": 1, "reward": 0.0},
+        "fork-2": {"group": "g-ok", "status": "finished", "reason": "", "turns": 2, "reward": 1.0},
+        "abort-0": {"group": "g-bad", "status": "aborted", "reason": "wall_clock_timeout", "turns": 1, "reward": None},
+        "exc-1": {"group": "g-bad", "status": "aborted", "reason": "exception:ValueError", "turns": 1, "reward": None},
+        "drop-2": {"group": "g-bad", "status": "dropped", "reason": "cancelled", "turns": 0, "reward": None},
+        "strag-3": {"group": "g-bad", "status": "finished", "reason": "", "turns": 1, "reward": 0.5},
+        "live-0": {"group": "g-live", "status": "running", "reason": "", "turns": 1, "reward": None},
+    },
+    # fin-0: prompt 4 + out 3, then prompt 9 (clean) + out 2; fin-1: 4 + 3;
+    # fork-2: 4 + 3, then a prompt that rewrites the first tokens (FORK) 6 + 2;
+    # abort-0, exc-1, strag-3, live-0: 4 + 3 each.
+    "tokens_prompt": 4 + 9 + 4 + 4 + 6 + 4 * 4,
+    "tokens_output": 3 + 2 + 3 + 3 + 2 + 3 * 4,
+    "groups": {"released": 2, "complete": 1, "skipped": 1, "pending": 1},
+    "straggler_refused": "strag-3",
+    "forked": "fork-2",
+}
+
+
+async def _turn(h: Any, messages: list, prompt: list[int], out: list[int]) -> None:
+    await h.record_turn(
+        messages=messages,
+        prompt_ids=prompt,
+        output_ids=out,
+        output_log_probs=[-0.5] * len(out),
+        response_message=_reply(f"reply {out[0]}"),
+    )
+
+
+async def write_run(path: str | os.PathLike, online: list | None = None) -> dict[str, Any]:
+    """Write the run with SessionEngine on a FileLog at ``path``. If ``online``
+    is a list, a concurrent follower reduces the log while it is written
+    (the online path) and its digest is appended to it."""
+    import structlog
+
+    from engine import SessionEngine, StragglerRefused
+    from events.log import FileLog, follow_log
+    from reducers.pipeline import Reducer
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    log = FileLog.open(path, fsync="batch")
+    reducer = Reducer()
+    stop_at: list[int] = []
+
+    async def follow() -> None:
+        async for env in follow_log(path, poll_s=0.01):
+            reducer.feed(env)
+            if stop_at and env.lsn >= stop_at[0]:
+                return
+
+    follower = asyncio.ensure_future(follow()) if online is not None else None
+    eng = await SessionEngine.open(log, drain_s=0.1)
+    base = [1, 2, 3, 4]
+    # g-ok: two clean finishes and one with a forked second turn.
+    h = await eng.open_session("fin-0", group_id="g-ok", group_size=3, sample_index=0, prompt=[SYSTEM, _user(0)])
+    await h.start(harness="test")
+    await _turn(h, [SYSTEM, _user(0)], base, [10, 11, 12])
+    await h.record_command("pytest -x", 1, False, 0.25, "1 failed")
+    await _turn(h, [SYSTEM, _user(0), _reply("reply 10"), {"role": "tool", "content": "1 failed"}], base + [10, 11, 12, 7, 8], [13, 14])
+    await h.assign_reward(1.0, source="tests")
+    await h.finish()
+
+    h = await eng.open_session("fin-1", group_id="g-ok", group_size=3, sample_index=1)
+    await h.start()
+    await _turn(h, [SYSTEM, _user(1)], base, [20, 21, 22])
+    await h.finish(reward=0.0)
+
+    h = await eng.open_session("fork-2", group_id="g-ok", group_size=3, sample_index=2)
+    await h.start()
+    await _turn(h, [SYSTEM, _user(2)], base, [30, 31, 32])
+    # The second prompt does not extend the held tokens: drift at token 0 -> FORK.
+    await _turn(h, [SYSTEM, _user(2), _reply("reply 30"), {"role": "user", "content": "again"}], [9, 9, 30, 31, 32, 5], [33, 34])
+    await h.finish(reward=1.0)
+
+    # g-bad: a timeout abort, an exception abort, a drop, and a finish that then gets a straggler.
+    h = await eng.open_session("abort-0", group_id="g-bad", group_size=4, sample_index=0)
+    await h.start()
+    await _turn(h, [SYSTEM, _user(3)], base, [40, 41, 42])
+    await h.abort("wall_clock_timeout", error="budget of 1.0 s exhausted")
+
+    try:
+        async with eng.session("exc-1", group_id="g-bad", group_size=4, sample_index=1) as h:
+            await h.start()
+            await _turn(h, [SYSTEM, _user(4)], base, [50, 51, 52])
+            raise ValueError("the agent crashed")
+    except ValueError:
+        pass
+
+    h = await eng.open_session("drop-2", group_id="g-bad", group_size=4, sample_index=2)
+    await h.drop("cancelled")
+
+    h = await eng.open_session("strag-3", group_id="g-bad", group_size=4, sample_index=3)
+    await h.start()
+    await _turn(h, [SYSTEM, _user(5)], base, [60, 61, 62])
+    await h.finish(reward=0.5)
+    try:
+        await _turn(h, [SYSTEM, _user(5)], base, [63, 64, 65])
+        raise AssertionError("a straggler turn was accepted")
+    except StragglerRefused:
+        pass
+
+    # g-live: one member still running when the writer stops.
+    h = await eng.open_session("live-0", group_id="g-live", group_size=2, sample_index=0)
+    await h.start()
+    await _turn(h, [SYSTEM, _user(6)], base, [70, 71, 72])
+
+    last = log.next_lsn - 1
+    if follower is not None:
+        stop_at.append(last)
+        await asyncio.wait_for(follower, 30)
+        online.append(reducer.digest.hexdigest())
+    log.close()  # no engine.close(): live-0 stays running, as in a live log
+    return {"last_lsn": last}
+
+
+def agentlog(*args: str, timeout: float = 60, input: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``agentlog ARGS`` in a subprocess (``python -m tools.cli``)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "tools.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=input,
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(write_run(sys.argv[1]))
