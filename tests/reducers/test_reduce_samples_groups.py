@@ -240,3 +240,18 @@ def test_other_config_changes_the_samples_not_the_log():
 def test_member_joining_an_already_released_group_is_an_error():
     with pytest.raises(ReduceError, match=r"joins a group already released at lsn 3 \(group ids are never reused\)"):
         reduce_scripts(member("a", size=1).finish(1.0), member("late", size=1))
+
+
+def test_in_flight_session_can_be_inspected_and_is_evicted_at_its_end():
+    reducer = Reducer()
+    log = log_of(member("s", size=1))
+    reducer.feed_many(log.read(0))
+    assert reducer.open_sessions() == {"s": "running"}
+    (row,) = reducer.trajectory("s").rows
+    assert row.turn_indices == (0,)
+    log.append_batch([("s", 3, SessionFinished(reward=1.0))])
+    out = reducer.feed(list(log.read(3))[0])
+    assert len(out.samples) == 1 and len(out.groups) == 1
+    assert reducer.open_sessions() == {} and reducer.pending_groups() == {}
+    with pytest.raises(KeyError, match="not in flight"):
+        reducer.trajectory("s")
