@@ -158,8 +158,6 @@ def common_prefix_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
     return int(np.argmax(x != y))
 
 
-_ZERO4 = b"\x00\x00\x00\x00"
-
 
 class _RowBuilder:
     """Accumulates one chain of turns into one row's tokens, mask and log-probs."""
