@@ -274,7 +274,7 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, model: Any = None, *, max_batch: int = 64, seed: int = 0, policy_version: int = 0,
-                 batch_window_s: float = 0.005) -> None:
+                 batch_window_s: float = 0.02, max_gather_s: float = 0.25) -> None:
         import torch
 
         from learner.model import GPT, GPTConfig
@@ -293,6 +293,7 @@ class TorchBackend(Backend):
         # after their answer, and without the wait they trickle into batches
         # of one. A lone session (last batch of 1) never waits.
         self.batch_window_s = batch_window_s
+        self.max_gather_s = max_gather_s
         self._last_batch = 1
         self.policy_version = policy_version
         self._generator = torch.Generator().manual_seed(seed)
@@ -351,13 +352,20 @@ class TorchBackend(Backend):
                     self._cv.wait()
                 if self._closed:
                     return
-                deadline = time.monotonic() + self.batch_window_s
+                # Keep gathering while calls keep arriving (each arrival
+                # extends the wait by batch_window_s), up to a cap: a large
+                # batch's callers come back spread over the time the gateway
+                # takes to answer and re-submit them all.
                 target = min(self._last_batch, self.max_batch)
+                cap = time.monotonic() + self.max_gather_s
                 while len(self._queue) < target and not self._closed:
-                    remaining = deadline - time.monotonic()
+                    seen = len(self._queue)
+                    remaining = min(self.batch_window_s, cap - time.monotonic())
                     if remaining <= 0:
                         break
                     self._cv.wait(remaining)
+                    if len(self._queue) == seen:
+                        break  # a quiet gap: nobody else is coming soon
                 if self._closed:
                     return
                 batch = self._take_batch()
