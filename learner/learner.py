@@ -275,7 +275,7 @@ class Learner:
             "perf/step_s": elapsed,
             "perf/tokens_per_s": real / elapsed if elapsed > 0 else 0.0,
         })
-        self.log.info("learner.step", **_short(metrics))
+        self.log.debug("learner.step", **_short(metrics))
         return metrics
 
     # --- checkpoints ---------------------------------------------------------
