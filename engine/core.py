@@ -596,6 +596,10 @@ class SessionEngine:
         """Forget everything held for a session that just ended."""
         sid = h.session_id
         self._live.pop(sid, None)
+        if not self._live:
+            # dicts never shrink on delete: drop the table a burst grew, so an
+            # idle engine holds no per-session memory at all.
+            self._live = {}
         if h._timer is not None:
             h._timer.cancel()
             h._timer = None
@@ -627,7 +631,12 @@ class SessionEngine:
             return
         t = asyncio.get_running_loop().create_task(self._expire(h))
         self._bg.add(t)
-        t.add_done_callback(self._bg.discard)
+        t.add_done_callback(self._bg_done)
+
+    def _bg_done(self, t: asyncio.Task) -> None:
+        self._bg.discard(t)
+        if not self._bg:
+            self._bg = set()  # sets never shrink either; see _release
 
     async def _expire(self, h: SessionHandle) -> None:
         """The wall-clock budget ran out: cancel in-flight work, abort, stop the owner."""
