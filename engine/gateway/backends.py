@@ -297,6 +297,7 @@ class TorchBackend(Backend):
         self._last_batch = 1
         self.policy_version = policy_version
         self._generator = torch.Generator().manual_seed(seed)
+        self._model_lock = threading.Lock()  # a weight update never lands mid-batch
         self._queue: list[_Pending] = []
         self._cv = threading.Condition()
         self._closed = False
@@ -374,10 +375,12 @@ class TorchBackend(Backend):
             try:
                 most = max(b.params.max_new_tokens for b in batch)
                 stops = sorted({s for b in batch for s in b.params.stop_ids})
-                gen = self.model.sample(
-                    [b.prompt for b in batch], most, temperature=batch[0].params.temperature,
-                    stop_ids=stops, generator=self._generator,
-                )
+                with self._model_lock:
+                    version = self.policy_version
+                    gen = self.model.sample(
+                        [b.prompt for b in batch], most, temperature=batch[0].params.temperature,
+                        stop_ids=stops, generator=self._generator,
+                    )
                 self.batches += 1
                 dt = time.perf_counter() - t0
                 for i, b in enumerate(batch):
@@ -390,12 +393,22 @@ class TorchBackend(Backend):
                     end = next((j + 1 for j, t in enumerate(toks[:cut]) if t in own_stops), None)
                     fr = "stop" if end is not None else "length"
                     end = end if end is not None else min(cut, len(toks))
-                    res = Generation(toks[:end], lps[:end], fr, self.policy_version, dt)
+                    res = Generation(toks[:end], lps[:end], fr, version, dt)
                     b.loop.call_soon_threadsafe(_settle, b.future, res, None)
             except Exception as exc:  # surfaced to every caller of the batch, never swallowed
                 err = BackendError(self.name, f"sample() failed: {type(exc).__name__}: {exc}")
                 for b in batch:
                     b.loop.call_soon_threadsafe(_settle, b.future, None, err)
+
+    async def load_weights(self, state_dict: Any, policy_version: int) -> None:
+        """Swap in new weights between batches; later turns record ``policy_version``."""
+
+        def swap() -> None:
+            with self._model_lock:
+                self.model.load_state_dict(state_dict)
+                self.policy_version = policy_version
+
+        await asyncio.to_thread(swap)
 
     async def close(self) -> None:
         with self._cv:

@@ -312,6 +312,9 @@ class Gateway:
         cfg.inflight += 1
         try:
             return await self._generate_record_send(request, api, req, h, cfg, log)
+        except Exception as exc:  # a bug or a bad backend answer: logged in full and answered as JSON, never hidden
+            log.exception("gateway.turn_failed", error=f"{type(exc).__name__}: {exc}")
+            return self._error(api.error_style, 500, "api_error", f"turn failed: {type(exc).__name__}: {exc}")
         finally:
             cfg.inflight -= 1
             self._forget_if_ended(key)

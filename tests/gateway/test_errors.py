@@ -226,3 +226,39 @@ def test_session_ending_during_generation_cancels_the_call_and_records_nothing()
             assert turns_of(log) == []
 
     run(body())
+
+
+def test_backend_answer_the_log_cannot_hold_is_a_json_500_and_records_nothing():
+    async def body():
+        from engine.gateway import Generation
+
+        class Bad(ScriptedBackend):
+            async def generate(self, prompt_ids, params):
+                return Generation([1, 2], [-0.1], "stop", 0, 0.0)  # one log-prob short
+
+        async with rig(Bad(lambda p: "")) as (gw, engine, log):
+            await open_running(engine, "s")
+            with capture_logs() as logs:
+                with pytest.raises(openai.InternalServerError, match="output_log_probs"):
+                    await oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT)
+            assert turns_of(log) == [] and any(e["event"] == "gateway.turn_failed" for e in logs)
+
+    run(body())
+
+
+def test_new_weights_are_used_and_recorded_with_their_policy_version():
+    async def body():
+        model = GPT(GPTConfig(vocab_size=129, max_seq_len=128, d_model=32, n_layer=1, n_head=2))
+        backend = TorchBackend(model)
+        async with rig(backend) as (gw, engine, log):
+            await open_running(engine, "s")
+            c = oa_client(gw.url, "s")
+            await c.chat.completions.create(model="m", messages=CHAT, max_tokens=4)
+            state = {k: v.clone() * 0 for k, v in model.state_dict().items()}  # uniform logits
+            await backend.load_weights(state, 3)
+            await c.chat.completions.create(model="m", messages=CHAT, max_tokens=4)
+            t0, t1 = turns_of(log, "s")
+            assert (t0.policy_version, t1.policy_version) == (0, 3)
+            assert t1.log_probs.tolist() == pytest.approx([-4.8598] * len(t1.log_probs), abs=1e-3)  # log(1/129)
+
+    run(body())
