@@ -8,9 +8,10 @@ the sample stream (canonical bytes, :class:`reducers.samples.SampleDigest`),
 so it is the same for the same log and options on every run and machine,
 and equal to the online reducer's digest. Formats:
 
-* ``msgpack``: the canonical encoding of each sample, concatenated
-  (``reducers.samples.decode_sample`` reads them back; hashing them
-  reproduces the digest);
+* ``msgpack``: each sample's canonical encoding (``reducers.samples.encode_sample``)
+  preceded by its length as a little-endian u64: exactly the bytes the
+  digest hashes, so ``sha256sum OUT`` prints the digest too;
+  :func:`read_msgpack_samples` reads them back;
 * ``jsonl``: one JSON object per sample, token / mask / log-prob arrays as lists;
 * ``parquet``: one row per sample (needs the ``parquet`` extra: pyarrow);
   the reduce configuration and its digest are in the file's metadata.
@@ -86,7 +87,12 @@ class _MsgpackWriter:
     def write(self, samples: list) -> None:
         from reducers.samples import encode_sample
 
-        self._f.write(b"".join(encode_sample(s) for s in samples))
+        parts = []
+        for s in samples:
+            raw = encode_sample(s)
+            parts.append(len(raw).to_bytes(8, "little"))
+            parts.append(raw)
+        self._f.write(b"".join(parts))
 
     def close(self) -> None:
         self._f.close()
@@ -170,6 +176,24 @@ class _ParquetWriter:
     def close(self) -> None:
         self._flush()
         self._w.close()
+
+
+def read_msgpack_samples(path: str | os.PathLike) -> list:
+    """The samples of a ``--format msgpack`` file, in order. Raises ValueError
+    naming the offset on a truncated or malformed file."""
+    from reducers.samples import decode_sample
+
+    data = memoryview(open(path, "rb").read())
+    out, off = [], 0
+    while off < len(data):
+        if off + 8 > len(data):
+            raise ValueError(f"{path}: offset {off}: truncated length prefix")
+        n = int.from_bytes(data[off : off + 8], "little")
+        if off + 8 + n > len(data):
+            raise ValueError(f"{path}: offset {off}: sample of {n} bytes runs past the end ({len(data)} bytes)")
+        out.append(decode_sample(bytes(data[off + 8 : off + 8 + n])))
+        off += 8 + n
+    return out
 
 
 _WRITERS = {"jsonl": _JsonlWriter, "msgpack": _MsgpackWriter, "parquet": _ParquetWriter}

@@ -78,13 +78,10 @@ async def write_run(path: str | os.PathLike, online: list | None = None) -> dict
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     log = FileLog.open(path, fsync="batch")
     reducer = Reducer()
-    stop_at: list[int] = []
 
     async def follow() -> None:
         async for env in follow_log(path, poll_s=0.01):
             reducer.feed(env)
-            if stop_at and env.lsn >= stop_at[0]:
-                return
 
     follower = asyncio.ensure_future(follow()) if online is not None else None
     eng = await SessionEngine.open(log, drain_s=0.1)
@@ -144,8 +141,16 @@ async def write_run(path: str | os.PathLike, online: list | None = None) -> dict
 
     last = log.next_lsn - 1
     if follower is not None:
-        stop_at.append(last)
-        await asyncio.wait_for(follower, 30)
+        for _ in range(3000):  # the follower sees every durable record; wait up to 30 s
+            if reducer.last_lsn >= last or follower.done():
+                break
+            await asyncio.sleep(0.01)
+        follower.cancel()
+        try:
+            await follower
+        except asyncio.CancelledError:
+            pass
+        assert reducer.last_lsn == last, f"the online follower reached lsn {reducer.last_lsn}, expected {last}"
         online.append(reducer.digest.hexdigest())
     log.close()  # no engine.close(): live-0 stays running, as in a live log
     return {"last_lsn": last}

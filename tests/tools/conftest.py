@@ -1,0 +1,29 @@
+"""Fixtures for the CLI tests: one engine-written run shared by the module's
+tests (read-only; tests that damage a log work on a copy)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+
+from cli_helpers import write_run
+
+
+@pytest.fixture(scope="session")
+def run_log(tmp_path_factory):
+    """(path, facts): the engine-written run and what the online reducer saw."""
+    path = tmp_path_factory.mktemp("cli") / "run.log"
+    online: list[str] = []
+    facts = asyncio.run(write_run(path, online))
+    facts["online_digest"] = online[0]
+    return path, facts
+
+
+@pytest.fixture
+def run_log_copy(run_log, tmp_path):
+    """A private copy of the run's log directory (for tests that damage it)."""
+    dst = tmp_path / "copy.log"
+    shutil.copytree(run_log[0], dst, ignore=shutil.ignore_patterns("LOCK"))
+    return dst

@@ -1,0 +1,99 @@
+"""`agentlog stats` and `agentlog reconstruct` as subprocesses on an engine-written log."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import pytest
+
+from cli_helpers import EXPECTED, agentlog
+from reducers.samples import digest_samples
+from tools.cmd_reconstruct import read_msgpack_samples
+
+
+def test_stats_json_counts_match_the_run(run_log):
+    path, facts = run_log
+    res = agentlog("stats", str(path), "--json")
+    assert res.returncode == 0, res.stderr
+    s = json.loads(res.stdout)
+    sessions = EXPECTED["sessions"].values()
+    by_status = {k: sum(1 for x in sessions if x["status"] == k) for k in ("finished", "aborted", "dropped", "running", "open")}
+    assert s["sessions"]["total"] == len(EXPECTED["sessions"])
+    for k, v in by_status.items():
+        assert s["sessions"][k] == v, k
+    assert s["abort_reasons"] == {"wall_clock_timeout": 1, "exception:ValueError": 1}
+    assert s["drop_reasons"] == {"cancelled": 1}
+    assert s["turns"]["total"] == sum(x["turns"] for x in sessions)
+    assert s["tokens"] == {"prompt": EXPECTED["tokens_prompt"], "output": EXPECTED["tokens_output"]}
+    rewards = [x["reward"] for x in sessions if x["status"] == "finished"]
+    assert s["reward"]["count"] == len(rewards)
+    assert math.isclose(s["reward"]["mean"], sum(rewards) / len(rewards))
+    assert s["reward"]["min"] == min(rewards) and s["reward"]["max"] == max(rewards)
+    g = s["groups"]
+    assert {k: g[k] for k in ("released", "complete", "skipped", "pending")} == EXPECTED["groups"]
+    assert s["events"] == facts["last_lsn"] + 1 and s["lsn_last"] == facts["last_lsn"]
+    assert s["time_span"]["seconds"] > 0
+    assert s["violations"]["count"] == 0
+
+
+def test_stats_text_names_the_counts(run_log):
+    path, _ = run_log
+    res = agentlog("stats", str(path))
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "sessions   8: finished 4, aborted 2, dropped 1, open 0, running 1" in out
+    assert "wall_clock_timeout (1)" in out and "exception:ValueError (1)" in out
+    assert "released 2: complete 1, skipped 1; pending 1" in out
+
+
+def _digest_line(stdout: str) -> str:
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("digest sha256:") and len(last) == len("digest sha256:") + 64, last
+    return last.split()[1]
+
+
+def test_reconstruct_prints_the_same_digest_twice_equal_to_the_online_reducer(run_log, tmp_path):
+    path, facts = run_log
+    a = agentlog("reconstruct", str(path), "-o", str(tmp_path / "a.msgpack"), "--format", "msgpack")
+    b = agentlog("reconstruct", str(path), "-o", str(tmp_path / "b.jsonl"))
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert _digest_line(a.stdout) == _digest_line(b.stdout) == facts["online_digest"]
+    # The msgpack file holds exactly the bytes the digest hashes.
+    assert "sha256:" + hashlib.sha256((tmp_path / "a.msgpack").read_bytes()).hexdigest() == facts["online_digest"]
+    samples = read_msgpack_samples(tmp_path / "a.msgpack")
+    assert digest_samples(samples) == facts["online_digest"]
+    lines = (tmp_path / "b.jsonl").read_text().splitlines()
+    assert len(lines) == len(samples)
+    rows = [json.loads(x) for x in lines]
+    aborted = [r for r in rows if r["status"] == "aborted"]
+    assert {r["session_id"] for r in aborted} == {"abort-0", "exc-1"}
+    assert all(r["loss_mask"] == [0] and r["remove_sample"] and r["tokens"] == [0, 0] for r in aborted)
+    assert not any(r["session_id"] in ("drop-2", "live-0") for r in rows)
+    fin0 = next(r for r in rows if r["session_id"] == "fin-0")
+    assert fin0["tokens"] == [1, 2, 3, 4, 10, 11, 12, 7, 8, 13, 14]
+    assert fin0["loss_mask"] == [1, 1, 1, 0, 0, 1, 1]
+    assert [r["row_index"] for r in rows if r["session_id"] == "fork-2"] == [0, 1]
+
+
+def test_reconstruct_parquet_holds_every_sample(run_log, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    path, facts = run_log
+    res = agentlog("reconstruct", str(path), "-o", str(tmp_path / "s.parquet"), "--format", "parquet")
+    assert res.returncode == 0, res.stderr
+    assert _digest_line(res.stdout) == facts["online_digest"]
+    table = pq.read_table(tmp_path / "s.parquet")
+    assert table.num_rows == int(res.stdout.split(": ")[1].split()[0])
+    assert b"agentlog.reduce_config_digest" in table.schema.metadata
+    fin0 = [r for r in table.to_pylist() if r["session_id"] == "fin-0"][0]
+    assert fin0["loss_mask"] == [1, 1, 1, 0, 0, 1, 1]
+
+
+def test_reconstruct_options_change_the_samples_and_their_digest(run_log, tmp_path):
+    path, facts = run_log
+    res = agentlog("reconstruct", str(path), "-o", str(tmp_path / "c.jsonl"), "--max-context-tokens", "6")
+    assert res.returncode == 0, res.stderr
+    assert _digest_line(res.stdout) != facts["online_digest"]
+    rows = [json.loads(x) for x in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert all(len(r["tokens"]) <= 6 for r in rows if r["status"] != "aborted")
