@@ -28,8 +28,9 @@ def register(sub) -> None:
     p.add_argument("--log", required=True, help="log directory (created if missing)")
     p.add_argument("--backend", choices=["torch", "sglang", "vllm"], default="torch", help="inference backend (default: the built-in torch policy)")
     p.add_argument("--backend-url", default="", help="base URL of the SGLang / vLLM server")
+    p.add_argument("--context-length", type=int, default=0, help="SGLang / vLLM: the model's context (turns that would overflow it finish 'length')")
     p.add_argument("--model", default="", help="model name sent to a vLLM server and reported by /v1/models")
-    p.add_argument("--tokenizer", default="", help="Hugging Face tokenizer (name or path) for the chat template; needs transformers")
+    p.add_argument("--tokenizer", default="", help="Hugging Face tokenizer (name or path) for the chat template; needs transformers (default for SGLang/vLLM: --model when transformers is installed)")
     p.add_argument("--checkpoint", default="", help="torch backend: a state_dict file for the built-in GPT (loaded with weights_only=True)")
     p.add_argument("--tool-parser", default="hermes", help="how tool calls are parsed from model text (hermes, none)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
@@ -63,17 +64,30 @@ def _build(args):
     else:
         if not args.backend_url:
             raise CliError(f"--backend {args.backend} needs --backend-url (the inference server's base URL)")
-        backend = SGLangBackend(args.backend_url) if args.backend == "sglang" else OpenAICompletionsBackend(args.backend_url, args.model or "default")
-    if args.tokenizer:
+        ctx = args.context_length or None
+        if args.backend == "sglang":
+            backend = SGLangBackend(args.backend_url, context_length=ctx)
+        else:
+            backend = OpenAICompletionsBackend(args.backend_url, args.model or "default", context_length=ctx)
+    name = args.tokenizer or (args.model if args.backend != "torch" and _has_transformers() else "")
+    if name:
         try:
-            template = HFChatTemplate.from_pretrained(args.tokenizer)
+            template = HFChatTemplate.from_pretrained(name)
         except ImportError:
             raise CliError("--tokenizer needs transformers: pip install transformers") from None
+        except (OSError, ValueError) as exc:
+            raise CliError(f"tokenizer {name!r}: {exc}") from None
     else:
         if args.backend != "torch":
             print("agentlog serve: no --tokenizer: using the built-in ASCII template (right only for the built-in model)", file=sys.stderr)
         template = ByteChatTemplate(parser)
     return backend, template, parser
+
+
+def _has_transformers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
 
 
 async def _serve(args) -> int:
