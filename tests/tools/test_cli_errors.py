@@ -1,0 +1,70 @@
+"""Bad input: a clear one-line error and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli_helpers import agentlog
+
+
+def _one_line_exit_2(res, *needles: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("agentlog: error: ")
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["replay"],
+        ["show", "{LOG}", "fin-0"],
+        ["reconstruct", "-o", "{TMP}/x.jsonl"],
+        ["stats"],
+        ["tail"],
+        ["report", "-o", "{TMP}/r.html"],
+        ["verify"],
+    ],
+    ids=lambda c: c[0],
+)
+def test_a_missing_log_and_a_non_log_directory_exit_2_naming_the_path(cmd, tmp_path):
+    missing = tmp_path / "no-such-log"
+    other = tmp_path / "not-a-log"
+    other.mkdir()
+    (other / "notes.txt").write_text("hello")
+    for target in (missing, other):
+        args = [a.replace("{TMP}", str(tmp_path)) for a in cmd]
+        if "{LOG}" in args:
+            args = [str(target) if a == "{LOG}" else a for a in args]
+        else:
+            args = [args[0], str(target), *args[1:]]
+        _one_line_exit_2(agentlog(*args), str(target))
+
+
+def test_an_unknown_session_id_exits_2(run_log):
+    path, _ = run_log
+    _one_line_exit_2(agentlog("show", str(path), "no-such-session"), "no-such-session", str(path))
+    _one_line_exit_2(agentlog("replay", str(path), "--session", "no-such-session"), "no-such-session")
+    _one_line_exit_2(agentlog("replay", str(path), "--group", "no-such-group"), "no-such-group")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["replay", "{LOG}", "--until", "-3"], "--until"),
+        (["replay", "{LOG}", "--status", "exploded"], "--status"),
+        (["replay", "{LOG}", "--from", "9", "--until", "2"], "--from"),
+        (["stats", "{LOG}", "--bogus"], "--bogus"),
+        (["reconstruct", "{LOG}"], "-o"),
+        (["reconstruct", "{LOG}", "-o", "/tmp/x", "--format", "xml"], "--format"),
+        (["reconstruct", "{LOG}", "-o", "/nonexistent-dir/x.jsonl"], "/nonexistent-dir/x.jsonl"),
+        (["no-such-command"], "no-such-command"),
+    ],
+    ids=["until-negative", "status", "from-after-until", "unknown-flag", "missing-output", "format", "unwritable", "command"],
+)
+def test_an_invalid_option_exits_2_with_one_line(run_log, args, needle):
+    path, _ = run_log
+    _one_line_exit_2(agentlog(*[str(path) if a == "{LOG}" else a for a in args]), needle)

@@ -1,0 +1,173 @@
+"""`agentlog tail` against a writer in another process; `agentlog report` in headless Chromium."""
+
+from __future__ import annotations
+
+import html.parser
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import EXPECTED, ROOT, agentlog
+
+HELPER = Path(__file__).with_name("cli_helpers.py")
+N_EVENTS = 33  # what cli_helpers.write_run appends
+
+
+def _start_tail(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys; from tools.cli import main; sys.exit(main())", "tail", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _read_lines_until(proc: subprocess.Popen, done, timeout: float = 60) -> list[str]:
+    """Lines of proc's stdout until done(lines) or timeout (then the tail is interrupted)."""
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not done(list(lines)) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        reader.join(5)
+    return lines
+
+
+def _write_in_another_process(path: Path) -> None:
+    w = subprocess.run([sys.executable, str(HELPER), str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert w.returncode == 0, w.stderr
+
+
+def test_tail_started_before_the_writer_sees_every_event(tmp_path):
+    path = tmp_path / "live.log"
+    path.mkdir()
+    tail = _start_tail(str(path))
+    time.sleep(0.5)
+    assert tail.poll() is None, tail.stderr.read()
+    _write_in_another_process(path)
+    lines = _read_lines_until(tail, lambda ls: len(ls) >= N_EVENTS)
+    assert tail.returncode in (0, 130), tail.stderr.read()
+    lsns = [int(line.split()[0]) for line in lines]
+    assert lsns == list(range(N_EVENTS))
+    assert "running -> finished" in lines[6] and "fin-0" in lines[6]
+    assert all("!!" not in line for line in lines)
+
+
+def test_tail_summary_ends_with_the_final_counts(tmp_path):
+    path = tmp_path / "live.log"
+    path.mkdir()
+    tail = _start_tail(str(path), "--summary")
+    time.sleep(0.5)
+    _write_in_another_process(path)
+    want = f"lsn {N_EVENTS - 1}: open 0 running 1 finished 4 aborted 2 dropped 1 | groups released 2 skipped 1"
+    lines = _read_lines_until(tail, lambda ls: any(want in line for line in ls))
+    assert any(want in line for line in lines), lines
+
+
+class _Dom(html.parser.HTMLParser):
+    """Counts plotly's rendered bars inside #timeline and reads the outcome table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[tuple[str, dict]] = []
+        self.bars = 0
+        self.bar_traces = 0
+        self.outcomes: dict[str, int] = {}
+        self.legend: list[str] = []
+        self.sessions: list[str] = []
+        self._in_legend_text = False
+
+    def _inside(self, pred) -> bool:
+        return any(pred(tag, attrs) for tag, attrs in self.stack)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        cls = (a.get("class") or "").split()
+        in_timeline = self._inside(lambda t, at: at.get("id") == "timeline")
+        if in_timeline and tag == "g" and "trace" in cls and "bars" in cls:
+            self.bar_traces += 1
+        if in_timeline and tag == "g" and "point" in cls and self._inside(
+            lambda t, at: t == "g" and {"trace", "bars"} <= set((at.get("class") or "").split())
+        ):
+            self.bars += 1
+        if tag == "tr" and "data-status" in a:
+            self.outcomes[a["data-status"]] = int(a["data-count"])
+        if tag == "details" and "session" in cls:
+            self.sessions.append(a["data-status"])
+        if in_timeline and tag == "text" and "legendtext" in cls:
+            self._in_legend_text = True
+        if tag not in ("path", "rect", "br", "meta", "img", "input", "line", "circle"):
+            self.stack.append((tag, a))
+
+    def handle_endtag(self, tag):
+        if tag == "text":
+            self._in_legend_text = False
+        for i in range(len(self.stack) - 1, -1, -1):
+            if self.stack[i][0] == tag:
+                del self.stack[i:]
+                break
+
+    def handle_data(self, data):
+        if self._in_legend_text:
+            self.legend.append(data)
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="chromium not installed (.ci/run installs it)")
+def test_report_in_headless_chromium_shows_one_bar_per_session_and_the_outcome_counts(run_log, tmp_path):
+    path, _ = run_log
+    out = tmp_path / "report.html"
+    res = agentlog("report", str(path), "-o", str(out))
+    assert res.returncode == 0, res.stderr
+    page = out.read_text()
+    # Self-contained: no external script, stylesheet or image (plotly.js is inlined).
+    assert not re.search(r"<(script|img|iframe)[^>]*\ssrc=|<link[^>]*href=", page)
+    dom = subprocess.run(
+        [
+            _chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'chromium'}",
+            # Every host name fails to resolve: the page must render with no network at all.
+            "--host-resolver-rules=MAP * ~NOTFOUND", "--virtual-time-budget=10000", "--dump-dom", out.as_uri(),
+        ],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    p = _Dom()
+    p.feed(dom.stdout)
+    sessions = EXPECTED["sessions"]
+    expected = {o: sum(1 for s in sessions.values() if s["status"] == o) for o in ("finished", "aborted", "dropped", "running", "open")}
+    assert p.bars == len(sessions), (p.bars, p.bar_traces)
+    assert p.outcomes == expected
+    # The legend is drawn by plotly.js in the browser: its counts prove the charts rendered.
+    legend = " ".join(p.legend)
+    for outcome, n in expected.items():
+        if n:
+            assert f"{outcome} ({n})" in legend, legend
+    assert sorted(p.sessions) == sorted(s["status"] for s in sessions.values())
