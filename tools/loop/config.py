@@ -1,0 +1,208 @@
+"""LoopConfig: every knob of the online loop, in one dataclass.
+
+The same object drives `agentlog demo` (flags), `agentlog train --config
+FILE` (a TOML file whose top-level keys are these fields, with the
+``[learner]`` table passed to ``learner.config.LearnerConfig`` and the
+``[faults]`` table to :class:`FaultConfig`), and the worker and learner
+processes (which read ``config.json`` from the run folder). Each field has a
+docstring; ``agentlog demo --help`` prints them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+STALENESS_MODES = ("correct", "drop")
+
+
+class ConfigError(ValueError):
+    """A loop configuration value is out of range or unknown; names the field."""
+
+
+@dataclass
+class FaultConfig:
+    """Faults the rollout worker injects on purpose (the demo runs with them on)."""
+
+    exception_rate: float = 0.05
+    """Fraction of sessions whose agent raises mid-episode (aborted, reason ``exception:InjectedFault``)."""
+    timeout_rate: float = 0.05
+    """Fraction of sessions that hang past their wall-clock budget (aborted, ``wall_clock_timeout``)."""
+    drop_rate: float = 0.05
+    """Fraction of sessions cancelled mid-episode (dropped, ``cancelled``)."""
+    straggler_rate: float = 0.02
+    """Fraction of finished sessions that then try one more turn (refused by the engine, never logged)."""
+    empty_marker_rate: float = 0.01
+    """Fraction of sessions whose tool runs in a LocalSandbox and dies leaving an empty done marker (aborted, ``empty_done_marker``)."""
+    timeout_budget_s: float = 0.05
+    """Wall-clock budget given to the sessions chosen to time out."""
+
+    def __post_init__(self) -> None:
+        rates = ("exception_rate", "timeout_rate", "drop_rate", "straggler_rate", "empty_marker_rate")
+        for name in rates:
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                raise ConfigError(f"FaultConfig.{name}: expected a fraction in [0, 1], found {v!r}")
+        if self.exception_rate + self.timeout_rate + self.drop_rate + self.empty_marker_rate > 1.0:
+            raise ConfigError("FaultConfig: exception, timeout, drop and empty-marker rates must sum to at most 1")
+        if not self.timeout_budget_s > 0:
+            raise ConfigError(f"FaultConfig.timeout_budget_s: expected > 0, found {self.timeout_budget_s!r}")
+
+    @classmethod
+    def none(cls) -> "FaultConfig":
+        """No injected faults at all."""
+        return cls(0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+@dataclass
+class LoopConfig:
+    """The online loop: task, model, rollout shape, asynchrony bound, faults, output."""
+
+    task: str = "lookup"
+    """Registered task name (engine.tasks); also the agent name recorded on every session."""
+    seed: int = 0
+    """Seed of everything random: model init, warm-up data, episodes, sampling, faults."""
+    steps: int = 120
+    """Optimiser steps of RL to run (policy versions 1..steps)."""
+    groups_per_step: int = 32
+    """Prompts (GRPO groups) per step; the learner steps once this many groups are released."""
+    group_size: int = 8
+    """Samples per prompt (sessions per group)."""
+    max_lag: int = 1
+    """How many policy versions the rollout worker may run ahead of the learner."""
+    max_staleness: int = 2
+    """A group generated more than this many versions before the learner's current one is stale."""
+    staleness_mode: str = "correct"
+    """What happens to stale groups: correct (trained with truncated importance sampling against the rollout log-probs) or drop (skipped, reason ``stale``)."""
+    tis_cap: float = 2.0
+    """Truncation cap of the importance weight pi_learner / pi_rollout when staleness_mode is correct."""
+    min_valid: int = 2
+    """A group with fewer valid (finished) members is skipped with its reason."""
+    warmup_steps: int = 300
+    """Supervised warm-up steps on task demonstrations before RL (0: start from random init)."""
+    warmup_batch: int = 256
+    """Demonstrations per warm-up step."""
+    warmup_wrong_rate: float = 0.85
+    """Fraction of warm-up answers replaced by a wrong value: teaches the protocol, not the copy."""
+    warmup_lr_steps: int = 20
+    """Linear lr warm-up steps of the supervised warm-up."""
+    d_model: int = 64
+    """Width of the built-in GPT."""
+    n_layer: int = 2
+    """Transformer blocks of the built-in GPT."""
+    n_head: int = 4
+    """Attention heads of the built-in GPT."""
+    tie_embeddings: bool = True
+    """Share input and output embeddings (decisive on the lookup task)."""
+    embedding_init_std: float = 1.0
+    """Std of the normal init of token and position embeddings (1.0, torch's default; 0 keeps the model's own 0.02). The lookup task needs 1.0."""
+    keep_checkpoints: int = 3
+    """Newest checkpoints kept on disk (older ones are deleted; every 50th step is kept)."""
+    fsync: str = "batch"
+    """fsync policy of both logs: always, batch, interval or never."""
+    torch_threads: int = 1
+    """torch threads per process (the worker and the learner each get this many)."""
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    """Injected faults (see FaultConfig)."""
+    learner: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-3, "warmup_steps": 10, "grad_clip": 1.0})
+    """Overrides of learner.config.LearnerConfig (estimator, eps_clip, lr, ...)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.faults, Mapping):
+            self.faults = _from_mapping(FaultConfig, self.faults, "faults")
+        for name in ("steps", "groups_per_step", "group_size", "d_model", "n_layer", "n_head", "warmup_batch", "torch_threads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"LoopConfig.{name}: expected an int >= 1, found {v!r}")
+        for name in ("max_lag", "max_staleness", "warmup_steps", "warmup_lr_steps", "keep_checkpoints", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"LoopConfig.{name}: expected an int >= 0, found {v!r}")
+        if self.staleness_mode not in STALENESS_MODES:
+            raise ConfigError(f"LoopConfig.staleness_mode: expected one of {STALENESS_MODES}, found {self.staleness_mode!r}")
+        if not self.tis_cap > 0:
+            raise ConfigError(f"LoopConfig.tis_cap: expected > 0, found {self.tis_cap!r}")
+        if not 0.0 <= self.warmup_wrong_rate <= 1.0:
+            raise ConfigError(f"LoopConfig.warmup_wrong_rate: expected a fraction in [0, 1], found {self.warmup_wrong_rate!r}")
+        if not 1 <= self.min_valid <= self.group_size:
+            raise ConfigError(f"LoopConfig.min_valid: expected 1..group_size ({self.group_size}), found {self.min_valid!r}")
+        if self.fsync not in ("always", "batch", "interval", "never"):
+            raise ConfigError(f"LoopConfig.fsync: expected always, batch, interval or never, found {self.fsync!r}")
+        if not isinstance(self.learner, Mapping):
+            raise ConfigError(f"LoopConfig.learner: expected a table of LearnerConfig fields, found {self.learner!r}")
+
+    def learner_config(self):
+        """The LearnerConfig this loop trains with (TIS switched on in correct mode)."""
+        from learner.config import LearnerConfig
+
+        values = dict(self.learner)
+        if self.staleness_mode == "correct":
+            values.setdefault("tis_cap", self.tis_cap)
+        return LearnerConfig.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-safe) of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "LoopConfig":
+        """Build from plain data; an unknown key raises and lists the known ones."""
+        return _from_mapping(cls, values, "")
+
+    def save(self, path: Path) -> None:
+        """Write ``config.json`` (what the worker and learner processes read)."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "LoopConfig":
+        """Read a ``config.json`` written by :meth:`save`, or a TOML file."""
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read the config: {exc.strerror}") from None
+        if path.suffix == ".toml":
+            try:
+                values = tomllib.loads(raw.decode("utf-8"))
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        else:
+            try:
+                values = json.loads(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+        try:
+            return cls.from_dict(values)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+
+def _from_mapping(cls, values: Mapping[str, Any], where: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        prefix = f"[{where}] " if where else ""
+        raise ConfigError(f"{prefix}unknown key(s) {unknown}; known keys are {sorted(known)}")
+    try:
+        return cls(**dict(values))
+    except TypeError as exc:
+        raise ConfigError(f"{cls.__name__}: {exc}") from None
+
+
+def field_help(cls=LoopConfig) -> dict[str, str]:
+    """Field name -> its docstring (the text under the field in the class body)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    out: dict[str, str] = {}
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+            out[node.target.id] = str(nxt.value.value)
+    return out

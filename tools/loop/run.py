@@ -1,0 +1,257 @@
+"""Run the loop: start the learner and rollout-worker processes, watch, summarise.
+
+The processes are plain ``python -m tools.loop.trainer RUN_DIR`` and
+``python -m tools.loop.worker RUN_DIR``; they share nothing but the run
+folder (``config.json``, the two logs, the checkpoints). This module only
+starts them, shows progress by reading the learner log, and stops them.
+
+Run folder layout::
+
+    config.json        the LoopConfig both processes read
+    rollout/           the rollout log (worker writes, learner reads)
+    learner/           the learner log (learner writes, worker reads)
+    checkpoints/       policy-vNNNNN.pt (weights, optimiser, version)
+    logs/*.jsonl       structlog JSON of each process; logs/*.stderr their stderr
+    sandbox/           LocalSandbox working directories of the workers
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from events.types import PolicyUpdated, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
+
+from . import logs
+from .config import LoopConfig
+from .trainer import read_learner_records
+
+
+class LoopError(RuntimeError):
+    """A loop process failed; the message names it and its stderr file."""
+
+
+def new_run_id(seed: int) -> str:
+    """``YYYYmmdd-HHMMSS-s<seed>`` (UTC)."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-s{seed}"
+
+
+def start_process(kind: str, run_dir: Path, *args: str) -> subprocess.Popen:
+    """Start ``tools.loop.<kind>`` (``trainer`` or ``worker``) for ``run_dir``; stderr goes to ``logs/``."""
+    run_dir = Path(run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    name = kind if not args else f"{kind}{'-'.join([''] + [a.lstrip('-') for a in args])}"
+    err = open(run_dir / "logs" / f"{name}.stderr", "ab")
+    env = dict(os.environ)
+    cfg = LoopConfig.load(run_dir / "config.json")
+    # One BLAS/OpenMP pool per process, sized like torch's: the two processes share the cores.
+    env.setdefault("OMP_NUM_THREADS", str(cfg.torch_threads))
+    env.setdefault("MKL_NUM_THREADS", str(cfg.torch_threads))
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", f"tools.loop.{kind}", str(run_dir), *args],
+            stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env,
+        )
+    finally:
+        err.close()
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+@dataclass
+class RunResult:
+    """What a finished run left behind (read back from its logs)."""
+
+    run_dir: Path
+    records: list[PolicyUpdated]
+    wall_s: float
+    outcomes: Counter = field(default_factory=Counter)
+    sessions: int = 0
+    turns: int = 0
+    tokens: int = 0
+    rollout_events: int = 0
+
+
+def summarise_rollout(run_dir: Path) -> tuple[Counter, int, int, int, int]:
+    """Outcome counts by status and reason, sessions, turns, generated tokens, events."""
+    outcomes: Counter = Counter()
+    sessions = turns = tokens = events = 0
+    for env in logs.read(Path(run_dir) / "rollout", 0):
+        events += 1
+        b = env.body
+        if isinstance(b, SessionOpened):
+            sessions += 1
+        elif isinstance(b, TurnRecorded):
+            turns += 1
+            tokens += len(b.output_ids) // 4
+        elif isinstance(b, SessionFinished):
+            outcomes["finished"] += 1
+        elif isinstance(b, SessionAborted):
+            outcomes[f"aborted: {b.reason}"] += 1
+        elif isinstance(b, SessionDropped):
+            outcomes[f"dropped: {b.reason}"] += 1
+    return outcomes, sessions, turns, tokens, events
+
+
+def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: TextIO | None = None,
+             timeout_s: float | None = None) -> RunResult:
+    """Run the learner and one rollout worker on ``run_dir`` until version ``cfg.steps``."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save(run_dir / "config.json")
+    t0 = time.monotonic()
+    procs = {"learner": start_process("trainer", run_dir), "worker": start_process("worker", run_dir)}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, desc="agentlog demo", unit="step", file=console or sys.stderr,
+                   dynamic_ncols=True, leave=True)
+    try:
+        seen = 0
+        aborted = dropped = 0
+        last_version = 0
+        while True:
+            records = read_learner_records(run_dir / "learner")
+            for rec in records[seen:]:
+                if rec.step == 0:
+                    if bar is not None:
+                        bar.set_description("agentlog demo (RL)")
+                    continue
+                aborted += int(rec.metrics.get("rollout/aborted", 0))
+                dropped += int(rec.metrics.get("rollout/dropped", 0))
+                if bar is not None:
+                    bar.update(rec.policy_version - last_version)
+                    bar.set_postfix_str(
+                        f"step {rec.step} v{rec.policy_version} reward {_fmt(rec.metrics.get('rollout/reward_mean'))} "
+                        f"solve {_fmt(rec.metrics.get('rollout/solve_rate'))} aborts {aborted} drops {dropped} "
+                        f"stale {_fmt(rec.metrics.get('rollout/staleness_mean'), 2)}"
+                    )
+                last_version = rec.policy_version
+            seen = len(records)
+            lrc = procs["learner"].poll()
+            wrc = procs["worker"].poll()
+            if lrc is not None and lrc != 0:
+                raise LoopError(f"the learner process exited with status {lrc}; see {run_dir / 'logs' / 'trainer.stderr'}:\n"
+                                + _tail(run_dir / "logs" / "trainer.stderr"))
+            if wrc is not None and wrc != 0:
+                raise LoopError(f"the rollout worker exited with status {wrc}; see {run_dir / 'logs' / 'worker.stderr'}:\n"
+                                + _tail(run_dir / "logs" / "worker.stderr"))
+            if lrc == 0 and wrc == 0:
+                break
+            if lrc == 0 and wrc is None:
+                # The worker stops once it reads the final version; give it a moment.
+                try:
+                    procs["worker"].wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    raise LoopError("the rollout worker did not stop within 30 s after the learner's final version") from None
+                continue
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                raise LoopError(f"the loop did not reach version {cfg.steps} within {timeout_s} s (at v{last_version})")
+            time.sleep(0.1)
+    finally:
+        if bar is not None:
+            bar.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    wall = time.monotonic() - t0
+    outcomes, sessions, turns, tokens, events = summarise_rollout(run_dir)
+    return RunResult(run_dir, read_learner_records(run_dir / "learner"), wall, outcomes, sessions, turns, tokens, events)
+
+
+def _fmt(v, digits: int = 3) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.{digits}f}"
+
+
+def reward_curve(records: list[PolicyUpdated]) -> list[tuple[int, float, float]]:
+    """(policy version, reward mean, solve rate) of every training step."""
+    out = []
+    for r in records:
+        if r.step == 0 or not r.groups:
+            continue
+        out.append((r.policy_version, r.metrics.get("rollout/reward_mean", math.nan), r.metrics.get("rollout/solve_rate", math.nan)))
+    return out
+
+
+def plot_reward(records: list[PolicyUpdated], path: Path) -> Path:
+    """``reward.png``: mean reward and solve rate against step (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = reward_curve(records)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if curve:
+        xs = [c[0] for c in curve]
+        ax.plot(xs, [c[1] for c in curve], label="mean reward", color="tab:blue", linewidth=1.5)
+        ax.plot(xs, [c[2] for c in curve], label="solve rate", color="tab:orange", linewidth=1.2, linestyle="--")
+    ax.set_xlabel("step (policy version)")
+    ax.set_ylabel("reward / solve rate")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title("agentlog demo: lookup task, GRPO with injected faults")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
+def summary_table(res: RunResult, cfg: LoopConfig, rows: int = 10) -> str:
+    """The human summary printed at the end of a run."""
+    curve = reward_curve(res.records)
+    lines = ["", "reward by step", f"  {'step':>5} {'version':>7} {'reward':>7} {'solve':>6} {'aborted':>7} {'dropped':>7} {'stale':>6}"]
+    trained = [r for r in res.records if r.step > 0]
+    if trained:
+        idx = sorted({round(i * (len(trained) - 1) / max(1, rows - 1)) for i in range(rows)})
+        for i in idx:
+            r = trained[i]
+            m = r.metrics
+            lines.append(
+                f"  {r.step:>5} {r.policy_version:>7} {_fmt(m.get('rollout/reward_mean')):>7} {_fmt(m.get('rollout/solve_rate')):>6} "
+                f"{int(m.get('rollout/aborted', 0)):>7} {int(m.get('rollout/dropped', 0)):>7} {_fmt(m.get('rollout/staleness_mean'), 2):>6}"
+            )
+    lines += ["", "outcomes by reason"]
+    for k, v in sorted(res.outcomes.items(), key=lambda kv: (-kv[1], kv[0])):
+        lines.append(f"  {k:<36} {v:>8}")
+    skipped = Counter()
+    for r in trained:
+        for reason in r.skipped.values():
+            skipped[reason.split(":")[0]] += 1
+    if skipped:
+        lines += ["", "groups skipped by the learner"]
+        for k, v in skipped.most_common():
+            lines.append(f"  {k:<36} {v:>8}")
+    wall = max(res.wall_s, 1e-9)
+    lines += [
+        "",
+        "totals",
+        f"  sessions {res.sessions}, turns {res.turns}, generated tokens {res.tokens}, rollout events {res.rollout_events}",
+        f"  wall {res.wall_s:.1f} s: {res.sessions / wall:.1f} sessions/s, {res.turns / wall:.1f} turns/s, "
+        f"{res.rollout_events / wall:.0f} events/s, {len(trained) / wall:.2f} steps/s",
+    ]
+    if curve:
+        k = max(1, min(10, len(curve) // 4))
+        first = [c[1] for c in curve[:k] if not math.isnan(c[1])]
+        last = [c[1] for c in curve[-k:] if not math.isnan(c[1])]
+        if first and last:
+            lines.append(f"  mean reward: first {k} steps {sum(first) / len(first):.3f} -> last {k} steps {sum(last) / len(last):.3f}")
+    return "\n".join(lines)

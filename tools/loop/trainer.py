@@ -1,0 +1,278 @@
+"""The learner process: tails the rollout log, trains on released groups, publishes versions.
+
+It reads the rollout log (``<run>/rollout``) through the incremental
+reducers (``follow`` + :class:`reducers.pipeline.Reducer`, the same code as
+offline reconstruction) and writes only its own learner log
+(``<run>/learner``) and checkpoints (``<run>/checkpoints``).
+
+A step. Released groups are taken in release order; once
+``groups_per_step`` have been released the learner cuts a step:
+
+* groups the reducer released as skipped (fewer than ``min_valid`` valid
+  members, e.g. all aborted) are recorded with their reason and train nothing;
+* groups generated more than ``max_staleness`` versions ago are dropped
+  (``staleness_mode = "drop"``, recorded with reason ``stale``) or trained with
+  truncated importance sampling against their rollout log-probs
+  (``"correct"``, the default; TIS is then on for every group, which leaves
+  fresh groups' weights at 1);
+* the rest go to ``Learner.step``; a checkpoint is saved atomically, then a
+  ``policy_updated`` record is appended naming the step, the new version, the
+  checkpoint, the metrics (``rollout/reward_mean``, ``rollout/solve_rate``,
+  staleness, abort counts...), the trained and skipped groups, the digest of
+  the samples it trained on (:func:`step_digest`) and the rollout-log LSN
+  range the step consumed.
+
+Version 0 is the policy after the supervised warm-up (recorded as step 0).
+
+Exactly-once. The learner log is the learner's memory. On start it reads its
+own log back: the last record names the checkpoint to resume from (weights,
+optimiser, schedule, version), and the union of every record's trained and
+skipped groups is the set already consumed. It then reduces the rollout log
+from the start, skipping consumed groups, so no group is trained twice and
+none is skipped, whenever the learner was killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Iterable
+
+import structlog
+import torch
+
+from engine.tasks import get_task
+from events.types import PolicyUpdated
+from learner.learner import Learner
+from reducers.config import ReduceConfig
+from reducers.groups import Group
+from reducers.pipeline import Reducer
+from reducers.samples import SampleDigest
+
+from . import logs
+from .config import LoopConfig
+from .policy import build_model, supervised_warmup
+
+log = structlog.get_logger()
+
+#: Session id under which the learner appends its records to the learner log.
+LEARNER_STREAM = "learner"
+
+
+def step_digest(groups: Iterable[Group]) -> str:
+    """``sha256:<hex>`` over the samples of ``groups``, in order (aborted
+    placeholders included): what one step trained on. The offline check
+    recomputes it from the rollout log."""
+    d = SampleDigest()
+    for g in groups:
+        for s in g.samples:
+            d.update(s)
+    return d.hexdigest()
+
+
+def group_version(group: Group) -> int:
+    """The oldest policy version that generated any of the group's samples."""
+    versions = [s.policy_version for s in group.samples if not s.remove_sample]
+    if not versions:
+        versions = [s.policy_version for s in group.samples]
+    return min(versions) if versions else 0
+
+
+def reduce_config(cfg: LoopConfig) -> ReduceConfig:
+    """The reducer configuration of a loop run (shared by the online learner and the offline check)."""
+    return ReduceConfig(min_valid=cfg.min_valid)
+
+
+def read_learner_records(learner_dir: Path) -> list[PolicyUpdated]:
+    """Every ``policy_updated`` in a learner log, in order."""
+    if not logs.exists(learner_dir):
+        return []
+    return [env.body for env in logs.read(learner_dir, 0) if isinstance(env.body, PolicyUpdated)]
+
+
+class LoopLearner:
+    """The learner side of the loop (one process)."""
+
+    def __init__(self, run_dir: Path, cfg: LoopConfig) -> None:
+        self.run_dir = Path(run_dir)
+        self.cfg = cfg
+        self.task = get_task(cfg.task)
+        self.model = build_model(cfg, self.task)
+        self.learner = Learner(self.model, cfg.learner_config())
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.log = log.bind(component="learner")
+        self.busy_s = 0.0
+        self.t_start = time.perf_counter()
+
+    # -- learner log ----------------------------------------------------------
+
+    def _append(self, llog, record: PolicyUpdated) -> None:
+        llog.append_batch([(LEARNER_STREAM, llog.next_seq(LEARNER_STREAM), record)])
+
+    def _checkpoint_path(self, version: int) -> Path:
+        return self.ckpt_dir / f"policy-v{version:05d}.pt"
+
+    def _prune(self, keep_version: int) -> None:
+        keep = self.cfg.keep_checkpoints
+        for p in sorted(self.ckpt_dir.glob("policy-v*.pt")):
+            v = int(p.stem.split("-v")[1])
+            if v <= keep_version - keep and v % 50 != 0:
+                p.unlink(missing_ok=True)
+
+    # -- the loop -------------------------------------------------------------
+
+    async def run(self, *, max_steps: int | None = None) -> int:
+        """Train until version ``cfg.steps`` (or ``max_steps`` more steps); returns the final version."""
+        cfg = self.cfg
+        llog = logs.open_log(self.run_dir / "learner", cfg.fsync)
+        try:
+            records = [env.body for env in llog.read(0) if isinstance(env.body, PolicyUpdated)]
+            consumed: set[str] = set()
+            for r in records:
+                consumed.update(r.groups)
+                consumed.update(r.skipped)
+            if records:
+                last = records[-1]
+                self.learner.load_checkpoint(last.checkpoint)
+                step = last.step + 1
+                lsn_next = last.lsn_end + 1
+                self.log.info("learner.resumed", step=last.step, policy_version=last.policy_version,
+                              checkpoint=last.checkpoint, groups_consumed=len(consumed))
+            else:
+                metrics = supervised_warmup(self.model, self.task, cfg)
+                # The RL optimiser starts fresh after the warm-up.
+                self.learner = Learner(self.model, cfg.learner_config())
+                path = self.learner.save_checkpoint(self._checkpoint_path(0))
+                metrics["loop/final"] = 1.0 if cfg.steps == 0 else 0.0
+                self._append(llog, PolicyUpdated(step=0, policy_version=0, checkpoint=str(path), metrics=metrics))
+                self.log.info("learner.warmup_done", **{k.replace("/", "_"): v for k, v in metrics.items()})
+                step, lsn_next = 1, 0
+            if self.learner.policy_version >= cfg.steps:
+                return self.learner.policy_version
+            steps_done = 0
+            reducer = Reducer(reduce_config(cfg))
+            pending: list[Group] = []
+            released_at: dict[str, int] = {}
+            t_wait = time.perf_counter()
+            async for env in logs.follow(self.run_dir / "rollout", 0):
+                out = reducer.feed(env)
+                for g in out.groups:
+                    if g.group_id in consumed:
+                        continue
+                    pending.append(g)
+                    released_at[g.group_id] = env.ts_ns
+                if len(pending) < cfg.groups_per_step:
+                    continue
+                self.busy_s += 0.0
+                t_busy = time.perf_counter()
+                record = self.train_step(step, pending, lsn_next, env.lsn, released_at)
+                self._append(llog, record)
+                self.busy_s += time.perf_counter() - t_busy
+                self.log.info("learner.policy_updated", step=step, policy_version=record.policy_version,
+                              reward_mean=record.metrics.get("rollout/reward_mean"),
+                              solve_rate=record.metrics.get("rollout/solve_rate"),
+                              lsn_start=record.lsn_start, lsn_end=record.lsn_end, skipped=len(record.skipped))
+                for g in pending:
+                    consumed.add(g.group_id)
+                    released_at.pop(g.group_id, None)
+                pending = []
+                step += 1
+                lsn_next = env.lsn + 1
+                steps_done += 1
+                if self.learner.policy_version >= cfg.steps or (max_steps is not None and steps_done >= max_steps):
+                    break
+            return self.learner.policy_version
+        finally:
+            llog.close()
+
+    def train_step(self, step: int, groups: list[Group], lsn_start: int, lsn_end: int, released_at: dict[str, int]) -> PolicyUpdated:
+        """Train on one step's released groups; returns the record to append."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        version = self.learner.policy_version
+        skipped: dict[str, str] = {}
+        train: list[Group] = []
+        staleness: list[int] = []
+        corrected = 0
+        for g in groups:
+            if g.skipped:
+                skipped[g.group_id] = g.skip_reason or "skipped"
+                continue
+            st = version - group_version(g)
+            staleness.append(st)
+            if st > cfg.max_staleness:
+                if cfg.staleness_mode == "drop":
+                    skipped[g.group_id] = f"stale: generated by version {group_version(g)}, {st} versions behind {version} (max_staleness {cfg.max_staleness})"
+                    continue
+                corrected += 1
+            train.append(g)
+        members = [m for g in groups for m in g.members]
+        valid_rewards = [m.reward for g in train for m in g.members if m.valid and m.reward is not None]
+        solved = [1.0 if r >= 1.0 else 0.0 for r in valid_rewards]
+        metrics: dict[str, float] = {
+            "rollout/groups_released": float(len(groups)),
+            "rollout/groups_trained": float(len(train)),
+            "rollout/groups_skipped": float(len(skipped)),
+            "rollout/members": float(len(members)),
+            "rollout/aborted": float(sum(1 for m in members if m.status == "aborted")),
+            "rollout/dropped": float(sum(len(g.dropped) for g in groups)),
+            "rollout/staleness_mean": float(sum(staleness) / len(staleness)) if staleness else 0.0,
+            "rollout/staleness_max": float(max(staleness)) if staleness else 0.0,
+            "rollout/stale_corrected": float(corrected),
+        }
+        checkpoint = str(self._checkpoint_path(version))
+        if train:
+            m = self.learner.step(train)
+            metrics.update({k: float(v) for k, v in m.items() if isinstance(v, (int, float))})
+        else:
+            metrics["learner/skipped"] = 1.0
+        # Ours, over the groups actually trained (Learner.step's rollout/* count the same members).
+        metrics["rollout/reward_mean"] = float(sum(valid_rewards) / len(valid_rewards)) if valid_rewards else math.nan
+        metrics["rollout/solve_rate"] = float(sum(solved) / len(solved)) if solved else math.nan
+        if self.learner.policy_version != version:
+            checkpoint = str(self.learner.save_checkpoint(self._checkpoint_path(self.learner.policy_version)))
+            self._prune(self.learner.policy_version)
+        now = time.time_ns()
+        lags = sorted((now - released_at[g.group_id]) / 1e9 for g in groups if g.group_id in released_at)
+        if lags:
+            metrics["perf/release_to_step_p50_s"] = lags[len(lags) // 2]
+            metrics["perf/release_to_step_max_s"] = lags[-1]
+        metrics["perf/loop_step_s"] = time.perf_counter() - t0
+        elapsed = time.perf_counter() - self.t_start
+        metrics["perf/learner_busy_frac"] = min(1.0, (self.busy_s + metrics["perf/loop_step_s"]) / elapsed) if elapsed > 0 else 0.0
+        metrics["loop/final"] = 1.0 if self.learner.policy_version >= cfg.steps else 0.0
+        return PolicyUpdated(
+            step=step,
+            policy_version=self.learner.policy_version,
+            checkpoint=checkpoint,
+            metrics=metrics,
+            sample_digest=step_digest(train),
+            lsn_start=lsn_start,
+            lsn_end=lsn_end,
+            groups=[g.group_id for g in train],
+            skipped=skipped,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tools.loop.trainer RUN_DIR``: run the learner for a run folder."""
+    p = argparse.ArgumentParser(prog="agentlog-learner", description=main.__doc__)
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--max-steps", type=int, default=None)
+    args = p.parse_args(argv)
+    cfg = LoopConfig.load(args.run_dir / "config.json")
+    from .runlog import configure_process_logging
+
+    configure_process_logging(args.run_dir, "learner")
+    torch.set_num_threads(cfg.torch_threads)
+    asyncio.run(LoopLearner(args.run_dir, cfg).run(max_steps=args.max_steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""The rollout worker: drives task sessions through the SessionEngine into the rollout log.
+
+It is coupled to the learner only through files: it appends session events
+to the rollout log (``<run>/rollout``), and it follows the learner log
+(``<run>/learner``) to learn of new policy versions, whose weights it loads
+from the checkpoint each ``policy_updated`` names. Nothing else passes
+between them.
+
+Batches. Batch ``b`` is ``groups_per_step`` prompts x ``group_size``
+sessions (ids ``b00012-g07-s3``, group ``b00012-g07``), drawn from a random
+stream seeded by ``(seed, b)``, so a restarted worker draws the same batch.
+The worker starts batch ``b`` only once the learner has published version
+``b - max_lag`` or later: that bounds how far rollouts run ahead of training.
+
+Restart. ``SessionEngine.open`` aborts the sessions a killed worker left
+open or running (reason ``engine_restart``). Sessions of the interrupted
+batch that were never opened are then opened and aborted with the same
+reason, so every group of that batch completes and is released; the worker
+carries on with the next batch.
+
+Faults (``LoopConfig.faults``) are injected here on purpose and recorded like
+real ones: an exception inside the agent (``exception:InjectedFault``), a
+hang past the session's wall-clock budget (``wall_clock_timeout``), a
+cancelled session (dropped, ``cancelled``), a tool command that dies in a
+LocalSandbox leaving an empty done marker (aborted, ``empty_done_marker``),
+and straggler turns after a session finished (refused by the engine, never
+logged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from engine import LocalSandbox, SessionEngine, SessionTimeout, StragglerRefused
+from engine.tasks import Episode, Task, get_task
+from events.types import PolicyUpdated, SessionOpened
+from learner.learner import load_weights
+
+from . import logs
+from .config import LoopConfig
+from .policy import GenerationBatcher, build_model
+
+log = structlog.get_logger()
+
+_BATCH_RE = re.compile(r"^b(\d+)-g\d+$")
+
+#: The command an ``empty_marker`` fault runs: it empties its own done marker
+#: (the wrapper's last argument) and kills the wrapper before it can write the
+#: exit code, so LocalSandbox finds an empty marker and no exit code.
+EMPTY_MARKER_CMD = "m=$(tr '\\0' '\\n' < /proc/$PPID/cmdline | tail -n 1); : > \"$m\"; kill -9 $PPID"
+
+FAULT_KINDS = ("exception", "timeout", "drop", "empty_marker")
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside a session on purpose (fault injection)."""
+
+
+def group_id(batch: int, g: int) -> str:
+    """The id of group ``g`` of batch ``batch``."""
+    return f"b{batch:05d}-g{g:02d}"
+
+
+def session_id(batch: int, g: int, i: int) -> str:
+    """The id of member ``i`` of group ``g`` of batch ``batch``."""
+    return f"{group_id(batch, g)}-s{i}"
+
+
+def batch_rng(seed: int, batch: int, stream: str) -> random.Random:
+    """An independent, reproducible random stream per (seed, batch, purpose)."""
+    return random.Random(f"{seed}:{batch}:{stream}")
+
+
+def plan_faults(cfg: LoopConfig, batch: int) -> dict[tuple[int, int], str]:
+    """Which sessions of a batch get which injected fault (reproducible)."""
+    f = cfg.faults
+    rng = batch_rng(cfg.seed, batch, "faults")
+    edges = [
+        ("exception", f.exception_rate),
+        ("timeout", f.timeout_rate),
+        ("drop", f.drop_rate),
+        ("empty_marker", f.empty_marker_rate),
+    ]
+    plan: dict[tuple[int, int], str] = {}
+    for g in range(cfg.groups_per_step):
+        for i in range(cfg.group_size):
+            u = rng.random()
+            acc = 0.0
+            for kind, rate in edges:
+                acc += rate
+                if u < acc:
+                    plan[(g, i)] = kind
+                    break
+            else:
+                if rng.random() < f.straggler_rate:
+                    plan[(g, i)] = "straggler"
+    return plan
+
+
+class PolicyFollower:
+    """Tracks the learner log: the newest published version and its checkpoint."""
+
+    def __init__(self, learner_dir: Path) -> None:
+        self.learner_dir = learner_dir
+        self.next_lsn = 0
+        self.latest: PolicyUpdated | None = None
+        self.history: list[PolicyUpdated] = []
+        self.final_version: int | None = None
+
+    def poll(self) -> bool:
+        """Read whatever the learner appended since the last poll; True if anything new."""
+        if not logs.exists(self.learner_dir):
+            return False
+        new = False
+        for env in logs.read(self.learner_dir, self.next_lsn):
+            self.next_lsn = env.lsn + 1
+            if isinstance(env.body, PolicyUpdated):
+                self.history.append(env.body)
+                if self.latest is None or env.body.policy_version >= self.latest.policy_version:
+                    self.latest = env.body
+                if env.body.metrics.get("loop/final", 0.0) >= 1.0:
+                    self.final_version = env.body.policy_version
+                new = True
+        return new
+
+    @property
+    def version(self) -> int:
+        """Newest published policy version (-1 before the learner published any)."""
+        return -1 if self.latest is None else self.latest.policy_version
+
+
+class RolloutWorker:
+    """One worker process: an engine over the rollout log, a model, a task."""
+
+    def __init__(self, run_dir: Path, cfg: LoopConfig, *, worker_id: str = "w0") -> None:
+        self.run_dir = Path(run_dir)
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.task: Task = get_task(cfg.task)
+        self.model = build_model(cfg, self.task)
+        self.model.eval()
+        self.follower = PolicyFollower(self.run_dir / "learner")
+        self.loaded_version = -1
+        self.batcher = GenerationBatcher(self.model, self.task, seed=cfg.seed * 1_000_003 + 11, before_batch=self.maybe_reload)
+        self.sandbox = LocalSandbox(self.run_dir / "sandbox" / worker_id)
+        self.counts: dict[str, int] = {}
+        self.log = log.bind(component="worker", worker=worker_id)
+
+    # -- weights ----------------------------------------------------------
+
+    def maybe_reload(self) -> None:
+        """Load the newest published weights if they are newer than ours."""
+        self.follower.poll()
+        # Newest first: a checkpoint may have been pruned since it was published.
+        for rec in reversed(self.follower.history):
+            if rec.policy_version <= self.loaded_version:
+                return
+            try:
+                load_weights(self.model, rec.checkpoint)
+            except FileNotFoundError:
+                continue
+            self.loaded_version = rec.policy_version
+            self.batcher.version = rec.policy_version
+            self.log.info("worker.weights_loaded", policy_version=rec.policy_version, checkpoint=rec.checkpoint)
+            return
+
+    async def wait_for_version(self, version: int) -> bool:
+        """Wait until the learner published ``version`` (False if the run ended first)."""
+        while True:
+            self.follower.poll()
+            if self.follower.final_version is not None:
+                return False
+            if self.follower.version >= version:
+                return True
+            await asyncio.sleep(0.01)
+
+    # -- batches ------------------------------------------------------------
+
+    def next_batch(self, engine_log: Any) -> int:
+        """The first batch this worker has not started (0 on a fresh log)."""
+        last = -1
+        for env in engine_log.read(0):
+            if isinstance(env.body, SessionOpened):
+                m = _BATCH_RE.match(env.body.group_id)
+                if m:
+                    last = max(last, int(m.group(1)))
+        return last + 1
+
+    async def complete_interrupted(self, engine: SessionEngine, batch: int) -> None:
+        """Open and abort (``engine_restart``) the sessions of ``batch`` that a
+        killed worker never opened, so all its groups complete."""
+        if batch < 0:
+            return
+        opened: set[str] = set()
+        for env in engine.log.read(0):
+            if isinstance(env.body, SessionOpened) and env.body.group_id.startswith(f"b{batch:05d}-"):
+                opened.add(env.session_id)
+        n = 0
+        for g in range(self.cfg.groups_per_step):
+            for i in range(self.cfg.group_size):
+                sid = session_id(batch, g, i)
+                if sid in opened:
+                    continue
+                h = await engine.open_session(
+                    sid, group_id=group_id(batch, g), group_size=self.cfg.group_size, sample_index=i,
+                    agent=self.task.name, metadata={"batch": batch, "worker": self.worker_id},
+                )
+                await h.abort("engine_restart", error="never started: the worker was killed while opening its batch")
+                n += 1
+        if n:
+            self.log.warning("worker.interrupted_batch_completed", batch=batch, aborted_unopened=n)
+
+    async def run_batch(self, engine: SessionEngine, batch: int) -> None:
+        """Run every session of ``batch`` concurrently until each is terminal."""
+        cfg = self.cfg
+        rng = batch_rng(cfg.seed, batch, "episodes")
+        episodes = [self.task.new_episode(rng) for _ in range(cfg.groups_per_step)]
+        faults = plan_faults(cfg, batch)
+        tasks = []
+        for g, ep in enumerate(episodes):
+            for i in range(cfg.group_size):
+                tasks.append(asyncio.ensure_future(self.run_session(engine, batch, g, i, ep, faults.get((g, i)))))
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, (asyncio.CancelledError, InjectedFault, SessionTimeout)):
+                raise r
+
+    def _count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    async def run_session(self, engine: SessionEngine, batch: int, g: int, i: int, ep: Episode, fault: str | None) -> None:
+        """One agent session: turn, tool, turn, ..., verifier reward, finish."""
+        task = self.task
+        sid = session_id(batch, g, i)
+        budget = self.cfg.faults.timeout_budget_s if fault == "timeout" else None
+        registered = False
+        try:
+            async with engine.session(
+                sid, group_id=group_id(batch, g), group_size=self.cfg.group_size, sample_index=i,
+                prompt=ep.messages, prompt_ids=list(ep.prompt_ids), label=ep.label, agent=task.name,
+                policy_version=max(self.loaded_version, 0), metadata={"batch": batch, "worker": self.worker_id},
+                budget_s=budget,
+            ) as h:
+                await h.start(harness=task.name, sandbox=self.sandbox.name)
+                self.batcher.register()
+                registered = True
+                messages = list(ep.messages)
+                context = list(ep.prompt_ids)
+                outputs: list[list[int]] = []
+                for turn in range(task.max_turns):
+                    if turn == 1 and fault in ("exception", "drop", "timeout"):
+                        self.batcher.unregister()
+                        registered = False
+                        if fault == "exception":
+                            raise InjectedFault(f"injected agent crash in session {sid} before turn {turn}")
+                        if fault == "drop":
+                            asyncio.current_task().cancel()
+                            await asyncio.sleep(0)  # the cancellation lands here
+                        # timeout: hang until the engine's wall-clock budget aborts us.
+                        await asyncio.sleep(3600)
+                    gen = await self.batcher.generate(context)
+                    out = [int(t) for t in gen.tokens]
+                    response = {"role": "assistant", "content": task.decode(out)}
+                    await h.record_turn(
+                        messages=messages, prompt_ids=context, output_ids=gen.tokens, output_log_probs=gen.log_probs,
+                        finish_reason=gen.finish_reason, response_message=response, policy_version=gen.policy_version,
+                        generate_s=gen.generate_s, sampling={"temperature": 1.0},
+                    )
+                    outputs.append(out)
+                    tool = task.tool_step(ep, turn, out)
+                    if tool is None:
+                        break
+                    if fault == "empty_marker":
+                        res = await h.run_command(self.sandbox, EMPTY_MARKER_CMD, 5.0)
+                        if res.exit_code is None:
+                            self.batcher.unregister()
+                            registered = False
+                            await h.abort("empty_done_marker", error=f"tool command left no exit code (output {res.output_tail[-200:]!r})")
+                            return
+                    else:
+                        await h.record_command(tool.command, tool.exit_code, False, 0.0, tool.text)
+                    messages = messages + [response, {"role": "tool", "content": tool.text}]
+                    context = context + out + list(tool.ids)
+                self.batcher.unregister()
+                registered = False
+                verdict = task.verify(ep, outputs)
+                await h.finish(reward=verdict.reward, metadata={"success": verdict.success, **verdict.detail})
+            if fault == "straggler":
+                await self.straggle(h, context)
+        finally:
+            if registered:
+                self.batcher.unregister()
+
+    async def straggle(self, h: Any, context: list[int]) -> None:
+        """A late turn on a finished session: the engine must refuse it."""
+        try:
+            await h.record_turn(messages=[], prompt_ids=context, output_ids=[self.task.eos_id], output_log_probs=[0.0])
+        except StragglerRefused:
+            self._count("straggler_refused")
+            return
+        raise RuntimeError(f"session {h.session_id}: a straggler turn after the end was accepted; the engine must refuse it")
+
+    # -- main loop ------------------------------------------------------------
+
+    async def run(self, *, max_batches: int | None = None) -> dict[str, int]:
+        """Run batches until the learner publishes its final version."""
+        cfg = self.cfg
+        rollout = logs.open_log(self.run_dir / "rollout", cfg.fsync)
+        try:
+            engine = await SessionEngine.open(rollout, drain_s=0.2)
+            batch = self.next_batch(rollout)
+            await self.complete_interrupted(engine, batch - 1)
+            self.log.info("worker.started", first_batch=batch, restart_aborted=engine.stats.get("restart_aborted", 0))
+            done = 0
+            try:
+                while max_batches is None or done < max_batches:
+                    if not await self.wait_for_version(max(0, batch - cfg.max_lag)):
+                        break
+                    self.maybe_reload()
+                    t0 = time.perf_counter()
+                    await self.run_batch(engine, batch)
+                    self.log.info("worker.batch_done", batch=batch, policy_version=self.loaded_version,
+                                  seconds=round(time.perf_counter() - t0, 3))
+                    batch += 1
+                    done += 1
+            finally:
+                await self.batcher.close()
+                await engine.close()
+            counts = dict(engine.stats)
+            counts.update(self.counts)
+            self.log.info("worker.stopped", batches=done, **{k: v for k, v in counts.items() if isinstance(v, int)})
+            return counts
+        finally:
+            rollout.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tools.loop.worker RUN_DIR``: run a rollout worker for a run folder."""
+    p = argparse.ArgumentParser(prog="agentlog-worker", description=main.__doc__)
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--worker-id", default="w0")
+    p.add_argument("--max-batches", type=int, default=None)
+    args = p.parse_args(argv)
+    cfg = LoopConfig.load(args.run_dir / "config.json")
+    from .runlog import configure_process_logging
+
+    configure_process_logging(args.run_dir, f"worker-{args.worker_id}")
+    torch.set_num_threads(cfg.torch_threads)
+    worker = RolloutWorker(args.run_dir, cfg, worker_id=args.worker_id)
+    asyncio.run(worker.run(max_batches=args.max_batches))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
