@@ -8,8 +8,9 @@ response lengths drawn log-normal (median ~150 tokens, a long tail clipped at
   on the built-in GPT with packing vs with padding (same samples, same
   micro-batch budget), and the padding waste of each layout;
 * ``learner.loss.policy_loss`` (forward + backward) against a straightforward
-  reference implementation of the same loss written below, on the same
-  tensors, with default settings and with every extra on.
+  reference implementation of the same loss and diagnostics (clip fraction,
+  approximate KL, ...) written below, on the same tensors, with default
+  settings and with every extra on.
 
 Timings interleave the two contenders and report medians, so load from other
 processes on a shared machine hits both alike.
@@ -67,20 +68,39 @@ def rollout_samples(n: int, rng: np.random.Generator) -> list[Sample]:
 
 def reference_loss(lp, old, adv, mask, rollout=None, ref=None, entropy=None, *, eps_lo=0.2, eps_hi=0.28,
                    dual=None, tis=None, kl_coef=0.0, ent_coef=0.0):
-    """The same loss written the obvious way (token mean), without removal or validation."""
-    ratio = torch.exp(lp - old)
+    """The same loss and diagnostics written the obvious way (token mean, cleanrl-style
+    masked means), without row removal, validation or micro-batch denominators."""
+    n = mask.sum().clamp(min=1)
+
+    def mean(x):
+        return (x * mask).sum() / n
+
+    log_ratio = lp - old
+    ratio = torch.exp(log_ratio)
     a = adv.unsqueeze(-1)
-    loss_tok = torch.maximum(-a * ratio, -a * ratio.clamp(1 - eps_lo, 1 + eps_hi))
+    unclipped = -a * ratio
+    clipped = -a * ratio.clamp(1 - eps_lo, 1 + eps_hi)
+    loss_tok = torch.maximum(unclipped, clipped)
+    metrics = {"clip_frac": mean((clipped > unclipped).float()).detach()}
     if dual is not None:
+        metrics["dual_clip_frac"] = mean(((a < 0) & (-a * dual < loss_tok)).float()).detach()
         loss_tok = torch.where(a < 0, torch.minimum(loss_tok, -a * dual), loss_tok)
     if tis is not None:
-        loss_tok = loss_tok * torch.exp(old - rollout).clamp(max=tis)
+        w = torch.exp(old - rollout)
+        metrics["tis_clip_frac"] = mean((w > tis).float())
+        loss_tok = loss_tok * w.clamp(max=tis)
+    loss = mean(loss_tok)
     if ref is not None:
         x = lp - ref
-        loss_tok = loss_tok + kl_coef * (torch.exp(-x) - 1 + x)
+        kl = mean(torch.exp(-x) - 1 + x)
+        metrics["kl"] = kl.detach()
+        loss = loss + kl_coef * kl
     if entropy is not None:
-        loss_tok = loss_tok - ent_coef * entropy
-    return (loss_tok * mask).sum() / mask.sum().clamp(min=1)
+        ent = mean(entropy)
+        metrics["entropy"] = ent.detach()
+        loss = loss - ent_coef * ent
+    metrics["approx_kl"] = mean((ratio - 1) - log_ratio).detach()
+    return loss, metrics
 
 
 def timed(fn) -> float:
@@ -149,7 +169,7 @@ def bench_loss(n: int, length: int, repeats: int) -> dict[str, tuple[float, floa
             return loss
 
         def plain():
-            loss = reference_loss(lp, old, adv, mask, entropy=ent if extras else None, **ref_kw)
+            loss, _ = reference_loss(lp, old, adv, mask, entropy=ent if extras else None, **ref_kw)
             loss.backward()
             return loss
 
@@ -174,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
     n = args.samples or (24 if args.quick else 64)
-    step_repeats = 2 if args.quick else 5
+    step_repeats = 2 if args.quick else 3
     loss_repeats = 5 if args.quick else 30
     d_model, n_layer = (64, 2) if args.quick else (128, 2)
     samples = rollout_samples(n, np.random.default_rng(0))
