@@ -160,87 +160,107 @@ def common_prefix_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
 
 
 class _RowBuilder:
-    """Accumulates one chain of turns into one row's tokens, mask and log-probs."""
+    """Accumulates one chain of turns into one row's tokens, mask and log-probs.
 
-    __slots__ = ("fork_threshold", "tokens", "mask", "log_probs", "last_start", "lead", "turns", "trained_versions")
+    After every append the held tokens are exactly the last turn's prompt
+    followed by its output: CLEAN appends the prompt's tail to tokens the
+    prompt starts with, and REALIGN overwrites from the last response on
+    with the prompt, which agrees with the held tokens before that point.
+    So the builder keeps just those two byte strings (no growing buffer) and
+    mask and log-probs as spans, ``(n_tokens, log_probs or None, policy
+    version)``, materialised once per emitted row."""
+
+    __slots__ = ("fork_threshold", "prompt", "output", "spans", "spanned", "last_start", "lead", "turns")
 
     def __init__(self, fork_threshold: int) -> None:
         self.fork_threshold = fork_threshold
-        self.tokens = bytearray()
-        self.mask = bytearray()  # one byte per token (prompt included; cut at emit)
-        self.log_probs = bytearray()
+        self.prompt = b""  # held tokens == prompt + output
+        self.output = b""
+        self.spans: list[tuple[int, bytes | None, int]] = []
+        self.spanned = 0  # tokens covered by spans (== held tokens)
         self.last_start: int | None = None  # token index where the last response starts
         self.lead = 0  # the first turn's prompt length: the row's prompt
         self.turns: list[int] = []
-        self.trained_versions: list[int] = []
 
     def classify(self, body: TurnRecorded) -> str:
         prompt = body.prompt_ids
-        if prompt.startswith(self.tokens):
+        if prompt.startswith(self.prompt) and prompt.startswith(self.output, len(self.prompt)):
             return CLEAN
-        agree = common_prefix_tokens(self.tokens, prompt)
+        agree = common_prefix_tokens(self.prompt + self.output, prompt)
         if self.last_start is not None and agree >= self.last_start and len(body.output_ids) // 4 < self.fork_threshold:
             return REALIGN
         return FORK
 
+    def _span(self, n: int, log_probs: bytes | None, version: int = 0) -> None:
+        if n:
+            self.spans.append((n, log_probs, version))
+            self.spanned += n
+
     def append(self, turn: _Turn, kind: str, train: bool) -> None:
         body = turn.body
         prompt = body.prompt_ids
-        first = self.last_start is None
+        n_prompt = len(prompt) // 4
         if kind == REALIGN:
             # The drifted span carries no signal: overwrite it from the prompt
             # as context (mask 0, log-prob 0); earlier turns stay untouched.
+            # last_start is always a span boundary (a response starts there).
             start = self.last_start
             assert start is not None
-            tail = memoryview(prompt)[start * 4 :]
-            n = len(tail) // 4
-            self.tokens[start * 4 :] = tail
-            self.mask[start:] = bytes(n)
-            self.log_probs[start * 4 :] = bytes(4 * n)
-        else:
-            tail = memoryview(prompt)[len(self.tokens) :]
-            n = len(tail) // 4
-            self.tokens += tail
-            self.mask += bytes(n)
-            self.log_probs += bytes(4 * n)
+            while self.spanned > start:
+                n, _, _ = self.spans.pop()
+                self.spanned -= n
+        self._span(n_prompt - self.spanned, None)
+        if self.last_start is None:
+            self.lead = n_prompt
         out = body.output_ids
-        n_out = len(out) // 4
-        self.last_start = len(self.tokens) // 4
-        self.tokens += out
-        if train:
-            self.mask += b"\x01" * n_out
-            self.log_probs += body.output_log_probs
-            self.trained_versions.append(body.policy_version)
-        else:
-            self.mask += bytes(n_out)
-            self.log_probs += bytes(4 * n_out)
-        if first:
-            self.lead = len(prompt) // 4
+        self.prompt = prompt
+        self.output = out
+        self.last_start = n_prompt
+        self._span(len(out) // 4, body.output_log_probs if train else None, body.policy_version)
         self.turns.append(turn.index)
 
     def to_row(self, leaf: int, truncated: bool, use_tool: bool, ill_formed: bool, max_tokens: int) -> Row | None:
         """The row, or None when it holds no trainable token (after any cut)."""
-        n_tok = len(self.tokens) // 4
+        n_tok = self.spanned
         cut = bool(max_tokens) and n_tok > max_tokens
         if cut:
             n_tok = max_tokens
-        response_length = n_tok - self.lead
+        lead = self.lead
+        response_length = n_tok - lead
         if response_length < 1:
             return None
-        mask = bytes(memoryview(self.mask)[self.lead : n_tok])
-        if b"\x01" not in mask:
-            return None
+        mask_parts: list[bytes] = []
+        lp_parts: list[bytes] = []
+        versions: list[int] = []
+        pos = 0
+        for n, log_probs, version in self.spans:
+            lo, hi = max(pos, lead), min(pos + n, n_tok)
+            pos += n
+            if lo >= hi:
+                if pos >= n_tok:
+                    break
+                continue
+            k = hi - lo
+            if log_probs is None:
+                mask_parts.append(bytes(k))
+                lp_parts.append(bytes(4 * k))
+            else:
+                mask_parts.append(b"\x01" * k)
+                lp_parts.append(log_probs[(lo - pos + n) * 4 : (hi - pos + n) * 4])
+                versions.append(version)
+        if not versions:
+            return None  # nothing trainable survives (or ever was)
         return Row(
-            tokens=bytes(memoryview(self.tokens)[: n_tok * 4]),
+            tokens=(self.prompt + self.output)[: n_tok * 4] if cut else self.prompt + self.output,
             response_length=response_length,
-            loss_mask=mask,
-            rollout_log_probs=bytes(memoryview(self.log_probs)[self.lead * 4 : n_tok * 4]),
+            loss_mask=b"".join(mask_parts),
+            rollout_log_probs=b"".join(lp_parts),
             turn_indices=tuple(self.turns),
             leaf=leaf,
             truncated=truncated,
             use_tool=use_tool,
             ill_formed=ill_formed,
-            policy_version=min(self.trained_versions) if self.trained_versions else 0,
+            policy_version=min(versions),
             cut=cut,
         )
 
@@ -386,8 +406,10 @@ class SessionTrajectory:
             if node.turn is not None:
                 generated = generated + (node,)
             children = node.children
-            if children:
-                stack.extend((c, generated) for c in reversed(children))
+            if len(children) == 1:
+                stack.append((children[0], generated))
+            elif children:
+                stack.extend([(c, generated) for c in reversed(children)])
             else:
                 out.append(generated)
         return out
