@@ -256,7 +256,11 @@ def test_models_and_health_endpoints_answer_without_a_session():
             async with aiohttp.ClientSession() as s:
                 async with s.head(gw.url + "/") as r:
                     assert r.status == 200
-            assert log.next_lsn == 0
+            await open_running(engine, "s")
+            before = log.next_lsn
+            n = await an_client(gw.url, "s").messages.count_tokens(model="m", messages=[{"role": "user", "content": "hi"}])
+            assert n.input_tokens == len(TEMPLATE.encode_prompt([{"role": "user", "content": "hi"}], []))
+            assert log.next_lsn == before  # counting records nothing
 
     run(body())
 
