@@ -1,0 +1,153 @@
+"""What `agentlog demo` and `agentlog train` share: flags from LoopConfig, and the run itself.
+
+Every LoopConfig and FaultConfig field becomes a flag (``--group-size``,
+``--exception-rate``...) whose help is the field's docstring, so ``--help``
+documents every knob; learner settings go through ``--learner KEY=VALUE``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tools.cli import EXIT_DATA, EXIT_USAGE, CliError
+
+from .config import ConfigError, FaultConfig, LoopConfig, field_help
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true/false, found {text!r}")
+
+
+def add_config_flags(p, *, defaults: LoopConfig) -> None:
+    """One flag per LoopConfig / FaultConfig field (help = the field's docstring)."""
+    loop_help = field_help(LoopConfig)
+    group = p.add_argument_group("loop settings (LoopConfig)")
+    for f in dataclasses.fields(LoopConfig):
+        if f.name in ("faults", "learner"):
+            continue
+        default = getattr(defaults, f.name)
+        kind = _parse_bool if isinstance(default, bool) else type(default)
+        group.add_argument(_flag(f.name), dest=f.name, type=kind, default=None, metavar=f.name.upper(),
+                           help=f"{loop_help.get(f.name, '')} (default {default})".replace("%", "%%"))
+    fault_help = field_help(FaultConfig)
+    fg = p.add_argument_group("fault injection (FaultConfig; on by default)")
+    fg.add_argument("--no-faults", action="store_true", help="inject no faults at all")
+    for f in dataclasses.fields(FaultConfig):
+        default = getattr(defaults.faults, f.name)
+        fg.add_argument(_flag(f.name), dest=f"fault_{f.name}", type=float, default=None, metavar="X",
+                        help=f"{fault_help.get(f.name, '')} (default {default})".replace("%", "%%"))
+    from learner.config import LearnerConfig
+
+    names = ", ".join(f.name for f in dataclasses.fields(LearnerConfig))
+    p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"override a learner.config.LearnerConfig field (repeatable; JSON values). Fields: {names}. "
+                        f"Default overrides: {json.dumps(defaults.learner)}")
+
+
+def add_output_flags(p) -> None:
+    """Where the run goes and how it is shown."""
+    p.add_argument("--out", type=Path, default=None, metavar="DIR", help="run folder (default runs/<run-id>)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--no-report", action="store_true", help="skip report.html")
+    p.add_argument("--timeout", type=float, default=None, metavar="S", help="give up (exit 1) after S seconds")
+
+
+def config_from_args(args, base: LoopConfig) -> LoopConfig:
+    """``base`` with every flag the user gave applied on top."""
+    values = base.to_dict()
+    for f in dataclasses.fields(LoopConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    faults = dict(values["faults"])
+    if getattr(args, "no_faults", False):
+        faults = dataclasses.asdict(FaultConfig.none())
+    for f in dataclasses.fields(FaultConfig):
+        v = getattr(args, f"fault_{f.name}", None)
+        if v is not None:
+            faults[f.name] = v
+    values["faults"] = faults
+    learner = dict(values["learner"])
+    for item in getattr(args, "learner", []) or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise CliError(f"--learner {item!r}: expected KEY=VALUE", EXIT_USAGE)
+        try:
+            learner[key.strip()] = json.loads(raw)
+        except ValueError:
+            learner[key.strip()] = raw
+    values["learner"] = learner
+    try:
+        cfg = LoopConfig.from_dict(values)
+        cfg.learner_config()  # validate the learner table now, not in a child process
+    except (ConfigError, ValueError) as exc:
+        raise CliError(f"configuration: {exc}", EXIT_USAGE) from None
+    return cfg
+
+
+def write_report(run_dir: Path) -> str:
+    """``report.html`` through the report command; returns a one-line note."""
+    try:
+        from tools import cmd_report  # noqa: F401
+    except ImportError:
+        return "report.html skipped: the report command (tools/cmd_report.py) is not installed"
+    from tools.cli import main as cli_main
+
+    out = run_dir / "report.html"
+    rc = cli_main(["report", str(run_dir / "rollout"), "-o", str(out), "--max-sessions-detail", "64", "--quiet"])
+    if rc != 0:
+        return f"report.html failed (agentlog report exit {rc})"
+    return f"report   {out}"
+
+
+def execute(cfg: LoopConfig, args, *, title: str) -> int:
+    """Run the loop on ``cfg`` and do everything after it: summary, chart, report, check."""
+    from .check import check_run
+    from .run import LoopError, new_run_id, plot_reward, run_loop, summary_table
+    from .runlog import configure_process_logging
+
+    run_dir = args.out or Path("runs") / new_run_id(cfg.seed)
+    if (run_dir / "config.json").exists():
+        raise CliError(f"{run_dir}: already holds a run; choose another --out", EXIT_USAGE)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    configure_process_logging(run_dir, "main", console=sys.stderr, console_level="info")
+    import structlog
+
+    log = structlog.get_logger().bind(component=title)
+    log.info(f"{title}.start", run_dir=str(run_dir), steps=cfg.steps, seed=cfg.seed, task=cfg.task,
+             groups_per_step=cfg.groups_per_step, group_size=cfg.group_size, warmup_steps=cfg.warmup_steps)
+    t0 = time.monotonic()
+    try:
+        res = run_loop(cfg, run_dir, progress=not args.quiet, timeout_s=args.timeout)
+    except LoopError as exc:
+        raise CliError(f"{run_dir}: {exc}", EXIT_DATA) from None
+    print(summary_table(res, cfg))
+    png = plot_reward(res.records, run_dir / "reward.png")
+    note = "report.html skipped (--no-report)" if args.no_report else write_report(run_dir)
+    check = check_run(run_dir, cfg)
+    print("")
+    print(f"run      {run_dir}")
+    print(f"logs     {run_dir / 'rollout'} (rollout), {run_dir / 'learner'} (learner), {run_dir / 'logs'} (structlog JSON)")
+    print(f"chart    {png}")
+    print(note)
+    verdict = "EQUAL" if check.ok else "DIFFERENT"
+    print(f"offline reconstruction of the rollout log vs the learner's online digests: {verdict} "
+          f"({check.digests_equal}/{check.steps} steps equal, {check.groups_consumed} groups each consumed once)")
+    for line in (check.mismatches + check.duplicates + check.missing + check.unknown)[:10]:
+        print(f"  {line}")
+    log.info(f"{title}.done", seconds=round(time.monotonic() - t0, 1), digests_equal=check.ok)
+    return 0 if check.ok else EXIT_DATA
