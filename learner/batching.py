@@ -144,8 +144,8 @@ def make_batches(
     if not items:
         return []
     if packing:
-        longest = max(len(it.tokens) for it in items)
-        capacity = max(longest, max_tokens_per_row or 0)
+        # A sample longer than the capacity gets a row of its own.
+        capacity = max_tokens_per_row or max(len(it.tokens) for it in items)
         rows = _first_fit_decreasing(items, capacity)
     else:
         rows = [[it] for it in items]

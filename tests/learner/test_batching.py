@@ -142,3 +142,13 @@ def test_dense_mask_and_varlen_packing_agree(model):
     assert_close(varlen, dense, rtol=1e-5, atol=1e-5)
     assert_close(ent_v, ent_d, rtol=1e-5, atol=1e-5)
     assert b.attention_mask.shape == (b.input_ids.shape[0], b.input_ids.shape[1], b.input_ids.shape[1])
+
+
+def test_row_capacity_bounds_packed_rows_and_long_samples_get_their_own():
+    lengths = [3, 5, 9, 2, 4, 12]
+    samples = [make_sample("g", f"s{i}", [1], [2] * (n - 1)) for i, n in enumerate(lengths)]
+    (b,) = make_batches(samples, packing=True, max_tokens_per_row=10, max_tokens_per_batch=10**6)
+    fills = sorted(int((row >= 0).sum()) for row in b.segment_ids)
+    # first-fit decreasing into rows of 10: [9], [5, 4], [3, 2]; the 12-token sample alone
+    assert fills == [5, 9, 9, 12]
+    assert b.input_ids.shape == (4, 12)

@@ -83,12 +83,14 @@ def test_released_groups_train_like_their_samples():
                            s.reward if reward is None else reward, samples=(s,))
 
     ph = aborted_placeholder("live", "ab", 7, "timeout")
-    group = Group("live", 6, (member(live[0]), member(live[1]), member(live[2]),
-                              GroupMember("ab", 7, "aborted", False, None, "timeout", (ph,)),
-                              member(extra, valid=False, reward=None)),
-                  ("dropped-1",), False, "", 0, 10)
+    group = Group(group_id="live", group_size=6,
+                  members=(member(live[0]), member(live[1]), member(live[2]),
+                           GroupMember("ab", 7, "aborted", False, None, "timeout", (ph,)),
+                           member(extra, valid=False, reward=None)),
+                  dropped=("dropped-1",), skipped=False, skip_reason="", release_index=0, lsn_released=10)
     skipped_samples = random_samples(rng, 2, 32, group="skip")
-    skipped = Group("skip", 2, tuple(member(s) for s in skipped_samples), (), True, "1 valid member(s) < 2", 1, 11)
+    skipped = Group(group_id="skip", group_size=2, members=tuple(member(s) for s in skipped_samples), dropped=(),
+                    skipped=True, skip_reason="1 valid member(s) < 2", release_index=1, lsn_released=11)
 
     model = tiny_gpt()
     a, b = Learner(copy.deepcopy(model)), Learner(copy.deepcopy(model))
