@@ -43,10 +43,17 @@ __all__ = ["RunStats", "decode_projection", "PROJECTED_FIELDS"]
 # ---------------------------------------------------------------- projection of schema v1
 
 
+# Big fields the statistics never read are declared ``msgspec.Raw``: msgspec
+# then only delimits them, about 2x faster than skipping an undeclared field.
+_RAW = msgspec.Raw(b"")
+
+
 class _Opened(msgspec.Struct, tag="session_opened"):
     group_id: str
     group_size: int
     sample_index: int = 0
+    prompt: msgspec.Raw = _RAW
+    metadata: msgspec.Raw = _RAW
 
 
 class _Started(msgspec.Struct, tag="session_started"):
@@ -55,9 +62,13 @@ class _Started(msgspec.Struct, tag="session_started"):
 
 class _Turn(msgspec.Struct, tag="turn_recorded"):
     turn_index: int
+    messages: msgspec.Raw = _RAW
     prompt_ids: bytes = b""
     output_ids: bytes = b""
+    output_log_probs: msgspec.Raw = _RAW
     finish_reason: str = "stop"
+    response_message: msgspec.Raw = _RAW
+    sampling: msgspec.Raw = _RAW
 
 
 class _Undelivered(msgspec.Struct, tag="turn_undelivered"):
@@ -65,8 +76,10 @@ class _Undelivered(msgspec.Struct, tag="turn_undelivered"):
 
 
 class _Command(msgspec.Struct, tag="command_ran"):
+    command: msgspec.Raw = _RAW
     exit_code: int | None = None
     budget_exceeded: bool = False
+    output_tail: msgspec.Raw = _RAW
 
 
 class _Reward(msgspec.Struct, tag="reward_assigned"):
@@ -79,6 +92,8 @@ class _Finished(msgspec.Struct, tag="session_finished"):
 
 class _Aborted(msgspec.Struct, tag="session_aborted"):
     reason: str = ""
+    error: msgspec.Raw = _RAW
+    traceback: msgspec.Raw = _RAW
 
 
 class _Dropped(msgspec.Struct, tag="session_dropped"):
@@ -97,11 +112,11 @@ _projection_decoder = msgspec.msgpack.Decoder(Union[_PROJECTIONS])  # type: igno
 PROJECTED_FIELDS: dict[str, tuple[str, ...]] = {p.__struct_config__.tag: p.__struct_fields__ for p in _PROJECTIONS}
 
 
-def decode_projection(payload: bytes | memoryview) -> Any:
-    """Decode a raw event payload into its statistics projection (only the
-    fields :class:`RunStats` reads). Raises msgspec.DecodeError /
-    ValidationError on a payload that is not a schema-v1 event."""
-    return _projection_decoder.decode(payload)
+#: Decode a raw event payload into its statistics projection (only the fields
+#: :class:`RunStats` reads). Raises msgspec.DecodeError / ValidationError on a
+#: payload that is not a schema-v1 event. (The bound method itself: this runs
+#: once per record.)
+decode_projection = _projection_decoder.decode
 
 
 _TRIGGER_OF_TAG = {spec["event"]: spec["trigger"] for spec in LIFECYCLE_SPEC}
