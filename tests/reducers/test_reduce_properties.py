@@ -7,12 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reduce_streams import RandomStream
+from reference_trajectory import reference_rows
 
-from events.types import TurnRecorded, TurnUndelivered
+from events.types import SessionFinished, TurnRecorded, TurnUndelivered
 from reducers.config import ReduceConfig
 from reducers.pipeline import Reducer, reduce_log
 from reducers.samples import check_sample, digest_samples, encode_sample
@@ -80,7 +82,8 @@ _DIGEST_SCRIPT = """
 import sys
 sys.path.insert(0, {here!r})
 from reduce_streams import RandomStream
-from events.types import TurnRecorded, TurnUndelivered
+from reference_trajectory import reference_rows
+from events.types import SessionFinished, TurnRecorded, TurnUndelivered
 from reducers.config import ReduceConfig
 from reducers.pipeline import reduce_log
 for seed in range(25):
@@ -131,3 +134,31 @@ def test_malformed_message_is_an_error_naming_its_index():
     traj = SessionTrajectory("s")
     with pytest.raises(TrajectoryError, match=r"session 's', lsn 7, turn 0: messages\[1\]: expected a dict"):
         traj.record_turn(TurnRecorded(turn_index=0, messages=[{"role": "user"}, "oops"], prompt_ids=[1]), 7)
+
+
+@PROPERTY
+@given(seed=seeds, config=configs)
+def test_rows_equal_a_plain_list_reference_element_by_element(seed, config):
+    turns: dict[str, list] = {}
+    undelivered: dict[str, set] = {}
+    for env in RandomStream(seed).log().read(0):
+        if isinstance(env.body, TurnRecorded):
+            turns.setdefault(env.session_id, []).append(env.body)
+        elif isinstance(env.body, TurnUndelivered):
+            undelivered.setdefault(env.session_id, set()).add(env.body.turn_index)
+    result = reduce_log(RandomStream(seed).log(), config)
+    got: dict[str, list] = {}
+    for s in result.samples:
+        if s.status != "aborted":
+            got.setdefault(s.session_id, []).append(
+                (s.token_ids.tolist(), s.response_length, s.mask.tolist(), s.log_probs.tolist())
+            )
+    for sid, rows in got.items():
+        want = reference_rows(turns[sid], undelivered.get(sid, set()), config.fork_threshold, config.max_context_tokens)
+        assert len(rows) == len(want), sid
+        for (t, n, m, lp), (wt, wn, wm, wlp) in zip(rows, want):
+            assert (t, n, m) == (wt, wn, wm), sid
+            np.testing.assert_array_equal(np.asarray(lp, np.float32), np.asarray(wlp, np.float32))
+    finished = {env.session_id for env in RandomStream(seed).log().read(0) if isinstance(env.body, SessionFinished)}
+    for sid in finished - set(got):
+        assert reference_rows(turns.get(sid, []), undelivered.get(sid, set()), config.fork_threshold, config.max_context_tokens) == []
