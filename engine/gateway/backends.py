@@ -79,6 +79,12 @@ class Backend(abc.ABC):
         """Generate up to ``params.max_new_tokens`` tokens. Cancellation aborts the
         request upstream; failure raises BackendError."""
 
+    def ignored_sampling(self, params: SamplingParams) -> list[str]:
+        """Names of parameters set away from their neutral value that this
+        backend does not honour (recorded with the turn, so the log never
+        claims a sampler that did not run)."""
+        return []
+
     async def close(self) -> None:
         """Release connections and threads."""
 
@@ -339,6 +345,17 @@ class TorchBackend(Backend):
                 if item in self._queue:
                     self._queue.remove(item)
             raise
+
+    def ignored_sampling(self, params: SamplingParams) -> list[str]:
+        # GPT.sample draws from softmax(logits / temperature) only.
+        out = []
+        if params.top_p < 1.0:
+            out.append("top_p")
+        if params.top_k > 0:
+            out.append("top_k")
+        if params.seed is not None:
+            out.append("seed")
+        return out
 
     def _take_batch(self) -> list[_Pending]:
         first = self._queue.pop(0)

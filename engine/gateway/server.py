@@ -357,6 +357,9 @@ class Gateway:
         calls = [{"id": prefix + uuid.uuid4().hex[:24], **c} for c in parsed.tool_calls]
         response_message = assistant_message(parsed.content, calls)
         sampling = params.to_dict() | {"client": dict(req.overrides), "api": api.name, "model": req.model}
+        ignored = self.backend.ignored_sampling(params)
+        if ignored:
+            sampling["ignored"] = ignored
         record = asyncio.ensure_future(
             h.record_turn(
                 messages=req.messages,

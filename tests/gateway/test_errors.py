@@ -257,8 +257,10 @@ def test_new_weights_are_used_and_recorded_with_their_policy_version():
             state = {k: v.clone() * 0 for k, v in model.state_dict().items()}  # uniform logits
             await backend.load_weights(state, 3)
             await c.chat.completions.create(model="m", messages=CHAT, max_tokens=4)
-            t0, t1 = turns_of(log, "s")
+            await c.chat.completions.create(model="m", messages=CHAT, max_tokens=4, top_p=0.5)
+            t0, t1, t2 = turns_of(log, "s")
             assert (t0.policy_version, t1.policy_version) == (0, 3)
+            assert "ignored" not in t0.sampling and t2.sampling["ignored"] == ["top_p"]  # the sampler never claims top_p
             assert t1.log_probs.tolist() == pytest.approx([-4.8598] * len(t1.log_probs), abs=1e-3)  # log(1/129)
 
     run(body())
