@@ -80,7 +80,8 @@ class TurnDecision(msgspec.Struct):
     #: Index among the session's emitted rows where the turn's output is
     #: trained or first appears; -1 when that row was not emitted.
     row: int = -1
-    #: Whether its output carries mask 1 in that row.
+    #: Whether its output carries mask 1 in that row (a later REALIGN or the
+    #: max_context_tokens cut can mask a trainable turn again).
     trained: bool = False
 
 
@@ -98,6 +99,7 @@ class Row(msgspec.Struct, frozen=True):
     ill_formed: bool
     policy_version: int  # oldest policy version among the row's trained turns
     cut: bool = False  # shortened to max_context_tokens
+    trained_turns: tuple[int, ...] = ()  # turns with mask-1 tokens in this row
 
 
 class Trajectory(msgspec.Struct, frozen=True):
@@ -168,7 +170,7 @@ class _RowBuilder:
     with the prompt, which agrees with the held tokens before that point.
     So the builder keeps just those two byte strings (no growing buffer) and
     mask and log-probs as spans, ``(n_tokens, log_probs or None, policy
-    version)``, materialised once per emitted row."""
+    version, turn index)``, materialised once per emitted row."""
 
     __slots__ = ("fork_threshold", "prompt", "output", "spans", "spanned", "last_start", "lead", "turns")
 
@@ -176,7 +178,7 @@ class _RowBuilder:
         self.fork_threshold = fork_threshold
         self.prompt = b""  # held tokens == prompt + output
         self.output = b""
-        self.spans: list[tuple[int, bytes | None, int]] = []
+        self.spans: list[tuple[int, bytes | None, int, int]] = []
         self.spanned = 0  # tokens covered by spans (== held tokens)
         self.last_start: int | None = None  # token index where the last response starts
         self.lead = 0  # the first turn's prompt length: the row's prompt
@@ -191,9 +193,9 @@ class _RowBuilder:
             return REALIGN
         return FORK
 
-    def _span(self, n: int, log_probs: bytes | None, version: int = 0) -> None:
+    def _span(self, n: int, log_probs: bytes | None, version: int = 0, turn: int = -1) -> None:
         if n:
-            self.spans.append((n, log_probs, version))
+            self.spans.append((n, log_probs, version, turn))
             self.spanned += n
 
     def append(self, turn: _Turn, kind: str, train: bool) -> None:
@@ -207,7 +209,7 @@ class _RowBuilder:
             start = self.last_start
             assert start is not None
             while self.spanned > start:
-                n, _, _ = self.spans.pop()
+                n = self.spans.pop()[0]
                 self.spanned -= n
         self._span(n_prompt - self.spanned, None)
         if self.last_start is None:
@@ -216,7 +218,7 @@ class _RowBuilder:
         self.prompt = prompt
         self.output = out
         self.last_start = n_prompt
-        self._span(len(out) // 4, body.output_log_probs if train else None, body.policy_version)
+        self._span(len(out) // 4, body.output_log_probs if train else None, body.policy_version, turn.index)
         self.turns.append(turn.index)
 
     def to_row(self, leaf: int, truncated: bool, use_tool: bool, ill_formed: bool, max_tokens: int) -> Row | None:
@@ -232,8 +234,9 @@ class _RowBuilder:
         mask_parts: list[bytes] = []
         lp_parts: list[bytes] = []
         versions: list[int] = []
+        trained: list[int] = []
         pos = 0
-        for n, log_probs, version in self.spans:
+        for n, log_probs, version, turn in self.spans:
             lo, hi = max(pos, lead), min(pos + n, n_tok)
             pos += n
             if lo >= hi:
@@ -248,6 +251,8 @@ class _RowBuilder:
                 mask_parts.append(b"\x01" * k)
                 lp_parts.append(log_probs[(lo - pos + n) * 4 : (hi - pos + n) * 4])
                 versions.append(version)
+                if turn not in trained:
+                    trained.append(turn)
         if not versions:
             return None  # nothing trainable survives (or ever was)
         return Row(
@@ -262,6 +267,7 @@ class _RowBuilder:
             ill_formed=ill_formed,
             policy_version=min(versions),
             cut=cut,
+            trained_turns=tuple(trained),
         )
 
 
@@ -452,7 +458,6 @@ class SessionTrajectory:
                 if first:
                     decision.drift = kind
                     decision.leaf = leaf_no
-                    decision.trained = train
                     first_seen.append((decision, len(builders) - 1))
             emitted: dict[int, int] = {}
             for b_no, builder in enumerate(builders):
@@ -462,6 +467,6 @@ class SessionTrajectory:
                     rows.append(row)
             for decision, b_no in first_seen:
                 decision.row = emitted.get(b_no, -1)
-                if decision.row < 0:
-                    decision.trained = False
+                # A later REALIGN or the context cut may have masked it again.
+                decision.trained = decision.row >= 0 and decision.turn_index in rows[decision.row].trained_turns
         return Trajectory(rows=tuple(rows), decisions=tuple(decisions[i] for i in sorted(decisions)))

@@ -318,3 +318,19 @@ def test_linearise_is_non_destructive_and_repeatable():
     again = session_trajectory(_log(s), "s")
     assert first == again
     assert len(first.rows) == 1
+
+
+def test_decisions_say_which_turns_a_row_trains():
+    s = Script("s")
+    s.turn([S, U], [1, 2, 3], [10, 11], response=A1, policy_version=3)
+    # Realign overwrites the first response: turn 0 ends up untrained.
+    s.turn([S, U, A1, T1], [1, 2, 3, 10, 99, 20, 21], [12], response=A2, policy_version=4).finish()
+    traj = session_trajectory(_log(s), "s")
+    assert [(d.drift, d.trainable, d.trained, d.row) for d in traj.decisions] == [
+        ("clean", True, False, 0),
+        ("realign", True, True, 0),
+    ]
+    (row,) = traj.rows
+    assert row.trained_turns == (1,) and row.policy_version == 4
+    cut = session_trajectory(_log(two_turns().finish()), "s", ReduceConfig(max_context_tokens=5))
+    assert [d.trained for d in cut.decisions] == [True, False] and cut.rows[0].trained_turns == (0,)
