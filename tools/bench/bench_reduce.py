@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import shutil
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import structlog
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -285,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=None, help="sessions to generate (default 10,000)")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir, removed)")
     args = parser.parse_args(argv)
+    # The log writer's info events would interleave with the table.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     sessions = args.sessions or (200 if args.quick else 10_000)
     work = args.dir or Path(tempfile.mkdtemp(prefix="bench_reduce_"))
     log_dir, jsonl = work / "log", work / "turns.jsonl"
