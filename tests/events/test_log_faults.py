@@ -1,0 +1,171 @@
+"""Fault injection into a real writer: write/fdatasync raising EIO or ENOSPC,
+and short writes. The writer goes fatal, nothing acknowledged is lost, and
+reopening recovers."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+
+import pytest
+
+from events.log import FileLog, LogClosed, OsOps, read_log
+from events.types import SessionOpened
+from event_samples import small_event
+
+
+class FaultyOps(OsOps):
+    """Real OS calls, with faults armed per operation."""
+
+    def __init__(self) -> None:
+        self.fail: dict[str, int] = {}  # op name -> errno to raise
+        self.short_max: int | None = None  # cap on bytes per write()
+        self.fail_after_bytes: int | None = None  # ENOSPC once this many more bytes were written
+        self.calls: dict[str, int] = {}
+        self.fail_at_call: dict[str, int] = {}  # op name -> the call number that raises EIO
+
+    def _maybe_fail(self, op: str) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+        if self.fail_at_call.get(op) == self.calls[op]:
+            raise OSError(errno.EIO, "injected Input/output error")
+        code = self.fail.get(op)
+        if code is not None:
+            raise OSError(code, f"injected {os.strerror(code)}")
+
+    def write(self, fd, data):
+        self._maybe_fail("write")
+        view = memoryview(data)
+        if self.fail_after_bytes is not None:
+            if self.fail_after_bytes <= 0:
+                raise OSError(errno.ENOSPC, "injected No space left on device")
+            view = view[: self.fail_after_bytes]
+            self.fail_after_bytes -= len(view)
+        if self.short_max is not None:
+            view = view[: self.short_max]
+        return super().write(fd, view)
+
+    def fdatasync(self, fd):
+        self._maybe_fail("fdatasync")
+        super().fdatasync(fd)
+
+    def pwrite(self, fd, data, offset):
+        self._maybe_fail("pwrite")
+        return super().pwrite(fd, data, offset)
+
+
+def opened(i=0):
+    return SessionOpened(group_id="g", group_size=1)
+
+
+def _fill(lg, start, n):
+    envs = []
+    for i in range(start, start + n):
+        envs += lg.append_batch([(f"s{i}", 0, opened()), (f"s{i}", 1, small_event(i))])
+    return envs
+
+
+@pytest.mark.parametrize("op", ["write", "fdatasync"])
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
+def test_io_error_makes_the_writer_fatal_and_reopen_recovers(tmp_path, op, code):
+    d = tmp_path / "log"
+    ops = FaultyOps()
+    lg = FileLog.open(d, os_ops=ops)
+    acked = _fill(lg, 0, 5)
+    ops.fail[op] = code
+    with pytest.raises(LogClosed, match=r"fatal.*reopen") as info:
+        lg.append_batch([("x", 0, opened())])
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == code
+    assert os.strerror(code) in str(info.value)
+    # Never retried in place: with the fault gone the writer still refuses.
+    del ops.fail[op]
+    calls = dict(ops.calls)
+    with pytest.raises(LogClosed):
+        lg.append_batch([("y", 0, opened())])
+    assert ops.calls == calls, "a fatal writer must not touch the file again"
+    lg.close()
+    lg = FileLog.open(d)
+    got = list(lg.read())
+    assert got[: len(acked)] == acked
+    nxt = lg.append_batch([("z", 0, opened())])
+    assert nxt[0].lsn == len(got)
+    lg.close()
+
+
+@pytest.mark.parametrize("op", ["write", "fdatasync", "pwrite"])
+def test_async_appenders_all_fail_and_none_hang_when_the_writer_dies(tmp_path, op):
+    d = tmp_path / "log"
+    ops = FaultyOps()
+    lg = FileLog.open(d, os_ops=ops)
+    acked = _fill(lg, 0, 3)
+    ops.fail[op] = errno.EIO
+
+    async def main():
+        tasks = [asyncio.ensure_future(lg.append(f"a{k}", 0, opened())) for k in range(50)]
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, LogClosed) for r in results), results[:3]
+    lg.close()
+    ops.fail.clear()
+    lg = FileLog.open(d)
+    assert list(lg.read())[: len(acked)] == acked
+    lg.close()
+
+
+def test_short_writes_are_completed(tmp_path):
+    """A short write is not an error: the writer writes the rest."""
+    d = tmp_path / "log"
+    ops = FaultyOps()
+    ops.short_max = 7
+    lg = FileLog.open(d, os_ops=ops, segment_bytes=2048)
+    envs = _fill(lg, 0, 30)
+    assert ops.calls["write"] > 100
+    lg.close()
+    assert list(read_log(d)) == envs
+
+
+def test_short_write_then_enospc_leaves_a_torn_tail_that_reopen_cuts(tmp_path):
+    d = tmp_path / "log"
+    ops = FaultyOps()
+    lg = FileLog.open(d, os_ops=ops)
+    acked = _fill(lg, 0, 4)
+    ops.fail_after_bytes = 50  # half a frame reaches the file, then the disk is full
+    with pytest.raises(LogClosed, match="No space left"):
+        _fill(lg, 100, 1)
+    lg.close()
+    lg = FileLog.open(d)
+    assert list(lg.read()) == acked
+    assert lg.next_lsn == len(acked)
+    lg.append_batch([("after", 0, opened())])
+    lg.close()
+
+
+def test_fault_while_sealing_a_segment_is_fatal_too(tmp_path):
+    d = tmp_path / "log"
+    ops = FaultyOps()
+    lg = FileLog.open(d, os_ops=ops, segment_bytes=600)
+    acked = _fill(lg, 0, 2)
+    assert len(os.listdir(d)) and lg.next_lsn == 4
+    # The next batch does not fit: its flush first seals the segment (an
+    # fdatasync of the old file) and that fdatasync fails.
+    ops.fail_at_call["fdatasync"] = ops.calls["fdatasync"] + 1
+    big = [(f"t{i}", 0, SessionOpened(group_id="g", group_size=1, metadata={"pad": "x" * 100})) for i in range(3)]
+    with pytest.raises(LogClosed, match="fatal"):
+        lg.append_batch(big)
+    assert not (d / "00000000000000000004.seg").exists(), "no new segment after a failed seal"
+    lg.close()
+    lg = FileLog.open(d, segment_bytes=600)
+    assert list(lg.read())[: len(acked)] == acked
+    lg.close()
+
+
+def test_close_releases_the_lock_after_a_fatal_error(tmp_path):
+    d = tmp_path / "log"
+    ops = FaultyOps()
+    lg = FileLog.open(d, os_ops=ops)
+    ops.fail["write"] = errno.EIO
+    with pytest.raises(LogClosed):
+        lg.append_batch([("s", 0, opened())])
+    lg.close()
+    FileLog.open(d).close()
