@@ -112,12 +112,16 @@ class _VarlenPlan:
         is_start = (position_ids == 0).clone()
         is_start[:, 0] = True  # every row starts a segment
         starts = torch.nonzero(is_start.reshape(-1)).flatten()
+        # One segment per row is plain causal attention: nothing to plan.
+        self.trivial = len(starts) == B
+        self.buckets: list[torch.Tensor] = []
+        if self.trivial:
+            return
         ends = torch.cat([starts[1:], torch.tensor([B * T], device=device)])
         ends = torch.minimum(ends, (starts // T + 1) * T)  # a segment never runs over a row end
         lengths = ends - starts
         order = torch.argsort(lengths, descending=True, stable=True)
         starts_l, lengths_l = starts[order].tolist(), lengths[order].tolist()
-        self.buckets: list[torch.Tensor] = []
         where = torch.empty(B * T, dtype=torch.long, device=device)
         base, i = 0, 0
         while i < len(starts_l):
@@ -234,6 +238,8 @@ class GPT(nn.Module):
         plan = None
         if position_ids is not None and attention_mask is None:
             plan = _VarlenPlan(position_ids)
+            if plan.trivial:
+                plan = None
         return self._run(input_ids, position_ids, attention_mask, None, plan)
 
     def _run(self, input_ids, position_ids, attention_mask, cache, plan=None):

@@ -123,3 +123,18 @@ def test_hf_causal_lm_adapter_packs_like_it_pads():
         r1, r2 = pad.sample_indices.index(i), pack.sample_indices.index(i)
         n = samples[i].response_length
         assert_close(lp_pad[r1, :n], lp_pack[r2, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_position_id_runs_attend_like_the_block_diagonal_mask(model):
+    """Varlen attention from position_ids alone == the dense mask of the same segments, any layout."""
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 5], [5, 6, 7, 0, 1, 2, 3, 4, 0, 0, 1]])
+    ids = torch.randint(0, 20, pos.shape, generator=torch.Generator().manual_seed(0))
+    starts = pos == 0
+    starts[:, 0] = True
+    seg = torch.cumsum(starts.long(), dim=1)
+    dense = (seg[:, :, None] == seg[:, None, :]) & torch.ones(11, 11, dtype=torch.bool).tril()
+    assert_close(model(ids, position_ids=pos), model(ids, position_ids=pos, attention_mask=dense),
+                 rtol=1e-5, atol=1e-5)
+    # one run per row is plain causal attention
+    plain = torch.arange(11).expand(2, 11)
+    assert_close(model(ids, position_ids=plain), model(ids), rtol=0, atol=0)
