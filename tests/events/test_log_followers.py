@@ -1,0 +1,134 @@
+"""Followers in other processes see exactly the appended sequence, across
+segment rotation and writer restarts, and never a record before it is durable."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from events.log import FileLog, LogLocked, OsOps, follow_log, read_log
+from events.log_format import list_segments
+from events.types import SessionOpened, event_tag
+from event_samples import small_event
+
+CHILD = Path(__file__).with_name("follow_child.py")
+N = 400
+
+
+def _append_everything(d: Path) -> None:
+    lg = FileLog.open(d, segment_bytes=2048)
+
+    async def session(k: int, lo: int, hi: int):
+        for seq in range(lo, hi):
+            await lg.append(f"a{k}", seq, SessionOpened(group_id="g", group_size=1) if seq == 0 else small_event(seq))
+
+    asyncio.run(_gather(session, 0, 25))
+    for i in range(50):
+        lg.append_batch([(f"b{i}", 0, SessionOpened(group_id="g", group_size=1))])
+    lg.close()  # a writer restart in the middle: new epoch, new segment
+    lg = FileLog.open(d, segment_bytes=2048)
+    asyncio.run(_gather(session, 25, 50))
+    lg.append_batch([(f"b{i}", 1, small_event(i)) for i in range(N - 350)])
+    lg.close()
+
+
+async def _gather(session, lo, hi):
+    await asyncio.gather(*(session(k, lo, hi) for k in range(6)))
+
+
+def test_two_followers_in_other_processes_see_exactly_the_appended_sequence(tmp_path):
+    d = tmp_path / "log"
+    FileLog.open(d).close()  # the log exists before the followers start
+    procs = [
+        subprocess.Popen([sys.executable, str(CHILD), str(d), str(N)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout.readline() == b"ready\n", p.stderr.read()
+        _append_everything(d)
+        outs = [p.communicate(timeout=30) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    expect = [f"{e.lsn} {e.session_id} {e.session_seq} {event_tag(e.body)}" for e in read_log(d)]
+    assert len(expect) == N
+    assert len(list_segments(d)) > 4, "the followers must have crossed segment rotations"
+    for out, err in outs:
+        assert out.decode().splitlines() == expect, err.decode()[-2000:]
+
+
+class BlockingSync(OsOps):
+    """fdatasync waits for ``release`` once armed: records sit written but not durable."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def fdatasync(self, fd):
+        if self.armed:
+            self.entered.set()
+            self.release.wait(10)
+        super().fdatasync(fd)
+
+
+def test_followers_never_see_records_that_are_written_but_not_yet_durable(tmp_path):
+    d = tmp_path / "log"
+    ops = BlockingSync()
+    lg = FileLog.open(d, os_ops=ops)
+    first = lg.append_batch([(f"s{i}", 0, SessionOpened(group_id="g", group_size=1)) for i in range(5)])
+    ops.armed = True
+    done = []
+    t = threading.Thread(target=lambda: done.append(lg.append_batch([("late", 0, SessionOpened(group_id="g", group_size=1))])))
+    t.start()
+    assert ops.entered.wait(5)
+    # The late record's bytes are in the file now, but not durable.
+    assert len(list(read_log(d, durable_only=False))) == 6
+    assert list(read_log(d)) == first
+
+    async def follow_for(seconds):
+        got = []
+
+        async def run():
+            async for env in follow_log(d, poll_s=0.01):
+                got.append(env)
+
+        try:
+            await asyncio.wait_for(run(), seconds)
+        except asyncio.TimeoutError:
+            pass
+        return got
+
+    assert asyncio.run(follow_for(0.3)) == first
+    ops.release.set()
+    t.join(5)
+    assert done and done[0][0].lsn == 5
+    assert asyncio.run(follow_for(0.3)) == first + done[0]
+    lg.close()
+
+
+def test_second_writer_in_another_process_is_refused(tmp_path):
+    d = tmp_path / "log"
+    lg = FileLog.open(d)
+    code = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from events.log import FileLog, LogLocked\n"
+        "try:\n    FileLog.open(%r)\nexcept LogLocked as e:\n    print(e); sys.exit(3)\n"
+    ) % (str(Path(__file__).resolve().parents[2]), str(d))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)
+    assert res.returncode == 3, res.stderr.decode()[-2000:]
+    msg = res.stdout.decode()
+    assert str(d) in msg and "another writer" in msg
+    lg.close()
+    with pytest.raises(LogLocked):
+        with FileLog.open(d):
+            FileLog.open(d)
