@@ -103,14 +103,18 @@ class Reducer:
     # ------------------------------------------------------------------ feed
 
     def feed(self, env: Envelope) -> Outputs:
-        """Fold one envelope; returns the samples and groups it completed."""
+        """Fold one envelope; returns the samples and groups it completed.
+
+        Raises ReduceError (naming the LSN and session) on an envelope the
+        log should never hold; the reducer is then left as it was before
+        that envelope."""
         lsn = env.lsn
         if lsn <= self.last_lsn:
             raise ReduceError(lsn, env.session_id, f"LSN went backwards or repeated: expected > {self.last_lsn}")
-        self.last_lsn = lsn
-        self.events += 1
         body = env.body
         if isinstance(body, PolicyUpdated):
+            self.last_lsn = lsn
+            self.events += 1
             return Outputs([], [])  # learner progress: not a session event
         sid = env.session_id
         session = self._sessions.get(sid)
@@ -121,37 +125,36 @@ class Reducer:
                 f"{event_tag(body)} for a session that is not in flight: it was never opened, or it already"
                 " reached its terminal event (nothing may follow a terminal event)",
             )
+        expected_seq = 0 if session is None else session.next_seq
+        if env.session_seq != expected_seq:
+            raise ReduceError(
+                lsn,
+                sid,
+                f"session_seq {env.session_seq} on {event_tag(body)}, expected {expected_seq}"
+                + (" (a gap)" if env.session_seq > expected_seq else " (a repeat)"),
+            )
         try:
             new_state = state_after_event(sid, session.state if session is not None else None, body)
         except IllegalTransition as exc:
             raise ReduceError(lsn, sid, str(exc)) from None
-        if session is None:
-            assert isinstance(body, SessionOpened)
-            if env.session_seq != 0:
-                raise ReduceError(lsn, sid, f"session_seq {env.session_seq} on session_opened, expected 0")
-            session = _Session(body, sid, lsn, self.config.fork_threshold)
-            try:
-                self._groups.open(body.group_id, sid, body.group_size, body.sample_index, lsn)
-            except GroupError as exc:
-                raise ReduceError(lsn, sid, str(exc)) from None
-            self._sessions[sid] = session
-            return Outputs([], [])
-        if env.session_seq != session.next_seq:
-            raise ReduceError(
-                lsn,
-                sid,
-                f"session_seq {env.session_seq} on {event_tag(body)}, expected {session.next_seq}"
-                + (" (a gap)" if env.session_seq > session.next_seq else " (a repeat)"),
-            )
-        session.next_seq += 1
-        session.state = new_state
         try:
-            if isinstance(body, TurnRecorded):
+            if session is None:
+                assert isinstance(body, SessionOpened)
+                self._groups.open(body.group_id, sid, body.group_size, body.sample_index, lsn)
+                self._sessions[sid] = _Session(body, sid, lsn, self.config.fork_threshold)
+            elif isinstance(body, TurnRecorded):
                 session.trajectory.record_turn(body, lsn)
             elif isinstance(body, TurnUndelivered):
                 session.trajectory.mark_undelivered(body.turn_index, body.reason, lsn)
-        except TrajectoryError as exc:
+        except (GroupError, TrajectoryError) as exc:
             raise ReduceError(lsn, sid, str(exc)) from None
+        # Checked: from here on the envelope is applied.
+        self.last_lsn = lsn
+        self.events += 1
+        if session is None:
+            return Outputs([], [])
+        session.next_seq += 1
+        session.state = new_state
         if isinstance(body, RewardAssigned):
             session.last_reward = body.reward
         if new_state is State.FINISHED or new_state is State.ABORTED or new_state is State.DROPPED:

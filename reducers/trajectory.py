@@ -308,21 +308,23 @@ class SessionTrajectory:
         else:
             try:
                 node, depth, path = self._mount_point(messages)
-                node, depth, merged = self._merge_rewrite(node, messages, depth)
-                if merged:
-                    path.append(node)
-                rest = messages[depth:]
-                for msg in rest:
-                    node = node.add(_Node(msg.get("role"), msg, node))
-                    path.append(node)
             except AttributeError:
-                bad = next((i for i, m in enumerate(messages) if not isinstance(m, dict)), None)
-                if bad is None:
-                    raise
-                raise TrajectoryError(
-                    f"session {self.session_id!r}, lsn {lsn}, turn {body.turn_index}: messages[{bad}]:"
-                    f" expected a dict with a 'role', found {type(messages[bad]).__name__}"
-                ) from None
+                node, depth, path = self._root, 0, []  # a non-dict message: reported below
+            # Every message is checked before the tree changes, so an error
+            # leaves the session's tree as it was.
+            for i in range(depth, len(messages)):
+                if not isinstance(messages[i], dict):
+                    raise TrajectoryError(
+                        f"session {self.session_id!r}, lsn {lsn}, turn {body.turn_index}: messages[{i}]:"
+                        f" expected a dict with a 'role', found {type(messages[i]).__name__}"
+                    )
+            node, depth, merged = self._merge_rewrite(node, messages, depth)
+            if merged:
+                path.append(node)
+            rest = messages[depth:]
+            for msg in rest:
+                node = node.add(_Node(msg.get("role"), msg, node))
+                path.append(node)
             self._prev_messages = messages
             self._prev_path = path
             turn.decision.mounted_nodes = len(rest)

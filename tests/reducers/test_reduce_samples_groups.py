@@ -255,3 +255,21 @@ def test_in_flight_session_can_be_inspected_and_is_evicted_at_its_end():
     assert reducer.open_sessions() == {} and reducer.pending_groups() == {}
     with pytest.raises(KeyError, match="not in flight"):
         reducer.trajectory("s")
+
+
+def test_a_refused_envelope_leaves_the_reducer_unchanged():
+    reducer = Reducer()
+    reducer.feed_many(log_of(member("s", size=1)).read(0))
+    before = (reducer.last_lsn, reducer.events, reducer.open_sessions(), reducer.trajectory("s"))
+    bad = [
+        _env(7, "s", 9, SessionFinished(reward=1.0)),  # seq gap
+        _env(7, "s", 3, TurnRecorded(turn_index=0, prompt_ids=[1], output_ids=[2])),  # turn index repeated
+        _env(7, "s", 3, TurnRecorded(turn_index=1, messages=[{"role": "user"}, 5], prompt_ids=[1])),
+        _env(7, "x", 0, SessionOpened(group_id="g", group_size=2)),  # g (size 1) is still pending
+    ]
+    for env in bad:
+        with pytest.raises(ReduceError):
+            reducer.feed(env)
+        assert (reducer.last_lsn, reducer.events, reducer.open_sessions(), reducer.trajectory("s")) == before
+    (sample,) = reducer.feed(_env(7, "s", 3, SessionFinished(reward=1.0))).samples
+    expect_row(sample, [1, 2, 3, 10, 11], [1, 1])
