@@ -25,9 +25,11 @@ def add_quiet(parser: Any) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
-def check_log_path(arg: str) -> Path:
-    """The log directory named on the command line, or a one-line exit-2 error."""
-    from events.log_format import DURABLE_NAME, is_log_dir
+def check_log_path(arg: str, *, allow_empty: bool = False) -> Path:
+    """The log directory named on the command line, or a one-line exit-2 error.
+    ``allow_empty`` also accepts a directory that holds no log yet (nothing
+    but a writer's lock or index): a log about to be written."""
+    from events.log_format import DURABLE_NAME, INDEX_NAME, LOCK_NAME, is_log_dir
 
     path = Path(arg)
     if not path.exists():
@@ -35,7 +37,10 @@ def check_log_path(arg: str) -> Path:
     if not path.is_dir():
         raise CliError(f"{arg}: is a file, expected a log directory", EXIT_USAGE)
     if not is_log_dir(path):
-        raise CliError(f"{arg}: not an agentlog log directory (no segment files, no {DURABLE_NAME})", EXIT_USAGE)
+        strangers = sorted(n for n in os.listdir(path) if n not in (LOCK_NAME, INDEX_NAME) and not n.startswith("."))
+        if not allow_empty or strangers:
+            held = f"; holds {', '.join(strangers[:3])}" if strangers else ""
+            raise CliError(f"{arg}: not an agentlog log directory (no segment files, no {DURABLE_NAME}{held})", EXIT_USAGE)
     return path
 
 
@@ -118,13 +123,3 @@ def nonneg_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an int >= 0, found {value}")
     return value
-
-
-def open_output(path: str, mode: str = "w") -> Any:
-    """Open an output file for writing, or a one-line exit-2 error."""
-    try:
-        if path == "-":
-            return os.fdopen(os.dup(sys.stdout.fileno()), mode)
-        return open(path, mode)
-    except OSError as exc:
-        raise CliError(f"{path}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None

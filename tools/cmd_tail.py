@@ -13,12 +13,12 @@ writer's lock): tail then waits for the first record.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
+from tools.cli import EXIT_DATA, EXIT_OK, CliError
+from tools.cli_common import check_log_path
 
 REFRESH_S = 0.5
 
@@ -29,21 +29,6 @@ def register(sub) -> None:
     p.add_argument("log", metavar="LOG", help="the log directory")
     p.add_argument("--summary", action="store_true", help="a refreshing table of sessions by state, groups, reward")
     p.set_defaults(func=run)
-
-
-def _check_tail_path(arg: str) -> Path:
-    from events.log_format import INDEX_NAME, LOCK_NAME, is_log_dir
-
-    path = Path(arg)
-    if not path.exists():
-        raise CliError(f"{arg}: no such log directory", EXIT_USAGE)
-    if not path.is_dir():
-        raise CliError(f"{arg}: is a file, expected a log directory", EXIT_USAGE)
-    if not is_log_dir(path):
-        strangers = sorted(n for n in os.listdir(path) if n not in (LOCK_NAME, INDEX_NAME) and not n.startswith("."))
-        if strangers:
-            raise CliError(f"{arg}: not an agentlog log directory (holds {', '.join(strangers[:3])}, no segment files)", EXIT_USAGE)
-    return path
 
 
 def _summary_table(snap: dict[str, Any]) -> Any:
@@ -139,7 +124,7 @@ def run(args) -> int:
 
     from events.log_api import LogError
 
-    path = _check_tail_path(args.log)
+    path = check_log_path(args.log, allow_empty=True)
     try:
         asyncio.run(_tail_summary(path) if args.summary else _tail_events(path))
     except LogError as exc:
