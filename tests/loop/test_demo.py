@@ -1,0 +1,47 @@
+"""The short demo in CI: it learns, faults land in the log, online digests equal offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tools.cli import main as cli_main
+from tools.loop.check import check_run
+from tools.loop.run import reward_curve, summarise_rollout
+from tools.loop.trainer import read_learner_records
+
+
+def test_short_demo_learns_with_faults_and_online_digests_equal_offline(tmp_path: Path, capsys) -> None:
+    """`agentlog demo` (30 RL steps after the documented warm-up): reward over the last
+    steps exceeds the first steps by >= 0.3, the rollout log holds aborted and dropped
+    sessions, and the offline reconstruction equals every online per-step digest."""
+    out = tmp_path / "run"
+    rc = cli_main(["demo", "--steps", "30", "--seed", "0", "--out", str(out), "--quiet", "--no-report", "--timeout", "240"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    records = read_learner_records(out / "learner")
+    curve = reward_curve(records)
+    assert len(curve) >= 28
+    first = [r for _, r, _ in curve[:5]]
+    last = [r for _, r, _ in curve[-5:]]
+    assert max(first) <= 0.35, f"the warm-up must leave the reward low, first steps {first}"
+    assert sum(last) / 5 - sum(first) / 5 >= 0.3, f"first {first} last {last}"
+    for _, reward, solve in curve:
+        assert 0.0 <= solve <= 1.0 and 0.0 <= reward <= 1.0
+
+    outcomes, sessions, turns, _, _ = summarise_rollout(out)
+    assert outcomes["aborted: exception:InjectedFault"] > 0
+    assert outcomes["aborted: wall_clock_timeout"] > 0
+    assert outcomes["dropped: cancelled"] > 0
+    assert turns > sessions  # multi-turn: two generated turns per finished session
+
+    check = check_run(out)
+    assert check.ok, (check.mismatches, check.duplicates, check.missing, check.unknown)
+    assert check.digests_equal == check.steps == 30
+    assert "EQUAL (30/30 steps equal" in printed
+    assert (out / "reward.png").stat().st_size > 1000
+    # Straggler turns were attempted and refused by the engine, never logged.
+    worker_log = [json.loads(line) for line in (out / "logs" / "worker-w0.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "session.straggler_refused" for e in worker_log)
+    stopped = [e for e in worker_log if e["event"] == "worker.stopped"]
+    assert stopped and stopped[-1].get("straggler_refused", 0) > 0

@@ -1,0 +1,109 @@
+"""Crash a loop process mid-run and restart it: exactly-once training, orphans aborted."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from events.types import SessionAborted, SessionOpened
+from tools.loop import logs
+from tools.loop.check import check_run
+from tools.loop.run import start_process
+from tools.loop.trainer import read_learner_records
+
+from loop_helpers import learner_version, small_config, wait_for
+
+
+def _kill(proc) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def _open_sessions(rollout: Path) -> set[str]:
+    opened: set[str] = set()
+    for env in logs.read(rollout, 0):
+        if isinstance(env.body, SessionOpened):
+            opened.add(env.session_id)
+        elif type(env.body).__name__ in ("SessionFinished", "SessionAborted", "SessionDropped"):
+            opened.discard(env.session_id)
+    return opened
+
+
+def test_killed_learner_resumes_from_its_log_and_trains_every_group_exactly_once(tmp_path: Path) -> None:
+    """SIGKILL the learner after a few steps, start it again: the learner log shows
+    each released group consumed once, steps and versions continue without a gap,
+    and every online digest still equals the offline reconstruction."""
+    cfg = small_config(steps=14)
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg.save(run / "config.json")
+    worker = start_process("worker", run)
+    learner = start_process("trainer", run)
+    try:
+        wait_for("learner version 4", lambda: learner_version(run) >= 4, 120, [worker, learner])
+        _kill(learner)
+        killed_at = learner_version(run)
+        learner = start_process("trainer", run)
+        wait_for("the final version", lambda: learner.poll() is not None, 180, [worker])
+        assert learner.returncode == 0
+        worker.wait(timeout=60)
+        assert worker.returncode == 0
+    finally:
+        for p in (worker, learner):
+            if p.poll() is None:
+                _kill(p)
+    records = read_learner_records(run / "learner")
+    assert [r.step for r in records] == list(range(len(records)))
+    trained = [r for r in records if r.groups]
+    assert [r.policy_version for r in trained] == list(range(1, cfg.steps + 1))
+    assert killed_at < cfg.steps
+    check = check_run(run, cfg)
+    assert check.ok, (check.mismatches, check.duplicates, check.missing, check.unknown)
+    assert check.steps == len(records) - 1 and check.digests_equal == check.steps
+    # One warm-up record only: the restart resumed, it did not start over.
+    assert sum(1 for r in records if r.step == 0) == 1
+
+
+def test_killed_worker_restart_aborts_orphans_with_engine_restart_and_training_goes_on(tmp_path: Path) -> None:
+    """SIGKILL the rollout worker mid-batch, start it again: every session it left
+    open ends aborted with reason engine_restart, their groups are released and
+    consumed, and the learner reaches its final version."""
+    cfg = small_config(steps=10, max_lag=2)
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg.save(run / "config.json")
+    learner = start_process("trainer", run)
+    worker = start_process("worker", run)
+    orphans: set[str] = set()
+    try:
+        wait_for("learner version 2", lambda: learner_version(run) >= 2, 120, [worker, learner])
+        for attempt in range(10):
+            # Kill while sessions are in flight (the worker is between batches only briefly).
+            wait_for("sessions in flight", lambda: bool(_open_sessions(run / "rollout")), 60, [worker, learner])
+            _kill(worker)
+            orphans = _open_sessions(run / "rollout")
+            worker = start_process("worker", run)
+            if orphans:
+                break
+        assert orphans, "could not kill the worker mid-batch in 10 attempts"
+        wait_for("the final version", lambda: learner.poll() is not None, 180, [worker])
+        assert learner.returncode == 0
+        worker.wait(timeout=60)
+        assert worker.returncode == 0
+    finally:
+        for p in (worker, learner):
+            if p.poll() is None:
+                _kill(p)
+    reasons = {}
+    for env in logs.read(run / "rollout", 0):
+        if isinstance(env.body, SessionAborted):
+            reasons[env.session_id] = env.body.reason
+    assert orphans and all(reasons.get(sid) == "engine_restart" for sid in orphans), {
+        sid: reasons.get(sid) for sid in orphans
+    }
+    assert learner_version(run) == cfg.steps
+    check = check_run(run, cfg)
+    assert check.ok, (check.mismatches, check.duplicates, check.missing, check.unknown)
+    consumed = {g for r in read_learner_records(run / "learner") for g in list(r.groups) + list(r.skipped)}
+    orphan_groups = {sid.rsplit("-s", 1)[0] for sid in orphans}
+    assert orphan_groups & consumed, "the orphans' groups must still be released and trained (or skipped)"
