@@ -46,6 +46,10 @@ def test_replay_json_states_match_the_lifecycle(run_log):
             assert key in o
     final = {sid: st for sid, st in state.items()}
     assert final == {sid: s["status"] for sid, s in EXPECTED["sessions"].items()}
+    # The straggler turn the engine refused after strag-3 finished never reached the log.
+    strag = [o for o in objs if o["session_id"] == EXPECTED["straggler_refused"]]
+    assert strag[-1]["type"] == "session_finished"
+    assert sum(o["type"] == "turn_recorded" for o in strag) == EXPECTED["sessions"]["strag-3"]["turns"]
 
 
 def test_replay_json_carries_event_fields_with_token_lists(run_log):
