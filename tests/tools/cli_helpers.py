@@ -69,13 +69,10 @@ async def write_run(path: str | os.PathLike, online: list | None = None) -> dict
     """Write the run with SessionEngine on a FileLog at ``path``. If ``online``
     is a list, a concurrent follower reduces the log while it is written
     (the online path) and its digest is appended to it."""
-    import structlog
-
     from engine import SessionEngine, StragglerRefused
     from events.log import FileLog, follow_log
     from reducers.pipeline import Reducer
 
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     log = FileLog.open(path, fsync="batch")
     reducer = Reducer()
 
@@ -171,4 +168,8 @@ def agentlog(*args: str, timeout: float = 60, input: str | None = None) -> subpr
 
 
 if __name__ == "__main__":
+    import structlog
+
+    # The writer process's log lines go to stderr, away from anything a test reads.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     asyncio.run(write_run(sys.argv[1]))

@@ -10,6 +10,8 @@ group interleave, as they do in a live run.
 Then, in one run, it measures (each over the same files, page cache warm):
 
 * raw read: every segment file read into memory with ``readinto`` (the anchor);
+* the log reader alone: ``read_log(raw=True)``, frames CRC-checked, nothing
+  decoded (the floor under every command);
 * ``agentlog stats LOG`` (in process, output discarded);
 * ``agentlog replay LOG --json > /dev/null``;
 * ``agentlog reconstruct LOG -o OUT --format msgpack``.
@@ -216,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         t_raw, _ = _timed(lambda: raw_read(log_dir))
         rows.append(("raw read (anchor)", t_raw))
+        # The floor every command pays: frames located and CRC-checked by the log reader, nothing decoded.
+        from events.log import read_log
+
+        t_frames, _ = _timed(lambda: sum(1 for _ in read_log(log_dir, raw=True)))
+        rows.append(("log reader alone (read_log raw=True)", t_frames))
         t_stats, (code, _out) = _timed(lambda: _run_cli(["stats", str(log_dir), "--quiet"]))
         assert code == 0, f"stats exited {code}"
         rows.append(("agentlog stats", t_stats))
