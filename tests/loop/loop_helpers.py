@@ -38,3 +38,56 @@ def learner_version(run_dir: Path) -> int:
     """Newest policy version in a run's learner log (-1 before any)."""
     recs = read_learner_records(Path(run_dir) / "learner")
     return recs[-1].policy_version if recs else -1
+
+
+def build_groups(specs: dict[str, list[tuple[str, float, int, float]]], *, min_valid: int = 2):
+    """Released groups made through the real engine and reducers on a MemoryLog.
+
+    ``specs``: group id -> one (outcome, reward, policy_version, log_prob) per
+    member, outcome ``finish``, ``abort`` or ``drop``. Finished members play
+    the lookup task's two turns with every output token at ``log_prob``.
+    """
+    import asyncio
+    import random
+
+    from engine import SessionEngine
+    from engine.tasks.lookup import ANSWER, EOS, LOOKUP, LookupTask, key_token, value_token
+    from events.log_api import MemoryLog
+    from reducers.config import ReduceConfig
+    from reducers.pipeline import reduce_log
+
+    task = LookupTask()
+    log = MemoryLog()
+
+    async def play() -> None:
+        engine = await SessionEngine.open(log)
+        rng = random.Random(0)
+        for gid, members in specs.items():
+            ep = task.new_episode(rng)
+            key, value = ep.state["key"], ep.state["table"][ep.state["key"]]
+            for i, (outcome, reward, version, lp) in enumerate(members):
+                h = await engine.open_session(f"{gid}-s{i}", group_id=gid, group_size=len(members), sample_index=i,
+                                              prompt=ep.messages, prompt_ids=list(ep.prompt_ids), policy_version=version)
+                await h.start(harness="test")
+                if outcome == "abort":
+                    await h.abort("exception:Boom")
+                    continue
+                if outcome == "drop":
+                    await h.drop("cancelled")
+                    continue
+                out0 = [LOOKUP, key_token(key), EOS]
+                await h.record_turn(messages=ep.messages, prompt_ids=list(ep.prompt_ids), output_ids=out0,
+                                    output_log_probs=[lp] * 3, response_message={"role": "assistant", "content": task.decode(out0)},
+                                    policy_version=version)
+                tool = task.tool_step(ep, 0, out0)
+                ctx = list(ep.prompt_ids) + out0 + list(tool.ids)
+                out1 = [ANSWER, value_token(value if reward else (value + 1) % 16), EOS]
+                msgs = ep.messages + [{"role": "assistant", "content": task.decode(out0)}, {"role": "tool", "content": tool.text}]
+                await h.record_turn(messages=msgs, prompt_ids=ctx, output_ids=out1, output_log_probs=[lp] * 3,
+                                    response_message={"role": "assistant", "content": task.decode(out1)}, policy_version=version)
+                await h.finish(reward=reward)
+        await engine.close()
+
+    asyncio.run(play())
+    res = reduce_log(log, ReduceConfig(min_valid=min_valid))
+    return {g.group_id: g for g in res.groups}

@@ -70,6 +70,8 @@ def config_from_args(args, base: LoopConfig) -> LoopConfig:
     """``base`` with every flag the user gave applied on top."""
     values = base.to_dict()
     for f in dataclasses.fields(LoopConfig):
+        if f.name in ("faults", "learner"):
+            continue  # their flags are --<fault field> and --learner KEY=VALUE
         v = getattr(args, f.name, None)
         if v is not None:
             values[f.name] = v

@@ -1,0 +1,75 @@
+"""LoopConfig validation, TOML loading, and the demo/train command lines (no run)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tools.cli import build_parser, main as cli_main
+from tools.loop.config import ConfigError, FaultConfig, LoopConfig
+
+
+def test_demo_help_documents_every_knob(capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--help"])
+    text = capsys.readouterr().out
+    for f in dataclasses.fields(LoopConfig):
+        if f.name not in ("faults", "learner"):
+            assert "--" + f.name.replace("_", "-") in text, f.name
+    for f in dataclasses.fields(FaultConfig):
+        assert "--" + f.name.replace("_", "-") in text, f.name
+    assert "--learner KEY=VALUE" in text and "eps_clip_high" in text
+
+
+def test_unknown_config_key_names_it_and_the_known_ones(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('steps = 5\ngroup_sise = 4\n')
+    with pytest.raises(ConfigError, match=r"bad.toml: unknown key\(s\) \['group_sise'\]; known keys are .*group_size"):
+        LoopConfig.load(bad)
+
+
+def test_toml_config_with_learner_and_faults_tables(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'steps = 7\nseed = 3\nstaleness_mode = "drop"\n[learner]\nlr = 5e-4\nestimator = "dr_grpo"\n[faults]\ndrop_rate = 0.0\n'
+    )
+    cfg = LoopConfig.load(path)
+    assert (cfg.steps, cfg.seed, cfg.staleness_mode) == (7, 3, "drop")
+    assert cfg.faults.drop_rate == 0.0 and cfg.faults.exception_rate == FaultConfig().exception_rate
+    lc = cfg.learner_config()
+    assert lc.lr == 5e-4 and lc.estimator == "dr_grpo" and lc.tis_cap is None
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"staleness_mode": "ignore"}, "staleness_mode: expected one of"),
+        ({"steps": 0}, "steps: expected an int >= 1"),
+        ({"min_valid": 9}, "min_valid: expected 1..group_size"),
+        ({"faults": {"drop_rate": 1.5}}, "drop_rate: expected a fraction"),
+    ],
+)
+def test_out_of_range_values_are_refused_by_name(values, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        LoopConfig.from_dict(values)
+
+
+def test_train_with_a_bad_config_exits_2_with_one_line(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = [\n")
+    assert cli_main(["train", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "not valid TOML" in err and str(bad) in err and "Traceback" not in err
+    unknown_task = tmp_path / "task.toml"
+    unknown_task.write_text('task = "nope"\n')
+    assert cli_main(["train", "--config", str(unknown_task)]) == 2
+    assert "unknown task 'nope'" in capsys.readouterr().err
+
+
+def test_demo_refuses_a_bad_learner_override_before_starting(tmp_path: Path, capsys) -> None:
+    rc = cli_main(["demo", "--out", str(tmp_path / "r"), "--learner", "estimator=ppo"])
+    assert rc == 2
+    assert "estimator" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

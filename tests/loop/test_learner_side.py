@@ -1,0 +1,96 @@
+"""The learner side of the loop in-process: skipped groups and staleness handling."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from reducers.samples import digest_samples
+from tools.loop.trainer import LoopLearner, step_digest
+
+from loop_helpers import build_groups, small_config
+
+GOOD = [("finish", 1.0, 0, -0.1), ("finish", 0.0, 0, -0.1), ("finish", 1.0, 0, -0.1), ("finish", 0.0, 0, -0.1)]
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_all_aborted_group_is_skipped_with_its_reason_and_trains_nothing(tmp_path: Path) -> None:
+    """A group whose members all aborted is recorded as skipped with the reducer's
+    reason; alone it takes no optimiser step (same version, same weights)."""
+    groups = build_groups({"dead": [("abort", 0.0, 0, 0.0)] * 4})
+    dead = groups["dead"]
+    assert dead.skipped
+    ll = LoopLearner(tmp_path, small_config())
+    before = _params(ll.model)
+    rec = ll.train_step(1, [dead], 0, dead.lsn_released, {})
+    assert rec.groups == [] and rec.skipped == {"dead": dead.skip_reason}
+    assert "valid" in dead.skip_reason
+    assert rec.policy_version == 0 and ll.learner.policy_version == 0
+    assert rec.metrics["learner/skipped"] == 1.0
+    assert rec.metrics["rollout/aborted"] == 4.0
+    assert math.isnan(rec.metrics["rollout/reward_mean"])
+    assert rec.sample_digest == digest_samples([])
+    after = _params(ll.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not list((tmp_path / "checkpoints").glob("*.pt"))
+
+
+def test_all_aborted_group_next_to_a_trained_one_changes_nothing_in_the_step(tmp_path: Path) -> None:
+    """With a normal group beside it, the all-aborted group is skipped: the step
+    trains the normal group only, with the same weights as training it alone."""
+    groups = build_groups({"dead": [("abort", 0.0, 0, 0.0)] * 4, "ok": GOOD})
+    a = LoopLearner(tmp_path / "a", small_config())
+    rec = a.train_step(1, [groups["dead"], groups["ok"]], 0, 10, {})
+    b = LoopLearner(tmp_path / "b", small_config())
+    b.train_step(1, [groups["ok"]], 0, 10, {})
+    assert rec.groups == ["ok"] and list(rec.skipped) == ["dead"]
+    assert rec.policy_version == 1
+    assert rec.sample_digest == step_digest([groups["ok"]])
+    pa, pb = _params(a.model), _params(b.model)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_stale_group_is_dropped_with_reason_in_drop_mode(tmp_path: Path) -> None:
+    """staleness_mode=drop: a group generated more than max_staleness versions ago
+    is skipped with reason ``stale``; a fresh group in the same step trains."""
+    groups = build_groups({
+        "old": [(o, r, 0, lp) for o, r, _, lp in GOOD],
+        "new": [(o, r, 3, lp) for o, r, _, lp in GOOD],
+    })
+    ll = LoopLearner(tmp_path, small_config(staleness_mode="drop", max_staleness=1))
+    ll.learner.policy_version = 3
+    rec = ll.train_step(4, [groups["old"], groups["new"]], 0, 10, {})
+    assert rec.groups == ["new"]
+    assert rec.skipped["old"].startswith("stale:") and "3 versions behind" in rec.skipped["old"]
+    assert rec.metrics["rollout/staleness_max"] == 3.0
+    assert rec.policy_version == 4
+
+
+def test_stale_group_is_importance_corrected_in_correct_mode(tmp_path: Path) -> None:
+    """staleness_mode=correct (the default): the stale group trains with truncated
+    importance sampling against its rollout log-probs: weights beyond the cap are
+    clipped (the rollout policy gave these tokens far less mass than ours)."""
+    groups = build_groups({
+        "old": [(o, r, 0, -100.0) for o, r, _, _ in GOOD],
+        "new": [(o, r, 3, -0.1) for o, r, _, _ in GOOD],
+    })
+    cfg = small_config(max_staleness=1)
+    assert cfg.staleness_mode == "correct"
+    ll = LoopLearner(tmp_path, cfg)
+    assert ll.learner.config.tis_cap == cfg.tis_cap
+    ll.learner.policy_version = 3
+    rec = ll.train_step(4, [groups["old"], groups["new"]], 0, 10, {})
+    assert rec.groups == ["old", "new"] and rec.skipped == {}
+    assert rec.metrics["rollout/stale_corrected"] == 1.0
+    assert rec.metrics["stats/tis_clip_frac"] > 0.0
+
+
+def test_drop_mode_trains_without_importance_correction(tmp_path: Path) -> None:
+    """Without correct mode the learner config carries no TIS cap."""
+    ll = LoopLearner(tmp_path, small_config(staleness_mode="drop"))
+    assert ll.learner.config.tis_cap is None
