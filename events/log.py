@@ -184,6 +184,17 @@ def _classify_bad(
     return LogCorruption(f"{where}; {why}", segment=name, offset=bad.offset, last_good_lsn=expected - 1)
 
 
+def _missing_acked(name: str, size: int, expected: int, watermark: int) -> LogCorruption:
+    """The log ends cleanly, but before records the watermark says were acknowledged."""
+    return LogCorruption(
+        f"segment {name}, offset {size}, last good lsn {expected - 1}: the log ends here, but the durable "
+        f"watermark says lsn {expected}..{watermark - 1} were acknowledged; they are missing",
+        segment=name,
+        offset=size,
+        last_good_lsn=expected - 1,
+    )
+
+
 def _torn_new_segment(size: int, header: bytes, first: int, watermark: int | None) -> bool:
     """Is a last segment with a bad header the remains of a crash while it was
     being created? Yes if it cannot hold an acknowledged record: the watermark
@@ -594,6 +605,11 @@ class FileLog(EventLog):
                     truncated_at = (first, sc.bad.offset)
                     size = sc.bad.offset
                 if i == len(segs) - 1:
+                    if watermark is not None and expected < watermark:
+                        err = _missing_acked(name, size, expected, watermark)
+                        if not salvage:
+                            raise err
+                        self._log.warning("log.recovery.salvaged", error=str(err), last_good_lsn=expected - 1)
                     # Records a crashed writer wrote but never synced become durable now,
                     # before the watermark claims them.
                     os.fsync(fd)
@@ -611,6 +627,10 @@ class FileLog(EventLog):
                     os.close(fd)
             i += 1
             offset = SEG_HDR_SIZE
+        if watermark is not None and expected < watermark and not salvage:
+            name = segment_name(segs[-1]) if segs else "(no segments)"
+            size = (d / name).stat().st_size if segs else 0
+            raise _missing_acked(name, size, expected, watermark)
         self._epoch = epoch + 1
         self._segments = list(segs)
         self._index = {k: v for k, v in index.items() if k in set(segs)}
@@ -1288,6 +1308,10 @@ def verify_log(path: str | os.PathLike, repair: bool = False, *, max_record_byte
                     rep.bytes += size
             finally:
                 os.close(fd)
+        if rep.status == "ok" and segs and watermark is not None and expected < watermark:
+            name = segment_name(segs[-1])
+            size = (directory / name).stat().st_size
+            return corrupt(str(_missing_acked(name, size, expected, watermark)), name, size)
     finally:
         bar.close()
         rep.next_lsn = expected

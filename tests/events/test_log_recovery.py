@@ -104,6 +104,21 @@ def test_every_single_bit_flip_in_the_last_frame_is_detected(fast_tmp):
         assert list(read_log(d)) == envs[:-1]
 
 
+def test_acknowledged_records_cut_at_a_frame_boundary_are_reported_missing(tmp_path):
+    """A clean cut between frames looks like a sound log; the watermark knows better."""
+    d, envs, offs, seg = _bitflip_log(tmp_path)
+    seg.write_bytes(seg.read_bytes()[: offs[1][0]])
+    with pytest.raises(LogCorruption, match=r"lsn 1\.\.2 were acknowledged; they are missing"):
+        FileLog.open(d)
+    rep = verify_log(d)
+    assert rep.status == "corrupt" and rep.last_good_lsn == 0
+    with pytest.raises(LogCorruption):
+        list(read_log(d))
+    lg = FileLog.open(d, salvage=True)
+    assert list(lg.read()) == envs[:1]
+    lg.close()
+
+
 def test_bit_flip_in_segment_header_is_corruption(tmp_path):
     d, envs, offs, seg = _bitflip_log(tmp_path)
     clean = seg.read_bytes()
