@@ -116,7 +116,8 @@ def timeline_figure(data: ReportData) -> Any:
     order = [s.session_id for s in sessions]
     fig.update_layout(
         barmode="overlay",
-        height=max(260, 20 * len(sessions) + 140),
+        # 20 px a session, shrinking for big runs so the page stays usable.
+        height=max(260, int(len(sessions) * max(4.0, min(20.0, 30000 / max(len(sessions), 1)))) + 140),
         xaxis_title="seconds since the first event",
         yaxis={"categoryorder": "array", "categoryarray": order[::-1], "type": "category"},
         margin={"l": 140, "r": 20, "t": 30, "b": 50},
