@@ -23,6 +23,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from engine import harness
+
 
 class TaskError(ValueError):
     """A task was asked for something it cannot do (unknown name, bad turn)."""
@@ -116,6 +118,9 @@ def register_task(name: str) -> Callable[[Callable[..., Task]], Callable[..., Ta
         if name in _TASKS and _TASKS[name] is not factory:
             raise TaskError(f"register_task: a task named {name!r} is already registered ({_TASKS[name]!r})")
         _TASKS[name] = factory
+        # The loop drives a task as its session's agent: the task is the
+        # harness, selected by name (or $AGENTLOG_AGENT) like any other.
+        harness.register(name)(factory)
         return factory
 
     return deco
@@ -124,6 +129,20 @@ def register_task(name: str) -> Callable[[Callable[..., Task]], Callable[..., Ta
 def task_names() -> list[str]:
     """Names of every registered task, sorted."""
     return sorted(_TASKS)
+
+
+def select_task(name: str | None = None, **kwargs: Any) -> Task:
+    """The task selected through the engine's harness registry: ``name``, or
+    ``$AGENTLOG_AGENT`` when ``name`` is empty; an unknown name raises
+    TaskError listing the registered harnesses."""
+    try:
+        factory = harness.select(name or None)
+    except LookupError as exc:
+        raise TaskError(str(exc)) from None
+    task = factory(**kwargs)
+    if not isinstance(task, Task):
+        raise TaskError(f"harness {name!r} is not a task (its factory returned {type(task).__name__}); the loop needs an engine.tasks.Task")
+    return task
 
 
 def get_task(name: str, **kwargs: Any) -> Task:

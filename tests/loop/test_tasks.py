@@ -103,3 +103,17 @@ def test_a_user_task_registers_and_is_built_by_name() -> None:
     assert isinstance(get_task("echo-test"), Echo)
     with pytest.raises(TaskError, match="already registered"):
         register_task("echo-test")(LookupTask)
+
+
+def test_tasks_are_selected_through_the_engine_harness_registry(monkeypatch) -> None:
+    """The built-in task is a registered harness; an empty name falls back to
+    $AGENTLOG_AGENT; an unknown one lists the valid names."""
+    from engine import harness
+    from engine.tasks import select_task
+
+    assert "lookup" in harness.names()
+    monkeypatch.setenv("AGENTLOG_AGENT", "lookup")
+    assert isinstance(select_task(""), LookupTask)
+    monkeypatch.setenv("AGENTLOG_AGENT", "lokup")
+    with pytest.raises(TaskError, match="unknown harness 'lokup'.*expected one of: .*lookup"):
+        select_task(None)

@@ -63,7 +63,7 @@ class LoopConfig:
     """The online loop: task, model, rollout shape, asynchrony bound, faults, output."""
 
     task: str = "lookup"
-    """Registered task name (engine.tasks); also the agent name recorded on every session."""
+    """Task name, selected through the engine harness registry (empty: $AGENTLOG_AGENT); also the agent recorded on every session."""
     seed: int = 0
     """Seed of everything random: model init, warm-up data, episodes, sampling, faults."""
     steps: int = 120

@@ -45,7 +45,7 @@ from typing import Iterable
 import structlog
 import torch
 
-from engine.tasks import get_task
+from engine.tasks import select_task
 from events.types import PolicyUpdated
 from learner.learner import Learner
 from reducers.config import ReduceConfig
@@ -100,7 +100,7 @@ class LoopLearner:
     def __init__(self, run_dir: Path, cfg: LoopConfig) -> None:
         self.run_dir = Path(run_dir)
         self.cfg = cfg
-        self.task = get_task(cfg.task)
+        self.task = select_task(cfg.task)
         self.model = build_model(cfg, self.task)
         self.learner = Learner(self.model, cfg.learner_config())
         self.ckpt_dir = self.run_dir / "checkpoints"

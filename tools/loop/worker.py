@@ -42,7 +42,7 @@ import structlog
 import torch
 
 from engine import LocalSandbox, SessionEngine, SessionTimeout, StragglerRefused
-from engine.tasks import Episode, Task, get_task
+from engine.tasks import Episode, Task, select_task
 from events.types import PolicyUpdated, SessionOpened
 from learner.learner import load_weights
 
@@ -146,7 +146,7 @@ class RolloutWorker:
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         self.worker_id = worker_id
-        self.task: Task = get_task(cfg.task)
+        self.task: Task = select_task(cfg.task)
         self.model = build_model(cfg, self.task)
         self.model.eval()
         self.follower = PolicyFollower(self.run_dir / "learner")
