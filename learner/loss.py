@@ -133,24 +133,17 @@ def policy_loss(
     # --- clipped surrogate, asymmetric clip ---------------------------------
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
-    pg_loss = torch.maximum(pg_loss1, pg_loss2)
-    with torch.no_grad():
-        clip_frac = token_mean((pg_loss2 > pg_loss1).to(mask.dtype))
+    pg_loss = clipped_loss = torch.maximum(pg_loss1, pg_loss2)
 
     # --- dual clip: bound the loss of negative advantages at -c * A ----------
-    dual_clip_frac = zero
     if dual_clip is not None:
         pg_loss3 = -advantages * dual_clip
         negative = advantages < 0
-        with torch.no_grad():
-            dual_clip_frac = token_mean((negative & (pg_loss3 < pg_loss)).to(mask.dtype))
-        pg_loss = torch.where(negative, torch.minimum(pg_loss, pg_loss3), pg_loss)
+        pg_loss = torch.where(negative, torch.minimum(clipped_loss, pg_loss3), clipped_loss)
 
     # --- truncated importance sampling against the rollout policy ------------
-    tis_clip_frac = zero
     if tis_cap is not None:
         tis_weight = torch.exp(old_log_probs - rollout_log_probs).detach()
-        tis_clip_frac = token_mean((tis_weight > tis_cap).to(mask.dtype))
         pg_loss = pg_loss * torch.clamp(tis_weight, max=tis_cap)
 
     policy = aggregate(pg_loss)
@@ -164,24 +157,28 @@ def policy_loss(
             loss = loss + kl_coef * kl_value
 
     # --- entropy bonus --------------------------------------------------------
-    entropy_value = entropy_mean = zero
+    entropy_value = zero
     if entropy is not None:
         entropy_value = aggregate(entropy)
-        entropy_mean = token_mean(entropy)
         if entropy_coef != 0.0:
             loss = loss - entropy_coef * entropy_value
 
+    # --- diagnostics, token means over trained tokens ------------------------
     with torch.no_grad():
-        # k3 estimate of KL(pi_old || pi): (ratio - 1) - log ratio >= 0
-        approx_kl = token_mean((ratio - 1.0) - log_ratio)
-    metrics = {
-        "loss/policy": policy.detach(),
-        "loss/kl": kl_value.detach(),
-        "loss/entropy": entropy_value.detach(),
-        "stats/clip_frac": clip_frac,
-        "stats/dual_clip_frac": dual_clip_frac,
-        "stats/approx_kl": approx_kl,
-        "stats/entropy": entropy_mean,
-        "stats/tis_clip_frac": tis_clip_frac,
-    }
+        entropy_mean = zero
+        if entropy is not None:
+            entropy_mean = entropy_value if loss_agg == "token_mean" else token_mean(entropy)
+        metrics = {
+            "loss/policy": policy.detach(),
+            "loss/kl": kl_value.detach(),
+            "loss/entropy": entropy_value.detach(),
+            "stats/clip_frac": token_mean((pg_loss2 > pg_loss1).to(mask.dtype)),
+            "stats/dual_clip_frac": (
+                token_mean((negative & (pg_loss3 < clipped_loss)).to(mask.dtype)) if dual_clip is not None else zero
+            ),
+            # k3 estimate of KL(pi_old || pi): (ratio - 1) - log ratio >= 0
+            "stats/approx_kl": token_mean((ratio - 1.0) - log_ratio),
+            "stats/entropy": entropy_mean.detach(),
+            "stats/tis_clip_frac": token_mean((tis_weight > tis_cap).to(mask.dtype)) if tis_cap is not None else zero,
+        }
     return loss, metrics
