@@ -483,9 +483,8 @@ class SessionEngine:
         await h._lock.acquire()
         self._live[session_id] = h
         try:
-            if session_id in self._ids:
+            if self._ids.add(session_id):  # maybe seen before: confirm exactly
                 await self._confirm_fresh(session_id)
-            self._ids.add(session_id)
             await self._log_.append(session_id, 0, body)
         except BaseException:
             del self._live[session_id]

@@ -134,24 +134,30 @@ class IdFilter:
         d = hashlib.blake2b(session_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
         return int.from_bytes(d[:8], "little"), int.from_bytes(d[8:], "little") | 1
 
-    def add(self, session_id: str) -> None:
-        """Insert an id."""
+    def add(self, session_id: str) -> bool:
+        """Insert an id; returns True if it may have been present already
+        (a test-and-set: one hash for both questions)."""
         if self._count >= self._capacity:
             cap = self._layers[-1][1] // self.BITS_PER_ID * 2
             self._layers.append((bytearray(cap * self.BITS_PER_ID // 8 + 1), cap * self.BITS_PER_ID))
             self._capacity += cap
         bits, m = self._layers[-1]
         h1, h2 = self._hashes(session_id)
+        seen = True
         for i in range(self.HASHES):
             idx = (h1 + i * h2) % m
-            bits[idx >> 3] |= 1 << (idx & 7)
-        self._count += 1
+            byte, mask = idx >> 3, 1 << (idx & 7)
+            if not bits[byte] & mask:
+                seen = False
+                bits[byte] |= mask
+        if not seen and len(self._layers) > 1:
+            seen = self._in_layers(h1, h2, self._layers[:-1])
+        if not seen:
+            self._count += 1
+        return seen
 
-    def __contains__(self, session_id: object) -> bool:
-        if not isinstance(session_id, str):
-            return False
-        h1, h2 = self._hashes(session_id)
-        for bits, m in self._layers:
+    def _in_layers(self, h1: int, h2: int, layers: list[tuple[bytearray, int]]) -> bool:
+        for bits, m in layers:
             for i in range(self.HASHES):
                 idx = (h1 + i * h2) % m
                 if not bits[idx >> 3] & (1 << (idx & 7)):
@@ -159,6 +165,12 @@ class IdFilter:
             else:
                 return True
         return False
+
+    def __contains__(self, session_id: object) -> bool:
+        if not isinstance(session_id, str):
+            return False
+        h1, h2 = self._hashes(session_id)
+        return self._in_layers(h1, h2, self._layers)
 
     def copy(self) -> "IdFilter":
         """An independent copy."""
@@ -290,12 +302,11 @@ def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleSta
             if r is not None:
                 out.append(Violation(env.lsn, sid, f"session id reused: the session already ended {r[0]} at lsn {r[1]} (ids are never reused)"))
                 return state, out
-            if sid in state.ids:
+            if state.ids.add(sid):
                 out.append(Violation(env.lsn, sid, "session id reused: the id filter holds it from an earlier session (ids are never reused)"))
                 return state, out
             if env.session_seq != 0:
                 out.append(Violation(env.lsn, sid, f"session_seq {env.session_seq} on session_opened, expected 0"))
-            state.ids.add(sid)
             state.live[sid] = _Track(env, body)
             return state, out
         out.append(Violation(env.lsn, sid, _unknown_session_message(state, sid, tag)))
