@@ -107,6 +107,15 @@ def _stream(body: dict[str, Any]) -> bool:
     return value
 
 
+def _request(api: str, body: dict[str, Any], messages: list[dict[str, Any]], tools: list[ToolSpec],
+             max_keys: tuple[str, ...], include_usage: bool = False) -> TurnRequest:
+    """The TurnRequest of any API: the fields every API spells the same way."""
+    return TurnRequest(
+        api, _model(body), messages, tools, stream=_stream(body), max_tokens=_max_tokens(body, *max_keys),
+        overrides=_sampling(body), include_usage=include_usage,
+    )
+
+
 # ====================================================================== OpenAI Chat Completions
 
 
@@ -155,16 +164,8 @@ class ChatCompletionsAPI:
         if n not in (1, None):
             raise RequestError("n", "1 (one choice per recorded turn)", n)
         opts = body.get("stream_options") or {}
-        return TurnRequest(
-            "chat",
-            _model(body),
-            messages,
-            tools,
-            stream=_stream(body),
-            max_tokens=_max_tokens(body, "max_completion_tokens", "max_tokens"),
-            overrides=_sampling(body),
-            include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
-        )
+        usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+        return _request("chat", body, messages, tools, ("max_completion_tokens", "max_tokens"), include_usage=usage)
 
     @staticmethod
     def _finish(res: TurnResult) -> str:
@@ -288,15 +289,7 @@ class MessagesAPI:
             if not isinstance(t.get("name"), str):
                 raise RequestError(f"tools[{i}].name", "a string", t.get("name"))
             tools.append(ToolSpec(t["name"], str(t.get("description") or ""), t.get("input_schema")))
-        return TurnRequest(
-            "messages",
-            _model(body),
-            messages,
-            tools,
-            stream=_stream(body),
-            max_tokens=_max_tokens(body, "max_tokens"),
-            overrides=_sampling(body),
-        )
+        return _request("messages", body, messages, tools, ("max_tokens",))
 
     @staticmethod
     def _stop_reason(res: TurnResult) -> str:
@@ -426,15 +419,7 @@ class ResponsesAPI:
             elif kind == "additional_tools":  # Codex declares tools as an input item
                 _responses_tools(it.get("tools"), f"{where}.tools", tools)
             # reasoning, compaction and other bookkeeping items carry no prompt text
-        return TurnRequest(
-            "responses",
-            _model(body),
-            messages,
-            tools,
-            stream=_stream(body),
-            max_tokens=_max_tokens(body, "max_output_tokens"),
-            overrides=_sampling(body),
-        )
+        return _request("responses", body, messages, tools, ("max_output_tokens",))
 
     @staticmethod
     def _items(res: TurnResult, tools: list[ToolSpec]) -> list[dict[str, Any]]:
