@@ -204,6 +204,7 @@ class _Exploit:
         return (print, ("pwned",))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_loading_a_checkpoint_never_unpickles_code(tmp_path, capsys):
     evil = tmp_path / "evil.pt"
     torch.save({"format": "agentlog.learner.v1", "model": _Exploit()}, evil)
