@@ -195,10 +195,7 @@ class SessionHandle:
                 output_log_probs=output_log_probs, finish_reason=finish_reason, response_message=response_message,
                 ill_formed=ill_formed, policy_version=policy_version, generate_s=generate_s, sampling=sampling or {},
             )
-            env = await eng._log_.append(h.session_id, h._seq, body)
-            h._seq += 1
-            h.turns += 1
-            return env
+            return await eng._append(h, body, None)
 
     async def record_turn_undelivered(self, turn_index: int, reason: str = "") -> Envelope:
         """The response of recorded turn ``turn_index`` never reached the agent."""
@@ -486,16 +483,31 @@ class SessionEngine:
             if self._ids.add(session_id):  # maybe seen before: confirm exactly
                 await self._confirm_fresh(session_id)
             await self._log_.append(session_id, 0, body)
+        except asyncio.CancelledError:
+            if self._log_.next_seq(session_id) == 1:
+                # Staged before the cancel: the log writes it, so the session
+                # exists, but nobody holds its handle. End it like any
+                # cancelled session, in the background.
+                self._opened(h, budget)
+                h._lock.release()
+                self._background(h.drop("cancelled"))
+            else:
+                del self._live[session_id]
+                h._lock.release()
+            raise
         except BaseException:
             del self._live[session_id]
             h._lock.release()
             raise
+        self._opened(h, budget)
+        h._lock.release()
+        return h
+
+    def _opened(self, h: SessionHandle, budget: float | None) -> None:
         h._seq = 1
         self.stats["opened"] += 1
         if budget is not None:
             h._timer = asyncio.get_running_loop().call_later(budget, self._on_budget, h)
-        h._lock.release()
-        return h
 
     def session(self, session_id: str, **kwargs: Any) -> _SessionContext:
         """``async with engine.session(id, group_id=..., group_size=...) as h``:
@@ -552,14 +564,37 @@ class SessionEngine:
         lg.warning("session.straggler_refused", what=what, state=str(state) if state is not None else None)
         raise StragglerRefused(session_id, what, state)
 
+    async def _append(self, h: SessionHandle, body: Any, dest: State | None) -> Envelope:
+        """Append one event of ``h`` (its lock held) and apply it: next seq,
+        turn count, new state, release on a terminal state."""
+        seq = h._seq
+        try:
+            env = await self._log_.append(h.session_id, seq, body)
+        except asyncio.CancelledError:
+            # Logs stage a record synchronously and then wait for durability.
+            # If ours was staged before the cancel, the log writes it anyway:
+            # apply it, so the session stays in step with the log.
+            if self._log_.next_seq(h.session_id) != seq:
+                self._apply(h, body, dest)
+            raise
+        self._apply(h, body, dest)
+        return env
+
+    def _apply(self, h: SessionHandle, body: Any, dest: State | None) -> None:
+        h._seq += 1
+        if type(body) is TurnRecorded:
+            h.turns += 1
+        if dest is not None:
+            h.state = dest
+            if dest in TERMINAL_STATES:
+                self._release(h, body)
+
     async def _in_session(self, h: SessionHandle, body: Any) -> Envelope:
         # In-session events are legal only while running (events.lifecycle.RUNNING_ONLY_EVENTS).
         async with h._lock:
             if h.state is not State.RUNNING:
                 self._refuse(h.session_id, type(body).__struct_config__.tag, h.state, h)
-            env = await self._log_.append(h.session_id, h._seq, body)
-            h._seq += 1
-            return env
+            return await self._append(h, body, None)
 
     async def _transition(self, h: SessionHandle, trigger: str, body: Any, *, drain: bool = True) -> Envelope | None:
         # Decide early (cheap) so a refused trigger does not wait for the drain.
@@ -571,12 +606,7 @@ class SessionEngine:
             dest = next_state(h.session_id, h.state, trigger)
             if dest is None:
                 return None
-            env = await self._log_.append(h.session_id, h._seq, body)
-            h._seq += 1
-            h.state = dest
-            if dest in TERMINAL_STATES:
-                self._release(h, body)
-            return env
+            return await self._append(h, body, dest)
 
     async def _drain(self, h: SessionHandle) -> None:
         """Wait up to drain_s for the session's in-flight work, then cancel the rest."""
@@ -628,11 +658,17 @@ class SessionEngine:
         h._timer = None
         if h.state in TERMINAL_STATES:
             return
-        t = asyncio.get_running_loop().create_task(self._expire(h))
+        self._background(self._expire(h))
+
+    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
         self._bg.add(t)
         t.add_done_callback(self._bg_done)
 
     def _bg_done(self, t: asyncio.Task) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            exc = t.exception()
+            _log.error("engine.background_failed", error=f"{type(exc).__name__}: {exc}")
         self._bg.discard(t)
         if not self._bg:
             self._bg = set()  # sets never shrink either; see _release

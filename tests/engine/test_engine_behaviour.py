@@ -481,3 +481,54 @@ def test_aborted_event_is_logged_with_session_id_bound(arun):
         [e] = [e for e in logs if e["event"] == "session.aborted"]
         assert e["session_id"] == "s" and e["group_id"] == "g" and e["reason"] == "sandbox_boot"
     arun(go())
+
+
+def test_cancelled_turn_that_the_log_already_staged_keeps_the_session_in_step(arun, tmp_path):
+    """FileLog stages a record, then waits for durability: a cancel in that
+    wait must not desynchronise the session's sequence from the log."""
+    from events.log import FileLog
+
+    async def go():
+        log = FileLog.open(tmp_path / "log", fsync="always")
+        try:
+            eng = await SessionEngine.open(log)
+            h = await eng.open_session("s", **KW)
+            await h.start()
+            t = asyncio.create_task(h.record_turn(output_ids=[1]))
+            await asyncio.sleep(0)  # staged, now waiting for its fsync
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+            env = await h.record_turn(output_ids=[2])  # no SequenceError
+            assert env.body.turn_index == 1 and h.turns == 2
+            await h.finish(reward=1.0)
+            per = check_log_invariants(log)
+            assert [e.body.turn_index for e in per["s"] if isinstance(e.body, TurnRecorded)] == [0, 1]
+        finally:
+            log.close()
+    arun(go())
+
+
+def test_cancelled_turn_that_was_never_staged_appends_nothing(arun):
+    async def go():
+        log = YieldingLog(seed=0, max_yields=0)
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("s", **KW)
+        await h.start()
+        n = log.next_lsn
+        log._max_yields = 5
+        log._rng.seed(1)
+        while True:  # find a schedule where the cancel lands before staging
+            t = asyncio.create_task(h.record_turn(output_ids=[1]))
+            await asyncio.sleep(0)
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+            if log.next_lsn == n:
+                break
+            n = log.next_lsn
+        assert h.turns == n - 2
+        env = await h.record_turn(output_ids=[2])
+        assert env.body.turn_index == h.turns - 1
+        check_log_invariants(log)
+    arun(go())
