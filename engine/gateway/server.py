@@ -356,7 +356,10 @@ class Gateway:
         prefix = _TOOL_ID_PREFIX[api.name]
         calls = [{"id": prefix + uuid.uuid4().hex[:24], **c} for c in parsed.tool_calls]
         response_message = assistant_message(parsed.content, calls)
-        sampling = params.to_dict() | {"client": dict(req.overrides), "api": api.name, "model": req.model}
+        client = dict(req.overrides)
+        if req.max_tokens is not None:
+            client["max_tokens"] = req.max_tokens  # what was asked; max_new_tokens is what was allowed
+        sampling = params.to_dict() | {"client": client, "api": api.name, "model": req.model}
         ignored = self.backend.ignored_sampling(params)
         if ignored:
             sampling["ignored"] = ignored

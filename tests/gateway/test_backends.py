@@ -93,7 +93,7 @@ def test_sglang_request_body_and_headers_on_the_wire_and_the_recorded_turn():
                 assert turn.output_tokens.tolist() == TEMPLATE.encode_text("Hi!") + [TEMPLATE.EOS]
                 assert turn.log_probs.tolist() == pytest.approx([-0.1 * (i + 1) for i in range(4)])
                 assert turn.policy_version == 7 and turn.finish_reason == "stop"
-                assert turn.sampling["client"] == {"temperature": 0.3, "top_p": 0.9}  # what the client overrode
+                assert turn.sampling["client"] == {"temperature": 0.3, "top_p": 0.9, "max_tokens": 40}  # what the client overrode
                 assert turn.sampling["temperature"] == 0.3 and turn.sampling["top_k"] == 20  # what was used
 
     run(body())
