@@ -51,7 +51,13 @@ import structlog
 
 from .log_api import EventLog, LogClosed, LogError, PendingRecord
 from .log_format import (
+    _MASK_DELTA,
     DEFAULT_MAX_RECORD_BYTES,
+    FRAME_CRC,
+    HEAD,
+    TYPE_RECORD,
+    _crc_extend,
+    _crc_value,
     DURABLE_NAME,
     ENV_HDR,
     FLAG_TERMINAL,
@@ -64,7 +70,6 @@ from .log_format import (
     Frame,
     LogCorruption,
     SegmentScanner,
-    encode_frame,
     find_later_frame,
     fsync_dir,
     is_log_dir,
@@ -98,6 +103,8 @@ log = structlog.get_logger("events.log")
 
 FSYNC_POLICIES = ("always", "batch", "interval", "never")
 _EVENT_TYPE_SET = frozenset(EVENT_TYPES)
+_TERMINAL_SET = frozenset(TERMINAL_EVENT_TYPES)
+_IOV_MAX = 1024
 
 
 class LogLocked(LogError):
@@ -112,8 +119,8 @@ class OsOps:
     """The OS calls the writer makes for data and syncs. Tests substitute a
     subclass to inject faults (EIO, ENOSPC, short writes) into a real writer."""
 
-    def write(self, fd: int, data: memoryview | bytes) -> int:
-        return os.write(fd, data)
+    def writev(self, fd: int, buffers: list) -> int:
+        return os.writev(fd, buffers)
 
     def fdatasync(self, fd: int) -> None:
         os.fdatasync(fd)
@@ -307,47 +314,44 @@ class _Cursor:
     def next_lsn(self) -> int:
         return self.scanner.expected if self.scanner else self.from_lsn
 
-    def fetch(self, limit: int | None, max_n: int = 4096) -> list:
-        """Up to ``max_n`` records below ``limit``; [] when none are available yet.
-        Raises LogCorruption for damage that is not a torn tail."""
-        out: list = []
+    def records(self, limit: int | None) -> Iterator:
+        """Yield the records available now below ``limit``, then return.
+        Records are yielded one by one (not gathered) so that each frame's
+        memory is reused as soon as the consumer drops it. Raises
+        LogCorruption for damage that is not a torn tail."""
         if self.scanner is None and not self._position():
-            return out
+            return
         from_lsn = self.from_lsn
         raw = self.raw
-        while len(out) < max_n:
+        while True:
             sc = self.scanner
             if limit is not None and sc.expected >= limit:
-                break
+                return
             size = os.fstat(self.fd).st_size
             for fr in sc.frames(limit, size):
                 if fr.lsn < from_lsn:
                     continue
                 if raw:
-                    out.append(RawRecord(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, bool(fr.flags & FLAG_TERMINAL), fr.payload))
+                    yield RawRecord(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, bool(fr.flags & FLAG_TERMINAL), fr.payload)
                 else:
                     try:
                         body = decode_body(fr.payload)
                     except (msgspec.DecodeError, msgspec.ValidationError, EventValidationError) as exc:
                         raise _payload_error(self.name, fr, exc) from exc
-                    out.append(Envelope(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, body))
-                if len(out) >= max_n:
-                    break
-            if len(out) >= max_n:
-                break
+                    yield Envelope(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, body)
             bad = sc.bad
             if bad is None:
                 if limit is not None and sc.expected >= limit:
-                    break
+                    return
                 nxt = sc.expected
                 path = self.dir / segment_name(nxt)
                 if segment_name(nxt) == self.name:
                     # An empty segment replaced by a new writer's segment of the same name.
                     try:
                         if os.stat(path).st_ino == self.ino:
-                            break
+                            return
                     except FileNotFoundError:
-                        break
+                        return
                 if self._switch(nxt, SEG_HDR_SIZE, nxt):
                     continue
                 if limit is not None and nxt < limit:
@@ -358,14 +362,13 @@ class _Cursor:
                         offset=sc.offset,
                         last_good_lsn=nxt - 1,
                     )
-                break
+                return
             later = any(s > int(self.name[:20]) for s in list_segments(self.dir))
             err = _classify_bad(self.fd, self.name, size, bad, sc.expected, limit, later, self.cap)
             if err is not None:
                 raise err
             self.torn = bad
-            break
-        return out
+            return
 
 
 # ---------------------------------------------------------------- the writer
@@ -440,6 +443,7 @@ class FileLog(EventLog):
         self._pending: collections.deque[_Submission] = collections.deque()
         self._waiters: collections.deque[tuple[int, asyncio.Future, Any, asyncio.AbstractEventLoop]] = collections.deque()
         self._flushing = False
+        self._thread_idle = False
         self._closing = False
         self._closed = False
         self._fatal: BaseException | None = None
@@ -750,72 +754,97 @@ class FileLog(EventLog):
         return LogClosed(f"log {self._dir}: closed; no further appends")
 
     def _submit(self, records: Iterable[PendingRecord | tuple]) -> tuple[list[Envelope], int]:
-        """Validate, encode and stage records (caller holds _cv). All or nothing."""
+        """Validate, encode and stage records (caller holds _cv). All or nothing:
+        every check that can fail runs before any state changes."""
         if self._fatal is not None or self._closing:
             raise self._dead()
         checked = self._check_batch(records)
         cap = self._cap
-        payloads = []
+        encode = encode_body
+        event_types = _EVENT_TYPE_SET
+        encoded = []
         for rec in checked:
             body = rec.body
-            if type(body) not in _EVENT_TYPE_SET:
+            if type(body) not in event_types:
                 raise EventValidationError(
                     f"session {rec.session_id!r} seq {rec.session_seq}: body: expected a schema-v1 event, found {type(body).__name__}"
                 )
-            payload = encode_body(body)
+            payload = encode(body)
             sidb = rec.session_id.encode()
             if ENV_HDR.size + len(sidb) + len(payload) > cap:
                 raise LogError(
                     f"session {rec.session_id!r} seq {rec.session_seq}: record of {ENV_HDR.size + len(sidb) + len(payload)} "
                     f"bytes exceeds max_record_bytes {cap}"
                 )
-            payloads.append((sidb, payload))
+            encoded.append((sidb, payload))
+        # From here on nothing can fail. The frame layout is inlined (see
+        # log_format.encode_frame, which readers' tests use): this loop is the
+        # hot path of every append.
         ts = self._clock()
         lsn = self._assigned
-        ops: list = []
         envs = []
         seg_first, seg_size, last_idx = self._seg_first, self._seg_size, self._last_index_off
+        run: list = []
+        ops: list = [run]
         seg_limit = self._segment_bytes
-        terminal_types = TERMINAL_EVENT_TYPES
-        for rec, (sidb, payload) in zip(checked, payloads):
-            body = rec.body
-            terminal = isinstance(body, terminal_types)
-            frame = encode_frame(lsn, rec.session_seq, ts, FLAG_TERMINAL if terminal else 0, sidb, payload)
-            n = len(frame)
+        next_seq = self._next_seq
+        terminal_types = _TERMINAL_SET
+        head_pack, crc_pack, crc_value, crc_extend = HEAD.pack, FRAME_CRC.pack, _crc_value, _crc_extend
+        env_size = ENV_HDR.size
+        for rec, (sidb, payload) in zip(checked, encoded):
+            sid, seq, body = rec
+            terminal = type(body) in terminal_types
+            head = head_pack(env_size + len(sidb) + len(payload), TYPE_RECORD, lsn, seq, ts, terminal, len(sidb)) + sidb
+            c = crc_extend(crc_value(head), payload)
+            prefix = crc_pack((((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF) + head
+            n = len(prefix) + len(payload)
             if seg_first is None or (seg_size > SEG_HDR_SIZE and seg_size + n > seg_limit):
-                # A rotation checkpoints the state at the new segment's start, so a
-                # crash never makes the next open rescan sealed segments. The
-                # writer's first segment needs none: open left a checkpoint.
-                rotating = seg_first is not None
-                self._segments.append(lsn)
-                self._index[lsn] = [(lsn, SEG_HDR_SIZE)]
-                ckpt = None if not rotating else Checkpoint(
-                    epoch=self._epoch,
-                    lsn=lsn,
-                    segment=lsn,
-                    offset=SEG_HDR_SIZE,
-                    segments=list(self._segments),
-                    open_sessions=dict(self._next_seq),
-                    index={k: (v if k != lsn else [(lsn, SEG_HDR_SIZE)]) for k, v in self._index.items()},
-                )
-                ops.append(_NewSegment(lsn, ckpt))
+                run = self._start_segment(lsn, rotating=seg_first is not None, ops=ops)
                 seg_first, seg_size, last_idx = lsn, SEG_HDR_SIZE, SEG_HDR_SIZE
             elif seg_size - last_idx >= INDEX_EVERY_BYTES:
                 self._index[seg_first].append((lsn, seg_size))
                 last_idx = seg_size
-            ops.append(frame)
-            seg_size += n
-            envs.append(Envelope(lsn, rec.session_id, rec.session_seq, ts, body))
-            if terminal:
-                self._next_seq.pop(rec.session_id, None)
+            if len(payload) < 4096:
+                run.append(prefix + payload)  # one small piece beats two iovecs
             else:
-                self._next_seq[rec.session_id] = rec.session_seq + 1
+                run.append(prefix)
+                run.append(payload)  # written with writev: never copied in Python
+            seg_size += n
+            envs.append(Envelope(lsn, sid, seq, ts, body))
+            if terminal:
+                next_seq.pop(sid, None)
+            else:
+                next_seq[sid] = seq + 1
             lsn += 1
         self._seg_first, self._seg_size, self._last_index_off = seg_first, seg_size, last_idx
         self._assigned = lsn
-        if ops:
+        if envs:
             self._pending.append(_Submission(ops, lsn))
         return envs, lsn
+
+    def _start_segment(self, lsn: int, *, rotating: bool, ops: list) -> list:
+        """Stage a new segment starting at ``lsn``; returns the run its frames go to."""
+        self._segments.append(lsn)
+        self._index[lsn] = [(lsn, SEG_HDR_SIZE)]
+        # A rotation checkpoints the state at the new segment's start, so a
+        # crash never makes the next open rescan sealed segments. The writer's
+        # first segment needs none: open left a valid checkpoint.
+        ckpt = None
+        if rotating:
+            ckpt = Checkpoint(
+                epoch=self._epoch,
+                lsn=lsn,
+                segment=lsn,
+                offset=SEG_HDR_SIZE,
+                segments=list(self._segments),
+                open_sessions=dict(self._next_seq),
+                # Sealed segments' lists never change again; the new one gets its own copy.
+                index={k: (v if k != lsn else [(lsn, SEG_HDR_SIZE)]) for k, v in self._index.items()},
+            )
+        ops.append(_NewSegment(lsn, ckpt))
+        run: list = []
+        ops.append(run)
+        return run
 
     def append_batch(self, records: Iterable[PendingRecord | tuple]) -> list[Envelope]:
         """Append records atomically in order; returns their envelopes once
@@ -835,7 +864,11 @@ class FileLog(EventLog):
         with self._cv:
             envs, end = self._submit([PendingRecord(session_id, session_seq, body)])
             self._waiters.append((end, fut, envs[0], loop))
-            self._cv.notify_all()
+            if self._thread_idle:
+                # Wake the writer only when it sleeps; a busy writer picks this
+                # up when its flush ends, with everything else that piled up.
+                self._thread_idle = False
+                self._cv.notify_all()
         return await fut
 
     # ------------------------------------------------------------ group commit
@@ -877,28 +910,39 @@ class FileLog(EventLog):
                 self._resolve_waiters()
                 cv.notify_all()
 
-    def _write_all(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            n = self._os.write(self._seg_fd, view)
+    def _write_all(self, pieces: list) -> None:
+        """writev every piece, in order, completing short writes (a short write
+        is not an error; an OSError is, and the caller makes it fatal)."""
+        fd = self._seg_fd
+        writev = self._os.writev
+        i = 0
+        while i < len(pieces):
+            group = pieces[i : i + _IOV_MAX]
+            n = writev(fd, group)
             if n <= 0:
-                raise OSError(errno.EIO, f"write returned {n} with {len(view)} bytes left")
-            view = view[n:]
+                raise OSError(errno.EIO, f"writev returned {n} with {sum(len(p) for p in group)} bytes left")
+            for piece in group:
+                if n >= len(piece):
+                    n -= len(piece)
+                    i += 1
+                else:
+                    pieces[i] = memoryview(piece)[n:]
+                    break
 
     def _flush(self, subs: list[_Submission]) -> None:
         """Write (and sync per policy) staged submissions. Runs without _cv held."""
-        buf: list[bytes] = []
+        buf: list = []
         for sub in subs:
             for op in sub.ops:
-                if type(op) is bytes:
-                    buf.append(op)
+                if type(op) is list:
+                    buf += op
                 else:
                     if buf:
-                        self._write_all(b"".join(buf))
+                        self._write_all(buf)
                         buf = []
                     self._roll(op)
         if buf:
-            self._write_all(b"".join(buf))
+            self._write_all(buf)
         end = subs[-1].end
         policy = self._policy
         if policy == "never":
@@ -922,7 +966,7 @@ class FileLog(EventLog):
         self._cur_seg = op.first_lsn
         # The header becomes durable with the batch's fdatasync; the directory
         # entry needs its own fsync before anything in the file is acknowledged.
-        self._write_all(pack_segment_header(self._epoch, op.first_lsn))
+        self._write_all([pack_segment_header(self._epoch, op.first_lsn)])
         fsync_dir(self._dir)
         if op.checkpoint is not None:
             self._write_checkpoint(op.checkpoint)
@@ -974,7 +1018,9 @@ class FileLog(EventLog):
                         timeout = self._last_sync + self._interval_s - time.monotonic()
                         if timeout <= 0:
                             break
+                    self._thread_idle = True
                     cv.wait(timeout)
+                    self._thread_idle = False
                 end = self._assigned
                 sync_only = not self._pending
                 if sync_only:
@@ -1011,11 +1057,7 @@ class FileLog(EventLog):
         sparse index. ``raw=True`` yields RawRecords (payload undecoded)."""
         cur = _Cursor(self._dir, from_lsn, self._cap, self._index_of, raw)
         try:
-            while True:
-                batch = cur.fetch(self._acked)
-                if not batch:
-                    return
-                yield from batch
+            yield from cur.records(self._acked)
         finally:
             cur.close()
 
@@ -1024,14 +1066,15 @@ class FileLog(EventLog):
         cur = _Cursor(self._dir, from_lsn, self._cap, self._index_of, False)
         try:
             while True:
-                batch = cur.fetch(self._acked)
-                if batch:
-                    for env in batch:
-                        yield env
-                    await asyncio.sleep(0)
-                elif self._closed:
-                    return
-                else:
+                n = 0
+                for env in cur.records(self._acked):
+                    yield env
+                    n += 1
+                    if n % 1024 == 0:
+                        await asyncio.sleep(0)  # a long backlog must not starve the loop
+                if n == 0:
+                    if self._closed:
+                        return
                     await asyncio.sleep(poll_s)
         finally:
             cur.close()
@@ -1157,11 +1200,7 @@ def read_log(
     limit = durable[0] if durable else None
     cur = _Cursor(directory, from_lsn, max_record_bytes, _load_index_hint(directory), raw)
     try:
-        while True:
-            batch = cur.fetch(limit)
-            if not batch:
-                return
-            yield from batch
+        yield from cur.records(limit)
     finally:
         cur.close()
 
@@ -1183,12 +1222,14 @@ async def follow_log(
         while True:
             durable = read_durable(directory)
             limit = durable[0] if durable else 0
-            batch = cur.fetch(limit) if limit > cur.next_lsn else []
-            if batch:
-                for env in batch:
+            n = 0
+            if limit > cur.next_lsn:
+                for env in cur.records(limit):
                     yield env
-                await asyncio.sleep(0)
-            else:
+                    n += 1
+                    if n % 1024 == 0:
+                        await asyncio.sleep(0)  # a long backlog must not starve the loop
+            if n == 0:
                 await asyncio.sleep(poll_s)
     finally:
         cur.close()

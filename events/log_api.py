@@ -63,10 +63,18 @@ class EventLog(abc.ABC):
         state; raises SequenceError naming the session and both numbers."""
         staged: dict[str, int] = {}
         out = []
+        open_seq = self._next_seq
         for rec in records:
-            rec = PendingRecord(*rec)
-            validate_id("session_id", rec.session_id)
-            expected = staged.get(rec.session_id, self._next_seq.get(rec.session_id, 0))
+            if type(rec) is not PendingRecord:
+                rec = PendingRecord(*rec)
+            expected = staged.get(rec.session_id)
+            if expected is None:
+                expected = open_seq.get(rec.session_id)
+                if expected is None:
+                    # Only a session the log does not hold yet needs its id checked:
+                    # every open one was checked when it was first appended.
+                    validate_id("session_id", rec.session_id)
+                    expected = 0
             if rec.session_seq != expected:
                 raise SequenceError(
                     f"session {rec.session_id!r}: session_seq {rec.session_seq} refused, expected {expected}"

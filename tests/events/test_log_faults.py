@@ -33,9 +33,11 @@ class FaultyOps(OsOps):
         if code is not None:
             raise OSError(code, f"injected {os.strerror(code)}")
 
-    def write(self, fd, data):
+    def writev(self, fd, buffers):
         self._maybe_fail("write")
-        view = memoryview(data)
+        if self.fail_after_bytes is None and self.short_max is None:
+            return super().writev(fd, buffers)
+        view = memoryview(b"".join(buffers))
         if self.fail_after_bytes is not None:
             if self.fail_after_bytes <= 0:
                 raise OSError(errno.ENOSPC, "injected No space left on device")
@@ -43,7 +45,7 @@ class FaultyOps(OsOps):
             self.fail_after_bytes -= len(view)
         if self.short_max is not None:
             view = view[: self.short_max]
-        return super().write(fd, view)
+        return os.write(fd, view)
 
     def fdatasync(self, fd):
         self._maybe_fail("fdatasync")
