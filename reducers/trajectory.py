@@ -153,12 +153,22 @@ def common_prefix_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
     n = min(len(a), len(b)) // 4
     if n == 0:
         return 0
-    if a[: n * 4] == b[: n * 4]:
-        return n
-    x = np.frombuffer(a, dtype="<i4", count=n)
-    y = np.frombuffer(b, dtype="<i4", count=n)
-    return int(np.argmax(x != y))
+    # Views, not slices: no copy of either array.
+    differ = np.frombuffer(a, dtype="<i4", count=n) != np.frombuffer(b, dtype="<i4", count=n)
+    first = int(differ.argmax())
+    return first if differ[first] else n
 
+
+_zeros = bytes(1 << 16)
+
+
+def _zero_view(nbytes: int) -> memoryview:
+    """A read-only view of ``nbytes`` zero bytes, without allocating them each time."""
+    global _zeros
+    if nbytes > len(_zeros):
+        # A cache of constant zeros, grown on demand: no state that affects outputs.
+        _zeros = bytes(max(nbytes, 2 * len(_zeros)))
+    return memoryview(_zeros)[:nbytes]
 
 
 class _RowBuilder:
@@ -231,8 +241,8 @@ class _RowBuilder:
         response_length = n_tok - lead
         if response_length < 1:
             return None
-        mask_parts: list[bytes] = []
-        lp_parts: list[bytes] = []
+        mask_parts: list[bytes | memoryview] = []
+        lp_parts: list[bytes | memoryview] = []
         versions: list[int] = []
         trained: list[int] = []
         pos = 0
@@ -245,8 +255,8 @@ class _RowBuilder:
                 continue
             k = hi - lo
             if log_probs is None:
-                mask_parts.append(bytes(k))
-                lp_parts.append(bytes(4 * k))
+                mask_parts.append(_zero_view(k))
+                lp_parts.append(_zero_view(4 * k))
             else:
                 mask_parts.append(b"\x01" * k)
                 lp_parts.append(log_probs[(lo - pos + n) * 4 : (hi - pos + n) * 4])
