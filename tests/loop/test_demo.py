@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tools.cli import main as cli_main
 from tools.loop.check import check_run
 from tools.loop.run import reward_curve, summarise_rollout
@@ -45,3 +47,16 @@ def test_short_demo_learns_with_faults_and_online_digests_equal_offline(tmp_path
     assert any(e["event"] == "session.straggler_refused" for e in worker_log)
     stopped = [e for e in worker_log if e["event"] == "worker.stopped"]
     assert stopped and stopped[-1].get("straggler_refused", 0) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_default_demo_reaches_a_reward_of_090_on_every_seed(tmp_path: Path, seed: int) -> None:
+    """Issue #7: the demo must learn on any seed; defaults, faults on, 90 steps."""
+    out = tmp_path / f"seed{seed}"
+    assert cli_main(["demo", "--steps", "90", "--seed", str(seed), "--out", str(out), "--quiet", "--no-report"]) == 0
+    curve = reward_curve(read_learner_records(out / "learner"))
+    first = [r for _, r, _ in curve[:5]]
+    last = [r for _, r, _ in curve[-10:]]
+    assert sum(first) / 5 <= 0.3
+    assert sum(last) / 10 >= 0.9, f"seed {seed}: last rewards {last}"
