@@ -38,23 +38,31 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"{self.prog}: {message}", EXIT_USAGE)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The root parser with every ``tools.cmd_*`` subcommand registered."""
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The root parser with every ``tools.cmd_*`` subcommand registered; or,
+    when ``argv`` names a command (``tools/cmd_<name>.py``), that one only, so
+    a command never pays for another's imports at start-up (some register()
+    calls import torch)."""
     parser = _Parser(prog="agentlog", description="Durable, replayable agent-RL session logs.")
     parser.add_argument("--version", action="version", version=f"agentlog {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     import tools
 
-    for mod in sorted(pkgutil.iter_modules(tools.__path__), key=lambda m: m.name):
-        if mod.name.startswith("cmd_"):
-            importlib.import_module(f"tools.{mod.name}").register(sub)
+    names = sorted(m.name for m in pkgutil.iter_modules(tools.__path__) if m.name.startswith("cmd_"))
+    first = next((a for a in argv or () if not a.startswith("-")), None)
+    if first is not None and f"cmd_{first}" in names:
+        names = [f"cmd_{first}"]
+    for name in names:
+        importlib.import_module(f"tools.{name}").register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``agentlog`` console script."""
     try:
-        parser = build_parser()
+        if argv is None:
+            argv = sys.argv[1:]
+        parser = build_parser(argv)
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):
             parser.print_help()
