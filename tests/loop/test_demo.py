@@ -52,9 +52,9 @@ def test_short_demo_learns_with_faults_and_online_digests_equal_offline(tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_default_demo_reaches_a_reward_of_090_on_every_seed(tmp_path: Path, seed: int) -> None:
-    """Issue #7: the demo must learn on any seed; defaults, faults on, 90 steps."""
+    """Issue #7: the demo must learn on any seed; defaults (120 steps, faults on)."""
     out = tmp_path / f"seed{seed}"
-    assert cli_main(["demo", "--steps", "90", "--seed", str(seed), "--out", str(out), "--quiet", "--no-report"]) == 0
+    assert cli_main(["demo", "--seed", str(seed), "--out", str(out), "--quiet", "--no-report"]) == 0
     curve = reward_curve(read_learner_records(out / "learner"))
     first = [r for _, r, _ in curve[:5]]
     last = [r for _, r, _ in curve[-10:]]
