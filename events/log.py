@@ -191,6 +191,12 @@ def _classify_bad(
     return LogCorruption(f"{where}; {why}", segment=name, offset=bad.offset, last_good_lsn=expected - 1)
 
 
+def _head(path: Path) -> bytes:
+    """The first SEG_HDR_SIZE bytes of a file (a segment may be 64 MiB)."""
+    with open(path, "rb") as f:
+        return f.read(SEG_HDR_SIZE)
+
+
 def _missing_acked(name: str, size: int, expected: int, watermark: int) -> LogCorruption:
     """The log ends cleanly, but before records the watermark says were acknowledged."""
     return LogCorruption(
@@ -278,7 +284,7 @@ class _Cursor:
         except LogCorruption:
             # A segment being created has a short (or not yet written) header;
             # it only counts as damage once records past it are durable.
-            head = (self.dir / segment_name(first)).read_bytes()[:SEG_HDR_SIZE]
+            head = _head(self.dir / segment_name(first))
             if len(head) < SEG_HDR_SIZE or not any(head):
                 return False
             raise
@@ -439,7 +445,9 @@ class FileLog(EventLog):
         return self
 
     def _init_state(self) -> None:
-        self._cv = threading.Condition()
+        # A plain Lock (not the default RLock): nothing re-enters it, and it is
+        # taken once per append.
+        self._cv = threading.Condition(threading.Lock())
         self._pending: collections.deque[_Submission] = collections.deque()
         self._waiters: collections.deque[tuple[int, asyncio.Future, Any, asyncio.AbstractEventLoop]] = collections.deque()
         self._flushing = False
@@ -560,7 +568,7 @@ class FileLog(EventLog):
                 fd, seg_epoch, size = _open_segment(d, first, os.O_RDWR)
             except LogCorruption as err:
                 size = (d / name).stat().st_size
-                raw = (d / name).read_bytes()[:SEG_HDR_SIZE]
+                raw = _head(d / name)
                 if last and _torn_new_segment(size, raw, first, watermark):
                     # Torn while being created: it never held an acknowledged record.
                     self._log.warning("log.recovery.removed_torn_segment", segment=name, size=size)
@@ -1309,7 +1317,7 @@ def verify_log(path: str | os.PathLike, repair: bool = False, *, max_record_byte
                 fd, _epoch, size = _open_segment(directory, first)
             except LogCorruption as exc:
                 size = (directory / name).stat().st_size
-                raw = (directory / name).read_bytes()[:SEG_HDR_SIZE]
+                raw = _head(directory / name)
                 if last and _torn_new_segment(size, raw, first, watermark):
                     rep.status, rep.problem, rep.segment, rep.offset = "torn", f"segment header torn ({size} bytes)", name, 0
                     rep.last_good_lsn, rep.torn_bytes = expected - 1, size

