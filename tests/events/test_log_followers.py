@@ -132,3 +132,22 @@ def test_second_writer_in_another_process_is_refused(tmp_path):
     with pytest.raises(LogLocked):
         with FileLog.open(d):
             FileLog.open(d)
+
+
+@pytest.mark.parametrize("policy", ["interval", "never", "batch", "always"])
+def test_watermark_reaches_every_acknowledged_record_under_each_policy(tmp_path, policy):
+    """Under ``interval`` the sync (and so the watermark) follows within the
+    interval even when no further append comes to trigger it."""
+    from events.log_format import read_durable
+
+    d = tmp_path / "log"
+    lg = FileLog.open(d, fsync=policy, interval_s=0.05)
+    lg.append_batch([("a", 0, SessionOpened(group_id="g", group_size=1))])
+    time.sleep(0.06)
+    lg.append_batch([("a", 1, small_event(1))])  # inside the interval: written, not yet synced
+    deadline = time.monotonic() + 2
+    while read_durable(d)[0] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert read_durable(d)[0] == 2
+    assert [e.lsn for e in read_log(d)] == [0, 1]
+    lg.close()
