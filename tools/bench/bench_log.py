@@ -159,6 +159,10 @@ def bench_tokens(root: Path, n: int, batch: int, reps: int) -> dict:
         for _ in read_log(d):
             pass
 
+    def our_read_raw():  # CRC-checked frames, payload left undecoded (zero-copy views)
+        for _ in read_log(d, raw=True):
+            pass
+
     def raw_read():
         for s in list_segments(d):
             with open(d / segment_name(s), "rb", buffering=0) as f:
@@ -168,6 +172,7 @@ def bench_tokens(root: Path, n: int, batch: int, reps: int) -> dict:
     raw_read()  # warm the page cache for every reader alike
     t_json_r = best(json_read, reps)
     t_our_r = best(our_read, reps)
+    t_our_raw = best(our_read_raw, reps)
     t_raw_r = best(raw_read, reps)
     assert sum(1 for _ in read_log(d)) == n
     return dict(
@@ -180,6 +185,7 @@ def bench_tokens(root: Path, n: int, batch: int, reps: int) -> dict:
         t_json_w=t_json_w,
         t_json_r=t_json_r,
         t_our_r=t_our_r,
+        t_our_raw=t_our_raw,
         t_raw_r=t_raw_r,
     )
 
@@ -279,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         ("token events: raw write+fdatasync", tok["t_raw"], f"{mb / tok['t_raw']:,.0f} MB/s"),
         ("token events: JSONL write+fsync", tok["t_json_w"], f"{tok['n'] / tok['t_json_w']:,.0f} ev/s"),
         ("token events: full replay (ours)", tok["t_our_r"], f"{tok['n'] / tok['t_our_r']:,.0f} ev/s, {mb / tok['t_our_r']:,.0f} MB/s"),
+        ("token events: replay, frames only (raw=True)", tok["t_our_raw"], f"{tok['n'] / tok['t_our_raw']:,.0f} ev/s, {mb / tok['t_our_raw']:,.0f} MB/s"),
         ("token events: raw read of the files", tok["t_raw_r"], f"{mb / tok['t_raw_r']:,.0f} MB/s"),
         ("token events: JSONL read (json.loads)", tok["t_json_r"], f"{tok['n'] / tok['t_json_r']:,.0f} ev/s"),
         (f"small events ({frame} B framed): sync batch", n_small / sync_rate, f"{sync_rate:,.0f} ev/s"),
