@@ -302,6 +302,7 @@ class TorchBackend(Backend):
         self.batch_window_s = batch_window_s
         self.max_gather_s = max_gather_s
         self._last_batch = 1
+        self._last_gen_s = 0.0
         self.policy_version = policy_version
         # The model's Python-level decode loop shares the GIL with the event
         # loop that serves HTTP and records turns. At the default 5 ms switch
@@ -381,11 +382,14 @@ class TorchBackend(Backend):
                 if self._closed:
                     return
                 # Keep gathering while calls keep arriving (each arrival
-                # extends the wait by batch_window_s), up to a cap: a large
-                # batch's callers come back spread over the time the gateway
-                # takes to answer and re-submit them all.
+                # extends the wait by batch_window_s), but never idle the
+                # model for more than a tenth of a batch's generation time:
+                # the callers of a large batch come back spread over the
+                # time the gateway takes to answer and re-submit them, and
+                # starting with part of them lets the rest's round trip
+                # overlap that part's generation (two half batches pipeline).
                 target = min(self._last_batch, self.max_batch)
-                cap = time.monotonic() + self.max_gather_s
+                cap = time.monotonic() + min(self.max_gather_s, 0.1 * self._last_gen_s)
                 while len(self._queue) < target and not self._closed:
                     seen = len(self._queue)
                     remaining = min(self.batch_window_s, cap - time.monotonic())
@@ -410,6 +414,7 @@ class TorchBackend(Backend):
                     )
                 self.batches += 1
                 dt = time.perf_counter() - t0
+                self._last_gen_s = dt
                 for i, b in enumerate(batch):
                     toks = gen.tokens[i].tolist()
                     lps = gen.log_probs[i].tolist()
