@@ -18,7 +18,7 @@ def test_short_demo_learns_with_faults_and_online_digests_equal_offline(tmp_path
     steps exceeds the first steps by >= 0.3, the rollout log holds aborted and dropped
     sessions, and the offline reconstruction equals every online per-step digest."""
     out = tmp_path / "run"
-    rc = cli_main(["demo", "--steps", "30", "--seed", "0", "--out", str(out), "--quiet", "--no-report", "--timeout", "240"])
+    rc = cli_main(["demo", "--steps", "30", "--stop-reward", "0", "--seed", "0", "--out", str(out), "--quiet", "--no-report", "--timeout", "240"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     records = read_learner_records(out / "learner")

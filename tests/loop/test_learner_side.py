@@ -94,3 +94,17 @@ def test_drop_mode_trains_without_importance_correction(tmp_path: Path) -> None:
     """Without correct mode the learner config carries no TIS cap."""
     ll = LoopLearner(tmp_path, small_config(staleness_mode="drop"))
     assert ll.learner.config.tis_cap is None
+
+
+def test_training_stops_once_the_moving_reward_reaches_the_target(tmp_path: Path) -> None:
+    """stop_reward: the step whose window mean reaches the target is marked final."""
+    ll = LoopLearner(tmp_path, small_config(steps=100, stop_reward=0.5, stop_window=3))
+    assert ll.stop_reason() == ""
+    ll.recent_rewards = [0.1, 0.5, 0.6]
+    assert ll.stop_reason() == ""
+    ll.recent_rewards.append(0.6)  # window [0.5, 0.6, 0.6]
+    assert ll.stop_reason() == "reward"
+    groups = build_groups({"ok": GOOD})
+    ll.recent_rewards = [0.5, 0.5]
+    rec = ll.train_step(1, [groups["ok"]], 0, 10, {})  # this step's reward is 0.5
+    assert rec.metrics["loop/final"] == 1.0 and rec.metrics["loop/stopped_by_reward"] == 1.0

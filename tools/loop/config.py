@@ -66,8 +66,14 @@ class LoopConfig:
     """Task name, selected through the engine harness registry (empty: $AGENTLOG_AGENT); also the agent recorded on every session."""
     seed: int = 0
     """Seed of everything random: model init, warm-up data, episodes, sampling, faults."""
-    steps: int = 120
-    """Optimiser steps of RL to run (policy versions 1..steps)."""
+    steps: int = 400
+    """Most optimiser steps of RL (policy versions 1..steps); training may stop earlier, see stop_reward and time_budget_s."""
+    stop_reward: float = 0.95
+    """Stop once the mean reward of the last stop_window trained steps reaches this (0 disables)."""
+    stop_window: int = 10
+    """Steps in the stop_reward moving window."""
+    time_budget_s: float = 210.0
+    """Stop RL after this many seconds (the warm-up not counted; 0 disables): keeps `make demo` under 5 minutes."""
     groups_per_step: int = 32
     """Prompts (GRPO groups) per step; the learner steps once this many groups are released."""
     group_size: int = 8
@@ -106,6 +112,8 @@ class LoopConfig:
     """fsync policy of both logs: always, batch, interval or never."""
     torch_threads: int = 1
     """torch threads per process (the worker and the learner each get this many)."""
+    warmup_threads: int = 2
+    """torch threads of the learner during the supervised warm-up (the worker is idle then)."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     """Injected faults (see FaultConfig)."""
     learner: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-3, "warmup_steps": 10, "grad_clip": 1.0})
@@ -114,7 +122,7 @@ class LoopConfig:
     def __post_init__(self) -> None:
         if isinstance(self.faults, Mapping):
             self.faults = _from_mapping(FaultConfig, self.faults, "faults")
-        for name in ("steps", "groups_per_step", "group_size", "d_model", "n_layer", "n_head", "warmup_batch", "torch_threads"):
+        for name in ("steps", "stop_window", "groups_per_step", "group_size", "d_model", "n_layer", "n_head", "warmup_batch", "torch_threads", "warmup_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"LoopConfig.{name}: expected an int >= 1, found {v!r}")
@@ -124,6 +132,10 @@ class LoopConfig:
                 raise ConfigError(f"LoopConfig.{name}: expected an int >= 0, found {v!r}")
         if self.staleness_mode not in STALENESS_MODES:
             raise ConfigError(f"LoopConfig.staleness_mode: expected one of {STALENESS_MODES}, found {self.staleness_mode!r}")
+        if not 0.0 <= self.stop_reward <= 1.0:
+            raise ConfigError(f"LoopConfig.stop_reward: expected a value in [0, 1] (0 disables), found {self.stop_reward!r}")
+        if not self.time_budget_s >= 0:
+            raise ConfigError(f"LoopConfig.time_budget_s: expected >= 0 (0 disables), found {self.time_budget_s!r}")
         if not self.tis_cap > 0:
             raise ConfigError(f"LoopConfig.tis_cap: expected > 0, found {self.tis_cap!r}")
         if not 0.0 <= self.warmup_wrong_rate <= 1.0:

@@ -99,6 +99,16 @@ def supervised_warmup(model: GPT, task: Task, cfg: LoopConfig) -> dict[str, floa
     sched = make_scheduler(type(lcfg)(lr=lcfg.lr, warmup_steps=cfg.warmup_lr_steps), opt)
     model.train()
     t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.warmup_threads)
+    try:
+        loss_v = _warmup_steps(model, task, cfg, rng, opt, sched)
+    finally:
+        torch.set_num_threads(threads)
+    return {"warmup/steps": float(cfg.warmup_steps), "warmup/loss": loss_v, "warmup/seconds": time.perf_counter() - t0}
+
+
+def _warmup_steps(model: GPT, task: Task, cfg: LoopConfig, rng: random.Random, opt, sched) -> float:
     loss_v = float("nan")
     for step in range(cfg.warmup_steps):
         ids, mask = demonstration_batch(task, rng, cfg.warmup_batch, cfg.warmup_wrong_rate)
@@ -114,7 +124,7 @@ def supervised_warmup(model: GPT, task: Task, cfg: LoopConfig) -> dict[str, floa
         loss_v = float(loss)
         if step % 100 == 0:
             log.info("warmup.step", step=step, loss=round(loss_v, 4))
-    return {"warmup/steps": float(cfg.warmup_steps), "warmup/loss": loss_v, "warmup/seconds": time.perf_counter() - t0}
+    return loss_v
 
 
 @dataclass

@@ -248,6 +248,11 @@ def summary_table(res: RunResult, cfg: LoopConfig, rows: int = 10) -> str:
         f"  wall {res.wall_s:.1f} s: {res.sessions / wall:.1f} sessions/s, {res.turns / wall:.1f} turns/s, "
         f"{res.rollout_events / wall:.0f} events/s, {len(trained) / wall:.2f} steps/s",
     ]
+    if trained:
+        m = trained[-1].metrics
+        why = ("the reward target (stop_reward)" if m.get("loop/stopped_by_reward") else
+               "the time budget (time_budget_s)" if m.get("loop/stopped_by_time") else "the step limit (steps)")
+        lines.append(f"  stopped at version {trained[-1].policy_version} by {why}")
     if curve:
         k = max(1, min(10, len(curve) // 4))
         first = [c[1] for c in curve[:k] if not math.isnan(c[1])]

@@ -108,6 +108,9 @@ class LoopLearner:
         self.log = log.bind(component="learner")
         self.busy_s = 0.0
         self.t_start = time.perf_counter()
+        self.t_rl: float | None = None  # when RL began in this process (time budget)
+        self.recent_rewards: list[float] = []
+        self.final = False
 
     # -- learner log ----------------------------------------------------------
 
@@ -136,6 +139,9 @@ class LoopLearner:
             for r in records:
                 consumed.update(r.groups)
                 consumed.update(r.skipped)
+            for r in records:
+                if r.groups:
+                    self.recent_rewards.append(r.metrics.get("rollout/reward_mean", math.nan))
             if records:
                 last = records[-1]
                 self.learner.load_checkpoint(last.checkpoint)
@@ -152,8 +158,9 @@ class LoopLearner:
                 self._append(llog, PolicyUpdated(step=0, policy_version=0, checkpoint=str(path), metrics=metrics))
                 self.log.info("learner.warmup_done", **{k.replace("/", "_"): v for k, v in metrics.items()})
                 step, lsn_next = 1, 0
-            if self.learner.policy_version >= cfg.steps:
+            if self.learner.policy_version >= cfg.steps or (records and records[-1].metrics.get("loop/final", 0.0) >= 1.0):
                 return self.learner.policy_version
+            self.t_rl = time.perf_counter()
             steps_done = 0
             reducer = Reducer(reduce_config(cfg))
             pending: list[Group] = []
@@ -184,11 +191,24 @@ class LoopLearner:
                 step += 1
                 lsn_next = env.lsn + 1
                 steps_done += 1
-                if self.learner.policy_version >= cfg.steps or (max_steps is not None and steps_done >= max_steps):
+                if self.final or (max_steps is not None and steps_done >= max_steps):
                     break
             return self.learner.policy_version
         finally:
             llog.close()
+
+    def stop_reason(self) -> str:
+        """Why training ends after this step ("steps", "reward", "time"), or "" to go on."""
+        cfg = self.cfg
+        if self.learner.policy_version >= cfg.steps:
+            return "steps"
+        window = self.recent_rewards[-cfg.stop_window:]
+        if cfg.stop_reward > 0 and len(window) == cfg.stop_window and not any(math.isnan(r) for r in window):
+            if sum(window) / len(window) >= cfg.stop_reward:
+                return "reward"
+        if cfg.time_budget_s > 0 and self.t_rl is not None and time.perf_counter() - self.t_rl >= cfg.time_budget_s:
+            return "time"
+        return ""
 
     def train_step(self, step: int, groups: list[Group], lsn_start: int, lsn_end: int, released_at: dict[str, int]) -> PolicyUpdated:
         """Train on one step's released groups; returns the record to append."""
@@ -245,7 +265,15 @@ class LoopLearner:
         metrics["perf/loop_step_s"] = time.perf_counter() - t0
         elapsed = time.perf_counter() - self.t_start
         metrics["perf/learner_busy_frac"] = min(1.0, (self.busy_s + metrics["perf/loop_step_s"]) / elapsed) if elapsed > 0 else 0.0
-        metrics["loop/final"] = 1.0 if self.learner.policy_version >= cfg.steps else 0.0
+        if train:
+            self.recent_rewards.append(metrics["rollout/reward_mean"])
+        stop = self.stop_reason()
+        metrics["loop/final"] = 1.0 if stop else 0.0
+        if stop:
+            metrics["loop/stopped_by_reward"] = 1.0 if stop == "reward" else 0.0
+            metrics["loop/stopped_by_time"] = 1.0 if stop == "time" else 0.0
+            self.final = True
+            self.log.info("learner.final", reason=stop, policy_version=self.learner.policy_version)
         return PolicyUpdated(
             step=step,
             policy_version=self.learner.policy_version,
