@@ -257,54 +257,62 @@ class SegmentScanner:
             self.bad = BadFrame(self.offset, "file shrank while reading", True)
 
     def _frames(self, limit: int | None, size: int) -> Iterator[Frame]:
+        # The hot loop of every reader: buffer state lives in locals, and the
+        # buffer is refilled only when a frame is not wholly inside it.
         cap = self.cap
-        while limit is None or self.expected < limit:
+        unpack_hdr, unpack_env, crc_value = FRAME_HDR.unpack_from, ENV_HDR.unpack_from, _crc_value
+        env_size = ENV_HDR.size
+        p = 5 + env_size  # session id offset inside ``body`` (which starts after the CRC)
+        buf, base = self._buf, self._buf_off
+        expected = self.expected
+        while limit is None or expected < limit:
             off = self.offset
             if off >= size:
                 return
-            if size - off < FRAME_PREFIX:
-                self._fill(size, size)
-                self.bad = BadFrame(off, f"incomplete frame header ({size - off} bytes before end of file)", True)
-                return
-            self._fill(off + FRAME_PREFIX, size)
-            rel = off - self._buf_off
-            buf = self._buf
-            crc, length, typ = FRAME_HDR.unpack_from(buf, rel)
+            rel = off - base
+            if rel < 0 or rel + FRAME_PREFIX > len(buf):
+                if size - off < FRAME_PREFIX:
+                    self._fill(size, size)
+                    self.bad = BadFrame(off, f"incomplete frame header ({size - off} bytes before end of file)", True)
+                    return
+                self._fill(off + FRAME_PREFIX, size)
+                buf, base = self._buf, self._buf_off
+                rel = off - base
+            crc, length, typ = unpack_hdr(buf, rel)
             if typ != TYPE_RECORD:
                 what = "zero-filled" if typ == 0 and not any(buf[rel : rel + 64]) else f"type byte {typ}"
                 self.bad = BadFrame(off, f"{what} (expected a record, type {TYPE_RECORD})", False)
                 return
-            if length < ENV_HDR.size or length > cap:
-                self.bad = BadFrame(
-                    off, f"frame length {length} out of range (expected {ENV_HDR.size}..{cap} bytes)", False
-                )
+            if length < env_size or length > cap:
+                self.bad = BadFrame(off, f"frame length {length} out of range (expected {env_size}..{cap} bytes)", False)
                 return
             end = off + FRAME_PREFIX + length
             if end > size:
                 self.bad = BadFrame(off, f"frame of {FRAME_PREFIX + length} bytes runs past end of file ({size})", True)
                 return
-            self._fill(end, size)
-            rel = off - self._buf_off
-            buf = self._buf
+            if end - base > len(buf):
+                self._fill(end, size)
+                buf, base = self._buf, self._buf_off
+                rel = off - base
             body = buf[rel + 4 : rel + FRAME_PREFIX + length]
-            if mask_crc(_crc_value(body)) != crc:
+            if mask_crc(crc_value(body)) != crc:
                 self.bad = BadFrame(off, "CRC mismatch", False)
                 return
-            lsn, seq, ts, flags, sidlen = ENV_HDR.unpack_from(body, 5)
-            if ENV_HDR.size + sidlen > length:
+            lsn, seq, ts, flags, sidlen = unpack_env(body, 5)
+            if env_size + sidlen > length:
                 self.bad = BadFrame(off, f"session-id length {sidlen} exceeds frame length {length}", False)
                 return
-            if lsn != self.expected:
-                self.bad = BadFrame(off, f"lsn {lsn}, expected {self.expected}", False)
+            if lsn != expected:
+                self.bad = BadFrame(off, f"lsn {lsn}, expected {expected}", False)
                 return
-            p = 5 + ENV_HDR.size
             try:
                 sid = _decode_sid(body[p : p + sidlen])
             except UnicodeDecodeError:
                 self.bad = BadFrame(off, "session id is not UTF-8", False)
                 return
+            expected = lsn + 1
             self.offset = end
-            self.expected = lsn + 1
+            self.expected = expected
             yield Frame(off, end, lsn, seq, ts, flags, sid, memoryview(body)[p + sidlen :])
 
 
