@@ -45,5 +45,6 @@ def run(args) -> int:
     for s in data.sessions:
         counts[s.status] = counts.get(s.status, 0) + 1
     summary = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-    print(f"{args.output}: {len(data.sessions)} sessions ({summary}), {data.events} events, {len(page) / 1e6:.1f} MB")
+    shown = f" ({summary})" if summary else ""
+    print(f"{args.output}: {len(data.sessions)} sessions{shown}, {data.events} events, {len(page) / 1e6:.1f} MB")
     return EXIT_OK
