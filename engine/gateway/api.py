@@ -72,6 +72,11 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise RequestError(wire, "a number", value)
         out[ours] = value
+    # Stop strings are recorded as asked; no backend here honours them (the
+    # template's stop ids end a turn), so the gateway records them as ignored.
+    stop = body.get("stop", body.get("stop_sequences"))
+    if stop:
+        out["stop"] = [stop] if isinstance(stop, str) else list(stop)
     return out
 
 
@@ -378,6 +383,10 @@ class ResponsesAPI:
     @staticmethod
     def parse(body: dict[str, Any]) -> TurnRequest:
         """Body -> TurnRequest; RequestError names the offending field."""
+        if body.get("previous_response_id"):
+            # The gateway stores no responses: a continuation by reference
+            # would silently lose the conversation it points to.
+            raise RequestError("previous_response_id", "absent (send the whole conversation in input; the gateway stores no responses)", body["previous_response_id"])
         messages: list[dict[str, Any]] = []
         tools: list[ToolSpec] = []
         _responses_tools(body.get("tools"), "tools", tools)

@@ -244,7 +244,7 @@ class Gateway:
         cfg = self._sessions.get(sid)
         if cfg is not None:
             base.update(cfg.sampling)
-        base.update(req.overrides)
+        base.update((k, v) for k, v in req.overrides.items() if k != "stop")
         max_new = min(req.max_tokens or base.pop("max_new_tokens", c.default_max_tokens), c.max_tokens_cap)
         base.pop("max_new_tokens", None)
         if room is not None:
@@ -360,7 +360,7 @@ class Gateway:
         if req.max_tokens is not None:
             client["max_tokens"] = req.max_tokens  # what was asked; max_new_tokens is what was allowed
         sampling = params.to_dict() | {"client": client, "api": api.name, "model": req.model}
-        ignored = self.backend.ignored_sampling(params)
+        ignored = self.backend.ignored_sampling(params) + (["stop"] if "stop" in req.overrides else [])
         if ignored:
             sampling["ignored"] = ignored
         record = asyncio.ensure_future(

@@ -80,7 +80,7 @@ def test_sglang_request_body_and_headers_on_the_wire_and_the_recorded_turn():
             async with rig(SGLangBackend(srv.url, api_key="secret-k")) as (gw, engine, log):
                 await open_running(engine, "s")
                 gw.configure_session("s", sampling={"temperature": 0.7, "top_k": 20})  # the session's defaults
-                r = await oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT, temperature=0.3, max_tokens=40, top_p=0.9)
+                r = await oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT, temperature=0.3, max_tokens=40, top_p=0.9, stop=["END"])
                 assert r.choices[0].message.content == "Hi!"
                 ((path, headers, sent),) = srv.requests
                 (turn,) = turns_of(log, "s")
@@ -93,7 +93,8 @@ def test_sglang_request_body_and_headers_on_the_wire_and_the_recorded_turn():
                 assert turn.output_tokens.tolist() == TEMPLATE.encode_text("Hi!") + [TEMPLATE.EOS]
                 assert turn.log_probs.tolist() == pytest.approx([-0.1 * (i + 1) for i in range(4)])
                 assert turn.policy_version == 7 and turn.finish_reason == "stop"
-                assert turn.sampling["client"] == {"temperature": 0.3, "top_p": 0.9, "max_tokens": 40}  # what the client overrode
+                assert turn.sampling["client"] == {"temperature": 0.3, "top_p": 0.9, "stop": ["END"], "max_tokens": 40}  # what the client asked
+                assert turn.sampling["ignored"] == ["stop"]  # and what no sampler honoured
                 assert turn.sampling["temperature"] == 0.3 and turn.sampling["top_k"] == 20  # what was used
 
     run(body())

@@ -174,6 +174,8 @@ def test_malformed_json_and_bad_fields_are_400_naming_the_problem():
             assert status == 400 and err["error"]["type"] == "invalid_request_error" and "max_tokens" in err["error"]["message"]
             status, err = await _post(gw.url, "/v1/responses", "s", json.dumps({"input": 7}))
             assert status == 400 and "input" in err["error"]["message"]
+            status, err = await _post(gw.url, "/v1/responses", "s", json.dumps({"input": "x", "previous_response_id": "resp_1"}))
+            assert status == 400 and "previous_response_id" in err["error"]["message"]
             assert log.next_lsn == before
 
     run(body())
