@@ -5,6 +5,8 @@
 #
 # Usage: tools/gateway_clis.sh [DIR]    (default: $AGENTLOG_CLI_DIR or ~/.cache/agentlog-clis)
 # Prints the bin folder on success. Idempotent: a second run is a no-op.
+# Versions are pinned to the ones the end-to-end tests were written against
+# (override with CLAUDE_CODE_VERSION / CODEX_VERSION).
 set -euo pipefail
 DIR="${1:-${AGENTLOG_CLI_DIR:-$HOME/.cache/agentlog-clis}}"
 BIN="$DIR/node_modules/.bin"
@@ -19,6 +21,6 @@ exec 9>"$DIR/.install.lock"
 flock 9
 if [[ ! -x "$BIN/claude" || ! -x "$BIN/codex" ]]; then
     npm install --prefix "$DIR" --no-audit --no-fund --loglevel=error \
-        @anthropic-ai/claude-code @openai/codex >&2
+        "@anthropic-ai/claude-code@${CLAUDE_CODE_VERSION:-2.1.197}" "@openai/codex@${CODEX_VERSION:-0.171.0}" >&2
 fi
 echo "$BIN"
