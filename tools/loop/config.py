@@ -68,11 +68,11 @@ class LoopConfig:
     """Seed of everything random: model init, warm-up data, episodes, sampling, faults."""
     steps: int = 400
     """Most optimiser steps of RL (policy versions 1..steps); training may stop earlier, see stop_reward and time_budget_s."""
-    stop_reward: float = 0.95
+    stop_reward: float = 0.9
     """Stop once the mean reward of the last stop_window trained steps reaches this (0 disables)."""
     stop_window: int = 10
     """Steps in the stop_reward moving window."""
-    time_budget_s: float = 210.0
+    time_budget_s: float = 150.0
     """Stop RL after this many seconds (the warm-up not counted; 0 disables): keeps `make demo` under 5 minutes."""
     groups_per_step: int = 32
     """Prompts (GRPO groups) per step; the learner steps once this many groups are released."""
