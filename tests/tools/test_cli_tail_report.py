@@ -100,6 +100,9 @@ class _Dom(html.parser.HTMLParser):
         self.legend: list[str] = []
         self.sessions: list[str] = []
         self._in_legend_text = False
+        self.current = ""
+        #: session -> [context (mask 0), trained (mask 1)] response tokens in its drill-down.
+        self.mask_spans: dict[str, list[int]] = {}
 
     def _inside(self, pred) -> bool:
         return any(pred(tag, attrs) for tag, attrs in self.stack)
@@ -118,6 +121,10 @@ class _Dom(html.parser.HTMLParser):
             self.outcomes[a["data-status"]] = int(a["data-count"])
         if tag == "details" and "session" in cls:
             self.sessions.append(a["data-status"])
+            self.current = a["data-session"]
+            self.mask_spans[self.current] = [0, 0]
+        if self.current and tag == "span" and "t" in cls and ("m0" in cls or "m1" in cls):
+            self.mask_spans[self.current][1 if "m1" in cls else 0] += 1
         if in_timeline and tag == "text" and "legendtext" in cls:
             self._in_legend_text = True
         if tag not in ("path", "rect", "br", "meta", "img", "input", "line", "circle"):
@@ -171,3 +178,7 @@ def test_report_in_headless_chromium_shows_one_bar_per_session_and_the_outcome_c
         if n:
             assert f"{outcome} ({n})" in legend, legend
     assert sorted(p.sessions) == sorted(s["status"] for s in sessions.values())
+    # Drill-down: fin-0's row trains [10 11 12] and [13 14], the tool tokens [7 8] are context.
+    assert p.mask_spans["fin-0"] == [2, 5]
+    assert p.mask_spans["abort-0"] == [1, 0]  # the zero-masked placeholder
+    assert p.mask_spans["drop-2"] == [0, 0]
