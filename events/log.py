@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import ctypes
 import errno
 import fcntl
 import os
@@ -52,6 +53,7 @@ import structlog
 from .log_api import EventLog, LogClosed, LogError, PendingRecord
 from .log_format import (
     _MASK_DELTA,
+    _PTR_CRC,
     DEFAULT_MAX_RECORD_BYTES,
     FRAME_CRC,
     HEAD,
@@ -105,6 +107,10 @@ FSYNC_POLICIES = ("always", "batch", "interval", "never")
 _EVENT_TYPE_SET = frozenset(EVENT_TYPES)
 _TERMINAL_SET = frozenset(TERMINAL_EVENT_TYPES)
 _IOV_MAX = 1024
+#: The default msgpack encoder, as events.types.encode_body uses: same bytes.
+_ENCODER = msgspec.msgpack.Encoder()
+#: Payloads from this size on are checksummed in place and written as their own iovec.
+_BIG_PAYLOAD = 4096
 
 
 class LogLocked(LogError):
@@ -768,8 +774,12 @@ class FileLog(EventLog):
             raise self._dead()
         checked = self._check_batch(records)
         cap = self._cap
-        encode = encode_body
+        # Every payload of the batch is encoded into one buffer: no allocation
+        # per record, and large payloads (token arrays) are later checksummed
+        # and written where they lie, never copied again in Python.
+        encode_into = _ENCODER.encode_into
         event_types = _EVENT_TYPE_SET
+        buf = bytearray()
         encoded = []
         for rec in checked:
             body = rec.body
@@ -777,14 +787,19 @@ class FileLog(EventLog):
                 raise EventValidationError(
                     f"session {rec.session_id!r} seq {rec.session_seq}: body: expected a schema-v1 event, found {type(body).__name__}"
                 )
-            payload = encode(body)
+            start = len(buf)
+            encode_into(body, buf, -1)
+            n = len(buf) - start
             sidb = rec.session_id.encode()
-            if ENV_HDR.size + len(sidb) + len(payload) > cap:
+            if ENV_HDR.size + len(sidb) + n > cap:
                 raise LogError(
-                    f"session {rec.session_id!r} seq {rec.session_seq}: record of {ENV_HDR.size + len(sidb) + len(payload)} "
+                    f"session {rec.session_id!r} seq {rec.session_seq}: record of {ENV_HDR.size + len(sidb) + n} "
                     f"bytes exceeds max_record_bytes {cap}"
                 )
-            encoded.append((sidb, payload))
+            encoded.append((sidb, start, n))
+        view = memoryview(buf)  # pins the buffer: it never moves or grows again
+        ptr_crc = _PTR_CRC
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if ptr_crc is not None and buf else 0
         # From here on nothing can fail. The frame layout is inlined (see
         # log_format.encode_frame, which readers' tests use): this loop is the
         # hot path of every append.
@@ -799,20 +814,25 @@ class FileLog(EventLog):
         terminal_types = _TERMINAL_SET
         head_pack, crc_pack, crc_value, crc_extend = HEAD.pack, FRAME_CRC.pack, _crc_value, _crc_extend
         env_size = ENV_HDR.size
-        for rec, (sidb, payload) in zip(checked, encoded):
+        for rec, (sidb, start, plen) in zip(checked, encoded):
             sid, seq, body = rec
             terminal = type(body) in terminal_types
-            head = head_pack(env_size + len(sidb) + len(payload), TYPE_RECORD, lsn, seq, ts, terminal, len(sidb)) + sidb
-            c = crc_extend(crc_value(head), payload)
+            head = head_pack(env_size + len(sidb) + plen, TYPE_RECORD, lsn, seq, ts, terminal, len(sidb)) + sidb
+            if plen < _BIG_PAYLOAD or ptr_crc is None:
+                payload = bytes(view[start : start + plen])
+                c = crc_extend(crc_value(head), payload)
+            else:
+                payload = view[start : start + plen]
+                c = ptr_crc(crc_value(head), addr + start, plen)
             prefix = crc_pack((((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF) + head
-            n = len(prefix) + len(payload)
+            n = len(prefix) + plen
             if seg_first is None or (seg_size > SEG_HDR_SIZE and seg_size + n > seg_limit):
                 run = self._start_segment(lsn, rotating=seg_first is not None, ops=ops)
                 seg_first, seg_size, last_idx = lsn, SEG_HDR_SIZE, SEG_HDR_SIZE
             elif seg_size - last_idx >= INDEX_EVERY_BYTES:
                 self._index[seg_first].append((lsn, seg_size))
                 last_idx = seg_size
-            if len(payload) < 4096:
+            if plen < _BIG_PAYLOAD:
                 run.append(prefix + payload)  # one small piece beats two iovecs
             else:
                 run.append(prefix)
