@@ -781,6 +781,7 @@ class FileLog(EventLog):
         event_types = _EVENT_TYPE_SET
         buf = bytearray()
         encoded = []
+        big = False
         for rec in checked:
             body = rec.body
             if type(body) not in event_types:
@@ -797,9 +798,10 @@ class FileLog(EventLog):
                     f"bytes exceeds max_record_bytes {cap}"
                 )
             encoded.append((sidb, start, n))
+            big = big or n >= _BIG_PAYLOAD
         view = memoryview(buf)  # pins the buffer: it never moves or grows again
-        ptr_crc = _PTR_CRC
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if ptr_crc is not None and buf else 0
+        ptr_crc = _PTR_CRC if big else None
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if ptr_crc is not None else 0
         # From here on nothing can fail. The frame layout is inlined (see
         # log_format.encode_frame, which readers' tests use): this loop is the
         # hot path of every append.
