@@ -282,7 +282,8 @@ def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleSta
 
     Illegal records produce a :class:`Violation` and are not applied (a
     ``session_seq`` gap is reported and the sequence resynchronised, then the
-    event is applied if the lifecycle allows it).
+    event is applied if the lifecycle allows it; a repeat never moves the
+    sequence back).
     """
     out: list[Violation | SessionSummary] = []
     body = env.body
@@ -319,9 +320,9 @@ def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleSta
         new = state_after_event(sid, t.state, body)
     except IllegalTransition as exc:
         out.append(Violation(env.lsn, sid, str(exc)))
-        t.next_seq = env.session_seq + 1
+        t.next_seq = max(t.next_seq, env.session_seq + 1)  # a repeat never moves it back
         return state, out
-    t.next_seq = env.session_seq + 1
+    t.next_seq = max(t.next_seq, env.session_seq + 1)  # a repeat never moves it back
     if isinstance(body, TurnRecorded):
         t.turns += 1
         t.tokens_in += len(body.prompt_ids) // 4

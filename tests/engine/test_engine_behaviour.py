@@ -532,3 +532,18 @@ def test_cancelled_turn_that_was_never_staged_appends_nothing(arun):
         assert env.body.turn_index == h.turns - 1
         check_log_invariants(log)
     arun(go())
+
+
+def test_run_command_uses_the_engine_default_sandbox(arun, tmp_path):
+    async def go():
+        eng = await SessionEngine.open(MemoryLog(), sandbox=LocalSandbox(tmp_path))
+        h = await eng.open_session("s", **KW)
+        await h.start()
+        res = await h.run_command(None, "exit 2", 5)
+        assert res.exit_code == 2
+        bare = await SessionEngine.open(MemoryLog())
+        h2 = await bare.open_session("t", **KW)
+        await h2.start()
+        with pytest.raises(ValueError, match="needs a sandbox"):
+            await h2.run_command(None, "true", 5)
+    arun(go())

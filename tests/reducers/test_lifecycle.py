@@ -387,3 +387,16 @@ def test_summary_token_counts_match_numpy_views():
     s.add("a", SessionFinished(reward=1))
     [summ] = summaries(LifecycleReducer().feed_many(s.envs))
     assert (summ.tokens_in, summ.tokens_out) == (len(t.prompt_tokens), len(t.output_tokens)) == (7, 5)
+
+
+def test_reopening_a_live_id_is_reported_and_does_not_disturb_the_session():
+    s = Stream()
+    s.add("a", opened())
+    s.add("a", SessionStarted())
+    bad = s.add("a", opened(), seq=0)
+    s.add("a", turn(0), seq=2)
+    s.add("a", SessionFinished(reward=1.0), seq=3)
+    out = LifecycleReducer().feed_many(s.envs)
+    assert {v.lsn for v in violations(out)} == {bad.lsn}
+    [summ] = summaries(out)
+    assert summ.turns == 1 and summ.status == "finished"

@@ -92,6 +92,20 @@ async def run_engine(path: Path | None, n: int, conc: int, turns: int, toks: byt
         log.close()
 
 
+async def reopen(path: Path) -> tuple[float, int]:
+    """Seconds for SessionEngine.open on an existing log (the restart fold), and its events."""
+    log = FileLog.open(path, fsync="batch")
+    try:
+        gc.collect()
+        t0 = time.perf_counter()
+        eng = await SessionEngine.open(log, progress=False)
+        elapsed = time.perf_counter() - t0
+        assert eng.stats["restart_aborted"] == 0
+        return elapsed, log.next_lsn
+    finally:
+        log.close()
+
+
 async def run_raw(path: Path | None, n: int, conc: int, turns: int, toks: bytes, lps: bytes) -> float:
     """Seconds for the same events appended straight to the log (the anchor)."""
     log = _open_log(path)
@@ -183,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=None, help="sessions in flight in the main run (default 10,000)")
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=5, help="split the main run into alternating engine/anchor rounds")
     ap.add_argument("--dir", default=None, help="where to put the logs (default: a temp dir, removed after)")
     args = ap.parse_args(argv)
 
@@ -198,15 +213,37 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"bench_engine: {n:,} sessions x (open, start, {args.turns} turns x {args.tokens} tokens, finish), "
               f"{conc:,} concurrent, FileLog fsync=batch, dir {base}", file=sys.stderr)
-        t_raw = asyncio.run(run_raw(base / "raw", n, conc, args.turns, toks, lps))
-        t_eng = asyncio.run(run_engine(base / "engine", n, conc, args.turns, toks, lps))
+        # Alternate engine and anchor in rounds (order swapped each round): on a
+        # shared machine fsync latency drifts, and a back-to-back pair would
+        # charge the drift to whichever ran second.
+        rounds = max(1, args.rounds)
+        per = n // rounds
+        t_raw = t_eng = 0.0
+        round_ratios = []
+        for r in range(rounds):
+            pair = [("raw", run_raw), ("engine", run_engine)]
+            if r % 2:
+                pair.reverse()
+            took = {}
+            for name, fn in pair:
+                took[name] = asyncio.run(fn(base / f"{name}{r}", per, conc, args.turns, toks, lps))
+                if name == "raw" or r > 0:  # keep one engine log for the restart fold
+                    shutil.rmtree(base / f"{name}{r}", ignore_errors=True)
+            t_raw += took["raw"]
+            t_eng += took["engine"]
+            round_ratios.append(took["engine"] / took["raw"])
+            print(f"  round {r + 1}/{rounds}: raw {took['raw']:.2f} s, engine {took['engine']:.2f} s", file=sys.stderr)
+        n = per * rounds
         events = n * (args.turns + 3)
+        t_fold, fold_events = asyncio.run(reopen(base / "engine0"))
         n_mem = min(n, 20_000)
         m_raw = asyncio.run(run_raw(None, n_mem, conc, args.turns, toks, lps))
         m_eng = asyncio.run(run_engine(None, n_mem, conc, args.turns, toks, lps))
         per_open = asyncio.run(open_session_bytes(base / "mem", min(conc, 10_000)))
         t_lo = asyncio.run(run_engine(base / "lo", n_scale, lo, args.turns, toks, lps))
+        shutil.rmtree(base / "lo", ignore_errors=True)
         t_hi = asyncio.run(run_engine(base / "hi", n_scale, hi, args.turns, toks, lps))
+        shutil.rmtree(base / "hi", ignore_errors=True)
         tab_lo, mach_lo = decide_cost(lo)
         tab_hi, mach_hi = decide_cost(hi)
     finally:
@@ -217,10 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     scale = (t_hi / n_scale) / (t_lo / n_scale)
     rows = [
         ("engine over FileLog", f"{n / t_eng:,.0f} sessions/s", f"{t_eng / events * 1e6:.1f} us/transition", f"{t_eng:.2f} s"),
+        ("engine / raw, per round", " ".join(f"{x:.2f}" for x in round_ratios), f"median {sorted(round_ratios)[len(round_ratios) // 2]:.2f}x", ""),
         ("raw appends (anchor)", f"{n / t_raw:,.0f} sessions/s", f"{t_raw / events * 1e6:.1f} us/event", f"{t_raw:.2f} s"),
         ("engine / raw over MemoryLog (CPU only)", f"{m_eng / m_raw:.2f}x", f"{(m_eng - m_raw) / (n_mem * (args.turns + 3)) * 1e6:.1f} us/transition added", f"{n_mem:,} sessions"),
         (f"engine, {lo:,} concurrent", f"{n_scale / t_lo:,.0f} sessions/s", f"{t_lo / n_scale * 1e6:.1f} us/session", f"{t_lo:.2f} s"),
         (f"engine, {hi:,} concurrent", f"{n_scale / t_hi:,.0f} sessions/s", f"{t_hi / n_scale * 1e6:.1f} us/session", f"{t_hi:.2f} s"),
+        ("restart fold (SessionEngine.open)", f"{fold_events / t_fold:,.0f} events/s", f"{fold_events:,} events", f"{t_fold:.2f} s"),
         ("memory per open session", f"{per_open:,.0f} B", "(engine code, tracemalloc)", ""),
         (f"decide: table, {lo:,} / {hi:,} live", f"{tab_lo:.2f} / {tab_hi:.2f} us", "per add+start+finish+remove", ""),
         (f"decide: transitions models, {lo:,} / {hi:,} live", f"{mach_lo:.1f} / {mach_hi:.1f} us", "(shared Machine; O(n))", ""),
