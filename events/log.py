@@ -780,7 +780,11 @@ class FileLog(EventLog):
         encode_into = _ENCODER.encode_into
         event_types = _EVENT_TYPE_SET
         buf = bytearray()
-        encoded = []
+        # Parallel lists, not a tuple per record: ints and bytes are not
+        # tracked by the cyclic GC, tuples are.
+        sids: list[bytes] = []
+        starts: list[int] = []
+        lens: list[int] = []
         big = False
         for rec in checked:
             body = rec.body
@@ -797,7 +801,9 @@ class FileLog(EventLog):
                     f"session {rec.session_id!r} seq {rec.session_seq}: record of {ENV_HDR.size + len(sidb) + n} "
                     f"bytes exceeds max_record_bytes {cap}"
                 )
-            encoded.append((sidb, start, n))
+            sids.append(sidb)
+            starts.append(start)
+            lens.append(n)
             big = big or n >= _BIG_PAYLOAD
         view = memoryview(buf)  # pins the buffer: it never moves or grows again
         ptr_crc = _PTR_CRC if big else None
@@ -816,7 +822,7 @@ class FileLog(EventLog):
         terminal_types = _TERMINAL_SET
         head_pack, crc_pack, crc_value, crc_extend = HEAD.pack, FRAME_CRC.pack, _crc_value, _crc_extend
         env_size = ENV_HDR.size
-        for rec, (sidb, start, plen) in zip(checked, encoded):
+        for rec, sidb, start, plen in zip(checked, sids, starts, lens):
             sid, seq, body = rec
             terminal = type(body) in terminal_types
             head = head_pack(env_size + len(sidb) + plen, TYPE_RECORD, lsn, seq, ts, terminal, len(sidb)) + sidb
