@@ -7,8 +7,9 @@ One run measures, on a FileLog with fsync policy ``batch``:
 * the anchor: the same events, built the same way, appended straight to the
   log with the same concurrency (goal: engine <= 1.5x the anchor's time);
 * peak memory per open session (tracemalloc, engine code only);
-* scaling: per-session cost at 1,000 and at 50,000 concurrent sessions
-  (goal: within 1.3x, i.e. no O(n) step per operation);
+* scaling: the engine's per-session cost at 1,000 and at 50,000 concurrent
+  sessions over a MemoryLog (goal: within 1.3x, i.e. no O(n) step per
+  operation), plus the same end to end on the FileLog for engine and anchor;
 * for reference, what deciding with per-session ``transitions`` models on a
   shared Machine would cost at those sizes (add_model/remove_model are O(n)),
   versus the immutable table the engine uses.
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.sessions or (5_000 if quick else 100_000)
     conc = args.concurrency or (1_000 if quick else 10_000)
     lo, hi = (200, 5_000) if quick else (1_000, 50_000)
-    n_scale = max(hi, n // 2) if quick else 100_000
+    n_scale = max(hi, n // 2) if quick else 50_000
     toks, lps = _payload(args.tokens)
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench_engine_"))
     base.mkdir(parents=True, exist_ok=True)
@@ -240,10 +241,18 @@ def main(argv: list[str] | None = None) -> int:
         m_raw = asyncio.run(run_raw(None, n_mem, conc, args.turns, toks, lps))
         m_eng = asyncio.run(run_engine(None, n_mem, conc, args.turns, toks, lps))
         per_open = asyncio.run(open_session_bytes(base / "mem", min(conc, 10_000)))
-        t_lo = asyncio.run(run_engine(base / "lo", n_scale, lo, args.turns, toks, lps))
-        shutil.rmtree(base / "lo", ignore_errors=True)
-        t_hi = asyncio.run(run_engine(base / "hi", n_scale, hi, args.turns, toks, lps))
-        shutil.rmtree(base / "hi", ignore_errors=True)
+        # Scaling. The engine's own per-session cost, over a MemoryLog (no
+        # disk, so an O(n) step in the engine is not hidden by fsync noise),
+        # alternating lo/hi twice; then end to end on the FileLog, engine and
+        # anchor, to show what the log and the interpreter add at high concurrency.
+        mem = {lo: 0.0, hi: 0.0}
+        for c in (lo, hi, hi, lo):
+            mem[c] += asyncio.run(run_engine(None, n_scale, c, args.turns, toks, lps))
+        disk = {}
+        for c in (lo, hi):
+            for name, fn in (("engine", run_engine), ("raw", run_raw)):
+                disk[(name, c)] = asyncio.run(fn(base / f"{name}-c{c}", n_scale, c, args.turns, toks, lps))
+                shutil.rmtree(base / f"{name}-c{c}", ignore_errors=True)
         tab_lo, mach_lo = decide_cost(lo)
         tab_hi, mach_hi = decide_cost(hi)
     finally:
@@ -251,14 +260,16 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(base, ignore_errors=True)
 
     ratio = t_eng / t_raw
-    scale = (t_hi / n_scale) / (t_lo / n_scale)
+    scale = mem[hi] / mem[lo]
+    us = lambda t, k=1: t / (n_scale * k) * 1e6  # noqa: E731 - per-session microseconds
     rows = [
         ("engine over FileLog", f"{n / t_eng:,.0f} sessions/s", f"{t_eng / events * 1e6:.1f} us/transition", f"{t_eng:.2f} s"),
         ("engine / raw, per round", " ".join(f"{x:.2f}" for x in round_ratios), f"median {sorted(round_ratios)[len(round_ratios) // 2]:.2f}x", ""),
         ("raw appends (anchor)", f"{n / t_raw:,.0f} sessions/s", f"{t_raw / events * 1e6:.1f} us/event", f"{t_raw:.2f} s"),
         ("engine / raw over MemoryLog (CPU only)", f"{m_eng / m_raw:.2f}x", f"{(m_eng - m_raw) / (n_mem * (args.turns + 3)) * 1e6:.1f} us/transition added", f"{n_mem:,} sessions"),
-        (f"engine, {lo:,} concurrent", f"{n_scale / t_lo:,.0f} sessions/s", f"{t_lo / n_scale * 1e6:.1f} us/session", f"{t_lo:.2f} s"),
-        (f"engine, {hi:,} concurrent", f"{n_scale / t_hi:,.0f} sessions/s", f"{t_hi / n_scale * 1e6:.1f} us/session", f"{t_hi:.2f} s"),
+        (f"engine over MemoryLog, {lo:,} / {hi:,} concurrent", f"{us(mem[lo], 2):.1f} / {us(mem[hi], 2):.1f} us/session", f"{scale:.2f}x", f"{n_scale:,} sessions x 2 each"),
+        (f"engine over FileLog, {lo:,} / {hi:,} concurrent", f"{us(disk[('engine', lo)]):.1f} / {us(disk[('engine', hi)]):.1f} us/session", f"{disk[('engine', hi)] / disk[('engine', lo)]:.2f}x", f"{n_scale:,} sessions each"),
+        (f"raw appends over FileLog, {lo:,} / {hi:,}", f"{us(disk[('raw', lo)]):.1f} / {us(disk[('raw', hi)]):.1f} us/session", f"{disk[('raw', hi)] / disk[('raw', lo)]:.2f}x", "(the anchor's own scaling)"),
         ("restart fold (SessionEngine.open)", f"{fold_events / t_fold:,.0f} events/s", f"{fold_events:,} events", f"{t_fold:.2f} s"),
         ("memory per open session", f"{per_open:,.0f} B", "(engine code, tracemalloc)", ""),
         (f"decide: table, {lo:,} / {hi:,} live", f"{tab_lo:.2f} / {tab_hi:.2f} us", "per add+start+finish+remove", ""),
