@@ -88,6 +88,15 @@ class Task(abc.ABC):
     def new_episode(self, rng: random.Random) -> Episode:
         """Draw a fresh episode (prompt and hidden state) from ``rng``."""
 
+    def group_member(self, episode: Episode, rng: random.Random) -> Episode:
+        """The episode one member of a GRPO group plays: the same prompt, with
+        the hidden state re-drawn when the task has any (default: the episode
+        itself). Members of a group then meet different tool results for the
+        same prompt, so a systematic mistake on some results still shows up
+        as variance inside the group instead of a group of equal rewards,
+        which carries no gradient."""
+        return episode
+
     @abc.abstractmethod
     def tool_step(self, episode: Episode, turn_index: int, output_ids: Sequence[int]) -> ToolResult | None:
         """React to generated turn ``turn_index``: the tool's result to append

@@ -100,6 +100,17 @@ class LookupTask(Task):
             label=f"k{key}=v{table[key]}",
         )
 
+    def group_member(self, episode: Episode, rng: random.Random) -> Episode:
+        """The same key with a fresh table: values change every episode."""
+        key = episode.state["key"]
+        table = [rng.randrange(N_VALUES) for _ in range(N_KEYS)]
+        return Episode(
+            prompt_ids=episode.prompt_ids,
+            messages=[dict(m) for m in episode.messages],
+            state={"key": key, "table": table},
+            label=f"k{key}=v{table[key]}",
+        )
+
     def tool_step(self, episode: Episode, turn_index: int, output_ids: Sequence[int]) -> ToolResult | None:
         """After turn 0: the lookup result; after turn 1: None (episode over)."""
         if turn_index >= self.max_turns - 1:

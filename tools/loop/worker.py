@@ -229,7 +229,8 @@ class RolloutWorker:
         tasks = []
         for g, ep in enumerate(episodes):
             for i in range(cfg.group_size):
-                tasks.append(asyncio.ensure_future(self.run_session(engine, batch, g, i, ep, faults.get((g, i)))))
+                member = self.task.group_member(ep, rng)
+                tasks.append(asyncio.ensure_future(self.run_session(engine, batch, g, i, member, faults.get((g, i)))))
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, (asyncio.CancelledError, InjectedFault, SessionTimeout)):
