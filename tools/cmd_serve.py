@@ -42,6 +42,18 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def default_gateway_model(seed: int = 0):
+    """The built-in GPT sized for the gateway's byte-level chat template
+    (random weights: for wiring, tests and benchmarks, not for quality)."""
+    import torch
+
+    from engine.gateway import ByteChatTemplate
+    from learner.model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=ByteChatTemplate.VOCAB_SIZE, max_seq_len=4096, d_model=64, n_layer=2, n_head=4))
+
+
 def _build(args):
     from engine.gateway import ByteChatTemplate, HFChatTemplate, OpenAICompletionsBackend, SGLangBackend, TorchBackend, tool_parser
 
@@ -50,16 +62,17 @@ def _build(args):
     except ValueError as exc:
         raise CliError(f"--tool-parser: {exc}") from None
     if args.backend == "torch":
-        model = None
+        import torch
+
+        from learner.model import GPT, GPTConfig
+
         if args.checkpoint:
-            import torch
-
-            from learner.model import GPT, GPTConfig
-
             state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
             vocab, width = state["tok_emb.weight"].shape
             model = GPT(GPTConfig(vocab_size=vocab, d_model=width, max_seq_len=state["pos_emb.weight"].shape[0]))
             model.load_state_dict(state)
+        else:
+            model = default_gateway_model()
         backend = TorchBackend(model)
     else:
         if not args.backend_url:

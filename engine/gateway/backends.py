@@ -7,7 +7,7 @@
   server that returns token log-probs for token-id prompts (vLLM, with
   ``return_tokens_as_token_ids``); a cancelled call closes its connection,
   which makes vLLM abort the request.
-* :class:`TorchBackend`: the built-in policy (``learner.model.GPT``)
+* :class:`TorchBackend`: a torch policy such as the learner's GPT (built by ``agentlog serve``)
   in-process, with simple dynamic batching in a worker thread.
 
 Every backend returns a :class:`Generation` or raises :class:`BackendError`
@@ -280,17 +280,14 @@ class TorchBackend(Backend):
 
     name = "torch"
 
-    def __init__(self, model: Any = None, *, max_batch: int = 64, seed: int = 0, policy_version: int = 0,
+    def __init__(self, model: Any, *, max_batch: int = 64, seed: int = 0, policy_version: int = 0,
                  batch_window_s: float = 0.02, max_gather_s: float = 0.25, gil_switch_s: float | None = 0.0005) -> None:
+        # ``model`` is any module with ``config.max_seq_len``, ``config.vocab_size``
+        # and ``sample(...)`` (the learner's GPT fits). The engine never builds
+        # one itself: the engine and the learner do not know each other, so
+        # the tools layer (``agentlog serve``) constructs the model.
         import torch
 
-        from learner.model import GPT, GPTConfig
-
-        from .chat import ByteChatTemplate
-
-        if model is None:
-            torch.manual_seed(seed)
-            model = GPT(GPTConfig(vocab_size=ByteChatTemplate.VOCAB_SIZE, max_seq_len=4096, d_model=64, n_layer=2, n_head=4))
         self.model = model
         self.context_length = int(model.config.max_seq_len)
         self.vocab_size = int(model.config.vocab_size)

@@ -10,6 +10,7 @@ from engine import SessionEngine
 from engine.gateway import Backend, ByteChatTemplate, Gateway, GatewayConfig, Generation, SamplingParams, TorchBackend
 from events.log_api import MemoryLog
 from events.types import TurnRecorded, TurnUndelivered
+from tools.cmd_serve import default_gateway_model
 
 TEMPLATE = ByteChatTemplate()
 
@@ -115,7 +116,7 @@ async def rig(backend: Backend | None = None, *, log: MemoryLog | None = None, c
     """Yield (gateway, engine, log) with the gateway listening on 127.0.0.1."""
     log = log if log is not None else MemoryLog()
     engine = await SessionEngine.open(log)
-    backend = backend if backend is not None else SpyBackend(TorchBackend(**backend_kw))
+    backend = backend if backend is not None else SpyBackend(TorchBackend(default_gateway_model(backend_kw.pop("seed", 0)), **backend_kw))
     gw = Gateway(engine, backend, config=config)
     await gw.start("127.0.0.1", 0)
     try:
