@@ -11,7 +11,6 @@ PYTEST_ARGS ?= -m "not slow"
 # letting a bare `torch` requirement pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
