@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import logging
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -37,7 +36,6 @@ from tools.loop import logs
 from tools.loop.config import FaultConfig, LoopConfig
 from tools.loop.policy import build_model
 from tools.loop.run import run_loop
-from tools.loop.trainer import read_learner_records
 from tools.loop.worker import RolloutWorker
 
 

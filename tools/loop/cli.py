@@ -12,7 +12,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from tools.cli import EXIT_DATA, EXIT_USAGE, CliError
 
@@ -118,15 +117,22 @@ def write_report(run_dir: Path) -> str:
 
 def execute(cfg: LoopConfig, args, *, title: str) -> int:
     """Run the loop on ``cfg`` and do everything after it: summary, chart, report, check."""
-    from .check import check_run
-    from .run import LoopError, new_run_id, plot_reward, run_loop, summary_table
-    from .runlog import configure_process_logging
+    from .run import new_run_id
+    from .runlog import configure_process_logging, restore_logging
 
     run_dir = args.out or Path("runs") / new_run_id(cfg.seed)
     if (run_dir / "config.json").exists():
         raise CliError(f"{run_dir}: already holds a run; choose another --out", EXIT_USAGE)
     run_dir.mkdir(parents=True, exist_ok=True)
-    configure_process_logging(run_dir, "main", console=sys.stderr, console_level="info")
+    with restore_logging():
+        configure_process_logging(run_dir, "main", console=sys.stderr, console_level="info")
+        return _execute(cfg, args, run_dir, title)
+
+
+def _execute(cfg: LoopConfig, args, run_dir: Path, title: str) -> int:
+    from .check import check_run
+    from .run import LoopError, plot_reward, run_loop, summary_table
+
     import structlog
 
     log = structlog.get_logger().bind(component=title)

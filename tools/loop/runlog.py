@@ -32,6 +32,29 @@ class _Tee:
         raise structlog.DropEvent
 
 
+class restore_logging:
+    """Context manager: put structlog's configuration back as it was on exit
+    (the demo runs in-process from tests and other tools; it must not leave
+    its run folder's file as everyone's log)."""
+
+    def __enter__(self) -> "restore_logging":
+        self.config = structlog.get_config()
+        self.context = structlog.contextvars.get_contextvars()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for proc in self.config_now().get("processors", []):
+            if isinstance(proc, _Tee):
+                proc.file.close()
+        structlog.configure(**self.config)
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(**self.context)
+
+    @staticmethod
+    def config_now() -> dict[str, Any]:
+        return structlog.get_config()
+
+
 def configure_process_logging(run_dir: Path, name: str, *, console: TextIO | None = None, console_level: str = "warning") -> Path:
     """Route structlog to ``<run_dir>/logs/<name>.jsonl`` (and the console if given); returns the file path."""
     path = Path(run_dir) / "logs" / f"{name}.jsonl"

@@ -165,7 +165,6 @@ class LoopLearner:
             reducer = Reducer(reduce_config(cfg))
             pending: list[Group] = []
             released_at: dict[str, int] = {}
-            t_wait = time.perf_counter()
             async for env in logs.follow(self.run_dir / "rollout", 0):
                 out = reducer.feed(env)
                 for g in out.groups:
@@ -175,7 +174,6 @@ class LoopLearner:
                     released_at[g.group_id] = env.ts_ns
                 if len(pending) < cfg.groups_per_step:
                     continue
-                self.busy_s += 0.0
                 t_busy = time.perf_counter()
                 record = self.train_step(step, pending, lsn_next, env.lsn, released_at)
                 self._append(llog, record)
