@@ -20,7 +20,8 @@ mkdir -p "$DIR"
 exec 9>"$DIR/.install.lock"
 flock 9
 if [[ ! -x "$BIN/claude" || ! -x "$BIN/codex" ]]; then
-    npm install --prefix "$DIR" --no-audit --no-fund --loglevel=error \
+    # A short fetch timeout: with no registry reachable, fail in about a minute, not 15.
+    npm install --prefix "$DIR" --no-audit --no-fund --loglevel=error --fetch-timeout=60000 --fetch-retries=1 \
         "@anthropic-ai/claude-code@${CLAUDE_CODE_VERSION:-2.1.197}" "@openai/codex@${CODEX_VERSION:-0.171.0}" >&2
 fi
 echo "$BIN"
