@@ -141,6 +141,9 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: 
                         f"stale {_fmt(rec.metrics.get('rollout/staleness_mean'), 2)}"
                     )
                 last_version = rec.policy_version
+                if bar is not None and rec.metrics.get("loop/final", 0.0) >= 1.0:
+                    bar.total = rec.policy_version  # stopped early: by reward or time
+                    bar.refresh()
             seen = len(records)
             lrc = procs["learner"].poll()
             wrc = procs["worker"].poll()
