@@ -125,6 +125,12 @@ class GroupTracker:
                     f" at lsn {released_at} (group ids are never reused)"
                 )
             p = self._pending[group_id] = _Pending(group_size)
+        if session_id in p.opened:
+            # A reused id would otherwise count as a second member of its group.
+            raise GroupError(
+                f"group {group_id!r}: session {session_id!r} at lsn {lsn} joins again (first joined at lsn"
+                f" {p.opened[session_id][1]}); session ids are never reused"
+            )
         if group_size != p.group_size:
             others = ", ".join(f"{s!r} (lsn {l})" for s, (_, l) in list(p.opened.items())[:8])
             raise GroupError(

@@ -14,6 +14,7 @@ it is released. The reducer is pure: no clock, randomness, I/O or torch.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Iterable, NamedTuple
 
 import msgspec
@@ -37,6 +38,13 @@ from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, 
 from .metrics import MetricsAccumulator
 from .samples import Sample, SampleDigest, aborted_placeholder, finished_samples, resolve_reward
 from .trajectory import SessionTrajectory, Trajectory, TrajectoryError
+
+
+#: How many recently ended session ids the reducer remembers, to refuse an id
+#: that is opened again (ids are never reused). Bounded, so memory does not
+#: grow with the length of the run; a reuse within one pending group is
+#: refused whatever its distance (see ``GroupTracker.open``).
+ENDED_WINDOW = 1024
 
 
 class ReduceError(ValueError):
@@ -93,6 +101,7 @@ class Reducer:
         self.config = config
         self._sessions: dict[str, _Session] = {}
         self._groups = GroupTracker(config.min_valid)
+        self._ended: OrderedDict[str, int] = OrderedDict()  # session_id -> lsn of its terminal event
         self.metrics = MetricsAccumulator(config.reward_key, config.solve_threshold)
         self.digest = SampleDigest()
         self.last_lsn = -1
@@ -118,6 +127,13 @@ class Reducer:
             return Outputs([], [])  # learner progress: not a session event
         sid = env.session_id
         session = self._sessions.get(sid)
+        if session is None and sid in self._ended:
+            raise ReduceError(
+                lsn,
+                sid,
+                f"{event_tag(body)} for a session that is not in flight: it reached its terminal event at lsn"
+                f" {self._ended[sid]} (nothing may follow a terminal event; session ids are never reused)",
+            )
         if session is None and not isinstance(body, SessionOpened):
             raise ReduceError(
                 lsn,
@@ -173,6 +189,9 @@ class Reducer:
 
     def _terminal(self, sid: str, session: _Session, body: Any, lsn: int) -> Outputs:
         del self._sessions[sid]  # evict first: nothing may follow a terminal event
+        self._ended[sid] = lsn
+        if len(self._ended) > ENDED_WINDOW:
+            self._ended.popitem(last=False)
         traj = session.trajectory
         member: GroupMember | None
         samples: list[Sample]

@@ -160,6 +160,28 @@ def test_turn_after_terminal_event_is_reported_with_lsn_and_session():
     straggler = TurnRecorded(turn_index=1, prompt_ids=[1], output_ids=[2])
     with pytest.raises(ReduceError, match=r"lsn 9, session 's': turn_recorded for a session that is not in flight"):
         reducer.feed(_env(9, "s", 4, straggler))
+    with pytest.raises(ReduceError, match=r"reached its terminal event at lsn 3"):
+        reducer.feed(_env(9, "s", 4, straggler))
+
+
+def test_a_reused_session_id_is_an_error_not_a_second_session():
+    """Ids are never reused: re-opening an ended id must not yield a second set of samples."""
+    reducer = Reducer()
+    reducer.feed_many(log_of(member("s", gid="g1", size=1).finish(1.0)).read(0))
+    with pytest.raises(ReduceError, match=r"lsn 9, session 's': session_opened .*terminal event at lsn 3"):
+        reducer.feed(_env(9, "s", 0, SessionOpened(group_id="g2", group_size=1)))
+    assert reducer.open_sessions() == {} and reducer.pending_groups() == {}
+
+
+def test_a_reused_session_id_never_counts_twice_in_its_group():
+    """Even once the reducer's window of ended ids has forgotten it, a pending group refuses the id again."""
+    from reducers.groups import GroupError, GroupTracker
+
+    groups = GroupTracker()
+    groups.open("g", "a", 3, 0, lsn=0)
+    with pytest.raises(GroupError, match=r"session 'a' at lsn 5 joins again \(first joined at lsn 0\)"):
+        groups.open("g", "a", 3, 1, lsn=5)
+    assert groups.pending() == {"g": (3, 1, 0)}
 
 
 def test_session_seq_gap_and_lsn_regression_are_errors():
