@@ -143,12 +143,45 @@ class _Dom(html.parser.HTMLParser):
             self.legend.append(data)
 
 
-def _chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser")
+def _chromium_dump_dom(binary: str, url: str, profile: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``chromium --headless --dump-dom url`` in its own process group. On a
+    timeout the whole group is killed (its helper processes hold the output
+    pipes) and TimeoutExpired is raised."""
+    cmd = [
+        binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
+        # Every host name fails to resolve: the page must render with no network at all.
+        "--host-resolver-rules=MAP * ~NOTFOUND", "--virtual-time-budget=10000", "--dump-dom", url,
+    ]
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-@pytest.mark.skipif(_chromium() is None, reason="chromium not installed (.ci/run installs it)")
-def test_report_in_headless_chromium_shows_one_bar_per_session_and_the_outcome_counts(run_log, tmp_path):
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory) -> str:
+    """A headless Chromium that renders a trivial page, or skip with the reason
+    (not installed, or installed but unable to run on this machine)."""
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        pytest.skip("chromium not installed (.ci/run installs it)")
+    try:
+        probe = _chromium_dump_dom(binary, "data:text/html,<p id=probe>ok</p>", tmp_path_factory.mktemp("probe"), timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"{binary} did not render a trivial page within 60 s")
+    if probe.returncode != 0 or 'id="probe"' not in probe.stdout:
+        pytest.skip(f"{binary} cannot render a trivial page here: {probe.stderr.strip()[-300:]}")
+    return binary
+
+
+def test_report_in_headless_chromium_shows_one_bar_per_session_and_the_outcome_counts(run_log, tmp_path, chromium):
     path, _ = run_log
     out = tmp_path / "report.html"
     res = agentlog("report", str(path), "-o", str(out))
@@ -156,15 +189,7 @@ def test_report_in_headless_chromium_shows_one_bar_per_session_and_the_outcome_c
     page = out.read_text()
     # Self-contained: no external script, stylesheet or image (plotly.js is inlined).
     assert not re.search(r"<(script|img|iframe)[^>]*\ssrc=|<link[^>]*href=", page)
-    dom = subprocess.run(
-        [
-            _chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'chromium'}",
-            # Every host name fails to resolve: the page must render with no network at all.
-            "--host-resolver-rules=MAP * ~NOTFOUND", "--virtual-time-budget=10000", "--dump-dom", out.as_uri(),
-        ],
-        capture_output=True, text=True, timeout=120,
-    )
+    dom = _chromium_dump_dom(chromium, out.as_uri(), tmp_path / "chromium")
     assert dom.returncode == 0, dom.stderr[-2000:]
     p = _Dom()
     p.feed(dom.stdout)
