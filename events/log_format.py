@@ -40,7 +40,7 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 import google_crc32c
 import msgspec
@@ -465,9 +465,3 @@ def write_atomic(directory: Path, name: str, data: bytes) -> None:
         os.close(fd)
     os.replace(tmp, directory / name)
     fsync_dir(directory)
-
-
-def describe(value: Any) -> str:
-    """Short repr for error messages."""
-    r = repr(value)
-    return r if len(r) <= 80 else r[:77] + "..."
