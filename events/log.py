@@ -85,7 +85,7 @@ from .log_format import (
     segment_name,
     write_atomic,
 )
-from .types import EVENT_TYPES, TERMINAL_EVENT_TYPES, Envelope, EventValidationError, decode_body, encode_body
+from .types import EVENT_TYPES, TERMINAL_EVENT_TYPES, Envelope, EventValidationError, decode_body
 
 __all__ = [
     "FSYNC_POLICIES",

@@ -26,7 +26,7 @@ import structlog
 import torch
 
 from learner.advantages import compute_advantages
-from learner.batching import Batch, make_batches
+from learner.batching import make_batches
 from learner.config import LearnerConfig
 from learner.loss import policy_loss
 from learner.model import token_log_probs

@@ -3,7 +3,6 @@ and reopening continues exactly where the log left off."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tracemalloc
 
