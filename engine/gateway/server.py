@@ -27,6 +27,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from engine.core import DuplicateSession
 from events.lifecycle import TERMINAL_STATES, IllegalTransition, State
 
 from .api import APIS, ResponsesAPI, TurnRequest, TurnResult, error_body, now_s
@@ -37,6 +38,9 @@ _log = structlog.get_logger("agentlog.gateway")
 
 #: How often (in requests) the per-session table is swept for ended sessions.
 _SWEEP_EVERY = 1024
+
+#: Keys a session's sampling defaults may set (configure_session, admin open).
+_SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "seed", "max_new_tokens"})
 
 _TOOL_ID_PREFIX = {"chat": "call_", "responses": "call_", "messages": "toolu_"}
 _RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
@@ -165,7 +169,7 @@ class Gateway:
         """Per-session sampling defaults and turn cap (forgotten when the session ends)."""
         cfg = self._sessions.setdefault(session_id, _SessionCfg())
         if sampling:
-            unknown = set(sampling) - {"temperature", "top_p", "top_k", "seed", "max_new_tokens"}
+            unknown = set(sampling) - _SAMPLING_KEYS
             if unknown:
                 raise ValueError(f"session {session_id!r}: unknown sampling keys {sorted(unknown)}")
             cfg.sampling.update(sampling)
@@ -464,6 +468,17 @@ class Gateway:
         except _Refused as exc:
             return self._error("openai", exc.status, exc.kind, str(exc))
         sid = body.get("session_id")
+        sampling, max_turns = body.get("sampling"), body.get("max_turns")
+        # Checked before the open: a refused request must leave nothing in the log.
+        problem = None
+        if sampling is not None and not isinstance(sampling, dict):
+            problem = f"sampling: expected an object, found {type(sampling).__name__}"
+        elif sampling and set(sampling) - _SAMPLING_KEYS:
+            problem = f"sampling: unknown keys {sorted(set(sampling) - _SAMPLING_KEYS)}, expected some of {sorted(_SAMPLING_KEYS)}"
+        elif max_turns is not None and (type(max_turns) is not int or max_turns < 1):
+            problem = f"max_turns: expected an int >= 1, found {max_turns!r}"
+        if problem is not None:
+            return self._error("openai", 400, "invalid_request_error", f"admin open of session {sid!r}: {problem}")
         try:
             h = await self.engine.open_session(
                 sid,
@@ -477,9 +492,9 @@ class Gateway:
                 metadata=body.get("metadata") or {},
             )
             await h.start(harness=str(body.get("agent", "")), sandbox="external", details={"gateway": self.url})
-            self.configure_session(sid, sampling=body.get("sampling"), max_turns=body.get("max_turns"))
+            self.configure_session(sid, sampling=sampling, max_turns=max_turns)
         except Exception as exc:  # reported to the caller with its type; nothing half-done is hidden
-            return self._error("openai", 409 if "Duplicate" in type(exc).__name__ else 400, "invalid_request_error", f"{type(exc).__name__}: {exc}")
+            return self._error("openai", 409 if isinstance(exc, DuplicateSession) else 400, "invalid_request_error", f"{type(exc).__name__}: {exc}")
         return web.json_response({"session_id": sid, "state": str(h.state)})
 
     async def _admin_end(self, request: web.Request) -> web.Response:

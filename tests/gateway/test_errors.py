@@ -266,3 +266,30 @@ def test_new_weights_are_used_and_recorded_with_their_policy_version():
             assert t1.log_probs.tolist() == pytest.approx([-4.8598] * len(t1.log_probs), abs=1e-3)  # log(1/129)
 
     run(body())
+
+
+@pytest.mark.parametrize(
+    "extra, problem",
+    [
+        ({"sampling": {"temprature": 0.5}}, "unknown keys ['temprature']"),
+        ({"sampling": "hot"}, "sampling: expected an object, found str"),
+        ({"max_turns": "ten"}, "max_turns: expected an int >= 1, found 'ten'"),
+        ({"max_turns": 0}, "max_turns: expected an int >= 1, found 0"),
+    ],
+)
+def test_admin_open_with_bad_options_is_400_and_opens_nothing(extra, problem):
+    """A refused admin open leaves no session behind (no half-opened, running session)."""
+
+    async def body():
+        async with rig(ScriptedBackend(lambda p: "x")) as (gw, engine, log):
+            gw.admin_token = "tok"
+            status, err = await _post(gw.url, "/admin/sessions", None, json.dumps({"session_id": "s", **extra}), {"X-Admin-Token": "tok"})
+            assert status == 400 and problem in err["error"]["message"] and "'s'" in err["error"]["message"]
+            assert log.next_lsn == 0 and engine.get("s") is None
+            # the same id is still free: a corrected request opens it
+            status, ok = await _post(gw.url, "/admin/sessions", None, json.dumps({"session_id": "s", "max_turns": 2}), {"X-Admin-Token": "tok"})
+            assert (status, ok) == (200, {"session_id": "s", "state": "running"})
+            status, _ = await _post(gw.url, "/admin/sessions", None, json.dumps({"session_id": "s"}), {"X-Admin-Token": "tok"})
+            assert status == 409
+
+    run(body())
