@@ -16,17 +16,7 @@ from typing import Any, Mapping
 
 from transitions import Machine
 
-from .types import (
-    CommandRan,
-    RewardAssigned,
-    SessionAborted,
-    SessionDropped,
-    SessionFinished,
-    SessionOpened,
-    SessionStarted,
-    TurnRecorded,
-    TurnUndelivered,
-)
+from .types import EVENT_TYPES, CommandRan, RewardAssigned, SessionOpened, TurnRecorded, TurnUndelivered
 
 
 class State(str, Enum):
@@ -52,8 +42,11 @@ LIFECYCLE_SPEC: tuple[dict[str, Any], ...] = (
     {"trigger": "drop", "source": ["open", "running"], "dest": "dropped", "event": "session_dropped"},
 )
 
-#: Events that happen inside a running session without changing its state.
-IN_SESSION_EVENTS = ("turn_recorded", "turn_undelivered", "command_ran", "reward_assigned")
+#: Event bodies that are legal only while the session is running; they
+#: happen inside it without changing its state.
+RUNNING_ONLY_EVENTS: tuple[type, ...] = (TurnRecorded, TurnUndelivered, CommandRan, RewardAssigned)
+#: The same events by tag (for folds over projections that carry tags only).
+IN_SESSION_EVENTS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in RUNNING_ONLY_EVENTS)
 
 
 def _build_machine() -> Machine:
@@ -84,17 +77,11 @@ def _derive_table(machine: Machine) -> Mapping[tuple[State, str], State]:
 TRANSITIONS: Mapping[tuple[State, str], State] = _derive_table(MACHINE)
 TRIGGERS: tuple[str, ...] = tuple(t["trigger"] for t in LIFECYCLE_SPEC)
 
-#: Which trigger each terminal/transition event body fires.
+#: Which trigger each terminal/transition event body fires (from LIFECYCLE_SPEC).
+_TYPE_OF_TAG: Mapping[str, type] = {t.__struct_config__.tag: t for t in EVENT_TYPES}
 TRIGGER_OF_EVENT: Mapping[type, str] = MappingProxyType(
-    {
-        SessionStarted: "start",
-        SessionFinished: "finish",
-        SessionAborted: "abort",
-        SessionDropped: "drop",
-    }
+    {_TYPE_OF_TAG[spec["event"]]: spec["trigger"] for spec in LIFECYCLE_SPEC}
 )
-#: Event bodies that are legal only while the session is running.
-RUNNING_ONLY_EVENTS: tuple[type, ...] = (TurnRecorded, TurnUndelivered, CommandRan, RewardAssigned)
 
 
 class LifecycleError(Exception):
