@@ -1315,13 +1315,31 @@ def verify_log(path: str | os.PathLike, repair: bool = False, *, max_record_byte
     sequence of the log at ``path``. ``repair=True`` truncates a torn tail
     (taking the writer lock); it never touches mid-log corruption.
     Raises FileNotFoundError / NotALog for a path that is not a log."""
-    from tqdm import tqdm
-
     directory = Path(path)
     if not directory.exists():
         raise FileNotFoundError(f"{directory}: no such file or directory")
     if not is_log_dir(directory):
         raise NotALog(f"{directory}: not an agentlog log directory (no segment files, no {DURABLE_NAME})")
+    rep = _scan(directory, max_record_bytes)
+    if rep.status == "torn" and repair:
+        # Cut only from a scan taken under the writer lock: since the unlocked
+        # scan a writer may have opened (recovering the tail itself), appended
+        # and acknowledged records, which a cut at the stale position destroys.
+        lock_fd = _acquire_lock(directory)
+        try:
+            rep = _scan(directory, max_record_bytes)
+            if rep.status == "torn":
+                _repair_tail(directory, rep)
+        finally:
+            fcntl.flock(lock_fd, fcntl.LOCK_UN)
+            os.close(lock_fd)
+    return rep
+
+
+def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
+    """The checks of :func:`verify_log`, changing nothing."""
+    from tqdm import tqdm
+
     durable = read_durable(directory)
     watermark = durable[0] if durable else None
     segs = list_segments(directory)
@@ -1393,28 +1411,22 @@ def verify_log(path: str | os.PathLike, repair: bool = False, *, max_record_byte
         bar.close()
         rep.next_lsn = expected
         rep.open_sessions = len(seqs)
-    if rep.status == "torn" and repair:
-        _repair_tail(directory, rep)
     return rep
 
 
 def _repair_tail(directory: Path, rep: VerifyReport) -> None:
-    lock_fd = _acquire_lock(directory)
-    try:
-        path = directory / rep.segment
-        if rep.offset <= SEG_HDR_SIZE:
-            os.unlink(path)
-            rep.segments -= 1
-        else:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                os.ftruncate(fd, rep.offset)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(directory)
-        # Reported through the returned VerifyReport (the CLI prints it as its one line).
-        rep.status = "repaired"
-    finally:
-        fcntl.flock(lock_fd, fcntl.LOCK_UN)
-        os.close(lock_fd)
+    """Cut the torn tail ``rep`` found; the caller holds the writer lock."""
+    path = directory / rep.segment
+    if rep.offset <= SEG_HDR_SIZE:
+        os.unlink(path)
+        rep.segments -= 1
+    else:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.ftruncate(fd, rep.offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(directory)
+    # Reported through the returned VerifyReport (the CLI prints it as its one line).
+    rep.status = "repaired"

@@ -90,3 +90,30 @@ def test_repair_refuses_while_a_writer_holds_the_log(tmp_path, capsys):
     finally:
         os.close(fd)
     assert code == 2 and "another writer" in err
+
+
+def test_repair_never_cuts_records_a_writer_acknowledged_after_the_first_scan(tmp_path, monkeypatch):
+    """A writer that opens, recovers and appends between verify's unlocked scan
+    and its cut keeps every acknowledged record: the cut comes from a scan
+    taken under the writer lock."""
+    import events.log as log_module
+    from events.log import read_log, verify_log
+
+    d, _seg, _start = _torn(tmp_path)
+    real_lock = log_module._acquire_lock
+    acked: list = []
+    raced: list = []
+
+    def writer_runs_first(directory):
+        if not raced:  # once, at verify's lock: a whole writer session slips in
+            raced.append(directory)
+            lg = FileLog.open(directory)
+            acked.extend(lg.append_batch([("late", 0, SessionOpened(group_id="g2", group_size=1))]))
+            lg.close()
+        return real_lock(directory)
+
+    monkeypatch.setattr(log_module, "_acquire_lock", writer_runs_first)
+    rep = verify_log(d, repair=True)
+    assert acked and rep.status == "ok"
+    assert list(read_log(d))[-1] == acked[0]
+    assert verify_log(d).status == "ok"
