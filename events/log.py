@@ -126,15 +126,15 @@ class OsOps:
     subclass to inject faults (EIO, ENOSPC, short writes) into a real writer."""
 
     def writev(self, fd: int, buffers: list) -> int:
+        """``os.writev``: may write fewer bytes than given (the writer completes it)."""
         return os.writev(fd, buffers)
 
     def fdatasync(self, fd: int) -> None:
+        """``os.fdatasync``: makes a batch of frames durable."""
         os.fdatasync(fd)
 
-    def fsync(self, fd: int) -> None:
-        os.fsync(fd)
-
     def pwrite(self, fd: int, data: bytes, offset: int) -> int:
+        """``os.pwrite``: writes at an offset without moving the file position."""
         return os.pwrite(fd, data, offset)
 
 

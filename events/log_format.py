@@ -161,6 +161,8 @@ def pack_segment_header(epoch: int, first_lsn: int) -> bytes:
 
 
 class SegmentHeader(NamedTuple):
+    """A checked segment header: format version, writer epoch, first LSN."""
+
     version: int
     epoch: int
     first_lsn: int
