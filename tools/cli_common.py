@@ -112,14 +112,23 @@ def fmt_ts(ts_ns: int) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
 
 
-def nonneg_int(text: str) -> int:
-    """argparse type: an int >= 0."""
+def _int_at_least(text: str, low: int) -> int:
     import argparse
 
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, found {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, found {value}")
+        raise argparse.ArgumentTypeError(f"expected an int >= {low}, found {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an int >= {low}, found {value}")
     return value
+
+
+def nonneg_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    return _int_at_least(text, 0)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    return _int_at_least(text, 1)

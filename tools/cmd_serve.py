@@ -20,6 +20,7 @@ import signal
 import sys
 
 from tools.cli import CliError
+from tools.cli_common import nonneg_int, positive_int
 
 
 def register(sub) -> None:
@@ -28,18 +29,31 @@ def register(sub) -> None:
     p.add_argument("--log", required=True, help="log directory (created if missing)")
     p.add_argument("--backend", choices=["torch", "sglang", "vllm"], default="torch", help="inference backend (default: the built-in torch policy)")
     p.add_argument("--backend-url", default="", help="base URL of the SGLang / vLLM server")
-    p.add_argument("--context-length", type=int, default=0, help="SGLang / vLLM: the model's context (turns that would overflow it finish 'length')")
+    p.add_argument("--context-length", type=nonneg_int, default=0, help="SGLang / vLLM: the model's context (turns that would overflow it finish 'length')")
     p.add_argument("--model", default="", help="model name sent to a vLLM server and reported by /v1/models")
     p.add_argument("--tokenizer", default="", help="Hugging Face tokenizer (name or path) for the chat template; needs transformers (default for SGLang/vLLM: --model when transformers is installed)")
     p.add_argument("--checkpoint", default="", help="torch backend: a state_dict file for the built-in GPT (loaded with weights_only=True)")
     p.add_argument("--tool-parser", default="hermes", help="how tool calls are parsed from model text (hermes, none)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
-    p.add_argument("--fsync", default="batch", help="log fsync policy (always/batch/interval/never)")
-    p.add_argument("--max-turns", type=int, default=256, help="turn cap per session (answered 429 beyond it)")
-    p.add_argument("--max-tokens", type=int, default=512, help="default output allowance per turn")
+    p.add_argument("--port", type=_port, default=8000, help="port (0: any free port)")
+    p.add_argument("--fsync", choices=["always", "batch", "interval", "never"], default="batch", help="log fsync policy (default batch)")
+    p.add_argument("--max-turns", type=positive_int, default=256, help="turn cap per session (answered 429 beyond it)")
+    p.add_argument("--max-tokens", type=positive_int, default=512, help="default output allowance per turn")
     p.add_argument("--admin-token", default=os.environ.get("AGENTLOG_ADMIN_TOKEN", ""), help="admin API token (default: $AGENTLOG_ADMIN_TOKEN, else generated and printed)")
     p.set_defaults(func=run)
+
+
+def _port(text: str) -> int:
+    """argparse type: a TCP port, 0 to 65535 (0: any free port)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port 0-65535, found {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0-65535, found {value}")
+    return value
 
 
 def default_gateway_model(seed: int = 0):
@@ -67,10 +81,19 @@ def _build(args):
         from learner.model import GPT, GPTConfig
 
         if args.checkpoint:
-            state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-            vocab, width = state["tok_emb.weight"].shape
-            model = GPT(GPTConfig(vocab_size=vocab, d_model=width, max_seq_len=state["pos_emb.weight"].shape[0]))
-            model.load_state_dict(state)
+            try:
+                state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+                vocab, width = state["tok_emb.weight"].shape
+                model = GPT(GPTConfig(vocab_size=vocab, d_model=width, max_seq_len=state["pos_emb.weight"].shape[0]))
+                model.load_state_dict(state)
+            except OSError as exc:
+                raise CliError(f"--checkpoint {args.checkpoint}: {exc.strerror or exc}") from None
+            except Exception as exc:  # torch.load and load_state_dict raise many types for a file that is not ours
+                # Their messages run over several lines; the first says what was wrong.
+                why = (str(exc).strip().splitlines() or [""])[0]
+                raise CliError(
+                    f"--checkpoint {args.checkpoint}: expected a state_dict of the built-in GPT, found something else ({type(exc).__name__}: {why})"
+                ) from None
         else:
             model = default_gateway_model()
         backend = TorchBackend(model)
@@ -107,12 +130,13 @@ async def _serve(args) -> int:
     from engine import SessionEngine
     from engine.gateway import Gateway, GatewayConfig
     from events.log import FileLog
+    from events.log_api import LogError
 
     backend, template, parser = _build(args)
     token = args.admin_token or secrets.token_urlsafe(18)
     try:
         log = FileLog.open(args.log, fsync=args.fsync)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, LogError) as exc:  # LogError: not a log, or locked by another writer
         raise CliError(f"--log {args.log}: {exc}") from None
     engine = await SessionEngine.open(log)
     config = GatewayConfig(max_turns=args.max_turns, default_max_tokens=args.max_tokens, model_name=args.model or "agentlog")

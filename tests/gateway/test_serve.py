@@ -62,3 +62,23 @@ def test_serve_records_turns_of_admin_opened_sessions_into_a_durable_log(tmp_pat
         assert len(turns) == 1 and turns[0].output_tokens.size <= 6
         (sample,) = reduce_log(log).samples
         assert sample.session_id == "a1" and sample.reward == 1.0
+
+
+def test_serve_bad_input_is_one_line_exit_2_and_never_a_traceback(tmp_path):
+    """Bad options, an unreadable checkpoint and a --log that is a file: one line naming it, exit 2."""
+    (tmp_path / "plain").write_text("not a log")
+    (tmp_path / "bad.pt").write_text("not a checkpoint")
+    cases = [
+        (["--port", "70000"], "--port: expected a port 0-65535, found 70000"),
+        (["--max-turns", "0"], "--max-turns: expected an int >= 1, found 0"),
+        (["--fsync", "sometimes"], "--fsync: invalid choice: 'sometimes'"),
+        (["--checkpoint", str(tmp_path / "missing.pt")], "missing.pt: No such file or directory"),
+        (["--checkpoint", str(tmp_path / "bad.pt")], "bad.pt: expected a state_dict of the built-in GPT"),
+        (["--log", str(tmp_path / "plain")], "is a file, expected a log directory"),
+    ]
+    for extra, message in cases:
+        args = ["--log", str(tmp_path / "log"), "--port", "0", *extra]
+        res = subprocess.run([sys.executable, "-m", "tools.cli", "serve", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2, (extra, res.stderr)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("agentlog: error: ") and message in lines[0], (extra, res.stderr)
