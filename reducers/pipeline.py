@@ -6,8 +6,10 @@ envelope while the log is tailed) and offline reconstruction
 
 Each envelope is checked against the lifecycle table (via
 ``events.lifecycle.state_after_event``), its LSN must increase and its
-``session_seq`` must be the session's ``last + 1``; anything else raises
-:class:`ReduceError` naming the LSN and the session. A session's state is
+``session_seq`` must be the session's ``last + 1``, and an ended session's
+id may not come back (checked against the last ``ENDED_WINDOW`` ended ids, and
+exactly within a pending group); anything else raises :class:`ReduceError`
+naming the LSN and the session. A session's state is
 evicted at its terminal event, once its samples are emitted; a group's once
 it is released. The reducer is pure: no clock, randomness, I/O or torch.
 """
