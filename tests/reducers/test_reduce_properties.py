@@ -82,8 +82,6 @@ _DIGEST_SCRIPT = """
 import sys
 sys.path.insert(0, {here!r})
 from reduce_streams import RandomStream
-from reference_trajectory import reference_rows
-from events.types import SessionFinished, TurnRecorded, TurnUndelivered
 from reducers.config import ReduceConfig
 from reducers.pipeline import reduce_log
 for seed in range(25):
