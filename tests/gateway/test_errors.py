@@ -106,6 +106,33 @@ def test_context_exhaustion_finishes_the_turn_with_length():
     run(body())
 
 
+def test_response_is_sent_only_after_the_turn_is_durable():
+    """While the log holds the turn_recorded append, the client gets no byte of the answer."""
+
+    async def body():
+        log = GatedLog()
+        async with rig(ScriptedBackend(lambda p: "answer"), log=log) as (gw, engine, _):
+            log.gate.set()
+            await open_running(engine, "s")
+            log.gate.clear()
+            async with aiohttp.ClientSession() as session:
+                req = asyncio.ensure_future(
+                    session.post(gw.url + "/v1/chat/completions", json={"messages": CHAT}, headers={"Authorization": "Bearer s"})
+                )
+                await asyncio.wait_for(log.waiting.wait(), 10)  # the turn is being made durable
+                done, _ = await asyncio.wait({req}, timeout=0.3)
+                assert not done, "the response started before its turn was recorded"
+                assert turns_of(log, "s") == []
+                log.gate.set()
+                resp = await asyncio.wait_for(req, 10)
+                out = await resp.json()
+                assert resp.status == 200 and out["choices"][0]["message"]["content"] == "answer"
+                (turn,) = turns_of(log, "s")
+                assert turn.response_message == {"role": "assistant", "content": "answer"}
+
+    run(body())
+
+
 def test_client_disconnect_after_recording_appends_turn_undelivered():
     async def body():
         log = GatedLog()
