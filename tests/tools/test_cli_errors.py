@@ -30,12 +30,17 @@ def _one_line_exit_2(res, *needles: str) -> None:
     ],
     ids=lambda c: c[0],
 )
-def test_a_missing_log_and_a_non_log_directory_exit_2_naming_the_path(cmd, tmp_path):
+def test_a_missing_log_a_plain_file_and_a_non_log_directory_exit_2_naming_the_path(cmd, tmp_path):
     missing = tmp_path / "no-such-log"
     other = tmp_path / "not-a-log"
     other.mkdir()
     (other / "notes.txt").write_text("hello")
-    for target in (missing, other):
+    plain = tmp_path / "plain-file"
+    plain.write_text("hello")
+    empty = tmp_path / "empty-dir"
+    empty.mkdir()
+    # tail accepts an empty directory: a log about to be written.
+    for target in (missing, other, plain) if cmd[0] == "tail" else (missing, other, plain, empty):
         args = [a.replace("{TMP}", str(tmp_path)) for a in cmd]
         if "{LOG}" in args:
             args = [str(target) if a == "{LOG}" else a for a in args]
