@@ -76,8 +76,25 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     # template's stop ids end a turn), so the gateway records them as ignored.
     stop = body.get("stop", body.get("stop_sequences"))
     if stop:
-        out["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            raise RequestError("stop" if "stop" in body else "stop_sequences", "a string or a list of strings", stop)
+        out["stop"] = stop
     return out
+
+
+def _tool_items(items: Any, where: str) -> list[dict[str, Any]]:
+    """The tool definitions at ``where``: absent is none; anything but a list
+    of objects is a RequestError (never silently read as no tools)."""
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise RequestError(where, "a list of tool objects", items)
+    for i, t in enumerate(items):
+        if not isinstance(t, dict):
+            raise RequestError(f"{where}[{i}]", "a tool object", t)
+    return items
 
 
 def _max_tokens(body: dict[str, Any], *keys: str) -> int | None:
@@ -158,8 +175,8 @@ class ChatCompletionsAPI:
             else:
                 messages.append({"role": role, "content": content})
         tools = []
-        for i, t in enumerate(body.get("tools") or []):
-            fn = t.get("function") if isinstance(t, dict) else None
+        for i, t in enumerate(_tool_items(body.get("tools"), "tools")):
+            fn = t.get("function")
             if t.get("type", "function") != "function" or not isinstance(fn, dict):
                 continue  # hosted tools are not the model's to call
             if not isinstance(fn.get("name"), str):
@@ -288,8 +305,8 @@ class MessagesAPI:
             else:
                 raise RequestError(f"{where}.role", "user, assistant or system", role)
         tools = []
-        for i, t in enumerate(body.get("tools") or []):
-            if not isinstance(t, dict) or "input_schema" not in t:
+        for i, t in enumerate(_tool_items(body.get("tools"), "tools")):
+            if "input_schema" not in t:
                 continue  # server tools (web_search_*, ...) are not the model's to call
             if not isinstance(t.get("name"), str):
                 raise RequestError(f"tools[{i}].name", "a string", t.get("name"))
@@ -360,9 +377,7 @@ class MessagesAPI:
 
 
 def _responses_tools(items: Any, where: str, out: list[ToolSpec], namespace: str = "") -> None:
-    for i, t in enumerate(items or []):
-        if not isinstance(t, dict):
-            continue
+    for i, t in enumerate(_tool_items(items, where)):
         kind = t.get("type")
         if kind == "namespace":
             _responses_tools(t.get("tools"), f"{where}[{i}].tools", out, str(t.get("name") or ""))

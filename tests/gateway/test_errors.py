@@ -203,6 +203,17 @@ def test_malformed_json_and_bad_fields_are_400_naming_the_problem():
             assert status == 400 and "input" in err["error"]["message"]
             status, err = await _post(gw.url, "/v1/responses", "s", json.dumps({"input": "x", "previous_response_id": "resp_1"}))
             assert status == 400 and "previous_response_id" in err["error"]["message"]
+            # Wrong shapes in optional fields are 400s naming the field, not 500s.
+            for path, bad, where in [
+                ("/v1/chat/completions", {"messages": CHAT, "tools": "shell"}, "tools: expected a list of tool objects"),
+                ("/v1/chat/completions", {"messages": CHAT, "tools": [5]}, "tools[0]: expected a tool object"),
+                ("/v1/chat/completions", {"messages": CHAT, "stop": 5}, "stop: expected a string or a list of strings"),
+                ("/v1/messages", {"messages": CHAT, "max_tokens": 5, "tools": "shell"}, "tools: expected a list of tool objects"),
+                ("/v1/responses", {"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": 3}]}, "tools[0].tools: expected a list"),
+            ]:
+                status, err = await _post(gw.url, path, "s", json.dumps(bad))
+                message = err["error"]["message"]
+                assert status == 400 and where in message, (path, bad, status, err)
             assert log.next_lsn == before
 
     run(body())
