@@ -106,20 +106,25 @@ def test_context_exhaustion_finishes_the_turn_with_length():
     run(body())
 
 
+async def _turn_held_at_the_log(gw, engine, log: GatedLog, session: aiohttp.ClientSession):
+    """Start running session "s", post one chat turn and return (handle, the
+    request's future) once its turn_recorded append waits on the log's gate."""
+    log.gate.set()
+    h = await open_running(engine, "s")
+    log.gate.clear()
+    req = asyncio.ensure_future(session.post(gw.url + "/v1/chat/completions", json={"messages": CHAT}, headers={"Authorization": "Bearer s"}))
+    await asyncio.wait_for(log.waiting.wait(), 10)
+    return h, req
+
+
 def test_response_is_sent_only_after_the_turn_is_durable():
     """While the log holds the turn_recorded append, the client gets no byte of the answer."""
 
     async def body():
         log = GatedLog()
         async with rig(ScriptedBackend(lambda p: "answer"), log=log) as (gw, engine, _):
-            log.gate.set()
-            await open_running(engine, "s")
-            log.gate.clear()
             async with aiohttp.ClientSession() as session:
-                req = asyncio.ensure_future(
-                    session.post(gw.url + "/v1/chat/completions", json={"messages": CHAT}, headers={"Authorization": "Bearer s"})
-                )
-                await asyncio.wait_for(log.waiting.wait(), 10)  # the turn is being made durable
+                _, req = await _turn_held_at_the_log(gw, engine, log, session)
                 done, _ = await asyncio.wait({req}, timeout=0.3)
                 assert not done, "the response started before its turn was recorded"
                 assert turns_of(log, "s") == []
@@ -137,14 +142,8 @@ def test_client_disconnect_after_recording_appends_turn_undelivered():
     async def body():
         log = GatedLog()
         async with rig(ScriptedBackend(lambda p: "answer"), log=log) as (gw, engine, _):
-            log.gate.set()
-            h = await open_running(engine, "s")
-            log.gate.clear()
             session = aiohttp.ClientSession()
-            req = asyncio.ensure_future(
-                session.post(gw.url + "/v1/chat/completions", json={"messages": CHAT}, headers={"Authorization": "Bearer s"})
-            )
-            await asyncio.wait_for(log.waiting.wait(), 10)  # the turn is being made durable...
+            h, req = await _turn_held_at_the_log(gw, engine, log, session)  # the turn is being made durable...
             req.cancel()  # ...when the client goes away
             await session.close()
             await asyncio.sleep(0.05)
