@@ -73,3 +73,23 @@ def test_an_unknown_session_id_exits_2(run_log):
 def test_an_invalid_option_exits_2_with_one_line(run_log, args, needle):
     path, _ = run_log
     _one_line_exit_2(agentlog(*[str(path) if a == "{LOG}" else a for a in args]), needle)
+
+
+def test_a_crc_valid_frame_that_is_not_an_event_exits_1_naming_its_lsn_and_session(run_log_copy, tmp_path):
+    """Every reading command stops at a foreign payload with one line, exit 1, never a traceback."""
+    from events.log_format import encode_frame, list_segments, pack_durable, read_durable, segment_name
+
+    next_lsn, epoch = read_durable(run_log_copy)
+    with open(run_log_copy / segment_name(list_segments(run_log_copy)[-1]), "ab") as f:
+        f.write(encode_frame(next_lsn, 3, 1, 0, b"live-0", b"\x93not-an-event"))
+    (run_log_copy / "DURABLE").write_bytes(pack_durable(next_lsn + 1, epoch))
+    log = str(run_log_copy)
+    for args in (
+        ["replay", log], ["replay", log, "--json"], ["replay", log, "--status", "finished"], ["stats", log],
+        ["reconstruct", log, "-o", str(tmp_path / "s.jsonl")], ["report", log, "-o", str(tmp_path / "r.html")], ["show", log, "live-0"],
+    ):
+        res = agentlog(*args)
+        assert res.returncode == 1, (args, res.returncode, res.stderr)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in res.stderr, (args, res.stderr)
+        assert f"lsn {next_lsn}" in lines[0] and "live-0" in lines[0] and "schema-v1 event" in lines[0], (args, lines[0])
