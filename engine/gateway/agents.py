@@ -19,6 +19,7 @@ import os
 import shlex
 import shutil
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Any
 
 from engine import harness
@@ -80,6 +81,7 @@ class ClaudeCodeAgent(CLIAgent):
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
             "CLAUDE_CODE_MAX_RETRIES": "0",
             "DISABLE_AUTOUPDATER": "1",
+            **_no_proxy(self.gateway_url),
         }
         args = [self.cli, "-p", prompt, "--output-format", "json", "--allowedTools", "Bash"]
         if self.model:
@@ -103,13 +105,24 @@ class CodexAgent(CLIAgent):
             f'model_providers.gw={{name="gw", base_url="{self.gateway_url}/v1", env_key="OPENAI_API_KEY",'
             ' wire_api="responses", request_max_retries=0, stream_max_retries=0}'
         )
-        env = {"CODEX_HOME": str(home), "HOME": str(home), "OPENAI_API_KEY": session_id}
+        env = {"CODEX_HOME": str(home), "HOME": str(home), "OPENAI_API_KEY": session_id, **_no_proxy(self.gateway_url)}
         args = [
             self.cli, "exec", "--skip-git-repo-check", "-m", self.model,
             "-c", "model_provider=gw", "-c", provider, "-c", "analytics.enabled=false",
             "--disable", "plugins", "--dangerously-bypass-approvals-and-sandbox", prompt,
         ]
         return _env_command(env, args, home)
+
+
+def _no_proxy(gateway_url: str) -> dict[str, str]:
+    """NO_PROXY / no_proxy extended with the gateway's host. A sandbox that
+    reaches the internet through HTTP(S)_PROXY (a CI runner, a locked-down
+    cluster) must still reach the gateway directly: the proxy cannot reach
+    a loopback gateway, and the turns are the gateway's to see."""
+    host = urlsplit(gateway_url).hostname or ""
+    held = os.environ.get("NO_PROXY") or os.environ.get("no_proxy") or ""
+    value = ",".join(x for x in (held, host) if x)
+    return {"NO_PROXY": value, "no_proxy": value}
 
 
 def _env_command(env: dict[str, str], args: list[str], home: Path) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -130,4 +131,8 @@ def test_cli_harnesses_are_registered():
     assert 'base_url="http://127.0.0.1:1234/v1"' in cmd and "OPENAI_API_KEY=sid-1" in cmd and "< /dev/null" in cmd
     cmd = harness.get("claude-code")("http://127.0.0.1:1234", cli="/bin/claude").command("sid-2", Path("/w"), "do it")
     assert "ANTHROPIC_API_KEY=sid-2" in cmd and "ANTHROPIC_BASE_URL=http://127.0.0.1:1234" in cmd and "CLAUDE_CODE_MAX_RETRIES=0" in cmd
+    # A sandbox behind HTTP(S)_PROXY still reaches the gateway directly.
+    for name in ("codex", "claude-code"):
+        cmd = harness.get(name)("http://gw.internal:1234", cli="/bin/x").command("sid-3", Path("/w"), "do it")
+        assert re.search(r"\bNO_PROXY=\S*gw\.internal", cmd) and re.search(r"\bno_proxy=\S*gw\.internal", cmd), cmd
     assert os.path.basename(agents.DEFAULT_CLI_DIR) == "agentlog-clis" or "AGENTLOG_CLI_DIR" in os.environ
