@@ -242,13 +242,30 @@ class Gateway:
             raise _Refused(400, "invalid_request_error", f"request body: expected a JSON object, found {type(body).__name__}")
         return body
 
-    def _params(self, sid: str, req: TurnRequest, room: int | None) -> SamplingParams:
+    def _sampling(self, sid: str, req: TurnRequest) -> dict[str, Any]:
+        """Server defaults, then the session's, then the client's overrides;
+        refused with a 400 naming the field when a value cannot drive a
+        sampler whose log-probs we train on."""
         c = self.config
         base: dict[str, Any] = {"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k}
         cfg = self._sessions.get(sid)
         if cfg is not None:
             base.update(cfg.sampling)
         base.update((k, v) for k, v in req.overrides.items() if k != "stop")
+        checks = (
+            # temperature 0 (greedy) has no per-token distribution to record log-probs from.
+            ("temperature", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"), "a number > 0"),
+            ("top_p", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1, "a number in (0, 1]"),
+            ("top_k", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1, "an integer >= -1 (-1 or 0: off)"),
+        )
+        for name, ok, expected in checks:
+            if not ok(base[name]):
+                raise _Refused(400, "invalid_request_error", f"sampling parameter {name}: expected {expected}, found {base[name]!r}")
+        return base
+
+    def _params(self, sid: str, req: TurnRequest, room: int | None) -> SamplingParams:
+        c = self.config
+        base = self._sampling(sid, req)
         max_new = min(req.max_tokens or base.pop("max_new_tokens", c.default_max_tokens), c.max_tokens_cap)
         base.pop("max_new_tokens", None)
         if room is not None:
@@ -305,6 +322,7 @@ class Gateway:
             except RequestError as exc:
                 raise _Refused(400, "invalid_request_error", f"{api_name} request: {exc}") from None
             cfg = self._sessions.setdefault(key, _SessionCfg())
+            self._sampling(key, req)  # refuse unusable sampling values before anything runs
             cap = cfg.max_turns if cfg.max_turns is not None else self.config.max_turns
             if h.turns + cfg.inflight >= cap:
                 raise _Refused(429, "rate_limit_error", f"session {key!r} reached its turn cap of {cap} turns")
