@@ -40,7 +40,7 @@ def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
         for rec in read_records(path, raw=True, quiet=quiet, desc="stats"):
             feed(rec.lsn, rec.session_id, rec.ts_ns, decode(rec.payload))
     except msgspec.DecodeError as exc:
-        assert rec is not None
+        # Only decode() raises DecodeError, so a record was read: rec names it.
         raise CliError(
             f"{path}: lsn {rec.lsn}, session {rec.session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA
         ) from None

@@ -5,10 +5,12 @@ from __future__ import annotations
 import fcntl
 import os
 import pty
+import select
 import struct
 import subprocess
 import sys
 import termios
+import time
 
 from cli_helpers import ROOT
 
@@ -28,7 +30,14 @@ def _stderr_on_a_terminal(*args: str) -> tuple[int, str]:
     )
     os.close(slave)
     chunks = []
+    deadline = time.monotonic() + 120
     while True:
+        # A hung child must fail the test, not hang it: wait for output with a deadline.
+        ready, _, _ = select.select([master], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            proc.kill()
+            os.close(master)
+            raise AssertionError(f"agentlog {' '.join(args)} wrote nothing for 120 s; killed")
         try:
             data = os.read(master, 65536)
         except OSError:  # EIO: the child closed the terminal
