@@ -223,6 +223,13 @@ class TurnRecorded(msgspec.Struct, frozen=True, tag="turn_recorded"):
                 f"{len(out) // 4} log-probs (one per output token) or none",
                 f"{len(lp) // 4} log-probs",
             )
+        if lp:
+            # A NaN or infinite log-prob would surface much later as a NaN loss
+            # with no trace of which turn carried it.
+            bad = np.flatnonzero(~np.isfinite(log_probs_view(lp)))
+            if bad.size:
+                i = int(bad[0])
+                _fail("turn_recorded", f"output_log_probs[{i}]", "a finite float", float(log_probs_view(lp)[i]))
 
     @property
     def prompt_tokens(self) -> np.ndarray:

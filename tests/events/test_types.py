@@ -72,6 +72,12 @@ def test_log_prob_count_must_match_output_tokens():
     assert TurnRecorded(turn_index=0, output_ids=[1, 2, 3]).log_probs.size == 0
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_log_probs_are_refused_naming_the_position(bad):
+    msg = _raises(r"output_log_probs\[1\]", TurnRecorded, turn_index=0, output_ids=[1, 2, 3], output_log_probs=[-0.1, bad, -0.3])
+    assert "expected a finite float" in msg
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, "1.0", None, [1.0]])
 def test_non_finite_or_non_numeric_rewards_are_refused(bad):
     msg = _raises("reward_assigned.reward", RewardAssigned, reward=bad)
