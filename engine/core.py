@@ -398,22 +398,12 @@ class SessionEngine:
     # -- construction and restart ----------------------------------------------
 
     @classmethod
-    async def open(
-        cls,
-        log: EventLog,
-        *,
-        session_budget_s: float | None = None,
-        drain_s: float = 1.0,
-        status_cache: int = 4096,
-        id_capacity: int = 1 << 18,
-        sandbox: Any = None,
-        progress: bool | None = None,
-    ) -> "SessionEngine":
+    async def open(cls, log: EventLog, *, progress: bool | None = None, **options: Any) -> "SessionEngine":
         """Fold the existing log with the lifecycle reducer and abort every
         session left open or running (reason ``engine_restart``), so each
-        session in the log ends with exactly one terminal event."""
-        eng = cls(log, session_budget_s=session_budget_s, drain_s=drain_s, status_cache=status_cache,
-                  id_capacity=id_capacity, sandbox=sandbox)
+        session in the log ends with exactly one terminal event. ``options``
+        are the keywords of :class:`SessionEngine` itself."""
+        eng = cls(log, **options)
         eng._recover(progress)
         return eng
 
