@@ -24,9 +24,8 @@ SCHEMA_VERSION = 1
 
 #: Longest session / group id accepted, in UTF-8 bytes.
 MAX_ID_BYTES = 256
-#: Forbidden in ids: path separators (ids end up in file names and URLs).
-_ID_FORBIDDEN = frozenset("/\\")
-#: The same rule as a regex: a path separator, C0 control or DEL..C1 control.
+#: Forbidden in ids: a path separator (ids end up in file names and URLs),
+#: a C0 control or DEL..C1 control.
 _ID_BAD_CHAR = re.compile(r"[/\\\x00-\x1f\x7f-\x9f]")
 
 FINISH_REASONS = ("stop", "length", "abort")
