@@ -19,6 +19,20 @@ def _kill(proc) -> None:
     proc.wait()
 
 
+def _both_exit_cleanly(learner, worker) -> None:
+    """The learner reaches its final version and exits 0, then the worker exits 0."""
+    wait_for("the final version", lambda: learner.poll() is not None, 180, [worker])
+    assert learner.returncode == 0
+    worker.wait(timeout=60)
+    assert worker.returncode == 0
+
+
+def _kill_live(*procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            _kill(p)
+
+
 def _open_sessions(rollout: Path, *, durable_only: bool = True) -> set[str]:
     from events.log import read_log
 
@@ -48,14 +62,9 @@ def test_killed_learner_resumes_from_its_log_and_trains_every_group_exactly_once
         _kill(learner)
         killed_at = learner_version(run)
         learner = start_process("trainer", run)
-        wait_for("the final version", lambda: learner.poll() is not None, 180, [worker])
-        assert learner.returncode == 0
-        worker.wait(timeout=60)
-        assert worker.returncode == 0
+        _both_exit_cleanly(learner, worker)
     finally:
-        for p in (worker, learner):
-            if p.poll() is None:
-                _kill(p)
+        _kill_live(worker, learner)
     records = read_learner_records(run / "learner")
     assert [r.step for r in records] == list(range(len(records)))
     trained = [r for r in records if r.groups]
@@ -90,14 +99,9 @@ def test_killed_worker_restart_aborts_orphans_with_engine_restart_and_training_g
             if orphans:
                 break
         assert orphans, "could not kill the worker mid-batch in 20 attempts"
-        wait_for("the final version", lambda: learner.poll() is not None, 180, [worker])
-        assert learner.returncode == 0
-        worker.wait(timeout=60)
-        assert worker.returncode == 0
+        _both_exit_cleanly(learner, worker)
     finally:
-        for p in (worker, learner):
-            if p.poll() is None:
-                _kill(p)
+        _kill_live(worker, learner)
     reasons = {}
     for env in logs.read(run / "rollout", 0):
         if isinstance(env.body, SessionAborted):
