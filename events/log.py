@@ -1206,6 +1206,16 @@ def _acquire_lock(directory: Path) -> int:
 # ---------------------------------------------------------------- readers
 
 
+def _existing_log_dir(path: str | os.PathLike) -> Path:
+    """``path`` as a Path; raises FileNotFoundError / NotALog unless it is a log directory."""
+    directory = Path(path)
+    if not directory.exists():
+        raise FileNotFoundError(f"{directory}: no such log directory")
+    if not is_log_dir(directory):
+        raise NotALog(f"{directory}: not an agentlog log directory (no segment files, no {DURABLE_NAME})")
+    return directory
+
+
 def _load_index_hint(directory: Path) -> Callable[[int], list[tuple[int, int]] | None]:
     ckpt, _ = load_checkpoint(directory)
     idx = ckpt.index if ckpt is not None else {}
@@ -1227,11 +1237,7 @@ def read_log(
     no watermark file exists (a copied log) it reads every valid frame. A torn
     tail ends the iteration; corruption raises LogCorruption.
     """
-    directory = Path(path)
-    if not directory.exists():
-        raise FileNotFoundError(f"{directory}: no such log directory")
-    if not is_log_dir(directory):
-        raise NotALog(f"{directory}: not an agentlog log directory (no segment files, no {DURABLE_NAME})")
+    directory = _existing_log_dir(path)
     durable = read_durable(directory) if durable_only else None
     limit = durable[0] if durable else None
     cur = _Cursor(directory, from_lsn, max_record_bytes, _load_index_hint(directory), raw)
@@ -1315,11 +1321,7 @@ def verify_log(path: str | os.PathLike, repair: bool = False, *, max_record_byte
     sequence of the log at ``path``. ``repair=True`` truncates a torn tail
     (taking the writer lock); it never touches mid-log corruption.
     Raises FileNotFoundError / NotALog for a path that is not a log."""
-    directory = Path(path)
-    if not directory.exists():
-        raise FileNotFoundError(f"{directory}: no such file or directory")
-    if not is_log_dir(directory):
-        raise NotALog(f"{directory}: not an agentlog log directory (no segment files, no {DURABLE_NAME})")
+    directory = _existing_log_dir(path)
     rep = _scan(directory, max_record_bytes)
     if rep.status == "torn" and repair:
         # Cut only from a scan taken under the writer lock: since the unlocked
