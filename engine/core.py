@@ -387,6 +387,7 @@ class SessionEngine:
         self._live: dict[str, SessionHandle] = {}
         self._recent: OrderedDict[str, State] = OrderedDict()
         self._status_cache = status_cache
+        self._id_capacity = id_capacity
         self._ids = IdFilter(id_capacity)
         self._bg: set[asyncio.Task] = set()
         self._closed = False
@@ -408,7 +409,7 @@ class SessionEngine:
         return eng
 
     def _recover(self, progress: bool | None) -> None:
-        reducer = LifecycleReducer(recent_window=self._status_cache, id_capacity=self._ids_capacity())
+        reducer = LifecycleReducer(recent_window=self._status_cache, id_capacity=self._id_capacity)
         total = self._log_.next_lsn
         show = progress if progress is not None else (None if total > 200_000 else False)
         first_violations: list[Violation] = []
@@ -450,9 +451,6 @@ class SessionEngine:
             self._remember(sid, State.ABORTED)
         self.stats["restart_aborted"] += len(orphans)
         self.stats["aborted"] += len(orphans)
-
-    def _ids_capacity(self) -> int:
-        return self._ids._first_capacity
 
     # -- public API -------------------------------------------------------------
 
