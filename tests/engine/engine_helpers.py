@@ -52,3 +52,20 @@ def check_log_invariants(log) -> dict[str, list]:
         if terminals:
             assert terminals[0] == len(envs) - 1, f"{sid}: events after the terminal one"
     return per
+
+
+async def fire(h: Any, trigger: str) -> Any:
+    """Fire ``trigger`` (a lifecycle trigger, or turn/reward/command) on handle ``h``."""
+    if trigger == "start":
+        return await h.start()
+    if trigger == "finish":
+        return await h.finish(reward=1.0)
+    if trigger == "abort":
+        return await h.abort("random")
+    if trigger == "drop":
+        return await h.drop("random")
+    if trigger == "reward":
+        return await h.assign_reward(0.5, source="test")
+    if trigger == "command":
+        return await h.record_command("true", 0, False, 0.01, "")
+    return await h.record_turn(prompt_ids=[1, 2], output_ids=[3], output_log_probs=[-0.5])

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
 from engine import DuplicateSession, SessionEngine, StragglerRefused
-from engine_helpers import YieldingLog, check_log_invariants
+from engine_helpers import YieldingLog, check_log_invariants, fire
 from events.lifecycle import TERMINAL_STATES, TRANSITIONS, IllegalTransition, SessionClosed, State
 from events.types import CommandRan, Envelope, RewardAssigned, SessionAborted, SessionDropped, SessionFinished, SessionStarted, TurnRecorded
 
@@ -34,22 +34,6 @@ def expected(state: State, trigger: str):
     if state in TERMINAL_STATES:
         return None if trigger == "drop" else (SessionClosed if trigger in ("finish", "abort") else IllegalTransition)
     return IllegalTransition
-
-
-async def fire(h, trigger: str):
-    if trigger == "start":
-        return await h.start()
-    if trigger == "finish":
-        return await h.finish(reward=1.0)
-    if trigger == "abort":
-        return await h.abort("random")
-    if trigger == "drop":
-        return await h.drop("random")
-    if trigger == "reward":
-        return await h.assign_reward(0.5, source="test")
-    if trigger == "command":
-        return await h.record_command("true", 0, False, 0.01, "")
-    return await h.record_turn(prompt_ids=[1, 2], output_ids=[3], output_log_probs=[-0.5])
 
 
 class EngineMachine(RuleBasedStateMachine):

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from engine import SessionEngine, StragglerRefused
+from engine_helpers import fire
 from events.lifecycle import TRANSITIONS, IllegalTransition, SessionClosed, State
 from events.log_api import MemoryLog
 from events.types import SessionAborted, SessionDropped, SessionFinished, SessionStarted, TurnRecorded
@@ -47,18 +48,6 @@ async def _session_in(engine: SessionEngine, sid: str, state: State):
     return h
 
 
-async def _fire(h, trigger: str):
-    if trigger == "start":
-        return await h.start()
-    if trigger == "finish":
-        return await h.finish(reward=0.5)
-    if trigger == "abort":
-        return await h.abort("test")
-    if trigger == "drop":
-        return await h.drop("test")
-    return await h.record_turn(prompt_ids=[1], output_ids=[2], output_log_probs=[-0.1])
-
-
 @pytest.mark.parametrize("state, trigger", sorted(EXPECTED, key=lambda k: (k[0].value, k[1])))
 def test_every_state_trigger_pair_follows_the_table(arun, state, trigger):
     expected = EXPECTED[(state, trigger)]
@@ -70,17 +59,17 @@ def test_every_state_trigger_pair_follows_the_table(arun, state, trigger):
         before = log.next_lsn
         if isinstance(expected, type) and issubclass(expected, Exception):
             with pytest.raises(expected) as info:
-                await _fire(h, trigger)
+                await fire(h, trigger)
             assert type(info.value) is expected  # SessionClosed is not a plain IllegalTransition and vice versa
             assert info.value.session_id == "s" and info.value.state is state
             assert log.next_lsn == before, "a refused trigger appended an event"
             assert h.state is state
         elif expected == NOOP:
-            assert await _fire(h, trigger) is None
+            assert await fire(h, trigger) is None
             assert log.next_lsn == before
             assert h.state is state
         else:
-            env = await _fire(h, trigger)
+            env = await fire(h, trigger)
             assert log.next_lsn == before + 1
             assert isinstance(env.body, EVENT_OF[trigger]) and env.lsn == before
             assert h.state is expected
