@@ -43,16 +43,12 @@ class restore_logging:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for proc in self.config_now().get("processors", []):
+        for proc in structlog.get_config().get("processors", []):
             if isinstance(proc, _Tee):
                 proc.file.close()
         structlog.configure(**self.config)
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(**self.context)
-
-    @staticmethod
-    def config_now() -> dict[str, Any]:
-        return structlog.get_config()
 
 
 def configure_process_logging(run_dir: Path, name: str, *, console: TextIO | None = None, console_level: str = "warning") -> Path:
