@@ -263,9 +263,9 @@ class Gateway:
                 raise _Refused(400, "invalid_request_error", f"sampling parameter {name}: expected {expected}, found {base[name]!r}")
         return base
 
-    def _params(self, sid: str, req: TurnRequest, room: int | None) -> SamplingParams:
+    def _params(self, base: dict[str, Any], req: TurnRequest, room: int | None) -> SamplingParams:
+        """The backend's parameters from the checked ``_sampling`` values (``base`` is consumed)."""
         c = self.config
-        base = self._sampling(sid, req)
         max_new = min(req.max_tokens or base.pop("max_new_tokens", c.default_max_tokens), c.max_tokens_cap)
         base.pop("max_new_tokens", None)
         if room is not None:
@@ -322,7 +322,7 @@ class Gateway:
             except RequestError as exc:
                 raise _Refused(400, "invalid_request_error", f"{api_name} request: {exc}") from None
             cfg = self._sessions.setdefault(key, _SessionCfg())
-            self._sampling(key, req)  # refuse unusable sampling values before anything runs
+            merged = self._sampling(key, req)  # refuse unusable sampling values before anything runs
             cap = cfg.max_turns if cfg.max_turns is not None else self.config.max_turns
             if h.turns + cfg.inflight >= cap:
                 raise _Refused(429, "rate_limit_error", f"session {key!r} reached its turn cap of {cap} turns")
@@ -333,7 +333,7 @@ class Gateway:
             return self._error(api.error_style, exc.status, exc.kind, str(exc))
         cfg.inflight += 1
         try:
-            return await self._generate_record_send(request, api, req, h, cfg, log)
+            return await self._generate_record_send(request, api, req, merged, h, cfg, log)
         except Exception as exc:  # a bug or a bad backend answer: logged in full and answered as JSON, never hidden
             log.exception("gateway.turn_failed", error=f"{type(exc).__name__}: {exc}")
             return self._error(api.error_style, 500, "api_error", f"turn failed: {type(exc).__name__}: {exc}")
@@ -341,12 +341,14 @@ class Gateway:
             cfg.inflight -= 1
             self._forget_if_ended(key)
 
-    async def _generate_record_send(self, request: web.Request, api: Any, req: TurnRequest, h: Any, cfg: _SessionCfg, log: Any) -> web.StreamResponse:
+    async def _generate_record_send(
+        self, request: web.Request, api: Any, req: TurnRequest, merged: dict[str, Any], h: Any, cfg: _SessionCfg, log: Any
+    ) -> web.StreamResponse:
         t0 = time.perf_counter()
         prompt_ids = self.template.encode_prompt(req.messages, req.tools)
         ctx = self.backend.context_length
         room = None if ctx is None else ctx - len(prompt_ids)
-        params = self._params(h.session_id, req, room)
+        params = self._params(merged, req, room)
         if params.max_new_tokens <= 0:
             # Context exhausted before a single token: the turn ends "length" with no output.
             gen = Generation([], [], "length", self.backend.policy_version, 0.0)
