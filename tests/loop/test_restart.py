@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from events.types import SessionAborted, SessionOpened
+from events.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened
 from tools.loop import logs
 from tools.loop.check import check_run
 from tools.loop.run import start_process
@@ -42,7 +42,7 @@ def _open_sessions(rollout: Path, *, durable_only: bool = True) -> set[str]:
     for env in read_log(rollout, 0, durable_only=durable_only):
         if isinstance(env.body, SessionOpened):
             opened.add(env.session_id)
-        elif type(env.body).__name__ in ("SessionFinished", "SessionAborted", "SessionDropped"):
+        elif isinstance(env.body, (SessionFinished, SessionAborted, SessionDropped)):
             opened.discard(env.session_id)
     return opened
 
