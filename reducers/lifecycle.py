@@ -55,6 +55,8 @@ from events.types import (
     event_tag,
 )
 
+from .samples import final_raw_reward
+
 __all__ = [
     "IdFilter",
     "LifecycleReducer",
@@ -258,7 +260,7 @@ def _summary(sid: str, t: _Track, env: Envelope, state: State) -> SessionSummary
     error = getattr(body, "error", "")
     reward = None
     if isinstance(body, SessionFinished):
-        reward = body.reward if body.reward is not None else t.reward
+        reward = final_raw_reward(body.reward, t.reward)
     return SessionSummary(
         session_id=sid, group_id=t.group_id, group_size=t.group_size, sample_index=t.sample_index,
         status=state.value, reason=reason, error=error, turns=t.turns, undelivered=t.undelivered,

@@ -38,7 +38,7 @@ from events.types import (
 from .config import DEFAULT_CONFIG, ReduceConfig
 from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, GroupTracker
 from .metrics import MetricsAccumulator
-from .samples import Sample, SampleDigest, aborted_placeholder, finished_samples, resolve_reward
+from .samples import Sample, SampleDigest, aborted_placeholder, final_raw_reward, finished_samples, resolve_reward
 from .trajectory import SessionTrajectory, Trajectory, TrajectoryError
 
 
@@ -198,7 +198,7 @@ class Reducer:
         member: GroupMember | None
         samples: list[Sample]
         if isinstance(body, SessionFinished):
-            raw = body.reward if body.reward is not None else session.last_reward
+            raw = final_raw_reward(body.reward, session.last_reward)
             reward, problem = resolve_reward(raw, self.config.reward_key)
             rows = traj.linearise(self.config.max_context_tokens).rows
             samples = finished_samples(

@@ -35,7 +35,7 @@ from events.types import Envelope
 
 from .groups import ABORTED, DROPPED, FINISHED, GroupError, GroupMember, GroupTracker
 from .metrics import MetricsAccumulator
-from .samples import resolve_reward
+from .samples import final_raw_reward, resolve_reward
 
 __all__ = ["RunStats", "decode_projection", "PROJECTED_FIELDS"]
 
@@ -261,7 +261,7 @@ class RunStats:
         self.duration_max_s = max(self.duration_max_s, duration)
         member: GroupMember | None = None
         if status == FINISHED:
-            raw = body.reward if body.reward is not None else live.reward
+            raw = final_raw_reward(body.reward, live.reward)
             reward, problem = resolve_reward(raw, self.reward_key)
             member = GroupMember(sid, live.sample_index, FINISHED, reward is not None, reward, problem)
             self.metrics.observe_session(FINISHED, reward=raw, turns=live.turns, output_tokens=live.tokens_out)

@@ -143,6 +143,12 @@ def digest_samples(samples: Iterable[Sample]) -> str:
 # ---------------------------------------------------------------- rewards and rows -> samples
 
 
+def final_raw_reward(finished: Any, assigned: Any) -> Any:
+    """The raw reward a finished session ends with: ``SessionFinished.reward``
+    when it is given, else the last ``RewardAssigned`` value (None if neither)."""
+    return finished if finished is not None else assigned
+
+
 def resolve_reward(value: Any, reward_key: str | None = None) -> tuple[float | None, str]:
     """The training reward of a raw reward value, or why there is none.
 
