@@ -760,6 +760,10 @@ class FileLog(EventLog):
         """Records below this LSN are acknowledged (durable per policy)."""
         return self._acked
 
+    @property
+    def fatal_reason(self) -> str | None:
+        return self._fatal_msg if self._fatal is not None else None
+
     def _dead(self) -> LogClosed:
         if self._fatal is not None:
             exc = LogClosed(self._fatal_msg)

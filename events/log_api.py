@@ -58,6 +58,13 @@ class EventLog(abc.ABC):
         """Sessions without a terminal event, with their next session_seq."""
         return dict(self._next_seq)
 
+    @property
+    def fatal_reason(self) -> str | None:
+        """None while the log accepts appends; once its writer has failed for
+        good, the one-line reason (what failed, where, what to do). Health
+        checks of anything built on the log report this."""
+        return None
+
     def _check_batch(self, records: Iterable[PendingRecord]) -> list[PendingRecord]:
         """Validate a batch against the per-session sequence without changing
         state; raises SequenceError naming the session and both numbers."""
