@@ -211,6 +211,7 @@ class Reducer:
                 turns=traj.n_turns,
                 lsn_first=session.lsn_first,
                 lsn_last=lsn,
+                turn_sampling=traj.turn_sampling,
             )
             member = GroupMember(sid, session.sample_index, FINISHED, reward is not None, reward, problem, tuple(samples))
             self.metrics.observe_session(

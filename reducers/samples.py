@@ -8,12 +8,27 @@ log-probs) so the canonical encoding is byte-exact and cheap; accessors hand
 back numpy views.
 
 Invariant: ``len(loss_mask) == len(rollout_log_probs) == response_length >= 1``.
+
+Sampling settings. Each sample carries the ``temperature``, ``top_p`` and
+``top_k`` its trained turns were sampled with (from ``TurnRecorded.sampling``,
+minus what the backend recorded as ``ignored``), so the learner can take
+log-probs from the distribution the tokens were drawn from. One row trains
+at one setting, as in slime and verl where a rollout batch has one
+temperature: a row whose trained turns were sampled differently, or at a
+setting whose log-probs cannot be reproduced (``top_p < 1`` or ``top_k > 0``:
+the kept-token sets are not recorded), is kept for inspection but marked
+``remove_sample`` with ``metadata["sampling_error"]`` saying why.
+
+The canonical encoding leaves the sampling fields out while they are at
+their defaults (1.0, 1.0, -1), so a sample sampled plainly encodes, and
+digests, byte for byte as before these fields existed.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable
+import math
+from typing import Any, Callable, Iterable, Mapping
 
 import msgspec
 import numpy as np
@@ -24,8 +39,10 @@ ABORTED = "aborted"
 SAMPLE_STATUSES = (COMPLETED, TRUNCATED, ABORTED)
 
 
-class Sample(msgspec.Struct, frozen=True):
-    """One training row."""
+class _SampleV1(msgspec.Struct, frozen=True):
+    """The fields of a training row as first defined. Their canonical bytes
+    must never change: `encode_sample` encodes a plainly sampled Sample as
+    this struct, so digests of existing logs stay valid."""
 
     group_id: str
     session_id: str
@@ -43,6 +60,20 @@ class Sample(msgspec.Struct, frozen=True):
     lsn_first: int = -1
     lsn_last: int = -1
     metadata: dict[str, Any] = {}
+
+
+#: Sampling settings at which nothing is truncated or rescaled.
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+TOP_K_OFF = -1
+
+
+class Sample(_SampleV1, frozen=True):
+    """One training row (see the module docstring for the sampling fields)."""
+
+    temperature: float = DEFAULT_TEMPERATURE  # logits were divided by this before sampling
+    top_p: float = DEFAULT_TOP_P  # nucleus mass kept (1.0: off)
+    top_k: int = TOP_K_OFF  # tokens kept (-1: off)
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -103,8 +134,16 @@ _canonical = msgspec.msgpack.Encoder(order="deterministic")
 _sample_decoder = msgspec.msgpack.Decoder(Sample)
 
 
+_V1_FIELDS = len(_SampleV1.__struct_fields__)
+
+
 def encode_sample(sample: Sample) -> bytes:
-    """The canonical bytes of a sample (msgpack, deterministic key order)."""
+    """The canonical bytes of a sample (msgpack, deterministic key order).
+
+    The sampling fields are left out while all are at their defaults (see
+    the module docstring); `decode_sample` reads either form back."""
+    if sample.temperature == DEFAULT_TEMPERATURE and sample.top_p == DEFAULT_TOP_P and sample.top_k == TOP_K_OFF:
+        return _canonical.encode(_SampleV1(*msgspec.structs.astuple(sample)[:_V1_FIELDS]))
     return _canonical.encode(sample)
 
 
@@ -184,6 +223,80 @@ def resolve_reward(value: Any, reward_key: str | None = None) -> tuple[float | N
     return None, f"reward of type {type(value).__name__} is not a number"
 
 
+def recorded_sampling(recorded: Mapping[str, Any]) -> tuple[float, float, int] | str:
+    """The ``(temperature, top_p, top_k)`` a turn was really sampled with, from
+    its recorded ``sampling`` dict, or why it cannot be known.
+
+    Missing keys are the defaults (1.0, 1.0, off); a parameter the backend
+    listed under ``ignored`` did not act, so it counts as off; ``top_k`` 0 and
+    -1 both mean off (returned as -1). Never raises."""
+    ignored = recorded.get("ignored") or ()
+    if not isinstance(ignored, (list, tuple)):
+        return f"sampling.ignored: expected a list of parameter names, found {ignored!r}"
+
+    def number(name: str, default: float) -> float | None:
+        value = default if name in ignored else recorded.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        return float(value)
+
+    temperature = number("temperature", DEFAULT_TEMPERATURE)
+    if temperature is None or not (0.0 < temperature < math.inf):
+        return f"sampling.temperature: expected a number > 0, found {recorded.get('temperature')!r}"
+    top_p = number("top_p", DEFAULT_TOP_P)
+    if top_p is None or not 0.0 < top_p <= 1.0:
+        return f"sampling.top_p: expected a number in (0, 1], found {recorded.get('top_p')!r}"
+    top_k = TOP_K_OFF if "top_k" in ignored else recorded.get("top_k", TOP_K_OFF)
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        return f"sampling.top_k: expected an integer, found {top_k!r}"
+    return temperature, top_p, (TOP_K_OFF if top_k <= 0 else top_k)
+
+
+def sampling_problem(temperature: float, top_p: float, top_k: int) -> str:
+    """Why log-probs sampled at these settings cannot be recomputed by the
+    learner, or "" when they can (any temperature > 0, no truncation).
+
+    ``top_p < 1`` and ``top_k > 0`` renormalise over a kept-token set that is
+    not recorded, so the recomputed log-prob of a token differs from the one
+    it was drawn with by an unknown amount."""
+    if not (0.0 < temperature < math.inf):
+        return f"temperature {temperature!r} is not a number > 0"
+    truncated = [f"top_p={top_p}"] * (top_p < DEFAULT_TOP_P) + [f"top_k={top_k}"] * (top_k > 0)
+    if truncated:
+        return (
+            f"sampled with {' and '.join(truncated)}: the kept-token sets are not recorded, so the"
+            " log-probs cannot be recomputed (sample with top_p=1 and top_k off to train on these turns)"
+        )
+    return ""
+
+
+def row_sampling(
+    trained_turns: Iterable[int], turn_sampling: Callable[[int], Mapping[str, Any]]
+) -> tuple[tuple[float, float, int], str]:
+    """The sampling settings one row trains at, and why the row cannot be
+    trained ("" when it can). All trained turns must agree: a row has one
+    temperature. On a problem the settings are the defaults unless every
+    turn agreed on them."""
+    seen: dict[tuple[float, float, int], list[int]] = {}
+    for turn in trained_turns:
+        settings = recorded_sampling(turn_sampling(turn))
+        if isinstance(settings, str):
+            return (DEFAULT_TEMPERATURE, DEFAULT_TOP_P, TOP_K_OFF), f"turn {turn}: {settings}"
+        seen.setdefault(settings, []).append(turn)
+    if not seen:
+        return (DEFAULT_TEMPERATURE, DEFAULT_TOP_P, TOP_K_OFF), ""
+    if len(seen) > 1:
+        parts = "; ".join(
+            f"turns {turns} at temperature={t}, top_p={p}, top_k={k}" for (t, p, k), turns in seen.items()
+        )
+        return (
+            (DEFAULT_TEMPERATURE, DEFAULT_TOP_P, TOP_K_OFF),
+            f"trained turns were sampled with different settings ({parts}); one row trains at one setting",
+        )
+    (settings,) = seen
+    return settings, sampling_problem(*settings)
+
+
 def finished_samples(
     rows: Iterable[Any],
     *,
@@ -195,14 +308,26 @@ def finished_samples(
     turns: int,
     lsn_first: int,
     lsn_last: int,
+    turn_sampling: Callable[[int], Mapping[str, Any]] | None = None,
 ) -> list[Sample]:
     """Samples of a finished session: one per trajectory row, each with the
     session's reward. A row whose chain ended on a ``length`` finish is
     TRUNCATED. Without a usable reward (``reward`` None) the rows are kept
     for inspection but marked ``remove_sample`` with ``reward_error``, so they
-    carry no gradient and stay out of every baseline."""
+    carry no gradient and stay out of every baseline.
+
+    ``turn_sampling(turn_index)`` gives a turn's recorded ``sampling`` dict
+    (None: every turn at the defaults). Each row carries the settings of its
+    trained turns; a row that cannot be trained at one reproducible setting
+    is marked ``remove_sample`` with ``sampling_error`` (see `row_sampling`)
+    but its session's reward still counts in the group baseline."""
     out = []
     for row_index, row in enumerate(rows):
+        settings, sampling_error = (
+            row_sampling(row.trained_turns, turn_sampling)
+            if turn_sampling is not None
+            else ((DEFAULT_TEMPERATURE, DEFAULT_TOP_P, TOP_K_OFF), "")
+        )
         metadata: dict[str, Any] = {
             "turn_indices": list(row.turn_indices),
             "leaf": row.leaf,
@@ -213,6 +338,8 @@ def finished_samples(
             metadata["cut_to_max_context"] = True
         if reward is None:
             metadata["reward_error"] = reward_problem
+        if sampling_error:
+            metadata["sampling_error"] = sampling_error
         out.append(
             Sample(
                 group_id=group_id,
@@ -224,13 +351,16 @@ def finished_samples(
                 rollout_log_probs=row.rollout_log_probs,
                 reward=0.0 if reward is None else reward,
                 status=TRUNCATED if row.truncated else COMPLETED,
-                remove_sample=reward is None,
+                remove_sample=reward is None or bool(sampling_error),
                 policy_version=row.policy_version,
                 turns=turns,
                 row_index=row_index,
                 lsn_first=lsn_first,
                 lsn_last=lsn_last,
                 metadata=metadata,
+                temperature=settings[0],
+                top_p=settings[1],
+                top_k=settings[2],
             )
         )
     return out

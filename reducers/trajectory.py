@@ -301,6 +301,10 @@ class SessionTrajectory:
         """Turns recorded so far."""
         return len(self._turns)
 
+    def turn_sampling(self, turn_index: int) -> dict[str, Any]:
+        """The ``sampling`` dict recorded with a turn (what rows' samples carry)."""
+        return self._turns[turn_index].body.sampling
+
     # -------------------------------------------------------------- routing
 
     def record_turn(self, body: TurnRecorded, lsn: int) -> TurnDecision:

@@ -55,6 +55,7 @@ class Script:
         finish: str = "stop",
         log_probs: list[float] | None | str = "auto",
         policy_version: int = 0,
+        sampling: dict[str, Any] | None = None,
     ) -> "Script":
         lps = lp(output) if log_probs == "auto" else (log_probs or [])
         self.bodies.append(
@@ -67,6 +68,7 @@ class Script:
                 finish_reason=finish,
                 response_message=response,
                 policy_version=policy_version,
+                sampling=sampling or {},
             )
         )
         self._turn += 1
