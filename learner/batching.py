@@ -14,7 +14,9 @@ predict each and ``slots`` at its place in the ``(N, L)`` layout, so log-probs
 are taken on real response tokens only. The loss never sees the layout.
 
 Samples with ``remove_sample`` are dropped here, before any tensor is built:
-they cost no forward pass and reach no loss.
+they cost no forward pass and reach no loss. Each sample's ``temperature``
+is spread over its response tokens (``temperatures``), so samples drawn at
+different temperatures can share a micro-batch.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class Batch:
     """Position of each of the N samples in the list given to `make_batches`."""
     num_tokens: int
     """Real (non-padding) tokens in input_ids."""
+    temperatures: torch.Tensor | None = None
+    """(M,) float32: the sampling temperature of each response token's sample (logits are divided
+    by it before log-probs are taken); None when every sample was sampled at temperature 1."""
 
     @property
     def attention_mask(self) -> torch.Tensor | None:
@@ -79,7 +84,7 @@ class Batch:
         return Batch(
             mv(self.input_ids), mv(self.position_ids), mv(self.segment_ids), mv(self.predict_index),
             mv(self.targets), mv(self.slots), mv(self.loss_mask), mv(self.rollout_log_probs), mv(self.advantages),
-            list(self.sample_indices), self.num_tokens,
+            list(self.sample_indices), self.num_tokens, mv(self.temperatures),
         )
 
 
@@ -92,6 +97,7 @@ class _Item:
     mask: np.ndarray
     log_probs: np.ndarray
     advantage: float
+    temperature: float
 
 
 def _check(sample: Sample, index: int) -> None:
@@ -140,7 +146,10 @@ def make_batches(
             continue
         _check(s, i)
         tok = s.token_ids
-        items.append(_Item(i, tok, len(tok) - s.response_length, s.response_length, s.mask, s.log_probs, float(adv[i])))
+        items.append(_Item(
+            i, tok, len(tok) - s.response_length, s.response_length, s.mask, s.log_probs, float(adv[i]),
+            float(s.temperature),
+        ))
     if not items:
         return []
     if packing:
@@ -203,6 +212,7 @@ def _collate(rows: list[list[_Item]], *, packed: bool, pad_id: int) -> Batch:
     loss_mask = np.zeros((N, L), dtype=np.float32)
     rollout = np.zeros((N, L), dtype=np.float32)
     advantages = np.zeros(N, dtype=np.float32)
+    temperatures = np.ones(M, dtype=np.float32)
 
     n = j = 0
     for r, row in enumerate(rows):
@@ -218,6 +228,7 @@ def _collate(rows: list[list[_Item]], *, packed: bool, pad_id: int) -> Batch:
             predict_index[j : j + m] = r * T + np.arange(start - 1, start - 1 + m)
             targets[j : j + m] = it.tokens[it.prompt_length :]
             slots[j : j + m] = n * L + np.arange(m)
+            temperatures[j : j + m] = it.temperature
             j += m
             loss_mask[n, :m] = it.mask
             rollout[n, :m] = it.log_probs
@@ -239,4 +250,5 @@ def _collate(rows: list[list[_Item]], *, packed: bool, pad_id: int) -> Batch:
         advantages=torch.from_numpy(advantages),
         sample_indices=[it.index for it in flat],
         num_tokens=sum(len(it.tokens) for it in flat),
+        temperatures=None if all(it.temperature == 1.0 for it in flat) else torch.from_numpy(temperatures),
     )

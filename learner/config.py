@@ -16,6 +16,18 @@ KL_TYPES = ("k1", "k2", "k3")
 LOSS_AGGS = ("token_mean", "sample_mean")
 OPTIMIZERS = ("adamw", "stateless_adam")
 
+#: Fields that no longer exist, with what replaced them (named in the error, so an old config fails clearly).
+REMOVED_FIELDS = {
+    "temperature": (
+        "each sample carries the temperature it was sampled at (Sample.temperature, from the turns' recorded"
+        " sampling) and log-probs are taken at that temperature; record it with the turn instead"
+    ),
+    "updates_per_step": (
+        "use num_steps_per_rollout, which splits the rollout batch into that many mini-batches with one"
+        " optimiser step each (updates_per_step repeated full-batch updates)"
+    ),
+}
+
 
 @dataclass
 class LearnerConfig:
@@ -41,8 +53,6 @@ class LearnerConfig:
     """Weight of the entropy bonus (subtracted from the loss); 0 disables it."""
     loss_agg: str = "token_mean"
     """Loss aggregation: token_mean (over all trained tokens of the step) or sample_mean (mean of per-sample means)."""
-    temperature: float = 1.0
-    """Sampling temperature of the rollouts; logits are divided by it before log-probs are taken."""
     lr: float = 1e-3
     """Learning rate (suits the built-in GPT; use about 1e-6 for billion-parameter LMs)."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -57,8 +67,11 @@ class LearnerConfig:
     """Clip the global gradient norm to this value before each optimiser step; None disables clipping."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up over this many optimiser steps (0: full lr from the start)."""
-    updates_per_step: int = 1
-    """Optimiser updates per step() on the same batch; with 1 the PPO ratio is exactly 1."""
+    num_steps_per_rollout: int = 1
+    """Optimiser steps per step() (slime's --num-steps-per-rollout): the rollout batch is split into this
+    many mini-batches, one optimiser step each, all against the old log-probs taken before the first.
+    With 1 the PPO ratio is exactly 1 and the clip never acts; above 1 later mini-batches see a moved
+    policy and the clip (and ``stats/clip_frac``) can act."""
     packing: bool = True
     """Pack several samples into one row (position resets, block-diagonal causal attention) instead of padding each."""
     max_tokens_per_batch: int = 16384
@@ -92,14 +105,12 @@ class LearnerConfig:
             raise bad("tis_cap", "None or a value > 0")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise bad("grad_clip", "None or a value > 0")
-        if not self.temperature > 0:
-            raise bad("temperature", "a value > 0")
         if not self.lr > 0:
             raise bad("lr", "a value > 0")
         if self.warmup_steps < 0:
             raise bad("warmup_steps", "an integer >= 0")
-        if self.updates_per_step < 1:
-            raise bad("updates_per_step", "an integer >= 1")
+        if self.num_steps_per_rollout < 1:
+            raise bad("num_steps_per_rollout", "an integer >= 1")
         if self.max_tokens_per_batch < 1:
             raise bad("max_tokens_per_batch", "an integer >= 1")
         if self.max_tokens_per_row is not None and self.max_tokens_per_row < 1:
@@ -110,6 +121,8 @@ class LearnerConfig:
     def from_dict(cls, values: Mapping[str, Any]) -> "LearnerConfig":
         """Build a config from a mapping (e.g. a TOML table); unknown keys raise."""
         known = {f.name for f in dataclasses.fields(cls)}
+        for name in sorted(set(values) & set(REMOVED_FIELDS)):
+            raise ValueError(f"LearnerConfig.{name} was removed: {REMOVED_FIELDS[name]}")
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(

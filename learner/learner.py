@@ -1,11 +1,14 @@
-"""The training step: released groups in, one optimiser update out.
+"""The training step: released groups in, one new policy version out.
 
 ``Learner(model, config).step(groups)`` computes group-relative advantages
 over valid members, drops every row that cannot train (aborted placeholders,
-members without a usable reward, rows with no trained token) before any
-forward pass, batches the rest (packing or padding), recomputes log-probs,
-takes the clipped policy loss, accumulates gradients over micro-batches,
-clips the gradient norm, steps the optimiser and bumps ``policy_version``.
+members without a usable reward, rows with no trained token, rows sampled
+with a truncation the learner cannot reproduce) before any forward pass,
+splits the rest into ``num_steps_per_rollout`` mini-batches and, for each,
+batches it (packing or padding), recomputes log-probs at each sample's own
+temperature, takes the clipped policy loss against the old log-probs fixed
+before the first mini-batch, accumulates gradients over micro-batches, clips
+the gradient norm and steps the optimiser; then bumps ``policy_version``.
 
 Checkpoints are ``torch.save`` files of state dicts and plain values, written
 atomically (temp file, fsync, rename) and read back with
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import structlog
 import torch
 
@@ -31,7 +35,7 @@ from learner.config import LearnerConfig
 from learner.loss import policy_loss
 from learner.model import token_log_probs
 from learner.optim import make_optimizer, make_scheduler
-from reducers.samples import Sample
+from reducers.samples import Sample, sampling_problem
 
 CHECKPOINT_FORMAT = "agentlog.learner.v1"
 
@@ -139,12 +143,14 @@ class Learner:
             adv = torch.as_tensor(advantages, dtype=torch.float32).flatten()
             if len(adv) != len(items):
                 raise ValueError(f"Learner.step: {len(items)} samples but {len(adv)} advantages")
-            keep = [i for i, s in enumerate(items) if not s.remove_sample and s.mask.any()]
+            refused = self._refuse_sampling(items)
+            keep = [i for i, s in enumerate(items) if not s.remove_sample and i not in refused and s.mask.any()]
             rewards = [float(s.reward) for s in items if not s.remove_sample]
             metrics = {
                 "rollout/groups": float(len({s.group_id for s in items})),
                 "rollout/groups_skipped": 0.0,
                 "rollout/removed": float(sum(s.remove_sample for s in items)),
+                "rollout/sampling_refused": float(len(refused) + sum(_sampling_removed(s) for s in items)),
             }
             metrics.update(_reward_stats(rewards))
             return [items[i] for i in keep], adv[keep], metrics
@@ -164,23 +170,45 @@ class Learner:
         ).to(torch.float32)
         samples: list[Sample] = []
         adv: list[torch.Tensor] = []
-        removed = 0
+        removed = sampling_removed = 0
         for m, a in zip(members, member_adv):
             for s in m.samples:
                 if s.remove_sample or not m.valid:
                     removed += 1
+                    sampling_removed += _sampling_removed(s)
                     continue
                 if not s.mask.any():
                     continue
                 samples.append(s)
                 adv.append(a)
+        refused = self._refuse_sampling(samples)
+        if refused:
+            samples = [s for i, s in enumerate(samples) if i not in refused]
+            adv = [a for i, a in enumerate(adv) if i not in refused]
         metrics = {
             "rollout/groups": float(len(group_index) + skipped),
             "rollout/groups_skipped": float(skipped),
             "rollout/removed": float(removed),
+            "rollout/sampling_refused": float(len(refused) + sampling_removed),
         }
         metrics.update(_reward_stats([m.reward for m in members if m.valid]))
         return samples, (torch.stack(adv) if adv else torch.zeros(0)), metrics
+
+    def _refuse_sampling(self, samples: Sequence[Sample]) -> set[int]:
+        """Indices of the samples not already removed whose sampling settings
+        cannot be reproduced (`reducers.samples.sampling_problem`); each is
+        logged with its reason and left out of training. Samples from the
+        reducers arrive already removed; this guards hand-built ones."""
+        refused = set()
+        for i, s in enumerate(samples):
+            if s.remove_sample:
+                continue
+            problem = sampling_problem(s.temperature, s.top_p, s.top_k)
+            if problem:
+                refused.add(i)
+                self.log.warning("learner.sample_refused", session_id=s.session_id, group_id=s.group_id,
+                                 row_index=s.row_index, reason=problem)
+        return refused
 
     def step(
         self,
@@ -189,66 +217,90 @@ class Learner:
     ) -> dict[str, float]:
         """One training step on released groups (or a plain list of Samples).
 
+        The trainable samples are split into ``num_steps_per_rollout``
+        mini-batches (fewer when there are fewer samples), each trained with
+        one optimiser step against old log-probs taken before the first, so
+        from the second mini-batch on the ratio leaves 1 and the clip acts.
+        Log-probs, the reference's and the entropy are those of each sample's
+        own sampling temperature.
+
+        The step is all or nothing: a non-finite gradient norm in any
+        mini-batch raises FloatingPointError with the model, optimiser and
+        schedule restored to where they were before the step.
+
         Returns metrics (``loss/*``, ``stats/*``, ``rollout/*``, ``perf/*``,
-        ``learner/*``). When nothing is trainable (every row removed or
-        masked) no optimiser step is taken, ``policy_version`` is unchanged
-        and ``learner/skipped`` is 1.
+        ``learner/*``; loss and stats averaged over the mini-batches). When
+        nothing is trainable (every row removed or masked) no optimiser step
+        is taken, ``policy_version`` is unchanged and ``learner/skipped`` is 1.
         """
         t0 = time.perf_counter()
         c = self.config
         samples, adv, metrics = self.prepare(items, advantages)
-        batches = [
-            b.to(self.device)
-            for b in make_batches(
-                samples, adv, packing=c.packing, max_tokens_per_batch=c.max_tokens_per_batch,
-                max_tokens_per_row=c.max_tokens_per_row, pad_id=c.pad_id,
-            )
-        ]
         metrics["rollout/samples"] = float(len(samples))
-        if not batches:
+        # Contiguous, near-equal mini-batches of samples (slime splits the rollout batch the same way).
+        bounds = np.linspace(0, len(samples), min(c.num_steps_per_rollout, len(samples)) + 1).round().astype(int).tolist()
+        minis = [
+            [
+                b.to(self.device)
+                for b in make_batches(
+                    samples[lo:hi], adv[lo:hi], packing=c.packing, max_tokens_per_batch=c.max_tokens_per_batch,
+                    max_tokens_per_row=c.max_tokens_per_row, pad_id=c.pad_id,
+                )
+            ]
+            for lo, hi in zip(bounds[:-1], bounds[1:])
+        ]
+        minis = [m for m in minis if m]
+        if not minis:
             metrics.update({"learner/skipped": 1.0, "learner/policy_version": float(self.policy_version)})
             self.log.info("learner.step_skipped", reason="no trainable tokens", **_short(metrics))
             return metrics
 
         self.model.train()
-        num_tokens = sum(float(b.loss_mask.sum()) for b in batches)
-        num_samples = sum(float((b.loss_mask.sum(-1) > 0).sum()) for b in batches)
         old = ref = None
-        if c.updates_per_step > 1:
+        if len(minis) > 1:
+            # Fixed for the whole step: every mini-batch's ratio is taken against the policy before it.
             with torch.no_grad():
-                old = [token_log_probs(self.model, b, c.temperature)[0] for b in batches]
+                old = [[token_log_probs(self.model, b)[0] for b in mini] for mini in minis]
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = [token_log_probs(self.ref_model, b, c.temperature)[0] for b in batches]
+                ref = [[token_log_probs(self.ref_model, b)[0] for b in mini] for mini in minis]
+        before = self._snapshot() if len(minis) > 1 else None
 
         sums: dict[str, float] = {}
         grad_norm = torch.zeros(())
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        for _ in range(c.updates_per_step):
+        for k, mini in enumerate(minis):
             self.optimizer.zero_grad(set_to_none=True)
-            for i, b in enumerate(batches):
-                log_probs, entropy = token_log_probs(self.model, b, c.temperature, with_entropy=True)
+            num_tokens = sum(float(b.loss_mask.sum()) for b in mini)
+            num_samples = sum(float((b.loss_mask.sum(-1) > 0).sum()) for b in mini)
+            for i, b in enumerate(mini):
+                log_probs, entropy = token_log_probs(self.model, b, with_entropy=True)
                 if c.entropy_coef == 0.0:
                     entropy = entropy.detach()  # metric only: keep it out of the graph
                 loss, m = policy_loss(
                     log_probs,
-                    log_probs.detach() if old is None else old[i],
+                    log_probs.detach() if old is None else old[k][i],
                     b.advantages,
                     b.loss_mask,
                     rollout_log_probs=b.rollout_log_probs,
-                    ref_log_probs=None if ref is None else ref[i],
+                    ref_log_probs=None if ref is None else ref[k][i],
                     entropy=entropy,
                     num_tokens=num_tokens,
                     num_samples=num_samples,
                     **self._loss_kwargs(),
                 )
                 loss.backward()
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
+                for key, v in m.items():
+                    sums[key] = sums.get(key, 0.0) + float(v)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, c.grad_clip if c.grad_clip is not None else math.inf)
             if not torch.isfinite(grad_norm):
+                self.optimizer.zero_grad(set_to_none=True)
+                if before is not None:
+                    self._restore(before)
                 raise FloatingPointError(
-                    f"Learner.step: gradient norm is {float(grad_norm)} at step {self.steps}; no update was applied"
+                    f"Learner.step: gradient norm is {float(grad_norm)} in mini-batch {k + 1} of {len(minis)} at"
+                    f" step {self.steps}; no update of this step was applied"
+                    + (" (model, optimiser and schedule restored to before the step)" if before is not None else "")
                 )
             lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
@@ -258,17 +310,19 @@ class Learner:
         self.policy_version += 1
 
         elapsed = time.perf_counter() - t0
+        batches = [b for mini in minis for b in mini]
         real = sum(b.num_tokens for b in batches)
         padded = sum(b.num_padded for b in batches)
-        metrics.update({k: v / c.updates_per_step for k, v in sums.items()})
+        metrics.update({k: v / len(minis) for k, v in sums.items()})
         metrics.update({
             "learner/step": float(self.steps),
             "learner/policy_version": float(self.policy_version),
             "learner/lr": float(lr),
             "learner/skipped": 0.0,
+            "learner/optimizer_steps": float(len(minis)),
             "stats/grad_norm": float(grad_norm),
             "perf/tokens": float(real),
-            "perf/trained_tokens": float(num_tokens),
+            "perf/trained_tokens": sum(float(b.loss_mask.sum()) for b in batches),
             "perf/padded_tokens": float(padded),
             "perf/padding_waste": 1.0 - real / padded,
             "perf/micro_batches": float(len(batches)),
@@ -277,6 +331,20 @@ class Learner:
         })
         self.log.debug("learner.step", **_short(metrics))
         return metrics
+
+    def _snapshot(self) -> dict[str, Any]:
+        """Copies (on the CPU) of everything an optimiser step changes, for `_restore`."""
+        return {
+            "model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
+            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "scheduler": copy.deepcopy(self.scheduler.state_dict()),
+        }
+
+    def _restore(self, snapshot: dict[str, Any]) -> None:
+        """Put back what `_snapshot` copied."""
+        self.model.load_state_dict(snapshot["model"])
+        self.optimizer.load_state_dict(snapshot["optimizer"])  # moves the state back to the params' device
+        self.scheduler.load_state_dict(snapshot["scheduler"])
 
     # --- checkpoints ---------------------------------------------------------
 
@@ -366,6 +434,22 @@ def _reward_stats(rewards: Iterable[float]) -> dict[str, float]:
         "rollout/reward_std": float(r.std()) if len(r) > 1 else 0.0,
         "rollout/valid_members": float(len(r)),
     }
+
+
+def _sampling_removed(sample: Sample) -> bool:
+    """Whether the reducers removed this row because its sampling cannot be reproduced."""
+    return sample.remove_sample and "sampling_error" in sample.metadata
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor inside (dicts, lists, tuples) copied to the CPU."""
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def _short(metrics: dict[str, float]) -> dict[str, float]:

@@ -69,8 +69,9 @@ def policy_loss(
     Returns ``(loss, metrics)``; metrics are detached scalars keyed
     ``loss/policy``, ``loss/kl``, ``loss/entropy``, ``stats/clip_frac``,
     ``stats/dual_clip_frac``, ``stats/approx_kl``, ``stats/entropy``,
-    ``stats/tis_clip_frac``; the ``stats/*`` are token means over the trained
-    tokens with the same denominator as the loss, so micro-batches sum.
+    ``stats/tis_clip_frac``, ``stats/rollout_logprob_abs_diff``; the
+    ``stats/*`` are token means over the trained tokens with the same
+    denominator as the loss, so micro-batches sum.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"policy_loss: estimator must be one of {ESTIMATORS}, got {estimator!r}")
@@ -180,5 +181,10 @@ def policy_loss(
             "stats/approx_kl": token_mean((ratio - 1.0) - log_ratio),
             "stats/entropy": entropy_mean.detach(),
             "stats/tis_clip_frac": token_mean((tis_weight > tis_cap).to(mask.dtype)) if tis_cap is not None else zero,
+            # |log pi_old - log pi_rollout| (slime's train_rollout_logprob_abs_diff): ~0 when the
+            # learner reproduces the sampler (same weights, same temperature), large when it does not.
+            "stats/rollout_logprob_abs_diff": (
+                token_mean((old_log_probs - rollout_log_probs).abs()) if rollout_log_probs is not None else zero
+            ),
         }
     return loss, metrics

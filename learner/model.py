@@ -269,8 +269,9 @@ class GPT(nn.Module):
 
         Each sequence stops after it emits one of ``stop_ids`` (included in
         its tokens) or after ``max_new_tokens``. Log-probs are those of the
-        sampling distribution, ``log_softmax(logits / temperature)``: train
-        with the same ``LearnerConfig.temperature``.
+        sampling distribution, ``log_softmax(logits / temperature)``: record
+        the temperature with the turn (``sampling={"temperature": ...}``) so
+        its samples carry it and the learner divides by the same value.
         """
         if not temperature > 0:
             raise ValueError(f"GPT.sample: temperature must be > 0, got {temperature}")
@@ -351,13 +352,18 @@ class GPT(nn.Module):
 
 
 def token_log_probs(
-    model: nn.Module, batch: "Batch", temperature: float = 1.0, with_entropy: bool = False
+    model: nn.Module, batch: "Batch", temperature: float | None = None, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``(N, L)`` of each sample's response tokens, and optionally their entropy.
 
     Works on padded and packed batches alike: the logits of the positions that
     predict response tokens are gathered into one row per sample, so the
     result is laid out as the loss expects whatever the packing.
+
+    Log-probs and entropy are those of the sampling distribution,
+    ``log_softmax(logits / T)``, with ``T`` each sample's own temperature
+    (``batch.temperatures``); a number for ``temperature`` overrides it for
+    every sample.
     """
     if batch.position_ids is None:
         logits = model(batch.input_ids)
@@ -374,8 +380,11 @@ def token_log_probs(
     N, L = batch.loss_mask.shape
     # Only real response positions go through the softmax: no padding, no prompt.
     picked = logits.reshape(-1, V)[batch.predict_index].float()
-    if temperature != 1.0:
-        picked = picked / temperature
+    if temperature is not None:
+        if temperature != 1.0:
+            picked = picked / temperature
+    elif batch.temperatures is not None:
+        picked = picked / batch.temperatures.unsqueeze(-1)
     logp_all = torch.log_softmax(picked, dim=-1)
     flat = logp_all.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
     log_probs = flat.new_zeros(N * L).scatter(0, batch.slots, flat).view(N, L)

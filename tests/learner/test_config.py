@@ -13,8 +13,8 @@ from learner.config import LearnerConfig
 
 @pytest.mark.parametrize("field, value", [
     ("estimator", "ppo"), ("kl_type", "k4"), ("loss_agg", "sum"), ("optimizer", "sgd"),
-    ("eps_clip", 1.5), ("dual_clip", 1.0), ("tis_cap", 0.0), ("grad_clip", -1.0), ("updates_per_step", 0),
-    ("temperature", 0.0), ("max_tokens_per_batch", 0),
+    ("eps_clip", 1.5), ("dual_clip", 1.0), ("tis_cap", 0.0), ("grad_clip", -1.0),
+    ("num_steps_per_rollout", 0), ("max_tokens_per_batch", 0),
 ])
 def test_bad_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"LearnerConfig.{field}.*{value!r}"):
@@ -24,6 +24,13 @@ def test_bad_values_raise_naming_the_field(field, value):
 def test_unknown_field_raises_listing_it():
     with pytest.raises(ValueError, match="unknown field.*'clip_eps'"):
         LearnerConfig.from_dict({"clip_eps": 0.2})
+
+
+@pytest.mark.parametrize("field, replacement", [("temperature", "Sample.temperature"),
+                                                ("updates_per_step", "num_steps_per_rollout")])
+def test_removed_fields_raise_naming_what_replaced_them(field, replacement):
+    with pytest.raises(ValueError, match=f"LearnerConfig.{field} was removed.*{replacement}"):
+        LearnerConfig.from_dict({field: 2})
 
 
 def test_round_trip_through_a_plain_dict():

@@ -151,9 +151,9 @@ def test_micro_batches_give_the_same_update_as_one_batch(loss_agg, packing):
     assert any((p1 - p0).abs().max() > 1e-3 for p1, p0 in zip(one.model.parameters(), model.parameters()))
 
 
-def test_several_updates_per_step_move_the_ratio_off_one():
+def test_several_steps_per_rollout_move_the_ratio_off_one():
     samples = random_samples(np.random.default_rng(8), 8, 32)
-    learner = Learner(tiny_gpt(), LearnerConfig(updates_per_step=4, lr=5e-2))
+    learner = Learner(tiny_gpt(), LearnerConfig(num_steps_per_rollout=4, lr=5e-2))
     m = learner.step(samples)
     assert m["stats/approx_kl"] > 0 and learner.policy_version == 1 and learner.steps == 1
 

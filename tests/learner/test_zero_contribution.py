@@ -108,7 +108,7 @@ def test_aborted_session_yields_zero_gradient_through_the_learner(estimator, agg
     torch.manual_seed(0)
     model = GPT(vocab_size=32, max_seq_len=32, n_layer=1, d_model=32, n_head=2)
     cfg = LearnerConfig(estimator=estimator, loss_agg=agg, kl_coef=0.05, tis_cap=2.0, entropy_coef=0.01,
-                        dual_clip=3.0, updates_per_step=2, weight_decay=0.01)
+                        dual_clip=3.0, num_steps_per_rollout=2, weight_decay=0.01)
     a, b = Learner(copy.deepcopy(model), cfg), Learner(copy.deepcopy(model), cfg)
     ma = a.step([s for g in groups for s in g])
     mb = b.step([s for g in with_aborts for s in g])
