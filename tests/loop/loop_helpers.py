@@ -40,12 +40,14 @@ def learner_version(run_dir: Path) -> int:
     return recs[-1].policy_version if recs else -1
 
 
-def build_groups(specs: dict[str, list[tuple[str, float, int, float]]], *, min_valid: int = 2):
+def build_groups(specs: dict[str, list[tuple[str, float, int, float]]], *, min_valid: int = 2,
+                 sampling: dict[str, dict] | None = None):
     """Released groups made through the real engine and reducers on a MemoryLog.
 
     ``specs``: group id -> one (outcome, reward, policy_version, log_prob) per
     member, outcome ``finish``, ``abort`` or ``drop``. Finished members play
-    the lookup task's two turns with every output token at ``log_prob``.
+    the lookup task's two turns with every output token at ``log_prob``;
+    ``sampling``: group id -> the sampling dict recorded with its turns.
     """
     import asyncio
     import random
@@ -78,13 +80,14 @@ def build_groups(specs: dict[str, list[tuple[str, float, int, float]]], *, min_v
                 out0 = [LOOKUP, key_token(key), EOS]
                 await h.record_turn(messages=ep.messages, prompt_ids=list(ep.prompt_ids), output_ids=out0,
                                     output_log_probs=[lp] * 3, response_message={"role": "assistant", "content": task.decode(out0)},
-                                    policy_version=version)
+                                    policy_version=version, sampling=(sampling or {}).get(gid))
                 tool = task.tool_step(ep, 0, out0)
                 ctx = list(ep.prompt_ids) + out0 + list(tool.ids)
                 out1 = [ANSWER, value_token(value if reward else (value + 1) % 16), EOS]
                 msgs = ep.messages + [{"role": "assistant", "content": task.decode(out0)}, {"role": "tool", "content": tool.text}]
                 await h.record_turn(messages=msgs, prompt_ids=ctx, output_ids=out1, output_log_probs=[lp] * 3,
-                                    response_message={"role": "assistant", "content": task.decode(out1)}, policy_version=version)
+                                    response_message={"role": "assistant", "content": task.decode(out1)}, policy_version=version,
+                                    sampling=(sampling or {}).get(gid))
                 await h.finish(reward=reward)
         await engine.close()
 

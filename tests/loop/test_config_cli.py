@@ -49,6 +49,7 @@ def test_toml_config_with_learner_and_faults_tables(tmp_path: Path) -> None:
         ({"steps": 0}, "steps: expected an int >= 1"),
         ({"min_valid": 9}, "min_valid: expected 1..group_size"),
         ({"faults": {"drop_rate": 1.5}}, "drop_rate: expected a fraction"),
+        ({"temperature": 0.0}, "temperature: expected a number > 0"),
     ],
 )
 def test_out_of_range_values_are_refused_by_name(values, message) -> None:

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import random
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from reducers.samples import digest_samples
+from engine.tasks import select_task
+from learner.batching import make_batches
+from learner.model import token_log_probs
+from reducers.samples import COMPLETED, Sample, digest_samples
+from tools.loop.policy import GenerationBatcher, build_model
 from tools.loop.trainer import LoopLearner, step_digest
 
 from loop_helpers import build_groups, small_config
@@ -108,3 +115,40 @@ def test_training_stops_once_the_moving_reward_reaches_the_target(tmp_path: Path
     ll.recent_rewards = [0.5, 0.5]
     rec = ll.train_step(1, [groups["ok"]], 0, 10, {})  # this step's reward is 0.5
     assert rec.metrics["loop/final"] == 1.0 and rec.metrics["loop/stopped_by_reward"] == 1.0
+
+
+def test_a_group_sampled_with_top_p_is_skipped_with_the_sampling_reason(tmp_path: Path) -> None:
+    """Rows sampled with top_p < 1 cannot be trained (no kept-token sets): a group
+    made only of them is reported skipped with that reason, not counted as trained."""
+    groups = build_groups({"cut": GOOD, "ok": GOOD}, sampling={"cut": {"temperature": 1.0, "top_p": 0.9}})
+    ll = LoopLearner(tmp_path, small_config())
+    rec = ll.train_step(1, [groups["cut"], groups["ok"]], 0, 10, {})
+    assert rec.groups == ["ok"] and list(rec.skipped) == ["cut"]
+    assert rec.skipped["cut"].startswith("sampling: session cut-s0 row 0: sampled with top_p=0.9")
+    assert rec.sample_digest == step_digest([groups["ok"]]) and rec.policy_version == 1
+
+
+def test_the_rollout_temperature_drives_the_sampler_and_its_log_probs() -> None:
+    """LoopConfig.temperature reaches the worker's sampler: the log-probs it returns
+    are those of logits / temperature (what the turn records and the learner retakes)."""
+    cfg = small_config(temperature=0.6, embedding_init_std=0.1)
+    task = select_task(cfg.task)
+    model = build_model(cfg, task)
+    batcher = GenerationBatcher(model, task, seed=0, temperature=cfg.temperature)
+    prompt = list(task.new_episode(random.Random(0)).prompt_ids)
+
+    async def one():
+        batcher.register()
+        try:
+            return await batcher.generate(prompt)
+        finally:
+            batcher.unregister()
+            await batcher.close()
+
+    gen = asyncio.run(one())
+    out = [int(t) for t in gen.tokens]
+    sample = Sample("g", "s", 0, np.asarray(prompt + out, "<i4").tobytes(), len(out), b"\x01" * len(out),
+                    np.asarray(gen.log_probs, "<f4").tobytes(), 1.0, COMPLETED, temperature=cfg.temperature)
+    (batch,) = make_batches([sample])
+    np.testing.assert_allclose(token_log_probs(model, batch)[0][0].detach().numpy(), gen.log_probs, atol=1e-5)
+    assert not np.allclose(token_log_probs(model, batch, 1.0)[0][0].detach().numpy(), gen.log_probs, atol=1e-3)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,8 @@ class LoopConfig:
     """Prompts (GRPO groups) per step; the learner steps once this many groups are released."""
     group_size: int = 8
     """Samples per prompt (sessions per group)."""
+    temperature: float = 1.0
+    """Rollout sampling temperature; recorded with every turn, so the learner takes log-probs at it too."""
     max_lag: int = 1
     """How many policy versions the rollout worker may run ahead of the learner."""
     max_staleness: int = 2
@@ -130,6 +133,8 @@ class LoopConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"LoopConfig.{name}: expected an int >= 0, found {v!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not 0 < self.temperature < math.inf:
+            raise ConfigError(f"LoopConfig.temperature: expected a number > 0, found {self.temperature!r}")
         if self.staleness_mode not in STALENESS_MODES:
             raise ConfigError(f"LoopConfig.staleness_mode: expected one of {STALENESS_MODES}, found {self.staleness_mode!r}")
         if not 0.0 <= self.stop_reward <= 1.0:

@@ -151,9 +151,11 @@ class GenerationBatcher:
     really generated it.
     """
 
-    def __init__(self, model: GPT, task: Task, *, seed: int, max_wait_s: float = 0.02, before_batch=None) -> None:
+    def __init__(self, model: GPT, task: Task, *, seed: int, max_wait_s: float = 0.02, before_batch=None,
+                 temperature: float = 1.0) -> None:
         self.model = model
         self.task = task
+        self.temperature = temperature  # sessions record it with each turn
         self.version = 0
         self.max_wait_s = max_wait_s
         self.before_batch = before_batch
@@ -215,6 +217,7 @@ class GenerationBatcher:
             gen = self.model.sample(
                 [p for p, _ in batch],
                 self.task.max_new_tokens,
+                temperature=self.temperature,
                 stop_ids=(self.task.eos_id,),
                 generator=self.generator,
             )

@@ -74,6 +74,20 @@ def step_digest(groups: Iterable[Group]) -> str:
     return d.hexdigest()
 
 
+def sampling_refusal(group: Group) -> str:
+    """Why a released group trains nothing because of how it was sampled, or "".
+
+    When every row of its valid members was removed by the reducers for its
+    sampling settings (``sampling_error``: top_p/top_k truncation, mixed
+    settings), the group is reported as skipped with the first such reason
+    rather than counted as trained."""
+    rows = [s for m in group.members if m.valid for s in m.samples]
+    if rows and all(s.remove_sample and "sampling_error" in s.metadata for s in rows):
+        first = rows[0]
+        return f"sampling: session {first.session_id} row {first.row_index}: {first.metadata['sampling_error']}"
+    return ""
+
+
 def group_version(group: Group) -> int:
     """The oldest policy version that generated any of the group's samples."""
     versions = [s.policy_version for s in group.samples if not s.remove_sample]
@@ -220,6 +234,10 @@ class LoopLearner:
         for g in groups:
             if g.skipped:
                 skipped[g.group_id] = g.skip_reason or "skipped"
+                continue
+            refused = sampling_refusal(g)
+            if refused:
+                skipped[g.group_id] = refused
                 continue
             st = version - group_version(g)
             staleness.append(st)

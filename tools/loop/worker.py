@@ -151,7 +151,8 @@ class RolloutWorker:
         self.model.eval()
         self.follower = PolicyFollower(self.run_dir / "learner")
         self.loaded_version = -1
-        self.batcher = GenerationBatcher(self.model, self.task, seed=cfg.seed * 1_000_003 + 11, before_batch=self.maybe_reload)
+        self.batcher = GenerationBatcher(self.model, self.task, seed=cfg.seed * 1_000_003 + 11, before_batch=self.maybe_reload,
+                                          temperature=cfg.temperature)
         self.sandbox = LocalSandbox(self.run_dir / "sandbox" / worker_id)
         self.counts: dict[str, int] = {}
         self.log = log.bind(component="worker", worker=worker_id)
@@ -275,7 +276,7 @@ class RolloutWorker:
                     await h.record_turn(
                         messages=messages, prompt_ids=context, output_ids=gen.tokens, output_log_probs=gen.log_probs,
                         finish_reason=gen.finish_reason, response_message=response, policy_version=gen.policy_version,
-                        generate_s=gen.generate_s, sampling={"temperature": 1.0},
+                        generate_s=gen.generate_s, sampling={"temperature": self.batcher.temperature},
                     )
                     outputs.append(out)
                     tool = task.tool_step(ep, turn, out)
