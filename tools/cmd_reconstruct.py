@@ -62,6 +62,9 @@ def sample_json(s: Any) -> dict[str, Any]:
         "lsn_first": s.lsn_first,
         "lsn_last": s.lsn_last,
         "metadata": s.metadata,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
     }
 
 
@@ -130,6 +133,9 @@ class _ParquetWriter:
                 ("lsn_first", pa.int64()),
                 ("lsn_last", pa.int64()),
                 ("metadata", pa.string()),  # JSON text: its keys vary by sample kind
+                ("temperature", pa.float64()),
+                ("top_p", pa.float64()),
+                ("top_k", pa.int64()),
             ],
             metadata={"agentlog.reduce_config": json.dumps(header["reduce_config"], sort_keys=True),
                       "agentlog.reduce_config_digest": header["reduce_config_digest"]},
@@ -170,6 +176,9 @@ class _ParquetWriter:
             "lsn_first": [s.lsn_first for s in b],
             "lsn_last": [s.lsn_last for s in b],
             "metadata": [msgspec.json.encode(s.metadata).decode() for s in b],
+            "temperature": [s.temperature for s in b],
+            "top_p": [s.top_p for s in b],
+            "top_k": [s.top_k for s in b],
         }
         self._w.write_table(pa.table(cols, schema=self._schema))
 

@@ -134,7 +134,7 @@ def run(args) -> int:
         n_prompt = s.prompt_length
         mask = s.mask
         flags = " remove_sample" if s.remove_sample else ""
-        meta = s.metadata.get("abort_reason") or s.metadata.get("reward_error") or ""
+        meta = s.metadata.get("abort_reason") or s.metadata.get("reward_error") or s.metadata.get("sampling_error") or ""
         w(
             f"  row {s.row_index}: {s.status}{flags}, reward {s.reward:g}, {len(toks)} tokens = {n_prompt} prompt"
             f" + {s.response_length} response, {int(mask.sum())} trained" + (f"  [{meta}]" if meta else "") + "\n"

@@ -74,6 +74,7 @@ def test_reconstruct_prints_the_same_digest_twice_equal_to_the_online_reducer(ru
     fin0 = next(r for r in rows if r["session_id"] == "fin-0")
     assert fin0["tokens"] == [1, 2, 3, 4, 10, 11, 12, 7, 8, 13, 14]
     assert fin0["loss_mask"] == [1, 1, 1, 0, 0, 1, 1]
+    assert (fin0["temperature"], fin0["top_p"], fin0["top_k"]) == (1.0, 1.0, -1)  # the sampling it trains at
     assert [r["row_index"] for r in rows if r["session_id"] == "fork-2"] == [0, 1]
 
 
@@ -88,6 +89,7 @@ def test_reconstruct_parquet_holds_every_sample(run_log, tmp_path):
     assert b"agentlog.reduce_config_digest" in table.schema.metadata
     fin0 = [r for r in table.to_pylist() if r["session_id"] == "fin-0"][0]
     assert fin0["loss_mask"] == [1, 1, 1, 0, 0, 1, 1]
+    assert (fin0["temperature"], fin0["top_p"], fin0["top_k"]) == (1.0, 1.0, -1)  # the sampling it trains at
 
 
 def test_reconstruct_options_change_the_samples_and_their_digest(run_log, tmp_path):
