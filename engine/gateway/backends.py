@@ -107,6 +107,8 @@ class _HTTPBackend(Backend):
         self.timeout_s = timeout_s
         self.context_length = context_length
         self._session: Any = None
+        #: Upstream aborts still being posted (close() lets them finish).
+        self._aborts: set[asyncio.Task] = set()
 
     def _headers(self) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
@@ -145,6 +147,10 @@ class _HTTPBackend(Backend):
         return out
 
     async def close(self) -> None:
+        if self._aborts:
+            # A shutdown cancels every call at once: let their aborts reach
+            # the server, or it keeps generating for nobody.
+            await asyncio.wait(set(self._aborts), timeout=min(self.timeout_s, 5.0))
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -177,8 +183,12 @@ class SGLangBackend(_HTTPBackend):
         try:
             out = await self._post("/generate", self.request_body(prompt_ids, params, rid))
         except asyncio.CancelledError:
-            # Tell SGLang to stop; shielded so the abort itself is not cancelled.
-            await asyncio.shield(self._abort(rid))
+            # Tell SGLang to stop; shielded so the abort itself is not
+            # cancelled, and kept so close() can wait for it.
+            abort = asyncio.ensure_future(self._abort(rid))
+            self._aborts.add(abort)
+            abort.add_done_callback(self._aborts.discard)
+            await asyncio.shield(abort)
             raise
         meta = out.get("meta_info")
         if not isinstance(meta, dict):
