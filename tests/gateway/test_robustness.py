@@ -10,7 +10,9 @@ import errno
 import json
 
 import aiohttp
+import msgspec
 import pytest
+from hypothesis import given, settings, strategies as st
 from structlog.testing import capture_logs
 
 from engine import SessionEngine
@@ -148,16 +150,12 @@ class _DiskFullOps(OsOps):
         return super().writev(fd, buffers)
 
 
-class _CountingBackend(ScriptedBackend):
-    """Counts generate calls (``len(self.prompts)``)."""
-
-
 def test_fatal_log_answers_503_with_the_reason_before_any_generation_and_health_fails(tmp_path):
     async def body():
         ops = _DiskFullOps()
         log = FileLog.open(tmp_path / "log", os_ops=ops)
         engine = await SessionEngine.open(log)
-        backend = _CountingBackend(lambda p: "answer")
+        backend = ScriptedBackend(lambda p: "answer")  # counts its calls in .prompts
         gw = Gateway(engine, backend)
         await gw.start("127.0.0.1", 0)
         try:
@@ -185,7 +183,44 @@ def test_fatal_log_answers_503_with_the_reason_before_any_generation_and_health_
     run(body())
 
 
+class _ClosableBackend(ScriptedBackend):
+    closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def test_shutdown_on_a_fatal_log_closes_the_backend_and_the_log_and_reports_one_line(tmp_path):
+    """Dropping the live sessions fails on a dead log; the steps after it
+    (stop listening, close the backend, close and unlock the log) still run."""
+    from tools.cmd_serve import _shut_down
+
+    async def body():
+        ops = _DiskFullOps()
+        log = FileLog.open(tmp_path / "log", os_ops=ops)
+        engine = await SessionEngine.open(log)
+        backend = _ClosableBackend(lambda p: "x")
+        gw = Gateway(engine, backend)
+        await gw.start("127.0.0.1", 0)
+        await open_running(engine, "s")
+        ops.full = True
+        with pytest.raises(LogClosed):
+            await log.append("other", 0, SessionOpened(group_id="g", group_size=1))
+        failures = await _shut_down(gw, engine, backend, log, drain_s=0.1)
+        assert len(failures) == 1 and failures[0].startswith("drop live sessions: LogClosed: ") and "\n" not in failures[0]
+        assert backend.closed and gw._runner is None
+        with FileLog.open(tmp_path / "log") as reopened:  # the lock was released: the log was closed
+            assert reopened.fatal_reason is None
+
+    run(body())
+
+
 # ------------------------------------------------------------ slow and excess connections
+
+
+async def _raw_connection(gw: Gateway) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A plain TCP connection to the gateway (to send partial requests byte by byte)."""
+    return await asyncio.open_connection("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))
 
 
 async def _closed_by_server(reader: asyncio.StreamReader, within_s: float) -> bytes:
@@ -198,12 +233,11 @@ def test_slow_loris_connections_are_closed_after_the_header_timeout():
         config = GatewayConfig(header_timeout_s=0.3)
         async with rig(ScriptedBackend(lambda p: "x"), config=config) as (gw, engine, log):
             await open_running(engine, "s")
-            port = int(gw.url.rsplit(":", 1)[1])
             # unfinished headers, then silence
-            r1, w1 = await asyncio.open_connection("127.0.0.1", port)
+            r1, w1 = await _raw_connection(gw)
             w1.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
             # unfinished headers, one byte every 0.1 s: trickling does not extend the timeout
-            r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+            r2, w2 = await _raw_connection(gw)
             w2.write(b"POST /v1/chat/completions HTTP/1.1\r\n")
 
             async def trickle():
@@ -234,8 +268,7 @@ def test_connections_beyond_the_cap_are_answered_503_and_closed_while_others_are
         config = GatewayConfig(max_connections=3, header_timeout_s=30)
         async with rig(ScriptedBackend(lambda p: "x"), config=config) as (gw, engine, log):
             await open_running(engine, "s")
-            port = int(gw.url.rsplit(":", 1)[1])
-            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+            held = [await _raw_connection(gw) for _ in range(2)]
             for _, w in held:
                 w.write(b"POST /v1/chat/completions HTTP/1.1\r\n")
             await asyncio.sleep(0.05)
@@ -243,9 +276,9 @@ def test_connections_beyond_the_cap_are_answered_503_and_closed_while_others_are
             status, _ = await _request(gw.url, "POST", "/v1/chat/completions", "s", {"messages": CHAT}, {"Connection": "close"})
             assert status == 200
             # hold the third slot too: the fourth connection is refused
-            held.append(await asyncio.open_connection("127.0.0.1", port))
+            held.append(await _raw_connection(gw))
             await asyncio.sleep(0.05)
-            r, w = await asyncio.open_connection("127.0.0.1", port)
+            r, w = await _raw_connection(gw)
             answer = await _closed_by_server(r, 5)
             assert answer.startswith(b"HTTP/1.1 503 ")
             assert "connections open, the cap is 3" in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
@@ -267,8 +300,7 @@ def test_a_body_that_does_not_arrive_in_time_is_answered_408():
         config = GatewayConfig(body_timeout_s=0.3)
         async with rig(ScriptedBackend(lambda p: "x"), config=config) as (gw, engine, log):
             await open_running(engine, "s")
-            port = int(gw.url.rsplit(":", 1)[1])
-            r, w = await asyncio.open_connection("127.0.0.1", port)
+            r, w = await _raw_connection(gw)
             w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s\r\n"
                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"messages\"")
             head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
@@ -427,3 +459,37 @@ def test_a_get_on_a_post_route_is_a_405_json_answer(path, anthropic):
             assert status == 404 and err["error"]["type"] == "not_found_error"
 
     run(body())
+
+
+# ------------------------------------------------------------ the body cap, as an invariant
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    record_cap=st.integers(2**18, 2**21),
+    max_output=st.integers(1, 4096),
+    text=st.sampled_from(["y", "\u00e9", "\\n", "\\u0001", "{\\\"a\\\": 1}"]),
+)
+def test_any_body_within_the_derived_cap_makes_a_record_within_the_record_cap(record_cap, max_output, text):
+    """The worst case for the byte-level template (one token per body byte,
+    context unknown) and a full output allowance still fits the log's record."""
+    from engine.gateway import ByteChatTemplate, ChatCompletionsAPI
+    from engine.gateway.server import body_cap_for
+    from events.log_format import ENV_HDR
+    from events.types import TurnRecorded
+
+    cap = body_cap_for(record_cap, None, max_output)
+    empty = '{"messages": [{"role": "user", "content": ""}]}'
+    content = text * ((cap - len(empty)) // len(text.encode()))  # whole units: no escape is cut in half
+    raw = '{"messages": [{"role": "user", "content": "' + content + '"}]}'
+    assert len(raw.encode()) <= cap
+    req = ChatCompletionsAPI.parse(json.loads(raw))
+    template = ByteChatTemplate()
+    body = TurnRecorded(
+        turn_index=0, messages=req.messages, prompt_ids=template.encode_prompt(req.messages, req.tools),
+        output_ids=[65] * max_output, output_log_probs=[-1.0] * max_output,
+        response_message={"role": "assistant", "content": "\U0001f600" * (max_output * 4)},
+        sampling={"max_new_tokens": max_output, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": None, "stop_ids": [128],
+                  "client": {"max_tokens": max_output}, "api": "chat", "model": "m" * 200},
+    )
+    assert ENV_HDR.size + 200 + len(msgspec.msgpack.encode(body)) <= record_cap
