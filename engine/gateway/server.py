@@ -66,7 +66,7 @@ class GatewayConfig(msgspec.Struct, frozen=True):
     large_body_bytes: int = 2**20
     #: Bytes of large bodies in flight at once; a large body beyond it is
     #: answered 503 at once (a decoded body costs tens of times its size).
-    large_bodies_bytes: int = 48 * 2**20
+    large_bodies_bytes: int = 32 * 2**20
     #: Seconds a request's headers may take once its first byte arrived.
     header_timeout_s: float = 10.0
     #: Seconds a request's body may take to arrive; slower ones get 408.
