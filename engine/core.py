@@ -390,6 +390,9 @@ class SessionEngine:
         self._id_capacity = id_capacity
         self._ids = IdFilter(id_capacity)
         self._bg: set[asyncio.Task] = set()
+        #: None while every background task (budget expiry) ended well; else
+        #: the first crash, in one line (health checks report it).
+        self.background_failure: str | None = None
         self._closed = False
         #: Counters: opened, finished, aborted, dropped, stragglers, id_scans, restart_aborted, violations.
         self.stats: dict[str, int] = dict.fromkeys(
@@ -718,7 +721,9 @@ class SessionEngine:
     def _bg_done(self, t: asyncio.Task) -> None:
         if not t.cancelled() and t.exception() is not None:
             exc = t.exception()
-            _log.error("engine.background_failed", error=f"{type(exc).__name__}: {exc}")
+            _log.error("engine.background_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+            if self.background_failure is None:
+                self.background_failure = f"background task {t.get_name()} crashed: {type(exc).__name__}: {exc}"
         self._bg.discard(t)
         if not self._bg:
             self._bg = set()  # sets never shrink either; see _release

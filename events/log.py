@@ -761,6 +761,11 @@ class FileLog(EventLog):
         return self._acked
 
     @property
+    def max_record_bytes(self) -> int:
+        """The largest record this log accepts (bytes, envelope included)."""
+        return self._cap
+
+    @property
     def fatal_reason(self) -> str | None:
         return self._fatal_msg if self._fatal is not None else None
 

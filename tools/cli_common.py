@@ -132,3 +132,17 @@ def nonneg_int(text: str) -> int:
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1."""
     return _int_at_least(text, 1)
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (seconds, say)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, found {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, found {text}")
+    return value

@@ -19,8 +19,8 @@ import secrets
 import signal
 import sys
 
-from tools.cli import CliError
-from tools.cli_common import nonneg_int, positive_int
+from tools.cli import EXIT_DATA, CliError
+from tools.cli_common import nonneg_int, positive_float, positive_int
 
 
 def register(sub) -> None:
@@ -39,6 +39,11 @@ def register(sub) -> None:
     p.add_argument("--fsync", choices=["always", "batch", "interval", "never"], default="batch", help="log fsync policy (default batch)")
     p.add_argument("--max-turns", type=positive_int, default=256, help="turn cap per session (answered 429 beyond it)")
     p.add_argument("--max-tokens", type=positive_int, default=512, help="default output allowance per turn")
+    p.add_argument("--header-timeout", type=positive_float, default=10.0, metavar="S", help="seconds a request's headers may take once it began; slower connections are closed (default 10)")
+    p.add_argument("--body-timeout", type=positive_float, default=60.0, metavar="S", help="seconds a request's body may take to arrive; slower ones are answered 408 (default 60)")
+    p.add_argument("--idle-timeout", type=positive_float, default=75.0, metavar="S", help="seconds an idle keep-alive connection is kept (default 75)")
+    p.add_argument("--max-connections", type=positive_int, default=0, metavar="N", help="open connections at most; more are answered 503 and closed (default: half the open-file limit, at most 4096)")
+    p.add_argument("--drain", type=positive_float, default=5.0, metavar="S", help="on SIGTERM/SIGINT, seconds to let in-flight turns finish before their sessions are dropped with reason 'shutdown' (default 5)")
     p.add_argument("--admin-token", default=os.environ.get("AGENTLOG_ADMIN_TOKEN", ""), help="admin API token (default: $AGENTLOG_ADMIN_TOKEN, else generated and printed)")
     p.set_defaults(func=run)
 
@@ -120,6 +125,17 @@ def _build(args):
     return backend, template, parser
 
 
+def default_max_connections() -> int:
+    """Half the process's open-file limit, at most 4096: the other half stays
+    for the log's segments, the backend's connections and the interpreter."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(16, min(4096, soft // 2))
+
+
 def _has_transformers() -> bool:
     import importlib.util
 
@@ -139,7 +155,11 @@ async def _serve(args) -> int:
     except (OSError, ValueError, LogError) as exc:  # LogError: not a log, or locked by another writer
         raise CliError(f"--log {args.log}: {exc}") from None
     engine = await SessionEngine.open(log)
-    config = GatewayConfig(max_turns=args.max_turns, default_max_tokens=args.max_tokens, model_name=args.model or "agentlog")
+    config = GatewayConfig(
+        max_turns=args.max_turns, default_max_tokens=args.max_tokens, model_name=args.model or "agentlog",
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, idle_timeout_s=args.idle_timeout,
+        max_connections=args.max_connections or default_max_connections(),
+    )
     gw = Gateway(engine, backend, template=template, parser=parser, config=config, admin_token=token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -155,12 +175,39 @@ async def _serve(args) -> int:
             print(f"admin token: {token}", flush=True)
         await stop.wait()
     finally:
-        await gw.stop()
-        await engine.close()  # live sessions are dropped with reason "shutdown"
-        await backend.close()
-        log.close()
+        failures = await _shut_down(gw, engine, backend, log, args.drain)
+    if failures:
+        raise CliError("stopped with errors: " + "; ".join(failures), EXIT_DATA)
     print("agentlog gateway stopped", flush=True)
     return 0
+
+
+async def _shut_down(gw, engine, backend, log, drain_s: float) -> list[str]:
+    """Stop in order, each step whatever the one before it did: let in-flight
+    turns finish for up to ``drain_s``; drop the sessions still live (reason
+    ``shutdown``, which cancels their turns); stop listening; close the
+    backend and the log. Returns the one-line failures (a failed log, say),
+    each also logged; a step that fails never skips the ones after it."""
+    import structlog
+
+    log_ = structlog.get_logger("agentlog.serve")
+    failures: list[str] = []
+
+    async def step(name: str, action) -> None:
+        try:
+            result = action()
+            if asyncio.iscoroutine(result):
+                await result
+        except Exception as exc:  # noqa: BLE001 - each failure is logged and reported; later steps still run
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+            log_.error("serve.shutdown_step_failed", step=name, error=f"{type(exc).__name__}: {exc}")
+
+    await step("drain", lambda: gw.drain(drain_s))
+    await step("drop live sessions", engine.close)
+    await step("stop listening", gw.stop)
+    await step("close backend", backend.close)
+    await step("close log", log.close)
+    return failures
 
 
 def run(args) -> int:

@@ -26,6 +26,9 @@ _enc = msgspec.json.Encoder()
 #: Client fields that override sampling, per API: wire name -> our name.
 _SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
 
+#: Integers a request may carry: what the log's encoding holds (64 bits).
+_INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
+
 
 class TurnRequest(msgspec.Struct):
     """One generation request, whatever API it arrived through."""
@@ -71,6 +74,8 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise RequestError(wire, "a number", value)
+        if isinstance(value, int) and not _INT_MIN <= value <= _INT_MAX:
+            raise RequestError(wire, "a number within 64-bit integer range", value)
         out[ours] = value
     # Stop strings are recorded as asked; no backend here honours them (the
     # template's stop ids end a turn), so the gateway records them as ignored.
@@ -102,8 +107,8 @@ def _max_tokens(body: dict[str, Any], *keys: str) -> int | None:
         value = body.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise RequestError(key, "an int >= 1", value)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _INT_MAX:
+            raise RequestError(key, "an int >= 1 within 64 bits", value)
         return value
     return None
 
@@ -546,11 +551,13 @@ class ResponsesAPI:
 APIS = {"chat": ChatCompletionsAPI, "messages": MessagesAPI, "responses": ResponsesAPI}
 
 
-def error_body(style: str, status: int, kind: str, message: str) -> dict[str, Any]:
-    """An error body in the client's own dialect (OpenAI or Anthropic)."""
+def error_body(style: str, status: int, kind: str, message: str, code: str | None = None) -> dict[str, Any]:
+    """An error body in the client's own dialect (OpenAI or Anthropic).
+    ``code`` is OpenAI's machine-readable code (e.g. ``context_length_exceeded``);
+    without one the status is given, and Anthropic's shape has no such field."""
     if style == "anthropic":
         return {"type": "error", "error": {"type": kind, "message": message}}
-    return {"error": {"message": message, "type": kind, "code": status}}
+    return {"error": {"message": message, "type": kind, "code": code if code is not None else status}}
 
 
 def now_s() -> int:

@@ -85,6 +85,13 @@ class Backend(abc.ABC):
         claims a sampler that did not run)."""
         return []
 
+    @property
+    def fatal_reason(self) -> str | None:
+        """None while the backend can serve; once a background part of it
+        (a worker thread) has died, the one-line reason. The gateway's
+        ``/health`` reports it and refuses turns with it."""
+        return None
+
     async def close(self) -> None:
         """Release connections and threads."""
 
@@ -100,6 +107,8 @@ class _HTTPBackend(Backend):
         self.timeout_s = timeout_s
         self.context_length = context_length
         self._session: Any = None
+        #: Upstream aborts still being posted (close() lets them finish).
+        self._aborts: set[asyncio.Task] = set()
 
     def _headers(self) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
@@ -138,6 +147,10 @@ class _HTTPBackend(Backend):
         return out
 
     async def close(self) -> None:
+        if self._aborts:
+            # A shutdown cancels every call at once: let their aborts reach
+            # the server, or it keeps generating for nobody.
+            await asyncio.wait(set(self._aborts), timeout=min(self.timeout_s, 5.0))
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -170,8 +183,12 @@ class SGLangBackend(_HTTPBackend):
         try:
             out = await self._post("/generate", self.request_body(prompt_ids, params, rid))
         except asyncio.CancelledError:
-            # Tell SGLang to stop; shielded so the abort itself is not cancelled.
-            await asyncio.shield(self._abort(rid))
+            # Tell SGLang to stop; shielded so the abort itself is not
+            # cancelled, and kept so close() can wait for it.
+            abort = asyncio.ensure_future(self._abort(rid))
+            self._aborts.add(abort)
+            abort.add_done_callback(self._aborts.discard)
+            await asyncio.shield(abort)
             raise
         meta = out.get("meta_info")
         if not isinstance(meta, dict):
@@ -315,7 +332,9 @@ class TorchBackend(Backend):
         self._queue: list[_Pending] = []
         self._cv = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._worker, name="agentlog-torch-backend", daemon=True)
+        #: Why the worker thread died (None while it runs); see _run_worker.
+        self._crashed: str | None = None
+        self._thread = threading.Thread(target=self._run_worker, name="agentlog-torch-backend", daemon=True)
         self._thread.start()
         self.batches = 0  # how many sample() calls ran (for tests and the benchmark)
 
@@ -332,6 +351,8 @@ class TorchBackend(Backend):
         fut = loop.create_future()
         item = _Pending(prompt, params, fut, loop)
         with self._cv:
+            if self._crashed is not None:
+                raise BackendError(self.name, self._crashed)
             if self._closed:
                 raise BackendError(self.name, "backend closed")
             self._queue.append(item)
@@ -342,7 +363,14 @@ class TorchBackend(Backend):
             with self._cv:
                 if item in self._queue:
                     self._queue.remove(item)
+                    # The worker may be gathering a batch around this call:
+                    # wake it so it sees the queue as it now is.
+                    self._cv.notify()
             raise
+
+    @property
+    def fatal_reason(self) -> str | None:
+        return self._crashed
 
     def ignored_sampling(self, params: SamplingParams) -> list[str]:
         # GPT.sample draws from softmax(logits / temperature) only.
@@ -355,9 +383,12 @@ class TorchBackend(Backend):
             out.append("seed")
         return out
 
-    def _take_batch(self) -> list[_Pending]:
+    def _take_batch(self, batch: list[_Pending]) -> None:
+        """Move the next batch off the queue into ``batch`` (caller holds _cv;
+        the queue is not empty). Calls are in ``batch`` before anything that
+        can fail, so a crash here still answers them."""
         first = self._queue.pop(0)
-        batch = [first]
+        batch.append(first)
         longest, most = len(first.prompt), first.params.max_new_tokens
         keep = []
         for item in self._queue:
@@ -369,9 +400,31 @@ class TorchBackend(Backend):
             else:
                 keep.append(item)
         self._queue[:] = keep
-        return batch
 
-    def _worker(self) -> None:
+    def _run_worker(self) -> None:
+        """The worker thread: ``_serve_batches`` under a guard, so that the thread
+        can never die silently. A crash fails every queued call and every
+        later one with the reason, logs it loudly, and shows in
+        ``fatal_reason`` (which the gateway's ``/health`` reports)."""
+        batch: list[_Pending] = []
+        try:
+            self._serve_batches(batch)
+        except BaseException as exc:
+            reason = f"worker thread crashed: {type(exc).__name__}: {exc}; restart the gateway"
+            _log.critical("gateway.backend_worker_crashed", backend=self.name, error=reason, exc_info=exc)
+            with self._cv:
+                self._crashed = reason
+                pending, self._queue = self._queue, []
+            err = BackendError(self.name, reason)
+            # The batch being taken or run when the loop broke, and the queue:
+            # every one of those calls would otherwise wait forever.
+            for b in batch + pending:
+                _deliver(b, None, err)
+            if not isinstance(exc, Exception):
+                raise
+
+    def _serve_batches(self, batch: list[_Pending]) -> None:
+        """Gather and run batches until closed; ``batch`` holds the current one."""
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
@@ -393,11 +446,15 @@ class TorchBackend(Backend):
                     if remaining <= 0:
                         break
                     self._cv.wait(remaining)
+                    if not self._queue:
+                        break  # every call gathered so far was cancelled
                     if len(self._queue) == seen:
                         break  # a quiet gap: nobody else is coming soon
                 if self._closed:
                     return
-                batch = self._take_batch()
+                if not self._queue:
+                    continue  # nothing left to run: wait for the next call
+                self._take_batch(batch)
                 self._last_batch = len(batch)
             t0 = time.perf_counter()
             try:
@@ -423,11 +480,12 @@ class TorchBackend(Backend):
                     fr = "stop" if end is not None else "length"
                     end = end if end is not None else min(cut, len(toks))
                     res = Generation(toks[:end], lps[:end], fr, version, dt)
-                    b.loop.call_soon_threadsafe(_settle, b.future, res, None)
+                    _deliver(b, res, None)
             except Exception as exc:  # surfaced to every caller of the batch, never swallowed
                 err = BackendError(self.name, f"sample() failed: {type(exc).__name__}: {exc}")
                 for b in batch:
-                    b.loop.call_soon_threadsafe(_settle, b.future, None, err)
+                    _deliver(b, None, err)
+            batch.clear()
 
     async def load_weights(self, state_dict: Any, policy_version: int) -> None:
         """Swap in new weights between batches; later turns record ``policy_version``."""
@@ -445,9 +503,19 @@ class TorchBackend(Backend):
             pending, self._queue = self._queue, []
             self._cv.notify_all()
         for b in pending:
-            b.loop.call_soon_threadsafe(_settle, b.future, None, BackendError(self.name, "backend closed"))
+            _deliver(b, None, BackendError(self.name, "backend closed"))
         await asyncio.to_thread(self._thread.join, 5.0)
         sys.setswitchinterval(self._old_switch)
+
+
+def _deliver(item: _Pending, result: Any, exc: BaseException | None) -> None:
+    """Hand a result to the caller's event loop from the worker thread. A
+    caller whose loop has closed meanwhile has nobody left to answer; that
+    is logged, and must not take the worker (and every other caller) down."""
+    try:
+        item.loop.call_soon_threadsafe(_settle, item.future, result, exc)
+    except RuntimeError as err:  # the caller's event loop is closed
+        _log.warning("gateway.backend_result_undeliverable", error=str(err))
 
 
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

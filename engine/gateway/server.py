@@ -12,8 +12,12 @@ misses a turn the agent acted on; if the answer cannot be delivered, a
 Status codes: 401 no API key; 404 a session the engine does not know; 409 a
 session that is not running (ended, or not started); 429 the session's turn
 cap; 400 malformed JSON or a request we cannot read (the message names the
-field); 413 a body over the size limit; 502 the backend failed. None of them
-records anything.
+field), or a prompt that leaves no room in the model's context
+(``context_length_exceeded``); 408 a body that did not arrive in time; 413 a
+body over the size limit; 405 a method the route does not take; 502 the
+backend failed; 503 the gateway cannot record (its log or backend failed for
+good, the reason is given; or it is shutting down; or too many large bodies
+are in flight). None of them records anything.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ from aiohttp import web
 
 from engine.core import DuplicateSession
 from events.lifecycle import TERMINAL_STATES, IllegalTransition, State
+from events.log_api import LogClosed
+from events.log_format import DEFAULT_MAX_RECORD_BYTES
 
 from .api import APIS, ResponsesAPI, TurnRequest, TurnResult, error_body, now_s
-from .backends import Backend, BackendError, Generation, SamplingParams
+from .backends import Backend, BackendError, SamplingParams
 from .chat import ByteChatTemplate, ChatTemplate, HermesToolParser, RequestError, ToolCallParser, assistant_message
+from .connections import GuardedSite, request_bounds_middleware
 
 _log = structlog.get_logger("agentlog.gateway")
 
@@ -52,7 +59,22 @@ class GatewayConfig(msgspec.Struct, frozen=True):
     #: Turns one session may take; the next request is answered 429.
     max_turns: int = 256
     #: Largest request body accepted (bytes); larger ones are answered 413.
-    max_body_bytes: int = 32 * 2**20
+    #: None: derived from the log's record cap (see :func:`body_cap_for`), so
+    #: a body that passes always makes a record the log accepts.
+    max_body_bytes: int | None = None
+    #: Bodies of at least this many bytes count against ``large_bodies_bytes``.
+    large_body_bytes: int = 2**20
+    #: Bytes of large bodies in flight at once; a large body beyond it is
+    #: answered 503 at once (a decoded body costs tens of times its size).
+    large_bodies_bytes: int = 32 * 2**20
+    #: Seconds a request's headers may take once its first byte arrived.
+    header_timeout_s: float = 10.0
+    #: Seconds a request's body may take to arrive; slower ones get 408.
+    body_timeout_s: float = 60.0
+    #: Seconds an idle keep-alive connection is kept open.
+    idle_timeout_s: float = 75.0
+    #: Open connections at most; beyond it a new one is answered 503 and closed.
+    max_connections: int = 1024
     #: Output allowance when the client names none.
     default_max_tokens: int = 512
     #: Cap on any client's max_tokens (Claude Code asks for 64000).
@@ -77,10 +99,40 @@ class _SessionCfg:
 class _Refused(Exception):
     """A request answered with an error before anything was recorded."""
 
-    def __init__(self, status: int, kind: str, message: str) -> None:
+    def __init__(self, status: int, kind: str, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
+        self.code = code
+
+
+#: Bytes a recorded turn may take beyond its messages and prompt ids: the
+#: envelope, the sampling dict, the per-output-token costs below.
+_RECORD_OVERHEAD = 64 * 2**10
+#: Bytes one prompt token id takes in a record (int32).
+_BYTES_PER_TOKEN_ID = 4
+#: Bytes one output token takes in a record: its id, its log-prob, and up to
+#: 16 bytes of decoded text in the response message.
+_BYTES_PER_OUTPUT_TOKEN = 24
+
+
+def body_cap_for(record_cap: int, context_length: int | None, max_output_tokens: int) -> int:
+    """The largest request body whose turn still fits a log record of
+    ``record_cap`` bytes. The recorded messages take at most the body's own
+    size; the prompt ids take 4 bytes per token, at most ``context_length``
+    of them (longer prompts are refused) or, the context unknown, one token
+    per body byte (a byte-level tokenizer's worst case)."""
+    room = record_cap - _RECORD_OVERHEAD - _BYTES_PER_OUTPUT_TOKEN * max_output_tokens
+    if context_length is None:
+        cap = room // (1 + _BYTES_PER_TOKEN_ID)
+    else:
+        cap = room - _BYTES_PER_TOKEN_ID * context_length
+    if cap < 4096:
+        raise ValueError(
+            f"a log record cap of {record_cap} bytes leaves no room for request bodies "
+            f"(context {context_length}, output cap {max_output_tokens} tokens)"
+        )
+    return cap
 
 
 class Gateway:
@@ -107,9 +159,18 @@ class Gateway:
         self.template = template or ByteChatTemplate(self.parser)
         self.config = config or GatewayConfig()
         self.admin_token = admin_token
+        record_cap = getattr(engine.log, "max_record_bytes", DEFAULT_MAX_RECORD_BYTES)
+        #: The body cap in force (the configured one, or derived from the log's record cap).
+        self.max_body_bytes = self.config.max_body_bytes or body_cap_for(record_cap, backend.context_length, self.config.max_tokens_cap)
+        self._large_bodies = 0  # bytes of large bodies in flight (see _body_budget)
         self._sessions: dict[str, _SessionCfg] = {}
         self._requests = 0
+        self._turns_inflight = 0
+        self._turns_idle = asyncio.Event()  # set while no turn is in flight (drain)
+        self._turns_idle.set()
+        self._draining = False
         self._runner: web.AppRunner | None = None
+        self._site: GuardedSite | None = None
         self.url = ""
         #: When a list, each turn appends (prepare_s, record_s, send_s): the
         #: gateway's own time split (benchmarks); None (default) records nothing.
@@ -120,7 +181,9 @@ class Gateway:
 
     def app(self) -> web.Application:
         """The aiohttp application (routes only; see :meth:`start`)."""
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(
+            client_max_size=self.max_body_bytes, middlewares=[request_bounds_middleware(lambda: self._site), self._json_http_errors]
+        )
         r = app.router
         r.add_route("HEAD", "/", self._health)
         r.add_get("/", self._health, allow_head=False)
@@ -141,21 +204,58 @@ class Gateway:
         Handlers are cancelled when their client disconnects, which is how a
         backend call learns to abort and how an undeliverable turn is noticed.
         """
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        c = self.config
+        self._runner = web.AppRunner(
+            self.app(), handler_cancellation=True, access_log=None, keepalive_timeout=c.idle_timeout_s, shutdown_timeout=1.0
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = GuardedSite(self._runner, host, port, header_timeout_s=c.header_timeout_s, max_connections=c.max_connections)
         await site.start()
-        sock = site._server.sockets[0]  # type: ignore[union-attr]
-        bound = sock.getsockname()
-        self.url = f"http://{host}:{bound[1]}"
-        _log.info("gateway.listening", url=self.url, backend=self.backend.name, template=self.template.name)
+        self._site = site
+        self.url = f"http://{host}:{site.port}"
+        _log.info("gateway.listening", url=self.url, backend=self.backend.name, template=self.template.name,
+                  max_body_bytes=self.max_body_bytes, max_connections=c.max_connections)
         return self.url
 
+    async def drain(self, timeout_s: float) -> int:
+        """Begin shutting down: refuse new turns (503) and wait up to
+        ``timeout_s`` for the turns in flight to be answered. Returns how
+        many are still in flight (the caller then ends their sessions, e.g.
+        ``engine.close()`` drops them with reason ``shutdown``)."""
+        self._draining = True
+        if self._turns_inflight:
+            _log.info("gateway.draining", inflight=self._turns_inflight, timeout_s=timeout_s)
+            try:
+                await asyncio.wait_for(self._turns_idle.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                _log.warning("gateway.drain_timed_out", inflight=self._turns_inflight, timeout_s=timeout_s)
+        return self._turns_inflight
+
     async def stop(self) -> None:
-        """Stop listening (the engine and backend belong to the caller)."""
+        """Stop listening (the engine and backend belong to the caller).
+        Handlers still running get a second to finish, then are cancelled."""
+        self._draining = True
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+            self._site = None
+
+    @property
+    def fatal_reason(self) -> str | None:
+        """None while the gateway can take turns; else why not, in one line:
+        its log's writer failed for good, the backend's worker died, or an
+        engine background task crashed. ``/health`` answers 503 with it and
+        every turn is refused with it before any generation."""
+        reason = self.engine.log.fatal_reason
+        if reason is not None:
+            return f"log: {reason}"
+        reason = self.backend.fatal_reason
+        if reason is not None:
+            return f"backend {self.backend.name}: {reason}"
+        reason = getattr(self.engine, "background_failure", None)
+        if reason is not None:
+            return f"engine: {reason}"
+        return None
 
     async def __aenter__(self) -> "Gateway":
         if not self.url:
@@ -211,8 +311,28 @@ class Gateway:
                 key = auth[7:].strip()
         return key
 
-    def _error(self, style: str, status: int, kind: str, message: str) -> web.Response:
-        return web.json_response(error_body(style, status, kind, message), status=status)
+    def _error(self, style: str, status: int, kind: str, message: str, code: str | None = None) -> web.Response:
+        return web.json_response(error_body(style, status, kind, message, code), status=status)
+
+    @web.middleware
+    async def _json_http_errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """aiohttp's own refusals (no such route, wrong method) as JSON in
+        the dialect of the route, never as plain text."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            style = "anthropic" if request.path.startswith("/v1/messages") else "openai"
+            if exc.status == 405:
+                allowed = sorted(exc.headers.get("Allow", "").split(",")) if "Allow" in exc.headers else []
+                message = f"{request.method} {request.path}: method not allowed; expected {' or '.join(a for a in allowed if a) or 'another method'}"
+                resp = self._error(style, 405, "invalid_request_error", message)
+                if "Allow" in exc.headers:
+                    resp.headers["Allow"] = exc.headers["Allow"]
+                return resp
+            kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+            return self._error(style, exc.status, kind, f"{request.method} {request.path}: {exc.reason}")
 
     def _session(self, key: str) -> Any:
         if not key:
@@ -228,16 +348,25 @@ class Gateway:
         return h
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
+        cap = self.max_body_bytes
+        declared = request.content_length
+        if declared is not None and declared > cap:
+            raise _Refused(413, "request_too_large", f"request body of {declared} bytes (Content-Length) is over the limit of {cap}")
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.config.body_timeout_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
-            raise _Refused(413, "request_too_large", f"request body over the limit of {self.config.max_body_bytes} bytes ({exc.text})") from None
-        if len(raw) > self.config.max_body_bytes:  # chunked bodies are checked here
-            raise _Refused(413, "request_too_large", f"request body of {len(raw)} bytes is over the limit of {self.config.max_body_bytes}")
+            raise _Refused(413, "request_too_large", f"request body over the limit of {cap} bytes ({exc.text})") from None
+        except TimeoutError:
+            raise _Refused(408, "request_timeout", f"request body did not arrive within {self.config.body_timeout_s} s") from None
+        if len(raw) > cap:  # chunked bodies are checked here
+            raise _Refused(413, "request_too_large", f"request body of {len(raw)} bytes is over the limit of {cap}")
         try:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:
             raise _Refused(400, "invalid_request_error", f"malformed JSON in the request body: {exc}") from None
+        except RecursionError:
+            raise _Refused(400, "invalid_request_error", "request body: JSON nested too deeply to read") from None
         if not isinstance(body, dict):
             raise _Refused(400, "invalid_request_error", f"request body: expected a JSON object, found {type(body).__name__}")
         return body
@@ -282,6 +411,11 @@ class Gateway:
     # ------------------------------------------------------------ routes
 
     async def _health(self, request: web.Request) -> web.Response:
+        reason = self.fatal_reason
+        if reason is not None:
+            return web.json_response(
+                {"status": "failing", "reason": reason, "service": "agentlog-gateway", "backend": self.backend.name}, status=503
+            )
         return web.json_response({"status": "ok", "service": "agentlog-gateway", "backend": self.backend.name})
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -314,32 +448,82 @@ class Gateway:
         api = APIS[api_name]
         key = self._api_key(request)
         log = _log.bind(session_id=key, api=api_name)
+        reserved = 0
+        self._turn_began()
         try:
-            h = self._session(key)
-            body = await self._body(request)
             try:
-                req = api.parse(body)
-            except RequestError as exc:
-                raise _Refused(400, "invalid_request_error", f"{api_name} request: {exc}") from None
-            cfg = self._sessions.setdefault(key, _SessionCfg())
-            merged = self._sampling(key, req)  # refuse unusable sampling values before anything runs
-            cap = cfg.max_turns if cfg.max_turns is not None else self.config.max_turns
-            if h.turns + cfg.inflight >= cap:
-                raise _Refused(429, "rate_limit_error", f"session {key!r} reached its turn cap of {cap} turns")
-        except _Refused as exc:
-            self.stats["refused"] += 1
-            log.info("gateway.request_refused", status=exc.status, reason=str(exc))
-            self._forget_if_ended(key)
-            return self._error(api.error_style, exc.status, exc.kind, str(exc))
-        cfg.inflight += 1
-        try:
-            return await self._generate_record_send(request, api, req, merged, h, cfg, log)
-        except Exception as exc:  # a bug or a bad backend answer: logged in full and answered as JSON, never hidden
-            log.exception("gateway.turn_failed", error=f"{type(exc).__name__}: {exc}")
-            return self._error(api.error_style, 500, "api_error", f"turn failed: {type(exc).__name__}: {exc}")
+                self._refuse_if_unable()
+                h = self._session(key)
+                reserved = self._reserve_body(request)
+                body = await self._body(request)
+                try:
+                    req = api.parse(body)
+                except RequestError as exc:
+                    raise _Refused(400, "invalid_request_error", f"{api_name} request: {exc}") from None
+                _check_recordable(api_name, req)
+                cfg = self._sessions.setdefault(key, _SessionCfg())
+                merged = self._sampling(key, req)  # refuse unusable sampling values before anything runs
+                cap = cfg.max_turns if cfg.max_turns is not None else self.config.max_turns
+                if h.turns + cfg.inflight >= cap:
+                    raise _Refused(429, "rate_limit_error", f"session {key!r} reached its turn cap of {cap} turns")
+            except _Refused as exc:
+                self.stats["refused"] += 1
+                log.info("gateway.request_refused", status=exc.status, reason=str(exc))
+                self._forget_if_ended(key)
+                return self._error(api.error_style, exc.status, exc.kind, str(exc), exc.code)
+            cfg.inflight += 1
+            try:
+                return await self._generate_record_send(request, api, req, merged, h, cfg, log)
+            except _Refused as exc:
+                self.stats["refused"] += 1
+                log.info("gateway.request_refused", status=exc.status, reason=str(exc))
+                return self._error(api.error_style, exc.status, exc.kind, str(exc), exc.code)
+            except LogClosed as exc:  # the writer failed (or closed) while this turn was made durable
+                log.error("gateway.turn_not_recorded", error=str(exc))
+                return self._error(api.error_style, 503, "api_error", f"turn not recorded: {self.fatal_reason or exc}")
+            except Exception as exc:  # a bug or a bad backend answer: logged in full and answered as JSON, never hidden
+                log.exception("gateway.turn_failed", error=f"{type(exc).__name__}: {exc}")
+                return self._error(api.error_style, 500, "api_error", f"turn failed: {type(exc).__name__}: {exc}")
+            finally:
+                cfg.inflight -= 1
+                self._forget_if_ended(key)
         finally:
-            cfg.inflight -= 1
-            self._forget_if_ended(key)
+            self._large_bodies -= reserved
+            self._turn_ended()
+
+    def _turn_began(self) -> None:
+        self._turns_inflight += 1
+        self._turns_idle.clear()
+
+    def _turn_ended(self) -> None:
+        self._turns_inflight -= 1
+        if self._turns_inflight == 0:
+            self._turns_idle.set()
+
+    def _refuse_if_unable(self) -> None:
+        """503 before anything runs when no turn can be recorded (or we are stopping)."""
+        if self._draining:
+            raise _Refused(503, "api_error", "gateway shutting down; it takes no new turns")
+        reason = self.fatal_reason
+        if reason is not None:
+            raise _Refused(503, "api_error", f"gateway cannot record turns: {reason}")
+
+    def _reserve_body(self, request: web.Request) -> int:
+        """Count a large body against ``large_bodies_bytes`` before it is
+        read (a body of unknown length counts as the body cap); returns the
+        bytes reserved, which the caller gives back when its turn ends."""
+        size = request.content_length
+        size = self.max_body_bytes if size is None else min(size, self.max_body_bytes)
+        if size < self.config.large_body_bytes:
+            return 0
+        budget = self.config.large_bodies_bytes
+        if self._large_bodies + size > budget:
+            raise _Refused(
+                503, "api_error",
+                f"too many large request bodies in flight ({self._large_bodies} of {budget} bytes; this one is {size}); retry shortly",
+            )
+        self._large_bodies += size
+        return size
 
     async def _generate_record_send(
         self, request: web.Request, api: Any, req: TurnRequest, merged: dict[str, Any], h: Any, cfg: _SessionCfg, log: Any
@@ -348,31 +532,34 @@ class Gateway:
         prompt_ids = self.template.encode_prompt(req.messages, req.tools)
         ctx = self.backend.context_length
         room = None if ctx is None else ctx - len(prompt_ids)
+        if room is not None and room <= 0:
+            # No room for a single output token: refused, never recorded as an empty turn.
+            raise _Refused(
+                400, "invalid_request_error",
+                f"prompt is too long: {len(prompt_ids)} tokens, and the model's context is {ctx} tokens "
+                "(leaving no room for output); shorten the conversation",
+                "context_length_exceeded",
+            )
         params = self._params(merged, req, room)
-        if params.max_new_tokens <= 0:
-            # Context exhausted before a single token: the turn ends "length" with no output.
-            gen = Generation([], [], "length", self.backend.policy_version, 0.0)
-            log.info("gateway.context_exhausted", prompt_tokens=len(prompt_ids), context=ctx)
-        else:
-            try:
-                task = h.spawn(self.backend.generate(prompt_ids, params))
-            except IllegalTransition as exc:
-                return self._error(api.error_style, 409, "invalid_request_error", str(exc))
-            try:
-                gen = await task
-            except asyncio.CancelledError:
-                task.cancel()
-                self.stats["cancelled"] += 1
-                cur = asyncio.current_task()
-                if cur is not None and cur.cancelling():
-                    log.info("gateway.turn_cancelled", reason="client disconnected during generation; nothing recorded")
-                    raise
-                log.info("gateway.turn_cancelled", reason=f"session {h.state} during generation; nothing recorded")
-                return self._error(api.error_style, 409, "invalid_request_error", f"session {h.session_id!r} ended ({h.state}) while generating")
-            except BackendError as exc:
-                self.stats["backend_errors"] += 1
-                log.warning("gateway.backend_failed", error=str(exc), upstream_status=exc.status)
-                return self._error(api.error_style, 502, "api_error", str(exc))
+        try:
+            task = h.spawn(self.backend.generate(prompt_ids, params))
+        except IllegalTransition as exc:
+            return self._error(api.error_style, 409, "invalid_request_error", str(exc))
+        try:
+            gen = await task
+        except asyncio.CancelledError:
+            task.cancel()
+            self.stats["cancelled"] += 1
+            cur = asyncio.current_task()
+            if cur is not None and cur.cancelling():
+                log.info("gateway.turn_cancelled", reason="client disconnected during generation; nothing recorded")
+                raise
+            log.info("gateway.turn_cancelled", reason=f"session {h.state} during generation; nothing recorded")
+            return self._error(api.error_style, 409, "invalid_request_error", f"session {h.session_id!r} ended ({h.state}) while generating")
+        except BackendError as exc:
+            self.stats["backend_errors"] += 1
+            log.warning("gateway.backend_failed", error=str(exc), upstream_status=exc.status)
+            return self._error(api.error_style, 502, "api_error", str(exc))
         text = self.template.decode(gen.output_ids)
         parsed = self.parser.parse(text, req.tools)
         if parsed.ill_formed:
@@ -551,4 +738,18 @@ class Gateway:
         return web.json_response({"session_id": sid, "state": None if state is None else str(state), "turns": h.turns if h else None})
 
 
-__all__ = ["Gateway", "GatewayConfig", "ResponsesAPI"]
+def _check_recordable(api_name: str, req: TurnRequest) -> None:
+    """Refuse (400, before any generation) what the log could not record:
+    an integer beyond 64 bits or nesting too deep anywhere in the messages
+    or the client's sampling values. Encoding them now costs what the
+    record will cost anyway, and a failure after generation would be a 500
+    with the model's work thrown away."""
+    try:
+        msgspec.msgpack.encode((req.messages, req.overrides, req.max_tokens))
+    except OverflowError:
+        raise _Refused(400, "invalid_request_error", f"{api_name} request: an integer in the messages is outside 64 bits; expected -2**63 <= n < 2**64") from None
+    except RecursionError:
+        raise _Refused(400, "invalid_request_error", f"{api_name} request: the messages are nested too deeply to record") from None
+
+
+__all__ = ["Gateway", "GatewayConfig", "ResponsesAPI", "body_cap_for"]

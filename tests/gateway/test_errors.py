@@ -82,7 +82,7 @@ def test_turn_cap_answers_429_and_records_nothing_more():
     run(body())
 
 
-def test_context_exhaustion_finishes_the_turn_with_length():
+def test_context_exhaustion_finishes_the_turn_with_length_and_a_full_context_is_refused():
     async def body():
         model = GPT(GPTConfig(vocab_size=129, max_seq_len=64, d_model=32, n_layer=1, n_head=2))
         async with rig(TorchBackend(model)) as (gw, engine, log):
@@ -94,14 +94,18 @@ def test_context_exhaustion_finishes_the_turn_with_length():
             assert len(t1.prompt_tokens) + len(t1.output_tokens) <= 64
             if t1.finish_reason == "length":
                 assert r.choices[0].finish_reason == "length" and len(t1.prompt_tokens) + len(t1.output_tokens) == 64
-            # a prompt that fills the context: no room at all -> "length" with no output, not trainable
-            m = await an_client(gw.url, "s").messages.create(model="m", max_tokens=10, messages=[{"role": "user", "content": "y" * 80}])
-            assert m.stop_reason == "max_tokens" and m.content[0].text == ""
-            t2 = turns_of(log, "s")[1]
-            assert t2.finish_reason == "length" and len(t2.output_tokens) == 0
+            # a prompt that fills the context: refused before anything runs,
+            # in each client's dialect, and nothing is recorded
+            before = log.next_lsn
+            batches = gw.backend.batches
+            status, err = await _post(gw.url, "/v1/chat/completions", "s", json.dumps({"messages": [{"role": "user", "content": "y" * 80}]}))
+            assert status == 400 and err["error"]["code"] == "context_length_exceeded" and err["error"]["type"] == "invalid_request_error"
+            status, err = await _post(gw.url, "/v1/messages", None, json.dumps({"max_tokens": 10, "messages": [{"role": "user", "content": "y" * 80}]}), {"x-api-key": "s"})
+            assert status == 400 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+            assert "prompt is too long" in err["error"]["message"] and "context is 64 tokens" in err["error"]["message"]
+            assert log.next_lsn == before and len(turns_of(log, "s")) == 1
+            assert gw.backend.batches == batches
             await h.finish(reward=1.0)
-            traj = session_trajectory(log.read(), "s")
-            assert traj.decisions[1].trainable is False and traj.decisions[1].reason == "empty_output"
 
     run(body())
 

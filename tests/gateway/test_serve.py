@@ -7,13 +7,14 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-from events.log import FileLog
-from events.types import TurnRecorded
+from events.log import FileLog, verify_log
+from events.types import SessionDropped, TurnRecorded
 from reducers.pipeline import reduce_log
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,22 +29,30 @@ def _call(url: str, body: dict | None, headers: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def test_serve_records_turns_of_admin_opened_sessions_into_a_durable_log(tmp_path):
-    logdir = tmp_path / "log"
+def _serve(logdir: Path, *extra: str) -> tuple[subprocess.Popen, str, list[str]]:
+    """Start `agentlog serve` on a free port; returns (process, base URL, output lines so far)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "serve", "--log", str(logdir), "--port", "0", "--admin-token", "tok", "--max-tokens", "6"],
+        [sys.executable, "-m", "tools.cli", "serve", "--log", str(logdir), "--port", "0", "--admin-token", "tok", *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    url = None
+    deadline = time.time() + 60
+    lines: list[str] = []
+    while time.time() < deadline and url is None:
+        line = proc.stdout.readline()
+        lines.append(line)
+        m = re.search(r"listening on (http://\S+)", line)
+        url = m.group(1) if m else None
+    if url is None:
+        proc.kill()
+        raise AssertionError("".join(lines))
+    return proc, url, lines
+
+
+def test_serve_records_turns_of_admin_opened_sessions_into_a_durable_log(tmp_path):
+    logdir = tmp_path / "log"
+    proc, url, _ = _serve(logdir, "--max-tokens", "6")
     try:
-        url = None
-        deadline = time.time() + 60
-        lines = []
-        while time.time() < deadline and url is None:
-            line = proc.stdout.readline()
-            lines.append(line)
-            m = re.search(r"listening on (http://\S+)", line)
-            url = m.group(1) if m else None
-        assert url, "".join(lines)
         admin = {"X-Admin-Token": "tok"}
         assert _call(url + "/admin/sessions", {"session_id": "x"}, {})[0] == 403
         status, out = _call(url + "/admin/sessions", {"session_id": "a1", "group_id": "g", "group_size": 1}, admin)
@@ -82,3 +91,102 @@ def test_serve_bad_input_is_one_line_exit_2_and_never_a_traceback(tmp_path):
         assert res.returncode == 2, (extra, res.stderr)
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("agentlog: error: ") and message in lines[0], (extra, res.stderr)
+
+
+class _StalledInference:
+    """An SGLang-style server on a thread whose /generate never answers
+    (a model busy with a long batch), until released; /abort_request is
+    answered and counted."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        self.release = threading.Event()
+        self.generating = threading.Semaphore(0)
+        self.aborts = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # keep test output clean
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == "/abort_request":
+                    outer.aborts += 1
+                    payload = b"{}"
+                else:
+                    outer.generating.release()
+                    outer.release.wait(120)
+                    payload = b'{"error": "released"}'
+                try:
+                    self.send_response(200 if self.path == "/abort_request" else 500)
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except OSError:
+                    pass  # the gateway hung up (it aborted this call)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_sigterm_under_load_drains_within_the_bound_and_drops_the_rest_with_shutdown(tmp_path):
+    """Every agent has a turn in flight that the model will not finish soon;
+    SIGTERM ends the process within the drain bound (with slack for the
+    interpreter), exit 0, no traceback; every session still live is dropped
+    with reason shutdown, its generation aborted upstream; the log verifies."""
+    logdir = tmp_path / "log"
+    upstream = _StalledInference()
+    proc, url, lines = _serve(logdir, "--backend", "sglang", "--backend-url", upstream.url, "--drain", "0.5")
+    admin = {"X-Admin-Token": "tok"}
+    sessions = [f"s{i}" for i in range(8)]
+    answers: list[int] = []
+
+    def agent(sid: str) -> None:
+        try:
+            status, _ = _call(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}]}, {"Authorization": f"Bearer {sid}"})
+        except (OSError, ValueError) as exc:
+            status = repr(exc)
+        answers.append(status)
+
+    try:
+        for sid in sessions:
+            assert _call(url + "/admin/sessions", {"session_id": sid, "group_id": sid}, admin)[0] == 200
+        threads = [threading.Thread(target=agent, args=(sid,), daemon=True) for sid in sessions]
+        for t in threads:
+            t.start()
+        for _ in sessions:  # every turn has reached the model
+            assert upstream.generating.acquire(timeout=30)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError("SIGTERM under load: still running after 30 s") from None
+        stopped_in = time.monotonic() - t0
+        for t in threads:
+            t.join(30)
+    finally:
+        upstream.close()
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines) + out
+    assert proc.returncode == 0, text
+    assert "Traceback" not in text, text
+    assert stopped_in < 10, f"took {stopped_in:.1f} s with --drain 0.5"
+    # Each agent was answered (409: its session was dropped) rather than left hanging.
+    assert answers == [409] * len(sessions), answers
+    assert upstream.aborts == len(sessions), text
+    assert verify_log(logdir).status == "ok"
+    with FileLog.open(logdir) as log:
+        drops = {e.session_id: e.body.reason for e in log.read() if isinstance(e.body, SessionDropped)}
+    assert drops == dict.fromkeys(sessions, "shutdown")
