@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import EXPECTED, ROOT, agentlog
+from cli_helpers import EXPECTED, ROOT, agentlog, on_a_terminal
 
 HELPER = Path(__file__).with_name("cli_helpers.py")
 N_EVENTS = 33  # what cli_helpers.write_run appends
@@ -86,6 +86,21 @@ def test_tail_summary_ends_with_the_final_counts(tmp_path):
     want = f"lsn {N_EVENTS - 1}: open 0 running 1 finished 4 aborted 2 dropped 1 | groups released 2 skipped 1"
     lines = _read_lines_until(tail, lambda ls: any(want in line for line in ls))
     assert any(want in line for line in lines), lines
+
+
+def test_tail_summary_on_a_terminal_draws_the_table_in_place(run_log):
+    """On a real terminal (stdout a pty) the summary is a table refreshed in place, with no
+    optional dependency (it used to need `rich` there, and crashed without it)."""
+    path, _ = run_log
+    final = re.compile(r"\n\s*0\s+1\s+4\s+2\s+1\s+2\s+1\s+0\.625\s+4\s*\r?\n")
+
+    code, text = on_a_terminal("tail", str(path), "--summary", stdout=True, until=final.search, timeout=60)
+    assert "Traceback" not in text and "No module named" not in text, text
+    assert final.search(text), text
+    assert f"agentlog tail: {path}  (lsn {N_EVENTS - 1}, {N_EVENTS} events)" in text, text
+    header = ["open", "running", "finished", "aborted", "dropped", "groups released", "skipped", "reward mean", "rewards"]
+    assert re.search(r"\s+".join(header), text), text
+    assert code in (0, 130), (code, text)  # stopped by SIGINT, not by an error
 
 
 class _Dom(html.parser.HTMLParser):
