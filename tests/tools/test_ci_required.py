@@ -98,3 +98,37 @@ def test_the_end_to_end_checks_are_marked_required():
         "tests/gateway/test_agent_clis.py::test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded[claude-code]",
         "tests/gateway/test_agent_clis.py::test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded[codex]",
     }, res.stdout
+
+
+def _stub(bin_dir, name: str, body: str = "") -> None:
+    path = bin_dir / name
+    path.write_text(f'#!/bin/bash\necho "{name} $*" >> "$STUB_LOG"\n{body}\n')
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("have_npm", [False, True])
+def test_ci_run_installs_what_the_required_tests_need_each_under_a_time_bound(tmp_path, have_npm):
+    """.ci/run on a machine without chromium (and with or without npm), every external command a stub
+    that records its arguments: each install runs under `timeout`, the CLIs go to $AGENTLOG_CLI_DIR,
+    and `make test` runs with CI=true."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "env"):  # the real ones; nothing else from the host's PATH
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    _stub(bin_dir, "timeout")
+    _stub(bin_dir, "make", 'echo "make-env CI=$CI AGENTLOG_CLI_DIR=$AGENTLOG_CLI_DIR" >> "$STUB_LOG"')
+    if have_npm:
+        _stub(bin_dir, "npm")
+    log = tmp_path / "calls.log"
+    env = {"PATH": str(bin_dir), "STUB_LOG": str(log), "HOME": str(tmp_path / "home")}
+    res = subprocess.run([str(bin_dir / "bash"), str(ROOT / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    calls = log.read_text().splitlines()
+    apt = [c for c in calls if "apt-get" in c]
+    assert apt and all(c.startswith("timeout 900 apt-get") for c in apt), calls
+    assert "timeout 900 apt-get install -y -qq chromium" in calls
+    assert ("timeout 900 apt-get install -y -qq nodejs npm" in calls) is (not have_npm), calls
+    cli_dir = tmp_path / "home" / ".cache" / "agentlog-clis"
+    install = f"timeout --kill-after=30 900 tools/gateway_clis.sh {cli_dir}"
+    assert (install in calls) is have_npm, calls  # without npm (the stub apt installs nothing) there is nothing to install with
+    assert calls[-2:] == ["make test", f"make-env CI=true AGENTLOG_CLI_DIR={cli_dir}"], calls
