@@ -45,17 +45,26 @@ _COLUMNS = (
 )
 
 
-def summary_table(snap: dict[str, Any]) -> list[str]:
-    """The summary as a small right-aligned text table (title, header, rule, row)
-    for a terminal; plain text, so it needs nothing beyond the standard library."""
+def summary_table(snap: dict[str, Any], width: int = 1 << 16) -> list[str]:
+    """The summary for a terminal ``width`` columns wide: a small right-aligned
+    text table (title, header, rule, row), or, when that is wider than the
+    terminal, one ``column  value`` line per column. Plain text: it needs
+    nothing beyond the standard library. No line is longer than ``width``
+    (a wrapped line would throw the in-place redraw off)."""
+    title = f"agentlog tail: {snap['log']}  (lsn {snap['lsn_last']}, {snap['events']} events)"
     cells = [str(read(snap)) for _, read in _COLUMNS]
     widths = [max(len(h), len(c)) for (h, _), c in zip(_COLUMNS, cells)]
-    return [
-        f"agentlog tail: {snap['log']}  (lsn {snap['lsn_last']}, {snap['events']} events)",
-        "  ".join(h.rjust(w) for (h, _), w in zip(_COLUMNS, widths)),
-        "  ".join("-" * w for w in widths),
-        "  ".join(c.rjust(w) for c, w in zip(cells, widths)),
-    ]
+    if sum(widths) + 2 * (len(widths) - 1) <= width:
+        lines = [
+            title,
+            "  ".join(h.rjust(w) for (h, _), w in zip(_COLUMNS, widths)),
+            "  ".join("-" * w for w in widths),
+            "  ".join(c.rjust(w) for c, w in zip(cells, widths)),
+        ]
+    else:
+        name_w = max(len(h) for h, _ in _COLUMNS)
+        lines = [title] + [f"{h:<{name_w}}  {c}" for (h, _), c in zip(_COLUMNS, cells)]
+    return [line[:width] for line in lines]
 
 
 def _redraw(out: Any, lines: list[str], drawn: int) -> int:
@@ -111,13 +120,19 @@ async def _tail_summary(path: Path) -> None:
     task = asyncio.ensure_future(consume())
     try:
         if sys.stdout.isatty():
+            import shutil
+
+            def frame() -> list[str]:
+                width = max(20, shutil.get_terminal_size().columns - 1)
+                return summary_table({**stats.snapshot(), "log": str(path)}, width)
+
             # Refreshed in place; the first frame is drawn at once, even for an empty log.
-            drawn = _redraw(sys.stdout, summary_table({**stats.snapshot(), "log": str(path)}), 0)
+            drawn = _redraw(sys.stdout, frame(), 0)
             while not task.done():
                 await asyncio.sleep(REFRESH_S)
                 if changed.is_set():
                     changed.clear()
-                    drawn = _redraw(sys.stdout, summary_table({**stats.snapshot(), "log": str(path)}), drawn)
+                    drawn = _redraw(sys.stdout, frame(), drawn)
         else:
             last = None
             while not task.done():

@@ -167,7 +167,7 @@ def agentlog(*args: str, timeout: float = 60, input: str | None = None) -> subpr
     )
 
 
-def on_a_terminal(*args: str, stdout: bool = False, until=None, timeout: float = 120) -> tuple[int, str]:
+def on_a_terminal(*args: str, stdout: bool = False, until=None, timeout: float = 120, columns: int = 120) -> tuple[int, str]:
     """Run ``agentlog ARGS`` with stderr (and, with ``stdout``, stdout too) on a
     pseudo-terminal; returns (exit code, what it wrote there). With ``until``,
     a predicate on the text so far, the command is interrupted (SIGINT) once
@@ -182,7 +182,7 @@ def on_a_terminal(*args: str, stdout: bool = False, until=None, timeout: float =
 
     master, slave = pty.openpty()
     # A fresh pty is 0x0; a real terminal has a size (tqdm draws nothing in 0 columns).
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from tools.cli import main; sys.exit(main())", *args],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},

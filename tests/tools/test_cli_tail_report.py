@@ -103,6 +103,20 @@ def test_tail_summary_on_a_terminal_draws_the_table_in_place(run_log):
     assert code in (0, 130), (code, text)  # stopped by SIGINT, not by an error
 
 
+def test_tail_summary_clips_its_lines_to_a_narrow_terminal(run_log):
+    """A wrapped line would make the in-place redraw climb too few lines and smear the table."""
+    path, _ = run_log
+    code, text = on_a_terminal("tail", str(path), "--summary", stdout=True, columns=50,
+                               until=lambda t: re.search(r"reward mean +0\.625", t), timeout=60)
+    lines = [line for line in re.split(r"\x1b\[\d*[FJ]|\r?\n", text) if line]
+    assert lines and max(len(line) for line in lines) <= 49, lines
+    # Too narrow for the table: one "column  value" line each, nothing lost.
+    final = text[text.rindex("agentlog tail:"):]
+    for name, value in (("running", "1"), ("finished", "4"), ("aborted", "2"), ("groups released", "2"), ("rewards", "4")):
+        assert re.search(rf"\n{name} +{value}\r?\n", final), (name, final)
+    assert code in (0, 130), (code, text)
+
+
 class _Dom(html.parser.HTMLParser):
     """Counts plotly's rendered bars inside #timeline and reads the outcome table."""
 
