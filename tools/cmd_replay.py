@@ -153,13 +153,14 @@ def step_json(env: Any, before: Any, after: Any, violations: Any = ()) -> dict[s
 
 class LogIndex:
     """What the selection filters can match, from one cheap pass (projections
-    only) up to ``until``: every session in order of first event, its group
-    and its status at the end of the range (open / running / finished /
-    aborted / dropped), and the reason of each abort or drop."""
+    only) up to ``until``: every session in order of first event; for each
+    opened one its group and its status at the end of the range (open /
+    running / finished / aborted / dropped); the reason of each abort or drop."""
 
     def __init__(self) -> None:
-        self.group: dict[str, str | None] = {}
-        self.status: dict[str, str] = {}
+        self.sessions: dict[str, None] = {}  # every session id with an event, in order (a dict keeps it)
+        self.group: dict[str, str] = {}
+        self.status: dict[str, str] = {}  # only sessions with a session_opened
         self.reason: dict[str, str] = {}
 
     def select(self, status: str | None, reason: str | None) -> set[str]:
@@ -189,15 +190,14 @@ def index_log(path: Any, until: int | None, quiet: bool) -> LogIndex:
         sid = rec.session_id
         if tag == "policy_updated":
             continue  # a learner-log record, not a session's
-        index.group.setdefault(sid, None)
-        index.status.setdefault(sid, "open")
+        index.sessions[sid] = None
         if tag == "session_opened":
             index.group[sid] = body.group_id
             index.status[sid] = "open"
             index.reason.pop(sid, None)
-        elif tag == "session_started" and index.status[sid] == "open":
+        elif tag == "session_started" and index.status.get(sid) == "open":
             index.status[sid] = "running"
-        elif tag in ends and index.status[sid] in ("open", "running"):
+        elif tag in ends and index.status.get(sid) in ("open", "running"):
             index.status[sid] = ends[tag]
             if tag != "session_finished":
                 index.reason[sid] = body.reason
@@ -220,11 +220,11 @@ def unmatched_filter(args: Any, index: LogIndex) -> str | None:
     no session of ``index`` (naming the values that do occur), or None."""
     where = f" up to lsn {args.until_lsn}" if args.until_lsn is not None else ""
     at = f"at lsn {args.until_lsn}" if args.until_lsn is not None else "at the end of the log"
-    if args.session is not None and args.session not in index.status:
-        held = f"it holds {len(index.status)} sessions{where}: {_examples(list(index.status))}" if index.status else f"it holds no session{where}"
+    if args.session is not None and args.session not in index.sessions:
+        held = f"it holds {len(index.sessions)} sessions{where}: {_examples(list(index.sessions))}" if index.sessions else f"it holds no session{where}"
         return f"--session {args.session!r}: unknown session id (no event of it in the log{where}); {held}"
     if args.group is not None and args.group not in set(index.group.values()):
-        groups = list(dict.fromkeys(g for g in index.group.values() if g is not None))
+        groups = list(dict.fromkeys(index.group.values()))
         held = f"groups in the log{where}: {_examples(groups)}" if groups else f"no session_opened declares a group{where}"
         return f"--group {args.group!r}: unknown group id (no session_opened declares it); {held}"
     if args.status is not None and args.status not in index.status.values():
