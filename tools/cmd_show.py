@@ -6,8 +6,8 @@ last ``reward_assigned`` and its source), the verifier's detail (finish
 metadata) and, for an aborted session, the error and its traceback. Then
 its timeline (state before -> after per event), its transcript (the
 messages new at each turn, the response text and tool calls, each command's
-output; long texts cut, ``--full`` shows all), its turn tree as the reducer routed it (per turn: routing, leaf,
-drift decision CLEAN / REALIGN / FORK, trainable or why not), and each
+output; long texts cut, ``--full`` shows all), its turn tree as the reducer
+routed it (per turn: routing, leaf, drift decision CLEAN / REALIGN / FORK, trainable or why not), and each
 trajectory row as the sample it becomes: prompt tokens, then the response
 tokens in runs marked ``train[...]`` (loss mask 1) or ``ctx[...]`` (mask 0),
 with the reward and status. Everything comes from the log through the same
@@ -110,7 +110,7 @@ def _message(msg: Any, full: bool) -> str:
     return f"[{role}] " + (" ".join(parts) if parts else "(empty)")
 
 
-def why_lines(envs: list, summary: Any, full: bool) -> list[str]:
+def why_lines(envs: list, full: bool) -> list[str]:
     """What answers "why did it score so": label, reward and its source, verifier detail, abort error and traceback."""
     import json
 
@@ -219,7 +219,7 @@ def run(args) -> int:
     else:
         last = steps[-1].state_after if steps else None
         w(f"outcome  still {last or 'unknown'} at the end of the log\n")
-    for line in why_lines(envs, summary, args.full):
+    for line in why_lines(envs, args.full):
         w(line + "\n")
 
     w("\ntimeline\n")
