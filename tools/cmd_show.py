@@ -7,10 +7,10 @@ metadata) and, for an aborted session, the error and its traceback. Then
 its timeline (state before -> after per event), its transcript (the
 messages new at each turn, the response text and tool calls, each command's
 output; long texts cut, ``--full`` shows all), its turn tree as the reducer
-routed it (per turn: routing, leaf, drift decision CLEAN / REALIGN / FORK, trainable or why not), and each
-trajectory row as the sample it becomes: prompt tokens, then the response
-tokens in runs marked ``train[...]`` (loss mask 1) or ``ctx[...]`` (mask 0),
-with the reward and status. Everything comes from the log through the same
+routed it (per turn: routing, leaf, drift decision CLEAN / REALIGN / FORK,
+trainable or why not), and each trajectory row as the sample it becomes:
+prompt tokens, then the response tokens in runs marked ``train[...]`` (loss
+mask 1) or ``ctx[...]`` (mask 0), with the reward and status. Everything comes from the log through the same
 reducers as reconstruction (:func:`reducers.pipeline.session_trajectory`,
 :class:`reducers.pipeline.Reducer`). Unknown session: exit 2.
 """
