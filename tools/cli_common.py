@@ -1,8 +1,10 @@
 """What the `agentlog` reading commands share: opening a log path with one-line
 errors, reading it with a progress bar, and formatting times.
 
-Errors become :class:`tools.cli.CliError`: a missing path or a directory that
-is not a log exits 2; corruption found while reading exits 1 and names the
+A run folder (``agentlog demo --out DIR``) stands for its ``rollout/`` log.
+Errors become :class:`tools.cli.CliError`: a missing path, an unreadable one
+or a directory that is not a log exits 2 (with a "did you mean" naming the
+logs found below it); corruption found while reading exits 1 and names the
 segment, offset and LSN (the log layer's message), prefixed by the path.
 """
 
@@ -25,10 +27,65 @@ def add_quiet(parser: Any) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
+#: The rollout log inside a run folder (what `agentlog demo` / `train` make).
+RUN_FOLDER_LOG = "rollout"
+#: How deep, and through how many folders, "did you mean" looks for logs below a directory.
+DID_YOU_MEAN_DEPTH = 3
+DID_YOU_MEAN_MAX_DIRS = 2000
+
+
+def _unreadable(arg: str, exc: OSError) -> CliError:
+    """The one-line exit-2 error for an OSError met while reading the log at ``arg``:
+    it names the file or directory the OS refused (a segment, the directory itself)."""
+    where = exc.filename or arg
+    return CliError(f"{where}: cannot read: {exc.strerror or exc}", EXIT_USAGE)
+
+
+def _is_run_folder(path: Path, *, allow_empty: bool) -> bool:
+    """A run folder: its ``rollout/`` holds a log (or, for a log about to be
+    written, exists next to the run's ``config.json``)."""
+    from events.log_format import is_log_dir
+
+    inner = path / RUN_FOLDER_LOG
+    return is_log_dir(inner) or (allow_empty and inner.is_dir() and (path / "config.json").is_file())
+
+
+def logs_below(path: Path, *, depth: int = DID_YOU_MEAN_DEPTH, max_dirs: int = DID_YOU_MEAN_MAX_DIRS) -> list[Path]:
+    """Log directories and run folders below ``path`` (not ``path`` itself), breadth first, at most
+    ``depth`` levels down and through at most ``max_dirs`` folders; hidden and
+    unreadable folders are passed over (this only suggests, it never decides)."""
+    from events.log_format import is_log_dir
+
+    found: list[Path] = []
+    level = [path]
+    visited = 0
+    for _ in range(depth):
+        nxt: list[Path] = []
+        for d in level:
+            try:
+                children = sorted((e for e in os.scandir(d) if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")), key=lambda e: e.name)
+            except OSError:
+                continue
+            for e in children:
+                visited += 1
+                if visited > max_dirs:
+                    return found
+                child = Path(e.path)
+                if is_log_dir(child) or _is_run_folder(child, allow_empty=False):
+                    found.append(child)  # a run folder is named itself: it stands for its rollout/ log
+                else:
+                    nxt.append(child)
+        level = nxt
+    return found
+
+
 def check_log_path(arg: str, *, allow_empty: bool = False) -> Path:
     """The log directory named on the command line, or a one-line exit-2 error.
-    ``allow_empty`` also accepts a directory that holds no log yet (nothing
-    but a writer's lock or index): a log about to be written."""
+
+    A run folder (it holds a ``rollout/`` log) stands for that log. Any other
+    directory that is not a log gets a "did you mean" naming the logs found
+    below it. ``allow_empty`` also accepts a directory that holds no log yet
+    (nothing but a writer's lock or index): a log about to be written."""
     from events.log_format import DURABLE_NAME, INDEX_NAME, LOCK_NAME, is_log_dir
 
     path = Path(arg)
@@ -36,12 +93,20 @@ def check_log_path(arg: str, *, allow_empty: bool = False) -> Path:
         raise CliError(f"{arg}: no such log directory", EXIT_USAGE)
     if not path.is_dir():
         raise CliError(f"{arg}: is a file, expected a log directory", EXIT_USAGE)
-    if not is_log_dir(path):
+    try:
+        if is_log_dir(path):
+            return path
+        if _is_run_folder(path, allow_empty=allow_empty):
+            return path / RUN_FOLDER_LOG
         strangers = sorted(n for n in os.listdir(path) if n not in (LOCK_NAME, INDEX_NAME) and not n.startswith("."))
-        if not allow_empty or strangers:
-            held = f"; holds {', '.join(strangers[:3])}" if strangers else ""
-            raise CliError(f"{arg}: not an agentlog log directory (no segment files, no {DURABLE_NAME}{held})", EXIT_USAGE)
-    return path
+    except OSError as exc:  # e.g. a directory we may not list (chmod 000)
+        raise _unreadable(arg, exc) from None
+    if allow_empty and not strangers:
+        return path
+    held = f"; holds {', '.join(strangers[:3])}" if strangers else ""
+    below = logs_below(path)
+    hint = f"; did you mean {' or '.join(str(p) for p in below[:3])}{' (and more)' if len(below) > 3 else ''}?" if below else ""
+    raise CliError(f"{arg}: not an agentlog log directory (no segment files, no {DURABLE_NAME}{held}){hint}", EXIT_USAGE)
 
 
 def log_bytes(path: Path) -> int:
@@ -99,7 +164,7 @@ def read_records(
     except LogError as exc:  # LogCorruption and friends: a problem in the data
         raise CliError(f"{path}: {exc}", EXIT_DATA) from None
     except OSError as exc:
-        raise CliError(f"{path}: {exc.strerror or exc}", EXIT_USAGE) from None
+        raise _unreadable(str(path), exc) from None
     finally:
         it.close()
         if bar is not None:

@@ -6,7 +6,8 @@ sequences are shown in place, marked ``!!``; the command then exits 1.
 
 ``--status`` and ``--reason`` select sessions by how they ended (or ``open``
 / ``running`` for sessions still in flight at the end of the range), which
-needs a first, cheap pass over the log.
+needs a first, cheap pass over the log. A filter value that matches no
+session is an error naming the values that exist (:data:`FILTER_RULE`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,26 @@ from tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
 from tools.cli_common import add_quiet, check_log_path, fmt_ts, nonneg_int, read_records
 
 STATUSES = ("open", "running", "finished", "aborted", "dropped")
+#: The rule every selection filter follows (printed by --help).
+FILTER_RULE = (
+    "Filters: --session, --group, --status and --reason each name a value that must occur in the log "
+    "(up to --until): a value that matches no session is an error (exit 2) whose one line names the filter "
+    "and the values the log does hold. Filters that each match but select no event together print nothing "
+    "(exit 0)."
+)
+#: How many existing values an unknown-filter error lists.
+VALUES_SHOWN = 8
 _TOKEN_FIELDS = ("prompt_ids", "output_ids")
 _LOGPROB_FIELDS = ("output_log_probs",)
 
 
 def register(sub) -> None:
     """Add the subcommand."""
-    p = sub.add_parser("replay", help="the timeline: one line per event with state before -> after")
+    p = sub.add_parser(
+        "replay",
+        help="the timeline: one line per event with state before -> after",
+        epilog=FILTER_RULE,
+    )
     p.add_argument("log", metavar="LOG", help="the log directory")
     p.add_argument("--session", metavar="ID", help="only this session")
     p.add_argument("--group", metavar="ID", help="only sessions of this group")
@@ -137,14 +151,33 @@ def step_json(env: Any, before: Any, after: Any, violations: Any = ()) -> dict[s
 # ---------------------------------------------------------------- selection
 
 
-def _sessions_by_outcome(path: Any, status: str | None, reason: str | None, until: int | None, quiet: bool) -> set[str]:
-    """First pass: the sessions that ended with ``status`` / ``reason`` by ``until``."""
+class LogIndex:
+    """What the selection filters can match, from one cheap pass (projections
+    only) up to ``until``: every session in order of first event; for each
+    opened one its group and its status at the end of the range (open /
+    running / finished / aborted / dropped); the reason of each abort or drop."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, None] = {}  # every session id with an event, in order (a dict keeps it)
+        self.group: dict[str, str] = {}
+        self.status: dict[str, str] = {}  # only sessions with a session_opened
+        self.reason: dict[str, str] = {}
+
+    def select(self, status: str | None, reason: str | None) -> set[str]:
+        """The sessions whose outcome is ``status`` (any if None) with ``reason`` (any if None)."""
+        return {
+            sid for sid, st in self.status.items()
+            if (status is None or st == status) and (reason is None or self.reason.get(sid) == reason)
+        }
+
+
+def index_log(path: Any, until: int | None, quiet: bool) -> LogIndex:
+    """The :class:`LogIndex` of the log at ``path`` up to ``until``."""
     import msgspec
 
     from reducers.runstats import decode_projection
 
-    live: dict[str, str] = {}
-    chosen: set[str] = set()
+    index = LogIndex()
     ends = {"session_finished": "finished", "session_aborted": "aborted", "session_dropped": "dropped"}
     for rec in read_records(path, raw=True, quiet=quiet, desc="select"):
         if until is not None and rec.lsn > until:
@@ -155,17 +188,52 @@ def _sessions_by_outcome(path: Any, status: str | None, reason: str | None, unti
             raise CliError(f"{path}: lsn {rec.lsn}, session {rec.session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA) from None
         tag = body.__struct_config__.tag
         sid = rec.session_id
+        if tag == "policy_updated":
+            continue  # a learner-log record, not a session's
+        index.sessions[sid] = None
         if tag == "session_opened":
-            live[sid] = "open"
-        elif tag == "session_started" and sid in live:
-            live[sid] = "running"
-        elif tag in ends and sid in live:
-            del live[sid]
-            if (status is None or status == ends[tag]) and (reason is None or getattr(body, "reason", None) == reason):
-                chosen.add(sid)
-    if reason is None:
-        chosen.update(sid for sid, st in live.items() if status == st)
-    return chosen
+            index.group[sid] = body.group_id
+            index.status[sid] = "open"
+            index.reason.pop(sid, None)
+        elif tag == "session_started" and index.status.get(sid) == "open":
+            index.status[sid] = "running"
+        elif tag in ends and index.status.get(sid) in ("open", "running"):
+            index.status[sid] = ends[tag]
+            if tag != "session_finished":
+                index.reason[sid] = body.reason
+    return index
+
+
+def _examples(values: list[str]) -> str:
+    shown = ", ".join(values[:VALUES_SHOWN])
+    return shown + (f" and {len(values) - VALUES_SHOWN} more" if len(values) > VALUES_SHOWN else "")
+
+
+def _counted(values: Any) -> str:
+    from collections import Counter
+
+    return ", ".join(f"{v} ({n})" for v, n in sorted(Counter(values).items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def unmatched_filter(args: Any, index: LogIndex) -> str | None:
+    """The one-line complaint about the first filter of ``args`` whose value matches
+    no session of ``index`` (naming the values that do occur), or None."""
+    where = f" up to lsn {args.until_lsn}" if args.until_lsn is not None else ""
+    at = f"at lsn {args.until_lsn}" if args.until_lsn is not None else "at the end of the log"
+    if args.session is not None and args.session not in index.sessions:
+        held = f"it holds {len(index.sessions)} sessions{where}: {_examples(list(index.sessions))}" if index.sessions else f"it holds no session{where}"
+        return f"--session {args.session!r}: unknown session id (no event of it in the log{where}); {held}"
+    if args.group is not None and args.group not in set(index.group.values()):
+        groups = list(dict.fromkeys(index.group.values()))
+        held = f"groups in the log{where}: {_examples(groups)}" if groups else f"no session_opened declares a group{where}"
+        return f"--group {args.group!r}: unknown group id (no session_opened declares it); {held}"
+    if args.status is not None and args.status not in index.status.values():
+        held = _counted(index.status.values()) or "no session"
+        return f"--status {args.status}: no session is {args.status} {at}; statuses {at}: {held}"
+    if args.reason is not None and args.reason not in index.reason.values():
+        held = _counted(index.reason.values()) or "none (no session was aborted or dropped)"
+        return f"--reason {args.reason!r}: no session was aborted or dropped with this reason{where}; reasons in the log: {held}"
+    return None
 
 
 def run(args) -> int:
@@ -179,7 +247,12 @@ def run(args) -> int:
         raise CliError(f"replay: --from {args.from_lsn} is after --until {args.until_lsn}", EXIT_USAGE)
     chosen = None
     if args.status is not None or args.reason is not None:
-        chosen = _sessions_by_outcome(path, args.status, args.reason, args.until_lsn, args.quiet)
+        # The first pass these filters need also checks every filter before anything is printed.
+        index = index_log(path, args.until_lsn, args.quiet)
+        complaint = unmatched_filter(args, index)
+        if complaint is not None:
+            raise CliError(f"{path}: {complaint}", EXIT_USAGE)
+        chosen = index.select(args.status, args.reason)
     envs = read_records(path, quiet=args.quiet, desc="replay")
     out = sys.stdout
     encode = None
@@ -224,10 +297,12 @@ def run(args) -> int:
             out.write("\n".join(format_step(env, step.state_before, step.state_after, step.violations)) + "\n")
         shown += 1
     out.flush()
-    if not seen_session:
-        raise CliError(f"{path}: unknown session id {args.session!r} (no event of it in the log)", EXIT_USAGE)
-    if not seen_group:
-        raise CliError(f"{path}: unknown group id {args.group!r} (no session_opened declares it)", EXIT_USAGE)
+    if not (seen_session and seen_group):
+        # Only now, on this rare path, the pass that lists the values the log does hold. No
+        # complaint: --session and --group each exist but do not meet (the session is in another group).
+        complaint = unmatched_filter(args, index_log(path, args.until_lsn, args.quiet))
+        if complaint is not None:
+            raise CliError(f"{path}: {complaint}", EXIT_USAGE)
     if first_violation is not None:
         v = first_violation
         raise CliError(

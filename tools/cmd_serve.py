@@ -154,7 +154,12 @@ async def _serve(args) -> int:
         log = FileLog.open(args.log, fsync=args.fsync)
     except (OSError, ValueError, LogError) as exc:  # LogError: not a log, or locked by another writer
         raise CliError(f"--log {args.log}: {exc}") from None
-    engine = await SessionEngine.open(log)
+    try:
+        engine = await SessionEngine.open(log)
+    except (LogError, ValueError) as exc:  # damage mid-log: the engine's restart fold reads every record
+        log.close()
+        await backend.close()
+        raise CliError(f"--log {args.log}: cannot serve this log: {exc} (see agentlog verify {args.log})") from None
     config = GatewayConfig(
         max_turns=args.max_turns, default_max_tokens=args.max_tokens, model_name=args.model or "agentlog",
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, idle_timeout_s=args.idle_timeout,

@@ -1,11 +1,16 @@
 """`agentlog show LOG SESSION`: one session in depth.
 
-Prints its header and outcome, its timeline (state before -> after per
-event), its turn tree as the reducer routed it (per turn: routing, leaf,
-drift decision CLEAN / REALIGN / FORK, trainable or why not), and each
-trajectory row as the sample it becomes: prompt tokens, then the response
-tokens in runs marked ``train[...]`` (loss mask 1) or ``ctx[...]`` (mask 0),
-with the reward and status. Everything comes from the log through the same
+Prints its header and outcome, then what answers "why did it score so":
+its label, the reward and where it came from (``session_finished`` or the
+last ``reward_assigned`` and its source), the verifier's detail (finish
+metadata) and, for an aborted session, the error and its traceback. Then
+its timeline (state before -> after per event), its transcript (the
+messages new at each turn, the response text and tool calls, each command's
+output; long texts cut, ``--full`` shows all), its turn tree as the reducer
+routed it (per turn: routing, leaf, drift decision CLEAN / REALIGN / FORK,
+trainable or why not), and each trajectory row as the sample it becomes:
+prompt tokens, then the response tokens in runs marked ``train[...]`` (loss
+mask 1) or ``ctx[...]`` (mask 0), with the reward and status. Everything comes from the log through the same
 reducers as reconstruction (:func:`reducers.pipeline.session_trajectory`,
 :class:`reducers.pipeline.Reducer`). Unknown session: exit 2.
 """
@@ -20,6 +25,10 @@ from tools.cli_common import add_quiet, check_log_path, read_records
 
 #: Prompts longer than this are shown as their head and tail.
 PROMPT_SHOWN = 48
+#: Texts (messages, command output, label) longer than this many characters are cut without --full.
+TEXT_SHOWN = 400
+#: The last lines of an abort traceback shown without --full.
+TRACEBACK_LINES = 12
 
 
 def register(sub) -> None:
@@ -27,6 +36,7 @@ def register(sub) -> None:
     p = sub.add_parser("show", help="one session in depth: timeline, tree, drift decisions, rows with loss mask")
     p.add_argument("log", metavar="LOG", help="the log directory")
     p.add_argument("session", metavar="SESSION", help="the session id")
+    p.add_argument("--full", action="store_true", help=f"never cut texts (messages over {TEXT_SHOWN} characters, tracebacks over {TRACEBACK_LINES} lines)")
     add_quiet(p)
     p.set_defaults(func=run)
 
@@ -65,6 +75,114 @@ def _prompt(ids: list[int]) -> str:
     return f"{_ids(ids[:half])} ...({len(ids) - 2 * half} more)... {_ids(ids[-half:])}"
 
 
+def _cut(text: str, full: bool, limit: int = TEXT_SHOWN) -> str:
+    """``text`` on one line, cut to ``limit`` characters with a note unless ``full``."""
+    flat = " ".join(str(text).split()) if "\n" not in str(text) else str(text).replace("\n", "\\n")
+    if full or len(flat) <= limit:
+        return flat
+    return f"{flat[:limit]}... (+{len(flat) - limit} chars; --full shows all)"
+
+
+def _value(v: Any) -> str:
+    import json
+
+    return v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str)
+
+
+def _message(msg: Any, full: bool) -> str:
+    """One chat message as ``[role] text`` plus its tool calls / tool call id."""
+    if not isinstance(msg, dict):
+        return _cut(_value(msg), full)
+    role = msg.get("role", "?")
+    parts = []
+    content = msg.get("content")
+    if isinstance(content, list):  # content blocks: keep their text, name the rest
+        content = " ".join(b.get("text", f"<{b.get('type', '?')}>") if isinstance(b, dict) else str(b) for b in content)
+    if content:
+        parts.append(_cut(content, full))
+    for call in msg.get("tool_calls") or ():
+        if isinstance(call, dict):
+            fn = call.get("function") if isinstance(call.get("function"), dict) else call
+            args = fn.get("arguments", "")
+            parts.append(_cut(f"tool call {fn.get('name', '?')}({args if isinstance(args, str) else _value(args)})", full))
+    if msg.get("tool_call_id"):
+        parts.append(f"(answers {msg['tool_call_id']})")
+    return f"[{role}] " + (" ".join(parts) if parts else "(empty)")
+
+
+def why_lines(envs: list, full: bool) -> list[str]:
+    """What answers "why did it score so": label, reward and its source, verifier detail, abort error and traceback."""
+    import json
+
+    from events.types import RewardAssigned, SessionAborted, SessionFinished, SessionOpened
+    from reducers.samples import final_raw_reward
+
+    from tools.cmd_replay import _reward
+
+    lines: list[str] = []
+    opened = next((e.body for e in envs if isinstance(e.body, SessionOpened)), None)
+    if opened is not None:
+        lines.append(f"label    {'(none)' if opened.label is None else _cut(_value(opened.label), full)}")
+        if opened.metadata:
+            lines.append(f"opened   metadata {_cut(_value(opened.metadata), full)}")
+    assigned = [e for e in envs if isinstance(e.body, RewardAssigned)]
+    finished = next((e for e in envs if isinstance(e.body, SessionFinished)), None)
+    for e in assigned:
+        lines.append(f"assigned reward {_reward(e.body.reward)} from {e.body.source or '(no source given)'} at lsn {e.lsn}")
+    if finished is not None:
+        # The same rule as the reducers (reducers.samples.final_raw_reward): the finish's reward wins.
+        if finished.body.reward is not None:
+            source = f"session_finished at lsn {finished.lsn}" + (" (overrides the assigned reward)" if assigned else "")
+        elif assigned:
+            last = assigned[-1]
+            source = f"the last reward_assigned, lsn {last.lsn}, source {last.body.source or '(none given)'}"
+        else:
+            source = "nowhere: no reward was given (the reducers report it unusable)"
+        final = final_raw_reward(finished.body.reward, assigned[-1].body.reward if assigned else None)
+        lines.append(f"reward   {'-' if final is None else _reward(final)} from {source}")
+        if finished.body.metadata:
+            detail = "  ".join(f"{k}={_cut(json.dumps(v, default=str), full, 120)}" for k, v in sorted(finished.body.metadata.items()))
+            lines.append(f"verifier {detail}")
+    aborted = next((e.body for e in envs if isinstance(e.body, SessionAborted)), None)
+    if aborted is not None and aborted.traceback:
+        tb = aborted.traceback.rstrip("\n").splitlines()
+        cut = not full and len(tb) > TRACEBACK_LINES
+        lines.append("traceback" + (f" (last {TRACEBACK_LINES} of {len(tb)} lines; --full shows all)" if cut else ""))
+        lines.extend("  " + line for line in (tb[-TRACEBACK_LINES:] if cut else tb))
+    return lines
+
+
+def transcript_lines(envs: list, full: bool) -> list[str]:
+    """Per turn the messages new since the turn before, then the response; each command and its output."""
+    from events.types import CommandRan, TurnRecorded, TurnUndelivered
+
+    lines: list[str] = []
+    held: list = []  # the previous turn's messages and its response: what a new turn's messages extend
+    for e in envs:
+        b = e.body
+        if isinstance(b, TurnRecorded):
+            msgs = list(b.messages)
+            if held and msgs[: len(held)] == held:
+                new, note = msgs[len(held):], ""
+            elif held and msgs[: len(held) - 1] == held[:-1]:
+                new, note = msgs[len(held) - 1:], ""
+            else:
+                new, note = msgs, (" (history rewritten: all messages)" if held else "")
+            flags = " ill-formed" if b.ill_formed else ""
+            lines.append(f"  turn {b.turn_index}  lsn {e.lsn}  finish {b.finish_reason}{flags}{note}")
+            lines.extend("    " + _message(m, full) for m in new)
+            lines.append("    -> " + (_message(b.response_message, full) if b.response_message is not None else "(no response message)"))
+            held = msgs + ([b.response_message] if b.response_message is not None else [])
+        elif isinstance(b, CommandRan):
+            over = "  BUDGET EXCEEDED" if b.budget_exceeded else ""
+            lines.append(f"  $ {_cut(b.command, full)}  -> exit {b.exit_code} in {b.duration_s:.2f}s{over}  lsn {e.lsn}")
+            if b.output_tail:
+                lines.append(f"    output {_cut(b.output_tail, full)}")
+        elif isinstance(b, TurnUndelivered):
+            lines.append(f"  turn {b.turn_index} undelivered (the client was gone): {b.reason or '-'}  lsn {e.lsn}")
+    return lines
+
+
 def run(args) -> int:
     """Print the session."""
     from reducers.lifecycle import replay
@@ -97,15 +215,22 @@ def run(args) -> int:
             f"  duration {summary.duration_s:.2f} s  lsn {summary.opened_lsn}..{summary.ended_lsn}\n"
         )
         if summary.error:
-            w(f"error    {summary.error}\n")
+            w(f"error    {_cut(summary.error, args.full)}\n")
     else:
         last = steps[-1].state_after if steps else None
         w(f"outcome  still {last or 'unknown'} at the end of the log\n")
+    for line in why_lines(envs, args.full):
+        w(line + "\n")
 
     w("\ntimeline\n")
     for s in steps:
         for line in format_step(s.envelope, s.state_before, s.state_after, s.violations):
             w("  " + line + "\n")
+    transcript = transcript_lines(envs, args.full)
+    if transcript:
+        w(f"\ntranscript (messages new at each turn, -> the response; texts over {TEXT_SHOWN} chars are cut: --full)\n")
+        for line in transcript:
+            w(line + "\n")
 
     problem = None
     samples: list = []

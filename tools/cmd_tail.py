@@ -31,19 +31,48 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _summary_table(snap: dict[str, Any]) -> Any:
-    from rich.table import Table
+#: Columns of the terminal table: (header, how to read the cell from a snapshot).
+_COLUMNS = (
+    ("open", lambda s: s["sessions"]["open"]),
+    ("running", lambda s: s["sessions"]["running"]),
+    ("finished", lambda s: s["sessions"]["finished"]),
+    ("aborted", lambda s: s["sessions"]["aborted"]),
+    ("dropped", lambda s: s["sessions"]["dropped"]),
+    ("groups released", lambda s: s["groups"]["released"]),
+    ("skipped", lambda s: s["groups"]["skipped"]),
+    ("reward mean", lambda s: "-" if s["reward"]["mean"] != s["reward"]["mean"] else f"{s['reward']['mean']:.3f}"),
+    ("rewards", lambda s: s["reward"]["count"]),
+)
 
-    ses, g, rw = snap["sessions"], snap["groups"], snap["reward"]
-    t = Table(title=f"agentlog tail: {snap['log']}  (lsn {snap['lsn_last']}, {snap['events']} events)")
-    for col in ("open", "running", "finished", "aborted", "dropped", "groups released", "skipped", "reward mean", "rewards"):
-        t.add_column(col, justify="right")
-    mean = rw["mean"]
-    t.add_row(
-        str(ses["open"]), str(ses["running"]), str(ses["finished"]), str(ses["aborted"]), str(ses["dropped"]),
-        str(g["released"]), str(g["skipped"]), "-" if mean != mean else f"{mean:.3f}", str(rw["count"]),
-    )
-    return t
+
+def summary_table(snap: dict[str, Any], width: int = 1 << 16) -> list[str]:
+    """The summary for a terminal ``width`` columns wide: a small right-aligned
+    text table (title, header, rule, row), or, when that is wider than the
+    terminal, one ``column  value`` line per column. Plain text: it needs
+    nothing beyond the standard library. No line is longer than ``width``
+    (a wrapped line would throw the in-place redraw off)."""
+    title = f"agentlog tail: {snap['log']}  (lsn {snap['lsn_last']}, {snap['events']} events)"
+    cells = [str(read(snap)) for _, read in _COLUMNS]
+    widths = [max(len(h), len(c)) for (h, _), c in zip(_COLUMNS, cells)]
+    if sum(widths) + 2 * (len(widths) - 1) <= width:
+        lines = [
+            title,
+            "  ".join(h.rjust(w) for (h, _), w in zip(_COLUMNS, widths)),
+            "  ".join("-" * w for w in widths),
+            "  ".join(c.rjust(w) for c, w in zip(cells, widths)),
+        ]
+    else:
+        name_w = max(len(h) for h, _ in _COLUMNS)
+        lines = [title] + [f"{h:<{name_w}}  {c}" for (h, _), c in zip(_COLUMNS, cells)]
+    return [line[:width] for line in lines]
+
+
+def _redraw(out: Any, lines: list[str], drawn: int) -> int:
+    """Draw ``lines`` over the ``drawn`` lines drawn before (ANSI: cursor up, clear to end)."""
+    up = f"\x1b[{drawn}F" if drawn else ""
+    out.write(up + "\x1b[J" + "\n".join(lines) + "\n")
+    out.flush()
+    return len(lines)
 
 
 def summary_line(snap: dict[str, Any]) -> str:
@@ -91,17 +120,19 @@ async def _tail_summary(path: Path) -> None:
     task = asyncio.ensure_future(consume())
     try:
         if sys.stdout.isatty():
-            from rich.live import Live
+            import shutil
 
-            def snap() -> dict[str, Any]:
-                return {**stats.snapshot(), "log": str(path)}
+            def frame() -> list[str]:
+                width = max(20, shutil.get_terminal_size().columns - 1)
+                return summary_table({**stats.snapshot(), "log": str(path)}, width)
 
-            with Live(_summary_table(snap()), refresh_per_second=4, transient=False) as live:
-                while not task.done():
-                    await asyncio.sleep(REFRESH_S)
-                    if changed.is_set():
-                        changed.clear()
-                        live.update(_summary_table(snap()))
+            # Refreshed in place; the first frame is drawn at once, even for an empty log.
+            drawn = _redraw(sys.stdout, frame(), 0)
+            while not task.done():
+                await asyncio.sleep(REFRESH_S)
+                if changed.is_set():
+                    changed.clear()
+                    drawn = _redraw(sys.stdout, frame(), drawn)
         else:
             last = None
             while not task.done():

@@ -50,10 +50,4 @@ def run(args) -> int:
         base = LoopConfig.load(args.config)
     except ConfigError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
-    from engine.tasks import TaskError, select_task
-
-    try:
-        select_task(base.task)
-    except TaskError as exc:
-        raise CliError(f"{args.config}: {exc}", EXIT_USAGE) from None
     return execute(config_from_args(args, base), args, title="train")

@@ -2,7 +2,8 @@
 
 Exit 0 with a one-line summary when the log is sound (or was repaired);
 exit 1 naming the position when it has a torn tail or is corrupt; exit 2
-for a missing path or a directory that is not a log.
+for a missing path or a directory that is not a log. A run folder stands for
+its ``rollout/`` log.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ def run(args) -> int:
     """Verify, print one line, return the exit status."""
     from events.log import LogLocked, NotALog, verify_log
 
+    from tools.cli_common import check_log_path
+
+    path = check_log_path(args.log)  # a run folder stands for its rollout/ log
     try:
-        report = verify_log(args.log, repair=args.repair)
+        report = verify_log(path, repair=args.repair)
     except FileNotFoundError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     except (NotALog, LogLocked) as exc:

@@ -74,3 +74,49 @@ def test_demo_refuses_a_bad_learner_override_before_starting(tmp_path: Path, cap
     assert rc == 2
     assert "estimator" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def _one_line_exit_2(rc: int, err: str, *needles: str) -> None:
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("agentlog: error: "), err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [("lr=abc", "LearnerConfig.lr: expected float, found 'abc'"), ("updates_per_step=true", "updates_per_step"),
+     ("betas=3", "betas"), ("grad_clip=\"x\"", "grad_clip")],
+)
+def test_demo_refuses_a_learner_value_of_the_wrong_type_with_one_line(tmp_path: Path, capsys, override, needle) -> None:
+    rc = cli_main(["demo", "--out", str(tmp_path / "r"), "--learner", override])
+    _one_line_exit_2(rc, capsys.readouterr().err, needle)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_config_value_of_the_wrong_type_is_refused_by_name(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('stop_reward = "high"\n[learner]\nlr = "fast"\n')
+    with pytest.raises(ConfigError, match=r"LoopConfig.stop_reward: expected float, found 'high'"):
+        LoopConfig.load(bad)
+    with pytest.raises(ConfigError, match=r"LearnerConfig.lr: expected float, found 'fast'"):
+        LoopConfig(learner={"lr": "fast"}).learner_config()
+    # None where the field allows it, ints for floats: accepted.
+    assert LoopConfig(learner={"grad_clip": None, "lr": 1}).learner_config().grad_clip is None
+
+
+def test_demo_out_naming_an_existing_file_exits_2(tmp_path: Path, capsys) -> None:
+    plain = tmp_path / "plain"
+    plain.write_text("mine")
+    _one_line_exit_2(cli_main(["demo", "--out", str(plain)]), capsys.readouterr().err, str(plain), "is a file")
+    assert plain.read_text() == "mine"
+
+
+def test_demo_with_an_unknown_task_exits_2_and_leaves_no_run_folder(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "r"
+    _one_line_exit_2(cli_main(["demo", "--task", "nope", "--out", str(out)]), capsys.readouterr().err, "'nope'", "lookup")
+    assert not out.exists()
+    # So the same --out is free for the next try (which fails later, on its own bad value, still before any run).
+    _one_line_exit_2(cli_main(["demo", "--task", "nope", "--out", str(out)]), capsys.readouterr().err, "'nope'")
+    assert not out.exists()

@@ -167,6 +167,54 @@ def agentlog(*args: str, timeout: float = 60, input: str | None = None) -> subpr
     )
 
 
+def on_a_terminal(*args: str, stdout: bool = False, until=None, timeout: float = 120, columns: int = 120) -> tuple[int, str]:
+    """Run ``agentlog ARGS`` with stderr (and, with ``stdout``, stdout too) on a
+    pseudo-terminal; returns (exit code, what it wrote there). With ``until``,
+    a predicate on the text so far, the command is interrupted (SIGINT) once
+    it holds: for commands that run until interrupted, such as ``tail``."""
+    import fcntl
+    import pty
+    import select
+    import signal
+    import struct
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    # A fresh pty is 0x0; a real terminal has a size (tqdm draws nothing in 0 columns).
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from tools.cli import main; sys.exit(main())", *args],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=slave if stdout else subprocess.DEVNULL, stderr=slave,
+    )
+    os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            # A hung child must fail the test, not hang it: wait for output with a deadline.
+            ready, _, _ = select.select([master], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise AssertionError(f"agentlog {' '.join(args)}: no end within {timeout} s; wrote {b''.join(chunks)[-2000:]!r}")
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+            if until is not None and proc.poll() is None and until(b"".join(chunks).decode("utf-8", "replace")):
+                proc.send_signal(signal.SIGINT)
+                until = None  # read what it writes while stopping, up to EOF
+        return proc.wait(timeout), b"".join(chunks).decode("utf-8", "replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+
+
 if __name__ == "__main__":
     import structlog
 

@@ -93,3 +93,16 @@ def test_a_crc_valid_frame_that_is_not_an_event_exits_1_naming_its_lsn_and_sessi
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in res.stderr, (args, res.stderr)
         assert f"lsn {next_lsn}" in lines[0] and "live-0" in lines[0] and "schema-v1 event" in lines[0], (args, lines[0])
+
+
+def test_serve_on_a_log_damaged_mid_log_exits_2_with_one_line_and_keeps_the_log(run_log_copy):
+    """The writer's open checks the tail; the engine's restart fold meets the damage mid-log."""
+    from events.log_format import list_segments, segment_name
+
+    seg = run_log_copy / segment_name(list_segments(run_log_copy)[0])
+    data = bytearray(seg.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    res = agentlog("serve", "--log", str(run_log_copy), "--port", "0", "--admin-token", "t", timeout=120)
+    _one_line_exit_2(res, f"--log {run_log_copy}", "CRC mismatch", "agentlog verify")
+    assert seg.read_bytes() == bytes(data)  # nothing stored was touched

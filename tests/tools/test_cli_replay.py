@@ -127,3 +127,43 @@ def test_replay_marks_illegal_sequences_in_place_and_exits_1(tmp_path):
     assert len(err) == 1 and "lsn 3" in err[0] and str(path) in err[0]
     js = _json_lines(agentlog("replay", str(path), "--json").stdout)
     assert "reused" in js[3]["violations"][0] and "violations" not in js[2]
+
+
+def _one_line_exit_2(res) -> str:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert res.stdout == "", res.stdout  # nothing printed before the complaint
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("agentlog: error: ") and "Traceback" not in res.stderr
+    return line
+
+
+def test_every_filter_value_that_matches_nothing_exits_2_naming_the_filter_and_the_values_that_exist(run_log):
+    """One rule for all filters (replay --help states it): an unknown value is an error listing what the log holds."""
+    path, _ = run_log
+    line = _one_line_exit_2(agentlog("replay", str(path), "--reason", "nope"))
+    assert "--reason 'nope'" in line and str(path) in line, line
+    for reason, n in (("wall_clock_timeout", 1), ("exception:ValueError", 1), ("cancelled", 1)):
+        assert f"{reason} ({n})" in line, line
+    line = _one_line_exit_2(agentlog("replay", str(path), "--session", "nope"))
+    assert "--session 'nope'" in line and "it holds 8 sessions: fin-0, fin-1, fork-2, abort-0, exc-1, drop-2, strag-3, live-0" in line, line
+    line = _one_line_exit_2(agentlog("replay", str(path), "--group", "nope"))
+    assert "--group 'nope'" in line and "g-ok, g-bad, g-live" in line, line
+    line = _one_line_exit_2(agentlog("replay", str(path), "--status", "open"))
+    assert "--status open" in line and "finished (4), aborted (2), dropped (1), running (1)" in line, line
+    # Within --until: at lsn 2 only fin-0 exists, and it is still running.
+    line = _one_line_exit_2(agentlog("replay", str(path), "--status", "finished", "--until", "2"))
+    assert "at lsn 2" in line and "running (1)" in line, line
+    line = _one_line_exit_2(agentlog("replay", str(path), "--session", "live-0", "--until", "3"))
+    assert "up to lsn 3" in line and "fin-0" in line, line
+    # --json and text follow the same rule.
+    _one_line_exit_2(agentlog("replay", str(path), "--json", "--reason", "nope"))
+    help_text = agentlog("replay", "--help").stdout
+    assert "a value that matches no session is an error" in " ".join(help_text.split()), help_text
+
+
+def test_filters_that_each_match_but_do_not_meet_print_nothing_and_exit_0(run_log):
+    path, _ = run_log
+    for args in (["--session", "fin-0", "--group", "g-bad"], ["--session", "fin-0", "--status", "aborted"],
+                 ["--group", "g-ok", "--reason", "cancelled"]):
+        res = agentlog("replay", str(path), *args)
+        assert (res.returncode, res.stdout, res.stderr) == (0, "", ""), (args, res)

@@ -100,6 +100,16 @@ def config_from_args(args, base: LoopConfig) -> LoopConfig:
     return cfg
 
 
+def check_task(name: str) -> None:
+    """CliError (exit 2) listing the registered tasks when ``name`` is not one of them."""
+    from engine.tasks import TaskError, select_task
+
+    try:
+        select_task(name)
+    except TaskError as exc:
+        raise CliError(f"task {name!r}: {exc}", EXIT_USAGE) from None
+
+
 def write_report(run_dir: Path) -> str:
     """``report.html`` through the report command; returns a one-line note."""
     try:
@@ -121,9 +131,17 @@ def execute(cfg: LoopConfig, args, *, title: str) -> int:
     from .runlog import configure_process_logging, restore_logging
 
     run_dir = args.out or Path("runs") / new_run_id(cfg.seed)
+    # Everything that can be refused is checked before the run folder exists:
+    # a refused run leaves nothing behind that would block the next --out.
+    check_task(cfg.task)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise CliError(f"--out {run_dir}: is a file, expected a run folder (new or empty)", EXIT_USAGE)
     if (run_dir / "config.json").exists():
-        raise CliError(f"{run_dir}: already holds a run; choose another --out", EXIT_USAGE)
-    run_dir.mkdir(parents=True, exist_ok=True)
+        raise CliError(f"--out {run_dir}: already holds a run; choose another --out", EXIT_USAGE)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"--out {run_dir}: cannot create the run folder: {exc.strerror or exc}", EXIT_USAGE) from None
     with restore_logging():
         configure_process_logging(run_dir, "main", console=sys.stderr, console_level="info")
         return _execute(cfg, args, run_dir, title)

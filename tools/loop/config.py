@@ -159,6 +159,7 @@ class LoopConfig:
         values = dict(self.learner)
         if self.staleness_mode == "correct":
             values.setdefault("tis_cap", self.tis_cap)
+        check_field_types(LearnerConfig, values)
         return LearnerConfig.from_dict(values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -198,12 +199,45 @@ class LoopConfig:
             raise ConfigError(f"{path}: {exc}") from None
 
 
+#: Annotation names -> the Python types a config value of that name may have
+#: (JSON and TOML hand back ints for whole floats, lists for tuples).
+_ANNOTATION_TYPES: dict[str, tuple[type, ...]] = {
+    "bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "None": (type(None),),
+    "tuple": (tuple, list), "list": (list, tuple), "dict": (dict,),
+}
+
+
+def check_field_types(cls, values: Mapping[str, Any]) -> None:
+    """Raise ConfigError naming ``cls.field``, the expected type and the value
+    when a value of ``values`` does not have its field's annotated type (a
+    bool is never taken for a number). Annotations this does not know are not
+    checked. Without this, ``lr = "abc"`` got as far as ``"abc" > 0`` and a
+    TypeError traceback."""
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    for name, value in values.items():
+        annotation = fields.get(name)
+        if not isinstance(annotation, str):
+            continue
+        allowed: tuple[type, ...] = ()
+        for part in annotation.split("|"):
+            kinds = _ANNOTATION_TYPES.get(part.strip().split("[")[0])
+            if kinds is None:
+                allowed = ()  # an annotation we do not model: leave it to the class
+                break
+            allowed += kinds
+        if not allowed:
+            continue
+        if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+            raise ConfigError(f"{cls.__name__}.{name}: expected {annotation}, found {value!r}")
+
+
 def _from_mapping(cls, values: Mapping[str, Any], where: str):
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         prefix = f"[{where}] " if where else ""
         raise ConfigError(f"{prefix}unknown key(s) {unknown}; known keys are {sorted(known)}")
+    check_field_types(cls, values)
     try:
         return cls(**dict(values))
     except TypeError as exc:

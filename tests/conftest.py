@@ -1,0 +1,71 @@
+"""Fixtures and hooks for the whole suite.
+
+* The ``required`` marker: an end-to-end check that CI must actually run
+  (the report in headless Chromium, the real agent CLIs). Locally such a
+  test skips with its reason when its tool is missing; under ``CI=true``
+  (what CI services set; ``.ci/run`` sets it too) that skip FAILS the run
+  instead, so CI never goes green on a check it did not make.
+* ``short_demo_run``: one short ``agentlog demo`` run per test session, for
+  the tests that need a real run folder (the demo smoke test, the README's
+  examples).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+#: Values of $CI that mean "this is a CI run" (GitHub, GitLab and most others set "true").
+CI_TRUE = ("true", "1", "yes")
+
+
+def running_in_ci() -> bool:
+    """Whether $CI says this is a CI run."""
+    return os.environ.get("CI", "").strip().lower() in CI_TRUE
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    """The reason of a skipped report (its longrepr is (file, line, "Skipped: why"))."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Under CI=true, a skip of a test marked ``required`` becomes a failure that carries the skip's reason."""
+    report = yield
+    if report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("required") and running_in_ci():
+        report.outcome = "failed"
+        report.longrepr = (
+            f"required test skipped under CI={os.environ.get('CI')}: {_skip_reason(report)}\n"
+            "(a test marked `required` must run in CI: install what it needs, see .ci/run)"
+        )
+    return report
+
+
+#: The short demo's flags (its --out is ``runs/demo`` under the fixture's folder).
+SHORT_DEMO_ARGS = (
+    "demo", "--steps", "2", "--warmup-steps", "5", "--groups-per-step", "4", "--group-size", "4",
+    "--seed", "0", "--quiet", "--timeout", "120",
+)
+
+
+@pytest.fixture(scope="session")
+def short_demo_run(tmp_path_factory) -> tuple[Path, str]:
+    """(cwd, stdout): a short `agentlog demo --out runs/demo` run (2 RL steps of 4 groups x 4,
+    5 warm-up steps, faults on, report written) made once per session in ``cwd``. Read-only."""
+    import contextlib
+    import io
+
+    from tools.cli import main as cli_main
+
+    cwd = tmp_path_factory.mktemp("demo")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli_main([*SHORT_DEMO_ARGS, "--out", str(cwd / "runs" / "demo")])
+    assert rc == 0, out.getvalue()
+    return cwd, out.getvalue()

@@ -1,0 +1,134 @@
+"""The `required` marker: under CI=true a skip of a required test fails the run (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cli_helpers import ROOT
+
+GENERATED = '''
+import pytest
+
+@pytest.mark.required
+def test_required_but_missing():
+    pytest.skip("frobnicator not installed")
+
+@pytest.mark.required
+@pytest.mark.skipif(True, reason="no chromium here")
+def test_required_skipif():
+    pass
+
+@pytest.mark.required
+def test_required_that_runs():
+    assert True
+
+@pytest.mark.required
+@pytest.mark.xfail(reason="known", strict=False)
+def test_required_xfail():
+    assert False
+
+def test_optional_skip():
+    pytest.skip("optional tool missing")
+'''
+
+
+def _run_generated(tmp_path, ci: str | None) -> subprocess.CompletedProcess:
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\naddopts = -v -rA --strict-markers -p no:cacheprovider\nmarkers =\n    required: must run in CI\n"
+    )
+    (tmp_path / "test_generated.py").write_text(GENERATED)
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    if ci is not None:
+        env["CI"] = ci
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def _outcomes(stdout: str) -> dict[str, str]:
+    """test name -> PASSED / FAILED / ERROR / SKIPPED / XFAIL, from the -v lines."""
+    return dict(re.findall(r"^test_generated\.py::(\w+) ([A-Z]+)", stdout, re.M))
+
+
+@pytest.mark.parametrize("ci", ["true", "TRUE", "1"])
+def test_under_ci_a_skipped_required_test_fails_with_the_skip_reason(tmp_path, ci):
+    res = _run_generated(tmp_path, ci)
+    assert res.returncode == 1, res.stdout
+    got = _outcomes(res.stdout)
+    # A skip raised in setup (skipif, a fixture's skip) becomes an error of that phase: it fails the run too.
+    assert got == {
+        "test_required_but_missing": "FAILED",
+        "test_required_skipif": "ERROR",
+        "test_required_that_runs": "PASSED",
+        "test_required_xfail": "XFAIL",
+        "test_optional_skip": "SKIPPED",
+    }, res.stdout
+    assert "required test skipped under CI" in res.stdout and "frobnicator not installed" in res.stdout, res.stdout
+    assert "no chromium here" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("ci", [None, "false", ""])
+def test_outside_ci_a_required_test_skips_quietly(tmp_path, ci):
+    res = _run_generated(tmp_path, ci)
+    assert res.returncode == 0, res.stdout
+    got = _outcomes(res.stdout)
+    assert got["test_required_but_missing"] == "SKIPPED" and got["test_required_skipif"] == "SKIPPED", res.stdout
+    assert got["test_required_that_runs"] == "PASSED", res.stdout
+
+
+def test_the_end_to_end_checks_are_marked_required():
+    """The Chromium report test and the real agent-CLI tests carry the (declared) marker."""
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "required", "-p", "no:cacheprovider",
+         "tests/tools/test_cli_tail_report.py", "tests/gateway/test_agent_clis.py"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr  # --strict-markers: an undeclared marker is an error
+    ids = set(re.findall(r"^(tests/\S+::\S+)$", res.stdout, re.M))
+    assert ids == {
+        "tests/tools/test_cli_tail_report.py::test_report_in_headless_chromium_shows_one_bar_per_session_and_the_outcome_counts",
+        "tests/gateway/test_agent_clis.py::test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded[claude-code]",
+        "tests/gateway/test_agent_clis.py::test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded[codex]",
+    }, res.stdout
+
+
+def _stub(bin_dir, name: str, body: str = "") -> None:
+    path = bin_dir / name
+    path.write_text(f'#!/bin/bash\necho "{name} $*" >> "$STUB_LOG"\n{body}\n')
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("have_npm", [False, True])
+def test_ci_run_installs_what_the_required_tests_need_each_under_a_time_bound(tmp_path, have_npm):
+    """.ci/run on a machine without chromium (and with or without npm), every external command a stub
+    that records its arguments: each install runs under `timeout`, the CLIs go to $AGENTLOG_CLI_DIR,
+    and `make test` runs with CI=true."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "env"):  # the real ones; nothing else from the host's PATH
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    _stub(bin_dir, "timeout")
+    _stub(bin_dir, "make", 'echo "make-env CI=$CI AGENTLOG_CLI_DIR=$AGENTLOG_CLI_DIR" >> "$STUB_LOG"')
+    if have_npm:
+        _stub(bin_dir, "npm")
+    log = tmp_path / "calls.log"
+    env = {"PATH": str(bin_dir), "STUB_LOG": str(log), "HOME": str(tmp_path / "home")}
+    res = subprocess.run([str(bin_dir / "bash"), str(ROOT / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    calls = log.read_text().splitlines()
+    apt = [c for c in calls if "apt-get" in c]
+    assert apt and all(c.startswith("timeout 900 apt-get") for c in apt), calls
+    assert "timeout 900 apt-get install -y -qq chromium" in calls
+    assert ("timeout 900 apt-get install -y -qq nodejs npm" in calls) is (not have_npm), calls
+    cli_dir = tmp_path / "home" / ".cache" / "agentlog-clis"
+    install = f"timeout --kill-after=30 900 tools/gateway_clis.sh {cli_dir}"
+    assert (install in calls) is have_npm, calls  # without npm (the stub apt installs nothing) there is nothing to install with
+    assert calls[-2:] == ["make test", f"make-env CI=true AGENTLOG_CLI_DIR={cli_dir}"], calls
