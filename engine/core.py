@@ -108,7 +108,7 @@ class SessionHandle:
     """
 
     __slots__ = (
-        "_engine", "session_id", "group_id", "state", "turns", "budget_s",
+        "_engine", "session_id", "group_id", "sample_index", "state", "turns", "budget_s",
         "_seq", "_busy", "_waiters", "_inflight", "_timer", "_owner", "_owner_cancelled", "_expired", "_log",
     )
 
@@ -116,6 +116,8 @@ class SessionHandle:
         self._engine = engine
         self.session_id = session_id
         self.group_id = group_id
+        #: Its place in the group (set by open_session, which may assign it).
+        self.sample_index = 0
         self.state = State.OPEN
         #: Turns recorded so far (the next turn_index).
         self.turns = 0
@@ -562,6 +564,7 @@ class SessionEngine:
             raise
         budget = budget_s if budget_s is not None else self.session_budget_s
         h = SessionHandle(self, session_id, group_id, budget)
+        h.sample_index = sample_index
         # Claim the id before the first await, holding the session's lock, so
         # no concurrent open of the same id and no early op can slip in.
         h._busy = True  # nobody else can see h yet
