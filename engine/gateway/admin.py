@@ -71,29 +71,19 @@ def check_sampling(values: dict[str, Any], where: str) -> None:
 
 
 def check_json_value(field: str, value: Any) -> None:
-    """A free-form JSON value (label, metadata, prompt) the log can encode and
-    decode back: integers within msgpack's range, strings valid as UTF-8.
-    Walked iteratively, so depth costs no recursion."""
+    """A free-form JSON value (label, metadata, prompt) the log can encode:
+    JSON decodes integers of any size, msgpack holds 64 bits. (The JSON
+    decoder already refuses lone surrogates and non-finite numbers.) Walked
+    iteratively, so depth costs no recursion."""
     stack: list[tuple[str, Any]] = [(field, value)]
     while stack:
         where, v = stack.pop()
         if isinstance(v, dict):
             stack.extend((f"{where}.{k}", x) for k, x in v.items())
-            for k in v:
-                _check_text(f"{where} key", k)
         elif isinstance(v, list):
             stack.extend((f"{where}[{i}]", x) for i, x in enumerate(v))
-        elif isinstance(v, str):
-            _check_text(where, v)
         elif _is_int(v) and not _INT_MIN <= v <= _INT_MAX:
             raise AdminFieldError(where, "an integer in [-2**63, 2**64 - 1]", v)
-
-
-def _check_text(where: str, s: str) -> None:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise AdminFieldError(where, "text valid as UTF-8 (no lone surrogates)", s[max(0, exc.start - 10) : exc.end + 10]) from None
 
 
 def _known(body: dict[str, Any], allowed: frozenset[str], what: str) -> None:
@@ -115,7 +105,6 @@ def _text(body: dict[str, Any], key: str, default: str, *, non_empty: bool = Fal
     value = body.get(key, default)
     if not isinstance(value, str) or (non_empty and not value):
         raise AdminFieldError(key, "a non-empty string" if non_empty else "a string", value)
-    _check_text(key, value)
     return value
 
 
