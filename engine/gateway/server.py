@@ -312,7 +312,7 @@ class Gateway:
             base.update(cfg.sampling)
         base.update((k, v) for k, v in req.overrides.items() if k != "stop")
         try:
-            check_sampling(base, "sampling parameter")
+            check_sampling(base, "sampling")
         except AdminFieldError as exc:
             raise _Refused(400, "invalid_request_error", str(exc)) from None
         return base

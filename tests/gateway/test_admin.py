@@ -300,3 +300,20 @@ def test_configure_session_refuses_sampling_a_turn_could_not_run():
             assert gw.tracked_sessions == 0
 
     run(body())
+
+
+@pytest.mark.parametrize("override, problem", [({"seed": 1.5}, "sampling.seed: expected an int in [0, 2**63), found 1.5"), ({"seed": -1}, "sampling.seed: expected an int in [0, 2**63), found -1")])
+def test_a_clients_sampling_obeys_the_same_rules_as_the_sessions(override, problem):
+    """One statement of the sampling rules (admin.SAMPLING_RULES) for admin
+    defaults and per-request values: a float seed no longer reaches the sampler."""
+
+    async def body():
+        async with _admin_rig() as (gw, engine, log):
+            gw.admin_token = "tok"
+            _, out = await _call(gw.url, "/admin/sessions", {"session_id": "s"}, ADMIN)
+            before = log.next_lsn
+            status, err = await _call(gw.url, "/v1/chat/completions", {"messages": CHAT, **override}, {"Authorization": f"Bearer {out['api_key']}"})
+            assert status == 400 and problem in err["error"]["message"], err
+            assert log.next_lsn == before
+
+    run(body())
