@@ -542,6 +542,11 @@ class Gateway:
         _log.info("gateway.admin_refused", status=status, what=what, reason=str(exc))
         return self._error("openai", status, kind, f"{what}: {exc}")
 
+    def _admin_failed(self, what: str, exc: BaseException) -> web.Response:
+        """An admin request that failed for a reason not its own (the log, a bug)."""
+        _log.exception("gateway.admin_failed", what=what, error=f"{type(exc).__name__}: {exc}")
+        return self._error("openai", 500, "api_error", f"{what} failed: {type(exc).__name__}: {exc}")
+
     async def _admin_open(self, request: web.Request) -> web.Response:
         """Open and start a session (fields: engine.gateway.admin.OpenRequest);
         answers its id, state, sample_index and ``api_key``: the key its agent
@@ -573,17 +578,18 @@ class Gateway:
             )
         except (DuplicateSession, GroupError) as exc:
             return self._admin_refused(409, "invalid_request_error", what, exc)
-        except (EventValidationError, OverflowError) as exc:  # what the schema refused: nothing was appended
+        except (EventValidationError, ValueError, OverflowError) as exc:  # what the schema or the log refused: nothing was appended
             return self._admin_refused(400, "invalid_request_error", what, exc)
+        except Exception as exc:  # the log failed: logged in full and answered as JSON, never hidden
+            return self._admin_failed(what, exc)
         try:
             await h.start(harness=req.agent, sandbox="external", details={"gateway": self.url})
             self.configure_session(req.session_id, sampling=req.sampling, max_turns=req.max_turns)
             key = self.session_key(req.session_id)
         except Exception as exc:  # opened but not started: end it, so no session is left half-done
-            _log.exception("gateway.admin_open_failed", session_id=req.session_id, error=f"{type(exc).__name__}: {exc}")
             await h.abort("admin_open_failed", error=f"{type(exc).__name__}: {exc}")
             self._forget_if_ended(req.session_id)
-            return self._error("openai", 500, "api_error", f"{what}: opened but could not start ({type(exc).__name__}: {exc}); aborted")
+            return self._admin_failed(f"{what} (opened, then aborted: it could not start)", exc)
         opened = {"session_id": req.session_id, "state": str(h.state), "group_id": req.group_id, "sample_index": h.sample_index}
         return web.json_response(opened | {"api_key": key})
 
@@ -607,10 +613,12 @@ class Gateway:
             return self._admin_refused(400, "invalid_request_error", what, exc)
         try:
             await getattr(h, action)(**kwargs)
-        except (EventValidationError, OverflowError) as exc:
+        except (EventValidationError, ValueError, OverflowError) as exc:
             return self._admin_refused(400, "invalid_request_error", what, exc)
         except IllegalTransition as exc:  # it ended meanwhile: reported, not hidden
             return self._admin_refused(409, "invalid_request_error", what, exc)
+        except Exception as exc:
+            return self._admin_failed(what, exc)
         self._forget_if_ended(sid)
         return web.json_response({"session_id": sid, "state": str(h.state)})
 

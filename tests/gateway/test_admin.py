@@ -14,7 +14,8 @@ import aiohttp
 import pytest
 from structlog.testing import capture_logs
 
-from events.types import SessionFinished, SessionOpened, encode_body
+from events.log_api import MemoryLog
+from events.types import EventValidationError, SessionFinished, SessionOpened, encode_body
 from gateway_helpers import ScriptedBackend, rig, run, turns_of
 from reducers.pipeline import reduce_log
 
@@ -315,5 +316,38 @@ def test_a_clients_sampling_obeys_the_same_rules_as_the_sessions(override, probl
             status, err = await _call(gw.url, "/v1/chat/completions", {"messages": CHAT, **override}, {"Authorization": f"Bearer {out['api_key']}"})
             assert status == 400 and problem in err["error"]["message"], err
             assert log.next_lsn == before
+
+    run(body())
+
+
+class _RefusingLog(MemoryLog):
+    """A log whose write path refuses every session_opened with ``error``
+    (as a decode-back check on the write path does for an undecodable record)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    async def append(self, session_id, session_seq, body):
+        if isinstance(body, SessionOpened):
+            raise self.error
+        return await super().append(session_id, session_seq, body)
+
+
+@pytest.mark.parametrize(
+    "error, status, text",
+    [
+        (EventValidationError("session_opened.metadata: expected a decodable value, found [1]"), 400, "session_opened.metadata: expected a decodable value"),
+        (OSError(5, "Input/output error"), 500, "admin open of session 's' failed: OSError"),
+    ],
+)
+def test_a_write_refused_by_the_log_is_answered_as_json_and_opens_nothing(error, status, text):
+    async def body():
+        async with rig(ScriptedBackend(lambda p: "ok"), log=_RefusingLog(error)) as (gw, engine, log):
+            gw.admin_token = "tok"
+            got, err = await _call(gw.url, "/admin/sessions", {"session_id": "s", "group_id": "g", "group_size": 2}, ADMIN)
+            assert got == status and text in err["error"]["message"], err
+            assert log.next_lsn == 0 and engine.get("s") is None
+            assert engine._groups.pending() == {}  # the refused member left its group
 
     run(body())
