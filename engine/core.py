@@ -48,6 +48,7 @@ from events.types import (
     TurnUndelivered,
     validate_id,
 )
+from reducers.groups import GroupError, GroupTracker
 from reducers.lifecycle import IdFilter, LifecycleReducer, Violation
 
 _log = structlog.get_logger("agentlog.engine")
@@ -56,6 +57,8 @@ _log = structlog.get_logger("agentlog.engine")
 RESTART_REASON = "engine_restart"
 #: Reason recorded when a session's wall-clock budget runs out.
 TIMEOUT_REASON = "wall_clock_timeout"
+#: The bodies that end a session.
+_TERMINAL_BODIES = (SessionFinished, SessionAborted, SessionDropped)
 
 
 class DuplicateSession(LifecycleError):
@@ -105,7 +108,7 @@ class SessionHandle:
     """
 
     __slots__ = (
-        "_engine", "session_id", "group_id", "state", "turns", "budget_s",
+        "_engine", "session_id", "group_id", "sample_index", "state", "turns", "budget_s",
         "_seq", "_busy", "_waiters", "_inflight", "_timer", "_owner", "_owner_cancelled", "_expired", "_log",
     )
 
@@ -113,6 +116,8 @@ class SessionHandle:
         self._engine = engine
         self.session_id = session_id
         self.group_id = group_id
+        #: Its place in the group (set by open_session, which may assign it).
+        self.sample_index = 0
         self.state = State.OPEN
         #: Turns recorded so far (the next turn_index).
         self.turns = 0
@@ -389,6 +394,11 @@ class SessionEngine:
         self._status_cache = status_cache
         self._id_capacity = id_capacity
         self._ids = IdFilter(id_capacity)
+        # Membership of the groups still in flight, under the reducers' own
+        # rule (GroupTracker.check_open): a member they would refuse is
+        # refused at open instead of poisoning the log. Released groups are
+        # forgotten, so this holds only the open groups.
+        self._groups = GroupTracker(min_valid=0)
         self._bg: set[asyncio.Task] = set()
         #: None while every background task (budget expiry) ended well; else
         #: the first crash, in one line (health checks report it).
@@ -416,6 +426,7 @@ class SessionEngine:
         total = self._log_.next_lsn
         show = progress if progress is not None else (None if total > 200_000 else False)
         first_violations: list[Violation] = []
+        in_groups: dict[str, str] = {}  # session in flight -> its group id
         with tqdm(total=total, desc="engine: folding log", unit="ev", disable=None if show is None else not show, leave=False) as bar:
             n = 0
             for env in self._log_.read(0):
@@ -424,6 +435,7 @@ class SessionEngine:
                         self.stats["violations"] += 1
                         if len(first_violations) < 20:
                             first_violations.append(o)
+                self._fold_group(env, in_groups)
                 n += 1
                 if n & 0x3FFF == 0:
                     bar.update(0x4000)
@@ -452,8 +464,29 @@ class SessionEngine:
         for sid, (state, _seq) in sorted(orphans.items()):
             _log.warning("session.aborted", session_id=sid, reason=RESTART_REASON, was=str(state))
             self._remember(sid, State.ABORTED)
+            gid = in_groups.pop(sid, None)
+            if gid is not None:
+                self._groups.close(gid, None, sid, None)
         self.stats["restart_aborted"] += len(orphans)
         self.stats["aborted"] += len(orphans)
+
+    def _fold_group(self, env: Envelope, in_groups: dict[str, str]) -> None:
+        """Rebuild the membership of the groups in flight from one logged event."""
+        body, sid = env.body, env.session_id
+        if type(body) is SessionOpened:
+            try:
+                self._groups.open(body.group_id, sid, body.group_size, body.sample_index, env.lsn)
+            except GroupError as exc:
+                # Already in the log: the reducers refuse it too; the engine
+                # counts it and keeps the membership the log first declared.
+                self.stats["violations"] += 1
+                _log.warning("engine.log_violation", lsn=env.lsn, session_id=sid, message=str(exc))
+                return
+            in_groups[sid] = body.group_id
+        elif type(body) in _TERMINAL_BODIES:
+            gid = in_groups.pop(sid, None)
+            if gid is not None:
+                self._groups.close(gid, None, sid, env.lsn)
 
     # -- public API -------------------------------------------------------------
 
@@ -493,7 +526,7 @@ class SessionEngine:
         *,
         group_id: str,
         group_size: int,
-        sample_index: int = 0,
+        sample_index: int | None = None,
         prompt: list[dict[str, Any]] | None = None,
         prompt_ids: Any = b"",
         label: Any = None,
@@ -503,10 +536,17 @@ class SessionEngine:
         budget_s: float | None = None,
     ) -> SessionHandle:
         """Append ``session_opened`` for a fresh id and return its handle.
-        Raises DuplicateSession if the id was ever used."""
+
+        ``sample_index`` None takes the group's smallest free index. Raises
+        DuplicateSession if the id was ever used, and GroupError (naming the
+        group and the conflict) for a membership the reducers would refuse:
+        another ``group_size`` than the group's, a taken ``sample_index``,
+        more members than ``group_size``, or a group already released."""
         if self._closed:
             raise EngineClosed(f"engine closed; cannot open session {session_id!r}")
         validate_id("session_id", session_id)
+        if sample_index is None:
+            sample_index = self._groups.next_sample_index(group_id)
         body = SessionOpened(
             group_id=group_id, group_size=group_size, sample_index=sample_index, prompt=prompt or [],
             prompt_ids=prompt_ids, label=label, agent=agent, policy_version=policy_version, metadata=metadata or {},
@@ -514,8 +554,20 @@ class SessionEngine:
         live = self._live.get(session_id)
         if live is not None:
             raise DuplicateSession(session_id, live.state, "a live session")
+        if self._groups.is_member(group_id, session_id):
+            raise DuplicateSession(session_id, None, f"a member of group {group_id!r}, which is still in flight")
+        # Joined before the first await, so concurrent opens cannot both take
+        # the last place or the same index; withdrawn if the open fails.
+        try:
+            self._groups.open(group_id, session_id, group_size, sample_index, None)
+        except GroupError:
+            # A reused id is reported as such, not as the group conflict it also causes.
+            if session_id in self._ids:
+                await self._confirm_fresh(session_id)
+            raise
         budget = budget_s if budget_s is not None else self.session_budget_s
         h = SessionHandle(self, session_id, group_id, budget)
+        h.sample_index = sample_index
         # Claim the id before the first await, holding the session's lock, so
         # no concurrent open of the same id and no early op can slip in.
         h._busy = True  # nobody else can see h yet
@@ -534,10 +586,12 @@ class SessionEngine:
                 self._background(h.drop("cancelled"))
             else:
                 del self._live[session_id]
+                self._groups.withdraw(group_id, session_id)
                 _unlock(h)
             raise
         except BaseException:
             del self._live[session_id]
+            self._groups.withdraw(group_id, session_id)
             _unlock(h)
             raise
         self._opened(h, budget)
@@ -616,19 +670,19 @@ class SessionEngine:
             # If ours was staged before the cancel, the log writes it anyway:
             # apply it, so the session stays in step with the log.
             if self._log_.next_seq(h.session_id) != seq:
-                self._apply(h, body, dest)
+                self._apply(h, body, dest, None)
             raise
-        self._apply(h, body, dest)
+        self._apply(h, body, dest, env.lsn)
         return env
 
-    def _apply(self, h: SessionHandle, body: Any, dest: State | None) -> None:
+    def _apply(self, h: SessionHandle, body: Any, dest: State | None, lsn: int | None) -> None:
         h._seq += 1
         if type(body) is TurnRecorded:
             h.turns += 1
         if dest is not None:
             h.state = dest
             if dest in TERMINAL_STATES:
-                self._release(h, body)
+                self._release(h, body, lsn)
 
     async def _in_session(self, h: SessionHandle, body: Any) -> Envelope:
         # In-session events are legal only while running (events.lifecycle.RUNNING_ONLY_EVENTS).
@@ -674,9 +728,10 @@ class SessionEngine:
                 t.cancel()
             await asyncio.wait(pending, timeout=self.drain_s)
 
-    def _release(self, h: SessionHandle, body: Any) -> None:
-        """Forget everything held for a session that just ended."""
+    def _release(self, h: SessionHandle, body: Any, lsn: int | None) -> None:
+        """Forget everything held for a session that just ended (``lsn``: of its terminal event, if known)."""
         sid = h.session_id
+        self._groups.close(h.group_id, None, sid, lsn)
         self._live.pop(sid, None)
         if not self._live:
             # dicts never shrink on delete: drop the table a burst grew, so an

@@ -96,6 +96,16 @@ class _Pending:
 RELEASED_WINDOW = 1024
 
 
+def _at(lsn: int) -> str:
+    """' (lsn N)' for a member from the log; '' for one not appended yet (lsn -1)."""
+    return "" if lsn < 0 else f" (lsn {lsn})"
+
+
+def _at_lsn(lsn: int) -> str:
+    """' at lsn N' for a member from the log; '' for one not appended yet (lsn -1)."""
+    return "" if lsn < 0 else f" at lsn {lsn}"
+
+
 class GroupTracker:
     """Incremental group state: ``open`` members, ``close`` them, get groups back."""
 
@@ -114,43 +124,79 @@ class GroupTracker:
             gid: (p.group_size, len(p.opened), len(p.done) + len(p.dropped)) for gid, p in self._pending.items()
         }
 
-    def open(self, group_id: str, session_id: str, group_size: int, sample_index: int, lsn: int) -> None:
-        """A session declared membership of ``group_id``."""
+    def check_open(self, group_id: str, session_id: str, group_size: int, sample_index: int, lsn: int | None = None) -> None:
+        """The membership rule: raise GroupError naming the conflict if
+        ``session_id`` may not join ``group_id`` as declared; change nothing.
+
+        One rule for both sides: the reducers apply it to what the log holds
+        and the engine (:class:`engine.core.SessionEngine`) to what it is
+        asked to open (``lsn`` None: not in the log yet), so the engine never
+        accepts a member the reducers would then refuse."""
+        at = _at_lsn(-1 if lsn is None else lsn)
         p = self._pending.get(group_id)
         if p is None:
             released_at = self._recent.get(group_id)
             if released_at is not None:
                 raise GroupError(
-                    f"group {group_id!r}: session {session_id!r} at lsn {lsn} joins a group already released"
-                    f" at lsn {released_at} (group ids are never reused)"
+                    f"group {group_id!r}: session {session_id!r}{at} joins a group already released{_at_lsn(released_at)}"
+                    " (group ids are never reused)"
                 )
-            p = self._pending[group_id] = _Pending(group_size)
+            return
         if session_id in p.opened:
             # A reused id would otherwise count as a second member of its group.
             raise GroupError(
-                f"group {group_id!r}: session {session_id!r} at lsn {lsn} joins again (first joined at lsn"
-                f" {p.opened[session_id][1]}); session ids are never reused"
+                f"group {group_id!r}: session {session_id!r}{at} joins again (first joined{_at_lsn(p.opened[session_id][1])});"
+                " session ids are never reused"
             )
         if group_size != p.group_size:
-            others = ", ".join(f"{s!r} (lsn {l})" for s, (_, l) in list(p.opened.items())[:8])
+            others = ", ".join(f"{s!r}{_at(l)}" for s, (_, l) in list(p.opened.items())[:8])
             raise GroupError(
-                f"group {group_id!r}: session {session_id!r} at lsn {lsn} declares group_size {group_size},"
+                f"group {group_id!r}: session {session_id!r}{at} declares group_size {group_size},"
                 f" but sessions {others} declared group_size {p.group_size}"
             )
         if len(p.opened) >= group_size:
             raise GroupError(
-                f"group {group_id!r}: session {session_id!r} at lsn {lsn} would be member {len(p.opened) + 1}"
+                f"group {group_id!r}: session {session_id!r}{at} would be member {len(p.opened) + 1}"
                 f" of a group of group_size {group_size} (members: {', '.join(repr(s) for s in p.opened)})"
             )
         for other, (idx, other_lsn) in p.opened.items():
             if idx == sample_index:
                 raise GroupError(
-                    f"group {group_id!r}: session {session_id!r} at lsn {lsn} repeats sample_index {sample_index}"
-                    f" of session {other!r} (lsn {other_lsn})"
+                    f"group {group_id!r}: session {session_id!r}{at} repeats sample_index {sample_index}"
+                    f" of session {other!r}{_at(other_lsn)}"
                 )
-        p.opened[session_id] = (sample_index, lsn)
 
-    def close(self, group_id: str, member: GroupMember | None, session_id: str, lsn: int) -> Group | None:
+    def open(self, group_id: str, session_id: str, group_size: int, sample_index: int, lsn: int | None) -> None:
+        """A session declared membership of ``group_id`` (refused by :meth:`check_open`'s rule)."""
+        self.check_open(group_id, session_id, group_size, sample_index, lsn)
+        p = self._pending.get(group_id)
+        if p is None:
+            p = self._pending[group_id] = _Pending(group_size)
+        p.opened[session_id] = (sample_index, -1 if lsn is None else lsn)
+
+    def is_member(self, group_id: str, session_id: str) -> bool:
+        """Whether ``session_id`` joined ``group_id``, which is still in flight."""
+        p = self._pending.get(group_id)
+        return p is not None and session_id in p.opened
+
+    def next_sample_index(self, group_id: str) -> int:
+        """The smallest sample_index no member of ``group_id`` holds (0 for a new group)."""
+        p = self._pending.get(group_id)
+        if p is None:
+            return 0
+        taken = {idx for idx, _ in p.opened.values()}
+        return next(i for i in range(len(taken) + 1) if i not in taken)
+
+    def withdraw(self, group_id: str, session_id: str) -> None:
+        """Undo :meth:`open` of a member whose opening never reached the log."""
+        p = self._pending.get(group_id)
+        if p is None or session_id not in p.opened:
+            return
+        del p.opened[session_id]
+        if not p.opened and not p.done and not p.dropped:
+            del self._pending[group_id]
+
+    def close(self, group_id: str, member: GroupMember | None, session_id: str, lsn: int | None) -> Group | None:
         """A member reached its terminal state (``member`` None: dropped).
         Returns the group when this completes it, else None."""
         p = self._pending[group_id]
@@ -182,7 +228,7 @@ class GroupTracker:
             lsn_released=lsn,
         )
         self.released += 1
-        self._recent[group_id] = lsn
+        self._recent[group_id] = -1 if lsn is None else lsn
         if len(self._recent) > RELEASED_WINDOW:
             self._recent.popitem(last=False)
         return group

@@ -1,14 +1,20 @@
 """`agentlog serve`: run the recording gateway over a log.
 
-Agent CLIs point at the printed URL with their API key set to a session id.
 Sessions are opened (and later finished) by the rollout through the admin
-API, authenticated with ``X-Admin-Token``::
+API, authenticated with ``X-Admin-Token``; the open answers the session's
+``api_key``, a random token, and the agent CLI points at the printed URL
+with that as its API key (the session id is no credential)::
 
-    POST /admin/sessions                {"session_id", "group_id", "group_size", "agent", "sampling", "max_turns"}
-    POST /admin/sessions/ID/finish      {"reward": 1.0}
+    POST /admin/sessions                {"session_id", "group_id", "group_size", "sample_index", "agent", "prompt",
+                                         "label", "metadata", "sampling", "max_turns"}
+                                        -> {"session_id", "state", "group_id", "sample_index", "api_key"}
+    POST /admin/sessions/ID/finish      {"reward": 1.0, "metadata": {...}}
     POST /admin/sessions/ID/abort       {"reason": "...", "error": "..."}
     POST /admin/sessions/ID/drop        {"reason": "..."}
     GET  /admin/sessions/ID
+
+Every field is checked before anything is appended (engine.gateway.admin):
+a bad one is answered 400 naming it, a duplicate id or a group conflict 409.
 """
 
 from __future__ import annotations

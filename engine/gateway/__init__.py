@@ -2,8 +2,9 @@
 
 Agent CLIs (Claude Code, Codex, anything speaking Chat Completions, the
 Responses API or Anthropic Messages) point at the gateway with their API key
-set to a session id; each request becomes one ``turn_recorded`` event through
-the engine, made durable before the response is sent.
+set to their session's key (``Gateway.session_key(id)``, or the admin API's
+``api_key``); each request becomes one ``turn_recorded`` event through the
+engine, made durable before the response is sent.
 
 Public API::
 

@@ -8,6 +8,12 @@ sandbox through ``SessionHandle.run_command`` (so the run itself is recorded
 as a ``command_ran`` event, with its exit code and output tail) while every
 model call the CLI makes arrives at the gateway as a recorded turn.
 
+The CLI's API key is the session's key from the gateway (the admin API's
+``api_key``, or :meth:`engine.gateway.Gateway.session_key`). It is a
+credential, so it never appears in the command line (which ``command_ran``
+records): it is written to a file only the user can read in the CLI's home
+folder, and the command reads it from there.
+
 The CLIs are installed from npm once per machine into a cache folder outside
 the repository (``tools/gateway_clis.sh``); :func:`find_cli` looks there,
 then on ``PATH``.
@@ -48,22 +54,34 @@ class CLIAgent:
         self.budget_s = budget_s
         self.model = model
 
-    def command(self, session_id: str, workdir: Path, prompt: str) -> str:
-        """The shell command that runs the CLI once on ``prompt`` (stdin from /dev/null)."""
+    #: The CLI's home folder, under the sandbox's workdir.
+    home_dir = ""
+
+    def command(self, key_file: Path, workdir: Path, prompt: str) -> str:
+        """The shell command that runs the CLI once on ``prompt`` (stdin from
+        /dev/null), its API key read from ``key_file``."""
         raise NotImplementedError
 
-    async def run(self, handle: Any, sandbox: Any, prompt: str) -> Any:
+    async def run(self, handle: Any, sandbox: Any, prompt: str, api_key: str) -> Any:
         """Start the session if it is open, run the CLI in ``sandbox`` under the
-        budget, and return the engine's CommandResult (recorded as command_ran).
+        budget with ``api_key`` (the session's key from the gateway), and
+        return the engine's CommandResult (recorded as command_ran, without
+        the key).
 
         Raises FileNotFoundError naming the install script when the CLI is missing.
         """
         if not self.cli:
             raise FileNotFoundError(f"harness {self.name!r}: {self.binary!r} not found in {DEFAULT_CLI_DIR} or on PATH; run tools/gateway_clis.sh")
+        if not isinstance(api_key, str) or not api_key:
+            raise ValueError(f"harness {self.name!r}: api_key: expected the session's key from the gateway, found {type(api_key).__name__}")
         workdir = Path(getattr(sandbox, "workdir", "."))
-        if str(handle.state) == "open":
-            await handle.start(harness=self.name, sandbox=getattr(sandbox, "name", ""), details={"gateway": self.gateway_url, "cli": self.cli})
-        return await handle.run_command(sandbox, self.command(handle.session_id, workdir, prompt), self.budget_s)
+        key_file = _write_key(workdir / self.home_dir, api_key)
+        try:
+            if str(handle.state) == "open":
+                await handle.start(harness=self.name, sandbox=getattr(sandbox, "name", ""), details={"gateway": self.gateway_url, "cli": self.cli})
+            return await handle.run_command(sandbox, self.command(key_file, workdir, prompt), self.budget_s)
+        finally:
+            key_file.unlink(missing_ok=True)  # read once by the shell at the CLI's start
 
 
 class ClaudeCodeAgent(CLIAgent):
@@ -71,13 +89,13 @@ class ClaudeCodeAgent(CLIAgent):
 
     name = "claude-code"
     binary = "claude"
+    home_dir = ".agentlog-home"
 
-    def command(self, session_id: str, workdir: Path, prompt: str) -> str:
-        home = workdir / ".agentlog-home"
+    def command(self, key_file: Path, workdir: Path, prompt: str) -> str:
+        home = workdir / self.home_dir
         env = {
             "HOME": str(home),
             "ANTHROPIC_BASE_URL": self.gateway_url,
-            "ANTHROPIC_API_KEY": session_id,  # arrives as x-api-key: the session id
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
             "CLAUDE_CODE_MAX_RETRIES": "0",
             "DISABLE_AUTOUPDATER": "1",
@@ -86,7 +104,7 @@ class ClaudeCodeAgent(CLIAgent):
         args = [self.cli, "-p", prompt, "--output-format", "json", "--allowedTools", "Bash"]
         if self.model:
             args += ["--model", self.model]
-        return _env_command(env, args, home)
+        return _env_command(env, {"ANTHROPIC_API_KEY": key_file}, args, home)  # arrives as x-api-key
 
 
 class CodexAgent(CLIAgent):
@@ -94,24 +112,25 @@ class CodexAgent(CLIAgent):
 
     name = "codex"
     binary = "codex"
+    home_dir = ".agentlog-codex-home"
 
     def __init__(self, gateway_url: str, **kw: Any) -> None:
         kw.setdefault("model", "gpt-4.1")  # a model family that gets the plain function-tool set
         super().__init__(gateway_url, **kw)
 
-    def command(self, session_id: str, workdir: Path, prompt: str) -> str:
-        home = workdir / ".agentlog-codex-home"
+    def command(self, key_file: Path, workdir: Path, prompt: str) -> str:
+        home = workdir / self.home_dir
         provider = (
             f'model_providers.gw={{name="gw", base_url="{self.gateway_url}/v1", env_key="OPENAI_API_KEY",'
             ' wire_api="responses", request_max_retries=0, stream_max_retries=0}'
         )
-        env = {"CODEX_HOME": str(home), "HOME": str(home), "OPENAI_API_KEY": session_id, **_no_proxy(self.gateway_url)}
+        env = {"CODEX_HOME": str(home), "HOME": str(home), **_no_proxy(self.gateway_url)}
         args = [
             self.cli, "exec", "--skip-git-repo-check", "-m", self.model,
             "-c", "model_provider=gw", "-c", provider, "-c", "analytics.enabled=false",
             "--disable", "plugins", "--dangerously-bypass-approvals-and-sandbox", prompt,
         ]
-        return _env_command(env, args, home)
+        return _env_command(env, {"OPENAI_API_KEY": key_file}, args, home)  # arrives as Authorization: Bearer
 
 
 def _no_proxy(gateway_url: str) -> dict[str, str]:
@@ -125,8 +144,22 @@ def _no_proxy(gateway_url: str) -> dict[str, str]:
     return {"NO_PROXY": value, "no_proxy": value}
 
 
-def _env_command(env: dict[str, str], args: list[str], home: Path) -> str:
+def _write_key(home: Path, api_key: str) -> Path:
+    """Write the session's key to ``home/.agentlog-api-key``, readable by the
+    user only (created with mode 0600, never group- or world-readable)."""
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / ".agentlog-api-key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(api_key)
+    return path
+
+
+def _env_command(env: dict[str, str], secrets: dict[str, Path], args: list[str], home: Path) -> str:
+    """``env`` assignments, then each of ``secrets`` read from its file by the
+    shell, so the command text (recorded) holds only the file's path."""
     assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    assigns += "".join(f' {k}="$(cat {shlex.quote(str(path))})"' for k, path in secrets.items())
     return f"mkdir -p {shlex.quote(str(home))} && env {assigns} {' '.join(shlex.quote(a) for a in args)} < /dev/null"
 
 

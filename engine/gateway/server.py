@@ -1,7 +1,10 @@
 """The recording gateway: an OpenAI- and Anthropic-compatible HTTP endpoint.
 
 A sandboxed agent CLI is pointed at the gateway with its API key set to its
-session id. Each request is one turn: the gateway finds the live session
+session's key: a random token the gateway issues when the session is opened
+(the admin API's answer, or :meth:`Gateway.session_key`). Session ids are
+predictable and stay what logs name; only the key admits a request, and no
+key is ever logged or recorded. Each request is one turn: the gateway finds the live session
 (never creating one), renders the prompt through the chat template, calls
 the backend, parses tool calls out of the text, records the turn through the
 engine, and only then answers (JSON, or SSE for streaming clients). The turn
@@ -9,7 +12,7 @@ is durable before the agent sees a byte of the response, so the log never
 misses a turn the agent acted on; if the answer cannot be delivered, a
 ``turn_undelivered`` event keeps that turn out of training.
 
-Status codes: 401 no API key; 404 a session the engine does not know; 409 a
+Status codes: 401 no API key, or a key that is no session's; 409 a
 session that is not running (ended, or not started); 429 the session's turn
 cap; 400 malformed JSON or a request we cannot read (the message names the
 field), or a prompt that leaves no room in the model's context
@@ -23,8 +26,11 @@ are in flight). None of them records anything.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import secrets
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 import msgspec
@@ -35,6 +41,10 @@ from engine.core import DuplicateSession
 from events.lifecycle import TERMINAL_STATES, IllegalTransition, State
 from events.log_api import LogClosed
 from events.log_format import DEFAULT_MAX_RECORD_BYTES
+from events.types import EventValidationError
+from reducers.groups import GroupError
+
+from .admin import AdminFieldError, check_sampling, parse_end, parse_open
 
 from .api import APIS, ResponsesAPI, TurnRequest, TurnResult, error_body, now_s
 from .backends import Backend, BackendError, SamplingParams
@@ -46,8 +56,9 @@ _log = structlog.get_logger("agentlog.gateway")
 #: How often (in requests) the per-session table is swept for ended sessions.
 _SWEEP_EVERY = 1024
 
-#: Keys a session's sampling defaults may set (configure_session, admin open).
-_SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "seed", "max_new_tokens"})
+#: How many keys of ended sessions are remembered, so their agent's late
+#: request is told the session ended (409) rather than that its key is unknown.
+_RETIRED_KEYS = 4096
 
 _TOOL_ID_PREFIX = {"chat": "call_", "responses": "call_", "messages": "toolu_"}
 _RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
@@ -88,12 +99,14 @@ class GatewayConfig(msgspec.Struct, frozen=True):
 
 
 class _SessionCfg:
-    __slots__ = ("sampling", "max_turns", "inflight")
+    __slots__ = ("sampling", "max_turns", "inflight", "api_key")
 
     def __init__(self) -> None:
         self.sampling: dict[str, Any] = {}
         self.max_turns: int | None = None
         self.inflight = 0
+        #: The session's API key (issued by session_key), or None.
+        self.api_key: str | None = None
 
 
 class _Refused(Exception):
@@ -164,6 +177,10 @@ class Gateway:
         self.max_body_bytes = self.config.max_body_bytes or body_cap_for(record_cap, backend.context_length, self.config.max_tokens_cap)
         self._large_bodies = 0  # bytes of large bodies in flight (see _body_budget)
         self._sessions: dict[str, _SessionCfg] = {}
+        #: API key -> session id, for the sessions holding a _SessionCfg.
+        self._keys: dict[str, str] = {}
+        #: Keys of sessions forgotten lately -> their session id (bounded).
+        self._retired: OrderedDict[str, str] = OrderedDict()
         self._requests = 0
         self._turns_inflight = 0
         self._turns_idle = asyncio.Event()  # set while no turn is in flight (drain)
@@ -267,38 +284,74 @@ class Gateway:
 
     def configure_session(self, session_id: str, *, sampling: dict[str, Any] | None = None, max_turns: int | None = None) -> None:
         """Per-session sampling defaults and turn cap (forgotten when the session ends)."""
+        if sampling:
+            try:
+                check_sampling(sampling, "sampling")
+            except AdminFieldError as exc:
+                raise ValueError(f"session {session_id!r}: {exc}") from None
+        if max_turns is not None and (type(max_turns) is not int or max_turns < 1):
+            raise ValueError(f"session {session_id!r}: max_turns: expected an int >= 1, found {max_turns!r}")
         cfg = self._sessions.setdefault(session_id, _SessionCfg())
         if sampling:
-            unknown = set(sampling) - _SAMPLING_KEYS
-            if unknown:
-                raise ValueError(f"session {session_id!r}: unknown sampling keys {sorted(unknown)}")
             cfg.sampling.update(sampling)
         if max_turns is not None:
             cfg.max_turns = max_turns
 
+    def session_key(self, session_id: str) -> str:
+        """The API key of live session ``session_id``, issued on first call: a
+        random token (``secrets.token_urlsafe``) that the session's agent sends
+        as its API key. The id is no credential: ids are predictable. Raises
+        KeyError for a session the engine does not hold live. Kept until the
+        session's entry is forgotten; never logged or recorded."""
+        if self.engine.get(session_id) is None:
+            raise KeyError(f"session {session_id!r} is not live (state {self.engine.status(session_id)}); only a live session gets an API key")
+        if len(self._sessions) > 2 * self.engine.live_count + _SWEEP_EVERY:
+            self._sweep()  # sessions ended outside the gateway: amortised O(1) per key
+        cfg = self._sessions.setdefault(session_id, _SessionCfg())
+        if cfg.api_key is None:
+            cfg.api_key = secrets.token_urlsafe(32)
+            self._keys[cfg.api_key] = session_id
+        return cfg.api_key
+
     @property
     def tracked_sessions(self) -> int:
-        """Per-session entries the gateway holds (0 once all sessions ended)."""
+        """Per-session entries the gateway holds (0 once all sessions ended;
+        entries of ended sessions are swept first)."""
+        self._sweep()
         return len(self._sessions)
 
+    def _sweep(self) -> None:
+        """Drop the entries (configuration, key) of sessions that ended."""
+        for sid in [k for k, c in self._sessions.items() if c.inflight == 0 and self.engine.get(k) is None]:
+            self._drop_cfg(sid)
+
     def forget(self, session_id: str) -> None:
-        """Drop the per-session configuration (harnesses call it when their session ends)."""
+        """Drop the per-session configuration and key (harnesses call it when their session ends)."""
         cfg = self._sessions.get(session_id)
         if cfg is not None and cfg.inflight == 0:
-            del self._sessions[session_id]
+            self._drop_cfg(session_id)
 
-    def _forget_if_ended(self, sid: str) -> None:
+    def _drop_cfg(self, sid: str) -> None:
+        cfg = self._sessions.pop(sid)
+        if cfg.api_key is not None:
+            del self._keys[cfg.api_key]
+            self._retired[cfg.api_key] = sid
+            if len(self._retired) > _RETIRED_KEYS:
+                self._retired.popitem(last=False)
+
+    def _forget_if_ended(self, sid: str | None) -> None:
         # Entries exist only while a request is in flight or a session was
         # configured; configured ones go when their session is seen to have
         # ended, and a sweep every _SWEEP_EVERY requests catches the rest, so
         # the gateway's per-session state stays bounded by the live sessions.
-        cfg = self._sessions.get(sid)
-        if cfg is not None and cfg.inflight == 0 and (self.engine.get(sid) is None or (not cfg.sampling and cfg.max_turns is None)):
-            del self._sessions[sid]
+        cfg = None if sid is None else self._sessions.get(sid)
+        if cfg is not None and cfg.inflight == 0 and (
+            self.engine.get(sid) is None or (not cfg.sampling and cfg.max_turns is None and cfg.api_key is None)
+        ):
+            self._drop_cfg(sid)
         self._requests += 1
         if self._requests % _SWEEP_EVERY == 0:
-            for other in [k for k, c in self._sessions.items() if c.inflight == 0 and self.engine.get(k) is None]:
-                del self._sessions[other]
+            self._sweep()
 
     # ------------------------------------------------------------ helpers
 
@@ -334,17 +387,23 @@ class Gateway:
             kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
             return self._error(style, exc.status, kind, f"{request.method} {request.path}: {exc.reason}")
 
-    def _session(self, key: str) -> Any:
+    def _session_id(self, key: str) -> str | None:
+        """The session whose API key is ``key`` (live or lately ended), else None."""
+        return self._keys.get(key) or self._retired.get(key)
+
+    def _session(self, key: str, sid: str | None) -> Any:
+        """The running session of API key ``key`` (``sid``: its id, from
+        _session_id). Messages name the session id, never the key."""
         if not key:
-            raise _Refused(401, "authentication_error", "no API key: set it to the session id (Authorization: Bearer <id> or x-api-key)")
-        h = self.engine.get(key)
+            raise _Refused(401, "authentication_error", "no API key: set it to the session's key issued at open (Authorization: Bearer <key> or x-api-key)")
+        if sid is None:
+            raise _Refused(401, "authentication_error", "API key is no session's key: use the key issued when the session was opened (a session id is not a key)")
+        h = self.engine.get(sid)
         if h is None:
-            state = self.engine.status(key)
-            if state in TERMINAL_STATES:
-                raise _Refused(409, "invalid_request_error", f"session {key!r} is {state}; it takes no more turns")
-            raise _Refused(404, "not_found_error", f"session {key!r} is unknown: it was never opened (or ended long ago); sessions are opened by the rollout, never by a request")
+            state = self.engine.status(sid)
+            raise _Refused(409, "invalid_request_error", f"session {sid!r} has ended ({state or 'long ago'}); it takes no more turns")
         if h.state is not State.RUNNING:
-            raise _Refused(409, "invalid_request_error", f"session {key!r} is {h.state}, expected running (the rollout starts it before the agent runs)")
+            raise _Refused(409, "invalid_request_error", f"session {sid!r} is {h.state}, expected running (the rollout starts it before the agent runs)")
         return h
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
@@ -381,15 +440,10 @@ class Gateway:
         if cfg is not None:
             base.update(cfg.sampling)
         base.update((k, v) for k, v in req.overrides.items() if k != "stop")
-        checks = (
-            # temperature 0 (greedy) has no per-token distribution to record log-probs from.
-            ("temperature", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"), "a number > 0"),
-            ("top_p", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1, "a number in (0, 1]"),
-            ("top_k", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1, "an integer >= -1 (-1 or 0: off)"),
-        )
-        for name, ok, expected in checks:
-            if not ok(base[name]):
-                raise _Refused(400, "invalid_request_error", f"sampling parameter {name}: expected {expected}, found {base[name]!r}")
+        try:
+            check_sampling(base, "sampling")
+        except AdminFieldError as exc:
+            raise _Refused(400, "invalid_request_error", str(exc)) from None
         return base
 
     def _params(self, base: dict[str, Any], req: TurnRequest, room: int | None) -> SamplingParams:
@@ -434,7 +488,8 @@ class Gateway:
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
         try:
-            self._session(self._api_key(request))
+            key = self._api_key(request)
+            self._session(key, self._session_id(key))
             req = APIS["messages"].parse(await self._body(request))
         except _Refused as exc:
             return self._error("anthropic", exc.status, exc.kind, str(exc))
@@ -447,13 +502,14 @@ class Gateway:
     async def _turn(self, request: web.Request, api_name: str) -> web.StreamResponse:
         api = APIS[api_name]
         key = self._api_key(request)
-        log = _log.bind(session_id=key, api=api_name)
+        sid = self._session_id(key)
+        log = _log.bind(session_id=sid, api=api_name)  # the id, never the key
         reserved = 0
         self._turn_began()
         try:
             try:
                 self._refuse_if_unable()
-                h = self._session(key)
+                h = self._session(key, sid)
                 reserved = self._reserve_body(request)
                 body = await self._body(request)
                 try:
@@ -461,15 +517,15 @@ class Gateway:
                 except RequestError as exc:
                     raise _Refused(400, "invalid_request_error", f"{api_name} request: {exc}") from None
                 _check_recordable(api_name, req)
-                cfg = self._sessions.setdefault(key, _SessionCfg())
-                merged = self._sampling(key, req)  # refuse unusable sampling values before anything runs
+                cfg = self._sessions.setdefault(h.session_id, _SessionCfg())
+                merged = self._sampling(h.session_id, req)  # refuse unusable sampling values before anything runs
                 cap = cfg.max_turns if cfg.max_turns is not None else self.config.max_turns
                 if h.turns + cfg.inflight >= cap:
-                    raise _Refused(429, "rate_limit_error", f"session {key!r} reached its turn cap of {cap} turns")
+                    raise _Refused(429, "rate_limit_error", f"session {h.session_id!r} reached its turn cap of {cap} turns")
             except _Refused as exc:
                 self.stats["refused"] += 1
                 log.info("gateway.request_refused", status=exc.status, reason=str(exc))
-                self._forget_if_ended(key)
+                self._forget_if_ended(sid)
                 return self._error(api.error_style, exc.status, exc.kind, str(exc), exc.code)
             cfg.inflight += 1
             try:
@@ -486,7 +542,7 @@ class Gateway:
                 return self._error(api.error_style, 500, "api_error", f"turn failed: {type(exc).__name__}: {exc}")
             finally:
                 cfg.inflight -= 1
-                self._forget_if_ended(key)
+                self._forget_if_ended(sid)
         finally:
             self._large_bodies -= reserved
             self._turn_ended()
@@ -664,68 +720,92 @@ class Gateway:
     def _admin_ok(self, request: web.Request) -> bool:
         if not self.admin_token:
             return False
-        return request.headers.get("X-Admin-Token", "") == self.admin_token
+        given = request.headers.get("X-Admin-Token", "")
+        # Constant time: how long the compare takes says nothing about the token.
+        return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), self.admin_token.encode("utf-8", "surrogateescape"))
+
+    def _admin_refused(self, status: int, kind: str, what: str, exc: BaseException) -> web.Response:
+        """An admin request refused before anything was appended (or by the engine, which appends nothing then)."""
+        _log.info("gateway.admin_refused", status=status, what=what, reason=str(exc))
+        return self._error("openai", status, kind, f"{what}: {exc}")
+
+    def _admin_failed(self, what: str, exc: BaseException) -> web.Response:
+        """An admin request that failed for a reason not its own (the log, a bug)."""
+        _log.exception("gateway.admin_failed", what=what, error=f"{type(exc).__name__}: {exc}")
+        return self._error("openai", 500, "api_error", f"{what} failed: {type(exc).__name__}: {exc}")
 
     async def _admin_open(self, request: web.Request) -> web.Response:
-        """Open and start a session: {"session_id", "group_id", "group_size", "agent", "sampling", "max_turns", ...}."""
+        """Open and start a session (fields: engine.gateway.admin.OpenRequest);
+        answers its id, state, sample_index and ``api_key``: the key its agent
+        must send (the session id is not one)."""
         if not self._admin_ok(request):
             return self._error("openai", 403, "permission_error", "admin API: missing or wrong X-Admin-Token")
         try:
             body = await self._body(request)
         except _Refused as exc:
             return self._error("openai", exc.status, exc.kind, str(exc))
-        sid = body.get("session_id")
-        sampling, max_turns = body.get("sampling"), body.get("max_turns")
-        # Checked before the open: a refused request must leave nothing in the log.
-        problem = None
-        if sampling is not None and not isinstance(sampling, dict):
-            problem = f"sampling: expected an object, found {type(sampling).__name__}"
-        elif sampling and set(sampling) - _SAMPLING_KEYS:
-            problem = f"sampling: unknown keys {sorted(set(sampling) - _SAMPLING_KEYS)}, expected some of {sorted(_SAMPLING_KEYS)}"
-        elif max_turns is not None and (type(max_turns) is not int or max_turns < 1):
-            problem = f"max_turns: expected an int >= 1, found {max_turns!r}"
-        if problem is not None:
-            return self._error("openai", 400, "invalid_request_error", f"admin open of session {sid!r}: {problem}")
+        named = body.get("session_id")
+        what = f"admin open of session {named!r}" if isinstance(named, str) else "admin open"
+        # Every field is checked before the open: a refused request leaves nothing in the log.
+        try:
+            req = parse_open(body)
+        except AdminFieldError as exc:
+            return self._admin_refused(400, "invalid_request_error", what, exc)
         try:
             h = await self.engine.open_session(
-                sid,
-                group_id=body.get("group_id", sid),
-                group_size=int(body.get("group_size", 1)),
-                sample_index=int(body.get("sample_index", 0)),
-                prompt=body.get("prompt") or [],
-                label=body.get("label"),
-                agent=str(body.get("agent", "")),
+                req.session_id,
+                group_id=req.group_id,
+                group_size=req.group_size,
+                sample_index=req.sample_index,
+                prompt=req.prompt,
+                label=req.label,
+                agent=req.agent,
                 policy_version=self.backend.policy_version,
-                metadata=body.get("metadata") or {},
+                metadata=req.metadata,
             )
-            await h.start(harness=str(body.get("agent", "")), sandbox="external", details={"gateway": self.url})
-            self.configure_session(sid, sampling=sampling, max_turns=max_turns)
-        except Exception as exc:  # reported to the caller with its type; nothing half-done is hidden
-            return self._error("openai", 409 if isinstance(exc, DuplicateSession) else 400, "invalid_request_error", f"{type(exc).__name__}: {exc}")
-        return web.json_response({"session_id": sid, "state": str(h.state)})
+        except (DuplicateSession, GroupError) as exc:
+            return self._admin_refused(409, "invalid_request_error", what, exc)
+        except (EventValidationError, ValueError, OverflowError) as exc:  # what the schema or the log refused: nothing was appended
+            return self._admin_refused(400, "invalid_request_error", what, exc)
+        except Exception as exc:  # the log failed: logged in full and answered as JSON, never hidden
+            return self._admin_failed(what, exc)
+        try:
+            await h.start(harness=req.agent, sandbox="external", details={"gateway": self.url})
+            self.configure_session(req.session_id, sampling=req.sampling, max_turns=req.max_turns)
+            key = self.session_key(req.session_id)
+        except Exception as exc:  # opened but not started: end it, so no session is left half-done
+            await h.abort("admin_open_failed", error=f"{type(exc).__name__}: {exc}")
+            self._forget_if_ended(req.session_id)
+            return self._admin_failed(f"{what} (opened, then aborted: it could not start)", exc)
+        opened = {"session_id": req.session_id, "state": str(h.state), "group_id": req.group_id, "sample_index": h.sample_index}
+        return web.json_response(opened | {"api_key": key})
 
     async def _admin_end(self, request: web.Request) -> web.Response:
-        """finish {"reward"} / abort {"reason","error"} / drop {"reason"} a session."""
+        """finish {"reward", "metadata"} / abort {"reason", "error"} / drop {"reason"} a session."""
         if not self._admin_ok(request):
             return self._error("openai", 403, "permission_error", "admin API: missing or wrong X-Admin-Token")
         sid, action = request.match_info["sid"], request.match_info["action"]
+        if action not in ("finish", "abort", "drop"):
+            return self._error("openai", 404, "not_found_error", f"unknown action {action!r}; expected finish, abort or drop")
+        what = f"admin {action} of session {sid!r}"
         h = self.engine.get(sid)
         if h is None:
-            return self._error("openai", 404, "not_found_error", f"session {sid!r} is not live (state {self.engine.status(sid)})")
+            return self._error("openai", 404, "not_found_error", f"{what}: session is not live (state {self.engine.status(sid)})")
         try:
             body = await self._body(request) if request.can_read_body else {}
-            if action == "finish":
-                await h.finish(reward=body.get("reward"), metadata=body.get("metadata") or {})
-            elif action == "abort":
-                await h.abort(str(body.get("reason") or "admin"), error=str(body.get("error", "")))
-            elif action == "drop":
-                await h.drop(str(body.get("reason") or "admin"))
-            else:
-                return self._error("openai", 404, "not_found_error", f"unknown action {action!r}; expected finish, abort or drop")
+            kwargs = parse_end(action, body)
         except _Refused as exc:
             return self._error("openai", exc.status, exc.kind, str(exc))
-        except Exception as exc:  # illegal transitions, bad rewards: reported, not hidden
-            return self._error("openai", 409, "invalid_request_error", f"{type(exc).__name__}: {exc}")
+        except AdminFieldError as exc:
+            return self._admin_refused(400, "invalid_request_error", what, exc)
+        try:
+            await getattr(h, action)(**kwargs)
+        except (EventValidationError, ValueError, OverflowError) as exc:
+            return self._admin_refused(400, "invalid_request_error", what, exc)
+        except IllegalTransition as exc:  # it ended meanwhile: reported, not hidden
+            return self._admin_refused(409, "invalid_request_error", what, exc)
+        except Exception as exc:
+            return self._admin_failed(what, exc)
         self._forget_if_ended(sid)
         return web.json_response({"session_id": sid, "state": str(h.state)})
 

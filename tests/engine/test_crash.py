@@ -122,9 +122,9 @@ def test_duplicate_id_confirmed_by_scanning_a_file_log(arun, tmp_path):
         try:
             eng = await SessionEngine.open(log, status_cache=1)
             for i in range(3):
-                await (await eng.open_session(f"s{i}", group_id="g", group_size=1)).drop("x")
+                await (await eng.open_session(f"s{i}", group_id=f"g{i}", group_size=1)).drop("x")
             with pytest.raises(DuplicateSession, match="lsn 0"):
-                await eng.open_session("s0", group_id="g", group_size=1)
+                await eng.open_session("s0", group_id="g0", group_size=1)
             assert eng.stats["id_scans"] == 1
         finally:
             log.close()

@@ -33,6 +33,12 @@ from engine_helpers import YieldingLog, check_log_invariants
 KW = dict(group_id="g", group_size=2)
 
 
+def kw(sid):
+    """A group of its own for ``sid``: tests that open many sessions must not
+    overfill one group (the engine refuses that like the reducers do)."""
+    return dict(group_id=f"g-{sid}", group_size=1)
+
+
 def bodies(log, sid):
     return [e.body for e in log.read(0) if e.session_id == sid]
 
@@ -106,25 +112,25 @@ def test_duplicate_session_id_is_refused_live_ended_and_long_ended(arun):
     async def go():
         log = MemoryLog()
         eng = await SessionEngine.open(log, status_cache=2)
-        h = await eng.open_session("live", **KW)
+        h = await eng.open_session("live", **kw("live"))
         with pytest.raises(DuplicateSession, match="live"):
-            await eng.open_session("live", **KW)
+            await eng.open_session("live", **kw("live"))
         await h.drop("x")
         with pytest.raises(DuplicateSession, match="already ended"):
-            await eng.open_session("live", **KW)
+            await eng.open_session("live", **kw("live"))
         # Push "live" out of the status cache: only the filter + log scan can know now.
         for i in range(3):
-            await (await eng.open_session(f"other{i}", **KW)).drop("x")
+            await (await eng.open_session(f"other{i}", **kw(f"other{i}"))).drop("x")
         assert eng.status("live") is None
         with pytest.raises(DuplicateSession, match="lsn 0"):
-            await eng.open_session("live", **KW)
+            await eng.open_session("live", **kw("live"))
         assert eng.stats["id_scans"] == 1
         # A new engine on the same log knows every id from its fold.
         eng2 = await SessionEngine.open(log, status_cache=0)
         with pytest.raises(DuplicateSession):
-            await eng2.open_session("other1", **KW)
+            await eng2.open_session("other1", **kw("other1"))
         n = log.next_lsn
-        await eng2.open_session("fresh", **KW)
+        await eng2.open_session("fresh", **kw("fresh"))
         assert log.next_lsn == n + 1
     arun(go())
 
@@ -133,7 +139,7 @@ def test_fresh_ids_never_need_a_log_scan(arun):
     async def go():
         eng = await SessionEngine.open(MemoryLog())
         for i in range(3000):
-            await (await eng.open_session(f"s{i}", **KW)).drop("x")
+            await (await eng.open_session(f"s{i}", **kw(f"s{i}"))).drop("x")
         assert eng.stats["id_scans"] == 0
     arun(go())
 
@@ -327,11 +333,11 @@ def test_restart_aborts_orphans_with_engine_restart(arun):
     async def go():
         log = MemoryLog()
         eng = await SessionEngine.open(log)
-        a = await eng.open_session("open-one", **KW)
-        b = await eng.open_session("running-one", **KW)
+        a = await eng.open_session("open-one", **kw("open-one"))
+        b = await eng.open_session("running-one", **kw("running-one"))
         await b.start()
         await b.record_turn(output_ids=[1])
-        c = await eng.open_session("done", **KW)
+        c = await eng.open_session("done", **kw("done"))
         await c.start()
         await c.finish(reward=1.0)
         del a  # the process "dies" here: no terminal events for a and b
@@ -355,7 +361,7 @@ def test_close_drops_live_sessions_with_shutdown_and_refuses_new_ones(arun):
         log = MemoryLog()
         eng = await SessionEngine.open(log)
         for i in range(5):
-            h = await eng.open_session(f"s{i}", **KW)
+            h = await eng.open_session(f"s{i}", **kw(f"s{i}"))
             if i % 2:
                 await h.start()
         await eng.close()
@@ -363,7 +369,7 @@ def test_close_drops_live_sessions_with_shutdown_and_refuses_new_ones(arun):
         assert all(isinstance(v[-1].body, SessionDropped) and v[-1].body.reason == "shutdown" for v in per.values())
         assert eng.live_count == 0
         with pytest.raises(EngineClosed):
-            await eng.open_session("late", **KW)
+            await eng.open_session("late", **kw("late"))
     arun(go())
 
 
@@ -455,7 +461,7 @@ def test_engine_holds_no_per_session_state_after_sessions_end(arun):
         loop = asyncio.get_running_loop()
 
         async def one(i):
-            async with eng.session(f"s{i}", **KW) as h:
+            async with eng.session(f"s{i}", **kw(f"s{i}")) as h:
                 await h.start()
                 h.spawn(asyncio.sleep(0))
                 await h.record_turn(output_ids=[i])
@@ -466,6 +472,7 @@ def test_engine_holds_no_per_session_state_after_sessions_end(arun):
 
         await asyncio.gather(*(one(i) for i in range(200)))
         assert eng.live_count == 0 and eng._live == {}
+        assert len(eng._groups) == 0  # every group released: no membership held
         assert len(eng._recent) == 8
         assert not [t for t in loop._scheduled if not t.cancelled()]  # no budget timers left
         assert eng._bg == set()

@@ -58,7 +58,7 @@ class EngineMachine(RuleBasedStateMachine):
     def open_session(self):
         sid = f"s{self.n}"
         self.n += 1
-        self.handles[sid] = self.run(self.engine.open_session(sid, group_id="g", group_size=4))
+        self.handles[sid] = self.run(self.engine.open_session(sid, group_id=f"g-{sid}", group_size=1))
         self.model[sid] = State.OPEN
         return sid
 
@@ -66,7 +66,7 @@ class EngineMachine(RuleBasedStateMachine):
     def reopening_an_id_is_refused(self, sid):
         before = self.log.next_lsn
         try:
-            self.run(self.engine.open_session(sid, group_id="g", group_size=4))
+            self.run(self.engine.open_session(sid, group_id=f"g-{sid}", group_size=1))
         except DuplicateSession as exc:
             assert exc.session_id == sid
         else:

@@ -19,22 +19,34 @@ TEMPLATE = ByteChatTemplate()
 CLIENTS: list[Any] = []
 
 
-def oa_client(url: str, sid: str) -> Any:
-    """The official async OpenAI client, API key = session id, no retries."""
+def key_for(gw: Gateway, sid: str) -> str:
+    """The API key an agent of session ``sid`` is given: the gateway's random
+    key for a live session; for any other ``sid``, ``sid`` itself, i.e. a
+    guessed key (the gateway must refuse it)."""
+    return gw.session_key(sid) if gw.engine.get(sid) is not None else sid
+
+
+def oa_client(gw: Gateway, sid: str) -> Any:
+    """The official async OpenAI client with session ``sid``'s key (key_for), no retries."""
     import openai
 
-    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key=sid, max_retries=0, timeout=30)
+    c = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key_for(gw, sid), max_retries=0, timeout=30)
     CLIENTS.append(c)
     return c
 
 
-def an_client(url: str, sid: str) -> Any:
-    """The official async Anthropic client, API key = session id, no retries."""
+def an_client(gw: Gateway, sid: str) -> Any:
+    """The official async Anthropic client with session ``sid``'s key (key_for), no retries."""
     import anthropic
 
-    c = anthropic.AsyncAnthropic(base_url=url, api_key=sid, max_retries=0, timeout=30)
+    c = anthropic.AsyncAnthropic(base_url=gw.url, api_key=key_for(gw, sid), max_retries=0, timeout=30)
     CLIENTS.append(c)
     return c
+
+
+def bearer(gw: Gateway, sid: str) -> dict[str, str]:
+    """The Authorization header of session ``sid``'s agent (key_for)."""
+    return {"Authorization": f"Bearer {key_for(gw, sid)}"}
 
 
 def run(coro: Any, timeout: float = 60.0) -> Any:
@@ -129,8 +141,10 @@ async def rig(backend: Backend | None = None, *, log: MemoryLog | None = None, c
         await backend.close()
 
 
-async def open_running(engine: Any, sid: str, group: str = "g", size: int = 1, index: int = 0) -> Any:
-    """Open and start a session the way a rollout does before launching its agent."""
+async def open_running(engine: Any, sid: str, group: str | None = None, size: int = 1, index: int | None = None) -> Any:
+    """Open and start a session the way a rollout does before launching its agent
+    (in a group of its own unless ``group`` is given)."""
+    group = sid if group is None else group
     h = await engine.open_session(sid, group_id=group, group_size=size, sample_index=index)
     await h.start(harness="test")
     return h

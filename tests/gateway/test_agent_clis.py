@@ -98,7 +98,8 @@ def test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded(agent,
             h = await open_running(engine, sid)
             runner = harness.get(agent)(gw.url, cli=str(cli), budget_s=120)
             sandbox = LocalSandbox(tmp_path / "work")
-            res = await runner.run(h, sandbox, "Use the shell to run the command you need, then report its output.")
+            key = gw.session_key(sid)
+            res = await runner.run(h, sandbox, "Use the shell to run the command you need, then report its output.", api_key=key)
             assert res.exit_code == 0, res.output_tail[-2000:]
             assert (tmp_path / "work" / "out.txt").read_text().strip() == "gateway-roundtrip"
             assert "gateway-roundtrip" in res.output_tail
@@ -115,6 +116,7 @@ def test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded(agent,
             assert last.response_message == {"role": "assistant", "content": "The command printed gateway-roundtrip."}
             (ran,) = [e.body for e in log.read() if isinstance(e.body, CommandRan)]
             assert ran.exit_code == 0 and binary in ran.command
+            assert key not in ran.command and key not in ran.output_tail  # the key is never recorded
             await h.finish(reward=1.0)
             traj = session_trajectory(log.read(), sid)
             assert traj.decisions[-1].drift == "clean" and traj.decisions[-1].routing in ("mounted", "matched")
@@ -126,12 +128,38 @@ def test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded(agent,
 
 def test_cli_harnesses_are_registered():
     assert {"claude-code", "codex"} <= set(harness.names())
-    cmd = harness.get("codex")("http://127.0.0.1:1234", cli="/bin/codex").command("sid-1", Path("/w"), "do it")
-    assert 'base_url="http://127.0.0.1:1234/v1"' in cmd and "OPENAI_API_KEY=sid-1" in cmd and "< /dev/null" in cmd
-    cmd = harness.get("claude-code")("http://127.0.0.1:1234", cli="/bin/claude").command("sid-2", Path("/w"), "do it")
-    assert "ANTHROPIC_API_KEY=sid-2" in cmd and "ANTHROPIC_BASE_URL=http://127.0.0.1:1234" in cmd and "CLAUDE_CODE_MAX_RETRIES=0" in cmd
+    cmd = harness.get("codex")("http://127.0.0.1:1234", cli="/bin/codex").command(Path("/w/k"), Path("/w"), "do it")
+    assert 'base_url="http://127.0.0.1:1234/v1"' in cmd and 'OPENAI_API_KEY="$(cat /w/k)"' in cmd and "< /dev/null" in cmd
+    cmd = harness.get("claude-code")("http://127.0.0.1:1234", cli="/bin/claude").command(Path("/w/k"), Path("/w"), "do it")
+    assert 'ANTHROPIC_API_KEY="$(cat /w/k)"' in cmd and "ANTHROPIC_BASE_URL=http://127.0.0.1:1234" in cmd and "CLAUDE_CODE_MAX_RETRIES=0" in cmd
     # A sandbox behind HTTP(S)_PROXY still reaches the gateway directly.
     for name in ("codex", "claude-code"):
-        cmd = harness.get(name)("http://gw.internal:1234", cli="/bin/x").command("sid-3", Path("/w"), "do it")
+        cmd = harness.get(name)("http://gw.internal:1234", cli="/bin/x").command(Path("/w/k"), Path("/w"), "do it")
         assert re.search(r"\bNO_PROXY=\S*gw\.internal", cmd) and re.search(r"\bno_proxy=\S*gw\.internal", cmd), cmd
     assert os.path.basename(agents.DEFAULT_CLI_DIR) == "agentlog-clis" or "AGENTLOG_CLI_DIR" in os.environ
+
+
+@pytest.mark.parametrize("agent, variable", [("claude-code", "ANTHROPIC_API_KEY"), ("codex", "OPENAI_API_KEY")])
+def test_cli_harness_hands_the_session_key_to_the_cli_and_never_records_it(agent, variable, tmp_path):
+    """Runs without node: a stand-in CLI reports the key it was given. The
+    recorded command_ran holds neither the key nor the session id as a key,
+    and the key file is gone afterwards."""
+    fake = tmp_path / "fake-cli"
+    fake.write_text(f'#!/bin/sh\nprintf %s "${variable}" > "$HOME/seen-key"\n')
+    fake.chmod(0o755)
+
+    async def body():
+        async with rig(ScriptedBackend(_reply)) as (gw, engine, log):
+            h = await open_running(engine, "s")
+            key = gw.session_key("s")
+            runner = harness.get(agent)(gw.url, cli=str(fake), budget_s=30)
+            res = await runner.run(h, LocalSandbox(tmp_path / "work"), "hi", api_key=key)
+            assert res.exit_code == 0, res.output_tail
+            home = tmp_path / "work" / runner.home_dir
+            assert (home / "seen-key").read_text() == key
+            assert not (home / ".agentlog-api-key").exists()
+            (ran,) = [e.body for e in log.read() if isinstance(e.body, CommandRan)]
+            assert key not in ran.command and f"{variable}=s " not in ran.command
+            await h.finish(reward=0.0)
+
+    run(body())

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from engine.gateway import OpenAICompletionsBackend, SGLangBackend
-from gateway_helpers import TEMPLATE, oa_client, open_running, rig, run, turns_of
+from gateway_helpers import TEMPLATE, bearer, oa_client, open_running, rig, run, turns_of
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -80,7 +80,7 @@ def test_sglang_request_body_and_headers_on_the_wire_and_the_recorded_turn():
             async with rig(SGLangBackend(srv.url, api_key="secret-k")) as (gw, engine, log):
                 await open_running(engine, "s")
                 gw.configure_session("s", sampling={"temperature": 0.7, "top_k": 20})  # the session's defaults
-                r = await oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT, temperature=0.3, max_tokens=40, top_p=0.9, stop=["END"])
+                r = await oa_client(gw, "s").chat.completions.create(model="m", messages=CHAT, temperature=0.3, max_tokens=40, top_p=0.9, stop=["END"])
                 assert r.choices[0].message.content == "Hi!"
                 ((path, headers, sent),) = srv.requests
                 (turn,) = turns_of(log, "s")
@@ -107,7 +107,7 @@ def test_sglang_client_cancel_posts_abort_request_for_the_same_rid_and_records_n
             async with rig(SGLangBackend(srv.url)) as (gw, engine, log):
                 await open_running(engine, "s")
                 session = aiohttp.ClientSession()
-                req = asyncio.ensure_future(session.post(gw.url + "/v1/chat/completions", json={"messages": CHAT}, headers={"Authorization": "Bearer s"}))
+                req = asyncio.ensure_future(session.post(gw.url + "/v1/chat/completions", json={"messages": CHAT}, headers=bearer(gw, "s")))
                 for _ in range(500):
                     if srv.requests:
                         break
@@ -134,7 +134,7 @@ def test_sglang_errors_surface_as_502_naming_the_upstream_and_record_nothing(fai
             async with rig(SGLangBackend(srv.url)) as (gw, engine, log):
                 await open_running(engine, "s")
                 with pytest.raises(openai.InternalServerError) as ei:
-                    await oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT)
+                    await oa_client(gw, "s").chat.completions.create(model="m", messages=CHAT)
                 assert ei.value.status_code == 502
                 text = str(ei.value)
                 assert "sglang" in text and (("HTTP 503" in text and "overloaded" in text) if failure == "http_503" else "abort" in text)
@@ -148,7 +148,7 @@ def test_sglang_unreachable_server_is_a_502_not_a_hang():
         async with rig(SGLangBackend("http://127.0.0.1:9", timeout_s=5)) as (gw, engine, log):
             await open_running(engine, "s")
             with pytest.raises(openai.InternalServerError, match="failed"):
-                await oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT)
+                await oa_client(gw, "s").chat.completions.create(model="m", messages=CHAT)
             assert turns_of(log) == []
 
     run(body())
@@ -159,7 +159,7 @@ def test_openai_completions_backend_sends_token_ids_and_records_token_log_probs(
         async with ScriptedSGLang().serve() as srv:
             async with rig(OpenAICompletionsBackend(srv.url, "served-model")) as (gw, engine, log):
                 await open_running(engine, "s")
-                r = await oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT, max_tokens=20)
+                r = await oa_client(gw, "s").chat.completions.create(model="m", messages=CHAT, max_tokens=20)
                 assert r.choices[0].message.content == "Hi!"
                 ((path, _, sent),) = srv.requests
                 (turn,) = turns_of(log, "s")

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from gateway_helpers import TEMPLATE, an_client, oa_client, ScriptedBackend, SpyBackend, open_running, rig, run, turns_of
+from gateway_helpers import TEMPLATE, key_for, an_client, oa_client, ScriptedBackend, SpyBackend, open_running, rig, run, turns_of
 from reducers.pipeline import reduce_log, session_trajectory
 
 
@@ -28,7 +28,7 @@ def test_openai_chat_plain_and_streaming_turns_are_recorded_as_the_backend_produ
     async def body():
         async with rig() as (gw, engine, log):
             h = await open_running(engine, "s-chat")
-            client = oa_client(gw.url, "s-chat")
+            client = oa_client(gw, "s-chat")
             msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
             r = await client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=1.0)
             text = r.choices[0].message.content
@@ -78,7 +78,7 @@ def test_anthropic_messages_plain_and_streaming_turns_are_recorded():
     async def body():
         async with rig() as (gw, engine, log):
             h = await open_running(engine, "s-anth")
-            client = an_client(gw.url, "s-anth")
+            client = an_client(gw, "s-anth")
             m = await client.messages.create(model="tiny", max_tokens=10, system="sys", messages=[{"role": "user", "content": "hi"}])
             async with client.messages.stream(
                 model="tiny", max_tokens=10, system="sys",
@@ -105,7 +105,7 @@ def test_openai_responses_plain_and_streaming_turns_are_recorded():
     async def body():
         async with rig() as (gw, engine, log):
             h = await open_running(engine, "s-resp")
-            client = oa_client(gw.url, "s-resp")
+            client = oa_client(gw, "s-resp")
             r = await client.responses.create(model="tiny", instructions="sys", input="hi", max_output_tokens=10)
             events = []
             stream = await client.responses.create(model="tiny", input=[{"role": "developer", "content": "dev"}, {"role": "user", "content": "x"}], max_output_tokens=10, stream=True)
@@ -141,7 +141,7 @@ def test_tool_calls_out_and_results_in_route_through_the_tree_for_all_three_apis
         async with rig(ScriptedBackend(_tool_reply)) as (gw, engine, log):
             hs = [await open_running(engine, sid, "tools", 3, i) for i, sid in enumerate(["t-chat", "t-anth", "t-resp"])]
             # Chat Completions
-            oa = oa_client(gw.url, "t-chat")
+            oa = oa_client(gw, "t-chat")
             msgs = [{"role": "user", "content": "weather in Paris?"}]
             r1 = await oa.chat.completions.create(model="m", messages=msgs, tools=[{"type": "function", "function": WEATHER}])
             (call,) = r1.choices[0].message.tool_calls
@@ -152,7 +152,7 @@ def test_tool_calls_out_and_results_in_route_through_the_tree_for_all_three_apis
             r2 = await oa.chat.completions.create(model="m", messages=msgs, tools=[{"type": "function", "function": WEATHER}])
             assert r2.choices[0].message.content == "It is sunny."
             # Anthropic Messages, streaming
-            an = an_client(gw.url, "t-anth")
+            an = an_client(gw, "t-anth")
             tools = [{"name": "get_weather", "description": "weather by city", "input_schema": WEATHER["parameters"]}]
             amsgs = [{"role": "user", "content": "weather in Paris?"}]
             async with an.messages.stream(model="m", max_tokens=200, messages=amsgs, tools=tools) as s:
@@ -167,12 +167,12 @@ def test_tool_calls_out_and_results_in_route_through_the_tree_for_all_three_apis
             # Responses API, streaming
             rtools = [{"type": "function", **WEATHER}, {"type": "web_search"}]
             items = [{"role": "user", "content": "weather in Paris?"}]
-            stream = await oa.with_options(api_key="t-resp").responses.create(model="m", input=items, tools=rtools, stream=True)
+            stream = await oa.with_options(api_key=key_for(gw, "t-resp")).responses.create(model="m", input=items, tools=rtools, stream=True)
             done = [ev async for ev in stream][-1].response
             fc = [o for o in done.output if o.type == "function_call"][0]
             assert fc.name == "get_weather" and json.loads(fc.arguments) == {"city": "Paris"}
             items += [o.model_dump(exclude_none=True) for o in done.output] + [{"type": "function_call_output", "call_id": fc.call_id, "output": "sunny"}]
-            r3 = await oa.with_options(api_key="t-resp").responses.create(model="m", input=items, tools=rtools)
+            r3 = await oa.with_options(api_key=key_for(gw, "t-resp")).responses.create(model="m", input=items, tools=rtools)
             assert r3.output_text == "It is sunny."
             for h in hs:
                 await h.finish(reward=1.0)
@@ -196,7 +196,7 @@ def test_ill_formed_tool_call_is_flagged_and_returned_as_text():
         bad = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
         async with rig(ScriptedBackend(lambda p: bad)) as (gw, engine, log):
             await open_running(engine, "s-bad")
-            r = await oa_client(gw.url, "s-bad").chat.completions.create(
+            r = await oa_client(gw, "s-bad").chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "x"}], tools=[{"type": "function", "function": WEATHER}]
             )
             assert r.choices[0].message.tool_calls is None and r.choices[0].message.content == bad
@@ -211,13 +211,13 @@ def test_concurrent_sessions_each_reduce_to_the_tokens_the_backend_produced():
         sid = f"c{i}"
         h = await open_running(engine, sid, group="conc", size=8, index=i)
         if i % 2:
-            client = an_client(gw.url, sid)
+            client = an_client(gw, sid)
             msgs = [{"role": "user", "content": f"task {i}"}]
             for k in range(3):
                 m = await client.messages.create(model="m", max_tokens=8, messages=msgs)
                 msgs += [{"role": "assistant", "content": m.content[0].text}, {"role": "user", "content": f"next {k}"}]
         else:
-            client = oa_client(gw.url, sid)
+            client = oa_client(gw, sid)
             msgs = [{"role": "user", "content": f"task {i}"}]
             for k in range(3):
                 r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=8)
@@ -249,7 +249,7 @@ def test_concurrent_sessions_each_reduce_to_the_tokens_the_backend_produced():
 def test_models_and_health_endpoints_answer_without_a_session():
     async def body():
         async with rig(ScriptedBackend(lambda p: "x")) as (gw, engine, log):
-            models = await oa_client(gw.url, "nobody").models.list()
+            models = await oa_client(gw, "nobody").models.list()
             assert [m.id for m in models.data] == ["agentlog"]
             import aiohttp
 
@@ -258,7 +258,7 @@ def test_models_and_health_endpoints_answer_without_a_session():
                     assert r.status == 200
             await open_running(engine, "s")
             before = log.next_lsn
-            n = await an_client(gw.url, "s").messages.count_tokens(model="m", messages=[{"role": "user", "content": "hi"}])
+            n = await an_client(gw, "s").messages.count_tokens(model="m", messages=[{"role": "user", "content": "hi"}])
             assert n.input_tokens == len(TEMPLATE.encode_prompt([{"role": "user", "content": "hi"}], []))
             assert log.next_lsn == before  # counting records nothing
 
@@ -270,7 +270,7 @@ def test_unknown_fields_from_real_clients_are_ignored(sid):
     async def body():
         async with rig(ScriptedBackend(lambda p: "ok")) as (gw, engine, log):
             await open_running(engine, sid)
-            m = await an_client(gw.url, sid).messages.create(
+            m = await an_client(gw, sid).messages.create(
                 model="m", max_tokens=50, messages=[{"role": "user", "content": "x"}, {"role": "system", "content": "mid"}],
                 extra_body={"thinking": {"type": "adaptive"}, "context_management": {"edits": []}, "output_config": {"effort": "high"}},
                 extra_query={"beta": "true"},

@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 
 from engine.gateway import GatewayConfig, TorchBackend
 from events.types import TurnRecorded
-from gateway_helpers import GatedLog, HangingBackend, ScriptedBackend, an_client, oa_client, open_running, rig, run, turns_of, undelivered_of
+from gateway_helpers import GatedLog, bearer, key_for, HangingBackend, ScriptedBackend, an_client, oa_client, open_running, rig, run, turns_of, undelivered_of
 from learner.model import GPT, GPTConfig
 from reducers.pipeline import reduce_log, session_trajectory
 
@@ -28,13 +28,13 @@ async def _post(url: str, path: str, key: str | None, data: bytes | str, headers
             return r.status, await r.json(content_type=None)
 
 
-def test_unknown_session_is_404_and_never_auto_created():
+def test_unknown_key_is_401_and_never_auto_creates_a_session():
     async def body():
         async with rig(ScriptedBackend(lambda p: "x")) as (gw, engine, log):
-            with pytest.raises(openai.NotFoundError, match="never opened"):
-                await oa_client(gw.url, "ghost").chat.completions.create(model="m", messages=CHAT)
+            with pytest.raises(openai.AuthenticationError, match="no session's key"):
+                await oa_client(gw, "ghost").chat.completions.create(model="m", messages=CHAT)
             status, err = await _post(gw.url, "/v1/messages", None, json.dumps({"messages": CHAT, "max_tokens": 5}), {"x-api-key": "ghost2"})
-            assert status == 404 and err["type"] == "error" and err["error"]["type"] == "not_found_error"
+            assert status == 401 and err["type"] == "error" and err["error"]["type"] == "authentication_error"
             status, err = await _post(gw.url, "/v1/chat/completions", None, json.dumps({"messages": CHAT}))
             assert status == 401 and "API key" in err["error"]["message"]
             assert log.next_lsn == 0 and engine.live_count == 0 and engine.get("ghost") is None
@@ -48,12 +48,14 @@ def test_terminal_or_unstarted_session_is_409_and_nothing_is_appended(end):
         async with rig(ScriptedBackend(lambda p: "x")) as (gw, engine, log):
             if end == "not_started":
                 await engine.open_session("s", group_id="g", group_size=1)
+                client = oa_client(gw, "s")
             else:
                 h = await open_running(engine, "s")
+                client = oa_client(gw, "s")  # the agent holds its key from before the end
                 await {"finish": lambda: h.finish(reward=1.0), "abort": lambda: h.abort("boom"), "drop": lambda: h.drop("x")}[end]()
             before = log.next_lsn
             with pytest.raises(openai.ConflictError) as ei:
-                await oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT)
+                await client.chat.completions.create(model="m", messages=CHAT)
             expected = {"finish": "finished", "abort": "aborted", "drop": "dropped", "not_started": "open"}[end]
             assert expected in str(ei.value)
             assert log.next_lsn == before
@@ -67,12 +69,12 @@ def test_turn_cap_answers_429_and_records_nothing_more():
             await open_running(engine, "s")
             gw.configure_session("s", max_turns=3)
             await open_running(engine, "t")
-            c = oa_client(gw.url, "s")
+            c = oa_client(gw, "s")
             for _ in range(3):
                 await c.chat.completions.create(model="m", messages=CHAT)
             with pytest.raises(openai.RateLimitError, match="turn cap of 3"):
                 await c.chat.completions.create(model="m", messages=CHAT)
-            t = oa_client(gw.url, "t")
+            t = oa_client(gw, "t")
             for _ in range(2):
                 await t.chat.completions.create(model="m", messages=CHAT)
             with pytest.raises(openai.RateLimitError, match="turn cap of 2"):
@@ -87,7 +89,7 @@ def test_context_exhaustion_finishes_the_turn_with_length_and_a_full_context_is_
         model = GPT(GPTConfig(vocab_size=129, max_seq_len=64, d_model=32, n_layer=1, n_head=2))
         async with rig(TorchBackend(model)) as (gw, engine, log):
             h = await open_running(engine, "s")
-            c = oa_client(gw.url, "s")
+            c = oa_client(gw, "s")
             # 11-token prompt in a 64-token context: the output is cut at the room left
             r = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=500, temperature=0.01)
             t1 = turns_of(log, "s")[0]
@@ -98,9 +100,9 @@ def test_context_exhaustion_finishes_the_turn_with_length_and_a_full_context_is_
             # in each client's dialect, and nothing is recorded
             before = log.next_lsn
             batches = gw.backend.batches
-            status, err = await _post(gw.url, "/v1/chat/completions", "s", json.dumps({"messages": [{"role": "user", "content": "y" * 80}]}))
+            status, err = await _post(gw.url, "/v1/chat/completions", key_for(gw, "s"), json.dumps({"messages": [{"role": "user", "content": "y" * 80}]}))
             assert status == 400 and err["error"]["code"] == "context_length_exceeded" and err["error"]["type"] == "invalid_request_error"
-            status, err = await _post(gw.url, "/v1/messages", None, json.dumps({"max_tokens": 10, "messages": [{"role": "user", "content": "y" * 80}]}), {"x-api-key": "s"})
+            status, err = await _post(gw.url, "/v1/messages", None, json.dumps({"max_tokens": 10, "messages": [{"role": "user", "content": "y" * 80}]}), {"x-api-key": key_for(gw, "s")})
             assert status == 400 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
             assert "prompt is too long" in err["error"]["message"] and "context is 64 tokens" in err["error"]["message"]
             assert log.next_lsn == before and len(turns_of(log, "s")) == 1
@@ -116,7 +118,7 @@ async def _turn_held_at_the_log(gw, engine, log: GatedLog, session: aiohttp.Clie
     log.gate.set()
     h = await open_running(engine, "s")
     log.gate.clear()
-    req = asyncio.ensure_future(session.post(gw.url + "/v1/chat/completions", json={"messages": CHAT}, headers={"Authorization": "Bearer s"}))
+    req = asyncio.ensure_future(session.post(gw.url + "/v1/chat/completions", json={"messages": CHAT}, headers=bearer(gw, "s")))
     await asyncio.wait_for(log.waiting.wait(), 10)
     return h, req
 
@@ -175,7 +177,7 @@ def test_client_disconnect_during_generation_records_nothing_and_logs_why():
             await open_running(engine, "s")
             session = aiohttp.ClientSession()
             with capture_logs() as logs:
-                req = asyncio.ensure_future(session.post(gw.url + "/v1/chat/completions", json={"messages": CHAT}, headers={"Authorization": "Bearer s"}))
+                req = asyncio.ensure_future(session.post(gw.url + "/v1/chat/completions", json={"messages": CHAT}, headers=bearer(gw, "s")))
                 await asyncio.wait_for(started.wait(), 10)
                 req.cancel()
                 await session.close()
@@ -194,17 +196,17 @@ def test_malformed_json_and_bad_fields_are_400_naming_the_problem():
         async with rig(ScriptedBackend(lambda p: "x")) as (gw, engine, log):
             await open_running(engine, "s")
             before = log.next_lsn
-            status, err = await _post(gw.url, "/v1/chat/completions", "s", '{"messages": [')
+            status, err = await _post(gw.url, "/v1/chat/completions", key_for(gw, "s"), '{"messages": [')
             assert status == 400 and "malformed JSON" in err["error"]["message"]
-            status, err = await _post(gw.url, "/v1/chat/completions", "s", "[1, 2]")
+            status, err = await _post(gw.url, "/v1/chat/completions", key_for(gw, "s"), "[1, 2]")
             assert status == 400 and "expected a JSON object" in err["error"]["message"]
-            status, err = await _post(gw.url, "/v1/chat/completions", "s", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}))
+            status, err = await _post(gw.url, "/v1/chat/completions", key_for(gw, "s"), json.dumps({"messages": [{"role": "wizard", "content": "x"}]}))
             assert status == 400 and "messages[0].role" in err["error"]["message"]
-            status, err = await _post(gw.url, "/v1/messages", "s", json.dumps({"messages": CHAT, "max_tokens": "lots"}))
+            status, err = await _post(gw.url, "/v1/messages", key_for(gw, "s"), json.dumps({"messages": CHAT, "max_tokens": "lots"}))
             assert status == 400 and err["error"]["type"] == "invalid_request_error" and "max_tokens" in err["error"]["message"]
-            status, err = await _post(gw.url, "/v1/responses", "s", json.dumps({"input": 7}))
+            status, err = await _post(gw.url, "/v1/responses", key_for(gw, "s"), json.dumps({"input": 7}))
             assert status == 400 and "input" in err["error"]["message"]
-            status, err = await _post(gw.url, "/v1/responses", "s", json.dumps({"input": "x", "previous_response_id": "resp_1"}))
+            status, err = await _post(gw.url, "/v1/responses", key_for(gw, "s"), json.dumps({"input": "x", "previous_response_id": "resp_1"}))
             assert status == 400 and "previous_response_id" in err["error"]["message"]
             # Wrong shapes in optional fields are 400s naming the field, not 500s.
             for path, bad, where in [
@@ -218,7 +220,7 @@ def test_malformed_json_and_bad_fields_are_400_naming_the_problem():
                 ("/v1/messages", {"messages": CHAT, "max_tokens": 5, "temperature": -1}, "temperature: expected a number > 0"),
                 ("/v1/chat/completions", {"messages": CHAT, "top_p": 7}, "top_p: expected a number in (0, 1]"),
             ]:
-                status, err = await _post(gw.url, path, "s", json.dumps(bad))
+                status, err = await _post(gw.url, path, key_for(gw, "s"), json.dumps(bad))
                 message = err["error"]["message"]
                 assert status == 400 and where in message, (path, bad, status, err)
             assert log.next_lsn == before
@@ -232,7 +234,7 @@ def test_oversized_body_is_413_and_records_nothing():
             await open_running(engine, "s")
             before = log.next_lsn
             big = json.dumps({"messages": [{"role": "user", "content": "z" * 10000}]})
-            status, err = await _post(gw.url, "/v1/chat/completions", "s", big)
+            status, err = await _post(gw.url, "/v1/chat/completions", key_for(gw, "s"), big)
             assert status == 413 and "4096" in err["error"]["message"]
             assert log.next_lsn == before
 
@@ -251,7 +253,7 @@ def test_backend_failure_is_502_and_records_nothing():
             await open_running(engine, "s")
             with capture_logs() as logs:
                 with pytest.raises(openai.InternalServerError, match="HTTP 500 from upstream"):
-                    await oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT)
+                    await oa_client(gw, "s").chat.completions.create(model="m", messages=CHAT)
             assert not any(isinstance(e.body, TurnRecorded) for e in log.read())
             assert any(e["event"] == "gateway.backend_failed" for e in logs)
 
@@ -265,7 +267,7 @@ def test_session_ending_during_generation_cancels_the_call_and_records_nothing()
         async with rig(slow) as (gw, engine, log):
             engine.drain_s = 0.05
             h = await open_running(engine, "s")
-            call = asyncio.ensure_future(oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT))
+            call = asyncio.ensure_future(oa_client(gw, "s").chat.completions.create(model="m", messages=CHAT))
             await asyncio.wait_for(started.wait(), 10)
             await h.abort("wall_clock_timeout")
             with pytest.raises(openai.ConflictError, match="ended"):
@@ -287,7 +289,7 @@ def test_backend_answer_the_log_cannot_hold_is_a_json_500_and_records_nothing():
             await open_running(engine, "s")
             with capture_logs() as logs:
                 with pytest.raises(openai.InternalServerError, match="output_log_probs"):
-                    await oa_client(gw.url, "s").chat.completions.create(model="m", messages=CHAT)
+                    await oa_client(gw, "s").chat.completions.create(model="m", messages=CHAT)
             assert turns_of(log) == [] and any(e["event"] == "gateway.turn_failed" for e in logs)
 
     run(body())
@@ -299,7 +301,7 @@ def test_new_weights_are_used_and_recorded_with_their_policy_version():
         backend = TorchBackend(model)
         async with rig(backend) as (gw, engine, log):
             await open_running(engine, "s")
-            c = oa_client(gw.url, "s")
+            c = oa_client(gw, "s")
             await c.chat.completions.create(model="m", messages=CHAT, max_tokens=4)
             state = {k: v.clone() * 0 for k, v in model.state_dict().items()}  # uniform logits
             await backend.load_weights(state, 3)
@@ -317,7 +319,7 @@ def test_new_weights_are_used_and_recorded_with_their_policy_version():
     "extra, problem",
     [
         ({"sampling": {"temprature": 0.5}}, "unknown keys ['temprature']"),
-        ({"sampling": "hot"}, "sampling: expected an object, found str"),
+        ({"sampling": "hot"}, "sampling: expected a JSON object, found 'hot'"),
         ({"max_turns": "ten"}, "max_turns: expected an int >= 1, found 'ten'"),
         ({"max_turns": 0}, "max_turns: expected an int >= 1, found 0"),
     ],
@@ -333,7 +335,7 @@ def test_admin_open_with_bad_options_is_400_and_opens_nothing(extra, problem):
             assert log.next_lsn == 0 and engine.get("s") is None
             # the same id is still free: a corrected request opens it
             status, ok = await _post(gw.url, "/admin/sessions", None, json.dumps({"session_id": "s", "max_turns": 2}), {"X-Admin-Token": "tok"})
-            assert (status, ok) == (200, {"session_id": "s", "state": "running"})
+            assert status == 200 and (ok["session_id"], ok["state"]) == ("s", "running")
             status, _ = await _post(gw.url, "/admin/sessions", None, json.dumps({"session_id": "s"}), {"X-Admin-Token": "tok"})
             assert status == 409
 

@@ -57,15 +57,22 @@ def test_serve_records_turns_of_admin_opened_sessions_into_a_durable_log(tmp_pat
         assert _call(url + "/admin/sessions", {"session_id": "x"}, {})[0] == 403
         status, out = _call(url + "/admin/sessions", {"session_id": "a1", "group_id": "g", "group_size": 1}, admin)
         assert status == 200 and out["state"] == "running"
-        status, out = _call(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, {"Authorization": "Bearer a1"})
+        key = out["api_key"]
+        agent = {"Authorization": f"Bearer {key}"}  # the session's key, not its id
+        status, out = _call(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, agent)
         assert status == 200 and out["usage"]["completion_tokens"] <= 6
-        assert _call(url + "/v1/chat/completions", {"messages": []}, {"Authorization": "Bearer nobody"})[0] == 404
+        assert _call(url + "/v1/chat/completions", {"messages": []}, {"Authorization": "Bearer a1"})[0] == 401
+        assert _call(url + "/v1/chat/completions", {"messages": []}, {"Authorization": "Bearer nobody"})[0] == 401
         assert _call(url + "/admin/sessions/a1/finish", {"reward": 1.0}, admin) == (200, {"session_id": "a1", "state": "finished"})
-        assert _call(url + "/v1/chat/completions", {"messages": []}, {"Authorization": "Bearer a1"})[0] == 409
+        assert _call(url + "/v1/chat/completions", {"messages": []}, agent)[0] == 409
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
     assert proc.returncode == 0
+    # The key is a credential: in no structlog line and in no byte of the log.
+    output = "".join(lines) + proc.stdout.read()
+    assert "a1" in output and key not in output
+    assert not [f for f in logdir.rglob("*") if f.is_file() and key.encode() in f.read_bytes()]
     with FileLog.open(logdir) as log:
         turns = [e.body for e in log.read() if isinstance(e.body, TurnRecorded)]
         assert len(turns) == 1 and turns[0].output_tokens.size <= 6

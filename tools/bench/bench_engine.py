@@ -143,7 +143,7 @@ async def open_session_bytes(path: Path, n: int) -> float:
             before = sum(s.size for s in tracemalloc.take_snapshot().filter_traces(flt).statistics("filename"))
             handles = []
             for i in range(n):
-                h = await eng.open_session(f"m{i}", group_id="g", group_size=8, budget_s=3600)
+                h = await eng.open_session(f"m{i}", group_id=f"g{i // 8}", group_size=8, budget_s=3600)
                 await h.start()
                 handles.append(h)
             gc.collect()

@@ -40,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 # ---------------------------------------------------------------- client process
 
 
-def _client_run(url: str, sids: list[str], turns: int, max_tokens: int) -> dict:
-    """Drive ``len(sids)`` concurrent sessions of ``turns`` chat turns each; returns latencies."""
+def _client_run(url: str, sids: list[str], turns: int, max_tokens: int, keys: dict[str, str]) -> dict:
+    """Drive ``len(sids)`` concurrent sessions of ``turns`` chat turns each
+    (``keys``: each session's API key); returns latencies."""
     import aiohttp
 
     async def session(http, sid, out):
@@ -49,7 +50,7 @@ def _client_run(url: str, sids: list[str], turns: int, max_tokens: int) -> dict:
         for k in range(turns):
             body = {"model": "m", "messages": msgs, "max_tokens": max_tokens, "temperature": 1.0}
             t0 = time.perf_counter()
-            async with http.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {sid}"}) as r:
+            async with http.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {keys[sid]}"}) as r:
                 data = await r.json()
                 if r.status != 200:
                     raise RuntimeError(f"session {sid} turn {k}: HTTP {r.status}: {data}")
@@ -97,14 +98,16 @@ async def _run(args) -> list[str]:
     async def through_gateway(n: int, turns: int) -> tuple[float, list, dict]:
         sids = []
         handles = []
+        gid = f"g{counter[0] + 1}"  # a fresh group per call: a released group takes no new member
         for _ in range(n):
             counter[0] += 1
             sid = f"b{counter[0]}"
-            h = await engine.open_session(sid, group_id=f"g{n}", group_size=n)
+            h = await engine.open_session(sid, group_id=gid, group_size=n)
             await h.start(harness="bench")
             sids.append(sid)
             handles.append(h)
-        res = await loop.run_in_executor(pool, _client_run, url, sids, turns, args.max_tokens)
+        keys = {sid: gw.session_key(sid) for sid in sids}
+        res = await loop.run_in_executor(pool, _client_run, url, sids, turns, args.max_tokens, keys)
         for h in handles:
             await h.finish(reward=0.0)
         return res["wall"], res["latencies"], {s: i for i, s in enumerate(sids)}
