@@ -21,7 +21,7 @@ from engine.gateway.backends import BackendError
 from events.log import FileLog, OsOps
 from events.log_api import LogClosed, MemoryLog
 from events.types import SessionAborted, SessionOpened
-from gateway_helpers import ScriptedBackend, open_running, rig, run, turns_of
+from gateway_helpers import ScriptedBackend, key_for, open_running, rig, run, turns_of
 from tools.cmd_serve import default_gateway_model
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -97,7 +97,7 @@ def test_a_crashed_worker_fails_every_pending_call_logs_loudly_and_fails_health(
             status, health = await _request(gw.url, "GET", "/health")
             assert status == 503 and health["status"] == "failing" and "worker thread crashed" in health["reason"]
             before = log.next_lsn
-            status, err = await _request(gw.url, "POST", "/v1/chat/completions", "s", {"messages": CHAT})
+            status, err = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), {"messages": CHAT})
             assert status == 503 and "worker thread crashed" in err["error"]["message"]
             assert log.next_lsn == before
 
@@ -160,7 +160,7 @@ def test_fatal_log_answers_503_with_the_reason_before_any_generation_and_health_
         await gw.start("127.0.0.1", 0)
         try:
             await open_running(engine, "s")
-            status, _ = await _request(gw.url, "POST", "/v1/chat/completions", "s", {"messages": CHAT})
+            status, _ = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), {"messages": CHAT})
             assert status == 200 and len(backend.prompts) == 1
             assert (await _request(gw.url, "GET", "/health"))[0] == 200
             ops.full = True
@@ -169,9 +169,9 @@ def test_fatal_log_answers_503_with_the_reason_before_any_generation_and_health_
             assert log.fatal_reason is not None
             status, health = await _request(gw.url, "GET", "/health")
             assert status == 503 and health["reason"] == f"log: {log.fatal_reason}"
-            status, err = await _request(gw.url, "POST", "/v1/chat/completions", "s", {"messages": CHAT})
+            status, err = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), {"messages": CHAT})
             assert status == 503 and log.fatal_reason in err["error"]["message"]
-            status, err = await _request(gw.url, "POST", "/v1/messages", None, {"messages": CHAT, "max_tokens": 5}, {"x-api-key": "s"})
+            status, err = await _request(gw.url, "POST", "/v1/messages", None, {"messages": CHAT, "max_tokens": 5}, {"x-api-key": key_for(gw, "s")})
             assert status == 503 and err["type"] == "error" and log.fatal_reason in err["error"]["message"]
             assert len(backend.prompts) == 1  # the model never ran for a turn that could not be recorded
         finally:
@@ -255,7 +255,7 @@ def test_slow_loris_connections_are_closed_after_the_header_timeout():
             trickler.cancel()
             assert gw._site.timed_out == 2
             # a normal request on a new connection is served
-            status, _ = await _request(gw.url, "POST", "/v1/chat/completions", "s", {"messages": CHAT})
+            status, _ = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), {"messages": CHAT})
             assert status == 200
             w1.close()
             w2.close()
@@ -273,7 +273,7 @@ def test_connections_beyond_the_cap_are_answered_503_and_closed_while_others_are
                 w.write(b"POST /v1/chat/completions HTTP/1.1\r\n")
             await asyncio.sleep(0.05)
             # the third connection (within the cap) is served
-            status, _ = await _request(gw.url, "POST", "/v1/chat/completions", "s", {"messages": CHAT}, {"Connection": "close"})
+            status, _ = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), {"messages": CHAT}, {"Connection": "close"})
             assert status == 200
             # hold the third slot too: the fourth connection is refused
             held.append(await _raw_connection(gw))
@@ -287,7 +287,7 @@ def test_connections_beyond_the_cap_are_answered_503_and_closed_while_others_are
             # once one held connection goes, requests are served again
             held.pop()[1].close()
             await asyncio.sleep(0.05)
-            status, _ = await _request(gw.url, "POST", "/v1/chat/completions", "s", {"messages": CHAT}, {"Connection": "close"})
+            status, _ = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), {"messages": CHAT}, {"Connection": "close"})
             assert status == 200
             for _, w in held:
                 w.close()
@@ -301,7 +301,7 @@ def test_a_body_that_does_not_arrive_in_time_is_answered_408():
         async with rig(ScriptedBackend(lambda p: "x"), config=config) as (gw, engine, log):
             await open_running(engine, "s")
             r, w = await _raw_connection(gw)
-            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s\r\n"
+            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key_for(gw, "s").encode() + b"\r\n"
                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"messages\"")
             head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
             assert head.startswith(b"HTTP/1.1 408 ")
@@ -327,9 +327,9 @@ def test_the_body_cap_is_derived_from_the_log_record_cap_and_a_body_at_the_cap_i
             envelope = json.dumps({"messages": [{"role": "user", "content": ""}]})
             at_cap = json.dumps({"messages": [{"role": "user", "content": "y" * (cap - len(envelope))}]})
             assert len(at_cap) == cap
-            status, _ = await _request(gw.url, "POST", "/v1/chat/completions", "s", at_cap)
+            status, _ = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), at_cap)
             assert status == 200
-            status, err = await _request(gw.url, "POST", "/v1/chat/completions", "s", at_cap[:-2] + ' "}]}')
+            status, err = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), at_cap[:-2] + ' "}]}')
             assert status == 413 and str(cap) in err["error"]["message"]
             assert len(turns_of_file(log)) == 1
         finally:
@@ -369,18 +369,18 @@ def test_large_bodies_beyond_the_in_flight_budget_are_answered_503_before_readin
                 await open_running(engine, sid)
             big = json.dumps({"messages": [{"role": "user", "content": "y" * 12_000}]})
             small = json.dumps({"messages": CHAT})
-            first = [asyncio.ensure_future(_request(gw.url, "POST", "/v1/chat/completions", sid, big)) for sid in ("a", "b")]
+            first = [asyncio.ensure_future(_request(gw.url, "POST", "/v1/chat/completions", key_for(gw, sid), big)) for sid in ("a", "b")]
             while backend.held < 2:
                 await asyncio.sleep(0.01)
-            status, err = await _request(gw.url, "POST", "/v1/chat/completions", "c", big)
+            status, err = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "c"), big)
             assert status == 503 and "large request bodies in flight" in err["error"]["message"]
-            small_turn = asyncio.ensure_future(_request(gw.url, "POST", "/v1/chat/completions", "d", small))  # small bodies pass
+            small_turn = asyncio.ensure_future(_request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "d"), small))  # small bodies pass
             while backend.held < 3:
                 await asyncio.sleep(0.01)
             backend.release.set()
             assert [s for s, _ in await asyncio.gather(*first, small_turn)] == [200, 200, 200]
             assert gw._large_bodies == 0
-            status, _ = await _request(gw.url, "POST", "/v1/chat/completions", "c", big)  # room again
+            status, _ = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "c"), big)  # room again
             assert status == 200
 
     run(body())
@@ -404,7 +404,7 @@ def test_integers_beyond_64_bits_are_refused_400_in_the_dialect_before_generatio
         async with rig(backend) as (gw, engine, log):
             await open_running(engine, "s")
             payload = {"input": "hi"} if path == "/v1/responses" else {"messages": CHAT}
-            status, err = await _request(gw.url, "POST", path, "s", {**payload, **extra})
+            status, err = await _request(gw.url, "POST", path, key_for(gw, "s"), {**payload, **extra})
             assert status == 400, err
             message = err["error"]["message"]
             assert field in message and "64" in message
@@ -425,7 +425,7 @@ def test_an_integer_beyond_64_bits_inside_the_messages_is_refused_before_generat
                 {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"n": 2**70}}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "ok"},
             ]
-            status, err = await _request(gw.url, "POST", "/v1/chat/completions", "s", {"messages": messages})
+            status, err = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), {"messages": messages})
             assert status == 400 and "outside 64 bits" in err["error"]["message"]
             assert backend.prompts == [] and turns_of(log) == []
 
@@ -438,7 +438,7 @@ def test_json_nested_too_deeply_is_a_400_json_answer_in_the_dialect(path):
         async with rig(ScriptedBackend(lambda p: "x")) as (gw, engine, log):
             await open_running(engine, "s")
             deep = '{"messages": ' + "[" * 5000 + "]" * 5000 + "}"
-            status, err = await _request(gw.url, "POST", path, "s", deep)
+            status, err = await _request(gw.url, "POST", path, key_for(gw, "s"), deep)
             assert status == 400 and "nested too deeply" in (err["error"]["message"])
             if path == "/v1/messages":
                 assert err["type"] == "error"

@@ -51,7 +51,7 @@ def _serve(logdir: Path, *extra: str) -> tuple[subprocess.Popen, str, list[str]]
 
 def test_serve_records_turns_of_admin_opened_sessions_into_a_durable_log(tmp_path):
     logdir = tmp_path / "log"
-    proc, url, _ = _serve(logdir, "--max-tokens", "6")
+    proc, url, lines = _serve(logdir, "--max-tokens", "6")
     try:
         admin = {"X-Admin-Token": "tok"}
         assert _call(url + "/admin/sessions", {"session_id": "x"}, {})[0] == 403
@@ -157,16 +157,20 @@ def test_sigterm_under_load_drains_within_the_bound_and_drops_the_rest_with_shut
     sessions = [f"s{i}" for i in range(8)]
     answers: list[int] = []
 
+    keys: dict[str, str] = {}
+
     def agent(sid: str) -> None:
         try:
-            status, _ = _call(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}]}, {"Authorization": f"Bearer {sid}"})
+            status, _ = _call(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}]}, {"Authorization": f"Bearer {keys[sid]}"})
         except (OSError, ValueError) as exc:
             status = repr(exc)
         answers.append(status)
 
     try:
         for sid in sessions:
-            assert _call(url + "/admin/sessions", {"session_id": sid, "group_id": sid}, admin)[0] == 200
+            status, opened = _call(url + "/admin/sessions", {"session_id": sid, "group_id": sid}, admin)
+            assert status == 200, opened
+            keys[sid] = opened["api_key"]
         threads = [threading.Thread(target=agent, args=(sid,), daemon=True) for sid in sessions]
         for t in threads:
             t.start()
