@@ -24,8 +24,9 @@ Durability and visibility (the follower contract):
   header carries the new writer epoch, so a segment's records all come from
   one writer and recovery only ever truncates a segment nobody writes to.
 
-Any ``OSError`` from write or fsync makes the writer fatal: every pending and
-later append raises :class:`LogClosed` naming the cause. Nothing is retried in
+Any ``OSError`` from write or fsync, and any unexpected exception in the
+writer thread, makes the writer fatal: every pending and later append raises
+:class:`LogClosed` naming the cause, and ``fatal_reason`` reports it. Nothing is retried in
 place (after a failed fsync the page cache may no longer hold the data).
 Reopening recovers: it keeps the longest valid prefix and truncates a torn
 tail. A damaged frame followed by valid ones, or one below the durable
@@ -1017,8 +1018,9 @@ class FileLog(EventLog):
         if self._fatal is None:
             self._fatal = exc
             seg = segment_name(self._cur_seg) if self._cur_seg is not None else "-"
+            what = "an I/O error" if isinstance(exc, OSError) else "an unexpected error in the writer"
             self._fatal_msg = (
-                f"log {self._dir}: writer is fatal after an I/O error in segment {seg} "
+                f"log {self._dir}: writer is fatal after {what} in segment {seg} "
                 f"({type(exc).__name__}: {exc}); records from lsn {self._acked} on were not acknowledged; "
                 f"reopen the log to recover"
             )
@@ -1044,7 +1046,18 @@ class FileLog(EventLog):
             _call_in_loop(loop, _set_futures, items)
 
     def _writer_loop(self) -> None:
-        """The writer thread: group-commits async appends; syncs under ``interval``."""
+        """The writer thread: group-commits async appends; syncs under ``interval``.
+        It never dies silently: anything unexpected makes the log fatal (every
+        waiter fails, ``fatal_reason`` says why) and is logged at critical."""
+        try:
+            self._writer_steps()
+        except BaseException as exc:  # noqa: BLE001 - recorded as the log's fatal reason, never swallowed
+            with self._cv:
+                self._go_fatal(exc)
+                self._cv.notify_all()
+            self._log.critical("log.writer.crashed", error=repr(exc), reason=self._fatal_msg, exc_info=exc)
+
+    def _writer_steps(self) -> None:
         cv = self._cv
         while True:
             with cv:

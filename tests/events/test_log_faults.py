@@ -171,3 +171,31 @@ def test_close_releases_the_lock_after_a_fatal_error(tmp_path):
         lg.append_batch([("s", 0, opened())])
     lg.close()
     FileLog.open(d).close()
+
+
+def test_an_unexpected_error_in_the_writer_thread_is_fatal_and_loud_not_silent(tmp_path):
+    """Not only OSError: any exception in the writer thread makes the log fatal
+    with a reason, fails every waiting appender (none hangs) and refuses more."""
+    d = tmp_path / "log"
+    lg = FileLog.open(d)
+    acked = _fill(lg, 0, 3)
+
+    def broken_bookkeeping():  # a bug in the writer thread, after a successful flush
+        raise ZeroDivisionError("injected bug in the writer thread")
+
+    lg._resolve_waiters = broken_bookkeeping
+
+    async def main():
+        tasks = [asyncio.ensure_future(lg.append(f"a{k}", 0, opened())) for k in range(20)]
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, LogClosed) for r in results), results[:3]
+    assert "unexpected error" in str(results[0]) and "ZeroDivisionError" in str(results[0])
+    assert lg.fatal_reason is not None and "ZeroDivisionError: injected bug" in lg.fatal_reason
+    with pytest.raises(LogClosed, match="ZeroDivisionError"):
+        lg.append_batch([("late", 0, opened())])
+    lg.close()
+    lg = FileLog.open(d)
+    assert list(lg.read())[: len(acked)] == acked
+    lg.close()
