@@ -315,6 +315,7 @@ class _Cursor:
             if j >= 0:
                 expected, offset = entries[j]
         if not self._switch(first, offset, expected):
+            self.name = segment_name(first)  # named if the records it should hold are missing
             return False
         if offset != SEG_HDR_SIZE:
             # Trust but verify an index hint: the frame there must carry the LSN.
@@ -327,12 +328,34 @@ class _Cursor:
     def next_lsn(self) -> int:
         return self.scanner.expected if self.scanner else self.from_lsn
 
+    def _check_reached(self, limit: int | None) -> None:
+        """The readable log ends here: raise LogCorruption if that is below
+        ``limit`` (the durable watermark), whose records were acknowledged
+        and so must exist (an emptied, cut or deleted segment)."""
+        nxt = self.next_lsn
+        if limit is None or max(nxt, self.from_lsn) >= limit:
+            return
+        if self.scanner is not None:
+            where, offset = f"segment {self.name} ends at offset {self.scanner.offset}", self.scanner.offset
+        elif self.name:
+            where, offset = f"segment {self.name} has no complete header", 0
+        else:
+            where, offset = "no segment files exist", 0
+        raise LogCorruption(
+            f"log {self.dir}: {where} (last good lsn {nxt - 1}), but the durable watermark says "
+            f"lsn {nxt}..{limit - 1} were acknowledged; they are missing",
+            segment=self.name,
+            offset=offset,
+            last_good_lsn=nxt - 1,
+        )
+
     def records(self, limit: int | None) -> Iterator:
         """Yield the records available now below ``limit``, then return.
         Records are yielded one by one (not gathered) so that each frame's
         memory is reused as soon as the consumer drops it. Raises
         LogCorruption for damage that is not a torn tail."""
         if self.scanner is None and not self._position():
+            self._check_reached(limit)
             return
         from_lsn = self.from_lsn
         raw = self.raw
@@ -362,19 +385,14 @@ class _Cursor:
                     # An empty segment replaced by a new writer's segment of the same name.
                     try:
                         if os.stat(path).st_ino == self.ino:
+                            self._check_reached(limit)
                             return
                     except FileNotFoundError:
+                        self._check_reached(limit)
                         return
                 if self._switch(nxt, SEG_HDR_SIZE, nxt):
                     continue
-                if limit is not None and nxt < limit:
-                    raise LogCorruption(
-                        f"segment {self.name}: ends at lsn {nxt - 1} but lsn {nxt} is durable "
-                        f"(watermark {limit}) and no segment {segment_name(nxt)} exists",
-                        segment=self.name,
-                        offset=sc.offset,
-                        last_good_lsn=nxt - 1,
-                    )
+                self._check_reached(limit)
                 return
             later = any(s > int(self.name[:20]) for s in list_segments(self.dir))
             err = _classify_bad(self.fd, self.name, size, bad, sc.expected, limit, later, self.cap)
@@ -1422,7 +1440,14 @@ def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
                     rep.bytes += size
             finally:
                 os.close(fd)
-        if rep.status == "ok" and segs and watermark is not None and expected < watermark:
+        if rep.status == "ok" and watermark is not None and expected < watermark:
+            if not segs:
+                return corrupt(
+                    f"no segment files exist, but the durable watermark says lsn {expected}..{watermark - 1} "
+                    f"were acknowledged; they are missing",
+                    "",
+                    0,
+                )
             name = segment_name(segs[-1])
             size = (directory / name).stat().st_size
             return corrupt(str(_missing_acked(name, size, expected, watermark)), name, size)
