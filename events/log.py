@@ -5,7 +5,7 @@ The on-disk format is described in :mod:`events.log_format`. In short: a
 directory of segment files named by their first LSN; CRC32C-framed records;
 a ``DURABLE`` watermark that readers in other processes trust; an ``INDEX``
 checkpoint (sequence state of open sessions + sparse offset index) so that
-opening a log does not rescan it; and a ``LOCK`` file held by the one writer.
+opening a log does not rescan it; and the one writer's flock on the directory itself (and on its ``LOCK`` file, which names its pid).
 
 Durability and visibility (the follower contract):
 
@@ -458,7 +458,7 @@ class FileLog(EventLog):
         self._interval_s = interval_s
         self._os = os_ops or OsOps()
         self._log = log.bind(log_dir=str(directory))
-        self._lock_fd = _acquire_lock(directory)
+        self._lock: _WriterLock | None = _acquire_lock(directory)
         try:
             self._init_state()
             self._recover(salvage)
@@ -502,11 +502,10 @@ class FileLog(EventLog):
             if fd is not None:
                 os.close(fd)
                 setattr(self, attr, None)
-        fd = getattr(self, "_lock_fd", None)
-        if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-            self._lock_fd = None
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            _release_lock(lock)
+            self._lock = None
 
     # ------------------------------------------------------------ recovery
 
@@ -1190,7 +1189,7 @@ class FileLog(EventLog):
             raise self._dead() from failure
 
     def __del__(self) -> None:  # a forgotten close must not leave the lock held forever
-        if not getattr(self, "_closed", True) and getattr(self, "_lock_fd", None) is not None:
+        if not getattr(self, "_closed", True) and getattr(self, "_lock", None) is not None:
             try:
                 self.close()
             except Exception:  # noqa: BLE001 - never raise from a finalizer; the writer logged it
@@ -1220,22 +1219,70 @@ def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> 
         log.warning("log.appender_loop_closed", records=len(args[0]))
 
 
-def _acquire_lock(directory: Path) -> int:
-    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+class _WriterLock(NamedTuple):
+    """The writer's hold on a log directory: flocks on the directory itself and on its LOCK file."""
+
+    dir_fd: int
+    file_fd: int
+
+
+def _acquire_lock(directory: Path) -> _WriterLock:
+    """Become the one writer of ``directory`` or raise LogLocked naming the holder.
+
+    The lock is an flock on the directory itself, which nobody can delete or
+    swap out from under a live writer (a LOCK file can be deleted and
+    re-created, and a lock on the new file would let a second writer in). The
+    LOCK file is still locked too (writers of earlier versions lock only it)
+    and holds the writer's pid for humans and for the error message."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    file_fd = -1
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
         try:
-            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-        finally:
-            os.close(fd)
-        raise LogLocked(
-            f"log {directory}: another writer holds {directory / LOCK_NAME} (pid {holder}); "
-            f"one writer per log directory — readers use read_log/follow_log, which need no lock"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            file_fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(file_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LogLocked(
+                f"log {directory}: another writer holds it ({_lock_holder(directory, dir_fd)}); "
+                f"one writer per log directory — readers use read_log/follow_log, which need no lock"
+            ) from None
+        os.ftruncate(file_fd, 0)
+        os.pwrite(file_fd, str(os.getpid()).encode(), 0)
+    except BaseException:
+        if file_fd >= 0:
+            os.close(file_fd)
+        os.close(dir_fd)
+        raise
+    return _WriterLock(dir_fd, file_fd)
+
+
+def _release_lock(lock: _WriterLock) -> None:
+    for fd in (lock.file_fd, lock.dir_fd):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _lock_holder(directory: Path, dir_fd: int) -> str:
+    """Who holds the writer lock: the pid in LOCK, else the flock's owner per
+    /proc/locks (the LOCK file may have been removed under the writer)."""
+    try:
+        with open(directory / LOCK_NAME, "rb") as f:
+            pid = f.read(64).decode("ascii", "replace").strip()
+        if pid:
+            return f"pid {pid}, per {directory / LOCK_NAME}"
+    except FileNotFoundError:
+        pass
+    st = os.fstat(dir_fd)
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == want:
+                    return f"pid {fields[4]}, per /proc/locks; its {LOCK_NAME} file is missing"
+    except OSError:
+        pass
+    return f"holder unknown: no pid in {directory / LOCK_NAME}"
 
 
 # ---------------------------------------------------------------- readers
@@ -1362,14 +1409,13 @@ def verify_log(path: str | os.PathLike, repair: bool = False, *, max_record_byte
         # Cut only from a scan taken under the writer lock: since the unlocked
         # scan a writer may have opened (recovering the tail itself), appended
         # and acknowledged records, which a cut at the stale position destroys.
-        lock_fd = _acquire_lock(directory)
+        lock = _acquire_lock(directory)
         try:
             rep = _scan(directory, max_record_bytes)
             if rep.status == "torn":
                 _repair_tail(directory, rep)
         finally:
-            fcntl.flock(lock_fd, fcntl.LOCK_UN)
-            os.close(lock_fd)
+            _release_lock(lock)
     return rep
 
 

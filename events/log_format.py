@@ -7,7 +7,7 @@ Layout of a log directory::
     00000000000000004096.seg
     DURABLE                    durable watermark: (next durable LSN, epoch)
     INDEX                      checkpoint: sequence state + sparse index
-    LOCK                       flock'd by the one writer
+    LOCK                       flock'd by the one writer (with the directory itself); holds its pid
 
 Segment header (32 bytes)::
 
