@@ -17,7 +17,8 @@ Durability and visibility (the follower contract):
   window) or ``never`` (written, the OS decides when it reaches disk;
   segment seals and close still sync).
 * The writer rewrites ``DURABLE`` only after the records below it are
-  synced (written, under ``never``). Readers and followers never yield a
+  synced (written, under ``never``: then it is marked unsynced, and recovery
+  takes it as a hint, not as proof that those records reached the disk). Readers and followers never yield a
   record at or past it, so a follower in another process only ever sees
   durable records even though it can see bytes still in flight.
 * Each writer open starts a new segment (lazily, at its first append) whose
@@ -59,6 +60,7 @@ from .log_format import (
     FRAME_CRC,
     HEAD,
     TYPE_RECORD,
+    Watermark,
     _crc_extend,
     _crc_value,
     DURABLE_NAME,
@@ -82,7 +84,7 @@ from .log_format import (
     pack_durable,
     pack_segment_header,
     parse_segment_header,
-    read_durable,
+    read_watermark,
     segment_name,
     write_atomic,
 )
@@ -198,6 +200,13 @@ def _classify_bad(
     return LogCorruption(f"{where}; {why}", segment=name, offset=bad.offset, last_good_lsn=expected - 1)
 
 
+def _proof(durable: Watermark | None) -> int | None:
+    """The watermark recovery and verify may hold the log to: only one whose
+    records were synced (under fsync="never" a power loss can keep the
+    watermark and drop the data it covers)."""
+    return durable.lsn if durable is not None and durable.synced else None
+
+
 def _head(path: Path) -> bytes:
     """The first SEG_HDR_SIZE bytes of a file (a segment may be 64 MiB)."""
     with open(path, "rb") as f:
@@ -277,6 +286,8 @@ class _Cursor:
         self.name = ""
         self.scanner: SegmentScanner | None = None
         self.torn: BadFrame | None = None
+        #: The limit is a watermark written under fsync="never" (not synced).
+        self.unsynced_limit = False
 
     def close(self) -> None:
         if self.fd is not None:
@@ -341,9 +352,15 @@ class _Cursor:
             where, offset = f"segment {self.name} has no complete header", 0
         else:
             where, offset = "no segment files exist", 0
+        hint = (
+            "; the watermark was written under fsync=\"never\" and never synced, so a power loss explains "
+            "this: reopening the log as its writer keeps what was synced"
+            if self.unsynced_limit
+            else ""
+        )
         raise LogCorruption(
             f"log {self.dir}: {where} (last good lsn {nxt - 1}), but the durable watermark says "
-            f"lsn {nxt}..{limit - 1} were acknowledged; they are missing",
+            f"lsn {nxt}..{limit - 1} were acknowledged; they are missing{hint}",
             segment=self.name,
             offset=offset,
             last_good_lsn=nxt - 1,
@@ -486,7 +503,7 @@ class FileLog(EventLog):
         self._cur_seg: int | None = None
         self._unsynced = False
         self._last_sync = time.monotonic()
-        self._published = -1
+        self._published: tuple[int, bool] | None = None
         # Submission-side state (under _cv).
         self._assigned = 0  # next LSN to hand out
         self._acked = 0  # records below this are acknowledged
@@ -550,10 +567,12 @@ class FileLog(EventLog):
     def _recover(self, salvage: bool) -> None:
         d = self._dir
         segs = list_segments(d)
-        durable = read_durable(d)
-        watermark = durable[0] if durable else None
+        durable = read_watermark(d)
+        watermark = _proof(durable)
+        if durable is not None and watermark is None:
+            self._log.info("log.recovery.watermark_unsynced", watermark=durable.lsn, reason="written under fsync=never; a hint, not proof")
         ckpt, why = load_checkpoint(d)
-        epoch = max(durable[1] if durable else 0, ckpt.epoch if ckpt else 0)
+        epoch = max(durable.epoch if durable else 0, ckpt.epoch if ckpt else 0)
         state: dict[str, int] = {}
         index: dict[int, list[tuple[int, int]]] = {}
         start_i, offset, expected = 0, SEG_HDR_SIZE, segs[0] if segs else 0
@@ -751,11 +770,13 @@ class FileLog(EventLog):
             return
         write_atomic(self._dir, INDEX_NAME, pack_checkpoint(ckpt))
 
-    def _publish(self, end: int) -> None:
-        """Advance the DURABLE watermark readers in other processes trust."""
-        if end != self._published:
-            self._os.pwrite(self._durable_fd, pack_durable(end, self._epoch), 0)
-            self._published = end
+    def _publish(self, end: int, *, synced: bool = True) -> None:
+        """Advance the DURABLE watermark readers in other processes trust.
+        ``synced=False`` (fsync="never"): the records below ``end`` were only
+        written, so recovery takes the watermark as a hint, not as proof."""
+        if (end, synced) != self._published:
+            self._os.pwrite(self._durable_fd, pack_durable(end, self._epoch, synced=synced), 0)
+            self._published = (end, synced)
 
     # ------------------------------------------------------------ interface
 
@@ -1004,7 +1025,7 @@ class FileLog(EventLog):
         end = subs[-1].end
         policy = self._policy
         if policy == "never":
-            self._publish(end)
+            self._publish(end, synced=False)
         elif policy == "interval" and time.monotonic() - self._last_sync < self._interval_s:
             self._unsynced = True
         else:
@@ -1320,9 +1341,10 @@ def read_log(
     tail ends the iteration; corruption raises LogCorruption.
     """
     directory = _existing_log_dir(path)
-    durable = read_durable(directory) if durable_only else None
-    limit = durable[0] if durable else None
+    durable = read_watermark(directory) if durable_only else None
+    limit = durable.lsn if durable else None
     cur = _Cursor(directory, from_lsn, max_record_bytes, _load_index_hint(directory), raw)
+    cur.unsynced_limit = durable is not None and not durable.synced
     try:
         yield from cur.records(limit)
     finally:
@@ -1344,8 +1366,9 @@ async def follow_log(
     cur = _Cursor(directory, from_lsn, max_record_bytes, None, raw)
     try:
         while True:
-            durable = read_durable(directory)
-            limit = durable[0] if durable else 0
+            durable = read_watermark(directory)
+            limit = durable.lsn if durable else 0
+            cur.unsynced_limit = durable is not None and not durable.synced
             n = 0
             if limit > cur.next_lsn:
                 for env in cur.records(limit):
@@ -1423,8 +1446,7 @@ def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
     """The checks of :func:`verify_log`, changing nothing."""
     from tqdm import tqdm
 
-    durable = read_durable(directory)
-    watermark = durable[0] if durable else None
+    watermark = _proof(read_watermark(directory))
     segs = list_segments(directory)
     rep = VerifyReport(path=str(directory), status="ok", segments=len(segs))
     expected = segs[0] if segs else 0
