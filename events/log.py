@@ -44,6 +44,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import resource
 import threading
 import time
 from pathlib import Path
@@ -66,6 +67,7 @@ from .log_format import (
     DURABLE_NAME,
     ENV_HDR,
     FLAG_TERMINAL,
+    FRAME_OVERHEAD,
     INDEX_EVERY_BYTES,
     INDEX_NAME,
     LOCK_NAME,
@@ -160,6 +162,46 @@ class RawRecord(NamedTuple):
 class _NewSegment(NamedTuple):
     first_lsn: int
     checkpoint: Checkpoint | None
+    spare: "_Spare | None"  # the file opened for it ahead of need
+
+
+class _Spare(NamedTuple):
+    """A segment file opened ahead of need under a temporary name, so that a
+    rotation never needs a new descriptor at a bad moment (EMFILE)."""
+
+    fd: int
+    tmp: str
+
+
+#: Temporary names of spare segment files (readers ignore dot files).
+_SPARE_PREFIX = ".spare-segment-"
+#: Open the next segment's file once the current one is this full.
+_SPARE_AHEAD_FILL = 0.75
+_NOFILE_RAISED = False
+
+
+def _raise_nofile_limit() -> None:
+    """Once per process: raise the soft RLIMIT_NOFILE to the hard limit, so a
+    burst of connections does not starve the writer of descriptors."""
+    global _NOFILE_RAISED
+    if _NOFILE_RAISED:
+        return
+    _NOFILE_RAISED = True
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:  # Linux caps the descriptor table at fs.nr_open; "infinity" is refused
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            target = soft
+    if soft == resource.RLIM_INFINITY or target <= soft:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        log.debug("log.nofile_limit.unchanged", soft=soft, hard=hard, error=repr(exc))
+        return
+    log.debug("log.nofile_limit.raised", soft_was=soft, soft=target, hard=hard)
 
 
 class _Submission(NamedTuple):
@@ -475,9 +517,13 @@ class FileLog(EventLog):
         self._interval_s = interval_s
         self._os = os_ops or OsOps()
         self._log = log.bind(log_dir=str(directory))
+        _raise_nofile_limit()
         self._lock: _WriterLock | None = _acquire_lock(directory)
         try:
             self._init_state()
+            for name in os.listdir(directory):
+                if name.startswith(_SPARE_PREFIX):  # left by a writer that crashed
+                    os.unlink(directory / name)
             self._recover(salvage)
         except BaseException:
             self._release_fds()
@@ -512,8 +558,11 @@ class FileLog(EventLog):
         self._last_index_off = 0
         self._segments: list[int] = []
         self._index: dict[int, list[tuple[int, int]]] = {}
+        self._spares: collections.deque[_Spare] = collections.deque()  # under _cv
+        self._spare_count = 0
 
     def _release_fds(self) -> None:
+        self._discard_spares(getattr(self, "_spares", ()))
         for attr in ("_seg_fd", "_durable_fd"):
             fd = getattr(self, attr, None)
             if fd is not None:
@@ -829,6 +878,10 @@ class FileLog(EventLog):
         starts: list[int] = []
         lens: list[int] = []
         big = False
+        # The segment accounting of the staging loop below, run ahead so that
+        # the files of new segments are opened before any state changes.
+        seg_limit = self._segment_bytes
+        sim_open, sim_size, rotations = self._seg_first is not None, self._seg_size, 0
         for rec in checked:
             body = rec.body
             if type(body) not in event_types:
@@ -848,6 +901,12 @@ class FileLog(EventLog):
             starts.append(start)
             lens.append(n)
             big = big or n >= _BIG_PAYLOAD
+            frame = FRAME_OVERHEAD + len(sidb) + n
+            if not sim_open or (sim_size > SEG_HDR_SIZE and sim_size + frame > seg_limit):
+                rotations += 1
+                sim_open, sim_size = True, SEG_HDR_SIZE
+            sim_size += frame
+        self._reserve_spares(rotations, sim_size)
         view = memoryview(buf)  # pins the buffer: it never moves or grows again
         ptr_crc = _PTR_CRC if big else None
         addr = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if ptr_crc is not None else 0
@@ -860,7 +919,6 @@ class FileLog(EventLog):
         seg_first, seg_size, last_idx = self._seg_first, self._seg_size, self._last_index_off
         run: list = []
         ops: list = [run]
-        seg_limit = self._segment_bytes
         next_seq = self._next_seq
         terminal_types = _TERMINAL_SET
         head_pack, crc_pack, crc_value, crc_extend = HEAD.pack, FRAME_CRC.pack, _crc_value, _crc_extend
@@ -920,10 +978,59 @@ class FileLog(EventLog):
                 # Sealed segments' lists never change again; the new one gets its own copy.
                 index={k: (v if k != lsn else [(lsn, SEG_HDR_SIZE)]) for k, v in self._index.items()},
             )
-        ops.append(_NewSegment(lsn, ckpt))
+        ops.append(_NewSegment(lsn, ckpt, self._spares.popleft() if self._spares else None))
         run: list = []
         ops.append(run)
         return run
+
+    def _open_spare(self) -> None:
+        """Under _cv: open one more spare segment file."""
+        self._spare_count += 1
+        tmp = f"{_SPARE_PREFIX}{self._spare_count}.tmp"
+        fd = os.open(self._dir / tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._spares.append(_Spare(fd, tmp))
+
+    def _reserve_spares(self, needed: int, end_size: int) -> None:
+        """Under _cv, before a batch changes any state: make sure the files of
+        the ``needed`` segments it starts are open. Out of descriptors
+        (EMFILE/ENFILE) the batch is refused with LogError and the log stays
+        healthy: the caller may retry once descriptors are freed. One more is
+        opened ahead of need once the segment is filling, best effort."""
+        while len(self._spares) < needed:
+            try:
+                self._open_spare()
+            except OSError as exc:
+                raise LogError(
+                    f"log {self._dir}: append refused, nothing was written: cannot open a file for a new "
+                    f"segment ({errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or exc})"
+                    + ("; free file descriptors and retry, the log is healthy" if exc.errno in (errno.EMFILE, errno.ENFILE) else "")
+                ) from exc
+        if len(self._spares) == needed and end_size >= _SPARE_AHEAD_FILL * self._segment_bytes:
+            try:
+                self._open_spare()
+            except OSError as exc:  # only ahead of need: the batch that needs it reserves it or is refused
+                self._log.warning("log.segment.spare_unavailable", error=repr(exc))
+
+    def _discard_spares(self, spares: Iterable[_Spare]) -> None:
+        """Close and remove spare segment files that will not be used."""
+        for spare in list(spares):
+            os.close(spare.fd)
+            try:
+                os.unlink(self._dir / spare.tmp)
+            except FileNotFoundError:
+                pass
+        if isinstance(spares, collections.deque):
+            spares.clear()
+
+    def _unused_spares(self, subs: Iterable[_Submission]) -> list[_Spare]:
+        """Spares staged in ``subs`` for segments not started yet."""
+        cur = -1 if self._cur_seg is None else self._cur_seg
+        return [
+            op.spare
+            for sub in subs
+            for op in sub.ops
+            if type(op) is _NewSegment and op.spare is not None and op.first_lsn > cur
+        ]
 
     def append_batch(self, records: Iterable[PendingRecord | tuple]) -> list[Envelope]:
         """Append records atomically in order; returns their envelopes once
@@ -983,6 +1090,7 @@ class FileLog(EventLog):
                     self._flushing = False
                 if failure is not None:
                     self._go_fatal(failure)
+                    self._discard_spares(self._unused_spares(subs))
                     cv.notify_all()
                     raise self._dead() from failure
                 self._acked = subs[-1].end
@@ -1041,14 +1149,30 @@ class FileLog(EventLog):
             os.close(self._seg_fd)
             self._seg_fd = None
         name = segment_name(op.first_lsn)
-        self._seg_fd = os.open(self._dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self._cur_seg = op.first_lsn
         # The header becomes durable with the batch's fdatasync; the directory
         # entry needs its own fsync before anything in the file is acknowledged.
-        self._write_all([pack_segment_header(self._epoch, op.first_lsn)])
-        fsync_dir(self._dir)
+        # The file was opened ahead of need (no new descriptor now): it gets
+        # its header, then its name (link, never overwriting a segment).
+        if op.spare is None:  # not reserved: only if the accounting above were wrong
+            self._seg_fd = os.open(self._dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            self._cur_seg = op.first_lsn
+            self._write_all([pack_segment_header(self._epoch, op.first_lsn)])
+        else:
+            self._seg_fd = op.spare.fd
+            self._cur_seg = op.first_lsn
+            self._write_all([pack_segment_header(self._epoch, op.first_lsn)])
+            os.link(self._dir / op.spare.tmp, self._dir / name)
+            os.unlink(self._dir / op.spare.tmp)
+        os.fsync(self._lock.dir_fd)
         if op.checkpoint is not None:
-            self._write_checkpoint(op.checkpoint)
+            try:
+                self._write_checkpoint(op.checkpoint)
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                # Only an optimisation: the previous INDEX stays valid (recovery
+                # scans on from it), so a lack of descriptors must not kill the log.
+                self._log.warning("log.checkpoint.skipped", segment=name, error=repr(exc))
         self._log.debug("log.segment.created", segment=name, epoch=self._epoch)
 
     def _go_fatal(self, exc: BaseException) -> None:
@@ -1063,6 +1187,7 @@ class FileLog(EventLog):
                 f"reopen the log to recover"
             )
             self._log.error("log.writer.fatal", error=repr(exc), segment=seg, acked_lsn=self._acked)
+        self._discard_spares(self._unused_spares(self._pending))
         self._pending.clear()
         err = self._dead()
         by_loop: dict[Any, list] = {}

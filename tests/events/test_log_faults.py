@@ -204,20 +204,25 @@ def test_an_unexpected_error_in_the_writer_thread_is_fatal_and_loud_not_silent(t
 class PowerCutOps(OsOps):
     """Real OS calls that remember what every file the writer writes held at
     its last sync; ``power_cut`` rolls each back to that, as a power loss
-    may. Unlike SIGKILL (the page cache survives) this loses unsynced writes."""
+    may. Unlike SIGKILL (the page cache survives) this loses unsynced writes.
+    Files are known by inode: the writer names a segment file after opening it."""
 
     def __init__(self) -> None:
-        self.synced: dict[str, bytes] = {}  # path -> contents at its last sync
+        self.synced: dict[int, bytes] = {}  # inode -> contents at its last sync
         self.dead = False
 
-    def _track(self, fd: int) -> str:
+    @staticmethod
+    def _contents(fd: int) -> bytes:
+        with open(f"/proc/self/fd/{fd}", "rb") as f:  # the same file, readable
+            return f.read()
+
+    def _track(self, fd: int) -> int:
         if self.dead:
             raise OSError(errno.EIO, "injected: the power is off")
-        path = os.readlink(f"/proc/self/fd/{fd}")
-        if path not in self.synced:  # what it held before this writer wrote to it
-            with open(path, "rb") as f:
-                self.synced[path] = f.read()
-        return path
+        ino = os.fstat(fd).st_ino
+        if ino not in self.synced:  # what it held before this writer wrote to it
+            self.synced[ino] = self._contents(fd)
+        return ino
 
     def writev(self, fd, buffers):
         self._track(fd)
@@ -228,19 +233,19 @@ class PowerCutOps(OsOps):
         return super().pwrite(fd, data, offset)
 
     def fdatasync(self, fd):
-        path = self._track(fd)
+        ino = self._track(fd)
         super().fdatasync(fd)
-        with open(path, "rb") as f:
-            self.synced[path] = f.read()
+        self.synced[ino] = self._contents(fd)
 
-    def power_cut(self, *, watermark_reached_disk: bool) -> None:
+    def power_cut(self, directory, *, watermark_reached_disk: bool) -> None:
         """Drop every unsynced write. ``watermark_reached_disk``: the OS had
         happened to write DURABLE back (a 20-byte page) but not the data."""
         self.dead = True
-        for path, data in self.synced.items():
-            if watermark_reached_disk and os.path.basename(path) == "DURABLE":
+        for entry in os.scandir(directory):
+            data = self.synced.get(entry.inode())
+            if data is None or (watermark_reached_disk and entry.name == "DURABLE"):
                 continue
-            with open(path, "wb") as f:
+            with open(entry.path, "wb") as f:
                 f.write(data)
 
 
@@ -256,7 +261,7 @@ def test_a_power_cut_loses_only_unsynced_records_and_the_log_reopens(tmp_path, p
     segs = list_segments(d)
     assert len(segs) >= 3, "the test needs sealed (synced) segments and an open one"
     sealed = [e for e in acked if e.lsn < segs[-1]]  # sealing a segment syncs it
-    ops.power_cut(watermark_reached_disk=watermark_reached_disk)
+    ops.power_cut(d, watermark_reached_disk=watermark_reached_disk)
     with pytest.raises(LogClosed, match="power is off"):
         lg.close()
     on_disk = list(read_log(d, durable_only=False))  # every whole record the synced bytes hold
@@ -286,3 +291,116 @@ def test_a_never_writer_marks_its_watermark_unsynced_until_close(tmp_path):
     assert len(list(read_log(d))) == 4  # readers still follow it
     lg.close()
     assert read_watermark(d) == (4, 1, True)
+
+
+_EMFILE_CHILD = r"""
+import errno, json, os, resource, sys
+sys.path.insert(0, sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))  # hard too: the writer may raise the soft one
+from events.log import FileLog, LogClosed, verify_log
+from events.log_api import LogError
+from events.types import SessionOpened
+
+d = sys.argv[1]
+lg = FileLog.open(d, segment_bytes=1024)
+opened = SessionOpened(group_id="g", group_size=1)
+acked, report = [], {"refused": [], "rotations_while_exhausted": 0}
+
+def append(i):
+    acked.extend(lg.append_batch([(f"s{i}", 0, opened)]))
+
+i = 0
+for _ in range(5):
+    append(i); i += 1
+hog = []
+
+def grab():  # take every free descriptor, as a burst of connections would
+    while True:
+        try:
+            hog.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError as exc:
+            assert exc.errno == errno.EMFILE, exc
+            return
+
+exhausted_at = lg.next_lsn
+for _ in range(200):  # far more than a segment holds: rotations are forced
+    grab()  # also the one a sealed segment gave back
+    lsn_before = lg.next_lsn
+    try:
+        append(i)
+    except LogClosed as exc:
+        print(json.dumps({"fatal": str(exc)})); sys.exit(1)
+    except LogError as exc:
+        assert lg.next_lsn == lsn_before and lg.next_seq(f"s{i}") == 0, "a refused append changed state"
+        report["refused"].append(str(exc))
+        break
+    i += 1
+refused_at = lg.next_lsn
+report["fatal_reason"] = lg.fatal_reason
+for fd in hog:
+    os.close(fd)
+from events.log_format import list_segments  # listing a directory takes a descriptor
+from pathlib import Path
+report["rotations_while_exhausted"] = sum(exhausted_at <= s < refused_at for s in list_segments(Path(d)))
+for _ in range(100):  # the same append is taken now, and rotations go on
+    append(i); i += 1
+lg.close()
+report["acked"] = len(acked)
+lg = FileLog.open(d)
+report["read_back"] = [e.lsn for e in lg.read()] == [e.lsn for e in acked]
+lg.close()
+report["verify"] = verify_log(d).status
+print(json.dumps(report))
+"""
+
+
+def test_out_of_descriptors_a_rotation_refuses_the_append_cleanly_and_the_log_stays_healthy(tmp_path):
+    """EMFILE when a new segment is needed: the append is refused with a clear
+    LogError (nothing written, nothing changed), the log is not fatal, and
+    appends succeed again once descriptors are freed. A segment file is
+    opened ahead of need, so the first rotation after exhaustion still works."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    res = subprocess.run(
+        [sys.executable, "-c", _EMFILE_CHILD, str(tmp_path / "log"), root],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=root,
+    )
+    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(report["refused"]) == 1, report
+    assert "append refused, nothing was written" in report["refused"][0]
+    assert "EMFILE" in report["refused"][0] and "retry" in report["refused"][0]
+    assert report["rotations_while_exhausted"] >= 1, "the segment opened ahead of need was not used"
+    assert report["fatal_reason"] is None
+    assert report["read_back"] and report["verify"] == "ok"
+
+
+def test_opening_a_log_for_writing_raises_the_soft_descriptor_limit_to_the_hard_one(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import resource, sys\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
+        "want = hard if hard != resource.RLIM_INFINITY else int(open('/proc/sys/fs/nr_open').read())\n"
+        "from events.log import FileLog\n"
+        "FileLog.open(sys.argv[1]).close()\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], want)\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "log"), root], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    soft, want = map(int, res.stdout.split()[-2:])
+    if want <= 64:
+        pytest.skip(f"the hard limit here is {want}: nothing to raise")
+    assert soft == want
