@@ -5,7 +5,8 @@ The on-disk format is described in :mod:`events.log_format`. In short: a
 directory of segment files named by their first LSN; CRC32C-framed records;
 a ``DURABLE`` watermark that readers in other processes trust; an ``INDEX``
 checkpoint (sequence state of open sessions + sparse offset index) so that
-opening a log does not rescan it; and the one writer's flock on the directory itself (and on its ``LOCK`` file, which names its pid).
+opening a log does not rescan it; and the one writer's flock on the directory
+itself (and on its ``LOCK`` file, which names its pid).
 
 Durability and visibility (the follower contract):
 
