@@ -19,17 +19,23 @@ Durability and visibility (the follower contract):
   segment seals and close still sync).
 * The writer rewrites ``DURABLE`` only after the records below it are
   synced (written, under ``never``: then it is marked unsynced, and recovery
-  takes it as a hint, not as proof that those records reached the disk). Readers and followers never yield a
-  record at or past it, so a follower in another process only ever sees
-  durable records even though it can see bytes still in flight.
+  takes it as a hint, not as proof that those records reached the disk).
+  Readers and followers never yield a record at or past it, so a follower in
+  another process only ever sees durable records even though it can see
+  bytes still in flight; a reader that finds records below it missing raises
+  :class:`LogCorruption` naming the file and the LSN range.
+* A new segment's file is opened ahead of need, so a rotation never needs a
+  new descriptor; an append that would need one when none is free (EMFILE)
+  is refused with :class:`LogError` and the log stays healthy.
 * Each writer open starts a new segment (lazily, at its first append) whose
   header carries the new writer epoch, so a segment's records all come from
   one writer and recovery only ever truncates a segment nobody writes to.
 
 Any ``OSError`` from write or fsync, and any unexpected exception in the
 writer thread, makes the writer fatal: every pending and later append raises
-:class:`LogClosed` naming the cause, and ``fatal_reason`` reports it. Nothing is retried in
-place (after a failed fsync the page cache may no longer hold the data).
+:class:`LogClosed` naming the cause, and ``fatal_reason`` reports it. Nothing
+is retried in place (after a failed fsync the page cache may no longer hold
+the data).
 Reopening recovers: it keeps the longest valid prefix and truncates a torn
 tail. A damaged frame followed by valid ones, or one below the durable
 watermark, is corruption: :class:`LogCorruption` names segment, offset and
@@ -179,6 +185,7 @@ _SPARE_PREFIX = ".spare-segment-"
 #: Open the next segment's file once the current one is this full.
 _SPARE_AHEAD_FILL = 0.75
 _NOFILE_RAISED = False
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
 
 
 def _raise_nofile_limit() -> None:
@@ -620,7 +627,9 @@ class FileLog(EventLog):
         durable = read_watermark(d)
         watermark = _proof(durable)
         if durable is not None and watermark is None:
-            self._log.info("log.recovery.watermark_unsynced", watermark=durable.lsn, reason="written under fsync=never; a hint, not proof")
+            self._log.info(
+                "log.recovery.watermark_unsynced", watermark=durable.lsn, reason="written under fsync=never: a hint, not proof"
+            )
         ckpt, why = load_checkpoint(d)
         epoch = max(durable.epoch if durable else 0, ckpt.epoch if ckpt else 0)
         state: dict[str, int] = {}
@@ -1004,7 +1013,7 @@ class FileLog(EventLog):
                 raise LogError(
                     f"log {self._dir}: append refused, nothing was written: cannot open a file for a new "
                     f"segment ({errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or exc})"
-                    + ("; free file descriptors and retry, the log is healthy" if exc.errno in (errno.EMFILE, errno.ENFILE) else "")
+                    + ("; free file descriptors and retry, the log is healthy" if exc.errno in _OUT_OF_FDS else "")
                 ) from exc
         if len(self._spares) == needed and end_size >= _SPARE_AHEAD_FILL * self._segment_bytes:
             try:
@@ -1169,7 +1178,7 @@ class FileLog(EventLog):
             try:
                 self._write_checkpoint(op.checkpoint)
             except OSError as exc:
-                if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                if exc.errno not in _OUT_OF_FDS:
                     raise
                 # Only an optimisation: the previous INDEX stays valid (recovery
                 # scans on from it), so a lack of descriptors must not kill the log.
