@@ -20,7 +20,8 @@ opens. A filter miss proves the id is fresh (no false negatives). A hit is
 confirmed exactly: first against the live sessions and the recently ended
 cache, then by a sparse scan of the log in a worker thread (expected only for
 ~3.4e-7 of fresh ids). So refusals are exact and memory stays fixed up to the
-filter's capacity.
+filter's capacity. The sessions a crashed process left open are taken from the
+log's exact open-session map, never from the filter-gated fold.
 """
 
 from __future__ import annotations
