@@ -888,10 +888,6 @@ class FileLog(EventLog):
         starts: list[int] = []
         lens: list[int] = []
         big = False
-        # The segment accounting of the staging loop below, run ahead so that
-        # the files of new segments are opened before any state changes.
-        seg_limit = self._segment_bytes
-        sim_open, sim_size, rotations = self._seg_first is not None, self._seg_size, 0
         for rec in checked:
             body = rec.body
             if type(body) not in event_types:
@@ -911,12 +907,7 @@ class FileLog(EventLog):
             starts.append(start)
             lens.append(n)
             big = big or n >= _BIG_PAYLOAD
-            frame = FRAME_OVERHEAD + len(sidb) + n
-            if not sim_open or (sim_size > SEG_HDR_SIZE and sim_size + frame > seg_limit):
-                rotations += 1
-                sim_open, sim_size = True, SEG_HDR_SIZE
-            sim_size += frame
-        self._reserve_spares(rotations, sim_size)
+        self._reserve_spares(*self._segments_needed(FRAME_OVERHEAD + len(sidb) + n for sidb, n in zip(sids, lens)))
         view = memoryview(buf)  # pins the buffer: it never moves or grows again
         ptr_crc = _PTR_CRC if big else None
         addr = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if ptr_crc is not None else 0
@@ -929,6 +920,7 @@ class FileLog(EventLog):
         seg_first, seg_size, last_idx = self._seg_first, self._seg_size, self._last_index_off
         run: list = []
         ops: list = [run]
+        seg_limit = self._segment_bytes
         next_seq = self._next_seq
         terminal_types = _TERMINAL_SET
         head_pack, crc_pack, crc_value, crc_extend = HEAD.pack, FRAME_CRC.pack, _crc_value, _crc_extend
@@ -992,6 +984,19 @@ class FileLog(EventLog):
         run: list = []
         ops.append(run)
         return run
+
+    def _segments_needed(self, frame_sizes: Iterable[int]) -> tuple[int, int]:
+        """The segment accounting of ``_submit``'s staging loop, run ahead so
+        that the files of new segments are opened before any state changes:
+        (segments a batch of these frames starts, bytes in the last one after it)."""
+        limit = self._segment_bytes
+        started, size, rotations = self._seg_first is not None, self._seg_size, 0
+        for frame in frame_sizes:
+            if not started or (size > SEG_HDR_SIZE and size + frame > limit):
+                rotations += 1
+                started, size = True, SEG_HDR_SIZE
+            size += frame
+        return rotations, size
 
     def _open_spare(self) -> None:
         """Under _cv: open one more spare segment file."""
