@@ -20,7 +20,8 @@ opens. A filter miss proves the id is fresh (no false negatives). A hit is
 confirmed exactly: first against the live sessions and the recently ended
 cache, then by a sparse scan of the log in a worker thread (expected only for
 ~3.4e-7 of fresh ids). So refusals are exact and memory stays fixed up to the
-filter's capacity.
+filter's capacity. The sessions a crashed process left open are taken from the
+log's exact open-session map, never from the filter-gated fold.
 """
 
 from __future__ import annotations
@@ -445,24 +446,30 @@ class SessionEngine:
         self._ids = st.ids
         for sid, (state, _lsn) in st.recent.items():
             self._recent[sid] = state
-        orphans = st.open_sessions()
+        # The orphans come from the log's exact open-session map, not from the
+        # fold: the fold skips a session whose id is a Bloom-filter false
+        # positive (it reports it as a reused id), and such a session, left
+        # open here, would never be aborted and its group never released.
+        folded = st.open_sessions()
+        orphans = self._log_.open_sessions()
         if not orphans:
             return
         records = []
-        for sid, (state, seq) in sorted(orphans.items()):
-            log_seq = self._log_.next_seq(sid)
-            if log_seq != seq:
+        was: dict[str, str] = {}
+        for sid, seq in sorted(orphans.items()):
+            state, fold_seq = folded.get(sid, ("open (untracked by the lifecycle fold)", seq))
+            was[sid] = str(state)
+            if fold_seq != seq:
                 # The log enforces its own sequence; a mismatch means the fold saw a violation here.
-                _log.warning("engine.restart_seq_mismatch", session_id=sid, reducer_seq=seq, log_seq=log_seq)
-                seq = log_seq
+                _log.warning("engine.restart_seq_mismatch", session_id=sid, reducer_seq=fold_seq, log_seq=seq)
             body = SessionAborted(
                 reason=RESTART_REASON,
                 error=f"left {state} by a previous engine process; aborted when a new engine opened the log",
             )
             records.append((sid, seq, body))
         self._log_.append_batch(records)
-        for sid, (state, _seq) in sorted(orphans.items()):
-            _log.warning("session.aborted", session_id=sid, reason=RESTART_REASON, was=str(state))
+        for sid in sorted(orphans):
+            _log.warning("session.aborted", session_id=sid, reason=RESTART_REASON, was=was[sid])
             self._remember(sid, State.ABORTED)
             gid = in_groups.pop(sid, None)
             if gid is not None:

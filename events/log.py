@@ -5,7 +5,8 @@ The on-disk format is described in :mod:`events.log_format`. In short: a
 directory of segment files named by their first LSN; CRC32C-framed records;
 a ``DURABLE`` watermark that readers in other processes trust; an ``INDEX``
 checkpoint (sequence state of open sessions + sparse offset index) so that
-opening a log does not rescan it; and a ``LOCK`` file held by the one writer.
+opening a log does not rescan it; and the one writer's flock on the directory
+itself (and on its ``LOCK`` file, which names its pid).
 
 Durability and visibility (the follower contract):
 
@@ -17,16 +18,24 @@ Durability and visibility (the follower contract):
   window) or ``never`` (written, the OS decides when it reaches disk;
   segment seals and close still sync).
 * The writer rewrites ``DURABLE`` only after the records below it are
-  synced (written, under ``never``). Readers and followers never yield a
-  record at or past it, so a follower in another process only ever sees
-  durable records even though it can see bytes still in flight.
+  synced (written, under ``never``: then it is marked unsynced, and recovery
+  takes it as a hint, not as proof that those records reached the disk).
+  Readers and followers never yield a record at or past it, so a follower in
+  another process only ever sees durable records even though it can see
+  bytes still in flight; a reader that finds records below it missing raises
+  :class:`LogCorruption` naming the file and the LSN range.
+* A new segment's file is opened ahead of need, so a rotation never needs a
+  new descriptor; an append that would need one when none is free (EMFILE)
+  is refused with :class:`LogError` and the log stays healthy.
 * Each writer open starts a new segment (lazily, at its first append) whose
   header carries the new writer epoch, so a segment's records all come from
   one writer and recovery only ever truncates a segment nobody writes to.
 
-Any ``OSError`` from write or fsync makes the writer fatal: every pending and
-later append raises :class:`LogClosed` naming the cause. Nothing is retried in
-place (after a failed fsync the page cache may no longer hold the data).
+Any ``OSError`` from write or fsync, and any unexpected exception in the
+writer thread, makes the writer fatal: every pending and later append raises
+:class:`LogClosed` naming the cause, and ``fatal_reason`` reports it. Nothing
+is retried in place (after a failed fsync the page cache may no longer hold
+the data).
 Reopening recovers: it keeps the longest valid prefix and truncates a torn
 tail. A damaged frame followed by valid ones, or one below the durable
 watermark, is corruption: :class:`LogCorruption` names segment, offset and
@@ -42,6 +51,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import resource
 import threading
 import time
 from pathlib import Path
@@ -58,11 +68,13 @@ from .log_format import (
     FRAME_CRC,
     HEAD,
     TYPE_RECORD,
+    Watermark,
     _crc_extend,
     _crc_value,
     DURABLE_NAME,
     ENV_HDR,
     FLAG_TERMINAL,
+    FRAME_OVERHEAD,
     INDEX_EVERY_BYTES,
     INDEX_NAME,
     LOCK_NAME,
@@ -81,7 +93,7 @@ from .log_format import (
     pack_durable,
     pack_segment_header,
     parse_segment_header,
-    read_durable,
+    read_watermark,
     segment_name,
     write_atomic,
 )
@@ -157,6 +169,47 @@ class RawRecord(NamedTuple):
 class _NewSegment(NamedTuple):
     first_lsn: int
     checkpoint: Checkpoint | None
+    spare: "_Spare | None"  # the file opened for it ahead of need
+
+
+class _Spare(NamedTuple):
+    """A segment file opened ahead of need under a temporary name, so that a
+    rotation never needs a new descriptor at a bad moment (EMFILE)."""
+
+    fd: int
+    tmp: str
+
+
+#: Temporary names of spare segment files (readers ignore dot files).
+_SPARE_PREFIX = ".spare-segment-"
+#: Open the next segment's file once the current one is this full.
+_SPARE_AHEAD_FILL = 0.75
+_NOFILE_RAISED = False
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
+
+
+def _raise_nofile_limit() -> None:
+    """Once per process: raise the soft RLIMIT_NOFILE to the hard limit, so a
+    burst of connections does not starve the writer of descriptors."""
+    global _NOFILE_RAISED
+    if _NOFILE_RAISED:
+        return
+    _NOFILE_RAISED = True
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:  # Linux caps the descriptor table at fs.nr_open; "infinity" is refused
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            target = soft
+    if soft == resource.RLIM_INFINITY or target <= soft:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        log.debug("log.nofile_limit.unchanged", soft=soft, hard=hard, error=repr(exc))
+        return
+    log.debug("log.nofile_limit.raised", soft_was=soft, soft=target, hard=hard)
 
 
 class _Submission(NamedTuple):
@@ -195,6 +248,13 @@ def _classify_bad(
             return None
         why = f"a valid frame follows at offset {later}, so this is not a torn tail"
     return LogCorruption(f"{where}; {why}", segment=name, offset=bad.offset, last_good_lsn=expected - 1)
+
+
+def _proof(durable: Watermark | None) -> int | None:
+    """The watermark recovery and verify may hold the log to: only one whose
+    records were synced (under fsync="never" a power loss can keep the
+    watermark and drop the data it covers)."""
+    return durable.lsn if durable is not None and durable.synced else None
 
 
 def _head(path: Path) -> bytes:
@@ -276,6 +336,8 @@ class _Cursor:
         self.name = ""
         self.scanner: SegmentScanner | None = None
         self.torn: BadFrame | None = None
+        #: The limit is a watermark written under fsync="never" (not synced).
+        self.unsynced_limit = False
 
     def close(self) -> None:
         if self.fd is not None:
@@ -314,6 +376,7 @@ class _Cursor:
             if j >= 0:
                 expected, offset = entries[j]
         if not self._switch(first, offset, expected):
+            self.name = segment_name(first)  # named if the records it should hold are missing
             return False
         if offset != SEG_HDR_SIZE:
             # Trust but verify an index hint: the frame there must carry the LSN.
@@ -326,12 +389,40 @@ class _Cursor:
     def next_lsn(self) -> int:
         return self.scanner.expected if self.scanner else self.from_lsn
 
+    def _check_reached(self, limit: int | None) -> None:
+        """The readable log ends here: raise LogCorruption if that is below
+        ``limit`` (the durable watermark), whose records were acknowledged
+        and so must exist (an emptied, cut or deleted segment)."""
+        nxt = self.next_lsn
+        if limit is None or max(nxt, self.from_lsn) >= limit:
+            return
+        if self.scanner is not None:
+            where, offset = f"segment {self.name} ends at offset {self.scanner.offset}", self.scanner.offset
+        elif self.name:
+            where, offset = f"segment {self.name} has no complete header", 0
+        else:
+            where, offset = "no segment files exist", 0
+        hint = (
+            "; the watermark was written under fsync=\"never\" and never synced, so a power loss explains "
+            "this: reopening the log as its writer keeps what was synced"
+            if self.unsynced_limit
+            else ""
+        )
+        raise LogCorruption(
+            f"log {self.dir}: {where} (last good lsn {nxt - 1}), but the durable watermark says "
+            f"lsn {nxt}..{limit - 1} were acknowledged; they are missing{hint}",
+            segment=self.name,
+            offset=offset,
+            last_good_lsn=nxt - 1,
+        )
+
     def records(self, limit: int | None) -> Iterator:
         """Yield the records available now below ``limit``, then return.
         Records are yielded one by one (not gathered) so that each frame's
         memory is reused as soon as the consumer drops it. Raises
         LogCorruption for damage that is not a torn tail."""
         if self.scanner is None and not self._position():
+            self._check_reached(limit)
             return
         from_lsn = self.from_lsn
         raw = self.raw
@@ -361,19 +452,14 @@ class _Cursor:
                     # An empty segment replaced by a new writer's segment of the same name.
                     try:
                         if os.stat(path).st_ino == self.ino:
+                            self._check_reached(limit)
                             return
                     except FileNotFoundError:
+                        self._check_reached(limit)
                         return
                 if self._switch(nxt, SEG_HDR_SIZE, nxt):
                     continue
-                if limit is not None and nxt < limit:
-                    raise LogCorruption(
-                        f"segment {self.name}: ends at lsn {nxt - 1} but lsn {nxt} is durable "
-                        f"(watermark {limit}) and no segment {segment_name(nxt)} exists",
-                        segment=self.name,
-                        offset=sc.offset,
-                        last_good_lsn=nxt - 1,
-                    )
+                self._check_reached(limit)
                 return
             later = any(s > int(self.name[:20]) for s in list_segments(self.dir))
             err = _classify_bad(self.fd, self.name, size, bad, sc.expected, limit, later, self.cap)
@@ -439,9 +525,13 @@ class FileLog(EventLog):
         self._interval_s = interval_s
         self._os = os_ops or OsOps()
         self._log = log.bind(log_dir=str(directory))
-        self._lock_fd = _acquire_lock(directory)
+        _raise_nofile_limit()
+        self._lock: _WriterLock | None = _acquire_lock(directory)
         try:
             self._init_state()
+            for name in os.listdir(directory):
+                if name.startswith(_SPARE_PREFIX):  # left by a writer that crashed
+                    os.unlink(directory / name)
             self._recover(salvage)
         except BaseException:
             self._release_fds()
@@ -467,7 +557,7 @@ class FileLog(EventLog):
         self._cur_seg: int | None = None
         self._unsynced = False
         self._last_sync = time.monotonic()
-        self._published = -1
+        self._published: tuple[int, bool] | None = None
         # Submission-side state (under _cv).
         self._assigned = 0  # next LSN to hand out
         self._acked = 0  # records below this are acknowledged
@@ -476,18 +566,20 @@ class FileLog(EventLog):
         self._last_index_off = 0
         self._segments: list[int] = []
         self._index: dict[int, list[tuple[int, int]]] = {}
+        self._spares: collections.deque[_Spare] = collections.deque()  # under _cv
+        self._spare_count = 0
 
     def _release_fds(self) -> None:
+        self._discard_spares(getattr(self, "_spares", ()))
         for attr in ("_seg_fd", "_durable_fd"):
             fd = getattr(self, attr, None)
             if fd is not None:
                 os.close(fd)
                 setattr(self, attr, None)
-        fd = getattr(self, "_lock_fd", None)
-        if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-            self._lock_fd = None
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            _release_lock(lock)
+            self._lock = None
 
     # ------------------------------------------------------------ recovery
 
@@ -532,10 +624,14 @@ class FileLog(EventLog):
     def _recover(self, salvage: bool) -> None:
         d = self._dir
         segs = list_segments(d)
-        durable = read_durable(d)
-        watermark = durable[0] if durable else None
+        durable = read_watermark(d)
+        watermark = _proof(durable)
+        if durable is not None and watermark is None:
+            self._log.info(
+                "log.recovery.watermark_unsynced", watermark=durable.lsn, reason="written under fsync=never: a hint, not proof"
+            )
         ckpt, why = load_checkpoint(d)
-        epoch = max(durable[1] if durable else 0, ckpt.epoch if ckpt else 0)
+        epoch = max(durable.epoch if durable else 0, ckpt.epoch if ckpt else 0)
         state: dict[str, int] = {}
         index: dict[int, list[tuple[int, int]]] = {}
         start_i, offset, expected = 0, SEG_HDR_SIZE, segs[0] if segs else 0
@@ -733,11 +829,13 @@ class FileLog(EventLog):
             return
         write_atomic(self._dir, INDEX_NAME, pack_checkpoint(ckpt))
 
-    def _publish(self, end: int) -> None:
-        """Advance the DURABLE watermark readers in other processes trust."""
-        if end != self._published:
-            self._os.pwrite(self._durable_fd, pack_durable(end, self._epoch), 0)
-            self._published = end
+    def _publish(self, end: int, *, synced: bool = True) -> None:
+        """Advance the DURABLE watermark readers in other processes trust.
+        ``synced=False`` (fsync="never"): the records below ``end`` were only
+        written, so recovery takes the watermark as a hint, not as proof."""
+        if (end, synced) != self._published:
+            self._os.pwrite(self._durable_fd, pack_durable(end, self._epoch, synced=synced), 0)
+            self._published = (end, synced)
 
     # ------------------------------------------------------------ interface
 
@@ -814,6 +912,7 @@ class FileLog(EventLog):
             starts.append(start)
             lens.append(n)
             big = big or n >= _BIG_PAYLOAD
+        self._reserve_spares(*self._segments_needed(FRAME_OVERHEAD + len(sidb) + n for sidb, n in zip(sids, lens)))
         view = memoryview(buf)  # pins the buffer: it never moves or grows again
         ptr_crc = _PTR_CRC if big else None
         addr = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if ptr_crc is not None else 0
@@ -886,10 +985,72 @@ class FileLog(EventLog):
                 # Sealed segments' lists never change again; the new one gets its own copy.
                 index={k: (v if k != lsn else [(lsn, SEG_HDR_SIZE)]) for k, v in self._index.items()},
             )
-        ops.append(_NewSegment(lsn, ckpt))
+        ops.append(_NewSegment(lsn, ckpt, self._spares.popleft() if self._spares else None))
         run: list = []
         ops.append(run)
         return run
+
+    def _segments_needed(self, frame_sizes: Iterable[int]) -> tuple[int, int]:
+        """The segment accounting of ``_submit``'s staging loop, run ahead so
+        that the files of new segments are opened before any state changes:
+        (segments a batch of these frames starts, bytes in the last one after it)."""
+        limit = self._segment_bytes
+        started, size, rotations = self._seg_first is not None, self._seg_size, 0
+        for frame in frame_sizes:
+            if not started or (size > SEG_HDR_SIZE and size + frame > limit):
+                rotations += 1
+                started, size = True, SEG_HDR_SIZE
+            size += frame
+        return rotations, size
+
+    def _open_spare(self) -> None:
+        """Under _cv: open one more spare segment file."""
+        self._spare_count += 1
+        tmp = f"{_SPARE_PREFIX}{self._spare_count}.tmp"
+        fd = os.open(self._dir / tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._spares.append(_Spare(fd, tmp))
+
+    def _reserve_spares(self, needed: int, end_size: int) -> None:
+        """Under _cv, before a batch changes any state: make sure the files of
+        the ``needed`` segments it starts are open. Out of descriptors
+        (EMFILE/ENFILE) the batch is refused with LogError and the log stays
+        healthy: the caller may retry once descriptors are freed. One more is
+        opened ahead of need once the segment is filling, best effort."""
+        while len(self._spares) < needed:
+            try:
+                self._open_spare()
+            except OSError as exc:
+                raise LogError(
+                    f"log {self._dir}: append refused, nothing was written: cannot open a file for a new "
+                    f"segment ({errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or exc})"
+                    + ("; free file descriptors and retry, the log is healthy" if exc.errno in _OUT_OF_FDS else "")
+                ) from exc
+        if len(self._spares) == needed and end_size >= _SPARE_AHEAD_FILL * self._segment_bytes:
+            try:
+                self._open_spare()
+            except OSError as exc:  # only ahead of need: the batch that needs it reserves it or is refused
+                self._log.warning("log.segment.spare_unavailable", error=repr(exc))
+
+    def _discard_spares(self, spares: Iterable[_Spare]) -> None:
+        """Close and remove spare segment files that will not be used."""
+        for spare in list(spares):
+            os.close(spare.fd)
+            try:
+                os.unlink(self._dir / spare.tmp)
+            except FileNotFoundError:
+                pass
+        if isinstance(spares, collections.deque):
+            spares.clear()
+
+    def _unused_spares(self, subs: Iterable[_Submission]) -> list[_Spare]:
+        """Spares staged in ``subs`` for segments not started yet."""
+        cur = -1 if self._cur_seg is None else self._cur_seg
+        return [
+            op.spare
+            for sub in subs
+            for op in sub.ops
+            if type(op) is _NewSegment and op.spare is not None and op.first_lsn > cur
+        ]
 
     def append_batch(self, records: Iterable[PendingRecord | tuple]) -> list[Envelope]:
         """Append records atomically in order; returns their envelopes once
@@ -949,6 +1110,7 @@ class FileLog(EventLog):
                     self._flushing = False
                 if failure is not None:
                     self._go_fatal(failure)
+                    self._discard_spares(self._unused_spares(subs))
                     cv.notify_all()
                     raise self._dead() from failure
                 self._acked = subs[-1].end
@@ -991,7 +1153,7 @@ class FileLog(EventLog):
         end = subs[-1].end
         policy = self._policy
         if policy == "never":
-            self._publish(end)
+            self._publish(end, synced=False)
         elif policy == "interval" and time.monotonic() - self._last_sync < self._interval_s:
             self._unsynced = True
         else:
@@ -1007,14 +1169,30 @@ class FileLog(EventLog):
             os.close(self._seg_fd)
             self._seg_fd = None
         name = segment_name(op.first_lsn)
-        self._seg_fd = os.open(self._dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self._cur_seg = op.first_lsn
         # The header becomes durable with the batch's fdatasync; the directory
         # entry needs its own fsync before anything in the file is acknowledged.
-        self._write_all([pack_segment_header(self._epoch, op.first_lsn)])
-        fsync_dir(self._dir)
+        # The file was opened ahead of need (no new descriptor now): it gets
+        # its header, then its name (link, never overwriting a segment).
+        if op.spare is None:  # not reserved: only if the accounting above were wrong
+            self._seg_fd = os.open(self._dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            self._cur_seg = op.first_lsn
+            self._write_all([pack_segment_header(self._epoch, op.first_lsn)])
+        else:
+            self._seg_fd = op.spare.fd
+            self._cur_seg = op.first_lsn
+            self._write_all([pack_segment_header(self._epoch, op.first_lsn)])
+            os.link(self._dir / op.spare.tmp, self._dir / name)
+            os.unlink(self._dir / op.spare.tmp)
+        os.fsync(self._lock.dir_fd)
         if op.checkpoint is not None:
-            self._write_checkpoint(op.checkpoint)
+            try:
+                self._write_checkpoint(op.checkpoint)
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_FDS:
+                    raise
+                # Only an optimisation: the previous INDEX stays valid (recovery
+                # scans on from it), so a lack of descriptors must not kill the log.
+                self._log.warning("log.checkpoint.skipped", segment=name, error=repr(exc))
         self._log.debug("log.segment.created", segment=name, epoch=self._epoch)
 
     def _go_fatal(self, exc: BaseException) -> None:
@@ -1022,12 +1200,14 @@ class FileLog(EventLog):
         if self._fatal is None:
             self._fatal = exc
             seg = segment_name(self._cur_seg) if self._cur_seg is not None else "-"
+            what = "an I/O error" if isinstance(exc, OSError) else "an unexpected error in the writer"
             self._fatal_msg = (
-                f"log {self._dir}: writer is fatal after an I/O error in segment {seg} "
+                f"log {self._dir}: writer is fatal after {what} in segment {seg} "
                 f"({type(exc).__name__}: {exc}); records from lsn {self._acked} on were not acknowledged; "
                 f"reopen the log to recover"
             )
             self._log.error("log.writer.fatal", error=repr(exc), segment=seg, acked_lsn=self._acked)
+        self._discard_spares(self._unused_spares(self._pending))
         self._pending.clear()
         err = self._dead()
         by_loop: dict[Any, list] = {}
@@ -1049,7 +1229,18 @@ class FileLog(EventLog):
             _call_in_loop(loop, _set_futures, items)
 
     def _writer_loop(self) -> None:
-        """The writer thread: group-commits async appends; syncs under ``interval``."""
+        """The writer thread: group-commits async appends; syncs under ``interval``.
+        It never dies silently: anything unexpected makes the log fatal (every
+        waiter fails, ``fatal_reason`` says why) and is logged at critical."""
+        try:
+            self._writer_steps()
+        except BaseException as exc:  # noqa: BLE001 - recorded as the log's fatal reason, never swallowed
+            with self._cv:
+                self._go_fatal(exc)
+                self._cv.notify_all()
+            self._log.critical("log.writer.crashed", error=repr(exc), reason=self._fatal_msg, exc_info=exc)
+
+    def _writer_steps(self) -> None:
         cv = self._cv
         while True:
             with cv:
@@ -1164,7 +1355,7 @@ class FileLog(EventLog):
             raise self._dead() from failure
 
     def __del__(self) -> None:  # a forgotten close must not leave the lock held forever
-        if not getattr(self, "_closed", True) and getattr(self, "_lock_fd", None) is not None:
+        if not getattr(self, "_closed", True) and getattr(self, "_lock", None) is not None:
             try:
                 self.close()
             except Exception:  # noqa: BLE001 - never raise from a finalizer; the writer logged it
@@ -1194,22 +1385,70 @@ def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> 
         log.warning("log.appender_loop_closed", records=len(args[0]))
 
 
-def _acquire_lock(directory: Path) -> int:
-    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+class _WriterLock(NamedTuple):
+    """The writer's hold on a log directory: flocks on the directory itself and on its LOCK file."""
+
+    dir_fd: int
+    file_fd: int
+
+
+def _acquire_lock(directory: Path) -> _WriterLock:
+    """Become the one writer of ``directory`` or raise LogLocked naming the holder.
+
+    The lock is an flock on the directory itself, which nobody can delete or
+    swap out from under a live writer (a LOCK file can be deleted and
+    re-created, and a lock on the new file would let a second writer in). The
+    LOCK file is still locked too (writers of earlier versions lock only it)
+    and holds the writer's pid for humans and for the error message."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    file_fd = -1
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
         try:
-            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-        finally:
-            os.close(fd)
-        raise LogLocked(
-            f"log {directory}: another writer holds {directory / LOCK_NAME} (pid {holder}); "
-            f"one writer per log directory — readers use read_log/follow_log, which need no lock"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            file_fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(file_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LogLocked(
+                f"log {directory}: another writer holds it ({_lock_holder(directory, dir_fd)}); "
+                f"one writer per log directory — readers use read_log/follow_log, which need no lock"
+            ) from None
+        os.ftruncate(file_fd, 0)
+        os.pwrite(file_fd, str(os.getpid()).encode(), 0)
+    except BaseException:
+        if file_fd >= 0:
+            os.close(file_fd)
+        os.close(dir_fd)
+        raise
+    return _WriterLock(dir_fd, file_fd)
+
+
+def _release_lock(lock: _WriterLock) -> None:
+    for fd in (lock.file_fd, lock.dir_fd):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _lock_holder(directory: Path, dir_fd: int) -> str:
+    """Who holds the writer lock: the pid in LOCK, else the flock's owner per
+    /proc/locks (the LOCK file may have been removed under the writer)."""
+    try:
+        with open(directory / LOCK_NAME, "rb") as f:
+            pid = f.read(64).decode("ascii", "replace").strip()
+        if pid:
+            return f"pid {pid}, per {directory / LOCK_NAME}"
+    except FileNotFoundError:
+        pass
+    st = os.fstat(dir_fd)
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == want:
+                    return f"pid {fields[4]}, per /proc/locks; its {LOCK_NAME} file is missing"
+    except OSError:
+        pass
+    return f"holder unknown: no pid in {directory / LOCK_NAME}"
 
 
 # ---------------------------------------------------------------- readers
@@ -1247,9 +1486,10 @@ def read_log(
     tail ends the iteration; corruption raises LogCorruption.
     """
     directory = _existing_log_dir(path)
-    durable = read_durable(directory) if durable_only else None
-    limit = durable[0] if durable else None
+    durable = read_watermark(directory) if durable_only else None
+    limit = durable.lsn if durable else None
     cur = _Cursor(directory, from_lsn, max_record_bytes, _load_index_hint(directory), raw)
+    cur.unsynced_limit = durable is not None and not durable.synced
     try:
         yield from cur.records(limit)
     finally:
@@ -1271,8 +1511,9 @@ async def follow_log(
     cur = _Cursor(directory, from_lsn, max_record_bytes, None, raw)
     try:
         while True:
-            durable = read_durable(directory)
-            limit = durable[0] if durable else 0
+            durable = read_watermark(directory)
+            limit = durable.lsn if durable else 0
+            cur.unsynced_limit = durable is not None and not durable.synced
             n = 0
             if limit > cur.next_lsn:
                 for env in cur.records(limit):
@@ -1336,14 +1577,13 @@ def verify_log(path: str | os.PathLike, repair: bool = False, *, max_record_byte
         # Cut only from a scan taken under the writer lock: since the unlocked
         # scan a writer may have opened (recovering the tail itself), appended
         # and acknowledged records, which a cut at the stale position destroys.
-        lock_fd = _acquire_lock(directory)
+        lock = _acquire_lock(directory)
         try:
             rep = _scan(directory, max_record_bytes)
             if rep.status == "torn":
                 _repair_tail(directory, rep)
         finally:
-            fcntl.flock(lock_fd, fcntl.LOCK_UN)
-            os.close(lock_fd)
+            _release_lock(lock)
     return rep
 
 
@@ -1351,8 +1591,7 @@ def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
     """The checks of :func:`verify_log`, changing nothing."""
     from tqdm import tqdm
 
-    durable = read_durable(directory)
-    watermark = durable[0] if durable else None
+    watermark = _proof(read_watermark(directory))
     segs = list_segments(directory)
     rep = VerifyReport(path=str(directory), status="ok", segments=len(segs))
     expected = segs[0] if segs else 0
@@ -1414,7 +1653,14 @@ def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
                     rep.bytes += size
             finally:
                 os.close(fd)
-        if rep.status == "ok" and segs and watermark is not None and expected < watermark:
+        if rep.status == "ok" and watermark is not None and expected < watermark:
+            if not segs:
+                return corrupt(
+                    f"no segment files exist, but the durable watermark says lsn {expected}..{watermark - 1} "
+                    f"were acknowledged; they are missing",
+                    "",
+                    0,
+                )
             name = segment_name(segs[-1])
             size = (directory / name).stat().st_size
             return corrupt(str(_missing_acked(name, size, expected, watermark)), name, size)

@@ -5,9 +5,9 @@ Layout of a log directory::
 
     00000000000000000000.seg   segment files, each named by its first LSN
     00000000000000004096.seg
-    DURABLE                    durable watermark: (next durable LSN, epoch)
+    DURABLE                    durable watermark: (next durable LSN, epoch, synced?)
     INDEX                      checkpoint: sequence state + sparse index
-    LOCK                       flock'd by the one writer
+    LOCK                       flock'd by the one writer (with the directory itself); holds its pid
 
 Segment header (32 bytes)::
 
@@ -32,6 +32,12 @@ below it were made durable under its fsync policy. A reader or follower never
 yields a record at or past it. Recovery also uses it to tell a torn tail
 (records past the watermark, never acknowledged) from damage to acknowledged
 records (which is corruption, never silently truncated).
+
+Under ``fsync="never"`` the records below the watermark were written but not
+synced, and the watermark itself is not synced either: a power loss can keep
+it while dropping the data. Such a watermark carries the ``DURABLE_UNSYNCED``
+bit (the top bit of the epoch field). Readers still stop at it; recovery
+treats it as a hint only, never as proof that the records below it exist.
 """
 
 from __future__ import annotations
@@ -377,15 +383,34 @@ def find_later_frame(fd: int, start: int, size: int, lsn_lo: int, max_record_byt
 # ---------------------------------------------------------------- durable watermark
 
 
-def pack_durable(next_lsn: int, epoch: int) -> bytes:
+#: Set in DURABLE's epoch field when the records below the watermark were not synced.
+DURABLE_UNSYNCED = 1 << 63
+
+
+class Watermark(NamedTuple):
+    """The DURABLE file: records below ``lsn`` are acknowledged; ``synced``
+    says whether they were also synced (False under ``fsync="never"``)."""
+
+    lsn: int
+    epoch: int
+    synced: bool
+
+
+def pack_durable(next_lsn: int, epoch: int, *, synced: bool = True) -> bytes:
     """Contents of the DURABLE file."""
-    body = struct.pack("<QQ", next_lsn, epoch)
+    body = struct.pack("<QQ", next_lsn, epoch if synced else epoch | DURABLE_UNSYNCED)
     return body + FRAME_CRC.pack(mask_crc(_crc_value(body)))
 
 
 def read_durable(directory: Path) -> tuple[int, int] | None:
     """(next durable lsn, writer epoch) from DURABLE, or None when the file is
     missing or unreadable (then no watermark is known)."""
+    mark = read_watermark(directory)
+    return None if mark is None else (mark.lsn, mark.epoch)
+
+
+def read_watermark(directory: Path) -> Watermark | None:
+    """The DURABLE file with its synced bit, or None when it is missing or unreadable."""
     try:
         with open(directory / DURABLE_NAME, "rb") as f:
             raw = f.read(DURABLE_FMT.size)
@@ -396,7 +421,7 @@ def read_durable(directory: Path) -> tuple[int, int] | None:
     lsn, epoch, crc = DURABLE_FMT.unpack(raw)
     if mask_crc(_crc_value(raw[:16])) != crc:
         return None
-    return lsn, epoch
+    return Watermark(lsn, epoch & ~DURABLE_UNSYNCED, not epoch & DURABLE_UNSYNCED)
 
 
 # ---------------------------------------------------------------- checkpoint

@@ -3,6 +3,8 @@ and reopening continues exactly where the log left off."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import tracemalloc
 
@@ -290,6 +292,25 @@ def test_second_writer_is_refused_naming_the_directory(tmp_path):
     with pytest.raises(LogLocked, match=str(d)):
         FileLog.open(d)
     lg.close()
+    FileLog.open(d).close()
+
+
+def test_deleting_the_lock_file_does_not_let_a_second_writer_in(tmp_path):
+    """The lock cannot be swapped out from under a live writer: with LOCK
+    deleted (or deleted and re-created) a second writer is still refused,
+    naming the holder, and the first writer's records stay sound."""
+    d = tmp_path / "log"
+    lg = FileLog.open(d)
+    lg.append_batch([("a", 0, SessionOpened(group_id="g", group_size=1))])
+    (d / "LOCK").unlink()
+    with pytest.raises(LogLocked, match=rf"{re.escape(str(d))}.*pid {os.getpid()}"):
+        FileLog.open(d)
+    (d / "LOCK").write_text("")  # re-created, empty: a lock on it would prove nothing
+    with pytest.raises(LogLocked, match=rf"pid {os.getpid()}"):
+        FileLog.open(d)
+    lg.append_batch([("b", 0, SessionOpened(group_id="g", group_size=1))])
+    lg.close()
+    assert verify_log(d).status == "ok" and len(list(read_log(d))) == 2
     FileLog.open(d).close()
 
 
