@@ -1,8 +1,10 @@
 """The log interface every implementation honours, and the in-memory log.
 
 A log assigns each appended record the next LSN (gapless, from 0), stamps
-wall time, and enforces ``session_seq == last + 1`` per session. An append
-returns only once its record is durable under the log's fsync policy.
+wall time, enforces ``session_seq == last + 1`` per session, and takes only
+bodies its readers can decode (each is encoded and decoded back before
+anything is written). An append returns only once its record is durable under
+the log's fsync policy.
 Readers iterate from any LSN; followers tail the live log and see only
 durable records.
 """
@@ -140,6 +142,7 @@ class EventLog(abc.ABC):
         out = []
         open_seq = self._next_seq
         event_types = _EVENT_TYPE_SET
+        checked_record = CheckedRecord._make  # tuple.__new__ underneath: about 2x cheaper than calling the class
         for rec in records:
             if type(rec) is not PendingRecord:
                 rec = PendingRecord(*rec)
@@ -169,7 +172,7 @@ class EventLog(abc.ABC):
                     "could not decode; nothing was written)"
                 ) from None
             staged[rec.session_id] = expected + 1
-            out.append(CheckedRecord(rec.session_id, rec.session_seq, body, payload))
+            out.append(checked_record((rec.session_id, rec.session_seq, body, payload)))
         return out
 
     def _advance(self, rec: PendingRecord | CheckedRecord) -> None:

@@ -251,10 +251,11 @@ class TurnRecorded(msgspec.Struct, frozen=True, tag="turn_recorded"):
             )
         if lp:
             # A NaN or infinite log-prob would surface much later as a NaN loss
-            # with no trace of which turn carried it.
-            bad = np.flatnonzero(~np.isfinite(log_probs_view(lp)))
-            if bad.size:
-                i = int(bad[0])
+            # with no trace of which turn carried it. (This runs on every
+            # append: one reduction, and the position only when one is bad.)
+            finite = np.isfinite(log_probs_view(lp))
+            if not finite.all():
+                i = int(np.argmin(finite))
                 _fail("turn_recorded", f"output_log_probs[{i}]", "a finite float", float(log_probs_view(lp)[i]))
 
     @property
