@@ -98,6 +98,7 @@ class LogContract:
         assert "session 'u' seq 0" in msg and f"{field}: {expected}" in msg and "nothing was written" in msg
         assert log.next_lsn == 2 and log.next_seq("t") == 0 and log.next_seq("u") == 0
         # Not fatal: the log takes the next good append, and every record reads back.
+        assert log.fatal_reason is None
         log.append_batch([("u", 0, opened())])
         assert [(e.lsn, e.session_id) for e in log.read()] == [(0, "s"), (1, "s"), (2, "u")]
 
