@@ -15,10 +15,11 @@ from .types import (  # noqa: F401
     SessionStarted,
     TurnRecorded,
     TurnUndelivered,
+    UnknownEvent,
     log_probs_view,
     pack_log_probs,
     pack_tokens,
     tokens_view,
 )
 from .lifecycle import IllegalTransition, SessionClosed, State  # noqa: F401
-from .log_api import EventLog, LogClosed, LogError, MemoryLog, PendingRecord, SequenceError  # noqa: F401
+from .log_api import EventLog, LogClosed, LogError, MemoryLog, PendingRecord, SchemaError, SequenceError  # noqa: F401

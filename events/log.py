@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
-import ctypes
 import errno
 import fcntl
 import os
@@ -60,10 +59,9 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
 import msgspec
 import structlog
 
-from .log_api import EventLog, LogClosed, LogError, PendingRecord
+from .log_api import EventLog, LogClosed, LogError, PendingRecord, SchemaError
 from .log_format import (
     _MASK_DELTA,
-    _PTR_CRC,
     DEFAULT_MAX_RECORD_BYTES,
     FRAME_CRC,
     HEAD,
@@ -97,7 +95,7 @@ from .log_format import (
     segment_name,
     write_atomic,
 )
-from .types import EVENT_TYPES, TERMINAL_EVENT_TYPES, Envelope, EventValidationError, decode_body
+from .types import TERMINAL_EVENT_TYPES, Envelope, UnknownEvent, decode_body
 
 __all__ = [
     "FSYNC_POLICIES",
@@ -116,12 +114,9 @@ __all__ = [
 log = structlog.get_logger("events.log")
 
 FSYNC_POLICIES = ("always", "batch", "interval", "never")
-_EVENT_TYPE_SET = frozenset(EVENT_TYPES)
 _TERMINAL_SET = frozenset(TERMINAL_EVENT_TYPES)
 _IOV_MAX = 1024
-#: The default msgpack encoder, as events.types.encode_body uses: same bytes.
-_ENCODER = msgspec.msgpack.Encoder()
-#: Payloads from this size on are checksummed in place and written as their own iovec.
+#: Payloads from this size on are written as their own iovec (never copied in Python).
 _BIG_PAYLOAD = 4096
 
 
@@ -162,8 +157,17 @@ class RawRecord(NamedTuple):
     payload: memoryview
 
     def decode(self) -> Envelope:
-        """Decode the payload into an Envelope."""
-        return Envelope(self.lsn, self.session_id, self.session_seq, self.ts_ns, decode_body(self.payload))
+        """Decode the payload into an Envelope (an unknown tag gives an
+        UnknownEvent body). Raises SchemaError for a known tag whose fields do
+        not decode, msgspec.DecodeError for a payload that is no event."""
+        try:
+            body = decode_body(self.payload)
+        except msgspec.DecodeError as exc:
+            err = SchemaError.of_payload(exc, self.payload, lsn=self.lsn, session_id=self.session_id)
+            if err is not None:
+                raise err from exc
+            raise
+        return Envelope(self.lsn, self.session_id, self.session_seq, self.ts_ns, body)
 
 
 class _NewSegment(NamedTuple):
@@ -297,7 +301,12 @@ def _open_segment(directory: Path, first: int, flags: int = os.O_RDONLY) -> tupl
         raise
 
 
-def _payload_error(name: str, fr: Frame, exc: Exception) -> LogCorruption:
+def _payload_error(name: str, fr: Frame, exc: Exception) -> LogCorruption | SchemaError:
+    """What a CRC-valid frame whose payload does not decode is: a SchemaError
+    when it carries a known tag (a newer writer's fields), else damage."""
+    schema = SchemaError.of_payload(exc, fr.payload, lsn=fr.lsn, session_id=fr.session_id, where=f"segment {name}, offset {fr.offset}")
+    if schema is not None:
+        return schema
     return LogCorruption(
         f"segment {name}, offset {fr.offset}, lsn {fr.lsn}: CRC-valid frame whose payload does not decode "
         f"as a schema-v1 event: {exc}",
@@ -439,7 +448,7 @@ class _Cursor:
                 else:
                     try:
                         body = decode_body(fr.payload)
-                    except (msgspec.DecodeError, msgspec.ValidationError, EventValidationError) as exc:
+                    except msgspec.DecodeError as exc:  # ValidationError included
                         raise _payload_error(self.name, fr, exc) from exc
                     yield Envelope(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, body)
             bad = sc.bad
@@ -879,43 +888,19 @@ class FileLog(EventLog):
         every check that can fail runs before any state changes."""
         if self._fatal is not None or self._closing:
             raise self._dead()
-        checked = self._check_batch(records)
+        checked = self._check_batch(records)  # encodes each body once; its payload is stored as is
         cap = self._cap
-        # Every payload of the batch is encoded into one buffer: no allocation
-        # per record, and large payloads (token arrays) are later checksummed
-        # and written where they lie, never copied again in Python.
-        encode_into = _ENCODER.encode_into
-        event_types = _EVENT_TYPE_SET
-        buf = bytearray()
-        # Parallel lists, not a tuple per record: ints and bytes are not
-        # tracked by the cyclic GC, tuples are.
         sids: list[bytes] = []
-        starts: list[int] = []
-        lens: list[int] = []
-        big = False
         for rec in checked:
-            body = rec.body
-            if type(body) not in event_types:
-                raise EventValidationError(
-                    f"session {rec.session_id!r} seq {rec.session_seq}: body: expected a schema-v1 event, found {type(body).__name__}"
-                )
-            start = len(buf)
-            encode_into(body, buf, -1)
-            n = len(buf) - start
             sidb = rec.session_id.encode()
+            n = len(rec.payload)
             if ENV_HDR.size + len(sidb) + n > cap:
                 raise LogError(
                     f"session {rec.session_id!r} seq {rec.session_seq}: record of {ENV_HDR.size + len(sidb) + n} "
                     f"bytes exceeds max_record_bytes {cap}"
                 )
             sids.append(sidb)
-            starts.append(start)
-            lens.append(n)
-            big = big or n >= _BIG_PAYLOAD
-        self._reserve_spares(*self._segments_needed(FRAME_OVERHEAD + len(sidb) + n for sidb, n in zip(sids, lens)))
-        view = memoryview(buf)  # pins the buffer: it never moves or grows again
-        ptr_crc = _PTR_CRC if big else None
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if ptr_crc is not None else 0
+        self._reserve_spares(*self._segments_needed(FRAME_OVERHEAD + len(sidb) + len(rec.payload) for sidb, rec in zip(sids, checked)))
         # From here on nothing can fail. The frame layout is inlined (see
         # log_format.encode_frame, which readers' tests use): this loop is the
         # hot path of every append.
@@ -930,16 +915,12 @@ class FileLog(EventLog):
         terminal_types = _TERMINAL_SET
         head_pack, crc_pack, crc_value, crc_extend = HEAD.pack, FRAME_CRC.pack, _crc_value, _crc_extend
         env_size = ENV_HDR.size
-        for rec, sidb, start, plen in zip(checked, sids, starts, lens):
-            sid, seq, body = rec
+        for rec, sidb in zip(checked, sids):
+            sid, seq, body, payload = rec
+            plen = len(payload)
             terminal = type(body) in terminal_types
             head = head_pack(env_size + len(sidb) + plen, TYPE_RECORD, lsn, seq, ts, terminal, len(sidb)) + sidb
-            if plen < _BIG_PAYLOAD or ptr_crc is None:
-                payload = bytes(view[start : start + plen])
-                c = crc_extend(crc_value(head), payload)
-            else:
-                payload = view[start : start + plen]
-                c = ptr_crc(crc_value(head), addr + start, plen)
+            c = crc_extend(crc_value(head), payload)  # C code over the bytes where they lie: no copy
             prefix = crc_pack((((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF) + head
             n = len(prefix) + plen
             if seg_first is None or (seg_size > SEG_HDR_SIZE and seg_size + n > seg_limit):
@@ -1531,7 +1512,9 @@ async def follow_log(
 
 
 class VerifyReport(msgspec.Struct):
-    """What :func:`verify_log` found. ``status``: ok, torn, corrupt or repaired."""
+    """What :func:`verify_log` found. ``status``: ok, torn, corrupt, repaired,
+    or schema (sound frames, but records of known types this version cannot
+    decode: a newer writer's; upgrade)."""
 
     path: str
     status: str
@@ -1545,6 +1528,11 @@ class VerifyReport(msgspec.Struct):
     offset: int = -1
     last_good_lsn: int = -1
     torn_bytes: int = 0
+    #: Records whose tag this version does not know (a newer writer's), by tag.
+    unknown_types: dict[str, int] = {}
+    #: Records of known types whose fields do not decode here, and the first one's message.
+    schema_errors: int = 0
+    schema_problem: str = ""
 
     @property
     def ok(self) -> bool:
@@ -1554,8 +1542,16 @@ class VerifyReport(msgspec.Struct):
     def summary(self) -> str:
         """One line for humans."""
         body = f"{self.records} records (lsn 0..{self.next_lsn - 1}) in {self.segments} segments, {self.bytes} bytes, {self.open_sessions} open sessions"
+        if self.unknown_types:
+            n = sum(self.unknown_types.values())
+            body += f"; note: {n} records of unknown types (newer writer): tags {', '.join(sorted(self.unknown_types))}"
         if self.status == "ok":
             return f"{self.path}: ok, {body}"
+        if self.status == "schema":
+            return (
+                f"{self.path}: SCHEMA MISMATCH: {self.schema_errors} records this version cannot decode "
+                f"(upgrade agentlog); first: {self.schema_problem}; {body}"
+            )
         if self.status == "repaired":
             return f"{self.path}: repaired, truncated a torn tail of {self.torn_bytes} bytes at segment {self.segment} offset {self.offset}; {body}"
         if self.status == "torn":
@@ -1623,10 +1619,17 @@ def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
                 sc = SegmentScanner(fd, name, SEG_HDR_SIZE, expected, max_record_bytes)
                 for fr in sc.frames(size=size):
                     try:
-                        decode_body(fr.payload)
-                    except (msgspec.DecodeError, msgspec.ValidationError, EventValidationError) as exc:
+                        body = decode_body(fr.payload)
+                    except msgspec.DecodeError as exc:  # ValidationError included
                         err = _payload_error(name, fr, exc)
-                        return corrupt(str(err), name, fr.offset)
+                        if not isinstance(err, SchemaError):
+                            return corrupt(str(err), name, fr.offset)
+                        # Sound on disk, only newer than this reader: keep checking the rest.
+                        rep.schema_errors += 1
+                        rep.schema_problem = rep.schema_problem or str(err)
+                    else:
+                        if type(body) is UnknownEvent:
+                            rep.unknown_types[body.tag] = rep.unknown_types.get(body.tag, 0) + 1
                     want = seqs.get(fr.session_id, 0)
                     if fr.session_seq != want:
                         return corrupt(
@@ -1664,6 +1667,8 @@ def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
             name = segment_name(segs[-1])
             size = (directory / name).stat().st_size
             return corrupt(str(_missing_acked(name, size, expected, watermark)), name, size)
+        if rep.status == "ok" and rep.schema_errors:
+            rep.status = "schema"
     finally:
         bar.close()
         rep.next_lsn = expected

@@ -1,8 +1,10 @@
 """The log interface every implementation honours, and the in-memory log.
 
 A log assigns each appended record the next LSN (gapless, from 0), stamps
-wall time, and enforces ``session_seq == last + 1`` per session. An append
-returns only once its record is durable under the log's fsync policy.
+wall time, enforces ``session_seq == last + 1`` per session, and takes only
+bodies its readers can decode (each is encoded and decoded back before
+anything is written). An append returns only once its record is durable under
+the log's fsync policy.
 Readers iterate from any LSN; followers tail the live log and see only
 durable records.
 """
@@ -14,7 +16,21 @@ import asyncio
 import time
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
 
-from .types import TERMINAL_EVENT_TYPES, Envelope, validate_id
+import msgspec
+
+from .types import (
+    EVENT_TYPES,
+    KNOWN_TAGS,
+    TERMINAL_EVENT_TYPES,
+    Envelope,
+    EventValidationError,
+    check_body,
+    describe_validation_error,
+    stored_tag,
+    validate_id,
+)
+
+_EVENT_TYPE_SET = frozenset(EVENT_TYPES)
 
 
 class LogError(Exception):
@@ -29,12 +45,61 @@ class LogClosed(LogError):
     """The log was closed, or went fatal after an I/O error; reopen to recover."""
 
 
+class SchemaError(LogError):
+    """A record whose checksum is valid and whose tag this version knows, but
+    whose fields do not decode with this version's schema: written by a newer
+    (or foreign) agentlog, not disk damage. Names the LSN, session, tag and
+    field; the cure is to upgrade agentlog, not to salvage the log."""
+
+    def __init__(self, message: str, *, lsn: int, session_id: str, tag: str, field: str) -> None:
+        super().__init__(message)
+        self.lsn = lsn
+        self.session_id = session_id
+        self.tag = tag
+        self.field = field
+
+    @classmethod
+    def of_payload(
+        cls, exc: Exception, payload: Any, *, lsn: int, session_id: str, where: str = ""
+    ) -> "SchemaError | None":
+        """The SchemaError for a stored ``payload`` that failed to decode with
+        ``exc``, when it is a tagged map of a known event type; None when it is
+        not (not an event body at all: the caller reports damage). ``where``
+        prefixes the position (``segment ..., offset ...``)."""
+        if not isinstance(exc, msgspec.ValidationError):
+            return None
+        tag = stored_tag(payload)
+        if tag not in KNOWN_TAGS:
+            return None
+        field, what = describe_validation_error(exc)
+        field = field or "(body)"
+        return cls(
+            f"{where + ', ' if where else ''}lsn {lsn}, session {session_id!r}: {tag} record whose field {field} does not "
+            f"decode with this version's schema ({what}); written by a newer agentlog? upgrade agentlog to read this log "
+            "(the record's checksum is valid: this is not disk damage)",
+            lsn=lsn,
+            session_id=session_id,
+            tag=tag,
+            field=field,
+        )
+
+
 class PendingRecord(NamedTuple):
     """What a caller appends: the log adds the LSN and the timestamp."""
 
     session_id: str
     session_seq: int
     body: Any
+
+
+class CheckedRecord(NamedTuple):
+    """A PendingRecord that passed every write-time check: its body as any
+    reader will decode it, and the encoded payload the log stores."""
+
+    session_id: str
+    session_seq: int
+    body: Any
+    payload: bytes
 
 
 class EventLog(abc.ABC):
@@ -65,12 +130,19 @@ class EventLog(abc.ABC):
         checks of anything built on the log report this."""
         return None
 
-    def _check_batch(self, records: Iterable[PendingRecord]) -> list[PendingRecord]:
-        """Validate a batch against the per-session sequence without changing
-        state; raises SequenceError naming the session and both numbers."""
+    def _check_batch(self, records: Iterable[PendingRecord]) -> list[CheckedRecord]:
+        """Validate a batch without changing state: the per-session sequence
+        (SequenceError naming the session and both numbers) and each body
+        against the schema (EventValidationError naming the session, event
+        type, field and what was expected). The body is encoded and decoded
+        back strictly, so nothing reaches the log that a reader cannot decode,
+        whichever API built the event; the checked record carries the payload
+        (stored as is: no second encode) and the decoded body (what readers get)."""
         staged: dict[str, int] = {}
         out = []
         open_seq = self._next_seq
+        event_types = _EVENT_TYPE_SET
+        checked_record = CheckedRecord._make  # tuple.__new__ underneath: about 2x cheaper than calling the class
         for rec in records:
             if type(rec) is not PendingRecord:
                 rec = PendingRecord(*rec)
@@ -87,11 +159,23 @@ class EventLog(abc.ABC):
                     f"session {rec.session_id!r}: session_seq {rec.session_seq} refused, expected {expected}"
                     + (" (a repeat)" if rec.session_seq < expected else " (a gap)")
                 )
+            if type(rec.body) not in event_types:
+                raise EventValidationError(
+                    f"session {rec.session_id!r} seq {rec.session_seq}: body: expected a schema-v1 event, "
+                    f"found {type(rec.body).__name__}; nothing was written"
+                )
+            try:
+                payload, body = check_body(rec.body)
+            except EventValidationError as exc:
+                raise EventValidationError(
+                    f"session {rec.session_id!r} seq {rec.session_seq}: {exc} (the log refuses what its readers "
+                    "could not decode; nothing was written)"
+                ) from None
             staged[rec.session_id] = expected + 1
-            out.append(rec)
+            out.append(checked_record((rec.session_id, rec.session_seq, body, payload)))
         return out
 
-    def _advance(self, rec: PendingRecord) -> None:
+    def _advance(self, rec: PendingRecord | CheckedRecord) -> None:
         if isinstance(rec.body, TERMINAL_EVENT_TYPES):
             self._next_seq.pop(rec.session_id, None)
         else:

@@ -56,32 +56,6 @@ from .log_api import LogError
 _crc_value = google_crc32c.value
 _crc_extend = google_crc32c.extend
 
-
-
-def _load_pointer_crc():
-    """``crc32c_extend(crc, address, length)`` from google-crc32c's own C
-    library. The Python API only accepts ``bytes``, which would force a copy
-    of every large payload just to checksum it; this checksums memory where it
-    lies. Verified against the Python API on load; None when unavailable, and
-    then callers take the copying path."""
-    import ctypes
-
-    libdir = Path(google_crc32c.__file__).resolve().parent.parent / "google_crc32c.libs"
-    for cand in sorted(libdir.glob("libcrc32c*.so*")):
-        try:
-            fn = ctypes.CDLL(str(cand)).crc32c_extend
-        except (OSError, AttributeError):
-            continue
-        fn.restype = ctypes.c_uint32
-        fn.argtypes = (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
-        probe = bytearray(b"agentlog: crc32c self-check over 35 bytes")
-        if fn(7, ctypes.addressof(ctypes.c_char.from_buffer(probe)), len(probe)) == _crc_extend(7, bytes(probe)):
-            return fn
-    return None
-
-
-_PTR_CRC = _load_pointer_crc()
-
 FORMAT_VERSION = 1
 SEG_MAGIC = b"AGLOGSEG"
 SEG_HDR = struct.Struct("<8sHHQQI")

@@ -2,8 +2,16 @@
 
 Bodies are frozen, tagged msgspec Structs. Schema evolution rules: a new
 field goes at the end and carries a default; tags are never renamed; field
-types never change. Unknown fields are tolerated on decode, so an old reader
-can read a newer log.
+types never change.
+
+Validated on write, tolerant on read. The checks of each body (``__post_init__``)
+run when it is built in Python and again when the log writer decodes the
+encoded body back (:func:`check_body`), so nothing reaches a log that a reader
+cannot decode. Reading a stored record (:func:`decode_body`) skips them: the
+record was checked by the version that wrote it, and a newer one may allow
+more (a new finish reason, a relaxed bound). Unknown fields are skipped and an
+unknown tag decodes to an :class:`UnknownEvent`, so an old reader can read a
+newer log and say what it does not understand.
 
 Token ids and log-probs travel as raw little-endian ``int32`` / ``float32``
 bytes (see :func:`pack_tokens`, :func:`pack_log_probs`). Constructors accept
@@ -13,6 +21,7 @@ read-only numpy views over the stored bytes.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import re
 from typing import Any, Union
@@ -39,6 +48,14 @@ class EventValidationError(ValueError):
 
     The message names the event type, the field and the offending value.
     """
+
+
+#: True while :func:`decode_body` decodes a stored record: the bodies' checks
+#: then stand aside (see the module docstring). A context variable, not a
+#: global, so a reader in one thread never switches off a writer's checks in
+#: another, and set per decode call (never across a generator's yield, which
+#: would leak it into the consumer's code).
+_READING_STORED: contextvars.ContextVar[bool] = contextvars.ContextVar("events_reading_stored", default=False)
 
 
 def _fail(event: str, field: str, expected: str, found: Any) -> None:
@@ -76,7 +93,10 @@ def pack_tokens(values: Any) -> bytes:
         if len(raw) % 4:
             raise EventValidationError(f"token bytes: expected a multiple of 4 bytes, found {len(raw)}")
         return raw
-    arr = np.asarray(values)
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError) as exc:  # ragged nesting and the like
+        raise EventValidationError(f"token ids: expected a 1-D sequence of ints, found {type(values).__name__} ({exc})") from None
     if arr.size == 0:
         return b""
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
@@ -93,7 +113,10 @@ def pack_log_probs(values: Any) -> bytes:
         if len(raw) % 4:
             raise EventValidationError(f"log-prob bytes: expected a multiple of 4 bytes, found {len(raw)}")
         return raw
-    arr = np.asarray(values, dtype=np.float64)
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise EventValidationError(f"log-probs: expected a 1-D sequence of floats, found {type(values).__name__} ({exc})") from None
     if arr.size == 0:
         return b""
     if arr.ndim != 1:
@@ -171,10 +194,12 @@ class SessionOpened(msgspec.Struct, frozen=True, tag="session_opened"):
     metadata: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
+        if _READING_STORED.get():
+            return
         validate_id("session_opened.group_id", self.group_id)
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1:
             _fail("session_opened", "group_size", "an int >= 1", self.group_size)
-        if not isinstance(self.sample_index, int) or self.sample_index < 0:
+        if not isinstance(self.sample_index, int) or isinstance(self.sample_index, bool) or self.sample_index < 0:
             _fail("session_opened", "sample_index", "an int >= 0", self.sample_index)
         _packed(self, "prompt_ids", pack_tokens)
 
@@ -208,7 +233,9 @@ class TurnRecorded(msgspec.Struct, frozen=True, tag="turn_recorded"):
     sampling: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
-        if not isinstance(self.turn_index, int) or self.turn_index < 0:
+        if _READING_STORED.get():
+            return
+        if not isinstance(self.turn_index, int) or isinstance(self.turn_index, bool) or self.turn_index < 0:
             _fail("turn_recorded", "turn_index", "an int >= 0", self.turn_index)
         if self.finish_reason not in FINISH_REASONS:
             _fail("turn_recorded", "finish_reason", "one of stop/length/abort", self.finish_reason)
@@ -224,10 +251,11 @@ class TurnRecorded(msgspec.Struct, frozen=True, tag="turn_recorded"):
             )
         if lp:
             # A NaN or infinite log-prob would surface much later as a NaN loss
-            # with no trace of which turn carried it.
-            bad = np.flatnonzero(~np.isfinite(log_probs_view(lp)))
-            if bad.size:
-                i = int(bad[0])
+            # with no trace of which turn carried it. (This runs on every
+            # append: one reduction, and the position only when one is bad.)
+            finite = np.isfinite(log_probs_view(lp))
+            if not finite.all():
+                i = int(np.argmin(finite))
                 _fail("turn_recorded", f"output_log_probs[{i}]", "a finite float", float(log_probs_view(lp)[i]))
 
     @property
@@ -270,6 +298,8 @@ class RewardAssigned(msgspec.Struct, frozen=True, tag="reward_assigned"):
     source: str = ""
 
     def __post_init__(self) -> None:
+        if _READING_STORED.get():
+            return
         msgspec.structs.force_setattr(self, "reward", normalize_reward("reward_assigned", "reward", self.reward))
 
 
@@ -280,6 +310,8 @@ class SessionFinished(msgspec.Struct, frozen=True, tag="session_finished"):
     metadata: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
+        if _READING_STORED.get():
+            return
         msgspec.structs.force_setattr(
             self, "reward", normalize_reward("session_finished", "reward", self.reward, optional=True)
         )
@@ -297,9 +329,12 @@ class SessionAborted(msgspec.Struct, frozen=True, tag="session_aborted"):
     traceback: str = ""
 
     def __post_init__(self) -> None:
+        if _READING_STORED.get():
+            return
         if not isinstance(self.reason, str) or not self.reason:
             _fail("session_aborted", "reason", "a non-empty str", self.reason)
-        if len(self.traceback) > MAX_TRACEBACK_CHARS:
+        # A traceback of the wrong type is left to the writer's schema check.
+        if isinstance(self.traceback, str) and len(self.traceback) > MAX_TRACEBACK_CHARS:
             # Keep the end: the innermost frames say what actually failed.
             msgspec.structs.force_setattr(self, "traceback", "..." + self.traceback[-(MAX_TRACEBACK_CHARS - 3) :])
 
@@ -310,6 +345,8 @@ class SessionDropped(msgspec.Struct, frozen=True, tag="session_dropped"):
     reason: str
 
     def __post_init__(self) -> None:
+        if _READING_STORED.get():
+            return
         if not isinstance(self.reason, str) or not self.reason:
             _fail("session_dropped", "reason", "a non-empty str", self.reason)
 
@@ -346,10 +383,28 @@ Event = Union[
 
 EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]
 TERMINAL_EVENT_TYPES = (SessionFinished, SessionAborted, SessionDropped)
+#: The tags this version knows.
+KNOWN_TAGS: frozenset[str] = frozenset(t.__struct_config__.tag for t in EVENT_TYPES)
+
+
+class UnknownEvent(msgspec.Struct, frozen=True):
+    """A stored record whose tag this version does not know: a newer
+    agentlog wrote it. Readers hand it over instead of failing, so ``replay``,
+    ``stats`` and ``verify`` can show it; a fold that must interpret it raises
+    (``reducers.errors.UnknownEventError``: upgrade agentlog). Never appended:
+    the writer takes schema events only."""
+
+    #: The record's tag (its ``type`` field).
+    tag: str
+    #: Every other field, as plain msgpack data.
+    fields: dict[str, Any] = {}
 
 
 def event_tag(body: Any) -> str:
-    """The snake_case tag of an event body (``session_opened``...)."""
+    """The snake_case tag of an event body (``session_opened``...); for an
+    :class:`UnknownEvent`, the tag it was stored with."""
+    if type(body) is UnknownEvent:
+        return body.tag
     return type(body).__struct_config__.tag
 
 
@@ -371,6 +426,8 @@ class Envelope(msgspec.Struct, frozen=True, gc=False):
 
 _body_encoder = msgspec.msgpack.Encoder()
 _body_decoder = msgspec.msgpack.Decoder(Event)
+#: msgspec's location suffix: ``Expected `int`, got `str` - at `$.group_size```.
+_AT_PATH = re.compile(r" - at `\$(.*)`$")
 
 
 def encode_body(body: Any) -> bytes:
@@ -379,6 +436,88 @@ def encode_body(body: Any) -> bytes:
 
 
 def decode_body(payload: bytes | memoryview) -> Any:
-    """Decode an event body; raises msgspec.ValidationError/DecodeError or
-    EventValidationError (wrapped by msgspec as ValidationError) on bad input."""
-    return _body_decoder.decode(payload)
+    """Decode a stored event body, tolerantly: the bodies' write-time checks
+    are not run, unknown fields are skipped, and an unknown tag gives an
+    :class:`UnknownEvent`. Raises msgspec.ValidationError when a known tag's
+    fields do not have this version's types, or the payload is not a tagged
+    map (:func:`stored_tag` tells the two apart), and msgspec.DecodeError when
+    it is not msgpack."""
+    token = _READING_STORED.set(True)
+    try:
+        return _body_decoder.decode(payload)
+    except msgspec.ValidationError:
+        # Only now look at the tag: the common path pays nothing for it.
+        unknown = as_unknown_event(payload)
+        if unknown is None:
+            raise
+        return unknown
+    finally:
+        _READING_STORED.reset(token)
+
+
+def _stored_map(payload: bytes | memoryview) -> dict | None:
+    try:
+        data = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def stored_tag(payload: bytes | memoryview) -> str | None:
+    """The ``type`` of a stored payload when it is a msgpack map with a str
+    tag, else None (not an event body at all)."""
+    data = _stored_map(payload)
+    tag = data.get("type") if data is not None else None
+    return tag if isinstance(tag, str) else None
+
+
+def as_unknown_event(payload: bytes | memoryview) -> UnknownEvent | None:
+    """The :class:`UnknownEvent` of a stored payload whose tag this version
+    does not know; None when the payload is not a map with a str tag, or its
+    tag is known. Also for decoders of their own (projections) that meet a
+    tag they cannot decode."""
+    data = _stored_map(payload)
+    if data is None:
+        return None
+    tag = data.pop("type", None)
+    if not isinstance(tag, str) or tag in KNOWN_TAGS:
+        return None
+    return UnknownEvent(tag, data)
+
+
+def describe_validation_error(exc: msgspec.ValidationError) -> tuple[str, str]:
+    """Split msgspec's message into the field path and what was wrong:
+    ``("metadata", "expected `object`, got `array`")``. The path is "" when
+    the message has no location (a body check that names its own field)."""
+    text = str(exc)
+    m = _AT_PATH.search(text)
+    if m is None:
+        return "", text
+    what = text[: m.start()]
+    if what.startswith("Expected"):
+        what = "e" + what[1:]
+    return m.group(1).lstrip("."), what
+
+
+def check_body(body: Any) -> tuple[bytes, Any]:
+    """The write-path check of one schema event body: encode it and decode it
+    back strictly, with every body check on. Returns ``(payload, decoded)``:
+    the bytes to store and the body exactly as any reader will decode it.
+    Raises EventValidationError naming the event type, the field and what was
+    expected when a reader could not decode the body (msgspec Struct
+    constructors do not check field types, so ``metadata=[1]`` gets this far).
+    """
+    tag = type(body).__struct_config__.tag
+    try:
+        payload = _body_encoder.encode(body)
+    except (TypeError, ValueError, OverflowError) as exc:
+        # UnicodeEncodeError (a lone surrogate), an int beyond 64 bits, an object msgpack cannot hold.
+        raise EventValidationError(f"{tag}: cannot be encoded: {exc}") from None
+    try:
+        return payload, _body_decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        field, what = describe_validation_error(exc)
+        if not field:
+            # A body check's own message already names the event and the field.
+            raise EventValidationError(what) from None
+        raise EventValidationError(f"{tag}.{field}: {what}") from None

@@ -12,6 +12,12 @@ engine decides with (:func:`events.lifecycle.state_after_event`) and emits:
   reward, timestamps, duration); the session is then evicted, so memory is
   bounded by the number of open sessions.
 
+An event type this version does not know (a newer writer's
+:class:`events.types.UnknownEvent`) raises :class:`UnknownEventError` (upgrade
+agentlog): its effect on the session cannot be known. A fold that only shows
+the log (``replay``) passes ``tolerate_unknown=True``: the event is then
+counted per tag and passed over, the session's state left as it was.
+
 No clock, randomness or I/O. The fold mutates ``state`` in place and returns
 it (copying per event would make a whole-log fold quadratic); feeding a log in
 one call or in arbitrary chunks gives identical outputs.
@@ -52,9 +58,11 @@ from events.types import (
     SessionOpened,
     TurnRecorded,
     TurnUndelivered,
+    UnknownEvent,
     event_tag,
 )
 
+from .errors import UnknownEventError
 from .samples import final_raw_reward
 
 __all__ = [
@@ -217,9 +225,9 @@ class _Track:
 class LifecycleState:
     """The fold's state: open sessions, a window of recently ended ones, the id filter."""
 
-    __slots__ = ("live", "recent", "recent_window", "ids", "next_lsn", "events", "ended")
+    __slots__ = ("live", "recent", "recent_window", "ids", "next_lsn", "events", "ended", "tolerate_unknown", "unknown_events")
 
-    def __init__(self, *, recent_window: int = 4096, id_capacity: int = 1 << 18) -> None:
+    def __init__(self, *, recent_window: int = 4096, id_capacity: int = 1 << 18, tolerate_unknown: bool = False) -> None:
         self.live: dict[str, _Track] = {}
         #: session_id -> (terminal state, lsn of its terminal event); bounded.
         self.recent: OrderedDict[str, tuple[State, int]] = OrderedDict()
@@ -229,6 +237,10 @@ class LifecycleState:
         self.next_lsn = 0
         self.events = 0
         self.ended = 0
+        #: Pass over events of unknown types (counted below) instead of raising UnknownEventError.
+        self.tolerate_unknown = tolerate_unknown
+        #: Events of unknown types passed over, by tag.
+        self.unknown_events: dict[str, int] = {}
 
     def open_sessions(self) -> dict[str, tuple[State, int]]:
         """Sessions without a terminal event: ``{session_id: (state, next_session_seq)}``."""
@@ -244,13 +256,14 @@ class LifecycleState:
 
     def copy(self) -> "LifecycleState":
         """An independent copy (the fold mutates its state in place)."""
-        new = LifecycleState(recent_window=self.recent_window, id_capacity=1)
+        new = LifecycleState(recent_window=self.recent_window, id_capacity=1, tolerate_unknown=self.tolerate_unknown)
         new.live = {k: v.copy() for k, v in self.live.items()}
         new.recent = OrderedDict(self.recent)
         new.ids = self.ids.copy()
         new.next_lsn = self.next_lsn
         new.events = self.events
         new.ended = self.ended
+        new.unknown_events = dict(self.unknown_events)
         return new
 
 
@@ -285,11 +298,15 @@ def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleSta
     Illegal records produce a :class:`Violation` and are not applied (a
     ``session_seq`` gap is reported and the sequence resynchronised, then the
     event is applied if the lifecycle allows it; a repeat never moves the
-    sequence back).
+    sequence back). An event of an unknown type raises UnknownEventError
+    (state untouched) unless ``state.tolerate_unknown``.
     """
     out: list[Violation | SessionSummary] = []
     body = env.body
     sid = env.session_id
+    unknown = type(body) is UnknownEvent
+    if unknown and not state.tolerate_unknown:
+        raise UnknownEventError(env.lsn, sid, body.tag)
     state.events += 1
     if env.lsn < state.next_lsn:
         out.append(Violation(env.lsn, sid, f"lsn {env.lsn} does not increase (expected >= {state.next_lsn})"))
@@ -297,6 +314,8 @@ def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleSta
         state.next_lsn = env.lsn + 1
     if isinstance(body, PolicyUpdated):
         return state, out  # learner progress: not a session event
+    if unknown:
+        return _pass_over_unknown(state, env, out)
     tag = event_tag(body)
     t = state.live.get(sid)
     if t is None:
@@ -315,9 +334,7 @@ def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleSta
         out.append(Violation(env.lsn, sid, _unknown_session_message(state, sid, tag)))
         return state, out
 
-    if env.session_seq != t.next_seq:
-        kind = "a gap" if env.session_seq > t.next_seq else "a repeat"
-        out.append(Violation(env.lsn, sid, f"session_seq {env.session_seq} is {kind}, expected {t.next_seq}"))
+    _check_seq(t, env, out)
     try:
         new = state_after_event(sid, t.state, body)
     except IllegalTransition as exc:
@@ -348,6 +365,26 @@ def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleSta
     return state, out
 
 
+def _pass_over_unknown(
+    state: LifecycleState, env: Envelope, out: list[Violation | SessionSummary]
+) -> tuple[LifecycleState, list[Violation | SessionSummary]]:
+    """Count an unknown event and keep its session's sequence in step; its
+    meaning (even whether it belongs to a session at all) is unknown here."""
+    tag = env.body.tag
+    state.unknown_events[tag] = state.unknown_events.get(tag, 0) + 1
+    t = state.live.get(env.session_id)
+    if t is not None:
+        _check_seq(t, env, out)
+        t.next_seq = max(t.next_seq, env.session_seq + 1)  # a repeat never moves it back
+    return state, out
+
+
+def _check_seq(t: _Track, env: Envelope, out: list[Violation | SessionSummary]) -> None:
+    if env.session_seq != t.next_seq:
+        kind = "a gap" if env.session_seq > t.next_seq else "a repeat"
+        out.append(Violation(env.lsn, env.session_id, f"session_seq {env.session_seq} is {kind}, expected {t.next_seq}"))
+
+
 def reduce_lifecycle_many(state: LifecycleState, envs: Iterable[Envelope]) -> tuple[LifecycleState, list[Violation | SessionSummary]]:
     """Fold a chunk of envelopes; identical to folding them one at a time."""
     out: list[Violation | SessionSummary] = []
@@ -361,8 +398,8 @@ def reduce_lifecycle_many(state: LifecycleState, envs: Iterable[Envelope]) -> tu
 class LifecycleReducer:
     """A small stateful wrapper: ``feed(env)`` / ``feed_many(envs)`` return outputs."""
 
-    def __init__(self, *, recent_window: int = 4096, id_capacity: int = 1 << 18) -> None:
-        self.state = LifecycleState(recent_window=recent_window, id_capacity=id_capacity)
+    def __init__(self, *, recent_window: int = 4096, id_capacity: int = 1 << 18, tolerate_unknown: bool = False) -> None:
+        self.state = LifecycleState(recent_window=recent_window, id_capacity=id_capacity, tolerate_unknown=tolerate_unknown)
 
     def feed(self, env: Envelope) -> list[Violation | SessionSummary]:
         """Fold one envelope."""
@@ -405,8 +442,9 @@ def replay(
     before and after it (None: no such session), its violations and, on a
     terminal event, the session summary. ``session_id`` keeps one session;
     ``until_lsn`` stops after that LSN. Learner events (policy_updated) are
-    yielded with both states None."""
-    state = LifecycleState(recent_window=recent_window)
+    yielded with both states None. Events of unknown types (a newer
+    writer's) are shown, not interpreted: the state stays as it was."""
+    state = LifecycleState(recent_window=recent_window, tolerate_unknown=True)
     for env in envs:
         if until_lsn is not None and env.lsn > until_lsn:
             break

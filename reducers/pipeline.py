@@ -9,7 +9,9 @@ Each envelope is checked against the lifecycle table (via
 ``session_seq`` must be the session's ``last + 1``, and an ended session's
 id may not come back (checked against the last ``ENDED_WINDOW`` ended ids, and
 exactly within a pending group); anything else raises :class:`ReduceError`
-naming the LSN and the session. A session's state is
+naming the LSN and the session; an event type this version does not know (a
+newer writer's :class:`events.types.UnknownEvent`) raises its subclass
+:class:`UnknownEventError`, which says to upgrade. A session's state is
 evicted at its terminal event, once its samples are emitted; a group's once
 it is released. The reducer is pure: no clock, randomness, I/O or torch.
 """
@@ -32,14 +34,18 @@ from events.types import (
     SessionOpened,
     TurnRecorded,
     TurnUndelivered,
+    UnknownEvent,
     event_tag,
 )
 
 from .config import DEFAULT_CONFIG, ReduceConfig
+from .errors import ReduceError, UnknownEventError
 from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, GroupTracker
 from .metrics import MetricsAccumulator
 from .samples import Sample, SampleDigest, aborted_placeholder, final_raw_reward, finished_samples, resolve_reward
 from .trajectory import SessionTrajectory, Trajectory, TrajectoryError
+
+__all__ = ["ENDED_WINDOW", "Outputs", "ReduceError", "ReduceResult", "Reducer", "UnknownEventError", "reduce_log", "session_trajectory"]
 
 
 #: How many recently ended session ids the reducer remembers, to refuse an id
@@ -47,15 +53,6 @@ from .trajectory import SessionTrajectory, Trajectory, TrajectoryError
 #: grow with the length of the run; a reuse within one pending group is
 #: refused whatever its distance (see ``GroupTracker.open``).
 ENDED_WINDOW = 1024
-
-
-class ReduceError(ValueError):
-    """The log holds something the reducers refuse; names the LSN and session."""
-
-    def __init__(self, lsn: int, session_id: str, message: str) -> None:
-        self.lsn = lsn
-        self.session_id = session_id
-        super().__init__(f"lsn {lsn}, session {session_id!r}: {message}")
 
 
 class Outputs(NamedTuple):
@@ -123,6 +120,10 @@ class Reducer:
         if lsn <= self.last_lsn:
             raise ReduceError(lsn, env.session_id, f"LSN went backwards or repeated: expected > {self.last_lsn}")
         body = env.body
+        if type(body) is UnknownEvent:
+            # Samples need every event of every session interpreted; guessing
+            # what a newer event meant could train on a wrong trajectory.
+            raise UnknownEventError(lsn, env.session_id, body.tag)
         if isinstance(body, PolicyUpdated):
             self.last_lsn = lsn
             self.events += 1
@@ -323,6 +324,8 @@ def session_trajectory(envelopes: Iterable[Envelope], session_id: str, config: R
     for env in envelopes:
         if env.session_id != session_id or isinstance(env.body, PolicyUpdated):
             continue
+        if type(env.body) is UnknownEvent:
+            raise UnknownEventError(env.lsn, session_id, env.body.tag)
         try:
             state = state_after_event(session_id, state, env.body)
             if isinstance(env.body, SessionOpened):

@@ -17,6 +17,8 @@ statistics need (msgspec skips the rest without building Python objects).
 The projection is a view of schema v1 from :mod:`events.types`: same tags,
 same field names (a test checks that every projected field exists there).
 Full event bodies are accepted as well (``feed``), with identical results.
+Events of a type this version does not know (a newer writer's
+:class:`events.types.UnknownEvent`) are counted per tag, not interpreted.
 
 No clock, randomness, I/O or torch. Memory is bounded by the sessions and
 groups still in flight.
@@ -31,7 +33,7 @@ from typing import Any, Union
 import msgspec
 
 from events.lifecycle import IN_SESSION_EVENTS, LIFECYCLE_SPEC, TERMINAL_STATES, TRANSITIONS, State
-from events.types import Envelope
+from events.types import Envelope, UnknownEvent, as_unknown_event
 
 from .groups import ABORTED, DROPPED, FINISHED, GroupError, GroupMember, GroupTracker
 from .metrics import MetricsAccumulator
@@ -112,11 +114,22 @@ _projection_decoder = msgspec.msgpack.Decoder(Union[_PROJECTIONS])  # type: igno
 PROJECTED_FIELDS: dict[str, tuple[str, ...]] = {p.__struct_config__.tag: p.__struct_fields__ for p in _PROJECTIONS}
 
 
-#: Decode a raw event payload into its statistics projection (only the fields
-#: :class:`RunStats` reads). Raises msgspec.DecodeError / ValidationError on a
-#: payload that is not a schema-v1 event. (The bound method itself: this runs
-#: once per record.)
-decode_projection = _projection_decoder.decode
+_decode_known = _projection_decoder.decode
+
+
+def decode_projection(payload: Any) -> Any:
+    """Decode a raw event payload into its statistics projection (only the
+    fields :class:`RunStats` reads), or an UnknownEvent for a tag this
+    version does not know. Raises msgspec.ValidationError for a known tag
+    whose fields do not decode, msgspec.DecodeError for a payload that is not
+    an event."""
+    try:
+        return _decode_known(payload)
+    except msgspec.ValidationError:
+        unknown = as_unknown_event(payload)  # only on failure: the common path pays nothing
+        if unknown is None:
+            raise
+        return unknown
 
 
 _TRIGGER_OF_TAG = {spec["event"]: spec["trigger"] for spec in LIFECYCLE_SPEC}
@@ -172,6 +185,8 @@ class RunStats:
         self.groups_skipped = 0
         self.violation_count = 0
         self.violations: list[tuple[int, str, str]] = []
+        #: Events of types this version does not know (a newer writer's), by tag.
+        self.unknown_events: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ feed
 
@@ -195,6 +210,9 @@ class RunStats:
         if self.first_ts_ns is None:
             self.first_ts_ns = ts_ns
         self.last_ts_ns = ts_ns
+        if type(body) is UnknownEvent:
+            self.unknown_events[body.tag] += 1
+            return
         tag = body.__struct_config__.tag
         if tag == "policy_updated":
             self.policy_updates += 1
@@ -336,6 +354,7 @@ class RunStats:
                 "solve_rate_mean": m["groups/solve_rate_mean"],
             },
             "policy": {"updates": self.policy_updates, "version": self.policy_version},
+            "unknown_events": dict(sorted(self.unknown_events.items())),
             "violations": {
                 "count": self.violation_count,
                 "first": [{"lsn": lsn, "session_id": sid, "message": msg} for lsn, sid, msg in self.violations],

@@ -69,7 +69,11 @@ def _reward(r: Any) -> str:
 
 def event_summary(body: Any) -> str:
     """A short human summary of an event body."""
-    tag = body.__struct_config__.tag
+    from events.types import UnknownEvent, event_tag
+
+    if type(body) is UnknownEvent:
+        return f"UNKNOWN event type (written by a newer agentlog), fields: {', '.join(body.fields) or '-'}"
+    tag = event_tag(body)
     if tag == "session_opened":
         return f"group {body.group_id} [{body.sample_index}/{body.group_size}] agent {body.agent or '-'} policy v{body.policy_version}"
     if tag == "session_started":
@@ -105,7 +109,9 @@ def _state(s: Any) -> str:
 
 def format_step(env: Any, before: Any, after: Any, violations: Any = ()) -> list[str]:
     """The text lines of one replayed event (the event, then any violation)."""
-    tag = env.body.__struct_config__.tag
+    from events.types import event_tag
+
+    tag = event_tag(env.body)
     lines = [
         f"{env.lsn:>8}  {fmt_ts(env.ts_ns)}  {env.session_id}  #{env.session_seq:<3} {tag:<17}"
         f" {_state(before):>8} -> {_state(after):<8}  {event_summary(env.body)}"
@@ -116,11 +122,14 @@ def format_step(env: Any, before: Any, after: Any, violations: Any = ()) -> list
 
 
 def event_fields(body: Any) -> dict[str, Any]:
-    """An event body's fields as JSON-ready data (token arrays as lists)."""
+    """An event body's fields as JSON-ready data (token arrays as lists; an
+    unknown event's fields as stored, marked ``"unknown": true``)."""
     import msgspec
 
-    from events.types import log_probs_view, tokens_view
+    from events.types import UnknownEvent, log_probs_view, tokens_view
 
+    if type(body) is UnknownEvent:
+        return {**body.fields, "unknown": True}
     d = msgspec.structs.asdict(body)
     for f in _TOKEN_FIELDS:
         if f in d:
@@ -133,12 +142,14 @@ def event_fields(body: Any) -> dict[str, Any]:
 
 def step_json(env: Any, before: Any, after: Any, violations: Any = ()) -> dict[str, Any]:
     """One replayed event as the ``--json`` object."""
+    from events.types import event_tag
+
     out = {
         "lsn": env.lsn,
         "session_id": env.session_id,
         "session_seq": env.session_seq,
         "ts_ns": env.ts_ns,
-        "type": env.body.__struct_config__.tag,
+        "type": event_tag(env.body),
         "state_before": None if before is None else str(before),
         "state_after": None if after is None else str(after),
     }

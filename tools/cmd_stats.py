@@ -2,8 +2,9 @@
 turns and tokens, reward statistics, groups complete/skipped, time span.
 
 One pass over raw frames, decoding only the fields the statistics need
-(:mod:`reducers.runstats`). Exit 1 (after printing) when the log holds
-lifecycle violations.
+(:mod:`reducers.runstats`). Events of types this version does not know (a
+newer writer's) are counted under "unknown events", per tag. Exit 1 (after
+printing) when the log holds lifecycle violations.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
     """Statistics of the log at ``path`` (already checked) as plain data."""
     import msgspec
 
+    from events.log_api import SchemaError
     from reducers.runstats import RunStats, decode_projection
 
     stats = RunStats()
@@ -41,6 +43,9 @@ def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
             feed(rec.lsn, rec.session_id, rec.ts_ns, decode(rec.payload))
     except msgspec.DecodeError as exc:
         # Only decode() raises DecodeError, so a record was read: rec names it.
+        schema = SchemaError.of_payload(exc, rec.payload, lsn=rec.lsn, session_id=rec.session_id)
+        if schema is not None:
+            raise CliError(f"{path}: {schema}", EXIT_DATA) from None
         raise CliError(
             f"{path}: lsn {rec.lsn}, session {rec.session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA
         ) from None
@@ -107,6 +112,8 @@ def render_text(s: dict[str, Any]) -> str:
         lines.append(f"skipped by {_counts(g['skip_reasons'])}")
     if s["policy"]["updates"]:
         lines.append(f"policy     {s['policy']['updates']} updates, version {s['policy']['version']}")
+    if s["unknown_events"]:
+        lines.append(f"unknown events {_counts(s['unknown_events'])} (written by a newer agentlog; not interpreted)")
     if s["violations"]["count"]:
         lines.append(f"VIOLATIONS {s['violations']['count']}")
         for v in s["violations"]["first"]:

@@ -93,7 +93,7 @@ async def _tail_events(path: Path) -> None:
     from events.types import PolicyUpdated
     from tools.cmd_replay import format_step
 
-    state = LifecycleState()
+    state = LifecycleState(tolerate_unknown=True)  # shown, not interpreted: a newer writer's event types
     out = sys.stdout
     async for env in follow_log(path):
         learner = isinstance(env.body, PolicyUpdated)

@@ -1,9 +1,11 @@
 """`agentlog verify LOG [--repair]`: check a log's every frame; optionally cut a torn tail.
 
-Exit 0 with a one-line summary when the log is sound (or was repaired);
-exit 1 naming the position when it has a torn tail or is corrupt; exit 2
-for a missing path or a directory that is not a log. A run folder stands for
-its ``rollout/`` log.
+Exit 0 with a one-line summary when the log is sound (or was repaired),
+with a note counting records of unknown types (a newer writer's: sound, but
+not understood here); exit 1 naming the position when it has a torn tail or
+is corrupt, or when records of known types do not decode with this version's
+schema (SCHEMA MISMATCH: upgrade agentlog); exit 2 for a missing path or a
+directory that is not a log. A run folder stands for its ``rollout/`` log.
 """
 
 from __future__ import annotations

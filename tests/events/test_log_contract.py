@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import msgspec
 import pytest
 
 from events.log import FileLog
 from events.log_api import EventLog, LogClosed, MemoryLog, PendingRecord, SequenceError
-from events.types import EventValidationError, SessionDropped, SessionOpened, SessionStarted
+from events.types import EventValidationError, SessionDropped, SessionFinished, SessionOpened, SessionStarted, UnknownEvent
 import make_golden_shim
 from event_samples import small_event
 
@@ -75,6 +76,55 @@ class LogContract:
         with pytest.raises(EventValidationError):
             log.append_batch([("u", 0, opened()), ("bad/id", 0, opened())])
         assert log.next_lsn == 1 and [e.lsn for e in log.read()] == [0]
+
+    @pytest.mark.parametrize(
+        "body, field, expected",
+        [
+            (SessionOpened(group_id="g", group_size=1, metadata=[1]), "session_opened.metadata", "expected `object`, got `array`"),
+            (SessionOpened(group_id="g", group_size=1, prompt="x"), "session_opened.prompt", "expected `array`, got `str`"),
+            (SessionOpened(group_id="g", group_size=1, prompt=[1]), "session_opened.prompt[0]", "expected `object`, got `int`"),
+            (SessionOpened(group_id="g", group_size=1, prompt={"a": 1}), "session_opened.prompt", "expected `array`, got `object`"),
+            (SessionFinished(metadata=["x"]), "session_finished.metadata", "expected `object`, got `array`"),
+        ],
+        ids=["metadata-list", "prompt-str", "prompt-list-of-int", "prompt-dict", "finish-metadata-list"],
+    )
+    def test_a_body_readers_could_not_decode_is_refused_before_anything_is_written(self, log, body, field, expected):
+        """Issue 11 critical 1: msgspec constructors do not check field types,
+        so these bodies encode; the writer decodes each back and refuses it."""
+        log.append_batch([("s", 0, opened()), ("s", 1, SessionStarted())])
+        with pytest.raises(EventValidationError) as info:
+            log.append_batch([("t", 0, opened()), ("u", 0, body)])
+        msg = str(info.value)
+        assert "session 'u' seq 0" in msg and f"{field}: {expected}" in msg and "nothing was written" in msg
+        assert log.next_lsn == 2 and log.next_seq("t") == 0 and log.next_seq("u") == 0
+        # Not fatal: the log takes the next good append, and every record reads back.
+        assert log.fatal_reason is None
+        log.append_batch([("u", 0, opened())])
+        assert [(e.lsn, e.session_id) for e in log.read()] == [(0, "s"), (1, "s"), (2, "u")]
+
+    def test_a_body_whose_checks_were_bypassed_is_refused(self, log):
+        bypassed = SessionOpened(group_id="g", group_size=1)
+        msgspec.structs.force_setattr(bypassed, "group_size", 0)
+        with pytest.raises(EventValidationError, match=r"session 's' seq 0: session_opened\.group_size: expected an int >= 1, found 0"):
+            log.append_batch([("s", 0, bypassed)])
+        with pytest.raises(EventValidationError, match=r"session 's' seq 0: session_opened: cannot be encoded"):
+            log.append_batch([("s", 0, SessionOpened(group_id="g", group_size=1, label=2**70))])
+        assert log.next_lsn == 0
+
+    def test_only_schema_events_are_appended(self, log):
+        for body in ({"type": "session_opened"}, UnknownEvent("turn_scored", {})):
+            with pytest.raises(EventValidationError, match=f"body: expected a schema-v1 event, found {type(body).__name__}"):
+                log.append_batch([("s", 0, body)])
+        assert log.next_lsn == 0
+
+    def test_the_appended_envelope_holds_the_body_as_readers_decode_it(self, log):
+        """A tuple of messages is stored as an array: every log hands back the
+        list a reader decodes, never the caller's own object."""
+        caller = SessionOpened(group_id="g", group_size=1, prompt=({"role": "user", "content": "hi"},), metadata={"k": [1]})
+        env = log.append_batch([("s", 0, caller)])[0]
+        assert env.body.prompt == [{"role": "user", "content": "hi"}]
+        caller.metadata["k"].append(2)  # a later change by the caller does not reach the log
+        assert list(log.read()) == [env] and env.body.metadata == {"k": [1]}
 
     def test_terminal_event_closes_the_session(self, log):
         log.append_batch([("a", 0, opened()), ("b", 0, opened()), ("a", 1, SessionDropped(reason="cancelled"))])

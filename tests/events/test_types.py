@@ -20,6 +20,8 @@ from events.types import (
     SessionFinished,
     SessionOpened,
     TurnRecorded,
+    UnknownEvent,
+    check_body,
     decode_body,
     encode_body,
     event_tag,
@@ -128,10 +130,51 @@ def test_other_bad_fields_name_field_and_value():
     _raises("reason", SessionDropped, reason="")
 
 
-def test_bad_events_from_bytes_are_refused_on_decode():
-    raw = msgspec.msgpack.encode({"type": "turn_recorded", "turn_index": 0, "finish_reason": "eos"})
-    with pytest.raises(msgspec.ValidationError, match="stop/length/abort"):
-        decode_body(raw)
+def test_stored_records_decode_without_the_write_checks():
+    """A newer writer may allow what this version's checks refuse (a new
+    finish reason, a relaxed bound): reading takes the stored values as they are."""
+    raw = msgspec.msgpack.encode({"type": "turn_recorded", "turn_index": 0, "finish_reason": "tool_calls"})
+    assert decode_body(raw).finish_reason == "tool_calls"
+    raw = msgspec.msgpack.encode({"type": "session_opened", "group_id": "g", "group_size": 0})
+    assert decode_body(raw).group_size == 0
+
+
+def test_building_an_event_still_runs_the_checks_after_a_decode():
+    """The read path switches the checks off for its own decode only, also
+    when that decode fails."""
+    decode_body(msgspec.msgpack.encode({"type": "turn_recorded", "turn_index": 0, "finish_reason": "eos"}))
+    with pytest.raises(msgspec.ValidationError):
+        decode_body(msgspec.msgpack.encode({"type": "turn_recorded", "turn_index": "x"}))
+    _raises("stop/length/abort", TurnRecorded, turn_index=0, finish_reason="eos")
+    _raises("group_size", SessionOpened, group_id="g", group_size=0)
+
+
+def test_the_write_check_refuses_what_a_reader_could_not_decode():
+    msg = _raises(r"session_opened\.metadata: expected `object`, got `array`", check_body, SessionOpened(group_id="g", group_size=1, metadata=[1]))
+    assert "$" not in msg
+    bypassed = SessionOpened(group_id="g", group_size=1)
+    msgspec.structs.force_setattr(bypassed, "group_size", 0)
+    _raises(r"session_opened\.group_size: expected an int >= 1, found 0", check_body, bypassed)
+    _raises(r"session_opened: cannot be encoded", check_body, SessionOpened(group_id="g", group_size=1, label=2**70))
+
+
+def test_the_write_check_hands_back_the_payload_and_the_body_readers_get():
+    body = SessionOpened(group_id="g", group_size=1, prompt=({"role": "user", "content": "hi"},))
+    payload, decoded = check_body(body)
+    assert payload == encode_body(body)
+    assert decoded.prompt == [{"role": "user", "content": "hi"}] and decoded == decode_body(payload)
+
+
+def test_an_unknown_tag_decodes_to_an_unknown_event():
+    raw = msgspec.msgpack.encode({"type": "turn_scored", "turn_index": 3, "score": 0.5})
+    ev = decode_body(raw)
+    assert ev == UnknownEvent("turn_scored", {"turn_index": 3, "score": 0.5})
+    assert event_tag(ev) == "turn_scored"
+
+
+def test_a_known_tag_with_fields_of_other_types_does_not_decode():
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.metadata"):
+        decode_body(msgspec.msgpack.encode({"type": "session_finished", "metadata": ["x"]}))
 
 
 def test_aborted_traceback_is_capped_keeping_the_end():

@@ -53,7 +53,7 @@ def collect(envelopes: Iterable[Any], log: str, *, max_drill: int = 300) -> Repo
     from reducers.lifecycle import LifecycleState, SessionSummary, Violation, reduce_lifecycle
     from reducers.pipeline import ReduceError, Reducer
 
-    state = LifecycleState()
+    state = LifecycleState(tolerate_unknown=True)  # shown, not interpreted: a newer writer's event types
     reducer: Reducer | None = Reducer()
     records: dict[str, SessionRecord] = {}
     order: list[str] = []
