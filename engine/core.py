@@ -34,9 +34,9 @@ from typing import Any, Coroutine
 import structlog
 from tqdm import tqdm
 
-from events.lifecycle import TERMINAL_STATES, IllegalTransition, LifecycleError, SessionClosed, State, next_state
-from events.log_api import EventLog
-from events.types import (
+from agentlog.events.lifecycle import TERMINAL_STATES, IllegalTransition, LifecycleError, SessionClosed, State, next_state
+from agentlog.events.log_api import EventLog
+from agentlog.events.types import (
     CommandRan,
     Envelope,
     RewardAssigned,
@@ -49,8 +49,8 @@ from events.types import (
     TurnUndelivered,
     validate_id,
 )
-from reducers.groups import GroupError, GroupTracker
-from reducers.lifecycle import IdFilter, LifecycleReducer, Violation
+from agentlog.reducers.groups import GroupError, GroupTracker
+from agentlog.reducers.lifecycle import IdFilter, LifecycleReducer, Violation
 
 _log = structlog.get_logger("agentlog.engine")
 

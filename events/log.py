@@ -111,7 +111,7 @@ __all__ = [
     "verify_log",
 ]
 
-log = structlog.get_logger("events.log")
+log = structlog.get_logger("agentlog.events.log")
 
 FSYNC_POLICIES = ("always", "batch", "interval", "never")
 _TERMINAL_SET = frozenset(TERMINAL_EVENT_TYPES)

@@ -1,12 +1,12 @@
 """learner: torch batching, advantages, policy losses, optimisers and the training step."""
 
-from learner.advantages import compute_advantages
-from learner.batching import Batch, make_batches
-from learner.config import LearnerConfig
-from learner.learner import Learner, load_weights, save_weights
-from learner.loss import kl_penalty, policy_loss
-from learner.model import GPT, Generation, GPTConfig, token_log_probs
-from learner.optim import StatelessAdam, make_optimizer
+from agentlog.learner.advantages import compute_advantages
+from agentlog.learner.batching import Batch, make_batches
+from agentlog.learner.config import LearnerConfig
+from agentlog.learner.learner import Learner, load_weights, save_weights
+from agentlog.learner.loss import kl_penalty, policy_loss
+from agentlog.learner.model import GPT, Generation, GPTConfig, token_log_probs
+from agentlog.learner.optim import StatelessAdam, make_optimizer
 
 __all__ = [
     "Batch", "GPT", "GPTConfig", "Generation", "Learner", "LearnerConfig", "StatelessAdam",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from learner.config import ESTIMATORS
+from agentlog.learner.config import ESTIMATORS
 
 
 def compute_advantages(

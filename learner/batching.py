@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from reducers.samples import Sample
+from agentlog.reducers.samples import Sample
 
 
 @dataclass

@@ -29,13 +29,13 @@ import numpy as np
 import structlog
 import torch
 
-from learner.advantages import compute_advantages
-from learner.batching import make_batches
-from learner.config import LearnerConfig
-from learner.loss import policy_loss
-from learner.model import token_log_probs
-from learner.optim import make_optimizer, make_scheduler
-from reducers.samples import Sample, sampling_problem
+from agentlog.learner.advantages import compute_advantages
+from agentlog.learner.batching import make_batches
+from agentlog.learner.config import LearnerConfig
+from agentlog.learner.loss import policy_loss
+from agentlog.learner.model import token_log_probs
+from agentlog.learner.optim import make_optimizer, make_scheduler
+from agentlog.reducers.samples import Sample, sampling_problem
 
 CHECKPOINT_FORMAT = "agentlog.learner.v1"
 

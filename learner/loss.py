@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from learner.config import ESTIMATORS, KL_TYPES, LOSS_AGGS
+from agentlog.learner.config import ESTIMATORS, KL_TYPES, LOSS_AGGS
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str) -> torch.Tensor:

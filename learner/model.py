@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from learner.batching import Batch
+    from agentlog.learner.batching import Batch
 
 
 @dataclass

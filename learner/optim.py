@@ -6,7 +6,7 @@ from typing import Iterable
 
 import torch
 
-from learner.config import OPTIMIZERS, LearnerConfig
+from agentlog.learner.config import OPTIMIZERS, LearnerConfig
 
 
 class StatelessAdam(torch.optim.Optimizer):

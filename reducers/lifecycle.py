@@ -46,8 +46,8 @@ from typing import Any, Iterable, Iterator, NamedTuple
 
 import msgspec
 
-from events.lifecycle import TERMINAL_STATES, IllegalTransition, State, state_after_event
-from events.types import (
+from agentlog.events.lifecycle import TERMINAL_STATES, IllegalTransition, State, state_after_event
+from agentlog.events.types import (
     CommandRan,
     Envelope,
     PolicyUpdated,

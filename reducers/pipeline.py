@@ -23,8 +23,8 @@ from typing import Any, Iterable, NamedTuple
 
 import msgspec
 
-from events.lifecycle import IllegalTransition, State, state_after_event
-from events.types import (
+from agentlog.events.lifecycle import IllegalTransition, State, state_after_event
+from agentlog.events.types import (
     Envelope,
     PolicyUpdated,
     RewardAssigned,

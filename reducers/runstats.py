@@ -32,8 +32,8 @@ from typing import Any, Union
 
 import msgspec
 
-from events.lifecycle import IN_SESSION_EVENTS, LIFECYCLE_SPEC, TERMINAL_STATES, TRANSITIONS, State
-from events.types import Envelope, UnknownEvent, as_unknown_event
+from agentlog.events.lifecycle import IN_SESSION_EVENTS, LIFECYCLE_SPEC, TERMINAL_STATES, TRANSITIONS, State
+from agentlog.events.types import Envelope, UnknownEvent, as_unknown_event
 
 from .groups import ABORTED, DROPPED, FINISHED, GroupError, GroupMember, GroupTracker
 from .metrics import MetricsAccumulator

@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from events.types import TurnRecorded
+from agentlog.events.types import TurnRecorded
 
 CLEAN = "clean"
 REALIGN = "realign"

@@ -61,7 +61,7 @@ def short_demo_run(tmp_path_factory) -> tuple[Path, str]:
     import contextlib
     import io
 
-    from tools.cli import main as cli_main
+    from agentlog.tools.cli import main as cli_main
 
     cwd = tmp_path_factory.mktemp("demo")
     out = io.StringIO()

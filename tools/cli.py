@@ -46,14 +46,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="agentlog", description="Durable, replayable agent-RL session logs.")
     parser.add_argument("--version", action="version", version=f"agentlog {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    import tools
-
+    import agentlog.tools as tools
     names = sorted(m.name for m in pkgutil.iter_modules(tools.__path__) if m.name.startswith("cmd_"))
     first = next((a for a in argv or () if not a.startswith("-")), None)
     if first is not None and f"cmd_{first}" in names:
         names = [f"cmd_{first}"]
     for name in names:
-        importlib.import_module(f"tools.{name}").register(sub)
+        importlib.import_module(f"agentlog.tools.{name}").register(sub)
     return parser
 
 
@@ -80,6 +79,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # `python -m tools.cli`: run the imported module's main, so the commands'
     # `from tools.cli import CliError` is the class this main catches.
-    from tools.cli import main as _main
+    from agentlog.tools.cli import main as _main
 
     sys.exit(_main())

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from tools.cli import EXIT_DATA, EXIT_USAGE, CliError
+from agentlog.tools.cli import EXIT_DATA, EXIT_USAGE, CliError
 
 #: Logs smaller than this are read without a progress bar.
 PROGRESS_MIN_BYTES = 4 << 20
@@ -44,7 +44,7 @@ def _unreadable(arg: str, exc: OSError) -> CliError:
 def _is_run_folder(path: Path, *, allow_empty: bool) -> bool:
     """A run folder: its ``rollout/`` holds a log (or, for a log about to be
     written, exists next to the run's ``config.json``)."""
-    from events.log_format import is_log_dir
+    from agentlog.events.log_format import is_log_dir
 
     inner = path / RUN_FOLDER_LOG
     return is_log_dir(inner) or (allow_empty and inner.is_dir() and (path / "config.json").is_file())
@@ -54,7 +54,7 @@ def logs_below(path: Path, *, depth: int = DID_YOU_MEAN_DEPTH, max_dirs: int = D
     """Log directories and run folders below ``path`` (not ``path`` itself), breadth first, at most
     ``depth`` levels down and through at most ``max_dirs`` folders; hidden and
     unreadable folders are passed over (this only suggests, it never decides)."""
-    from events.log_format import is_log_dir
+    from agentlog.events.log_format import is_log_dir
 
     found: list[Path] = []
     level = [path]
@@ -86,7 +86,7 @@ def check_log_path(arg: str, *, allow_empty: bool = False) -> Path:
     directory that is not a log gets a "did you mean" naming the logs found
     below it. ``allow_empty`` also accepts a directory that holds no log yet
     (nothing but a writer's lock or index): a log about to be written."""
-    from events.log_format import DURABLE_NAME, INDEX_NAME, LOCK_NAME, is_log_dir
+    from agentlog.events.log_format import DURABLE_NAME, INDEX_NAME, LOCK_NAME, is_log_dir
 
     path = Path(arg)
     if not path.exists():
@@ -111,7 +111,7 @@ def check_log_path(arg: str, *, allow_empty: bool = False) -> Path:
 
 def log_bytes(path: Path) -> int:
     """Total size of the log's segment files."""
-    from events.log_format import list_segments, segment_name
+    from agentlog.events.log_format import list_segments, segment_name
 
     total = 0
     for first in list_segments(path):
@@ -128,8 +128,8 @@ def read_records(
     """Every durable record of the log at ``path`` from ``from_lsn`` (Envelopes,
     or RawRecords with ``raw``), with a byte progress bar on stderr for logs
     over PROGRESS_MIN_BYTES unless ``quiet``. Corruption raises CliError(1)."""
-    from events.log import NotALog, read_log
-    from events.log_api import LogError
+    from agentlog.events.log import NotALog, read_log
+    from agentlog.events.log_api import LogError
 
     total = log_bytes(path)
     bar = None

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from tools.loop.cli import add_config_flags, add_output_flags, config_from_args, execute
-from tools.loop.config import LoopConfig
+from agentlog.loop.cli import add_config_flags, add_output_flags, config_from_args, execute
+from agentlog.loop.config import LoopConfig
 
 EPILOG = """\
 what it does: a supervised warm-up (300 steps on demonstrations whose answers

@@ -25,8 +25,8 @@ import os
 import sys
 from typing import Any
 
-from tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from tools.cli_common import add_quiet, check_log_path, nonneg_int, read_records
+from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
+from agentlog.tools.cli_common import add_quiet, check_log_path, nonneg_int, read_records
 
 FORMATS = ("jsonl", "msgpack", "parquet")
 
@@ -88,7 +88,7 @@ class _MsgpackWriter:
         self._f = _open(path, "wb")
 
     def write(self, samples: list) -> None:
-        from reducers.samples import encode_sample
+        from agentlog.reducers.samples import encode_sample
 
         parts = []
         for s in samples:
@@ -190,7 +190,7 @@ class _ParquetWriter:
 def read_msgpack_samples(path: str | os.PathLike) -> list:
     """The samples of a ``--format msgpack`` file, in order. Raises ValueError
     naming the offset on a truncated or malformed file."""
-    from reducers.samples import decode_sample
+    from agentlog.reducers.samples import decode_sample
 
     data = memoryview(open(path, "rb").read())
     out, off = [], 0
@@ -224,8 +224,8 @@ def _format_of(args) -> str:
 
 def run(args) -> int:
     """Reduce the log and write its samples; the digest is the last line."""
-    from reducers.config import DEFAULT_CONFIG, ConfigError, ReduceConfig
-    from reducers.pipeline import ReduceError, Reducer
+    from agentlog.reducers.config import DEFAULT_CONFIG, ConfigError, ReduceConfig
+    from agentlog.reducers.pipeline import ReduceError, Reducer
 
     path = check_log_path(args.log)
     overrides = {}

@@ -15,8 +15,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from tools.cli_common import add_quiet, check_log_path, fmt_ts, nonneg_int, read_records
+from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
+from agentlog.tools.cli_common import add_quiet, check_log_path, fmt_ts, nonneg_int, read_records
 
 STATUSES = ("open", "running", "finished", "aborted", "dropped")
 #: The rule every selection filter follows (printed by --help).
@@ -69,7 +69,7 @@ def _reward(r: Any) -> str:
 
 def event_summary(body: Any) -> str:
     """A short human summary of an event body."""
-    from events.types import UnknownEvent, event_tag
+    from agentlog.events.types import UnknownEvent, event_tag
 
     if type(body) is UnknownEvent:
         return f"UNKNOWN event type (written by a newer agentlog), fields: {', '.join(body.fields) or '-'}"
@@ -109,7 +109,7 @@ def _state(s: Any) -> str:
 
 def format_step(env: Any, before: Any, after: Any, violations: Any = ()) -> list[str]:
     """The text lines of one replayed event (the event, then any violation)."""
-    from events.types import event_tag
+    from agentlog.events.types import event_tag
 
     tag = event_tag(env.body)
     lines = [
@@ -126,7 +126,7 @@ def event_fields(body: Any) -> dict[str, Any]:
     unknown event's fields as stored, marked ``"unknown": true``)."""
     import msgspec
 
-    from events.types import UnknownEvent, log_probs_view, tokens_view
+    from agentlog.events.types import UnknownEvent, log_probs_view, tokens_view
 
     if type(body) is UnknownEvent:
         return {**body.fields, "unknown": True}
@@ -142,7 +142,7 @@ def event_fields(body: Any) -> dict[str, Any]:
 
 def step_json(env: Any, before: Any, after: Any, violations: Any = ()) -> dict[str, Any]:
     """One replayed event as the ``--json`` object."""
-    from events.types import event_tag
+    from agentlog.events.types import event_tag
 
     out = {
         "lsn": env.lsn,
@@ -186,7 +186,7 @@ def index_log(path: Any, until: int | None, quiet: bool) -> LogIndex:
     """The :class:`LogIndex` of the log at ``path`` up to ``until``."""
     import msgspec
 
-    from reducers.runstats import decode_projection
+    from agentlog.reducers.runstats import decode_projection
 
     index = LogIndex()
     ends = {"session_finished": "finished", "session_aborted": "aborted", "session_dropped": "dropped"}
@@ -249,9 +249,9 @@ def unmatched_filter(args: Any, index: LogIndex) -> str | None:
 
 def run(args) -> int:
     """Replay and print."""
-    from reducers.lifecycle import replay
+    from agentlog.reducers.lifecycle import replay
 
-    from events.types import SessionOpened
+    from agentlog.events.types import SessionOpened
 
     path = check_log_path(args.log)
     if args.from_lsn is not None and args.until_lsn is not None and args.from_lsn > args.until_lsn:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 
-from tools.cli import EXIT_OK, EXIT_USAGE, CliError
-from tools.cli_common import add_quiet, check_log_path, nonneg_int, read_records
+from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
+from agentlog.tools.cli_common import add_quiet, check_log_path, nonneg_int, read_records
 
 
 def register(sub) -> None:
@@ -24,8 +24,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     """Collect, render, write atomically."""
-    from tools.report.data import collect
-    from tools.report.render import render
+    from agentlog.tools.report.data import collect
+    from agentlog.tools.report.render import render
 
     path = check_log_path(args.log)
     data = collect(read_records(path, quiet=args.quiet, desc="report"), str(path), max_drill=args.max_sessions_detail)

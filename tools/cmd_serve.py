@@ -13,7 +13,7 @@ with that as its API key (the session id is no credential)::
     POST /admin/sessions/ID/drop        {"reason": "..."}
     GET  /admin/sessions/ID
 
-Every field is checked before anything is appended (engine.gateway.admin):
+Every field is checked before anything is appended (gateway.admin):
 a bad one is answered 400 naming it, a duplicate id or a group conflict 409.
 """
 
@@ -25,8 +25,8 @@ import secrets
 import signal
 import sys
 
-from tools.cli import EXIT_DATA, CliError
-from tools.cli_common import nonneg_int, positive_float, positive_int
+from agentlog.tools.cli import EXIT_DATA, CliError
+from agentlog.tools.cli_common import nonneg_int, positive_float, positive_int
 
 
 def register(sub) -> None:
@@ -72,15 +72,15 @@ def default_gateway_model(seed: int = 0):
     (random weights: for wiring, tests and benchmarks, not for quality)."""
     import torch
 
-    from engine.gateway import ByteChatTemplate
-    from learner.model import GPT, GPTConfig
+    from agentlog.gateway import ByteChatTemplate
+    from agentlog.learner.model import GPT, GPTConfig
 
     torch.manual_seed(seed)
     return GPT(GPTConfig(vocab_size=ByteChatTemplate.VOCAB_SIZE, max_seq_len=4096, d_model=64, n_layer=2, n_head=4))
 
 
 def _build(args):
-    from engine.gateway import ByteChatTemplate, HFChatTemplate, OpenAICompletionsBackend, SGLangBackend, TorchBackend, tool_parser
+    from agentlog.gateway import ByteChatTemplate, HFChatTemplate, OpenAICompletionsBackend, SGLangBackend, TorchBackend, tool_parser
 
     try:
         parser = tool_parser(args.tool_parser)
@@ -89,7 +89,7 @@ def _build(args):
     if args.backend == "torch":
         import torch
 
-        from learner.model import GPT, GPTConfig
+        from agentlog.learner.model import GPT, GPTConfig
 
         if args.checkpoint:
             try:
@@ -149,10 +149,10 @@ def _has_transformers() -> bool:
 
 
 async def _serve(args) -> int:
-    from engine import SessionEngine
-    from engine.gateway import Gateway, GatewayConfig
-    from events.log import FileLog
-    from events.log_api import LogError
+    from agentlog.engine import SessionEngine
+    from agentlog.gateway import Gateway, GatewayConfig
+    from agentlog.events.log import FileLog
+    from agentlog.events.log_api import LogError
 
     backend, template, parser = _build(args)
     token = args.admin_token or secrets.token_urlsafe(18)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from tools.cli_common import add_quiet, check_log_path, read_records
+from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
+from agentlog.tools.cli_common import add_quiet, check_log_path, read_records
 
 #: Prompts longer than this are shown as their head and tail.
 PROMPT_SHOWN = 48
@@ -114,10 +114,10 @@ def why_lines(envs: list, full: bool) -> list[str]:
     """What answers "why did it score so": label, reward and its source, verifier detail, abort error and traceback."""
     import json
 
-    from events.types import RewardAssigned, SessionAborted, SessionFinished, SessionOpened
-    from reducers.samples import final_raw_reward
+    from agentlog.events.types import RewardAssigned, SessionAborted, SessionFinished, SessionOpened
+    from agentlog.reducers.samples import final_raw_reward
 
-    from tools.cmd_replay import _reward
+    from agentlog.tools.cmd_replay import _reward
 
     lines: list[str] = []
     opened = next((e.body for e in envs if isinstance(e.body, SessionOpened)), None)
@@ -154,7 +154,7 @@ def why_lines(envs: list, full: bool) -> list[str]:
 
 def transcript_lines(envs: list, full: bool) -> list[str]:
     """Per turn the messages new since the turn before, then the response; each command and its output."""
-    from events.types import CommandRan, TurnRecorded, TurnUndelivered
+    from agentlog.events.types import CommandRan, TurnRecorded, TurnUndelivered
 
     lines: list[str] = []
     held: list = []  # the previous turn's messages and its response: what a new turn's messages extend
@@ -185,10 +185,10 @@ def transcript_lines(envs: list, full: bool) -> list[str]:
 
 def run(args) -> int:
     """Print the session."""
-    from reducers.lifecycle import replay
-    from reducers.pipeline import ReduceError, Reducer, session_trajectory
+    from agentlog.reducers.lifecycle import replay
+    from agentlog.reducers.pipeline import ReduceError, Reducer, session_trajectory
 
-    from tools.cmd_replay import format_step
+    from agentlog.tools.cmd_replay import format_step
 
     path = check_log_path(args.log)
     sid = args.session

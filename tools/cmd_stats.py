@@ -13,8 +13,8 @@ import math
 import sys
 from typing import Any
 
-from tools.cli import EXIT_DATA, EXIT_OK, CliError
-from tools.cli_common import add_quiet, check_log_path, fmt_ts, read_records
+from agentlog.tools.cli import EXIT_DATA, EXIT_OK, CliError
+from agentlog.tools.cli_common import add_quiet, check_log_path, fmt_ts, read_records
 
 
 def register(sub) -> None:
@@ -30,8 +30,8 @@ def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
     """Statistics of the log at ``path`` (already checked) as plain data."""
     import msgspec
 
-    from events.log_api import SchemaError
-    from reducers.runstats import RunStats, decode_projection
+    from agentlog.events.log_api import SchemaError
+    from agentlog.reducers.runstats import RunStats, decode_projection
 
     stats = RunStats()
     feed = stats.feed_record

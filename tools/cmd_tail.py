@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tools.cli import EXIT_DATA, EXIT_OK, CliError
-from tools.cli_common import check_log_path
+from agentlog.tools.cli import EXIT_DATA, EXIT_OK, CliError
+from agentlog.tools.cli_common import check_log_path
 
 REFRESH_S = 0.5
 
@@ -87,11 +87,11 @@ def summary_line(snap: dict[str, Any]) -> str:
 
 
 async def _tail_events(path: Path) -> None:
-    from events.log import follow_log
-    from reducers.lifecycle import LifecycleState, Violation, reduce_lifecycle
+    from agentlog.events.log import follow_log
+    from agentlog.reducers.lifecycle import LifecycleState, Violation, reduce_lifecycle
 
-    from events.types import PolicyUpdated
-    from tools.cmd_replay import format_step
+    from agentlog.events.types import PolicyUpdated
+    from agentlog.tools.cmd_replay import format_step
 
     state = LifecycleState(tolerate_unknown=True)  # shown, not interpreted: a newer writer's event types
     out = sys.stdout
@@ -106,8 +106,8 @@ async def _tail_events(path: Path) -> None:
 
 
 async def _tail_summary(path: Path) -> None:
-    from events.log import follow_log
-    from reducers.runstats import RunStats, decode_projection
+    from agentlog.events.log import follow_log
+    from agentlog.reducers.runstats import RunStats, decode_projection
 
     stats = RunStats()
     changed = asyncio.Event()
@@ -153,7 +153,7 @@ def run(args) -> int:
     """Follow until interrupted."""
     import msgspec
 
-    from events.log_api import LogError
+    from agentlog.events.log_api import LogError
 
     path = check_log_path(args.log, allow_empty=True)
     try:

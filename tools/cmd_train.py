@@ -15,9 +15,9 @@ import argparse
 import importlib
 from pathlib import Path
 
-from tools.cli import EXIT_USAGE, CliError
-from tools.loop.cli import add_config_flags, add_output_flags, config_from_args, execute
-from tools.loop.config import ConfigError, LoopConfig
+from agentlog.tools.cli import EXIT_USAGE, CliError
+from agentlog.loop.cli import add_config_flags, add_output_flags, config_from_args, execute
+from agentlog.loop.config import ConfigError, LoopConfig
 
 
 def register(sub) -> None:

@@ -10,7 +10,7 @@ directory that is not a log. A run folder stands for its ``rollout/`` log.
 
 from __future__ import annotations
 
-from tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
+from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
 
 
 def register(sub) -> None:
@@ -27,9 +27,9 @@ def register(sub) -> None:
 
 def run(args) -> int:
     """Verify, print one line, return the exit status."""
-    from events.log import LogLocked, NotALog, verify_log
+    from agentlog.events.log import LogLocked, NotALog, verify_log
 
-    from tools.cli_common import check_log_path
+    from agentlog.tools.cli_common import check_log_path
 
     path = check_log_path(args.log)  # a run folder stands for its rollout/ log
     try:

@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from engine import harness
+from agentlog.engine import harness
 
 
 class TaskError(ValueError):

@@ -12,18 +12,18 @@ import time
 
 import pytest
 
-from engine import DuplicateSession, SessionEngine
+from agentlog.engine import DuplicateSession, SessionEngine
 from engine_helpers import check_log_invariants
-from events.log import FileLog
-from events.types import SessionAborted, SessionFinished, TurnRecorded
+from agentlog.events.log import FileLog
+from agentlog.events.types import SessionAborted, SessionFinished, TurnRecorded
 
 CHILD = textwrap.dedent(
     """
     import asyncio, sys
     import structlog
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    from events.log import FileLog
-    from engine import SessionEngine
+    from agentlog.events.log import FileLog
+    from agentlog.engine import SessionEngine
 
     async def main(path, n):
         log = FileLog.open(path, fsync="batch")
@@ -136,7 +136,7 @@ def test_restart_aborts_an_orphan_whose_id_is_a_bloom_false_positive(arun, tmp_p
     """The restart fold's Bloom filter can hold a fresh id by chance; the fold
     then skips that session as a 'reused id'. The orphan must still be aborted:
     the engine takes its orphans from the log's exact open-session map."""
-    from reducers.lifecycle import IdFilter
+    from agentlog.reducers.lifecycle import IdFilter
 
     # With a one-id filter, "open-26" hits the bits "done-0" set (found by search).
     probe = IdFilter(1)

@@ -9,7 +9,7 @@ import math
 import pytest
 from structlog.testing import capture_logs
 
-from engine import (
+from agentlog.engine import (
     DuplicateSession,
     EngineClosed,
     LocalSandbox,
@@ -17,9 +17,9 @@ from engine import (
     SessionTimeout,
     StragglerRefused,
 )
-from events.lifecycle import IllegalTransition, SessionClosed, State
-from events.log_api import LogClosed, MemoryLog
-from events.types import (
+from agentlog.events.lifecycle import IllegalTransition, SessionClosed, State
+from agentlog.events.log_api import LogClosed, MemoryLog
+from agentlog.events.types import (
     CommandRan,
     EventValidationError,
     SessionAborted,
@@ -493,7 +493,7 @@ def test_aborted_event_is_logged_with_session_id_bound(arun):
 def test_cancelled_turn_that_the_log_already_staged_keeps_the_session_in_step(arun, tmp_path):
     """FileLog stages a record, then waits for durability: a cancel in that
     wait must not desynchronise the session's sequence from the log."""
-    from events.log import FileLog
+    from agentlog.events.log import FileLog
 
     async def go():
         log = FileLog.open(tmp_path / "log", fsync="always")

@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
-from engine import DuplicateSession, SessionEngine, StragglerRefused
+from agentlog.engine import DuplicateSession, SessionEngine, StragglerRefused
 from engine_helpers import YieldingLog, check_log_invariants, fire
-from events.lifecycle import TERMINAL_STATES, TRANSITIONS, IllegalTransition, SessionClosed, State
-from events.types import CommandRan, Envelope, RewardAssigned, SessionAborted, SessionDropped, SessionFinished, SessionStarted, TurnRecorded
+from agentlog.events.lifecycle import TERMINAL_STATES, TRANSITIONS, IllegalTransition, SessionClosed, State
+from agentlog.events.types import CommandRan, Envelope, RewardAssigned, SessionAborted, SessionDropped, SessionFinished, SessionStarted, TurnRecorded
 
 TRIGGERS = st.sampled_from(["start", "finish", "abort", "drop", "turn", "reward", "command"])
 IN_SESSION = ("turn", "reward", "command")

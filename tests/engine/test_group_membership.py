@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import SessionEngine
-from events.log_api import MemoryLog
-from events.types import SessionOpened
-from reducers.groups import GroupError
-from reducers.pipeline import reduce_log
+from agentlog.engine import SessionEngine
+from agentlog.events.log_api import MemoryLog
+from agentlog.events.types import SessionOpened
+from agentlog.reducers.groups import GroupError
+from agentlog.reducers.pipeline import reduce_log
 
 
 def opened(log, sid):

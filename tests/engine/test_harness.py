@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import harness
+from agentlog.engine import harness
 
 
 @pytest.fixture

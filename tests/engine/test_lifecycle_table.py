@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 
-from engine import SessionEngine, StragglerRefused
+from agentlog.engine import SessionEngine, StragglerRefused
 from engine_helpers import fire
-from events.lifecycle import TRANSITIONS, IllegalTransition, SessionClosed, State
-from events.log_api import MemoryLog
-from events.types import SessionAborted, SessionDropped, SessionFinished, SessionStarted, TurnRecorded
+from agentlog.events.lifecycle import TRANSITIONS, IllegalTransition, SessionClosed, State
+from agentlog.events.log_api import MemoryLog
+from agentlog.events.types import SessionAborted, SessionDropped, SessionFinished, SessionStarted, TurnRecorded
 
 O, R, F, A, D = State.OPEN, State.RUNNING, State.FINISHED, State.ABORTED, State.DROPPED
 NOOP = "noop"

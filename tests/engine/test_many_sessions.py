@@ -15,11 +15,11 @@ from typing import Any, Iterator
 import pytest
 import structlog
 
-import engine
-import reducers.lifecycle as lifecycle_mod
-from engine import SessionEngine, StragglerRefused
-from events.log_api import EventLog, PendingRecord
-from events.types import TERMINAL_EVENT_TYPES, Envelope, SessionAborted, SessionDropped, SessionOpened
+import agentlog.engine as engine
+import agentlog.reducers.lifecycle as lifecycle_mod
+from agentlog.engine import SessionEngine, StragglerRefused
+from agentlog.events.log_api import EventLog, PendingRecord
+from agentlog.events.types import TERMINAL_EVENT_TYPES, Envelope, SessionAborted, SessionDropped, SessionOpened
 
 ENGINE_DIR = os.path.dirname(engine.__file__)  # not "*/engine/*": that also matches tests/engine
 OUTCOMES = ("finish", "abort", "drop", "exception", "cancel", "unfinished", "straggler", "budget")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.sandbox import LocalSandbox, read_done_marker
+from agentlog.engine.sandbox import LocalSandbox, read_done_marker
 
 
 def live_processes_with(token: str) -> list[int]:

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from engine import SessionEngine
-from engine.core import _lock, _unlock
-from events.log_api import MemoryLog
+from agentlog.engine import SessionEngine
+from agentlog.engine.core import _lock, _unlock
+from agentlog.events.log_api import MemoryLog
 
 
 async def _handle():

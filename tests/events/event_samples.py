@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from events.types import (
+from agentlog.events.types import (
     EVENT_TYPES,
     CommandRan,
     PolicyUpdated,

@@ -8,9 +8,9 @@ import itertools
 import msgspec
 import pytest
 
-from events.log import FileLog
-from events.log_api import EventLog, LogClosed, MemoryLog, PendingRecord, SequenceError
-from events.types import EventValidationError, SessionDropped, SessionFinished, SessionOpened, SessionStarted, UnknownEvent
+from agentlog.events.log import FileLog
+from agentlog.events.log_api import EventLog, LogClosed, MemoryLog, PendingRecord, SequenceError
+from agentlog.events.types import EventValidationError, SessionDropped, SessionFinished, SessionOpened, SessionStarted, UnknownEvent
 import make_golden_shim
 from event_samples import small_event
 

@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from events.log import FileLog, LogClosed, OsOps, read_log
-from events.types import SessionOpened
+from agentlog.events.log import FileLog, LogClosed, OsOps, read_log
+from agentlog.events.types import SessionOpened
 from event_samples import small_event
 
 
@@ -252,7 +252,7 @@ class PowerCutOps(OsOps):
 @pytest.mark.parametrize("watermark_reached_disk", [False, True], ids=["all-unsynced-lost", "watermark-kept"])
 @pytest.mark.parametrize("policy", ["always", "batch", "interval", "never"])
 def test_a_power_cut_loses_only_unsynced_records_and_the_log_reopens(tmp_path, policy, watermark_reached_disk):
-    from events.log_format import list_segments, read_watermark
+    from agentlog.events.log_format import list_segments, read_watermark
 
     d = tmp_path / "log"
     ops = PowerCutOps()
@@ -268,7 +268,7 @@ def test_a_power_cut_loses_only_unsynced_records_and_the_log_reopens(tmp_path, p
     assert on_disk == acked[: len(on_disk)]
     if policy == "never" and watermark_reached_disk:
         # Before a writer recovers it, a reader is told the watermark was only a hint.
-        from events.log import LogCorruption
+        from agentlog.events.log import LogCorruption
 
         with pytest.raises(LogCorruption, match="never synced, so a power loss explains this"):
             list(read_log(d))
@@ -287,7 +287,7 @@ def test_a_power_cut_loses_only_unsynced_records_and_the_log_reopens(tmp_path, p
 
 
 def test_a_never_writer_marks_its_watermark_unsynced_until_close(tmp_path):
-    from events.log_format import read_watermark
+    from agentlog.events.log_format import read_watermark
 
     d = tmp_path / "log"
     lg = FileLog.open(d, fsync="never")
@@ -303,9 +303,9 @@ _EMFILE_CHILD = r"""
 import errno, json, os, resource, sys
 sys.path.insert(0, sys.argv[2])
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))  # hard too: the writer may raise the soft one
-from events.log import FileLog, LogClosed, verify_log
-from events.log_api import LogError
-from events.types import SessionOpened
+from agentlog.events.log import FileLog, LogClosed, verify_log
+from agentlog.events.log_api import LogError
+from agentlog.events.types import SessionOpened
 
 d = sys.argv[1]
 lg = FileLog.open(d, segment_bytes=1024)
@@ -345,7 +345,7 @@ refused_at = lg.next_lsn
 report["fatal_reason"] = lg.fatal_reason
 for fd in hog:
     os.close(fd)
-from events.log_format import list_segments  # listing a directory takes a descriptor
+from agentlog.events.log_format import list_segments  # listing a directory takes a descriptor
 from pathlib import Path
 report["rotations_while_exhausted"] = sum(exhausted_at <= s < refused_at for s in list_segments(Path(d)))
 for _ in range(100):  # the same append is taken now, and rotations go on

@@ -3,9 +3,9 @@ for small payloads (one piece with their header) and large ones (their own iovec
 
 from __future__ import annotations
 
-from events.log import FileLog
-from events.log_format import FLAG_TERMINAL, SEG_HDR_SIZE, encode_frame, pack_segment_header
-from events.types import SessionDropped, TurnRecorded, encode_body
+from agentlog.events.log import FileLog
+from agentlog.events.log_format import FLAG_TERMINAL, SEG_HDR_SIZE, encode_frame, pack_segment_header
+from agentlog.events.types import SessionDropped, TurnRecorded, encode_body
 from event_samples import small_event
 from log_helpers import seg_path
 

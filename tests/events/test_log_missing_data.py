@@ -10,10 +10,10 @@ import os
 
 import pytest
 
-from events.log import LogCorruption, follow_log, read_log, verify_log
-from events.log_format import SEG_HDR_SIZE
+from agentlog.events.log import LogCorruption, follow_log, read_log, verify_log
+from agentlog.events.log_format import SEG_HDR_SIZE
 from log_helpers import seg_path, write_small_log
-from tools.cli import main
+from agentlog.tools.cli import main
 
 DAMAGE = ["emptied", "cut_to_header", "deleted"]
 

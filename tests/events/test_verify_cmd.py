@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from events.log import FileLog
-from events.log_format import DURABLE_NAME, INDEX_NAME, SEG_HDR_SIZE
-from events.types import SessionOpened
+from agentlog.events.log import FileLog
+from agentlog.events.log_format import DURABLE_NAME, INDEX_NAME, SEG_HDR_SIZE
+from agentlog.events.types import SessionOpened
 from log_helpers import flip_bit, frame_offsets, records, seg_path, write_small_log
-from tools.cli import main
+from agentlog.tools.cli import main
 
 
 def run(capsys, *argv):
@@ -96,8 +96,8 @@ def test_repair_never_cuts_records_a_writer_acknowledged_after_the_first_scan(tm
     """A writer that opens, recovers and appends between verify's unlocked scan
     and its cut keeps every acknowledged record: the cut comes from a scan
     taken under the writer lock."""
-    import events.log as log_module
-    from events.log import read_log, verify_log
+    import agentlog.events.log as log_module
+    from agentlog.events.log import read_log, verify_log
 
     d, _seg, _start = _torn(tmp_path)
     real_lock = log_module._acquire_lock

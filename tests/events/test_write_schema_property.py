@@ -16,9 +16,9 @@ import msgspec
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from events.log import FileLog, read_log, verify_log
-from events.log_api import MemoryLog
-from events.types import EventValidationError, decode_body, encode_body
+from agentlog.events.log import FileLog, read_log, verify_log
+from agentlog.events.log_api import MemoryLog
+from agentlog.events.types import EventValidationError, decode_body, encode_body
 from event_samples import every_event
 
 BASES = every_event()

@@ -6,11 +6,11 @@ import asyncio
 import contextlib
 from typing import Any, Callable, Sequence
 
-from engine import SessionEngine
-from engine.gateway import Backend, ByteChatTemplate, Gateway, GatewayConfig, Generation, SamplingParams, TorchBackend
-from events.log_api import MemoryLog
-from events.types import TurnRecorded, TurnUndelivered
-from tools.cmd_serve import default_gateway_model
+from agentlog.engine import SessionEngine
+from agentlog.gateway import Backend, ByteChatTemplate, Gateway, GatewayConfig, Generation, SamplingParams, TorchBackend
+from agentlog.events.log_api import MemoryLog
+from agentlog.events.types import TurnRecorded, TurnUndelivered
+from agentlog.tools.cmd_serve import default_gateway_model
 
 TEMPLATE = ByteChatTemplate()
 

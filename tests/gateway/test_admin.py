@@ -14,10 +14,10 @@ import aiohttp
 import pytest
 from structlog.testing import capture_logs
 
-from events.log_api import MemoryLog
-from events.types import EventValidationError, SessionFinished, SessionOpened, encode_body
+from agentlog.events.log_api import MemoryLog
+from agentlog.events.types import EventValidationError, SessionFinished, SessionOpened, encode_body
 from gateway_helpers import ScriptedBackend, rig, run, turns_of
-from reducers.pipeline import reduce_log
+from agentlog.reducers.pipeline import reduce_log
 
 CHAT = [{"role": "user", "content": "hi"}]
 ADMIN = {"X-Admin-Token": "tok"}

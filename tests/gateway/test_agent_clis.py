@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from engine import LocalSandbox, harness
-from engine.gateway import agents
-from events.types import CommandRan
+from agentlog.engine import LocalSandbox, harness
+from agentlog.gateway import agents
+from agentlog.events.types import CommandRan
 from gateway_helpers import ScriptedBackend, open_running, rig, run, turns_of
-from reducers.pipeline import reduce_log, session_trajectory
+from agentlog.reducers.pipeline import reduce_log, session_trajectory
 
 pytestmark = pytest.mark.agent_cli
 

@@ -8,8 +8,8 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.gateway import ByteChatTemplate, ChatCompletionsAPI, HermesToolParser, MessagesAPI, ResponsesAPI, TurnResult, ToolSpec
-from engine.gateway.chat import assistant_message
+from agentlog.gateway import ByteChatTemplate, ChatCompletionsAPI, HermesToolParser, MessagesAPI, ResponsesAPI, TurnResult, ToolSpec
+from agentlog.gateway.chat import assistant_message
 
 # Trimmed from what Claude Code 2.1 sent on the wire (POST /v1/messages?beta=true).
 CLAUDE_CODE_BODY = {
@@ -163,7 +163,7 @@ def test_hermes_parser_flags_ill_formed_calls_with_a_reason():
 
 
 def test_hf_template_passes_canonical_messages_and_tools_to_the_tokenizer_template():
-    from engine.gateway import HFChatTemplate
+    from agentlog.gateway import HFChatTemplate
 
     class Tok:  # stands in for a transformers tokenizer: records what the template gets
         eos_token_id = 2

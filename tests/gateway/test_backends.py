@@ -14,7 +14,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from engine.gateway import OpenAICompletionsBackend, SGLangBackend
+from agentlog.gateway import OpenAICompletionsBackend, SGLangBackend
 from gateway_helpers import TEMPLATE, bearer, oa_client, open_running, rig, run, turns_of
 
 CHAT = [{"role": "user", "content": "hi"}]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gateway_helpers import TEMPLATE, key_for, an_client, oa_client, ScriptedBackend, SpyBackend, open_running, rig, run, turns_of
-from reducers.pipeline import reduce_log, session_trajectory
+from agentlog.reducers.pipeline import reduce_log, session_trajectory
 
 
 def _check_turn_matches_backend(turn, spy: SpyBackend) -> None:

@@ -10,11 +10,11 @@ import openai
 import pytest
 from structlog.testing import capture_logs
 
-from engine.gateway import GatewayConfig, TorchBackend
-from events.types import TurnRecorded
+from agentlog.gateway import GatewayConfig, TorchBackend
+from agentlog.events.types import TurnRecorded
 from gateway_helpers import GatedLog, bearer, key_for, HangingBackend, ScriptedBackend, an_client, oa_client, open_running, rig, run, turns_of, undelivered_of
-from learner.model import GPT, GPTConfig
-from reducers.pipeline import reduce_log, session_trajectory
+from agentlog.learner.model import GPT, GPTConfig
+from agentlog.reducers.pipeline import reduce_log, session_trajectory
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -245,7 +245,7 @@ def test_backend_failure_is_502_and_records_nothing():
     async def body():
         class Broken(ScriptedBackend):
             async def generate(self, prompt_ids, params):
-                from engine.gateway import BackendError
+                from agentlog.gateway import BackendError
 
                 raise BackendError("broken", "HTTP 500 from upstream", 500)
 
@@ -279,7 +279,7 @@ def test_session_ending_during_generation_cancels_the_call_and_records_nothing()
 
 def test_backend_answer_the_log_cannot_hold_is_a_json_500_and_records_nothing():
     async def body():
-        from engine.gateway import Generation
+        from agentlog.gateway import Generation
 
         class Bad(ScriptedBackend):
             async def generate(self, prompt_ids, params):

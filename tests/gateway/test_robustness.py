@@ -15,14 +15,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from structlog.testing import capture_logs
 
-from engine import SessionEngine
-from engine.gateway import Gateway, GatewayConfig, SamplingParams, TorchBackend
-from engine.gateway.backends import BackendError
-from events.log import FileLog, OsOps
-from events.log_api import LogClosed, MemoryLog
-from events.types import SessionAborted, SessionOpened
+from agentlog.engine import SessionEngine
+from agentlog.gateway import Gateway, GatewayConfig, SamplingParams, TorchBackend
+from agentlog.gateway.backends import BackendError
+from agentlog.events.log import FileLog, OsOps
+from agentlog.events.log_api import LogClosed, MemoryLog
+from agentlog.events.types import SessionAborted, SessionOpened
 from gateway_helpers import ScriptedBackend, key_for, open_running, rig, run, turns_of
-from tools.cmd_serve import default_gateway_model
+from agentlog.tools.cmd_serve import default_gateway_model
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -193,7 +193,7 @@ class _ClosableBackend(ScriptedBackend):
 def test_shutdown_on_a_fatal_log_closes_the_backend_and_the_log_and_reports_one_line(tmp_path):
     """Dropping the live sessions fails on a dead log; the steps after it
     (stop listening, close the backend, close and unlock the log) still run."""
-    from tools.cmd_serve import _shut_down
+    from agentlog.tools.cmd_serve import _shut_down
 
     async def body():
         ops = _DiskFullOps()
@@ -341,7 +341,7 @@ def test_the_body_cap_is_derived_from_the_log_record_cap_and_a_body_at_the_cap_i
 
 
 def turns_of_file(log: FileLog) -> list:
-    from events.types import TurnRecorded
+    from agentlog.events.types import TurnRecorded
 
     return [e for e in log.read() if isinstance(e.body, TurnRecorded)]
 
@@ -473,10 +473,10 @@ def test_a_get_on_a_post_route_is_a_405_json_answer(path, anthropic):
 def test_any_body_within_the_derived_cap_makes_a_record_within_the_record_cap(record_cap, max_output, text):
     """The worst case for the byte-level template (one token per body byte,
     context unknown) and a full output allowance still fits the log's record."""
-    from engine.gateway import ByteChatTemplate, ChatCompletionsAPI
-    from engine.gateway.server import body_cap_for
-    from events.log_format import ENV_HDR
-    from events.types import TurnRecorded
+    from agentlog.gateway import ByteChatTemplate, ChatCompletionsAPI
+    from agentlog.gateway.server import body_cap_for
+    from agentlog.events.log_format import ENV_HDR
+    from agentlog.events.types import TurnRecorded
 
     cap = body_cap_for(record_cap, None, max_output)
     empty = '{"messages": [{"role": "user", "content": ""}]}'

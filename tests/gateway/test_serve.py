@@ -13,9 +13,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from events.log import FileLog, verify_log
-from events.types import SessionDropped, TurnRecorded
-from reducers.pipeline import reduce_log
+from agentlog.events.log import FileLog, verify_log
+from agentlog.events.types import SessionDropped, TurnRecorded
+from agentlog.reducers.pipeline import reduce_log
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def _call(url: str, body: dict | None, headers: dict) -> tuple[int, dict]:
 def _serve(logdir: Path, *extra: str) -> tuple[subprocess.Popen, str, list[str]]:
     """Start `agentlog serve` on a free port; returns (process, base URL, output lines so far)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "serve", "--log", str(logdir), "--port", "0", "--admin-token", "tok", *extra],
+        [sys.executable, "-m", "agentlog.tools.cli", "serve", "--log", str(logdir), "--port", "0", "--admin-token", "tok", *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     url = None
@@ -94,7 +94,7 @@ def test_serve_bad_input_is_one_line_exit_2_and_never_a_traceback(tmp_path):
     ]
     for extra, message in cases:
         args = ["--log", str(tmp_path / "log"), "--port", "0", *extra]
-        res = subprocess.run([sys.executable, "-m", "tools.cli", "serve", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+        res = subprocess.run([sys.executable, "-m", "agentlog.tools.cli", "serve", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert res.returncode == 2, (extra, res.stderr)
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("agentlog: error: ") and message in lines[0], (extra, res.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reducers.samples import Sample, aborted_placeholder
+from agentlog.reducers.samples import Sample, aborted_placeholder
 
 # CI has two cores shared with other suites; small tensors gain nothing from more.
 torch.set_num_threads(1)

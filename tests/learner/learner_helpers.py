@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reducers.samples import COMPLETED, Sample
+from agentlog.reducers.samples import COMPLETED, Sample
 
 
 def make_sample(

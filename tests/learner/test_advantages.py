@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from learner.advantages import compute_advantages
+from agentlog.learner.advantages import compute_advantages
 
 T = torch.tensor
 

@@ -8,8 +8,8 @@ import torch
 from learner_helpers import make_sample, random_samples
 from torch.testing import assert_close
 
-from learner.batching import make_batches
-from learner.model import GPT, token_log_probs
+from agentlog.learner.batching import make_batches
+from agentlog.learner.model import GPT, token_log_probs
 
 
 @pytest.fixture(scope="module")

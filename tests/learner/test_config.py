@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 
-from learner.config import LearnerConfig
+from agentlog.learner.config import LearnerConfig
 
 
 @pytest.mark.parametrize("field, value", [

@@ -6,12 +6,12 @@ import copy
 
 import torch
 
-from events.log_api import MemoryLog
-from events.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
-from learner.config import LearnerConfig
-from learner.learner import Learner
-from learner.model import GPT
-from reducers.pipeline import reduce_log
+from agentlog.events.log_api import MemoryLog
+from agentlog.events.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+from agentlog.learner.config import LearnerConfig
+from agentlog.learner.learner import Learner
+from agentlog.learner.model import GPT
+from agentlog.reducers.pipeline import reduce_log
 
 SYSTEM = {"role": "system", "content": "find the value"}
 

@@ -11,11 +11,11 @@ import torch
 from learner_helpers import make_sample, random_samples
 from torch.testing import assert_close
 
-from learner.config import LearnerConfig
-from learner.learner import Learner, load_weights, save_weights
-from learner.model import GPT
-from reducers.groups import Group, GroupMember
-from reducers.samples import aborted_placeholder
+from agentlog.learner.config import LearnerConfig
+from agentlog.learner.learner import Learner, load_weights, save_weights
+from agentlog.learner.model import GPT
+from agentlog.reducers.groups import Group, GroupMember
+from agentlog.reducers.samples import aborted_placeholder
 
 
 def tiny_gpt(seed=0, vocab=32):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from learner.loss import kl_penalty, policy_loss
+from agentlog.learner.loss import kl_penalty, policy_loss
 
 T = torch.tensor
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from learner.config import LearnerConfig
-from learner.optim import StatelessAdam, make_optimizer, make_scheduler
+from agentlog.learner.config import LearnerConfig
+from agentlog.learner.optim import StatelessAdam, make_optimizer, make_scheduler
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])

@@ -11,12 +11,12 @@ import pytest
 import torch
 from learner_helpers import make_sample, random_samples
 
-from events.log_api import MemoryLog
-from events.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
-from learner.config import LearnerConfig
-from learner.learner import Learner
-from learner.model import GPT
-from reducers.pipeline import reduce_log
+from agentlog.events.log_api import MemoryLog
+from agentlog.events.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+from agentlog.learner.config import LearnerConfig
+from agentlog.learner.learner import Learner
+from agentlog.learner.model import GPT
+from agentlog.reducers.pipeline import reduce_log
 
 
 def tiny_gpt(seed: int = 0) -> GPT:

@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from learner_helpers import random_samples
 
-from learner.advantages import compute_advantages
-from learner.batching import make_batches
-from learner.config import LearnerConfig
-from learner.learner import Learner
-from learner.loss import policy_loss
-from learner.model import GPT, token_log_probs
+from agentlog.learner.advantages import compute_advantages
+from agentlog.learner.batching import make_batches
+from agentlog.learner.config import LearnerConfig
+from agentlog.learner.learner import Learner
+from agentlog.learner.loss import policy_loss
+from agentlog.learner.model import GPT, token_log_probs
 
 ESTIMATORS = ["grpo", "dr_grpo", "gspo"]
 AGGS = ["token_mean", "sample_mean"]

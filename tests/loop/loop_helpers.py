@@ -8,8 +8,8 @@ from typing import Callable
 
 import pytest
 
-from tools.loop.config import FaultConfig, LoopConfig
-from tools.loop.trainer import read_learner_records
+from agentlog.loop.config import FaultConfig, LoopConfig
+from agentlog.loop.trainer import read_learner_records
 
 
 def small_config(**overrides) -> LoopConfig:
@@ -52,11 +52,11 @@ def build_groups(specs: dict[str, list[tuple[str, float, int, float]]], *, min_v
     import asyncio
     import random
 
-    from engine import SessionEngine
-    from engine.tasks.lookup import ANSWER, EOS, LOOKUP, LookupTask, key_token, value_token
-    from events.log_api import MemoryLog
-    from reducers.config import ReduceConfig
-    from reducers.pipeline import reduce_log
+    from agentlog.engine import SessionEngine
+    from agentlog.engine.tasks.lookup import ANSWER, EOS, LOOKUP, LookupTask, key_token, value_token
+    from agentlog.events.log_api import MemoryLog
+    from agentlog.reducers.config import ReduceConfig
+    from agentlog.reducers.pipeline import reduce_log
 
     task = LookupTask()
     log = MemoryLog()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.cli import build_parser, main as cli_main
-from tools.loop.config import ConfigError, FaultConfig, LoopConfig
+from agentlog.tools.cli import build_parser, main as cli_main
+from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig
 
 
 def test_demo_help_documents_every_knob(capsys) -> None:

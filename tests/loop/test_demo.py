@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tools.cli import main as cli_main
-from tools.loop.check import check_run
-from tools.loop.run import reward_curve, summarise_rollout
-from tools.loop.trainer import read_learner_records
+from agentlog.tools.cli import main as cli_main
+from agentlog.loop.check import check_run
+from agentlog.loop.run import reward_curve, summarise_rollout
+from agentlog.loop.trainer import read_learner_records
 
 
 def test_short_demo_runs_end_to_end_and_online_digests_equal_offline(short_demo_run) -> None:

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.tasks import select_task
-from learner.batching import make_batches
-from learner.model import token_log_probs
-from reducers.samples import COMPLETED, Sample, digest_samples
-from tools.loop.policy import GenerationBatcher, build_model
-from tools.loop.trainer import LoopLearner, step_digest
+from agentlog.engine.tasks import select_task
+from agentlog.learner.batching import make_batches
+from agentlog.learner.model import token_log_probs
+from agentlog.reducers.samples import COMPLETED, Sample, digest_samples
+from agentlog.loop.policy import GenerationBatcher, build_model
+from agentlog.loop.trainer import LoopLearner, step_digest
 
 from loop_helpers import build_groups, small_config
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from events.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened
-from tools.loop import logs
-from tools.loop.check import check_run
-from tools.loop.run import start_process
-from tools.loop.trainer import read_learner_records
+from agentlog.events.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened
+from agentlog.loop import logs
+from agentlog.loop.check import check_run
+from agentlog.loop.run import start_process
+from agentlog.loop.trainer import read_learner_records
 
 from loop_helpers import learner_version, small_config, wait_for
 
@@ -34,7 +34,7 @@ def _kill_live(*procs) -> None:
 
 
 def _open_sessions(rollout: Path, *, durable_only: bool = True) -> set[str]:
-    from events.log import read_log
+    from agentlog.events.log import read_log
 
     opened: set[str] = set()
     # After a kill, frames written but not yet marked durable survive recovery

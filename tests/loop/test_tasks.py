@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.tasks import Task, TaskError, get_task, register_task, task_names
-from engine.tasks.lookup import (
+from agentlog.engine.tasks import Task, TaskError, get_task, register_task, task_names
+from agentlog.engine.tasks.lookup import (
     ANSWER, EOS, LOOKUP, RESULT, SEP, UNKNOWN, VOCAB_SIZE, LookupTask, decode, encode, key_token, value_token,
 )
 
@@ -87,7 +87,7 @@ def test_a_user_task_registers_and_is_built_by_name() -> None:
         max_new_tokens = 1
 
         def new_episode(self, rng):
-            from engine.tasks import Episode
+            from agentlog.engine.tasks import Episode
 
             return Episode(prompt_ids=(1,), messages=[], state={})
 
@@ -95,7 +95,7 @@ def test_a_user_task_registers_and_is_built_by_name() -> None:
             return None
 
         def verify(self, episode, outputs):
-            from engine.tasks import Verdict
+            from agentlog.engine.tasks import Verdict
 
             return Verdict(reward=float(outputs[0][0] == 1), success=outputs[0][0] == 1)
 
@@ -108,8 +108,8 @@ def test_a_user_task_registers_and_is_built_by_name() -> None:
 def test_tasks_are_selected_through_the_engine_harness_registry(monkeypatch) -> None:
     """The built-in task is a registered harness; an empty name falls back to
     $AGENTLOG_AGENT; an unknown one lists the valid names."""
-    from engine import harness
-    from engine.tasks import select_task
+    from agentlog.engine import harness
+    from agentlog.engine.tasks import select_task
 
     assert "lookup" in harness.names()
     monkeypatch.setenv("AGENTLOG_AGENT", "lookup")

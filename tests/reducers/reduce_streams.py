@@ -10,8 +10,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from events.log_api import MemoryLog
-from events.types import (
+from agentlog.events.log_api import MemoryLog
+from agentlog.events.types import (
     RewardAssigned,
     SessionAborted,
     SessionDropped,
@@ -21,8 +21,8 @@ from events.types import (
     TurnRecorded,
     TurnUndelivered,
 )
-from reducers.config import ReduceConfig
-from reducers.pipeline import ReduceResult, reduce_log
+from agentlog.reducers.config import ReduceConfig
+from agentlog.reducers.pipeline import ReduceResult, reduce_log
 
 
 def lp(tokens: Iterable[int]) -> list[float]:

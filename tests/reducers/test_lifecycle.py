@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.lifecycle import State
-from events.types import (
+from agentlog.events.lifecycle import State
+from agentlog.events.types import (
     CommandRan,
     Envelope,
     PolicyUpdated,
@@ -21,7 +21,7 @@ from events.types import (
     TurnRecorded,
     TurnUndelivered,
 )
-from reducers.lifecycle import (
+from agentlog.reducers.lifecycle import (
     IdFilter,
     LifecycleReducer,
     LifecycleState,

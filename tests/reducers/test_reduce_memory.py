@@ -9,9 +9,9 @@ from typing import Iterator
 
 import pytest
 
-from events.types import Envelope, SessionAborted, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
-from reducers.config import ReduceConfig
-from reducers.pipeline import Reducer
+from agentlog.events.types import Envelope, SessionAborted, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+from agentlog.reducers.config import ReduceConfig
+from agentlog.reducers.pipeline import Reducer
 
 GROUP = 4
 # Bodies are immutable and the reducer never keeps one past its session's

@@ -7,8 +7,8 @@ import math
 import pytest
 from reduce_streams import Script, msg, reduce_scripts
 
-from reducers.config import ReduceConfig
-from reducers.metrics import reward_stats
+from agentlog.reducers.config import ReduceConfig
+from agentlog.reducers.metrics import reward_stats
 
 
 def test_reward_stats_on_mixed_int_bool_dict_none_nan():

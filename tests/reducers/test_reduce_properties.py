@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from reduce_streams import RandomStream
 from reference_trajectory import reference_rows
 
-from events.types import SessionFinished, TurnRecorded, TurnUndelivered
-from reducers.config import ReduceConfig
-from reducers.pipeline import Reducer, reduce_log
-from reducers.samples import check_sample, digest_samples, encode_sample
-from reducers.trajectory import SessionTrajectory, TrajectoryError
+from agentlog.events.types import SessionFinished, TurnRecorded, TurnUndelivered
+from agentlog.reducers.config import ReduceConfig
+from agentlog.reducers.pipeline import Reducer, reduce_log
+from agentlog.reducers.samples import check_sample, digest_samples, encode_sample
+from agentlog.reducers.trajectory import SessionTrajectory, TrajectoryError
 
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
 configs = st.sampled_from(
@@ -82,8 +82,8 @@ _DIGEST_SCRIPT = """
 import sys
 sys.path.insert(0, {here!r})
 from reduce_streams import RandomStream
-from reducers.config import ReduceConfig
-from reducers.pipeline import reduce_log
+from agentlog.reducers.config import ReduceConfig
+from agentlog.reducers.pipeline import reduce_log
 for seed in range(25):
     print(reduce_log(RandomStream(seed).log(), ReduceConfig()).digest)
 """

@@ -7,11 +7,11 @@ import math
 import pytest
 from reduce_streams import Script, expect_row, log_of, msg, reduce_scripts
 
-from events.log_api import MemoryLog
-from events.types import Envelope, PolicyUpdated, SessionAborted, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
-from reducers.config import ConfigError, ReduceConfig
-from reducers.pipeline import Reducer, ReduceError, reduce_log
-from reducers.samples import ABORTED, COMPLETED, aborted_placeholder, check_sample, resolve_reward
+from agentlog.events.log_api import MemoryLog
+from agentlog.events.types import Envelope, PolicyUpdated, SessionAborted, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+from agentlog.reducers.config import ConfigError, ReduceConfig
+from agentlog.reducers.pipeline import Reducer, ReduceError, reduce_log
+from agentlog.reducers.samples import ABORTED, COMPLETED, aborted_placeholder, check_sample, resolve_reward
 
 S, U, A1 = msg("system", "s"), msg("user", "u"), msg("assistant", "a1")
 
@@ -175,7 +175,7 @@ def test_a_reused_session_id_is_an_error_not_a_second_session():
 
 def test_a_reused_session_id_never_counts_twice_in_its_group():
     """Even once the reducer's window of ended ids has forgotten it, a pending group refuses the id again."""
-    from reducers.groups import GroupError, GroupTracker
+    from agentlog.reducers.groups import GroupError, GroupTracker
 
     groups = GroupTracker()
     groups.open("g", "a", 3, 0, lsn=0)

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reduce_streams import RandomStream, Script, msg, reduce_scripts
 
-from reducers.config import ReduceConfig
-from reducers.pipeline import reduce_log
-from reducers.samples import (
+from agentlog.reducers.config import ReduceConfig
+from agentlog.reducers.pipeline import reduce_log
+from agentlog.reducers.samples import (
     Sample,
     decode_sample,
     encode_sample,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from reduce_streams import Script, expect_row, msg, reduce_scripts
 
-from reducers.config import ReduceConfig
-from reducers.pipeline import session_trajectory
-from reducers.samples import COMPLETED, TRUNCATED, check_sample
+from agentlog.reducers.config import ReduceConfig
+from agentlog.reducers.pipeline import session_trajectory
+from agentlog.reducers.samples import COMPLETED, TRUNCATED, check_sample
 
 S = msg("system", "sys")
 S2 = msg("system", "other sys")

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from events.lifecycle import State
-from events.types import Envelope, SessionFinished, SessionOpened, SessionStarted, UnknownEvent
-from reducers.errors import ReduceError, UnknownEventError
-from reducers.lifecycle import LifecycleReducer, SessionSummary, Violation, replay
-from reducers.pipeline import Reducer, reduce_log, session_trajectory
-from reducers.runstats import RunStats
+from agentlog.events.lifecycle import State
+from agentlog.events.types import Envelope, SessionFinished, SessionOpened, SessionStarted, UnknownEvent
+from agentlog.reducers.errors import ReduceError, UnknownEventError
+from agentlog.reducers.lifecycle import LifecycleReducer, SessionSummary, Violation, replay
+from agentlog.reducers.pipeline import Reducer, reduce_log, session_trajectory
+from agentlog.reducers.runstats import RunStats
 
 SCORED = UnknownEvent("turn_scored", {"score": 0.5})
 

@@ -69,9 +69,9 @@ async def write_run(path: str | os.PathLike, online: list | None = None) -> dict
     """Write the run with SessionEngine on a FileLog at ``path``. If ``online``
     is a list, a concurrent follower reduces the log while it is written
     (the online path) and its digest is appended to it."""
-    from engine import SessionEngine, StragglerRefused
-    from events.log import FileLog, follow_log
-    from reducers.pipeline import Reducer
+    from agentlog.engine import SessionEngine, StragglerRefused
+    from agentlog.events.log import FileLog, follow_log
+    from agentlog.reducers.pipeline import Reducer
 
     log = FileLog.open(path, fsync="batch")
     reducer = Reducer()
@@ -157,7 +157,7 @@ def agentlog(*args: str, timeout: float = 60, input: str | None = None) -> subpr
     """Run ``agentlog ARGS`` in a subprocess (``python -m tools.cli``)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "tools.cli", *args],
+        [sys.executable, "-m", "agentlog.tools.cli", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from cli_helpers import EXPECTED, agentlog
-from events.log import FileLog, read_log
-from events.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+from agentlog.events.log import FileLog, read_log
+from agentlog.events.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 
 # The lifecycle, written out by hand: the state each event leaves its session in.
 _AFTER = {

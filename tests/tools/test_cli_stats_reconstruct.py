@@ -9,8 +9,8 @@ import math
 import pytest
 
 from cli_helpers import EXPECTED, agentlog
-from reducers.samples import digest_samples
-from tools.cmd_reconstruct import read_msgpack_samples
+from agentlog.reducers.samples import digest_samples
+from agentlog.tools.cmd_reconstruct import read_msgpack_samples
 
 
 def test_stats_json_counts_match_the_run(run_log):

@@ -1,4 +1,4 @@
-"""reducers.runstats: the projection fold behind `stats` and `tail --summary`."""
+"""agentlog.reducers.runstats: the projection fold behind `stats` and `tail --summary`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import events.types as ev
+import agentlog.events.types as ev
 from cli_helpers import ROOT
-from events.types import (
+from agentlog.events.types import (
     CommandRan,
     Envelope,
     PolicyUpdated,
@@ -26,8 +26,8 @@ from events.types import (
     TurnUndelivered,
     encode_body,
 )
-from reducers.lifecycle import LifecycleReducer, SessionSummary
-from reducers.runstats import PROJECTED_FIELDS, RunStats, decode_projection
+from agentlog.reducers.lifecycle import LifecycleReducer, SessionSummary
+from agentlog.reducers.runstats import PROJECTED_FIELDS, RunStats, decode_projection
 
 
 def test_every_projected_field_exists_in_schema_v1():

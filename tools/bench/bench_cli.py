@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from events.log import FileLog  # noqa: E402
-from events.types import (  # noqa: E402
+from agentlog.events.log import FileLog  # noqa: E402
+from agentlog.events.types import (  # noqa: E402
     CommandRan,
     RewardAssigned,
     SessionAborted,
@@ -154,7 +154,7 @@ def raw_read(path: Path) -> int:
 
 
 def _run_cli(argv: list[str]) -> tuple[int, str]:
-    from tools.cli import main
+    from agentlog.tools.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -164,7 +164,7 @@ def _run_cli(argv: list[str]) -> tuple[int, str]:
 
 def _run_cli_devnull(argv: list[str]) -> int:
     """Run a command with stdout going to /dev/null (at the fd level, as a shell redirect does)."""
-    from tools.cli import main
+    from agentlog.tools.cli import main
 
     sys.stdout.flush()
     saved = os.dup(1)
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((name, min(walls), min(cpus)))
             return min(walls), min(cpus)
 
-        from events.log import read_log
+        from agentlog.events.log import read_log
 
         stats_argv = ["stats", str(log_dir), "--quiet"]
         w_raw, c_raw = measure("raw read (anchor)", lambda: raw_read(log_dir) and 0)

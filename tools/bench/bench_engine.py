@@ -34,12 +34,12 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-import engine as engine_pkg
-from engine import SessionEngine
-from events.lifecycle import LIFECYCLE_SPEC, State, next_state
-from events.log import FileLog
-from events.log_api import MemoryLog
-from events.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+import agentlog.engine as engine_pkg
+from agentlog.engine import SessionEngine
+from agentlog.events.lifecycle import LIFECYCLE_SPEC, State, next_state
+from agentlog.events.log import FileLog
+from agentlog.events.log_api import MemoryLog
+from agentlog.events.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 
 
 

@@ -76,11 +76,11 @@ def _client_run(url: str, sids: list[str], turns: int, max_tokens: int, keys: di
 async def _run(args) -> list[str]:
     import torch
 
-    from engine import SessionEngine
-    from engine.gateway import ByteChatTemplate, Gateway, GatewayConfig, SamplingParams, TorchBackend
-    from events.log import FileLog
-    from events.types import TurnRecorded
-    from learner.model import GPT, GPTConfig
+    from agentlog.engine import SessionEngine
+    from agentlog.gateway import ByteChatTemplate, Gateway, GatewayConfig, SamplingParams, TorchBackend
+    from agentlog.events.log import FileLog
+    from agentlog.events.types import TurnRecorded
+    from agentlog.learner.model import GPT, GPTConfig
 
     torch.set_num_threads(1)  # leave the other core to the gateway and the client
     torch.manual_seed(0)

@@ -38,11 +38,11 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from learner.config import LearnerConfig  # noqa: E402
-from learner.learner import Learner  # noqa: E402
-from learner.loss import policy_loss  # noqa: E402
-from learner.model import GPT, GPTConfig  # noqa: E402
-from reducers.samples import COMPLETED, Sample  # noqa: E402
+from agentlog.learner.config import LearnerConfig  # noqa: E402
+from agentlog.learner.learner import Learner  # noqa: E402
+from agentlog.learner.loss import policy_loss  # noqa: E402
+from agentlog.learner.model import GPT, GPTConfig  # noqa: E402
+from agentlog.reducers.samples import COMPLETED, Sample  # noqa: E402
 
 VOCAB = 512
 MAX_LEN = 1664

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import structlog  # noqa: E402
 
-from events.log import FileLog, read_log  # noqa: E402
-from events.log_format import list_segments, segment_name  # noqa: E402
-from events.types import CommandRan, TurnRecorded  # noqa: E402
+from agentlog.events.log import FileLog, read_log  # noqa: E402
+from agentlog.events.log_format import list_segments, segment_name  # noqa: E402
+from agentlog.events.types import CommandRan, TurnRecorded  # noqa: E402
 
 TOKENS = 2048
 

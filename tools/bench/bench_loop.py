@@ -2,7 +2,7 @@
 the learner's idle fraction, release-to-gradient latency, and the cost of
 logging (engine + log) in the worker's time per turn.
 
-* learner on: the real two-process loop (``tools.loop.run.run_loop``), no
+* learner on: the real two-process loop (``loop.run.run_loop``), no
   warm-up, default faults; figures are read back from the two logs.
 * learner off: the same worker alone on fixed weights (version 0 only, no
   pacing), in-process.
@@ -29,14 +29,14 @@ from typing import Any
 import structlog
 import torch
 
-from events.lifecycle import State
-from events.types import PolicyUpdated, SessionOpened, TurnRecorded
-from learner.learner import Learner
-from tools.loop import logs
-from tools.loop.config import FaultConfig, LoopConfig
-from tools.loop.policy import build_model
-from tools.loop.run import run_loop
-from tools.loop.worker import RolloutWorker
+from agentlog.events.lifecycle import State
+from agentlog.events.types import PolicyUpdated, SessionOpened, TurnRecorded
+from agentlog.learner.learner import Learner
+from agentlog.loop import logs
+from agentlog.loop.config import FaultConfig, LoopConfig
+from agentlog.loop.policy import build_model
+from agentlog.loop.run import run_loop
+from agentlog.loop.worker import RolloutWorker
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -69,8 +69,8 @@ def learner_figures(run_dir: Path) -> dict[str, Any]:
         if isinstance(env.body, PolicyUpdated) and env.body.step > 0:
             rec_ts.append((env.body, env.ts_ns))
     # Which LSN released each group: recompute with the reducer (same as the learner did).
-    from reducers.pipeline import reduce_log
-    from tools.loop.trainer import reduce_config
+    from agentlog.reducers.pipeline import reduce_log
+    from agentlog.loop.trainer import reduce_config
 
     cfg = LoopConfig.load(run_dir / "config.json")
     res = reduce_log(logs.read(run_dir / "rollout", 0), reduce_config(cfg))
@@ -100,7 +100,7 @@ def _fixed_policy_run(run_dir: Path, cfg: LoopConfig) -> None:
     """A run folder whose learner log publishes version 0 only (no learner process)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.save(run_dir / "config.json")
-    from engine.tasks import select_task
+    from agentlog.engine.tasks import select_task
 
     model = build_model(cfg, select_task(cfg.task))
     path = Learner(model, cfg.learner_config()).save_checkpoint(run_dir / "checkpoints" / "policy-v00000.pt")
@@ -165,7 +165,7 @@ async def _timed_batches(worker: RolloutWorker, engine: Any, first: int, n: int)
 
 async def overhead(run_dir: Path, cfg: LoopConfig, batches: int, repeats: int) -> dict[str, float]:
     """Worker seconds per turn with the engine + FileLog vs with events discarded (interleaved repeats)."""
-    from engine import SessionEngine
+    from agentlog.engine import SessionEngine
 
     worker = RolloutWorker(run_dir, cfg)
     worker.maybe_reload()

@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from events.log import FileLog, read_log  # noqa: E402
-from events.types import (  # noqa: E402
+from agentlog.events.log import FileLog, read_log  # noqa: E402
+from agentlog.events.types import (  # noqa: E402
     RewardAssigned,
     SessionAborted,
     SessionDropped,
@@ -52,8 +52,8 @@ from events.types import (  # noqa: E402
     tokens_view,
     log_probs_view,
 )
-from reducers.config import ReduceConfig  # noqa: E402
-from reducers.pipeline import Reducer  # noqa: E402
+from agentlog.reducers.config import ReduceConfig  # noqa: E402
+from agentlog.reducers.pipeline import Reducer  # noqa: E402
 
 TURNS = 8
 GROUP = 8

@@ -49,9 +49,9 @@ class ReportData(msgspec.Struct):
 
 def collect(envelopes: Iterable[Any], log: str, *, max_drill: int = 300) -> ReportData:
     """Fold the envelopes (in LSN order) into :class:`ReportData`."""
-    from events.types import PolicyUpdated, SessionOpened, TurnRecorded
-    from reducers.lifecycle import LifecycleState, SessionSummary, Violation, reduce_lifecycle
-    from reducers.pipeline import ReduceError, Reducer
+    from agentlog.events.types import PolicyUpdated, SessionOpened, TurnRecorded
+    from agentlog.reducers.lifecycle import LifecycleState, SessionSummary, Violation, reduce_lifecycle
+    from agentlog.reducers.pipeline import ReduceError, Reducer
 
     state = LifecycleState(tolerate_unknown=True)  # shown, not interpreted: a newer writer's event types
     reducer: Reducer | None = Reducer()

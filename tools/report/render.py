@@ -54,7 +54,7 @@ def _iso(ns: int) -> str:
 
 
 def _reward_float(r: Any) -> float | None:
-    from reducers.samples import resolve_reward
+    from agentlog.reducers.samples import resolve_reward
 
     value, _ = resolve_reward(r)
     return value

@@ -154,7 +154,7 @@ class LoopConfig:
 
     def learner_config(self):
         """The LearnerConfig this loop trains with (TIS switched on in correct mode)."""
-        from learner.config import LearnerConfig
+        from agentlog.learner.config import LearnerConfig
 
         values = dict(self.learner)
         if self.staleness_mode == "correct":

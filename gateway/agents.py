@@ -9,7 +9,7 @@ as a ``command_ran`` event, with its exit code and output tail) while every
 model call the CLI makes arrives at the gateway as a recorded turn.
 
 The CLI's API key is the session's key from the gateway (the admin API's
-``api_key``, or :meth:`engine.gateway.Gateway.session_key`). It is a
+``api_key``, or :meth:`gateway.Gateway.session_key`). It is a
 credential, so it never appears in the command line (which ``command_ran``
 records): it is written to a file only the user can read in the CLI's home
 folder, and the command reads it from there.
@@ -28,7 +28,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 from typing import Any
 
-from engine import harness
+from agentlog.engine import harness
 
 #: Where tools/gateway_clis.sh installs the CLIs (override: $AGENTLOG_CLI_DIR).
 DEFAULT_CLI_DIR = Path(os.environ.get("AGENTLOG_CLI_DIR", Path.home() / ".cache" / "agentlog-clis"))

@@ -8,7 +8,7 @@ engine, made durable before the response is sent.
 
 Public API::
 
-    from engine.gateway import Gateway, GatewayConfig, TorchBackend, SGLangBackend, OpenAICompletionsBackend
+    from agentlog.gateway import Gateway, GatewayConfig, TorchBackend, SGLangBackend, OpenAICompletionsBackend
     gw = Gateway(engine, TorchBackend(model))   # model: e.g. learner.model.GPT, built by the caller
     url = await gw.start("127.0.0.1", 0)
 """

@@ -37,12 +37,12 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from engine.core import DuplicateSession
-from events.lifecycle import TERMINAL_STATES, IllegalTransition, State
-from events.log_api import LogClosed
-from events.log_format import DEFAULT_MAX_RECORD_BYTES
-from events.types import EventValidationError
-from reducers.groups import GroupError
+from agentlog.engine.core import DuplicateSession
+from agentlog.events.lifecycle import TERMINAL_STATES, IllegalTransition, State
+from agentlog.events.log_api import LogClosed
+from agentlog.events.log_format import DEFAULT_MAX_RECORD_BYTES
+from agentlog.events.types import EventValidationError
+from agentlog.reducers.groups import GroupError
 
 from .admin import AdminFieldError, check_sampling, parse_end, parse_open
 
@@ -735,7 +735,7 @@ class Gateway:
         return self._error("openai", 500, "api_error", f"{what} failed: {type(exc).__name__}: {exc}")
 
     async def _admin_open(self, request: web.Request) -> web.Response:
-        """Open and start a session (fields: engine.gateway.admin.OpenRequest);
+        """Open and start a session (fields: gateway.admin.OpenRequest);
         answers its id, state, sample_index and ``api_key``: the key its agent
         must send (the session id is not one)."""
         if not self._admin_ok(request):

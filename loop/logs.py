@@ -11,20 +11,20 @@ import asyncio
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
-from events.log_api import EventLog
-from events.types import Envelope
+from agentlog.events.log_api import EventLog
+from agentlog.events.types import Envelope
 
 
 def open_log(path: Path, fsync: str = "batch") -> EventLog:
     """Open (or create) the log at ``path`` as its single writer."""
-    from events.log import FileLog
+    from agentlog.events.log import FileLog
 
     return FileLog.open(path, fsync=fsync)
 
 
 def exists(path: Path) -> bool:
     """Whether a log has been created at ``path``."""
-    from events.log_format import is_log_dir
+    from agentlog.events.log_format import is_log_dir
 
     path = Path(path)
     return path.is_dir() and is_log_dir(path)
@@ -32,14 +32,14 @@ def exists(path: Path) -> bool:
 
 def read(path: Path, from_lsn: int = 0) -> Iterator[Envelope]:
     """Durable records of the log at ``path`` from ``from_lsn`` (another process may be writing)."""
-    from events.log import read_log
+    from agentlog.events.log import read_log
 
     return read_log(path, from_lsn)
 
 
 async def follow(path: Path, from_lsn: int = 0, *, poll_s: float = 0.01) -> AsyncIterator[Envelope]:
     """Tail the log at ``path`` forever, waiting for it to be created first."""
-    from events.log import follow_log
+    from agentlog.events.log import follow_log
 
     while not exists(path):
         await asyncio.sleep(poll_s)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reducers.pipeline import reduce_log
+from agentlog.reducers.pipeline import reduce_log
 
 from . import logs
 from .config import LoopConfig

@@ -1,7 +1,7 @@
 """Run the loop: start the learner and rollout-worker processes, watch, summarise.
 
-The processes are plain ``python -m tools.loop.trainer RUN_DIR`` and
-``python -m tools.loop.worker RUN_DIR``; they share nothing but the run
+The processes are plain ``python -m loop.trainer RUN_DIR`` and
+``python -m loop.worker RUN_DIR``; they share nothing but the run
 folder (``config.json``, the two logs, the checkpoints). This module only
 starts them, shows progress by reading the learner log, and stops them.
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from events.types import PolicyUpdated, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
+from agentlog.events.types import PolicyUpdated, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
 
 from . import logs
 from .config import LoopConfig
@@ -44,7 +44,7 @@ def new_run_id(seed: int) -> str:
 
 
 def start_process(kind: str, run_dir: Path, *args: str) -> subprocess.Popen:
-    """Start ``tools.loop.<kind>`` (``trainer`` or ``worker``) for ``run_dir``; stderr goes to ``logs/``."""
+    """Start ``loop.<kind>`` (``trainer`` or ``worker``) for ``run_dir``; stderr goes to ``logs/``."""
     run_dir = Path(run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     name = kind if not args else f"{kind}{'-'.join([''] + [a.lstrip('-') for a in args])}"
@@ -56,7 +56,7 @@ def start_process(kind: str, run_dir: Path, *args: str) -> subprocess.Popen:
     env.setdefault("MKL_NUM_THREADS", str(cfg.torch_threads))
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", f"tools.loop.{kind}", str(run_dir), *args],
+            [sys.executable, "-m", f"agentlog.loop.{kind}", str(run_dir), *args],
             stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env,
         )
     finally:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from events.types import EventValidationError, normalize_reward, validate_id
+from agentlog.events.types import EventValidationError, normalize_reward, validate_id
 
 #: The range a msgpack integer can hold (the log's body encoding).
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1

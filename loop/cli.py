@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools.cli import EXIT_DATA, EXIT_USAGE, CliError
+from agentlog.tools.cli import EXIT_DATA, EXIT_USAGE, CliError
 
 from .config import ConfigError, FaultConfig, LoopConfig, field_help
 
@@ -49,7 +49,7 @@ def add_config_flags(p, *, defaults: LoopConfig) -> None:
         default = getattr(defaults.faults, f.name)
         fg.add_argument(_flag(f.name), dest=f"fault_{f.name}", type=float, default=None, metavar="X",
                         help=f"{fault_help.get(f.name, '')} (default {default})".replace("%", "%%"))
-    from learner.config import LearnerConfig
+    from agentlog.learner.config import LearnerConfig
 
     names = ", ".join(f.name for f in dataclasses.fields(LearnerConfig))
     p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE",
@@ -102,7 +102,7 @@ def config_from_args(args, base: LoopConfig) -> LoopConfig:
 
 def check_task(name: str) -> None:
     """CliError (exit 2) listing the registered tasks when ``name`` is not one of them."""
-    from engine.tasks import TaskError, select_task
+    from agentlog.engine.tasks import TaskError, select_task
 
     try:
         select_task(name)
@@ -113,10 +113,10 @@ def check_task(name: str) -> None:
 def write_report(run_dir: Path) -> str:
     """``report.html`` through the report command; returns a one-line note."""
     try:
-        from tools import cmd_report  # noqa: F401
+        from agentlog.tools import cmd_report  # noqa: F401
     except ImportError:
         return "report.html skipped: the report command (tools/cmd_report.py) is not installed"
-    from tools.cli import main as cli_main
+    from agentlog.tools.cli import main as cli_main
 
     out = run_dir / "report.html"
     rc = cli_main(["report", str(run_dir / "rollout"), "-o", str(out), "--max-sessions-detail", "64", "--quiet"])

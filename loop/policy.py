@@ -20,9 +20,9 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from engine.tasks import Task
-from learner.model import GPT, GPTConfig
-from learner.optim import make_scheduler
+from agentlog.engine.tasks import Task
+from agentlog.learner.model import GPT, GPTConfig
+from agentlog.learner.optim import make_scheduler
 
 from .config import LoopConfig
 

@@ -45,13 +45,13 @@ from typing import Iterable
 import structlog
 import torch
 
-from engine.tasks import select_task
-from events.types import PolicyUpdated
-from learner.learner import Learner
-from reducers.config import ReduceConfig
-from reducers.groups import Group
-from reducers.pipeline import Reducer
-from reducers.samples import SampleDigest
+from agentlog.engine.tasks import select_task
+from agentlog.events.types import PolicyUpdated
+from agentlog.learner.learner import Learner
+from agentlog.reducers.config import ReduceConfig
+from agentlog.reducers.groups import Group
+from agentlog.reducers.pipeline import Reducer
+from agentlog.reducers.samples import SampleDigest
 
 from . import logs
 from .config import LoopConfig
@@ -304,7 +304,7 @@ class LoopLearner:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tools.loop.trainer RUN_DIR``: run the learner for a run folder."""
+    """``python -m loop.trainer RUN_DIR``: run the learner for a run folder."""
     p = argparse.ArgumentParser(prog="agentlog-learner", description=main.__doc__)
     p.add_argument("run_dir", type=Path)
     p.add_argument("--max-steps", type=int, default=None)

@@ -41,10 +41,10 @@ from typing import Any
 import structlog
 import torch
 
-from engine import LocalSandbox, SessionEngine, SessionTimeout, StragglerRefused
-from engine.tasks import Episode, Task, select_task
-from events.types import PolicyUpdated, SessionOpened
-from learner.learner import load_weights
+from agentlog.engine import LocalSandbox, SessionEngine, SessionTimeout, StragglerRefused
+from agentlog.engine.tasks import Episode, Task, select_task
+from agentlog.events.types import PolicyUpdated, SessionOpened
+from agentlog.learner.learner import load_weights
 
 from . import logs
 from .config import LoopConfig
@@ -347,7 +347,7 @@ class RolloutWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tools.loop.worker RUN_DIR``: run a rollout worker for a run folder."""
+    """``python -m loop.worker RUN_DIR``: run a rollout worker for a run folder."""
     p = argparse.ArgumentParser(prog="agentlog-worker", description=main.__doc__)
     p.add_argument("run_dir", type=Path)
     p.add_argument("--worker-id", default="w0")
