@@ -31,9 +31,9 @@ import traceback as _traceback
 from collections import OrderedDict, deque
 from typing import Any, Coroutine
 
-import structlog
 from tqdm import tqdm
 
+from agentlog._logging import get_logger
 from agentlog.events.lifecycle import TERMINAL_STATES, IllegalTransition, LifecycleError, SessionClosed, State, next_state
 from agentlog.events.log_api import EventLog
 from agentlog.events.types import (
@@ -52,7 +52,7 @@ from agentlog.events.types import (
 from agentlog.reducers.groups import GroupError, GroupTracker
 from agentlog.reducers.lifecycle import IdFilter, LifecycleReducer, Violation
 
-_log = structlog.get_logger("agentlog.engine")
+_log = get_logger("agentlog.engine")
 
 #: Reason recorded for sessions a crashed engine left open or running.
 RESTART_REASON = "engine_restart"
@@ -139,7 +139,7 @@ class SessionHandle:
 
     @property
     def log(self) -> Any:
-        """A structlog logger bound to this session (bound on first use)."""
+        """A logger bound to this session (bound on first use)."""
         if self._log is None:
             self._log = _log.bind(session_id=self.session_id, group_id=self.group_id)
         return self._log

@@ -26,9 +26,10 @@ import uuid
 from typing import Any, Sequence
 
 import msgspec
-import structlog
 
-_log = structlog.get_logger("agentlog.gateway")
+from agentlog._logging import get_logger
+
+_log = get_logger("agentlog.gateway")
 
 
 class SamplingParams(msgspec.Struct, frozen=True):

@@ -24,10 +24,11 @@ import asyncio
 from typing import Any, Callable
 
 import msgspec
-import structlog
 from aiohttp import web
 
-_log = structlog.get_logger("agentlog.gateway")
+from agentlog._logging import get_logger
+
+_log = get_logger("agentlog.gateway")
 
 
 class ConnectionGuard(asyncio.Protocol):

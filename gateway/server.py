@@ -34,9 +34,9 @@ from collections import OrderedDict
 from typing import Any
 
 import msgspec
-import structlog
 from aiohttp import web
 
+from agentlog._logging import get_logger
 from agentlog.engine.core import DuplicateSession
 from agentlog.events.lifecycle import TERMINAL_STATES, IllegalTransition, State
 from agentlog.events.log_api import LogClosed
@@ -51,7 +51,7 @@ from .backends import Backend, BackendError, SamplingParams
 from .chat import ByteChatTemplate, ChatTemplate, HermesToolParser, RequestError, ToolCallParser, assistant_message
 from .connections import GuardedSite, request_bounds_middleware
 
-_log = structlog.get_logger("agentlog.gateway")
+_log = get_logger("agentlog.gateway")
 
 #: How often (in requests) the per-session table is swept for ended sessions.
 _SWEEP_EVERY = 1024

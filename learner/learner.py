@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
-import structlog
 import torch
 
+from agentlog._logging import get_logger
 from agentlog.learner.advantages import compute_advantages
 from agentlog.learner.batching import make_batches
 from agentlog.learner.config import LearnerConfig
@@ -109,7 +109,7 @@ class Learner:
             # The reference is the policy as it was handed over, frozen.
             self.ref_model = ref_model if ref_model is not None else copy.deepcopy(model)
             self.ref_model.eval().requires_grad_(False)
-        self.log = structlog.get_logger().bind(component="learner")
+        self.log = get_logger("agentlog.learner", component="learner")
 
     @property
     def device(self) -> torch.device:

@@ -56,8 +56,20 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def configure_output() -> None:
+    """The commands print the library's log events as they always have:
+    structlog's builtin console output. The library itself stays silent until
+    an application configures logging (``agentlog._logging``); a caller that
+    configured structlog already (a test, an embedding program) keeps its own."""
+    import structlog
+
+    if not structlog.is_configured():
+        structlog.configure()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``agentlog`` console script."""
+    configure_output()
     try:
         if argv is None:
             argv = sys.argv[1:]
