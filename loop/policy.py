@@ -1,4 +1,4 @@
-"""The policy side of the loop: the model, its supervised warm-up, and batched generation.
+"""The policy side of the loop: the model and batched generation.
 
 The worker's many concurrent sessions ask for generations one at a time, as
 agents ask an inference server; :class:`GenerationBatcher` gathers those
@@ -16,17 +16,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import structlog
 import torch
-import torch.nn.functional as F
 
 from agentlog.engine.tasks import Task
 from agentlog.learner.model import GPT, GPTConfig
-from agentlog.learner.optim import make_scheduler
 
 from .config import LoopConfig
-
-log = structlog.get_logger()
 
 
 def build_model(cfg: LoopConfig, task: Task) -> GPT:
@@ -55,79 +50,6 @@ def build_model(cfg: LoopConfig, task: Task) -> GPT:
         torch.nn.init.normal_(model.tok_emb.weight, std=cfg.embedding_init_std)
         torch.nn.init.normal_(model.pos_emb.weight, std=cfg.embedding_init_std)
     return model
-
-
-def demonstration_batch(task: Task, rng: random.Random, n: int, wrong_rate: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` demonstration episodes as right-padded (ids, loss mask) tensors.
-
-    The mask is 1 on generated-turn tokens and 0 on the prompt and tool
-    output, exactly as the trajectory reducer masks real rollouts.
-    """
-    seqs: list[list[int]] = []
-    masks: list[list[int]] = []
-    for _ in range(n):
-        ep = task.new_episode(rng)
-        turns = task.demonstration(ep, rng, wrong_answer_rate=wrong_rate)
-        ids = list(ep.prompt_ids)
-        mask = [0] * len(ids)
-        for t, out in enumerate(turns):
-            ids += out
-            mask += [1] * len(out)
-            tool = task.tool_step(ep, t, out)
-            if tool is None:
-                break
-            ids += tool.ids
-            mask += [0] * len(tool.ids)
-        seqs.append(ids)
-        masks.append(mask)
-    width = max(map(len, seqs))
-    ids_t = torch.zeros(n, width, dtype=torch.long)
-    mask_t = torch.zeros(n, width, dtype=torch.float32)
-    for i, (s, m) in enumerate(zip(seqs, masks)):
-        ids_t[i, : len(s)] = torch.tensor(s)
-        mask_t[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
-    return ids_t, mask_t
-
-
-def supervised_warmup(model: GPT, task: Task, cfg: LoopConfig) -> dict[str, float]:
-    """Teach the protocol before RL: ``cfg.warmup_steps`` steps of token-level
-    cross-entropy on demonstrations whose answers are wrong with probability
-    ``cfg.warmup_wrong_rate`` (AdamW, lr from the learner config, linear lr
-    warm-up, grad-clip 1.0). Returns the final loss and timing."""
-    if cfg.warmup_steps == 0:
-        return {"warmup/steps": 0.0}
-    lcfg = cfg.learner_config()
-    rng = random.Random(cfg.seed * 7919 + 17)
-    opt = torch.optim.AdamW(model.parameters(), lr=lcfg.lr, weight_decay=0.0)
-    sched = make_scheduler(type(lcfg)(lr=lcfg.lr, warmup_steps=cfg.warmup_lr_steps), opt)
-    model.train()
-    t0 = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.warmup_threads)
-    try:
-        loss_v = _warmup_steps(model, task, cfg, rng, opt, sched)
-    finally:
-        torch.set_num_threads(threads)
-    return {"warmup/steps": float(cfg.warmup_steps), "warmup/loss": loss_v, "warmup/seconds": time.perf_counter() - t0}
-
-
-def _warmup_steps(model: GPT, task: Task, cfg: LoopConfig, rng: random.Random, opt, sched) -> float:
-    loss_v = float("nan")
-    for step in range(cfg.warmup_steps):
-        ids, mask = demonstration_batch(task, rng, cfg.warmup_batch, cfg.warmup_wrong_rate)
-        logits = model(ids[:, :-1])
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
-        m = mask[:, 1:].reshape(-1)
-        loss = (nll * m).sum() / m.sum().clamp(min=1.0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        loss_v = loss.item()
-        if step % 100 == 0:
-            log.info("warmup.step", step=step, loss=round(loss_v, 4))
-    return loss_v
 
 
 @dataclass

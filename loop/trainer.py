@@ -42,9 +42,9 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-import structlog
 import torch
 
+from agentlog._logging import get_logger
 from agentlog.engine.tasks import select_task
 from agentlog.events.types import PolicyUpdated
 from agentlog.learner.learner import Learner
@@ -55,9 +55,9 @@ from agentlog.reducers.samples import SampleDigest
 
 from . import logs
 from .config import LoopConfig
-from .policy import build_model, supervised_warmup
+from .policy import build_model
 
-log = structlog.get_logger()
+log = get_logger("agentlog.loop.trainer")
 
 #: Session id under which the learner appends its records to the learner log.
 LEARNER_STREAM = "learner"
@@ -164,6 +164,9 @@ class LoopLearner:
                 self.log.info("learner.resumed", step=last.step, policy_version=last.policy_version,
                               checkpoint=last.checkpoint, groups_consumed=len(consumed))
             else:
+                # Demo-only, imported only here: with warmup_steps 0 it trains nothing.
+                from .demo.warmup import supervised_warmup
+
                 metrics = supervised_warmup(self.model, self.task, cfg)
                 # The RL optimiser starts fresh after the warm-up.
                 self.learner = Learner(self.model, cfg.learner_config())

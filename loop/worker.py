@@ -18,13 +18,9 @@ batch that were never opened are then opened and aborted with the same
 reason, so every group of that batch completes and is released; the worker
 carries on with the next batch.
 
-Faults (``LoopConfig.faults``) are injected here on purpose and recorded like
-real ones: an exception inside the agent (``exception:InjectedFault``), a
-hang past the session's wall-clock budget (``wall_clock_timeout``), a
-cancelled session (dropped, ``cancelled``), a tool command that dies in a
-LocalSandbox leaving an empty done marker (aborted, ``empty_done_marker``),
-and straggler turns after a session finished (refused by the engine, never
-logged).
+Faults (``LoopConfig.faults``, demo-only: :mod:`agentlog.loop.demo.faults`)
+are planned per batch and played at fixed points of :meth:`RolloutWorker.run_session`;
+``FaultConfig.none()`` turns them off.
 """
 
 from __future__ import annotations
@@ -38,32 +34,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 
-from agentlog.engine import LocalSandbox, SessionEngine, SessionTimeout, StragglerRefused
+from agentlog._logging import get_logger
+from agentlog.engine import LocalSandbox, SessionEngine, SessionTimeout
 from agentlog.engine.tasks import Episode, Task, select_task
 from agentlog.events.types import PolicyUpdated, SessionOpened
 from agentlog.learner.learner import load_weights
 
 from . import logs
 from .config import LoopConfig
+from .demo import faults as demo_faults
 from .policy import GenerationBatcher, build_model
 
-log = structlog.get_logger()
+log = get_logger("agentlog.loop.worker")
 
 _BATCH_RE = re.compile(r"^b(\d+)-g\d+$")
-
-#: The command an ``empty_marker`` fault runs: it empties its own done marker
-#: (the wrapper's last argument) and kills the wrapper before it can write the
-#: exit code, so LocalSandbox finds an empty marker and no exit code.
-EMPTY_MARKER_CMD = "m=$(tr '\\0' '\\n' < /proc/$PPID/cmdline | tail -n 1); : > \"$m\"; kill -9 $PPID"
-
-FAULT_KINDS = ("exception", "timeout", "drop", "empty_marker")
-
-
-class InjectedFault(RuntimeError):
-    """Raised inside a session on purpose (fault injection)."""
 
 
 def group_id(batch: int, g: int) -> str:
@@ -79,32 +65,6 @@ def session_id(batch: int, g: int, i: int) -> str:
 def batch_rng(seed: int, batch: int, stream: str) -> random.Random:
     """An independent, reproducible random stream per (seed, batch, purpose)."""
     return random.Random(f"{seed}:{batch}:{stream}")
-
-
-def plan_faults(cfg: LoopConfig, batch: int) -> dict[tuple[int, int], str]:
-    """Which sessions of a batch get which injected fault (reproducible)."""
-    f = cfg.faults
-    rng = batch_rng(cfg.seed, batch, "faults")
-    edges = [
-        ("exception", f.exception_rate),
-        ("timeout", f.timeout_rate),
-        ("drop", f.drop_rate),
-        ("empty_marker", f.empty_marker_rate),
-    ]
-    plan: dict[tuple[int, int], str] = {}
-    for g in range(cfg.groups_per_step):
-        for i in range(cfg.group_size):
-            u = rng.random()
-            acc = 0.0
-            for kind, rate in edges:
-                acc += rate
-                if u < acc:
-                    plan[(g, i)] = kind
-                    break
-            else:
-                if rng.random() < f.straggler_rate:
-                    plan[(g, i)] = "straggler"
-    return plan
 
 
 class PolicyFollower:
@@ -226,7 +186,7 @@ class RolloutWorker:
         cfg = self.cfg
         rng = batch_rng(cfg.seed, batch, "episodes")
         episodes = [self.task.new_episode(rng) for _ in range(cfg.groups_per_step)]
-        faults = plan_faults(cfg, batch)
+        faults = demo_faults.plan_faults(cfg.faults, batch_rng(cfg.seed, batch, "faults"), cfg.groups_per_step, cfg.group_size)
         tasks = []
         for g, ep in enumerate(episodes):
             for i in range(cfg.group_size):
@@ -234,7 +194,7 @@ class RolloutWorker:
                 tasks.append(asyncio.ensure_future(self.run_session(engine, batch, g, i, member, faults.get((g, i)))))
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, (asyncio.CancelledError, InjectedFault, SessionTimeout)):
+            if isinstance(r, BaseException) and not isinstance(r, (asyncio.CancelledError, demo_faults.InjectedFault, SessionTimeout)):
                 raise r
 
     def _count(self, what: str) -> None:
@@ -260,16 +220,10 @@ class RolloutWorker:
                 context = list(ep.prompt_ids)
                 outputs: list[list[int]] = []
                 for turn in range(task.max_turns):
-                    if turn == 1 and fault in ("exception", "drop", "timeout"):
+                    if turn == demo_faults.MID_SESSION_TURN and fault in demo_faults.MID_SESSION_FAULTS:
                         self.batcher.unregister()
                         registered = False
-                        if fault == "exception":
-                            raise InjectedFault(f"injected agent crash in session {sid} before turn {turn}")
-                        if fault == "drop":
-                            asyncio.current_task().cancel()
-                            await asyncio.sleep(0)  # the cancellation lands here
-                        # timeout: hang until the engine's wall-clock budget aborts us.
-                        await asyncio.sleep(3600)
+                        await demo_faults.play_mid_session_fault(fault, sid, turn)
                     gen = await self.batcher.generate(context)
                     out = [int(t) for t in gen.tokens]
                     response = {"role": "assistant", "content": task.decode(out)}
@@ -283,11 +237,11 @@ class RolloutWorker:
                     if tool is None:
                         break
                     if fault == "empty_marker":
-                        res = await h.run_command(self.sandbox, EMPTY_MARKER_CMD, 5.0)
+                        res = await demo_faults.run_dying_tool(h, self.sandbox)
                         if res.exit_code is None:
                             self.batcher.unregister()
                             registered = False
-                            await h.abort("empty_done_marker", error=f"tool command left no exit code (output {res.output_tail[-200:]!r})")
+                            await h.abort(demo_faults.EMPTY_MARKER_REASON, error=demo_faults.empty_marker_error(res))
                             return
                     else:
                         await h.record_command(tool.command, tool.exit_code, False, 0.0, tool.text)
@@ -298,19 +252,11 @@ class RolloutWorker:
                 verdict = task.verify(ep, outputs)
                 await h.finish(reward=verdict.reward, metadata={"success": verdict.success, **verdict.detail})
             if fault == "straggler":
-                await self.straggle(h, context)
+                await demo_faults.straggle(h, context, self.task.eos_id)
+                self._count("straggler_refused")
         finally:
             if registered:
                 self.batcher.unregister()
-
-    async def straggle(self, h: Any, context: list[int]) -> None:
-        """A late turn on a finished session: the engine must refuse it."""
-        try:
-            await h.record_turn(messages=[], prompt_ids=context, output_ids=[self.task.eos_id], output_log_probs=[0.0])
-        except StragglerRefused:
-            self._count("straggler_refused")
-            return
-        raise RuntimeError(f"session {h.session_id}: a straggler turn after the end was accepted; the engine must refuse it")
 
     # -- main loop ------------------------------------------------------------
 

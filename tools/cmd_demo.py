@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from agentlog.loop.cli import add_config_flags, add_output_flags, config_from_args, execute
+from agentlog.tools.cli_loop import add_config_flags, add_output_flags, config_from_args, execute
 from agentlog.loop.config import LoopConfig
 
 EPILOG = """\

@@ -16,7 +16,7 @@ import importlib
 from pathlib import Path
 
 from agentlog.tools.cli import EXIT_USAGE, CliError
-from agentlog.loop.cli import add_config_flags, add_output_flags, config_from_args, execute
+from agentlog.tools.cli_loop import add_config_flags, add_output_flags, config_from_args, execute
 from agentlog.loop.config import ConfigError, LoopConfig
 
 

@@ -1,5 +1,8 @@
 """What `agentlog demo` and `agentlog train` share: flags from LoopConfig, and the run itself.
 
+Command-line glue only: the loop library (``agentlog.loop``) runs without it,
+from a LoopConfig built in Python (see its package docstring).
+
 Every LoopConfig and FaultConfig field becomes a flag (``--group-size``,
 ``--exception-rate``...) whose help is the field's docstring, so ``--help``
 documents every knob; learner settings go through ``--learner KEY=VALUE``.
@@ -15,7 +18,7 @@ from pathlib import Path
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_USAGE, CliError
 
-from .config import ConfigError, FaultConfig, LoopConfig, field_help
+from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig, field_help
 
 
 def _flag(name: str) -> str:
@@ -127,8 +130,8 @@ def write_report(run_dir: Path) -> str:
 
 def execute(cfg: LoopConfig, args, *, title: str) -> int:
     """Run the loop on ``cfg`` and do everything after it: summary, chart, report, check."""
-    from .run import new_run_id
-    from .runlog import configure_process_logging, restore_logging
+    from agentlog.loop.run import new_run_id
+    from agentlog.loop.runlog import configure_process_logging, restore_logging
 
     run_dir = args.out or Path("runs") / new_run_id(cfg.seed)
     # Everything that can be refused is checked before the run folder exists:
@@ -148,8 +151,8 @@ def execute(cfg: LoopConfig, args, *, title: str) -> int:
 
 
 def _execute(cfg: LoopConfig, args, run_dir: Path, title: str) -> int:
-    from .check import check_run
-    from .run import LoopError, plot_reward, run_loop, summary_table
+    from agentlog.loop.check import check_run
+    from agentlog.loop.run import LoopError, plot_reward, run_loop, summary_table
 
     import structlog
 
