@@ -18,7 +18,8 @@ from agentlog.reducers.pipeline import reduce_log
 
 from . import logs
 from .config import LoopConfig
-from .trainer import read_learner_records, reduce_config, step_digest
+from .publish import read_learner_records
+from .trainer import reduce_config, step_digest
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-STALENESS_MODES = ("correct", "drop")
+from .staleness import STALENESS_MODES
 
 
 class ConfigError(ValueError):

@@ -31,7 +31,7 @@ from agentlog.events.types import PolicyUpdated, SessionAborted, SessionDropped,
 
 from . import logs
 from .config import LoopConfig
-from .trainer import read_learner_records
+from .publish import read_learner_records
 
 
 class LoopError(RuntimeError):

@@ -14,15 +14,17 @@ A step. Released groups are taken in release order; once
   (``staleness_mode = "drop"``, recorded with reason ``stale``) or trained with
   truncated importance sampling against their rollout log-probs
   (``"correct"``, the default; TIS is then on for every group, which leaves
-  fresh groups' weights at 1);
+  fresh groups' weights at 1): the staleness policy, :mod:`agentlog.loop.staleness`;
 * the rest go to ``Learner.step``; a checkpoint is saved atomically, then a
-  ``policy_updated`` record is appended naming the step, the new version, the
+  ``policy_updated`` record is appended (:mod:`agentlog.loop.publish`) naming the step, the new version, the
   checkpoint, the metrics (``rollout/reward_mean``, ``rollout/solve_rate``,
   staleness, abort counts...), the trained and skipped groups, the digest of
   the samples it trained on (:func:`step_digest`) and the rollout-log LSN
   range the step consumed.
 
-Version 0 is the policy after the supervised warm-up (recorded as step 0).
+Version 0 is the policy after the supervised warm-up (recorded as step 0;
+demo-only, :mod:`agentlog.loop.demo.warmup`; with ``warmup_steps = 0`` it is
+the initial model).
 
 Exactly-once. The learner log is the learner's memory. On start it reads its
 own log back: the last record names the checkpoint to resume from (weights,
@@ -56,12 +58,10 @@ from agentlog.reducers.samples import SampleDigest
 from . import logs
 from .config import LoopConfig
 from .policy import build_model
+from .publish import checkpoint_path, prune_checkpoints, publish
+from .staleness import judge_staleness
 
 log = get_logger("agentlog.loop.trainer")
-
-#: Session id under which the learner appends its records to the learner log.
-LEARNER_STREAM = "learner"
-
 
 def step_digest(groups: Iterable[Group]) -> str:
     """``sha256:<hex>`` over the samples of ``groups``, in order (aborted
@@ -88,24 +88,9 @@ def sampling_refusal(group: Group) -> str:
     return ""
 
 
-def group_version(group: Group) -> int:
-    """The oldest policy version that generated any of the group's samples."""
-    versions = [s.policy_version for s in group.samples if not s.remove_sample]
-    if not versions:
-        versions = [s.policy_version for s in group.samples]
-    return min(versions) if versions else 0
-
-
 def reduce_config(cfg: LoopConfig) -> ReduceConfig:
     """The reducer configuration of a loop run (shared by the online learner and the offline check)."""
     return ReduceConfig(min_valid=cfg.min_valid)
-
-
-def read_learner_records(learner_dir: Path) -> list[PolicyUpdated]:
-    """Every ``policy_updated`` in a learner log, in order."""
-    if not logs.exists(learner_dir):
-        return []
-    return [env.body for env in logs.read(learner_dir, 0) if isinstance(env.body, PolicyUpdated)]
 
 
 class LoopLearner:
@@ -125,21 +110,6 @@ class LoopLearner:
         self.t_rl: float | None = None  # when RL began in this process (time budget)
         self.recent_rewards: list[float] = []
         self.final = False
-
-    # -- learner log ----------------------------------------------------------
-
-    def _append(self, llog, record: PolicyUpdated) -> None:
-        llog.append_batch([(LEARNER_STREAM, llog.next_seq(LEARNER_STREAM), record)])
-
-    def _checkpoint_path(self, version: int) -> Path:
-        return self.ckpt_dir / f"policy-v{version:05d}.pt"
-
-    def _prune(self, keep_version: int) -> None:
-        keep = self.cfg.keep_checkpoints
-        for p in sorted(self.ckpt_dir.glob("policy-v*.pt")):
-            v = int(p.stem.split("-v")[1])
-            if v <= keep_version - keep and v % 50 != 0:
-                p.unlink(missing_ok=True)
 
     # -- the loop -------------------------------------------------------------
 
@@ -170,9 +140,9 @@ class LoopLearner:
                 metrics = supervised_warmup(self.model, self.task, cfg)
                 # The RL optimiser starts fresh after the warm-up.
                 self.learner = Learner(self.model, cfg.learner_config())
-                path = self.learner.save_checkpoint(self._checkpoint_path(0))
+                path = self.learner.save_checkpoint(checkpoint_path(self.ckpt_dir, 0))
                 metrics["loop/final"] = 1.0 if cfg.steps == 0 else 0.0
-                self._append(llog, PolicyUpdated(step=0, policy_version=0, checkpoint=str(path), metrics=metrics))
+                publish(llog, PolicyUpdated(step=0, policy_version=0, checkpoint=str(path), metrics=metrics))
                 self.log.info("learner.warmup_done", **{k.replace("/", "_"): v for k, v in metrics.items()})
                 step, lsn_next = 1, 0
             if self.learner.policy_version >= cfg.steps or (records and records[-1].metrics.get("loop/final", 0.0) >= 1.0):
@@ -193,7 +163,7 @@ class LoopLearner:
                     continue
                 t_busy = time.perf_counter()
                 record = self.train_step(step, pending, lsn_next, env.lsn, released_at)
-                self._append(llog, record)
+                publish(llog, record)
                 self.busy_s += time.perf_counter() - t_busy
                 self.log.info("learner.policy_updated", step=step, policy_version=record.policy_version,
                               reward_mean=record.metrics.get("rollout/reward_mean"),
@@ -242,12 +212,12 @@ class LoopLearner:
             if refused:
                 skipped[g.group_id] = refused
                 continue
-            st = version - group_version(g)
-            staleness.append(st)
-            if st > cfg.max_staleness:
-                if cfg.staleness_mode == "drop":
-                    skipped[g.group_id] = f"stale: generated by version {group_version(g)}, {st} versions behind {version} (max_staleness {cfg.max_staleness})"
-                    continue
+            verdict = judge_staleness(g, version, cfg.max_staleness, cfg.staleness_mode)
+            staleness.append(verdict.staleness)
+            if verdict.drop_reason:
+                skipped[g.group_id] = verdict.drop_reason
+                continue
+            if verdict.stale:
                 corrected += 1
             train.append(g)
         members = [m for g in groups for m in g.members]
@@ -264,7 +234,7 @@ class LoopLearner:
             "rollout/staleness_max": float(max(staleness)) if staleness else 0.0,
             "rollout/stale_corrected": float(corrected),
         }
-        checkpoint = str(self._checkpoint_path(version))
+        checkpoint = str(checkpoint_path(self.ckpt_dir, version))
         if train:
             m = self.learner.step(train)
             metrics.update({k: float(v) for k, v in m.items() if isinstance(v, (int, float))})
@@ -274,8 +244,8 @@ class LoopLearner:
         metrics["rollout/reward_mean"] = float(sum(valid_rewards) / len(valid_rewards)) if valid_rewards else math.nan
         metrics["rollout/solve_rate"] = float(sum(solved) / len(solved)) if solved else math.nan
         if self.learner.policy_version != version:
-            checkpoint = str(self.learner.save_checkpoint(self._checkpoint_path(self.learner.policy_version)))
-            self._prune(self.learner.policy_version)
+            checkpoint = str(self.learner.save_checkpoint(checkpoint_path(self.ckpt_dir, self.learner.policy_version)))
+            prune_checkpoints(self.ckpt_dir, self.learner.policy_version, cfg.keep_checkpoints)
         now = time.time_ns()
         lags = sorted((now - released_at[g.group_id]) / 1e9 for g in groups if g.group_id in released_at)
         if lags:

@@ -46,6 +46,7 @@ from . import logs
 from .config import LoopConfig
 from .demo import faults as demo_faults
 from .policy import GenerationBatcher, build_model
+from .publish import PolicyFollower
 
 log = get_logger("agentlog.loop.worker")
 
@@ -65,38 +66,6 @@ def session_id(batch: int, g: int, i: int) -> str:
 def batch_rng(seed: int, batch: int, stream: str) -> random.Random:
     """An independent, reproducible random stream per (seed, batch, purpose)."""
     return random.Random(f"{seed}:{batch}:{stream}")
-
-
-class PolicyFollower:
-    """Tracks the learner log: the newest published version and its checkpoint."""
-
-    def __init__(self, learner_dir: Path) -> None:
-        self.learner_dir = learner_dir
-        self.next_lsn = 0
-        self.latest: PolicyUpdated | None = None
-        self.history: list[PolicyUpdated] = []
-        self.final_version: int | None = None
-
-    def poll(self) -> bool:
-        """Read whatever the learner appended since the last poll; True if anything new."""
-        if not logs.exists(self.learner_dir):
-            return False
-        new = False
-        for env in logs.read(self.learner_dir, self.next_lsn):
-            self.next_lsn = env.lsn + 1
-            if isinstance(env.body, PolicyUpdated):
-                self.history.append(env.body)
-                if self.latest is None or env.body.policy_version >= self.latest.policy_version:
-                    self.latest = env.body
-                if env.body.metrics.get("loop/final", 0.0) >= 1.0:
-                    self.final_version = env.body.policy_version
-                new = True
-        return new
-
-    @property
-    def version(self) -> int:
-        """Newest published policy version (-1 before the learner published any)."""
-        return -1 if self.latest is None else self.latest.policy_version
 
 
 class RolloutWorker:

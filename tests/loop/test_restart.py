@@ -9,7 +9,7 @@ from agentlog.events.types import SessionAborted, SessionDropped, SessionFinishe
 from agentlog.loop import logs
 from agentlog.loop.check import check_run
 from agentlog.loop.run import start_process
-from agentlog.loop.trainer import read_learner_records
+from agentlog.loop.publish import read_learner_records
 
 from loop_helpers import learner_version, small_config, wait_for
 

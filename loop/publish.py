@@ -1,0 +1,88 @@
+"""Policy publishing: how the learner hands each new policy version to the rollout workers.
+
+The learner publishes a version in two steps, in this order: it saves the
+checkpoint (weights, optimiser, schedule, version) atomically under
+``<run>/checkpoints/policy-vNNNNN.pt`` (:func:`checkpoint_path`), then
+appends a ``policy_updated`` record naming it to its own log
+``<run>/learner`` (:func:`publish`). A reader that sees the record can
+therefore always load the checkpoint, unless it was pruned since
+(:func:`prune_checkpoints` keeps the newest ``keep_checkpoints`` and every
+50th); :class:`PolicyFollower` then falls back to the newest one left.
+
+The learner log is also the learner's memory for exactly-once resume (see
+:mod:`agentlog.loop.trainer`) and what the offline check and the progress
+display read (:func:`read_learner_records`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from agentlog.events.log_api import EventLog
+from agentlog.events.types import PolicyUpdated
+
+from . import logs
+
+#: Session id under which the learner appends its records to the learner log.
+LEARNER_STREAM = "learner"
+
+#: Checkpoints of versions that are multiples of this are never pruned.
+KEEP_EVERY = 50
+
+
+def checkpoint_path(checkpoint_dir: Path, version: int) -> Path:
+    """Where the checkpoint of policy ``version`` lives."""
+    return Path(checkpoint_dir) / f"policy-v{version:05d}.pt"
+
+
+def publish(learner_log: EventLog, record: PolicyUpdated) -> None:
+    """Append ``record`` to the learner log (after its checkpoint was saved)."""
+    learner_log.append_batch([(LEARNER_STREAM, learner_log.next_seq(LEARNER_STREAM), record)])
+
+
+def prune_checkpoints(checkpoint_dir: Path, newest_version: int, keep: int) -> None:
+    """Delete checkpoints ``keep`` or more versions older than ``newest_version``,
+    except every :data:`KEEP_EVERY`-th."""
+    for p in sorted(Path(checkpoint_dir).glob("policy-v*.pt")):
+        v = int(p.stem.split("-v")[1])
+        if v <= newest_version - keep and v % KEEP_EVERY != 0:
+            p.unlink(missing_ok=True)
+
+
+def read_learner_records(learner_dir: Path) -> list[PolicyUpdated]:
+    """Every ``policy_updated`` in a learner log, in order."""
+    if not logs.exists(learner_dir):
+        return []
+    return [env.body for env in logs.read(learner_dir, 0) if isinstance(env.body, PolicyUpdated)]
+
+
+class PolicyFollower:
+    """Tracks the learner log: the newest published version and its checkpoint."""
+
+    def __init__(self, learner_dir: Path) -> None:
+        self.learner_dir = learner_dir
+        self.next_lsn = 0
+        self.latest: PolicyUpdated | None = None
+        self.history: list[PolicyUpdated] = []
+        self.final_version: int | None = None
+
+    def poll(self) -> bool:
+        """Read whatever the learner appended since the last poll; True if anything new."""
+        if not logs.exists(self.learner_dir):
+            return False
+        new = False
+        for env in logs.read(self.learner_dir, self.next_lsn):
+            self.next_lsn = env.lsn + 1
+            if isinstance(env.body, PolicyUpdated):
+                self.history.append(env.body)
+                if self.latest is None or env.body.policy_version >= self.latest.policy_version:
+                    self.latest = env.body
+                if env.body.metrics.get("loop/final", 0.0) >= 1.0:
+                    self.final_version = env.body.policy_version
+                new = True
+        return new
+
+    @property
+    def version(self) -> int:
+        """Newest published policy version (-1 before the learner published any)."""
+        return -1 if self.latest is None else self.latest.policy_version
