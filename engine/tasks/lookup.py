@@ -1,4 +1,11 @@
-"""The built-in multi-turn lookup task and its 41-token vocabulary.
+"""The built-in multi-turn lookup task and its 41-token vocabulary: the task of `agentlog demo`.
+
+Demo-only: nothing in the engine or the loop depends on it. It stays here,
+next to the task interface and registry (``engine/tasks/base.py``), because
+the registry lives in the engine and registers it on import, so every
+process (rollout worker, learner, the ``agentlog`` commands) can select
+``"lookup"`` by name; moving it into the loop's demo package would make the
+engine import a layer above it, or every process import the demo.
 
 An episode hides a table mapping each of 16 keys to one of 16 values, drawn
 afresh every episode, so the model cannot memorise answers: it has to read
