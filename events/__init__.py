@@ -1,4 +1,11 @@
-"""events: schema-v1 event types, the session lifecycle grammar, and the append-only log."""
+"""events: schema-v1 event types, the session lifecycle grammar, and the append-only log.
+
+The log, one module per concept: ``log_api`` (the interface every log
+honours, its errors, the in-memory log), ``log_format`` (segments, frames,
+watermark, checkpoint), ``log_scan`` (the one scanner), ``log_writer``
+(:class:`FileLog`, group commit), ``log_recovery``, ``log_read`` (readers and
+followers), ``log_verify`` and ``log_lock`` (the one-writer lock). The public
+names are exported here."""
 
 from .types import (  # noqa: F401
     SCHEMA_VERSION,
@@ -22,4 +29,18 @@ from .types import (  # noqa: F401
     tokens_view,
 )
 from .lifecycle import IllegalTransition, SessionClosed, State  # noqa: F401
-from .log_api import EventLog, LogClosed, LogError, MemoryLog, PendingRecord, SchemaError, SequenceError  # noqa: F401
+from .log_api import (  # noqa: F401
+    EventLog,
+    LogClosed,
+    LogCorruption,
+    LogError,
+    LogLocked,
+    MemoryLog,
+    NotALog,
+    PendingRecord,
+    SchemaError,
+    SequenceError,
+)
+from .log_read import RawRecord, follow_log, read_log  # noqa: F401
+from .log_verify import VerifyReport, verify_log  # noqa: F401
+from .log_writer import FSYNC_POLICIES, FileLog, OsOps  # noqa: F401
