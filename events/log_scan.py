@@ -52,8 +52,6 @@ class BadFrame(NamedTuple):
 
     offset: int
     reason: str
-    #: True when the frame simply runs past the end of the file (a clean cut).
-    past_eof: bool
 
 
 _sid_cache: dict[bytes, str] = {}
@@ -112,7 +110,7 @@ class SegmentScanner:
         try:
             yield from self._frames(limit, size)
         except _Shrunk:
-            self.bad = BadFrame(self.offset, "file shrank while reading", True)
+            self.bad = BadFrame(self.offset, "file shrank while reading")
 
     def _frames(self, limit: int | None, size: int) -> Iterator[Frame]:
         # The hot loop of every reader: buffer state lives in locals, and the
@@ -131,7 +129,7 @@ class SegmentScanner:
             if rel < 0 or rel + FRAME_PREFIX > len(buf):
                 if size - off < FRAME_PREFIX:
                     self._fill(size, size)
-                    self.bad = BadFrame(off, f"incomplete frame header ({size - off} bytes before end of file)", True)
+                    self.bad = BadFrame(off, f"incomplete frame header ({size - off} bytes before end of file)")
                     return
                 self._fill(off + FRAME_PREFIX, size)
                 buf, base = self._buf, self._buf_off
@@ -139,14 +137,14 @@ class SegmentScanner:
             crc, length, typ = unpack_hdr(buf, rel)
             if typ != TYPE_RECORD:
                 what = "zero-filled" if typ == 0 and not any(buf[rel : rel + 64]) else f"type byte {typ}"
-                self.bad = BadFrame(off, f"{what} (expected a record, type {TYPE_RECORD})", False)
+                self.bad = BadFrame(off, f"{what} (expected a record, type {TYPE_RECORD})")
                 return
             if length < env_size or length > cap:
-                self.bad = BadFrame(off, f"frame length {length} out of range (expected {env_size}..{cap} bytes)", False)
+                self.bad = BadFrame(off, f"frame length {length} out of range (expected {env_size}..{cap} bytes)")
                 return
             end = off + FRAME_PREFIX + length
             if end > size:
-                self.bad = BadFrame(off, f"frame of {FRAME_PREFIX + length} bytes runs past end of file ({size})", True)
+                self.bad = BadFrame(off, f"frame of {FRAME_PREFIX + length} bytes runs past end of file ({size})")
                 return
             if end - base > len(buf):
                 self._fill(end, size)
@@ -154,19 +152,19 @@ class SegmentScanner:
                 rel = off - base
             body = buf[rel + 4 : rel + FRAME_PREFIX + length]
             if mask_crc(crc_value(body)) != crc:
-                self.bad = BadFrame(off, "CRC mismatch", False)
+                self.bad = BadFrame(off, "CRC mismatch")
                 return
             lsn, seq, ts, flags, sidlen = unpack_env(body, 5)
             if env_size + sidlen > length:
-                self.bad = BadFrame(off, f"session-id length {sidlen} exceeds frame length {length}", False)
+                self.bad = BadFrame(off, f"session-id length {sidlen} exceeds frame length {length}")
                 return
             if lsn != expected:
-                self.bad = BadFrame(off, f"lsn {lsn}, expected {expected}", False)
+                self.bad = BadFrame(off, f"lsn {lsn}, expected {expected}")
                 return
             try:
                 sid = _decode_sid(body[p : p + sidlen])
             except UnicodeDecodeError:
-                self.bad = BadFrame(off, "session id is not UTF-8", False)
+                self.bad = BadFrame(off, "session id is not UTF-8")
                 return
             expected = lsn + 1
             self.offset = end
@@ -431,6 +429,8 @@ class LogWalk:
             except LogCorruption as err:
                 size = (self.dir / name).stat().st_size
                 torn = i == len(self.segments) - 1 and torn_new_segment(size, read_head(self.dir / name), first, self.watermark)
+                # The header check knows the file, not the log: name the last good record too.
+                err = LogCorruption(str(err), segment=err.segment, offset=err.offset, last_good_lsn=expected - 1)
                 self.stop = ScanStop(i, 0, size, f"segment header torn ({size} bytes)", None if torn else err, True)
                 return
             seg = SegmentScan(self, i, first, fd, epoch, size, offset)
