@@ -6,7 +6,7 @@ Its neighbours, one concept each: the on-disk format in
 crash recovery in :mod:`~agentlog.events.log_recovery`, readers and followers
 in :mod:`~agentlog.events.log_read`, verification in
 :mod:`~agentlog.events.log_verify`, the writer lock in
-:mod:`~agentlog.events.log_lock`. The format in short: In short: a
+:mod:`~agentlog.events.log_lock`. The format in short: a
 directory of segment files named by their first LSN; CRC32C-framed records;
 a ``DURABLE`` watermark that readers in other processes trust; an ``INDEX``
 checkpoint (sequence state of open sessions + sparse offset index) so that
