@@ -12,6 +12,7 @@ offset and last good LSN, unless ``salvage=True`` moves the damaged rest into
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -135,57 +136,59 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
         expected=expected,
         writable=True,
     )
-    for seg in walk.scan():
-        first, name, fd = seg.first, seg.name, seg.fd
-        epoch = max(epoch, seg.epoch)
-        entries = index.setdefault(first, [(first, SEG_HDR_SIZE)])
-        last_off = entries[-1][1]
-        for fr in seg.frames():
-            if fr.offset - last_off >= INDEX_EVERY_BYTES:
-                entries.append((fr.lsn, fr.offset))
-                last_off = fr.offset
-            if fr.flags & FLAG_TERMINAL:
-                state.pop(fr.session_id, None)
-            else:
-                state[fr.session_id] = fr.session_seq + 1
-        scanned += 1
-        stop = seg.end()
-        size = seg.size
-        if stop is not None:
-            if stop.corruption is not None:
-                if not salvage:
-                    raise stop.corruption
-                _salvage(d, segs[seg.index + 1 :], fd, stop.offset, stop.corruption, epoch, name)
-                segs = segs[: seg.index + 1]
-            else:
-                rlog.warning(
-                    "log.recovery.torn_tail",
-                    segment=name,
-                    offset=stop.offset,
-                    cut_bytes=stop.tail_bytes,
-                    last_good_lsn=walk.expected - 1,
-                    reason=stop.reason,
-                )
-                os.ftruncate(fd, stop.offset)
-            truncated = True
-            size = stop.offset
-        if seg.index == len(segs) - 1:
-            err = walk.missing_acked(name, size)
-            if err is not None:
-                if not salvage:
-                    raise err
-                rlog.warning("log.recovery.salvaged", error=str(err), last_good_lsn=walk.expected - 1)
-            # Records a crashed writer wrote but never synced become durable now,
-            # before the watermark claims them.
-            os.fsync(fd)
-            if size <= SEG_HDR_SIZE:
-                # No records: the next writer starts a segment of this very name.
-                seg.close()
-                os.unlink(d / name)
-                fsync_dir(d)
-                index.pop(first, None)
-                segs = segs[: seg.index]
-                changed = True
+    # closing(): an error raised inside the walk closes the segment it has open at once.
+    with contextlib.closing(walk.scan()) as walked:
+        for seg in walked:
+            first, name, fd = seg.first, seg.name, seg.fd
+            epoch = max(epoch, seg.epoch)
+            entries = index.setdefault(first, [(first, SEG_HDR_SIZE)])
+            last_off = entries[-1][1]
+            for fr in seg.frames():
+                if fr.offset - last_off >= INDEX_EVERY_BYTES:
+                    entries.append((fr.lsn, fr.offset))
+                    last_off = fr.offset
+                if fr.flags & FLAG_TERMINAL:
+                    state.pop(fr.session_id, None)
+                else:
+                    state[fr.session_id] = fr.session_seq + 1
+            scanned += 1
+            stop = seg.end()
+            size = seg.size
+            if stop is not None:
+                if stop.corruption is not None:
+                    if not salvage:
+                        raise stop.corruption
+                    _salvage(d, segs[seg.index + 1 :], fd, stop.offset, stop.corruption, epoch, name)
+                    segs = segs[: seg.index + 1]
+                else:
+                    rlog.warning(
+                        "log.recovery.torn_tail",
+                        segment=name,
+                        offset=stop.offset,
+                        cut_bytes=stop.tail_bytes,
+                        last_good_lsn=walk.expected - 1,
+                        reason=stop.reason,
+                    )
+                    os.ftruncate(fd, stop.offset)
+                truncated = True
+                size = stop.offset
+            if seg.index == len(segs) - 1:
+                err = walk.missing_acked(name, size)
+                if err is not None:
+                    if not salvage:
+                        raise err
+                    rlog.warning("log.recovery.salvaged", error=str(err), last_good_lsn=walk.expected - 1)
+                # Records a crashed writer wrote but never synced become durable now,
+                # before the watermark claims them.
+                os.fsync(fd)
+                if size <= SEG_HDR_SIZE:
+                    # No records: the next writer starts a segment of this very name.
+                    seg.close()
+                    os.unlink(d / name)
+                    fsync_dir(d)
+                    index.pop(first, None)
+                    segs = segs[: seg.index]
+                    changed = True
     stop = walk.stop
     if stop is not None and stop.header:
         # The walk ended before segment ``stop.index``: it starts at the wrong

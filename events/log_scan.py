@@ -330,7 +330,8 @@ class ScanStop(NamedTuple):
     #: None for a torn tail or torn header (never acknowledged: safe to cut);
     #: otherwise the corruption, naming segment, offset and last good LSN.
     corruption: LogCorruption | None
-    #: True when the segment's header itself is bad (nothing in it is readable).
+    #: True when the walk stopped before the segment (its header is bad, or it
+    #: starts at the wrong LSN): nothing of it was scanned.
     header: bool
 
 

@@ -10,6 +10,7 @@ mid-log corruption.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -111,41 +112,43 @@ def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
         return rep
 
     try:
-        for seg in walk.scan():
-            name = seg.name
-            for fr in seg.frames():
-                try:
-                    body = decode_body(fr.payload)
-                except msgspec.DecodeError as exc:  # ValidationError included
-                    err = payload_error(name, fr, exc)
-                    if not isinstance(err, SchemaError):
-                        return corrupt(str(err), name, fr.offset, fr.lsn - 1)
-                    # Sound on disk, only newer than this reader: keep checking the rest.
-                    rep.schema_errors += 1
-                    rep.schema_problem = rep.schema_problem or str(err)
-                else:
-                    if type(body) is UnknownEvent:
-                        rep.unknown_types[body.tag] = rep.unknown_types.get(body.tag, 0) + 1
-                want = seqs.get(fr.session_id, 0)
-                if fr.session_seq != want:
-                    return corrupt(
-                        f"segment {name}, offset {fr.offset}, lsn {fr.lsn}: session {fr.session_id!r} "
-                        f"has session_seq {fr.session_seq}, expected {want}",
-                        name,
-                        fr.offset,
-                        fr.lsn - 1,
-                    )
-                if fr.flags & FLAG_TERMINAL:
-                    seqs.pop(fr.session_id, None)
-                else:
-                    seqs[fr.session_id] = want + 1
-                rep.records += 1
-            stop = seg.end()
-            bar.update(seg.size)
-            if stop is None:
-                rep.bytes += seg.size
-            elif stop.corruption is None:
-                rep.bytes += stop.offset  # the good prefix before a torn tail
+        # closing(): a return from inside the walk closes the segment it has open at once.
+        with contextlib.closing(walk.scan()) as segments:
+            for seg in segments:
+                name = seg.name
+                for fr in seg.frames():
+                    try:
+                        body = decode_body(fr.payload)
+                    except msgspec.DecodeError as exc:  # ValidationError included
+                        err = payload_error(name, fr, exc)
+                        if not isinstance(err, SchemaError):
+                            return corrupt(str(err), name, fr.offset, fr.lsn - 1)
+                        # Sound on disk, only newer than this reader: keep checking the rest.
+                        rep.schema_errors += 1
+                        rep.schema_problem = rep.schema_problem or str(err)
+                    else:
+                        if type(body) is UnknownEvent:
+                            rep.unknown_types[body.tag] = rep.unknown_types.get(body.tag, 0) + 1
+                    want = seqs.get(fr.session_id, 0)
+                    if fr.session_seq != want:
+                        return corrupt(
+                            f"segment {name}, offset {fr.offset}, lsn {fr.lsn}: session {fr.session_id!r} "
+                            f"has session_seq {fr.session_seq}, expected {want}",
+                            name,
+                            fr.offset,
+                            fr.lsn - 1,
+                        )
+                    if fr.flags & FLAG_TERMINAL:
+                        seqs.pop(fr.session_id, None)
+                    else:
+                        seqs[fr.session_id] = want + 1
+                    rep.records += 1
+                stop = seg.end()
+                bar.update(seg.size)
+                if stop is None:
+                    rep.bytes += seg.size
+                elif stop.corruption is None:
+                    rep.bytes += stop.offset  # the good prefix before a torn tail
         stop = walk.stop
         if stop is not None:
             name = segment_name(segs[stop.index])
