@@ -41,6 +41,32 @@ from .log_api import (  # noqa: F401
     SchemaError,
     SequenceError,
 )
-from .log_read import RawRecord, follow_log, read_log  # noqa: F401
-from .log_verify import VerifyReport, verify_log  # noqa: F401
-from .log_writer import FSYNC_POLICIES, FileLog, OsOps  # noqa: F401
+
+# The file log is loaded on first use, so that importing the event types (as
+# every layer does) does not also load the writer, the readers and verify.
+_LAZY = {
+    "FSYNC_POLICIES": "log_writer",
+    "FileLog": "log_writer",
+    "OsOps": "log_writer",
+    "RawRecord": "log_read",
+    "follow_log": "log_read",
+    "read_log": "log_read",
+    "VerifyReport": "log_verify",
+    "verify_log": "log_verify",
+}
+
+
+def __getattr__(name: str):
+    """The file log's public names, imported from their modules on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
