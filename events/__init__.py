@@ -1,4 +1,11 @@
-"""events: schema-v1 event types, the session lifecycle grammar, and the append-only log."""
+"""events: schema-v1 event types, the session lifecycle grammar, and the append-only log.
+
+The log, one module per concept: ``log_api`` (the interface every log
+honours, its errors, the in-memory log), ``log_format`` (segments, frames,
+watermark, checkpoint), ``log_scan`` (the one scanner), ``log_writer``
+(:class:`FileLog`, group commit), ``log_recovery``, ``log_read`` (readers and
+followers), ``log_verify`` and ``log_lock`` (the one-writer lock). The public
+names are exported here."""
 
 from .types import (  # noqa: F401
     SCHEMA_VERSION,
@@ -22,4 +29,44 @@ from .types import (  # noqa: F401
     tokens_view,
 )
 from .lifecycle import IllegalTransition, SessionClosed, State  # noqa: F401
-from .log_api import EventLog, LogClosed, LogError, MemoryLog, PendingRecord, SchemaError, SequenceError  # noqa: F401
+from .log_api import (  # noqa: F401
+    EventLog,
+    LogClosed,
+    LogCorruption,
+    LogError,
+    LogLocked,
+    MemoryLog,
+    NotALog,
+    PendingRecord,
+    SchemaError,
+    SequenceError,
+)
+
+# The file log is loaded on first use, so that importing the event types (as
+# every layer does) does not also load the writer, the readers and verify.
+_LAZY = {
+    "FSYNC_POLICIES": "log_writer",
+    "FileLog": "log_writer",
+    "OsOps": "log_writer",
+    "RawRecord": "log_read",
+    "follow_log": "log_read",
+    "read_log": "log_read",
+    "VerifyReport": "log_verify",
+    "verify_log": "log_verify",
+}
+
+
+def __getattr__(name: str):
+    """The file log's public names, imported from their modules on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -45,6 +45,27 @@ class LogClosed(LogError):
     """The log was closed, or went fatal after an I/O error; reopen to recover."""
 
 
+class LogCorruption(LogError):
+    """A frame that acknowledged data depends on is damaged.
+
+    ``segment``, ``offset`` and ``last_good_lsn`` (-1 when none) say where.
+    """
+
+    def __init__(self, message: str, *, segment: str = "", offset: int = -1, last_good_lsn: int = -1) -> None:
+        super().__init__(message)
+        self.segment = segment
+        self.offset = offset
+        self.last_good_lsn = last_good_lsn
+
+
+class LogLocked(LogError):
+    """Another writer holds the log directory's lock."""
+
+
+class NotALog(LogError):
+    """The path is not a log directory."""
+
+
 class SchemaError(LogError):
     """A record whose checksum is valid and whose tag this version knows, but
     whose fields do not decode with this version's schema: written by a newer

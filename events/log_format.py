@@ -1,5 +1,6 @@
 """On-disk format of the file log: segments, frames, the durable watermark
-and the checkpoint, plus the frame scanner every reader builds on.
+and the checkpoint, with their codecs. The scanner that reads frames back is
+:mod:`agentlog.events.log_scan`.
 
 Layout of a log directory::
 
@@ -46,15 +47,16 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import google_crc32c
 import msgspec
 
-from .log_api import LogError
+from .log_api import LogCorruption
 
-_crc_value = google_crc32c.value
-_crc_extend = google_crc32c.extend
+#: CRC32C of bytes, and its continuation over more bytes (C code, no copies).
+crc_value = google_crc32c.value
+crc_extend = google_crc32c.extend
 
 FORMAT_VERSION = 1
 SEG_MAGIC = b"AGLOGSEG"
@@ -85,25 +87,13 @@ DEFAULT_MAX_RECORD_BYTES = 16 << 20
 #: A sparse-index entry is kept every this many bytes of a segment.
 INDEX_EVERY_BYTES = 64 << 10
 
-_MASK_DELTA = 0xA282EAD8
-
-
-class LogCorruption(LogError):
-    """A frame that acknowledged data depends on is damaged.
-
-    ``segment``, ``offset`` and ``last_good_lsn`` (-1 when none) say where.
-    """
-
-    def __init__(self, message: str, *, segment: str = "", offset: int = -1, last_good_lsn: int = -1) -> None:
-        super().__init__(message)
-        self.segment = segment
-        self.offset = offset
-        self.last_good_lsn = last_good_lsn
+#: LevelDB's CRC mask offset (see mask_crc; the writer inlines the mask).
+MASK_DELTA = 0xA282EAD8
 
 
 def mask_crc(crc: int) -> int:
     """LevelDB's CRC mask: rotate right by 15 bits and add a constant."""
-    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + MASK_DELTA) & 0xFFFFFFFF
 
 
 def segment_name(first_lsn: int) -> str:
@@ -137,7 +127,7 @@ def is_log_dir(directory: Path) -> bool:
 def pack_segment_header(epoch: int, first_lsn: int) -> bytes:
     """The 32-byte header of a new segment."""
     body = SEG_HDR.pack(SEG_MAGIC, FORMAT_VERSION, 0, epoch, first_lsn, 0)[:-4]
-    return body + FRAME_CRC.pack(mask_crc(_crc_value(body)))
+    return body + FRAME_CRC.pack(mask_crc(crc_value(body)))
 
 
 class SegmentHeader(NamedTuple):
@@ -157,7 +147,7 @@ def parse_segment_header(raw: bytes, name: str, expected_first: int) -> SegmentH
     magic, version, _flags, epoch, first, crc = SEG_HDR.unpack_from(raw)
     if magic != SEG_MAGIC:
         raise LogCorruption(f"segment {name}, offset 0: bad magic {magic!r}, expected {SEG_MAGIC!r}", segment=name, offset=0)
-    if mask_crc(_crc_value(bytes(raw[: SEG_HDR_SIZE - 4]))) != crc:
+    if mask_crc(crc_value(bytes(raw[: SEG_HDR_SIZE - 4]))) != crc:
         raise LogCorruption(f"segment {name}, offset 0: header CRC mismatch", segment=name, offset=0)
     if version > FORMAT_VERSION:
         raise LogCorruption(
@@ -180,178 +170,8 @@ def parse_segment_header(raw: bytes, name: str, expected_first: int) -> SegmentH
 def encode_frame(lsn: int, seq: int, ts_ns: int, flags: int, sid: bytes, payload: bytes) -> bytes:
     """One framed record (see the module docstring for the layout)."""
     head = HEAD.pack(ENV_HDR.size + len(sid) + len(payload), TYPE_RECORD, lsn, seq, ts_ns, flags, len(sid)) + sid
-    crc = _crc_extend(_crc_value(head), payload)
+    crc = crc_extend(crc_value(head), payload)
     return FRAME_CRC.pack(mask_crc(crc)) + head + payload
-
-
-class Frame(NamedTuple):
-    """A CRC-valid frame found by the scanner; ``payload`` is a zero-copy view."""
-
-    offset: int
-    end: int
-    lsn: int
-    session_seq: int
-    ts_ns: int
-    flags: int
-    session_id: str
-    payload: memoryview
-
-
-class BadFrame(NamedTuple):
-    """Where and why scanning a segment stopped before its end."""
-
-    offset: int
-    reason: str
-    #: True when the frame simply runs past the end of the file (a clean cut).
-    past_eof: bool
-
-
-_sid_cache: dict[bytes, str] = {}
-
-
-def _decode_sid(raw: bytes) -> str:
-    sid = _sid_cache.get(raw)
-    if sid is None:
-        sid = raw.decode("utf-8")
-        if len(_sid_cache) > 65536:  # bounded: ids of ended sessions age out
-            _sid_cache.clear()
-        _sid_cache[raw] = sid
-    return sid
-
-
-class _Shrunk(Exception):
-    pass
-
-
-class SegmentScanner:
-    """Reads CRC-valid frames of one segment file sequentially from an offset.
-
-    It reads in large chunks with ``pread`` and never allocates more than
-    ``max_record_bytes`` plus one chunk, whatever a length field claims.
-    """
-
-    CHUNK = 1 << 20
-
-    def __init__(self, fd: int, name: str, offset: int, expected_lsn: int, max_record_bytes: int) -> None:
-        self.fd = fd
-        self.name = name
-        self.offset = offset
-        self.expected = expected_lsn
-        self.cap = max_record_bytes
-        self.bad: BadFrame | None = None
-        self._buf = b""
-        self._buf_off = offset  # file offset of _buf[0]
-
-    def _fill(self, need_end: int, size: int) -> None:
-        """Make _buf cover [self.offset, need_end) (need_end <= size)."""
-        if self._buf_off <= self.offset and need_end <= self._buf_off + len(self._buf):
-            return
-        want = max(need_end, min(size, self.offset + self.CHUNK)) - self.offset
-        self._buf = os.pread(self.fd, want, self.offset)
-        self._buf_off = self.offset
-        if len(self._buf) < need_end - self.offset:
-            # The file shrank under us (a writer truncating a torn tail).
-            raise _Shrunk()
-
-    def frames(self, limit: int | None = None, size: int | None = None) -> Iterator[Frame]:
-        """Yield valid frames until the end of the file, the first bad frame
-        (recorded in ``self.bad``) or ``limit`` (an exclusive LSN bound)."""
-        self.bad = None
-        if size is None:
-            size = os.fstat(self.fd).st_size
-        try:
-            yield from self._frames(limit, size)
-        except _Shrunk:
-            self.bad = BadFrame(self.offset, "file shrank while reading", True)
-
-    def _frames(self, limit: int | None, size: int) -> Iterator[Frame]:
-        # The hot loop of every reader: buffer state lives in locals, and the
-        # buffer is refilled only when a frame is not wholly inside it.
-        cap = self.cap
-        unpack_hdr, unpack_env, crc_value = FRAME_HDR.unpack_from, ENV_HDR.unpack_from, _crc_value
-        env_size = ENV_HDR.size
-        p = 5 + env_size  # session id offset inside ``body`` (which starts after the CRC)
-        buf, base = self._buf, self._buf_off
-        expected = self.expected
-        while limit is None or expected < limit:
-            off = self.offset
-            if off >= size:
-                return
-            rel = off - base
-            if rel < 0 or rel + FRAME_PREFIX > len(buf):
-                if size - off < FRAME_PREFIX:
-                    self._fill(size, size)
-                    self.bad = BadFrame(off, f"incomplete frame header ({size - off} bytes before end of file)", True)
-                    return
-                self._fill(off + FRAME_PREFIX, size)
-                buf, base = self._buf, self._buf_off
-                rel = off - base
-            crc, length, typ = unpack_hdr(buf, rel)
-            if typ != TYPE_RECORD:
-                what = "zero-filled" if typ == 0 and not any(buf[rel : rel + 64]) else f"type byte {typ}"
-                self.bad = BadFrame(off, f"{what} (expected a record, type {TYPE_RECORD})", False)
-                return
-            if length < env_size or length > cap:
-                self.bad = BadFrame(off, f"frame length {length} out of range (expected {env_size}..{cap} bytes)", False)
-                return
-            end = off + FRAME_PREFIX + length
-            if end > size:
-                self.bad = BadFrame(off, f"frame of {FRAME_PREFIX + length} bytes runs past end of file ({size})", True)
-                return
-            if end - base > len(buf):
-                self._fill(end, size)
-                buf, base = self._buf, self._buf_off
-                rel = off - base
-            body = buf[rel + 4 : rel + FRAME_PREFIX + length]
-            if mask_crc(crc_value(body)) != crc:
-                self.bad = BadFrame(off, "CRC mismatch", False)
-                return
-            lsn, seq, ts, flags, sidlen = unpack_env(body, 5)
-            if env_size + sidlen > length:
-                self.bad = BadFrame(off, f"session-id length {sidlen} exceeds frame length {length}", False)
-                return
-            if lsn != expected:
-                self.bad = BadFrame(off, f"lsn {lsn}, expected {expected}", False)
-                return
-            try:
-                sid = _decode_sid(body[p : p + sidlen])
-            except UnicodeDecodeError:
-                self.bad = BadFrame(off, "session id is not UTF-8", False)
-                return
-            expected = lsn + 1
-            self.offset = end
-            self.expected = expected
-            yield Frame(off, end, lsn, seq, ts, flags, sid, memoryview(body)[p + sidlen :])
-
-
-def find_later_frame(fd: int, start: int, size: int, lsn_lo: int, max_record_bytes: int) -> int | None:
-    """Offset of a CRC-valid frame after ``start`` whose lsn is in
-    [lsn_lo, lsn_lo + 2], or None. It searches for the little-endian LSN bytes
-    (at a fixed place in every frame), so it runs at C speed over megabytes."""
-    patterns = [struct.pack("<Q", lsn_lo + k) for k in range(3)]
-    lsn_at = FRAME_PREFIX  # lsn follows crc, length and type
-    pos = start + 1
-    chunk = 1 << 20
-    seen: set[int] = set()
-    while pos < size:
-        buf = os.pread(fd, min(chunk + 16, size - pos), pos)
-        hits = []
-        for pat in patterns:
-            i = buf.find(pat, lsn_at)
-            while i != -1:
-                hits.append(i)
-                i = buf.find(pat, i + 1)
-        for i in sorted(hits):
-            cand = pos + i - lsn_at
-            if cand in seen:
-                continue
-            seen.add(cand)
-            expected = struct.unpack_from("<Q", buf, i)[0]
-            sc = SegmentScanner(fd, "", cand, expected, max_record_bytes)
-            for _ in sc.frames(limit=expected + 1, size=size):
-                return cand
-        pos += chunk
-    return None
 
 
 # ---------------------------------------------------------------- durable watermark
@@ -373,7 +193,7 @@ class Watermark(NamedTuple):
 def pack_durable(next_lsn: int, epoch: int, *, synced: bool = True) -> bytes:
     """Contents of the DURABLE file."""
     body = struct.pack("<QQ", next_lsn, epoch if synced else epoch | DURABLE_UNSYNCED)
-    return body + FRAME_CRC.pack(mask_crc(_crc_value(body)))
+    return body + FRAME_CRC.pack(mask_crc(crc_value(body)))
 
 
 def read_durable(directory: Path) -> tuple[int, int] | None:
@@ -393,7 +213,7 @@ def read_watermark(directory: Path) -> Watermark | None:
     if len(raw) != DURABLE_FMT.size:
         return None
     lsn, epoch, crc = DURABLE_FMT.unpack(raw)
-    if mask_crc(_crc_value(raw[:16])) != crc:
+    if mask_crc(crc_value(raw[:16])) != crc:
         return None
     return Watermark(lsn, epoch & ~DURABLE_UNSYNCED, not epoch & DURABLE_UNSYNCED)
 
@@ -422,7 +242,7 @@ _ckpt_decoder = msgspec.msgpack.Decoder(Checkpoint)
 def pack_checkpoint(ckpt: Checkpoint) -> bytes:
     """Magic, masked CRC, length, then msgpack."""
     body = _ckpt_encoder.encode(ckpt)
-    return INDEX_MAGIC + struct.pack("<II", mask_crc(_crc_value(body)), len(body)) + body
+    return INDEX_MAGIC + struct.pack("<II", mask_crc(crc_value(body)), len(body)) + body
 
 
 def load_checkpoint(directory: Path) -> tuple[Checkpoint | None, str]:
@@ -435,7 +255,7 @@ def load_checkpoint(directory: Path) -> tuple[Checkpoint | None, str]:
         return None, "INDEX has a bad header"
     crc, n = struct.unpack_from("<II", raw, 8)
     body = raw[16:]
-    if len(body) != n or mask_crc(_crc_value(body)) != crc:
+    if len(body) != n or mask_crc(crc_value(body)) != crc:
         return None, "INDEX CRC or length mismatch"
     try:
         return _ckpt_decoder.decode(body), ""

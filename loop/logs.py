@@ -1,4 +1,4 @@
-"""The two logs of a run, opened through ``events.log``: one writer each, any number of readers.
+"""The two logs of a run, opened through ``agentlog.events``: one writer each, any number of readers.
 
 The rollout worker writes ``<run>/rollout`` and reads ``<run>/learner``; the
 learner writes ``<run>/learner`` and reads ``<run>/rollout``. Readers in
@@ -17,7 +17,7 @@ from agentlog.events.types import Envelope
 
 def open_log(path: Path, fsync: str = "batch") -> EventLog:
     """Open (or create) the log at ``path`` as its single writer."""
-    from agentlog.events.log import FileLog
+    from agentlog.events import FileLog
 
     return FileLog.open(path, fsync=fsync)
 
@@ -32,14 +32,14 @@ def exists(path: Path) -> bool:
 
 def read(path: Path, from_lsn: int = 0) -> Iterator[Envelope]:
     """Durable records of the log at ``path`` from ``from_lsn`` (another process may be writing)."""
-    from agentlog.events.log import read_log
+    from agentlog.events import read_log
 
     return read_log(path, from_lsn)
 
 
 async def follow(path: Path, from_lsn: int = 0, *, poll_s: float = 0.01) -> AsyncIterator[Envelope]:
     """Tail the log at ``path`` forever, waiting for it to be created first."""
-    from agentlog.events.log import follow_log
+    from agentlog.events import follow_log
 
     while not exists(path):
         await asyncio.sleep(poll_s)

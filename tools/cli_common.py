@@ -128,7 +128,7 @@ def read_records(
     """Every durable record of the log at ``path`` from ``from_lsn`` (Envelopes,
     or RawRecords with ``raw``), with a byte progress bar on stderr for logs
     over PROGRESS_MIN_BYTES unless ``quiet``. Corruption raises CliError(1)."""
-    from agentlog.events.log import NotALog, read_log
+    from agentlog.events import NotALog, read_log
     from agentlog.events.log_api import LogError
 
     total = log_bytes(path)

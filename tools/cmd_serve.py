@@ -151,7 +151,7 @@ def _has_transformers() -> bool:
 async def _serve(args) -> int:
     from agentlog.engine import SessionEngine
     from agentlog.gateway import Gateway, GatewayConfig
-    from agentlog.events.log import FileLog
+    from agentlog.events import FileLog
     from agentlog.events.log_api import LogError
 
     backend, template, parser = _build(args)

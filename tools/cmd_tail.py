@@ -4,7 +4,7 @@ Prints each event as it becomes durable, in the ``replay`` line format with
 the session's state before -> after; or, with ``--summary``, a table of
 sessions by state, groups released and reward so far, refreshed in place on
 a terminal (one summary line per change otherwise). Runs until interrupted.
-Only durable records are ever shown (:func:`events.log.follow_log`).
+Only durable records are ever shown (:func:`agentlog.events.log_read.follow_log`).
 
 LOG may be a directory that does not hold a log yet (empty, or only a
 writer's lock): tail then waits for the first record.
@@ -87,7 +87,7 @@ def summary_line(snap: dict[str, Any]) -> str:
 
 
 async def _tail_events(path: Path) -> None:
-    from agentlog.events.log import follow_log
+    from agentlog.events import follow_log
     from agentlog.reducers.lifecycle import LifecycleState, Violation, reduce_lifecycle
 
     from agentlog.events.types import PolicyUpdated
@@ -106,7 +106,7 @@ async def _tail_events(path: Path) -> None:
 
 
 async def _tail_summary(path: Path) -> None:
-    from agentlog.events.log import follow_log
+    from agentlog.events import follow_log
     from agentlog.reducers.runstats import RunStats, decode_projection
 
     stats = RunStats()

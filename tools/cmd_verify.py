@@ -27,7 +27,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     """Verify, print one line, return the exit status."""
-    from agentlog.events.log import LogLocked, NotALog, verify_log
+    from agentlog.events import LogLocked, NotALog, verify_log
 
     from agentlog.tools.cli_common import check_log_path
 

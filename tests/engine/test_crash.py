@@ -14,7 +14,7 @@ import pytest
 
 from agentlog.engine import DuplicateSession, SessionEngine
 from engine_helpers import check_log_invariants
-from agentlog.events.log import FileLog
+from agentlog.events import FileLog
 from agentlog.events.types import SessionAborted, SessionFinished, TurnRecorded
 
 CHILD = textwrap.dedent(
@@ -22,7 +22,7 @@ CHILD = textwrap.dedent(
     import asyncio, sys
     import structlog
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    from agentlog.events.log import FileLog
+    from agentlog.events import FileLog
     from agentlog.engine import SessionEngine
 
     async def main(path, n):

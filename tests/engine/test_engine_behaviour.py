@@ -493,7 +493,7 @@ def test_aborted_event_is_logged_with_session_id_bound(arun):
 def test_cancelled_turn_that_the_log_already_staged_keeps_the_session_in_step(arun, tmp_path):
     """FileLog stages a record, then waits for durability: a cancel in that
     wait must not desynchronise the session's sequence from the log."""
-    from agentlog.events.log import FileLog
+    from agentlog.events import FileLog
 
     async def go():
         log = FileLog.open(tmp_path / "log", fsync="always")

@@ -18,7 +18,7 @@ import threading
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from agentlog.events.log import FileLog  # noqa: E402
+from agentlog.events import FileLog  # noqa: E402
 from agentlog.events.types import CommandRan  # noqa: E402
 
 SESSIONS = 6

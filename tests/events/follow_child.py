@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from agentlog.events.log import follow_log  # noqa: E402
+from agentlog.events import follow_log  # noqa: E402
 from agentlog.events.types import event_tag  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from agentlog.events import SchemaError, UnknownEvent
-from agentlog.events.log import LogCorruption, follow_log, read_log, verify_log
+from agentlog.events import LogCorruption, follow_log, read_log, verify_log
 from agentlog.events.types import SessionFinished, TurnRecorded
 from future_log_shim import FUTURE_LOG, future_records, write_frames
 

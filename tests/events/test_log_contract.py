@@ -8,7 +8,7 @@ import itertools
 import msgspec
 import pytest
 
-from agentlog.events.log import FileLog
+from agentlog.events import FileLog
 from agentlog.events.log_api import EventLog, LogClosed, MemoryLog, PendingRecord, SequenceError
 from agentlog.events.types import EventValidationError, SessionDropped, SessionFinished, SessionOpened, SessionStarted, UnknownEvent
 import make_golden_shim

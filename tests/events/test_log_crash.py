@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agentlog.events.log import FileLog, read_log, verify_log
+from agentlog.events import FileLog, read_log, verify_log
 from crash_child import body
 from log_helpers import rng
 

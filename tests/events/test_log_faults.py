@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from agentlog.events.log import FileLog, LogClosed, OsOps, read_log
+from agentlog.events import FileLog, LogClosed, OsOps, read_log
 from agentlog.events.types import SessionOpened
 from event_samples import small_event
 
@@ -268,7 +268,7 @@ def test_a_power_cut_loses_only_unsynced_records_and_the_log_reopens(tmp_path, p
     assert on_disk == acked[: len(on_disk)]
     if policy == "never" and watermark_reached_disk:
         # Before a writer recovers it, a reader is told the watermark was only a hint.
-        from agentlog.events.log import LogCorruption
+        from agentlog.events import LogCorruption
 
         with pytest.raises(LogCorruption, match="never synced, so a power loss explains this"):
             list(read_log(d))
@@ -303,7 +303,7 @@ _EMFILE_CHILD = r"""
 import errno, json, os, resource, sys
 sys.path.insert(0, sys.argv[2])
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))  # hard too: the writer may raise the soft one
-from agentlog.events.log import FileLog, LogClosed, verify_log
+from agentlog.events import FileLog, LogClosed, verify_log
 from agentlog.events.log_api import LogError
 from agentlog.events.types import SessionOpened
 
@@ -399,7 +399,7 @@ def test_opening_a_log_for_writing_raises_the_soft_descriptor_limit_to_the_hard_
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
         "want = hard if hard != resource.RLIM_INFINITY else int(open('/proc/sys/fs/nr_open').read())\n"
-        "from events.log import FileLog\n"
+        "from events import FileLog\n"
         "FileLog.open(sys.argv[1]).close()\n"
         "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], want)\n"
     )

@@ -3,7 +3,7 @@ for small payloads (one piece with their header) and large ones (their own iovec
 
 from __future__ import annotations
 
-from agentlog.events.log import FileLog
+from agentlog.events import FileLog
 from agentlog.events.log_format import FLAG_TERMINAL, SEG_HDR_SIZE, encode_frame, pack_segment_header
 from agentlog.events.types import SessionDropped, TurnRecorded, encode_body
 from event_samples import small_event

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentlog.events.log import FileLog, LogCorruption, read_log
+from agentlog.events import FileLog, LogCorruption, read_log
 from agentlog.events.log_format import DURABLE_NAME, SEG_HDR_SIZE, pack_segment_header, segment_name
 from log_helpers import write_small_log
 

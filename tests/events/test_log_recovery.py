@@ -11,7 +11,7 @@ import tracemalloc
 import pytest
 from structlog.testing import capture_logs
 
-from agentlog.events.log import FileLog, LogCorruption, LogLocked, NotALog, read_log, verify_log
+from agentlog.events import FileLog, LogCorruption, LogLocked, NotALog, read_log, verify_log
 from agentlog.events.log_format import DURABLE_NAME, INDEX_NAME, SEG_HDR_SIZE, list_segments, segment_name
 from agentlog.events.types import SessionFinished, SessionOpened
 from event_samples import small_event

@@ -202,7 +202,7 @@ def test_golden_v1_log_directory_still_reads():
     """A log written in format v1 (segment + DURABLE) still reads, record for record."""
     import make_golden_shim
 
-    from agentlog.events.log import read_log, verify_log
+    from agentlog.events import read_log, verify_log
 
     assert list(read_log(FIXTURES / "golden_log_v1")) == make_golden_shim.golden_envelopes()
     assert verify_log(FIXTURES / "golden_log_v1").status == "ok"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentlog.events.log import FileLog
+from agentlog.events import FileLog
 from agentlog.events.log_format import DURABLE_NAME, INDEX_NAME, SEG_HDR_SIZE
 from agentlog.events.types import SessionOpened
 from log_helpers import flip_bit, frame_offsets, records, seg_path, write_small_log
@@ -96,11 +96,11 @@ def test_repair_never_cuts_records_a_writer_acknowledged_after_the_first_scan(tm
     """A writer that opens, recovers and appends between verify's unlocked scan
     and its cut keeps every acknowledged record: the cut comes from a scan
     taken under the writer lock."""
-    import agentlog.events.log as log_module
-    from agentlog.events.log import read_log, verify_log
+    import agentlog.events.log_verify as log_module
+    from agentlog.events import read_log, verify_log
 
     d, _seg, _start = _torn(tmp_path)
-    real_lock = log_module._acquire_lock
+    real_lock = log_module.acquire_lock
     acked: list = []
     raced: list = []
 
@@ -112,7 +112,7 @@ def test_repair_never_cuts_records_a_writer_acknowledged_after_the_first_scan(tm
             lg.close()
         return real_lock(directory)
 
-    monkeypatch.setattr(log_module, "_acquire_lock", writer_runs_first)
+    monkeypatch.setattr(log_module, "acquire_lock", writer_runs_first)
     rep = verify_log(d, repair=True)
     assert acked and rep.status == "ok"
     assert list(read_log(d))[-1] == acked[0]

@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 from agentlog.engine import SessionEngine
 from agentlog.gateway import Gateway, GatewayConfig, SamplingParams, TorchBackend
 from agentlog.gateway.backends import BackendError
-from agentlog.events.log import FileLog, OsOps
+from agentlog.events import FileLog, OsOps
 from agentlog.events.log_api import LogClosed, MemoryLog
 from agentlog.events.types import SessionAborted, SessionOpened
 from gateway_helpers import ScriptedBackend, key_for, open_running, rig, run, turns_of

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from agentlog.events.log import FileLog, verify_log
+from agentlog.events import FileLog, verify_log
 from agentlog.events.types import SessionDropped, TurnRecorded
 from agentlog.reducers.pipeline import reduce_log
 

@@ -34,7 +34,7 @@ def _kill_live(*procs) -> None:
 
 
 def _open_sessions(rollout: Path, *, durable_only: bool = True) -> set[str]:
-    from agentlog.events.log import read_log
+    from agentlog.events import read_log
 
     opened: set[str] = set()
     # After a kill, frames written but not yet marked durable survive recovery

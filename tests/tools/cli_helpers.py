@@ -70,7 +70,7 @@ async def write_run(path: str | os.PathLike, online: list | None = None) -> dict
     is a list, a concurrent follower reduces the log while it is written
     (the online path) and its digest is appended to it."""
     from agentlog.engine import SessionEngine, StragglerRefused
-    from agentlog.events.log import FileLog, follow_log
+    from agentlog.events import FileLog, follow_log
     from agentlog.reducers.pipeline import Reducer
 
     log = FileLog.open(path, fsync="batch")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from cli_helpers import EXPECTED, agentlog
-from agentlog.events.log import FileLog, read_log
+from agentlog.events import FileLog, read_log
 from agentlog.events.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 
 # The lifecycle, written out by hand: the state each event leaves its session in.

@@ -108,7 +108,7 @@ def test_show_prints_the_abort_error_and_traceback(run_log):
 
 
 def test_show_prints_label_verifier_detail_and_cuts_long_texts_unless_full(tmp_path):
-    from agentlog.events.log import FileLog
+    from agentlog.events import FileLog
     from agentlog.events.types import SessionAborted, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 
     long_text = "word " * 200  # 1000 characters

@@ -9,7 +9,7 @@ from cli_helpers import agentlog
 
 async def _write(path) -> None:
     from agentlog.engine import SessionEngine
-    from agentlog.events.log import FileLog
+    from agentlog.events import FileLog
 
     eng = await SessionEngine.open(FileLog.open(path, fsync="batch"), drain_s=0.1)
     h = await eng.open_session("cut-0", group_id="g", group_size=1)

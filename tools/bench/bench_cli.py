@@ -1,7 +1,7 @@
 """Benchmark: the `agentlog` commands on a big generated log, against a raw read.
 
 Generates a log (default 1 GB; ``--quick``: 64 MB) of SWE-agent-like
-sessions in groups of 4, written with ``events.log.FileLog``: each turn's
+sessions in groups of 4, written with ``agentlog.events.FileLog``: each turn's
 prompt carries the whole conversation so far (chat messages with text and
 its token ids), 60-400 generated tokens with log-probs, a command run per
 turn, a reward; ~10% of sessions abort, ~5% are dropped. Sessions of a
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from agentlog.events.log import FileLog  # noqa: E402
+from agentlog.events import FileLog  # noqa: E402
 from agentlog.events.types import (  # noqa: E402
     CommandRan,
     RewardAssigned,
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((name, min(walls), min(cpus)))
             return min(walls), min(cpus)
 
-        from agentlog.events.log import read_log
+        from agentlog.events import read_log
 
         stats_argv = ["stats", str(log_dir), "--quiet"]
         w_raw, c_raw = measure("raw read (anchor)", lambda: raw_read(log_dir) and 0)

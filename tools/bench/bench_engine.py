@@ -37,7 +37,7 @@ import structlog
 import agentlog.engine as engine_pkg
 from agentlog.engine import SessionEngine
 from agentlog.events.lifecycle import LIFECYCLE_SPEC, State, next_state
-from agentlog.events.log import FileLog
+from agentlog.events import FileLog
 from agentlog.events.log_api import MemoryLog
 from agentlog.events.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 

@@ -78,7 +78,7 @@ async def _run(args) -> list[str]:
 
     from agentlog.engine import SessionEngine
     from agentlog.gateway import ByteChatTemplate, Gateway, GatewayConfig, SamplingParams, TorchBackend
-    from agentlog.events.log import FileLog
+    from agentlog.events import FileLog
     from agentlog.events.types import TurnRecorded
     from agentlog.learner.model import GPT, GPTConfig
 

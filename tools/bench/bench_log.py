@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import structlog  # noqa: E402
 
-from agentlog.events.log import FileLog, read_log  # noqa: E402
+from agentlog.events import FileLog, read_log  # noqa: E402
 from agentlog.events.log_format import list_segments, segment_name  # noqa: E402
 from agentlog.events.types import CommandRan, TurnRecorded  # noqa: E402
 

@@ -4,7 +4,7 @@ Generates a log of N sessions x 8 turns x 1,000 new tokens per turn (400
 generated + 600 of tool result; each turn's prompt carries the whole context,
 so turn k's prompt holds ~1,000·(k+1) tokens), with token drift
 (REALIGN), early drift (FORK), tool-result tree forks, aborted and dropped
-sessions, in groups of 8, and writes it with ``events.log.FileLog``. Then, in
+sessions, in groups of 8, and writes it with ``agentlog.events.FileLog``. Then, in
 one run, it measures:
 
 * a raw read of the log (frames scanned, CRC-checked, not decoded) and a
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from agentlog.events.log import FileLog, read_log  # noqa: E402
+from agentlog.events import FileLog, read_log  # noqa: E402
 from agentlog.events.types import (  # noqa: E402
     RewardAssigned,
     SessionAborted,

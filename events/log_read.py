@@ -1,0 +1,289 @@
+"""Readers and followers of the file log, in any process, without the
+writer's lock: :func:`read_log`, :func:`follow_log`, and the :class:`Cursor`
+they share with ``FileLog.read`` / ``FileLog.follow``.
+
+They yield only records below the DURABLE watermark (see
+:mod:`agentlog.events.log_format`), follow segment rotation and writer
+restarts, and raise :class:`LogCorruption` for damage that is not a torn tail,
+or when records the watermark says were acknowledged are missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import os
+from pathlib import Path
+from typing import AsyncIterator, Callable, Iterator, NamedTuple
+
+import msgspec
+
+from .log_api import LogCorruption, NotALog, SchemaError
+from .log_format import (
+    DEFAULT_MAX_RECORD_BYTES,
+    DURABLE_NAME,
+    FLAG_TERMINAL,
+    SEG_HDR_SIZE,
+    is_log_dir,
+    list_segments,
+    load_checkpoint,
+    read_watermark,
+    segment_name,
+)
+from .log_scan import SegmentScanner, classify_bad, header_being_created, open_segment, payload_error, read_head
+from .types import Envelope, decode_body
+
+
+class RawRecord(NamedTuple):
+    """A record with its payload undecoded: a zero-copy view into the read
+    buffer. ``decode()`` gives the Envelope."""
+
+    lsn: int
+    session_id: str
+    session_seq: int
+    ts_ns: int
+    terminal: bool
+    payload: memoryview
+
+    def decode(self) -> Envelope:
+        """Decode the payload into an Envelope (an unknown tag gives an
+        UnknownEvent body). Raises SchemaError for a known tag whose fields do
+        not decode, msgspec.DecodeError for a payload that is no event."""
+        try:
+            body = decode_body(self.payload)
+        except msgspec.DecodeError as exc:
+            err = SchemaError.of_payload(exc, self.payload, lsn=self.lsn, session_id=self.session_id)
+            if err is not None:
+                raise err from exc
+            raise
+        return Envelope(self.lsn, self.session_id, self.session_seq, self.ts_ns, body)
+
+
+class Cursor:
+    """Sequential position in a log directory, shared by ``FileLog.read``,
+    :func:`read_log` and :func:`follow_log`. ``fetch(limit)`` returns the next
+    records below ``limit`` (an exclusive LSN bound; None = every valid frame),
+    following segment rotation by name: the record after the last one in a
+    segment is either further on in it or first in the segment named by its LSN.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        from_lsn: int,
+        cap: int,
+        index: Callable[[int], list[tuple[int, int]] | None] | None,
+        raw: bool,
+    ) -> None:
+        self.dir = directory
+        self.from_lsn = max(0, from_lsn)
+        self.cap = cap
+        self.index = index
+        self.raw = raw
+        self.fd: int | None = None
+        self.ino = 0
+        self.name = ""
+        self.scanner: SegmentScanner | None = None
+        #: The limit is a watermark written under fsync="never" (not synced).
+        self.unsynced_limit = False
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def _switch(self, first: int, offset: int, expected: int) -> bool:
+        try:
+            fd, _epoch, _size = open_segment(self.dir, first)
+        except FileNotFoundError:
+            return False
+        except LogCorruption:
+            # A segment being created has a short (or not yet written) header;
+            # it only counts as damage once records past it are durable.
+            head = read_head(self.dir / segment_name(first))
+            if header_being_created(len(head), head):
+                return False
+            raise
+        self.close()
+        self.fd = fd
+        self.ino = os.fstat(fd).st_ino
+        self.name = segment_name(first)
+        self.scanner = SegmentScanner(fd, self.name, offset, expected, self.cap)
+        return True
+
+    def _position(self) -> bool:
+        segs = list_segments(self.dir)
+        if not segs:
+            return False
+        i = bisect.bisect_right(segs, self.from_lsn) - 1
+        first = segs[max(i, 0)]
+        offset, expected = SEG_HDR_SIZE, first
+        entries = self.index(first) if self.index else None
+        if entries:
+            j = bisect.bisect_right(entries, (self.from_lsn, 1 << 62)) - 1
+            if j >= 0:
+                expected, offset = entries[j]
+        if not self._switch(first, offset, expected):
+            self.name = segment_name(first)  # named if the records it should hold are missing
+            return False
+        if offset != SEG_HDR_SIZE:
+            # Trust but verify an index hint: the frame there must carry the LSN.
+            probe = SegmentScanner(self.fd, self.name, offset, expected, self.cap)
+            if next(probe.frames(limit=expected + 1), None) is None:
+                self.scanner = SegmentScanner(self.fd, self.name, SEG_HDR_SIZE, first, self.cap)
+        return True
+
+    @property
+    def next_lsn(self) -> int:
+        return self.scanner.expected if self.scanner else self.from_lsn
+
+    def _check_reached(self, limit: int | None) -> None:
+        """The readable log ends here: raise LogCorruption if that is below
+        ``limit`` (the durable watermark), whose records were acknowledged
+        and so must exist (an emptied, cut or deleted segment)."""
+        nxt = self.next_lsn
+        if limit is None or max(nxt, self.from_lsn) >= limit:
+            return
+        if self.scanner is not None:
+            where, offset = f"segment {self.name} ends at offset {self.scanner.offset}", self.scanner.offset
+        elif self.name:
+            where, offset = f"segment {self.name} has no complete header", 0
+        else:
+            where, offset = "no segment files exist", 0
+        hint = (
+            "; the watermark was written under fsync=\"never\" and never synced, so a power loss explains "
+            "this: reopening the log as its writer keeps what was synced"
+            if self.unsynced_limit
+            else ""
+        )
+        raise LogCorruption(
+            f"log {self.dir}: {where} (last good lsn {nxt - 1}), but the durable watermark says "
+            f"lsn {nxt}..{limit - 1} were acknowledged; they are missing{hint}",
+            segment=self.name,
+            offset=offset,
+            last_good_lsn=nxt - 1,
+        )
+
+    def records(self, limit: int | None) -> Iterator:
+        """Yield the records available now below ``limit``, then return.
+        Records are yielded one by one (not gathered) so that each frame's
+        memory is reused as soon as the consumer drops it. Raises
+        LogCorruption for damage that is not a torn tail."""
+        if self.scanner is None and not self._position():
+            self._check_reached(limit)
+            return
+        from_lsn = self.from_lsn
+        raw = self.raw
+        while True:
+            sc = self.scanner
+            if limit is not None and sc.expected >= limit:
+                return
+            size = os.fstat(self.fd).st_size
+            for fr in sc.frames(limit, size):
+                if fr.lsn < from_lsn:
+                    continue
+                if raw:
+                    yield RawRecord(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, bool(fr.flags & FLAG_TERMINAL), fr.payload)
+                else:
+                    try:
+                        body = decode_body(fr.payload)
+                    except msgspec.DecodeError as exc:  # ValidationError included
+                        raise payload_error(self.name, fr, exc) from exc
+                    yield Envelope(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, body)
+            bad = sc.bad
+            if bad is None:
+                if limit is not None and sc.expected >= limit:
+                    return
+                nxt = sc.expected
+                path = self.dir / segment_name(nxt)
+                if segment_name(nxt) == self.name:
+                    # An empty segment replaced by a new writer's segment of the same name.
+                    try:
+                        if os.stat(path).st_ino == self.ino:
+                            self._check_reached(limit)
+                            return
+                    except FileNotFoundError:
+                        self._check_reached(limit)
+                        return
+                if self._switch(nxt, SEG_HDR_SIZE, nxt):
+                    continue
+                self._check_reached(limit)
+                return
+            later = any(s > int(self.name[:20]) for s in list_segments(self.dir))
+            err = classify_bad(self.fd, self.name, size, bad, sc.expected, limit, later, self.cap)
+            if err is not None:
+                raise err
+            return
+
+
+def existing_log_dir(path: str | os.PathLike) -> Path:
+    """``path`` as a Path; raises FileNotFoundError / NotALog unless it is a log directory."""
+    directory = Path(path)
+    if not directory.exists():
+        raise FileNotFoundError(f"{directory}: no such log directory")
+    if not is_log_dir(directory):
+        raise NotALog(f"{directory}: not an agentlog log directory (no segment files, no {DURABLE_NAME})")
+    return directory
+
+
+def _load_index_hint(directory: Path) -> Callable[[int], list[tuple[int, int]] | None]:
+    ckpt, _ = load_checkpoint(directory)
+    idx = ckpt.index if ckpt is not None else {}
+    return lambda first: idx.get(first)
+
+
+def read_log(
+    path: str | os.PathLike,
+    from_lsn: int = 0,
+    *,
+    durable_only: bool = True,
+    raw: bool = False,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> Iterator[Envelope]:
+    """Records of the log at ``path`` from ``from_lsn`` on, without taking the
+    writer's lock (safe beside a live writer in another process).
+
+    With ``durable_only`` (default) it stops at the DURABLE watermark; when
+    no watermark file exists (a copied log) it reads every valid frame. A torn
+    tail ends the iteration; corruption raises LogCorruption.
+    """
+    directory = existing_log_dir(path)
+    durable = read_watermark(directory) if durable_only else None
+    limit = durable.lsn if durable else None
+    cur = Cursor(directory, from_lsn, max_record_bytes, _load_index_hint(directory), raw)
+    cur.unsynced_limit = durable is not None and not durable.synced
+    try:
+        yield from cur.records(limit)
+    finally:
+        cur.close()
+
+
+async def follow_log(
+    path: str | os.PathLike,
+    from_lsn: int = 0,
+    *,
+    poll_s: float = 0.05,
+    raw: bool = False,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> AsyncIterator[Envelope]:
+    """Tail the log at ``path`` (written by any process) forever, across
+    segment rotation and writer restarts. Yields only records below the
+    DURABLE watermark, so never a record that a crash could take back."""
+    directory = Path(path)
+    cur = Cursor(directory, from_lsn, max_record_bytes, None, raw)
+    try:
+        while True:
+            durable = read_watermark(directory)
+            limit = durable.lsn if durable else 0
+            cur.unsynced_limit = durable is not None and not durable.synced
+            n = 0
+            if limit > cur.next_lsn:
+                for env in cur.records(limit):
+                    yield env
+                    n += 1
+                    if n % 1024 == 0:
+                        await asyncio.sleep(0)  # a long backlog must not starve the loop
+            if n == 0:
+                await asyncio.sleep(poll_s)
+    finally:
+        cur.close()

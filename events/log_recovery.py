@@ -1,0 +1,251 @@
+"""Crash recovery of a log directory, run by the writer when it opens the log.
+
+It keeps the longest valid prefix: a torn tail (records past the durable
+watermark, never acknowledged) is truncated, and a segment torn while being
+created is removed. A damaged frame followed by valid ones, or one below the
+durable watermark, is corruption: :class:`LogCorruption` names segment,
+offset and last good LSN, unless ``salvage=True`` moves the damaged rest into
+``salvage-<epoch>/`` (never deleted). It scans with the same
+:class:`~agentlog.events.log_scan.LogWalk` as ``verify_log``, from the
+``INDEX`` checkpoint when that checks out, so opening a log does not rescan it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import structlog
+
+from .log_api import LogCorruption
+from .log_format import (
+    FLAG_TERMINAL,
+    INDEX_EVERY_BYTES,
+    SEG_HDR_SIZE,
+    Checkpoint,
+    fsync_dir,
+    list_segments,
+    load_checkpoint,
+    read_watermark,
+    segment_name,
+)
+from .log_scan import LogWalk, SegmentScanner, open_segment, proof
+
+log = structlog.get_logger("agentlog.events.log_recovery")
+
+
+class Recovered(NamedTuple):
+    """The writer state a recovered log directory holds."""
+
+    #: The highest writer epoch found (the next writer takes one more).
+    epoch: int
+    #: First LSNs of the segments kept, ascending.
+    segments: list[int]
+    #: Sparse index of the kept segments: first lsn -> [(lsn, offset), ...].
+    index: dict[int, list[tuple[int, int]]]
+    #: Open sessions with their next session_seq.
+    open_sessions: dict[str, int]
+    #: The LSN the next record gets.
+    next_lsn: int
+    #: True when the INDEX checkpoint could not be used and the index was rebuilt by a scan.
+    rebuilt: bool
+    #: True when the INDEX checkpoint no longer describes the directory (rewrite it).
+    stale_checkpoint: bool
+
+
+def checkpoint_problem(directory: Path, ckpt: Checkpoint, segs: list[int], cap: int) -> str:
+    """Why the checkpoint cannot be trusted ('' when it can)."""
+    if not ckpt.segments or ckpt.segments != segs[: len(ckpt.segments)] or ckpt.segment != ckpt.segments[-1]:
+        return "its segment list does not match the directory"
+    if ckpt.offset < SEG_HDR_SIZE:
+        return f"offset {ckpt.offset} is inside the segment header"
+    try:
+        fd, _, size = open_segment(directory, ckpt.segment)
+    except (OSError, LogCorruption) as exc:
+        return f"segment {segment_name(ckpt.segment)} unreadable: {exc}"
+    try:
+        if ckpt.offset > size:
+            return f"offset {ckpt.offset} is past the end of {segment_name(ckpt.segment)} ({size} bytes)"
+        if ckpt.offset < size:
+            sc = SegmentScanner(fd, segment_name(ckpt.segment), ckpt.offset, ckpt.lsn, cap)
+            if next(sc.frames(limit=ckpt.lsn + 1, size=size), None) is None:
+                return f"no frame with lsn {ckpt.lsn} at offset {ckpt.offset}"
+    finally:
+        os.close(fd)
+    # Spot-check the last index entry of every segment it covers.
+    for first, entries in ckpt.index.items():
+        if first not in ckpt.segments or not entries:
+            return f"index names segment {first} it does not list"
+        lsn, off = entries[-1]
+        if first == ckpt.segment and lsn >= ckpt.lsn:
+            return f"index entry lsn {lsn} is past the checkpoint lsn {ckpt.lsn}"
+        try:
+            fd, _, size = open_segment(directory, first)
+        except (OSError, LogCorruption) as exc:
+            return f"segment {segment_name(first)} unreadable: {exc}"
+        try:
+            sc = SegmentScanner(fd, segment_name(first), off, lsn, cap)
+            if next(sc.frames(limit=lsn + 1, size=size), None) is None:
+                return f"index entry (lsn {lsn}, offset {off}) of {segment_name(first)} does not match the log"
+        finally:
+            os.close(fd)
+    return ""
+
+
+def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recovered:
+    """Recover the log directory at ``directory`` (the caller holds the
+    writer lock): cut a torn tail, remove a segment torn while being created
+    and an empty last segment, make what a crashed writer wrote durable, and
+    return the state the next writer starts from. Raises LogCorruption for
+    corruption unless ``salvage`` moves the damaged rest aside."""
+    d = directory
+    rlog = log.bind(log_dir=str(d))
+    segs = list_segments(d)
+    durable = read_watermark(d)
+    watermark = proof(durable)
+    if durable is not None and watermark is None:
+        rlog.info("log.recovery.watermark_unsynced", watermark=durable.lsn, reason="written under fsync=never: a hint, not proof")
+    ckpt, why = load_checkpoint(d)
+    epoch = max(durable.epoch if durable else 0, ckpt.epoch if ckpt else 0)
+    state: dict[str, int] = {}
+    index: dict[int, list[tuple[int, int]]] = {}
+    start_i, offset, expected = 0, SEG_HDR_SIZE, segs[0] if segs else 0
+    rebuilt = True
+    if ckpt is not None and segs:
+        why = checkpoint_problem(d, ckpt, segs, max_record_bytes)
+        if not why:
+            rebuilt = False
+            start_i = segs.index(ckpt.segment)
+            offset, expected = ckpt.offset, ckpt.lsn
+            state = dict(ckpt.open_sessions)
+            index = {k: list(v) for k, v in ckpt.index.items()}
+    if rebuilt and segs:
+        rlog.info("log.index.rebuilding", reason=why, segments=len(segs))
+    scanned = 0
+    changed = False
+    truncated = False
+    walk = LogWalk(
+        d,
+        segs,
+        max_record_bytes=max_record_bytes,
+        watermark=watermark,
+        start_index=start_i,
+        offset=offset,
+        expected=expected,
+        writable=True,
+    )
+    # closing(): an error raised inside the walk closes the segment it has open at once.
+    with contextlib.closing(walk.scan()) as walked:
+        for seg in walked:
+            first, name, fd = seg.first, seg.name, seg.fd
+            epoch = max(epoch, seg.epoch)
+            entries = index.setdefault(first, [(first, SEG_HDR_SIZE)])
+            last_off = entries[-1][1]
+            for fr in seg.frames():
+                if fr.offset - last_off >= INDEX_EVERY_BYTES:
+                    entries.append((fr.lsn, fr.offset))
+                    last_off = fr.offset
+                if fr.flags & FLAG_TERMINAL:
+                    state.pop(fr.session_id, None)
+                else:
+                    state[fr.session_id] = fr.session_seq + 1
+            scanned += 1
+            stop = seg.end()
+            size = seg.size
+            if stop is not None:
+                if stop.corruption is not None:
+                    if not salvage:
+                        raise stop.corruption
+                    _salvage(d, segs[seg.index + 1 :], fd, stop.offset, stop.corruption, epoch, name)
+                    segs = segs[: seg.index + 1]
+                else:
+                    rlog.warning(
+                        "log.recovery.torn_tail",
+                        segment=name,
+                        offset=stop.offset,
+                        cut_bytes=stop.tail_bytes,
+                        last_good_lsn=walk.expected - 1,
+                        reason=stop.reason,
+                    )
+                    os.ftruncate(fd, stop.offset)
+                truncated = True
+                size = stop.offset
+            if seg.index == len(segs) - 1:
+                err = walk.missing_acked(name, size)
+                if err is not None:
+                    if not salvage:
+                        raise err
+                    rlog.warning("log.recovery.salvaged", error=str(err), last_good_lsn=walk.expected - 1)
+                # Records a crashed writer wrote but never synced become durable now,
+                # before the watermark claims them.
+                os.fsync(fd)
+                if size <= SEG_HDR_SIZE:
+                    # No records: the next writer starts a segment of this very name.
+                    seg.close()
+                    os.unlink(d / name)
+                    fsync_dir(d)
+                    index.pop(first, None)
+                    segs = segs[: seg.index]
+                    changed = True
+    stop = walk.stop
+    if stop is not None and stop.header:
+        # The walk ended before segment ``stop.index``: it starts at the wrong
+        # LSN, or its header is bad.
+        name = segment_name(segs[stop.index])
+        if stop.corruption is None:
+            # Torn while being created: it never held an acknowledged record.
+            rlog.warning("log.recovery.removed_torn_segment", segment=name, size=stop.tail_bytes)
+            os.unlink(d / name)
+            fsync_dir(d)
+        else:
+            if not salvage:
+                raise stop.corruption
+            _salvage(d, segs[stop.index :], None, 0, stop.corruption, epoch)
+        segs = segs[: stop.index]
+        changed = changed or stop.corruption is None
+    if not salvage:
+        name = segment_name(segs[-1]) if segs else ""
+        err = walk.missing_acked(name, (d / name).stat().st_size if segs else 0)
+        if err is not None:
+            raise err
+    return Recovered(
+        epoch=epoch,
+        segments=list(segs),
+        index={k: v for k, v in index.items() if k in set(segs)},
+        open_sessions=state,
+        next_lsn=walk.expected,
+        rebuilt=rebuilt,
+        stale_checkpoint=rebuilt or changed or scanned > 1 or truncated,
+    )
+
+
+def _salvage(directory: Path, later: list[int], fd: int | None, offset: int, err: LogCorruption, epoch: int, name: str = "") -> None:
+    """Move damaged bytes and everything after them into ``salvage-<epoch>/``
+    (never deleted), keeping the valid prefix as the log."""
+    dest = directory / f"salvage-{epoch + 1}"
+    dest.mkdir(exist_ok=True)
+    if fd is not None:
+        size = os.fstat(fd).st_size
+        with open(dest / f"{name}.tail@{offset}", "wb") as out:
+            pos = offset
+            while pos < size:
+                chunk = os.pread(fd, min(1 << 20, size - pos), pos)
+                out.write(chunk)
+                pos += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        os.ftruncate(fd, offset)
+        os.fsync(fd)
+    for first in later:
+        os.replace(directory / segment_name(first), dest / segment_name(first))
+    fsync_dir(dest)
+    fsync_dir(directory)
+    log.bind(log_dir=str(directory)).warning(
+        "log.recovery.salvaged",
+        error=str(err),
+        moved_segments=len(later),
+        moved_to=str(dest),
+        last_good_lsn=err.last_good_lsn,
+    )
