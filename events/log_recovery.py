@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-import structlog
+from agentlog._logging import get_logger
 
 from .log_api import LogCorruption
 from .log_format import (
@@ -33,7 +33,7 @@ from .log_format import (
 )
 from .log_scan import LogWalk, SegmentScanner, open_segment, proof
 
-log = structlog.get_logger("agentlog.events.log_recovery")
+log = get_logger("agentlog.events.log_recovery")
 
 
 class Recovered(NamedTuple):

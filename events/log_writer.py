@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
 
-import structlog
+from agentlog._logging import get_logger
 
 from .log_api import EventLog, LogClosed, LogError, NotALog, PendingRecord
 from .log_format import (
@@ -92,7 +92,7 @@ from .log_read import Cursor
 from .log_recovery import recover
 from .types import TERMINAL_EVENT_TYPES, Envelope
 
-log = structlog.get_logger("agentlog.events.log_writer")
+log = get_logger("agentlog.events.log_writer")
 
 FSYNC_POLICIES = ("always", "batch", "interval", "never")
 _TERMINAL_SET = frozenset(TERMINAL_EVENT_TYPES)
