@@ -432,6 +432,7 @@ class SessionEngine:
         show = progress if progress is not None else (None if total > 200_000 else False)
         first_violations: list[Violation] = []
         in_groups: dict[str, str] = {}  # session in flight -> its group id
+        refused_opens: list[str] = []  # ids of session_opened records the lifecycle step refused
         with tqdm(total=total, desc="engine: folding log", unit="ev", disable=None if show is None else not show, leave=False) as bar:
             n = 0
             for env in self._log_.read(0):
@@ -445,6 +446,8 @@ class SessionEngine:
                             first_violations.append(o)
                 if not refused:  # a record the lifecycle step refused is not applied to the groups either
                     self._fold_group(env, in_groups)
+                elif type(env.body) is SessionOpened:
+                    refused_opens.append(env.session_id)
                 n += 1
                 if n & 0x3FFF == 0:
                     bar.update(0x4000)
@@ -452,6 +455,10 @@ class SessionEngine:
             _log.warning("engine.log_violation", lsn=v.lsn, session_id=v.session_id, kind=v.kind.value, message=v.message)
         st = reducer.state
         self._ids = st.ids
+        # The fold's filter holds the opens it accepted; a refused one's id is in the log all the
+        # same, and duplicate refusals stay exact only if the filter holds every id the log does.
+        for sid in refused_opens:
+            self._ids.add(sid)
         for sid, (state, _lsn) in st.recent.items():
             self._recent[sid] = state
         # The orphans come from the log's exact open-session map, not from the

@@ -48,7 +48,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 
 import msgspec
 
-from agentlog.events.lifecycle import OPENED_TAG, TERMINAL_STATES, State
+from agentlog.events.lifecycle import TERMINAL_STATES, State
 from agentlog.events.types import (
     CommandRan,
     Envelope,
@@ -248,18 +248,14 @@ def _summary(sid: str, t: _Track, env: Envelope, state: State) -> SessionSummary
     )
 
 
-def _how_it_ended(recent: EndedWindow, ids: IdFilter, session_id: str, tag: str) -> str | None:
+def _how_it_ended(recent: EndedWindow, ids: IdFilter, session_id: str) -> str | None:
     """For a session not in flight: how the fold knows it already ended (the
-    exact window, else the id filter), or None. On ``session_opened`` the id
-    goes into the filter (one hash for the test and the insert)."""
+    exact window, else the id filter), or None. The id goes into the filter
+    only once its ``session_opened`` is accepted (a refused one opened nothing)."""
     how = recent.describe(session_id)
     if how is not None:
         return how
-    if tag == OPENED_TAG:
-        seen = ids.add(session_id)
-    else:
-        seen = session_id in ids
-    return "it ended before the recent window, per the id filter" if seen else None
+    return "it ended before the recent window, per the id filter" if session_id in ids else None
 
 
 def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleState, list[Violation | SessionSummary]]:
@@ -294,7 +290,7 @@ def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleSta
         tag = body.__struct_config__.tag
     t = state.live.get(sid)
     if t is None:
-        step = evolve(None, lsn, sid, env.session_seq, tag, _how_it_ended(state.recent, state.ids, sid, tag))
+        step = evolve(None, lsn, sid, env.session_seq, tag, _how_it_ended(state.recent, state.ids, sid))
     else:
         step = evolve(t.life, lsn, sid, env.session_seq, tag)
     if step is None:
@@ -305,6 +301,7 @@ def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleSta
             t.life = resync(t.life, env.session_seq)  # type: ignore[assignment]
         return state, out
     if t is None:
+        state.ids.add(sid)
         state.live[sid] = _Track(step, env, body)
         return state, out
     if isinstance(body, TurnRecorded):
@@ -388,7 +385,7 @@ class LifecycleCheck:
             return out  # learner progress: not a session event
         life = self.live.get(session_id)
         if life is None:
-            step = evolve(None, lsn, session_id, session_seq, tag, _how_it_ended(self.recent, self.ids, session_id, tag))
+            step = evolve(None, lsn, session_id, session_seq, tag, _how_it_ended(self.recent, self.ids, session_id))
         else:
             step = evolve(life, lsn, session_id, session_seq, tag)
         if step is None:
@@ -398,6 +395,8 @@ class LifecycleCheck:
             if life is not None:
                 self.live[session_id] = resync(life, session_seq)  # type: ignore[assignment]
             return out
+        if life is None:
+            self.ids.add(session_id)  # opened: the id is used from now on
         if step.state in TERMINAL_STATES:
             self.live.pop(session_id, None)
             self.recent.note(session_id, step.state, lsn)
