@@ -32,6 +32,10 @@ class State(str, Enum):
     def __str__(self) -> str:  # "open", not "State.OPEN", in messages
         return self.value
 
+    # Hash as the value string, in C: consistent with ``State.OPEN == "open"`` and
+    # cheap in the reducers' per-event ``(state, tag)`` table lookups.
+    __hash__ = str.__hash__
+
 
 TERMINAL_STATES = frozenset({State.FINISHED, State.ABORTED, State.DROPPED})
 
