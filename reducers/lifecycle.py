@@ -30,8 +30,8 @@ Knowing "was this id ever used?" after sessions are evicted
 Exact knowledge needs memory that grows with every session ever opened. We
 keep instead (a) an exact window of the most recently ended sessions
 (``recent_window`` entries, default 4096, about 200 B each) and (b) a Bloom
-filter over every opened id (:class:`IdFilter`): 32 bits per id, 16 hashes,
-false-positive rate about 3.4e-7; it is preallocated (1 MiB for the first
+filter over every id whose ``session_opened`` the fold accepted
+(:class:`IdFilter`): 32 bits per id, 16 hashes, false-positive rate about 3.4e-7; it is preallocated (1 MiB for the first
 262,144 ids) and grows by doubled layers beyond that (about 4 B per id).
 The filter never gives a false negative. The reducer uses it to word its
 messages (``after its terminal event`` versus ``never opened``) and to flag a

@@ -43,7 +43,7 @@ def register(sub) -> None:
     """Add the subcommand."""
     p = sub.add_parser(
         "replay",
-        help="the timeline: one line per event with state before -> after",
+        help="the timeline: one line per event with state before -> after; lifecycle violations shown in place (exit 0)",
         epilog=FILTER_RULE,
     )
     p.add_argument("log", metavar="LOG", help="the log directory")
