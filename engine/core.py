@@ -50,7 +50,8 @@ from agentlog.events.types import (
     validate_id,
 )
 from agentlog.reducers.groups import GroupError, GroupTracker
-from agentlog.reducers.lifecycle import IdFilter, LifecycleReducer, Violation
+from agentlog.reducers.lifecycle import IdFilter, LifecycleReducer
+from agentlog.reducers.lifecycle_step import Violation, ViolationKind
 
 _log = get_logger("agentlog.engine")
 
@@ -416,7 +417,10 @@ class SessionEngine:
     async def open(cls, log: EventLog, *, progress: bool | None = None, **options: Any) -> "SessionEngine":
         """Fold the existing log with the lifecycle reducer and abort every
         session left open or running (reason ``engine_restart``), so each
-        session in the log ends with exactly one terminal event. ``options``
+        session in the log ends with exactly one terminal event. A record the
+        lifecycle step (``reducers.lifecycle_step.evolve``, shared by every
+        fold) refuses is counted in ``stats["violations"]``, logged as
+        ``engine.log_violation`` with its LSN, session and kind, and not applied. ``options``
         are the keywords of :class:`SessionEngine` itself."""
         eng = cls(log, **options)
         eng._recover(progress)
@@ -428,22 +432,33 @@ class SessionEngine:
         show = progress if progress is not None else (None if total > 200_000 else False)
         first_violations: list[Violation] = []
         in_groups: dict[str, str] = {}  # session in flight -> its group id
+        refused_opens: list[str] = []  # ids of session_opened records the lifecycle step refused
         with tqdm(total=total, desc="engine: folding log", unit="ev", disable=None if show is None else not show, leave=False) as bar:
             n = 0
             for env in self._log_.read(0):
+                refused = False
                 for o in reducer.feed(env):
                     if isinstance(o, Violation):
+                        # The engine's reaction to a lifecycle violation: count it and warn.
                         self.stats["violations"] += 1
+                        refused = refused or o.kind is not ViolationKind.LSN_ORDER
                         if len(first_violations) < 20:
                             first_violations.append(o)
-                self._fold_group(env, in_groups)
+                if not refused:  # a record the lifecycle step refused is not applied to the groups either
+                    self._fold_group(env, in_groups)
+                elif type(env.body) is SessionOpened:
+                    refused_opens.append(env.session_id)
                 n += 1
                 if n & 0x3FFF == 0:
                     bar.update(0x4000)
         for v in first_violations:
-            _log.warning("engine.log_violation", lsn=v.lsn, session_id=v.session_id, message=v.message)
+            _log.warning("engine.log_violation", lsn=v.lsn, session_id=v.session_id, kind=v.kind.value, message=v.message)
         st = reducer.state
         self._ids = st.ids
+        # The fold's filter holds the opens it accepted; a refused one's id is in the log all the
+        # same, and duplicate refusals stay exact only if the filter holds every id the log does.
+        for sid in refused_opens:
+            self._ids.add(sid)
         for sid, (state, _lsn) in st.recent.items():
             self._recent[sid] = state
         # The orphans come from the log's exact open-session map, not from the

@@ -3,7 +3,8 @@
 The grammar is declared as data and built into a ``transitions.Machine``
 (``auto_transitions=False``, so no ``to_<state>`` shortcut can skip a rule).
 From that single machine we derive an immutable ``(state, trigger) -> dest``
-table. The engine decides with the table and the reducers validate with it;
+table. The engine decides with the table; the reducers validate with it
+(one step, ``reducers.lifecycle_step.evolve``, that every fold composes);
 nobody adds per-session models to the shared machine (that is O(n) in
 ``transitions`` and keeps every model alive).
 """
@@ -16,7 +17,7 @@ from typing import Any, Mapping
 
 from transitions import Machine
 
-from .types import EVENT_TYPES, CommandRan, RewardAssigned, SessionOpened, TurnRecorded, TurnUndelivered
+from .types import CommandRan, RewardAssigned, SessionOpened, TurnRecorded, TurnUndelivered
 
 
 class State(str, Enum):
@@ -30,6 +31,10 @@ class State(str, Enum):
 
     def __str__(self) -> str:  # "open", not "State.OPEN", in messages
         return self.value
+
+    # Hash as the value string, in C: consistent with ``State.OPEN == "open"`` and
+    # cheap in the reducers' per-event ``(state, tag)`` table lookups.
+    __hash__ = str.__hash__
 
 
 TERMINAL_STATES = frozenset({State.FINISHED, State.ABORTED, State.DROPPED})
@@ -77,11 +82,12 @@ def _derive_table(machine: Machine) -> Mapping[tuple[State, str], State]:
 TRANSITIONS: Mapping[tuple[State, str], State] = _derive_table(MACHINE)
 TRIGGERS: tuple[str, ...] = tuple(t["trigger"] for t in LIFECYCLE_SPEC)
 
-#: Which trigger each terminal/transition event body fires (from LIFECYCLE_SPEC).
-_TYPE_OF_TAG: Mapping[str, type] = {t.__struct_config__.tag: t for t in EVENT_TYPES}
-TRIGGER_OF_EVENT: Mapping[type, str] = MappingProxyType(
-    {_TYPE_OF_TAG[spec["event"]]: spec["trigger"] for spec in LIFECYCLE_SPEC}
-)
+#: Which trigger each transition event fires, by tag (from LIFECYCLE_SPEC).
+TRIGGER_OF_TAG: Mapping[str, str] = MappingProxyType({spec["event"]: spec["trigger"] for spec in LIFECYCLE_SPEC})
+#: The tag that brings a session into existence.
+OPENED_TAG: str = SessionOpened.__struct_config__.tag
+#: Every tag the lifecycle knows: opened, the transition events and the in-session events.
+SESSION_TAGS: frozenset[str] = frozenset({OPENED_TAG, *TRIGGER_OF_TAG, *IN_SESSION_EVENTS})
 
 
 class LifecycleError(Exception):
@@ -126,31 +132,6 @@ def next_state(session_id: str, state: State, trigger: str) -> State | None:
         if trigger in ("finish", "abort"):
             raise SessionClosed(session_id, trigger, state)
     raise IllegalTransition(session_id, trigger, state)
-
-
-def state_after_event(session_id: str, state: State | None, body: Any) -> State:
-    """The state after ``body`` is appended to a session in ``state``
-    (None: the session does not exist yet). Raises on an illegal sequence,
-    including any event at all after a terminal one."""
-    if isinstance(body, SessionOpened):
-        if state is not None:
-            raise IllegalTransition(session_id, "open", state, detail="session ids are never reused")
-        return State.OPEN
-    if state is None:
-        raise IllegalTransition(session_id, type(body).__struct_config__.tag, None, detail="the session was never opened")
-    if isinstance(body, RUNNING_ONLY_EVENTS):
-        if state is not State.RUNNING:
-            raise IllegalTransition(session_id, type(body).__struct_config__.tag, state, detail="only a running session takes this event")
-        return state
-    trigger = TRIGGER_OF_EVENT.get(type(body))
-    if trigger is None:
-        raise IllegalTransition(session_id, type(body).__struct_config__.tag, state, detail="not a session event")
-    if state in TERMINAL_STATES:
-        # In the log even a drop after a terminal event is illegal: the engine never appends it.
-        raise SessionClosed(session_id, trigger, state) if trigger != "drop" else IllegalTransition(
-            session_id, trigger, state, detail="nothing is appended after a terminal event"
-        )
-    return next_state(session_id, state, trigger)  # type: ignore[return-value]
 
 
 def render_mermaid() -> str:

@@ -1,5 +1,7 @@
 """Verification of a log directory: :func:`verify_log` checks every segment
-header, frame CRC, LSN, payload and per-session sequence, reports what it
+header, frame CRC, LSN and payload (the frame check; each session's sequence
+and lifecycle are the reducers' one check, ``reducers.lifecycle.LifecycleCheck``,
+which ``agentlog verify`` runs next), reports what it
 found as a :class:`VerifyReport`, and with ``repair=True`` cuts a torn tail.
 
 It scans with the same :class:`~agentlog.events.log_scan.LogWalk` as the
@@ -76,8 +78,10 @@ class VerifyReport(msgspec.Struct):
 
 
 def verify_log(path: str | os.PathLike, repair: bool = False, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> VerifyReport:
-    """Check every segment header, frame CRC, LSN, payload and per-session
-    sequence of the log at ``path``. ``repair=True`` truncates a torn tail
+    """Check every segment header, frame CRC, LSN and payload of the log at
+    ``path`` (the frame check; each session's sequence and lifecycle are
+    checked by ``reducers.lifecycle.LifecycleCheck``, which ``agentlog
+    verify`` runs next). ``repair=True`` truncates a torn tail
     (taking the writer lock); it never touches mid-log corruption.
     Raises FileNotFoundError / NotALog for a path that is not a log."""
     directory = existing_log_dir(path)
@@ -103,7 +107,7 @@ def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
     segs = list_segments(directory)
     walk = LogWalk(directory, segs, max_record_bytes=max_record_bytes, watermark=proof(read_watermark(directory)))
     rep = VerifyReport(path=str(directory), status="ok", segments=len(segs))
-    seqs: dict[str, int] = {}
+    live: set[str] = set()
     total = sum((directory / segment_name(s)).stat().st_size for s in segs)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=None, leave=False)
 
@@ -129,19 +133,12 @@ def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
                     else:
                         if type(body) is UnknownEvent:
                             rep.unknown_types[body.tag] = rep.unknown_types.get(body.tag, 0) + 1
-                    want = seqs.get(fr.session_id, 0)
-                    if fr.session_seq != want:
-                        return corrupt(
-                            f"segment {name}, offset {fr.offset}, lsn {fr.lsn}: session {fr.session_id!r} "
-                            f"has session_seq {fr.session_seq}, expected {want}",
-                            name,
-                            fr.offset,
-                            fr.lsn - 1,
-                        )
+                    # Sequence and lifecycle are the reducers' one check (agentlog verify runs it
+                    # after this frame check); here only which sessions are still open.
                     if fr.flags & FLAG_TERMINAL:
-                        seqs.pop(fr.session_id, None)
+                        live.discard(fr.session_id)
                     else:
-                        seqs[fr.session_id] = want + 1
+                        live.add(fr.session_id)
                     rep.records += 1
                 stop = seg.end()
                 bar.update(seg.size)
@@ -165,7 +162,7 @@ def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
     finally:
         bar.close()
         rep.next_lsn = walk.expected
-        rep.open_sessions = len(seqs)
+        rep.open_sessions = len(live)
     return rep
 
 

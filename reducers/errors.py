@@ -14,10 +14,18 @@ from __future__ import annotations
 class ReduceError(ValueError):
     """The log holds something the reducers refuse; names the LSN and session."""
 
-    def __init__(self, lsn: int, session_id: str, message: str) -> None:
+    def __init__(self, lsn: int, session_id: str, message: str, kind: str | None = None) -> None:
         self.lsn = lsn
         self.session_id = session_id
+        #: The lifecycle violation's kind (``reducers.lifecycle_step.ViolationKind``), or None for other refusals.
+        self.kind = kind
         super().__init__(f"lsn {lsn}, session {session_id!r}: {message}")
+
+    @classmethod
+    def of_violation(cls, violation) -> "ReduceError":
+        """The error a fold that must not go on raises for a
+        :class:`reducers.lifecycle_step.Violation`."""
+        return cls(violation.lsn, violation.session_id, violation.describe(), violation.kind)
 
 
 class UnknownEventError(ReduceError):

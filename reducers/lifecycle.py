@@ -1,13 +1,16 @@
 """The lifecycle reducer: replays the session grammar over the log.
 
 A pure, incremental fold ``reduce_lifecycle(state, envelope) -> (state,
-outputs)``. It checks every session against the same lifecycle table the
-engine decides with (:func:`events.lifecycle.state_after_event`) and emits:
+outputs)``. It checks every record with the one lifecycle and sequence step
+all folds compose (:func:`reducers.lifecycle_step.evolve`, over the same
+table the engine decides with) and emits:
 
-* :class:`Violation` for any illegal sequence (an event for a session that was
+* :class:`Violation` for any illegal record (an event for a session that was
   never opened, an event after the terminal one, a second terminal event, a
-  reused session id, a ``session_seq`` gap or repeat, an LSN that does not
-  increase). Illegal records are reported, never silently accepted.
+  reused session id, a ``session_seq`` gap or repeat, an illegal move, an
+  LSN that does not increase), with its kind. Illegal records are shown,
+  never silently accepted, and not applied; the fold carries on from
+  :func:`reducers.lifecycle_step.resync`.
 * :class:`SessionSummary` once a session ends (status, reason, turns, tokens,
   reward, timestamps, duration); the session is then evicted, so memory is
   bounded by the number of open sessions.
@@ -27,8 +30,8 @@ Knowing "was this id ever used?" after sessions are evicted
 Exact knowledge needs memory that grows with every session ever opened. We
 keep instead (a) an exact window of the most recently ended sessions
 (``recent_window`` entries, default 4096, about 200 B each) and (b) a Bloom
-filter over every opened id (:class:`IdFilter`): 32 bits per id, 16 hashes,
-false-positive rate about 3.4e-7; it is preallocated (1 MiB for the first
+filter over every id whose ``session_opened`` the fold accepted
+(:class:`IdFilter`): 32 bits per id, 16 hashes, false-positive rate about 3.4e-7; it is preallocated (1 MiB for the first
 262,144 ids) and grows by doubled layers beyond that (about 4 B per id).
 The filter never gives a false negative. The reducer uses it to word its
 messages (``after its terminal event`` versus ``never opened``) and to flag a
@@ -41,19 +44,16 @@ filter hit with a sparse scan of the log (see ``engine.core``).
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from typing import Any, Iterable, Iterator, NamedTuple
 
 import msgspec
 
-from agentlog.events.lifecycle import TERMINAL_STATES, IllegalTransition, State, state_after_event
+from agentlog.events.lifecycle import TERMINAL_STATES, State
 from agentlog.events.types import (
     CommandRan,
     Envelope,
     PolicyUpdated,
     RewardAssigned,
-    SessionAborted,
-    SessionDropped,
     SessionFinished,
     SessionOpened,
     TurnRecorded,
@@ -63,10 +63,12 @@ from agentlog.events.types import (
 )
 
 from .errors import UnknownEventError
+from .lifecycle_step import EndedWindow, SessionLife, Violation, evolve, lsn_violation, resync
 from .samples import final_raw_reward
 
 __all__ = [
     "IdFilter",
+    "LifecycleCheck",
     "LifecycleReducer",
     "LifecycleState",
     "ReplayStep",
@@ -76,14 +78,6 @@ __all__ = [
     "reduce_lifecycle_many",
     "replay",
 ]
-
-
-class Violation(msgspec.Struct, frozen=True):
-    """An illegal record: where it is, which session, and what was wrong."""
-
-    lsn: int
-    session_id: str
-    message: str
 
 
 class SessionSummary(msgspec.Struct, frozen=True):
@@ -182,27 +176,17 @@ class IdFilter:
         h1, h2 = self._hashes(session_id)
         return self._in_layers(h1, h2, self._layers)
 
-    def copy(self) -> "IdFilter":
-        """An independent copy."""
-        new = IdFilter.__new__(IdFilter)
-        new._first_capacity = self._first_capacity
-        new._layers = [(bytearray(b), m) for b, m in self._layers]
-        new._capacity = self._capacity
-        new._count = self._count
-        return new
-
 
 class _Track:
     """Per open session; evicted at its terminal event."""
 
     __slots__ = (
-        "state", "next_seq", "group_id", "group_size", "sample_index", "turns", "undelivered", "commands",
+        "life", "group_id", "group_size", "sample_index", "turns", "undelivered", "commands",
         "tokens_in", "tokens_out", "reward", "opened_lsn", "opened_ts_ns",
     )
 
-    def __init__(self, env: Envelope, body: SessionOpened) -> None:
-        self.state = State.OPEN
-        self.next_seq = env.session_seq + 1
+    def __init__(self, life: SessionLife, env: Envelope, body: SessionOpened) -> None:
+        self.life = life
         self.group_id = body.group_id
         self.group_size = body.group_size
         self.sample_index = body.sample_index
@@ -215,23 +199,16 @@ class _Track:
         self.opened_lsn = env.lsn
         self.opened_ts_ns = env.ts_ns
 
-    def copy(self) -> "_Track":
-        new = _Track.__new__(_Track)
-        for name in _Track.__slots__:
-            setattr(new, name, getattr(self, name))
-        return new
-
 
 class LifecycleState:
     """The fold's state: open sessions, a window of recently ended ones, the id filter."""
 
-    __slots__ = ("live", "recent", "recent_window", "ids", "next_lsn", "events", "ended", "tolerate_unknown", "unknown_events")
+    __slots__ = ("live", "recent", "ids", "next_lsn", "events", "ended", "tolerate_unknown", "unknown_events")
 
     def __init__(self, *, recent_window: int = 4096, id_capacity: int = 1 << 18, tolerate_unknown: bool = False) -> None:
         self.live: dict[str, _Track] = {}
         #: session_id -> (terminal state, lsn of its terminal event); bounded.
-        self.recent: OrderedDict[str, tuple[State, int]] = OrderedDict()
-        self.recent_window = recent_window
+        self.recent = EndedWindow(recent_window)
         self.ids = IdFilter(id_capacity)
         #: The smallest LSN the next envelope may carry.
         self.next_lsn = 0
@@ -244,27 +221,15 @@ class LifecycleState:
 
     def open_sessions(self) -> dict[str, tuple[State, int]]:
         """Sessions without a terminal event: ``{session_id: (state, next_session_seq)}``."""
-        return {sid: (t.state, t.next_seq) for sid, t in self.live.items()}
+        return {sid: (t.life.state, t.life.next_seq) for sid, t in self.live.items()}
 
     def state_of(self, session_id: str) -> State | None:
         """A session's state: live, recently ended, or None (unknown or long ended)."""
         t = self.live.get(session_id)
         if t is not None:
-            return t.state
+            return t.life.state
         r = self.recent.get(session_id)
         return r[0] if r is not None else None
-
-    def copy(self) -> "LifecycleState":
-        """An independent copy (the fold mutates its state in place)."""
-        new = LifecycleState(recent_window=self.recent_window, id_capacity=1, tolerate_unknown=self.tolerate_unknown)
-        new.live = {k: v.copy() for k, v in self.live.items()}
-        new.recent = OrderedDict(self.recent)
-        new.ids = self.ids.copy()
-        new.next_lsn = self.next_lsn
-        new.events = self.events
-        new.ended = self.ended
-        new.unknown_events = dict(self.unknown_events)
-        return new
 
 
 def _summary(sid: str, t: _Track, env: Envelope, state: State) -> SessionSummary:
@@ -283,65 +248,62 @@ def _summary(sid: str, t: _Track, env: Envelope, state: State) -> SessionSummary
     )
 
 
-def _unknown_session_message(state: LifecycleState, sid: str, tag: str) -> str:
-    r = state.recent.get(sid)
-    if r is not None:
-        return f"{tag} after the session's terminal event (it ended {r[0]} at lsn {r[1]}); nothing may follow a terminal event"
-    if sid in state.ids:
-        return f"{tag} after the session's terminal event (it ended before the recent window; per the id filter); nothing may follow a terminal event"
-    return f"{tag} for a session that was never opened (expected session_opened first)"
+def _how_it_ended(recent: EndedWindow, ids: IdFilter, session_id: str) -> str | None:
+    """For a session not in flight: how the fold knows it already ended (the
+    exact window, else the id filter), or None. The id goes into the filter
+    only once its ``session_opened`` is accepted (a refused one opened nothing)."""
+    how = recent.describe(session_id)
+    if how is not None:
+        return how
+    return "it ended before the recent window, per the id filter" if session_id in ids else None
 
 
 def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleState, list[Violation | SessionSummary]]:
     """Fold one envelope. Returns the (same, mutated) state and its outputs.
 
-    Illegal records produce a :class:`Violation` and are not applied (a
-    ``session_seq`` gap is reported and the sequence resynchronised, then the
-    event is applied if the lifecycle allows it; a repeat never moves the
-    sequence back). An event of an unknown type raises UnknownEventError
-    (state untouched) unless ``state.tolerate_unknown``.
+    A record :func:`reducers.lifecycle_step.evolve` refuses produces its
+    :class:`Violation` and is not applied; the session carries on from
+    :func:`reducers.lifecycle_step.resync` (a gap moves the sequence past the
+    record, a repeat never moves it back). An LSN that does not increase is
+    reported and the record still checked. An event of an unknown type raises
+    UnknownEventError (state untouched) unless ``state.tolerate_unknown``:
+    then it is counted per tag and checked for sequence only.
     """
     out: list[Violation | SessionSummary] = []
     body = env.body
     sid = env.session_id
+    lsn = env.lsn
     unknown = type(body) is UnknownEvent
     if unknown and not state.tolerate_unknown:
-        raise UnknownEventError(env.lsn, sid, body.tag)
+        raise UnknownEventError(lsn, sid, body.tag)
     state.events += 1
-    if env.lsn < state.next_lsn:
-        out.append(Violation(env.lsn, sid, f"lsn {env.lsn} does not increase (expected >= {state.next_lsn})"))
+    if lsn < state.next_lsn:
+        out.append(lsn_violation(state.next_lsn, lsn, sid))  # type: ignore[arg-type]
     else:
-        state.next_lsn = env.lsn + 1
+        state.next_lsn = lsn + 1
     if isinstance(body, PolicyUpdated):
         return state, out  # learner progress: not a session event
     if unknown:
-        return _pass_over_unknown(state, env, out)
-    tag = event_tag(body)
+        tag = body.tag
+        state.unknown_events[tag] = state.unknown_events.get(tag, 0) + 1
+    else:
+        tag = body.__struct_config__.tag
     t = state.live.get(sid)
     if t is None:
-        if isinstance(body, SessionOpened):
-            r = state.recent.get(sid)
-            if r is not None:
-                out.append(Violation(env.lsn, sid, f"session id reused: the session already ended {r[0]} at lsn {r[1]} (ids are never reused)"))
-                return state, out
-            if state.ids.add(sid):
-                out.append(Violation(env.lsn, sid, "session id reused: the id filter holds it from an earlier session (ids are never reused)"))
-                return state, out
-            if env.session_seq != 0:
-                out.append(Violation(env.lsn, sid, f"session_seq {env.session_seq} on session_opened, expected 0"))
-            state.live[sid] = _Track(env, body)
-            return state, out
-        out.append(Violation(env.lsn, sid, _unknown_session_message(state, sid, tag)))
+        step = evolve(None, lsn, sid, env.session_seq, tag, _how_it_ended(state.recent, state.ids, sid))
+    else:
+        step = evolve(t.life, lsn, sid, env.session_seq, tag)
+    if step is None:
+        return state, out  # a newer writer's event outside any session in flight
+    if type(step) is Violation:
+        out.append(step)
+        if t is not None:
+            t.life = resync(t.life, env.session_seq)  # type: ignore[assignment]
         return state, out
-
-    _check_seq(t, env, out)
-    try:
-        new = state_after_event(sid, t.state, body)
-    except IllegalTransition as exc:
-        out.append(Violation(env.lsn, sid, str(exc)))
-        t.next_seq = max(t.next_seq, env.session_seq + 1)  # a repeat never moves it back
+    if t is None:
+        state.ids.add(sid)
+        state.live[sid] = _Track(step, env, body)
         return state, out
-    t.next_seq = max(t.next_seq, env.session_seq + 1)  # a repeat never moves it back
     if isinstance(body, TurnRecorded):
         t.turns += 1
         t.tokens_in += len(body.prompt_ids) // 4
@@ -352,37 +314,15 @@ def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleSta
         t.commands += 1
     elif isinstance(body, RewardAssigned):
         t.reward = body.reward
+    new = step.state
     if new in TERMINAL_STATES:
         del state.live[sid]
         state.ended += 1
-        if state.recent_window > 0:
-            state.recent[sid] = (new, env.lsn)
-            if len(state.recent) > state.recent_window:
-                state.recent.popitem(last=False)
+        state.recent.note(sid, new, lsn)
         out.append(_summary(sid, t, env, new))
     else:
-        t.state = new
+        t.life = step
     return state, out
-
-
-def _pass_over_unknown(
-    state: LifecycleState, env: Envelope, out: list[Violation | SessionSummary]
-) -> tuple[LifecycleState, list[Violation | SessionSummary]]:
-    """Count an unknown event and keep its session's sequence in step; its
-    meaning (even whether it belongs to a session at all) is unknown here."""
-    tag = env.body.tag
-    state.unknown_events[tag] = state.unknown_events.get(tag, 0) + 1
-    t = state.live.get(env.session_id)
-    if t is not None:
-        _check_seq(t, env, out)
-        t.next_seq = max(t.next_seq, env.session_seq + 1)  # a repeat never moves it back
-    return state, out
-
-
-def _check_seq(t: _Track, env: Envelope, out: list[Violation | SessionSummary]) -> None:
-    if env.session_seq != t.next_seq:
-        kind = "a gap" if env.session_seq > t.next_seq else "a repeat"
-        out.append(Violation(env.lsn, env.session_id, f"session_seq {env.session_seq} is {kind}, expected {t.next_seq}"))
 
 
 def reduce_lifecycle_many(state: LifecycleState, envs: Iterable[Envelope]) -> tuple[LifecycleState, list[Violation | SessionSummary]]:
@@ -414,6 +354,62 @@ class LifecycleReducer:
     def open_sessions(self) -> dict[str, tuple[State, int]]:
         """Sessions still open or running, with their next session_seq."""
         return self.state.open_sessions()
+
+
+class LifecycleCheck:
+    """The lifecycle fold with nothing but the check, over the few fields the
+    step needs: ``feed(lsn, session_id, session_seq, tag)`` returns the
+    record's violations. Behind ``agentlog verify``, which reads tags only
+    (no body is decoded). Memory: the sessions in flight, the recent window
+    and the id filter, as :class:`LifecycleState`."""
+
+    __slots__ = ("live", "recent", "ids", "next_lsn", "records")
+
+    def __init__(self, *, recent_window: int = 4096, id_capacity: int = 1 << 18) -> None:
+        self.live: dict[str, SessionLife] = {}
+        self.recent = EndedWindow(recent_window)
+        self.ids = IdFilter(id_capacity)
+        #: The smallest LSN the next record may carry.
+        self.next_lsn = 0
+        self.records = 0
+
+    def feed(self, lsn: int, session_id: str, session_seq: int, tag: str) -> list[Violation]:
+        """Check one record (``tag``: its event type); returns its violations (usually none)."""
+        out: list[Violation] = []
+        self.records += 1
+        if lsn < self.next_lsn:
+            out.append(lsn_violation(self.next_lsn, lsn, session_id))  # type: ignore[arg-type]
+        else:
+            self.next_lsn = lsn + 1
+        if tag == _POLICY_TAG:
+            return out  # learner progress: not a session event
+        life = self.live.get(session_id)
+        if life is None:
+            step = evolve(None, lsn, session_id, session_seq, tag, _how_it_ended(self.recent, self.ids, session_id))
+        else:
+            step = evolve(life, lsn, session_id, session_seq, tag)
+        if step is None:
+            return out
+        if type(step) is Violation:
+            out.append(step)
+            if life is not None:
+                self.live[session_id] = resync(life, session_seq)  # type: ignore[assignment]
+            return out
+        if life is None:
+            self.ids.add(session_id)  # opened: the id is used from now on
+        if step.state in TERMINAL_STATES:
+            self.live.pop(session_id, None)
+            self.recent.note(session_id, step.state, lsn)
+        else:
+            self.live[session_id] = step
+        return out
+
+    def open_sessions(self) -> dict[str, tuple[State, int]]:
+        """Sessions without a terminal event: ``{session_id: (state, next_session_seq)}``."""
+        return {sid: (life.state, life.next_seq) for sid, life in self.live.items()}
+
+
+_POLICY_TAG = PolicyUpdated.__struct_config__.tag
 
 
 class ReplayStep(NamedTuple):

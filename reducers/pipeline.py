@@ -4,12 +4,14 @@ One code path serves the online loop (:class:`Reducer`, fed envelope by
 envelope while the log is tailed) and offline reconstruction
 (:func:`reduce_log` over a whole log); both give byte-identical samples.
 
-Each envelope is checked against the lifecycle table (via
-``events.lifecycle.state_after_event``), its LSN must increase and its
-``session_seq`` must be the session's ``last + 1``, and an ended session's
-id may not come back (checked against the last ``ENDED_WINDOW`` ended ids, and
-exactly within a pending group); anything else raises :class:`ReduceError`
-naming the LSN and the session; an event type this version does not know (a
+Each envelope goes through the one lifecycle and sequence step every fold
+composes (:func:`reducers.lifecycle_step.evolve`): its LSN must increase,
+its ``session_seq`` must be the session's ``last + 1``, its move must be in
+the lifecycle table, and an ended session's id may not come back (checked
+against the last ``ENDED_WINDOW`` ended ids, and exactly within a pending
+group). This fold must not go on past a bad record: a violation raises
+:class:`ReduceError` naming the LSN, the session and the violation's kind;
+an event type this version does not know (a
 newer writer's :class:`events.types.UnknownEvent`) raises its subclass
 :class:`UnknownEventError`, which says to upgrade. A session's state is
 evicted at its terminal event, once its samples are emitted; a group's once
@@ -18,12 +20,11 @@ it is released. The reducer is pure: no clock, randomness, I/O or torch.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Iterable, NamedTuple
 
 import msgspec
 
-from agentlog.events.lifecycle import IllegalTransition, State, state_after_event
+from agentlog.events.lifecycle import State
 from agentlog.events.types import (
     Envelope,
     PolicyUpdated,
@@ -35,11 +36,11 @@ from agentlog.events.types import (
     TurnRecorded,
     TurnUndelivered,
     UnknownEvent,
-    event_tag,
 )
 
 from .config import DEFAULT_CONFIG, ReduceConfig
 from .errors import ReduceError, UnknownEventError
+from .lifecycle_step import EndedWindow, SessionLife, Violation, evolve, lsn_violation
 from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, GroupTracker
 from .metrics import MetricsAccumulator
 from .samples import Sample, SampleDigest, aborted_placeholder, final_raw_reward, finished_samples, resolve_reward
@@ -65,8 +66,7 @@ class Outputs(NamedTuple):
 
 class _Session:
     __slots__ = (
-        "state",
-        "next_seq",
+        "life",
         "group_id",
         "group_size",
         "sample_index",
@@ -76,9 +76,8 @@ class _Session:
         "last_reward",
     )
 
-    def __init__(self, opened: SessionOpened, session_id: str, lsn: int, fork_threshold: int) -> None:
-        self.state = State.OPEN
-        self.next_seq = 1
+    def __init__(self, life: SessionLife, opened: SessionOpened, session_id: str, lsn: int, fork_threshold: int) -> None:
+        self.life = life
         self.group_id = opened.group_id
         self.group_size = opened.group_size
         self.sample_index = opened.sample_index
@@ -100,7 +99,7 @@ class Reducer:
         self.config = config
         self._sessions: dict[str, _Session] = {}
         self._groups = GroupTracker(config.min_valid)
-        self._ended: OrderedDict[str, int] = OrderedDict()  # session_id -> lsn of its terminal event
+        self._ended = EndedWindow(ENDED_WINDOW)
         self.metrics = MetricsAccumulator(config.reward_key, config.solve_threshold)
         self.digest = SampleDigest()
         self.last_lsn = -1
@@ -117,50 +116,31 @@ class Reducer:
         log should never hold; the reducer is then left as it was before
         that envelope."""
         lsn = env.lsn
+        sid = env.session_id
         if lsn <= self.last_lsn:
-            raise ReduceError(lsn, env.session_id, f"LSN went backwards or repeated: expected > {self.last_lsn}")
+            raise ReduceError.of_violation(lsn_violation(self.last_lsn + 1, lsn, sid))
         body = env.body
         if type(body) is UnknownEvent:
             # Samples need every event of every session interpreted; guessing
             # what a newer event meant could train on a wrong trajectory.
-            raise UnknownEventError(lsn, env.session_id, body.tag)
+            raise UnknownEventError(lsn, sid, body.tag)
         if isinstance(body, PolicyUpdated):
             self.last_lsn = lsn
             self.events += 1
             return Outputs([], [])  # learner progress: not a session event
-        sid = env.session_id
         session = self._sessions.get(sid)
-        if session is None and sid in self._ended:
-            raise ReduceError(
-                lsn,
-                sid,
-                f"{event_tag(body)} for a session that is not in flight: it reached its terminal event at lsn"
-                f" {self._ended[sid]} (nothing may follow a terminal event; session ids are never reused)",
-            )
-        if session is None and not isinstance(body, SessionOpened):
-            raise ReduceError(
-                lsn,
-                sid,
-                f"{event_tag(body)} for a session that is not in flight: it was never opened, or it already"
-                " reached its terminal event (nothing may follow a terminal event)",
-            )
-        expected_seq = 0 if session is None else session.next_seq
-        if env.session_seq != expected_seq:
-            raise ReduceError(
-                lsn,
-                sid,
-                f"session_seq {env.session_seq} on {event_tag(body)}, expected {expected_seq}"
-                + (" (a gap)" if env.session_seq > expected_seq else " (a repeat)"),
-            )
-        try:
-            new_state = state_after_event(sid, session.state if session is not None else None, body)
-        except IllegalTransition as exc:
-            raise ReduceError(lsn, sid, str(exc)) from None
+        if session is None:
+            life = evolve(None, lsn, sid, env.session_seq, body.__struct_config__.tag, self._ended.describe(sid))
+        else:
+            life = evolve(session.life, lsn, sid, env.session_seq, body.__struct_config__.tag)
+        if type(life) is Violation:
+            raise ReduceError.of_violation(life)
+        assert life is not None  # every known tag but policy_updated is a session event
         try:
             if session is None:
                 assert isinstance(body, SessionOpened)
                 self._groups.open(body.group_id, sid, body.group_size, body.sample_index, lsn)
-                self._sessions[sid] = _Session(body, sid, lsn, self.config.fork_threshold)
+                self._sessions[sid] = _Session(life, body, sid, lsn, self.config.fork_threshold)
             elif isinstance(body, TurnRecorded):
                 session.trajectory.record_turn(body, lsn)
             elif isinstance(body, TurnUndelivered):
@@ -172,12 +152,12 @@ class Reducer:
         self.events += 1
         if session is None:
             return Outputs([], [])
-        session.next_seq += 1
-        session.state = new_state
+        session.life = life
         if isinstance(body, RewardAssigned):
             session.last_reward = body.reward
+        new_state = life.state
         if new_state is State.FINISHED or new_state is State.ABORTED or new_state is State.DROPPED:
-            return self._terminal(sid, session, body, lsn)
+            return self._terminal(sid, session, body, lsn, new_state)
         return Outputs([], [])
 
     def feed_many(self, envelopes: Iterable[Envelope]) -> Outputs:
@@ -190,11 +170,9 @@ class Reducer:
             groups.extend(out.groups)
         return Outputs(samples, groups)
 
-    def _terminal(self, sid: str, session: _Session, body: Any, lsn: int) -> Outputs:
+    def _terminal(self, sid: str, session: _Session, body: Any, lsn: int, state: State) -> Outputs:
         del self._sessions[sid]  # evict first: nothing may follow a terminal event
-        self._ended[sid] = lsn
-        if len(self._ended) > ENDED_WINDOW:
-            self._ended.popitem(last=False)
+        self._ended.note(sid, state, lsn)
         traj = session.trajectory
         member: GroupMember | None
         samples: list[Sample]
@@ -255,7 +233,7 @@ class Reducer:
 
     def open_sessions(self) -> dict[str, str]:
         """Sessions not yet terminal, with their state."""
-        return {sid: str(s.state) for sid, s in self._sessions.items()}
+        return {sid: str(s.life.state) for sid, s in self._sessions.items()}
 
     def pending_groups(self) -> dict[str, tuple[int, int, int]]:
         """Groups not yet released: ``group_id -> (group_size, opened, terminal)``."""
@@ -320,14 +298,17 @@ def session_trajectory(envelopes: Iterable[Envelope], session_id: str, config: R
     session, from the envelopes of a log; for ``agentlog show``. The session's
     events are taken in order; other sessions' events are skipped."""
     traj: SessionTrajectory | None = None
-    state: State | None = None
+    life: SessionLife | None = None  # kept after the terminal event: anything later is refused
     for env in envelopes:
         if env.session_id != session_id or isinstance(env.body, PolicyUpdated):
             continue
         if type(env.body) is UnknownEvent:
             raise UnknownEventError(env.lsn, session_id, env.body.tag)
+        step = evolve(life, env.lsn, session_id, env.session_seq, env.body.__struct_config__.tag)
+        if type(step) is Violation:
+            raise ReduceError.of_violation(step)
+        life = step
         try:
-            state = state_after_event(session_id, state, env.body)
             if isinstance(env.body, SessionOpened):
                 traj = SessionTrajectory(session_id, config.fork_threshold)
             elif isinstance(env.body, TurnRecorded):
@@ -336,7 +317,7 @@ def session_trajectory(envelopes: Iterable[Envelope], session_id: str, config: R
             elif isinstance(env.body, TurnUndelivered):
                 assert traj is not None
                 traj.mark_undelivered(env.body.turn_index, env.body.reason, env.lsn)
-        except (IllegalTransition, TrajectoryError) as exc:
+        except TrajectoryError as exc:
             raise ReduceError(env.lsn, session_id, str(exc)) from None
     if traj is None:
         raise KeyError(f"session {session_id!r}: no session_opened in the log")

@@ -5,9 +5,12 @@ A pure, incremental fold. It counts sessions by state (live ones too), abort
 and drop reasons, turns and tokens, commands, rewards (through
 :class:`reducers.metrics.MetricsAccumulator`, finished sessions only) and
 GRPO groups (through :class:`reducers.groups.GroupTracker`: released,
-complete, skipped, pending), and the time span. Lifecycle moves are checked
-against the shared table (:data:`events.lifecycle.TRANSITIONS`); an illegal
-record is counted as a violation with its LSN and not applied.
+complete, skipped, pending), and the time span. Every record goes through
+the one lifecycle and sequence step all folds compose
+(:func:`reducers.lifecycle_step.evolve`: ``session_seq`` gaps and repeats,
+events after the terminal one, illegal moves, reused ids); this fold counts
+a violation (by kind, the first few kept with LSN and session), does not
+apply the record, and carries on (:func:`reducers.lifecycle_step.resync`).
 
 Why not the full reducers: statistics need no trajectories, and decoding
 every chat message of every turn dominates the cost on a big log. So this
@@ -32,9 +35,10 @@ from typing import Any, Union
 
 import msgspec
 
-from agentlog.events.lifecycle import IN_SESSION_EVENTS, LIFECYCLE_SPEC, TERMINAL_STATES, TRANSITIONS, State
+from agentlog.events.lifecycle import TERMINAL_STATES, State
 from agentlog.events.types import Envelope, UnknownEvent, as_unknown_event
 
+from .lifecycle_step import EndedWindow, SessionLife, Violation, ViolationKind, evolve, lsn_violation, resync
 from .groups import ABORTED, DROPPED, FINISHED, GroupError, GroupMember, GroupTracker
 from .metrics import MetricsAccumulator
 from .samples import final_raw_reward, resolve_reward
@@ -132,16 +136,14 @@ def decode_projection(payload: Any) -> Any:
         return unknown
 
 
-_TRIGGER_OF_TAG = {spec["event"]: spec["trigger"] for spec in LIFECYCLE_SPEC}
-_IN_SESSION = frozenset(IN_SESSION_EVENTS)
 _STATUS_OF = {State.FINISHED: FINISHED, State.ABORTED: ABORTED, State.DROPPED: DROPPED}
 
 
 class _Live:
-    __slots__ = ("state", "group_id", "sample_index", "turns", "tokens_out", "reward", "opened_ts")
+    __slots__ = ("life", "group_id", "sample_index", "turns", "tokens_out", "reward", "opened_ts")
 
-    def __init__(self, body: Any, ts_ns: int) -> None:
-        self.state = State.OPEN
+    def __init__(self, life: SessionLife, body: Any, ts_ns: int) -> None:
+        self.life = life
         self.group_id = body.group_id
         self.sample_index = body.sample_index
         self.turns = 0
@@ -152,15 +154,18 @@ class _Live:
 
 class RunStats:
     """Incremental run statistics. ``feed(envelope)`` or ``feed_record(lsn,
-    session_id, ts_ns, body)`` with a full body or a projection; ``snapshot()``
-    gives plain data (JSON-ready; NaN where nothing was measured)."""
+    session_id, session_seq, ts_ns, body)`` with a full body or a projection;
+    ``snapshot()`` gives plain data (JSON-ready; NaN where nothing was measured)."""
 
     #: Violations kept verbatim (the count covers all).
     KEEP_VIOLATIONS = 10
+    #: Recently ended sessions remembered, to tell "after its terminal event" from "never opened".
+    ENDED_WINDOW = 4096
 
     def __init__(self, *, min_valid: int = 2, reward_key: str | None = None, solve_threshold: float = 1.0) -> None:
         self.reward_key = reward_key
         self._live: dict[str, _Live] = {}
+        self._ended = EndedWindow(self.ENDED_WINDOW)
         self._groups = GroupTracker(min_valid)
         self.metrics = MetricsAccumulator(reward_key, solve_threshold)
         self.events = 0
@@ -184,7 +189,8 @@ class RunStats:
         self.ended = 0
         self.groups_skipped = 0
         self.violation_count = 0
-        self.violations: list[tuple[int, str, str]] = []
+        self.violations: list[Violation] = []
+        self.violation_kinds: Counter[str] = Counter()
         #: Events of types this version does not know (a newer writer's), by tag.
         self.unknown_events: Counter[str] = Counter()
 
@@ -192,61 +198,56 @@ class RunStats:
 
     def feed(self, env: Envelope) -> None:
         """Fold one decoded envelope."""
-        self.feed_record(env.lsn, env.session_id, env.ts_ns, env.body)
+        self.feed_record(env.lsn, env.session_id, env.session_seq, env.ts_ns, env.body)
 
-    def _violation(self, lsn: int, sid: str, message: str) -> None:
+    def _violation(self, violation: Violation) -> None:
         self.violation_count += 1
+        self.violation_kinds[violation.kind.value] += 1
         if len(self.violations) < self.KEEP_VIOLATIONS:
-            self.violations.append((lsn, sid, message))
+            self.violations.append(violation)
 
-    def feed_record(self, lsn: int, session_id: str, ts_ns: int, body: Any) -> None:
+    def feed_record(self, lsn: int, session_id: str, session_seq: int, ts_ns: int, body: Any) -> None:
         """Fold one record; ``body`` is a schema-v1 body or its projection."""
         self.events += 1
         if self.first_lsn < 0:
             self.first_lsn = lsn
         if lsn <= self.last_lsn:
-            self._violation(lsn, session_id, f"lsn {lsn} does not increase (expected > {self.last_lsn})")
+            self._violation(lsn_violation(self.last_lsn + 1, lsn, session_id))  # type: ignore[arg-type]
         self.last_lsn = max(lsn, self.last_lsn)
         if self.first_ts_ns is None:
             self.first_ts_ns = ts_ns
         self.last_ts_ns = ts_ns
         if type(body) is UnknownEvent:
-            self.unknown_events[body.tag] += 1
-            return
-        tag = body.__struct_config__.tag
-        if tag == "policy_updated":
-            self.policy_updates += 1
-            self.policy_version = body.policy_version
-            return
-        live = self._live.get(session_id)
-        if tag == "session_opened":
-            if live is not None:
-                self._violation(lsn, session_id, "session_opened for a session already in flight (ids are never reused)")
+            tag = body.tag
+            self.unknown_events[tag] += 1  # counted; checked for sequence only
+        else:
+            tag = body.__struct_config__.tag
+            if tag == "policy_updated":
+                self.policy_updates += 1
+                self.policy_version = body.policy_version
                 return
+        live = self._live.get(session_id)
+        if live is None:
+            step = evolve(None, lsn, session_id, session_seq, tag, self._ended.describe(session_id))
+        else:
+            step = evolve(live.life, lsn, session_id, session_seq, tag)
+        if step is None:
+            return  # a newer writer's event outside any session in flight
+        if type(step) is Violation:
+            self._violation(step)
+            if live is not None:
+                live.life = resync(live.life, session_seq)  # type: ignore[assignment]
+            return
+        if live is None:
             try:
                 self._groups.open(body.group_id, session_id, body.group_size, body.sample_index, lsn)
             except GroupError as exc:
-                self._violation(lsn, session_id, str(exc))
+                self._violation(Violation(lsn, session_id, ViolationKind.GROUP_CONFLICT, str(exc)))
                 return
-            self._live[session_id] = _Live(body, ts_ns)
+            self._live[session_id] = _Live(step, body, ts_ns)
             self.opened += 1
             return
-        if live is None:
-            self._violation(lsn, session_id, f"{tag} for a session not in flight (never opened, or already ended)")
-            return
-        trigger = _TRIGGER_OF_TAG.get(tag)
-        if trigger is not None:
-            dest = TRANSITIONS.get((live.state, trigger))
-            if dest is None:
-                self._violation(lsn, session_id, f"illegal {trigger!r} in state {live.state}")
-                return
-        elif tag in _IN_SESSION:
-            if live.state is not State.RUNNING:
-                self._violation(lsn, session_id, f"{tag} in state {live.state} (allowed only while running)")
-                return
-            dest = live.state
-        else:  # a future tag: counted, not interpreted
-            return
+        dest = step.state
         if tag == "turn_recorded":
             n_out = len(body.output_ids) // 4
             self.turns += 1
@@ -268,10 +269,11 @@ class RunStats:
         if dest in TERMINAL_STATES:
             self._terminal(lsn, session_id, live, dest, body, ts_ns)
         else:
-            live.state = dest
+            live.life = step
 
     def _terminal(self, lsn: int, sid: str, live: _Live, dest: State, body: Any, ts_ns: int) -> None:
         del self._live[sid]
+        self._ended.note(sid, dest, lsn)
         status = _STATUS_OF[dest]
         self.ended += 1
         duration = (ts_ns - live.opened_ts) / 1e9
@@ -296,7 +298,7 @@ class RunStats:
 
     def live_by_state(self) -> dict[str, int]:
         """Sessions in flight, by state (open / running)."""
-        c = Counter(str(s.state) for s in self._live.values())
+        c = Counter(str(s.life.state) for s in self._live.values())
         return {"open": c.get("open", 0), "running": c.get("running", 0)}
 
     def snapshot(self) -> dict[str, Any]:
@@ -357,6 +359,10 @@ class RunStats:
             "unknown_events": dict(sorted(self.unknown_events.items())),
             "violations": {
                 "count": self.violation_count,
-                "first": [{"lsn": lsn, "session_id": sid, "message": msg} for lsn, sid, msg in self.violations],
+                "by_kind": dict(sorted(self.violation_kinds.items())),
+                "first": [
+                    {"lsn": v.lsn, "session_id": v.session_id, "kind": v.kind.value, "message": v.message} for v in self.violations
+                ],
             },
         }
+

@@ -16,7 +16,11 @@ and equal to the online reducer's digest. Formats:
 * ``parquet``: one row per sample (needs the ``parquet`` extra: pyarrow);
   the reduce configuration and its digest are in the file's metadata.
 
-Exit 1 when the log holds something the reducers refuse (naming the LSN and session).
+Exit 1 when the log holds something the reducers refuse, naming the LSN and
+session: a lifecycle violation (a ``session_seq`` gap or repeat, an event
+after the terminal one, ...; the one check every fold composes,
+:func:`reducers.lifecycle_step.evolve`, which this fold may not go past) names
+its kind too.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ FORMATS = ("jsonl", "msgpack", "parquet")
 
 def register(sub) -> None:
     """Add the subcommand."""
-    p = sub.add_parser("reconstruct", help="rebuild the training samples; prints their digest last")
+    p = sub.add_parser(
+        "reconstruct", help="rebuild the training samples; prints their digest last (exit 1 at the first lifecycle violation)"
+    )
     p.add_argument("log", metavar="LOG", help="the log directory")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write the samples")
     p.add_argument("--format", choices=FORMATS, default=None, help="output format (default: from OUT's suffix, else jsonl)")

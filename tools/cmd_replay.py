@@ -1,8 +1,15 @@
 """`agentlog replay LOG [--session ID] [--group ID] [--status S] [--reason R]
 [--from LSN] [--until LSN] [--json]`: the timeline, one line per event, with
 the session's state before -> after (from the lifecycle reducer's replay
-helper, :func:`reducers.lifecycle.replay`) and a short summary. Illegal
-sequences are shown in place, marked ``!!``; the command then exits 1.
+helper, :func:`reducers.lifecycle.replay`) and a short summary.
+
+Lifecycle violations (a ``session_seq`` gap or repeat, an event after the
+terminal one, an illegal move, a reused id, ...; the one check every fold
+composes, :func:`reducers.lifecycle_step.evolve`) are shown in place, one
+``!! VIOLATION`` line each naming the LSN, the session and the kind; the
+replay carries on (the record is not applied; a gap resynchronises the
+sequence), a closing note on stderr counts them, and the exit status stays 0:
+showing them is this command's job (``verify`` and ``reconstruct`` exit 1).
 
 ``--status`` and ``--reason`` select sessions by how they ended (or ``open``
 / ``running`` for sessions still in flight at the end of the range), which
@@ -36,7 +43,7 @@ def register(sub) -> None:
     """Add the subcommand."""
     p = sub.add_parser(
         "replay",
-        help="the timeline: one line per event with state before -> after",
+        help="the timeline: one line per event with state before -> after; lifecycle violations shown in place (exit 0)",
         epilog=FILTER_RULE,
     )
     p.add_argument("log", metavar="LOG", help="the log directory")
@@ -117,7 +124,7 @@ def format_step(env: Any, before: Any, after: Any, violations: Any = ()) -> list
         f" {_state(before):>8} -> {_state(after):<8}  {event_summary(env.body)}"
     ]
     for v in violations:
-        lines.append(f"{env.lsn:>8}  !! VIOLATION session {v.session_id!r}: {v.message}")
+        lines.append(f"{env.lsn:>8}  !! VIOLATION lsn {v.lsn} session {v.session_id!r}: {v.describe()}")
     return lines
 
 
@@ -155,7 +162,7 @@ def step_json(env: Any, before: Any, after: Any, violations: Any = ()) -> dict[s
     }
     out.update(event_fields(env.body))
     if violations:
-        out["violations"] = [v.message for v in violations]
+        out["violations"] = [v.describe() for v in violations]
     return out
 
 
@@ -186,10 +193,14 @@ def index_log(path: Any, until: int | None, quiet: bool) -> LogIndex:
     """The :class:`LogIndex` of the log at ``path`` up to ``until``."""
     import msgspec
 
+    from agentlog.events.lifecycle import TERMINAL_STATES
+    from agentlog.events.types import event_tag
+    from agentlog.reducers.lifecycle_step import SessionLife, evolve
     from agentlog.reducers.runstats import decode_projection
 
     index = LogIndex()
-    ends = {"session_finished": "finished", "session_aborted": "aborted", "session_dropped": "dropped"}
+    # The one lifecycle step (illegal records are left out here; the replay shows them).
+    lives: dict[str, SessionLife] = {}
     for rec in read_records(path, raw=True, quiet=quiet, desc="select"):
         if until is not None and rec.lsn > until:
             break
@@ -197,21 +208,20 @@ def index_log(path: Any, until: int | None, quiet: bool) -> LogIndex:
             body = decode_projection(rec.payload)
         except msgspec.DecodeError as exc:
             raise CliError(f"{path}: lsn {rec.lsn}, session {rec.session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA) from None
-        tag = body.__struct_config__.tag
+        tag = event_tag(body)  # an unknown (newer) event keeps its stored tag
         sid = rec.session_id
         if tag == "policy_updated":
             continue  # a learner-log record, not a session's
         index.sessions[sid] = None
+        step = evolve(lives.get(sid), rec.lsn, sid, rec.session_seq, tag)
+        if not isinstance(step, SessionLife):
+            continue
+        lives[sid] = step  # kept after the terminal event: nothing may follow it
+        index.status[sid] = str(step.state)
         if tag == "session_opened":
             index.group[sid] = body.group_id
-            index.status[sid] = "open"
-            index.reason.pop(sid, None)
-        elif tag == "session_started" and index.status.get(sid) == "open":
-            index.status[sid] = "running"
-        elif tag in ends and index.status.get(sid) in ("open", "running"):
-            index.status[sid] = ends[tag]
-            if tag != "session_finished":
-                index.reason[sid] = body.reason
+        elif step.state in TERMINAL_STATES and tag != "session_finished":
+            index.reason[sid] = body.reason
     return index
 
 
@@ -315,9 +325,10 @@ def run(args) -> int:
         if complaint is not None:
             raise CliError(f"{path}: {complaint}", EXIT_USAGE)
     if first_violation is not None:
+        # Shown, not an error: a note after the timeline (stdout stays the timeline, JSON lines too).
         v = first_violation
-        raise CliError(
-            f"{path}: {n_violations} lifecycle violation(s) shown; first at lsn {v.lsn}, session {v.session_id!r}: {v.message}",
-            EXIT_DATA,
+        sys.stderr.write(
+            f"agentlog: note: {path}: {n_violations} lifecycle violation(s) shown; first at lsn {v.lsn},"
+            f" session {v.session_id!r}: {v.describe()}\n"
         )
     return EXIT_OK

@@ -3,8 +3,13 @@ turns and tokens, reward statistics, groups complete/skipped, time span.
 
 One pass over raw frames, decoding only the fields the statistics need
 (:mod:`reducers.runstats`). Events of types this version does not know (a
-newer writer's) are counted under "unknown events", per tag. Exit 1 (after
-printing) when the log holds lifecycle violations.
+newer writer's) are counted under "unknown events", per tag.
+
+Lifecycle violations (a ``session_seq`` gap or repeat, an event after the
+terminal one, an illegal move, a reused id, ...; the one check every fold
+composes, :func:`reducers.lifecycle_step.evolve`) are counted, not applied:
+the report shows their count by kind and the first few with LSN and session,
+and the command then exits 1 (after printing).
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ from agentlog.tools.cli_common import add_quiet, check_log_path, fmt_ts, read_re
 
 def register(sub) -> None:
     """Add the subcommand."""
-    p = sub.add_parser("stats", help="sessions by status, reasons, turns, tokens, rewards, groups, time span")
+    p = sub.add_parser(
+        "stats",
+        help="sessions by status, reasons, turns, tokens, rewards, groups, time span; counts lifecycle violations (exit 1 if any)",
+    )
     p.add_argument("log", metavar="LOG", help="the log directory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_quiet(p)
@@ -40,7 +48,7 @@ def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
     try:
         # The hot loop of `stats`: one projection decode and one fold step per record.
         for rec in read_records(path, raw=True, quiet=quiet, desc="stats"):
-            feed(rec.lsn, rec.session_id, rec.ts_ns, decode(rec.payload))
+            feed(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode(rec.payload))
     except msgspec.DecodeError as exc:
         # Only decode() raises DecodeError, so a record was read: rec names it.
         schema = SchemaError.of_payload(exc, rec.payload, lsn=rec.lsn, session_id=rec.session_id)
@@ -68,7 +76,8 @@ def run(args) -> int:
     if v["count"]:
         first = v["first"][0]
         raise CliError(
-            f"{path}: {v['count']} lifecycle violation(s); first at lsn {first['lsn']}, session {first['session_id']!r}: {first['message']}",
+            f"{path}: {v['count']} lifecycle violation(s) counted; first at lsn {first['lsn']},"
+            f" session {first['session_id']!r}: {first['kind']}: {first['message']}",
             EXIT_DATA,
         )
     return EXIT_OK
@@ -115,7 +124,7 @@ def render_text(s: dict[str, Any]) -> str:
     if s["unknown_events"]:
         lines.append(f"unknown events {_counts(s['unknown_events'])} (written by a newer agentlog; not interpreted)")
     if s["violations"]["count"]:
-        lines.append(f"VIOLATIONS {s['violations']['count']}")
+        lines.append(f"VIOLATIONS {s['violations']['count']}: {_counts(s['violations']['by_kind'])}")
         for v in s["violations"]["first"]:
-            lines.append(f"  lsn {v['lsn']} session {v['session_id']!r}: {v['message']}")
+            lines.append(f"  lsn {v['lsn']} session {v['session_id']!r}: {v['kind']}: {v['message']}")
     return "\n".join(lines) + "\n"

@@ -114,7 +114,7 @@ async def _tail_summary(path: Path) -> None:
 
     async def consume() -> None:
         async for rec in follow_log(path, raw=True):
-            stats.feed_record(rec.lsn, rec.session_id, rec.ts_ns, decode_projection(rec.payload))
+            stats.feed_record(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload))
             changed.set()
 
     task = asyncio.ensure_future(consume())

@@ -1,21 +1,41 @@
-"""`agentlog verify LOG [--repair]`: check a log's every frame; optionally cut a torn tail.
+"""`agentlog verify LOG [--repair]`: check a log's every frame, then every
+session's sequence and lifecycle; optionally cut a torn tail.
 
-Exit 0 with a one-line summary when the log is sound (or was repaired),
-with a note counting records of unknown types (a newer writer's: sound, but
-not understood here); exit 1 naming the position when it has a torn tail or
-is corrupt, or when records of known types do not decode with this version's
-schema (SCHEMA MISMATCH: upgrade agentlog); exit 2 for a missing path or a
-directory that is not a log. A run folder stands for its ``rollout/`` log.
+Two checks, in order. The frame check (``verify_log``: segment headers, frame
+CRCs, LSNs, payloads) prints its one-line summary. When the frames are
+readable, the lifecycle check follows: the one step every fold composes
+(:func:`reducers.lifecycle_step.evolve`, through
+:class:`reducers.lifecycle.LifecycleCheck`, reading only each record's
+session, ``session_seq`` and event tag) over the whole log. Each lifecycle
+violation (a ``session_seq`` gap or repeat, an event after the terminal one,
+an illegal move, a reused id, ...) is printed on its own line naming its LSN,
+session and kind (the first ``SHOWN``), and the command exits 1.
+
+Exit 0 when the log is sound (or was repaired), with a note counting records
+of unknown types (a newer writer's: sound, but not understood here); exit 1
+naming the position when it has a torn tail or is corrupt, when records of
+known types do not decode with this version's schema (SCHEMA MISMATCH:
+upgrade agentlog), or when the lifecycle check finds violations; exit 2 for
+a missing path or a directory that is not a log. A run folder stands for its
+``rollout/`` log.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
+
+#: Lifecycle violations printed one per line (the count covers all).
+SHOWN = 10
 
 
 def register(sub) -> None:
     """Add the subcommand."""
-    p = sub.add_parser("verify", help="check every segment, frame and sequence of a log (exit 1 if torn or corrupt)")
+    p = sub.add_parser(
+        "verify",
+        help="check every segment and frame, then every session's sequence and lifecycle (exit 1 if torn, corrupt or violated)",
+    )
     p.add_argument("log", metavar="LOG", help="the log directory")
     p.add_argument(
         "--repair",
@@ -26,7 +46,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    """Verify, print one line, return the exit status."""
+    """Verify, print the summary (and any lifecycle violations), return the exit status."""
     from agentlog.events import LogLocked, NotALog, verify_log
 
     from agentlog.tools.cli_common import check_log_path
@@ -41,4 +61,43 @@ def run(args) -> int:
     except OSError as exc:
         raise CliError(f"{args.log}: {exc.strerror or exc}", EXIT_USAGE) from None
     print(report.summary())
+    if report.status not in ("ok", "repaired", "schema"):
+        return EXIT_DATA  # torn or corrupt: the frames after the problem cannot be read
+    count, shown = check_lifecycle(path)
+    for v in shown:
+        print(f"  lsn {v.lsn} session {v.session_id!r}: {v.describe()}")
+    if count:
+        first = shown[0]
+        raise CliError(
+            f"{path}: {count} lifecycle violation(s); first at lsn {first.lsn}, session {first.session_id!r}: {first.describe()}",
+            EXIT_DATA,
+        )
     return EXIT_OK if report.ok else EXIT_DATA
+
+
+def check_lifecycle(path: Any) -> tuple[int, list[Any]]:
+    """The lifecycle check over the log at ``path``: ``(violations, the first SHOWN of them)``.
+    Reads each record's tag only; no body is decoded."""
+    import msgspec
+
+    from agentlog.reducers.lifecycle import LifecycleCheck
+    from agentlog.tools.cli_common import read_records
+
+    class _Tagged(msgspec.Struct):
+        type: str  # the event tag; every other field is skipped, not built
+
+    tag_of = msgspec.msgpack.Decoder(_Tagged).decode
+    check = LifecycleCheck()
+    feed = check.feed
+    count = 0
+    shown: list[Any] = []
+    for rec in read_records(path, raw=True, quiet=True, desc="verify lifecycle"):
+        try:
+            tag = tag_of(rec.payload).type
+        except msgspec.DecodeError as exc:  # the frame check decoded it; a payload without a tag is corrupt
+            raise CliError(f"{path}: lsn {rec.lsn}, session {rec.session_id!r}: payload has no event tag: {exc}", EXIT_DATA) from None
+        found = feed(rec.lsn, rec.session_id, rec.session_seq, tag)
+        if found:
+            count += len(found)
+            shown.extend(found[: SHOWN - len(shown)])
+    return count, shown

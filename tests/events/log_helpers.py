@@ -8,7 +8,7 @@ from pathlib import Path
 
 from agentlog.events import FileLog, read_log
 from agentlog.events.log_format import DURABLE_NAME, INDEX_NAME, list_segments, segment_name
-from agentlog.events.types import SessionOpened
+from agentlog.events.types import SessionOpened, SessionStarted
 from event_samples import small_event
 
 
@@ -18,12 +18,13 @@ def seg_path(d: Path, k: int = -1) -> Path:
 
 
 def write_small_log(d: Path, n: int, **open_kw) -> list:
-    """n small records over n // 4 sessions; returns their envelopes."""
+    """n small records over n // 4 sessions, each a legal lifecycle (opened,
+    started, commands) so ``agentlog verify`` finds them sound; returns their envelopes."""
     lg = FileLog.open(d, **open_kw)
     envs = []
     for i in range(n):
         sid = f"s{i // 4}"
-        body = SessionOpened(group_id="g", group_size=1) if i % 4 == 0 else small_event(i)
+        body = SessionOpened(group_id="g", group_size=1) if i % 4 == 0 else SessionStarted() if i % 4 == 1 else small_event(i)
         envs += lg.append_batch([(sid, i % 4, body)])
     lg.close()
     return envs

@@ -158,9 +158,10 @@ def test_turn_after_terminal_event_is_reported_with_lsn_and_session():
     reducer = Reducer()
     reducer.feed_many(log_of(member("s", size=1).finish(1.0)).read(0))
     straggler = TurnRecorded(turn_index=1, prompt_ids=[1], output_ids=[2])
-    with pytest.raises(ReduceError, match=r"lsn 9, session 's': turn_recorded for a session that is not in flight"):
+    with pytest.raises(ReduceError, match=r"lsn 9, session 's': after_terminal: turn_recorded after the session's terminal event") as exc:
         reducer.feed(_env(9, "s", 4, straggler))
-    with pytest.raises(ReduceError, match=r"reached its terminal event at lsn 3"):
+    assert exc.value.kind == "after_terminal"
+    with pytest.raises(ReduceError, match=r"it ended finished at lsn 3"):
         reducer.feed(_env(9, "s", 4, straggler))
 
 
@@ -168,7 +169,7 @@ def test_a_reused_session_id_is_an_error_not_a_second_session():
     """Ids are never reused: re-opening an ended id must not yield a second set of samples."""
     reducer = Reducer()
     reducer.feed_many(log_of(member("s", gid="g1", size=1).finish(1.0)).read(0))
-    with pytest.raises(ReduceError, match=r"lsn 9, session 's': session_opened .*terminal event at lsn 3"):
+    with pytest.raises(ReduceError, match=r"lsn 9, session 's': reused_id: session_opened .*it ended finished at lsn 3"):
         reducer.feed(_env(9, "s", 0, SessionOpened(group_id="g2", group_size=1)))
     assert reducer.open_sessions() == {} and reducer.pending_groups() == {}
 
@@ -187,11 +188,11 @@ def test_a_reused_session_id_never_counts_twice_in_its_group():
 def test_session_seq_gap_and_lsn_regression_are_errors():
     reducer = Reducer()
     reducer.feed(_env(0, "s", 0, SessionOpened(group_id="g", group_size=1)))
-    with pytest.raises(ReduceError, match=r"lsn 1, session 's': session_seq 2 on session_started, expected 1 \(a gap\)"):
+    with pytest.raises(ReduceError, match=r"lsn 1, session 's': seq_gap: session_seq 2 on session_started, expected 1 \(a gap"):
         reducer.feed(_env(1, "s", 2, SessionStarted()))
     reducer = Reducer()
     reducer.feed(_env(5, "s", 0, SessionOpened(group_id="g", group_size=1)))
-    with pytest.raises(ReduceError, match="LSN went backwards"):
+    with pytest.raises(ReduceError, match=r"lsn_order: lsn 5 does not increase"):
         reducer.feed(_env(5, "s", 1, SessionStarted()))
 
 

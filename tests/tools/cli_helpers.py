@@ -155,7 +155,8 @@ async def write_run(path: str | os.PathLike, online: list | None = None) -> dict
 
 def agentlog(*args: str, timeout: float = 60, input: str | None = None) -> subprocess.CompletedProcess:
     """Run ``agentlog ARGS`` in a subprocess (``python -m tools.cli``)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The caller's PYTHONPATH first: the subprocess imports the agentlog this test process imports.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if p)}
     return subprocess.run(
         [sys.executable, "-m", "agentlog.tools.cli", *args],
         cwd=ROOT,

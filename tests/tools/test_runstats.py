@@ -86,7 +86,7 @@ def test_projection_and_full_bodies_give_identical_stats_matching_lifecycle_summ
     full, proj = RunStats(), RunStats()
     for env in envs:
         full.feed(env)
-        proj.feed_record(env.lsn, env.session_id, env.ts_ns, decode_projection(encode_body(env.body)))
+        proj.feed_record(env.lsn, env.session_id, env.session_seq, env.ts_ns, decode_projection(encode_body(env.body)))
     a, b = full.snapshot(), proj.snapshot()
     assert msgspec.json.encode(a) == msgspec.json.encode(b)
     # Cross-check against the lifecycle reducer, an independent fold.
