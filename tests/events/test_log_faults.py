@@ -399,7 +399,7 @@ def test_opening_a_log_for_writing_raises_the_soft_descriptor_limit_to_the_hard_
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
         "want = hard if hard != resource.RLIM_INFINITY else int(open('/proc/sys/fs/nr_open').read())\n"
-        "from events import FileLog\n"
+        "from agentlog.events import FileLog\n"
         "FileLog.open(sys.argv[1]).close()\n"
         "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], want)\n"
     )

@@ -121,7 +121,7 @@ def test_second_writer_in_another_process_is_refused(tmp_path):
     lg = FileLog.open(d)
     code = (
         "import sys; sys.path.insert(0, %r)\n"
-        "from events import FileLog, LogLocked\n"
+        "from agentlog.events import FileLog, LogLocked\n"
         "try:\n    FileLog.open(%r)\nexcept LogLocked as e:\n    print(e); sys.exit(3)\n"
     ) % (str(Path(__file__).resolve().parents[2]), str(d))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)

@@ -114,7 +114,7 @@ def test_reading_commands_never_import_torch(run_log, tmp_path):
     path, _ = run_log
     code = (
         "import sys, io, contextlib\n"
-        "from tools.cli import main\n"
+        "from agentlog.tools.cli import main\n"
         f"log = {str(path)!r}\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    for argv in (['stats', log], ['replay', log, '--json'], ['show', log, 'fin-0'],\n"
