@@ -185,7 +185,7 @@ def on_a_terminal(*args: str, stdout: bool = False, until=None, timeout: float =
     # A fresh pty is 0x0; a real terminal has a size (tqdm draws nothing in 0 columns).
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from tools.cli import main; sys.exit(main())", *args],
+        [sys.executable, "-c", "import sys; from agentlog.tools.cli import main; sys.exit(main())", *args],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=slave if stdout else subprocess.DEVNULL, stderr=slave,
     )
