@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # `python -m tools.cli`: run the imported module's main, so the commands'
-    # `from tools.cli import CliError` is the class this main catches.
+    # `from agentlog.tools.cli import CliError` is the class this main catches.
     from agentlog.tools.cli import main as _main
 
     sys.exit(_main())

@@ -23,7 +23,7 @@ N_EVENTS = 33  # what cli_helpers.write_run appends
 
 def _start_tail(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", "import sys; from tools.cli import main; sys.exit(main())", "tail", *args],
+        [sys.executable, "-c", "import sys; from agentlog.tools.cli import main; sys.exit(main())", "tail", *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
