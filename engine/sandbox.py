@@ -84,7 +84,9 @@ class LocalSandbox(Sandbox):
     in its own process group (session), output captured to a file."""
 
     def __init__(self, workdir: str | os.PathLike[str], *, tail_chars: int = OUTPUT_TAIL_CHARS, env: dict[str, str] | None = None) -> None:
-        self.workdir = Path(workdir)
+        # Absolute: the done marker is written by the command from inside the workdir, so a
+        # relative path would point below itself and the marker would never land.
+        self.workdir = Path(workdir).absolute()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.tail_chars = tail_chars
         self.env = env

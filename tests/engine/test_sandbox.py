@@ -120,3 +120,12 @@ def test_commands_run_in_the_working_directory(arun, tmp_path):
     (tmp_path / "here.txt").write_text("x")
     res = arun(LocalSandbox(tmp_path).run_command("ls here.txt && pwd", 10))
     assert res.exit_code == 0 and str(tmp_path) in res.output_tail
+
+
+def test_a_relative_working_directory_still_reports_the_exit_code(arun, tmp_path, monkeypatch):
+    # The command writes its done marker from inside the workdir: a relative
+    # workdir must not make the marker path relative to itself.
+    monkeypatch.chdir(tmp_path)
+    box = LocalSandbox("runs/sandbox")
+    res = arun(box.run_command("echo ok; exit 3", budget_s=30))
+    assert res.exit_code == 3 and res.output_tail.strip() == "ok"
