@@ -182,6 +182,15 @@ class IdFilter:
         h1, h2 = self._hashes(session_id)
         return self._in_layers(h1, h2, self._layers)
 
+    def copy(self) -> "IdFilter":
+        """An independent copy."""
+        new = IdFilter.__new__(IdFilter)
+        new._first_capacity = self._first_capacity
+        new._layers = [(bytearray(b), m) for b, m in self._layers]
+        new._capacity = self._capacity
+        new._count = self._count
+        return new
+
 
 class _Track:
     """Per open session; evicted at its terminal event."""
@@ -205,6 +214,12 @@ class _Track:
         self.reward: Any = None
         self.opened_lsn = env.lsn
         self.opened_ts_ns = env.ts_ns
+
+    def copy(self) -> "_Track":
+        new = _Track.__new__(_Track)
+        for name in _Track.__slots__:
+            setattr(new, name, getattr(self, name))
+        return new
 
 
 class LifecycleState:
@@ -238,6 +253,18 @@ class LifecycleState:
             return t.state
         r = self.recent.get(session_id)
         return r[0] if r is not None else None
+
+    def copy(self) -> "LifecycleState":
+        """An independent copy (the fold mutates its state in place)."""
+        new = LifecycleState(recent_window=self.recent_window, id_capacity=1, tolerate_unknown=self.tolerate_unknown)
+        new.live = {k: v.copy() for k, v in self.live.items()}
+        new.recent = OrderedDict(self.recent)
+        new.ids = self.ids.copy()
+        new.next_lsn = self.next_lsn
+        new.events = self.events
+        new.ended = self.ended
+        new.unknown_events = dict(self.unknown_events)
+        return new
 
 
 def _summary(sid: str, t: _Track, env: Envelope, state: State) -> SessionSummary:
