@@ -145,11 +145,6 @@ class SessionHandle:
             self._log = _log.bind(session_id=self.session_id, group_id=self.group_id)
         return self._log
 
-    @property
-    def terminal(self) -> bool:
-        """True once the session reached finished, aborted or dropped."""
-        return self.state in TERMINAL_STATES
-
     # -- lifecycle triggers --------------------------------------------------
 
     async def start(self, harness: str = "", sandbox: str = "", details: dict[str, Any] | None = None) -> Envelope:
@@ -532,15 +527,6 @@ class SessionEngine:
         if h is not None:
             return h.state
         return self._recent.get(session_id)
-
-    def require(self, session_id: str, what: str = "turn_recorded") -> SessionHandle:
-        """The live, running session's handle, or refuse: logs
-        ``session.straggler_refused`` and raises StragglerRefused (for callers
-        that route by id, such as a gateway receiving a late turn)."""
-        h = self._live.get(session_id)
-        if h is None or h.state is not State.RUNNING:
-            self._refuse(session_id, what, h.state if h is not None else self._recent.get(session_id), h)
-        return h  # type: ignore[return-value]
 
     async def open_session(
         self,

@@ -325,12 +325,6 @@ class Gateway:
         for sid in [k for k, c in self._sessions.items() if c.inflight == 0 and self.engine.get(k) is None]:
             self._drop_cfg(sid)
 
-    def forget(self, session_id: str) -> None:
-        """Drop the per-session configuration and key (harnesses call it when their session ends)."""
-        cfg = self._sessions.get(session_id)
-        if cfg is not None and cfg.inflight == 0:
-            self._drop_cfg(session_id)
-
     def _drop_cfg(self, sid: str) -> None:
         cfg = self._sessions.pop(sid)
         if cfg.api_key is not None:

@@ -36,7 +36,6 @@ import numpy as np
 COMPLETED = "completed"
 TRUNCATED = "truncated"
 ABORTED = "aborted"
-SAMPLE_STATUSES = (COMPLETED, TRUNCATED, ABORTED)
 
 
 class _SampleV1(msgspec.Struct, frozen=True):

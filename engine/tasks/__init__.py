@@ -1,4 +1,4 @@
 """Tasks the online loop trains on: the interface, the registry and the built-in lookup task (the demo's; see lookup.py)."""
 
-from .base import Episode, Task, TaskError, ToolResult, Verdict, get_task, register_task, select_task, task_names  # noqa: F401
+from .base import Episode, Task, TaskError, ToolResult, Verdict, register_task, select_task, task_names  # noqa: F401
 from .lookup import LookupTask  # noqa: F401  (registers "lookup")

@@ -152,12 +152,3 @@ def select_task(name: str | None = None, **kwargs: Any) -> Task:
     if not isinstance(task, Task):
         raise TaskError(f"harness {name!r} is not a task (its factory returned {type(task).__name__}); the loop needs an engine.tasks.Task")
     return task
-
-
-def get_task(name: str, **kwargs: Any) -> Task:
-    """Build the task registered as ``name``; an unknown name lists the valid ones."""
-    try:
-        factory = _TASKS[name]
-    except KeyError:
-        raise TaskError(f"unknown task {name!r}; expected one of: {', '.join(task_names()) or '(none registered)'}") from None
-    return factory(**kwargs)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentlog.engine.tasks import Task, TaskError, get_task, register_task, task_names
+from agentlog.engine.tasks import Task, TaskError, register_task, select_task, task_names
 from agentlog.engine.tasks.lookup import (
     ANSWER, EOS, LOOKUP, RESULT, SEP, UNKNOWN, VOCAB_SIZE, LookupTask, decode, encode, key_token, value_token,
 )
@@ -74,8 +74,8 @@ def test_demonstrations_replace_answers_at_the_requested_rate() -> None:
 
 
 def test_unknown_task_lists_the_registered_ones() -> None:
-    with pytest.raises(TaskError, match="unknown task 'nope'; expected one of: .*lookup"):
-        get_task("nope")
+    with pytest.raises(TaskError, match="unknown harness 'nope'.*expected one of: .*lookup"):
+        select_task("nope")
 
 
 def test_a_user_task_registers_and_is_built_by_name() -> None:
@@ -100,7 +100,7 @@ def test_a_user_task_registers_and_is_built_by_name() -> None:
             return Verdict(reward=float(outputs[0][0] == 1), success=outputs[0][0] == 1)
 
     assert "echo-test" in task_names()
-    assert isinstance(get_task("echo-test"), Echo)
+    assert isinstance(select_task("echo-test"), Echo)
     with pytest.raises(TaskError, match="already registered"):
         register_task("echo-test")(LookupTask)
 
