@@ -47,11 +47,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     return report
 
 
-#: The short demo's flags (its --out is ``runs/demo`` under the fixture's folder).
-SHORT_DEMO_ARGS = (
-    "demo", "--steps", "2", "--warmup-steps", "5", "--groups-per-step", "4", "--group-size", "4",
-    "--seed", "0", "--quiet", "--timeout", "120",
-)
+from short_demo import SHORT_DEMO_ARGS  # noqa: E402  (tests/ is on sys.path: it has no __init__.py)
 
 
 @pytest.fixture(scope="session")

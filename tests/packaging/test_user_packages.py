@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import SHORT_DEMO_ARGS
+from short_demo import SHORT_DEMO_ARGS
 
 #: The user's packages: importing one appends a line to $USER_PKG_MARKER (when set),
 #: and provides nothing our code could use.

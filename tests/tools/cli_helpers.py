@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
 
@@ -155,8 +153,9 @@ async def write_run(path: str | os.PathLike, online: list | None = None) -> dict
 
 def agentlog(*args: str, timeout: float = 60, input: str | None = None) -> subprocess.CompletedProcess:
     """Run ``agentlog ARGS`` in a subprocess (``python -m tools.cli``)."""
-    # The caller's PYTHONPATH first: the subprocess imports the agentlog this test process imports.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if p)}
+    # The caller's environment as is: the subprocess imports the agentlog this test process imports
+    # (the installed one, or a shim on PYTHONPATH), never the bare layer folders of the checkout.
+    env = dict(os.environ)
     return subprocess.run(
         [sys.executable, "-m", "agentlog.tools.cli", *args],
         cwd=ROOT,
@@ -186,7 +185,7 @@ def on_a_terminal(*args: str, stdout: bool = False, until=None, timeout: float =
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from agentlog.tools.cli import main; sys.exit(main())", *args],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT, env=dict(os.environ),
         stdout=slave if stdout else subprocess.DEVNULL, stderr=slave,
     )
     os.close(slave)

@@ -40,6 +40,7 @@ def test_optional_skip():
 
 def _run_generated(tmp_path, ci: str | None) -> subprocess.CompletedProcess:
     shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    shutil.copy(ROOT / "tests" / "short_demo.py", tmp_path / "short_demo.py")
     (tmp_path / "pytest.ini").write_text(
         "[pytest]\naddopts = -v -rA --strict-markers -p no:cacheprovider\nmarkers =\n    required: must run in CI\n"
     )
@@ -47,7 +48,6 @@ def _run_generated(tmp_path, ci: str | None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     if ci is not None:
         env["CI"] = ci
-    env["PYTHONPATH"] = str(ROOT)
     return subprocess.run(
         [sys.executable, "-m", "pytest", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )

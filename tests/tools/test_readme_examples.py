@@ -58,7 +58,7 @@ def test_the_readme_has_runnable_examples_of_the_debugging_commands():
 def _run_until_first_line(args: list[str], cwd: Path, needle: str, timeout: float = 90) -> tuple[int, str]:
     """Start ``agentlog ARGS``; once ``needle`` shows on stdout, SIGINT it; (exit code, stdout + stderr)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentlog.tools.cli", *args], cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [sys.executable, "-m", "agentlog.tools.cli", *args], cwd=cwd, env=dict(os.environ),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     seen = threading.Event()
@@ -107,7 +107,7 @@ def test_each_readme_example_runs_as_written(cmd, short_demo_run, tmp_path):
         assert code in (0, 130) and "Traceback" not in out, (code, out)
         return
     res = subprocess.run(
-        [sys.executable, "-m", "agentlog.tools.cli", *args], cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [sys.executable, "-m", "agentlog.tools.cli", *args], cwd=work, env=dict(os.environ),
         capture_output=True, text=True, timeout=120,
     )
     assert res.returncode == 0, (shlex.join(cmd), res.stdout[-2000:], res.stderr[-2000:])
