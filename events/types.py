@@ -366,6 +366,12 @@ class PolicyUpdated(msgspec.Struct, frozen=True, tag="policy_updated"):
     #: (skipped by the reducer, or stale). With ``groups`` it makes every
     #: released group appear in exactly one record of the learner log.
     skipped: dict[str, str] = {}
+    #: The low-water LSN after this step: the oldest ``session_opened`` of any
+    #: member of a group still pending in the learner's reducer (``lsn_end + 1``
+    #: when none is). A restarted learner replays the rollout log from here
+    #: instead of from 0 (:class:`agentlog.reducers.pipeline.InFlightWindow`).
+    #: -1: not recorded (a log written before this field): replay from 0.
+    lsn_low_water: int = -1
 
 
 Event = Union[

@@ -29,9 +29,17 @@ the initial model).
 Exactly-once. The learner log is the learner's memory. On start it reads its
 own log back: the last record names the checkpoint to resume from (weights,
 optimiser, schedule, version), and the union of every record's trained and
-skipped groups is the set already consumed. It then reduces the rollout log
-from the start, skipping consumed groups, so no group is trained twice and
-none is skipped, whenever the learner was killed.
+skipped groups is the set already consumed. It then reduces the rollout log,
+skipping consumed groups, so no group is trained twice and none is skipped,
+whenever the learner was killed.
+
+Bounded restart. Each record also names the low-water LSN after its step
+(``lsn_low_water``: the oldest ``session_opened`` of any member of a group
+still pending in the reducer). A restart reads the rollout log from there,
+not from 0, and feeds its fresh reducer only the in-flight window
+(:class:`agentlog.reducers.pipeline.InFlightWindow`): the groups it then
+trains and their sample digests equal those of a restart from 0. Records
+without the field (older learner logs) replay from 0.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+import msgspec
 import torch
 
 from agentlog._logging import get_logger
@@ -52,7 +61,7 @@ from agentlog.events.types import PolicyUpdated
 from agentlog.learner.learner import Learner
 from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.groups import Group
-from agentlog.reducers.pipeline import Reducer
+from agentlog.reducers.pipeline import InFlightWindow, Reducer
 from agentlog.reducers.samples import SampleDigest
 
 from . import logs
@@ -86,6 +95,19 @@ def sampling_refusal(group: Group) -> str:
         first = rows[0]
         return f"sampling: session {first.session_id} row {first.row_index}: {first.metadata['sampling_error']}"
     return ""
+
+
+def resume_window(last: PolicyUpdated, consumed: set[str]) -> tuple[int, InFlightWindow]:
+    """Where a restarted learner reads the rollout log from, and what of it it
+    feeds its reducer, after the learner log's ``last`` record.
+
+    From ``last.lsn_low_water`` when recorded: the fold is rebuilt from the
+    in-flight window (:class:`InFlightWindow`), not from a snapshot, so the
+    groups it releases afterwards, and their samples, are those a fold from
+    0 releases. A record written before the field (-1) replays from 0."""
+    if last.lsn_low_water < 0:
+        return 0, InFlightWindow(-1, consumed)
+    return last.lsn_low_water, InFlightWindow(last.lsn_end, consumed)
 
 
 def reduce_config(cfg: LoopConfig) -> ReduceConfig:
@@ -126,13 +148,16 @@ class LoopLearner:
             for r in records:
                 if r.groups:
                     self.recent_rewards.append(r.metrics.get("rollout/reward_mean", math.nan))
+            window = InFlightWindow(-1, consumed)
+            read_from = 0
             if records:
                 last = records[-1]
                 self.learner.load_checkpoint(last.checkpoint)
                 step = last.step + 1
                 lsn_next = last.lsn_end + 1
+                read_from, window = resume_window(last, consumed)
                 self.log.info("learner.resumed", step=last.step, policy_version=last.policy_version,
-                              checkpoint=last.checkpoint, groups_consumed=len(consumed))
+                              checkpoint=last.checkpoint, groups_consumed=len(consumed), replay_from_lsn=read_from)
             else:
                 # Demo-only, imported only here: with warmup_steps 0 it trains nothing.
                 from .demo.warmup import supervised_warmup
@@ -152,7 +177,9 @@ class LoopLearner:
             reducer = Reducer(reduce_config(cfg))
             pending: list[Group] = []
             released_at: dict[str, int] = {}
-            async for env in logs.follow(self.run_dir / "rollout", 0):
+            async for env in logs.follow(self.run_dir / "rollout", read_from):
+                if not window.admits(env):
+                    continue
                 out = reducer.feed(env)
                 for g in out.groups:
                     if g.group_id in consumed:
@@ -163,6 +190,8 @@ class LoopLearner:
                     continue
                 t_busy = time.perf_counter()
                 record = self.train_step(step, pending, lsn_next, env.lsn, released_at)
+                oldest = reducer.oldest_in_flight_lsn()
+                record = msgspec.structs.replace(record, lsn_low_water=env.lsn + 1 if oldest is None else oldest)
                 publish(llog, record)
                 self.busy_s += time.perf_counter() - t_busy
                 self.log.info("learner.policy_updated", step=step, policy_version=record.policy_version,

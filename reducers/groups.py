@@ -124,6 +124,13 @@ class GroupTracker:
             gid: (p.group_size, len(p.opened), len(p.done) + len(p.dropped)) for gid, p in self._pending.items()
         }
 
+    def oldest_open_lsn(self) -> int | None:
+        """The smallest LSN at which a member of a group still in flight opened
+        (ended members included), or None when no group is in flight: a fold
+        resumed from there sees every event of every pending group."""
+        lsns = [lsn for p in self._pending.values() for _, lsn in p.opened.values()]
+        return min(lsns) if lsns else None
+
     def check_open(self, group_id: str, session_id: str, group_size: int, sample_index: int, lsn: int | None = None) -> None:
         """The membership rule: raise GroupError naming the conflict if
         ``session_id`` may not join ``group_id`` as declared; change nothing.

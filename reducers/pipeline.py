@@ -46,7 +46,7 @@ from .metrics import MetricsAccumulator
 from .samples import Sample, SampleDigest, aborted_placeholder, final_raw_reward, finished_samples, resolve_reward
 from .trajectory import SessionTrajectory, Trajectory, TrajectoryError
 
-__all__ = ["ENDED_WINDOW", "Outputs", "ReduceError", "ReduceResult", "Reducer", "UnknownEventError", "reduce_log", "session_trajectory"]
+__all__ = ["ENDED_WINDOW", "InFlightWindow", "Outputs", "ReduceError", "ReduceResult", "Reducer", "UnknownEventError", "reduce_log", "session_trajectory"]
 
 
 #: How many recently ended session ids the reducer remembers, to refuse an id
@@ -239,12 +239,70 @@ class Reducer:
         """Groups not yet released: ``group_id -> (group_size, opened, terminal)``."""
         return self._groups.pending()
 
+    def oldest_in_flight_lsn(self) -> int | None:
+        """The LSN of the oldest ``session_opened`` of any member (ended or not)
+        of a group not yet released, or None when nothing is in flight. Every
+        open session belongs to such a group, so a fold resumed from here
+        (:class:`InFlightWindow`) rebuilds every pending group whole."""
+        return self._groups.oldest_open_lsn()
+
     def trajectory(self, session_id: str) -> Trajectory:
         """The current linearisation of a session still in flight (for inspection)."""
         session = self._sessions.get(session_id)
         if session is None:
             raise KeyError(f"session {session_id!r} is not in flight (never opened, or already terminal and evicted)")
         return session.trajectory.linearise(self.config.max_context_tokens)
+
+
+class InFlightWindow:
+    """Which envelopes a fold resumed at a low-water LSN must feed its reducer.
+
+    A consumer that has taken every group released up to ``through_lsn``
+    (``settled_groups``) and recorded the low-water LSN then
+    (:meth:`Reducer.oldest_in_flight_lsn`) restarts by reading the log from
+    that LSN into a fresh :class:`Reducer`, feeding only what ``admits``:
+
+    * up to ``through_lsn``, the events of sessions whose ``session_opened``
+      lies in the window and whose group is not settled. Every member of a
+      group pending at ``through_lsn`` opened at or after the low-water mark
+      (that is how the mark is chosen, ended members included), so those
+      groups are rebuilt whole. Sessions opened before the mark ended before
+      ``through_lsn`` in groups already settled; a settled group's members
+      that opened inside the window are left out too, so no partial group is
+      left dangling in the reducer;
+    * after ``through_lsn``, everything, exactly as a fold from 0 would see it.
+
+    The groups then released, their order and their samples equal those of a
+    fold from LSN 0 that skips the settled groups. What the window does not
+    re-check is the lifecycle of the sessions it leaves out (a fold from 0
+    did check it, before the consumer recorded the mark); an event after
+    ``through_lsn`` of such a session is fed and refused by the reducer as a
+    session never opened. ``through_lsn = -1`` admits everything (a fold
+    from 0).
+    """
+
+    __slots__ = ("through_lsn", "settled_groups", "_members")
+
+    def __init__(self, through_lsn: int, settled_groups: set[str] | frozenset[str]) -> None:
+        self.through_lsn = through_lsn
+        self.settled_groups = settled_groups
+        self._members: set[str] = set()  # sessions opened in the window, group not settled
+
+    def admits(self, env: Envelope) -> bool:
+        """Whether ``env`` (read in LSN order from the low-water mark) is fed to the reducer."""
+        if env.lsn > self.through_lsn:
+            if self._members:
+                self._members = set()  # past the mark nothing is filtered: free the set
+            return True
+        body = env.body
+        if isinstance(body, SessionOpened):
+            if body.group_id in self.settled_groups:
+                return False
+            self._members.add(env.session_id)
+            return True
+        if isinstance(body, PolicyUpdated):
+            return True
+        return env.session_id in self._members
 
 
 class ReduceResult(msgspec.Struct):

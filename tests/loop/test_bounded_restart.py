@@ -1,0 +1,143 @@
+"""A restart from the learner's low-water LSN equals a restart from LSN 0.
+
+The learner records, with each step, the oldest ``session_opened`` of any
+member of a group still pending in its reducer; a restart replays the
+rollout log from there through :class:`InFlightWindow`. These tests check
+that it releases the same groups, in the same order, with the same samples,
+as a fold from 0, on logs whose groups straddle each other."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import msgspec
+from hypothesis import given, settings, strategies as st
+
+from agentlog.events.log_api import MemoryLog
+from agentlog.events.types import PolicyUpdated
+from agentlog.loop import logs
+from agentlog.loop.publish import publish, read_learner_records
+from agentlog.loop.trainer import LoopLearner, reduce_config
+from agentlog.reducers.pipeline import InFlightWindow, Reducer
+from agentlog.reducers.samples import digest_samples
+
+from interleaved import record_interleaved
+from loop_helpers import small_config
+
+_LOGS: dict[int, list] = {}
+
+
+def _envelopes(seed: int) -> list:
+    if seed not in _LOGS:
+        log = MemoryLog()
+        record_interleaved(log, seed=seed, groups=24, in_flight=14)
+        _LOGS[seed] = list(log.read(0))
+    return _LOGS[seed]
+
+
+def _released(reducer: Reducer, envelopes, window: InFlightWindow | None = None):
+    """(lsn, group id, digest of its samples) for every group released."""
+    out = []
+    for env in envelopes:
+        if window is not None and not window.admits(env):
+            continue
+        for g in reducer.feed(env).groups:
+            out.append((env.lsn, g.group_id, digest_samples(list(g.samples))))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 3), cut=st.floats(0.0, 1.0))
+def test_a_fold_resumed_at_the_low_water_mark_releases_what_a_fold_from_zero_releases(seed: int, cut: float) -> None:
+    """Cut a fold from 0 after any envelope: the groups released so far are
+    settled and the reducer's oldest in-flight LSN is the mark. A fresh
+    reducer fed the window from the mark releases exactly the groups the
+    fold from 0 releases after the cut, in the same order, same samples."""
+    envs = _envelopes(seed)
+    c = min(int(cut * len(envs)), len(envs) - 1)
+    full = Reducer()
+    before = _released(full, envs[: c + 1])
+    through = envs[c].lsn
+    oldest = full.oldest_in_flight_lsn()
+    low = through + 1 if oldest is None else oldest
+    after = _released(full, envs[c + 1:])
+    settled = {gid for _, gid, _ in before}
+    resumed = _released(Reducer(), [e for e in envs if e.lsn >= low], InFlightWindow(through, settled))
+    assert resumed == after
+    assert {gid for _, gid, _ in after}.isdisjoint(settled)
+
+
+def test_the_window_leaves_out_members_of_settled_groups_and_sessions_opened_before_the_mark() -> None:
+    """Where groups straddle the mark the window must filter: fed whole from the
+    mark, a fresh reducer meets events of sessions it never saw open."""
+    envs = _envelopes(0)
+    full = Reducer()
+    settled: set[str] = set()
+    for c, env in enumerate(envs):
+        settled |= {g.group_id for g in full.feed(env).groups}
+        oldest = full.oldest_in_flight_lsn()
+        if settled and oldest is not None and oldest > envs[0].lsn:
+            straddle = [e for e in envs[oldest: c + 1] if e.session_id and not isinstance(e.body, PolicyUpdated)]
+            opened_in = {e.session_id for e in envs[oldest: c + 1] if e.body.__struct_config__.tag == "session_opened"}
+            if any(e.session_id not in opened_in for e in straddle):
+                break
+    else:
+        raise AssertionError("the recorded log has no cut where a session straddles the mark")
+    try:
+        Reducer().feed_many(envs[oldest:])
+    except Exception as exc:  # the reducer refuses a session it never saw open
+        assert "lsn" in str(exc)
+    else:
+        raise AssertionError("an unfiltered fold from the mark should meet a session it never saw open")
+
+
+def _run_learner(run: Path, cfg, max_steps: int) -> None:
+    asyncio.run(asyncio.wait_for(LoopLearner(run, cfg).run(max_steps=max_steps), timeout=120))
+
+
+def _without_low_water(run: Path, src: Path) -> None:
+    """Rewrite ``run``'s learner log as a learner from before the field wrote it
+    (no ``lsn_low_water``), its checkpoints pointing into ``run``."""
+    records = read_learner_records(src / "learner")
+    shutil.rmtree(run / "learner")
+    llog = logs.open_log(run / "learner", "batch")
+    try:
+        for r in records:
+            ckpt = r.checkpoint.replace(str(src), str(run))
+            publish(llog, msgspec.structs.replace(r, lsn_low_water=-1, checkpoint=ckpt))
+    finally:
+        llog.close()
+
+
+def test_a_learner_restarted_from_its_low_water_mark_trains_what_a_restart_from_zero_trains(tmp_path: Path) -> None:
+    """Drive the loop's learner on a recorded rollout log of straddling groups:
+    train three steps, stop, copy the run. Restart one copy as is (from the
+    recorded low-water mark) and the other with the mark removed (from LSN 0):
+    the next steps train the same groups, skip the same, and give the same
+    sample digests and policy versions."""
+    cfg = small_config(steps=20, groups_per_step=3)
+    a = tmp_path / "a"
+    a.mkdir()
+    cfg.save(a / "config.json")
+    rollout = logs.open_log(a / "rollout", "batch")
+    try:
+        record_interleaved(rollout, seed=5, groups=40, in_flight=16)
+    finally:
+        rollout.close()
+    _run_learner(a, cfg, 3)
+    first = read_learner_records(a / "learner")
+    assert len(first) == 4
+    assert 0 < first[-1].lsn_low_water <= first[-1].lsn_end, first[-1]
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    _without_low_water(b, a)
+    _run_learner(a, cfg, 4)
+    _run_learner(b, cfg, 4)
+    ra, rb = read_learner_records(a / "learner")[4:], read_learner_records(b / "learner")[4:]
+    assert len(ra) == len(rb) == 4
+    for x, y in zip(ra, rb):
+        assert (x.step, x.policy_version, x.groups, x.skipped, x.sample_digest, x.lsn_start, x.lsn_end, x.lsn_low_water) == (
+            y.step, y.policy_version, y.groups, y.skipped, y.sample_digest, y.lsn_start, y.lsn_end, y.lsn_low_water)
+    assert any(r.groups for r in ra)
