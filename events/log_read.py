@@ -270,7 +270,10 @@ async def follow_log(
     segment rotation and writer restarts. Yields only records below the
     DURABLE watermark, so never a record that a crash could take back."""
     directory = Path(path)
-    cur = Cursor(directory, from_lsn, max_record_bytes, None, raw)
+    # The INDEX hint (loaded when the cursor positions, once the log exists)
+    # lets a follower that starts deep in the log seek instead of scanning
+    # its segment from the start: a restarted learner resumes at its low-water LSN.
+    cur = Cursor(directory, from_lsn, max_record_bytes, lambda first: _load_index_hint(directory)(first), raw)
     try:
         while True:
             durable = read_watermark(directory)

@@ -50,7 +50,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import msgspec
 import torch
@@ -97,17 +97,30 @@ def sampling_refusal(group: Group) -> str:
     return ""
 
 
-def resume_window(last: PolicyUpdated, consumed: set[str]) -> tuple[int, InFlightWindow]:
-    """Where a restarted learner reads the rollout log from, and what of it it
-    feeds its reducer, after the learner log's ``last`` record.
+class ResumePoint(NamedTuple):
+    """Where a restarted learner picks the rollout log up (:func:`resume_point`)."""
 
-    From ``last.lsn_low_water`` when recorded: the fold is rebuilt from the
-    in-flight window (:class:`InFlightWindow`), not from a snapshot, so the
-    groups it releases afterwards, and their samples, are those a fold from
-    0 releases. A record written before the field (-1) replays from 0."""
-    if last.lsn_low_water < 0:
-        return 0, InFlightWindow(-1, consumed)
-    return last.lsn_low_water, InFlightWindow(last.lsn_end, consumed)
+    consumed: set[str]  # every group trained or skipped by a recorded step
+    read_from: int  # the LSN to read the rollout log from
+    window: InFlightWindow  # what of it to feed the fresh reducer
+
+
+def resume_point(records: list[PolicyUpdated]) -> ResumePoint:
+    """The resume point after the learner log's ``records`` (in order).
+
+    From the last record's ``lsn_low_water`` when recorded: the fold is
+    rebuilt from the in-flight window (:class:`InFlightWindow`), not from a
+    snapshot, so the groups it releases afterwards, and their samples, are
+    those a fold from 0 releases. No record, or a last record written before
+    the field (-1): from 0."""
+    consumed: set[str] = set()
+    for r in records:
+        consumed.update(r.groups)
+        consumed.update(r.skipped)
+    if not records or records[-1].lsn_low_water < 0:
+        return ResumePoint(consumed, 0, InFlightWindow(-1, consumed))
+    last = records[-1]
+    return ResumePoint(consumed, last.lsn_low_water, InFlightWindow(last.lsn_end, consumed))
 
 
 def reduce_config(cfg: LoopConfig) -> ReduceConfig:
@@ -141,21 +154,15 @@ class LoopLearner:
         llog = logs.open_log(self.run_dir / "learner", cfg.fsync)
         try:
             records = [env.body for env in llog.read(0) if isinstance(env.body, PolicyUpdated)]
-            consumed: set[str] = set()
-            for r in records:
-                consumed.update(r.groups)
-                consumed.update(r.skipped)
+            consumed, read_from, window = resume_point(records)
             for r in records:
                 if r.groups:
                     self.recent_rewards.append(r.metrics.get("rollout/reward_mean", math.nan))
-            window = InFlightWindow(-1, consumed)
-            read_from = 0
             if records:
                 last = records[-1]
                 self.learner.load_checkpoint(last.checkpoint)
                 step = last.step + 1
                 lsn_next = last.lsn_end + 1
-                read_from, window = resume_window(last, consumed)
                 self.log.info("learner.resumed", step=last.step, policy_version=last.policy_version,
                               checkpoint=last.checkpoint, groups_consumed=len(consumed), replay_from_lsn=read_from)
             else:
