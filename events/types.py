@@ -372,6 +372,11 @@ class PolicyUpdated(msgspec.Struct, frozen=True, tag="policy_updated"):
     #: instead of from 0 (:class:`agentlog.reducers.pipeline.InFlightWindow`).
     #: -1: not recorded (a log written before this field): replay from 0.
     lsn_low_water: int = -1
+    #: The learner-log LSN of the oldest record a restart after this one must
+    #: read: every group released at or after ``lsn_low_water``, and the
+    #: rewards the stop rule looks back on, are in the records from there on.
+    #: -1: not recorded: read the learner log from 0.
+    records_from_lsn: int = -1
 
 
 Event = Union[

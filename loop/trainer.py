@@ -57,6 +57,7 @@ import torch
 
 from agentlog._logging import get_logger
 from agentlog.engine.tasks import select_task
+from agentlog.events.log_api import EventLog
 from agentlog.events.types import PolicyUpdated
 from agentlog.learner.learner import Learner
 from agentlog.reducers.config import ReduceConfig
@@ -123,6 +124,49 @@ def resume_point(records: list[PolicyUpdated]) -> ResumePoint:
     return ResumePoint(consumed, last.lsn_low_water, InFlightWindow(last.lsn_end, consumed))
 
 
+class RecordsNeeded:
+    """Which learner-log records a restart after the newest one must read.
+
+    It keeps (learner-log LSN, ``lsn_end``, trained anything) of the records
+    still needed, starting from those a restart read (``history``)."""
+
+    def __init__(self, stop_window: int, history: Iterable[tuple[int, PolicyUpdated]] = ()) -> None:
+        self.stop_window = stop_window
+        self.entries: list[tuple[int, int, bool]] = [(lsn, r.lsn_end, bool(r.groups)) for lsn, r in history]
+
+    def note(self, own_lsn: int, record: PolicyUpdated, low_water: int) -> int:
+        """Remember ``record`` (about to be appended at learner-log LSN
+        ``own_lsn``) and return its ``records_from_lsn``: the oldest record a
+        restart after it must read. That is the first record whose
+        ``lsn_end`` reaches the low-water mark (records before it hold only
+        groups released before the mark, whose sessions all opened before
+        it, so the replay never meets them), or earlier where the stop
+        rule's last ``stop_window`` trained records reach further back.
+        Older entries are forgotten, so this stays bounded."""
+        self.entries.append((own_lsn, record.lsn_end, bool(record.groups)))
+        last = len(self.entries) - 1
+        window_first = next(i for i, (_, end, _) in enumerate(self.entries) if end >= low_water or i == last)
+        trained = [i for i, (_, _, t) in enumerate(self.entries) if t]
+        if self.stop_window <= 0:
+            rewards_first = last  # no stop rule looks back
+        else:
+            rewards_first = trained[-self.stop_window] if len(trained) >= self.stop_window else 0
+        del self.entries[: min(window_first, rewards_first)]
+        return self.entries[0][0]
+
+
+def read_resume_records(llog: EventLog) -> list[tuple[int, PolicyUpdated]]:
+    """The records of the learner log ``llog`` a restart needs, with their
+    learner-log LSNs: from the last record's ``records_from_lsn`` on, or the
+    whole log when the last record predates that field."""
+    end = llog.next_lsn
+    if end == 0:
+        return []
+    last = next(iter(llog.read(end - 1)))
+    start = last.body.records_from_lsn if isinstance(last.body, PolicyUpdated) and last.body.records_from_lsn >= 0 else 0
+    return [(env.lsn, env.body) for env in llog.read(start) if isinstance(env.body, PolicyUpdated)]
+
+
 def reduce_config(cfg: LoopConfig) -> ReduceConfig:
     """The reducer configuration of a loop run (shared by the online learner and the offline check)."""
     return ReduceConfig(min_valid=cfg.min_valid)
@@ -153,8 +197,10 @@ class LoopLearner:
         cfg = self.cfg
         llog = logs.open_log(self.run_dir / "learner", cfg.fsync)
         try:
-            records = [env.body for env in llog.read(0) if isinstance(env.body, PolicyUpdated)]
+            history = read_resume_records(llog)
+            records = [r for _, r in history]
             consumed, read_from, window = resume_point(records)
+            needed = RecordsNeeded(cfg.stop_window, history)
             for r in records:
                 if r.groups:
                     self.recent_rewards.append(r.metrics.get("rollout/reward_mean", math.nan))
@@ -198,7 +244,9 @@ class LoopLearner:
                 t_busy = time.perf_counter()
                 record = self.train_step(step, pending, lsn_next, env.lsn, released_at)
                 oldest = reducer.oldest_in_flight_lsn()
-                record = msgspec.structs.replace(record, lsn_low_water=env.lsn + 1 if oldest is None else oldest)
+                low_water = env.lsn + 1 if oldest is None else oldest
+                record = msgspec.structs.replace(record, lsn_low_water=low_water,
+                                                 records_from_lsn=needed.note(llog.next_lsn, record, low_water))
                 publish(llog, record)
                 self.busy_s += time.perf_counter() - t_busy
                 self.log.info("learner.policy_updated", step=step, policy_version=record.policy_version,

@@ -98,26 +98,27 @@ def _run_learner(run: Path, cfg, max_steps: int) -> None:
 
 
 def _without_low_water(run: Path, src: Path) -> None:
-    """Rewrite ``run``'s learner log as a learner from before the field wrote it
-    (no ``lsn_low_water``), its checkpoints pointing into ``run``."""
+    """Rewrite ``run``'s learner log as a learner from before the fields wrote it
+    (no ``lsn_low_water`` nor ``records_from_lsn``), its checkpoints pointing into ``run``."""
     records = read_learner_records(src / "learner")
     shutil.rmtree(run / "learner")
     llog = logs.open_log(run / "learner", "batch")
     try:
         for r in records:
             ckpt = r.checkpoint.replace(str(src), str(run))
-            publish(llog, msgspec.structs.replace(r, lsn_low_water=-1, checkpoint=ckpt))
+            publish(llog, msgspec.structs.replace(r, lsn_low_water=-1, records_from_lsn=-1, checkpoint=ckpt))
     finally:
         llog.close()
 
 
 def test_a_learner_restarted_from_its_low_water_mark_trains_what_a_restart_from_zero_trains(tmp_path: Path) -> None:
     """Drive the loop's learner on a recorded rollout log of straddling groups:
-    train three steps, stop, copy the run. Restart one copy as is (from the
+    train eight steps of one group each (so groups in flight at the cut were
+    opened several steps back), stop, copy the run. Restart one copy as is (from the
     recorded low-water mark) and the other with the mark removed (from LSN 0):
     the next steps train the same groups, skip the same, and give the same
     sample digests and policy versions."""
-    cfg = small_config(steps=20, groups_per_step=3)
+    cfg = small_config(steps=30, groups_per_step=1, stop_window=1, stop_reward=0.0)
     a = tmp_path / "a"
     a.mkdir()
     cfg.save(a / "config.json")
@@ -126,18 +127,22 @@ def test_a_learner_restarted_from_its_low_water_mark_trains_what_a_restart_from_
         record_interleaved(rollout, seed=5, groups=40, in_flight=16)
     finally:
         rollout.close()
-    _run_learner(a, cfg, 3)
+    _run_learner(a, cfg, 8)
     first = read_learner_records(a / "learner")
-    assert len(first) == 4
+    assert len(first) == 9
     assert 0 < first[-1].lsn_low_water <= first[-1].lsn_end, first[-1]
+    # The restart reads the learner log's tail only, but more than its last record.
+    assert 0 < first[-1].records_from_lsn < len(first) - 1, first[-1]
     b = tmp_path / "b"
     shutil.copytree(a, b)
     _without_low_water(b, a)
-    _run_learner(a, cfg, 4)
-    _run_learner(b, cfg, 4)
-    ra, rb = read_learner_records(a / "learner")[4:], read_learner_records(b / "learner")[4:]
-    assert len(ra) == len(rb) == 4
+    _run_learner(a, cfg, 8)
+    _run_learner(b, cfg, 8)
+    ra, rb = read_learner_records(a / "learner")[9:], read_learner_records(b / "learner")[9:]
+    assert len(ra) == len(rb) == 8
     for x, y in zip(ra, rb):
         assert (x.step, x.policy_version, x.groups, x.skipped, x.sample_digest, x.lsn_start, x.lsn_end, x.lsn_low_water) == (
             y.step, y.policy_version, y.groups, y.skipped, y.sample_digest, y.lsn_start, y.lsn_end, y.lsn_low_water)
+    consumed = [g for r in read_learner_records(a / "learner") for g in [*r.groups, *r.skipped]]
+    assert len(consumed) == len(set(consumed)), "a group was consumed twice"
     assert any(r.groups for r in ra)
