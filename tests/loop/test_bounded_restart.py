@@ -20,7 +20,7 @@ from agentlog.events.log_api import MemoryLog
 from agentlog.events.types import PolicyUpdated
 from agentlog.loop import logs
 from agentlog.loop.publish import publish, read_learner_records
-from agentlog.loop.trainer import LoopLearner, reduce_config
+from agentlog.loop.trainer import LoopLearner, read_resume_records, resume_point
 from agentlog.reducers.errors import ReduceError
 from agentlog.reducers.pipeline import InFlightWindow, Reducer
 from agentlog.reducers.samples import digest_samples
@@ -147,3 +147,34 @@ def test_a_learner_restarted_from_its_low_water_mark_trains_what_a_restart_from_
     consumed = [g for r in read_learner_records(a / "learner") for g in [*r.groups, *r.skipped]]
     assert len(consumed) == len(set(consumed)), "a group was consumed twice"
     assert any(r.groups for r in ra)
+
+
+class _PolicyUpdatedBeforeLowWater(msgspec.Struct, frozen=True, tag="policy_updated"):
+    """``policy_updated`` as a learner wrote it before the low-water fields."""
+
+    step: int
+    policy_version: int
+    checkpoint: str = ""
+    metrics: dict[str, float] = {}
+    sample_digest: str = ""
+    lsn_start: int = -1
+    lsn_end: int = -1
+    groups: list[str] = []
+    skipped: dict[str, str] = {}
+
+
+def test_a_learner_log_from_before_the_low_water_fields_resumes_from_zero() -> None:
+    """Old records decode with both fields at -1; the learner then reads its whole
+    log and replays the rollout log from LSN 0 with nothing filtered."""
+    old = [_PolicyUpdatedBeforeLowWater(step=i, policy_version=i, lsn_start=10 * i - 9 if i else -1,
+                                        lsn_end=10 * i if i else -1, groups=[f"g{i}"] if i else []) for i in range(4)]
+    records = [msgspec.msgpack.decode(msgspec.msgpack.encode(r), type=PolicyUpdated) for r in old]
+    assert all(r.lsn_low_water == -1 and r.records_from_lsn == -1 for r in records)
+    llog = MemoryLog()
+    for r in records:
+        publish(llog, r)
+    read = read_resume_records(llog)
+    assert [lsn for lsn, _ in read] == [0, 1, 2, 3] and [r for _, r in read] == records
+    consumed, read_from, window = resume_point(records)
+    assert consumed == {"g1", "g2", "g3"} and read_from == 0 and window.through_lsn == -1
+    assert all(window.admits(env) for env in _envelopes(0)[:200])
