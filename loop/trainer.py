@@ -210,7 +210,7 @@ class LoopLearner:
                 step = last.step + 1
                 lsn_next = last.lsn_end + 1
                 self.log.info("learner.resumed", step=last.step, policy_version=last.policy_version,
-                              checkpoint=last.checkpoint, groups_consumed=len(consumed), replay_from_lsn=read_from)
+                              checkpoint=last.checkpoint, consumed_groups_read=len(consumed), replay_from_lsn=read_from)
             else:
                 # Demo-only, imported only here: with warmup_steps 0 it trains nothing.
                 from .demo.warmup import supervised_warmup
