@@ -38,7 +38,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from agentlog.events.types import TurnRecorded
+from agentlog.events.turn_delta import common_prefix_tokens  # noqa: F401  (re-exported: the prefix check lives with the delta encoding)
+from agentlog.events.turn_delta import TurnContext, TurnDeltaError
+from agentlog.events.types import TurnDelta, TurnRecorded
 
 CLEAN = "clean"
 REALIGN = "realign"
@@ -146,17 +148,6 @@ class _Node:
     def add(self, child: "_Node") -> "_Node":
         self.children.append(child)
         return child
-
-
-def common_prefix_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
-    """Number of leading int32 tokens two packed arrays share."""
-    n = min(len(a), len(b)) // 4
-    if n == 0:
-        return 0
-    # Views, not slices: no copy of either array.
-    differ = np.frombuffer(a, dtype="<i4", count=n) != np.frombuffer(b, dtype="<i4", count=n)
-    first = int(differ.argmax())
-    return first if differ[first] else n
 
 
 _zeros = bytes(1 << 16)
@@ -295,6 +286,9 @@ class SessionTrajectory:
         self._prev_messages: list[dict[str, Any]] = []
         self._prev_path: list[_Node] = []
         self.output_tokens = 0
+        # The previous turn's prompt + output and messages + response: what a
+        # turn_delta expands against (O(current context)).
+        self._context = TurnContext()
 
     @property
     def n_turns(self) -> int:
@@ -307,13 +301,20 @@ class SessionTrajectory:
 
     # -------------------------------------------------------------- routing
 
-    def record_turn(self, body: TurnRecorded, lsn: int) -> TurnDecision:
-        """Route one turn into the tree; returns its (still open) decision."""
+    def record_turn(self, body: TurnRecorded | TurnDelta, lsn: int) -> TurnDecision:
+        """Route one turn into the tree; returns its (still open) decision. A
+        turn_delta is first expanded, against the previous turn, into the
+        full turn it stands for: the tree sees the same turn either way."""
         if body.turn_index in self._turns:
             raise TrajectoryError(
                 f"session {self.session_id!r}, lsn {lsn}: turn_index {body.turn_index} recorded twice"
                 f" (first at lsn {self._turns[body.turn_index].lsn})"
             )
+        if type(body) is TurnDelta:
+            try:
+                body = self._context.expand(body, f"session {self.session_id!r}, lsn {lsn}: ")
+            except TurnDeltaError as exc:
+                raise TrajectoryError(str(exc)) from None
         turn = _Turn(body, lsn)
         messages = body.messages
         if not messages:
@@ -347,6 +348,7 @@ class SessionTrajectory:
         leaf.turn = turn
         self._last_generated = leaf
         self._turns[turn.index] = turn
+        self._context = TurnContext.after(body)
         self.output_tokens += len(body.output_ids) // 4
         return turn.decision
 

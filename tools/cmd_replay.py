@@ -92,6 +92,14 @@ def event_summary(body: Any) -> str:
             f"turn {body.turn_index}: in {len(body.prompt_ids) // 4} out {len(body.output_ids) // 4} tokens,"
             f" finish {body.finish_reason}{extra}{lp}"
         )
+    if tag == "turn_delta":
+        extra = " ill-formed" if body.ill_formed else ""
+        lp = "" if body.output_log_probs else " (no log-probs)"
+        return (
+            f"turn {body.turn_index}: in {body.shared_tokens + len(body.new_prompt_ids) // 4}"
+            f" ({len(body.new_prompt_ids) // 4} new) out {len(body.output_ids) // 4} tokens,"
+            f" {len(body.new_messages)} new messages, finish {body.finish_reason}{extra}{lp}"
+        )
     if tag == "turn_undelivered":
         return f"turn {body.turn_index} undelivered: {body.reason or '-'}"
     if tag == "command_ran":
