@@ -16,12 +16,12 @@ is O(current context), and drop it when the session ends.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import msgspec
 import numpy as np
 
-from .types import _READING_STORED, TurnDelta, TurnRecorded
+from .types import _READING_STORED, TERMINAL_EVENT_TYPES, Envelope, TurnDelta, TurnRecorded
 
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -141,3 +141,26 @@ def prompt_token_count(body: TurnRecorded | TurnDelta) -> int:
     if type(body) is TurnDelta:
         return body.shared_tokens + len(body.new_prompt_ids) // 4
     return len(body.prompt_ids) // 4
+
+
+def full_turns(envelopes: Iterable[Envelope]) -> Iterator[Envelope]:
+    """The envelopes with every turn_delta replaced by the full turn_recorded
+    it stands for (same LSN, session, sequence and time): for readers that
+    want each turn's whole prompt (``show``, tests, exports). Holds one
+    context per session in flight, dropped at its terminal event. Raises
+    TurnDeltaError naming the LSN on a delta its previous turn cannot
+    satisfy."""
+    contexts: dict[str, TurnContext] = {}
+    for env in envelopes:
+        body = env.body
+        if type(body) is TurnDelta:
+            body = contexts.get(env.session_id, _EMPTY).expand(body, f"lsn {env.lsn}, session {env.session_id!r}: ")
+            env = Envelope(env.lsn, env.session_id, env.session_seq, env.ts_ns, body)
+        if type(body) is TurnRecorded:
+            contexts[env.session_id] = TurnContext.after(body)
+        elif isinstance(body, TERMINAL_EVENT_TYPES):
+            contexts.pop(env.session_id, None)
+        yield env
+
+
+_EMPTY = TurnContext()

@@ -35,7 +35,7 @@ FILTER_RULE = (
 )
 #: How many existing values an unknown-filter error lists.
 VALUES_SHOWN = 8
-_TOKEN_FIELDS = ("prompt_ids", "output_ids")
+_TOKEN_FIELDS = ("prompt_ids", "output_ids", "new_prompt_ids")
 _LOGPROB_FIELDS = ("output_log_probs",)
 
 

@@ -20,9 +20,11 @@ from agentlog.events.types import (
 )
 
 
-def every_event() -> list:
-    """One instance of each event type, with non-default values in every field."""
-    out = [
+def golden_events() -> list:
+    """One instance of each event type the golden fixtures were written with
+    (tests/fixtures/make_golden.py; their bytes are pinned, so this list never
+    changes), with non-default values in every field."""
+    return [
         SessionOpened(
             group_id="g-0",
             group_size=4,
@@ -48,6 +50,19 @@ def every_event() -> list:
             generate_s=0.25,
             sampling={"temperature": 1.0},
         ),
+        TurnUndelivered(turn_index=3, reason="client gone"),
+        CommandRan(command="pytest -x", exit_code=None, budget_exceeded=True, duration_s=1.5, output_tail="E   fail"),
+        RewardAssigned(reward={"pass": 1.0, "style": 0.5}, source="verifier"),
+        SessionFinished(reward=0.75, metadata={"turns": 4}),
+        SessionAborted(reason="timeout", error="TimeoutError()", traceback="Traceback...\n"),
+        SessionDropped(reason="shutdown"),
+        PolicyUpdated(step=3, policy_version=8, checkpoint="ckpt/8", metrics={"loss/policy": 0.1}, sample_digest="ab", lsn_start=0, lsn_end=9, groups=["g-0"]),
+    ]
+
+
+def every_event() -> list:
+    """One instance of each event type: the golden ones, then the types added since."""
+    out = golden_events() + [
         TurnDelta(
             turn_index=4,
             shared_tokens=8,
@@ -63,13 +78,6 @@ def every_event() -> list:
             generate_s=0.5,
             sampling={"temperature": 0.7},
         ),
-        TurnUndelivered(turn_index=3, reason="client gone"),
-        CommandRan(command="pytest -x", exit_code=None, budget_exceeded=True, duration_s=1.5, output_tail="E   fail"),
-        RewardAssigned(reward={"pass": 1.0, "style": 0.5}, source="verifier"),
-        SessionFinished(reward=0.75, metadata={"turns": 4}),
-        SessionAborted(reason="timeout", error="TimeoutError()", traceback="Traceback...\n"),
-        SessionDropped(reason="shutdown"),
-        PolicyUpdated(step=3, policy_version=8, checkpoint="ckpt/8", metrics={"loss/policy": 0.1}, sample_digest="ab", lsn_start=0, lsn_end=9, groups=["g-0"]),
     ]
     assert {type(e) for e in out} == set(EVENT_TYPES), "every_event() must cover every event type"
     return out
