@@ -112,14 +112,44 @@ class Trajectory(msgspec.Struct, frozen=True):
 
 
 class _Turn:
-    __slots__ = ("index", "body", "lsn", "undelivered", "decision")
+    """A recorded turn. ``body`` is the stored event: a turn_recorded, or a
+    turn_delta whose prompt is ``base``'s (the previous turn in log order)
+    prompt + output cut to ``shared_tokens``, then ``new_prompt_ids``. So a
+    session's turns hold its new tokens only, O(current context), and
+    :meth:`prompt` rebuilds a prompt when linearisation needs it."""
 
-    def __init__(self, body: TurnRecorded, lsn: int) -> None:
+    __slots__ = ("index", "body", "base", "lsn", "undelivered", "decision")
+
+    def __init__(self, body: TurnRecorded | TurnDelta, lsn: int, base: "_Turn | None") -> None:
         self.index = body.turn_index
         self.body = body
+        self.base = base if type(body) is TurnDelta else None
         self.lsn = lsn
         self.undelivered: str | None = None
         self.decision = TurnDecision(turn_index=body.turn_index, lsn=lsn)
+
+    def prompt(self, cache: dict[int, bytes]) -> bytes:
+        """The full prompt token ids; ``cache`` (turn index -> prompt) holds
+        the prompts rebuilt during one linearisation."""
+        body = self.body
+        if type(body) is not TurnDelta:
+            return body.prompt_ids
+        if not body.shared_tokens:
+            return body.new_prompt_ids
+        # Walk back to a turn whose prompt is known, then forward: no recursion.
+        chain: list[_Turn] = []
+        turn: _Turn = self
+        while type(turn.body) is TurnDelta and turn.body.shared_tokens and turn.index not in cache:
+            chain.append(turn)
+            assert turn.base is not None  # expand() checked the delta against it
+            turn = turn.base
+        prompt = cache[turn.index] if turn.index in cache else turn.prompt(cache)
+        for later in reversed(chain):
+            d = later.body
+            prompt = (prompt + turn.body.output_ids)[: d.shared_tokens * 4] + d.new_prompt_ids
+            cache[later.index] = prompt
+            turn = later
+        return prompt
 
     def untrainable_reason(self) -> str:
         body = self.body
@@ -173,7 +203,7 @@ class _RowBuilder:
     mask and log-probs as spans, ``(n_tokens, log_probs or None, policy
     version, turn index)``, materialised once per emitted row."""
 
-    __slots__ = ("fork_threshold", "prompt", "output", "spans", "spanned", "last_start", "lead", "turns")
+    __slots__ = ("fork_threshold", "prompt", "output", "spans", "spanned", "last_start", "last_turn", "lead", "turns")
 
     def __init__(self, fork_threshold: int) -> None:
         self.fork_threshold = fork_threshold
@@ -182,11 +212,30 @@ class _RowBuilder:
         self.spans: list[tuple[int, bytes | None, int, int]] = []
         self.spanned = 0  # tokens covered by spans (== held tokens)
         self.last_start: int | None = None  # token index where the last response starts
+        self.last_turn: _Turn | None = None
         self.lead = 0  # the first turn's prompt length: the row's prompt
         self.turns: list[int] = []
 
-    def classify(self, body: TurnRecorded) -> str:
-        prompt = body.prompt_ids
+    def prompt_of(self, turn: _Turn, cache: dict[int, bytes]) -> bytes:
+        """The turn's full prompt; straight from the held tokens when the turn
+        is a delta against the row's last turn (the usual case)."""
+        body = turn.body
+        if type(body) is TurnDelta and turn.base is not None and turn.base is self.last_turn:
+            shared = body.shared_tokens * 4
+            if shared <= len(self.prompt):
+                return self.prompt[:shared] + body.new_prompt_ids
+            return self.prompt + self.output[: shared - len(self.prompt)] + body.new_prompt_ids
+        return turn.prompt(cache)
+
+    def classify(self, turn: _Turn, prompt: bytes) -> str:
+        body = turn.body
+        if (
+            type(body) is TurnDelta
+            and turn.base is not None
+            and turn.base is self.last_turn
+            and body.shared_tokens * 4 == len(self.prompt) + len(self.output)
+        ):
+            return CLEAN  # it repeats all the held tokens: no need to compare them
         if prompt.startswith(self.prompt) and prompt.startswith(self.output, len(self.prompt)):
             return CLEAN
         agree = common_prefix_tokens(self.prompt + self.output, prompt)
@@ -199,9 +248,8 @@ class _RowBuilder:
             self.spans.append((n, log_probs, version, turn))
             self.spanned += n
 
-    def append(self, turn: _Turn, kind: str, train: bool) -> None:
+    def append(self, turn: _Turn, prompt: bytes, kind: str, train: bool) -> None:
         body = turn.body
-        prompt = body.prompt_ids
         n_prompt = len(prompt) // 4
         if kind == REALIGN:
             # The drifted span carries no signal: overwrite it from the prompt
@@ -219,6 +267,7 @@ class _RowBuilder:
         self.prompt = prompt
         self.output = out
         self.last_start = n_prompt
+        self.last_turn = turn
         self._span(len(out) // 4, body.output_log_probs if train else None, body.policy_version, turn.index)
         self.turns.append(turn.index)
 
@@ -289,6 +338,7 @@ class SessionTrajectory:
         # The previous turn's prompt + output and messages + response: what a
         # turn_delta expands against (O(current context)).
         self._context = TurnContext()
+        self._prev_turn: _Turn | None = None  # in log order: what the next delta's base is
 
     @property
     def n_turns(self) -> int:
@@ -310,12 +360,14 @@ class SessionTrajectory:
                 f"session {self.session_id!r}, lsn {lsn}: turn_index {body.turn_index} recorded twice"
                 f" (first at lsn {self._turns[body.turn_index].lsn})"
             )
+        stored = body
         if type(body) is TurnDelta:
             try:
                 body = self._context.expand(body, f"session {self.session_id!r}, lsn {lsn}: ")
             except TurnDeltaError as exc:
                 raise TrajectoryError(str(exc)) from None
-        turn = _Turn(body, lsn)
+        # The turn keeps the stored event; the expanded one routes and is dropped.
+        turn = _Turn(stored, lsn, self._prev_turn)
         messages = body.messages
         if not messages:
             node = self._last_generated or self._root
@@ -348,6 +400,7 @@ class SessionTrajectory:
         leaf.turn = turn
         self._last_generated = leaf
         self._turns[turn.index] = turn
+        self._prev_turn = turn
         self._context = TurnContext.after(body)
         self.output_tokens += len(body.output_ids) // 4
         return turn.decision
@@ -451,6 +504,7 @@ class SessionTrajectory:
                 d.trainable = False
                 d.reason = REASON_REWRITTEN
         claimed: set[int] = set()
+        prompts: dict[int, bytes] = {}  # delta turns' prompts rebuilt off the row's path (branches)
         rows: list[Row] = []
         for leaf_no, generated in enumerate(self._generated_chains()):
             if not generated:
@@ -467,12 +521,16 @@ class SessionTrajectory:
                 claimed.add(turn.index)
                 decision = decisions[turn.index]
                 train = first and decision.trainable
-                kind = builders[-1].classify(turn.body) if builders else CLEAN
+                if builders:
+                    prompt = builders[-1].prompt_of(turn, prompts)
+                    kind = builders[-1].classify(turn, prompt)
+                else:
+                    prompt, kind = turn.prompt(prompts), CLEAN
                 if kind == FORK or not builders:
                     builders.append(_RowBuilder(self.fork_threshold))
-                    builders[-1].append(turn, CLEAN, train)
+                    builders[-1].append(turn, prompt, CLEAN, train)
                 else:
-                    builders[-1].append(turn, kind, train)
+                    builders[-1].append(turn, prompt, kind, train)
                 if first:
                     decision.drift = kind
                     decision.leaf = leaf_no
