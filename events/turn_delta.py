@@ -99,10 +99,13 @@ class TurnContext:
             sampling=turn.sampling,
         )
 
-    def expand(self, delta: TurnDelta, where: str = "") -> TurnRecorded:
-        """The full turn a delta stands for. Raises TurnDeltaError (prefixed
-        with ``where``) when it shares more than this context holds."""
-        held_tokens = len(self.tokens) // 4
+    def expand_messages(self, delta: TurnDelta, where: str = "", held_tokens: int | None = None) -> list[Any]:
+        """The full message list of a delta, after checking that it shares no
+        more tokens (``held_tokens``, default this context's) and messages
+        than the previous turn held. Raises TurnDeltaError (prefixed with
+        ``where``)."""
+        if held_tokens is None:
+            held_tokens = len(self.tokens) // 4
         if delta.shared_tokens > held_tokens:
             raise TurnDeltaError(
                 f"{where}turn_delta.shared_tokens: expected at most {held_tokens} (the previous turn's prompt + output),"
@@ -113,9 +116,14 @@ class TurnContext:
                 f"{where}turn_delta.shared_messages: expected at most {len(self.messages)} (the previous turn's"
                 f" messages + response), found {delta.shared_messages} in turn {delta.turn_index}"
             )
+        return self.messages[: delta.shared_messages] + delta.new_messages
+
+    def expand(self, delta: TurnDelta, where: str = "") -> TurnRecorded:
+        """The full turn a delta stands for. Raises TurnDeltaError (prefixed
+        with ``where``) when it shares more than this context holds."""
+        messages = self.expand_messages(delta, where)
         shared = delta.shared_tokens * 4
         prompt = delta.new_prompt_ids if not shared else self.tokens[:shared] + delta.new_prompt_ids
-        messages = self.messages[: delta.shared_messages] + delta.new_messages
         # Built as a stored record is read: the checks ran when it was written.
         token = _READING_STORED.set(True)
         try:

@@ -339,6 +339,7 @@ class SessionTrajectory:
         # turn_delta expands against (O(current context)).
         self._context = TurnContext()
         self._prev_turn: _Turn | None = None  # in log order: what the next delta's base is
+        self._held_tokens = 0  # the previous turn's prompt + output tokens
 
     @property
     def n_turns(self) -> int:
@@ -360,15 +361,18 @@ class SessionTrajectory:
                 f"session {self.session_id!r}, lsn {lsn}: turn_index {body.turn_index} recorded twice"
                 f" (first at lsn {self._turns[body.turn_index].lsn})"
             )
-        stored = body
         if type(body) is TurnDelta:
+            # Only the messages are expanded here (routing needs them); the
+            # prompt tokens are rebuilt when the session is linearised.
             try:
-                body = self._context.expand(body, f"session {self.session_id!r}, lsn {lsn}: ")
+                messages = self._context.expand_messages(body, f"session {self.session_id!r}, lsn {lsn}: ", self._held_tokens)
             except TurnDeltaError as exc:
                 raise TrajectoryError(str(exc)) from None
-        # The turn keeps the stored event; the expanded one routes and is dropped.
-        turn = _Turn(stored, lsn, self._prev_turn)
-        messages = body.messages
+            n_prompt = body.shared_tokens + len(body.new_prompt_ids) // 4
+        else:
+            messages = body.messages
+            n_prompt = len(body.prompt_ids) // 4
+        turn = _Turn(body, lsn, self._prev_turn)
         if not messages:
             node = self._last_generated or self._root
             turn.decision.routing = "linear"
@@ -401,7 +405,14 @@ class SessionTrajectory:
         self._last_generated = leaf
         self._turns[turn.index] = turn
         self._prev_turn = turn
-        self._context = TurnContext.after(body)
+        # What the next delta expands against: these messages + the response,
+        # and how many tokens the prompt + output held (the tokens themselves
+        # stay in the turns).
+        held = list(messages)
+        if body.response_message is not None:
+            held.append(body.response_message)
+        self._context = TurnContext(b"", held)
+        self._held_tokens = n_prompt + len(body.output_ids) // 4
         self.output_tokens += len(body.output_ids) // 4
         return turn.decision
 
