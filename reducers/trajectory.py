@@ -199,16 +199,16 @@ class _RowBuilder:
     followed by its output: CLEAN appends the prompt's tail to tokens the
     prompt starts with, and REALIGN overwrites from the last response on
     with the prompt, which agrees with the held tokens before that point.
-    So the builder keeps just those two byte strings (no growing buffer) and
+    So the builder keeps them in one buffer, extended in place by a CLEAN
+    turn (a delta that repeats all of them costs only its new tokens), and
     mask and log-probs as spans, ``(n_tokens, log_probs or None, policy
     version, turn index)``, materialised once per emitted row."""
 
-    __slots__ = ("fork_threshold", "prompt", "output", "spans", "spanned", "last_start", "last_turn", "lead", "turns")
+    __slots__ = ("fork_threshold", "held", "spans", "spanned", "last_start", "last_turn", "lead", "turns")
 
     def __init__(self, fork_threshold: int) -> None:
         self.fork_threshold = fork_threshold
-        self.prompt = b""  # held tokens == prompt + output
-        self.output = b""
+        self.held = bytearray()  # the last turn's prompt + output
         self.spans: list[tuple[int, bytes | None, int, int]] = []
         self.spanned = 0  # tokens covered by spans (== held tokens)
         self.last_start: int | None = None  # token index where the last response starts
@@ -216,30 +216,24 @@ class _RowBuilder:
         self.lead = 0  # the first turn's prompt length: the row's prompt
         self.turns: list[int] = []
 
-    def prompt_of(self, turn: _Turn, cache: dict[int, bytes]) -> bytes:
-        """The turn's full prompt; straight from the held tokens when the turn
-        is a delta against the row's last turn (the usual case)."""
+    def prompt_of(self, turn: _Turn, cache: dict[int, bytes]) -> bytes | None:
+        """The turn's full prompt, or None when it is a delta on the row's
+        last turn that repeats all the held tokens (CLEAN: only its new
+        tokens are needed)."""
         body = turn.body
         if type(body) is TurnDelta and turn.base is not None and turn.base is self.last_turn:
             shared = body.shared_tokens * 4
-            if shared <= len(self.prompt):
-                return self.prompt[:shared] + body.new_prompt_ids
-            return self.prompt + self.output[: shared - len(self.prompt)] + body.new_prompt_ids
+            if shared == len(self.held):
+                return None
+            if shared < len(self.held):
+                return bytes(self.held[:shared]) + body.new_prompt_ids
         return turn.prompt(cache)
 
-    def classify(self, turn: _Turn, prompt: bytes) -> str:
-        body = turn.body
-        if (
-            type(body) is TurnDelta
-            and turn.base is not None
-            and turn.base is self.last_turn
-            and body.shared_tokens * 4 == len(self.prompt) + len(self.output)
-        ):
-            return CLEAN  # it repeats all the held tokens: no need to compare them
-        if prompt.startswith(self.prompt) and prompt.startswith(self.output, len(self.prompt)):
+    def classify(self, turn: _Turn, prompt: bytes | None) -> str:
+        if prompt is None or prompt.startswith(self.held):
             return CLEAN
-        agree = common_prefix_tokens(self.prompt + self.output, prompt)
-        if self.last_start is not None and agree >= self.last_start and len(body.output_ids) // 4 < self.fork_threshold:
+        agree = common_prefix_tokens(self.held, prompt)
+        if self.last_start is not None and agree >= self.last_start and len(turn.body.output_ids) // 4 < self.fork_threshold:
             return REALIGN
         return FORK
 
@@ -248,9 +242,14 @@ class _RowBuilder:
             self.spans.append((n, log_probs, version, turn))
             self.spanned += n
 
-    def append(self, turn: _Turn, prompt: bytes, kind: str, train: bool) -> None:
+    def append(self, turn: _Turn, prompt: bytes | None, kind: str, train: bool) -> None:
+        """Add a turn; ``prompt`` None: a delta that repeats all the held tokens (see prompt_of)."""
         body = turn.body
-        n_prompt = len(prompt) // 4
+        if prompt is None:
+            new = body.new_prompt_ids
+            n_prompt = len(self.held) // 4 + len(new) // 4
+        else:
+            n_prompt = len(prompt) // 4
         if kind == REALIGN:
             # The drifted span carries no signal: overwrite it from the prompt
             # as context (mask 0, log-prob 0); earlier turns stay untouched.
@@ -264,8 +263,13 @@ class _RowBuilder:
         if self.last_start is None:
             self.lead = n_prompt
         out = body.output_ids
-        self.prompt = prompt
-        self.output = out
+        if prompt is None:
+            self.held += new
+        elif kind == CLEAN:
+            self.held += memoryview(prompt)[len(self.held) :]  # the prompt starts with the held tokens
+        else:
+            self.held = bytearray(prompt)
+        self.held += out
         self.last_start = n_prompt
         self.last_turn = turn
         self._span(len(out) // 4, body.output_log_probs if train else None, body.policy_version, turn.index)
@@ -306,7 +310,7 @@ class _RowBuilder:
         if not versions:
             return None  # nothing trainable survives (or ever was)
         return Row(
-            tokens=(self.prompt + self.output)[: n_tok * 4] if cut else self.prompt + self.output,
+            tokens=bytes(self.held[: n_tok * 4]) if cut else bytes(self.held),
             response_length=response_length,
             loss_mask=b"".join(mask_parts),
             rollout_log_probs=b"".join(lp_parts),

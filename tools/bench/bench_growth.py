@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
 
 from agentlog.engine import SessionEngine  # noqa: E402
 from agentlog.events.log_api import MemoryLog  # noqa: E402
-from agentlog.events.types import TurnDelta, TurnRecorded, encode_body  # noqa: E402
+from agentlog.events.types import Envelope, TurnDelta, TurnRecorded, decode_body, encode_body  # noqa: E402
 from agentlog.reducers.config import ReduceConfig  # noqa: E402
 from agentlog.reducers.pipeline import Reducer, reduce_log  # noqa: E402
 
@@ -135,13 +135,15 @@ def reducer_cpu_s(log: MemoryLog, repeats: int) -> tuple[float, str]:
 
 
 def reducer_live_peak(log: MemoryLog) -> int:
-    """Peak traced bytes while feeding the session's events up to its end (not including it)."""
-    envs = list(log.read(0))
+    """Peak traced bytes while decoding and feeding the session's events up
+    to its end (not including it): what a reader of a log file holds for one
+    live session (bodies are decoded from their stored bytes, as from a file)."""
+    stored = [(e.lsn, e.session_id, e.session_seq, e.ts_ns, encode_body(e.body)) for e in list(log.read(0))[:-1]]
     gc.collect()
     tracemalloc.start()
     reducer = Reducer(CONFIG)
-    for env in envs[:-1]:
-        reducer.feed(env)
+    for lsn, sid, seq, ts, payload in stored:
+        reducer.feed(Envelope(lsn, sid, seq, ts, decode_body(payload)))
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     del reducer
