@@ -184,3 +184,29 @@ def test_an_old_reader_stops_on_a_delta_with_a_schema_error_naming_the_event():
         Reducer(ReduceConfig(min_valid=1)).feed_many(old)
     assert err.value.tag == "turn_delta"
     assert "'turn_delta' is unknown" in str(err.value) and "upgrade agentlog" in str(err.value)
+
+
+def test_a_live_session_in_the_reducer_holds_its_new_tokens_not_every_prompt():
+    # 30 turns of a growing context: the full prompts sum to ~30x the final
+    # context; the reducer must hold about one context's worth of tokens.
+    prompt, turns = list(range(100)), []
+    for t in range(30):
+        out = list(range(1000 + 10 * t, 1010 + 10 * t))
+        turns.append(TurnRecorded(turn_index=t, prompt_ids=prompt, output_ids=out, output_log_probs=[-0.5] * 10))
+        prompt = prompt + out + [5] * 20
+    ctx, log = TurnContext(), MemoryLog(clock=lambda: 0)
+    from agentlog.events.types import SessionOpened, SessionStarted
+
+    records: list[Any] = [SessionOpened(group_id="g", group_size=1), SessionStarted()]
+    for body in turns:
+        records.append(ctx.delta_of(body))
+        ctx = TurnContext.after(body)
+    log.append_batch([("s", i, b) for i, b in enumerate(records)])
+    reducer = Reducer(ReduceConfig(min_valid=1))
+    reducer.feed_many(log.read(0))
+    traj = reducer._sessions["s"].trajectory
+    held = sum(len(getattr(t.body, "prompt_ids", b"")) + len(getattr(t.body, "new_prompt_ids", b"")) + len(t.body.output_ids)
+               for t in traj._turns.values())
+    final_context = len(turns[-1].prompt_ids) + len(turns[-1].output_ids)
+    assert held == final_context  # each token once
+    assert traj._context.tokens == b""  # the expansion context keeps messages and a count only
