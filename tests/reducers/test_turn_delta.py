@@ -76,7 +76,6 @@ def test_delta_encoded_log_reduces_to_the_same_samples_and_digest(seed, config):
 
 
 def test_a_continuing_session_stores_only_the_new_tokens():
-    full = MemoryLog(clock=lambda: 0)
     system = [{"role": "system", "content": "s"}]
     prompt, msgs = list(range(50)), list(system)
     records: list[Any] = []
@@ -93,7 +92,6 @@ def test_a_continuing_session_stores_only_the_new_tokens():
             assert len(delta.new_prompt_ids) // 4 == 3  # the tool output only
             assert [m["role"] for m in delta.new_messages] == ["tool"]
         ctx = TurnContext.after(body)
-    del full
 
 
 def test_a_rewritten_prompt_shares_a_shorter_prefix_and_stays_exact():
