@@ -45,10 +45,12 @@ from agentlog.events.types import (
     SessionFinished,
     SessionOpened,
     SessionStarted,
+    TurnDelta,
     TurnRecorded,
     TurnUndelivered,
     validate_id,
 )
+from agentlog.events.turn_delta import TurnContext
 from agentlog.reducers.groups import GroupError, GroupTracker
 from agentlog.reducers.lifecycle import IdFilter, LifecycleReducer
 from agentlog.reducers.lifecycle_step import Violation, ViolationKind
@@ -112,6 +114,7 @@ class SessionHandle:
     __slots__ = (
         "_engine", "session_id", "group_id", "sample_index", "state", "turns", "budget_s",
         "_seq", "_busy", "_waiters", "_inflight", "_timer", "_owner", "_owner_cancelled", "_expired", "_log",
+        "_context",
     )
 
     def __init__(self, engine: "SessionEngine", session_id: str, group_id: str, budget_s: float | None) -> None:
@@ -134,6 +137,10 @@ class SessionHandle:
         self._owner_cancelled = False
         self._expired = False
         self._log: Any = None
+        #: The previous turn's prompt + output and messages + response: what
+        #: the next turn is stored as a delta against (O(current context);
+        #: dropped when the session ends).
+        self._context: TurnContext | None = TurnContext()
 
     def __repr__(self) -> str:
         return f"SessionHandle({self.session_id!r}, state={self.state}, turns={self.turns})"
@@ -198,12 +205,16 @@ class SessionHandle:
         try:
             if h.state is not State.RUNNING:
                 eng._refuse(h.session_id, "turn_recorded", h.state, h)
-            body = TurnRecorded(
+            full = TurnRecorded(
                 turn_index=h.turns, messages=messages or [], prompt_ids=prompt_ids, output_ids=output_ids,
                 output_log_probs=output_log_probs, finish_reason=finish_reason, response_message=response_message,
                 ill_formed=ill_formed, policy_version=policy_version, generate_s=generate_s, sampling=sampling or {},
             )
-            return await eng._append(h, body, None)
+            # The caller sends the whole prompt (as the chat APIs do); the log
+            # stores what is new since the previous turn.
+            context = h._context if h._context is not None else TurnContext()
+            body = context.delta_of(full)
+            return await eng._append(h, body, None, TurnContext.after(full))
         finally:
             _unlock(h)
 
@@ -667,7 +678,7 @@ class SessionEngine:
         lg.warning("session.straggler_refused", what=what, state=str(state) if state is not None else None)
         raise StragglerRefused(session_id, what, state)
 
-    async def _append(self, h: SessionHandle, body: Any, dest: State | None) -> Envelope:
+    async def _append(self, h: SessionHandle, body: Any, dest: State | None, context: TurnContext | None = None) -> Envelope:
         """Append one event of ``h`` (its lock held) and apply it: next seq,
         turn count, new state, release on a terminal state."""
         seq = h._seq
@@ -678,15 +689,16 @@ class SessionEngine:
             # If ours was staged before the cancel, the log writes it anyway:
             # apply it, so the session stays in step with the log.
             if self._log_.next_seq(h.session_id) != seq:
-                self._apply(h, body, dest, None)
+                self._apply(h, body, dest, None, context)
             raise
-        self._apply(h, body, dest, env.lsn)
+        self._apply(h, body, dest, env.lsn, context)
         return env
 
-    def _apply(self, h: SessionHandle, body: Any, dest: State | None, lsn: int | None) -> None:
+    def _apply(self, h: SessionHandle, body: Any, dest: State | None, lsn: int | None, context: TurnContext | None = None) -> None:
         h._seq += 1
-        if type(body) is TurnRecorded:
+        if type(body) is TurnDelta or type(body) is TurnRecorded:
             h.turns += 1
+            h._context = context
         if dest is not None:
             h.state = dest
             if dest in TERMINAL_STATES:
@@ -739,6 +751,7 @@ class SessionEngine:
     def _release(self, h: SessionHandle, body: Any, lsn: int | None) -> None:
         """Forget everything held for a session that just ended (``lsn``: of its terminal event, if known)."""
         sid = h.session_id
+        h._context = None  # the next-turn context: nothing follows a terminal event
         self._groups.close(h.group_id, None, sid, lsn)
         self._live.pop(sid, None)
         if not self._live:

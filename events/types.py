@@ -217,6 +217,29 @@ class SessionStarted(msgspec.Struct, frozen=True, tag="session_started"):
     details: dict[str, Any] = {}
 
 
+def _check_turn_output(body: Any, event: str) -> None:
+    """The write-time checks a turn's output fields share (turn_recorded, turn_delta)."""
+    if body.finish_reason not in FINISH_REASONS:
+        _fail(event, "finish_reason", "one of stop/length/abort", body.finish_reason)
+    out = _packed(body, "output_ids", pack_tokens)
+    lp = _packed(body, "output_log_probs", pack_log_probs)
+    if lp and len(lp) != len(out):
+        _fail(
+            event,
+            "output_log_probs",
+            f"{len(out) // 4} log-probs (one per output token) or none",
+            f"{len(lp) // 4} log-probs",
+        )
+    if lp:
+        # A NaN or infinite log-prob would surface much later as a NaN loss
+        # with no trace of which turn carried it. (This runs on every
+        # append: one reduction, and the position only when one is bad.)
+        finite = np.isfinite(log_probs_view(lp))
+        if not finite.all():
+            i = int(np.argmin(finite))
+            _fail(event, f"output_log_probs[{i}]", "a finite float", float(log_probs_view(lp)[i]))
+
+
 class TurnRecorded(msgspec.Struct, frozen=True, tag="turn_recorded"):
     """One generation: the prompt the model saw, what it produced, and how."""
 
@@ -237,26 +260,8 @@ class TurnRecorded(msgspec.Struct, frozen=True, tag="turn_recorded"):
             return
         if not isinstance(self.turn_index, int) or isinstance(self.turn_index, bool) or self.turn_index < 0:
             _fail("turn_recorded", "turn_index", "an int >= 0", self.turn_index)
-        if self.finish_reason not in FINISH_REASONS:
-            _fail("turn_recorded", "finish_reason", "one of stop/length/abort", self.finish_reason)
         _packed(self, "prompt_ids", pack_tokens)
-        out = _packed(self, "output_ids", pack_tokens)
-        lp = _packed(self, "output_log_probs", pack_log_probs)
-        if lp and len(lp) != len(out):
-            _fail(
-                "turn_recorded",
-                "output_log_probs",
-                f"{len(out) // 4} log-probs (one per output token) or none",
-                f"{len(lp) // 4} log-probs",
-            )
-        if lp:
-            # A NaN or infinite log-prob would surface much later as a NaN loss
-            # with no trace of which turn carried it. (This runs on every
-            # append: one reduction, and the position only when one is bad.)
-            finite = np.isfinite(log_probs_view(lp))
-            if not finite.all():
-                i = int(np.argmin(finite))
-                _fail("turn_recorded", f"output_log_probs[{i}]", "a finite float", float(log_probs_view(lp)[i]))
+        _check_turn_output(self, "turn_recorded")
 
     @property
     def prompt_tokens(self) -> np.ndarray:
@@ -272,6 +277,49 @@ class TurnRecorded(msgspec.Struct, frozen=True, tag="turn_recorded"):
     def log_probs(self) -> np.ndarray:
         """Output log-probs as a float32 view (empty when not recorded)."""
         return log_probs_view(self.output_log_probs)
+
+
+class TurnDelta(msgspec.Struct, frozen=True, tag="turn_delta"):
+    """One generation, stored as a delta against the session's previous turn.
+
+    The full turn (what a :class:`TurnRecorded` would hold) is: prompt ids =
+    the first ``shared_tokens`` tokens of the previous turn's prompt + output
+    ids, then ``new_prompt_ids``; messages = the first ``shared_messages`` of
+    the previous turn's messages + its response message (when it had one),
+    then ``new_messages``. The first turn of a session has an empty previous
+    turn. A new tag (not a reinterpreted ``turn_recorded``), so a reader that
+    predates it sees an unknown event and stops instead of taking the suffix
+    for the whole prompt. :mod:`agentlog.events.turn_delta` encodes and
+    expands it."""
+
+    turn_index: int
+    shared_tokens: int = 0
+    new_prompt_ids: bytes = b""
+    shared_messages: int = 0
+    new_messages: list[dict[str, Any]] = []
+    output_ids: bytes = b""
+    output_log_probs: bytes = b""
+    finish_reason: str = "stop"
+    response_message: dict[str, Any] | None = None
+    ill_formed: bool = False
+    policy_version: int = 0
+    generate_s: float = 0.0
+    sampling: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        if _READING_STORED.get():
+            return
+        for field in ("turn_index", "shared_tokens", "shared_messages"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                _fail("turn_delta", field, "an int >= 0", value)
+        _packed(self, "new_prompt_ids", pack_tokens)
+        _check_turn_output(self, "turn_delta")
+
+    @property
+    def output_tokens(self) -> np.ndarray:
+        """Output token ids as an int32 view."""
+        return tokens_view(self.output_ids)
 
 
 class TurnUndelivered(msgspec.Struct, frozen=True, tag="turn_undelivered"):
@@ -390,6 +438,7 @@ Event = Union[
     SessionAborted,
     SessionDropped,
     PolicyUpdated,
+    TurnDelta,
 ]
 
 EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]

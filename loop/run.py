@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from agentlog.events.types import PolicyUpdated, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
+from agentlog.events.types import PolicyUpdated, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnDelta, TurnRecorded
 
 from . import logs
 from .config import LoopConfig
@@ -94,7 +94,7 @@ def summarise_rollout(run_dir: Path) -> tuple[Counter, int, int, int, int]:
         b = env.body
         if isinstance(b, SessionOpened):
             sessions += 1
-        elif isinstance(b, TurnRecorded):
+        elif isinstance(b, (TurnRecorded, TurnDelta)):
             turns += 1
             tokens += len(b.output_ids) // 4
         elif isinstance(b, SessionFinished):

@@ -56,11 +56,14 @@ from agentlog.events.types import (
     RewardAssigned,
     SessionFinished,
     SessionOpened,
+    TurnDelta,
     TurnRecorded,
     TurnUndelivered,
     UnknownEvent,
     event_tag,
 )
+
+from agentlog.events.turn_delta import prompt_token_count
 
 from .errors import UnknownEventError
 from .lifecycle_step import EndedWindow, SessionLife, Violation, evolve, lsn_violation, resync
@@ -304,9 +307,9 @@ def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleSta
         state.ids.add(sid)
         state.live[sid] = _Track(step, env, body)
         return state, out
-    if isinstance(body, TurnRecorded):
+    if isinstance(body, (TurnRecorded, TurnDelta)):
         t.turns += 1
-        t.tokens_in += len(body.prompt_ids) // 4
+        t.tokens_in += prompt_token_count(body)
         t.tokens_out += len(body.output_ids) // 4
     elif isinstance(body, TurnUndelivered):
         t.undelivered += 1

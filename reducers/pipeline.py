@@ -33,6 +33,7 @@ from agentlog.events.types import (
     SessionDropped,
     SessionFinished,
     SessionOpened,
+    TurnDelta,
     TurnRecorded,
     TurnUndelivered,
     UnknownEvent,
@@ -141,7 +142,7 @@ class Reducer:
                 assert isinstance(body, SessionOpened)
                 self._groups.open(body.group_id, sid, body.group_size, body.sample_index, lsn)
                 self._sessions[sid] = _Session(life, body, sid, lsn, self.config.fork_threshold)
-            elif isinstance(body, TurnRecorded):
+            elif isinstance(body, (TurnRecorded, TurnDelta)):
                 session.trajectory.record_turn(body, lsn)
             elif isinstance(body, TurnUndelivered):
                 session.trajectory.mark_undelivered(body.turn_index, body.reason, lsn)
@@ -369,7 +370,7 @@ def session_trajectory(envelopes: Iterable[Envelope], session_id: str, config: R
         try:
             if isinstance(env.body, SessionOpened):
                 traj = SessionTrajectory(session_id, config.fork_threshold)
-            elif isinstance(env.body, TurnRecorded):
+            elif isinstance(env.body, (TurnRecorded, TurnDelta)):
                 assert traj is not None
                 traj.record_turn(env.body, env.lsn)
             elif isinstance(env.body, TurnUndelivered):

@@ -77,6 +77,18 @@ class _Turn(msgspec.Struct, tag="turn_recorded"):
     sampling: msgspec.Raw = _RAW
 
 
+class _Delta(msgspec.Struct, tag="turn_delta"):
+    turn_index: int
+    shared_tokens: int = 0
+    new_prompt_ids: bytes = b""
+    new_messages: msgspec.Raw = _RAW
+    output_ids: bytes = b""
+    output_log_probs: msgspec.Raw = _RAW
+    finish_reason: str = "stop"
+    response_message: msgspec.Raw = _RAW
+    sampling: msgspec.Raw = _RAW
+
+
 class _Undelivered(msgspec.Struct, tag="turn_undelivered"):
     turn_index: int
 
@@ -111,7 +123,7 @@ class _Policy(msgspec.Struct, tag="policy_updated"):
     policy_version: int = 0
 
 
-_PROJECTIONS = (_Opened, _Started, _Turn, _Undelivered, _Command, _Reward, _Finished, _Aborted, _Dropped, _Policy)
+_PROJECTIONS = (_Opened, _Started, _Turn, _Delta, _Undelivered, _Command, _Reward, _Finished, _Aborted, _Dropped, _Policy)
 _projection_decoder = msgspec.msgpack.Decoder(Union[_PROJECTIONS])  # type: ignore[valid-type]
 
 #: tag -> the field names the projection reads (checked against events.types by a test).
@@ -248,12 +260,13 @@ class RunStats:
             self.opened += 1
             return
         dest = step.state
-        if tag == "turn_recorded":
+        if tag == "turn_recorded" or tag == "turn_delta":
             n_out = len(body.output_ids) // 4
             self.turns += 1
             live.turns += 1
             live.tokens_out += n_out
-            self.tokens_in += len(body.prompt_ids) // 4
+            # The prompt a delta stands for: the part it shares plus its new tokens.
+            self.tokens_in += len(body.prompt_ids) // 4 if tag == "turn_recorded" else body.shared_tokens + len(body.new_prompt_ids) // 4
             self.tokens_out += n_out
             self.finish_reasons[body.finish_reason] += 1
         elif tag == "turn_undelivered":

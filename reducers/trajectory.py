@@ -38,7 +38,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from agentlog.events.types import TurnRecorded
+from agentlog.events.turn_delta import common_prefix_tokens  # noqa: F401  (re-exported: the prefix check lives with the delta encoding)
+from agentlog.events.turn_delta import TurnContext, TurnDeltaError
+from agentlog.events.types import TurnDelta, TurnRecorded
 
 CLEAN = "clean"
 REALIGN = "realign"
@@ -110,14 +112,44 @@ class Trajectory(msgspec.Struct, frozen=True):
 
 
 class _Turn:
-    __slots__ = ("index", "body", "lsn", "undelivered", "decision")
+    """A recorded turn. ``body`` is the stored event: a turn_recorded, or a
+    turn_delta whose prompt is ``base``'s (the previous turn in log order)
+    prompt + output cut to ``shared_tokens``, then ``new_prompt_ids``. So a
+    session's turns hold its new tokens only, O(current context), and
+    :meth:`prompt` rebuilds a prompt when linearisation needs it."""
 
-    def __init__(self, body: TurnRecorded, lsn: int) -> None:
+    __slots__ = ("index", "body", "base", "lsn", "undelivered", "decision")
+
+    def __init__(self, body: TurnRecorded | TurnDelta, lsn: int, base: "_Turn | None") -> None:
         self.index = body.turn_index
         self.body = body
+        self.base = base if type(body) is TurnDelta else None
         self.lsn = lsn
         self.undelivered: str | None = None
         self.decision = TurnDecision(turn_index=body.turn_index, lsn=lsn)
+
+    def prompt(self, cache: dict[int, bytes]) -> bytes:
+        """The full prompt token ids; ``cache`` (turn index -> prompt) holds
+        the prompts rebuilt during one linearisation."""
+        body = self.body
+        if type(body) is not TurnDelta:
+            return body.prompt_ids
+        if not body.shared_tokens:
+            return body.new_prompt_ids
+        # Walk back to a turn whose prompt is known, then forward: no recursion.
+        chain: list[_Turn] = []
+        turn: _Turn = self
+        while type(turn.body) is TurnDelta and turn.body.shared_tokens and turn.index not in cache:
+            chain.append(turn)
+            assert turn.base is not None  # expand() checked the delta against it
+            turn = turn.base
+        prompt = cache[turn.index] if turn.index in cache else turn.prompt(cache)
+        for later in reversed(chain):
+            d = later.body
+            prompt = (prompt + turn.body.output_ids)[: d.shared_tokens * 4] + d.new_prompt_ids
+            cache[later.index] = prompt
+            turn = later
+        return prompt
 
     def untrainable_reason(self) -> str:
         body = self.body
@@ -148,17 +180,6 @@ class _Node:
         return child
 
 
-def common_prefix_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
-    """Number of leading int32 tokens two packed arrays share."""
-    n = min(len(a), len(b)) // 4
-    if n == 0:
-        return 0
-    # Views, not slices: no copy of either array.
-    differ = np.frombuffer(a, dtype="<i4", count=n) != np.frombuffer(b, dtype="<i4", count=n)
-    first = int(differ.argmax())
-    return first if differ[first] else n
-
-
 _zeros = bytes(1 << 16)
 
 
@@ -178,28 +199,41 @@ class _RowBuilder:
     followed by its output: CLEAN appends the prompt's tail to tokens the
     prompt starts with, and REALIGN overwrites from the last response on
     with the prompt, which agrees with the held tokens before that point.
-    So the builder keeps just those two byte strings (no growing buffer) and
+    So the builder keeps them in one buffer, extended in place by a CLEAN
+    turn (a delta that repeats all of them costs only its new tokens), and
     mask and log-probs as spans, ``(n_tokens, log_probs or None, policy
     version, turn index)``, materialised once per emitted row."""
 
-    __slots__ = ("fork_threshold", "prompt", "output", "spans", "spanned", "last_start", "lead", "turns")
+    __slots__ = ("fork_threshold", "held", "spans", "spanned", "last_start", "last_turn", "lead", "turns")
 
     def __init__(self, fork_threshold: int) -> None:
         self.fork_threshold = fork_threshold
-        self.prompt = b""  # held tokens == prompt + output
-        self.output = b""
+        self.held = bytearray()  # the last turn's prompt + output
         self.spans: list[tuple[int, bytes | None, int, int]] = []
         self.spanned = 0  # tokens covered by spans (== held tokens)
         self.last_start: int | None = None  # token index where the last response starts
+        self.last_turn: _Turn | None = None
         self.lead = 0  # the first turn's prompt length: the row's prompt
         self.turns: list[int] = []
 
-    def classify(self, body: TurnRecorded) -> str:
-        prompt = body.prompt_ids
-        if prompt.startswith(self.prompt) and prompt.startswith(self.output, len(self.prompt)):
+    def prompt_of(self, turn: _Turn, cache: dict[int, bytes]) -> bytes | None:
+        """The turn's full prompt, or None when it is a delta on the row's
+        last turn that repeats all the held tokens (CLEAN: only its new
+        tokens are needed)."""
+        body = turn.body
+        if type(body) is TurnDelta and turn.base is not None and turn.base is self.last_turn:
+            shared = body.shared_tokens * 4
+            if shared == len(self.held):
+                return None
+            if shared < len(self.held):
+                return bytes(self.held[:shared]) + body.new_prompt_ids
+        return turn.prompt(cache)
+
+    def classify(self, turn: _Turn, prompt: bytes | None) -> str:
+        if prompt is None or prompt.startswith(self.held):
             return CLEAN
-        agree = common_prefix_tokens(self.prompt + self.output, prompt)
-        if self.last_start is not None and agree >= self.last_start and len(body.output_ids) // 4 < self.fork_threshold:
+        agree = common_prefix_tokens(self.held, prompt)
+        if self.last_start is not None and agree >= self.last_start and len(turn.body.output_ids) // 4 < self.fork_threshold:
             return REALIGN
         return FORK
 
@@ -208,10 +242,14 @@ class _RowBuilder:
             self.spans.append((n, log_probs, version, turn))
             self.spanned += n
 
-    def append(self, turn: _Turn, kind: str, train: bool) -> None:
+    def append(self, turn: _Turn, prompt: bytes | None, kind: str, train: bool) -> None:
+        """Add a turn; ``prompt`` None: a delta that repeats all the held tokens (see prompt_of)."""
         body = turn.body
-        prompt = body.prompt_ids
-        n_prompt = len(prompt) // 4
+        if prompt is None:
+            new = body.new_prompt_ids
+            n_prompt = len(self.held) // 4 + len(new) // 4
+        else:
+            n_prompt = len(prompt) // 4
         if kind == REALIGN:
             # The drifted span carries no signal: overwrite it from the prompt
             # as context (mask 0, log-prob 0); earlier turns stay untouched.
@@ -225,9 +263,15 @@ class _RowBuilder:
         if self.last_start is None:
             self.lead = n_prompt
         out = body.output_ids
-        self.prompt = prompt
-        self.output = out
+        if prompt is None:
+            self.held += new
+        elif kind == CLEAN:
+            self.held += memoryview(prompt)[len(self.held) :]  # the prompt starts with the held tokens
+        else:
+            self.held = bytearray(prompt)
+        self.held += out
         self.last_start = n_prompt
+        self.last_turn = turn
         self._span(len(out) // 4, body.output_log_probs if train else None, body.policy_version, turn.index)
         self.turns.append(turn.index)
 
@@ -266,7 +310,7 @@ class _RowBuilder:
         if not versions:
             return None  # nothing trainable survives (or ever was)
         return Row(
-            tokens=(self.prompt + self.output)[: n_tok * 4] if cut else self.prompt + self.output,
+            tokens=bytes(self.held[: n_tok * 4]) if cut else bytes(self.held),
             response_length=response_length,
             loss_mask=b"".join(mask_parts),
             rollout_log_probs=b"".join(lp_parts),
@@ -295,6 +339,11 @@ class SessionTrajectory:
         self._prev_messages: list[dict[str, Any]] = []
         self._prev_path: list[_Node] = []
         self.output_tokens = 0
+        # The previous turn's prompt + output and messages + response: what a
+        # turn_delta expands against (O(current context)).
+        self._context = TurnContext()
+        self._prev_turn: _Turn | None = None  # in log order: what the next delta's base is
+        self._held_tokens = 0  # the previous turn's prompt + output tokens
 
     @property
     def n_turns(self) -> int:
@@ -307,15 +356,27 @@ class SessionTrajectory:
 
     # -------------------------------------------------------------- routing
 
-    def record_turn(self, body: TurnRecorded, lsn: int) -> TurnDecision:
-        """Route one turn into the tree; returns its (still open) decision."""
+    def record_turn(self, body: TurnRecorded | TurnDelta, lsn: int) -> TurnDecision:
+        """Route one turn into the tree; returns its (still open) decision. A
+        turn_delta is first expanded, against the previous turn, into the
+        full turn it stands for: the tree sees the same turn either way."""
         if body.turn_index in self._turns:
             raise TrajectoryError(
                 f"session {self.session_id!r}, lsn {lsn}: turn_index {body.turn_index} recorded twice"
                 f" (first at lsn {self._turns[body.turn_index].lsn})"
             )
-        turn = _Turn(body, lsn)
-        messages = body.messages
+        if type(body) is TurnDelta:
+            # Only the messages are expanded here (routing needs them); the
+            # prompt tokens are rebuilt when the session is linearised.
+            try:
+                messages = self._context.expand_messages(body, f"session {self.session_id!r}, lsn {lsn}: ", self._held_tokens)
+            except TurnDeltaError as exc:
+                raise TrajectoryError(str(exc)) from None
+            n_prompt = body.shared_tokens + len(body.new_prompt_ids) // 4
+        else:
+            messages = body.messages
+            n_prompt = len(body.prompt_ids) // 4
+        turn = _Turn(body, lsn, self._prev_turn)
         if not messages:
             node = self._last_generated or self._root
             turn.decision.routing = "linear"
@@ -347,6 +408,15 @@ class SessionTrajectory:
         leaf.turn = turn
         self._last_generated = leaf
         self._turns[turn.index] = turn
+        self._prev_turn = turn
+        # What the next delta expands against: these messages + the response,
+        # and how many tokens the prompt + output held (the tokens themselves
+        # stay in the turns).
+        held = list(messages)
+        if body.response_message is not None:
+            held.append(body.response_message)
+        self._context = TurnContext(b"", held)
+        self._held_tokens = n_prompt + len(body.output_ids) // 4
         self.output_tokens += len(body.output_ids) // 4
         return turn.decision
 
@@ -449,6 +519,7 @@ class SessionTrajectory:
                 d.trainable = False
                 d.reason = REASON_REWRITTEN
         claimed: set[int] = set()
+        prompts: dict[int, bytes] = {}  # delta turns' prompts rebuilt off the row's path (branches)
         rows: list[Row] = []
         for leaf_no, generated in enumerate(self._generated_chains()):
             if not generated:
@@ -465,12 +536,16 @@ class SessionTrajectory:
                 claimed.add(turn.index)
                 decision = decisions[turn.index]
                 train = first and decision.trainable
-                kind = builders[-1].classify(turn.body) if builders else CLEAN
+                if builders:
+                    prompt = builders[-1].prompt_of(turn, prompts)
+                    kind = builders[-1].classify(turn, prompt)
+                else:
+                    prompt, kind = turn.prompt(prompts), CLEAN
                 if kind == FORK or not builders:
                     builders.append(_RowBuilder(self.fork_threshold))
-                    builders[-1].append(turn, CLEAN, train)
+                    builders[-1].append(turn, prompt, CLEAN, train)
                 else:
-                    builders[-1].append(turn, kind, train)
+                    builders[-1].append(turn, prompt, kind, train)
                 if first:
                     decision.drift = kind
                     decision.leaf = leaf_no

@@ -35,7 +35,7 @@ FILTER_RULE = (
 )
 #: How many existing values an unknown-filter error lists.
 VALUES_SHOWN = 8
-_TOKEN_FIELDS = ("prompt_ids", "output_ids")
+_TOKEN_FIELDS = ("prompt_ids", "output_ids", "new_prompt_ids")
 _LOGPROB_FIELDS = ("output_log_probs",)
 
 
@@ -91,6 +91,14 @@ def event_summary(body: Any) -> str:
         return (
             f"turn {body.turn_index}: in {len(body.prompt_ids) // 4} out {len(body.output_ids) // 4} tokens,"
             f" finish {body.finish_reason}{extra}{lp}"
+        )
+    if tag == "turn_delta":
+        extra = " ill-formed" if body.ill_formed else ""
+        lp = "" if body.output_log_probs else " (no log-probs)"
+        return (
+            f"turn {body.turn_index}: in {body.shared_tokens + len(body.new_prompt_ids) // 4}"
+            f" ({len(body.new_prompt_ids) // 4} new) out {len(body.output_ids) // 4} tokens,"
+            f" {len(body.new_messages)} new messages, finish {body.finish_reason}{extra}{lp}"
         )
     if tag == "turn_undelivered":
         return f"turn {body.turn_index} undelivered: {body.reason or '-'}"

@@ -154,13 +154,18 @@ def why_lines(envs: list, full: bool) -> list[str]:
 
 def transcript_lines(envs: list, full: bool) -> list[str]:
     """Per turn the messages new since the turn before, then the response; each command and its output."""
-    from agentlog.events.types import CommandRan, TurnRecorded, TurnUndelivered
+    from agentlog.events.turn_delta import TurnContext
+    from agentlog.events.types import CommandRan, TurnDelta, TurnRecorded, TurnUndelivered
 
     lines: list[str] = []
     held: list = []  # the previous turn's messages and its response: what a new turn's messages extend
+    context = TurnContext()  # what a turn_delta expands against
     for e in envs:
         b = e.body
+        if type(b) is TurnDelta:
+            b = context.expand(b, f"lsn {e.lsn}: ")
         if isinstance(b, TurnRecorded):
+            context = TurnContext.after(b)
             msgs = list(b.messages)
             if held and msgs[: len(held)] == held:
                 new, note = msgs[len(held):], ""

@@ -15,7 +15,7 @@ import pytest
 from agentlog.engine import DuplicateSession, SessionEngine
 from engine_helpers import check_log_invariants
 from agentlog.events import FileLog
-from agentlog.events.types import SessionAborted, SessionFinished, TurnRecorded
+from agentlog.events.types import SessionAborted, SessionFinished, TurnDelta, TurnRecorded
 
 CHILD = textwrap.dedent(
     """
@@ -95,7 +95,7 @@ def test_restart_after_sigkill_aborts_orphans_with_engine_restart(arun, tmp_path
                 else:
                     assert isinstance(last, SessionAborted) and last.reason == "engine_restart", (i, last)
             assert eng.stats["restart_aborted"] == n // 2
-            running_turns = [sum(isinstance(e.body, TurnRecorded) for e in per[f"s{i}"]) for i in range(3, n, 4)]
+            running_turns = [sum(isinstance(e.body, (TurnRecorded, TurnDelta)) for e in per[f"s{i}"]) for i in range(3, n, 4)]
             assert all(t >= 1 for t in running_turns)
             with pytest.raises(DuplicateSession):
                 await eng.open_session("s0", group_id="g", group_size=1)

@@ -25,6 +25,7 @@ from agentlog.events.types import (
     SessionAborted,
     SessionDropped,
     SessionFinished,
+    TurnDelta,
     TurnRecorded,
 )
 
@@ -91,7 +92,7 @@ def test_straggler_turn_is_refused_logged_and_never_appended(arun):
         refused = [e for e in logs if e["event"] == "session.straggler_refused"]
         assert len(refused) == 1 and refused[0]["session_id"] == "s"
         assert eng.get("s") is None and eng.live_count == 0  # the straggler recreated nothing
-        assert [b.turn_index for b in bodies(log, "s") if isinstance(b, TurnRecorded)] == [0]
+        assert [b.turn_index for b in bodies(log, "s") if isinstance(b, TurnDelta)] == [0]
     arun(go())
 
 
@@ -302,7 +303,7 @@ def test_terminal_transition_drains_inflight_turns_then_cancels_the_rest(arun):
         await h.finish(reward=1.0)
         elapsed = loop.time() - t0
         kinds = [type(b).__name__ for b in bodies(log, "s")]
-        assert kinds[-2:] == ["TurnRecorded", "SessionFinished"]
+        assert kinds[-2:] == ["TurnDelta", "SessionFinished"]
         assert stuck_cancelled.is_set() and t_stuck.cancelled()
         assert 0.15 < elapsed < 5
     arun(go())
@@ -319,7 +320,7 @@ def test_concurrent_turns_are_ordered_and_none_lands_after_the_terminal_event(ar
         ops.insert(10, h.finish(reward=1.0))
         res = await asyncio.gather(*ops, return_exceptions=True)
         per = check_log_invariants(log)
-        turns = [e.body for e in per["s"] if isinstance(e.body, TurnRecorded)]
+        turns = [e.body for e in per["s"] if isinstance(e.body, TurnDelta)]
         assert [t.turn_index for t in turns] == list(range(len(turns)))
         n_ok = sum(1 for r in res if not isinstance(r, BaseException)) - 1
         assert n_ok == len(turns)
@@ -508,7 +509,7 @@ def test_cancelled_turn_that_the_log_already_staged_keeps_the_session_in_step(ar
             assert env.body.turn_index == 1 and h.turns == 2
             await h.finish(reward=1.0)
             per = check_log_invariants(log)
-            assert [e.body.turn_index for e in per["s"] if isinstance(e.body, TurnRecorded)] == [0, 1]
+            assert [e.body.turn_index for e in per["s"] if isinstance(e.body, TurnDelta)] == [0, 1]
         finally:
             log.close()
     arun(go())

@@ -10,7 +10,7 @@ from agentlog.engine import SessionEngine, StragglerRefused
 from engine_helpers import fire
 from agentlog.events.lifecycle import TRANSITIONS, IllegalTransition, SessionClosed, State
 from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import SessionAborted, SessionDropped, SessionFinished, SessionStarted, TurnRecorded
+from agentlog.events.types import SessionAborted, SessionDropped, SessionFinished, SessionStarted, TurnDelta
 
 O, R, F, A, D = State.OPEN, State.RUNNING, State.FINISHED, State.ABORTED, State.DROPPED
 NOOP = "noop"
@@ -26,7 +26,7 @@ for _t in (F, A, D):
         (_t, "drop"): NOOP, (_t, "turn"): StragglerRefused,
     })
 
-EVENT_OF = {"start": SessionStarted, "finish": SessionFinished, "abort": SessionAborted, "drop": SessionDropped, "turn": TurnRecorded}
+EVENT_OF = {"start": SessionStarted, "finish": SessionFinished, "abort": SessionAborted, "drop": SessionDropped, "turn": TurnDelta}
 
 
 def test_hand_written_table_matches_the_shared_transition_table():

@@ -14,14 +14,17 @@ from agentlog.events.types import (
     SessionFinished,
     SessionOpened,
     SessionStarted,
+    TurnDelta,
     TurnRecorded,
     TurnUndelivered,
 )
 
 
-def every_event() -> list:
-    """One instance of each event type, with non-default values in every field."""
-    out = [
+def golden_events() -> list:
+    """One instance of each event type the golden fixtures were written with
+    (tests/fixtures/make_golden.py; their bytes are pinned, so this list never
+    changes), with non-default values in every field."""
+    return [
         SessionOpened(
             group_id="g-0",
             group_size=4,
@@ -54,6 +57,27 @@ def every_event() -> list:
         SessionAborted(reason="timeout", error="TimeoutError()", traceback="Traceback...\n"),
         SessionDropped(reason="shutdown"),
         PolicyUpdated(step=3, policy_version=8, checkpoint="ckpt/8", metrics={"loss/policy": 0.1}, sample_digest="ab", lsn_start=0, lsn_end=9, groups=["g-0"]),
+    ]
+
+
+def every_event() -> list:
+    """One instance of each event type: the golden ones, then the types added since."""
+    out = golden_events() + [
+        TurnDelta(
+            turn_index=4,
+            shared_tokens=8,
+            new_prompt_ids=[7, 8],
+            shared_messages=2,
+            new_messages=[{"role": "tool", "content": "ok ✓"}],
+            output_ids=[11, 12],
+            output_log_probs=[-0.5, -0.25],
+            finish_reason="stop",
+            response_message={"role": "assistant", "content": "done"},
+            ill_formed=True,
+            policy_version=7,
+            generate_s=0.5,
+            sampling={"temperature": 0.7},
+        ),
     ]
     assert {type(e) for e in out} == set(EVENT_TYPES), "every_event() must cover every event type"
     return out

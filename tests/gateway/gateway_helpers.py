@@ -9,7 +9,8 @@ from typing import Any, Callable, Sequence
 from agentlog.engine import SessionEngine
 from agentlog.gateway import Backend, ByteChatTemplate, Gateway, GatewayConfig, Generation, SamplingParams, TorchBackend
 from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import TurnRecorded, TurnUndelivered
+from agentlog.events.turn_delta import full_turns
+from agentlog.events.types import TurnDelta, TurnRecorded, TurnUndelivered
 from agentlog.tools.cmd_serve import default_gateway_model
 
 TEMPLATE = ByteChatTemplate()
@@ -117,7 +118,7 @@ class GatedLog(MemoryLog):
         self.waiting = asyncio.Event()
 
     async def append(self, session_id: str, session_seq: int, body: Any):
-        if isinstance(body, TurnRecorded):
+        if isinstance(body, (TurnRecorded, TurnDelta)):
             self.waiting.set()
             await self.gate.wait()
         return await super().append(session_id, session_seq, body)
@@ -151,8 +152,8 @@ async def open_running(engine: Any, sid: str, group: str | None = None, size: in
 
 
 def turns_of(log: MemoryLog, sid: str | None = None) -> list[TurnRecorded]:
-    """The turn_recorded bodies in the log (of one session, or all)."""
-    return [e.body for e in log.read() if isinstance(e.body, TurnRecorded) and (sid is None or e.session_id == sid)]
+    """The full turns in the log (of one session, or all), deltas expanded."""
+    return [e.body for e in full_turns(log.read()) if isinstance(e.body, TurnRecorded) and (sid is None or e.session_id == sid)]
 
 
 def undelivered_of(log: MemoryLog) -> list[TurnUndelivered]:

@@ -11,7 +11,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from agentlog.gateway import GatewayConfig, TorchBackend
-from agentlog.events.types import TurnRecorded
+from agentlog.events.types import TurnDelta, TurnRecorded
 from gateway_helpers import GatedLog, bearer, key_for, HangingBackend, ScriptedBackend, an_client, oa_client, open_running, rig, run, turns_of, undelivered_of
 from agentlog.learner.model import GPT, GPTConfig
 from agentlog.reducers.pipeline import reduce_log, session_trajectory
@@ -254,7 +254,7 @@ def test_backend_failure_is_502_and_records_nothing():
             with capture_logs() as logs:
                 with pytest.raises(openai.InternalServerError, match="HTTP 500 from upstream"):
                     await oa_client(gw, "s").chat.completions.create(model="m", messages=CHAT)
-            assert not any(isinstance(e.body, TurnRecorded) for e in log.read())
+            assert not any(isinstance(e.body, (TurnRecorded, TurnDelta)) for e in log.read())
             assert any(e["event"] == "gateway.backend_failed" for e in logs)
 
     run(body())

@@ -341,9 +341,10 @@ def test_the_body_cap_is_derived_from_the_log_record_cap_and_a_body_at_the_cap_i
 
 
 def turns_of_file(log: FileLog) -> list:
+    from agentlog.events.turn_delta import full_turns
     from agentlog.events.types import TurnRecorded
 
-    return [e for e in log.read() if isinstance(e.body, TurnRecorded)]
+    return [e for e in full_turns(log.read()) if isinstance(e.body, TurnRecorded)]
 
 
 class _HeldBackend(ScriptedBackend):

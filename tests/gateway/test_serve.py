@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from agentlog.events import FileLog, verify_log
+from agentlog.events.turn_delta import full_turns
 from agentlog.events.types import SessionDropped, TurnRecorded
 from agentlog.reducers.pipeline import reduce_log
 
@@ -74,7 +75,7 @@ def test_serve_records_turns_of_admin_opened_sessions_into_a_durable_log(tmp_pat
     assert "a1" in output and key not in output
     assert not [f for f in logdir.rglob("*") if f.is_file() and key.encode() in f.read_bytes()]
     with FileLog.open(logdir) as log:
-        turns = [e.body for e in log.read() if isinstance(e.body, TurnRecorded)]
+        turns = [e.body for e in full_turns(log.read()) if isinstance(e.body, TurnRecorded)]
         assert len(turns) == 1 and turns[0].output_tokens.size <= 6
         (sample,) = reduce_log(log).samples
         assert sample.session_id == "a1" and sample.reward == 1.0

@@ -13,6 +13,7 @@ _AFTER = {
     "session_opened": "open",
     "session_started": "running",
     "turn_recorded": "running",
+    "turn_delta": "running",
     "turn_undelivered": "running",
     "command_ran": "running",
     "reward_assigned": "running",
@@ -49,18 +50,20 @@ def test_replay_json_states_match_the_lifecycle(run_log):
     # The straggler turn the engine refused after strag-3 finished never reached the log.
     strag = [o for o in objs if o["session_id"] == EXPECTED["straggler_refused"]]
     assert strag[-1]["type"] == "session_finished"
-    assert sum(o["type"] == "turn_recorded" for o in strag) == EXPECTED["sessions"]["strag-3"]["turns"]
+    assert sum(o["type"] == "turn_delta" for o in strag) == EXPECTED["sessions"]["strag-3"]["turns"]
 
 
 def test_replay_json_carries_event_fields_with_token_lists(run_log):
     path, _ = run_log
     res = agentlog("replay", str(path), "--json", "--session", "fin-0")
     assert res.returncode == 0, res.stderr
-    turns = [o for o in _json_lines(res.stdout) if o["type"] == "turn_recorded"]
-    assert turns[0]["prompt_ids"] == [1, 2, 3, 4]
+    # Replay shows the events as stored: each turn as a delta against the one before.
+    turns = [o for o in _json_lines(res.stdout) if o["type"] == "turn_delta"]
+    assert turns[0]["shared_tokens"] == 0 and turns[0]["new_prompt_ids"] == [1, 2, 3, 4]
     assert turns[0]["output_ids"] == [10, 11, 12]
     assert turns[0]["output_log_probs"] == [-0.5, -0.5, -0.5]
-    assert turns[1]["prompt_ids"] == [1, 2, 3, 4, 10, 11, 12, 7, 8]
+    # Turn 1's prompt [1, 2, 3, 4, 10, 11, 12, 7, 8] repeats turn 0's prompt + output.
+    assert turns[1]["shared_tokens"] == 7 and turns[1]["new_prompt_ids"] == [7, 8]
     assert turns[0]["finish_reason"] == "stop" and turns[0]["turn_index"] == 0
     cmd = next(o for o in _json_lines(res.stdout) if o["type"] == "command_ran")
     assert cmd["command"] == "pytest -x" and cmd["exit_code"] == 1
@@ -99,7 +102,7 @@ def test_replay_text_shows_state_change_and_summary(run_log):
     lines = res.stdout.splitlines()
     assert len(lines) == 4
     assert "session_opened" in lines[0] and "- -> open" in lines[0]
-    assert "turn 0: in 4 out 3 tokens, finish stop" in lines[2]
+    assert "turn 0: in 4 (4 new) out 3 tokens, 2 new messages, finish stop" in lines[2]
     assert "running -> aborted" in lines[3] and "wall_clock_timeout" in lines[3]
 
 

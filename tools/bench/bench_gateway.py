@@ -79,6 +79,7 @@ async def _run(args) -> list[str]:
     from agentlog.engine import SessionEngine
     from agentlog.gateway import ByteChatTemplate, Gateway, GatewayConfig, SamplingParams, TorchBackend
     from agentlog.events import FileLog
+    from agentlog.events.turn_delta import full_turns
     from agentlog.events.types import TurnRecorded
     from agentlog.learner.model import GPT, GPTConfig
 
@@ -114,7 +115,7 @@ async def _run(args) -> list[str]:
 
     def recorded(sids: set[str]) -> dict:
         out = {}
-        for env in log.read(0):
+        for env in full_turns(log.read(0)):  # the engine stores deltas: compare whole prompts
             if env.session_id in sids and isinstance(env.body, TurnRecorded):
                 out[(env.session_id, env.body.turn_index)] = env.body
         return out

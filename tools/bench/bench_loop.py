@@ -30,7 +30,7 @@ import structlog
 import torch
 
 from agentlog.events.lifecycle import State
-from agentlog.events.types import PolicyUpdated, SessionOpened, TurnRecorded
+from agentlog.events.types import PolicyUpdated, SessionOpened, TurnDelta, TurnRecorded
 from agentlog.learner.learner import Learner
 from agentlog.loop import logs
 from agentlog.loop.config import FaultConfig, LoopConfig
@@ -55,7 +55,7 @@ def rollout_rates(run_dir: Path) -> dict[str, float]:
         if isinstance(env.body, SessionOpened):
             sessions += 1
             first = env.ts_ns if first is None else first
-        elif isinstance(env.body, TurnRecorded):
+        elif isinstance(env.body, (TurnRecorded, TurnDelta)):
             turns += 1
         last = env.ts_ns
     span = max((last - first) / 1e9, 1e-9) if first is not None else float("nan")

@@ -49,7 +49,8 @@ class ReportData(msgspec.Struct):
 
 def collect(envelopes: Iterable[Any], log: str, *, max_drill: int = 300) -> ReportData:
     """Fold the envelopes (in LSN order) into :class:`ReportData`."""
-    from agentlog.events.types import PolicyUpdated, SessionOpened, TurnRecorded
+    from agentlog.events.turn_delta import prompt_token_count
+    from agentlog.events.types import PolicyUpdated, SessionOpened, TurnDelta, TurnRecorded
     from agentlog.reducers.lifecycle import LifecycleState, SessionSummary, Violation, reduce_lifecycle
     from agentlog.reducers.pipeline import ReduceError, Reducer
 
@@ -93,10 +94,10 @@ def collect(envelopes: Iterable[Any], log: str, *, max_drill: int = 300) -> Repo
                 if len(drill) < max_drill:
                     drill.add(sid)
                 groups.setdefault(body.group_id, {"size": body.group_size, "released": False, "skipped": False, "skip_reason": ""})
-            elif isinstance(body, TurnRecorded) and sid in records:
+            elif isinstance(body, (TurnRecorded, TurnDelta)) and sid in records:
                 records[sid].turn_ns.append(env.ts_ns)
                 records[sid].turns += 1
-                records[sid].tokens_in += len(body.prompt_ids) // 4
+                records[sid].tokens_in += prompt_token_count(body)
                 records[sid].tokens_out += len(body.output_ids) // 4
             elif sid in records and records[sid].status == "open" and body.__struct_config__.tag == "session_started":
                 records[sid].status = "running"
