@@ -225,6 +225,26 @@ def write_many_sessions(path: str | os.PathLike, n_sessions: int, *, seed: int =
     return facts
 
 
+#: The metrics write_learner_log records per step (the names loop/trainer.py and learner/ use).
+LEARNER_METRICS = ("rollout/reward_mean", "rollout/solve_rate", "loss/policy", "loss/kl", "stats/entropy", "stats/grad_norm", "stats/clip_frac")
+
+
+def write_learner_log(path: str | os.PathLike, steps: int) -> None:
+    """A learner log of ``steps`` PolicyUpdated records (versions 1..steps)
+    carrying LEARNER_METRICS, appended as the loop's publish() does."""
+    from agentlog.events import FileLog
+    from agentlog.events.types import PolicyUpdated
+    from agentlog.loop.publish import LEARNER_STREAM
+
+    log = FileLog.open(path, fsync="never")
+    log.append_batch([
+        (LEARNER_STREAM, k, PolicyUpdated(step=k, policy_version=k + 1,
+                                          metrics={m: (k + 1) / (steps + i + 1) for i, m in enumerate(LEARNER_METRICS)}))
+        for k in range(steps)
+    ])
+    log.close()
+
+
 def agentlog(*args: str, timeout: float = 60, input: str | None = None) -> subprocess.CompletedProcess:
     """Run ``agentlog ARGS`` in a subprocess (``python -m tools.cli``)."""
     # The caller's environment as is: the subprocess imports the agentlog this test process imports

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import ABORT_REASONS, EXPECTED, ROOT, agentlog, on_a_terminal, write_many_sessions
+from cli_helpers import (
+    ABORT_REASONS, EXPECTED, LEARNER_METRICS, ROOT, agentlog, on_a_terminal, write_learner_log, write_many_sessions,
+)
 
 HELPER = Path(__file__).with_name("cli_helpers.py")
 N_EVENTS = 33  # what cli_helpers.write_run appends
@@ -282,10 +284,14 @@ MAX_REPORT_MB = 6.0
 
 
 @pytest.mark.required
-def test_report_of_a_generated_log_stays_small_and_renders(tmp_path, chromium):
-    log = tmp_path / "many.log"
-    facts = write_many_sessions(log, MANY, seed=3)
-    p, page = _render_report(chromium, log, tmp_path, "--worst", "10", "--per-reason", "2", "--sample", "25")
+def test_report_of_a_generated_run_stays_small_and_renders_with_the_learner_curves(tmp_path, chromium):
+    run = tmp_path / "run"  # a run folder: rollout/ and learner/ logs
+    facts = write_many_sessions(run / "rollout", MANY, seed=3)
+    write_learner_log(run / "learner", 40)
+    p, page = _render_report(chromium, run, tmp_path, "--worst", "10", "--per-reason", "2", "--sample", "25")
+    # One panel per learner metric, each drawn.
+    assert p.traces.get("learner") == len(LEARNER_METRICS), p.traces
+    assert all(h <= MAX_CHART_PX for h in p.heights["learner"])
     size_mb = len(page.encode("utf-8")) / 1e6
     assert size_mb <= MAX_REPORT_MB, size_mb
     assert p.outcomes == {"finished": facts["finished"], "aborted": facts["aborted"], "dropped": facts["dropped"], "running": 0, "open": 0}

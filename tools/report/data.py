@@ -258,6 +258,8 @@ class SessionTable:
         self._sample: list[SessionRow] = []
         self._seen_for_sample = 0
         self._rng = random.Random(seed)
+        #: The reservoir's draw for the next session offered to it: made by wants() or _offer_sample(), used once.
+        self._peek: int | None = None
         self._order = 0
 
     def wants(self, status: str, reward: float | None, reason: str) -> bool:
@@ -275,8 +277,7 @@ class SessionTable:
         )
 
     def _rng_peek(self) -> int:
-        # The reservoir's draw for the next session, made now and reused by add().
-        if getattr(self, "_peek", None) is None:
+        if self._peek is None:
             self._peek = self._rng.randrange(self._seen_for_sample + 1)
         return self._peek
 
