@@ -86,3 +86,33 @@ def test_table_counts_at_most_max_reasons_abort_reasons():
     endings = [("aborted", 0.0, f"r{i}") for i in range(MAX_REASONS + 10)]
     rows = _fill(endings, sample=0).rows()
     assert len([r for r in rows if r.why == "aborted"]) == MAX_REASONS
+
+
+def _collect_peak(log) -> tuple[int, object]:
+    """Peak traced memory while the report's data of ``log`` is collected."""
+    import tracemalloc
+
+    from agentlog.events import read_log
+    from agentlog.tools.report.data import collect
+
+    tracemalloc.start()
+    try:
+        data = collect(read_log(log, 0), str(log))
+        return tracemalloc.get_traced_memory()[1], data
+    finally:
+        tracemalloc.stop()
+
+
+def test_collect_memory_does_not_grow_with_the_number_of_sessions(tmp_path):
+    """Bounded memory: four times the sessions, about the same peak (the
+    sessions in flight, the table and the aggregates; no per-session list)."""
+    from cli_helpers import write_many_sessions
+
+    small, big = tmp_path / "small.log", tmp_path / "big.log"
+    write_many_sessions(small, 500, seed=1)
+    write_many_sessions(big, 2000, seed=1)
+    peak_small, data_small = _collect_peak(small)
+    peak_big, data_big = _collect_peak(big)
+    assert data_big.sessions == 2000 and data_small.sessions == 500
+    assert len(data_big.table) == len(data_small.table)
+    assert peak_big < 1.5 * peak_small, (peak_small, peak_big)
