@@ -159,7 +159,7 @@ class TimeSeries:
     bins are merged pairwise and the width doubles, so memory stays fixed and
     the bins always cover the whole log."""
 
-    def __init__(self, t0_ns: int, bins: int = TIME_BINS, width_ns: int = 1_000_000_000) -> None:
+    def __init__(self, t0_ns: int, bins: int = TIME_BINS, width_ns: int = 1_000_000) -> None:
         self.t0 = t0_ns
         self.width = width_ns
         self.bins: list[Totals] = [Totals() for _ in range(bins)]
@@ -406,8 +406,8 @@ def collect(
     versions: dict[int, Any] = {}
     series: TimeSeries | None = None
     hist = {
-        "generate_s": LogHistogram(1e-4, 1e4),
-        "command_s": LogHistogram(1e-4, 1e4),
+        "generate_s": LogHistogram(1e-6, 1e5),
+        "command_s": LogHistogram(1e-6, 1e5),
         "session_s": LogHistogram(1e-3, 1e6),
         "turns": LogHistogram(1, 1e4, 20),
         "tokens_out": LogHistogram(1, 1e8),

@@ -160,6 +160,19 @@ def _bucketed_versions(rows: list[tuple[int, Any]]) -> list[tuple[str, Any]]:
     return out
 
 
+def _histogram_trace(h: Any, name: str, colour: str, unit: str = "") -> Any:
+    """A log-bucketed histogram as a stepped line over the bucket midpoints
+    (bars of log-spaced widths draw badly on a log axis)."""
+    import plotly.graph_objects as go
+
+    b = h.buckets()
+    return go.Scatter(
+        name=name, x=[math.sqrt(lo * hi) if lo > 0 else hi / 2 for lo, hi, _ in b], y=[c for _, _, c in b],
+        mode="lines+markers", line={"shape": "hvh", "color": colour}, fill="tozeroy",
+        customdata=[[lo, hi] for lo, hi, _ in b], hovertemplate=f"%{{customdata[0]:.4g}}-%{{customdata[1]:.4g}}{unit}: %{{y}}<extra></extra>",
+    )
+
+
 def latency_figure(data: ReportData) -> Any:
     """Histograms (log-spaced buckets) of generation and command latency and session duration."""
     import plotly.graph_objects as go
@@ -168,31 +181,23 @@ def latency_figure(data: ReportData) -> Any:
     for key, name, colour in (("generate_s", "generation", "#1f77b4"), ("command_s", "command", "#ff7f0e"),
                               ("session_s", "session", "#2ca02c")):
         h = data.histograms[key]
-        b = h.buckets()
-        if not b:
-            continue
-        fig.add_trace(go.Bar(
-            name=f"{name} (n {h.n}, p50 {_fmt(h.quantile(0.5))} s, p99 {_fmt(h.quantile(0.99))} s)",
-            x=[math.sqrt(max(lo, 1e-9) * hi) for lo, hi, _ in b], y=[c for _, _, c in b], marker_color=colour, opacity=0.7,
-            customdata=[[lo, hi] for lo, hi, _ in b], hovertemplate="%{customdata[0]:.4g}-%{customdata[1]:.4g} s: %{y}<extra></extra>",
-        ))
+        if h.n:
+            label = f"{name} (n {h.n}, p50 {_fmt(h.quantile(0.5))} s, p99 {_fmt(h.quantile(0.99))} s)"
+            fig.add_trace(_histogram_trace(h, label, colour, " s"))
     if not fig.data:
         return _layout(_empty(fig, "no turn, command or ended session recorded"))
-    return _layout(fig, barmode="overlay", xaxis={"type": "log", "title": "seconds"}, yaxis_title="count")
+    return _layout(fig, xaxis={"type": "log", "title": "seconds"}, yaxis_title="count")
 
 
 def sizes_figure(data: ReportData) -> Any:
     """Histograms of turns and tokens per ended session."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=3, subplot_titles=("turns / session", "output tokens / session", "prompt tokens / session"))
     for col, key in enumerate(("turns", "tokens_out", "tokens_in"), start=1):
-        h = data.histograms[key]
-        b = h.buckets()
-        fig.add_trace(go.Bar(x=[math.sqrt(max(lo, 0.5) * hi) for lo, hi, _ in b], y=[c for _, _, c in b], showlegend=False,
-                             customdata=[[lo, hi] for lo, hi, _ in b], marker_color="#1f77b4",
-                             hovertemplate="%{customdata[0]:.4g}-%{customdata[1]:.4g}: %{y}<extra></extra>"), row=1, col=col)
+        trace = _histogram_trace(data.histograms[key], key, "#1f77b4")
+        trace.showlegend = False
+        fig.add_trace(trace, row=1, col=col)
         fig.update_xaxes(type="log", row=1, col=col)
     return _layout(fig)
 
