@@ -88,31 +88,43 @@ def test_table_counts_at_most_max_reasons_abort_reasons():
     assert len([r for r in rows if r.why == "aborted"]) == MAX_REASONS
 
 
-def _collect_peak(log) -> tuple[int, object]:
-    """Peak traced memory while the report's data of ``log`` is collected."""
+def _held_by_the_report(log) -> tuple[int, object]:
+    """Bytes that the report's own code (tools/report/data.py) allocated and
+    still holds when the pass reaches the end of ``log``, with the data it
+    returns. What the log reader and the reducers allocate is left out: each
+    bounds its own (the reader's id cache, the folds' windows of recently
+    ended ids)."""
     import tracemalloc
 
     from agentlog.events import read_log
     from agentlog.tools.report.data import collect
 
-    tracemalloc.start()
+    held: list[int] = []
+
+    def envelopes():
+        yield from read_log(log, 0)
+        snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/tools/report/data.py")])
+        held.append(sum(st.size for st in snap.statistics("filename")))
+
+    tracemalloc.start(1)  # the innermost frame: what data.py's own lines allocate
     try:
-        data = collect(read_log(log, 0), str(log))
-        return tracemalloc.get_traced_memory()[1], data
+        data = collect(envelopes(), str(log))
     finally:
         tracemalloc.stop()
+    return held[0], data
 
 
 def test_collect_memory_does_not_grow_with_the_number_of_sessions(tmp_path):
-    """Bounded memory: four times the sessions, about the same peak (the
-    sessions in flight, the table and the aggregates; no per-session list)."""
+    """Bounded memory: four times the sessions, about the same memory held by
+    the report's fold (the sessions in flight, the table and the aggregates;
+    no per-session list)."""
     from cli_helpers import write_many_sessions
 
     small, big = tmp_path / "small.log", tmp_path / "big.log"
-    write_many_sessions(small, 500, seed=1, segment_bytes=1 << 18)
-    write_many_sessions(big, 2000, seed=1, segment_bytes=1 << 18)
-    peak_small, data_small = _collect_peak(small)
-    peak_big, data_big = _collect_peak(big)
-    assert data_big.sessions == 2000 and data_small.sessions == 500
+    write_many_sessions(small, 400, seed=1)
+    write_many_sessions(big, 1600, seed=1)
+    held_small, data_small = _held_by_the_report(small)
+    held_big, data_big = _held_by_the_report(big)
+    assert data_big.sessions == 1600 and data_small.sessions == 400
     assert len(data_big.table) == len(data_small.table)
-    assert peak_big < 1.25 * peak_small, (peak_small, peak_big)
+    assert held_big < 1.2 * held_small, (held_small, held_big)
