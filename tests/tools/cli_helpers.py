@@ -155,10 +155,7 @@ async def write_run(path: str | os.PathLike, online: list | None = None) -> dict
 ABORT_REASONS = ("wall_clock_timeout", "exception:ValueError", "sandbox_lost")
 
 
-def write_many_sessions(
-    path: str | os.PathLike, n_sessions: int, *, seed: int = 0, group_size: int = 4, turns: tuple[int, int] = (1, 4),
-    segment_bytes: int = 64 << 20,
-) -> dict[str, Any]:
+def write_many_sessions(path: str | os.PathLike, n_sessions: int, *, seed: int = 0, group_size: int = 4, turns: tuple[int, int] = (1, 4)) -> dict[str, Any]:
     """Append ``n_sessions`` small sessions (groups of ``group_size``, members
     interleaved) straight to a FileLog with ``append_batch``: fast enough for
     100k sessions. Each session: opened, started, 1-3 turns (random
@@ -174,7 +171,7 @@ def write_many_sessions(
     )
 
     rng = random.Random(seed)
-    log = FileLog.open(path, fsync="never", segment_bytes=segment_bytes)
+    log = FileLog.open(path, fsync="never")
     facts: dict[str, Any] = {"finished": 0, "aborted": 0, "dropped": 0, "turns": 0, "commands": 0, "events": 0,
                              "abort_reasons": {}, "drop_reasons": {}, "sessions": []}
     batch: list[tuple] = []
