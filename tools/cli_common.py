@@ -50,6 +50,21 @@ def _is_run_folder(path: Path, *, allow_empty: bool) -> bool:
     return is_log_dir(inner) or (allow_empty and inner.is_dir() and (path / "config.json").is_file())
 
 
+#: The learner log inside a run folder (its PolicyUpdated records).
+RUN_FOLDER_LEARNER_LOG = "learner"
+
+
+def learner_log_of(arg: Path) -> Path | None:
+    """The learner log of the run folder ``arg`` (or of the run folder whose
+    rollout log ``arg`` is), or None when there is none."""
+    from agentlog.events.log_format import is_log_dir
+
+    for run in (arg, arg.parent if arg.name == RUN_FOLDER_LOG else None):
+        if run is not None and is_log_dir(run / RUN_FOLDER_LEARNER_LOG):
+            return run / RUN_FOLDER_LEARNER_LOG
+    return None
+
+
 def logs_below(path: Path, *, depth: int = DID_YOU_MEAN_DEPTH, max_dirs: int = DID_YOU_MEAN_MAX_DIRS) -> list[Path]:
     """Log directories and run folders below ``path`` (not ``path`` itself), breadth first, at most
     ``depth`` levels down and through at most ``max_dirs`` folders; hidden and

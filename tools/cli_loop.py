@@ -122,7 +122,7 @@ def write_report(run_dir: Path) -> str:
     from agentlog.tools.cli import main as cli_main
 
     out = run_dir / "report.html"
-    rc = cli_main(["report", str(run_dir / "rollout"), "-o", str(out), "--max-sessions-detail", "64", "--quiet"])
+    rc = cli_main(["report", str(run_dir), "-o", str(out), "--quiet"])  # the run folder: learner curves too
     if rc != 0:
         return f"report.html failed (agentlog report exit {rc})"
     return f"report   {out}"

@@ -1,23 +1,30 @@
-"""`agentlog report LOG -o report.html`: one self-contained HTML page (no
-network needed to open it): session timeline coloured by outcome with turn
-ticks, reward per group, abort and drop reasons, and a per-session
-drill-down with tokens highlighted by loss mask. See :mod:`tools.report`.
+"""`agentlog report LOG|RUN_FOLDER -o report.html`: one self-contained HTML page
+(no network needed to open it) that stays small at any size: outcomes,
+reasons, reward and solve rate over time and per policy version, turns and
+tokens per session, latency distributions, staleness, the learner's curves
+(for a run folder) and a bounded sessions table with a token drill-down.
+Built in one streaming pass in bounded memory; see :mod:`tools.report`.
+The full per-session timeline is ``agentlog trace``.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, nonneg_int, read_records
+from agentlog.tools.cli_common import add_quiet, check_log_path, learner_log_of, nonneg_int, read_records
 
 
 def register(sub) -> None:
     """Add the subcommand."""
-    p = sub.add_parser("report", help="write a self-contained HTML report (timeline, rewards, reasons, tokens)")
-    p.add_argument("log", metavar="LOG", help="the log directory")
+    p = sub.add_parser("report", help="write a self-contained HTML report (aggregates, learner curves, sessions table)")
+    p.add_argument("log", metavar="LOG", help="the log directory, or a run folder (then the learner's curves too)")
     p.add_argument("-o", "--output", required=True, metavar="HTML", help="the HTML file to write")
-    p.add_argument("--max-sessions-detail", type=nonneg_int, default=300, metavar="N", help="keep token-level detail for the first N sessions (default 300)")
+    p.add_argument("--worst", type=nonneg_int, default=20, metavar="N", help="table: the N finished sessions with the lowest reward (default 20)")
+    p.add_argument("--per-reason", type=nonneg_int, default=3, metavar="N", help="table: the first N aborted sessions of each reason (default 3)")
+    p.add_argument("--sample", type=nonneg_int, default=30, metavar="N", help="table: a random sample of N other sessions (default 30)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random sample (default 0)")
     add_quiet(p)
     p.set_defaults(func=run)
 
@@ -28,7 +35,13 @@ def run(args) -> int:
     from agentlog.tools.report.render import render
 
     path = check_log_path(args.log)
-    data = collect(read_records(path, quiet=args.quiet, desc="report"), str(path), max_drill=args.max_sessions_detail)
+    learner = learner_log_of(Path(args.log))
+    data = collect(
+        read_records(path, quiet=args.quiet, desc="report"), str(path),
+        worst=args.worst, per_reason=args.per_reason, sample=args.sample, seed=args.seed,
+        learner=read_records(learner, quiet=True) if learner is not None else (),
+        learner_log=str(learner or ""),
+    )
     page = render(data)
     tmp = f"{args.output}.tmp{os.getpid()}"
     try:
@@ -41,10 +54,8 @@ def run(args) -> int:
         except OSError:
             pass
         raise CliError(f"{args.output}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None
-    counts = {}
-    for s in data.sessions:
-        counts[s.status] = counts.get(s.status, 0) + 1
-    summary = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    summary = ", ".join(f"{k} {v}" for k, v in sorted(data.outcomes.items()) if v)
     shown = f" ({summary})" if summary else ""
-    print(f"{args.output}: {len(data.sessions)} sessions{shown}, {data.events} events, {len(page) / 1e6:.1f} MB")
+    print(f"{args.output}: {data.sessions} sessions{shown}, {data.events} events, {len(data.table)} in the table, "
+          f"{len(page.encode('utf-8')) / 1e6:.1f} MB")
     return EXIT_OK

@@ -19,6 +19,7 @@ READERS = {
     "stats": ["stats", "{LOG}"],
     "reconstruct": ["reconstruct", "{LOG}", "-o", "{OUT}.jsonl"],
     "report": ["report", "{LOG}", "-o", "{OUT}.html"],
+    "trace": ["trace", "{LOG}", "-o", "{OUT}.json"],
     "verify": ["verify", "{LOG}"],
 }
 
@@ -86,7 +87,7 @@ def _unreadable_dir(path: Path, monkeypatch) -> None:
     monkeypatch.setattr(os, "scandir", refuse(real_scandir))
 
 
-@pytest.mark.parametrize("cmd", ["replay", "stats", "show", "reconstruct", "report", "verify", "tail"])
+@pytest.mark.parametrize("cmd", ["replay", "stats", "show", "reconstruct", "report", "trace", "verify", "tail"])
 def test_an_unreadable_log_directory_is_one_line_exit_2(run_log, tmp_path, monkeypatch, capsys, cmd):
     from agentlog.tools.cli import main as cli_main
 
@@ -95,7 +96,8 @@ def test_an_unreadable_log_directory_is_one_line_exit_2(run_log, tmp_path, monke
     _unreadable_dir(log, monkeypatch)
     try:
         args = {"show": [cmd, str(log), "fin-0"], "reconstruct": [cmd, str(log), "-o", str(tmp_path / "o.jsonl")],
-                "report": [cmd, str(log), "-o", str(tmp_path / "o.html")]}.get(cmd, [cmd, str(log)])
+                "report": [cmd, str(log), "-o", str(tmp_path / "o.html")],
+                "trace": [cmd, str(log), "-o", str(tmp_path / "o.json")]}.get(cmd, [cmd, str(log)])
         rc = cli_main(args)
     finally:
         log.chmod(0o755)
@@ -105,7 +107,7 @@ def test_an_unreadable_log_directory_is_one_line_exit_2(run_log, tmp_path, monke
     assert line == f"agentlog: error: {log}: cannot read: Permission denied", line
 
 
-@pytest.mark.parametrize("cmd", ["replay", "stats", "show", "reconstruct", "report"])
+@pytest.mark.parametrize("cmd", ["replay", "stats", "show", "reconstruct", "report", "trace"])
 def test_a_segment_that_cannot_be_read_is_one_line_exit_2(run_log, tmp_path, cmd):
     """A segment path that is a directory: the read fails with EISDIR (works as root too)."""
     from agentlog.events.log_format import list_segments, segment_name
@@ -116,7 +118,8 @@ def test_a_segment_that_cannot_be_read_is_one_line_exit_2(run_log, tmp_path, cmd
     seg.unlink()
     seg.mkdir()
     args = {"show": [cmd, str(log), "fin-0"], "reconstruct": [cmd, str(log), "-o", str(tmp_path / "o.jsonl")],
-            "report": [cmd, str(log), "-o", str(tmp_path / "o.html")]}.get(cmd, [cmd, str(log)])
+            "report": [cmd, str(log), "-o", str(tmp_path / "o.html")],
+            "trace": [cmd, str(log), "-o", str(tmp_path / "o.json")]}.get(cmd, [cmd, str(log)])
     res = agentlog(*args)
     assert res.returncode == 2, (res.returncode, res.stderr)
     (line,) = res.stderr.strip().splitlines()

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import EXPECTED, ROOT, agentlog, on_a_terminal
+from cli_helpers import (
+    ABORT_REASONS, EXPECTED, LEARNER_METRICS, ROOT, agentlog, on_a_terminal, write_learner_log, write_many_sessions,
+)
 
 HELPER = Path(__file__).with_name("cli_helpers.py")
 N_EVENTS = 33  # what cli_helpers.write_run appends
@@ -118,50 +120,63 @@ def test_tail_summary_clips_its_lines_to_a_narrow_terminal(run_log):
 
 
 class _Dom(html.parser.HTMLParser):
-    """Counts plotly's rendered bars inside #timeline and reads the outcome table."""
+    """Reads the rendered page: per chart (plotly's div) the traces drawn and
+    the svg heights, the outcome table, and the sessions table's drill-downs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stack: list[tuple[str, dict]] = []
-        self.bars = 0
-        self.bar_traces = 0
         self.outcomes: dict[str, int] = {}
+        #: chart div id -> number of traces plotly drew in it.
+        self.traces: dict[str, int] = {}
+        #: chart div id -> heights of its main svgs (px).
+        self.heights: dict[str, list[float]] = {}
         self.legend: list[str] = []
         self.sessions: list[str] = []
+        self.why: list[str] = []
+        self.page_errors = ""
         self._in_legend_text = False
+        self._in_errors = False
         self.current = ""
         #: session -> [context (mask 0), trained (mask 1)] response tokens in its drill-down.
         self.mask_spans: dict[str, list[int]] = {}
 
-    def _inside(self, pred) -> bool:
-        return any(pred(tag, attrs) for tag, attrs in self.stack)
+    def _chart(self) -> str | None:
+        for tag, at in reversed(self.stack):
+            if "plotly-graph-div" in (at.get("class") or "").split():
+                return at.get("id")
+        return None
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
         cls = (a.get("class") or "").split()
-        in_timeline = self._inside(lambda t, at: at.get("id") == "timeline")
-        if in_timeline and tag == "g" and "trace" in cls and "bars" in cls:
-            self.bar_traces += 1
-        if in_timeline and tag == "g" and "point" in cls and self._inside(
-            lambda t, at: t == "g" and {"trace", "bars"} <= set((at.get("class") or "").split())
-        ):
-            self.bars += 1
+        if "plotly-graph-div" in cls:
+            self.traces.setdefault(a["id"], 0)
+            self.heights.setdefault(a["id"], [])
+        chart = self._chart()
+        if chart is not None and tag == "g" and "trace" in cls:
+            self.traces[chart] += 1
+        if chart is not None and tag == "svg" and "main-svg" in cls:
+            self.heights[chart].append(float(a.get("height", 0)))
         if tag == "tr" and "data-status" in a:
             self.outcomes[a["data-status"]] = int(a["data-count"])
         if tag == "details" and "session" in cls:
             self.sessions.append(a["data-status"])
+            self.why.append(a["data-why"])
             self.current = a["data-session"]
             self.mask_spans[self.current] = [0, 0]
         if self.current and tag == "span" and "t" in cls and ("m0" in cls or "m1" in cls):
             self.mask_spans[self.current][1 if "m1" in cls else 0] += 1
-        if in_timeline and tag == "text" and "legendtext" in cls:
+        if chart is not None and tag == "text" and "legendtext" in cls:
             self._in_legend_text = True
+        self._in_errors = a.get("id") == "page-errors"
         if tag not in ("path", "rect", "br", "meta", "img", "input", "line", "circle"):
             self.stack.append((tag, a))
 
     def handle_endtag(self, tag):
         if tag == "text":
             self._in_legend_text = False
+        self._in_errors = False
         for i in range(len(self.stack) - 1, -1, -1):
             if self.stack[i][0] == tag:
                 del self.stack[i:]
@@ -170,6 +185,37 @@ class _Dom(html.parser.HTMLParser):
     def handle_data(self, data):
         if self._in_legend_text:
             self.legend.append(data)
+        if self._in_errors:
+            self.page_errors += data
+
+
+#: The charts every report draws (a run folder adds "learner").
+CHARTS = ("over-time", "by-version", "per-session", "latency", "sizes", "reasons", "staleness")
+#: No chart may be taller than this: the page must not open on a blank area.
+MAX_CHART_PX = 1200
+
+
+def _render_report(chromium: str, log: Path, tmp_path: Path, *extra: str) -> tuple[_Dom, str]:
+    """``agentlog report`` of ``log``, rendered in headless Chromium: the parsed
+    DOM and the page. Fails on any console message (an error in the page's
+    scripts), on a chart plotly did not draw, or on one taller than MAX_CHART_PX."""
+    out = tmp_path / "report.html"
+    res = agentlog("report", str(log), "-o", str(out), "-q", *extra, timeout=300)
+    assert res.returncode == 0, res.stderr
+    page = out.read_text()
+    # Self-contained: no external script, stylesheet or image (plotly.js is inlined).
+    assert not re.search(r"<(script|img|iframe)[^>]*\ssrc=|<link[^>]*href=", page)
+    dom = _chromium_dump_dom(chromium, out.as_uri(), tmp_path / "chromium")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    console = [line for line in dom.stderr.splitlines() if ":CONSOLE" in line]
+    assert not console, console
+    p = _Dom()
+    p.feed(dom.stdout)
+    assert not p.page_errors.strip(), p.page_errors
+    for chart in CHARTS:
+        assert p.traces.get(chart, 0) > 0, (chart, p.traces)
+        assert p.heights[chart] and all(0 < h <= MAX_CHART_PX for h in p.heights[chart]), (chart, p.heights[chart])
+    return p, page
 
 
 def _chromium_dump_dom(binary: str, url: str, profile: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -180,7 +226,9 @@ def _chromium_dump_dom(binary: str, url: str, profile: Path, timeout: float = 12
         binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
         # Every host name fails to resolve: the page must render with no network at all.
-        "--host-resolver-rules=MAP * ~NOTFOUND", "--virtual-time-budget=10000", "--dump-dom", url,
+        "--host-resolver-rules=MAP * ~NOTFOUND", "--virtual-time-budget=10000",
+        # The page's console messages (script errors among them) go to stderr as ":CONSOLE" lines.
+        "--enable-logging=stderr", "--v=0", "--dump-dom", url,
     ]
     proc = subprocess.Popen(
         cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -212,29 +260,52 @@ def chromium(tmp_path_factory) -> str:
 
 
 @pytest.mark.required
-def test_report_in_headless_chromium_shows_one_bar_per_session_and_the_outcome_counts(run_log, tmp_path, chromium):
+def test_report_in_headless_chromium_draws_every_chart_and_the_sessions_table(run_log, tmp_path, chromium):
     path, _ = run_log
-    out = tmp_path / "report.html"
-    res = agentlog("report", str(path), "-o", str(out))
-    assert res.returncode == 0, res.stderr
-    page = out.read_text()
-    # Self-contained: no external script, stylesheet or image (plotly.js is inlined).
-    assert not re.search(r"<(script|img|iframe)[^>]*\ssrc=|<link[^>]*href=", page)
-    dom = _chromium_dump_dom(chromium, out.as_uri(), tmp_path / "chromium")
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    p = _Dom()
-    p.feed(dom.stdout)
+    p, _ = _render_report(chromium, path, tmp_path)
     sessions = EXPECTED["sessions"]
     expected = {o: sum(1 for s in sessions.values() if s["status"] == o) for o in ("finished", "aborted", "dropped", "running", "open")}
-    assert p.bars == len(sessions), (p.bars, p.bar_traces)
     assert p.outcomes == expected
-    # The legend is drawn by plotly.js in the browser: its counts prove the charts rendered.
-    legend = " ".join(p.legend)
-    for outcome, n in expected.items():
-        if n:
-            assert f"{outcome} ({n})" in legend, legend
-    assert sorted(p.sessions) == sorted(s["status"] for s in sessions.values())
+    # The legend is drawn by plotly.js in the browser: its entries prove the charts rendered.
+    assert {"finished", "aborted", "dropped"} <= set(p.legend), p.legend
+    # Eight sessions fit the table whole: every ended one is a row (the running one is not: it has not ended).
+    assert sorted(p.sessions) == sorted(s["status"] for s in sessions.values() if s["status"] != "running")
+    assert p.why.count("worst") == 4 and p.why.count("aborted") == 2, p.why
     # Drill-down: fin-0's row trains [10 11 12] and [13 14], the tool tokens [7 8] are context.
     assert p.mask_spans["fin-0"] == [2, 5]
     assert p.mask_spans["abort-0"] == [1, 0]  # the zero-masked placeholder
     assert p.mask_spans["drop-2"] == [0, 0]
+
+
+#: Sessions of the generated log in the default suite: as many as a few seconds allow.
+MANY = 20_000
+#: The page beyond plotly.js (about 4.6 MB): the aggregates and the bounded table.
+MAX_REPORT_MB = 6.0
+
+
+@pytest.mark.required
+def test_report_of_a_generated_run_stays_small_and_renders_with_the_learner_curves(tmp_path, chromium):
+    run = tmp_path / "run"  # a run folder: rollout/ and learner/ logs
+    facts = write_many_sessions(run / "rollout", MANY, seed=3)
+    write_learner_log(run / "learner", 40)
+    p, page = _render_report(chromium, run, tmp_path, "--worst", "10", "--per-reason", "2", "--sample", "25")
+    # One panel per learner metric, each drawn.
+    assert p.traces.get("learner") == len(LEARNER_METRICS), p.traces
+    assert all(h <= MAX_CHART_PX for h in p.heights["learner"])
+    size_mb = len(page.encode("utf-8")) / 1e6
+    assert size_mb <= MAX_REPORT_MB, size_mb
+    assert p.outcomes == {"finished": facts["finished"], "aborted": facts["aborted"], "dropped": facts["dropped"], "running": 0, "open": 0}
+    # The table is bounded: 10 worst, 2 per abort reason, 25 sampled.
+    assert p.why.count("worst") == 10
+    assert p.why.count("aborted") == 2 * len(ABORT_REASONS)
+    assert p.why.count("sample") == 25
+    assert len(p.sessions) == 10 + 2 * len(ABORT_REASONS) + 25
+
+
+@pytest.mark.slow
+def test_report_of_a_100k_session_log_is_under_10_mb_and_renders(tmp_path, chromium):
+    log = tmp_path / "100k.log"
+    facts = write_many_sessions(log, 100_000, seed=4)
+    p, page = _render_report(chromium, log, tmp_path)
+    assert len(page.encode("utf-8")) / 1e6 < 10.0
+    assert sum(p.outcomes.values()) == 100_000 == facts["finished"] + facts["aborted"] + facts["dropped"]

@@ -1,6 +1,9 @@
 """`agentlog report`: one self-contained HTML page that shows a run as pictures.
 
-:mod:`tools.report.data` folds the log (lifecycle reducer + the sample
-pipeline) into plain per-session and per-group data; :mod:`tools.report.render`
-draws it with plotly (plotly.js inlined, so the page needs no network).
+:mod:`tools.report.data` folds the log in one streaming pass (lifecycle fold
++ the sample pipeline) into fixed-size aggregates and a bounded sessions
+table; :mod:`tools.report.render` draws them with plotly (plotly.js inlined,
+so the page needs no network). The page's size does not grow with the
+number of sessions; the full per-session timeline is ``agentlog trace``
+(:mod:`tools.cmd_trace`).
 """

@@ -1,10 +1,12 @@
 """The report page: plotly figures (plotly.js inlined once) and plain HTML.
 
-Sections: outcome counts (a table), the session timeline (one horizontal
-bar per session from open to its terminal event, coloured by outcome, with a
-tick per turn), reward distribution per group, abort and drop reasons, and
-a per-session drill-down whose response tokens are highlighted by loss mask.
-The page loads nothing from the network.
+Sections: outcome counts, outcomes with reward and solve rate over time
+and per policy version, turns and tokens per session, the learner's curves
+(for a run folder), latency and size distributions (histograms and
+quantiles), abort and drop reasons, staleness, and the bounded sessions
+table whose drill-down highlights response tokens by loss mask. Every chart
+draws fixed-size aggregates, so the page's size does not grow with the
+number of sessions. The page loads nothing from the network.
 """
 
 from __future__ import annotations
@@ -12,10 +14,9 @@ from __future__ import annotations
 import datetime as _dt
 import html
 import math
-from collections import Counter
 from typing import Any
 
-from .data import ReportData, SessionRecord
+from .data import DrillSample, ReportData, SessionRow
 
 OUTCOMES = ("finished", "aborted", "dropped", "running", "open")
 COLOURS = {
@@ -25,11 +26,12 @@ COLOURS = {
     "running": "#1f77b4",
     "open": "#9ecae1",
 }
-#: Beyond these the charts keep the first sessions / groups (the page says so).
-MAX_TIMELINE = 5000
-MAX_GROUPS = 300
-#: Response tokens shown per drill-down row.
-MAX_TOKENS_SHOWN = 4000
+#: Height of one chart: the page never grows with the data.
+FIGURE_HEIGHT = 340
+#: Policy versions drawn as bars; beyond it, versions are summed in ranges.
+MAX_VERSION_BARS = 200
+#: Learner steps drawn per curve; beyond it, every k-th step.
+MAX_LEARNER_POINTS = 2000
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
@@ -53,13 +55,6 @@ def _iso(ns: int) -> str:
     return t.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _reward_float(r: Any) -> float | None:
-    from agentlog.reducers.samples import resolve_reward
-
-    value, _ = resolve_reward(r)
-    return value
-
-
 def _figure_html(fig: Any, div_id: str) -> str:
     import plotly.io as pio
 
@@ -69,188 +64,316 @@ def _figure_html(fig: Any, div_id: str) -> str:
     )
 
 
-def timeline_figure(data: ReportData) -> Any:
-    """One horizontal bar per session (open -> terminal event), coloured by
-    outcome, with a tick per recorded turn. Seconds since the first event."""
+def _layout(fig: Any, height: int = FIGURE_HEIGHT, **kw: Any) -> Any:
+    fig.update_layout(height=height, margin={"l": 60, "r": 20, "t": 30, "b": 50},
+                      legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"}, **kw)
+    return fig
+
+
+def _empty(fig: Any, text: str) -> Any:
+    """A figure with nothing to plot says so (an empty plot is a blank area)."""
+    fig.add_annotation(text=text, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper", font={"size": 14, "color": "#777"})
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return fig
+
+
+def _outcomes_and_rates(fig: Any, bar_x: list, line_x: list, totals: list[Any], bar: dict[str, Any]) -> None:
+    """Stacked bars of ended sessions by outcome at ``bar_x``; reward mean and
+    solve rate of the finished ones as lines at ``line_x`` on a second axis."""
     import plotly.graph_objects as go
 
-    sessions = data.sessions[:MAX_TIMELINE]
-    t0 = data.first_ns
-    span = max((data.last_ns - t0) / 1e9, 1e-6)
-    min_width = span / 400  # a zero-length session still shows as a bar
-    counts = Counter(s.status for s in data.sessions)
+    for outcome in ("finished", "aborted", "dropped"):
+        ys = [getattr(t, outcome) for t in totals]
+        if any(ys):
+            fig.add_trace(go.Bar(name=outcome, x=bar_x, y=ys, marker_color=COLOURS[outcome], **bar))
+    for name, attr, colour in (("reward mean", "reward_mean", "#ff7f0e"), ("solve rate", "solve_rate", "#9467bd")):
+        ys = [_finite(getattr(t, attr)) for t in totals]
+        if any(y is not None for y in ys):
+            fig.add_trace(go.Scatter(name=name, x=line_x, y=ys, yaxis="y2", mode="lines+markers",
+                                     line={"color": colour}, connectgaps=True))
+
+
+_RATE_AXIS = {"overlaying": "y", "side": "right", "title": "reward / solve rate"}
+
+
+def outcomes_over_time_figure(data: ReportData) -> Any:
+    """Sessions ended per time bin, stacked by outcome; reward mean and solve rate on a second axis."""
+    import plotly.graph_objects as go
+
     fig = go.Figure()
-    for outcome in OUTCOMES:
-        rows = [s for s in sessions if s.status == outcome]
-        if not rows:
-            continue
-        starts = [(s.opened_ns - t0) / 1e9 for s in rows]
-        ends = [((s.ended_ns if s.ended_ns is not None else data.last_ns) - t0) / 1e9 for s in rows]
-        fig.add_trace(
-            go.Bar(
-                name=f"{outcome} ({counts[outcome]})",
-                orientation="h",
-                y=[s.session_id for s in rows],
-                base=starts,
-                x=[max(e - b, min_width) for b, e in zip(starts, ends)],
-                marker_color=COLOURS[outcome],
-                customdata=[[s.group_id, s.reason or "-", s.turns] for s in rows],
-                hovertemplate="%{y}<br>group %{customdata[0]}<br>" + outcome
-                + " %{customdata[1]}<br>turns %{customdata[2]}<br>%{base:.3f}s + %{x:.3f}s<extra></extra>",
-                legendgroup=outcome,
-            )
-        )
-    tx, ty = [], []
-    for s in sessions:
-        for ns in s.turn_ns:
-            tx.append((ns - t0) / 1e9)
-            ty.append(s.session_id)
-    if tx:
-        fig.add_trace(
-            go.Scatter(
-                name="turn", x=tx, y=ty, mode="markers",
-                marker={"symbol": "line-ns-open", "size": 12, "color": "#111", "line": {"width": 2}},
-                hovertemplate="%{y}: turn at %{x:.3f}s<extra></extra>",
-            )
-        )
-    order = [s.session_id for s in sessions]
-    fig.update_layout(
-        barmode="overlay",
-        # 20 px a session, shrinking for big runs so the page stays usable.
-        height=max(260, int(len(sessions) * max(4.0, min(20.0, 30000 / max(len(sessions), 1)))) + 140),
-        xaxis_title="seconds since the first event",
-        yaxis={"categoryorder": "array", "categoryarray": order[::-1], "type": "category"},
-        margin={"l": 140, "r": 20, "t": 30, "b": 50},
-        legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"},
-    )
-    return fig
+    if not data.over_time:
+        return _layout(_empty(fig, "no session has ended yet"))
+    xs = [t for t, _ in data.over_time]
+    _outcomes_and_rates(fig, xs, [x + data.time_bin_s / 2 for x in xs], [b for _, b in data.over_time],
+                        {"offset": 0, "width": data.time_bin_s})
+    return _layout(fig, barmode="stack", xaxis_title=f"seconds since the first event (bins of {data.time_bin_s:g} s)",
+                   yaxis_title="sessions ended", yaxis2=_RATE_AXIS)
 
 
-def rewards_figure(data: ReportData) -> Any:
-    """Reward of each finished session, per group (box with every point)."""
+def by_version_figure(data: ReportData) -> Any:
+    """Per policy version (the oldest that generated each session): outcomes stacked, reward and solve rate."""
     import plotly.graph_objects as go
 
-    xs, ys, names = [], [], []
-    groups_seen: list[str] = []
-    for s in data.sessions:
-        if s.status != "finished":
-            continue
-        r = _reward_float(s.reward)
-        if r is None:
-            continue
-        if s.group_id not in groups_seen:
-            if len(groups_seen) >= MAX_GROUPS:
-                continue
-            groups_seen.append(s.group_id)
-        xs.append(s.group_id)
-        ys.append(r)
-        names.append(s.session_id)
-    fig = go.Figure(
-        go.Box(x=xs, y=ys, boxpoints="all", jitter=0.3, pointpos=0, text=names, name="reward",
-               marker_color=COLOURS["finished"], hovertemplate="%{text}: %{y}<extra></extra>")
+    fig = go.Figure()
+    rows = _bucketed_versions(data.by_version)
+    if not rows:
+        return _layout(_empty(fig, "no session has ended yet"))
+    xs = [label for label, _ in rows]
+    _outcomes_and_rates(fig, xs, xs, [t for _, t in rows], {})
+    return _layout(fig, barmode="stack", xaxis={"type": "category", "title": "policy version"}, yaxis_title="sessions",
+                   yaxis2=_RATE_AXIS)
+
+
+def per_session_figure(data: ReportData) -> Any:
+    """Turns and tokens per session by policy version (means)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    rows = _bucketed_versions(data.by_version)
+    if not rows:
+        return _layout(_empty(fig, "no session has ended yet"))
+    xs = [label for label, _ in rows]
+    fig.add_trace(go.Scatter(name="turns / session", x=xs, y=[t.turns / t.sessions for _, t in rows], mode="lines+markers"))
+    fig.add_trace(go.Scatter(name="output tokens / session", x=xs, y=[t.tokens_out / t.sessions for _, t in rows],
+                             mode="lines+markers", yaxis="y2"))
+    fig.add_trace(go.Scatter(name="prompt tokens / session", x=xs, y=[t.tokens_in / t.sessions for _, t in rows],
+                             mode="lines+markers", yaxis="y2"))
+    return _layout(fig, xaxis={"type": "category", "title": "policy version"}, yaxis_title="turns",
+                   yaxis2={"overlaying": "y", "side": "right", "title": "tokens", "type": "log"})
+
+
+def _bucketed_versions(rows: list[tuple[int, Any]]) -> list[tuple[str, Any]]:
+    """Versions as category labels; more than MAX_VERSION_BARS are summed in equal ranges."""
+    from .data import Totals
+
+    if len(rows) <= MAX_VERSION_BARS:
+        return [(str(v), t) for v, t in rows]
+    per = math.ceil(len(rows) / MAX_VERSION_BARS)
+    out = []
+    for k in range(0, len(rows), per):
+        chunk = rows[k : k + per]
+        total = Totals()
+        for _, t in chunk:
+            total.merge(t)
+        out.append((f"{chunk[0][0]}-{chunk[-1][0]}", total))
+    return out
+
+
+def _histogram_trace(h: Any, name: str, colour: str, unit: str = "") -> Any:
+    """A log-bucketed histogram as a stepped line over the bucket midpoints
+    (bars of log-spaced widths draw badly on a log axis)."""
+    import plotly.graph_objects as go
+
+    b = h.buckets()
+    return go.Scatter(
+        name=name, x=[math.sqrt(lo * hi) if lo > 0 else hi / 2 for lo, hi, _ in b], y=[c for _, _, c in b],
+        mode="lines+markers", line={"shape": "hvh", "color": colour}, fill="tozeroy",
+        customdata=[[lo, hi] for lo, hi, _ in b], hovertemplate=f"%{{customdata[0]:.4g}}-%{{customdata[1]:.4g}}{unit}: %{{y}}<extra></extra>",
     )
-    fig.update_layout(
-        height=360, xaxis_title="group", yaxis_title="reward (finished sessions)",
-        xaxis={"type": "category"}, margin={"t": 30, "b": 50}, showlegend=False,
-    )
-    return fig
+
+
+def latency_figure(data: ReportData) -> Any:
+    """Histograms (log-spaced buckets) of generation and command latency and session duration."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for key, name, colour in (("generate_s", "generation", "#1f77b4"), ("command_s", "command", "#ff7f0e"),
+                              ("session_s", "session", "#2ca02c")):
+        h = data.histograms[key]
+        if h.n:
+            label = f"{name} (n {h.n}, p50 {_fmt(h.quantile(0.5))} s, p99 {_fmt(h.quantile(0.99))} s)"
+            fig.add_trace(_histogram_trace(h, label, colour, " s"))
+    if not fig.data:
+        return _layout(_empty(fig, "no turn, command or ended session recorded"))
+    return _layout(fig, xaxis={"type": "log", "title": "seconds"}, yaxis_title="count")
+
+
+def sizes_figure(data: ReportData) -> Any:
+    """Histograms of turns and tokens per ended session."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("turns / session", "output tokens / session", "prompt tokens / session"))
+    for col, key in enumerate(("turns", "tokens_out", "tokens_in"), start=1):
+        trace = _histogram_trace(data.histograms[key], key, "#1f77b4")
+        trace.showlegend = False
+        fig.add_trace(trace, row=1, col=col)
+        fig.update_xaxes(type="log", row=1, col=col)
+    return _layout(fig)
 
 
 def reasons_figure(data: ReportData) -> Any:
-    """Abort and drop reasons, counted."""
+    """Abort and drop reasons, counted (the most common first)."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    for outcome in ("aborted", "dropped"):
-        c = Counter(s.reason for s in data.sessions if s.status == outcome)
-        if c:
-            items = sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))
+    for outcome, counts in (("aborted", data.abort_reasons), ("dropped", data.drop_reasons)):
+        if counts:
+            items = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
             fig.add_trace(go.Bar(name=outcome, x=[k for k, _ in items], y=[v for _, v in items], marker_color=COLOURS[outcome]))
-    fig.update_layout(height=320, yaxis_title="sessions", barmode="group", margin={"t": 30, "b": 80})
-    return fig
+    if not fig.data:
+        return _layout(_empty(fig, "no session aborted or dropped"))
+    return _layout(fig, yaxis_title="sessions", barmode="group")
 
 
-def _tokens_html(sample: Any) -> str:
-    toks = sample.token_ids
-    n_prompt = sample.prompt_length
-    mask = sample.mask.tolist()
-    prompt = toks[:n_prompt].tolist()
-    resp = toks[n_prompt:].tolist()
-    parts = []
-    if len(prompt) > 64:
-        parts.append(" ".join(f'<span class="t p">{t}</span>' for t in prompt[:32]))
-        parts.append(f'<span class="meta"> … {len(prompt) - 48} prompt tokens … </span>')
-        parts.append(" ".join(f'<span class="t p">{t}</span>' for t in prompt[-16:]))
-    else:
-        parts.append(" ".join(f'<span class="t p">{t}</span>' for t in prompt))
+def staleness_figure(data: ReportData) -> Any:
+    """Sessions by staleness when they ended: the newest version the log had shown minus the session's oldest."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    if not data.staleness:
+        return _layout(_empty(fig, "no session has ended yet"))
+    fig.add_trace(go.Bar(x=list(data.staleness), y=list(data.staleness.values()), marker_color="#8c564b", name="sessions"))
+    return _layout(fig, xaxis={"title": "versions behind at the session's end", "dtick": 1}, yaxis_title="sessions")
+
+
+#: Learner curves: (title, metric keys tried in order; the first present is drawn).
+LEARNER_CURVES = (
+    ("reward mean", ("rollout/reward_mean",)),
+    ("solve rate", ("rollout/solve_rate",)),
+    ("policy loss", ("loss/policy",)),
+    ("KL", ("loss/kl", "stats/approx_kl")),
+    ("entropy", ("stats/entropy", "loss/entropy")),
+    ("gradient norm", ("stats/grad_norm",)),
+    ("clip fraction", ("stats/clip_frac",)),
+)
+
+
+def learner_figure(data: ReportData) -> Any | None:
+    """The learner's curves per policy version (PolicyUpdated.metrics), one small panel each; None without a learner log."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    rows = data.learner
+    if not rows:
+        return None
+    if len(rows) > MAX_LEARNER_POINTS:  # every k-th step, the last one kept
+        k = math.ceil(len(rows) / MAX_LEARNER_POINTS)
+        rows = rows[::k] + ([rows[-1]] if (len(rows) - 1) % k else [])
+    curves = []
+    for title, keys in LEARNER_CURVES:
+        key = next((k for k in keys if any(k in m for _, _, m in rows)), None)
+        if key is not None:
+            curves.append((title, key))
+    if not curves:
+        return None
+    cols = 4
+    nrows = math.ceil(len(curves) / cols)
+    fig = make_subplots(rows=nrows, cols=cols, subplot_titles=[f"{t} ({k})" for t, k in curves])
+    for i, (title, key) in enumerate(curves):
+        pts = [(v, _finite(m.get(key, math.nan))) for v, _, m in rows]
+        fig.add_trace(go.Scatter(x=[v for v, _ in pts], y=[y for _, y in pts], name=title, mode="lines+markers",
+                                 showlegend=False, connectgaps=True), row=i // cols + 1, col=i % cols + 1)
+    fig.update_xaxes(title_text="policy version")
+    return _layout(fig, height=260 * nrows + 40)
+
+
+def _finite(x: float) -> float | None:
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def _fmt(x: float) -> str:
+    return "-" if x != x else f"{x:.3g}"
+
+
+def _tokens_html(d: DrillSample) -> str:
+    parts = [" ".join(f'<span class="t p">{t}</span>' for t in d.prompt_head)]
+    if d.prompt_tail:
+        hidden = d.prompt_length - len(d.prompt_head) - len(d.prompt_tail)
+        parts.append(f'<span class="meta"> … {hidden} prompt tokens … </span>')
+        parts.append(" ".join(f'<span class="t p">{t}</span>' for t in d.prompt_tail))
     parts.append('<span class="meta"> ▸ </span>')
-    shown = resp[:MAX_TOKENS_SHOWN]
-    parts.append(" ".join(f'<span class="t m{m}">{t}</span>' for t, m in zip(shown, mask)))
-    if len(resp) > len(shown):
-        parts.append(f'<span class="meta"> … {len(resp) - len(shown)} more response tokens</span>')
+    parts.append(" ".join(f'<span class="t m{m}">{t}</span>' for t, m in zip(d.response, d.mask)))
+    if d.response_length > len(d.response):
+        parts.append(f'<span class="meta"> … {d.response_length - len(d.response)} more response tokens</span>')
     return "".join(parts)
 
 
-def _session_html(s: SessionRecord, data: ReportData, drilled: bool) -> str:
+WHY = {"worst": "lowest reward", "aborted": "aborted, by reason", "sample": "random sample"}
+
+
+def _session_html(s: SessionRow, data: ReportData) -> str:
     e = html.escape
     dur = ((s.ended_ns if s.ended_ns is not None else data.last_ns) - s.opened_ns) / 1e9
     reward = "" if s.status != "finished" else f", reward {e(str(s.reward))}"
     reason = f" ({e(s.reason)})" if s.reason else ""
     head = (
-        f'<details class="session" data-session="{e(s.session_id)}" data-status="{s.status}" '
+        f'<details class="session" data-session="{e(s.session_id)}" data-status="{s.status}" data-why="{s.why}" '
         f'style="border-left-color:{COLOURS.get(s.status, "#999")}">'
         f"<summary><b>{e(s.session_id)}</b> · group {e(s.group_id)} [{s.sample_index}] · "
         f'<span class="status">{s.status}</span>{reason}{reward} · {s.turns} turns · '
-        f"{s.tokens_in} in / {s.tokens_out} out tokens · {dur:.3f} s</summary>"
+        f"{s.tokens_in} in / {s.tokens_out} out tokens · version {s.policy_version} · {dur:.3f} s"
+        f' · <span class="meta">{WHY.get(s.why, s.why)}</span></summary>'
     )
     body = []
     if s.error:
-        body.append(f'<p class="meta">error: {e(s.error)}</p>')
-    if not drilled:
-        body.append('<p class="meta">samples not kept (beyond the drill-down limit)</p>')
-    elif not s.samples:
+        body.append(f'<p class="meta">error: {e(s.error[:2000])}</p>')
+    if not s.samples:
         body.append('<p class="meta">no samples' + (" (dropped sessions yield none)" if s.status == "dropped" else "") + "</p>")
     for smp in s.samples:
-        trained = int(smp.mask.sum())
         flag = " · remove_sample" if smp.remove_sample else ""
         body.append(
             f'<p class="meta">row {smp.row_index} · {smp.status}{flag} · reward {smp.reward:g} · '
-            f"{smp.response_length} response tokens, {trained} trained</p>"
+            f"{smp.response_length} response tokens, {smp.trained} trained</p>"
             f'<div class="tokens" data-row="{smp.row_index}">{_tokens_html(smp)}</div>'
         )
     return head + "".join(body) + "</details>"
 
 
+def _stat_table(data: ReportData) -> str:
+    """Quantiles of every distribution, as a table."""
+    names = {"generate_s": "generation latency (s)", "command_s": "command latency (s)", "session_s": "session duration (s)",
+             "turns": "turns / session", "tokens_out": "output tokens / session", "tokens_in": "prompt tokens / session"}
+    rows = []
+    for key, name in names.items():
+        h = data.histograms[key]
+        cells = [str(h.n), _fmt(h.mean())] + [_fmt(h.quantile(q)) for q in (0.5, 0.9, 0.99)] + [_fmt(h.max if h.n else math.nan)]
+        rows.append(f"<tr data-stat='{key}'><th>{name}</th>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return ("<table class='outcomes' id='distributions'><tr><th></th><th>n</th><th>mean</th><th>p50</th><th>p90</th><th>p99</th>"
+            "<th>max</th></tr>" + "".join(rows) + "</table>")
+
+
+#: Shown in the page if a chart fails to draw: a console error must not pass unseen.
+_ERROR_SINK = """<div id='page-errors' class='warn' style='display:none'></div><script>
+window.addEventListener('error', function (e) {
+  var d = document.getElementById('page-errors'); d.style.display = 'block';
+  d.textContent += 'page error: ' + e.message + '\\n';
+});
+</script>"""
+
+
 def render(data: ReportData) -> str:
-    """The whole page as one HTML string."""
+    """The whole page as one HTML string; its size does not grow with the number of sessions."""
     from plotly.offline import get_plotlyjs
 
     e = html.escape
-    counts = Counter(s.status for s in data.sessions)
-    n_groups = len(data.groups)
-    released = sum(1 for g in data.groups.values() if g.get("released"))
-    skipped = sum(1 for g in data.groups.values() if g.get("skipped"))
+    counts = data.outcomes
     rows = "".join(
         f'<tr data-status="{o}" data-count="{counts.get(o, 0)}"><th><span class="swatch" style="background:{COLOURS[o]}"></span> {o}</th>'
         f"<td>{counts.get(o, 0)}</td></tr>"
         for o in OUTCOMES
     )
-    rewards = [r for r in (_reward_float(s.reward) for s in data.sessions if s.status == "finished") if r is not None]
-    mean = sum(rewards) / len(rewards) if rewards else math.nan
     notes = []
-    if len(data.sessions) > MAX_TIMELINE:
-        notes.append(f"The timeline shows the first {MAX_TIMELINE} of {len(data.sessions)} sessions.")
-    if data.violations:
-        notes.append(f"{len(data.violations)} lifecycle violation(s): " + "; ".join(data.violations[:5]))
+    if data.violation_count:
+        notes.append(f"{data.violation_count} lifecycle violation(s): " + "; ".join(data.violations[:5]))
     if data.reduce_problem:
         notes.append(f"The sample reducer stopped: {data.reduce_problem}")
     warn = "".join(f'<p class="warn">{e(n)}</p>' for n in notes)
-    drilled = set(s.session_id for s in data.sessions[: data.drill_limit])
-    sessions_html = "".join(_session_html(s, data, s.session_id in drilled) for s in data.sessions)
+    sessions_html = "".join(_session_html(s, data) for s in data.table)
     span = (data.last_ns - data.first_ns) / 1e9 if data.events else 0.0
+    r = data.reward
+    g = data.groups
+    lim = data.table_limits
+    learner = learner_figure(data)
+    learner_html = (
+        f"<h2>Learner</h2><p class='meta'>From the learner log <code>{e(data.learner_log)}</code>: "
+        f"{len(data.learner)} policy updates.</p>" + _figure_html(learner, "learner")
+        if learner is not None else ""
+    )
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>agentlog report: {e(data.log)}</title><style>{_CSS}</style>",
+        _ERROR_SINK,
         # plotly.js inlined: the page opens with no network access.
         f"<script type='text/javascript'>{get_plotlyjs()}</script></head><body>",
         f"<h1>agentlog report</h1><p class='meta'>log <code>{e(data.log)}</code> · {data.events} events · "
@@ -259,17 +382,29 @@ def render(data: ReportData) -> str:
         + "</p>",
         warn,
         "<h2>Outcomes</h2>",
-        f"<table class='outcomes' id='outcomes'><tr><th>sessions</th><td id='sessions-total'>{len(data.sessions)}</td></tr>{rows}</table>",
-        f"<p class='meta'>groups: {n_groups} · released {released} (skipped {skipped}) · pending {n_groups - released} · "
-        f"reward mean {'-' if mean != mean else f'{mean:.3f}'} over {len(rewards)} finished sessions</p>",
-        "<h2>Session timeline</h2><p class='meta'>One bar per session, from session_opened to its terminal event "
-        "(to the end of the log while in flight); ticks mark turns.</p>",
-        _figure_html(timeline_figure(data), "timeline"),
-        "<h2>Reward per group</h2>",
-        _figure_html(rewards_figure(data), "rewards"),
+        f"<table class='outcomes' id='outcomes'><tr><th>sessions</th><td id='sessions-total'>{data.sessions}</td></tr>{rows}</table>",
+        f"<p class='meta'>groups released {g['released']} (skipped {g['skipped']}) · pending {g['pending']} · "
+        f"reward mean {_fmt(r['mean'])} (min {_fmt(r['min'])}, max {_fmt(r['max'])}) over {r['count']} finished sessions</p>",
+        "<h2>Over time</h2><p class='meta'>Sessions by the time they ended, stacked by outcome; "
+        "reward mean and solve rate of the finished ones.</p>",
+        _figure_html(outcomes_over_time_figure(data), "over-time"),
+        "<h2>By policy version</h2><p class='meta'>Sessions by the oldest policy version that generated them.</p>",
+        _figure_html(by_version_figure(data), "by-version"),
+        _figure_html(per_session_figure(data), "per-session"),
+        learner_html,
+        "<h2>Latency</h2>",
+        _figure_html(latency_figure(data), "latency"),
+        "<h2>Distributions</h2>",
+        _stat_table(data),
+        _figure_html(sizes_figure(data), "sizes"),
         "<h2>Abort and drop reasons</h2>",
         _figure_html(reasons_figure(data), "reasons"),
-        "<h2>Sessions</h2><p class='meta'>Response tokens: <span class='t m1'>trained</span> (loss mask 1), "
+        "<h2>Staleness</h2>",
+        _figure_html(staleness_figure(data), "staleness"),
+        f"<h2>Sessions</h2><p class='meta'>{len(data.table)} of {data.sessions} sessions: the {lim['worst']} with the lowest "
+        f"reward, the first {lim['per_reason']} aborted of each reason, and a random sample of {lim['sample']} "
+        f"(seed {lim['seed']}) of the rest. The full per-session timeline: <code>agentlog trace</code>. "
+        "Response tokens: <span class='t m1'>trained</span> (loss mask 1), "
         "<span class='t m0'>context</span> (mask 0); <span class='t p'>prompt</span>.</p>",
         f"<section id='sessions'>{sessions_html}</section>",
         "</body></html>",
