@@ -85,7 +85,7 @@ def test_outside_ci_a_required_test_skips_quietly(tmp_path, ci):
 
 
 def test_the_end_to_end_checks_are_marked_required():
-    """The Chromium report test and the real agent-CLI tests carry the (declared) marker."""
+    """The Chromium report tests and the real agent-CLI tests carry the (declared) marker."""
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "required", "-p", "no:cacheprovider",
          "tests/tools/test_cli_tail_report.py", "tests/gateway/test_agent_clis.py"],
@@ -94,7 +94,8 @@ def test_the_end_to_end_checks_are_marked_required():
     assert res.returncode == 0, res.stdout + res.stderr  # --strict-markers: an undeclared marker is an error
     ids = set(re.findall(r"^(tests/\S+::\S+)$", res.stdout, re.M))
     assert ids == {
-        "tests/tools/test_cli_tail_report.py::test_report_in_headless_chromium_shows_one_bar_per_session_and_the_outcome_counts",
+        "tests/tools/test_cli_tail_report.py::test_report_in_headless_chromium_draws_every_chart_and_the_sessions_table",
+        "tests/tools/test_cli_tail_report.py::test_report_of_a_generated_run_stays_small_and_renders_with_the_learner_curves",
         "tests/gateway/test_agent_clis.py::test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded[claude-code]",
         "tests/gateway/test_agent_clis.py::test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded[codex]",
     }, res.stdout
