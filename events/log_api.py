@@ -145,6 +145,11 @@ class EventLog(abc.ABC):
         return dict(self._next_seq)
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (no appends, no reads after it)."""
+        return getattr(self, "_closed", False)
+
+    @property
     def fatal_reason(self) -> str | None:
         """None while the log accepts appends; once its writer has failed for
         good, the one-line reason (what failed, where, what to do). Health

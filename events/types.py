@@ -531,6 +531,20 @@ def stored_tag(payload: bytes | memoryview) -> str | None:
     return tag if isinstance(tag, str) else None
 
 
+class _TagOnly(msgspec.Struct):
+    type: str  # the event tag; every other field is skipped, not built
+
+
+_tag_only_decoder = msgspec.msgpack.Decoder(_TagOnly)
+
+
+def payload_tag(payload: bytes | memoryview) -> str:
+    """The ``type`` of a stored payload, decoding nothing else (several times
+    faster than decoding the body). Raises msgspec.DecodeError when the
+    payload is not a msgpack map with a str ``type``."""
+    return _tag_only_decoder.decode(payload).type
+
+
 def as_unknown_event(payload: bytes | memoryview) -> UnknownEvent | None:
     """The :class:`UnknownEvent` of a stored payload whose tag this version
     does not know; None when the payload is not a map with a str tag, or its

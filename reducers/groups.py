@@ -106,6 +106,26 @@ def _at_lsn(lsn: int) -> str:
     return "" if lsn < 0 else f" at lsn {lsn}"
 
 
+class PendingGroupSnapshot(msgspec.Struct, frozen=True):
+    """One group in flight as plain data (see :class:`GroupTracker`)."""
+
+    group_id: str
+    group_size: int
+    opened: list[tuple[str, int, int]]  # (session_id, sample_index, lsn), in joining order
+    done: list[GroupMember]
+    dropped: list[str]
+
+
+class GroupTrackerSnapshot(msgspec.Struct, frozen=True):
+    """:class:`GroupTracker` as plain data: the groups in flight, the window
+    of recently released group ids ``(group_id, lsn)`` and the release count."""
+
+    min_valid: int
+    pending: list[PendingGroupSnapshot]
+    recent: list[tuple[str, int]]
+    released: int
+
+
 class GroupTracker:
     """Incremental group state: ``open`` members, ``close`` them, get groups back."""
 
@@ -130,6 +150,31 @@ class GroupTracker:
         resumed from there sees every event of every pending group."""
         lsns = [lsn for p in self._pending.values() for _, lsn in p.opened.values()]
         return min(lsns) if lsns else None
+
+    def to_snapshot(self) -> GroupTrackerSnapshot:
+        """The tracker's whole state as plain data, for a checkpoint."""
+        return GroupTrackerSnapshot(
+            min_valid=self.min_valid,
+            pending=[
+                PendingGroupSnapshot(gid, p.group_size, [(sid, idx, lsn) for sid, (idx, lsn) in p.opened.items()],
+                                     list(p.done), list(p.dropped))
+                for gid, p in self._pending.items()
+            ],
+            recent=list(self._recent.items()),
+            released=self.released,
+        )
+
+    @classmethod
+    def from_snapshot(cls, snap: GroupTrackerSnapshot) -> "GroupTracker":
+        """The tracker :meth:`to_snapshot` saw."""
+        t = cls(snap.min_valid)
+        for g in snap.pending:
+            p = t._pending[g.group_id] = _Pending(g.group_size)
+            p.opened = {sid: (idx, lsn) for sid, idx, lsn in g.opened}
+            p.done, p.dropped = list(g.done), list(g.dropped)
+        t._recent = OrderedDict(snap.recent)
+        t.released = snap.released
+        return t
 
     def check_open(self, group_id: str, session_id: str, group_size: int, sample_index: int, lsn: int | None = None) -> None:
         """The membership rule: raise GroupError naming the conflict if

@@ -66,12 +66,14 @@ from agentlog.events.types import (
 from agentlog.events.turn_delta import prompt_token_count
 
 from .errors import UnknownEventError
-from .lifecycle_step import EndedWindow, SessionLife, Violation, evolve, lsn_violation, resync
+from .lifecycle_step import EndedWindow, EndedWindowSnapshot, SessionLife, Violation, evolve, lsn_violation, resync
 from .samples import final_raw_reward
 
 __all__ = [
     "IdFilter",
+    "IdFilterSnapshot",
     "LifecycleCheck",
+    "LifecycleCheckSnapshot",
     "LifecycleReducer",
     "LifecycleState",
     "ReplayStep",
@@ -178,6 +180,36 @@ class IdFilter:
             return False
         h1, h2 = self._hashes(session_id)
         return self._in_layers(h1, h2, self._layers)
+
+    def to_snapshot(self) -> "IdFilterSnapshot":
+        """The filter's bits and counters as plain data, for a checkpoint."""
+        return IdFilterSnapshot(
+            first_capacity=self._first_capacity, capacity=self._capacity, count=self._count,
+            layers=[(bytes(bits), m) for bits, m in self._layers],
+        )
+
+    @classmethod
+    def from_snapshot(cls, snap: "IdFilterSnapshot") -> "IdFilter":
+        """The filter :meth:`to_snapshot` saw; raises ValueError naming the
+        field when the layers do not have the sizes their bit counts need."""
+        f = cls(1)
+        if not snap.layers:
+            raise ValueError("IdFilter snapshot: expected at least one layer, found none")
+        for i, (bits, m) in enumerate(snap.layers):
+            if m < 1 or len(bits) != m // 8 + 1:
+                raise ValueError(f"IdFilter snapshot: layers[{i}] holds {len(bits)} bytes for {m} bits; expected {m // 8 + 1}")
+        f._first_capacity, f._capacity, f._count = snap.first_capacity, snap.capacity, snap.count
+        f._layers = [(bytearray(bits), m) for bits, m in snap.layers]
+        return f
+
+
+class IdFilterSnapshot(msgspec.Struct, frozen=True):
+    """:class:`IdFilter` as plain data: its counters and each layer's ``(bits, bit count)``."""
+
+    first_capacity: int
+    capacity: int
+    count: int
+    layers: list[tuple[bytes, int]]
 
 
 class _Track:
@@ -410,6 +442,36 @@ class LifecycleCheck:
     def open_sessions(self) -> dict[str, tuple[State, int]]:
         """Sessions without a terminal event: ``{session_id: (state, next_session_seq)}``."""
         return {sid: (life.state, life.next_seq) for sid, life in self.live.items()}
+
+    def to_snapshot(self) -> "LifecycleCheckSnapshot":
+        """The check's whole state as plain data: resuming from it at
+        ``next_lsn`` gives the same violations as checking from LSN 0."""
+        return LifecycleCheckSnapshot(
+            next_lsn=self.next_lsn, records=self.records,
+            live=[(sid, life.state.value, life.next_seq) for sid, life in self.live.items()],
+            recent=self.recent.to_snapshot(), ids=self.ids.to_snapshot(),
+        )
+
+    @classmethod
+    def from_snapshot(cls, snap: "LifecycleCheckSnapshot") -> "LifecycleCheck":
+        """The check :meth:`to_snapshot` saw."""
+        check = cls(recent_window=0, id_capacity=1)
+        check.next_lsn, check.records = snap.next_lsn, snap.records
+        check.live = {sid: SessionLife(State(state), seq) for sid, state, seq in snap.live}
+        check.recent = EndedWindow.from_snapshot(snap.recent)
+        check.ids = IdFilter.from_snapshot(snap.ids)
+        return check
+
+
+class LifecycleCheckSnapshot(msgspec.Struct, frozen=True):
+    """:class:`LifecycleCheck` as plain data: the sessions in flight
+    ``(session_id, state, next_seq)``, the recent window and the id filter."""
+
+    next_lsn: int
+    records: int
+    live: list[tuple[str, str, int]]
+    recent: EndedWindowSnapshot
+    ids: IdFilterSnapshot
 
 
 _POLICY_TAG = PolicyUpdated.__struct_config__.tag

@@ -189,6 +189,13 @@ def lsn_violation(min_lsn: int, lsn: int, session_id: str) -> Violation | None:
     return Violation(lsn, session_id, ViolationKind.LSN_ORDER, f"lsn {lsn} does not increase (expected >= {min_lsn})")
 
 
+class EndedWindowSnapshot(msgspec.Struct, frozen=True):
+    """:class:`EndedWindow` as plain data: its size and ``(session_id, state, lsn)``, oldest first."""
+
+    size: int
+    ended: list[tuple[str, str, int]]
+
+
 class EndedWindow:
     """The most recently ended sessions (``session_id -> (state, lsn)``), bounded,
     so a fold can tell "after its terminal event" from "never opened" without
@@ -222,6 +229,18 @@ class EndedWindow:
     def items(self):
         """``(session_id, (state, lsn))``, oldest first."""
         return self._ended.items()
+
+    def to_snapshot(self) -> "EndedWindowSnapshot":
+        """The window as plain data (oldest first), for a checkpoint."""
+        return EndedWindowSnapshot(self.size, [(sid, st.value, lsn) for sid, (st, lsn) in self._ended.items()])
+
+    @classmethod
+    def from_snapshot(cls, snap: "EndedWindowSnapshot") -> "EndedWindow":
+        """The window :meth:`to_snapshot` saw."""
+        w = cls(snap.size)
+        for sid, state, lsn in snap.ended:
+            w._ended[sid] = (State(state), lsn)
+        return w
 
     def __len__(self) -> int:
         return len(self._ended)

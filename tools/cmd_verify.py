@@ -80,20 +80,17 @@ def check_lifecycle(path: Any) -> tuple[int, list[Any]]:
     Reads each record's tag only; no body is decoded."""
     import msgspec
 
+    from agentlog.events.types import payload_tag
     from agentlog.reducers.lifecycle import LifecycleCheck
     from agentlog.tools.cli_common import read_records
 
-    class _Tagged(msgspec.Struct):
-        type: str  # the event tag; every other field is skipped, not built
-
-    tag_of = msgspec.msgpack.Decoder(_Tagged).decode
     check = LifecycleCheck()
     feed = check.feed
     count = 0
     shown: list[Any] = []
     for rec in read_records(path, raw=True, quiet=True, desc="verify lifecycle"):
         try:
-            tag = tag_of(rec.payload).type
+            tag = payload_tag(rec.payload)
         except msgspec.DecodeError as exc:  # the frame check decoded it; a payload without a tag is corrupt
             raise CliError(f"{path}: lsn {rec.lsn}, session {rec.session_id!r}: payload has no event tag: {exc}", EXIT_DATA) from None
         found = feed(rec.lsn, rec.session_id, rec.session_seq, tag)
