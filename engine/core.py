@@ -13,8 +13,9 @@ recently ended states (for :meth:`SessionEngine.status`) and a fixed-size id
 filter.
 
 Duplicate ids. Ids are never reused, even after their session ended and was
-evicted. ``open()`` folds the log with :mod:`reducers.lifecycle`, whose Bloom
-filter (:class:`reducers.lifecycle.IdFilter`, 1 MiB preallocated for 262,144
+evicted. ``open()`` folds the log (:class:`engine.restart.RestartFold`: the
+lifecycle check and the group rule, from the engine's last checkpoint on,
+so a restart reads only the records since then), whose Bloom filter (:class:`reducers.lifecycle.IdFilter`, 1 MiB preallocated for 262,144
 ids, then ~4 B per id) holds every id in the log; the engine adds each id it
 opens. A filter miss proves the id is fresh (no false negatives). A hit is
 confirmed exactly: first against the live sessions and the recently ended
@@ -52,17 +53,19 @@ from agentlog.events.types import (
 )
 from agentlog.events.turn_delta import TurnContext
 from agentlog.reducers.groups import GroupError, GroupTracker
-from agentlog.reducers.lifecycle import IdFilter, LifecycleReducer
-from agentlog.reducers.lifecycle_step import Violation, ViolationKind
+from agentlog.reducers.lifecycle import IdFilter
+
+from .restart import Checkpointer, checkpoint_path_of, resume_fold
 
 _log = get_logger("agentlog.engine")
 
 #: Reason recorded for sessions a crashed engine left open or running.
 RESTART_REASON = "engine_restart"
+#: Records between two restart checkpoints (about 0.1 s of folding at restart).
+DEFAULT_CHECKPOINT_EVERY = 16384
 #: Reason recorded when a session's wall-clock budget runs out.
 TIMEOUT_REASON = "wall_clock_timeout"
 #: The bodies that end a session.
-_TERMINAL_BODIES = (SessionFinished, SessionAborted, SessionDropped)
 
 
 class DuplicateSession(LifecycleError):
@@ -391,8 +394,16 @@ class SessionEngine:
         status_cache: int = 4096,
         id_capacity: int = 1 << 18,
         sandbox: Any = None,
+        checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
+        checkpoint_poll_s: float = 0.2,
     ) -> None:
+        if checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every: expected >= 0 records (0: no checkpoints), found {checkpoint_every}")
         self._log_ = log
+        #: Records between restart checkpoints (:mod:`engine.restart`); 0 turns them off.
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_poll_s = checkpoint_poll_s
+        self._checkpointer: Checkpointer | None = None
         self.session_budget_s = session_budget_s
         self.drain_s = drain_s
         #: Default sandbox for callers that do not bring their own.
@@ -412,9 +423,11 @@ class SessionEngine:
         #: the first crash, in one line (health checks report it).
         self.background_failure: str | None = None
         self._closed = False
-        #: Counters: opened, finished, aborted, dropped, stragglers, id_scans, restart_aborted, violations.
+        #: Counters: opened, finished, aborted, dropped, stragglers, id_scans, restart_aborted, violations,
+        #: restart_folded (records the restart folded after its checkpoint).
         self.stats: dict[str, int] = dict.fromkeys(
-            ("opened", "finished", "aborted", "dropped", "stragglers", "id_scans", "restart_aborted", "violations"), 0
+            ("opened", "finished", "aborted", "dropped", "stragglers", "id_scans", "restart_aborted", "violations",
+             "restart_folded"), 0
         )
 
     # -- construction and restart ----------------------------------------------
@@ -430,91 +443,58 @@ class SessionEngine:
         are the keywords of :class:`SessionEngine` itself."""
         eng = cls(log, **options)
         eng._recover(progress)
+        if eng._checkpointer is not None:
+            eng._background(eng._checkpoint_loop(), name="engine.checkpointer")
         return eng
 
     def _recover(self, progress: bool | None) -> None:
-        reducer = LifecycleReducer(recent_window=self._status_cache, id_capacity=self._id_capacity)
-        total = self._log_.next_lsn
+        path = checkpoint_path_of(self._log_) if self.checkpoint_every else None
+        fold = resume_fold(self._log_, path, recent_window=self._status_cache, id_capacity=self._id_capacity)
+        total = self._log_.next_lsn - fold.next_lsn
         show = progress if progress is not None else (None if total > 200_000 else False)
-        first_violations: list[Violation] = []
-        in_groups: dict[str, str] = {}  # session in flight -> its group id
-        refused_opens: list[str] = []  # ids of session_opened records the lifecycle step refused
         with tqdm(total=total, desc="engine: folding log", unit="ev", disable=None if show is None else not show, leave=False) as bar:
-            n = 0
-            for env in self._log_.read(0):
-                refused = False
-                for o in reducer.feed(env):
-                    if isinstance(o, Violation):
-                        # The engine's reaction to a lifecycle violation: count it and warn.
-                        self.stats["violations"] += 1
-                        refused = refused or o.kind is not ViolationKind.LSN_ORDER
-                        if len(first_violations) < 20:
-                            first_violations.append(o)
-                if not refused:  # a record the lifecycle step refused is not applied to the groups either
-                    self._fold_group(env, in_groups)
-                elif type(env.body) is SessionOpened:
-                    refused_opens.append(env.session_id)
-                n += 1
-                if n & 0x3FFF == 0:
-                    bar.update(0x4000)
-        for v in first_violations:
-            _log.warning("engine.log_violation", lsn=v.lsn, session_id=v.session_id, kind=v.kind.value, message=v.message)
-        st = reducer.state
-        self._ids = st.ids
-        # The fold's filter holds the opens it accepted; a refused one's id is in the log all the
-        # same, and duplicate refusals stay exact only if the filter holds every id the log does.
-        for sid in refused_opens:
-            self._ids.add(sid)
-        for sid, (state, _lsn) in st.recent.items():
-            self._recent[sid] = state
+            folded_now = fold.catch_up(self._log_, progress=bar)
+        self.stats["restart_folded"] = folded_now
+        self.stats["violations"] += fold.violations
+        for v in fold.first_violations:
+            _log.warning("engine.log_violation", lsn=v.lsn, session_id=v.session_id, kind=v.kind, message=v.message)
         # The orphans come from the log's exact open-session map, not from the
         # fold: the fold skips a session whose id is a Bloom-filter false
         # positive (it reports it as a reused id), and such a session, left
         # open here, would never be aborted and its group never released.
-        folded = st.open_sessions()
+        folded = fold.check.open_sessions()
         orphans = self._log_.open_sessions()
-        if not orphans:
-            return
-        records = []
-        was: dict[str, str] = {}
-        for sid, seq in sorted(orphans.items()):
-            state, fold_seq = folded.get(sid, ("open (untracked by the lifecycle fold)", seq))
-            was[sid] = str(state)
-            if fold_seq != seq:
-                # The log enforces its own sequence; a mismatch means the fold saw a violation here.
-                _log.warning("engine.restart_seq_mismatch", session_id=sid, reducer_seq=fold_seq, log_seq=seq)
-            body = SessionAborted(
-                reason=RESTART_REASON,
-                error=f"left {state} by a previous engine process; aborted when a new engine opened the log",
-            )
-            records.append((sid, seq, body))
-        self._log_.append_batch(records)
-        for sid in sorted(orphans):
-            _log.warning("session.aborted", session_id=sid, reason=RESTART_REASON, was=was[sid])
-            self._remember(sid, State.ABORTED)
-            gid = in_groups.pop(sid, None)
-            if gid is not None:
-                self._groups.close(gid, None, sid, None)
-        self.stats["restart_aborted"] += len(orphans)
-        self.stats["aborted"] += len(orphans)
-
-    def _fold_group(self, env: Envelope, in_groups: dict[str, str]) -> None:
-        """Rebuild the membership of the groups in flight from one logged event."""
-        body, sid = env.body, env.session_id
-        if type(body) is SessionOpened:
-            try:
-                self._groups.open(body.group_id, sid, body.group_size, body.sample_index, env.lsn)
-            except GroupError as exc:
-                # Already in the log: the reducers refuse it too; the engine
-                # counts it and keeps the membership the log first declared.
-                self.stats["violations"] += 1
-                _log.warning("engine.log_violation", lsn=env.lsn, session_id=sid, message=str(exc))
-                return
-            in_groups[sid] = body.group_id
-        elif type(body) in _TERMINAL_BODIES:
-            gid = in_groups.pop(sid, None)
-            if gid is not None:
-                self._groups.close(gid, None, sid, env.lsn)
+        if orphans:
+            records = []
+            was: dict[str, str] = {}
+            for sid, seq in sorted(orphans.items()):
+                state, fold_seq = folded.get(sid, ("open (untracked by the lifecycle fold)", seq))
+                was[sid] = str(state)
+                if fold_seq != seq:
+                    # The log enforces its own sequence; a mismatch means the fold saw a violation here.
+                    _log.warning("engine.restart_seq_mismatch", session_id=sid, reducer_seq=fold_seq, log_seq=seq)
+                body = SessionAborted(
+                    reason=RESTART_REASON,
+                    error=f"left {state} by a previous engine process; aborted when a new engine opened the log",
+                )
+                records.append((sid, seq, body))
+            self._log_.append_batch(records)
+            # The aborts end the orphans in the fold too: their groups, the recent window.
+            fold.catch_up(self._log_)
+            for sid in sorted(orphans):
+                _log.warning("session.aborted", session_id=sid, reason=RESTART_REASON, was=was[sid])
+            self.stats["restart_aborted"] += len(orphans)
+            self.stats["aborted"] += len(orphans)
+        self._ids = fold.id_filter()
+        self._groups = fold.group_tracker()
+        for sid, (state, _lsn) in fold.check.recent.items():
+            self._recent[sid] = state
+        if path is not None:
+            # Written now, so a crash before the first periodic one restarts from here.
+            self._checkpointer = Checkpointer(self._log_, fold, path, self.checkpoint_every)
+            self._checkpointer.advance()
+        _log.info("engine.restarted", resumed_from=fold.resumed_from, folded=folded_now,
+                  aborted=len(orphans), checkpoint=str(path) if path is not None else None)
 
     # -- public API -------------------------------------------------------------
 
@@ -639,6 +619,13 @@ class SessionEngine:
         if self._bg:
             await asyncio.gather(*self._bg, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
+        if self._checkpointer is not None and not self._log_.closed:
+            # The last checkpoint, after the drops: a clean restart then folds nothing.
+            try:
+                await asyncio.to_thread(self._checkpointer.advance)
+            except Exception as exc:
+                _log.error("engine.checkpoint_failed", path=str(self._checkpointer.path), error=f"{type(exc).__name__}: {exc}")
+                errors.append(exc)
         if errors:
             raise errors[0]
 
@@ -789,8 +776,18 @@ class SessionEngine:
             return
         self._background(self._expire(h))
 
-    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
-        t = asyncio.get_running_loop().create_task(coro)
+    async def _checkpoint_loop(self) -> None:
+        """Write a restart checkpoint each time ``checkpoint_every`` records
+        have been appended since the last one (the fold runs in a thread)."""
+        ckpt = self._checkpointer
+        assert ckpt is not None
+        while True:
+            await asyncio.sleep(self.checkpoint_poll_s)
+            if ckpt.due():
+                await asyncio.to_thread(ckpt.advance)
+
+    def _background(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> None:
+        t = asyncio.get_running_loop().create_task(coro, name=name)
         self._bg.add(t)
         t.add_done_callback(self._bg_done)
 

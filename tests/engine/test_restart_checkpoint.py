@@ -1,0 +1,301 @@
+"""The engine's bounded restart (engine/restart.py): a restart from a
+checkpoint equals a restart from LSN 0, and an unusable checkpoint is never
+used."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agentlog.engine import DuplicateSession, SessionEngine
+from agentlog.engine.restart import (
+    CHECKPOINT_NAME,
+    CheckpointError,
+    RestartFold,
+    load_checkpoint,
+    write_checkpoint,
+)
+from agentlog.events import FileLog
+from agentlog.events.types import (
+    SessionAborted,
+    SessionDropped,
+    SessionFinished,
+    SessionOpened,
+    SessionStarted,
+    TurnRecorded,
+)
+from agentlog.reducers.errors import UnknownEventError
+
+# -- generated logs ---------------------------------------------------------------------------
+
+_TURN = TurnRecorded(turn_index=0, prompt_ids=b"\x01\x00\x00\x00", output_ids=b"\x02\x00\x00\x00",
+                     output_log_probs=b"\x00\x00\x00\xbf")
+
+
+@st.composite
+def scripts(draw):
+    """Records of a log: groups of sessions that open, start, take turns and
+    end (or stay in flight), interleaved at random; sometimes a reused id or a
+    member that contradicts its group (the restart must count those alike)."""
+    n_groups = draw(st.integers(1, 6))
+    sessions = []  # per session: its records in order
+    ended: list[str] = []
+    for g in range(n_groups):
+        size = draw(st.integers(1, 4))
+        for i in range(size):
+            sid = f"g{g}-s{i}"
+            declared = size + 1 if draw(st.integers(0, 19)) == 0 else size  # now and then a conflicting member
+            recs = [SessionOpened(group_id=f"g{g}", group_size=declared, sample_index=i)]
+            fate = draw(st.sampled_from(["open", "running", "finished", "aborted", "dropped"]))
+            if fate != "open":
+                recs.append(SessionStarted(harness="t"))
+                recs.extend([_TURN] * draw(st.integers(0, 3)))
+            if fate == "finished":
+                recs.append(SessionFinished(reward=1.0))
+            elif fate == "aborted":
+                recs.append(SessionAborted(reason="x"))
+            elif fate == "dropped":
+                recs.append(SessionDropped(reason="y"))
+            if fate in ("finished", "aborted", "dropped"):
+                ended.append(sid)
+            sessions.append([sid, recs])
+    if ended and draw(st.booleans()):
+        # An id reused after its session ended: the log takes it, the lifecycle step refuses it.
+        sessions.append([ended[0], [SessionOpened(group_id="reused", group_size=1)]])
+    out = []
+    seqs: dict[str, int] = {}
+    pending = [list(s) for s in sessions]
+    order = draw(st.randoms(use_true_random=False))
+    started: set[int] = set()
+    while pending:
+        # A reused id opens only after its first session's records are all out.
+        ready = [k for k, (sid, _) in enumerate(pending)
+                 if k in started or not any(p[0] == sid for p in pending[:k])]
+        k = order.choice(ready)
+        started.add(id(pending[k]))
+        sid, recs = pending[k]
+        body = recs.pop(0)
+        seq = 0 if isinstance(body, SessionOpened) else seqs[sid]
+        seqs[sid] = seq + 1
+        out.append((sid, seq, body))
+        if not recs:
+            pending.pop(k)
+    return out
+
+
+def _write(path: Path, records) -> int:
+    log = FileLog.open(path, fsync="never")
+    try:
+        for rec in records:
+            log.append_batch([rec])
+        return log.next_lsn
+    finally:
+        log.close()
+
+
+async def _restart(path: Path, **options):
+    """Open an engine on the log at ``path``; what the restart decided."""
+    log = FileLog.open(path, fsync="never")
+    try:
+        before = log.next_lsn
+        eng = await SessionEngine.open(log, progress=False, checkpoint_poll_s=3600, **options)
+        appended = [(e.session_id, e.session_seq, e.body) for e in log.read(before)]
+        used = sorted({e.session_id for e in log.read(0)})
+        state = {
+            "violations": eng.stats["violations"],
+            "restart_aborted": eng.stats["restart_aborted"],
+            "appended": appended,
+            "status": {sid: eng.status(sid) for sid in used},
+            "groups": eng._groups.to_snapshot(),
+            "ids": eng._ids.to_snapshot(),
+        }
+        for sid in used:  # every id the log holds is refused, exactly
+            with pytest.raises(DuplicateSession):
+                await eng.open_session(sid, group_id=f"new-{sid}", group_size=1)
+        folded = eng.stats["restart_folded"]
+        await eng.close()
+        return state, folded
+    finally:
+        log.close()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=scripts(), cut=st.floats(0, 1))
+def test_restart_from_a_checkpoint_equals_a_restart_from_lsn_0(script, cut):
+    """A checkpoint taken at any LSN, then the records after it: the same
+    aborts appended, the same violations, statuses, groups in flight and id
+    filter as folding the whole log."""
+    with tempfile.TemporaryDirectory() as tmp:
+        a, b = Path(tmp) / "a", Path(tmp) / "b"
+        end = _write(a, script)
+        shutil.copytree(a, b)
+        at = int(cut * end)
+        fold = RestartFold()
+        log = FileLog.open(a, fsync="never")
+        try:
+            fold.catch_up(log, until=at)
+        finally:
+            log.close()
+        assert fold.next_lsn == at
+        write_checkpoint(a / CHECKPOINT_NAME, fold.to_checkpoint())
+        with_ckpt, folded = asyncio.run(_restart(a))
+        from_zero, folded_zero = asyncio.run(_restart(b, checkpoint_every=0))
+        assert with_ckpt == from_zero
+        assert (folded, folded_zero) == (end - at, end)
+
+
+def _some_sessions(path: Path, n: int = 12) -> int:
+    return _write(path, [
+        rec
+        for i in range(n)
+        for rec in ((f"s{i}", 0, SessionOpened(group_id=f"g{i // 2}", group_size=2, sample_index=i % 2)),
+                    (f"s{i}", 1, SessionStarted(harness="t")),
+                    (f"s{i}", 2, SessionFinished(reward=1.0)))
+        if i < n - 2 or rec[1] == 0  # the last two stay open
+    ])
+
+
+def test_close_writes_a_checkpoint_and_a_clean_restart_folds_nothing(tmp_path):
+    path = tmp_path / "log"
+    _some_sessions(path)
+
+    async def go():
+        log = FileLog.open(path, fsync="never")
+        try:
+            eng = await SessionEngine.open(log, progress=False)
+            first = eng.stats["restart_folded"]
+            h = await eng.open_session("late", group_id="late", group_size=1)
+            await h.start()
+            await h.finish(reward=0.5)
+            await eng.close()
+            eng2 = await SessionEngine.open(log, progress=False)
+            assert eng2.stats["restart_folded"] == 0, "the close's checkpoint covers every record"
+            assert eng2.status("late") is not None and str(eng2.status("late")) == "finished"
+            with pytest.raises(DuplicateSession):
+                await eng2.open_session("s0", group_id="x", group_size=1)
+            await eng2.close()
+            return first
+        finally:
+            log.close()
+
+    assert asyncio.run(go()) == 32  # the first open folded the whole log (no checkpoint yet)
+
+
+def test_a_running_engine_writes_checkpoints_and_a_killed_one_restarts_from_the_last(tmp_path):
+    """Without a clean close (the process dies): the restart folds only what
+    came after the last periodic checkpoint, and decides as a fold from 0 does."""
+    path = tmp_path / "log"
+
+    async def run_then_die():
+        log = FileLog.open(path, fsync="never")
+        eng = await SessionEngine.open(log, progress=False, checkpoint_every=40, checkpoint_poll_s=0.005)
+        for i in range(30):
+            h = await eng.open_session(f"s{i}", group_id=f"g{i // 3}", group_size=3)
+            await h.start()
+            await h.record_turn(prompt_ids=[1, 2], output_ids=[3], output_log_probs=[-0.1])
+            if i % 3:
+                await h.finish(reward=1.0)
+            await asyncio.sleep(0.01)  # the checkpointer's turn
+        # Die: the engine is never closed (no last checkpoint); the log stays as it was.
+        return eng._checkpointer.written, log
+
+    written, dead_log = asyncio.run(run_then_die())
+    assert written >= 3, written
+    ckpt_lsn = load_checkpoint(path / CHECKPOINT_NAME, dead_log).next_lsn
+    end = dead_log.next_lsn
+    assert 0 < ckpt_lsn < end
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    (copy / CHECKPOINT_NAME).unlink()
+    dead_log.close()
+    ours, folded = asyncio.run(_restart(path))
+    zero, folded_zero = asyncio.run(_restart(copy, checkpoint_every=0))
+    assert ours == zero
+    assert ours["restart_aborted"] == 10
+    assert folded == end - ckpt_lsn and folded_zero == end
+
+
+@pytest.mark.parametrize("damage", ["flipped_byte", "other_log", "truncated_log", "old_format"])
+def test_an_unusable_checkpoint_is_reported_and_the_restart_folds_from_0(tmp_path, damage, capsys):
+    path = tmp_path / "log"
+    end = _some_sessions(path)
+    fold = RestartFold()
+    log = FileLog.open(path, fsync="never")
+    try:
+        fold.catch_up(log, until=end - 3)
+    finally:
+        log.close()
+    ckpt_file = path / CHECKPOINT_NAME
+    ckpt = fold.to_checkpoint()
+    if damage == "old_format":
+        import msgspec
+
+        ckpt = msgspec.structs.replace(ckpt, format=0)
+    write_checkpoint(ckpt_file, ckpt)
+    if damage == "flipped_byte":
+        data = bytearray(ckpt_file.read_bytes())
+        data[-5] ^= 0xFF
+        ckpt_file.write_bytes(bytes(data))
+    elif damage == "other_log":
+        other = tmp_path / "other"
+        _some_sessions(other)  # same shape, other timestamps
+        shutil.copy(ckpt_file, other / CHECKPOINT_NAME)
+        path = other
+    elif damage == "truncated_log":
+        fold2 = RestartFold()
+        log = FileLog.open(path, fsync="never")
+        try:
+            fold2.catch_up(log)
+        finally:
+            log.close()
+        write_checkpoint(ckpt_file, fold2.to_checkpoint())
+        raw = ckpt_file.read_bytes()
+        shutil.rmtree(path)
+        _write(path, [(f"s{i}", 0, SessionOpened(group_id=f"g{i}", group_size=1)) for i in range(3)])
+        ckpt_file.write_bytes(raw)
+    log = FileLog.open(path, fsync="never")
+    try:
+        with pytest.raises(CheckpointError) as err:
+            load_checkpoint(ckpt_file if damage != "other_log" else path / CHECKPOINT_NAME, log)
+        assert CHECKPOINT_NAME in str(err.value)
+    finally:
+        log.close()
+    _, folded = asyncio.run(_restart(path))
+    log = FileLog.open(path, fsync="never")
+    try:
+        assert folded == log.next_lsn - (2 if damage != "truncated_log" else 3)  # from 0 (minus the restart's own aborts)
+    finally:
+        log.close()
+
+
+@pytest.mark.parametrize("checkpoint_at", [None, 3])
+def test_an_unknown_event_type_stops_the_restart_with_or_without_a_checkpoint(tmp_path, checkpoint_at):
+    """The fold reads tags only, and still refuses an event type this version
+    does not know inside a session (its effect on the session cannot be known)."""
+    path = tmp_path / "log"
+    shutil.copytree(Path(__file__).parents[1] / "fixtures" / "future_log", path)
+    if checkpoint_at is not None:
+        fold = RestartFold()
+        log = FileLog.open(path, fsync="never")
+        try:
+            fold.catch_up(log, until=checkpoint_at)
+        finally:
+            log.close()
+        write_checkpoint(path / CHECKPOINT_NAME, fold.to_checkpoint())
+
+    async def go():
+        log = FileLog.open(path, fsync="never")
+        try:
+            await SessionEngine.open(log, progress=False)
+        finally:
+            log.close()
+
+    with pytest.raises(UnknownEventError, match="turn_scored") as err:
+        asyncio.run(go())
+    assert err.value.lsn == 3 and err.value.session_id == "s-0"
