@@ -21,9 +21,12 @@ from __future__ import annotations
 import abc
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from agentlog.engine import harness
+
+if TYPE_CHECKING:
+    from .text import TextTask
 
 
 class TaskError(ValueError):
@@ -140,15 +143,19 @@ def task_names() -> list[str]:
     return sorted(_TASKS)
 
 
-def select_task(name: str | None = None, **kwargs: Any) -> Task:
+def select_task(name: str | None = None, **kwargs: Any) -> "Task | TextTask":
     """The task selected through the engine's harness registry: ``name``, or
     ``$AGENTLOG_AGENT`` when ``name`` is empty; an unknown name raises
-    TaskError listing the registered harnesses."""
+    TaskError listing the registered harnesses. The result is a token-level
+    :class:`Task` or a text-level :class:`~.text.TextTask`."""
+    from .text import TextTask
+
     try:
         factory = harness.select(name or None)
     except LookupError as exc:
         raise TaskError(str(exc)) from None
     task = factory(**kwargs)
-    if not isinstance(task, Task):
-        raise TaskError(f"harness {name!r} is not a task (its factory returned {type(task).__name__}); the loop needs an engine.tasks.Task")
+    if not isinstance(task, (Task, TextTask)):
+        raise TaskError(f"harness {name!r} is not a task (its factory returned {type(task).__name__});"
+                        " the loop needs an engine.tasks.Task or engine.tasks.TextTask")
     return task

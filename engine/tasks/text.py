@@ -1,0 +1,93 @@
+"""The text-level task interface: chat messages in, a sandbox to work in, a verifier.
+
+This is the level users think in when they train an agent on their own
+problems (a repository to fix, a question to answer with tools). A
+:class:`TextTask` provides
+
+- the prompt, as chat messages (:meth:`TextTask.new_episode`);
+- the sandbox set-up (:meth:`TextTask.setup`), e.g. writing a small
+  repository into the sandbox's working directory;
+- the verifier (:meth:`TextTask.verify`), which returns the reward, e.g. by
+  running a test command in the sandbox (:func:`verdict_of_command`).
+
+The agent between set-up and verification is not the task's business: the
+online loop starts an agent harness (the built-in Python tool-calling agent,
+Claude Code or Codex) with the session's key pointed at the gateway, and the
+gateway records every model call as a turn. The token-level :class:`~.base.Task`
+stays beside this interface for the built-in demo, whose policy reads token
+ids and no tokenizer.
+
+Text tasks register with the same :func:`~.base.register_task` decorator and
+are selected by name like token-level ones.
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentlog.engine.sandbox import CommandResult, Sandbox
+
+from .base import Verdict
+
+
+@dataclass
+class TextEpisode:
+    """One instance of a text task: the prompt and what set-up and verifier need."""
+
+    #: The prompt as chat messages (OpenAI shape: role and content).
+    messages: list[dict[str, Any]]
+    #: What the verifier expects, recorded as the session's label.
+    label: Any = None
+    #: Hidden per-episode state for set-up and verifier (never shown to the agent).
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+class TextTask(abc.ABC):
+    """An environment for an agent that works in a sandbox, scored by a verifier."""
+
+    #: Registry name (``task = "NAME"`` in the loop config).
+    name: str = ""
+    #: Most model calls (recorded turns) per session; more are refused by the loop.
+    max_turns: int = 8
+    #: Most tokens generated per model call.
+    max_new_tokens: int = 256
+    #: Wall-clock budget of one whole session, agent and verifier included (seconds).
+    session_budget_s: float = 300.0
+    #: Wall-clock budget of one sandbox command, the verifier's included (seconds).
+    command_budget_s: float = 60.0
+
+    @abc.abstractmethod
+    def new_episode(self, rng: random.Random) -> TextEpisode:
+        """Draw a fresh episode (prompt and hidden state) from ``rng``."""
+
+    def group_member(self, episode: TextEpisode, rng: random.Random) -> TextEpisode:
+        """The episode one member of a GRPO group plays (default: the same one)."""
+        return episode
+
+    async def setup(self, episode: TextEpisode, sandbox: Sandbox) -> None:
+        """Prepare the sandbox for ``episode`` before the agent starts (default: nothing)."""
+
+    @abc.abstractmethod
+    async def verify(self, episode: TextEpisode, sandbox: Sandbox) -> Verdict:
+        """Score the agent's work in ``sandbox`` once the agent has stopped."""
+
+
+def verdict_of_command(result: CommandResult) -> Verdict:
+    """The verdict of a test command: reward 1 when it exited 0, else 0.
+
+    A command that reported no exit code (budget exceeded, no done marker)
+    is a failure, and the detail says why; it is never read as a pass.
+    """
+    passed = result.exit_code == 0
+    detail: dict[str, Any] = {
+        "command": result.command,
+        "exit_code": result.exit_code,
+        "budget_exceeded": result.budget_exceeded,
+        "duration_s": round(result.duration_s, 3),
+    }
+    if result.exit_code is None:
+        detail["why"] = "the test command reported no exit code (budget exceeded or no done marker)"
+    return Verdict(reward=1.0 if passed else 0.0, success=passed, detail=detail)
