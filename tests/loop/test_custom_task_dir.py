@@ -173,3 +173,25 @@ def test_train_with_a_task_module_that_raises_exits_2_with_its_traceback_tail(tm
     assert "task module 'broken_task_mod' raised RuntimeError: the dataset is missing" in err, err
     assert "broken_task_mod.py" in err and "_setup" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_readmes_custom_task_example_trains_as_written(tmp_path: Path) -> None:
+    """README "Custom tasks": its module (```python), its config (```toml with [task]) and its command
+    (```console) train as written, from a directory outside the repository."""
+    import re
+    import shlex
+
+    text = (REPO / "README.md").read_text()
+    section = text.split("### Custom tasks", 1)[1].split("\n### ", 1)[0]
+    (module,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    (config,) = [b for b in re.findall(r"```toml\n(.*?)```", section, re.S) if "[task]" in b]
+    (command,) = [line[2:] for line in re.findall(r"```console\n(.*?)```", section, re.S)[0].splitlines() if line.startswith("$ ")]
+    (tmp_path / "my_tasks.py").write_text(module)
+    (tmp_path / "train.toml").write_text(config)
+    args = shlex.split(command)
+    assert args[:2] == ["agentlog", "train"], args
+    proc = subprocess.run([_agentlog(), *args[1:], "--quiet", "--no-report", "--timeout", "120"], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    out = args[args.index("--out") + 1]
+    _check_trained(tmp_path / out, "echo", "my_tasks")
