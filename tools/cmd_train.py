@@ -34,7 +34,8 @@ def register(sub) -> None:
     )
     p.add_argument("--config", type=Path, required=True, metavar="FILE", help="TOML file of LoopConfig fields")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import MODULE first (it may register a task); repeatable")
+                   help="import MODULE (it registers a task) in every process of the loop, from the current directory, "
+                        "the config's directory or [task] path; repeatable")
     add_config_flags(p, defaults=LoopConfig())
     add_output_flags(p)
     p.set_defaults(func=run)

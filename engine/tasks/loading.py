@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -38,6 +39,9 @@ from .base import TaskError, _TASKS, register_task
 
 #: The entry point group installed packages declare their tasks in.
 ENTRY_POINT_GROUP = "agentlog.tasks"
+
+#: A dotted Python module name (``my_tasks``, ``pkg.tasks``).
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 #: Frames of the module's own traceback kept in an error message.
 _TRACEBACK_FRAMES = 6
@@ -85,6 +89,10 @@ def import_task_module(name: str) -> object:
     if not isinstance(name, str) or not name.strip():
         raise TaskError(f"task module: expected a non-empty module name, found {name!r}")
     name = name.strip()
+    # `x.py` is a valid dotted name, but it is always a file name given by mistake.
+    if not _MODULE_NAME.fullmatch(name) or name.endswith(".py"):
+        hint = f"; for the file {name!r} give {Path(name).stem!r} and its folder in [task] path" if name.endswith(".py") or "/" in name else ""
+        raise TaskError(f"task module {name!r}: expected a dotted module name such as 'my_tasks' or 'pkg.tasks'{hint}")
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
@@ -146,7 +154,10 @@ def load_tasks(modules: Iterable[str] = (), path: Iterable[str | os.PathLike[str
     the modules and entry points loaded."""
     modules = list(modules)
     added = add_import_dirs(path)
-    loaded = [m.strip() for m in modules if import_task_module(m) is not None]
+    loaded: list[str] = []
+    for m in modules:
+        import_task_module(m)
+        loaded.append(m.strip())
     if entry_points:
         loaded += [f"entry_point:{n}" for n in load_entry_point_tasks()]
     if loaded or added:

@@ -127,6 +127,14 @@ def test_an_empty_module_name_is_refused(sandboxed) -> None:
         load_tasks([" "], entry_points=False)
 
 
+@pytest.mark.parametrize("bad, hint", [("my_tasks.py", "give 'my_tasks' and its folder in \\[task\\] path"),
+                                       ("src/my_tasks", "give 'my_tasks'"), ("1abc", "dotted module name")])
+def test_a_file_name_given_as_a_module_is_refused_with_a_hint(sandboxed, bad: str, hint: str) -> None:
+    with pytest.raises(TaskError, match=hint) as info:
+        load_tasks([bad], entry_points=False)
+    assert not isinstance(info.value, TaskImportError) and bad in str(info.value)
+
+
 # -- the agentlog.tasks entry point group ------------------------------------------------------
 
 
