@@ -7,21 +7,15 @@ imported stops the command before any run, naming it and why."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import uuid
 from pathlib import Path
 
 import pytest
 
-from agentlog.events.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted
-from agentlog.loop import logs
 from agentlog.loop.config import LoopConfig
-from agentlog.loop.publish import read_learner_records
 
-REPO = Path(__file__).resolve().parents[2]
+from custom_task_helpers import REPO, check_trained, train_cli
 
 #: A token-level task as a user writes it: prompt ``BOS x``, one turn, reward 1 when the turn repeats x.
 TASK_MODULE = '''
@@ -74,17 +68,6 @@ empty_marker_rate = 0.0
 '''
 
 
-def _agentlog() -> str:
-    exe = Path(sys.executable).with_name("agentlog")
-    assert exe.exists(), f"the agentlog console script is not installed next to {sys.executable} (pip install -e .)"
-    return str(exe)
-
-
-def _env() -> dict[str, str]:
-    # No PYTHONPATH: the module must be found the way a user's would be.
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "AGENTLOG_AGENT")}
-
-
 def _write_task(where: Path) -> tuple[str, str]:
     """(module name, task name), both unique, written to ``where``."""
     tag = uuid.uuid4().hex[:8]
@@ -94,42 +77,15 @@ def _write_task(where: Path) -> tuple[str, str]:
     return module, name
 
 
-def _train(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([_agentlog(), "train", *args, "--out", "run", "--quiet", "--no-report", "--timeout", "120"],
-                          cwd=cwd, env=_env(), capture_output=True, text=True, timeout=180)
-
-
-def _check_trained(run_dir: Path, task_name: str, module: str) -> None:
-    cfg = LoopConfig.load(run_dir / "config.json")
-    assert module in cfg.task_modules and cfg.task == task_name
-    assert all(Path(p).is_absolute() for p in cfg.task_path), cfg.task_path
-    records = read_learner_records(run_dir / "learner")
-    assert max(r.policy_version for r in records) >= 1, records
-    opened: set[str] = set()
-    harness: dict[str, str] = {}
-    ended: dict[str, int] = {}
-    for env in logs.read(run_dir / "rollout", 0):
-        b = env.body
-        if isinstance(b, SessionOpened):
-            opened.add(env.session_id)
-        elif isinstance(b, SessionStarted):
-            harness[env.session_id] = b.harness
-        elif isinstance(b, (SessionFinished, SessionAborted, SessionDropped)):
-            ended[env.session_id] = ended.get(env.session_id, 0) + 1
-    assert opened, "no session in the rollout log"
-    assert set(harness.values()) == {task_name}, set(harness.values())
-    assert opened <= set(ended) and set(ended.values()) == {1}, "every session ends exactly once"
-
-
 @pytest.mark.required
 def test_a_task_module_in_another_directory_trains_through_import(tmp_path: Path) -> None:
     user = tmp_path / "user"
     module, name = _write_task(user)
     assert not str(user).startswith(str(REPO))
     (user / "run.toml").write_text(CONFIG.format(task=f'task = "{name}"'))
-    proc = _train(user, "--config", "run.toml", "--import", module)
+    proc = train_cli(user, "--config", "run.toml", "--import", module)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
-    _check_trained(user / "run", name, module)
+    check_trained(user / "run", name, module)
     assert str(user) in LoopConfig.load(user / "run" / "config.json").task_path
 
 
@@ -143,15 +99,15 @@ def test_a_task_module_in_another_directory_trains_through_the_config_entry(tmp_
     (conf_dir / "run.toml").write_text(CONFIG.format(task=f'[task]\nname = "{name}"\nmodule = "{module}"\npath = ["../tasks"]\n'))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc = _train(elsewhere, "--config", str(conf_dir / "run.toml"))
+    proc = train_cli(elsewhere, "--config", str(conf_dir / "run.toml"))
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
-    _check_trained(elsewhere / "run", name, module)
+    check_trained(elsewhere / "run", name, module)
     assert str(tmp_path / "tasks") in LoopConfig.load(elsewhere / "run" / "config.json").task_path
 
 
 def test_train_with_a_missing_task_module_exits_2_naming_it_before_any_run(tmp_path: Path) -> None:
     (tmp_path / "run.toml").write_text(CONFIG.format(task='task = "lookup"'))
-    proc = _train(tmp_path, "--config", "run.toml", "--import", "no_such_task_module_xyz")
+    proc = train_cli(tmp_path, "--config", "run.toml", "--import", "no_such_task_module_xyz")
     assert proc.returncode == 2, proc.stderr
     assert "task module 'no_such_task_module_xyz' not found" in proc.stderr and "sys.path" in proc.stderr
     assert str(tmp_path) in proc.stderr  # the current directory was searched
@@ -167,31 +123,10 @@ def test_train_with_a_task_module_that_raises_exits_2_with_its_traceback_tail(tm
         _setup()
     '''))
     (tmp_path / "run.toml").write_text(CONFIG.format(task='[task]\nname = "lookup"\nmodule = "broken_task_mod"\n'))
-    proc = _train(tmp_path, "--config", "run.toml")
+    proc = train_cli(tmp_path, "--config", "run.toml")
     assert proc.returncode == 2, proc.stderr
     err = proc.stderr
     assert "task module 'broken_task_mod' raised RuntimeError: the dataset is missing" in err, err
     assert "broken_task_mod.py" in err and "_setup" in err, err
     assert not (tmp_path / "run").exists()
 
-
-def test_the_readmes_custom_task_example_trains_as_written(tmp_path: Path) -> None:
-    """README "Custom tasks": its module (```python), its config (```toml with [task]) and its command
-    (```console) train as written, from a directory outside the repository."""
-    import re
-    import shlex
-
-    text = (REPO / "README.md").read_text()
-    section = text.split("### Custom tasks", 1)[1].split("\n### ", 1)[0]
-    (module,) = re.findall(r"```python\n(.*?)```", section, re.S)
-    (config,) = [b for b in re.findall(r"```toml\n(.*?)```", section, re.S) if "[task]" in b]
-    (command,) = [line[2:] for line in re.findall(r"```console\n(.*?)```", section, re.S)[0].splitlines() if line.startswith("$ ")]
-    (tmp_path / "my_tasks.py").write_text(module)
-    (tmp_path / "train.toml").write_text(config)
-    args = shlex.split(command)
-    assert args[:2] == ["agentlog", "train"], args
-    proc = subprocess.run([_agentlog(), *args[1:], "--quiet", "--no-report", "--timeout", "120"], cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
-    out = args[args.index("--out") + 1]
-    _check_trained(tmp_path / out, "echo", "my_tasks")
