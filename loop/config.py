@@ -3,7 +3,9 @@
 The same object drives `agentlog demo` (flags), `agentlog train --config
 FILE` (a TOML file whose top-level keys are these fields, with the
 ``[learner]`` table passed to ``learner.config.LearnerConfig`` and the
-``[faults]`` table to :class:`FaultConfig`), and the worker and learner
+``[faults]`` table to :class:`FaultConfig`, and the ``[task]`` table's
+``name``, ``module`` and ``path`` to ``task``, ``task_modules`` and
+``task_path``), and the worker and learner
 processes (which read ``config.json`` from the run folder). Each field has a
 docstring; ``agentlog demo --help`` prints them.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,6 +124,11 @@ class LoopConfig:
     """Injected faults (see FaultConfig)."""
     learner: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-3, "warmup_steps": 10, "grad_clip": 1.0})
     """Overrides of learner.config.LearnerConfig (estimator, eps_clip, lr, ...)."""
+    # --- issue 14: tasks ---
+    task_modules: list[str] = field(default_factory=list)
+    """Modules every loop process imports before selecting the task (they register it): `--import`, `[task] module`."""
+    task_path: list[str] = field(default_factory=list)
+    """Directories put in front of sys.path before importing task_modules (`[task] path`, resolved against the config file; absolute)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.faults, Mapping):
@@ -151,6 +159,14 @@ class LoopConfig:
             raise ConfigError(f"LoopConfig.fsync: expected always, batch, interval or never, found {self.fsync!r}")
         if not isinstance(self.learner, Mapping):
             raise ConfigError(f"LoopConfig.learner: expected a table of LearnerConfig fields, found {self.learner!r}")
+        # --- issue 14: tasks ---
+        for name in ("task_modules", "task_path"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                v = [v]
+            if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x.strip() for x in v):
+                raise ConfigError(f"LoopConfig.{name}: expected a list of non-empty strings, found {v!r}")
+            setattr(self, name, [x.strip() for x in v])
 
     def learner_config(self):
         """The LearnerConfig this loop trains with (TIS switched on in correct mode)."""
@@ -167,9 +183,11 @@ class LoopConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "LoopConfig":
-        """Build from plain data; an unknown key raises and lists the known ones."""
-        return _from_mapping(cls, values, "")
+    def from_dict(cls, values: Mapping[str, Any], *, base_dir: Path | None = None) -> "LoopConfig":
+        """Build from plain data; an unknown key raises and lists the known ones.
+        Relative directories of a ``[task]`` table's ``path`` are resolved
+        against ``base_dir`` (default: the current directory)."""
+        return _from_mapping(cls, task_table(values, base_dir), "")
 
     def save(self, path: Path) -> None:
         """Write ``config.json`` (what the worker and learner processes read)."""
@@ -194,9 +212,53 @@ class LoopConfig:
             except ValueError as exc:
                 raise ConfigError(f"{path}: not valid JSON: {exc}") from None
         try:
-            return cls.from_dict(values)
+            return cls.from_dict(values, base_dir=path.parent)
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from None
+
+
+# --- issue 14: tasks ---
+#: Keys of the ``[task]`` table -> the LoopConfig field each one sets.
+TASK_TABLE_KEYS = {"name": "task", "module": "task_modules", "path": "task_path"}
+
+
+def task_table(values: Mapping[str, Any], base_dir: Path | None) -> Mapping[str, Any]:
+    """``values`` with a ``[task]`` table (``task`` given as a mapping) spread
+    onto the flat fields: ``name`` -> ``task``, ``module`` (a str or a list)
+    -> ``task_modules``, ``path`` -> ``task_path``, each directory made
+    absolute against ``base_dir`` (the config file's directory, which is
+    added to ``task_path`` itself when there are modules). Values without a
+    table come back unchanged."""
+    table = values.get("task")
+    if not isinstance(table, Mapping):
+        return values
+    unknown = sorted(set(table) - set(TASK_TABLE_KEYS))
+    if unknown:
+        raise ConfigError(f"[task] unknown key(s) {unknown}; known keys are {sorted(TASK_TABLE_KEYS)}")
+    for key in ("task_modules", "task_path"):
+        if key in values:
+            raise ConfigError(f"{key}: given both at the top level and in the [task] table; keep one")
+    out = {k: v for k, v in values.items() if k != "task"}
+    if "name" in table:
+        if not isinstance(table["name"], str):
+            raise ConfigError(f"[task] name: expected a task name (str), found {table['name']!r}")
+        out["task"] = table["name"]
+    for key in ("module", "path"):
+        if key not in table:
+            continue
+        v = table[key]
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, (list, tuple)) or not items or not all(isinstance(x, str) and x.strip() for x in items):
+            raise ConfigError(f"[task] {key}: expected a non-empty string or a list of them, found {v!r}")
+        if key == "path":
+            base = Path(base_dir) if base_dir is not None else Path.cwd()
+            items = [os.path.abspath(base / x) for x in items]
+        out[TASK_TABLE_KEYS[key]] = list(items)
+    if out.get("task_modules") and base_dir is not None:
+        # A module beside the config file imports without a `path` entry.
+        here = os.path.abspath(base_dir)
+        out["task_path"] = out.get("task_path", []) + ([here] if here not in out.get("task_path", []) else [])
+    return out
 
 
 #: Annotation names -> the Python types a config value of that name may have

@@ -56,7 +56,7 @@ import msgspec
 import torch
 
 from agentlog._logging import get_logger
-from agentlog.engine.tasks import select_task
+from agentlog.engine.tasks import load_tasks, select_task
 from agentlog.events.log_api import EventLog
 from agentlog.events.types import PolicyUpdated
 from agentlog.learner.learner import Learner
@@ -178,6 +178,8 @@ class LoopLearner:
     def __init__(self, run_dir: Path, cfg: LoopConfig) -> None:
         self.run_dir = Path(run_dir)
         self.cfg = cfg
+        # The user's task modules register their tasks on import, in this process too.
+        load_tasks(cfg.task_modules, cfg.task_path)
         self.task = select_task(cfg.task)
         self.model = build_model(cfg, self.task)
         self.learner = Learner(self.model, cfg.learner_config())

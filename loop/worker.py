@@ -38,7 +38,7 @@ import torch
 
 from agentlog._logging import get_logger
 from agentlog.engine import LocalSandbox, SessionEngine, SessionTimeout
-from agentlog.engine.tasks import Episode, Task, select_task
+from agentlog.engine.tasks import Episode, Task, load_tasks, select_task
 from agentlog.events.types import PolicyUpdated, SessionOpened
 from agentlog.learner.learner import load_weights
 
@@ -75,6 +75,8 @@ class RolloutWorker:
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         self.worker_id = worker_id
+        # The user's task modules register their tasks on import, in this process too.
+        load_tasks(cfg.task_modules, cfg.task_path)
         self.task: Task = select_task(cfg.task)
         self.model = build_model(cfg, self.task)
         self.model.eval()

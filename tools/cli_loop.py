@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,11 @@ def add_config_flags(p, *, defaults: LoopConfig) -> None:
         if f.name in ("faults", "learner"):
             continue
         default = getattr(defaults, f.name)
+        if isinstance(default, list):
+            # A list field (task_modules, task_path): one value per flag, repeatable, added to the config's.
+            group.add_argument(_flag(f.name), dest=f.name, action="append", default=None, metavar=f.name.upper().removesuffix("S"),
+                               help=f"{loop_help.get(f.name, '')} (repeatable; adds to the config's)".replace("%", "%%"))
+            continue
         kind = _parse_bool if isinstance(default, bool) else type(default)
         group.add_argument(_flag(f.name), dest=f.name, type=kind, default=None, metavar=f.name.upper(),
                            help=f"{loop_help.get(f.name, '')} (default {default})".replace("%", "%%"))
@@ -68,15 +74,27 @@ def add_output_flags(p) -> None:
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="give up (exit 1) after S seconds")
 
 
-def config_from_args(args, base: LoopConfig) -> LoopConfig:
-    """``base`` with every flag the user gave applied on top."""
+def config_from_args(args, base: LoopConfig, *, task_modules: list[str] = (), import_dirs: list[Path] = ()) -> LoopConfig:
+    """``base`` with every flag the user gave applied on top.
+
+    ``task_modules`` (``--import``) are added to the config's; when there are
+    any, ``import_dirs`` (the config file's directory) and the current
+    directory go at the end of ``task_path``, so that a module beside the
+    config or in the directory the command runs from imports like under
+    ``python -m``, in the worker and learner processes too."""
     values = base.to_dict()
     for f in dataclasses.fields(LoopConfig):
         if f.name in ("faults", "learner"):
             continue  # their flags are --<fault field> and --learner KEY=VALUE
         v = getattr(args, f.name, None)
         if v is not None:
-            values[f.name] = v
+            values[f.name] = list(values[f.name]) + v if isinstance(values[f.name], list) else v
+    # --- issue 14: tasks ---
+    values["task_modules"] = list(values["task_modules"]) + [m for m in task_modules if m not in values["task_modules"]]
+    if values["task_modules"]:
+        values["task_path"] = list(values["task_path"]) + [str(d) for d in [*import_dirs, Path.cwd()]]
+    # Absolute and without repeats: the worker and the learner may run from another directory.
+    values["task_path"] = list(dict.fromkeys(os.path.abspath(p) for p in values["task_path"]))
     faults = dict(values["faults"])
     if getattr(args, "no_faults", False):
         faults = dataclasses.asdict(FaultConfig.none())
@@ -103,14 +121,22 @@ def config_from_args(args, base: LoopConfig) -> LoopConfig:
     return cfg
 
 
-def check_task(name: str) -> None:
-    """CliError (exit 2) listing the registered tasks when ``name`` is not one of them."""
-    from agentlog.engine.tasks import TaskError, select_task
+def check_task(cfg: LoopConfig) -> None:
+    """Load the config's task modules, then select its task: CliError (exit 2)
+    naming the module that cannot be imported and why, or listing the
+    registered tasks when ``cfg.task`` is not one of them."""
+    from agentlog.engine.tasks import TaskError, TaskImportError, load_tasks, select_task
 
     try:
-        select_task(name)
+        load_tasks(cfg.task_modules, cfg.task_path)
+    except TaskImportError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
     except TaskError as exc:
-        raise CliError(f"task {name!r}: {exc}", EXIT_USAGE) from None
+        raise CliError(f"[task]: {exc}", EXIT_USAGE) from None
+    try:
+        select_task(cfg.task)
+    except TaskError as exc:
+        raise CliError(f"task {cfg.task!r}: {exc}", EXIT_USAGE) from None
 
 
 def write_report(run_dir: Path) -> str:
@@ -136,7 +162,7 @@ def execute(cfg: LoopConfig, args, *, title: str) -> int:
     run_dir = args.out or Path("runs") / new_run_id(cfg.seed)
     # Everything that can be refused is checked before the run folder exists:
     # a refused run leaves nothing behind that would block the next --out.
-    check_task(cfg.task)
+    check_task(cfg)
     if run_dir.exists() and not run_dir.is_dir():
         raise CliError(f"--out {run_dir}: is a file, expected a run folder (new or empty)", EXIT_USAGE)
     if (run_dir / "config.json").exists():

@@ -5,14 +5,17 @@ The TOML file's top-level keys are LoopConfig fields (``task``, ``steps``,
 LearnerConfig fields and its ``[faults]`` table FaultConfig fields; see
 ``agentlog demo --help`` for every knob. Flags given on the command line
 override the file. The task is chosen by name from the task registry
-(``engine.tasks.register_task``); ``--import MODULE`` imports a module first
-so that it can register its own task.
+(``engine.tasks.register_task``); ``--import MODULE`` (or the config's
+``[task] module``) imports a module first, in every process of the loop, so
+that it can register its own task. The current directory and the config
+file's directory are importable, like under ``python -m``; ``[task] path``
+adds more. Installed packages can declare tasks in the ``agentlog.tasks``
+entry point group.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 from pathlib import Path
 
 from agentlog.tools.cli import EXIT_USAGE, CliError
@@ -31,23 +34,21 @@ def register(sub) -> None:
     )
     p.add_argument("--config", type=Path, required=True, metavar="FILE", help="TOML file of LoopConfig fields")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import MODULE first (it may register a task); repeatable")
+                   help="import MODULE (it registers a task) in every process of the loop, from the current directory, "
+                        "the config's directory or [task] path; repeatable")
     add_config_flags(p, defaults=LoopConfig())
     add_output_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    """Load the config, apply flags, run."""
-    for name in args.imports:
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            raise CliError(f"--import {name}: {exc}", EXIT_USAGE) from None
+    """Load the config, apply flags, run (the task modules are imported by ``execute``'s task check, and
+    by the worker and learner processes from ``config.json``)."""
     if args.config.suffix != ".toml":
         raise CliError(f"{args.config}: expected a .toml file", EXIT_USAGE)
     try:
         base = LoopConfig.load(args.config)
     except ConfigError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
-    return execute(config_from_args(args, base), args, title="train")
+    cfg = config_from_args(args, base, task_modules=args.imports, import_dirs=[args.config.absolute().parent])
+    return execute(cfg, args, title="train")

@@ -24,7 +24,10 @@ are selected by name like token-level ones.
 from __future__ import annotations
 
 import abc
+import base64
+import posixpath
 import random
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,3 +94,38 @@ def verdict_of_command(result: CommandResult) -> Verdict:
     if result.exit_code is None:
         detail["why"] = "the test command reported no exit code (budget exceeded or no done marker)"
     return Verdict(reward=1.0 if passed else 0.0, success=passed, detail=detail)
+
+
+def write_files_command(files: dict[str, str]) -> str:
+    """A shell command that writes ``files`` (relative path -> text) under the
+    command's working directory, creating parent directories.
+
+    The contents travel base64-encoded inside the command, so it works
+    through any :class:`Sandbox` (a remote one too), whatever the text holds
+    (quotes, ``$``, newlines, a heredoc terminator). Meant for small files:
+    one command line holds about 100 kB."""
+    parts = []
+    for rel, text in files.items():
+        if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/"):
+            raise ValueError(f"write_files_command: expected a relative path inside the working directory, found {rel!r}")
+        quoted = shlex.quote(rel)
+        data = base64.b64encode(text.encode("utf-8")).decode("ascii")
+        parent = posixpath.dirname(rel)
+        if parent:
+            parts.append(f"mkdir -p {shlex.quote(parent)}")
+        parts.append(f"printf %s {data} | base64 -d > {quoted}")
+    if not parts:
+        raise ValueError("write_files_command: expected at least one file")
+    return " && ".join(parts)
+
+
+async def write_files(sandbox: Sandbox, files: dict[str, str], budget_s: float = 30.0) -> None:
+    """Write ``files`` into ``sandbox``'s working directory (see
+    :func:`write_files_command`); TaskError with the command's output when
+    it did not exit 0."""
+    from .base import TaskError
+
+    result = await sandbox.run_command(write_files_command(files), budget_s)
+    if result.exit_code != 0:
+        raise TaskError(f"writing {sorted(files)} into sandbox {sandbox.name!r} failed "
+                        f"(exit code {result.exit_code}, budget exceeded {result.budget_exceeded}): {result.output_tail[-500:]}")
