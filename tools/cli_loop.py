@@ -39,9 +39,9 @@ def add_config_flags(p, *, defaults: LoopConfig) -> None:
     loop_help = field_help(LoopConfig)
     group = p.add_argument_group("loop settings (LoopConfig)")
     for f in dataclasses.fields(LoopConfig):
-        if f.name in ("faults", "learner"):
-            continue
         default = getattr(defaults, f.name)
+        if f.name in ("faults", "learner") or dataclasses.is_dataclass(default) or isinstance(default, dict):
+            continue  # tables ([agent], [inference], ...): set in the TOML config
         kind = _parse_bool if isinstance(default, bool) else type(default)
         group.add_argument(_flag(f.name), dest=f.name, type=kind, default=None, metavar=f.name.upper(),
                            help=f"{loop_help.get(f.name, '')} (default {default})".replace("%", "%%"))
@@ -74,7 +74,7 @@ def config_from_args(args, base: LoopConfig) -> LoopConfig:
     for f in dataclasses.fields(LoopConfig):
         if f.name in ("faults", "learner"):
             continue  # their flags are --<fault field> and --learner KEY=VALUE
-        v = getattr(args, f.name, None)
+        v = getattr(args, f.name, None)  # tables ([agent], ...) have no flag: None
         if v is not None:
             values[f.name] = v
     faults = dict(values["faults"])
