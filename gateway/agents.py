@@ -86,6 +86,10 @@ class CLIAgent:
             key_file.unlink(missing_ok=True)  # read once by the shell at the CLI's start
 
 
+    async def close(self) -> None:
+        """Nothing to release (each run is its own process); here for the harnesses' common shape."""
+
+
 class ClaudeCodeAgent(CLIAgent):
     """Claude Code in print mode: Anthropic Messages (always streaming) with ``x-api-key``."""
 

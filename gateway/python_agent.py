@@ -152,6 +152,11 @@ class PythonAgent:
         self.timeout_s = timeout_s
         #: The session's wall-clock budget is the rollout's to enforce; kept for the common factory signature.
         self.budget_s = budget_s
+        # One client (one connection pool) for every session this agent plays:
+        # building an AsyncOpenAI costs tens of ms of CPU (its HTTP client's TLS
+        # context), which 32 concurrent sessions would pay one after another.
+        # Each session gets a copy with its own key that shares the pool.
+        self._client: Any = None
 
     async def run(self, handle: Any, sandbox: Any, prompt_or_messages: Any, api_key: str) -> AgentResult:
         """Start the session if it is open, then play the episode (see the
@@ -166,47 +171,52 @@ class PythonAgent:
         messages = as_messages(prompt_or_messages)
         if str(handle.state) == "open":
             await handle.start(harness=self.name, sandbox=getattr(sandbox, "name", ""), details={"gateway": self.gateway_url})
-        client = openai.AsyncOpenAI(base_url=self.gateway_url + "/v1", api_key=api_key, max_retries=0, timeout=self.timeout_s)
+        if self._client is None:
+            self._client = openai.AsyncOpenAI(base_url=self.gateway_url + "/v1", api_key=api_key, max_retries=0, timeout=self.timeout_s)
+        client = self._client.with_options(api_key=api_key)
         turns = tool_calls = 0
-        try:
-            while True:
-                if turns >= self.max_turns:
-                    return AgentResult("max_turns", turns, tool_calls, messages)
-                try:
-                    resp = await client.chat.completions.create(
-                        model=self.model, messages=messages, tools=[BASH_TOOL], max_tokens=self.max_tokens,
-                    )
-                except openai.RateLimitError:
-                    return AgentResult("turn_cap", turns, tool_calls, messages)
-                except openai.BadRequestError as exc:
-                    if getattr(exc, "code", None) == "context_length_exceeded":
-                        return AgentResult("context_exhausted", turns, tool_calls, messages)
-                    raise
-                turns += 1
-                msg = resp.choices[0].message
-                calls = list(msg.tool_calls or [])
-                assistant: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
-                if calls:
-                    assistant["tool_calls"] = [
-                        {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                        for c in calls
-                    ]
-                messages.append(assistant)
-                if not calls:
-                    return AgentResult("answered", turns, tool_calls, messages)
-                for c in calls:
-                    if tool_calls >= self.max_tool_calls:
-                        return AgentResult("max_tool_calls", turns, tool_calls, messages)
-                    command, why = bash_command(c.function.name, c.function.arguments)
-                    if command is None:
-                        content = f"error: {why}"
-                    else:
-                        res = await handle.run_command(sandbox, command, self.command_budget_s)
-                        content = format_result(res, self.max_tool_output_chars)
-                    tool_calls += 1
-                    messages.append({"role": "tool", "tool_call_id": c.id, "content": content})
-        finally:
-            await client.close()
+        while True:
+            if turns >= self.max_turns:
+                return AgentResult("max_turns", turns, tool_calls, messages)
+            try:
+                resp = await client.chat.completions.create(
+                    model=self.model, messages=messages, tools=[BASH_TOOL], max_tokens=self.max_tokens,
+                )
+            except openai.RateLimitError:
+                return AgentResult("turn_cap", turns, tool_calls, messages)
+            except openai.BadRequestError as exc:
+                if getattr(exc, "code", None) == "context_length_exceeded":
+                    return AgentResult("context_exhausted", turns, tool_calls, messages)
+                raise
+            turns += 1
+            msg = resp.choices[0].message
+            calls = list(msg.tool_calls or [])
+            assistant: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
+            if calls:
+                assistant["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                    for c in calls
+                ]
+            messages.append(assistant)
+            if not calls:
+                return AgentResult("answered", turns, tool_calls, messages)
+            for c in calls:
+                if tool_calls >= self.max_tool_calls:
+                    return AgentResult("max_tool_calls", turns, tool_calls, messages)
+                command, why = bash_command(c.function.name, c.function.arguments)
+                if command is None:
+                    content = f"error: {why}"
+                else:
+                    res = await handle.run_command(sandbox, command, self.command_budget_s)
+                    content = format_result(res, self.max_tool_output_chars)
+                tool_calls += 1
+                messages.append({"role": "tool", "tool_call_id": c.id, "content": content})
+
+    async def close(self) -> None:
+        """Close the HTTP client shared by this agent's sessions (a later run opens a new one)."""
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
 
 @harness.register("python-agent")

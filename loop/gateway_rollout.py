@@ -123,6 +123,8 @@ class GatewayRollout:
         self.keep_sandboxes = keep_sandboxes
         self.gateway: Gateway | None = None
         self.counts: dict[str, int] = {}
+        #: One harness per (task, budget): the Python agent keeps one HTTP client for all its sessions.
+        self._agents: dict[tuple[str, float], Any] = {}
 
     async def start(self) -> str:
         """Listen on 127.0.0.1 (any free port); returns the gateway's URL."""
@@ -132,14 +134,24 @@ class GatewayRollout:
         return await self.gateway.start("127.0.0.1", 0)
 
     async def close(self) -> None:
-        """Stop listening (the engine and the backend belong to the caller)."""
+        """Close the harnesses and stop listening (the engine and the backend belong to the caller)."""
+        agents, self._agents = list(self._agents.values()), {}
+        for agent in agents:
+            await agent.close()
         if self.gateway is not None:
             await self.gateway.stop()
             self.gateway = None
 
     def harness_for(self, task: TextTask, budget_s: float) -> Any:
-        """The configured agent harness, pointed at the gateway and sized for ``task``."""
+        """The configured agent harness, pointed at the gateway and sized for ``task`` (one per task and budget)."""
         assert self.gateway is not None, "GatewayRollout.start() first"
+        key = (task.name, budget_s)
+        agent = self._agents.get(key)
+        if agent is None:
+            agent = self._agents[key] = self._make_harness(task, budget_s)
+        return agent
+
+    def _make_harness(self, task: TextTask, budget_s: float) -> Any:
         a = self.agent
         kw: dict[str, Any] = {"budget_s": budget_s}
         if a.harness == "python-agent":

@@ -20,6 +20,14 @@ from agentlog.reducers.pipeline import reduce_log
 from gateway_helpers import ScriptedBackend, open_running, rig, run, turns_of
 
 
+async def play(agent, *args):
+    """``agent.run(*args)``, then close the agent's shared client."""
+    try:
+        return await agent.run(*args)
+    finally:
+        await agent.close()
+
+
 def call(command: str, name: str = "bash") -> str:
     return '<tool_call>{"name": "%s", "arguments": {"command": "%s"}}</tool_call>' % (name, command)
 
@@ -35,7 +43,7 @@ def test_python_agent_runs_each_tool_call_in_the_sandbox_and_every_model_call_is
             h = await open_running(engine, "py-1")
             agent = harness.get("python-agent")(gw.url, max_turns=4)
             sandbox = LocalSandbox(tmp_path / "work")
-            res = await agent.run(h, sandbox, [{"role": "user", "content": "write hello to answer.txt"}], gw.session_key("py-1"))
+            res = await play(agent, h, sandbox, [{"role": "user", "content": "write hello to answer.txt"}], gw.session_key("py-1"))
             assert (res.stop_reason, res.turns, res.tool_calls) == ("answered", 2, 1)
             assert (tmp_path / "work" / "answer.txt").read_text() == "hello\n"
             first, last = turns_of(log, "py-1")
@@ -60,7 +68,7 @@ def test_python_agent_ends_the_episode_on_an_ill_formed_tool_call_which_is_recor
     async def body():
         async with rig(ScriptedBackend(lambda p: '<tool_call>{"name": "bash", "arguments": {oops</tool_call>')) as (gw, engine, log):
             h = await open_running(engine, "py-bad")
-            res = await PythonAgent(gw.url).run(h, LocalSandbox(tmp_path / "w"), "do it", gw.session_key("py-bad"))
+            res = await play(PythonAgent(gw.url), h, LocalSandbox(tmp_path / "w"), "do it", gw.session_key("py-bad"))
             assert (res.stop_reason, res.turns, res.tool_calls) == ("answered", 1, 0)
             (turn,) = turns_of(log, "py-bad")
             assert turn.ill_formed and "tool_calls" not in turn.response_message
@@ -78,7 +86,7 @@ def test_python_agent_answers_a_bash_call_without_a_command_with_an_error_and_go
     async def body():
         async with rig(ScriptedBackend(reply)) as (gw, engine, log):
             h = await open_running(engine, "py-args")
-            res = await PythonAgent(gw.url).run(h, LocalSandbox(tmp_path / "w"), "do it", gw.session_key("py-args"))
+            res = await play(PythonAgent(gw.url), h, LocalSandbox(tmp_path / "w"), "do it", gw.session_key("py-args"))
             assert (res.stop_reason, res.turns, res.tool_calls) == ("answered", 2, 1)
             tool = res.messages[-2]
             assert tool["role"] == "tool" and tool["content"].startswith('error: bash arguments: expected {"command"')
@@ -96,7 +104,7 @@ def test_python_agent_stops_at_its_caps_and_at_the_gateways_turn_cap(tmp_path, c
         async with rig(ScriptedBackend(lambda p: call("true")), config=cfg) as (gw, engine, log):
             h = await open_running(engine, "py-cap")
             kw = {"max_tool_calls": 2} if cap == "max_tool_calls" else {"max_turns": 3} if cap == "max_turns" else {}
-            res = await PythonAgent(gw.url, **kw).run(h, LocalSandbox(tmp_path / "w"), "loop", gw.session_key("py-cap"))
+            res = await play(PythonAgent(gw.url, **kw), h, LocalSandbox(tmp_path / "w"), "loop", gw.session_key("py-cap"))
             assert (res.stop_reason, res.turns, res.tool_calls) == expected
             assert len(turns_of(log, "py-cap")) == res.turns
             assert len([e for e in log.read() if isinstance(e.body, CommandRan)]) == res.tool_calls
@@ -110,7 +118,7 @@ def test_python_agent_stops_when_the_conversation_outgrows_the_context(tmp_path)
         backend = ScriptedBackend(lambda p: call("yes | head -c 1500"), context_length=3000)
         async with rig(backend) as (gw, engine, log):
             h = await open_running(engine, "py-ctx")
-            res = await PythonAgent(gw.url, max_tokens=128).run(h, LocalSandbox(tmp_path / "w"), "x", gw.session_key("py-ctx"))
+            res = await play(PythonAgent(gw.url, max_tokens=128), h, LocalSandbox(tmp_path / "w"), "x", gw.session_key("py-ctx"))
             assert res.stop_reason == "context_exhausted" and res.turns >= 1
 
     run(body())
@@ -121,9 +129,9 @@ def test_python_agent_refuses_a_missing_key_and_a_bad_prompt_by_name(tmp_path):
         async with rig(ScriptedBackend(lambda p: "")) as (gw, engine, log):
             h = await open_running(engine, "py-key")
             with pytest.raises(ValueError, match="api_key: expected the session's key"):
-                await PythonAgent(gw.url).run(h, LocalSandbox(tmp_path / "w"), "x", "")
+                await play(PythonAgent(gw.url), h, LocalSandbox(tmp_path / "w"), "x", "")
             with pytest.raises(ValueError, match=r"messages\[0\]: expected a chat message"):
-                await PythonAgent(gw.url).run(h, LocalSandbox(tmp_path / "w"), ["hi"], gw.session_key("py-key"))
+                await play(PythonAgent(gw.url), h, LocalSandbox(tmp_path / "w"), ["hi"], gw.session_key("py-key"))
 
     run(body())
 

@@ -87,7 +87,13 @@ def test_text_task_trains_through_the_gateway_with_the_python_agent(tmp_path):
     assert check.digests_equal == check.steps == 2
 
 
-def test_agent_and_inference_tables_are_checked_by_name():
+def test_agent_and_inference_tables_are_checked_by_name(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('task = "echo-word-test"\n[agent]\nharness = "claude-code"\nbudget_s = 90\nmax_tool_calls = 4\n'
+                    '[inference]\nbackend = "sglang"\nurl = "http://127.0.0.1:30000"\n')
+    cfg = LoopConfig.load(toml)
+    assert (cfg.agent.harness, cfg.agent.budget_s, cfg.agent.max_tool_calls) == ("claude-code", 90, 4)
+    assert (cfg.inference.backend, cfg.inference.url) == ("sglang", "http://127.0.0.1:30000")
     with pytest.raises(ConfigError, match=r"\[agent\] harness: expected one of"):
         LoopConfig(agent={"harness": "aider"})
     with pytest.raises(ConfigError, match=r"\[inference\] url: backend 'sglang' needs"):
