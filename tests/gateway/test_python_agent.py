@@ -144,3 +144,14 @@ def test_all_three_harnesses_share_the_factory_and_run_signature():
         params = list(inspect.signature(agent.run).parameters)
         assert params == ["handle", "sandbox", "prompt_or_messages", "api_key"], (name, params)
     assert json.loads(json.dumps(BASH_TOOL))["function"]["parameters"]["required"] == ["command"]
+
+
+def test_cli_harnesses_take_the_tasks_messages_as_one_prompt():
+    from agentlog.gateway.agents import prompt_text
+
+    msgs = [{"role": "system", "content": "You fix repos."}, {"role": "user", "content": "Fix test_x."},
+            {"role": "assistant", "content": "ignored"}]
+    assert prompt_text(msgs) == "You fix repos.\n\nFix test_x."
+    assert prompt_text("as is") == "as is"
+    with pytest.raises(ValueError, match="agent prompt: expected a str or chat messages"):
+        prompt_text([{"role": "assistant", "content": "only"}])
