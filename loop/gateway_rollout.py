@@ -47,7 +47,7 @@ from agentlog._logging import get_logger
 from agentlog.engine import LocalSandbox, harness
 from agentlog.engine.core import TIMEOUT_REASON, SessionEngine
 from agentlog.engine.sandbox import CommandResult
-from agentlog.engine.tasks import TextEpisode, TextTask
+from agentlog.engine.tasks import TextEpisode, TextTask, Verdict
 from agentlog.events.lifecycle import TERMINAL_STATES
 from agentlog.gateway import Backend, ByteChatTemplate, ChatTemplate, Gateway, GatewayConfig, HermesToolParser, ToolCallParser
 
@@ -178,7 +178,8 @@ class GatewayRollout:
                 label=episode.label, agent=self.agent.harness, policy_version=policy_version,
                 metadata={**(metadata or {}), "task": task.name}, budget_s=budget,
             ) as h:
-                if not await self._step(h, "setup_failed", task.setup(episode, sandbox)):
+                ok, _ = await self._step(h, "setup_failed", task.setup(episode, sandbox))
+                if not ok:
                     return
                 agent = self.harness_for(task, budget)
                 await h.start(harness=self.agent.harness, sandbox=sandbox.name, details={"gateway": self.gateway.url, "task": task.name})
@@ -194,10 +195,9 @@ class GatewayRollout:
                     self._count(crash[0].split(":")[0])
                     await h.abort(crash[0], error=crash[1])
                     return
-                verdict_box: list[Any] = []
-                if not await self._step(h, "verifier_failed", self._verify(task, episode, _RecordedSandbox(sandbox, h), verdict_box)):
+                ok, verdict = await self._step(h, "verifier_failed", _verify(task, episode, _RecordedSandbox(sandbox, h)))
+                if not ok:
                     return
-                verdict = verdict_box[0]
                 summary = result.summary() if hasattr(result, "summary") else {}
                 await h.finish(reward=verdict.reward, metadata={"success": verdict.success, **verdict.detail, "agent": summary})
                 self._count("finished")
@@ -205,18 +205,14 @@ class GatewayRollout:
             if not self.keep_sandboxes:
                 await asyncio.to_thread(_remove_tree, sandbox.workdir)
 
-    @staticmethod
-    async def _verify(task: TextTask, episode: TextEpisode, sandbox: Any, box: list[Any]) -> None:
-        box.append(await task.verify(episode, sandbox))
-
-    async def _step(self, h: Any, reason: str, coro: Any) -> bool:
-        """Run a task step; on an exception abort with ``reason:<type>`` and return False."""
+    async def _step(self, h: Any, reason: str, coro: Any) -> tuple[bool, Any]:
+        """Run a task step: ``(True, its result)``, or on an exception abort
+        with ``reason:<type>`` and return ``(False, None)``."""
         try:
-            await coro
+            return True, await coro
         except Exception as exc:  # noqa: BLE001 - recorded as the session's abort reason, with the traceback
             await self._abort_for(h, f"{reason}:{type(exc).__name__}", exc)
-            return False
-        return True
+            return False, None
 
     async def _abort_for(self, h: Any, reason: str, exc: BaseException) -> None:
         if h.state in TERMINAL_STATES:
@@ -225,6 +221,14 @@ class GatewayRollout:
         tb = "".join(_traceback.format_exception(type(exc), exc, exc.__traceback__))
         h.log.warning("rollout.session_failed", reason=reason, error=f"{type(exc).__name__}: {exc}")
         await h.abort(reason, error=f"{type(exc).__name__}: {exc}", traceback=tb)
+
+
+async def _verify(task: TextTask, episode: TextEpisode, sandbox: Any) -> Verdict:
+    """The task's verdict; anything but a Verdict raises naming the task."""
+    verdict = await task.verify(episode, sandbox)
+    if not isinstance(verdict, Verdict):
+        raise TypeError(f"task {task.name!r}: verify() returned {type(verdict).__name__}; expected an engine.tasks.Verdict")
+    return verdict
 
 
 def _remove_tree(path: Any) -> None:

@@ -216,3 +216,13 @@ def test_a_failing_setup_aborts_before_the_agent_starts(tmp_path):
     end = _end(log)
     assert outcome is None and end.reason == "setup_failed:OSError" and "disk full" in end.error
     assert not backend.called.is_set()
+
+
+def test_a_verifier_that_returns_no_verdict_aborts_naming_the_task(tmp_path):
+    class Sloppy(EchoWordTask):
+        async def verify(self, episode, sandbox):
+            return 1.0
+
+    outcome, log = asyncio.run(_session(tmp_path, Scripted(), task=Sloppy()))
+    end = _end(log)
+    assert outcome is None and end.reason == "verifier_failed:TypeError" and "'echo-word-test': verify() returned float" in end.error
