@@ -226,3 +226,39 @@ def test_a_verifier_that_returns_no_verdict_aborts_naming_the_task(tmp_path):
     outcome, log = asyncio.run(_session(tmp_path, Scripted(), task=Sloppy()))
     end = _end(log)
     assert outcome is None and end.reason == "verifier_failed:TypeError" and "'echo-word-test': verify() returned float" in end.error
+
+
+@pytest.mark.agent_cli
+@pytest.mark.required
+def test_claude_code_plays_a_text_task_session_whose_every_model_call_is_a_recorded_turn(tmp_path):
+    """The real Claude Code CLI as the harness (installed by .ci/run; skipped
+    with the reason when missing, which fails under CI=true). The backend is
+    scripted: the CLI and the rollout are under test, not the model."""
+    import shutil
+
+    from agentlog.gateway import agents
+
+    cli = agents.DEFAULT_CLI_DIR / "node_modules" / ".bin" / "claude"
+    if not cli.exists() or shutil.which("node") is None:
+        pytest.skip(f"Claude Code not installed in {agents.DEFAULT_CLI_DIR} (or no node): run tools/gateway_clis.sh (.ci/run does)")
+
+    def reply(prompt: str) -> str:
+        word = next((w for w in WORDS if f"Write {w} into answer.txt" in prompt), None)
+        if "<tool>\n" in prompt:
+            return "Done."
+        if word is not None and '"name": "Bash"' in prompt:
+            return '<tool_call>{"name": "Bash", "arguments": {"command": "echo %s > answer.txt", "description": "write"}}</tool_call>' % word
+        return "No shell tool was offered."
+
+    class Roomy(EchoWordTask):
+        max_new_tokens = 256
+        session_budget_s = 180.0
+
+    outcome, log = asyncio.run(_session(tmp_path, Scripted(reply), task=Roomy(), agent={"harness": "claude-code", "cli": str(cli)}))
+    end = _end(log)
+    assert outcome is None and isinstance(end, SessionFinished), end
+    assert end.reward == 1.0, end
+    turns = [e.body for e in full_turns(log.read()) if isinstance(e.body, TurnRecorded)]
+    assert len(turns) >= 2 and turns[0].response_message["tool_calls"][0]["name"] == "Bash"
+    (cli_run, verifier) = [e.body for e in log.read() if isinstance(e.body, CommandRan)]
+    assert "claude" in cli_run.command and cli_run.exit_code == 0 and verifier.command.startswith("grep -qx")
