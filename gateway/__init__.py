@@ -29,6 +29,7 @@ from .chat import (
 )
 from .server import Gateway, GatewayConfig
 from . import agents  # noqa: F401,E402  (registers the claude-code and codex harnesses)
+from . import python_agent  # noqa: F401,E402  (registers the python-agent harness)
 
 __all__ = [
     "APIS", "Backend", "BackendError", "ByteChatTemplate", "ChatCompletionsAPI", "ChatTemplate", "Gateway",

@@ -62,14 +62,16 @@ class CLIAgent:
         /dev/null), its API key read from ``key_file``."""
         raise NotImplementedError
 
-    async def run(self, handle: Any, sandbox: Any, prompt: str, api_key: str) -> Any:
+    async def run(self, handle: Any, sandbox: Any, prompt_or_messages: Any, api_key: str) -> Any:
         """Start the session if it is open, run the CLI in ``sandbox`` under the
         budget with ``api_key`` (the session's key from the gateway), and
         return the engine's CommandResult (recorded as command_ran, without
-        the key).
+        the key). ``prompt_or_messages`` is the prompt, or the task's chat
+        messages (:func:`prompt_text` makes the CLI's one prompt of them).
 
         Raises FileNotFoundError naming the install script when the CLI is missing.
         """
+        prompt = prompt_text(prompt_or_messages)
         if not self.cli:
             raise FileNotFoundError(f"harness {self.name!r}: {self.binary!r} not found in {DEFAULT_CLI_DIR} or on PATH; run tools/gateway_clis.sh")
         if not isinstance(api_key, str) or not api_key:
@@ -82,6 +84,10 @@ class CLIAgent:
             return await handle.run_command(sandbox, self.command(key_file, workdir, prompt), self.budget_s)
         finally:
             key_file.unlink(missing_ok=True)  # read once by the shell at the CLI's start
+
+
+    async def close(self) -> None:
+        """Nothing to release (each run is its own process); here for the harnesses' common shape."""
 
 
 class ClaudeCodeAgent(CLIAgent):
@@ -131,6 +137,25 @@ class CodexAgent(CLIAgent):
             "--disable", "plugins", "--dangerously-bypass-approvals-and-sandbox", prompt,
         ]
         return _env_command(env, {"OPENAI_API_KEY": key_file}, args, home)  # arrives as Authorization: Bearer
+
+
+def prompt_text(prompt_or_messages: Any) -> str:
+    """The one prompt a CLI agent takes: a str as it is, or the contents of
+    chat messages (system and user ones; the CLI brings its own system
+    prompt, so a task's system message becomes part of the prompt) joined by
+    blank lines. Anything else raises naming what was found."""
+    if isinstance(prompt_or_messages, str):
+        return prompt_or_messages
+    if isinstance(prompt_or_messages, list):
+        parts = []
+        for i, m in enumerate(prompt_or_messages):
+            if not isinstance(m, dict) or not isinstance(m.get("content", ""), str):
+                raise ValueError(f"agent prompt messages[{i}]: expected a chat message with str content, found {m!r:.80}")
+            if m.get("role") in ("system", "user") and m.get("content"):
+                parts.append(m["content"])
+        if parts:
+            return "\n\n".join(parts)
+    raise ValueError(f"agent prompt: expected a str or chat messages with system/user content, found {prompt_or_messages!r:.80}")
 
 
 def _no_proxy(gateway_url: str) -> dict[str, str]:

@@ -62,6 +62,64 @@ class FaultConfig:
         return cls(0.0, 0.0, 0.0, 0.0, 0.0)
 
 
+#: Agent harnesses a text task's rollout can run (gateway/agents.py, gateway/python_agent.py).
+AGENT_HARNESSES = ("python-agent", "claude-code", "codex")
+#: Where the loop's model calls go: the policy in the worker process, or an inference server.
+INFERENCE_BACKENDS = ("in-process", "sglang", "vllm")
+
+
+@dataclass
+class AgentConfig:
+    """The agent a text task's rollout runs against the gateway (the ``[agent]`` table)."""
+
+    harness: str = "python-agent"
+    """Agent harness: python-agent (built in, the openai client), claude-code or codex (CLIs from npm)."""
+    budget_s: float = 300.0
+    """Wall-clock budget of one session (agent and verifier); the task's session_budget_s caps it too (the smaller wins)."""
+    max_tool_calls: int = 16
+    """python-agent: most tool calls (sandbox commands) per session."""
+    command_budget_s: float = 60.0
+    """python-agent: wall-clock budget of one tool command (the task's command_budget_s caps it too)."""
+    cli: str = ""
+    """claude-code / codex: path of the CLI executable (empty: the install cache of tools/gateway_clis.sh, then PATH)."""
+
+    def __post_init__(self) -> None:
+        if self.harness not in AGENT_HARNESSES:
+            raise ConfigError(f"[agent] harness: expected one of {AGENT_HARNESSES}, found {self.harness!r}")
+        for name in ("budget_s", "command_budget_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ConfigError(f"[agent] {name}: expected a number of seconds > 0, found {v!r}")
+        if type(self.max_tool_calls) is not int or self.max_tool_calls < 1:
+            raise ConfigError(f"[agent] max_tool_calls: expected an int >= 1, found {self.max_tool_calls!r}")
+
+
+@dataclass
+class InferenceConfig:
+    """Where a text task's model calls are served (the ``[inference]`` table)."""
+
+    backend: str = "in-process"
+    """in-process (the loop's policy in the worker, reloaded between batches), sglang or vllm (a server at url, reloaded through its weight-update API)."""
+    url: str = ""
+    """sglang / vllm: the server's base URL (e.g. http://127.0.0.1:30000)."""
+    model: str = ""
+    """vllm: the model name the server serves (sent with each completion)."""
+    context_length: int = 2048
+    """Longest prompt + output of a turn (tokens): the built-in GPT's max_seq_len in-process, the server's context otherwise."""
+    served_dir: str = ""
+    """vllm: the directory the server was launched on; each new policy is copied there before the reload (vLLM reloads from it)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in INFERENCE_BACKENDS:
+            raise ConfigError(f"[inference] backend: expected one of {INFERENCE_BACKENDS}, found {self.backend!r}")
+        if self.backend != "in-process" and not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"[inference] url: backend {self.backend!r} needs the server's http(s) base URL, found {self.url!r}")
+        if self.backend == "vllm" and not self.served_dir:
+            raise ConfigError("[inference] served_dir: backend 'vllm' needs the directory its server was launched on (vLLM reloads from there)")
+        if type(self.context_length) is not int or self.context_length < 64:
+            raise ConfigError(f"[inference] context_length: expected an int >= 64, found {self.context_length!r}")
+
+
 @dataclass
 class LoopConfig:
     """The online loop: task, model, rollout shape, asynchrony bound, faults, output."""
@@ -129,10 +187,20 @@ class LoopConfig:
     """Modules every loop process imports before selecting the task (they register it): `--import`, `[task] module`."""
     task_path: list[str] = field(default_factory=list)
     """Directories put in front of sys.path before importing task_modules (`[task] path`, resolved against the config file; absolute)."""
+    # --- issue 14: agent ---
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Text tasks: the agent harness each rollout session runs against the gateway (see AgentConfig)."""
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """Text tasks: where model calls are served and how new weights reach it (see InferenceConfig)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.faults, Mapping):
             self.faults = _from_mapping(FaultConfig, self.faults, "faults")
+        # --- issue 14: agent ---
+        if isinstance(self.agent, Mapping):
+            self.agent = _from_mapping(AgentConfig, self.agent, "agent")
+        if isinstance(self.inference, Mapping):
+            self.inference = _from_mapping(InferenceConfig, self.inference, "inference")
         for name in ("steps", "stop_window", "groups_per_step", "group_size", "d_model", "n_layer", "n_head", "warmup_batch", "torch_threads", "warmup_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

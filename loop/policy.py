@@ -25,7 +25,14 @@ from .config import LoopConfig
 
 
 def build_model(cfg: LoopConfig, task: Task) -> GPT:
-    """The built-in GPT sized for ``task`` (seeded from ``cfg.seed``)."""
+    """The built-in GPT sized for ``task`` (seeded from ``cfg.seed``); for a
+    text task, the one the gateway's byte-level template reads and writes."""
+    from agentlog.engine.tasks import TextTask
+
+    if isinstance(task, TextTask):
+        from .gateway_rollout import build_text_model
+
+        return build_text_model(cfg)
     torch.manual_seed(cfg.seed)
     max_len = len(task.new_episode(random.Random(0)).prompt_ids) + task.max_turns * (task.max_new_tokens + 8) + 8
     model = GPT(

@@ -38,9 +38,9 @@ import torch
 
 from agentlog._logging import get_logger
 from agentlog.engine import LocalSandbox, SessionEngine, SessionTimeout
-from agentlog.engine.tasks import Episode, Task, load_tasks, select_task
+from agentlog.engine.tasks import Episode, Task, TextTask, load_tasks, select_task
 from agentlog.events.types import PolicyUpdated, SessionOpened
-from agentlog.learner.learner import load_weights
+from agentlog.learner.learner import load_state, load_weights
 
 from . import logs
 from .config import LoopConfig
@@ -77,13 +77,24 @@ class RolloutWorker:
         self.worker_id = worker_id
         # The user's task modules register their tasks on import, in this process too.
         load_tasks(cfg.task_modules, cfg.task_path)
-        self.task: Task = select_task(cfg.task)
+        self.task: Task | TextTask = select_task(cfg.task)
         self.model = build_model(cfg, self.task)
         self.model.eval()
         self.follower = PolicyFollower(self.run_dir / "learner")
         self.loaded_version = -1
-        self.batcher = GenerationBatcher(self.model, self.task, seed=cfg.seed * 1_000_003 + 11, before_batch=self.maybe_reload,
-                                          temperature=cfg.temperature)
+        #: Text tasks: sessions are played by an agent harness through a gateway (loop/gateway_rollout.py).
+        self.text = isinstance(self.task, TextTask)
+        self.batcher: GenerationBatcher | None = None
+        self.backend: Any = None
+        self.weight_sync: Any = None
+        self.rollout: Any = None
+        if self.text:
+            from .gateway_rollout import make_backend
+
+            self.backend, self.weight_sync = make_backend(cfg, self.model)
+        else:
+            self.batcher = GenerationBatcher(self.model, self.task, seed=cfg.seed * 1_000_003 + 11, before_batch=self.maybe_reload,
+                                              temperature=cfg.temperature)
         self.sandbox = LocalSandbox(self.run_dir / "sandbox" / worker_id)
         self.counts: dict[str, int] = {}
         self.log = log.bind(component="worker", worker=worker_id)
@@ -103,6 +114,29 @@ class RolloutWorker:
                 continue
             self.loaded_version = rec.policy_version
             self.batcher.version = rec.policy_version
+            self.log.info("worker.weights_loaded", policy_version=rec.policy_version, checkpoint=rec.checkpoint)
+            return
+
+    async def reload_text(self) -> None:
+        """Text tasks: bring the gateway's backend to the newest published
+        version, between batches. In-process, the weights are swapped under
+        the backend's model lock together with its version, so no turn
+        generated after the swap records the old version (and none before
+        it the new one); an SGLang / vLLM server is reloaded through its
+        weight-sync client behind a ReloadGate, with the same guarantee."""
+        self.follower.poll()
+        for rec in reversed(self.follower.history):
+            if rec.policy_version <= self.loaded_version:
+                return
+            if self.weight_sync is not None:
+                await self.weight_sync.reload(rec.checkpoint, rec.policy_version)
+            else:
+                try:
+                    state = await asyncio.to_thread(load_state, rec.checkpoint)
+                except FileNotFoundError:
+                    continue  # pruned since it was published: take the newest one left
+                await self.backend.load_weights(state["model"], rec.policy_version)
+            self.loaded_version = rec.policy_version
             self.log.info("worker.weights_loaded", policy_version=rec.policy_version, checkpoint=rec.checkpoint)
             return
 
@@ -155,6 +189,8 @@ class RolloutWorker:
     async def run_batch(self, engine: SessionEngine, batch: int) -> None:
         """Run every session of ``batch`` concurrently until each is terminal."""
         cfg = self.cfg
+        if self.text:
+            return await self.run_text_batch(batch)
         rng = batch_rng(cfg.seed, batch, "episodes")
         episodes = [self.task.new_episode(rng) for _ in range(cfg.groups_per_step)]
         faults = demo_faults.plan_faults(cfg.faults, batch_rng(cfg.seed, batch, "faults"), cfg.groups_per_step, cfg.group_size)
@@ -166,6 +202,26 @@ class RolloutWorker:
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, (asyncio.CancelledError, demo_faults.InjectedFault, SessionTimeout)):
+                raise r
+
+    async def run_text_batch(self, batch: int) -> None:
+        """Text tasks: every session of ``batch`` played through the gateway
+        (:meth:`GatewayRollout.run_session`), concurrently, until each is terminal."""
+        from .gateway_rollout import draw_members
+
+        cfg = self.cfg
+        rng = batch_rng(cfg.seed, batch, "episodes")
+        members = draw_members(self.task, rng, cfg.groups_per_step, cfg.group_size)
+        tasks = [
+            asyncio.ensure_future(self.rollout.run_session(
+                self.task, ep, session_id=session_id(batch, g, i), group_id=group_id(batch, g), group_size=cfg.group_size,
+                sample_index=i, policy_version=max(self.loaded_version, 0), metadata={"batch": batch, "worker": self.worker_id},
+            ))
+            for g, group in enumerate(members) for i, ep in enumerate(group)
+        ]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, (asyncio.CancelledError, SessionTimeout)):
                 raise r
 
     def _count(self, what: str) -> None:
@@ -237,6 +293,15 @@ class RolloutWorker:
         rollout = logs.open_log(self.run_dir / "rollout", cfg.fsync)
         try:
             engine = await SessionEngine.open(rollout, drain_s=0.2)
+            if self.text:
+                from .gateway_rollout import GatewayRollout
+
+                if any(getattr(cfg.faults, n) > 0 for n in ("exception_rate", "timeout_rate", "drop_rate", "straggler_rate", "empty_marker_rate")):
+                    self.log.warning("worker.faults_ignored", reason="fault injection is demo-only; text tasks run without it")
+                self.rollout = GatewayRollout(engine, self.backend, agent=cfg.agent, sandbox_root=self.run_dir / "sandbox" / self.worker_id,
+                                              temperature=cfg.temperature)
+                url = await self.rollout.start()
+                self.log.info("worker.gateway_started", url=url, harness=cfg.agent.harness, backend=cfg.inference.backend)
             batch = self.next_batch(rollout)
             await self.complete_interrupted(engine, batch - 1)
             self.log.info("worker.started", first_batch=batch, restart_aborted=engine.stats.get("restart_aborted", 0))
@@ -245,7 +310,10 @@ class RolloutWorker:
                 while max_batches is None or done < max_batches:
                     if not await self.wait_for_version(max(0, batch - cfg.max_lag)):
                         break
-                    self.maybe_reload()
+                    if self.text:
+                        await self.reload_text()
+                    else:
+                        self.maybe_reload()
                     t0 = time.perf_counter()
                     await self.run_batch(engine, batch)
                     self.log.info("worker.batch_done", batch=batch, policy_version=self.loaded_version,
@@ -253,10 +321,19 @@ class RolloutWorker:
                     batch += 1
                     done += 1
             finally:
-                await self.batcher.close()
+                if self.batcher is not None:
+                    await self.batcher.close()
+                if self.rollout is not None:
+                    await self.rollout.close()
                 await engine.close()
+                if self.backend is not None:
+                    await self.backend.close()
+                if self.weight_sync is not None:
+                    await self.weight_sync.close()
             counts = dict(engine.stats)
             counts.update(self.counts)
+            if self.rollout is not None:
+                counts.update({f"rollout_{k}": v for k, v in self.rollout.counts.items()})
             self.log.info("worker.stopped", batches=done, **{k: v for k, v in counts.items() if isinstance(v, int)})
             return counts
         finally:

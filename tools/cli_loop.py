@@ -40,9 +40,9 @@ def add_config_flags(p, *, defaults: LoopConfig) -> None:
     loop_help = field_help(LoopConfig)
     group = p.add_argument_group("loop settings (LoopConfig)")
     for f in dataclasses.fields(LoopConfig):
-        if f.name in ("faults", "learner"):
-            continue
         default = getattr(defaults, f.name)
+        if f.name in ("faults", "learner") or dataclasses.is_dataclass(default) or isinstance(default, dict):
+            continue  # tables ([agent], [inference], ...): set in the TOML config
         if isinstance(default, list):
             # A list field (task_modules, task_path): one value per flag, repeatable, added to the config's.
             group.add_argument(_flag(f.name), dest=f.name, action="append", default=None, metavar=f.name.upper().removesuffix("S"),
@@ -86,7 +86,7 @@ def config_from_args(args, base: LoopConfig, *, task_modules: list[str] = (), im
     for f in dataclasses.fields(LoopConfig):
         if f.name in ("faults", "learner"):
             continue  # their flags are --<fault field> and --learner KEY=VALUE
-        v = getattr(args, f.name, None)
+        v = getattr(args, f.name, None)  # tables ([agent], ...) have no flag: None
         if v is not None:
             values[f.name] = list(values[f.name]) + v if isinstance(values[f.name], list) else v
     # --- issue 14: tasks ---

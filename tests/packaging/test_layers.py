@@ -1,12 +1,14 @@
 """The layers' dependencies point one way (docs/design.md, "Layers").
 
     tools ──▶ loop ──▶ engine ──▶ reducers ──▶ events
-      │        └─────▶ learner ───┘
-      └─────▶ gateway ─▶ engine
+      │        ├─────▶ learner ───┘
+      │        └─────▶ gateway ─▶ engine
+      └─────▶ gateway
 
 A layer may import the layers below it, never one above it or beside it: the
 log knows no folds, the reducers no torch, the engine and the learner not
-each other, the gateway and the loop not each other. Every import of every
+each other; the loop may use the gateway (text tasks' rollouts go through
+it), never the reverse. Every import of every
 Python file of a layer folder is checked, function-level imports included,
 whether written ``agentlog.<layer>`` or relative.
 """
@@ -25,7 +27,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "learner": frozenset({"reducers", "events"}),
     "engine": frozenset({"reducers", "events"}),
     "gateway": frozenset({"engine", "reducers", "events"}),
-    "loop": frozenset({"engine", "learner", "reducers", "events"}),
+    "loop": frozenset({"gateway", "engine", "learner", "reducers", "events"}),
     "tools": frozenset({"loop", "gateway", "engine", "learner", "reducers", "events"}),
 }
 

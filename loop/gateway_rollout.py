@@ -1,0 +1,272 @@
+"""Rollouts through the gateway: a text task's session, played by an agent harness.
+
+For a :class:`~agentlog.engine.tasks.TextTask` the worker does not sample
+tokens itself. Each rollout session
+
+1. opens in the engine (the task's messages as its prompt);
+2. has its sandbox set up by the task, then starts the agent harness
+   (``[agent] harness``: ``python-agent``, ``claude-code`` or ``codex``)
+   with the session's key, pointed at a gateway on loopback
+   (:class:`~agentlog.gateway.Gateway` over the same engine);
+3. lets every model call arrive at the gateway as a recorded turn, generated
+   by the gateway's backend (the loop's policy in-process, or an SGLang /
+   vLLM server);
+4. runs the task's verifier in the sandbox (its commands are recorded as
+   ``command_ran`` too);
+5. finishes with the verifier's reward.
+
+How a session ends otherwise, as every session does:
+
+* its wall-clock budget (the smaller of ``task.session_budget_s`` and
+  ``[agent] budget_s``) runs out: aborted, ``wall_clock_timeout`` (the
+  engine's timer; in-flight turns and commands are cancelled); a CLI that
+  hits its own budget first is aborted with the same reason;
+* the agent crashes: aborted, ``agent_crashed:<exception type>`` for the
+  Python agent (with the message and traceback), ``agent_crashed:exit_<n>``
+  for a CLI that exits non-zero (with its output tail);
+* the sandbox set-up or the verifier raises: aborted,
+  ``setup_failed:<type>`` / ``verifier_failed:<type>``;
+* the session is cancelled (shutdown, a cancelled batch): dropped,
+  ``cancelled``.
+
+The template that turns messages into token ids is a parameter: the built-in
+GPT's :class:`~agentlog.gateway.ByteChatTemplate` by default, a
+:class:`~agentlog.gateway.HFChatTemplate` (tokenizer) for a Hugging Face model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import traceback as _traceback
+from pathlib import Path
+from typing import Any
+
+from agentlog._logging import get_logger
+from agentlog.engine import LocalSandbox, harness
+from agentlog.engine.core import TIMEOUT_REASON, SessionEngine
+from agentlog.engine.sandbox import CommandResult
+from agentlog.engine.tasks import TextEpisode, TextTask, Verdict
+from agentlog.events.lifecycle import TERMINAL_STATES
+from agentlog.gateway import Backend, ByteChatTemplate, ChatTemplate, Gateway, GatewayConfig, HermesToolParser, ToolCallParser
+
+from .config import AgentConfig, InferenceConfig, LoopConfig
+
+log = get_logger("agentlog.loop.gateway_rollout")
+
+
+def build_text_model(cfg: LoopConfig) -> Any:
+    """The built-in GPT for text tasks: the byte-level chat template's
+    vocabulary, ``[inference] context_length`` positions, the loop's width
+    and depth (seeded from ``cfg.seed``). The worker and the learner build
+    the same one."""
+    import torch
+
+    from agentlog.learner.model import GPT, GPTConfig
+
+    torch.manual_seed(cfg.seed)
+    return GPT(GPTConfig(vocab_size=ByteChatTemplate.VOCAB_SIZE, n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model,
+                         max_seq_len=cfg.inference.context_length, tie_embeddings=cfg.tie_embeddings))
+
+
+class _RecordedSandbox:
+    """A sandbox whose commands are recorded in the session (``command_ran``)
+    and cancelled with it: what the verifier runs shows in replay."""
+
+    def __init__(self, inner: Any, handle: Any) -> None:
+        self.inner = inner
+        self.handle = handle
+        self.name = inner.name
+        self.workdir = getattr(inner, "workdir", None)
+
+    async def run_command(self, cmd: str, budget_s: float) -> CommandResult:
+        return await self.handle.run_command(self.inner, cmd, budget_s)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def crash_reason(result: Any) -> tuple[str, str] | None:
+    """``(reason, error)`` when an agent's result says it crashed or ran out
+    of time (a CLI's CommandResult), else None (the Python agent's
+    AgentResult never does: it raises)."""
+    if not isinstance(result, CommandResult):
+        return None
+    if result.budget_exceeded:
+        return TIMEOUT_REASON, f"the agent CLI ran past its budget ({result.duration_s:.1f}s): {result.output_tail[-500:]}"
+    if result.exit_code is None:
+        return "agent_crashed:no_exit_code", f"the agent CLI reported no exit code: {result.output_tail[-500:]}"
+    if result.exit_code != 0:
+        return f"agent_crashed:exit_{result.exit_code}", result.output_tail[-2000:]
+    return None
+
+
+class GatewayRollout:
+    """A loopback gateway over the worker's engine, and the sessions it plays.
+
+    ``backend`` serves the model calls (e.g. a TorchBackend over the loop's
+    policy, or a GatedBackend over an SGLang/vLLM client); ``template`` and
+    ``parser`` render and read them.
+    """
+
+    def __init__(self, engine: SessionEngine, backend: Backend, *, agent: AgentConfig, sandbox_root: Path,
+                 temperature: float = 1.0, template: ChatTemplate | None = None, parser: ToolCallParser | None = None,
+                 keep_sandboxes: bool = False) -> None:
+        self.engine = engine
+        self.backend = backend
+        self.agent = agent
+        self.parser = parser or HermesToolParser()
+        self.template = template or ByteChatTemplate(self.parser)
+        self.temperature = temperature
+        self.sandbox_root = Path(sandbox_root)
+        self.keep_sandboxes = keep_sandboxes
+        self.gateway: Gateway | None = None
+        self.counts: dict[str, int] = {}
+        #: One harness per (task, budget): the Python agent keeps one HTTP client for all its sessions.
+        self._agents: dict[tuple[str, float], Any] = {}
+
+    async def start(self) -> str:
+        """Listen on 127.0.0.1 (any free port); returns the gateway's URL."""
+        # Output allowances come from each task (the agent asks for max_new_tokens); the cap only bounds clients.
+        self.gateway = Gateway(self.engine, self.backend, template=self.template, parser=self.parser,
+                               config=GatewayConfig(temperature=self.temperature))
+        return await self.gateway.start("127.0.0.1", 0)
+
+    async def close(self) -> None:
+        """Close the harnesses and stop listening (the engine and the backend belong to the caller)."""
+        agents, self._agents = list(self._agents.values()), {}
+        for agent in agents:
+            await agent.close()
+        if self.gateway is not None:
+            await self.gateway.stop()
+            self.gateway = None
+
+    def harness_for(self, task: TextTask, budget_s: float) -> Any:
+        """The configured agent harness, pointed at the gateway and sized for ``task`` (one per task and budget)."""
+        assert self.gateway is not None, "GatewayRollout.start() first"
+        key = (task.name, budget_s)
+        agent = self._agents.get(key)
+        if agent is None:
+            agent = self._agents[key] = self._make_harness(task, budget_s)
+        return agent
+
+    def _make_harness(self, task: TextTask, budget_s: float) -> Any:
+        a = self.agent
+        kw: dict[str, Any] = {"budget_s": budget_s}
+        if a.harness == "python-agent":
+            kw.update(max_turns=task.max_turns, max_tool_calls=a.max_tool_calls, max_tokens=task.max_new_tokens,
+                      command_budget_s=min(a.command_budget_s, task.command_budget_s))
+        elif a.cli:
+            kw["cli"] = a.cli
+        return harness.get(a.harness)(self.gateway.url, **kw)
+
+    def _count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    async def run_session(self, task: TextTask, episode: TextEpisode, *, session_id: str, group_id: str, group_size: int,
+                          sample_index: int, policy_version: int = 0, metadata: dict[str, Any] | None = None) -> None:
+        """Play one session to its terminal state (see the module docstring).
+        Raises SessionTimeout after a budget abort and CancelledError after a
+        drop, as ``engine.session`` does; returns after finish or abort."""
+        assert self.gateway is not None, "GatewayRollout.start() first"
+        budget = min(float(task.session_budget_s), float(self.agent.budget_s))
+        sandbox = LocalSandbox(self.sandbox_root / session_id)
+        try:
+            async with self.engine.session(
+                session_id, group_id=group_id, group_size=group_size, sample_index=sample_index, prompt=episode.messages,
+                label=episode.label, agent=self.agent.harness, policy_version=policy_version,
+                metadata={**(metadata or {}), "task": task.name}, budget_s=budget,
+            ) as h:
+                ok, _ = await self._step(h, "setup_failed", task.setup(episode, sandbox))
+                if not ok:
+                    return
+                agent = self.harness_for(task, budget)
+                await h.start(harness=self.agent.harness, sandbox=sandbox.name, details={"gateway": self.gateway.url, "task": task.name})
+                self.gateway.configure_session(session_id, sampling={"temperature": self.temperature}, max_turns=task.max_turns)
+                key = self.gateway.session_key(session_id)
+                try:
+                    result = await agent.run(h, sandbox, episode.messages, key)
+                except Exception as exc:  # noqa: BLE001 - the crash is the session's outcome, recorded with its traceback
+                    await self._abort_for(h, f"agent_crashed:{type(exc).__name__}", exc)
+                    return
+                crash = crash_reason(result)
+                if crash is not None:
+                    self._count(crash[0].split(":")[0])
+                    await h.abort(crash[0], error=crash[1])
+                    return
+                ok, verdict = await self._step(h, "verifier_failed", _verify(task, episode, _RecordedSandbox(sandbox, h)))
+                if not ok:
+                    return
+                summary = result.summary() if hasattr(result, "summary") else {}
+                await h.finish(reward=verdict.reward, metadata={"success": verdict.success, **verdict.detail, "agent": summary})
+                self._count("finished")
+        finally:
+            if not self.keep_sandboxes:
+                await asyncio.to_thread(_remove_tree, sandbox.workdir)
+
+    async def _step(self, h: Any, reason: str, coro: Any) -> tuple[bool, Any]:
+        """Run a task step: ``(True, its result)``, or on an exception abort
+        with ``reason:<type>`` and return ``(False, None)``."""
+        try:
+            return True, await coro
+        except Exception as exc:  # noqa: BLE001 - recorded as the session's abort reason, with the traceback
+            await self._abort_for(h, f"{reason}:{type(exc).__name__}", exc)
+            return False, None
+
+    async def _abort_for(self, h: Any, reason: str, exc: BaseException) -> None:
+        if h.state in TERMINAL_STATES:
+            raise exc  # it ended under us (its budget): the engine's context reports that
+        self._count(reason.split(":")[0])
+        tb = "".join(_traceback.format_exception(type(exc), exc, exc.__traceback__))
+        h.log.warning("rollout.session_failed", reason=reason, error=f"{type(exc).__name__}: {exc}")
+        await h.abort(reason, error=f"{type(exc).__name__}: {exc}", traceback=tb)
+
+
+async def _verify(task: TextTask, episode: TextEpisode, sandbox: Any) -> Verdict:
+    """The task's verdict; anything but a Verdict raises naming the task."""
+    verdict = await task.verify(episode, sandbox)
+    if not isinstance(verdict, Verdict):
+        raise TypeError(f"task {task.name!r}: verify() returned {type(verdict).__name__}; expected an engine.tasks.Verdict")
+    return verdict
+
+
+def _remove_tree(path: Any) -> None:
+    """Remove a finished session's sandbox; a failure is logged, never hidden, and does not end the run."""
+
+    def report(_fn: Any, p: str, exc: Any) -> None:
+        log.warning("rollout.sandbox_not_removed", path=p, error=str(exc[1] if isinstance(exc, tuple) else exc))
+
+    if path is not None:
+        shutil.rmtree(path, onerror=report)
+
+
+def make_backend(cfg: LoopConfig, model: Any) -> tuple[Backend, Any]:
+    """``(backend, weight_sync)`` for ``[inference]``: the in-process
+    TorchBackend over ``model`` (sync None: the worker swaps its weights),
+    or a gated SGLang / vLLM client and its weight-sync client."""
+    inf: InferenceConfig = cfg.inference
+    if inf.backend == "in-process":
+        from agentlog.gateway import TorchBackend
+
+        return TorchBackend(model, seed=cfg.seed * 1_000_003 + 11), None
+    from agentlog.gateway import OpenAICompletionsBackend, SGLangBackend
+    from agentlog.gateway.weight_sync import GatedBackend, SGLangWeightSync, VLLMWeightSync
+
+    if inf.backend == "sglang":
+        backend = GatedBackend(SGLangBackend(inf.url, context_length=inf.context_length))
+        return backend, SGLangWeightSync(inf.url, gate=backend.gate)
+    backend = GatedBackend(OpenAICompletionsBackend(inf.url, inf.model or "default", context_length=inf.context_length))
+    return backend, VLLMWeightSync(inf.url, inf.served_dir, gate=backend.gate)
+
+
+def draw_members(task: TextTask, seed_rng: random.Random, groups: int, group_size: int) -> list[list[TextEpisode]]:
+    """The episodes of one batch: ``groups`` prompts, each played by ``group_size`` members."""
+    out = []
+    for _ in range(groups):
+        ep = task.new_episode(seed_rng)
+        out.append([task.group_member(ep, seed_rng) for _ in range(group_size)])
+    return out
+
+
+__all__ = ["GatewayRollout", "build_text_model", "crash_reason", "draw_members", "make_backend"]
