@@ -327,7 +327,7 @@ class HFChatTemplate(ChatTemplate):
         ids = self.tok.apply_chat_template(
             [self._hf_message(m) for m in messages], tools=hf_tools, add_generation_prompt=True, tokenize=True
         )
-        if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
 
