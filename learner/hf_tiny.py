@@ -98,7 +98,7 @@ _CORPUS = [
 
 def build_tokenizer(vocab_size: int = 512):
     """A byte-level BPE ``PreTrainedTokenizerFast`` with ChatML specials and the chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = [PAD, BOS, IM_START, IM_END]
@@ -106,11 +106,13 @@ def build_tokenizer(vocab_size: int = 512):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials + list(TOOL_TAGS),
+        vocab_size=vocab_size - len(TOOL_TAGS), special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     # Repeated so every pair in the corpus clears the trainer's min frequency.
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    # Atomic, but not special: decode(skip_special_tokens=True) keeps them for the tool parser.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=IM_END, pad_token=PAD, unk_token=None,
         additional_special_tokens=[IM_START], clean_up_tokenization_spaces=False,

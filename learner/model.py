@@ -216,6 +216,27 @@ class GPT(nn.Module):
             if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor], config: dict | None = None) -> "GPT":
+        """A GPT holding ``state``. Its shape is read from the tensors' shapes,
+        and ``config`` (``GPTConfig`` fields as a dict) overrides it: the head
+        count cannot be read from the weights and is otherwise the default
+        (``GPTConfig.n_head``)."""
+        try:
+            vocab, width = state["tok_emb.weight"].shape
+            n_layer = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
+            shape = {
+                "vocab_size": int(vocab), "d_model": int(width), "n_layer": n_layer,
+                "max_seq_len": int(state["pos_emb.weight"].shape[0]),
+                "mlp_ratio": int(state["blocks.0.mlp.0.weight"].shape[0]) // int(width),
+                "tie_embeddings": "lm_head.weight" not in state or torch.equal(state["lm_head.weight"], state["tok_emb.weight"]),
+            }
+        except (KeyError, ValueError, IndexError, AttributeError) as exc:
+            raise ValueError(f"GPT.from_state_dict: not the built-in GPT's weights (no {exc} of the expected shape)") from None
+        model = cls(GPTConfig(**{**shape, **(config or {})}))
+        model.load_state_dict(state)
+        return model
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -565,6 +586,35 @@ class HFCausalLM(nn.Module):
             gen.log_probs.append(out_lp[i, :n].cpu().numpy())
             gen.finish_reasons.append("stop" if bool(stopped[i]) else "length")
         return gen
+
+    def load_hf_weights(self, directory: str | os.PathLike) -> None:
+        """Load the weights of an HF directory written by :meth:`save_pretrained`
+        (``model.safetensors`` or its shards) into this model, in place.
+
+        Every parameter must be there, except an output layer tied to the
+        input embedding; a missing or unexpected tensor raises naming it."""
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{d}: no *.safetensors weights in this directory (expected an HF checkpoint)")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        # Checked before anything is copied, so a bad directory leaves the weights as they were.
+        own = self.model.state_dict()
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        missing = [k for k in own if k not in state and k not in tied]
+        unexpected = [k for k in state if k not in own]
+        wrong = [f"{k} {tuple(v.shape)} (model {tuple(own[k].shape)})" for k, v in state.items()
+                 if k in own and v.shape != own[k].shape]
+        if missing or unexpected or wrong:
+            raise ValueError(
+                f"{d}: weights do not fit the model ({type(self.model).__name__}): "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:3]}"
+            )
+        self.model.load_state_dict(state, strict=False)
 
     def _cache_of(self, out):
         return getattr(out, self._cache_arg)
