@@ -46,7 +46,7 @@ from . import logs
 from .config import LoopConfig
 from .demo import faults as demo_faults
 from .policy import GenerationBatcher, build_model
-from .publish import PolicyFollower
+from .publish import PolicyFollower, hf_checkpoint_dir
 
 log = get_logger("agentlog.loop.worker")
 
@@ -76,7 +76,7 @@ class RolloutWorker:
         self.cfg = cfg
         self.worker_id = worker_id
         self.task: Task = select_task(cfg.task)
-        self.model = build_model(cfg, self.task)
+        self.model = build_model(cfg, self.task, self.run_dir)
         self.model.eval()
         self.follower = PolicyFollower(self.run_dir / "learner")
         self.loaded_version = -1
@@ -96,7 +96,12 @@ class RolloutWorker:
             if rec.policy_version <= self.loaded_version:
                 return
             try:
-                load_weights(self.model, rec.checkpoint)
+                hf_dir = hf_checkpoint_dir(rec.checkpoint)
+                if hasattr(self.model, "load_hf_weights") and hf_dir.is_dir():
+                    # An HF policy reloads the published HF directory, as an inference server would.
+                    self.model.load_hf_weights(hf_dir)
+                else:
+                    load_weights(self.model, rec.checkpoint)
             except FileNotFoundError:
                 continue
             self.loaded_version = rec.policy_version

@@ -39,7 +39,7 @@ def add_config_flags(p, *, defaults: LoopConfig) -> None:
     loop_help = field_help(LoopConfig)
     group = p.add_argument_group("loop settings (LoopConfig)")
     for f in dataclasses.fields(LoopConfig):
-        if f.name in ("faults", "learner"):
+        if _is_table(defaults, f.name):
             continue
         default = getattr(defaults, f.name)
         kind = _parse_bool if isinstance(default, bool) else type(default)
@@ -60,6 +60,12 @@ def add_config_flags(p, *, defaults: LoopConfig) -> None:
                         f"Default overrides: {json.dumps(defaults.learner)}")
 
 
+def _is_table(cfg: LoopConfig, name: str) -> bool:
+    """Whether LoopConfig field ``name`` is a TOML table (a nested dataclass or a dict), which gets no flag of its own."""
+    value = getattr(cfg, name)
+    return name in ("faults", "learner") or dataclasses.is_dataclass(value) or isinstance(value, dict)
+
+
 def add_output_flags(p) -> None:
     """Where the run goes and how it is shown."""
     p.add_argument("--out", type=Path, default=None, metavar="DIR", help="run folder (default runs/<run-id>)")
@@ -72,8 +78,8 @@ def config_from_args(args, base: LoopConfig) -> LoopConfig:
     """``base`` with every flag the user gave applied on top."""
     values = base.to_dict()
     for f in dataclasses.fields(LoopConfig):
-        if f.name in ("faults", "learner"):
-            continue  # their flags are --<fault field> and --learner KEY=VALUE
+        if _is_table(base, f.name):
+            continue  # faults and learner have --<fault field> and --learner KEY=VALUE; other tables come from --config
         v = getattr(args, f.name, None)
         if v is not None:
             values[f.name] = v
