@@ -18,7 +18,7 @@ from pathlib import Path
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_USAGE, CliError
 
-from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig, field_help
+from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig, MetricsConfig, field_help
 
 
 def _flag(name: str) -> str:
@@ -52,6 +52,14 @@ def add_config_flags(p, *, defaults: LoopConfig) -> None:
         default = getattr(defaults.faults, f.name)
         fg.add_argument(_flag(f.name), dest=f"fault_{f.name}", type=float, default=None, metavar="X",
                         help=f"{fault_help.get(f.name, '')} (default {default})".replace("%", "%%"))
+    # --- issue 14: hf model --- the [metrics] table
+    metrics_help = field_help(MetricsConfig)
+    mg = p.add_argument_group("metric sinks (the [metrics] table)")
+    for f in dataclasses.fields(MetricsConfig):
+        default = getattr(defaults.metrics, f.name)
+        kind = _parse_bool if isinstance(default, bool) else type(default)
+        mg.add_argument(_flag(f.name), dest=f"metrics_{f.name}", type=kind, default=None, metavar=f.name.upper(),
+                        help=f"{metrics_help.get(f.name, '')} (default {default!r})".replace("%", "%%"))
     from agentlog.learner.config import LearnerConfig
 
     names = ", ".join(f.name for f in dataclasses.fields(LearnerConfig))
@@ -91,6 +99,12 @@ def config_from_args(args, base: LoopConfig) -> LoopConfig:
         if v is not None:
             faults[f.name] = v
     values["faults"] = faults
+    metrics = dict(values["metrics"])
+    for f in dataclasses.fields(MetricsConfig):
+        v = getattr(args, f"metrics_{f.name}", None)
+        if v is not None:
+            metrics[f.name] = v
+    values["metrics"] = metrics
     learner = dict(values["learner"])
     for item in getattr(args, "learner", []) or []:
         key, sep, raw = item.partition("=")
