@@ -107,6 +107,7 @@ def test_serve_model_dir_answers_the_openai_client_and_records_the_hf_ids(tiny_h
 def test_torch_backend_reloads_a_published_hf_directory(tiny_hf_dir, tmp_path):  # noqa: F811
     """reload_weights(DIR): the served weights become the directory's, and later turns record its version;
     a directory that does not fit is refused and changes nothing."""
+    from agentlog.learner.learner import save_weights
     from agentlog.learner.model import HFCausalLM
 
     model = HFCausalLM(tiny_hf_dir)
@@ -137,6 +138,9 @@ def test_torch_backend_reloads_a_published_hf_directory(tiny_hf_dir, tmp_path): 
             assert backend.policy_version == 2
             t0, t1 = turns_of(log, "s")
             assert (t0.policy_version, t1.policy_version) == (0, 2)
+            # A learner weights file (torch.save, "model" entry) reloads too.
+            await backend.reload_weights(save_weights(newer, tmp_path / "w.pt"), 4)
+            assert backend.policy_version == 4
 
     run(body())
     for (name, a), b in zip(model.named_parameters(), newer.parameters()):
