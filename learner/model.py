@@ -470,7 +470,7 @@ class HFCausalLM(nn.Module):
         self.max_seq_len = int(getattr(hf_cfg, "max_position_embeddings", 0) or 1 << 20)
         impl = str(getattr(hf_cfg, "_attn_implementation", "") or "")
         #: Flash-attention kernels take no dense masks: pack by position ids.
-        self.packs_by_position_ids = impl.startswith("flash") or "flash" in impl
+        self.packs_by_position_ids = "flash" in impl
         # transformers 5.x renamed ``past_key_values`` to ``cache`` (and deprecated the old name).
         params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
