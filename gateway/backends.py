@@ -307,8 +307,10 @@ class TorchBackend(Backend):
         import torch
 
         self.model = model
-        self.context_length = int(model.config.max_seq_len)
-        self.vocab_size = int(model.config.vocab_size)
+        # The learner's GPT keeps its sizes in ``config``; an HF adapter
+        # (learner.model.HFCausalLM) has them as attributes.
+        self.context_length = int(getattr(model, "max_seq_len", None) or model.config.max_seq_len)
+        self.vocab_size = int(getattr(model, "vocab_size", None) or model.config.vocab_size)
         self.max_batch = max_batch
         # After a batch of n, wait up to this long for n calls to gather
         # before starting the next one: agents send their next turn a few ms
@@ -497,6 +499,50 @@ class TorchBackend(Backend):
                 self.policy_version = policy_version
 
         await asyncio.to_thread(swap)
+
+    async def reload_weights(self, path: Any, policy_version: int) -> None:
+        """Load published weights from disk between batches; later turns record ``policy_version``.
+
+        ``path`` is either an HF checkpoint directory (safetensors; the model
+        must have ``load_hf_weights``, as learner.model.HFCausalLM does) or a
+        ``torch.save`` file: a learner checkpoint or weights file (its
+        ``"model"`` entry) or a bare state dict, read with ``weights_only=True``.
+        A file that cannot be loaded raises BackendError naming it, and the
+        weights and version being served stay as they were."""
+        import os
+
+        import torch
+
+        where = os.fspath(path)
+
+        def swap() -> None:
+            if os.path.isdir(where):
+                loader = getattr(self.model, "load_hf_weights", None)
+                if loader is None:
+                    raise BackendError(self.name, f"reload_weights {where}: a directory (HF checkpoint), but the served "
+                                                  f"model {type(self.model).__name__} has no load_hf_weights")
+                with self._model_lock:
+                    loader(where)
+                    self.policy_version = policy_version
+                return
+            try:
+                state = torch.load(where, map_location="cpu", weights_only=True)
+            except (OSError, RuntimeError, ValueError) as exc:
+                raise BackendError(self.name, f"reload_weights {where}: cannot read it as a weights file: {exc}") from exc
+            if isinstance(state, dict) and isinstance(state.get("model"), dict):
+                state = state["model"]
+            own = self.model.state_dict()
+            if not isinstance(state, dict) or set(state) != set(own) or any(
+                    getattr(state[k], "shape", None) != v.shape for k, v in own.items()):
+                found = sorted(state)[:5] if isinstance(state, dict) else type(state).__name__
+                raise BackendError(self.name, f"reload_weights {where}: expected the served model's "
+                                              f"{len(own)} tensors with their shapes, found {found}")
+            with self._model_lock:
+                self.model.load_state_dict(state)
+                self.policy_version = policy_version
+
+        await asyncio.to_thread(swap)
+        _log.info("gateway.weights_reloaded", backend=self.name, path=where, policy_version=policy_version)
 
     async def close(self) -> None:
         with self._cv:

@@ -294,24 +294,35 @@ class ByteChatTemplate(ChatTemplate):
 
 
 class HFChatTemplate(ChatTemplate):
-    """A Hugging Face tokenizer and its own chat template (needs ``transformers``)."""
+    """A Hugging Face tokenizer and its own chat template (needs ``transformers``).
+
+    Canonical messages are handed to ``apply_chat_template`` in the OpenAI
+    shape the Hugging Face templates expect: assistant tool calls as
+    ``{"id", "type": "function", "function": {"name", "arguments"}}`` with
+    the arguments as a dict when they parsed (templates ``tojson`` them), and
+    tool results as ``{"role": "tool", "content", "tool_call_id", "name"}``,
+    the name looked up from the call they answer (some templates print it).
+    Generated ids decode with special tokens skipped, so the stop token goes
+    and added tokens such as ``<tool_call>`` stay for the ``parser``.
+    """
 
     name = "hf"
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, parser: ToolCallParser | None = None) -> None:
         self.tok = tokenizer
+        self.parser = parser or HermesToolParser()
         eos = tokenizer.eos_token_id
         self.stop_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str) -> "HFChatTemplate":
-        """Load ``AutoTokenizer.from_pretrained(name_or_path)``."""
+    def from_pretrained(cls, name_or_path: str, parser: ToolCallParser | None = None) -> "HFChatTemplate":
+        """Load ``AutoTokenizer.from_pretrained(name_or_path)`` from local files only (never a hub)."""
         from transformers import AutoTokenizer  # optional dependency
 
-        return cls(AutoTokenizer.from_pretrained(name_or_path))
+        return cls(AutoTokenizer.from_pretrained(name_or_path, local_files_only=True), parser)
 
     @staticmethod
-    def _hf_message(msg: dict[str, Any]) -> dict[str, Any]:
+    def _hf_message(msg: dict[str, Any], call_names: dict[str, str]) -> dict[str, Any]:
         out = {"role": msg["role"], "content": msg.get("content") or ""}
         if msg.get("tool_calls"):
             out["tool_calls"] = [
@@ -320,14 +331,21 @@ class HFChatTemplate(ChatTemplate):
             ]
         if msg["role"] == "tool":
             out["tool_call_id"] = msg.get("tool_call_id", "")
+            if out["tool_call_id"] in call_names:
+                out["name"] = call_names[out["tool_call_id"]]
         return out
+
+    def hf_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Canonical messages in the shape ``apply_chat_template`` takes."""
+        call_names = {tc["id"]: tc["name"] for m in messages for tc in (m.get("tool_calls") or ())}
+        return [self._hf_message(m, call_names) for m in messages]
 
     def encode_prompt(self, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[int]:
         hf_tools = [{"type": "function", "function": t.to_dict()} for t in tools] or None
         ids = self.tok.apply_chat_template(
-            [self._hf_message(m) for m in messages], tools=hf_tools, add_generation_prompt=True, tokenize=True
+            self.hf_messages(messages), tools=hf_tools, add_generation_prompt=True, tokenize=True
         )
-        if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
 

@@ -361,6 +361,9 @@ class Learner:
         }
         if self.ref_model is not None:
             state["ref_model"] = self.ref_model.state_dict()
+        model_config = _model_config(self.model)
+        if model_config is not None:
+            state["model_config"] = model_config
         return state
 
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
@@ -423,6 +426,36 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:
     if "model" not in state:
         raise ValueError(f"{path}: no 'model' weights in checkpoint (keys {sorted(state)})")
     model.load_state_dict(state["model"])
+
+
+def read_policy(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """``(state_dict, model_config)`` of a policy file: a learner checkpoint, a
+    `save_weights` file or a bare state dict (all read with weights_only=True).
+    ``model_config`` is the built-in GPT's config when the file recorded it
+    (learner checkpoints since issue 14), else None."""
+    state = load_state(path)
+    if "model" in state:
+        model = state["model"]
+        if not isinstance(model, dict):
+            raise ValueError(f"{path}: 'model' is {type(model).__name__}, expected a state dict")
+        config = state.get("model_config")
+        return model, config if isinstance(config, dict) else None
+    if state and all(torch.is_tensor(v) for v in state.values()):
+        return state, None
+    raise ValueError(
+        f"{path}: expected a learner checkpoint, a weights file or a state dict of tensors, "
+        f"found keys {sorted(map(str, state))[:8]}"
+    )
+
+
+def _model_config(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The built-in GPT's config as plain data (None for other models)."""
+    import dataclasses
+
+    from agentlog.learner.model import GPTConfig
+
+    cfg = getattr(model, "config", None)
+    return dataclasses.asdict(cfg) if isinstance(cfg, GPTConfig) else None
 
 
 def _reward_stats(rewards: Iterable[float]) -> dict[str, float]:

@@ -19,8 +19,11 @@ returns the sampled tokens together with their log-probs.
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -213,6 +216,27 @@ class GPT(nn.Module):
             if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor], config: dict | None = None) -> "GPT":
+        """A GPT holding ``state``. Its shape is read from the tensors' shapes,
+        and ``config`` (``GPTConfig`` fields as a dict) overrides it: the head
+        count cannot be read from the weights and is otherwise the default
+        (``GPTConfig.n_head``)."""
+        try:
+            vocab, width = state["tok_emb.weight"].shape
+            n_layer = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
+            shape = {
+                "vocab_size": int(vocab), "d_model": int(width), "n_layer": n_layer,
+                "max_seq_len": int(state["pos_emb.weight"].shape[0]),
+                "mlp_ratio": int(state["blocks.0.mlp.0.weight"].shape[0]) // int(width),
+                "tie_embeddings": "lm_head.weight" not in state or torch.equal(state["lm_head.weight"], state["tok_emb.weight"]),
+            }
+        except (KeyError, ValueError, IndexError, AttributeError) as exc:
+            raise ValueError(f"GPT.from_state_dict: not the built-in GPT's weights (no {exc} of the expected shape)") from None
+        model = cls(GPTConfig(**{**shape, **(config or {})}))
+        model.load_state_dict(state)
+        return model
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -398,25 +422,80 @@ def token_log_probs(
 class HFCausalLM(nn.Module):
     """Adapter: a Hugging Face causal LM behind the (ids -> logits) interface.
 
-    Needs ``transformers`` (an optional extra). Packed batches pass the
-    block-diagonal mask as a 4-D additive float mask and per-sample
-    ``position_ids``; models whose attention accepts custom 4-D masks (most
-    decoder-only models in transformers >= 4.40) support packing that way.
+    Needs ``transformers`` (the ``hf`` extra). ``HFCausalLM(path)`` loads a
+    local directory with ``AutoModelForCausalLM.from_pretrained`` (and its
+    tokenizer, when the directory has one, for :meth:`save_pretrained`).
+
+    Training forwards pass ``use_cache=False``. Packing: with eager or SDPA
+    attention a packed batch passes per-sample ``position_ids`` and the
+    block-diagonal causal mask as a 4-D additive float mask, which both
+    apply exactly, so no token attends across samples; with a flash-attention
+    implementation (which takes no dense masks) the batch passes
+    ``position_ids`` alone and the kernel's variable-length path keeps
+    attention within each run of positions that starts at 0
+    (``packs_by_position_ids``). ``gradient_checkpointing=True`` recomputes
+    each layer's activations in the backward pass (non-reentrant).
+
+    :meth:`sample` generates like ``GPT.sample`` (left-padded batch, KV cache,
+    log-probs of ``log_softmax(logits / temperature)``), so the gateway's
+    ``TorchBackend`` and the loop serve it as they serve the built-in GPT.
     """
 
-    def __init__(self, model_or_name, **from_pretrained_kwargs) -> None:
+    def __init__(self, model_or_path, *, gradient_checkpointing: bool = False, tokenizer=None,
+                 **from_pretrained_kwargs) -> None:
         super().__init__()
-        if isinstance(model_or_name, str):
+        self.source_dir: str | None = None
+        if isinstance(model_or_path, (str, os.PathLike)):
+            path = str(model_or_path)
+            if not os.path.isdir(path):
+                raise FileNotFoundError(
+                    f"HFCausalLM: {path!r} is not a directory; expected a local Hugging Face model directory "
+                    f"(config.json + weights); nothing is downloaded"
+                )
             try:
                 from transformers import AutoModelForCausalLM
             except ImportError as exc:  # pragma: no cover - depends on the environment
-                raise ImportError("HFCausalLM needs `transformers`: pip install transformers") from exc
-            model_or_name = AutoModelForCausalLM.from_pretrained(model_or_name, **from_pretrained_kwargs)
-        self.model = model_or_name
+                raise ImportError("HFCausalLM needs `transformers`: pip install 'agentlog[hf]'") from exc
+            from_pretrained_kwargs.setdefault("local_files_only", True)
+            model_or_path = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
+            self.source_dir = path
+            if tokenizer is None and _has_tokenizer_files(path):
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.model = model_or_path
+        self.tokenizer = tokenizer
+        hf_cfg = self.model.config
+        self.vocab_size = int(hf_cfg.vocab_size)
+        self.max_seq_len = int(getattr(hf_cfg, "max_position_embeddings", 0) or 1 << 20)
+        impl = str(getattr(hf_cfg, "_attn_implementation", "") or "")
+        #: Flash-attention kernels take no dense masks: pack by position ids.
+        self.packs_by_position_ids = "flash" in impl
+        # transformers 5.x renamed ``past_key_values`` to ``cache`` (and deprecated the old name).
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        if gradient_checkpointing:
+            # transformers 5.x renamed it activation checkpointing (the old name warns).
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether activations are recomputed in the backward pass (gradient checkpointing)."""
+        m = self.model
+        flag = getattr(m, "is_activation_checkpointing", None)
+        return bool(flag if flag is not None else m.is_gradient_checkpointing)
+
+    @property
+    def config(self):
+        """The wrapped model's Hugging Face config."""
+        return self.model.config
 
     def forward(self, input_ids, position_ids=None, attention_mask=None):
-        """Logits ``(B, T, V)``; see the module docstring for the packing masks."""
-        kwargs = {}
+        """Logits ``(B, T, V)``; see the class docstring for how packed batches attend."""
+        kwargs = {"use_cache": False}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
         if attention_mask is not None:
@@ -425,3 +504,131 @@ class HFCausalLM(nn.Module):
             additive.masked_fill_(~attention_mask, torch.finfo(dtype).min)
             kwargs["attention_mask"] = additive.unsqueeze(1)
         return self.model(input_ids=input_ids, **kwargs).logits
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]] | torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        stop_ids: Sequence[int] = (),
+        generator: torch.Generator | None = None,
+    ) -> Generation:
+        """Sample continuations of a batch of prompts with the model's KV cache.
+
+        Same contract as `GPT.sample`: each sequence stops after one of
+        ``stop_ids`` (included) or ``max_new_tokens``; log-probs are those of
+        ``log_softmax(logits / temperature)``."""
+        if not temperature > 0:
+            raise ValueError(f"HFCausalLM.sample: temperature must be > 0, got {temperature}")
+        if max_new_tokens < 1:
+            raise ValueError(f"HFCausalLM.sample: max_new_tokens must be >= 1, got {max_new_tokens}")
+        rows = [list(map(int, p)) for p in (prompts.tolist() if torch.is_tensor(prompts) else prompts)]
+        if not rows:
+            return Generation()
+        for i, p in enumerate(rows):
+            if not p:
+                raise ValueError(f"HFCausalLM.sample: prompt {i} is empty; it needs at least one token")
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"HFCausalLM.sample: prompt {i} has token ids {bad[:5]} outside [0, {self.vocab_size})")
+        B, P = len(rows), max(len(p) for p in rows)
+        if P + max_new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"HFCausalLM.sample: longest prompt ({P}) + max_new_tokens ({max_new_tokens}) exceeds "
+                f"max_position_embeddings={self.max_seq_len}"
+            )
+        device = next(self.model.parameters()).device
+        was_training = self.training
+        self.eval()
+        try:
+            ids = torch.zeros(B, P, dtype=torch.long)
+            real = torch.zeros(B, P + max_new_tokens, dtype=torch.long)  # 2-D mask: 1 on real tokens
+            for i, p in enumerate(rows):
+                ids[i, P - len(p):] = torch.tensor(p)
+                real[i, P - len(p): P] = 1
+            ids, real = ids.to(device), real.to(device)
+            lengths = real[:, :P].sum(1)
+            pos = (torch.arange(P, device=device) - (P - lengths).unsqueeze(1)).clamp(min=0)
+            out = self.model(input_ids=ids, attention_mask=real[:, :P], position_ids=pos, use_cache=True)
+            cache, logits = self._cache_of(out), out.logits[:, -1]
+            out_tok = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)
+            out_lp = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
+            n_out = torch.zeros(B, dtype=torch.long, device=device)
+            done = torch.zeros(B, dtype=torch.bool, device=device)
+            stopped = torch.zeros(B, dtype=torch.bool, device=device)
+            stop = torch.tensor(sorted({int(s) for s in stop_ids}), dtype=torch.long, device=device)
+            next_pos = lengths.clone()
+            for step in range(max_new_tokens):
+                logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+                tok = torch.multinomial(logp.exp().cpu(), 1, generator=generator).squeeze(1).to(device)
+                live = ~done
+                out_tok[live, step] = tok[live]
+                out_lp[live, step] = logp.gather(1, tok[:, None]).squeeze(1)[live]
+                n_out += live.long()
+                if len(stop):
+                    hit = live & torch.isin(tok, stop)
+                    stopped |= hit
+                    done |= hit
+                if bool(done.all()) or step == max_new_tokens - 1:
+                    break
+                real[:, P + step] = 1
+                out = self.model(input_ids=tok[:, None], attention_mask=real[:, : P + step + 1],
+                                 position_ids=next_pos[:, None], use_cache=True, **{self._cache_arg: cache})
+                cache, logits = self._cache_of(out), out.logits[:, -1]
+                next_pos += 1
+        finally:
+            self.train(was_training)
+        gen = Generation()
+        for i in range(B):
+            n = int(n_out[i])
+            gen.tokens.append(out_tok[i, :n].to(torch.int32).cpu().numpy())
+            gen.log_probs.append(out_lp[i, :n].cpu().numpy())
+            gen.finish_reasons.append("stop" if bool(stopped[i]) else "length")
+        return gen
+
+    def load_hf_weights(self, directory: str | os.PathLike) -> None:
+        """Load the weights of an HF directory written by :meth:`save_pretrained`
+        (``model.safetensors`` or its shards) into this model, in place.
+
+        Every parameter must be there, except an output layer tied to the
+        input embedding; a missing or unexpected tensor raises naming it."""
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{d}: no *.safetensors weights in this directory (expected an HF checkpoint)")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        # Checked before anything is copied, so a bad directory leaves the weights as they were.
+        own = self.model.state_dict()
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        missing = [k for k in own if k not in state and k not in tied]
+        unexpected = [k for k in state if k not in own]
+        wrong = [f"{k} {tuple(v.shape)} (model {tuple(own[k].shape)})" for k, v in state.items()
+                 if k in own and v.shape != own[k].shape]
+        if missing or unexpected or wrong:
+            raise ValueError(
+                f"{d}: weights do not fit the model ({type(self.model).__name__}): "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:3]}"
+            )
+        self.model.load_state_dict(state, strict=False)
+
+    def _cache_of(self, out):
+        return getattr(out, self._cache_arg)
+
+    def save_pretrained(self, out_dir: str | os.PathLike) -> Path:
+        """Write an HF model directory (``config.json``, ``model.safetensors``, the tokenizer's
+        files when known) that ``from_pretrained``, vLLM and SGLang load as is."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out, safe_serialization=True)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(out)
+        return out
+
+
+def _has_tokenizer_files(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))

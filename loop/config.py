@@ -121,6 +121,16 @@ class InferenceConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Where the learner's metrics go besides its log (the source of truth): the ``[metrics]`` table."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files under ``<run>/tensorboard`` (needs the tensorboard extra; a note in the log when missing)."""
+    wandb_project: str = ""
+    """Log to this Weights & Biases project when ``wandb`` is installed ("" : $WANDB_PROJECT, if set; else off)."""
+
+
+@dataclass
 class LoopConfig:
     """The online loop: task, model, rollout shape, asynchrony bound, faults, output."""
 
@@ -192,6 +202,13 @@ class LoopConfig:
     """Text tasks: the agent harness each rollout session runs against the gateway (see AgentConfig)."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     """Text tasks: where model calls are served and how new weights reach it (see InferenceConfig)."""
+    # --- issue 14: hf model ---
+    hf_model: str = ""
+    """The policy: "" for the built-in GPT; a local Hugging Face model directory; or "tiny-llama" / "tiny-qwen2", a tiny random model built in code into the run folder (tests, examples). Each version is then published as an HF directory beside its checkpoint."""
+    gradient_checkpointing: bool = False
+    """Recompute the HF model's activations in the backward pass (less memory, more time)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Metric sinks of the learner (the [metrics] table: tensorboard, wandb_project)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.faults, Mapping):
@@ -201,6 +218,13 @@ class LoopConfig:
             self.agent = _from_mapping(AgentConfig, self.agent, "agent")
         if isinstance(self.inference, Mapping):
             self.inference = _from_mapping(InferenceConfig, self.inference, "inference")
+        # --- issue 14: hf model ---
+        if isinstance(self.metrics, Mapping):
+            self.metrics = _from_mapping(MetricsConfig, self.metrics, "metrics")
+        if not isinstance(self.metrics, MetricsConfig):
+            raise ConfigError(f"LoopConfig.metrics: expected a [metrics] table, found {self.metrics!r}")
+        if not isinstance(self.hf_model, str):
+            raise ConfigError(f"LoopConfig.hf_model: expected a directory or a tiny model name, found {self.hf_model!r}")
         for name in ("steps", "stop_window", "groups_per_step", "group_size", "d_model", "n_layer", "n_head", "warmup_batch", "torch_threads", "warmup_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

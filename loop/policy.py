@@ -10,9 +10,12 @@ others up) while the model still sees batches.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -21,15 +24,64 @@ import torch
 from agentlog.engine.tasks import Task
 from agentlog.learner.model import GPT, GPTConfig
 
-from .config import LoopConfig
+from .config import ConfigError, LoopConfig
+
+#: Where a run keeps the tiny HF model it built (``<run>/hf-model/<name>``).
+HF_MODEL_DIR = "hf-model"
 
 
-def build_model(cfg: LoopConfig, task: Task) -> GPT:
-    """The built-in GPT sized for ``task`` (seeded from ``cfg.seed``); for a
+def resolve_hf_model(cfg: LoopConfig, run_dir: Path | None = None) -> Path | None:
+    """The local directory of ``cfg.hf_model``, or None for the built-in GPT.
+
+    The in-code names (``tiny-llama``, ``tiny-qwen2``) are built on first use
+    into ``<run>/hf-model/<name>`` (seeded from ``cfg.seed``; built in a
+    temporary directory and renamed, so a process that reads it never sees
+    half of it). Anything else must be an existing local directory: nothing
+    is ever downloaded."""
+    from agentlog.learner.hf_tiny import TINY_MODELS
+
+    name = cfg.hf_model
+    if not name:
+        return None
+    if name in TINY_MODELS:
+        if run_dir is None:
+            raise ConfigError(f"LoopConfig.hf_model: {name!r} is built into the run folder, and none was given")
+        target = Path(run_dir) / HF_MODEL_DIR / name
+        if not (target / "config.json").exists():
+            from agentlog.learner.hf_tiny import build_tiny_hf
+
+            tmp = target.with_name(f".{name}.{os.getpid()}.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            build_tiny_hf(tmp, TINY_MODELS[name], seed=cfg.seed)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not (target / "config.json").exists():  # not a racing builder that won: a real failure
+                    raise
+        return target
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"LoopConfig.hf_model: {name!r} is not a local Hugging Face model directory (no config.json there) "
+            f"and not one of the in-code models {sorted(TINY_MODELS)}; nothing is downloaded"
+        )
+    return path.resolve()
+
+
+def build_model(cfg: LoopConfig, task: Task, run_dir: Path | None = None) -> torch.nn.Module:
+    """The policy: the HF model of ``cfg.hf_model`` when set (:func:`resolve_hf_model`),
+    else the built-in GPT sized for ``task`` (seeded from ``cfg.seed``); for a
     text task, the one the gateway's byte-level template reads and writes."""
+    hf_dir = resolve_hf_model(cfg, run_dir)
+    if hf_dir is not None:
+        from agentlog.learner.model import HFCausalLM
+
+        return HFCausalLM(hf_dir, gradient_checkpointing=cfg.gradient_checkpointing)
     from agentlog.engine.tasks import TextTask
 
     if isinstance(task, TextTask):
+        # The built-in GPT the gateway's byte-level template reads and writes.
         from .gateway_rollout import build_text_model
 
         return build_text_model(cfg)

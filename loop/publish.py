@@ -16,7 +16,11 @@ display read (:func:`read_learner_records`).
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
+
+import torch
 
 from agentlog.events.log_api import EventLog
 from agentlog.events.types import PolicyUpdated
@@ -35,6 +39,38 @@ def checkpoint_path(checkpoint_dir: Path, version: int) -> Path:
     return Path(checkpoint_dir) / f"policy-v{version:05d}.pt"
 
 
+def hf_checkpoint_dir(checkpoint: str | os.PathLike) -> Path:
+    """The HF directory published beside a learner checkpoint
+    (``policy-vNNNNN.pt`` -> ``policy-vNNNNN/``) when the policy is an HF model:
+    ``config.json``, ``model.safetensors`` and the tokenizer, which
+    ``transformers``, vLLM and SGLang load as is."""
+    return Path(checkpoint).with_suffix("")
+
+
+def save_hf_checkpoint(model: torch.nn.Module, checkpoint: str | os.PathLike) -> Path | None:
+    """Write ``model`` (an ``HFCausalLM``) as the HF directory of ``checkpoint``
+    (:func:`hf_checkpoint_dir`); None for other models. Written into a
+    temporary directory, fsynced and renamed, so a reader never sees half a
+    checkpoint; call it before :func:`publish` names the version."""
+    if not hasattr(model, "save_pretrained"):
+        return None
+    target = hf_checkpoint_dir(checkpoint)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    shutil.rmtree(target, ignore_errors=True)  # a rewrite of the same version (a resumed step)
+    os.rename(tmp, target)
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return target
+
+
 def publish(learner_log: EventLog, record: PolicyUpdated) -> None:
     """Append ``record`` to the learner log (after its checkpoint was saved)."""
     learner_log.append_batch([(LEARNER_STREAM, learner_log.next_seq(LEARNER_STREAM), record)])
@@ -47,6 +83,7 @@ def prune_checkpoints(checkpoint_dir: Path, newest_version: int, keep: int) -> N
         v = int(p.stem.split("-v")[1])
         if v <= newest_version - keep and v % KEEP_EVERY != 0:
             p.unlink(missing_ok=True)
+            shutil.rmtree(hf_checkpoint_dir(p), ignore_errors=True)
 
 
 def read_learner_records(learner_dir: Path) -> list[PolicyUpdated]:

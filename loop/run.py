@@ -17,6 +17,7 @@ Run folder layout::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -111,6 +112,15 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: 
     """Run the learner and one rollout worker on ``run_dir`` until version ``cfg.steps``."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # Both processes read the HF model: build a tiny one once, here, and pin a
+    # local directory to an absolute path (the processes may not share a cwd).
+    from agentlog.learner.hf_tiny import TINY_MODELS
+
+    from .policy import resolve_hf_model  # torch: only once a run starts
+
+    hf_dir = resolve_hf_model(cfg, run_dir)
+    if hf_dir is not None and cfg.hf_model not in TINY_MODELS:
+        cfg = dataclasses.replace(cfg, hf_model=str(hf_dir))
     cfg.save(run_dir / "config.json")
     t0 = time.monotonic()
     procs = {"learner": start_process("trainer", run_dir), "worker": start_process("worker", run_dir)}

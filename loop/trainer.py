@@ -67,8 +67,9 @@ from agentlog.reducers.samples import SampleDigest
 
 from . import logs
 from .config import LoopConfig
+from .metric_sinks import MetricSinks
 from .policy import build_model
-from .publish import checkpoint_path, prune_checkpoints, publish
+from .publish import checkpoint_path, prune_checkpoints, publish, save_hf_checkpoint
 from .staleness import judge_staleness
 
 log = get_logger("agentlog.loop.trainer")
@@ -181,7 +182,7 @@ class LoopLearner:
         # The user's task modules register their tasks on import, in this process too.
         load_tasks(cfg.task_modules, cfg.task_path)
         self.task = select_task(cfg.task)
-        self.model = build_model(cfg, self.task)
+        self.model = build_model(cfg, self.task, self.run_dir)
         self.learner = Learner(self.model, cfg.learner_config())
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -198,6 +199,7 @@ class LoopLearner:
         """Train until version ``cfg.steps`` (or ``max_steps`` more steps); returns the final version."""
         cfg = self.cfg
         llog = logs.open_log(self.run_dir / "learner", cfg.fsync)
+        sinks = MetricSinks(self.run_dir, cfg)
         try:
             history = read_resume_records(llog)
             records = [r for _, r in history]
@@ -220,9 +222,10 @@ class LoopLearner:
                 metrics = supervised_warmup(self.model, self.task, cfg)
                 # The RL optimiser starts fresh after the warm-up.
                 self.learner = Learner(self.model, cfg.learner_config())
-                path = self.learner.save_checkpoint(checkpoint_path(self.ckpt_dir, 0))
+                path = self.save_checkpoint(0)
                 metrics["loop/final"] = 1.0 if cfg.steps == 0 else 0.0
                 publish(llog, PolicyUpdated(step=0, policy_version=0, checkpoint=str(path), metrics=metrics))
+                sinks.log(0, metrics)
                 self.log.info("learner.warmup_done", **{k.replace("/", "_"): v for k, v in metrics.items()})
                 step, lsn_next = 1, 0
             if self.learner.policy_version >= cfg.steps or (records and records[-1].metrics.get("loop/final", 0.0) >= 1.0):
@@ -250,6 +253,7 @@ class LoopLearner:
                 record = msgspec.structs.replace(record, lsn_low_water=low_water,
                                                  records_from_lsn=needed.note(llog.next_lsn, record, low_water))
                 publish(llog, record)
+                sinks.log(record.step, record.metrics)  # after the log: the record is the source of truth
                 self.busy_s += time.perf_counter() - t_busy
                 self.log.info("learner.policy_updated", step=step, policy_version=record.policy_version,
                               reward_mean=record.metrics.get("rollout/reward_mean"),
@@ -266,7 +270,15 @@ class LoopLearner:
                     break
             return self.learner.policy_version
         finally:
+            sinks.close()
             llog.close()
+
+    def save_checkpoint(self, version: int) -> Path:
+        """Save the learner checkpoint of ``version`` (resume) and, for an HF
+        policy, its HF directory beside it (what inference servers load)."""
+        path = self.learner.save_checkpoint(checkpoint_path(self.ckpt_dir, version))
+        save_hf_checkpoint(self.model, path)
+        return path
 
     def stop_reason(self) -> str:
         """Why training ends after this step ("steps", "reward", "time"), or "" to go on."""
@@ -330,7 +342,7 @@ class LoopLearner:
         metrics["rollout/reward_mean"] = float(sum(valid_rewards) / len(valid_rewards)) if valid_rewards else math.nan
         metrics["rollout/solve_rate"] = float(sum(solved) / len(solved)) if solved else math.nan
         if self.learner.policy_version != version:
-            checkpoint = str(self.learner.save_checkpoint(checkpoint_path(self.ckpt_dir, self.learner.policy_version)))
+            checkpoint = str(self.save_checkpoint(self.learner.policy_version))
             prune_checkpoints(self.ckpt_dir, self.learner.policy_version, cfg.keep_checkpoints)
         now = time.time_ns()
         lags = sorted((now - released_at[g.group_id]) / 1e9 for g in groups if g.group_id in released_at)

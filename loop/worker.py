@@ -46,7 +46,7 @@ from . import logs
 from .config import LoopConfig
 from .demo import faults as demo_faults
 from .policy import GenerationBatcher, build_model
-from .publish import PolicyFollower
+from .publish import PolicyFollower, hf_checkpoint_dir
 
 log = get_logger("agentlog.loop.worker")
 
@@ -78,7 +78,7 @@ class RolloutWorker:
         # The user's task modules register their tasks on import, in this process too.
         load_tasks(cfg.task_modules, cfg.task_path)
         self.task: Task | TextTask = select_task(cfg.task)
-        self.model = build_model(cfg, self.task)
+        self.model = build_model(cfg, self.task, self.run_dir)
         self.model.eval()
         self.follower = PolicyFollower(self.run_dir / "learner")
         self.loaded_version = -1
@@ -109,13 +109,30 @@ class RolloutWorker:
             if rec.policy_version <= self.loaded_version:
                 return
             try:
-                load_weights(self.model, rec.checkpoint)
+                hf_dir = hf_checkpoint_dir(rec.checkpoint)
+                if hasattr(self.model, "load_hf_weights") and hf_dir.is_dir():
+                    # An HF policy reloads the published HF directory, as an inference server would.
+                    self.model.load_hf_weights(hf_dir)
+                else:
+                    load_weights(self.model, rec.checkpoint)
             except FileNotFoundError:
                 continue
             self.loaded_version = rec.policy_version
             self.batcher.version = rec.policy_version
             self.log.info("worker.weights_loaded", policy_version=rec.policy_version, checkpoint=rec.checkpoint)
             return
+
+    def chat_template(self) -> Any:
+        """Text tasks: the template that renders messages into the policy's token ids: the HF
+        model's own chat template (its tokenizer), or None for the built-in GPT's byte template."""
+        tokenizer = getattr(self.model, "tokenizer", None)
+        if tokenizer is None:
+            if hasattr(self.model, "load_hf_weights"):
+                raise ValueError(f"hf_model {self.cfg.hf_model!r}: the model directory has no tokenizer; a text task needs its chat template")
+            return None
+        from agentlog.gateway import HFChatTemplate
+
+        return HFChatTemplate(tokenizer)
 
     async def reload_text(self) -> None:
         """Text tasks: bring the gateway's backend to the newest published
@@ -128,8 +145,16 @@ class RolloutWorker:
         for rec in reversed(self.follower.history):
             if rec.policy_version <= self.loaded_version:
                 return
+            # An HF policy is published as an HF directory beside its checkpoint: that is what
+            # SGLang / vLLM load, and what the in-process backend reloads too.
+            hf_dir = hf_checkpoint_dir(rec.checkpoint)
             if self.weight_sync is not None:
-                await self.weight_sync.reload(rec.checkpoint, rec.policy_version)
+                await self.weight_sync.reload(str(hf_dir) if hf_dir.is_dir() else rec.checkpoint, rec.policy_version)
+            elif hf_dir.is_dir():
+                try:
+                    await self.backend.reload_weights(hf_dir, rec.policy_version)
+                except FileNotFoundError:
+                    continue  # pruned since it was published: take the newest one left
             else:
                 try:
                     state = await asyncio.to_thread(load_state, rec.checkpoint)
@@ -299,7 +324,7 @@ class RolloutWorker:
                 if any(getattr(cfg.faults, n) > 0 for n in ("exception_rate", "timeout_rate", "drop_rate", "straggler_rate", "empty_marker_rate")):
                     self.log.warning("worker.faults_ignored", reason="fault injection is demo-only; text tasks run without it")
                 self.rollout = GatewayRollout(engine, self.backend, agent=cfg.agent, sandbox_root=self.run_dir / "sandbox" / self.worker_id,
-                                              temperature=cfg.temperature)
+                                              temperature=cfg.temperature, template=self.chat_template())
                 url = await self.rollout.start()
                 self.log.info("worker.gateway_started", url=url, harness=cfg.agent.harness, backend=cfg.inference.backend)
             batch = self.next_batch(rollout)

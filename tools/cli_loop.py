@@ -19,7 +19,7 @@ from pathlib import Path
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_USAGE, CliError
 
-from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig, field_help
+from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig, MetricsConfig, field_help
 
 
 def _flag(name: str) -> str:
@@ -40,9 +40,9 @@ def add_config_flags(p, *, defaults: LoopConfig) -> None:
     loop_help = field_help(LoopConfig)
     group = p.add_argument_group("loop settings (LoopConfig)")
     for f in dataclasses.fields(LoopConfig):
+        if _is_table(defaults, f.name):
+            continue  # tables ([agent], [inference], [metrics], ...): set in the TOML config
         default = getattr(defaults, f.name)
-        if f.name in ("faults", "learner") or dataclasses.is_dataclass(default) or isinstance(default, dict):
-            continue  # tables ([agent], [inference], ...): set in the TOML config
         if isinstance(default, list):
             # A list field (task_modules, task_path): one value per flag, repeatable, added to the config's.
             group.add_argument(_flag(f.name), dest=f.name, action="append", default=None, metavar=f.name.upper().removesuffix("S"),
@@ -58,12 +58,26 @@ def add_config_flags(p, *, defaults: LoopConfig) -> None:
         default = getattr(defaults.faults, f.name)
         fg.add_argument(_flag(f.name), dest=f"fault_{f.name}", type=float, default=None, metavar="X",
                         help=f"{fault_help.get(f.name, '')} (default {default})".replace("%", "%%"))
+    # --- issue 14: hf model --- the [metrics] table
+    metrics_help = field_help(MetricsConfig)
+    mg = p.add_argument_group("metric sinks (the [metrics] table)")
+    for f in dataclasses.fields(MetricsConfig):
+        default = getattr(defaults.metrics, f.name)
+        kind = _parse_bool if isinstance(default, bool) else type(default)
+        mg.add_argument(_flag(f.name), dest=f"metrics_{f.name}", type=kind, default=None, metavar=f.name.upper(),
+                        help=f"{metrics_help.get(f.name, '')} (default {default!r})".replace("%", "%%"))
     from agentlog.learner.config import LearnerConfig
 
     names = ", ".join(f.name for f in dataclasses.fields(LearnerConfig))
     p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE",
                    help=f"override a learner.config.LearnerConfig field (repeatable; JSON values). Fields: {names}. "
                         f"Default overrides: {json.dumps(defaults.learner)}")
+
+
+def _is_table(cfg: LoopConfig, name: str) -> bool:
+    """Whether LoopConfig field ``name`` is a TOML table (a nested dataclass or a dict), which gets no flag of its own."""
+    value = getattr(cfg, name)
+    return name in ("faults", "learner") or dataclasses.is_dataclass(value) or isinstance(value, dict)
 
 
 def add_output_flags(p) -> None:
@@ -84,9 +98,9 @@ def config_from_args(args, base: LoopConfig, *, task_modules: list[str] = (), im
     ``python -m``, in the worker and learner processes too."""
     values = base.to_dict()
     for f in dataclasses.fields(LoopConfig):
-        if f.name in ("faults", "learner"):
-            continue  # their flags are --<fault field> and --learner KEY=VALUE
-        v = getattr(args, f.name, None)  # tables ([agent], ...) have no flag: None
+        if _is_table(base, f.name):
+            continue  # faults and learner have --<fault field> and --learner KEY=VALUE; other tables come from --config
+        v = getattr(args, f.name, None)
         if v is not None:
             values[f.name] = list(values[f.name]) + v if isinstance(values[f.name], list) else v
     # --- issue 14: tasks ---
@@ -103,6 +117,12 @@ def config_from_args(args, base: LoopConfig, *, task_modules: list[str] = (), im
         if v is not None:
             faults[f.name] = v
     values["faults"] = faults
+    metrics = dict(values["metrics"])
+    for f in dataclasses.fields(MetricsConfig):
+        v = getattr(args, f"metrics_{f.name}", None)
+        if v is not None:
+            metrics[f.name] = v
+    values["metrics"] = metrics
     learner = dict(values["learner"])
     for item in getattr(args, "learner", []) or []:
         key, sep, raw = item.partition("=")

@@ -36,9 +36,9 @@ def register(sub) -> None:
     p.add_argument("--backend", choices=["torch", "sglang", "vllm"], default="torch", help="inference backend (default: the built-in torch policy)")
     p.add_argument("--backend-url", default="", help="base URL of the SGLang / vLLM server")
     p.add_argument("--context-length", type=nonneg_int, default=0, help="SGLang / vLLM: the model's context (turns that would overflow it finish 'length')")
-    p.add_argument("--model", default="", help="model name sent to a vLLM server and reported by /v1/models")
+    p.add_argument("--model", default="", help="torch backend: a local Hugging Face model directory to serve (with its tokenizer and chat template; needs the hf extra); SGLang/vLLM: the model name sent to the server and reported by /v1/models")
     p.add_argument("--tokenizer", default="", help="Hugging Face tokenizer (name or path) for the chat template; needs transformers (default for SGLang/vLLM: --model when transformers is installed)")
-    p.add_argument("--checkpoint", default="", help="torch backend: a state_dict file for the built-in GPT (loaded with weights_only=True)")
+    p.add_argument("--checkpoint", default="", help="torch backend: the built-in GPT's weights: a learner checkpoint (policy-vNNNNN.pt), a weights file or a bare state_dict (loaded with weights_only=True)")
     p.add_argument("--tool-parser", default="hermes", help="how tool calls are parsed from model text (hermes, none)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port (0: any free port)")
@@ -86,25 +86,15 @@ def _build(args):
         parser = tool_parser(args.tool_parser)
     except ValueError as exc:
         raise CliError(f"--tool-parser: {exc}") from None
+    hf_model = None
     if args.backend == "torch":
-        import torch
-
-        from agentlog.learner.model import GPT, GPTConfig
-
-        if args.checkpoint:
-            try:
-                state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-                vocab, width = state["tok_emb.weight"].shape
-                model = GPT(GPTConfig(vocab_size=vocab, d_model=width, max_seq_len=state["pos_emb.weight"].shape[0]))
-                model.load_state_dict(state)
-            except OSError as exc:
-                raise CliError(f"--checkpoint {args.checkpoint}: {exc.strerror or exc}") from None
-            except Exception as exc:  # torch.load and load_state_dict raise many types for a file that is not ours
-                # Their messages run over several lines; the first says what was wrong.
-                why = (str(exc).strip().splitlines() or [""])[0]
-                raise CliError(
-                    f"--checkpoint {args.checkpoint}: expected a state_dict of the built-in GPT, found something else ({type(exc).__name__}: {why})"
-                ) from None
+        if args.model and args.checkpoint:
+            raise CliError("--model and --checkpoint both name the weights to serve; give one")
+        if args.model:
+            hf_model = _load_hf_model(args.model)
+            model = hf_model
+        elif args.checkpoint:
+            model = _load_gpt_checkpoint(args.checkpoint)
         else:
             model = default_gateway_model()
         backend = TorchBackend(model)
@@ -117,9 +107,13 @@ def _build(args):
         else:
             backend = OpenAICompletionsBackend(args.backend_url, args.model or "default", context_length=ctx)
     name = args.tokenizer or (args.model if args.backend != "torch" and _has_transformers() else "")
-    if name:
+    if hf_model is not None and not args.tokenizer:
+        if hf_model.tokenizer is None:
+            raise CliError(f"--model {args.model}: no tokenizer files in the directory; pass --tokenizer DIR")
+        template = HFChatTemplate(hf_model.tokenizer, parser)
+    elif name:
         try:
-            template = HFChatTemplate.from_pretrained(name)
+            template = HFChatTemplate.from_pretrained(name, parser)
         except ImportError:
             raise CliError("--tokenizer needs transformers: pip install transformers") from None
         except (OSError, ValueError) as exc:
@@ -129,6 +123,58 @@ def _build(args):
             print("agentlog serve: no --tokenizer: using the built-in ASCII template (right only for the built-in model)", file=sys.stderr)
         template = ByteChatTemplate(parser)
     return backend, template, parser
+
+
+def _load_hf_model(path: str):
+    """``--model DIR``: the HF model of a local directory (nothing is downloaded)."""
+    try:
+        from agentlog.learner.model import HFCausalLM
+
+        return HFCausalLM(path)
+    except ImportError:
+        raise CliError("--model needs transformers: pip install 'agentlog[hf]'") from None
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--model {path}: {exc}") from None
+
+
+def _load_gpt_checkpoint(path: str):
+    """``--checkpoint FILE``: the built-in GPT from a learner checkpoint, a weights file or a bare state_dict."""
+    from agentlog.learner.learner import read_policy
+    from agentlog.learner.model import GPT
+
+    try:
+        state, config = read_policy(path)
+    except FileNotFoundError:
+        raise CliError(f"--checkpoint {path}: No such file or directory") from None
+    except (OSError, ValueError) as exc:
+        # torch's unpickling messages run over several lines; the first says what was wrong.
+        why = (str(exc).strip().splitlines() or [""])[0]
+        raise CliError(f"--checkpoint {why}; expected a learner checkpoint, a weights file or a state_dict of the built-in GPT") from None
+    if config is None:
+        config = _run_folder_gpt_config(path)
+    try:
+        return GPT.from_state_dict(state, config)
+    except Exception as exc:  # load_state_dict and GPTConfig raise several types for weights that are not ours
+        # Their messages run over several lines; the first says what was wrong.
+        why = (str(exc).strip().splitlines() or [""])[0]
+        raise CliError(
+            f"--checkpoint {path}: expected the built-in GPT's weights, found something else ({type(exc).__name__}: {why})"
+        ) from None
+
+
+def _run_folder_gpt_config(path: str) -> dict | None:
+    """The GPT shape from the ``config.json`` of the run folder a checkpoint sits in
+    (``<run>/checkpoints/policy-vNNNNN.pt``), for checkpoints that did not record it;
+    None when there is none (the shape is then read from the weights)."""
+    import json
+    from pathlib import Path
+
+    cfg_file = Path(path).resolve().parent.parent / "config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return {"n_head": cfg["n_head"]} if isinstance(cfg, dict) and isinstance(cfg.get("n_head"), int) else None
 
 
 def default_max_connections() -> int:

@@ -182,5 +182,5 @@ def test_hf_template_passes_canonical_messages_and_tools_to_the_tokenizer_templa
     seen_msgs, tools, gen_prompt, tokenize = tok.seen
     assert gen_prompt and tokenize and tools == [{"type": "function", "function": {"name": "Bash", "description": "run", "parameters": {"type": "object"}}}]
     assert seen_msgs[1]["tool_calls"] == [{"id": "c1", "type": "function", "function": {"name": "Bash", "arguments": {"command": "ls"}}}]
-    assert seen_msgs[2] == {"role": "tool", "content": "a", "tool_call_id": "c1"}
+    assert seen_msgs[2] == {"role": "tool", "content": "a", "tool_call_id": "c1", "name": "Bash"}  # named after its call
     assert tpl.stop_ids == (2,) and tpl.decode([1, 2, 3]) == "ac"

@@ -90,7 +90,8 @@ def test_serve_bad_input_is_one_line_exit_2_and_never_a_traceback(tmp_path):
         (["--max-turns", "0"], "--max-turns: expected an int >= 1, found 0"),
         (["--fsync", "sometimes"], "--fsync: invalid choice: 'sometimes'"),
         (["--checkpoint", str(tmp_path / "missing.pt")], "missing.pt: No such file or directory"),
-        (["--checkpoint", str(tmp_path / "bad.pt")], "bad.pt: expected a state_dict of the built-in GPT"),
+        (["--checkpoint", str(tmp_path / "bad.pt")], "expected a learner checkpoint, a weights file or a state_dict of the built-in GPT"),
+        (["--model", str(tmp_path / "no-model")], "no-model' is not a directory; expected a local Hugging Face model directory"),
         (["--log", str(tmp_path / "plain")], "is a file, expected a log directory"),
     ]
     for extra, message in cases:

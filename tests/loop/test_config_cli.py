@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from agentlog.tools.cli import build_parser, main as cli_main
-from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig
+from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig, MetricsConfig
 
 
 def test_demo_help_documents_every_knob(capsys) -> None:
@@ -17,12 +17,25 @@ def test_demo_help_documents_every_knob(capsys) -> None:
     text = capsys.readouterr().out
     defaults = LoopConfig()
     for f in dataclasses.fields(LoopConfig):
-        # Tables ([agent], [inference]) are set in the TOML config, not by flags.
-        if f.name not in ("faults", "learner") and not dataclasses.is_dataclass(getattr(defaults, f.name)):
+        value = getattr(defaults, f.name)
+        if f.name not in ("faults", "learner") and not dataclasses.is_dataclass(value) and not isinstance(value, dict):
             assert "--" + f.name.replace("_", "-") in text, f.name
-    for f in dataclasses.fields(FaultConfig):
+    for f in dataclasses.fields(FaultConfig) + dataclasses.fields(MetricsConfig):
         assert "--" + f.name.replace("_", "-") in text, f.name
     assert "--learner KEY=VALUE" in text and "eps_clip_high" in text
+
+
+def test_metrics_flags_and_table_reach_the_config(tmp_path: Path) -> None:
+    """`--tensorboard false --wandb-project p` and a [metrics] table both set LoopConfig.metrics."""
+    from agentlog.tools.cli_loop import config_from_args
+
+    args = build_parser().parse_args(["demo", "--tensorboard", "false", "--wandb-project", "p", "--hf-model", "tiny-qwen2"])
+    cfg = config_from_args(args, LoopConfig())
+    assert cfg.metrics == MetricsConfig(tensorboard=False, wandb_project="p") and cfg.hf_model == "tiny-qwen2"
+    path = tmp_path / "m.toml"
+    path.write_text('hf_model = "tiny-llama"\ngradient_checkpointing = true\n[metrics]\ntensorboard = false\n')
+    cfg = LoopConfig.load(path)
+    assert cfg.metrics.tensorboard is False and cfg.gradient_checkpointing and cfg.hf_model == "tiny-llama"
 
 
 def test_unknown_config_key_names_it_and_the_known_ones(tmp_path: Path) -> None:

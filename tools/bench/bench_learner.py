@@ -10,7 +10,14 @@ response lengths drawn log-normal (median ~150 tokens, a long tail clipped at
 * ``learner.loss.policy_loss`` (forward + backward) against a straightforward
   reference implementation of the same loss and diagnostics (clip fraction,
   approximate KL, ...) written below, on the same tensors, with default
-  settings and with every extra on.
+  settings and with every extra on;
+* the same for a Hugging Face ``LlamaForCausalLM`` (4 layers, width 256,
+  built from a config in code) behind ``HFCausalLM``: Learner-step tokens/s
+  packed (block-diagonal 4-D masks, position ids restarting per sample) vs
+  padded, and the learner's whole loss path on one micro-batch
+  (``token_log_probs`` with entropy + ``policy_loss``, forward + backward)
+  against a plain masked cross-entropy forward + backward of the same model
+  on the same batch (needs ``transformers``; skipped with a note without it).
 
 Timings are CPU seconds of this process (``time.process_time``), by default
 on one torch thread, and the fastest of interleaved repeats: on a shared
@@ -141,6 +148,71 @@ def bench_step(samples, repeats: int, d_model: int, n_layer: int) -> dict[str, d
     return out
 
 
+def hf_llama(layers: int = 4, width: int = 256):
+    """A random LlamaForCausalLM of the given size behind HFCausalLM (eager-free SDPA attention)."""
+    import transformers
+
+    from agentlog.learner.model import HFCausalLM
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=int(width * 8 / 3) // 64 * 64,
+                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                                   max_position_embeddings=2048, tie_word_embeddings=False)
+    return HFCausalLM(transformers.LlamaForCausalLM(cfg))
+
+
+def bench_hf_step(samples, repeats: int, layers: int, width: int) -> dict[str, dict[str, float]]:
+    """Learner.step tokens per CPU second on the HF Llama, packed vs padded."""
+    import copy
+
+    base = hf_llama(layers, width)
+    learners = {name: Learner(copy.deepcopy(base), LearnerConfig(packing=packing, max_tokens_per_batch=8192, lr=1e-5))
+                for name, packing in (("packing", True), ("padding", False))}
+    times = {name: [] for name in learners}
+    metrics = {name: lrn.step(samples) for name, lrn in learners.items()}  # warm-up
+    for _ in tqdm(range(repeats), desc="HF learner step", leave=False):
+        for name, lrn in learners.items():
+            times[name].append(timed(lambda: metrics.__setitem__(name, lrn.step(samples))))
+    return {name: {"step_s": min(times[name]), "tokens_per_s": metrics[name]["perf/tokens"] / min(times[name]),
+                   "waste": metrics[name]["perf/padding_waste"], "padded": metrics[name]["perf/padded_tokens"],
+                   "tokens": metrics[name]["perf/tokens"]} for name in learners}
+
+
+def bench_hf_loss(samples, repeats: int, layers: int, width: int) -> tuple[float, float]:
+    """(ours, reference) CPU seconds of one packed micro-batch's forward + backward on the HF Llama:
+    the learner's token_log_probs (with entropy) + policy_loss vs a plain masked cross-entropy."""
+    import torch.nn.functional as F
+
+    from agentlog.learner.batching import make_batches
+    from agentlog.learner.model import token_log_probs
+
+    model = hf_llama(layers, width)
+    adv = np.random.default_rng(2).standard_normal(len(samples)).astype(np.float32)
+    (batch,) = make_batches(samples, adv, packing=True, max_tokens_per_batch=1 << 30)
+
+    def ours():
+        model.zero_grad(set_to_none=True)
+        lp, ent = token_log_probs(model, batch, with_entropy=True)
+        loss, _ = policy_loss(lp, lp.detach(), batch.advantages, batch.loss_mask, entropy=ent.detach(),
+                              rollout_log_probs=batch.rollout_log_probs)
+        loss.backward()
+
+    def plain():
+        model.zero_grad(set_to_none=True)
+        logits = model(batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask)
+        picked = logits.reshape(-1, logits.shape[-1])[batch.predict_index].float()
+        w = batch.loss_mask.reshape(-1)[batch.slots]
+        loss = (F.cross_entropy(picked, batch.targets, reduction="none") * w).sum() / w.sum().clamp(min=1)
+        loss.backward()
+
+    ours(), plain()  # warm-up
+    t_ours, t_ref = [], []
+    for _ in tqdm(range(repeats), desc="HF loss", leave=False):
+        t_ours.append(timed(ours))
+        t_ref.append(timed(plain))
+    return min(t_ours), min(t_ref)
+
+
 def bench_loss(n: int, length: int, repeats: int) -> dict[str, tuple[float, float]]:
     g = torch.Generator().manual_seed(1)
     lp0 = -torch.rand(n, length, generator=g) * 3
@@ -205,6 +277,15 @@ def main(argv: list[str] | None = None) -> int:
 
     step = bench_step(samples, step_repeats, d_model, n_layer)
     loss = bench_loss(64 if args.quick else 256, 256 if args.quick else 1024, loss_repeats)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        hf_step = hf_loss = None
+    else:
+        hf_layers, hf_width = (2, 128) if args.quick else (4, 256)
+        hf_samples = samples[: 12 if args.quick else 32]
+        hf_step = bench_hf_step(hf_samples, step_repeats, hf_layers, hf_width)
+        hf_loss = bench_hf_loss(hf_samples[:8], 3 if args.quick else 5, hf_layers, hf_width)
 
     print(f"learner step: {n} samples, response length median {int(np.median(lengths))}, "
           f"p90 {int(np.percentile(lengths, 90))}, max {lengths.max()}; GPT d_model {d_model}, {n_layer} layers, "
@@ -218,10 +299,26 @@ def main(argv: list[str] | None = None) -> int:
     for case, (t_ours, t_ref) in loss.items():
         print(f"{case:<24} {t_ours * 1e3:>12.2f} {t_ref * 1e3:>17.2f} {t_ours / t_ref:>6.2f}")
     print()
+    if hf_step is None:
+        print("HF Llama: skipped (transformers is not installed: pip install 'agentlog[hf]')")
+    else:
+        print(f"HF LlamaForCausalLM ({hf_layers} layers, width {hf_width}, SDPA): Learner.step on {len(hf_samples)} samples")
+        print(f"{'layout':<10} {'tokens':>8} {'padded':>8} {'waste':>7} {'CPU s':>8} {'tokens/CPU-s':>13}")
+        for name, r in hf_step.items():
+            print(f"{name:<10} {int(r['tokens']):>8} {int(r['padded']):>8} {r['waste']:>7.1%} "
+                  f"{r['step_s']:>8.3f} {r['tokens_per_s']:>13.0f}")
+        print(f"one packed micro-batch, fwd+bwd: policy loss path {hf_loss[0] * 1e3:.1f} CPU ms, "
+              f"plain cross-entropy {hf_loss[1] * 1e3:.1f} CPU ms")
+    print()
     speedup = step["packing"]["tokens_per_s"] / step["padding"]["tokens_per_s"]
     ratio = loss["default"][0] / loss["default"][1]
     print(f"GOAL packing_speedup: {speedup:.2f}x (goal >= 1.5x) {'PASS' if speedup >= 1.5 else 'MISS'}")
     print(f"GOAL loss_vs_reference: {ratio:.2f}x (goal <= 1.1x) {'PASS' if ratio <= 1.1 else 'MISS'}")
+    if hf_step is not None:
+        hf_speedup = hf_step["packing"]["tokens_per_s"] / hf_step["padding"]["tokens_per_s"]
+        hf_ratio = hf_loss[0] / hf_loss[1]
+        print(f"GOAL hf_packing_speedup: {hf_speedup:.2f}x (goal >= 1.5x) {'PASS' if hf_speedup >= 1.5 else 'MISS'}")
+        print(f"GOAL hf_policy_loss_overhead: {hf_ratio:.2f}x (goal <= 1.1x) {'PASS' if hf_ratio <= 1.1 else 'MISS'}")
     return 0
 
 
