@@ -35,6 +35,7 @@ from agentlog.learner.config import LearnerConfig
 from agentlog.learner.loss import policy_loss
 from agentlog.learner.model import token_log_probs
 from agentlog.learner.optim import make_optimizer, make_scheduler
+from agentlog.events.log_format import fsync_dir
 from agentlog.reducers.samples import Sample, sampling_problem
 
 CHECKPOINT_FORMAT = "agentlog.learner.v1"
@@ -394,11 +395,7 @@ def save_state(state: dict[str, Any], path: str | os.PathLike) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)
     return path
 
 

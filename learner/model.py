@@ -176,6 +176,29 @@ class _Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def sample_rows(who: str, prompts, temperature: float, max_new_tokens: int, vocab_size: int, max_len: int,
+                max_len_name: str) -> list[list[int]]:
+    """The prompts of a ``sample`` call as lists of ints, after checking the call's
+    arguments: temperature > 0, max_new_tokens >= 1, every prompt non-empty with
+    ids in ``[0, vocab_size)``, and the longest prompt + max_new_tokens within
+    ``max_len`` (named ``max_len_name`` in the error). Errors name ``who``."""
+    if not temperature > 0:
+        raise ValueError(f"{who}: temperature must be > 0, got {temperature}")
+    if max_new_tokens < 1:
+        raise ValueError(f"{who}: max_new_tokens must be >= 1, got {max_new_tokens}")
+    rows = [list(map(int, p)) for p in (prompts.tolist() if torch.is_tensor(prompts) else prompts)]
+    for i, p in enumerate(rows):
+        if not p:
+            raise ValueError(f"{who}: prompt {i} is empty; it needs at least one token")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{who}: prompt {i} has token ids {bad[:5]} outside [0, {vocab_size})")
+    longest = max((len(p) for p in rows), default=0)
+    if rows and longest + max_new_tokens > max_len:
+        raise ValueError(f"{who}: longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds {max_len_name}={max_len}")
+    return rows
+
+
 @dataclass
 class Generation:
     """What `GPT.sample` returns, one entry per prompt."""
@@ -297,27 +320,13 @@ class GPT(nn.Module):
         the temperature with the turn (``sampling={"temperature": ...}``) so
         its samples carry it and the learner divides by the same value.
         """
-        if not temperature > 0:
-            raise ValueError(f"GPT.sample: temperature must be > 0, got {temperature}")
-        if max_new_tokens < 1:
-            raise ValueError(f"GPT.sample: max_new_tokens must be >= 1, got {max_new_tokens}")
-        rows = [list(map(int, p)) for p in (prompts.tolist() if torch.is_tensor(prompts) else prompts)]
+        rows = sample_rows("GPT.sample", prompts, temperature, max_new_tokens, self.config.vocab_size,
+                           self.config.max_seq_len, "max_seq_len")
         if not rows:
             return Generation()
-        for i, p in enumerate(rows):
-            if not p:
-                raise ValueError(f"GPT.sample: prompt {i} is empty; it needs at least one token")
-            bad = [t for t in p if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"GPT.sample: prompt {i} has token ids {bad[:5]} outside [0, {self.config.vocab_size})")
         lengths = torch.tensor([len(p) for p in rows])
         B, P = len(rows), int(lengths.max())
         total = P + max_new_tokens
-        if int(lengths.max()) + max_new_tokens > self.config.max_seq_len:
-            raise ValueError(
-                f"GPT.sample: longest prompt ({P}) + max_new_tokens ({max_new_tokens}) exceeds "
-                f"max_seq_len={self.config.max_seq_len}"
-            )
         was_training = self.training
         self.eval()
         device = self.tok_emb.weight.device
@@ -519,25 +528,11 @@ class HFCausalLM(nn.Module):
         Same contract as `GPT.sample`: each sequence stops after one of
         ``stop_ids`` (included) or ``max_new_tokens``; log-probs are those of
         ``log_softmax(logits / temperature)``."""
-        if not temperature > 0:
-            raise ValueError(f"HFCausalLM.sample: temperature must be > 0, got {temperature}")
-        if max_new_tokens < 1:
-            raise ValueError(f"HFCausalLM.sample: max_new_tokens must be >= 1, got {max_new_tokens}")
-        rows = [list(map(int, p)) for p in (prompts.tolist() if torch.is_tensor(prompts) else prompts)]
+        rows = sample_rows("HFCausalLM.sample", prompts, temperature, max_new_tokens, self.vocab_size,
+                           self.max_seq_len, "max_position_embeddings")
         if not rows:
             return Generation()
-        for i, p in enumerate(rows):
-            if not p:
-                raise ValueError(f"HFCausalLM.sample: prompt {i} is empty; it needs at least one token")
-            bad = [t for t in p if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"HFCausalLM.sample: prompt {i} has token ids {bad[:5]} outside [0, {self.vocab_size})")
         B, P = len(rows), max(len(p) for p in rows)
-        if P + max_new_tokens > self.max_seq_len:
-            raise ValueError(
-                f"HFCausalLM.sample: longest prompt ({P}) + max_new_tokens ({max_new_tokens}) exceeds "
-                f"max_position_embeddings={self.max_seq_len}"
-            )
         device = next(self.model.parameters()).device
         was_training = self.training
         self.eval()

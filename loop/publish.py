@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from agentlog.events.log_api import EventLog
+from agentlog.events.log_format import fsync_dir
 from agentlog.events.types import PolicyUpdated
 
 from . import logs
@@ -63,11 +64,7 @@ def save_hf_checkpoint(model: torch.nn.Module, checkpoint: str | os.PathLike) ->
             os.fsync(fh.fileno())
     shutil.rmtree(target, ignore_errors=True)  # a rewrite of the same version (a resumed step)
     os.rename(tmp, target)
-    dir_fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(target.parent)
     return target
 
 
