@@ -21,12 +21,13 @@ then on ``PATH``.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
 from pathlib import Path
 from urllib.parse import urlsplit
-from typing import Any
+from typing import Any, Sequence
 
 from agentlog.engine import harness
 
@@ -86,16 +87,43 @@ class CLIAgent:
             key_file.unlink(missing_ok=True)  # read once by the shell at the CLI's start
 
 
+    def model_stopped(self, result: Any) -> str | None:
+        """Why a CLI that exited non-zero ended its run on the model's own
+        outputs (the policy's doing, judged by the verifier like any answer;
+        e.g. ``max_output_tokens``), or None when it crashed."""
+        return None
+
     async def close(self) -> None:
         """Nothing to release (each run is its own process); here for the harnesses' common shape."""
 
 
 class ClaudeCodeAgent(CLIAgent):
-    """Claude Code in print mode: Anthropic Messages (always streaming) with ``x-api-key``."""
+    """Claude Code in print mode: Anthropic Messages (always streaming) with ``x-api-key``.
+
+    It runs ``--bare``: no CLAUDE.md discovery (which would read the folders
+    above the sandbox), hooks, plugins or background prefetches, so a
+    rollout's prompt depends on the task and these options only. ``tools``
+    (``--tools``) limits the built-in tools it offers the model and
+    ``system_prompt`` (``--system-prompt``) replaces its own: both are part of
+    every model call (Claude Code's full default is ~76k characters per call).
+    ``max_output_tokens`` (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``) is the output
+    allowance it asks for (by default 64000)."""
 
     name = "claude-code"
     binary = "claude"
     home_dir = ".agentlog-home"
+
+    def __init__(self, gateway_url: str, *, tools: Sequence[str] = (), system_prompt: str = "", max_output_tokens: int | None = None,
+                 **kw: Any) -> None:
+        super().__init__(gateway_url, **kw)
+        bad = [t for t in tools if not isinstance(t, str) or not t.strip() or "," in t]
+        if isinstance(tools, str) or bad:
+            raise ValueError(f"harness 'claude-code': tools: expected a list of tool names such as ['Bash'], found {tools!r}")
+        if max_output_tokens is not None and (type(max_output_tokens) is not int or max_output_tokens < 1):
+            raise ValueError(f"harness 'claude-code': max_output_tokens: expected an int >= 1, found {max_output_tokens!r}")
+        self.tools = list(tools)
+        self.system_prompt = system_prompt
+        self.max_output_tokens = max_output_tokens
 
     def command(self, key_file: Path, workdir: Path, prompt: str) -> str:
         home = workdir / self.home_dir
@@ -107,10 +135,24 @@ class ClaudeCodeAgent(CLIAgent):
             "DISABLE_AUTOUPDATER": "1",
             **_no_proxy(self.gateway_url),
         }
-        args = [self.cli, "-p", prompt, "--output-format", "json", "--allowedTools", "Bash"]
+        if self.max_output_tokens is not None:
+            env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(self.max_output_tokens)
+        # Without a permission prompt in print mode, only the allowed tools run.
+        allowed = ",".join(self.tools) if self.tools else "Bash"
+        # Each of these options takes one argument (names joined by commas): a
+        # variadic option followed by the prompt would swallow it.
+        args = [self.cli, "-p", prompt, "--output-format", "json", "--bare", "--allowedTools", allowed]
+        if self.tools:
+            args += ["--tools", ",".join(self.tools)]
+        if self.system_prompt:
+            args += ["--system-prompt", self.system_prompt]
         if self.model:
             args += ["--model", self.model]
         return _env_command(env, {"ANTHROPIC_API_KEY": key_file}, args, home)  # arrives as x-api-key
+
+    def model_stopped(self, result: Any) -> str | None:
+        """``max_output_tokens`` when Claude Code gave up on the model's over-long answers (see :func:`_claude_stopped`)."""
+        return _claude_stopped(getattr(result, "output_tail", "") or "")
 
 
 class CodexAgent(CLIAgent):
@@ -137,6 +179,28 @@ class CodexAgent(CLIAgent):
             "--disable", "plugins", "--dangerously-bypass-approvals-and-sandbox", prompt,
         ]
         return _env_command(env, {"OPENAI_API_KEY": key_file}, args, home)  # arrives as Authorization: Bearer
+
+
+#: Claude Code's final message when the model's outputs kept hitting its output allowance.
+_CLAUDE_OUTPUT_LIMIT = "output token maximum"
+
+
+def _claude_stopped(output_tail: str) -> str | None:
+    """``max_output_tokens`` when Claude Code's JSON result (the last line of
+    its output) says the model's answers kept running past the output
+    allowance: it retries with "continue" requests, then gives up with exit
+    1. Any other end (an HTTP error, no result at all) is None."""
+    lines = [ln for ln in output_tail.strip().splitlines() if ln.startswith("{")]
+    if not lines:
+        return None
+    try:
+        res = json.loads(lines[-1])
+    except ValueError:
+        return None
+    if (isinstance(res, dict) and res.get("type") == "result" and res.get("is_error") and res.get("api_error_status") is None
+            and _CLAUDE_OUTPUT_LIMIT in str(res.get("result", ""))):
+        return "max_output_tokens"
+    return None
 
 
 def prompt_text(prompt_or_messages: Any) -> str:

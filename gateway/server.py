@@ -99,12 +99,16 @@ class GatewayConfig(msgspec.Struct, frozen=True):
 
 
 class _SessionCfg:
-    __slots__ = ("sampling", "max_turns", "inflight", "api_key")
+    __slots__ = ("sampling", "max_turns", "max_new_tokens", "inflight", "api_key", "calls")
 
     def __init__(self) -> None:
         self.sampling: dict[str, Any] = {}
         self.max_turns: int | None = None
+        #: Cap on every turn's output tokens, the client's max_tokens included (None: the server's cap).
+        self.max_new_tokens: int | None = None
         self.inflight = 0
+        #: Model calls of this session: "requests" (each one made with its key), "turns" (those recorded).
+        self.calls = {"requests": 0, "turns": 0}
         #: The session's API key (issued by session_key), or None.
         self.api_key: str | None = None
 
@@ -282,8 +286,12 @@ class Gateway:
     async def __aexit__(self, *exc: Any) -> None:
         await self.stop()
 
-    def configure_session(self, session_id: str, *, sampling: dict[str, Any] | None = None, max_turns: int | None = None) -> None:
-        """Per-session sampling defaults and turn cap (forgotten when the session ends)."""
+    def configure_session(self, session_id: str, *, sampling: dict[str, Any] | None = None, max_turns: int | None = None,
+                          max_new_tokens: int | None = None) -> None:
+        """Per-session sampling defaults, turn cap and output cap (forgotten
+        when the session ends). ``max_new_tokens`` caps every turn's output,
+        whatever the client asks for (Claude Code asks for 64000): a task's
+        output allowance holds for a CLI agent too."""
         if sampling:
             try:
                 check_sampling(sampling, "sampling")
@@ -291,7 +299,11 @@ class Gateway:
                 raise ValueError(f"session {session_id!r}: {exc}") from None
         if max_turns is not None and (type(max_turns) is not int or max_turns < 1):
             raise ValueError(f"session {session_id!r}: max_turns: expected an int >= 1, found {max_turns!r}")
+        if max_new_tokens is not None and (type(max_new_tokens) is not int or max_new_tokens < 1):
+            raise ValueError(f"session {session_id!r}: max_new_tokens: expected an int >= 1, found {max_new_tokens!r}")
         cfg = self._sessions.setdefault(session_id, _SessionCfg())
+        if max_new_tokens is not None:
+            cfg.max_new_tokens = max_new_tokens
         if sampling:
             cfg.sampling.update(sampling)
         if max_turns is not None:
@@ -312,6 +324,14 @@ class Gateway:
             cfg.api_key = secrets.token_urlsafe(32)
             self._keys[cfg.api_key] = session_id
         return cfg.api_key
+
+    def session_calls(self, session_id: str) -> dict[str, int]:
+        """``{"requests": n, "turns": m}``: the model calls live session
+        ``session_id``'s agent made with its key, and how many of them were
+        recorded as turns (the rest were refused or failed, each answered with
+        an error). Zeros for a session the gateway holds nothing of."""
+        cfg = self._sessions.get(session_id)
+        return dict(cfg.calls) if cfg is not None else {"requests": 0, "turns": 0}
 
     @property
     def tracked_sessions(self) -> int:
@@ -440,11 +460,13 @@ class Gateway:
             raise _Refused(400, "invalid_request_error", str(exc)) from None
         return base
 
-    def _params(self, base: dict[str, Any], req: TurnRequest, room: int | None) -> SamplingParams:
+    def _params(self, base: dict[str, Any], req: TurnRequest, room: int | None, session_cap: int | None = None) -> SamplingParams:
         """The backend's parameters from the checked ``_sampling`` values (``base`` is consumed)."""
         c = self.config
         max_new = min(req.max_tokens or base.pop("max_new_tokens", c.default_max_tokens), c.max_tokens_cap)
         base.pop("max_new_tokens", None)
+        if session_cap is not None:
+            max_new = min(max_new, session_cap)
         if room is not None:
             max_new = min(max_new, room)
         return SamplingParams(
@@ -504,6 +526,7 @@ class Gateway:
             try:
                 self._refuse_if_unable()
                 h = self._session(key, sid)
+                self._sessions.setdefault(h.session_id, _SessionCfg()).calls["requests"] += 1
                 reserved = self._reserve_body(request)
                 body = await self._body(request)
                 try:
@@ -590,7 +613,7 @@ class Gateway:
                 "(leaving no room for output); shorten the conversation",
                 "context_length_exceeded",
             )
-        params = self._params(merged, req, room)
+        params = self._params(merged, req, room, cfg.max_new_tokens)
         try:
             task = h.spawn(self.backend.generate(prompt_ids, params))
         except IllegalTransition as exc:
@@ -653,6 +676,7 @@ class Gateway:
             return self._error(api.error_style, 409, "invalid_request_error", str(exc))
         turn = env.body.turn_index
         self.stats["turns"] += 1
+        cfg.calls["turns"] += 1
         res = TurnResult(
             id=f"{_RESPONSE_ID_PREFIX[api.name]}{uuid.uuid4().hex[:24]}",
             model=req.model or self.config.model_name,

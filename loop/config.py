@@ -82,10 +82,25 @@ class AgentConfig:
     """python-agent: wall-clock budget of one tool command (the task's command_budget_s caps it too)."""
     cli: str = ""
     """claude-code / codex: path of the CLI executable (empty: the install cache of tools/gateway_clis.sh, then PATH)."""
+    cli_tools: list[str] = field(default_factory=list)
+    """claude-code: the only built-in tools the CLI offers the model (`--tools`, e.g. ["Bash"]; empty: the CLI's default set). Each tool's definition is part of every prompt."""
+    system_prompt: str = ""
+    """claude-code: the CLI's system prompt (`--system-prompt`; empty: the CLI's own). Claude Code's default prompt and tools are ~76k characters per call; `cli_tools = ["Bash"]` with a short system prompt is ~3k."""
 
     def __post_init__(self) -> None:
         if self.harness not in AGENT_HARNESSES:
             raise ConfigError(f"[agent] harness: expected one of {AGENT_HARNESSES}, found {self.harness!r}")
+        if isinstance(self.cli_tools, str):
+            self.cli_tools = [self.cli_tools]
+        if not isinstance(self.cli_tools, (list, tuple)) or not all(isinstance(t, str) and t.strip() and "," not in t for t in self.cli_tools):
+            raise ConfigError(f"[agent] cli_tools: expected a list of tool names (e.g. [\"Bash\"]), found {self.cli_tools!r}")
+        self.cli_tools = [t.strip() for t in self.cli_tools]
+        if not isinstance(self.system_prompt, str):
+            raise ConfigError(f"[agent] system_prompt: expected a str, found {self.system_prompt!r}")
+        for name in ("cli_tools", "system_prompt"):
+            if getattr(self, name) and self.harness != "claude-code":
+                raise ConfigError(f"[agent] {name}: only the claude-code harness takes it (harness is {self.harness!r}); "
+                                  "the python-agent's prompt is the task's messages, and codex has no such option here")
         for name in ("budget_s", "command_budget_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:

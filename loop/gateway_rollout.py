@@ -23,7 +23,10 @@ How a session ends otherwise, as every session does:
   hits its own budget first is aborted with the same reason;
 * the agent crashes: aborted, ``agent_crashed:<exception type>`` for the
   Python agent (with the message and traceback), ``agent_crashed:exit_<n>``
-  for a CLI that exits non-zero (with its output tail);
+  for a CLI that exits non-zero (with its output tail); but a CLI that gave
+  up on the model's own answers (Claude Code, when they keep running past
+  the task's ``max_new_tokens``) is the policy's doing: the verifier judges
+  it and the session finishes with that reward (``agent.stop_reason``);
 * the sandbox set-up or the verifier raises: aborted,
   ``setup_failed:<type>`` / ``verifier_failed:<type>``;
 * the session is cancelled (shutdown, a cancelled batch): dropped,
@@ -157,8 +160,11 @@ class GatewayRollout:
         if a.harness == "python-agent":
             kw.update(max_turns=task.max_turns, max_tool_calls=a.max_tool_calls, max_tokens=task.max_new_tokens,
                       command_budget_s=min(a.command_budget_s, task.command_budget_s))
-        elif a.cli:
-            kw["cli"] = a.cli
+        else:
+            if a.cli:
+                kw["cli"] = a.cli
+            if a.harness == "claude-code":
+                kw.update(tools=a.cli_tools, system_prompt=a.system_prompt, max_output_tokens=task.max_new_tokens)
         return harness.get(a.harness)(self.gateway.url, **kw)
 
     def _count(self, what: str) -> None:
@@ -183,23 +189,34 @@ class GatewayRollout:
                     return
                 agent = self.harness_for(task, budget)
                 await h.start(harness=self.agent.harness, sandbox=sandbox.name, details={"gateway": self.gateway.url, "task": task.name})
-                self.gateway.configure_session(session_id, sampling={"temperature": self.temperature}, max_turns=task.max_turns)
+                # The task's output allowance holds whatever the agent asks for (Claude Code asks for 64000).
+                self.gateway.configure_session(session_id, sampling={"temperature": self.temperature}, max_turns=task.max_turns,
+                                               max_new_tokens=task.max_new_tokens)
                 key = self.gateway.session_key(session_id)
                 try:
                     result = await agent.run(h, sandbox, episode.messages, key)
                 except Exception as exc:  # noqa: BLE001 - the crash is the session's outcome, recorded with its traceback
                     await self._abort_for(h, f"agent_crashed:{type(exc).__name__}", exc)
                     return
+                calls = self.gateway.session_calls(session_id)
                 crash = crash_reason(result)
-                if crash is not None:
+                # A CLI that gave up on the model's own answers (Claude Code after over-long outputs) was not a crash:
+                # the policy did it, so the verifier judges it (aborting would hide it from training).
+                judge = getattr(agent, "model_stopped", None)
+                stopped = judge(result) if judge is not None and crash is not None and crash[0].startswith("agent_crashed:exit_") else None
+                if crash is not None and stopped is None:
                     self._count(crash[0].split(":")[0])
                     await h.abort(crash[0], error=crash[1])
                     return
                 ok, verdict = await self._step(h, "verifier_failed", _verify(task, episode, _RecordedSandbox(sandbox, h)))
                 if not ok:
                     return
-                summary = result.summary() if hasattr(result, "summary") else {}
-                await h.finish(reward=verdict.reward, metadata={"success": verdict.success, **verdict.detail, "agent": summary})
+                if hasattr(result, "summary"):
+                    summary = result.summary()
+                else:  # a CLI: how it exited, and (non-zero) why that was the model's doing
+                    summary = {"exit_code": result.exit_code, **({"stop_reason": stopped} if stopped else {})}
+                await h.finish(reward=verdict.reward, metadata={"success": verdict.success, **verdict.detail, "agent": summary,
+                                                                "gateway": calls})
                 self._count("finished")
         finally:
             if not self.keep_sandboxes:

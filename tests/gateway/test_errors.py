@@ -84,6 +84,31 @@ def test_turn_cap_answers_429_and_records_nothing_more():
     run(body())
 
 
+def test_a_sessions_output_cap_holds_against_the_clients_max_tokens_and_its_calls_are_counted():
+    """configure_session(max_new_tokens=N) caps every turn at N tokens even when the client asks
+    for 64000 (as Claude Code does); session_calls counts the session's requests and recorded turns,
+    a refused request among the first and not the second."""
+    async def body():
+        async with rig(ScriptedBackend(lambda p: "x" * 40)) as (gw, engine, log):
+            await open_running(engine, "s")
+            gw.configure_session("s", max_turns=2, max_new_tokens=5)
+            await open_running(engine, "t")
+            assert gw.session_calls("s") == {"requests": 0, "turns": 0}
+            c = an_client(gw, "s")
+            for _ in range(2):
+                await c.messages.create(model="claude-x", max_tokens=64000, messages=CHAT)
+            with pytest.raises(Exception, match="turn cap of 2"):
+                await c.messages.create(model="claude-x", max_tokens=64000, messages=CHAT)
+            await an_client(gw, "t").messages.create(model="claude-x", max_tokens=64000, messages=CHAT)
+            assert [len(t.output_tokens) for t in turns_of(log, "s")] == [5, 5]
+            assert len(turns_of(log, "t")[0].output_tokens) == 41  # no session cap: the client's allowance
+            assert gw.session_calls("s") == {"requests": 3, "turns": 2} and gw.session_calls("t") == {"requests": 1, "turns": 1}
+            with pytest.raises(ValueError, match="max_new_tokens: expected an int >= 1, found 0"):
+                gw.configure_session("s", max_new_tokens=0)
+
+    run(body())
+
+
 def test_context_exhaustion_finishes_the_turn_with_length_and_a_full_context_is_refused():
     async def body():
         model = GPT(GPTConfig(vocab_size=129, max_seq_len=64, d_model=32, n_layer=1, n_head=2))

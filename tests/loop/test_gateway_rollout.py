@@ -11,6 +11,7 @@ session can end.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from pathlib import Path
 from typing import Any, Sequence
@@ -262,3 +263,52 @@ def test_claude_code_plays_a_text_task_session_whose_every_model_call_is_a_recor
     assert len(turns) >= 2 and turns[0].response_message["tool_calls"][0]["name"] == "Bash"
     (cli_run, verifier) = [e.body for e in log.read() if isinstance(e.body, CommandRan)]
     assert "claude" in cli_run.command and cli_run.exit_code == 0 and verifier.command.startswith("grep -qx")
+
+
+def _fake_claude(tmp_path, result: dict, exit_code: int) -> Path:
+    """A stand-in for Claude Code: records its arguments and output allowance, prints ``result`` as its JSON result."""
+    fake = tmp_path / "fake-claude"
+    (tmp_path / "result.json").write_text(json.dumps(result))
+    fake.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/args\necho "$CLAUDE_CODE_MAX_OUTPUT_TOKENS" > {tmp_path}/max_out\n'
+                    f'cat {tmp_path}/result.json\nexit {exit_code}\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def test_claude_code_giving_up_on_over_long_answers_finishes_with_the_verifiers_reward(tmp_path):
+    """Claude Code exits 1 after the model's answers kept hitting the output allowance: the policy's
+    doing, so the verifier judges the sandbox (not an abort, which would hide it from training).
+    The CLI gets --bare, the configured tools and system prompt, and the task's allowance."""
+    result = {"type": "result", "subtype": "success", "is_error": True, "api_error_status": None,
+              "result": "API Error: Claude's response exceeded the 24 output token maximum. To configure this behavior, set ..."}
+    fake = _fake_claude(tmp_path, result, 1)
+    agent = {"harness": "claude-code", "cli": str(fake), "cli_tools": ["Bash", "Read"], "system_prompt": "Be brief."}
+    outcome, log = asyncio.run(_session(tmp_path, Scripted(), agent=agent))
+    end = _end(log)
+    assert outcome is None and isinstance(end, SessionFinished) and end.reward == 0.0, end
+    assert end.metadata["agent"] == {"exit_code": 1, "stop_reason": "max_output_tokens"}
+    assert end.metadata["gateway"] == {"requests": 0, "turns": 0}
+    args = (tmp_path / "args").read_text().splitlines()
+    assert "--bare" in args and args[args.index("--tools") + 1] == "Bash,Read" and args[args.index("--allowedTools") + 1] == "Bash,Read"
+    assert args[args.index("--system-prompt") + 1] == "Be brief."
+    assert (tmp_path / "max_out").read_text().strip() == str(EchoWordTask.max_new_tokens)
+
+
+def test_claude_code_ending_on_an_api_error_is_aborted(tmp_path):
+    result = {"type": "result", "subtype": "success", "is_error": True, "api_error_status": 400,
+              "result": "API Error: 400 prompt is too long: 9000 tokens, and the model's context is 4096 tokens"}
+    outcome, log = asyncio.run(_session(tmp_path, Scripted(), agent={"harness": "claude-code", "cli": str(_fake_claude(tmp_path, result, 1))}))
+    end = _end(log)
+    assert outcome is None and isinstance(end, SessionAborted) and end.reason == "agent_crashed:exit_1" and "prompt is too long" in end.error
+
+
+def test_cli_tools_and_system_prompt_are_claude_code_options_checked_by_name():
+    cfg = LoopConfig.from_dict({"agent": {"harness": "claude-code", "cli_tools": ["Bash"], "system_prompt": "Short."}})
+    assert (cfg.agent.cli_tools, cfg.agent.system_prompt) == (["Bash"], "Short.")
+    assert LoopConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # config.json round trip
+    with pytest.raises(ConfigError, match=r"\[agent\] cli_tools: only the claude-code harness takes it \(harness is 'codex'\)"):
+        LoopConfig.from_dict({"agent": {"harness": "codex", "cli_tools": ["Bash"]}})
+    with pytest.raises(ConfigError, match=r"\[agent\] system_prompt: only the claude-code harness"):
+        LoopConfig.from_dict({"agent": {"system_prompt": "Short."}})
+    with pytest.raises(ConfigError, match=r"\[agent\] cli_tools: expected a list of tool names"):
+        LoopConfig.from_dict({"agent": {"harness": "claude-code", "cli_tools": ["Bash,Read"]}})

@@ -85,10 +85,10 @@ def test_outside_ci_a_required_test_skips_quietly(tmp_path, ci):
 
 
 def test_the_end_to_end_checks_are_marked_required():
-    """The Chromium report tests and the real agent-CLI tests carry the (declared) marker."""
+    """The Chromium report tests and the real agent-CLI tests (the loop's with Claude Code too) carry the (declared) marker."""
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "required", "-p", "no:cacheprovider",
-         "tests/tools/test_cli_tail_report.py", "tests/gateway/test_agent_clis.py"],
+         "tests/tools/test_cli_tail_report.py", "tests/gateway/test_agent_clis.py", "tests/loop/test_claude_code_loop.py"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
     )
     assert res.returncode == 0, res.stdout + res.stderr  # --strict-markers: an undeclared marker is an error
@@ -98,6 +98,7 @@ def test_the_end_to_end_checks_are_marked_required():
         "tests/tools/test_cli_tail_report.py::test_report_of_a_generated_run_stays_small_and_renders_with_the_learner_curves",
         "tests/gateway/test_agent_clis.py::test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded[claude-code]",
         "tests/gateway/test_agent_clis.py::test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded[codex]",
+        "tests/loop/test_claude_code_loop.py::test_claude_code_plays_every_session_of_a_training_step_and_each_model_call_is_a_recorded_turn",
     }, res.stdout
 
 
