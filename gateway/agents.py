@@ -63,6 +63,15 @@ class CLIAgent:
         /dev/null), its API key read from ``key_file``."""
         raise NotImplementedError
 
+    def check_ready(self) -> None:
+        """Raise FileNotFoundError naming the install script when the CLI is missing or
+        not executable (a run checks this once at start-up, not by aborting every session)."""
+        if not self.cli:
+            raise FileNotFoundError(f"harness {self.name!r}: {self.binary!r} not found in {DEFAULT_CLI_DIR} or on PATH; run tools/gateway_clis.sh")
+        if not (os.path.isfile(self.cli) and os.access(self.cli, os.X_OK)):
+            raise FileNotFoundError(f"harness {self.name!r}: the CLI {self.cli!r} is not an executable file; "
+                                    f"expected {self.binary!r} as tools/gateway_clis.sh installs it")
+
     async def run(self, handle: Any, sandbox: Any, prompt_or_messages: Any, api_key: str) -> Any:
         """Start the session if it is open, run the CLI in ``sandbox`` under the
         budget with ``api_key`` (the session's key from the gateway), and
@@ -73,8 +82,7 @@ class CLIAgent:
         Raises FileNotFoundError naming the install script when the CLI is missing.
         """
         prompt = prompt_text(prompt_or_messages)
-        if not self.cli:
-            raise FileNotFoundError(f"harness {self.name!r}: {self.binary!r} not found in {DEFAULT_CLI_DIR} or on PATH; run tools/gateway_clis.sh")
+        self.check_ready()
         if not isinstance(api_key, str) or not api_key:
             raise ValueError(f"harness {self.name!r}: api_key: expected the session's key from the gateway, found {type(api_key).__name__}")
         workdir = Path(getattr(sandbox, "workdir", "."))

@@ -120,6 +120,15 @@ def format_result(result: Any, limit: int) -> str:
     return f"{head}\n{out}" if out else head
 
 
+def _openai() -> Any:
+    """The openai module, or ImportError naming the extra that installs it."""
+    try:
+        import openai
+    except ImportError:
+        raise ImportError("harness 'python-agent' needs the openai client: pip install 'agentlog[agent]' (or openai>=1.40)") from None
+    return openai
+
+
 class PythonAgent:
     """The built-in tool-calling agent, talking to the gateway at ``gateway_url``."""
 
@@ -158,14 +167,16 @@ class PythonAgent:
         # Each session gets a copy with its own key that shares the pool.
         self._client: Any = None
 
+    def check_ready(self) -> None:
+        """Raise ImportError naming the extra to install when the openai client is missing
+        (a run checks this once at start-up, not by aborting every session)."""
+        _openai()
+
     async def run(self, handle: Any, sandbox: Any, prompt_or_messages: Any, api_key: str) -> AgentResult:
         """Start the session if it is open, then play the episode (see the
         module docstring); returns how it ended. Raises on any failure the
         episode cannot go on from."""
-        try:
-            import openai
-        except ImportError:
-            raise ImportError("harness 'python-agent' needs the openai client: pip install 'agentlog[agent]' (or openai>=1.40)") from None
+        openai = _openai()
         if not isinstance(api_key, str) or not api_key:
             raise ValueError(f"harness {self.name!r}: api_key: expected the session's key from the gateway, found {type(api_key).__name__}")
         messages = as_messages(prompt_or_messages)

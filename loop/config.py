@@ -61,6 +61,10 @@ class FaultConfig:
         """No injected faults at all."""
         return cls(0.0, 0.0, 0.0, 0.0, 0.0)
 
+    def any_enabled(self) -> bool:
+        """Whether any fault is injected at all."""
+        return any(v > 0 for v in (self.exception_rate, self.timeout_rate, self.drop_rate, self.straggler_rate, self.empty_marker_rate))
+
 
 #: Agent harnesses a text task's rollout can run (gateway/agents.py, gateway/python_agent.py).
 AGENT_HARNESSES = ("python-agent", "claude-code", "codex")
@@ -240,6 +244,11 @@ class LoopConfig:
             raise ConfigError(f"LoopConfig.metrics: expected a [metrics] table, found {self.metrics!r}")
         if not isinstance(self.hf_model, str):
             raise ConfigError(f"LoopConfig.hf_model: expected a directory or a tiny model name, found {self.hf_model!r}")
+        if self.inference.backend != "in-process" and not self.hf_model:
+            # A server loads published HF directories and tokenises with the model's own tokenizer;
+            # the built-in GPT has neither.
+            raise ConfigError(f"[inference] backend {self.inference.backend!r}: needs hf_model (the HF model the server was "
+                              "launched on); the built-in GPT can only be served in-process")
         for name in ("steps", "stop_window", "groups_per_step", "group_size", "d_model", "n_layer", "n_head", "warmup_batch", "torch_threads", "warmup_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -145,6 +145,13 @@ class GatewayRollout:
             await self.gateway.stop()
             self.gateway = None
 
+    def preflight(self) -> None:
+        """Fail at start-up, naming what is missing (the openai client, the agent CLI), when
+        the configured harness cannot run here; otherwise every session would be aborted
+        ``agent_crashed`` one by one while the run trained on nothing."""
+        kw = {"cli": self.agent.cli} if self.agent.cli and self.agent.harness != "python-agent" else {}
+        harness.get(self.agent.harness)("http://127.0.0.1:1", **kw).check_ready()
+
     def harness_for(self, task: TextTask, budget_s: float) -> Any:
         """The configured agent harness, pointed at the gateway and sized for ``task`` (one per task and budget)."""
         assert self.gateway is not None, "GatewayRollout.start() first"
@@ -233,7 +240,11 @@ class GatewayRollout:
 
     async def _abort_for(self, h: Any, reason: str, exc: BaseException) -> None:
         if h.state in TERMINAL_STATES:
-            raise exc  # it ended under us (its budget): the engine's context reports that
+            # It ended under us: its budget ran out (the engine's session context raises
+            # SessionTimeout on exit) or the engine dropped it at shutdown. The session's own
+            # terminal event says why; the agent's error that followed is logged, not re-raised.
+            h.log.info("rollout.error_after_end", state=str(h.state), error=f"{type(exc).__name__}: {exc}")
+            return
         self._count(reason.split(":")[0])
         tb = "".join(_traceback.format_exception(type(exc), exc, exc.__traceback__))
         h.log.warning("rollout.session_failed", reason=reason, error=f"{type(exc).__name__}: {exc}")

@@ -16,7 +16,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -67,6 +67,19 @@ def resolve_hf_model(cfg: LoopConfig, run_dir: Path | None = None) -> Path | Non
             f"and not one of the in-code models {sorted(TINY_MODELS)}; nothing is downloaded"
         )
     return path.resolve()
+
+
+def load_tokenizer(hf_dir: Path | None) -> Any:
+    """The tokenizer of the local HF model directory ``hf_dir`` (never downloaded); a
+    ConfigError names the directory when there is none or it has no tokenizer."""
+    if hf_dir is None:
+        raise ConfigError("LoopConfig.hf_model: a tokenizer was needed, and no HF model is configured")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"LoopConfig.hf_model: no tokenizer could be loaded from {hf_dir} ({type(exc).__name__}: {exc})") from exc
 
 
 def build_model(cfg: LoopConfig, task: Task, run_dir: Path | None = None) -> torch.nn.Module:

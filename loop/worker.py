@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import re
 import sys
@@ -45,7 +46,7 @@ from agentlog.learner.learner import load_state, load_weights
 from . import logs
 from .config import LoopConfig
 from .demo import faults as demo_faults
-from .policy import GenerationBatcher, build_model
+from .policy import GenerationBatcher, build_model, load_tokenizer, resolve_hf_model
 from .publish import PolicyFollower, hf_checkpoint_dir
 
 log = get_logger("agentlog.loop.worker")
@@ -78,12 +79,20 @@ class RolloutWorker:
         # The user's task modules register their tasks on import, in this process too.
         load_tasks(cfg.task_modules, cfg.task_path)
         self.task: Task | TextTask = select_task(cfg.task)
-        self.model = build_model(cfg, self.task, self.run_dir)
-        self.model.eval()
-        self.follower = PolicyFollower(self.run_dir / "learner")
-        self.loaded_version = -1
         #: Text tasks: sessions are played by an agent harness through a gateway (loop/gateway_rollout.py).
         self.text = isinstance(self.task, TextTask)
+        #: The tokenizer of a text task's HF policy served elsewhere (SGLang / vLLM); else the model's own.
+        self.tokenizer: Any = None
+        self.model: Any = None
+        if self.text and cfg.inference.backend != "in-process":
+            # The server holds the weights: this process needs only the tokenizer, not a copy
+            # of the model (tens of GB for a 7B model in fp32).
+            self.tokenizer = load_tokenizer(resolve_hf_model(cfg, self.run_dir))
+        else:
+            self.model = build_model(cfg, self.task, self.run_dir)
+            self.model.eval()
+        self.follower = PolicyFollower(self.run_dir / "learner")
+        self.loaded_version = -1
         self.batcher: GenerationBatcher | None = None
         self.backend: Any = None
         self.weight_sync: Any = None
@@ -125,7 +134,7 @@ class RolloutWorker:
     def chat_template(self) -> Any:
         """Text tasks: the template that renders messages into the policy's token ids: the HF
         model's own chat template (its tokenizer), or None for the built-in GPT's byte template."""
-        tokenizer = getattr(self.model, "tokenizer", None)
+        tokenizer = self.tokenizer or getattr(self.model, "tokenizer", None)
         if tokenizer is None:
             if hasattr(self.model, "load_hf_weights"):
                 raise ValueError(f"hf_model {self.cfg.hf_model!r}: the model directory has no tokenizer; a text task needs its chat template")
@@ -149,7 +158,9 @@ class RolloutWorker:
             # SGLang / vLLM load, and what the in-process backend reloads too.
             hf_dir = hf_checkpoint_dir(rec.checkpoint)
             if self.weight_sync is not None:
-                await self.weight_sync.reload(str(hf_dir) if hf_dir.is_dir() else rec.checkpoint, rec.policy_version)
+                if not hf_dir.is_dir():
+                    continue  # pruned since it was published: take the newest one left
+                await self.weight_sync.reload(str(hf_dir), rec.policy_version)
             elif hf_dir.is_dir():
                 try:
                     await self.backend.reload_weights(hf_dir, rec.policy_version)
@@ -315,54 +326,54 @@ class RolloutWorker:
     async def run(self, *, max_batches: int | None = None) -> dict[str, int]:
         """Run batches until the learner publishes its final version."""
         cfg = self.cfg
-        rollout = logs.open_log(self.run_dir / "rollout", cfg.fsync)
-        try:
+        done = 0
+        # Every resource is closed however start-up or a batch ends, in reverse order of
+        # opening (gateway, batcher, engine, weight sync, backend, log), each close even
+        # if an earlier one raised.
+        async with contextlib.AsyncExitStack() as stack:
+            rollout = logs.open_log(self.run_dir / "rollout", cfg.fsync)
+            stack.callback(rollout.close)
+            if self.backend is not None:
+                stack.push_async_callback(self.backend.close)
+            if self.weight_sync is not None:
+                stack.push_async_callback(self.weight_sync.close)
             engine = await SessionEngine.open(rollout, drain_s=0.2)
+            stack.push_async_callback(engine.close)
+            if self.batcher is not None:
+                stack.push_async_callback(self.batcher.close)
             if self.text:
                 from .gateway_rollout import GatewayRollout
 
-                if any(getattr(cfg.faults, n) > 0 for n in ("exception_rate", "timeout_rate", "drop_rate", "straggler_rate", "empty_marker_rate")):
+                if cfg.faults.any_enabled():
                     self.log.warning("worker.faults_ignored", reason="fault injection is demo-only; text tasks run without it")
                 self.rollout = GatewayRollout(engine, self.backend, agent=cfg.agent, sandbox_root=self.run_dir / "sandbox" / self.worker_id,
                                               temperature=cfg.temperature, template=self.chat_template())
+                self.rollout.preflight()
+                stack.push_async_callback(self.rollout.close)
                 url = await self.rollout.start()
                 self.log.info("worker.gateway_started", url=url, harness=cfg.agent.harness, backend=cfg.inference.backend)
             batch = self.next_batch(rollout)
             await self.complete_interrupted(engine, batch - 1)
             self.log.info("worker.started", first_batch=batch, restart_aborted=engine.stats.get("restart_aborted", 0))
-            done = 0
-            try:
-                while max_batches is None or done < max_batches:
-                    if not await self.wait_for_version(max(0, batch - cfg.max_lag)):
-                        break
-                    if self.text:
-                        await self.reload_text()
-                    else:
-                        self.maybe_reload()
-                    t0 = time.perf_counter()
-                    await self.run_batch(engine, batch)
-                    self.log.info("worker.batch_done", batch=batch, policy_version=self.loaded_version,
-                                  seconds=round(time.perf_counter() - t0, 3))
-                    batch += 1
-                    done += 1
-            finally:
-                if self.batcher is not None:
-                    await self.batcher.close()
-                if self.rollout is not None:
-                    await self.rollout.close()
-                await engine.close()
-                if self.backend is not None:
-                    await self.backend.close()
-                if self.weight_sync is not None:
-                    await self.weight_sync.close()
-            counts = dict(engine.stats)
-            counts.update(self.counts)
-            if self.rollout is not None:
-                counts.update({f"rollout_{k}": v for k, v in self.rollout.counts.items()})
-            self.log.info("worker.stopped", batches=done, **{k: v for k, v in counts.items() if isinstance(v, int)})
-            return counts
-        finally:
-            rollout.close()
+            while max_batches is None or done < max_batches:
+                if not await self.wait_for_version(max(0, batch - cfg.max_lag)):
+                    break
+                if self.text:
+                    await self.reload_text()
+                else:
+                    self.maybe_reload()
+                t0 = time.perf_counter()
+                await self.run_batch(engine, batch)
+                self.log.info("worker.batch_done", batch=batch, policy_version=self.loaded_version,
+                              seconds=round(time.perf_counter() - t0, 3))
+                batch += 1
+                done += 1
+        counts = dict(engine.stats)
+        counts.update(self.counts)
+        if self.rollout is not None:
+            counts.update({f"rollout_{k}": v for k, v in self.rollout.counts.items()})
+        self.log.info("worker.stopped", batches=done, **{k: v for k, v in counts.items() if isinstance(v, int)})
+        return counts
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,7 +90,7 @@ def test_text_task_trains_through_the_gateway_with_the_python_agent(tmp_path):
 
 def test_agent_and_inference_tables_are_checked_by_name(tmp_path):
     toml = tmp_path / "run.toml"
-    toml.write_text('task = "echo-word-test"\n[agent]\nharness = "claude-code"\nbudget_s = 90\nmax_tool_calls = 4\n'
+    toml.write_text('task = "echo-word-test"\nhf_model = "tiny-llama"\n[agent]\nharness = "claude-code"\nbudget_s = 90\nmax_tool_calls = 4\n'
                     '[inference]\nbackend = "sglang"\nurl = "http://127.0.0.1:30000"\n')
     cfg = LoopConfig.load(toml)
     assert (cfg.agent.harness, cfg.agent.budget_s, cfg.agent.max_tool_calls) == ("claude-code", 90, 4)
@@ -101,7 +101,8 @@ def test_agent_and_inference_tables_are_checked_by_name(tmp_path):
         LoopConfig(inference={"backend": "sglang"})
     with pytest.raises(ConfigError, match=r"\[agent\] unknown key\(s\) \['budget'\]"):
         LoopConfig.from_dict({"agent": {"budget": 3}})
-    cfg = LoopConfig.from_dict({"agent": {"harness": "codex", "budget_s": 30}, "inference": {"backend": "vllm", "url": "http://h:1", "served_dir": "/m"}})
+    cfg = LoopConfig.from_dict({"agent": {"harness": "codex", "budget_s": 30}, "inference": {"backend": "vllm", "url": "http://h:1", "served_dir": "/m"},
+                                "hf_model": "tiny-llama"})
     assert LoopConfig.from_dict(cfg.to_dict()) == cfg and cfg.agent == AgentConfig(harness="codex", budget_s=30)
 
 

@@ -1,0 +1,104 @@
+"""A text-task worker at start-up and shutdown: what cannot run is refused before any
+session, resources are released however start-up ends, and an agent error after the
+engine ended its session does not escape the rollout."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from agentlog.engine import SessionEngine
+from agentlog.events.log_api import MemoryLog
+from agentlog.events.types import SessionDropped, SessionOpened
+from agentlog.loop import FaultConfig, LoopConfig, RolloutWorker
+from agentlog.loop import logs
+from agentlog.loop.config import AgentConfig, ConfigError
+from agentlog.loop.gateway_rollout import GatewayRollout
+
+from test_gateway_rollout import EchoWordTask, Scripted  # noqa: F401  (registers echo-word-test)
+
+
+def _cfg(**kw) -> LoopConfig:
+    base = dict(task="echo-word-test", steps=1, groups_per_step=1, group_size=2, warmup_steps=0, faults=FaultConfig.none(),
+                stop_reward=0, time_budget_s=0, max_lag=0, d_model=16, n_layer=1, n_head=2, inference={"context_length": 256})
+    base.update(kw)
+    return LoopConfig(**base)
+
+
+def test_a_served_model_needs_an_hf_model():
+    with pytest.raises(ConfigError, match=r"\[inference\] backend 'sglang': needs hf_model"):
+        _cfg(inference={"backend": "sglang", "url": "http://127.0.0.1:30000"})
+    assert _cfg(inference={"backend": "sglang", "url": "http://127.0.0.1:30000"}, hf_model="tiny-llama").hf_model == "tiny-llama"
+
+
+def test_fault_config_says_whether_any_fault_is_on():
+    assert not FaultConfig.none().any_enabled()
+    assert FaultConfig().any_enabled() and FaultConfig(0, 0, 0, 0.5, 0).any_enabled()
+
+
+def test_a_missing_agent_cli_stops_the_worker_before_any_session_and_releases_the_log(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = _cfg(agent={"harness": "claude-code", "cli": str(tmp_path / "no-such-claude")})
+    worker = RolloutWorker(run_dir, cfg)
+    with pytest.raises(FileNotFoundError, match=r"harness 'claude-code': the CLI .*no-such-claude.* is not an executable file"):
+        asyncio.run(asyncio.wait_for(worker.run(max_batches=1), 60))
+    # Nothing was opened, and the log's writer lock was released: another writer opens it.
+    log = logs.open_log(run_dir / "rollout", cfg.fsync)
+    try:
+        assert not [e for e in log.read(0) if isinstance(e.body, SessionOpened)]
+    finally:
+        log.close()
+
+
+def test_the_python_agent_without_openai_is_refused_at_start_up(monkeypatch, tmp_path):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_openai(name, *a, **kw):
+        if name == "openai" or name.startswith("openai."):
+            raise ImportError("No module named 'openai'")
+        return real_import(name, *a, **kw)
+
+    async def body():
+        engine = await SessionEngine.open(MemoryLog(), drain_s=0.1)
+        try:
+            rollout = GatewayRollout(engine, Scripted(), agent=AgentConfig(harness="python-agent"), sandbox_root=tmp_path)
+            rollout.preflight()  # openai is installed here
+            monkeypatch.setattr(builtins, "__import__", no_openai)
+            with pytest.raises(ImportError, match=r"pip install 'agentlog\[agent\]'"):
+                rollout.preflight()
+        finally:
+            monkeypatch.setattr(builtins, "__import__", real_import)
+            await engine.close()
+
+    asyncio.run(body())
+
+
+def test_an_agent_error_after_the_engine_dropped_the_session_does_not_escape(tmp_path):
+    """The engine drops a live session at shutdown while the agent waits on a model call;
+    the agent's error that follows is logged, and the rollout returns as the drop left it."""
+
+    async def body():
+        log = MemoryLog()
+        engine = await SessionEngine.open(log, drain_s=0.1)
+        backend = Scripted(hang=True)
+        rollout = GatewayRollout(engine, backend, agent=AgentConfig(harness="python-agent"), sandbox_root=tmp_path / "sb")
+        await rollout.start()
+        task = EchoWordTask()
+        job = asyncio.ensure_future(rollout.run_session(task, task.new_episode(random.Random(0)), session_id="s0", group_id="g0",
+                                                        group_size=1, sample_index=0))
+        await asyncio.wait_for(backend.called.wait(), 10)
+        await engine.get("s0").drop("shutdown")
+        try:
+            await asyncio.wait_for(job, 30)
+        finally:
+            await rollout.close()
+            await engine.close()
+        return log
+
+    log = asyncio.run(body())
+    (end,) = [e.body for e in log.read() if isinstance(e.body, SessionDropped)]
+    assert end.reason == "shutdown"
