@@ -73,6 +73,10 @@ def test_the_example_trained_two_steps_of_its_task_imported_from_the_users_direc
     assert str(user) in cfg.task_path  # found beside the config, not through PYTHONPATH or the repository
     assert [r.policy_version for r in read_learner_records(run_dir / "learner")] == [0, 1, 2]
     assert "stopped at version 2 by the step limit" in proc.stdout, proc.stdout
+    # [agent] max_tokens (96) is below the task's max_new_tokens (256): the agent asks for it, the gateway allows it.
+    turns = [e.body for e in _envelopes(run_dir) if isinstance(e.body, TurnRecorded)]
+    assert turns and {(t.sampling["client"]["max_tokens"], t.sampling["max_new_tokens"]) for t in turns} == {(96, 96)}
+    assert all(t.output_tokens.size <= 96 for t in turns)
 
 
 def test_every_session_ends_in_exactly_one_terminal_state(example_run):
