@@ -169,6 +169,8 @@ def test_turns_after_the_reload_record_policy_version_1(example_run):
     opened = {e.session_id: e.body.policy_version for e in envs if isinstance(e.body, SessionOpened)}
     turns = [e for e in envs if isinstance(e.body, TurnRecorded)]
     assert all(e.body.policy_version == opened[e.session_id] for e in turns)
+    # max_lag = 0: batch b is played by version b, loaded before it started.
+    assert {(e.session_id[:6], e.body.policy_version) for e in turns} == {("b00000", 0), ("b00001", 1)}
     before = {e.body.policy_version for e in turns if e.ts_ns < reloaded_ns}
     after = {e.body.policy_version for e in turns if e.ts_ns > reloaded_ns}
     assert before == {0} and after and min(after) >= 1 and 1 in after, (before, after)
