@@ -22,6 +22,7 @@ import tomllib
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -195,3 +196,47 @@ def test_the_readmes_train_your_own_agent_commands_run_as_written(example_run):
     (table,) = re.findall(r"```toml\n(.*?)```", section, re.S)
     cfg = LoopConfig.from_dict(tomllib.loads(table))
     assert cfg.inference.backend in ("sglang", "vllm") and cfg.inference.url.startswith("http://")
+
+
+def test_a_tool_calling_session_in_the_runs_chat_template_masks_the_tool_result_0(example_run):
+    """The random model never writes a well-formed tool call, so the run's sessions are one turn.
+    This is the session a model that does would make, in the run's own chat template (the gateway's
+    HFChatTemplate and the python agent's bash tool): turn 0 generates a Hermes tool call, turn 1's
+    prompt adds the tool's result. The rebuilt sample is turn 1's prompt then its output, and the
+    loss mask is 1 on exactly the two outputs, 0 on the template's tool-response tokens between them."""
+    from transformers import AutoTokenizer
+
+    from agentlog.events.log_api import MemoryLog
+    from agentlog.events.types import SessionStarted
+    from agentlog.gateway import HFChatTemplate, HermesToolParser, ToolSpec
+    from agentlog.gateway.chat import assistant_message
+    from agentlog.gateway.python_agent import BASH_TOOL
+    from agentlog.reducers.config import ReduceConfig
+
+    tok = AutoTokenizer.from_pretrained(_run_dir(example_run) / "hf-model" / "tiny-llama", local_files_only=True)
+    tpl = HFChatTemplate(tok)
+    tools = [ToolSpec(BASH_TOOL["function"]["name"], BASH_TOOL["function"]["description"], BASH_TOOL["function"]["parameters"])]
+    m1 = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "total([1, 2, 3]) returns 3"}]
+    call = assistant_message("", [{"id": "c1", "name": "bash", "arguments": {"command": "python3 test_stats.py"}}])
+    m2 = m1 + [call, {"role": "tool", "content": "exit code 1\nAssertionError", "tool_call_id": "c1"}]
+    p1, p2 = tpl.encode_prompt(m1, tools), tpl.encode_prompt(m2, tools)
+    assert p2[: len(p1)] == p1
+    # What turn 0 generated: the assistant's call up to its stop token, as turn 1's prompt renders it.
+    out0 = p2[len(p1): p2.index(tok.eos_token_id, len(p1)) + 1]
+    assert not HermesToolParser().parse(tpl.decode(out0), tools).ill_formed
+    out1 = tok.encode("done") + [tok.eos_token_id]
+
+    def turn(i, messages, prompt, out, response):
+        return TurnRecorded(turn_index=i, messages=messages, prompt_ids=np.asarray(prompt, "<i4").tobytes(), response_message=response,
+                            output_ids=np.asarray(out, "<i4").tobytes(), output_log_probs=np.full(len(out), -1.0, "<f4").tobytes(),
+                            sampling={"temperature": 1.0})
+
+    log = MemoryLog(clock=lambda: 0)
+    log.append_batch([("s", 0, SessionOpened(group_id="g", group_size=1)), ("s", 1, SessionStarted()),
+                      ("s", 2, turn(0, m1, p1, out0, call)), ("s", 3, turn(1, m2, p2, out1, assistant_message("done", []))),
+                      ("s", 4, SessionFinished(reward=1.0))])
+    (sample,) = reduce_log(log, ReduceConfig(min_valid=1)).samples
+    assert sample.token_ids.tolist() == p2 + out1 and sample.prompt_length == len(p1)
+    tool_part = p2[len(p1) + len(out0):]
+    assert sample.mask.tolist() == [1] * len(out0) + [0] * len(tool_part) + [1] * len(out1)
+    assert "<tool_response>\nexit code 1\nAssertionError\n</tool_response>" in tok.decode(tool_part)
