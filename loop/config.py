@@ -82,6 +82,8 @@ class AgentConfig:
     """Wall-clock budget of one session (agent and verifier); the task's session_budget_s caps it too (the smaller wins)."""
     max_tool_calls: int = 16
     """python-agent: most tool calls (sandbox commands) per session."""
+    max_tokens: int = 0
+    """python-agent: most tokens the model generates per call (0: the task's max_new_tokens, which caps it too; the smaller wins)."""
     command_budget_s: float = 60.0
     """python-agent: wall-clock budget of one tool command (the task's command_budget_s caps it too)."""
     cli: str = ""
@@ -111,6 +113,8 @@ class AgentConfig:
                 raise ConfigError(f"[agent] {name}: expected a number of seconds > 0, found {v!r}")
         if type(self.max_tool_calls) is not int or self.max_tool_calls < 1:
             raise ConfigError(f"[agent] max_tool_calls: expected an int >= 1, found {self.max_tool_calls!r}")
+        if type(self.max_tokens) is not int or self.max_tokens < 0:
+            raise ConfigError(f"[agent] max_tokens: expected an int >= 1 (0: the task's max_new_tokens), found {self.max_tokens!r}")
 
 
 @dataclass

@@ -165,7 +165,8 @@ class GatewayRollout:
         a = self.agent
         kw: dict[str, Any] = {"budget_s": budget_s}
         if a.harness == "python-agent":
-            kw.update(max_turns=task.max_turns, max_tool_calls=a.max_tool_calls, max_tokens=task.max_new_tokens,
+            max_tokens = min(a.max_tokens, task.max_new_tokens) if a.max_tokens else task.max_new_tokens
+            kw.update(max_turns=task.max_turns, max_tool_calls=a.max_tool_calls, max_tokens=max_tokens,
                       command_budget_s=min(a.command_budget_s, task.command_budget_s))
         else:
             if a.cli:

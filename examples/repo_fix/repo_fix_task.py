@@ -6,12 +6,13 @@ session's sandbox, the agent works there with its ``bash`` tool, and
 :meth:`RepoFixTask.verify` restores the pristine test file (so editing the
 tests earns nothing) and runs it: reward 1 when it exits 0, else 0.
 
-Use it from this directory, where the module imports like under ``python -m``::
+Train it from this directory, where the module imports like under ``python -m``
+(``config.toml`` names it: ``[task] module = "repo_fix_task"``; the config
+file's directory is importable, ``[task] path = [...]`` adds others)::
 
-    agentlog train --config config.toml --import repo_fix_task
+    agentlog train --config config.toml
 
-or name it in the config (``[task] module = "repo_fix_task"``; the config
-file's directory is importable, ``[task] path = [...]`` adds others).
+With a config of your own that does not name it, add ``--import repo_fix_task``.
 Everything goes through ``Sandbox.run_command``, so the task works with a
 remote sandbox as well as with ``LocalSandbox``.
 """

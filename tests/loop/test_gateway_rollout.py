@@ -99,6 +99,8 @@ def test_agent_and_inference_tables_are_checked_by_name(tmp_path):
         LoopConfig(agent={"harness": "aider"})
     with pytest.raises(ConfigError, match=r"\[inference\] url: backend 'sglang' needs"):
         LoopConfig(inference={"backend": "sglang"})
+    with pytest.raises(ConfigError, match=r"\[agent\] max_tokens: expected an int >= 1 \(0: the task's max_new_tokens\), found -1"):
+        LoopConfig(agent={"max_tokens": -1})
     with pytest.raises(ConfigError, match=r"\[agent\] unknown key\(s\) \['budget'\]"):
         LoopConfig.from_dict({"agent": {"budget": 3}})
     cfg = LoopConfig.from_dict({"agent": {"harness": "codex", "budget_s": 30}, "inference": {"backend": "vllm", "url": "http://h:1", "served_dir": "/m"},
