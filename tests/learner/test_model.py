@@ -109,6 +109,7 @@ def test_any_module_with_the_interface_can_be_trained_padded():
     assert_close(lp[0], want)
 
 
+@pytest.mark.required  # transformers is in the dev extra: CI must run this
 def test_hf_causal_lm_adapter_packs_like_it_pads():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
