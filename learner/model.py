@@ -465,6 +465,7 @@ class HFCausalLM(nn.Module):
                 from transformers import AutoModelForCausalLM
             except ImportError as exc:  # pragma: no cover - depends on the environment
                 raise ImportError("HFCausalLM needs `transformers`: pip install 'agentlog[hf]'") from exc
+            quiet_transformers()
             from_pretrained_kwargs.setdefault("local_files_only", True)
             model_or_path = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
             self.source_dir = path
@@ -619,10 +620,24 @@ class HFCausalLM(nn.Module):
         files when known) that ``from_pretrained``, vLLM and SGLang load as is."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        quiet_transformers()
         self.model.save_pretrained(out, safe_serialization=True)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(out)
         return out
+
+
+def quiet_transformers() -> None:
+    """Turn off transformers' progress bars ("Loading weights", "Writing model
+    shards"): the learner and the workers load and save a model at every
+    version, and each bar would be a burst of lines in their logs. Its own
+    logging stays at warning unless ``$TRANSFORMERS_VERBOSITY`` asks for more.
+    Called before each load and save (cheap), so a bar turned back on is off again."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if not os.environ.get("TRANSFORMERS_VERBOSITY") and hf_logging.get_verbosity() < hf_logging.WARNING:
+        hf_logging.set_verbosity_warning()
 
 
 def _has_tokenizer_files(path: str) -> bool:
