@@ -33,8 +33,14 @@ The reloads, each a small HTTP client against the server's own API:
   the old weights must not be reused). vLLM answers 200 on success.
 
 Every failure raises :class:`WeightSyncError` naming the server, the URL,
-the status and the body; the gate then stays at the old version and opens
-again, so turns keep recording the weights that really answer.
+the status and the body. A failure before anything reached the server (or
+SGLang's explicit refusal, after which it rolls back) leaves the gate at the
+old version, which still answers. A failure after a request with
+server-side effects was sent, or after files of ``served_dir`` were
+replaced, leaves the served weights unknown: the gate gets a
+``fatal_reason`` naming the server, the version and the step, and the
+gateway refuses turns (503) until a later reload succeeds. Once vLLM's
+reload RPC succeeded, the version is bumped before the cache reset.
 """
 
 from __future__ import annotations
@@ -55,7 +61,13 @@ _log = get_logger("agentlog.gateway.weight_sync")
 
 
 class WeightSyncError(RuntimeError):
-    """A reload failed; the message names the server, the request and the answer."""
+    """A reload failed; the message names the server, the request and the answer.
+    ``status`` / ``answer``: the HTTP status and decoded body, when the server answered."""
+
+    def __init__(self, message: str, *, status: int | None = None, answer: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.answer = answer
 
 
 class ReloadGate:
@@ -67,13 +79,30 @@ class ReloadGate:
     Reloads are serialised. Writers are preferred: once a reload is waiting,
     no new generation is admitted until it is done, so a stream of
     generations cannot starve it.
+
+    ``release`` is synchronous and takes no lock: it runs in a ``finally``
+    of a generation that may be cancelled, and an ``await`` there could be
+    interrupted by a second cancellation and leak the in-flight count, which
+    would make the next reload wait forever. The drain is bounded too
+    (``drain_timeout_s``), so a leak would show as an error, not a hang.
+
+    ``fatal_reason`` is set when a reload failed after the server may have
+    changed its weights (see :meth:`fail`); the gateway then refuses turns
+    until a later reload succeeds.
     """
 
-    def __init__(self, version: int = 0) -> None:
+    def __init__(self, version: int = 0, *, drain_timeout_s: float = 300.0) -> None:
+        if not drain_timeout_s > 0:
+            raise ValueError(f"ReloadGate: drain_timeout_s: expected a number > 0, found {drain_timeout_s!r}")
         self.version = version
+        self.drain_timeout_s = drain_timeout_s
+        self.fatal_reason: str | None = None
         self._inflight = 0
         self._reloading = False
-        self._cond = asyncio.Condition()
+        self._open = asyncio.Event()  # set while no reload is pending: admit() waits on it
+        self._open.set()
+        self._drained = asyncio.Event()  # set while no generation is in flight: reload() waits on it
+        self._drained.set()
         self._reload_lock = asyncio.Lock()
 
     @property
@@ -83,40 +112,60 @@ class ReloadGate:
 
     async def admit(self) -> int:
         """Wait until no reload is pending; count one generation in; return its version."""
-        async with self._cond:
-            while self._reloading:
-                await self._cond.wait()
-            self._inflight += 1
-            return self.version
+        while self._reloading:  # a loop: another reload may start before this waiter runs
+            await self._open.wait()
+        self._inflight += 1
+        self._drained.clear()
+        return self.version
 
-    async def release(self) -> None:
+    def release(self) -> None:
         """One admitted generation finished (or failed, or was cancelled)."""
-        async with self._cond:
-            self._inflight -= 1
-            self._cond.notify_all()
+        if self._inflight <= 0:
+            raise RuntimeError("ReloadGate.release: no generation in flight (release without admit)")
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._drained.set()
 
-    async def reload(self, fn: Callable[[], Awaitable[Any]], version: int) -> Any:
-        """Hold new generations, wait for those in flight, run ``fn()``; on
-        success the version becomes ``version``. A failing ``fn`` leaves the
-        version as it was and re-raises. Either way the gate opens again."""
+    def advance(self, version: int) -> None:
+        """Inside a running reload: the server now runs ``version`` (its
+        reload step succeeded), even if a later step of the same reload
+        fails. Only legal while the gate is closed and drained, so no
+        generation can be admitted under the wrong version."""
+        if not self._reloading or self._inflight:
+            raise RuntimeError(f"ReloadGate.advance({version}): only inside reload() with no generation in flight")
+        self.version = version
+
+    def fail(self, reason: str) -> None:
+        """Mark the served weights as unknown: set ``fatal_reason`` (logged
+        as an error). Cleared by the next successful reload."""
+        self.fatal_reason = reason
+        _log.error("gateway.weight_sync_fatal", reason=reason, policy_version=self.version)
+
+    async def reload(self, fn: Callable[[], Awaitable[Any]], version: int, *, drain_timeout_s: float | None = None) -> Any:
+        """Hold new generations, wait (at most ``drain_timeout_s``, default
+        the gate's) for those in flight, run ``fn()``; on success the version
+        becomes ``version`` and ``fatal_reason`` is cleared. A failing ``fn``
+        leaves the version as it was (unless ``fn`` called :meth:`advance`)
+        and re-raises. Either way the gate opens again."""
+        timeout = self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         async with self._reload_lock:
-            async with self._cond:
-                self._reloading = True
-                try:
-                    while self._inflight:
-                        await self._cond.wait()
-                except BaseException:
-                    self._reloading = False
-                    self._cond.notify_all()
-                    raise
+            self._reloading = True
+            self._open.clear()
             try:
+                try:
+                    await asyncio.wait_for(self._drained.wait(), timeout)
+                except asyncio.TimeoutError:
+                    raise WeightSyncError(
+                        f"reload to policy version {version}: {self._inflight} generation(s) still in flight "
+                        f"after waiting {timeout:g} s for them to finish (drain_timeout_s); the reload did not run"
+                    ) from None
                 result = await fn()
                 self.version = version  # no generation is admitted between here and the open below
+                self.fatal_reason = None
                 return result
             finally:
-                async with self._cond:
-                    self._reloading = False
-                    self._cond.notify_all()
+                self._reloading = False
+                self._open.set()
 
 
 class GatedBackend(Backend):
@@ -139,7 +188,7 @@ class GatedBackend(Backend):
         try:
             gen = await self.inner.generate(prompt_ids, params)
         finally:
-            await self.gate.release()
+            self.gate.release()
         return msgspec.structs.replace(gen, policy_version=version)
 
     def ignored_sampling(self, params: SamplingParams) -> list[str]:
@@ -147,14 +196,25 @@ class GatedBackend(Backend):
 
     @property
     def fatal_reason(self) -> str | None:
-        return self.inner.fatal_reason
+        """The inner backend's reason, else the gate's (a reload that failed
+        after the server may have changed its weights)."""
+        return self.inner.fatal_reason or self.gate.fatal_reason
 
     async def close(self) -> None:
         await self.inner.close()
 
 
 class _HTTPSync:
-    """A JSON-over-HTTP client for one inference server's control endpoints."""
+    """A JSON-over-HTTP client for one inference server's control endpoints.
+
+    Each reload tracks its current step and whether a step with server-side
+    effects has begun (a request that may have reached the server, or files
+    replaced in the served directory). A failure after that point leaves the
+    served weights unknown, so the gate is made fatal (:meth:`ReloadGate.fail`)
+    naming the server, the version and the step; a failure before it (the
+    server could not be reached, or it answered that it kept its weights)
+    leaves the gate at the old version, which still answers.
+    """
 
     server = ""
 
@@ -164,29 +224,37 @@ class _HTTPSync:
         self.api_key = api_key
         self.timeout_s = timeout_s
         self._session: Any = None
+        self._step = ""
+        self._effects = False
 
-    async def _post(self, path: str, body: dict[str, Any] | None) -> Any:
+    async def _post(self, path: str, body: dict[str, Any] | None, *, effects: bool) -> Any:
+        """POST ``body``; ``effects``: the request may change what the server serves."""
         import aiohttp
 
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         url = self.base_url + path
+        self._step = f"POST {path}"
+        before, self._effects = self._effects, self._effects or effects
         try:
             async with self._session.post(url, json=body, headers=headers) as resp:
                 raw = await resp.read()
                 status = resp.status
+        except aiohttp.ClientConnectorError as exc:
+            self._effects = before  # no connection: the request never reached the server
+            raise WeightSyncError(f"{self.server} weight sync: POST {url} failed: {type(exc).__name__}: {exc}") from exc
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise WeightSyncError(f"{self.server} weight sync: POST {url} failed: {type(exc).__name__}: {exc}") from exc
         text = raw.decode("utf-8", "replace")
-        if status != 200:
-            raise WeightSyncError(f"{self.server} weight sync: POST {url} answered HTTP {status}: {text[:500]}")
-        if not raw.strip():
-            return None
         try:
-            return msgspec.json.decode(raw)
+            answer: Any = msgspec.json.decode(raw) if raw.strip() else None
         except msgspec.DecodeError:
-            return text
+            answer = text
+        if status != 200:
+            raise WeightSyncError(f"{self.server} weight sync: POST {url} answered HTTP {status}: {text[:500]}",
+                                  status=status, answer=answer)
+        return answer
 
     async def reload(self, model_path: str | os.PathLike[str], version: int) -> Any:
         """Load ``model_path`` as policy ``version`` with the gate held (see :class:`ReloadGate`)."""
@@ -198,7 +266,21 @@ class _HTTPSync:
                 f"{self.server} weight sync: model_path {str(path)!r}: expected a Hugging Face model directory "
                 "(config.json + safetensors), found " + ("a file" if path.exists() else "nothing")
             )
-        result = await self.gate.reload(lambda: self._reload(path, version), version)
+
+        async def run() -> Any:
+            self._step, self._effects = "start", False
+            try:
+                return await self._reload(path, version)
+            except BaseException as exc:  # cancellation mid-request leaves the server just as unknown
+                if self._effects:
+                    self.gate.fail(
+                        f"{self.server} weight sync at {self.base_url}: reload to policy version {version} failed at "
+                        f"step {self._step!r} after the server may have changed its weights (gate version "
+                        f"{self.gate.version}); turns are refused until a reload succeeds: {type(exc).__name__}: {exc}"
+                    )
+                raise
+
+        result = await self.gate.reload(run, version)
         _log.info("gateway.weights_reloaded", server=self.server, url=self.base_url, policy_version=version, model_path=str(path))
         return result
 
@@ -223,7 +305,15 @@ class SGLangWeightSync(_HTTPSync):
         return {"model_path": str(path), "weight_version": str(version), "flush_cache": True, "abort_all_requests": False}
 
     async def _reload(self, path: Path, version: int) -> Any:
-        out = await self._post("/update_weights_from_disk", self.request_body(path, version))
+        try:
+            out = await self._post("/update_weights_from_disk", self.request_body(path, version), effects=True)
+        except WeightSyncError as exc:
+            if exc.status == 400 and isinstance(exc.answer, dict) and exc.answer.get("success") is False:
+                # An explicit refusal: SGLang answers 400 success=false after
+                # rolling back to the weights it ran (ModelRunner.
+                # update_weights_from_disk), so the old version still answers.
+                self._effects = False
+            raise
         if not isinstance(out, dict) or out.get("success") is not True:
             raise WeightSyncError(f"sglang weight sync: /update_weights_from_disk answered 200 without success: {out!r:.300}")
         return out
@@ -240,20 +330,35 @@ class VLLMWeightSync(_HTTPSync):
 
     async def _reload(self, path: Path, version: int) -> Any:
         if path.resolve() != self.served_dir.resolve():
+            _installable(path)  # checked before anything is replaced
+            # Files replaced one by one: a failure part way leaves served_dir mixed.
+            self._step, self._effects = f"install files into {self.served_dir}", True
             await asyncio.to_thread(install_files, path, self.served_dir)
-        out = await self._post("/collective_rpc", {"method": "reload_weights"})
-        await self._post("/reset_prefix_cache", None)
+        out = await self._post("/collective_rpc", {"method": "reload_weights"}, effects=True)
+        # The server now runs the new weights: record that before the cache
+        # reset, so a failing reset cannot leave them under the old version.
+        self.gate.advance(version)
+        # A failing reset is fatal too (run() sets fatal_reason, since the RPC
+        # had effects): the prefix cache still holds KV computed by the old
+        # weights, and turns recorded under the new version would reuse it.
+        await self._post("/reset_prefix_cache", None, effects=True)
         return out
+
+
+def _installable(src: Path) -> list[str]:
+    """The files of ``src`` (sorted names); raises unless one is a safetensors file."""
+    names = sorted(p.name for p in src.iterdir() if p.is_file())
+    if not any(n.endswith(".safetensors") for n in names):
+        raise WeightSyncError(f"vllm weight sync: {src}: no *.safetensors file to install (found {names[:10]})")
+    return names
 
 
 def install_files(src: Path, dest: Path) -> list[str]:
     """Copy every file of ``src`` (one level) into ``dest``, each staged as
     ``.<name>.staging`` and moved in with ``os.replace`` (atomic per file).
     Returns the names installed."""
+    names = _installable(src)
     dest.mkdir(parents=True, exist_ok=True)
-    names = sorted(p.name for p in src.iterdir() if p.is_file())
-    if not any(n.endswith(".safetensors") for n in names):
-        raise WeightSyncError(f"vllm weight sync: {src}: no *.safetensors file to install (found {names[:10]})")
     for name in names:
         staged = dest / f".{name}.staging"
         shutil.copyfile(src / name, staged)

@@ -161,6 +161,9 @@ def build_tiny_hf(
         torch.manual_seed(seed)
         model = cls(cfg)
     out.mkdir(parents=True, exist_ok=True)
+    from .model import quiet_transformers
+
+    quiet_transformers()
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out

@@ -24,7 +24,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -211,6 +211,59 @@ class Generation:
     """"stop" if a stop id was generated, else "length"."""
 
 
+def decode(
+    logits: torch.Tensor,
+    step_logits: "Callable[[torch.Tensor, int], torch.Tensor]",
+    max_new_tokens: int,
+    temperature: float,
+    stop_ids: Sequence[int],
+    generator: torch.Generator | None,
+) -> Generation:
+    """The decode loop of `GPT.sample` and `HFCausalLM.sample`.
+
+    ``logits`` ``(B, V)``: the last prompt position's; ``step_logits(tok,
+    step)`` feeds the tokens ``tok`` ``(B,)`` sampled at ``step`` through the
+    model's cache and returns the logits of the next position. Each row stops
+    after one of ``stop_ids`` (included) or ``max_new_tokens``; log-probs are
+    those of ``log_softmax(logits / temperature)``.
+
+    The draw happens where ``generator`` lives (the callers keep a CPU
+    generator, seeded per worker, whatever the model's device): torch
+    refuses a CPU generator for a CUDA draw, and drawing on one device keeps
+    a seed's samples the same on CPU and GPU. Everything else stays on the
+    model's device."""
+    device = logits.device
+    B = logits.shape[0]
+    draw_on = generator.device if generator is not None else device
+    out_tok = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)
+    out_lp = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
+    n_out = torch.zeros(B, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    stopped = torch.zeros(B, dtype=torch.bool, device=device)
+    stop = torch.tensor(sorted({int(s) for s in stop_ids}), dtype=torch.long, device=device)
+    for step in range(max_new_tokens):
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        tok = torch.multinomial(logp.exp().to(draw_on), 1, generator=generator).squeeze(1).to(device)
+        live = ~done
+        out_tok[live, step] = tok[live]
+        out_lp[live, step] = logp.gather(1, tok[:, None]).squeeze(1)[live]
+        n_out += live.long()
+        if len(stop):
+            hit = live & torch.isin(tok, stop)
+            stopped |= hit
+            done |= hit
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        logits = step_logits(tok, step)
+    gen = Generation()
+    for i in range(B):
+        n = int(n_out[i])
+        gen.tokens.append(out_tok[i, :n].to(torch.int32).cpu().numpy())
+        gen.log_probs.append(out_lp[i, :n].cpu().numpy())
+        gen.finish_reasons.append("stop" if bool(stopped[i]) else "length")
+    return gen
+
+
 class GPT(nn.Module):
     """A small pre-LayerNorm decoder-only transformer with learned positions."""
 
@@ -348,40 +401,18 @@ class GPT(nn.Module):
             logits = self._run(ids, pos, mask, cache)[:, -1]
             cache.length = P
 
-            out_tok = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)
-            out_lp = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
-            n_out = torch.zeros(B, dtype=torch.long, device=device)
-            done = torch.zeros(B, dtype=torch.bool, device=device)
-            stopped = torch.zeros(B, dtype=torch.bool, device=device)
-            stop = torch.tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long, device=device)
             next_pos = lengths.clone()
-            for step in range(max_new_tokens):
-                logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-                tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
-                live = ~done
-                out_tok[live, step] = tok[live]
-                out_lp[live, step] = logp.gather(1, tok[:, None]).squeeze(1)[live]
-                n_out += live.long()
-                if len(stop):
-                    hit = live & torch.isin(tok, stop)
-                    stopped |= hit
-                    done |= hit
-                if bool(done.all()) or step == max_new_tokens - 1:
-                    break
+
+            def step_logits(tok: torch.Tensor, step: int) -> torch.Tensor:
                 real[:, P + step] = True
-                mask = real[:, None, : P + step + 1]
-                logits = self._run(tok[:, None], next_pos[:, None], mask, cache)[:, -1]
+                logits = self._run(tok[:, None], next_pos[:, None], real[:, None, : P + step + 1], cache)[:, -1]
                 cache.length += 1
-                next_pos += 1
+                next_pos.add_(1)
+                return logits
+
+            return decode(logits, step_logits, max_new_tokens, temperature, stop_ids, generator)
         finally:
             self.train(was_training)
-        gen = Generation()
-        for i in range(B):
-            n = int(n_out[i])
-            gen.tokens.append(out_tok[i, :n].to(torch.int32).cpu().numpy())
-            gen.log_probs.append(out_lp[i, :n].cpu().numpy())
-            gen.finish_reasons.append("stop" if bool(stopped[i]) else "length")
-        return gen
 
 
 def token_log_probs(
@@ -465,6 +496,7 @@ class HFCausalLM(nn.Module):
                 from transformers import AutoModelForCausalLM
             except ImportError as exc:  # pragma: no cover - depends on the environment
                 raise ImportError("HFCausalLM needs `transformers`: pip install 'agentlog[hf]'") from exc
+            quiet_transformers()
             from_pretrained_kwargs.setdefault("local_files_only", True)
             model_or_path = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
             self.source_dir = path
@@ -547,40 +579,20 @@ class HFCausalLM(nn.Module):
             pos = (torch.arange(P, device=device) - (P - lengths).unsqueeze(1)).clamp(min=0)
             out = self.model(input_ids=ids, attention_mask=real[:, :P], position_ids=pos, use_cache=True)
             cache, logits = self._cache_of(out), out.logits[:, -1]
-            out_tok = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)
-            out_lp = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
-            n_out = torch.zeros(B, dtype=torch.long, device=device)
-            done = torch.zeros(B, dtype=torch.bool, device=device)
-            stopped = torch.zeros(B, dtype=torch.bool, device=device)
-            stop = torch.tensor(sorted({int(s) for s in stop_ids}), dtype=torch.long, device=device)
             next_pos = lengths.clone()
-            for step in range(max_new_tokens):
-                logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-                tok = torch.multinomial(logp.exp().cpu(), 1, generator=generator).squeeze(1).to(device)
-                live = ~done
-                out_tok[live, step] = tok[live]
-                out_lp[live, step] = logp.gather(1, tok[:, None]).squeeze(1)[live]
-                n_out += live.long()
-                if len(stop):
-                    hit = live & torch.isin(tok, stop)
-                    stopped |= hit
-                    done |= hit
-                if bool(done.all()) or step == max_new_tokens - 1:
-                    break
+            state = {"cache": cache}
+
+            def step_logits(tok: torch.Tensor, step: int) -> torch.Tensor:
                 real[:, P + step] = 1
                 out = self.model(input_ids=tok[:, None], attention_mask=real[:, : P + step + 1],
-                                 position_ids=next_pos[:, None], use_cache=True, **{self._cache_arg: cache})
-                cache, logits = self._cache_of(out), out.logits[:, -1]
-                next_pos += 1
+                                 position_ids=next_pos[:, None], use_cache=True, **{self._cache_arg: state["cache"]})
+                state["cache"] = self._cache_of(out)
+                next_pos.add_(1)
+                return out.logits[:, -1]
+
+            return decode(logits, step_logits, max_new_tokens, temperature, stop_ids, generator)
         finally:
             self.train(was_training)
-        gen = Generation()
-        for i in range(B):
-            n = int(n_out[i])
-            gen.tokens.append(out_tok[i, :n].to(torch.int32).cpu().numpy())
-            gen.log_probs.append(out_lp[i, :n].cpu().numpy())
-            gen.finish_reasons.append("stop" if bool(stopped[i]) else "length")
-        return gen
 
     def load_hf_weights(self, directory: str | os.PathLike) -> None:
         """Load the weights of an HF directory written by :meth:`save_pretrained`
@@ -619,10 +631,24 @@ class HFCausalLM(nn.Module):
         files when known) that ``from_pretrained``, vLLM and SGLang load as is."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        quiet_transformers()
         self.model.save_pretrained(out, safe_serialization=True)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(out)
         return out
+
+
+def quiet_transformers() -> None:
+    """Turn off transformers' progress bars ("Loading weights", "Writing model
+    shards"): the learner and the workers load and save a model at every
+    version, and each bar would be a burst of lines in their logs. Its own
+    logging stays at warning unless ``$TRANSFORMERS_VERBOSITY`` asks for more.
+    Called before each load and save (cheap), so a bar turned back on is off again."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if not os.environ.get("TRANSFORMERS_VERBOSITY") and hf_logging.get_verbosity() < hf_logging.WARNING:
+        hf_logging.set_verbosity_warning()
 
 
 def _has_tokenizer_files(path: str) -> bool:

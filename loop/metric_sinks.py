@@ -12,8 +12,10 @@ then copies them, step by step, to
   (``[metrics] wandb_project`` or ``$WANDB_PROJECT``); its id derives from the
   run folder, so a resumed learner continues the same wandb run.
 
-A sink that fails is logged with its error and switched off; training and
-the learner log go on (they never depend on a sink).
+A sink that fails, when it starts (an unwritable folder, wandb without a
+login) or later, is logged as an error (``metrics.<sink>_failed``, naming
+the sink and the exception) and switched off; training and the learner log
+go on (they never depend on a sink).
 """
 
 from __future__ import annotations
@@ -49,22 +51,31 @@ class MetricSinks:
                             note="tensorboard is not installed: no event files; pip install 'agentlog[tensorboard]' "
                                  "(the metrics are in the learner log either way)")
             else:
-                from torch.utils.tensorboard import SummaryWriter
+                logdir = self.run_dir / TENSORBOARD_DIR
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR))
-                log.info("metrics.tensorboard", logdir=str(self.run_dir / TENSORBOARD_DIR))
+                    self.tb = SummaryWriter(log_dir=str(logdir))
+                except Exception as exc:  # noqa: BLE001 - reported, and the sink stays off; the learner log has it all
+                    _sink_failed("tensorboard", "start", exc, logdir=str(logdir))
+                else:
+                    log.info("metrics.tensorboard", logdir=str(logdir))
         project = m.wandb_project or os.environ.get("WANDB_PROJECT", "")
         if project:
             if importlib.util.find_spec("wandb") is None:
                 log.warning("metrics.wandb_missing", project=project,
                             note="a wandb project is configured but wandb is not installed: pip install wandb")
             else:
-                import wandb
-
                 run_id = "agentlog-" + hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:12]
-                self.wandb = wandb.init(project=project, name=self.run_dir.name, id=run_id, resume="allow",
-                                        dir=str(self.run_dir), config=cfg.to_dict())
-                log.info("metrics.wandb", project=project, run_id=run_id)
+                try:
+                    import wandb
+
+                    self.wandb = wandb.init(project=project, name=self.run_dir.name, id=run_id, resume="allow",
+                                            dir=str(self.run_dir), config=cfg.to_dict())
+                except Exception as exc:  # noqa: BLE001 - e.g. no login: reported, and the sink stays off
+                    _sink_failed("wandb", "start", exc, project=project, run_id=run_id)
+                else:
+                    log.info("metrics.wandb", project=project, run_id=run_id)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Copy one step's metrics (numbers only; NaN kept, as the learner log has them)."""
@@ -75,20 +86,32 @@ class MetricSinks:
                     self.tb.add_scalar(k, v, global_step=step)
                 self.tb.flush()
             except Exception as exc:  # noqa: BLE001 - reported, and the sink switched off; the learner log has it all
-                log.error("metrics.tensorboard_failed", error=f"{type(exc).__name__}: {exc}", step=step)
+                _sink_failed("tensorboard", "log", exc, step=step)
                 self.tb = None
         if self.wandb is not None:
             try:
                 self.wandb.log({k: v for k, v in scalars.items() if math.isfinite(v)}, step=step)
             except Exception as exc:  # noqa: BLE001 - as above
-                log.error("metrics.wandb_failed", error=f"{type(exc).__name__}: {exc}", step=step)
+                _sink_failed("wandb", "log", exc, step=step)
                 self.wandb = None
 
     def close(self) -> None:
         """Flush and close the sinks."""
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
-        if self.wandb is not None:
-            self.wandb.finish()
-            self.wandb = None
+        tb, self.tb = self.tb, None
+        if tb is not None:
+            try:
+                tb.close()
+            except Exception as exc:  # noqa: BLE001 - a sink never takes the learner down, not even at the end
+                _sink_failed("tensorboard", "close", exc)
+        wb, self.wandb = self.wandb, None
+        if wb is not None:
+            try:
+                wb.finish()
+            except Exception as exc:  # noqa: BLE001 - as above
+                _sink_failed("wandb", "close", exc)
+
+
+def _sink_failed(sink: str, what: str, exc: BaseException, **fields: Any) -> None:
+    """Log a failing sink (it is then off): ``metrics.<sink>_failed`` naming the sink, the step and the error."""
+    log.error(f"metrics.{sink}_failed", sink=sink, during=what, error=f"{type(exc).__name__}: {exc}",
+              note=f"the {sink} sink is off for the rest of this run; the metrics are in the learner log", **fields)

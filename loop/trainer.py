@@ -199,8 +199,9 @@ class LoopLearner:
         """Train until version ``cfg.steps`` (or ``max_steps`` more steps); returns the final version."""
         cfg = self.cfg
         llog = logs.open_log(self.run_dir / "learner", cfg.fsync)
-        sinks = MetricSinks(self.run_dir, cfg)
+        sinks: MetricSinks | None = None
         try:
+            sinks = MetricSinks(self.run_dir, cfg)  # inside the try: the log is closed whatever happens
             history = read_resume_records(llog)
             records = [r for _, r in history]
             consumed, read_from, window = resume_point(records)
@@ -270,8 +271,11 @@ class LoopLearner:
                     break
             return self.learner.policy_version
         finally:
-            sinks.close()
-            llog.close()
+            try:
+                if sinks is not None:
+                    sinks.close()
+            finally:
+                llog.close()
 
     def save_checkpoint(self, version: int) -> Path:
         """Save the learner checkpoint of ``version`` (resume) and, for an HF

@@ -5,6 +5,8 @@
   test skips with its reason when its tool is missing; under ``CI=true``
   (what CI services set; ``.ci/run`` sets it too) that skip FAILS the run
   instead, so CI never goes green on a check it did not make.
+* Weights & Biases is off for the session (``WANDB_MODE=disabled``, no
+  ``WANDB_PROJECT``).
 * ``short_demo_run``: one short ``agentlog demo`` run per test session, for
   the tests that need a real run folder (the demo smoke test, the README's
   examples).
@@ -32,6 +34,14 @@ def _skip_reason(report: pytest.TestReport) -> str:
     if isinstance(longrepr, tuple) and len(longrepr) == 3:
         return str(longrepr[2]).removeprefix("Skipped: ")
     return str(longrepr)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the suite off Weights & Biases: a CI environment with
+    $WANDB_PROJECT set would otherwise reach wandb from the loop tests
+    (the learner's metric sinks read it)."""
+    os.environ.pop("WANDB_PROJECT", None)
+    os.environ["WANDB_MODE"] = "disabled"
 
 
 @pytest.hookimpl(wrapper=True)

@@ -143,17 +143,36 @@ def task_names() -> list[str]:
     return sorted(_TASKS)
 
 
+def _from_entry_point(unknown: LookupError) -> Callable[..., Any]:
+    """The factory of a name not registered in this process, from the
+    ``agentlog.tasks`` entry point of that name, loaded only now (so a broken
+    third-party package breaks only selecting its own task); else the
+    TaskError of ``unknown``."""
+    from .loading import load_entry_point_task
+
+    wanted = getattr(unknown, "name", None)
+    if not isinstance(wanted, str) or not wanted.strip() or not load_entry_point_task(wanted.strip()):
+        raise TaskError(str(unknown)) from None
+    try:
+        return harness.select(wanted.strip())
+    except LookupError as exc:
+        raise TaskError(f"entry point {wanted.strip()!r} (group agentlog.tasks) loaded but registered no task "
+                        f"under its name: {exc}") from None
+
+
 def select_task(name: str | None = None, **kwargs: Any) -> "Task | TextTask":
     """The task selected through the engine's harness registry: ``name``, or
-    ``$AGENTLOG_AGENT`` when ``name`` is empty; an unknown name raises
-    TaskError listing the registered harnesses. The result is a token-level
-    :class:`Task` or a text-level :class:`~.text.TextTask`."""
+    ``$AGENTLOG_AGENT`` when ``name`` is empty. A name no task is registered
+    under loads the ``agentlog.tasks`` entry point of that name, if an
+    installed package declares one; else it raises TaskError listing the
+    registered harnesses. The result is a token-level :class:`Task` or a
+    text-level :class:`~.text.TextTask`."""
     from .text import TextTask
 
     try:
         factory = harness.select(name or None)
     except LookupError as exc:
-        raise TaskError(str(exc)) from None
+        factory = _from_entry_point(exc)
     task = factory(**kwargs)
     if not isinstance(task, (Task, TextTask)):
         raise TaskError(f"harness {name!r} is not a task (its factory returned {type(task).__name__});"

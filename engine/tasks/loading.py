@@ -10,9 +10,13 @@ import the module first. :func:`load_tasks` does that from three sources:
 - directories put in front of ``sys.path`` first, like ``python -m`` puts the
   current directory there (``[task] path = [...]``, ``LoopConfig.task_path``;
   the command line adds the current directory and the config file's);
-- the Python entry point group ``agentlog.tasks`` of installed packages: each
-  entry point is loaded; when its object is a task factory not registered
-  yet, it is registered under the entry point's name::
+- the Python entry point group ``agentlog.tasks`` of installed packages,
+  loaded lazily: only when :func:`~.base.select_task` does not find the name
+  among the registered tasks is the entry point of that name loaded
+  (:func:`load_entry_point_task`), so a broken third-party package cannot
+  break selecting any other task (``agentlog demo`` included). When its
+  object is a task factory not registered yet, it is registered under the
+  entry point's name::
 
       [project.entry-points."agentlog.tasks"]
       repo-fix = "mypkg.tasks:RepoFixTask"
@@ -121,37 +125,59 @@ def _raised(name: str, exc: BaseException) -> TaskImportError:
     )
 
 
-def load_entry_point_tasks(group: str = ENTRY_POINT_GROUP) -> list[str]:
-    """Load every entry point of ``group``; returns their names.
+def _load_entry_point(ep: importlib.metadata.EntryPoint, group: str) -> None:
+    """Load one entry point (registering its object under its name when it is
+    an unregistered task factory); TaskImportError names it and its distribution."""
+    what = f"entry point {ep.name} = {ep.value} (group {group}"
+    dist = getattr(ep, "dist", None)
+    what += f", distribution {dist.name})" if dist is not None else ")"
+    try:
+        obj = ep.load()
+    except ModuleNotFoundError as exc:
+        raise TaskImportError(f"{what}: module not found: {exc}; searched sys.path {sys.path!r}",
+                              module=what, search_path=list(sys.path), cause=exc) from exc
+    except Exception as exc:
+        err = _raised(ep.module, exc)
+        raise TaskImportError(f"{what}: {err}", module=what, search_path=list(sys.path), cause=exc) from exc
+    if ep.name not in _TASKS and callable(obj) and ep.attr:
+        register_task(ep.name)(obj)
 
-    Loading imports the entry point's module (which may register tasks
-    itself). When the object loaded is a task factory and no task is
-    registered under the entry point's name yet, it is registered there."""
+
+def load_entry_point_task(name: str, group: str = ENTRY_POINT_GROUP) -> bool:
+    """Load the entry point(s) of ``group`` named ``name``; whether there was
+    one. What :func:`~.base.select_task` calls for a name not registered."""
+    found = False
+    for ep in importlib.metadata.entry_points(group=group, name=name):
+        _load_entry_point(ep, group)
+        found = True
+    if found:
+        log.debug("tasks.entry_point_loaded", name=name, group=group)
+    return found
+
+
+def load_entry_point_tasks(group: str = ENTRY_POINT_GROUP) -> list[str]:
+    """Load every entry point of ``group`` now; returns their names.
+
+    Selecting a task loads only the entry point it needs (see
+    :func:`load_entry_point_task`); this eager form is for listing every
+    installed task. Loading imports the entry point's module (which may
+    register tasks itself). When the object loaded is a task factory and no
+    task is registered under the entry point's name yet, it is registered there."""
     loaded: list[str] = []
     for ep in importlib.metadata.entry_points(group=group):
-        what = f"entry point {ep.name} = {ep.value} (group {group}"
-        dist = getattr(ep, "dist", None)
-        what += f", distribution {dist.name})" if dist is not None else ")"
-        try:
-            obj = ep.load()
-        except ModuleNotFoundError as exc:
-            raise TaskImportError(f"{what}: module not found: {exc}; searched sys.path {sys.path!r}",
-                                  module=what, search_path=list(sys.path), cause=exc) from exc
-        except Exception as exc:
-            err = _raised(ep.module, exc)
-            raise TaskImportError(f"{what}: {err}", module=what, search_path=list(sys.path), cause=exc) from exc
-        if ep.name not in _TASKS and callable(obj) and ep.attr:
-            register_task(ep.name)(obj)
+        _load_entry_point(ep, group)
         loaded.append(ep.name)
     return loaded
 
 
 def load_tasks(modules: Iterable[str] = (), path: Iterable[str | os.PathLike[str]] = (), *,
-               entry_points: bool = True) -> list[str]:
+               entry_points: bool = False) -> list[str]:
     """Make the user's tasks selectable in this process: put ``path`` in front
-    of ``sys.path``, import ``modules`` in order, then load the
-    ``agentlog.tasks`` entry points. Idempotent (imports are cached); returns
-    the modules and entry points loaded."""
+    of ``sys.path`` and import ``modules`` in order. The ``agentlog.tasks``
+    entry points load lazily, when a name is selected that no task has
+    (see :func:`load_entry_point_task`); ``entry_points=True`` loads them all
+    now. Idempotent (imports are cached); returns the modules and entry
+    points loaded."""
     modules = list(modules)
     added = add_import_dirs(path)
     loaded: list[str] = []

@@ -161,6 +161,37 @@ def test_entry_points_register_their_tasks(tmp_path: Path, sandboxed) -> None:
     assert f"entry_point:{by_ep}" in load_tasks(entry_points=True)
 
 
+def test_entry_points_load_lazily_when_their_name_is_selected(tmp_path: Path, sandboxed) -> None:
+    mod, own, by_ep, other = _unique("lazytasks"), _unique("self-registered"), _unique("by-entry-point"), _unique("other")
+    (tmp_path / f"{mod}.py").write_text(
+        TASK_SOURCE.format(cls="Own", name=own) + f"\nregister_task({own!r})(Own)\n" + TASK_SOURCE.format(cls="Bare", name=by_ep)
+    )
+    (tmp_path / f"{other}.py").write_text("raise AssertionError('an unselected entry point was loaded')\n")
+    _dist(tmp_path, _unique("lazy_dist"), f"{own} = {mod}\n{by_ep} = {mod}:Bare\n{other} = {other}:T")
+    sys.path.insert(0, str(tmp_path))
+    assert load_tasks() == []  # loads no entry point
+    assert mod not in sys.modules and own not in task_names()
+    assert select_task(by_ep).name == by_ep  # its module loaded now: `own` registered itself on the way
+    assert select_task(own).name == own
+    assert other not in sys.modules
+
+
+def test_a_broken_entry_point_does_not_break_selecting_another_task(tmp_path: Path, sandboxed) -> None:
+    dist, mod = _unique("broken_dist"), _unique("brokenep")
+    (tmp_path / f"{mod}.py").write_text("raise ImportError('needs a GPU build')\n")
+    _dist(tmp_path, dist, f"broken = {mod}:Task")
+    sys.path.insert(0, str(tmp_path))
+    load_tasks()  # what every process of the loop does first
+    assert select_task("lookup").name == "lookup"
+    with pytest.raises(TaskImportError) as info:
+        select_task("broken")
+    text = str(info.value)
+    assert f"entry point broken = {mod}:Task (group {ENTRY_POINT_GROUP}, distribution {dist})" in text
+    assert "raised ImportError: needs a GPU build" in text
+    with pytest.raises(TaskError, match="unknown harness 'nothing-declares-this'"):
+        select_task("nothing-declares-this")
+
+
 def test_a_broken_entry_point_names_itself_its_distribution_and_the_cause(tmp_path: Path, sandboxed) -> None:
     dist, mod = _unique("broken_dist"), _unique("brokenep")
     (tmp_path / f"{mod}.py").write_text("raise ImportError('needs a GPU build')\n")

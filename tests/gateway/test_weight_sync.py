@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from agentlog.gateway import ByteChatTemplate, OpenAICompletionsBackend, SGLangBackend
 from agentlog.gateway.weight_sync import GatedBackend, ReloadGate, SGLangWeightSync, VLLMWeightSync, WeightSyncError
-from gateway_helpers import open_running, rig, run, turns_of
+from agentlog.gateway.backends import SamplingParams
+from gateway_helpers import HangingBackend, open_running, rig, run, turns_of
 
 T = ByteChatTemplate()
 
@@ -38,6 +39,8 @@ class FakeServer:
         self.calls: list[str] = []
         self.served_dir = served_dir
         self.fail_next_reload = False
+        self.fail_next_reset = False
+        self.hang_after_apply = 0.0  # sglang: apply the weights, then answer only after this many seconds
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -100,6 +103,8 @@ class FakeServer:
             return web.json_response({"success": False, "message": f"bad body {body}"}, status=400)
         await asyncio.sleep(0.01)
         self.version = int(body["weight_version"])
+        if self.hang_after_apply:
+            await asyncio.sleep(self.hang_after_apply)
         return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
 
     async def collective_rpc(self, request: web.Request) -> web.Response:
@@ -114,6 +119,9 @@ class FakeServer:
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         self._reloading("reset_prefix_cache")
+        if self.fail_next_reset:
+            self.fail_next_reset = False
+            return web.json_response({"detail": "reset failed"}, status=500)
         return web.Response(status=200)
 
 
@@ -201,6 +209,7 @@ def test_a_failed_reload_raises_naming_the_server_and_keeps_the_old_version(tmp_
             with pytest.raises(WeightSyncError, match=r"sglang weight sync: POST .*/update_weights_from_disk answered HTTP 400"):
                 await sync.reload(hf_dir(tmp_path, 1), 1)
             assert backend.policy_version == 0
+            assert backend.fatal_reason is None  # an explicit refusal: SGLang rolled back, the old version answers
             with pytest.raises(WeightSyncError, match="expected a Hugging Face model directory"):
                 await sync.reload(tmp_path / "nowhere", 1)
             await sync.reload(hf_dir(tmp_path, 2), 2)
@@ -235,7 +244,7 @@ def test_reload_gate_orders_every_generation_against_every_reload(plan):
                 seen.append((v, before))
                 assert weights["v"] == before, "weights changed under a running generation"
             finally:
-                await gate.release()
+                gate.release()
 
         async def reload(delay: int) -> None:
             new = next(next_version)
@@ -256,3 +265,135 @@ def test_reload_gate_orders_every_generation_against_every_reload(plan):
         assert gate.inflight == 0
 
     asyncio.run(body())
+
+
+async def _refused_turn(backend) -> tuple[int, str]:
+    """Status and body of one chat turn through a gateway over ``backend``."""
+    import aiohttp
+
+    async with rig(backend) as (gw, engine, log):
+        await open_running(engine, "s0")
+        headers = {"Authorization": f"Bearer {gw.session_key('s0')}"}
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(gw.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                return r.status, await r.text()
+
+
+def test_vllm_cache_reset_failure_keeps_the_new_version_and_makes_the_gateway_refuse_turns(tmp_path):
+    async def body():
+        served = tmp_path / "served"
+        server = await FakeServer("vllm", served).start()
+        try:
+            backend = GatedBackend(OpenAICompletionsBackend(server.url, "m"))
+            sync = VLLMWeightSync(server.url, served, gate=backend.gate)
+            server.fail_next_reset = True
+            with pytest.raises(WeightSyncError, match="reset_prefix_cache answered HTTP 500"):
+                await sync.reload(hf_dir(tmp_path / "ckpt", 1), 1)
+            # The reload RPC succeeded: the server runs version 1, and the gate says so.
+            assert server.version == 1 and backend.policy_version == 1
+            reason = backend.fatal_reason
+            assert reason is not None and "vllm" in reason and "policy version 1" in reason
+            assert "POST /reset_prefix_cache" in reason
+            status, text = await _refused_turn(backend)
+            assert status == 503 and "reset_prefix_cache" in text, (status, text)
+            await sync.reload(hf_dir(tmp_path / "ckpt", 2), 2)  # a later reload succeeds: turns again
+            assert backend.fatal_reason is None and backend.policy_version == 2
+            status, text = await _refused_turn(backend)
+            assert status == 200, text
+            await sync.close()
+        finally:
+            await server.stop()
+
+    run(body())
+
+
+def test_vllm_failure_after_files_were_replaced_is_fatal(tmp_path):
+    async def body():
+        served = tmp_path / "served"
+        server = await FakeServer("vllm", served).start()
+        await server.stop()  # nothing listens: the RPC cannot even connect
+        backend = GatedBackend(OpenAICompletionsBackend(server.url, "m"))
+        sync = VLLMWeightSync(server.url, served, gate=backend.gate)
+        with pytest.raises(WeightSyncError, match="collective_rpc failed"):
+            await sync.reload(hf_dir(tmp_path / "ckpt", 1), 1)
+        # served_dir already holds version 1's files: whatever the server loads next is not version 0.
+        assert (served / "model.safetensors").read_bytes() == b"w1"
+        assert backend.policy_version == 0
+        reason = backend.fatal_reason
+        assert reason is not None and "policy version 1" in reason and "vllm" in reason
+        # Reloading the served directory in place sends nothing with effects
+        # before the failed connection: not fatal on its own.
+        backend2 = GatedBackend(OpenAICompletionsBackend(server.url, "m"))
+        sync2 = VLLMWeightSync(server.url, served, gate=backend2.gate)
+        with pytest.raises(WeightSyncError, match="collective_rpc failed: ClientConnectorError"):
+            await sync2.reload(served, 1)
+        assert backend2.fatal_reason is None and backend2.policy_version == 0
+        await sync.close()
+        await sync2.close()
+
+    run(body())
+
+
+def test_sglang_timeout_after_the_server_applied_the_weights_is_fatal(tmp_path):
+    async def body():
+        server = await FakeServer("sglang").start()
+        try:
+            backend = GatedBackend(SGLangBackend(server.url))
+            sync = SGLangWeightSync(server.url, gate=backend.gate, timeout_s=0.3)
+            server.hang_after_apply = 2.0
+            with pytest.raises(WeightSyncError, match="update_weights_from_disk failed"):
+                await sync.reload(hf_dir(tmp_path, 1), 1)
+            assert server.version == 1 and backend.policy_version == 0
+            reason = backend.fatal_reason
+            assert reason is not None
+            assert "sglang" in reason and "policy version 1" in reason and "POST /update_weights_from_disk" in reason
+            server.hang_after_apply = 0.0
+            await sync.reload(hf_dir(tmp_path, 2), 2)
+            assert backend.fatal_reason is None and backend.policy_version == 2
+            await sync.close()
+        finally:
+            await server.stop()
+
+    run(body())
+
+
+def test_release_is_synchronous_and_a_doubly_cancelled_generation_does_not_leak():
+    async def body():
+        inner = HangingBackend()
+        backend = GatedBackend(inner)
+        gate = backend.gate
+        await gate.admit()
+        assert gate.release() is None and gate.inflight == 0  # not a coroutine: nothing to be cancelled in
+        with pytest.raises(RuntimeError, match="release without admit"):
+            gate.release()
+        task = asyncio.ensure_future(backend.generate([1], SamplingParams(max_new_tokens=2)))
+        await inner.started.wait()
+        assert gate.inflight == 1
+        task.cancel()
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert gate.inflight == 0
+        assert await gate.reload(lambda: asyncio.sleep(0, "ok"), 1, drain_timeout_s=1.0) == "ok"
+
+    run(body())
+
+
+def test_a_drain_that_does_not_finish_fails_naming_the_generations_in_flight():
+    async def body():
+        gate = ReloadGate(0, drain_timeout_s=0.05)
+        await gate.admit()
+        await gate.admit()
+        ran = []
+        with pytest.raises(WeightSyncError, match=r"policy version 1: 2 generation\(s\) still in flight after waiting 0.05 s"):
+            await gate.reload(lambda: asyncio.sleep(0, ran.append(1)), 1)
+        assert not ran and gate.version == 0
+        assert await gate.admit() == 0  # the gate opened again
+        for _ in range(3):
+            gate.release()
+        await gate.reload(lambda: asyncio.sleep(0), 1)
+        assert gate.version == 1
+
+    run(body())

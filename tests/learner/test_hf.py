@@ -197,3 +197,19 @@ def test_learner_trains_the_hf_model_from_a_log_of_hf_tokenized_sessions(hf, tmp
     assert changed
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, model.state_dict()["model." + k]), k
+
+
+def test_loading_and_saving_print_no_transformers_progress_bars(tiny_hf_dir, tmp_path, capfd):  # noqa: F811
+    """The learner and each worker load and save at every version: no "Loading weights" /
+    "Writing model shards" bars in their logs, even when something turned the bars on."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()
+    capfd.readouterr()
+    m = HFCausalLM(str(tiny_hf_dir))
+    hf_logging.enable_progress_bar()
+    m.save_pretrained(tmp_path / "saved")
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "Writing model shards" not in err, err[-500:]
+    assert not hf_logging.is_progress_bar_enabled()
+    assert (tmp_path / "saved" / "model.safetensors").is_file()

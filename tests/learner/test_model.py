@@ -109,6 +109,7 @@ def test_any_module_with_the_interface_can_be_trained_padded():
     assert_close(lp[0], want)
 
 
+@pytest.mark.required  # transformers is in the dev extra: CI must run this
 def test_hf_causal_lm_adapter_packs_like_it_pads():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -138,3 +139,27 @@ def test_position_id_runs_attend_like_the_block_diagonal_mask(model):
     # one run per row is plain causal attention
     plain = torch.arange(11).expand(2, 11)
     assert_close(model(ids, position_ids=plain), model(ids), rtol=0, atol=0)
+
+
+def test_the_shared_decode_loop_stops_rows_independently_and_feeds_each_step_back():
+    """``decode`` (the loop of GPT.sample and HFCausalLM.sample) with a step
+    function that makes the next token ``tok + 1`` certain: row 0 reaches the
+    stop id 3, row 1 runs to the length limit; every step sees the tokens just drawn."""
+    from agentlog.learner.model import decode
+
+    V = 8
+
+    def peaked(tok: torch.Tensor) -> torch.Tensor:
+        return torch.full((len(tok), V), -1e4).scatter(1, ((tok + 1) % V)[:, None], 0.0)
+
+    fed: list[tuple[list[int], int]] = []
+
+    def step(tok: torch.Tensor, i: int) -> torch.Tensor:
+        fed.append((tok.tolist(), i))
+        return peaked(tok)
+
+    gen = decode(peaked(torch.tensor([0, 4])), step, 4, 1.0, (3,), torch.Generator().manual_seed(0))
+    assert [t.tolist() for t in gen.tokens] == [[1, 2, 3], [5, 6, 7, 0]]
+    assert gen.finish_reasons == ["stop", "length"]
+    assert all(abs(float(x)) < 1e-6 for lp in gen.log_probs for x in lp)
+    assert fed == [([1, 5], 0), ([2, 6], 1), ([3, 7], 2)]  # no step after the last draw
