@@ -86,6 +86,11 @@ LOCK_NAME = "LOCK"
 DEFAULT_MAX_RECORD_BYTES = 16 << 20
 #: A sparse-index entry is kept every this many bytes of a segment.
 INDEX_EVERY_BYTES = 64 << 10
+#: The writer rewrites the ``INDEX`` checkpoint once the active segment has
+#: grown by this many bytes since the last one (after the data it describes
+#: is synced), so crash recovery rescans at most about this much whatever the
+#: log's length (see tools/bench/bench_restart.py for the figures).
+CHECKPOINT_EVERY_BYTES = 4 << 20
 
 #: LevelDB's CRC mask offset (see mask_crc; the writer inlines the mask).
 MASK_DELTA = 0xA282EAD8

@@ -53,6 +53,9 @@ class Recovered(NamedTuple):
     rebuilt: bool
     #: True when the INDEX checkpoint no longer describes the directory (rewrite it).
     stale_checkpoint: bool
+    #: Bytes of segment files scanned past the starting point (the checkpoint's
+    #: offset, or the first segment's header when the index was rebuilt).
+    rescanned_bytes: int = 0
 
 
 def checkpoint_problem(directory: Path, ckpt: Checkpoint, segs: list[int], cap: int) -> str:
@@ -124,6 +127,7 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
     if rebuilt and segs:
         rlog.info("log.index.rebuilding", reason=why, segments=len(segs))
     scanned = 0
+    rescanned = 0
     changed = False
     truncated = False
     walk = LogWalk(
@@ -152,6 +156,7 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
                 else:
                     state[fr.session_id] = fr.session_seq + 1
             scanned += 1
+            rescanned += seg.size - (offset if seg.index == start_i else SEG_HDR_SIZE)
             stop = seg.end()
             size = seg.size
             if stop is not None:
@@ -217,7 +222,10 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
         open_sessions=state,
         next_lsn=walk.expected,
         rebuilt=rebuilt,
-        stale_checkpoint=rebuilt or changed or scanned > 1 or truncated,
+        # Anything rescanned is checkpointed again, so repeated crashes never
+        # add up to a longer rescan than one.
+        stale_checkpoint=rebuilt or changed or scanned > 1 or truncated or rescanned > 0,
+        rescanned_bytes=rescanned,
     )
 
 
