@@ -10,7 +10,9 @@ in :mod:`~agentlog.events.log_read`, verification in
 directory of segment files named by their first LSN; CRC32C-framed records;
 a ``DURABLE`` watermark that readers in other processes trust; an ``INDEX``
 checkpoint (sequence state of open sessions + sparse offset index) so that
-opening a log does not rescan it; and the one writer's flock on the directory
+opening a log does not rescan it, rewritten every ``checkpoint_bytes`` of a
+segment (once the records it describes are synced) so that recovery after a
+crash rescans at most about that much; and the one writer's flock on the directory
 itself (and on its ``LOCK`` file, which names its pid).
 
 Durability and visibility (the follower contract):
@@ -21,7 +23,7 @@ Durability and visibility (the follower contract):
   appends are coalesced into one write + fdatasync), ``interval`` (written at
   once, fdatasync at most every ``interval_s``; a machine crash can lose that
   window) or ``never`` (written, the OS decides when it reaches disk;
-  segment seals and close still sync).
+  segment seals, periodic checkpoints and close still sync).
 * The writer rewrites ``DURABLE`` only after the records below it are
   synced (written, under ``never``: then it is marked unsynced, and recovery
   takes it as a hint, not as proof that those records reached the disk).
@@ -204,7 +206,7 @@ class FileLog(EventLog):
         writer, recovering from any crash. See the module docstring for the
         fsync policies. ``checkpoint_bytes``: rewrite the INDEX checkpoint each
         time the active segment has grown by this much (bounds what recovery
-        after a crash rescans; not under fsync="never"). ``os_ops`` replaces
+        after a crash rescans; under fsync="never" that flush syncs first). ``os_ops`` replaces
         the OS calls the writer uses for data (fault injection in tests)."""
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync: expected one of {'/'.join(FSYNC_POLICIES)}, found {fsync!r}")
@@ -231,9 +233,7 @@ class FileLog(EventLog):
         self._segment_bytes = segment_bytes
         self._cap = max_record_bytes
         self._interval_s = interval_s
-        # Under "never" nothing is synced, so a periodic INDEX could describe
-        # records a power loss takes: only rotations and close checkpoint there.
-        self._ckpt_every = checkpoint_bytes if fsync != "never" else 1 << 62
+        self._ckpt_every = checkpoint_bytes
         self._os = os_ops or OsOps()
         self._log = log.bind(log_dir=str(directory))
         _raise_nofile_limit()
@@ -654,12 +654,14 @@ class FileLog(EventLog):
             self._write_all(buf)
         end = subs[-1].end
         policy = self._policy
-        if policy == "never":
+        if policy == "never" and ckpt is None:
             self._publish(end, synced=False)
         elif policy == "interval" and time.monotonic() - self._last_sync < self._interval_s:
             self._unsynced = True
             self._ckpt_unsynced = ckpt  # written by the sync that makes its records durable
         else:
+            # Under "never" only a flush carrying a checkpoint syncs (as a
+            # segment seal does): an INDEX never describes unsynced records.
             self._sync(end, ckpt)
 
     def _sync(self, end: int, ckpt: Checkpoint | None) -> None:

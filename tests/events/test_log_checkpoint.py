@@ -96,14 +96,26 @@ def test_interval_policy_writes_the_periodic_checkpoint_only_after_the_sync(tmp_
     lg.close()
 
 
-def test_never_policy_writes_no_periodic_checkpoint(tmp_path):
+def test_never_policy_syncs_the_flush_that_carries_a_periodic_checkpoint(tmp_path):
+    from agentlog.events.log_writer import OsOps
+
+    class CountingOps(OsOps):
+        syncs = 0
+
+        def fdatasync(self, fd):
+            CountingOps.syncs += 1
+            super().fdatasync(fd)
+
     d = tmp_path / "log"
-    lg = FileLog.open(d, fsync="never", checkpoint_bytes=256)
-    for i in range(20):
+    lg = FileLog.open(d, fsync="never", checkpoint_bytes=1024, os_ops=CountingOps())
+    lg.append_batch([("s0", 0, CommandRan(command="x" * 100, exit_code=0))])
+    assert CountingOps.syncs == 0 and not read_watermark(d).synced
+    for i in range(1, 20):
         lg.append_batch([(f"s{i}", 0, CommandRan(command="x" * 100, exit_code=0))])
-    assert not (d / INDEX_NAME).exists(), "an unsynced INDEX could describe records a power loss takes"
+    ckpt, _ = load_checkpoint(d)
+    # Each checkpoint's records were synced before it was written, and only then.
+    assert 0 < CountingOps.syncs < 5 and ckpt.lsn <= read_watermark(d).lsn
     lg.close()
-    assert load_checkpoint(d)[0].lsn == 20
 
 
 def test_a_periodic_checkpoint_out_of_descriptors_is_skipped_other_errors_are_fatal(tmp_path, monkeypatch):
