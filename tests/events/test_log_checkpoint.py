@@ -38,6 +38,13 @@ os._exit(0)  # a crash: no close, no final checkpoint
 """
 
 
+@pytest.fixture(autouse=True)
+def exact_interval(monkeypatch):
+    """These tests use intervals of a few hundred bytes, smaller than the
+    spacing the writer keeps from the INDEX's own size: take them as given."""
+    monkeypatch.setattr(log_writer, "_CKPT_SPACING", 0)
+
+
 def _opened(logs: list) -> dict:
     return [e for e in logs if e["event"] == "log.opened"][0]
 
@@ -191,6 +198,26 @@ def test_a_checkpoint_whose_offset_is_not_a_frame_boundary_is_rebuilt(tmp_path):
     for lsn, offset in [(good.lsn, good.offset - 3), (good.lsn - 1, good.offset), (good.lsn + 1, good.offset)]:
         bad = msgspec.structs.replace(good, lsn=lsn, offset=offset)
         assert "not at the checkpoint's" in checkpoint_problem(d, bad, list_segments(d), 1 << 20)
+
+
+def test_periodic_checkpoints_are_spaced_by_the_index_size(tmp_path, monkeypatch):
+    """The INDEX holds the whole sparse index: the writer keeps periodic
+    checkpoints _CKPT_SPACING times its size apart, so a long log's INDEX
+    rewrites stay a small fraction of what is appended."""
+    monkeypatch.setattr(log_writer, "_CKPT_SPACING", 8)
+    d = tmp_path / "log"
+    lg = FileLog.open(d, checkpoint_bytes=1)
+    seen = []  # (offset, INDEX size) of each checkpoint written
+    for i in range(200):
+        lg.append_batch([(f"s{i}", 0, CommandRan(command="x" * 100, exit_code=0))])
+        ckpt, _ = load_checkpoint(d)
+        if ckpt is not None and (not seen or ckpt.offset != seen[-1][0]):
+            seen.append((ckpt.offset, (d / INDEX_NAME).stat().st_size))
+    assert lg._ckpt_every == 8 * seen[-1][1]
+    lg.close()
+    assert len(seen) >= 5
+    for (off, size), (nxt, _) in zip(seen, seen[1:]):
+        assert 8 * size <= nxt - off < 8 * size + 300, seen  # + about two records
 
 
 # ---------------------------------------------------------------- incremental equals batch

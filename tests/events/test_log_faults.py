@@ -252,8 +252,10 @@ class PowerCutOps(OsOps):
 @pytest.mark.parametrize("checkpoint_bytes", [None, 256], ids=["rotation-checkpoints", "periodic-checkpoints"])
 @pytest.mark.parametrize("watermark_reached_disk", [False, True], ids=["all-unsynced-lost", "watermark-kept"])
 @pytest.mark.parametrize("policy", ["always", "batch", "interval", "never"])
-def test_a_power_cut_loses_only_unsynced_records_and_the_log_reopens(tmp_path, policy, watermark_reached_disk, checkpoint_bytes):
+def test_a_power_cut_loses_only_unsynced_records_and_the_log_reopens(tmp_path, policy, watermark_reached_disk, checkpoint_bytes, monkeypatch):
     from structlog.testing import capture_logs
+
+    from agentlog.events import log_writer
 
     from agentlog.events.log_format import SEG_HDR_SIZE, list_segments, load_checkpoint, read_watermark
     from agentlog.events.log_recovery import checkpoint_problem
@@ -261,6 +263,7 @@ def test_a_power_cut_loses_only_unsynced_records_and_the_log_reopens(tmp_path, p
     d = tmp_path / "log"
     ops = PowerCutOps()
     kw = {} if checkpoint_bytes is None else {"checkpoint_bytes": checkpoint_bytes}
+    monkeypatch.setattr(log_writer, "_CKPT_SPACING", 0)  # an interval smaller than the INDEX spacing, as given
     lg = FileLog.open(d, fsync=policy, segment_bytes=2048, interval_s=3600, os_ops=ops, **kw)
     acked = _fill(lg, 0, 40)
     segs = list_segments(d)
