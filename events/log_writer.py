@@ -308,6 +308,7 @@ class FileLog(EventLog):
         state = recover(d, max_record_bytes=self._cap, salvage=salvage)
         expected = state.next_lsn
         self._epoch = state.epoch + 1
+        self._rescanned = state.rescanned_bytes
         self._segments = state.segments
         self._index = state.index
         self._next_seq = state.open_sessions
@@ -400,6 +401,12 @@ class FileLog(EventLog):
     def max_record_bytes(self) -> int:
         """The largest record this log accepts (bytes, envelope included)."""
         return self._cap
+
+    @property
+    def rescanned_bytes(self) -> int:
+        """Bytes of segment files this open's recovery scanned past the INDEX
+        checkpoint (all of them when it rebuilt the index)."""
+        return self._rescanned
 
     @property
     def fatal_reason(self) -> str | None:
