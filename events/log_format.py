@@ -86,6 +86,14 @@ LOCK_NAME = "LOCK"
 DEFAULT_MAX_RECORD_BYTES = 16 << 20
 #: A sparse-index entry is kept every this many bytes of a segment.
 INDEX_EVERY_BYTES = 64 << 10
+#: The writer rewrites the ``INDEX`` checkpoint once the active segment has
+#: grown by this many bytes since the last one (after the data it describes
+#: is synced), so crash recovery rescans at most about this much whatever the
+#: log's length. Measured (2-core VM): a rescan costs ~9 ms per MiB of small
+#: events; a periodic checkpoint (an INDEX of ~12 kB written and renamed,
+#: not fsynced) ~0.2-0.7 ms, under 1% of the time to append 8 MiB; 8 MiB
+#: bounds the rescan to ~70 ms.
+CHECKPOINT_EVERY_BYTES = 8 << 20
 
 #: LevelDB's CRC mask offset (see mask_crc; the writer inlines the mask).
 MASK_DELTA = 0xA282EAD8
@@ -272,8 +280,11 @@ def fsync_dir(directory: Path | str) -> None:
         os.close(fd)
 
 
-def write_atomic(directory: Path, name: str, data: bytes) -> None:
-    """Write ``name`` via a temp file, fsync, rename and a directory fsync."""
+def write_atomic(directory: Path, name: str, data: bytes, *, durable: bool = True) -> None:
+    """Write ``name`` via a temp file, fsync, rename and a directory fsync.
+    ``durable=False`` skips both fsyncs: a crash of the process still leaves
+    the whole new file or the old one, but a power loss may leave either, or
+    a truncated file (only for files that are checked and rebuildable)."""
     tmp = directory / f".{name}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -281,8 +292,10 @@ def write_atomic(directory: Path, name: str, data: bytes) -> None:
         while view:
             n = os.write(fd, view)
             view = view[n:]
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, directory / name)
-    fsync_dir(directory)
+    if durable:
+        fsync_dir(directory)

@@ -53,34 +53,52 @@ class Recovered(NamedTuple):
     rebuilt: bool
     #: True when the INDEX checkpoint no longer describes the directory (rewrite it).
     stale_checkpoint: bool
+    #: Bytes of segment files scanned past the starting point (the checkpoint's
+    #: offset, or the first segment's header when the index was rebuilt).
+    rescanned_bytes: int = 0
 
 
 def checkpoint_problem(directory: Path, ckpt: Checkpoint, segs: list[int], cap: int) -> str:
-    """Why the checkpoint cannot be trusted ('' when it can)."""
+    """Why the checkpoint cannot be trusted ('' when it can).
+
+    Its position must be a frame boundary of its segment: the frames from
+    the segment's last index entry (itself a frame, or the checkpoint's own
+    position for a rotation's checkpoint) must end exactly at its offset with
+    its LSN, a scan of at most one index interval. What follows it, if
+    anything, is for the recovery walk to judge (a torn tail is cut there)."""
     if not ckpt.segments or ckpt.segments != segs[: len(ckpt.segments)] or ckpt.segment != ckpt.segments[-1]:
         return "its segment list does not match the directory"
     if ckpt.offset < SEG_HDR_SIZE:
         return f"offset {ckpt.offset} is inside the segment header"
+    own = ckpt.index.get(ckpt.segment)
+    if not own:
+        return f"index has no entry for its own segment {segment_name(ckpt.segment)}"
+    name = segment_name(ckpt.segment)
     try:
         fd, _, size = open_segment(directory, ckpt.segment)
     except (OSError, LogCorruption) as exc:
-        return f"segment {segment_name(ckpt.segment)} unreadable: {exc}"
+        return f"segment {name} unreadable: {exc}"
     try:
         if ckpt.offset > size:
-            return f"offset {ckpt.offset} is past the end of {segment_name(ckpt.segment)} ({size} bytes)"
-        if ckpt.offset < size:
-            sc = SegmentScanner(fd, segment_name(ckpt.segment), ckpt.offset, ckpt.lsn, cap)
-            if next(sc.frames(limit=ckpt.lsn + 1, size=size), None) is None:
-                return f"no frame with lsn {ckpt.lsn} at offset {ckpt.offset}"
+            return f"offset {ckpt.offset} is past the end of {name} ({size} bytes)"
+        lsn, off = own[-1]
+        sc = SegmentScanner(fd, name, off, lsn, cap)
+        for _ in sc.frames(limit=ckpt.lsn, size=ckpt.offset):
+            pass
+        if (sc.expected, sc.offset) != (ckpt.lsn, ckpt.offset):
+            return (
+                f"the frames of {name} from index entry (lsn {lsn}, offset {off}) end at lsn {sc.expected}, "
+                f"offset {sc.offset}, not at the checkpoint's lsn {ckpt.lsn}, offset {ckpt.offset}"
+            )
     finally:
         os.close(fd)
-    # Spot-check the last index entry of every segment it covers.
+    # Spot-check the last index entry of every other segment it covers.
     for first, entries in ckpt.index.items():
         if first not in ckpt.segments or not entries:
             return f"index names segment {first} it does not list"
+        if first == ckpt.segment:
+            continue
         lsn, off = entries[-1]
-        if first == ckpt.segment and lsn >= ckpt.lsn:
-            return f"index entry lsn {lsn} is past the checkpoint lsn {ckpt.lsn}"
         try:
             fd, _, size = open_segment(directory, first)
         except (OSError, LogCorruption) as exc:
@@ -124,6 +142,7 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
     if rebuilt and segs:
         rlog.info("log.index.rebuilding", reason=why, segments=len(segs))
     scanned = 0
+    rescanned = 0
     changed = False
     truncated = False
     walk = LogWalk(
@@ -152,6 +171,7 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
                 else:
                     state[fr.session_id] = fr.session_seq + 1
             scanned += 1
+            rescanned += seg.size - (offset if seg.index == start_i else SEG_HDR_SIZE)
             stop = seg.end()
             size = seg.size
             if stop is not None:
@@ -217,7 +237,10 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
         open_sessions=state,
         next_lsn=walk.expected,
         rebuilt=rebuilt,
-        stale_checkpoint=rebuilt or changed or scanned > 1 or truncated,
+        # Anything rescanned is checkpointed again, so repeated crashes never
+        # add up to a longer rescan than one.
+        stale_checkpoint=rebuilt or changed or scanned > 1 or truncated or rescanned > 0,
+        rescanned_bytes=rescanned,
     )
 
 

@@ -10,7 +10,9 @@ in :mod:`~agentlog.events.log_read`, verification in
 directory of segment files named by their first LSN; CRC32C-framed records;
 a ``DURABLE`` watermark that readers in other processes trust; an ``INDEX``
 checkpoint (sequence state of open sessions + sparse offset index) so that
-opening a log does not rescan it; and the one writer's flock on the directory
+opening a log does not rescan it, rewritten every ``checkpoint_bytes`` of a
+segment (once the records it describes are synced) so that recovery after a
+crash rescans at most about that much; and the one writer's flock on the directory
 itself (and on its ``LOCK`` file, which names its pid).
 
 Durability and visibility (the follower contract):
@@ -21,7 +23,7 @@ Durability and visibility (the follower contract):
   appends are coalesced into one write + fdatasync), ``interval`` (written at
   once, fdatasync at most every ``interval_s``; a machine crash can lose that
   window) or ``never`` (written, the OS decides when it reaches disk;
-  segment seals and close still sync).
+  segment seals, periodic checkpoints and close still sync).
 * The writer rewrites ``DURABLE`` only after the records below it are
   synced (written, under ``never``: then it is marked unsynced, and recovery
   takes it as a hint, not as proof that those records reached the disk).
@@ -64,6 +66,7 @@ from agentlog._logging import get_logger
 
 from .log_api import EventLog, LogClosed, LogError, NotALog, PendingRecord
 from .log_format import (
+    CHECKPOINT_EVERY_BYTES,
     DEFAULT_MAX_RECORD_BYTES,
     DURABLE_NAME,
     ENV_HDR,
@@ -99,6 +102,9 @@ _TERMINAL_SET = frozenset(TERMINAL_EVENT_TYPES)
 _IOV_MAX = 1024
 #: Payloads from this size on are written as their own iovec (never copied in Python).
 _BIG_PAYLOAD = 4096
+#: Periodic checkpoints are at least this many times the INDEX's size apart
+#: (at most ~1/8 more bytes written), whatever ``checkpoint_bytes`` says.
+_CKPT_SPACING = 8
 
 
 class OsOps:
@@ -167,6 +173,8 @@ def _raise_nofile_limit() -> None:
 class _Submission(NamedTuple):
     ops: list  # frames (bytes) and _NewSegment markers, in order
     end: int  # exclusive LSN bound of this submission
+    #: A periodic checkpoint of the state at ``end``, written once the data is synced.
+    checkpoint: Checkpoint | None = None
 
 
 # ---------------------------------------------------------------- the writer
@@ -195,17 +203,22 @@ class FileLog(EventLog):
         interval_s: float = 0.05,
         clock: Callable[[], int] = time.time_ns,
         os_ops: OsOps | None = None,
+        checkpoint_bytes: int = CHECKPOINT_EVERY_BYTES,
     ) -> "FileLog":
         """Open (creating if needed) the log directory at ``path`` as its one
         writer, recovering from any crash. See the module docstring for the
-        fsync policies. ``os_ops`` replaces the OS calls the writer uses for
-        data (fault injection in tests)."""
+        fsync policies. ``checkpoint_bytes``: rewrite the INDEX checkpoint each
+        time the active segment has grown by this much (bounds what recovery
+        after a crash rescans; under fsync="never" that flush syncs first). ``os_ops`` replaces
+        the OS calls the writer uses for data (fault injection in tests)."""
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync: expected one of {'/'.join(FSYNC_POLICIES)}, found {fsync!r}")
         if segment_bytes < SEG_HDR_SIZE + 64:
             raise ValueError(f"segment_bytes: expected at least {SEG_HDR_SIZE + 64}, found {segment_bytes}")
         if max_record_bytes < 64:
             raise ValueError(f"max_record_bytes: expected at least 64, found {max_record_bytes}")
+        if checkpoint_bytes < 1:
+            raise ValueError(f"checkpoint_bytes: expected at least 1, found {checkpoint_bytes}")
         directory = Path(path)
         if directory.exists() and not directory.is_dir():
             raise NotALog(f"{directory}: is a file, expected a log directory")
@@ -223,6 +236,7 @@ class FileLog(EventLog):
         self._segment_bytes = segment_bytes
         self._cap = max_record_bytes
         self._interval_s = interval_s
+        self._ckpt_bytes = self._ckpt_every = checkpoint_bytes
         self._os = os_ops or OsOps()
         self._log = log.bind(log_dir=str(directory))
         _raise_nofile_limit()
@@ -258,12 +272,16 @@ class FileLog(EventLog):
         self._unsynced = False
         self._last_sync = time.monotonic()
         self._published: tuple[int, bool] | None = None
+        # Flusher-side (whoever holds _flushing): a periodic checkpoint whose
+        # records are written but not yet synced (fsync="interval").
+        self._ckpt_unsynced: Checkpoint | None = None
         # Submission-side state (under _cv).
         self._assigned = 0  # next LSN to hand out
         self._acked = 0  # records below this are acknowledged
         self._seg_first: int | None = None  # segment the next frame goes to; None: start one
         self._seg_size = 0
         self._last_index_off = 0
+        self._ckpt_off = 0  # offset in the active segment of the last checkpoint taken
         self._segments: list[int] = []
         self._index: dict[int, list[tuple[int, int]]] = {}
         self._spares: collections.deque[_Spare] = collections.deque()  # under _cv
@@ -290,6 +308,7 @@ class FileLog(EventLog):
         state = recover(d, max_record_bytes=self._cap, salvage=salvage)
         expected = state.next_lsn
         self._epoch = state.epoch + 1
+        self._rescanned = state.rescanned_bytes
         self._segments = state.segments
         self._index = state.index
         self._next_seq = state.open_sessions
@@ -309,6 +328,7 @@ class FileLog(EventLog):
             segments=len(state.segments),
             open_sessions=len(state.open_sessions),
             index="rebuilt" if state.rebuilt else "checkpoint",
+            rescanned_bytes=state.rescanned_bytes,
             policy=self._policy,
         )
 
@@ -321,18 +341,24 @@ class FileLog(EventLog):
             off = self._seg_size if self._seg_first == seg else (self._dir / segment_name(seg)).stat().st_size
         else:
             seg, off = self._assigned, SEG_HDR_SIZE
-        segs = self._segments or []
+        return self._snapshot(self._assigned, seg, off)
+
+    def _snapshot(self, lsn: int, segment: int, offset: int) -> Checkpoint:
+        """Under _cv (or before the writer starts): checkpoint of the state
+        as of record ``lsn`` at ``offset`` in ``segment``, the last segment.
+        O(open sessions + segments): only ``segment``'s index list is copied,
+        as sealed segments' lists never change again and are shared."""
         return Checkpoint(
             epoch=self._epoch,
-            lsn=self._assigned,
-            segment=seg,
-            offset=off,
-            segments=list(segs) if segs else [],
+            lsn=lsn,
+            segment=segment,
+            offset=offset,
+            segments=list(self._segments),
             open_sessions=dict(self._next_seq),
-            index={k: list(v) for k, v in self._index.items()},
+            index={k: (v if k != segment else list(v)) for k, v in self._index.items()},
         )
 
-    def _write_checkpoint(self, ckpt: Checkpoint) -> None:
+    def _write_checkpoint(self, ckpt: Checkpoint, *, durable: bool = True) -> None:
         if not ckpt.segments:
             # Nothing to index; an old INDEX would be stale.
             try:
@@ -340,7 +366,12 @@ class FileLog(EventLog):
             except FileNotFoundError:
                 pass
             return
-        write_atomic(self._dir, INDEX_NAME, pack_checkpoint(ckpt))
+        data = pack_checkpoint(ckpt)
+        write_atomic(self._dir, INDEX_NAME, data, durable=durable)
+        # The INDEX holds the whole sparse index, so it grows with the log:
+        # space periodic checkpoints so that rewriting it stays a small
+        # fraction of the bytes appended (read by _submit; an int, no lock).
+        self._ckpt_every = max(self._ckpt_bytes, _CKPT_SPACING * len(data))
 
     def _publish(self, end: int, *, synced: bool = True) -> None:
         """Advance the DURABLE watermark readers in other processes trust.
@@ -370,6 +401,12 @@ class FileLog(EventLog):
     def max_record_bytes(self) -> int:
         """The largest record this log accepts (bytes, envelope included)."""
         return self._cap
+
+    @property
+    def rescanned_bytes(self) -> int:
+        """Bytes of segment files this open's recovery scanned past the INDEX
+        checkpoint (all of them when it rebuilt the index)."""
+        return self._rescanned
 
     @property
     def fatal_reason(self) -> str | None:
@@ -443,28 +480,24 @@ class FileLog(EventLog):
         self._seg_first, self._seg_size, self._last_index_off = seg_first, seg_size, last_idx
         self._assigned = lsn
         if envs:
-            self._pending.append(_Submission(ops, lsn))
+            ckpt = None
+            if seg_size - self._ckpt_off >= self._ckpt_every:
+                # The state right after this submission, a consistent point of
+                # the record stream; _flush writes it once these records are synced.
+                ckpt = self._snapshot(lsn, seg_first, seg_size)
+                self._ckpt_off = seg_size
+            self._pending.append(_Submission(ops, lsn, ckpt))
         return envs, lsn
 
     def _start_segment(self, lsn: int, *, rotating: bool, ops: list) -> list:
         """Stage a new segment starting at ``lsn``; returns the run its frames go to."""
         self._segments.append(lsn)
         self._index[lsn] = [(lsn, SEG_HDR_SIZE)]
+        self._ckpt_off = SEG_HDR_SIZE
         # A rotation checkpoints the state at the new segment's start, so a
         # crash never makes the next open rescan sealed segments. The writer's
         # first segment needs none: open left a valid checkpoint.
-        ckpt = None
-        if rotating:
-            ckpt = Checkpoint(
-                epoch=self._epoch,
-                lsn=lsn,
-                segment=lsn,
-                offset=SEG_HDR_SIZE,
-                segments=list(self._segments),
-                open_sessions=dict(self._next_seq),
-                # Sealed segments' lists never change again; the new one gets its own copy.
-                index={k: (v if k != lsn else [(lsn, SEG_HDR_SIZE)]) for k, v in self._index.items()},
-            )
+        ckpt = self._snapshot(lsn, lsn, SEG_HDR_SIZE) if rotating else None
         ops.append(_NewSegment(lsn, ckpt, self._spares.popleft() if self._spares else None))
         run: list = []
         ops.append(run)
@@ -619,6 +652,7 @@ class FileLog(EventLog):
     def _flush(self, subs: list[_Submission]) -> None:
         """Write (and sync per policy) staged submissions. Runs without _cv held."""
         buf: list = []
+        ckpt = self._ckpt_unsynced
         for sub in subs:
             for op in sub.ops:
                 if type(op) is list:
@@ -628,19 +662,37 @@ class FileLog(EventLog):
                         self._write_all(buf)
                         buf = []
                     self._roll(op)
+                    ckpt = None  # the rotation's checkpoint is newer
+            if sub.checkpoint is not None:
+                ckpt = sub.checkpoint
         if buf:
             self._write_all(buf)
         end = subs[-1].end
         policy = self._policy
-        if policy == "never":
+        if policy == "never" and ckpt is None:
             self._publish(end, synced=False)
         elif policy == "interval" and time.monotonic() - self._last_sync < self._interval_s:
             self._unsynced = True
+            self._ckpt_unsynced = ckpt  # written by the sync that makes its records durable
         else:
-            self._os.fdatasync(self._seg_fd)
-            self._last_sync = time.monotonic()
-            self._unsynced = False
-            self._publish(end)
+            # Under "never" only a flush carrying a checkpoint syncs (as a
+            # segment seal does): an INDEX never describes unsynced records.
+            self._sync(end, ckpt)
+
+    def _sync(self, end: int, ckpt: Checkpoint | None) -> None:
+        """fdatasync the active segment, publish ``end`` as durable, then
+        write ``ckpt`` (whose records are now all synced), if any."""
+        self._os.fdatasync(self._seg_fd)
+        self._last_sync = time.monotonic()
+        self._unsynced = False
+        self._publish(end)
+        if ckpt is not None:
+            self._ckpt_unsynced = None
+            # Not fsynced itself: a SIGKILL keeps it (the page cache survives);
+            # a power loss may leave the previous INDEX or a torn one, which
+            # recovery checks (CRC, position) and rebuilds. Two fsyncs per
+            # checkpoint would cost the append path several % (measured).
+            self._write_checkpoint_if_fds(ckpt, durable=False)
 
     def _roll(self, op: _NewSegment) -> None:
         """Seal the current segment and start the one named by ``op.first_lsn``."""
@@ -664,16 +716,22 @@ class FileLog(EventLog):
             os.link(self._dir / op.spare.tmp, self._dir / name)
             os.unlink(self._dir / op.spare.tmp)
         os.fsync(self._lock.dir_fd)
+        self._ckpt_unsynced = None  # sealed: the rotation's checkpoint is newer
         if op.checkpoint is not None:
-            try:
-                self._write_checkpoint(op.checkpoint)
-            except OSError as exc:
-                if exc.errno not in _OUT_OF_FDS:
-                    raise
-                # Only an optimisation: the previous INDEX stays valid (recovery
-                # scans on from it), so a lack of descriptors must not kill the log.
-                self._log.warning("log.checkpoint.skipped", segment=name, error=repr(exc))
+            self._write_checkpoint_if_fds(op.checkpoint)
         self._log.debug("log.segment.created", segment=name, epoch=self._epoch)
+
+    def _write_checkpoint_if_fds(self, ckpt: Checkpoint, *, durable: bool = True) -> None:
+        """Write a rotation's or a periodic checkpoint. Only an optimisation:
+        the previous INDEX stays valid (recovery scans on from it), so a lack of
+        descriptors (EMFILE) skips it with a warning instead of killing the log;
+        any other OSError is fatal, like a failed data write."""
+        try:
+            self._write_checkpoint(ckpt, durable=durable)
+        except OSError as exc:
+            if exc.errno not in _OUT_OF_FDS:
+                raise
+            self._log.warning("log.checkpoint.skipped", segment=segment_name(ckpt.segment), lsn=ckpt.lsn, error=repr(exc))
 
     def _go_fatal(self, exc: BaseException) -> None:
         """Under _cv: refuse everything from now on; fail every waiter."""
@@ -744,10 +802,7 @@ class FileLog(EventLog):
             if sync_only:
                 failure = None
                 try:
-                    self._os.fdatasync(self._seg_fd)
-                    self._last_sync = time.monotonic()
-                    self._unsynced = False
-                    self._publish(self._acked)
+                    self._sync(self._acked, self._ckpt_unsynced)
                 except BaseException as exc:  # noqa: BLE001 - fatal, reported to every appender
                     failure = exc
                 with cv:

@@ -40,7 +40,7 @@ def main() -> None:
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     path, seed = sys.argv[1], int(sys.argv[2])
     rnd = random.Random(seed)
-    lg = FileLog.open(path, segment_bytes=8192)
+    lg = FileLog.open(path, segment_bytes=8192, checkpoint_bytes=1024)  # periodic INDEX checkpoints inside segments too
     os.write(1, b"ready\n")
     # Async appenders own the a* sessions, the batch thread the b* ones, so
     # each session's next seq is only ever read by the one that appends to it.

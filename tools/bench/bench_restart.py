@@ -17,17 +17,19 @@ groups straddle each other and the low-water mark) after a short log
 Both restarts must release exactly the same groups with the same samples
 (checked). Each timing is the best of ``--repeat``.
 
-The engine's restart (``SessionEngine.open``), on a log of the same shape
-and length written through the engine itself in a child process that is
-then SIGKILLed (no clean close), each restart in a fresh process, timed from opening the
-log to an engine ready to open sessions: ours resumes from the engine's last
+The engine's restart, on a log of the same shape and length written
+through the engine itself in a child process that is then SIGKILLed (no
+clean close), each restart in a fresh process, timed from nothing to an
+engine ready to open sessions: ``FileLog.open`` (the log's own crash
+recovery, which rescans what was appended since its last periodic INDEX
+checkpoint) then ``SessionEngine.open``. Ours resumes from the engine's last
 periodic checkpoint (:mod:`agentlog.engine.restart`); the anchor folds the
 whole log (``checkpoint_every=0``). Both must append the same aborts and
 count the same violations (checked).
 
-Goals: ``restart_1M_vs_10k_events`` and ``engine_restart_1M_vs_10k_events``,
-each <= 2x (restart time after the long log over restart time after the
-short one).
+Goals: ``restart_1M_vs_10k_events`` and ``engine_restart_1M_vs_10k_events``
+(the total: FileLog.open + SessionEngine.open), each <= 2x (restart time
+after the long log over restart time after the short one).
 
 Usage: ``python tools/bench/bench_restart.py [--quick] [--long N] [--short N] [--dir D]``
 """
@@ -279,7 +281,7 @@ def restart_engine_here(path: str, from_zero: bool) -> None:
             eng = await SessionEngine.open(log, progress=False, **({"checkpoint_every": 0} if from_zero else {}))
             took = time.perf_counter() - t1
             appended = [(e.session_id, e.session_seq, e.body) for e in log.read(before)]
-            return {"took": took, "log_open": t1 - t0, "folded": eng.stats["restart_folded"], "violations": eng.stats["violations"],
+            return {"took": took, "log_open": t1 - t0, "total": took + t1 - t0, "rescanned": log.rescanned_bytes, "folded": eng.stats["restart_folded"], "violations": eng.stats["violations"],
                     "aborted": len(appended), "digest": hashlib.sha256(msgspec.msgpack.encode(appended)).hexdigest()}
         finally:
             log.close()
@@ -292,7 +294,7 @@ def engine_restart(path: Path, *, from_zero: bool) -> dict:
     killed engine's log: from the engine's last checkpoint, or folding the
     whole log (``checkpoint_every=0``: the anchor). ``took``: SessionEngine.open;
     ``log_open``: FileLog.open before it (the log's own crash recovery, which
-    rescans the segment written since its last INDEX, up to 64 MiB)."""
+    rescans what was appended since its last INDEX checkpoint); ``total``: both."""
     import json
 
     copy = path.with_name(path.name + "-restart")
@@ -329,15 +331,15 @@ def measure(base: Path, events: int, repeat: int) -> dict:
     end, ckpt_lsn = write_engine_log(run / "engine-log", events)
     print(f"  {events:,} events: the engine's log written in {time.perf_counter() - t0:.1f} s, killed at lsn {end:,}"
           f" (last checkpoint at lsn {ckpt_lsn:,})", file=sys.stderr)
-    eng = min((engine_restart(run / "engine-log", from_zero=False) for _ in range(repeat)), key=lambda r: r["took"])
-    eng_zero = min((engine_restart(run / "engine-log", from_zero=True) for _ in range(repeat)), key=lambda r: r["took"])
+    eng = min((engine_restart(run / "engine-log", from_zero=False) for _ in range(repeat)), key=lambda r: r["total"])
+    eng_zero = min((engine_restart(run / "engine-log", from_zero=True) for _ in range(repeat)), key=lambda r: r["total"])
     same = ("aborted", "digest", "violations")
     if [eng[k] for k in same] != [eng_zero[k] for k in same]:
         raise AssertionError(f"{events:,} events: the engine's restart from its checkpoint decided {eng}, "
                              f"from lsn 0 {eng_zero}; the aborts and violations must be the same")
     return {"events": events, "ours": ours[0], "from_zero": zero[0], "read_from": ours[2], "groups": len(ours[1]),
             "engine": eng["took"], "engine_folded": eng["folded"], "engine_zero": eng_zero["took"], "engine_end": end,
-            "log_open": eng["log_open"]}
+            "log_open": eng["log_open"], "engine_total": eng["total"], "rescanned": eng["rescanned"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,12 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     for m in (short, long):
         print(f"{m['events']:>12,} {m['ours'] * 1e3:>15.1f} ms {m['read_from']:>14,} {m['from_zero'] * 1e3:>12.1f} ms")
     print("engine (killed with 100 sessions in flight):")
-    print(f"{'log':>12} {'checkpoint restart':>19} {'folded':>8} {'from-0 restart':>15} {'FileLog.open before':>20}")
+    print(f"{'log':>12} {'total restart':>14} {'FileLog.open':>13} {'rescanned':>11} {'SessionEngine.open':>19} {'folded':>8}"
+          f" {'from-0 engine':>14}")
     for m in (short, long):
-        print(f"{m['engine_end']:>12,} {m['engine'] * 1e3:>16.1f} ms {m['engine_folded']:>8,} {m['engine_zero'] * 1e3:>12.1f} ms"
-              f" {m['log_open'] * 1e3:>17.1f} ms")
+        print(f"{m['engine_end']:>12,} {m['engine_total'] * 1e3:>11.1f} ms {m['log_open'] * 1e3:>10.1f} ms {m['rescanned'] / 2**20:>7.1f} MiB"
+              f" {m['engine'] * 1e3:>16.1f} ms {m['engine_folded']:>8,} {m['engine_zero'] * 1e3:>11.1f} ms")
     ratio = long["ours"] / short["ours"]
-    eng_ratio = long["engine"] / short["engine"]
+    eng_ratio = long["engine_total"] / short["engine_total"]
     print(f"anchor: the restart from LSN 0 grows {long['from_zero'] / short['from_zero']:.1f}x over the same logs "
           f"(learner), {long['engine_zero'] / short['engine_zero']:.1f}x (engine)")
     def label(n: int) -> str:
@@ -379,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
 
     label = f"{label(long_n)}_vs_{label(args.short)}"
     print(f"GOAL restart_{label}_events: {ratio:.2f}x (goal <= 2x) {'PASS' if ratio <= 2 else 'MISS'}")
-    print(f"GOAL engine_restart_{label}_events: {eng_ratio:.2f}x (goal <= 2x) {'PASS' if eng_ratio <= 2 else 'MISS'}")
+    print(f"GOAL engine_restart_{label}_events: {eng_ratio:.2f}x (goal <= 2x; FileLog.open + SessionEngine.open) "
+          f"{'PASS' if eng_ratio <= 2 else 'MISS'}")
     return 0
 
 
