@@ -198,13 +198,17 @@ async def _serve(args) -> int:
     from agentlog.engine import SessionEngine
     from agentlog.gateway import Gateway, GatewayConfig
     from agentlog.events import FileLog
-    from agentlog.events.log_api import LogError
+    from agentlog.events.log_api import LogCorruption, LogError
 
     backend, template, parser = _build(args)
     token = args.admin_token or secrets.token_urlsafe(18)
     try:
         log = FileLog.open(args.log, fsync=args.fsync)
+    except LogCorruption as exc:  # damage that recovery must not cut away: acknowledged records
+        await backend.close()
+        raise CliError(f"--log {args.log}: cannot serve this log: {exc} (see agentlog verify {args.log})") from None
     except (OSError, ValueError, LogError) as exc:  # LogError: not a log, or locked by another writer
+        await backend.close()
         raise CliError(f"--log {args.log}: {exc}") from None
     try:
         engine = await SessionEngine.open(log)
