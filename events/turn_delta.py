@@ -80,9 +80,23 @@ class TurnContext:
         return i
 
     def delta_of(self, turn: TurnRecorded) -> TurnDelta:
-        """The delta that :meth:`expand` turns back into ``turn`` exactly."""
+        """The delta that :meth:`expand` turns back into ``turn`` exactly.
+
+        ``turn`` was checked when it was built (by the engine, from the
+        caller's values), and every field of the delta is one of its fields or
+        a slice of one, so the delta is built without running the same checks
+        again; the log's write path still decodes the stored bytes with every
+        check on before it acknowledges them."""
         shared_tokens = common_prefix_tokens(self.tokens, turn.prompt_ids)
         shared_messages = self._shared_messages(turn.messages)
+        token = _READING_STORED.set(True)
+        try:
+            return self._delta(turn, shared_tokens, shared_messages)
+        finally:
+            _READING_STORED.reset(token)
+
+    @staticmethod
+    def _delta(turn: TurnRecorded, shared_tokens: int, shared_messages: int) -> TurnDelta:
         return TurnDelta(
             turn_index=turn.turn_index,
             shared_tokens=shared_tokens,
