@@ -126,7 +126,7 @@ class InferenceConfig:
     url: str = ""
     """sglang / vllm: the server's base URL (e.g. http://127.0.0.1:30000)."""
     model: str = ""
-    """vllm: the model name the server serves (sent with each completion)."""
+    """vllm: the model name the server serves (sent with each completion); "" sends none: the server's one model."""
     context_length: int = 2048
     """Longest prompt + output of a turn (tokens): the built-in GPT's max_seq_len in-process, the server's context otherwise."""
     served_dir: str = ""

@@ -156,8 +156,13 @@ class FakeServedModel:
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await request.json()
-        if not (isinstance(body.get("prompt"), list) and body.get("logprobs") == 0 and body.get("return_tokens_as_token_ids") is True
-                and body.get("model") == "tiny"):
+        if body.get("model") not in (None, str(self.served_dir)):
+            # vLLM serves the model under the path it was launched with (no --served-model-name);
+            # a request that names none gets that one, any other name is a 404.
+            self.errors.append(f"/v1/completions for model {body['model']!r}")
+            return web.json_response({"error": {"message": f"The model `{body['model']}` does not exist.", "type": "NotFoundError",
+                                                "code": 404}}, status=404)
+        if not (isinstance(body.get("prompt"), list) and body.get("logprobs") == 0 and body.get("return_tokens_as_token_ids") is True):
             return self._bad(f"bad /v1/completions body {body}")
         ids, lps, finish = await self._score(body["prompt"], body["max_tokens"], body.get("stop_token_ids", []))
         return web.json_response({"choices": [{"index": 0, "text": self.tokenizer.decode(ids), "token_ids": ids, "finish_reason": finish,
@@ -192,13 +197,13 @@ def _run_served_loop(kind: str, tmp_path: Path):
         try:
             inference = {"backend": kind, "url": server.url, "context_length": 512}
             if kind == "vllm":
-                inference.update(served_dir=str(served), model="tiny")
+                inference["served_dir"] = str(served)  # and no [inference] model: the server's one model
             cfg = LoopConfig(task="echo-word-test", hf_model="tiny-llama", seed=3, steps=2, groups_per_step=2, group_size=2,
                              warmup_steps=0, faults=FaultConfig.none(), stop_reward=0, time_budget_s=0, max_lag=0,
                              learner={"lr": 1e-2, "warmup_steps": 0, "entropy_coef": 0.01},
                              agent={"harness": "python-agent", "budget_s": 60}, inference=inference)
             worker = RolloutWorker(run_dir, cfg)
-            await asyncio.wait_for(asyncio.gather(LoopLearner(run_dir, cfg).run(), worker.run()), 120)
+            await asyncio.wait_for(asyncio.gather(LoopLearner(run_dir, cfg).run(), worker.run()), 60)
             return server, worker, cfg
         finally:
             await server.stop()
