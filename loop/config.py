@@ -176,7 +176,7 @@ class LoopConfig:
     temperature: float = 1.0
     """Rollout sampling temperature; recorded with every turn, so the learner takes log-probs at it too."""
     max_lag: int = 1
-    """How many policy versions the rollout worker may run ahead of the learner."""
+    """How many learner steps the rollout worker may run ahead of the learner (a step that trained nothing publishes no version)."""
     max_staleness: int = 2
     """A group generated more than this many versions before the learner's current one is stale."""
     staleness_mode: str = "correct"
