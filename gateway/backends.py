@@ -226,14 +226,16 @@ class OpenAICompletionsBackend(_HTTPBackend):
 
     name = "openai-completions"
 
-    def __init__(self, base_url: str, model: str, **kw: Any) -> None:
+    def __init__(self, base_url: str, model: str = "", **kw: Any) -> None:
         super().__init__(base_url, **kw)
+        #: The served model's name; "" sends none, which vLLM answers with its one base model
+        #: (any other name it does not serve is a 404).
         self.model = model
 
     def request_body(self, prompt_ids: Sequence[int], params: SamplingParams) -> dict[str, Any]:
         """The ``/v1/completions`` body for one call."""
         body: dict[str, Any] = {
-            "model": self.model,
+            **({"model": self.model} if self.model else {}),
             "prompt": list(prompt_ids),
             "max_tokens": params.max_new_tokens,
             "temperature": params.temperature,

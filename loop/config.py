@@ -126,7 +126,7 @@ class InferenceConfig:
     url: str = ""
     """sglang / vllm: the server's base URL (e.g. http://127.0.0.1:30000)."""
     model: str = ""
-    """vllm: the model name the server serves (sent with each completion)."""
+    """vllm: the model name the server serves (sent with each completion); "" sends none: the server's one model."""
     context_length: int = 2048
     """Longest prompt + output of a turn (tokens): the built-in GPT's max_seq_len in-process, the server's context otherwise."""
     served_dir: str = ""
@@ -176,7 +176,7 @@ class LoopConfig:
     temperature: float = 1.0
     """Rollout sampling temperature; recorded with every turn, so the learner takes log-probs at it too."""
     max_lag: int = 1
-    """How many policy versions the rollout worker may run ahead of the learner."""
+    """How many learner steps the rollout worker may run ahead of the learner (a step that trained nothing publishes no version)."""
     max_staleness: int = 2
     """A group generated more than this many versions before the learner's current one is stale."""
     staleness_mode: str = "correct"

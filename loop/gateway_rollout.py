@@ -285,7 +285,7 @@ def make_backend(cfg: LoopConfig, model: Any) -> tuple[Backend, Any]:
     if inf.backend == "sglang":
         backend = GatedBackend(SGLangBackend(inf.url, context_length=inf.context_length))
         return backend, SGLangWeightSync(inf.url, gate=backend.gate)
-    backend = GatedBackend(OpenAICompletionsBackend(inf.url, inf.model or "default", context_length=inf.context_length))
+    backend = GatedBackend(OpenAICompletionsBackend(inf.url, inf.model, context_length=inf.context_length))
     return backend, VLLMWeightSync(inf.url, inf.served_dir, gate=backend.gate)
 
 

@@ -99,6 +99,9 @@ class PolicyFollower:
         self.latest: PolicyUpdated | None = None
         self.history: list[PolicyUpdated] = []
         self.final_version: int | None = None
+        #: Newest learner step recorded (-1 before any); a step that trained nothing
+        #: (every group skipped) is recorded without a new version.
+        self.step = -1
 
     def poll(self) -> bool:
         """Read whatever the learner appended since the last poll; True if anything new."""
@@ -109,6 +112,7 @@ class PolicyFollower:
             self.next_lsn = env.lsn + 1
             if isinstance(env.body, PolicyUpdated):
                 self.history.append(env.body)
+                self.step = max(self.step, env.body.step)
                 if self.latest is None or env.body.policy_version >= self.latest.policy_version:
                     self.latest = env.body
                 if env.body.metrics.get("loop/final", 0.0) >= 1.0:

@@ -9,8 +9,11 @@ between them.
 Batches. Batch ``b`` is ``groups_per_step`` prompts x ``group_size``
 sessions (ids ``b00012-g07-s3``, group ``b00012-g07``), drawn from a random
 stream seeded by ``(seed, b)``, so a restarted worker draws the same batch.
-The worker starts batch ``b`` only once the learner has published version
+The worker starts batch ``b`` only once the learner has recorded step
 ``b - max_lag`` or later: that bounds how far rollouts run ahead of training.
+Steps, not versions: a step whose every group was skipped (all aborted)
+publishes no new version, and waiting for one would stall the run for good
+(with ``max_lag = 0`` only the next batch could produce it).
 
 Restart. ``SessionEngine.open`` aborts the sessions a killed worker left
 open or running (reason ``engine_restart``). Sessions of the interrupted
@@ -176,13 +179,13 @@ class RolloutWorker:
             self.log.info("worker.weights_loaded", policy_version=rec.policy_version, checkpoint=rec.checkpoint)
             return
 
-    async def wait_for_version(self, version: int) -> bool:
-        """Wait until the learner published ``version`` (False if the run ended first)."""
+    async def wait_for_step(self, step: int) -> bool:
+        """Wait until the learner recorded ``step`` (False if the run ended first)."""
         while True:
             self.follower.poll()
             if self.follower.final_version is not None:
                 return False
-            if self.follower.version >= version:
+            if self.follower.step >= step:
                 return True
             await asyncio.sleep(0.01)
 
@@ -356,7 +359,7 @@ class RolloutWorker:
             await self.complete_interrupted(engine, batch - 1)
             self.log.info("worker.started", first_batch=batch, restart_aborted=engine.stats.get("restart_aborted", 0))
             while max_batches is None or done < max_batches:
-                if not await self.wait_for_version(max(0, batch - cfg.max_lag)):
+                if not await self.wait_for_step(max(0, batch - cfg.max_lag)):
                     break
                 if self.text:
                     await self.reload_text()

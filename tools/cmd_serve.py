@@ -105,7 +105,7 @@ def _build(args):
         if args.backend == "sglang":
             backend = SGLangBackend(args.backend_url, context_length=ctx)
         else:
-            backend = OpenAICompletionsBackend(args.backend_url, args.model or "default", context_length=ctx)
+            backend = OpenAICompletionsBackend(args.backend_url, args.model, context_length=ctx)
     name = args.tokenizer or (args.model if args.backend != "torch" and _has_transformers() else "")
     if hf_model is not None and not args.tokenizer:
         if hf_model.tokenizer is None:
