@@ -16,6 +16,8 @@ import random
 
 import pytest
 from aiohttp import web
+
+from aiohttp_helpers import serve_app
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,11 +53,7 @@ class FakeServer:
         app.router.add_post("/update_weights_from_disk", self.update_from_disk)
         app.router.add_post("/collective_rpc", self.collective_rpc)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.runner, self.url = await serve_app(app)
         return self
 
     async def stop(self) -> None:

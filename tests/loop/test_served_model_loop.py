@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+
+from aiohttp_helpers import serve_app
 from hf_helpers import build_once  # noqa: F401  (sets HF_HUB_OFFLINE before transformers is imported)
 
 from agentlog.events.turn_delta import full_turns
@@ -85,11 +87,7 @@ class FakeServedModel:
             app.router.add_post("/v1/completions", self.completions)
             app.router.add_post("/collective_rpc", self.collective_rpc)
             app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.runner, self.url = await serve_app(app)
         return self
 
     async def stop(self) -> None:
