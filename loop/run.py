@@ -108,8 +108,9 @@ def summarise_rollout(run_dir: Path) -> tuple[Counter, int, int, int, int]:
 
 
 def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: TextIO | None = None,
-             timeout_s: float | None = None) -> RunResult:
-    """Run the learner and one rollout worker on ``run_dir`` until version ``cfg.steps``."""
+             timeout_s: float | None = None, label: str = "agentlog") -> RunResult:
+    """Run the learner and one rollout worker on ``run_dir`` until version ``cfg.steps``
+    (``label`` names the progress bar: the command that runs the loop)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     # Both processes read the HF model: build a tiny one once, here, and pin a
@@ -128,7 +129,7 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: 
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, desc="agentlog demo", unit="step", file=console or sys.stderr,
+        bar = tqdm(total=cfg.steps, desc=label, unit="step", file=console or sys.stderr,
                    dynamic_ncols=True, leave=True)
     try:
         seen = 0

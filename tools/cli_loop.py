@@ -207,7 +207,7 @@ def _execute(cfg: LoopConfig, args, run_dir: Path, title: str) -> int:
              groups_per_step=cfg.groups_per_step, group_size=cfg.group_size, warmup_steps=cfg.warmup_steps)
     t0 = time.monotonic()
     try:
-        res = run_loop(cfg, run_dir, progress=not args.quiet, timeout_s=args.timeout)
+        res = run_loop(cfg, run_dir, progress=not args.quiet, timeout_s=args.timeout, label=f"agentlog {title}")
     except LoopError as exc:
         raise CliError(f"{run_dir}: {exc}", EXIT_DATA) from None
     print(summary_table(res, cfg))
