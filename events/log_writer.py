@@ -760,8 +760,10 @@ class FileLog(EventLog):
         I/O error). If they land after it (on NFS, writes reach the server
         at the stale writer's next fdatasync), they sit past the recovery
         point of a sealed segment, or the stale DURABLE overwrites the new
-        one until the new writer's next publish; ``verify`` and readers then
-        report damage, never silently accept it. The window is one batch's
+        one until the new writer's next publish. ``verify``, a full recovery
+        and readers (a segment never holds the LSN the next segment starts
+        at: see ``log_read.Cursor``) report those frames as corruption and
+        never yield them. The window is one batch's
         write + sync; a newer writer that waits longer than that after
         writing FENCE before it recovers closes it (not done here)."""
         if not self._fence_check:
