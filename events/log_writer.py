@@ -556,7 +556,9 @@ class FileLog(EventLog):
     def _open_spare(self) -> None:
         """Under _cv: open one more spare segment file."""
         self._spare_count += 1
-        tmp = f"{_SPARE_PREFIX}{self._spare_count}.tmp"
+        # The epoch keeps a stale writer (see _check_fence) from truncating or
+        # removing a newer writer's spare of the same number.
+        tmp = f"{_SPARE_PREFIX}{self._epoch}-{self._spare_count}.tmp"
         fd = os.open(self._dir / tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._spares.append(_Spare(fd, tmp))
 
