@@ -35,6 +35,7 @@ from .log_api import (  # noqa: F401
     LogClosed,
     LogCorruption,
     LogError,
+    LogFenced,
     LogLocked,
     MemoryLog,
     NotALog,
@@ -53,6 +54,9 @@ _LAZY = {
     "follow_log": "log_read",
     "read_log": "log_read",
     "VerifyReport": "log_verify",
+    "list_partitions": "partitions",
+    "open_partition": "partitions",
+    "partition_dir": "partitions",
     "verify_log": "log_verify",
 }
 

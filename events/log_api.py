@@ -45,6 +45,19 @@ class LogClosed(LogError):
     """The log was closed, or went fatal after an I/O error; reopen to recover."""
 
 
+class LogFenced(LogClosed):
+    """A newer writer (higher epoch) opened this log, on this node or another
+    node of a shared filesystem: this writer is stale and fatal. It is a
+    :class:`LogClosed` (the writer refuses everything from now on; handlers
+    of a fatal log handle it as such) whose message names the directory,
+    both epochs and the first LSN not acknowledged."""
+
+    def __init__(self, message: str, *, epoch: int = -1, newer_epoch: int = -1) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+        self.newer_epoch = newer_epoch
+
+
 class LogCorruption(LogError):
     """A frame that acknowledged data depends on is damaged.
 

@@ -82,6 +82,10 @@ DURABLE_FMT = struct.Struct("<QQI")  # next durable lsn, epoch, masked crc
 INDEX_NAME = "INDEX"
 INDEX_MAGIC = b"AGLOGIDX"
 LOCK_NAME = "LOCK"
+#: The epoch fence: the highest writer epoch that has opened the log (see read_fence).
+FENCE_NAME = "FENCE"
+FENCE_MAGIC = b"AGLOGFNC"
+FENCE_FMT = struct.Struct("<8sQI")  # magic, epoch, masked crc of magic + epoch
 
 DEFAULT_MAX_RECORD_BYTES = 16 << 20
 #: A sparse-index entry is kept every this many bytes of a segment.
@@ -224,6 +228,44 @@ def read_watermark(directory: Path) -> Watermark | None:
     if mask_crc(crc_value(raw[:16])) != crc:
         return None
     return Watermark(lsn, epoch & ~DURABLE_UNSYNCED, not epoch & DURABLE_UNSYNCED)
+
+
+# ---------------------------------------------------------------- epoch fence
+
+
+def pack_fence(epoch: int) -> bytes:
+    """Contents of the FENCE file naming writer epoch ``epoch``."""
+    body = struct.pack("<8sQ", FENCE_MAGIC, epoch)
+    return body + FRAME_CRC.pack(mask_crc(crc_value(body)))
+
+
+def parse_fence(raw: bytes, path: Path | str) -> int:
+    """The epoch a FENCE file's bytes name; LogCorruption naming ``path`` when
+    they are not a FENCE (it is written atomically, so it is never torn by a
+    crash: damage means something else wrote it)."""
+    if len(raw) != FENCE_FMT.size:
+        raise LogCorruption(f"{path}: expected a {FENCE_FMT.size}-byte epoch fence, found {len(raw)} bytes")
+    magic, epoch, crc = FENCE_FMT.unpack(raw)
+    if magic != FENCE_MAGIC or mask_crc(crc_value(raw[:16])) != crc:
+        raise LogCorruption(f"{path}: epoch fence has a bad magic or CRC (expected {FENCE_MAGIC!r} and a matching CRC)")
+    return epoch
+
+
+def read_fence(directory: Path) -> int:
+    """The highest writer epoch that has opened the log in ``directory``, per
+    its FENCE file; 0 when there is none (a new log, or one written before
+    fences existed). Opens the file afresh: it is replaced by rename, and a
+    fresh open is what makes NFS revalidate it (close-to-open consistency)."""
+    path = directory / FENCE_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return 0
+    try:
+        raw = os.pread(fd, FENCE_FMT.size + 1, 0)
+    finally:
+        os.close(fd)
+    return parse_fence(raw, path)
 
 
 # ---------------------------------------------------------------- checkpoint

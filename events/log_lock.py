@@ -20,21 +20,27 @@ class WriterLock(NamedTuple):
     file_fd: int
 
 
-def acquire_lock(directory: Path) -> WriterLock:
+def acquire_lock(directory: Path, *, flock: bool = True) -> WriterLock:
     """Become the one writer of ``directory`` or raise LogLocked naming the holder.
 
     The lock is an flock on the directory itself, which nobody can delete or
     swap out from under a live writer (a LOCK file can be deleted and
     re-created, and a lock on the new file would let a second writer in). The
     LOCK file is still locked too (writers of earlier versions lock only it)
-    and holds the writer's pid for humans and for the error message."""
+    and holds the writer's pid for humans and for the error message.
+
+    ``flock=False`` opens both descriptors without locking them: the test
+    seam that simulates a writer on another node of a shared filesystem,
+    whose flock this node does not see (see FileLog.open's ``_flock``)."""
     dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     file_fd = -1
     try:
         try:
-            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if flock:
+                fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             file_fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.flock(file_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if flock:
+                fcntl.flock(file_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise LogLocked(
                 f"log {directory}: another writer holds it ({_lock_holder(directory, dir_fd)}); "

@@ -84,6 +84,10 @@ class Cursor:
         self.ino = 0
         self.name = ""
         self.scanner: SegmentScanner | None = None
+        #: First LSN of the segment after the current one (None: none listed
+        #: yet). A segment never holds that LSN: frames there are a stale
+        #: writer's (see FileLog._check_fence) and reading them is refused.
+        self.next_first: int | None = None
         #: The limit is a watermark written under fsync="never" (not synced).
         self.unsynced_limit = False
 
@@ -109,7 +113,14 @@ class Cursor:
         self.ino = os.fstat(fd).st_ino
         self.name = segment_name(first)
         self.scanner = SegmentScanner(fd, self.name, offset, expected, self.cap)
+        self.next_first = None
+        self._find_next(first)
         return True
+
+    def _find_next(self, first: int) -> None:
+        """Record the first LSN of the segment after ``first``, if one is listed."""
+        later = [s for s in list_segments(self.dir) if s > first]
+        self.next_first = later[0] if later else None
 
     def _position(self) -> bool:
         segs = list_segments(self.dir)
@@ -178,8 +189,14 @@ class Cursor:
             sc = self.scanner
             if limit is not None and sc.expected >= limit:
                 return
+            if self.next_first is None:
+                # Listed after ``limit`` was read: a segment that holds records
+                # below it exists by now, so a stale writer's frames cannot pass.
+                self._find_next(int(self.name[:20]))
+            nxt_first = self.next_first
+            seg_limit = limit if nxt_first is None or (limit is not None and limit < nxt_first) else nxt_first
             size = os.fstat(self.fd).st_size
-            for fr in sc.frames(limit, size):
+            for fr in sc.frames(seg_limit, size):
                 if fr.lsn < from_lsn:
                     continue
                 if raw:
@@ -191,6 +208,15 @@ class Cursor:
                         raise payload_error(self.name, fr, exc) from exc
                     yield Envelope(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, body)
             bad = sc.bad
+            if bad is None and nxt_first is not None and sc.expected >= nxt_first and size > sc.offset:
+                raise LogCorruption(
+                    f"log {self.dir}: segment {self.name} holds {size - sc.offset} bytes past offset {sc.offset} "
+                    f"(lsn {nxt_first} on), but segment {segment_name(nxt_first)} starts at lsn {nxt_first}: "
+                    f"written by a stale writer after a newer one recovered the log (see FENCE); verify names the damage",
+                    segment=self.name,
+                    offset=sc.offset,
+                    last_good_lsn=nxt_first - 1,
+                )
             if bad is None:
                 if limit is not None and sc.expected >= limit:
                     return

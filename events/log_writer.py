@@ -64,12 +64,13 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
 
 from agentlog._logging import get_logger
 
-from .log_api import EventLog, LogClosed, LogError, NotALog, PendingRecord
+from .log_api import EventLog, LogClosed, LogCorruption, LogError, LogFenced, NotALog, PendingRecord
 from .log_format import (
     CHECKPOINT_EVERY_BYTES,
     DEFAULT_MAX_RECORD_BYTES,
     DURABLE_NAME,
     ENV_HDR,
+    FENCE_NAME,
     FRAME_CRC,
     FRAME_OVERHEAD,
     HEAD,
@@ -83,7 +84,10 @@ from .log_format import (
     is_log_dir,
     pack_checkpoint,
     pack_durable,
+    pack_fence,
     pack_segment_header,
+    read_durable,
+    read_fence,
     segment_name,
     write_atomic,
 )
@@ -204,13 +208,30 @@ class FileLog(EventLog):
         clock: Callable[[], int] = time.time_ns,
         os_ops: OsOps | None = None,
         checkpoint_bytes: int = CHECKPOINT_EVERY_BYTES,
+        fence: bool = True,
+        _flock: bool = True,
     ) -> "FileLog":
         """Open (creating if needed) the log directory at ``path`` as its one
         writer, recovering from any crash. See the module docstring for the
         fsync policies. ``checkpoint_bytes``: rewrite the INDEX checkpoint each
         time the active segment has grown by this much (bounds what recovery
         after a crash rescans; under fsync="never" that flush syncs first). ``os_ops`` replaces
-        the OS calls the writer uses for data (fault injection in tests)."""
+        the OS calls the writer uses for data (fault injection in tests).
+
+        Every open takes a new writer epoch and records it in the ``FENCE``
+        file before recovery; ``fence=True`` (default) makes the writer re-read
+        FENCE before each batch it writes and before it acknowledges one, and
+        go fatal with :class:`LogFenced` once a newer epoch has opened the log
+        (see :meth:`_check_fence` for what this guards and its race window).
+        ``fence=False`` skips those reads (a log on a local disk, where the
+        flock already excludes a second writer); FENCE is still written.
+
+        ``_flock=False`` is a test seam, not an option: it skips the flock to
+        simulate a second writer on another node of a shared filesystem,
+        where this node's flock does not exclude it. It is private because
+        two live writers of one directory are never a supported setup: the
+        fence stops a stale incarnation, with a race window, and does not
+        make concurrent writers safe."""
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync: expected one of {'/'.join(FSYNC_POLICIES)}, found {fsync!r}")
         if segment_bytes < SEG_HDR_SIZE + 64:
@@ -224,7 +245,7 @@ class FileLog(EventLog):
             raise NotALog(f"{directory}: is a file, expected a log directory")
         directory.mkdir(parents=True, exist_ok=True)
         if not is_log_dir(directory):
-            strangers = sorted(n for n in os.listdir(directory) if n not in (LOCK_NAME, INDEX_NAME) and not n.startswith("."))
+            strangers = sorted(n for n in os.listdir(directory) if n not in (LOCK_NAME, INDEX_NAME, FENCE_NAME) and not n.startswith("."))
             if strangers:
                 raise NotALog(
                     f"{directory}: not an agentlog log directory (no segments, no {DURABLE_NAME}; "
@@ -238,9 +259,10 @@ class FileLog(EventLog):
         self._interval_s = interval_s
         self._ckpt_bytes = self._ckpt_every = checkpoint_bytes
         self._os = os_ops or OsOps()
+        self._fence_check = fence
         self._log = log.bind(log_dir=str(directory))
         _raise_nofile_limit()
-        self._lock: WriterLock | None = acquire_lock(directory)
+        self._lock: WriterLock | None = acquire_lock(directory, flock=_flock)
         try:
             self._init_state()
             for name in os.listdir(directory):
@@ -305,9 +327,20 @@ class FileLog(EventLog):
         """Recover the directory (see :mod:`agentlog.events.log_recovery`) and
         take over its state; publish the watermark and a fresh checkpoint."""
         d = self._dir
+        # Fence first: a stale writer (on another node, whose flock this one
+        # does not see) stops at its next batch, before this recovery reads
+        # the tail it may still be writing. A fence-aware writer recorded its
+        # epoch in FENCE; DURABLE covers logs written before fences existed.
+        durable = read_durable(d)
+        self._epoch = max(read_fence(d), durable[1] if durable else 0) + 1
+        write_atomic(d, FENCE_NAME, pack_fence(self._epoch))
         state = recover(d, max_record_bytes=self._cap, salvage=salvage)
         expected = state.next_lsn
-        self._epoch = state.epoch + 1
+        if state.epoch >= self._epoch:  # a segment or INDEX of a later epoch (DURABLE was lost)
+            self._epoch = state.epoch + 1
+            write_atomic(d, FENCE_NAME, pack_fence(self._epoch))
+        st = os.stat(d / FENCE_NAME)
+        self._fence_stat = (st.st_ino, st.st_size, st.st_mtime_ns)
         self._rescanned = state.rescanned_bytes
         self._segments = state.segments
         self._index = state.index
@@ -414,7 +447,11 @@ class FileLog(EventLog):
 
     def _dead(self) -> LogClosed:
         if self._fatal is not None:
-            exc = LogClosed(self._fatal_msg)
+            fenced = self._fatal
+            if isinstance(fenced, LogFenced):
+                exc: LogClosed = LogFenced(self._fatal_msg, epoch=fenced.epoch, newer_epoch=fenced.newer_epoch)
+            else:
+                exc = LogClosed(self._fatal_msg)
             exc.__cause__ = self._fatal
             return exc
         return LogClosed(f"log {self._dir}: closed; no further appends")
@@ -519,7 +556,9 @@ class FileLog(EventLog):
     def _open_spare(self) -> None:
         """Under _cv: open one more spare segment file."""
         self._spare_count += 1
-        tmp = f"{_SPARE_PREFIX}{self._spare_count}.tmp"
+        # The epoch keeps a stale writer (see _check_fence) from truncating or
+        # removing a newer writer's spare of the same number.
+        tmp = f"{_SPARE_PREFIX}{self._epoch}-{self._spare_count}.tmp"
         fd = os.open(self._dir / tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._spares.append(_Spare(fd, tmp))
 
@@ -650,7 +689,11 @@ class FileLog(EventLog):
                     break
 
     def _flush(self, subs: list[_Submission]) -> None:
-        """Write (and sync per policy) staged submissions. Runs without _cv held."""
+        """Write (and sync per policy) staged submissions. Runs without _cv held.
+        The fence is checked before anything is written (a stale writer must
+        not put bytes after a newer writer's recovery point) and again before
+        the batch is acknowledged or published."""
+        self._check_fence()
         buf: list = []
         ckpt = self._ckpt_unsynced
         for sub in subs:
@@ -670,8 +713,10 @@ class FileLog(EventLog):
         end = subs[-1].end
         policy = self._policy
         if policy == "never" and ckpt is None:
+            self._check_fence()
             self._publish(end, synced=False)
         elif policy == "interval" and time.monotonic() - self._last_sync < self._interval_s:
+            self._check_fence()  # acknowledged once written, under "interval"
             self._unsynced = True
             self._ckpt_unsynced = ckpt  # written by the sync that makes its records durable
         else:
@@ -681,10 +726,13 @@ class FileLog(EventLog):
 
     def _sync(self, end: int, ckpt: Checkpoint | None) -> None:
         """fdatasync the active segment, publish ``end`` as durable, then
-        write ``ckpt`` (whose records are now all synced), if any."""
+        write ``ckpt`` (whose records are now all synced), if any. The fence
+        is checked after the sync (on NFS the data reaches the server there)
+        and before anything is published or acknowledged."""
         self._os.fdatasync(self._seg_fd)
         self._last_sync = time.monotonic()
         self._unsynced = False
+        self._check_fence()
         self._publish(end)
         if ckpt is not None:
             self._ckpt_unsynced = None
@@ -693,6 +741,64 @@ class FileLog(EventLog):
             # recovery checks (CRC, position) and rebuilds. Two fsyncs per
             # checkpoint would cost the append path several % (measured).
             self._write_checkpoint_if_fds(ckpt, durable=False)
+
+    def _check_fence(self) -> None:
+        """Raise LogFenced when FENCE names a newer epoch than this writer's.
+
+        One open + pread + close of a 20-byte file (opened afresh: FENCE is
+        replaced by rename, and a fresh open is what makes an NFS client
+        revalidate it). Called before each batch is written, after it is
+        synced and before it is published or acknowledged, and before close
+        publishes. So a stale writer never acknowledges a record after a
+        newer writer has written FENCE, and never writes a batch it started
+        after that.
+
+        The race window (the classic fencing-token limit, without storage that
+        enforces the token): a batch whose pre-write read came just before the
+        newer writer wrote FENCE is still written. If its bytes reach the file
+        before the newer writer's recovery reads that segment, recovery keeps
+        them as it keeps any crashed writer's unacknowledged records (the
+        stale caller got LogFenced: an outcome-unknown failure, as after an
+        I/O error). If they land after it (on NFS, writes reach the server
+        at the stale writer's next fdatasync), they sit past the recovery
+        point of a sealed segment, or the stale DURABLE overwrites the new
+        one until the new writer's next publish. ``verify``, a full recovery
+        and readers (a segment never holds the LSN the next segment starts
+        at: see ``log_read.Cursor``) report those frames as corruption and
+        never yield them. The window is one batch's
+        write + sync; a newer writer that waits longer than that after
+        writing FENCE before it recovers closes it (not done here)."""
+        if not self._fence_check:
+            return
+        try:
+            newer = read_fence(self._dir)
+        except OSError as exc:
+            if exc.errno not in _OUT_OF_FDS:
+                raise
+            # Out of descriptors (appends stay healthy then, see _reserve_spares):
+            # stat needs none. Only a writer's open replaces FENCE, so a file
+            # other than the one this writer wrote means a newer writer. (On NFS
+            # a stat may be served from the attribute cache, seconds old.)
+            st = os.stat(self._dir / FENCE_NAME)
+            if (st.st_ino, st.st_size, st.st_mtime_ns) == self._fence_stat:
+                return
+            raise LogFenced(
+                f"log {self._dir}: a newer writer (epoch unknown: out of file descriptors to read {FENCE_NAME}) "
+                f"opened this log; this writer (epoch {self._epoch}) is stale",
+                epoch=self._epoch,
+            ) from exc
+        if newer == self._epoch:
+            return
+        if newer > self._epoch:
+            raise LogFenced(
+                f"log {self._dir}: a newer writer (epoch {newer}) opened this log; this writer (epoch {self._epoch}) is stale",
+                epoch=self._epoch,
+                newer_epoch=newer,
+            )
+        raise LogCorruption(
+            f"log {self._dir}: its {FENCE_NAME} file names epoch {newer} (0: missing), below this writer's epoch "
+            f"{self._epoch}; something other than a writer changed it, so this writer cannot prove it is still the newest"
+        )
 
     def _roll(self, op: _NewSegment) -> None:
         """Seal the current segment and start the one named by ``op.first_lsn``."""
@@ -739,11 +845,17 @@ class FileLog(EventLog):
             self._fatal = exc
             seg = segment_name(self._cur_seg) if self._cur_seg is not None else "-"
             what = "an I/O error" if isinstance(exc, OSError) else "an unexpected error in the writer"
-            self._fatal_msg = (
-                f"log {self._dir}: writer is fatal after {what} in segment {seg} "
-                f"({type(exc).__name__}: {exc}); records from lsn {self._acked} on were not acknowledged; "
-                f"reopen the log to recover"
-            )
+            if isinstance(exc, LogFenced):
+                self._fatal_msg = (
+                    f"{exc}; records from lsn {self._acked} on were not acknowledged by this writer; "
+                    f"it refuses every append (the newer writer owns the log)"
+                )
+            else:
+                self._fatal_msg = (
+                    f"log {self._dir}: writer is fatal after {what} in segment {seg} "
+                    f"({type(exc).__name__}: {exc}); records from lsn {self._acked} on were not acknowledged; "
+                    f"reopen the log to recover"
+                )
             self._log.error("log.writer.fatal", error=repr(exc), segment=seg, acked_lsn=self._acked)
         self._discard_spares(self._unused_spares(self._pending))
         self._pending.clear()
@@ -870,6 +982,7 @@ class FileLog(EventLog):
                         self._flushing = True  # keep the writer thread off the fd
                     if self._seg_fd is not None:
                         self._os.fdatasync(self._seg_fd)
+                    self._check_fence()  # a stale writer must not overwrite DURABLE or INDEX
                     self._publish(self._acked)
                     self._write_checkpoint(self._snapshot_at_end())
                 except BaseException as exc:  # noqa: BLE001 - re-raised below after releasing the lock
