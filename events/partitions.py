@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from .log_api import NotALog
+from .log_api import LogError, NotALog
 
 #: Partition ids are 0 .. MAX_PARTITIONS - 1, so that names sort as numbers.
 MAX_PARTITIONS = 10_000
@@ -82,3 +82,61 @@ def open_partition(root: str | os.PathLike, pid: int, **open_kw: Any):
     from .log_writer import FileLog
 
     return FileLog.open(partition_dir(root, pid), **open_kw)
+
+
+def is_partition_root(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a directory holding at least one ``p%04d``
+    partition directory (and nothing else that is not hidden)."""
+    try:
+        return bool(list_partitions(path))
+    except NotALog:
+        return False
+
+
+def read_partitions(root: str | os.PathLike, *, raw: bool = False) -> Iterator[tuple[int, Any]]:
+    """Every durable record of every partition under ``root``, each as
+    ``(partition id, record)`` (an Envelope, or a RawRecord with ``raw``), in
+    one merged order: by ``(ts_ns, partition id, lsn)``.
+
+    Why this order: a merged view is read by people, who want time order,
+    and within each partition records are already in LSN order (the merge
+    takes them as they come, so a partition whose clock stepped back keeps
+    its own order). Determinism comes from the key alone: it is a function
+    of the files' contents, never of when each partition's records arrived,
+    and ``(partition id, lsn)`` is unique, so equal timestamps tie-break the
+    same way on every read. Streaming, with one open reader and one pending
+    record per partition (``heapq.merge``), so memory does not grow with
+    the log. An error while reading a partition (corruption, a missing
+    segment) is re-raised as the same kind of error, its message prefixed
+    by the partition's name and directory (the log layer's message names
+    the segment, offset and LSN)."""
+    import heapq
+
+    from .log_read import read_log
+
+    root = Path(root)
+
+    def one(pid: int) -> Iterator[tuple[int, int, int, Any]]:
+        where = partition_dir(root, pid)
+        it = read_log(where, raw=raw)
+        try:
+            for rec in it:
+                yield rec.ts_ns, pid, rec.lsn, rec
+        except LogError as exc:
+            raise _prefixed(exc, f"partition {partition_name(pid)} ({where})") from exc
+        except OSError as exc:
+            raise type(exc)(exc.errno, f"partition {partition_name(pid)}: {exc.strerror or exc}", exc.filename) from exc
+        finally:
+            it.close()
+
+    # The key (ts_ns, pid, lsn) is unique, so merge never compares records.
+    for _ts, pid, _lsn, rec in heapq.merge(*(one(pid) for pid in list_partitions(root)), key=lambda t: t[:3]):
+        yield pid, rec
+
+
+def _prefixed(exc: LogError, where: str) -> LogError:
+    """``exc`` as the same LogError kind with ``where`` before its message."""
+    new = LogError.__new__(type(exc))
+    LogError.__init__(new, f"{where}: {exc}")
+    new.__dict__.update(exc.__dict__)
+    return new

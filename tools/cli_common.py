@@ -46,8 +46,24 @@ def _is_run_folder(path: Path, *, allow_empty: bool) -> bool:
     written, exists next to the run's ``config.json``)."""
     from agentlog.events.log_format import is_log_dir
 
+    from agentlog.events.partitions import is_partition_root
+
     inner = path / RUN_FOLDER_LOG
-    return is_log_dir(inner) or (allow_empty and inner.is_dir() and (path / "config.json").is_file())
+    return is_log_dir(inner) or is_partition_root(inner) or (allow_empty and inner.is_dir() and (path / "config.json").is_file())
+
+
+def partitioned(path: Path) -> bool:
+    """True when the (checked) log path is a partition root: a folder of
+    ``p%04d`` partition logs, read as one merged log (:func:`read_tagged`)."""
+    from agentlog.events.log_format import is_log_dir
+    from agentlog.events.partitions import is_partition_root
+
+    return not is_log_dir(path) and is_partition_root(path)
+
+
+def record_id(pid: int | None, lsn: int) -> str:
+    """How an event is named: its LSN in a single log, ``p0003:1234`` (partition, LSN) in a partitioned one."""
+    return str(lsn) if pid is None else f"p{pid:04d}:{lsn}"
 
 
 #: The learner log inside a run folder (its PolicyUpdated records).
@@ -111,6 +127,8 @@ def check_log_path(arg: str, *, allow_empty: bool = False) -> Path:
     try:
         if is_log_dir(path):
             return path
+        if partitioned(path):  # a run's rollout/ of p%04d partitions
+            return path
         if _is_run_folder(path, allow_empty=allow_empty):
             return path / RUN_FOLDER_LOG
         strangers = sorted(n for n in os.listdir(path) if n not in (LOCK_NAME, INDEX_NAME) and not n.startswith("."))
@@ -128,6 +146,10 @@ def log_bytes(path: Path) -> int:
     """Total size of the log's segment files."""
     from agentlog.events.log_format import list_segments, segment_name
 
+    if partitioned(path):
+        from agentlog.events.partitions import list_partitions, partition_dir
+
+        return sum(log_bytes(partition_dir(path, pid)) for pid in list_partitions(path))
     total = 0
     for first in list_segments(path):
         try:
@@ -142,7 +164,20 @@ def read_records(
 ) -> Iterator[Any]:
     """Every durable record of the log at ``path`` from ``from_lsn`` (Envelopes,
     or RawRecords with ``raw``), with a byte progress bar on stderr for logs
-    over PROGRESS_MIN_BYTES unless ``quiet``. Corruption raises CliError(1)."""
+    over PROGRESS_MIN_BYTES unless ``quiet``. Corruption raises CliError(1).
+    A partition root is read merged (:func:`read_tagged`, tags dropped)."""
+    for _pid, rec in read_tagged(path, raw=raw, from_lsn=from_lsn, quiet=quiet, desc=desc):
+        yield rec
+
+
+def read_tagged(
+    path: Path, *, raw: bool = False, from_lsn: int = 0, quiet: bool = False, desc: str = "read"
+) -> Iterator[tuple[int | None, Any]]:
+    """:func:`read_records` with each record's partition id: ``(None, record)``
+    for a single log; for a partition root, ``(pid, record)`` for every
+    partition's records in the merged order of
+    :func:`events.partitions.read_partitions` (``from_lsn`` must be 0 there:
+    LSNs are per partition)."""
     from agentlog.events import NotALog, read_log
     from agentlog.events.log_api import LogError
 
@@ -152,10 +187,17 @@ def read_records(
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False, file=sys.stderr, disable=None)
-    it = read_log(path, from_lsn, raw=True)
+    if partitioned(path):
+        from agentlog.events.partitions import read_partitions
+
+        if from_lsn:
+            raise CliError(f"{path}: a partitioned log has one LSN sequence per partition; read from LSN {from_lsn} in one partition (e.g. {path}/p0000)", EXIT_USAGE)
+        it = read_partitions(path, raw=True)
+    else:
+        it = ((None, rec) for rec in read_log(path, from_lsn, raw=True))
     pending = 0
     try:
-        for rec in it:
+        for pid, rec in it:
             if bar is not None:
                 # Frame overhead is ~40 bytes plus the session id; close enough for a bar.
                 pending += len(rec.payload) + 40 + len(rec.session_id)
@@ -163,15 +205,16 @@ def read_records(
                     bar.update(pending)
                     pending = 0
             if raw:
-                yield rec
+                yield pid, rec
                 continue
             try:
                 env = rec.decode()
             except ValueError as exc:  # msgspec decode/validation errors are ValueErrors
+                where = path if pid is None else f"{path}/p{pid:04d}"
                 raise CliError(
-                    f"{path}: lsn {rec.lsn}, session {rec.session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA
+                    f"{where}: lsn {rec.lsn}, session {rec.session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA
                 ) from None
-            yield env
+            yield pid, env
     except FileNotFoundError as exc:
         raise CliError(f"{path}: {exc}", EXIT_USAGE) from None
     except NotALog as exc:

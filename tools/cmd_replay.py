@@ -15,6 +15,14 @@ showing them is this command's job (``verify`` and ``reconstruct`` exit 1).
 / ``running`` for sessions still in flight at the end of the range), which
 needs a first, cheap pass over the log. A filter value that matches no
 session is an error naming the values that exist (:data:`FILTER_RULE`).
+
+A partitioned log (a run folder whose ``rollout/`` holds ``p%04d``
+partitions) is replayed merged, in the order of
+:func:`events.partitions.read_partitions` (by timestamp, ties by partition
+then LSN: the same files always give the same timeline); each event is
+named by partition and LSN, ``p0003:1234`` (``--json``: ``"partition"`` and
+``"lsn"``). ``--from``/``--until`` take one log's LSNs, so they are refused
+there: name one partition (``run/rollout/p0003``) to use them.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import sys
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, fmt_ts, nonneg_int, read_records
+from agentlog.tools.cli_common import add_quiet, check_log_path, fmt_ts, nonneg_int, partitioned, read_records, read_tagged, record_id
 
 STATUSES = ("open", "running", "finished", "aborted", "dropped")
 #: The rule every selection filter follows (printed by --help).
@@ -122,11 +130,16 @@ def _state(s: Any) -> str:
     return "-" if s is None else str(s)
 
 
-def format_step(env: Any, before: Any, after: Any, violations: Any = ()) -> list[str]:
-    """The text lines of one replayed event (the event, then any violation)."""
+def format_step(env: Any, before: Any, after: Any, violations: Any = (), label: str | None = None) -> list[str]:
+    """The text lines of one replayed event (the event, then any violation);
+    ``label`` names the event instead of its LSN (``p0003:1234`` in a merged replay)."""
     from agentlog.events.types import event_tag
 
     tag = event_tag(env.body)
+    if label is not None:
+        return [f"{label:>12}  {fmt_ts(env.ts_ns)}  {env.session_id}  #{env.session_seq:<3} {tag:<17}"
+                f" {_state(before):>8} -> {_state(after):<8}  {event_summary(env.body)}"] + [
+            f"{label:>12}  !! VIOLATION {label} session {v.session_id!r}: {v.describe()}" for v in violations]
     lines = [
         f"{env.lsn:>8}  {fmt_ts(env.ts_ns)}  {env.session_id}  #{env.session_seq:<3} {tag:<17}"
         f" {_state(before):>8} -> {_state(after):<8}  {event_summary(env.body)}"
@@ -272,6 +285,11 @@ def run(args) -> int:
     from agentlog.events.types import SessionOpened
 
     path = check_log_path(args.log)
+    merged = partitioned(path)
+    if merged and (args.from_lsn is not None or args.until_lsn is not None):
+        raise CliError(
+            f"{path}: --from/--until take one log's LSNs, and this log is partitioned (LSNs are per partition);"
+            f" replay one partition, e.g. {path}/p0000, to use them", EXIT_USAGE)
     if args.from_lsn is not None and args.until_lsn is not None and args.from_lsn > args.until_lsn:
         raise CliError(f"replay: --from {args.from_lsn} is after --until {args.until_lsn}", EXIT_USAGE)
     chosen = None
@@ -282,7 +300,17 @@ def run(args) -> int:
         if complaint is not None:
             raise CliError(f"{path}: {complaint}", EXIT_USAGE)
         chosen = index.select(args.status, args.reason)
-    envs = read_records(path, quiet=args.quiet, desc="replay")
+    current: list[Any] = [None, 0]  # (partition, LSN) of the record replay() last took: it takes one, yields one
+
+    def merged_envs() -> Any:
+        import msgspec
+
+        # The lifecycle fold checks that LSNs rise: it is fed the merged position; the output names (partition, LSN).
+        for pos, (pid, env) in enumerate(read_tagged(path, quiet=args.quiet, desc="replay")):
+            current[0], current[1] = pid, env.lsn
+            yield msgspec.structs.replace(env, lsn=pos)
+
+    envs = merged_envs() if merged else read_records(path, quiet=args.quiet, desc="replay")
     out = sys.stdout
     encode = None
     if args.json:
@@ -319,11 +347,16 @@ def run(args) -> int:
             n_violations += len(step.violations)
             if first_violation is None:
                 first_violation = step.violations[0]
+                first_at = record_id(*current) if merged else str(first_violation.lsn)
         if encode is not None:
-            out.write(encode(step_json(env, step.state_before, step.state_after, step.violations)).decode())
+            obj = step_json(env, step.state_before, step.state_after, step.violations)
+            if merged:
+                obj["partition"], obj["lsn"] = current
+            out.write(encode(obj).decode())
             out.write("\n")
         else:
-            out.write("\n".join(format_step(env, step.state_before, step.state_after, step.violations)) + "\n")
+            label = record_id(*current) if merged else None
+            out.write("\n".join(format_step(env, step.state_before, step.state_after, step.violations, label)) + "\n")
         shown += 1
     out.flush()
     if not (seen_session and seen_group):
@@ -336,7 +369,7 @@ def run(args) -> int:
         # Shown, not an error: a note after the timeline (stdout stays the timeline, JSON lines too).
         v = first_violation
         sys.stderr.write(
-            f"agentlog: note: {path}: {n_violations} lifecycle violation(s) shown; first at lsn {v.lsn},"
+            f"agentlog: note: {path}: {n_violations} lifecycle violation(s) shown; first at lsn {first_at},"
             f" session {v.session_id!r}: {v.describe()}\n"
         )
     return EXIT_OK

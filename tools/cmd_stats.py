@@ -10,6 +10,12 @@ terminal one, an illegal move, a reused id, ...; the one check every fold
 composes, :func:`reducers.lifecycle_step.evolve`) are counted, not applied:
 the report shows their count by kind and the first few with LSN and session,
 and the command then exits 1 (after printing).
+
+A partitioned log (a run folder whose ``rollout/`` holds ``p%04d``
+partitions) is aggregated over all partitions, read merged
+(:func:`events.partitions.read_partitions`); the report adds each
+partition's event count and LSN range, and names violations by
+``pNNNN:LSN``.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import sys
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, fmt_ts, read_records
+from agentlog.tools.cli_common import add_quiet, check_log_path, fmt_ts, partitioned, read_records, read_tagged, record_id
 
 
 def register(sub) -> None:
@@ -41,6 +47,8 @@ def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
     from agentlog.events.log_api import SchemaError
     from agentlog.reducers.runstats import RunStats, decode_projection
 
+    if partitioned(path):
+        return _partitioned_stats(path, quiet)
     stats = RunStats()
     feed = stats.feed_record
     decode = decode_projection
@@ -59,6 +67,49 @@ def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
         ) from None
     out = stats.snapshot()
     out["log"] = str(path)
+    return out
+
+
+def _partitioned_stats(path: Any, quiet: bool) -> dict[str, Any]:
+    """compute_stats over a partition root: one fold over the merged records.
+    The fold checks that LSNs rise, which holds for a merged position, not
+    for per-partition LSNs: it is fed the position, and violations are named
+    back by ``pNNNN:LSN``."""
+    import msgspec
+
+    from agentlog.events.log_api import SchemaError
+    from agentlog.reducers.runstats import RunStats, decode_projection
+
+    stats = RunStats()
+    from agentlog.events.partitions import list_partitions
+
+    # Every partition is listed, an empty one with 0 events.
+    parts: dict[str, dict[str, Any]] = {f"p{q:04d}": {"events": 0, "lsn_first": None, "lsn_last": None} for q in list_partitions(path)}
+    named: dict[int, str] = {}  # merged position -> pNNNN:LSN, for violations only
+    pid = rec = None
+    try:
+        for pos, (pid, rec) in enumerate(read_tagged(path, raw=True, quiet=quiet, desc="stats")):
+            before = stats.violation_count
+            stats.feed_record(pos, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload))
+            if stats.violation_count != before:
+                named[pos] = record_id(pid, rec.lsn)
+            p = parts[f"p{pid:04d}"]
+            if p["lsn_first"] is None:
+                p["lsn_first"] = rec.lsn
+            p["events"] += 1
+            p["lsn_last"] = rec.lsn
+    except msgspec.DecodeError as exc:
+        where = f"{path}/p{pid:04d}"
+        schema = SchemaError.of_payload(exc, rec.payload, lsn=rec.lsn, session_id=rec.session_id)
+        if schema is not None:
+            raise CliError(f"{where}: {schema}", EXIT_DATA) from None
+        raise CliError(f"{where}: lsn {rec.lsn}, session {rec.session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA) from None
+    out = stats.snapshot()
+    out["log"] = str(path)
+    out["lsn_first"] = out["lsn_last"] = None  # per partition, below
+    out["partitions"] = dict(sorted(parts.items()))
+    for v in out["violations"]["first"]:
+        v["lsn"] = named.get(v["lsn"], v["lsn"])
     return out
 
 
@@ -99,8 +150,12 @@ def render_text(s: dict[str, Any]) -> str:
     span = s["time_span"]
     lines = [
         f"log        {s['log']}",
-        f"events     {s['events']} (lsn {s['lsn_first']}..{s['lsn_last']})",
     ]
+    if "partitions" in s:
+        lines.append(f"events     {s['events']} in {len(s['partitions'])} partitions")
+        lines += [f"  {name}    {p['events']} (lsn {p['lsn_first']}..{p['lsn_last']})" for name, p in s["partitions"].items()]
+    else:
+        lines.append(f"events     {s['events']} (lsn {s['lsn_first']}..{s['lsn_last']})")
     if span:
         lines.append(f"time span  {fmt_ts(span['first_ts_ns'])} .. {fmt_ts(span['last_ts_ns'])} ({span['seconds']:.1f} s)")
     lines += [

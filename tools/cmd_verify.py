@@ -18,6 +18,11 @@ known types do not decode with this version's schema (SCHEMA MISMATCH:
 upgrade agentlog), or when the lifecycle check finds violations; exit 2 for
 a missing path or a directory that is not a log. A run folder stands for its
 ``rollout/`` log.
+
+A partitioned log (``rollout/`` holding ``p%04d`` partitions) is verified
+partition by partition, each with both checks: one summary line per
+partition, prefixed by its name, its violations below it; the exit status is
+the worst of them (``--repair`` repairs each partition's torn tail).
 """
 
 from __future__ import annotations
@@ -49,9 +54,28 @@ def run(args) -> int:
     """Verify, print the summary (and any lifecycle violations), return the exit status."""
     from agentlog.events import LogLocked, NotALog, verify_log
 
-    from agentlog.tools.cli_common import check_log_path
+    from agentlog.tools.cli_common import check_log_path, partitioned
 
     path = check_log_path(args.log)  # a run folder stands for its rollout/ log
+    if partitioned(path):
+        from agentlog.events.partitions import list_partitions, partition_dir, partition_name
+
+        worst = EXIT_OK
+        for pid in list_partitions(path):
+            try:
+                code = _verify_one(partition_dir(path, pid), args, prefix=f"{partition_name(pid)}: ")
+            except CliError as exc:  # one partition's error is its line; the others are still checked
+                print(f"{partition_name(pid)}: {exc}")
+                code = exc.code
+            worst = max(worst, code)
+        return worst
+    return _verify_one(path, args)
+
+
+def _verify_one(path: Any, args: Any, prefix: str = "") -> int:
+    """Both checks of one log; its summary line starts with ``prefix``."""
+    from agentlog.events import LogLocked, NotALog, verify_log
+
     try:
         report = verify_log(path, repair=args.repair)
     except FileNotFoundError as exc:
@@ -60,7 +84,7 @@ def run(args) -> int:
         raise CliError(str(exc), EXIT_USAGE) from None
     except OSError as exc:
         raise CliError(f"{args.log}: {exc.strerror or exc}", EXIT_USAGE) from None
-    print(report.summary())
+    print(prefix + report.summary())
     if report.status not in ("ok", "repaired", "schema"):
         return EXIT_DATA  # torn or corrupt: the frames after the problem cannot be read
     count, shown = check_lifecycle(path)
