@@ -142,3 +142,18 @@ def test_replay_does_not_depend_on_the_order_partitions_were_written(order, caps
     with tempfile.TemporaryDirectory() as d:
         run, _ = make_run(Path(d), tuple(order))
         assert _replay_ids(capsys, run) == _expected_ids(run / "rollout")
+
+
+def test_stats_names_a_violation_by_partition_and_lsn_and_lists_an_empty_partition(tmp_path, capsys):
+    run, _ = make_run(tmp_path)
+    # p0003 reuses p0-s1's id, later in time than p0000's opening of it (BASE_TS + 3000 at p0000:3).
+    log = open_partition(run / "rollout", 3, fsync="never", clock=lambda: BASE_TS + 10**9)
+    log.append_batch([("p0-s1", 0, SessionOpened(group_id="x", group_size=1, sample_index=0))])
+    log.close()
+    open_partition(run / "rollout", 4, fsync="never").close()
+    code, out, err = cli(capsys, "stats", str(run), "--json")
+    s = json.loads(out)
+    assert code == 1 and s["violations"]["first"][0]["lsn"] == "p0003:0" and "first at lsn p0003:0" in err
+    assert s["partitions"]["p0004"] == {"events": 0, "lsn_first": None, "lsn_last": None}
+    code, out, _ = cli(capsys, "verify", str(run))  # each partition alone is sound
+    assert code == 0 and [line[:5] for line in out.splitlines()] == ["p0000", "p0001", "p0002", "p0003", "p0004"]
