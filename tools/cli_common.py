@@ -131,6 +131,8 @@ def check_log_path(arg: str, *, allow_empty: bool = False) -> Path:
             return path
         if _is_run_folder(path, allow_empty=allow_empty):
             return path / RUN_FOLDER_LOG
+        _check_partition_root(path)
+        _check_partition_root(path / RUN_FOLDER_LOG)
         strangers = sorted(n for n in os.listdir(path) if n not in (LOCK_NAME, INDEX_NAME) and not n.startswith("."))
     except OSError as exc:  # e.g. a directory we may not list (chmod 000)
         raise _unreadable(arg, exc) from None
@@ -140,6 +142,19 @@ def check_log_path(arg: str, *, allow_empty: bool = False) -> Path:
     below = logs_below(path)
     hint = f"; did you mean {' or '.join(str(p) for p in below[:3])}{' (and more)' if len(below) > 3 else ''}?" if below else ""
     raise CliError(f"{arg}: not an agentlog log directory (no segment files, no {DURABLE_NAME}{held}){hint}", EXIT_USAGE)
+
+
+def _check_partition_root(path: Path) -> None:
+    """When ``path`` holds a ``p%04d`` folder but is not a partition root, the
+    exit-2 error of :func:`events.partitions.list_partitions` naming the
+    entries that are not partitions (a generic "not a log" would hide them)."""
+    from agentlog.events.partitions import NotALog, list_partitions, parse_partition_name
+
+    if path.is_dir() and any(parse_partition_name(n) is not None for n in os.listdir(path)):
+        try:
+            list_partitions(path)
+        except NotALog as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
 
 
 def log_bytes(path: Path) -> int:

@@ -157,3 +157,11 @@ def test_stats_names_a_violation_by_partition_and_lsn_and_lists_an_empty_partiti
     assert s["partitions"]["p0004"] == {"events": 0, "lsn_first": None, "lsn_last": None}
     code, out, _ = cli(capsys, "verify", str(run))  # each partition alone is sound
     assert code == 0 and [line[:5] for line in out.splitlines()] == ["p0000", "p0001", "p0002", "p0003", "p0004"]
+
+
+def test_a_stray_entry_beside_the_partitions_is_named(tmp_path, capsys):
+    run, _ = make_run(tmp_path)
+    (run / "rollout" / "p3").mkdir()  # a misnamed partition would drop out of the merged view
+    for cmd in ("stats", "verify", "replay"):
+        code, _, err = cli(capsys, cmd, str(run))
+        assert code == 2 and "p3" in err and "p0000 .. p9999" in err, (cmd, err)
