@@ -26,7 +26,10 @@ def test_required_skipif():
 
 @pytest.mark.required
 def test_required_that_runs():
-    assert True
+    # Leaves proof that its body ran (a skip would leave none): the outer test reads it.
+    import pathlib
+    pathlib.Path(__file__).with_name("required-ran.txt").write_text("ran")
+    assert pathlib.Path(__file__).with_name("required-ran.txt").read_text() == "ran"
 
 @pytest.mark.required
 @pytest.mark.xfail(reason="known", strict=False)
@@ -73,6 +76,7 @@ def test_under_ci_a_skipped_required_test_fails_with_the_skip_reason(tmp_path, c
     }, res.stdout
     assert "required test skipped under CI" in res.stdout and "frobnicator not installed" in res.stdout, res.stdout
     assert "no chromium here" in res.stdout, res.stdout
+    assert (tmp_path / "required-ran.txt").read_text() == "ran"  # the required test's body ran
 
 
 @pytest.mark.parametrize("ci", [None, "false", ""])
@@ -82,6 +86,7 @@ def test_outside_ci_a_required_test_skips_quietly(tmp_path, ci):
     got = _outcomes(res.stdout)
     assert got["test_required_but_missing"] == "SKIPPED" and got["test_required_skipif"] == "SKIPPED", res.stdout
     assert got["test_required_that_runs"] == "PASSED", res.stdout
+    assert (tmp_path / "required-ran.txt").read_text() == "ran"
 
 
 def test_the_end_to_end_checks_are_marked_required():

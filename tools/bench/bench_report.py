@@ -38,9 +38,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "tools"))  # the log builders the tests use
 
-from cli_helpers import write_many_sessions  # noqa: E402
+
+def _load_file_module(name: str, path: Path, **spec_kw):
+    """The module at ``path`` of this checkout, loaded under ``name`` (not an installed package)."""
+    spec = importlib.util.spec_from_file_location(name, path, **spec_kw)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# The log builder the report tests use (tests/tools/cli_helpers.py, which imports its neighbours).
+sys.path.insert(0, str(ROOT / "tests" / "tools"))
+write_many_sessions = _load_file_module("cli_helpers", ROOT / "tests" / "tools" / "cli_helpers.py").write_many_sessions
 
 #: The commit whose tools/report is the anchor (the report before issue 13).
 ANCHOR_COMMIT = "5b1e66f"
@@ -71,13 +82,10 @@ def _load_anchor(tmp: Path):
             print(f"anchor: git show {ANCHOR_COMMIT}:tools/report/{name} failed: {res.stderr.strip()}")
             return None
         (pkg / name).write_text(res.stdout)
-    spec = importlib.util.spec_from_file_location("anchor_report", pkg / "__init__.py", submodule_search_locations=[str(pkg)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["anchor_report"] = mod
-    spec.loader.exec_module(mod)
-    import anchor_report.data as data  # noqa: E402
-    import anchor_report.render as render  # noqa: E402
-
+    _load_file_module("anchor_report", pkg / "__init__.py", submodule_search_locations=[str(pkg)])
+    # Submodules of the package written above (not installed anywhere): import them by name.
+    data = importlib.import_module("anchor_report.data")
+    render = importlib.import_module("anchor_report.render")
     return data.collect, render.render
 
 
