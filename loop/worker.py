@@ -36,7 +36,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -44,7 +44,7 @@ from agentlog._logging import get_logger
 from agentlog.engine import LocalSandbox, SessionEngine, SessionTimeout
 from agentlog.engine.tasks import Episode, Task, TextTask, load_tasks, select_task
 from agentlog.events.types import PolicyUpdated, SessionOpened
-from agentlog.learner.learner import load_state, load_weights
+from agentlog.learner.learner import load_weights
 
 from . import logs
 from .config import LoopConfig
@@ -113,25 +113,35 @@ class RolloutWorker:
 
     # -- weights ----------------------------------------------------------
 
-    def maybe_reload(self) -> None:
-        """Load the newest published weights if they are newer than ours."""
+    def _newer_published(self) -> Iterator[tuple[PolicyUpdated, Path]]:
+        """Published versions newer than ours, newest first, each with the file or HF
+        directory to load it from; a version whose files were pruned since it was
+        published is passed over (the loop moves on to the newest one left). An HF
+        policy loads the HF directory published beside the checkpoint, as an inference
+        server would."""
         self.follower.poll()
-        # Newest first: a checkpoint may have been pruned since it was published.
+        hf_policy = self.model is None or hasattr(self.model, "load_hf_weights")
         for rec in reversed(self.follower.history):
             if rec.policy_version <= self.loaded_version:
                 return
-            try:
-                hf_dir = hf_checkpoint_dir(rec.checkpoint)
-                if hasattr(self.model, "load_hf_weights") and hf_dir.is_dir():
-                    # An HF policy reloads the published HF directory, as an inference server would.
-                    self.model.load_hf_weights(hf_dir)
-                else:
-                    load_weights(self.model, rec.checkpoint)
-            except FileNotFoundError:
-                continue
-            self.loaded_version = rec.policy_version
+            hf_dir = hf_checkpoint_dir(rec.checkpoint)
+            source = hf_dir if hf_policy and hf_dir.is_dir() else Path(rec.checkpoint)
+            if source.exists():
+                yield rec, source
+
+    def _loaded(self, rec: PolicyUpdated, source: Path) -> None:
+        self.loaded_version = rec.policy_version
+        self.log.info("worker.weights_loaded", policy_version=rec.policy_version, source=str(source))
+
+    def maybe_reload(self) -> None:
+        """Load the newest published weights if they are newer than ours."""
+        for rec, source in self._newer_published():
+            if source.is_dir():
+                self.model.load_hf_weights(source)
+            else:
+                load_weights(self.model, str(source))
+            self._loaded(rec, source)
             self.batcher.version = rec.policy_version
-            self.log.info("worker.weights_loaded", policy_version=rec.policy_version, checkpoint=rec.checkpoint)
             return
 
     def chat_template(self) -> Any:
@@ -153,30 +163,14 @@ class RolloutWorker:
         generated after the swap records the old version (and none before
         it the new one); an SGLang / vLLM server is reloaded through its
         weight-sync client behind a ReloadGate, with the same guarantee."""
-        self.follower.poll()
-        for rec in reversed(self.follower.history):
-            if rec.policy_version <= self.loaded_version:
-                return
-            # An HF policy is published as an HF directory beside its checkpoint: that is what
-            # SGLang / vLLM load, and what the in-process backend reloads too.
-            hf_dir = hf_checkpoint_dir(rec.checkpoint)
+        for rec, source in self._newer_published():
             if self.weight_sync is not None:
-                if not hf_dir.is_dir():
-                    continue  # pruned since it was published: take the newest one left
-                await self.weight_sync.reload(str(hf_dir), rec.policy_version)
-            elif hf_dir.is_dir():
-                try:
-                    await self.backend.reload_weights(hf_dir, rec.policy_version)
-                except FileNotFoundError:
-                    continue  # pruned since it was published: take the newest one left
+                if not source.is_dir():
+                    continue  # a server loads HF directories only; this version has none left
+                await self.weight_sync.reload(str(source), rec.policy_version)
             else:
-                try:
-                    state = await asyncio.to_thread(load_state, rec.checkpoint)
-                except FileNotFoundError:
-                    continue  # pruned since it was published: take the newest one left
-                await self.backend.load_weights(state["model"], rec.policy_version)
-            self.loaded_version = rec.policy_version
-            self.log.info("worker.weights_loaded", policy_version=rec.policy_version, checkpoint=rec.checkpoint)
+                await self.backend.reload_weights(source, rec.policy_version)
+            self._loaded(rec, source)
             return
 
     async def wait_for_step(self, step: int) -> bool:
