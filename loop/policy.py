@@ -10,9 +10,7 @@ others up) while the model still sees batches.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,15 +48,9 @@ def resolve_hf_model(cfg: LoopConfig, run_dir: Path | None = None) -> Path | Non
         if not (target / "config.json").exists():
             from agentlog.learner.hf_tiny import build_tiny_hf
 
-            tmp = target.with_name(f".{name}.{os.getpid()}.tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            build_tiny_hf(tmp, TINY_MODELS[name], seed=cfg.seed)
-            try:
-                os.rename(tmp, target)
-            except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)
-                if not (target / "config.json").exists():  # not a racing builder that won: a real failure
-                    raise
+            from .publish import write_dir_atomically
+
+            write_dir_atomically(target, lambda tmp: build_tiny_hf(tmp, TINY_MODELS[name], seed=cfg.seed), replace=False)
         return target
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():

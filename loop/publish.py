@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -48,24 +49,39 @@ def hf_checkpoint_dir(checkpoint: str | os.PathLike) -> Path:
     return Path(checkpoint).with_suffix("")
 
 
-def save_hf_checkpoint(model: torch.nn.Module, checkpoint: str | os.PathLike) -> Path | None:
-    """Write ``model`` (an ``HFCausalLM``) as the HF directory of ``checkpoint``
-    (:func:`hf_checkpoint_dir`); None for other models. Written into a
-    temporary directory, fsynced and renamed, so a reader never sees half a
-    checkpoint; call it before :func:`publish` names the version."""
-    if not hasattr(model, "save_pretrained"):
-        return None
-    target = hf_checkpoint_dir(checkpoint)
-    tmp = target.with_name(target.name + ".tmp")
+def write_dir_atomically(target: Path, write: Callable[[Path], Any], *, replace: bool) -> Path:
+    """Build the directory ``target`` with ``write(tmp)`` in a temporary sibling, fsync
+    its files and rename it into place, so a reader never sees half of it.
+    ``replace``: an existing ``target`` is replaced (a rewrite of the same version);
+    otherwise a ``target`` that another process finished meanwhile is kept, and ours
+    removed."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    write(tmp)
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-    shutil.rmtree(target, ignore_errors=True)  # a rewrite of the same version (a resumed step)
-    os.rename(tmp, target)
+    if replace:
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if replace or not target.exists():  # not a racing builder that won: a real failure
+            raise
     fsync_dir(target.parent)
     return target
+
+
+def save_hf_checkpoint(model: torch.nn.Module, checkpoint: str | os.PathLike) -> Path | None:
+    """Write ``model`` (an ``HFCausalLM``) as the HF directory of ``checkpoint``
+    (:func:`hf_checkpoint_dir`); None for other models. Written atomically
+    (:func:`write_dir_atomically`); call it before :func:`publish` names the version."""
+    if not hasattr(model, "save_pretrained"):
+        return None
+    return write_dir_atomically(hf_checkpoint_dir(checkpoint), model.save_pretrained, replace=True)
 
 
 def publish(learner_log: EventLog, record: PolicyUpdated) -> None:
