@@ -59,7 +59,7 @@ from agentlog._logging import get_logger
 from agentlog.engine.tasks import load_tasks, select_task
 from agentlog.events.log_api import EventLog
 from agentlog.events.partitions import partition_name
-from agentlog.events.types import PolicyUpdated
+from agentlog.events.types import Envelope, PolicyUpdated
 from agentlog.learner.learner import Learner
 from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.groups import Group
@@ -206,6 +206,43 @@ def reduce_config(cfg: LoopConfig) -> ReduceConfig:
     return ReduceConfig(min_valid=cfg.min_valid)
 
 
+class StepCutter:
+    """Where the learner's steps begin and end: released groups are taken in
+    the order they arrive, from whichever partition, and a step is cut once
+    ``groups_per_step`` are waiting. Groups already consumed by a recorded
+    step (a restart) are passed over. Arrival order across partitions is not
+    deterministic; the record of each step names its cut, so the replay never
+    depends on it."""
+
+    def __init__(self, fold: PartitionFold, consumed: set[tuple[int, str]], groups_per_step: int) -> None:
+        self.fold = fold
+        self.consumed = consumed
+        self.groups_per_step = groups_per_step
+        self.pending: list[ReleasedGroup] = []
+        #: (partition, group) -> ts_ns of the terminal event that released it.
+        self.released_at: dict[tuple[int, str], int] = {}
+
+    def feed(self, pid: int, env: Envelope) -> list[ReleasedGroup] | None:
+        """Fold ``env`` of partition ``pid``; the next step's groups once there are enough."""
+        for r in self.fold.feed(pid, env):
+            key = (pid, r.group.group_id)
+            if key in self.consumed:
+                continue
+            self.pending.append(r)
+            self.released_at[key] = env.ts_ns
+        if len(self.pending) < self.groups_per_step:
+            return None
+        batch, self.pending = self.pending, []
+        return batch
+
+    def consumed_batch(self, batch: list[ReleasedGroup]) -> None:
+        """The step of ``batch`` is recorded: its groups are consumed for good."""
+        for r in batch:
+            key = (r.partition, r.group.group_id)
+            self.consumed.add(key)
+            self.released_at.pop(key, None)
+
+
 class PartitionWatch:
     """Which partitions have gone silent: a partition that wrote nothing for
     ``lost_after_s`` while others did is declared lost (0 never declares
@@ -303,9 +340,8 @@ class LoopLearner:
             partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
             sources = {pid: path for pid, path in logs.rollout_sources(self.run_dir, partitions).items() if pid not in lost}
             fold = PartitionFold(reduce_config(cfg), sources, windows=windows, start=read_from)
+            cutter = StepCutter(fold, consumed, cfg.groups_per_step)
             watch = PartitionWatch(cfg.rollout.lost_after_s, sources)
-            pending: list[ReleasedGroup] = []
-            released_at: dict[tuple[int, str], int] = {}
             async for pid, env in logs.follow_partitions(sources, read_from):
                 if pid not in sources:
                     continue  # declared lost
@@ -316,17 +352,12 @@ class LoopLearner:
                     lost[lost_pid] = why
                     self.pending_lost[lost_pid] = why
                     self.log.error("learner.partition_lost", partition=partition_name(lost_pid), reason=why)
-                for r in fold.feed(pid, env):
-                    key = (pid, r.group.group_id)
-                    if key in consumed:
-                        continue
-                    pending.append(r)
-                    released_at[key] = env.ts_ns
-                if len(pending) < cfg.groups_per_step:
+                batch = cutter.feed(pid, env)
+                if batch is None:
                     continue
                 t_busy = time.perf_counter()
                 legacy_end = env.lsn if partitions is None else -1
-                record = self.train_step(step, pending, lsn_next if partitions is None else -1, legacy_end, released_at)
+                record = self.train_step(step, batch, lsn_next if partitions is None else -1, legacy_end, cutter.released_at)
                 low_water = fold.low_water()
                 record = msgspec.structs.replace(
                     record, frontier=dict(fold.frontier), low_water=low_water,
@@ -342,11 +373,7 @@ class LoopLearner:
                               solve_rate=record.metrics.get("rollout/solve_rate"),
                               frontier={partition_name(p): lsn for p, lsn in sorted(record.frontier.items())},
                               skipped=len(record.skipped))
-                for r in pending:
-                    key = (r.partition, r.group.group_id)
-                    consumed.add(key)
-                    released_at.pop(key, None)
-                pending = []
+                cutter.consumed_batch(batch)
                 step += 1
                 lsn_next = env.lsn + 1
                 steps_done += 1

@@ -66,6 +66,11 @@ class PartitionFold:
         self._terminal[pid] = {}
         return reducer
 
+    def reducer_of(self, pid: int) -> Reducer:
+        """The reducer of partition ``pid`` (created on first use)."""
+        reducer = self.reducers.get(pid)
+        return reducer if reducer is not None else self._add(pid)
+
     def feed(self, pid: int, env: Envelope) -> list[ReleasedGroup]:
         """Fold ``env`` of partition ``pid``; the groups it released (usually none)."""
         reducer = self.reducers.get(pid)
@@ -147,10 +152,14 @@ def rebuild_batches(records: Iterable[PolicyUpdated], released: Mapping[int, Map
                 continue
             if list(r.members) != list(ref.members):
                 problems.append(f"step {rec.step}: group p{ref.partition:04d}/{ref.group_id}: members recorded "
-                                f"{[tuple(m) for m in ref.members]}, the partition has {[tuple(m) for m in r.members]}")
+                                f"{_describe(ref.members)}, the partition has {_describe(r.members)}")
             if not ref.skip_reason:
                 trained.append(r.group)
         names = [g.group_id for g in trained]
         if names != list(rec.groups):
             problems.append(f"step {rec.step}: the batch trains {names}, the record lists {list(rec.groups)}")
         yield RebuiltStep(rec.step, trained, problems)
+
+
+def _describe(members: Iterable[MemberRef]) -> str:
+    return ", ".join(f"{m.session_id}@lsn {m.terminal_lsn}" for m in members)
