@@ -8,6 +8,17 @@ Only durable records are ever shown (:func:`agentlog.events.log_read.follow_log`
 
 LOG may be a directory that does not hold a log yet (empty, or only a
 writer's lock): tail then waits for the first record.
+
+A partitioned log (a run folder whose ``rollout/`` holds ``p%04d``
+partitions, or that ``rollout/`` itself) is followed in every partition,
+including partitions created after tail started (a new worker's; looked for
+every ``DISCOVER_S``), and a run folder whose ``rollout/`` is still empty
+waits to see whether one log or partitions appear. Lines are printed as each
+partition's records become durable, so lines of different partitions
+interleave in arrival order (a live merge cannot wait for the slowest
+partition; ``agentlog replay`` gives the time-ordered merge), each named
+``p0003:1234`` (partition:LSN), with one lifecycle fold per partition.
+``--summary`` counts over all partitions, its position the last LSN of each.
 """
 
 from __future__ import annotations
@@ -17,10 +28,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agentlog.tools.cli import EXIT_DATA, EXIT_OK, CliError
-from agentlog.tools.cli_common import check_log_path
+from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
+from agentlog.tools.cli_common import check_log_path, record_id
 
 REFRESH_S = 0.5
+#: How often a partitioned log (or a folder holding no log yet) is looked at for new partitions.
+DISCOVER_S = 0.5
 
 
 def register(sub) -> None:
@@ -86,36 +99,108 @@ def summary_line(snap: dict[str, Any]) -> str:
     )
 
 
-async def _tail_events(path: Path) -> None:
+async def follow_tagged(path: Path, *, raw: bool = False, poll_s: float = 0.05) -> Any:
+    """Follow the log at ``path`` forever: ``(None, record)`` for one log
+    (:func:`events.log_read.follow_log`), ``(partition id, record)`` for a
+    partitioned one, whose partitions are each followed (new ones found
+    every DISCOVER_S) and whose records come in arrival order. While
+    ``path`` holds neither yet, waits for one of them. A partition's read
+    error ends the follow as a CliError naming the partition."""
     from agentlog.events import follow_log
+    from agentlog.events.log_api import LogError, NotALog
+    from agentlog.events.log_format import is_log_dir
+    from agentlog.events.partitions import is_partition_root, list_partitions, partition_dir
+
+    while not is_log_dir(path) and not is_partition_root(path):
+        await asyncio.sleep(DISCOVER_S)
+    if is_log_dir(path):
+        async for rec in follow_log(path, raw=raw, poll_s=poll_s):
+            yield None, rec
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=4096)  # bounded: a slow terminal holds the followers back
+
+    async def pump(pid: int) -> None:
+        where = partition_dir(path, pid)
+        try:
+            async for rec in follow_log(where, raw=raw, poll_s=poll_s):
+                await queue.put((pid, rec))
+        except LogError as exc:
+            await queue.put(CliError(f"{where}: {exc}", EXIT_DATA))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put(exc)
+
+    followers: dict[int, asyncio.Future] = {}
+
+    async def discover() -> None:
+        try:
+            while True:
+                for pid in list_partitions(path):
+                    if pid not in followers:
+                        followers[pid] = asyncio.ensure_future(pump(pid))
+                await asyncio.sleep(DISCOVER_S)
+        except NotALog as exc:  # a stray entry beside the partitions: name it
+            await queue.put(CliError(str(exc), EXIT_USAGE))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put(exc)
+
+    watcher = asyncio.ensure_future(discover())
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        for task in (watcher, *followers.values()):
+            task.cancel()
+
+
+async def _tail_events(path: Path) -> None:
     from agentlog.reducers.lifecycle import LifecycleState, Violation, reduce_lifecycle
 
     from agentlog.events.types import PolicyUpdated
     from agentlog.tools.cmd_replay import format_step
 
-    state = LifecycleState(tolerate_unknown=True)  # shown, not interpreted: a newer writer's event types
+    # One fold per partition (None: the one log): LSNs rise, and sessions live, within a partition.
+    states: dict[int | None, LifecycleState] = {}
     out = sys.stdout
-    async for env in follow_log(path):
+    async for pid, env in follow_tagged(path):
+        state = states.get(pid)
+        if state is None:
+            state = states[pid] = LifecycleState(tolerate_unknown=True)  # shown, not interpreted: a newer writer's event types
         learner = isinstance(env.body, PolicyUpdated)
         before = None if learner else state.state_of(env.session_id)
         state, produced = reduce_lifecycle(state, env)
         after = None if learner else state.state_of(env.session_id)
         viol = [o for o in produced if isinstance(o, Violation)]
-        out.write("\n".join(format_step(env, before, after, viol)) + "\n")
+        out.write("\n".join(format_step(env, before, after, viol, None if pid is None else record_id(pid, env.lsn))) + "\n")
         out.flush()
 
 
 async def _tail_summary(path: Path) -> None:
-    from agentlog.events import follow_log
     from agentlog.reducers.runstats import RunStats, decode_projection
 
     stats = RunStats()
     changed = asyncio.Event()
+    last_lsn: dict[int, int] = {}  # a partitioned log's last LSN per partition
 
     async def consume() -> None:
-        async for rec in follow_log(path, raw=True):
-            stats.feed_record(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload))
+        pos = 0
+        async for pid, rec in follow_tagged(path, raw=True):
+            if pid is None:
+                stats.feed_record(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload))
+            else:
+                # The fold checks that LSNs rise: it is fed the arrival position; the title names each partition's LSN.
+                stats.feed_record(pos, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload))
+                pos += 1
+                last_lsn[pid] = rec.lsn
             changed.set()
+
+    def snapshot() -> dict[str, Any]:
+        snap = {**stats.snapshot(), "log": str(path)}
+        if last_lsn:
+            snap["lsn_last"] = " ".join(record_id(pid, lsn) for pid, lsn in sorted(last_lsn.items()))
+        return snap
 
     task = asyncio.ensure_future(consume())
     try:
@@ -124,7 +209,7 @@ async def _tail_summary(path: Path) -> None:
 
             def frame() -> list[str]:
                 width = max(20, shutil.get_terminal_size().columns - 1)
-                return summary_table({**stats.snapshot(), "log": str(path)}, width)
+                return summary_table(snapshot(), width)
 
             # Refreshed in place; the first frame is drawn at once, even for an empty log.
             drawn = _redraw(sys.stdout, frame(), 0)
@@ -139,7 +224,7 @@ async def _tail_summary(path: Path) -> None:
                 await asyncio.sleep(REFRESH_S)
                 if changed.is_set():
                     changed.clear()
-                    line = summary_line({**stats.snapshot(), "log": str(path)})
+                    line = summary_line(snapshot())
                     if line != last:
                         sys.stdout.write(line + "\n")
                         sys.stdout.flush()
