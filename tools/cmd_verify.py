@@ -139,6 +139,7 @@ def reused_across_partitions(root: Any, opened: dict[int, OpenedIds]) -> list[tu
     partition order. ``opened`` holds each partition's session_opened records
     (hashes, from the lifecycle check's pass); the partitions that share a
     hash are read again for the exact ids, so a hash collision is never reported."""
+    import msgspec
     import numpy as np
 
     from agentlog.events.partitions import partition_dir
@@ -159,9 +160,12 @@ def reused_across_partitions(root: Any, opened: dict[int, OpenedIds]) -> list[tu
     suspects = sorted(set(pids[1:][shared].tolist()) | set(pids[:-1][shared].tolist()))
     places: dict[str, list[tuple[int, int]]] = {}
     for pid in suspects:
-        for rec in read_records(partition_dir(root, pid), raw=True, quiet=True, desc="verify across partitions"):
-            if hash(rec.session_id) in candidates and payload_tag(rec.payload) == _OPENED_TAG:
-                places.setdefault(rec.session_id, []).append((pid, rec.lsn))
+        try:
+            for rec in read_records(partition_dir(root, pid), raw=True, quiet=True, desc="verify across partitions"):
+                if hash(rec.session_id) in candidates and payload_tag(rec.payload) == _OPENED_TAG:
+                    places.setdefault(rec.session_id, []).append((pid, rec.lsn))
+        except (CliError, msgspec.DecodeError):
+            continue  # unreadable past some record: the partition's own line already says so (exit 1); its ids read so far count
     return sorted((sid, at) for sid, at in places.items() if len({pid for pid, _ in at}) > 1)
 
 

@@ -19,9 +19,8 @@ import pytest
 from agentlog.events import read_log
 from agentlog.events.partitions import open_partition, partition_dir
 from agentlog.events.types import SessionOpened, event_tag
-from agentlog.tools.cli import main
-
 from test_cli_tail_report import _read_lines_until, _start_tail
+from test_partitioned_run import cli
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
 #: How each session ends, by partition (written by _write_partition below).
@@ -79,13 +78,6 @@ def write_run(run: Path, pids=(0, 1, 2)) -> Path:
 def records(root: Path, pid: int) -> list:
     """Partition ``pid``'s envelopes, read alone."""
     return list(read_log(partition_dir(root, pid)))
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
