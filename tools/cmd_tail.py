@@ -24,7 +24,10 @@ partition; ``agentlog replay`` gives the time-ordered merge), each named
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -99,60 +102,56 @@ def summary_line(snap: dict[str, Any]) -> str:
     )
 
 
-async def follow_tagged(path: Path, *, raw: bool = False, poll_s: float = 0.05) -> Any:
+class _LivePartitions(Mapping):
+    """The partitions under ``root`` as ``{partition id: directory}``, listed
+    afresh at most every DISCOVER_S: :func:`events.log_read.follow_logs`
+    reads its mapping each round, so a partition a new worker creates is
+    followed from then on, and a stray entry beside the partitions raises
+    NotALog (naming it) out of the follow."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._listed_at = -math.inf
+        self._paths: dict[int, Path] = {}
+
+    def _fresh(self) -> dict[int, Path]:
+        from agentlog.events.partitions import list_partitions, partition_dir
+
+        now = time.monotonic()
+        if now - self._listed_at >= DISCOVER_S:
+            self._paths = {pid: partition_dir(self.root, pid) for pid in list_partitions(self.root)}
+            self._listed_at = now
+        return self._paths
+
+    def __getitem__(self, pid: int) -> Path:
+        return self._fresh()[pid]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._fresh())
+
+    def __len__(self) -> int:
+        return len(self._fresh())
+
+
+async def follow_tagged(path: Path, *, raw: bool = False) -> Any:
     """Follow the log at ``path`` forever: ``(None, record)`` for one log
-    (:func:`events.log_read.follow_log`), ``(partition id, record)`` for a
-    partitioned one, whose partitions are each followed (new ones found
-    every DISCOVER_S) and whose records come in arrival order. While
-    ``path`` holds neither yet, waits for one of them. A partition's read
-    error ends the follow as a CliError naming the partition."""
-    from agentlog.events import follow_log
-    from agentlog.events.log_api import LogError, NotALog
+    (:func:`events.log_read.follow_log`; RawRecords with ``raw``),
+    ``(partition id, envelope)`` for a partitioned one
+    (:func:`events.log_read.follow_logs` over :class:`_LivePartitions`),
+    whose records come in arrival order. While ``path`` holds neither yet,
+    waits for one of them."""
+    from agentlog.events import follow_log, follow_logs
     from agentlog.events.log_format import is_log_dir
-    from agentlog.events.partitions import is_partition_root, list_partitions, partition_dir
+    from agentlog.events.partitions import is_partition_root
 
     while not is_log_dir(path) and not is_partition_root(path):
         await asyncio.sleep(DISCOVER_S)
     if is_log_dir(path):
-        async for rec in follow_log(path, raw=raw, poll_s=poll_s):
+        async for rec in follow_log(path, raw=raw):
             yield None, rec
         return
-    queue: asyncio.Queue = asyncio.Queue(maxsize=4096)  # bounded: a slow terminal holds the followers back
-
-    async def pump(pid: int) -> None:
-        where = partition_dir(path, pid)
-        try:
-            async for rec in follow_log(where, raw=raw, poll_s=poll_s):
-                await queue.put((pid, rec))
-        except LogError as exc:
-            await queue.put(CliError(f"{where}: {exc}", EXIT_DATA))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            await queue.put(exc)
-
-    followers: dict[int, asyncio.Future] = {}
-
-    async def discover() -> None:
-        try:
-            while True:
-                for pid in list_partitions(path):
-                    if pid not in followers:
-                        followers[pid] = asyncio.ensure_future(pump(pid))
-                await asyncio.sleep(DISCOVER_S)
-        except NotALog as exc:  # a stray entry beside the partitions: name it
-            await queue.put(CliError(str(exc), EXIT_USAGE))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            await queue.put(exc)
-
-    watcher = asyncio.ensure_future(discover())
-    try:
-        while True:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        for task in (watcher, *followers.values()):
-            task.cancel()
+    async for pid, env in follow_logs(_LivePartitions(path)):
+        yield pid, env
 
 
 async def _tail_events(path: Path) -> None:
@@ -190,8 +189,8 @@ async def _tail_summary(path: Path) -> None:
             if pid is None:
                 stats.feed_record(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload))
             else:
-                # The fold checks that LSNs rise: it is fed the arrival position; the title names each partition's LSN.
-                stats.feed_record(pos, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload))
+                # An envelope. The fold checks that LSNs rise: it is fed the arrival position; the title names each partition's LSN.
+                stats.feed_record(pos, rec.session_id, rec.session_seq, rec.ts_ns, rec.body)
                 pos += 1
                 last_lsn[pid] = rec.lsn
             changed.set()
@@ -238,11 +237,13 @@ def run(args) -> int:
     """Follow until interrupted."""
     import msgspec
 
-    from agentlog.events.log_api import LogError
+    from agentlog.events.log_api import LogError, NotALog
 
     path = check_log_path(args.log, allow_empty=True)
     try:
         asyncio.run(_tail_summary(path) if args.summary else _tail_events(path))
+    except NotALog as exc:  # e.g. a stray entry appeared beside the partitions: list_partitions names it
+        raise CliError(str(exc), EXIT_USAGE) from None
     except LogError as exc:
         raise CliError(f"{path}: {exc}", EXIT_DATA) from None
     except msgspec.DecodeError as exc:

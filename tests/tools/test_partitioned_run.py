@@ -167,6 +167,7 @@ def test_stats_names_a_violation_by_partition_and_lsn_and_lists_an_empty_partiti
 def test_a_stray_entry_beside_the_partitions_is_named(tmp_path, capsys):
     run, _ = make_run(tmp_path)
     (run / "rollout" / "p3").mkdir()  # a misnamed partition would drop out of the merged view
-    for cmd in ("stats", "verify", "replay"):
-        code, _, err = cli(capsys, cmd, str(run))
+    out = str(tmp_path / "out")
+    for cmd, *extra in (("stats",), ("verify",), ("replay",), ("show", "p0-s0"), ("trace", "-o", out), ("report", "-o", out), ("tail",)):
+        code, _, err = cli(capsys, cmd, str(run), *extra)
         assert code == 2 and "p3" in err and "p0000 .. p9999" in err, (cmd, err)
