@@ -56,7 +56,7 @@ from agentlog.events.types import SessionOpened, PolicyUpdated
 from agentlog.loop import logs
 from agentlog.loop.config import LoopConfig, RolloutConfig
 from agentlog.loop.run import run_loop
-from agentlog.loop.trainer import PartitionWatch, StepCutter, reduce_config
+from agentlog.loop.trainer import PartitionWatch, StepCutter, reduce_config, step_size
 from agentlog.reducers.partitioned import PartitionFold
 from agentlog.reducers.pipeline import Reducer
 
@@ -154,17 +154,20 @@ def write_partitions(mem: MemoryLog, root: Path, k: int, chunk: int = 1024) -> l
 async def _learner_consume(root: Path, k: int, groups: int, groups_per_step: int) -> tuple[int, int]:
     """The learner's consumption path over ``k`` partitions until ``groups``
     groups are released: events read, groups released."""
+    # As LoopLearner.run sets them up for a run of ``k`` workers (default [rollout] otherwise).
+    cfg = LoopConfig(groups_per_step=groups_per_step, rollout=RolloutConfig(workers=k))
     sources = {pid: partition_dir(root, pid) for pid in range(k)}
-    fold = PartitionFold(reduce_config(LoopConfig()), sources)
-    cutter = StepCutter(fold, set(), groups_per_step)
-    watch = PartitionWatch(LoopConfig().rollout.lost_after_s, sources)
+    fold = PartitionFold(reduce_config(cfg), sources)
+    cutter = StepCutter(fold, set(), step_size(cfg))
+    watch = PartitionWatch(cfg.rollout.lost_after_s, sources)
+    idle_s = min(1.0, cfg.rollout.lost_after_s / 4) if cfg.rollout.lost_after_s > 0 else None
     events = released = 0
-    stream = logs.follow_partitions(sources, {})
+    stream = logs.follow_partitions(sources, {}, idle_s=idle_s)
     try:
         async for pid, env in stream:
-            events += 1
+            events += pid is not None
             watch.saw(pid, fold.frontier)
-            batch = cutter.feed(pid, env)
+            batch = cutter.take() if pid is None else cutter.feed(pid, env)
             if batch is not None:
                 cutter.consumed_batch(batch)
                 released += len(batch)
