@@ -25,7 +25,9 @@ from a group's last terminal event to its gradient step.
   group's last terminal event (the members' terminal LSNs the record names,
   read back from their partition). p50 and p99 per worker count.
 
-Usage: ``python tools/bench/bench_partitions.py [--quick] [--events N] [--steps N] [--keep DIR]``
+Usage: ``python tools/bench/bench_partitions.py [--quick] [--events N] [--steps N] [--keep DIR]``;
+on a Ray cluster: ``--backend ray --address auto --workers 1,8,32 --keep /shared/dir``
+(rates and latencies from the logs; no worker CPU figure for Ray actors).
 """
 
 from __future__ import annotations
@@ -327,16 +329,15 @@ class ChildCpu:
         return at(t1_ns) - at(t0_ns)
 
 
-def run_with_workers(run_dir: Path, workers: int, steps: int) -> dict[str, Any]:
-    """The real loop with ``workers`` local worker processes; rates, CPU and latencies."""
+def run_with_workers(run_dir: Path, workers: int, steps: int, backend: str = "local", address: str = "") -> dict[str, Any]:
+    """The real loop with ``workers`` rollout workers (local processes, or Ray
+    actors of ``backend`` "ray" on the cluster at ``address``); rates, CPU and latencies."""
     cfg = LoopConfig(steps=steps, warmup_steps=0, stop_reward=0.0, time_budget_s=0.0,
-                     rollout=RolloutConfig(workers=workers))
-    ru0 = _rusage_children()
+                     rollout=RolloutConfig(workers=workers, backend=backend, address=address))
     with ChildCpu() as cpu:
         t0 = time.perf_counter()
         res = run_loop(cfg, run_dir, progress=False, timeout_s=600)
         wall = time.perf_counter() - t0
-    children_cpu = _rusage_children() - ru0
     partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
     sources = logs.rollout_sources(run_dir, partitions)
     span_of: dict[int, tuple[int, int]] = {}  # partition -> (first session_opened, last event) ts_ns
@@ -352,26 +353,22 @@ def run_with_workers(run_dir: Path, workers: int, steps: int) -> dict[str, Any]:
         if first is not None:
             span_of[pid] = (first, last)
     span = (max(e for _, e in span_of.values()) - min(f for f, _ in span_of.values())) / 1e9
-    workers_seen = cpu.pids("worker")
-    if sorted(workers_seen.values()) != sorted(sources):
-        raise RuntimeError(f"sampled worker processes of partitions {sorted(workers_seen.values())}, expected {sorted(sources)}")
-    # Each worker's CPU while it ran sessions: from its partition's first session_opened to its last event.
-    busy_cpu = sum(cpu.between(p, *span_of[part]) for p, part in workers_seen.items() if part in span_of)
+    busy_cpu: float | None = None
+    if backend == "local":
+        workers_seen = cpu.pids("worker")
+        if sorted(workers_seen.values()) != sorted(sources):
+            raise RuntimeError(f"sampled worker processes of partitions {sorted(workers_seen.values())}, expected {sorted(sources)}")
+        # Each worker's CPU while it ran sessions: from its partition's first session_opened to its last event.
+        busy_cpu = sum(cpu.between(p, *span_of[part]) for p, part in workers_seen.items() if part in span_of)
+    # else Ray actors: not this process's children (nor, on a cluster, on this node); no CPU figure.
     lat = release_to_step(run_dir, sources)
     return {
         "workers": workers, "wall_s": wall, "span_s": span, "sessions": sessions, "events": events,
         "sessions_per_s": sessions / span, "events_per_s": events / span,
-        "worker_cpu_s": cpu.total("worker"), "worker_busy_cpu_s": busy_cpu, "learner_cpu_s": cpu.total("learner"),
-        "children_cpu_s": children_cpu, "worker_cpu_per_session_ms": busy_cpu / sessions * 1e3,
+        "worker_cpu_s": cpu.total("worker") if backend == "local" else None, "learner_cpu_s": cpu.total("learner"),
+        "worker_cpu_per_session_ms": busy_cpu / sessions * 1e3 if busy_cpu is not None else None,
         "steps": sum(1 for r in res.records if r.step > 0), **lat,
     }
-
-
-def _rusage_children() -> float:
-    import resource
-
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
 
 
 # ---------------------------------------------------------------- 3. release -> step
@@ -413,6 +410,10 @@ def release_to_step(run_dir: Path, sources: dict[int, Path]) -> dict[str, Any]:
 # ---------------------------------------------------------------- main
 
 
+def _num(v: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}.{digits}f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every measurement, print the tables and the GOAL line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -421,10 +422,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="learner steps per loop run (default 20; quick 3)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved repeats of the merge cost (default 3; quick 2)")
     p.add_argument("--skip-loop", action="store_true", help="only the merge cost (parts 2 and 3 need ~1-4 min)")
-    p.add_argument("--keep", type=Path, default=None, help="keep the logs and run folders under this directory")
+    p.add_argument("--keep", type=Path, default=None, help="keep the logs and run folders under this directory "
+                   "(with --backend ray on a cluster: a directory on the filesystem every node shares)")
+    p.add_argument("--workers", default=",".join(map(str, WORKER_COUNTS)), help="worker counts of the loop runs (default 1,2,4)")
+    p.add_argument("--backend", choices=("local", "ray"), default="local", help="rollout workers as local processes or Ray actors")
+    p.add_argument("--address", default="", help="ray: the cluster to join (e.g. auto); default: a local Ray")
     args = p.parse_args(argv)
     # structlog is left unconfigured, so the library's loggers stay silent
     # (agentlog._logging): the tables are the output.
+    try:
+        worker_counts = [int(w) for w in args.workers.split(",")]
+    except ValueError:
+        worker_counts = []
+    if not worker_counts or min(worker_counts) < 1:
+        p.error(f"--workers: expected worker counts >= 1 separated by commas (e.g. 1,2,4), found {args.workers!r}")
     target = args.events or (30_000 if args.quick else 200_000)
     steps = args.steps or (3 if args.quick else 20)
     repeats = args.repeats or (2 if args.quick else 3)
@@ -434,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         mc = merge_cost(work, target, repeats)
         runs = []
         if not args.skip_loop:
-            for n in tqdm(WORKER_COUNTS, desc="loop runs", unit="run", leave=False):
-                runs.append(run_with_workers(work / f"loop-{n}", n, steps))
+            for n in tqdm(worker_counts, desc="loop runs", unit="run", leave=False):
+                runs.append(run_with_workers(work / f"loop-{n}", n, steps, args.backend, args.address))
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -450,18 +461,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'anchor: read_log + Reducer, one log':<58} {mc['us_cpu']['anchor']:>13.2f} {mc['us_wall']['anchor']:>14.2f} {mc['us_cpu']['anchor'] / base:>13.2f}x")
     if runs:
         print()
-        print(f"rollout: the real loop (learner + N local worker processes), lookup task, {LoopConfig().groups_per_step} groups x "
-              f"{LoopConfig().group_size} per step, {steps} steps, no warm-up, default faults, {os.cpu_count()} CPUs")
+        where = "local worker processes" if args.backend == "local" else f"Ray actors ({args.address or 'a local Ray'})"
+        print(f"rollout: the real loop (learner + N {where}), lookup task, {LoopConfig().groups_per_step} groups x "
+              f"{LoopConfig().group_size} per step, {steps} steps, no warm-up, default faults, {os.cpu_count()} CPUs here")
         print("  span: first session_opened to last rollout event; worker CPU/session: each worker's CPU over its own"
-              " partition's span (start-up excluded); CPU s: whole processes, start-up included")
+              " partition's span (start-up excluded); CPU s: whole processes, start-up included (local workers only)")
         print(f"{'workers':>7} {'wall s':>7} {'span s':>7} {'sessions':>9} {'sessions/s':>11} {'events/s':>9} "
               f"{'worker CPU ms/session':>22} {'worker CPU s':>13} {'learner CPU s':>14} {'release->step p50 ms':>21} {'p99 ms':>8} {'groups':>7}")
         for r in runs:
             print(f"{r['workers']:>7} {r['wall_s']:>7.1f} {r['span_s']:>7.2f} {r['sessions']:>9} {r['sessions_per_s']:>11.1f} "
-                  f"{r['events_per_s']:>9.0f} {r['worker_cpu_per_session_ms']:>22.2f} {r['worker_cpu_s']:>13.1f} {r['learner_cpu_s']:>14.1f} "
+                  f"{r['events_per_s']:>9.0f} {_num(r['worker_cpu_per_session_ms'], 22, 2)} {_num(r['worker_cpu_s'], 13, 1)} {r['learner_cpu_s']:>14.1f} "
                   f"{r['lat_p50_s'] * 1e3:>21.0f} {r['lat_p99_s'] * 1e3:>8.0f} {r['lat_groups']:>7}")
         one = runs[0]["sessions_per_s"]
-        print("sessions/s vs 1 worker: " + ", ".join(f"{r['workers']} workers {r['sessions_per_s'] / one:.2f}x" for r in runs))
+        print(f"sessions/s vs {runs[0]['workers']} worker(s): " + ", ".join(f"{r['workers']} workers {r['sessions_per_s'] / one:.2f}x" for r in runs))
     print()
     ratio = mc["us_cpu"][16] / mc["us_cpu"][1]
     print(f"GOAL merge_16_vs_1_partition_cost_per_event: {ratio:.2f}x (goal <= {GOAL_RATIO}x) {'PASS' if ratio <= GOAL_RATIO else 'MISS'}")
