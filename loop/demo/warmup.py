@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,11 +58,16 @@ def demonstration_batch(task: Task, rng: random.Random, n: int, wrong_rate: floa
     return ids_t, mask_t
 
 
-def supervised_warmup(model: GPT, task: Task, cfg: LoopConfig) -> dict[str, float]:
+def supervised_warmup(model: GPT, task: Task, cfg: LoopConfig, *, stop: Callable[[GPT], bool] | None = None,
+                      check_every: int = 0) -> dict[str, float]:
     """Teach the protocol before RL: ``cfg.warmup_steps`` steps of token-level
     cross-entropy on demonstrations whose answers are wrong with probability
     ``cfg.warmup_wrong_rate`` (AdamW, lr from the learner config, linear lr
-    warm-up, grad-clip 1.0). Returns the final loss and timing."""
+    warm-up, grad-clip 1.0). Returns the final loss, the steps run and timing.
+
+    ``stop`` (with ``check_every`` > 0): called with the model every
+    ``check_every`` steps; training ends early once it returns True (the
+    demo's teacher trains until it solves the task)."""
     if cfg.warmup_steps == 0:
         return {"warmup/steps": 0.0}
     lcfg = cfg.learner_config()
@@ -73,15 +79,17 @@ def supervised_warmup(model: GPT, task: Task, cfg: LoopConfig) -> dict[str, floa
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.warmup_threads)
     try:
-        loss_v = _warmup_steps(model, task, cfg, rng, opt, sched)
+        loss_v, steps = _warmup_steps(model, task, cfg, rng, opt, sched, stop, check_every)
     finally:
         torch.set_num_threads(threads)
-    return {"warmup/steps": float(cfg.warmup_steps), "warmup/loss": loss_v, "warmup/seconds": time.perf_counter() - t0}
+    return {"warmup/steps": float(steps), "warmup/loss": loss_v, "warmup/seconds": time.perf_counter() - t0}
 
 
-def _warmup_steps(model: GPT, task: Task, cfg: LoopConfig, rng: random.Random, opt, sched) -> float:
+def _warmup_steps(model: GPT, task: Task, cfg: LoopConfig, rng: random.Random, opt, sched,
+                  stop: Callable[[GPT], bool] | None, check_every: int) -> tuple[float, int]:
     loss_v = float("nan")
-    for step in range(cfg.warmup_steps):
+    step = 0
+    for step in range(1, cfg.warmup_steps + 1):
         ids, mask = demonstration_batch(task, rng, cfg.warmup_batch, cfg.warmup_wrong_rate)
         logits = model(ids[:, :-1])
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
@@ -93,6 +101,8 @@ def _warmup_steps(model: GPT, task: Task, cfg: LoopConfig, rng: random.Random, o
         opt.step()
         sched.step()
         loss_v = loss.item()
-        if step % 100 == 0:
-            log.info("warmup.step", step=step, loss=round(loss_v, 4))
-    return loss_v
+        if step % 100 == 1:
+            log.info("warmup.step", step=step - 1, loss=round(loss_v, 4))
+        if stop is not None and check_every > 0 and step % check_every == 0 and stop(model):
+            break
+    return loss_v, step
