@@ -67,12 +67,40 @@ DEFAULT_TOP_P = 1.0
 TOP_K_OFF = -1
 
 
-class Sample(_SampleV1, frozen=True):
-    """One training row (see the module docstring for the sampling fields)."""
+class _SampleV2(_SampleV1, frozen=True):
+    """V1 plus the sampling settings (canonical bytes frozen, like V1's)."""
 
     temperature: float = DEFAULT_TEMPERATURE  # logits were divided by this before sampling
     top_p: float = DEFAULT_TOP_P  # nucleus mass kept (1.0: off)
     top_k: int = TOP_K_OFF  # tokens kept (-1: off)
+
+
+class Sample(_SampleV2, frozen=True):
+    """One training row (see the module docstring for the sampling fields)."""
+
+    teacher_log_probs: bytes = b""  # float32 LE per response token (0.0 where not scored); mean over teachers
+    teacher_scored: bytes = b""  # uint8 per response token: 1 where at least one teacher scored it
+    teacher_top_k: int = 0
+    teacher_top_ids: bytes = b""  # int32 LE, response_length * teacher_top_k, row-major
+    teacher_top_log_probs: bytes = b""  # float32 LE, same layout
+
+    @property
+    def teacher_lp(self) -> np.ndarray:
+        """Teacher log-probs over the response as a float32 view (empty when unscored)."""
+        return np.frombuffer(self.teacher_log_probs, dtype="<f4")
+
+    @property
+    def teacher_mask(self) -> np.ndarray:
+        """Which response tokens a teacher scored, as a uint8 view (empty when unscored)."""
+        return np.frombuffer(self.teacher_scored, dtype=np.uint8)
+
+    def teacher_top(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(ids (L, k) int32, log-probs (L, k) float32)`` of the teacher's top-K, or None."""
+        if self.teacher_top_k <= 0:
+            return None
+        k = self.teacher_top_k
+        return (np.frombuffer(self.teacher_top_ids, dtype="<i4").reshape(-1, k),
+                np.frombuffer(self.teacher_top_log_probs, dtype="<f4").reshape(-1, k))
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -134,6 +162,7 @@ _sample_decoder = msgspec.msgpack.Decoder(Sample)
 
 
 _V1_FIELDS = len(_SampleV1.__struct_fields__)
+_V2_FIELDS = len(_SampleV2.__struct_fields__)
 
 
 def encode_sample(sample: Sample) -> bytes:
@@ -141,8 +170,11 @@ def encode_sample(sample: Sample) -> bytes:
 
     The sampling fields are left out while all are at their defaults (see
     the module docstring); `decode_sample` reads either form back."""
-    if sample.temperature == DEFAULT_TEMPERATURE and sample.top_p == DEFAULT_TOP_P and sample.top_k == TOP_K_OFF:
-        return _canonical.encode(_SampleV1(*msgspec.structs.astuple(sample)[:_V1_FIELDS]))
+    values = msgspec.structs.astuple(sample)
+    if not (sample.teacher_log_probs or sample.teacher_scored or sample.teacher_top_k):
+        if sample.temperature == DEFAULT_TEMPERATURE and sample.top_p == DEFAULT_TOP_P and sample.top_k == TOP_K_OFF:
+            return _canonical.encode(_SampleV1(*values[:_V1_FIELDS]))
+        return _canonical.encode(_SampleV2(*values[:_V2_FIELDS]))
     return _canonical.encode(sample)
 
 
@@ -377,3 +409,18 @@ def check_sample(sample: Sample) -> None:
             f" len(loss_mask) == len(rollout_log_probs) == response_length >= 1 (and <= {n_tok} tokens),"
             f" found {n_mask}, {n_lp}, {sample.response_length}"
         )
+
+
+def distill_problem(sample: Sample) -> str:
+    """Why ``sample`` cannot be distilled, or "" when every loss-masked token
+    was scored by a teacher and no teacher failed on it."""
+    error = sample.metadata.get("teacher_error")
+    if error:
+        return f"teacher failed: {error}"
+    mask = sample.mask
+    if not sample.teacher_scored:
+        return "no teacher scored it" if mask.any() else ""
+    unscored = np.flatnonzero((mask != 0) & (sample.teacher_mask == 0))
+    if len(unscored):
+        return f"{len(unscored)} of {int((mask != 0).sum())} trained tokens were not scored by a teacher (first at response position {int(unscored[0])})"
+    return ""
