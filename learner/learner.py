@@ -3,7 +3,8 @@
 ``Learner(model, config).step(groups)`` computes group-relative advantages
 over valid members, drops every row that cannot train (aborted placeholders,
 members without a usable reward, rows with no trained token, rows sampled
-with a truncation the learner cannot reproduce) before any forward pass,
+with a truncation the learner cannot reproduce, and, when distilling, rows a
+teacher did not fully score) before any forward pass,
 splits the rest into ``num_steps_per_rollout`` mini-batches and, for each,
 batches it (packing or padding), recomputes log-probs at each sample's own
 temperature, takes the clipped policy loss against the old log-probs fixed
@@ -256,7 +257,8 @@ class Learner:
         schedule restored to where they were before the step.
 
         Returns metrics (``loss/*``, ``stats/*``, ``rollout/*``, ``perf/*``,
-        ``learner/*``; loss and stats averaged over the mini-batches). When
+        ``learner/*``, and ``distill/*`` when samples carry teacher scores;
+        loss, stats and distill averaged over the mini-batches). When
         nothing is trainable (every row removed or masked) no optimiser step
         is taken, ``policy_version`` is unchanged and ``learner/skipped`` is 1.
         """
