@@ -12,6 +12,8 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from learner_helpers import make_sample, random_samples
 from torch.testing import assert_close
 
@@ -182,6 +184,21 @@ def test_the_shaping_uses_behaviour_log_probs_and_is_not_differentiated():
     (ga,) = torch.autograd.grad(a, lp)
     (gb,) = torch.autograd.grad(b, lp)
     assert torch.equal(ga, gb)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), lam=st.floats(0.0, 4.0), estimator=st.sampled_from(["grpo", "dr_grpo", "gspo"]),
+       agg=st.sampled_from(["token_mean", "sample_mean"]), dual=st.sampled_from([None, 3.0]))
+def test_distillation_is_exactly_a_per_token_advantage(seed, lam, estimator, agg, dual):
+    """For any batch, lambda and loss setting: the loss with the teacher equals
+    the loss without it given the advantages A - lambda * (rollout - teacher) * scored."""
+    t = _distill_tensors(seed)
+    kw = dict(rollout_log_probs=t["rollout"], estimator=estimator, loss_agg=agg, dual_clip=dual)
+    a, _ = policy_loss(t["log_probs"], t["old"], t["adv"], t["mask"], teacher_log_probs=t["teacher"],
+                       teacher_mask=t["scored"], distill_coef=lam, **kw)
+    shaped = t["adv"][:, None] - lam * (t["rollout"] - t["teacher"]) * t["scored"]
+    b, _ = policy_loss(t["log_probs"], t["old"], shaped, t["mask"], **kw)
+    assert torch.equal(a, b)
 
 
 def test_top_k_forward_kl_matches_a_hand_computed_example():
