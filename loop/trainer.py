@@ -118,7 +118,7 @@ def distill_refusal(group: Group) -> str:
                 continue
             problem = distill_problem(s)
             if problem:
-                return f"distill: session {s.session_id} row {s.row_index}: {problem}"
+                return f"distill: {problem}"  # distill_problem names the session and row
     return ""
 
 

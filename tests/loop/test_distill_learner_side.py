@@ -58,7 +58,7 @@ def test_a_group_with_an_unscored_trained_token_is_skipped_when_distilling(tmp_p
     rec = ll.train_step(1, released, 0, 10, {})
     assert rec.groups == ["ok"] and list(rec.skipped) == ["holes"]
     assert rec.skipped["holes"].startswith("distill: session holes-s1 row 0: ")
-    assert "not scored" in rec.skipped["holes"]
+    assert "have no teacher score" in rec.skipped["holes"]
     assert rec.sample_digest == step_digest([ok]) and rec.policy_version == 1
     assert rec.metrics["distill/scored_frac"] == 1.0 and rec.metrics["rollout/distill_refused"] == 0.0
     # It trained exactly as the scored group alone would.
@@ -76,7 +76,7 @@ def test_a_group_with_an_unscored_trained_token_is_skipped_when_distilling(tmp_p
 def test_unscored_and_failed_groups_have_a_distill_reason() -> None:
     groups = build_groups({"bare": GOOD, "ok": GOOD, "dead": [("abort", 0.0, 0, 0.0)] * 2 + GOOD[:2]})
     assert distill_refusal(scored(groups["ok"])) == ""
-    assert distill_refusal(groups["bare"]) == "distill: session bare-s0 row 0: no teacher scored it"
+    assert distill_refusal(groups["bare"]) == "distill: session bare-s0 row 0: no teacher scored its trained tokens"
     failed = distill_refusal(scored(groups["ok"], error="big@v1: timeout after 5 s"))
     assert failed.startswith("distill: session ok-s0 row 0: ") and "big@v1: timeout after 5 s" in failed
     # Aborted members carry no trained token: only the valid members need scores.
