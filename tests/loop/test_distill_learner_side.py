@@ -81,3 +81,31 @@ def test_unscored_and_failed_groups_have_a_distill_reason() -> None:
     assert failed.startswith("distill: session ok-s0 row 0: ") and "big@v1: timeout after 5 s" in failed
     # Aborted members carry no trained token: only the valid members need scores.
     assert distill_refusal(scored(groups["dead"])) == ""
+
+
+async def _teacher(h, turn_index: int, output_ids: list[int]) -> None:
+    """Scores every turn at rollout log-prob - 0.25 (so rollout - teacher = 0.25),
+    with a top-2; fails on turn 1 of session ``bad-s2``."""
+    if h.session_id == "bad-s2" and turn_index == 1:
+        await h.record_teacher_failure(turn_index, teacher="big", teacher_version="v1", error="timeout after 5 s")
+        return
+    n = len(output_ids)
+    ids = [[t, (t + 1) % 16] for t in output_ids]
+    await h.record_teacher_scores(turn_index, teacher="big", teacher_version="v1", temperature=1.0,
+                                  log_probs=[-0.35] * n, top_ids=ids, top_log_probs=[[-0.35, -1.5]] * n)
+
+
+def test_teacher_scores_recorded_through_the_engine_train_and_a_failed_teacher_skips_its_group(tmp_path: Path) -> None:
+    """End to end: the engine records teacher_scored events, the reducers align
+    them, and the learner distills on them (reverse KL 0.25 on every trained
+    token, all scored, top-K used); the group whose teacher timed out on one
+    trained turn is skipped with the teacher's error as the reason."""
+    groups = build_groups({"good": GOOD, "bad": GOOD}, teacher=_teacher)
+    cfg = small_config(learner={"distill_coef": 0.5, "distill_topk_coef": 0.1})
+    ll = LoopLearner(tmp_path, cfg)
+    rec = ll.train_step(1, [ReleasedGroup(0, groups["good"], ()), ReleasedGroup(0, groups["bad"], ())], 0, 10, {})
+    assert rec.groups == ["good"] and rec.policy_version == 1
+    assert rec.skipped["bad"].startswith("distill: session bad-s2 row 0: ") and "timeout after 5 s" in rec.skipped["bad"]
+    assert rec.metrics["distill/scored_frac"] == 1.0
+    assert abs(rec.metrics["distill/reverse_kl"] - 0.25) < 1e-6
+    assert rec.metrics["distill/topk_kl"] > 0.0
