@@ -251,8 +251,10 @@ def policy_loss(
             scored = teacher_mask.to(mask.dtype)
             if num_scored is None:
                 num_scored = (flat_mask * scored.reshape(-1)).sum().clamp(min=1.0)
-            metrics["distill/reverse_kl"] = masked_sum((rollout_log_probs - teacher_log_probs) * scored) / num_scored \
-                if rollout_log_probs is not None else zero
+            reverse_kl = zero
+            if rollout_log_probs is not None:
+                reverse_kl = masked_sum((rollout_log_probs - teacher_log_probs) * scored) / num_scored
+            metrics["distill/reverse_kl"] = reverse_kl
             metrics["distill/scored_frac"] = token_mean(scored)
         if top_log_probs is not None:
             metrics["distill/topk_kl"] = topk_value.detach()
