@@ -180,8 +180,10 @@ def write_report(run_dir: Path) -> str:
     return f"report   {out}"
 
 
-def execute(cfg: LoopConfig, args, *, title: str) -> int:
-    """Run the loop on ``cfg`` and do everything after it: summary, chart, report, check."""
+def execute(cfg: LoopConfig, args, *, title: str, prepare=None) -> int:
+    """Run the loop on ``cfg`` and do everything after it: summary, chart, report, check.
+    ``prepare(cfg, run_dir) -> cfg`` (optional) runs once the new run folder exists, before
+    the loop starts, and may hand back a changed config (the demo's teacher is built there)."""
     from agentlog.loop.run import new_run_id
     from agentlog.loop.runlog import configure_process_logging, restore_logging
 
@@ -199,6 +201,8 @@ def execute(cfg: LoopConfig, args, *, title: str) -> int:
         raise CliError(f"--out {run_dir}: cannot create the run folder: {exc.strerror or exc}", EXIT_USAGE) from None
     with restore_logging():
         configure_process_logging(run_dir, "main", console=sys.stderr, console_level="info")
+        if prepare is not None:
+            cfg = prepare(cfg, run_dir)
         return _execute(cfg, args, run_dir, title)
 
 

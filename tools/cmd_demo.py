@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 
+from agentlog.tools.cli import EXIT_USAGE, CliError
 from agentlog.tools.cli_loop import add_config_flags, add_output_flags, config_from_args, execute
-from agentlog.loop.config import LoopConfig
+from agentlog.loop.config import ConfigError, LoopConfig
+from agentlog.loop.demo import DEMO_DISTILL_COEF
 
 EPILOG = """\
 what it does: a supervised warm-up (300 steps on demonstrations whose answers
@@ -22,6 +24,14 @@ with warm-up, grad-clip 1.0) until --steps policy versions. The run folder
 holds both logs, checkpoints, reward.png, report.html and structlog JSON; at
 the end the rollout log is reconstructed offline and its per-step sample
 digests are compared with those the learner recorded online.
+
+--distill: on-policy distillation. Before the loop starts, a bigger built-in
+GPT (128 wide, 3 blocks) is trained in code on correct demonstrations until it
+solves the lookup task (>= 97% at temperature 1, a few seconds) and saved in
+<run>/teacher/ with its weights digest. The worker scores every turn of each
+finished session with it (teacher_scored events, in the rollout log), and the
+learner adds lambda x (rollout log-prob - teacher log-prob) per token to the
+GRPO advantage (distill_coef, default {coef}).
 """
 
 
@@ -31,14 +41,37 @@ def register(sub) -> None:
         "demo",
         help="run the online training demo (rollouts + learner coupled through logs)",
         description=__doc__.split("\n\n")[0],
-        epilog=EPILOG,
+        epilog=EPILOG.format(coef=DEMO_DISTILL_COEF),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_flags(p, defaults=LoopConfig())
     add_output_flags(p)
+    g = p.add_argument_group("on-policy distillation")
+    g.add_argument("--distill", action="store_true",
+                   help="a bigger built-in GPT that solves the task teaches the student (built into <run>/teacher)")
+    g.add_argument("--distill-coef", type=float, default=None, metavar="LAMBDA",
+                   help=f"distill_coef lambda with --distill (default {DEMO_DISTILL_COEF})")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     """Run the demo with defaults plus the flags given."""
-    return execute(config_from_args(args, LoopConfig()), args, title="demo")
+    cfg = config_from_args(args, LoopConfig())
+    if not args.distill:
+        if args.distill_coef is not None:
+            raise CliError("--distill-coef: only with --distill", EXIT_USAGE)
+        return execute(cfg, args, title="demo")
+    coef = DEMO_DISTILL_COEF if args.distill_coef is None else args.distill_coef
+    if not coef > 0:
+        raise CliError(f"--distill-coef: expected a number > 0, found {coef}", EXIT_USAGE)
+
+    def prepare(cfg: LoopConfig, run_dir) -> LoopConfig:
+        from agentlog.engine.tasks import TaskError
+        from agentlog.loop.demo.teacher_model import demo_teacher_config
+
+        try:
+            return demo_teacher_config(cfg, run_dir, coef)
+        except (ConfigError, TaskError, RuntimeError) as exc:
+            raise CliError(f"--distill: {exc}", EXIT_USAGE) from None
+
+    return execute(cfg, args, title="demo", prepare=prepare)

@@ -37,6 +37,7 @@ from agentlog.learner.learner import read_policy, save_state
 from agentlog.learner.model import GPT
 
 from ..config import ConfigError, LoopConfig
+from . import DEMO_DISTILL_COEF, TEACHER_NAME
 
 log = get_logger("agentlog.loop.demo.teacher_model")
 
@@ -223,3 +224,28 @@ def load_teacher_meta(directory: str | Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
         raise ConfigError(f"{path}: expected a {META_FORMAT} description, found {str(meta)[:80]!r}")
     return meta
+
+
+def with_teacher(cfg: LoopConfig, teacher: str | Path, coef: float = DEMO_DISTILL_COEF, *, topk: int = 0,
+                 topk_coef: float = 0.0) -> LoopConfig:
+    """``cfg`` distilling the built-in GPT teacher at ``teacher`` (a policy file): a ``[distill]``
+    table with that one in-process teacher and ``coef`` as the learner's ``distill_coef``; with
+    ``topk`` the teacher also sends its top-K tokens, and ``topk_coef`` weighs the learner's
+    top-K forward KL term (``distill_topk_coef``)."""
+    values = cfg.to_dict()
+    values["distill"] = {**values.get("distill", {}), "teachers": [{"name": TEACHER_NAME, "checkpoint": str(Path(teacher).resolve())}],
+                         "coef": coef, "topk": topk}
+    if topk_coef:
+        values["learner"] = {**values["learner"], "distill_topk_coef": topk_coef}
+    return LoopConfig.from_dict(values)
+
+
+def demo_teacher_config(cfg: LoopConfig, run_dir: str | Path, coef: float = DEMO_DISTILL_COEF) -> LoopConfig:
+    """What `agentlog demo --distill` runs: the run's teacher built (or found) in ``<run>/teacher``
+    for ``cfg``'s task and seed, and ``cfg`` distilling it with lambda ``coef``."""
+    from agentlog.engine.tasks import select_task
+
+    path, meta = ensure_teacher(run_dir, select_task(cfg.task), seed=cfg.seed)
+    log.info("teacher.ready", path=str(path), digest=meta["digest"], solve_rate=meta["solve_rate"],
+             build_seconds=meta["seconds"])
+    return with_teacher(cfg, path, coef)

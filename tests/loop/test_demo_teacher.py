@@ -92,3 +92,64 @@ def test_teacher_is_deterministic_from_its_seed_and_cached_in_the_run(built, tmp
     with pytest.raises(ConfigError, match="digest"):
         ensure_teacher(tmp_path / "other", task, seed=0)
     assert json.loads((other.parent / TEACHER_META).read_text())["digest"] == meta["digest"]
+
+
+#: Until the [distill] table (helper T's branch) is on main; removed when it is merged.
+needs_distill = pytest.mark.skipif(not hasattr(LoopConfig(), "distill"), reason="LoopConfig has no [distill] table yet")
+
+
+@needs_distill
+def test_demo_distill_scores_every_turn_with_the_runs_teacher_and_checks_equal(tmp_path: Path, capsys) -> None:
+    """`agentlog demo --distill` (2 short RL steps, faults on): the teacher is built into the run
+    folder, every finished session's turns carry its scores recorded under its weights digest, the
+    learner trains with lambda and reports the reverse KL, and the offline check is EQUAL."""
+    from agentlog.events.types import SessionFinished, TeacherScored, TurnRecorded
+    from agentlog.loop import logs
+    from agentlog.loop.check import check_run
+    from agentlog.loop.demo import DEMO_DISTILL_COEF, TEACHER_NAME
+    from agentlog.loop.publish import read_learner_records
+    from agentlog.tools.cli import main as cli_main
+    from short_demo import SHORT_DEMO_ARGS
+
+    out = tmp_path / "run"
+    rc = cli_main([*SHORT_DEMO_ARGS, "--distill", "--no-report", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "EQUAL (2/2 steps equal" in printed, printed
+    assert check_run(out).ok
+    meta = json.loads((out / "teacher" / TEACHER_META).read_text())
+    cfg = LoopConfig.load(out / "config.json")
+    assert cfg.learner_config().distill_coef == DEMO_DISTILL_COEF
+    assert [t.checkpoint for t in cfg.distill.teachers] == [str(teacher_path(out).resolve())]
+
+    turns: dict[str, int] = {}
+    scored: dict[str, set[int]] = {}
+    finished = set()
+    for env in logs.read(out / "rollout", 0):
+        body = env.body
+        if isinstance(body, TurnRecorded):
+            turns[env.session_id] = turns.get(env.session_id, 0) + 1
+        elif isinstance(body, TeacherScored):
+            assert (body.teacher, body.teacher_version, body.error) == (TEACHER_NAME, meta["digest"], "")
+            scored.setdefault(env.session_id, set()).add(body.turn_index)
+        elif isinstance(body, SessionFinished):
+            finished.add(env.session_id)
+    assert finished
+    for sid in finished:
+        assert scored.get(sid) == set(range(turns[sid])), sid
+
+    records = read_learner_records(out / "learner")
+    trained = [r for r in records if r.step > 0 and r.groups]
+    assert trained and all(r.metrics["distill/scored_frac"] == 1.0 for r in trained)
+    assert all(r.metrics["distill/reverse_kl"] > 0 for r in trained)  # the student is far from the teacher
+
+
+def test_demo_distill_coef_needs_distill(tmp_path: Path, capsys) -> None:
+    """--distill-coef without --distill, or lambda <= 0, is refused before any run folder exists."""
+    from agentlog.tools.cli import main as cli_main
+
+    assert cli_main(["demo", "--distill-coef", "0.5", "--out", str(tmp_path / "a")]) == 2
+    assert cli_main(["demo", "--distill", "--distill-coef", "0", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "--distill-coef: only with --distill" in err and "expected a number > 0" in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
