@@ -14,7 +14,7 @@ import argparse
 from agentlog.tools.cli import EXIT_USAGE, CliError
 from agentlog.tools.cli_loop import add_config_flags, add_output_flags, config_from_args, execute
 from agentlog.loop.config import ConfigError, LoopConfig
-from agentlog.loop.demo import DEMO_DISTILL_COEF
+from agentlog.loop.demo import DEMO_DISTILL_COEF, DEMO_TOPK, DEMO_TOPK_COEF
 
 EPILOG = """\
 what it does: a supervised warm-up (300 steps on demonstrations whose answers
@@ -29,9 +29,10 @@ digests are compared with those the learner recorded online.
 GPT (128 wide, 3 blocks) is trained in code on correct demonstrations until it
 solves the lookup task (>= 97% at temperature 1, a few seconds) and saved in
 <run>/teacher/ with its weights digest. The worker scores every turn of each
-finished session with it (teacher_scored events, in the rollout log), and the
-learner adds lambda x (rollout log-prob - teacher log-prob) per token to the
-GRPO advantage (distill_coef, default {coef}).
+finished session with it (teacher_scored events, in the rollout log, with its
+top-{topk} tokens), and the learner adds -lambda x (rollout log-prob - teacher
+log-prob) per token to the GRPO advantage (distill_coef, default {coef}) and a
+top-K forward KL to the teacher x {topk_coef} (distill_topk_coef).
 """
 
 
@@ -41,7 +42,7 @@ def register(sub) -> None:
         "demo",
         help="run the online training demo (rollouts + learner coupled through logs)",
         description=__doc__.split("\n\n")[0],
-        epilog=EPILOG.format(coef=DEMO_DISTILL_COEF),
+        epilog=EPILOG.format(coef=DEMO_DISTILL_COEF, topk=DEMO_TOPK, topk_coef=DEMO_TOPK_COEF),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_flags(p, defaults=LoopConfig())

@@ -37,7 +37,7 @@ from agentlog.learner.learner import read_policy, save_state
 from agentlog.learner.model import GPT
 
 from ..config import ConfigError, LoopConfig
-from . import DEMO_DISTILL_COEF, TEACHER_NAME
+from . import DEMO_DISTILL_COEF, DEMO_TOPK, DEMO_TOPK_COEF, TEACHER_NAME
 
 log = get_logger("agentlog.loop.demo.teacher_model")
 
@@ -226,8 +226,8 @@ def load_teacher_meta(directory: str | Path) -> dict[str, Any]:
     return meta
 
 
-def with_teacher(cfg: LoopConfig, teacher: str | Path, coef: float = DEMO_DISTILL_COEF, *, topk: int = 0,
-                 topk_coef: float = 0.0) -> LoopConfig:
+def with_teacher(cfg: LoopConfig, teacher: str | Path, coef: float = DEMO_DISTILL_COEF, *, topk: int = DEMO_TOPK,
+                 topk_coef: float = DEMO_TOPK_COEF) -> LoopConfig:
     """``cfg`` distilling the built-in GPT teacher at ``teacher`` (a policy file): a ``[distill]``
     table with that one in-process teacher and ``coef`` as the learner's ``distill_coef``; with
     ``topk`` the teacher also sends its top-K tokens, and ``topk_coef`` weighs the learner's

@@ -103,10 +103,10 @@ def test_demo_distill_scores_every_turn_with_the_runs_teacher_and_checks_equal(t
     """`agentlog demo --distill` (2 short RL steps, faults on): the teacher is built into the run
     folder, every finished session's turns carry its scores recorded under its weights digest, the
     learner trains with lambda and reports the reverse KL, and the offline check is EQUAL."""
-    from agentlog.events.types import SessionFinished, TeacherScored, TurnRecorded
+    from agentlog.events.types import SessionFinished, TeacherScored, TurnDelta, TurnRecorded
     from agentlog.loop import logs
     from agentlog.loop.check import check_run
-    from agentlog.loop.demo import DEMO_DISTILL_COEF, TEACHER_NAME
+    from agentlog.loop.demo import DEMO_DISTILL_COEF, DEMO_TOPK, DEMO_TOPK_COEF, TEACHER_NAME
     from agentlog.loop.publish import read_learner_records
     from agentlog.tools.cli import main as cli_main
     from short_demo import SHORT_DEMO_ARGS
@@ -119,7 +119,8 @@ def test_demo_distill_scores_every_turn_with_the_runs_teacher_and_checks_equal(t
     assert check_run(out).ok
     meta = json.loads((out / "teacher" / TEACHER_META).read_text())
     cfg = LoopConfig.load(out / "config.json")
-    assert cfg.learner_config().distill_coef == DEMO_DISTILL_COEF
+    lcfg = cfg.learner_config()
+    assert (lcfg.distill_coef, lcfg.distill_topk_coef, cfg.distill.topk) == (DEMO_DISTILL_COEF, DEMO_TOPK_COEF, DEMO_TOPK)
     assert [t.checkpoint for t in cfg.distill.teachers] == [str(teacher_path(out).resolve())]
 
     turns: dict[str, int] = {}
@@ -127,10 +128,10 @@ def test_demo_distill_scores_every_turn_with_the_runs_teacher_and_checks_equal(t
     finished = set()
     for env in logs.read(out / "rollout", 0):
         body = env.body
-        if isinstance(body, TurnRecorded):
+        if isinstance(body, (TurnRecorded, TurnDelta)):  # a turn is recorded whole or as a delta
             turns[env.session_id] = turns.get(env.session_id, 0) + 1
         elif isinstance(body, TeacherScored):
-            assert (body.teacher, body.teacher_version, body.error) == (TEACHER_NAME, meta["digest"], "")
+            assert (body.teacher, body.teacher_version, body.error, body.top_k) == (TEACHER_NAME, meta["digest"], "", DEMO_TOPK)
             scored.setdefault(env.session_id, set()).add(body.turn_index)
         elif isinstance(body, SessionFinished):
             finished.add(env.session_id)
@@ -141,7 +142,7 @@ def test_demo_distill_scores_every_turn_with_the_runs_teacher_and_checks_equal(t
     records = read_learner_records(out / "learner")
     trained = [r for r in records if r.step > 0 and r.groups]
     assert trained and all(r.metrics["distill/scored_frac"] == 1.0 for r in trained)
-    assert all(r.metrics["distill/reverse_kl"] > 0 for r in trained)  # the student is far from the teacher
+    assert all(r.metrics["distill/reverse_kl"] > 0 and r.metrics["distill/topk_kl"] > 0 for r in trained)  # far from the teacher
 
 
 def test_demo_distill_coef_needs_distill(tmp_path: Path, capsys) -> None:

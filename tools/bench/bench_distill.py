@@ -9,6 +9,13 @@ loop (``loop.run.run_loop``):
   the lookup task, :mod:`agentlog.loop.demo.teacher_model`) scoring every
   turn in the worker, and the learner's ``distill_coef`` lambda.
 
+Both arms of a seed start from the same version 0: the bench runs the
+demo's supervised warm-up once per seed, in its own process on one thread
+(what the learner would do at the start of each run; the warm-up is
+deterministic given the seed and the thread count), and hands it to each
+run's learner as its published version 0, from which the learner resumes.
+Halving the warm-ups leaves the comparison unchanged.
+
 The figure is the policy version at which the mean reward of the last 10
 trained steps first reaches 0.9 (the demo's stop rule); a run that never
 gets there within ``--max-steps`` counts as ``max-steps + 1``. The goal
@@ -20,6 +27,7 @@ Usage: ``python tools/bench/bench_distill.py [--quick] [--seeds N] [--coef L]``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shutil
 import statistics
@@ -31,16 +39,20 @@ from pathlib import Path
 import structlog
 
 from agentlog.engine.tasks import select_task
+from agentlog.events.types import PolicyUpdated
+from agentlog.learner.learner import Learner
+from agentlog.loop import logs
 from agentlog.loop.config import LoopConfig
+from agentlog.loop.demo import DEMO_DISTILL_COEF, DEMO_TOPK, DEMO_TOPK_COEF
 from agentlog.loop.demo.teacher_model import ensure_teacher, with_teacher
-from agentlog.loop.publish import read_learner_records
+from agentlog.loop.demo.warmup import supervised_warmup
+from agentlog.loop.policy import build_model
+from agentlog.loop.publish import checkpoint_path, publish, read_learner_records
 from agentlog.loop.run import reward_curve, run_loop
 
 #: The demo's stop rule: the mean reward of this many trained steps reaches TARGET.
 WINDOW = 10
 TARGET = 0.9
-#: Default lambda (from the sweep quoted in the README).
-DEFAULT_COEF = 1.0
 
 
 def steps_to_target(records, window: int = WINDOW, target: float = TARGET) -> int | None:
@@ -54,10 +66,43 @@ def steps_to_target(records, window: int = WINDOW, target: float = TARGET) -> in
     return None
 
 
-def one_run(base: Path, seed: int, *, opd: bool, coef: float, max_steps: int, topk: int = 0, topk_coef: float = 0.0) -> dict:
-    """One run of the loop; returns its steps to the target, wall time and final reward."""
+def warmed_up(base: Path, cfg: LoopConfig) -> Path:
+    """The seed's version 0 (the demo's warm-up of ``cfg``), as a learner checkpoint under
+    ``base``: built once, then reused by every run of the seed (and by a later bench on the
+    same ``--keep`` folder)."""
+    path = base / f"warmup-s{cfg.seed}-t{cfg.warmup_threads}.pt"
+    if not path.exists():
+        task = select_task(cfg.task)
+        model = build_model(cfg, task)
+        metrics = supervised_warmup(model, task, cfg)
+        # As the learner does: the RL optimiser starts fresh after the warm-up.
+        Learner(model, cfg.learner_config()).save_checkpoint(path)
+        print(f"seed {cfg.seed} warm-up: {metrics['warmup/steps']:.0f} steps, loss {metrics['warmup/loss']:.3f}, "
+              f"{metrics['warmup/seconds']:.0f} s", flush=True)
+    return path
+
+
+def start_from(run_dir: Path, cfg: LoopConfig, checkpoint: Path) -> None:
+    """Publish ``checkpoint`` as the run's version 0 (step 0), so its learner resumes from it."""
+    ckpt = checkpoint_path(run_dir / "checkpoints", 0)
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(checkpoint, ckpt)
+    llog = logs.open_log(run_dir / "learner", cfg.fsync)
+    try:
+        publish(llog, PolicyUpdated(step=0, policy_version=0, checkpoint=str(ckpt), metrics={"loop/final": 0.0}))
+    finally:
+        llog.close()
+
+
+def one_run(base: Path, seed: int, *, opd: bool, coef: float, max_steps: int, topk: int = DEMO_TOPK, topk_coef: float = DEMO_TOPK_COEF,
+            warmups: Path | None = None, learner: dict | None = None) -> dict:
+    """One run of the loop from the seed's shared warm-up; returns its steps to the target,
+    wall time and final reward."""
     run_dir = base / f"{'opd' if opd else 'rl'}-s{seed}"
-    cfg = LoopConfig(seed=seed, steps=max_steps, stop_reward=TARGET, stop_window=WINDOW, time_budget_s=0)
+    cfg = LoopConfig(seed=seed, steps=max_steps, stop_reward=TARGET, stop_window=WINDOW, time_budget_s=0, warmup_threads=1)
+    if learner:
+        cfg = LoopConfig.from_dict({**cfg.to_dict(), "learner": {**cfg.learner, **learner}})
+    start_from(run_dir, cfg, warmed_up(warmups or base, cfg))
     t_teacher = 0.0
     if opd:
         t0 = time.perf_counter()
@@ -80,11 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 seeds, at most 40 steps")
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 5; --quick 2)")
-    p.add_argument("--coef", type=float, default=DEFAULT_COEF, help=f"distill_coef lambda of the OPD runs (default {DEFAULT_COEF})")
-    p.add_argument("--topk", type=int, default=0, help="top-K tokens the teacher returns (0: none)")
-    p.add_argument("--topk-coef", type=float, default=0.0, help="distill_topk_coef: weight of the top-K forward KL (needs --topk)")
+    p.add_argument("--coef", type=float, default=DEMO_DISTILL_COEF,
+                   help=f"distill_coef lambda of the OPD runs (default: the demo's, {DEMO_DISTILL_COEF})")
+    p.add_argument("--topk", type=int, default=DEMO_TOPK, help=f"top-K tokens the teacher returns (0: none; default {DEMO_TOPK})")
+    p.add_argument("--topk-coef", type=float, default=DEMO_TOPK_COEF,
+                   help=f"distill_topk_coef: weight of the top-K forward KL (default {DEMO_TOPK_COEF})")
     p.add_argument("--max-steps", type=int, default=None, help="most RL steps per run (default 80; --quick 40)")
     p.add_argument("--only", choices=("rl", "opd"), default=None, help="run one arm only (no GOAL line)")
+    p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a LearnerConfig field in both arms (repeatable; JSON values)")
+    p.add_argument("--warmups", type=Path, default=None, help="keep (and reuse) the seeds' warm-ups in this directory")
     p.add_argument("--keep", type=Path, default=None, help="keep the run folders under this directory")
     args = p.parse_args(argv)
     seeds = args.seeds if args.seeds is not None else (2 if args.quick else 5)
@@ -92,13 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     base = Path(tempfile.mkdtemp(prefix="bench_distill_")) if args.keep is None else args.keep
     base.mkdir(parents=True, exist_ok=True)
+    if args.warmups is not None:
+        args.warmups.mkdir(parents=True, exist_ok=True)
+    learner = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.learner)}
     arms = [a for a in ("rl", "opd") if args.only in (None, a)]
     results: dict[str, list[dict]] = {a: [] for a in arms}
     try:
         for seed in range(seeds):
             for arm in arms:
                 r = one_run(base, seed, opd=arm == "opd", coef=args.coef, max_steps=max_steps, topk=args.topk,
-                            topk_coef=args.topk_coef)
+                            topk_coef=args.topk_coef, warmups=args.warmups, learner=learner)
                 results[arm].append(r)
                 print(f"seed {seed} {arm:<3} steps to {TARGET}: {r['steps'] if r['steps'] is not None else f'>{max_steps}':>4}  "
                       f"trained {r['trained']:>3}  last reward {r['last_reward']:.2f}  wall {r['wall_s']:.0f} s"
@@ -109,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(base, ignore_errors=True)
 
     print()
-    print(f"lookup demo (32 prompts x 8 samples per step, warm-up 300 steps, faults on, 1 thread per process), "
-          f"seeds 0..{seeds - 1}, OPD lambda {args.coef}; steps = policy versions to a {WINDOW}-step mean reward of {TARGET} "
+    print(f"lookup demo (32 prompts x 8 samples per step, one shared warm-up of 300 steps per seed, faults on, "
+          f"1 thread per process), "
+          f"seeds 0..{seeds - 1}, OPD lambda {args.coef}, top-{args.topk} forward KL x {args.topk_coef}; steps = policy versions to a {WINDOW}-step mean reward of {TARGET} "
           f"(never: {max_steps + 1})")
     print(f"{'arm':<5} {'median':>7} {'min':>5} {'max':>5} {'reached':>8} {'wall s/run':>11}")
     med: dict[str, float] = {}
