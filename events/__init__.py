@@ -52,6 +52,7 @@ _LAZY = {
     "OsOps": "log_writer",
     "RawRecord": "log_read",
     "follow_log": "log_read",
+    "follow_logs": "log_read",
     "read_log": "log_read",
     "VerifyReport": "log_verify",
     "list_partitions": "partitions",

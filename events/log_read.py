@@ -14,7 +14,7 @@ import asyncio
 import bisect
 import os
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator, NamedTuple
+from typing import AsyncIterator, Callable, Iterator, Mapping, NamedTuple
 
 import msgspec
 
@@ -316,3 +316,51 @@ async def follow_log(
                 await asyncio.sleep(poll_s)
     finally:
         cur.close()
+
+
+async def follow_logs(
+    paths: Mapping[int, str | os.PathLike],
+    from_lsn: Mapping[int, int] | None = None,
+    *,
+    poll_s: float = 0.05,
+    chunk: int = 512,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> AsyncIterator[tuple[int, Envelope]]:
+    """Tail several logs at once (the partitions of a run), forever: yields
+    ``(partition id, envelope)`` with each partition's records in its LSN
+    order, partitions interleaved ``chunk`` records at a time in turn.
+
+    A partition whose directory does not exist yet is picked up once it
+    does; ``from_lsn`` gives each partition's first LSN (default 0). Like
+    :func:`follow_log` it yields only durable records. One task, one cursor
+    per partition: the caller sees every partition's corruption as its own
+    exception, and a partition is never silently left behind. ``paths`` is
+    read afresh each round: a partition the caller removes from it is no
+    longer read."""
+    starts = dict(from_lsn or {})
+    cursors: dict[int, Cursor] = {}
+    try:
+        while True:
+            n = 0
+            for pid, path in list(paths.items()):
+                directory = Path(path)
+                cur = cursors.get(pid)
+                if cur is None:
+                    if not is_log_dir(directory):
+                        continue  # its writer has not created it yet
+                    cur = cursors[pid] = Cursor(directory, starts.get(pid, 0), max_record_bytes,
+                                                lambda first, d=directory: _load_index_hint(d)(first), False)
+                durable = read_watermark(directory)
+                limit = durable.lsn if durable else 0
+                cur.unsynced_limit = durable is not None and not durable.synced
+                start = max(cur.next_lsn, cur.from_lsn)
+                if limit > start:
+                    for env in cur.records(min(limit, start + chunk)):
+                        yield pid, env
+                        n += 1
+            # Yield to the event loop between rounds, and sleep when nothing is new.
+            await asyncio.sleep(0 if n else poll_s)
+    finally:
+        for cur in cursors.values():
+            cur.close()
+

@@ -399,6 +399,26 @@ class SessionDropped(msgspec.Struct, frozen=True, tag="session_dropped"):
             _fail("session_dropped", "reason", "a non-empty str", self.reason)
 
 
+class MemberRef(msgspec.Struct, frozen=True, array_like=True):
+    """A group member as the learner consumed it: the session and the LSN
+    of its terminal event in its partition (dropped members included)."""
+
+    session_id: str
+    terminal_lsn: int
+
+
+class GroupRef(msgspec.Struct, frozen=True):
+    """One group a learner step consumed, named where it lives: its
+    partition, its id, its members, and why it trained nothing ("" when it
+    was trained). What a replay of the learner log needs to rebuild the
+    step's batch from the partitions, whatever order they arrived in."""
+
+    partition: int
+    group_id: str
+    members: list[MemberRef] = []
+    skip_reason: str = ""
+
+
 class PolicyUpdated(msgspec.Struct, frozen=True, tag="policy_updated"):
     """Learner side: one optimiser step produced ``policy_version``."""
 
@@ -425,6 +445,19 @@ class PolicyUpdated(msgspec.Struct, frozen=True, tag="policy_updated"):
     #: rewards the stop rule looks back on, are in the records from there on.
     #: -1: not recorded: read the learner log from 0.
     records_from_lsn: int = -1
+    #: Every group this step consumed, in consumption order (trained ones in
+    #: the order of ``groups``), each named by partition and members
+    #: (:class:`GroupRef`). Empty in records written before partitions.
+    batch: list[GroupRef] = []
+    #: Per partition, the next LSN the learner had not read when it cut this
+    #: step: its read frontier. Empty before partitions.
+    frontier: dict[int, int] = {}
+    #: Per partition, the low-water LSN after this step (``lsn_low_water``
+    #: of each partition); a restart reads each partition from here.
+    low_water: dict[int, int] = {}
+    #: Partitions the learner declared lost at this step -> why; it reads
+    #: nothing more from them.
+    lost_partitions: dict[int, str] = {}
 
 
 Event = Union[

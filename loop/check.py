@@ -1,9 +1,10 @@
-"""Offline check of a run: rebuild every step's samples from the rollout log alone.
+"""Offline check of a run: rebuild every step's samples from the rollout logs alone.
 
-The learner recorded, per step, the groups it trained and the digest of their
-samples. Here the whole rollout log is reduced offline with the same
-reducers and configuration; for every ``policy_updated`` the digest of the
-listed groups' samples is recomputed and compared with the recorded one.
+The learner recorded, per step, the groups it trained (by partition, with
+their members) and the digest of their samples. Here every rollout
+partition is reduced offline with the same reducers and configuration; for
+every ``policy_updated`` the digest of the listed groups' samples is
+recomputed and compared with the recorded one.
 The same pass checks exactly-once consumption: every released group that
 the learner reached appears in exactly one record (trained or skipped), and
 none appears twice.
@@ -14,12 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentlog.reducers.pipeline import reduce_log
+import msgspec
+
+from agentlog.events.partitions import partition_name
+from agentlog.events.types import GroupRef, MemberRef, PolicyUpdated
+from agentlog.reducers.partitioned import ReleasedGroup, rebuild_batches, reduce_partitions
+from agentlog.reducers.samples import SampleDigest
 
 from . import logs
 from .config import LoopConfig
 from .publish import read_learner_records
-from .trainer import reduce_config, step_digest
+from .trainer import record_frontier, reduce_config, step_digest
 
 
 @dataclass
@@ -43,35 +49,69 @@ class RunCheck:
 
 
 def check_run(run_dir: Path, cfg: LoopConfig | None = None) -> RunCheck:
-    """Compare the learner's online per-step digests with an offline reconstruction."""
+    """Compare the learner's online per-step digests with an offline reconstruction.
+
+    Each rollout partition is reduced on its own (a run with one worker has
+    one, ``<run>/rollout``); each learner record is then replayed against
+    them (:func:`rebuild_batches`): the groups it names, taken from the
+    partitions it names, in its order, must hash to the digest it recorded."""
     run_dir = Path(run_dir)
     cfg = cfg or LoopConfig.load(run_dir / "config.json")
-    result = reduce_log(logs.read(run_dir / "rollout", 0), reduce_config(cfg))
-    groups = {g.group_id: g for g in result.groups}
-    out = RunCheck(groups_released=len(groups), sample_digest=result.digest)
-    seen: dict[str, int] = {}
-    last_lsn_end = -1
+    partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
+    sources = {pid: path for pid, path in logs.rollout_sources(run_dir, partitions).items() if logs.exists(path)}
+    released = reduce_partitions({pid: logs.read(path, 0) for pid, path in sources.items()}, reduce_config(cfg))
+    out = RunCheck(groups_released=sum(len(r) for r in released.values()))
+    digest = SampleDigest()
+    for pid in sorted(released):
+        for r in released[pid].values():
+            for sample in r.group.samples:
+                digest.update(sample)
+    out.sample_digest = digest.hexdigest()
+    seen: dict[tuple[int, str], int] = {}
+    frontier: dict[int, int] = {}
     for rec in read_learner_records(run_dir / "learner"):
         if rec.step == 0:
             continue  # the warm-up: no rollout data
         out.steps += 1
-        last_lsn_end = max(last_lsn_end, rec.lsn_end)
-        for gid in list(rec.groups) + list(rec.skipped):
-            if gid in seen:
-                out.duplicates.append(f"group {gid} consumed by step {seen[gid]} and again by step {rec.step}")
-            seen[gid] = rec.step
-            if gid not in groups:
-                out.unknown.append(f"step {rec.step}: group {gid} is not released in the rollout log")
-        trained = [groups[g] for g in rec.groups if g in groups]
-        if len(trained) != len(rec.groups):
+        for pid, end in record_frontier(rec).items():
+            frontier[pid] = max(frontier.get(pid, 0), end)
+        if not rec.batch:  # a record from before partitions: its groups are the single log's
+            rec = msgspec.structs.replace(rec, batch=[
+                GroupRef(0, gid, [MemberRef(sid, lsn) for sid, lsn in _members(released.get(0, {}).get(gid))], rec.skipped.get(gid, ""))
+                for gid in _consumed_order(rec)])
+        for ref in rec.batch:
+            key = (ref.partition, ref.group_id)
+            if key in seen:
+                out.duplicates.append(f"group {_name(key)} consumed by step {seen[key]} and again by step {rec.step}")
+            seen[key] = rec.step
+        rebuilt = next(rebuild_batches([rec], released))
+        unknown = [p for p in rebuilt.problems if "is not released" in p]
+        out.unknown.extend(unknown)
+        if unknown:
             continue
-        digest = step_digest(trained)
-        if digest == rec.sample_digest:
+        out.mismatches.extend(rebuilt.problems)
+        digest = step_digest(rebuilt.trained)
+        if digest == rec.sample_digest and not rebuilt.problems:
             out.digests_equal += 1
-        else:
+        elif digest != rec.sample_digest:
             out.mismatches.append(f"step {rec.step}: online {rec.sample_digest} != offline {digest}")
     out.groups_consumed = len(seen)
-    for g in result.groups:
-        if g.lsn_released <= last_lsn_end and g.group_id not in seen:
-            out.missing.append(f"group {g.group_id} released at lsn {g.lsn_released} was never consumed")
+    for pid, groups in released.items():
+        for r in groups.values():
+            if r.group.lsn_released < frontier.get(pid, 0) and (pid, r.group.group_id) not in seen:
+                out.missing.append(f"group {_name((pid, r.group.group_id))} released at lsn {r.group.lsn_released} was never consumed")
     return out
+
+
+def _name(key: tuple[int, str]) -> str:
+    pid, gid = key
+    return f"{partition_name(pid)}/{gid}"
+
+
+def _consumed_order(rec: PolicyUpdated) -> list[str]:
+    """The groups of a record without ``batch``: trained ones in order, then skipped ones."""
+    return list(rec.groups) + [g for g in rec.skipped if g not in rec.groups]
+
+
+def _members(r: ReleasedGroup | None) -> list[tuple[str, int]]:
+    return [] if r is None else [(m.session_id, m.terminal_lsn) for m in r.members]

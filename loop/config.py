@@ -153,6 +153,64 @@ class MetricsConfig:
     """Log to this Weights & Biases project when ``wandb`` is installed ("" : $WANDB_PROJECT, if set; else off)."""
 
 
+#: Where the rollout workers run: local processes, or Ray actors.
+ROLLOUT_BACKENDS = ("local", "ray")
+
+
+@dataclass
+class RolloutConfig:
+    """How many rollout workers run, and where (the ``[rollout]`` table).
+
+    With more than one worker, or on Ray, each worker writes its own log
+    partition ``<run>/rollout/pNNNN`` and runs the groups ``g`` of each batch
+    with ``g % workers`` equal to its partition id."""
+
+    workers: int = 1
+    """Rollout workers, one log partition each."""
+    backend: str = "local"
+    """local (worker processes on this machine) or ray (one Ray actor per worker)."""
+    address: str = ""
+    """ray: the cluster to join (ray.init(address=...), e.g. "auto" or "ray://head:10001"); "" starts a local Ray on this machine."""
+    max_restarts: int = 4
+    """ray: how often Ray restarts a rollout actor that died (its node lost, its process killed)."""
+    resources: dict[str, float] = field(default_factory=lambda: {"agentlog_rollout": 1.0})
+    """ray: the custom resources each rollout actor requests (give rollout nodes `--resources='{"agentlog_rollout": N}'`)."""
+    num_cpus: float = 1.0
+    """ray: CPUs each rollout actor reserves."""
+    lost_after_s: float = 0.0
+    """Declare a partition lost once it has written nothing for this long while the learner waits for groups (0: never); recorded in the learner log."""
+
+    def __post_init__(self) -> None:
+        if type(self.workers) is not int or self.workers < 1:
+            raise ConfigError(f"[rollout] workers: expected an int >= 1, found {self.workers!r}")
+        if self.backend not in ROLLOUT_BACKENDS:
+            raise ConfigError(f"[rollout] backend: expected one of {ROLLOUT_BACKENDS}, found {self.backend!r}")
+        if not isinstance(self.address, str):
+            raise ConfigError(f"[rollout] address: expected a Ray address (str), found {self.address!r}")
+        if self.address and self.backend != "ray":
+            raise ConfigError(f"[rollout] address: only the ray backend joins a cluster (backend is {self.backend!r})")
+        if type(self.max_restarts) is not int or self.max_restarts < 0:
+            raise ConfigError(f"[rollout] max_restarts: expected an int >= 0, found {self.max_restarts!r}")
+        if not isinstance(self.resources, Mapping) or not all(
+                isinstance(k, str) and k and not isinstance(v, bool) and isinstance(v, (int, float)) and v >= 0
+                for k, v in self.resources.items()):
+            raise ConfigError(f"[rollout] resources: expected a table of resource name -> amount >= 0, found {self.resources!r}")
+        self.resources = {k: float(v) for k, v in self.resources.items()}
+        for name in ("num_cpus", "lost_after_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ConfigError(f"[rollout] {name}: expected a number >= 0, found {v!r}")
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether the rollout log is a folder of partitions, one per worker."""
+        return self.workers > 1 or self.backend == "ray"
+
+    def partitions(self) -> list[int]:
+        """The partition ids of the workers (0 .. workers-1)."""
+        return list(range(self.workers))
+
+
 @dataclass
 class LoopConfig:
     """The online loop: task, model, rollout shape, asynchrony bound, faults, output."""
@@ -232,6 +290,9 @@ class LoopConfig:
     """Recompute the HF model's activations in the backward pass (less memory, more time)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Metric sinks of the learner (the [metrics] table: tensorboard, wandb_project)."""
+    # --- issue 15: rollout workers ---
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout workers: how many, local processes or Ray actors (see RolloutConfig)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.faults, Mapping):
@@ -244,6 +305,10 @@ class LoopConfig:
         # --- issue 14: hf model ---
         if isinstance(self.metrics, Mapping):
             self.metrics = _from_mapping(MetricsConfig, self.metrics, "metrics")
+        if isinstance(self.rollout, Mapping):
+            self.rollout = _from_mapping(RolloutConfig, self.rollout, "rollout")
+        if not isinstance(self.rollout, RolloutConfig):
+            raise ConfigError(f"LoopConfig.rollout: expected a [rollout] table, found {self.rollout!r}")
         if not isinstance(self.metrics, MetricsConfig):
             raise ConfigError(f"LoopConfig.metrics: expected a [metrics] table, found {self.metrics!r}")
         if not isinstance(self.hf_model, str):

@@ -8,7 +8,8 @@ starts them, shows progress by reading the learner log, and stops them.
 Run folder layout::
 
     config.json        the LoopConfig both processes read
-    rollout/           the rollout log (worker writes, learner reads)
+    rollout/           the rollout log (worker writes, learner reads); with several
+                       workers a folder of partitions rollout/pNNNN, one per worker
     learner/           the learner log (learner writes, worker reads)
     checkpoints/       policy-vNNNNN.pt (weights, optimiser, version)
     logs/*.jsonl       structlog JSON of each process; logs/*.stderr their stderr
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from agentlog.events.partitions import partition_name
 from agentlog.events.types import PolicyUpdated, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnDelta, TurnRecorded
 
 from . import logs
@@ -44,11 +46,16 @@ def new_run_id(seed: int) -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-s{seed}"
 
 
+def process_name(kind: str, *args: str) -> str:
+    """The name of a loop process in ``logs/``: ``trainer``, ``worker``, ``worker-partition-3``."""
+    return kind if not args else f"{kind}{'-'.join([''] + [a.lstrip('-') for a in args])}"
+
+
 def start_process(kind: str, run_dir: Path, *args: str) -> subprocess.Popen:
     """Start ``loop.<kind>`` (``trainer`` or ``worker``) for ``run_dir``; stderr goes to ``logs/``."""
     run_dir = Path(run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    name = kind if not args else f"{kind}{'-'.join([''] + [a.lstrip('-') for a in args])}"
+    name = process_name(kind, *args)
     err = open(run_dir / "logs" / f"{name}.stderr", "ab")
     env = dict(os.environ)
     cfg = LoopConfig.load(run_dir / "config.json")
@@ -72,6 +79,89 @@ def _tail(path: Path, n: int = 15) -> str:
     return "\n".join(lines[-n:])
 
 
+class LocalRollouts:
+    """The rollout workers of a run as local processes: one, or one per partition.
+
+    The interface every rollout backend offers :func:`run_loop` (the Ray one
+    is :class:`agentlog.loop.ray_rollout.RayRollouts`): ``start()``,
+    ``poll()`` (None while running, 0 once every worker stopped; raises
+    :class:`LoopError` naming the worker that failed) and ``stop()``."""
+
+    def __init__(self, cfg: LoopConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self) -> None:
+        """Start the worker processes."""
+        if not self.cfg.rollout.partitioned:
+            self.procs["worker"] = start_process("worker", self.run_dir)
+            return
+        for pid in self.cfg.rollout.partitions():
+            args = ("--partition", str(pid))
+            self.procs[process_name("worker", *args)] = start_process("worker", self.run_dir, *args)
+
+    def poll(self) -> int | None:
+        """None while a worker runs, 0 once all stopped; LoopError when one failed."""
+        for name, proc in self.procs.items():
+            rc = proc.poll()
+            if rc is not None and rc != 0:
+                err = self.run_dir / "logs" / f"{name}.stderr"
+                raise LoopError(f"the rollout worker {name} exited with status {rc}; see {err}:\n" + _tail(err))
+        return 0 if all(p.poll() == 0 for p in self.procs.values()) else None
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every worker to stop by itself; whether they did."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+    def stop(self) -> None:
+        """Kill the workers still running."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def rollout_backend(cfg: LoopConfig, run_dir: Path):
+    """The rollout workers of ``cfg.rollout.backend``: local processes or Ray actors."""
+    if cfg.rollout.backend == "ray":
+        from .ray_rollout import RayRollouts  # ray: only when asked for
+
+        return RayRollouts(cfg, run_dir)
+    return LocalRollouts(cfg, run_dir)
+
+
+class PartitionProgress:
+    """Per-partition throughput and lag for the progress display: events each
+    partition wrote per second since the last look, and how many of them the
+    learner has not yet consumed into a step (its frontier in the last record)."""
+
+    def __init__(self, cfg: LoopConfig, run_dir: Path) -> None:
+        partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
+        self.sources = logs.rollout_sources(run_dir, partitions) if partitions else {}
+        self.last: dict[int, tuple[float, int]] = {}
+        self.rate: dict[int, float] = {}
+
+    def line(self, frontier: dict[int, int]) -> str:
+        """``p0000 412 ev/s lag 37 | p0001 ...`` ("" for a single log)."""
+        now = time.monotonic()
+        parts = []
+        for pid, path in self.sources.items():
+            end = logs.durable_end(path)
+            t, before = self.last.get(pid, (now, end))
+            if now - t >= 1.0 or pid not in self.rate:
+                self.rate[pid] = (end - before) / (now - t) if now > t else 0.0
+                self.last[pid] = (now, end)
+            parts.append(f"{partition_name(pid)} {self.rate[pid]:.0f} ev/s lag {max(0, end - frontier.get(pid, 0))}")
+        return " | ".join(parts)
+
+
 @dataclass
 class RunResult:
     """What a finished run left behind (read back from its logs)."""
@@ -90,7 +180,10 @@ def summarise_rollout(run_dir: Path) -> tuple[Counter, int, int, int, int]:
     """Outcome counts by status and reason, sessions, turns, generated tokens, events."""
     outcomes: Counter = Counter()
     sessions = turns = tokens = events = 0
-    for env in logs.read(Path(run_dir) / "rollout", 0):
+    cfg = LoopConfig.load(Path(run_dir) / "config.json")
+    partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
+    paths = [p for p in logs.rollout_sources(run_dir, partitions).values() if logs.exists(p)]
+    for env in (env for path in paths for env in logs.read(path, 0)):
         events += 1
         b = env.body
         if isinstance(b, SessionOpened):
@@ -109,8 +202,8 @@ def summarise_rollout(run_dir: Path) -> tuple[Counter, int, int, int, int]:
 
 def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: TextIO | None = None,
              timeout_s: float | None = None, label: str = "agentlog") -> RunResult:
-    """Run the learner and one rollout worker on ``run_dir`` until version ``cfg.steps``
-    (``label`` names the progress bar: the command that runs the loop)."""
+    """Run the learner and the rollout workers (``cfg.rollout``) on ``run_dir`` until
+    version ``cfg.steps`` (``label`` names the progress bar: the command that runs the loop)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     # Both processes read the HF model: build a tiny one once, here, and pin a
@@ -124,7 +217,9 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: 
         cfg = dataclasses.replace(cfg, hf_model=str(hf_dir))
     cfg.save(run_dir / "config.json")
     t0 = time.monotonic()
-    procs = {"learner": start_process("trainer", run_dir), "worker": start_process("worker", run_dir)}
+    learner = start_process("trainer", run_dir)
+    rollouts = rollout_backend(cfg, run_dir)
+    progress_of_partitions = PartitionProgress(cfg, run_dir)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -132,6 +227,7 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: 
         bar = tqdm(total=cfg.steps, desc=label, unit="step", file=console or sys.stderr,
                    dynamic_ncols=True, leave=True)
     try:
+        rollouts.start()
         seen = 0
         aborted = dropped = 0
         last_version = 0
@@ -146,32 +242,28 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: 
                 dropped += int(rec.metrics.get("rollout/dropped", 0))
                 if bar is not None:
                     bar.update(rec.policy_version - last_version)
+                    partitions = progress_of_partitions.line(dict(rec.frontier))
                     bar.set_postfix_str(
                         f"step {rec.step} v{rec.policy_version} reward {_fmt(rec.metrics.get('rollout/reward_mean'))} "
                         f"solve {_fmt(rec.metrics.get('rollout/solve_rate'))} aborts {aborted} drops {dropped} "
-                        f"stale {_fmt(rec.metrics.get('rollout/staleness_mean'), 2)}"
+                        f"stale {_fmt(rec.metrics.get('rollout/staleness_mean'), 2)}" + (f" | {partitions}" if partitions else "")
                     )
                 last_version = rec.policy_version
                 if bar is not None and rec.metrics.get("loop/final", 0.0) >= 1.0:
                     bar.total = rec.policy_version  # stopped early: by reward or time
                     bar.refresh()
             seen = len(records)
-            lrc = procs["learner"].poll()
-            wrc = procs["worker"].poll()
+            lrc = learner.poll()
             if lrc is not None and lrc != 0:
                 raise LoopError(f"the learner process exited with status {lrc}; see {run_dir / 'logs' / 'trainer.stderr'}:\n"
                                 + _tail(run_dir / "logs" / "trainer.stderr"))
-            if wrc is not None and wrc != 0:
-                raise LoopError(f"the rollout worker exited with status {wrc}; see {run_dir / 'logs' / 'worker.stderr'}:\n"
-                                + _tail(run_dir / "logs" / "worker.stderr"))
+            wrc = rollouts.poll()  # raises LoopError when a worker failed
             if lrc == 0 and wrc == 0:
                 break
             if lrc == 0 and wrc is None:
-                # The worker stops once it reads the final version; give it a moment.
-                try:
-                    procs["worker"].wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    raise LoopError("the rollout worker did not stop within 30 s after the learner's final version") from None
+                # The workers stop once they read the final version; give them a moment.
+                if not rollouts.wait(30):
+                    raise LoopError("the rollout workers did not stop within 30 s after the learner's final version")
                 continue
             if timeout_s is not None and time.monotonic() - t0 > timeout_s:
                 raise LoopError(f"the loop did not reach version {cfg.steps} within {timeout_s} s (at v{last_version})")
@@ -179,10 +271,12 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: 
     finally:
         if bar is not None:
             bar.close()
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        try:
+            rollouts.stop()
+        finally:
+            if learner.poll() is None:
+                learner.kill()
+                learner.wait()
     wall = time.monotonic() - t0
     outcomes, sessions, turns, tokens, events = summarise_rollout(run_dir)
     return RunResult(run_dir, read_learner_records(run_dir / "learner"), wall, outcomes, sessions, turns, tokens, events)

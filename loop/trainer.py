@@ -58,11 +58,13 @@ import torch
 from agentlog._logging import get_logger
 from agentlog.engine.tasks import load_tasks, select_task
 from agentlog.events.log_api import EventLog
-from agentlog.events.types import PolicyUpdated
+from agentlog.events.partitions import partition_name
+from agentlog.events.types import Envelope, PolicyUpdated
 from agentlog.learner.learner import Learner
 from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.groups import Group
-from agentlog.reducers.pipeline import InFlightWindow, Reducer
+from agentlog.reducers.partitioned import PartitionFold, ReleasedGroup
+from agentlog.reducers.pipeline import InFlightWindow
 from agentlog.reducers.samples import SampleDigest
 
 from . import logs
@@ -99,54 +101,85 @@ def sampling_refusal(group: Group) -> str:
     return ""
 
 
-class ResumePoint(NamedTuple):
-    """Where a restarted learner picks the rollout log up (:func:`resume_point`)."""
+def record_frontier(record: PolicyUpdated) -> dict[int, int]:
+    """Per partition, the next rollout LSN the learner had not read when it
+    cut ``record``'s step; a record written before partitions names only
+    the single log (partition 0) through ``lsn_end``."""
+    if record.frontier:
+        return dict(record.frontier)
+    return {0: record.lsn_end + 1} if record.lsn_end >= 0 else {}
 
-    consumed: set[str]  # every group trained or skipped by a recorded step
-    read_from: int  # the LSN to read the rollout log from
-    window: InFlightWindow  # what of it to feed the fresh reducer
+
+def record_consumed(record: PolicyUpdated) -> Iterable[tuple[int, str]]:
+    """(partition, group id) of every group ``record``'s step consumed."""
+    if record.batch:
+        return [(ref.partition, ref.group_id) for ref in record.batch]
+    return [(0, gid) for gid in list(record.groups) + list(record.skipped)]
+
+
+class ResumePoint(NamedTuple):
+    """Where a restarted learner picks the rollout logs up (:func:`resume_point`)."""
+
+    consumed: set[tuple[int, str]]  # (partition, group) of every group trained or skipped by a recorded step
+    read_from: dict[int, int]  # per partition, the LSN to read from (absent: 0)
+    windows: dict[int, InFlightWindow]  # per partition, what of it to feed the fresh reducer
+    lost: dict[int, str]  # partitions declared lost -> why
 
 
 def resume_point(records: list[PolicyUpdated]) -> ResumePoint:
     """The resume point after the learner log's ``records`` (in order).
 
-    From the last record's ``lsn_low_water`` when recorded: the fold is
-    rebuilt from the in-flight window (:class:`InFlightWindow`), not from a
-    snapshot, so the groups it releases afterwards, and their samples, are
-    those a fold from 0 releases. No record, or a last record written before
-    the field (-1): from 0."""
-    consumed: set[str] = set()
+    Per partition, from the last record's low-water mark when recorded: the
+    fold is rebuilt from the in-flight window (:class:`InFlightWindow`), not
+    from a snapshot, so the groups it releases afterwards, and their
+    samples, are those a fold from 0 releases. No record, or a last record
+    written before the field (-1): from 0."""
+    consumed: set[tuple[int, str]] = set()
+    lost: dict[int, str] = {}
     for r in records:
-        consumed.update(r.groups)
-        consumed.update(r.skipped)
-    if not records or records[-1].lsn_low_water < 0:
-        return ResumePoint(consumed, 0, InFlightWindow(-1, consumed))
-    last = records[-1]
-    return ResumePoint(consumed, last.lsn_low_water, InFlightWindow(last.lsn_end, consumed))
+        consumed.update(record_consumed(r))
+        lost.update(r.lost_partitions)
+    settled: dict[int, set[str]] = {}
+    for pid, gid in consumed:
+        settled.setdefault(pid, set()).add(gid)
+    last = records[-1] if records else None
+    if last is not None and last.low_water:
+        read_from = dict(last.low_water)
+    elif last is not None and last.lsn_low_water >= 0:
+        read_from = {0: last.lsn_low_water}
+    else:
+        read_from = {}
+    through = {pid: end - 1 for pid, end in record_frontier(last).items()} if read_from else {}
+    windows = {pid: InFlightWindow(through.get(pid, -1), settled.get(pid, set())) for pid in set(through) | set(settled)}
+    return ResumePoint(consumed, read_from, windows, lost)
 
 
 class RecordsNeeded:
     """Which learner-log records a restart after the newest one must read.
 
-    It keeps (learner-log LSN, ``lsn_end``, trained anything) of the records
-    still needed, starting from those a restart read (``history``)."""
+    It keeps (learner-log LSN, per-partition frontier, trained anything) of
+    the records still needed, starting from those a restart read (``history``)."""
 
     def __init__(self, stop_window: int, history: Iterable[tuple[int, PolicyUpdated]] = ()) -> None:
         self.stop_window = stop_window
-        self.entries: list[tuple[int, int, bool]] = [(lsn, r.lsn_end, bool(r.groups)) for lsn, r in history]
+        self.entries: list[tuple[int, dict[int, int], bool]] = [(lsn, record_frontier(r), bool(r.groups)) for lsn, r in history]
 
-    def note(self, own_lsn: int, record: PolicyUpdated, low_water: int) -> int:
+    def note(self, own_lsn: int, record: PolicyUpdated, low_water: dict[int, int]) -> int:
         """Remember ``record`` (about to be appended at learner-log LSN
         ``own_lsn``) and return its ``records_from_lsn``: the oldest record a
-        restart after it must read. That is the first record whose
-        ``lsn_end`` reaches the low-water mark (records before it hold only
-        groups released before the mark, whose sessions all opened before
-        it, so the replay never meets them), or earlier where the stop
-        rule's last ``stop_window`` trained records reach further back.
+        restart after it must read. That is the first record whose frontier
+        passes the low-water mark of some partition (records before it hold
+        only groups released before the marks, whose sessions all opened
+        before them, so the replay never meets them), or earlier where the
+        stop rule's last ``stop_window`` trained records reach further back.
         Older entries are forgotten, so this stays bounded."""
-        self.entries.append((own_lsn, record.lsn_end, bool(record.groups)))
+        self.entries.append((own_lsn, record_frontier(record), bool(record.groups)))
         last = len(self.entries) - 1
-        window_first = next(i for i, (_, end, _) in enumerate(self.entries) if end >= low_water or i == last)
+
+        def reaches(frontier: dict[int, int]) -> bool:
+            return any(frontier.get(pid, 0) > mark for pid, mark in low_water.items())
+
+        window_first = next(i for i, (_, frontier, _) in enumerate(self.entries) if reaches(frontier) or i == last)
         trained = [i for i, (_, _, t) in enumerate(self.entries) if t]
         if self.stop_window <= 0:
             rewards_first = last  # no stop rule looks back
@@ -173,6 +206,73 @@ def reduce_config(cfg: LoopConfig) -> ReduceConfig:
     return ReduceConfig(min_valid=cfg.min_valid)
 
 
+class StepCutter:
+    """Where the learner's steps begin and end: released groups are taken in
+    the order they arrive, from whichever partition, and a step is cut once
+    ``groups_per_step`` are waiting. Groups already consumed by a recorded
+    step (a restart) are passed over. Arrival order across partitions is not
+    deterministic; the record of each step names its cut, so the replay never
+    depends on it."""
+
+    def __init__(self, fold: PartitionFold, consumed: set[tuple[int, str]], groups_per_step: int) -> None:
+        self.fold = fold
+        self.consumed = consumed
+        self.groups_per_step = groups_per_step
+        self.pending: list[ReleasedGroup] = []
+        #: (partition, group) -> ts_ns of the terminal event that released it.
+        self.released_at: dict[tuple[int, str], int] = {}
+
+    def feed(self, pid: int, env: Envelope) -> list[ReleasedGroup] | None:
+        """Fold ``env`` of partition ``pid``; the next step's groups once there are enough."""
+        for r in self.fold.feed(pid, env):
+            key = (pid, r.group.group_id)
+            if key in self.consumed:
+                continue
+            self.pending.append(r)
+            self.released_at[key] = env.ts_ns
+        if len(self.pending) < self.groups_per_step:
+            return None
+        batch, self.pending = self.pending, []
+        return batch
+
+    def consumed_batch(self, batch: list[ReleasedGroup]) -> None:
+        """The step of ``batch`` is recorded: its groups are consumed for good."""
+        for r in batch:
+            key = (r.partition, r.group.group_id)
+            self.consumed.add(key)
+            self.released_at.pop(key, None)
+
+
+class PartitionWatch:
+    """Which partitions have gone silent: a partition that wrote nothing for
+    ``lost_after_s`` while others did is declared lost (0 never declares
+    one). The learner records the decision, so a replay never depends on
+    when it was made."""
+
+    def __init__(self, lost_after_s: float, partitions: Iterable[int]) -> None:
+        self.lost_after_s = lost_after_s
+        now = time.monotonic()
+        self.last_seen = {pid: now for pid in partitions}
+        self._next_check = now + lost_after_s
+
+    def saw(self, pid: int, frontier: dict[int, int]) -> dict[int, str]:
+        """Note an event of ``pid``; the partitions now declared lost, with why."""
+        if self.lost_after_s <= 0:
+            return {}
+        now = time.monotonic()
+        self.last_seen[pid] = now
+        if now < self._next_check:
+            return {}
+        self._next_check = now + min(1.0, self.lost_after_s)
+        lost = {}
+        for other, seen in list(self.last_seen.items()):
+            if now - seen >= self.lost_after_s:
+                lost[other] = (f"lost: partition {partition_name(other)} wrote nothing for {now - seen:.0f} s "
+                               f"(lost_after_s {self.lost_after_s:g}) after lsn {frontier.get(other, 0) - 1}")
+                del self.last_seen[other]
+        return lost
+
+
 class LoopLearner:
     """The learner side of the loop (one process)."""
 
@@ -192,6 +292,8 @@ class LoopLearner:
         self.t_rl: float | None = None  # when RL began in this process (time budget)
         self.recent_rewards: list[float] = []
         self.final = False
+        #: Partitions declared lost since the last record (written into the next one).
+        self.pending_lost: dict[int, str] = {}
 
     # -- the loop -------------------------------------------------------------
 
@@ -204,7 +306,7 @@ class LoopLearner:
             sinks = MetricSinks(self.run_dir, cfg)  # inside the try: the log is closed whatever happens
             history = read_resume_records(llog)
             records = [r for _, r in history]
-            consumed, read_from, window = resume_point(records)
+            consumed, read_from, windows, lost = resume_point(records)
             needed = RecordsNeeded(cfg.stop_window, history)
             for r in records:
                 if r.groups:
@@ -215,7 +317,9 @@ class LoopLearner:
                 step = last.step + 1
                 lsn_next = last.lsn_end + 1
                 self.log.info("learner.resumed", step=last.step, policy_version=last.policy_version,
-                              checkpoint=last.checkpoint, consumed_groups_read=len(consumed), replay_from_lsn=read_from)
+                              checkpoint=last.checkpoint, consumed_groups_read=len(consumed),
+                              replay_from_lsn={partition_name(p): lsn for p, lsn in sorted(read_from.items())},
+                              lost_partitions=sorted(lost))
             else:
                 # Demo-only, imported only here: with warmup_steps 0 it trains nothing.
                 from .demo.warmup import supervised_warmup
@@ -233,37 +337,43 @@ class LoopLearner:
                 return self.learner.policy_version
             self.t_rl = time.perf_counter()
             steps_done = 0
-            reducer = Reducer(reduce_config(cfg))
-            pending: list[Group] = []
-            released_at: dict[str, int] = {}
-            async for env in logs.follow(self.run_dir / "rollout", read_from):
-                if not window.admits(env):
-                    continue
-                out = reducer.feed(env)
-                for g in out.groups:
-                    if g.group_id in consumed:
-                        continue
-                    pending.append(g)
-                    released_at[g.group_id] = env.ts_ns
-                if len(pending) < cfg.groups_per_step:
+            partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
+            sources = {pid: path for pid, path in logs.rollout_sources(self.run_dir, partitions).items() if pid not in lost}
+            fold = PartitionFold(reduce_config(cfg), sources, windows=windows, start=read_from)
+            cutter = StepCutter(fold, consumed, cfg.groups_per_step)
+            watch = PartitionWatch(cfg.rollout.lost_after_s, sources)
+            async for pid, env in logs.follow_partitions(sources, read_from):
+                if pid not in sources:
+                    continue  # declared lost
+                # Is another partition silent for too long? Checked as events arrive: while
+                # nothing arrives at all there is nothing to decide.
+                for lost_pid, why in watch.saw(pid, fold.frontier).items():
+                    del sources[lost_pid]  # read nothing more from it
+                    lost[lost_pid] = why
+                    self.pending_lost[lost_pid] = why
+                    self.log.error("learner.partition_lost", partition=partition_name(lost_pid), reason=why)
+                batch = cutter.feed(pid, env)
+                if batch is None:
                     continue
                 t_busy = time.perf_counter()
-                record = self.train_step(step, pending, lsn_next, env.lsn, released_at)
-                oldest = reducer.oldest_in_flight_lsn()
-                low_water = env.lsn + 1 if oldest is None else oldest
-                record = msgspec.structs.replace(record, lsn_low_water=low_water,
-                                                 records_from_lsn=needed.note(llog.next_lsn, record, low_water))
+                legacy_end = env.lsn if partitions is None else -1
+                record = self.train_step(step, batch, lsn_next if partitions is None else -1, legacy_end, cutter.released_at)
+                low_water = fold.low_water()
+                record = msgspec.structs.replace(
+                    record, frontier=dict(fold.frontier), low_water=low_water,
+                    lsn_low_water=low_water.get(0, -1) if partitions is None else -1,
+                    records_from_lsn=needed.note(llog.next_lsn, msgspec.structs.replace(record, frontier=dict(fold.frontier)), low_water),
+                )
+                self.pending_lost.clear()
                 publish(llog, record)
                 sinks.log(record.step, record.metrics)  # after the log: the record is the source of truth
                 self.busy_s += time.perf_counter() - t_busy
                 self.log.info("learner.policy_updated", step=step, policy_version=record.policy_version,
                               reward_mean=record.metrics.get("rollout/reward_mean"),
                               solve_rate=record.metrics.get("rollout/solve_rate"),
-                              lsn_start=record.lsn_start, lsn_end=record.lsn_end, skipped=len(record.skipped))
-                for g in pending:
-                    consumed.add(g.group_id)
-                    released_at.pop(g.group_id, None)
-                pending = []
+                              frontier={partition_name(p): lsn for p, lsn in sorted(record.frontier.items())},
+                              skipped=len(record.skipped))
+                cutter.consumed_batch(batch)
                 step += 1
                 lsn_next = env.lsn + 1
                 steps_done += 1
@@ -297,9 +407,12 @@ class LoopLearner:
             return "time"
         return ""
 
-    def train_step(self, step: int, groups: list[Group], lsn_start: int, lsn_end: int, released_at: dict[str, int]) -> PolicyUpdated:
-        """Train on one step's released groups; returns the record to append."""
+    def train_step(self, step: int, released: list[ReleasedGroup], lsn_start: int, lsn_end: int,
+                   released_at: dict[tuple[int, str], int]) -> PolicyUpdated:
+        """Train on one step's released groups (in release order); returns the
+        record to append, naming each group by partition and members."""
         cfg = self.cfg
+        groups = [r.group for r in released]
         t0 = time.perf_counter()
         version = self.learner.policy_version
         skipped: dict[str, str] = {}
@@ -349,10 +462,14 @@ class LoopLearner:
             checkpoint = str(self.save_checkpoint(self.learner.policy_version))
             prune_checkpoints(self.ckpt_dir, self.learner.policy_version, cfg.keep_checkpoints)
         now = time.time_ns()
-        lags = sorted((now - released_at[g.group_id]) / 1e9 for g in groups if g.group_id in released_at)
+        lags = sorted((now - released_at[key]) / 1e9 for key in ((r.partition, r.group.group_id) for r in released) if key in released_at)
         if lags:
             metrics["perf/release_to_step_p50_s"] = lags[len(lags) // 2]
             metrics["perf/release_to_step_max_s"] = lags[-1]
+        if cfg.rollout.partitioned:
+            for r in released:
+                key = f"partition/{partition_name(r.partition)}/groups"
+                metrics[key] = metrics.get(key, 0.0) + 1.0
         metrics["perf/loop_step_s"] = time.perf_counter() - t0
         elapsed = time.perf_counter() - self.t_start
         metrics["perf/learner_busy_frac"] = min(1.0, (self.busy_s + metrics["perf/loop_step_s"]) / elapsed) if elapsed > 0 else 0.0
@@ -375,6 +492,8 @@ class LoopLearner:
             lsn_end=lsn_end,
             groups=[g.group_id for g in train],
             skipped=skipped,
+            batch=[r.ref(skipped.get(r.group.group_id, "")) for r in released],
+            lost_partitions=dict(self.pending_lost),
         )
 
 

@@ -43,6 +43,7 @@ import torch
 from agentlog._logging import get_logger
 from agentlog.engine import LocalSandbox, SessionEngine, SessionTimeout
 from agentlog.engine.tasks import Episode, Task, TextTask, load_tasks, select_task
+from agentlog.events.partitions import partition_name
 from agentlog.events.types import PolicyUpdated, SessionOpened
 from agentlog.learner.learner import load_weights
 
@@ -50,6 +51,7 @@ from . import logs
 from .config import LoopConfig
 from .demo import faults as demo_faults
 from .policy import GenerationBatcher, build_model, load_tokenizer, resolve_hf_model
+from .logs import rollout_log_path
 from .publish import PolicyFollower, hf_checkpoint_dir
 
 log = get_logger("agentlog.loop.worker")
@@ -75,10 +77,19 @@ def batch_rng(seed: int, batch: int, stream: str) -> random.Random:
 class RolloutWorker:
     """One worker process: an engine over the rollout log, a model, a task."""
 
-    def __init__(self, run_dir: Path, cfg: LoopConfig, *, worker_id: str = "w0") -> None:
+    def __init__(self, run_dir: Path, cfg: LoopConfig, *, worker_id: str = "", partition: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.cfg = cfg
-        self.worker_id = worker_id
+        if partition is None and cfg.rollout.partitioned:
+            raise ValueError(f"RolloutWorker: this run has {cfg.rollout.workers} workers on the {cfg.rollout.backend} backend, "
+                             "one log partition each; give the worker its partition id")
+        if partition is not None and not 0 <= partition < cfg.rollout.workers:
+            raise ValueError(f"RolloutWorker: partition {partition!r} out of range: this run has partitions 0..{cfg.rollout.workers - 1}")
+        #: The log partition this worker writes (None: the run's single rollout log).
+        self.partition = partition
+        self.worker_id = worker_id or ("w0" if partition is None else partition_name(partition))
+        #: The log this worker is the single writer of.
+        self.log_path = rollout_log_path(self.run_dir, partition)
         # The user's task modules register their tasks on import, in this process too.
         load_tasks(cfg.task_modules, cfg.task_path)
         self.task: Task | TextTask = select_task(cfg.task)
@@ -107,9 +118,16 @@ class RolloutWorker:
         else:
             self.batcher = GenerationBatcher(self.model, self.task, seed=cfg.seed * 1_000_003 + 11, before_batch=self.maybe_reload,
                                               temperature=cfg.temperature)
-        self.sandbox = LocalSandbox(self.run_dir / "sandbox" / worker_id)
+        self.sandbox = LocalSandbox(self.run_dir / "sandbox" / self.worker_id)
         self.counts: dict[str, int] = {}
-        self.log = log.bind(component="worker", worker=worker_id)
+        self.log = log.bind(component="worker", worker=self.worker_id)
+        #: Batches this incarnation completed (status for a driver).
+        self.batches_done = 0
+
+    def owns(self, g: int) -> bool:
+        """Whether group ``g`` of a batch is this worker's: groups are dealt
+        round-robin over the partitions, so a group never spans two."""
+        return self.partition is None or g % self.cfg.rollout.workers == self.partition
 
     # -- weights ----------------------------------------------------------
 
@@ -206,6 +224,8 @@ class RolloutWorker:
                 opened.add(env.session_id)
         n = 0
         for g in range(self.cfg.groups_per_step):
+            if not self.owns(g):
+                continue
             for i in range(self.cfg.group_size):
                 sid = session_id(batch, g, i)
                 if sid in opened:
@@ -230,7 +250,9 @@ class RolloutWorker:
         tasks = []
         for g, ep in enumerate(episodes):
             for i in range(cfg.group_size):
-                member = self.task.group_member(ep, rng)
+                member = self.task.group_member(ep, rng)  # drawn for every group: each partition draws the same batch
+                if not self.owns(g):
+                    continue
                 tasks.append(asyncio.ensure_future(self.run_session(engine, batch, g, i, member, faults.get((g, i)))))
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for r in results:
@@ -250,7 +272,7 @@ class RolloutWorker:
                 self.task, ep, session_id=session_id(batch, g, i), group_id=group_id(batch, g), group_size=cfg.group_size,
                 sample_index=i, policy_version=max(self.loaded_version, 0), metadata={"batch": batch, "worker": self.worker_id},
             ))
-            for g, group in enumerate(members) for i, ep in enumerate(group)
+            for g, group in enumerate(members) if self.owns(g) for i, ep in enumerate(group)
         ]
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for r in results:
@@ -328,7 +350,9 @@ class RolloutWorker:
         # opening (gateway, batcher, engine, weight sync, backend, log), each close even
         # if an earlier one raised.
         async with contextlib.AsyncExitStack() as stack:
-            rollout = logs.open_log(self.run_dir / "rollout", cfg.fsync)
+            # A partition is opened fenced: this incarnation takes a new writer epoch, and a
+            # stale one (a worker presumed dead on a lost node) can append nothing more.
+            rollout = logs.open_log(self.log_path, cfg.fsync, fence=self.partition is not None)
             stack.callback(rollout.close)
             if self.backend is not None:
                 stack.push_async_callback(self.backend.close)
@@ -365,6 +389,7 @@ class RolloutWorker:
                               seconds=round(time.perf_counter() - t0, 3))
                 batch += 1
                 done += 1
+                self.batches_done = done
         counts = dict(engine.stats)
         counts.update(self.counts)
         if self.rollout is not None:
@@ -377,15 +402,17 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m loop.worker RUN_DIR``: run a rollout worker for a run folder."""
     p = argparse.ArgumentParser(prog="agentlog-worker", description=main.__doc__)
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--worker-id", default="w0")
+    p.add_argument("--worker-id", default="", help="name in logs and the sandbox folder (default: w0, or the partition's pNNNN)")
+    p.add_argument("--partition", type=int, default=None, help="the log partition this worker writes (runs with several workers)")
     p.add_argument("--max-batches", type=int, default=None)
     args = p.parse_args(argv)
     cfg = LoopConfig.load(args.run_dir / "config.json")
     from .runlog import configure_process_logging
 
-    configure_process_logging(args.run_dir, f"worker-{args.worker_id}")
+    worker_id = args.worker_id or ("w0" if args.partition is None else partition_name(args.partition))
+    configure_process_logging(args.run_dir, f"worker-{worker_id}")
     torch.set_num_threads(cfg.torch_threads)
-    worker = RolloutWorker(args.run_dir, cfg, worker_id=args.worker_id)
+    worker = RolloutWorker(args.run_dir, cfg, worker_id=worker_id, partition=args.partition)
     asyncio.run(worker.run(max_batches=args.max_batches))
     return 0
 

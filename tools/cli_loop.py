@@ -66,6 +66,10 @@ def add_config_flags(p, *, defaults: LoopConfig) -> None:
         kind = _parse_bool if isinstance(default, bool) else type(default)
         mg.add_argument(_flag(f.name), dest=f"metrics_{f.name}", type=kind, default=None, metavar=f.name.upper(),
                         help=f"{metrics_help.get(f.name, '')} (default {default!r})".replace("%", "%%"))
+    # --- issue 15: rollout workers --- the [rollout] table's worker count
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help=f"rollout workers, one log partition each ([rollout] workers; default {defaults.rollout.workers}); "
+                        "on the local backend they are processes on this machine")
     from agentlog.learner.config import LearnerConfig
 
     names = ", ".join(f.name for f in dataclasses.fields(LearnerConfig))
@@ -123,6 +127,8 @@ def config_from_args(args, base: LoopConfig, *, task_modules: list[str] = (), im
         if v is not None:
             metrics[f.name] = v
     values["metrics"] = metrics
+    if getattr(args, "workers", None) is not None:
+        values["rollout"] = {**values["rollout"], "workers": args.workers}
     learner = dict(values["learner"])
     for item in getattr(args, "learner", []) or []:
         key, sep, raw = item.partition("=")
@@ -216,7 +222,9 @@ def _execute(cfg: LoopConfig, args, run_dir: Path, title: str) -> int:
     check = check_run(run_dir, cfg)
     print("")
     print(f"run      {run_dir}")
-    print(f"logs     {run_dir / 'rollout'} (rollout), {run_dir / 'learner'} (learner), {run_dir / 'logs'} (structlog JSON)")
+    rollout = (f"{run_dir / 'rollout'} ({cfg.rollout.workers} partitions, one per worker)" if cfg.rollout.partitioned
+               else f"{run_dir / 'rollout'} (rollout)")
+    print(f"logs     {rollout}, {run_dir / 'learner'} (learner), {run_dir / 'logs'} (structlog JSON)")
     print(f"chart    {png}")
     print(note)
     verdict = "EQUAL" if check.ok else "DIFFERENT"

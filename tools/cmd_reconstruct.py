@@ -30,7 +30,7 @@ import sys
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, nonneg_int, read_records
+from agentlog.tools.cli_common import add_quiet, check_log_path, nonneg_int, read_tagged
 
 FORMATS = ("jsonl", "msgpack", "parquet")
 
@@ -231,7 +231,9 @@ def _format_of(args) -> str:
 def run(args) -> int:
     """Reduce the log and write its samples; the digest is the last line."""
     from agentlog.reducers.config import DEFAULT_CONFIG, ConfigError, ReduceConfig
-    from agentlog.reducers.pipeline import ReduceError, Reducer
+    from agentlog.reducers.partitioned import PartitionFold
+    from agentlog.reducers.pipeline import ReduceError
+    from agentlog.reducers.samples import SampleDigest
 
     path = check_log_path(args.log)
     overrides = {}
@@ -246,17 +248,23 @@ def run(args) -> int:
     fmt = _format_of(args)
     header = {"reduce_config": config.to_dict(), "reduce_config_digest": config.digest()}
     writer = _WRITERS[fmt](args.output, header)
-    reducer = Reducer(config)
+    # One reducer per partition (a single log is partition 0): sessions never span
+    # partitions, and each partition's LSNs are its own.
+    fold = PartitionFold(config)
+    digest = SampleDigest()
     groups = skipped = 0
     ok = False
     try:
-        for env in read_records(path, quiet=args.quiet, desc="reconstruct"):
+        for pid, env in read_tagged(path, quiet=args.quiet, desc="reconstruct"):
             try:
-                out = reducer.feed(env)
+                out = fold.reducer_of(pid or 0).feed(env)
             except ReduceError as exc:
-                raise CliError(f"{path}: {exc}", EXIT_DATA) from None
+                where = "" if pid is None else f" partition p{pid:04d}:"
+                raise CliError(f"{path}:{where} {exc}", EXIT_DATA) from None
             if out.samples:
                 writer.write(out.samples)
+                for sample in out.samples:
+                    digest.update(sample)
             for g in out.groups:
                 groups += 1
                 skipped += g.skipped
@@ -268,13 +276,38 @@ def run(args) -> int:
                 os.unlink(args.output)  # never leave a partial sample file that looks whole
             except OSError:
                 pass
-    pending = len(reducer.pending_groups())
-    in_flight = len(reducer.open_sessions())
+    reducers = list(fold.reducers.values())
+    pending = sum(len(r.pending_groups()) for r in reducers)
+    in_flight = sum(len(r.open_sessions()) for r in reducers)
     print(
-        f"{args.output}: {reducer.samples_emitted} samples ({fmt}) from {reducer.events} events;"
+        f"{args.output}: {sum(r.samples_emitted for r in reducers)} samples ({fmt}) from {sum(r.events for r in reducers)} events;"
         f" {groups} groups released ({skipped} skipped), {pending} pending, {in_flight} sessions in flight;"
         f" config {config.digest()[:19]}"
     )
-    print(f"digest {reducer.digest.hexdigest()}")
+    verdict = _check_online_digests(path)
+    if verdict is not None:
+        print(verdict[0])
+    print(f"digest {digest.hexdigest()}")
     sys.stdout.flush()
-    return EXIT_OK
+    return EXIT_OK if verdict is None or verdict[1] else EXIT_DATA
+
+
+def _check_online_digests(path) -> tuple[str, bool] | None:
+    """For the rollout log of a loop run folder (its learner log and config
+    beside it): the line comparing every online per-step sample digest with
+    an offline replay of the learner's records against the rollout
+    partitions (:func:`agentlog.loop.check.check_run`), and whether all are
+    equal. None for a bare log."""
+    from pathlib import Path
+
+    run = Path(path).parent
+    if Path(path).name != "rollout" or not (run / "config.json").is_file() or not (run / "learner").is_dir():
+        return None
+    from agentlog.loop.check import check_run
+
+    check = check_run(run)
+    verdict = "EQUAL" if check.ok else "DIFFERENT"
+    lines = [f"online per-step digests vs offline: {verdict} ({check.digests_equal}/{check.steps} steps equal, "
+             f"{check.groups_consumed} groups each consumed once)"]
+    lines += [f"  {line}" for line in (check.mismatches + check.duplicates + check.missing + check.unknown)[:10]]
+    return "\n".join(lines), check.ok

@@ -5,6 +5,11 @@ tokens per session, latency distributions, staleness, the learner's curves
 (for a run folder) and a bounded sessions table with a token drill-down.
 Built in one streaming pass in bounded memory; see :mod:`tools.report`.
 The full per-session timeline is ``agentlog trace``.
+
+A partitioned log (a run folder whose ``rollout/`` holds ``p%04d``
+partitions, or that ``rollout/`` itself) is read merged by time; the
+aggregates are over all partitions, and the page and the closing line add
+each partition's events, sessions and outcomes (see :mod:`tools.report.data`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import os
 from pathlib import Path
 
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, learner_log_of, nonneg_int, read_records
+from agentlog.tools.cli_common import add_quiet, check_log_path, learner_log_of, nonneg_int, partitioned, read_records, read_tagged
 
 
 def register(sub) -> None:
@@ -36,11 +41,18 @@ def run(args) -> int:
 
     path = check_log_path(args.log)
     learner = learner_log_of(Path(args.log))
+    if partitioned(path):
+        from agentlog.events.partitions import list_partitions
+
+        pids: list[int] | None = list_partitions(path)
+        envelopes = read_tagged(path, quiet=args.quiet, desc="report")
+    else:
+        pids, envelopes = None, read_records(path, quiet=args.quiet, desc="report")
     data = collect(
-        read_records(path, quiet=args.quiet, desc="report"), str(path),
+        envelopes, str(path),
         worst=args.worst, per_reason=args.per_reason, sample=args.sample, seed=args.seed,
         learner=read_records(learner, quiet=True) if learner is not None else (),
-        learner_log=str(learner or ""),
+        learner_log=str(learner or ""), partitions=pids,
     )
     page = render(data)
     tmp = f"{args.output}.tmp{os.getpid()}"
@@ -58,4 +70,7 @@ def run(args) -> int:
     shown = f" ({summary})" if summary else ""
     print(f"{args.output}: {data.sessions} sessions{shown}, {data.events} events, {len(data.table)} in the table, "
           f"{len(page.encode('utf-8')) / 1e6:.1f} MB")
+    for name, p in data.partitions.items():
+        ended = ", ".join(f"{o} {p[o]}" for o in ("finished", "aborted", "dropped", "running", "open") if p[o])
+        print(f"  {name}: {p['events']} events, {p['sessions']} sessions" + (f" ({ended})" if ended else ""))
     return EXIT_OK

@@ -13,6 +13,13 @@ prompt tokens, then the response tokens in runs marked ``train[...]`` (loss
 mask 1) or ``ctx[...]`` (mask 0), with the reward and status. Everything comes from the log through the same
 reducers as reconstruction (:func:`reducers.pipeline.session_trajectory`,
 :class:`reducers.pipeline.Reducer`). Unknown session: exit 2.
+
+A partitioned log (a run folder whose ``rollout/`` holds ``p%04d``
+partitions, or that ``rollout/`` itself) is searched in every partition; the
+session is shown from the one partition that holds it (a session never spans
+partitions), its header names that partition and every event is named
+``p0003:1234`` (partition:LSN). A session id found in two partitions is a
+reused id: exit 1 naming where each holds it (``agentlog verify`` reports it too).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import sys
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, read_records
+from agentlog.tools.cli_common import add_quiet, check_log_path, partitioned, read_records, read_tagged, record_id
 
 #: Prompts longer than this are shown as their head and tail.
 PROMPT_SHOWN = 48
@@ -51,6 +58,28 @@ def session_envelopes(path: Any, session_id: str, *, quiet: bool = False) -> lis
             except ValueError as exc:
                 raise CliError(f"{path}: lsn {rec.lsn}, session {session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA) from None
     return out
+
+
+def partition_session_envelopes(path: Any, session_id: str, *, quiet: bool = False) -> tuple[int | None, list]:
+    """``(partition, envelopes)`` of the session in the partitioned log at
+    ``path``: the one partition holding it and its envelopes in LSN order
+    (``(None, [])`` when no partition holds it). A session found in more than
+    one partition is a reused id: CliError(1) naming each partition's LSN range."""
+    found: dict[int, list] = {}
+    for pid, rec in read_tagged(path, raw=True, quiet=quiet, desc="show"):
+        if rec.session_id == session_id:
+            try:
+                found.setdefault(pid, []).append(rec.decode())
+            except ValueError as exc:
+                raise CliError(
+                    f"{path}: lsn {record_id(pid, rec.lsn)}, session {session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA
+                ) from None
+    if len(found) > 1:
+        held = " and ".join(f"{record_id(pid, envs[0].lsn)}..{envs[-1].lsn} ({len(envs)} events)" for pid, envs in sorted(found.items()))
+        raise CliError(
+            f"{path}: session {session_id!r} is in {len(found)} partitions: {held}; a session never spans partitions"
+            f" (a reused id; `agentlog verify` names it); show one partition, e.g. {path}/p{min(found):04d}", EXIT_DATA)
+    return next(iter(found.items()), (None, []))
 
 
 def mask_runs(tokens: Any, mask: Any) -> list[tuple[int, list[int]]]:
@@ -110,8 +139,9 @@ def _message(msg: Any, full: bool) -> str:
     return f"[{role}] " + (" ".join(parts) if parts else "(empty)")
 
 
-def why_lines(envs: list, full: bool) -> list[str]:
-    """What answers "why did it score so": label, reward and its source, verifier detail, abort error and traceback."""
+def why_lines(envs: list, full: bool, at: Any = str) -> list[str]:
+    """What answers "why did it score so": label, reward and its source, verifier detail, abort error and traceback.
+    ``at`` names an LSN (``p0003:1234`` in a partitioned log)."""
     import json
 
     from agentlog.events.types import RewardAssigned, SessionAborted, SessionFinished, SessionOpened
@@ -128,14 +158,14 @@ def why_lines(envs: list, full: bool) -> list[str]:
     assigned = [e for e in envs if isinstance(e.body, RewardAssigned)]
     finished = next((e for e in envs if isinstance(e.body, SessionFinished)), None)
     for e in assigned:
-        lines.append(f"assigned reward {_reward(e.body.reward)} from {e.body.source or '(no source given)'} at lsn {e.lsn}")
+        lines.append(f"assigned reward {_reward(e.body.reward)} from {e.body.source or '(no source given)'} at lsn {at(e.lsn)}")
     if finished is not None:
         # The same rule as the reducers (reducers.samples.final_raw_reward): the finish's reward wins.
         if finished.body.reward is not None:
-            source = f"session_finished at lsn {finished.lsn}" + (" (overrides the assigned reward)" if assigned else "")
+            source = f"session_finished at lsn {at(finished.lsn)}" + (" (overrides the assigned reward)" if assigned else "")
         elif assigned:
             last = assigned[-1]
-            source = f"the last reward_assigned, lsn {last.lsn}, source {last.body.source or '(none given)'}"
+            source = f"the last reward_assigned, lsn {at(last.lsn)}, source {last.body.source or '(none given)'}"
         else:
             source = "nowhere: no reward was given (the reducers report it unusable)"
         final = final_raw_reward(finished.body.reward, assigned[-1].body.reward if assigned else None)
@@ -152,8 +182,9 @@ def why_lines(envs: list, full: bool) -> list[str]:
     return lines
 
 
-def transcript_lines(envs: list, full: bool) -> list[str]:
-    """Per turn the messages new since the turn before, then the response; each command and its output."""
+def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
+    """Per turn the messages new since the turn before, then the response; each command and its output.
+    ``at`` names an LSN (``p0003:1234`` in a partitioned log)."""
     from agentlog.events.turn_delta import TurnContext
     from agentlog.events.types import CommandRan, TurnDelta, TurnRecorded, TurnUndelivered
 
@@ -163,7 +194,7 @@ def transcript_lines(envs: list, full: bool) -> list[str]:
     for e in envs:
         b = e.body
         if type(b) is TurnDelta:
-            b = context.expand(b, f"lsn {e.lsn}: ")
+            b = context.expand(b, f"lsn {at(e.lsn)}: ")
         if isinstance(b, TurnRecorded):
             context = TurnContext.after(b)
             msgs = list(b.messages)
@@ -174,17 +205,17 @@ def transcript_lines(envs: list, full: bool) -> list[str]:
             else:
                 new, note = msgs, (" (history rewritten: all messages)" if held else "")
             flags = " ill-formed" if b.ill_formed else ""
-            lines.append(f"  turn {b.turn_index}  lsn {e.lsn}  finish {b.finish_reason}{flags}{note}")
+            lines.append(f"  turn {b.turn_index}  lsn {at(e.lsn)}  finish {b.finish_reason}{flags}{note}")
             lines.extend("    " + _message(m, full) for m in new)
             lines.append("    -> " + (_message(b.response_message, full) if b.response_message is not None else "(no response message)"))
             held = msgs + ([b.response_message] if b.response_message is not None else [])
         elif isinstance(b, CommandRan):
             over = "  BUDGET EXCEEDED" if b.budget_exceeded else ""
-            lines.append(f"  $ {_cut(b.command, full)}  -> exit {b.exit_code} in {b.duration_s:.2f}s{over}  lsn {e.lsn}")
+            lines.append(f"  $ {_cut(b.command, full)}  -> exit {b.exit_code} in {b.duration_s:.2f}s{over}  lsn {at(e.lsn)}")
             if b.output_tail:
                 lines.append(f"    output {_cut(b.output_tail, full)}")
         elif isinstance(b, TurnUndelivered):
-            lines.append(f"  turn {b.turn_index} undelivered (the client was gone): {b.reason or '-'}  lsn {e.lsn}")
+            lines.append(f"  turn {b.turn_index} undelivered (the client was gone): {b.reason or '-'}  lsn {at(e.lsn)}")
     return lines
 
 
@@ -197,7 +228,16 @@ def run(args) -> int:
 
     path = check_log_path(args.log)
     sid = args.session
-    envs = session_envelopes(path, sid, quiet=args.quiet)
+    pid = None
+    if partitioned(path):
+        pid, envs = partition_session_envelopes(path, sid, quiet=args.quiet)
+    else:
+        envs = session_envelopes(path, sid, quiet=args.quiet)
+
+    def at(lsn: int) -> str:
+        return record_id(pid, lsn)
+
+    where = "" if pid is None else f"  partition p{pid:04d}"
     if not envs:
         raise CliError(f"{path}: unknown session id {sid!r} (no event of it in the log)", EXIT_USAGE)
     w = sys.stdout.write
@@ -208,30 +248,30 @@ def run(args) -> int:
     if opened is not None:
         w(
             f"session {sid}  group {opened.group_id} [{opened.sample_index}/{opened.group_size}]"
-            f"  agent {opened.agent or '-'}  policy v{opened.policy_version}\n"
+            f"  agent {opened.agent or '-'}  policy v{opened.policy_version}{where}\n"
         )
     else:
-        w(f"session {sid}  (no session_opened)\n")
+        w(f"session {sid}  (no session_opened){where}\n")
     if summary is not None:
         reason = f" ({summary.reason})" if summary.reason else ""
         reward = f"  reward {summary.reward}" if summary.status == "finished" else ""
         w(
             f"outcome  {summary.status}{reason}{reward}  turns {summary.turns}  tokens in {summary.tokens_in} out {summary.tokens_out}"
-            f"  duration {summary.duration_s:.2f} s  lsn {summary.opened_lsn}..{summary.ended_lsn}\n"
+            f"  duration {summary.duration_s:.2f} s  lsn {at(summary.opened_lsn)}..{at(summary.ended_lsn)}\n"
         )
         if summary.error:
             w(f"error    {_cut(summary.error, args.full)}\n")
     else:
         last = steps[-1].state_after if steps else None
         w(f"outcome  still {last or 'unknown'} at the end of the log\n")
-    for line in why_lines(envs, args.full):
+    for line in why_lines(envs, args.full, at):
         w(line + "\n")
 
     w("\ntimeline\n")
     for s in steps:
-        for line in format_step(s.envelope, s.state_before, s.state_after, s.violations):
+        for line in format_step(s.envelope, s.state_before, s.state_after, s.violations, None if pid is None else at(s.envelope.lsn)):
             w("  " + line + "\n")
-    transcript = transcript_lines(envs, args.full)
+    transcript = transcript_lines(envs, args.full, at)
     if transcript:
         w(f"\ntranscript (messages new at each turn, -> the response; texts over {TEXT_SHOWN} chars are cut: --full)\n")
         for line in transcript:
@@ -255,7 +295,7 @@ def run(args) -> int:
             routing = d.routing + (f" +{d.mounted_nodes}" if d.mounted_nodes else "")
             drift = (d.drift or "-").upper()
             train = "trained" if d.trained else ("not trained" + (f": {d.reason}" if d.reason else " (context only)"))
-            w(f"  turn {d.turn_index:<3} lsn {d.lsn:<8} routing {routing:<16} leaf {d.leaf:<3} drift {drift:<8} row {d.row:<3} {train}\n")
+            w(f"  turn {d.turn_index:<3} lsn {at(d.lsn):<8} routing {routing:<16} leaf {d.leaf:<3} drift {drift:<8} row {d.row:<3} {train}\n")
     w("\nrows\n")
     if not samples:
         w("  (no samples: " + ("dropped sessions yield none" if summary is not None and summary.status == "dropped" else "none emitted") + ")\n")
@@ -276,5 +316,5 @@ def run(args) -> int:
         raise CliError(f"{path}: session {sid!r}: the reducers refuse this session: {problem}", EXIT_DATA)
     if violations:
         v = violations[0]
-        raise CliError(f"{path}: {len(violations)} lifecycle violation(s); first at lsn {v.lsn}: {v.message}", EXIT_DATA)
+        raise CliError(f"{path}: {len(violations)} lifecycle violation(s); first at lsn {at(v.lsn)}: {v.message}", EXIT_DATA)
     return EXIT_OK

@@ -8,19 +8,35 @@ Only durable records are ever shown (:func:`agentlog.events.log_read.follow_log`
 
 LOG may be a directory that does not hold a log yet (empty, or only a
 writer's lock): tail then waits for the first record.
+
+A partitioned log (a run folder whose ``rollout/`` holds ``p%04d``
+partitions, or that ``rollout/`` itself) is followed in every partition,
+including partitions created after tail started (a new worker's; looked for
+every ``DISCOVER_S``), and a run folder whose ``rollout/`` is still empty
+waits to see whether one log or partitions appear. Lines are printed as each
+partition's records become durable, so lines of different partitions
+interleave in arrival order (a live merge cannot wait for the slowest
+partition; ``agentlog replay`` gives the time-ordered merge), each named
+``p0003:1234`` (partition:LSN), with one lifecycle fold per partition.
+``--summary`` counts over all partitions, its position the last LSN of each.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from agentlog.tools.cli import EXIT_DATA, EXIT_OK, CliError
-from agentlog.tools.cli_common import check_log_path
+from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
+from agentlog.tools.cli_common import check_log_path, record_id
 
 REFRESH_S = 0.5
+#: How often a partitioned log (or a folder holding no log yet) is looked at for new partitions.
+DISCOVER_S = 0.5
 
 
 def register(sub) -> None:
@@ -86,36 +102,104 @@ def summary_line(snap: dict[str, Any]) -> str:
     )
 
 
+class _LivePartitions(Mapping):
+    """The partitions under ``root`` as ``{partition id: directory}``, listed
+    afresh at most every DISCOVER_S: :func:`events.log_read.follow_logs`
+    reads its mapping each round, so a partition a new worker creates is
+    followed from then on, and a stray entry beside the partitions raises
+    NotALog (naming it) out of the follow."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._listed_at = -math.inf
+        self._paths: dict[int, Path] = {}
+
+    def _fresh(self) -> dict[int, Path]:
+        from agentlog.events.partitions import list_partitions, partition_dir
+
+        now = time.monotonic()
+        if now - self._listed_at >= DISCOVER_S:
+            self._paths = {pid: partition_dir(self.root, pid) for pid in list_partitions(self.root)}
+            self._listed_at = now
+        return self._paths
+
+    def __getitem__(self, pid: int) -> Path:
+        return self._fresh()[pid]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._fresh())
+
+    def __len__(self) -> int:
+        return len(self._fresh())
+
+
+async def follow_tagged(path: Path, *, raw: bool = False) -> Any:
+    """Follow the log at ``path`` forever: ``(None, record)`` for one log
+    (:func:`events.log_read.follow_log`; RawRecords with ``raw``),
+    ``(partition id, envelope)`` for a partitioned one
+    (:func:`events.log_read.follow_logs` over :class:`_LivePartitions`),
+    whose records come in arrival order. While ``path`` holds neither yet,
+    waits for one of them."""
+    from agentlog.events import follow_log, follow_logs
+    from agentlog.events.log_format import is_log_dir
+    from agentlog.events.partitions import is_partition_root
+
+    while not is_log_dir(path) and not is_partition_root(path):
+        await asyncio.sleep(DISCOVER_S)
+    if is_log_dir(path):
+        async for rec in follow_log(path, raw=raw):
+            yield None, rec
+        return
+    async for pid, env in follow_logs(_LivePartitions(path)):
+        yield pid, env
+
+
 async def _tail_events(path: Path) -> None:
-    from agentlog.events import follow_log
     from agentlog.reducers.lifecycle import LifecycleState, Violation, reduce_lifecycle
 
     from agentlog.events.types import PolicyUpdated
     from agentlog.tools.cmd_replay import format_step
 
-    state = LifecycleState(tolerate_unknown=True)  # shown, not interpreted: a newer writer's event types
+    # One fold per partition (None: the one log): LSNs rise, and sessions live, within a partition.
+    states: dict[int | None, LifecycleState] = {}
     out = sys.stdout
-    async for env in follow_log(path):
+    async for pid, env in follow_tagged(path):
+        state = states.get(pid)
+        if state is None:
+            state = states[pid] = LifecycleState(tolerate_unknown=True)  # shown, not interpreted: a newer writer's event types
         learner = isinstance(env.body, PolicyUpdated)
         before = None if learner else state.state_of(env.session_id)
         state, produced = reduce_lifecycle(state, env)
         after = None if learner else state.state_of(env.session_id)
         viol = [o for o in produced if isinstance(o, Violation)]
-        out.write("\n".join(format_step(env, before, after, viol)) + "\n")
+        out.write("\n".join(format_step(env, before, after, viol, None if pid is None else record_id(pid, env.lsn))) + "\n")
         out.flush()
 
 
 async def _tail_summary(path: Path) -> None:
-    from agentlog.events import follow_log
     from agentlog.reducers.runstats import RunStats, decode_projection
 
     stats = RunStats()
     changed = asyncio.Event()
+    last_lsn: dict[int, int] = {}  # a partitioned log's last LSN per partition
 
     async def consume() -> None:
-        async for rec in follow_log(path, raw=True):
-            stats.feed_record(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload))
+        pos = 0
+        async for pid, rec in follow_tagged(path, raw=True):
+            if pid is None:
+                stats.feed_record(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload))
+            else:
+                # An envelope. The fold checks that LSNs rise: it is fed the arrival position; the title names each partition's LSN.
+                stats.feed_record(pos, rec.session_id, rec.session_seq, rec.ts_ns, rec.body)
+                pos += 1
+                last_lsn[pid] = rec.lsn
             changed.set()
+
+    def snapshot() -> dict[str, Any]:
+        snap = {**stats.snapshot(), "log": str(path)}
+        if last_lsn:
+            snap["lsn_last"] = " ".join(record_id(pid, lsn) for pid, lsn in sorted(last_lsn.items()))
+        return snap
 
     task = asyncio.ensure_future(consume())
     try:
@@ -124,7 +208,7 @@ async def _tail_summary(path: Path) -> None:
 
             def frame() -> list[str]:
                 width = max(20, shutil.get_terminal_size().columns - 1)
-                return summary_table({**stats.snapshot(), "log": str(path)}, width)
+                return summary_table(snapshot(), width)
 
             # Refreshed in place; the first frame is drawn at once, even for an empty log.
             drawn = _redraw(sys.stdout, frame(), 0)
@@ -139,7 +223,7 @@ async def _tail_summary(path: Path) -> None:
                 await asyncio.sleep(REFRESH_S)
                 if changed.is_set():
                     changed.clear()
-                    line = summary_line({**stats.snapshot(), "log": str(path)})
+                    line = summary_line(snapshot())
                     if line != last:
                         sys.stdout.write(line + "\n")
                         sys.stdout.flush()
@@ -153,11 +237,13 @@ def run(args) -> int:
     """Follow until interrupted."""
     import msgspec
 
-    from agentlog.events.log_api import LogError
+    from agentlog.events.log_api import LogError, NotALog
 
     path = check_log_path(args.log, allow_empty=True)
     try:
         asyncio.run(_tail_summary(path) if args.summary else _tail_events(path))
+    except NotALog as exc:  # e.g. a stray entry appeared beside the partitions: list_partitions names it
+        raise CliError(str(exc), EXIT_USAGE) from None
     except LogError as exc:
         raise CliError(f"{path}: {exc}", EXIT_DATA) from None
     except msgspec.DecodeError as exc:

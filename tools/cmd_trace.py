@@ -18,6 +18,14 @@ holds that event's wall time). Written as the log is read, in one pass:
 memory holds the sessions in flight only (the lifecycle fold's), whatever the
 length of the log. Records the lifecycle fold refuses are left out (``agentlog
 verify`` names them).
+
+A partitioned log (a run folder whose ``rollout/`` holds ``p%04d``
+partitions, or that ``rollout/`` itself) is read merged
+(:func:`events.partitions.read_partitions`, time order), with one lifecycle
+fold per partition (a session never spans partitions, and LSNs rise within
+one only). Each session's track name ends with its partition (``... p0003``)
+and its spans carry ``"partition": "p0003"`` and the LSN of the record as
+``"at": "p0003:1234"``; ``otherData.partitions`` counts sessions and events per partition.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import os
 from typing import IO, Any, Iterable
 
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, read_records
+from agentlog.tools.cli_common import add_quiet, check_log_path, partitioned, read_records, read_tagged
 
 #: The one process every session track belongs to.
 TRACE_PID = 1
@@ -57,15 +65,23 @@ def _span(name: str, cat: str, track: _Track, end_us: float, seconds: float, arg
     return {"ph": "X", "name": name, "cat": cat, "pid": TRACE_PID, "tid": track.tid, "ts": start, "dur": end - start, "args": args}
 
 
-def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "") -> dict[str, int]:
+def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "", partitions: list[int] | None = None) -> dict[str, int]:
     """Write the Trace Event JSON of ``envelopes`` (in LSN order) to ``out``,
     streaming. Returns counts: sessions, turns, commands, terminal (instant
-    events), in_flight, skipped (records the lifecycle fold refused)."""
+    events), in_flight, skipped (records the lifecycle fold refused).
+
+    ``partitions``: the partition ids of a partitioned log, whose
+    ``envelopes`` are then ``(partition id, Envelope)`` pairs in merged order
+    (:func:`tools.cli_common.read_tagged`); one lifecycle fold per partition,
+    and each track and span names its partition."""
     from agentlog.events.types import CommandRan, PolicyUpdated, SessionOpened
     from agentlog.reducers.lifecycle import LifecycleState, SessionSummary, Violation, reduce_lifecycle
 
-    state = LifecycleState(tolerate_unknown=True)
-    tracks: dict[str, _Track] = {}
+    # One fold per partition (None: the one log): LSNs rise within a partition only.
+    states: dict[int | None, LifecycleState] = {}
+    tracks: dict[tuple[int | None, str], _Track] = {}
+    per_partition = None if partitions is None else {f"p{q:04d}": {"sessions": 0, "events": 0} for q in partitions}
+    pairs = ((None, env) for env in envelopes) if partitions is None else envelopes
     counts = {"sessions": 0, "turns": 0, "commands": 0, "terminal": 0, "in_flight": 0, "skipped": 0, "policy_updates": 0}
     t0: int | None = None
     last_us = 0.0
@@ -79,9 +95,12 @@ def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "") -> dic
 
     out.write('{"displayTimeUnit":"ms","traceEvents":[\n')
     emit({"ph": "M", "name": "process_name", "pid": TRACE_PID, "tid": 0, "ts": 0, "args": {"name": "agentlog sessions"}})
-    for env in envelopes:
+    for pid, env in pairs:
         if t0 is None:
             t0 = env.ts_ns
+        part = None if pid is None else f"p{pid:04d}"
+        if part is not None:
+            per_partition.setdefault(part, {"sessions": 0, "events": 0})["events"] += 1  # type: ignore[union-attr]
         now = (env.ts_ns - t0) / 1e3
         last_us = max(last_us, now)
         body = env.body
@@ -91,6 +110,9 @@ def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "") -> dic
                   "args": {"step": body.step}})
             continue
         sid = env.session_id
+        state = states.get(pid)
+        if state is None:
+            state = states[pid] = LifecycleState(tolerate_unknown=True)
         state, produced = reduce_lifecycle(state, env)
         if any(isinstance(o, Violation) for o in produced):
             counts["skipped"] += 1
@@ -98,42 +120,51 @@ def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "") -> dic
         if isinstance(body, SessionOpened):
             counts["sessions"] += 1
             tid = counts["sessions"]
-            track = tracks[sid] = _Track(tid, now, sid)
-            emit({"ph": "M", "name": "thread_name", "pid": TRACE_PID, "tid": tid, "ts": 0,
-                  "args": {"name": f"{sid} (group {body.group_id} [{body.sample_index}])"}})
+            track = tracks[pid, sid] = _Track(tid, now, sid)
+            name = f"{sid} (group {body.group_id} [{body.sample_index}])"
+            if part is not None:
+                per_partition[part]["sessions"] += 1  # type: ignore[index]
+                name += f" {part}"
+            emit({"ph": "M", "name": "thread_name", "pid": TRACE_PID, "tid": tid, "ts": 0, "args": {"name": name}})
             emit({"ph": "M", "name": "thread_sort_index", "pid": TRACE_PID, "tid": tid, "ts": 0, "args": {"sort_index": tid}})
             continue
-        track = tracks.get(sid)
+        track = tracks.get((pid, sid))
         if track is None:
             continue  # an unknown event type outside any session in flight
+        where = {} if part is None else {"partition": part, "at": f"{part}:{env.lsn}"}
         gen = getattr(body, "generate_s", None)
         if isinstance(body, CommandRan):
             counts["commands"] += 1
             emit(_span("command", "command", track, now, body.duration_s,
-                       {"command": body.command[:200], "exit_code": body.exit_code, "budget_exceeded": body.budget_exceeded}))
+                       {"command": body.command[:200], "exit_code": body.exit_code, "budget_exceeded": body.budget_exceeded, **where}))
         elif gen is not None:  # a turn, whatever its encoding (full prompt or delta)
             counts["turns"] += 1
             emit(_span(f"turn {getattr(body, 'turn_index', '?')}", "turn", track, now, gen,
                        {"policy_version": getattr(body, "policy_version", None),
-                        "finish_reason": getattr(body, "finish_reason", None), "generate_s": gen}))
+                        "finish_reason": getattr(body, "finish_reason", None), "generate_s": gen, **where}))
         for o in produced:
             if isinstance(o, SessionSummary):
                 counts["terminal"] += 1
-                del tracks[sid]
+                del tracks[pid, sid]
                 label = o.status if o.status == "finished" else f"{o.status}: {o.reason}"
                 args: dict[str, Any] = {"status": o.status, "reason": o.reason, "turns": o.turns}
                 if o.status == "finished":
                     args["reward"] = o.reward
                 if o.error:
                     args["error"] = o.error[:500]
+                args.update(where)
                 emit({"ph": "X", "name": "session", "cat": "session", "pid": TRACE_PID, "tid": track.tid, "ts": track.opened_us,
                       "dur": max(0.0, now - track.opened_us), "args": args})
                 emit({"ph": "i", "s": "t", "name": label, "cat": "terminal", "pid": TRACE_PID, "tid": track.tid, "ts": now, "args": args})
-    for sid, track in tracks.items():  # still in flight at the end of the log
+    for (pid, sid), track in tracks.items():  # still in flight at the end of the log
         counts["in_flight"] += 1
         emit({"ph": "X", "name": "session (in flight)", "cat": "session", "pid": TRACE_PID, "tid": track.tid, "ts": track.opened_us,
-              "dur": max(0.0, last_us - track.opened_us), "args": {"status": "in flight"}})
-    out.write('\n],"otherData":' + dumps({"log": log, "first_ts_ns": t0, **counts}) + "}\n")
+              "dur": max(0.0, last_us - track.opened_us),
+              "args": {"status": "in flight"} if pid is None else {"status": "in flight", "partition": f"p{pid:04d}"}})
+    other: dict[str, Any] = {"log": log, "first_ts_ns": t0, **counts}
+    if per_partition is not None:
+        other["partitions"] = dict(sorted(per_partition.items()))
+    out.write('\n],"otherData":' + dumps(other) + "}\n")
     return counts
 
 
@@ -143,7 +174,12 @@ def run(args) -> int:
     tmp = f"{args.output}.tmp{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            counts = write_trace(read_records(path, quiet=args.quiet, desc="trace"), f, log=str(path))
+            if partitioned(path):
+                from agentlog.events.partitions import list_partitions
+
+                counts = write_trace(read_tagged(path, quiet=args.quiet, desc="trace"), f, log=str(path), partitions=list_partitions(path))
+            else:
+                counts = write_trace(read_records(path, quiet=args.quiet, desc="trace"), f, log=str(path))
         os.replace(tmp, args.output)
     except OSError as exc:
         raise CliError(f"{args.output}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None

@@ -21,8 +21,12 @@ a missing path or a directory that is not a log. A run folder stands for its
 
 A partitioned log (``rollout/`` holding ``p%04d`` partitions) is verified
 partition by partition, each with both checks: one summary line per
-partition, prefixed by its name, its violations below it; the exit status is
-the worst of them (``--repair`` repairs each partition's torn tail).
+partition, prefixed by its name, its violations below it (``--repair``
+repairs each partition's torn tail). Then the one check no partition can make
+alone: a session never spans partitions, so a session id opened in two
+partitions is a reused id; each is printed naming every place it was opened
+(``p0000:3 and p0003:0``, partition:LSN), and the command exits 1. The exit
+status is the worst of all these.
 """
 
 from __future__ import annotations
@@ -61,18 +65,28 @@ def run(args) -> int:
         from agentlog.events.partitions import list_partitions, partition_dir, partition_name
 
         worst = EXIT_OK
+        opened: dict[int, OpenedIds] = {}
         for pid in list_partitions(path):
+            opened[pid] = OpenedIds()
             try:
-                code = _verify_one(partition_dir(path, pid), args, prefix=f"{partition_name(pid)}: ")
+                code = _verify_one(partition_dir(path, pid), args, prefix=f"{partition_name(pid)}: ", opened=opened[pid])
             except CliError as exc:  # one partition's error is its line; the others are still checked
                 print(f"{partition_name(pid)}: {exc}")
                 code = exc.code
             worst = max(worst, code)
+        reused = reused_across_partitions(path, opened)
+        if reused:
+            print(f"across partitions: {len(reused)} session id(s) opened in more than one partition"
+                  " (a session never spans partitions; ids are never reused)")
+            for sid, places in reused[:SHOWN]:
+                names = [f"p{pid:04d}:{lsn}" for pid, lsn in places]
+                print(f"  session {sid!r}: opened at {', '.join(names[:-1])} and {names[-1]}")
+            worst = max(worst, EXIT_DATA)
         return worst
     return _verify_one(path, args)
 
 
-def _verify_one(path: Any, args: Any, prefix: str = "") -> int:
+def _verify_one(path: Any, args: Any, prefix: str = "", opened: "OpenedIds | None" = None) -> int:
     """Both checks of one log; its summary line starts with ``prefix``."""
     from agentlog.events import LogLocked, NotALog, verify_log
 
@@ -87,7 +101,7 @@ def _verify_one(path: Any, args: Any, prefix: str = "") -> int:
     print(prefix + report.summary())
     if report.status not in ("ok", "repaired", "schema"):
         return EXIT_DATA  # torn or corrupt: the frames after the problem cannot be read
-    count, shown = check_lifecycle(path)
+    count, shown = check_lifecycle(path, opened=opened)
     for v in shown:
         print(f"  lsn {v.lsn} session {v.session_id!r}: {v.describe()}")
     if count:
@@ -99,9 +113,69 @@ def _verify_one(path: Any, args: Any, prefix: str = "") -> int:
     return EXIT_OK if report.ok else EXIT_DATA
 
 
-def check_lifecycle(path: Any) -> tuple[int, list[Any]]:
+class OpenedIds:
+    """The session_opened records of one partition, as (hash of the session id,
+    LSN) in two flat arrays (16 bytes a session, whatever the id's length):
+    enough to find the ids that two partitions both opened, which
+    :func:`reused_across_partitions` then confirms by their exact ids."""
+
+    __slots__ = ("hashes", "lsns")
+
+    def __init__(self) -> None:
+        from array import array
+
+        self.hashes = array("q")
+        self.lsns = array("q")
+
+    def add(self, session_id: str, lsn: int) -> None:
+        """Note that ``session_id`` was opened at ``lsn``."""
+        self.hashes.append(hash(session_id))  # str hashes are stable within this process: all the check needs
+        self.lsns.append(lsn)
+
+
+def reused_across_partitions(root: Any, opened: dict[int, OpenedIds]) -> list[tuple[str, list[tuple[int, int]]]]:
+    """The session ids opened in more than one partition under ``root``:
+    ``[(session_id, [(partition, lsn), ...]), ...]``, sorted by id, places in
+    partition order. ``opened`` holds each partition's session_opened records
+    (hashes, from the lifecycle check's pass); the partitions that share a
+    hash are read again for the exact ids, so a hash collision is never reported."""
+    import msgspec
+    import numpy as np
+
+    from agentlog.events.partitions import partition_dir
+    from agentlog.events.types import payload_tag
+    from agentlog.tools.cli_common import read_records
+
+    if len(opened) < 2:
+        return []
+    hashes = np.concatenate([np.frombuffer(o.hashes, dtype=np.int64) for o in opened.values()])
+    pids = np.concatenate([np.full(len(o.hashes), pid, dtype=np.int64) for pid, o in opened.items()])
+    order = np.lexsort((pids, hashes))
+    hashes, pids = hashes[order], pids[order]
+    # A hash shared by two adjacent entries of different partitions (sorted by hash, then partition).
+    shared = (hashes[1:] == hashes[:-1]) & (pids[1:] != pids[:-1])
+    candidates = set(hashes[1:][shared].tolist())
+    if not candidates:
+        return []
+    suspects = sorted(set(pids[1:][shared].tolist()) | set(pids[:-1][shared].tolist()))
+    places: dict[str, list[tuple[int, int]]] = {}
+    for pid in suspects:
+        try:
+            for rec in read_records(partition_dir(root, pid), raw=True, quiet=True, desc="verify across partitions"):
+                if hash(rec.session_id) in candidates and payload_tag(rec.payload) == _OPENED_TAG:
+                    places.setdefault(rec.session_id, []).append((pid, rec.lsn))
+        except (CliError, msgspec.DecodeError):
+            continue  # unreadable past some record: the partition's own line already says so (exit 1); its ids read so far count
+    return sorted((sid, at) for sid, at in places.items() if len({pid for pid, _ in at}) > 1)
+
+
+_OPENED_TAG = "session_opened"
+
+
+def check_lifecycle(path: Any, *, opened: OpenedIds | None = None) -> tuple[int, list[Any]]:
     """The lifecycle check over the log at ``path``: ``(violations, the first SHOWN of them)``.
-    Reads each record's tag only; no body is decoded."""
+    Reads each record's tag only; no body is decoded. ``opened``, when given,
+    collects every session_opened record (for the check across partitions)."""
     import msgspec
 
     from agentlog.events.types import payload_tag
@@ -117,6 +191,8 @@ def check_lifecycle(path: Any) -> tuple[int, list[Any]]:
             tag = payload_tag(rec.payload)
         except msgspec.DecodeError as exc:  # the frame check decoded it; a payload without a tag is corrupt
             raise CliError(f"{path}: lsn {rec.lsn}, session {rec.session_id!r}: payload has no event tag: {exc}", EXIT_DATA) from None
+        if opened is not None and tag == _OPENED_TAG:
+            opened.add(rec.session_id, rec.lsn)
         found = feed(rec.lsn, rec.session_id, rec.session_seq, tag)
         if found:
             count += len(found)

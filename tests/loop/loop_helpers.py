@@ -49,21 +49,29 @@ def build_groups(specs: dict[str, list[tuple[str, float, int, float]]], *, min_v
     the lookup task's two turns with every output token at ``log_prob``;
     ``sampling``: group id -> the sampling dict recorded with its turns.
     """
+    from agentlog.reducers.config import ReduceConfig
+    from agentlog.reducers.pipeline import reduce_log
+
+    log = play_groups(specs, sampling=sampling)
+    res = reduce_log(log, ReduceConfig(min_valid=min_valid))
+    return {g.group_id: g for g in res.groups}
+
+
+def play_groups(specs: dict[str, list[tuple[str, float, int, float]]], *, sampling: dict[str, dict] | None = None, seed: int = 0):
+    """The MemoryLog the real engine writes when it plays ``specs`` (see :func:`build_groups`)."""
     import asyncio
     import random
 
     from agentlog.engine import SessionEngine
     from agentlog.engine.tasks.lookup import ANSWER, EOS, LOOKUP, LookupTask, key_token, value_token
     from agentlog.events.log_api import MemoryLog
-    from agentlog.reducers.config import ReduceConfig
-    from agentlog.reducers.pipeline import reduce_log
 
     task = LookupTask()
     log = MemoryLog()
 
     async def play() -> None:
         engine = await SessionEngine.open(log)
-        rng = random.Random(0)
+        rng = random.Random(seed)
         for gid, members in specs.items():
             ep = task.new_episode(rng)
             key, value = ep.state["key"], ep.state["table"][ep.state["key"]]
@@ -92,5 +100,4 @@ def build_groups(specs: dict[str, list[tuple[str, float, int, float]]], *, min_v
         await engine.close()
 
     asyncio.run(play())
-    res = reduce_log(log, ReduceConfig(min_valid=min_valid))
-    return {g.group_id: g for g in res.groups}
+    return log

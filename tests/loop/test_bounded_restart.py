@@ -175,6 +175,8 @@ def test_a_learner_log_from_before_the_low_water_fields_resumes_from_zero() -> N
         publish(llog, r)
     read = read_resume_records(llog)
     assert [lsn for lsn, _ in read] == [0, 1, 2, 3] and [r for _, r in read] == records
-    consumed, read_from, window = resume_point(records)
-    assert consumed == {"g1", "g2", "g3"} and read_from == 0 and window.through_lsn == -1
+    consumed, read_from, windows, lost = resume_point(records)
+    assert consumed == {(0, "g1"), (0, "g2"), (0, "g3")} and read_from == {} and not lost
+    window = windows[0]
+    assert window.through_lsn == -1
     assert all(window.admits(env) for env in _envelopes(0)[:200])

@@ -15,11 +15,17 @@ from agentlog.learner.batching import make_batches
 from agentlog.learner.model import token_log_probs
 from agentlog.reducers.samples import COMPLETED, Sample, digest_samples
 from agentlog.loop.policy import GenerationBatcher, build_model
+from agentlog.reducers.partitioned import ReleasedGroup
 from agentlog.loop.trainer import LoopLearner, step_digest
 
 from loop_helpers import build_groups, small_config
 
 GOOD = [("finish", 1.0, 0, -0.1), ("finish", 0.0, 0, -0.1), ("finish", 1.0, 0, -0.1), ("finish", 0.0, 0, -0.1)]
+
+
+def released(*groups):
+    """The groups as the learner's partition fold hands them over (partition 0)."""
+    return [ReleasedGroup(0, g, ()) for g in groups]
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -34,7 +40,7 @@ def test_all_aborted_group_is_skipped_with_its_reason_and_trains_nothing(tmp_pat
     assert dead.skipped
     ll = LoopLearner(tmp_path, small_config())
     before = _params(ll.model)
-    rec = ll.train_step(1, [dead], 0, dead.lsn_released, {})
+    rec = ll.train_step(1, released(dead), 0, dead.lsn_released, {})
     assert rec.groups == [] and rec.skipped == {"dead": dead.skip_reason}
     assert "valid" in dead.skip_reason
     assert rec.policy_version == 0 and ll.learner.policy_version == 0
@@ -52,9 +58,9 @@ def test_all_aborted_group_next_to_a_trained_one_changes_nothing_in_the_step(tmp
     trains the normal group only, with the same weights as training it alone."""
     groups = build_groups({"dead": [("abort", 0.0, 0, 0.0)] * 4, "ok": GOOD})
     a = LoopLearner(tmp_path / "a", small_config())
-    rec = a.train_step(1, [groups["dead"], groups["ok"]], 0, 10, {})
+    rec = a.train_step(1, released(groups["dead"], groups["ok"]), 0, 10, {})
     b = LoopLearner(tmp_path / "b", small_config())
-    b.train_step(1, [groups["ok"]], 0, 10, {})
+    b.train_step(1, released(groups["ok"]), 0, 10, {})
     assert rec.groups == ["ok"] and list(rec.skipped) == ["dead"]
     assert rec.policy_version == 1
     assert rec.sample_digest == step_digest([groups["ok"]])
@@ -71,7 +77,7 @@ def test_stale_group_is_dropped_with_reason_in_drop_mode(tmp_path: Path) -> None
     })
     ll = LoopLearner(tmp_path, small_config(staleness_mode="drop", max_staleness=1))
     ll.learner.policy_version = 3
-    rec = ll.train_step(4, [groups["old"], groups["new"]], 0, 10, {})
+    rec = ll.train_step(4, released(groups["old"], groups["new"]), 0, 10, {})
     assert rec.groups == ["new"]
     assert rec.skipped["old"].startswith("stale:") and "3 versions behind" in rec.skipped["old"]
     assert rec.metrics["rollout/staleness_max"] == 3.0
@@ -91,7 +97,7 @@ def test_stale_group_is_importance_corrected_in_correct_mode(tmp_path: Path) -> 
     ll = LoopLearner(tmp_path, cfg)
     assert ll.learner.config.tis_cap == cfg.tis_cap
     ll.learner.policy_version = 3
-    rec = ll.train_step(4, [groups["old"], groups["new"]], 0, 10, {})
+    rec = ll.train_step(4, released(groups["old"], groups["new"]), 0, 10, {})
     assert rec.groups == ["old", "new"] and rec.skipped == {}
     assert rec.metrics["rollout/stale_corrected"] == 1.0
     assert rec.metrics["stats/tis_clip_frac"] > 0.0
@@ -113,7 +119,7 @@ def test_training_stops_once_the_moving_reward_reaches_the_target(tmp_path: Path
     assert ll.stop_reason() == "reward"
     groups = build_groups({"ok": GOOD})
     ll.recent_rewards = [0.5, 0.5]
-    rec = ll.train_step(1, [groups["ok"]], 0, 10, {})  # this step's reward is 0.5
+    rec = ll.train_step(1, released(groups["ok"]), 0, 10, {})  # this step's reward is 0.5
     assert rec.metrics["loop/final"] == 1.0 and rec.metrics["loop/stopped_by_reward"] == 1.0
 
 
@@ -122,7 +128,7 @@ def test_a_group_sampled_with_top_p_is_skipped_with_the_sampling_reason(tmp_path
     made only of them is reported skipped with that reason, not counted as trained."""
     groups = build_groups({"cut": GOOD, "ok": GOOD}, sampling={"cut": {"temperature": 1.0, "top_p": 0.9}})
     ll = LoopLearner(tmp_path, small_config())
-    rec = ll.train_step(1, [groups["cut"], groups["ok"]], 0, 10, {})
+    rec = ll.train_step(1, released(groups["cut"], groups["ok"]), 0, 10, {})
     assert rec.groups == ["ok"] and list(rec.skipped) == ["cut"]
     assert rec.skipped["cut"].startswith("sampling: session cut-s0 row 0: sampled with top_p=0.9")
     assert rec.sample_digest == step_digest([groups["ok"]]) and rec.policy_version == 1

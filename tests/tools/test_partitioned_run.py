@@ -155,13 +155,19 @@ def test_stats_names_a_violation_by_partition_and_lsn_and_lists_an_empty_partiti
     s = json.loads(out)
     assert code == 1 and s["violations"]["first"][0]["lsn"] == "p0003:0" and "first at lsn p0003:0" in err
     assert s["partitions"]["p0004"] == {"events": 0, "lsn_first": None, "lsn_last": None}
-    code, out, _ = cli(capsys, "verify", str(run))  # each partition alone is sound
-    assert code == 0 and [line[:5] for line in out.splitlines()] == ["p0000", "p0001", "p0002", "p0003", "p0004"]
+    # Each partition alone is sound; the check across partitions names both places of the reused id.
+    code, out, _ = cli(capsys, "verify", str(run))
+    lines = out.splitlines()
+    assert [line[:5] for line in lines[:5]] == ["p0000", "p0001", "p0002", "p0003", "p0004"]
+    assert all(": ok, " in line for line in lines[:5])
+    assert code == 1 and lines[5].startswith("across partitions: 1 session id(s) opened in more than one partition")
+    assert lines[6:] == ["  session 'p0-s1': opened at p0000:3 and p0003:0"]
 
 
 def test_a_stray_entry_beside_the_partitions_is_named(tmp_path, capsys):
     run, _ = make_run(tmp_path)
     (run / "rollout" / "p3").mkdir()  # a misnamed partition would drop out of the merged view
-    for cmd in ("stats", "verify", "replay"):
-        code, _, err = cli(capsys, cmd, str(run))
+    out = str(tmp_path / "out")
+    for cmd, *extra in (("stats",), ("verify",), ("replay",), ("show", "p0-s0"), ("trace", "-o", out), ("report", "-o", out), ("tail",)):
+        code, _, err = cli(capsys, cmd, str(run), *extra)
         assert code == 2 and "p3" in err and "p0000 .. p9999" in err, (cmd, err)

@@ -57,7 +57,7 @@ from agentlog.loop import logs
 from agentlog.loop.publish import publish, read_learner_records
 from agentlog.loop.trainer import RecordsNeeded, read_resume_records, resume_point
 from agentlog.reducers.config import ReduceConfig
-from agentlog.reducers.pipeline import Reducer
+from agentlog.reducers.pipeline import InFlightWindow, Reducer
 from agentlog.reducers.samples import digest_samples
 
 CONFIG = ReduceConfig(min_valid=2)
@@ -164,7 +164,7 @@ def write_learner_log(run: Path) -> int:
             oldest = reducer.oldest_in_flight_lsn()
             record = PolicyUpdated(step=step, policy_version=step, groups=pending, lsn_start=lsn_next, lsn_end=env.lsn,
                                    lsn_low_water=env.lsn + 1 if oldest is None else oldest)
-            record = msgspec.structs.replace(record, records_from_lsn=needed.note(llog.next_lsn, record, record.lsn_low_water))
+            record = msgspec.structs.replace(record, records_from_lsn=needed.note(llog.next_lsn, record, {0: record.lsn_low_water}))
             publish(llog, record)
             pending, step, lsn_next = [], step + 1, env.lsn + 1
         return step - 1
@@ -185,14 +185,16 @@ def restart(run: Path, *, from_zero: bool) -> tuple[float, list[tuple[str, str]]
             records = [r for _, r in read_resume_records(llog)]
         finally:
             llog.close()
-    consumed, read_from, window = resume_point(records)
+    consumed, starts, windows, _ = resume_point(records)
+    read_from = starts.get(0, 0)
+    window = windows.get(0) or InFlightWindow(-1, set())
     reducer = Reducer(CONFIG)
     released = []
     for env in logs.read(run / "rollout", read_from):
         if not window.admits(env):
             continue
         for g in reducer.feed(env).groups:
-            if g.group_id not in consumed:
+            if (0, g.group_id) not in consumed:
                 released.append((g.group_id, digest_samples(list(g.samples))))
     return time.perf_counter() - t0, released, read_from
 

@@ -24,6 +24,13 @@ list of every session:
 
 Memory: the sessions in flight (as the lifecycle fold), the table, and the
 aggregates above; nothing grows with the number of sessions ended.
+
+A partitioned log is folded from its merged stream (``(partition, envelope)``
+pairs) with one lifecycle fold and one sample reducer per partition (a
+session never spans partitions, and LSNs rise within one only). The
+aggregates are over all partitions; :attr:`ReportData.partitions` adds each
+partition's events, sessions, outcomes and sample digest (the digest
+``agentlog reconstruct`` gives for that partition alone).
 """
 
 from __future__ import annotations
@@ -239,6 +246,8 @@ class SessionRow(msgspec.Struct):
     reward: Any = None
     policy_version: int = 0
     samples: list[DrillSample] = []
+    #: Its partition (``p0003``) in a partitioned log, else "".
+    partition: str = ""
 
 
 class SessionTable:
@@ -368,6 +377,9 @@ class ReportData(msgspec.Struct):
     violation_count: int
     reduce_problem: str
     sample_digest: str
+    #: A partitioned log's partitions (``p0003`` -> events, sessions, each
+    #: outcome, digest), every listed partition included; {} for one log.
+    partitions: dict[str, dict[str, Any]] = {}
 
 
 def _count_reason(counter: Counter, reason: str) -> None:
@@ -387,19 +399,27 @@ def collect(
     seed: int = 0,
     learner: Iterable[Any] = (),
     learner_log: str = "",
+    partitions: list[int] | None = None,
 ) -> ReportData:
     """Fold the envelopes (in LSN order) into :class:`ReportData`, in one pass.
     ``learner``: the learner log's envelopes (its PolicyUpdated records), when
-    the report is of a run folder."""
+    the report is of a run folder. ``partitions``: the partition ids of a
+    partitioned log, whose ``envelopes`` are then ``(partition id, Envelope)``
+    pairs in merged order (:func:`tools.cli_common.read_tagged`)."""
     from agentlog.events.types import CommandRan, PolicyUpdated, SessionOpened
     from agentlog.reducers.lifecycle import LifecycleState, SessionSummary, Violation, reduce_lifecycle
     from agentlog.reducers.pipeline import ReduceError, Reducer
     from agentlog.reducers.samples import resolve_reward
 
-    state = LifecycleState(tolerate_unknown=True)  # shown, not interpreted: a newer writer's event types
-    reducer: Reducer | None = Reducer()
+    from agentlog.tools.cli_common import record_id
+
+    # One lifecycle fold and one reducer per partition (None: the one log): LSNs rise within a partition only.
+    states: dict[int | None, LifecycleState] = {}
+    reducers: dict[int | None, Reducer | None] = {}
     table = SessionTable(worst=worst, per_reason=per_reason, sample=sample, seed=seed)
-    live: dict[str, _Live] = {}
+    live: dict[tuple[int | None, str], _Live] = {}
+    parts: dict[int, Counter[str]] = {q: Counter() for q in partitions or ()}
+    pairs = ((None, env) for env in envelopes) if partitions is None else envelopes
     outcomes: Counter[str] = Counter()
     abort_reasons: Counter[str] = Counter()
     drop_reasons: Counter[str] = Counter()
@@ -422,17 +442,23 @@ def collect(
     problem = ""
     events = 0
     first_ns = last_ns = 0
-    for env in envelopes:
+    for pid, env in pairs:
         if events == 0:
             first_ns = env.ts_ns
             series = TimeSeries(first_ns)
         events += 1
         last_ns = env.ts_ns
+        if pid is not None:
+            parts.setdefault(pid, Counter())["events"] += 1
         body = env.body
         if isinstance(body, PolicyUpdated):
             newest_version = max(newest_version, body.policy_version)
             continue
         sid = env.session_id
+        state = states.get(pid)
+        if state is None:
+            state = states[pid] = LifecycleState(tolerate_unknown=True)  # shown, not interpreted: a newer writer's event types
+            reducers[pid] = Reducer()
         state, out = reduce_lifecycle(state, env)
         summary = None
         bad = False
@@ -441,13 +467,13 @@ def collect(
                 bad = True
                 violation_count += 1
                 if len(violations) < 50:
-                    violations.append(f"lsn {o.lsn}, session {o.session_id!r}: {o.message}")
+                    violations.append(f"lsn {record_id(pid, o.lsn)}, session {o.session_id!r}: {o.message}")
             elif isinstance(o, SessionSummary):
                 summary = o
         if not bad:
             # Fields any turn-like or command event carries (whatever its encoding): latency and version.
             if isinstance(body, SessionOpened):
-                live[sid] = _Live(body.policy_version)
+                live[pid, sid] = _Live(body.policy_version)
                 newest_version = max(newest_version, body.policy_version)
             elif isinstance(body, CommandRan):
                 hist["command_s"].add(body.duration_s)
@@ -457,16 +483,17 @@ def collect(
                     hist["generate_s"].add(gen)
                     version = getattr(body, "policy_version", 0)
                     newest_version = max(newest_version, version)
-                    lv = live.get(sid)
+                    lv = live.get((pid, sid))
                     if lv is not None:
                         lv.min_version = version if lv.min_version is None else min(lv.min_version, version)
         samples: list[Any] = []
+        reducer = reducers[pid]
         if reducer is not None:
             try:
                 res = reducer.feed(env)
             except ReduceError as exc:
-                problem = str(exc)
-                reducer = None
+                problem = str(exc) if pid is None else f"p{pid:04d}: {exc}"
+                reducers[pid] = None
             else:
                 samples = res.samples
                 for g in res.groups:
@@ -474,9 +501,11 @@ def collect(
                     skipped += bool(g.skipped)
         if summary is None:
             continue
-        lv = live.pop(sid, None)
+        lv = live.pop((pid, sid), None)
         status = summary.status
         outcomes[status] += 1
+        if pid is not None:
+            parts[pid][status] += 1
         reward = None
         if status == "finished":
             reward, _ = resolve_reward(summary.reward)
@@ -501,13 +530,19 @@ def collect(
                 summary.session_id, summary.group_id, summary.sample_index, status, "", summary.reason, summary.error,
                 summary.opened_ts_ns, summary.ended_ts_ns, summary.turns, summary.tokens_in, summary.tokens_out,
                 summary.reward, version, [drill_sample(s) for s in samples if s.session_id == sid],
+                partition="" if pid is None else f"p{pid:04d}",
             )
             table.add(row, reward)
         else:
             # It cannot enter the table: offered only so that the reservoir counts it.
             table.add(SessionRow(summary.session_id, summary.group_id, summary.sample_index, status, "", summary.reason), reward)
-    for sid, t in state.live.items():
-        outcomes[str(t.life.state)] += 1
+    for pid, state in states.items():
+        for t in state.live.values():
+            outcomes[str(t.life.state)] += 1
+            if pid is not None:
+                parts[pid][str(t.life.state)] += 1
+    # The one log's digest (an empty log's too); a partitioned log's are per partition.
+    reducer = (reducers[None] if None in reducers else Reducer()) if partitions is None else None
     learner_rows = [
         (env.body.policy_version, env.body.step, dict(env.body.metrics))
         for env in learner
@@ -525,7 +560,8 @@ def collect(
         drop_reasons=dict(drop_reasons.most_common()),
         reward={"count": reward_n, "mean": reward_sum / reward_n if reward_n else math.nan,
                 "min": reward_lo if reward_n else math.nan, "max": reward_hi if reward_n else math.nan},
-        groups={"released": released, "skipped": skipped, "pending": len({t.group_id for t in state.live.values()})},
+        groups={"released": released, "skipped": skipped,
+                "pending": len({t.group_id for state in states.values() for t in state.live.values()})},
         time_bin_s=(series.width / 1e9) if series is not None else 0.0,
         over_time=series.used() if series is not None else [],
         by_version=sorted(versions.items()),
@@ -539,4 +575,13 @@ def collect(
         violation_count=violation_count,
         reduce_problem=problem,
         sample_digest=reducer.digest.hexdigest() if reducer is not None else "",
+        partitions={f"p{q:04d}": _partition_row(parts[q], reducers.get(q, Reducer())) for q in sorted(parts)},
     )
+
+
+def _partition_row(counts: Counter, reducer: Any) -> dict[str, Any]:
+    """One partition's row: events, sessions, each outcome, sample digest ("" when its reducer stopped)."""
+    row: dict[str, Any] = {"events": counts["events"], "sessions": sum(counts[o] for o in ("finished", "aborted", "dropped", "running", "open"))}
+    row.update({o: counts[o] for o in ("finished", "aborted", "dropped", "running", "open")})
+    row["digest"] = reducer.digest.hexdigest() if reducer is not None else ""
+    return row

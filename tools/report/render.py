@@ -300,7 +300,7 @@ def _session_html(s: SessionRow, data: ReportData) -> str:
     head = (
         f'<details class="session" data-session="{e(s.session_id)}" data-status="{s.status}" data-why="{s.why}" '
         f'style="border-left-color:{COLOURS.get(s.status, "#999")}">'
-        f"<summary><b>{e(s.session_id)}</b> · group {e(s.group_id)} [{s.sample_index}] · "
+        f"<summary><b>{e(s.session_id)}</b>" + (f" · {e(s.partition)}" if s.partition else "") + f" · group {e(s.group_id)} [{s.sample_index}] · "
         f'<span class="status">{s.status}</span>{reason}{reward} · {s.turns} turns · '
         f"{s.tokens_in} in / {s.tokens_out} out tokens · version {s.policy_version} · {dur:.3f} s"
         f' · <span class="meta">{WHY.get(s.why, s.why)}</span></summary>'
@@ -318,6 +318,26 @@ def _session_html(s: SessionRow, data: ReportData) -> str:
             f'<div class="tokens" data-row="{smp.row_index}">{_tokens_html(smp)}</div>'
         )
     return head + "".join(body) + "</details>"
+
+
+def _partitions_html(data: ReportData) -> str:
+    """A partitioned log's per-partition table (events, sessions, outcomes,
+    sample digest); "" for one log."""
+    if not data.partitions:
+        return ""
+    e = html.escape
+    head = "<tr><th>partition</th><th>events</th><th>sessions</th>" + "".join(f"<th>{o}</th>" for o in OUTCOMES) + "<th>samples digest</th></tr>"
+    rows = "".join(
+        f"<tr data-partition='{e(name)}' data-events='{p['events']}' data-sessions='{p['sessions']}' "
+        + " ".join(f"data-{o}='{p[o]}'" for o in OUTCOMES)
+        + f"><th>{e(name)}</th><td>{p['events']}</td><td>{p['sessions']}</td>"
+        + "".join(f"<td>{p[o]}</td>" for o in OUTCOMES)
+        + f"<td><code>{e(p['digest'] or '-')}</code></td></tr>"
+        for name, p in data.partitions.items()
+    )
+    return (f"<h2>Partitions</h2><p class='meta'>{len(data.partitions)} partitions, read merged by time; everything above and "
+            "below is over all of them. A partition's digest is the one <code>agentlog reconstruct</code> gives for it alone.</p>"
+            f"<table class='outcomes' id='partitions'>{head}{rows}</table>")
 
 
 def _stat_table(data: ReportData) -> str:
@@ -385,6 +405,7 @@ def render(data: ReportData) -> str:
         f"<table class='outcomes' id='outcomes'><tr><th>sessions</th><td id='sessions-total'>{data.sessions}</td></tr>{rows}</table>",
         f"<p class='meta'>groups released {g['released']} (skipped {g['skipped']}) · pending {g['pending']} · "
         f"reward mean {_fmt(r['mean'])} (min {_fmt(r['min'])}, max {_fmt(r['max'])}) over {r['count']} finished sessions</p>",
+        _partitions_html(data),
         "<h2>Over time</h2><p class='meta'>Sessions by the time they ended, stacked by outcome; "
         "reward mean and solve rate of the finished ones.</p>",
         _figure_html(outcomes_over_time_figure(data), "over-time"),
