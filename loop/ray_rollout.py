@@ -39,6 +39,7 @@ import msgspec
 from agentlog._logging import get_logger
 
 from .config import LoopConfig
+from .run import LoopError
 
 log = get_logger("agentlog.loop.ray_rollout")
 
@@ -75,7 +76,7 @@ class ActorStatus(msgspec.Struct, frozen=True):
     counts: dict[str, int] = {}
 
 
-class RayBackendError(RuntimeError):
+class RayBackendError(LoopError):
     """The Ray rollout backend cannot run: Ray missing, no node offers the
     rollout resources, an actor failed or is gone for good. Names the partition
     and what was expected."""
@@ -114,8 +115,9 @@ class RolloutActor:
         self.cfg = LoopConfig.load(cfg_path)
         self.partition = partition
         self.worker_id = f"p{partition:04d}"
-        # Warnings and errors also go to stderr, which Ray forwards to the driver's console.
-        configure_process_logging(self.run_dir, f"worker-{self.worker_id}", console=sys.stderr, console_level="warning")
+        # Errors also go to stderr, which Ray forwards to the driver's console: a failed
+        # worker is seen there at once (warnings, e.g. the demo's injected faults, stay in the file).
+        configure_process_logging(self.run_dir, f"worker-{self.worker_id}", console=sys.stderr, console_level="error")
         self.log = log.bind(component="ray_actor", worker=self.worker_id)
         import torch
 
@@ -154,7 +156,7 @@ class RolloutActor:
         epoch = read_fence(self.worker.log_path) if state != "idle" else 0
         return ActorStatus(
             partition=self.partition, worker_id=self.worker_id, state=state, epoch=epoch, restarted=self._restarted,
-            batches_done=getattr(self.worker, "batches_done", 0), pid=os.getpid(), node_id=self._node_id,
+            batches_done=self.worker.batches_done, pid=os.getpid(), node_id=self._node_id,
             started_s=self._started_s, error=error, counts=counts,
         )
 
@@ -196,11 +198,17 @@ class RolloutActor:
 
 def _runtime_facts() -> tuple[bool, str]:
     """(restarted, node id) of the current Ray actor; (False, "") outside Ray."""
+    import warnings
+
     try:
         import ray
 
         ctx = ray.get_runtime_context()
-        return bool(ctx.was_current_actor_reconstructed), str(ctx.get_node_id())
+        with warnings.catch_warnings():
+            # Ray's own property reads its deprecated actor_id property (a RayDeprecationWarning per restart).
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = bool(ctx.was_current_actor_reconstructed)
+        return restarted, str(ctx.get_node_id())
     except Exception:  # noqa: BLE001 - not inside a Ray worker (a unit test constructing the class)
         return False, ""
 
@@ -224,15 +232,16 @@ def local_ray_init_kwargs(cfg: LoopConfig) -> dict[str, Any]:
 
 class RayRollouts:
     """The driver side: one :class:`RolloutActor` per partition, started,
-    watched and stopped; used by :func:`agentlog.loop.run.run_loop` in place
-    of local worker processes when ``cfg.rollout.backend == "ray"``.
+    watched and stopped; :func:`agentlog.loop.run.run_loop` uses it in place
+    of local worker processes when ``cfg.rollout.backend == "ray"``, through
+    the interface of :class:`agentlog.loop.run.LocalRollouts`.
 
     ``start()`` joins the cluster at ``cfg.rollout.address`` (or starts a
-    local Ray when it is empty and none is connected), creates the actors and
-    starts them; ``poll()`` returns the actors' statuses, restarting the
-    rollouts of an actor Ray restarted, and raises RayBackendError on a failed
-    actor or one gone for good; ``stop()`` waits (bounded) for the actors to
-    finish, kills them, and shuts Ray down if it started it."""
+    local Ray when it is empty and this process is not connected yet),
+    creates the actors and starts them; ``poll()`` watches them, starting the
+    rollouts of an actor Ray restarted again, and raises RayBackendError (a
+    LoopError) on a failed actor or one gone for good; ``stop()`` kills the
+    actors and shuts Ray down if ``start()`` started it."""
 
     def __init__(self, cfg: LoopConfig, run_dir: Path, *, call_timeout_s: float = 30.0, start_timeout_s: float = 300.0,
                  unreachable_s: float = 300.0, poll_every_s: float = 0.5) -> None:
@@ -243,8 +252,9 @@ class RayRollouts:
         self.unreachable_s = unreachable_s
         self.poll_every_s = poll_every_s
         self.actors: dict[int, Any] = {}
+        #: The latest status of each partition's actor.
         self.statuses: dict[int, ActorStatus] = {}
-        #: Restarts seen per partition (an actor back in state idle after it ran).
+        #: Restarts seen per partition (an actor back in state idle in a new process).
         self.restarts: dict[int, int] = {}
         self._unreachable_since: dict[int, float] = {}
         self._started_ray = False
@@ -256,8 +266,12 @@ class RayRollouts:
 
     def start(self) -> None:
         """Connect to (or start) Ray, create one actor per partition and start each."""
-        ray = self._ray = import_ray()
         ro = self.cfg.rollout
+        if not ro.address and "ray" not in sys.modules:
+            # A local Ray stays on loopback: Ray reads this when imported and then
+            # takes 127.0.0.1 as this machine's address (workers inherit it).
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        ray = self._ray = import_ray()
         if not ray.is_initialized():
             if ro.address:
                 ray.init(address=ro.address, namespace=RAY_NAMESPACE, logging_level="WARNING")
@@ -272,9 +286,8 @@ class RayRollouts:
             num_cpus=ro.num_cpus,
             resources=dict(ro.resources),
         )
-        run_id = self.run_dir.name
         for k in ro.partitions():
-            self.actors[k] = actor_cls.options(name=f"agentlog-{run_id}-p{k:04d}").remote(str(self.run_dir), k)
+            self.actors[k] = actor_cls.remote(str(self.run_dir), k)
             self.restarts[k] = 0
         refs = {k: a.start.remote() for k, a in self.actors.items()}
         deadline = time.monotonic() + self.start_timeout_s
@@ -284,7 +297,7 @@ class RayRollouts:
             except ray.exceptions.GetTimeoutError:
                 raise RayBackendError(
                     f"rollout actor p{k:04d} did not start within {self.start_timeout_s:.0f} s: is a node offering "
-                    f"{dict(ro.resources)} and {ro.num_cpus} CPU free for it? (cluster: {ray.cluster_resources()})"
+                    f"{dict(ro.resources)} and {ro.num_cpus:g} CPU free for it? (cluster: {ray.cluster_resources()})"
                 ) from None
             except ray.exceptions.RayActorError as exc:
                 raise RayBackendError(f"rollout actor p{k:04d} could not be created: {exc}") from None
@@ -292,9 +305,9 @@ class RayRollouts:
                       nodes=sorted({s.node_id for s in self.statuses.values()}))
 
     def _check_resources(self) -> None:
-        """Refuse at once, naming the resource, when no node of the cluster offers
-        one actor's request (the actors would wait forever); warn when the
-        whole cluster cannot hold every actor at once (a restart may still fit)."""
+        """Refuse at once, naming the resource, when the cluster does not offer
+        one actor's request (the actors would wait forever); warn when it cannot
+        hold every actor at once."""
         ray = self._ray
         ro = self.cfg.rollout
         have = ray.cluster_resources()
@@ -312,11 +325,12 @@ class RayRollouts:
 
     # -- watch -----------------------------------------------------------------
 
-    def poll(self, *, force: bool = False) -> dict[int, ActorStatus]:
-        """The latest status of every actor (asked at most every ``poll_every_s``
-        unless ``force``). An actor back in state ``idle`` was restarted by Ray:
-        its rollouts are started again. Raises RayBackendError when an actor
-        failed, is dead for good, or has not answered for ``unreachable_s``."""
+    def watch(self, *, force: bool = False) -> dict[int, ActorStatus]:
+        """Ask every actor for its status (at most every ``poll_every_s`` unless
+        ``force``) and return the latest ones. An actor back in state ``idle``
+        in a new process was restarted by Ray: its rollouts are started again.
+        Raises RayBackendError when an actor failed, is dead for good, or has
+        not answered for ``unreachable_s``."""
         now = time.monotonic()
         if not force and now - self._last_poll < self.poll_every_s:
             return dict(self.statuses)
@@ -341,51 +355,53 @@ class RayRollouts:
                 self.log.info("ray_driver.actor_reachable", partition=k, after_s=round(now - self._unreachable_since.pop(k), 2))
             if st.state == "failed":
                 raise RayBackendError(f"rollout actor p{k:04d} (node {st.node_id}, pid {st.pid}) failed: {st.error}")
+            prev = self.statuses.get(k)
             if st.state == "idle":
-                prev = self.statuses.get(k)
                 if prev is not None and (prev.pid, prev.node_id) != (st.pid, st.node_id):
                     self.restarts[k] += 1
                     self.log.warning("ray_driver.actor_restarted", partition=k, node_id=st.node_id, pid=st.pid,
                                      previous_node_id=prev.node_id, restarts=self.restarts[k])
-                # Not awaited: the next poll sees it running (start is idempotent).
+                # Not awaited: the next look sees it running (start is idempotent).
                 self.actors[k].start.remote()
             self.statuses[k] = st
         return dict(self.statuses)
 
     def done(self) -> bool:
         """Whether every actor finished its rollouts (the learner's final version was read)."""
-        return len(self.statuses) == len(self.actors) and all(s.state == "done" for s in self.statuses.values())
+        return bool(self.actors) and len(self.statuses) == len(self.actors) and all(s.state == "done" for s in self.statuses.values())
+
+    def poll(self) -> int | None:
+        """None while an actor runs, 0 once all are done; RayBackendError (a
+        LoopError) when one failed or is gone (see :meth:`watch`)."""
+        self.watch()
+        return 0 if self.done() else None
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every actor to be done; whether they were."""
+        deadline = time.monotonic() + timeout_s
+        while not self.done():
+            if time.monotonic() > deadline:
+                return False
+            self.watch(force=True)
+            time.sleep(0.1)
+        return True
 
     # -- stop ------------------------------------------------------------------
 
-    def stop(self, *, wait_s: float = 30.0) -> None:
-        """Wait up to ``wait_s`` for every actor to be done (0: do not wait), then
-        kill the actors and shut Ray down if :meth:`start` started it. Raises
-        RayBackendError when an actor did not finish in time (after cleaning up)."""
+    def stop(self) -> None:
+        """Kill the actors (no restart) and shut Ray down if :meth:`start` started it."""
         ray = self._ray
         if ray is None:
             return
-        err: BaseException | None = None
         try:
-            deadline = time.monotonic() + wait_s
-            while wait_s > 0 and self.actors and not self.done():
-                if time.monotonic() > deadline:
-                    pending = sorted(f"p{k:04d}:{s.state}" for k, s in self.statuses.items() if s.state != "done")
-                    raise RayBackendError(f"rollout actors did not stop within {wait_s:.0f} s after the learner's final version: {pending}")
-                self.poll(force=True)
-                time.sleep(0.1)
-        except BaseException as exc:  # noqa: BLE001 - re-raised after the clean-up below
-            err = exc
-        finally:
             for k, a in self.actors.items():
                 try:
                     ray.kill(a, no_restart=True)
                 except Exception as exc:  # noqa: BLE001 - one failed kill must not leave the others running
                     self.log.warning("ray_driver.kill_failed", partition=k, error=str(exc))
             self.actors.clear()
+        finally:
             if self._started_ray:
                 ray.shutdown()
                 self._started_ray = False
             self.log.info("ray_driver.stopped", restarts=dict(self.restarts))
-        if err is not None:
-            raise err

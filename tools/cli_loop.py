@@ -147,6 +147,17 @@ def config_from_args(args, base: LoopConfig, *, task_modules: list[str] = (), im
     return cfg
 
 
+def check_rollout_backend(cfg: LoopConfig) -> None:
+    """CliError (exit 2) when ``[rollout] backend = "ray"`` but Ray is not
+    installed, saying how to install it (found without importing it: a local
+    Ray reads its environment when first imported, in loop/ray_rollout.py)."""
+    import importlib.util
+
+    if cfg.rollout.backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise CliError("[rollout] backend = \"ray\" needs Ray, which is not installed; install it with: pip install 'agentlog[ray]'",
+                       EXIT_USAGE)
+
+
 def check_task(cfg: LoopConfig) -> None:
     """Load the config's task modules, then select its task: CliError (exit 2)
     naming the module that cannot be imported and why, or listing the
@@ -189,6 +200,7 @@ def execute(cfg: LoopConfig, args, *, title: str) -> int:
     # Everything that can be refused is checked before the run folder exists:
     # a refused run leaves nothing behind that would block the next --out.
     check_task(cfg)
+    check_rollout_backend(cfg)
     if run_dir.exists() and not run_dir.is_dir():
         raise CliError(f"--out {run_dir}: is a file, expected a run folder (new or empty)", EXIT_USAGE)
     if (run_dir / "config.json").exists():
