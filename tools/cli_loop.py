@@ -150,12 +150,21 @@ def config_from_args(args, base: LoopConfig, *, task_modules: list[str] = (), im
 def check_rollout_backend(cfg: LoopConfig) -> None:
     """CliError (exit 2) when ``[rollout] backend = "ray"`` but Ray is not
     installed, saying how to install it (found without importing it: a local
-    Ray reads its environment when first imported, in loop/ray_rollout.py)."""
+    Ray reads its environment when first imported, in loop/ray_rollout.py),
+    or when nothing listens at ``[rollout] address``."""
     import importlib.util
 
-    if cfg.rollout.backend == "ray" and importlib.util.find_spec("ray") is None:
+    if cfg.rollout.backend != "ray":
+        return
+    if importlib.util.find_spec("ray") is None:
         raise CliError("[rollout] backend = \"ray\" needs Ray, which is not installed; install it with: pip install 'agentlog[ray]'",
                        EXIT_USAGE)
+    from agentlog.loop.ray_rollout import RayBackendError, probe_address
+
+    try:
+        probe_address(cfg.rollout.address)
+    except RayBackendError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
 
 
 def check_task(cfg: LoopConfig) -> None:

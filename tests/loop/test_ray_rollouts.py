@@ -172,3 +172,23 @@ def test_the_ray_backend_without_ray_installed_is_refused_before_the_run_folder_
     assert not (tmp_path / "run").exists()
     with pytest.raises(RayBackendError, match=r"needs Ray, which is not installed .*pip install 'agentlog\[ray\]'"):
         import_ray()
+
+
+def test_a_ray_address_where_nothing_listens_is_refused_at_once(tmp_path: Path, capsys) -> None:
+    """`[rollout] address` with no cluster behind it: exit 2 in seconds naming
+    the address and how to start a head (ray.init would retry for minutes)."""
+    import socket
+
+    from agentlog.tools.cli import main as cli_main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    config = tmp_path / "ray.toml"
+    config.write_text(f'steps = 1\nwarmup_steps = 0\n[rollout]\nworkers = 2\nbackend = "ray"\naddress = "127.0.0.1:{port}"\n')
+    t0 = time.monotonic()
+    assert cli_main(["train", "--config", str(config), "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    assert time.monotonic() - t0 < 15
+    err = capsys.readouterr().err
+    assert f"[rollout] address '127.0.0.1:{port}': nothing accepts connections there" in err, err
+    assert f"ray start --head --port={port}" in err and not (tmp_path / "run").exists()
