@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import os
+import time
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator, Mapping, NamedTuple
 
@@ -324,8 +325,9 @@ async def follow_logs(
     *,
     poll_s: float = 0.05,
     chunk: int = 512,
+    idle_s: float | None = None,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
-) -> AsyncIterator[tuple[int, Envelope]]:
+) -> AsyncIterator[tuple[int, Envelope] | tuple[None, None]]:
     """Tail several logs at once (the partitions of a run), forever: yields
     ``(partition id, envelope)`` with each partition's records in its LSN
     order, partitions interleaved ``chunk`` records at a time in turn.
@@ -336,9 +338,12 @@ async def follow_logs(
     per partition: the caller sees every partition's corruption as its own
     exception, and a partition is never silently left behind. ``paths`` is
     read afresh each round: a partition the caller removes from it is no
-    longer read."""
+    longer read. With ``idle_s``, ``(None, None)`` is yielded after each
+    ``idle_s`` with nothing new: a heartbeat for a consumer that must act on
+    silence (declare a partition lost)."""
     starts = dict(from_lsn or {})
     cursors: dict[int, Cursor] = {}
+    quiet_since = time.monotonic()
     try:
         while True:
             n = 0
@@ -358,6 +363,11 @@ async def follow_logs(
                     for env in cur.records(min(limit, start + chunk)):
                         yield pid, env
                         n += 1
+            if n:
+                quiet_since = time.monotonic()
+            elif idle_s is not None and time.monotonic() - quiet_since >= idle_s:
+                quiet_since = time.monotonic()
+                yield None, None
             # Yield to the event loop between rounds, and sleep when nothing is new.
             await asyncio.sleep(0 if n else poll_s)
     finally:

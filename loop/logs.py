@@ -63,13 +63,14 @@ def read(path: Path, from_lsn: int = 0) -> Iterator[Envelope]:
 
 
 async def follow_partitions(sources: dict[int, Path], from_lsn: dict[int, int] | None = None, *,
-                            poll_s: float = 0.01) -> AsyncIterator[tuple[int, Envelope]]:
+                            poll_s: float = 0.01, idle_s: float | None = None):
     """Tail every rollout log of ``sources`` (partition id -> path) forever,
     yielding ``(partition id, envelope)``; logs not created yet are picked up
-    when they are."""
+    when they are. With ``idle_s``, ``(None, None)`` after each ``idle_s``
+    with nothing new (:func:`agentlog.events.follow_logs`)."""
     from agentlog.events import follow_logs
 
-    async for item in follow_logs(sources, from_lsn, poll_s=poll_s):
+    async for item in follow_logs(sources, from_lsn, poll_s=poll_s, idle_s=idle_s):
         yield item
 
 

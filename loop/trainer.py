@@ -206,6 +206,18 @@ def reduce_config(cfg: LoopConfig) -> ReduceConfig:
     return ReduceConfig(min_valid=cfg.min_valid)
 
 
+def step_size(cfg: LoopConfig, lost: Iterable[int] = ()) -> int:
+    """How many released groups make a step: ``groups_per_step``, less the
+    share of each batch dealt to partitions declared lost (workers deal
+    group ``g`` to partition ``g % workers``), so that the live workers' share
+    of a batch still completes a step and the pacing by steps goes on."""
+    if not cfg.rollout.partitioned:
+        return cfg.groups_per_step
+    gone = set(lost)
+    live = sum(1 for g in range(cfg.groups_per_step) if g % cfg.rollout.workers not in gone)
+    return max(1, live)
+
+
 class StepCutter:
     """Where the learner's steps begin and end: released groups are taken in
     the order they arrive, from whichever partition, and a step is cut once
@@ -230,7 +242,11 @@ class StepCutter:
                 continue
             self.pending.append(r)
             self.released_at[key] = env.ts_ns
-        if len(self.pending) < self.groups_per_step:
+        return self.take()
+
+    def take(self) -> list[ReleasedGroup] | None:
+        """The next step's groups if enough are waiting (the step size may have shrunk), else None."""
+        if not self.pending or len(self.pending) < self.groups_per_step:
             return None
         batch, self.pending = self.pending, []
         return batch
@@ -245,9 +261,10 @@ class StepCutter:
 
 class PartitionWatch:
     """Which partitions have gone silent: a partition that wrote nothing for
-    ``lost_after_s`` while others did is declared lost (0 never declares
-    one). The learner records the decision, so a replay never depends on
-    when it was made."""
+    ``lost_after_s`` is declared lost (0 never declares one), except the one
+    heard from last: when every worker is silent they may all be waiting on
+    the learner, which waits on the lost ones' share. The learner records the
+    decision, so a replay never depends on when it was made."""
 
     def __init__(self, lost_after_s: float, partitions: Iterable[int]) -> None:
         self.lost_after_s = lost_after_s
@@ -255,21 +272,25 @@ class PartitionWatch:
         self.last_seen = {pid: now for pid in partitions}
         self._next_check = now + lost_after_s
 
-    def saw(self, pid: int, frontier: dict[int, int]) -> dict[int, str]:
-        """Note an event of ``pid``; the partitions now declared lost, with why."""
+    def saw(self, pid: int | None, frontier: dict[int, int]) -> dict[int, str]:
+        """Note an event of ``pid`` (None: a heartbeat, nothing new anywhere);
+        the partitions now declared lost, with why."""
         if self.lost_after_s <= 0:
             return {}
         now = time.monotonic()
-        self.last_seen[pid] = now
+        if pid is not None:
+            self.last_seen[pid] = now
         if now < self._next_check:
             return {}
         self._next_check = now + min(1.0, self.lost_after_s)
+        silent = [p for p, seen in self.last_seen.items() if now - seen >= self.lost_after_s]
+        if len(silent) == len(self.last_seen):
+            silent.remove(max(silent, key=lambda p: (self.last_seen[p], -p)))
         lost = {}
-        for other, seen in list(self.last_seen.items()):
-            if now - seen >= self.lost_after_s:
-                lost[other] = (f"lost: partition {partition_name(other)} wrote nothing for {now - seen:.0f} s "
-                               f"(lost_after_s {self.lost_after_s:g}) after lsn {frontier.get(other, 0) - 1}")
-                del self.last_seen[other]
+        for other in silent:
+            lost[other] = (f"lost: partition {partition_name(other)} wrote nothing for {now - self.last_seen[other]:.0f} s "
+                           f"(lost_after_s {self.lost_after_s:g}) after lsn {frontier.get(other, 0) - 1}")
+            del self.last_seen[other]
         return lost
 
 
@@ -340,23 +361,26 @@ class LoopLearner:
             partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
             sources = {pid: path for pid, path in logs.rollout_sources(self.run_dir, partitions).items() if pid not in lost}
             fold = PartitionFold(reduce_config(cfg), sources, windows=windows, start=read_from)
-            cutter = StepCutter(fold, consumed, cfg.groups_per_step)
+            cutter = StepCutter(fold, consumed, step_size(cfg, lost))
             watch = PartitionWatch(cfg.rollout.lost_after_s, sources)
-            async for pid, env in logs.follow_partitions(sources, read_from):
-                if pid not in sources:
+            idle_s = min(1.0, cfg.rollout.lost_after_s / 4) if cfg.rollout.lost_after_s > 0 else None
+            async for pid, env in logs.follow_partitions(sources, read_from, idle_s=idle_s):
+                if pid is not None and pid not in sources:
                     continue  # declared lost
-                # Is another partition silent for too long? Checked as events arrive: while
-                # nothing arrives at all there is nothing to decide.
+                # Is a partition silent for too long? Checked as events arrive, and on the
+                # follower's heartbeat (pid None) while nothing arrives at all.
                 for lost_pid, why in watch.saw(pid, fold.frontier).items():
                     del sources[lost_pid]  # read nothing more from it
                     lost[lost_pid] = why
                     self.pending_lost[lost_pid] = why
                     self.log.error("learner.partition_lost", partition=partition_name(lost_pid), reason=why)
-                batch = cutter.feed(pid, env)
+                    # Its share of every batch will never come: a step is what the live workers deliver.
+                    cutter.groups_per_step = step_size(cfg, lost)
+                batch = cutter.take() if pid is None else cutter.feed(pid, env)
                 if batch is None:
                     continue
                 t_busy = time.perf_counter()
-                legacy_end = env.lsn if partitions is None else -1
+                legacy_end = fold.frontier[0] - 1 if partitions is None else -1
                 record = self.train_step(step, batch, lsn_next if partitions is None else -1, legacy_end, cutter.released_at)
                 low_water = fold.low_water()
                 record = msgspec.structs.replace(
@@ -375,7 +399,7 @@ class LoopLearner:
                               skipped=len(record.skipped))
                 cutter.consumed_batch(batch)
                 step += 1
-                lsn_next = env.lsn + 1
+                lsn_next = legacy_end + 1
                 steps_done += 1
                 if self.final or (max_steps is not None and steps_done >= max_steps):
                     break

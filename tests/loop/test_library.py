@@ -35,9 +35,9 @@ def docstring_example() -> str:
 
 
 def readme_example() -> str:
-    """The README's python block that uses agentlog.loop."""
+    """The README's first python block that uses agentlog.loop (the one-worker loop)."""
     blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
-    [block] = [b for b in blocks if "from agentlog.loop import" in b]
+    block = next(b for b in blocks if "from agentlog.loop import" in b)
     return block.strip() + "\n"
 
 

@@ -67,6 +67,14 @@ def _tensors(groups) -> list[torch.Tensor]:
     return out
 
 
+def _draw_run(data, partition_sets, tmp_path_factory):
+    """Draw 2..5 partitions and an arrival order of their events; a fresh learner."""
+    parts = partition_sets[data.draw(st.integers(2, 5), label="partitions")]
+    labels = [pid for pid, envs in parts.items() for _ in envs]
+    order = data.draw(st.permutations(labels), label="arrival")
+    return parts, LoopLearner(tmp_path_factory.mktemp("learner"), small_config(groups_per_step=GROUPS_PER_STEP)), order
+
+
 def _online(learner: LoopLearner, arrival, consumed=None, fold=None, first_step: int = 1):
     """Drive the learner's own step cutting and ``train_step`` over ``arrival``;
     the records it would append, each with the groups it trained."""
@@ -94,11 +102,7 @@ def test_any_arrival_order_replays_to_the_batches_tensors_and_digests_trained(pa
     """Hypothesis over shuffled arrival of 2..5 partitions: every record the
     learner writes, replayed against the partitions alone, gives the same
     groups in the same order, the same micro-batch tensors and the same digest."""
-    n = data.draw(st.integers(2, 5), label="partitions")
-    parts = partition_sets[n]
-    labels = [pid for pid, envs in parts.items() for _ in envs]
-    order = data.draw(st.permutations(labels), label="arrival")
-    learner = LoopLearner(tmp_path_factory.mktemp("learner"), small_config(groups_per_step=GROUPS_PER_STEP))
+    parts, learner, order = _draw_run(data, partition_sets, tmp_path_factory)
     online = _online(learner, _arrival(parts, order))
     assert online, "no step was cut"
     released = reduce_partitions(parts, reduce_config(learner.cfg))
@@ -123,11 +127,7 @@ def test_a_restart_from_the_per_partition_low_water_marks_consumes_every_group_o
     partition low-water marks and in-flight windows), feed each partition
     again from its mark in another arrival order: every released group is
     consumed exactly once over both lives, and every record replays."""
-    n = data.draw(st.integers(2, 5), label="partitions")
-    parts = partition_sets[n]
-    labels = [pid for pid, envs in parts.items() for _ in envs]
-    order = data.draw(st.permutations(labels), label="arrival")
-    learner = LoopLearner(tmp_path_factory.mktemp("learner"), small_config(groups_per_step=GROUPS_PER_STEP))
+    parts, learner, order = _draw_run(data, partition_sets, tmp_path_factory)
     first = _online(learner, _arrival(parts, order))
     keep = data.draw(st.integers(1, len(first)), label="steps before the crash")
     records = [rec for rec, _ in first[:keep]]

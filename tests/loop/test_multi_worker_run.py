@@ -117,3 +117,34 @@ def test_a_killed_worker_restarts_on_its_partition_with_a_new_epoch_and_loses_no
     consumed = {(ref.partition, ref.group_id) for r in read_learner_records(run / "learner") for ref in r.batch}
     orphan_groups = {(1, sid.rsplit("-s", 1)[0]) for sid in orphans}
     assert orphan_groups & consumed, "the orphans' groups must still be released and consumed"
+
+
+def test_a_partition_that_never_writes_is_declared_lost_recorded_and_training_goes_on(tmp_path: Path) -> None:
+    """Two partitions, but only worker p0000 ever starts: after lost_after_s of
+    silence the learner declares p0001 lost, records why in its log, cuts its
+    steps from the live worker's share of each batch, reaches its final
+    version, and the run still reconstructs EQUAL."""
+    cfg = small_config(steps=4, rollout=RolloutConfig(workers=2, lost_after_s=2.0))
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg.save(run / "config.json")
+    learner = start_process("trainer", run)
+    worker = start_process("worker", run, "--partition", "0")
+    try:
+        wait_for("the final version", lambda: learner.poll() is not None, 120, [worker])
+        assert learner.returncode == 0
+        worker.wait(timeout=60)
+        assert worker.returncode == 0
+    finally:
+        for p in (learner, worker):
+            if p.poll() is None:
+                _kill(p)
+    records = [r for r in read_learner_records(run / "learner") if r.step > 0]
+    declared = [r for r in records if r.lost_partitions]
+    assert len(declared) == 1 and set(declared[0].lost_partitions) == {1}
+    assert "p0001 wrote nothing" in declared[0].lost_partitions[1]
+    assert records[-1].policy_version == cfg.steps
+    later = records[records.index(declared[0]) + 1:]
+    assert later and all(len(r.batch) == cfg.groups_per_step // 2 for r in later)
+    check = check_run(run, cfg)
+    assert check.ok, (check.mismatches, check.duplicates, check.missing, check.unknown)
