@@ -89,3 +89,12 @@ def wait_until(what: str, predicate: Callable[[], bool], timeout: float = 60.0, 
         if time.monotonic() - t0 > timeout:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(every)
+
+
+@pytest.fixture(scope="module")
+def loopback_cluster() -> Iterator[tuple[Cluster, list[Any]]]:
+    """One :func:`ray_cluster` (head + 2 worker nodes, 2 rollout slots and 2 CPUs
+    each) shared by a test module, this process connected as its driver. A test
+    that removes a node leaves one: each test must need no more than one node."""
+    with ray_cluster(2, rollout_per_node=2, cpus_per_node=2) as cluster_and_nodes:
+        yield cluster_and_nodes

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_helpers import ROLLOUT_RESOURCE, ray, ray_cluster  # noqa: F401  (sets the loopback env before ray is imported)
+from ray_helpers import loopback_cluster, ray  # noqa: F401  (sets the loopback env before ray is imported; a fixture)
 
 from agentlog.events.log_format import read_fence
 from agentlog.events.partitions import list_partitions, partition_dir
@@ -68,8 +68,43 @@ def _drive(rollouts: RayRollouts, learner, what: str, predicate, timeout: float)
         time.sleep(0.1)
 
 
+def test_a_worker_failing_in_its_actor_is_reported_with_its_partition_and_error(tmp_path: Path, loopback_cluster) -> None:
+    """Never silent: a rollout worker that raises inside its actor (here: its
+    partition directory holds a stranger's file) makes the driver's poll raise
+    a LoopError naming the partition and the error, and the actor's log holds
+    it at error level. A resource no node offers is refused at once, by name."""
+    from agentlog.loop.ray_rollout import RayBackendError
+    from agentlog.loop.run import LoopError
+
+    cfg = small_config(steps=2, rollout=RolloutConfig(workers=2, backend="ray"))
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg.save(run / "config.json")
+    p1 = partition_dir(run / "rollout", 1)
+    p1.mkdir(parents=True)
+    (p1 / "notes.txt").write_text("not a log segment\n")
+    elsewhere = small_config(steps=2, rollout=RolloutConfig(workers=2, backend="ray", resources={"agentlog_gpu_rollout": 1}))
+    t0 = time.monotonic()
+    with pytest.raises(RayBackendError, match=r"requests agentlog_gpu_rollout=1, but the Ray cluster offers 0; start rollout nodes with"):
+        RayRollouts(elsewhere, run).start()
+    assert time.monotonic() - t0 < 10
+    rollouts = RayRollouts(cfg, run, start_timeout_s=90)
+    try:
+        rollouts.start()
+        t0 = time.monotonic()
+        with pytest.raises(LoopError, match=r"rollout actor p0001 \(node \w+, pid \d+\) failed: NotALog: .*p0001: not an agentlog log directory"):
+            while time.monotonic() - t0 < 60:
+                assert rollouts.poll() is None
+                time.sleep(0.1)
+    finally:
+        rollouts.stop()
+    assert ray.is_initialized(), "the driver shut down a Ray it did not start"
+    failed = [line for line in (run / "logs" / "worker-p0001.jsonl").read_text().splitlines() if "ray_actor.worker_failed" in line]
+    assert failed and '"level": "error"' in failed[0] and "NotALog" in failed[0], failed
+
+
 @pytest.mark.required
-def test_node_loss_restarts_the_actor_on_the_other_node_with_a_new_epoch_and_loses_nothing(tmp_path: Path) -> None:
+def test_node_loss_restarts_the_actor_on_the_other_node_with_a_new_epoch_and_loses_nothing(tmp_path: Path, loopback_cluster) -> None:
     """Head (no rollout resources) + 2 worker nodes on loopback, 2 rollout
     actors. Hard-remove the node of partition 1's actor mid-run: Ray restarts
     the actor on the other node, the driver starts its rollouts again, it
@@ -83,27 +118,27 @@ def test_node_loss_restarts_the_actor_on_the_other_node_with_a_new_epoch_and_los
     run.mkdir()
     cfg.save(run / "config.json")
     p1 = partition_dir(run / "rollout", 1)
-    with ray_cluster(2, rollout_per_node=2, cpus_per_node=2) as (cluster, nodes):
-        learner = start_process("trainer", run)
-        rollouts = RayRollouts(cfg, run, call_timeout_s=20, start_timeout_s=90)
-        try:
-            rollouts.start()
-            _drive(rollouts, learner, "learner version 2", lambda: learner_version(run) >= 2, deadline - time.monotonic())
-            before = rollouts.watch(force=True)[1]
-            assert before.state == "running" and before.epoch == read_fence(p1) >= 1
-            victim = next(n for n in nodes if n.node_id == before.node_id)
-            acknowledged = [(e.lsn, e.session_id, e.body) for e in logs.read(p1, 0)]
-            cluster.remove_node(victim, allow_graceful=False)
-            _drive(rollouts, learner, "p0001 running again after its node was removed",
-                   lambda: rollouts.restarts[1] >= 1 and rollouts.statuses[1].state in ("running", "done"), deadline - time.monotonic())
-            _drive(rollouts, learner, "the final version", lambda: learner.poll() == 0, deadline - time.monotonic())
-            assert rollouts.wait(30), rollouts.statuses
-            after_status = rollouts.watch(force=True)
-        finally:
-            rollouts.stop()
-            if learner.poll() is None:
-                learner.kill()
-                learner.wait()
+    cluster, nodes = loopback_cluster
+    learner = start_process("trainer", run)
+    rollouts = RayRollouts(cfg, run, call_timeout_s=20, start_timeout_s=90)
+    try:
+        rollouts.start()
+        _drive(rollouts, learner, "learner version 2", lambda: learner_version(run) >= 2, deadline - time.monotonic())
+        before = rollouts.watch(force=True)[1]
+        assert before.state == "running" and before.epoch == read_fence(p1) >= 1
+        victim = next(n for n in nodes if n.node_id == before.node_id)
+        acknowledged = [(e.lsn, e.session_id, e.body) for e in logs.read(p1, 0)]
+        cluster.remove_node(victim, allow_graceful=False)
+        _drive(rollouts, learner, "p0001 running again after its node was removed",
+               lambda: rollouts.restarts[1] >= 1 and rollouts.statuses[1].state in ("running", "done"), deadline - time.monotonic())
+        _drive(rollouts, learner, "the final version", lambda: learner.poll() == 0, deadline - time.monotonic())
+        assert rollouts.wait(30), rollouts.statuses
+        after_status = rollouts.watch(force=True)
+    finally:
+        rollouts.stop()
+        if learner.poll() is None:
+            learner.kill()
+            learner.wait()
     moved = after_status[1]
     assert moved.restarted and moved.node_id != victim.node_id and moved.pid != before.pid, (before, moved)
     assert moved.epoch == read_fence(p1) > before.epoch
@@ -116,45 +151,6 @@ def test_node_loss_restarts_the_actor_on_the_other_node_with_a_new_epoch_and_los
     trained = [r for r in read_learner_records(run / "learner") if r.step > 0]
     assert {ref.partition for r in trained for ref in r.batch} == {0, 1}
     assert time.monotonic() < deadline, "the node-loss run took longer than its time bound"
-
-
-def test_a_worker_failing_in_its_actor_is_reported_with_its_partition_and_error(tmp_path: Path) -> None:
-    """Never silent: a rollout worker that raises inside its actor (here: its
-    partition directory holds a stranger's file) makes the driver's poll raise
-    a LoopError naming the partition and the error, and the actor's log holds
-    it at error level. A resource no node offers is refused at once, by name."""
-    from agentlog.loop.ray_rollout import RayBackendError, local_ray_init_kwargs
-    from agentlog.loop.run import LoopError
-
-    cfg = small_config(steps=2, rollout=RolloutConfig(workers=2, backend="ray"))
-    run = tmp_path / "run"
-    run.mkdir()
-    cfg.save(run / "config.json")
-    p1 = partition_dir(run / "rollout", 1)
-    p1.mkdir(parents=True)
-    (p1 / "notes.txt").write_text("not a log segment\n")
-    ray.init(**local_ray_init_kwargs(cfg))
-    try:
-        elsewhere = small_config(steps=2, rollout=RolloutConfig(workers=2, backend="ray", resources={"agentlog_gpu_rollout": 1}))
-        t0 = time.monotonic()
-        with pytest.raises(RayBackendError, match=r"requests agentlog_gpu_rollout=1, but the Ray cluster offers 0; start rollout nodes with"):
-            RayRollouts(elsewhere, run).start()
-        assert time.monotonic() - t0 < 10
-        rollouts = RayRollouts(cfg, run, start_timeout_s=90)
-        try:
-            rollouts.start()
-            t0 = time.monotonic()
-            with pytest.raises(LoopError, match=r"rollout actor p0001 \(node \w+, pid \d+\) failed: NotALog: .*p0001: not an agentlog log directory"):
-                while time.monotonic() - t0 < 60:
-                    assert rollouts.poll() is None
-                    time.sleep(0.1)
-        finally:
-            rollouts.stop()
-        assert ray.is_initialized(), "the driver shut down a Ray it did not start"
-    finally:
-        ray.shutdown()
-    failed = [line for line in (run / "logs" / "worker-p0001.jsonl").read_text().splitlines() if "ray_actor.worker_failed" in line]
-    assert failed and '"level": "error"' in failed[0] and "NotALog" in failed[0], failed
 
 
 def test_the_ray_backend_without_ray_installed_is_refused_before_the_run_folder_exists(tmp_path: Path, monkeypatch, capsys) -> None:
