@@ -213,6 +213,16 @@ def _runtime_facts() -> tuple[bool, str]:
         return False, ""
 
 
+def cause_line(exc: BaseException) -> str:
+    """The last line of a Ray error's text, without colour codes: for an actor
+    whose constructor raised, ``Type: message`` of that exception (the whole
+    remote traceback is logged, not put into a one-line error)."""
+    import re
+
+    lines = [ln for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else type(exc).__name__
+
+
 def probe_address(address: str, timeout_s: float = 5.0) -> None:
     """RayBackendError when nothing accepts a TCP connection at ``address``
     (``host:port`` or ``ray://host:port``; ``auto`` is left to Ray). Why:
@@ -269,7 +279,9 @@ class RayRollouts:
     def __init__(self, cfg: LoopConfig, run_dir: Path, *, call_timeout_s: float = 30.0, start_timeout_s: float = 300.0,
                  unreachable_s: float = 300.0, poll_every_s: float = 0.5) -> None:
         self.cfg = cfg
-        self.run_dir = Path(run_dir).resolve()
+        # Absolute, symlinks kept: every node must see the run folder at this path, and a
+        # resolved symlink target may be where only this node mounts it.
+        self.run_dir = Path(os.path.abspath(run_dir))
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
         self.unreachable_s = unreachable_s
@@ -331,7 +343,8 @@ class RayRollouts:
                     f"{dict(ro.resources)} and {ro.num_cpus:g} CPU free for it? (cluster: {ray.cluster_resources()})"
                 ) from None
             except ray.exceptions.RayActorError as exc:
-                raise RayBackendError(f"rollout actor p{k:04d} could not be created: {exc}") from None
+                self.log.error("ray_driver.actor_creation_failed", partition=k, error=str(exc))
+                raise RayBackendError(f"rollout actor p{k:04d} could not be created: {cause_line(exc)}") from None
         self.log.info("ray_driver.started", workers=ro.workers, address=ro.address or "local",
                       nodes=sorted({s.node_id for s in self.statuses.values()}))
 
@@ -387,11 +400,13 @@ class RayRollouts:
             if st.state == "failed":
                 raise RayBackendError(f"rollout actor p{k:04d} (node {st.node_id}, pid {st.pid}) failed: {st.error}")
             prev = self.statuses.get(k)
+            if prev is not None and (prev.pid, prev.node_id) != (st.pid, st.node_id):
+                # A new process: Ray restarted the actor (a start() in flight at the crash may
+                # have been retried on it already, so this is not only seen in state idle).
+                self.restarts[k] += 1
+                self.log.warning("ray_driver.actor_restarted", partition=k, node_id=st.node_id, pid=st.pid,
+                                 previous_node_id=prev.node_id, restarts=self.restarts[k])
             if st.state == "idle":
-                if prev is not None and (prev.pid, prev.node_id) != (st.pid, st.node_id):
-                    self.restarts[k] += 1
-                    self.log.warning("ray_driver.actor_restarted", partition=k, node_id=st.node_id, pid=st.pid,
-                                     previous_node_id=prev.node_id, restarts=self.restarts[k])
                 # Not awaited: the next look sees it running (start is idempotent).
                 self.actors[k].start.remote()
             self.statuses[k] = st

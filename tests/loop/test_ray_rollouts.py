@@ -72,7 +72,8 @@ def test_a_worker_failing_in_its_actor_is_reported_with_its_partition_and_error(
     """Never silent: a rollout worker that raises inside its actor (here: its
     partition directory holds a stranger's file) makes the driver's poll raise
     a LoopError naming the partition and the error, and the actor's log holds
-    it at error level. A resource no node offers is refused at once, by name."""
+    it at error level. A resource no node offers is refused at once, by name;
+    a run folder the nodes cannot see is named by the actor that looked."""
     from agentlog.loop.ray_rollout import RayBackendError
     from agentlog.loop.run import LoopError
 
@@ -88,6 +89,12 @@ def test_a_worker_failing_in_its_actor_is_reported_with_its_partition_and_error(
     with pytest.raises(RayBackendError, match=r"requests agentlog_gpu_rollout=1, but the Ray cluster offers 0; start rollout nodes with"):
         RayRollouts(elsewhere, run).start()
     assert time.monotonic() - t0 < 10
+    unshared = RayRollouts(cfg, tmp_path / "not-shared", start_timeout_s=60)
+    try:
+        with pytest.raises(RayBackendError, match=r"p0000 could not be created: agentlog.loop.ray_rollout.RayBackendError: rollout partition 0: .*not-shared/config.json is not visible on this node"):
+            unshared.start()
+    finally:
+        unshared.stop()
     rollouts = RayRollouts(cfg, run, start_timeout_s=90)
     try:
         rollouts.start()
