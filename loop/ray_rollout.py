@@ -200,17 +200,16 @@ def _runtime_facts() -> tuple[bool, str]:
     """(restarted, node id) of the current Ray actor; (False, "") outside Ray."""
     import warnings
 
-    try:
-        import ray
+    import ray
 
-        ctx = ray.get_runtime_context()
-        with warnings.catch_warnings():
-            # Ray's own property reads its deprecated actor_id property (a RayDeprecationWarning per restart).
-            warnings.simplefilter("ignore", DeprecationWarning)
-            restarted = bool(ctx.was_current_actor_reconstructed)
-        return restarted, str(ctx.get_node_id())
-    except Exception:  # noqa: BLE001 - not inside a Ray worker (a unit test constructing the class)
-        return False, ""
+    if not ray.is_initialized():
+        return False, ""  # constructed directly, not by Ray
+    ctx = ray.get_runtime_context()
+    with warnings.catch_warnings():
+        # Ray's own property reads its deprecated actor_id property (a RayDeprecationWarning per restart).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        restarted = bool(ctx.was_current_actor_reconstructed)
+    return restarted, str(ctx.get_node_id())
 
 
 def cause_line(exc: BaseException) -> str:
@@ -342,6 +341,8 @@ class RayRollouts:
                     f"rollout actor p{k:04d} did not start within {self.start_timeout_s:.0f} s: is a node offering "
                     f"{dict(ro.resources)} and {ro.num_cpus:g} CPU free for it? (cluster: {ray.cluster_resources()})"
                 ) from None
+            except ray.exceptions.RayTaskError as exc:
+                raise RayBackendError(f"rollout actor p{k:04d}: start raised {cause_line(exc)}") from None
             except ray.exceptions.RayActorError as exc:
                 self.log.error("ray_driver.actor_creation_failed", partition=k, error=str(exc))
                 raise RayBackendError(f"rollout actor p{k:04d} could not be created: {cause_line(exc)}") from None
@@ -391,6 +392,8 @@ class RayRollouts:
                 if now - since > self.unreachable_s:
                     raise RayBackendError(f"rollout actor p{k:04d} has not answered for {now - since:.0f} s ({type(exc).__name__})") from None
                 continue
+            except ray.exceptions.RayTaskError as exc:
+                raise RayBackendError(f"rollout actor p{k:04d}: its status call raised {cause_line(exc)}") from None
             except ray.exceptions.RayActorError as exc:
                 raise RayBackendError(
                     f"rollout actor p{k:04d} is dead and will not be restarted (max_restarts = {self.cfg.rollout.max_restarts}): {exc}"
