@@ -32,6 +32,7 @@ import traceback as _traceback
 from collections import OrderedDict, deque
 from typing import Any, Coroutine
 
+import numpy as np
 from tqdm import tqdm
 
 from agentlog._logging import get_logger
@@ -46,9 +47,13 @@ from agentlog.events.types import (
     SessionFinished,
     SessionOpened,
     SessionStarted,
+    TeacherScored,
     TurnDelta,
     TurnRecorded,
     TurnUndelivered,
+    pack_log_probs,
+    pack_tokens,
+    turn_temperature,
     validate_id,
 )
 from agentlog.events.turn_delta import TurnContext
@@ -118,7 +123,7 @@ class SessionHandle:
     __slots__ = (
         "_engine", "session_id", "group_id", "sample_index", "state", "turns", "budget_s",
         "_seq", "_busy", "_waiters", "_inflight", "_timer", "_owner", "_owner_cancelled", "_expired", "_log",
-        "_context",
+        "_context", "_turn_shapes",
     )
 
     def __init__(self, engine: "SessionEngine", session_id: str, group_id: str, budget_s: float | None) -> None:
@@ -145,6 +150,9 @@ class SessionHandle:
         #: the next turn is stored as a delta against (O(current context);
         #: dropped when the session ends).
         self._context: TurnContext | None = TurnContext()
+        #: Per recorded turn: (output tokens, sampling temperature or None when
+        #: not a number): what a teacher's scores of the turn are checked against.
+        self._turn_shapes: list[tuple[int, float | None]] = []
 
     def __repr__(self) -> str:
         return f"SessionHandle({self.session_id!r}, state={self.state}, turns={self.turns})"
@@ -229,6 +237,61 @@ class SessionHandle:
                 f"session {self.session_id!r}: turn_undelivered.turn_index: expected a recorded turn in [0, {self.turns}), found {turn_index!r}"
             )
         return await self._engine._in_session(self, TurnUndelivered(turn_index=turn_index, reason=reason))
+
+    async def record_teacher_scores(
+        self, turn_index: int, *, teacher: str, teacher_version: str, temperature: float, log_probs: Any,
+        start: int = 0, top_ids: Any = None, top_log_probs: Any = None,
+    ) -> Envelope:
+        """Record a teacher's log-probs of turn ``turn_index``'s output tokens
+        ``start..start+len(log_probs)`` (on-policy distillation), with its top-K
+        tokens when given (``top_ids`` / ``top_log_probs`` shaped (n, K)).
+
+        Refused with ValueError, naming the session and turn, when the turn was
+        never recorded, when the scores run past its output, or when
+        ``temperature`` is not the one the turn was sampled at: log-probs at
+        another temperature are of another distribution."""
+        n_out, sampled_at = self._scored_turn(turn_index, "teacher_scored")
+        lp = pack_log_probs(log_probs)
+        n = len(lp) // 4
+        if start < 0 or start + n > n_out:
+            raise ValueError(f"session {self.session_id!r}: teacher_scored of turn {turn_index} by {teacher!r}: tokens "
+                             f"{start}..{start + n - 1} run past the turn's {n_out} output tokens")
+        if sampled_at is None or float(temperature) != sampled_at:
+            raise ValueError(f"session {self.session_id!r}: teacher_scored of turn {turn_index} by {teacher!r}: scored at "
+                             f"temperature {temperature!r}, but the turn was sampled at temperature {sampled_at!r}; "
+                             "score at the rollout temperature")
+        top_k = 0
+        ids = tlp = b""
+        if top_ids is not None or top_log_probs is not None:
+            ids_arr = np.asarray(top_ids if top_ids is not None else [], dtype=np.int64)
+            lp_arr = np.asarray(top_log_probs if top_log_probs is not None else [], dtype=np.float64)
+            if ids_arr.ndim != 2 or ids_arr.shape != lp_arr.shape or ids_arr.shape[0] != n:
+                raise ValueError(f"session {self.session_id!r}: teacher_scored of turn {turn_index} by {teacher!r}: top_ids and "
+                                 f"top_log_probs must both be shaped ({n}, K); found {ids_arr.shape} and {lp_arr.shape}")
+            top_k = int(ids_arr.shape[1])
+            ids, tlp = pack_tokens(ids_arr.reshape(-1)), pack_log_probs(lp_arr.reshape(-1))
+        body = TeacherScored(turn_index=turn_index, teacher=teacher, teacher_version=teacher_version,
+                             temperature=float(temperature), log_probs=lp, start=start, top_k=top_k,
+                             top_ids=ids, top_log_probs=tlp)
+        return await self._engine._in_session(self, body)
+
+    async def record_teacher_failure(self, turn_index: int, *, teacher: str, teacher_version: str, error: str) -> Envelope:
+        """Record that a teacher failed to score turn ``turn_index`` (an error,
+        a timeout): the turn is then not distilled, and the reason is in the log."""
+        _, sampled_at = self._scored_turn(turn_index, "teacher_scored")
+        if not isinstance(error, str) or not error:
+            raise ValueError(f"session {self.session_id!r}: teacher failure of turn {turn_index}: expected the error text, found {error!r}")
+        body = TeacherScored(turn_index=turn_index, teacher=teacher, teacher_version=teacher_version,
+                             temperature=sampled_at or 1.0, error=error)
+        return await self._engine._in_session(self, body)
+
+    def _scored_turn(self, turn_index: int, event: str) -> tuple[int, float | None]:
+        if self.state is not State.RUNNING:
+            self._engine._refuse(self.session_id, event, self.state, self)
+        if not isinstance(turn_index, int) or isinstance(turn_index, bool) or not 0 <= turn_index < len(self._turn_shapes):
+            raise ValueError(f"session {self.session_id!r}: {event}.turn_index: expected a recorded turn in "
+                             f"[0, {len(self._turn_shapes)}), found {turn_index!r}")
+        return self._turn_shapes[turn_index]
 
     async def record_command(
         self, command: str, exit_code: int | None, budget_exceeded: bool, duration_s: float, output_tail: str
@@ -687,6 +750,7 @@ class SessionEngine:
         if type(body) is TurnDelta or type(body) is TurnRecorded:
             h.turns += 1
             h._context = context
+            h._turn_shapes.append((len(body.output_ids) // 4, turn_temperature(body.sampling)))
         if dest is not None:
             h.state = dest
             if dest in TERMINAL_STATES:

@@ -20,6 +20,7 @@ from .types import (  # noqa: F401
     SessionFinished,
     SessionOpened,
     SessionStarted,
+    TeacherScored,
     TurnDelta,
     TurnRecorded,
     TurnUndelivered,

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from transitions import Machine
 
-from .types import CommandRan, RewardAssigned, SessionOpened, TurnDelta, TurnRecorded, TurnUndelivered
+from .types import CommandRan, RewardAssigned, SessionOpened, TeacherScored, TurnDelta, TurnRecorded, TurnUndelivered
 
 
 class State(str, Enum):
@@ -49,7 +49,7 @@ LIFECYCLE_SPEC: tuple[dict[str, Any], ...] = (
 
 #: Event bodies that are legal only while the session is running; they
 #: happen inside it without changing its state.
-RUNNING_ONLY_EVENTS: tuple[type, ...] = (TurnRecorded, TurnUndelivered, CommandRan, RewardAssigned, TurnDelta)
+RUNNING_ONLY_EVENTS: tuple[type, ...] = (TurnRecorded, TurnUndelivered, CommandRan, RewardAssigned, TurnDelta, TeacherScored)
 #: The same events by tag (for folds over projections that carry tags only).
 IN_SESSION_EVENTS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in RUNNING_ONLY_EVENTS)
 

@@ -329,6 +329,97 @@ class TurnUndelivered(msgspec.Struct, frozen=True, tag="turn_undelivered"):
     reason: str = ""
 
 
+def turn_temperature(sampling: Any) -> float | None:
+    """The temperature a turn was sampled at, from its recorded ``sampling``
+    dict: 1.0 when absent or listed under ``ignored`` (the backend did not
+    apply it); None when it is not a number > 0."""
+    if not isinstance(sampling, dict):
+        return None
+    ignored = sampling.get("ignored") or ()
+    value = 1.0 if isinstance(ignored, (list, tuple)) and "temperature" in ignored else sampling.get("temperature", 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < math.inf:
+        return None
+    return float(value)
+
+
+class TeacherScored(msgspec.Struct, frozen=True, tag="teacher_scored"):
+    """A teacher scored the output tokens of one of the session's turns
+    (on-policy distillation): its log-prob of each scored token, at the
+    turn's own sampling temperature, and optionally its top-K tokens.
+
+    Appended while the session runs, after the turn it scores (the loop
+    scores a finished session before its terminal event). Several teachers
+    may score one turn: one event each. ``error`` says the teacher failed on
+    this turn (no log-probs): the turn is then not distilled."""
+
+    turn_index: int
+    teacher: str
+    teacher_version: str
+    temperature: float
+    log_probs: bytes = b""  # float32 LE, one per scored token
+    start: int = 0  # index in the turn's output_ids of the first scored token
+    top_k: int = 0
+    top_ids: bytes = b""  # int32 LE, top_k per scored token, row-major
+    top_log_probs: bytes = b""  # float32 LE, top_k per scored token
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        if _READING_STORED.get():
+            return
+        ev = "teacher_scored"
+        for field in ("turn_index", "start", "top_k"):
+            v = getattr(self, field)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                _fail(ev, field, "an int >= 0", v)
+        for field in ("teacher", "teacher_version"):
+            v = getattr(self, field)
+            if not isinstance(v, str) or not v.strip():
+                _fail(ev, field, "a non-empty str (the teacher's name / weights digest or version)", v)
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t < math.inf:
+            _fail(ev, "temperature", "a number > 0 (the scored turn's sampling temperature)", t)
+        if not isinstance(self.error, str):
+            _fail(ev, "error", "a str", self.error)
+        lp = _packed(self, "log_probs", pack_log_probs)
+        n = len(lp) // 4
+        if self.error:
+            if n or self.top_k:
+                _fail(ev, "error", "no log-probs and no top-K beside an error", f"{n} log-probs, top_k {self.top_k}")
+            return
+        if n == 0:
+            _fail(ev, "log_probs", "at least one log-prob (or an error)", "none")
+        values = log_probs_view(lp)
+        ok = np.isfinite(values) & (values <= 0.0)
+        if not ok.all():
+            i = int(np.argmin(ok))
+            _fail(ev, f"log_probs[{i}]", "a finite log-prob <= 0", float(values[i]))
+        ids = _packed(self, "top_ids", pack_tokens)
+        tlp = _packed(self, "top_log_probs", pack_log_probs)
+        want = n * self.top_k
+        if len(ids) // 4 != want or len(tlp) // 4 != want:
+            _fail(ev, "top_ids/top_log_probs", f"top_k x scored tokens = {want} entries each",
+                  f"{len(ids) // 4} ids and {len(tlp) // 4} log-probs")
+        if want:
+            top = log_probs_view(tlp)
+            ok = np.isfinite(top) & (top <= 0.0)
+            if not ok.all():
+                i = int(np.argmin(ok))
+                _fail(ev, f"top_log_probs[{i}]", "a finite log-prob <= 0", float(top[i]))
+            if (tokens_view(ids) < 0).any():
+                _fail(ev, "top_ids", "token ids >= 0", "a negative id")
+
+    @property
+    def scores(self) -> np.ndarray:
+        """The scored tokens' log-probs as a float32 view."""
+        return log_probs_view(self.log_probs)
+
+    def top(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids (n, top_k) int32, log-probs (n, top_k) float32), or None without top-K."""
+        if not self.top_k:
+            return None
+        return tokens_view(self.top_ids).reshape(-1, self.top_k), log_probs_view(self.top_log_probs).reshape(-1, self.top_k)
+
+
 class CommandRan(msgspec.Struct, frozen=True, tag="command_ran"):
     """A command ran in the session's sandbox (recorded for debugging)."""
 
@@ -472,6 +563,7 @@ Event = Union[
     SessionDropped,
     PolicyUpdated,
     TurnDelta,
+    TeacherScored,
 ]
 
 EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]

@@ -33,6 +33,7 @@ from agentlog.events.types import (
     SessionDropped,
     SessionFinished,
     SessionOpened,
+    TeacherScored,
     TurnDelta,
     TurnRecorded,
     TurnUndelivered,
@@ -45,6 +46,7 @@ from .lifecycle_step import EndedWindow, SessionLife, Violation, evolve, lsn_vio
 from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, GroupTracker
 from .metrics import MetricsAccumulator
 from .samples import Sample, SampleDigest, aborted_placeholder, final_raw_reward, finished_samples, resolve_reward
+from .teacher import TeacherScoreError
 from .trajectory import SessionTrajectory, Trajectory, TrajectoryError
 
 __all__ = ["ENDED_WINDOW", "InFlightWindow", "Outputs", "ReduceError", "ReduceResult", "Reducer", "UnknownEventError", "reduce_log", "session_trajectory"]
@@ -146,7 +148,9 @@ class Reducer:
                 session.trajectory.record_turn(body, lsn)
             elif isinstance(body, TurnUndelivered):
                 session.trajectory.mark_undelivered(body.turn_index, body.reason, lsn)
-        except (GroupError, TrajectoryError) as exc:
+            elif isinstance(body, TeacherScored):
+                session.trajectory.record_teacher(body, lsn)
+        except (GroupError, TrajectoryError, TeacherScoreError) as exc:
             raise ReduceError(lsn, sid, str(exc)) from None
         # Checked: from here on the envelope is applied.
         self.last_lsn = lsn
@@ -192,6 +196,7 @@ class Reducer:
                 lsn_first=session.lsn_first,
                 lsn_last=lsn,
                 turn_sampling=traj.turn_sampling,
+                row_teacher=traj.teacher.row_fields if traj.teacher else None,
             )
             member = GroupMember(sid, session.sample_index, FINISHED, reward is not None, reward, problem, tuple(samples))
             self.metrics.observe_session(

@@ -22,6 +22,16 @@ the kept-token sets are not recorded), is kept for inspection but marked
 The canonical encoding leaves the sampling fields out while they are at
 their defaults (1.0, 1.0, -1), so a sample sampled plainly encodes, and
 digests, byte for byte as before these fields existed.
+
+Teacher fields (on-policy distillation, ``teacher_scored`` events). A row
+whose trained turns a teacher scored carries, per response token, the
+teachers' log-prob of the token (``teacher_log_probs``: the mean over the
+teachers that scored it), where one did (``teacher_scored``), and the top-K
+when exactly one teacher sent it. Tokens that carry no loss have none.
+``metadata["teachers"]`` names them (``name@version``) and
+``metadata["teacher_error"]`` says why a trained turn has no scores when a
+teacher failed on it; `distill_problem` says whether a row can be distilled.
+The teacher fields are left out of the canonical encoding while empty.
 """
 
 from __future__ import annotations
@@ -67,12 +77,48 @@ DEFAULT_TOP_P = 1.0
 TOP_K_OFF = -1
 
 
-class Sample(_SampleV1, frozen=True):
-    """One training row (see the module docstring for the sampling fields)."""
+class _SampleV2(_SampleV1, frozen=True):
+    """The fields of a training row up to the sampling settings: their
+    canonical bytes must never change either (see `encode_sample`)."""
 
     temperature: float = DEFAULT_TEMPERATURE  # logits were divided by this before sampling
     top_p: float = DEFAULT_TOP_P  # nucleus mass kept (1.0: off)
     top_k: int = TOP_K_OFF  # tokens kept (-1: off)
+
+
+class Sample(_SampleV2, frozen=True):
+    """One training row (see the module docstring for the sampling and teacher fields)."""
+
+    #: float32 LE per response token: the teachers' log-prob of the token
+    #: (the mean over the teachers that scored it), 0.0 where none did.
+    #: b"" when no teacher scored any trained turn of the row.
+    teacher_log_probs: bytes = b""
+    #: uint8 per response token: 1 where a teacher scored it (b"" as above).
+    teacher_scored: bytes = b""
+    #: Top-K width of ``teacher_top_ids`` / ``teacher_top_log_probs`` (0: none).
+    teacher_top_k: int = 0
+    #: int32 LE, ``teacher_top_k`` per response token, row-major (0 where unscored).
+    teacher_top_ids: bytes = b""
+    #: float32 LE, ``teacher_top_k`` per response token (0.0 where unscored).
+    teacher_top_log_probs: bytes = b""
+
+    @property
+    def teacher_lp(self) -> np.ndarray:
+        """Teacher log-probs over the response as a float32 view (empty when unscored)."""
+        return np.frombuffer(self.teacher_log_probs, dtype="<f4")
+
+    @property
+    def teacher_mask(self) -> np.ndarray:
+        """1 where a teacher scored the response token, as a uint8 view (empty when unscored)."""
+        return np.frombuffer(self.teacher_scored, dtype=np.uint8)
+
+    def teacher_top(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids (L, K) int32, log-probs (L, K) float32) of the teacher's top-K, or None."""
+        if not self.teacher_top_k:
+            return None
+        k = self.teacher_top_k
+        return (np.frombuffer(self.teacher_top_ids, dtype="<i4").reshape(-1, k),
+                np.frombuffer(self.teacher_top_log_probs, dtype="<f4").reshape(-1, k))
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -134,15 +180,21 @@ _sample_decoder = msgspec.msgpack.Decoder(Sample)
 
 
 _V1_FIELDS = len(_SampleV1.__struct_fields__)
+_V2_FIELDS = len(_SampleV2.__struct_fields__)
 
 
 def encode_sample(sample: Sample) -> bytes:
     """The canonical bytes of a sample (msgpack, deterministic key order).
 
-    The sampling fields are left out while all are at their defaults (see
-    the module docstring); `decode_sample` reads either form back."""
-    if sample.temperature == DEFAULT_TEMPERATURE and sample.top_p == DEFAULT_TOP_P and sample.top_k == TOP_K_OFF:
-        return _canonical.encode(_SampleV1(*msgspec.structs.astuple(sample)[:_V1_FIELDS]))
+    The sampling fields are left out while all are at their defaults, and the
+    teacher fields while the row has no teacher scores (see the module
+    docstring), so samples of logs written before either existed keep their
+    bytes and digests; `decode_sample` reads every form back."""
+    if not sample.teacher_scored and not sample.teacher_top_k:
+        fields = msgspec.structs.astuple(sample)
+        if sample.temperature == DEFAULT_TEMPERATURE and sample.top_p == DEFAULT_TOP_P and sample.top_k == TOP_K_OFF:
+            return _canonical.encode(_SampleV1(*fields[:_V1_FIELDS]))
+        return _canonical.encode(_SampleV2(*fields[:_V2_FIELDS]))
     return _canonical.encode(sample)
 
 
@@ -308,6 +360,7 @@ def finished_samples(
     lsn_first: int,
     lsn_last: int,
     turn_sampling: Callable[[int], Mapping[str, Any]] | None = None,
+    row_teacher: Callable[[Any], Mapping[str, Any]] | None = None,
 ) -> list[Sample]:
     """Samples of a finished session: one per trajectory row, each with the
     session's reward. A row whose chain ended on a ``length`` finish is
@@ -319,7 +372,10 @@ def finished_samples(
     (None: every turn at the defaults). Each row carries the settings of its
     trained turns; a row that cannot be trained at one reproducible setting
     is marked ``remove_sample`` with ``sampling_error`` (see `row_sampling`)
-    but its session's reward still counts in the group baseline."""
+    but its session's reward still counts in the group baseline.
+
+    ``row_teacher(row)`` gives the row's teacher fields and metadata
+    (:meth:`agentlog.reducers.teacher.TeacherScores.row_fields`; None: no teacher)."""
     out = []
     for row_index, row in enumerate(rows):
         settings, sampling_error = (
@@ -339,6 +395,8 @@ def finished_samples(
             metadata["reward_error"] = reward_problem
         if sampling_error:
             metadata["sampling_error"] = sampling_error
+        teacher = dict(row_teacher(row)) if row_teacher is not None else {}
+        metadata.update(teacher.pop("metadata", {}))
         out.append(
             Sample(
                 group_id=group_id,
@@ -360,9 +418,27 @@ def finished_samples(
                 temperature=settings[0],
                 top_p=settings[1],
                 top_k=settings[2],
+                **teacher,
             )
         )
     return out
+
+
+def distill_problem(sample: Sample) -> str:
+    """Why ``sample`` cannot be distilled ("" when it can): a teacher failed
+    on one of its trained turns, or a loss-masked token has no teacher score."""
+    if sample.metadata.get("teacher_error"):
+        return f"session {sample.session_id} row {sample.row_index}: {sample.metadata['teacher_error']}"
+    mask = sample.mask
+    if not mask.any():
+        return ""
+    if not sample.teacher_scored:
+        return f"session {sample.session_id} row {sample.row_index}: no teacher scored its trained tokens"
+    missing = np.flatnonzero(mask.astype(bool) & ~sample.teacher_mask.astype(bool))
+    if missing.size:
+        return (f"session {sample.session_id} row {sample.row_index}: {missing.size} of {int(mask.sum())} trained tokens "
+                f"have no teacher score (first at response position {int(missing[0])})")
+    return ""
 
 
 def check_sample(sample: Sample) -> None:

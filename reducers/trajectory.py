@@ -40,7 +40,9 @@ import numpy as np
 
 from agentlog.events.turn_delta import common_prefix_tokens  # noqa: F401  (re-exported: the prefix check lives with the delta encoding)
 from agentlog.events.turn_delta import TurnContext, TurnDeltaError
-from agentlog.events.types import TurnDelta, TurnRecorded
+from agentlog.events.types import TeacherScored, TurnDelta, TurnRecorded
+
+from .teacher import TeacherScores
 
 CLEAN = "clean"
 REALIGN = "realign"
@@ -102,6 +104,10 @@ class Row(msgspec.Struct, frozen=True):
     policy_version: int  # oldest policy version among the row's trained turns
     cut: bool = False  # shortened to max_context_tokens
     trained_turns: tuple[int, ...] = ()  # turns with mask-1 tokens in this row
+    #: Where each trained turn's tokens sit: (response offset, tokens, turn
+    #: index, offset in that turn's output), in row order (teacher scores
+    #: are aligned through these).
+    trained_spans: tuple[tuple[int, int, int, int], ...] = ()
 
 
 class Trajectory(msgspec.Struct, frozen=True):
@@ -289,6 +295,7 @@ class _RowBuilder:
         lp_parts: list[bytes | memoryview] = []
         versions: list[int] = []
         trained: list[int] = []
+        spans: list[tuple[int, int, int, int]] = []
         pos = 0
         for n, log_probs, version, turn in self.spans:
             lo, hi = max(pos, lead), min(pos + n, n_tok)
@@ -304,6 +311,7 @@ class _RowBuilder:
             else:
                 mask_parts.append(b"\x01" * k)
                 lp_parts.append(log_probs[(lo - pos + n) * 4 : (hi - pos + n) * 4])
+                spans.append((lo - lead, k, turn, lo - pos + n))
                 versions.append(version)
                 if turn not in trained:
                     trained.append(turn)
@@ -322,6 +330,7 @@ class _RowBuilder:
             policy_version=min(versions),
             cut=cut,
             trained_turns=tuple(trained),
+            trained_spans=tuple(spans),
         )
 
 
@@ -339,6 +348,8 @@ class SessionTrajectory:
         self._prev_messages: list[dict[str, Any]] = []
         self._prev_path: list[_Node] = []
         self.output_tokens = 0
+        #: Teacher scores of the turns (on-policy distillation), aligned to rows when they are built.
+        self.teacher = TeacherScores(session_id)
         # The previous turn's prompt + output and messages + response: what a
         # turn_delta expands against (O(current context)).
         self._context = TurnContext()
@@ -419,6 +430,12 @@ class SessionTrajectory:
         self._held_tokens = n_prompt + len(body.output_ids) // 4
         self.output_tokens += len(body.output_ids) // 4
         return turn.decision
+
+    def record_teacher(self, body: TeacherScored, lsn: int) -> None:
+        """A teacher's scores of one turn (TeacherScoreError when they cannot belong to it)."""
+        turn = self._turns.get(body.turn_index)
+        self.teacher.record(body, lsn, None if turn is None else len(turn.body.output_ids) // 4,
+                            None if turn is None else turn.body.sampling)
 
     def mark_undelivered(self, turn_index: int, reason: str, lsn: int) -> None:
         """The turn's response never reached the agent: it is not trained."""

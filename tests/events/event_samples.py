@@ -14,6 +14,7 @@ from agentlog.events.types import (
     SessionFinished,
     SessionOpened,
     SessionStarted,
+    TeacherScored,
     TurnDelta,
     TurnRecorded,
     TurnUndelivered,
@@ -77,6 +78,10 @@ def every_event() -> list:
             policy_version=7,
             generate_s=0.5,
             sampling={"temperature": 0.7},
+        ),
+        TeacherScored(
+            turn_index=4, teacher="big-gpt", teacher_version="sha256:ab12", temperature=0.7,
+            log_probs=[-0.25, -1.5], start=1, top_k=2, top_ids=[11, 3, 12, 9], top_log_probs=[-0.25, -2.0, -1.5, -1.75],
         ),
     ]
     assert {type(e) for e in out} == set(EVENT_TYPES), "every_event() must cover every event type"

@@ -13,6 +13,7 @@ from agentlog.events.types import (
     MAX_ID_BYTES,
     EVENT_TYPES,
     Envelope,
+    TeacherScored,
     EventValidationError,
     RewardAssigned,
     SessionAborted,
@@ -193,8 +194,8 @@ def test_golden_schema_v1_records_still_decode():
 
     raw = (FIXTURES / "schema_v1_events.msgpack").read_bytes()
     envs = msgspec.msgpack.decode(raw, type=list[Envelope])
-    # Every type but those added after the file was written (turn_delta).
-    assert {type(e.body) for e in envs} == set(EVENT_TYPES) - {TurnDelta}
+    # Every type but those added after the file was written (turn_delta, teacher_scored).
+    assert {type(e.body) for e in envs} == set(EVENT_TYPES) - {TurnDelta, TeacherScored}
     assert envs == make_golden_shim.golden_envelopes()
     turn = next(e.body for e in envs if isinstance(e.body, TurnRecorded))
     assert turn.output_tokens.tolist() == [10, -1, 2**31 - 1]
