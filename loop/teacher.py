@@ -114,7 +114,7 @@ def check_scores(who: str, scores: TeacherScores, n: int, top_k: int) -> Teacher
     lp = np.asarray(scores.log_probs, dtype=np.float32)
     if lp.shape != (n,):
         raise TeacherError(f"{who}: expected {n} log-probs (one per output token), found shape {lp.shape}")
-    _check_values(who, "log-prob", lp)
+    lp = _check_values(who, "log-prob", lp)
     if top_k == 0:
         return TeacherScores(lp, None, None)
     if scores.top_ids is None or scores.top_log_probs is None:
@@ -124,16 +124,20 @@ def check_scores(who: str, scores: TeacherScores, n: int, top_k: int) -> Teacher
     for what, arr in (("top ids", ids), ("top log-probs", tlp)):
         if arr.shape != (n, top_k):
             raise TeacherError(f"{who}: expected {what} of shape ({n}, {top_k}), found {arr.shape}")
-    _check_values(who, "top log-prob", tlp)
+    tlp = _check_values(who, "top log-prob", tlp)
     return TeacherScores(lp, ids, tlp)
 
 
-def _check_values(who: str, what: str, values: np.ndarray) -> None:
+def _check_values(who: str, what: str, values: np.ndarray) -> np.ndarray:
+    """``values`` with rounding noise above 0 (up to LOG_PROB_SLACK) set to 0, as the
+    ``teacher_scored`` event takes only log-probs <= 0; anything else non-finite or
+    positive is a TeacherError naming the position."""
     bad = ~np.isfinite(values) | (values > LOG_PROB_SLACK)
     if bad.any():
         pos = tuple(int(i) for i in np.argwhere(bad)[0])
         raise TeacherError(f"{who}: {what} at output position {pos[0] if len(pos) == 1 else pos} is {float(values[pos]):.6g}; "
                            "expected a finite log-prob <= 0")
+    return np.minimum(values, np.float32(0.0))
 
 
 # ---------------------------------------------------------------- HTTP teacher
@@ -410,3 +414,63 @@ class TorchTeacher:
         if self._executor is not None:
             executor, self._executor = self._executor, None
             await asyncio.get_running_loop().run_in_executor(None, executor.shutdown)
+
+
+# ---------------------------------------------------------------- the loop's side
+
+
+class TurnToScore(NamedTuple):
+    """One recorded turn of a session, as a teacher scores it."""
+
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    temperature: float
+    """The turn's recorded sampling temperature (the scores must be taken at it)."""
+
+
+def build_teachers(cfg: Any) -> list[Teacher]:
+    """The teachers of a ``[distill]`` table (:class:`~agentlog.loop.config.DistillConfig`), in its order."""
+    out: list[Teacher] = []
+    for spec in cfg.teachers:
+        if spec.url:
+            out.append(HTTPTeacher(spec.url, name=spec.name, version=spec.version, timeout_s=cfg.timeout_s))
+        elif spec.checkpoint:
+            out.append(TorchTeacher.from_checkpoint(spec.checkpoint, name=spec.name))
+        else:
+            out.append(TorchTeacher.from_hf(spec.hf_model, name=spec.name))
+    return out
+
+
+async def score_session(h: Any, turns: Sequence[TurnToScore], teachers: Sequence[Teacher], *, top_k: int = 0,
+                        timeout_s: float = 60.0) -> dict[str, int]:
+    """Score every turn of a finished session ``h`` (still running: call before its terminal
+    event) with every teacher, and record each result in the session: ``teacher_scored`` with
+    the log-probs, or, when the teacher raised or took longer than ``timeout_s``, a teacher
+    failure with the error text (the learner then refuses the group for distillation with it,
+    and never trains it without scores). Turns with no output tokens have nothing to score.
+    All scores run concurrently; they are recorded in turn order, teacher by teacher.
+    Returns ``{"scored": n, "failed": m}``."""
+
+    async def one(teacher: Teacher, turn: TurnToScore) -> TeacherScores | BaseException:
+        try:
+            return await asyncio.wait_for(
+                teacher.score(turn.prompt_ids, turn.output_ids, temperature=turn.temperature, top_k=top_k), timeout_s)
+        except asyncio.TimeoutError:
+            return TeacherError(f"teacher {teacher.name!r}: no scores within {timeout_s:g} s ([distill] timeout_s)")
+        except Exception as exc:  # noqa: BLE001 - any teacher failure is recorded in the session, and logged
+            return exc
+
+    jobs = [(i, teacher, turn) for i, turn in enumerate(turns) if len(turn.output_ids) for teacher in teachers]
+    results = await asyncio.gather(*(one(teacher, turn) for _, teacher, turn in jobs))
+    counts = {"scored": 0, "failed": 0}
+    for (i, teacher, _), res in zip(jobs, results):
+        if isinstance(res, TeacherScores):
+            await h.record_teacher_scores(i, teacher=teacher.name, teacher_version=teacher.version, temperature=turns[i].temperature,
+                                          log_probs=res.log_probs, top_ids=res.top_ids, top_log_probs=res.top_log_probs)
+            counts["scored"] += 1
+        else:
+            error = str(res) if isinstance(res, TeacherError) else f"teacher {teacher.name!r}: {type(res).__name__}: {res}"
+            log.warning("teacher.score_failed", session_id=h.session_id, turn_index=i, teacher=teacher.name, error=error)
+            await h.record_teacher_failure(i, teacher=teacher.name, teacher_version=teacher.version or "unknown", error=error)
+            counts["failed"] += 1
+    return counts
