@@ -195,7 +195,8 @@ def test_a_failing_teacher_server_is_recorded_and_its_groups_are_never_distilled
                 assert e.log_probs == b"" and e.top_k == 0
                 if "answered HTTP 500, expected 200: teacher overloaded" in e.error:
                     failures["http500"] += 1
-                elif "no answer within 0.3 s" in e.error:
+                elif "no answer within 0.3 s" in e.error or "no scores within 0.3 s ([distill] timeout_s)" in e.error:
+                    # The client's own timeout or the worker's cap on the whole score, whichever fires first.
                     failures["timeout"] += 1
                 else:
                     pytest.fail(f"unexpected teacher error: {e.error}")
