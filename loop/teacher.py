@@ -422,10 +422,11 @@ class TorchTeacher:
 class TurnToScore(NamedTuple):
     """One recorded turn of a session, as a teacher scores it."""
 
+    turn_index: int
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
-    temperature: float
-    """The turn's recorded sampling temperature (the scores must be taken at it)."""
+    temperature: float | None
+    """The turn's recorded sampling temperature (the scores must be taken at it; None: not a number, unscorable)."""
 
 
 def build_teachers(cfg: Any) -> list[Teacher]:
@@ -452,6 +453,8 @@ async def score_session(h: Any, turns: Sequence[TurnToScore], teachers: Sequence
     Returns ``{"scored": n, "failed": m}``."""
 
     async def one(teacher: Teacher, turn: TurnToScore) -> TeacherScores | BaseException:
+        if turn.temperature is None:
+            return TeacherError(f"teacher {teacher.name!r}: turn {turn.turn_index} recorded no numeric sampling temperature to score at")
         try:
             return await asyncio.wait_for(
                 teacher.score(turn.prompt_ids, turn.output_ids, temperature=turn.temperature, top_k=top_k), timeout_s)
@@ -460,12 +463,13 @@ async def score_session(h: Any, turns: Sequence[TurnToScore], teachers: Sequence
         except Exception as exc:  # noqa: BLE001 - any teacher failure is recorded in the session, and logged
             return exc
 
-    jobs = [(i, teacher, turn) for i, turn in enumerate(turns) if len(turn.output_ids) for teacher in teachers]
-    results = await asyncio.gather(*(one(teacher, turn) for _, teacher, turn in jobs))
+    jobs = [(teacher, turn) for turn in turns if len(turn.output_ids) for teacher in teachers]
+    results = await asyncio.gather(*(one(teacher, turn) for teacher, turn in jobs))
     counts = {"scored": 0, "failed": 0}
-    for (i, teacher, _), res in zip(jobs, results):
+    for (teacher, turn), res in zip(jobs, results):
+        i = turn.turn_index
         if isinstance(res, TeacherScores):
-            await h.record_teacher_scores(i, teacher=teacher.name, teacher_version=teacher.version, temperature=turns[i].temperature,
+            await h.record_teacher_scores(i, teacher=teacher.name, teacher_version=teacher.version, temperature=turn.temperature,
                                           log_probs=res.log_probs, top_ids=res.top_ids, top_log_probs=res.top_log_probs)
             counts["scored"] += 1
         else:

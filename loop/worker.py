@@ -121,11 +121,6 @@ class RolloutWorker:
                                               temperature=cfg.temperature)
         self.sandbox = LocalSandbox(self.run_dir / "sandbox" / self.worker_id)
         # --- issue 16: distill ---
-        if self.text and cfg.distill.teachers:
-            # The gateway records a text task's turns; scoring them here is not built yet, and a run
-            # with distill_coef > 0 would then refuse every group: say so now, not after a run of skips.
-            raise ValueError(f"[distill] teachers: on-policy distillation scores token tasks only so far; task {self.task.name!r} "
-                             "is a text task (played through the gateway)")
         #: The teachers that score each finished session before its terminal event ([distill]).
         self.teachers = build_teachers(cfg.distill)
         self.counts: dict[str, int] = {}
@@ -325,7 +320,7 @@ class RolloutWorker:
                         generate_s=gen.generate_s, sampling={"temperature": self.batcher.temperature},
                     )
                     outputs.append(out)
-                    to_score.append(TurnToScore(context, out, self.batcher.temperature))
+                    to_score.append(TurnToScore(turn, context, out, self.batcher.temperature))
                     tool = task.tool_step(ep, turn, out)
                     if tool is None:
                         break
@@ -386,7 +381,8 @@ class RolloutWorker:
                 if cfg.faults.any_enabled():
                     self.log.warning("worker.faults_ignored", reason="fault injection is demo-only; text tasks run without it")
                 self.rollout = GatewayRollout(engine, self.backend, agent=cfg.agent, sandbox_root=self.run_dir / "sandbox" / self.worker_id,
-                                              temperature=cfg.temperature, template=self.chat_template())
+                                              temperature=cfg.temperature, template=self.chat_template(),
+                                              teachers=self.teachers, distill=cfg.distill)
                 self.rollout.preflight()
                 stack.push_async_callback(self.rollout.close)
                 url = await self.rollout.start()

@@ -236,3 +236,37 @@ def test_distill_table_is_checked_and_feeds_the_learner_config(tmp_path):
         with pytest.raises(ConfigError, match=match):
             LoopConfig.from_dict({"distill": bad})
     assert DistillConfig().teachers == [] and LoopConfig().distill.coef == 0.0
+
+
+def test_text_task_sessions_are_scored_through_the_gateways_recorded_turns(tmp_path):
+    """A text task (turns recorded by the gateway): each finished session's turns are scored
+    before its end with the turns' own prompt and output ids, equal to the teacher's scores of them."""
+    from test_gateway_rollout import EchoWordTask  # noqa: F401  (registers echo-word-test)
+
+    from agentlog.events.turn_delta import full_turns
+    from agentlog.loop.gateway_rollout import build_text_model
+    from agentlog.loop.teacher import TorchTeacher
+
+    base = dict(task="echo-word-test", steps=1, groups_per_step=2, group_size=2, warmup_steps=0, faults=FaultConfig.none(),
+                stop_reward=0, time_budget_s=0, max_lag=0, d_model=32, n_layer=1, n_head=2, temperature=0.9,
+                agent={"harness": "python-agent", "budget_s": 60}, inference={"context_length": 512})
+    model = build_text_model(LoopConfig(**{**base, "seed": 5}))
+    path = save_state({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)}, tmp_path / "text-teacher.pt")
+    cfg = LoopConfig(**base, distill={"teachers": [{"name": "bytes", "checkpoint": str(path)}]})
+    run_dir = tmp_path / "run"
+    run_loop_here(run_dir, cfg)
+    teacher = TorchTeacher.from_checkpoint(path, name="bytes")
+    envs = list(logs.read(run_dir / "rollout", 0))
+    full = {(e.session_id, e.body.turn_index): e.body for e in full_turns(envs) if isinstance(e.body, TurnRecorded)}
+    finished = {e.session_id: e.lsn for e in envs if isinstance(e.body, SessionFinished)}
+    assert len(finished) == 4
+    scored = [e for e in envs if isinstance(e.body, TeacherScored)]
+    assert {(e.session_id, e.body.turn_index) for e in scored} == set(full)
+    for e in scored:
+        assert e.lsn < finished[e.session_id] and e.body.error == "" and e.body.temperature == 0.9
+        t = full[(e.session_id, e.body.turn_index)]
+        prompt = [int(x) for x in np.frombuffer(t.prompt_ids, "<i4")]
+        output = [int(x) for x in np.frombuffer(t.output_ids, "<i4")]
+        want = asyncio.run(teacher.score(prompt, output, temperature=0.9))
+        np.testing.assert_allclose(e.body.scores, want.log_probs, rtol=1e-5, atol=1e-6)
+    assert check_run(run_dir, cfg).ok
