@@ -36,6 +36,7 @@ from agentlog.reducers.pipeline import reduce_log
 from agentlog.reducers.samples import distill_problem
 
 from loop_helpers import small_config
+from teacher_helpers import sglang_answer
 
 TERMINAL = (SessionFinished, SessionAborted, SessionDropped)
 
@@ -154,10 +155,7 @@ class FlakyTeacherServer:
             return web.Response(status=500, text="teacher overloaded")
         if mode == "slow":
             await asyncio.sleep(1.0)
-        with torch.no_grad():
-            logp = torch.log_softmax(self.model(torch.tensor([ids]))[0].float() / self.temperature, -1)
-        entries = [[None, ids[start], None]] + [[float(logp[i - 1, ids[i]]), ids[i], None] for i in range(start + 1, len(ids))]
-        return web.json_response({"text": "", "meta_info": {"input_token_logprobs": entries}})
+        return web.json_response(sglang_answer(self.model, body))
 
 
 def test_a_failing_teacher_server_is_recorded_and_its_groups_are_never_distilled_without_scores(tmp_path):

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from aiohttp_helpers import serve_app
 from hf_helpers import build_once
+from teacher_helpers import sglang_answer
 
 from agentlog.learner.model import GPT, GPTConfig
 from agentlog.loop.teacher import HTTPTeacher, Teacher, TeacherError, TeacherScores, TorchTeacher, state_dict_digest
@@ -107,28 +108,6 @@ class FakeTeacherServer:
             wrong.append("stream must be off")
         return wrong
 
-    def answer(self, body: dict) -> dict:
-        """SGLang's answer: meta_info.input_token_logprobs / input_top_logprobs from logprob_start_len on."""
-        ids = body["input_ids"]
-        start = body["logprob_start_len"]
-        temperature = body["sampling_params"]["temperature"]
-        k = body.get("top_logprobs_num", 0)
-        with torch.no_grad():
-            logp = torch.log_softmax(self.model(torch.tensor([ids]))[0].float() / temperature, dim=-1)
-        entries: list = [[None, ids[start], None]]  # SGLang leaves the first requested position unscored
-        tops: list = [None]
-        for i in range(start + 1, len(ids)):
-            entries.append([float(logp[i - 1, ids[i]]), ids[i], None])
-            if k:
-                vals, idx = logp[i - 1].topk(k)
-                tops.append([[float(v), int(j), None] for v, j in zip(vals, idx)])
-        meta = {"id": "fake", "prompt_tokens": len(ids), "completion_tokens": 0, "finish_reason": {"type": "length", "length": 0},
-                "input_token_logprobs": entries, "output_token_logprobs": []}
-        if k:
-            meta["input_top_logprobs"] = tops
-            meta["output_top_logprobs"] = []
-        return {"text": "", "output_ids": [], "meta_info": meta}
-
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
@@ -142,7 +121,7 @@ class FakeTeacherServer:
             await asyncio.sleep(1.5)
         if self.mode == "not_json":
             return web.Response(status=200, text="<html>gateway</html>", content_type="text/html")
-        out = self.answer(body)
+        out = sglang_answer(self.model, body)
         meta = out["meta_info"]
         if self.mode == "short":
             meta["input_token_logprobs"] = meta["input_token_logprobs"][:-1]
@@ -155,7 +134,7 @@ class FakeTeacherServer:
             out = {"text": ""}
         elif self.mode == "positive":
             meta["input_token_logprobs"][1][0] = 0.7
-        return web.Response(status=200, text=__import__("json").dumps(out), content_type="application/json")
+        return web.json_response(out)
 
 
 @pytest.fixture
