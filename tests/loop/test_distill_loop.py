@@ -38,8 +38,6 @@ from agentlog.reducers.samples import distill_problem
 from loop_helpers import small_config
 from teacher_helpers import sglang_answer
 
-TERMINAL = (SessionFinished, SessionAborted, SessionDropped)
-
 
 def teacher_file(tmp_path: Path, cfg: LoopConfig, seed: int = 7) -> Path:
     """A built-in GPT teacher for cfg's task (another seed than the student), saved as a policy file."""
@@ -127,12 +125,13 @@ def test_torch_teacher_scores_every_turn_of_every_finished_session_before_its_en
 
 
 class FlakyTeacherServer:
-    """A fake SGLang teacher whose answers fail in turn: ok, HTTP 500, too slow (past the client's timeout)."""
+    """A fake SGLang teacher whose answers go through ``modes`` in turn: ok, HTTP 500, or too slow
+    (past the client's timeout)."""
 
-    def __init__(self, model: torch.nn.Module, temperature: float) -> None:
+    def __init__(self, model: torch.nn.Module, temperature: float, modes=("ok", "http500", "slow")) -> None:
         self.model = model
         self.temperature = temperature
-        self.modes = itertools.cycle(["ok", "http500", "slow"])
+        self.modes = itertools.cycle(modes)
         self.errors: list[str] = []
         self.served = {"ok": 0, "http500": 0, "slow": 0}
 
@@ -267,4 +266,43 @@ def test_text_task_sessions_are_scored_through_the_gateways_recorded_turns(tmp_p
         output = [int(x) for x in np.frombuffer(t.output_ids, "<i4")]
         want = asyncio.run(teacher.score(prompt, output, temperature=0.9))
         np.testing.assert_allclose(e.body.scores, want.log_probs, rtol=1e-5, atol=1e-6)
+    assert check_run(run_dir, cfg).ok
+
+
+def test_distilling_learner_skips_the_groups_a_teacher_failed_on_and_trains_the_others(tmp_path):
+    """With distill coef > 0 and a teacher server that sometimes fails, no group with a teacher
+    failure is trained: each is recorded skipped with a 'distill: ...' reason naming the teacher."""
+    from agentlog.learner.config import LearnerConfig
+    from agentlog.loop.publish import read_learner_records
+
+    if "distill_coef" not in {f.name for f in dataclasses.fields(LearnerConfig)}:
+        pytest.skip("the learner side of issue 16 (LearnerConfig.distill_coef) is not merged yet")
+    cfg0 = loop_config()
+    model = build_model(dataclasses.replace(cfg0, seed=7), select_task(cfg0.task)).eval()
+    server = FlakyTeacherServer(model, 0.8, modes=["ok"] * 22 + ["http500", "slow"])
+    run_dir = tmp_path / "run"
+
+    async def go() -> LoopConfig:
+        url = await server.start()
+        cfg = loop_config(teachers=[{"name": "remote", "url": url, "version": "teacher-v3"}], timeout_s=0.3, coef=0.5)
+        try:
+            await asyncio.wait_for(asyncio.gather(LoopLearner(run_dir, cfg).run(), RolloutWorker(run_dir, cfg).run()), 120)
+        finally:
+            await server.runner.cleanup()
+        return cfg
+
+    cfg = asyncio.run(go())
+    assert cfg.learner_config().distill_coef == 0.5
+    assert server.errors == [] and server.served["http500"] and server.served["slow"], server.served
+    failed_groups = {sid.rsplit("-", 1)[0] for sid, events in sessions_of(run_dir).items()
+                     if isinstance(events[-1], SessionFinished) and any(isinstance(e, TeacherScored) and e.error for e in events)}
+    records = read_learner_records(run_dir / "learner")
+    trained = {g for r in records for g in r.groups}
+    skipped = {g: why for r in records for g, why in r.skipped.items()}
+    assert failed_groups and trained, (failed_groups, trained)
+    for g in failed_groups:
+        assert g not in trained, f"group {g} trained although its teacher failed"
+        if g in skipped and skipped[g].startswith("distill:"):
+            assert "remote" in skipped[g], skipped[g]
+    assert any(skipped.get(g, "").startswith("distill:") for g in failed_groups), skipped
     assert check_run(run_dir, cfg).ok
