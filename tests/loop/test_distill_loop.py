@@ -65,8 +65,13 @@ def sessions_of(run_dir: Path, *, envelopes: bool = False) -> dict[str, list]:
         log.close()
 
 
-def loop_config(**distill) -> LoopConfig:
-    return small_config(steps=3, groups_per_step=4, group_size=4, stop_reward=0, temperature=0.8,
+#: The teacher's timeout in the loop tests: generous, since the fake server shares the test's
+#: event loop (and two CPUs) with the learner and the worker; a "slow" answer takes twice as long.
+TEACHER_TIMEOUT_S = 2.0
+
+
+def loop_config(steps: int = 3, **distill) -> LoopConfig:
+    return small_config(steps=steps, groups_per_step=4, group_size=4, stop_reward=0, temperature=0.8,
                         faults=FaultConfig(exception_rate=0.1, timeout_rate=0.0, drop_rate=0.1, straggler_rate=0.0,
                                            empty_marker_rate=0.0),
                         distill=distill)
@@ -128,7 +133,7 @@ class FlakyTeacherServer:
     """A fake SGLang teacher whose answers go through ``modes`` in turn: ok, HTTP 500, or too slow
     (past the client's timeout)."""
 
-    def __init__(self, model: torch.nn.Module, temperature: float, modes=("ok", "http500", "slow")) -> None:
+    def __init__(self, model: torch.nn.Module, temperature: float, modes=("ok",) * 5 + ("http500",) + ("ok",) * 5 + ("slow",)) -> None:
         self.model = model
         self.temperature = temperature
         self.modes = itertools.cycle(modes)
@@ -153,7 +158,7 @@ class FlakyTeacherServer:
         if mode == "http500":
             return web.Response(status=500, text="teacher overloaded")
         if mode == "slow":
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(2 * TEACHER_TIMEOUT_S)
         return web.json_response(sglang_answer(self.model, body))
 
 
@@ -165,7 +170,7 @@ def test_a_failing_teacher_server_is_recorded_and_its_groups_are_never_distilled
 
     async def go() -> LoopConfig:
         url = await server.start()
-        cfg = loop_config(teachers=[{"name": "remote", "url": url, "version": "teacher-v3"}], timeout_s=0.3)
+        cfg = loop_config(2, teachers=[{"name": "remote", "url": url, "version": "teacher-v3"}], timeout_s=TEACHER_TIMEOUT_S)
         try:
             await asyncio.wait_for(asyncio.gather(LoopLearner(run_dir, cfg).run(), RolloutWorker(run_dir, cfg).run()), 120)
         finally:
@@ -174,7 +179,7 @@ def test_a_failing_teacher_server_is_recorded_and_its_groups_are_never_distilled
 
     cfg = asyncio.run(go())
     assert server.errors == []
-    assert min(server.served.values()) >= 3, server.served
+    assert min(server.served.values()) >= 1, server.served
     sessions = sessions_of(run_dir)
     failures = {"http500": 0, "timeout": 0}
     failed_sessions = set()
@@ -192,12 +197,12 @@ def test_a_failing_teacher_server_is_recorded_and_its_groups_are_never_distilled
                 assert e.log_probs == b"" and e.top_k == 0
                 if "answered HTTP 500, expected 200: teacher overloaded" in e.error:
                     failures["http500"] += 1
-                elif "no answer within 0.3 s" in e.error or "no scores within 0.3 s ([distill] timeout_s)" in e.error:
+                elif f"no answer within {TEACHER_TIMEOUT_S:g} s" in e.error or f"no scores within {TEACHER_TIMEOUT_S:g} s ([distill] timeout_s)" in e.error:
                     # The client's own timeout or the worker's cap on the whole score, whichever fires first.
                     failures["timeout"] += 1
                 else:
                     pytest.fail(f"unexpected teacher error: {e.error}")
-    assert failures["http500"] >= 3 and failures["timeout"] >= 3, failures
+    assert failures["http500"] >= 1 and failures["timeout"] >= 1, failures
     # Each sample of a session whose teacher failed says why it cannot be distilled; the others can be.
     res = reduce_log(logs.open_log(logs.rollout_log_path(run_dir, None), "never"), ReduceConfig(min_valid=cfg.min_valid))
     for g in res.groups:
@@ -279,12 +284,12 @@ def test_distilling_learner_skips_the_groups_a_teacher_failed_on_and_trains_the_
         pytest.skip("the learner side of issue 16 (LearnerConfig.distill_coef) is not merged yet")
     cfg0 = loop_config()
     model = build_model(dataclasses.replace(cfg0, seed=7), select_task(cfg0.task)).eval()
-    server = FlakyTeacherServer(model, 0.8, modes=["ok"] * 22 + ["http500", "slow"])
+    server = FlakyTeacherServer(model, 0.8, modes=["ok"] * 20 + ["http500"] + ["ok"] * 20 + ["slow"])
     run_dir = tmp_path / "run"
 
     async def go() -> LoopConfig:
         url = await server.start()
-        cfg = loop_config(teachers=[{"name": "remote", "url": url, "version": "teacher-v3"}], timeout_s=0.3, coef=0.5)
+        cfg = loop_config(2, teachers=[{"name": "remote", "url": url, "version": "teacher-v3"}], timeout_s=TEACHER_TIMEOUT_S, coef=0.5)
         try:
             await asyncio.wait_for(asyncio.gather(LoopLearner(run_dir, cfg).run(), RolloutWorker(run_dir, cfg).run()), 120)
         finally:

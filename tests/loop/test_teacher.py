@@ -229,7 +229,8 @@ def test_http_teacher_failures_are_clear_teacher_errors(model, mode, match):
     async def go(server):
         server.expect = (PROMPT, OUTPUT, 1.0, 0)
         server.mode = mode
-        teacher = HTTPTeacher(server.url, name="flaky", version="v1", timeout_s=0.3)
+        # Only the slow answer may run into the timeout: a busy machine must not turn the others into timeouts.
+        teacher = HTTPTeacher(server.url, name="flaky", version="v1", timeout_s=0.3 if mode == "slow" else 30)
         t0 = time.monotonic()
         try:
             with pytest.raises(TeacherError, match=match) as info:
@@ -345,7 +346,7 @@ def test_torch_teacher_does_not_block_the_event_loop(model):
         return ticks, scores
 
     ticks, scores = run(go())
-    assert ticks >= 10
+    assert ticks >= 5  # a blocked loop would tick once at most
     np.testing.assert_allclose(scores.log_probs, direct_scores(model, PROMPT, OUTPUT, 1.0)[0], rtol=1e-5, atol=1e-5)
 
 
