@@ -238,6 +238,18 @@ def test_distill_table_is_checked_and_feeds_the_learner_config(tmp_path):
         with pytest.raises(ConfigError, match=match):
             LoopConfig.from_dict({"distill": bad})
     assert DistillConfig().teachers == [] and LoopConfig().distill.coef == 0.0
+    with pytest.raises(ConfigError, match=r"distill_coef is 0.5 and no \[distill\] teachers"):
+        LoopConfig.from_dict({"learner": {"distill_coef": 0.5}})
+    # A TOML file: [distill] with [[distill.teachers]] tables, paths relative to the file.
+    (tmp_path / "conf").mkdir()
+    toml = tmp_path / "conf" / "run.toml"
+    toml.write_text('steps = 2\n[distill]\ncoef = 0.25\ntimeout_s = 5\n'
+                    '[[distill.teachers]]\nname = "big"\ncheckpoint = "teachers/big.pt"\n'
+                    '[[distill.teachers]]\nname = "served"\nurl = "http://10.0.0.7:30000/generate"\n')
+    cfg = LoopConfig.load(toml)
+    assert [(t.name, t.checkpoint, t.url) for t in cfg.distill.teachers] == [
+        ("big", str(tmp_path / "conf" / "teachers" / "big.pt"), ""), ("served", "", "http://10.0.0.7:30000/generate")]
+    assert (cfg.distill.coef, cfg.distill.timeout_s, cfg.distill.topk) == (0.25, 5, 0)
 
 
 def test_text_task_sessions_are_scored_through_the_gateways_recorded_turns(tmp_path):
