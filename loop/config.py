@@ -230,6 +230,8 @@ class TeacherSpec:
     """A local Hugging Face model directory, run in the worker process (nothing is downloaded)."""
     version: str = ""
     """url: the served weights' version id ("" reads the server's /get_model_info); in-process teachers use their weights' sha256."""
+    scales_temperature: bool = False
+    """url: the server returns input log-probs at the request's temperature (stock SGLang returns them at temperature 1, so turns sampled at another temperature are then recorded as teacher failures)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -244,6 +246,11 @@ class TeacherSpec:
         if self.version and not self.url:
             raise ConfigError(f"[[distill.teachers]] {self.name!r}: version is for url teachers; an in-process teacher's "
                               "version is the sha256 of its weights")
+        if not isinstance(self.scales_temperature, bool):
+            raise ConfigError(f"[[distill.teachers]] {self.name!r}: scales_temperature: expected true or false, found {self.scales_temperature!r}")
+        if self.scales_temperature and not self.url:
+            raise ConfigError(f"[[distill.teachers]] {self.name!r}: scales_temperature is for url teachers; an in-process "
+                              "teacher always scores at the turn's temperature")
 
 
 @dataclass

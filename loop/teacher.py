@@ -160,16 +160,25 @@ class HTTPTeacher:
     server's ``/get_model_info`` (``model_path``, and ``weight_version``
     when the server reports one). Each :meth:`score` is one POST with a
     ``timeout_s`` limit on the whole exchange; no retries (the worker
-    records a failure, and the group is not distilled)."""
+    records a failure, and the group is not distilled).
+
+    Temperature: the request carries the turn's temperature, but a stock
+    SGLang server returns input log-probs of the unscaled logits (its
+    temperature scaling of log-probs is off by default), i.e. at
+    temperature 1. So unless ``scales_temperature`` says this server
+    scales them, a turn sampled at another temperature is refused (a
+    TeacherError before anything is sent) rather than recorded with
+    log-probs of another distribution."""
 
     def __init__(self, url: str, *, name: str = "teacher", version: str = "", timeout_s: float = 60.0,
-                 headers: dict[str, str] | None = None) -> None:
+                 scales_temperature: bool = False, headers: dict[str, str] | None = None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"HTTPTeacher {name!r}: timeout_s must be > 0, found {timeout_s!r}")
         self.name = name
         self.url = generate_url(url)
         self.base_url = self.url[: -len("/generate")]
         self.timeout_s = float(timeout_s)
+        self.scales_temperature = bool(scales_temperature)
         self.headers = {"Content-Type": "application/json", **(headers or {})}
         self._version = version
         self._session: Any = None
@@ -245,6 +254,10 @@ class HTTPTeacher:
                     top_k: int = 0) -> TeacherScores:
         """Log-probs of ``output_ids`` after ``prompt_ids`` from the server; see the module docstring for the exchange."""
         prompt, output = _check_request(f"teacher {self.name!r}", prompt_ids, output_ids, temperature, top_k)
+        if temperature != 1.0 and not self.scales_temperature:
+            raise TeacherError(f"teacher {self.name!r} ({self.url}): the turn was sampled at temperature {temperature:g}, and this "
+                               "server's input log-probs are taken at temperature 1 (stock SGLang does not scale them); set "
+                               "scales_temperature for a server that does, or sample at temperature 1")
         await self.resolve_version()
         n = len(output)
         if n == 0:
@@ -434,7 +447,8 @@ def build_teachers(cfg: Any) -> list[Teacher]:
     out: list[Teacher] = []
     for spec in cfg.teachers:
         if spec.url:
-            out.append(HTTPTeacher(spec.url, name=spec.name, version=spec.version, timeout_s=cfg.timeout_s))
+            out.append(HTTPTeacher(spec.url, name=spec.name, version=spec.version, timeout_s=cfg.timeout_s,
+                                   scales_temperature=spec.scales_temperature))
         elif spec.checkpoint:
             out.append(TorchTeacher.from_checkpoint(spec.checkpoint, name=spec.name))
         else:

@@ -170,7 +170,7 @@ def test_a_failing_teacher_server_is_recorded_and_its_groups_are_never_distilled
 
     async def go() -> LoopConfig:
         url = await server.start()
-        cfg = loop_config(2, teachers=[{"name": "remote", "url": url, "version": "teacher-v3"}], timeout_s=TEACHER_TIMEOUT_S)
+        cfg = loop_config(2, teachers=[{"name": "remote", "url": url, "version": "teacher-v3", "scales_temperature": True}], timeout_s=TEACHER_TIMEOUT_S)
         try:
             await asyncio.wait_for(asyncio.gather(LoopLearner(run_dir, cfg).run(), RolloutWorker(run_dir, cfg).run()), 120)
         finally:
@@ -231,6 +231,7 @@ def test_distill_table_is_checked_and_feeds_the_learner_config(tmp_path):
         ({"teachers": [{"name": "a", "url": "http://x", "checkpoint": "y"}]}, "found \\['url', 'checkpoint'\\]"),
         ({"teachers": [{"name": "a", "url": "http://x"}, {"name": "a", "url": "http://y"}]}, "names must be unique"),
         ({"teachers": [{"name": "a", "checkpoint": "x", "version": "v"}]}, "version is for url teachers"),
+        ({"teachers": [{"name": "a", "checkpoint": "x", "scales_temperature": True}]}, "scales_temperature is for url teachers"),
         ({"teachers": [{"name": "a", "url": "http://x", "port": 1}]}, r"unknown key\(s\) \['port'\]"),
         ({"timeout_s": 0}, "timeout_s: expected a number of seconds > 0"),
         ({"topk": -1}, "topk: expected an int >= 0"),
@@ -301,7 +302,7 @@ def test_distilling_learner_skips_the_groups_a_teacher_failed_on_and_trains_the_
 
     async def go() -> LoopConfig:
         url = await server.start()
-        cfg = loop_config(2, teachers=[{"name": "remote", "url": url, "version": "teacher-v3"}], timeout_s=TEACHER_TIMEOUT_S, coef=0.5)
+        cfg = loop_config(2, teachers=[{"name": "remote", "url": url, "version": "teacher-v3", "scales_temperature": True}], timeout_s=TEACHER_TIMEOUT_S, coef=0.5)
         try:
             await asyncio.wait_for(asyncio.gather(LoopLearner(run_dir, cfg).run(), RolloutWorker(run_dir, cfg).run()), 120)
         finally:

@@ -161,7 +161,7 @@ def test_http_teacher_sends_sglang_requests_and_matches_the_model(model, tempera
 
     async def go(server):
         server.expect = (PROMPT, OUTPUT, temperature, top_k)
-        teacher = HTTPTeacher(server.url, name="big", version="v7", timeout_s=5)
+        teacher = HTTPTeacher(server.url, name="big", version="v7", timeout_s=5, scales_temperature=True)
         try:
             scores = await teacher.score(PROMPT, OUTPUT, temperature=temperature, top_k=top_k)
         finally:
@@ -179,6 +179,26 @@ def test_http_teacher_sends_sglang_requests_and_matches_the_model(model, tempera
         np.testing.assert_allclose(scores.top_log_probs, [[v for _, v in row] for row in tops], rtol=1e-5, atol=1e-5)
     else:
         assert scores.top_ids is None and scores.top_log_probs is None
+
+
+def test_http_teacher_refuses_other_temperatures_unless_the_server_scales_them(model):
+    """A stock SGLang server's input log-probs are at temperature 1: a turn sampled at another
+    temperature is refused before anything is sent, unless the server is declared to scale them."""
+
+    async def go(server):
+        server.expect = (PROMPT, OUTPUT, 1.0, 0)
+        teacher = HTTPTeacher(server.url, name="stock", version="v1")
+        try:
+            with pytest.raises(TeacherError, match=r"teacher 'stock' .*sampled at temperature 0\.7.*set scales_temperature"):
+                await teacher.score(PROMPT, OUTPUT, temperature=0.7)
+            assert server.requests == []
+            await teacher.score(PROMPT, OUTPUT, temperature=1.0)  # temperature 1 needs no scaling
+        finally:
+            await teacher.close()
+        return server
+
+    server = run(_with_server(model, go))
+    assert server.errors == [] and len(server.requests) == 1
 
 
 def test_http_teacher_accepts_the_generate_url_itself(model):
