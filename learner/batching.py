@@ -13,6 +13,10 @@ with ``predict_index`` pointing at the flattened input position whose logits
 predict each and ``slots`` at its place in the ``(N, L)`` layout, so log-probs
 are taken on real response tokens only. The loss never sees the layout.
 
+Teacher scores (on-policy distillation) travel the same way: ``teacher_log_probs``
+and ``teacher_mask`` are ``(N, L)`` like ``rollout_log_probs``, the teacher's
+top-K ids and log-probs ``(N, L, K)``; all None when no sample carries them.
+
 Samples with ``remove_sample`` are dropped here, before any tensor is built:
 they cost no forward pass and reach no loss. Each sample's ``temperature``
 is spread over its response tokens (``temperatures``), so samples drawn at
@@ -21,6 +25,7 @@ different temperatures can share a micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -59,6 +64,18 @@ class Batch:
     temperatures: torch.Tensor | None = None
     """(M,) float32: the sampling temperature of each response token's sample (logits are divided
     by it before log-probs are taken); None when every sample was sampled at temperature 1."""
+    teacher_log_probs: torch.Tensor | None = None
+    """(N, L) float32: teacher log-probs aligned like rollout_log_probs (0 where not scored); None when
+    no sample of the batch was scored by a teacher."""
+    teacher_mask: torch.Tensor | None = None
+    """(N, L) float32: 1 where a teacher scored the token; None with teacher_log_probs."""
+    teacher_top_ids: torch.Tensor | None = None
+    """(N, L, K) long: the teacher's top-K token ids (K the largest top-K of the batch; 0 where absent);
+    None when no sample of the batch carries top-K data."""
+    teacher_top_log_probs: torch.Tensor | None = None
+    """(N, L, K) float32: the teacher's log-probs of those ids (0 where absent)."""
+    teacher_top_mask: torch.Tensor | None = None
+    """(N, L, K) bool: which top-K entries are real (a scored token of a sample with top-K data)."""
 
     @property
     def attention_mask(self) -> torch.Tensor | None:
@@ -79,13 +96,12 @@ class Batch:
     def to(self, device: torch.device | str) -> "Batch":
         """A copy with every tensor on ``device``."""
         def mv(t):
-            return None if t is None else t.to(device, non_blocking=True)
+            return t.to(device, non_blocking=True) if torch.is_tensor(t) else t
 
-        return Batch(
-            mv(self.input_ids), mv(self.position_ids), mv(self.segment_ids), mv(self.predict_index),
-            mv(self.targets), mv(self.slots), mv(self.loss_mask), mv(self.rollout_log_probs), mv(self.advantages),
-            list(self.sample_indices), self.num_tokens, mv(self.temperatures),
-        )
+        return Batch(**{
+            f.name: list(self.sample_indices) if f.name == "sample_indices" else mv(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+        })
 
 
 @dataclass
@@ -98,6 +114,25 @@ class _Item:
     log_probs: np.ndarray
     advantage: float
     temperature: float
+    sample: Sample  # for its teacher arrays
+
+
+def _check_teacher(sample: Sample, where: str) -> None:
+    """The teacher arrays, when present, must be aligned with the response (contract of issue 16)."""
+    n = sample.response_length
+    if not (sample.teacher_log_probs or sample.teacher_scored or sample.teacher_top_k):
+        return
+    if len(sample.teacher_log_probs) != 4 * n or len(sample.teacher_scored) != n:
+        raise ValueError(
+            f"{where}: expected teacher_log_probs of {4 * n} bytes and teacher_scored of {n} bytes"
+            f" (response_length {n}), got {len(sample.teacher_log_probs)} and {len(sample.teacher_scored)}"
+        )
+    k = sample.teacher_top_k
+    if k < 0 or (k and not len(sample.teacher_top_ids) == len(sample.teacher_top_log_probs) == 4 * n * k):
+        raise ValueError(
+            f"{where}: teacher_top_k {k}: expected teacher_top_ids and teacher_top_log_probs of {4 * n * max(k, 0)}"
+            f" bytes each, got {len(sample.teacher_top_ids)} and {len(sample.teacher_top_log_probs)}"
+        )
 
 
 def _check(sample: Sample, index: int) -> None:
@@ -117,6 +152,7 @@ def _check(sample: Sample, index: int) -> None:
             f"{where}: needs at least one prompt token before the response "
             f"({n_tok} tokens, response_length {sample.response_length})"
         )
+    _check_teacher(sample, where)
 
 
 def make_batches(
@@ -148,7 +184,7 @@ def make_batches(
         tok = s.token_ids
         items.append(_Item(
             i, tok, len(tok) - s.response_length, s.response_length, s.mask, s.log_probs, float(adv[i]),
-            float(s.temperature),
+            float(s.temperature), s,
         ))
     if not items:
         return []
@@ -213,6 +249,13 @@ def _collate(rows: list[list[_Item]], *, packed: bool, pad_id: int) -> Batch:
     rollout = np.zeros((N, L), dtype=np.float32)
     advantages = np.zeros(N, dtype=np.float32)
     temperatures = np.ones(M, dtype=np.float32)
+    scored_any = any(it.sample.teacher_scored for it in flat)
+    K = max(max(it.sample.teacher_top_k, 0) for it in flat)
+    teacher = np.zeros((N, L), dtype=np.float32) if scored_any else None
+    teacher_mask = np.zeros((N, L), dtype=np.float32) if scored_any else None
+    top_ids = np.zeros((N, L, K), dtype=np.int64) if K else None
+    top_lp = np.zeros((N, L, K), dtype=np.float32) if K else None
+    top_mask = np.zeros((N, L, K), dtype=bool) if K else None
 
     n = j = 0
     for r, row in enumerate(rows):
@@ -233,6 +276,14 @@ def _collate(rows: list[list[_Item]], *, packed: bool, pad_id: int) -> Batch:
             loss_mask[n, :m] = it.mask
             rollout[n, :m] = it.log_probs
             advantages[n] = it.advantage
+            if it.sample.teacher_scored:
+                teacher[n, :m] = it.sample.teacher_lp
+                teacher_mask[n, :m] = it.sample.teacher_mask
+                top = it.sample.teacher_top()
+                if top is not None:
+                    k = it.sample.teacher_top_k
+                    top_ids[n, :m, :k], top_lp[n, :m, :k] = top
+                    top_mask[n, :m, :k] = it.sample.teacher_mask[:, None] != 0
             offset += length
             n += 1
         # The padding tail is a segment of its own: its positions restart at 0 too.
@@ -251,4 +302,9 @@ def _collate(rows: list[list[_Item]], *, packed: bool, pad_id: int) -> Batch:
         sample_indices=[it.index for it in flat],
         num_tokens=sum(len(it.tokens) for it in flat),
         temperatures=None if all(it.temperature == 1.0 for it in flat) else torch.from_numpy(temperatures),
+        teacher_log_probs=None if teacher is None else torch.from_numpy(teacher),
+        teacher_mask=None if teacher_mask is None else torch.from_numpy(teacher_mask),
+        teacher_top_ids=None if top_ids is None else torch.from_numpy(top_ids),
+        teacher_top_log_probs=None if top_lp is None else torch.from_numpy(top_lp),
+        teacher_top_mask=None if top_mask is None else torch.from_numpy(top_mask),
     )

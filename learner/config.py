@@ -8,6 +8,7 @@ says which field, what was given and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -80,6 +81,14 @@ class LearnerConfig:
     """Packed row capacity; None uses the longest sample of the step. A longer sample gets a row of its own."""
     pad_id: int = 0
     """Token id written into padding positions (never attended to by real tokens, never trained)."""
+    distill_coef: float = 0.0
+    """On-policy distillation weight lambda: on teacher-scored tokens the advantage becomes
+    A - lambda * (rollout_log_prob - teacher_log_prob) (behaviour log-probs, as slime and tinker do);
+    with zero reward advantage this is pure distillation. 0 disables it. Above 0, samples with a
+    trained token no teacher scored (or a failed teacher) are refused, never trained without scores."""
+    distill_topk_coef: float = 0.0
+    """Weight of the top-K forward KL to the teacher, sum_k p_T(k) (log p_T(k) - log pi(k)) over the
+    teacher's top-K tokens (p_T renormalised over them), where samples carry top-K data. 0 disables it."""
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -115,7 +124,17 @@ class LearnerConfig:
             raise bad("max_tokens_per_batch", "an integer >= 1")
         if self.max_tokens_per_row is not None and self.max_tokens_per_row < 1:
             raise bad("max_tokens_per_row", "None or an integer >= 1")
+        for name in ("distill_coef", "distill_topk_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise bad(name, "a finite number >= 0")
         self.betas = tuple(self.betas)  # TOML and JSON hand back lists
+
+    @property
+    def distills(self) -> bool:
+        """Whether a teacher term is on (``distill_coef`` or ``distill_topk_coef`` > 0): samples must then
+        be fully teacher-scored to train (`reducers.samples.distill_problem`)."""
+        return self.distill_coef > 0 or self.distill_topk_coef > 0
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "LearnerConfig":

@@ -3,7 +3,8 @@
 ``Learner(model, config).step(groups)`` computes group-relative advantages
 over valid members, drops every row that cannot train (aborted placeholders,
 members without a usable reward, rows with no trained token, rows sampled
-with a truncation the learner cannot reproduce) before any forward pass,
+with a truncation the learner cannot reproduce, and, when distilling, rows a
+teacher did not fully score) before any forward pass,
 splits the rest into ``num_steps_per_rollout`` mini-batches and, for each,
 batches it (packing or padding), recomputes log-probs at each sample's own
 temperature, takes the clipped policy loss against the old log-probs fixed
@@ -33,10 +34,10 @@ from agentlog.learner.advantages import compute_advantages
 from agentlog.learner.batching import make_batches
 from agentlog.learner.config import LearnerConfig
 from agentlog.learner.loss import policy_loss
-from agentlog.learner.model import token_log_probs
+from agentlog.learner.model import token_log_probs, token_stats
 from agentlog.learner.optim import make_optimizer, make_scheduler
 from agentlog.events.log_format import fsync_dir
-from agentlog.reducers.samples import Sample, sampling_problem
+from agentlog.reducers.samples import Sample, distill_problem, sampling_problem
 
 CHECKPOINT_FORMAT = "agentlog.learner.v1"
 
@@ -122,7 +123,7 @@ class Learner:
         return dict(
             estimator=c.estimator, eps_clip=c.eps_clip, eps_clip_high=c.eps_clip_high, dual_clip=c.dual_clip,
             tis_cap=c.tis_cap, kl_coef=c.kl_coef, kl_type=c.kl_type, entropy_coef=c.entropy_coef,
-            loss_agg=c.loss_agg,
+            loss_agg=c.loss_agg, distill_coef=c.distill_coef, distill_topk_coef=c.distill_topk_coef,
         )
 
     def prepare(
@@ -145,13 +146,18 @@ class Learner:
             if len(adv) != len(items):
                 raise ValueError(f"Learner.step: {len(items)} samples but {len(adv)} advantages")
             refused = self._refuse_sampling(items)
-            keep = [i for i, s in enumerate(items) if not s.remove_sample and i not in refused and s.mask.any()]
+            distill_refused = self._refuse_distill(items, refused)
+            keep = [
+                i for i, s in enumerate(items)
+                if not s.remove_sample and i not in refused and i not in distill_refused and s.mask.any()
+            ]
             rewards = [float(s.reward) for s in items if not s.remove_sample]
             metrics = {
                 "rollout/groups": float(len({s.group_id for s in items})),
                 "rollout/groups_skipped": 0.0,
                 "rollout/removed": float(sum(s.remove_sample for s in items)),
                 "rollout/sampling_refused": float(len(refused) + sum(_sampling_removed(s) for s in items)),
+                "rollout/distill_refused": float(len(distill_refused)),
             }
             metrics.update(_reward_stats(rewards))
             return [items[i] for i in keep], adv[keep], metrics
@@ -183,14 +189,16 @@ class Learner:
                 samples.append(s)
                 adv.append(a)
         refused = self._refuse_sampling(samples)
-        if refused:
-            samples = [s for i, s in enumerate(samples) if i not in refused]
-            adv = [a for i, a in enumerate(adv) if i not in refused]
+        distill_refused = self._refuse_distill(samples, refused)
+        if refused or distill_refused:
+            samples = [s for i, s in enumerate(samples) if i not in refused and i not in distill_refused]
+            adv = [a for i, a in enumerate(adv) if i not in refused and i not in distill_refused]
         metrics = {
             "rollout/groups": float(len(group_index) + skipped),
             "rollout/groups_skipped": float(skipped),
             "rollout/removed": float(removed),
             "rollout/sampling_refused": float(len(refused) + sampling_removed),
+            "rollout/distill_refused": float(len(distill_refused)),
         }
         metrics.update(_reward_stats([m.reward for m in members if m.valid]))
         return samples, (torch.stack(adv) if adv else torch.zeros(0)), metrics
@@ -211,6 +219,25 @@ class Learner:
                                  row_index=s.row_index, reason=problem)
         return refused
 
+    def _refuse_distill(self, samples: Sequence[Sample], refused: set[int]) -> set[int]:
+        """When distilling (`LearnerConfig.distills`), indices of the trainable
+        samples (not removed, not in ``refused``, with a trained token) that a
+        teacher did not fully score (`reducers.samples.distill_problem`): each
+        is logged with its reason and left out, so nothing trains without
+        scores. The loop learner skips such groups whole before they get here."""
+        if not self.config.distills:
+            return set()
+        out = set()
+        for i, s in enumerate(samples):
+            if s.remove_sample or i in refused or not s.mask.any():
+                continue
+            problem = distill_problem(s)
+            if problem:
+                out.add(i)
+                self.log.warning("learner.sample_refused", session_id=s.session_id, group_id=s.group_id,
+                                 row_index=s.row_index, reason=f"distill: {problem}")
+        return out
+
     def step(
         self,
         items: Sequence[Any],
@@ -230,7 +257,8 @@ class Learner:
         schedule restored to where they were before the step.
 
         Returns metrics (``loss/*``, ``stats/*``, ``rollout/*``, ``perf/*``,
-        ``learner/*``; loss and stats averaged over the mini-batches). When
+        ``learner/*``, and ``distill/*`` when samples carry teacher scores;
+        loss, stats and distill averaged over the mini-batches). When
         nothing is trainable (every row removed or masked) no optimiser step
         is taken, ``policy_version`` is unchanged and ``learner/skipped`` is 1.
         """
@@ -274,8 +302,10 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             num_tokens = sum(float(b.loss_mask.sum()) for b in mini)
             num_samples = sum(float((b.loss_mask.sum(-1) > 0).sum()) for b in mini)
+            num_scored = sum(float((b.loss_mask * b.teacher_mask).sum()) for b in mini if b.teacher_mask is not None)
             for i, b in enumerate(mini):
-                log_probs, entropy = token_log_probs(self.model, b, with_entropy=True)
+                with_top = c.distill_topk_coef != 0.0 and b.teacher_top_ids is not None
+                log_probs, entropy, top = token_stats(self.model, b, with_entropy=True, with_top=with_top)
                 if c.entropy_coef == 0.0:
                     entropy = entropy.detach()  # metric only: keep it out of the graph
                 loss, m = policy_loss(
@@ -288,6 +318,12 @@ class Learner:
                     entropy=entropy,
                     num_tokens=num_tokens,
                     num_samples=num_samples,
+                    teacher_log_probs=b.teacher_log_probs,
+                    teacher_mask=b.teacher_mask,
+                    top_log_probs=top,
+                    teacher_top_log_probs=b.teacher_top_log_probs if with_top else None,
+                    teacher_top_mask=b.teacher_top_mask if with_top else None,
+                    num_scored=max(num_scored, 1.0),
                     **self._loss_kwargs(),
                 )
                 loss.backward()

@@ -11,6 +11,8 @@ Masked positions must hold finite numbers (padding uses 0).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from agentlog.learner.config import ESTIMATORS, KL_TYPES, LOSS_AGGS
@@ -50,6 +52,14 @@ def policy_loss(
     loss_agg: str = "token_mean",
     num_tokens: float | None = None,
     num_samples: float | None = None,
+    teacher_log_probs: torch.Tensor | None = None,
+    teacher_mask: torch.Tensor | None = None,
+    distill_coef: float = 0.0,
+    top_log_probs: torch.Tensor | None = None,
+    teacher_top_log_probs: torch.Tensor | None = None,
+    teacher_top_mask: torch.Tensor | None = None,
+    distill_topk_coef: float = 0.0,
+    num_scored: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss and its metrics.
 
@@ -65,13 +75,27 @@ def policy_loss(
         estimator: "gspo" uses the sequence-level ratio; grpo / dr_grpo the per-token one.
         num_tokens, num_samples: denominators of token_mean / sample_mean when a step
             is split into micro-batches (the step totals); default: this batch's counts.
+        teacher_log_probs, teacher_mask: (N, L) teacher log-probs of the taken tokens and
+            1 where a teacher scored them (on-policy distillation).
+        distill_coef: lambda; on scored tokens the advantage becomes
+            A - lambda * (rollout_log_prob - teacher_log_prob), a detached per-token
+            advantage (needs rollout_log_probs and the teacher's).
+        top_log_probs, teacher_top_log_probs, teacher_top_mask: (N, L, K) the policy's and the
+            teacher's log-probs of the teacher's top-K ids, and which entries are real; with
+            them the forward KL sum_k p_T(k) (log p_T(k) - log pi(k)), p_T renormalised over the
+            top-K, is aggregated like the policy loss and added times ``distill_topk_coef``.
+        num_scored: the step's count of trained, scored tokens (denominator of
+            ``distill/reverse_kl``); default: this batch's.
 
     Returns ``(loss, metrics)``; metrics are detached scalars keyed
     ``loss/policy``, ``loss/kl``, ``loss/entropy``, ``stats/clip_frac``,
     ``stats/dual_clip_frac``, ``stats/approx_kl``, ``stats/entropy``,
     ``stats/tis_clip_frac``, ``stats/rollout_logprob_abs_diff``; the
     ``stats/*`` are token means over the trained tokens with the same
-    denominator as the loss, so micro-batches sum.
+    denominator as the loss, so micro-batches sum. With teacher log-probs also
+    ``distill/reverse_kl`` (mean of rollout - teacher log-prob over trained scored
+    tokens), ``distill/scored_frac`` (scored / trained tokens) and, with top-K
+    data, ``distill/topk_kl`` (the aggregated top-K forward KL).
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"policy_loss: estimator must be one of {ESTIMATORS}, got {estimator!r}")
@@ -88,6 +112,17 @@ def policy_loss(
         raise ValueError("policy_loss: kl_coef is non-zero but ref_log_probs was not given")
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("policy_loss: entropy_coef is non-zero but entropy was not given")
+    if (teacher_log_probs is None) != (teacher_mask is None):
+        raise ValueError("policy_loss: teacher_log_probs and teacher_mask go together; only one was given")
+    if distill_coef != 0.0 and (teacher_log_probs is None or rollout_log_probs is None):
+        raise ValueError("policy_loss: distill_coef is non-zero but teacher_log_probs or rollout_log_probs was not given")
+    top = (top_log_probs, teacher_top_log_probs, teacher_top_mask)
+    if any(t is None for t in top) and not all(t is None for t in top):
+        raise ValueError(
+            "policy_loss: top_log_probs, teacher_top_log_probs and teacher_top_mask go together; got "
+            + ", ".join(name for name, t in zip(("top_log_probs", "teacher_top_log_probs", "teacher_top_mask"), top) if t is not None)
+            + " alone"
+        )
 
     # --- drop removed rows before any arithmetic ---------------------------
     if remove is not None and bool(remove.any()):
@@ -97,6 +132,11 @@ def policy_loss(
         rollout_log_probs = None if rollout_log_probs is None else rollout_log_probs[keep]
         ref_log_probs = None if ref_log_probs is None else ref_log_probs[keep]
         entropy = None if entropy is None else entropy[keep]
+        teacher_log_probs = None if teacher_log_probs is None else teacher_log_probs[keep]
+        teacher_mask = None if teacher_mask is None else teacher_mask[keep]
+        if top_log_probs is not None:
+            top_log_probs, teacher_top_log_probs = top_log_probs[keep], teacher_top_log_probs[keep]
+            teacher_top_mask = teacher_top_mask[keep]
 
     mask = loss_mask.to(log_probs.dtype)
     flat_mask = mask.reshape(-1)
@@ -123,6 +163,12 @@ def policy_loss(
         return masked_sum(per_token).detach() / num_tokens
 
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+
+    # --- on-policy distillation: per-token advantage shaping (detached) -----
+    if distill_coef != 0.0:
+        scored = teacher_mask.to(log_probs.dtype)
+        reverse = (rollout_log_probs - teacher_log_probs).detach() * scored
+        advantages = advantages - distill_coef * reverse
 
     # --- importance ratio: per token (PPO) or per sequence (GSPO) -----------
     log_ratio = log_probs - old_log_probs
@@ -157,6 +203,20 @@ def policy_loss(
         if kl_coef != 0.0:
             loss = loss + kl_coef * kl_value
 
+    # --- top-K forward KL to the teacher ---------------------------------------
+    topk_value = zero
+    if top_log_probs is not None:
+        real = teacher_top_mask.to(torch.bool)
+        teacher_lp = teacher_top_log_probs.to(log_probs.dtype).masked_fill(~real, -math.inf)
+        norm = torch.logsumexp(teacher_lp, dim=-1, keepdim=True)
+        # p_T renormalised over the real top-K entries; absent entries (and tokens without
+        # top-K data) weigh exactly 0, so nothing of them reaches the value or the gradient.
+        teacher_lp = torch.where(real, teacher_lp - norm, torch.zeros_like(teacher_lp))
+        p_teacher = torch.where(real, teacher_lp.exp(), torch.zeros_like(teacher_lp))
+        topk_value = aggregate((p_teacher * (teacher_lp - top_log_probs)).sum(-1))
+        if distill_topk_coef != 0.0:
+            loss = loss + distill_topk_coef * topk_value
+
     # --- entropy bonus --------------------------------------------------------
     entropy_value = zero
     if entropy is not None:
@@ -187,4 +247,15 @@ def policy_loss(
                 token_mean((old_log_probs - rollout_log_probs).abs()) if rollout_log_probs is not None else zero
             ),
         }
+        if teacher_log_probs is not None:
+            scored = teacher_mask.to(mask.dtype)
+            if num_scored is None:
+                num_scored = (flat_mask * scored.reshape(-1)).sum().clamp(min=1.0)
+            reverse_kl = zero
+            if rollout_log_probs is not None:
+                reverse_kl = masked_sum((rollout_log_probs - teacher_log_probs) * scored) / num_scored
+            metrics["distill/reverse_kl"] = reverse_kl
+            metrics["distill/scored_frac"] = token_mean(scored)
+        if top_log_probs is not None:
+            metrics["distill/topk_kl"] = topk_value.detach()
     return loss, metrics

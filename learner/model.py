@@ -24,7 +24,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -429,6 +429,28 @@ def token_log_probs(
     (``batch.temperatures``); a number for ``temperature`` overrides it for
     every sample.
     """
+    stats = token_stats(model, batch, temperature, with_entropy=with_entropy)
+    return stats.log_probs, stats.entropy
+
+
+class TokenStats(NamedTuple):
+    """What `token_stats` computes, laid out per sample like the loss expects."""
+
+    log_probs: torch.Tensor
+    """(N, L) log-probs of the response tokens."""
+    entropy: torch.Tensor | None
+    """(N, L) entropy of the sampling distribution at each response token (with_entropy)."""
+    top_log_probs: torch.Tensor | None
+    """(N, L, K) log-probs of the teacher's top-K ids (``batch.teacher_top_ids``; with_top)."""
+
+
+def token_stats(
+    model: nn.Module, batch: "Batch", temperature: float | None = None, *, with_entropy: bool = False,
+    with_top: bool = False,
+) -> TokenStats:
+    """`token_log_probs`, plus (``with_top``) the policy's log-probs of the
+    teacher's top-K token ids at each response position, for the top-K
+    distillation term (None when the batch carries no top-K data)."""
     if batch.position_ids is None:
         logits = model(batch.input_ids)
     elif getattr(model, "packs_by_position_ids", False):
@@ -456,7 +478,20 @@ def token_log_probs(
     if with_entropy:
         ent = -(logp_all.exp() * logp_all).sum(-1)
         entropy = ent.new_zeros(N * L).scatter(0, batch.slots, ent).view(N, L)
-    return log_probs, entropy
+    top = None
+    if with_top and batch.teacher_top_ids is not None:
+        ids = batch.teacher_top_ids
+        K = ids.shape[-1]
+        bad = (ids < 0) | (ids >= V)
+        if bool(bad.any()):
+            n, pos, k = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"token_stats: teacher top-K id {int(ids[n, pos, k])} of batch row {n} (sample"
+                f" {batch.sample_indices[n]}), response position {pos}, is outside the vocabulary [0, {V})"
+            )
+        at = logp_all.gather(-1, ids.reshape(N * L, K)[batch.slots])
+        top = at.new_zeros(N * L, K).index_copy(0, batch.slots, at).view(N, L, K)
+    return TokenStats(log_probs, entropy, top)
 
 
 class HFCausalLM(nn.Module):

@@ -65,7 +65,7 @@ from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.groups import Group
 from agentlog.reducers.partitioned import PartitionFold, ReleasedGroup
 from agentlog.reducers.pipeline import InFlightWindow
-from agentlog.reducers.samples import SampleDigest
+from agentlog.reducers.samples import SampleDigest, distill_problem
 
 from . import logs
 from .config import LoopConfig
@@ -98,6 +98,27 @@ def sampling_refusal(group: Group) -> str:
     if rows and all(s.remove_sample and "sampling_error" in s.metadata for s in rows):
         first = rows[0]
         return f"sampling: session {first.session_id} row {first.row_index}: {first.metadata['sampling_error']}"
+    return ""
+
+
+def distill_refusal(group: Group) -> str:
+    """Why a released group cannot be distilled, or "" (checked only when the
+    learner distills, `LearnerConfig.distills`).
+
+    A group trains whole or not at all: when any trained row of its valid
+    members (not removed, with a trained token) has a
+    `reducers.samples.distill_problem` (a token no teacher scored, a teacher
+    that failed), the group is reported as skipped with the first such reason
+    rather than trained partly, or without scores."""
+    for m in group.members:
+        if not m.valid:
+            continue
+        for s in m.samples:
+            if s.remove_sample or not s.mask.any():
+                continue
+            problem = distill_problem(s)
+            if problem:
+                return f"distill: {problem}"  # distill_problem names the session and row
     return ""
 
 
@@ -447,7 +468,7 @@ class LoopLearner:
             if g.skipped:
                 skipped[g.group_id] = g.skip_reason or "skipped"
                 continue
-            refused = sampling_refusal(g)
+            refused = sampling_refusal(g) or (distill_refusal(g) if self.learner.config.distills else "")
             if refused:
                 skipped[g.group_id] = refused
                 continue

@@ -186,7 +186,7 @@ def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
     """Per turn the messages new since the turn before, then the response; each command and its output.
     ``at`` names an LSN (``p0003:1234`` in a partitioned log)."""
     from agentlog.events.turn_delta import TurnContext
-    from agentlog.events.types import CommandRan, TurnDelta, TurnRecorded, TurnUndelivered
+    from agentlog.events.types import CommandRan, TeacherScored, TurnDelta, TurnRecorded, TurnUndelivered
 
     lines: list[str] = []
     held: list = []  # the previous turn's messages and its response: what a new turn's messages extend
@@ -216,7 +216,35 @@ def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
                 lines.append(f"    output {_cut(b.output_tail, full)}")
         elif isinstance(b, TurnUndelivered):
             lines.append(f"  turn {b.turn_index} undelivered (the client was gone): {b.reason or '-'}  lsn {at(e.lsn)}")
+        elif isinstance(b, TeacherScored):
+            who = f"{b.teacher}@{b.teacher_version}"
+            if b.error:
+                lines.append(f"  teacher {who} FAILED on turn {b.turn_index}: {_cut(b.error, full)}  lsn {at(e.lsn)}")
+            else:
+                n = len(b.log_probs) // 4
+                top = f", top-{b.top_k}" if b.top_k else ""
+                lines.append(f"  teacher {who} scored turn {b.turn_index} tokens {b.start}..{b.start + n - 1} at temperature "
+                             f"{b.temperature:g}{top}  lsn {at(e.lsn)}")
     return lines
+
+
+def log_prob_pairs(sample: Any, full: bool, limit: int = PROMPT_SHOWN) -> str:
+    """``token:rollout/teacher`` for each trained response token (teacher ``-``
+    where none scored it); the first ``limit`` unless ``full``."""
+    toks = sample.token_ids[sample.prompt_length:]
+    mask = sample.mask
+    rollout = sample.log_probs
+    teacher = sample.teacher_lp if sample.teacher_scored else None
+    scored = sample.teacher_mask if sample.teacher_scored else None
+    parts = []
+    for i in range(sample.response_length):
+        if not mask[i]:
+            continue
+        t = f"{teacher[i]:.2f}" if teacher is not None and scored[i] else "-"
+        parts.append(f"{int(toks[i])}:{rollout[i]:.2f}/{t}")
+    if not full and len(parts) > limit:
+        return " ".join(parts[:limit]) + f" ... ({len(parts) - limit} more: --full)"
+    return " ".join(parts)
 
 
 def run(args) -> int:
@@ -312,6 +340,10 @@ def run(args) -> int:
         w(f"    prompt    {_prompt(toks[:n_prompt].tolist())}\n")
         runs = " ".join(("train[" if m else "ctx[") + _ids(ids) + "]" for m, ids in mask_runs(toks[n_prompt:], mask))
         w(f"    response  {runs}\n")
+        if s.teacher_scored or s.metadata.get("teacher_error"):
+            teachers = ", ".join(s.metadata.get("teachers", [])) or "-"
+            w(f"    teachers  {teachers}" + (f"  [{s.metadata['teacher_error']}]" if s.metadata.get("teacher_error") else "") + "\n")
+            w(f"    log-probs token:rollout/teacher  {log_prob_pairs(s, args.full)}\n")
     if problem:
         raise CliError(f"{path}: session {sid!r}: the reducers refuse this session: {problem}", EXIT_DATA)
     if violations:

@@ -15,6 +15,8 @@ from agentlog.learner.config import LearnerConfig
     ("estimator", "ppo"), ("kl_type", "k4"), ("loss_agg", "sum"), ("optimizer", "sgd"),
     ("eps_clip", 1.5), ("dual_clip", 1.0), ("tis_cap", 0.0), ("grad_clip", -1.0),
     ("num_steps_per_rollout", 0), ("max_tokens_per_batch", 0),
+    ("distill_coef", -0.5), ("distill_coef", float("nan")), ("distill_coef", float("inf")), ("distill_coef", "0.5"),
+    ("distill_topk_coef", -1.0), ("distill_topk_coef", float("inf")),
 ])
 def test_bad_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"LearnerConfig.{field}.*{value!r}"):

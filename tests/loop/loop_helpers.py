@@ -41,23 +41,26 @@ def learner_version(run_dir: Path) -> int:
 
 
 def build_groups(specs: dict[str, list[tuple[str, float, int, float]]], *, min_valid: int = 2,
-                 sampling: dict[str, dict] | None = None):
+                 sampling: dict[str, dict] | None = None, teacher=None):
     """Released groups made through the real engine and reducers on a MemoryLog.
 
     ``specs``: group id -> one (outcome, reward, policy_version, log_prob) per
     member, outcome ``finish``, ``abort`` or ``drop``. Finished members play
     the lookup task's two turns with every output token at ``log_prob``;
-    ``sampling``: group id -> the sampling dict recorded with its turns.
+    ``sampling``: group id -> the sampling dict recorded with its turns;
+    ``teacher``: ``async (handle, turn_index, output_ids)`` called after each
+    recorded turn (to record teacher scores or failures).
     """
     from agentlog.reducers.config import ReduceConfig
     from agentlog.reducers.pipeline import reduce_log
 
-    log = play_groups(specs, sampling=sampling)
+    log = play_groups(specs, sampling=sampling, teacher=teacher)
     res = reduce_log(log, ReduceConfig(min_valid=min_valid))
     return {g.group_id: g for g in res.groups}
 
 
-def play_groups(specs: dict[str, list[tuple[str, float, int, float]]], *, sampling: dict[str, dict] | None = None, seed: int = 0):
+def play_groups(specs: dict[str, list[tuple[str, float, int, float]]], *, sampling: dict[str, dict] | None = None, seed: int = 0,
+                teacher=None):
     """The MemoryLog the real engine writes when it plays ``specs`` (see :func:`build_groups`)."""
     import asyncio
     import random
@@ -89,6 +92,8 @@ def play_groups(specs: dict[str, list[tuple[str, float, int, float]]], *, sampli
                 await h.record_turn(messages=ep.messages, prompt_ids=list(ep.prompt_ids), output_ids=out0,
                                     output_log_probs=[lp] * 3, response_message={"role": "assistant", "content": task.decode(out0)},
                                     policy_version=version, sampling=(sampling or {}).get(gid))
+                if teacher is not None:
+                    await teacher(h, 0, out0)
                 tool = task.tool_step(ep, 0, out0)
                 ctx = list(ep.prompt_ids) + out0 + list(tool.ids)
                 out1 = [ANSWER, value_token(value if reward else (value + 1) % 16), EOS]
@@ -96,6 +101,8 @@ def play_groups(specs: dict[str, list[tuple[str, float, int, float]]], *, sampli
                 await h.record_turn(messages=msgs, prompt_ids=ctx, output_ids=out1, output_log_probs=[lp] * 3,
                                     response_message={"role": "assistant", "content": task.decode(out1)}, policy_version=version,
                                     sampling=(sampling or {}).get(gid))
+                if teacher is not None:
+                    await teacher(h, 1, out1)
                 await h.finish(reward=reward)
         await engine.close()
 

@@ -208,6 +208,9 @@ class DrillSample(msgspec.Struct):
     prompt_tail: list[int]
     response: list[int]
     mask: list[int]
+    #: Per shown response token: the rollout log-prob, and the teacher's (None where no teacher scored it).
+    rollout_lp: list[float] = []
+    teacher_lp: list[float | None] = []
 
 
 def drill_sample(s: Any) -> DrillSample:
@@ -225,6 +228,9 @@ def drill_sample(s: Any) -> DrillSample:
         response_length=s.response_length, trained=int(mask.sum()), prompt_length=n_prompt,
         prompt_head=head, prompt_tail=tail,
         response=toks[n_prompt : n_prompt + DRILL_RESPONSE_TOKENS].tolist(), mask=mask[:DRILL_RESPONSE_TOKENS].tolist(),
+        rollout_lp=[round(float(x), 4) for x in s.log_probs[:DRILL_RESPONSE_TOKENS]],
+        teacher_lp=([round(float(x), 4) if ok else None for x, ok in zip(s.teacher_lp[:DRILL_RESPONSE_TOKENS], s.teacher_mask)]
+                    if s.teacher_scored else []),
     )
 
 

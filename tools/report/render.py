@@ -276,6 +276,15 @@ def _fmt(x: float) -> str:
     return "-" if x != x else f"{x:.3g}"
 
 
+def _lp_title(d: DrillSample, i: int) -> str:
+    """The hover text of response token ``i``: its rollout log-prob and, when a teacher scored it, the teacher's."""
+    if i >= len(d.rollout_lp) or not d.mask[i]:
+        return ""
+    teacher = d.teacher_lp[i] if i < len(d.teacher_lp) else None
+    extra = f" / teacher {teacher:.3f}" if teacher is not None else ""
+    return f' title="rollout {d.rollout_lp[i]:.3f}{extra}"'
+
+
 def _tokens_html(d: DrillSample) -> str:
     parts = [" ".join(f'<span class="t p">{t}</span>' for t in d.prompt_head)]
     if d.prompt_tail:
@@ -283,7 +292,7 @@ def _tokens_html(d: DrillSample) -> str:
         parts.append(f'<span class="meta"> … {hidden} prompt tokens … </span>')
         parts.append(" ".join(f'<span class="t p">{t}</span>' for t in d.prompt_tail))
     parts.append('<span class="meta"> ▸ </span>')
-    parts.append(" ".join(f'<span class="t m{m}">{t}</span>' for t, m in zip(d.response, d.mask)))
+    parts.append(" ".join(f'<span class="t m{m}"{_lp_title(d, i)}>{t}</span>' for i, (t, m) in enumerate(zip(d.response, d.mask))))
     if d.response_length > len(d.response):
         parts.append(f'<span class="meta"> … {d.response_length - len(d.response)} more response tokens</span>')
     return "".join(parts)
