@@ -402,11 +402,6 @@ class LoopConfig:
             self.distill = _from_mapping(DistillConfig, self.distill, "distill")
         if not isinstance(self.distill, DistillConfig):
             raise ConfigError(f"LoopConfig.distill: expected a [distill] table, found {self.distill!r}")
-        lam = self.learner.get("distill_coef", 0) if isinstance(self.learner, Mapping) else 0
-        if isinstance(lam, (int, float)) and not isinstance(lam, bool) and lam > 0 and not self.distill.teachers:
-            # The learner would refuse every group (no scores); say so before the run.
-            raise ConfigError(f"[learner] distill_coef is {lam} and no [distill] teachers are configured; "
-                              "add [[distill.teachers]] (or set [distill] coef with them)")
         if not isinstance(self.metrics, MetricsConfig):
             raise ConfigError(f"LoopConfig.metrics: expected a [metrics] table, found {self.metrics!r}")
         if not isinstance(self.hf_model, str):

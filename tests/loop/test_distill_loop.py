@@ -225,6 +225,10 @@ def test_distill_table_is_checked_and_feeds_the_learner_config(tmp_path):
         base_dir=tmp_path)
     assert cfg.distill.teachers[0].checkpoint == str(tmp_path / "t.pt")
     assert LoopConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))).distill == cfg.distill
+    assert cfg.learner_config().distill_coef == 0.5  # [distill] coef is the learner's lambda
+    clash = LoopConfig.from_dict({"learner": {"distill_coef": 0.3}, "distill": {"coef": 0.5, "teachers": [{"name": "a", "url": "http://x"}]}})
+    with pytest.raises(ConfigError, match=r"distill_coef: \[learner\] says 0.3 and \[distill\] coef says 0.5; keep one"):
+        clash.learner_config()
     for bad, match in [
         ({"coef": 0.5}, "no teachers are configured"),
         ({"teachers": [{"name": "a"}]}, r"expected exactly one of \['url', 'checkpoint', 'hf_model'\], found none"),
@@ -239,8 +243,6 @@ def test_distill_table_is_checked_and_feeds_the_learner_config(tmp_path):
         with pytest.raises(ConfigError, match=match):
             LoopConfig.from_dict({"distill": bad})
     assert DistillConfig().teachers == [] and LoopConfig().distill.coef == 0.0
-    with pytest.raises(ConfigError, match=r"distill_coef is 0.5 and no \[distill\] teachers"):
-        LoopConfig.from_dict({"learner": {"distill_coef": 0.5}})
     # A TOML file: [distill] with [[distill.teachers]] tables, paths relative to the file.
     (tmp_path / "conf").mkdir()
     toml = tmp_path / "conf" / "run.toml"
@@ -290,11 +292,8 @@ def test_text_task_sessions_are_scored_through_the_gateways_recorded_turns(tmp_p
 def test_distilling_learner_skips_the_groups_a_teacher_failed_on_and_trains_the_others(tmp_path):
     """With distill coef > 0 and a teacher server that sometimes fails, no group with a teacher
     failure is trained: each is recorded skipped with a 'distill: ...' reason naming the teacher."""
-    from agentlog.learner.config import LearnerConfig
     from agentlog.loop.publish import read_learner_records
 
-    if "distill_coef" not in {f.name for f in dataclasses.fields(LearnerConfig)}:
-        pytest.skip("the learner side of issue 16 (LearnerConfig.distill_coef) is not merged yet")
     cfg0 = loop_config()
     model = build_model(dataclasses.replace(cfg0, seed=7), select_task(cfg0.task)).eval()
     server = FlakyTeacherServer(model, 0.8, modes=["ok"] * 20 + ["http500"] + ["ok"] * 20 + ["slow"])
