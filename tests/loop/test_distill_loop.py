@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import json
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -162,22 +163,29 @@ class FlakyTeacherServer:
         return web.json_response(sglang_answer(self.model, body))
 
 
-def test_a_failing_teacher_server_is_recorded_and_its_groups_are_never_distilled_without_scores(tmp_path):
+def run_with_flaky_teacher(run_dir: Path, server_modes: Sequence[str] | None = None, **distill) -> tuple[LoopConfig, FlakyTeacherServer]:
+    """Two steps of the loop with one teacher, "remote", served by a FlakyTeacherServer over a
+    built-in GPT (its answers going through ``server_modes``); ``distill`` adds [distill] settings."""
     cfg0 = loop_config()
     model = build_model(dataclasses.replace(cfg0, seed=7), select_task(cfg0.task)).eval()
-    server = FlakyTeacherServer(model, 0.8)
-    run_dir = tmp_path / "run"
+    server = FlakyTeacherServer(model, 0.8, *([server_modes] if server_modes else []))
 
     async def go() -> LoopConfig:
         url = await server.start()
-        cfg = loop_config(2, teachers=[{"name": "remote", "url": url, "version": "teacher-v3", "scales_temperature": True}], timeout_s=TEACHER_TIMEOUT_S)
+        cfg = loop_config(2, teachers=[{"name": "remote", "url": url, "version": "teacher-v3", "scales_temperature": True}],
+                          timeout_s=TEACHER_TIMEOUT_S, **distill)
         try:
             await asyncio.wait_for(asyncio.gather(LoopLearner(run_dir, cfg).run(), RolloutWorker(run_dir, cfg).run()), 120)
         finally:
             await server.runner.cleanup()
         return cfg
 
-    cfg = asyncio.run(go())
+    return asyncio.run(go()), server
+
+
+def test_a_failing_teacher_server_is_recorded_and_its_groups_are_never_distilled_without_scores(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg, server = run_with_flaky_teacher(run_dir)
     assert server.errors == []
     assert min(server.served.values()) >= 1, server.served
     sessions = sessions_of(run_dir)
@@ -294,21 +302,8 @@ def test_distilling_learner_skips_the_groups_a_teacher_failed_on_and_trains_the_
     failure is trained: each is recorded skipped with a 'distill: ...' reason naming the teacher."""
     from agentlog.loop.publish import read_learner_records
 
-    cfg0 = loop_config()
-    model = build_model(dataclasses.replace(cfg0, seed=7), select_task(cfg0.task)).eval()
-    server = FlakyTeacherServer(model, 0.8, modes=["ok"] * 20 + ["http500"] + ["ok"] * 20 + ["slow"])
     run_dir = tmp_path / "run"
-
-    async def go() -> LoopConfig:
-        url = await server.start()
-        cfg = loop_config(2, teachers=[{"name": "remote", "url": url, "version": "teacher-v3", "scales_temperature": True}], timeout_s=TEACHER_TIMEOUT_S, coef=0.5)
-        try:
-            await asyncio.wait_for(asyncio.gather(LoopLearner(run_dir, cfg).run(), RolloutWorker(run_dir, cfg).run()), 120)
-        finally:
-            await server.runner.cleanup()
-        return cfg
-
-    cfg = asyncio.run(go())
+    cfg, server = run_with_flaky_teacher(run_dir, ["ok"] * 20 + ["http500"] + ["ok"] * 20 + ["slow"], coef=0.5)
     assert cfg.learner_config().distill_coef == 0.5
     assert server.errors == [] and server.served["http500"] and server.served["slow"], server.served
     failed_groups = {sid.rsplit("-", 1)[0] for sid, events in sessions_of(run_dir).items()
