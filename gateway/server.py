@@ -41,7 +41,7 @@ from agentlog.engine.core import DuplicateSession
 from agentlog.events.lifecycle import TERMINAL_STATES, IllegalTransition, State
 from agentlog.events.log_api import LogClosed
 from agentlog.events.log_format import DEFAULT_MAX_RECORD_BYTES
-from agentlog.events.types import EventValidationError
+from agentlog.events.types import EventValidationError, turn_temperature
 from agentlog.reducers.groups import GroupError
 
 from .admin import AdminFieldError, check_sampling, parse_end, parse_open
@@ -99,7 +99,7 @@ class GatewayConfig(msgspec.Struct, frozen=True):
 
 
 class _SessionCfg:
-    __slots__ = ("sampling", "max_turns", "max_new_tokens", "inflight", "api_key", "calls")
+    __slots__ = ("sampling", "max_turns", "max_new_tokens", "inflight", "api_key", "calls", "turns")
 
     def __init__(self) -> None:
         self.sampling: dict[str, Any] = {}
@@ -111,6 +111,9 @@ class _SessionCfg:
         self.calls = {"requests": 0, "turns": 0}
         #: The session's API key (issued by session_key), or None.
         self.api_key: str | None = None
+        #: The recorded turns' (turn index, prompt ids, output ids, sampling temperature), kept only
+        #: when asked (configure_session(keep_turns=True): a teacher scores them); else None.
+        self.turns: list[tuple[int, list[int], list[int], float | None]] | None = None
 
 
 class _Refused(Exception):
@@ -287,11 +290,13 @@ class Gateway:
         await self.stop()
 
     def configure_session(self, session_id: str, *, sampling: dict[str, Any] | None = None, max_turns: int | None = None,
-                          max_new_tokens: int | None = None) -> None:
+                          max_new_tokens: int | None = None, keep_turns: bool = False) -> None:
         """Per-session sampling defaults, turn cap and output cap (forgotten
         when the session ends). ``max_new_tokens`` caps every turn's output,
         whatever the client asks for (Claude Code asks for 64000): a task's
-        output allowance holds for a CLI agent too."""
+        output allowance holds for a CLI agent too. ``keep_turns``: keep each
+        recorded turn's token ids for :meth:`session_turns` (a teacher scores
+        them before the session ends)."""
         if sampling:
             try:
                 check_sampling(sampling, "sampling")
@@ -308,6 +313,8 @@ class Gateway:
             cfg.sampling.update(sampling)
         if max_turns is not None:
             cfg.max_turns = max_turns
+        if keep_turns and cfg.turns is None:
+            cfg.turns = []
 
     def session_key(self, session_id: str) -> str:
         """The API key of live session ``session_id``, issued on first call: a
@@ -324,6 +331,13 @@ class Gateway:
             cfg.api_key = secrets.token_urlsafe(32)
             self._keys[cfg.api_key] = session_id
         return cfg.api_key
+
+    def session_turns(self, session_id: str) -> list[tuple[int, list[int], list[int], float | None]]:
+        """The turns recorded so far for live session ``session_id`` configured with
+        ``keep_turns``: ``(turn index, prompt ids, output ids, sampling temperature as
+        recorded, None when not a number)`` in order; empty otherwise."""
+        cfg = self._sessions.get(session_id)
+        return list(cfg.turns) if cfg is not None and cfg.turns is not None else []
 
     def session_calls(self, session_id: str) -> dict[str, int]:
         """``{"requests": n, "turns": m}``: the model calls live session
@@ -677,6 +691,8 @@ class Gateway:
         turn = env.body.turn_index
         self.stats["turns"] += 1
         cfg.calls["turns"] += 1
+        if cfg.turns is not None:
+            cfg.turns.append((turn, list(prompt_ids), [int(t) for t in gen.output_ids], turn_temperature(sampling)))
         res = TurnResult(
             id=f"{_RESPONSE_ID_PREFIX[api.name]}{uuid.uuid4().hex[:24]}",
             model=req.model or self.config.model_name,

@@ -211,6 +211,91 @@ class RolloutConfig:
         return list(range(self.workers))
 
 
+# --- issue 16: distill ---
+#: The keys of one ``[[distill.teachers]]`` table that say where the teacher is (exactly one is given).
+TEACHER_SOURCES = ("url", "checkpoint", "hf_model")
+
+
+@dataclass
+class TeacherSpec:
+    """One teacher of on-policy distillation (a ``[[distill.teachers]]`` table)."""
+
+    name: str
+    """Name recorded with each of its scores (unique among the run's teachers)."""
+    url: str = ""
+    """A teacher server (slime's teacher server / SGLang's native /generate): its base URL or its /generate URL."""
+    checkpoint: str = ""
+    """A built-in GPT policy file (.pt: a learner checkpoint or a weights file), run in the worker process."""
+    hf_model: str = ""
+    """A local Hugging Face model directory, run in the worker process (nothing is downloaded)."""
+    version: str = ""
+    """url: the served weights' version id ("" reads the server's /get_model_info); in-process teachers use their weights' sha256."""
+    scales_temperature: bool = False
+    """url: the server returns input log-probs at the request's temperature (stock SGLang returns them at temperature 1, so turns sampled at another temperature are then recorded as teacher failures)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ConfigError(f"[[distill.teachers]] name: expected a non-empty str, found {self.name!r}")
+        for key in (*TEACHER_SOURCES, "version"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(f"[[distill.teachers]] {self.name!r}: {key}: expected a str, found {getattr(self, key)!r}")
+        given = [k for k in TEACHER_SOURCES if getattr(self, k)]
+        if len(given) != 1:
+            raise ConfigError(f"[[distill.teachers]] {self.name!r}: expected exactly one of {list(TEACHER_SOURCES)}, found "
+                              f"{given or 'none'}")
+        if self.version and not self.url:
+            raise ConfigError(f"[[distill.teachers]] {self.name!r}: version is for url teachers; an in-process teacher's "
+                              "version is the sha256 of its weights")
+        if not isinstance(self.scales_temperature, bool):
+            raise ConfigError(f"[[distill.teachers]] {self.name!r}: scales_temperature: expected true or false, found {self.scales_temperature!r}")
+        if self.scales_temperature and not self.url:
+            raise ConfigError(f"[[distill.teachers]] {self.name!r}: scales_temperature is for url teachers; an in-process "
+                              "teacher always scores at the turn's temperature")
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (the ``[distill]`` table): teachers score every turn of each
+    finished session before its terminal event, and the learner shapes each token's
+    advantage by ``coef`` x (rollout log-prob - teacher log-prob)."""
+
+    teachers: list[TeacherSpec] = field(default_factory=list)
+    """The teachers (``[[distill.teachers]]`` tables: name and one of url / checkpoint / hf_model); empty: no distillation."""
+    coef: float = 0.0
+    """lambda: weight of the per-token reverse KL to the teacher in the advantage (LearnerConfig.distill_coef)."""
+    topk: int = 0
+    """Top-K tokens (and log-probs) each teacher returns per scored token (0: none)."""
+    timeout_s: float = 60.0
+    """Longest a teacher may take to score one turn; past it the turn is recorded as a teacher failure."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.teachers, (list, tuple)):
+            raise ConfigError(f"[distill] teachers: expected a list of tables, found {self.teachers!r}")
+        self.teachers = [_from_mapping(TeacherSpec, t, "distill.teachers") if isinstance(t, Mapping) else t for t in self.teachers]
+        if not all(isinstance(t, TeacherSpec) for t in self.teachers):
+            raise ConfigError(f"[distill] teachers: expected a list of tables, found {self.teachers!r}")
+        names = [t.name for t in self.teachers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"[distill] teachers: names must be unique, found {names}")
+        if isinstance(self.coef, bool) or not isinstance(self.coef, (int, float)) or not 0 <= self.coef < math.inf:
+            raise ConfigError(f"[distill] coef: expected a number >= 0, found {self.coef!r}")
+        if self.coef > 0 and not self.teachers:
+            raise ConfigError(f"[distill] coef is {self.coef}, and no teachers are configured; add [[distill.teachers]]")
+        if type(self.topk) is not int or self.topk < 0:
+            raise ConfigError(f"[distill] topk: expected an int >= 0, found {self.topk!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s < math.inf:
+            raise ConfigError(f"[distill] timeout_s: expected a number of seconds > 0, found {self.timeout_s!r}")
+
+    def resolve_paths(self, base_dir: Path | None) -> None:
+        """Make the in-process teachers' relative paths absolute against ``base_dir`` (the
+        config file's directory; default the current one), so every process finds them."""
+        base = Path(base_dir) if base_dir is not None else Path.cwd()
+        for t in self.teachers:
+            for key in ("checkpoint", "hf_model"):
+                if getattr(t, key):
+                    setattr(t, key, os.path.abspath(base / os.path.expanduser(getattr(t, key))))
+
+
 @dataclass
 class LoopConfig:
     """The online loop: task, model, rollout shape, asynchrony bound, faults, output."""
@@ -293,6 +378,9 @@ class LoopConfig:
     # --- issue 15: rollout workers ---
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout workers: how many, local processes or Ray actors (see RolloutConfig)."""
+    # --- issue 16: distill ---
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation: the teachers that score each finished session, and lambda (see DistillConfig)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.faults, Mapping):
@@ -309,6 +397,11 @@ class LoopConfig:
             self.rollout = _from_mapping(RolloutConfig, self.rollout, "rollout")
         if not isinstance(self.rollout, RolloutConfig):
             raise ConfigError(f"LoopConfig.rollout: expected a [rollout] table, found {self.rollout!r}")
+        # --- issue 16: distill ---
+        if isinstance(self.distill, Mapping):
+            self.distill = _from_mapping(DistillConfig, self.distill, "distill")
+        if not isinstance(self.distill, DistillConfig):
+            raise ConfigError(f"LoopConfig.distill: expected a [distill] table, found {self.distill!r}")
         if not isinstance(self.metrics, MetricsConfig):
             raise ConfigError(f"LoopConfig.metrics: expected a [metrics] table, found {self.metrics!r}")
         if not isinstance(self.hf_model, str):
@@ -360,6 +453,11 @@ class LoopConfig:
         values = dict(self.learner)
         if self.staleness_mode == "correct":
             values.setdefault("tis_cap", self.tis_cap)
+        # --- issue 16: distill ---
+        if self.distill.coef:
+            given = values.setdefault("distill_coef", self.distill.coef)
+            if given != self.distill.coef:
+                raise ConfigError(f"distill_coef: [learner] says {given!r} and [distill] coef says {self.distill.coef!r}; keep one")
         check_field_types(LearnerConfig, values)
         return LearnerConfig.from_dict(values)
 
@@ -372,7 +470,9 @@ class LoopConfig:
         """Build from plain data; an unknown key raises and lists the known ones.
         Relative directories of a ``[task]`` table's ``path`` are resolved
         against ``base_dir`` (default: the current directory)."""
-        return _from_mapping(cls, task_table(values, base_dir), "")
+        cfg = _from_mapping(cls, task_table(values, base_dir), "")
+        cfg.distill.resolve_paths(base_dir)  # --- issue 16: distill ---
+        return cfg
 
     def save(self, path: Path) -> None:
         """Write ``config.json`` (what the worker and learner processes read)."""

@@ -44,7 +44,7 @@ import random
 import shutil
 import traceback as _traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from agentlog._logging import get_logger
 from agentlog.engine import LocalSandbox, harness
@@ -55,6 +55,7 @@ from agentlog.events.lifecycle import TERMINAL_STATES
 from agentlog.gateway import Backend, ByteChatTemplate, ChatTemplate, Gateway, GatewayConfig, HermesToolParser, ToolCallParser
 
 from .config import AgentConfig, InferenceConfig, LoopConfig
+from .teacher import TurnToScore, score_session
 
 log = get_logger("agentlog.loop.gateway_rollout")
 
@@ -115,7 +116,7 @@ class GatewayRollout:
 
     def __init__(self, engine: SessionEngine, backend: Backend, *, agent: AgentConfig, sandbox_root: Path,
                  temperature: float = 1.0, template: ChatTemplate | None = None, parser: ToolCallParser | None = None,
-                 keep_sandboxes: bool = False) -> None:
+                 keep_sandboxes: bool = False, teachers: Sequence[Any] = (), distill: Any = None) -> None:
         self.engine = engine
         self.backend = backend
         self.agent = agent
@@ -126,6 +127,12 @@ class GatewayRollout:
         self.keep_sandboxes = keep_sandboxes
         self.gateway: Gateway | None = None
         self.counts: dict[str, int] = {}
+        #: Teachers that score each finished session's turns before its terminal event (on-policy distillation).
+        self.teachers = list(teachers)
+        #: Their [distill] settings (topk, timeout_s); required with teachers.
+        self.distill = distill
+        if self.teachers and distill is None:
+            raise ValueError("GatewayRollout: teachers need their [distill] settings (topk, timeout_s)")
         #: One harness per (task, budget): the Python agent keeps one HTTP client for all its sessions.
         self._agents: dict[tuple[str, float], Any] = {}
 
@@ -199,7 +206,7 @@ class GatewayRollout:
                 await h.start(harness=self.agent.harness, sandbox=sandbox.name, details={"gateway": self.gateway.url, "task": task.name})
                 # The task's output allowance holds whatever the agent asks for (Claude Code asks for 64000).
                 self.gateway.configure_session(session_id, sampling={"temperature": self.temperature}, max_turns=task.max_turns,
-                                               max_new_tokens=task.max_new_tokens)
+                                               max_new_tokens=task.max_new_tokens, keep_turns=bool(self.teachers))
                 key = self.gateway.session_key(session_id)
                 try:
                     result = await agent.run(h, sandbox, episode.messages, key)
@@ -223,6 +230,12 @@ class GatewayRollout:
                     summary = result.summary()
                 else:  # a CLI: how it exited, and (non-zero) why that was the model's doing
                     summary = {"exit_code": result.exit_code, **({"stop_reason": stopped} if stopped else {})}
+                if self.teachers:
+                    # Before the terminal event: the learner releases the group only with its scores in the log.
+                    turns = [TurnToScore(*t) for t in self.gateway.session_turns(session_id)]
+                    for what, n in (await score_session(h, turns, self.teachers, top_k=self.distill.topk,
+                                                        timeout_s=self.distill.timeout_s)).items():
+                        self.counts[f"teacher_{what}"] = self.counts.get(f"teacher_{what}", 0) + n
                 await h.finish(reward=verdict.reward, metadata={"success": verdict.success, **verdict.detail, "agent": summary,
                                                                 "gateway": calls})
                 self._count("finished")

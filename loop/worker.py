@@ -53,6 +53,7 @@ from .demo import faults as demo_faults
 from .policy import GenerationBatcher, build_model, load_tokenizer, resolve_hf_model
 from .logs import rollout_log_path
 from .publish import PolicyFollower, hf_checkpoint_dir
+from .teacher import TurnToScore, build_teachers, score_session
 
 log = get_logger("agentlog.loop.worker")
 
@@ -119,6 +120,9 @@ class RolloutWorker:
             self.batcher = GenerationBatcher(self.model, self.task, seed=cfg.seed * 1_000_003 + 11, before_batch=self.maybe_reload,
                                               temperature=cfg.temperature)
         self.sandbox = LocalSandbox(self.run_dir / "sandbox" / self.worker_id)
+        # --- issue 16: distill ---
+        #: The teachers that score each finished session before its terminal event ([distill]).
+        self.teachers = build_teachers(cfg.distill)
         self.counts: dict[str, int] = {}
         self.log = log.bind(component="worker", worker=self.worker_id)
         #: Batches this incarnation completed (status for a driver).
@@ -301,6 +305,7 @@ class RolloutWorker:
                 messages = list(ep.messages)
                 context = list(ep.prompt_ids)
                 outputs: list[list[int]] = []
+                to_score: list[TurnToScore] = []
                 for turn in range(task.max_turns):
                     if turn == demo_faults.MID_SESSION_TURN and fault in demo_faults.MID_SESSION_FAULTS:
                         self.batcher.unregister()
@@ -315,6 +320,7 @@ class RolloutWorker:
                         generate_s=gen.generate_s, sampling={"temperature": self.batcher.temperature},
                     )
                     outputs.append(out)
+                    to_score.append(TurnToScore(turn, context, out, self.batcher.temperature))
                     tool = task.tool_step(ep, turn, out)
                     if tool is None:
                         break
@@ -332,6 +338,11 @@ class RolloutWorker:
                 self.batcher.unregister()
                 registered = False
                 verdict = task.verify(ep, outputs)
+                if self.teachers:
+                    # Before the terminal event: the learner releases the group only with its scores in the log.
+                    for what, n in (await score_session(h, to_score, self.teachers, top_k=self.cfg.distill.topk,
+                                                        timeout_s=self.cfg.distill.timeout_s)).items():
+                        self.counts[f"teacher_{what}"] = self.counts.get(f"teacher_{what}", 0) + n
                 await h.finish(reward=verdict.reward, metadata={"success": verdict.success, **verdict.detail})
             if fault == "straggler":
                 await demo_faults.straggle(h, context, self.task.eos_id)
@@ -362,13 +373,16 @@ class RolloutWorker:
             stack.push_async_callback(engine.close)
             if self.batcher is not None:
                 stack.push_async_callback(self.batcher.close)
+            for teacher in self.teachers:
+                stack.push_async_callback(teacher.close)
             if self.text:
                 from .gateway_rollout import GatewayRollout
 
                 if cfg.faults.any_enabled():
                     self.log.warning("worker.faults_ignored", reason="fault injection is demo-only; text tasks run without it")
                 self.rollout = GatewayRollout(engine, self.backend, agent=cfg.agent, sandbox_root=self.run_dir / "sandbox" / self.worker_id,
-                                              temperature=cfg.temperature, template=self.chat_template())
+                                              temperature=cfg.temperature, template=self.chat_template(),
+                                              teachers=self.teachers, distill=cfg.distill)
                 self.rollout.preflight()
                 stack.push_async_callback(self.rollout.close)
                 url = await self.rollout.start()

@@ -100,6 +100,11 @@ class _Command(msgspec.Struct, tag="command_ran"):
     output_tail: msgspec.Raw = _RAW
 
 
+class _Teacher(msgspec.Struct, tag="teacher_scored"):
+    log_probs: msgspec.Raw = _RAW
+    error: str = ""
+
+
 class _Reward(msgspec.Struct, tag="reward_assigned"):
     reward: Any = None
 
@@ -123,7 +128,7 @@ class _Policy(msgspec.Struct, tag="policy_updated"):
     policy_version: int = 0
 
 
-_PROJECTIONS = (_Opened, _Started, _Turn, _Delta, _Undelivered, _Command, _Reward, _Finished, _Aborted, _Dropped, _Policy)
+_PROJECTIONS = (_Opened, _Started, _Turn, _Delta, _Undelivered, _Command, _Teacher, _Reward, _Finished, _Aborted, _Dropped, _Policy)
 _projection_decoder = msgspec.msgpack.Decoder(Union[_PROJECTIONS])  # type: ignore[valid-type]
 
 #: tag -> the field names the projection reads (checked against events.types by a test).
@@ -193,6 +198,8 @@ class RunStats:
         self.commands = 0
         self.commands_failed = 0
         self.commands_over_budget = 0
+        self.teacher_scored = 0
+        self.teacher_failed = 0
         self.policy_updates = 0
         self.policy_version: int | None = None
         self.opened = 0
@@ -277,6 +284,11 @@ class RunStats:
                 self.commands_failed += 1
             if body.budget_exceeded:
                 self.commands_over_budget += 1
+        elif tag == "teacher_scored":
+            if body.error:
+                self.teacher_failed += 1
+            else:
+                self.teacher_scored += 1
         elif tag == "reward_assigned":
             live.reward = body.reward
         if dest in TERMINAL_STATES:
@@ -352,6 +364,7 @@ class RunStats:
             },
             "tokens": {"prompt": self.tokens_in, "output": self.tokens_out},
             "commands": {"total": self.commands, "failed": self.commands_failed, "over_budget": self.commands_over_budget},
+            "teacher": {"scored_turns": self.teacher_scored, "failed_turns": self.teacher_failed},
             "reward": {
                 "count": m["rollout/reward_count"],
                 "mean": m["rollout/reward_mean"],

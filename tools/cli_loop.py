@@ -147,6 +147,26 @@ def config_from_args(args, base: LoopConfig, *, task_modules: list[str] = (), im
     return cfg
 
 
+def check_rollout_backend(cfg: LoopConfig) -> None:
+    """CliError (exit 2) when ``[rollout] backend = "ray"`` but Ray is not
+    installed, saying how to install it (found without importing it: a local
+    Ray reads its environment when first imported, in loop/ray_rollout.py),
+    or when nothing listens at ``[rollout] address``."""
+    import importlib.util
+
+    if cfg.rollout.backend != "ray":
+        return
+    if importlib.util.find_spec("ray") is None:
+        raise CliError("[rollout] backend = \"ray\" needs Ray, which is not installed; install it with: pip install 'agentlog[ray]'",
+                       EXIT_USAGE)
+    from agentlog.loop.ray_rollout import RayBackendError, probe_address
+
+    try:
+        probe_address(cfg.rollout.address)
+    except RayBackendError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+
+
 def check_task(cfg: LoopConfig) -> None:
     """Load the config's task modules, then select its task: CliError (exit 2)
     naming the module that cannot be imported and why, or listing the
@@ -191,6 +211,7 @@ def execute(cfg: LoopConfig, args, *, title: str, prepare=None) -> int:
     # Everything that can be refused is checked before the run folder exists:
     # a refused run leaves nothing behind that would block the next --out.
     check_task(cfg)
+    check_rollout_backend(cfg)
     if run_dir.exists() and not run_dir.is_dir():
         raise CliError(f"--out {run_dir}: is a file, expected a run folder (new or empty)", EXIT_USAGE)
     if (run_dir / "config.json").exists():

@@ -168,6 +168,8 @@ def render_text(s: dict[str, Any]) -> str:
         f" undelivered {turns['undelivered']}, finish {_counts(turns['finish_reasons'])}",
         f"tokens     prompt {tok['prompt']}, output {tok['output']}",
         f"commands   {s['commands']['total']}, failed {s['commands']['failed']}, over budget {s['commands']['over_budget']}",
+        *([f"teacher    {s['teacher']['scored_turns']} turns scored, {s['teacher']['failed_turns']} failed"]
+          if s["teacher"]["scored_turns"] or s["teacher"]["failed_turns"] else []),
         f"reward     n {rw['count']}, mean {_num(rw['mean'])}, std {_num(rw['std'])}, min {_num(rw['min'])},"
         f" max {_num(rw['max'])}, unusable {rw['unusable']}",
         f"groups     released {g['released']}: complete {g['complete']}, skipped {g['skipped']}; pending {g['pending']}",

@@ -50,3 +50,10 @@ def test_the_report_drill_down_shows_teacher_log_probs_per_token(tmp_path: Path)
     page = out.read_text()
     assert 'title="rollout -1.500 / teacher -0.250">30<' in page
     assert 'title="rollout -2.000">40<' in page
+
+
+def test_stats_counts_scored_and_failed_turns(tmp_path: Path) -> None:
+    _write(tmp_path / "log")
+    res = agentlog("stats", str(tmp_path / "log"), "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert "teacher    1 turns scored, 1 failed" in res.stdout
