@@ -21,7 +21,6 @@ time) atomically, so every loop process loads the very same weights.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import random
 import time
@@ -37,6 +36,7 @@ from agentlog.learner.learner import read_policy, save_state
 from agentlog.learner.model import GPT
 
 from ..config import ConfigError, LoopConfig
+from ..teacher import state_dict_digest
 from . import DEMO_DISTILL_COEF, DEMO_TOPK, DEMO_TOPK_COEF, TEACHER_NAME
 
 log = get_logger("agentlog.loop.demo.teacher_model")
@@ -160,21 +160,11 @@ def build_teacher(task: Task, *, seed: int, recipe: TeacherRecipe = TeacherRecip
     meta = {
         "format": META_FORMAT, "task": task.name, "seed": seed, "recipe": dataclasses.asdict(recipe),
         "steps": int(metrics["warmup/steps"]), "loss": metrics["warmup/loss"], "solve_rate": rates[-1],
-        "solve_rates": rates, "seconds": round(seconds, 3), "digest": weights_digest(model),
+        "solve_rates": rates, "seconds": round(seconds, 3), "digest": state_dict_digest(model),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     log.info("teacher.built", **{k: v for k, v in meta.items() if k not in ("recipe", "solve_rates")})
     return model, meta
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """``sha256:<hex>`` over ``model``'s state dict: each tensor's name, dtype, shape and bytes, in name order."""
-    h = hashlib.sha256()
-    for key, tensor in sorted(model.state_dict().items()):
-        t = tensor.detach().to("cpu").contiguous()
-        h.update(f"{key}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return "sha256:" + h.hexdigest()
 
 
 def teacher_path(run_dir: str | Path) -> Path:
@@ -207,7 +197,7 @@ def ensure_teacher(run_dir: str | Path, task: Task, *, seed: int, recipe: Teache
     if found != want:
         raise ConfigError(f"{target}: holds a teacher built for {found}, expected {want}; use another run folder")
     state, config = read_policy(target / TEACHER_FILE)
-    digest = weights_digest(GPT.from_state_dict(state, config))
+    digest = state_dict_digest(GPT.from_state_dict(state, config))
     if digest != meta["digest"]:
         raise ConfigError(f"{target / TEACHER_FILE}: weights digest {digest}, expected {meta['digest']} (teacher.json); "
                           "the file was changed after it was built")

@@ -22,8 +22,8 @@ from agentlog.loop.demo.teacher_model import (
     ensure_teacher,
     rollout_solve_rate,
     teacher_path,
-    weights_digest,
 )
+from agentlog.loop.teacher import TorchTeacher, state_dict_digest
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_teacher_is_deterministic_from_its_seed_and_cached_in_the_run(built, tmp
     or a different seed on the same folder, is refused with the reason."""
     run, path, meta = built
     assert meta["digest"].startswith("sha256:")
-    assert weights_digest(load(path)) == meta["digest"]
+    assert state_dict_digest(load(path)) == meta["digest"] == TorchTeacher.from_checkpoint(path).version
     task = select_task("lookup")
     _, again = ensure_teacher(tmp_path / "other", task, seed=0)
     assert again["digest"] == meta["digest"]
@@ -94,11 +94,7 @@ def test_teacher_is_deterministic_from_its_seed_and_cached_in_the_run(built, tmp
     assert json.loads((other.parent / TEACHER_META).read_text())["digest"] == meta["digest"]
 
 
-#: Until the [distill] table (helper T's branch) is on main; removed when it is merged.
-needs_distill = pytest.mark.skipif(not hasattr(LoopConfig(), "distill"), reason="LoopConfig has no [distill] table yet")
-
-
-@needs_distill
+@pytest.mark.required
 def test_demo_distill_scores_every_turn_with_the_runs_teacher_and_checks_equal(tmp_path: Path, capsys) -> None:
     """`agentlog demo --distill` (2 short RL steps, faults on): the teacher is built into the run
     folder, every finished session's turns carry its scores recorded under its weights digest, the
