@@ -21,7 +21,9 @@ trained steps first reaches 0.9 (the demo's stop rule); a run that never
 gets there within ``--max-steps`` counts as ``max-steps + 1``. The goal
 compares the medians over the seeds.
 
-Usage: ``python tools/bench/bench_distill.py [--quick] [--seeds N] [--coef L]``.
+Usage: ``python tools/bench/bench_distill.py [--quick] [--seeds N] [--coef L] [--topk K --topk-coef C]``;
+a lambda sweep runs one arm: ``--only opd --seeds 1 --coef 1.0 --topk 0 --topk-coef 0``, and
+``--warmups DIR`` keeps the warm-ups between invocations.
 """
 
 from __future__ import annotations
@@ -139,12 +141,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     seeds = args.seeds if args.seeds is not None else (2 if args.quick else 5)
     max_steps = args.max_steps if args.max_steps is not None else (40 if args.quick else 80)
+    if seeds < 1 or max_steps < WINDOW:
+        p.error(f"--seeds {seeds} --max-steps {max_steps}: expected at least 1 seed and {WINDOW} steps")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     base = Path(tempfile.mkdtemp(prefix="bench_distill_")) if args.keep is None else args.keep
     base.mkdir(parents=True, exist_ok=True)
     if args.warmups is not None:
         args.warmups.mkdir(parents=True, exist_ok=True)
-    learner = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.learner)}
+    learner = {}
+    for item in args.learner:
+        key, sep, raw = item.partition("=")
+        try:
+            learner[key.strip()] = json.loads(raw)
+        except ValueError:
+            p.error(f"--learner {item!r}: expected KEY=VALUE with a JSON value")
+        if not sep or not key.strip():
+            p.error(f"--learner {item!r}: expected KEY=VALUE")
     arms = [a for a in ("rl", "opd") if args.only in (None, a)]
     results: dict[str, list[dict]] = {a: [] for a in arms}
     try:
