@@ -1,0 +1,418 @@
+"""A log partition on NATS JetStream, behind the same interface as FileLog.
+
+One stream per run (``stream``), one subject per partition
+(``<stream>.p0003``), file storage, replicas as configured. Each record is
+stored as one message whose data is exactly the file log's frame
+(:func:`encode_frame`: CRC, LSN, session seq, timestamp, session id, and the
+payload that :meth:`EventLog._check_batch` encoded and decoded back), so
+nothing reaches the stream that a reader cannot decode, and a reader checks
+the same CRC a segment reader does.
+
+Identity and fencing:
+
+- Every record carries ``Nats-Msg-Id = "<partition>:<epoch>:<lsn>"``; a
+  retried publish inside the stream's duplicate window is deduplicated.
+- Every publish carries ``Nats-Expected-Last-Subject-Sequence`` = the stream
+  sequence of the partition's last message this writer knows of. A new
+  writer opens with epoch = last epoch + 1 and publishes a *fence* message
+  (no data, header ``Agentlog-Kind: fence``) on the subject; that moves the
+  subject's last sequence, so the stale writer's next append is refused by
+  the server and raised as :class:`LogFenced`. Readers skip fence messages.
+
+Bridging: nats-py is asyncio, the log interface is partly sync. Each
+JetStreamLog owns one daemon thread running its own event loop that holds
+the NATS connection. Sync calls submit coroutines with
+``run_coroutine_threadsafe`` and wait; ``append`` and ``follow`` await the
+same futures with ``asyncio.wrap_future`` from the caller's loop. Publishes
+go through one queue drained by one writer task on the bridge loop, so they
+reach the server in LSN order (fencing needs the previous message's stream
+sequence, so records of a partition are published one after another).
+
+Not yet: records over the server's max payload (refused with a clear error;
+chunking is next), atomic multi-record batches (a batch that fails midway
+leaves its prefix in the stream and makes the log fatal), a sparse
+LSN -> sequence index for reads from a late LSN (reads scan from the start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import re
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator
+
+from .._logging import get_logger
+from .log_api import CheckedRecord, EventLog, LogClosed, LogCorruption, LogError, LogFenced, PendingRecord
+from .log_format import ENV_HDR, FLAG_TERMINAL, FRAME_HDR, FRAME_PREFIX, TYPE_RECORD, crc_value, encode_frame, mask_crc
+from .log_read import RawRecord
+from .partitions import partition_name
+from .types import TERMINAL_EVENT_TYPES, Envelope
+
+log = get_logger(__name__)
+
+#: JetStream's "wrong last sequence" error (Nats-Expected-Last-Subject-Sequence failed).
+ERR_WRONG_LAST_SEQUENCE = 10071
+HDR_MSG_ID = "Nats-Msg-Id"
+HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+HDR_EPOCH = "Agentlog-Epoch"
+HDR_KIND = "Agentlog-Kind"
+KIND_FENCE = "fence"
+_STREAM_RE = re.compile(r"[A-Za-z0-9_-]{1,200}")
+_READ_CHUNK = 256
+
+
+def _require_nats():
+    try:
+        import nats  # noqa: F401
+    except ImportError as exc:  # a clear cure, not a bare ImportError
+        raise LogError("JetStreamLog needs nats-py: pip install 'agentlog[nats]'") from exc
+    return nats
+
+
+def decode_message(data: bytes, where: str, expected_lsn: int) -> RawRecord:
+    """The record one JetStream message holds: its frame checked exactly as a
+    segment reader checks it (type, length, CRC, LSN). Raises LogCorruption
+    naming ``where`` and what was wrong."""
+
+    def bad(reason: str) -> LogCorruption:
+        return LogCorruption(f"{where}: {reason}", segment=where, last_good_lsn=expected_lsn - 1)
+
+    if len(data) < FRAME_PREFIX + ENV_HDR.size:
+        raise bad(f"message of {len(data)} bytes is shorter than a frame header ({FRAME_PREFIX + ENV_HDR.size})")
+    crc, length, typ = FRAME_HDR.unpack_from(data, 0)
+    if typ != TYPE_RECORD:
+        raise bad(f"type byte {typ} (expected a record, type {TYPE_RECORD})")
+    if FRAME_PREFIX + length != len(data):
+        raise bad(f"frame length {length} does not match the message ({len(data) - FRAME_PREFIX} bytes after the header)")
+    view = memoryview(data)
+    if mask_crc(crc_value(data[4:])) != crc:
+        raise bad("CRC mismatch")
+    lsn, seq, ts, flags, sidlen = ENV_HDR.unpack_from(data, FRAME_PREFIX)
+    if lsn != expected_lsn:
+        raise bad(f"lsn {lsn}, expected {expected_lsn}")
+    p = FRAME_PREFIX + ENV_HDR.size
+    if p + sidlen > len(data):
+        raise bad(f"session-id length {sidlen} exceeds the frame")
+    try:
+        sid = bytes(view[p : p + sidlen]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad("session id is not UTF-8") from None
+    return RawRecord(lsn, sid, seq, ts, bool(flags & FLAG_TERMINAL), view[p + sidlen :])
+
+
+class _Bridge:
+    """A daemon thread running one asyncio loop (the NATS connection lives there)."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro, timeout: float | None = None) -> Any:
+        return self.submit(coro).result(timeout)
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class JetStreamLog(EventLog):
+    """One log partition as a subject of a JetStream stream. Open with :meth:`open`."""
+
+    def __init__(self, *, url: str, stream: str, partition: int, clock: Callable[[], int]) -> None:
+        super().__init__(clock)
+        self.url, self.stream, self.partition = url, stream, partition
+        self.subject = f"{stream}.{partition_name(partition)}"
+        self.where = f"nats stream {stream!r} subject {self.subject!r}"
+        self.epoch = 0
+        self._lock = threading.Lock()  # check + LSN assignment + submission, in one order
+        self._next = 0
+        self._last_seq = 0  # stream sequence of the subject's last message this writer knows
+        self._max_payload = 1 << 20
+        self._closed = False
+        self._fatal: str | None = None
+        self._bridge = _Bridge(f"jetstream-{self.subject}")
+        self._queue: asyncio.Queue | None = None
+        self._writer: asyncio.Task | None = None
+        self._nc = self._js = None
+
+    # -- opening -------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        stream: str,
+        partition: int = 0,
+        *,
+        replicas: int = 1,
+        duplicate_window_s: float = 120.0,
+        clock: Callable[[], int] = time.time_ns,
+        connect_timeout_s: float = 5.0,
+    ) -> "JetStreamLog":
+        """Connect, create the stream if missing (file storage, ``replicas``,
+        duplicate window set explicitly), recover the partition's LSN and open
+        sessions, and fence any earlier writer with a new epoch."""
+        if not isinstance(stream, str) or not _STREAM_RE.fullmatch(stream):
+            raise ValueError(f"stream name: expected letters, digits, '-' or '_' (1..200), found {stream!r}")
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 5:
+            raise ValueError(f"replicas: expected an int in 1..5, found {replicas!r}")
+        if not duplicate_window_s > 0:
+            raise ValueError(f"duplicate_window_s: expected seconds > 0, found {duplicate_window_s!r}")
+        self = cls(url=url, stream=stream, partition=partition, clock=clock)
+        try:
+            self._bridge.call(self._open(replicas, duplicate_window_s, connect_timeout_s))
+        except BaseException:
+            self._shutdown()
+            raise
+        log.info("jetstream.opened", stream=stream, subject=self.subject, epoch=self.epoch, next_lsn=self._next)
+        return self
+
+    async def _open(self, replicas: int, window_s: float, connect_timeout_s: float) -> None:
+        nats = _require_nats()
+        from nats.js.api import StorageType, StreamConfig
+        from nats.js.errors import NotFoundError
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("jetstream.connection_error", subject=self.subject, error=repr(exc))
+
+        self._nc = await nats.connect(self.url, connect_timeout=connect_timeout_s, error_cb=on_error, allow_reconnect=True)
+        self._max_payload = self._nc.max_payload
+        self._js = self._nc.jetstream()
+        try:
+            info = await self._js.stream_info(self.stream)
+        except NotFoundError:
+            cfg = StreamConfig(
+                name=self.stream,
+                subjects=[f"{self.stream}.>"],
+                storage=StorageType.FILE,
+                num_replicas=replicas,
+                duplicate_window=window_s,
+                allow_direct=True,
+            )
+            info = await self._js.add_stream(cfg)
+        if (info.config.num_replicas or 1) != replicas:
+            raise LogError(f"{self.where}: the stream has {info.config.num_replicas} replicas, expected {replicas}")
+        await self._recover()
+        await self._fence()
+        self._queue = asyncio.Queue()
+        self._writer = asyncio.get_running_loop().create_task(self._write_loop())
+
+    async def _recover(self) -> None:
+        """Rebuild next LSN, open sessions and the last epoch from the subject."""
+        epoch = -1
+        async for seq, headers, data in self._messages(1):
+            self._last_seq = seq
+            epoch = max(epoch, int((headers or {}).get(HDR_EPOCH, 0)))
+            if data is None:
+                continue
+            rec = decode_message(data, f"{self.where} seq {seq}", self._next)
+            env = rec.decode()
+            self._advance(env)
+            self._next += 1
+        self.epoch = epoch + 1
+
+    async def _fence(self) -> None:
+        """Publish this writer's fence; a racing writer that fenced first wins."""
+        from nats.js.errors import APIError
+
+        headers = {
+            HDR_KIND: KIND_FENCE,
+            HDR_EPOCH: str(self.epoch),
+            HDR_MSG_ID: f"{self.partition}:{self.epoch}:fence",
+            HDR_EXPECTED_LAST_SUBJECT_SEQ: str(self._last_seq),
+        }
+        try:
+            ack = await self._js.publish(self.subject, b"", headers=headers)
+        except APIError as exc:
+            if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
+                raise LogFenced(
+                    f"{self.where}: another writer appended while epoch {self.epoch} was opening; not taking over",
+                    epoch=self.epoch,
+                ) from exc
+            raise
+        self._last_seq = ack.seq
+
+    async def _messages(self, from_seq: int) -> AsyncIterator[tuple[int, dict | None, bytes | None]]:
+        """(stream seq, headers, data or None for a fence) of the subject's
+        messages from ``from_seq`` up to the current end, by direct get."""
+        from nats.js.errors import NotFoundError
+
+        seq = from_seq
+        while True:
+            try:
+                msg = await self._js.get_msg(self.stream, seq=seq, subject=self.subject, next=True, direct=True)
+            except NotFoundError:
+                return
+            headers = msg.headers or {}
+            yield msg.seq, headers, (None if headers.get(HDR_KIND) == KIND_FENCE else (msg.data or b""))
+            seq = msg.seq + 1
+
+    # -- writing -------------------------------------------------------------
+
+    @property
+    def next_lsn(self) -> int:
+        return self._next
+
+    @property
+    def fatal_reason(self) -> str | None:
+        return self._fatal
+
+    def _submit(self, records: Iterable[PendingRecord | tuple]) -> tuple[list[Envelope], concurrent.futures.Future]:
+        with self._lock:
+            if self._closed:
+                raise LogClosed(f"{self.where}: closed; no further appends")
+            if self._fatal is not None:
+                raise LogClosed(f"{self.where}: fatal ({self._fatal}); reopen to recover")
+            checked = self._check_batch(records)
+            frames, envs = [], []
+            lsn = self._next
+            for rec in checked:
+                ts = self._clock()
+                sid = rec.session_id.encode("utf-8")
+                flags = FLAG_TERMINAL if isinstance(rec.body, TERMINAL_EVENT_TYPES) else 0
+                frame = encode_frame(lsn + len(frames), rec.session_seq, ts, flags, sid, rec.payload)
+                if len(frame) > self._max_payload:
+                    raise LogError(
+                        f"{self.where}: session {rec.session_id!r} seq {rec.session_seq}: record of {len(frame)} bytes "
+                        f"exceeds the server's max payload ({self._max_payload}); large records are not supported yet; "
+                        "nothing was written"
+                    )
+                frames.append(frame)
+                envs.append(Envelope(lsn + len(envs), rec.session_id, rec.session_seq, ts, rec.body))
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            for rec in checked:
+                self._advance(rec)
+            self._next = lsn + len(frames)
+            self._bridge.loop.call_soon_threadsafe(self._queue.put_nowait, (lsn, frames, done))
+            return envs, done
+
+    async def _write_loop(self) -> None:
+        """Publish queued frames one after another (fencing chains each on the
+        last); any failure makes the log fatal and fails every pending append."""
+        from nats.js.errors import APIError
+
+        while True:
+            lsn, frames, done = await self._queue.get()
+            if frames is None:
+                done.set_result(None)
+                return
+            if self._fatal is not None:
+                done.set_exception(LogClosed(f"{self.where}: fatal ({self._fatal})"))
+                continue
+            try:
+                for i, frame in enumerate(frames):
+                    await self._publish(frame, lsn + i)
+            except APIError as exc:
+                if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
+                    err: Exception = LogFenced(
+                        f"{self.where}: epoch {self.epoch} was fenced by a newer writer (the subject moved past "
+                        f"sequence {self._last_seq}); lsn {lsn + i} and later were not acknowledged",
+                        epoch=self.epoch,
+                    )
+                else:
+                    err = LogError(f"{self.where}: publish of lsn {lsn + i} refused: {exc}")
+                self._go_fatal(err, done)
+            except Exception as exc:  # timeouts, lost connection: fatal, never silent
+                self._go_fatal(LogError(f"{self.where}: publish of lsn {lsn + i} failed: {exc!r}"), done)
+            else:
+                done.set_result(None)
+
+    async def _publish(self, frame: bytes, lsn: int) -> None:
+        headers = {
+            HDR_MSG_ID: f"{self.partition}:{self.epoch}:{lsn}",
+            HDR_EXPECTED_LAST_SUBJECT_SEQ: str(self._last_seq),
+            HDR_EPOCH: str(self.epoch),
+        }
+        ack = await self._js.publish(self.subject, frame, headers=headers)
+        self._last_seq = ack.seq
+
+    def _go_fatal(self, err: Exception, done: concurrent.futures.Future) -> None:
+        self._fatal = str(err)
+        log.error("jetstream.fatal", subject=self.subject, epoch=self.epoch, reason=self._fatal)
+        done.set_exception(err)
+
+    def append_batch(self, records: Iterable[PendingRecord | tuple]) -> list[Envelope]:
+        envs, done = self._submit(records)
+        done.result()
+        return envs
+
+    async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
+        envs, done = self._submit([PendingRecord(session_id, session_seq, body)])
+        await asyncio.wrap_future(done)
+        return envs[0]
+
+    # -- reading -------------------------------------------------------------
+
+    async def _fetch(self, from_seq: int, expected_lsn: int, limit: int) -> tuple[list[Envelope], int]:
+        out: list[Envelope] = []
+        seq = from_seq
+        async for seq_i, _headers, data in self._messages(from_seq):
+            seq = seq_i + 1
+            if data is None:
+                continue
+            rec = decode_message(data, f"{self.where} seq {seq_i}", expected_lsn + len(out))
+            out.append(rec.decode())
+            if len(out) >= limit:
+                break
+        return out, seq
+
+    def read(self, from_lsn: int = 0) -> Iterator[Envelope]:
+        if self._closed:
+            raise LogClosed(f"{self.where}: closed")
+        seq, lsn = 1, 0
+        while True:
+            batch, seq = self._bridge.call(self._fetch(seq, lsn, _READ_CHUNK))
+            if not batch:
+                return
+            lsn += len(batch)
+            for env in batch:
+                if env.lsn >= from_lsn:
+                    yield env
+
+    async def follow(self, from_lsn: int = 0, *, poll_s: float = 0.05) -> AsyncIterator[Envelope]:
+        seq, lsn = 1, 0
+        while True:
+            batch, seq = await asyncio.wrap_future(self._bridge.submit(self._fetch(seq, lsn, _READ_CHUNK)))
+            lsn += len(batch)
+            for env in batch:
+                if env.lsn >= from_lsn:
+                    yield env
+            if not batch:
+                await asyncio.sleep(poll_s)
+
+    # -- closing -------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        async def finish() -> None:
+            if self._writer is not None and not self._writer.done():
+                done: concurrent.futures.Future = concurrent.futures.Future()
+                self._queue.put_nowait((0, None, done))
+                await self._writer
+            if self._nc is not None and not self._nc.is_closed:
+                await self._nc.close()
+
+        try:
+            if self._bridge.loop.is_running():
+                self._bridge.call(finish(), timeout=10)
+        finally:
+            self._bridge.stop()
