@@ -319,7 +319,8 @@ class JetStreamLog(EventLog):
                 if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
                     err: Exception = LogFenced(
                         f"{self.where}: epoch {self.epoch} was fenced by a newer writer (the subject moved past "
-                        f"sequence {self._last_seq}); lsn {lsn + i} and later were not acknowledged",
+                        f"sequence {self._last_seq}: a newer epoch, or another client publishing on it); "
+                        f"lsn {lsn + i} and later were not acknowledged",
                         epoch=self.epoch,
                     )
                 else:

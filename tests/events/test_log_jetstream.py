@@ -1,0 +1,141 @@
+"""JetStreamLog beyond the contract: fencing, recovery on reopen, per-event
+identity and dedup, refusals. One local nats-server per module (conftest)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from agentlog.events.log_api import LogClosed, LogCorruption, LogError, LogFenced, SequenceError
+from agentlog.events.types import SessionFinished, SessionOpened
+from event_samples import small_event
+
+nats = pytest.importorskip("nats", reason="JetStreamLog needs the nats extra: pip install 'agentlog[nats]'")
+
+from agentlog.events.log_jetstream import JetStreamLog  # noqa: E402
+
+_names = itertools.count()
+
+
+def opened() -> SessionOpened:
+    return SessionOpened(group_id="g", group_size=1)
+
+
+@pytest.fixture
+def stream():
+    return f"js{next(_names)}"
+
+
+def raw(url, coro_fn):
+    """Run ``coro_fn(js)`` on a fresh plain nats-py connection (what another client would do)."""
+
+    async def main():
+        nc = await nats.connect(url)
+        try:
+            return await coro_fn(nc.jetstream())
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())
+
+
+def test_a_new_writer_fences_the_old_one_and_continues_its_lsns(nats_server, stream):
+    old = JetStreamLog.open(nats_server.url, stream, 1)
+    old.append_batch([("a", 0, opened()), ("a", 1, small_event(1)), ("b", 0, opened())])
+    new = JetStreamLog.open(nats_server.url, stream, 1)
+    try:
+        assert (old.epoch, new.epoch) == (0, 1)
+        assert new.next_lsn == 3 and new.open_sessions() == {"a": 2, "b": 1}
+        with pytest.raises(LogFenced, match=r"epoch 0 was fenced by a newer writer.*lsn 3 and later were not acknowledged"):
+            old.append_batch([("a", 2, small_event(2))])
+        assert "fenced" in old.fatal_reason
+        with pytest.raises(LogClosed, match="fatal"):
+            old.append_batch([("b", 1, small_event(3))])
+        new.append_batch([("a", 2, small_event(4)), ("b", 1, SessionFinished())])
+        stored = [(e.lsn, e.session_id, e.session_seq) for e in new.read()]
+        assert stored == [(0, "a", 0), (1, "a", 1), (2, "b", 0), (3, "a", 2), (4, "b", 1)]
+        assert stored[3:] and list(new.read())[3].body == small_event(4)
+    finally:
+        old.close()
+        new.close()
+
+
+def test_reopen_recovers_lsn_sessions_and_bumps_the_epoch(nats_server, stream):
+    with JetStreamLog.open(nats_server.url, stream, 0) as lg:
+        lg.append_batch([("a", 0, opened()), ("b", 0, opened()), ("b", 1, SessionFinished())])
+    with JetStreamLog.open(nats_server.url, stream, 0) as lg:
+        assert lg.epoch == 1 and lg.next_lsn == 3 and lg.open_sessions() == {"a": 1}
+        with pytest.raises(SequenceError, match=r"'a'.*session_seq 0 refused, expected 1"):
+            lg.append_batch([("a", 0, opened())])
+    with JetStreamLog.open(nats_server.url, stream, 0) as lg:
+        assert lg.epoch == 2 and [e.lsn for e in lg.read()] == [0, 1, 2]
+
+
+def test_partitions_are_separate_subjects_of_one_stream(nats_server, stream):
+    with JetStreamLog.open(nats_server.url, stream, 0) as p0, JetStreamLog.open(nats_server.url, stream, 7) as p7:
+        p0.append_batch([("a", 0, opened())])
+        p7.append_batch([("x", 0, opened()), ("y", 0, opened())])
+        assert [e.session_id for e in p0.read()] == ["a"] and [e.session_id for e in p7.read()] == ["x", "y"]
+        assert p7.subject == f"{stream}.p0007"
+
+    async def info(js):
+        return await js.stream_info(stream)
+
+    si = raw(nats_server.url, info)
+    assert si.config.subjects == [f"{stream}.>"] and si.config.storage == "file"
+    assert si.config.duplicate_window == 120.0 and si.config.num_replicas == 1
+
+
+def test_a_retried_publish_with_the_same_msg_id_is_deduplicated(nats_server, stream):
+    with JetStreamLog.open(nats_server.url, stream, 2) as lg:
+        lg.append_batch([("a", 0, opened())])
+
+        async def retry(js):
+            first = await js.get_msg(stream, seq=1, subject=lg.subject, next=True, direct=True)
+            while first.headers.get("Agentlog-Kind") == "fence":
+                first = await js.get_msg(stream, seq=first.seq + 1, subject=lg.subject, next=True, direct=True)
+            assert first.headers["Nats-Msg-Id"] == "2:0:0"
+            ack = await js.publish(lg.subject, first.data, headers={"Nats-Msg-Id": "2:0:0"})
+            return first.seq, ack
+
+        seq, ack = raw(nats_server.url, retry)
+        assert ack.duplicate and ack.seq == seq
+        assert [e.lsn for e in lg.read()] == [0]
+
+
+def test_a_record_over_the_max_payload_is_refused_before_anything_is_written(nats_server, stream):
+    with JetStreamLog.open(nats_server.url, stream, 0) as lg:
+        lg.append_batch([("a", 0, opened())])
+        big = SessionOpened(group_id="g", group_size=1, metadata={"blob": "x" * (1 << 20)})
+        with pytest.raises(LogError, match=r"session 'b' seq 0: record of \d+ bytes exceeds the server's max payload \(1048576\).*nothing was written"):
+            lg.append_batch([("c", 0, opened()), ("b", 0, big)])
+        assert lg.fatal_reason is None and lg.next_lsn == 1 and lg.next_seq("c") == 0
+        lg.append_batch([("c", 0, opened())])
+        assert [e.session_id for e in lg.read()] == ["a", "c"]
+
+
+def test_a_foreign_message_on_the_subject_is_corruption_naming_its_sequence(nats_server, stream):
+    with JetStreamLog.open(nats_server.url, stream, 0) as lg:
+        lg.append_batch([("a", 0, opened())])
+
+        async def scribble(js):
+            return (await js.publish(lg.subject, b"not a frame at all, but long enough to parse")).seq
+
+        seq = raw(nats_server.url, scribble)
+        with pytest.raises(LogCorruption, match=rf"subject '{stream}.p0000' seq {seq}: type byte"):
+            list(lg.read())
+        # The writer's own chain was broken by the foreign message: its next append is refused, not interleaved.
+        with pytest.raises(LogFenced):
+            lg.append_batch([("a", 1, small_event(0))])
+
+
+def test_bad_arguments_are_refused_naming_them(nats_server):
+    with pytest.raises(ValueError, match=r"stream name: expected letters.*found 'a.b'"):
+        JetStreamLog.open(nats_server.url, "a.b")
+    with pytest.raises(ValueError, match=r"replicas: expected an int in 1..5, found 0"):
+        JetStreamLog.open(nats_server.url, "ok", replicas=0)
+    with pytest.raises(LogError, match=r"the stream has 1 replicas, expected 3"):
+        JetStreamLog.open(nats_server.url, "rep", 0).close()
+        JetStreamLog.open(nats_server.url, "rep", 0, replicas=3)
