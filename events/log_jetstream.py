@@ -28,9 +28,12 @@ go through one queue drained by one writer task on the bridge loop, so they
 reach the server in LSN order (fencing needs the previous message's stream
 sequence, so records of a partition are published one after another).
 
+An ``append_batch`` is one JetStream atomic batch (``allow_atomic``, server
+2.12+), fenced on its first message: a reader sees all of it or none of it
+(batches over 1000 records are split, atomic per 1000).
+
 Not yet: records over the server's max payload (refused with a clear error;
-chunking is next), atomic multi-record batches (a batch that fails midway
-leaves its prefix in the stream and makes the log fatal), a sparse
+chunking is next), a sparse
 LSN -> sequence index for reads from a late LSN (reads scan from the start).
 """
 
@@ -54,6 +57,8 @@ log = get_logger(__name__)
 
 #: JetStream's "wrong last sequence" error (Nats-Expected-Last-Subject-Sequence failed).
 ERR_WRONG_LAST_SEQUENCE = 10071
+#: An atomic batch whose message ids are already in the duplicate window (a retry of one that landed).
+ERR_BATCH_DUPLICATE_MSG_ID = 10201
 HDR_MSG_ID = "Nats-Msg-Id"
 HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 HDR_EPOCH = "Agentlog-Epoch"
@@ -61,6 +66,10 @@ HDR_KIND = "Agentlog-Kind"
 KIND_FENCE = "fence"
 _STREAM_RE = re.compile(r"[A-Za-z0-9_-]{1,200}")
 _READ_CHUNK = 256
+#: The server's default limit of messages in one atomic batch; a longer
+#: append_batch is published as consecutive batches (atomic per 1000).
+MAX_BATCH = 1000
+PUBLISH_ATTEMPTS = 3
 
 
 def _require_nats():
@@ -161,6 +170,7 @@ class JetStreamLog(EventLog):
         duplicate_window_s: float = 120.0,
         clock: Callable[[], int] = time.time_ns,
         connect_timeout_s: float = 5.0,
+        publish_timeout_s: float = 5.0,
     ) -> "JetStreamLog":
         """Connect, create the stream if missing (file storage, ``replicas``,
         duplicate window set explicitly), recover the partition's LSN and open
@@ -173,14 +183,14 @@ class JetStreamLog(EventLog):
             raise ValueError(f"duplicate_window_s: expected seconds > 0, found {duplicate_window_s!r}")
         self = cls(url=url, stream=stream, partition=partition, clock=clock)
         try:
-            self._bridge.call(self._open(replicas, duplicate_window_s, connect_timeout_s))
+            self._bridge.call(self._open(replicas, duplicate_window_s, connect_timeout_s, publish_timeout_s))
         except BaseException:
             self._shutdown()
             raise
         log.info("jetstream.opened", stream=stream, subject=self.subject, epoch=self.epoch, next_lsn=self._next)
         return self
 
-    async def _open(self, replicas: int, window_s: float, connect_timeout_s: float) -> None:
+    async def _open(self, replicas: int, window_s: float, connect_timeout_s: float, publish_timeout_s: float) -> None:
         nats = _require_nats()
         from nats.js.api import StorageType, StreamConfig
         from nats.js.errors import NotFoundError
@@ -190,7 +200,7 @@ class JetStreamLog(EventLog):
 
         self._nc = await nats.connect(self.url, connect_timeout=connect_timeout_s, error_cb=on_error, allow_reconnect=True)
         self._max_payload = self._nc.max_payload
-        self._js = self._nc.jetstream()
+        self._js = self._nc.jetstream(timeout=publish_timeout_s)
         try:
             info = await self._js.stream_info(self.stream)
         except NotFoundError:
@@ -201,10 +211,14 @@ class JetStreamLog(EventLog):
                 num_replicas=replicas,
                 duplicate_window=window_s,
                 allow_direct=True,
+                # One append_batch is one atomic batch (server 2.12+): all of it or none.
+                allow_atomic=True,
             )
             info = await self._js.add_stream(cfg)
         if (info.config.num_replicas or 1) != replicas:
             raise LogError(f"{self.where}: the stream has {info.config.num_replicas} replicas, expected {replicas}")
+        if not info.config.allow_atomic:
+            raise LogError(f"{self.where}: the stream does not allow atomic batches (allow_atomic); create it with JetStreamLog.open")
         await self._recover()
         await self._fence()
         self._queue = asyncio.Queue()
@@ -312,9 +326,10 @@ class JetStreamLog(EventLog):
             if self._fatal is not None:
                 done.set_exception(LogClosed(f"{self.where}: fatal ({self._fatal})"))
                 continue
+            i = 0
             try:
-                for i, frame in enumerate(frames):
-                    await self._publish(frame, lsn + i)
+                for i in range(0, len(frames), MAX_BATCH):
+                    await self._publish(frames[i : i + MAX_BATCH], lsn + i)
             except APIError as exc:
                 if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
                     err: Exception = LogFenced(
@@ -331,14 +346,86 @@ class JetStreamLog(EventLog):
             else:
                 done.set_result(None)
 
-    async def _publish(self, frame: bytes, lsn: int) -> None:
-        headers = {
-            HDR_MSG_ID: f"{self.partition}:{self.epoch}:{lsn}",
-            HDR_EXPECTED_LAST_SUBJECT_SEQ: str(self._last_seq),
-            HDR_EPOCH: str(self.epoch),
-        }
-        ack = await self._js.publish(self.subject, frame, headers=headers)
-        self._last_seq = ack.seq
+    async def _publish(self, frames: list[bytes], lsn: int) -> None:
+        """Publish ``frames`` (lsn, lsn+1, ...) as one atomic batch (a lone
+        frame as a plain publish), fenced on the subject's last sequence.
+
+        A publish that times out is retried with the same message ids. The
+        server checks the expected last sequence before the duplicate window,
+        so a retry of a publish that did land is refused ("wrong last
+        sequence", or for a batch "duplicate message id"); the writer then looks at the subject's last message, and if
+        it carries this batch's last message id, the batch landed."""
+        import nats.errors
+        from nats.js.errors import APIError
+
+        last_id = self._msg_id(lsn + len(frames) - 1)
+        for attempt in range(PUBLISH_ATTEMPTS):
+            try:
+                self._last_seq = await self._publish_once(frames, lsn, attempt)
+                return
+            except nats.errors.TimeoutError:
+                log.warning("jetstream.publish_timeout", subject=self.subject, lsn=lsn, attempt=attempt)
+                landed = await self._landed(last_id)
+                if landed is not None:
+                    self._last_seq = landed
+                    return
+                if attempt == PUBLISH_ATTEMPTS - 1:
+                    raise
+            except APIError as exc:
+                if attempt and exc.err_code in (ERR_WRONG_LAST_SEQUENCE, ERR_BATCH_DUPLICATE_MSG_ID):
+                    landed = await self._landed(last_id)
+                    if landed is not None:
+                        self._last_seq = landed
+                        return
+                raise
+
+    def _msg_id(self, lsn: int) -> str:
+        return f"{self.partition}:{self.epoch}:{lsn}"
+
+    async def _landed(self, msg_id: str) -> int | None:
+        """The stream sequence of the subject's last message when it is
+        ``msg_id``; None when it is not, or the server did not answer in time
+        (the caller then publishes again, with the same ids)."""
+        import nats.errors
+        from nats.js.errors import NotFoundError
+
+        try:
+            msg = await self._js.get_msg(self.stream, subject=self.subject, direct=True)
+        except (NotFoundError, nats.errors.TimeoutError):
+            return None
+        return msg.seq if (msg.headers or {}).get(HDR_MSG_ID) == msg_id else None
+
+    async def _publish_once(self, frames: list[bytes], lsn: int, attempt: int) -> int:
+        """One try; the stream sequence of the last message stored."""
+        import json
+
+        from nats.js.errors import APIError
+
+        first = {HDR_EXPECTED_LAST_SUBJECT_SEQ: str(self._last_seq)}
+        if len(frames) == 1:
+            headers = {HDR_MSG_ID: self._msg_id(lsn), HDR_EPOCH: str(self.epoch), **first}
+            return (await self._js.publish(self.subject, frames[0], headers=headers)).seq
+        batch_id = f"{self._msg_id(lsn)}:{attempt}"  # a fresh id per try: a half-sent batch is abandoned whole
+        for i, frame in enumerate(frames):
+            headers = {
+                HDR_MSG_ID: self._msg_id(lsn + i),
+                HDR_EPOCH: str(self.epoch),
+                "Nats-Batch-Id": batch_id,
+                "Nats-Batch-Sequence": str(i + 1),
+                **(first if i == 0 else {}),
+            }
+            if i < len(frames) - 1:
+                await self._nc.publish(self.subject, frame, headers=headers)
+                continue
+            headers["Nats-Batch-Commit"] = "1"
+            reply = await self._nc.request(self.subject, frame, headers=headers, timeout=self._js._timeout)
+            resp = json.loads(reply.data)
+            if "error" in resp:
+                raise APIError.from_error(resp["error"])
+            if resp.get("count") != len(frames):
+                raise LogError(f"{self.where}: batch of lsn {lsn}..{lsn + len(frames) - 1} committed {resp.get('count')} messages, expected {len(frames)}")
+            return int(resp["seq"])
+        raise AssertionError("unreachable: frames is not empty")
 
     def _go_fatal(self, err: Exception, done: concurrent.futures.Future) -> None:
         self._fatal = str(err)

@@ -139,3 +139,43 @@ def test_bad_arguments_are_refused_naming_them(nats_server):
     with pytest.raises(LogError, match=r"the stream has 1 replicas, expected 3"):
         JetStreamLog.open(nats_server.url, "rep", 0).close()
         JetStreamLog.open(nats_server.url, "rep", 0, replicas=3)
+
+
+def test_a_stale_writers_batch_is_refused_whole(nats_server, stream):
+    old = JetStreamLog.open(nats_server.url, stream, 0)
+    old.append_batch([("a", 0, opened())])
+    new = JetStreamLog.open(nats_server.url, stream, 0)
+    try:
+        with pytest.raises(LogFenced):
+            old.append_batch([("a", 1, small_event(1)), ("b", 0, opened()), ("b", 1, small_event(2))])
+        new.append_batch([("c", 0, opened()), ("c", 1, small_event(3))])
+        assert [(e.lsn, e.session_id) for e in new.read()] == [(0, "a"), (1, "c"), (2, "c")]
+    finally:
+        old.close()
+        new.close()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_publish_that_timed_out_but_landed_is_acknowledged_once(nats_server, stream, n):
+    """The server is paused (SIGSTOP) past the publish timeout, then resumed:
+    the first try lands late, the writer's retry finds its message id at the
+    subject's end, and the record is acknowledged once, stored once."""
+    import os
+    import signal
+    import threading
+
+    with JetStreamLog.open(nats_server.url, stream, 0, publish_timeout_s=0.3) as lg:
+        lg.append_batch([("a", 0, opened())])
+        os.kill(nats_server.proc.pid, signal.SIGSTOP)
+        try:
+            out: list = []
+            t = threading.Thread(target=lambda: out.append(lg.append_batch([("a", k, small_event(k)) for k in range(1, n + 1)])))
+            t.start()
+            t.join(0.5)
+            assert t.is_alive(), "the append must wait for the paused server"
+        finally:
+            os.kill(nats_server.proc.pid, signal.SIGCONT)
+        t.join(10)
+        assert [e.lsn for e in out[0]] == list(range(1, n + 1)) and lg.fatal_reason is None
+        lg.append_batch([("a", n + 1, small_event(9))])
+        assert [e.lsn for e in lg.read()] == list(range(n + 2))
