@@ -26,7 +26,8 @@ the NATS connection. Sync calls submit coroutines with
 same futures with ``asyncio.wrap_future`` from the caller's loop. Publishes
 go through one queue drained by one writer task on the bridge loop, so they
 reach the server in LSN order (fencing needs the previous message's stream
-sequence, so records of a partition are published one after another).
+sequence, so publishes of a partition go one after another; appends queued
+meanwhile are group-committed as one atomic batch).
 
 An ``append_batch`` is one JetStream atomic batch (``allow_atomic``, server
 2.12+), fenced on its first message: a reader sees all of it or none of it
@@ -223,6 +224,13 @@ class JetStreamLog(EventLog):
         await self._fence()
         self._queue = asyncio.Queue()
         self._writer = asyncio.get_running_loop().create_task(self._write_loop())
+        self._writer.add_done_callback(self._writer_ended)
+
+    def _writer_ended(self, task: asyncio.Task) -> None:
+        """The writer task never dies silently: an unexpected end makes the log fatal, logged."""
+        if not task.cancelled() and task.exception() is not None:
+            self._fatal = f"writer task died: {task.exception()!r}"
+            log.error("jetstream.writer_died", subject=self.subject, error=repr(task.exception()))
 
     async def _recover(self) -> None:
         """Rebuild next LSN, open sessions and the last epoch from the subject."""
@@ -314,36 +322,58 @@ class JetStreamLog(EventLog):
             return envs, done
 
     async def _write_loop(self) -> None:
-        """Publish queued frames one after another (fencing chains each on the
-        last); any failure makes the log fatal and fails every pending append."""
+        """Publish queued appends in LSN order. Appends queued meanwhile are
+        group-committed: published together as one atomic batch (up to
+        MAX_BATCH records; one append is never split unless it alone is
+        longer). Any failure makes the log fatal and fails every pending append."""
+        held = None  # an item taken from the queue that did not fit the last group
+        while True:
+            group = [held if held is not None else await self._queue.get()]
+            held = None
+            count = len(group[0][1] or ())
+            while group[-1][1] is not None and not self._queue.empty():
+                item = self._queue.get_nowait()
+                if item[1] is not None and count + len(item[1]) > MAX_BATCH:
+                    held = item
+                    break
+                group.append(item)
+                count += len(item[1] or ())
+            stop = group[-1] if group[-1][1] is None else None
+            group = [item for item in group if item[1] is not None]
+            if group:
+                await self._commit(group)
+            if stop is not None:
+                stop[2].set_result(None)
+                return
+
+    async def _commit(self, group: list) -> None:
         from nats.js.errors import APIError
 
-        while True:
-            lsn, frames, done = await self._queue.get()
-            if frames is None:
-                done.set_result(None)
-                return
-            if self._fatal is not None:
+        lsn = group[0][0]
+        frames = [frame for _, item_frames, _ in group for frame in item_frames]
+        if self._fatal is not None:
+            for _, _, done in group:
                 done.set_exception(LogClosed(f"{self.where}: fatal ({self._fatal})"))
-                continue
-            i = 0
-            try:
-                for i in range(0, len(frames), MAX_BATCH):
-                    await self._publish(frames[i : i + MAX_BATCH], lsn + i)
-            except APIError as exc:
-                if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
-                    err: Exception = LogFenced(
-                        f"{self.where}: epoch {self.epoch} was fenced by a newer writer (the subject moved past "
-                        f"sequence {self._last_seq}: a newer epoch, or another client publishing on it); "
-                        f"lsn {lsn + i} and later were not acknowledged",
-                        epoch=self.epoch,
-                    )
-                else:
-                    err = LogError(f"{self.where}: publish of lsn {lsn + i} refused: {exc}")
-                self._go_fatal(err, done)
-            except Exception as exc:  # timeouts, lost connection: fatal, never silent
-                self._go_fatal(LogError(f"{self.where}: publish of lsn {lsn + i} failed: {exc!r}"), done)
+            return
+        i = 0
+        try:
+            for i in range(0, len(frames), MAX_BATCH):
+                await self._publish(frames[i : i + MAX_BATCH], lsn + i)
+        except APIError as exc:
+            if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
+                err: Exception = LogFenced(
+                    f"{self.where}: epoch {self.epoch} was fenced by a newer writer (the subject moved past "
+                    f"sequence {self._last_seq}: a newer epoch, or another client publishing on it); "
+                    f"lsn {lsn + i} and later were not acknowledged",
+                    epoch=self.epoch,
+                )
             else:
+                err = LogError(f"{self.where}: publish of lsn {lsn + i} refused: {exc}")
+            self._go_fatal(err, group)
+        except Exception as exc:  # timeouts, lost connection: fatal, never silent
+            self._go_fatal(LogError(f"{self.where}: publish of lsn {lsn + i} failed: {exc!r}"), group)
+        else:
+            for _, _, done in group:
                 done.set_result(None)
 
     async def _publish(self, frames: list[bytes], lsn: int) -> None:
@@ -427,10 +457,11 @@ class JetStreamLog(EventLog):
             return int(resp["seq"])
         raise AssertionError("unreachable: frames is not empty")
 
-    def _go_fatal(self, err: Exception, done: concurrent.futures.Future) -> None:
+    def _go_fatal(self, err: Exception, group: list) -> None:
         self._fatal = str(err)
         log.error("jetstream.fatal", subject=self.subject, epoch=self.epoch, reason=self._fatal)
-        done.set_exception(err)
+        for _, _, done in group:
+            done.set_exception(err)
 
     def append_batch(self, records: Iterable[PendingRecord | tuple]) -> list[Envelope]:
         envs, done = self._submit(records)
