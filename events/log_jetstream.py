@@ -231,6 +231,10 @@ class JetStreamLog(EventLog):
         if not task.cancelled() and task.exception() is not None:
             self._fatal = f"writer task died: {task.exception()!r}"
             log.error("jetstream.writer_died", subject=self.subject, error=repr(task.exception()))
+            while not self._queue.empty():  # no append waits forever on a dead writer
+                done = self._queue.get_nowait()[2]
+                if not done.done():
+                    done.set_exception(LogClosed(f"{self.where}: fatal ({self._fatal})"))
 
     async def _recover(self) -> None:
         """Rebuild next LSN, open sessions and the last epoch from the subject."""
