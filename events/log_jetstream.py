@@ -33,8 +33,11 @@ An ``append_batch`` is one JetStream atomic batch (``allow_atomic``, server
 2.12+), fenced on its first message: a reader sees all of it or none of it
 (batches over 1000 records are split, atomic per 1000).
 
-Not yet: records over the server's max payload (refused with a clear error;
-chunking is next), a sparse
+A record over the server's max payload is split into chunks
+(``Agentlog-Chunk: i/k``) inside its append's atomic batch, so a reader
+gets it whole or not at all.
+
+Not yet: a sparse
 LSN -> sequence index for reads from a late LSN (reads scan from the start).
 """
 
@@ -45,7 +48,7 @@ import concurrent.futures
 import re
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
 
 from .._logging import get_logger
 from .log_api import CheckedRecord, EventLog, LogClosed, LogCorruption, LogError, LogFenced, PendingRecord
@@ -64,6 +67,10 @@ HDR_MSG_ID = "Nats-Msg-Id"
 HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 HDR_EPOCH = "Agentlog-Epoch"
 HDR_KIND = "Agentlog-Kind"
+#: "i/k" on the messages of a record split into k chunks (i from 1); absent on a whole record.
+HDR_CHUNK = "Agentlog-Chunk"
+#: Room left in each chunk for the message's headers (the server's max payload counts both).
+_HEADER_ROOM = 4096
 KIND_FENCE = "fence"
 _STREAM_RE = re.compile(r"[A-Za-z0-9_-]{1,200}")
 _READ_CHUNK = 256
@@ -112,6 +119,14 @@ def decode_message(data: bytes, where: str, expected_lsn: int) -> RawRecord:
     return RawRecord(lsn, sid, seq, ts, bool(flags & FLAG_TERMINAL), view[p + sidlen :])
 
 
+class _Msg(NamedTuple):
+    """One message to publish: the record's LSN, its data, its own headers."""
+
+    lsn: int
+    data: bytes
+    headers: dict[str, str]
+
+
 class _Bridge:
     """A daemon thread running one asyncio loop (the NATS connection lives there)."""
 
@@ -136,6 +151,10 @@ class _Bridge:
         self.thread.join(5)
         if not self.thread.is_alive():
             self.loop.close()
+
+
+def _count(records: list[list[_Msg]] | None) -> int:
+    return sum(len(msgs) for msgs in records) if records else 0
 
 
 class JetStreamLog(EventLog):
@@ -239,7 +258,7 @@ class JetStreamLog(EventLog):
     async def _recover(self) -> None:
         """Rebuild next LSN, open sessions and the last epoch from the subject."""
         epoch = -1
-        async for seq, headers, data in self._messages(1):
+        async for seq, headers, data in self._frames(1):
             self._last_seq = seq
             epoch = max(epoch, int((headers or {}).get(HDR_EPOCH, 0)))
             if data is None:
@@ -286,6 +305,30 @@ class JetStreamLog(EventLog):
             yield msg.seq, headers, (None if headers.get(HDR_KIND) == KIND_FENCE else (msg.data or b""))
             seq = msg.seq + 1
 
+    async def _frames(self, from_seq: int) -> AsyncIterator[tuple[int, dict | None, bytes | None]]:
+        """Like :meth:`_messages`, with a chunked record joined whole: yielded
+        at the sequence of its last chunk, never partly (an atomic batch
+        stores all chunks or none; chunks that stop short at the end of the
+        subject are not yielded). Chunks out of order raise LogCorruption."""
+        parts: list[bytes] = []
+        first = 0
+        async for seq, headers, data in self._messages(from_seq):
+            chunk = headers.get(HDR_CHUNK) if data is not None else None
+            if chunk is None:
+                if parts:
+                    raise LogCorruption(f"{self.where} seq {seq}: a whole message inside the chunks begun at seq {first}", segment=self.where)
+                yield seq, headers, data
+                continue
+            i, _, k = chunk.partition("/")
+            if not (i.isdigit() and k.isdigit() and int(i) == len(parts) + 1 <= int(k)):
+                raise LogCorruption(f"{self.where} seq {seq}: chunk {chunk!r}, expected {len(parts) + 1}/k", segment=self.where)
+            if not parts:
+                first = seq
+            parts.append(data)
+            if int(i) == int(k):
+                joined, parts = b"".join(parts), []
+                yield seq, headers, joined
+
     # -- writing -------------------------------------------------------------
 
     @property
@@ -303,27 +346,40 @@ class JetStreamLog(EventLog):
             if self._fatal is not None:
                 raise LogClosed(f"{self.where}: fatal ({self._fatal}); reopen to recover")
             checked = self._check_batch(records)
-            frames, envs = [], []
+            records, envs = [], []
             lsn = self._next
+            chunk_bytes = self._max_payload - _HEADER_ROOM
             for rec in checked:
                 ts = self._clock()
                 sid = rec.session_id.encode("utf-8")
                 flags = FLAG_TERMINAL if isinstance(rec.body, TERMINAL_EVENT_TYPES) else 0
-                frame = encode_frame(lsn + len(frames), rec.session_seq, ts, flags, sid, rec.payload)
-                if len(frame) > self._max_payload:
+                at = lsn + len(records)
+                frame = encode_frame(at, rec.session_seq, ts, flags, sid, rec.payload)
+                if len(frame) > chunk_bytes * MAX_BATCH:
                     raise LogError(
                         f"{self.where}: session {rec.session_id!r} seq {rec.session_seq}: record of {len(frame)} bytes "
-                        f"exceeds the server's max payload ({self._max_payload}); large records are not supported yet; "
-                        "nothing was written"
+                        f"exceeds {MAX_BATCH} chunks of {chunk_bytes} bytes (one atomic batch); nothing was written"
                     )
-                frames.append(frame)
-                envs.append(Envelope(lsn + len(envs), rec.session_id, rec.session_seq, ts, rec.body))
+                records.append(self._messages_of(at, frame, chunk_bytes))
+                envs.append(Envelope(at, rec.session_id, rec.session_seq, ts, rec.body))
             done: concurrent.futures.Future = concurrent.futures.Future()
             for rec in checked:
                 self._advance(rec)
-            self._next = lsn + len(frames)
-            self._bridge.loop.call_soon_threadsafe(self._queue.put_nowait, (lsn, frames, done))
+            self._next = lsn + len(records)
+            self._bridge.loop.call_soon_threadsafe(self._queue.put_nowait, (lsn, records, done))
             return envs, done
+
+    def _messages_of(self, lsn: int, frame: bytes, chunk_bytes: int) -> list[_Msg]:
+        """A record's messages: one, or k chunks (``Agentlog-Chunk: i/k``) of
+        a frame over ``chunk_bytes``; the last carries the record's msg id."""
+        ident = self._msg_id(lsn)
+        if len(frame) <= chunk_bytes:
+            return [_Msg(lsn, frame, {HDR_MSG_ID: ident})]
+        k = -(-len(frame) // chunk_bytes)
+        return [
+            _Msg(lsn, frame[i * chunk_bytes : (i + 1) * chunk_bytes], {HDR_MSG_ID: ident if i == k - 1 else f"{ident}:{i + 1}", HDR_CHUNK: f"{i + 1}/{k}"})
+            for i in range(k)
+        ]
 
     async def _write_loop(self) -> None:
         """Publish queued appends in LSN order. Appends queued meanwhile are
@@ -334,14 +390,14 @@ class JetStreamLog(EventLog):
         while True:
             group = [held if held is not None else await self._queue.get()]
             held = None
-            count = len(group[0][1] or ())
+            count = _count(group[0][1])
             while group[-1][1] is not None and not self._queue.empty():
                 item = self._queue.get_nowait()
-                if item[1] is not None and count + len(item[1]) > MAX_BATCH:
+                if item[1] is not None and count + _count(item[1]) > MAX_BATCH:
                     held = item
                     break
                 group.append(item)
-                count += len(item[1] or ())
+                count += _count(item[1])
             stop = group[-1] if group[-1][1] is None else None
             group = [item for item in group if item[1] is not None]
             if group:
@@ -354,35 +410,43 @@ class JetStreamLog(EventLog):
         from nats.js.errors import APIError
 
         lsn = group[0][0]
-        frames = [frame for _, item_frames, _ in group for frame in item_frames]
+        records = [rec for _, item_records, _ in group for rec in item_records]
         if self._fatal is not None:
             for _, _, done in group:
                 done.set_exception(LogClosed(f"{self.where}: fatal ({self._fatal})"))
             return
-        i = 0
+        # Batches of at most MAX_BATCH messages, cut only between records
+        # (a record's chunks always share one atomic batch).
+        batches: list[list[_Msg]] = [[]]
+        for msgs in records:
+            if batches[-1] and len(batches[-1]) + len(msgs) > MAX_BATCH:
+                batches.append([])
+            batches[-1].extend(msgs)
+        i = lsn
         try:
-            for i in range(0, len(frames), MAX_BATCH):
-                await self._publish(frames[i : i + MAX_BATCH], lsn + i)
+            for batch in batches:
+                i = batch[0].lsn
+                await self._publish(batch)
         except APIError as exc:
             if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
                 err: Exception = LogFenced(
                     f"{self.where}: epoch {self.epoch} was fenced by a newer writer (the subject moved past "
                     f"sequence {self._last_seq}: a newer epoch, or another client publishing on it); "
-                    f"lsn {lsn + i} and later were not acknowledged",
+                    f"lsn {i} and later were not acknowledged",
                     epoch=self.epoch,
                 )
             else:
-                err = LogError(f"{self.where}: publish of lsn {lsn + i} refused: {exc}")
+                err = LogError(f"{self.where}: publish of lsn {i} refused: {exc}")
             self._go_fatal(err, group)
         except Exception as exc:  # timeouts, lost connection: fatal, never silent
-            self._go_fatal(LogError(f"{self.where}: publish of lsn {lsn + i} failed: {exc!r}"), group)
+            self._go_fatal(LogError(f"{self.where}: publish of lsn {i} failed: {exc!r}"), group)
         else:
             for _, _, done in group:
                 done.set_result(None)
 
-    async def _publish(self, frames: list[bytes], lsn: int) -> None:
-        """Publish ``frames`` (lsn, lsn+1, ...) as one atomic batch (a lone
-        frame as a plain publish), fenced on the subject's last sequence.
+    async def _publish(self, msgs: list[_Msg]) -> None:
+        """Publish ``msgs`` as one atomic batch (a lone message as a plain
+        publish), fenced on the subject's last sequence.
 
         A publish that times out is retried with the same message ids. The
         server checks the expected last sequence before the duplicate window,
@@ -392,10 +456,11 @@ class JetStreamLog(EventLog):
         import nats.errors
         from nats.js.errors import APIError
 
-        last_id = self._msg_id(lsn + len(frames) - 1)
+        last_id = msgs[-1].headers[HDR_MSG_ID]
+        lsn = msgs[0].lsn
         for attempt in range(PUBLISH_ATTEMPTS):
             try:
-                self._last_seq = await self._publish_once(frames, lsn, attempt)
+                self._last_seq = await self._publish_once(msgs, attempt)
                 return
             except nats.errors.TimeoutError:
                 log.warning("jetstream.publish_timeout", subject=self.subject, lsn=lsn, attempt=attempt)
@@ -429,37 +494,33 @@ class JetStreamLog(EventLog):
             return None
         return msg.seq if (msg.headers or {}).get(HDR_MSG_ID) == msg_id else None
 
-    async def _publish_once(self, frames: list[bytes], lsn: int, attempt: int) -> int:
+    async def _publish_once(self, msgs: list[_Msg], attempt: int) -> int:
         """One try; the stream sequence of the last message stored."""
         import json
 
         from nats.js.errors import APIError
 
         first = {HDR_EXPECTED_LAST_SUBJECT_SEQ: str(self._last_seq)}
-        if len(frames) == 1:
-            headers = {HDR_MSG_ID: self._msg_id(lsn), HDR_EPOCH: str(self.epoch), **first}
-            return (await self._js.publish(self.subject, frames[0], headers=headers)).seq
-        batch_id = f"{self._msg_id(lsn)}:{attempt}"  # a fresh id per try: a half-sent batch is abandoned whole
-        for i, frame in enumerate(frames):
-            headers = {
-                HDR_MSG_ID: self._msg_id(lsn + i),
-                HDR_EPOCH: str(self.epoch),
-                "Nats-Batch-Id": batch_id,
-                "Nats-Batch-Sequence": str(i + 1),
-                **(first if i == 0 else {}),
-            }
-            if i < len(frames) - 1:
-                await self._nc.publish(self.subject, frame, headers=headers)
+        epoch = {HDR_EPOCH: str(self.epoch)}
+        if len(msgs) == 1:
+            return (await self._js.publish(self.subject, msgs[0].data, headers={**msgs[0].headers, **epoch, **first})).seq
+        batch_id = f"{msgs[0].headers[HDR_MSG_ID]}:b{attempt}"  # a fresh id per try: a half-sent batch is abandoned whole
+        for i, msg in enumerate(msgs):
+            headers = {**msg.headers, **epoch, "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(i + 1), **(first if i == 0 else {})}
+            if i < len(msgs) - 1:
+                await self._nc.publish(self.subject, msg.data, headers=headers)
                 continue
             headers["Nats-Batch-Commit"] = "1"
-            reply = await self._nc.request(self.subject, frame, headers=headers, timeout=self._js._timeout)
+            reply = await self._nc.request(self.subject, msg.data, headers=headers, timeout=self._js._timeout)
             resp = json.loads(reply.data)
             if "error" in resp:
                 raise APIError.from_error(resp["error"])
-            if resp.get("count") != len(frames):
-                raise LogError(f"{self.where}: batch of lsn {lsn}..{lsn + len(frames) - 1} committed {resp.get('count')} messages, expected {len(frames)}")
+            if resp.get("count") != len(msgs):
+                raise LogError(
+                    f"{self.where}: batch from lsn {msgs[0].lsn} committed {resp.get('count')} messages, expected {len(msgs)}"
+                )
             return int(resp["seq"])
-        raise AssertionError("unreachable: frames is not empty")
+        raise AssertionError("unreachable: msgs is not empty")
 
     def _go_fatal(self, err: Exception, group: list) -> None:
         self._fatal = str(err)
@@ -482,7 +543,7 @@ class JetStreamLog(EventLog):
     async def _fetch(self, from_seq: int, expected_lsn: int, limit: int) -> tuple[list[Envelope], int]:
         out: list[Envelope] = []
         seq = from_seq
-        async for seq_i, _headers, data in self._messages(from_seq):
+        async for seq_i, _headers, data in self._frames(from_seq):
             seq = seq_i + 1
             if data is None:
                 continue

@@ -105,15 +105,56 @@ def test_a_retried_publish_with_the_same_msg_id_is_deduplicated(nats_server, str
         assert [e.lsn for e in lg.read()] == [0]
 
 
-def test_a_record_over_the_max_payload_is_refused_before_anything_is_written(nats_server, stream):
+def big_opened(n_bytes: int) -> SessionOpened:
+    return SessionOpened(group_id="g", group_size=1, metadata={"blob": "x" * n_bytes})
+
+
+def test_a_record_over_the_max_payload_round_trips_whole(nats_server, stream):
+    big = big_opened(int(2.5 * (1 << 20)))
     with JetStreamLog.open(nats_server.url, stream, 0) as lg:
         lg.append_batch([("a", 0, opened())])
-        big = SessionOpened(group_id="g", group_size=1, metadata={"blob": "x" * (1 << 20)})
-        with pytest.raises(LogError, match=r"session 'b' seq 0: record of \d+ bytes exceeds the server's max payload \(1048576\).*nothing was written"):
-            lg.append_batch([("c", 0, opened()), ("b", 0, big)])
-        assert lg.fatal_reason is None and lg.next_lsn == 1 and lg.next_seq("c") == 0
-        lg.append_batch([("c", 0, opened())])
-        assert [e.session_id for e in lg.read()] == ["a", "c"]
+        envs = lg.append_batch([("c", 0, opened()), ("b", 0, big), ("b", 1, small_event(1))])
+        assert [e.lsn for e in envs] == [1, 2, 3]
+
+        async def follow():
+            got = []
+            async for env in lg.follow(0, poll_s=0.005):
+                got.append(env)
+                if len(got) == 4:
+                    return got
+
+        assert asyncio.run(asyncio.wait_for(follow(), 10)) == list(lg.read())
+        assert list(lg.read(2))[0].body == big
+
+        async def chunks(js):
+            heads = []
+            seq = 1
+            while True:
+                try:
+                    m = await js.get_msg(stream, seq=seq, subject=lg.subject, next=True, direct=True)
+                except nats.js.errors.NotFoundError:
+                    return heads
+                heads.append(m.headers.get("Agentlog-Chunk"))
+                seq = m.seq + 1
+
+        assert [h for h in raw(nats_server.url, chunks) if h] == ["1/3", "2/3", "3/3"]
+    with JetStreamLog.open(nats_server.url, stream, 0) as lg:
+        assert lg.next_lsn == 4 and lg.open_sessions() == {"a": 1, "c": 1, "b": 2}
+        assert [e.body for e in lg.read()][2] == big
+
+
+def test_a_reader_never_sees_part_of_a_chunked_record(nats_server, stream):
+    """Chunks that stop short at the subject's end (a torn batch, written
+    here by a foreign client) are not yielded; the records before them are."""
+    with JetStreamLog.open(nats_server.url, stream, 0) as lg:
+        lg.append_batch([("a", 0, opened())])
+
+        async def torn(js):
+            for i in (1, 2):
+                await js.publish(lg.subject, b"x" * 100, headers={"Agentlog-Chunk": f"{i}/3"})
+
+        raw(nats_server.url, torn)
+        assert [e.lsn for e in lg.read()] == [0]
 
 
 def test_a_foreign_message_on_the_subject_is_corruption_naming_its_sequence(nats_server, stream):
