@@ -22,3 +22,7 @@ def fast_tmp(tmp_path):
         shutil.rmtree(d, ignore_errors=True)
     else:
         yield tmp_path
+
+
+# The JetStream cluster fixtures (tests/events/nats_helpers.py), for every test module here.
+from nats_helpers import nats_cluster, nats_cluster_module  # noqa: E402, F401

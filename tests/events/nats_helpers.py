@@ -1,0 +1,71 @@
+"""A 3-node NATS JetStream cluster on loopback for the JetStream log tests.
+
+``nats_cluster_module`` starts one cluster per test module (about half a
+second) from the pip-installed ``nats-server`` (extra ``nats``, part of
+``dev``); it skips with the reason when the binary is missing, and a test
+marked ``required`` turns that skip into a failure under CI=true.
+``nats_cluster`` hands the same cluster to each test with every node running
+and one meta leader again, so a test that killed a node does not leave the
+next test a 2-node cluster.
+
+Both are registered for tests/events by its conftest.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from agentlog.tools.nats_cluster import NatsCluster, find_nats_server
+
+
+@pytest.fixture(scope="module")
+def nats_cluster_module(tmp_path_factory) -> NatsCluster:
+    """A running 3-node JetStream cluster shared by the tests of one module; stopped by PID at the end."""
+    try:
+        binary = find_nats_server()
+    except FileNotFoundError as e:
+        pytest.skip(f"no NATS server: {e}")
+    cluster = NatsCluster(tmp_path_factory.mktemp("nats"), size=3, binary=binary)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def nats_cluster(nats_cluster_module: NatsCluster) -> NatsCluster:
+    """The module's cluster with every node running and one meta leader among them."""
+    for node in nats_cluster_module.nodes:
+        if node.pid is None:
+            nats_cluster_module.restart(node.name)
+    nats_cluster_module.wait_ready()
+    return nats_cluster_module
+
+
+@contextlib.asynccontextmanager
+async def nats_client(cluster: NatsCluster, **options) -> AsyncIterator:
+    """A nats-py client given every node's URL, reconnecting quickly and without limit
+    (the failover tests kill the node it may be connected to)."""
+    import nats
+
+    nc = await nats.connect(
+        servers=cluster.urls,
+        reconnect_time_wait=0.1,
+        max_reconnect_attempts=-1,
+        connect_timeout=2,
+        **options,
+    )
+    try:
+        yield nc
+    finally:
+        await nc.close()
+
+
+def run(coro):
+    """Run a test coroutine to completion (the suite does not use pytest-asyncio)."""
+    return asyncio.run(coro)
