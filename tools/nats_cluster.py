@@ -189,7 +189,7 @@ class NatsCluster:
                     client_port=ports[3 * i],
                     cluster_port=ports[3 * i + 1],
                     monitor_port=ports[3 * i + 2],
-                    store_dir=node_dir / "jetstream",
+                    store_dir=node_dir / "store",  # the server adds its own jetstream/ under it
                     config_path=node_dir / f"{name}.conf",
                     log_path=node_dir / f"{name}.log",
                 )
