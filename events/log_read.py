@@ -295,28 +295,11 @@ async def follow_log(
 ) -> AsyncIterator[Envelope]:
     """Tail the log at ``path`` (written by any process) forever, across
     segment rotation and writer restarts. Yields only records below the
-    DURABLE watermark, so never a record that a crash could take back."""
-    directory = Path(path)
-    # The INDEX hint (loaded when the cursor positions, once the log exists)
-    # lets a follower that starts deep in the log seek instead of scanning
-    # its segment from the start: a restarted learner resumes at its low-water LSN.
-    cur = Cursor(directory, from_lsn, max_record_bytes, lambda first: _load_index_hint(directory)(first), raw)
-    try:
-        while True:
-            durable = read_watermark(directory)
-            limit = durable.lsn if durable else 0
-            cur.unsynced_limit = durable is not None and not durable.synced
-            n = 0
-            if limit > cur.next_lsn:
-                for env in cur.records(limit):
-                    yield env
-                    n += 1
-                    if n % 1024 == 0:
-                        await asyncio.sleep(0)  # a long backlog must not starve the loop
-            if n == 0:
-                await asyncio.sleep(poll_s)
-    finally:
-        cur.close()
+    DURABLE watermark, so never a record that a crash could take back.
+    The one-log case of :func:`follow_logs` (a log not created yet is
+    waited for)."""
+    async for _, env in follow_logs({0: path}, {0: from_lsn}, poll_s=poll_s, raw=raw, max_record_bytes=max_record_bytes):
+        yield env
 
 
 async def follow_logs(
@@ -326,6 +309,7 @@ async def follow_logs(
     poll_s: float = 0.05,
     chunk: int = 512,
     idle_s: float | None = None,
+    raw: bool = False,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> AsyncIterator[tuple[int, Envelope] | tuple[None, None]]:
     """Tail several logs at once (the partitions of a run), forever: yields
@@ -336,7 +320,8 @@ async def follow_logs(
     does; ``from_lsn`` gives each partition's first LSN (default 0). Like
     :func:`follow_log` it yields only durable records. One task, one cursor
     per partition: the caller sees every partition's corruption as its own
-    exception, and a partition is never silently left behind. ``paths`` is
+    exception, and a partition is never silently left behind. With ``raw``
+    it yields RawRecords, as :func:`read_log` does. ``paths`` is
     read afresh each round: a partition the caller removes from it is no
     longer read. With ``idle_s``, ``(None, None)`` is yielded after each
     ``idle_s`` with nothing new: a heartbeat for a consumer that must act on
@@ -353,8 +338,10 @@ async def follow_logs(
                 if cur is None:
                     if not is_log_dir(directory):
                         continue  # its writer has not created it yet
+                    # The INDEX hint lets a follower that starts deep in the log seek instead
+                    # of scanning its segment from the start (a learner resuming at its low-water LSN).
                     cur = cursors[pid] = Cursor(directory, starts.get(pid, 0), max_record_bytes,
-                                                lambda first, d=directory: _load_index_hint(d)(first), False)
+                                                lambda first, d=directory: _load_index_hint(d)(first), raw)
                 durable = read_watermark(directory)
                 limit = durable.lsn if durable else 0
                 cur.unsynced_limit = durable is not None and not durable.synced

@@ -404,11 +404,9 @@ class LoopLearner:
                 legacy_end = fold.frontier[0] - 1 if partitions is None else -1
                 record = self.train_step(step, batch, lsn_next if partitions is None else -1, legacy_end, cutter.released_at)
                 low_water = fold.low_water()
-                record = msgspec.structs.replace(
-                    record, frontier=dict(fold.frontier), low_water=low_water,
-                    lsn_low_water=low_water.get(0, -1) if partitions is None else -1,
-                    records_from_lsn=needed.note(llog.next_lsn, msgspec.structs.replace(record, frontier=dict(fold.frontier)), low_water),
-                )
+                record = msgspec.structs.replace(record, frontier=dict(fold.frontier), low_water=low_water,
+                                                 lsn_low_water=low_water.get(0, -1) if partitions is None else -1)
+                record = msgspec.structs.replace(record, records_from_lsn=needed.note(llog.next_lsn, record, low_water))
                 self.pending_lost.clear()
                 publish(llog, record)
                 sinks.log(record.step, record.metrics)  # after the log: the record is the source of truth

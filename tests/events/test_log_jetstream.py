@@ -207,7 +207,7 @@ def test_a_publish_that_timed_out_but_landed_is_acknowledged_once(nats_server, s
 
     with JetStreamLog.open(nats_server.url, stream, 0, publish_timeout_s=0.3) as lg:
         lg.append_batch([("a", 0, opened())])
-        os.kill(nats_server.proc.pid, signal.SIGSTOP)
+        os.kill(nats_server.pid, signal.SIGSTOP)
         try:
             out: list = []
             t = threading.Thread(target=lambda: out.append(lg.append_batch([("a", k, small_event(k)) for k in range(1, n + 1)])))
@@ -215,7 +215,7 @@ def test_a_publish_that_timed_out_but_landed_is_acknowledged_once(nats_server, s
             t.join(0.5)
             assert t.is_alive(), "the append must wait for the paused server"
         finally:
-            os.kill(nats_server.proc.pid, signal.SIGCONT)
+            os.kill(nats_server.pid, signal.SIGCONT)
         t.join(10)
         assert [e.lsn for e in out[0]] == list(range(1, n + 1)) and lg.fatal_reason is None
         lg.append_batch([("a", n + 1, small_event(9))])
