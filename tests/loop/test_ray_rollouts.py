@@ -130,7 +130,10 @@ def test_node_loss_restarts_the_actor_on_the_other_node_with_a_new_epoch_and_los
     rollouts = RayRollouts(cfg, run, call_timeout_s=20, start_timeout_s=90)
     try:
         rollouts.start()
-        _drive(rollouts, learner, "learner version 2", lambda: learner_version(run) >= 2, deadline - time.monotonic())
+        # Partition 0's worker alone can bring the learner to version 2 (its groups fill steps
+        # too): wait for partition 1's worker to have opened its log as well.
+        _drive(rollouts, learner, "learner version 2 and partition 1 opened",
+               lambda: learner_version(run) >= 2 and read_fence(p1) >= 1, deadline - time.monotonic())
         before = rollouts.watch(force=True)[1]
         assert before.state == "running" and before.epoch == read_fence(p1) >= 1
         victim = next(n for n in nodes if n.node_id == before.node_id)
