@@ -48,7 +48,7 @@ import concurrent.futures
 import re
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 from .._logging import get_logger
 from .log_api import CheckedRecord, EventLog, LogClosed, LogCorruption, LogError, LogFenced, PendingRecord
@@ -77,7 +77,22 @@ _READ_CHUNK = 256
 #: The server's default limit of messages in one atomic batch; a longer
 #: append_batch is published as consecutive batches (atomic per 1000).
 MAX_BATCH = 1000
-PUBLISH_ATTEMPTS = 3
+#: A message id that is still being proposed (clustered stream): the try may yet land.
+ERR_DUPLICATE_IN_PROCESS = 10158
+#: An atomic batch that reached the leader incomplete (a reconnect cut it), and too many batches in flight.
+ERR_BATCH_INCOMPLETE = 10176
+ERR_BATCH_TOO_MANY_INFLIGHT = 10210
+#: Refusals after which the try may have landed: look at the subject's end.
+_MAYBE_LANDED = (ERR_WRONG_LAST_SEQUENCE, ERR_BATCH_DUPLICATE_MSG_ID, ERR_DUPLICATE_IN_PROCESS)
+#: Refusals that are transient: try again (as are status 503 answers).
+_RETRY_API_CODES = (ERR_BATCH_INCOMPLETE, ERR_BATCH_TOO_MANY_INFLIGHT)
+#: Pauses between publish tries while a stream elects a leader (doubling).
+_RETRY_PAUSE_MIN_S = 0.05
+_RETRY_PAUSE_MAX_S = 0.5
+#: The landed check's own bound (it runs on a failure path, often mid-election).
+_LANDED_TIMEOUT_S = 1.0
+#: What :meth:`JetStreamLog._landed` answers when the subject moved on to another writer's message.
+_MOVED = "moved"
 
 
 def _require_nats():
@@ -153,12 +168,40 @@ class _Bridge:
             self.loop.close()
 
 
+def _retry_errors() -> tuple[type[BaseException], ...]:
+    """Client-side failures of one publish try that a leader election or a
+    reconnect causes (the connection itself is never closed by the writer
+    while it is open)."""
+    import nats.errors
+    import nats.js.errors
+
+    return (
+        nats.errors.TimeoutError,
+        asyncio.TimeoutError,
+        nats.errors.NoRespondersError,
+        nats.js.errors.NoStreamResponseError,
+        nats.errors.ConnectionReconnectingError,
+        nats.errors.StaleConnectionError,
+        nats.errors.OutboundBufferLimitError,
+        nats.errors.FlushTimeoutError,
+    )
+
+
+class FailoverExpired(LogError):
+    """A publish was not acknowledged within ``failover_timeout_s`` of its first failure."""
+
+
 def _count(records: list[list[_Msg]] | None) -> int:
     return sum(len(msgs) for msgs in records) if records else 0
 
 
 class JetStreamLog(EventLog):
     """One log partition as a subject of a JetStream stream. Open with :meth:`open`."""
+
+    #: Seconds one publish try waits for its ack (set by :meth:`open`).
+    _publish_timeout_s = 5.0
+    #: Seconds after a publish's first failure during which it is retried (set by :meth:`open`).
+    _failover_timeout_s = 30.0
 
     def __init__(self, *, url: str, stream: str, partition: int, clock: Callable[[], int]) -> None:
         super().__init__(clock)
@@ -182,7 +225,7 @@ class JetStreamLog(EventLog):
     @classmethod
     def open(
         cls,
-        url: str,
+        url: str | Sequence[str],
         stream: str,
         partition: int = 0,
         *,
@@ -191,17 +234,30 @@ class JetStreamLog(EventLog):
         clock: Callable[[], int] = time.time_ns,
         connect_timeout_s: float = 5.0,
         publish_timeout_s: float = 5.0,
+        failover_timeout_s: float = 30.0,
     ) -> "JetStreamLog":
         """Connect, create the stream if missing (file storage, ``replicas``,
         duplicate window set explicitly), recover the partition's LSN and open
-        sessions, and fence any earlier writer with a new epoch."""
+        sessions, and fence any earlier writer with a new epoch.
+
+        ``url`` is one server URL, several separated by commas, or a list (a
+        cluster's nodes: the client reconnects to another when one dies).
+        A publish that fails for want of a stream leader (no responders, a
+        timeout, a lost connection: a leader election) is retried with the
+        same message ids until ``failover_timeout_s`` after its first failure;
+        past that the log goes fatal, naming stream, subject and LSN. Each
+        try waits at most ``publish_timeout_s`` for its ack."""
         if not isinstance(stream, str) or not _STREAM_RE.fullmatch(stream):
             raise ValueError(f"stream name: expected letters, digits, '-' or '_' (1..200), found {stream!r}")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 5:
             raise ValueError(f"replicas: expected an int in 1..5, found {replicas!r}")
         if not duplicate_window_s > 0:
             raise ValueError(f"duplicate_window_s: expected seconds > 0, found {duplicate_window_s!r}")
+        for name, value in (("publish_timeout_s", publish_timeout_s), ("failover_timeout_s", failover_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}: expected seconds > 0, found {value!r}")
         self = cls(url=url, stream=stream, partition=partition, clock=clock)
+        self._publish_timeout_s, self._failover_timeout_s = float(publish_timeout_s), float(failover_timeout_s)
         try:
             self._bridge.call(self._open(replicas, duplicate_window_s, connect_timeout_s, publish_timeout_s))
         except BaseException:
@@ -218,7 +274,21 @@ class JetStreamLog(EventLog):
         async def on_error(exc: Exception) -> None:
             log.warning("jetstream.connection_error", subject=self.subject, error=repr(exc))
 
-        self._nc = await nats.connect(self.url, connect_timeout=connect_timeout_s, error_cb=on_error, allow_reconnect=True)
+        servers = [self.url] if isinstance(self.url, str) else list(self.url)
+        servers = [u.strip() for entry in servers for u in str(entry).split(",") if u.strip()]
+        if not servers:
+            raise ValueError(f"url: expected a nats:// URL or a list of them, found {self.url!r}")
+        # Reconnect without limit and quickly: when the node this client is on
+        # dies, the writer must reach the survivors while the stream elects a
+        # leader; the failover deadline, not the connection, bounds an append.
+        self._nc = await nats.connect(
+            servers=servers,
+            connect_timeout=connect_timeout_s,
+            error_cb=on_error,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.2,
+        )
         self._max_payload = self._nc.max_payload
         self._js = self._nc.jetstream(timeout=publish_timeout_s)
         try:
@@ -239,11 +309,63 @@ class JetStreamLog(EventLog):
             raise LogError(f"{self.where}: the stream has {info.config.num_replicas} replicas, expected {replicas}")
         if not info.config.allow_atomic:
             raise LogError(f"{self.where}: the stream does not allow atomic batches (allow_atomic); create it with JetStreamLog.open")
-        await self._recover()
+        await self._recover_to_leader_end()
         await self._fence()
         self._queue = asyncio.Queue()
         self._writer = asyncio.get_running_loop().create_task(self._write_loop())
         self._writer.add_done_callback(self._writer_ended)
+
+    async def _recover_to_leader_end(self) -> None:
+        """:meth:`_recover`, read until the end the stream leader knows.
+
+        Direct gets are answered by any replica, and a replica may lag the
+        leader (just restarted, or a few ms behind); a writer that recovered
+        from one would fence on a stale sequence and take the refusal for a
+        newer writer. So the subject's last sequence is asked of the leader
+        first, and recovery is read again until it reaches that. Waiting for
+        the leader also covers opening during an election or on a stream
+        just created (no direct-get responders yet). Bounded by
+        ``failover_timeout_s``."""
+        from nats.js.errors import NotFoundError
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._failover_timeout_s
+        retry_errors = _retry_errors()
+
+        async def answered(what: str, call) -> Any:
+            """``call()``'s answer (None for "no message"), asked until the deadline."""
+            from nats.js.errors import APIError
+
+            while True:
+                try:
+                    return await asyncio.wait_for(call(), timeout=min(self._publish_timeout_s, _LANDED_TIMEOUT_S))
+                except NotFoundError:
+                    return None
+                except (APIError, *retry_errors) as exc:
+                    if isinstance(exc, APIError) and exc.code != 503:
+                        raise
+                    if loop.time() >= deadline:
+                        raise LogError(
+                            f"{self.where}: {what} not answered within failover_timeout_s={self._failover_timeout_s:g}: {exc!r}"
+                        ) from exc
+                    await asyncio.sleep(_RETRY_PAUSE_MIN_S)
+
+        while True:
+            last = await answered("the stream leader (last message of the subject)", lambda: self._js.get_msg(self.stream, subject=self.subject))
+            end = last.seq if last is not None else 0
+            await answered("a direct get", lambda: self._js.get_msg(self.stream, subject=self.subject, direct=True))
+            await self._recover()
+            if self._last_seq >= end:
+                return
+            if loop.time() >= deadline:
+                raise LogError(
+                    f"{self.where}: the replicas answering reads stay behind the leader (sequence {self._last_seq} "
+                    f"< {end}) for failover_timeout_s={self._failover_timeout_s:g}"
+                )
+            log.info("jetstream.recover_lagging_replica", subject=self.subject, read_to=self._last_seq, leader_end=end)
+            self._next, self._last_seq = 0, 0
+            self._next_seq.clear()
+            await asyncio.sleep(_RETRY_PAUSE_MIN_S)
 
     def _writer_ended(self, task: asyncio.Task) -> None:
         """The writer task never dies silently: an unexpected end makes the log fatal, logged."""
@@ -270,17 +392,13 @@ class JetStreamLog(EventLog):
         self.epoch = epoch + 1
 
     async def _fence(self) -> None:
-        """Publish this writer's fence; a racing writer that fenced first wins."""
+        """Publish this writer's fence; a racing writer that fenced first wins.
+        Retried through a leader election like any append (same message id)."""
         from nats.js.errors import APIError
 
-        headers = {
-            HDR_KIND: KIND_FENCE,
-            HDR_EPOCH: str(self.epoch),
-            HDR_MSG_ID: f"{self.partition}:{self.epoch}:fence",
-            HDR_EXPECTED_LAST_SUBJECT_SEQ: str(self._last_seq),
-        }
+        fence = _Msg(self._next, b"", {HDR_KIND: KIND_FENCE, HDR_MSG_ID: f"{self.partition}:{self.epoch}:fence"})
         try:
-            ack = await self._js.publish(self.subject, b"", headers=headers)
+            await self._publish([fence])
         except APIError as exc:
             if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
                 raise LogFenced(
@@ -288,7 +406,6 @@ class JetStreamLog(EventLog):
                     epoch=self.epoch,
                 ) from exc
             raise
-        self._last_seq = ack.seq
 
     async def _messages(self, from_seq: int) -> AsyncIterator[tuple[int, dict | None, bytes | None]]:
         """(stream seq, headers, data or None for a fence) of the subject's
@@ -438,7 +555,9 @@ class JetStreamLog(EventLog):
             else:
                 err = LogError(f"{self.where}: publish of lsn {i} refused: {exc}")
             self._go_fatal(err, group)
-        except Exception as exc:  # timeouts, lost connection: fatal, never silent
+        except FailoverExpired as exc:
+            self._go_fatal(LogError(f"{self.where}: publish of lsn {i} (and later) not acknowledged: {exc}"), group)
+        except Exception as exc:  # anything else: fatal, never silent
             self._go_fatal(LogError(f"{self.where}: publish of lsn {i} failed: {exc!r}"), group)
         else:
             for _, _, done in group:
@@ -446,56 +565,103 @@ class JetStreamLog(EventLog):
 
     async def _publish(self, msgs: list[_Msg]) -> None:
         """Publish ``msgs`` as one atomic batch (a lone message as a plain
-        publish), fenced on the subject's last sequence.
+        publish), fenced on the subject's last sequence; return once
+        JetStream acknowledged it, exactly once.
 
-        A publish that times out is retried with the same message ids. The
-        server checks the expected last sequence before the duplicate window,
-        so a retry of a publish that did land is refused ("wrong last
-        sequence", or for a batch "duplicate message id"); the writer then looks at the subject's last message, and if
-        it carries this batch's last message id, the batch landed."""
-        import nats.errors
+        A try that fails for want of a stream leader (no responders, a
+        timeout, a lost or reconnecting connection, 503, a batch cut short by
+        a reconnect) is retried with the same message ids, with a growing
+        pause, until ``failover_timeout_s`` after the first failure; then
+        :class:`FailoverExpired`. A try may have landed although its ack was
+        lost, and a retry of it is then refused (the expected last sequence
+        moved: 10071; a batch's ids are in the duplicate window: 10201; a
+        message id still being proposed: 10158), so after every failure the
+        writer looks at the subject's last message (:meth:`_landed`): if it
+        carries this batch's last message id, the batch landed; if the
+        subject moved past what this writer knows to someone else's message,
+        the writer was fenced and the refusal is raised; otherwise it tries
+        again. Any other refusal is raised at once."""
         from nats.js.errors import APIError
 
+        retry_errors = _retry_errors()
         last_id = msgs[-1].headers[HDR_MSG_ID]
         lsn = msgs[0].lsn
-        for attempt in range(PUBLISH_ATTEMPTS):
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        pause = _RETRY_PAUSE_MIN_S
+        attempt = 0
+        while True:
+            timeout = self._publish_timeout_s
+            if deadline is not None:
+                timeout = max(0.05, min(timeout, deadline - loop.time()))
             try:
-                self._last_seq = await self._publish_once(msgs, attempt)
+                self._last_seq = await self._publish_once(msgs, attempt, timeout)
+                if attempt:
+                    log.info("jetstream.publish_recovered", subject=self.subject, lsn=lsn, attempts=attempt + 1)
                 return
-            except nats.errors.TimeoutError:
-                log.warning("jetstream.publish_timeout", subject=self.subject, lsn=lsn, attempt=attempt)
-                landed = await self._landed(last_id)
-                if landed is not None:
-                    self._last_seq = landed
-                    return
-                if attempt == PUBLISH_ATTEMPTS - 1:
-                    raise
             except APIError as exc:
-                if attempt and exc.err_code in (ERR_WRONG_LAST_SEQUENCE, ERR_BATCH_DUPLICATE_MSG_ID):
+                if exc.err_code in _MAYBE_LANDED:
                     landed = await self._landed(last_id)
-                    if landed is not None:
+                    if landed == _MOVED:
+                        raise
+                    if isinstance(landed, int):
                         self._last_seq = landed
                         return
-                raise
+                elif not (exc.code == 503 or exc.err_code in _RETRY_API_CODES):
+                    raise
+                error: Exception = exc
+            except retry_errors as exc:
+                error = exc
+                landed = await self._landed(last_id)
+                if isinstance(landed, int):
+                    self._last_seq = landed
+                    return
+            now = loop.time()
+            if deadline is None:
+                deadline = now + self._failover_timeout_s
+            if now >= deadline:
+                raise FailoverExpired(
+                    f"no ack from stream {self.stream!r} within failover_timeout_s={self._failover_timeout_s:g} "
+                    f"after {attempt + 1} tries; last error: {error!r}"
+                ) from error
+            log.warning(
+                "jetstream.publish_retry", subject=self.subject, lsn=lsn, attempt=attempt, error=repr(error),
+                left_s=round(deadline - now, 2),
+            )
+            await asyncio.sleep(min(pause, max(0.0, deadline - now)))
+            pause = min(pause * 2, _RETRY_PAUSE_MAX_S)
+            attempt += 1
 
     def _msg_id(self, lsn: int) -> str:
         return f"{self.partition}:{self.epoch}:{lsn}"
 
-    async def _landed(self, msg_id: str) -> int | None:
-        """The stream sequence of the subject's last message when it is
-        ``msg_id``; None when it is not, or the server did not answer in time
-        (the caller then publishes again, with the same ids)."""
-        import nats.errors
-        from nats.js.errors import NotFoundError
+    async def _landed(self, msg_id: str) -> int | str | None:
+        """Where the subject's end is, as a replica sees it: the stream
+        sequence of its last message when that carries ``msg_id`` (it
+        landed); :data:`_MOVED` when the last message is another's, past the
+        last sequence this writer knows (a newer writer, or a foreign
+        client); None when it is not known (no answer in time, no leader,
+        or a replica that has not caught up), and the caller tries again."""
+        from nats.js.errors import APIError, NotFoundError
 
         try:
-            msg = await self._js.get_msg(self.stream, subject=self.subject, direct=True)
-        except (NotFoundError, nats.errors.TimeoutError):
+            # Direct get may be answered by any replica: one that has a
+            # message has it committed, so "landed" is sure; one that lags
+            # shows an older end, which is read as "not known", not as fenced.
+            msg = await asyncio.wait_for(
+                self._js.get_msg(self.stream, subject=self.subject, direct=True),
+                timeout=min(self._publish_timeout_s, _LANDED_TIMEOUT_S),
+            )
+        except NotFoundError:
             return None
-        return msg.seq if (msg.headers or {}).get(HDR_MSG_ID) == msg_id else None
+        except (APIError, *_retry_errors()):
+            return None
+        if (msg.headers or {}).get(HDR_MSG_ID) == msg_id:
+            return msg.seq
+        return _MOVED if msg.seq > self._last_seq else None
 
-    async def _publish_once(self, msgs: list[_Msg], attempt: int) -> int:
-        """One try; the stream sequence of the last message stored."""
+    async def _publish_once(self, msgs: list[_Msg], attempt: int, timeout: float) -> int:
+        """One try, waiting ``timeout`` s for the ack; the stream sequence of the last message stored."""
         import json
 
         from nats.js.errors import APIError
@@ -503,7 +669,8 @@ class JetStreamLog(EventLog):
         first = {HDR_EXPECTED_LAST_SUBJECT_SEQ: str(self._last_seq)}
         epoch = {HDR_EPOCH: str(self.epoch)}
         if len(msgs) == 1:
-            return (await self._js.publish(self.subject, msgs[0].data, headers={**msgs[0].headers, **epoch, **first})).seq
+            ack = await self._js.publish(self.subject, msgs[0].data, timeout=timeout, headers={**msgs[0].headers, **epoch, **first})
+            return ack.seq
         batch_id = f"{msgs[0].headers[HDR_MSG_ID]}:b{attempt}"  # a fresh id per try: a half-sent batch is abandoned whole
         for i, msg in enumerate(msgs):
             headers = {**msg.headers, **epoch, "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(i + 1), **(first if i == 0 else {})}
@@ -511,7 +678,7 @@ class JetStreamLog(EventLog):
                 await self._nc.publish(self.subject, msg.data, headers=headers)
                 continue
             headers["Nats-Batch-Commit"] = "1"
-            reply = await self._nc.request(self.subject, msg.data, headers=headers, timeout=self._js._timeout)
+            reply = await self._nc.request(self.subject, msg.data, headers=headers, timeout=timeout)
             resp = json.loads(reply.data)
             if "error" in resp:
                 raise APIError.from_error(resp["error"])

@@ -219,16 +219,22 @@ class TestFileLogNoFsync(LogContract):
         return FileLog.open(tmp_path / "log", clock=clock, fsync="never")
 
 
+@pytest.mark.required
 class TestJetStreamLog(LogContract):
-    """The same contract on one JetStream partition (a fresh stream per test)."""
+    """The same contract on one JetStream partition (a fresh stream per test),
+    on one server (R1) and on the 3-node loopback cluster with replicas 3 (R3):
+    one server and one cluster per module."""
 
     streams = itertools.count()
 
-    @pytest.fixture(autouse=True)
-    def _server(self, nats_server):
-        self.server = nats_server
+    @pytest.fixture(autouse=True, params=["r1", "r3"])
+    def _server(self, request):
+        if request.param == "r1":
+            self.urls, self.replicas = request.getfixturevalue("nats_server").url, 1
+        else:
+            self.urls, self.replicas = request.getfixturevalue("nats_cluster").urls, 3
 
     def make_log(self, tmp_path, clock):
         from agentlog.events.log_jetstream import JetStreamLog
 
-        return JetStreamLog.open(self.server.url, f"contract{next(self.streams)}", 3, clock=clock)
+        return JetStreamLog.open(self.urls, f"contract{next(self.streams)}", 3, replicas=self.replicas, clock=clock)
