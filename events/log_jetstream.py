@@ -35,7 +35,23 @@ An ``append_batch`` is one JetStream atomic batch (``allow_atomic``, server
 
 A record over the server's max payload is split into chunks
 (``Agentlog-Chunk: i/k``) inside its append's atomic batch, so a reader
-gets it whole or not at all.
+gets it whole or not at all. The server bounds an atomic batch by its count
+of messages (1000), not by bytes: one batch of 500 MB (500 chunks) commits
+whole on R3 (measured, nats-server 2.15). A group commit is cut into
+batches only between records, so a record stays in one batch; the limit is
+one record of 1000 chunks (about 1000 x (max payload - 4 KiB), ~1 GB at the
+default 1 MiB), and a larger one is refused before anything is written.
+
+Failover (a stream leader lost on a cluster): the client holds every
+node's URL and reconnects without limit. A publish that fails for want of a
+leader (no responders, a timeout, a reconnect, a 503) is retried with the
+same message ids until ``failover_timeout_s`` after its first failure; after
+each failure the writer looks at the subject's last message, so a try that
+landed although its ack was lost is acknowledged once, never twice. Past the
+deadline the log goes fatal naming stream, subject and LSN; an append is
+never acknowledged unless JetStream acknowledged it. The server elects a new
+stream leader 4 to 9 s after losing one (raft timing constants of
+nats-server, not configurable), so appends stall that long and resume.
 
 Not yet: a sparse
 LSN -> sequence index for reads from a late LSN (reads scan from the start).
