@@ -50,6 +50,11 @@ from .log_api import (  # noqa: F401
 _LAZY = {
     "FSYNC_POLICIES": "log_writer",
     "FileLog": "log_writer",
+    "JetStreamLog": "log_jetstream",
+    "JetStreamRef": "log_jetstream_read",
+    "JetStreamRun": "log_jetstream_read",
+    "is_nats_url": "log_jetstream_read",
+    "parse_nats_url": "log_jetstream_read",
     "OsOps": "log_writer",
     "RawRecord": "log_read",
     "follow_log": "log_read",

@@ -69,8 +69,20 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple,
 from .._logging import get_logger
 from .log_api import CheckedRecord, EventLog, LogClosed, LogCorruption, LogError, LogFenced, PendingRecord
 from .log_format import ENV_HDR, FLAG_TERMINAL, FRAME_HDR, FRAME_PREFIX, TYPE_RECORD, crc_value, encode_frame, mask_crc
-from .log_read import RawRecord
-from .partitions import partition_name
+from .log_jetstream_read import (
+    HDR_CHUNK,
+    HDR_KIND,
+    HDR_MSG_ID,
+    KIND_FENCE,
+    STREAM_RE,
+    Bridge,
+    ChunkJoiner,
+    decode_message,
+    log_name,
+    read_subject,
+    follow_subject,
+    require_nats,
+)
 from .types import TERMINAL_EVENT_TYPES, Envelope
 
 log = get_logger(__name__)
@@ -79,17 +91,10 @@ log = get_logger(__name__)
 ERR_WRONG_LAST_SEQUENCE = 10071
 #: An atomic batch whose message ids are already in the duplicate window (a retry of one that landed).
 ERR_BATCH_DUPLICATE_MSG_ID = 10201
-HDR_MSG_ID = "Nats-Msg-Id"
 HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 HDR_EPOCH = "Agentlog-Epoch"
-HDR_KIND = "Agentlog-Kind"
-#: "i/k" on the messages of a record split into k chunks (i from 1); absent on a whole record.
-HDR_CHUNK = "Agentlog-Chunk"
 #: Room left in each chunk for the message's headers (the server's max payload counts both).
 _HEADER_ROOM = 4096
-KIND_FENCE = "fence"
-_STREAM_RE = re.compile(r"[A-Za-z0-9_-]{1,200}")
-_READ_CHUNK = 256
 #: The server's default limit of messages in one atomic batch; a longer
 #: append_batch is published as consecutive batches (atomic per 1000).
 MAX_BATCH = 1000
@@ -111,77 +116,12 @@ _LANDED_TIMEOUT_S = 1.0
 _MOVED = "moved"
 
 
-def _require_nats():
-    try:
-        import nats  # noqa: F401
-    except ImportError as exc:  # a clear cure, not a bare ImportError
-        raise LogError("JetStreamLog needs nats-py: pip install 'agentlog[nats]'") from exc
-    return nats
-
-
-def decode_message(data: bytes, where: str, expected_lsn: int) -> RawRecord:
-    """The record one JetStream message holds: its frame checked exactly as a
-    segment reader checks it (type, length, CRC, LSN). Raises LogCorruption
-    naming ``where`` and what was wrong."""
-
-    def bad(reason: str) -> LogCorruption:
-        return LogCorruption(f"{where}: {reason}", segment=where, last_good_lsn=expected_lsn - 1)
-
-    if len(data) < FRAME_PREFIX + ENV_HDR.size:
-        raise bad(f"message of {len(data)} bytes is shorter than a frame header ({FRAME_PREFIX + ENV_HDR.size})")
-    crc, length, typ = FRAME_HDR.unpack_from(data, 0)
-    if typ != TYPE_RECORD:
-        raise bad(f"type byte {typ} (expected a record, type {TYPE_RECORD})")
-    if FRAME_PREFIX + length != len(data):
-        raise bad(f"frame length {length} does not match the message ({len(data) - FRAME_PREFIX} bytes after the header)")
-    view = memoryview(data)
-    if mask_crc(crc_value(data[4:])) != crc:
-        raise bad("CRC mismatch")
-    lsn, seq, ts, flags, sidlen = ENV_HDR.unpack_from(data, FRAME_PREFIX)
-    if lsn != expected_lsn:
-        raise bad(f"lsn {lsn}, expected {expected_lsn}")
-    p = FRAME_PREFIX + ENV_HDR.size
-    if p + sidlen > len(data):
-        raise bad(f"session-id length {sidlen} exceeds the frame")
-    try:
-        sid = bytes(view[p : p + sidlen]).decode("utf-8")
-    except UnicodeDecodeError:
-        raise bad("session id is not UTF-8") from None
-    return RawRecord(lsn, sid, seq, ts, bool(flags & FLAG_TERMINAL), view[p + sidlen :])
-
-
 class _Msg(NamedTuple):
     """One message to publish: the record's LSN, its data, its own headers."""
 
     lsn: int
     data: bytes
     headers: dict[str, str]
-
-
-class _Bridge:
-    """A daemon thread running one asyncio loop (the NATS connection lives there)."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def submit(self, coro) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call(self, coro, timeout: float | None = None) -> Any:
-        return self.submit(coro).result(timeout)
-
-    def stop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        if not self.thread.is_alive():
-            self.loop.close()
 
 
 def _retry_errors() -> tuple[type[BaseException], ...]:
@@ -222,7 +162,7 @@ class JetStreamLog(EventLog):
     def __init__(self, *, url: str, stream: str, partition: int, clock: Callable[[], int]) -> None:
         super().__init__(clock)
         self.url, self.stream, self.partition = url, stream, partition
-        self.subject = f"{stream}.{partition_name(partition)}"
+        self.subject = f"{stream}.{log_name(partition)}"
         self.where = f"nats stream {stream!r} subject {self.subject!r}"
         self.epoch = 0
         self._lock = threading.Lock()  # check + LSN assignment + submission, in one order
@@ -231,7 +171,7 @@ class JetStreamLog(EventLog):
         self._max_payload = 1 << 20
         self._closed = False
         self._fatal: str | None = None
-        self._bridge = _Bridge(f"jetstream-{self.subject}")
+        self._bridge = Bridge(f"jetstream-{self.subject}")
         self._queue: asyncio.Queue | None = None
         self._writer: asyncio.Task | None = None
         self._nc = self._js = None
@@ -263,7 +203,7 @@ class JetStreamLog(EventLog):
         same message ids until ``failover_timeout_s`` after its first failure;
         past that the log goes fatal, naming stream, subject and LSN. Each
         try waits at most ``publish_timeout_s`` for its ack."""
-        if not isinstance(stream, str) or not _STREAM_RE.fullmatch(stream):
+        if not isinstance(stream, str) or not STREAM_RE.fullmatch(stream):
             raise ValueError(f"stream name: expected letters, digits, '-' or '_' (1..200), found {stream!r}")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 5:
             raise ValueError(f"replicas: expected an int in 1..5, found {replicas!r}")
@@ -283,7 +223,7 @@ class JetStreamLog(EventLog):
         return self
 
     async def _open(self, replicas: int, window_s: float, connect_timeout_s: float, publish_timeout_s: float) -> None:
-        nats = _require_nats()
+        nats = require_nats()
         from nats.js.api import StorageType, StreamConfig
         from nats.js.errors import NotFoundError
 
@@ -394,17 +334,25 @@ class JetStreamLog(EventLog):
                     done.set_exception(LogClosed(f"{self.where}: fatal ({self._fatal})"))
 
     async def _recover(self) -> None:
-        """Rebuild next LSN, open sessions and the last epoch from the subject."""
+        """Rebuild next LSN, open sessions and the last epoch from the subject
+        (read through an ordered consumer, every frame checked)."""
+        from .log_jetstream_read import SubjectCursor, last_seq
+
+        cur = SubjectCursor(self._js, self.stream, self.subject, self.where, 0, raw=True, to_end=True)
+        await cur.start()
+        try:
+            while not cur.done:
+                for rec in await cur.take(1024, 0.0):
+                    self._advance(rec.decode())
+                    self._next = rec.lsn + 1
+        finally:
+            await cur.close()
+        self._last_seq = cur.end
+        # Every message carries its writer's epoch; the subject's last one has the newest.
         epoch = -1
-        async for seq, headers, data in self._frames(1):
-            self._last_seq = seq
-            epoch = max(epoch, int((headers or {}).get(HDR_EPOCH, 0)))
-            if data is None:
-                continue
-            rec = decode_message(data, f"{self.where} seq {seq}", self._next)
-            env = rec.decode()
-            self._advance(env)
-            self._next += 1
+        if cur.end:
+            last = await self._js.get_msg(self.stream, subject=self.subject, direct=True)
+            epoch = int((last.headers or {}).get(HDR_EPOCH, 0))
         self.epoch = epoch + 1
 
     async def _fence(self) -> None:
@@ -422,45 +370,6 @@ class JetStreamLog(EventLog):
                     epoch=self.epoch,
                 ) from exc
             raise
-
-    async def _messages(self, from_seq: int) -> AsyncIterator[tuple[int, dict | None, bytes | None]]:
-        """(stream seq, headers, data or None for a fence) of the subject's
-        messages from ``from_seq`` up to the current end, by direct get."""
-        from nats.js.errors import NotFoundError
-
-        seq = from_seq
-        while True:
-            try:
-                msg = await self._js.get_msg(self.stream, seq=seq, subject=self.subject, next=True, direct=True)
-            except NotFoundError:
-                return
-            headers = msg.headers or {}
-            yield msg.seq, headers, (None if headers.get(HDR_KIND) == KIND_FENCE else (msg.data or b""))
-            seq = msg.seq + 1
-
-    async def _frames(self, from_seq: int) -> AsyncIterator[tuple[int, dict | None, bytes | None]]:
-        """Like :meth:`_messages`, with a chunked record joined whole: yielded
-        at the sequence of its last chunk, never partly (an atomic batch
-        stores all chunks or none; chunks that stop short at the end of the
-        subject are not yielded). Chunks out of order raise LogCorruption."""
-        parts: list[bytes] = []
-        first = 0
-        async for seq, headers, data in self._messages(from_seq):
-            chunk = headers.get(HDR_CHUNK) if data is not None else None
-            if chunk is None:
-                if parts:
-                    raise LogCorruption(f"{self.where} seq {seq}: a whole message inside the chunks begun at seq {first}", segment=self.where)
-                yield seq, headers, data
-                continue
-            i, _, k = chunk.partition("/")
-            if not (i.isdigit() and k.isdigit() and int(i) == len(parts) + 1 <= int(k)):
-                raise LogCorruption(f"{self.where} seq {seq}: chunk {chunk!r}, expected {len(parts) + 1}/k", segment=self.where)
-            if not parts:
-                first = seq
-            parts.append(data)
-            if int(i) == int(k):
-                joined, parts = b"".join(parts), []
-                yield seq, headers, joined
 
     # -- writing -------------------------------------------------------------
 
@@ -723,42 +632,13 @@ class JetStreamLog(EventLog):
 
     # -- reading -------------------------------------------------------------
 
-    async def _fetch(self, from_seq: int, expected_lsn: int, limit: int) -> tuple[list[Envelope], int]:
-        out: list[Envelope] = []
-        seq = from_seq
-        async for seq_i, _headers, data in self._frames(from_seq):
-            seq = seq_i + 1
-            if data is None:
-                continue
-            rec = decode_message(data, f"{self.where} seq {seq_i}", expected_lsn + len(out))
-            out.append(rec.decode())
-            if len(out) >= limit:
-                break
-        return out, seq
-
-    def read(self, from_lsn: int = 0) -> Iterator[Envelope]:
+    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Envelope]:
         if self._closed:
             raise LogClosed(f"{self.where}: closed")
-        seq, lsn = 1, 0
-        while True:
-            batch, seq = self._bridge.call(self._fetch(seq, lsn, _READ_CHUNK))
-            if not batch:
-                return
-            lsn += len(batch)
-            for env in batch:
-                if env.lsn >= from_lsn:
-                    yield env
+        return read_subject(self._bridge, self._js, self.stream, self.subject, self.where, from_lsn, raw=raw)
 
-    async def follow(self, from_lsn: int = 0, *, poll_s: float = 0.05) -> AsyncIterator[Envelope]:
-        seq, lsn = 1, 0
-        while True:
-            batch, seq = await asyncio.wrap_future(self._bridge.submit(self._fetch(seq, lsn, _READ_CHUNK)))
-            lsn += len(batch)
-            for env in batch:
-                if env.lsn >= from_lsn:
-                    yield env
-            if not batch:
-                await asyncio.sleep(poll_s)
+    def follow(self, from_lsn: int = 0, *, poll_s: float = 0.05, raw: bool = False) -> AsyncIterator[Envelope]:
+        return follow_subject(self._bridge, self._js, self.stream, self.subject, self.where, from_lsn, raw=raw, poll_s=poll_s)
 
     # -- closing -------------------------------------------------------------
 

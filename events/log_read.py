@@ -272,8 +272,15 @@ def read_log(
 
     With ``durable_only`` (default) it stops at the DURABLE watermark; when
     no watermark file exists (a copied log) it reads every valid frame. A torn
-    tail ends the iteration; corruption raises LogCorruption.
+    tail ends the iteration; corruption raises LogCorruption. ``path`` may
+    also be a :class:`~agentlog.events.log_jetstream_read.JetStreamRef`.
     """
+    if hasattr(path, "cursor"):  # a log on JetStream (log_jetstream_read.JetStreamRef): only acknowledged records exist
+        return path.read(from_lsn, raw=raw)
+    return _read_dir(path, from_lsn, durable_only, raw, max_record_bytes)
+
+
+def _read_dir(path, from_lsn: int, durable_only: bool, raw: bool, max_record_bytes: int) -> Iterator[Envelope]:
     directory = existing_log_dir(path)
     durable = read_watermark(directory) if durable_only else None
     limit = durable.lsn if durable else None
@@ -325,7 +332,9 @@ async def follow_logs(
     read afresh each round: a partition the caller removes from it is no
     longer read. With ``idle_s``, ``(None, None)`` is yielded after each
     ``idle_s`` with nothing new: a heartbeat for a consumer that must act on
-    silence (declare a partition lost)."""
+    silence (declare a partition lost). A value of ``paths`` may also be a
+    :class:`~agentlog.events.log_jetstream_read.JetStreamRef` (a log on
+    JetStream, read through an ordered consumer)."""
     starts = dict(from_lsn or {})
     cursors: dict[int, Cursor] = {}
     quiet_since = time.monotonic()
@@ -333,6 +342,14 @@ async def follow_logs(
         while True:
             n = 0
             for pid, path in list(paths.items()):
+                if hasattr(path, "cursor"):  # a log on JetStream: its cursor never waits
+                    cur = cursors.get(pid)
+                    if cur is None:
+                        cur = cursors[pid] = path.cursor(starts.get(pid, 0), raw=raw)
+                    for env in await cur.records(chunk):
+                        yield pid, env
+                        n += 1
+                    continue
                 directory = Path(path)
                 cur = cursors.get(pid)
                 if cur is None:

@@ -109,15 +109,19 @@ def read_partitions(root: str | os.PathLike, *, raw: bool = False) -> Iterator[t
     the log. An error while reading a partition (corruption, a missing
     segment) is re-raised as the same kind of error, its message prefixed
     by the partition's name and directory (the log layer's message names
-    the segment, offset and LSN)."""
+    the segment, offset and LSN). ``root`` may also be a
+    :class:`~agentlog.events.log_jetstream_read.JetStreamRun` (a run's
+    stream on JetStream, one subject per partition)."""
     import heapq
 
     from .log_read import read_log
 
-    root = Path(root)
+    remote = hasattr(root, "partitions")  # a run's stream on JetStream (log_jetstream_read.JetStreamRun)
+    if not remote:
+        root = Path(root)
 
     def one(pid: int) -> Iterator[tuple[int, int, int, Any]]:
-        where = partition_dir(root, pid)
+        where = root.log(pid) if remote else partition_dir(root, pid)
         it = read_log(where, raw=raw)
         try:
             for rec in it:
@@ -130,7 +134,8 @@ def read_partitions(root: str | os.PathLike, *, raw: bool = False) -> Iterator[t
             it.close()
 
     # The key (ts_ns, pid, lsn) is unique, so merge never compares records.
-    for _ts, pid, _lsn, rec in heapq.merge(*(one(pid) for pid in list_partitions(root)), key=lambda t: t[:3]):
+    pids = root.partitions() if remote else list_partitions(root)
+    for _ts, pid, _lsn, rec in heapq.merge(*(one(pid) for pid in pids), key=lambda t: t[:3]):
         yield pid, rec
 
 

@@ -75,3 +75,7 @@ def short_demo_run(tmp_path_factory) -> tuple[Path, str]:
         rc = cli_main([*SHORT_DEMO_ARGS, "--out", str(cwd / "runs" / "demo")])
     assert rc == 0, out.getvalue()
     return cwd, out.getvalue()
+
+# The JetStream fixtures (tests/nats_helpers.py), for every test: a 3-node
+# loopback cluster per module, and one server for the JetStreamLog tests.
+from nats_helpers import nats_cluster, nats_cluster_module, nats_server  # noqa: E402, F401

@@ -23,8 +23,3 @@ def fast_tmp(tmp_path):
         shutil.rmtree(d, ignore_errors=True)
     else:
         yield tmp_path
-
-
-# The JetStream fixtures (tests/events/nats_helpers.py), for every test module here: a
-# 3-node cluster, and one server for the JetStreamLog tests.
-from nats_helpers import nats_cluster, nats_cluster_module, nats_server  # noqa: E402, F401

@@ -8,7 +8,7 @@ marked ``required`` turns that skip into a failure under CI=true.
 and one meta leader again, so a test that killed a node does not leave the
 next test a 2-node cluster.
 
-Both are registered for tests/events by its conftest.py.
+They are registered for the whole suite by tests/conftest.py.
 """
 
 from __future__ import annotations
