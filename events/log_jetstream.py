@@ -282,7 +282,7 @@ class JetStreamLog(EventLog):
         the leader also covers opening during an election or on a stream
         just created (no direct-get responders yet). Bounded by
         ``failover_timeout_s``."""
-        from nats.js.errors import NotFoundError
+        from nats.js.errors import APIError, NotFoundError
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._failover_timeout_s
@@ -290,8 +290,6 @@ class JetStreamLog(EventLog):
 
         async def answered(what: str, call) -> Any:
             """``call()``'s answer (None for "no message"), asked until the deadline."""
-            from nats.js.errors import APIError
-
             while True:
                 try:
                     return await asyncio.wait_for(call(), timeout=min(self._publish_timeout_s, _LANDED_TIMEOUT_S))
@@ -310,15 +308,27 @@ class JetStreamLog(EventLog):
             last = await answered("the stream leader (last message of the subject)", lambda: self._js.get_msg(self.stream, subject=self.subject))
             end = last.seq if last is not None else 0
             await answered("a direct get", lambda: self._js.get_msg(self.stream, subject=self.subject, direct=True))
-            await self._recover()
-            if self._last_seq >= end:
-                return
-            if loop.time() >= deadline:
-                raise LogError(
-                    f"{self.where}: the replicas answering reads stay behind the leader (sequence {self._last_seq} "
-                    f"< {end}) for failover_timeout_s={self._failover_timeout_s:g}"
-                )
-            log.info("jetstream.recover_lagging_replica", subject=self.subject, read_to=self._last_seq, leader_end=end)
+            try:
+                await self._recover()
+            except (APIError, *retry_errors) as exc:
+                # The reader's consumer is created through the meta leader,
+                # which may itself be the node just lost: try again.
+                if isinstance(exc, APIError) and exc.code != 503:
+                    raise
+                if loop.time() >= deadline:
+                    raise LogError(
+                        f"{self.where}: recovery not possible within failover_timeout_s={self._failover_timeout_s:g}: {exc!r}"
+                    ) from exc
+                log.warning("jetstream.recover_retry", subject=self.subject, error=repr(exc))
+            else:
+                if self._last_seq >= end:
+                    return
+                if loop.time() >= deadline:
+                    raise LogError(
+                        f"{self.where}: the replicas answering reads stay behind the leader (sequence {self._last_seq} "
+                        f"< {end}) for failover_timeout_s={self._failover_timeout_s:g}"
+                    )
+                log.info("jetstream.recover_lagging_replica", subject=self.subject, read_to=self._last_seq, leader_end=end)
             self._next, self._last_seq = 0, 0
             self._next_seq.clear()
             await asyncio.sleep(_RETRY_PAUSE_MIN_S)
