@@ -81,7 +81,9 @@ from .log_jetstream_read import (
     log_name,
     read_subject,
     follow_subject,
-    require_nats,
+    connect,
+    retried,
+    retry_errors,
 )
 from .types import TERMINAL_EVENT_TYPES, Envelope
 
@@ -122,25 +124,6 @@ class _Msg(NamedTuple):
     lsn: int
     data: bytes
     headers: dict[str, str]
-
-
-def _retry_errors() -> tuple[type[BaseException], ...]:
-    """Client-side failures of one publish try that a leader election or a
-    reconnect causes (the connection itself is never closed by the writer
-    while it is open)."""
-    import nats.errors
-    import nats.js.errors
-
-    return (
-        nats.errors.TimeoutError,
-        asyncio.TimeoutError,
-        nats.errors.NoRespondersError,
-        nats.js.errors.NoStreamResponseError,
-        nats.errors.ConnectionReconnectingError,
-        nats.errors.StaleConnectionError,
-        nats.errors.OutboundBufferLimitError,
-        nats.errors.FlushTimeoutError,
-    )
 
 
 class FailoverExpired(LogError):
@@ -223,28 +206,13 @@ class JetStreamLog(EventLog):
         return self
 
     async def _open(self, replicas: int, window_s: float, connect_timeout_s: float, publish_timeout_s: float) -> None:
-        nats = require_nats()
         from nats.js.api import StorageType, StreamConfig
         from nats.js.errors import NotFoundError
 
         async def on_error(exc: Exception) -> None:
             log.warning("jetstream.connection_error", subject=self.subject, error=repr(exc))
 
-        servers = [self.url] if isinstance(self.url, str) else list(self.url)
-        servers = [u.strip() for entry in servers for u in str(entry).split(",") if u.strip()]
-        if not servers:
-            raise ValueError(f"url: expected a nats:// URL or a list of them, found {self.url!r}")
-        # Reconnect without limit and quickly: when the node this client is on
-        # dies, the writer must reach the survivors while the stream elects a
-        # leader; the failover deadline, not the connection, bounds an append.
-        self._nc = await nats.connect(
-            servers=servers,
-            connect_timeout=connect_timeout_s,
-            error_cb=on_error,
-            allow_reconnect=True,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.2,
-        )
+        self._nc = await connect(self.url, connect_timeout_s, on_error)
         self._max_payload = self._nc.max_payload
         self._js = self._nc.jetstream(timeout=publish_timeout_s)
         try:
@@ -286,23 +254,15 @@ class JetStreamLog(EventLog):
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._failover_timeout_s
-        retry_errors = _retry_errors()
+        transient = retry_errors()
 
         async def answered(what: str, call) -> Any:
             """``call()``'s answer (None for "no message"), asked until the deadline."""
-            while True:
-                try:
-                    return await asyncio.wait_for(call(), timeout=min(self._publish_timeout_s, _LANDED_TIMEOUT_S))
-                except NotFoundError:
-                    return None
-                except (APIError, *retry_errors) as exc:
-                    if isinstance(exc, APIError) and exc.code != 503:
-                        raise
-                    if loop.time() >= deadline:
-                        raise LogError(
-                            f"{self.where}: {what} not answered within failover_timeout_s={self._failover_timeout_s:g}: {exc!r}"
-                        ) from exc
-                    await asyncio.sleep(_RETRY_PAUSE_MIN_S)
+            try:
+                return await retried(call, what, self.where, deadline - loop.time(),
+                                     min(self._publish_timeout_s, _LANDED_TIMEOUT_S), "failover_timeout_s")
+            except NotFoundError:
+                return None
 
         while True:
             last = await answered("the stream leader (last message of the subject)", lambda: self._js.get_msg(self.stream, subject=self.subject))
@@ -310,7 +270,7 @@ class JetStreamLog(EventLog):
             await answered("a direct get", lambda: self._js.get_msg(self.stream, subject=self.subject, direct=True))
             try:
                 await self._recover()
-            except (APIError, *retry_errors) as exc:
+            except (APIError, *transient) as exc:
                 # The reader's consumer is created through the meta leader,
                 # which may itself be the node just lost: try again.
                 if isinstance(exc, APIError) and exc.code != 503:
@@ -518,7 +478,7 @@ class JetStreamLog(EventLog):
         again. Any other refusal is raised at once."""
         from nats.js.errors import APIError
 
-        retry_errors = _retry_errors()
+        transient = retry_errors()
         last_id = msgs[-1].headers[HDR_MSG_ID]
         lsn = msgs[0].lsn
         loop = asyncio.get_running_loop()
@@ -545,7 +505,7 @@ class JetStreamLog(EventLog):
                 elif not (exc.code == 503 or exc.err_code in _RETRY_API_CODES):
                     raise
                 error: Exception = exc
-            except retry_errors as exc:
+            except transient as exc:
                 error = exc
                 landed = await self._landed(last_id)
                 if isinstance(landed, int):
@@ -589,7 +549,7 @@ class JetStreamLog(EventLog):
             )
         except NotFoundError:
             return None
-        except (APIError, *_retry_errors()):
+        except (APIError, *retry_errors()):
             return None
         if (msg.headers or {}).get(HDR_MSG_ID) == msg_id:
             return msg.seq

@@ -62,6 +62,66 @@ def require_nats():
     return nats
 
 
+def retry_errors() -> tuple[type[BaseException], ...]:
+    """Client-side failures of one request that a leader election or a
+    reconnect causes (the connection itself stays open)."""
+    import nats.errors
+    import nats.js.errors
+
+    return (
+        nats.errors.TimeoutError,
+        asyncio.TimeoutError,
+        nats.errors.NoRespondersError,
+        nats.js.errors.NoStreamResponseError,
+        nats.errors.ConnectionReconnectingError,
+        nats.errors.StaleConnectionError,
+        nats.errors.OutboundBufferLimitError,
+        nats.errors.FlushTimeoutError,
+    )
+
+
+#: Pause between tries of a request during an election.
+RETRY_PAUSE_S = 0.05
+
+
+async def retried(call, what: str, where: str, timeout_s: float, per_try_s: float, setting: str) -> Any:
+    """``await call()``, tried again for up to ``timeout_s`` while it fails the
+    way an election or a reconnect makes it fail (a client timeout, no
+    responders, a 503 from the server); any other error at once. Past the
+    deadline a LogError names ``where``, ``what`` was asked and the
+    ``setting`` that bounds it."""
+    from nats.js.errors import APIError
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    transient = retry_errors()
+    while True:
+        try:
+            return await asyncio.wait_for(call(), timeout=per_try_s)
+        except (APIError, *transient) as exc:
+            if isinstance(exc, APIError) and exc.code != 503:
+                raise
+            if loop.time() >= deadline:
+                raise LogError(f"{where}: {what} not answered within {setting}={timeout_s:g} s: {exc!r}") from exc
+            log.info("jetstream.retry", where=where, what=what, error=repr(exc))
+            await asyncio.sleep(RETRY_PAUSE_S)
+
+
+async def connect(url, connect_timeout_s: float, error_cb=None):
+    """A nats-py connection to ``url`` (one nats:// URL, several joined by
+    commas, or a list), reconnecting without limit and quickly: when the
+    node a client is on dies, it must reach the survivors while the stream
+    elects a leader; the callers' deadlines, not the connection, bound
+    their requests."""
+    nats = require_nats()
+    servers = [url] if isinstance(url, str) else list(url)
+    servers = [u.strip() for entry in servers for u in str(entry).split(",") if u.strip()]
+    if not servers:
+        raise ValueError(f"url: expected a nats:// URL or a list of them, found {url!r}")
+    return await nats.connect(servers=servers, connect_timeout=connect_timeout_s, error_cb=error_cb,
+                              allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+
+
 def is_nats_url(text: Any) -> bool:
     """Whether ``text`` names a JetStream log (``nats://...``) rather than a directory."""
     return isinstance(text, str) and text.startswith("nats://")
@@ -257,8 +317,10 @@ class SubjectCursor:
     :meth:`start` (``done`` is then set); otherwise it follows forever.
     Runs on the event loop that holds the connection."""
 
-    def __init__(self, js, stream: str, subject: str, where: str, from_lsn: int, *, raw: bool, to_end: bool) -> None:
+    def __init__(self, js, stream: str, subject: str, where: str, from_lsn: int, *, raw: bool, to_end: bool,
+                 start_timeout_s: float = 30.0) -> None:
         self.js, self.stream, self.subject, self.where = js, stream, subject, where
+        self.start_timeout_s = start_timeout_s
         self.from_lsn, self.raw, self.to_end = max(0, from_lsn), raw, to_end
         self.expected: int | None = None  # the LSN the next record must carry
         self.joiner = ChunkJoiner(where)
@@ -271,21 +333,33 @@ class SubjectCursor:
         """Find where to begin and subscribe (nothing to subscribe to for an empty subject read to its end)."""
         from nats.js.api import ConsumerConfig, DeliverPolicy
 
-        self.end = await last_seq(self.js, self.stream, self.subject)
+        # Every step goes through the stream's leaders (creating the consumer
+        # through the meta leader): during an election it is tried again,
+        # for up to start_timeout_s in all.
+        deadline = asyncio.get_running_loop().time() + self.start_timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - asyncio.get_running_loop().time())
+
+        def ask(what: str, call):
+            return retried(call, what, self.where, left(), 5.0, "start_timeout_s")
+
+        self.end = await ask("the subject's last message", lambda: last_seq(self.js, self.stream, self.subject))
         first = 1
         if self.from_lsn and self.end:
-            first = await seq_of_lsn(self.js, self.stream, self.subject, self.from_lsn, self.end)
+            first = await ask(f"the sequence of lsn {self.from_lsn}",
+                              lambda: seq_of_lsn(self.js, self.stream, self.subject, self.from_lsn, self.end))
         else:
             self.expected = 0
         if self.to_end and first > self.end:
             self.done = True
             return
-        self.sub = await self.js.subscribe(
+        self.sub = await ask("an ordered consumer", lambda: self.js.subscribe(
             self.subject,
             stream=self.stream,
             ordered_consumer=True,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first),
-        )
+        ))
 
     async def take(self, limit: int, wait_s: float) -> list:
         """Up to ``limit`` records; waits up to ``wait_s`` for the first
@@ -393,12 +467,13 @@ class JetStreamRun:
         return cls.open(url, stream, **kw)
 
     async def _open(self, connect_timeout_s: float, request_timeout_s: float) -> None:
-        nats = require_nats()
         from nats.js.errors import NotFoundError
 
+        async def on_error(exc: Exception) -> None:
+            log.warning("jetstream.connection_error", stream=self.stream, error=repr(exc))
+
         try:
-            self.nc = await nats.connect(self.url, connect_timeout=connect_timeout_s, allow_reconnect=True,
-                                         max_reconnect_attempts=3)
+            self.nc = await connect(self.url, connect_timeout_s, on_error)
         except Exception as exc:
             raise LogError(f"{self.where}: cannot connect: {exc!r}") from exc
         self.js = self.nc.jetstream(timeout=request_timeout_s)

@@ -201,6 +201,21 @@ def test_records_over_the_max_payload_round_trip_whole_and_are_never_seen_partly
         assert [(e.lsn, e.session_id, e.body) for e in again.read()] == final
 
 
+def test_a_reader_opened_while_the_leaders_are_lost_waits_for_the_election(nats_cluster, stream):
+    """Kill the cluster's meta leader (which consumers are created through),
+    then read at once through a read-only JetStreamRun from a later LSN:
+    finding the start and creating the ordered consumer are tried again
+    until the election is over, and every record is read."""
+    from agentlog.events.log_jetstream_read import JetStreamRun
+
+    urls = ",".join(nats_cluster.urls)
+    with JetStreamLog.open(urls, stream, 0, replicas=3) as lg:
+        envs = lg.append_batch([(f"s{i}", 0, opened()) for i in range(20)])
+    nats_cluster.kill(nats_cluster.meta_leader())
+    with JetStreamRun.open(urls, stream) as reader:
+        assert list(reader.log(0).read(5)) == envs[5:]
+
+
 def test_an_append_past_the_failover_deadline_makes_the_log_fatal_and_is_not_acked(nats_cluster, stream):
     """With two of three nodes gone the stream has no quorum: the append is
     retried until failover_timeout_s, then fails loudly naming stream,
@@ -221,3 +236,4 @@ def test_an_append_past_the_failover_deadline_makes_the_log_fatal_and_is_not_ack
             lg.append_batch([("a", 1, small_event(1))])
     finally:
         lg.close()
+
