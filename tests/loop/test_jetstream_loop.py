@@ -233,3 +233,41 @@ def test_log_table_errors_name_the_field_and_what_was_expected() -> None:
     assert cfg.log.servers() == ["nats://a:1", "nats://b:2"]
     assert cfg.log.stream_for(Path("/runs/2026 12.02:x")) == "2026_12_02_x"
     assert LoopConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # round-trips through config.json
+
+
+def test_run_logs_on_jetstream_end_tail_and_sources(tmp_path: Path, nats_cluster) -> None:
+    """RunLogs of a nats run: partitions and the learner log are the stream's
+    subjects; ``durable_end`` is the next LSN even when the subject ends in
+    fences (writers that opened and wrote nothing); a LogTail of the learner
+    log returns each record once, across polls."""
+    from agentlog.events.types import SessionOpened as Opened
+
+    cfg = LoopConfig(rollout=RolloutConfig(workers=2), log=LogConfig(backend="nats", url=_url(nats_cluster), replicas=3))
+    run = tmp_path / "tail.run"
+    with RunLogs.of(run, cfg) as run_logs:
+        assert run_logs.stream == "tail_run" and not run_logs.stream_exists() and not run_logs.learner_exists()
+        assert run_logs.existing_rollout_sources() == {}
+        w = run_logs.open_rollout(1, fence=True)
+        try:
+            w.append_batch([(f"s{i}", 0, Opened(group_id="g", group_size=1, sample_index=0, agent="t")) for i in range(3)])
+        finally:
+            w.close()
+        for _ in range(2):  # two more incarnations that write nothing: the subject ends in two fences
+            run_logs.open_rollout(1, fence=True).close()
+        assert run_logs.stream_exists()
+        sources = run_logs.rollout_sources()
+        assert [str(s).rsplit("/", 1)[1] for s in sources.values()] == ["p0000", "p0001"]
+        assert logs.durable_end(sources[1]) == 3 and logs.durable_end(sources[0]) == 0
+        assert set(run_logs.existing_rollout_sources()) == {1}
+        learner = run_logs.open_learner()
+        try:
+            tail = run_logs.learner_tail()
+            assert tail.poll() == []
+            learner.append_batch([("learner", 0, Opened(group_id="g", group_size=1, sample_index=0, agent="t"))])
+            wait_for("the learner record", lambda: bool(tail.poll(1)) or tail.next_lsn == 1, 10)
+            learner.append_batch([("learner", 1, Opened(group_id="g", group_size=1, sample_index=0, agent="t"))])
+            got = []
+            wait_for("the second record", lambda: bool(got.extend(tail.poll()) or got), 10)
+            assert [e.lsn for e in got] == [1] and tail.next_lsn == 2
+        finally:
+            learner.close()
