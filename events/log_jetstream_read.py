@@ -270,12 +270,32 @@ class ChunkJoiner:
         return joined
 
 
+#: How long a direct get is retried while no server answers it (a stream just
+#: created, or its replicas changing leader, has no direct-get responder for a moment).
+DIRECT_GET_WAIT_S = 10.0
+
+
+async def direct_get(js, stream: str, **kw):
+    """``js.get_msg(stream, direct=True, **kw)``, retried for up to
+    DIRECT_GET_WAIT_S while the server has no responder for it yet."""
+    import nats.errors
+
+    deadline = asyncio.get_running_loop().time() + DIRECT_GET_WAIT_S
+    while True:
+        try:
+            return await js.get_msg(stream, direct=True, **kw)
+        except nats.errors.NoRespondersError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
 async def _direct_get(js, stream: str, subject: str, seq: int):
     """The subject's first message at stream sequence ``seq`` or later, or None."""
     from nats.js.errors import NotFoundError
 
     try:
-        return await js.get_msg(stream, seq=seq, subject=subject, next=True, direct=True)
+        return await direct_get(js, stream, seq=seq, subject=subject, next=True)
     except NotFoundError:
         return None
 
@@ -285,7 +305,7 @@ async def last_seq(js, stream: str, subject: str) -> int:
     from nats.js.errors import NotFoundError
 
     try:
-        return (await js.get_msg(stream, subject=subject, direct=True)).seq
+        return (await direct_get(js, stream, subject=subject)).seq
     except NotFoundError:
         return 0
 

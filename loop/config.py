@@ -267,6 +267,10 @@ class LogConfig:
                 or not 0 < self.duplicate_window_s < math.inf:
             raise ConfigError(f"[log] duplicate_window_s: expected a number of seconds > 0, found {self.duplicate_window_s!r}")
 
+    def servers(self) -> list[str]:
+        """The server URLs of ``url``, one each (nats-py takes a list; it does not split a comma-joined string)."""
+        return [f"nats://{host}" for host in self.url.removeprefix("nats://").split(",")]
+
     def stream_for(self, run_dir: Path) -> str:
         """The run's stream: ``stream``, or the run folder's name with every
         character outside [A-Za-z0-9_-] replaced by '_' (at most 200)."""

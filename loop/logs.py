@@ -88,7 +88,7 @@ async def _subject_end(ref) -> int:
     finds the last stream sequence that is followed by a record."""
     from nats.js.errors import NotFoundError
 
-    from agentlog.events.log_jetstream_read import last_seq, msg_id_lsn
+    from agentlog.events.log_jetstream_read import direct_get, last_seq, msg_id_lsn
 
     js, stream, subject = ref.run.js, ref.run.stream, ref.subject
 
@@ -96,7 +96,7 @@ async def _subject_end(ref) -> int:
         """The first record message (not a fence) at stream sequence >= ``seq`` and < ``below``, or None."""
         while seq < below:
             try:
-                msg = await js.get_msg(stream, seq=seq, subject=subject, next=True, direct=True)
+                msg = await direct_get(js, stream, seq=seq, subject=subject, next=True)
             except NotFoundError:
                 return None
             if msg.seq >= below:
@@ -109,7 +109,7 @@ async def _subject_end(ref) -> int:
     end = await last_seq(js, stream, subject)
     if end == 0:
         return 0
-    last = await js.get_msg(stream, subject=subject, direct=True)
+    last = await direct_get(js, stream, subject=subject)
     lsn = msg_id_lsn(last.headers)
     if lsn is not None:
         return lsn + 1
@@ -231,7 +231,7 @@ class RunLogs:
         if self._run is None:
             from agentlog.events import JetStreamRun
 
-            self._run = JetStreamRun.open(self.cfg.log.url, self.stream)
+            self._run = JetStreamRun.open(self.cfg.log.servers(), self.stream)
         return self._run
 
     def stream_exists(self) -> bool:
@@ -298,7 +298,7 @@ class RunLogs:
         from agentlog.events import JetStreamLog
 
         c = self.cfg.log
-        return JetStreamLog.open(c.url, self.stream, name, replicas=c.replicas, duplicate_window_s=c.duplicate_window_s)
+        return JetStreamLog.open(c.servers(), self.stream, name, replicas=c.replicas, duplicate_window_s=c.duplicate_window_s)
 
     # -- lifetime -------------------------------------------------------------
 

@@ -59,6 +59,10 @@ log = get_logger("agentlog.loop.worker")
 _BATCH_RE = re.compile(r"^b(\d+)-g\d+$")
 
 
+class WorkerLogFatal(RuntimeError):
+    """The worker's rollout log went fatal mid-batch (fenced by a newer incarnation, or a failed write)."""
+
+
 def group_id(batch: int, g: int) -> str:
     """The id of group ``g`` of batch ``batch``."""
     return f"b{batch:05d}-g{g:02d}"
@@ -248,6 +252,25 @@ class RolloutWorker:
         if n:
             self.log.warning("worker.interrupted_batch_completed", batch=batch, aborted_unopened=n)
 
+    async def watch_log(self, rollout: Any, work: Any, poll_s: float = 0.1) -> Any:
+        """Await ``work`` (a batch), but stop it and raise :class:`WorkerLogFatal` once the
+        rollout log has gone fatal (a newer incarnation fenced it, or a write failed): no
+        record can land any more, and a session waiting for a background abort that can no
+        longer be written would otherwise wait forever."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=poll_s)
+                if done:
+                    return task.result()
+                reason = rollout.fatal_reason
+                if reason:
+                    raise WorkerLogFatal(f"rollout worker {self.worker_id}: its log went fatal, this incarnation stops: {reason}")
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
     async def run_batch(self, engine: SessionEngine, batch: int) -> None:
         """Run every session of ``batch`` concurrently until each is terminal."""
         cfg = self.cfg
@@ -407,7 +430,7 @@ class RolloutWorker:
                 else:
                     self.maybe_reload()
                 t0 = time.perf_counter()
-                await self.run_batch(engine, batch)
+                await self.watch_log(rollout, self.run_batch(engine, batch))
                 self.log.info("worker.batch_done", batch=batch, policy_version=self.loaded_version,
                               seconds=round(time.perf_counter() - t0, 3))
                 batch += 1

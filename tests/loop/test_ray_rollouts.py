@@ -56,6 +56,34 @@ def test_train_with_the_ray_backend_runs_two_actors_and_reconstructs_equal(tmp_p
     assert "ray_driver.stopped" in res.stderr
 
 
+@pytest.mark.required
+def test_train_with_ray_actors_on_jetstream_logs_reconstructs_equal(tmp_path: Path, nats_server) -> None:
+    """`[rollout] backend = "ray"` with `[log] backend = "nats"`: the actors
+    write their partitions as subjects of the run's stream (nothing under
+    `rollout/`), and the offline check of the run folder, reading the stream
+    its config.json names, equals every online digest."""
+    from agentlog.loop.logs import RunLogs
+
+    config = tmp_path / "ray-nats.toml"
+    config.write_text(
+        "steps = 3\ngroups_per_step = 4\ngroup_size = 4\nwarmup_steps = 0\nseed = 0\n"
+        '[rollout]\nworkers = 2\nbackend = "ray"\n'
+        f'[log]\nbackend = "nats"\nurl = "{nats_server.url}"\nstream = "ray-nats"\n'
+    )
+    run = tmp_path / "run"
+    res = _agentlog("train", "--config", str(config), "--out", str(run), "--quiet", "--no-report", "--timeout", "180")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "EQUAL (3/3 steps equal" in res.stdout, res.stdout[-2000:]
+    assert not (run / "rollout").exists() and not (run / "learner").exists()
+    with RunLogs.of(run) as run_logs:
+        assert run_logs.stream_run().names() == ["learner", "p0000", "p0001"]
+        for pid, src in run_logs.rollout_sources().items():
+            groups = {e.body.group_id for e in logs.read(src) if isinstance(e.body, SessionOpened)}
+            assert groups and all(int(g.rsplit("-g", 1)[1]) % 2 == pid for g in groups), (pid, groups)
+    check = check_run(run)
+    assert check.ok and check.digests_equal == check.steps == 3
+
+
 def _drive(rollouts: RayRollouts, learner, what: str, predicate, timeout: float) -> None:
     """Watch the actors (restarting the rollouts of any Ray restarted) until ``predicate``."""
     t0 = time.monotonic()
