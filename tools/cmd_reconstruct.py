@@ -300,6 +300,10 @@ def _check_online_digests(path) -> tuple[str, bool] | None:
     equal. None for a bare log."""
     from pathlib import Path
 
+    from agentlog.tools.cli_common import RemoteLog
+
+    if isinstance(path, RemoteLog):
+        return None  # a bare stream: no run config beside it to replay the learner against
     run = Path(path).parent
     if Path(path).name != "rollout" or not (run / "config.json").is_file() or not (run / "learner").is_dir():
         return None
