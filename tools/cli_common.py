@@ -376,7 +376,7 @@ def open_remote(text: str, *, allow_empty: bool = False) -> RemoteLog:
     if run is None:
         import logging
 
-        _check_reachable(text, servers)
+        check_reachable(text, servers)
         # nats-py logs each failed connection attempt with a traceback; the one-line error below says it all.
         nats_logger = logging.getLogger("nats")
         level = nats_logger.level
@@ -405,7 +405,7 @@ def open_remote(text: str, *, allow_empty: bool = False) -> RemoteLog:
 CONNECT_TIMEOUT_S = 3.0
 
 
-def _check_reachable(text: str, servers: str) -> None:
+def check_reachable(text: str, servers: str) -> None:
     """Exit 2 at once, naming each server and why, when no server of the URL
     accepts a TCP connection (nats-py would retry for seconds first)."""
     import socket
