@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -25,11 +22,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cli_helpers import ROOT, write_many_sessions, write_run
+from cli_helpers import ROOT, read_lines_until, write_many_sessions, write_run
 
 pytest.importorskip("nats", reason="the nats:// URLs need the nats extra: pip install 'agentlog[nats]'")
 
-from agentlog.events import FileLog, read_log  # noqa: E402
+from agentlog.events import read_log  # noqa: E402
 from agentlog.events.log_jetstream import JetStreamLog  # noqa: E402
 from agentlog.events.types import (  # noqa: E402
     PolicyUpdated, SessionAborted, SessionFinished, SessionOpened, SessionStarted, TurnRecorded,
@@ -180,37 +177,12 @@ def _start_tail(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _lines_until(proc: subprocess.Popen, done, timeout: float = 60) -> list[str]:
-    """proc's stdout lines until done(lines) holds or timeout; then SIGINT."""
-    lines: list[str] = []
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while not done(list(lines)) and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        reader.join(5)
-    return lines
-
-
 @pytest.mark.required
 def test_tail_on_the_stream_prints_what_tail_on_the_export_prints(js_run):
     url, exported, counts = js_run
     n = sum(counts.values())
-    on_stream = _lines_until(_start_tail(url), lambda ls: len(ls) >= n)
-    on_dir = _lines_until(_start_tail(str(exported)), lambda ls: len(ls) >= n)
+    on_stream = read_lines_until(_start_tail(url), lambda ls: len(ls) >= n)
+    on_dir = read_lines_until(_start_tail(str(exported)), lambda ls: len(ls) >= n)
     assert len(on_stream) == len(on_dir) == n
     # Lines of the partitions interleave in arrival order; each partition's own lines are the same, in the same order.
     for pid in counts:
@@ -233,11 +205,11 @@ def test_tail_follows_new_records_and_new_partitions_on_the_stream(nats_server):
         second.close()
     finally:
         first.close()
-    lines = _lines_until(tail, lambda ls: len(ls) >= 5)
+    lines = read_lines_until(tail, lambda ls: len(ls) >= 5)
     assert tail.returncode in (0, 130), tail.stderr.read()
     assert sorted(line.split()[0] for line in lines) == ["p0000:0", "p0000:1", "p0000:2", "p0003:0", "p0003:1"]
     assert any("running -> finished" in line and "p0000:2" in line for line in lines)
-    summary = _lines_until(_start_tail("--summary", f"{nats_server.url}/{stream}"), lambda ls: any("finished 1" in x for x in ls))
+    summary = read_lines_until(_start_tail("--summary", f"{nats_server.url}/{stream}"), lambda ls: any("finished 1" in x for x in ls))
     assert any("lsn p0000:2 p0003:1: open 0 running 1 finished 1" in line for line in summary), summary
 
 
