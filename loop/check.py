@@ -57,9 +57,13 @@ def check_run(run_dir: Path, cfg: LoopConfig | None = None) -> RunCheck:
     partitions it names, in its order, must hash to the digest it recorded."""
     run_dir = Path(run_dir)
     cfg = cfg or LoopConfig.load(run_dir / "config.json")
-    partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
-    sources = {pid: path for pid, path in logs.rollout_sources(run_dir, partitions).items() if logs.exists(path)}
-    released = reduce_partitions({pid: logs.read(path, 0) for pid, path in sources.items()}, reduce_config(cfg))
+    with logs.RunLogs.of(run_dir, cfg) as run_logs:
+        return _check(run_logs, cfg)
+
+
+def _check(run_logs: logs.RunLogs, cfg: LoopConfig) -> RunCheck:
+    sources = run_logs.existing_rollout_sources()
+    released = reduce_partitions({pid: logs.read(src, 0) for pid, src in sources.items()}, reduce_config(cfg))
     out = RunCheck(groups_released=sum(len(r) for r in released.values()))
     digest = SampleDigest()
     for pid in sorted(released):
@@ -69,7 +73,7 @@ def check_run(run_dir: Path, cfg: LoopConfig | None = None) -> RunCheck:
     out.sample_digest = digest.hexdigest()
     seen: dict[tuple[int, str], int] = {}
     frontier: dict[int, int] = {}
-    for rec in read_learner_records(run_dir / "learner"):
+    for rec in read_learner_records(run_logs.learner_source()):
         if rec.step == 0:
             continue  # the warm-up: no rollout data
         out.steps += 1

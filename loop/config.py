@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,6 +212,70 @@ class RolloutConfig:
         return list(range(self.workers))
 
 
+# --- issue 17: jetstream loop ---
+#: Where a run's logs live: folders under the run folder, or subjects of a JetStream stream.
+LOG_BACKENDS = ("file", "nats")
+
+
+@dataclass
+class LogConfig:
+    """Where the run's logs live (the ``[log]`` table). The run folder keeps
+    ``config.json`` and the checkpoints either way; with ``nats`` the rollout
+    partitions are the subjects ``<stream>.pNNNN`` and the learner log
+    ``<stream>.learner`` of one JetStream stream."""
+
+    backend: str = "file"
+    """file (``<run>/rollout``, ``<run>/learner``) or nats (one JetStream stream per run)."""
+    url: str = ""
+    """nats: the servers, nats://host:port or nats://h1:4222,h2:4222 (no stream in it; see stream)."""
+    stream: str = ""
+    """nats: the run's stream ("": the run folder's name, every character outside [A-Za-z0-9_-] replaced by '_')."""
+    replicas: int = 1
+    """nats: copies JetStream keeps of the stream (3 on a 3-node cluster)."""
+    duplicate_window_s: float = 120.0
+    """nats: how long the server remembers message ids to drop a retried publish (seconds)."""
+
+    def __post_init__(self) -> None:
+        from agentlog.events.log_jetstream_read import STREAM_RE, parse_nats_url
+
+        if self.backend not in LOG_BACKENDS:
+            raise ConfigError(f"[log] backend: expected one of {LOG_BACKENDS}, found {self.backend!r}")
+        for name in ("url", "stream"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"[log] {name}: expected a str, found {getattr(self, name)!r}")
+        if self.backend == "file":
+            given = [name for name in ("url", "stream") if getattr(self, name)]
+            if given:
+                raise ConfigError(f"[log] {given[0]}: only the nats backend takes it (backend is 'file')")
+        else:
+            if not self.url:
+                raise ConfigError("[log] url: backend 'nats' needs the servers' URL, e.g. nats://127.0.0.1:4222")
+            if not self.url.startswith("nats://"):
+                raise ConfigError(f"[log] url: expected nats://host:port[,host:port], found {self.url!r}")
+            if "/" in self.url.removeprefix("nats://"):
+                raise ConfigError(f"[log] url: expected nats://host:port[,host:port] without a path (the stream goes in "
+                                  f"[log] stream), found {self.url!r}")
+            try:
+                parse_nats_url(f"{self.url}/stream")
+            except ValueError as exc:
+                raise ConfigError(f"[log] url: expected nats://host:port[,host:port], found {self.url!r} ({exc})") from None
+            if self.stream and not STREAM_RE.fullmatch(self.stream):
+                raise ConfigError(f"[log] stream: expected letters, digits, '-' or '_' (1..200 of them), found {self.stream!r}")
+        if type(self.replicas) is not int or not 1 <= self.replicas <= 5:
+            raise ConfigError(f"[log] replicas: expected an int in 1..5, found {self.replicas!r}")
+        if isinstance(self.duplicate_window_s, bool) or not isinstance(self.duplicate_window_s, (int, float)) \
+                or not 0 < self.duplicate_window_s < math.inf:
+            raise ConfigError(f"[log] duplicate_window_s: expected a number of seconds > 0, found {self.duplicate_window_s!r}")
+
+    def stream_for(self, run_dir: Path) -> str:
+        """The run's stream: ``stream``, or the run folder's name with every
+        character outside [A-Za-z0-9_-] replaced by '_' (at most 200)."""
+        if self.stream:
+            return self.stream
+        name = re.sub(r"[^A-Za-z0-9_-]", "_", Path(os.path.abspath(run_dir)).name)[:200]
+        return name or "run"
+
+
 # --- issue 16: distill ---
 #: The keys of one ``[[distill.teachers]]`` table that say where the teacher is (exactly one is given).
 TEACHER_SOURCES = ("url", "checkpoint", "hf_model")
@@ -381,6 +446,9 @@ class LoopConfig:
     # --- issue 16: distill ---
     distill: DistillConfig = field(default_factory=DistillConfig)
     """On-policy distillation: the teachers that score each finished session, and lambda (see DistillConfig)."""
+    # --- issue 17: jetstream loop ---
+    log: LogConfig = field(default_factory=LogConfig)
+    """Where the run's logs live: files in the run folder, or a JetStream stream (see LogConfig)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.faults, Mapping):
@@ -402,6 +470,11 @@ class LoopConfig:
             self.distill = _from_mapping(DistillConfig, self.distill, "distill")
         if not isinstance(self.distill, DistillConfig):
             raise ConfigError(f"LoopConfig.distill: expected a [distill] table, found {self.distill!r}")
+        # --- issue 17: jetstream loop ---
+        if isinstance(self.log, Mapping):
+            self.log = _from_mapping(LogConfig, self.log, "log")
+        if not isinstance(self.log, LogConfig):
+            raise ConfigError(f"LoopConfig.log: expected a [log] table, found {self.log!r}")
         if not isinstance(self.metrics, MetricsConfig):
             raise ConfigError(f"LoopConfig.metrics: expected a [metrics] table, found {self.metrics!r}")
         if not isinstance(self.hf_model, str):

@@ -99,19 +99,21 @@ def prune_checkpoints(checkpoint_dir: Path, newest_version: int, keep: int) -> N
             shutil.rmtree(hf_checkpoint_dir(p), ignore_errors=True)
 
 
-def read_learner_records(learner_dir: Path) -> list[PolicyUpdated]:
-    """Every ``policy_updated`` in a learner log, in order."""
-    if not logs.exists(learner_dir):
+def read_learner_records(learner: "logs.Source") -> list[PolicyUpdated]:
+    """Every ``policy_updated`` in a learner log (a directory, or a log on JetStream), in order."""
+    if not logs.exists(learner):
         return []
-    return [env.body for env in logs.read(learner_dir, 0) if isinstance(env.body, PolicyUpdated)]
+    return [env.body for env in logs.read(learner, 0) if isinstance(env.body, PolicyUpdated)]
 
 
 class PolicyFollower:
-    """Tracks the learner log: the newest published version and its checkpoint."""
+    """Tracks the learner log: the newest published version and its checkpoint.
 
-    def __init__(self, learner_dir: Path) -> None:
-        self.learner_dir = learner_dir
-        self.next_lsn = 0
+    ``learner``: the learner log (a directory or a JetStream ref), or a
+    :class:`~agentlog.loop.logs.LogTail` of it (``RunLogs.learner_tail()``)."""
+
+    def __init__(self, learner: "logs.Source | logs.LogTail") -> None:
+        self.tail = learner if isinstance(learner, logs.LogTail) else logs.LogTail(learner)
         self.latest: PolicyUpdated | None = None
         self.history: list[PolicyUpdated] = []
         self.final_version: int | None = None
@@ -119,13 +121,15 @@ class PolicyFollower:
         #: (every group skipped) is recorded without a new version.
         self.step = -1
 
+    @property
+    def next_lsn(self) -> int:
+        """The learner log's next LSN this follower has not read."""
+        return self.tail.next_lsn
+
     def poll(self) -> bool:
         """Read whatever the learner appended since the last poll; True if anything new."""
-        if not logs.exists(self.learner_dir):
-            return False
         new = False
-        for env in logs.read(self.learner_dir, self.next_lsn):
-            self.next_lsn = env.lsn + 1
+        for env in self.tail.poll():
             if isinstance(env.body, PolicyUpdated):
                 self.history.append(env.body)
                 self.step = max(self.step, env.body.step)

@@ -149,11 +149,16 @@ class RolloutActor:
 
     def status(self) -> ActorStatus:
         """This incarnation's state (no side effects)."""
-        from agentlog.events.log_format import read_fence
-
         with self._lock:
             state, error, counts = self._state, self._error, dict(self._counts)
-        epoch = read_fence(self.worker.log_path) if state != "idle" else 0
+        if state == "idle":
+            epoch = 0
+        elif self.worker.log_path is not None:  # a file partition: its FENCE file
+            from agentlog.events.log_format import read_fence
+
+            epoch = read_fence(self.worker.log_path)
+        else:  # JetStream: the epoch this incarnation's writer took
+            epoch = self.worker.epoch
         return ActorStatus(
             partition=self.partition, worker_id=self.worker_id, state=state, epoch=epoch, restarted=self._restarted,
             batches_done=self.worker.batches_done, pid=os.getpid(), node_id=self._node_id,

@@ -142,17 +142,19 @@ class PartitionProgress:
     partition wrote per second since the last look, and how many of them the
     learner has not yet consumed into a step (its frontier in the last record)."""
 
-    def __init__(self, cfg: LoopConfig, run_dir: Path) -> None:
-        partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
-        self.sources = logs.rollout_sources(run_dir, partitions) if partitions else {}
+    def __init__(self, run_logs: logs.RunLogs) -> None:
+        self.logs = run_logs
+        self.sources: dict | None = None if run_logs.partitions else {}
         self.last: dict[int, tuple[float, int]] = {}
         self.rate: dict[int, float] = {}
 
     def line(self, frontier: dict[int, int]) -> str:
         """``p0000 412 ev/s lag 37 | p0001 ...`` ("" for a single log)."""
+        if self.sources is None:  # JetStream: the sources exist once a writer has created the stream
+            self.sources = self.logs.rollout_sources() if not self.logs.nats or self.logs.stream_exists() else None
         now = time.monotonic()
         parts = []
-        for pid, path in self.sources.items():
+        for pid, path in (self.sources or {}).items():
             end = logs.durable_end(path)
             t, before = self.last.get(pid, (now, end))
             if now - t >= 1.0 or pid not in self.rate:
@@ -178,12 +180,15 @@ class RunResult:
 
 def summarise_rollout(run_dir: Path) -> tuple[Counter, int, int, int, int]:
     """Outcome counts by status and reason, sessions, turns, generated tokens, events."""
+    with logs.RunLogs.of(run_dir) as run_logs:
+        return _summarise(run_logs)
+
+
+def _summarise(run_logs: logs.RunLogs) -> tuple[Counter, int, int, int, int]:
     outcomes: Counter = Counter()
     sessions = turns = tokens = events = 0
-    cfg = LoopConfig.load(Path(run_dir) / "config.json")
-    partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
-    paths = [p for p in logs.rollout_sources(run_dir, partitions).values() if logs.exists(p)]
-    for env in (env for path in paths for env in logs.read(path, 0)):
+    sources = run_logs.existing_rollout_sources().values()
+    for env in (env for src in sources for env in logs.read(src, 0)):
         events += 1
         b = env.body
         if isinstance(b, SessionOpened):
@@ -215,11 +220,27 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: 
     hf_dir = resolve_hf_model(cfg, run_dir)
     if hf_dir is not None and cfg.hf_model not in TINY_MODELS:
         cfg = dataclasses.replace(cfg, hf_model=str(hf_dir))
-    cfg.save(run_dir / "config.json")
+    fresh = not (run_dir / "config.json").exists()
+    if cfg.log.backend == "nats" and not cfg.log.stream:
+        # Pinned in config.json: the stream stays the run's if the folder is renamed.
+        cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, stream=cfg.log.stream_for(run_dir)))
+    run_logs = logs.RunLogs.of(run_dir, cfg)
+    try:
+        if fresh and run_logs.nats and run_logs.learner_exists():
+            raise LoopError(f"[log] stream {run_logs.stream!r} at {cfg.log.url} already holds a run's learner log, and "
+                            f"{run_dir} is a new run folder; set [log] stream to a new name (or resume in the run's own folder)")
+        cfg.save(run_dir / "config.json")
+        return _run(cfg, run_dir, run_logs, progress, console, timeout_s, label)
+    finally:
+        run_logs.close()
+
+
+def _run(cfg: LoopConfig, run_dir: Path, run_logs: logs.RunLogs, progress: bool, console: TextIO | None,
+         timeout_s: float | None, label: str) -> RunResult:
     t0 = time.monotonic()
     learner = start_process("trainer", run_dir)
     rollouts = rollout_backend(cfg, run_dir)
-    progress_of_partitions = PartitionProgress(cfg, run_dir)
+    progress_of_partitions = PartitionProgress(run_logs)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -232,7 +253,7 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: 
         aborted = dropped = 0
         last_version = 0
         while True:
-            records = read_learner_records(run_dir / "learner")
+            records = read_learner_records(run_logs.learner_source()) if run_logs.learner_exists() else []
             for rec in records[seen:]:
                 if rec.step == 0:
                     if bar is not None:
@@ -278,8 +299,8 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: 
                 learner.kill()
                 learner.wait()
     wall = time.monotonic() - t0
-    outcomes, sessions, turns, tokens, events = summarise_rollout(run_dir)
-    return RunResult(run_dir, read_learner_records(run_dir / "learner"), wall, outcomes, sessions, turns, tokens, events)
+    outcomes, sessions, turns, tokens, events = _summarise(run_logs)
+    return RunResult(run_dir, read_learner_records(run_logs.learner_source()), wall, outcomes, sessions, turns, tokens, events)
 
 
 def _fmt(v, digits: int = 3) -> str:

@@ -342,7 +342,12 @@ class LoopLearner:
     async def run(self, *, max_steps: int | None = None) -> int:
         """Train until version ``cfg.steps`` (or ``max_steps`` more steps); returns the final version."""
         cfg = self.cfg
-        llog = logs.open_log(self.run_dir / "learner", cfg.fsync)
+        run_logs = logs.RunLogs.of(self.run_dir, cfg)
+        try:
+            llog = run_logs.open_learner()
+        except BaseException:
+            run_logs.close()
+            raise
         sinks: MetricSinks | None = None
         try:
             sinks = MetricSinks(self.run_dir, cfg)  # inside the try: the log is closed whatever happens
@@ -380,7 +385,7 @@ class LoopLearner:
             self.t_rl = time.perf_counter()
             steps_done = 0
             partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
-            sources = {pid: path for pid, path in logs.rollout_sources(self.run_dir, partitions).items() if pid not in lost}
+            sources = {pid: src for pid, src in run_logs.rollout_sources().items() if pid not in lost}
             fold = PartitionFold(reduce_config(cfg), sources, windows=windows, start=read_from)
             cutter = StepCutter(fold, consumed, step_size(cfg, lost))
             watch = PartitionWatch(cfg.rollout.lost_after_s, sources)
@@ -428,7 +433,10 @@ class LoopLearner:
                 if sinks is not None:
                     sinks.close()
             finally:
-                llog.close()
+                try:
+                    llog.close()
+                finally:
+                    run_logs.close()
 
     def save_checkpoint(self, version: int) -> Path:
         """Save the learner checkpoint of ``version`` (resume) and, for an HF

@@ -51,7 +51,6 @@ from . import logs
 from .config import LoopConfig
 from .demo import faults as demo_faults
 from .policy import GenerationBatcher, build_model, load_tokenizer, resolve_hf_model
-from .logs import rollout_log_path
 from .publish import PolicyFollower, hf_checkpoint_dir
 from .teacher import TurnToScore, build_teachers, score_session
 
@@ -89,8 +88,12 @@ class RolloutWorker:
         #: The log partition this worker writes (None: the run's single rollout log).
         self.partition = partition
         self.worker_id = worker_id or ("w0" if partition is None else partition_name(partition))
-        #: The log this worker is the single writer of.
-        self.log_path = rollout_log_path(self.run_dir, partition)
+        #: The run's logs (files in the run folder, or a JetStream stream: ``cfg.log``).
+        self.logs = logs.RunLogs.of(self.run_dir, cfg)
+        #: The file log this worker is the single writer of (file backend; JetStream: None).
+        self.log_path = None if self.logs.nats else logs.rollout_log_path(self.run_dir, partition)
+        #: The writer epoch this incarnation took on its log (0 before :meth:`run` opened it).
+        self.epoch = 0
         # The user's task modules register their tasks on import, in this process too.
         load_tasks(cfg.task_modules, cfg.task_path)
         self.task: Task | TextTask = select_task(cfg.task)
@@ -106,7 +109,9 @@ class RolloutWorker:
         else:
             self.model = build_model(cfg, self.task, self.run_dir)
             self.model.eval()
-        self.follower = PolicyFollower(self.run_dir / "learner")
+        #: Follows the learner log; on JetStream made in :meth:`run`, once the worker's own
+        #: log has created the run's stream.
+        self.follower: PolicyFollower | None = None if self.logs.nats else PolicyFollower(self.logs.learner_source())
         self.loaded_version = -1
         self.batcher: GenerationBatcher | None = None
         self.backend: Any = None
@@ -363,8 +368,12 @@ class RolloutWorker:
         async with contextlib.AsyncExitStack() as stack:
             # A partition is opened fenced: this incarnation takes a new writer epoch, and a
             # stale one (a worker presumed dead on a lost node) can append nothing more.
-            rollout = logs.open_log(self.log_path, cfg.fsync, fence=self.partition is not None)
+            stack.callback(self.logs.close)
+            rollout = self.logs.open_rollout(self.partition, fence=self.partition is not None)
             stack.callback(rollout.close)
+            self.epoch = getattr(rollout, "epoch", 0)
+            if self.follower is None:
+                self.follower = PolicyFollower(self.logs.learner_tail())
             if self.backend is not None:
                 stack.push_async_callback(self.backend.close)
             if self.weight_sync is not None:

@@ -185,8 +185,20 @@ def check_task(cfg: LoopConfig) -> None:
         raise CliError(f"task {cfg.task!r}: {exc}", EXIT_USAGE) from None
 
 
+def _log_line(cfg: LoopConfig, run_dir: Path) -> str:
+    """Where the run's rollout and learner logs are, for the summary."""
+    parts = f"{cfg.rollout.workers} partitions, one per worker" if cfg.rollout.partitioned else "rollout"
+    if cfg.log.backend == "nats":
+        stream = LoopConfig.load(run_dir / "config.json").log.stream_for(run_dir)  # as the run pinned it
+        return (f"{cfg.log.url}/{stream} (JetStream: {stream}.pNNNN, {parts}; {stream}.learner, learner)")
+    return f"{run_dir / 'rollout'} ({parts}), {run_dir / 'learner'} (learner)"
+
+
 def write_report(run_dir: Path) -> str:
     """``report.html`` through the report command; returns a one-line note."""
+    if LoopConfig.load(run_dir / "config.json").log.backend == "nats":
+        return ("report.html skipped: the report reads log folders, and this run's logs are on JetStream "
+                "(agentlog export them to a folder first)")
     try:
         from agentlog.tools import cmd_report  # noqa: F401
     except ImportError:
@@ -247,9 +259,7 @@ def _execute(cfg: LoopConfig, args, run_dir: Path, title: str) -> int:
     check = check_run(run_dir, cfg)
     print("")
     print(f"run      {run_dir}")
-    rollout = (f"{run_dir / 'rollout'} ({cfg.rollout.workers} partitions, one per worker)" if cfg.rollout.partitioned
-               else f"{run_dir / 'rollout'} (rollout)")
-    print(f"logs     {rollout}, {run_dir / 'learner'} (learner), {run_dir / 'logs'} (structlog JSON)")
+    print(f"logs     {_log_line(cfg, run_dir)}, {run_dir / 'logs'} (structlog JSON)")
     print(f"chart    {png}")
     print(note)
     verdict = "EQUAL" if check.ok else "DIFFERENT"
