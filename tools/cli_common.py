@@ -142,6 +142,9 @@ def check_log_path(arg: str, *, allow_empty: bool = False) -> Any:
         raise CliError(f"{arg}: no such log directory", EXIT_USAGE)
     if not path.is_dir():
         raise CliError(f"{arg}: is a file, expected a log directory", EXIT_USAGE)
+    remote = nats_run_folder(path, allow_empty=allow_empty)
+    if remote is not None:  # a run whose config.json keeps its logs on JetStream
+        return remote
     try:
         if is_log_dir(path):
             return path
@@ -325,8 +328,10 @@ class RemoteLog:
     (``name``: ``p0003``, ``learner``). ``str()`` is the URL, so every
     message that names a directory names the URL instead."""
 
-    def __init__(self, run: Any, base: str, name: str | None) -> None:
+    def __init__(self, run: Any, base: str, name: str | None, run_dir: Path | None = None) -> None:
         self.run, self.base, self.name = run, base, name
+        #: The run folder whose config.json named this stream (None for a URL given as such).
+        self.run_dir = run_dir
 
     def __str__(self) -> str:
         return self.base if self.name is None else f"{self.base}/{self.name}"
@@ -340,7 +345,7 @@ class RemoteLog:
 
     def sibling(self, name: str) -> "RemoteLog":
         """Another log of the same stream."""
-        return RemoteLog(self.run, self.base, name)
+        return RemoteLog(self.run, self.base, name, self.run_dir)
 
     def ref(self) -> Any:
         """The :class:`~agentlog.events.log_jetstream_read.JetStreamRef` of this one log."""
@@ -365,13 +370,49 @@ def open_remote(text: str, *, allow_empty: bool = False) -> RemoteLog:
     stream without partitions, or a log the stream does not hold (the logs
     it does hold listed). ``allow_empty`` (tail) accepts a stream or log with
     no message yet."""
-    from agentlog.events.log_api import LogError
-    from agentlog.events.log_jetstream_read import JetStreamRun, parse_nats_url
+    from agentlog.events.log_jetstream_read import parse_nats_url
 
     try:
         servers, stream, name = parse_nats_url(text)
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
+    hosts = text[len("nats://"):].partition("/")[0]
+    return _open_stream(text, servers, stream, RemoteLog(None, f"nats://{hosts}/{stream}", name), allow_empty)
+
+
+def nats_run_folder(path: Path, *, allow_empty: bool = False) -> RemoteLog | None:
+    """For a run folder whose ``config.json`` says ``[log] backend = "nats"``
+    (:class:`agentlog.loop.logs.RunLogs`), the :class:`RemoteLog` of its
+    stream (the run folder stands for its rollout partitions, as a file run
+    folder stands for its ``rollout/``); None for any other directory."""
+    import json
+
+    config = path / "config.json"
+    try:
+        backend = json.loads(config.read_text()).get("log", {}).get("backend") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None  # not a loop run's config: the directory is judged as any other
+    if backend != "nats":
+        return None
+    from agentlog.loop.config import ConfigError
+    from agentlog.loop.logs import RunLogs
+
+    try:
+        run_logs = RunLogs.of(path)
+    except (ConfigError, ValueError, TypeError) as exc:
+        raise CliError(f"{config}: {exc}", EXIT_USAGE) from None
+    from agentlog.events.log_jetstream_read import parse_nats_url
+
+    base = f"{run_logs.cfg.log.url}/{run_logs.stream}"  # the config checked the URL: it parses
+    servers, stream, _ = parse_nats_url(base)
+    return _open_stream(f"{path} (its logs: {base})", servers, stream, RemoteLog(None, base, None, run_dir=path), allow_empty)
+
+
+def _open_stream(text: str, servers: str, stream: str, remote: RemoteLog, allow_empty: bool) -> RemoteLog:
+    """``remote`` with its stream opened (one connection per stream and process) and checked (see :func:`open_remote`)."""
+    from agentlog.events.log_api import LogError
+    from agentlog.events.log_jetstream_read import JetStreamRun
+
     run = _REMOTES.get((servers, stream))
     if run is None:
         import logging
@@ -388,10 +429,10 @@ def open_remote(text: str, *, allow_empty: bool = False) -> RemoteLog:
         finally:
             nats_logger.setLevel(level)
         _REMOTES[(servers, stream)] = run
-    hosts = text[len("nats://"):].partition("/")[0]
-    remote = RemoteLog(run, f"nats://{hosts}/{stream}", name)
+    remote.run = run
     if allow_empty:
         return remote
+    name = remote.name
     names = run.names()
     held = f"it holds {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}" if names else "it holds no message"
     if name is None and not run.partitions():

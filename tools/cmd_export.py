@@ -5,7 +5,9 @@ The stream's partitions go to ``DIR/rollout/p0003`` (a partition root, so
 DIR is a run folder every reading command takes: ``agentlog stats DIR``),
 its other logs to ``DIR/<name>`` (the learner's to ``DIR/learner``). A URL
 naming one log (``nats://host:port/stream/p0003``) writes that log to DIR
-itself. DIR must not exist yet, or be empty.
+itself. A run folder whose ``config.json`` keeps its logs on JetStream
+(``[log] backend = "nats"``) stands for its stream. DIR must not exist yet,
+or be empty.
 
 Every record keeps its LSN, session, seq, timestamp and payload
 (:mod:`agentlog.tools.log_transfer`), so the directories' frames are
@@ -54,17 +56,22 @@ def run(args) -> int:
     from agentlog.events.log_api import LogError
     from agentlog.events.log_jetstream_read import is_nats_url
 
-    from agentlog.tools.cli_common import open_remote
+    from agentlog.tools.cli_common import nats_run_folder, open_remote
     from agentlog.tools.log_transfer import CopyError, export_log
 
+    remote = None
     if not is_nats_url(args.source):
-        raise CliError(f"{args.source}: expected nats://host:port/stream (export copies a run on JetStream to "
-                       "directories; agentlog import copies directories to JetStream)", EXIT_USAGE)
+        remote = nats_run_folder(Path(args.source), allow_empty=True) if Path(args.source).is_dir() else None
+        if remote is None:
+            raise CliError(f"{args.source}: expected nats://host:port/stream, or a run folder whose logs are on JetStream "
+                           "(export copies a run on JetStream to directories; agentlog import copies directories to JetStream)",
+                           EXIT_USAGE)
     directory = Path(args.directory)
     if directory.exists() and (not directory.is_dir() or any(os.scandir(directory))):
         raise CliError(f"{directory}: exists and is {'not a directory' if not directory.is_dir() else 'not empty'}; "
                        "expected a new or empty directory to export into", EXIT_USAGE)
-    remote = open_remote(args.source, allow_empty=True)
+    if remote is None:
+        remote = open_remote(args.source, allow_empty=True)
     copies = []
     for name, dest in plan_export(remote, directory).items():
         try:

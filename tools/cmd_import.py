@@ -42,9 +42,12 @@ def register(sub) -> None:
 
 def plan_import(arg: str, log_name: str | None) -> dict[Any, Path]:
     """``{partition id or log name: directory}`` for every log the import writes."""
-    from agentlog.tools.cli_common import check_log_path, learner_log_of, log_partitions, partition_log, partitioned
+    from agentlog.tools.cli_common import RemoteLog, check_log_path, learner_log_of, log_partitions, partition_log, partitioned
 
     path = check_log_path(arg)
+    if isinstance(path, RemoteLog):
+        raise CliError(f"{arg}: this run keeps its logs on JetStream already ({path}); "
+                       "expected log directories to import (agentlog export copies a stream to directories)", EXIT_USAGE)
     if partitioned(path):
         plan: dict[Any, Path] = {pid: partition_log(path, pid) for pid in log_partitions(path)}
     else:

@@ -340,7 +340,7 @@ def test_bad_urls_and_missing_streams_are_named(nats_server, js_run, capsys, tmp
         (("reconstruct", "nats://127.0.0.1:1/run", "-o", str(tmp_path / "x")), "nats://127.0.0.1:1/run: cannot connect to a NATS server (127.0.0.1:1:"),
         (("verify", "--repair", url), "a log on JetStream has none"),
         (("replay", "--from", "3", url), "--from/--until take one log's LSNs"),
-        (("export", str(exported), str(tmp_path / "e")), "expected nats://host:port/stream (export copies"),
+        (("export", str(exported), str(tmp_path / "e")), "expected nats://host:port/stream, or a run folder whose logs are on JetStream"),
         (("export", url, str(exported)), "exists and is not empty"),
         (("export", f"nats://{host}/nosuchstream", str(tmp_path / "e2")), "no such stream"),
         (("import", str(exported), str(tmp_path / "i")), "expected nats://host:port/stream to import into"),
@@ -377,3 +377,59 @@ def test_verify_names_a_damaged_message_on_the_stream(nats_server, capsys):
     assert f"p0000: {nats_server.url}/damaged/p0000: CORRUPT: nats stream 'damaged' subject 'damaged.p0000' seq 3:" in out
     code, out, err = cli(capsys, "replay", f"{nats_server.url}/damaged")
     assert code == 1 and f"{nats_server.url}/damaged: partition p0000" in err and "seq 3: type byte" in err
+
+
+# ---------------------------------------------------------------- a run folder whose logs are on JetStream
+
+
+@pytest.fixture(scope="module")
+def nats_run_folder(short_demo_run, nats_server, tmp_path_factory):
+    """(file run folder, nats run folder): the short demo's run, and the same
+    run with its logs imported to a stream and its config.json saying
+    ``[log] backend = "nats"`` (what ``agentlog train`` on JetStream leaves:
+    config and checkpoints in the folder, the logs on the stream)."""
+    import dataclasses
+
+    from agentlog.loop.config import LogConfig, LoopConfig
+
+    cwd, _ = short_demo_run
+    demo = cwd / "runs" / "demo"
+    assert main(["import", str(demo), f"{nats_server.url}/demo_on_nats"]) == 0
+    run = tmp_path_factory.mktemp("natsrun") / "run"
+    run.mkdir()
+    cfg = LoopConfig.load(demo / "config.json")
+    cfg = dataclasses.replace(cfg, log=LogConfig(backend="nats", url=nats_server.url, stream="demo_on_nats"))
+    cfg.save(run / "config.json")
+    return demo, run
+
+
+@pytest.mark.required
+def test_a_run_folder_on_jetstream_reads_as_its_stream(nats_run_folder, nats_server, capsys, tmp_path):
+    demo, run = nats_run_folder
+    code, a, err = cli(capsys, "reconstruct", str(run), "-o", str(tmp_path / "a.msgpack"))
+    assert code == 0, err
+    code, b, err = cli(capsys, "reconstruct", str(demo), "-o", str(tmp_path / "b.msgpack"))
+    assert code == 0, err
+    # The online per-step digests are checked against the stream through the loop's RunLogs, as for the folder.
+    online = [line for line in a.splitlines() if line.startswith("online per-step digests vs offline:")]
+    assert online and online[0].startswith("online per-step digests vs offline: EQUAL"), a
+    assert online == [line for line in b.splitlines() if line.startswith("online per-step digests vs offline:")]
+    assert a.splitlines()[-1] == b.splitlines()[-1] and a.splitlines()[-1].startswith("digest sha256:")
+    code, a, err = cli(capsys, "stats", "--json", str(run))
+    assert code == 0, err
+    code, b, err = cli(capsys, "stats", "--json", str(demo))
+    sa, sb = json.loads(a), json.loads(b)
+    assert sa.pop("log") == f"{nats_server.url}/demo_on_nats" and sb.pop("log") == str(demo / "rollout")
+    # The stream is a partition root of one partition (p0000); the folder's rollout/ is one log.
+    assert sa.pop("partitions") == {"p0000": {"events": sb["events"], "lsn_first": sb["lsn_first"], "lsn_last": sb["lsn_last"]}}
+    sb["lsn_first"] = sb["lsn_last"] = None
+    assert sa == sb
+    code, a, err = cli(capsys, "verify", "--digest", str(run))
+    assert code == 0, err
+    code, b, _ = cli(capsys, "verify", "--digest", str(demo))
+    assert list(_digest_lines(a).values()) == list(_digest_lines(b).values()) and _digest_lines(a)
+    # export takes the run folder for its stream.
+    code, out, err = cli(capsys, "export", str(run), str(tmp_path / "back"))
+    assert code == 0 and "every log EQUAL" in out, err
+    code, _, err = cli(capsys, "import", str(run), f"{nats_server.url}/again")
+    assert code == 2 and "keeps its logs on JetStream already" in err
