@@ -339,10 +339,6 @@ class RemoteLog:
     def __repr__(self) -> str:
         return f"RemoteLog({str(self)!r})"
 
-    def __truediv__(self, name: str) -> "RemoteLog":
-        """``stream / "p0003"``: a log of the stream (as ``Path / name`` names a partition's directory)."""
-        return self.sibling(name)
-
     def sibling(self, name: str) -> "RemoteLog":
         """Another log of the same stream."""
         return RemoteLog(self.run, self.base, name, self.run_dir)

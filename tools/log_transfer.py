@@ -89,7 +89,10 @@ def copy_records(records: Iterator[Any], dest: Any, clock: ReplayClock, *, where
             if first.lsn != dest.next_lsn:
                 raise CopyError(f"{where}: record at lsn {first.lsn}, but the copy is at lsn {dest.next_lsn} "
                                 "(the source's LSNs must run from 0 without a gap)")
-            clock.load(rec.ts_ns for rec, _ in batch) if per_record_ts else clock.load([first.ts_ns])
+            if per_record_ts:
+                clock.load(rec.ts_ns for rec, _ in batch)
+            else:
+                clock.load([first.ts_ns])  # the batch is a run of one timestamp
             envs = dest.append_batch([(env.session_id, env.session_seq, env.body) for _, env in batch])
             if len(clock):
                 raise CopyError(f"{where}: the writer read its clock {len(clock)} time(s) less than expected at lsn {first.lsn}")
@@ -201,20 +204,18 @@ def import_log(source: Any, url: str, stream: str, name: str | int, *, replicas:
 
 
 def _check_prefix(it: Iterator[Any], dest: Any, held: int, where: str, digest: Any) -> None:
-    """The first ``held`` records of the source iterator ``it`` must equal the
-    subject's records one for one (a resumed import); they go into ``digest``."""
+    """The subject's ``held`` records must be the first records of the source
+    iterator ``it``, one for one (a resumed import); they go into ``digest``."""
     fields = ("lsn", "session_id", "session_seq", "ts_ns", "terminal")
     theirs = dest.read(raw=True)
     try:
         for got in theirs:
             mine = next(it, None)
             if mine is None:
-                raise CopyError(f"{where}: the subject holds {held} records, more than the source's {got.lsn}")
+                raise CopyError(f"{where}: the subject holds {held} records, the source only {got.lsn}: it holds another run")
             if tuple(getattr(mine, f) for f in fields) != tuple(getattr(got, f) for f in fields) or bytes(mine.payload) != bytes(got.payload):
                 raise CopyError(f"{where}: lsn {got.lsn} on the subject differs from the source's; "
                                 "it holds another run: import into a new stream")
             digest.update(mine)
-            if got.lsn == held - 1:
-                break
     finally:
         theirs.close()
