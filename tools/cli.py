@@ -86,6 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     except KeyboardInterrupt:
         return 130
+    finally:
+        _close_remotes()
+
+
+def _close_remotes() -> None:
+    """Close the JetStream connections a command opened (nats:// logs), if any."""
+    common = sys.modules.get("agentlog.tools.cli_common")
+    if common is not None:
+        common.close_remotes()
 
 
 if __name__ == "__main__":

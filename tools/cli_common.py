@@ -2,6 +2,12 @@
 errors, reading it with a progress bar, and formatting times.
 
 A run folder (``agentlog demo --out DIR``) stands for its ``rollout/`` log.
+A ``nats://host:port/stream`` URL stands for a run's stream on JetStream (all
+its partitions, read merged as a partition root is), and
+``nats://host:port/stream/p0003`` (or ``/learner``) for one of its logs:
+:func:`check_log_path` opens it as a :class:`RemoteLog` and every helper here
+takes one wherever it takes a directory, so the commands need not know where
+a log lives (:func:`close_remotes` ends the connections at exit).
 Errors become :class:`tools.cli.CliError`: a missing path, an unreadable one
 or a directory that is not a log exits 2 (with a "did you mean" naming the
 logs found below it); corruption found while reading exits 1 and names the
@@ -52,9 +58,12 @@ def _is_run_folder(path: Path, *, allow_empty: bool) -> bool:
     return is_log_dir(inner) or is_partition_root(inner) or (allow_empty and inner.is_dir() and (path / "config.json").is_file())
 
 
-def partitioned(path: Path) -> bool:
+def partitioned(path: Any) -> bool:
     """True when the (checked) log path is a partition root: a folder of
-    ``p%04d`` partition logs, read as one merged log (:func:`read_tagged`)."""
+    ``p%04d`` partition logs, or a run's whole stream on JetStream, read as
+    one merged log (:func:`read_tagged`)."""
+    if isinstance(path, RemoteLog):
+        return path.name is None
     from agentlog.events.log_format import is_log_dir
     from agentlog.events.partitions import is_partition_root
 
@@ -70,10 +79,15 @@ def record_id(pid: int | None, lsn: int) -> str:
 RUN_FOLDER_LEARNER_LOG = "learner"
 
 
-def learner_log_of(arg: Path) -> Path | None:
+def learner_log_of(arg: Any) -> Any:
     """The learner log of the run folder ``arg`` (or of the run folder whose
-    rollout log ``arg`` is), or None when there is none."""
+    rollout log ``arg`` is; or the ``learner`` subject of a run's stream, a
+    :class:`RemoteLog`), or None when there is none."""
     from agentlog.events.log_format import is_log_dir
+
+    if isinstance(arg, RemoteLog):
+        return arg.sibling(RUN_FOLDER_LEARNER_LOG) if RUN_FOLDER_LEARNER_LOG in arg.run.names() else None
+    arg = Path(arg)
 
     for run in (arg, arg.parent if arg.name == RUN_FOLDER_LOG else None):
         if run is not None and is_log_dir(run / RUN_FOLDER_LEARNER_LOG):
@@ -110,20 +124,27 @@ def logs_below(path: Path, *, depth: int = DID_YOU_MEAN_DEPTH, max_dirs: int = D
     return found
 
 
-def check_log_path(arg: str, *, allow_empty: bool = False) -> Path:
+def check_log_path(arg: str, *, allow_empty: bool = False) -> Any:
     """The log directory named on the command line, or a one-line exit-2 error.
 
     A run folder (it holds a ``rollout/`` log) stands for that log. Any other
     directory that is not a log gets a "did you mean" naming the logs found
     below it. ``allow_empty`` also accepts a directory that holds no log yet
-    (nothing but a writer's lock or index): a log about to be written."""
+    (nothing but a writer's lock or index): a log about to be written.
+    A ``nats://`` URL gives a :class:`RemoteLog` (see :func:`open_remote`)."""
     from agentlog.events.log_format import DURABLE_NAME, INDEX_NAME, LOCK_NAME, is_log_dir
+    from agentlog.events.log_jetstream_read import is_nats_url
 
+    if is_nats_url(arg):
+        return open_remote(arg, allow_empty=allow_empty)
     path = Path(arg)
     if not path.exists():
         raise CliError(f"{arg}: no such log directory", EXIT_USAGE)
     if not path.is_dir():
         raise CliError(f"{arg}: is a file, expected a log directory", EXIT_USAGE)
+    remote = nats_run_folder(path, allow_empty=allow_empty)
+    if remote is not None:  # a run whose config.json keeps its logs on JetStream
+        return remote
     try:
         if is_log_dir(path):
             return path
@@ -157,9 +178,14 @@ def _check_partition_root(path: Path) -> None:
             raise CliError(str(exc), EXIT_USAGE) from None
 
 
-def log_bytes(path: Path) -> int:
-    """Total size of the log's segment files."""
+def log_bytes(path: Any) -> int:
+    """Total size of the log's segment files (of a whole stream on JetStream:
+    the stream's bytes, as the server counts them; of one subject: 0, the
+    server does not count a subject's bytes)."""
     from agentlog.events.log_format import list_segments, segment_name
+
+    if isinstance(path, RemoteLog):
+        return path.stream_bytes() if path.name is None else 0
 
     if partitioned(path):
         from agentlog.events.partitions import list_partitions, partition_dir
@@ -207,9 +233,9 @@ def read_tagged(
 
         if from_lsn:
             raise CliError(f"{path}: a partitioned log has one LSN sequence per partition; read from LSN {from_lsn} in one partition (e.g. {path}/p0000)", EXIT_USAGE)
-        it = read_partitions(path, raw=True)
+        it = read_partitions(path.run if isinstance(path, RemoteLog) else path, raw=True)
     else:
-        it = ((None, rec) for rec in read_log(path, from_lsn, raw=True))
+        it = ((None, rec) for rec in read_log(path.ref() if isinstance(path, RemoteLog) else path, from_lsn, raw=True))
     pending = 0
     try:
         for pid, rec in it:
@@ -242,6 +268,201 @@ def read_tagged(
         it.close()
         if bar is not None:
             bar.close()
+
+
+def log_partitions(path: Any) -> list[int]:
+    """The partition ids of a (checked, :func:`partitioned`) partition root or run stream, ascending."""
+    if isinstance(path, RemoteLog):
+        return path.run.partitions()
+    from agentlog.events.partitions import list_partitions
+
+    return list_partitions(path)
+
+
+def partition_log(path: Any, pid: int) -> Any:
+    """Partition ``pid`` of a partition root (its directory) or of a run's
+    stream (a :class:`RemoteLog` naming its subject)."""
+    if isinstance(path, RemoteLog):
+        from agentlog.events.partitions import partition_name
+
+        return path.sibling(partition_name(pid))
+    from agentlog.events.partitions import partition_dir
+
+    return partition_dir(path, pid)
+
+
+class RecordDigest:
+    """sha256 over a log's records as stored: each record's LSN, session seq,
+    timestamp, terminal flag, session id and payload, length-prefixed (the
+    fields its frame is made of). Equal for two logs exactly when their
+    frames are byte-identical: a log on JetStream and its export to a
+    directory, a directory and its import (``verify --digest`` prints it)."""
+
+    def __init__(self) -> None:
+        import hashlib
+
+        self._h = hashlib.sha256()
+        self.records = 0
+
+    def update(self, rec: Any) -> None:
+        """Take the next record (a RawRecord)."""
+        import struct
+
+        sid = rec.session_id.encode("utf-8")
+        self._h.update(struct.pack("<QQqBIQ", rec.lsn, rec.session_seq, rec.ts_ns, bool(rec.terminal), len(sid), len(rec.payload)))
+        self._h.update(sid)
+        self._h.update(rec.payload)
+        self.records += 1
+
+    def hexdigest(self) -> str:
+        """``sha256:<hex>``."""
+        return f"sha256:{self._h.hexdigest()}"
+
+
+# ---------------------------------------------------------------- logs on JetStream
+
+
+class RemoteLog:
+    """A log named by a ``nats://`` URL: a run's whole stream (``name`` None:
+    its partitions, read merged as a partition root is) or one log of it
+    (``name``: ``p0003``, ``learner``). ``str()`` is the URL, so every
+    message that names a directory names the URL instead."""
+
+    def __init__(self, run: Any, base: str, name: str | None, run_dir: Path | None = None) -> None:
+        self.run, self.base, self.name = run, base, name
+        #: The run folder whose config.json named this stream (None for a URL given as such).
+        self.run_dir = run_dir
+
+    def __str__(self) -> str:
+        return self.base if self.name is None else f"{self.base}/{self.name}"
+
+    def __repr__(self) -> str:
+        return f"RemoteLog({str(self)!r})"
+
+    def sibling(self, name: str) -> "RemoteLog":
+        """Another log of the same stream."""
+        return RemoteLog(self.run, self.base, name, self.run_dir)
+
+    def ref(self) -> Any:
+        """The :class:`~agentlog.events.log_jetstream_read.JetStreamRef` of this one log."""
+        if self.name is None:
+            raise CliError(f"{self}: names a whole stream, expected one of its logs (e.g. {self.base}/p0000)", EXIT_USAGE)
+        return self.run.log(self.name)
+
+    def stream_bytes(self) -> int:
+        """The stream's size in bytes as the server counts it (every subject, headers included)."""
+        return int(self.run.bridge.call(self.run.js.stream_info(self.run.stream)).state.bytes or 0)
+
+
+#: Runs on JetStream opened by this process, by (servers, stream): one connection each, closed by close_remotes().
+_REMOTES: dict[tuple[str, str], Any] = {}
+
+
+def open_remote(text: str, *, allow_empty: bool = False) -> RemoteLog:
+    """The :class:`RemoteLog` a ``nats://host:port/stream[/log]`` URL names,
+    its stream opened read-only (one connection per stream, kept until
+    :func:`close_remotes`). Exit-2 errors name the URL and what was expected:
+    a malformed URL, a server that cannot be reached, a missing stream, a
+    stream without partitions, or a log the stream does not hold (the logs
+    it does hold listed). ``allow_empty`` (tail) accepts a stream or log with
+    no message yet."""
+    from agentlog.events.log_jetstream_read import parse_nats_url
+
+    try:
+        servers, stream, name = parse_nats_url(text)
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    hosts = text[len("nats://"):].partition("/")[0]
+    return _open_stream(text, servers, stream, RemoteLog(None, f"nats://{hosts}/{stream}", name), allow_empty)
+
+
+def nats_run_folder(path: Path, *, allow_empty: bool = False) -> RemoteLog | None:
+    """For a run folder whose ``config.json`` says ``[log] backend = "nats"``
+    (:class:`agentlog.loop.logs.RunLogs`), the :class:`RemoteLog` of its
+    stream (the run folder stands for its rollout partitions, as a file run
+    folder stands for its ``rollout/``); None for any other directory."""
+    import json
+
+    config = path / "config.json"
+    try:
+        backend = json.loads(config.read_text()).get("log", {}).get("backend") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None  # not a loop run's config: the directory is judged as any other
+    if backend != "nats":
+        return None
+    from agentlog.loop.config import ConfigError
+    from agentlog.loop.logs import RunLogs
+
+    try:
+        run_logs = RunLogs.of(path)
+    except (ConfigError, ValueError, TypeError) as exc:
+        raise CliError(f"{config}: {exc}", EXIT_USAGE) from None
+    from agentlog.events.log_jetstream_read import parse_nats_url
+
+    base = f"{run_logs.cfg.log.url}/{run_logs.stream}"  # the config checked the URL: it parses
+    servers, stream, _ = parse_nats_url(base)
+    return _open_stream(f"{path} (its logs: {base})", servers, stream, RemoteLog(None, base, None, run_dir=path), allow_empty)
+
+
+def _open_stream(text: str, servers: str, stream: str, remote: RemoteLog, allow_empty: bool) -> RemoteLog:
+    """``remote`` with its stream opened (one connection per stream and process) and checked (see :func:`open_remote`)."""
+    from agentlog.events.log_api import LogError
+    from agentlog.events.log_jetstream_read import JetStreamRun
+
+    run = _REMOTES.get((servers, stream))
+    if run is None:
+        import logging
+
+        check_reachable(text, servers)
+        # nats-py logs each failed connection attempt with a traceback; the one-line error below says it all.
+        nats_logger = logging.getLogger("nats")
+        level = nats_logger.level
+        nats_logger.setLevel(logging.CRITICAL)
+        try:
+            run = JetStreamRun.open(servers, stream)
+        except LogError as exc:  # cannot connect, no such stream (NotALog), nats-py missing
+            raise CliError(f"{text}: {exc}", EXIT_USAGE) from None
+        finally:
+            nats_logger.setLevel(level)
+        _REMOTES[(servers, stream)] = run
+    remote.run = run
+    if allow_empty:
+        return remote
+    name = remote.name
+    names = run.names()
+    held = f"it holds {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}" if names else "it holds no message"
+    if name is None and not run.partitions():
+        raise CliError(f"{text}: stream {stream!r} holds no partition log (expected subjects {stream}.p0000 ...); {held}", EXIT_USAGE)
+    if name is not None and name not in names:
+        raise CliError(f"{text}: stream {stream!r} holds no log {name!r} (no message on subject {stream}.{name}); {held}", EXIT_USAGE)
+    return remote
+
+
+#: Seconds to wait for a TCP connection to a NATS server before saying it cannot be reached.
+CONNECT_TIMEOUT_S = 3.0
+
+
+def check_reachable(text: str, servers: str) -> None:
+    """Exit 2 at once, naming each server and why, when no server of the URL
+    accepts a TCP connection (nats-py would retry for seconds first)."""
+    import socket
+
+    why = []
+    for url in servers.split(","):
+        host, _, port = url[len("nats://"):].rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+            return
+        except OSError as exc:
+            why.append(f"{host}:{port}: {exc.strerror or exc}")
+    raise CliError(f"{text}: cannot connect to a NATS server ({'; '.join(why)}); expected a running nats-server with JetStream", EXIT_USAGE)
+
+
+def close_remotes() -> None:
+    """Close every stream connection :func:`open_remote` opened (the CLI's exit)."""
+    while _REMOTES:
+        _, run = _REMOTES.popitem()
+        run.close()
 
 
 def fmt_ts(ts_ns: int) -> str:

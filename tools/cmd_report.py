@@ -18,7 +18,9 @@ import os
 from pathlib import Path
 
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, learner_log_of, nonneg_int, partitioned, read_records, read_tagged
+from agentlog.tools.cli_common import (
+    RemoteLog, add_quiet, check_log_path, learner_log_of, log_partitions, nonneg_int, partitioned, read_records, read_tagged,
+)
 
 
 def register(sub) -> None:
@@ -40,11 +42,9 @@ def run(args) -> int:
     from agentlog.tools.report.render import render
 
     path = check_log_path(args.log)
-    learner = learner_log_of(Path(args.log))
+    learner = learner_log_of(path if isinstance(path, RemoteLog) else Path(args.log))
     if partitioned(path):
-        from agentlog.events.partitions import list_partitions
-
-        pids: list[int] | None = list_partitions(path)
+        pids: list[int] | None = log_partitions(path)
         envelopes = read_tagged(path, quiet=args.quiet, desc="report")
     else:
         pids, envelopes = None, read_records(path, quiet=args.quiet, desc="report")

@@ -25,7 +25,7 @@ import sys
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, fmt_ts, partitioned, read_records, read_tagged, record_id
+from agentlog.tools.cli_common import add_quiet, check_log_path, fmt_ts, log_partitions, partitioned, read_records, read_tagged, record_id
 
 
 def register(sub) -> None:
@@ -81,10 +81,8 @@ def _partitioned_stats(path: Any, quiet: bool) -> dict[str, Any]:
     from agentlog.reducers.runstats import RunStats, decode_projection
 
     stats = RunStats()
-    from agentlog.events.partitions import list_partitions
-
     # Every partition is listed, an empty one with 0 events.
-    parts: dict[str, dict[str, Any]] = {f"p{q:04d}": {"events": 0, "lsn_first": None, "lsn_last": None} for q in list_partitions(path)}
+    parts: dict[str, dict[str, Any]] = {f"p{q:04d}": {"events": 0, "lsn_first": None, "lsn_last": None} for q in log_partitions(path)}
     named: dict[int, str] = {}  # merged position -> pNNNN:LSN, for violations only
     pid = rec = None
     try:

@@ -19,6 +19,12 @@ interleave in arrival order (a live merge cannot wait for the slowest
 partition; ``agentlog replay`` gives the time-ordered merge), each named
 ``p0003:1234`` (partition:LSN), with one lifecycle fold per partition.
 ``--summary`` counts over all partitions, its position the last LSN of each.
+
+A run's stream on JetStream (``nats://host:port/stream``) is followed the
+same way, every partition subject of it, one found later included (the
+stream's subjects are listed every ``DISCOVER_S``); ``.../stream/p0003``
+follows one. Only acknowledged messages exist there, so every record shown
+is durable. The stream must exist (a log directory may not yet).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import check_log_path, record_id
+from agentlog.tools.cli_common import RemoteLog, check_log_path, record_id
 
 REFRESH_S = 0.5
 #: How often a partitioned log (or a folder holding no log yet) is looked at for new partitions.
@@ -103,23 +109,26 @@ def summary_line(snap: dict[str, Any]) -> str:
 
 
 class _LivePartitions(Mapping):
-    """The partitions under ``root`` as ``{partition id: directory}``, listed
+    """The partitions under ``root`` as ``{partition id: directory}`` (of a
+    run's stream on JetStream: ``{partition id: JetStreamRef}``), listed
     afresh at most every DISCOVER_S: :func:`events.log_read.follow_logs`
     reads its mapping each round, so a partition a new worker creates is
     followed from then on, and a stray entry beside the partitions raises
     NotALog (naming it) out of the follow."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Any) -> None:
         self.root = root
         self._listed_at = -math.inf
-        self._paths: dict[int, Path] = {}
+        self._paths: dict[int, Any] = {}
 
-    def _fresh(self) -> dict[int, Path]:
-        from agentlog.events.partitions import list_partitions, partition_dir
+    def _fresh(self) -> dict[int, Any]:
+        from agentlog.tools.cli_common import log_partitions, partition_log
 
         now = time.monotonic()
         if now - self._listed_at >= DISCOVER_S:
-            self._paths = {pid: partition_dir(self.root, pid) for pid in list_partitions(self.root)}
+            remote = isinstance(self.root, RemoteLog)
+            self._paths = {pid: partition_log(self.root, pid).ref() if remote else partition_log(self.root, pid)
+                           for pid in log_partitions(self.root)}
             self._listed_at = now
         return self._paths
 
@@ -144,6 +153,14 @@ async def follow_tagged(path: Path, *, raw: bool = False) -> Any:
     from agentlog.events.log_format import is_log_dir
     from agentlog.events.partitions import is_partition_root
 
+    if isinstance(path, RemoteLog):
+        if path.name is not None:
+            async for rec in follow_log(path.ref(), raw=raw):
+                yield None, rec
+            return
+        async for pid, env in follow_logs(_LivePartitions(path)):  # envelopes, as for a partition root
+            yield pid, env
+        return
     while not is_log_dir(path) and not is_partition_root(path):
         await asyncio.sleep(DISCOVER_S)
     if is_log_dir(path):

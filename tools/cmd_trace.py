@@ -35,7 +35,7 @@ import os
 from typing import IO, Any, Iterable
 
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, partitioned, read_records, read_tagged
+from agentlog.tools.cli_common import add_quiet, check_log_path, log_partitions, partitioned, read_records, read_tagged
 
 #: The one process every session track belongs to.
 TRACE_PID = 1
@@ -175,9 +175,7 @@ def run(args) -> int:
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             if partitioned(path):
-                from agentlog.events.partitions import list_partitions
-
-                counts = write_trace(read_tagged(path, quiet=args.quiet, desc="trace"), f, log=str(path), partitions=list_partitions(path))
+                counts = write_trace(read_tagged(path, quiet=args.quiet, desc="trace"), f, log=str(path), partitions=log_partitions(path))
             else:
                 counts = write_trace(read_records(path, quiet=args.quiet, desc="trace"), f, log=str(path))
         os.replace(tmp, args.output)

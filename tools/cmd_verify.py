@@ -27,6 +27,21 @@ alone: a session never spans partitions, so a session id opened in two
 partitions is a reused id; each is printed naming every place it was opened
 (``p0000:3 and p0003:0``, partition:LSN), and the command exits 1. The exit
 status is the worst of all these.
+
+A log on JetStream (``nats://host:port/stream``: every partition of the run's
+stream, as a partition root; ``.../stream/p0003``: one) is verified the same
+way, except for what a stream does not have: every message's frame is
+checked (CRC, length, LSN continuity from 0, the payload decoding as a
+schema-v1 event), then each session's sequence and lifecycle, then the ids
+reused across partitions. There are no segments, no DURABLE watermark and no
+torn tail (the server stores only acknowledged messages, and a record split
+into chunks is read whole or not at all), so the summary names the subject
+and counts frame bytes instead of segments, and ``--repair`` is refused.
+
+``--digest`` adds, under each log's summary, ``records sha256:<hex>`` over
+every record's (LSN, session, seq, timestamp, terminal flag, payload):
+equal for a log on JetStream and its ``agentlog export`` (or a directory
+and its ``agentlog import``), whose frames are byte-identical.
 """
 
 from __future__ import annotations
@@ -46,6 +61,7 @@ def register(sub) -> None:
         help="check every segment and frame, then every session's sequence and lifecycle (exit 1 if torn, corrupt or violated)",
     )
     p.add_argument("log", metavar="LOG", help="the log directory")
+    p.add_argument("--digest", action="store_true", help="print each log's records sha256 (equal across export/import)")
     p.add_argument(
         "--repair",
         action="store_true",
@@ -58,18 +74,21 @@ def run(args) -> int:
     """Verify, print the summary (and any lifecycle violations), return the exit status."""
     from agentlog.events import LogLocked, NotALog, verify_log
 
-    from agentlog.tools.cli_common import check_log_path, partitioned
+    from agentlog.tools.cli_common import RemoteLog, check_log_path, log_partitions, partition_log, partitioned
 
     path = check_log_path(args.log)  # a run folder stands for its rollout/ log
+    if args.repair and isinstance(path, RemoteLog):
+        raise CliError(f"{path}: --repair cuts a log directory's torn tail; a log on JetStream has none "
+                       "(the server stores only acknowledged messages)", EXIT_USAGE)
     if partitioned(path):
-        from agentlog.events.partitions import list_partitions, partition_dir, partition_name
+        from agentlog.events.partitions import partition_name
 
         worst = EXIT_OK
         opened: dict[int, OpenedIds] = {}
-        for pid in list_partitions(path):
+        for pid in log_partitions(path):
             opened[pid] = OpenedIds()
             try:
-                code = _verify_one(partition_dir(path, pid), args, prefix=f"{partition_name(pid)}: ", opened=opened[pid])
+                code = _verify_one(partition_log(path, pid), args, prefix=f"{partition_name(pid)}: ", opened=opened[pid])
             except CliError as exc:  # one partition's error is its line; the others are still checked
                 print(f"{partition_name(pid)}: {exc}")
                 code = exc.code
@@ -90,18 +109,27 @@ def _verify_one(path: Any, args: Any, prefix: str = "", opened: "OpenedIds | Non
     """Both checks of one log; its summary line starts with ``prefix``."""
     from agentlog.events import LogLocked, NotALog, verify_log
 
-    try:
-        report = verify_log(path, repair=args.repair)
-    except FileNotFoundError as exc:
-        raise CliError(str(exc), EXIT_USAGE) from None
-    except (NotALog, LogLocked) as exc:
-        raise CliError(str(exc), EXIT_USAGE) from None
-    except OSError as exc:
-        raise CliError(f"{args.log}: {exc.strerror or exc}", EXIT_USAGE) from None
-    print(prefix + report.summary())
+    from agentlog.tools.cli_common import RecordDigest, RemoteLog
+
+    if isinstance(path, RemoteLog):
+        report = verify_remote(path)
+        print(prefix + remote_summary(report, path))
+    else:
+        try:
+            report = verify_log(path, repair=args.repair)
+        except FileNotFoundError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+        except (NotALog, LogLocked) as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+        except OSError as exc:
+            raise CliError(f"{args.log}: {exc.strerror or exc}", EXIT_USAGE) from None
+        print(prefix + report.summary())
     if report.status not in ("ok", "repaired", "schema"):
         return EXIT_DATA  # torn or corrupt: the frames after the problem cannot be read
-    count, shown = check_lifecycle(path, opened=opened)
+    digest = RecordDigest() if getattr(args, "digest", False) else None
+    count, shown = check_lifecycle(path, opened=opened, digest=digest)
+    if digest is not None:
+        print(f"{prefix}records {digest.hexdigest()}")
     for v in shown:
         print(f"  lsn {v.lsn} session {v.session_id!r}: {v.describe()}")
     if count:
@@ -111,6 +139,78 @@ def _verify_one(path: Any, args: Any, prefix: str = "", opened: "OpenedIds | Non
             EXIT_DATA,
         )
     return EXIT_OK if report.ok else EXIT_DATA
+
+
+def verify_remote(path: Any) -> Any:
+    """The frame check of one log on JetStream (a RemoteLog naming a
+    subject), as a :class:`~agentlog.events.log_verify.VerifyReport`: every
+    message's frame is checked as it is read (CRC, length, LSN continuity:
+    :func:`~agentlog.events.log_jetstream_read.decode_message`), each payload
+    decoded as a schema-v1 event (a newer writer's fields count as a schema
+    mismatch, unknown tags as unknown types), open sessions counted.
+    ``bytes`` counts the frames' bytes (what segments would hold, less their headers)."""
+    import msgspec
+
+    from agentlog.events.log_api import LogCorruption, LogError, SchemaError
+    from agentlog.events.log_format import FRAME_OVERHEAD
+    from agentlog.events.log_verify import VerifyReport
+    from agentlog.events.types import UnknownEvent, decode_body
+
+    rep = VerifyReport(path=str(path), status="ok")
+    live: set[str] = set()
+    it = path.ref().read(raw=True)
+    try:
+        for rec in it:
+            try:
+                body = decode_body(rec.payload)
+            except msgspec.DecodeError as exc:
+                schema = SchemaError.of_payload(exc, rec.payload, lsn=rec.lsn, session_id=rec.session_id)
+                if schema is None:
+                    rep.status = "corrupt"
+                    rep.problem = (f"lsn {rec.lsn}, session {rec.session_id!r}: CRC-valid frame whose payload "
+                                   f"does not decode as a schema-v1 event: {exc}")
+                    rep.last_good_lsn = rec.lsn - 1
+                    return rep
+                rep.schema_errors += 1
+                rep.schema_problem = rep.schema_problem or str(schema)
+            else:
+                if type(body) is UnknownEvent:
+                    rep.unknown_types[body.tag] = rep.unknown_types.get(body.tag, 0) + 1
+            if rec.terminal:
+                live.discard(rec.session_id)
+            else:
+                live.add(rec.session_id)
+            rep.records += 1
+            rep.next_lsn = rec.lsn + 1
+            rep.bytes += FRAME_OVERHEAD + len(rec.session_id.encode()) + len(rec.payload)
+    except LogCorruption as exc:
+        rep.status, rep.problem, rep.last_good_lsn = "corrupt", str(exc), rep.next_lsn - 1
+        return rep
+    except LogError as exc:  # the server stopped answering mid-read: the log's soundness is unknown
+        raise CliError(f"{path}: {exc}", EXIT_DATA) from None
+    finally:
+        it.close()
+        rep.open_sessions = len(live)
+    if rep.schema_errors:
+        rep.status = "schema"
+    return rep
+
+
+def remote_summary(rep: Any, path: Any) -> str:
+    """:meth:`VerifyReport.summary` for a log on JetStream: its subject and
+    frame bytes where a directory's line has segments and bytes."""
+    subject = path.ref().subject
+    body = (f"{rep.records} records (lsn 0..{rep.next_lsn - 1}) on JetStream subject {subject}, "
+            f"{rep.bytes} bytes of frames, {rep.open_sessions} open sessions")
+    if rep.unknown_types:
+        body += (f"; note: {sum(rep.unknown_types.values())} records of unknown types (newer writer): "
+                 f"tags {', '.join(sorted(rep.unknown_types))}")
+    if rep.status == "ok":
+        return f"{path}: ok, {body}"
+    if rep.status == "schema":
+        return (f"{path}: SCHEMA MISMATCH: {rep.schema_errors} records this version cannot decode "
+                f"(upgrade agentlog); first: {rep.schema_problem}; {body}")
+    return f"{path}: CORRUPT: {rep.problem}"
 
 
 class OpenedIds:
@@ -142,9 +242,8 @@ def reused_across_partitions(root: Any, opened: dict[int, OpenedIds]) -> list[tu
     import msgspec
     import numpy as np
 
-    from agentlog.events.partitions import partition_dir
     from agentlog.events.types import payload_tag
-    from agentlog.tools.cli_common import read_records
+    from agentlog.tools.cli_common import partition_log, read_records
 
     if len(opened) < 2:
         return []
@@ -161,7 +260,7 @@ def reused_across_partitions(root: Any, opened: dict[int, OpenedIds]) -> list[tu
     places: dict[str, list[tuple[int, int]]] = {}
     for pid in suspects:
         try:
-            for rec in read_records(partition_dir(root, pid), raw=True, quiet=True, desc="verify across partitions"):
+            for rec in read_records(partition_log(root, pid), raw=True, quiet=True, desc="verify across partitions"):
                 if hash(rec.session_id) in candidates and payload_tag(rec.payload) == _OPENED_TAG:
                     places.setdefault(rec.session_id, []).append((pid, rec.lsn))
         except (CliError, msgspec.DecodeError):
@@ -172,10 +271,11 @@ def reused_across_partitions(root: Any, opened: dict[int, OpenedIds]) -> list[tu
 _OPENED_TAG = "session_opened"
 
 
-def check_lifecycle(path: Any, *, opened: OpenedIds | None = None) -> tuple[int, list[Any]]:
+def check_lifecycle(path: Any, *, opened: OpenedIds | None = None, digest: Any = None) -> tuple[int, list[Any]]:
     """The lifecycle check over the log at ``path``: ``(violations, the first SHOWN of them)``.
     Reads each record's tag only; no body is decoded. ``opened``, when given,
-    collects every session_opened record (for the check across partitions)."""
+    collects every session_opened record (for the check across partitions);
+    ``digest`` (a :class:`~agentlog.tools.cli_common.RecordDigest`), when given, takes every record."""
     import msgspec
 
     from agentlog.events.types import payload_tag
@@ -193,6 +293,8 @@ def check_lifecycle(path: Any, *, opened: OpenedIds | None = None) -> tuple[int,
             raise CliError(f"{path}: lsn {rec.lsn}, session {rec.session_id!r}: payload has no event tag: {exc}", EXIT_DATA) from None
         if opened is not None and tag == _OPENED_TAG:
             opened.add(rec.session_id, rec.lsn)
+        if digest is not None:
+            digest.update(rec)
         found = feed(rec.lsn, rec.session_id, rec.session_seq, tag)
         if found:
             count += len(found)

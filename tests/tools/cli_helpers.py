@@ -315,3 +315,33 @@ if __name__ == "__main__":
     # The writer process's log lines go to stderr, away from anything a test reads.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     asyncio.run(write_run(sys.argv[1]))
+
+
+def read_lines_until(proc: subprocess.Popen, done, timeout: float = 60) -> list[str]:
+    """Lines of proc's stdout until done(lines) or timeout (then the command, a
+    ``tail``, is interrupted with SIGINT, and killed if it does not stop)."""
+    import signal
+    import threading
+    import time
+
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not done(list(lines)) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        reader.join(5)
+    return lines

@@ -9,14 +9,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from cli_helpers import (
-    ABORT_REASONS, EXPECTED, LEARNER_METRICS, ROOT, agentlog, on_a_terminal, write_learner_log, write_many_sessions,
+    ABORT_REASONS, EXPECTED, LEARNER_METRICS, ROOT, agentlog, on_a_terminal, read_lines_until, write_learner_log,
+    write_many_sessions,
 )
 
 HELPER = Path(__file__).with_name("cli_helpers.py")
@@ -34,31 +34,6 @@ def _start_tail(*args: str) -> subprocess.Popen:
     )
 
 
-def _read_lines_until(proc: subprocess.Popen, done, timeout: float = 60) -> list[str]:
-    """Lines of proc's stdout until done(lines) or timeout (then the tail is interrupted)."""
-    lines: list[str] = []
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while not done(list(lines)) and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        reader.join(5)
-    return lines
-
-
 def _write_in_another_process(path: Path) -> None:
     w = subprocess.run([sys.executable, str(HELPER), str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert w.returncode == 0, w.stderr
@@ -71,7 +46,7 @@ def test_tail_started_before_the_writer_sees_every_event(tmp_path):
     time.sleep(0.5)
     assert tail.poll() is None, tail.stderr.read()
     _write_in_another_process(path)
-    lines = _read_lines_until(tail, lambda ls: len(ls) >= N_EVENTS)
+    lines = read_lines_until(tail, lambda ls: len(ls) >= N_EVENTS)
     assert tail.returncode in (0, 130), tail.stderr.read()
     lsns = [int(line.split()[0]) for line in lines]
     assert lsns == list(range(N_EVENTS))
@@ -86,7 +61,7 @@ def test_tail_summary_ends_with_the_final_counts(tmp_path):
     time.sleep(0.5)
     _write_in_another_process(path)
     want = f"lsn {N_EVENTS - 1}: open 0 running 1 finished 4 aborted 2 dropped 1 | groups released 2 skipped 1"
-    lines = _read_lines_until(tail, lambda ls: any(want in line for line in ls))
+    lines = read_lines_until(tail, lambda ls: any(want in line for line in ls))
     assert any(want in line for line in lines), lines
 
 

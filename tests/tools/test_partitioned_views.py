@@ -19,7 +19,8 @@ import pytest
 from agentlog.events import read_log
 from agentlog.events.partitions import open_partition, partition_dir
 from agentlog.events.types import SessionOpened, event_tag
-from test_cli_tail_report import _read_lines_until, _start_tail
+from cli_helpers import read_lines_until
+from test_cli_tail_report import _start_tail
 from test_partitioned_run import cli
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
@@ -216,7 +217,7 @@ def test_tail_follows_every_partition_including_ones_made_after_it_started(tmp_p
             return False
         return bool(third) and len(lines) >= n_first + third[0]
 
-    lines = _read_lines_until(tail, done)
+    lines = read_lines_until(tail, done)
     assert tail.returncode in (0, 130), tail.stderr.read()
     want = [f"p{pid:04d}:{e.lsn}" for pid in OUTCOMES for e in records(root, pid)]
     labels = [line.split()[0] for line in lines]
@@ -233,5 +234,5 @@ def test_tail_summary_counts_over_every_partition(run_folder):
     tail = _start_tail(str(run_folder), "--summary")
     last = " ".join(f"p{pid:04d}:{records(run_folder / 'rollout', pid)[-1].lsn}" for pid in OUTCOMES)
     want = f"lsn {last}: open 0 running 1 finished 5 aborted 1 dropped 0 | groups released 3"
-    lines = _read_lines_until(tail, lambda ls: any(want in line for line in ls))
+    lines = read_lines_until(tail, lambda ls: any(want in line for line in ls))
     assert any(want in line for line in lines), lines

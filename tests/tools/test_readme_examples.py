@@ -11,6 +11,10 @@ Two kinds of line are treated specially, each for a stated reason:
 * ``agentlog serve`` / ``tail``: they run until interrupted; each must start
   (print its first line), then stop cleanly on SIGINT. ``serve`` gets
   ``--port 0`` appended: a test must not hold a fixed port.
+* the JetStream examples (``nats://localhost:4222/...``): they run in order,
+  in one test, against the ``nats_server`` fixture's server (its address
+  substituted: a test must not hold a fixed port), and what their comments
+  claim (the same digests as the demo run's folder) is checked.
 
 Usage synopses with placeholders (LOG, SESSION) are in ```text blocks.
 """
@@ -44,7 +48,12 @@ def readme_commands(text: str) -> list[list[str]]:
     return out
 
 
-COMMANDS = readme_commands(README.read_text())
+#: The server the README's JetStream examples name; the test substitutes its own server's address.
+README_NATS = "nats://localhost:4222"
+ALL_COMMANDS = readme_commands(README.read_text())
+#: The JetStream examples (they need a server, and each builds on the one before: run in order, in one test).
+NATS_COMMANDS = [c for c in ALL_COMMANDS if any(a.startswith(README_NATS) for a in c)]
+COMMANDS = [c for c in ALL_COMMANDS if c not in NATS_COMMANDS]
 
 
 def test_the_readme_has_runnable_examples_of_the_debugging_commands():
@@ -112,3 +121,36 @@ def test_each_readme_example_runs_as_written(cmd, short_demo_run, tmp_path):
     )
     assert res.returncode == 0, (shlex.join(cmd), res.stdout[-2000:], res.stderr[-2000:])
     assert res.stdout.strip(), shlex.join(cmd)
+
+
+def _agentlog(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agentlog.tools.cli", *args], cwd=cwd, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.required
+def test_the_readme_jetstream_examples_run_in_order(short_demo_run, nats_server, tmp_path):
+    cwd, _ = short_demo_run
+    assert [c[1] for c in NATS_COMMANDS][:1] == ["import"] and {"export", "verify", "reconstruct", "tail"} <= {c[1] for c in NATS_COMMANDS}
+    work = tmp_path / "work"
+    (work / "runs").mkdir(parents=True)
+    (work / "runs" / "demo").symlink_to(cwd / "runs" / "demo", target_is_directory=True)
+    outputs = {}
+    for cmd in NATS_COMMANDS:
+        args = [a.replace(README_NATS, nats_server.url) for a in cmd[1:]]
+        if args[0] in LONG_RUNNING:
+            code, out = _run_until_first_line(args, work, LONG_RUNNING[args[0]])
+            assert code in (0, 130) and "Traceback" not in out, (code, out)
+            continue
+        res = _agentlog(args, work)
+        assert res.returncode == 0, (shlex.join(cmd), res.stdout[-2000:], res.stderr[-2000:])
+        assert res.stdout.strip(), shlex.join(cmd)
+        outputs[args[0]] = res.stdout
+    # What the comments claim: the stream's digests are the run folder's.
+    here = _agentlog(["verify", "--digest", "runs/demo"], work)
+    assert here.returncode == 0, here.stderr
+    digests = [line.split("records ")[1] for line in here.stdout.splitlines() if "records sha256:" in line]
+    assert digests and digests == [line.split("records ")[1] for line in outputs["verify"].splitlines() if "records sha256:" in line]
+    here = _agentlog(["reconstruct", "runs/demo", "-o", "here.msgpack"], work)
+    assert here.returncode == 0 and here.stdout.splitlines()[-1] == outputs["reconstruct"].splitlines()[-1]
+    assert "every log EQUAL" in outputs["import"] and "every log EQUAL" in outputs["export"]

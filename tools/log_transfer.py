@@ -1,0 +1,221 @@
+"""Copying logs between JetStream and log directories, frame for frame
+(``agentlog export`` and ``agentlog import``).
+
+A copy keeps every record's LSN, session id, session seq, timestamp and
+payload, so its frames are byte-identical to the source's. It goes through
+each log's ordinary, checked append path (``append_batch``: sequence and
+schema checks, the writer's fencing, JetStream's publish acks), with one
+thing replaced: the log's clock. A :class:`ReplayClock` hands the writer the
+recorded timestamps instead of the time of day. LSNs need nothing: a log
+gives the next one, from 0, and the copy checks before each append that it
+is the source's (and after, from the returned envelopes, that LSN and
+timestamp came out as recorded: a log that read its clock differently
+would be caught there, not written wrong silently).
+
+How often a writer reads its clock differs: ``FileLog`` once per
+``append_batch`` (every record of a batch shares one timestamp),
+``JetStreamLog`` once per record. :func:`copy_records` cuts the source into
+batches accordingly (for a FileLog, one batch per run of equal timestamps).
+
+Payloads are not copied as bytes but decoded and re-encoded by the writer's
+check (the canonical msgspec encoding that wrote them). Every copy is
+therefore read back and its :class:`~agentlog.tools.cli_common.RecordDigest`
+compared with the source's: a payload that did not re-encode to the same
+bytes would show as DIFFERENT, never pass unnoticed.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Iterable, Iterator
+
+#: Records per append when the writer stamps each record (JetStream; atomic batches hold up to 1000 messages).
+BATCH = 256
+
+
+class ReplayClock:
+    """A writer's clock that returns the timestamps it was given, in order:
+    the recorded ``ts_ns`` of the records being copied. Asked for more than
+    it holds, it raises (a copy bug, never a silent wrong time)."""
+
+    def __init__(self) -> None:
+        self._pending: collections.deque[int] = collections.deque()
+
+    def load(self, stamps: Iterable[int]) -> None:
+        """Queue the timestamps the next clock reads must return."""
+        self._pending.extend(stamps)
+
+    def __call__(self) -> int:
+        if not self._pending:
+            raise RuntimeError("ReplayClock: the writer read its clock more often than records were given")
+        return self._pending.popleft()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+class CopyError(Exception):
+    """A record the copy could not write as it was recorded; the message names the log, LSN and why."""
+
+
+def _batches(records: Iterator[Any], *, per_record_ts: bool) -> Iterator[list[tuple[Any, Any]]]:
+    """The source as batches of ``(raw record, envelope)``: up to BATCH when the
+    writer stamps each record, else runs of one timestamp (up to BATCH)."""
+    batch: list[tuple[Any, Any]] = []
+    for rec in records:
+        if batch and (len(batch) >= BATCH or (not per_record_ts and rec.ts_ns != batch[0][0].ts_ns)):
+            yield batch
+            batch = []
+        batch.append((rec, rec.decode()))
+    if batch:
+        yield batch
+
+
+def copy_records(records: Iterator[Any], dest: Any, clock: ReplayClock, *, where: str, per_record_ts: bool,
+                 digest: Any = None) -> int:
+    """Append the RawRecords ``records`` (LSN order, from ``dest.next_lsn``)
+    to the log ``dest``, opened with ``clock``, keeping each LSN, session,
+    seq and timestamp. ``digest`` (a RecordDigest), when given, takes every
+    source record. Returns how many were copied; raises :class:`CopyError`
+    naming ``where`` and the LSN for a record the writer refuses or that
+    would not come out as recorded."""
+    from agentlog.events.log_api import LogError, SchemaError
+    from agentlog.events.types import EventValidationError
+
+    n = 0
+    try:
+        for batch in _batches(records, per_record_ts=per_record_ts):
+            first = batch[0][0]
+            if first.lsn != dest.next_lsn:
+                raise CopyError(f"{where}: record at lsn {first.lsn}, but the copy is at lsn {dest.next_lsn} "
+                                "(the source's LSNs must run from 0 without a gap)")
+            if per_record_ts:
+                clock.load(rec.ts_ns for rec, _ in batch)
+            else:
+                clock.load([first.ts_ns])  # the batch is a run of one timestamp
+            envs = dest.append_batch([(env.session_id, env.session_seq, env.body) for _, env in batch])
+            if len(clock):
+                raise CopyError(f"{where}: the writer read its clock {len(clock)} time(s) less than expected at lsn {first.lsn}")
+            for (rec, _), got in zip(batch, envs):
+                if (got.lsn, got.ts_ns) != (rec.lsn, rec.ts_ns):
+                    raise CopyError(f"{where}: lsn {rec.lsn} ts {rec.ts_ns} was written as lsn {got.lsn} ts {got.ts_ns}")
+                if digest is not None:
+                    digest.update(rec)
+            n += len(batch)
+    except SchemaError as exc:
+        raise CopyError(f"{where}: {exc}") from None
+    except (EventValidationError, LogError) as exc:  # an unknown (newer) event type, a sequence gap, a refused publish
+        raise CopyError(f"{where}: at lsn {dest.next_lsn}: {exc}") from None
+    return n
+
+
+def digest_of(records: Iterable[Any]) -> Any:
+    """The RecordDigest of ``records`` (RawRecords)."""
+    from agentlog.tools.cli_common import RecordDigest
+
+    d = RecordDigest()
+    for rec in records:
+        d.update(rec)
+    return d
+
+
+class Copied:
+    """One log copied: its name, where it went, how many records, and the
+    digests of the source and of the copy read back."""
+
+    def __init__(self, name: str, dest: str, records: int, source_digest: str, copy_digest: str) -> None:
+        self.name, self.dest, self.records = name, dest, records
+        self.source_digest, self.copy_digest = source_digest, copy_digest
+
+    @property
+    def equal(self) -> bool:
+        """Whether the copy's records are byte-identical to the source's."""
+        return self.source_digest == self.copy_digest
+
+    def line(self) -> str:
+        """One line for the command's output."""
+        verdict = "EQUAL" if self.equal else f"DIFFERENT (source {self.source_digest})"
+        return f"{self.name}: {self.records} records -> {self.dest}: records {self.copy_digest} {verdict}"
+
+
+def export_log(ref: Any, directory: Any, name: str) -> Copied:
+    """Write the JetStream log ``ref`` (a JetStreamRef) to a new log
+    directory, frame for frame; read it back and compare digests."""
+    from agentlog.events import FileLog, read_log
+    from agentlog.tools.cli_common import RecordDigest
+
+    clock = ReplayClock()
+    source = RecordDigest()
+    # fsync "never": the copy syncs once, at close (a crash mid-export leaves a copy to delete, not a run to lose).
+    dest = FileLog.open(directory, fsync="never", clock=clock, fence=False)
+    try:
+        it = ref.read(raw=True)
+        try:
+            n = copy_records(it, dest, clock, where=f"{ref} -> {directory}", per_record_ts=False, digest=source)
+        finally:
+            it.close()
+    finally:
+        dest.close()
+    back = read_log(directory, raw=True)
+    try:
+        copy = digest_of(back)
+    finally:
+        back.close()
+    return Copied(name, str(directory), n, source.hexdigest(), copy.hexdigest())
+
+
+def import_log(source: Any, url: str, stream: str, name: str | int, *, replicas: int, resume: bool,
+               open_log: Callable[..., Any] | None = None) -> Copied:
+    """Append the log directory ``source`` to the subject ``<stream>.<name>``
+    (``name``: a partition id or a log name), frame for frame; read it back
+    and compare digests. An existing subject is refused unless ``resume``:
+    then the records it holds must be the directory's first ones (compared
+    record by record), and the copy continues after them."""
+    from agentlog.events import read_log
+    from agentlog.events.log_jetstream import JetStreamLog
+    from agentlog.events.log_jetstream_read import log_name
+    from agentlog.tools.cli_common import RecordDigest
+
+    label = log_name(name)
+    clock = ReplayClock()
+    dest = (open_log or JetStreamLog.open)(url, stream, name, replicas=replicas, clock=clock)
+    where = f"{source} -> nats stream {stream!r} subject {stream}.{label}"
+    digest = RecordDigest()
+    try:
+        it = read_log(source, raw=True)
+        try:
+            held = dest.next_lsn
+            if held and not resume:
+                raise CopyError(f"{where}: the subject already holds {held} records; "
+                                "import into a new stream, or pass --resume to continue an import")
+            if held:
+                _check_prefix(it, dest, held, where, digest)
+            n = held + copy_records(it, dest, clock, where=where, per_record_ts=True, digest=digest)
+        finally:
+            it.close()
+        back = dest.read(raw=True)
+        try:
+            copy = digest_of(back)
+        finally:
+            back.close()
+    finally:
+        dest.close()
+    return Copied(label, f"{url}/{stream}/{label}", n, digest.hexdigest(), copy.hexdigest())
+
+
+def _check_prefix(it: Iterator[Any], dest: Any, held: int, where: str, digest: Any) -> None:
+    """The subject's ``held`` records must be the first records of the source
+    iterator ``it``, one for one (a resumed import); they go into ``digest``."""
+    fields = ("lsn", "session_id", "session_seq", "ts_ns", "terminal")
+    theirs = dest.read(raw=True)
+    try:
+        for got in theirs:
+            mine = next(it, None)
+            if mine is None:
+                raise CopyError(f"{where}: the subject holds {held} records, the source only {got.lsn}: it holds another run")
+            if tuple(getattr(mine, f) for f in fields) != tuple(getattr(got, f) for f in fields) or bytes(mine.payload) != bytes(got.payload):
+                raise CopyError(f"{where}: lsn {got.lsn} on the subject differs from the source's; "
+                                "it holds another run: import into a new stream")
+            digest.update(mine)
+    finally:
+        theirs.close()
