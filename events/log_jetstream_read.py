@@ -277,17 +277,9 @@ DIRECT_GET_WAIT_S = 10.0
 
 async def direct_get(js, stream: str, **kw):
     """``js.get_msg(stream, direct=True, **kw)``, retried for up to
-    DIRECT_GET_WAIT_S while the server has no responder for it yet."""
-    import nats.errors
-
-    deadline = asyncio.get_running_loop().time() + DIRECT_GET_WAIT_S
-    while True:
-        try:
-            return await js.get_msg(stream, direct=True, **kw)
-        except nats.errors.NoRespondersError:
-            if asyncio.get_running_loop().time() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+    DIRECT_GET_WAIT_S while the server cannot answer it (no responder yet)."""
+    return await retried(lambda: js.get_msg(stream, direct=True, **kw), "a direct get", f"nats stream {stream!r}",
+                         DIRECT_GET_WAIT_S, 5.0, "DIRECT_GET_WAIT_S")
 
 
 async def _direct_get(js, stream: str, subject: str, seq: int):
