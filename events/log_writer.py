@@ -64,6 +64,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
 
 from agentlog._logging import get_logger
 
+from . import framecodec
 from .log_api import EventLog, LogClosed, LogCorruption, LogError, LogFenced, NotALog, PendingRecord
 from .log_format import (
     CHECKPOINT_EVERY_BYTES,
@@ -488,24 +489,31 @@ class FileLog(EventLog):
         terminal_types = _TERMINAL_SET
         head_pack, crc_pack, crc_value, crc_extend = HEAD.pack, FRAME_CRC.pack, _crc_value, _crc_extend
         env_size = ENV_HDR.size
+        codec = framecodec.native
+        encode = codec.encode_frame if codec is not None else None
         for rec, sidb in zip(checked, sids):
             sid, seq, body, payload = rec
             plen = len(payload)
             terminal = type(body) in terminal_types
-            head = head_pack(env_size + len(sidb) + plen, TYPE_RECORD, lsn, seq, ts, terminal, len(sidb)) + sidb
-            c = crc_extend(crc_value(head), payload)  # C code over the bytes where they lie: no copy
-            prefix = crc_pack((((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF) + head
-            n = len(prefix) + plen
+            n = FRAME_OVERHEAD + len(sidb) + plen
+            if encode is not None:
+                # Compiled: the whole frame in one buffer, or (a big payload)
+                # only its prefix, whose CRC covers the payload where it lies.
+                frame = encode(lsn, seq, ts, terminal, sidb, payload, plen >= _BIG_PAYLOAD)
+            else:
+                head = head_pack(env_size + len(sidb) + plen, TYPE_RECORD, lsn, seq, ts, terminal, len(sidb)) + sidb
+                c = crc_extend(crc_value(head), payload)  # C code over the bytes where they lie: no copy
+                frame = crc_pack((((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF) + head
+                if plen < _BIG_PAYLOAD:
+                    frame += payload  # one small piece beats two iovecs
             if seg_first is None or (seg_size > SEG_HDR_SIZE and seg_size + n > seg_limit):
                 run = self._start_segment(lsn, rotating=seg_first is not None, ops=ops)
                 seg_first, seg_size, last_idx = lsn, SEG_HDR_SIZE, SEG_HDR_SIZE
             elif seg_size - last_idx >= INDEX_EVERY_BYTES:
                 self._index[seg_first].append((lsn, seg_size))
                 last_idx = seg_size
-            if plen < _BIG_PAYLOAD:
-                run.append(prefix + payload)  # one small piece beats two iovecs
-            else:
-                run.append(prefix)
+            run.append(frame)
+            if plen >= _BIG_PAYLOAD:
                 run.append(payload)  # written with writev: never copied in Python
             seg_size += n
             envs.append(Envelope(lsn, sid, seq, ts, body))
