@@ -31,7 +31,7 @@ from .log_format import (
     read_watermark,
     segment_name,
 )
-from .log_scan import SegmentScanner, classify_bad, header_being_created, open_segment, payload_error, read_head
+from .log_scan import Frame, SegmentScanner, classify_bad, header_being_created, open_segment, payload_error, read_head
 from .types import Envelope, decode_body
 
 
@@ -181,22 +181,9 @@ class Cursor:
         Records are yielded one by one (not gathered) so that each frame's
         memory is reused as soon as the consumer drops it. Raises
         LogCorruption for damage that is not a torn tail."""
-        if self.scanner is None and not self._position():
-            self._check_reached(limit)
-            return
         from_lsn = self.from_lsn
         raw = self.raw
-        while True:
-            sc = self.scanner
-            if limit is not None and sc.expected >= limit:
-                return
-            if self.next_first is None:
-                # Listed after ``limit`` was read: a segment that holds records
-                # below it exists by now, so a stale writer's frames cannot pass.
-                self._find_next(int(self.name[:20]))
-            nxt_first = self.next_first
-            seg_limit = limit if nxt_first is None or (limit is not None and limit < nxt_first) else nxt_first
-            size = os.fstat(self.fd).st_size
+        for sc, seg_limit, size in self._stretches(limit):
             for fr in sc.frames(seg_limit, size):
                 if fr.lsn < from_lsn:
                     continue
@@ -208,6 +195,39 @@ class Cursor:
                     except msgspec.DecodeError as exc:  # ValidationError included
                         raise payload_error(self.name, fr, exc) from exc
                     yield Envelope(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, body)
+
+    def frame_batches(self, limit: int | None) -> Iterator[list[Frame]]:
+        """:meth:`records` as lists of undecoded :class:`~agentlog.events.log_scan.Frame`
+        (lsn, session id, seq, ts, flags, payload view), built in bulk by the
+        scanner: for readers that need a few fields of many records."""
+        from_lsn = self.from_lsn
+        for sc, seg_limit, size in self._stretches(limit):
+            for batch in sc.batches(seg_limit, size):
+                if batch[0].lsn < from_lsn:
+                    batch = [fr for fr in batch if fr.lsn >= from_lsn]
+                if batch:
+                    yield batch
+
+    def _stretches(self, limit: int | None) -> Iterator[tuple[SegmentScanner, int | None, int]]:
+        """The walk of :meth:`records`: yields (scanner, LSN limit, file size)
+        for each stretch of a segment to scan; the caller scans it to its end
+        before asking for the next. Between stretches it follows rotation and
+        raises LogCorruption for damage that is not a torn tail."""
+        if self.scanner is None and not self._position():
+            self._check_reached(limit)
+            return
+        while True:
+            sc = self.scanner
+            if limit is not None and sc.expected >= limit:
+                return
+            if self.next_first is None:
+                # Listed after ``limit`` was read: a segment that holds records
+                # below it exists by now, so a stale writer's frames cannot pass.
+                self._find_next(int(self.name[:20]))
+            nxt_first = self.next_first
+            seg_limit = limit if nxt_first is None or (limit is not None and limit < nxt_first) else nxt_first
+            size = os.fstat(self.fd).st_size
+            yield sc, seg_limit, size
             bad = sc.bad
             if bad is None and nxt_first is not None and sc.expected >= nxt_first and size > sc.offset:
                 raise LogCorruption(
@@ -274,15 +294,39 @@ def read_log(
     no watermark file exists (a copied log) it reads every valid frame. A torn
     tail ends the iteration; corruption raises LogCorruption.
     """
-    directory = existing_log_dir(path)
-    durable = read_watermark(directory) if durable_only else None
-    limit = durable.lsn if durable else None
-    cur = Cursor(directory, from_lsn, max_record_bytes, _load_index_hint(directory), raw)
-    cur.unsynced_limit = durable is not None and not durable.synced
+    cur, limit = _reader(path, from_lsn, durable_only, raw, max_record_bytes)
     try:
         yield from cur.records(limit)
     finally:
         cur.close()
+
+
+def read_frame_batches(
+    path: str | os.PathLike,
+    from_lsn: int = 0,
+    *,
+    durable_only: bool = True,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> Iterator[list[Frame]]:
+    """:func:`read_log` with ``raw=True``, in lists of undecoded
+    :class:`~agentlog.events.log_scan.Frame` built in bulk by the scanner
+    (one list per read buffer with the compiled codec): for readers that need
+    a few fields of many records (``agentlog stats``). The same records, the
+    same checks and errors."""
+    cur, limit = _reader(path, from_lsn, durable_only, True, max_record_bytes)
+    try:
+        yield from cur.frame_batches(limit)
+    finally:
+        cur.close()
+
+
+def _reader(path: str | os.PathLike, from_lsn: int, durable_only: bool, raw: bool, cap: int) -> tuple[Cursor, int | None]:
+    """A Cursor on the log at ``path`` and the LSN it reads up to (the durable watermark)."""
+    directory = existing_log_dir(path)
+    durable = read_watermark(directory) if durable_only else None
+    cur = Cursor(directory, from_lsn, cap, _load_index_hint(directory), raw)
+    cur.unsynced_limit = durable is not None and not durable.synced
+    return cur, durable.lsn if durable else None
 
 
 async def follow_log(

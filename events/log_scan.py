@@ -123,7 +123,30 @@ class SegmentScanner:
         except _Shrunk:
             self.bad = BadFrame(self.offset, "file shrank while reading")
 
-    def _frames(self, limit: int | None, size: int) -> Iterator[Frame]:
+    def batches(self, limit: int | None = None, size: int | None = None) -> Iterator[list[Frame]]:
+        """:meth:`frames` in lists (one per buffer's worth with the compiled
+        codec, up to ``_NATIVE_BATCH`` with the pure-Python one), for readers
+        that pay per record for each generator they pass a record through.
+        ``offset`` and ``expected`` are past a list when it is yielded."""
+        self.bad = None
+        if size is None:
+            size = os.fstat(self.fd).st_size
+        batch: list[Frame] = []
+        try:
+            if framecodec.native is not None:
+                yield from self._frames(limit, size, batched=True)
+                return
+            for fr in self._frames_py(limit, size, False):
+                batch.append(fr)
+                if len(batch) >= _NATIVE_BATCH:
+                    yield batch
+                    batch = []
+        except _Shrunk:
+            self.bad = BadFrame(self.offset, "file shrank while reading")
+        if batch:  # the frames read before the walk stopped
+            yield batch
+
+    def _frames(self, limit: int | None, size: int, batched: bool = False) -> Iterator:
         codec = framecodec.native
         if codec is None:
             yield from self._frames_py(limit, size, False)
@@ -139,11 +162,16 @@ class SegmentScanner:
                 frames, rel, expected, code, reason = scan(
                     buf, memoryview(buf), Frame, rel, base, size, self.expected, limit, cap, _NATIVE_BATCH
                 )
-                for fr in frames:
-                    # Kept current per frame: a consumer may stop anywhere.
-                    self.offset = fr.end
-                    self.expected = fr.lsn + 1
-                    yield fr
+                if batched:
+                    if frames:
+                        self.offset, self.expected = base + rel, expected
+                        yield frames
+                else:
+                    for fr in frames:
+                        # Kept current per frame: a consumer may stop anywhere.
+                        self.offset = fr.end
+                        self.expected = fr.lsn + 1
+                        yield fr
                 if code == _MORE:
                     continue
                 if code == _BAD:
@@ -151,9 +179,17 @@ class SegmentScanner:
                     return
                 if code != _NEED:  # limit or end of file
                     return
-            more = yield from self._frames_py(limit, size, True)
-            if not more:
-                return
+            if batched:
+                step = list(self._frames_py(limit, size, True))
+                if step:
+                    yield step
+                # A frame read means go on; none means the step stopped the walk.
+                if not step:
+                    return
+            else:
+                more = yield from self._frames_py(limit, size, True)
+                if not more:
+                    return
 
     def _frames_py(self, limit: int | None, size: int, once: bool) -> Generator[Frame, None, bool]:
         """The pure-Python scanner (``once``: stop after one frame and return
