@@ -335,14 +335,16 @@ async def follow_log(
     *,
     poll_s: float = 0.05,
     raw: bool = False,
+    batches: bool = False,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> AsyncIterator[Envelope]:
     """Tail the log at ``path`` (written by any process) forever, across
     segment rotation and writer restarts. Yields only records below the
     DURABLE watermark, so never a record that a crash could take back.
     The one-log case of :func:`follow_logs` (a log not created yet is
-    waited for)."""
-    async for _, env in follow_logs({0: path}, {0: from_lsn}, poll_s=poll_s, raw=raw, max_record_bytes=max_record_bytes):
+    waited for); with ``batches`` it yields lists of undecoded frames, as
+    :func:`read_frame_batches` does."""
+    async for _, env in follow_logs({0: path}, {0: from_lsn}, poll_s=poll_s, raw=raw, batches=batches, max_record_bytes=max_record_bytes):
         yield env
 
 
@@ -354,6 +356,7 @@ async def follow_logs(
     chunk: int = 512,
     idle_s: float | None = None,
     raw: bool = False,
+    batches: bool = False,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> AsyncIterator[tuple[int, Envelope] | tuple[None, None]]:
     """Tail several logs at once (the partitions of a run), forever: yields
@@ -365,7 +368,9 @@ async def follow_logs(
     :func:`follow_log` it yields only durable records. One task, one cursor
     per partition: the caller sees every partition's corruption as its own
     exception, and a partition is never silently left behind. With ``raw``
-    it yields RawRecords, as :func:`read_log` does. ``paths`` is
+    it yields RawRecords, as :func:`read_log` does; with ``batches``,
+    ``(partition id, list of undecoded frames)`` as :func:`read_frame_batches`
+    builds them (for consumers that need a few fields of many records). ``paths`` is
     read afresh each round: a partition the caller removes from it is no
     longer read. With ``idle_s``, ``(None, None)`` is yielded after each
     ``idle_s`` with nothing new: a heartbeat for a consumer that must act on
@@ -391,9 +396,14 @@ async def follow_logs(
                 cur.unsynced_limit = durable is not None and not durable.synced
                 start = max(cur.next_lsn, cur.from_lsn)
                 if limit > start:
-                    for env in cur.records(min(limit, start + chunk)):
-                        yield pid, env
-                        n += 1
+                    if batches:
+                        for batch in cur.frame_batches(min(limit, start + chunk)):
+                            yield pid, batch
+                            n += len(batch)
+                    else:
+                        for env in cur.records(min(limit, start + chunk)):
+                            yield pid, env
+                            n += 1
             if n:
                 quiet_since = time.monotonic()
             elif idle_s is not None and time.monotonic() - quiet_since >= idle_s:
