@@ -3,7 +3,8 @@
 The same object drives `agentlog demo` (flags), `agentlog train --config
 FILE` (a TOML file whose top-level keys are these fields, with the
 ``[learner]`` table passed to ``learner.config.LearnerConfig`` and the
-``[faults]`` table to :class:`FaultConfig`, and the ``[task]`` table's
+``[faults]`` table to :class:`FaultConfig`, the ``[log]`` table (where the
+logs live: files, or a JetStream stream) to :class:`LogConfig`, and the ``[task]`` table's
 ``name``, ``module`` and ``path`` to ``task``, ``task_modules`` and
 ``task_path``), and the worker and learner
 processes (which read ``config.json`` from the run folder). Each field has a

@@ -14,6 +14,10 @@ Run folder layout::
     checkpoints/       policy-vNNNNN.pt (weights, optimiser, version)
     logs/*.jsonl       structlog JSON of each process; logs/*.stderr their stderr
     sandbox/           LocalSandbox working directories of the workers
+
+With ``[log] backend = "nats"`` there is no ``rollout/`` or ``learner/``: the
+logs are the subjects ``<stream>.pNNNN`` and ``<stream>.learner`` of the
+run's JetStream stream (:class:`agentlog.loop.logs.RunLogs`).
 """
 
 from __future__ import annotations

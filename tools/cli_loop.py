@@ -196,9 +196,6 @@ def _log_line(cfg: LoopConfig, run_dir: Path) -> str:
 
 def write_report(run_dir: Path) -> str:
     """``report.html`` through the report command; returns a one-line note."""
-    if LoopConfig.load(run_dir / "config.json").log.backend == "nats":
-        return ("report.html skipped: the report reads log folders, and this run's logs are on JetStream "
-                "(agentlog export them to a folder first)")
     try:
         from agentlog.tools import cmd_report  # noqa: F401
     except ImportError:

@@ -186,11 +186,11 @@ def test_agentlog_train_with_the_readme_config_runs_on_jetstream(tmp_path: Path,
     run = tmp_path / "run.cli-1"
     res = subprocess.run(
         [str(Path(sys.executable).parent / "agentlog"), "train", "--config", str(tmp_path / "train.toml"), "--out", str(run),
-         "--steps", "3", "--warmup-steps", "0", "--groups-per-step", "4", "--group-size", "4", "--quiet", "--no-report",
-         "--timeout", "150"],
+         "--steps", "3", "--warmup-steps", "0", "--groups-per-step", "4", "--group-size", "4", "--quiet", "--timeout", "150"],
         capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "EQUAL" in res.stdout and "DIFFERENT" not in res.stdout, res.stdout[-2000:]
+    assert (run / "report.html").is_file() and "report.html failed" not in res.stdout  # the report reads the stream
     saved = json.loads((run / "config.json").read_text())["log"]
     assert saved["backend"] == "nats" and saved["stream"] == "run_cli-1", saved  # pinned: the folder may be renamed
     assert not (run / "rollout").exists() and not (run / "learner").exists()
