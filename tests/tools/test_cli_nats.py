@@ -428,6 +428,10 @@ def test_a_run_folder_on_jetstream_reads_as_its_stream(nats_run_folder, nats_ser
     assert code == 0, err
     code, b, _ = cli(capsys, "verify", "--digest", str(demo))
     assert list(_digest_lines(a).values()) == list(_digest_lines(b).values()) and _digest_lines(a)
+    # report reads the stream's partitions and its learner subject (the learner's curves).
+    code, out, err = cli(capsys, "report", str(run), "-o", str(tmp_path / "report.html"))
+    assert code == 0, err
+    assert f"{nats_server.url}/demo_on_nats/learner" in (tmp_path / "report.html").read_text()
     # export takes the run folder for its stream.
     code, out, err = cli(capsys, "export", str(run), str(tmp_path / "back"))
     assert code == 0 and "every log EQUAL" in out, err
