@@ -193,11 +193,14 @@ def test_tail_on_the_stream_prints_what_tail_on_the_export_prints(js_run):
 
 @pytest.mark.required
 def test_tail_follows_new_records_and_new_partitions_on_the_stream(nats_server):
+    """tail started before the stream exists waits for it, then follows new records and a partition that starts later."""
     stream = "tailrun"
-    first = JetStreamLog.open(nats_server.url, stream, 0)
-    first.append_batch([("s0", 0, SessionOpened(group_id="g0", group_size=1, sample_index=0))])
     tail = _start_tail(f"{nats_server.url}/{stream}")
+    time.sleep(1.0)
+    assert tail.poll() is None, tail.stderr.read()  # waiting for the stream, not refusing it
+    first = JetStreamLog.open(nats_server.url, stream, 0)
     try:
+        first.append_batch([("s0", 0, SessionOpened(group_id="g0", group_size=1, sample_index=0))])
         time.sleep(1.0)
         first.append_batch([("s0", 1, SessionStarted(harness="t")), ("s0", 2, SessionFinished(reward=1.0))])
         second = JetStreamLog.open(nats_server.url, stream, 3)  # a worker that starts after tail did
