@@ -60,6 +60,7 @@ _LAZY = {
     "follow_log": "log_read",
     "follow_logs": "log_read",
     "read_log": "log_read",
+    "read_frame_batches": "log_read",
     "VerifyReport": "log_verify",
     "list_partitions": "partitions",
     "open_partition": "partitions",

@@ -183,35 +183,37 @@ class EventLog(abc.ABC):
         event_types = _EVENT_TYPE_SET
         checked_record = CheckedRecord._make  # tuple.__new__ underneath: about 2x cheaper than calling the class
         for rec in records:
-            if type(rec) is not PendingRecord:
-                rec = PendingRecord(*rec)
-            expected = staged.get(rec.session_id)
+            try:
+                sid, seq, body = rec  # a PendingRecord or a plain 3-tuple: no NamedTuple built per record
+            except (TypeError, ValueError):
+                sid, seq, body = PendingRecord(*rec)  # raises the constructor's error for a malformed record
+            expected = staged.get(sid)
             if expected is None:
-                expected = open_seq.get(rec.session_id)
+                expected = open_seq.get(sid)
                 if expected is None:
                     # Only a session the log does not hold yet needs its id checked:
                     # every open one was checked when it was first appended.
-                    validate_id("session_id", rec.session_id)
+                    validate_id("session_id", sid)
                     expected = 0
-            if rec.session_seq != expected:
+            if seq != expected:
                 raise SequenceError(
-                    f"session {rec.session_id!r}: session_seq {rec.session_seq} refused, expected {expected}"
-                    + (" (a repeat)" if rec.session_seq < expected else " (a gap)")
+                    f"session {sid!r}: session_seq {seq} refused, expected {expected}"
+                    + (" (a repeat)" if seq < expected else " (a gap)")
                 )
-            if type(rec.body) not in event_types:
+            if type(body) not in event_types:
                 raise EventValidationError(
-                    f"session {rec.session_id!r} seq {rec.session_seq}: body: expected a schema-v1 event, "
-                    f"found {type(rec.body).__name__}; nothing was written"
+                    f"session {sid!r} seq {seq}: body: expected a schema-v1 event, "
+                    f"found {type(body).__name__}; nothing was written"
                 )
             try:
-                payload, body = check_body(rec.body)
+                payload, body = check_body(body)
             except EventValidationError as exc:
                 raise EventValidationError(
-                    f"session {rec.session_id!r} seq {rec.session_seq}: {exc} (the log refuses what its readers "
+                    f"session {sid!r} seq {seq}: {exc} (the log refuses what its readers "
                     "could not decode; nothing was written)"
                 ) from None
-            staged[rec.session_id] = expected + 1
-            out.append(checked_record((rec.session_id, rec.session_seq, body, payload)))
+            staged[sid] = expected + 1
+            out.append(checked_record((sid, seq, body, payload)))
         return out
 
     def _advance(self, rec: PendingRecord | CheckedRecord) -> None:

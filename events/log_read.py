@@ -31,7 +31,7 @@ from .log_format import (
     read_watermark,
     segment_name,
 )
-from .log_scan import SegmentScanner, classify_bad, header_being_created, open_segment, payload_error, read_head
+from .log_scan import Frame, SegmentScanner, classify_bad, header_being_created, open_segment, payload_error, read_head
 from .types import Envelope, decode_body
 
 
@@ -181,22 +181,9 @@ class Cursor:
         Records are yielded one by one (not gathered) so that each frame's
         memory is reused as soon as the consumer drops it. Raises
         LogCorruption for damage that is not a torn tail."""
-        if self.scanner is None and not self._position():
-            self._check_reached(limit)
-            return
         from_lsn = self.from_lsn
         raw = self.raw
-        while True:
-            sc = self.scanner
-            if limit is not None and sc.expected >= limit:
-                return
-            if self.next_first is None:
-                # Listed after ``limit`` was read: a segment that holds records
-                # below it exists by now, so a stale writer's frames cannot pass.
-                self._find_next(int(self.name[:20]))
-            nxt_first = self.next_first
-            seg_limit = limit if nxt_first is None or (limit is not None and limit < nxt_first) else nxt_first
-            size = os.fstat(self.fd).st_size
+        for sc, seg_limit, size in self._stretches(limit):
             for fr in sc.frames(seg_limit, size):
                 if fr.lsn < from_lsn:
                     continue
@@ -208,6 +195,39 @@ class Cursor:
                     except msgspec.DecodeError as exc:  # ValidationError included
                         raise payload_error(self.name, fr, exc) from exc
                     yield Envelope(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, body)
+
+    def frame_batches(self, limit: int | None) -> Iterator[list[Frame]]:
+        """:meth:`records` as lists of undecoded :class:`~agentlog.events.log_scan.Frame`
+        (lsn, session id, seq, ts, flags, payload view), built in bulk by the
+        scanner: for readers that need a few fields of many records."""
+        from_lsn = self.from_lsn
+        for sc, seg_limit, size in self._stretches(limit):
+            for batch in sc.batches(seg_limit, size):
+                if batch[0].lsn < from_lsn:
+                    batch = [fr for fr in batch if fr.lsn >= from_lsn]
+                if batch:
+                    yield batch
+
+    def _stretches(self, limit: int | None) -> Iterator[tuple[SegmentScanner, int | None, int]]:
+        """The walk of :meth:`records`: yields (scanner, LSN limit, file size)
+        for each stretch of a segment to scan; the caller scans it to its end
+        before asking for the next. Between stretches it follows rotation and
+        raises LogCorruption for damage that is not a torn tail."""
+        if self.scanner is None and not self._position():
+            self._check_reached(limit)
+            return
+        while True:
+            sc = self.scanner
+            if limit is not None and sc.expected >= limit:
+                return
+            if self.next_first is None:
+                # Listed after ``limit`` was read: a segment that holds records
+                # below it exists by now, so a stale writer's frames cannot pass.
+                self._find_next(int(self.name[:20]))
+            nxt_first = self.next_first
+            seg_limit = limit if nxt_first is None or (limit is not None and limit < nxt_first) else nxt_first
+            size = os.fstat(self.fd).st_size
+            yield sc, seg_limit, size
             bad = sc.bad
             if bad is None and nxt_first is not None and sc.expected >= nxt_first and size > sc.offset:
                 raise LogCorruption(
@@ -281,15 +301,39 @@ def read_log(
 
 
 def _read_dir(path, from_lsn: int, durable_only: bool, raw: bool, max_record_bytes: int) -> Iterator[Envelope]:
-    directory = existing_log_dir(path)
-    durable = read_watermark(directory) if durable_only else None
-    limit = durable.lsn if durable else None
-    cur = Cursor(directory, from_lsn, max_record_bytes, _load_index_hint(directory), raw)
-    cur.unsynced_limit = durable is not None and not durable.synced
+    cur, limit = _reader(path, from_lsn, durable_only, raw, max_record_bytes)
     try:
         yield from cur.records(limit)
     finally:
         cur.close()
+
+
+def read_frame_batches(
+    path: str | os.PathLike,
+    from_lsn: int = 0,
+    *,
+    durable_only: bool = True,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> Iterator[list[Frame]]:
+    """:func:`read_log` with ``raw=True``, in lists of undecoded
+    :class:`~agentlog.events.log_scan.Frame` built in bulk by the scanner
+    (one list per read buffer with the compiled codec): for readers that need
+    a few fields of many records (``agentlog stats``). The same records, the
+    same checks and errors."""
+    cur, limit = _reader(path, from_lsn, durable_only, True, max_record_bytes)
+    try:
+        yield from cur.frame_batches(limit)
+    finally:
+        cur.close()
+
+
+def _reader(path: str | os.PathLike, from_lsn: int, durable_only: bool, raw: bool, cap: int) -> tuple[Cursor, int | None]:
+    """A Cursor on the log at ``path`` and the LSN it reads up to (the durable watermark)."""
+    directory = existing_log_dir(path)
+    durable = read_watermark(directory) if durable_only else None
+    cur = Cursor(directory, from_lsn, cap, _load_index_hint(directory), raw)
+    cur.unsynced_limit = durable is not None and not durable.synced
+    return cur, durable.lsn if durable else None
 
 
 async def follow_log(
@@ -298,14 +342,16 @@ async def follow_log(
     *,
     poll_s: float = 0.05,
     raw: bool = False,
+    batches: bool = False,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> AsyncIterator[Envelope]:
     """Tail the log at ``path`` (written by any process) forever, across
     segment rotation and writer restarts. Yields only records below the
     DURABLE watermark, so never a record that a crash could take back.
     The one-log case of :func:`follow_logs` (a log not created yet is
-    waited for)."""
-    async for _, env in follow_logs({0: path}, {0: from_lsn}, poll_s=poll_s, raw=raw, max_record_bytes=max_record_bytes):
+    waited for); with ``batches`` it yields lists of undecoded frames, as
+    :func:`read_frame_batches` does."""
+    async for _, env in follow_logs({0: path}, {0: from_lsn}, poll_s=poll_s, raw=raw, batches=batches, max_record_bytes=max_record_bytes):
         yield env
 
 
@@ -317,6 +363,7 @@ async def follow_logs(
     chunk: int = 512,
     idle_s: float | None = None,
     raw: bool = False,
+    batches: bool = False,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> AsyncIterator[tuple[int, Envelope] | tuple[None, None]]:
     """Tail several logs at once (the partitions of a run), forever: yields
@@ -328,7 +375,9 @@ async def follow_logs(
     :func:`follow_log` it yields only durable records. One task, one cursor
     per partition: the caller sees every partition's corruption as its own
     exception, and a partition is never silently left behind. With ``raw``
-    it yields RawRecords, as :func:`read_log` does. ``paths`` is
+    it yields RawRecords, as :func:`read_log` does; with ``batches``,
+    ``(partition id, list of undecoded frames)`` as :func:`read_frame_batches`
+    builds them (for consumers that need a few fields of many records). ``paths`` is
     read afresh each round: a partition the caller removes from it is no
     longer read. With ``idle_s``, ``(None, None)`` is yielded after each
     ``idle_s`` with nothing new: a heartbeat for a consumer that must act on
@@ -364,9 +413,14 @@ async def follow_logs(
                 cur.unsynced_limit = durable is not None and not durable.synced
                 start = max(cur.next_lsn, cur.from_lsn)
                 if limit > start:
-                    for env in cur.records(min(limit, start + chunk)):
-                        yield pid, env
-                        n += 1
+                    if batches:
+                        for batch in cur.frame_batches(min(limit, start + chunk)):
+                            yield pid, batch
+                            n += len(batch)
+                    else:
+                        for env in cur.records(min(limit, start + chunk)):
+                            yield pid, env
+                            n += 1
             if n:
                 quiet_since = time.monotonic()
             elif idle_s is not None and time.monotonic() - quiet_since >= idle_s:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Generator, Iterator, NamedTuple
 
+from . import framecodec
 from .log_api import LogCorruption, SchemaError
 from .log_format import (
     ENV_HDR,
@@ -67,6 +68,12 @@ def _decode_sid(raw: bytes) -> str:
     return sid
 
 
+#: Frames one call of the compiled scanner returns at most (bounds the work a
+#: consumer that stops early wastes).
+_NATIVE_BATCH = 4096
+_NEED, _BAD, _MORE = 0, 3, 4  # the compiled scanner's stop codes (see _framecodec.c)
+
+
 class _Shrunk(Exception):
     pass
 
@@ -78,7 +85,11 @@ class SegmentScanner:
     ``max_record_bytes`` plus one chunk, whatever a length field claims.
     """
 
-    CHUNK = 1 << 20
+    #: Read size. Small enough that a chunk stays in the CPU cache between
+    #: the ``pread`` that fills it and the CRC pass over it: measured (2-core
+    #: VM, 2048-token events), the scan of 25 MB took 2.9 ms with 256 KiB
+    #: chunks, 4.3 ms with 1 MiB and 7.8 ms with 4 MiB (a raw read: 1.6 ms).
+    CHUNK = 256 << 10
 
     def __init__(self, fd: int, name: str, offset: int, expected_lsn: int, max_record_bytes: int) -> None:
         self.fd = fd
@@ -112,7 +123,77 @@ class SegmentScanner:
         except _Shrunk:
             self.bad = BadFrame(self.offset, "file shrank while reading")
 
-    def _frames(self, limit: int | None, size: int) -> Iterator[Frame]:
+    def batches(self, limit: int | None = None, size: int | None = None) -> Iterator[list[Frame]]:
+        """:meth:`frames` in lists (one per buffer's worth with the compiled
+        codec, up to ``_NATIVE_BATCH`` with the pure-Python one), for readers
+        that pay per record for each generator they pass a record through.
+        ``offset`` and ``expected`` are past a list when it is yielded."""
+        self.bad = None
+        if size is None:
+            size = os.fstat(self.fd).st_size
+        batch: list[Frame] = []
+        try:
+            if framecodec.native is not None:
+                yield from self._frames(limit, size, batched=True)
+                return
+            for fr in self._frames_py(limit, size, False):
+                batch.append(fr)
+                if len(batch) >= _NATIVE_BATCH:
+                    yield batch
+                    batch = []
+        except _Shrunk:
+            self.bad = BadFrame(self.offset, "file shrank while reading")
+        if batch:  # the frames read before the walk stopped
+            yield batch
+
+    def _frames(self, limit: int | None, size: int, batched: bool = False) -> Iterator:
+        codec = framecodec.native
+        if codec is None:
+            yield from self._frames_py(limit, size, False)
+            return
+        # The compiled walk takes every frame wholly inside the buffer in one
+        # call; a frame that is not (the buffer must be refilled) goes through
+        # one step of the Python loop, which owns the buffer.
+        scan, cap = codec.scan, self.cap
+        while True:
+            buf, base = self._buf, self._buf_off
+            rel = self.offset - base
+            if 0 <= rel <= len(buf):
+                frames, rel, expected, code, reason = scan(
+                    buf, memoryview(buf), Frame, rel, base, size, self.expected, limit, cap, _NATIVE_BATCH
+                )
+                if batched:
+                    if frames:
+                        self.offset, self.expected = base + rel, expected
+                        yield frames
+                else:
+                    for fr in frames:
+                        # Kept current per frame: a consumer may stop anywhere.
+                        self.offset = fr.end
+                        self.expected = fr.lsn + 1
+                        yield fr
+                if code == _MORE:
+                    continue
+                if code == _BAD:
+                    self.bad = BadFrame(self.offset, reason)
+                    return
+                if code != _NEED:  # limit or end of file
+                    return
+            if batched:
+                step = list(self._frames_py(limit, size, True))
+                if step:
+                    yield step
+                # A frame read means go on; none means the step stopped the walk.
+                if not step:
+                    return
+            else:
+                more = yield from self._frames_py(limit, size, True)
+                if not more:
+                    return
+
+    def _frames_py(self, limit: int | None, size: int, once: bool) -> Generator[Frame, None, bool]:
+        """The pure-Python scanner (``once``: stop after one frame and return
+        True; otherwise, or when it stops first, return False)."""
         # The hot loop of every reader: buffer state lives in locals, and the
         # buffer is refilled only when a frame is not wholly inside it.
         cap = self.cap
@@ -124,13 +205,13 @@ class SegmentScanner:
         while limit is None or expected < limit:
             off = self.offset
             if off >= size:
-                return
+                return False
             rel = off - base
             if rel < 0 or rel + FRAME_PREFIX > len(buf):
                 if size - off < FRAME_PREFIX:
                     self._fill(size, size)
                     self.bad = BadFrame(off, f"incomplete frame header ({size - off} bytes before end of file)")
-                    return
+                    return False
                 self._fill(off + FRAME_PREFIX, size)
                 buf, base = self._buf, self._buf_off
                 rel = off - base
@@ -138,14 +219,14 @@ class SegmentScanner:
             if typ != TYPE_RECORD:
                 what = "zero-filled" if typ == 0 and not any(buf[rel : rel + 64]) else f"type byte {typ}"
                 self.bad = BadFrame(off, f"{what} (expected a record, type {TYPE_RECORD})")
-                return
+                return False
             if length < env_size or length > cap:
                 self.bad = BadFrame(off, f"frame length {length} out of range (expected {env_size}..{cap} bytes)")
-                return
+                return False
             end = off + FRAME_PREFIX + length
             if end > size:
                 self.bad = BadFrame(off, f"frame of {FRAME_PREFIX + length} bytes runs past end of file ({size})")
-                return
+                return False
             if end - base > len(buf):
                 self._fill(end, size)
                 buf, base = self._buf, self._buf_off
@@ -153,23 +234,26 @@ class SegmentScanner:
             body = buf[rel + 4 : rel + FRAME_PREFIX + length]
             if mask_crc(crc_value(body)) != crc:
                 self.bad = BadFrame(off, "CRC mismatch")
-                return
+                return False
             lsn, seq, ts, flags, sidlen = unpack_env(body, 5)
             if env_size + sidlen > length:
                 self.bad = BadFrame(off, f"session-id length {sidlen} exceeds frame length {length}")
-                return
+                return False
             if lsn != expected:
                 self.bad = BadFrame(off, f"lsn {lsn}, expected {expected}")
-                return
+                return False
             try:
                 sid = _decode_sid(body[p : p + sidlen])
             except UnicodeDecodeError:
                 self.bad = BadFrame(off, "session id is not UTF-8")
-                return
+                return False
             expected = lsn + 1
             self.offset = end
             self.expected = expected
             yield Frame(off, end, lsn, seq, ts, flags, sid, memoryview(body)[p + sidlen :])
+            if once:
+                return True
+        return False
 
 
 def find_later_frame(fd: int, start: int, size: int, lsn_lo: int, max_record_bytes: int) -> int | None:

@@ -64,6 +64,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
 
 from agentlog._logging import get_logger
 
+from . import framecodec
 from .log_api import EventLog, LogClosed, LogCorruption, LogError, LogFenced, NotALog, PendingRecord
 from .log_format import (
     CHECKPOINT_EVERY_BYTES,
@@ -462,18 +463,21 @@ class FileLog(EventLog):
         if self._fatal is not None or self._closing:
             raise self._dead()
         checked = self._check_batch(records)  # encodes each body once; its payload is stored as is
-        cap = self._cap
+        # Frames of more than this many bytes hold a record over max_record_bytes.
+        too_big = self._cap + FRAME_OVERHEAD - ENV_HDR.size
         sids: list[bytes] = []
+        sizes: list[int] = []
         for rec in checked:
             sidb = rec.session_id.encode()
-            n = len(rec.payload)
-            if ENV_HDR.size + len(sidb) + n > cap:
+            n = FRAME_OVERHEAD + len(sidb) + len(rec.payload)
+            if n > too_big:
                 raise LogError(
-                    f"session {rec.session_id!r} seq {rec.session_seq}: record of {ENV_HDR.size + len(sidb) + n} "
-                    f"bytes exceeds max_record_bytes {cap}"
+                    f"session {rec.session_id!r} seq {rec.session_seq}: record of {n - FRAME_OVERHEAD + ENV_HDR.size} "
+                    f"bytes exceeds max_record_bytes {self._cap}"
                 )
             sids.append(sidb)
-        self._reserve_spares(*self._segments_needed(FRAME_OVERHEAD + len(sidb) + len(rec.payload) for sidb, rec in zip(sids, checked)))
+            sizes.append(n)
+        self._reserve_spares(*self._segments_needed(sizes))
         # From here on nothing can fail. The frame layout is inlined (see
         # log_format.encode_frame, which readers' tests use): this loop is the
         # hot path of every append.
@@ -488,24 +492,30 @@ class FileLog(EventLog):
         terminal_types = _TERMINAL_SET
         head_pack, crc_pack, crc_value, crc_extend = HEAD.pack, FRAME_CRC.pack, _crc_value, _crc_extend
         env_size = ENV_HDR.size
-        for rec, sidb in zip(checked, sids):
+        codec = framecodec.native
+        encode = codec.encode_frame if codec is not None else None
+        for rec, sidb, n in zip(checked, sids, sizes):
             sid, seq, body, payload = rec
             plen = len(payload)
             terminal = type(body) in terminal_types
-            head = head_pack(env_size + len(sidb) + plen, TYPE_RECORD, lsn, seq, ts, terminal, len(sidb)) + sidb
-            c = crc_extend(crc_value(head), payload)  # C code over the bytes where they lie: no copy
-            prefix = crc_pack((((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF) + head
-            n = len(prefix) + plen
+            if encode is not None:
+                # Compiled: the whole frame in one buffer, or (a big payload)
+                # only its prefix, whose CRC covers the payload where it lies.
+                frame = encode(lsn, seq, ts, terminal, sidb, payload, plen >= _BIG_PAYLOAD)
+            else:
+                head = head_pack(env_size + len(sidb) + plen, TYPE_RECORD, lsn, seq, ts, terminal, len(sidb)) + sidb
+                c = crc_extend(crc_value(head), payload)  # C code over the bytes where they lie: no copy
+                frame = crc_pack((((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF) + head
+                if plen < _BIG_PAYLOAD:
+                    frame += payload  # one small piece beats two iovecs
             if seg_first is None or (seg_size > SEG_HDR_SIZE and seg_size + n > seg_limit):
                 run = self._start_segment(lsn, rotating=seg_first is not None, ops=ops)
                 seg_first, seg_size, last_idx = lsn, SEG_HDR_SIZE, SEG_HDR_SIZE
             elif seg_size - last_idx >= INDEX_EVERY_BYTES:
                 self._index[seg_first].append((lsn, seg_size))
                 last_idx = seg_size
-            if plen < _BIG_PAYLOAD:
-                run.append(prefix + payload)  # one small piece beats two iovecs
-            else:
-                run.append(prefix)
+            run.append(frame)
+            if plen >= _BIG_PAYLOAD:
                 run.append(payload)  # written with writev: never copied in Python
             seg_size += n
             envs.append(Envelope(lsn, sid, seq, ts, body))
@@ -540,12 +550,15 @@ class FileLog(EventLog):
         ops.append(run)
         return run
 
-    def _segments_needed(self, frame_sizes: Iterable[int]) -> tuple[int, int]:
+    def _segments_needed(self, frame_sizes: list[int]) -> tuple[int, int]:
         """The segment accounting of ``_submit``'s staging loop, run ahead so
         that the files of new segments are opened before any state changes:
         (segments a batch of these frames starts, bytes in the last one after it)."""
         limit = self._segment_bytes
         started, size, rotations = self._seg_first is not None, self._seg_size, 0
+        total = sum(frame_sizes)
+        if started and size + total <= limit:
+            return 0, size + total  # the common case: the batch fits the active segment
         for frame in frame_sizes:
             if not started or (size > SEG_HDR_SIZE and size + frame > limit):
                 rotations += 1

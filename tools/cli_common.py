@@ -219,15 +219,10 @@ def read_tagged(
     partition's records in the merged order of
     :func:`events.partitions.read_partitions` (``from_lsn`` must be 0 there:
     LSNs are per partition)."""
-    from agentlog.events import NotALog, read_log
+    from agentlog.events import read_log
     from agentlog.events.log_api import LogError
 
-    total = log_bytes(path)
-    bar = None
-    if not quiet and total >= PROGRESS_MIN_BYTES:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False, file=sys.stderr, disable=None)
+    bar = _progress(path, quiet, desc)
     if partitioned(path):
         from agentlog.events.partitions import read_partitions
 
@@ -256,14 +251,8 @@ def read_tagged(
                     f"{where}: lsn {rec.lsn}, session {rec.session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA
                 ) from None
             yield pid, env
-    except FileNotFoundError as exc:
-        raise CliError(f"{path}: {exc}", EXIT_USAGE) from None
-    except NotALog as exc:
-        raise CliError(str(exc), EXIT_USAGE) from None
-    except LogError as exc:  # LogCorruption and friends: a problem in the data
-        raise CliError(f"{path}: {exc}", EXIT_DATA) from None
-    except OSError as exc:
-        raise _unreadable(str(path), exc) from None
+    except (OSError, LogError) as exc:
+        raise _read_error(path, exc) from None
     finally:
         it.close()
         if bar is not None:
@@ -469,6 +458,73 @@ def close_remotes() -> None:
     while _REMOTES:
         _, run = _REMOTES.popitem()
         run.close()
+
+
+def read_frame_batches(path: Path, *, quiet: bool = False, desc: str = "read") -> Iterator[list[Any]]:
+    """Every durable record of the (single, not partitioned) log at ``path``
+    as lists of undecoded frames (:func:`events.log_read.read_frame_batches`:
+    lsn, session_id, session_seq, ts_ns, flags, payload), with the progress
+    bar and the errors of :func:`read_tagged`."""
+    from agentlog.events.log_api import LogError
+    from agentlog.events.log_read import read_frame_batches as read_batches
+
+    bar = _progress(path, quiet, desc)
+    it = _record_lists(path.ref()) if isinstance(path, RemoteLog) else read_batches(path)
+    try:
+        for batch in it:
+            if bar is not None:
+                bar.update(batch[-1].end - batch[0].offset)
+            yield batch
+    except (OSError, LogError) as exc:
+        raise _read_error(path, exc) from None
+    finally:
+        it.close()
+        if bar is not None:
+            bar.close()
+
+
+def _record_lists(ref: Any, size: int = 4096) -> Iterator[list[Any]]:
+    """A JetStream log's RawRecords in lists (they carry the fields a frame
+    batch has that the batched readers use); no byte progress: the server
+    does not count a subject's bytes."""
+    from agentlog.events import read_log
+
+    it = read_log(ref, raw=True)
+    try:
+        batch: list[Any] = []
+        for rec in it:
+            batch.append(rec)
+            if len(batch) == size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+    finally:
+        it.close()
+
+
+def _progress(path: Path, quiet: bool, desc: str) -> Any:
+    """A byte progress bar on stderr for a log over PROGRESS_MIN_BYTES, unless ``quiet``; else None."""
+    if quiet or log_bytes(path) < PROGRESS_MIN_BYTES:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=log_bytes(path), unit="B", unit_scale=True, desc=desc, leave=False, file=sys.stderr, disable=None)
+
+
+def _read_error(path: Path, exc: BaseException) -> CliError:
+    """The CliError for an error met while reading the log at ``path``: a
+    missing or unreadable path, or a directory that is not a log, exits 2;
+    corruption (a LogError) exits 1."""
+    from agentlog.events import NotALog
+
+    if isinstance(exc, FileNotFoundError):
+        return CliError(f"{path}: {exc}", EXIT_USAGE)
+    if isinstance(exc, NotALog):
+        return CliError(str(exc), EXIT_USAGE)
+    if isinstance(exc, OSError):
+        return _unreadable(str(path), exc)
+    return CliError(f"{path}: {exc}", EXIT_DATA)  # LogCorruption and friends: a problem in the data
 
 
 def fmt_ts(ts_ns: int) -> str:

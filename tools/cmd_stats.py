@@ -25,7 +25,9 @@ import sys
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, fmt_ts, log_partitions, partitioned, read_records, read_tagged, record_id
+from agentlog.tools.cli_common import (
+    add_quiet, check_log_path, fmt_ts, log_partitions, partitioned, read_frame_batches, read_records, read_tagged, record_id,
+)
 
 
 def register(sub) -> None:
@@ -54,9 +56,12 @@ def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
     decode = decode_projection
     rec = None
     try:
-        # The hot loop of `stats`: one projection decode and one fold step per record.
-        for rec in read_records(path, raw=True, quiet=quiet, desc="stats"):
-            feed(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode(rec.payload))
+        # The hot loop of `stats`: one projection decode and one fold step per
+        # record, over frames the scanner builds in bulk (no per-record
+        # generators or RawRecords between them and the fold).
+        for batch in read_frame_batches(path, quiet=quiet, desc="stats"):
+            for rec in batch:
+                feed(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode(rec.payload))
     except msgspec.DecodeError as exc:
         # Only decode() raises DecodeError, so a record was read: rec names it.
         schema = SchemaError.of_payload(exc, rec.payload, lsn=rec.lsn, session_id=rec.session_id)

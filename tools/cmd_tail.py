@@ -142,9 +142,10 @@ class _LivePartitions(Mapping):
         return len(self._fresh())
 
 
-async def follow_tagged(path: Path, *, raw: bool = False) -> Any:
+async def follow_tagged(path: Path, *, raw: bool = False, batches: bool = False) -> Any:
     """Follow the log at ``path`` forever: ``(None, record)`` for one log
-    (:func:`events.log_read.follow_log`; RawRecords with ``raw``),
+    (:func:`events.log_read.follow_log`; RawRecords with ``raw``, lists of
+    undecoded frames with ``batches``),
     ``(partition id, envelope)`` for a partitioned one
     (:func:`events.log_read.follow_logs` over :class:`_LivePartitions`),
     whose records come in arrival order. While ``path`` holds neither yet,
@@ -164,7 +165,7 @@ async def follow_tagged(path: Path, *, raw: bool = False) -> Any:
     while not is_log_dir(path) and not is_partition_root(path):
         await asyncio.sleep(DISCOVER_S)
     if is_log_dir(path):
-        async for rec in follow_log(path, raw=raw):
+        async for rec in follow_log(path, raw=raw, batches=batches):
             yield None, rec
         return
     async for pid, env in follow_logs(_LivePartitions(path)):
@@ -202,9 +203,11 @@ async def _tail_summary(path: Path) -> None:
 
     async def consume() -> None:
         pos = 0
-        async for pid, rec in follow_tagged(path, raw=True):
+        async for pid, rec in follow_tagged(path, batches=True):
             if pid is None:
-                stats.feed_record(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload))
+                # One log: frames the scanner builds in bulk, no RawRecord per record.
+                for fr in rec:
+                    stats.feed_record(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, decode_projection(fr.payload))
             else:
                 # An envelope. The fold checks that LSNs rise: it is fed the arrival position; the title names each partition's LSN.
                 stats.feed_record(pos, rec.session_id, rec.session_seq, rec.ts_ns, rec.body)

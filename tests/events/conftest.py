@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from agentlog.events import framecodec
 
 
 @pytest.fixture
@@ -23,3 +24,24 @@ def fast_tmp(tmp_path):
         shutil.rmtree(d, ignore_errors=True)
     else:
         yield tmp_path
+
+
+@pytest.fixture(params=["compiled", "pure"])
+def codec(request, monkeypatch):
+    """Run a test under each frame codec (events.framecodec): the compiled
+    one and the pure-Python fallback. Child processes inherit the choice
+    through AGENTLOG_PURE_PYTHON. The contract and fault suites use it
+    (``pytestmark = pytest.mark.usefixtures("codec")``), so both paths pass
+    the same tests. Without a built extension the compiled variant skips,
+    saying why."""
+    pure = request.param == "pure"
+    if not pure and not framecodec.available():
+        pytest.skip("the compiled frame codec is not built (no C compiler at install time?)")
+    saved = framecodec.native
+    framecodec.use_native(not pure)
+    monkeypatch.setenv(framecodec.ENV_VAR, "1" if pure else "0")
+    try:
+        yield request.param
+    finally:
+        framecodec.native = saved
+

@@ -14,6 +14,9 @@ from agentlog.events.types import EventValidationError, SessionDropped, SessionF
 import make_golden_shim
 from event_samples import small_event
 
+#: Every test here runs under both frame codecs (compiled and pure Python; tests/events/conftest.py).
+pytestmark = pytest.mark.usefixtures("codec")
+
 
 def opened(group: str = "g") -> SessionOpened:
     return SessionOpened(group_id=group, group_size=2)

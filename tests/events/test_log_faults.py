@@ -14,6 +14,9 @@ from agentlog.events import FileLog, LogClosed, OsOps, read_log
 from agentlog.events.types import SessionOpened
 from event_samples import small_event
 
+#: Every test here runs under both frame codecs (compiled and pure Python; tests/events/conftest.py).
+pytestmark = pytest.mark.usefixtures("codec")
+
 
 class FaultyOps(OsOps):
     """Real OS calls, with faults armed per operation."""

@@ -3,11 +3,16 @@ for small payloads (one piece with their header) and large ones (their own iovec
 
 from __future__ import annotations
 
+import pytest
+
 from agentlog.events import FileLog
 from agentlog.events.log_format import FLAG_TERMINAL, SEG_HDR_SIZE, encode_frame, pack_segment_header
 from agentlog.events.types import SessionDropped, TurnRecorded, encode_body
 from event_samples import small_event
 from log_helpers import seg_path
+
+#: Every test here runs under both frame codecs (compiled and pure Python; tests/events/conftest.py).
+pytestmark = pytest.mark.usefixtures("codec")
 
 
 def test_written_frames_equal_the_reference_encoding(tmp_path):

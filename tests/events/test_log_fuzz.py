@@ -16,6 +16,9 @@ from agentlog.events import FileLog, LogCorruption, read_log
 from agentlog.events.log_format import DURABLE_NAME, SEG_HDR_SIZE, pack_segment_header, segment_name
 from log_helpers import write_small_log
 
+#: Every test here runs under both frame codecs (compiled and pure Python; tests/events/conftest.py).
+pytestmark = pytest.mark.usefixtures("codec")
+
 CAP = 4096
 FUZZ = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
 

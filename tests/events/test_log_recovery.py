@@ -17,6 +17,9 @@ from agentlog.events.types import SessionFinished, SessionOpened
 from event_samples import small_event
 from log_helpers import copy_log, drop_watermark, flip_bit, frame_offsets, records, rng, seg_path, write_small_log
 
+#: Every test here runs under both frame codecs (compiled and pure Python; tests/events/conftest.py).
+pytestmark = pytest.mark.usefixtures("codec")
+
 TAIL_FRAMES = 3
 
 

@@ -16,6 +16,9 @@ from agentlog.events.log_format import DURABLE_NAME, INDEX_NAME, SEG_HDR_SIZE, l
 from agentlog.events.types import SessionOpened
 from log_helpers import flip_bit, write_small_log
 
+#: Every test here runs under both frame codecs (compiled and pure Python; tests/events/conftest.py).
+pytestmark = pytest.mark.usefixtures("codec")
+
 #: Small segments, so that a small log spans several.
 SEGMENT_BYTES = 512
 RECORDS = 40

@@ -15,6 +15,8 @@ Two kinds of line are treated specially, each for a stated reason:
   in one test, against the ``nats_server`` fixture's server (its address
   substituted: a test must not hold a fixed port), and what their comments
   claim (the same digests as the demo run's folder) is checked.
+* ``agentlog train --config jetstream.toml``: tests/loop/test_jetstream_loop.py
+  runs it, with the README's ``jetstream.toml`` block, against a test server.
 
 Usage synopses with placeholders (LOG, SESSION) are in ```text blocks.
 """
@@ -53,10 +55,13 @@ README_NATS = "nats://localhost:4222"
 ALL_COMMANDS = readme_commands(README.read_text())
 #: The JetStream examples (they need a server, and each builds on the one before: run in order, in one test).
 NATS_COMMANDS = [c for c in ALL_COMMANDS if any(a.startswith(README_NATS) for a in c)]
-COMMANDS = [c for c in ALL_COMMANDS if c not in NATS_COMMANDS]
+#: Run by tests/loop/test_jetstream_loop.py with the README's jetstream.toml and a test server's address.
+TRAIN_ON_JETSTREAM = [c for c in ALL_COMMANDS if "jetstream.toml" in c]
+COMMANDS = [c for c in ALL_COMMANDS if c not in NATS_COMMANDS and c not in TRAIN_ON_JETSTREAM]
 
 
 def test_the_readme_has_runnable_examples_of_the_debugging_commands():
+    assert len(TRAIN_ON_JETSTREAM) == 1, "the README's train-on-JetStream example is what test_jetstream_loop runs"
     names = {cmd[1] for cmd in COMMANDS}
     assert {"demo", "replay", "show"} <= names, COMMANDS
     # Synopses with placeholders must not sit in a runnable block.

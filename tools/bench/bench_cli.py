@@ -16,6 +16,10 @@ Then, in one run, it measures (each over the same files, page cache warm):
 * ``agentlog replay LOG --json > /dev/null``;
 * ``agentlog reconstruct LOG -o OUT --format msgpack``.
 
+The log reader and the commands run under both frame codecs
+(events.framecodec), side by side: the compiled one when it is built, and
+the pure-Python fallback; the goal is judged on the compiled one.
+
 Throughput is log bytes / wall seconds; each figure is the minimum of a few
 runs, in wall and in CPU seconds. The goal, ``stats`` >= 0.3x raw read, is
 judged on throughput (wall time, min of runs); the CPU-time ratio is printed
@@ -236,25 +240,39 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((name, min(walls), min(cpus)))
             return min(walls), min(cpus)
 
-        from agentlog.events import read_log
+        from agentlog.events import framecodec, read_log
 
         stats_argv = ["stats", str(log_dir), "--quiet"]
         w_raw, c_raw = measure("raw read (anchor)", lambda: raw_read(log_dir) and 0)
-        # The floor every command pays: frames located and CRC-checked by the log reader, nothing decoded.
-        measure("log reader alone (read_log raw=True)", lambda: sum(1 for _ in read_log(log_dir, raw=True)) and 0)
-        w_stats, c_stats = measure("agentlog stats", lambda: _run_cli(stats_argv)[0])
-        measure("agentlog replay --json > /dev/null", lambda: _run_cli_devnull(["replay", str(log_dir), "--json", "--quiet"]), 1)
-        measure(
-            "agentlog reconstruct --format msgpack",
-            lambda: _run_cli(["reconstruct", str(log_dir), "-o", str(out_file), "--format", "msgpack", "--quiet"])[0],
-            1,
-        )
+        # Both frame codecs side by side: the compiled one (when built) and the pure-Python fallback.
+        codecs = ["compiled", "pure"] if framecodec.available() else ["pure"]
+        stats_of: dict[str, tuple[float, float]] = {}
+        saved = framecodec.native
+        try:
+            for codec in codecs:
+                framecodec.use_native(codec == "compiled")
+                # The floor every command pays: frames located and CRC-checked by the log reader, nothing decoded.
+                measure(f"[{codec}] log reader alone (read_log raw=True)", lambda: sum(1 for _ in read_log(log_dir, raw=True)) and 0)
+                stats_of[codec] = measure(f"[{codec}] agentlog stats", lambda: _run_cli(stats_argv)[0])
+                measure(f"[{codec}] agentlog replay --json > /dev/null", lambda: _run_cli_devnull(["replay", str(log_dir), "--json", "--quiet"]), 1)
+                measure(
+                    f"[{codec}] agentlog reconstruct --format msgpack",
+                    lambda: _run_cli(["reconstruct", str(log_dir), "-o", str(out_file), "--format", "msgpack", "--quiet"])[0],
+                    1,
+                )
+        finally:
+            framecodec.native = saved
         mb = nbytes / 1e6
         print(f"log: {mb:.0f} MB in {len(list(log_dir.glob('*.seg')))} segments; min of {reps} runs (1 for replay/reconstruct)")
-        print(f"{'what':40s} {'wall s':>8s} {'cpu s':>8s} {'MB/s':>7s} {'x raw':>6s} {'x raw cpu':>9s}")
+        print(f"{'what':50s} {'wall s':>8s} {'cpu s':>8s} {'MB/s':>7s} {'x raw':>6s} {'x raw cpu':>9s}")
         for name, w, c in rows:
-            print(f"{name:40s} {w:8.2f} {c:8.2f} {mb / w:7.0f} {w_raw / w:6.3f} {c_raw / c:9.3f}")
-        print(f"stats vs raw read, CPU time: {c_raw / c_stats:.2f}x")
+            print(f"{name:50s} {w:8.2f} {c:8.2f} {mb / w:7.0f} {w_raw / w:6.3f} {c_raw / c:9.3f}")
+        for codec in codecs[1:]:
+            w, c = stats_of[codec]
+            print(f"[{codec}] stats vs raw read (not judged): {w_raw / w:.2f}x wall, {c_raw / c:.2f}x CPU")
+        # The goal is judged on the first codec: the compiled one when it is built.
+        w_stats, c_stats = stats_of[codecs[0]]
+        print(f"[{codecs[0]}] stats vs raw read, CPU time: {c_raw / c_stats:.2f}x")
         ratio = w_raw / w_stats
         print(f"GOAL stats_vs_raw_read: {ratio:.2f}x (goal >= 0.3x) {'PASS' if ratio >= 0.3 else 'MISS'}")
     finally:

@@ -1,0 +1,818 @@
+/* The compiled frame codec of the file log (agentlog.events._framecodec).
+ *
+ * The hot loops of agentlog.events.log_scan and log_writer, with the same
+ * behaviour as their pure-Python versions (agentlog.events.framecodec selects
+ * one; the differential tests hold them to identical results):
+ *
+ *   scan()          walk the frames wholly inside a read buffer: bound the
+ *                   lengths, check the masked CRC32C, the session-id length,
+ *                   the LSN sequence and the session id's UTF-8, and stop at
+ *                   the first bad frame with the Python scanner's reason;
+ *   scan_columns()  the same walk, returning positions, LSNs, session ids and
+ *                   event-type tags in bulk (readers that need only those);
+ *   encode_frame()  one frame (header, session id, payload, masked CRC);
+ *   encode_batch()  many frames into one contiguous buffer.
+ *
+ * CRC32C: no table here. The SSE4.2 / ARMv8 CRC32C instruction when the CPU
+ * has it (compiled with a target attribute, chosen at import by CPU
+ * detection), else a call into the google_crc32c package (the C library the
+ * pure-Python path uses too). set_crc_backend("python") forces that fallback
+ * so that tests cover it on any machine.
+ *
+ * Layouts (little-endian; see log_format.py):
+ *   frame  = u32 masked crc | u32 length | u8 type | u64 lsn | u64 seq | i64 ts
+ *            | u8 flags | u16 sid length | sid | payload
+ *   crc covers everything after the crc field; length counts from the lsn on.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the frame codec reads little-endian fields in place: little-endian hosts only (the pure-Python path covers others)"
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#define FC_X86 1
+#include <cpuid.h>
+#include <nmmintrin.h>
+#include <wmmintrin.h>
+#elif defined(__aarch64__)
+#define FC_ARM 1
+#include <sys/auxv.h>
+#ifndef HWCAP_CRC32
+#define HWCAP_CRC32 (1 << 7)
+#endif
+#endif
+
+#define FRAME_PREFIX 9 /* crc + length + type */
+#define ENV_SIZE 27    /* lsn, seq, ts, flags, sid length */
+#define SID_AT (FRAME_PREFIX + ENV_SIZE)
+#define TYPE_RECORD 1
+#define MASK_DELTA 0xA282EAD8u
+
+/* ------------------------------------------------------------------ CRC32C */
+
+enum { BACKEND_HW = 1, BACKEND_PY = 2 };
+static int crc_backend = BACKEND_PY;
+static int hw_available = 0;
+static PyObject *py_extend = NULL; /* google_crc32c.extend */
+
+#if defined(FC_X86)
+static int have_clmul = 0;
+
+__attribute__((target("sse4.2"))) static uint64_t crc_one(uint64_t c, const uint8_t *p, size_t n) {
+    /* One stream: c is the raw register (already inverted by the caller). */
+    while (n >= 8) {
+        uint64_t a;
+        memcpy(&a, p, 8);
+        c = _mm_crc32_u64(c, a);
+        p += 8;
+        n -= 8;
+    }
+    while (n--) c = _mm_crc32_u8((uint32_t)c, *p++);
+    return c;
+}
+
+/* Three streams: the instruction has a latency of 3 cycles and a throughput
+   of 1, so three independent streams run about 3x faster than one. Each
+   block of 3*K bytes is three CRCs, combined by shifting the first two over
+   the bytes after them: c * x^(8*nbytes) mod P is one carry-less multiply by
+   a constant and one CRC instruction (no table). */
+#define K_BIG 4096
+#define K_SMALL 256
+static uint32_t k_big[2], k_small[2]; /* x^(8*2K-33), x^(8*K-33) mod P, reflected */
+
+__attribute__((target("sse4.2"))) static uint32_t xpow_mod(unsigned int e) {
+    /* x^e mod P in the reflected representation: x^(e % 32), then times x^32
+       (one CRC instruction over four zero bytes) e / 32 times. Init only. */
+    uint32_t r = 0x80000000u >> (e % 32);
+    for (unsigned int i = 0; i < e / 32; i++) r = _mm_crc32_u32(r, 0);
+    return r;
+}
+
+__attribute__((target("sse4.2,pclmul"))) static inline uint32_t shift_by(uint32_t c, uint32_t k) {
+    /* c * x^(8n) mod P for k = x^(8n-33) mod P: the carry-less product is
+       c*k*x (reflected), and the CRC of it as a 64-bit message multiplies by x^32. */
+    __m128i prod = _mm_clmulepi64_si128(_mm_cvtsi32_si128((int)c), _mm_cvtsi32_si128((int)k), 0);
+    return _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(prod));
+}
+
+__attribute__((target("sse4.2,pclmul"))) static uint64_t crc_three(uint64_t c, const uint8_t **pp, size_t *pn, size_t K,
+                                                                    const uint32_t *k) {
+    const uint8_t *p = *pp;
+    size_t n = *pn;
+    while (n >= 3 * K) {
+        uint64_t c0 = c, c1 = 0, c2 = 0;
+        for (size_t i = 0; i < K; i += 8) {
+            uint64_t a, b, d;
+            memcpy(&a, p + i, 8);
+            memcpy(&b, p + K + i, 8);
+            memcpy(&d, p + 2 * K + i, 8);
+            c0 = _mm_crc32_u64(c0, a);
+            c1 = _mm_crc32_u64(c1, b);
+            c2 = _mm_crc32_u64(c2, d);
+        }
+        c = shift_by((uint32_t)c0, k[0]) ^ shift_by((uint32_t)c1, k[1]) ^ (uint32_t)c2;
+        p += 3 * K;
+        n -= 3 * K;
+    }
+    *pp = p;
+    *pn = n;
+    return c;
+}
+
+static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n) {
+    uint64_t c = crc;
+    if (have_clmul) {
+        c = crc_three(c, &p, &n, K_BIG, k_big);
+        c = crc_three(c, &p, &n, K_SMALL, k_small);
+    }
+    return (uint32_t)crc_one(c, p, n);
+}
+
+static int detect_hw(void) {
+    unsigned int a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    if (!(c & bit_SSE4_2)) return 0;
+    if (c & bit_PCLMUL) {
+        k_big[0] = xpow_mod(8 * 2 * K_BIG - 33);
+        k_big[1] = xpow_mod(8 * K_BIG - 33);
+        k_small[0] = xpow_mod(8 * 2 * K_SMALL - 33);
+        k_small[1] = xpow_mod(8 * K_SMALL - 33);
+        have_clmul = 1;
+    }
+    return 1;
+}
+#elif defined(FC_ARM)
+#include <arm_acle.h>
+__attribute__((target("+crc"))) static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n) {
+    while (n && ((uintptr_t)p & 7)) {
+        crc = __crc32cb(crc, *p++);
+        n--;
+    }
+    while (n >= 8) {
+        uint64_t a;
+        memcpy(&a, p, 8);
+        crc = __crc32cd(crc, a);
+        p += 8;
+        n -= 8;
+    }
+    while (n--) crc = __crc32cb(crc, *p++);
+    return crc;
+}
+
+static int detect_hw(void) { return (getauxval(AT_HWCAP) & HWCAP_CRC32) != 0; }
+#else
+static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n) {
+    (void)p;
+    (void)n;
+    return crc;
+}
+static int detect_hw(void) { return 0; }
+#endif
+
+/* CRC32C of p[0:n] continued from the finished value ``crc`` (google_crc32c.extend
+   semantics). Returns 0 and sets *out, or -1 with a Python exception set. */
+static int crc_extend(uint32_t crc, const uint8_t *p, size_t n, uint32_t *out) {
+    if (crc_backend == BACKEND_HW) {
+        *out = ~crc_hw(~crc, p, n);
+        return 0;
+    }
+    /* google_crc32c.extend takes bytes only (not a memoryview): a copy, on the slow path only. */
+    PyObject *view = PyBytes_FromStringAndSize((const char *)p, (Py_ssize_t)n);
+    if (view == NULL) return -1;
+    PyObject *res = PyObject_CallFunction(py_extend, "kO", (unsigned long)crc, view);
+    Py_DECREF(view);
+    if (res == NULL) return -1;
+    unsigned long v = PyLong_AsUnsignedLong(res);
+    Py_DECREF(res);
+    if (v == (unsigned long)-1 && PyErr_Occurred()) return -1;
+    *out = (uint32_t)v;
+    return 0;
+}
+
+static inline uint32_t mask_crc(uint32_t c) { return ((c >> 15) | (c << 17)) + MASK_DELTA; }
+
+static inline uint32_t rd32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+static inline uint64_t rd64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* ------------------------------------------------------------------ scanning */
+
+enum { SCAN_NEED = 0, SCAN_LIMIT = 1, SCAN_EOF = 2, SCAN_BAD = 3, SCAN_MORE = 4 };
+
+typedef struct {
+    /* inputs */
+    const uint8_t *buf;
+    Py_ssize_t buflen;
+    unsigned long long base; /* file offset of buf[0] */
+    unsigned long long size; /* file size */
+    unsigned long long cap;
+    int has_limit;
+    unsigned long long limit;
+    /* state */
+    Py_ssize_t rel;
+    unsigned long long expected;
+    PyObject *reason; /* set with SCAN_BAD */
+} scan_state;
+
+typedef struct {
+    Py_ssize_t rel, end;
+    unsigned long long lsn, seq;
+    long long ts;
+    unsigned int flags;
+    const uint8_t *sid;
+    Py_ssize_t sidlen;
+} frame_info;
+
+/* One step: returns -1 (Python error), or a SCAN_* code with *fi filled when
+   the code is SCAN_MORE (one valid frame; the state has moved past it). */
+static int scan_step(scan_state *st, frame_info *fi) {
+    if (st->has_limit && st->expected >= st->limit) return SCAN_LIMIT;
+    unsigned long long off = st->base + (unsigned long long)st->rel;
+    if (off >= st->size) return SCAN_EOF;
+    Py_ssize_t rel = st->rel;
+    if (rel + FRAME_PREFIX > st->buflen) return SCAN_NEED;
+    const uint8_t *f = st->buf + rel;
+    uint32_t crc = rd32(f);
+    uint32_t length = rd32(f + 4);
+    unsigned int typ = f[8];
+    if (typ != TYPE_RECORD) {
+        int zero = 0;
+        if (typ == 0) {
+            Py_ssize_t k = st->buflen - rel < 64 ? st->buflen - rel : 64;
+            zero = 1;
+            for (Py_ssize_t i = 0; i < k; i++)
+                if (f[i]) {
+                    zero = 0;
+                    break;
+                }
+        }
+        st->reason = zero ? PyUnicode_FromFormat("zero-filled (expected a record, type %d)", TYPE_RECORD)
+                          : PyUnicode_FromFormat("type byte %u (expected a record, type %d)", typ, TYPE_RECORD);
+        return st->reason ? SCAN_BAD : -1;
+    }
+    if (length < ENV_SIZE || (unsigned long long)length > st->cap) {
+        st->reason = PyUnicode_FromFormat("frame length %lu out of range (expected %d..%llu bytes)", (unsigned long)length,
+                                          ENV_SIZE, st->cap);
+        return st->reason ? SCAN_BAD : -1;
+    }
+    unsigned long long end = off + FRAME_PREFIX + length;
+    if (end > st->size) {
+        st->reason = PyUnicode_FromFormat("frame of %llu bytes runs past end of file (%llu)",
+                                          (unsigned long long)FRAME_PREFIX + length, st->size);
+        return st->reason ? SCAN_BAD : -1;
+    }
+    Py_ssize_t rend = rel + FRAME_PREFIX + (Py_ssize_t)length;
+    if (rend > st->buflen) return SCAN_NEED;
+    uint32_t c;
+    if (crc_extend(0, f + 4, (size_t)length + 5, &c) < 0) return -1;
+    if (mask_crc(c) != crc) {
+        st->reason = PyUnicode_FromString("CRC mismatch");
+        return st->reason ? SCAN_BAD : -1;
+    }
+    unsigned long long lsn = rd64(f + 9);
+    unsigned int sidlen = rd16(f + 34);
+    if (ENV_SIZE + sidlen > length) {
+        st->reason = PyUnicode_FromFormat("session-id length %u exceeds frame length %lu", sidlen, (unsigned long)length);
+        return st->reason ? SCAN_BAD : -1;
+    }
+    if (lsn != st->expected) {
+        st->reason = PyUnicode_FromFormat("lsn %llu, expected %llu", lsn, st->expected);
+        return st->reason ? SCAN_BAD : -1;
+    }
+    fi->rel = rel;
+    fi->end = rend;
+    fi->lsn = lsn;
+    fi->seq = rd64(f + 17);
+    fi->ts = (long long)rd64(f + 25);
+    fi->flags = f[33];
+    fi->sid = f + SID_AT;
+    fi->sidlen = sidlen;
+    return SCAN_MORE;
+}
+
+/* A small cache of decoded session ids: consecutive records of a batch often
+   share one, and equal ids then share one str object (as the Python scanner's
+   cache does). */
+#define SID_CACHE 64
+typedef struct {
+    PyObject *str[SID_CACHE];
+    PyObject *raw[SID_CACHE]; /* bytes */
+} sid_cache;
+
+static void sid_cache_clear(sid_cache *c) {
+    for (int i = 0; i < SID_CACHE; i++) {
+        Py_CLEAR(c->str[i]);
+        Py_CLEAR(c->raw[i]);
+    }
+}
+
+/* New reference to the decoded id, NULL with UnicodeDecodeError (or another error) set. */
+static PyObject *sid_decode(sid_cache *c, const uint8_t *p, Py_ssize_t n) {
+    uint32_t h = 2166136261u;
+    for (Py_ssize_t i = 0; i < n; i++) h = (h ^ p[i]) * 16777619u;
+    int slot = (int)(h % SID_CACHE);
+    PyObject *raw = c->raw[slot];
+    if (raw != NULL && PyBytes_GET_SIZE(raw) == n && memcmp(PyBytes_AS_STRING(raw), p, (size_t)n) == 0) {
+        Py_INCREF(c->str[slot]);
+        return c->str[slot];
+    }
+    PyObject *s = PyUnicode_DecodeUTF8((const char *)p, n, "strict");
+    if (s == NULL) return NULL;
+    PyObject *b = PyBytes_FromStringAndSize((const char *)p, n);
+    if (b == NULL) {
+        Py_DECREF(s);
+        return NULL;
+    }
+    Py_XSETREF(c->raw[slot], b);
+    Py_INCREF(s);
+    Py_XSETREF(c->str[slot], s);
+    return s;
+}
+
+/* Returns the decoded id, NULL with no error set when it is not UTF-8 (the
+   caller reports a bad frame), NULL with an error set otherwise. */
+static PyObject *sid_or_bad(sid_cache *c, const frame_info *fi, scan_state *st) {
+    PyObject *sid = sid_decode(c, fi->sid, fi->sidlen);
+    if (sid == NULL && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+        PyErr_Clear();
+        st->reason = PyUnicode_FromString("session id is not UTF-8");
+        if (st->reason == NULL) return NULL;
+    }
+    return sid;
+}
+
+static int parse_state(scan_state *st, Py_buffer *view, PyObject *limit_obj, Py_ssize_t rel, unsigned long long base,
+                       unsigned long long size, unsigned long long expected, unsigned long long cap) {
+    memset(st, 0, sizeof(*st));
+    st->buf = (const uint8_t *)view->buf;
+    st->buflen = view->len;
+    st->base = base;
+    st->size = size;
+    st->cap = cap;
+    st->rel = rel;
+    st->expected = expected;
+    if (limit_obj != Py_None) {
+        st->has_limit = 1;
+        st->limit = PyLong_AsUnsignedLongLong(limit_obj);
+        if (st->limit == (unsigned long long)-1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+            /* A negative limit: nothing is below it. */
+            PyErr_Clear();
+            st->limit = 0;
+        }
+    }
+    if (rel < 0 || rel > view->len) {
+        PyErr_Format(PyExc_ValueError, "scan: offset %zd is outside the %zd-byte buffer", rel, view->len);
+        return -1;
+    }
+    return 0;
+}
+
+/* scan(buf, view, frame_type, rel, base, size, expected, limit, cap, max_frames)
+   -> (frames, rel, expected, code, reason)
+
+   Frames wholly inside ``buf`` (a bytes-like object whose first byte is at file
+   offset ``base``), from ``rel`` on, each a ``frame_type`` (a tuple subclass:
+   offset, end, lsn, session_seq, ts_ns, flags, session_id, payload) whose
+   payload is a slice of ``view`` (a memoryview of buf: zero copy). code says
+   why it stopped: 0 the next frame is not wholly in the buffer (``rel`` is
+   where it starts), 1 ``limit`` reached, 2 end of file, 3 a bad frame at
+   ``rel`` (``reason`` says why), 4 ``max_frames`` returned. */
+static PyObject *fc_scan(PyObject *self, PyObject *args) {
+    PyObject *bufobj, *viewobj, *ftype, *limit_obj;
+    Py_ssize_t rel, max_frames;
+    unsigned long long base, size, expected, cap;
+    if (!PyArg_ParseTuple(args, "OOOnKKKOKn:scan", &bufobj, &viewobj, &ftype, &rel, &base, &size, &expected, &limit_obj,
+                          &cap, &max_frames))
+        return NULL;
+    if (!PyType_Check(ftype) || !PyType_IsSubtype((PyTypeObject *)ftype, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "scan: frame_type must be a tuple subclass");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
+    scan_state st;
+    PyObject *out = NULL, *frames = NULL, *result = NULL;
+    sid_cache cache;
+    memset(&cache, 0, sizeof(cache));
+    int code = -1;
+    if (parse_state(&st, &view, limit_obj, rel, base, size, expected, cap) < 0) goto done;
+    frames = PyList_New(0);
+    if (frames == NULL) goto done;
+    PyTypeObject *tp = (PyTypeObject *)ftype;
+    for (;;) {
+        if (PyList_GET_SIZE(frames) >= max_frames) {
+            code = SCAN_MORE;
+            break;
+        }
+        frame_info fi;
+        code = scan_step(&st, &fi);
+        if (code < 0) goto done;
+        if (code != SCAN_MORE) break;
+        PyObject *sid = sid_or_bad(&cache, &fi, &st);
+        if (sid == NULL) {
+            if (st.reason == NULL) goto done;
+            code = SCAN_BAD;
+            break;
+        }
+        PyObject *payload = PySequence_GetSlice(viewobj, fi.rel + SID_AT + fi.sidlen, fi.end);
+        if (payload == NULL) {
+            Py_DECREF(sid);
+            goto done;
+        }
+        PyObject *fr = tp->tp_alloc(tp, 8);
+        if (fr == NULL) {
+            Py_DECREF(sid);
+            Py_DECREF(payload);
+            goto done;
+        }
+        PyObject *vals[6] = {
+            PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi.rel),
+            PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi.end),
+            PyLong_FromUnsignedLongLong(fi.lsn),
+            PyLong_FromUnsignedLongLong(fi.seq),
+            PyLong_FromLongLong(fi.ts),
+            PyLong_FromLong((long)fi.flags),
+        };
+        int bad = 0;
+        for (int i = 0; i < 6; i++) {
+            if (vals[i] == NULL) bad = 1;
+            PyTuple_SET_ITEM(fr, i, vals[i]);
+        }
+        PyTuple_SET_ITEM(fr, 6, sid);
+        PyTuple_SET_ITEM(fr, 7, payload);
+        if (bad) {
+            Py_DECREF(fr);
+            goto done;
+        }
+        int rc = PyList_Append(frames, fr);
+        Py_DECREF(fr);
+        if (rc < 0) goto done;
+        st.rel = fi.end;
+        st.expected = fi.lsn + 1;
+    }
+    result = Py_BuildValue("(OnKiO)", frames, st.rel, st.expected, code, st.reason ? st.reason : Py_None);
+done:
+    Py_XDECREF(st.reason);
+    Py_XDECREF(frames);
+    sid_cache_clear(&cache);
+    PyBuffer_Release(&view);
+    (void)out;
+    return result;
+}
+
+/* The event-type tag of a msgspec payload: a map whose first key is "type"
+   with a str value (how msgspec encodes a tagged Struct). NULL with no error:
+   not in that form (the caller decodes the payload to learn more). */
+static PyObject *payload_tag(const uint8_t *p, Py_ssize_t n, PyObject *tags) {
+    Py_ssize_t i = 0;
+    if (n < 1) return NULL;
+    uint8_t m = p[0];
+    if ((m & 0xf0) == 0x80)
+        i = 1;
+    else if (m == 0xde)
+        i = 3;
+    else if (m == 0xdf)
+        i = 5;
+    else
+        return NULL;
+    if (i + 5 > n || p[i] != 0xa4 || memcmp(p + i + 1, "type", 4) != 0) return NULL;
+    i += 5;
+    if (i >= n) return NULL;
+    Py_ssize_t len;
+    uint8_t s = p[i];
+    if ((s & 0xe0) == 0xa0) {
+        len = s & 0x1f;
+        i += 1;
+    } else if (s == 0xd9 && i + 1 < n) {
+        len = p[i + 1];
+        i += 2;
+    } else {
+        return NULL;
+    }
+    if (i + len > n) return NULL;
+    /* Tags repeat: intern through the caller's dict so each is one object. */
+    PyObject *key = PyUnicode_DecodeUTF8((const char *)p + i, len, "strict");
+    if (key == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *known = PyDict_GetItemWithError(tags, key);
+    if (known != NULL) {
+        Py_INCREF(known);
+        Py_DECREF(key);
+        return known;
+    }
+    if (PyErr_Occurred() || PyDict_SetItem(tags, key, key) < 0) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    return key;
+}
+
+/* scan_columns(buf, view, rel, base, size, expected, limit, cap, max_frames, tags)
+   -> (columns, rel, expected, code, reason)
+
+   The walk of scan(), returning columns instead of frames: a tuple of lists
+   (offsets, lsns, session ids, session seqs, ts_ns, flags, tags, payloads)
+   where tags[i] is the payload's event-type tag (None when the payload is not
+   a map led by its "type" key; ``tags`` is a dict interning them) and
+   payloads[i] a zero-copy slice of ``view``. */
+static PyObject *fc_scan_columns(PyObject *self, PyObject *args) {
+    PyObject *bufobj, *viewobj, *limit_obj, *tags;
+    Py_ssize_t rel, max_frames;
+    unsigned long long base, size, expected, cap;
+    if (!PyArg_ParseTuple(args, "OOnKKKOKnO!:scan_columns", &bufobj, &viewobj, &rel, &base, &size, &expected, &limit_obj,
+                          &cap, &max_frames, &PyDict_Type, &tags))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
+    scan_state st;
+    PyObject *cols[8] = {NULL};
+    PyObject *result = NULL;
+    sid_cache cache;
+    memset(&cache, 0, sizeof(cache));
+    int code = -1;
+    if (parse_state(&st, &view, limit_obj, rel, base, size, expected, cap) < 0) goto done;
+    for (int i = 0; i < 8; i++)
+        if ((cols[i] = PyList_New(0)) == NULL) goto done;
+    for (;;) {
+        if (PyList_GET_SIZE(cols[0]) >= max_frames) {
+            code = SCAN_MORE;
+            break;
+        }
+        frame_info fi;
+        code = scan_step(&st, &fi);
+        if (code < 0) goto done;
+        if (code != SCAN_MORE) break;
+        PyObject *sid = sid_or_bad(&cache, &fi, &st);
+        if (sid == NULL) {
+            if (st.reason == NULL) goto done;
+            code = SCAN_BAD;
+            break;
+        }
+        const uint8_t *pl = st.buf + fi.rel + SID_AT + fi.sidlen;
+        PyObject *tag = payload_tag(pl, fi.end - (fi.rel + SID_AT + fi.sidlen), tags);
+        if (tag == NULL) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(sid);
+                goto done;
+            }
+            tag = Py_None;
+            Py_INCREF(tag);
+        }
+        PyObject *vals[8] = {
+            PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi.rel),
+            PyLong_FromUnsignedLongLong(fi.lsn),
+            sid,
+            PyLong_FromUnsignedLongLong(fi.seq),
+            PyLong_FromLongLong(fi.ts),
+            PyLong_FromLong((long)fi.flags),
+            tag,
+            PySequence_GetSlice(viewobj, fi.rel + SID_AT + fi.sidlen, fi.end),
+        };
+        int bad = 0;
+        for (int i = 0; i < 8; i++) {
+            if (vals[i] == NULL || (!bad && PyList_Append(cols[i], vals[i]) < 0)) bad = 1;
+            Py_XDECREF(vals[i]);
+        }
+        if (bad) goto done;
+        st.rel = fi.end;
+        st.expected = fi.lsn + 1;
+    }
+    result = Py_BuildValue("((OOOOOOOO)nKiO)", cols[0], cols[1], cols[2], cols[3], cols[4], cols[5], cols[6], cols[7],
+                           st.rel, st.expected, code, st.reason ? st.reason : Py_None);
+done:
+    Py_XDECREF(st.reason);
+    for (int i = 0; i < 8; i++) Py_XDECREF(cols[i]);
+    sid_cache_clear(&cache);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* ------------------------------------------------------------------ encoding */
+
+static void put_head(uint8_t *f, uint32_t length, unsigned long long lsn, unsigned long long seq, long long ts,
+                     unsigned int flags, uint16_t sidlen) {
+    memcpy(f + 4, &length, 4);
+    f[8] = TYPE_RECORD;
+    memcpy(f + 9, &lsn, 8);
+    memcpy(f + 17, &seq, 8);
+    memcpy(f + 25, &ts, 8);
+    f[33] = (uint8_t)flags;
+    memcpy(f + 34, &sidlen, 2);
+}
+
+static int check_sizes(Py_ssize_t sidlen, Py_ssize_t plen) {
+    if (sidlen > 0xffff) {
+        PyErr_Format(PyExc_ValueError, "session id of %zd bytes: at most 65535 fit in a frame", sidlen);
+        return -1;
+    }
+    if ((unsigned long long)ENV_SIZE + (unsigned long long)sidlen + (unsigned long long)plen > 0xffffffffull) {
+        PyErr_Format(PyExc_ValueError, "record of %zd payload bytes does not fit a frame (u32 length)", plen);
+        return -1;
+    }
+    return 0;
+}
+
+/* Encode one frame at f (room for SID_AT + sid + payload bytes, or only for
+   the prefix SID_AT + sid when ``prefix_only``: the CRC still covers the payload). */
+static int encode_at(uint8_t *f, unsigned long long lsn, unsigned long long seq, long long ts, unsigned int flags,
+                     const Py_buffer *sid, const Py_buffer *payload, int prefix_only) {
+    uint32_t length = (uint32_t)(ENV_SIZE + sid->len + payload->len);
+    put_head(f, length, lsn, seq, ts, flags, (uint16_t)sid->len);
+    memcpy(f + SID_AT, sid->buf, (size_t)sid->len);
+    uint32_t c;
+    if (prefix_only) {
+        if (crc_extend(0, f + 4, (size_t)(SID_AT - 4 + sid->len), &c) < 0) return -1;
+        if (crc_extend(c, (const uint8_t *)payload->buf, (size_t)payload->len, &c) < 0) return -1;
+    } else {
+        memcpy(f + SID_AT + sid->len, payload->buf, (size_t)payload->len);
+        if (crc_extend(0, f + 4, (size_t)(length + 5), &c) < 0) return -1;
+    }
+    uint32_t m = mask_crc(c);
+    memcpy(f, &m, 4);
+    return 0;
+}
+
+/* encode_frame(lsn, seq, ts_ns, flags, sid, payload, prefix_only=False) -> bytes */
+static PyObject *fc_encode_frame(PyObject *self, PyObject *args) {
+    unsigned long long lsn, seq;
+    long long ts;
+    unsigned int flags;
+    Py_buffer sid, payload;
+    int prefix_only = 0;
+    if (!PyArg_ParseTuple(args, "KKLIy*y*|p:encode_frame", &lsn, &seq, &ts, &flags, &sid, &payload, &prefix_only))
+        return NULL;
+    PyObject *out = NULL;
+    if (flags > 255) {
+        PyErr_Format(PyExc_ValueError, "flags %u do not fit a byte", flags);
+        goto done;
+    }
+    if (check_sizes(sid.len, payload.len) < 0) goto done;
+    out = PyBytes_FromStringAndSize(NULL, SID_AT + sid.len + (prefix_only ? 0 : payload.len));
+    if (out == NULL) goto done;
+    if (encode_at((uint8_t *)PyBytes_AS_STRING(out), lsn, seq, ts, flags, &sid, &payload, prefix_only) < 0) Py_CLEAR(out);
+done:
+    PyBuffer_Release(&sid);
+    PyBuffer_Release(&payload);
+    return out;
+}
+
+/* encode_batch(records, lsn, ts_ns) -> (bytes, ends)
+
+   ``records``: a sequence of (sid bytes, seq, flags, payload) tuples; the
+   frames get LSNs lsn, lsn+1, ... and one timestamp, all in one buffer;
+   ends[i] is where frame i ends in it. */
+static PyObject *fc_encode_batch(PyObject *self, PyObject *args) {
+    PyObject *records;
+    unsigned long long lsn;
+    long long ts;
+    if (!PyArg_ParseTuple(args, "OKL:encode_batch", &records, &lsn, &ts)) return NULL;
+    PyObject *seq = PySequence_Fast(records, "encode_batch: records must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = NULL, *ends = NULL, *result = NULL;
+    Py_buffer *sids = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
+    Py_buffer *pls = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
+    unsigned long long *seqs = PyMem_Calloc((size_t)n + 1, sizeof(unsigned long long));
+    unsigned int *flags = PyMem_Calloc((size_t)n + 1, sizeof(unsigned int));
+    Py_ssize_t got = 0, total = 0;
+    if (!sids || !pls || !seqs || !flags) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        PyObject *it = items[got];
+        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 4) {
+            PyErr_Format(PyExc_TypeError, "encode_batch: record %zd: expected a (sid, seq, flags, payload) tuple", got);
+            goto done;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(it, 0), &sids[got], PyBUF_SIMPLE) < 0) goto done;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(it, 3), &pls[got], PyBUF_SIMPLE) < 0) {
+            PyBuffer_Release(&sids[got]);
+            goto done;
+        }
+        seqs[got] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(it, 1));
+        unsigned long fl = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(it, 2));
+        if (PyErr_Occurred() || fl > 255 || check_sizes(sids[got].len, pls[got].len) < 0) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "encode_batch: record %zd: flags %lu do not fit a byte", got, fl);
+            got++;
+            goto done;
+        }
+        flags[got] = (unsigned int)fl;
+        total += SID_AT + sids[got].len + pls[got].len;
+    }
+    out = PyBytes_FromStringAndSize(NULL, total);
+    ends = PyList_New(n);
+    if (out == NULL || ends == NULL) goto done;
+    uint8_t *f = (uint8_t *)PyBytes_AS_STRING(out);
+    Py_ssize_t pos = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (encode_at(f + pos, lsn + (unsigned long long)i, seqs[i], ts, flags[i], &sids[i], &pls[i], 0) < 0) goto done;
+        pos += SID_AT + sids[i].len + pls[i].len;
+        PyObject *e = PyLong_FromSsize_t(pos);
+        if (e == NULL) goto done;
+        PyList_SET_ITEM(ends, i, e);
+    }
+    result = PyTuple_Pack(2, out, ends);
+done:
+    for (Py_ssize_t i = 0; i < got; i++) {
+        if (sids[i].obj) PyBuffer_Release(&sids[i]);
+        if (pls[i].obj) PyBuffer_Release(&pls[i]);
+    }
+    PyMem_Free(sids);
+    PyMem_Free(pls);
+    PyMem_Free(seqs);
+    PyMem_Free(flags);
+    Py_XDECREF(out);
+    Py_XDECREF(ends);
+    Py_DECREF(seq);
+    return result;
+}
+
+/* ------------------------------------------------------------------ CRC entry points */
+
+/* crc32c(data, crc=0) -> int: google_crc32c.extend(crc, data) through the selected backend. */
+static PyObject *fc_crc32c(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    unsigned long crc = 0;
+    if (!PyArg_ParseTuple(args, "y*|k:crc32c", &data, &crc)) return NULL;
+    uint32_t c;
+    int rc = crc_extend((uint32_t)crc, (const uint8_t *)data.buf, (size_t)data.len, &c);
+    PyBuffer_Release(&data);
+    if (rc < 0) return NULL;
+    return PyLong_FromUnsignedLong(c);
+}
+
+static PyObject *fc_set_crc_backend(PyObject *self, PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL) return NULL;
+    if (strcmp(name, "hardware") == 0) {
+        if (!hw_available) {
+            PyErr_SetString(PyExc_RuntimeError, "this CPU has no CRC32C instruction (SSE4.2 / ARMv8 CRC)");
+            return NULL;
+        }
+        crc_backend = BACKEND_HW;
+    } else if (strcmp(name, "python") == 0) {
+        crc_backend = BACKEND_PY;
+    } else {
+        PyErr_Format(PyExc_ValueError, "crc backend %R: expected 'hardware' or 'python'", arg);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *fc_crc_backend(PyObject *self, PyObject *noargs) {
+    return PyUnicode_FromString(crc_backend == BACKEND_HW ? "hardware" : "python");
+}
+
+static PyMethodDef methods[] = {
+    {"scan", fc_scan, METH_VARARGS, "Walk the frames wholly inside a buffer (see the C source)."},
+    {"scan_columns", fc_scan_columns, METH_VARARGS, "The walk of scan(), as columns (see the C source)."},
+    {"encode_frame", fc_encode_frame, METH_VARARGS, "One framed record (or its prefix, with prefix_only)."},
+    {"encode_batch", fc_encode_batch, METH_VARARGS, "Frames of a batch in one buffer, with their ends."},
+    {"crc32c", fc_crc32c, METH_VARARGS, "google_crc32c.extend(crc, data) through the selected backend."},
+    {"set_crc_backend", fc_set_crc_backend, METH_O, "'hardware' (the CPU instruction) or 'python' (google_crc32c)."},
+    {"crc_backend", fc_crc_backend, METH_NOARGS, "The CRC32C backend in use."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_framecodec", "The compiled frame codec of the file log.", -1,
+                                       methods};
+
+PyMODINIT_FUNC PyInit__framecodec(void) {
+    PyObject *crcmod = PyImport_ImportModule("google_crc32c");
+    if (crcmod == NULL) return NULL;
+    py_extend = PyObject_GetAttrString(crcmod, "extend");
+    Py_DECREF(crcmod);
+    if (py_extend == NULL) return NULL;
+    hw_available = detect_hw();
+    crc_backend = hw_available ? BACKEND_HW : BACKEND_PY;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m == NULL) return NULL;
+    if (PyModule_AddIntConstant(m, "HW_AVAILABLE", hw_available) < 0 || PyModule_AddIntConstant(m, "NEED", SCAN_NEED) < 0 ||
+        PyModule_AddIntConstant(m, "LIMIT", SCAN_LIMIT) < 0 || PyModule_AddIntConstant(m, "EOF", SCAN_EOF) < 0 ||
+        PyModule_AddIntConstant(m, "BAD", SCAN_BAD) < 0 || PyModule_AddIntConstant(m, "MORE", SCAN_MORE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
