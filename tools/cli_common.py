@@ -343,6 +343,10 @@ class RemoteLog:
         return int(self.run.bridge.call(self.run.js.stream_info(self.run.stream)).state.bytes or 0)
 
 
+class StreamMissing(CliError):
+    """The stream a ``nats://`` URL (or a run folder on JetStream) names does not exist (yet): ``tail`` waits for it."""
+
+
 #: Runs on JetStream opened by this process, by (servers, stream): one connection each, closed by close_remotes().
 _REMOTES: dict[tuple[str, str], Any] = {}
 
@@ -395,7 +399,7 @@ def nats_run_folder(path: Path, *, allow_empty: bool = False) -> RemoteLog | Non
 
 def _open_stream(text: str, servers: str, stream: str, remote: RemoteLog, allow_empty: bool) -> RemoteLog:
     """``remote`` with its stream opened (one connection per stream and process) and checked (see :func:`open_remote`)."""
-    from agentlog.events.log_api import LogError
+    from agentlog.events.log_api import LogError, NotALog
     from agentlog.events.log_jetstream_read import JetStreamRun
 
     run = _REMOTES.get((servers, stream))
@@ -409,7 +413,9 @@ def _open_stream(text: str, servers: str, stream: str, remote: RemoteLog, allow_
         nats_logger.setLevel(logging.CRITICAL)
         try:
             run = JetStreamRun.open(servers, stream)
-        except LogError as exc:  # cannot connect, no such stream (NotALog), nats-py missing
+        except NotALog as exc:  # no such stream
+            raise StreamMissing(f"{text}: {exc}", EXIT_USAGE) from None
+        except LogError as exc:  # cannot connect, nats-py missing
             raise CliError(f"{text}: {exc}", EXIT_USAGE) from None
         finally:
             nats_logger.setLevel(level)

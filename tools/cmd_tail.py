@@ -24,7 +24,7 @@ A run's stream on JetStream (``nats://host:port/stream``) is followed the
 same way, every partition subject of it, one found later included (the
 stream's subjects are listed every ``DISCOVER_S``); ``.../stream/p0003``
 follows one. Only acknowledged messages exist there, so every record shown
-is durable. The stream must exist (a log directory may not yet).
+is durable. A stream not created yet is waited for, as a log directory is.
 """
 
 from __future__ import annotations
@@ -253,13 +253,25 @@ async def _tail_summary(path: Path) -> None:
         task.cancel()
 
 
+def _wait_for_stream(arg: str) -> Any:
+    """:func:`check_log_path` for tail: a stream on JetStream that does not
+    exist yet (a run about to start) is waited for, as a log directory is."""
+    from agentlog.tools.cli_common import StreamMissing
+
+    while True:
+        try:
+            return check_log_path(arg, allow_empty=True)
+        except StreamMissing:
+            time.sleep(DISCOVER_S)
+
+
 def run(args) -> int:
     """Follow until interrupted."""
     import msgspec
 
     from agentlog.events.log_api import LogError, NotALog
 
-    path = check_log_path(args.log, allow_empty=True)
+    path = _wait_for_stream(args.log)
     try:
         asyncio.run(_tail_summary(path) if args.summary else _tail_events(path))
     except NotALog as exc:  # e.g. a stray entry appeared beside the partitions: list_partitions names it

@@ -193,11 +193,14 @@ def test_tail_on_the_stream_prints_what_tail_on_the_export_prints(js_run):
 
 @pytest.mark.required
 def test_tail_follows_new_records_and_new_partitions_on_the_stream(nats_server):
+    """tail started before the stream exists waits for it, then follows new records and a partition that starts later."""
     stream = "tailrun"
-    first = JetStreamLog.open(nats_server.url, stream, 0)
-    first.append_batch([("s0", 0, SessionOpened(group_id="g0", group_size=1, sample_index=0))])
     tail = _start_tail(f"{nats_server.url}/{stream}")
+    time.sleep(1.0)
+    assert tail.poll() is None, tail.stderr.read()  # waiting for the stream, not refusing it
+    first = JetStreamLog.open(nats_server.url, stream, 0)
     try:
+        first.append_batch([("s0", 0, SessionOpened(group_id="g0", group_size=1, sample_index=0))])
         time.sleep(1.0)
         first.append_batch([("s0", 1, SessionStarted(harness="t")), ("s0", 2, SessionFinished(reward=1.0))])
         second = JetStreamLog.open(nats_server.url, stream, 3)  # a worker that starts after tail did
@@ -428,6 +431,10 @@ def test_a_run_folder_on_jetstream_reads_as_its_stream(nats_run_folder, nats_ser
     assert code == 0, err
     code, b, _ = cli(capsys, "verify", "--digest", str(demo))
     assert list(_digest_lines(a).values()) == list(_digest_lines(b).values()) and _digest_lines(a)
+    # report reads the stream's partitions and its learner subject (the learner's curves).
+    code, out, err = cli(capsys, "report", str(run), "-o", str(tmp_path / "report.html"))
+    assert code == 0, err
+    assert f"{nats_server.url}/demo_on_nats/learner" in (tmp_path / "report.html").read_text()
     # export takes the run folder for its stream.
     code, out, err = cli(capsys, "export", str(run), str(tmp_path / "back"))
     assert code == 0 and "every log EQUAL" in out, err
