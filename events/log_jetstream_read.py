@@ -340,6 +340,7 @@ class SubjectCursor:
         self.end = 0
         self.seen = 0  # stream sequence of the last message taken
         self.done = False
+        self.failed: Exception | None = None
 
     async def start(self) -> None:
         """Find where to begin and subscribe (nothing to subscribe to for an empty subject read to its end)."""
@@ -380,6 +381,8 @@ class SubjectCursor:
         import nats.errors
 
         out: list = []
+        if self.failed is not None:  # met after the records before it were handed out
+            raise self.failed
         if self.done:
             return out
         while len(out) < limit:
@@ -405,11 +408,20 @@ class SubjectCursor:
                 continue
             if self.expected is None:  # a read from a later LSN begins at what the search found
                 self.expected = msg_id_lsn(msg.headers) if msg_id_lsn(msg.headers) is not None else self.from_lsn
-            rec = decode_message(frame, f"{self.where} seq {self.seen}", self.expected)
-            self.expected += 1
-            if rec.lsn < self.from_lsn:
-                continue
-            out.append(rec if self.raw else rec.decode())
+            try:
+                rec = decode_message(frame, f"{self.where} seq {self.seen}", self.expected)
+                self.expected += 1
+                if rec.lsn < self.from_lsn:
+                    continue
+                out.append(rec if self.raw else rec.decode())
+            except Exception as exc:
+                if not out:
+                    raise
+                # The good records before the damage go out first (as a
+                # segment reader yields the records before a bad frame); the
+                # error is raised by the next call.
+                self.failed = exc
+                break
         return out
 
     async def close(self) -> None:
