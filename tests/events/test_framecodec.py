@@ -208,24 +208,6 @@ def test_zero_runs_of_every_length_get_the_same_verdict(scratch):
             assert a == _scan(path, False, chunk, None), (zeros, chunk)
 
 
-def test_scan_columns_agrees_with_scan(scratch):
-    """The columnar walk (batched readers) sees the same frames as scan(), and
-    reads each payload's event-type tag."""
-    from agentlog.events.types import CommandRan, SessionOpened, encode_body
-
-    bodies = [SessionOpened(group_id="g", group_size=1), CommandRan(command="ls", exit_code=0), b"\x93\x01\x02\x03"]
-    payloads = [b if isinstance(b, bytes) else encode_body(b) for b in bodies]
-    data = _segment([("s", i, i, 0, p) for i, p in enumerate(payloads)])
-    view = memoryview(data)
-    frames, rel, expected, code, reason = fc.scan(data, view, tuple, SEG_HDR_SIZE, 0, len(data), 0, None, CAP, 100)
-    cols, rel2, expected2, code2, reason2 = fc.scan_columns(data, view, SEG_HDR_SIZE, 0, len(data), 0, None, CAP, 100, {})
-    assert (rel, expected, code, reason) == (rel2, expected2, code2, reason2) == (len(data), 3, fc.EOF, None)
-    offsets, lsns, sids, seqs, tss, flags, tags, pls = cols
-    assert offsets == [f[0] for f in frames] and lsns == [0, 1, 2] and sids == ["s"] * 3
-    assert [bytes(p) for p in pls] == payloads
-    assert tags == ["session_opened", "command_ran", None]
-
-
 # ---------------------------------------------------------------- the encoder and the CRC
 
 
