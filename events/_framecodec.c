@@ -370,9 +370,17 @@ static int parse_state(scan_state *st, Py_buffer *view, PyObject *limit_obj, Py_
         st->limit = PyLong_AsUnsignedLongLong(limit_obj);
         if (st->limit == (unsigned long long)-1 && PyErr_Occurred()) {
             if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
-            /* A negative limit: nothing is below it. */
             PyErr_Clear();
-            st->limit = 0;
+            /* Negative: nothing is below it. Past 2**64: every LSN is below it. */
+            PyObject *zero = PyLong_FromLong(0);
+            if (zero == NULL) return -1;
+            int negative = PyObject_RichCompareBool(limit_obj, zero, Py_LT);
+            Py_DECREF(zero);
+            if (negative < 0) return -1;
+            if (negative)
+                st->limit = 0;
+            else
+                st->has_limit = 0;
         }
     }
     if (rel < 0 || rel > view->len) {

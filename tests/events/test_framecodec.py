@@ -234,6 +234,16 @@ def test_encode_batch_is_the_frames_back_to_back(crc_backend):
     assert ends == [sum(len(f) for f in ref[: i + 1]) for i in range(len(ref))]
 
 
+def test_limits_beyond_the_lsn_range_behave_as_in_python(scratch):
+    data = _segment([("s", 0, 1, 0, b"x"), ("s", 1, 2, 0, b"y")])
+    path = scratch / segment_name(0)
+    path.write_bytes(data)
+    for limit in (-1, 0, 1, 2**64, 2**70):
+        a = _scan(path, True, 1 << 18, limit)
+        assert a == _scan(path, False, 1 << 18, limit), limit
+    assert [len(_scan(path, True, 1 << 18, lim)[0]) for lim in (-1, 1, 2**70)] == [0, 1, 2]
+
+
 def test_encoder_refuses_what_a_frame_cannot_hold():
     with pytest.raises(ValueError, match="session id of 65536 bytes"):
         fc.encode_frame(0, 0, 0, 0, b"x" * 65536, b"")
