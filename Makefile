@@ -8,8 +8,10 @@ PYTEST_ARGS ?= -m "not slow"
 .PHONY: demo test bench clean-venv
 
 # Torch goes in first, on its own: that takes the local CPU wheel instead of
-# letting a bare `torch` requirement pull a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml
+# letting a bare `torch` requirement pull a multi-GB CUDA build. The install
+# also builds the compiled frame codec (setup.py; skipped with a warning
+# without a C compiler), so a changed C source reinstalls too.
+$(VENV)/.installed: pyproject.toml setup.py events/_framecodec.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[dev]'

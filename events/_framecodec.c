@@ -8,8 +8,6 @@
  *                   lengths, check the masked CRC32C, the session-id length,
  *                   the LSN sequence and the session id's UTF-8, and stop at
  *                   the first bad frame with the Python scanner's reason;
- *   scan_columns()  the same walk, returning positions, LSNs, session ids and
- *                   event-type tags in bulk (readers that need only those);
  *   encode_frame()  one frame (header, session id, payload, masked CRC);
  *   encode_batch()  many frames into one contiguous buffer.
  *
@@ -372,9 +370,17 @@ static int parse_state(scan_state *st, Py_buffer *view, PyObject *limit_obj, Py_
         st->limit = PyLong_AsUnsignedLongLong(limit_obj);
         if (st->limit == (unsigned long long)-1 && PyErr_Occurred()) {
             if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
-            /* A negative limit: nothing is below it. */
             PyErr_Clear();
-            st->limit = 0;
+            /* Negative: nothing is below it. Past 2**64: every LSN is below it. */
+            PyObject *zero = PyLong_FromLong(0);
+            if (zero == NULL) return -1;
+            int negative = PyObject_RichCompareBool(limit_obj, zero, Py_LT);
+            Py_DECREF(zero);
+            if (negative < 0) return -1;
+            if (negative)
+                st->limit = 0;
+            else
+                st->has_limit = 0;
         }
     }
     if (rel < 0 || rel > view->len) {
@@ -408,7 +414,7 @@ static PyObject *fc_scan(PyObject *self, PyObject *args) {
     Py_buffer view;
     if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
     scan_state st;
-    PyObject *out = NULL, *frames = NULL, *result = NULL;
+    PyObject *frames = NULL, *result = NULL;
     sid_cache cache;
     memset(&cache, 0, sizeof(cache));
     int code = -1;
@@ -471,136 +477,6 @@ static PyObject *fc_scan(PyObject *self, PyObject *args) {
 done:
     Py_XDECREF(st.reason);
     Py_XDECREF(frames);
-    sid_cache_clear(&cache);
-    PyBuffer_Release(&view);
-    (void)out;
-    return result;
-}
-
-/* The event-type tag of a msgspec payload: a map whose first key is "type"
-   with a str value (how msgspec encodes a tagged Struct). NULL with no error:
-   not in that form (the caller decodes the payload to learn more). */
-static PyObject *payload_tag(const uint8_t *p, Py_ssize_t n, PyObject *tags) {
-    Py_ssize_t i = 0;
-    if (n < 1) return NULL;
-    uint8_t m = p[0];
-    if ((m & 0xf0) == 0x80)
-        i = 1;
-    else if (m == 0xde)
-        i = 3;
-    else if (m == 0xdf)
-        i = 5;
-    else
-        return NULL;
-    if (i + 5 > n || p[i] != 0xa4 || memcmp(p + i + 1, "type", 4) != 0) return NULL;
-    i += 5;
-    if (i >= n) return NULL;
-    Py_ssize_t len;
-    uint8_t s = p[i];
-    if ((s & 0xe0) == 0xa0) {
-        len = s & 0x1f;
-        i += 1;
-    } else if (s == 0xd9 && i + 1 < n) {
-        len = p[i + 1];
-        i += 2;
-    } else {
-        return NULL;
-    }
-    if (i + len > n) return NULL;
-    /* Tags repeat: intern through the caller's dict so each is one object. */
-    PyObject *key = PyUnicode_DecodeUTF8((const char *)p + i, len, "strict");
-    if (key == NULL) {
-        PyErr_Clear();
-        return NULL;
-    }
-    PyObject *known = PyDict_GetItemWithError(tags, key);
-    if (known != NULL) {
-        Py_INCREF(known);
-        Py_DECREF(key);
-        return known;
-    }
-    if (PyErr_Occurred() || PyDict_SetItem(tags, key, key) < 0) {
-        Py_DECREF(key);
-        return NULL;
-    }
-    return key;
-}
-
-/* scan_columns(buf, view, rel, base, size, expected, limit, cap, max_frames, tags)
-   -> (columns, rel, expected, code, reason)
-
-   The walk of scan(), returning columns instead of frames: a tuple of lists
-   (offsets, lsns, session ids, session seqs, ts_ns, flags, tags, payloads)
-   where tags[i] is the payload's event-type tag (None when the payload is not
-   a map led by its "type" key; ``tags`` is a dict interning them) and
-   payloads[i] a zero-copy slice of ``view``. */
-static PyObject *fc_scan_columns(PyObject *self, PyObject *args) {
-    PyObject *bufobj, *viewobj, *limit_obj, *tags;
-    Py_ssize_t rel, max_frames;
-    unsigned long long base, size, expected, cap;
-    if (!PyArg_ParseTuple(args, "OOnKKKOKnO!:scan_columns", &bufobj, &viewobj, &rel, &base, &size, &expected, &limit_obj,
-                          &cap, &max_frames, &PyDict_Type, &tags))
-        return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
-    scan_state st;
-    PyObject *cols[8] = {NULL};
-    PyObject *result = NULL;
-    sid_cache cache;
-    memset(&cache, 0, sizeof(cache));
-    int code = -1;
-    if (parse_state(&st, &view, limit_obj, rel, base, size, expected, cap) < 0) goto done;
-    for (int i = 0; i < 8; i++)
-        if ((cols[i] = PyList_New(0)) == NULL) goto done;
-    for (;;) {
-        if (PyList_GET_SIZE(cols[0]) >= max_frames) {
-            code = SCAN_MORE;
-            break;
-        }
-        frame_info fi;
-        code = scan_step(&st, &fi);
-        if (code < 0) goto done;
-        if (code != SCAN_MORE) break;
-        PyObject *sid = sid_or_bad(&cache, &fi, &st);
-        if (sid == NULL) {
-            if (st.reason == NULL) goto done;
-            code = SCAN_BAD;
-            break;
-        }
-        const uint8_t *pl = st.buf + fi.rel + SID_AT + fi.sidlen;
-        PyObject *tag = payload_tag(pl, fi.end - (fi.rel + SID_AT + fi.sidlen), tags);
-        if (tag == NULL) {
-            if (PyErr_Occurred()) {
-                Py_DECREF(sid);
-                goto done;
-            }
-            tag = Py_None;
-            Py_INCREF(tag);
-        }
-        PyObject *vals[8] = {
-            PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi.rel),
-            PyLong_FromUnsignedLongLong(fi.lsn),
-            sid,
-            PyLong_FromUnsignedLongLong(fi.seq),
-            PyLong_FromLongLong(fi.ts),
-            PyLong_FromLong((long)fi.flags),
-            tag,
-            PySequence_GetSlice(viewobj, fi.rel + SID_AT + fi.sidlen, fi.end),
-        };
-        int bad = 0;
-        for (int i = 0; i < 8; i++) {
-            if (vals[i] == NULL || (!bad && PyList_Append(cols[i], vals[i]) < 0)) bad = 1;
-            Py_XDECREF(vals[i]);
-        }
-        if (bad) goto done;
-        st.rel = fi.end;
-        st.expected = fi.lsn + 1;
-    }
-    result = Py_BuildValue("((OOOOOOOO)nKiO)", cols[0], cols[1], cols[2], cols[3], cols[4], cols[5], cols[6], cols[7],
-                           st.rel, st.expected, code, st.reason ? st.reason : Py_None);
-done:
-    Py_XDECREF(st.reason);
-    for (int i = 0; i < 8; i++) Py_XDECREF(cols[i]);
     sid_cache_clear(&cache);
     PyBuffer_Release(&view);
     return result;
@@ -786,7 +662,6 @@ static PyObject *fc_crc_backend(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef methods[] = {
     {"scan", fc_scan, METH_VARARGS, "Walk the frames wholly inside a buffer (see the C source)."},
-    {"scan_columns", fc_scan_columns, METH_VARARGS, "The walk of scan(), as columns (see the C source)."},
     {"encode_frame", fc_encode_frame, METH_VARARGS, "One framed record (or its prefix, with prefix_only)."},
     {"encode_batch", fc_encode_batch, METH_VARARGS, "Frames of a batch in one buffer, with their ends."},
     {"crc32c", fc_crc32c, METH_VARARGS, "google_crc32c.extend(crc, data) through the selected backend."},

@@ -208,24 +208,6 @@ def test_zero_runs_of_every_length_get_the_same_verdict(scratch):
             assert a == _scan(path, False, chunk, None), (zeros, chunk)
 
 
-def test_scan_columns_agrees_with_scan(scratch):
-    """The columnar walk (batched readers) sees the same frames as scan(), and
-    reads each payload's event-type tag."""
-    from agentlog.events.types import CommandRan, SessionOpened, encode_body
-
-    bodies = [SessionOpened(group_id="g", group_size=1), CommandRan(command="ls", exit_code=0), b"\x93\x01\x02\x03"]
-    payloads = [b if isinstance(b, bytes) else encode_body(b) for b in bodies]
-    data = _segment([("s", i, i, 0, p) for i, p in enumerate(payloads)])
-    view = memoryview(data)
-    frames, rel, expected, code, reason = fc.scan(data, view, tuple, SEG_HDR_SIZE, 0, len(data), 0, None, CAP, 100)
-    cols, rel2, expected2, code2, reason2 = fc.scan_columns(data, view, SEG_HDR_SIZE, 0, len(data), 0, None, CAP, 100, {})
-    assert (rel, expected, code, reason) == (rel2, expected2, code2, reason2) == (len(data), 3, fc.EOF, None)
-    offsets, lsns, sids, seqs, tss, flags, tags, pls = cols
-    assert offsets == [f[0] for f in frames] and lsns == [0, 1, 2] and sids == ["s"] * 3
-    assert [bytes(p) for p in pls] == payloads
-    assert tags == ["session_opened", "command_ran", None]
-
-
 # ---------------------------------------------------------------- the encoder and the CRC
 
 
@@ -250,6 +232,16 @@ def test_encode_batch_is_the_frames_back_to_back(crc_backend):
     ref = [encode_frame(100 + i, seq, -5, fl, sid, pl) for i, (sid, seq, fl, pl) in enumerate(recs)]
     assert buf == b"".join(ref)
     assert ends == [sum(len(f) for f in ref[: i + 1]) for i in range(len(ref))]
+
+
+def test_limits_beyond_the_lsn_range_behave_as_in_python(scratch):
+    data = _segment([("s", 0, 1, 0, b"x"), ("s", 1, 2, 0, b"y")])
+    path = scratch / segment_name(0)
+    path.write_bytes(data)
+    for limit in (-1, 0, 1, 2**64, 2**70):
+        a = _scan(path, True, 1 << 18, limit)
+        assert a == _scan(path, False, 1 << 18, limit), limit
+    assert [len(_scan(path, True, 1 << 18, lim)[0]) for lim in (-1, 1, 2**70)] == [0, 1, 2]
 
 
 def test_encoder_refuses_what_a_frame_cannot_hold():
