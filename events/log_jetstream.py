@@ -215,8 +215,15 @@ class JetStreamLog(EventLog):
         self._nc = await connect(self.url, connect_timeout_s, on_error)
         self._max_payload = self._nc.max_payload
         self._js = self._nc.jetstream(timeout=publish_timeout_s)
+        # Stream requests go through the meta leader: during an election
+        # (or on a loaded cluster creating an R3 stream) they are tried again
+        # for up to failover_timeout_s. Creating a stream again with the same
+        # config is a no-op, so a retried create that had landed is harmless.
+        def ask(what: str, call):
+            return retried(call, what, self.where, self._failover_timeout_s, publish_timeout_s, "failover_timeout_s")
+
         try:
-            info = await self._js.stream_info(self.stream)
+            info = await ask("the stream's info", lambda: self._js.stream_info(self.stream))
         except NotFoundError:
             cfg = StreamConfig(
                 name=self.stream,
@@ -228,7 +235,7 @@ class JetStreamLog(EventLog):
                 # One append_batch is one atomic batch (server 2.12+): all of it or none.
                 allow_atomic=True,
             )
-            info = await self._js.add_stream(cfg)
+            info = await ask("creating the stream", lambda: self._js.add_stream(cfg))
         if (info.config.num_replicas or 1) != replicas:
             raise LogError(f"{self.where}: the stream has {info.config.num_replicas} replicas, expected {replicas}")
         if not info.config.allow_atomic:

@@ -465,8 +465,9 @@ class JetStreamRun:
     Creates nothing and takes no epoch, so it never disturbs the writers.
     One connection, held by a bridge thread; close it (or use ``with``)."""
 
-    def __init__(self, url: str, stream: str) -> None:
+    def __init__(self, url: str, stream: str, start_timeout_s: float = 30.0) -> None:
         self.url, self.stream = url, stream
+        self.start_timeout_s = start_timeout_s
         self.where = f"nats stream {stream!r} at {url}"
         self.bridge = Bridge(f"jetstream-read-{stream}")
         self.nc = self.js = None
@@ -501,8 +502,9 @@ class JetStreamRun:
         except Exception as exc:
             raise LogError(f"{self.where}: cannot connect: {exc!r}") from exc
         self.js = self.nc.jetstream(timeout=request_timeout_s)
-        try:
-            await self.js.stream_info(self.stream)
+        try:  # through the meta leader: waited for during an election
+            await retried(lambda: self.js.stream_info(self.stream), "the stream's info", self.where,
+                          self.start_timeout_s, request_timeout_s, "start_timeout_s")
         except NotFoundError:
             raise NotALog(f"{self.where}: no such stream (expected a run written by JetStreamLog)") from None
 
