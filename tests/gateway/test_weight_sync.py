@@ -145,6 +145,9 @@ async def _loop_with_reloads(kind: str, tmp_path, sessions: int = 6, turns: int 
             (served / "version.txt").write_text("0")
         async with rig(backend) as (gw, engine, log):
             done = asyncio.Event()
+            # The first reload waits for a turn answered by version 0, so that
+            # version 0 is in the log however slowly a loaded machine runs the agents.
+            answered = asyncio.Event()
 
             async def agent(i: int) -> None:
                 import aiohttp
@@ -160,12 +163,14 @@ async def _loop_with_reloads(kind: str, tmp_path, sessions: int = 6, turns: int 
                         body = {"messages": [{"role": "user", "content": f"turn {t}"}], "max_tokens": 4}
                         async with http.post(gw.url + "/v1/chat/completions", json=body, headers=headers) as r:
                             assert r.status == 200, await r.text()
+                        answered.set()
                         t += 1
                         if t >= turns and after_last:
                             return
                         await asyncio.sleep(random.uniform(0, 0.01))
 
             async def learner() -> None:
+                await answered.wait()
                 for v in range(1, reloads + 1):
                     await asyncio.sleep(0.02)
                     await sync.reload(hf_dir(tmp_path / "ckpt", v), v)
