@@ -358,6 +358,10 @@ class JetStreamLog(EventLog):
             if self._fatal is not None:
                 raise LogClosed(f"{self.where}: fatal ({self._fatal}); reopen to recover")
             checked = self._check_batch(records)
+            if not checked:  # nothing to publish: an empty batch would reach the writer as a batch of no messages
+                done: concurrent.futures.Future = concurrent.futures.Future()
+                done.set_result(None)
+                return [], done
             records, envs = [], []
             lsn = self._next
             chunk_bytes = self._max_payload - _HEADER_ROOM
@@ -374,7 +378,7 @@ class JetStreamLog(EventLog):
                     )
                 records.append(self._messages_of(at, frame, chunk_bytes))
                 envs.append(Envelope(at, rec.session_id, rec.session_seq, ts, rec.body))
-            done: concurrent.futures.Future = concurrent.futures.Future()
+            done = concurrent.futures.Future()
             for rec in checked:
                 self._advance(rec)
             self._next = lsn + len(records)
