@@ -141,6 +141,8 @@ class JetStreamLog(EventLog):
     _publish_timeout_s = 5.0
     #: Seconds after a publish's first failure during which it is retried (set by :meth:`open`).
     _failover_timeout_s = 30.0
+    #: Seconds :meth:`close` waits for queued publishes to be acknowledged before it abandons them.
+    _close_wait_s = 10.0
 
     def __init__(self, *, url: str, stream: str, partition: int, clock: Callable[[], int]) -> None:
         super().__init__(clock)
@@ -157,6 +159,8 @@ class JetStreamLog(EventLog):
         self._bridge = Bridge(f"jetstream-{self.subject}")
         self._queue: asyncio.Queue | None = None
         self._writer: asyncio.Task | None = None
+        #: What the writer task has taken off the queue and not yet settled (failed, should it end).
+        self._taken: list = []
         self._nc = self._js = None
 
     # -- opening -------------------------------------------------------------
@@ -294,14 +298,26 @@ class JetStreamLog(EventLog):
             await asyncio.sleep(_RETRY_PAUSE_MIN_S)
 
     def _writer_ended(self, task: asyncio.Task) -> None:
-        """The writer task never dies silently: an unexpected end makes the log fatal, logged."""
-        if not task.cancelled() and task.exception() is not None:
-            self._fatal = f"writer task died: {task.exception()!r}"
+        """The writer task never dies silently: an unexpected end (an error, or
+        cancelled by :meth:`close` while a publish was still being retried)
+        makes the log fatal, logged, and fails every append it had not
+        settled, so none waits forever on a writer that is gone."""
+        if task.cancelled():
+            reason = f"closed while publishing (not acknowledged within {self._close_wait_s:g} s of close)"
+            log.error("jetstream.writer_abandoned", subject=self.subject, epoch=self.epoch)
+        elif task.exception() is not None:
+            reason = f"writer task died: {task.exception()!r}"
             log.error("jetstream.writer_died", subject=self.subject, error=repr(task.exception()))
-            while not self._queue.empty():  # no append waits forever on a dead writer
-                done = self._queue.get_nowait()[2]
-                if not done.done():
-                    done.set_exception(LogClosed(f"{self.where}: fatal ({self._fatal})"))
+        else:
+            return
+        self._fatal = self._fatal or reason
+        items, self._taken = list(self._taken), []
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        for lsn, records, done in items:
+            if not done.done():
+                what = f"lsn {lsn} and later were not acknowledged" if records else "closing"
+                done.set_exception(LogClosed(f"{self.where}: fatal ({reason}); {what}"))
 
     async def _recover(self) -> None:
         """Rebuild next LSN, open sessions and the last epoch from the subject
@@ -414,10 +430,12 @@ class JetStreamLog(EventLog):
                     break
                 group.append(item)
                 count += _count(item[1])
+            self._taken = group + ([held] if held is not None else [])
             stop = group[-1] if group[-1][1] is None else None
             group = [item for item in group if item[1] is not None]
             if group:
                 await self._commit(group)
+            self._taken = [held] if held is not None else []
             if stop is not None:
                 stop[2].set_result(None)
                 return
@@ -628,12 +646,18 @@ class JetStreamLog(EventLog):
             if self._writer is not None and not self._writer.done():
                 done: concurrent.futures.Future = concurrent.futures.Future()
                 self._queue.put_nowait((0, None, done))
-                await self._writer
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._writer), self._close_wait_s)
+                except asyncio.TimeoutError:
+                    # A publish still being retried (no leader, a paused server): abandon it; the
+                    # writer's end fails every append not acknowledged (:meth:`_writer_ended`).
+                    self._writer.cancel()
+                    await asyncio.gather(self._writer, return_exceptions=True)
             if self._nc is not None and not self._nc.is_closed:
                 await self._nc.close()
 
         try:
             if self._bridge.loop.is_running():
-                self._bridge.call(finish(), timeout=10)
+                self._bridge.call(finish(), timeout=self._close_wait_s + 10)
         finally:
             self._bridge.stop()

@@ -220,3 +220,30 @@ def test_a_publish_that_timed_out_but_landed_is_acknowledged_once(nats_server, s
         assert [e.lsn for e in out[0]] == list(range(1, n + 1)) and lg.fatal_reason is None
         lg.append_batch([("a", n + 1, small_event(9))])
         assert [e.lsn for e in lg.read()] == list(range(n + 2))
+
+
+def test_close_while_a_publish_is_retried_fails_the_pending_append_instead_of_hanging(nats_server, stream):
+    """close() during a publish that cannot be acknowledged (the server paused)
+    gives up after its wait, and the append that was waiting raises naming its
+    LSN: it is neither acknowledged nor left waiting forever."""
+    import concurrent.futures
+    import os
+    import signal
+
+    lg = JetStreamLog.open(nats_server.url, stream, 0, publish_timeout_s=0.3, failover_timeout_s=120)
+    lg._close_wait_s = 0.5  # close's own wait, short for the test
+    lg.append_batch([("a", 0, opened())])
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    os.kill(nats_server.pid, signal.SIGSTOP)
+    try:
+        pending = pool.submit(lg.append_batch, [("a", 1, small_event(1))])
+        with pytest.raises(concurrent.futures.TimeoutError):
+            pending.result(0.5)  # waiting for the paused server
+        lg.close()
+        with pytest.raises(LogClosed, match=r"closed while publishing.*lsn 1 and later were not acknowledged"):
+            pending.result(10)
+    finally:
+        os.kill(nats_server.pid, signal.SIGCONT)
+        pool.shutdown()
+    with JetStreamLog.open(nats_server.url, stream, 0) as again:  # the server is usable again
+        assert again.next_lsn in (1, 2)
