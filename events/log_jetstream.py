@@ -335,9 +335,13 @@ class JetStreamLog(EventLog):
             await cur.close()
         self._last_seq = cur.end
         # Every message carries its writer's epoch; the subject's last one has the newest.
+        # Asked of the stream leader, not by direct get: a lagging replica could answer
+        # with an older message, and a repeated epoch would repeat the old writer's
+        # message ids (deduplicated: the fence "lands" at the old sequence, and the new
+        # writer is then refused as if fenced).
         epoch = -1
         if cur.end:
-            last = await self._js.get_msg(self.stream, subject=self.subject, direct=True)
+            last = await self._js.get_msg(self.stream, subject=self.subject)
             epoch = int((last.headers or {}).get(HDR_EPOCH, 0))
         self.epoch = epoch + 1
 
