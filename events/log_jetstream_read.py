@@ -51,6 +51,8 @@ STREAM_RE = re.compile(r"[A-Za-z0-9_-]{1,200}")
 LOG_NAME_RE = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 #: Seconds a reader waits for the next message while the subject is known to hold more.
 READ_STALL_S = 30.0
+#: Seconds a read-only run retries a stream info request while the cluster elects a leader.
+ELECTION_WAIT_S = 30.0
 
 
 def require_nats():
@@ -502,14 +504,21 @@ class JetStreamRun:
             raise LogError(f"{self.where}: cannot connect: {exc!r}") from exc
         self.js = self.nc.jetstream(timeout=request_timeout_s)
         try:
-            await self.js.stream_info(self.stream)
+            await self._stream_info()
         except NotFoundError:
             raise NotALog(f"{self.where}: no such stream (expected a run written by JetStreamLog)") from None
+
+    async def _stream_info(self, **kw: Any) -> Any:
+        """The stream's info, asked again while the cluster elects a leader
+        (a request to a lost meta or stream leader times out) for up to
+        ELECTION_WAIT_S; a missing stream (NotFoundError) at once."""
+        return await retried(lambda: self.js.stream_info(self.stream, **kw), "the stream's info", self.where,
+                             ELECTION_WAIT_S, 5.0, "ELECTION_WAIT_S")
 
     def names(self) -> list[str]:
         """The logs of the run that hold messages (``learner``, ``p0000``, ...), sorted."""
         async def subjects() -> dict[str, int]:
-            info = await self.js.stream_info(self.stream, subjects_filter=f"{self.stream}.>")
+            info = await self._stream_info(subjects_filter=f"{self.stream}.>")
             return info.state.subjects or {}
 
         prefix = f"{self.stream}."
