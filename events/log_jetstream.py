@@ -347,10 +347,20 @@ class JetStreamLog(EventLog):
 
     async def _fence(self) -> None:
         """Publish this writer's fence; a racing writer that fenced first wins.
-        Retried through a leader election like any append (same message id)."""
+        Retried through a leader election like any append (same message id).
+
+        The fence's message id is this writer's alone (a random suffix): two
+        writers that recovered the same end take the same epoch, and with a
+        shared fence id the server would deduplicate the second fence into an
+        ack of the first, leaving two writers with one epoch whose records
+        (same ids) are deduplicated the same way: acknowledged, not stored.
+        With its own id the second fence is refused (the subject moved)."""
+        import uuid
+
         from nats.js.errors import APIError
 
-        fence = _Msg(self._next, b"", {HDR_KIND: KIND_FENCE, HDR_MSG_ID: f"{self.partition}:{self.epoch}:fence"})
+        ident = f"{self.partition}:{self.epoch}:fence:{uuid.uuid4().hex}"
+        fence = _Msg(self._next, b"", {HDR_KIND: KIND_FENCE, HDR_MSG_ID: ident})
         try:
             await self._publish([fence])
         except APIError as exc:
@@ -476,6 +486,8 @@ class JetStreamLog(EventLog):
             else:
                 err = LogError(f"{self.where}: publish of lsn {i} refused: {exc}")
             self._go_fatal(err, group)
+        except LogFenced as exc:
+            self._go_fatal(exc, group)
         except FailoverExpired as exc:
             self._go_fatal(LogError(f"{self.where}: publish of lsn {i} (and later) not acknowledged: {exc}"), group)
         except Exception as exc:  # anything else: fatal, never silent
@@ -591,6 +603,13 @@ class JetStreamLog(EventLog):
         epoch = {HDR_EPOCH: str(self.epoch)}
         if len(msgs) == 1:
             ack = await self._js.publish(self.subject, msgs[0].data, timeout=timeout, headers={**msgs[0].headers, **epoch, **first})
+            if ack.duplicate and not attempt:
+                # Never sent by this writer before, yet stored: another writer holds this epoch.
+                raise LogFenced(
+                    f"{self.where}: lsn {msgs[0].lsn}: message id {msgs[0].headers[HDR_MSG_ID]!r} is already on the "
+                    f"stream (sequence {ack.seq}) from another writer of epoch {self.epoch}; not acknowledged",
+                    epoch=self.epoch,
+                )
             return ack.seq
         batch_id = f"{msgs[0].headers[HDR_MSG_ID]}:b{attempt}"  # a fresh id per try: a half-sent batch is abandoned whole
         for i, msg in enumerate(msgs):

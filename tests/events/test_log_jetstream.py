@@ -247,3 +247,45 @@ def test_close_while_a_publish_is_retried_fails_the_pending_append_instead_of_ha
         pool.shutdown()
     with JetStreamLog.open(nats_server.url, stream, 0) as again:  # the server is usable again
         assert again.next_lsn in (1, 2)
+
+
+def test_two_writers_racing_to_open_never_both_ack_the_same_lsn(nats_server, stream):
+    """Two writers open one partition at the same moment (a restarted worker
+    and its double): they may recover the same end and take the same epoch,
+    but only one fence may win; every append acknowledged is stored, and no
+    two acknowledged appends share an LSN. Raced a dozen times (the two
+    recover the same end in about half of them)."""
+    import threading
+
+    for i in range(12):
+        name = f"{stream}r{i}"
+        with JetStreamLog.open(nats_server.url, name, 0) as first:
+            first.append_batch([("a", 0, opened())])
+        barrier = threading.Barrier(2)
+        opened_logs: list = []
+
+        def race() -> None:
+            barrier.wait()
+            try:
+                opened_logs.append(JetStreamLog.open(nats_server.url, name, 0))
+            except LogFenced:
+                pass  # lost the race to the other writer: refused, as it must be
+
+        threads = [threading.Thread(target=race) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        acked: dict[str, int] = {}
+        try:
+            for k, lg in enumerate(opened_logs):
+                try:
+                    acked[f"w{k}"] = lg.append_batch([(f"w{k}", 0, opened())])[0].lsn
+                except LogError:
+                    pass  # fenced by the other: not acknowledged
+            stored = {e.session_id: e.lsn for e in opened_logs[-1].read()}
+        finally:
+            for lg in opened_logs:
+                lg.close()
+        assert opened_logs and acked, f"race {i}: neither writer could open and append"
+        assert {sid: stored.get(sid) for sid in acked} == acked, f"race {i}: acknowledged {acked}, stored {stored}"
