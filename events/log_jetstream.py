@@ -11,7 +11,9 @@ the same CRC a segment reader does.
 Identity and fencing:
 
 - Every record carries ``Nats-Msg-Id = "<partition>:<epoch>:<lsn>"``; a
-  retried publish inside the stream's duplicate window is deduplicated.
+  retried publish inside the stream's duplicate window is deduplicated. A
+  fence's id is its writer's own (``<partition>:<epoch>:fence:<random>``,
+  see :meth:`JetStreamLog._fence`).
 - Every publish carries ``Nats-Expected-Last-Subject-Sequence`` = the stream
   sequence of the partition's last message this writer knows of. A new
   writer opens with epoch = last epoch + 1 and publishes a *fence* message
@@ -53,8 +55,9 @@ never acknowledged unless JetStream acknowledged it. The server elects a new
 stream leader 4 to 9 s after losing one (raft timing constants of
 nats-server, not configurable), so appends stall that long and resume.
 
-Not yet: a sparse
-LSN -> sequence index for reads from a late LSN (reads scan from the start).
+Reads (:mod:`agentlog.events.log_jetstream_read`) find a late LSN by a binary
+search over the subject by direct get, then take messages through an
+ordered consumer.
 """
 
 from __future__ import annotations
