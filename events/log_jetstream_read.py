@@ -294,11 +294,16 @@ async def _direct_get(js, stream: str, subject: str, seq: int):
         return None
 
 
-async def last_seq(js, stream: str, subject: str) -> int:
-    """The stream sequence of the subject's last message (0 when it has none)."""
+async def last_seq(js, stream: str, subject: str, *, leader: bool = False) -> int:
+    """The stream sequence of the subject's last message (0 when it has none).
+    With ``leader`` it is asked of the stream leader: a direct get may be
+    answered by a replica that has not applied the newest acknowledged
+    messages yet, and a read to "the end" from there would miss them."""
     from nats.js.errors import NotFoundError
 
     try:
+        if leader:
+            return (await js.get_msg(stream, subject=subject)).seq
         return (await direct_get(js, stream, subject=subject)).seq
     except NotFoundError:
         return 0
@@ -359,7 +364,8 @@ class SubjectCursor:
         def ask(what: str, call):
             return retried(call, what, self.where, left(), 5.0, "start_timeout_s")
 
-        self.end = await ask("the subject's last message", lambda: last_seq(self.js, self.stream, self.subject))
+        # The leader's end: a read sees every record acknowledged before it began.
+        self.end = await ask("the subject's last message", lambda: last_seq(self.js, self.stream, self.subject, leader=True))
         first = 1
         if self.from_lsn and self.end:
             first = await ask(f"the sequence of lsn {self.from_lsn}",
