@@ -412,6 +412,9 @@ class JetStreamLog(EventLog):
                 records.append(self._messages_of(at, frame, chunk_bytes))
                 envs.append(Envelope(at, rec.session_id, rec.session_seq, ts, rec.body))
             done = concurrent.futures.Future()
+            # Running: a caller that stops waiting (its task cancelled) cannot cancel the
+            # future under the writer, which would then fail to settle it and die.
+            done.set_running_or_notify_cancel()
             for rec in checked:
                 self._advance(rec)
             self._next = lsn + len(records)

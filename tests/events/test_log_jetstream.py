@@ -289,3 +289,25 @@ def test_two_writers_racing_to_open_never_both_ack_the_same_lsn(nats_server, str
                 lg.close()
         assert opened_logs and acked, f"race {i}: neither writer could open and append"
         assert {sid: stored.get(sid) for sid in acked} == acked, f"race {i}: acknowledged {acked}, stored {stored}"
+
+
+def test_an_append_cancelled_by_its_caller_does_not_break_the_log(nats_server, stream):
+    """A caller that stops waiting (a session task cancelled by its timeout)
+    cancels its await, not the publish: the writer settles the others, the
+    cancelled record is still written (its LSN was given), and the log goes on."""
+
+    async def main(lg):
+        await lg.append("a", 0, opened())
+        cancelled = asyncio.ensure_future(lg.append("a", 1, small_event(1)))
+        others = [asyncio.ensure_future(lg.append(f"s{k}", 0, opened())) for k in range(3)]
+        await asyncio.sleep(0)  # each submitted, none acknowledged yet
+        cancelled.cancel()
+        done = await asyncio.gather(*others)
+        await asyncio.sleep(0.2)
+        return [e.lsn for e in done]
+
+    with JetStreamLog.open(nats_server.url, stream, 0) as lg:
+        assert asyncio.run(main(lg)) == [2, 3, 4]
+        assert lg.fatal_reason is None
+        lg.append_batch([("a", 2, small_event(2))])
+        assert [(e.lsn, e.session_id) for e in lg.read()] == [(0, "a"), (1, "a"), (2, "s0"), (3, "s1"), (4, "s2"), (5, "a")]
