@@ -418,8 +418,17 @@ class JetStreamLog(EventLog):
             for rec in checked:
                 self._advance(rec)
             self._next = lsn + len(records)
-            self._bridge.loop.call_soon_threadsafe(self._queue.put_nowait, (lsn, records, done))
+            self._bridge.loop.call_soon_threadsafe(self._enqueue, (lsn, records, done))
             return envs, done
+
+    def _enqueue(self, item: tuple) -> None:
+        """Hand an append to the writer task (on the bridge loop). One submitted
+        just as the writer died (it passed the fatal check first) is failed
+        here: nothing would ever take it off the queue."""
+        if self._writer is None or self._writer.done():
+            item[2].set_exception(LogClosed(f"{self.where}: fatal ({self._fatal}); lsn {item[0]} and later were not acknowledged"))
+            return
+        self._queue.put_nowait(item)
 
     def _messages_of(self, lsn: int, frame: bytes, chunk_bytes: int) -> list[_Msg]:
         """A record's messages: one, or k chunks (``Agentlog-Chunk: i/k``) of
