@@ -11,7 +11,9 @@ the same CRC a segment reader does.
 Identity and fencing:
 
 - Every record carries ``Nats-Msg-Id = "<partition>:<epoch>:<lsn>"``; a
-  retried publish inside the stream's duplicate window is deduplicated.
+  retried publish inside the stream's duplicate window is deduplicated. A
+  fence's id is its writer's own (``<partition>:<epoch>:fence:<random>``,
+  see :meth:`JetStreamLog._fence`).
 - Every publish carries ``Nats-Expected-Last-Subject-Sequence`` = the stream
   sequence of the partition's last message this writer knows of. A new
   writer opens with epoch = last epoch + 1 and publishes a *fence* message
@@ -53,8 +55,9 @@ never acknowledged unless JetStream acknowledged it. The server elects a new
 stream leader 4 to 9 s after losing one (raft timing constants of
 nats-server, not configurable), so appends stall that long and resume.
 
-Not yet: a sparse
-LSN -> sequence index for reads from a late LSN (reads scan from the start).
+Reads (:mod:`agentlog.events.log_jetstream_read`) find a late LSN by a binary
+search over the subject by direct get, then take messages through an
+ordered consumer.
 """
 
 from __future__ import annotations
@@ -141,6 +144,8 @@ class JetStreamLog(EventLog):
     _publish_timeout_s = 5.0
     #: Seconds after a publish's first failure during which it is retried (set by :meth:`open`).
     _failover_timeout_s = 30.0
+    #: Seconds :meth:`close` waits for queued publishes to be acknowledged before it abandons them.
+    _close_wait_s = 10.0
 
     def __init__(self, *, url: str, stream: str, partition: int, clock: Callable[[], int]) -> None:
         super().__init__(clock)
@@ -157,6 +162,8 @@ class JetStreamLog(EventLog):
         self._bridge = Bridge(f"jetstream-{self.subject}")
         self._queue: asyncio.Queue | None = None
         self._writer: asyncio.Task | None = None
+        #: What the writer task has taken off the queue and not yet settled (failed, should it end).
+        self._taken: list = []
         self._nc = self._js = None
 
     # -- opening -------------------------------------------------------------
@@ -301,14 +308,26 @@ class JetStreamLog(EventLog):
             await asyncio.sleep(_RETRY_PAUSE_MIN_S)
 
     def _writer_ended(self, task: asyncio.Task) -> None:
-        """The writer task never dies silently: an unexpected end makes the log fatal, logged."""
-        if not task.cancelled() and task.exception() is not None:
-            self._fatal = f"writer task died: {task.exception()!r}"
+        """The writer task never dies silently: an unexpected end (an error, or
+        cancelled by :meth:`close` while a publish was still being retried)
+        makes the log fatal, logged, and fails every append it had not
+        settled, so none waits forever on a writer that is gone."""
+        if task.cancelled():
+            reason = f"closed while publishing (not acknowledged within {self._close_wait_s:g} s of close)"
+            log.error("jetstream.writer_abandoned", subject=self.subject, epoch=self.epoch)
+        elif task.exception() is not None:
+            reason = f"writer task died: {task.exception()!r}"
             log.error("jetstream.writer_died", subject=self.subject, error=repr(task.exception()))
-            while not self._queue.empty():  # no append waits forever on a dead writer
-                done = self._queue.get_nowait()[2]
-                if not done.done():
-                    done.set_exception(LogClosed(f"{self.where}: fatal ({self._fatal})"))
+        else:
+            return
+        self._fatal = self._fatal or reason
+        items, self._taken = list(self._taken), []
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        for lsn, records, done in items:
+            if not done.done():
+                what = f"lsn {lsn} and later were not acknowledged" if records else "closing"
+                done.set_exception(LogClosed(f"{self.where}: fatal ({reason}); {what}"))
 
     async def _recover(self) -> None:
         """Rebuild next LSN, open sessions and the last epoch from the subject
@@ -326,18 +345,32 @@ class JetStreamLog(EventLog):
             await cur.close()
         self._last_seq = cur.end
         # Every message carries its writer's epoch; the subject's last one has the newest.
+        # Asked of the stream leader, not by direct get: a lagging replica could answer
+        # with an older message, and a repeated epoch would repeat the old writer's
+        # message ids (deduplicated: the fence "lands" at the old sequence, and the new
+        # writer is then refused as if fenced).
         epoch = -1
         if cur.end:
-            last = await self._js.get_msg(self.stream, subject=self.subject, direct=True)
+            last = await self._js.get_msg(self.stream, subject=self.subject)
             epoch = int((last.headers or {}).get(HDR_EPOCH, 0))
         self.epoch = epoch + 1
 
     async def _fence(self) -> None:
         """Publish this writer's fence; a racing writer that fenced first wins.
-        Retried through a leader election like any append (same message id)."""
+        Retried through a leader election like any append (same message id).
+
+        The fence's message id is this writer's alone (a random suffix): two
+        writers that recovered the same end take the same epoch, and with a
+        shared fence id the server would deduplicate the second fence into an
+        ack of the first, leaving two writers with one epoch whose records
+        (same ids) are deduplicated the same way: acknowledged, not stored.
+        With its own id the second fence is refused (the subject moved)."""
+        import uuid
+
         from nats.js.errors import APIError
 
-        fence = _Msg(self._next, b"", {HDR_KIND: KIND_FENCE, HDR_MSG_ID: f"{self.partition}:{self.epoch}:fence"})
+        ident = f"{self.partition}:{self.epoch}:fence:{uuid.uuid4().hex}"
+        fence = _Msg(self._next, b"", {HDR_KIND: KIND_FENCE, HDR_MSG_ID: ident})
         try:
             await self._publish([fence])
         except APIError as exc:
@@ -365,6 +398,10 @@ class JetStreamLog(EventLog):
             if self._fatal is not None:
                 raise LogClosed(f"{self.where}: fatal ({self._fatal}); reopen to recover")
             checked = self._check_batch(records)
+            if not checked:  # nothing to publish: an empty batch would reach the writer as a batch of no messages
+                done: concurrent.futures.Future = concurrent.futures.Future()
+                done.set_result(None)
+                return [], done
             records, envs = [], []
             lsn = self._next
             chunk_bytes = self._max_payload - _HEADER_ROOM
@@ -381,12 +418,24 @@ class JetStreamLog(EventLog):
                     )
                 records.append(self._messages_of(at, frame, chunk_bytes))
                 envs.append(Envelope(at, rec.session_id, rec.session_seq, ts, rec.body))
-            done: concurrent.futures.Future = concurrent.futures.Future()
+            done = concurrent.futures.Future()
+            # Running: a caller that stops waiting (its task cancelled) cannot cancel the
+            # future under the writer, which would then fail to settle it and die.
+            done.set_running_or_notify_cancel()
             for rec in checked:
                 self._advance(rec)
             self._next = lsn + len(records)
-            self._bridge.loop.call_soon_threadsafe(self._queue.put_nowait, (lsn, records, done))
+            self._bridge.loop.call_soon_threadsafe(self._enqueue, (lsn, records, done))
             return envs, done
+
+    def _enqueue(self, item: tuple) -> None:
+        """Hand an append to the writer task (on the bridge loop). One submitted
+        just as the writer died (it passed the fatal check first) is failed
+        here: nothing would ever take it off the queue."""
+        if self._writer is None or self._writer.done():
+            item[2].set_exception(LogClosed(f"{self.where}: fatal ({self._fatal}); lsn {item[0]} and later were not acknowledged"))
+            return
+        self._queue.put_nowait(item)
 
     def _messages_of(self, lsn: int, frame: bytes, chunk_bytes: int) -> list[_Msg]:
         """A record's messages: one, or k chunks (``Agentlog-Chunk: i/k``) of
@@ -417,10 +466,12 @@ class JetStreamLog(EventLog):
                     break
                 group.append(item)
                 count += _count(item[1])
+            self._taken = group + ([held] if held is not None else [])
             stop = group[-1] if group[-1][1] is None else None
             group = [item for item in group if item[1] is not None]
             if group:
                 await self._commit(group)
+            self._taken = [held] if held is not None else []
             if stop is not None:
                 stop[2].set_result(None)
                 return
@@ -457,6 +508,8 @@ class JetStreamLog(EventLog):
             else:
                 err = LogError(f"{self.where}: publish of lsn {i} refused: {exc}")
             self._go_fatal(err, group)
+        except LogFenced as exc:
+            self._go_fatal(exc, group)
         except FailoverExpired as exc:
             self._go_fatal(LogError(f"{self.where}: publish of lsn {i} (and later) not acknowledged: {exc}"), group)
         except Exception as exc:  # anything else: fatal, never silent
@@ -572,6 +625,13 @@ class JetStreamLog(EventLog):
         epoch = {HDR_EPOCH: str(self.epoch)}
         if len(msgs) == 1:
             ack = await self._js.publish(self.subject, msgs[0].data, timeout=timeout, headers={**msgs[0].headers, **epoch, **first})
+            if ack.duplicate and not attempt:
+                # Never sent by this writer before, yet stored: another writer holds this epoch.
+                raise LogFenced(
+                    f"{self.where}: lsn {msgs[0].lsn}: message id {msgs[0].headers[HDR_MSG_ID]!r} is already on the "
+                    f"stream (sequence {ack.seq}) from another writer of epoch {self.epoch}; not acknowledged",
+                    epoch=self.epoch,
+                )
             return ack.seq
         batch_id = f"{msgs[0].headers[HDR_MSG_ID]}:b{attempt}"  # a fresh id per try: a half-sent batch is abandoned whole
         for i, msg in enumerate(msgs):
@@ -631,12 +691,18 @@ class JetStreamLog(EventLog):
             if self._writer is not None and not self._writer.done():
                 done: concurrent.futures.Future = concurrent.futures.Future()
                 self._queue.put_nowait((0, None, done))
-                await self._writer
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._writer), self._close_wait_s)
+                except asyncio.TimeoutError:
+                    # A publish still being retried (no leader, a paused server): abandon it; the
+                    # writer's end fails every append not acknowledged (:meth:`_writer_ended`).
+                    self._writer.cancel()
+                    await asyncio.gather(self._writer, return_exceptions=True)
             if self._nc is not None and not self._nc.is_closed:
                 await self._nc.close()
 
         try:
             if self._bridge.loop.is_running():
-                self._bridge.call(finish(), timeout=10)
+                self._bridge.call(finish(), timeout=self._close_wait_s + 10)
         finally:
             self._bridge.stop()

@@ -292,11 +292,16 @@ async def _direct_get(js, stream: str, subject: str, seq: int):
         return None
 
 
-async def last_seq(js, stream: str, subject: str) -> int:
-    """The stream sequence of the subject's last message (0 when it has none)."""
+async def last_seq(js, stream: str, subject: str, *, leader: bool = False) -> int:
+    """The stream sequence of the subject's last message (0 when it has none).
+    With ``leader`` it is asked of the stream leader: a direct get may be
+    answered by a replica that has not applied the newest acknowledged
+    messages yet, and a read to "the end" from there would miss them."""
     from nats.js.errors import NotFoundError
 
     try:
+        if leader:
+            return (await js.get_msg(stream, subject=subject)).seq
         return (await direct_get(js, stream, subject=subject)).seq
     except NotFoundError:
         return 0
@@ -357,7 +362,8 @@ class SubjectCursor:
         def ask(what: str, call):
             return retried(call, what, self.where, left(), 5.0, "start_timeout_s")
 
-        self.end = await ask("the subject's last message", lambda: last_seq(self.js, self.stream, self.subject))
+        # The leader's end: a read sees every record acknowledged before it began.
+        self.end = await ask("the subject's last message", lambda: last_seq(self.js, self.stream, self.subject, leader=True))
         first = 1
         if self.from_lsn and self.end:
             first = await ask(f"the sequence of lsn {self.from_lsn}",
@@ -502,16 +508,22 @@ class JetStreamRun:
         except Exception as exc:
             raise LogError(f"{self.where}: cannot connect: {exc!r}") from exc
         self.js = self.nc.jetstream(timeout=request_timeout_s)
-        try:  # through the meta leader: waited for during an election
-            await retried(lambda: self.js.stream_info(self.stream), "the stream's info", self.where,
-                          self.start_timeout_s, request_timeout_s, "start_timeout_s")
+        try:
+            await self._stream_info()
         except NotFoundError:
             raise NotALog(f"{self.where}: no such stream (expected a run written by JetStreamLog)") from None
+
+    async def _stream_info(self, **kw: Any) -> Any:
+        """The stream's info, asked again while the cluster elects a leader
+        (a request to a lost meta or stream leader times out) for up to
+        ``start_timeout_s``; a missing stream (NotFoundError) at once."""
+        return await retried(lambda: self.js.stream_info(self.stream, **kw), "the stream's info", self.where,
+                             self.start_timeout_s, 5.0, "start_timeout_s")
 
     def names(self) -> list[str]:
         """The logs of the run that hold messages (``learner``, ``p0000``, ...), sorted."""
         async def subjects() -> dict[str, int]:
-            info = await self.js.stream_info(self.stream, subjects_filter=f"{self.stream}.>")
+            info = await self._stream_info(subjects_filter=f"{self.stream}.>")
             return info.state.subjects or {}
 
         prefix = f"{self.stream}."

@@ -383,7 +383,8 @@ async def follow_logs(
     ``idle_s`` with nothing new: a heartbeat for a consumer that must act on
     silence (declare a partition lost). A value of ``paths`` may also be a
     :class:`~agentlog.events.log_jetstream_read.JetStreamRef` (a log on
-    JetStream, read through an ordered consumer)."""
+    JetStream, read through an ordered consumer; its ``batches`` are lists
+    of RawRecords, which carry the frame fields batch readers use)."""
     starts = dict(from_lsn or {})
     cursors: dict[int, Cursor] = {}
     quiet_since = time.monotonic()
@@ -394,8 +395,14 @@ async def follow_logs(
                 if hasattr(path, "cursor"):  # a log on JetStream: its cursor never waits
                     cur = cursors.get(pid)
                     if cur is None:
-                        cur = cursors[pid] = path.cursor(starts.get(pid, 0), raw=raw)
-                    for env in await cur.records(chunk):
+                        cur = cursors[pid] = path.cursor(starts.get(pid, 0), raw=raw or batches)
+                    got = await cur.records(chunk)
+                    if batches:  # RawRecords carry the fields of a frame that batch readers use
+                        if got:
+                            yield pid, got
+                            n += len(got)
+                        continue
+                    for env in got:
                         yield pid, env
                         n += 1
                     continue

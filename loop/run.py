@@ -256,8 +256,15 @@ def _run(cfg: LoopConfig, run_dir: Path, run_logs: logs.RunLogs, progress: bool,
         seen = 0
         aborted = dropped = 0
         last_version = 0
+        # The learner log is tailed, not re-read from LSN 0 each round: on JetStream a read
+        # creates (and drops) a consumer, ten times a second for the whole run.
+        learner_tail: logs.LogTail | None = None
+        records: list[PolicyUpdated] = []
         while True:
-            records = read_learner_records(run_logs.learner_source()) if run_logs.learner_exists() else []
+            if learner_tail is None and run_logs.learner_exists():
+                learner_tail = run_logs.learner_tail()
+            if learner_tail is not None:
+                records.extend(env.body for env in learner_tail.poll() if isinstance(env.body, PolicyUpdated))
             for rec in records[seen:]:
                 if rec.step == 0:
                     if bar is not None:

@@ -156,7 +156,7 @@ async def follow_tagged(path: Path, *, raw: bool = False, batches: bool = False)
 
     if isinstance(path, RemoteLog):
         if path.name is not None:
-            async for rec in follow_log(path.ref(), raw=raw):
+            async for rec in follow_log(path.ref(), raw=raw, batches=batches):
                 yield None, rec
             return
         async for pid, env in follow_logs(_LivePartitions(path)):  # envelopes, as for a partition root

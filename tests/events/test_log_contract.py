@@ -71,6 +71,12 @@ class LogContract:
         with pytest.raises(SequenceError, match=r"'new'.*session_seq 1 refused, expected 0"):
             log.append_batch([("new", 1, opened())])
 
+    def test_an_empty_batch_appends_nothing_and_the_log_goes_on(self, log):
+        assert log.append_batch([]) == []
+        assert log.next_lsn == 0
+        assert [e.lsn for e in log.append_batch([("s", 0, opened())])] == [0]
+        assert [e.lsn for e in log.read()] == [0]
+
     def test_a_refused_batch_appends_nothing(self, log):
         log.append_batch([("s", 0, opened())])
         with pytest.raises(SequenceError):

@@ -220,3 +220,94 @@ def test_a_publish_that_timed_out_but_landed_is_acknowledged_once(nats_server, s
         assert [e.lsn for e in out[0]] == list(range(1, n + 1)) and lg.fatal_reason is None
         lg.append_batch([("a", n + 1, small_event(9))])
         assert [e.lsn for e in lg.read()] == list(range(n + 2))
+
+
+def test_close_while_a_publish_is_retried_fails_the_pending_append_instead_of_hanging(nats_server, stream):
+    """close() during a publish that cannot be acknowledged (the server paused)
+    gives up after its wait, and the append that was waiting raises naming its
+    LSN: it is neither acknowledged nor left waiting forever."""
+    import concurrent.futures
+    import os
+    import signal
+
+    lg = JetStreamLog.open(nats_server.url, stream, 0, publish_timeout_s=0.3, failover_timeout_s=120)
+    lg._close_wait_s = 0.5  # close's own wait, short for the test
+    lg.append_batch([("a", 0, opened())])
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    os.kill(nats_server.pid, signal.SIGSTOP)
+    try:
+        pending = pool.submit(lg.append_batch, [("a", 1, small_event(1))])
+        with pytest.raises(concurrent.futures.TimeoutError):
+            pending.result(0.5)  # waiting for the paused server
+        lg.close()
+        with pytest.raises(LogClosed, match=r"closed while publishing.*lsn 1 and later were not acknowledged"):
+            pending.result(10)
+    finally:
+        os.kill(nats_server.pid, signal.SIGCONT)
+        pool.shutdown()
+    with JetStreamLog.open(nats_server.url, stream, 0) as again:  # the server is usable again
+        assert again.next_lsn in (1, 2)
+
+
+def test_two_writers_racing_to_open_never_both_ack_the_same_lsn(nats_server, stream):
+    """Two writers open one partition at the same moment (a restarted worker
+    and its double): they may recover the same end and take the same epoch,
+    but only one fence may win; every append acknowledged is stored, and no
+    two acknowledged appends share an LSN. Raced a dozen times (the two
+    recover the same end in about half of them)."""
+    import threading
+
+    for i in range(12):
+        name = f"{stream}r{i}"
+        with JetStreamLog.open(nats_server.url, name, 0) as first:
+            first.append_batch([("a", 0, opened())])
+        barrier = threading.Barrier(2)
+        opened_logs: list = []
+
+        def race() -> None:
+            barrier.wait()
+            try:
+                opened_logs.append(JetStreamLog.open(nats_server.url, name, 0))
+            except LogFenced:
+                pass  # lost the race to the other writer: refused, as it must be
+
+        threads = [threading.Thread(target=race) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        acked: dict[str, int] = {}
+        try:
+            for k, lg in enumerate(opened_logs):
+                try:
+                    acked[f"w{k}"] = lg.append_batch([(f"w{k}", 0, opened())])[0].lsn
+                except LogError:
+                    pass  # fenced by the other: not acknowledged
+            stored = {e.session_id: e.lsn for e in opened_logs[-1].read()}
+        finally:
+            for lg in opened_logs:
+                lg.close()
+        assert opened_logs and acked, f"race {i}: neither writer could open and append"
+        assert {sid: stored.get(sid) for sid in acked} == acked, f"race {i}: acknowledged {acked}, stored {stored}"
+
+
+def test_an_append_cancelled_by_its_caller_does_not_break_the_log(nats_server, stream):
+    """A caller that stops waiting (a session task cancelled by its timeout)
+    cancels its await, not the publish: the writer settles the others, the
+    cancelled record is still written (its LSN was given), and the log goes on."""
+
+    async def main(lg):
+        await lg.append("a", 0, opened())
+        cancelled = asyncio.ensure_future(lg.append("a", 1, small_event(1)))
+        others = [asyncio.ensure_future(lg.append(f"s{k}", 0, opened())) for k in range(3)]
+        await asyncio.sleep(0)  # each submitted, none acknowledged yet
+        cancelled.cancel()
+        done = await asyncio.gather(*others)
+        await asyncio.sleep(0.2)
+        return [e.lsn for e in done]
+
+    with JetStreamLog.open(nats_server.url, stream, 0) as lg:
+        assert asyncio.run(main(lg)) == [2, 3, 4]
+        assert lg.fatal_reason is None
+        lg.append_batch([("a", 2, small_event(2))])
+        assert [(e.lsn, e.session_id) for e in lg.read()] == [(0, "a"), (1, "a"), (2, "s0"), (3, "s1"), (4, "s2"), (5, "a")]

@@ -191,6 +191,17 @@ def test_tail_on_the_stream_prints_what_tail_on_the_export_prints(js_run):
         assert mine == theirs and len(mine) == counts[pid]
 
 
+def test_tail_summary_of_one_log_url_counts_its_records(js_run):
+    """``tail --summary nats://.../stream/p0001`` folds that one subject (as ``tail --summary DIR/rollout/p0001`` does)."""
+    url, exported, counts = js_run
+    done = lambda ls: any(f"lsn {counts[1] - 1}:" in x for x in ls)  # noqa: E731
+    proc = _start_tail("--summary", f"{url}/p0001")
+    on_stream = read_lines_until(proc, done)
+    assert done(on_stream), (on_stream, proc.stderr.read())
+    on_dir = read_lines_until(_start_tail("--summary", str(exported / "rollout/p0001")), done)
+    assert on_stream[-1].split("\r")[-1] == on_dir[-1].split("\r")[-1]
+
+
 @pytest.mark.required
 def test_tail_follows_new_records_and_new_partitions_on_the_stream(nats_server):
     """tail started before the stream exists waits for it, then follows new records and a partition that starts later."""
