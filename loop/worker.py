@@ -261,11 +261,14 @@ class RolloutWorker:
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=poll_s)
-                if done:
-                    return task.result()
+                # Checked after the batch ends too: when every append failed at once
+                # (fenced), the batch can end "normally" with its sessions' errors
+                # collected, and the next wait could see the final version and exit 0.
                 reason = rollout.fatal_reason
                 if reason:
                     raise WorkerLogFatal(f"rollout worker {self.worker_id}: its log went fatal, this incarnation stops: {reason}")
+                if done:
+                    return task.result()
         finally:
             if not task.done():
                 task.cancel()
