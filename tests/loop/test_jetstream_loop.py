@@ -90,7 +90,10 @@ def test_a_run_on_jetstream_with_a_restarted_worker_fences_the_old_one_and_recon
     the restart are unchanged; the orphaned sessions are aborted
     (engine_restart) and consumed; the run finishes and ``check_run`` finds
     every step EQUAL."""
-    cfg = small_config(steps=6, groups_per_step=4, max_lag=1, rollout=RolloutConfig(workers=2),
+    # 30 steps: long enough that a test process slowed by a loaded machine still
+    # finds worker 1 mid-run (6 steps could all be over, in about a second,
+    # before its first poll, and a "frozen" worker had in fact already exited 0).
+    cfg = small_config(steps=30, groups_per_step=4, max_lag=1, rollout=RolloutConfig(workers=2),
                        log=LogConfig(backend="nats", url=_url(nats_cluster), stream="jsloop-restart", replicas=3))
     run = tmp_path / "run"
     run.mkdir()
@@ -120,6 +123,8 @@ def test_a_run_on_jetstream_with_a_restarted_worker_fences_the_old_one_and_recon
                 for _attempt in range(20):
                     wait_for("sessions in flight on p0001", in_flight, 60, procs)
                     os.kill(workers[1].pid, signal.SIGSTOP)
+                    assert workers[1].poll() is None and learner.poll() is None, (
+                        "worker 1 or the learner ended before worker 1 could be frozen mid-run")
                     orphans = _open_sessions(p1)
                     if orphans:
                         break
