@@ -36,14 +36,26 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import structlog
 
-import structlog  # noqa: E402
-from bench_log import goal, small, turn_events  # noqa: E402
+from agentlog.events import FileLog
+from agentlog.events.log_api import EventLog
+from agentlog.events.types import SessionOpened
 
-from agentlog.events import FileLog  # noqa: E402
-from agentlog.events.log_api import EventLog  # noqa: E402
-from agentlog.events.types import SessionOpened  # noqa: E402
+
+def _bench_log():
+    """bench_log.py beside this file (the event builders and the GOAL line this bench shares with it),
+    loaded from its path: tools/bench is a folder of scripts, not a package."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_log", Path(__file__).resolve().with_name("bench_log.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_shared = _bench_log()
+goal, small, turn_events = _shared.goal, _shared.small, _shared.turn_events
 
 _streams = itertools.count()
 
