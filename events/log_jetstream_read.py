@@ -438,14 +438,19 @@ class SubjectCursor:
 
 
 def read_subject(bridge, js, stream: str, subject: str, where: str, from_lsn: int = 0, *, raw: bool = False,
-                 chunk: int = 512) -> Iterator:
+                 chunk: int = 512, batches: bool = False) -> Iterator:
     """Every record of a subject from ``from_lsn`` to its end as of the
-    call, synchronously, through ``bridge`` (the thread holding the connection)."""
-    cur = SubjectCursor(js, stream, subject, where, from_lsn, raw=raw, to_end=True)
+    call, synchronously, through ``bridge`` (the thread holding the connection).
+    With ``batches``, the lists the cursor takes (RawRecords), as they come."""
+    cur = SubjectCursor(js, stream, subject, where, from_lsn, raw=raw or batches, to_end=True)
     bridge.call(cur.start())
     try:
         while not cur.done:
-            yield from bridge.call(cur.take(chunk, 0.0))
+            taken = bridge.call(cur.take(chunk, 0.0))
+            if not batches:
+                yield from taken
+            elif taken:
+                yield taken
     finally:
         if bridge.loop.is_running():
             bridge.call(cur.close())
@@ -569,9 +574,10 @@ class JetStreamRef:
         """Whether the subject holds any message yet."""
         return self.run.bridge.call(last_seq(self.run.js, self.run.stream, self.subject)) > 0
 
-    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator:
-        """Every record from ``from_lsn`` to the end as of the call."""
-        return read_subject(self.run.bridge, self.run.js, self.run.stream, self.subject, self.where, from_lsn, raw=raw)
+    def read(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False) -> Iterator:
+        """Every record from ``from_lsn`` to the end as of the call (in lists of RawRecords with ``batches``)."""
+        return read_subject(self.run.bridge, self.run.js, self.run.stream, self.subject, self.where, from_lsn,
+                            raw=raw, batches=batches)
 
     def follow(self, from_lsn: int = 0, *, raw: bool = False, poll_s: float = 0.05) -> AsyncIterator:
         """Tail the log forever from ``from_lsn``."""

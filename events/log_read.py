@@ -319,7 +319,14 @@ def read_frame_batches(
     :class:`~agentlog.events.log_scan.Frame` built in bulk by the scanner
     (one list per read buffer with the compiled codec): for readers that need
     a few fields of many records (``agentlog stats``). The same records, the
-    same checks and errors."""
+    same checks and errors. A log on JetStream (a JetStreamRef) gives the
+    lists of RawRecords its cursor takes: the same fields batch readers use."""
+    if hasattr(path, "cursor"):
+        return path.read(from_lsn, batches=True)
+    return _frame_batches_of_dir(path, from_lsn, durable_only, max_record_bytes)
+
+
+def _frame_batches_of_dir(path, from_lsn: int, durable_only: bool, max_record_bytes: int) -> Iterator[list[Frame]]:
     cur, limit = _reader(path, from_lsn, durable_only, True, max_record_bytes)
     try:
         yield from cur.frame_batches(limit)

@@ -16,6 +16,7 @@ segment, offset and LSN (the log layer's message), prefixed by the path.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import sys
@@ -220,7 +221,6 @@ def read_tagged(
     :func:`events.partitions.read_partitions` (``from_lsn`` must be 0 there:
     LSNs are per partition)."""
     from agentlog.events import read_log
-    from agentlog.events.log_api import LogError
 
     bar = _progress(path, quiet, desc)
     if partitioned(path):
@@ -232,8 +232,8 @@ def read_tagged(
     else:
         it = ((None, rec) for rec in read_log(path.ref() if isinstance(path, RemoteLog) else path, from_lsn, raw=True))
     pending = 0
-    try:
-        for pid, rec in it:
+    with contextlib.closing(_guarded(path, it, bar)) as records:
+        for pid, rec in records:
             if bar is not None:
                 # Frame overhead is ~40 bytes plus the session id; close enough for a bar.
                 pending += len(rec.payload) + 40 + len(rec.session_id)
@@ -251,6 +251,16 @@ def read_tagged(
                     f"{where}: lsn {rec.lsn}, session {rec.session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA
                 ) from None
             yield pid, env
+
+
+def _guarded(path: Any, it: Iterator[Any], bar: Any) -> Iterator[Any]:
+    """The items of ``it``, with a read error raised as the CliError that
+    names ``path`` (:func:`_read_error`); ``it`` and the progress bar are
+    closed however the read ends."""
+    from agentlog.events.log_api import LogError
+
+    try:
+        yield from it
     except (OSError, LogError) as exc:
         raise _read_error(path, exc) from None
     finally:
@@ -465,42 +475,14 @@ def read_frame_batches(path: Path, *, quiet: bool = False, desc: str = "read") -
     as lists of undecoded frames (:func:`events.log_read.read_frame_batches`:
     lsn, session_id, session_seq, ts_ns, flags, payload), with the progress
     bar and the errors of :func:`read_tagged`."""
-    from agentlog.events.log_api import LogError
     from agentlog.events.log_read import read_frame_batches as read_batches
 
     bar = _progress(path, quiet, desc)
-    it = _record_lists(path.ref()) if isinstance(path, RemoteLog) else read_batches(path)
-    try:
-        for batch in it:
+    with contextlib.closing(_guarded(path, read_batches(path.ref() if isinstance(path, RemoteLog) else path), bar)) as batches:
+        for batch in batches:
             if bar is not None:
                 bar.update(batch[-1].end - batch[0].offset)
             yield batch
-    except (OSError, LogError) as exc:
-        raise _read_error(path, exc) from None
-    finally:
-        it.close()
-        if bar is not None:
-            bar.close()
-
-
-def _record_lists(ref: Any, size: int = 4096) -> Iterator[list[Any]]:
-    """A JetStream log's RawRecords in lists (they carry the fields a frame
-    batch has that the batched readers use); no byte progress: the server
-    does not count a subject's bytes."""
-    from agentlog.events import read_log
-
-    it = read_log(ref, raw=True)
-    try:
-        batch: list[Any] = []
-        for rec in it:
-            batch.append(rec)
-            if len(batch) == size:
-                yield batch
-                batch = []
-        if batch:
-            yield batch
-    finally:
-        it.close()
 
 
 def _progress(path: Path, quiet: bool, desc: str) -> Any:
