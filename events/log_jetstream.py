@@ -64,14 +64,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import re
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 from .._logging import get_logger
-from .log_api import CheckedRecord, EventLog, LogClosed, LogCorruption, LogError, LogFenced, PendingRecord
-from .log_format import ENV_HDR, FLAG_TERMINAL, FRAME_HDR, FRAME_PREFIX, TYPE_RECORD, crc_value, encode_frame, mask_crc
+from .log_api import EventLog, LogClosed, LogError, LogFenced, PendingRecord
+from .log_format import FLAG_TERMINAL, encode_frame
 from .log_jetstream_read import (
     HDR_CHUNK,
     HDR_KIND,
@@ -79,12 +78,10 @@ from .log_jetstream_read import (
     KIND_FENCE,
     STREAM_RE,
     Bridge,
-    ChunkJoiner,
-    decode_message,
+    connect,
+    follow_subject,
     log_name,
     read_subject,
-    follow_subject,
-    connect,
     retried,
     retry_errors,
 )
@@ -247,65 +244,11 @@ class JetStreamLog(EventLog):
             raise LogError(f"{self.where}: the stream has {info.config.num_replicas} replicas, expected {replicas}")
         if not info.config.allow_atomic:
             raise LogError(f"{self.where}: the stream does not allow atomic batches (allow_atomic); create it with JetStreamLog.open")
-        await self._recover_to_leader_end()
+        await self._recover()
         await self._fence()
         self._queue = asyncio.Queue()
         self._writer = asyncio.get_running_loop().create_task(self._write_loop())
         self._writer.add_done_callback(self._writer_ended)
-
-    async def _recover_to_leader_end(self) -> None:
-        """:meth:`_recover`, read until the end the stream leader knows.
-
-        Direct gets are answered by any replica, and a replica may lag the
-        leader (just restarted, or a few ms behind); a writer that recovered
-        from one would fence on a stale sequence and take the refusal for a
-        newer writer. So the subject's last sequence is asked of the leader
-        first, and recovery is read again until it reaches that. Waiting for
-        the leader also covers opening during an election or on a stream
-        just created (no direct-get responders yet). Bounded by
-        ``failover_timeout_s``."""
-        from nats.js.errors import APIError, NotFoundError
-
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._failover_timeout_s
-        transient = retry_errors()
-
-        async def answered(what: str, call) -> Any:
-            """``call()``'s answer (None for "no message"), asked until the deadline."""
-            try:
-                return await retried(call, what, self.where, deadline - loop.time(),
-                                     min(self._publish_timeout_s, _LANDED_TIMEOUT_S), "failover_timeout_s")
-            except NotFoundError:
-                return None
-
-        while True:
-            last = await answered("the stream leader (last message of the subject)", lambda: self._js.get_msg(self.stream, subject=self.subject))
-            end = last.seq if last is not None else 0
-            await answered("a direct get", lambda: self._js.get_msg(self.stream, subject=self.subject, direct=True))
-            try:
-                await self._recover()
-            except (APIError, *transient) as exc:
-                # The reader's consumer is created through the meta leader,
-                # which may itself be the node just lost: try again.
-                if isinstance(exc, APIError) and exc.code != 503:
-                    raise
-                if loop.time() >= deadline:
-                    raise LogError(
-                        f"{self.where}: recovery not possible within failover_timeout_s={self._failover_timeout_s:g}: {exc!r}"
-                    ) from exc
-                log.warning("jetstream.recover_retry", subject=self.subject, error=repr(exc))
-            else:
-                if self._last_seq >= end:
-                    return
-                if loop.time() >= deadline:
-                    raise LogError(
-                        f"{self.where}: the replicas answering reads stay behind the leader (sequence {self._last_seq} "
-                        f"< {end}) for failover_timeout_s={self._failover_timeout_s:g}"
-                    )
-                log.info("jetstream.recover_lagging_replica", subject=self.subject, read_to=self._last_seq, leader_end=end)
-            self._next, self._last_seq = 0, 0
-            self._next_seq.clear()
-            await asyncio.sleep(_RETRY_PAUSE_MIN_S)
 
     def _writer_ended(self, task: asyncio.Task) -> None:
         """The writer task never dies silently: an unexpected end (an error, or
@@ -331,10 +274,15 @@ class JetStreamLog(EventLog):
 
     async def _recover(self) -> None:
         """Rebuild next LSN, open sessions and the last epoch from the subject
-        (read through an ordered consumer, every frame checked)."""
-        from .log_jetstream_read import SubjectCursor, last_seq
+        (read through an ordered consumer, every frame checked). The cursor
+        reads up to the end the stream leader reports (a replica answering
+        direct gets may lag: a writer that recovered from it would fence on a
+        stale sequence), and waits out an election (no leader, no consumer
+        yet, a stream just created) for up to ``failover_timeout_s``."""
+        from .log_jetstream_read import SubjectCursor
 
-        cur = SubjectCursor(self._js, self.stream, self.subject, self.where, 0, raw=True, to_end=True)
+        cur = SubjectCursor(self._js, self.stream, self.subject, self.where, 0, raw=True, to_end=True,
+                            start_timeout_s=self._failover_timeout_s)
         await cur.start()
         try:
             while not cur.done:
@@ -351,7 +299,8 @@ class JetStreamLog(EventLog):
         # writer is then refused as if fenced).
         epoch = -1
         if cur.end:
-            last = await self._js.get_msg(self.stream, subject=self.subject)
+            last = await retried(lambda: self._js.get_msg(self.stream, subject=self.subject), "the subject's last message",
+                                 self.where, self._failover_timeout_s, self._publish_timeout_s, "failover_timeout_s")
             epoch = int((last.headers or {}).get(HDR_EPOCH, 0))
         self.epoch = epoch + 1
 
