@@ -75,6 +75,7 @@ from .log_jetstream_read import (
     HDR_CHUNK,
     HDR_KIND,
     HDR_MSG_ID,
+    HDR_NEXT_LSN,
     KIND_FENCE,
     STREAM_RE,
     Bridge,
@@ -319,7 +320,8 @@ class JetStreamLog(EventLog):
         from nats.js.errors import APIError
 
         ident = f"{self.partition}:{self.epoch}:fence:{uuid.uuid4().hex}"
-        fence = _Msg(self._next, b"", {HDR_KIND: KIND_FENCE, HDR_MSG_ID: ident})
+        # The fence names the next LSN, so a subject that ends in fences still tells its end in one get.
+        fence = _Msg(self._next, b"", {HDR_KIND: KIND_FENCE, HDR_MSG_ID: ident, HDR_NEXT_LSN: str(self._next)})
         try:
             await self._publish([fence])
         except APIError as exc:

@@ -46,6 +46,8 @@ HDR_KIND = "Agentlog-Kind"
 #: "i/k" on the messages of a record split into k chunks (i from 1); absent on a whole record.
 HDR_CHUNK = "Agentlog-Chunk"
 KIND_FENCE = "fence"
+#: On a fence message: the LSN its writer appends next.
+HDR_NEXT_LSN = "Agentlog-Next-Lsn"
 STREAM_RE = re.compile(r"[A-Za-z0-9_-]{1,200}")
 #: A log's name inside its run's stream: a partition (p0003) or a named log (learner).
 LOG_NAME_RE = re.compile(r"[a-z][a-z0-9_-]{0,63}")
@@ -573,6 +575,30 @@ class JetStreamRef:
     def exists(self) -> bool:
         """Whether the subject holds any message yet."""
         return self.run.bridge.call(last_seq(self.run.js, self.run.stream, self.subject)) > 0
+
+    def next_lsn(self) -> int:
+        """The LSN after the log's last record (0 for an empty subject), from
+        the subject's last message as the stream leader has it: a record's msg
+        id names its LSN, a fence the next LSN."""
+        async def ask() -> int:
+            from nats.js.errors import NotFoundError
+
+            try:
+                last = await retried(lambda: self.run.js.get_msg(self.run.stream, subject=self.subject),
+                                     "the subject's last message", self.where, self.run.start_timeout_s, 5.0,
+                                     "start_timeout_s")
+            except NotFoundError:
+                return 0
+            headers = last.headers or {}
+            lsn = msg_id_lsn(headers)
+            if lsn is not None:
+                return lsn + 1
+            if headers.get(HDR_KIND) == KIND_FENCE and headers.get(HDR_NEXT_LSN, "").isdigit():
+                return int(headers[HDR_NEXT_LSN])
+            raise LogCorruption(f"{self.where} seq {last.seq}: the last message is neither a record nor a fence naming "
+                                f"the next LSN (headers {sorted(headers)})", segment=self.where)
+
+        return self.run.bridge.call(ask())
 
     def read(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False) -> Iterator:
         """Every record from ``from_lsn`` to the end as of the call (in lists of RawRecords with ``batches``)."""

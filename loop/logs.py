@@ -20,7 +20,6 @@ writers. The module-level :func:`read`, :func:`exists`, :func:`durable_end`,
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -75,53 +74,11 @@ def exists(source: Source) -> bool:
 def durable_end(source: Source) -> int:
     """The next LSN after the durable records of the log at ``source`` (0 before it exists)."""
     if _remote(source):
-        return source.run.bridge.call(_subject_end(source))
+        return source.next_lsn()
     from agentlog.events.log_format import read_watermark
 
     mark = read_watermark(Path(source))
     return mark.lsn if mark else 0
-
-
-async def _subject_end(ref) -> int:
-    """Next LSN of a JetStream log: its last record message's LSN + 1. Fence
-    messages carry no LSN; when the subject ends in fences, a binary search
-    finds the last stream sequence that is followed by a record."""
-    from nats.js.errors import NotFoundError
-
-    from agentlog.events.log_jetstream_read import direct_get, last_seq, msg_id_lsn
-
-    js, stream, subject = ref.run.js, ref.run.stream, ref.subject
-
-    async def record_at_or_after(seq: int, below: int):
-        """The first record message (not a fence) at stream sequence >= ``seq`` and < ``below``, or None."""
-        while seq < below:
-            try:
-                msg = await direct_get(js, stream, seq=seq, subject=subject, next=True)
-            except NotFoundError:
-                return None
-            if msg.seq >= below:
-                return None
-            if msg_id_lsn(msg.headers) is not None:
-                return msg
-            seq = msg.seq + 1
-        return None
-
-    end = await last_seq(js, stream, subject)
-    if end == 0:
-        return 0
-    last = await direct_get(js, stream, subject=subject)
-    lsn = msg_id_lsn(last.headers)
-    if lsn is not None:
-        return lsn + 1
-    lo, hi, found = 1, end, None  # the last record lies in [lo, hi)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        msg = await record_at_or_after(mid, hi)
-        if msg is None:
-            hi = mid
-        else:
-            found, lo = msg, msg.seq + 1
-    return 0 if found is None else msg_id_lsn(found.headers) + 1
 
 
 def read(source: Source, from_lsn: int = 0) -> Iterator[Envelope]:
