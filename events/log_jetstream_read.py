@@ -82,6 +82,9 @@ def retry_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+#: JetStream refusals that a node coming back makes for a moment: "no suitable peers for
+#: placement, peer offline" (creating an R3 stream while a restarted node is not current yet).
+TRANSIENT_API_ERRORS = (10005,)
 #: Pause between tries of a request during an election.
 RETRY_PAUSE_S = 0.05
 
@@ -89,7 +92,7 @@ RETRY_PAUSE_S = 0.05
 async def retried(call, what: str, where: str, timeout_s: float, per_try_s: float, setting: str) -> Any:
     """``await call()``, tried again for up to ``timeout_s`` while it fails the
     way an election or a reconnect makes it fail (a client timeout, no
-    responders, a 503 from the server); any other error at once. Past the
+    responders, a 503 from the server, a peer still offline); any other error at once. Past the
     deadline a LogError names ``where``, ``what`` was asked and the
     ``setting`` that bounds it."""
     from nats.js.errors import APIError
@@ -101,7 +104,7 @@ async def retried(call, what: str, where: str, timeout_s: float, per_try_s: floa
         try:
             return await asyncio.wait_for(call(), timeout=per_try_s)
         except (APIError, *transient) as exc:
-            if isinstance(exc, APIError) and exc.code != 503:
+            if isinstance(exc, APIError) and exc.code != 503 and exc.err_code not in TRANSIENT_API_ERRORS:
                 raise
             if loop.time() >= deadline:
                 raise LogError(f"{where}: {what} not answered within {setting}={timeout_s:g} s: {exc!r}") from exc
