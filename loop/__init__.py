@@ -70,6 +70,7 @@ _EXPORTS = {
     "PolicyFollower": "publish",
     "read_learner_records": "publish",
     "LoopError": "run",
+    "NothingTrainable": "run",
     "RunResult": "run",
     "run_loop": "run",
     "RunCheck": "check",

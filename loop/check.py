@@ -12,6 +12,7 @@ none appears twice.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,13 +20,14 @@ import msgspec
 
 from agentlog.events.partitions import partition_name
 from agentlog.events.types import GroupRef, MemberRef, PolicyUpdated
+from agentlog.reducers.groups import ABORTED
 from agentlog.reducers.partitioned import ReleasedGroup, rebuild_batches, reduce_partitions
 from agentlog.reducers.samples import SampleDigest
 
 from . import logs
 from .config import LoopConfig
 from .publish import read_learner_records
-from .trainer import record_frontier, reduce_config, step_digest
+from .trainer import record_frontier, step_digest
 
 
 @dataclass
@@ -63,7 +65,7 @@ def check_run(run_dir: Path, cfg: LoopConfig | None = None) -> RunCheck:
 
 def _check(run_logs: logs.RunLogs, cfg: LoopConfig) -> RunCheck:
     sources = run_logs.existing_rollout_sources()
-    released = reduce_partitions({pid: logs.read(src, 0) for pid, src in sources.items()}, reduce_config(cfg))
+    released = reduce_partitions({pid: logs.read(src, 0) for pid, src in sources.items()}, cfg.reduce_config())
     out = RunCheck(groups_released=sum(len(r) for r in released.values()))
     digest = SampleDigest()
     for pid in sorted(released):
@@ -119,3 +121,45 @@ def _consumed_order(rec: PolicyUpdated) -> list[str]:
 
 def _members(r: ReleasedGroup | None) -> list[tuple[str, int]]:
     return [] if r is None else [(m.session_id, m.terminal_lsn) for m in r.members]
+
+
+def untrainable_cause(run_dir: Path, cfg: LoopConfig | None = None) -> str:
+    """Why a run's last batches trained nothing (the learner stopped it after
+    ``max_untrainable_batches`` of them), in one line that names the main reason and
+    one session to inspect, e.g. ``every session aborted: verifier_failed:ZeroDivisionError
+    (agentlog show RUN b00000-g00-s0)``.
+
+    The reasons come from the rollout log through the reducers, as the learner saw
+    them: the groups the learner's trailing untrainable records consumed are
+    rebuilt with the run's reduce settings, and their members' abort reasons (or,
+    where none aborted, the groups' skip reasons) are counted."""
+    run_dir = Path(run_dir)
+    cfg = cfg or LoopConfig.load(run_dir / "config.json")
+    with logs.RunLogs.of(run_dir, cfg) as run_logs:
+        window: list[PolicyUpdated] = []
+        for rec in read_learner_records(run_logs.learner_source()):
+            window = [] if rec.step == 0 or rec.groups else window + [rec]
+        wanted = {(ref.partition, ref.group_id): rec.skipped.get(ref.group_id, ref.skip_reason) for rec in window for ref in rec.batch}
+        sources = run_logs.existing_rollout_sources()
+        released = reduce_partitions({pid: logs.read(src, 0) for pid, src in sources.items() if pid in {p for p, _ in wanted}},
+                                     cfg.reduce_config())
+    groups = [(released[pid][gid].group, why) for (pid, gid), why in sorted(wanted.items())
+              if gid in released.get(pid, {})]
+    show = f"agentlog show {run_dir}"
+    members = [m for g, _ in groups for m in g.members]
+    sessions = len(members) + sum(len(g.dropped) for g, _ in groups)
+    aborted = Counter(m.reason for m in members if m.status == ABORTED)
+    if aborted:
+        reason, n = aborted.most_common(1)[0]
+        sid = min(m.session_id for m in members if m.status == ABORTED and m.reason == reason)
+        head = "every session aborted" if n == sessions else f"{sum(aborted.values())} of {sessions} sessions aborted, {n} of them"
+        return f"{head}: {reason} ({show} {sid})"
+    skips = Counter(why for _, why in groups)
+    if skips:
+        why, _ = skips.most_common(1)[0]
+        group = next(g for g, w in groups if w == why)
+        sids = [m.session_id for m in group.members] + list(group.dropped)
+        example = f" ({show} {min(sids)})" if sids else ""
+        head = "every group skipped" if len(skips) == 1 else f"{skips[why]} of {len(groups)} groups skipped"
+        return f"{head}: {why}{example}"
+    return f"no group was trainable in the last {len(window)} batches (their learner records name no group)"

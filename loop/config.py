@@ -398,6 +398,8 @@ class LoopConfig:
     """Truncation cap of the importance weight pi_learner / pi_rollout when staleness_mode is correct."""
     min_valid: int = 2
     """A group with fewer valid (finished) members is skipped with its reason."""
+    max_untrainable_batches: int = 3
+    """Stop the run with an error (exit 1) after this many batches in a row with nothing to train (every group skipped: say every session aborted), naming the main abort reason and a session to inspect (0: never stop)."""
     warmup_steps: int = 300
     """Supervised warm-up steps on task demonstrations before RL (0: start from random init)."""
     warmup_batch: int = 256
@@ -493,7 +495,7 @@ class LoopConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"LoopConfig.{name}: expected an int >= 1, found {v!r}")
-        for name in ("max_lag", "max_staleness", "warmup_steps", "warmup_lr_steps", "keep_checkpoints", "seed"):
+        for name in ("max_lag", "max_staleness", "max_untrainable_batches", "warmup_steps", "warmup_lr_steps", "keep_checkpoints", "seed"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"LoopConfig.{name}: expected an int >= 0, found {v!r}")
@@ -523,6 +525,15 @@ class LoopConfig:
             if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x.strip() for x in v):
                 raise ConfigError(f"LoopConfig.{name}: expected a list of non-empty strings, found {v!r}")
             setattr(self, name, [x.strip() for x in v])
+
+    def reduce_config(self):
+        """The reducer settings of this run (a :class:`agentlog.reducers.config.ReduceConfig`):
+        what the online learner folds the rollout log with, and so what the offline check
+        and every reading command of the run folder must fold it with too
+        (:func:`run_reduce_config`)."""
+        from agentlog.reducers.config import ReduceConfig
+
+        return ReduceConfig(min_valid=self.min_valid)
 
     def learner_config(self):
         """The LearnerConfig this loop trains with (TIS switched on in correct mode)."""
@@ -578,6 +589,17 @@ class LoopConfig:
             return cls.from_dict(values, base_dir=path.parent)
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from None
+
+
+def run_reduce_config(run_dir: Path):
+    """The reducer settings a run folder was trained with: :meth:`LoopConfig.reduce_config`
+    of its ``config.json``, or None when ``run_dir`` holds no ``config.json`` (a bare log
+    folds with the reducers' defaults). A config that cannot be read raises ConfigError
+    naming the file."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        return None
+    return LoopConfig.load(path).reduce_config()
 
 
 # --- issue 14: tasks ---

@@ -38,11 +38,16 @@ from agentlog.events.types import PolicyUpdated, SessionAborted, SessionDropped,
 
 from . import logs
 from .config import LoopConfig
-from .publish import read_learner_records
+from .publish import STOPPED_UNTRAINABLE, read_learner_records
 
 
 class LoopError(RuntimeError):
     """A loop process failed; the message names it and its stderr file."""
+
+
+class NothingTrainable(LoopError):
+    """The learner stopped the run: ``max_untrainable_batches`` batches in a row had
+    nothing to train. The message names the main reason and a session to inspect."""
 
 
 def new_run_id(seed: int) -> str:
@@ -310,6 +315,11 @@ def _run(cfg: LoopConfig, run_dir: Path, run_logs: logs.RunLogs, progress: bool,
                 learner.kill()
                 learner.wait()
     wall = time.monotonic() - t0
+    if records and records[-1].metrics.get(STOPPED_UNTRAINABLE, 0.0) >= 1.0:
+        from .check import untrainable_cause
+
+        raise NothingTrainable(f"{untrainable_cause(run_dir, cfg)}; stopped after {cfg.max_untrainable_batches} batches in a row "
+                               f"with nothing to train (max_untrainable_batches)")
     outcomes, sessions, turns, tokens, events = _summarise(run_logs)
     return RunResult(run_dir, read_learner_records(run_logs.learner_source()), wall, outcomes, sessions, turns, tokens, events)
 

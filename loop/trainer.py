@@ -49,6 +49,7 @@ import asyncio
 import math
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
@@ -61,7 +62,6 @@ from agentlog.events.log_api import EventLog
 from agentlog.events.partitions import partition_name
 from agentlog.events.types import Envelope, PolicyUpdated
 from agentlog.learner.learner import Learner
-from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.groups import Group
 from agentlog.reducers.partitioned import PartitionFold, ReleasedGroup
 from agentlog.reducers.pipeline import InFlightWindow
@@ -71,7 +71,7 @@ from . import logs
 from .config import LoopConfig
 from .metric_sinks import MetricSinks
 from .policy import build_model
-from .publish import checkpoint_path, prune_checkpoints, publish, save_hf_checkpoint
+from .publish import STOPPED_UNTRAINABLE, checkpoint_path, prune_checkpoints, publish, save_hf_checkpoint
 from .staleness import judge_staleness
 
 log = get_logger("agentlog.loop.trainer")
@@ -222,11 +222,6 @@ def read_resume_records(llog: EventLog) -> list[tuple[int, PolicyUpdated]]:
     return [(env.lsn, env.body) for env in llog.read(start) if isinstance(env.body, PolicyUpdated)]
 
 
-def reduce_config(cfg: LoopConfig) -> ReduceConfig:
-    """The reducer configuration of a loop run (shared by the online learner and the offline check)."""
-    return ReduceConfig(min_valid=cfg.min_valid)
-
-
 def step_size(cfg: LoopConfig, lost: Iterable[int] = ()) -> int:
     """How many released groups make a step: ``groups_per_step``, less the
     share of each batch dealt to partitions declared lost (workers deal
@@ -336,6 +331,8 @@ class LoopLearner:
         self.final = False
         #: Partitions declared lost since the last record (written into the next one).
         self.pending_lost: dict[int, str] = {}
+        #: Batches in a row, up to the last one, in which no group was trainable.
+        self.untrainable_batches = 0
 
     # -- the loop -------------------------------------------------------------
 
@@ -358,6 +355,8 @@ class LoopLearner:
             for r in records:
                 if r.groups:
                     self.recent_rewards.append(r.metrics.get("rollout/reward_mean", math.nan))
+                if r.step > 0:
+                    self.untrainable_batches = 0 if r.groups else self.untrainable_batches + 1
             if records:
                 last = records[-1]
                 self.learner.load_checkpoint(last.checkpoint)
@@ -386,7 +385,7 @@ class LoopLearner:
             steps_done = 0
             partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
             sources = {pid: src for pid, src in run_logs.rollout_sources().items() if pid not in lost}
-            fold = PartitionFold(reduce_config(cfg), sources, windows=windows, start=read_from)
+            fold = PartitionFold(cfg.reduce_config(), sources, windows=windows, start=read_from)
             cutter = StepCutter(fold, consumed, step_size(cfg, lost))
             watch = PartitionWatch(cfg.rollout.lost_after_s, sources)
             idle_s = min(1.0, cfg.rollout.lost_after_s / 4) if cfg.rollout.lost_after_s > 0 else None
@@ -446,8 +445,10 @@ class LoopLearner:
         return path
 
     def stop_reason(self) -> str:
-        """Why training ends after this step ("steps", "reward", "time"), or "" to go on."""
+        """Why training ends after this step ("untrainable", "steps", "reward", "time"), or "" to go on."""
         cfg = self.cfg
+        if cfg.max_untrainable_batches and self.untrainable_batches >= cfg.max_untrainable_batches:
+            return "untrainable"
         if self.learner.policy_version >= cfg.steps:
             return "steps"
         window = self.recent_rewards[-cfg.stop_window:]
@@ -526,12 +527,18 @@ class LoopLearner:
         metrics["perf/learner_busy_frac"] = min(1.0, (self.busy_s + metrics["perf/loop_step_s"]) / elapsed) if elapsed > 0 else 0.0
         if train:
             self.recent_rewards.append(metrics["rollout/reward_mean"])
+        self.untrainable_batches = 0 if train else self.untrainable_batches + 1
         stop = self.stop_reason()
         metrics["loop/final"] = 1.0 if stop else 0.0
         if stop:
             metrics["loop/stopped_by_reward"] = 1.0 if stop == "reward" else 0.0
             metrics["loop/stopped_by_time"] = 1.0 if stop == "time" else 0.0
+            metrics[STOPPED_UNTRAINABLE] = 1.0 if stop == "untrainable" else 0.0
             self.final = True
+            if stop == "untrainable":
+                # The run failed: the loop (run_loop) names the main abort reason from the rollout log.
+                self.log.error("learner.nothing_trainable", batches=self.untrainable_batches,
+                               skip_reasons=dict(Counter(skipped.values()).most_common(5)))
             self.log.info("learner.final", reason=stop, policy_version=self.learner.policy_version)
         return PolicyUpdated(
             step=step,

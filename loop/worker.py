@@ -35,6 +35,7 @@ import random
 import re
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -368,7 +369,11 @@ class RolloutWorker:
                     context = context + out + list(tool.ids)
                 self.batcher.unregister()
                 registered = False
-                verdict = task.verify(ep, outputs)
+                try:
+                    verdict = task.verify(ep, outputs)
+                except Exception as exc:  # noqa: BLE001 - the task's crash is the session's outcome, named as on the text path
+                    await h.abort(f"verifier_failed:{type(exc).__name__}", error=str(exc), traceback=traceback.format_exc())
+                    return
                 if self.teachers:
                     # Before the terminal event: the learner releases the group only with its scores in the log.
                     for what, n in (await score_session(h, to_score, self.teachers, top_k=self.cfg.distill.topk,

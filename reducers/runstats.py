@@ -38,6 +38,7 @@ import msgspec
 from agentlog.events.lifecycle import TERMINAL_STATES, State
 from agentlog.events.types import Envelope, UnknownEvent, as_unknown_event
 
+from .config import ReduceConfig
 from .lifecycle_step import EndedWindow, SessionLife, Violation, ViolationKind, evolve, lsn_violation, resync
 from .groups import ABORTED, DROPPED, FINISHED, GroupError, GroupMember, GroupTracker
 from .metrics import MetricsAccumulator
@@ -212,6 +213,12 @@ class RunStats:
         self.violation_kinds: Counter[str] = Counter()
         #: Events of types this version does not know (a newer writer's), by tag.
         self.unknown_events: Counter[str] = Counter()
+
+    @classmethod
+    def of(cls, config: ReduceConfig) -> "RunStats":
+        """Statistics that count groups and rewards as ``config`` says (a run's own
+        ``min_valid``, ``reward_key`` and ``solve_threshold``)."""
+        return cls(min_valid=config.min_valid, reward_key=config.reward_key, solve_threshold=config.solve_threshold)
 
     # ------------------------------------------------------------------ feed
 

@@ -141,6 +141,22 @@ class Sample(_SampleV2, frozen=True):
         return len(self.tokens) // 4 - self.response_length
 
 
+#: The numpy dtype of each packed-array field of a Sample (one value per token,
+#: little-endian): how a writer turns the field's bytes into numbers. Every bytes
+#: field of Sample has one (checked below), so no output format can leave one out.
+PACKED_DTYPES: dict[str, str] = {
+    "tokens": "<i4",
+    "loss_mask": "u1",
+    "rollout_log_probs": "<f4",
+    "teacher_log_probs": "<f4",
+    "teacher_scored": "u1",
+    "teacher_top_ids": "<i4",
+    "teacher_top_log_probs": "<f4",
+}
+if {f.name for f in msgspec.structs.fields(Sample) if f.type is bytes} != set(PACKED_DTYPES):
+    raise TypeError("reducers.samples: every bytes field of Sample needs its dtype in PACKED_DTYPES")
+
+
 def aborted_placeholder(
     group_id: str,
     session_id: str,

@@ -96,6 +96,39 @@ def learner_log_of(arg: Any) -> Any:
     return None
 
 
+def run_folder_of(path: Any) -> Path | None:
+    """The loop run folder the (checked) log ``path`` belongs to: the folder whose
+    ``config.json`` sits beside its ``rollout/`` (``path`` is that ``rollout/``, a
+    partition of it, or the run's stream named through the run folder); None for
+    a bare log."""
+    if isinstance(path, RemoteLog):
+        return path.run_dir
+    path = Path(path)
+    for run in (path.parent if path.name == RUN_FOLDER_LOG else None,
+                path.parent.parent if path.parent.name == RUN_FOLDER_LOG else None):
+        if run is not None and (run / "config.json").is_file():
+            return run
+    return None
+
+
+def reduce_config_of(path: Any) -> Any:
+    """The :class:`~agentlog.reducers.config.ReduceConfig` every reading command folds
+    the (checked) log ``path`` with: its run folder's own settings, the ones the
+    learner trained with (:func:`agentlog.loop.config.run_reduce_config`), or the
+    reducers' defaults for a bare log. An unreadable ``config.json`` exits 2 naming it."""
+    from agentlog.reducers.config import DEFAULT_CONFIG
+
+    run = run_folder_of(path)
+    if run is None:
+        return DEFAULT_CONFIG
+    from agentlog.loop.config import ConfigError, run_reduce_config
+
+    try:
+        return run_reduce_config(run) or DEFAULT_CONFIG
+    except ConfigError as exc:
+        raise CliError(f"{exc} (the run's reduce settings)", EXIT_USAGE) from None
+
+
 def logs_below(path: Path, *, depth: int = DID_YOU_MEAN_DEPTH, max_dirs: int = DID_YOU_MEAN_MAX_DIRS) -> list[Path]:
     """Log directories and run folders below ``path`` (not ``path`` itself), breadth first, at most
     ``depth`` levels down and through at most ``max_dirs`` folders; hidden and

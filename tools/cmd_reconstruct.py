@@ -1,7 +1,14 @@
-"""`agentlog reconstruct LOG -o OUT [--format jsonl|msgpack|parquet]
+"""`agentlog reconstruct LOG [-o OUT] [--format jsonl|msgpack|parquet]
 [--fork-threshold N] [--max-context-tokens N]`: the training samples of a
 recorded run, through the same :class:`reducers.pipeline.Reducer` the online
-loop feeds, streamed to OUT in emission order.
+loop feeds, streamed to OUT in emission order (without ``-o`` nothing is
+written: the counts, the per-step check and the digest are printed).
+
+A run folder (or its ``rollout/``) is folded with the run's own reduce
+settings, those its learner trained with (:func:`tools.cli_common.reduce_config_of`),
+the options on top; a bare log with the reducers' defaults. A run folder's
+learner log is then checked step by step against the samples
+(``online per-step digests vs offline: EQUAL``).
 
 The last line printed is ``digest sha256:<hex>``: the reducer's digest of
 the sample stream (canonical bytes, :class:`reducers.samples.SampleDigest`),
@@ -12,9 +19,13 @@ and equal to the online reducer's digest. Formats:
   preceded by its length as a little-endian u64: exactly the bytes the
   digest hashes, so ``sha256sum OUT`` prints the digest too;
   :func:`read_msgpack_samples` reads them back;
-* ``jsonl``: one JSON object per sample, token / mask / log-prob arrays as lists;
+* ``jsonl``: one JSON object per sample, packed arrays (tokens, masks, rollout
+  and teacher log-probs, teacher top-K) as lists;
 * ``parquet``: one row per sample (needs the ``parquet`` extra: pyarrow);
   the reduce configuration and its digest are in the file's metadata.
+
+jsonl and parquet write every field of the Sample, one column each, named as
+the field (:func:`sample_columns`), so each carries what msgpack carries.
 
 Exit 1 when the log holds something the reducers refuse, naming the LSN and
 session: a lifecycle violation (a ``session_seq`` gap or repeat, an event
@@ -30,7 +41,7 @@ import sys
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, nonneg_int, read_tagged
+from agentlog.tools.cli_common import add_quiet, check_log_path, nonneg_int, read_tagged, reduce_config_of
 
 FORMATS = ("jsonl", "msgpack", "parquet")
 
@@ -40,8 +51,9 @@ def register(sub) -> None:
     p = sub.add_parser(
         "reconstruct", help="rebuild the training samples; prints their digest last (exit 1 at the first lifecycle violation)"
     )
-    p.add_argument("log", metavar="LOG", help="the log directory")
-    p.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write the samples")
+    p.add_argument("log", metavar="LOG", help="the log directory, or a run folder (then folded with the run's own reduce settings, and checked per step against the learner)")
+    p.add_argument("-o", "--output", default=None, metavar="OUT",
+                   help="where to write the samples (without it: none are written; the counts, the per-step check of a run folder and the digest are printed)")
     p.add_argument("--format", choices=FORMATS, default=None, help="output format (default: from OUT's suffix, else jsonl)")
     p.add_argument("--fork-threshold", type=nonneg_int, default=None, metavar="N", help="REALIGN only outputs shorter than N tokens (0: always fork)")
     p.add_argument("--max-context-tokens", type=nonneg_int, default=None, metavar="N", help="cut rows to N tokens (0: no limit)")
@@ -49,29 +61,43 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def sample_columns() -> list[tuple[str, str]]:
+    """``(field, kind)`` for every field of :class:`reducers.samples.Sample`, in the
+    struct's order: what jsonl and parquet write, one column per field, named as the
+    field. ``kind`` is the dtype of a packed array (``PACKED_DTYPES``: written as a
+    list of numbers), ``json`` for the metadata mapping, else the scalar's type name.
+    A field of any other type raises TypeError naming it: a new field is written by
+    every format or the command refuses to run, never dropped from one of them."""
+    import msgspec
+
+    from agentlog.reducers.samples import PACKED_DTYPES, Sample
+
+    out = []
+    for f in msgspec.structs.fields(Sample):
+        if f.type is bytes:
+            out.append((f.name, PACKED_DTYPES[f.name]))
+        elif f.type in (str, int, float, bool):
+            out.append((f.name, f.type.__name__))
+        elif getattr(f.type, "__origin__", None) is dict:
+            out.append((f.name, "json"))
+        else:
+            raise TypeError(f"reconstruct: Sample.{f.name} has type {f.type!r}, which no output format knows how to write")
+    return out
+
+
 def sample_json(s: Any) -> dict[str, Any]:
-    """A sample as JSON-ready data: arrays as lists."""
-    return {
-        "group_id": s.group_id,
-        "session_id": s.session_id,
-        "sample_index": s.sample_index,
-        "row_index": s.row_index,
-        "tokens": s.token_ids.tolist(),
-        "response_length": s.response_length,
-        "loss_mask": s.mask.tolist(),
-        "rollout_log_probs": s.log_probs.tolist(),
-        "reward": s.reward,
-        "status": s.status,
-        "remove_sample": s.remove_sample,
-        "policy_version": s.policy_version,
-        "turns": s.turns,
-        "lsn_first": s.lsn_first,
-        "lsn_last": s.lsn_last,
-        "metadata": s.metadata,
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k,
-    }
+    """A sample as JSON-ready data: every field (:func:`sample_columns`), packed arrays as lists."""
+    import numpy as np
+
+    row = {}
+    for name, kind in sample_columns():
+        value = getattr(s, name)
+        row[name] = np.frombuffer(value, dtype=kind).tolist() if kind not in _SCALAR_KINDS else value
+    return row
+
+
+#: Column kinds of :func:`sample_columns` that are not packed arrays.
+_SCALAR_KINDS = ("str", "int", "float", "bool", "json")
 
 
 class _JsonlWriter:
@@ -121,28 +147,12 @@ class _ParquetWriter:
         import json
 
         self._pa = pa
+        self._columns = sample_columns()
+        types = {"str": pa.string(), "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(),
+                 "json": pa.string(),  # JSON text: the metadata's keys vary by sample kind
+                 "<i4": pa.list_(pa.int32()), "u1": pa.list_(pa.uint8()), "<f4": pa.list_(pa.float32())}
         self._schema = pa.schema(
-            [
-                ("group_id", pa.string()),
-                ("session_id", pa.string()),
-                ("sample_index", pa.int64()),
-                ("row_index", pa.int64()),
-                ("tokens", pa.list_(pa.int32())),
-                ("response_length", pa.int64()),
-                ("loss_mask", pa.list_(pa.uint8())),
-                ("rollout_log_probs", pa.list_(pa.float32())),
-                ("reward", pa.float64()),
-                ("status", pa.string()),
-                ("remove_sample", pa.bool_()),
-                ("policy_version", pa.int64()),
-                ("turns", pa.int64()),
-                ("lsn_first", pa.int64()),
-                ("lsn_last", pa.int64()),
-                ("metadata", pa.string()),  # JSON text: its keys vary by sample kind
-                ("temperature", pa.float64()),
-                ("top_p", pa.float64()),
-                ("top_k", pa.int64()),
-            ],
+            [(name, types[kind]) for name, kind in self._columns],
             metadata={"agentlog.reduce_config": json.dumps(header["reduce_config"], sort_keys=True),
                       "agentlog.reduce_config_digest": header["reduce_config_digest"]},
         )
@@ -161,36 +171,36 @@ class _ParquetWriter:
         if not self._buf:
             return
         import msgspec
+        import numpy as np
 
-        pa = self._pa
         b = self._buf
         self._buf = []
-        cols = {
-            "group_id": [s.group_id for s in b],
-            "session_id": [s.session_id for s in b],
-            "sample_index": [s.sample_index for s in b],
-            "row_index": [s.row_index for s in b],
-            "tokens": [s.token_ids for s in b],
-            "response_length": [s.response_length for s in b],
-            "loss_mask": [s.mask for s in b],
-            "rollout_log_probs": [s.log_probs for s in b],
-            "reward": [s.reward for s in b],
-            "status": [s.status for s in b],
-            "remove_sample": [s.remove_sample for s in b],
-            "policy_version": [s.policy_version for s in b],
-            "turns": [s.turns for s in b],
-            "lsn_first": [s.lsn_first for s in b],
-            "lsn_last": [s.lsn_last for s in b],
-            "metadata": [msgspec.json.encode(s.metadata).decode() for s in b],
-            "temperature": [s.temperature for s in b],
-            "top_p": [s.top_p for s in b],
-            "top_k": [s.top_k for s in b],
-        }
-        self._w.write_table(pa.table(cols, schema=self._schema))
+        cols = {}
+        for name, kind in self._columns:
+            values = [getattr(s, name) for s in b]
+            if kind == "json":
+                values = [msgspec.json.encode(v).decode() for v in values]
+            elif kind not in _SCALAR_KINDS:
+                values = [np.frombuffer(v, dtype=kind) for v in values]
+            cols[name] = values
+        self._w.write_table(self._pa.table(cols, schema=self._schema))
 
     def close(self) -> None:
         self._flush()
         self._w.close()
+
+
+class _NoWriter:
+    """No ``-o``: the samples are reduced, counted and digested, and written nowhere."""
+
+    def __init__(self, path: Any, header: dict[str, Any]) -> None:
+        pass
+
+    def write(self, samples: list) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def read_msgpack_samples(path: str | os.PathLike) -> list:
@@ -211,7 +221,7 @@ def read_msgpack_samples(path: str | os.PathLike) -> list:
     return out
 
 
-_WRITERS = {"jsonl": _JsonlWriter, "msgpack": _MsgpackWriter, "parquet": _ParquetWriter}
+_WRITERS = {"jsonl": _JsonlWriter, "msgpack": _MsgpackWriter, "parquet": _ParquetWriter, "none": _NoWriter}
 
 
 def _open(path: str, mode: str) -> Any:
@@ -224,28 +234,33 @@ def _open(path: str, mode: str) -> Any:
 def _format_of(args) -> str:
     if args.format:
         return args.format
+    if args.output is None:
+        return "none"
     ext = os.path.splitext(args.output)[1].lower().lstrip(".")
     return {"msgpack": "msgpack", "mpk": "msgpack", "parquet": "parquet", "pq": "parquet"}.get(ext, "jsonl")
 
 
 def run(args) -> int:
     """Reduce the log and write its samples; the digest is the last line."""
-    from agentlog.reducers.config import DEFAULT_CONFIG, ConfigError, ReduceConfig
+    from agentlog.reducers.config import ConfigError, ReduceConfig
     from agentlog.reducers.partitioned import PartitionFold
     from agentlog.reducers.pipeline import ReduceError
     from agentlog.reducers.samples import SampleDigest
 
     path = check_log_path(args.log)
+    base = reduce_config_of(path)  # a run folder's own settings: the samples and groups its learner trained
     overrides = {}
     if args.fork_threshold is not None:
         overrides["fork_threshold"] = args.fork_threshold
     if args.max_context_tokens is not None:
         overrides["max_context_tokens"] = args.max_context_tokens
     try:
-        config = ReduceConfig(**{**DEFAULT_CONFIG.to_dict(), **overrides})
+        config = ReduceConfig(**{**base.to_dict(), **overrides})
     except ConfigError as exc:
         raise CliError(f"reconstruct: {exc}", EXIT_USAGE) from None
     fmt = _format_of(args)
+    if args.output is None and fmt != "none":
+        raise CliError(f"reconstruct: --format {fmt} needs -o OUT, the file to write", EXIT_USAGE)
     header = {"reduce_config": config.to_dict(), "reduce_config_digest": config.digest()}
     writer = _WRITERS[fmt](args.output, header)
     # One reducer per partition (a single log is partition 0): sessions never span
@@ -271,7 +286,7 @@ def run(args) -> int:
         ok = True
     finally:
         writer.close()
-        if not ok and args.output != "-":
+        if not ok and args.output not in (None, "-"):
             try:
                 os.unlink(args.output)  # never leave a partial sample file that looks whole
             except OSError:
@@ -279,10 +294,11 @@ def run(args) -> int:
     reducers = list(fold.reducers.values())
     pending = sum(len(r.pending_groups()) for r in reducers)
     in_flight = sum(len(r.open_sessions()) for r in reducers)
+    written = f"{args.output}: " if args.output is not None else ""
     print(
-        f"{args.output}: {sum(r.samples_emitted for r in reducers)} samples ({fmt}) from {sum(r.events for r in reducers)} events;"
+        f"{written}{sum(r.samples_emitted for r in reducers)} samples ({fmt if args.output is not None else 'not written: no -o'}) from {sum(r.events for r in reducers)} events;"
         f" {groups} groups released ({skipped} skipped), {pending} pending, {in_flight} sessions in flight;"
-        f" config {config.digest()[:19]}"
+        f" config {config.digest()[:19]} ({_settings(config, base)})"
     )
     verdict = _check_online_digests(path)
     if verdict is not None:
@@ -290,6 +306,15 @@ def run(args) -> int:
     print(f"digest {digest.hexdigest()}")
     sys.stdout.flush()
     return EXIT_OK if verdict is None or verdict[1] else EXIT_DATA
+
+
+def _settings(config: Any, base: Any) -> str:
+    """Where the reduce settings came from, and those that differ from the reducers' defaults."""
+    from agentlog.reducers.config import DEFAULT_CONFIG
+
+    source = "the run's config.json" if base != DEFAULT_CONFIG else "defaults"
+    changed = [f"{k} {v}" for k, v in config.to_dict().items() if v != getattr(DEFAULT_CONFIG, k)]
+    return source + (f": {', '.join(changed)}" if changed else "")
 
 
 def _check_online_digests(path) -> tuple[str, bool] | None:

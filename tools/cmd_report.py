@@ -19,7 +19,7 @@ from pathlib import Path
 
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import (
-    RemoteLog, add_quiet, check_log_path, learner_log_of, log_partitions, nonneg_int, partitioned, read_records, read_tagged,
+    RemoteLog, add_quiet, check_log_path, learner_log_of, log_partitions, nonneg_int, partitioned, read_records, read_tagged, reduce_config_of,
 )
 
 
@@ -52,7 +52,7 @@ def run(args) -> int:
         envelopes, str(path),
         worst=args.worst, per_reason=args.per_reason, sample=args.sample, seed=args.seed,
         learner=read_records(learner, quiet=True) if learner is not None else (),
-        learner_log=str(learner or ""), partitions=pids,
+        learner_log=str(learner or ""), partitions=pids, config=reduce_config_of(path),
     )
     page = render(data)
     tmp = f"{args.output}.tmp{os.getpid()}"

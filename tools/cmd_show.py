@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, partitioned, read_records, read_tagged, record_id
+from agentlog.tools.cli_common import add_quiet, check_log_path, partitioned, read_records, read_tagged, record_id, reduce_config_of
 
 #: Prompts longer than this are shown as their head and tail.
 PROMPT_SHOWN = 48
@@ -309,8 +309,9 @@ def run(args) -> int:
     samples: list = []
     traj = None
     try:
-        traj = session_trajectory(envs, sid)
-        reducer = Reducer()
+        config = reduce_config_of(path)  # the run's own settings, as the learner folded the session
+        traj = session_trajectory(envs, sid, config)
+        reducer = Reducer(config)
         samples = reducer.feed_many(envs).samples
     except (ReduceError, KeyError) as exc:
         problem = str(exc).strip("'\"")

@@ -27,6 +27,7 @@ from typing import Any
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, CliError
 from agentlog.tools.cli_common import (
     add_quiet, check_log_path, fmt_ts, log_partitions, partitioned, read_frame_batches, read_records, read_tagged, record_id,
+    reduce_config_of,
 )
 
 
@@ -43,7 +44,8 @@ def register(sub) -> None:
 
 
 def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
-    """Statistics of the log at ``path`` (already checked) as plain data."""
+    """Statistics of the log at ``path`` (already checked) as plain data; groups and
+    rewards are counted with the run folder's own reduce settings (:func:`reduce_config_of`)."""
     import msgspec
 
     from agentlog.events.log_api import SchemaError
@@ -51,7 +53,7 @@ def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
 
     if partitioned(path):
         return _partitioned_stats(path, quiet)
-    stats = RunStats()
+    stats = RunStats.of(reduce_config_of(path))
     feed = stats.feed_record
     decode = decode_projection
     rec = None
@@ -85,7 +87,7 @@ def _partitioned_stats(path: Any, quiet: bool) -> dict[str, Any]:
     from agentlog.events.log_api import SchemaError
     from agentlog.reducers.runstats import RunStats, decode_projection
 
-    stats = RunStats()
+    stats = RunStats.of(reduce_config_of(path))
     # Every partition is listed, an empty one with 0 events.
     parts: dict[str, dict[str, Any]] = {f"p{q:04d}": {"events": 0, "lsn_first": None, "lsn_last": None} for q in log_partitions(path)}
     named: dict[int, str] = {}  # merged position -> pNNNN:LSN, for violations only

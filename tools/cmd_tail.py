@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import RemoteLog, check_log_path, record_id
+from agentlog.tools.cli_common import RemoteLog, check_log_path, record_id, reduce_config_of
 
 REFRESH_S = 0.5
 #: How often a partitioned log (or a folder holding no log yet) is looked at for new partitions.
@@ -197,7 +197,7 @@ async def _tail_events(path: Path) -> None:
 async def _tail_summary(path: Path) -> None:
     from agentlog.reducers.runstats import RunStats, decode_projection
 
-    stats = RunStats()
+    stats = RunStats.of(reduce_config_of(path))
     changed = asyncio.Event()
     last_lsn: dict[int, int] = {}  # a partitioned log's last LSN per partition
 

@@ -32,7 +32,6 @@ from agentlog.loop import logs
 from agentlog.loop.check import check_run
 from agentlog.loop.config import LoopConfig
 from agentlog.loop.publish import hf_checkpoint_dir, read_learner_records
-from agentlog.loop.trainer import reduce_config
 from agentlog.reducers.pipeline import reduce_log
 
 from custom_task_helpers import REPO, agentlog_exe, clean_env
@@ -117,7 +116,7 @@ def test_samples_carry_the_hf_tokenizers_ids_and_the_chat_templates_loss_mask(ex
     for e in envs:
         if isinstance(e.body, TurnRecorded):
             turns.setdefault(e.session_id, []).append(e.body)
-    samples = reduce_log(envs, reduce_config(LoopConfig.load(run_dir / "config.json"))).samples
+    samples = reduce_log(envs, LoopConfig.load(run_dir / "config.json").reduce_config()).samples
     single = [s for s in samples if len(turns.get(s.session_id, ())) == 1]
     assert single, "no one-turn session to compare"
     for s in single:

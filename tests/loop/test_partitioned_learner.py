@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from agentlog.events.types import MemberRef
 from agentlog.learner.batching import make_batches
-from agentlog.loop.trainer import LoopLearner, StepCutter, reduce_config, resume_point, step_digest
+from agentlog.loop.trainer import LoopLearner, StepCutter, resume_point, step_digest
 from agentlog.reducers.partitioned import PartitionFold, rebuild_batches, reduce_partitions
 
 from loop_helpers import play_groups, small_config
@@ -79,7 +79,7 @@ def _online(learner: LoopLearner, arrival, consumed=None, fold=None, first_step:
     """Drive the learner's own step cutting and ``train_step`` over ``arrival``;
     the records it would append, each with the groups it trained."""
     cfg = learner.cfg
-    fold = fold or PartitionFold(reduce_config(cfg))
+    fold = fold or PartitionFold(cfg.reduce_config())
     cutter = StepCutter(fold, consumed if consumed is not None else set(), GROUPS_PER_STEP)
     out = []
     step = first_step
@@ -105,7 +105,7 @@ def test_any_arrival_order_replays_to_the_batches_tensors_and_digests_trained(pa
     parts, learner, order = _draw_run(data, partition_sets, tmp_path_factory)
     online = _online(learner, _arrival(parts, order))
     assert online, "no step was cut"
-    released = reduce_partitions(parts, reduce_config(learner.cfg))
+    released = reduce_partitions(parts, learner.cfg.reduce_config())
     rebuilt = list(rebuild_batches([rec for rec, _ in online], released))
     for (rec, trained), again in zip(online, rebuilt):
         assert again.problems == []
@@ -132,7 +132,7 @@ def test_a_restart_from_the_per_partition_low_water_marks_consumes_every_group_o
     keep = data.draw(st.integers(1, len(first)), label="steps before the crash")
     records = [rec for rec, _ in first[:keep]]
     consumed, read_from, windows, _ = resume_point(records)
-    fold = PartitionFold(reduce_config(learner.cfg), parts, windows=windows, start=read_from)
+    fold = PartitionFold(learner.cfg.reduce_config(), parts, windows=windows, start=read_from)
     tail = {pid: [e for e in envs if e.lsn >= read_from.get(pid, 0)] for pid, envs in parts.items()}
     labels = [pid for pid, envs in tail.items() for _ in envs]
     order2 = data.draw(st.permutations(labels), label="arrival after the restart")
@@ -140,7 +140,7 @@ def test_a_restart_from_the_per_partition_low_water_marks_consumes_every_group_o
     all_records = records + [rec for rec, _ in second]
     names = [(ref.partition, ref.group_id) for rec in all_records for ref in rec.batch]
     assert len(names) == len(set(names)), "a group was consumed twice"
-    released = reduce_partitions(parts, reduce_config(learner.cfg))
+    released = reduce_partitions(parts, learner.cfg.reduce_config())
     leftover = len({(pid, gid) for pid, groups in released.items() for gid in groups} - set(names))
     assert leftover < GROUPS_PER_STEP  # only the last, uncut step's groups remain
     for rec, again in zip(all_records, rebuild_batches(all_records, released)):
@@ -153,7 +153,7 @@ def test_a_record_that_does_not_match_its_partitions_is_named(partition_sets, tm
     parts = partition_sets[2]
     learner = LoopLearner(tmp_path, small_config(groups_per_step=GROUPS_PER_STEP))
     rec, _ = _online(learner, _arrival(parts, [pid for pid, envs in parts.items() for _ in envs]))[0]
-    released = reduce_partitions(parts, reduce_config(learner.cfg))
+    released = reduce_partitions(parts, learner.cfg.reduce_config())
     ref = rec.batch[0]
     bad_member = msgspec.structs.replace(ref, members=[MemberRef(ref.members[0].session_id, ref.members[0].terminal_lsn + 1)] + ref.members[1:])
     other = 1 - ref.partition

@@ -70,10 +70,9 @@ def learner_figures(run_dir: Path) -> dict[str, Any]:
             rec_ts.append((env.body, env.ts_ns))
     # Which LSN released each group: recompute with the reducer (same as the learner did).
     from agentlog.reducers.pipeline import reduce_log
-    from agentlog.loop.trainer import reduce_config
 
     cfg = LoopConfig.load(run_dir / "config.json")
-    res = reduce_log(logs.read(run_dir / "rollout", 0), reduce_config(cfg))
+    res = reduce_log(logs.read(run_dir / "rollout", 0), cfg.reduce_config())
     released = {g.group_id: g.lsn_released for g in res.groups}
     want = set(released.values())
     ts_of: dict[int, int] = {}

@@ -58,7 +58,7 @@ from agentlog.events.types import SessionOpened, PolicyUpdated
 from agentlog.loop import logs
 from agentlog.loop.config import LoopConfig, RolloutConfig
 from agentlog.loop.run import run_loop
-from agentlog.loop.trainer import PartitionWatch, StepCutter, reduce_config, step_size
+from agentlog.loop.trainer import PartitionWatch, StepCutter, step_size
 from agentlog.reducers.partitioned import PartitionFold
 from agentlog.reducers.pipeline import Reducer
 
@@ -159,7 +159,7 @@ async def _learner_consume(root: Path, k: int, groups: int, groups_per_step: int
     # As LoopLearner.run sets them up for a run of ``k`` workers (default [rollout] otherwise).
     cfg = LoopConfig(groups_per_step=groups_per_step, rollout=RolloutConfig(workers=k))
     sources = {pid: partition_dir(root, pid) for pid in range(k)}
-    fold = PartitionFold(reduce_config(cfg), sources)
+    fold = PartitionFold(cfg.reduce_config(), sources)
     cutter = StepCutter(fold, set(), step_size(cfg))
     watch = PartitionWatch(cfg.rollout.lost_after_s, sources)
     idle_s = min(1.0, cfg.rollout.lost_after_s / 4) if cfg.rollout.lost_after_s > 0 else None
@@ -187,7 +187,7 @@ def learner_consume(root: Path, k: int, groups: int, groups_per_step: int) -> tu
 
 def single_log_reduce(log_dir: Path) -> tuple[int, int]:
     """The anchor: ``read_log`` + one ``Reducer`` over one log: events, groups released."""
-    reducer = Reducer(reduce_config(LoopConfig()))
+    reducer = Reducer(LoopConfig().reduce_config())
     events = groups = 0
     for env in read_log(log_dir):
         events += 1

@@ -406,14 +406,17 @@ def collect(
     learner: Iterable[Any] = (),
     learner_log: str = "",
     partitions: list[int] | None = None,
+    config: Any = None,
 ) -> ReportData:
     """Fold the envelopes (in LSN order) into :class:`ReportData`, in one pass.
     ``learner``: the learner log's envelopes (its PolicyUpdated records), when
     the report is of a run folder. ``partitions``: the partition ids of a
     partitioned log, whose ``envelopes`` are then ``(partition id, Envelope)``
-    pairs in merged order (:func:`tools.cli_common.read_tagged`)."""
+    pairs in merged order (:func:`tools.cli_common.read_tagged`). ``config``: the
+    ReduceConfig to fold samples and groups with (None: the reducers' defaults)."""
     from agentlog.events.types import CommandRan, PolicyUpdated, SessionOpened
     from agentlog.reducers.lifecycle import LifecycleState, SessionSummary, Violation, reduce_lifecycle
+    from agentlog.reducers.config import DEFAULT_CONFIG
     from agentlog.reducers.pipeline import ReduceError, Reducer
     from agentlog.reducers.samples import resolve_reward
 
@@ -464,7 +467,7 @@ def collect(
         state = states.get(pid)
         if state is None:
             state = states[pid] = LifecycleState(tolerate_unknown=True)  # shown, not interpreted: a newer writer's event types
-            reducers[pid] = Reducer()
+            reducers[pid] = Reducer(config or DEFAULT_CONFIG)
         state, out = reduce_lifecycle(state, env)
         summary = None
         bad = False
@@ -548,7 +551,7 @@ def collect(
             if pid is not None:
                 parts[pid][str(t.life.state)] += 1
     # The one log's digest (an empty log's too); a partitioned log's are per partition.
-    reducer = (reducers[None] if None in reducers else Reducer()) if partitions is None else None
+    reducer = (reducers[None] if None in reducers else Reducer(config or DEFAULT_CONFIG)) if partitions is None else None
     learner_rows = [
         (env.body.policy_version, env.body.step, dict(env.body.metrics))
         for env in learner
@@ -581,7 +584,7 @@ def collect(
         violation_count=violation_count,
         reduce_problem=problem,
         sample_digest=reducer.digest.hexdigest() if reducer is not None else "",
-        partitions={f"p{q:04d}": _partition_row(parts[q], reducers.get(q, Reducer())) for q in sorted(parts)},
+        partitions={f"p{q:04d}": _partition_row(parts[q], reducers.get(q, Reducer(config or DEFAULT_CONFIG))) for q in sorted(parts)},
     )
 
 
