@@ -63,12 +63,12 @@ def test_an_unknown_session_id_exits_2(run_log):
         (["replay", "{LOG}", "--status", "exploded"], "--status"),
         (["replay", "{LOG}", "--from", "9", "--until", "2"], "--from"),
         (["stats", "{LOG}", "--bogus"], "--bogus"),
-        (["reconstruct", "{LOG}"], "-o"),
+        (["reconstruct", "{LOG}", "--format", "msgpack"], "-o OUT"),
         (["reconstruct", "{LOG}", "-o", "/tmp/x", "--format", "xml"], "--format"),
         (["reconstruct", "{LOG}", "-o", "/nonexistent-dir/x.jsonl"], "/nonexistent-dir/x.jsonl"),
         (["no-such-command"], "no-such-command"),
     ],
-    ids=["until-negative", "status", "from-after-until", "unknown-flag", "missing-output", "format", "unwritable", "command"],
+    ids=["until-negative", "status", "from-after-until", "unknown-flag", "format-without-output", "format", "unwritable", "command"],
 )
 def test_an_invalid_option_exits_2_with_one_line(run_log, args, needle):
     path, _ = run_log
