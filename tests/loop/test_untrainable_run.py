@@ -17,59 +17,14 @@ from agentlog.loop import logs
 from agentlog.loop.publish import STOPPED_UNTRAINABLE, read_learner_records
 
 from custom_task_helpers import agentlog_exe, clean_env, train_cli
+from test_custom_task_dir import CONFIG, TASK_MODULE as ECHO_TASK_MODULE
 
-#: A token-level task as a user writes it, whose verify() divides by zero.
-TASK_MODULE = '''
-import random
-
-from agentlog.engine.tasks import Episode, Task, Verdict, register_task
-
-BOS, EOS, A, B = 0, 1, 2, 3
-
-
-@register_task("{name}")
-class CrashingVerifierTask(Task):
-    name = "{name}"
-    vocab_size = 4
-    eos_id = EOS
-    max_new_tokens = 2
-    max_turns = 1
-
-    def new_episode(self, rng: random.Random) -> Episode:
-        x = rng.choice((A, B))
-        return Episode(prompt_ids=(BOS, x), messages=[{{"role": "user", "content": str(x)}}], state={{"x": x}}, label=x)
-
-    def tool_step(self, episode, turn_index, output_ids):
-        return None
-
-    def verify(self, episode, outputs) -> Verdict:
-        return Verdict(reward=1.0 / 0, success=False)
-'''
-
-#: Steps far beyond what the run reaches: only the untrainable rule can end it (no time budget, no reward stop).
-CONFIG = '''
-steps = 1000
-groups_per_step = 2
-group_size = 2
-warmup_steps = 0
-stop_reward = 0
-time_budget_s = 0
-d_model = 16
-n_layer = 1
-n_head = 2
-fsync = "never"
-{extra}
-[task]
-name = "{name}"
-module = "{module}"
-
-[faults]
-exception_rate = 0.0
-timeout_rate = 0.0
-drop_rate = 0.0
-straggler_rate = 0.0
-empty_marker_rate = 0.0
-'''
+#: The echo task of the custom-task tests, as a user writes it, but with a verify() that divides by zero.
+ECHO_VERIFY = """        ok = bool(outputs) and len(outputs[0]) > 0 and outputs[0][0] == episode.state["x"]
+        return Verdict(reward=1.0 if ok else 0.0, success=ok)
+"""
+assert ECHO_VERIFY in ECHO_TASK_MODULE
+TASK_MODULE = ECHO_TASK_MODULE.replace(ECHO_VERIFY, "        return Verdict(reward=1.0 / 0, success=False)\n")
 
 
 def _user_dir(tmp_path: Path, extra: str = "") -> Path:
@@ -78,7 +33,8 @@ def _user_dir(tmp_path: Path, extra: str = "") -> Path:
     user = tmp_path / "user"
     user.mkdir()
     (user / f"{module}.py").write_text(TASK_MODULE.format(name=name))
-    (user / "run.toml").write_text(CONFIG.format(name=name, module=module, extra=extra))
+    # The run never makes a version, so its steps never end it: only the untrainable rule (or 150 s of time budget) can.
+    (user / "run.toml").write_text(CONFIG.format(task=f'{extra}\n[task]\nname = "{name}"\nmodule = "{module}"\n'))
     return user
 
 
