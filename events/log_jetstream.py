@@ -82,6 +82,7 @@ from .log_jetstream_read import (
     connect,
     follow_subject,
     log_name,
+    lsn_after,
     read_subject,
     retried,
     retry_errors,
@@ -90,8 +91,14 @@ from .types import TERMINAL_EVENT_TYPES, Envelope
 
 log = get_logger(__name__)
 
-#: JetStream's "wrong last sequence" error (Nats-Expected-Last-Subject-Sequence failed).
+#: JetStream's "wrong last sequence" refusals (Nats-Expected-Last-Subject-Sequence failed):
+#: 10071 names the subject's sequence (a stream on one server, or the leader's store check);
+#: 10164 names none (a replicated stream, or a batch, refusing while another message on the
+#: subject is still in process). Both mean the same: the subject moved past what was expected.
+#: Only :func:`is_wrong_last_sequence` reads them.
 ERR_WRONG_LAST_SEQUENCE = 10071
+ERR_WRONG_LAST_SEQUENCE_CONSTANT = 10164
+WRONG_LAST_SEQUENCE_CODES = (ERR_WRONG_LAST_SEQUENCE, ERR_WRONG_LAST_SEQUENCE_CONSTANT)
 #: An atomic batch whose message ids are already in the duplicate window (a retry of one that landed).
 ERR_BATCH_DUPLICATE_MSG_ID = 10201
 HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
@@ -107,7 +114,7 @@ ERR_DUPLICATE_IN_PROCESS = 10158
 ERR_BATCH_INCOMPLETE = 10176
 ERR_BATCH_TOO_MANY_INFLIGHT = 10210
 #: Refusals after which the try may have landed: look at the subject's end.
-_MAYBE_LANDED = (ERR_WRONG_LAST_SEQUENCE, ERR_BATCH_DUPLICATE_MSG_ID, ERR_DUPLICATE_IN_PROCESS)
+_MAYBE_LANDED = (*WRONG_LAST_SEQUENCE_CODES, ERR_BATCH_DUPLICATE_MSG_ID, ERR_DUPLICATE_IN_PROCESS)
 #: Refusals that are transient: try again (as are status 503 answers).
 _RETRY_API_CODES = (ERR_BATCH_INCOMPLETE, ERR_BATCH_TOO_MANY_INFLIGHT)
 #: Pauses between publish tries while a stream elects a leader (doubling).
@@ -117,6 +124,19 @@ _RETRY_PAUSE_MAX_S = 0.5
 _LANDED_TIMEOUT_S = 1.0
 #: What :meth:`JetStreamLog._landed` answers when the subject moved on to another writer's message.
 _MOVED = "moved"
+
+
+def _epoch_of(msg) -> int:
+    """The epoch of the writer that published ``msg`` (0 for a message without one)."""
+    return int((msg.headers or {}).get(HDR_EPOCH, 0))
+
+
+def is_wrong_last_sequence(exc: BaseException) -> bool:
+    """Whether ``exc`` is JetStream refusing a publish because the subject's last
+    sequence is not the one it expected (either code, see WRONG_LAST_SEQUENCE_CODES)."""
+    from nats.js.errors import APIError
+
+    return isinstance(exc, APIError) and exc.err_code in WRONG_LAST_SEQUENCE_CODES
 
 
 class _Msg(NamedTuple):
@@ -246,7 +266,7 @@ class JetStreamLog(EventLog):
         if not info.config.allow_atomic:
             raise LogError(f"{self.where}: the stream does not allow atomic batches (allow_atomic); create it with JetStreamLog.open")
         await self._recover()
-        await self._fence()
+        await self._take_over()
         self._queue = asyncio.Queue()
         self._writer = asyncio.get_running_loop().create_task(self._write_loop())
         self._writer.add_done_callback(self._writer_ended)
@@ -280,10 +300,25 @@ class JetStreamLog(EventLog):
         direct gets may lag: a writer that recovered from it would fence on a
         stale sequence), and waits out an election (no leader, no consumer
         yet, a stream just created) for up to ``failover_timeout_s``."""
+        self._last_seq = await self._read_records(0)
+        # Every message carries its writer's epoch; the subject's last one has the newest.
+        # Asked of the stream leader, not by direct get: a lagging replica could answer
+        # with an older message, and a repeated epoch would repeat the old writer's
+        # message ids (deduplicated: the fence "lands" at the old sequence, and the new
+        # writer is then refused as if fenced).
+        epoch = -1
+        if self._last_seq:
+            epoch = _epoch_of(await self._last_message())
+        self.epoch = epoch + 1
+
+    async def _read_records(self, from_lsn: int, end: int | None = None) -> int:
+        """Advance next LSN and open sessions over the subject's records from
+        ``from_lsn`` up to stream sequence ``end`` (the leader's end when
+        None); the sequence read up to."""
         from .log_jetstream_read import SubjectCursor
 
-        cur = SubjectCursor(self._js, self.stream, self.subject, self.where, 0, raw=True, to_end=True,
-                            start_timeout_s=self._failover_timeout_s)
+        cur = SubjectCursor(self._js, self.stream, self.subject, self.where, from_lsn, raw=True, to_end=True,
+                            start_timeout_s=self._failover_timeout_s, end=end)
         await cur.start()
         try:
             while not cur.done:
@@ -292,21 +327,58 @@ class JetStreamLog(EventLog):
                     self._next = rec.lsn + 1
         finally:
             await cur.close()
-        self._last_seq = cur.end
-        # Every message carries its writer's epoch; the subject's last one has the newest.
-        # Asked of the stream leader, not by direct get: a lagging replica could answer
-        # with an older message, and a repeated epoch would repeat the old writer's
-        # message ids (deduplicated: the fence "lands" at the old sequence, and the new
-        # writer is then refused as if fenced).
-        epoch = -1
-        if cur.end:
-            last = await retried(lambda: self._js.get_msg(self.stream, subject=self.subject), "the subject's last message",
-                                 self.where, self._failover_timeout_s, self._publish_timeout_s, "failover_timeout_s")
-            epoch = int((last.headers or {}).get(HDR_EPOCH, 0))
-        self.epoch = epoch + 1
+        return cur.end
+
+    async def _last_message(self):
+        """The subject's last message, asked of the stream leader (retried through an election)."""
+        return await retried(lambda: self._js.get_msg(self.stream, subject=self.subject), "the subject's last message",
+                             self.where, self._failover_timeout_s, self._publish_timeout_s, "failover_timeout_s")
+
+    async def _take_over(self) -> None:
+        """Fence the partition at the end this writer recovered; while the
+        fence is refused because the subject moved on (the old writer is
+        still appending, or another writer opened), fence again at its new
+        end, for up to ``failover_timeout_s``. Each new try costs one get of
+        the subject's last message (its sequence, its writer's epoch, the LSN
+        after it), so the window an old writer's append can slip into is one
+        round trip, and a live writer cannot hold the partition; once the
+        fence lands, that writer's next append is refused (LogFenced). The
+        records that landed before the fence are then read (every frame
+        checked, as at recovery), so none acknowledged to the old writer is
+        lost; they must end where the fence says, or the open fails."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._failover_timeout_s
+        recovered, tries = self._next, 1
+        while True:
+            try:
+                await self._fence()
+                break
+            except Exception as exc:
+                if not is_wrong_last_sequence(exc):
+                    raise
+                if loop.time() >= deadline:
+                    raise LogFenced(
+                        f"{self.where}: the subject kept moving while epoch {self.epoch} was opening: {tries} fences were "
+                        f"refused within failover_timeout_s={self._failover_timeout_s:g}; not taking over",
+                        epoch=self.epoch,
+                    ) from exc
+            last = await self._last_message()
+            self._last_seq, self.epoch, self._next = last.seq, _epoch_of(last) + 1, lsn_after(last, self.where)
+            tries += 1
+        if self._next == recovered:
+            return
+        fenced_at = self._next
+        self._next = recovered
+        await self._read_records(recovered, end=self._last_seq)
+        if self._next != fenced_at:
+            raise LogError(f"{self.where}: the records before this writer's fence end at lsn {self._next - 1}, but the "
+                           f"subject's end said the next lsn is {fenced_at}")
+        log.info("jetstream.took_over", subject=self.subject, epoch=self.epoch, fences=tries,
+                 records_caught_up=fenced_at - recovered)
 
     async def _fence(self) -> None:
-        """Publish this writer's fence; a racing writer that fenced first wins.
+        """Publish this writer's fence at the subject sequence it knows; the
+        refusal of a subject that moved is raised (``is_wrong_last_sequence``).
         Retried through a leader election like any append (same message id).
 
         The fence's message id is this writer's alone (a random suffix): two
@@ -317,20 +389,10 @@ class JetStreamLog(EventLog):
         With its own id the second fence is refused (the subject moved)."""
         import uuid
 
-        from nats.js.errors import APIError
-
         ident = f"{self.partition}:{self.epoch}:fence:{uuid.uuid4().hex}"
         # The fence names the next LSN, so a subject that ends in fences still tells its end in one get.
         fence = _Msg(self._next, b"", {HDR_KIND: KIND_FENCE, HDR_MSG_ID: ident, HDR_NEXT_LSN: str(self._next)})
-        try:
-            await self._publish([fence])
-        except APIError as exc:
-            if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
-                raise LogFenced(
-                    f"{self.where}: another writer appended while epoch {self.epoch} was opening; not taking over",
-                    epoch=self.epoch,
-                ) from exc
-            raise
+        await self._publish([fence])
 
     # -- writing -------------------------------------------------------------
 
@@ -449,7 +511,7 @@ class JetStreamLog(EventLog):
                 i = batch[0].lsn
                 await self._publish(batch)
         except APIError as exc:
-            if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
+            if is_wrong_last_sequence(exc):
                 err: Exception = LogFenced(
                     f"{self.where}: epoch {self.epoch} was fenced by a newer writer (the subject moved past "
                     f"sequence {self._last_seq}: a newer epoch, or another client publishing on it); "
@@ -480,7 +542,7 @@ class JetStreamLog(EventLog):
         pause, until ``failover_timeout_s`` after the first failure; then
         :class:`FailoverExpired`. A try may have landed although its ack was
         lost, and a retry of it is then refused (the expected last sequence
-        moved: 10071; a batch's ids are in the duplicate window: 10201; a
+        moved: 10071 or 10164; a batch's ids are in the duplicate window: 10201; a
         message id still being proposed: 10158), so after every failure the
         writer looks at the subject's last message (:meth:`_landed`): if it
         carries this batch's last message id, the batch landed; if the

@@ -243,6 +243,19 @@ def msg_id_lsn(headers: dict | None) -> int | None:
     return int(parts[2]) if len(parts) >= 3 and parts[2].isdigit() else None
 
 
+def lsn_after(last, where: str) -> int:
+    """The LSN that follows a log whose subject ends in message ``last``: a record's
+    msg id names its LSN, a fence the next LSN; anything else is LogCorruption."""
+    headers = last.headers or {}
+    lsn = msg_id_lsn(headers)
+    if lsn is not None:
+        return lsn + 1
+    if headers.get(HDR_KIND) == KIND_FENCE and headers.get(HDR_NEXT_LSN, "").isdigit():
+        return int(headers[HDR_NEXT_LSN])
+    raise LogCorruption(f"{where} seq {last.seq}: the last message is neither a record nor a fence naming "
+                        f"the next LSN (headers {sorted(headers)})", segment=where)
+
+
 class ChunkJoiner:
     """Joins a subject's messages into frames: a whole record as it is, the
     chunks of a split record joined at its last chunk (never yielded in
@@ -336,13 +349,15 @@ class SubjectCursor:
     ``take(limit, wait_s)`` returns the next records (Envelopes, or
     RawRecords with ``raw``), waiting up to ``wait_s`` for the first. With
     ``to_end`` the cursor stops at the subject's last message as of
-    :meth:`start` (``done`` is then set); otherwise it follows forever.
+    :meth:`start` (``done`` is then set), or at stream sequence ``end``
+    when given; otherwise it follows forever.
     Runs on the event loop that holds the connection."""
 
     def __init__(self, js, stream: str, subject: str, where: str, from_lsn: int, *, raw: bool, to_end: bool,
-                 start_timeout_s: float = 30.0) -> None:
+                 start_timeout_s: float = 30.0, end: int | None = None) -> None:
         self.js, self.stream, self.subject, self.where = js, stream, subject, where
         self.start_timeout_s = start_timeout_s
+        self.given_end = end
         self.from_lsn, self.raw, self.to_end = max(0, from_lsn), raw, to_end
         self.expected: int | None = None  # the LSN the next record must carry
         self.joiner = ChunkJoiner(where)
@@ -368,7 +383,8 @@ class SubjectCursor:
             return retried(call, what, self.where, left(), 5.0, "start_timeout_s")
 
         # The leader's end: a read sees every record acknowledged before it began.
-        self.end = await ask("the subject's last message", lambda: last_seq(self.js, self.stream, self.subject, leader=True))
+        self.end = self.given_end if self.given_end is not None else await ask(
+            "the subject's last message", lambda: last_seq(self.js, self.stream, self.subject, leader=True))
         first = 1
         if self.from_lsn and self.end:
             first = await ask(f"the sequence of lsn {self.from_lsn}",
@@ -592,14 +608,7 @@ class JetStreamRef:
                                      "start_timeout_s")
             except NotFoundError:
                 return 0
-            headers = last.headers or {}
-            lsn = msg_id_lsn(headers)
-            if lsn is not None:
-                return lsn + 1
-            if headers.get(HDR_KIND) == KIND_FENCE and headers.get(HDR_NEXT_LSN, "").isdigit():
-                return int(headers[HDR_NEXT_LSN])
-            raise LogCorruption(f"{self.where} seq {last.seq}: the last message is neither a record nor a fence naming "
-                                f"the next LSN (headers {sorted(headers)})", segment=self.where)
+            return lsn_after(last, self.where)
 
         return self.run.bridge.call(ask())
 

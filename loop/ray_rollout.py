@@ -227,11 +227,21 @@ def cause_line(exc: BaseException) -> str:
     return lines[-1].strip() if lines else type(exc).__name__
 
 
+#: Seconds the Ray service check at an address may take (its gRPC call).
+RAY_CHECK_TIMEOUT_S = 5.0
+#: Seconds to wait for a listener's first words when describing what answered.
+LISTENER_WORDS_S = 1.0
+
+
 def probe_address(address: str, timeout_s: float = 5.0) -> None:
-    """RayBackendError when nothing accepts a TCP connection at ``address``
-    (``host:port`` or ``ray://host:port``; ``auto`` is left to Ray). Why:
-    ``ray.init`` retries a dead address for minutes (over 200 s measured, Ray
-    2.60) instead of failing."""
+    """RayBackendError when ``address`` (``host:port``, a head's GCS, or
+    ``ray://host:port``, a Ray Client server; ``auto`` is left to Ray) is not
+    a Ray service: nothing accepts a TCP connection there, or what does is
+    not Ray (its gRPC service does not answer: the error names what answered
+    instead, e.g. an HTTP server). Why: ``ray.init`` retries a dead address,
+    or one where something else listens, for minutes (over 200 s measured,
+    Ray 2.60) instead of failing. Takes at most about
+    ``timeout_s + RAY_CHECK_TIMEOUT_S + 2 * LISTENER_WORDS_S`` seconds."""
     import socket
 
     target = address.removeprefix("ray://")
@@ -240,14 +250,84 @@ def probe_address(address: str, timeout_s: float = 5.0) -> None:
     host, _, port = target.rpartition(":")
     if not port.isdigit():
         raise RayBackendError(f"[rollout] address {address!r}: expected host:port, ray://host:port or auto")
+    host = host.strip("[]")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
             pass
     except OSError as exc:
         raise RayBackendError(
             f"[rollout] address {address!r}: nothing accepts connections there ({exc.strerror or exc}); start the head node "
             f"with `ray start --head --port={port}`, or leave address empty to start a local Ray"
         ) from None
+    client = address.startswith("ray://")
+    refusal = _ray_service_refusal(f"{host}:{port}", client)
+    if refusal is not None:
+        service = "a Ray Client server (ray://, `ray start --head` serves one on port 10001)" if client else \
+            "a Ray head's GCS (`ray start --head` prints its address)"
+        raise RayBackendError(
+            f"[rollout] address {address!r}: not Ray: {_what_answers(host, int(port))}, and the Ray call there failed "
+            f"({refusal}); expected {service}, or leave address empty to start a local Ray"
+        )
+
+
+def _ray_service_refusal(target: str, client: bool) -> str | None:
+    """None when a Ray service answers one gRPC call at ``target`` (the GCS's
+    GetClusterId, or a Ray Client server's ping) within RAY_CHECK_TIMEOUT_S,
+    or refuses it as unauthenticated (a cluster with token auth: ``ray.init``
+    brings the token); else the gRPC status and detail of the failure."""
+    import grpc
+
+    if client:
+        from ray.core.generated import ray_client_pb2
+
+        method = "/ray.rpc.RayletDriver/ClusterInfo"
+        request = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING).SerializeToString()
+    else:
+        method = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+        request = b""  # GetClusterIdRequest has no fields
+    with grpc.insecure_channel(target) as channel:
+        call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+        try:
+            call(request, timeout=RAY_CHECK_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                return None
+            detail = exc.details() if hasattr(exc, "details") else str(exc)
+            return f"{method}: {getattr(code, 'name', code)}: {' '.join(str(detail).split())[:160]}"
+    return None
+
+
+def _what_answers(host: str, port: int) -> str:
+    """What listens at ``host:port``, in words: its greeting (a server that
+    speaks first, such as SSH), its answer to an HTTP request (status line
+    and Server header), or that it said nothing."""
+    import socket
+
+    def words(sock: socket.socket) -> bytes:
+        try:
+            return sock.recv(512)
+        except TimeoutError:
+            return b"-"  # silent: distinct from b"" (closed)
+
+    try:
+        with socket.create_connection((host, port), timeout=LISTENER_WORDS_S) as sock:
+            sock.settimeout(LISTENER_WORDS_S)
+            heard = words(sock)
+            if heard == b"-":
+                sock.sendall(f"GET / HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
+                heard = words(sock)
+    except OSError as exc:
+        return f"the listener there could not be asked again ({exc.strerror or exc})"
+    if heard == b"-":
+        return f"something there accepts connections and says nothing (not even to an HTTP request, within {LISTENER_WORDS_S:g} s)"
+    if not heard:
+        return "something there accepts connections and closes them without a word"
+    if heard.startswith(b"HTTP/"):
+        lines = heard.decode("latin-1").split("\r\n")
+        server = next((ln.split(":", 1)[1].strip() for ln in lines[1:] if ln.lower().startswith("server:")), None)
+        return f"an HTTP server answers there ({lines[0].strip()}" + (f", Server: {server})" if server else ")")
+    return f"a server there answers {heard[:60]!r}"
 
 
 def local_ray_init_kwargs(cfg: LoopConfig) -> dict[str, Any]:

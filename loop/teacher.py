@@ -40,6 +40,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
@@ -55,6 +56,21 @@ log = get_logger("agentlog.loop.teacher")
 #: How far above 0 a log-prob may round before it is refused (float32 noise of a
 #: server's log_softmax; a real log-prob is never positive).
 LOG_PROB_SLACK = 1e-3
+
+#: The answer size a teacher server may use for one request: a fixed part (meta_info's
+#: own fields, a server's extra keys) ...
+ANSWER_OVERHEAD_BYTES = 1 << 20
+#: ... plus this much per entry: every input position (a server may echo the ids or
+#: their text) and, for each scored position, its ``[logprob, token_id, text]`` entry
+#: and its top-K entries. SGLang writes an entry in about 40 bytes (text null); 256
+#: leaves room for a decoded token text and pretty-printing.
+ANSWER_BYTES_PER_ENTRY = 256
+#: How deep a teacher's JSON answer may nest. A ``/generate`` answer nests 5 levels
+#: (object, meta_info, input_top_logprobs, row, entry); a deeper one is refused before
+#: it is decoded, so nothing recurses near the interpreter's limit.
+ANSWER_MAX_DEPTH = 32
+#: Token ids are stored as int32 (``teacher_scored``'s packed ``top_ids``).
+TOKEN_ID_LIMIT = 2**31
 
 
 class TeacherError(RuntimeError):
@@ -143,6 +159,42 @@ def _check_values(who: str, what: str, values: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- HTTP teacher
 
 
+def answer_limit(n_input: int, n_output: int, top_k: int) -> int:
+    """The most bytes a ``/generate`` answer scoring ``n_output`` tokens after a prompt
+    (``n_input`` ids in all) with ``top_k`` may take: a larger one is refused unread."""
+    entries = n_input + (n_output + 1) * (1 + top_k)
+    return ANSWER_OVERHEAD_BYTES + entries * ANSWER_BYTES_PER_ENTRY
+
+
+# A JSON string token, escapes included (unrolled, so long strings match in linear time).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_DEPTH_CHUNK = 1 << 20
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep arrays and objects nest in the JSON text ``raw`` (brackets inside strings
+    do not count), without decoding it: linear time, no recursion, memory a few times
+    a 1 MiB chunk beyond the text without its strings. Malformed text gets a number too
+    (decoding then refuses it)."""
+    bare = np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)
+    depth = deepest = 0
+    for start in range(0, len(bare), _DEPTH_CHUNK):
+        codes = bare[start : start + _DEPTH_CHUNK]
+        step = ((codes == ord("[")) | (codes == ord("{"))).astype(np.int32)
+        step -= (codes == ord("]")) | (codes == ord("}"))
+        levels = np.cumsum(step) + depth
+        if len(levels):
+            deepest = max(deepest, int(levels.max()))
+            depth = int(levels[-1])
+    return deepest
+
+
+def _clip(value: Any, limit: int = 120) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages about a server's answer."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def generate_url(url: str) -> str:
     """The ``/generate`` URL of a teacher server given as its base URL or as the ``/generate`` URL itself."""
     parts = urlsplit(url)
@@ -199,15 +251,19 @@ class HTTPTeacher:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         return self._session
 
-    async def _exchange(self, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
-        """The decoded JSON answer of one request; a TeacherError names the URL and what went wrong."""
+    async def _exchange(self, method: str, url: str, body: dict[str, Any] | None = None, *,
+                        limit: int = ANSWER_OVERHEAD_BYTES) -> Any:
+        """The decoded JSON answer of one request, read up to ``limit`` bytes and no further;
+        a TeacherError names the URL and what went wrong (unreachable, timed out, an HTTP
+        error, an answer over ``limit``, nested deeper than ANSWER_MAX_DEPTH, not JSON)."""
         import aiohttp
 
         who = f"teacher {self.name!r}: {method} {url}"
         try:
             async with self._client().request(method, url, json=body, headers=self.headers) as resp:
-                raw = await resp.read()
                 status = resp.status
+                # Of an error, only its first lines are reported: read no more than that.
+                raw = await self._read_capped(who, resp, limit if status == 200 else 4096, refuse=status == 200)
         except asyncio.TimeoutError:
             raise TeacherError(f"{who}: no answer within {self.timeout_s:g} s (timeout_s)") from None
         except aiohttp.ClientError as exc:
@@ -215,10 +271,34 @@ class HTTPTeacher:
         if status != 200:
             text = raw.decode("utf-8", "replace")[:300]
             raise TeacherError(f"{who} answered HTTP {status}, expected 200: {text}")
+        depth = json_depth(raw)
+        if depth > ANSWER_MAX_DEPTH:
+            raise TeacherError(f"{who}: the answer nests {depth} levels deep; expected at most {ANSWER_MAX_DEPTH} "
+                               "(a /generate answer nests 5)")
         try:
             return json.loads(raw)
         except ValueError as exc:
             raise TeacherError(f"{who}: the answer is not JSON ({exc}): {raw[:120]!r}") from None
+
+    @staticmethod
+    async def _read_capped(who: str, resp: Any, limit: int, *, refuse: bool) -> bytes:
+        """The body of ``resp``, at most ``limit`` bytes held at any time. Past ``limit``
+        (declared by Content-Length or found while reading, after decompression), a
+        TeacherError when ``refuse``, else the first ``limit`` bytes; the rest is never read."""
+        declared = resp.content_length
+        if refuse and declared is not None and declared > limit:
+            raise TeacherError(f"{who}: the answer is {declared} bytes (Content-Length), over the limit of {limit} for this "
+                               "request (tokens x (1 + top_k) entries x ANSWER_BYTES_PER_ENTRY + ANSWER_OVERHEAD_BYTES); not read")
+        raw = bytearray()
+        while len(raw) <= limit:
+            chunk = await resp.content.read(min(1 << 16, limit + 1 - len(raw)))
+            if not chunk:
+                return bytes(raw)
+            raw += chunk
+        if refuse:
+            raise TeacherError(f"{who}: the answer is over the limit of {limit} bytes for this request (tokens x (1 + top_k) "
+                               "entries x ANSWER_BYTES_PER_ENTRY + ANSWER_OVERHEAD_BYTES); the rest was not read")
+        return bytes(raw[:limit])
 
     async def resolve_version(self) -> str:
         """The version id: as given, or ``model_path[@weight_version]`` from the server's ``/get_model_info``."""
@@ -263,7 +343,8 @@ class HTTPTeacher:
         if n == 0:
             return check_scores(self.name, TeacherScores(np.zeros(0, np.float32), np.zeros((0, top_k), np.int32),
                                                          np.zeros((0, top_k), np.float32)), 0, top_k)
-        out = await self._exchange("POST", self.url, self.request_body(prompt, output, temperature, top_k))
+        body = self.request_body(prompt, output, temperature, top_k)
+        out = await self._exchange("POST", self.url, body, limit=answer_limit(len(body["input_ids"]), n, top_k))
         return self.parse(out, prompt, output, top_k)
 
     def parse(self, out: Any, prompt: Sequence[int], output: Sequence[int], top_k: int) -> TeacherScores:
@@ -298,10 +379,10 @@ class HTTPTeacher:
                 row = rows[t + 1]
                 if not isinstance(row, list) or len(row) != top_k:
                     raise TeacherError(f"{who}: input_top_logprobs at output position {t}: expected {top_k} entries, "
-                                       f"found {repr(row)[:80]}")
+                                       f"found {_clip(row, 80)}")
                 for j, entry in enumerate(row):
                     top_lp[t, j] = self._entry(who, "input_top_logprobs", t, entry, None)
-                    top_ids[t, j] = int(entry[1])
+                    top_ids[t, j] = entry[1]
         return check_scores(who, TeacherScores(lp, top_ids, top_lp), n, top_k)
 
     @staticmethod
@@ -309,11 +390,18 @@ class HTTPTeacher:
         """The log-prob of one ``[logprob, token_id, ...]`` entry at output position ``t``, checking its token."""
         if (not isinstance(entry, (list, tuple)) or len(entry) < 2 or isinstance(entry[0], bool)
                 or not isinstance(entry[0], (int, float)) or isinstance(entry[1], bool) or not isinstance(entry[1], int)):
-            raise TeacherError(f"{who}: {field} at output position {t}: expected [logprob, token_id, text], found {entry!r}")
+            raise TeacherError(f"{who}: {field} at output position {t}: expected [logprob, token_id, text], found {_clip(entry)}")
+        if not 0 <= entry[1] < TOKEN_ID_LIMIT:
+            raise TeacherError(f"{who}: {field} at output position {t} names token id {_clip(entry[1], 40)}; expected "
+                               f"0 <= id < 2**31")
         if token is not None and entry[1] != token:
             raise TeacherError(f"{who}: {field} at output position {t} scores token {entry[1]}, expected the output token "
                                f"{token} (misaligned logprob_start_len?)")
-        return float(entry[0])
+        try:
+            return float(entry[0])
+        except OverflowError:
+            raise TeacherError(f"{who}: {field} at output position {t}: log-prob {_clip(entry[0], 40)} is out of "
+                               "float range; expected a finite log-prob <= 0") from None
 
     async def close(self) -> None:
         """Close the HTTP session."""

@@ -14,7 +14,7 @@ from event_samples import small_event
 
 nats = pytest.importorskip("nats", reason="JetStreamLog needs the nats extra: pip install 'agentlog[nats]'")
 
-from agentlog.events.log_jetstream import JetStreamLog  # noqa: E402
+from agentlog.events.log_jetstream import JetStreamLog, is_wrong_last_sequence  # noqa: E402
 
 _names = itertools.count()
 
@@ -60,6 +60,107 @@ def test_a_new_writer_fences_the_old_one_and_continues_its_lsns(nats_server, str
     finally:
         old.close()
         new.close()
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_a_new_writer_takes_over_from_a_writer_still_appending(nats_server, stream, round_):
+    """A restarted worker opens the partition while its old writer is still
+    appending in a tight loop: the open succeeds (its fence is tried again at
+    the subject's new end until it lands), the old writer's next append is
+    refused as fenced, and every record acknowledged to the old writer is
+    read back by the new one, which goes on after the last of them."""
+    import threading
+
+    old = JetStreamLog.open(nats_server.url, stream, 0)
+    old.append_batch([("a", 0, opened())])
+    acked: list[int] = []
+    ended: list[BaseException] = []
+    started = threading.Event()
+
+    def append_until_refused() -> None:
+        try:
+            for k in itertools.count(1):
+                acked.append(old.append_batch([("a", k, small_event(k))])[0].lsn)
+                if k == 20:
+                    started.set()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread, which checks it
+            ended.append(exc)
+        finally:
+            started.set()
+
+    appender = threading.Thread(target=append_until_refused)
+    appender.start()
+    new = None
+    try:
+        assert started.wait(30) and not ended, f"the old writer did not get going: {ended}"
+        new = JetStreamLog.open(nats_server.url, stream, 0)
+        appender.join(30)
+        assert not appender.is_alive(), "the old writer was never refused"
+        assert len(ended) == 1 and isinstance(ended[0], LogFenced), ended
+        assert "fenced by a newer writer" in str(ended[0]) and "fenced" in old.fatal_reason
+        assert new.epoch == 1 and len(acked) > 20
+        # Nothing acknowledged is lost, and the new writer goes on after it.
+        stored = [(e.lsn, e.session_id, e.session_seq) for e in new.read()]
+        assert stored == [(lsn, "a", lsn) for lsn in range(len(stored))]
+        assert len(stored) - 1 >= acked[-1] and new.next_lsn == len(stored)
+        assert new.open_sessions() == {"a": len(stored)}
+        assert new.append_batch([("a", len(stored), SessionFinished())])[0].lsn == len(stored)
+    finally:
+        old.close()
+        if new is not None:
+            new.close()
+        appender.join(5)
+
+
+def test_both_wrong_last_sequence_refusals_are_recognised_as_the_server_sends_them(nats_server, stream):
+    """The server says "wrong last sequence" two ways: 10071 (naming the subject's
+    sequence) to a publish expecting another, and 10164 (naming none) to an atomic
+    batch, as a replicated stream does while another message on the subject is in
+    process. Both, as nats-py raises them, are the one classifier's; other refusals are not."""
+    import json
+
+    with JetStreamLog.open(nats_server.url, stream, 0) as lg:
+        lg.append_batch([("a", 0, opened())])
+        subject = lg.subject
+
+    async def refusals(js):
+        from nats.js.errors import APIError
+
+        nc = js._nc
+        last = (await js.get_msg(stream, subject=subject)).seq
+        got = {}
+        try:
+            await js.publish(subject, b"x", headers={"Nats-Expected-Last-Subject-Sequence": str(last + 5)})
+        except APIError as exc:
+            got["publish"] = exc
+        # An atomic batch that repeats the expectation on a subject it already wrote (what the
+        # server refuses as it refuses a clustered publish whose subject is in process).
+        await nc.publish(subject, b"y", headers={"Nats-Batch-Id": "b1", "Nats-Batch-Sequence": "1",
+                                                 "Nats-Expected-Last-Subject-Sequence": str(last)})
+        reply = await nc.request(subject, b"z", timeout=5, headers={
+            "Nats-Batch-Id": "b1", "Nats-Batch-Sequence": "2", "Nats-Batch-Commit": "1",
+            "Nats-Expected-Last-Subject-Sequence": str(last)})
+        try:
+            APIError.from_error(json.loads(reply.data)["error"])  # as JetStreamLog reads a batch's answer
+        except APIError as exc:
+            got["batch"] = exc
+        try:
+            await js.get_msg(stream, subject=f"{stream}.nothing")
+        except APIError as exc:
+            got["not found"] = exc
+        try:
+            await js.publish(subject, b"w", headers={"Nats-Expected-Stream": "another"})
+        except APIError as exc:
+            got["wrong stream"] = exc
+        return got
+
+    got = raw(nats_server.url, refusals)
+    assert {k: (type(e).__name__, e.err_code) for k, e in got.items()} == {
+        "publish": ("BadRequestError", 10071), "batch": ("BadRequestError", 10164),
+        "not found": ("NotFoundError", 10037), "wrong stream": ("BadRequestError", 10060)}
+    assert is_wrong_last_sequence(got["publish"]) and is_wrong_last_sequence(got["batch"])
+    assert not is_wrong_last_sequence(got["not found"]) and not is_wrong_last_sequence(got["wrong stream"])
+    assert not is_wrong_last_sequence(LogFenced("x", epoch=0))
 
 
 def test_reopen_recovers_lsn_sessions_and_bumps_the_epoch(nats_server, stream):

@@ -164,6 +164,60 @@ def test_a_fenced_writer_on_r3_is_refused_and_its_batch_is_not_stored(nats_clust
         new.close()
 
 
+def test_racing_opens_on_r3_take_over_or_are_fenced_never_a_raw_refusal(nats_cluster, stream):
+    """Writers opening one R3 partition at the same moment, while its first
+    writer appends: the replicated stream refuses a losing fence with either
+    "wrong last sequence" code (10164 while the other's message is in
+    process), and every open either succeeds or raises LogFenced, never a
+    raw BadRequestError. Every append acknowledged is stored, none twice."""
+    for i in range(4):
+        name = f"{stream}r{i}"
+        first = JetStreamLog.open(nats_cluster.urls, name, 0, replicas=3)
+        first.append_batch([("a", 0, opened())])
+        barrier = threading.Barrier(3)
+        logs: list = []
+        failures: list = []
+        acked: dict[str, int] = {}
+
+        def race() -> None:
+            barrier.wait()
+            try:
+                logs.append(JetStreamLog.open(nats_cluster.urls, name, 0, replicas=3))
+            except LogFenced:
+                pass  # lost to the other opener: refused, as it may be
+            except Exception as exc:  # noqa: BLE001 - checked below
+                failures.append(exc)
+
+        def append_meanwhile() -> None:
+            barrier.wait()
+            try:
+                for k in itertools.count(1):
+                    acked[f"a{k}"] = first.append_batch([("a", k, small_event(k))])[0].lsn
+            except LogError:
+                pass  # fenced by an opener
+
+        threads = [threading.Thread(target=race), threading.Thread(target=race), threading.Thread(target=append_meanwhile)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        try:
+            assert failures == [], f"race {i}: an open failed other than by LogFenced: {failures!r}"
+            assert logs, f"race {i}: neither opener took over"
+            for k, lg in enumerate(logs):
+                try:
+                    acked[f"w{k}"] = lg.append_batch([(f"w{k}", 0, opened())])[0].lsn
+                except LogError:
+                    pass  # fenced by the other opener
+            stored = {f"a{e.session_seq}" if e.session_id == "a" else e.session_id: e.lsn for e in logs[-1].read()}
+            assert {key: stored.get(key) for key in acked} == acked, f"race {i}: acknowledged {acked}, stored {stored}"
+            assert any(key.startswith("w") for key in acked), f"race {i}: no opener could append"
+        finally:
+            first.close()
+            for lg in logs:
+                lg.close()
+
+
 def test_records_over_the_max_payload_round_trip_whole_and_are_never_seen_partly(nats_cluster, stream):
     """Three 2.5 MiB records (3 chunks each, one atomic batch per append) on R3,
     while a second thread reads the partition over and over: every read is a

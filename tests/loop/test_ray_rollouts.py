@@ -102,9 +102,10 @@ def test_a_worker_failing_in_its_actor_is_reported_with_its_partition_and_error(
     a LoopError naming the partition and the error, and the actor's log holds
     it at error level. A resource no node offers is refused at once, by name;
     a run folder the nodes cannot see is named by the actor that looked."""
-    from agentlog.loop.ray_rollout import RayBackendError
+    from agentlog.loop.ray_rollout import RayBackendError, probe_address
     from agentlog.loop.run import LoopError
 
+    probe_address(loopback_cluster[0].address)  # a real head's GCS passes the check that refuses other listeners
     cfg = small_config(steps=2, rollout=RolloutConfig(workers=2, backend="ray"))
     run = tmp_path / "run"
     run.mkdir()
@@ -226,3 +227,43 @@ def test_a_ray_address_where_nothing_listens_is_refused_at_once(tmp_path: Path, 
     err = capsys.readouterr().err
     assert f"[rollout] address '127.0.0.1:{port}': nothing accepts connections there" in err, err
     assert f"ray start --head --port={port}" in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("listener", ["http", "silent"])
+def test_a_ray_address_where_something_else_listens_exits_2_naming_what_answered(tmp_path: Path, listener: str) -> None:
+    """`[rollout] address` where a plain HTTP server (or a socket that accepts and
+    says nothing) listens: the TCP probe alone would pass and ray.init retry for
+    minutes; `agentlog train` exits 2 well within 30 s with one line naming the
+    address and what answered there."""
+    import http.server
+    import socket
+    import threading
+
+    if listener == "http":
+        class Quiet(http.server.SimpleHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # the test's output stays the CLI's
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        port, stop = server.server_port, server.shutdown
+        answered = "an HTTP server answers there (HTTP/1.0 200 OK, Server: SimpleHTTP/"
+    else:
+        silent = socket.socket()
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port, stop = silent.getsockname()[1], silent.close
+        answered = "something there accepts connections and says nothing"
+    config = tmp_path / "ray.toml"
+    config.write_text(f'steps = 1\nwarmup_steps = 0\n[rollout]\nworkers = 2\nbackend = "ray"\naddress = "127.0.0.1:{port}"\n')
+    try:
+        t0 = time.monotonic()
+        done = _agentlog("train", "--config", str(config), "--out", str(tmp_path / "run"), "--quiet", timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        stop()
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == 2 and took < 30, (done.returncode, took, done.stderr)
+    assert len(lines) == 1, done.stderr
+    assert f"[rollout] address '127.0.0.1:{port}': not Ray: {answered}" in lines[0], lines[0]
+    assert "ray.rpc.NodeInfoGcsService/GetClusterId" in lines[0] and not (tmp_path / "run").exists()

@@ -29,7 +29,8 @@ from hf_helpers import build_once
 from teacher_helpers import sglang_answer
 
 from agentlog.learner.model import GPT, GPTConfig
-from agentlog.loop.teacher import HTTPTeacher, Teacher, TeacherError, TeacherScores, TorchTeacher, state_dict_digest
+from agentlog.loop.teacher import (HTTPTeacher, Teacher, TeacherError, TeacherScores, TorchTeacher, answer_limit,
+                                   state_dict_digest)
 
 PROMPT = [3, 9, 4, 17, 2]
 OUTPUT = [11, 5, 5, 30, 1, 0]
@@ -121,6 +122,13 @@ class FakeTeacherServer:
             await asyncio.sleep(1.5)
         if self.mode == "not_json":
             return web.Response(status=200, text="<html>gateway</html>", content_type="text/html")
+        if self.mode == "deep":
+            # Nested far past the interpreter's recursion limit (a C decoder raises RecursionError on it).
+            nest = 100_000
+            text = '{"meta_info": {"input_token_logprobs": ' + "[" * nest + "]" * nest + "}}"
+            return web.Response(status=200, text=text, content_type="application/json")
+        if self.mode in ("huge_streamed", "huge_declared"):
+            return await self.huge(request)
         out = sglang_answer(self.model, body)
         meta = out["meta_info"]
         if self.mode == "short":
@@ -134,7 +142,33 @@ class FakeTeacherServer:
             out = {"text": ""}
         elif self.mode == "positive":
             meta["input_token_logprobs"][1][0] = 0.7
+        elif self.mode == "id_over_2_63":
+            meta["input_token_logprobs"][2][1] = 2**63 + 11
+        elif self.mode == "top_id_over_2_63":
+            meta["input_top_logprobs"][1][0][1] = 2**64 + 5
+        elif self.mode == "negative_top_id":
+            meta["input_top_logprobs"][3][1][1] = -3
         return web.json_response(out)
+
+    #: What the huge answers would be in all.
+    HUGE_BYTES = 300 << 20
+
+    async def huge(self, request: web.Request) -> web.StreamResponse:
+        """A 300 MB answer in 1 MB writes, chunked or with its Content-Length declared;
+        ``sent`` counts the bytes written before the client hung up."""
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        if self.mode == "huge_declared":
+            resp.content_length = self.HUGE_BYTES
+        self.sent = 0
+        await resp.prepare(request)
+        block = b"[" + b"0," * ((1 << 19) - 1)
+        try:
+            while self.sent < self.HUGE_BYTES:
+                await resp.write(block)
+                self.sent += len(block)
+        except (ConnectionError, RuntimeError):  # the client hung up (aiohttp raises ClientConnectionResetError)
+            pass
+        return resp
 
 
 @pytest.fixture
@@ -264,6 +298,63 @@ def test_http_teacher_failures_are_clear_teacher_errors(model, mode, match):
     assert "teacher 'flaky'" in str(err) and f"{server.url}/generate" in str(err)
     if mode == "slow":
         assert took < 2.0  # the timeout, not the server, ended the call
+
+
+@pytest.mark.parametrize("mode,top_k,match", [
+    ("deep", 0, r"the answer nests 100002 levels deep; expected at most 32"),
+    ("id_over_2_63", 0, r"input_token_logprobs at output position 1 names token id 9223372036854775819; expected 0 <= id < 2\*\*31"),
+    ("top_id_over_2_63", 2, r"input_top_logprobs at output position 0 names token id 18446744073709551621; expected 0 <= id"),
+    ("negative_top_id", 2, r"input_top_logprobs at output position 2 names token id -3; expected 0 <= id < 2\*\*31"),
+])
+def test_http_teacher_refuses_deep_json_and_ids_out_of_range(model, mode, top_k, match):
+    """A hostile or broken answer (nested past the recursion limit, a token id beyond 2**63,
+    a negative top-K id) is a TeacherError naming the URL, never a RecursionError, an
+    OverflowError or a negative id recorded as a token."""
+
+    async def go(server):
+        server.expect = (PROMPT, OUTPUT, 1.0, top_k)
+        server.mode = mode
+        teacher = HTTPTeacher(server.url, name="odd", version="v1", timeout_s=30)
+        try:
+            with pytest.raises(TeacherError, match=match) as info:
+                await teacher.score(PROMPT, OUTPUT, temperature=1.0, top_k=top_k)
+        finally:
+            await teacher.close()
+        return server, info.value
+
+    server, err = run(_with_server(model, go))
+    assert server.errors == []
+    assert f"teacher 'odd': POST {server.url}/generate" in str(err)
+
+
+@pytest.mark.parametrize("mode", ["huge_streamed", "huge_declared"])
+def test_http_teacher_reads_no_more_than_the_request_can_need(model, mode):
+    """A 300 MB answer to a 5 + 6-token request is refused once past the request's bound
+    (ANSWER_OVERHEAD_BYTES + entries x ANSWER_BYTES_PER_ENTRY, about 1 MB here), read no
+    further: unread when its Content-Length declares it, else abandoned past the bound."""
+
+    async def go(server):
+        server.expect = (PROMPT, OUTPUT, 1.0, 0)
+        server.mode = mode
+        teacher = HTTPTeacher(server.url, name="big", version="v1", timeout_s=30)
+        try:
+            with pytest.raises(TeacherError) as info:
+                await teacher.score(PROMPT, OUTPUT, temperature=1.0)
+        finally:
+            await teacher.close()
+        await asyncio.sleep(0.2)  # let the server see the hang-up
+        return server, info.value
+
+    server, err = run(_with_server(model, go))
+    limit = answer_limit(len(PROMPT) + len(OUTPUT), len(OUTPUT), 0)
+    assert limit < 2 << 20
+    assert f"teacher 'big': POST {server.url}/generate" in str(err)
+    if mode == "huge_declared":
+        assert f"the answer is {server.HUGE_BYTES} bytes (Content-Length), over the limit of {limit}" in str(err)
+    else:
+        assert f"the answer is over the limit of {limit} bytes for this request" in str(err)
+    # What the server got out before the client hung up: the bound and the sockets' buffers, not the 300 MB.
+    assert server.sent < 64 << 20, server.sent
 
 
 def test_http_teacher_unreachable_server_names_the_url():
