@@ -14,8 +14,8 @@ misses a turn the agent acted on; if the answer cannot be delivered, a
 
 Status codes: 401 no API key, or a key that is no session's; 409 a
 session that is not running (ended, or not started); 429 the session's turn
-cap; 400 malformed JSON or a request we cannot read (the message names the
-field), or a prompt that leaves no room in the model's context
+cap; 400 malformed JSON, JSON nested deeper than ``json_depth.MAX_JSON_DEPTH``
+levels, or a request we cannot read (the message names the field), or a prompt that leaves no room in the model's context
 (``context_length_exceeded``); 408 a body that did not arrive in time; 413 a
 body over the size limit; 405 a method the route does not take; 502 the
 backend failed; 503 the gateway cannot record (its log or backend failed for
@@ -50,6 +50,7 @@ from .api import APIS, ResponsesAPI, TurnRequest, TurnResult, error_body, now_s
 from .backends import Backend, BackendError, SamplingParams
 from .chat import ByteChatTemplate, ChatTemplate, HermesToolParser, RequestError, ToolCallParser, assistant_message
 from .connections import GuardedSite, request_bounds_middleware
+from .json_depth import JSONTooDeep, decode_json
 
 _log = get_logger("agentlog.gateway")
 
@@ -449,11 +450,11 @@ class Gateway:
         if len(raw) > cap:  # chunked bodies are checked here
             raise _Refused(413, "request_too_large", f"request body of {len(raw)} bytes is over the limit of {cap}")
         try:
-            body = msgspec.json.decode(raw)
+            body = decode_json(raw, "request body")
+        except JSONTooDeep as exc:
+            raise _Refused(400, "invalid_request_error", str(exc)) from None
         except msgspec.DecodeError as exc:
             raise _Refused(400, "invalid_request_error", f"malformed JSON in the request body: {exc}") from None
-        except RecursionError:
-            raise _Refused(400, "invalid_request_error", "request body: JSON nested too deeply to read") from None
         if not isinstance(body, dict):
             raise _Refused(400, "invalid_request_error", f"request body: expected a JSON object, found {type(body).__name__}")
         return body
