@@ -180,6 +180,11 @@ class Gateway:
         self.template = template or ByteChatTemplate(self.parser)
         self.config = config or GatewayConfig()
         self.admin_token = admin_token
+        c = self.config
+        try:
+            check_sampling({"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k}, "GatewayConfig")
+        except AdminFieldError as exc:
+            raise ValueError(str(exc)) from None
         record_cap = getattr(engine.log, "max_record_bytes", DEFAULT_MAX_RECORD_BYTES)
         #: The body cap in force (the configured one, or derived from the log's record cap).
         self.max_body_bytes = self.config.max_body_bytes or body_cap_for(record_cap, backend.context_length, self.config.max_tokens_cap)
@@ -468,7 +473,7 @@ class Gateway:
         cfg = self._sessions.get(sid)
         if cfg is not None:
             base.update(cfg.sampling)
-        base.update((k, v) for k, v in req.overrides.items() if k != "stop")
+        base.update((k, v) for k, v in req.overrides.items() if k != "stop")  # each checked as the request was parsed
         try:
             check_sampling(base, "sampling")
         except AdminFieldError as exc:
