@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 
 import aiohttp
@@ -246,5 +247,125 @@ def test_gateway_defaults_outside_the_samplers_range_are_refused_at_construction
         with pytest.raises(ValueError, match=r"GatewayConfig.temperature: expected a number in \[0.01, 100\], found 0.0"):
             async with rig(ScriptedBackend(lambda p: "ok"), config=GatewayConfig(temperature=0.0)):
                 pass
+
+    run(body())
+
+
+# ------------------------------------------------------------ slow loris
+
+
+class _Attackers:
+    """Sockets that hold connection slots without ever finishing a request
+    head: half send nothing, half trickle a byte every 50 ms. Each one that
+    the gateway closes reconnects at once. They run on their own thread and
+    event loop, as another machine's would."""
+
+    def __init__(self, port: int, count: int) -> None:
+        self.port, self.count = port, count
+        self.connects = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="slow-loris", daemon=True)
+
+    def __enter__(self) -> "_Attackers":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        assert not self._thread.is_alive(), "the attacker thread did not stop"
+
+    async def _main(self) -> None:
+        await asyncio.gather(*(self._one(trickle=i % 2 == 1) for i in range(self.count)))
+
+    async def _one(self, trickle: bool) -> None:
+        while not self._stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            except OSError:
+                await asyncio.sleep(0.01)
+                continue
+            self.connects += 1
+            try:
+                if trickle:
+                    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\n")
+                while not self._stop.is_set() and not reader.at_eof():
+                    if trickle:
+                        writer.write(b"X")
+                    try:
+                        await asyncio.wait_for(reader.read(1024), 0.05)
+                    except asyncio.TimeoutError:
+                        pass
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                writer.close()
+
+
+def test_silent_and_trickling_attackers_at_the_cap_leave_well_behaved_clients_served():
+    """150 silent or trickling sockets used to fill the cap for good: a
+    well-behaved client got 0 of 80 answers and the admin API was locked out.
+    Heads are timed from accept, and at the cap a new connection closes the
+    longest-waiting one that never sent a whole head, so clients and the
+    operator are served while the attack goes on."""
+    cap = 24
+
+    async def body():
+        config = GatewayConfig(max_connections=cap, admin_connections=4, header_timeout_s=1.0)
+        async with rig(ScriptedBackend(lambda p: "ok"), config=config) as (gw, engine, log):
+            gw.admin_token = "tok"
+            for i in range(4):
+                await open_running(engine, f"s{i}")
+            with _Attackers(int(gw.url.rsplit(":", 1)[1]), cap) as attackers:
+                deadline = time.monotonic() + 10
+                while len(gw._site.open) < cap and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                assert len(gw._site.open) == cap, "the attackers did not reach the cap"
+
+                async def client(sid: str) -> list[int]:
+                    statuses = []
+                    headers = {"Authorization": f"Bearer {key_for(gw, sid)}"}
+                    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+                        for _ in range(15):
+                            try:
+                                async with s.post(gw.url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4}, headers=headers) as r:
+                                    await r.read()
+                                    statuses.append(r.status)
+                            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                                statuses.append(type(exc).__name__)
+                    return statuses
+
+                async def operator() -> list[int]:
+                    statuses = []
+                    for _ in range(5):
+                        async with aiohttp.ClientSession() as s:
+                            async with s.get(gw.url + "/admin/sessions/s0", headers=ADMIN) as r:
+                                statuses.append(r.status)
+                        await asyncio.sleep(0.1)
+                    return statuses
+
+                results = await asyncio.gather(*(client(f"s{i}") for i in range(4)), operator())
+                reconnects = attackers.connects - cap
+            answered = [x for statuses in results[:4] for x in statuses]
+            ok = sum(1 for x in answered if x == 200)
+            assert ok >= 0.95 * len(answered), (ok, len(answered), answered)
+            assert results[4] == [200] * 5, results[4]
+            assert reconnects > 0 and gw._site.evicted + gw._site.timed_out > 0
+            assert len(turns_of(log)) == ok
+
+    run(body())
+
+
+def test_a_socket_that_sends_nothing_is_closed_after_the_head_timeout_from_accept():
+    """The head clock used to start at a connection's first byte: a socket
+    that never sent one was held until aiohttp's keep-alive timeout (75 s)."""
+
+    async def body():
+        async with rig(ScriptedBackend(lambda p: "ok"), config=GatewayConfig(header_timeout_s=0.3)) as (gw, engine, log):
+            reader, writer = await asyncio.open_connection("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))
+            t0 = time.monotonic()
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            assert 0.25 < time.monotonic() - t0 < 3 and gw._site.timed_out == 1
+            writer.close()
 
     run(body())
