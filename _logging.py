@@ -14,6 +14,18 @@ each call, where an event goes:
 * else nowhere, at the cost of a function call and two attribute reads:
   nothing is formatted.
 
+**Failures on an event loop.** An error event that carries an exception
+(``exception()``, or ``exc_info=`` on any level) and is emitted on a thread
+running an asyncio event loop is logged as one line: ``error`` holds the
+exception's type and message (cut to :data:`ERROR_TEXT_LIMIT` characters),
+and no renderer ever sees the exception, so none can render a traceback with
+every frame's locals while the loop waits (structlog's console renderer
+does, with rich installed: one deep ``RecursionError`` froze a gateway for
+minutes). The traceback follows as a separate ``<event>.traceback`` event at
+debug level, plain text formatted on a worker thread, and only when debug is
+enabled. Off the loop (a worker or writer thread) ``exc_info`` is passed on
+as before.
+
 Why not plain ``structlog.get_logger``: unconfigured structlog prints every
 event (``log.segment.created`` at debug level included) to stdout, so merely
 opening a ``FileLog`` from a script wrote to the console. The ``agentlog``
@@ -23,7 +35,10 @@ they always did.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import sys
+import traceback
 from typing import Any
 
 import structlog
@@ -37,6 +52,36 @@ _LEVELS = {
     "exception": logging.ERROR,
     "critical": logging.CRITICAL,
 }
+
+
+#: Characters of an exception's message kept in a one-line ``error`` field.
+ERROR_TEXT_LIMIT = 500
+#: Innermost frames kept in a traceback logged at debug level, and its size cap.
+_TRACEBACK_FRAMES = 50
+_TRACEBACK_CHARS = 64 * 1024
+
+
+def describe_error(exc: BaseException, limit: int = ERROR_TEXT_LIMIT) -> str:
+    """``"Type: message"`` on one line, the message cut to ``limit`` characters."""
+    text = " ".join(str(exc).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def format_traceback(exc: BaseException) -> str:
+    """The plain-text traceback of ``exc`` (its innermost frames, no locals), capped in size."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-_TRACEBACK_FRAMES))
+    if len(text) > _TRACEBACK_CHARS:
+        text = text[: _TRACEBACK_CHARS // 2] + "\n... (traceback cut) ...\n" + text[-_TRACEBACK_CHARS // 2 :]
+    return text
+
+
+def _on_event_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class Logger:
@@ -59,6 +104,50 @@ class Logger:
         return Logger(self.name, {**self._bound, **fields})
 
     def _emit(self, method: str, event: str, fields: dict[str, Any]) -> None:
+        if method == "exception" or fields.get("exc_info"):
+            exc = _exception_of(fields.pop("exc_info", True))
+            method = "error" if method == "exception" else method
+            loop = _on_event_loop()
+            if exc is not None and loop is not None:
+                self._failure_on_loop(loop, method, event, fields, exc)
+                return
+            if exc is not None:
+                fields["exc_info"] = exc
+        self._write(method, event, fields)
+
+    def _failure_on_loop(self, loop: asyncio.AbstractEventLoop, method: str, event: str, fields: dict[str, Any], exc: BaseException) -> None:
+        """One line now; the traceback at debug level, formatted on a worker thread."""
+        fields.setdefault("error", describe_error(exc))
+        self._write(method, event, fields)
+        if not self._enabled(logging.DEBUG):
+            return
+        context = {k: v for k, v in fields.items() if k != "error"}
+        try:
+            rendering = loop.run_in_executor(None, format_traceback, exc)
+        except RuntimeError as why:  # the loop's executor is shut down (the loop is closing)
+            self._write("debug", f"{event}.traceback", {**context, "traceback": f"not formatted: {why}"})
+            return
+
+        def logged(done: "asyncio.Future[str]") -> None:
+            if done.cancelled():
+                text = "not formatted: the loop closed first"
+            elif done.exception() is not None:
+                text = f"not formatted: {describe_error(done.exception())}"  # type: ignore[arg-type]
+            else:
+                text = done.result()
+            self._write("debug", f"{event}.traceback", {**context, "traceback": text})
+
+        rendering.add_done_callback(logged)
+
+    def _enabled(self, level: int) -> bool:
+        """Whether an event at ``level`` would be emitted anywhere."""
+        if structlog.is_configured():
+            bound = self._structlog.bind()
+            check = getattr(bound, "is_enabled_for", None) or getattr(bound, "isEnabledFor", None)
+            return True if check is None else bool(check(level))
+        return self._stdlib.isEnabledFor(level) and self._stdlib.hasHandlers()
+
+    def _write(self, method: str, event: str, fields: dict[str, Any]) -> None:
         if structlog.is_configured():
             getattr(self._structlog, method)(event, **fields)
             return
@@ -67,11 +156,9 @@ class Logger:
         if not std.isEnabledFor(level) or not std.hasHandlers():
             return  # the application configured neither: stay silent
         exc_info = fields.pop("exc_info", None)
-        if method == "exception" and exc_info is None:
-            exc_info = True
         values = {**self._bound, **fields}
         text = " ".join([event] + [f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in values.items()])
-        std.log(level, "%s", text, exc_info=exc_info, stacklevel=3,
+        std.log(level, "%s", text, exc_info=exc_info, stacklevel=4,
                 extra={"agentlog_event": event, "agentlog_fields": values})
 
     def debug(self, event: str, **fields: Any) -> None:
@@ -97,6 +184,18 @@ class Logger:
     def critical(self, event: str, **fields: Any) -> None:
         """Emit ``event`` at critical level."""
         self._emit("critical", event, fields)
+
+
+def _exception_of(exc_info: Any) -> BaseException | None:
+    """The exception an ``exc_info`` value names: an exception, a
+    ``sys.exc_info()`` triple, or True (the one being handled); else None."""
+    if isinstance(exc_info, BaseException):
+        return exc_info
+    if isinstance(exc_info, tuple) and len(exc_info) == 3 and isinstance(exc_info[1], BaseException):
+        return exc_info[1]
+    if exc_info is True:
+        return sys.exc_info()[1]
+    return None
 
 
 def get_logger(name: str, **bound: Any) -> Logger:

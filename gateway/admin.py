@@ -10,8 +10,10 @@ fields are refused too: a misspelt ``sample_idx`` silently ignored would
 open the session with the wrong membership.
 
 The sampling rules (:data:`SAMPLING_RULES`) are the gateway's single
-statement of what a sampling value may be; the turn path checks the merged
-per-turn values with :func:`check_sampling` as well.
+statement of what a sampling value may be, the range a sampler can use: the
+wire APIs check a client's values with them as a request is parsed
+(``api._sampling``), and the turn path checks the merged per-turn values with
+:func:`check_sampling` as well.
 """
 
 from __future__ import annotations
@@ -46,21 +48,36 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-#: Sampling keys a session may set, with their rule and its wording. ``seed``
-#: feeds torch.Generator.manual_seed; temperature 0 (greedy) has no per-token
+#: The temperatures every backend samples at as given. vLLM raises a
+#: temperature below 0.01 to 0.01 (its guard against inf/NaN logits) and
+#: SGLang samples greedily below 1e-5, so the log-probs recorded for a lower
+#: one would not be of the temperature recorded; the built-in sampler divides
+#: float32 logits by it (5e-324 is 0 there: NaN probabilities, a failed
+#: turn). Above 100 every token is close to equally likely already.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
+#: The smallest top_p: float32's smallest normal number (the samplers hold
+#: top_p in float32, where a smaller value is 0 or loses its precision).
+MIN_TOP_P = 2.0**-126
+#: The largest top_k, max_new_tokens: what a sampler's int32 holds.
+_INT32_MAX = 2**31 - 1
+
+#: Sampling keys a session (or a request) may set, with their rule and its
+#: wording: the range a sampler can use. ``seed`` feeds
+#: torch.Generator.manual_seed; temperature 0 (greedy) has no per-token
 #: distribution to record log-probs from.
 SAMPLING_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "temperature": (lambda v: _is_number(v) and v > 0, "a number > 0 (finite)"),
-    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
-    "top_k": (lambda v: _is_int(v) and -1 <= v <= 2**31 - 1, "an int >= -1 (-1 or 0: off)"),
+    "temperature": (lambda v: _is_number(v) and MIN_TEMPERATURE <= v <= MAX_TEMPERATURE, f"a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}]"),
+    "top_p": (lambda v: _is_number(v) and MIN_TOP_P <= v <= 1, f"a number in [{MIN_TOP_P:.3g}, 1]"),
+    "top_k": (lambda v: _is_int(v) and -1 <= v <= _INT32_MAX, "an int in [-1, 2**31 - 1] (-1 or 0: off)"),
     "seed": (lambda v: _is_int(v) and 0 <= v < 2**63, "an int in [0, 2**63)"),
-    "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= 2**31 - 1, "an int >= 1"),
+    "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= _INT32_MAX, "an int in [1, 2**31 - 1]"),
 }
 
 
 def check_sampling(values: dict[str, Any], where: str) -> None:
     """Raise AdminFieldError (field ``<where>.<key>``) for the first unknown
-    key or value outside its rule in ``values``."""
+    key or value outside its rule in ``values``, naming the value and the
+    accepted range."""
     unknown = sorted(set(values) - set(SAMPLING_RULES))
     if unknown:
         raise AdminFieldError(where, f"keys among {sorted(SAMPLING_RULES)}", f"unknown keys {unknown}")
@@ -201,4 +218,4 @@ def parse_end(action: str, body: dict[str, Any]) -> dict[str, Any]:
     return {"reason": _text(body, "reason", "admin", non_empty=True)}
 
 
-__all__ = ["AdminFieldError", "OpenRequest", "SAMPLING_RULES", "check_json_value", "check_sampling", "parse_end", "parse_open"]
+__all__ = ["AdminFieldError", "MAX_TEMPERATURE", "MIN_TEMPERATURE", "MIN_TOP_P", "OpenRequest", "SAMPLING_RULES", "check_json_value", "check_sampling", "parse_end", "parse_open"]

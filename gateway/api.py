@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from .admin import SAMPLING_RULES
 from .chat import RequestError, ToolSpec, assistant_message, canonical_arguments, text_of
 
 _enc = msgspec.json.Encoder()
@@ -27,7 +28,7 @@ _enc = msgspec.json.Encoder()
 _SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
 
 #: Integers a request may carry: what the log's encoding holds (64 bits).
-_INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
+_INT_MAX = 2**63 - 1
 
 
 class TurnRequest(msgspec.Struct):
@@ -72,10 +73,9 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
         value = body.get(wire)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RequestError(wire, "a number", value)
-        if isinstance(value, int) and not _INT_MIN <= value <= _INT_MAX:
-            raise RequestError(wire, "a number within 64-bit integer range", value)
+        usable, expected = SAMPLING_RULES[ours]  # the range a sampler can use
+        if not usable(value):
+            raise RequestError(wire, expected, value)
         out[ours] = value
     # Stop strings are recorded as asked; no backend here honours them (the
     # template's stop ids end a turn), so the gateway records them as ignored.

@@ -28,6 +28,9 @@ from typing import Any, Callable
 
 import msgspec
 
+from .json_depth import JSONTooDeep, loads_json_text
+
+
 # ---------------------------------------------------------------- messages
 
 
@@ -48,8 +51,8 @@ def canonical_arguments(args: Any) -> Any:
         return args
     if isinstance(args, str):
         try:
-            parsed = json.loads(args)
-        except ValueError:
+            parsed = loads_json_text(args, "tool call arguments")
+        except ValueError:  # not JSON, or nested past the limit: kept as the text it is
             return args
         return parsed if isinstance(parsed, dict) else args
     return {} if args is None else args
@@ -171,7 +174,9 @@ class HermesToolParser(ToolCallParser):
         calls = []
         for i, m in enumerate(self._block.finditer(text)):
             try:
-                obj = json.loads(m.group(1))
+                obj = loads_json_text(m.group(1), f"tool call {i}")
+            except JSONTooDeep as exc:
+                return ParsedOutput(text, [], True, str(exc))
             except ValueError as exc:
                 return ParsedOutput(text, [], True, f"tool call {i}: invalid JSON: {exc}")
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):

@@ -14,8 +14,8 @@ misses a turn the agent acted on; if the answer cannot be delivered, a
 
 Status codes: 401 no API key, or a key that is no session's; 409 a
 session that is not running (ended, or not started); 429 the session's turn
-cap; 400 malformed JSON or a request we cannot read (the message names the
-field), or a prompt that leaves no room in the model's context
+cap; 400 malformed JSON, JSON nested deeper than ``json_depth.MAX_JSON_DEPTH``
+levels, or a request we cannot read (the message names the field), or a prompt that leaves no room in the model's context
 (``context_length_exceeded``); 408 a body that did not arrive in time; 413 a
 body over the size limit; 405 a method the route does not take; 502 the
 backend failed; 503 the gateway cannot record (its log or backend failed for
@@ -50,6 +50,7 @@ from .api import APIS, ResponsesAPI, TurnRequest, TurnResult, error_body, now_s
 from .backends import Backend, BackendError, SamplingParams
 from .chat import ByteChatTemplate, ChatTemplate, HermesToolParser, RequestError, ToolCallParser, assistant_message
 from .connections import GuardedSite, request_bounds_middleware
+from .json_depth import JSONTooDeep, decode_json
 
 _log = get_logger("agentlog.gateway")
 
@@ -78,14 +79,22 @@ class GatewayConfig(msgspec.Struct, frozen=True):
     #: Bytes of large bodies in flight at once; a large body beyond it is
     #: answered 503 at once (a decoded body costs tens of times its size).
     large_bodies_bytes: int = 32 * 2**20
-    #: Seconds a request's headers may take once its first byte arrived.
+    #: Seconds a request's head (request line and headers) may take, from the
+    #: connection's accept or, on a kept-alive connection, the request's first
+    #: byte; slower connections (silent or trickling ones) are closed.
     header_timeout_s: float = 10.0
     #: Seconds a request's body may take to arrive; slower ones get 408.
     body_timeout_s: float = 60.0
     #: Seconds an idle keep-alive connection is kept open.
     idle_timeout_s: float = 75.0
-    #: Open connections at most; beyond it a new one is answered 503 and closed.
+    #: Open connections at most. At the cap a new one closes the connection
+    #: that waited longest with no request in progress; when every one has a
+    #: request in progress, the new one is answered 503 and closed.
     max_connections: int = 1024
+    #: Connections of the cap kept for the admin API and /health: agent
+    #: requests in progress at once stay below max_connections minus this, so
+    #: an operator always gets in. None: an eighth of the cap, 1 to 8.
+    admin_connections: int | None = None
     #: Output allowance when the client names none.
     default_max_tokens: int = 512
     #: Cap on any client's max_tokens (Claude Code asks for 64000).
@@ -179,6 +188,11 @@ class Gateway:
         self.template = template or ByteChatTemplate(self.parser)
         self.config = config or GatewayConfig()
         self.admin_token = admin_token
+        c = self.config
+        try:
+            check_sampling({"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k}, "GatewayConfig")
+        except AdminFieldError as exc:
+            raise ValueError(str(exc)) from None
         record_cap = getattr(engine.log, "max_record_bytes", DEFAULT_MAX_RECORD_BYTES)
         #: The body cap in force (the configured one, or derived from the log's record cap).
         self.max_body_bytes = self.config.max_body_bytes or body_cap_for(record_cap, backend.context_length, self.config.max_tokens_cap)
@@ -206,7 +220,8 @@ class Gateway:
     def app(self) -> web.Application:
         """The aiohttp application (routes only; see :meth:`start`)."""
         app = web.Application(
-            client_max_size=self.max_body_bytes, middlewares=[request_bounds_middleware(lambda: self._site), self._json_http_errors]
+            client_max_size=self.max_body_bytes,
+            middlewares=[request_bounds_middleware(lambda: self._site, _is_operator_request), self._json_http_errors],
         )
         r = app.router
         r.add_route("HEAD", "/", self._health)
@@ -233,12 +248,13 @@ class Gateway:
             self.app(), handler_cancellation=True, access_log=None, keepalive_timeout=c.idle_timeout_s, shutdown_timeout=1.0
         )
         await self._runner.setup()
-        site = GuardedSite(self._runner, host, port, header_timeout_s=c.header_timeout_s, max_connections=c.max_connections)
+        site = GuardedSite(self._runner, host, port, header_timeout_s=c.header_timeout_s, max_connections=c.max_connections,
+                           admin_connections=c.admin_connections)
         await site.start()
         self._site = site
         self.url = f"http://{host}:{site.port}"
         _log.info("gateway.listening", url=self.url, backend=self.backend.name, template=self.template.name,
-                  max_body_bytes=self.max_body_bytes, max_connections=c.max_connections)
+                  max_body_bytes=self.max_body_bytes, max_connections=c.max_connections, admin_connections=site.admin_connections)
         return self.url
 
     async def drain(self, timeout_s: float) -> int:
@@ -449,11 +465,11 @@ class Gateway:
         if len(raw) > cap:  # chunked bodies are checked here
             raise _Refused(413, "request_too_large", f"request body of {len(raw)} bytes is over the limit of {cap}")
         try:
-            body = msgspec.json.decode(raw)
+            body = decode_json(raw, "request body")
+        except JSONTooDeep as exc:
+            raise _Refused(400, "invalid_request_error", str(exc)) from None
         except msgspec.DecodeError as exc:
             raise _Refused(400, "invalid_request_error", f"malformed JSON in the request body: {exc}") from None
-        except RecursionError:
-            raise _Refused(400, "invalid_request_error", "request body: JSON nested too deeply to read") from None
         if not isinstance(body, dict):
             raise _Refused(400, "invalid_request_error", f"request body: expected a JSON object, found {type(body).__name__}")
         return body
@@ -467,7 +483,7 @@ class Gateway:
         cfg = self._sessions.get(sid)
         if cfg is not None:
             base.update(cfg.sampling)
-        base.update((k, v) for k, v in req.overrides.items() if k != "stop")
+        base.update((k, v) for k, v in req.overrides.items() if k != "stop")  # each checked as the request was parsed
         try:
             check_sampling(base, "sampling")
         except AdminFieldError as exc:
@@ -850,6 +866,12 @@ class Gateway:
         h = self.engine.get(sid)
         state = h.state if h is not None else self.engine.status(sid)
         return web.json_response({"session_id": sid, "state": None if state is None else str(state), "turns": h.turns if h else None})
+
+
+def _is_operator_request(request: web.Request) -> bool:
+    """The admin API and the health checks: they may use the connections kept for operators."""
+    path = request.path
+    return path.startswith("/admin/") or path in ("/", "/health")
 
 
 def _check_recordable(api_name: str, req: TurnRequest) -> None:

@@ -58,13 +58,23 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def configure_output() -> None:
     """The commands print the library's log events as they always have:
-    structlog's builtin console output. The library itself stays silent until
-    an application configures logging (``agentlog._logging``); a caller that
-    configured structlog already (a test, an embedding program) keeps its own."""
+    structlog's builtin console output, except that a traceback is plain text
+    without locals (structlog's default, with rich installed, renders every
+    frame's locals: minutes for one deep ``RecursionError``). The library
+    itself stays silent until an application configures logging
+    (``agentlog._logging``); a caller that configured structlog already (a
+    test, an embedding program) keeps its own."""
     import structlog
 
     if not structlog.is_configured():
-        structlog.configure()
+        structlog.configure(processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.StackInfoRenderer(),
+            structlog.dev.set_exc_info,
+            structlog.processors.TimeStamper(fmt="%Y-%m-%d %H:%M:%S", utc=False),
+            structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback),
+        ])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,13 +49,13 @@ def _admin_rig():
         ({"metadata": {"deep": [[{"n": -(2**64)}]]}}, "metadata.deep[0][0].n: expected an integer in [-2**63, 2**64 - 1]"),
         ({"agent": 5}, "agent: expected a string, found 5"),
         # Medium 10: values that broke every later turn or were silently rounded.
-        ({"sampling": {"max_new_tokens": "x"}}, "sampling.max_new_tokens: expected an int >= 1, found 'x'"),
-        ({"sampling": {"max_new_tokens": -5}}, "sampling.max_new_tokens: expected an int >= 1, found -5"),
-        ({"sampling": {"max_new_tokens": 2.0}}, "sampling.max_new_tokens: expected an int >= 1, found 2.0"),
-        ({"sampling": {"temperature": 0}}, "sampling.temperature: expected a number > 0"),
-        ({"sampling": {"temperature": True}}, "sampling.temperature: expected a number > 0"),
-        ({"sampling": {"top_p": 1.5}}, "sampling.top_p: expected a number in (0, 1], found 1.5"),
-        ({"sampling": {"top_k": 2.5}}, "sampling.top_k: expected an int >= -1"),
+        ({"sampling": {"max_new_tokens": "x"}}, "sampling.max_new_tokens: expected an int in [1, 2**31 - 1], found 'x'"),
+        ({"sampling": {"max_new_tokens": -5}}, "sampling.max_new_tokens: expected an int in [1, 2**31 - 1], found -5"),
+        ({"sampling": {"max_new_tokens": 2.0}}, "sampling.max_new_tokens: expected an int in [1, 2**31 - 1], found 2.0"),
+        ({"sampling": {"temperature": 0}}, "sampling.temperature: expected a number in [0.01, 100]"),
+        ({"sampling": {"temperature": True}}, "sampling.temperature: expected a number in [0.01, 100]"),
+        ({"sampling": {"top_p": 1.5}}, "sampling.top_p: expected a number in [1.18e-38, 1], found 1.5"),
+        ({"sampling": {"top_k": 2.5}}, "sampling.top_k: expected an int in [-1, 2**31 - 1]"),
         ({"sampling": {"seed": 1.5}}, "sampling.seed: expected an int in [0, 2**63), found 1.5"),
         ({"sampling": {"seed": -1}}, "sampling.seed: expected an int in [0, 2**63), found -1"),
         ({"group_size": 1.9}, "group_size: expected an int >= 1, found 1.9"),
@@ -294,7 +294,7 @@ def test_a_wrong_admin_token_is_403_and_opens_nothing(token):
 def test_configure_session_refuses_sampling_a_turn_could_not_run():
     async def body():
         async with _admin_rig() as (gw, engine, log):
-            with pytest.raises(ValueError, match=r"session 's': sampling.max_new_tokens: expected an int >= 1, found -5"):
+            with pytest.raises(ValueError, match=r"session 's': sampling.max_new_tokens: expected an int in \[1, 2\*\*31 - 1\], found -5"):
                 gw.configure_session("s", sampling={"max_new_tokens": -5})
             with pytest.raises(ValueError, match=r"max_turns: expected an int >= 1, found 1.5"):
                 gw.configure_session("s", max_turns=1.5)
@@ -303,7 +303,7 @@ def test_configure_session_refuses_sampling_a_turn_could_not_run():
     run(body())
 
 
-@pytest.mark.parametrize("override, problem", [({"seed": 1.5}, "sampling.seed: expected an int in [0, 2**63), found 1.5"), ({"seed": -1}, "sampling.seed: expected an int in [0, 2**63), found -1")])
+@pytest.mark.parametrize("override, problem", [({"seed": 1.5}, "seed: expected an int in [0, 2**63), found 1.5"), ({"seed": -1}, "seed: expected an int in [0, 2**63), found -1")])
 def test_a_clients_sampling_obeys_the_same_rules_as_the_sessions(override, problem):
     """One statement of the sampling rules (admin.SAMPLING_RULES) for admin
     defaults and per-request values: a float seed no longer reaches the sampler."""

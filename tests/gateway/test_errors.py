@@ -241,9 +241,9 @@ def test_malformed_json_and_bad_fields_are_400_naming_the_problem():
                 ("/v1/messages", {"messages": CHAT, "max_tokens": 5, "tools": "shell"}, "tools: expected a list of tool objects"),
                 ("/v1/responses", {"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": 3}]}, "tools[0].tools: expected a list"),
                 # Sampling values no recorded turn can use: 400 before anything runs, never a backend 502.
-                ("/v1/chat/completions", {"messages": CHAT, "temperature": 0}, "temperature: expected a number > 0"),
-                ("/v1/messages", {"messages": CHAT, "max_tokens": 5, "temperature": -1}, "temperature: expected a number > 0"),
-                ("/v1/chat/completions", {"messages": CHAT, "top_p": 7}, "top_p: expected a number in (0, 1]"),
+                ("/v1/chat/completions", {"messages": CHAT, "temperature": 0}, "temperature: expected a number in [0.01, 100], found 0"),
+                ("/v1/messages", {"messages": CHAT, "max_tokens": 5, "temperature": -1}, "temperature: expected a number in [0.01, 100], found -1"),
+                ("/v1/chat/completions", {"messages": CHAT, "top_p": 7}, "top_p: expected a number in [1.18e-38, 1], found 7"),
             ]:
                 status, err = await _post(gw.url, path, key_for(gw, "s"), json.dumps(bad))
                 message = err["error"]["message"]

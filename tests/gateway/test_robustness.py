@@ -21,7 +21,7 @@ from agentlog.gateway.backends import BackendError
 from agentlog.events import FileLog, OsOps
 from agentlog.events.log_api import LogClosed, MemoryLog
 from agentlog.events.types import SessionAborted, SessionOpened
-from gateway_helpers import ScriptedBackend, key_for, open_running, rig, run, turns_of
+from gateway_helpers import HangingBackend, ScriptedBackend, key_for, open_running, rig, run, turns_of
 from agentlog.tools.cmd_serve import default_gateway_model
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -263,34 +263,42 @@ def test_slow_loris_connections_are_closed_after_the_header_timeout():
     run(body())
 
 
-def test_connections_beyond_the_cap_are_answered_503_and_closed_while_others_are_served():
+def test_at_the_cap_a_new_connection_closes_the_longest_waiting_one_and_503_only_when_all_are_busy():
     async def body():
-        config = GatewayConfig(max_connections=3, header_timeout_s=30)
-        async with rig(ScriptedBackend(lambda p: "x"), config=config) as (gw, engine, log):
+        config = GatewayConfig(max_connections=3, admin_connections=1, header_timeout_s=30)
+        async with rig(HangingBackend(), config=config) as (gw, engine, log):
+            gw.admin_token = "tok"
             await open_running(engine, "s")
-            held = [await _raw_connection(gw) for _ in range(2)]
+            held = [await _raw_connection(gw) for _ in range(3)]
             for _, w in held:
                 w.write(b"POST /v1/chat/completions HTTP/1.1\r\n")
             await asyncio.sleep(0.05)
-            # the third connection (within the cap) is served
-            status, _ = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), {"messages": CHAT}, {"Connection": "close"})
-            assert status == 200
-            # hold the third slot too: the fourth connection is refused
-            held.append(await _raw_connection(gw))
-            await asyncio.sleep(0.05)
+            # At the cap, no request in progress: the oldest waiting connection makes room.
+            status, _ = await _request(gw.url, "GET", "/admin/sessions/s", headers={"X-Admin-Token": "tok", "Connection": "close"})
+            assert status == 200 and gw._site.evicted == 1
+            assert await _closed_by_server(held[0][0], 5) == b""
+            # Two agent requests in progress fill the agents' share (cap 3, one kept for the admin API).
+            busy = [asyncio.ensure_future(_request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), {"messages": CHAT})) for _ in range(2)]
+            while gw._site.agent_requests < 2:
+                await asyncio.sleep(0.01)
+            status, err = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), {"messages": CHAT})
+            assert status == 503 and "1 of the 3 connections are kept for the admin API" in err["error"]["message"], err
+            assert gw._site.refused_for_admin == 1
+            # An admin request in progress (its body is slow) takes the last slot: every
+            # connection has a request in progress, so a new one is answered 503 and closed.
             r, w = await _raw_connection(gw)
-            answer = await _closed_by_server(r, 5)
+            w.write(b"POST /admin/sessions HTTP/1.1\r\nHost: x\r\nX-Admin-Token: tok\r\nContent-Length: 100\r\n\r\n{")
+            while len(gw._site.open) < 3 or gw._site.fresh or gw._site.idle:
+                await asyncio.sleep(0.01)
+            r2, w2 = await _raw_connection(gw)
+            answer = await _closed_by_server(r2, 5)
             assert answer.startswith(b"HTTP/1.1 503 ")
-            assert "connections open, the cap is 3" in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+            assert "each with a request in progress; the cap is 3" in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
             assert gw._site.refused == 1
-            w.close()
-            # once one held connection goes, requests are served again
-            held.pop()[1].close()
-            await asyncio.sleep(0.05)
-            status, _ = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), {"messages": CHAT}, {"Connection": "close"})
-            assert status == 200
-            for _, w in held:
-                w.close()
+            for t in busy:
+                t.cancel()
+            for _, wr in held + [(r, w), (r2, w2)]:
+                wr.close()
 
     run(body())
 
@@ -393,10 +401,10 @@ def test_large_bodies_beyond_the_in_flight_budget_are_answered_503_before_readin
 @pytest.mark.parametrize(
     "path, extra, field",
     [
-        ("/v1/chat/completions", {"max_tokens": 2**70}, "max_tokens"),
-        ("/v1/chat/completions", {"seed": 2**70}, "seed"),
-        ("/v1/messages", {"max_tokens": 5, "temperature": 2**70}, "temperature"),
-        ("/v1/responses", {"seed": -(2**64)}, "seed"),
+        ("/v1/chat/completions", {"max_tokens": 2**70}, "max_tokens: expected an int >= 1 within 64 bits"),
+        ("/v1/chat/completions", {"seed": 2**70}, "seed: expected an int in [0, 2**63)"),
+        ("/v1/messages", {"max_tokens": 5, "temperature": 2**70}, "temperature: expected a number in [0.01, 100]"),
+        ("/v1/responses", {"seed": -(2**64)}, "seed: expected an int in [0, 2**63)"),
     ],
 )
 def test_integers_beyond_64_bits_are_refused_400_in_the_dialect_before_generation(path, extra, field):
@@ -408,7 +416,7 @@ def test_integers_beyond_64_bits_are_refused_400_in_the_dialect_before_generatio
             status, err = await _request(gw.url, "POST", path, key_for(gw, "s"), {**payload, **extra})
             assert status == 400, err
             message = err["error"]["message"]
-            assert field in message and "64" in message
+            assert field in message, message
             if path == "/v1/messages":
                 assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
             assert backend.prompts == [] and turns_of(log) == []
@@ -440,7 +448,7 @@ def test_json_nested_too_deeply_is_a_400_json_answer_in_the_dialect(path):
             await open_running(engine, "s")
             deep = '{"messages": ' + "[" * 5000 + "]" * 5000 + "}"
             status, err = await _request(gw.url, "POST", path, key_for(gw, "s"), deep)
-            assert status == 400 and "nested too deeply" in (err["error"]["message"])
+            assert status == 400 and "JSON nested deeper than the limit of 64 levels" in err["error"]["message"]
             if path == "/v1/messages":
                 assert err["type"] == "error"
             assert turns_of(log) == []
