@@ -182,7 +182,7 @@ def check_task(cfg: LoopConfig) -> None:
     try:
         select_task(cfg.task)
     except TaskError as exc:
-        raise CliError(f"task {cfg.task!r}: {exc}", EXIT_USAGE) from None
+        raise CliError(f"task: {exc}", EXIT_USAGE) from None
 
 
 def _log_line(cfg: LoopConfig, run_dir: Path) -> str:

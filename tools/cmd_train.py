@@ -50,5 +50,9 @@ def run(args) -> int:
         base = LoopConfig.load(args.config)
     except ConfigError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
+    try:
+        base.learner_config()  # the file's [learner] table, checked here so that its errors name the file
+    except (ConfigError, ValueError) as exc:
+        raise CliError(f"{args.config}: [learner] {exc}", EXIT_USAGE) from None
     cfg = config_from_args(args, base, task_modules=args.imports, import_dirs=[args.config.absolute().parent])
     return execute(cfg, args, title="train")
