@@ -96,8 +96,19 @@ def configure_output() -> None:
         raise CliError(f"${LOG_LEVEL_VAR}: expected debug, info, warning or error, found {name!r}", EXIT_USAGE)
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
     )
+
+
+class _CurrentStderr:
+    """``sys.stderr`` as it is at each write, not at configure time (a caller may swap it,
+    as pytest's capture does, and close the old one)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
