@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -76,6 +77,68 @@ def add_config_flags(p, *, defaults: LoopConfig) -> None:
     p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE",
                    help=f"override a learner.config.LearnerConfig field (repeatable; JSON values). Fields: {names}. "
                         f"Default overrides: {json.dumps(defaults.learner)}")
+
+
+def _toml_value(v) -> str:
+    """A default as it is written in a TOML file."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }" if v else "{}"
+    return str(v)
+
+
+def _table_lines(header: str, cls, values: dict, note: str = "") -> list[str]:
+    """``header`` (``[name]``) and one entry per field of dataclass ``cls``: ``key = default`` and the field's docstring."""
+    docs = field_help(cls)
+    lines = [header + (f"  ({note})" if note else "")]
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            key = f.name  # no default: required
+        elif values[f.name] is None:
+            key = f"{f.name}  (default: unset)"
+        else:
+            key = f"{f.name} = {_toml_value(values[f.name])}"
+        text = " ".join(docs.get(f.name, "").split())
+        lines.append(f"  {key}")
+        lines.extend(textwrap.wrap(text, 96, initial_indent="      ", subsequent_indent="      "))
+    return lines
+
+
+def config_reference(defaults: LoopConfig) -> str:
+    """Every key of a ``train`` config file, generated from the config types
+    (LoopConfig's tables, LearnerConfig, the ``[task]`` table, the teachers),
+    with its default and docstring: what ``--help`` prints after the flags."""
+    from agentlog.learner.config import LearnerConfig
+    from agentlog.loop.config import TASK_TABLE_KEYS, TeacherSpec
+
+    top = [f.name for f in dataclasses.fields(LoopConfig) if not _is_table(defaults, f.name) and f.name not in TASK_TABLE_KEYS.values()]
+    loop_help = field_help(LoopConfig)
+    intro = ("config file (agentlog train --config FILE, TOML; flags override it): its top-level keys are the loop "
+             "settings above without the dashes (--group-size is group_size): " + ", ".join(top) + ". Its tables and "
+             "their keys, with defaults:")
+    lines = [*textwrap.wrap(intro, 100), "", "[task]  (the task and the modules that register it)"]
+    for key, field_name in TASK_TABLE_KEYS.items():
+        default = getattr(defaults, field_name)
+        lines.append(f"  {key} = {_toml_value(default)}")
+        lines.extend(textwrap.wrap(" ".join(loop_help.get(field_name, "").split()), 96,
+                                   initial_indent="      ", subsequent_indent="      "))
+    learner_defaults = {f.name: getattr(LearnerConfig(), f.name) for f in dataclasses.fields(LearnerConfig)}
+    learner_defaults.update(defaults.learner)
+    lines += _table_lines("[learner]", LearnerConfig, learner_defaults, "learner.config.LearnerConfig; --learner KEY=VALUE")
+    for f in dataclasses.fields(LoopConfig):
+        value = getattr(defaults, f.name)
+        if not dataclasses.is_dataclass(value):
+            continue
+        lines += _table_lines(f"[{f.name}]", type(value), dataclasses.asdict(value), type(value).__name__)
+        if f.name == "distill":
+            given = {t.name: t.default for t in dataclasses.fields(TeacherSpec) if t.default is not dataclasses.MISSING}
+            lines += _table_lines("[[distill.teachers]]", TeacherSpec, given, "TeacherSpec; one table per teacher")
+    return "\n".join(lines)
 
 
 def _is_table(cfg: LoopConfig, name: str) -> bool:

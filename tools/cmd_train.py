@@ -19,7 +19,7 @@ import argparse
 from pathlib import Path
 
 from agentlog.tools.cli import EXIT_USAGE, CliError
-from agentlog.tools.cli_loop import add_config_flags, add_output_flags, config_from_args, execute
+from agentlog.tools.cli_loop import add_config_flags, add_output_flags, config_from_args, config_reference, execute
 from agentlog.loop.config import ConfigError, LoopConfig
 
 
@@ -29,7 +29,7 @@ def register(sub) -> None:
         "train",
         help="run the online loop with a TOML config (task, model, learner, faults)",
         description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
+        epilog=__doc__.split("\n\n", 1)[1] + "\n" + config_reference(LoopConfig()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", type=Path, required=True, metavar="FILE", help="TOML file of LoopConfig fields")

@@ -46,3 +46,49 @@ def test_a_bad_learner_table_names_the_config_file(tmp_path: Path):
     line = _one_error_line(agentlog("train", "--config", str(conf), "--out", str(tmp_path / "run")))
     assert line.startswith(f"agentlog: error: {conf}: [learner] "), line
     assert "lr" in line and "-1" in line, line
+
+
+def _tables_of(cls, prefix: str = "") -> dict[str, list[str]]:
+    """Every TOML table of the loop's config and its keys, walked from the config types themselves."""
+    import dataclasses
+    import typing
+
+    from agentlog.learner.config import LearnerConfig
+    from agentlog.loop.config import TASK_TABLE_KEYS
+
+    tables: dict[str, list[str]] = {"[task]": list(TASK_TABLE_KEYS), "[learner]": [f.name for f in dataclasses.fields(LearnerConfig)]}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            tables[f"[{f.name}]"] = [g.name for g in dataclasses.fields(kind)]
+            for g in dataclasses.fields(kind):  # a list of tables inside a table: [[distill.teachers]]
+                inner = typing.get_args(typing.get_type_hints(kind)[g.name])
+                if inner and dataclasses.is_dataclass(inner[0]):
+                    tables[f"[[{f.name}.{g.name}]]"] = [h.name for h in dataclasses.fields(inner[0])]
+    return tables
+
+
+def test_help_lists_every_config_table_and_key(capsys):
+    import dataclasses
+
+    import pytest
+
+    from agentlog.loop.config import LoopConfig
+    from agentlog.tools.cli import build_parser
+
+    tables = _tables_of(LoopConfig)
+    assert {"[agent]", "[inference]", "[rollout]", "[log]", "[faults]", "[metrics]", "[distill]", "[[distill.teachers]]"} <= set(tables)
+    for command in ("train", "demo"):
+        with pytest.raises(SystemExit):
+            build_parser([command]).parse_args([command, "--help"])
+        text = capsys.readouterr().out
+        for header, keys in tables.items():
+            assert f"\n{header}  (" in text, (command, header)
+            section = text.split(f"\n{header}  (", 1)[1].split("\n[", 1)[0]
+            for key in keys:
+                assert f"\n  {key}" in section, (command, header, key)
+        top = [f.name for f in dataclasses.fields(LoopConfig) if f"[{f.name}]" not in tables and f.name not in ("learner", "task", "task_modules", "task_path")]
+        flat = " ".join(text.split())
+        for key in top:
+            assert f" {key}," in flat or f" {key}." in flat, (command, key)
