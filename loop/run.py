@@ -39,6 +39,7 @@ from agentlog.events.types import PolicyUpdated, SessionAborted, SessionDropped,
 from . import logs
 from .config import LoopConfig
 from .publish import read_learner_records
+from .run_marker import INCOMPLETE_MARKER, mark_incomplete
 
 
 class LoopError(RuntimeError):
@@ -350,7 +351,17 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: 
             raise LoopError(f"[log] stream {run_logs.stream!r} at {cfg.log.url} already holds a run's learner log, and "
                             f"{run_dir} is a new run folder; set [log] stream to a new name (or resume in the run's own folder)")
         cfg.save(run_dir / "config.json")
-        return _run(cfg, run_dir, run_logs, progress, console, timeout_s, label)
+        mark_incomplete(run_dir, "running: the loop started and has not ended (or its process was killed)")
+        try:
+            result = _run(cfg, run_dir, run_logs, progress, console, timeout_s, label)
+        except KeyboardInterrupt:
+            mark_incomplete(run_dir, "interrupted (SIGINT, Ctrl-C) before the loop's end")
+            raise
+        except LoopError as exc:
+            mark_incomplete(run_dir, f"failed: {str(exc).splitlines()[0]}")
+            raise
+        (run_dir / INCOMPLETE_MARKER).unlink()
+        return result
     finally:
         run_logs.close()
 

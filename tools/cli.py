@@ -17,6 +17,8 @@ from importlib.metadata import PackageNotFoundError, version
 EXIT_OK = 0
 EXIT_DATA = 1
 EXIT_USAGE = 2
+#: Interrupted by SIGINT (Ctrl-C), as a shell reports it (128 + 2).
+EXIT_INTERRUPTED = 130
 
 
 class CliError(Exception):
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `agentlog replay LOG | head` is normal use
         return EXIT_OK
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     finally:
         _close_remotes()
 

@@ -18,7 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from agentlog.tools.cli import EXIT_DATA, EXIT_USAGE, CliError
+from agentlog.tools.cli import EXIT_DATA, EXIT_INTERRUPTED, EXIT_USAGE, CliError
 
 from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig, MetricsConfig, field_help
 
@@ -287,7 +287,11 @@ def execute(cfg: LoopConfig, args, *, title: str, prepare=None) -> int:
     if run_dir.exists() and not run_dir.is_dir():
         raise CliError(f"--out {run_dir}: is a file, expected a run folder (new or empty)", EXIT_USAGE)
     if (run_dir / "config.json").exists():
-        raise CliError(f"--out {run_dir}: already holds a run; choose another --out", EXIT_USAGE)
+        from agentlog.loop.run_marker import incomplete_reason
+
+        why = incomplete_reason(run_dir)
+        state = f"an incomplete run ({why}; runs are not resumed)" if why else "a run"
+        raise CliError(f"--out {run_dir}: already holds {state}; choose another --out", EXIT_USAGE)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -302,6 +306,7 @@ def execute(cfg: LoopConfig, args, *, title: str, prepare=None) -> int:
 def _execute(cfg: LoopConfig, args, run_dir: Path, title: str) -> int:
     from agentlog.loop.check import check_run
     from agentlog.loop.run import LoopError, plot_reward, run_loop, summary_table
+    from agentlog.loop.run_marker import INCOMPLETE_MARKER
 
     import structlog
 
@@ -312,7 +317,11 @@ def _execute(cfg: LoopConfig, args, run_dir: Path, title: str) -> int:
     try:
         res = run_loop(cfg, run_dir, progress=not args.quiet, timeout_s=args.timeout, label=f"agentlog {title}")
     except LoopError as exc:
-        raise CliError(f"{run_dir}: {exc}", EXIT_DATA) from None
+        raise CliError(f"{run_dir}: {exc} (the run folder is marked {INCOMPLETE_MARKER})", EXIT_DATA) from None
+    except KeyboardInterrupt:
+        raise CliError(f"{run_dir}: interrupted; the run is incomplete and marked so ({run_dir / INCOMPLETE_MARKER}). Its logs "
+                       f"hold what ran (agentlog stats {run_dir}); a run cannot be resumed: start a new one with another --out",
+                       EXIT_INTERRUPTED) from None
     print(summary_table(res, cfg))
     png = plot_reward(res.records, run_dir / "reward.png")
     note = "report.html skipped (--no-report)" if args.no_report else write_report(run_dir)
