@@ -297,16 +297,20 @@ class RunResult:
     turns: int = 0
     tokens: int = 0
     rollout_events: int = 0
+    #: The first finished session whose reward was 0 ("" when none): one to inspect with `agentlog show`.
+    zero_reward_session: str = ""
 
 
 def summarise_rollout(run_dir: Path) -> tuple[Counter, int, int, int, int]:
     """Outcome counts by status and reason, sessions, turns, generated tokens, events."""
     with logs.RunLogs.of(run_dir) as run_logs:
-        return _summarise(run_logs)
+        return _summarise(run_logs)[:5]
 
 
-def _summarise(run_logs: logs.RunLogs) -> tuple[Counter, int, int, int, int]:
+def _summarise(run_logs: logs.RunLogs) -> tuple[Counter, int, int, int, int, str]:
+    """What :func:`summarise_rollout` gives, and the first finished session that scored 0 ("" when none)."""
     outcomes: Counter = Counter()
+    zero = ""
     sessions = turns = tokens = events = 0
     sources = run_logs.existing_rollout_sources().values()
     for env in (env for src in sources for env in logs.read(src, 0)):
@@ -319,11 +323,13 @@ def _summarise(run_logs: logs.RunLogs) -> tuple[Counter, int, int, int, int]:
             tokens += len(b.output_ids) // 4
         elif isinstance(b, SessionFinished):
             outcomes["finished"] += 1
+            if not zero and b.reward == 0:
+                zero = env.session_id
         elif isinstance(b, SessionAborted):
             outcomes[f"aborted: {b.reason}"] += 1
         elif isinstance(b, SessionDropped):
             outcomes[f"dropped: {b.reason}"] += 1
-    return outcomes, sessions, turns, tokens, events
+    return outcomes, sessions, turns, tokens, events, zero
 
 
 def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: TextIO | None = None,
@@ -426,8 +432,9 @@ def _run(cfg: LoopConfig, run_dir: Path, run_logs: logs.RunLogs, progress: bool,
                 learner.kill()
                 learner.wait()
     wall = time.monotonic() - t0
-    outcomes, sessions, turns, tokens, events = _summarise(run_logs)
-    return RunResult(run_dir, read_learner_records(run_logs.learner_source()), wall, outcomes, sessions, turns, tokens, events)
+    outcomes, sessions, turns, tokens, events, zero = _summarise(run_logs)
+    return RunResult(run_dir, read_learner_records(run_logs.learner_source()), wall, outcomes, sessions, turns, tokens, events,
+                     zero)
 
 
 def _fmt(v, digits: int = 3) -> str:

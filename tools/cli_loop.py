@@ -296,14 +296,42 @@ def execute(cfg: LoopConfig, args, *, title: str, prepare=None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CliError(f"--out {run_dir}: cannot create the run folder: {exc.strerror or exc}", EXIT_USAGE) from None
+    # The demo's own folder is new each time; runs/demo names the latest, as the README's examples use it.
+    shown = _link_latest(run_dir, Path("runs") / "demo") if title == "demo" and args.out is None else run_dir
     with restore_logging():
         configure_process_logging(run_dir, "main", console=sys.stderr, console_level="info")
         if prepare is not None:
             cfg = prepare(cfg, run_dir)
-        return _execute(cfg, args, run_dir, title)
+        return _execute(cfg, args, run_dir, title, shown)
 
 
-def _execute(cfg: LoopConfig, args, run_dir: Path, title: str) -> int:
+def _link_latest(run_dir: Path, link: Path) -> Path:
+    """Point the symlink ``link`` at ``run_dir`` (replacing an older link, atomically) and return
+    ``link``; when ``link`` is something else (a real folder), leave it and return ``run_dir``."""
+    if os.path.lexists(link) and not link.is_symlink():
+        return run_dir
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(run_dir.name if run_dir.parent == link.parent else run_dir.absolute(), target_is_directory=True)
+        os.replace(tmp, link)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        print(f"agentlog: note: could not point {link} at {run_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return run_dir
+    return link
+
+
+def next_commands(run: Path, zero_reward_session: str) -> list[str]:
+    """What to try after a run, on the run folder ``run`` as the user can type it."""
+    pairs = [(f"agentlog show {run} {zero_reward_session}", "why this session scored 0")] if zero_reward_session else []
+    pairs += [(f"agentlog replay {run} --status aborted", "every aborted session and its reason"),
+              (f"agentlog stats {run}", "outcomes, rewards, tokens, groups")]
+    width = max(len(cmd) for cmd, _ in pairs)
+    return [f"{cmd:<{width}}  # {why}" for cmd, why in pairs]
+
+
+def _execute(cfg: LoopConfig, args, run_dir: Path, title: str, shown: Path) -> int:
     from agentlog.loop.check import check_run
     from agentlog.loop.run import LoopError, plot_reward, run_loop, summary_table
     from agentlog.loop.run_marker import INCOMPLETE_MARKER
@@ -327,7 +355,7 @@ def _execute(cfg: LoopConfig, args, run_dir: Path, title: str) -> int:
     note = "report.html skipped (--no-report)" if args.no_report else write_report(run_dir)
     check = check_run(run_dir, cfg)
     print("")
-    print(f"run      {run_dir}")
+    print(f"run      {run_dir}" + (f" (also {shown})" if shown != run_dir else ""))
     print(f"logs     {_log_line(cfg, run_dir)}, {run_dir / 'logs'} (structlog JSON)")
     print(f"chart    {png}")
     print(note)
@@ -336,5 +364,7 @@ def _execute(cfg: LoopConfig, args, run_dir: Path, title: str) -> int:
           f"({check.digests_equal}/{check.steps} steps equal, {check.groups_consumed} groups each consumed once)")
     for line in (check.mismatches + check.duplicates + check.missing + check.unknown)[:10]:
         print(f"  {line}")
+    for i, line in enumerate(next_commands(shown, res.zero_reward_session)):
+        print(f"{'next' if i == 0 else '':<8} {line}")
     log.info(f"{title}.done", seconds=round(time.monotonic() - t0, 1), digests_equal=check.ok)
     return 0 if check.ok else EXIT_DATA

@@ -92,3 +92,33 @@ def test_help_lists_every_config_table_and_key(capsys):
         flat = " ".join(text.split())
         for key in top:
             assert f" {key}," in flat or f" {key}." in flat, (command, key)
+
+
+def test_the_demo_s_latest_run_is_runs_demo(tmp_path: Path):
+    from agentlog.tools.cli_loop import _link_latest
+
+    runs = tmp_path / "runs"
+    first, second = runs / "20261204-000000-s0", runs / "20261204-000100-s0"
+    first.mkdir(parents=True)
+    second.mkdir()
+    assert _link_latest(first, runs / "demo") == runs / "demo"
+    assert (runs / "demo").resolve() == first.resolve()
+    assert _link_latest(second, runs / "demo") == runs / "demo"
+    assert (runs / "demo").resolve() == second.resolve() and first.is_dir()
+    # A real runs/demo (say `agentlog demo --out runs/demo` earlier) is never replaced.
+    (runs / "demo").unlink()
+    (runs / "demo").mkdir()
+    assert _link_latest(second, runs / "demo") == second and not (runs / "demo").is_symlink()
+
+
+def test_the_run_summary_ends_with_next_commands_naming_a_session_that_scored_0(short_demo_run):
+    import re
+
+    cwd, printed = short_demo_run
+    run = cwd / "runs" / "demo"
+    tail = printed[printed.index("\nnext     "):]
+    show = re.search(rf"next     agentlog show {re.escape(str(run))} (\S+) +# why this session scored 0", tail)
+    assert show, tail
+    assert f"agentlog replay {run} --status aborted" in tail and f"agentlog stats {run}" in tail, tail
+    res = agentlog("show", str(run), show.group(1), "--quiet")
+    assert res.returncode == 0 and "outcome  finished" in res.stdout and "reward   0 from" in res.stdout, res.stdout[:800]
