@@ -200,7 +200,7 @@ class LoopProgress:
         self.phase = "RL"
         self.t_rl = time.monotonic()
         self.bar.reset(total=100)
-        self.bar.bar_format = "{desc}: {percentage:3.0f}%|{bar}| {elapsed} {postfix}"
+        self.bar.bar_format = "{desc}{percentage:3.0f}%|{bar}| {elapsed}{postfix}"
         self.bar.set_description(f"{self.label} RL")
 
     def _warmup_step(self) -> int | None:
