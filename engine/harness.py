@@ -26,6 +26,7 @@ class UnknownHarness(LookupError):
     def __init__(self, name: str | None, valid: list[str], source: str) -> None:
         self.name = name
         self.valid = valid
+        self.source = source
         shown = ", ".join(valid) if valid else "(none registered)"
         what = "an empty harness name" if not name else f"unknown harness {name!r}"
         super().__init__(f"{what} (from {source}); expected one of: {shown}")

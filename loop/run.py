@@ -39,6 +39,7 @@ from agentlog.events.types import PolicyUpdated, SessionAborted, SessionDropped,
 from . import logs
 from .config import LoopConfig
 from .publish import STOPPED_UNTRAINABLE, read_learner_records
+from .run_marker import INCOMPLETE_MARKER, mark_incomplete
 
 
 class LoopError(RuntimeError):
@@ -173,6 +174,122 @@ class PartitionProgress:
         return " | ".join(parts)
 
 
+class LoopProgress:
+    """The run's progress bar, in two phases. The warm-up: the learner's
+    supervised steps, read from the ``warmup.progress`` events of its process
+    log (``logs/learner.jsonl``). Then RL, measured against the stop rule: the
+    bar is the share of the nearer hard limit used up (``steps`` versions, or
+    ``time_budget_s`` seconds of RL), so it fills when one of them stops the
+    run, and it is filled at once when the reward target stops it earlier;
+    the postfix shows each limit and the reward window against its target."""
+
+    def __init__(self, cfg: LoopConfig, run_dir: Path, label: str, console: TextIO) -> None:
+        from tqdm import tqdm
+
+        self.cfg = cfg
+        self.label = label
+        self.learner_log = Path(run_dir) / "logs" / f"{process_name('learner')}.jsonl"
+        self._offset = 0
+        self._partial = b""
+        self.phase = "warm-up" if cfg.warmup_steps > 0 else "start"
+        self.t_rl: float | None = None
+        self.version = 0
+        self.rewards: list[float] = []
+        self.stats = ""
+        self.bar = tqdm(total=max(1, cfg.warmup_steps), desc=f"{label} warm-up", unit="step", file=console,
+                        dynamic_ncols=True, leave=True)
+        if self.phase == "start":
+            self._to_rl()
+
+    def _to_rl(self) -> None:
+        self.phase = "RL"
+        self.t_rl = time.monotonic()
+        self.bar.reset(total=100)
+        self.bar.bar_format = "{desc}{percentage:3.0f}%|{bar}| {elapsed}{postfix}"
+        self.bar.set_description(f"{self.label} RL")
+
+    def _warmup_step(self) -> int | None:
+        """The newest warm-up step the learner logged since the last look (None: none)."""
+        import json
+
+        from .demo.warmup import WARMUP_PROGRESS_EVENT
+
+        try:
+            with open(self.learner_log, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return None
+        self._offset += len(chunk)
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()  # an unfinished last line: read again with the rest
+        newest = None
+        for line in lines:
+            if WARMUP_PROGRESS_EVENT.encode() in line:
+                try:
+                    newest = int(json.loads(line)["step"])
+                except (ValueError, KeyError, TypeError):
+                    continue  # not a progress record after all (the name inside another event's text)
+        return newest
+
+    def policy(self, rec: PolicyUpdated, stats: str) -> None:
+        """A learner record: step 0 (the warm-up's end) starts RL; others move it."""
+        if rec.step == 0:
+            if self.phase != "RL":
+                self._to_rl()
+            return
+        if self.phase != "RL":
+            self._to_rl()
+        self.version = rec.policy_version
+        if rec.groups:
+            self.rewards.append(rec.metrics.get("rollout/reward_mean", math.nan))
+        self.stats = stats
+        if rec.metrics.get("loop/final", 0.0) >= 1.0:
+            self.phase = "done"
+        self.tick()
+
+    def fraction(self) -> float:
+        """The share of the stop rule's nearer hard limit used up (1 once the run stopped)."""
+        if self.phase == "done":
+            return 1.0
+        if self.phase != "RL":
+            return 0.0
+        used = self.version / self.cfg.steps
+        if self.cfg.time_budget_s > 0 and self.t_rl is not None:
+            used = max(used, (time.monotonic() - self.t_rl) / self.cfg.time_budget_s)
+        return min(used, 0.99)  # full only once the learner says it stopped
+
+    def limits(self) -> str:
+        """``v12/400 steps, 31/150 s, reward(10) 0.41 -> 0.9``: where the run stands against each stop rule."""
+        cfg = self.cfg
+        parts = [f"v{self.version}/{cfg.steps} steps"]
+        if cfg.time_budget_s > 0 and self.t_rl is not None:
+            parts.append(f"{min(time.monotonic() - self.t_rl, cfg.time_budget_s):.0f}/{cfg.time_budget_s:.0f} s")
+        if cfg.stop_reward > 0:
+            window = [r for r in self.rewards[-cfg.stop_window:] if not math.isnan(r)]
+            mean = _fmt(sum(window) / len(window), 2) if window else "-"
+            parts.append(f"reward({cfg.stop_window}) {mean} -> {cfg.stop_reward:g}")
+        return ", ".join(parts)
+
+    def tick(self) -> None:
+        """Redraw: the warm-up's newest step, or RL's share of the stop rule."""
+        if self.phase == "warm-up":
+            step = self._warmup_step()
+            if step is not None and step != self.bar.n:
+                self.bar.n = min(step, self.bar.total)
+                self.bar.refresh()
+            return
+        n = round(100 * self.fraction())
+        if n != self.bar.n or self.phase == "done":
+            self.bar.n = n
+        self.bar.set_postfix_str(self.limits() + (f" | {self.stats}" if self.stats else ""), refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        """Close the bar (it stays on the terminal)."""
+        self.bar.close()
+
+
 @dataclass
 class RunResult:
     """What a finished run left behind (read back from its logs)."""
@@ -185,16 +302,20 @@ class RunResult:
     turns: int = 0
     tokens: int = 0
     rollout_events: int = 0
+    #: The first finished session whose reward was 0 ("" when none): one to inspect with `agentlog show`.
+    zero_reward_session: str = ""
 
 
 def summarise_rollout(run_dir: Path) -> tuple[Counter, int, int, int, int]:
     """Outcome counts by status and reason, sessions, turns, generated tokens, events."""
     with logs.RunLogs.of(run_dir) as run_logs:
-        return _summarise(run_logs)
+        return _summarise(run_logs)[:5]
 
 
-def _summarise(run_logs: logs.RunLogs) -> tuple[Counter, int, int, int, int]:
+def _summarise(run_logs: logs.RunLogs) -> tuple[Counter, int, int, int, int, str]:
+    """What :func:`summarise_rollout` gives, and the first finished session that scored 0 ("" when none)."""
     outcomes: Counter = Counter()
+    zero = ""
     sessions = turns = tokens = events = 0
     sources = run_logs.existing_rollout_sources().values()
     for env in (env for src in sources for env in logs.read(src, 0)):
@@ -207,11 +328,13 @@ def _summarise(run_logs: logs.RunLogs) -> tuple[Counter, int, int, int, int]:
             tokens += len(b.output_ids) // 4
         elif isinstance(b, SessionFinished):
             outcomes["finished"] += 1
+            if not zero and b.reward == 0:
+                zero = env.session_id
         elif isinstance(b, SessionAborted):
             outcomes[f"aborted: {b.reason}"] += 1
         elif isinstance(b, SessionDropped):
             outcomes[f"dropped: {b.reason}"] += 1
-    return outcomes, sessions, turns, tokens, events
+    return outcomes, sessions, turns, tokens, events, zero
 
 
 def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: TextIO | None = None,
@@ -239,7 +362,17 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: 
             raise LoopError(f"[log] stream {run_logs.stream!r} at {cfg.log.url} already holds a run's learner log, and "
                             f"{run_dir} is a new run folder; set [log] stream to a new name (or resume in the run's own folder)")
         cfg.save(run_dir / "config.json")
-        return _run(cfg, run_dir, run_logs, progress, console, timeout_s, label)
+        mark_incomplete(run_dir, "running: the loop started and has not ended (or its process was killed)")
+        try:
+            result = _run(cfg, run_dir, run_logs, progress, console, timeout_s, label)
+        except KeyboardInterrupt:
+            mark_incomplete(run_dir, "interrupted (SIGINT, Ctrl-C) before the loop's end")
+            raise
+        except LoopError as exc:
+            mark_incomplete(run_dir, f"failed: {str(exc).splitlines()[0]}")
+            raise
+        (run_dir / INCOMPLETE_MARKER).unlink()
+        return result
     finally:
         run_logs.close()
 
@@ -250,12 +383,7 @@ def _run(cfg: LoopConfig, run_dir: Path, run_logs: logs.RunLogs, progress: bool,
     learner = start_process("trainer", run_dir)
     rollouts = rollout_backend(cfg, run_dir)
     progress_of_partitions = PartitionProgress(run_logs)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, desc=label, unit="step", file=console or sys.stderr,
-                   dynamic_ncols=True, leave=True)
+    bar = LoopProgress(cfg, run_dir, label, console or sys.stderr) if progress else None
     try:
         rollouts.start()
         seen = 0
@@ -271,24 +399,18 @@ def _run(cfg: LoopConfig, run_dir: Path, run_logs: logs.RunLogs, progress: bool,
             if learner_tail is not None:
                 records.extend(env.body for env in learner_tail.poll() if isinstance(env.body, PolicyUpdated))
             for rec in records[seen:]:
-                if rec.step == 0:
-                    if bar is not None:
-                        bar.set_description("agentlog demo (RL)")
-                    continue
-                aborted += int(rec.metrics.get("rollout/aborted", 0))
-                dropped += int(rec.metrics.get("rollout/dropped", 0))
+                if rec.step > 0:
+                    aborted += int(rec.metrics.get("rollout/aborted", 0))
+                    dropped += int(rec.metrics.get("rollout/dropped", 0))
+                    last_version = rec.policy_version
                 if bar is not None:
-                    bar.update(rec.policy_version - last_version)
-                    partitions = progress_of_partitions.line(dict(rec.frontier))
-                    bar.set_postfix_str(
-                        f"step {rec.step} v{rec.policy_version} reward {_fmt(rec.metrics.get('rollout/reward_mean'))} "
-                        f"solve {_fmt(rec.metrics.get('rollout/solve_rate'))} aborts {aborted} drops {dropped} "
-                        f"stale {_fmt(rec.metrics.get('rollout/staleness_mean'), 2)}" + (f" | {partitions}" if partitions else "")
-                    )
-                last_version = rec.policy_version
-                if bar is not None and rec.metrics.get("loop/final", 0.0) >= 1.0:
-                    bar.total = rec.policy_version  # stopped early: by reward or time
-                    bar.refresh()
+                    partitions = progress_of_partitions.line(dict(rec.frontier)) if rec.step > 0 else ""
+                    bar.policy(rec, f"reward {_fmt(rec.metrics.get('rollout/reward_mean'))} "
+                                    f"solve {_fmt(rec.metrics.get('rollout/solve_rate'))} aborts {aborted} drops {dropped} "
+                                    f"stale {_fmt(rec.metrics.get('rollout/staleness_mean'), 2)}"
+                                    + (f" | {partitions}" if partitions else ""))
+            if bar is not None:
+                bar.tick()
             seen = len(records)
             lrc = learner.poll()
             if lrc is not None and lrc != 0:
@@ -320,8 +442,9 @@ def _run(cfg: LoopConfig, run_dir: Path, run_logs: logs.RunLogs, progress: bool,
 
         raise NothingTrainable(f"{untrainable_cause(run_dir, cfg)}; stopped after {cfg.max_untrainable_batches} batches in a row "
                                f"with nothing to train (max_untrainable_batches)")
-    outcomes, sessions, turns, tokens, events = _summarise(run_logs)
-    return RunResult(run_dir, read_learner_records(run_logs.learner_source()), wall, outcomes, sessions, turns, tokens, events)
+    outcomes, sessions, turns, tokens, events, zero = _summarise(run_logs)
+    return RunResult(run_dir, read_learner_records(run_logs.learner_source()), wall, outcomes, sessions, turns, tokens, events,
+                     zero)
 
 
 def _fmt(v, digits: int = 3) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -16,6 +17,8 @@ from importlib.metadata import PackageNotFoundError, version
 EXIT_OK = 0
 EXIT_DATA = 1
 EXIT_USAGE = 2
+#: Interrupted by SIGINT (Ctrl-C), as a shell reports it (128 + 2).
+EXIT_INTERRUPTED = 130
 
 
 class CliError(Exception):
@@ -35,7 +38,19 @@ def _version() -> str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, no usage dump
-        raise CliError(f"{self.prog}: {message}", EXIT_USAGE)
+        # main() prints "agentlog: error: "; a subcommand's parser adds its own name once.
+        command = self.prog.removeprefix("agentlog").strip()
+        raise CliError(f"{command}: {message}" if command else message, EXIT_USAGE)
+
+
+def unknown_command(name: str, commands: list[str]) -> CliError:
+    """The error for a command that does not exist, with the closest ones (difflib) as "did you mean"."""
+    import difflib
+
+    close = difflib.get_close_matches(name, commands, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return CliError(f"unknown command {name!r}{hint} (commands: {', '.join(commands)}; agentlog --help describes them)",
+                    EXIT_USAGE)
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -48,39 +63,70 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     import agentlog.tools as tools
     names = sorted(m.name for m in pkgutil.iter_modules(tools.__path__) if m.name.startswith("cmd_"))
+    # The root parser takes no option with a value, so the first word is the command.
     first = next((a for a in argv or () if not a.startswith("-")), None)
     if first is not None and f"cmd_{first}" in names:
         names = [f"cmd_{first}"]
+    elif first is not None:
+        raise unknown_command(first, [n.removeprefix("cmd_") for n in names])
     for name in names:
         importlib.import_module(f"agentlog.tools.{name}").register(sub)
     return parser
 
 
+#: The level from which the commands print the library's log events (``AGENTLOG_LOG_LEVEL`` changes it).
+LOG_LEVEL_VAR = "AGENTLOG_LOG_LEVEL"
+
+
 def configure_output() -> None:
-    """The commands print the library's log events as they always have:
-    structlog's builtin console output, except that a traceback is plain text
-    without locals (structlog's default, with rich installed, renders every
-    frame's locals: minutes for one deep ``RecursionError``). The library
-    itself stays silent until an application configures logging
-    (``agentlog._logging``); a caller that configured structlog already (a
-    test, an embedding program) keeps its own."""
+    """The commands print the library's log events with structlog's console
+    output on stderr, from level warning up (``$AGENTLOG_LOG_LEVEL``: debug,
+    info, warning or error): stdout holds only a command's own output (a
+    table, JSON lines, samples), so it can be piped, and an error stays one
+    line on stderr; a traceback is plain text without locals. The library itself stays silent until an application
+    configures logging (``agentlog._logging``); a caller that configured
+    structlog already (a test, an embedding program) keeps its own."""
+    import logging
+
     import structlog
 
-    if not structlog.is_configured():
-        structlog.configure(processors=[
+    if structlog.is_configured():
+        return
+    name = os.environ.get(LOG_LEVEL_VAR, "warning").strip().lower()
+    level = logging.getLevelNamesMapping().get(name.upper())
+    if level is None or name not in ("debug", "info", "warning", "error"):
+        raise CliError(f"${LOG_LEVEL_VAR}: expected debug, info, warning or error, found {name!r}", EXIT_USAGE)
+    structlog.configure(
+        processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.StackInfoRenderer(),
             structlog.dev.set_exc_info,
             structlog.processors.TimeStamper(fmt="%Y-%m-%d %H:%M:%S", utc=False),
+            # Plain text, never rich with every frame's locals (structlog's default when rich is
+            # installed): minutes on the event loop for one deep RecursionError.
             structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback),
-        ])
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
+    )
+
+
+class _CurrentStderr:
+    """``sys.stderr`` as it is at each write, not at configure time (a caller may swap it,
+    as pytest's capture does, and close the old one)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``agentlog`` console script."""
-    configure_output()
     try:
+        configure_output()
         if argv is None:
             argv = sys.argv[1:]
         parser = build_parser(argv)
@@ -95,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `agentlog replay LOG | head` is normal use
         return EXIT_OK
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     finally:
         _close_remotes()
 

@@ -158,6 +158,18 @@ def logs_below(path: Path, *, depth: int = DID_YOU_MEAN_DEPTH, max_dirs: int = D
     return found
 
 
+def note_incomplete_run(path: Path) -> None:
+    """A note on stderr when ``path`` is a run folder marked incomplete (or its ``rollout/``):
+    what it holds ends where the run stopped (``loop.run_marker``'s file says why)."""
+    from agentlog.loop.run_marker import incomplete_reason
+
+    for run in (path, path.parent) if path.name == RUN_FOLDER_LOG else (path,):
+        why = incomplete_reason(run)
+        if why is not None:
+            print(f"agentlog: note: {run} is an incomplete run ({why}); its logs end where it stopped", file=sys.stderr)
+            return
+
+
 def check_log_path(arg: str, *, allow_empty: bool = False) -> Any:
     """The log directory named on the command line, or a one-line exit-2 error.
 
@@ -176,6 +188,7 @@ def check_log_path(arg: str, *, allow_empty: bool = False) -> Any:
         raise CliError(f"{arg}: no such log directory", EXIT_USAGE)
     if not path.is_dir():
         raise CliError(f"{arg}: is a file, expected a log directory", EXIT_USAGE)
+    note_incomplete_run(path)
     remote = nats_run_folder(path, allow_empty=allow_empty)
     if remote is not None:  # a run whose config.json keeps its logs on JetStream
         return remote

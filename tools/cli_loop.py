@@ -14,10 +14,11 @@ import dataclasses
 import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
-from agentlog.tools.cli import EXIT_DATA, EXIT_USAGE, CliError
+from agentlog.tools.cli import EXIT_DATA, EXIT_INTERRUPTED, EXIT_USAGE, CliError
 
 from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig, MetricsConfig, field_help
 
@@ -76,6 +77,68 @@ def add_config_flags(p, *, defaults: LoopConfig) -> None:
     p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE",
                    help=f"override a learner.config.LearnerConfig field (repeatable; JSON values). Fields: {names}. "
                         f"Default overrides: {json.dumps(defaults.learner)}")
+
+
+def _toml_value(v) -> str:
+    """A default as it is written in a TOML file."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }" if v else "{}"
+    return str(v)
+
+
+def _table_lines(header: str, cls, values: dict, note: str = "") -> list[str]:
+    """``header`` (``[name]``) and one entry per field of dataclass ``cls``: ``key = default`` and the field's docstring."""
+    docs = field_help(cls)
+    lines = [header + (f"  ({note})" if note else "")]
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            key = f.name  # no default: required
+        elif values[f.name] is None:
+            key = f"{f.name}  (default: unset)"
+        else:
+            key = f"{f.name} = {_toml_value(values[f.name])}"
+        text = " ".join(docs.get(f.name, "").split())
+        lines.append(f"  {key}")
+        lines.extend(textwrap.wrap(text, 96, initial_indent="      ", subsequent_indent="      "))
+    return lines
+
+
+def config_reference(defaults: LoopConfig) -> str:
+    """Every key of a ``train`` config file, generated from the config types
+    (LoopConfig's tables, LearnerConfig, the ``[task]`` table, the teachers),
+    with its default and docstring: what ``--help`` prints after the flags."""
+    from agentlog.learner.config import LearnerConfig
+    from agentlog.loop.config import TASK_TABLE_KEYS, TeacherSpec
+
+    top = [f.name for f in dataclasses.fields(LoopConfig) if not _is_table(defaults, f.name) and f.name not in TASK_TABLE_KEYS.values()]
+    loop_help = field_help(LoopConfig)
+    intro = ("config file (agentlog train --config FILE, TOML; flags override it): its top-level keys are the loop "
+             "settings above without the dashes (--group-size is group_size): " + ", ".join(top) + ". Its tables and "
+             "their keys, with defaults:")
+    lines = [*textwrap.wrap(intro, 100), "", "[task]  (the task and the modules that register it)"]
+    for key, field_name in TASK_TABLE_KEYS.items():
+        default = getattr(defaults, field_name)
+        lines.append(f"  {key} = {_toml_value(default)}")
+        lines.extend(textwrap.wrap(" ".join(loop_help.get(field_name, "").split()), 96,
+                                   initial_indent="      ", subsequent_indent="      "))
+    learner_defaults = {f.name: getattr(LearnerConfig(), f.name) for f in dataclasses.fields(LearnerConfig)}
+    learner_defaults.update(defaults.learner)
+    lines += _table_lines("[learner]", LearnerConfig, learner_defaults, "learner.config.LearnerConfig; --learner KEY=VALUE")
+    for f in dataclasses.fields(LoopConfig):
+        value = getattr(defaults, f.name)
+        if not dataclasses.is_dataclass(value):
+            continue
+        lines += _table_lines(f"[{f.name}]", type(value), dataclasses.asdict(value), type(value).__name__)
+        if f.name == "distill":
+            given = {t.name: t.default for t in dataclasses.fields(TeacherSpec) if t.default is not dataclasses.MISSING}
+            lines += _table_lines("[[distill.teachers]]", TeacherSpec, given, "TeacherSpec; one table per teacher")
+    return "\n".join(lines)
 
 
 def _is_table(cfg: LoopConfig, name: str) -> bool:
@@ -182,7 +245,7 @@ def check_task(cfg: LoopConfig) -> None:
     try:
         select_task(cfg.task)
     except TaskError as exc:
-        raise CliError(f"task {cfg.task!r}: {exc}", EXIT_USAGE) from None
+        raise CliError(f"task: {exc}", EXIT_USAGE) from None
 
 
 def _log_line(cfg: LoopConfig, run_dir: Path) -> str:
@@ -224,21 +287,54 @@ def execute(cfg: LoopConfig, args, *, title: str, prepare=None) -> int:
     if run_dir.exists() and not run_dir.is_dir():
         raise CliError(f"--out {run_dir}: is a file, expected a run folder (new or empty)", EXIT_USAGE)
     if (run_dir / "config.json").exists():
-        raise CliError(f"--out {run_dir}: already holds a run; choose another --out", EXIT_USAGE)
+        from agentlog.loop.run_marker import incomplete_reason
+
+        why = incomplete_reason(run_dir)
+        state = f"an incomplete run ({why}; runs are not resumed)" if why else "a run"
+        raise CliError(f"--out {run_dir}: already holds {state}; choose another --out", EXIT_USAGE)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CliError(f"--out {run_dir}: cannot create the run folder: {exc.strerror or exc}", EXIT_USAGE) from None
+    # The demo's own folder is new each time; runs/demo names the latest, as the README's examples use it.
+    shown = _link_latest(run_dir, Path("runs") / "demo") if title == "demo" and args.out is None else run_dir
     with restore_logging():
         configure_process_logging(run_dir, "main", console=sys.stderr, console_level="info")
         if prepare is not None:
             cfg = prepare(cfg, run_dir)
-        return _execute(cfg, args, run_dir, title)
+        return _execute(cfg, args, run_dir, title, shown)
 
 
-def _execute(cfg: LoopConfig, args, run_dir: Path, title: str) -> int:
+def _link_latest(run_dir: Path, link: Path) -> Path:
+    """Point the symlink ``link`` at ``run_dir`` (replacing an older link, atomically) and return
+    ``link``; when ``link`` is something else (a real folder), leave it and return ``run_dir``."""
+    if os.path.lexists(link) and not link.is_symlink():
+        return run_dir
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(run_dir.name if run_dir.parent == link.parent else run_dir.absolute(), target_is_directory=True)
+        os.replace(tmp, link)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        print(f"agentlog: note: could not point {link} at {run_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return run_dir
+    return link
+
+
+def next_commands(run: Path, zero_reward_session: str) -> list[str]:
+    """What to try after a run, on the run folder ``run`` as the user can type it."""
+    pairs = [(f"agentlog show {run} {zero_reward_session}", "why this session scored 0")] if zero_reward_session else []
+    pairs += [(f"agentlog replay {run} --status aborted", "every aborted session and its reason"),
+              (f"agentlog stats {run}", "outcomes, rewards, tokens, groups")]
+    width = max(len(cmd) for cmd, _ in pairs)
+    return [f"{cmd:<{width}}  # {why}" for cmd, why in pairs]
+
+
+def _execute(cfg: LoopConfig, args, run_dir: Path, title: str, shown: Path) -> int:
     from agentlog.loop.check import check_run
     from agentlog.loop.run import LoopError, plot_reward, run_loop, summary_table
+    from agentlog.loop.run_marker import INCOMPLETE_MARKER
 
     import structlog
 
@@ -249,13 +345,17 @@ def _execute(cfg: LoopConfig, args, run_dir: Path, title: str) -> int:
     try:
         res = run_loop(cfg, run_dir, progress=not args.quiet, timeout_s=args.timeout, label=f"agentlog {title}")
     except LoopError as exc:
-        raise CliError(f"{run_dir}: {exc}", EXIT_DATA) from None
+        raise CliError(f"{run_dir}: {exc} (the run folder is marked {INCOMPLETE_MARKER})", EXIT_DATA) from None
+    except KeyboardInterrupt:
+        raise CliError(f"{run_dir}: interrupted; the run is incomplete and marked so ({run_dir / INCOMPLETE_MARKER}). Its logs "
+                       f"hold what ran (agentlog stats {run_dir}); a run cannot be resumed: start a new one with another --out",
+                       EXIT_INTERRUPTED) from None
     print(summary_table(res, cfg))
     png = plot_reward(res.records, run_dir / "reward.png")
     note = "report.html skipped (--no-report)" if args.no_report else write_report(run_dir)
     check = check_run(run_dir, cfg)
     print("")
-    print(f"run      {run_dir}")
+    print(f"run      {run_dir}" + (f" (also {shown})" if shown != run_dir else ""))
     print(f"logs     {_log_line(cfg, run_dir)}, {run_dir / 'logs'} (structlog JSON)")
     print(f"chart    {png}")
     print(note)
@@ -264,5 +364,7 @@ def _execute(cfg: LoopConfig, args, run_dir: Path, title: str) -> int:
           f"({check.digests_equal}/{check.steps} steps equal, {check.groups_consumed} groups each consumed once)")
     for line in (check.mismatches + check.duplicates + check.missing + check.unknown)[:10]:
         print(f"  {line}")
+    for i, line in enumerate(next_commands(shown, res.zero_reward_session)):
+        print(f"{'next' if i == 0 else '':<8} {line}")
     log.info(f"{title}.done", seconds=round(time.monotonic() - t0, 1), digests_equal=check.ok)
     return 0 if check.ok else EXIT_DATA

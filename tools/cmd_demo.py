@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from agentlog.tools.cli import EXIT_USAGE, CliError
-from agentlog.tools.cli_loop import add_config_flags, add_output_flags, config_from_args, execute
+from agentlog.tools.cli_loop import add_config_flags, add_output_flags, config_from_args, config_reference, execute
 from agentlog.loop.config import ConfigError, LoopConfig
 from agentlog.loop.demo import DEMO_DISTILL_COEF, DEMO_TOPK, DEMO_TOPK_COEF
 
@@ -42,7 +42,7 @@ def register(sub) -> None:
         "demo",
         help="run the online training demo (rollouts + learner coupled through logs)",
         description=__doc__.split("\n\n")[0],
-        epilog=EPILOG.format(coef=DEMO_DISTILL_COEF, topk=DEMO_TOPK, topk_coef=DEMO_TOPK_COEF),
+        epilog=EPILOG.format(coef=DEMO_DISTILL_COEF, topk=DEMO_TOPK, topk_coef=DEMO_TOPK_COEF) + "\n" + config_reference(LoopConfig()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_flags(p, defaults=LoopConfig())

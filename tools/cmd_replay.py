@@ -47,6 +47,16 @@ _TOKEN_FIELDS = ("prompt_ids", "output_ids", "new_prompt_ids")
 _LOGPROB_FIELDS = ("output_log_probs",)
 
 
+def command_outcome(cmd: Any) -> str:
+    """How a recorded command ended: ``exit 3``, or why it has no exit code
+    (its budget ran out, or it left no done marker: it never reported one)."""
+    if cmd.exit_code is not None:
+        return f"exit {cmd.exit_code}" + ("  BUDGET EXCEEDED" if cmd.budget_exceeded else "")
+    if cmd.budget_exceeded:
+        return "no exit code (killed: BUDGET EXCEEDED)"
+    return "no exit code (it left no done marker)"
+
+
 def register(sub) -> None:
     """Add the subcommand."""
     p = sub.add_parser(
@@ -111,8 +121,7 @@ def event_summary(body: Any) -> str:
     if tag == "turn_undelivered":
         return f"turn {body.turn_index} undelivered: {body.reason or '-'}"
     if tag == "command_ran":
-        over = " BUDGET EXCEEDED" if body.budget_exceeded else ""
-        return f"$ {_short(body.command, 50)} -> exit {body.exit_code} in {body.duration_s:.2f}s{over}"
+        return f"$ {_short(body.command, 50)} -> {command_outcome(body)} in {body.duration_s:.2f}s"
     if tag == "reward_assigned":
         return f"reward {_reward(body.reward)}" + (f" from {body.source}" if body.source else "")
     if tag == "session_finished":

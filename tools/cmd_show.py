@@ -29,6 +29,7 @@ from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import add_quiet, check_log_path, partitioned, read_records, read_tagged, record_id, reduce_config_of
+from agentlog.tools.cmd_replay import command_outcome
 
 #: Prompts longer than this are shown as their head and tail.
 PROMPT_SHOWN = 48
@@ -139,47 +140,91 @@ def _message(msg: Any, full: bool) -> str:
     return f"[{role}] " + (" ".join(parts) if parts else "(empty)")
 
 
+class SessionWhy:
+    """What answers "why did it score so", gathered from one session's events
+    as they pass (so a streaming reader, the report, keeps only this per
+    session in flight): its label, each assigned reward and the final one with
+    its source, the verifier's detail (finish metadata), the output of the
+    verifier's test command (the last command run, when the finish metadata
+    names it: a text task's tests) and an abort's traceback. The one source of
+    these lines for ``show`` and the report's drill-down."""
+
+    __slots__ = ("opened", "label", "metadata", "assigned", "finished", "aborted", "last_command")
+
+    def __init__(self) -> None:
+        self.opened = False
+        self.label: Any = None
+        self.metadata: dict = {}
+        self.assigned: list = []  # reward_assigned envelopes
+        self.finished: Any = None  # the session_finished envelope
+        self.aborted: Any = None  # the session_aborted body
+        self.last_command: Any = None  # the last command_ran envelope
+
+    def feed(self, env: Any) -> None:
+        """Take one of the session's envelopes (in log order)."""
+        from agentlog.events.types import CommandRan, RewardAssigned, SessionAborted, SessionFinished, SessionOpened
+
+        b = env.body
+        if isinstance(b, SessionOpened) and not self.opened:
+            self.opened, self.label, self.metadata = True, b.label, b.metadata
+        elif isinstance(b, RewardAssigned):
+            self.assigned.append(env)
+        elif isinstance(b, SessionFinished) and self.finished is None:
+            self.finished = env
+        elif isinstance(b, SessionAborted) and self.aborted is None:
+            self.aborted = b
+        elif isinstance(b, CommandRan):
+            self.last_command = env
+
+    def lines(self, full: bool, at: Any = str) -> list[str]:
+        """The "why" lines; ``at`` names an LSN (``p0003:1234`` in a partitioned log)."""
+        import json
+
+        from agentlog.reducers.samples import final_raw_reward
+
+        from agentlog.tools.cmd_replay import _reward
+
+        lines: list[str] = []
+        if self.opened:
+            lines.append(f"label    {'(none)' if self.label is None else _cut(_value(self.label), full)}")
+            if self.metadata:
+                lines.append(f"opened   metadata {_cut(_value(self.metadata), full)}")
+        assigned, finished = self.assigned, self.finished
+        for e in assigned:
+            lines.append(f"assigned reward {_reward(e.body.reward)} from {e.body.source or '(no source given)'} at lsn {at(e.lsn)}")
+        if finished is not None:
+            # The same rule as the reducers (reducers.samples.final_raw_reward): the finish's reward wins.
+            if finished.body.reward is not None:
+                source = f"session_finished at lsn {at(finished.lsn)}" + (" (overrides the assigned reward)" if assigned else "")
+            elif assigned:
+                last = assigned[-1]
+                source = f"the last reward_assigned, lsn {at(last.lsn)}, source {last.body.source or '(none given)'}"
+            else:
+                source = "nowhere: no reward was given (the reducers report it unusable)"
+            final = final_raw_reward(finished.body.reward, assigned[-1].body.reward if assigned else None)
+            lines.append(f"reward   {'-' if final is None else _reward(final)} from {source}")
+            meta = finished.body.metadata
+            if meta:
+                detail = "  ".join(f"{k}={_cut(json.dumps(v, default=str), full, 120)}" for k, v in sorted(meta.items()))
+                lines.append(f"verifier {detail}")
+            cmd = self.last_command
+            if cmd is not None and isinstance(meta, dict) and meta.get("command") == cmd.body.command:
+                lines.append(f"test     $ {_cut(cmd.body.command, full, 120)}  -> {command_outcome(cmd.body)}  lsn {at(cmd.lsn)}")
+                lines.append(f"  output {_cut(cmd.body.output_tail, full) if cmd.body.output_tail else '(none)'}")
+        if self.aborted is not None and self.aborted.traceback:
+            tb = self.aborted.traceback.rstrip("\n").splitlines()
+            cut = not full and len(tb) > TRACEBACK_LINES
+            lines.append("traceback" + (f" (last {TRACEBACK_LINES} of {len(tb)} lines; --full shows all)" if cut else ""))
+            lines.extend("  " + line for line in (tb[-TRACEBACK_LINES:] if cut else tb))
+        return lines
+
+
 def why_lines(envs: list, full: bool, at: Any = str) -> list[str]:
-    """What answers "why did it score so": label, reward and its source, verifier detail, abort error and traceback.
-    ``at`` names an LSN (``p0003:1234`` in a partitioned log)."""
-    import json
-
-    from agentlog.events.types import RewardAssigned, SessionAborted, SessionFinished, SessionOpened
-    from agentlog.reducers.samples import final_raw_reward
-
-    from agentlog.tools.cmd_replay import _reward
-
-    lines: list[str] = []
-    opened = next((e.body for e in envs if isinstance(e.body, SessionOpened)), None)
-    if opened is not None:
-        lines.append(f"label    {'(none)' if opened.label is None else _cut(_value(opened.label), full)}")
-        if opened.metadata:
-            lines.append(f"opened   metadata {_cut(_value(opened.metadata), full)}")
-    assigned = [e for e in envs if isinstance(e.body, RewardAssigned)]
-    finished = next((e for e in envs if isinstance(e.body, SessionFinished)), None)
-    for e in assigned:
-        lines.append(f"assigned reward {_reward(e.body.reward)} from {e.body.source or '(no source given)'} at lsn {at(e.lsn)}")
-    if finished is not None:
-        # The same rule as the reducers (reducers.samples.final_raw_reward): the finish's reward wins.
-        if finished.body.reward is not None:
-            source = f"session_finished at lsn {at(finished.lsn)}" + (" (overrides the assigned reward)" if assigned else "")
-        elif assigned:
-            last = assigned[-1]
-            source = f"the last reward_assigned, lsn {at(last.lsn)}, source {last.body.source or '(none given)'}"
-        else:
-            source = "nowhere: no reward was given (the reducers report it unusable)"
-        final = final_raw_reward(finished.body.reward, assigned[-1].body.reward if assigned else None)
-        lines.append(f"reward   {'-' if final is None else _reward(final)} from {source}")
-        if finished.body.metadata:
-            detail = "  ".join(f"{k}={_cut(json.dumps(v, default=str), full, 120)}" for k, v in sorted(finished.body.metadata.items()))
-            lines.append(f"verifier {detail}")
-    aborted = next((e.body for e in envs if isinstance(e.body, SessionAborted)), None)
-    if aborted is not None and aborted.traceback:
-        tb = aborted.traceback.rstrip("\n").splitlines()
-        cut = not full and len(tb) > TRACEBACK_LINES
-        lines.append("traceback" + (f" (last {TRACEBACK_LINES} of {len(tb)} lines; --full shows all)" if cut else ""))
-        lines.extend("  " + line for line in (tb[-TRACEBACK_LINES:] if cut else tb))
-    return lines
+    """What answers "why did it score so" (:class:`SessionWhy`) for a session's envelopes."""
+    why = SessionWhy()
+    for e in envs:
+        why.feed(e)
+    return why.lines(full, at)
 
 
 def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
@@ -210,8 +255,7 @@ def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
             lines.append("    -> " + (_message(b.response_message, full) if b.response_message is not None else "(no response message)"))
             held = msgs + ([b.response_message] if b.response_message is not None else [])
         elif isinstance(b, CommandRan):
-            over = "  BUDGET EXCEEDED" if b.budget_exceeded else ""
-            lines.append(f"  $ {_cut(b.command, full)}  -> exit {b.exit_code} in {b.duration_s:.2f}s{over}  lsn {at(e.lsn)}")
+            lines.append(f"  $ {_cut(b.command, full)}  -> {command_outcome(b)} in {b.duration_s:.2f}s  lsn {at(e.lsn)}")
             if b.output_tail:
                 lines.append(f"    output {_cut(b.output_tail, full)}")
         elif isinstance(b, TurnUndelivered):

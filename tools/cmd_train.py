@@ -19,7 +19,7 @@ import argparse
 from pathlib import Path
 
 from agentlog.tools.cli import EXIT_USAGE, CliError
-from agentlog.tools.cli_loop import add_config_flags, add_output_flags, config_from_args, execute
+from agentlog.tools.cli_loop import add_config_flags, add_output_flags, config_from_args, config_reference, execute
 from agentlog.loop.config import ConfigError, LoopConfig
 
 
@@ -29,7 +29,7 @@ def register(sub) -> None:
         "train",
         help="run the online loop with a TOML config (task, model, learner, faults)",
         description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
+        epilog=__doc__.split("\n\n", 1)[1] + "\n" + config_reference(LoopConfig()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", type=Path, required=True, metavar="FILE", help="TOML file of LoopConfig fields")
@@ -50,5 +50,9 @@ def run(args) -> int:
         base = LoopConfig.load(args.config)
     except ConfigError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
+    try:
+        base.learner_config()  # the file's [learner] table, checked here so that its errors name the file
+    except (ConfigError, ValueError) as exc:
+        raise CliError(f"{args.config}: [learner] {exc}", EXIT_USAGE) from None
     cfg = config_from_args(args, base, task_modules=args.imports, import_dirs=[args.config.absolute().parent])
     return execute(cfg, args, title="train")

@@ -143,6 +143,22 @@ def task_names() -> list[str]:
     return sorted(_TASKS)
 
 
+def _unknown_task_message(name: Any, source: str) -> str:
+    """Why no task could be selected under ``name``: the name, where it came
+    from, the registered tasks (with the closest as "did you mean") and how a
+    task of one's own gets registered."""
+    import difflib
+
+    known = task_names()
+    what = f"no task is registered under the name {name!r}" if isinstance(name, str) and name.strip() else "no task name given"
+    where = f" (from {source})" if source and source != "argument" else ""
+    close = difflib.get_close_matches(name, known, n=1) if isinstance(name, str) and name.strip() else []
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return (f"{what}{where}{hint}; expected one of the registered tasks: {', '.join(known) or '(none)'} "
+            "(a task of your own registers with agentlog.engine.tasks.register_task in a module named by "
+            "[task] module or --import, or by an agentlog.tasks entry point)")
+
+
 def _from_entry_point(unknown: LookupError) -> Callable[..., Any]:
     """The factory of a name not registered in this process, from the
     ``agentlog.tasks`` entry point of that name, loaded only now (so a broken
@@ -152,7 +168,7 @@ def _from_entry_point(unknown: LookupError) -> Callable[..., Any]:
 
     wanted = getattr(unknown, "name", None)
     if not isinstance(wanted, str) or not wanted.strip() or not load_entry_point_task(wanted.strip()):
-        raise TaskError(str(unknown)) from None
+        raise TaskError(_unknown_task_message(wanted, getattr(unknown, "source", ""))) from None
     try:
         return harness.select(wanted.strip())
     except LookupError as exc:

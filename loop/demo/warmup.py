@@ -24,6 +24,8 @@ from agentlog.learner.optim import make_scheduler
 from ..config import LoopConfig
 
 log = get_logger("agentlog.loop.demo.warmup")
+#: The event the warm-up logs about every 1% of its steps (fields ``step``, ``steps``).
+WARMUP_PROGRESS_EVENT = "warmup.progress"
 
 
 def demonstration_batch(task: Task, rng: random.Random, n: int, wrong_rate: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +91,7 @@ def _warmup_steps(model: GPT, task: Task, cfg: LoopConfig, rng: random.Random, o
                   stop: Callable[[GPT], bool] | None, check_every: int) -> tuple[float, int]:
     loss_v = float("nan")
     step = 0
+    progress_every = max(1, cfg.warmup_steps // 100)
     for step in range(1, cfg.warmup_steps + 1):
         ids, mask = demonstration_batch(task, rng, cfg.warmup_batch, cfg.warmup_wrong_rate)
         logits = model(ids[:, :-1])
@@ -103,6 +106,9 @@ def _warmup_steps(model: GPT, task: Task, cfg: LoopConfig, rng: random.Random, o
         loss_v = loss.item()
         if step % 100 == 1:
             log.info("warmup.step", step=step - 1, loss=round(loss_v, 4))
+        if step % progress_every == 0 or step == cfg.warmup_steps:
+            # What the run's progress bar shows during the warm-up (loop.run.LoopProgress reads it).
+            log.debug(WARMUP_PROGRESS_EVENT, step=step, steps=cfg.warmup_steps)
         if stop is not None and check_every > 0 and step % check_every == 0 and stop(model):
             break
     return loss_v, step

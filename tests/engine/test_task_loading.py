@@ -60,7 +60,7 @@ def _unique(prefix: str) -> str:
 def test_a_module_from_an_import_dir_registers_its_task(tmp_path: Path, sandboxed) -> None:
     mod, name = _unique("usertask"), _unique("user-task")
     (tmp_path / f"{mod}.py").write_text(TASK_SOURCE.format(cls="T", name=name) + f"\nregister_task({name!r})(T)\n")
-    with pytest.raises(TaskError, match=f"unknown harness '{name}'"):
+    with pytest.raises(TaskError, match=f"no task is registered under the name '{name}'"):
         select_task(name)
     assert load_tasks([mod], [tmp_path], entry_points=False) == [mod]
     assert sys.path[0] == str(tmp_path)
@@ -188,7 +188,7 @@ def test_a_broken_entry_point_does_not_break_selecting_another_task(tmp_path: Pa
     text = str(info.value)
     assert f"entry point broken = {mod}:Task (group {ENTRY_POINT_GROUP}, distribution {dist})" in text
     assert "raised ImportError: needs a GPU build" in text
-    with pytest.raises(TaskError, match="unknown harness 'nothing-declares-this'"):
+    with pytest.raises(TaskError, match="no task is registered under the name 'nothing-declares-this'"):
         select_task("nothing-declares-this")
 
 

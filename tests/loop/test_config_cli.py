@@ -81,7 +81,7 @@ def test_train_with_a_bad_config_exits_2_with_one_line(tmp_path: Path, capsys) -
     unknown_task = tmp_path / "task.toml"
     unknown_task.write_text('task = "nope"\n')
     assert cli_main(["train", "--config", str(unknown_task)]) == 2
-    assert "unknown harness 'nope'" in capsys.readouterr().err
+    assert "no task is registered under the name 'nope'" in capsys.readouterr().err
 
 
 def test_demo_refuses_a_bad_learner_override_before_starting(tmp_path: Path, capsys) -> None:

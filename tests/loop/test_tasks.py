@@ -74,7 +74,7 @@ def test_demonstrations_replace_answers_at_the_requested_rate() -> None:
 
 
 def test_unknown_task_lists_the_registered_ones() -> None:
-    with pytest.raises(TaskError, match="unknown harness 'nope'.*expected one of: .*lookup"):
+    with pytest.raises(TaskError, match="no task is registered under the name 'nope'.*expected one of the registered tasks: .*lookup"):
         select_task("nope")
 
 
@@ -115,5 +115,5 @@ def test_tasks_are_selected_through_the_engine_harness_registry(monkeypatch) -> 
     monkeypatch.setenv("AGENTLOG_AGENT", "lookup")
     assert isinstance(select_task(""), LookupTask)
     monkeypatch.setenv("AGENTLOG_AGENT", "lokup")
-    with pytest.raises(TaskError, match="unknown harness 'lokup'.*expected one of: .*lookup"):
+    with pytest.raises(TaskError, match="no task is registered under the name 'lokup'.*from \$AGENTLOG_AGENT.*expected one of the registered tasks: .*lookup"):
         select_task(None)

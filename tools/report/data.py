@@ -44,6 +44,8 @@ from typing import Any, Iterable
 import msgspec
 import numpy as np
 
+from agentlog.tools.cmd_show import SessionWhy
+
 #: Bins of the time series (their width doubles as the log grows).
 TIME_BINS = 120
 #: Distinct abort / drop reasons counted by name; the rest go to "(other)".
@@ -254,6 +256,9 @@ class SessionRow(msgspec.Struct):
     samples: list[DrillSample] = []
     #: Its partition (``p0003``) in a partitioned log, else "".
     partition: str = ""
+    #: Why it scored so, as ``agentlog show`` says it (:class:`tools.cmd_show.SessionWhy`): label, reward
+    #: and its source, verifier detail, the test command's output, traceback.
+    explain: list[str] = []
 
 
 class SessionTable:
@@ -344,10 +349,12 @@ class SessionTable:
 class _Live:
     """What the report adds, per session in flight, to the lifecycle fold's track."""
 
-    __slots__ = ("opened_version", "min_version")
+    __slots__ = ("opened_version", "min_version", "why")
 
     def __init__(self, opened_version: int) -> None:
         self.opened_version = opened_version
+        #: What explains its score, gathered as its events pass (shown in the drill-down).
+        self.why = SessionWhy()
         #: The oldest policy version among the session's turns (None before its first turn).
         self.min_version: int | None = None
 
@@ -480,19 +487,21 @@ def collect(
             elif isinstance(o, SessionSummary):
                 summary = o
         if not bad:
-            # Fields any turn-like or command event carries (whatever its encoding): latency and version.
             if isinstance(body, SessionOpened):
                 live[pid, sid] = _Live(body.policy_version)
                 newest_version = max(newest_version, body.policy_version)
-            elif isinstance(body, CommandRan):
+            lv = live.get((pid, sid))
+            if lv is not None:
+                lv.why.feed(env)  # what explains its score, for the drill-down
+            # Fields any turn-like or command event carries (whatever its encoding): latency and version.
+            if isinstance(body, CommandRan):
                 hist["command_s"].add(body.duration_s)
-            else:
+            elif not isinstance(body, SessionOpened):
                 gen = getattr(body, "generate_s", None)
                 if gen is not None:
                     hist["generate_s"].add(gen)
                     version = getattr(body, "policy_version", 0)
                     newest_version = max(newest_version, version)
-                    lv = live.get((pid, sid))
                     if lv is not None:
                         lv.min_version = version if lv.min_version is None else min(lv.min_version, version)
         samples: list[Any] = []
@@ -540,6 +549,7 @@ def collect(
                 summary.opened_ts_ns, summary.ended_ts_ns, summary.turns, summary.tokens_in, summary.tokens_out,
                 summary.reward, version, [drill_sample(s) for s in samples if s.session_id == sid],
                 partition="" if pid is None else f"p{pid:04d}",
+                explain=lv.why.lines(False, lambda lsn: record_id(pid, lsn)) if lv is not None else [],
             )
             table.add(row, reward)
         else:

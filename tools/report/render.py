@@ -39,6 +39,7 @@ h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
 table.outcomes td, table.outcomes th { padding: 0.2em 0.8em; text-align: right; border-bottom: 1px solid #ddd; }
 .swatch { display: inline-block; width: 0.9em; height: 0.9em; border-radius: 2px; vertical-align: middle; }
 .meta { color: #555; font-size: 0.9em; }
+pre.why { font-size: 0.85em; white-space: pre-wrap; background: #f6f6f6; padding: 4px 6px; }
 .warn { background: #fff3cd; padding: 0.5em; border: 1px solid #e0c36a; }
 details.session { border: 1px solid #ddd; border-left-width: 6px; margin: 0.3em 0; padding: 0.3em 0.6em; }
 details.session summary { cursor: pointer; }
@@ -317,6 +318,8 @@ def _session_html(s: SessionRow, data: ReportData) -> str:
     body = []
     if s.error:
         body.append(f'<p class="meta">error: {e(s.error[:2000])}</p>')
+    if s.explain:  # label, reward and its source, verifier detail, test output, traceback: as `agentlog show`
+        body.append('<pre class="why">' + e("\n".join(s.explain)) + "</pre>")
     if not s.samples:
         body.append('<p class="meta">no samples' + (" (dropped sessions yield none)" if s.status == "dropped" else "") + "</p>")
     for smp in s.samples:
