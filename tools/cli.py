@@ -77,22 +77,33 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 #: The level from which the commands print the library's log events (``AGENTLOG_LOG_LEVEL`` changes it).
 LOG_LEVEL_VAR = "AGENTLOG_LOG_LEVEL"
 
+#: Commands that run a service for an operator: their log events are their
+#: record of what happened (sessions opened and ended, workers started and
+#: stopped), so they print from level info; every other command from warning.
+SERVICE_COMMANDS = frozenset({"serve", "train", "demo"})
 
-def configure_output() -> None:
+
+def default_log_level(argv: list[str]) -> str:
+    """The log level a command prints from when ``$AGENTLOG_LOG_LEVEL`` is unset."""
+    return "info" if argv and argv[0] in SERVICE_COMMANDS else "warning"
+
+
+def configure_output(default_level: str = "warning") -> None:
     """The commands print the library's log events with structlog's console
-    output on stderr, from level warning up (``$AGENTLOG_LOG_LEVEL``: debug,
-    info, warning or error): stdout holds only a command's own output (a
-    table, JSON lines, samples), so it can be piped, and an error stays one
-    line on stderr; a traceback is plain text without locals. The library itself stays silent until an application
-    configures logging (``agentlog._logging``); a caller that configured
-    structlog already (a test, an embedding program) keeps its own."""
+    output on stderr, from ``default_level`` up (``$AGENTLOG_LOG_LEVEL``:
+    debug, info, warning or error, overrides it): stdout holds only a
+    command's own output (a table, JSON lines, samples), so it can be piped,
+    and a traceback is plain text without locals. The library itself stays
+    silent until an application configures logging (``agentlog._logging``);
+    a caller that configured structlog already (a test, an embedding
+    program) keeps its own."""
     import logging
 
     import structlog
 
     if structlog.is_configured():
         return
-    name = os.environ.get(LOG_LEVEL_VAR, "warning").strip().lower()
+    name = os.environ.get(LOG_LEVEL_VAR, default_level).strip().lower()
     level = logging.getLevelNamesMapping().get(name.upper())
     if level is None or name not in ("debug", "info", "warning", "error"):
         raise CliError(f"${LOG_LEVEL_VAR}: expected debug, info, warning or error, found {name!r}", EXIT_USAGE)
@@ -126,9 +137,9 @@ class _CurrentStderr:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``agentlog`` console script."""
     try:
-        configure_output()
         if argv is None:
             argv = sys.argv[1:]
+        configure_output(default_log_level(argv))
         parser = build_parser(argv)
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):

@@ -145,7 +145,7 @@ def test_a_model_tool_call_nested_past_the_limit_is_an_ill_formed_call_not_a_fai
 # ------------------------------------------------------------ a failure's log line
 
 
-def test_a_failed_turn_logs_one_line_on_the_loop_and_its_traceback_at_debug_off_the_loop(capsys):
+def test_a_failed_turn_logs_one_line_on_the_loop_and_its_traceback_at_debug_off_the_loop(capsys, monkeypatch):
     """`agentlog serve` configures structlog's console output; with rich
     installed its default renders every frame's locals, on the event loop.
     A failure on the loop is one line (type and message); the traceback,
@@ -173,12 +173,13 @@ def test_a_failed_turn_logs_one_line_on_the_loop_and_its_traceback_at_debug_off_
                 async with s.get(gw.url + "/health") as r:
                     assert r.status == 200
             for _ in range(100):  # the traceback is formatted on a worker thread
-                printed.append(capsys.readouterr().out)
+                printed.append(capsys.readouterr().err)
                 if "gateway.turn_failed.traceback" in "".join(printed):
                     break
                 await asyncio.sleep(0.05)
 
     structlog.reset_defaults()
+    monkeypatch.setenv("AGENTLOG_LOG_LEVEL", "debug")  # the traceback is a debug event
     configure_output()
     try:
         capsys.readouterr()
