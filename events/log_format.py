@@ -88,6 +88,10 @@ FENCE_MAGIC = b"AGLOGFNC"
 FENCE_FMT = struct.Struct("<8sQI")  # magic, epoch, masked crc of magic + epoch
 
 DEFAULT_MAX_RECORD_BYTES = 16 << 20
+#: The LSN of every log's first record. Nothing removes a log's head (there
+#: is no retention or truncation from the front), so the first segment is
+#: always named by it: a first segment that starts later means records are lost.
+LOG_START_LSN = 0
 #: A sparse-index entry is kept every this many bytes of a segment.
 INDEX_EVERY_BYTES = 64 << 10
 #: The writer rewrites the ``INDEX`` checkpoint once the active segment has
