@@ -556,7 +556,7 @@ class SessionEngine:
         if path is not None:
             # Written now, so a crash before the first periodic one restarts from here.
             self._checkpointer = Checkpointer(self._log_, fold, path, self.checkpoint_every)
-            self._checkpointer.advance()
+            self._checkpointer.advance(cache_only=True)  # a cache: failing to write it never stops the open
         _log.info("engine.restarted", resumed_from=fold.resumed_from, folded=folded_now,
                   aborted=len(orphans), checkpoint=str(path) if path is not None else None)
 
@@ -566,6 +566,15 @@ class SessionEngine:
     def log(self) -> EventLog:
         """The log this engine appends to."""
         return self._log_
+
+    @property
+    def checkpoint_problem(self) -> str | None:
+        """Why the last attempt to write the restart checkpoint failed, in one
+        line naming the file (a full disk, a directory in its place); None
+        when it was written, or checkpoints are off. The checkpoint is a
+        cache: the engine goes on without it (a restart folds more of the
+        log); a service may still refuse to start on a disk it cannot write."""
+        return self._checkpointer.write_error if self._checkpointer is not None else None
 
     @property
     def live_count(self) -> int:
@@ -684,9 +693,10 @@ class SessionEngine:
             await asyncio.gather(*self._bg, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if self._checkpointer is not None and not self._log_.closed:
-            # The last checkpoint, after the drops: a clean restart then folds nothing.
+            # The last checkpoint, after the drops: a clean restart then folds nothing
+            # (a cache: one that cannot be written is a warning; reading the log still fails here).
             try:
-                await asyncio.to_thread(self._checkpointer.advance)
+                await asyncio.to_thread(self._checkpointer.advance, cache_only=True)
             except Exception as exc:
                 _log.error("engine.checkpoint_failed", path=str(self._checkpointer.path), error=f"{type(exc).__name__}: {exc}")
                 errors.append(exc)
@@ -849,7 +859,8 @@ class SessionEngine:
         while True:
             await asyncio.sleep(self.checkpoint_poll_s)
             if ckpt.due():
-                await asyncio.to_thread(ckpt.advance)
+                # A cache: a failed write is a warning (the next due one tries again), never a background failure.
+                await asyncio.to_thread(ckpt.advance, cache_only=True)
 
     def _background(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> None:
         t = asyncio.get_running_loop().create_task(coro, name=name)

@@ -346,21 +346,38 @@ class Checkpointer:
         #: Checkpoints written, and the LSN the last one folded up to.
         self.written = 0
         self.lsn = -1
+        #: Why the last checkpoint could not be written (one line), or None once one was.
+        self.write_error: str | None = None
 
     def due(self) -> bool:
         """Whether ``every`` records or more were appended since the fold's end."""
         return self.log.next_lsn - self.fold.next_lsn >= self.every
 
-    def advance(self) -> int:
+    def advance(self, *, cache_only: bool = False) -> int:
         """Fold the records appended since the last call and write the
-        checkpoint (unless nothing changed); returns the checkpoint's LSN.
-        Errors propagate: the engine records a failed checkpoint as a
-        background failure."""
+        checkpoint (unless nothing changed); returns the LSN of the last
+        checkpoint written. Errors propagate, except with ``cache_only``:
+        then a checkpoint that cannot be written (a full disk, a directory in
+        its place: any OSError) is only logged, as the warning
+        ``engine.checkpoint_failed`` naming the file and the error, and kept in
+        :attr:`write_error`. A checkpoint is a cache: without it a restart
+        folds from the last one written, or from lsn 0. Reading the log
+        (the fold) still raises."""
         with self._lock:
             self.fold.catch_up(self.log)
             if self.fold.next_lsn != self.lsn:
                 t0 = time.perf_counter()
-                size = write_checkpoint(self.path, self.fold.to_checkpoint())
+                try:
+                    size = write_checkpoint(self.path, self.fold.to_checkpoint())
+                except OSError as exc:
+                    if not cache_only:
+                        raise
+                    self.write_error = f"cannot write the engine checkpoint {self.path}: {type(exc).__name__}: {exc}"
+                    _log.warning("engine.checkpoint_failed", path=str(self.path), error=f"{type(exc).__name__}: {exc}",
+                                 next_lsn=self.fold.next_lsn, last_written_lsn=self.lsn,
+                                 effect="the engine goes on; a restart folds from the last checkpoint written, or from lsn 0")
+                    return self.lsn
+                self.write_error = None
                 self.written += 1
                 self.lsn = self.fold.next_lsn
                 _log.debug("engine.checkpoint_written", path=str(self.path), next_lsn=self.lsn, bytes=size,

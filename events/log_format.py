@@ -43,6 +43,7 @@ treats it as a hint only, never as proof that the records below it exist.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import struct
@@ -88,6 +89,10 @@ FENCE_MAGIC = b"AGLOGFNC"
 FENCE_FMT = struct.Struct("<8sQI")  # magic, epoch, masked crc of magic + epoch
 
 DEFAULT_MAX_RECORD_BYTES = 16 << 20
+#: The LSN of every log's first record. Nothing removes a log's head (there
+#: is no retention or truncation from the front), so the first segment is
+#: always named by it: a first segment that starts later means records are lost.
+LOG_START_LSN = 0
 #: A sparse-index entry is kept every this many bytes of a segment.
 INDEX_EVERY_BYTES = 64 << 10
 #: The writer rewrites the ``INDEX`` checkpoint once the active segment has
@@ -330,14 +335,20 @@ def write_atomic(directory: Path, name: str, data: bytes, *, durable: bool = Tru
     tmp = directory / f".{name}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, directory / name)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, directory / name)
+    except BaseException:
+        # A partial temp file must not hold on to the space of a full disk.
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     if durable:
         fsync_dir(directory)

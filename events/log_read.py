@@ -25,13 +25,24 @@ from .log_format import (
     DURABLE_NAME,
     FLAG_TERMINAL,
     SEG_HDR_SIZE,
+    Checkpoint,
     is_log_dir,
     list_segments,
     load_checkpoint,
     read_watermark,
     segment_name,
 )
-from .log_scan import Frame, SegmentScanner, classify_bad, header_being_created, open_segment, payload_error, read_head
+from .log_scan import (
+    Frame,
+    SegmentScanner,
+    classify_bad,
+    header_being_created,
+    missing_indexed,
+    missing_start,
+    open_segment,
+    payload_error,
+    read_head,
+)
 from .types import Envelope, decode_body
 
 
@@ -91,6 +102,12 @@ class Cursor:
         self.next_first: int | None = None
         #: The limit is a watermark written under fsync="never" (not synced).
         self.unsynced_limit = False
+        #: The directory's INDEX checkpoint, whose records must exist when no
+        #: watermark bounds the read (DURABLE missing): a reader that finds
+        #: fewer raises instead of reporting a shorter log. None: not checked.
+        self.indexed: Checkpoint | None = None
+        #: The limit is ``indexed.lsn`` (a follower with no watermark to stop at).
+        self.limit_is_index = False
 
     def close(self) -> None:
         if self.fd is not None:
@@ -125,6 +142,9 @@ class Cursor:
 
     def _position(self) -> bool:
         segs = list_segments(self.dir)
+        lost = missing_start(self.dir, segs)
+        if lost is not None:
+            raise lost
         if not segs:
             return False
         i = bisect.bisect_right(segs, self.from_lsn) - 1
@@ -154,7 +174,17 @@ class Cursor:
         ``limit`` (the durable watermark), whose records were acknowledged
         and so must exist (an emptied, cut or deleted segment)."""
         nxt = self.next_lsn
-        if limit is None or max(nxt, self.from_lsn) >= limit:
+        if limit is None or self.limit_is_index:
+            # No watermark to hold the log to: the INDEX checkpoint's records must exist.
+            if self.scanner is not None:
+                name, size = self.name, self.scanner.offset
+            else:
+                name, size = (self.name if self.name and (self.dir / self.name).exists() else ""), 0
+            err = missing_indexed(self.dir, name, size, max(nxt, self.from_lsn), self.indexed)
+            if err is not None:
+                raise err
+            return
+        if max(nxt, self.from_lsn) >= limit:
             return
         if self.scanner is not None:
             where, offset = f"segment {self.name} ends at offset {self.scanner.offset}", self.scanner.offset
@@ -257,7 +287,8 @@ class Cursor:
                 self._check_reached(limit)
                 return
             later = any(s > int(self.name[:20]) for s in list_segments(self.dir))
-            err = classify_bad(self.fd, self.name, size, bad, sc.expected, limit, later, self.cap)
+            indexed = self.indexed.lsn if self.indexed is not None else None
+            err = classify_bad(self.fd, self.name, size, bad, sc.expected, limit, later, self.cap, indexed)
             if err is not None:
                 raise err
             return
@@ -275,6 +306,10 @@ def existing_log_dir(path: str | os.PathLike) -> Path:
 
 def _load_index_hint(directory: Path) -> Callable[[int], list[tuple[int, int]] | None]:
     ckpt, _ = load_checkpoint(directory)
+    return _index_hint(ckpt)
+
+
+def _index_hint(ckpt: Checkpoint | None) -> Callable[[int], list[tuple[int, int]] | None]:
     idx = ckpt.index if ckpt is not None else {}
     return lambda first: idx.get(first)
 
@@ -338,8 +373,11 @@ def _reader(path: str | os.PathLike, from_lsn: int, durable_only: bool, raw: boo
     """A Cursor on the log at ``path`` and the LSN it reads up to (the durable watermark)."""
     directory = existing_log_dir(path)
     durable = read_watermark(directory) if durable_only else None
-    cur = Cursor(directory, from_lsn, cap, _load_index_hint(directory), raw)
+    ckpt, _ = load_checkpoint(directory)
+    cur = Cursor(directory, from_lsn, cap, _index_hint(ckpt), raw)
     cur.unsynced_limit = durable is not None and not durable.synced
+    if durable_only and durable is None:
+        cur.indexed = ckpt
     return cur, durable.lsn if durable else None
 
 
@@ -423,7 +461,12 @@ async def follow_logs(
                     cur = cursors[pid] = Cursor(directory, starts.get(pid, 0), max_record_bytes,
                                                 lambda first, d=directory: _load_index_hint(d)(first), raw)
                 durable = read_watermark(directory)
-                limit = durable.lsn if durable else 0
+                if durable is None and cur.indexed is None:
+                    # No watermark (yet, or it was lost): the records an INDEX describes were
+                    # synced, so they may be followed, and must exist.
+                    cur.indexed = load_checkpoint(directory)[0]
+                cur.limit_is_index = durable is None and cur.indexed is not None
+                limit = durable.lsn if durable else (cur.indexed.lsn if cur.indexed is not None else 0)
                 cur.unsynced_limit = durable is not None and not durable.synced
                 start = max(cur.next_lsn, cur.from_lsn)
                 if limit > start:

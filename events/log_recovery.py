@@ -21,8 +21,11 @@ from agentlog._logging import get_logger
 
 from .log_api import LogCorruption
 from .log_format import (
+    DURABLE_NAME,
+    FENCE_NAME,
     FLAG_TERMINAL,
     INDEX_EVERY_BYTES,
+    LOG_START_LSN,
     SEG_HDR_SIZE,
     Checkpoint,
     fsync_dir,
@@ -112,6 +115,27 @@ def checkpoint_problem(directory: Path, ckpt: Checkpoint, segs: list[int], cap: 
     return ""
 
 
+def fence_without_log(directory: Path, fence_epoch: int) -> LogCorruption | None:
+    """Cross-check of ``FENCE`` against the directory, before a writer opens
+    it: a FENCE naming epoch 2 or more says writers opened the log before,
+    and each left a DURABLE watermark behind (a writer creates DURABLE
+    before it writes FENCE; writers before that order could leave a lone
+    FENCE of epoch 1 by a crash at their first open). With DURABLE and every
+    segment gone, the log's records were removed: refused, never restarted
+    at lsn 0. None when the FENCE is consistent with what is on disk."""
+    if fence_epoch < 2 or (directory / DURABLE_NAME).exists() or list_segments(directory):
+        return None
+    return LogCorruption(
+        f"log {directory}: its {FENCE_NAME} file says writer epoch {fence_epoch} opened it, but {DURABLE_NAME} "
+        f"and every segment file ({segment_name(LOG_START_LSN)} on) are missing: its records were removed; "
+        f"expected segments from lsn {LOG_START_LSN} and a {DURABLE_NAME} watermark. Restore them, or remove "
+        f"{FENCE_NAME} to start an empty log here",
+        segment=segment_name(LOG_START_LSN),
+        offset=0,
+        last_good_lsn=LOG_START_LSN - 1,
+    )
+
+
 def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recovered:
     """Recover the log directory at ``directory`` (the caller holds the
     writer lock): cut a torn tail, remove a segment torn while being created
@@ -129,7 +153,7 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
     epoch = max(durable.epoch if durable else 0, ckpt.epoch if ckpt else 0)
     state: dict[str, int] = {}
     index: dict[int, list[tuple[int, int]]] = {}
-    start_i, offset, expected = 0, SEG_HDR_SIZE, segs[0] if segs else 0
+    start_i, offset, expected = 0, SEG_HDR_SIZE, LOG_START_LSN
     rebuilt = True
     if ckpt is not None and segs:
         why = checkpoint_problem(d, ckpt, segs, max_record_bytes)
@@ -150,6 +174,9 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
         segs,
         max_record_bytes=max_record_bytes,
         watermark=watermark,
+        # An INDEX describes only synced records: they must all be found, even
+        # when it cannot be used as a starting point.
+        indexed=ckpt,
         start_index=start_i,
         offset=offset,
         expected=expected,

@@ -25,10 +25,13 @@ from .log_format import (
     ENV_HDR,
     FRAME_HDR,
     FRAME_PREFIX,
+    LOG_START_LSN,
     SEG_HDR_SIZE,
     TYPE_RECORD,
+    Checkpoint,
     Watermark,
     crc_value as _crc_value,
+    list_segments,
     mask_crc,
     parse_segment_header,
     segment_name,
@@ -298,19 +301,23 @@ def classify_bad(
     watermark: int | None,
     later_segments: bool,
     cap: int,
+    indexed: int | None = None,
 ) -> LogCorruption | None:
     """A stop in the middle of a segment: corruption (returned) or a torn tail (None).
 
     It is corruption when valid records follow (later segments, or a valid
     frame further on in this one) or when the damaged record was already
-    durable per the DURABLE watermark. Otherwise it is the tail of a write
-    that never completed, which was never acknowledged.
+    durable per the DURABLE watermark, or described by the INDEX checkpoint
+    (``indexed``: its LSN; it describes only synced records). Otherwise it is
+    the tail of a write that never completed, which was never acknowledged.
     """
     where = f"segment {name}, offset {bad.offset}, last good lsn {expected - 1}: {bad.reason}"
     if later_segments:
         why = "later segments exist, so this is not a torn tail"
     elif watermark is not None and expected < watermark:
         why = f"lsn {expected} is below the durable watermark {watermark}, so it was acknowledged"
+    elif indexed is not None and expected < indexed:
+        why = f"the INDEX checkpoint describes records up to lsn {indexed - 1}, so lsn {expected} was synced"
     else:
         later = find_later_frame(fd, bad.offset, size, expected, cap)
         if later is None:
@@ -347,6 +354,45 @@ def missing_acked(name: str, size: int, expected: int, watermark: int) -> LogCor
     return LogCorruption(
         f"segment {name}, offset {size}, last good lsn {expected - 1}: the log ends here, but the durable "
         f"watermark says lsn {expected}..{watermark - 1} were acknowledged; they are missing",
+        segment=name,
+        offset=size,
+        last_good_lsn=expected - 1,
+    )
+
+
+def missing_start(directory: Path, segments: list[int]) -> LogCorruption | None:
+    """The head of the log is gone: its first segment file does not start at
+    :data:`~agentlog.events.log_format.LOG_START_LSN` (nothing removes a
+    log's head on purpose). None when it does, or when there are no segments."""
+    if not segments or segments[0] == LOG_START_LSN:
+        return None
+    lost, found = segment_name(LOG_START_LSN), segment_name(segments[0])
+    return LogCorruption(
+        f"log {directory}: segment {lost} is missing: the first segment is {found}, which starts at lsn "
+        f"{segments[0]}; expected the log to start at lsn {LOG_START_LSN}, so lsn {LOG_START_LSN}..{segments[0] - 1} are missing",
+        segment=lost,
+        offset=0,
+        last_good_lsn=LOG_START_LSN - 1,
+    )
+
+
+def missing_indexed(directory: Path, name: str, size: int, expected: int, ckpt: Checkpoint | None) -> LogCorruption | None:
+    """At the log's clean end (``size`` bytes into segment ``name``; ``name``
+    empty: no segment files exist), with ``expected`` the LSN after the last
+    record found: the corruption when the ``INDEX`` checkpoint ``ckpt``
+    describes records past it, else None. The writer writes an INDEX only
+    once the records it describes are synced, so they must exist (a last
+    segment deleted, with DURABLE, say)."""
+    if ckpt is None or expected >= ckpt.lsn:
+        return None
+    on_disk = set(list_segments(directory))
+    gone = [segment_name(s) for s in ckpt.segments if s not in on_disk]
+    where = f"the log ends at offset {size} of segment {name}" if name else "no segment files exist"
+    return LogCorruption(
+        f"log {directory}: {where} (last good lsn {expected - 1}), but its INDEX checkpoint (writer epoch "
+        f"{ckpt.epoch}, at offset {ckpt.offset} of segment {segment_name(ckpt.segment)}) says lsn "
+        f"{expected}..{ckpt.lsn - 1} were written; they are missing"
+        + (f" (INDEX names segment{'s' if len(gone) > 1 else ''} {', '.join(gone[:4])}{'...' if len(gone) > 4 else ''}, not on disk)" if gone else ""),
         segment=name,
         offset=size,
         last_good_lsn=expected - 1,
@@ -447,7 +493,8 @@ class SegmentScan:
         bad = sc.bad
         if bad is None:
             return None
-        err = classify_bad(self.fd, self.name, self.size, bad, sc.expected, walk.watermark, not self.last, walk.cap)
+        indexed = walk.indexed.lsn if walk.indexed is not None else None
+        err = classify_bad(self.fd, self.name, self.size, bad, sc.expected, walk.watermark, not self.last, walk.cap, indexed)
         walk.stop = ScanStop(self.index, bad.offset, self.size - bad.offset, bad.reason, err, False)
         return walk.stop
 
@@ -477,6 +524,7 @@ class LogWalk:
         *,
         max_record_bytes: int,
         watermark: int | None,
+        indexed: Checkpoint | None = None,
         start_index: int = 0,
         offset: int = SEG_HDR_SIZE,
         expected: int | None = None,
@@ -487,9 +535,11 @@ class LogWalk:
         self.cap = max_record_bytes
         #: The proven durable watermark (see :func:`proof`), or None.
         self.watermark = watermark
+        #: The directory's INDEX checkpoint (CRC-checked), whose records must exist too, or None.
+        self.indexed = indexed
         self.start_index = start_index
         self.offset = offset
-        self.expected = expected if expected is not None else (segments[0] if segments else 0)
+        self.expected = expected if expected is not None else LOG_START_LSN
         self.flags = os.O_RDWR if writable else os.O_RDONLY
         self.stop: ScanStop | None = None
 
@@ -501,7 +551,8 @@ class LogWalk:
             name = segment_name(first)
             expected = self.expected
             if offset == SEG_HDR_SIZE and first != expected:
-                err = LogCorruption(
+                head = missing_start(self.dir, self.segments) if i == 0 else None
+                err = head or LogCorruption(
                     f"segment {name}: starts at lsn {first}, expected {expected} (the previous segment ends at lsn {expected - 1})",
                     segment=name,
                     offset=0,
@@ -530,7 +581,8 @@ class LogWalk:
     def missing_acked(self, name: str, size: int) -> LogCorruption | None:
         """At the log's clean end (``size`` bytes into segment ``name``, or no
         segment: ``name`` empty): the corruption when acknowledged records
-        (below the proven watermark) are missing, else None."""
+        (below the proven watermark) or records the INDEX checkpoint
+        describes are missing, else None."""
         if self.watermark is not None and self.expected < self.watermark:
             return missing_acked(name, size, self.expected, self.watermark)
-        return None
+        return missing_indexed(self.dir, name, size, self.expected, self.indexed)

@@ -19,7 +19,16 @@ from pathlib import Path
 import msgspec
 
 from .log_api import SchemaError
-from .log_format import DEFAULT_MAX_RECORD_BYTES, FLAG_TERMINAL, SEG_HDR_SIZE, fsync_dir, list_segments, read_watermark, segment_name
+from .log_format import (
+    DEFAULT_MAX_RECORD_BYTES,
+    FLAG_TERMINAL,
+    SEG_HDR_SIZE,
+    fsync_dir,
+    list_segments,
+    load_checkpoint,
+    read_watermark,
+    segment_name,
+)
 from .log_lock import acquire_lock, release_lock
 from .log_read import existing_log_dir
 from .log_scan import LogWalk, payload_error, proof
@@ -105,7 +114,13 @@ def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
     from tqdm import tqdm
 
     segs = list_segments(directory)
-    walk = LogWalk(directory, segs, max_record_bytes=max_record_bytes, watermark=proof(read_watermark(directory)))
+    walk = LogWalk(
+        directory,
+        segs,
+        max_record_bytes=max_record_bytes,
+        watermark=proof(read_watermark(directory)),
+        indexed=load_checkpoint(directory)[0],
+    )
     rep = VerifyReport(path=str(directory), status="ok", segments=len(segs))
     live: set[str] = set()
     total = sum((directory / segment_name(s)).stat().st_size for s in segs)

@@ -97,7 +97,7 @@ from .log_format import crc_extend as _crc_extend
 from .log_format import crc_value as _crc_value
 from .log_lock import WriterLock, acquire_lock, release_lock
 from .log_read import Cursor
-from .log_recovery import recover
+from .log_recovery import fence_without_log, recover
 from .types import TERMINAL_EVENT_TYPES, Envelope
 
 log = get_logger("agentlog.events.log_writer")
@@ -333,7 +333,17 @@ class FileLog(EventLog):
         # the tail it may still be writing. A fence-aware writer recorded its
         # epoch in FENCE; DURABLE covers logs written before fences existed.
         durable = read_durable(d)
-        self._epoch = max(read_fence(d), durable[1] if durable else 0) + 1
+        fenced = read_fence(d)
+        lost = fence_without_log(d, fenced)
+        if lost is not None:
+            raise lost
+        # DURABLE exists before FENCE names an epoch (so a FENCE of a later
+        # epoch without DURABLE means records were removed: fence_without_log).
+        created = not (d / DURABLE_NAME).exists()
+        self._durable_fd = os.open(d / DURABLE_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        if created:
+            fsync_dir(d)
+        self._epoch = max(fenced, durable[1] if durable else 0) + 1
         write_atomic(d, FENCE_NAME, pack_fence(self._epoch))
         state = recover(d, max_record_bytes=self._cap, salvage=salvage)
         expected = state.next_lsn
@@ -348,11 +358,7 @@ class FileLog(EventLog):
         self._next_seq = state.open_sessions
         self._assigned = self._acked = expected
         self._seg_first = None
-        created = not (d / DURABLE_NAME).exists()
-        self._durable_fd = os.open(d / DURABLE_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         self._publish(expected)
-        if created:
-            fsync_dir(d)
         if state.stale_checkpoint:
             self._write_checkpoint(self._snapshot_at_end())
         self._log.info(

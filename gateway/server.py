@@ -286,9 +286,9 @@ class Gateway:
         its log's writer failed for good, the backend's worker died, or an
         engine background task crashed. ``/health`` answers 503 with it and
         every turn is refused with it before any generation."""
-        reason = self.engine.log.fatal_reason
+        reason = self._log_unable()
         if reason is not None:
-            return f"log: {reason}"
+            return reason
         reason = self.backend.fatal_reason
         if reason is not None:
             return f"backend {self.backend.name}: {reason}"
@@ -779,6 +779,18 @@ class Gateway:
         _log.info("gateway.admin_refused", status=status, what=what, reason=str(exc))
         return self._error("openai", status, kind, f"{what}: {exc}")
 
+    def _admin_unable(self, what: str, reason: str) -> web.Response:
+        """503 for an admin request that cannot be recorded (the log's writer
+        is fatal, or for an open the gateway cannot take turns): answered at
+        once with the reason, logged as one line, nothing appended."""
+        _log.warning("gateway.admin_unavailable", what=what, reason=reason)
+        return self._error("openai", 503, "api_error", f"{what}: not recorded: {reason}")
+
+    def _log_unable(self) -> str | None:
+        """The log's fatal reason, as ``fatal_reason`` words it; None while it takes appends."""
+        reason = self.engine.log.fatal_reason
+        return None if reason is None else f"log: {reason}"
+
     def _admin_failed(self, what: str, exc: BaseException) -> web.Response:
         """An admin request that failed for a reason not its own (the log, a bug)."""
         _log.exception("gateway.admin_failed", what=what, error=f"{type(exc).__name__}: {exc}")
@@ -790,6 +802,10 @@ class Gateway:
         must send (the session id is not one)."""
         if not self._admin_ok(request):
             return self._error("openai", 403, "permission_error", "admin API: missing or wrong X-Admin-Token")
+        # Before the body is read: a session opened now could neither be recorded nor take a turn.
+        reason = self.fatal_reason
+        if reason is not None:
+            return self._admin_unable("admin open", reason)
         try:
             body = await self._body(request)
         except _Refused as exc:
@@ -817,12 +833,17 @@ class Gateway:
             return self._admin_refused(409, "invalid_request_error", what, exc)
         except (EventValidationError, ValueError, OverflowError) as exc:  # what the schema or the log refused: nothing was appended
             return self._admin_refused(400, "invalid_request_error", what, exc)
-        except Exception as exc:  # the log failed: logged in full and answered as JSON, never hidden
+        except LogClosed as exc:  # the writer went fatal (or closed) meanwhile
+            return self._admin_unable(what, self._log_unable() or str(exc))
+        except Exception as exc:  # a bug: logged in full and answered as JSON, never hidden
             return self._admin_failed(what, exc)
         try:
             await h.start(harness=req.agent, sandbox="external", details={"gateway": self.url})
             self.configure_session(req.session_id, sampling=req.sampling, max_turns=req.max_turns)
             key = self.session_key(req.session_id)
+        except LogClosed as exc:  # the writer went fatal meanwhile: nothing more can be appended, not even an abort
+            self._forget_if_ended(req.session_id)
+            return self._admin_unable(f"{what} (opened, not started)", self._log_unable() or str(exc))
         except Exception as exc:  # opened but not started: end it, so no session is left half-done
             await h.abort("admin_open_failed", error=f"{type(exc).__name__}: {exc}")
             self._forget_if_ended(req.session_id)
@@ -838,6 +859,9 @@ class Gateway:
         if action not in ("finish", "abort", "drop"):
             return self._error("openai", 404, "not_found_error", f"unknown action {action!r}; expected finish, abort or drop")
         what = f"admin {action} of session {sid!r}"
+        reason = self._log_unable()  # ending a session only appends: only the log's state matters
+        if reason is not None:
+            return self._admin_unable(what, reason)
         h = self.engine.get(sid)
         if h is None:
             return self._error("openai", 404, "not_found_error", f"{what}: session is not live (state {self.engine.status(sid)})")
@@ -854,6 +878,8 @@ class Gateway:
             return self._admin_refused(400, "invalid_request_error", what, exc)
         except IllegalTransition as exc:  # it ended meanwhile: reported, not hidden
             return self._admin_refused(409, "invalid_request_error", what, exc)
+        except LogClosed as exc:  # the writer went fatal (or closed) meanwhile
+            return self._admin_unable(what, self._log_unable() or str(exc))
         except Exception as exc:
             return self._admin_failed(what, exc)
         self._forget_if_ended(sid)

@@ -213,9 +213,27 @@ async def _serve(args) -> int:
     try:
         engine = await SessionEngine.open(log)
     except (LogError, ValueError) as exc:  # damage mid-log: the engine's restart fold reads every record
-        log.close()
+        _close_quietly(log)
         await backend.close()
         raise CliError(f"--log {args.log}: cannot serve this log: {exc} (see agentlog verify {args.log})") from None
+    except OSError as exc:  # the disk refused a read or write the open needs
+        _close_quietly(log)
+        await backend.close()
+        raise CliError(f"--log {args.log}: cannot serve this log: {type(exc).__name__}: {exc}") from None
+    if engine.checkpoint_problem is not None:
+        # A cache the engine can do without, but a disk that refuses it now (full, or
+        # something in its place) would fail the log's next appends: refuse to start.
+        from pathlib import Path
+
+        from agentlog.engine.restart import CHECKPOINT_NAME
+
+        problem = engine.checkpoint_problem
+        await engine.close()
+        _close_quietly(log)
+        await backend.close()
+        path = Path(args.log) / CHECKPOINT_NAME
+        hint = f"remove what is at {path} (the checkpoint is a file the engine rewrites)" if path.is_dir() else "free disk space"
+        raise CliError(f"--log {args.log}: not serving: {problem}; {hint}")
     config = GatewayConfig(
         max_turns=args.max_turns, default_max_tokens=args.max_tokens, model_name=args.model or "agentlog",
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, idle_timeout_s=args.idle_timeout,
@@ -241,6 +259,18 @@ async def _serve(args) -> int:
         raise CliError("stopped with errors: " + "; ".join(failures), EXIT_DATA)
     print("agentlog gateway stopped", flush=True)
     return 0
+
+
+def _close_quietly(log) -> None:
+    """Close a log that serve will not use; a failure to close it is logged
+    (``serve.log_close_failed``), as the one-line error that follows names what
+    stopped serve."""
+    import structlog
+
+    try:
+        log.close()
+    except Exception as exc:  # noqa: BLE001 - logged; the caller raises the error that matters
+        structlog.get_logger("agentlog.serve").error("serve.log_close_failed", error=f"{type(exc).__name__}: {exc}")
 
 
 async def _shut_down(gw, engine, backend, log, drain_s: float) -> list[str]:

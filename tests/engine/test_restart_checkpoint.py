@@ -299,3 +299,39 @@ def test_an_unknown_event_type_stops_the_restart_with_or_without_a_checkpoint(tm
     with pytest.raises(UnknownEventError, match="turn_scored") as err:
         asyncio.run(go())
     assert err.value.lsn == 3 and err.value.session_id == "s-0"
+
+
+def test_a_checkpoint_that_cannot_be_written_never_stops_the_engine(tmp_path):
+    """The checkpoint is a cache: a directory where it goes (the write fails
+    with IsADirectoryError) is a warning naming the file, at open and at each
+    periodic checkpoint, never an error and never a background failure."""
+    from structlog.testing import capture_logs
+
+    path = tmp_path / "log"
+    _some_sessions(path)
+    (path / CHECKPOINT_NAME).mkdir()
+
+    async def go():
+        log = FileLog.open(path, fsync="never")
+        try:
+            with capture_logs() as logs:
+                eng = await SessionEngine.open(log, progress=False, checkpoint_every=4, checkpoint_poll_s=0.005)
+                failed = [e for e in logs if e["event"] == "engine.checkpoint_failed"]
+                assert failed and failed[0]["log_level"] == "warning" and failed[0]["path"] == str(path / CHECKPOINT_NAME)
+                assert "IsADirectoryError" in failed[0]["error"]
+                assert str(path / CHECKPOINT_NAME) in eng.checkpoint_problem
+                for i in range(6):
+                    h = await eng.open_session(f"late{i}", group_id=f"late{i}", group_size=1)
+                    await h.start()
+                    await h.finish(reward=1.0)
+                    await asyncio.sleep(0.01)  # the periodic checkpointer's turn
+                assert len([e for e in logs if e["event"] == "engine.checkpoint_failed"]) >= 2
+            assert eng.background_failure is None
+            await eng.close()
+            eng2 = await SessionEngine.open(log, progress=False)  # folds from lsn 0, as without a checkpoint
+            assert str(eng2.status("late5")) == "finished"
+            await eng2.close()
+        finally:
+            log.close()
+
+    asyncio.run(go())

@@ -66,8 +66,10 @@ def flip_bit(path: Path, bit: int) -> None:
 
 
 def drop_watermark(d: Path) -> None:
-    """Remove DURABLE: only the frames themselves then say what is valid."""
+    """Remove DURABLE and the INDEX checkpoint (which describes synced
+    records too): only the frames themselves then say what is valid."""
     (d / DURABLE_NAME).unlink()
+    (d / INDEX_NAME).unlink(missing_ok=True)
 
 
 def records(d: Path) -> list:

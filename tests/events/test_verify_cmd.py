@@ -28,11 +28,13 @@ def test_sound_log_exits_0_with_a_one_line_summary(tmp_path, capsys):
 def _torn(tmp_path):
     d = tmp_path / "log"
     write_small_log(d, 6)
-    durable = (d / DURABLE_NAME).read_bytes()
+    durable, index = (d / DURABLE_NAME).read_bytes(), (d / INDEX_NAME).read_bytes()
     lg = FileLog.open(d)
     lg.append_batch([("t", 0, SessionOpened(group_id="g", group_size=1))])
     lg.close()
-    (d / DURABLE_NAME).write_bytes(durable)  # the last append was never acknowledged
+    # The last append was never acknowledged (nor described by a checkpoint).
+    (d / DURABLE_NAME).write_bytes(durable)
+    (d / INDEX_NAME).write_bytes(index)
     seg = seg_path(d)
     start, end = frame_offsets(d)[-1]
     seg.write_bytes(seg.read_bytes()[: end - 5])
