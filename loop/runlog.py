@@ -4,6 +4,7 @@ folder, and (for the process the user watches) short human lines on the console.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -65,6 +66,9 @@ def configure_process_logging(run_dir: Path, name: str, *, console: TextIO | Non
             _Tee(fh, console, console_level),
         ],
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # Every level reaches the file (the console filters in _Tee): the CLI may have set a
+        # filtering wrapper for its own console, which would otherwise stay in force here.
+        wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.bind_contextvars(process=name)

@@ -77,26 +77,29 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 #: The level from which the commands print the library's log events (``AGENTLOG_LOG_LEVEL`` changes it).
 LOG_LEVEL_VAR = "AGENTLOG_LOG_LEVEL"
 
-#: Commands that run a service for an operator: their log events are their
-#: record of what happened (sessions opened and ended, workers started and
-#: stopped), so they print from level info; every other command from warning.
-SERVICE_COMMANDS = frozenset({"serve", "train", "demo"})
+#: ``agentlog serve`` is a service whose output is its log (sessions opened
+#: and ended, turns refused): its events go to stdout from level info, and its
+#: stderr keeps the one-line error contract. Every other command prints only
+#: its own output on stdout and the library's events on stderr from warning
+#: (``train`` and ``demo`` then route their run's events themselves:
+#: ``loop.runlog``).
+SERVICE_OUTPUT = {"serve": ("info", "stdout")}
 
 
-def default_log_level(argv: list[str]) -> str:
-    """The log level a command prints from when ``$AGENTLOG_LOG_LEVEL`` is unset."""
-    return "info" if argv and argv[0] in SERVICE_COMMANDS else "warning"
+def default_log_output(argv: list[str]) -> tuple[str, str]:
+    """(level, stream) a command prints the library's log events at when ``$AGENTLOG_LOG_LEVEL`` is unset."""
+    return SERVICE_OUTPUT.get(argv[0] if argv else "", ("warning", "stderr"))
 
 
-def configure_output(default_level: str = "warning") -> None:
+def configure_output(default_level: str = "warning", stream: str = "stderr") -> None:
     """The commands print the library's log events with structlog's console
-    output on stderr, from ``default_level`` up (``$AGENTLOG_LOG_LEVEL``:
-    debug, info, warning or error, overrides it): stdout holds only a
-    command's own output (a table, JSON lines, samples), so it can be piped,
-    and a traceback is plain text without locals. The library itself stays
-    silent until an application configures logging (``agentlog._logging``);
-    a caller that configured structlog already (a test, an embedding
-    program) keeps its own."""
+    output on ``stream``, from ``default_level`` up (``$AGENTLOG_LOG_LEVEL``:
+    debug, info, warning or error, overrides it), and a traceback as plain
+    text without locals. stdout otherwise holds only a command's own output
+    (a table, JSON lines, samples), so it can be piped. The library itself
+    stays silent until an application configures logging
+    (``agentlog._logging``); a caller that configured structlog already (a
+    test, an embedding program) keeps its own."""
     import logging
 
     import structlog
@@ -119,19 +122,22 @@ def configure_output(default_level: str = "warning") -> None:
             structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStream(stream)),
     )
 
 
-class _CurrentStderr:
-    """``sys.stderr`` as it is at each write, not at configure time (a caller may swap it,
-    as pytest's capture does, and close the old one)."""
+class _CurrentStream:
+    """``sys.stderr`` (or ``sys.stdout``) as it is at each write, not at configure time
+    (a caller may swap it, as pytest's capture does, and close the old one)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
 
     def write(self, text: str) -> int:
-        return sys.stderr.write(text)
+        return getattr(sys, self.name).write(text)
 
     def flush(self) -> None:
-        sys.stderr.flush()
+        getattr(sys, self.name).flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv is None:
             argv = sys.argv[1:]
-        configure_output(default_log_level(argv))
+        configure_output(*default_log_output(argv))
         parser = build_parser(argv)
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):
