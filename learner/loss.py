@@ -47,7 +47,7 @@ METRICS = (
 )
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class LossInputs:
     """One micro-batch's per-token tensors, one sample per row: ``(N, L)`` unless said otherwise."""
 
@@ -85,9 +85,10 @@ class LossInputs:
             )
         if (self.teacher_log_probs is None) != (self.teacher_mask is None):
             raise ValueError("LossInputs: teacher_log_probs and teacher_mask go together; only one was given")
-        top = ("top_log_probs", "teacher_top_log_probs", "teacher_top_mask")
-        given = [name for name in top if getattr(self, name) is not None]
-        if given and len(given) != len(top):
+        top = (self.top_log_probs, self.teacher_top_log_probs, self.teacher_top_mask)
+        if (top[0] is None) != (top[1] is None) or (top[0] is None) != (top[2] is None):
+            names = ("top_log_probs", "teacher_top_log_probs", "teacher_top_mask")
+            given = [name for name, t in zip(names, top) if t is not None]
             raise ValueError(
                 f"LossInputs: top_log_probs, teacher_top_log_probs and teacher_top_mask go together; got "
                 f"{', '.join(given)} alone"
@@ -199,9 +200,11 @@ def policy_gradient_loss(
     """PPO's clipped surrogate with an asymmetric clip (clip-higher), GSPO's sequence-level
     ratio (``estimator="gspo"``), the dual clip and truncated importance sampling.
 
-    ``advantages`` is (N, 1) or (N, L). Returns the aggregated loss and
-    ``loss/policy`` and the ``stats/*`` of the ratio, token means over the
-    trained tokens."""
+    ``advantages`` is (N, 1) or (N, L). Returns the aggregated loss and its
+    metrics: ``loss/policy``, ``stats/clip_frac``, ``stats/approx_kl`` and,
+    where their variant or input is on, ``stats/dual_clip_frac``,
+    ``stats/tis_clip_frac`` and ``stats/rollout_logprob_abs_diff``; the
+    ``stats/*`` are token means over the trained tokens."""
     c = config
     if c.estimator not in ESTIMATORS:
         raise ValueError(f"policy_gradient_loss: estimator must be one of {ESTIMATORS}, got {c.estimator!r}")
@@ -234,22 +237,20 @@ def policy_gradient_loss(
     policy = agg.loss(pg_loss)
 
     with torch.no_grad():
-        dtype, zero = agg.mask.dtype, _zero(x)
+        dtype = agg.mask.dtype
         clipfrac = agg.token_mean((pg_loss2 > pg_loss1).to(dtype))
-        dual_clipfrac = agg.token_mean((negative & (pg_loss3 < clipped_loss)).to(dtype)) if c.dual_clip is not None else zero
         # k3 estimate of KL(pi_old || pi): (ratio - 1) - log ratio >= 0
         approx_kl = agg.token_mean((ratio - 1.0) - log_ratio)
-        tis_clipfrac = agg.token_mean((tis_weight > c.tis_cap).to(dtype)) if c.tis_cap is not None else zero
-        # |log pi_old - log pi_rollout| (slime's train_rollout_logprob_abs_diff): ~0 when the
-        # learner reproduces the sampler (same weights, same temperature), large when it does not.
-        rollout_diff = zero
+        metrics = {"loss/policy": policy.detach(), "stats/clip_frac": clipfrac, "stats/approx_kl": approx_kl}
+        if c.dual_clip is not None:
+            metrics["stats/dual_clip_frac"] = agg.token_mean((negative & (pg_loss3 < clipped_loss)).to(dtype))
+        if c.tis_cap is not None:
+            metrics["stats/tis_clip_frac"] = agg.token_mean((tis_weight > c.tis_cap).to(dtype))
         if x.rollout_log_probs is not None:
-            rollout_diff = agg.token_mean((x.old_log_probs - x.rollout_log_probs).abs())
-    return policy, {
-        "loss/policy": policy.detach(), "stats/clip_frac": clipfrac, "stats/dual_clip_frac": dual_clipfrac,
-        "stats/approx_kl": approx_kl, "stats/tis_clip_frac": tis_clipfrac,
-        "stats/rollout_logprob_abs_diff": rollout_diff,
-    }
+            # |log pi_old - log pi_rollout| (slime's train_rollout_logprob_abs_diff): ~0 when the learner
+            # reproduces the sampler (same weights, same temperature), large when it does not.
+            metrics["stats/rollout_logprob_abs_diff"] = agg.token_mean((x.old_log_probs - x.rollout_log_probs).abs())
+    return policy, metrics
 
 
 # --- KL penalty to the reference policy ---------------------------------------------
@@ -298,8 +299,11 @@ def entropy_bonus(x: LossInputs, agg: Aggregation, config: LearnerConfig) -> tup
     """The policy's entropy aggregated like the policy loss (``loss/entropy``) and as a token
     mean (``stats/entropy``); `TERMS` subtracts it."""
     entropy = agg.loss(x.entropy)
-    with torch.no_grad():
-        entropy_mean = entropy.detach() if agg.loss_agg == "token_mean" else agg.token_mean(x.entropy)
+    if agg.loss_agg == "token_mean":
+        entropy_mean = entropy.detach()
+    else:
+        with torch.no_grad():
+            entropy_mean = agg.token_mean(x.entropy)
     return entropy, {"loss/entropy": entropy.detach(), "stats/entropy": entropy_mean}
 
 
@@ -314,29 +318,21 @@ class Term:
     """The term: its value (aggregated, differentiable) and its metrics."""
     weight: str
     """The `LearnerConfig` field that weighs it; 0 leaves it out of the loss."""
-    needs: tuple[str, ...]
-    """The `LossInputs` fields it reads; it is measured whenever they are given."""
+    needs: str
+    """The `LossInputs` field it reads; the term is measured whenever that is given."""
     sign: float = 1.0
     """+1 for a penalty, -1 for a bonus."""
     optional: bool = False
-    """With a weight but without its inputs: left out (data some batches lack) rather than an error."""
+    """With a weight but without its input: left out (data some batches lack) rather than an error."""
 
 
 #: The additive terms by name, in the order they are added.
 TERMS: dict[str, Term] = {
-    "kl": Term(kl_loss, "kl_coef", ("ref_log_probs",)),
+    "kl": Term(kl_loss, "kl_coef", "ref_log_probs"),
     # Top-K data is where the teacher gave it: a batch without it trains without the term.
-    "distill_topk": Term(topk_distill_loss, "distill_topk_coef", ("top_log_probs",), optional=True),
-    "entropy": Term(entropy_bonus, "entropy_coef", ("entropy",), sign=-1.0),
+    "distill_topk": Term(topk_distill_loss, "distill_topk_coef", "top_log_probs", optional=True),
+    "entropy": Term(entropy_bonus, "entropy_coef", "entropy", sign=-1.0),
 }
-
-
-def _require(config: LearnerConfig, weight: str, x: LossInputs, needs: tuple[str, ...]) -> None:
-    missing = [name for name in needs if getattr(x, name) is None]
-    if getattr(config, weight) != 0.0 and missing:
-        raise ValueError(
-            f"total_loss: {weight} is non-zero but {' or '.join(needs)} was not given (missing: {', '.join(missing)})"
-        )
 
 
 def total_loss(
@@ -357,10 +353,20 @@ def total_loss(
     plus, with teacher scores, ``distill/reverse_kl`` and ``distill/scored_frac``
     and, with top-K data, ``distill/topk_kl``. The ``stats/*`` are token
     means with the loss's denominator, so micro-batches sum."""
-    _require(config, "distill_coef", x, ("teacher_log_probs", "rollout_log_probs"))
-    for term in TERMS.values():
-        if not term.optional:
-            _require(config, term.weight, x, term.needs)
+    if config.distill_coef != 0.0 and (x.teacher_log_probs is None or x.rollout_log_probs is None):
+        raise ValueError(
+            "total_loss: distill_coef is non-zero but teacher_log_probs or rollout_log_probs was not given"
+        )
+    measured = []  # (term, weight) of every term whose input is given
+    for name, term in TERMS.items():
+        given = getattr(x, term.needs) is not None
+        weight = getattr(config, term.weight)
+        if weight != 0.0 and not given and not term.optional:
+            raise ValueError(
+                f"total_loss: {term.weight} is non-zero but {term.needs} was not given (the {name!r} term needs it)"
+            )
+        if given:
+            measured.append((term, weight))
     agg = Aggregation(x.loss_mask, x.log_probs.dtype, config.loss_agg, num_tokens=num_tokens, num_samples=num_samples)
     metrics = dict.fromkeys(METRICS, _zero(x))
 
@@ -374,12 +380,9 @@ def total_loss(
     loss, pg_metrics = policy_gradient_loss(x, advantages, agg, config)
     metrics.update(pg_metrics)
 
-    for term in TERMS.values():
-        if any(getattr(x, name) is None for name in term.needs):
-            continue
+    for term, weight in measured:
         value, term_metrics = term.compute(x, agg, config)
         metrics.update(term_metrics)
-        weight = getattr(config, term.weight)
         if weight != 0.0:
             loss = loss + (term.sign * weight) * value
     return loss, metrics
