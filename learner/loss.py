@@ -12,8 +12,8 @@ distillation: the teacher's reverse KL as a per-token advantage) when
 ``distill_coef`` is set. Each term is a plain function of a `LossInputs`
 (the micro-batch's per-token tensors) and an `Aggregation` (how per-token
 values become a scalar); the additive ones are registered by name in
-`TERMS`, with the `LearnerConfig` field that weighs them and the inputs they
-need. A term whose inputs are given is measured (its metrics) even at weight
+`TERMS`, with the `LearnerConfig` field that weighs each and the input it
+reads. A term whose input is given is measured (its metrics) even at weight
 0; it enters the loss only with a non-zero weight.
 
 All per-token inputs are laid out one sample per row, ``(N, L)``, with
@@ -52,7 +52,7 @@ class LossInputs:
     """One micro-batch's per-token tensors, one sample per row: ``(N, L)`` unless said otherwise."""
 
     log_probs: torch.Tensor
-    """Log-probs of the taken tokens under the policy being trained (the only input with a gradient)."""
+    """Log-probs of the taken tokens under the policy being trained (differentiable)."""
     old_log_probs: torch.Tensor
     """The same under the policy the ratio is taken against (fixed for the whole step)."""
     advantages: torch.Tensor
@@ -64,13 +64,13 @@ class LossInputs:
     ref_log_probs: torch.Tensor | None = None
     """Reference-policy log-probs (the ``kl`` term)."""
     entropy: torch.Tensor | None = None
-    """Per-token policy entropy (the ``entropy`` term and its metric)."""
+    """Per-token policy entropy (the ``entropy`` term and its metric; differentiable when it is weighed)."""
     teacher_log_probs: torch.Tensor | None = None
     """Teacher log-probs of the taken tokens (distillation); goes with ``teacher_mask``."""
     teacher_mask: torch.Tensor | None = None
     """1 where a teacher scored the token."""
     top_log_probs: torch.Tensor | None = None
-    """(N, L, K) the policy's log-probs of the teacher's top-K ids (the ``distill_topk`` term)."""
+    """(N, L, K) the policy's log-probs of the teacher's top-K ids (the ``distill_topk`` term; differentiable)."""
     teacher_top_log_probs: torch.Tensor | None = None
     """(N, L, K) the teacher's log-probs of its top-K ids."""
     teacher_top_mask: torch.Tensor | None = None

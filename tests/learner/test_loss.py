@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,7 +12,10 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from agentlog.learner.config import LearnerConfig
-from agentlog.learner.loss import LossInputs, kl_penalty, total_loss
+from agentlog.learner.loss import (
+    METRICS, TERMS, Aggregation, LossInputs, distill_advantages, entropy_bonus, kl_loss, kl_penalty,
+    policy_gradient_loss, topk_distill_loss, total_loss,
+)
 
 T = torch.tensor
 
@@ -239,3 +243,66 @@ def test_loss_matches_a_token_by_token_loop_for_every_option(seed, n, length, es
                       ent.tolist(), estimator=estimator, agg=agg, dual=dual, tis=tis, kl_coef=kl_coef,
                       ent_coef=ent_coef, remove=remove.tolist())
     assert_close(loss, T(want, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+
+
+def _all_inputs(seed: int, n: int = 5, length: int = 6, k: int = 3) -> LossInputs:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return -torch.rand(*shape, generator=g, dtype=torch.float64) * 2
+
+    return LossInputs(
+        r(n, length).requires_grad_(True), r(n, length), torch.randn(n, generator=g, dtype=torch.float64),
+        (torch.rand(n, length, generator=g) > 0.3).double(), rollout_log_probs=r(n, length),
+        ref_log_probs=r(n, length), entropy=-r(n, length), teacher_log_probs=r(n, length),
+        teacher_mask=(torch.rand(n, length, generator=g) > 0.2).double(), top_log_probs=r(n, length, k),
+        teacher_top_log_probs=r(n, length, k), teacher_top_mask=torch.rand(n, length, k, generator=g) > 0.3,
+    )
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "sample_mean"])
+def test_total_loss_is_its_terms_composed_in_order(agg):
+    """Each term computed on its own, summed with the config's weights, gives total_loss bit for bit."""
+    x = _all_inputs(seed=4)
+    config = LearnerConfig(estimator="gspo", loss_agg=agg, dual_clip=3.0, tis_cap=2.0, kl_coef=0.05, kl_type="k2",
+                           entropy_coef=0.01, distill_coef=0.5, distill_topk_coef=0.3)
+    total, metrics = total_loss(x, config)
+
+    a = Aggregation(x.loss_mask, x.log_probs.dtype, agg)
+    shaped = distill_advantages(x, x.advantages.unsqueeze(-1), config.distill_coef)
+    pg, pg_metrics = policy_gradient_loss(x, shaped, a, config)
+    kl, _ = kl_loss(x, a, config)
+    topk, _ = topk_distill_loss(x, a, config)
+    entropy, _ = entropy_bonus(x, a, config)
+    assert list(TERMS) == ["kl", "distill_topk", "entropy"]
+    assert torch.equal(total, pg + 0.05 * kl + 0.3 * topk - 0.01 * entropy)
+    assert all(torch.equal(metrics[k], v) for k, v in pg_metrics.items())
+    assert list(metrics) == list(METRICS) + ["distill/reverse_kl", "distill/scored_frac", "distill/topk_kl"]
+
+
+def test_a_term_is_measured_without_weight_and_enters_the_loss_only_with_one():
+    x = _all_inputs(seed=8)
+    plain, m = total_loss(x, LearnerConfig())
+    pg, _ = policy_gradient_loss(x, x.advantages.unsqueeze(-1), Aggregation(x.loss_mask, x.log_probs.dtype,
+                                                                            "token_mean"), LearnerConfig())
+    assert torch.equal(plain, pg)
+    assert m["loss/kl"] > 0 and m["loss/entropy"] > 0 and m["distill/topk_kl"] > 0
+
+
+def test_missing_inputs_of_a_weighted_term_are_named_but_top_k_data_is_optional():
+    x = _all_inputs(seed=2)
+    bare = LossInputs(x.log_probs, x.old_log_probs, x.advantages, x.loss_mask)
+    with pytest.raises(ValueError, match="entropy_coef is non-zero but entropy was not given"):
+        total_loss(bare, LearnerConfig(entropy_coef=0.01))
+    # top-K data comes where a teacher gave it: a batch without it trains without the term
+    loss, m = total_loss(bare, LearnerConfig(distill_topk_coef=0.5))
+    assert torch.equal(loss, total_loss(bare, LearnerConfig())[0]) and "distill/topk_kl" not in m
+
+
+def test_without_rows_drops_the_rows_of_every_input():
+    x = _all_inputs(seed=6)
+    remove = torch.tensor([False, True, False, False, True])
+    kept = x.without_rows(remove)
+    for f in dataclasses.fields(LossInputs):
+        assert torch.equal(getattr(kept, f.name), getattr(x, f.name)[~remove]), f.name
+    assert x.without_rows(torch.zeros(5, dtype=torch.bool)) is x and x.without_rows(None) is x
