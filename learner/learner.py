@@ -33,7 +33,7 @@ from agentlog._logging import get_logger
 from agentlog.learner.advantages import compute_advantages
 from agentlog.learner.batching import make_batches
 from agentlog.learner.config import LearnerConfig
-from agentlog.learner.loss import policy_loss
+from agentlog.learner.loss import LossInputs, total_loss
 from agentlog.learner.model import token_log_probs, token_stats
 from agentlog.learner.optim import make_optimizer, make_scheduler
 from agentlog.events.log_format import fsync_dir
@@ -117,14 +117,6 @@ class Learner:
     def device(self) -> torch.device:
         """Where the model's parameters live."""
         return next(self.model.parameters()).device
-
-    def _loss_kwargs(self) -> dict[str, Any]:
-        c = self.config
-        return dict(
-            estimator=c.estimator, eps_clip=c.eps_clip, eps_clip_high=c.eps_clip_high, dual_clip=c.dual_clip,
-            tis_cap=c.tis_cap, kl_coef=c.kl_coef, kl_type=c.kl_type, entropy_coef=c.entropy_coef,
-            loss_agg=c.loss_agg, distill_coef=c.distill_coef, distill_topk_coef=c.distill_topk_coef,
-        )
 
     def prepare(
         self,
@@ -308,7 +300,7 @@ class Learner:
                 log_probs, entropy, top = token_stats(self.model, b, with_entropy=True, with_top=with_top)
                 if c.entropy_coef == 0.0:
                     entropy = entropy.detach()  # metric only: keep it out of the graph
-                loss, m = policy_loss(
+                inputs = LossInputs(
                     log_probs,
                     log_probs.detach() if old is None else old[k][i],
                     b.advantages,
@@ -316,16 +308,14 @@ class Learner:
                     rollout_log_probs=b.rollout_log_probs,
                     ref_log_probs=None if ref is None else ref[k][i],
                     entropy=entropy,
-                    num_tokens=num_tokens,
-                    num_samples=num_samples,
                     teacher_log_probs=b.teacher_log_probs,
                     teacher_mask=b.teacher_mask,
                     top_log_probs=top,
                     teacher_top_log_probs=b.teacher_top_log_probs if with_top else None,
                     teacher_top_mask=b.teacher_top_mask if with_top else None,
-                    num_scored=max(num_scored, 1.0),
-                    **self._loss_kwargs(),
                 )
+                loss, m = total_loss(inputs, c, num_tokens=num_tokens, num_samples=num_samples,
+                                     num_scored=max(num_scored, 1.0))
                 loss.backward()
                 for key, v in m.items():
                     sums[key] = sums.get(key, 0.0) + float(v)

@@ -20,7 +20,7 @@ from torch.testing import assert_close
 from agentlog.learner.batching import make_batches
 from agentlog.learner.config import LearnerConfig
 from agentlog.learner.learner import Learner
-from agentlog.learner.loss import policy_loss
+from agentlog.learner.loss import LossInputs, total_loss
 from agentlog.learner.model import GPT, token_log_probs, token_stats
 from agentlog.reducers.samples import Sample
 
@@ -154,8 +154,9 @@ def test_advantage_shaping_matches_a_hand_computed_example():
     #   row 1: -1 - 0.5 * (-0.25 + 0.125) = -0.9375;  -1 - 0.5 * (-1.25 + 2.25) = -1.5;  (not trained)
     shaped = T([[0.25, 1.0, 0.5], [-0.9375, -1.5, 0.0]])
     lp = torch.zeros(2, 3, requires_grad=True)
-    loss, m = policy_loss(lp, lp.detach(), adv, mask, rollout_log_probs=rollout, teacher_log_probs=teacher,
-                          teacher_mask=scored, distill_coef=lam)
+    inputs = LossInputs(lp, lp.detach(), adv, mask, rollout_log_probs=rollout, teacher_log_probs=teacher,
+                        teacher_mask=scored)
+    loss, m = total_loss(inputs, LearnerConfig(distill_coef=lam))
     assert torch.equal(loss.detach(), T(-(0.25 + 1.0 + 0.5 - 0.9375 - 1.5)) / 5)
     loss.backward()
     assert_close(lp.grad, -shaped * mask / 5, rtol=0, atol=0)
@@ -164,8 +165,9 @@ def test_advantage_shaping_matches_a_hand_computed_example():
     assert m["distill/scored_frac"].item() == pytest.approx(4 / 5)
     # lambda = 0: the teacher changes nothing but the metrics.
     lp0 = torch.zeros(2, 3, requires_grad=True)
-    loss0, m0 = policy_loss(lp0, lp0.detach(), adv, mask, rollout_log_probs=rollout, teacher_log_probs=teacher,
-                            teacher_mask=scored)
+    inputs0 = LossInputs(lp0, lp0.detach(), adv, mask, rollout_log_probs=rollout, teacher_log_probs=teacher,
+                         teacher_mask=scored)
+    loss0, m0 = total_loss(inputs0, LearnerConfig())
     assert torch.equal(loss0.detach(), T(-(0.5 * 3 - 1.0 * 2)) / 5)
     assert m0["distill/reverse_kl"] == m["distill/reverse_kl"]
 
@@ -178,8 +180,9 @@ def test_the_shaping_uses_behaviour_log_probs_and_is_not_differentiated():
     old, rollout = -torch.rand(3, 4, generator=g), -torch.rand(3, 4, generator=g)
     mask, adv = torch.ones(3, 4), T([1.0, 0.0, -1.0])
     kw = dict(rollout_log_probs=rollout, teacher_log_probs=rollout.clone(), teacher_mask=torch.ones(3, 4))
-    a, _ = policy_loss(lp, old, adv, mask, distill_coef=2.0, **kw)
-    b, _ = policy_loss(lp, old, adv, mask, **kw)
+    inputs = LossInputs(lp, old, adv, mask, **kw)
+    a, _ = total_loss(inputs, LearnerConfig(distill_coef=2.0))
+    b, _ = total_loss(inputs, LearnerConfig())
     assert torch.equal(a, b)
     (ga,) = torch.autograd.grad(a, lp)
     (gb,) = torch.autograd.grad(b, lp)
@@ -193,11 +196,13 @@ def test_distillation_is_exactly_a_per_token_advantage(seed, lam, estimator, agg
     """For any batch, lambda and loss setting: the loss with the teacher equals
     the loss without it given the advantages A - lambda * (rollout - teacher) * scored."""
     t = _distill_tensors(seed)
-    kw = dict(rollout_log_probs=t["rollout"], estimator=estimator, loss_agg=agg, dual_clip=dual)
-    a, _ = policy_loss(t["log_probs"], t["old"], t["adv"], t["mask"], teacher_log_probs=t["teacher"],
-                       teacher_mask=t["scored"], distill_coef=lam, **kw)
+    kw = dict(estimator=estimator, loss_agg=agg, dual_clip=dual)
+    a, _ = total_loss(LossInputs(t["log_probs"], t["old"], t["adv"], t["mask"], rollout_log_probs=t["rollout"],
+                                 teacher_log_probs=t["teacher"], teacher_mask=t["scored"]),
+                      LearnerConfig(distill_coef=lam, **kw))
     shaped = t["adv"][:, None] - lam * (t["rollout"] - t["teacher"]) * t["scored"]
-    b, _ = policy_loss(t["log_probs"], t["old"], shaped, t["mask"], **kw)
+    b, _ = total_loss(LossInputs(t["log_probs"], t["old"], shaped, t["mask"], rollout_log_probs=t["rollout"]),
+                      LearnerConfig(**kw))
     assert torch.equal(a, b)
 
 
@@ -210,23 +215,24 @@ def test_top_k_forward_kl_matches_a_hand_computed_example():
     teacher_top = torch.log(T([[[0.3, 0.1, 0.6]]]))
     real = T([[[True, True, False]]])
     lp = torch.zeros(1, 1, requires_grad=True)
-    loss, m = policy_loss(lp, lp.detach(), T([0.0]), torch.ones(1, 1), top_log_probs=top,
-                          teacher_top_log_probs=teacher_top, teacher_top_mask=real, distill_topk_coef=0.5)
+    inputs = LossInputs(lp, lp.detach(), T([0.0]), torch.ones(1, 1), top_log_probs=top,
+                        teacher_top_log_probs=teacher_top, teacher_top_mask=real)
+    loss, m = total_loss(inputs, LearnerConfig(distill_topk_coef=0.5))
     kl = 0.75 * math.log(1.5)
     assert_close(m["distill/topk_kl"], T(kl))
     assert_close(loss, T(0.5 * kl))
     loss.backward()
     assert_close(top.grad, T([[[-0.75 * 0.5, -0.25 * 0.5, 0.0]]]))
     with pytest.raises(ValueError, match="top_log_probs, teacher_top_log_probs and teacher_top_mask go together"):
-        policy_loss(lp, lp.detach(), T([0.0]), torch.ones(1, 1), top_log_probs=top)
+        LossInputs(lp, lp.detach(), T([0.0]), torch.ones(1, 1), top_log_probs=top)
 
 
 def test_missing_inputs_are_named():
     lp, mask = torch.zeros(1, 2), torch.ones(1, 2)
     with pytest.raises(ValueError, match="distill_coef is non-zero but teacher_log_probs or rollout_log_probs"):
-        policy_loss(lp, lp, T([0.0]), mask, distill_coef=0.1, rollout_log_probs=lp)
+        total_loss(LossInputs(lp, lp, T([0.0]), mask, rollout_log_probs=lp), LearnerConfig(distill_coef=0.1))
     with pytest.raises(ValueError, match="teacher_log_probs and teacher_mask go together"):
-        policy_loss(lp, lp, T([0.0]), mask, teacher_log_probs=lp)
+        LossInputs(lp, lp, T([0.0]), mask, teacher_log_probs=lp)
 
 
 # ------------------------------------------------------------------ zero contribution
@@ -251,12 +257,14 @@ def _distill_tensors(seed: int, n: int = 6, L: int = 7, K: int = 3):
 def _distill_loss(t, remove, estimator, agg):
     lp = t["log_probs"].clone().requires_grad_(True)
     top = t["top"].clone().requires_grad_(True)
-    loss, metrics = policy_loss(
-        lp, t["old"], t["adv"], t["mask"], remove=remove, rollout_log_probs=t["rollout"], estimator=estimator,
-        loss_agg=agg, teacher_log_probs=t["teacher"], teacher_mask=t["scored"], distill_coef=0.7, top_log_probs=top,
-        teacher_top_log_probs=t["teacher_top"], teacher_top_mask=t["top_mask"], distill_topk_coef=0.3,
-        dual_clip=3.0, tis_cap=2.0,
+    inputs = LossInputs(
+        lp, t["old"], t["adv"], t["mask"], rollout_log_probs=t["rollout"], teacher_log_probs=t["teacher"],
+        teacher_mask=t["scored"], top_log_probs=top, teacher_top_log_probs=t["teacher_top"],
+        teacher_top_mask=t["top_mask"],
     )
+    config = LearnerConfig(estimator=estimator, loss_agg=agg, distill_coef=0.7, distill_topk_coef=0.3, dual_clip=3.0,
+                           tis_cap=2.0)
+    loss, metrics = total_loss(inputs.without_rows(remove), config)
     loss.backward()
     return loss, metrics, lp.grad, top.grad
 

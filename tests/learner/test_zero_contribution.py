@@ -16,7 +16,7 @@ from agentlog.learner.advantages import compute_advantages
 from agentlog.learner.batching import make_batches
 from agentlog.learner.config import LearnerConfig
 from agentlog.learner.learner import Learner
-from agentlog.learner.loss import policy_loss
+from agentlog.learner.loss import LossInputs, total_loss
 from agentlog.learner.model import GPT, token_log_probs
 
 ESTIMATORS = ["grpo", "dr_grpo", "gspo"]
@@ -42,10 +42,9 @@ def _loss_and_grads(t, valid, remove, estimator, agg):
     lp = t["log_probs"].clone().requires_grad_(True)
     ent = t["entropy"].clone().requires_grad_(True)
     adv = compute_advantages(t["rewards"], t["groups"], valid, estimator)
-    loss, metrics = policy_loss(
-        lp, t["old"], adv, t["mask"], remove=remove, rollout_log_probs=t["rollout"], ref_log_probs=t["ref"],
-        entropy=ent, estimator=estimator, loss_agg=agg, **EXTRAS,
-    )
+    inputs = LossInputs(lp, t["old"], adv, t["mask"], rollout_log_probs=t["rollout"], ref_log_probs=t["ref"],
+                        entropy=ent)
+    loss, metrics = total_loss(inputs.without_rows(remove), LearnerConfig(estimator=estimator, loss_agg=agg, **EXTRAS))
     loss.backward()
     return loss, metrics, lp.grad, ent.grad
 
@@ -172,8 +171,9 @@ def test_any_set_of_removed_rows_is_invisible(seed, n, length, estimator, agg, d
         x = lp[sel].clone().requires_grad_(True)
         adv = compute_advantages(rewards[sel], groups[sel], ~remove if remove is not None else
                                  torch.ones(int(sel.sum()), dtype=torch.bool), estimator)
-        loss, m = policy_loss(x, old[sel], adv, mask[sel], remove=remove, rollout_log_probs=roll[sel],
-                              ref_log_probs=ref[sel], entropy=ent[sel], estimator=estimator, loss_agg=agg, **EXTRAS)
+        inputs = LossInputs(x, old[sel], adv, mask[sel], rollout_log_probs=roll[sel], ref_log_probs=ref[sel],
+                            entropy=ent[sel])
+        loss, m = total_loss(inputs.without_rows(remove), LearnerConfig(estimator=estimator, loss_agg=agg, **EXTRAS))
         loss.backward()
         return loss, m, x.grad
 

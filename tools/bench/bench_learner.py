@@ -7,7 +7,7 @@ response lengths drawn log-normal (median ~150 tokens, a long tail clipped at
 * tokens/s of a full ``Learner.step`` (batching, forward, backward, optimiser)
   on the built-in GPT with packing vs with padding (same samples, same
   micro-batch budget), and the padding waste of each layout;
-* ``learner.loss.policy_loss`` (forward + backward) against a straightforward
+* ``learner.loss.total_loss`` (forward + backward) against a straightforward
   reference implementation of the same loss and diagnostics (clip fraction,
   approximate KL, ...) written below, on the same tensors, with default
   settings and with every extra on;
@@ -15,7 +15,7 @@ response lengths drawn log-normal (median ~150 tokens, a long tail clipped at
   built from a config in code) behind ``HFCausalLM``: Learner-step tokens/s
   packed (block-diagonal 4-D masks, position ids restarting per sample) vs
   padded, and the learner's whole loss path on one micro-batch
-  (``token_log_probs`` with entropy + ``policy_loss``, forward + backward)
+  (``token_log_probs`` with entropy + ``total_loss``, forward + backward)
   against a plain masked cross-entropy forward + backward of the same model
   on the same batch (needs ``transformers``; skipped with a note without it).
 
@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:
 
 from agentlog.learner.config import LearnerConfig  # noqa: E402
 from agentlog.learner.learner import Learner  # noqa: E402
-from agentlog.learner.loss import policy_loss  # noqa: E402
+from agentlog.learner.loss import LossInputs, total_loss  # noqa: E402
 from agentlog.learner.model import GPT, GPTConfig  # noqa: E402
 from agentlog.reducers.samples import COMPLETED, Sample  # noqa: E402
 
@@ -180,7 +180,7 @@ def bench_hf_step(samples, repeats: int, layers: int, width: int) -> dict[str, d
 
 def bench_hf_loss(samples, repeats: int, layers: int, width: int) -> tuple[float, float]:
     """(ours, reference) CPU seconds of one packed micro-batch's forward + backward on the HF Llama:
-    the learner's token_log_probs (with entropy) + policy_loss vs a plain masked cross-entropy."""
+    the learner's token_log_probs (with entropy) + total_loss vs a plain masked cross-entropy."""
     import torch.nn.functional as F
 
     from agentlog.learner.batching import make_batches
@@ -189,12 +189,14 @@ def bench_hf_loss(samples, repeats: int, layers: int, width: int) -> tuple[float
     model = hf_llama(layers, width)
     adv = np.random.default_rng(2).standard_normal(len(samples)).astype(np.float32)
     (batch,) = make_batches(samples, adv, packing=True, max_tokens_per_batch=1 << 30)
+    config = LearnerConfig()
 
     def ours():
         model.zero_grad(set_to_none=True)
         lp, ent = token_log_probs(model, batch, with_entropy=True)
-        loss, _ = policy_loss(lp, lp.detach(), batch.advantages, batch.loss_mask, entropy=ent.detach(),
-                              rollout_log_probs=batch.rollout_log_probs)
+        inputs = LossInputs(lp, lp.detach(), batch.advantages, batch.loss_mask, entropy=ent.detach(),
+                            rollout_log_probs=batch.rollout_log_probs)
+        loss, _ = total_loss(inputs, config)
         loss.backward()
 
     def plain():
@@ -224,22 +226,22 @@ def bench_loss(n: int, length: int, repeats: int) -> dict[str, tuple[float, floa
     mask = (torch.arange(length)[None, :] < lens[:, None]).float()
     adv = torch.randn(n, generator=g)
 
-    cases = {
-        "default": (dict(), dict()),
+    cases = {  # (our inputs, our config, the reference's arguments)
+        "default": (dict(), LearnerConfig(), dict()),
         "all extras": (
-            dict(dual_clip=3.0, tis_cap=2.0, kl_coef=0.01, kl_type="k3", entropy_coef=0.001,
-                 rollout_log_probs=rollout, ref_log_probs=ref),
+            dict(rollout_log_probs=rollout, ref_log_probs=ref),
+            LearnerConfig(dual_clip=3.0, tis_cap=2.0, kl_coef=0.01, kl_type="k3", entropy_coef=0.001),
             dict(dual=3.0, tis=2.0, kl_coef=0.01, ent_coef=0.001, rollout=rollout, ref=ref),
         ),
     }
     results = {}
-    for case, (ours_kw, ref_kw) in cases.items():
+    for case, (ours_kw, config, ref_kw) in cases.items():
         extras = case != "default"
         lp = lp0.clone().requires_grad_(True)
         ent = ent0.clone().requires_grad_(True)
 
         def ours():
-            loss, _ = policy_loss(lp, old, adv, mask, entropy=ent if extras else None, **ours_kw)
+            loss, _ = total_loss(LossInputs(lp, old, adv, mask, entropy=ent if extras else None, **ours_kw), config)
             loss.backward()
             return loss
 
