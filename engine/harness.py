@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, TypeVar
 
+from agentlog.events.errors import AgentlogError
+
 #: The environment variable consulted by :func:`select` when no name is given.
 ENV_VAR = "AGENTLOG_AGENT"
 
@@ -20,7 +22,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 _REGISTRY: dict[str, Callable[..., Any]] = {}
 
 
-class UnknownHarness(LookupError):
+class UnknownHarness(AgentlogError, LookupError):
     """No harness is registered under the requested name."""
 
     def __init__(self, name: str | None, valid: list[str], source: str) -> None:

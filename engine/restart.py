@@ -38,6 +38,7 @@ from typing import Any, Iterator, NamedTuple
 
 import msgspec
 
+from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
 from agentlog.events.log_api import EventLog
 from agentlog.events.log_format import write_atomic
@@ -64,7 +65,7 @@ _OPENED = SessionOpened.__struct_config__.tag
 _TERMINAL_TAGS = frozenset(b.__struct_config__.tag for b in (SessionFinished, SessionAborted, SessionDropped))
 
 
-class CheckpointError(Exception):
+class CheckpointError(AgentlogError):
     """A checkpoint file that cannot be used here: names the file and what was wrong."""
 
     def __init__(self, path: Path, problem: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from transitions import Machine
 
+from .errors import AgentlogError
 from .types import CommandRan, RewardAssigned, SessionOpened, TeacherScored, TurnDelta, TurnRecorded, TurnUndelivered
 
 
@@ -90,7 +91,7 @@ OPENED_TAG: str = SessionOpened.__struct_config__.tag
 SESSION_TAGS: frozenset[str] = frozenset({OPENED_TAG, *TRIGGER_OF_TAG, *IN_SESSION_EVENTS})
 
 
-class LifecycleError(Exception):
+class LifecycleError(AgentlogError):
     """Base of lifecycle violations."""
 
 

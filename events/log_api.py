@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
 
 import msgspec
 
+from .errors import AgentlogError
 from .types import (
     EVENT_TYPES,
     KNOWN_TAGS,
@@ -33,7 +34,7 @@ from .types import (
 _EVENT_TYPE_SET = frozenset(EVENT_TYPES)
 
 
-class LogError(Exception):
+class LogError(AgentlogError):
     """Base of all log errors."""
 
 

@@ -19,6 +19,7 @@ import struct
 from pathlib import Path
 from typing import Generator, Iterator, NamedTuple
 
+from .errors import AgentlogError
 from . import framecodec
 from .log_api import LogCorruption, SchemaError
 from .log_format import (
@@ -77,7 +78,7 @@ _NATIVE_BATCH = 4096
 _NEED, _BAD, _MORE = 0, 3, 4  # the compiled scanner's stop codes (see _framecodec.c)
 
 
-class _Shrunk(Exception):
+class _Shrunk(AgentlogError):
     pass
 
 

@@ -21,12 +21,13 @@ from typing import Any, Iterable, Iterator
 import msgspec
 import numpy as np
 
+from .errors import AgentlogError
 from .types import _READING_STORED, TERMINAL_EVENT_TYPES, Envelope, TurnDelta, TurnRecorded
 
 _encode = msgspec.msgpack.Encoder().encode
 
 
-class TurnDeltaError(ValueError):
+class TurnDeltaError(AgentlogError, ValueError):
     """A turn_delta references more of the previous turn than that turn held."""
 
 

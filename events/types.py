@@ -29,6 +29,8 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
+from .errors import AgentlogError
+
 SCHEMA_VERSION = 1
 
 #: Longest session / group id accepted, in UTF-8 bytes.
@@ -43,7 +45,7 @@ _TOKEN_DTYPE = np.dtype("<i4")
 _LOGPROB_DTYPE = np.dtype("<f4")
 
 
-class EventValidationError(ValueError):
+class EventValidationError(AgentlogError, ValueError):
     """An event field holds a value the schema does not allow.
 
     The message names the event type, the field and the offending value.

@@ -23,13 +23,14 @@ from typing import Any, Callable
 
 import msgspec
 
+from agentlog.events.errors import AgentlogError
 from agentlog.events.types import EventValidationError, normalize_reward, validate_id
 
 #: The range a msgpack integer can hold (the log's body encoding).
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 
 
-class AdminFieldError(ValueError):
+class AdminFieldError(AgentlogError, ValueError):
     """One field of an admin request holds a value we refuse (answered 400)."""
 
     def __init__(self, field: str, expected: str, found: Any) -> None:

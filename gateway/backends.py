@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import msgspec
 
+from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
 
 _log = get_logger("agentlog.gateway")
@@ -57,7 +58,7 @@ class Generation(msgspec.Struct):
     generate_s: float = 0.0
 
 
-class BackendError(RuntimeError):
+class BackendError(AgentlogError, RuntimeError):
     """A backend call failed; ``status`` is the upstream HTTP status (0: no response)."""
 
     def __init__(self, backend: str, message: str, status: int = 0) -> None:

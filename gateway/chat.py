@@ -28,13 +28,14 @@ from typing import Any, Callable
 
 import msgspec
 
+from agentlog.events.errors import AgentlogError
 from .json_depth import JSONTooDeep, loads_json_text
 
 
 # ---------------------------------------------------------------- messages
 
 
-class RequestError(ValueError):
+class RequestError(AgentlogError, ValueError):
     """A request body that cannot be understood; ``where`` names the JSON path."""
 
     def __init__(self, where: str, expected: str, found: Any) -> None:

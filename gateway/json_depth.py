@@ -20,6 +20,8 @@ from typing import Any
 
 import msgspec
 
+from agentlog.events.errors import AgentlogError
+
 #: Levels of nested arrays and objects a client's JSON may have (the
 #: outermost object is level 1). Real tool schemas and messages stay well
 #: under 20; the interpreter's recursion limit is 1000.
@@ -29,7 +31,7 @@ MAX_JSON_DEPTH = 64
 _PATH_SHOWN = 12
 
 
-class JSONTooDeep(ValueError):
+class JSONTooDeep(AgentlogError, ValueError):
     """JSON nested deeper than :data:`MAX_JSON_DEPTH` levels."""
 
     def __init__(self, where: str, path: str | None) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
 from agentlog.engine.core import DuplicateSession
 from agentlog.events.lifecycle import TERMINAL_STATES, IllegalTransition, State
@@ -125,7 +126,7 @@ class _SessionCfg:
         self.turns: list[tuple[int, list[int], list[int], float | None]] | None = None
 
 
-class _Refused(Exception):
+class _Refused(AgentlogError):
     """A request answered with an error before anything was recorded."""
 
     def __init__(self, status: int, kind: str, message: str, code: str | None = None) -> None:

@@ -53,6 +53,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import msgspec
 
+from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
 
 from .backends import Backend, Generation, SamplingParams
@@ -60,7 +61,7 @@ from .backends import Backend, Generation, SamplingParams
 _log = get_logger("agentlog.gateway.weight_sync")
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(AgentlogError, RuntimeError):
     """A reload failed; the message names the server, the request and the answer.
     ``status`` / ``answer``: the HTTP status and decoded body, when the server answered."""
 

@@ -1,8 +1,8 @@
 """LearnerConfig: every knob of the policy-optimisation step, in one dataclass.
 
 Names are chosen by string (estimator, kl_type, loss_agg, optimizer); an
-unknown name, an unknown field or an out-of-range value raises ValueError that
-says which field, what was given and what is allowed.
+unknown name, an unknown field or an out-of-range value raises ConfigError (a
+ValueError) that says which field, what was given and what is allowed.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from agentlog.events.errors import ConfigError
 
 ESTIMATORS = ("grpo", "dr_grpo", "gspo")
 KL_TYPES = ("k1", "k2", "k3")
@@ -91,8 +93,8 @@ class LearnerConfig:
     teacher's top-K tokens (p_T renormalised over them), where samples carry top-K data. 0 disables it."""
 
     def __post_init__(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(
+        def bad(name: str, allowed: str) -> ConfigError:
+            return ConfigError(
                 f"LearnerConfig.{name}: expected {allowed}, got {getattr(self, name)!r}"
             )
 
@@ -141,10 +143,10 @@ class LearnerConfig:
         """Build a config from a mapping (e.g. a TOML table); unknown keys raise."""
         known = {f.name for f in dataclasses.fields(cls)}
         for name in sorted(set(values) & set(REMOVED_FIELDS)):
-            raise ValueError(f"LearnerConfig.{name} was removed: {REMOVED_FIELDS[name]}")
+            raise ConfigError(f"LearnerConfig.{name} was removed: {REMOVED_FIELDS[name]}")
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"LearnerConfig: unknown field(s) {unknown}; known fields are {sorted(known)}"
             )
         return cls(**dict(values))

@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+# A loop configuration value out of range or unknown raises the package's one ConfigError.
+from agentlog.events.errors import ConfigError
+
 from .staleness import STALENESS_MODES
-
-
-class ConfigError(ValueError):
-    """A loop configuration value is out of range or unknown; names the field."""
 
 
 @dataclass

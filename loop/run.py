@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from agentlog.events.errors import AgentlogError
 from agentlog.events.partitions import partition_name
 from agentlog.events.types import PolicyUpdated, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnDelta, TurnRecorded
 
@@ -42,7 +43,7 @@ from .publish import STOPPED_UNTRAINABLE, read_learner_records
 from .run_marker import INCOMPLETE_MARKER, mark_incomplete
 
 
-class LoopError(RuntimeError):
+class LoopError(AgentlogError, RuntimeError):
     """A loop process failed; the message names it and its stderr file."""
 
 

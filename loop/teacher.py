@@ -49,6 +49,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
+from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
 
 log = get_logger("agentlog.loop.teacher")
@@ -73,7 +74,7 @@ ANSWER_MAX_DEPTH = 32
 TOKEN_ID_LIMIT = 2**31
 
 
-class TeacherError(RuntimeError):
+class TeacherError(AgentlogError, RuntimeError):
     """A teacher could not score a turn: unreachable, timed out, or answered something malformed."""
 
 

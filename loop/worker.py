@@ -41,6 +41,7 @@ from typing import Any, Iterator
 
 import torch
 
+from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
 from agentlog.engine import LocalSandbox, SessionEngine, SessionTimeout
 from agentlog.engine.tasks import Episode, Task, TextTask, load_tasks, select_task
@@ -60,7 +61,7 @@ log = get_logger("agentlog.loop.worker")
 _BATCH_RE = re.compile(r"^b(\d+)-g\d+$")
 
 
-class WorkerLogFatal(RuntimeError):
+class WorkerLogFatal(AgentlogError, RuntimeError):
     """The worker's rollout log went fatal mid-batch (fenced by a newer incarnation, or a failed write)."""
 
 

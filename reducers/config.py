@@ -14,9 +14,8 @@ from typing import Any
 
 import msgspec
 
-
-class ConfigError(ValueError):
-    """A ReduceConfig field holds a value it cannot take."""
+# A ReduceConfig field holding a value it cannot take raises the package's one ConfigError.
+from agentlog.events.errors import ConfigError
 
 
 class ReduceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

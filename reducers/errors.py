@@ -10,8 +10,10 @@ cure is to upgrade, not to repair the log.
 
 from __future__ import annotations
 
+from agentlog.events.errors import AgentlogError
 
-class ReduceError(ValueError):
+
+class ReduceError(AgentlogError, ValueError):
     """The log holds something the reducers refuse; names the LSN and session."""
 
     def __init__(self, lsn: int, session_id: str, message: str, kind: str | None = None) -> None:

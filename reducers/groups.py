@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 import msgspec
 
+from agentlog.events.errors import AgentlogError
 from .samples import Sample
 
 FINISHED = "finished"
@@ -23,7 +24,7 @@ ABORTED = "aborted"
 DROPPED = "dropped"
 
 
-class GroupError(ValueError):
+class GroupError(AgentlogError, ValueError):
     """Sessions of one group contradict each other (group_size, sample_index,
     too many members)."""
 

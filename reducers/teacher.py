@@ -20,10 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from agentlog.events.errors import AgentlogError
 from agentlog.events.types import TeacherScored, log_probs_view, turn_temperature
 
 
-class TeacherScoreError(ValueError):
+class TeacherScoreError(AgentlogError, ValueError):
     """A ``teacher_scored`` event that cannot belong to its session (unknown
     turn, tokens past the turn's output, the same tokens scored twice)."""
 

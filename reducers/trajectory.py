@@ -38,6 +38,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from agentlog.events.errors import AgentlogError
 from agentlog.events.turn_delta import common_prefix_tokens  # noqa: F401  (re-exported: the prefix check lives with the delta encoding)
 from agentlog.events.turn_delta import TurnContext, TurnDeltaError
 from agentlog.events.types import TeacherScored, TurnDelta, TurnRecorded
@@ -56,7 +57,7 @@ REASON_UNDELIVERED = "undelivered"
 REASON_REWRITTEN = "rewritten"
 
 
-class TrajectoryError(ValueError):
+class TrajectoryError(AgentlogError, ValueError):
     """A turn cannot be placed in its session's tree (duplicate turn index,
     malformed messages, an undelivered notice for an unknown turn)."""
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable, Iterable, Iterator
 
+from agentlog.events.errors import AgentlogError
+
 #: Records per append when the writer stamps each record (JetStream; atomic batches hold up to 1000 messages).
 BATCH = 256
 
@@ -54,7 +56,7 @@ class ReplayClock:
         return len(self._pending)
 
 
-class CopyError(Exception):
+class CopyError(AgentlogError):
     """A record the copy could not write as it was recorded; the message names the log, LSN and why."""
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
 
 log = get_logger(__name__)
@@ -44,7 +45,7 @@ NATS_SERVER_ENV = "AGENTLOG_NATS_SERVER"
 LOG_TAIL_LINES = 20
 
 
-class NatsClusterError(RuntimeError):
+class NatsClusterError(AgentlogError, RuntimeError):
     """A cluster node failed to start, to become ready, or to stop in time."""
 
 

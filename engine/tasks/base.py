@@ -23,13 +23,14 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from agentlog.events.errors import AgentlogError
 from agentlog.engine import harness
 
 if TYPE_CHECKING:
     from .text import TextTask
 
 
-class TaskError(ValueError):
+class TaskError(AgentlogError, ValueError):
     """A task was asked for something it cannot do (unknown name, bad turn)."""
 
 

@@ -25,6 +25,7 @@ import asyncio
 import random
 from typing import Any, NoReturn
 
+from agentlog.events.errors import AgentlogError
 from agentlog.engine import LocalSandbox, StragglerRefused
 
 from ..config import FaultConfig
@@ -42,7 +43,7 @@ MID_SESSION_FAULTS = ("exception", "drop", "timeout")
 MID_SESSION_TURN = 1
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(AgentlogError, RuntimeError):
     """Raised inside a session on purpose (fault injection)."""
 
 
