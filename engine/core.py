@@ -4,7 +4,7 @@ The engine decides with the shared lifecycle table
 (:func:`events.lifecycle.next_state`; no per-session ``transitions`` models,
 which would be O(n) to add and remove) and records through the log: every
 operation returns once its event is durable. Operations of one session are
-serialised by that session's FIFO lock (see ``_lock``), so turns are ordered
+serialised by that session's FIFO lock (:mod:`engine.session_lock`), so turns are ordered
 and none can land after the terminal event. A terminal transition drains the
 session's in-flight work (bounded by ``drain_s``), cancels what is left, and
 releases everything the engine held for the session: after any mix of
@@ -36,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from agentlog._logging import get_logger
-from agentlog.events.lifecycle import TERMINAL_STATES, IllegalTransition, LifecycleError, SessionClosed, State, next_state
+from agentlog.events.lifecycle import TERMINAL_STATES, LifecycleError, SessionClosed, State, next_state
 from agentlog.events.log_api import EventLog
 from agentlog.events.types import (
     CommandRan,
@@ -60,7 +60,9 @@ from agentlog.events.turn_delta import TurnContext
 from agentlog.reducers.groups import GroupError, GroupTracker
 from agentlog.reducers.lifecycle import IdFilter
 
+from .errors import TIMEOUT_REASON, DuplicateSession, EngineClosed, SessionTimeout, StragglerRefused
 from .restart import Checkpointer, checkpoint_path_of, resume_fold
+from .session_lock import acquire_contended, release
 
 _log = get_logger("agentlog.engine")
 
@@ -69,48 +71,6 @@ RESTART_REASON = "engine_restart"
 #: Records between two restart checkpoints: a restart folds at most this many (about 50 ms), and each
 #: checkpoint (about 1 MiB: the ID filter) costs a few ms of writing in a background thread.
 DEFAULT_CHECKPOINT_EVERY = 4096
-#: Reason recorded when a session's wall-clock budget runs out.
-TIMEOUT_REASON = "wall_clock_timeout"
-#: The bodies that end a session.
-
-
-class DuplicateSession(LifecycleError):
-    """open_session with an id the log (or a live session) already holds."""
-
-    def __init__(self, session_id: str, state: State | None, where: str) -> None:
-        self.session_id = session_id
-        self.state = state
-        super().__init__(
-            f"session {session_id!r}: id already used ({where}"
-            + (f", state {state}" if state is not None else "")
-            + "); session ids are never reused, expected a fresh id"
-        )
-
-
-class StragglerRefused(IllegalTransition):
-    """An in-session event (turn, command, reward) for a session that is not running.
-
-    It is logged (``session.straggler_refused``) and never appended.
-    """
-
-    def __init__(self, session_id: str, what: str, state: State | None) -> None:
-        super().__init__(
-            session_id, what, state,
-            detail="refused and not appended (straggler); only a running session takes it",
-        )
-
-
-class SessionTimeout(TimeoutError):
-    """Raised out of ``engine.session(...)`` when the wall-clock budget aborted the session."""
-
-    def __init__(self, session_id: str, budget_s: float) -> None:
-        self.session_id = session_id
-        self.budget_s = budget_s
-        super().__init__(f"session {session_id!r}: wall-clock budget of {budget_s}s exhausted; aborted with reason {TIMEOUT_REASON!r}")
-
-
-class EngineClosed(RuntimeError):
-    """The engine was closed; it opens no further sessions."""
 
 
 class SessionHandle:
@@ -137,7 +97,7 @@ class SessionHandle:
         self.turns = 0
         self.budget_s = budget_s
         self._seq = 0
-        # The session's lock (see _lock / _unlock): FIFO, in two slots.
+        # The session's lock (engine.session_lock): FIFO, in two slots.
         self._busy = False
         self._waiters: deque[asyncio.Future] | None = None
         self._inflight: set[asyncio.Task] | None = None
@@ -211,7 +171,7 @@ class SessionHandle:
         h = self
         eng = self._engine
         if h._busy:
-            await _lock(h)
+            await acquire_contended(h)
         else:
             h._busy = True
         try:
@@ -228,7 +188,7 @@ class SessionHandle:
             body = context.delta_of(full)
             return await eng._append(h, body, None, TurnContext.after(full))
         finally:
-            _unlock(h)
+            release(h)
 
     async def record_turn_undelivered(self, turn_index: int, reason: str = "") -> Envelope:
         """The response of recorded turn ``turn_index`` never reached the agent."""
@@ -349,43 +309,6 @@ class SessionHandle:
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
         return task
-
-
-# -- the per-session lock ------------------------------------------------------
-#
-# Operations of one session are serialised by a FIFO lock kept in two slots of
-# its handle (``_busy``, ``_waiters``). The uncontended path is one attribute
-# test and set, with no allocation; an asyncio.Lock per session costs two
-# GC-tracked objects per session and three coroutine objects per operation,
-# and with 10,000 live sessions the extra garbage-collector work made the
-# engine ~1.6x slower than plain appends (tools/bench/bench_engine.py).
-# Release hands the lock straight to the oldest waiter, so nobody can barge.
-
-
-async def _lock(h: SessionHandle) -> None:
-    """Wait for ``h``'s lock (held by someone else); returns owning it."""
-    if h._waiters is None:
-        h._waiters = deque()
-    fut = asyncio.get_running_loop().create_future()
-    h._waiters.append(fut)
-    try:
-        await fut
-    except asyncio.CancelledError:
-        if fut.done() and not fut.cancelled():
-            _unlock(h)  # it was handed to us as we were cancelled: pass it on
-        raise
-
-
-def _unlock(h: SessionHandle) -> None:
-    """Release ``h``'s lock: hand it to the oldest live waiter, or free it."""
-    waiters = h._waiters
-    while waiters:
-        fut = waiters.popleft()
-        if not fut.done():
-            fut.set_result(None)  # ownership passes on; _busy stays True
-            return
-    h._waiters = None
-    h._busy = False
 
 
 class _SessionContext:
@@ -654,20 +577,20 @@ class SessionEngine:
                 # exists, but nobody holds its handle. End it like any
                 # cancelled session, in the background.
                 self._opened(h, budget)
-                _unlock(h)
+                release(h)
                 self._background(h.drop("cancelled"))
             else:
                 del self._live[session_id]
                 self._groups.withdraw(group_id, session_id)
-                _unlock(h)
+                release(h)
             raise
         except BaseException:
             del self._live[session_id]
             self._groups.withdraw(group_id, session_id)
-            _unlock(h)
+            release(h)
             raise
         self._opened(h, budget)
-        _unlock(h)
+        release(h)
         return h
 
     def _opened(self, h: SessionHandle, budget: float | None) -> None:
@@ -769,7 +692,7 @@ class SessionEngine:
     async def _in_session(self, h: SessionHandle, body: Any) -> Envelope:
         # In-session events are legal only while running (events.lifecycle.RUNNING_ONLY_EVENTS).
         if h._busy:
-            await _lock(h)
+            await acquire_contended(h)
         else:
             h._busy = True
         try:
@@ -777,7 +700,7 @@ class SessionEngine:
                 self._refuse(h.session_id, type(body).__struct_config__.tag, h.state, h)
             return await self._append(h, body, None)
         finally:
-            _unlock(h)
+            release(h)
 
     async def _transition(self, h: SessionHandle, trigger: str, body: Any, *, drain: bool = True) -> Envelope | None:
         # Decide early (cheap) so a refused trigger does not wait for the drain.
@@ -786,7 +709,7 @@ class SessionEngine:
         if drain and trigger != "start" and h._inflight:
             await self._drain(h)
         if h._busy:
-            await _lock(h)
+            await acquire_contended(h)
         else:
             h._busy = True
         try:
@@ -795,7 +718,7 @@ class SessionEngine:
                 return None
             return await self._append(h, body, dest)
         finally:
-            _unlock(h)
+            release(h)
 
     async def _drain(self, h: SessionHandle) -> None:
         """Wait up to drain_s for the session's in-flight work, then cancel the rest."""

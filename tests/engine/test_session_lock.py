@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from agentlog.engine import SessionEngine
-from agentlog.engine.core import _lock, _unlock
+from agentlog.engine.session_lock import acquire_contended, release
 from agentlog.events.log_api import MemoryLog
 
 
@@ -18,14 +18,14 @@ async def _handle():
 
 async def _hold(h, order, name, hold=0.0):
     if h._busy:
-        await _lock(h)
+        await acquire_contended(h)
     else:
         h._busy = True
     try:
         order.append(name)
         await asyncio.sleep(hold)
     finally:
-        _unlock(h)
+        release(h)
 
 
 def test_waiters_get_the_lock_in_arrival_order(arun):
@@ -65,7 +65,7 @@ def test_a_waiter_cancelled_just_after_the_hand_off_passes_the_lock_on(arun):
         waiter = asyncio.create_task(_hold(h, order, "waiter"))
         last = asyncio.create_task(_hold(h, order, "last"))
         await asyncio.sleep(0)
-        _unlock(h)  # hands the lock to `waiter`...
+        release(h)  # hands the lock to `waiter`...
         waiter.cancel()  # ...which is cancelled before it resumes
         with pytest.raises(asyncio.CancelledError):
             await waiter
