@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module ``tools/cmd_<name>.py`` exposing
 ``register(subparsers)``; that keeps commands thin and independent. Exit
-codes: 0 ok, 1 a problem found in the data, 2 usage or I/O error.
+codes: 0 ok, 1 a problem found in the data, 2 usage or I/O error (also any
+``AgentlogError`` a command leaves unhandled: one line, no traceback).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import pkgutil
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
+from agentlog.events.errors import AgentlogError
+
 EXIT_OK = 0
 EXIT_DATA = 1
 EXIT_USAGE = 2
@@ -21,7 +24,7 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 
-class CliError(Exception):
+class CliError(AgentlogError):
     """A one-line error for the user; ``code`` is the exit status."""
 
     def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
@@ -155,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"agentlog: error: {exc}", file=sys.stderr)
         return exc.code
+    except AgentlogError as exc:
+        # A refusal of the library that the command did not turn into a CliError of its own: its
+        # message names what was wrong and where, so the user gets it as a usage/I-O error, not a traceback.
+        print(f"agentlog: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except BrokenPipeError:  # `agentlog replay LOG | head` is normal use
         return EXIT_OK
     except KeyboardInterrupt:

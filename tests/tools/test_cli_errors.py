@@ -106,3 +106,26 @@ def test_serve_on_a_log_damaged_mid_log_exits_2_with_one_line_and_keeps_the_log(
     res = agentlog("serve", "--log", str(run_log_copy), "--port", "0", "--admin-token", "t", timeout=120)
     _one_line_exit_2(res, f"--log {run_log_copy}", "CRC mismatch", "agentlog verify")
     assert seg.read_bytes() == bytes(data)  # nothing stored was touched
+
+
+def test_an_agentlog_error_a_command_leaves_unhandled_exits_2_with_one_line(run_log, monkeypatch, capsys):
+    """The CLI maps the library's error root to one line and exit 2; a CliError keeps its own code."""
+    from agentlog.reducers.trajectory import TrajectoryError
+    from agentlog.tools import cli, cmd_stats
+
+    path, _ = run_log
+
+    def refuse(log, *, quiet=False):
+        raise TrajectoryError(f"session 'fin-0', lsn 7: refused while reading {log}")
+
+    monkeypatch.setattr(cmd_stats, "compute_stats", refuse)
+    assert cli.main(["stats", str(path), "--quiet"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"agentlog: error: session 'fin-0', lsn 7: refused while reading {path}"], lines
+
+    def data_problem(log, *, quiet=False):
+        raise cli.CliError(f"{log}: a problem found in the data", cli.EXIT_DATA)
+
+    monkeypatch.setattr(cmd_stats, "compute_stats", data_problem)
+    assert cli.main(["stats", str(path), "--quiet"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"agentlog: error: {path}: a problem found in the data"]
