@@ -3,7 +3,8 @@
 The log, one module per concept: ``log_api`` (the interface every log
 honours, its errors, the in-memory log), ``log_format`` (segments, frames,
 watermark, checkpoint), ``log_scan`` (the one scanner), ``log_writer``
-(:class:`FileLog`, group commit), ``log_recovery``, ``log_read`` (readers and
+(:class:`FileLog`) with ``log_commit`` (group commit), ``log_fence`` (fence,
+spare segments) and ``log_os`` (the OS seam), ``log_recovery``, ``log_read`` (readers and
 followers), ``log_verify`` and ``log_lock`` (the one-writer lock). The public
 names are exported here."""
 

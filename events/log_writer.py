@@ -1,5 +1,9 @@
 """The file-backed event log's writer: :class:`FileLog`, one writer per log
-directory, with group commit.
+directory. This module opens and recovers a log, frames and stages appends,
+and closes; the writer's other parts live apart: group commit and the writer
+thread in :mod:`~agentlog.events.log_commit`, the fence and the spare segment
+files in :mod:`~agentlog.events.log_fence`, the OS seam in
+:mod:`~agentlog.events.log_os`.
 
 Its neighbours, one concept each: the on-disk format in
 :mod:`agentlog.events.log_format`, the scanner in :mod:`~agentlog.events.log_scan`,
@@ -31,18 +35,12 @@ Durability and visibility (the follower contract):
   another process only ever sees durable records even though it can see
   bytes still in flight; a reader that finds records below it missing raises
   :class:`LogCorruption` naming the file and the LSN range.
-* A new segment's file is opened ahead of need, so a rotation never needs a
-  new descriptor; an append that would need one when none is free (EMFILE)
-  is refused with :class:`LogError` and the log stays healthy.
+* A new segment's file is opened ahead of need (:mod:`~agentlog.events.log_fence`).
 * Each writer open starts a new segment (lazily, at its first append) whose
   header carries the new writer epoch, so a segment's records all come from
   one writer and recovery only ever truncates a segment nobody writes to.
 
-Any ``OSError`` from write or fsync, and any unexpected exception in the
-writer thread, makes the writer fatal: every pending and later append raises
-:class:`LogClosed` naming the cause, and ``fatal_reason`` reports it. Nothing
-is retried in place (after a failed fsync the page cache may no longer hold
-the data).
+Any I/O error makes the writer fatal (:mod:`~agentlog.events.log_commit`).
 Reopening recovers (:mod:`~agentlog.events.log_recovery`): it keeps the
 longest valid prefix and truncates a torn tail. A damaged frame followed by
 valid ones, or one below the durable watermark, is corruption:
@@ -54,18 +52,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import errno
 import os
-import resource
 import threading
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator
 
 from agentlog._logging import get_logger
 
 from . import framecodec
-from .log_api import EventLog, LogClosed, LogCorruption, LogError, LogFenced, NotALog, PendingRecord
+from .log_api import EventLog, LogClosed, LogError, NotALog, PendingRecord
+from .log_commit import GroupCommit, _Submission
+from .log_fence import _SPARE_PREFIX, FenceAndSpares, _NewSegment, _Spare
 from .log_format import (
     CHECKPOINT_EVERY_BYTES,
     DEFAULT_MAX_RECORD_BYTES,
@@ -86,7 +84,6 @@ from .log_format import (
     pack_checkpoint,
     pack_durable,
     pack_fence,
-    pack_segment_header,
     read_durable,
     read_fence,
     segment_name,
@@ -97,6 +94,7 @@ from .log_format import crc_extend as _crc_extend
 from .log_format import crc_value as _crc_value
 from .log_lock import WriterLock, acquire_lock, release_lock
 from .log_read import Cursor
+from .log_os import _OUT_OF_FDS, OsOps, _raise_nofile_limit
 from .log_recovery import fence_without_log, recover
 from .types import TERMINAL_EVENT_TYPES, Envelope
 
@@ -104,7 +102,6 @@ log = get_logger("agentlog.events.log_writer")
 
 FSYNC_POLICIES = ("always", "batch", "interval", "never")
 _TERMINAL_SET = frozenset(TERMINAL_EVENT_TYPES)
-_IOV_MAX = 1024
 #: Payloads from this size on are written as their own iovec (never copied in Python).
 _BIG_PAYLOAD = 4096
 #: Periodic checkpoints are at least this many times the INDEX's size apart
@@ -112,80 +109,7 @@ _BIG_PAYLOAD = 4096
 _CKPT_SPACING = 8
 
 
-class OsOps:
-    """The OS calls the writer makes for data and syncs. Tests substitute a
-    subclass to inject faults (EIO, ENOSPC, short writes) into a real writer."""
-
-    def writev(self, fd: int, buffers: list) -> int:
-        """``os.writev``: may write fewer bytes than given (the writer completes it)."""
-        return os.writev(fd, buffers)
-
-    def fdatasync(self, fd: int) -> None:
-        """``os.fdatasync``: makes a batch of frames durable."""
-        os.fdatasync(fd)
-
-    def pwrite(self, fd: int, data: bytes, offset: int) -> int:
-        """``os.pwrite``: writes at an offset without moving the file position."""
-        return os.pwrite(fd, data, offset)
-
-
-class _NewSegment(NamedTuple):
-    first_lsn: int
-    checkpoint: Checkpoint | None
-    spare: "_Spare | None"  # the file opened for it ahead of need
-
-
-class _Spare(NamedTuple):
-    """A segment file opened ahead of need under a temporary name, so that a
-    rotation never needs a new descriptor at a bad moment (EMFILE)."""
-
-    fd: int
-    tmp: str
-
-
-#: Temporary names of spare segment files (readers ignore dot files).
-_SPARE_PREFIX = ".spare-segment-"
-#: Open the next segment's file once the current one is this full.
-_SPARE_AHEAD_FILL = 0.75
-_NOFILE_RAISED = False
-_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
-
-
-def _raise_nofile_limit() -> None:
-    """Once per process: raise the soft RLIMIT_NOFILE to the hard limit, so a
-    burst of connections does not starve the writer of descriptors."""
-    global _NOFILE_RAISED
-    if _NOFILE_RAISED:
-        return
-    _NOFILE_RAISED = True
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard
-    if hard == resource.RLIM_INFINITY:
-        try:  # Linux caps the descriptor table at fs.nr_open; "infinity" is refused
-            target = int(Path("/proc/sys/fs/nr_open").read_text())
-        except (OSError, ValueError):
-            target = soft
-    if soft == resource.RLIM_INFINITY or target <= soft:
-        return
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    except (ValueError, OSError) as exc:
-        log.debug("log.nofile_limit.unchanged", soft=soft, hard=hard, error=repr(exc))
-        return
-    log.debug("log.nofile_limit.raised", soft_was=soft, soft=target, hard=hard)
-
-
-class _Submission(NamedTuple):
-    ops: list  # frames (bytes) and _NewSegment markers, in order
-    end: int  # exclusive LSN bound of this submission
-    #: A periodic checkpoint of the state at ``end``, written once the data is synced.
-    checkpoint: Checkpoint | None = None
-
-
-# ---------------------------------------------------------------- the writer
-
-
-class FileLog(EventLog):
+class FileLog(GroupCommit, FenceAndSpares, EventLog):
     """The durable, segmented, CRC-framed log. Create with :meth:`open`."""
 
     def __init__(self, directory: Path, *, _token: object = None, **_: Any) -> None:
@@ -413,6 +337,18 @@ class FileLog(EventLog):
         # fraction of the bytes appended (read by _submit; an int, no lock).
         self._ckpt_every = max(self._ckpt_bytes, _CKPT_SPACING * len(data))
 
+    def _write_checkpoint_if_fds(self, ckpt: Checkpoint, *, durable: bool = True) -> None:
+        """Write a rotation's or a periodic checkpoint. Only an optimisation:
+        the previous INDEX stays valid (recovery scans on from it), so a lack of
+        descriptors (EMFILE) skips it with a warning instead of killing the log;
+        any other OSError is fatal, like a failed data write."""
+        try:
+            self._write_checkpoint(ckpt, durable=durable)
+        except OSError as exc:
+            if exc.errno not in _OUT_OF_FDS:
+                raise
+            self._log.warning("log.checkpoint.skipped", segment=segment_name(ckpt.segment), lsn=ckpt.lsn, error=repr(exc))
+
     def _publish(self, end: int, *, synced: bool = True) -> None:
         """Advance the DURABLE watermark readers in other processes trust.
         ``synced=False`` (fsync="never"): the records below ``end`` were only
@@ -451,17 +387,6 @@ class FileLog(EventLog):
     @property
     def fatal_reason(self) -> str | None:
         return self._fatal_msg if self._fatal is not None else None
-
-    def _dead(self) -> LogClosed:
-        if self._fatal is not None:
-            fenced = self._fatal
-            if isinstance(fenced, LogFenced):
-                exc: LogClosed = LogFenced(self._fatal_msg, epoch=fenced.epoch, newer_epoch=fenced.newer_epoch)
-            else:
-                exc = LogClosed(self._fatal_msg)
-            exc.__cause__ = self._fatal
-            return exc
-        return LogClosed(f"log {self._dir}: closed; no further appends")
 
     def _submit(self, records: Iterable[PendingRecord | tuple]) -> tuple[list[Envelope], int]:
         """Validate, encode and stage records (caller holds _cv). All or nothing:
@@ -556,73 +481,6 @@ class FileLog(EventLog):
         ops.append(run)
         return run
 
-    def _segments_needed(self, frame_sizes: list[int]) -> tuple[int, int]:
-        """The segment accounting of ``_submit``'s staging loop, run ahead so
-        that the files of new segments are opened before any state changes:
-        (segments a batch of these frames starts, bytes in the last one after it)."""
-        limit = self._segment_bytes
-        started, size, rotations = self._seg_first is not None, self._seg_size, 0
-        total = sum(frame_sizes)
-        if started and size + total <= limit:
-            return 0, size + total  # the common case: the batch fits the active segment
-        for frame in frame_sizes:
-            if not started or (size > SEG_HDR_SIZE and size + frame > limit):
-                rotations += 1
-                started, size = True, SEG_HDR_SIZE
-            size += frame
-        return rotations, size
-
-    def _open_spare(self) -> None:
-        """Under _cv: open one more spare segment file."""
-        self._spare_count += 1
-        # The epoch keeps a stale writer (see _check_fence) from truncating or
-        # removing a newer writer's spare of the same number.
-        tmp = f"{_SPARE_PREFIX}{self._epoch}-{self._spare_count}.tmp"
-        fd = os.open(self._dir / tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._spares.append(_Spare(fd, tmp))
-
-    def _reserve_spares(self, needed: int, end_size: int) -> None:
-        """Under _cv, before a batch changes any state: make sure the files of
-        the ``needed`` segments it starts are open. Out of descriptors
-        (EMFILE/ENFILE) the batch is refused with LogError and the log stays
-        healthy: the caller may retry once descriptors are freed. One more is
-        opened ahead of need once the segment is filling, best effort."""
-        while len(self._spares) < needed:
-            try:
-                self._open_spare()
-            except OSError as exc:
-                raise LogError(
-                    f"log {self._dir}: append refused, nothing was written: cannot open a file for a new "
-                    f"segment ({errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or exc})"
-                    + ("; free file descriptors and retry, the log is healthy" if exc.errno in _OUT_OF_FDS else "")
-                ) from exc
-        if len(self._spares) == needed and end_size >= _SPARE_AHEAD_FILL * self._segment_bytes:
-            try:
-                self._open_spare()
-            except OSError as exc:  # only ahead of need: the batch that needs it reserves it or is refused
-                self._log.warning("log.segment.spare_unavailable", error=repr(exc))
-
-    def _discard_spares(self, spares: Iterable[_Spare]) -> None:
-        """Close and remove spare segment files that will not be used."""
-        for spare in list(spares):
-            os.close(spare.fd)
-            try:
-                os.unlink(self._dir / spare.tmp)
-            except FileNotFoundError:
-                pass
-        if isinstance(spares, collections.deque):
-            spares.clear()
-
-    def _unused_spares(self, subs: Iterable[_Submission]) -> list[_Spare]:
-        """Spares staged in ``subs`` for segments not started yet."""
-        cur = -1 if self._cur_seg is None else self._cur_seg
-        return [
-            op.spare
-            for sub in subs
-            for op in sub.ops
-            if type(op) is _NewSegment and op.spare is not None and op.first_lsn > cur
-        ]
-
     def append_batch(self, records: Iterable[PendingRecord | tuple]) -> list[Envelope]:
         """Append records atomically in order; returns their envelopes once
         durable. Raises SequenceError / EventValidationError / LogError for bad
@@ -647,305 +505,6 @@ class FileLog(EventLog):
                 self._thread_idle = False
                 self._cv.notify_all()
         return await fut
-
-    # ------------------------------------------------------------ group commit
-
-    def _take(self) -> list[_Submission]:
-        if self._policy == "always":
-            return [self._pending.popleft()]
-        subs = list(self._pending)
-        self._pending.clear()
-        return subs
-
-    def _commit(self, end: int) -> None:
-        """Make every record below ``end`` acknowledged: flush ourselves when no
-        one else is flushing (leader), else wait for the flusher (follower)."""
-        cv = self._cv
-        with cv:
-            while self._acked < end:
-                if self._fatal is not None or (self._closed and not self._pending):
-                    raise self._dead()
-                if self._flushing or not self._pending:
-                    cv.wait()
-                    continue
-                subs = self._take()
-                self._flushing = True
-                cv.release()
-                failure: BaseException | None = None
-                try:
-                    self._flush(subs)
-                except BaseException as exc:  # noqa: BLE001 - every failure is fatal, then re-raised
-                    failure = exc
-                finally:
-                    cv.acquire()
-                    self._flushing = False
-                if failure is not None:
-                    self._go_fatal(failure)
-                    self._discard_spares(self._unused_spares(subs))
-                    cv.notify_all()
-                    raise self._dead() from failure
-                self._acked = subs[-1].end
-                self._resolve_waiters()
-                cv.notify_all()
-
-    def _write_all(self, pieces: list) -> None:
-        """writev every piece, in order, completing short writes (a short write
-        is not an error; an OSError is, and the caller makes it fatal)."""
-        fd = self._seg_fd
-        writev = self._os.writev
-        i = 0
-        while i < len(pieces):
-            group = pieces[i : i + _IOV_MAX]
-            n = writev(fd, group)
-            if n <= 0:
-                raise OSError(errno.EIO, f"writev returned {n} with {sum(len(p) for p in group)} bytes left")
-            for piece in group:
-                if n >= len(piece):
-                    n -= len(piece)
-                    i += 1
-                else:
-                    pieces[i] = memoryview(piece)[n:]
-                    break
-
-    def _flush(self, subs: list[_Submission]) -> None:
-        """Write (and sync per policy) staged submissions. Runs without _cv held.
-        The fence is checked before anything is written (a stale writer must
-        not put bytes after a newer writer's recovery point) and again before
-        the batch is acknowledged or published."""
-        self._check_fence()
-        buf: list = []
-        ckpt = self._ckpt_unsynced
-        for sub in subs:
-            for op in sub.ops:
-                if type(op) is list:
-                    buf += op
-                else:
-                    if buf:
-                        self._write_all(buf)
-                        buf = []
-                    self._roll(op)
-                    ckpt = None  # the rotation's checkpoint is newer
-            if sub.checkpoint is not None:
-                ckpt = sub.checkpoint
-        if buf:
-            self._write_all(buf)
-        end = subs[-1].end
-        policy = self._policy
-        if policy == "never" and ckpt is None:
-            self._check_fence()
-            self._publish(end, synced=False)
-        elif policy == "interval" and time.monotonic() - self._last_sync < self._interval_s:
-            self._check_fence()  # acknowledged once written, under "interval"
-            self._unsynced = True
-            self._ckpt_unsynced = ckpt  # written by the sync that makes its records durable
-        else:
-            # Under "never" only a flush carrying a checkpoint syncs (as a
-            # segment seal does): an INDEX never describes unsynced records.
-            self._sync(end, ckpt)
-
-    def _sync(self, end: int, ckpt: Checkpoint | None) -> None:
-        """fdatasync the active segment, publish ``end`` as durable, then
-        write ``ckpt`` (whose records are now all synced), if any. The fence
-        is checked after the sync (on NFS the data reaches the server there)
-        and before anything is published or acknowledged."""
-        self._os.fdatasync(self._seg_fd)
-        self._last_sync = time.monotonic()
-        self._unsynced = False
-        self._check_fence()
-        self._publish(end)
-        if ckpt is not None:
-            self._ckpt_unsynced = None
-            # Not fsynced itself: a SIGKILL keeps it (the page cache survives);
-            # a power loss may leave the previous INDEX or a torn one, which
-            # recovery checks (CRC, position) and rebuilds. Two fsyncs per
-            # checkpoint would cost the append path several % (measured).
-            self._write_checkpoint_if_fds(ckpt, durable=False)
-
-    def _check_fence(self) -> None:
-        """Raise LogFenced when FENCE names a newer epoch than this writer's.
-
-        One open + pread + close of a 20-byte file (opened afresh: FENCE is
-        replaced by rename, and a fresh open is what makes an NFS client
-        revalidate it). Called before each batch is written, after it is
-        synced and before it is published or acknowledged, and before close
-        publishes. So a stale writer never acknowledges a record after a
-        newer writer has written FENCE, and never writes a batch it started
-        after that.
-
-        The race window (the classic fencing-token limit, without storage that
-        enforces the token): a batch whose pre-write read came just before the
-        newer writer wrote FENCE is still written. If its bytes reach the file
-        before the newer writer's recovery reads that segment, recovery keeps
-        them as it keeps any crashed writer's unacknowledged records (the
-        stale caller got LogFenced: an outcome-unknown failure, as after an
-        I/O error). If they land after it (on NFS, writes reach the server
-        at the stale writer's next fdatasync), they sit past the recovery
-        point of a sealed segment, or the stale DURABLE overwrites the new
-        one until the new writer's next publish. ``verify``, a full recovery
-        and readers (a segment never holds the LSN the next segment starts
-        at: see ``log_read.Cursor``) report those frames as corruption and
-        never yield them. The window is one batch's
-        write + sync; a newer writer that waits longer than that after
-        writing FENCE before it recovers closes it (not done here)."""
-        if not self._fence_check:
-            return
-        try:
-            newer = read_fence(self._dir)
-        except OSError as exc:
-            if exc.errno not in _OUT_OF_FDS:
-                raise
-            # Out of descriptors (appends stay healthy then, see _reserve_spares):
-            # stat needs none. Only a writer's open replaces FENCE, so a file
-            # other than the one this writer wrote means a newer writer. (On NFS
-            # a stat may be served from the attribute cache, seconds old.)
-            st = os.stat(self._dir / FENCE_NAME)
-            if (st.st_ino, st.st_size, st.st_mtime_ns) == self._fence_stat:
-                return
-            raise LogFenced(
-                f"log {self._dir}: a newer writer (epoch unknown: out of file descriptors to read {FENCE_NAME}) "
-                f"opened this log; this writer (epoch {self._epoch}) is stale",
-                epoch=self._epoch,
-            ) from exc
-        if newer == self._epoch:
-            return
-        if newer > self._epoch:
-            raise LogFenced(
-                f"log {self._dir}: a newer writer (epoch {newer}) opened this log; this writer (epoch {self._epoch}) is stale",
-                epoch=self._epoch,
-                newer_epoch=newer,
-            )
-        raise LogCorruption(
-            f"log {self._dir}: its {FENCE_NAME} file names epoch {newer} (0: missing), below this writer's epoch "
-            f"{self._epoch}; something other than a writer changed it, so this writer cannot prove it is still the newest"
-        )
-
-    def _roll(self, op: _NewSegment) -> None:
-        """Seal the current segment and start the one named by ``op.first_lsn``."""
-        if self._seg_fd is not None:
-            self._os.fdatasync(self._seg_fd)
-            os.close(self._seg_fd)
-            self._seg_fd = None
-        name = segment_name(op.first_lsn)
-        # The header becomes durable with the batch's fdatasync; the directory
-        # entry needs its own fsync before anything in the file is acknowledged.
-        # The file was opened ahead of need (no new descriptor now): it gets
-        # its header, then its name (link, never overwriting a segment).
-        if op.spare is None:  # not reserved: only if the accounting above were wrong
-            self._seg_fd = os.open(self._dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            self._cur_seg = op.first_lsn
-            self._write_all([pack_segment_header(self._epoch, op.first_lsn)])
-        else:
-            self._seg_fd = op.spare.fd
-            self._cur_seg = op.first_lsn
-            self._write_all([pack_segment_header(self._epoch, op.first_lsn)])
-            os.link(self._dir / op.spare.tmp, self._dir / name)
-            os.unlink(self._dir / op.spare.tmp)
-        os.fsync(self._lock.dir_fd)
-        self._ckpt_unsynced = None  # sealed: the rotation's checkpoint is newer
-        if op.checkpoint is not None:
-            self._write_checkpoint_if_fds(op.checkpoint)
-        self._log.debug("log.segment.created", segment=name, epoch=self._epoch)
-
-    def _write_checkpoint_if_fds(self, ckpt: Checkpoint, *, durable: bool = True) -> None:
-        """Write a rotation's or a periodic checkpoint. Only an optimisation:
-        the previous INDEX stays valid (recovery scans on from it), so a lack of
-        descriptors (EMFILE) skips it with a warning instead of killing the log;
-        any other OSError is fatal, like a failed data write."""
-        try:
-            self._write_checkpoint(ckpt, durable=durable)
-        except OSError as exc:
-            if exc.errno not in _OUT_OF_FDS:
-                raise
-            self._log.warning("log.checkpoint.skipped", segment=segment_name(ckpt.segment), lsn=ckpt.lsn, error=repr(exc))
-
-    def _go_fatal(self, exc: BaseException) -> None:
-        """Under _cv: refuse everything from now on; fail every waiter."""
-        if self._fatal is None:
-            self._fatal = exc
-            seg = segment_name(self._cur_seg) if self._cur_seg is not None else "-"
-            what = "an I/O error" if isinstance(exc, OSError) else "an unexpected error in the writer"
-            if isinstance(exc, LogFenced):
-                self._fatal_msg = (
-                    f"{exc}; records from lsn {self._acked} on were not acknowledged by this writer; "
-                    f"it refuses every append (the newer writer owns the log)"
-                )
-            else:
-                self._fatal_msg = (
-                    f"log {self._dir}: writer is fatal after {what} in segment {seg} "
-                    f"({type(exc).__name__}: {exc}); records from lsn {self._acked} on were not acknowledged; "
-                    f"reopen the log to recover"
-                )
-            self._log.error("log.writer.fatal", error=repr(exc), segment=seg, acked_lsn=self._acked)
-        self._discard_spares(self._unused_spares(self._pending))
-        self._pending.clear()
-        err = self._dead()
-        by_loop: dict[Any, list] = {}
-        while self._waiters:
-            _end, fut, _env, loop = self._waiters.popleft()
-            by_loop.setdefault(loop, []).append((fut, None))
-        for loop, items in by_loop.items():
-            _call_in_loop(loop, _fail_futures, items, err)
-
-    def _resolve_waiters(self) -> None:
-        """Under _cv: acknowledge every async appender whose record is now durable."""
-        acked = self._acked
-        by_loop: dict[Any, list] = {}
-        w = self._waiters
-        while w and w[0][0] <= acked:
-            _end, fut, env, loop = w.popleft()
-            by_loop.setdefault(loop, []).append((fut, env))
-        for loop, items in by_loop.items():
-            _call_in_loop(loop, _set_futures, items)
-
-    def _writer_loop(self) -> None:
-        """The writer thread: group-commits async appends; syncs under ``interval``.
-        It never dies silently: anything unexpected makes the log fatal (every
-        waiter fails, ``fatal_reason`` says why) and is logged at critical."""
-        try:
-            self._writer_steps()
-        except BaseException as exc:  # noqa: BLE001 - recorded as the log's fatal reason, never swallowed
-            with self._cv:
-                self._go_fatal(exc)
-                self._cv.notify_all()
-            self._log.critical("log.writer.crashed", error=repr(exc), reason=self._fatal_msg, exc_info=exc)
-
-    def _writer_steps(self) -> None:
-        cv = self._cv
-        while True:
-            with cv:
-                while True:
-                    if self._fatal is not None or self._closed:
-                        return
-                    if self._pending and not self._flushing:
-                        break
-                    timeout = None
-                    if self._unsynced and not self._flushing:
-                        timeout = self._last_sync + self._interval_s - time.monotonic()
-                        if timeout <= 0:
-                            break
-                    self._thread_idle = True
-                    cv.wait(timeout)
-                    self._thread_idle = False
-                end = self._assigned
-                sync_only = not self._pending
-                if sync_only:
-                    self._flushing = True
-            if sync_only:
-                failure = None
-                try:
-                    self._sync(self._acked, self._ckpt_unsynced)
-                except BaseException as exc:  # noqa: BLE001 - fatal, reported to every appender
-                    failure = exc
-                with cv:
-                    self._flushing = False
-                    if failure is not None:
-                        self._go_fatal(failure)
-                    cv.notify_all()
-                continue
-            try:
-                self._commit(end)
-            except LogClosed:
-                return  # fatal: already recorded and reported to every waiter
 
     # ------------------------------------------------------------ reading
 
@@ -1030,23 +589,3 @@ class FileLog(EventLog):
 
 
 _OPEN_TOKEN = object()
-
-
-def _set_futures(items: list) -> None:
-    for fut, env in items:
-        if not fut.done():
-            fut.set_result(env)
-
-
-def _fail_futures(items: list, err: BaseException) -> None:
-    for fut, _ in items:
-        if not fut.done():
-            fut.set_exception(err)
-
-
-def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        # The appender's event loop is gone, so nobody awaits these futures.
-        log.warning("log.appender_loop_closed", records=len(args[0]))

@@ -1,4 +1,5 @@
-"""The admin API's requests, checked field by field before anything is appended.
+"""The admin API: its requests, checked field by field before anything is
+appended, and its handlers (:class:`AdminRoutes`, mixed into the gateway).
 
 ``agentlog serve`` opens and ends sessions through ``POST /admin/sessions``
 and ``POST /admin/sessions/{id}/{finish,abort,drop}``. Every field of those
@@ -9,83 +10,32 @@ the field, what was expected and what was found (answered 400). Unknown
 fields are refused too: a misspelt ``sample_idx`` silently ignored would
 open the session with the wrong membership.
 
-The sampling rules (:data:`SAMPLING_RULES`) are the gateway's single
-statement of what a sampling value may be, the range a sampler can use: the
-wire APIs check a client's values with them as a request is parsed
-(``api._sampling``), and the turn path checks the merged per-turn values with
-:func:`check_sampling` as well.
+The sampling rules live in :mod:`~agentlog.gateway.sampling`.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable
+import hmac
+from typing import Any
 
 import msgspec
+from aiohttp import web
 
-from agentlog.events.errors import AgentlogError
+from agentlog._logging import get_logger
+from agentlog.engine.core import DuplicateSession
+from agentlog.events.lifecycle import IllegalTransition
+from agentlog.events.log_api import LogClosed
 from agentlog.events.types import EventValidationError, normalize_reward, validate_id
+from agentlog.reducers.groups import GroupError
+
+# The sampling names are re-exported: they were first defined here.
+from .sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, SAMPLING_RULES, AdminFieldError, _is_int, check_sampling
+from .turn import _Refused
+
+_log = get_logger("agentlog.gateway")
 
 #: The range a msgpack integer can hold (the log's body encoding).
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
-
-
-class AdminFieldError(AgentlogError, ValueError):
-    """One field of an admin request holds a value we refuse (answered 400)."""
-
-    def __init__(self, field: str, expected: str, found: Any) -> None:
-        self.field = field
-        shown = repr(found)
-        if len(shown) > 120:
-            shown = shown[:117] + "..."
-        super().__init__(f"{field}: expected {expected}, found {shown}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-#: The temperatures every backend samples at as given. vLLM raises a
-#: temperature below 0.01 to 0.01 (its guard against inf/NaN logits) and
-#: SGLang samples greedily below 1e-5, so the log-probs recorded for a lower
-#: one would not be of the temperature recorded; the built-in sampler divides
-#: float32 logits by it (5e-324 is 0 there: NaN probabilities, a failed
-#: turn). Above 100 every token is close to equally likely already.
-MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
-#: The smallest top_p: float32's smallest normal number (the samplers hold
-#: top_p in float32, where a smaller value is 0 or loses its precision).
-MIN_TOP_P = 2.0**-126
-#: The largest top_k, max_new_tokens: what a sampler's int32 holds.
-_INT32_MAX = 2**31 - 1
-
-#: Sampling keys a session (or a request) may set, with their rule and its
-#: wording: the range a sampler can use. ``seed`` feeds
-#: torch.Generator.manual_seed; temperature 0 (greedy) has no per-token
-#: distribution to record log-probs from.
-SAMPLING_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "temperature": (lambda v: _is_number(v) and MIN_TEMPERATURE <= v <= MAX_TEMPERATURE, f"a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}]"),
-    "top_p": (lambda v: _is_number(v) and MIN_TOP_P <= v <= 1, f"a number in [{MIN_TOP_P:.3g}, 1]"),
-    "top_k": (lambda v: _is_int(v) and -1 <= v <= _INT32_MAX, "an int in [-1, 2**31 - 1] (-1 or 0: off)"),
-    "seed": (lambda v: _is_int(v) and 0 <= v < 2**63, "an int in [0, 2**63)"),
-    "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= _INT32_MAX, "an int in [1, 2**31 - 1]"),
-}
-
-
-def check_sampling(values: dict[str, Any], where: str) -> None:
-    """Raise AdminFieldError (field ``<where>.<key>``) for the first unknown
-    key or value outside its rule in ``values``, naming the value and the
-    accepted range."""
-    unknown = sorted(set(values) - set(SAMPLING_RULES))
-    if unknown:
-        raise AdminFieldError(where, f"keys among {sorted(SAMPLING_RULES)}", f"unknown keys {unknown}")
-    for key, value in values.items():
-        ok, expected = SAMPLING_RULES[key]
-        if not ok(value):
-            raise AdminFieldError(f"{where}.{key}", expected, value)
 
 
 def check_json_value(field: str, value: Any) -> None:
@@ -219,4 +169,135 @@ def parse_end(action: str, body: dict[str, Any]) -> dict[str, Any]:
     return {"reason": _text(body, "reason", "admin", non_empty=True)}
 
 
-__all__ = ["AdminFieldError", "MAX_TEMPERATURE", "MIN_TEMPERATURE", "MIN_TOP_P", "OpenRequest", "SAMPLING_RULES", "check_json_value", "check_sampling", "parse_end", "parse_open"]
+
+# ---------------------------------------------------------------- the handlers
+
+
+class AdminRoutes:
+    """The admin API's handlers (``agentlog serve``) of
+    :class:`~agentlog.gateway.server.Gateway` (a mixin: it holds no state of
+    its own; it uses the gateway's engine, backend, admin token and session
+    table)."""
+
+    def _admin_ok(self, request: web.Request) -> bool:
+        if not self.admin_token:
+            return False
+        given = request.headers.get("X-Admin-Token", "")
+        # Constant time: how long the compare takes says nothing about the token.
+        return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), self.admin_token.encode("utf-8", "surrogateescape"))
+
+    def _admin_refused(self, status: int, kind: str, what: str, exc: BaseException) -> web.Response:
+        """An admin request refused before anything was appended (or by the engine, which appends nothing then)."""
+        _log.info("gateway.admin_refused", status=status, what=what, reason=str(exc))
+        return self._error("openai", status, kind, f"{what}: {exc}")
+
+    def _admin_unable(self, what: str, reason: str) -> web.Response:
+        """503 for an admin request that cannot be recorded (the log's writer
+        is fatal, or for an open the gateway cannot take turns): answered at
+        once with the reason, logged as one line, nothing appended."""
+        _log.warning("gateway.admin_unavailable", what=what, reason=reason)
+        return self._error("openai", 503, "api_error", f"{what}: not recorded: {reason}")
+
+    def _admin_failed(self, what: str, exc: BaseException) -> web.Response:
+        """An admin request that failed for a reason not its own (the log, a bug)."""
+        _log.exception("gateway.admin_failed", what=what, error=f"{type(exc).__name__}: {exc}")
+        return self._error("openai", 500, "api_error", f"{what} failed: {type(exc).__name__}: {exc}")
+
+    async def _admin_open(self, request: web.Request) -> web.Response:
+        """Open and start a session (fields: gateway.admin.OpenRequest);
+        answers its id, state, sample_index and ``api_key``: the key its agent
+        must send (the session id is not one)."""
+        if not self._admin_ok(request):
+            return self._error("openai", 403, "permission_error", "admin API: missing or wrong X-Admin-Token")
+        # Before the body is read: a session opened now could neither be recorded nor take a turn.
+        reason = self.fatal_reason
+        if reason is not None:
+            return self._admin_unable("admin open", reason)
+        try:
+            body = await self._body(request)
+        except _Refused as exc:
+            return self._error("openai", exc.status, exc.kind, str(exc))
+        named = body.get("session_id")
+        what = f"admin open of session {named!r}" if isinstance(named, str) else "admin open"
+        # Every field is checked before the open: a refused request leaves nothing in the log.
+        try:
+            req = parse_open(body)
+        except AdminFieldError as exc:
+            return self._admin_refused(400, "invalid_request_error", what, exc)
+        try:
+            h = await self.engine.open_session(
+                req.session_id,
+                group_id=req.group_id,
+                group_size=req.group_size,
+                sample_index=req.sample_index,
+                prompt=req.prompt,
+                label=req.label,
+                agent=req.agent,
+                policy_version=self.backend.policy_version,
+                metadata=req.metadata,
+            )
+        except (DuplicateSession, GroupError) as exc:
+            return self._admin_refused(409, "invalid_request_error", what, exc)
+        except (EventValidationError, ValueError, OverflowError) as exc:  # what the schema or the log refused: nothing was appended
+            return self._admin_refused(400, "invalid_request_error", what, exc)
+        except LogClosed as exc:  # the writer went fatal (or closed) meanwhile
+            return self._admin_unable(what, self._log_unable() or str(exc))
+        except Exception as exc:  # a bug: logged in full and answered as JSON, never hidden
+            return self._admin_failed(what, exc)
+        try:
+            await h.start(harness=req.agent, sandbox="external", details={"gateway": self.url})
+            self.configure_session(req.session_id, sampling=req.sampling, max_turns=req.max_turns)
+            key = self.session_key(req.session_id)
+        except LogClosed as exc:  # the writer went fatal meanwhile: nothing more can be appended, not even an abort
+            self._forget_if_ended(req.session_id)
+            return self._admin_unable(f"{what} (opened, not started)", self._log_unable() or str(exc))
+        except Exception as exc:  # opened but not started: end it, so no session is left half-done
+            await h.abort("admin_open_failed", error=f"{type(exc).__name__}: {exc}")
+            self._forget_if_ended(req.session_id)
+            return self._admin_failed(f"{what} (opened, then aborted: it could not start)", exc)
+        opened = {"session_id": req.session_id, "state": str(h.state), "group_id": req.group_id, "sample_index": h.sample_index}
+        return web.json_response(opened | {"api_key": key})
+
+    async def _admin_end(self, request: web.Request) -> web.Response:
+        """finish {"reward", "metadata"} / abort {"reason", "error"} / drop {"reason"} a session."""
+        if not self._admin_ok(request):
+            return self._error("openai", 403, "permission_error", "admin API: missing or wrong X-Admin-Token")
+        sid, action = request.match_info["sid"], request.match_info["action"]
+        if action not in ("finish", "abort", "drop"):
+            return self._error("openai", 404, "not_found_error", f"unknown action {action!r}; expected finish, abort or drop")
+        what = f"admin {action} of session {sid!r}"
+        reason = self._log_unable()  # ending a session only appends: only the log's state matters
+        if reason is not None:
+            return self._admin_unable(what, reason)
+        h = self.engine.get(sid)
+        if h is None:
+            return self._error("openai", 404, "not_found_error", f"{what}: session is not live (state {self.engine.status(sid)})")
+        try:
+            body = await self._body(request) if request.can_read_body else {}
+            kwargs = parse_end(action, body)
+        except _Refused as exc:
+            return self._error("openai", exc.status, exc.kind, str(exc))
+        except AdminFieldError as exc:
+            return self._admin_refused(400, "invalid_request_error", what, exc)
+        try:
+            await getattr(h, action)(**kwargs)
+        except (EventValidationError, ValueError, OverflowError) as exc:
+            return self._admin_refused(400, "invalid_request_error", what, exc)
+        except IllegalTransition as exc:  # it ended meanwhile: reported, not hidden
+            return self._admin_refused(409, "invalid_request_error", what, exc)
+        except LogClosed as exc:  # the writer went fatal (or closed) meanwhile
+            return self._admin_unable(what, self._log_unable() or str(exc))
+        except Exception as exc:
+            return self._admin_failed(what, exc)
+        self._forget_if_ended(sid)
+        return web.json_response({"session_id": sid, "state": str(h.state)})
+
+    async def _admin_status(self, request: web.Request) -> web.Response:
+        if not self._admin_ok(request):
+            return self._error("openai", 403, "permission_error", "admin API: missing or wrong X-Admin-Token")
+        sid = request.match_info["sid"]
+        h = self.engine.get(sid)
+        state = h.state if h is not None else self.engine.status(sid)
+        return web.json_response({"session_id": sid, "state": None if state is None else str(state), "turns": h.turns if h else None})
+
+__all__ = ["AdminFieldError", "AdminRoutes", "MAX_TEMPERATURE", "MIN_TEMPERATURE", "MIN_TOP_P", "OpenRequest", "SAMPLING_RULES", "check_json_value", "check_sampling", "parse_end", "parse_open"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from .admin import SAMPLING_RULES
+from .sampling import SAMPLING_RULES
 from .chat import RequestError, ToolSpec, assistant_message, canonical_arguments, text_of
 
 _enc = msgspec.json.Encoder()

@@ -311,7 +311,7 @@ class TorchBackend(Backend):
 
         self.model = model
         # The learner's GPT keeps its sizes in ``config``; an HF adapter
-        # (learner.model.HFCausalLM) has them as attributes.
+        # (learner.hf_model.HFCausalLM) has them as attributes.
         self.context_length = int(getattr(model, "max_seq_len", None) or model.config.max_seq_len)
         self.vocab_size = int(getattr(model, "vocab_size", None) or model.config.vocab_size)
         self.max_batch = max_batch
@@ -507,7 +507,7 @@ class TorchBackend(Backend):
         """Load published weights from disk between batches; later turns record ``policy_version``.
 
         ``path`` is either an HF checkpoint directory (safetensors; the model
-        must have ``load_hf_weights``, as learner.model.HFCausalLM does) or a
+        must have ``load_hf_weights``, as learner.hf_model.HFCausalLM does) or a
         ``torch.save`` file: a learner checkpoint or weights file (its
         ``"model"`` entry) or a bare state dict, read with ``weights_only=True``.
         A file that cannot be loaded raises BackendError naming it, and the

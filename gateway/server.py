@@ -26,32 +26,25 @@ are in flight). None of them records anything.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import secrets
-import time
-import uuid
 from collections import OrderedDict
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
-from agentlog.engine.core import DuplicateSession
-from agentlog.events.lifecycle import TERMINAL_STATES, IllegalTransition, State
-from agentlog.events.log_api import LogClosed
+from agentlog.events.lifecycle import State
 from agentlog.events.log_format import DEFAULT_MAX_RECORD_BYTES
-from agentlog.events.types import EventValidationError, turn_temperature
-from agentlog.reducers.groups import GroupError
 
-from .admin import AdminFieldError, check_sampling, parse_end, parse_open
-
-from .api import APIS, ResponsesAPI, TurnRequest, TurnResult, error_body, now_s
-from .backends import Backend, BackendError, SamplingParams
-from .chat import ByteChatTemplate, ChatTemplate, HermesToolParser, RequestError, ToolCallParser, assistant_message
+from .admin import AdminRoutes
+from .sampling import AdminFieldError, check_sampling
+from .api import APIS, ResponsesAPI, TurnRequest, error_body
+from .backends import Backend, SamplingParams
+from .chat import ByteChatTemplate, ChatTemplate, HermesToolParser, RequestError, ToolCallParser
 from .connections import GuardedSite, request_bounds_middleware
 from .json_depth import JSONTooDeep, decode_json
+from .turn import TurnPath, _Refused, _SessionCfg
 
 _log = get_logger("agentlog.gateway")
 
@@ -61,9 +54,6 @@ _SWEEP_EVERY = 1024
 #: How many keys of ended sessions are remembered, so their agent's late
 #: request is told the session ended (409) rather than that its key is unknown.
 _RETIRED_KEYS = 4096
-
-_TOOL_ID_PREFIX = {"chat": "call_", "responses": "call_", "messages": "toolu_"}
-_RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
 
 
 class GatewayConfig(msgspec.Struct, frozen=True):
@@ -108,34 +98,6 @@ class GatewayConfig(msgspec.Struct, frozen=True):
     model_name: str = "agentlog"
 
 
-class _SessionCfg:
-    __slots__ = ("sampling", "max_turns", "max_new_tokens", "inflight", "api_key", "calls", "turns")
-
-    def __init__(self) -> None:
-        self.sampling: dict[str, Any] = {}
-        self.max_turns: int | None = None
-        #: Cap on every turn's output tokens, the client's max_tokens included (None: the server's cap).
-        self.max_new_tokens: int | None = None
-        self.inflight = 0
-        #: Model calls of this session: "requests" (each one made with its key), "turns" (those recorded).
-        self.calls = {"requests": 0, "turns": 0}
-        #: The session's API key (issued by session_key), or None.
-        self.api_key: str | None = None
-        #: The recorded turns' (turn index, prompt ids, output ids, sampling temperature), kept only
-        #: when asked (configure_session(keep_turns=True): a teacher scores them); else None.
-        self.turns: list[tuple[int, list[int], list[int], float | None]] | None = None
-
-
-class _Refused(AgentlogError):
-    """A request answered with an error before anything was recorded."""
-
-    def __init__(self, status: int, kind: str, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-        self.code = code
-
-
 #: Bytes a recorded turn may take beyond its messages and prompt ids: the
 #: envelope, the sampling dict, the per-output-token costs below.
 _RECORD_OVERHEAD = 64 * 2**10
@@ -165,7 +127,7 @@ def body_cap_for(record_cap: int, context_length: int | None, max_output_tokens:
     return cap
 
 
-class Gateway:
+class Gateway(TurnPath, AdminRoutes):
     """Serves the three wire APIs over one engine and one backend.
 
     ``engine`` is a :class:`engine.SessionEngine`; sessions are opened and
@@ -297,6 +259,11 @@ class Gateway:
         if reason is not None:
             return f"engine: {reason}"
         return None
+
+    def _log_unable(self) -> str | None:
+        """The log's fatal reason, as ``fatal_reason`` words it; None while it takes appends."""
+        reason = self.engine.log.fatal_reason
+        return None if reason is None else f"log: {reason}"
 
     async def __aenter__(self) -> "Gateway":
         if not self.url:
@@ -544,375 +511,11 @@ class Gateway:
             return self._error("anthropic", 400, "invalid_request_error", str(exc))
         return web.json_response({"input_tokens": len(self.template.encode_prompt(req.messages, req.tools))})
 
-    # ------------------------------------------------------------ one turn
-
-    async def _turn(self, request: web.Request, api_name: str) -> web.StreamResponse:
-        api = APIS[api_name]
-        key = self._api_key(request)
-        sid = self._session_id(key)
-        log = _log.bind(session_id=sid, api=api_name)  # the id, never the key
-        reserved = 0
-        self._turn_began()
-        try:
-            try:
-                self._refuse_if_unable()
-                h = self._session(key, sid)
-                self._sessions.setdefault(h.session_id, _SessionCfg()).calls["requests"] += 1
-                reserved = self._reserve_body(request)
-                body = await self._body(request)
-                try:
-                    req = api.parse(body)
-                except RequestError as exc:
-                    raise _Refused(400, "invalid_request_error", f"{api_name} request: {exc}") from None
-                _check_recordable(api_name, req)
-                cfg = self._sessions.setdefault(h.session_id, _SessionCfg())
-                merged = self._sampling(h.session_id, req)  # refuse unusable sampling values before anything runs
-                cap = cfg.max_turns if cfg.max_turns is not None else self.config.max_turns
-                if h.turns + cfg.inflight >= cap:
-                    raise _Refused(429, "rate_limit_error", f"session {h.session_id!r} reached its turn cap of {cap} turns")
-            except _Refused as exc:
-                self.stats["refused"] += 1
-                log.info("gateway.request_refused", status=exc.status, reason=str(exc))
-                self._forget_if_ended(sid)
-                return self._error(api.error_style, exc.status, exc.kind, str(exc), exc.code)
-            cfg.inflight += 1
-            try:
-                return await self._generate_record_send(request, api, req, merged, h, cfg, log)
-            except _Refused as exc:
-                self.stats["refused"] += 1
-                log.info("gateway.request_refused", status=exc.status, reason=str(exc))
-                return self._error(api.error_style, exc.status, exc.kind, str(exc), exc.code)
-            except LogClosed as exc:  # the writer failed (or closed) while this turn was made durable
-                log.error("gateway.turn_not_recorded", error=str(exc))
-                return self._error(api.error_style, 503, "api_error", f"turn not recorded: {self.fatal_reason or exc}")
-            except Exception as exc:  # a bug or a bad backend answer: logged in full and answered as JSON, never hidden
-                log.exception("gateway.turn_failed", error=f"{type(exc).__name__}: {exc}")
-                return self._error(api.error_style, 500, "api_error", f"turn failed: {type(exc).__name__}: {exc}")
-            finally:
-                cfg.inflight -= 1
-                self._forget_if_ended(sid)
-        finally:
-            self._large_bodies -= reserved
-            self._turn_ended()
-
-    def _turn_began(self) -> None:
-        self._turns_inflight += 1
-        self._turns_idle.clear()
-
-    def _turn_ended(self) -> None:
-        self._turns_inflight -= 1
-        if self._turns_inflight == 0:
-            self._turns_idle.set()
-
-    def _refuse_if_unable(self) -> None:
-        """503 before anything runs when no turn can be recorded (or we are stopping)."""
-        if self._draining:
-            raise _Refused(503, "api_error", "gateway shutting down; it takes no new turns")
-        reason = self.fatal_reason
-        if reason is not None:
-            raise _Refused(503, "api_error", f"gateway cannot record turns: {reason}")
-
-    def _reserve_body(self, request: web.Request) -> int:
-        """Count a large body against ``large_bodies_bytes`` before it is
-        read (a body of unknown length counts as the body cap); returns the
-        bytes reserved, which the caller gives back when its turn ends."""
-        size = request.content_length
-        size = self.max_body_bytes if size is None else min(size, self.max_body_bytes)
-        if size < self.config.large_body_bytes:
-            return 0
-        budget = self.config.large_bodies_bytes
-        if self._large_bodies + size > budget:
-            raise _Refused(
-                503, "api_error",
-                f"too many large request bodies in flight ({self._large_bodies} of {budget} bytes; this one is {size}); retry shortly",
-            )
-        self._large_bodies += size
-        return size
-
-    async def _generate_record_send(
-        self, request: web.Request, api: Any, req: TurnRequest, merged: dict[str, Any], h: Any, cfg: _SessionCfg, log: Any
-    ) -> web.StreamResponse:
-        t0 = time.perf_counter()
-        prompt_ids = self.template.encode_prompt(req.messages, req.tools)
-        ctx = self.backend.context_length
-        room = None if ctx is None else ctx - len(prompt_ids)
-        if room is not None and room <= 0:
-            # No room for a single output token: refused, never recorded as an empty turn.
-            raise _Refused(
-                400, "invalid_request_error",
-                f"prompt is too long: {len(prompt_ids)} tokens, and the model's context is {ctx} tokens "
-                "(leaving no room for output); shorten the conversation",
-                "context_length_exceeded",
-            )
-        params = self._params(merged, req, room, cfg.max_new_tokens)
-        try:
-            task = h.spawn(self.backend.generate(prompt_ids, params))
-        except IllegalTransition as exc:
-            return self._error(api.error_style, 409, "invalid_request_error", str(exc))
-        try:
-            gen = await task
-        except asyncio.CancelledError:
-            task.cancel()
-            self.stats["cancelled"] += 1
-            cur = asyncio.current_task()
-            if cur is not None and cur.cancelling():
-                log.info("gateway.turn_cancelled", reason="client disconnected during generation; nothing recorded")
-                raise
-            log.info("gateway.turn_cancelled", reason=f"session {h.state} during generation; nothing recorded")
-            return self._error(api.error_style, 409, "invalid_request_error", f"session {h.session_id!r} ended ({h.state}) while generating")
-        except BackendError as exc:
-            self.stats["backend_errors"] += 1
-            log.warning("gateway.backend_failed", error=str(exc), upstream_status=exc.status)
-            return self._error(api.error_style, 502, "api_error", str(exc))
-        text = self.template.decode(gen.output_ids)
-        parsed = self.parser.parse(text, req.tools)
-        if parsed.ill_formed:
-            log.info("gateway.tool_call_ill_formed", error=parsed.error)
-        prefix = _TOOL_ID_PREFIX[api.name]
-        calls = [{"id": prefix + uuid.uuid4().hex[:24], **c} for c in parsed.tool_calls]
-        response_message = assistant_message(parsed.content, calls)
-        client = dict(req.overrides)
-        if req.max_tokens is not None:
-            client["max_tokens"] = req.max_tokens  # what was asked; max_new_tokens is what was allowed
-        sampling = params.to_dict() | {"client": client, "api": api.name, "model": req.model}
-        ignored = self.backend.ignored_sampling(params) + (["stop"] if "stop" in req.overrides else [])
-        if ignored:
-            sampling["ignored"] = ignored
-        record = asyncio.ensure_future(
-            h.record_turn(
-                messages=req.messages,
-                prompt_ids=prompt_ids,
-                output_ids=gen.output_ids,
-                output_log_probs=gen.log_probs,
-                finish_reason=gen.finish_reason,
-                response_message=response_message,
-                policy_version=gen.policy_version,
-                ill_formed=parsed.ill_formed,
-                generate_s=gen.generate_s or (time.perf_counter() - t0),
-                sampling=sampling,
-            )
-        )
-        t_rec = time.perf_counter()
-        try:
-            env = await asyncio.shield(record)
-        except asyncio.CancelledError:
-            # The client left while the turn was being made durable: finish
-            # recording it, then mark it undelivered so it is never trained.
-            env = await self._settle_record(record, log)
-            if env is not None:
-                await self._undelivered(h, env.body.turn_index, "client disconnected before the response was sent", log)
-            raise
-        except IllegalTransition as exc:
-            log.info("gateway.turn_refused", reason=str(exc))
-            return self._error(api.error_style, 409, "invalid_request_error", str(exc))
-        turn = env.body.turn_index
-        self.stats["turns"] += 1
-        cfg.calls["turns"] += 1
-        if cfg.turns is not None:
-            cfg.turns.append((turn, list(prompt_ids), [int(t) for t in gen.output_ids], turn_temperature(sampling)))
-        res = TurnResult(
-            id=f"{_RESPONSE_ID_PREFIX[api.name]}{uuid.uuid4().hex[:24]}",
-            model=req.model or self.config.model_name,
-            content=parsed.content,
-            tool_calls=calls,
-            finish_reason=gen.finish_reason,
-            prompt_tokens=len(prompt_ids),
-            completion_tokens=len(gen.output_ids),
-            created=now_s(),
-        )
-        t_send = time.perf_counter()
-        try:
-            resp = await self._send(request, api, req, res)
-            if self.timings is not None:
-                self.timings.append((t_rec - t0 - gen.generate_s, t_send - t_rec, time.perf_counter() - t_send))
-            return resp
-        except (ConnectionError, asyncio.CancelledError) as exc:
-            await self._undelivered(h, turn, f"client gone while sending: {type(exc).__name__}", log)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            return web.Response(status=499)
-
-    async def _settle_record(self, record: asyncio.Future, log: Any) -> Any:
-        try:
-            return await record
-        except IllegalTransition as exc:
-            log.info("gateway.turn_refused", reason=str(exc))
-            return None
-
-    async def _undelivered(self, h: Any, turn: int, reason: str, log: Any) -> None:
-        self.stats["undelivered"] += 1
-        log.info("gateway.turn_undelivered", turn_index=turn, reason=reason)
-        try:
-            await asyncio.shield(h.record_turn_undelivered(turn, reason))
-        except IllegalTransition as exc:  # the session ended meanwhile: nothing more may be appended
-            log.info("gateway.undelivered_not_recorded", turn_index=turn, reason=str(exc))
-
-    async def _send(self, request: web.Request, api: Any, req: TurnRequest, res: TurnResult) -> web.StreamResponse:
-        transport = request.transport
-        if transport is None or transport.is_closing():
-            raise ConnectionResetError("client connection closed before the response")
-        if req.stream:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-            events = api.render_stream(res, req)
-            await resp.write(b"".join(events))
-            await resp.write_eof()
-            return resp
-        payload = msgspec.json.encode(api.render(res, req))
-        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-        resp.content_length = len(payload)
-        await resp.prepare(request)
-        await resp.write(payload)
-        await resp.write_eof()
-        return resp
-
-    # ------------------------------------------------------------ admin API (agentlog serve)
-
-    def _admin_ok(self, request: web.Request) -> bool:
-        if not self.admin_token:
-            return False
-        given = request.headers.get("X-Admin-Token", "")
-        # Constant time: how long the compare takes says nothing about the token.
-        return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), self.admin_token.encode("utf-8", "surrogateescape"))
-
-    def _admin_refused(self, status: int, kind: str, what: str, exc: BaseException) -> web.Response:
-        """An admin request refused before anything was appended (or by the engine, which appends nothing then)."""
-        _log.info("gateway.admin_refused", status=status, what=what, reason=str(exc))
-        return self._error("openai", status, kind, f"{what}: {exc}")
-
-    def _admin_unable(self, what: str, reason: str) -> web.Response:
-        """503 for an admin request that cannot be recorded (the log's writer
-        is fatal, or for an open the gateway cannot take turns): answered at
-        once with the reason, logged as one line, nothing appended."""
-        _log.warning("gateway.admin_unavailable", what=what, reason=reason)
-        return self._error("openai", 503, "api_error", f"{what}: not recorded: {reason}")
-
-    def _log_unable(self) -> str | None:
-        """The log's fatal reason, as ``fatal_reason`` words it; None while it takes appends."""
-        reason = self.engine.log.fatal_reason
-        return None if reason is None else f"log: {reason}"
-
-    def _admin_failed(self, what: str, exc: BaseException) -> web.Response:
-        """An admin request that failed for a reason not its own (the log, a bug)."""
-        _log.exception("gateway.admin_failed", what=what, error=f"{type(exc).__name__}: {exc}")
-        return self._error("openai", 500, "api_error", f"{what} failed: {type(exc).__name__}: {exc}")
-
-    async def _admin_open(self, request: web.Request) -> web.Response:
-        """Open and start a session (fields: gateway.admin.OpenRequest);
-        answers its id, state, sample_index and ``api_key``: the key its agent
-        must send (the session id is not one)."""
-        if not self._admin_ok(request):
-            return self._error("openai", 403, "permission_error", "admin API: missing or wrong X-Admin-Token")
-        # Before the body is read: a session opened now could neither be recorded nor take a turn.
-        reason = self.fatal_reason
-        if reason is not None:
-            return self._admin_unable("admin open", reason)
-        try:
-            body = await self._body(request)
-        except _Refused as exc:
-            return self._error("openai", exc.status, exc.kind, str(exc))
-        named = body.get("session_id")
-        what = f"admin open of session {named!r}" if isinstance(named, str) else "admin open"
-        # Every field is checked before the open: a refused request leaves nothing in the log.
-        try:
-            req = parse_open(body)
-        except AdminFieldError as exc:
-            return self._admin_refused(400, "invalid_request_error", what, exc)
-        try:
-            h = await self.engine.open_session(
-                req.session_id,
-                group_id=req.group_id,
-                group_size=req.group_size,
-                sample_index=req.sample_index,
-                prompt=req.prompt,
-                label=req.label,
-                agent=req.agent,
-                policy_version=self.backend.policy_version,
-                metadata=req.metadata,
-            )
-        except (DuplicateSession, GroupError) as exc:
-            return self._admin_refused(409, "invalid_request_error", what, exc)
-        except (EventValidationError, ValueError, OverflowError) as exc:  # what the schema or the log refused: nothing was appended
-            return self._admin_refused(400, "invalid_request_error", what, exc)
-        except LogClosed as exc:  # the writer went fatal (or closed) meanwhile
-            return self._admin_unable(what, self._log_unable() or str(exc))
-        except Exception as exc:  # a bug: logged in full and answered as JSON, never hidden
-            return self._admin_failed(what, exc)
-        try:
-            await h.start(harness=req.agent, sandbox="external", details={"gateway": self.url})
-            self.configure_session(req.session_id, sampling=req.sampling, max_turns=req.max_turns)
-            key = self.session_key(req.session_id)
-        except LogClosed as exc:  # the writer went fatal meanwhile: nothing more can be appended, not even an abort
-            self._forget_if_ended(req.session_id)
-            return self._admin_unable(f"{what} (opened, not started)", self._log_unable() or str(exc))
-        except Exception as exc:  # opened but not started: end it, so no session is left half-done
-            await h.abort("admin_open_failed", error=f"{type(exc).__name__}: {exc}")
-            self._forget_if_ended(req.session_id)
-            return self._admin_failed(f"{what} (opened, then aborted: it could not start)", exc)
-        opened = {"session_id": req.session_id, "state": str(h.state), "group_id": req.group_id, "sample_index": h.sample_index}
-        return web.json_response(opened | {"api_key": key})
-
-    async def _admin_end(self, request: web.Request) -> web.Response:
-        """finish {"reward", "metadata"} / abort {"reason", "error"} / drop {"reason"} a session."""
-        if not self._admin_ok(request):
-            return self._error("openai", 403, "permission_error", "admin API: missing or wrong X-Admin-Token")
-        sid, action = request.match_info["sid"], request.match_info["action"]
-        if action not in ("finish", "abort", "drop"):
-            return self._error("openai", 404, "not_found_error", f"unknown action {action!r}; expected finish, abort or drop")
-        what = f"admin {action} of session {sid!r}"
-        reason = self._log_unable()  # ending a session only appends: only the log's state matters
-        if reason is not None:
-            return self._admin_unable(what, reason)
-        h = self.engine.get(sid)
-        if h is None:
-            return self._error("openai", 404, "not_found_error", f"{what}: session is not live (state {self.engine.status(sid)})")
-        try:
-            body = await self._body(request) if request.can_read_body else {}
-            kwargs = parse_end(action, body)
-        except _Refused as exc:
-            return self._error("openai", exc.status, exc.kind, str(exc))
-        except AdminFieldError as exc:
-            return self._admin_refused(400, "invalid_request_error", what, exc)
-        try:
-            await getattr(h, action)(**kwargs)
-        except (EventValidationError, ValueError, OverflowError) as exc:
-            return self._admin_refused(400, "invalid_request_error", what, exc)
-        except IllegalTransition as exc:  # it ended meanwhile: reported, not hidden
-            return self._admin_refused(409, "invalid_request_error", what, exc)
-        except LogClosed as exc:  # the writer went fatal (or closed) meanwhile
-            return self._admin_unable(what, self._log_unable() or str(exc))
-        except Exception as exc:
-            return self._admin_failed(what, exc)
-        self._forget_if_ended(sid)
-        return web.json_response({"session_id": sid, "state": str(h.state)})
-
-    async def _admin_status(self, request: web.Request) -> web.Response:
-        if not self._admin_ok(request):
-            return self._error("openai", 403, "permission_error", "admin API: missing or wrong X-Admin-Token")
-        sid = request.match_info["sid"]
-        h = self.engine.get(sid)
-        state = h.state if h is not None else self.engine.status(sid)
-        return web.json_response({"session_id": sid, "state": None if state is None else str(state), "turns": h.turns if h else None})
-
 
 def _is_operator_request(request: web.Request) -> bool:
     """The admin API and the health checks: they may use the connections kept for operators."""
     path = request.path
     return path.startswith("/admin/") or path in ("/", "/health")
-
-
-def _check_recordable(api_name: str, req: TurnRequest) -> None:
-    """Refuse (400, before any generation) what the log could not record:
-    an integer beyond 64 bits or nesting too deep anywhere in the messages
-    or the client's sampling values. Encoding them now costs what the
-    record will cost anyway, and a failure after generation would be a 500
-    with the model's work thrown away."""
-    try:
-        msgspec.msgpack.encode((req.messages, req.overrides, req.max_tokens))
-    except OverflowError:
-        raise _Refused(400, "invalid_request_error", f"{api_name} request: an integer in the messages is outside 64 bits; expected -2**63 <= n < 2**64") from None
-    except RecursionError:
-        raise _Refused(400, "invalid_request_error", f"{api_name} request: the messages are nested too deeply to record") from None
 
 
 __all__ = ["Gateway", "GatewayConfig", "ResponsesAPI", "body_cap_for"]

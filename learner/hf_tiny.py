@@ -161,7 +161,7 @@ def build_tiny_hf(
         torch.manual_seed(seed)
         model = cls(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    from .model import quiet_transformers
+    from .hf_model import quiet_transformers
 
     quiet_transformers()
     model.save_pretrained(out, safe_serialization=True)

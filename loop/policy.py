@@ -80,7 +80,7 @@ def build_model(cfg: LoopConfig, task: Task, run_dir: Path | None = None) -> tor
     text task, the one the gateway's byte-level template reads and writes."""
     hf_dir = resolve_hf_model(cfg, run_dir)
     if hf_dir is not None:
-        from agentlog.learner.model import HFCausalLM
+        from agentlog.learner.hf_model import HFCausalLM
 
         return HFCausalLM(hf_dir, gradient_checkpointing=cfg.gradient_checkpointing)
     from agentlog.engine.tasks import TextTask

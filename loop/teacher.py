@@ -24,7 +24,7 @@ Two teachers:
   that every other entry names the output token at its position: an
   off-by-one on either side is refused, never recorded shifted.
 * :class:`TorchTeacher`, an in-process torch model (the built-in GPT or a
-  Hugging Face model behind :class:`~agentlog.learner.model.HFCausalLM`),
+  Hugging Face model behind :class:`~agentlog.learner.hf_model.HFCausalLM`),
   run in its own thread so scoring never blocks the event loop. Its version
   is the sha256 of its state dict.
 
@@ -468,7 +468,7 @@ class TorchTeacher:
     @classmethod
     def from_hf(cls, path: str | os.PathLike, *, name: str = "teacher", device: str | torch.device = "cpu") -> "TorchTeacher":
         """A Hugging Face teacher from a local model directory (nothing is downloaded)."""
-        from agentlog.learner.model import HFCausalLM
+        from agentlog.learner.hf_model import HFCausalLM
 
         return cls(HFCausalLM(path), name=name, device=device)
 

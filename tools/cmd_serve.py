@@ -128,7 +128,7 @@ def _build(args):
 def _load_hf_model(path: str):
     """``--model DIR``: the HF model of a local directory (nothing is downloaded)."""
     try:
-        from agentlog.learner.model import HFCausalLM
+        from agentlog.learner.hf_model import HFCausalLM
 
         return HFCausalLM(path)
     except ImportError:

@@ -152,7 +152,7 @@ def hf_llama(layers: int = 4, width: int = 256):
     """A random LlamaForCausalLM of the given size behind HFCausalLM (eager-free SDPA attention)."""
     import transformers
 
-    from agentlog.learner.model import HFCausalLM
+    from agentlog.learner.hf_model import HFCausalLM
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=int(width * 8 / 3) // 64 * 64,

@@ -1,0 +1,299 @@
+"""One agent request, one turn: the gateway's turn path.
+
+Refuse what cannot be recorded before anything runs, generate through the
+backend, record the turn through the engine (durable before the agent sees a
+byte), then answer; a turn whose answer cannot be delivered is marked
+``turn_undelivered``. Mixed into :class:`~agentlog.gateway.server.Gateway`
+(:class:`TurnPath` holds no state of its own: it uses the gateway's engine,
+backend, template, parser, config, per-session table and counters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from agentlog._logging import get_logger
+from agentlog.events.errors import AgentlogError
+from agentlog.events.lifecycle import IllegalTransition
+from agentlog.events.log_api import LogClosed
+from agentlog.events.types import turn_temperature
+
+from .api import APIS, TurnRequest, TurnResult, now_s
+from .backends import BackendError
+from .chat import RequestError, assistant_message
+
+_log = get_logger("agentlog.gateway")
+
+_TOOL_ID_PREFIX = {"chat": "call_", "responses": "call_", "messages": "toolu_"}
+_RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
+
+
+class _SessionCfg:
+    __slots__ = ("sampling", "max_turns", "max_new_tokens", "inflight", "api_key", "calls", "turns")
+
+    def __init__(self) -> None:
+        self.sampling: dict[str, Any] = {}
+        self.max_turns: int | None = None
+        #: Cap on every turn's output tokens, the client's max_tokens included (None: the server's cap).
+        self.max_new_tokens: int | None = None
+        self.inflight = 0
+        #: Model calls of this session: "requests" (each one made with its key), "turns" (those recorded).
+        self.calls = {"requests": 0, "turns": 0}
+        #: The session's API key (issued by session_key), or None.
+        self.api_key: str | None = None
+        #: The recorded turns' (turn index, prompt ids, output ids, sampling temperature), kept only
+        #: when asked (configure_session(keep_turns=True): a teacher scores them); else None.
+        self.turns: list[tuple[int, list[int], list[int], float | None]] | None = None
+
+class _Refused(AgentlogError):
+    """A request answered with an error before anything was recorded."""
+
+    def __init__(self, status: int, kind: str, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.code = code
+
+
+class TurnPath:
+    """The turn path of :class:`~agentlog.gateway.server.Gateway` (a mixin)."""
+
+    async def _turn(self, request: web.Request, api_name: str) -> web.StreamResponse:
+        api = APIS[api_name]
+        key = self._api_key(request)
+        sid = self._session_id(key)
+        log = _log.bind(session_id=sid, api=api_name)  # the id, never the key
+        reserved = 0
+        self._turn_began()
+        try:
+            try:
+                self._refuse_if_unable()
+                h = self._session(key, sid)
+                self._sessions.setdefault(h.session_id, _SessionCfg()).calls["requests"] += 1
+                reserved = self._reserve_body(request)
+                body = await self._body(request)
+                try:
+                    req = api.parse(body)
+                except RequestError as exc:
+                    raise _Refused(400, "invalid_request_error", f"{api_name} request: {exc}") from None
+                _check_recordable(api_name, req)
+                cfg = self._sessions.setdefault(h.session_id, _SessionCfg())
+                merged = self._sampling(h.session_id, req)  # refuse unusable sampling values before anything runs
+                cap = cfg.max_turns if cfg.max_turns is not None else self.config.max_turns
+                if h.turns + cfg.inflight >= cap:
+                    raise _Refused(429, "rate_limit_error", f"session {h.session_id!r} reached its turn cap of {cap} turns")
+            except _Refused as exc:
+                self.stats["refused"] += 1
+                log.info("gateway.request_refused", status=exc.status, reason=str(exc))
+                self._forget_if_ended(sid)
+                return self._error(api.error_style, exc.status, exc.kind, str(exc), exc.code)
+            cfg.inflight += 1
+            try:
+                return await self._generate_record_send(request, api, req, merged, h, cfg, log)
+            except _Refused as exc:
+                self.stats["refused"] += 1
+                log.info("gateway.request_refused", status=exc.status, reason=str(exc))
+                return self._error(api.error_style, exc.status, exc.kind, str(exc), exc.code)
+            except LogClosed as exc:  # the writer failed (or closed) while this turn was made durable
+                log.error("gateway.turn_not_recorded", error=str(exc))
+                return self._error(api.error_style, 503, "api_error", f"turn not recorded: {self.fatal_reason or exc}")
+            except Exception as exc:  # a bug or a bad backend answer: logged in full and answered as JSON, never hidden
+                log.exception("gateway.turn_failed", error=f"{type(exc).__name__}: {exc}")
+                return self._error(api.error_style, 500, "api_error", f"turn failed: {type(exc).__name__}: {exc}")
+            finally:
+                cfg.inflight -= 1
+                self._forget_if_ended(sid)
+        finally:
+            self._large_bodies -= reserved
+            self._turn_ended()
+
+    def _turn_began(self) -> None:
+        self._turns_inflight += 1
+        self._turns_idle.clear()
+
+    def _turn_ended(self) -> None:
+        self._turns_inflight -= 1
+        if self._turns_inflight == 0:
+            self._turns_idle.set()
+
+    def _refuse_if_unable(self) -> None:
+        """503 before anything runs when no turn can be recorded (or we are stopping)."""
+        if self._draining:
+            raise _Refused(503, "api_error", "gateway shutting down; it takes no new turns")
+        reason = self.fatal_reason
+        if reason is not None:
+            raise _Refused(503, "api_error", f"gateway cannot record turns: {reason}")
+
+    def _reserve_body(self, request: web.Request) -> int:
+        """Count a large body against ``large_bodies_bytes`` before it is
+        read (a body of unknown length counts as the body cap); returns the
+        bytes reserved, which the caller gives back when its turn ends."""
+        size = request.content_length
+        size = self.max_body_bytes if size is None else min(size, self.max_body_bytes)
+        if size < self.config.large_body_bytes:
+            return 0
+        budget = self.config.large_bodies_bytes
+        if self._large_bodies + size > budget:
+            raise _Refused(
+                503, "api_error",
+                f"too many large request bodies in flight ({self._large_bodies} of {budget} bytes; this one is {size}); retry shortly",
+            )
+        self._large_bodies += size
+        return size
+
+    async def _generate_record_send(
+        self, request: web.Request, api: Any, req: TurnRequest, merged: dict[str, Any], h: Any, cfg: _SessionCfg, log: Any
+    ) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        prompt_ids = self.template.encode_prompt(req.messages, req.tools)
+        ctx = self.backend.context_length
+        room = None if ctx is None else ctx - len(prompt_ids)
+        if room is not None and room <= 0:
+            # No room for a single output token: refused, never recorded as an empty turn.
+            raise _Refused(
+                400, "invalid_request_error",
+                f"prompt is too long: {len(prompt_ids)} tokens, and the model's context is {ctx} tokens "
+                "(leaving no room for output); shorten the conversation",
+                "context_length_exceeded",
+            )
+        params = self._params(merged, req, room, cfg.max_new_tokens)
+        try:
+            task = h.spawn(self.backend.generate(prompt_ids, params))
+        except IllegalTransition as exc:
+            return self._error(api.error_style, 409, "invalid_request_error", str(exc))
+        try:
+            gen = await task
+        except asyncio.CancelledError:
+            task.cancel()
+            self.stats["cancelled"] += 1
+            cur = asyncio.current_task()
+            if cur is not None and cur.cancelling():
+                log.info("gateway.turn_cancelled", reason="client disconnected during generation; nothing recorded")
+                raise
+            log.info("gateway.turn_cancelled", reason=f"session {h.state} during generation; nothing recorded")
+            return self._error(api.error_style, 409, "invalid_request_error", f"session {h.session_id!r} ended ({h.state}) while generating")
+        except BackendError as exc:
+            self.stats["backend_errors"] += 1
+            log.warning("gateway.backend_failed", error=str(exc), upstream_status=exc.status)
+            return self._error(api.error_style, 502, "api_error", str(exc))
+        text = self.template.decode(gen.output_ids)
+        parsed = self.parser.parse(text, req.tools)
+        if parsed.ill_formed:
+            log.info("gateway.tool_call_ill_formed", error=parsed.error)
+        prefix = _TOOL_ID_PREFIX[api.name]
+        calls = [{"id": prefix + uuid.uuid4().hex[:24], **c} for c in parsed.tool_calls]
+        response_message = assistant_message(parsed.content, calls)
+        client = dict(req.overrides)
+        if req.max_tokens is not None:
+            client["max_tokens"] = req.max_tokens  # what was asked; max_new_tokens is what was allowed
+        sampling = params.to_dict() | {"client": client, "api": api.name, "model": req.model}
+        ignored = self.backend.ignored_sampling(params) + (["stop"] if "stop" in req.overrides else [])
+        if ignored:
+            sampling["ignored"] = ignored
+        record = asyncio.ensure_future(
+            h.record_turn(
+                messages=req.messages,
+                prompt_ids=prompt_ids,
+                output_ids=gen.output_ids,
+                output_log_probs=gen.log_probs,
+                finish_reason=gen.finish_reason,
+                response_message=response_message,
+                policy_version=gen.policy_version,
+                ill_formed=parsed.ill_formed,
+                generate_s=gen.generate_s or (time.perf_counter() - t0),
+                sampling=sampling,
+            )
+        )
+        t_rec = time.perf_counter()
+        try:
+            env = await asyncio.shield(record)
+        except asyncio.CancelledError:
+            # The client left while the turn was being made durable: finish
+            # recording it, then mark it undelivered so it is never trained.
+            env = await self._settle_record(record, log)
+            if env is not None:
+                await self._undelivered(h, env.body.turn_index, "client disconnected before the response was sent", log)
+            raise
+        except IllegalTransition as exc:
+            log.info("gateway.turn_refused", reason=str(exc))
+            return self._error(api.error_style, 409, "invalid_request_error", str(exc))
+        turn = env.body.turn_index
+        self.stats["turns"] += 1
+        cfg.calls["turns"] += 1
+        if cfg.turns is not None:
+            cfg.turns.append((turn, list(prompt_ids), [int(t) for t in gen.output_ids], turn_temperature(sampling)))
+        res = TurnResult(
+            id=f"{_RESPONSE_ID_PREFIX[api.name]}{uuid.uuid4().hex[:24]}",
+            model=req.model or self.config.model_name,
+            content=parsed.content,
+            tool_calls=calls,
+            finish_reason=gen.finish_reason,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(gen.output_ids),
+            created=now_s(),
+        )
+        t_send = time.perf_counter()
+        try:
+            resp = await self._send(request, api, req, res)
+            if self.timings is not None:
+                self.timings.append((t_rec - t0 - gen.generate_s, t_send - t_rec, time.perf_counter() - t_send))
+            return resp
+        except (ConnectionError, asyncio.CancelledError) as exc:
+            await self._undelivered(h, turn, f"client gone while sending: {type(exc).__name__}", log)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return web.Response(status=499)
+
+    async def _settle_record(self, record: asyncio.Future, log: Any) -> Any:
+        try:
+            return await record
+        except IllegalTransition as exc:
+            log.info("gateway.turn_refused", reason=str(exc))
+            return None
+
+    async def _undelivered(self, h: Any, turn: int, reason: str, log: Any) -> None:
+        self.stats["undelivered"] += 1
+        log.info("gateway.turn_undelivered", turn_index=turn, reason=reason)
+        try:
+            await asyncio.shield(h.record_turn_undelivered(turn, reason))
+        except IllegalTransition as exc:  # the session ended meanwhile: nothing more may be appended
+            log.info("gateway.undelivered_not_recorded", turn_index=turn, reason=str(exc))
+
+    async def _send(self, request: web.Request, api: Any, req: TurnRequest, res: TurnResult) -> web.StreamResponse:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("client connection closed before the response")
+        if req.stream:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            events = api.render_stream(res, req)
+            await resp.write(b"".join(events))
+            await resp.write_eof()
+            return resp
+        payload = msgspec.json.encode(api.render(res, req))
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = len(payload)
+        await resp.prepare(request)
+        await resp.write(payload)
+        await resp.write_eof()
+        return resp
+
+
+def _check_recordable(api_name: str, req: TurnRequest) -> None:
+    """Refuse (400, before any generation) what the log could not record:
+    an integer beyond 64 bits or nesting too deep anywhere in the messages
+    or the client's sampling values. Encoding them now costs what the
+    record will cost anyway, and a failure after generation would be a 500
+    with the model's work thrown away."""
+    try:
+        msgspec.msgpack.encode((req.messages, req.overrides, req.max_tokens))
+    except OverflowError:
+        raise _Refused(400, "invalid_request_error", f"{api_name} request: an integer in the messages is outside 64 bits; expected -2**63 <= n < 2**64") from None
+    except RecursionError:
+        raise _Refused(400, "invalid_request_error", f"{api_name} request: the messages are nested too deeply to record") from None
