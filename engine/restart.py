@@ -40,7 +40,7 @@ import msgspec
 
 from agentlog._logging import get_logger
 from agentlog.events.log_api import EventLog
-from agentlog.events.log_format import write_atomic
+from agentlog.events.fs import write_atomic
 from agentlog.events.types import (
     KNOWN_TAGS, SessionAborted, SessionDropped, SessionFinished, SessionOpened, encode_body, event_tag, payload_tag,
 )

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import msgspec
 
+from .fs import fsync_dir
 from .log_api import SchemaError
 from .log_format import (
     DEFAULT_MAX_RECORD_BYTES,
     FLAG_TERMINAL,
     SEG_HDR_SIZE,
-    fsync_dir,
     list_segments,
     load_checkpoint,
     read_watermark,

@@ -65,6 +65,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
 from agentlog._logging import get_logger
 
 from . import framecodec
+from .fs import fsync_dir, write_atomic
 from .log_api import EventLog, LogClosed, LogCorruption, LogError, LogFenced, NotALog, PendingRecord
 from .log_format import (
     CHECKPOINT_EVERY_BYTES,
@@ -81,7 +82,6 @@ from .log_format import (
     SEG_HDR_SIZE,
     TYPE_RECORD,
     Checkpoint,
-    fsync_dir,
     is_log_dir,
     pack_checkpoint,
     pack_durable,
@@ -90,7 +90,6 @@ from .log_format import (
     read_durable,
     read_fence,
     segment_name,
-    write_atomic,
 )
 from .log_format import MASK_DELTA as _MASK_DELTA
 from .log_format import crc_extend as _crc_extend

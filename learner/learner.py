@@ -36,7 +36,7 @@ from agentlog.learner.config import LearnerConfig
 from agentlog.learner.loss import LossInputs, total_loss
 from agentlog.learner.model import token_log_probs, token_stats
 from agentlog.learner.optim import make_optimizer, make_scheduler
-from agentlog.events.log_format import fsync_dir
+from agentlog.events.fs import atomic_file
 from agentlog.reducers.samples import Sample, distill_problem, sampling_problem
 
 CHECKPOINT_FORMAT = "agentlog.learner.v1"
@@ -415,13 +415,8 @@ def save_state(state: dict[str, Any], path: str | os.PathLike) -> Path:
     """``torch.save`` a dict of tensors and plain values atomically (temp, fsync, rename, fsync dir)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
     return path
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from agentlog.events.fs import atomic_file
+
 from .staleness import STALENESS_MODES
 
 
@@ -564,8 +566,9 @@ class LoopConfig:
         return cfg
 
     def save(self, path: Path) -> None:
-        """Write ``config.json`` (what the worker and learner processes read)."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        """Write ``config.json`` (what the worker and learner processes read), atomically and durably."""
+        with atomic_file(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> "LoopConfig":
