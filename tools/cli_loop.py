@@ -333,6 +333,7 @@ def _execute(cfg: LoopConfig, args, run_dir: Path, title: str, shown: Path) -> i
     from agentlog.loop.check import check_run
     from agentlog.loop.run import LoopError, plot_reward, run_loop, summary_table
     from agentlog.loop.run_marker import INCOMPLETE_MARKER
+    from agentlog.tools.progress import LoopProgress
 
     import structlog
 
@@ -341,7 +342,8 @@ def _execute(cfg: LoopConfig, args, run_dir: Path, title: str, shown: Path) -> i
              groups_per_step=cfg.groups_per_step, group_size=cfg.group_size, warmup_steps=cfg.warmup_steps)
     t0 = time.monotonic()
     try:
-        res = run_loop(cfg, run_dir, progress=not args.quiet, timeout_s=args.timeout, label=f"agentlog {title}")
+        bar = None if args.quiet else (lambda run_cfg, folder: LoopProgress(run_cfg, folder, f"agentlog {title}", sys.stderr))
+        res = run_loop(cfg, run_dir, progress=bar, timeout_s=args.timeout)
     except LoopError as exc:
         raise CliError(f"{run_dir}: {exc} (the run folder is marked {INCOMPLETE_MARKER})", EXIT_DATA) from None
     except KeyboardInterrupt:
