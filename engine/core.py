@@ -30,10 +30,9 @@ from __future__ import annotations
 import asyncio
 import traceback as _traceback
 from collections import OrderedDict, deque
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine
 
 import numpy as np
-from tqdm import tqdm
 
 from agentlog._logging import get_logger
 from agentlog.events.lifecycle import TERMINAL_STATES, LifecycleError, SessionClosed, State, next_state
@@ -420,27 +419,27 @@ class SessionEngine:
     # -- construction and restart ----------------------------------------------
 
     @classmethod
-    async def open(cls, log: EventLog, *, progress: bool | None = None, **options: Any) -> "SessionEngine":
+    async def open(cls, log: EventLog, *, progress: Callable[[int, int], None] | None = None, **options: Any) -> "SessionEngine":
         """Fold the existing log with the lifecycle reducer and abort every
         session left open or running (reason ``engine_restart``), so each
         session in the log ends with exactly one terminal event. A record the
         lifecycle step (``reducers.lifecycle_step.evolve``, shared by every
         fold) refuses is counted in ``stats["violations"]``, logged as
         ``engine.log_violation`` with its LSN, session and kind, and not applied. ``options``
-        are the keywords of :class:`SessionEngine` itself."""
+        are the keywords of :class:`SessionEngine` itself. ``progress``: called as
+        ``progress(folded, total)`` while the restart fold runs (the CLI draws it;
+        the engine draws nothing)."""
         eng = cls(log, **options)
         eng._recover(progress)
         if eng._checkpointer is not None:
             eng._background(eng._checkpoint_loop(), name="engine.checkpointer")
         return eng
 
-    def _recover(self, progress: bool | None) -> None:
+    def _recover(self, progress: Callable[[int, int], None] | None) -> None:
         path = checkpoint_path_of(self._log_) if self.checkpoint_every else None
         fold = resume_fold(self._log_, path, recent_window=self._status_cache, id_capacity=self._id_capacity)
         total = self._log_.next_lsn - fold.next_lsn
-        show = progress if progress is not None else (None if total > 200_000 else False)
-        with tqdm(total=total, desc="engine: folding log", unit="ev", disable=None if show is None else not show, leave=False) as bar:
-            folded_now = fold.catch_up(self._log_, progress=bar)
+        folded_now = fold.catch_up(self._log_, progress=None if progress is None else (lambda n: progress(n, total)))
         self.stats["restart_folded"] = folded_now
         self.stats["violations"] += fold.violations
         for v in fold.first_violations:

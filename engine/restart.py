@@ -34,14 +34,14 @@ import hashlib
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import msgspec
 
 from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
 from agentlog.events.log_api import EventLog
-from agentlog.events.log_format import write_atomic
+from agentlog.events.fs import write_atomic
 from agentlog.events.types import (
     KNOWN_TAGS, SessionAborted, SessionDropped, SessionFinished, SessionOpened, encode_body, event_tag, payload_tag,
 )
@@ -169,10 +169,10 @@ class RestartFold:
 
     # -- folding -------------------------------------------------------------------
 
-    def catch_up(self, log: EventLog, *, until: int | None = None, progress: Any = None) -> int:
+    def catch_up(self, log: EventLog, *, until: int | None = None, progress: Callable[[int], None] | None = None) -> int:
         """Fold the log's records from :attr:`next_lsn` to its acknowledged
-        end (or up to ``until``, exclusive); returns how many. ``progress``: a
-        tqdm bar to advance, or None.
+        end (or up to ``until``, exclusive); returns how many. ``progress``:
+        called now and then with how many records were folded so far, or None.
         Raises UnknownEventError for an event type this version does not know
         (its effect on the session cannot be known: upgrade agentlog)."""
         n = 0
@@ -187,7 +187,7 @@ class RestartFold:
                 last = rec.lsn
                 n += 1
                 if progress is not None and n & 0x3FFF == 0:
-                    progress.update(0x4000)
+                    progress(n)
         if n:
             # Read back, not kept from the loop: a record's payload view is only valid until the next one.
             anchor = anchor_at(log, last)

@@ -43,7 +43,6 @@ treats it as a hint only, never as proof that the records below it exist.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import struct
@@ -316,39 +315,3 @@ def load_checkpoint(directory: Path) -> tuple[Checkpoint | None, str]:
         return _ckpt_decoder.decode(body), ""
     except msgspec.DecodeError as exc:
         return None, f"INDEX does not decode: {exc}"
-
-
-def fsync_dir(directory: Path | str) -> None:
-    """fsync a directory so that created, renamed or removed entries persist."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(directory: Path, name: str, data: bytes, *, durable: bool = True) -> None:
-    """Write ``name`` via a temp file, fsync, rename and a directory fsync.
-    ``durable=False`` skips both fsyncs: a crash of the process still leaves
-    the whole new file or the old one, but a power loss may leave either, or
-    a truncated file (only for files that are checked and rebuildable)."""
-    tmp = directory / f".{name}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, directory / name)
-    except BaseException:
-        # A partial temp file must not hold on to the space of a full disk.
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if durable:
-        fsync_dir(directory)

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from agentlog._logging import get_logger
 
+from .fs import fsync_dir
 from .log_api import LogCorruption
 from .log_format import (
     DURABLE_NAME,
@@ -28,7 +29,6 @@ from .log_format import (
     LOG_START_LSN,
     SEG_HDR_SIZE,
     Checkpoint,
-    fsync_dir,
     list_segments,
     load_checkpoint,
     read_watermark,

@@ -15,15 +15,16 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 
+from .fs import fsync_dir
 from .log_api import SchemaError
 from .log_format import (
     DEFAULT_MAX_RECORD_BYTES,
     FLAG_TERMINAL,
     SEG_HDR_SIZE,
-    fsync_dir,
     list_segments,
     load_checkpoint,
     read_watermark,
@@ -86,15 +87,18 @@ class VerifyReport(msgspec.Struct):
         return f"{self.path}: CORRUPT: {self.problem}"
 
 
-def verify_log(path: str | os.PathLike, repair: bool = False, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> VerifyReport:
+def verify_log(path: str | os.PathLike, repair: bool = False, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+               progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check every segment header, frame CRC, LSN and payload of the log at
     ``path`` (the frame check; each session's sequence and lifecycle are
     checked by ``reducers.lifecycle.LifecycleCheck``, which ``agentlog
     verify`` runs next). ``repair=True`` truncates a torn tail
     (taking the writer lock); it never touches mid-log corruption.
-    Raises FileNotFoundError / NotALog for a path that is not a log."""
+    Raises FileNotFoundError / NotALog for a path that is not a log.
+    ``progress``: called as ``progress(bytes_checked, total_bytes)`` after each
+    segment of the first scan (the CLI draws it; the log draws nothing)."""
     directory = existing_log_dir(path)
-    rep = _scan(directory, max_record_bytes)
+    rep = _scan(directory, max_record_bytes, progress)
     if rep.status == "torn" and repair:
         # Cut only from a scan taken under the writer lock: since the unlocked
         # scan a writer may have opened (recovering the tail itself), appended
@@ -109,10 +113,8 @@ def verify_log(path: str | os.PathLike, repair: bool = False, *, max_record_byte
     return rep
 
 
-def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
+def _scan(directory: Path, max_record_bytes: int, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """The checks of :func:`verify_log`, changing nothing."""
-    from tqdm import tqdm
-
     segs = list_segments(directory)
     walk = LogWalk(
         directory,
@@ -124,7 +126,7 @@ def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
     rep = VerifyReport(path=str(directory), status="ok", segments=len(segs))
     live: set[str] = set()
     total = sum((directory / segment_name(s)).stat().st_size for s in segs)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=None, leave=False)
+    checked = 0
 
     def corrupt(msg: str, name: str, offset: int, last_good_lsn: int) -> VerifyReport:
         rep.status, rep.problem, rep.segment, rep.offset, rep.last_good_lsn = "corrupt", msg, name, offset, last_good_lsn
@@ -156,7 +158,9 @@ def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
                         live.add(fr.session_id)
                     rep.records += 1
                 stop = seg.end()
-                bar.update(seg.size)
+                checked += seg.size
+                if progress is not None:
+                    progress(checked, total)
                 if stop is None:
                     rep.bytes += seg.size
                 elif stop.corruption is None:
@@ -175,7 +179,6 @@ def _scan(directory: Path, max_record_bytes: int) -> VerifyReport:
             if rep.schema_errors:
                 rep.status = "schema"
     finally:
-        bar.close()
         rep.next_lsn = walk.expected
         rep.open_sessions = len(live)
     return rep

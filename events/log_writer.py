@@ -61,6 +61,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator
 from agentlog._logging import get_logger
 
 from . import framecodec
+from .fs import fsync_dir, write_atomic
 from .log_api import EventLog, LogClosed, LogError, NotALog, PendingRecord
 from .log_commit import GroupCommit, _Submission
 from .log_fence import _SPARE_PREFIX, FenceAndSpares, _NewSegment, _Spare
@@ -79,7 +80,6 @@ from .log_format import (
     SEG_HDR_SIZE,
     TYPE_RECORD,
     Checkpoint,
-    fsync_dir,
     is_log_dir,
     pack_checkpoint,
     pack_durable,
@@ -87,7 +87,6 @@ from .log_format import (
     read_durable,
     read_fence,
     segment_name,
-    write_atomic,
 )
 from .log_format import MASK_DELTA as _MASK_DELTA
 from .log_format import crc_extend as _crc_extend

@@ -55,6 +55,7 @@ import msgspec
 
 from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
+from agentlog.events.fs import atomic_path
 
 from .backends import Backend, Generation, SamplingParams
 
@@ -356,14 +357,14 @@ def _installable(src: Path) -> list[str]:
 
 def install_files(src: Path, dest: Path) -> list[str]:
     """Copy every file of ``src`` (one level) into ``dest``, each staged as
-    ``.<name>.staging`` and moved in with ``os.replace`` (atomic per file).
+    ``.<name>.staging`` and moved in with :func:`agentlog.events.fs.atomic_path` (atomic per file).
     Returns the names installed."""
     names = _installable(src)
     dest.mkdir(parents=True, exist_ok=True)
     for name in names:
-        staged = dest / f".{name}.staging"
-        shutil.copyfile(src / name, staged)
-        os.replace(staged, dest / name)
+        # Not fsynced: the server loads the files now, and the checkpoint they came from is durable.
+        with atomic_path(dest / name, durable=False, tmp_name=f".{name}.staging") as staged:
+            shutil.copyfile(src / name, staged)
     return names
 
 

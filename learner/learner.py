@@ -36,7 +36,8 @@ from agentlog.learner.config import LearnerConfig
 from agentlog.learner.loss import LossInputs, total_loss
 from agentlog.learner.model import token_log_probs, token_stats
 from agentlog.learner.optim import make_optimizer, make_scheduler
-from agentlog.events.log_format import fsync_dir
+from agentlog.events.fs import atomic_file
+from agentlog.reducers.groups import row_removed, row_trains
 from agentlog.reducers.samples import Sample, distill_problem, sampling_problem
 
 CHECKPOINT_FORMAT = "agentlog.learner.v1"
@@ -141,7 +142,7 @@ class Learner:
             distill_refused = self._refuse_distill(items, refused)
             keep = [
                 i for i, s in enumerate(items)
-                if not s.remove_sample and i not in refused and i not in distill_refused and s.mask.any()
+                if row_trains(True, s) and i not in refused and i not in distill_refused
             ]
             rewards = [float(s.reward) for s in items if not s.remove_sample]
             metrics = {
@@ -172,11 +173,11 @@ class Learner:
         removed = sampling_removed = 0
         for m, a in zip(members, member_adv):
             for s in m.samples:
-                if s.remove_sample or not m.valid:
+                if row_removed(m.valid, s):
                     removed += 1
                     sampling_removed += _sampling_removed(s)
                     continue
-                if not s.mask.any():
+                if not row_trains(m.valid, s):  # no trained token
                     continue
                 samples.append(s)
                 adv.append(a)
@@ -415,13 +416,8 @@ def save_state(state: dict[str, Any], path: str | os.PathLike) -> Path:
     """``torch.save`` a dict of tensors and plain values atomically (temp, fsync, rename, fsync dir)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
     return path
 
 

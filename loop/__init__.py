@@ -47,7 +47,7 @@ Example (runs as written; the worker and the learner in this process)::
         print(rec.step, rec.policy_version, rec.metrics.get("rollout/reward_mean"))
     assert check_run(run_dir, cfg).ok  # the offline reconstruction equals the learner's online digests
 
-``run_loop(cfg, run_dir, progress=False)`` runs the same as two processes
+``run_loop(cfg, run_dir)`` runs the same as two processes
 (``python -m agentlog.loop.trainer RUN_DIR`` and ``python -m
 agentlog.loop.worker RUN_DIR``) and returns a :class:`RunResult` whose
 ``records`` are the same ``policy_updated`` records.

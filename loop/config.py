@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 # A loop configuration value out of range or unknown raises the package's one ConfigError.
 from agentlog.events.errors import ConfigError
+from agentlog.events.fs import atomic_file
 
 from .staleness import STALENESS_MODES
 
@@ -563,8 +564,9 @@ class LoopConfig:
         return cfg
 
     def save(self, path: Path) -> None:
-        """Write ``config.json`` (what the worker and learner processes read)."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        """Write ``config.json`` (what the worker and learner processes read), atomically and durably."""
+        with atomic_file(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> "LoopConfig":

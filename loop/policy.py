@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from agentlog.engine.tasks import Task
+from agentlog.events.fs import write_dir_atomically
 from agentlog.learner.model import GPT, GPTConfig
 
 from .config import ConfigError, LoopConfig
@@ -47,8 +48,6 @@ def resolve_hf_model(cfg: LoopConfig, run_dir: Path | None = None) -> Path | Non
         target = Path(run_dir) / HF_MODEL_DIR / name
         if not (target / "config.json").exists():
             from agentlog.learner.hf_tiny import build_tiny_hf
-
-            from .publish import write_dir_atomically
 
             write_dir_atomically(target, lambda tmp: build_tiny_hf(tmp, TINY_MODELS[name], seed=cfg.seed), replace=False)
         return target

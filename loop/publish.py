@@ -19,12 +19,11 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
+from agentlog.events.fs import write_dir_atomically
 from agentlog.events.log_api import EventLog
-from agentlog.events.log_format import fsync_dir
 from agentlog.events.types import PolicyUpdated
 
 from . import logs
@@ -51,32 +50,6 @@ def hf_checkpoint_dir(checkpoint: str | os.PathLike) -> Path:
     ``config.json``, ``model.safetensors`` and the tokenizer, which
     ``transformers``, vLLM and SGLang load as is."""
     return Path(checkpoint).with_suffix("")
-
-
-def write_dir_atomically(target: Path, write: Callable[[Path], Any], *, replace: bool) -> Path:
-    """Build the directory ``target`` with ``write(tmp)`` in a temporary sibling, fsync
-    its files and rename it into place, so a reader never sees half of it.
-    ``replace``: an existing ``target`` is replaced (a rewrite of the same version);
-    otherwise a ``target`` that another process finished meanwhile is kept, and ours
-    removed."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if replace:
-        shutil.rmtree(target, ignore_errors=True)
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if replace or not target.exists():  # not a racing builder that won: a real failure
-            raise
-    fsync_dir(target.parent)
-    return target
 
 
 def save_hf_checkpoint(model: torch.nn.Module, checkpoint: str | os.PathLike) -> Path | None:

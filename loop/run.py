@@ -3,7 +3,8 @@
 The processes are plain ``python -m loop.trainer RUN_DIR`` and
 ``python -m loop.worker RUN_DIR``; they share nothing but the run
 folder (``config.json``, the two logs, the checkpoints). This module only
-starts them, shows progress by reading the learner log, and stops them.
+starts them, reports progress by reading the learner log (to a :class:`RunProgress`
+the caller passes; the CLI draws it), and stops them.
 
 Run folder layout::
 
@@ -31,7 +32,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, Protocol
 
 from agentlog.events.errors import AgentlogError
 from agentlog.events.partitions import partition_name
@@ -175,120 +176,18 @@ class PartitionProgress:
         return " | ".join(parts)
 
 
-class LoopProgress:
-    """The run's progress bar, in two phases. The warm-up: the learner's
-    supervised steps, read from the ``warmup.progress`` events of its process
-    log (``logs/learner.jsonl``). Then RL, measured against the stop rule: the
-    bar is the share of the nearer hard limit used up (``steps`` versions, or
-    ``time_budget_s`` seconds of RL), so it fills when one of them stops the
-    run, and it is filled at once when the reward target stops it earlier;
-    the postfix shows each limit and the reward window against its target."""
-
-    def __init__(self, cfg: LoopConfig, run_dir: Path, label: str, console: TextIO) -> None:
-        from tqdm import tqdm
-
-        self.cfg = cfg
-        self.label = label
-        self.learner_log = Path(run_dir) / "logs" / f"{process_name('learner')}.jsonl"
-        self._offset = 0
-        self._partial = b""
-        self.phase = "warm-up" if cfg.warmup_steps > 0 else "start"
-        self.t_rl: float | None = None
-        self.version = 0
-        self.rewards: list[float] = []
-        self.stats = ""
-        self.bar = tqdm(total=max(1, cfg.warmup_steps), desc=f"{label} warm-up", unit="step", file=console,
-                        dynamic_ncols=True, leave=True)
-        if self.phase == "start":
-            self._to_rl()
-
-    def _to_rl(self) -> None:
-        self.phase = "RL"
-        self.t_rl = time.monotonic()
-        self.bar.reset(total=100)
-        self.bar.bar_format = "{desc}{percentage:3.0f}%|{bar}| {elapsed}{postfix}"
-        self.bar.set_description(f"{self.label} RL")
-
-    def _warmup_step(self) -> int | None:
-        """The newest warm-up step the learner logged since the last look (None: none)."""
-        import json
-
-        from .demo.warmup import WARMUP_PROGRESS_EVENT
-
-        try:
-            with open(self.learner_log, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return None
-        self._offset += len(chunk)
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()  # an unfinished last line: read again with the rest
-        newest = None
-        for line in lines:
-            if WARMUP_PROGRESS_EVENT.encode() in line:
-                try:
-                    newest = int(json.loads(line)["step"])
-                except (ValueError, KeyError, TypeError):
-                    continue  # not a progress record after all (the name inside another event's text)
-        return newest
+class RunProgress(Protocol):
+    """What :func:`run_loop` reports its progress to (the CLI draws it as a bar:
+    ``agentlog.tools.progress.LoopProgress``); the library itself draws nothing."""
 
     def policy(self, rec: PolicyUpdated, stats: str) -> None:
-        """A learner record: step 0 (the warm-up's end) starts RL; others move it."""
-        if rec.step == 0:
-            if self.phase != "RL":
-                self._to_rl()
-            return
-        if self.phase != "RL":
-            self._to_rl()
-        self.version = rec.policy_version
-        if rec.groups:
-            self.rewards.append(rec.metrics.get("rollout/reward_mean", math.nan))
-        self.stats = stats
-        if rec.metrics.get("loop/final", 0.0) >= 1.0:
-            self.phase = "done"
-        self.tick()
-
-    def fraction(self) -> float:
-        """The share of the stop rule's nearer hard limit used up (1 once the run stopped)."""
-        if self.phase == "done":
-            return 1.0
-        if self.phase != "RL":
-            return 0.0
-        used = self.version / self.cfg.steps
-        if self.cfg.time_budget_s > 0 and self.t_rl is not None:
-            used = max(used, (time.monotonic() - self.t_rl) / self.cfg.time_budget_s)
-        return min(used, 0.99)  # full only once the learner says it stopped
-
-    def limits(self) -> str:
-        """``v12/400 steps, 31/150 s, reward(10) 0.41 -> 0.9``: where the run stands against each stop rule."""
-        cfg = self.cfg
-        parts = [f"v{self.version}/{cfg.steps} steps"]
-        if cfg.time_budget_s > 0 and self.t_rl is not None:
-            parts.append(f"{min(time.monotonic() - self.t_rl, cfg.time_budget_s):.0f}/{cfg.time_budget_s:.0f} s")
-        if cfg.stop_reward > 0:
-            window = [r for r in self.rewards[-cfg.stop_window:] if not math.isnan(r)]
-            mean = _fmt(sum(window) / len(window), 2) if window else "-"
-            parts.append(f"reward({cfg.stop_window}) {mean} -> {cfg.stop_reward:g}")
-        return ", ".join(parts)
+        """A new learner record, with a one-line summary of the rollouts so far."""
 
     def tick(self) -> None:
-        """Redraw: the warm-up's newest step, or RL's share of the stop rule."""
-        if self.phase == "warm-up":
-            step = self._warmup_step()
-            if step is not None and step != self.bar.n:
-                self.bar.n = min(step, self.bar.total)
-                self.bar.refresh()
-            return
-        n = round(100 * self.fraction())
-        if n != self.bar.n or self.phase == "done":
-            self.bar.n = n
-        self.bar.set_postfix_str(self.limits() + (f" | {self.stats}" if self.stats else ""), refresh=False)
-        self.bar.refresh()
+        """A poll of the loop (about ten a second): redraw what changed."""
 
     def close(self) -> None:
-        """Close the bar (it stays on the terminal)."""
-        self.bar.close()
+        """The loop ended (normally or not)."""
 
 
 @dataclass
@@ -338,10 +237,11 @@ def _summarise(run_logs: logs.RunLogs) -> tuple[Counter, int, int, int, int, str
     return outcomes, sessions, turns, tokens, events, zero
 
 
-def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: TextIO | None = None,
-             timeout_s: float | None = None, label: str = "agentlog") -> RunResult:
+def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: Callable[[LoopConfig, Path], RunProgress] | None = None,
+             timeout_s: float | None = None) -> RunResult:
     """Run the learner and the rollout workers (``cfg.rollout``) on ``run_dir`` until
-    version ``cfg.steps`` (``label`` names the progress bar: the command that runs the loop)."""
+    version ``cfg.steps``. ``progress``: called with the run's config and folder once the
+    processes start, it returns the :class:`RunProgress` the loop reports to (None: quiet)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     # Both processes read the HF model: build a tiny one once, here, and pin a
@@ -365,7 +265,7 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: 
         cfg.save(run_dir / "config.json")
         mark_incomplete(run_dir, "running: the loop started and has not ended (or its process was killed)")
         try:
-            result = _run(cfg, run_dir, run_logs, progress, console, timeout_s, label)
+            result = _run(cfg, run_dir, run_logs, progress, timeout_s)
         except KeyboardInterrupt:
             mark_incomplete(run_dir, "interrupted (SIGINT, Ctrl-C) before the loop's end")
             raise
@@ -378,13 +278,13 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: bool = True, console: 
         run_logs.close()
 
 
-def _run(cfg: LoopConfig, run_dir: Path, run_logs: logs.RunLogs, progress: bool, console: TextIO | None,
-         timeout_s: float | None, label: str) -> RunResult:
+def _run(cfg: LoopConfig, run_dir: Path, run_logs: logs.RunLogs, progress: Callable[[LoopConfig, Path], RunProgress] | None,
+         timeout_s: float | None) -> RunResult:
     t0 = time.monotonic()
     learner = start_process("trainer", run_dir)
     rollouts = rollout_backend(cfg, run_dir)
     progress_of_partitions = PartitionProgress(run_logs)
-    bar = LoopProgress(cfg, run_dir, label, console or sys.stderr) if progress else None
+    bar = progress(cfg, run_dir) if progress is not None else None
     try:
         rollouts.start()
         seen = 0

@@ -10,9 +10,10 @@ so that the reading commands can ask.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
+
+from agentlog.events.fs import atomic_file
 
 #: A file in the run folder while the loop has not ended well: written when the loop starts,
 #: rewritten with the reason when it is interrupted or fails, removed once it ends normally.
@@ -21,11 +22,8 @@ INCOMPLETE_MARKER = "INCOMPLETE"
 
 def mark_incomplete(run_dir: Path, why: str) -> None:
     """Write ``<run_dir>/INCOMPLETE`` saying why the run is not complete (one line), durably."""
-    path = Path(run_dir) / INCOMPLETE_MARKER
-    with open(path, "w", encoding="utf-8") as f:
+    with atomic_file(Path(run_dir) / INCOMPLETE_MARKER, "w", encoding="utf-8") as f:
         f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {why}\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def incomplete_reason(run_dir: Path) -> str | None:

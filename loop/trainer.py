@@ -62,7 +62,7 @@ from agentlog.events.log_api import EventLog
 from agentlog.events.partitions import partition_name
 from agentlog.events.types import Envelope, PolicyUpdated
 from agentlog.learner.learner import Learner
-from agentlog.reducers.groups import Group
+from agentlog.reducers.groups import Group, row_trains
 from agentlog.reducers.partitioned import PartitionFold, ReleasedGroup
 from agentlog.reducers.pipeline import InFlightWindow
 from agentlog.reducers.samples import SampleDigest, distill_problem
@@ -111,10 +111,8 @@ def distill_refusal(group: Group) -> str:
     that failed), the group is reported as skipped with the first such reason
     rather than trained partly, or without scores."""
     for m in group.members:
-        if not m.valid:
-            continue
         for s in m.samples:
-            if s.remove_sample or not s.mask.any():
+            if not row_trains(m.valid, s):
                 continue
             problem = distill_problem(s)
             if problem:
@@ -488,7 +486,7 @@ class LoopLearner:
                 corrected += 1
             train.append(g)
         members = [m for g in groups for m in g.members]
-        valid_rewards = [m.reward for g in train for m in g.members if m.valid and m.reward is not None]
+        valid_rewards = [r for g in train for r in g.valid_rewards]
         solved = [1.0 if r >= 1.0 else 0.0 for r in valid_rewards]
         metrics: dict[str, float] = {
             "rollout/groups_released": float(len(groups)),

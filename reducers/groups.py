@@ -29,6 +29,22 @@ class GroupError(AgentlogError, ValueError):
     too many members)."""
 
 
+def row_removed(member_valid: bool, row: Sample) -> bool:
+    """The zero-contribution rule, its one owner: a row contributes exactly zero
+    gradient when its member is out of the group's baseline (aborted, or finished
+    without a usable reward: ``member_valid`` False) or the reducers removed the
+    row itself (``remove_sample``: the aborted placeholder, no usable reward,
+    sampling that cannot be reproduced). The learner drops such rows, and the
+    baseline counts only valid members (:attr:`Group.valid_rewards`)."""
+    return not member_valid or row.remove_sample
+
+
+def row_trains(member_valid: bool, row: Sample) -> bool:
+    """Whether a row contributes gradient: not removed (:func:`row_removed`) and
+    with at least one trained token."""
+    return not row_removed(member_valid, row) and bool(row.mask.any())
+
+
 class GroupMember(msgspec.Struct, frozen=True):
     """One terminal, non-dropped member of a group and its samples."""
 

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from agentlog.tools.nats_cluster import NatsCluster, find_nats_server
+from nats_cluster import NatsCluster, find_nats_server
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_USAGE, CliError
+from agentlog.tools.progress import new_bar
 
 #: Logs smaller than this are read without a progress bar.
 PROGRESS_MIN_BYTES = 4 << 20
@@ -535,9 +536,7 @@ def _progress(path: Path, quiet: bool, desc: str) -> Any:
     """A byte progress bar on stderr for a log over PROGRESS_MIN_BYTES, unless ``quiet``; else None."""
     if quiet or log_bytes(path) < PROGRESS_MIN_BYTES:
         return None
-    from tqdm import tqdm
-
-    return tqdm(total=log_bytes(path), unit="B", unit_scale=True, desc=desc, leave=False, file=sys.stderr, disable=None)
+    return new_bar(log_bytes(path), desc, unit="B", unit_scale=True)
 
 
 def _read_error(path: Path, exc: BaseException) -> CliError:

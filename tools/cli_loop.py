@@ -18,6 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from agentlog.events.fs import atomic_path
 from agentlog.tools.cli import EXIT_DATA, EXIT_INTERRUPTED, EXIT_USAGE, CliError
 
 from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig, MetricsConfig, field_help
@@ -310,13 +311,10 @@ def _link_latest(run_dir: Path, link: Path) -> Path:
     ``link``; when ``link`` is something else (a real folder), leave it and return ``run_dir``."""
     if os.path.lexists(link) and not link.is_symlink():
         return run_dir
-    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
     try:
-        tmp.unlink(missing_ok=True)
-        tmp.symlink_to(run_dir.name if run_dir.parent == link.parent else run_dir.absolute(), target_is_directory=True)
-        os.replace(tmp, link)
+        with atomic_path(link, durable=False) as tmp:  # a convenience link: not fsynced
+            tmp.symlink_to(run_dir.name if run_dir.parent == link.parent else run_dir.absolute(), target_is_directory=True)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         print(f"agentlog: note: could not point {link} at {run_dir}: {exc.strerror or exc}", file=sys.stderr)
         return run_dir
     return link
@@ -335,6 +333,7 @@ def _execute(cfg: LoopConfig, args, run_dir: Path, title: str, shown: Path) -> i
     from agentlog.loop.check import check_run
     from agentlog.loop.run import LoopError, plot_reward, run_loop, summary_table
     from agentlog.loop.run_marker import INCOMPLETE_MARKER
+    from agentlog.tools.progress import LoopProgress
 
     import structlog
 
@@ -343,7 +342,8 @@ def _execute(cfg: LoopConfig, args, run_dir: Path, title: str, shown: Path) -> i
              groups_per_step=cfg.groups_per_step, group_size=cfg.group_size, warmup_steps=cfg.warmup_steps)
     t0 = time.monotonic()
     try:
-        res = run_loop(cfg, run_dir, progress=not args.quiet, timeout_s=args.timeout, label=f"agentlog {title}")
+        bar = None if args.quiet else (lambda run_cfg, folder: LoopProgress(run_cfg, folder, f"agentlog {title}", sys.stderr))
+        res = run_loop(cfg, run_dir, progress=bar, timeout_s=args.timeout)
     except LoopError as exc:
         raise CliError(f"{run_dir}: {exc} (the run folder is marked {INCOMPLETE_MARKER})", EXIT_DATA) from None
     except KeyboardInterrupt:

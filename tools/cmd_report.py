@@ -14,9 +14,9 @@ each partition's events, sessions and outcomes (see :mod:`tools.report.data`).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from agentlog.events.fs import atomic_file
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import (
     RemoteLog, add_quiet, check_log_path, learner_log_of, log_partitions, nonneg_int, partitioned, read_records, read_tagged, reduce_config_of,
@@ -55,16 +55,11 @@ def run(args) -> int:
         learner_log=str(learner or ""), partitions=pids, config=reduce_config_of(path),
     )
     page = render(data)
-    tmp = f"{args.output}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        # Not fsynced (durable=False): a report is rebuilt from the log.
+        with atomic_file(args.output, "w", encoding="utf-8", durable=False) as f:
             f.write(page)
-        os.replace(tmp, args.output)
     except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise CliError(f"{args.output}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None
     summary = ", ".join(f"{k} {v}" for k, v in sorted(data.outcomes.items()) if v)
     shown = f" ({summary})" if summary else ""

@@ -27,6 +27,7 @@ import sys
 
 from agentlog.tools.cli import EXIT_DATA, CliError
 from agentlog.tools.cli_common import nonneg_int, positive_float, positive_int
+from agentlog.tools.progress import ProgressBar
 
 
 def register(sub) -> None:
@@ -211,7 +212,9 @@ async def _serve(args) -> int:
         await backend.close()
         raise CliError(f"--log {args.log}: {exc}") from None
     try:
-        engine = await SessionEngine.open(log)
+        # The restart fold of a long log (over 200,000 events since the checkpoint) shows a bar on a terminal.
+        with ProgressBar("engine: folding log", unit="ev", min_total=200_001) as bar:
+            engine = await SessionEngine.open(log, progress=bar)
     except (LogError, ValueError) as exc:  # damage mid-log: the engine's restart fold reads every record
         _close_quietly(log)
         await backend.close()

@@ -31,9 +31,9 @@ and its spans carry ``"partition": "p0003"`` and the LSN of the record as
 from __future__ import annotations
 
 import json
-import os
 from typing import IO, Any, Iterable
 
+from agentlog.events.fs import atomic_file
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import add_quiet, check_log_path, log_partitions, partitioned, read_records, read_tagged
 
@@ -171,19 +171,15 @@ def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "", partit
 def run(args) -> int:
     """Stream the log into the trace file, written atomically."""
     path = check_log_path(args.log)
-    tmp = f"{args.output}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        # Not fsynced (durable=False): a trace is rebuilt from the log.
+        with atomic_file(args.output, "w", encoding="utf-8", durable=False) as f:
             if partitioned(path):
                 counts = write_trace(read_tagged(path, quiet=args.quiet, desc="trace"), f, log=str(path), partitions=log_partitions(path))
             else:
                 counts = write_trace(read_records(path, quiet=args.quiet, desc="trace"), f, log=str(path))
-        os.replace(tmp, args.output)
     except OSError as exc:
         raise CliError(f"{args.output}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     print(f"{args.output}: {counts['sessions']} sessions ({counts['in_flight']} in flight), {counts['turns']} turns, "
           f"{counts['commands']} commands; open it in ui.perfetto.dev or chrome://tracing")
     return EXIT_OK

@@ -110,13 +110,15 @@ def _verify_one(path: Any, args: Any, prefix: str = "", opened: "OpenedIds | Non
     from agentlog.events import LogLocked, NotALog, verify_log
 
     from agentlog.tools.cli_common import RecordDigest, RemoteLog
+    from agentlog.tools.progress import ProgressBar
 
     if isinstance(path, RemoteLog):
         report = verify_remote(path)
         print(prefix + remote_summary(report, path))
     else:
         try:
-            report = verify_log(path, repair=args.repair)
+            with ProgressBar("verify", unit="B", unit_scale=True) as bar:
+                report = verify_log(path, repair=args.repair, progress=bar)
         except FileNotFoundError as exc:
             raise CliError(str(exc), EXIT_USAGE) from None
         except (NotALog, LogLocked) as exc:

@@ -32,6 +32,7 @@ import torch
 
 from agentlog._logging import get_logger
 from agentlog.engine.tasks import Task
+from agentlog.events.fs import write_dir_atomically
 from agentlog.learner.learner import read_policy, save_state
 from agentlog.learner.model import GPT
 
@@ -178,8 +179,6 @@ def ensure_teacher(run_dir: str | Path, task: Task, *, seed: int, recipe: Teache
     reused only if it was built for the same task, seed and recipe and its weights still have
     the recorded digest; a mismatch raises rather than silently rebuilding another teacher
     under a run that already used one."""
-    from ..publish import write_dir_atomically
-
     target = Path(run_dir) / TEACHER_DIR
     want = {"format": META_FORMAT, "task": task.name, "seed": seed, "recipe": dataclasses.asdict(recipe)}
     if not (target / TEACHER_META).is_file():

@@ -107,7 +107,7 @@ def _warmup_steps(model: GPT, task: Task, cfg: LoopConfig, rng: random.Random, o
         if step % 100 == 1:
             log.info("warmup.step", step=step - 1, loss=round(loss_v, 4))
         if step % progress_every == 0 or step == cfg.warmup_steps:
-            # What the run's progress bar shows during the warm-up (loop.run.LoopProgress reads it).
+            # What the run's progress bar shows during the warm-up (tools.progress.LoopProgress reads it).
             log.debug(WARMUP_PROGRESS_EVENT, step=step, steps=cfg.warmup_steps)
         if stop is not None and check_every > 0 and step % check_every == 0 and stop(model):
             break

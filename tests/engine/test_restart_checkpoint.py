@@ -104,7 +104,7 @@ async def _restart(path: Path, **options):
     log = FileLog.open(path, fsync="never")
     try:
         before = log.next_lsn
-        eng = await SessionEngine.open(log, progress=False, checkpoint_poll_s=3600, **options)
+        eng = await SessionEngine.open(log, checkpoint_poll_s=3600, **options)
         appended = [(e.session_id, e.session_seq, e.body) for e in log.read(before)]
         used = sorted({e.session_id for e in log.read(0)})
         state = {
@@ -168,13 +168,13 @@ def test_close_writes_a_checkpoint_and_a_clean_restart_folds_nothing(tmp_path):
     async def go():
         log = FileLog.open(path, fsync="never")
         try:
-            eng = await SessionEngine.open(log, progress=False)
+            eng = await SessionEngine.open(log)
             first = eng.stats["restart_folded"]
             h = await eng.open_session("late", group_id="late", group_size=1)
             await h.start()
             await h.finish(reward=0.5)
             await eng.close()
-            eng2 = await SessionEngine.open(log, progress=False)
+            eng2 = await SessionEngine.open(log)
             assert eng2.stats["restart_folded"] == 0, "the close's checkpoint covers every record"
             assert eng2.status("late") is not None and str(eng2.status("late")) == "finished"
             with pytest.raises(DuplicateSession):
@@ -194,7 +194,7 @@ def test_a_running_engine_writes_checkpoints_and_a_killed_one_restarts_from_the_
 
     async def run_then_die():
         log = FileLog.open(path, fsync="never")
-        eng = await SessionEngine.open(log, progress=False, checkpoint_every=40, checkpoint_poll_s=0.005)
+        eng = await SessionEngine.open(log, checkpoint_every=40, checkpoint_poll_s=0.005)
         for i in range(30):
             h = await eng.open_session(f"s{i}", group_id=f"g{i // 3}", group_size=3)
             await h.start()
@@ -292,7 +292,7 @@ def test_an_unknown_event_type_stops_the_restart_with_or_without_a_checkpoint(tm
     async def go():
         log = FileLog.open(path, fsync="never")
         try:
-            await SessionEngine.open(log, progress=False)
+            await SessionEngine.open(log)
         finally:
             log.close()
 
@@ -315,7 +315,7 @@ def test_a_checkpoint_that_cannot_be_written_never_stops_the_engine(tmp_path):
         log = FileLog.open(path, fsync="never")
         try:
             with capture_logs() as logs:
-                eng = await SessionEngine.open(log, progress=False, checkpoint_every=4, checkpoint_poll_s=0.005)
+                eng = await SessionEngine.open(log, checkpoint_every=4, checkpoint_poll_s=0.005)
                 failed = [e for e in logs if e["event"] == "engine.checkpoint_failed"]
                 assert failed and failed[0]["log_level"] == "warning" and failed[0]["path"] == str(path / CHECKPOINT_NAME)
                 assert "IsADirectoryError" in failed[0]["error"]
@@ -328,7 +328,7 @@ def test_a_checkpoint_that_cannot_be_written_never_stops_the_engine(tmp_path):
                 assert len([e for e in logs if e["event"] == "engine.checkpoint_failed"]) >= 2
             assert eng.background_failure is None
             await eng.close()
-            eng2 = await SessionEngine.open(log, progress=False)  # folds from lsn 0, as without a checkpoint
+            eng2 = await SessionEngine.open(log)  # folds from lsn 0, as without a checkpoint
             assert str(eng2.status("late5")) == "finished"
             await eng2.close()
         finally:

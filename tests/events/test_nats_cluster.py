@@ -1,4 +1,4 @@
-"""The 3-node JetStream cluster that the JetStream log stands on (tools/nats_cluster.py).
+"""The 3-node JetStream cluster that the JetStream log stands on (tests/nats_cluster.py).
 
 Checks what the log backend will rely on, on the real server: a replicas-3
 file-storage stream, ``Nats-Msg-Id`` duplicate suppression inside an explicit
@@ -14,9 +14,8 @@ import os
 import time
 
 import pytest
+from nats_cluster import NatsCluster, NatsClusterError, find_nats_server
 from nats_helpers import nats_client, run
-
-from agentlog.tools.nats_cluster import NatsCluster, NatsClusterError, find_nats_server
 
 pytestmark = pytest.mark.required
 

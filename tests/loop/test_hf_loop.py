@@ -29,7 +29,7 @@ def hf_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("hf-run") / "run"
     cfg = small_config(steps=2, groups_per_step=2, group_size=2, hf_model="tiny-llama", stop_reward=0.0,
                        learner={"lr": 1e-2, "warmup_steps": 0, "entropy_coef": 0.01}, max_lag=1, faults=FaultConfig.none())
-    run_loop(cfg, run_dir, progress=False, timeout_s=240)
+    run_loop(cfg, run_dir, timeout_s=240)
     return run_dir
 
 

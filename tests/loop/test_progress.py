@@ -14,7 +14,7 @@ from agentlog.events.types import PolicyUpdated
 from agentlog.loop.config import FaultConfig, LoopConfig
 from agentlog.loop.demo.warmup import supervised_warmup
 from agentlog.loop.policy import build_model
-from agentlog.loop.run import LoopProgress
+from agentlog.tools.progress import LoopProgress
 from agentlog.loop.runlog import configure_process_logging, restore_logging
 
 

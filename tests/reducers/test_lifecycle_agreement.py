@@ -85,7 +85,7 @@ class _RecordedLog:
 
 
 def engine_violation_count(envs: list[Envelope]) -> int:
-    engine = asyncio.run(SessionEngine.open(_RecordedLog(envs), progress=False))
+    engine = asyncio.run(SessionEngine.open(_RecordedLog(envs)))
     return engine.stats["violations"]
 
 

@@ -112,7 +112,7 @@ def one_run(base: Path, seed: int, *, opd: bool, coef: float, max_steps: int, to
         t_teacher = time.perf_counter() - t0
         cfg = with_teacher(cfg, teacher, coef, topk=topk, topk_coef=topk_coef)
     t0 = time.perf_counter()
-    run_loop(cfg, run_dir, progress=False)
+    run_loop(cfg, run_dir)
     wall = time.perf_counter() - t0
     records = read_learner_records(run_dir / "learner")
     curve = reward_curve(records)

@@ -100,7 +100,7 @@ async def reopen(path: Path) -> tuple[float, int]:
     try:
         gc.collect()
         t0 = time.perf_counter()
-        eng = await SessionEngine.open(log, progress=False, checkpoint_every=0)
+        eng = await SessionEngine.open(log, checkpoint_every=0)
         elapsed = time.perf_counter() - t0
         assert eng.stats["restart_aborted"] == 0
         return elapsed, log.next_lsn

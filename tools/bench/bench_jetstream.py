@@ -54,6 +54,19 @@ def _bench_log():
     return module
 
 
+def _nats_cluster():
+    """``NatsCluster`` and ``find_nats_server`` of tests/nats_cluster.py (the loopback cluster the
+    JetStream tests start), loaded from its path: test orchestration, not shipped in the package."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "tests" / "nats_cluster.py"
+    spec = importlib.util.spec_from_file_location("nats_cluster", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["nats_cluster"] = module  # its dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module.NatsCluster, module.find_nats_server
+
+
 _shared = _bench_log()
 goal, small, turn_events = _shared.goal, _shared.small, _shared.turn_events
 
@@ -186,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         import nats  # noqa: F401
 
         from agentlog.events.log_jetstream import JetStreamLog
-        from agentlog.tools.nats_cluster import NatsCluster, find_nats_server
+
+        NatsCluster, find_nats_server = _nats_cluster()
 
         find_nats_server()
     except (ImportError, FileNotFoundError) as e:

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         on_cfg = LoopConfig(steps=steps, warmup_steps=0)
         t0 = time.perf_counter()
-        run_loop(on_cfg, base / "on", progress=False)
+        run_loop(on_cfg, base / "on")
         on_wall = time.perf_counter() - t0
         on = rollout_rates(base / "on")
         lf = learner_figures(base / "on")

