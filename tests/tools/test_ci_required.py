@@ -45,6 +45,7 @@ def _run_generated(tmp_path, ci: str | None) -> subprocess.CompletedProcess:
     shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
     shutil.copy(ROOT / "tests" / "short_demo.py", tmp_path / "short_demo.py")
     shutil.copy(ROOT / "tests" / "nats_helpers.py", tmp_path / "nats_helpers.py")  # conftest.py registers its fixtures
+    shutil.copy(ROOT / "tests" / "nats_cluster.py", tmp_path / "nats_cluster.py")  # nats_helpers.py imports it
     (tmp_path / "pytest.ini").write_text(
         "[pytest]\naddopts = -v -rA --strict-markers -p no:cacheprovider\nmarkers =\n    required: must run in CI\n"
     )
