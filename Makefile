@@ -11,7 +11,7 @@ PYTEST_ARGS ?= -m "not slow"
 # letting a bare `torch` requirement pull a multi-GB CUDA build. The install
 # also builds the compiled frame codec (setup.py; skipped with a warning
 # without a C compiler), so a changed C source reinstalls too.
-$(VENV)/.installed: pyproject.toml setup.py events/_framecodec.c
+$(VENV)/.installed: pyproject.toml setup.py events/log/_framecodec.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[dev]'

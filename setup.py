@@ -1,9 +1,9 @@
-"""The optional compiled frame codec (agentlog.events._framecodec).
+"""The optional compiled frame codec (agentlog.events.log._framecodec).
 
 Everything else about the package is in pyproject.toml. The extension is an
 accelerator: when it cannot be built (no C compiler, no Python headers, an
 unsupported platform) the build warns and goes on, and the pure-Python codec
-(agentlog.events.framecodec) is used instead. ``pip install`` never fails
+(agentlog.events.log.framecodec) is used instead. ``pip install`` never fails
 for want of a compiler.
 """
 
@@ -42,8 +42,8 @@ class OptionalBuildExt(build_ext):
 setup(
     ext_modules=[
         Extension(
-            "agentlog.events._framecodec",
-            sources=["events/_framecodec.c"],
+            "agentlog.events.log._framecodec",
+            sources=["events/log/_framecodec.c"],
             extra_compile_args=["-O3", "-std=c99", "-Wall"] if sys.platform != "win32" else [],
             optional=True,
         )

@@ -1,7 +1,7 @@
 """The SessionEngine: many concurrent sessions, each an explicit state machine.
 
 The engine decides with the shared lifecycle table
-(:func:`events.lifecycle.next_state`; no per-session ``transitions`` models,
+(:func:`events.schema.lifecycle.next_state`; no per-session ``transitions`` models,
 which would be O(n) to add and remove) and records through the log: every
 operation returns once its event is durable. Operations of one session are
 serialised by that session's FIFO lock (:mod:`engine.session_lock`), so turns are ordered
@@ -35,9 +35,9 @@ from typing import Any, Callable, Coroutine
 import numpy as np
 
 from agentlog._logging import get_logger
-from agentlog.events.lifecycle import TERMINAL_STATES, LifecycleError, SessionClosed, State, next_state
-from agentlog.events.log_api import EventLog
-from agentlog.events.types import (
+from agentlog.events.schema.lifecycle import TERMINAL_STATES, LifecycleError, SessionClosed, State, next_state
+from agentlog.events.log.api import EventLog
+from agentlog.events.schema.types import (
     CommandRan,
     Envelope,
     RewardAssigned,
@@ -55,7 +55,7 @@ from agentlog.events.types import (
     turn_temperature,
     validate_id,
 )
-from agentlog.events.turn_delta import TurnContext
+from agentlog.events.schema.turn_delta import TurnContext
 from agentlog.reducers.groups import GroupError, GroupTracker
 from agentlog.reducers.lifecycle import IdFilter
 
@@ -365,7 +365,7 @@ class _SessionContext:
 
 
 class SessionEngine:
-    """Drives concurrent sessions over one :class:`events.log_api.EventLog`.
+    """Drives concurrent sessions over one :class:`events.log.api.EventLog`.
 
     Create with ``await SessionEngine.open(log)``, which first aborts any
     session a crashed process left open (reason ``engine_restart``).
@@ -689,7 +689,7 @@ class SessionEngine:
                 self._release(h, body, lsn)
 
     async def _in_session(self, h: SessionHandle, body: Any) -> Envelope:
-        # In-session events are legal only while running (events.lifecycle.RUNNING_ONLY_EVENTS).
+        # In-session events are legal only while running (events.schema.lifecycle.RUNNING_ONLY_EVENTS).
         if h._busy:
             await acquire_contended(h)
         else:

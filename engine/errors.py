@@ -10,7 +10,7 @@ them.
 from __future__ import annotations
 
 from agentlog.events.errors import AgentlogError
-from agentlog.events.lifecycle import IllegalTransition, LifecycleError, State
+from agentlog.events.schema.lifecycle import IllegalTransition, LifecycleError, State
 
 #: Reason recorded when a session's wall-clock budget runs out.
 TIMEOUT_REASON = "wall_clock_timeout"

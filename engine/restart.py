@@ -40,9 +40,9 @@ import msgspec
 
 from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
-from agentlog.events.log_api import EventLog
+from agentlog.events.log.api import EventLog
 from agentlog.events.fs import write_atomic
-from agentlog.events.types import (
+from agentlog.events.schema.types import (
     KNOWN_TAGS, SessionAborted, SessionDropped, SessionFinished, SessionOpened, encode_body, event_tag, payload_tag,
 )
 from agentlog.reducers.errors import UnknownEventError

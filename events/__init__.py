@@ -1,14 +1,16 @@
-"""events: schema-v1 event types, the session lifecycle grammar, and the append-only log.
+"""events: the event schema and the append-only log, in two subpackages.
 
-The log, one module per concept: ``log_api`` (the interface every log
-honours, its errors, the in-memory log), ``log_format`` (segments, frames,
-watermark, checkpoint), ``log_scan`` (the one scanner), ``log_writer``
-(:class:`FileLog`) with ``log_commit`` (group commit), ``log_fence`` (fence,
-spare segments) and ``log_os`` (the OS seam), ``log_recovery``, ``log_read`` (readers and
-followers), ``log_verify`` and ``log_lock`` (the one-writer lock). The public
-names are exported here."""
+- :mod:`agentlog.events.schema`: the schema-v1 event types, the session
+  lifecycle grammar and the turn encoding. Pure data: no I/O.
+- :mod:`agentlog.events.log`: the log. The interface every log honours and
+  the in-memory log (``api``), the file WAL (``format``, ``scan``, ``writer``
+  with ``commit``, ``fence`` and ``osops``, ``recovery``, ``read``,
+  ``verify``, ``lock``), partitions, and the JetStream backend.
 
-from .types import (  # noqa: F401
+Beside them: ``errors`` (the one error root) and ``fs`` (atomic file writes).
+The public names are exported here."""
+
+from .schema.types import (  # noqa: F401
     SCHEMA_VERSION,
     CommandRan,
     Envelope,
@@ -31,8 +33,8 @@ from .types import (  # noqa: F401
     pack_tokens,
     tokens_view,
 )
-from .lifecycle import IllegalTransition, SessionClosed, State  # noqa: F401
-from .log_api import (  # noqa: F401
+from .schema.lifecycle import IllegalTransition, SessionClosed, State  # noqa: F401
+from .log.api import (  # noqa: F401
     EventLog,
     LogClosed,
     LogCorruption,
@@ -49,24 +51,24 @@ from .log_api import (  # noqa: F401
 # The file log is loaded on first use, so that importing the event types (as
 # every layer does) does not also load the writer, the readers and verify.
 _LAZY = {
-    "FSYNC_POLICIES": "log_writer",
-    "FileLog": "log_writer",
-    "JetStreamLog": "log_jetstream",
-    "JetStreamRef": "log_jetstream_read",
-    "JetStreamRun": "log_jetstream_read",
-    "is_nats_url": "log_jetstream_read",
-    "parse_nats_url": "log_jetstream_read",
-    "OsOps": "log_writer",
-    "RawRecord": "log_read",
-    "follow_log": "log_read",
-    "follow_logs": "log_read",
-    "read_log": "log_read",
-    "read_frame_batches": "log_read",
-    "VerifyReport": "log_verify",
-    "list_partitions": "partitions",
-    "open_partition": "partitions",
-    "partition_dir": "partitions",
-    "verify_log": "log_verify",
+    "FSYNC_POLICIES": "log.writer",
+    "FileLog": "log.writer",
+    "JetStreamLog": "log.jetstream",
+    "JetStreamRef": "log.jetstream_read",
+    "JetStreamRun": "log.jetstream_read",
+    "is_nats_url": "log.jetstream_read",
+    "parse_nats_url": "log.jetstream_read",
+    "OsOps": "log.writer",
+    "RawRecord": "log.read",
+    "follow_log": "log.read",
+    "follow_logs": "log.read",
+    "read_log": "log.read",
+    "read_frame_batches": "log.read",
+    "VerifyReport": "log.verify",
+    "list_partitions": "log.partitions",
+    "open_partition": "log.partitions",
+    "partition_dir": "log.partitions",
+    "verify_log": "log.verify",
 }
 
 

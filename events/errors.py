@@ -12,9 +12,9 @@ Beneath the root, each family lives with the module that owns its concept:
 
 - :class:`ConfigError` (here): a configuration value out of range or unknown,
   raised by the reducers' ``ReduceConfig`` and the loop's ``LoopConfig`` alike;
-- ``events.log_api.LogError``: the log (its ``SchemaError``, ``LogCorruption``,
+- ``events.log.api.LogError``: the log (its ``SchemaError``, ``LogCorruption``,
   ``LogLocked``, ``LogClosed``, ...);
-- ``events.lifecycle.LifecycleError``: a session's lifecycle (``IllegalTransition``,
+- ``events.schema.lifecycle.LifecycleError``: a session's lifecycle (``IllegalTransition``,
   ``SessionClosed``; the engine's ``DuplicateSession``, ``StragglerRefused``);
 - ``reducers.errors.ReduceError``, ``engine.errors``, ``engine.tasks.TaskError``,
   ``loop.run.LoopError``, ``tools.cli.CliError`` and the rest of each layer's own.

@@ -23,9 +23,9 @@ from aiohttp import web
 
 from agentlog._logging import get_logger
 from agentlog.engine.core import DuplicateSession
-from agentlog.events.lifecycle import IllegalTransition
-from agentlog.events.log_api import LogClosed
-from agentlog.events.types import EventValidationError, normalize_reward, validate_id
+from agentlog.events.schema.lifecycle import IllegalTransition
+from agentlog.events.log.api import LogClosed
+from agentlog.events.schema.types import EventValidationError, normalize_reward, validate_id
 from agentlog.reducers.groups import GroupError
 
 # The sampling names are re-exported: they were first defined here.

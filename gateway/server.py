@@ -34,8 +34,8 @@ import msgspec
 from aiohttp import web
 
 from agentlog._logging import get_logger
-from agentlog.events.lifecycle import State
-from agentlog.events.log_format import DEFAULT_MAX_RECORD_BYTES
+from agentlog.events.schema.lifecycle import State
+from agentlog.events.log.format import DEFAULT_MAX_RECORD_BYTES
 
 from .admin import AdminRoutes
 from .sampling import AdminFieldError, check_sampling

@@ -20,9 +20,9 @@ from aiohttp import web
 
 from agentlog._logging import get_logger
 from agentlog.events.errors import AgentlogError
-from agentlog.events.lifecycle import IllegalTransition
-from agentlog.events.log_api import LogClosed
-from agentlog.events.types import turn_temperature
+from agentlog.events.schema.lifecycle import IllegalTransition
+from agentlog.events.log.api import LogClosed
+from agentlog.events.schema.types import turn_temperature
 
 from .api import APIS, TurnRequest, TurnResult, now_s
 from .backends import BackendError

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import msgspec
 
-from agentlog.events.partitions import partition_name
-from agentlog.events.types import GroupRef, MemberRef, PolicyUpdated
+from agentlog.events.log.partitions import partition_name
+from agentlog.events.schema.types import GroupRef, MemberRef, PolicyUpdated
 from agentlog.reducers.groups import ABORTED
 from agentlog.reducers.partitioned import ReleasedGroup, rebuild_batches, reduce_partitions
 from agentlog.reducers.samples import SampleDigest

@@ -51,7 +51,7 @@ from agentlog.engine import LocalSandbox, harness
 from agentlog.engine.core import TIMEOUT_REASON, SessionEngine
 from agentlog.engine.sandbox import CommandResult
 from agentlog.engine.tasks import TextEpisode, TextTask, Verdict
-from agentlog.events.lifecycle import TERMINAL_STATES
+from agentlog.events.schema.lifecycle import TERMINAL_STATES
 from agentlog.gateway import Backend, ByteChatTemplate, ChatTemplate, Gateway, GatewayConfig, HermesToolParser, ToolCallParser
 
 from .config import AgentConfig, InferenceConfig, LoopConfig

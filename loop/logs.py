@@ -13,7 +13,7 @@ Where they live is the run's ``[log]`` table (:class:`~agentlog.loop.config.LogC
   holds ``config.json`` and the checkpoints.
 
 :class:`RunLogs` hands out the *sources* (a log directory, or a
-:class:`~agentlog.events.log_jetstream_read.JetStreamRef`) and opens the
+:class:`~agentlog.events.log.jetstream_read.JetStreamRef`) and opens the
 writers. The module-level :func:`read`, :func:`exists`, :func:`durable_end`,
 :func:`follow_partitions` and :func:`follow` take either kind of source.
 """
@@ -23,8 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
-from agentlog.events.log_api import EventLog
-from agentlog.events.types import Envelope
+from agentlog.events.log.api import EventLog
+from agentlog.events.schema.types import Envelope
 
 #: The learner log's name: ``<run>/learner``, or the subject ``<stream>.learner``.
 LEARNER_LOG = "learner"
@@ -43,7 +43,7 @@ def open_log(path: Path, fsync: str = "batch", *, fence: bool = False) -> EventL
 
 def rollout_log_path(run_dir: Path, partition: int | None) -> Path:
     """The file rollout log a worker writes: ``<run>/rollout``, or its partition ``<run>/rollout/pNNNN``."""
-    from agentlog.events.partitions import partition_dir
+    from agentlog.events.log.partitions import partition_dir
 
     root = Path(run_dir) / "rollout"
     return root if partition is None else partition_dir(root, partition)
@@ -58,14 +58,14 @@ def rollout_sources(run_dir: Path, partitions: list[int] | None) -> dict[int, Pa
 
 
 def _remote(source: Source) -> bool:
-    return hasattr(source, "cursor")  # a JetStreamRef (agentlog.events.log_jetstream_read)
+    return hasattr(source, "cursor")  # a JetStreamRef (agentlog.events.log.jetstream_read)
 
 
 def exists(source: Source) -> bool:
     """Whether a log has been created at ``source`` (a JetStream subject: holds a message)."""
     if _remote(source):
         return source.exists()
-    from agentlog.events.log_format import is_log_dir
+    from agentlog.events.log.format import is_log_dir
 
     path = Path(source)
     return path.is_dir() and is_log_dir(path)
@@ -75,7 +75,7 @@ def durable_end(source: Source) -> int:
     """The next LSN after the durable records of the log at ``source`` (0 before it exists)."""
     if _remote(source):
         return source.next_lsn()
-    from agentlog.events.log_format import read_watermark
+    from agentlog.events.log.format import read_watermark
 
     mark = read_watermark(Path(source))
     return mark.lsn if mark else 0
@@ -126,7 +126,7 @@ class LogTail:
         else:
             bridge = self.source.run.bridge
             if self._cursor is None:
-                from agentlog.events.log_jetstream_read import SubjectCursor
+                from agentlog.events.log.jetstream_read import SubjectCursor
 
                 ref = self.source
                 cur = SubjectCursor(ref.run.js, ref.run.stream, ref.subject, ref.where, self.next_lsn, raw=False, to_end=False)
@@ -193,7 +193,7 @@ class RunLogs:
 
     def stream_exists(self) -> bool:
         """nats: whether the run's stream has been created (by its first writer)."""
-        from agentlog.events.log_api import NotALog
+        from agentlog.events.log.api import NotALog
 
         try:
             self.stream_run()

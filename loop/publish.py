@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from agentlog.events.fs import write_dir_atomically
-from agentlog.events.log_api import EventLog
-from agentlog.events.types import PolicyUpdated
+from agentlog.events.log.api import EventLog
+from agentlog.events.schema.types import PolicyUpdated
 
 from . import logs
 

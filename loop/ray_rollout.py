@@ -154,7 +154,7 @@ class RolloutActor:
         if state == "idle":
             epoch = 0
         elif self.worker.log_path is not None:  # a file partition: its FENCE file
-            from agentlog.events.log_format import read_fence
+            from agentlog.events.log.format import read_fence
 
             epoch = read_fence(self.worker.log_path)
         else:  # JetStream: the epoch this incarnation's writer took

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from agentlog.events.errors import AgentlogError
-from agentlog.events.partitions import partition_name
-from agentlog.events.types import PolicyUpdated, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnDelta, TurnRecorded
+from agentlog.events.log.partitions import partition_name
+from agentlog.events.schema.types import PolicyUpdated, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnDelta, TurnRecorded
 
 from . import logs
 from .config import LoopConfig

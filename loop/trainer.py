@@ -58,9 +58,9 @@ import torch
 
 from agentlog._logging import get_logger
 from agentlog.engine.tasks import load_tasks, select_task
-from agentlog.events.log_api import EventLog
-from agentlog.events.partitions import partition_name
-from agentlog.events.types import Envelope, PolicyUpdated
+from agentlog.events.log.api import EventLog
+from agentlog.events.log.partitions import partition_name
+from agentlog.events.schema.types import Envelope, PolicyUpdated
 from agentlog.learner.learner import Learner
 from agentlog.reducers.groups import Group, row_trains
 from agentlog.reducers.partitioned import PartitionFold, ReleasedGroup

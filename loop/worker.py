@@ -45,8 +45,8 @@ from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
 from agentlog.engine import LocalSandbox, SessionEngine, SessionTimeout
 from agentlog.engine.tasks import Episode, Task, TextTask, load_tasks, select_task
-from agentlog.events.partitions import partition_name
-from agentlog.events.types import PolicyUpdated, SessionOpened
+from agentlog.events.log.partitions import partition_name
+from agentlog.events.schema.types import PolicyUpdated, SessionOpened
 from agentlog.learner.learner import load_weights
 
 from . import logs

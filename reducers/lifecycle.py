@@ -16,7 +16,7 @@ table the engine decides with) and emits:
   bounded by the number of open sessions.
 
 An event type this version does not know (a newer writer's
-:class:`events.types.UnknownEvent`) raises :class:`UnknownEventError` (upgrade
+:class:`events.schema.types.UnknownEvent`) raises :class:`UnknownEventError` (upgrade
 agentlog): its effect on the session cannot be known. A fold that only shows
 the log (``replay``) passes ``tolerate_unknown=True``: the event is then
 counted per tag and passed over, the session's state left as it was.
@@ -48,8 +48,8 @@ from typing import Any, Iterable, Iterator, NamedTuple
 
 import msgspec
 
-from agentlog.events.lifecycle import TERMINAL_STATES, State
-from agentlog.events.types import (
+from agentlog.events.schema.lifecycle import TERMINAL_STATES, State
+from agentlog.events.schema.types import (
     CommandRan,
     Envelope,
     PolicyUpdated,
@@ -63,7 +63,7 @@ from agentlog.events.types import (
     event_tag,
 )
 
-from agentlog.events.turn_delta import prompt_token_count
+from agentlog.events.schema.turn_delta import prompt_token_count
 
 from .errors import UnknownEventError
 from .lifecycle_step import EndedWindow, EndedWindowSnapshot, SessionLife, Violation, evolve, lsn_violation, resync

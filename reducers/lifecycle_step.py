@@ -23,7 +23,7 @@ What counts as a violation (one per record, checked in this order):
 * ``never_opened``: an event for a session with no ``session_opened``;
 * ``seq_gap`` / ``seq_repeat``: ``session_seq`` is not the session's
   ``last + 1`` (0 for ``session_opened``);
-* ``illegal_transition``: the lifecycle table (:mod:`events.lifecycle`) has
+* ``illegal_transition``: the lifecycle table (:mod:`events.schema.lifecycle`) has
   no such move from the session's state (in-session events need ``running``);
 * ``lsn_order``: an LSN that does not increase (a fold-level check,
   :func:`lsn_violation`);
@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from agentlog.events.lifecycle import (
+from agentlog.events.schema.lifecycle import (
     IN_SESSION_EVENTS,
     OPENED_TAG,
     SESSION_TAGS,

@@ -1,7 +1,7 @@
 """Folding several log partitions at once, and rebuilding a learner's batches from them.
 
 A partition is one rollout worker's log: its sessions, and so its groups,
-never span partitions (:mod:`agentlog.events.partitions`). Each partition is
+never span partitions (:mod:`agentlog.events.log.partitions`). Each partition is
 therefore folded by its own :class:`Reducer`; a group's samples depend only
 on its partition's events, never on how the partitions interleave.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable, Iterator, Mapping, NamedTuple
 
-from agentlog.events.types import TERMINAL_EVENT_TYPES, Envelope, GroupRef, MemberRef, PolicyUpdated
+from agentlog.events.schema.types import TERMINAL_EVENT_TYPES, Envelope, GroupRef, MemberRef, PolicyUpdated
 
 from .config import DEFAULT_CONFIG, ReduceConfig
 from .groups import Group

@@ -12,7 +12,7 @@ against the last ``ENDED_WINDOW`` ended ids, and exactly within a pending
 group). This fold must not go on past a bad record: a violation raises
 :class:`ReduceError` naming the LSN, the session and the violation's kind;
 an event type this version does not know (a
-newer writer's :class:`events.types.UnknownEvent`) raises its subclass
+newer writer's :class:`events.schema.types.UnknownEvent`) raises its subclass
 :class:`UnknownEventError`, which says to upgrade. A session's state is
 evicted at its terminal event, once its samples are emitted; a group's once
 it is released. The reducer is pure: no clock, randomness, I/O or torch.
@@ -24,8 +24,8 @@ from typing import Any, Iterable, NamedTuple
 
 import msgspec
 
-from agentlog.events.lifecycle import State
-from agentlog.events.types import (
+from agentlog.events.schema.lifecycle import State
+from agentlog.events.schema.types import (
     Envelope,
     PolicyUpdated,
     RewardAssigned,

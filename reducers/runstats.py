@@ -17,11 +17,11 @@ every chat message of every turn dominates the cost on a big log. So this
 fold also accepts a *projection* of each body: :func:`decode_projection`
 decodes a raw payload into small Structs carrying only the fields the
 statistics need (msgspec skips the rest without building Python objects).
-The projection is a view of schema v1 from :mod:`events.types`: same tags,
+The projection is a view of schema v1 from :mod:`events.schema.types`: same tags,
 same field names (a test checks that every projected field exists there).
 Full event bodies are accepted as well (``feed``), with identical results.
 Events of a type this version does not know (a newer writer's
-:class:`events.types.UnknownEvent`) are counted per tag, not interpreted.
+:class:`events.schema.types.UnknownEvent`) are counted per tag, not interpreted.
 
 No clock, randomness, I/O or torch. Memory is bounded by the sessions and
 groups still in flight.
@@ -35,8 +35,8 @@ from typing import Any, Union
 
 import msgspec
 
-from agentlog.events.lifecycle import TERMINAL_STATES, State
-from agentlog.events.types import Envelope, UnknownEvent, as_unknown_event
+from agentlog.events.schema.lifecycle import TERMINAL_STATES, State
+from agentlog.events.schema.types import Envelope, UnknownEvent, as_unknown_event
 
 from .config import ReduceConfig
 from .lifecycle_step import EndedWindow, SessionLife, Violation, ViolationKind, evolve, lsn_violation, resync
@@ -132,7 +132,7 @@ class _Policy(msgspec.Struct, tag="policy_updated"):
 _PROJECTIONS = (_Opened, _Started, _Turn, _Delta, _Undelivered, _Command, _Teacher, _Reward, _Finished, _Aborted, _Dropped, _Policy)
 _projection_decoder = msgspec.msgpack.Decoder(Union[_PROJECTIONS])  # type: ignore[valid-type]
 
-#: tag -> the field names the projection reads (checked against events.types by a test).
+#: tag -> the field names the projection reads (checked against events.schema.types by a test).
 PROJECTED_FIELDS: dict[str, tuple[str, ...]] = {p.__struct_config__.tag: p.__struct_fields__ for p in _PROJECTIONS}
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from agentlog.events.errors import AgentlogError
-from agentlog.events.types import TeacherScored, log_probs_view, turn_temperature
+from agentlog.events.schema.types import TeacherScored, log_probs_view, turn_temperature
 
 
 class TeacherScoreError(AgentlogError, ValueError):

@@ -39,9 +39,9 @@ import msgspec
 import numpy as np
 
 from agentlog.events.errors import AgentlogError
-from agentlog.events.turn_delta import common_prefix_tokens  # noqa: F401  (re-exported: the prefix check lives with the delta encoding)
-from agentlog.events.turn_delta import TurnContext, TurnDeltaError
-from agentlog.events.types import TeacherScored, TurnDelta, TurnRecorded
+from agentlog.events.schema.turn_delta import common_prefix_tokens  # noqa: F401  (re-exported: the prefix check lives with the delta encoding)
+from agentlog.events.schema.turn_delta import TurnContext, TurnDeltaError
+from agentlog.events.schema.types import TeacherScored, TurnDelta, TurnRecorded
 
 from .teacher import TeacherScores
 

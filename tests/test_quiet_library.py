@@ -24,7 +24,7 @@ SCENARIO = textwrap.dedent(
     import agentlog
     from agentlog.engine import SessionEngine
     from agentlog.events import FileLog
-    from agentlog.events.types import SessionOpened
+    from agentlog.events.schema.types import SessionOpened
 
     async def scenario(path):
         log = FileLog.open(path, fsync="always")
@@ -87,7 +87,7 @@ def test_configured_stdlib_logging_receives_the_library_events_under_agentlog() 
         """
     )
     lines = proc.stderr.splitlines()
-    assert any(line.startswith("DEBUG agentlog.events.log_writer log.segment.created") for line in lines), proc.stderr
+    assert any(line.startswith("DEBUG agentlog.events.log.writer log.segment.created") for line in lines), proc.stderr
     aborted = [line for line in lines if line.startswith("WARNING agentlog.engine session.aborted") and "session_id='s2'" in line]
     assert aborted and "reason='exception:Boom'" in aborted[0], proc.stderr
     assert proc.stdout == "", proc.stdout

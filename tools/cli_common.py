@@ -52,9 +52,9 @@ def _unreadable(arg: str, exc: OSError) -> CliError:
 def _is_run_folder(path: Path, *, allow_empty: bool) -> bool:
     """A run folder: its ``rollout/`` holds a log (or, for a log about to be
     written, exists next to the run's ``config.json``)."""
-    from agentlog.events.log_format import is_log_dir
+    from agentlog.events.log.format import is_log_dir
 
-    from agentlog.events.partitions import is_partition_root
+    from agentlog.events.log.partitions import is_partition_root
 
     inner = path / RUN_FOLDER_LOG
     return is_log_dir(inner) or is_partition_root(inner) or (allow_empty and inner.is_dir() and (path / "config.json").is_file())
@@ -66,8 +66,8 @@ def partitioned(path: Any) -> bool:
     one merged log (:func:`read_tagged`)."""
     if isinstance(path, RemoteLog):
         return path.name is None
-    from agentlog.events.log_format import is_log_dir
-    from agentlog.events.partitions import is_partition_root
+    from agentlog.events.log.format import is_log_dir
+    from agentlog.events.log.partitions import is_partition_root
 
     return not is_log_dir(path) and is_partition_root(path)
 
@@ -85,7 +85,7 @@ def learner_log_of(arg: Any) -> Any:
     """The learner log of the run folder ``arg`` (or of the run folder whose
     rollout log ``arg`` is; or the ``learner`` subject of a run's stream, a
     :class:`RemoteLog`), or None when there is none."""
-    from agentlog.events.log_format import is_log_dir
+    from agentlog.events.log.format import is_log_dir
 
     if isinstance(arg, RemoteLog):
         return arg.sibling(RUN_FOLDER_LEARNER_LOG) if RUN_FOLDER_LEARNER_LOG in arg.run.names() else None
@@ -134,7 +134,7 @@ def logs_below(path: Path, *, depth: int = DID_YOU_MEAN_DEPTH, max_dirs: int = D
     """Log directories and run folders below ``path`` (not ``path`` itself), breadth first, at most
     ``depth`` levels down and through at most ``max_dirs`` folders; hidden and
     unreadable folders are passed over (this only suggests, it never decides)."""
-    from agentlog.events.log_format import is_log_dir
+    from agentlog.events.log.format import is_log_dir
 
     found: list[Path] = []
     level = [path]
@@ -179,8 +179,8 @@ def check_log_path(arg: str, *, allow_empty: bool = False) -> Any:
     below it. ``allow_empty`` also accepts a directory that holds no log yet
     (nothing but a writer's lock or index): a log about to be written.
     A ``nats://`` URL gives a :class:`RemoteLog` (see :func:`open_remote`)."""
-    from agentlog.events.log_format import DURABLE_NAME, INDEX_NAME, LOCK_NAME, is_log_dir
-    from agentlog.events.log_jetstream_read import is_nats_url
+    from agentlog.events.log.format import DURABLE_NAME, INDEX_NAME, LOCK_NAME, is_log_dir
+    from agentlog.events.log.jetstream_read import is_nats_url
 
     if is_nats_url(arg):
         return open_remote(arg, allow_empty=allow_empty)
@@ -215,9 +215,9 @@ def check_log_path(arg: str, *, allow_empty: bool = False) -> Any:
 
 def _check_partition_root(path: Path) -> None:
     """When ``path`` holds a ``p%04d`` folder but is not a partition root, the
-    exit-2 error of :func:`events.partitions.list_partitions` naming the
+    exit-2 error of :func:`events.log.partitions.list_partitions` naming the
     entries that are not partitions (a generic "not a log" would hide them)."""
-    from agentlog.events.partitions import NotALog, list_partitions, parse_partition_name
+    from agentlog.events.log.partitions import NotALog, list_partitions, parse_partition_name
 
     if path.is_dir() and any(parse_partition_name(n) is not None for n in os.listdir(path)):
         try:
@@ -230,13 +230,13 @@ def log_bytes(path: Any) -> int:
     """Total size of the log's segment files (of a whole stream on JetStream:
     the stream's bytes, as the server counts them; of one subject: 0, the
     server does not count a subject's bytes)."""
-    from agentlog.events.log_format import list_segments, segment_name
+    from agentlog.events.log.format import list_segments, segment_name
 
     if isinstance(path, RemoteLog):
         return path.stream_bytes() if path.name is None else 0
 
     if partitioned(path):
-        from agentlog.events.partitions import list_partitions, partition_dir
+        from agentlog.events.log.partitions import list_partitions, partition_dir
 
         return sum(log_bytes(partition_dir(path, pid)) for pid in list_partitions(path))
     total = 0
@@ -265,13 +265,13 @@ def read_tagged(
     """:func:`read_records` with each record's partition id: ``(None, record)``
     for a single log; for a partition root, ``(pid, record)`` for every
     partition's records in the merged order of
-    :func:`events.partitions.read_partitions` (``from_lsn`` must be 0 there:
+    :func:`events.log.partitions.read_partitions` (``from_lsn`` must be 0 there:
     LSNs are per partition)."""
     from agentlog.events import read_log
 
     bar = _progress(path, quiet, desc)
     if partitioned(path):
-        from agentlog.events.partitions import read_partitions
+        from agentlog.events.log.partitions import read_partitions
 
         if from_lsn:
             raise CliError(f"{path}: a partitioned log has one LSN sequence per partition; read from LSN {from_lsn} in one partition (e.g. {path}/p0000)", EXIT_USAGE)
@@ -304,7 +304,7 @@ def _guarded(path: Any, it: Iterator[Any], bar: Any) -> Iterator[Any]:
     """The items of ``it``, with a read error raised as the CliError that
     names ``path`` (:func:`_read_error`); ``it`` and the progress bar are
     closed however the read ends."""
-    from agentlog.events.log_api import LogError
+    from agentlog.events.log.api import LogError
 
     try:
         yield from it
@@ -320,7 +320,7 @@ def log_partitions(path: Any) -> list[int]:
     """The partition ids of a (checked, :func:`partitioned`) partition root or run stream, ascending."""
     if isinstance(path, RemoteLog):
         return path.run.partitions()
-    from agentlog.events.partitions import list_partitions
+    from agentlog.events.log.partitions import list_partitions
 
     return list_partitions(path)
 
@@ -329,10 +329,10 @@ def partition_log(path: Any, pid: int) -> Any:
     """Partition ``pid`` of a partition root (its directory) or of a run's
     stream (a :class:`RemoteLog` naming its subject)."""
     if isinstance(path, RemoteLog):
-        from agentlog.events.partitions import partition_name
+        from agentlog.events.log.partitions import partition_name
 
         return path.sibling(partition_name(pid))
-    from agentlog.events.partitions import partition_dir
+    from agentlog.events.log.partitions import partition_dir
 
     return partition_dir(path, pid)
 
@@ -390,7 +390,7 @@ class RemoteLog:
         return RemoteLog(self.run, self.base, name, self.run_dir)
 
     def ref(self) -> Any:
-        """The :class:`~agentlog.events.log_jetstream_read.JetStreamRef` of this one log."""
+        """The :class:`~agentlog.events.log.jetstream_read.JetStreamRef` of this one log."""
         if self.name is None:
             raise CliError(f"{self}: names a whole stream, expected one of its logs (e.g. {self.base}/p0000)", EXIT_USAGE)
         return self.run.log(self.name)
@@ -416,7 +416,7 @@ def open_remote(text: str, *, allow_empty: bool = False) -> RemoteLog:
     stream without partitions, or a log the stream does not hold (the logs
     it does hold listed). ``allow_empty`` (tail) accepts a stream or log with
     no message yet."""
-    from agentlog.events.log_jetstream_read import parse_nats_url
+    from agentlog.events.log.jetstream_read import parse_nats_url
 
     try:
         servers, stream, name = parse_nats_url(text)
@@ -447,7 +447,7 @@ def nats_run_folder(path: Path, *, allow_empty: bool = False) -> RemoteLog | Non
         run_logs = RunLogs.of(path)
     except (ConfigError, ValueError, TypeError) as exc:
         raise CliError(f"{config}: {exc}", EXIT_USAGE) from None
-    from agentlog.events.log_jetstream_read import parse_nats_url
+    from agentlog.events.log.jetstream_read import parse_nats_url
 
     base = f"{run_logs.cfg.log.url}/{run_logs.stream}"  # the config checked the URL: it parses
     servers, stream, _ = parse_nats_url(base)
@@ -456,8 +456,8 @@ def nats_run_folder(path: Path, *, allow_empty: bool = False) -> RemoteLog | Non
 
 def _open_stream(text: str, servers: str, stream: str, remote: RemoteLog, allow_empty: bool) -> RemoteLog:
     """``remote`` with its stream opened (one connection per stream and process) and checked (see :func:`open_remote`)."""
-    from agentlog.events.log_api import LogError, NotALog
-    from agentlog.events.log_jetstream_read import JetStreamRun
+    from agentlog.events.log.api import LogError, NotALog
+    from agentlog.events.log.jetstream_read import JetStreamRun
 
     run = _REMOTES.get((servers, stream))
     if run is None:
@@ -519,10 +519,10 @@ def close_remotes() -> None:
 
 def read_frame_batches(path: Path, *, quiet: bool = False, desc: str = "read") -> Iterator[list[Any]]:
     """Every durable record of the (single, not partitioned) log at ``path``
-    as lists of undecoded frames (:func:`events.log_read.read_frame_batches`:
+    as lists of undecoded frames (:func:`events.log.read.read_frame_batches`:
     lsn, session_id, session_seq, ts_ns, flags, payload), with the progress
     bar and the errors of :func:`read_tagged`."""
-    from agentlog.events.log_read import read_frame_batches as read_batches
+    from agentlog.events.log.read import read_frame_batches as read_batches
 
     bar = _progress(path, quiet, desc)
     with contextlib.closing(_guarded(path, read_batches(path.ref() if isinstance(path, RemoteLog) else path), bar)) as batches:

@@ -36,7 +36,7 @@ def register(sub) -> None:
 
 def plan_export(remote, directory: Path) -> dict[str, Path]:
     """``{log name: directory}`` for every log the export writes."""
-    from agentlog.events.partitions import parse_partition_name
+    from agentlog.events.log.partitions import parse_partition_name
 
     from agentlog.tools.cli_common import RUN_FOLDER_LOG
 
@@ -53,8 +53,8 @@ def plan_export(remote, directory: Path) -> dict[str, Path]:
 
 def run(args) -> int:
     """Copy every log, print one line each, then the total."""
-    from agentlog.events.log_api import LogError
-    from agentlog.events.log_jetstream_read import is_nats_url
+    from agentlog.events.log.api import LogError
+    from agentlog.events.log.jetstream_read import is_nats_url
 
     from agentlog.tools.cli_common import nats_run_folder, open_remote
     from agentlog.tools.log_transfer import CopyError, export_log

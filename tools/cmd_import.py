@@ -65,8 +65,8 @@ def plan_import(arg: str, log_name: str | None) -> dict[Any, Path]:
 
 def run(args) -> int:
     """Refuse a non-empty stream (unless --resume), copy every log, print one line each, then the total."""
-    from agentlog.events.log_api import LogError, NotALog
-    from agentlog.events.log_jetstream_read import JetStreamRun, is_nats_url, parse_nats_url
+    from agentlog.events.log.api import LogError, NotALog
+    from agentlog.events.log.jetstream_read import JetStreamRun, is_nats_url, parse_nats_url
 
     from agentlog.tools.cli_common import check_reachable
     from agentlog.tools.log_transfer import CopyError, import_log

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agentlog.events.lifecycle import render_mermaid, render_table
+from agentlog.events.schema.lifecycle import render_mermaid, render_table
 
 
 def register(sub) -> None:

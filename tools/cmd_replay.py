@@ -18,7 +18,7 @@ session is an error naming the values that exist (:data:`FILTER_RULE`).
 
 A partitioned log (a run folder whose ``rollout/`` holds ``p%04d``
 partitions) is replayed merged, in the order of
-:func:`events.partitions.read_partitions` (by timestamp, ties by partition
+:func:`events.log.partitions.read_partitions` (by timestamp, ties by partition
 then LSN: the same files always give the same timeline); each event is
 named by partition and LSN, ``p0003:1234`` (``--json``: ``"partition"`` and
 ``"lsn"``). ``--from``/``--until`` take one log's LSNs, so they are refused
@@ -94,7 +94,7 @@ def _reward(r: Any) -> str:
 
 def event_summary(body: Any) -> str:
     """A short human summary of an event body."""
-    from agentlog.events.types import UnknownEvent, event_tag
+    from agentlog.events.schema.types import UnknownEvent, event_tag
 
     if type(body) is UnknownEvent:
         return f"UNKNOWN event type (written by a newer agentlog), fields: {', '.join(body.fields) or '-'}"
@@ -142,7 +142,7 @@ def _state(s: Any) -> str:
 def format_step(env: Any, before: Any, after: Any, violations: Any = (), label: str | None = None) -> list[str]:
     """The text lines of one replayed event (the event, then any violation);
     ``label`` names the event instead of its LSN (``p0003:1234`` in a merged replay)."""
-    from agentlog.events.types import event_tag
+    from agentlog.events.schema.types import event_tag
 
     tag = event_tag(env.body)
     if label is not None:
@@ -163,7 +163,7 @@ def event_fields(body: Any) -> dict[str, Any]:
     unknown event's fields as stored, marked ``"unknown": true``)."""
     import msgspec
 
-    from agentlog.events.types import UnknownEvent, log_probs_view, tokens_view
+    from agentlog.events.schema.types import UnknownEvent, log_probs_view, tokens_view
 
     if type(body) is UnknownEvent:
         return {**body.fields, "unknown": True}
@@ -179,7 +179,7 @@ def event_fields(body: Any) -> dict[str, Any]:
 
 def step_json(env: Any, before: Any, after: Any, violations: Any = ()) -> dict[str, Any]:
     """One replayed event as the ``--json`` object."""
-    from agentlog.events.types import event_tag
+    from agentlog.events.schema.types import event_tag
 
     out = {
         "lsn": env.lsn,
@@ -223,8 +223,8 @@ def index_log(path: Any, until: int | None, quiet: bool) -> LogIndex:
     """The :class:`LogIndex` of the log at ``path`` up to ``until``."""
     import msgspec
 
-    from agentlog.events.lifecycle import TERMINAL_STATES
-    from agentlog.events.types import event_tag
+    from agentlog.events.schema.lifecycle import TERMINAL_STATES
+    from agentlog.events.schema.types import event_tag
     from agentlog.reducers.lifecycle_step import SessionLife, evolve
     from agentlog.reducers.runstats import decode_projection
 
@@ -291,7 +291,7 @@ def run(args) -> int:
     """Replay and print."""
     from agentlog.reducers.lifecycle import replay
 
-    from agentlog.events.types import SessionOpened
+    from agentlog.events.schema.types import SessionOpened
 
     path = check_log_path(args.log)
     merged = partitioned(path)

@@ -199,7 +199,7 @@ async def _serve(args) -> int:
     from agentlog.engine import SessionEngine
     from agentlog.gateway import Gateway, GatewayConfig
     from agentlog.events import FileLog
-    from agentlog.events.log_api import LogCorruption, LogError
+    from agentlog.events.log.api import LogCorruption, LogError
 
     backend, template, parser = _build(args)
     token = args.admin_token or secrets.token_urlsafe(18)

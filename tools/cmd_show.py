@@ -162,7 +162,7 @@ class SessionWhy:
 
     def feed(self, env: Any) -> None:
         """Take one of the session's envelopes (in log order)."""
-        from agentlog.events.types import CommandRan, RewardAssigned, SessionAborted, SessionFinished, SessionOpened
+        from agentlog.events.schema.types import CommandRan, RewardAssigned, SessionAborted, SessionFinished, SessionOpened
 
         b = env.body
         if isinstance(b, SessionOpened) and not self.opened:
@@ -230,8 +230,8 @@ def why_lines(envs: list, full: bool, at: Any = str) -> list[str]:
 def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
     """Per turn the messages new since the turn before, then the response; each command and its output.
     ``at`` names an LSN (``p0003:1234`` in a partitioned log)."""
-    from agentlog.events.turn_delta import TurnContext
-    from agentlog.events.types import CommandRan, TeacherScored, TurnDelta, TurnRecorded, TurnUndelivered
+    from agentlog.events.schema.turn_delta import TurnContext
+    from agentlog.events.schema.types import CommandRan, TeacherScored, TurnDelta, TurnRecorded, TurnUndelivered
 
     lines: list[str] = []
     held: list = []  # the previous turn's messages and its response: what a new turn's messages extend

@@ -13,7 +13,7 @@ and the command then exits 1 (after printing).
 
 A partitioned log (a run folder whose ``rollout/`` holds ``p%04d``
 partitions) is aggregated over all partitions, read merged
-(:func:`events.partitions.read_partitions`); the report adds each
+(:func:`events.log.partitions.read_partitions`); the report adds each
 partition's event count and LSN range, and names violations by
 ``pNNNN:LSN``.
 """
@@ -48,7 +48,7 @@ def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
     rewards are counted with the run folder's own reduce settings (:func:`reduce_config_of`)."""
     import msgspec
 
-    from agentlog.events.log_api import SchemaError
+    from agentlog.events.log.api import SchemaError
     from agentlog.reducers.runstats import RunStats, decode_projection
 
     if partitioned(path):
@@ -84,7 +84,7 @@ def _partitioned_stats(path: Any, quiet: bool) -> dict[str, Any]:
     back by ``pNNNN:LSN``."""
     import msgspec
 
-    from agentlog.events.log_api import SchemaError
+    from agentlog.events.log.api import SchemaError
     from agentlog.reducers.runstats import RunStats, decode_projection
 
     stats = RunStats.of(reduce_config_of(path))

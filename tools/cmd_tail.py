@@ -4,7 +4,7 @@ Prints each event as it becomes durable, in the ``replay`` line format with
 the session's state before -> after; or, with ``--summary``, a table of
 sessions by state, groups released and reward so far, refreshed in place on
 a terminal (one summary line per change otherwise). Runs until interrupted.
-Only durable records are ever shown (:func:`agentlog.events.log_read.follow_log`).
+Only durable records are ever shown (:func:`agentlog.events.log.read.follow_log`).
 
 LOG may be a directory that does not hold a log yet (empty, or only a
 writer's lock): tail then waits for the first record.
@@ -111,7 +111,7 @@ def summary_line(snap: dict[str, Any]) -> str:
 class _LivePartitions(Mapping):
     """The partitions under ``root`` as ``{partition id: directory}`` (of a
     run's stream on JetStream: ``{partition id: JetStreamRef}``), listed
-    afresh at most every DISCOVER_S: :func:`events.log_read.follow_logs`
+    afresh at most every DISCOVER_S: :func:`events.log.read.follow_logs`
     reads its mapping each round, so a partition a new worker creates is
     followed from then on, and a stray entry beside the partitions raises
     NotALog (naming it) out of the follow."""
@@ -144,15 +144,15 @@ class _LivePartitions(Mapping):
 
 async def follow_tagged(path: Path, *, raw: bool = False, batches: bool = False) -> Any:
     """Follow the log at ``path`` forever: ``(None, record)`` for one log
-    (:func:`events.log_read.follow_log`; RawRecords with ``raw``, lists of
+    (:func:`events.log.read.follow_log`; RawRecords with ``raw``, lists of
     undecoded frames with ``batches``),
     ``(partition id, envelope)`` for a partitioned one
-    (:func:`events.log_read.follow_logs` over :class:`_LivePartitions`),
+    (:func:`events.log.read.follow_logs` over :class:`_LivePartitions`),
     whose records come in arrival order. While ``path`` holds neither yet,
     waits for one of them."""
     from agentlog.events import follow_log, follow_logs
-    from agentlog.events.log_format import is_log_dir
-    from agentlog.events.partitions import is_partition_root
+    from agentlog.events.log.format import is_log_dir
+    from agentlog.events.log.partitions import is_partition_root
 
     if isinstance(path, RemoteLog):
         if path.name is not None:
@@ -175,7 +175,7 @@ async def follow_tagged(path: Path, *, raw: bool = False, batches: bool = False)
 async def _tail_events(path: Path) -> None:
     from agentlog.reducers.lifecycle import LifecycleState, Violation, reduce_lifecycle
 
-    from agentlog.events.types import PolicyUpdated
+    from agentlog.events.schema.types import PolicyUpdated
     from agentlog.tools.cmd_replay import format_step
 
     # One fold per partition (None: the one log): LSNs rise, and sessions live, within a partition.
@@ -269,7 +269,7 @@ def run(args) -> int:
     """Follow until interrupted."""
     import msgspec
 
-    from agentlog.events.log_api import LogError, NotALog
+    from agentlog.events.log.api import LogError, NotALog
 
     path = _wait_for_stream(args.log)
     try:

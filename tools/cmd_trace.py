@@ -21,7 +21,7 @@ verify`` names them).
 
 A partitioned log (a run folder whose ``rollout/`` holds ``p%04d``
 partitions, or that ``rollout/`` itself) is read merged
-(:func:`events.partitions.read_partitions`, time order), with one lifecycle
+(:func:`events.log.partitions.read_partitions`, time order), with one lifecycle
 fold per partition (a session never spans partitions, and LSNs rise within
 one only). Each session's track name ends with its partition (``... p0003``)
 and its spans carry ``"partition": "p0003"`` and the LSN of the record as
@@ -74,7 +74,7 @@ def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "", partit
     ``envelopes`` are then ``(partition id, Envelope)`` pairs in merged order
     (:func:`tools.cli_common.read_tagged`); one lifecycle fold per partition,
     and each track and span names its partition."""
-    from agentlog.events.types import CommandRan, PolicyUpdated, SessionOpened
+    from agentlog.events.schema.types import CommandRan, PolicyUpdated, SessionOpened
     from agentlog.reducers.lifecycle import LifecycleState, SessionSummary, Violation, reduce_lifecycle
 
     # One fold per partition (None: the one log): LSNs rise within a partition only.

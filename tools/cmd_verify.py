@@ -81,7 +81,7 @@ def run(args) -> int:
         raise CliError(f"{path}: --repair cuts a log directory's torn tail; a log on JetStream has none "
                        "(the server stores only acknowledged messages)", EXIT_USAGE)
     if partitioned(path):
-        from agentlog.events.partitions import partition_name
+        from agentlog.events.log.partitions import partition_name
 
         worst = EXIT_OK
         opened: dict[int, OpenedIds] = {}
@@ -145,18 +145,18 @@ def _verify_one(path: Any, args: Any, prefix: str = "", opened: "OpenedIds | Non
 
 def verify_remote(path: Any) -> Any:
     """The frame check of one log on JetStream (a RemoteLog naming a
-    subject), as a :class:`~agentlog.events.log_verify.VerifyReport`: every
+    subject), as a :class:`~agentlog.events.log.verify.VerifyReport`: every
     message's frame is checked as it is read (CRC, length, LSN continuity:
-    :func:`~agentlog.events.log_jetstream_read.decode_message`), each payload
+    :func:`~agentlog.events.log.jetstream_read.decode_message`), each payload
     decoded as a schema-v1 event (a newer writer's fields count as a schema
     mismatch, unknown tags as unknown types), open sessions counted.
     ``bytes`` counts the frames' bytes (what segments would hold, less their headers)."""
     import msgspec
 
-    from agentlog.events.log_api import LogCorruption, LogError, SchemaError
-    from agentlog.events.log_format import FRAME_OVERHEAD
-    from agentlog.events.log_verify import VerifyReport
-    from agentlog.events.types import UnknownEvent, decode_body
+    from agentlog.events.log.api import LogCorruption, LogError, SchemaError
+    from agentlog.events.log.format import FRAME_OVERHEAD
+    from agentlog.events.log.verify import VerifyReport
+    from agentlog.events.schema.types import UnknownEvent, decode_body
 
     rep = VerifyReport(path=str(path), status="ok")
     live: set[str] = set()
@@ -244,7 +244,7 @@ def reused_across_partitions(root: Any, opened: dict[int, OpenedIds]) -> list[tu
     import msgspec
     import numpy as np
 
-    from agentlog.events.types import payload_tag
+    from agentlog.events.schema.types import payload_tag
     from agentlog.tools.cli_common import partition_log, read_records
 
     if len(opened) < 2:
@@ -280,7 +280,7 @@ def check_lifecycle(path: Any, *, opened: OpenedIds | None = None, digest: Any =
     ``digest`` (a :class:`~agentlog.tools.cli_common.RecordDigest`), when given, takes every record."""
     import msgspec
 
-    from agentlog.events.types import payload_tag
+    from agentlog.events.schema.types import payload_tag
     from agentlog.reducers.lifecycle import LifecycleCheck
     from agentlog.tools.cli_common import read_records
 

@@ -81,8 +81,8 @@ def copy_records(records: Iterator[Any], dest: Any, clock: ReplayClock, *, where
     source record. Returns how many were copied; raises :class:`CopyError`
     naming ``where`` and the LSN for a record the writer refuses or that
     would not come out as recorded."""
-    from agentlog.events.log_api import LogError, SchemaError
-    from agentlog.events.types import EventValidationError
+    from agentlog.events.log.api import LogError, SchemaError
+    from agentlog.events.schema.types import EventValidationError
 
     n = 0
     try:
@@ -174,8 +174,8 @@ def import_log(source: Any, url: str, stream: str, name: str | int, *, replicas:
     then the records it holds must be the directory's first ones (compared
     record by record), and the copy continues after them."""
     from agentlog.events import read_log
-    from agentlog.events.log_jetstream import JetStreamLog
-    from agentlog.events.log_jetstream_read import log_name
+    from agentlog.events.log.jetstream import JetStreamLog
+    from agentlog.events.log.jetstream_read import log_name
     from agentlog.tools.cli_common import RecordDigest
 
     label = log_name(name)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from agentlog.events.types import PolicyUpdated
+    from agentlog.events.schema.types import PolicyUpdated
     from agentlog.loop.config import LoopConfig
 
 

@@ -7,8 +7,8 @@ import random
 from collections import defaultdict
 from typing import Any
 
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import TERMINAL_EVENT_TYPES, SessionOpened
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.types import TERMINAL_EVENT_TYPES, SessionOpened
 
 
 class YieldingLog(MemoryLog):

@@ -15,7 +15,7 @@ import pytest
 from agentlog.engine import DuplicateSession, SessionEngine
 from engine_helpers import check_log_invariants
 from agentlog.events import FileLog
-from agentlog.events.types import SessionAborted, SessionFinished, TurnDelta, TurnRecorded
+from agentlog.events.schema.types import SessionAborted, SessionFinished, TurnDelta, TurnRecorded
 
 CHILD = textwrap.dedent(
     """

@@ -17,9 +17,9 @@ from agentlog.engine import (
     SessionTimeout,
     StragglerRefused,
 )
-from agentlog.events.lifecycle import IllegalTransition, SessionClosed, State
-from agentlog.events.log_api import LogClosed, MemoryLog
-from agentlog.events.types import (
+from agentlog.events.schema.lifecycle import IllegalTransition, SessionClosed, State
+from agentlog.events.log.api import LogClosed, MemoryLog
+from agentlog.events.schema.types import (
     CommandRan,
     EventValidationError,
     SessionAborted,

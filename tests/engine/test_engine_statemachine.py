@@ -12,8 +12,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from agentlog.engine import DuplicateSession, SessionEngine, StragglerRefused
 from engine_helpers import YieldingLog, check_log_invariants, fire
-from agentlog.events.lifecycle import TERMINAL_STATES, TRANSITIONS, IllegalTransition, SessionClosed, State
-from agentlog.events.types import CommandRan, Envelope, RewardAssigned, SessionAborted, SessionDropped, SessionFinished, SessionStarted, TurnDelta
+from agentlog.events.schema.lifecycle import TERMINAL_STATES, TRANSITIONS, IllegalTransition, SessionClosed, State
+from agentlog.events.schema.types import CommandRan, Envelope, RewardAssigned, SessionAborted, SessionDropped, SessionFinished, SessionStarted, TurnDelta
 
 TRIGGERS = st.sampled_from(["start", "finish", "abort", "drop", "turn", "reward", "command"])
 IN_SESSION = ("turn", "reward", "command")

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentlog.engine import SessionEngine
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import SessionOpened
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.types import SessionOpened
 from agentlog.reducers.groups import GroupError
 from agentlog.reducers.pipeline import reduce_log
 

@@ -8,9 +8,9 @@ import pytest
 
 from agentlog.engine import SessionEngine, StragglerRefused
 from engine_helpers import fire
-from agentlog.events.lifecycle import TRANSITIONS, IllegalTransition, SessionClosed, State
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import SessionAborted, SessionDropped, SessionFinished, SessionStarted, TurnDelta
+from agentlog.events.schema.lifecycle import TRANSITIONS, IllegalTransition, SessionClosed, State
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionStarted, TurnDelta
 
 O, R, F, A, D = State.OPEN, State.RUNNING, State.FINISHED, State.ABORTED, State.DROPPED
 NOOP = "noop"

@@ -22,7 +22,7 @@ from agentlog.engine.restart import (
     write_checkpoint,
 )
 from agentlog.events import FileLog
-from agentlog.events.types import (
+from agentlog.events.schema.types import (
     SessionAborted,
     SessionDropped,
     SessionFinished,

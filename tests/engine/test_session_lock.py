@@ -8,7 +8,7 @@ import pytest
 
 from agentlog.engine import SessionEngine
 from agentlog.engine.session_lock import acquire_contended, release
-from agentlog.events.log_api import MemoryLog
+from agentlog.events.log.api import MemoryLog
 
 
 async def _handle():

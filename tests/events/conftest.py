@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agentlog.events import framecodec
+from agentlog.events.log import framecodec
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def fast_tmp(tmp_path):
 
 @pytest.fixture(params=["compiled", "pure"])
 def codec(request, monkeypatch):
-    """Run a test under each frame codec (events.framecodec): the compiled
+    """Run a test under each frame codec (events.log.framecodec): the compiled
     one and the pure-Python fallback. Child processes inherit the choice
     through AGENTLOG_PURE_PYTHON. The contract and fault suites use it
     (``pytestmark = pytest.mark.usefixtures("codec")``), so both paths pass

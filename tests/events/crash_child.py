@@ -19,7 +19,7 @@ import threading
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from agentlog.events import FileLog  # noqa: E402
-from agentlog.events.types import CommandRan  # noqa: E402
+from agentlog.events.schema.types import CommandRan  # noqa: E402
 
 SESSIONS = 6
 

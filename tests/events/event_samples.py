@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from agentlog.events.types import (
+from agentlog.events.schema.types import (
     EVENT_TYPES,
     CommandRan,
     PolicyUpdated,

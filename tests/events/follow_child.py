@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from agentlog.events import follow_log  # noqa: E402
-from agentlog.events.types import event_tag  # noqa: E402
+from agentlog.events.schema.types import event_tag  # noqa: E402
 
 
 async def main(path: str, n: int) -> None:

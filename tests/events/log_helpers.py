@@ -7,8 +7,8 @@ import random
 from pathlib import Path
 
 from agentlog.events import FileLog, read_log
-from agentlog.events.log_format import DURABLE_NAME, INDEX_NAME, list_segments, segment_name
-from agentlog.events.types import SessionOpened, SessionStarted
+from agentlog.events.log.format import DURABLE_NAME, INDEX_NAME, list_segments, segment_name
+from agentlog.events.schema.types import SessionOpened, SessionStarted
 from event_samples import small_event
 
 
@@ -32,8 +32,8 @@ def write_small_log(d: Path, n: int, **open_kw) -> list:
 
 def frame_offsets(d: Path, k: int = -1) -> list[tuple[int, int]]:
     """(start, end) byte offsets of every frame in the k-th segment, via the raw reader."""
-    from agentlog.events.log_format import SEG_HDR_SIZE
-    from agentlog.events.log_scan import SegmentScanner
+    from agentlog.events.log.format import SEG_HDR_SIZE
+    from agentlog.events.log.scan import SegmentScanner
 
     p = seg_path(d, k)
     fd = os.open(p, os.O_RDONLY)

@@ -11,7 +11,7 @@ import pytest
 
 from agentlog.events import SchemaError, UnknownEvent
 from agentlog.events import LogCorruption, follow_log, read_log, verify_log
-from agentlog.events.types import SessionFinished, TurnRecorded
+from agentlog.events.schema.types import SessionFinished, TurnRecorded
 from future_log_shim import FUTURE_LOG, future_records, write_frames
 
 

@@ -1,4 +1,4 @@
-"""The compiled frame codec (events/_framecodec.c) against the pure-Python
+"""The compiled frame codec (events/log/_framecodec.c) against the pure-Python
 one: a differential fuzz of the scanner on random and mutated segments (every
 record, the tail and the corruption verdict agree, at every buffer size), the
 encoder byte for byte, the CRC32C backends (hardware instruction and the
@@ -19,8 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentlog.events import LogCorruption, framecodec, read_log, verify_log
-from agentlog.events.log_format import (
+from agentlog.events import LogCorruption, read_log, verify_log
+from agentlog.events.log import framecodec
+from agentlog.events.log.format import (
     DURABLE_NAME,
     FRAME_PREFIX,
     SEG_HDR_SIZE,
@@ -29,12 +30,12 @@ from agentlog.events.log_format import (
     pack_segment_header,
     segment_name,
 )
-from agentlog.events.log_scan import SegmentScanner
+from agentlog.events.log.scan import SegmentScanner
 
 pytestmark = pytest.mark.skipif(not framecodec.available(), reason="the compiled frame codec is not built")
 
 if framecodec.available():
-    from agentlog.events import _framecodec as fc
+    from agentlog.events.log import _framecodec as fc
 
 CAP = 4096
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -276,7 +277,7 @@ def _codec_in_child(value: str | None) -> subprocess.CompletedProcess:
     env.pop(framecodec.ENV_VAR, None)
     if value is not None:
         env[framecodec.ENV_VAR] = value
-    code = "from agentlog.events import framecodec; print(framecodec.native is not None, framecodec.describe())"
+    code = "from agentlog.events.log import framecodec; print(framecodec.native is not None, framecodec.describe())"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 

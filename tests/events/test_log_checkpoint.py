@@ -19,16 +19,16 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from agentlog.events import FileLog, LogClosed
-from agentlog.events import log_writer
-from agentlog.events.log_format import INDEX_NAME, SEG_HDR_SIZE, list_segments, load_checkpoint, read_watermark
-from agentlog.events.log_recovery import checkpoint_problem
-from agentlog.events.types import CommandRan, SessionFinished
+from agentlog.events.log import writer as log_writer
+from agentlog.events.log.format import INDEX_NAME, SEG_HDR_SIZE, list_segments, load_checkpoint, read_watermark
+from agentlog.events.log.recovery import checkpoint_problem
+from agentlog.events.schema.types import CommandRan, SessionFinished
 from log_helpers import copy_log, seg_path
 
 CHILD = """
 import os, sys
 from agentlog.events import FileLog
-from agentlog.events.types import CommandRan
+from agentlog.events.schema.types import CommandRan
 path, n, batch, seg, ckpt = sys.argv[1], *map(int, sys.argv[2:])
 lg = FileLog.open(path, segment_bytes=seg, checkpoint_bytes=ckpt)
 for i in range(0, n, batch):
@@ -104,7 +104,7 @@ def test_interval_policy_writes_the_periodic_checkpoint_only_after_the_sync(tmp_
 
 
 def test_never_policy_syncs_the_flush_that_carries_a_periodic_checkpoint(tmp_path):
-    from agentlog.events.log_writer import OsOps
+    from agentlog.events.log.writer import OsOps
 
     class CountingOps(OsOps):
         syncs = 0

@@ -9,8 +9,8 @@ import msgspec
 import pytest
 
 from agentlog.events import FileLog
-from agentlog.events.log_api import EventLog, LogClosed, MemoryLog, PendingRecord, SequenceError
-from agentlog.events.types import EventValidationError, SessionDropped, SessionFinished, SessionOpened, SessionStarted, UnknownEvent
+from agentlog.events.log.api import EventLog, LogClosed, MemoryLog, PendingRecord, SequenceError
+from agentlog.events.schema.types import EventValidationError, SessionDropped, SessionFinished, SessionOpened, SessionStarted, UnknownEvent
 import make_golden_shim
 from event_samples import small_event
 
@@ -244,6 +244,6 @@ class TestJetStreamLog(LogContract):
             self.urls, self.replicas = request.getfixturevalue("nats_cluster").urls, 3
 
     def make_log(self, tmp_path, clock):
-        from agentlog.events.log_jetstream import JetStreamLog
+        from agentlog.events.log.jetstream import JetStreamLog
 
         return JetStreamLog.open(self.urls, f"contract{next(self.streams)}", 3, replicas=self.replicas, clock=clock)

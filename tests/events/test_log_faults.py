@@ -11,7 +11,7 @@ import os
 import pytest
 
 from agentlog.events import FileLog, LogClosed, OsOps, read_log
-from agentlog.events.types import SessionOpened
+from agentlog.events.schema.types import SessionOpened
 from event_samples import small_event
 
 #: Every test here runs under both frame codecs (compiled and pure Python; tests/events/conftest.py).
@@ -258,10 +258,10 @@ class PowerCutOps(OsOps):
 def test_a_power_cut_loses_only_unsynced_records_and_the_log_reopens(tmp_path, policy, watermark_reached_disk, checkpoint_bytes, monkeypatch):
     from structlog.testing import capture_logs
 
-    from agentlog.events import log_writer
+    from agentlog.events.log import writer as log_writer
 
-    from agentlog.events.log_format import SEG_HDR_SIZE, list_segments, load_checkpoint, read_watermark
-    from agentlog.events.log_recovery import checkpoint_problem
+    from agentlog.events.log.format import SEG_HDR_SIZE, list_segments, load_checkpoint, read_watermark
+    from agentlog.events.log.recovery import checkpoint_problem
 
     d = tmp_path / "log"
     ops = PowerCutOps()
@@ -313,7 +313,7 @@ def test_a_power_cut_loses_only_unsynced_records_and_the_log_reopens(tmp_path, p
 
 
 def test_a_never_writer_marks_its_watermark_unsynced_until_close(tmp_path):
-    from agentlog.events.log_format import read_watermark
+    from agentlog.events.log.format import read_watermark
 
     d = tmp_path / "log"
     lg = FileLog.open(d, fsync="never")
@@ -330,8 +330,8 @@ import errno, json, os, resource, sys
 sys.path.insert(0, sys.argv[2])
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))  # hard too: the writer may raise the soft one
 from agentlog.events import FileLog, LogClosed, verify_log
-from agentlog.events.log_api import LogError
-from agentlog.events.types import SessionOpened
+from agentlog.events.log.api import LogError
+from agentlog.events.schema.types import SessionOpened
 
 d = sys.argv[1]
 lg = FileLog.open(d, segment_bytes=1024)
@@ -371,7 +371,7 @@ refused_at = lg.next_lsn
 report["fatal_reason"] = lg.fatal_reason
 for fd in hog:
     os.close(fd)
-from agentlog.events.log_format import list_segments  # listing a directory takes a descriptor
+from agentlog.events.log.format import list_segments  # listing a directory takes a descriptor
 from pathlib import Path
 report["rotations_while_exhausted"] = sum(exhausted_at <= s < refused_at for s in list_segments(Path(d)))
 for _ in range(100):  # the same append is taken now, and rotations go on

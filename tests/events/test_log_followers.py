@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from agentlog.events import FileLog, LogLocked, OsOps, follow_log, read_log
-from agentlog.events.log_format import list_segments
-from agentlog.events.types import SessionOpened, event_tag
+from agentlog.events.log.format import list_segments
+from agentlog.events.schema.types import SessionOpened, event_tag
 from event_samples import small_event
 
 CHILD = Path(__file__).with_name("follow_child.py")
@@ -138,7 +138,7 @@ def test_second_writer_in_another_process_is_refused(tmp_path):
 def test_watermark_reaches_every_acknowledged_record_under_each_policy(tmp_path, policy):
     """Under ``interval`` the sync (and so the watermark) follows within the
     interval even when no further append comes to trigger it."""
-    from agentlog.events.log_format import read_durable
+    from agentlog.events.log.format import read_durable
 
     d = tmp_path / "log"
     lg = FileLog.open(d, fsync=policy, interval_s=0.05)

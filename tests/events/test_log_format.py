@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from agentlog.events import FileLog
-from agentlog.events.log_format import FLAG_TERMINAL, SEG_HDR_SIZE, encode_frame, pack_segment_header
-from agentlog.events.types import SessionDropped, TurnRecorded, encode_body
+from agentlog.events.log.format import FLAG_TERMINAL, SEG_HDR_SIZE, encode_frame, pack_segment_header
+from agentlog.events.schema.types import SessionDropped, TurnRecorded, encode_body
 from event_samples import small_event
 from log_helpers import seg_path
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentlog.events import FileLog, LogCorruption, read_log
-from agentlog.events.log_format import DURABLE_NAME, SEG_HDR_SIZE, pack_segment_header, segment_name
+from agentlog.events.log.format import DURABLE_NAME, SEG_HDR_SIZE, pack_segment_header, segment_name
 from log_helpers import write_small_log
 
 #: Every test here runs under both frame codecs (compiled and pure Python; tests/events/conftest.py).

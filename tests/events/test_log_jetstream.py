@@ -8,13 +8,13 @@ import itertools
 
 import pytest
 
-from agentlog.events.log_api import LogClosed, LogCorruption, LogError, LogFenced, SequenceError
-from agentlog.events.types import SessionFinished, SessionOpened
+from agentlog.events.log.api import LogClosed, LogCorruption, LogError, LogFenced, SequenceError
+from agentlog.events.schema.types import SessionFinished, SessionOpened
 from event_samples import small_event
 
 nats = pytest.importorskip("nats", reason="JetStreamLog needs the nats extra: pip install 'agentlog[nats]'")
 
-from agentlog.events.log_jetstream import JetStreamLog, is_wrong_last_sequence  # noqa: E402
+from agentlog.events.log.jetstream import JetStreamLog, is_wrong_last_sequence  # noqa: E402
 
 _names = itertools.count()
 

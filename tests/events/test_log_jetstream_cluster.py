@@ -19,13 +19,13 @@ import time
 import pytest
 from nats_helpers import nats_client, run
 
-from agentlog.events.log_api import LogClosed, LogError, LogFenced
-from agentlog.events.types import SessionOpened
+from agentlog.events.log.api import LogClosed, LogError, LogFenced
+from agentlog.events.schema.types import SessionOpened
 from event_samples import small_event
 
 nats = pytest.importorskip("nats", reason="JetStreamLog needs the nats extra: pip install 'agentlog[nats]'")
 
-from agentlog.events.log_jetstream import JetStreamLog  # noqa: E402
+from agentlog.events.log.jetstream import JetStreamLog  # noqa: E402
 
 pytestmark = pytest.mark.required
 
@@ -260,7 +260,7 @@ def test_a_reader_opened_while_the_leaders_are_lost_waits_for_the_election(nats_
     then read at once through a read-only JetStreamRun from a later LSN:
     finding the start and creating the ordered consumer are tried again
     until the election is over, and every record is read."""
-    from agentlog.events.log_jetstream_read import JetStreamRun
+    from agentlog.events.log.jetstream_read import JetStreamRun
 
     urls = ",".join(nats_cluster.urls)
     with JetStreamLog.open(urls, stream, 0, replicas=3) as lg:

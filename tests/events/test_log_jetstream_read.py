@@ -9,16 +9,16 @@ import itertools
 
 import pytest
 
-from agentlog.events.log_api import LogCorruption, NotALog
-from agentlog.events.types import CommandRan, SessionOpened
+from agentlog.events.log.api import LogCorruption, NotALog
+from agentlog.events.schema.types import CommandRan, SessionOpened
 from event_samples import small_event
 
 pytest.importorskip("nats", reason="the JetStream log needs the nats extra: pip install 'agentlog[nats]'")
 
 from agentlog.events import follow_logs, read_log  # noqa: E402
-from agentlog.events.log_jetstream import JetStreamLog  # noqa: E402
-from agentlog.events.log_jetstream_read import JetStreamRun, is_nats_url, parse_nats_url  # noqa: E402
-from agentlog.events.partitions import read_partitions  # noqa: E402
+from agentlog.events.log.jetstream import JetStreamLog  # noqa: E402
+from agentlog.events.log.jetstream_read import JetStreamRun, is_nats_url, parse_nats_url  # noqa: E402
+from agentlog.events.log.partitions import read_partitions  # noqa: E402
 
 _names = itertools.count()
 

@@ -16,8 +16,8 @@ import os
 import pytest
 
 from agentlog.events import FileLog, LogCorruption, follow_log, read_log, verify_log
-from agentlog.events.log_format import DURABLE_NAME, FENCE_NAME, INDEX_NAME, list_segments, read_fence, segment_name
-from agentlog.events.partitions import partition_dir, read_partitions
+from agentlog.events.log.format import DURABLE_NAME, FENCE_NAME, INDEX_NAME, list_segments, read_fence, segment_name
+from agentlog.events.log.partitions import partition_dir, read_partitions
 from agentlog.tools.cli import main
 from log_helpers import write_small_log
 

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from agentlog.events import LogCorruption, follow_log, read_log, verify_log
-from agentlog.events.log_format import SEG_HDR_SIZE
+from agentlog.events.log.format import SEG_HDR_SIZE
 from log_helpers import seg_path, write_small_log
 from agentlog.tools.cli import main
 

@@ -12,8 +12,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from agentlog.events import FileLog, LogCorruption, LogLocked, NotALog, read_log, verify_log
-from agentlog.events.log_format import DURABLE_NAME, INDEX_NAME, SEG_HDR_SIZE, list_segments, segment_name
-from agentlog.events.types import SessionFinished, SessionOpened
+from agentlog.events.log.format import DURABLE_NAME, INDEX_NAME, SEG_HDR_SIZE, list_segments, segment_name
+from agentlog.events.schema.types import SessionFinished, SessionOpened
 from event_samples import small_event
 from log_helpers import copy_log, drop_watermark, flip_bit, frame_offsets, records, rng, seg_path, write_small_log
 
@@ -328,7 +328,7 @@ def test_a_directory_that_is_not_a_log_is_refused(tmp_path):
 
 
 def test_each_writer_open_gets_a_new_epoch_and_segment(tmp_path):
-    from agentlog.events.log_format import parse_segment_header
+    from agentlog.events.log.format import parse_segment_header
 
     d = tmp_path / "log"
     epochs = []

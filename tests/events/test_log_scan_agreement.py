@@ -1,4 +1,4 @@
-"""Recovery and verify scan the log with the same walk (events.log_scan.LogWalk):
+"""Recovery and verify scan the log with the same walk (events.log.scan.LogWalk):
 for the same damage they agree on what is a torn tail and what is corruption,
 and name the same problem (message, segment, offset, last good LSN)."""
 
@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentlog.events import FileLog, LogCorruption, verify_log
-from agentlog.events.log_format import DURABLE_NAME, INDEX_NAME, SEG_HDR_SIZE, list_segments, segment_name
-from agentlog.events.types import SessionOpened
+from agentlog.events.log.format import DURABLE_NAME, INDEX_NAME, SEG_HDR_SIZE, list_segments, segment_name
+from agentlog.events.schema.types import SessionOpened
 from log_helpers import flip_bit, write_small_log
 
 #: Every test here runs under both frame codecs (compiled and pure Python; tests/events/conftest.py).

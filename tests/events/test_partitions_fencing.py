@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentlog.events import FileLog, LogClosed, LogCorruption, LogFenced, NotALog, OsOps, read_log, verify_log
-from agentlog.events.log_format import FENCE_NAME, read_durable, read_fence
-from agentlog.events.partitions import list_partitions, open_partition, parse_partition_name, partition_dir
-from agentlog.events.types import SessionOpened
+from agentlog.events.log.format import FENCE_NAME, read_durable, read_fence
+from agentlog.events.log.partitions import list_partitions, open_partition, parse_partition_name, partition_dir
+from agentlog.events.schema.types import SessionOpened
 
 # ---------------------------------------------------------------- partitions
 

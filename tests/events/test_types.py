@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from agentlog.events.types import (
+from agentlog.events.schema.types import (
     MAX_ID_BYTES,
     EVENT_TYPES,
     Envelope,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agentlog.events import FileLog
-from agentlog.events.log_format import DURABLE_NAME, INDEX_NAME, SEG_HDR_SIZE
-from agentlog.events.types import SessionOpened
+from agentlog.events.log.format import DURABLE_NAME, INDEX_NAME, SEG_HDR_SIZE
+from agentlog.events.schema.types import SessionOpened
 from log_helpers import flip_bit, frame_offsets, records, seg_path, write_small_log
 from agentlog.tools.cli import main
 
@@ -98,7 +98,7 @@ def test_repair_never_cuts_records_a_writer_acknowledged_after_the_first_scan(tm
     """A writer that opens, recovers and appends between verify's unlocked scan
     and its cut keeps every acknowledged record: the cut comes from a scan
     taken under the writer lock."""
-    import agentlog.events.log_verify as log_module
+    import agentlog.events.log.verify as log_module
     from agentlog.events import read_log, verify_log
 
     d, _seg, _start = _torn(tmp_path)

@@ -17,8 +17,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from agentlog.events import FileLog, read_log, verify_log
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import EventValidationError, decode_body, encode_body
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.types import EventValidationError, decode_body, encode_body
 from event_samples import every_event
 
 BASES = every_event()

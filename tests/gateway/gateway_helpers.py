@@ -8,9 +8,9 @@ from typing import Any, Callable, Sequence
 
 from agentlog.engine import SessionEngine
 from agentlog.gateway import Backend, ByteChatTemplate, Gateway, GatewayConfig, Generation, SamplingParams, TorchBackend
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.turn_delta import full_turns
-from agentlog.events.types import TurnDelta, TurnRecorded, TurnUndelivered
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.turn_delta import full_turns
+from agentlog.events.schema.types import TurnDelta, TurnRecorded, TurnUndelivered
 from agentlog.tools.cmd_serve import default_gateway_model
 
 TEMPLATE = ByteChatTemplate()

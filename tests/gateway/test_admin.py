@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from structlog.testing import capture_logs
 
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import EventValidationError, SessionFinished, SessionOpened, encode_body
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.types import EventValidationError, SessionFinished, SessionOpened, encode_body
 from gateway_helpers import ScriptedBackend, rig, run, turns_of
 from agentlog.reducers.pipeline import reduce_log
 

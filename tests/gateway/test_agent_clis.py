@@ -23,7 +23,7 @@ import pytest
 
 from agentlog.engine import LocalSandbox, harness
 from agentlog.gateway import agents
-from agentlog.events.types import CommandRan
+from agentlog.events.schema.types import CommandRan
 from gateway_helpers import ScriptedBackend, open_running, rig, run, turns_of
 from agentlog.reducers.pipeline import reduce_log, session_trajectory
 

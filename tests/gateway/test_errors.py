@@ -11,7 +11,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from agentlog.gateway import GatewayConfig, TorchBackend
-from agentlog.events.types import TurnDelta, TurnRecorded
+from agentlog.events.schema.types import TurnDelta, TurnRecorded
 from gateway_helpers import GatedLog, bearer, key_for, HangingBackend, ScriptedBackend, an_client, oa_client, open_running, rig, run, turns_of, undelivered_of
 from agentlog.learner.model import GPT, GPTConfig
 from agentlog.reducers.pipeline import reduce_log, session_trajectory

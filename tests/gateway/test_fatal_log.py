@@ -15,8 +15,8 @@ import pytest
 
 from agentlog.engine import SessionEngine
 from agentlog.events import FileLog, OsOps
-from agentlog.events.log_api import LogClosed
-from agentlog.events.types import SessionOpened
+from agentlog.events.log.api import LogClosed
+from agentlog.events.schema.types import SessionOpened
 from agentlog.gateway import Gateway
 from gateway_helpers import ScriptedBackend, open_running, run
 

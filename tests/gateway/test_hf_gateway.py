@@ -15,8 +15,8 @@ from gateway_helpers import oa_client, open_running, rig, run, turns_of
 from hf_helpers import tiny_hf_dir  # noqa: F401  (fixture)
 
 from agentlog.events import FileLog
-from agentlog.events.turn_delta import full_turns
-from agentlog.events.types import TurnRecorded
+from agentlog.events.schema.turn_delta import full_turns
+from agentlog.events.schema.types import TurnRecorded
 from agentlog.gateway import BackendError, HermesToolParser, HFChatTemplate, ToolSpec, TorchBackend
 from agentlog.gateway.chat import assistant_message
 

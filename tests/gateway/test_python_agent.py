@@ -13,7 +13,7 @@ import json
 import pytest
 
 from agentlog.engine import LocalSandbox, harness
-from agentlog.events.types import CommandRan
+from agentlog.events.schema.types import CommandRan
 from agentlog.gateway import GatewayConfig
 from agentlog.gateway.python_agent import BASH_TOOL, PythonAgent
 from agentlog.reducers.pipeline import reduce_log

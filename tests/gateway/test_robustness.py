@@ -19,8 +19,8 @@ from agentlog.engine import SessionEngine
 from agentlog.gateway import Gateway, GatewayConfig, SamplingParams, TorchBackend
 from agentlog.gateway.backends import BackendError
 from agentlog.events import FileLog, OsOps
-from agentlog.events.log_api import LogClosed, MemoryLog
-from agentlog.events.types import SessionAborted, SessionOpened
+from agentlog.events.log.api import LogClosed, MemoryLog
+from agentlog.events.schema.types import SessionAborted, SessionOpened
 from gateway_helpers import HangingBackend, ScriptedBackend, key_for, open_running, rig, run, turns_of
 from agentlog.tools.cmd_serve import default_gateway_model
 
@@ -349,8 +349,8 @@ def test_the_body_cap_is_derived_from_the_log_record_cap_and_a_body_at_the_cap_i
 
 
 def turns_of_file(log: FileLog) -> list:
-    from agentlog.events.turn_delta import full_turns
-    from agentlog.events.types import TurnRecorded
+    from agentlog.events.schema.turn_delta import full_turns
+    from agentlog.events.schema.types import TurnRecorded
 
     return [e for e in full_turns(log.read()) if isinstance(e.body, TurnRecorded)]
 
@@ -484,8 +484,8 @@ def test_any_body_within_the_derived_cap_makes_a_record_within_the_record_cap(re
     context unknown) and a full output allowance still fits the log's record."""
     from agentlog.gateway import ByteChatTemplate, ChatCompletionsAPI
     from agentlog.gateway.server import body_cap_for
-    from agentlog.events.log_format import ENV_HDR
-    from agentlog.events.types import TurnRecorded
+    from agentlog.events.log.format import ENV_HDR
+    from agentlog.events.schema.types import TurnRecorded
 
     cap = body_cap_for(record_cap, None, max_output)
     empty = '{"messages": [{"role": "user", "content": ""}]}'

@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 
 from agentlog.events import FileLog, verify_log
-from agentlog.events.turn_delta import full_turns
-from agentlog.events.types import SessionDropped, TurnRecorded
+from agentlog.events.schema.turn_delta import full_turns
+from agentlog.events.schema.types import SessionDropped, TurnRecorded
 from agentlog.reducers.pipeline import reduce_log
 
 REPO = Path(__file__).resolve().parents[2]

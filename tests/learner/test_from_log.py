@@ -6,8 +6,8 @@ import copy
 
 import torch
 
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 from agentlog.learner.config import LearnerConfig
 from agentlog.learner.learner import Learner
 from agentlog.learner.model import GPT

@@ -12,8 +12,8 @@ from hf_helpers import tiny_hf_dir, tiny_qwen2_dir  # noqa: F401  (fixtures)
 from learner_helpers import make_sample, random_samples
 from torch.testing import assert_close
 
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 from agentlog.learner.batching import make_batches
 from agentlog.learner.config import LearnerConfig
 from agentlog.learner.learner import Learner

@@ -11,8 +11,8 @@ import pytest
 import torch
 from learner_helpers import make_sample, random_samples
 
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 from agentlog.learner.config import LearnerConfig
 from agentlog.learner.learner import Learner
 from agentlog.learner.model import GPT

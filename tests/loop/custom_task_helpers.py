@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agentlog.events.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted
+from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted
 from agentlog.loop import logs
 from agentlog.loop.config import LoopConfig
 from agentlog.loop.publish import read_learner_records

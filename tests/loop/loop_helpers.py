@@ -67,7 +67,7 @@ def play_groups(specs: dict[str, list[tuple[str, float, int, float]]], *, sampli
 
     from agentlog.engine import SessionEngine
     from agentlog.engine.tasks.lookup import ANSWER, EOS, LOOKUP, LookupTask, key_token, value_token
-    from agentlog.events.log_api import MemoryLog
+    from agentlog.events.log.api import MemoryLog
 
     task = LookupTask()
     log = MemoryLog()

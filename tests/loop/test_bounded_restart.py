@@ -16,8 +16,8 @@ import msgspec
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import PolicyUpdated
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.types import PolicyUpdated
 from agentlog.loop import logs
 from agentlog.loop.publish import publish, read_learner_records
 from agentlog.loop.trainer import LoopLearner, read_resume_records, resume_point

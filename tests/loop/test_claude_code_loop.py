@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from agentlog.events.turn_delta import full_turns
-from agentlog.events.types import CommandRan, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
+from agentlog.events.schema.turn_delta import full_turns
+from agentlog.events.schema.types import CommandRan, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
 from agentlog.gateway import agents
 from agentlog.loop import logs
 from agentlog.loop.check import check_run

@@ -99,7 +99,7 @@ def test_demo_distill_scores_every_turn_with_the_runs_teacher_and_checks_equal(t
     """`agentlog demo --distill` (2 short RL steps, faults on): the teacher is built into the run
     folder, every finished session's turns carry its scores recorded under its weights digest, the
     learner trains with lambda and reports the reverse KL, and the offline check is EQUAL."""
-    from agentlog.events.types import SessionFinished, TeacherScored, TurnDelta, TurnRecorded
+    from agentlog.events.schema.types import SessionFinished, TeacherScored, TurnDelta, TurnRecorded
     from agentlog.loop import logs
     from agentlog.loop.check import check_run
     from agentlog.loop.demo import DEMO_DISTILL_COEF, DEMO_TOPK, DEMO_TOPK_COEF, TEACHER_NAME

@@ -27,7 +27,7 @@ from aiohttp import web
 from aiohttp_helpers import serve_app
 
 from agentlog.engine.tasks import select_task
-from agentlog.events.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, TeacherScored, TurnDelta, TurnRecorded
+from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, TeacherScored, TurnDelta, TurnRecorded
 from agentlog.learner.learner import save_state
 from agentlog.loop import FaultConfig, LoopLearner, RolloutWorker, check_run, logs
 from agentlog.loop.config import ConfigError, DistillConfig, LoopConfig
@@ -110,7 +110,7 @@ def test_torch_teacher_scores_every_turn_of_every_finished_session_before_its_en
         if checked == 0:
             opened = events[0]
             assert isinstance(opened, SessionOpened)
-            from agentlog.events.turn_delta import full_turns
+            from agentlog.events.schema.turn_delta import full_turns
 
             full = [env.body for env in full_turns(sessions_of(run_dir, envelopes=True)[sid]) if isinstance(env.body, TurnRecorded)]
             for e in scored:
@@ -268,7 +268,7 @@ def test_text_task_sessions_are_scored_through_the_gateways_recorded_turns(tmp_p
     before its end with the turns' own prompt and output ids, equal to the teacher's scores of them."""
     from test_gateway_rollout import EchoWordTask  # noqa: F401  (registers echo-word-test)
 
-    from agentlog.events.turn_delta import full_turns
+    from agentlog.events.schema.turn_delta import full_turns
     from agentlog.loop.gateway_rollout import build_text_model
     from agentlog.loop.teacher import TorchTeacher
 

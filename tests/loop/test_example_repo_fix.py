@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 import torch
 
-from agentlog.events.turn_delta import full_turns
-from agentlog.events.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
+from agentlog.events.schema.turn_delta import full_turns
+from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
 from agentlog.loop import logs
 from agentlog.loop.check import check_run
 from agentlog.loop.config import LoopConfig
@@ -205,8 +205,8 @@ def test_a_tool_calling_session_in_the_runs_chat_template_masks_the_tool_result_
     loss mask is 1 on exactly the two outputs, 0 on the template's tool-response tokens between them."""
     from transformers import AutoTokenizer
 
-    from agentlog.events.log_api import MemoryLog
-    from agentlog.events.types import SessionStarted
+    from agentlog.events.log.api import MemoryLog
+    from agentlog.events.schema.types import SessionStarted
     from agentlog.gateway import HFChatTemplate, HermesToolParser, ToolSpec
     from agentlog.gateway.chat import assistant_message
     from agentlog.gateway.python_agent import BASH_TOOL

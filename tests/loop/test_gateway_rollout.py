@@ -20,9 +20,9 @@ import pytest
 
 from agentlog.engine import SessionEngine, SessionTimeout
 from agentlog.engine.tasks import TextEpisode, TextTask, register_task, verdict_of_command
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.turn_delta import full_turns
-from agentlog.events.types import CommandRan, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.turn_delta import full_turns
+from agentlog.events.schema.types import CommandRan, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
 from agentlog.gateway import Backend, BackendError, ByteChatTemplate, Generation, SamplingParams
 from agentlog.loop import FaultConfig, LoopConfig, LoopLearner, RolloutWorker, check_run
 from agentlog.loop import logs

@@ -10,8 +10,8 @@ import torch
 from hf_helpers import tiny_hf_dir  # noqa: F401  (fixture)
 from loop_helpers import small_config
 
-from agentlog.events.turn_delta import full_turns
-from agentlog.events.types import TurnRecorded
+from agentlog.events.schema.turn_delta import full_turns
+from agentlog.events.schema.types import TurnRecorded
 from agentlog.loop import logs
 from agentlog.loop.check import check_run
 from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig

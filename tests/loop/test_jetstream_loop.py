@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from agentlog.events.types import SessionAborted, SessionOpened, TERMINAL_EVENT_TYPES
+from agentlog.events.schema.types import SessionAborted, SessionOpened, TERMINAL_EVENT_TYPES
 from agentlog.loop import logs
 from agentlog.loop.check import check_run
 from agentlog.loop.config import ConfigError, LogConfig, LoopConfig, RolloutConfig
@@ -58,8 +58,8 @@ def _epochs(ref) -> list[tuple[int, int, bool]]:
     """(stream sequence, writer epoch, is a fence) of every message on the log's subject, in order."""
     from nats.js.errors import NotFoundError
 
-    from agentlog.events.log_jetstream import HDR_EPOCH
-    from agentlog.events.log_jetstream_read import HDR_KIND, KIND_FENCE
+    from agentlog.events.log.jetstream import HDR_EPOCH
+    from agentlog.events.log.jetstream_read import HDR_KIND, KIND_FENCE
 
     async def scan() -> list[tuple[int, int, bool]]:
         out, seq = [], 1
@@ -250,7 +250,7 @@ def test_run_logs_on_jetstream_end_tail_and_sources(tmp_path: Path, nats_cluster
     subjects; ``durable_end`` is the next LSN even when the subject ends in
     fences (writers that opened and wrote nothing); a LogTail of the learner
     log returns each record once, across polls."""
-    from agentlog.events.types import SessionOpened as Opened
+    from agentlog.events.schema.types import SessionOpened as Opened
 
     cfg = LoopConfig(rollout=RolloutConfig(workers=2), log=LogConfig(backend="nats", url=_url(nats_cluster), replicas=3))
     run = tmp_path / "tail.run"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from agentlog.events.log_format import FENCE_NAME, read_fence
-from agentlog.events.partitions import list_partitions, partition_dir
-from agentlog.events.types import SessionAborted, SessionOpened
+from agentlog.events.log.format import FENCE_NAME, read_fence
+from agentlog.events.log.partitions import list_partitions, partition_dir
+from agentlog.events.schema.types import SessionAborted, SessionOpened
 from agentlog.loop import logs
 from agentlog.loop.check import check_run
 from agentlog.loop.config import RolloutConfig
@@ -60,7 +60,7 @@ def _kill(proc) -> None:
 
 def _open_sessions(path: Path) -> set[str]:
     from agentlog.events import read_log
-    from agentlog.events.types import TERMINAL_EVENT_TYPES
+    from agentlog.events.schema.types import TERMINAL_EVENT_TYPES
 
     opened: set[str] = set()
     for env in read_log(path, 0, durable_only=False):

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentlog.events.types import MemberRef
+from agentlog.events.schema.types import MemberRef
 from agentlog.learner.batching import make_batches
 from agentlog.loop.trainer import LoopLearner, StepCutter, resume_point, step_digest
 from agentlog.reducers.partitioned import PartitionFold, rebuild_batches, reduce_partitions

@@ -10,7 +10,7 @@ import io
 import re
 
 from agentlog.engine.tasks import select_task
-from agentlog.events.types import PolicyUpdated
+from agentlog.events.schema.types import PolicyUpdated
 from agentlog.loop.config import FaultConfig, LoopConfig
 from agentlog.loop.demo.warmup import supervised_warmup
 from agentlog.loop.policy import build_model

@@ -12,9 +12,9 @@ import pytest
 
 from ray_helpers import loopback_cluster, ray  # noqa: F401  (sets the loopback env before ray is imported; a fixture)
 
-from agentlog.events.log_format import read_fence
-from agentlog.events.partitions import list_partitions, partition_dir
-from agentlog.events.types import SessionOpened
+from agentlog.events.log.format import read_fence
+from agentlog.events.log.partitions import list_partitions, partition_dir
+from agentlog.events.schema.types import SessionOpened
 from agentlog.loop import logs
 from agentlog.loop.check import check_run
 from agentlog.loop.config import RolloutConfig

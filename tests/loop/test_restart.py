@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from agentlog.events.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened
+from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened
 from agentlog.loop import logs
 from agentlog.loop.check import check_run
 from agentlog.loop.run import start_process

@@ -26,8 +26,8 @@ from aiohttp import web
 from aiohttp_helpers import serve_app
 from hf_helpers import build_once  # noqa: F401  (sets HF_HUB_OFFLINE before transformers is imported)
 
-from agentlog.events.turn_delta import full_turns
-from agentlog.events.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
+from agentlog.events.schema.turn_delta import full_turns
+from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
 from agentlog.loop import FaultConfig, LoopConfig, LoopLearner, RolloutWorker, check_run
 from agentlog.loop import logs
 from agentlog.loop.policy import resolve_hf_model

@@ -13,8 +13,8 @@ import asyncio
 import pytest
 
 from agentlog.engine.tasks import register_task
-from agentlog.events.turn_delta import full_turns
-from agentlog.events.types import SessionAborted, SessionFinished, SessionOpened, TurnRecorded
+from agentlog.events.schema.turn_delta import full_turns
+from agentlog.events.schema.types import SessionAborted, SessionFinished, SessionOpened, TurnRecorded
 from agentlog.loop import FaultConfig, LoopConfig, LoopLearner, RolloutWorker, check_run
 from agentlog.loop import logs
 from agentlog.loop.publish import read_learner_records

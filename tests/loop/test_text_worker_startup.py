@@ -10,8 +10,8 @@ import random
 import pytest
 
 from agentlog.engine import SessionEngine
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import SessionDropped, SessionOpened
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.types import SessionDropped, SessionOpened
 from agentlog.loop import FaultConfig, LoopConfig, RolloutWorker
 from agentlog.loop import logs
 from agentlog.loop.config import AgentConfig, ConfigError

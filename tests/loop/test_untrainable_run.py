@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agentlog.events.types import SessionAborted
+from agentlog.events.schema.types import SessionAborted
 from agentlog.loop import logs
 from agentlog.loop.publish import STOPPED_UNTRAINABLE, read_learner_records
 

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("nats", reason="the JetStream log needs the nats extra: pip install 'agentlog[nats]'")
 
-from agentlog.events.log_api import LogFenced
-from agentlog.events.types import SessionOpened
+from agentlog.events.log.api import LogFenced
+from agentlog.events.schema.types import SessionOpened
 from agentlog.loop.config import LogConfig, RolloutConfig
 from agentlog.loop.worker import RolloutWorker, WorkerLogFatal
 from loop_helpers import small_config

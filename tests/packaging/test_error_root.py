@@ -43,7 +43,7 @@ def defined_exceptions() -> dict[str, type[BaseException]]:
 def test_every_exception_class_of_the_package_derives_from_agentlog_error():
     found = defined_exceptions()
     # The walk reaches every layer (a broken walk must not pass vacuously).
-    for expected in ("agentlog.events.log_api.LogError", "agentlog.reducers.errors.ReduceError",
+    for expected in ("agentlog.events.log.api.LogError", "agentlog.reducers.errors.ReduceError",
                      "agentlog.engine.errors.DuplicateSession", "agentlog.loop.run.LoopError", "agentlog.tools.cli.CliError"):
         assert expected in found, expected
     stray = sorted(name for name, cls in found.items() if not issubclass(cls, AgentlogError))
@@ -71,7 +71,7 @@ def test_the_config_errors_of_every_layer_are_one_class_that_stays_a_value_error
 
 def test_the_engine_errors_keep_their_builtin_and_lifecycle_bases_and_old_import_paths():
     from agentlog.engine import core, errors
-    from agentlog.events.lifecycle import IllegalTransition, LifecycleError
+    from agentlog.events.schema.lifecycle import IllegalTransition, LifecycleError
 
     assert issubclass(errors.DuplicateSession, LifecycleError)
     assert issubclass(errors.StragglerRefused, IllegalTransition)

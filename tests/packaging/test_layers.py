@@ -95,9 +95,9 @@ def test_relative_imports_resolve_to_their_layer():
     assert imported_layers(PurePosixPath("loop/run.py"), tree, layers) == [(1, "tools"), (2, "loop"), (3, "events"), (4, "learner")]
 
 
-#: The event schema: its types, the lifecycle grammar and the turn encoding (a
-#: folder ``events/schema/`` once they move there), not the log or its JetStream backend.
-SCHEMA_MODULES = ("events/types.py", "events/lifecycle.py", "events/turn_delta.py", "events/schema")
+#: The event schema: its types, the lifecycle grammar and the turn encoding, not
+#: the log or its JetStream backend.
+SCHEMA_MODULES = ("events/schema",)
 
 #: Torch, the HTTP stack, progress bars and the NATS client.
 HEAVY = frozenset({"torch", "aiohttp", "tqdm", "nats"})
@@ -163,7 +163,7 @@ def test_the_banned_import_check_bites(tmp_path):
     files = {
         "reducers/fold.py": "import numpy as np\ndef f():\n    import torch.nn\n",
         "engine/core.py": "import importlib\nbar = importlib.import_module('tqdm')\n",
-        "events/types.py": "from aiohttp import web\n",
+        "events/schema/types.py": "from aiohttp import web\n",
         "events/schema/turn.py": "import nats.js\n",
         "learner/model.py": "import torch\n",
         "tools/progress.py": "from tqdm import tqdm\n",
@@ -175,7 +175,7 @@ def test_the_banned_import_check_bites(tmp_path):
     assert banned_imports(tmp_path) == [
         "engine/core.py:2: imports tqdm (only tools/ draws progress bars)",
         "events/schema/turn.py:1: imports nats (the event schema is data)",
-        "events/types.py:1: imports aiohttp (the event schema is data)",
+        "events/schema/types.py:1: imports aiohttp (the event schema is data)",
         "reducers/fold.py:3: imports torch (the reducers are pure folds)",
     ]
 
@@ -197,3 +197,48 @@ def test_importing_the_schema_and_the_reducers_loads_none_of_them():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "", f"importing {modules} loaded {res.stdout.strip()}"
+
+
+def schema_imports_of_the_log(root: Path) -> list[str]:
+    """'path:line: ...' for each import of ``agentlog.events.log`` (absolute, or
+    relative as ``..log``) in ``events/schema/``: the schema is the lower
+    sublayer of ``events``, and the log builds on it, never the reverse."""
+    problems = []
+    for rel in tracked_files(root, "*.py"):
+        posix = PurePosixPath(rel.as_posix())
+        if not _covers(SCHEMA_MODULES, posix):
+            continue
+        tree = ast.parse((root / rel).read_text(encoding="utf-8"), filename=str(rel))
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ("agentlog.events." if node.level == 2 else "") + (node.module or "")
+                if node.level == 2 and not node.module:  # from .. import log
+                    base = "agentlog.events." + ",".join(a.name for a in node.names)
+                names = [base]
+            if any(n == "agentlog.events.log" or n.startswith("agentlog.events.log.") for n in names):
+                problems.append(f"{posix}:{node.lineno}: imports the log (events/schema/ is data the log builds on)")
+    return sorted(problems)
+
+
+def test_the_schema_does_not_import_the_log():
+    problems = schema_imports_of_the_log(ROOT)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_schema_to_log_check_bites(tmp_path):
+    files = {
+        "events/schema/types.py": "from ..log.api import LogError\n",
+        "events/schema/turn.py": "import agentlog.events.log.format\nfrom ..errors import AgentlogError\n",
+        "events/log/api.py": "from ..schema.types import Envelope\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    assert schema_imports_of_the_log(tmp_path) == [
+        "events/schema/turn.py:1: imports the log (events/schema/ is data the log builds on)",
+        "events/schema/types.py:1: imports the log (events/schema/ is data the log builds on)",
+    ]

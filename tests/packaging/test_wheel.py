@@ -104,11 +104,11 @@ def test_wheel_installs_no_test_or_benchmark_code(wheel_names):
 
 
 def test_the_wheel_carries_the_compiled_frame_codec_where_it_builds(wheel_names):
-    """setup.py builds events/_framecodec.c into the wheel when a C compiler is
+    """setup.py builds events/log/_framecodec.c into the wheel when a C compiler is
     present (this checkout built it: its editable install has it)."""
-    from agentlog.events import framecodec
+    from agentlog.events.log import framecodec
 
     if not framecodec.available():
         pytest.skip("no compiled frame codec in this checkout (no C compiler at install time?)")
     built = [n for n in wheel_names if PurePosixPath(n).name.startswith("_framecodec.") and n.endswith((".so", ".pyd"))]
-    assert [PurePosixPath(n).parent.as_posix() for n in built] == ["agentlog/events"], wheel_names
+    assert [PurePosixPath(n).parent.as_posix() for n in built] == ["agentlog/events/log"], wheel_names

@@ -10,8 +10,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import (
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.types import (
     RewardAssigned,
     SessionAborted,
     SessionDropped,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentlog.events.types import TurnRecorded
+from agentlog.events.schema.types import TurnRecorded
 
 
 class _N:

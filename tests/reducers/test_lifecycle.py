@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentlog.events.lifecycle import State
-from agentlog.events.types import (
+from agentlog.events.schema.lifecycle import State
+from agentlog.events.schema.types import (
     CommandRan,
     Envelope,
     PolicyUpdated,

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentlog.engine import SessionEngine
-from agentlog.events.types import Envelope, RewardAssigned, event_tag
+from agentlog.events.schema.types import Envelope, RewardAssigned, event_tag
 from agentlog.reducers.errors import ReduceError
 from agentlog.reducers.lifecycle import LifecycleCheck, LifecycleReducer, Violation
 from agentlog.reducers.lifecycle_step import ViolationKind

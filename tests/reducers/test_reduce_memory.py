@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from agentlog.events.types import Envelope, SessionAborted, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+from agentlog.events.schema.types import Envelope, SessionAborted, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.pipeline import Reducer
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from reduce_streams import RandomStream
 from reference_trajectory import reference_rows
 
-from agentlog.events.types import SessionFinished, TurnRecorded, TurnUndelivered
+from agentlog.events.schema.types import SessionFinished, TurnRecorded, TurnUndelivered
 from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.pipeline import Reducer, reduce_log
 from agentlog.reducers.samples import check_sample, digest_samples, encode_sample

@@ -7,8 +7,8 @@ import math
 import pytest
 from reduce_streams import Script, expect_row, log_of, msg, reduce_scripts
 
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import Envelope, PolicyUpdated, SessionAborted, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.types import Envelope, PolicyUpdated, SessionAborted, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 from agentlog.reducers.config import ConfigError, ReduceConfig
 from agentlog.reducers.pipeline import Reducer, ReduceError, reduce_log
 from agentlog.reducers.samples import ABORTED, COMPLETED, aborted_placeholder, check_sample, resolve_reward

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentlog.engine import SessionEngine
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import EventValidationError, TeacherScored
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.types import EventValidationError, TeacherScored
 from agentlog.reducers.pipeline import ReduceError, reduce_log
 from agentlog.reducers.samples import decode_sample, digest_samples, distill_problem, encode_sample
 

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from reduce_streams import RandomStream
 
 from agentlog.engine.core import SessionEngine
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.turn_delta import TurnContext
-from agentlog.events.types import (
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.turn_delta import TurnContext
+from agentlog.events.schema.types import (
     EVENT_TYPES,
     Envelope,
     TurnDelta,
@@ -193,7 +193,7 @@ def test_a_live_session_in_the_reducer_holds_its_new_tokens_not_every_prompt():
         turns.append(TurnRecorded(turn_index=t, prompt_ids=prompt, output_ids=out, output_log_probs=[-0.5] * 10))
         prompt = prompt + out + [5] * 20
     ctx, log = TurnContext(), MemoryLog(clock=lambda: 0)
-    from agentlog.events.types import SessionOpened, SessionStarted
+    from agentlog.events.schema.types import SessionOpened, SessionStarted
 
     records: list[Any] = [SessionOpened(group_id="g", group_size=1), SessionStarted()]
     for body in turns:

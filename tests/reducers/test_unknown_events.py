@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from agentlog.events.lifecycle import State
-from agentlog.events.types import Envelope, SessionFinished, SessionOpened, SessionStarted, UnknownEvent
+from agentlog.events.schema.lifecycle import State
+from agentlog.events.schema.types import Envelope, SessionFinished, SessionOpened, SessionStarted, UnknownEvent
 from agentlog.reducers.errors import ReduceError, UnknownEventError
 from agentlog.reducers.lifecycle import LifecycleReducer, SessionSummary, Violation, replay
 from agentlog.reducers.pipeline import Reducer, reduce_log, session_trajectory

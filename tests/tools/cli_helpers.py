@@ -166,7 +166,7 @@ def write_many_sessions(path: str | os.PathLike, n_sessions: int, *, seed: int =
     import random
 
     from agentlog.events import FileLog
-    from agentlog.events.types import (
+    from agentlog.events.schema.types import (
         CommandRan, SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted, TurnRecorded,
     )
 
@@ -233,7 +233,7 @@ def write_learner_log(path: str | os.PathLike, steps: int) -> None:
     """A learner log of ``steps`` PolicyUpdated records (versions 1..steps)
     carrying LEARNER_METRICS, appended as the loop's publish() does."""
     from agentlog.events import FileLog
-    from agentlog.events.types import PolicyUpdated
+    from agentlog.events.schema.types import PolicyUpdated
     from agentlog.loop.publish import LEARNER_STREAM
 
     log = FileLog.open(path, fsync="never")

@@ -77,7 +77,7 @@ def test_an_invalid_option_exits_2_with_one_line(run_log, args, needle):
 
 def test_a_crc_valid_frame_that_is_not_an_event_exits_1_naming_its_lsn_and_session(run_log_copy, tmp_path):
     """Every reading command stops at a foreign payload with one line, exit 1, never a traceback."""
-    from agentlog.events.log_format import encode_frame, list_segments, pack_durable, read_durable, segment_name
+    from agentlog.events.log.format import encode_frame, list_segments, pack_durable, read_durable, segment_name
 
     next_lsn, epoch = read_durable(run_log_copy)
     with open(run_log_copy / segment_name(list_segments(run_log_copy)[-1]), "ab") as f:
@@ -97,7 +97,7 @@ def test_a_crc_valid_frame_that_is_not_an_event_exits_1_naming_its_lsn_and_sessi
 
 def test_serve_on_a_log_damaged_mid_log_exits_2_with_one_line_and_keeps_the_log(run_log_copy):
     """The writer's open checks the tail; the engine's restart fold meets the damage mid-log."""
-    from agentlog.events.log_format import list_segments, segment_name
+    from agentlog.events.log.format import list_segments, segment_name
 
     seg = run_log_copy / segment_name(list_segments(run_log_copy)[0])
     data = bytearray(seg.read_bytes())

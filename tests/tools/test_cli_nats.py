@@ -27,8 +27,8 @@ from cli_helpers import ROOT, read_lines_until, write_many_sessions, write_run
 pytest.importorskip("nats", reason="the nats:// URLs need the nats extra: pip install 'agentlog[nats]'")
 
 from agentlog.events import read_log  # noqa: E402
-from agentlog.events.log_jetstream import JetStreamLog  # noqa: E402
-from agentlog.events.types import (  # noqa: E402
+from agentlog.events.log.jetstream import JetStreamLog  # noqa: E402
+from agentlog.events.schema.types import (  # noqa: E402
     PolicyUpdated, SessionAborted, SessionFinished, SessionOpened, SessionStarted, TurnRecorded,
 )
 from agentlog.tools.cli import main  # noqa: E402
@@ -114,7 +114,7 @@ def test_export_writes_a_run_folder_with_equal_digests(js_run, capsys):
     code, a, _ = cli(capsys, "verify", "--digest", f"{url}/learner")
     code2, b, _ = cli(capsys, "verify", "--digest", str(exported / "learner"))
     assert code == code2 == 0 and _digest_lines(a) == _digest_lines(b) and len(_digest_lines(a)) == 1
-    from agentlog.events.log_jetstream_read import JetStreamRun
+    from agentlog.events.log.jetstream_read import JetStreamRun
 
     with JetStreamRun.open_url(url) as run:
         for name, directory in (("p0000", exported / "rollout/p0000"), ("learner", exported / "learner")):
@@ -327,7 +327,7 @@ def test_export_then_import_round_trips_random_runs(nats_server, tmp_path_factor
     directory = tmp_path_factory.mktemp("hyp") / "run"
     assert main(["export", f"{nats_server.url}/{src}", str(directory)]) == 0
     assert main(["import", str(directory), f"{nats_server.url}/{dst}"]) == 0
-    from agentlog.events.log_jetstream_read import JetStreamRun
+    from agentlog.events.log.jetstream_read import JetStreamRun
     from agentlog.tools.log_transfer import digest_of
 
     with JetStreamRun.open(nats_server.url, src) as a, JetStreamRun.open(nats_server.url, dst) as b:

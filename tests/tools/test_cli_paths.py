@@ -110,7 +110,7 @@ def test_an_unreadable_log_directory_is_one_line_exit_2(run_log, tmp_path, monke
 @pytest.mark.parametrize("cmd", ["replay", "stats", "show", "reconstruct", "report", "trace"])
 def test_a_segment_that_cannot_be_read_is_one_line_exit_2(run_log, tmp_path, cmd):
     """A segment path that is a directory: the read fails with EISDIR (works as root too)."""
-    from agentlog.events.log_format import list_segments, segment_name
+    from agentlog.events.log.format import list_segments, segment_name
 
     log = tmp_path / "bad.log"
     shutil.copytree(run_log[0], log, ignore=shutil.ignore_patterns("LOCK"))

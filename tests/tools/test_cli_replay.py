@@ -6,7 +6,7 @@ import json
 
 from cli_helpers import EXPECTED, agentlog
 from agentlog.events import FileLog, read_log
-from agentlog.events.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 
 # The lifecycle, written out by hand: the state each event leaves its session in.
 _AFTER = {

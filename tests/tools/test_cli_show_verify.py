@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from cli_helpers import agentlog
-from agentlog.events.log_format import SEG_HDR_SIZE, list_segments, segment_name
+from agentlog.events.log.format import SEG_HDR_SIZE, list_segments, segment_name
 
 
 def test_show_prints_rows_with_trained_and_context_tokens(run_log):
@@ -109,7 +109,7 @@ def test_show_prints_the_abort_error_and_traceback(run_log):
 
 def test_show_prints_label_verifier_detail_and_cuts_long_texts_unless_full(tmp_path):
     from agentlog.events import FileLog
-    from agentlog.events.types import SessionAborted, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+    from agentlog.events.schema.types import SessionAborted, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 
     long_text = "word " * 200  # 1000 characters
     path = tmp_path / "why.log"

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from agentlog.events.log_format import DURABLE_NAME, FLAG_TERMINAL, encode_frame, pack_durable, pack_segment_header, segment_name
-from agentlog.events.types import (
+from agentlog.events.log.format import DURABLE_NAME, FLAG_TERMINAL, encode_frame, pack_durable, pack_segment_header, segment_name
+from agentlog.events.schema.types import (
     TERMINAL_EVENT_TYPES,
     RewardAssigned,
     SessionFinished,

@@ -1,6 +1,6 @@
 """`agentlog stats`, `verify` and `replay` on a partitioned run folder
 (``rollout/p0000``, ``rollout/p0001``, ...), run in-process; and
-:func:`events.partitions.read_partitions`, the merged order they share."""
+:func:`events.log.partitions.read_partitions`, the merged order they share."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentlog.events import LogCorruption
-from agentlog.events.log_format import SEG_HDR_SIZE, list_segments, segment_name
-from agentlog.events.partitions import open_partition, partition_dir, read_partitions
-from agentlog.events.types import SessionFinished, SessionOpened, SessionStarted
+from agentlog.events.log.format import SEG_HDR_SIZE, list_segments, segment_name
+from agentlog.events.log.partitions import open_partition, partition_dir, read_partitions
+from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted
 from agentlog.tools.cli import main
 
 #: Sessions written per partition (partition id -> count): uneven on purpose.

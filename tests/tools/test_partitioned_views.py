@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from agentlog.events import read_log
-from agentlog.events.partitions import open_partition, partition_dir
-from agentlog.events.types import SessionOpened, event_tag
+from agentlog.events.log.partitions import open_partition, partition_dir
+from agentlog.events.schema.types import SessionOpened, event_tag
 from cli_helpers import read_lines_until
 from test_cli_tail_report import _start_tail
 from test_partitioned_run import cli

@@ -10,9 +10,9 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import agentlog.events.types as ev
+import agentlog.events.schema.types as ev
 from cli_helpers import ROOT
-from agentlog.events.types import (
+from agentlog.events.schema.types import (
     CommandRan,
     Envelope,
     PolicyUpdated,

@@ -13,7 +13,7 @@ import pytest
 from cli_helpers import agentlog
 
 from agentlog.events import FileLog
-from agentlog.events.types import CommandRan, SessionAborted, SessionFinished, SessionOpened, SessionStarted
+from agentlog.events.schema.types import CommandRan, SessionAborted, SessionFinished, SessionOpened, SessionStarted
 
 TEST_CMD = "python3 test_adder.py"
 TEST_OUTPUT = "FAIL: test_add\nAssertionError: add(2, 2) returned 5, expected 4"

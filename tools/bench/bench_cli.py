@@ -17,7 +17,7 @@ Then, in one run, it measures (each over the same files, page cache warm):
 * ``agentlog reconstruct LOG -o OUT --format msgpack``.
 
 The log reader and the commands run under both frame codecs
-(events.framecodec), side by side: the compiled one when it is built, and
+(events.log.framecodec), side by side: the compiled one when it is built, and
 the pure-Python fallback; the goal is judged on the compiled one.
 
 Throughput is log bytes / wall seconds; each figure is the minimum of a few
@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from agentlog.events import FileLog  # noqa: E402
-from agentlog.events.types import (  # noqa: E402
+from agentlog.events.schema.types import (  # noqa: E402
     CommandRan,
     RewardAssigned,
     SessionAborted,
@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((name, min(walls), min(cpus)))
             return min(walls), min(cpus)
 
-        from agentlog.events import framecodec, read_log
+        from agentlog.events import read_log
+        from agentlog.events.log import framecodec
 
         stats_argv = ["stats", str(log_dir), "--quiet"]
         w_raw, c_raw = measure("raw read (anchor)", lambda: raw_read(log_dir) and 0)

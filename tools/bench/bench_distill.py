@@ -41,7 +41,7 @@ from pathlib import Path
 import structlog
 
 from agentlog.engine.tasks import select_task
-from agentlog.events.types import PolicyUpdated
+from agentlog.events.schema.types import PolicyUpdated
 from agentlog.learner.learner import Learner
 from agentlog.loop import logs
 from agentlog.loop.config import LoopConfig

@@ -36,10 +36,10 @@ import structlog
 
 import agentlog.engine as engine_pkg
 from agentlog.engine import SessionEngine
-from agentlog.events.lifecycle import LIFECYCLE_SPEC, State, next_state
+from agentlog.events.schema.lifecycle import LIFECYCLE_SPEC, State, next_state
 from agentlog.events import FileLog
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 
 
 

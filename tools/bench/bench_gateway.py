@@ -79,8 +79,8 @@ async def _run(args) -> list[str]:
     from agentlog.engine import SessionEngine
     from agentlog.gateway import ByteChatTemplate, Gateway, GatewayConfig, SamplingParams, TorchBackend
     from agentlog.events import FileLog
-    from agentlog.events.turn_delta import full_turns
-    from agentlog.events.types import TurnRecorded
+    from agentlog.events.schema.turn_delta import full_turns
+    from agentlog.events.schema.types import TurnRecorded
     from agentlog.learner.model import GPT, GPTConfig
 
     torch.set_num_threads(1)  # leave the other core to the gateway and the client

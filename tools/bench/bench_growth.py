@@ -42,8 +42,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from agentlog.engine import SessionEngine  # noqa: E402
-from agentlog.events.log_api import MemoryLog  # noqa: E402
-from agentlog.events.types import Envelope, TurnDelta, TurnRecorded, decode_body, encode_body  # noqa: E402
+from agentlog.events.log.api import MemoryLog  # noqa: E402
+from agentlog.events.schema.types import Envelope, TurnDelta, TurnRecorded, decode_body, encode_body  # noqa: E402
 from agentlog.reducers.config import ReduceConfig  # noqa: E402
 from agentlog.reducers.pipeline import Reducer, reduce_log  # noqa: E402
 
@@ -108,7 +108,7 @@ def record(turns: list[dict[str, Any]], encoding: str) -> MemoryLog:
             await h.finish(reward=1.0)
             await eng.close()
             return log
-        from agentlog.events.types import SessionFinished, SessionOpened, SessionStarted
+        from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted
 
         records: list[Any] = [SessionOpened(group_id="g", group_size=1), SessionStarted()]
         records += [TurnRecorded(turn_index=i, **kw) for i, kw in enumerate(turns)]

@@ -39,8 +39,8 @@ from pathlib import Path
 import structlog
 
 from agentlog.events import FileLog
-from agentlog.events.log_api import EventLog
-from agentlog.events.types import SessionOpened
+from agentlog.events.log.api import EventLog
+from agentlog.events.schema.types import SessionOpened
 
 
 def _bench_log():
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import nats  # noqa: F401
 
-        from agentlog.events.log_jetstream import JetStreamLog
+        from agentlog.events.log.jetstream import JetStreamLog
 
         NatsCluster, find_nats_server = _nats_cluster()
 

@@ -11,7 +11,7 @@ measured in the same run on the same disk:
 
     .venv/bin/python tools/bench/bench_log.py [--quick] [--dir DIR]
 
-Every measurement runs under both frame codecs (events.framecodec): the
+Every measurement runs under both frame codecs (events.log.framecodec): the
 compiled one, when it is built, and the pure-Python fallback. Prints a table
 with both side by side, the fallback's figures against the goals (not
 judged), then one ``GOAL`` line per goal for the compiled codec. Exits 0
@@ -36,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import structlog  # noqa: E402
 
-from agentlog.events import FileLog, framecodec, read_log  # noqa: E402
-from agentlog.events.log_format import list_segments, segment_name  # noqa: E402
-from agentlog.events.types import CommandRan, TurnRecorded  # noqa: E402
+from agentlog.events import FileLog, read_log  # noqa: E402
+from agentlog.events.log import framecodec  # noqa: E402
+from agentlog.events.log.format import list_segments, segment_name  # noqa: E402
+from agentlog.events.schema.types import CommandRan, TurnRecorded  # noqa: E402
 
 TOKENS = 2048
 
@@ -262,7 +263,7 @@ def goal(name: str, measured: float, op: str, target: float, unit: str = "x") ->
 
 
 def measure_all(root: Path, quick: bool) -> dict:
-    """Every measurement, with the codec currently selected (events.framecodec)."""
+    """Every measurement, with the codec currently selected (events.log.framecodec)."""
     if quick:
         tok = bench_tokens(root, n=256, batch=32, reps=1)
         n_small, n_async = 100_000, 20_000

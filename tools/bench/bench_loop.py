@@ -29,8 +29,8 @@ from typing import Any
 import structlog
 import torch
 
-from agentlog.events.lifecycle import State
-from agentlog.events.types import PolicyUpdated, SessionOpened, TurnDelta, TurnRecorded
+from agentlog.events.schema.lifecycle import State
+from agentlog.events.schema.types import PolicyUpdated, SessionOpened, TurnDelta, TurnRecorded
 from agentlog.learner.learner import Learner
 from agentlog.loop import logs
 from agentlog.loop.config import FaultConfig, LoopConfig

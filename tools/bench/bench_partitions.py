@@ -52,9 +52,9 @@ from tqdm import tqdm
 from agentlog.engine import SessionEngine
 from agentlog.engine.tasks.lookup import ANSWER, EOS, LOOKUP, LookupTask, key_token, value_token
 from agentlog.events import FileLog, read_log
-from agentlog.events.log_api import MemoryLog
-from agentlog.events.partitions import partition_dir
-from agentlog.events.types import SessionOpened, PolicyUpdated
+from agentlog.events.log.api import MemoryLog
+from agentlog.events.log.partitions import partition_dir
+from agentlog.events.schema.types import SessionOpened, PolicyUpdated
 from agentlog.loop import logs
 from agentlog.loop.config import LoopConfig, RolloutConfig
 from agentlog.loop.run import run_loop

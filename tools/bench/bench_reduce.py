@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from agentlog.events import FileLog, read_log  # noqa: E402
-from agentlog.events.types import (  # noqa: E402
+from agentlog.events.schema.types import (  # noqa: E402
     RewardAssigned,
     SessionAborted,
     SessionDropped,

@@ -52,7 +52,7 @@ from typing import Any, Iterator
 import msgspec
 import numpy as np
 
-from agentlog.events.types import PolicyUpdated, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+from agentlog.events.schema.types import PolicyUpdated, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 from agentlog.loop import logs
 from agentlog.loop.publish import publish, read_learner_records
 from agentlog.loop.trainer import RecordsNeeded, read_resume_records, resume_point

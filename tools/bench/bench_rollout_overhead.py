@@ -56,8 +56,8 @@ async def _through_gateway(concurrency: int, sessions_each: int, max_tokens: int
     """Wall time of ``concurrency`` streams of ``sessions_each`` Python-agent sessions; and the recorded prompts."""
     from agentlog.engine import LocalSandbox, SessionEngine
     from agentlog.events import FileLog
-    from agentlog.events.turn_delta import full_turns
-    from agentlog.events.types import TurnRecorded
+    from agentlog.events.schema.turn_delta import full_turns
+    from agentlog.events.schema.types import TurnRecorded
     from agentlog.gateway import Gateway, TorchBackend
     from agentlog.gateway.python_agent import PythonAgent
     from agentlog.tools.cmd_serve import default_gateway_model

@@ -421,7 +421,7 @@ def collect(
     partitioned log, whose ``envelopes`` are then ``(partition id, Envelope)``
     pairs in merged order (:func:`tools.cli_common.read_tagged`). ``config``: the
     ReduceConfig to fold samples and groups with (None: the reducers' defaults)."""
-    from agentlog.events.types import CommandRan, PolicyUpdated, SessionOpened
+    from agentlog.events.schema.types import CommandRan, PolicyUpdated, SessionOpened
     from agentlog.reducers.lifecycle import LifecycleState, SessionSummary, Violation, reduce_lifecycle
     from agentlog.reducers.config import DEFAULT_CONFIG
     from agentlog.reducers.pipeline import ReduceError, Reducer

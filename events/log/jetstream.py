@@ -55,7 +55,7 @@ never acknowledged unless JetStream acknowledged it. The server elects a new
 stream leader 4 to 9 s after losing one (raft timing constants of
 nats-server, not configurable), so appends stall that long and resume.
 
-Reads (:mod:`agentlog.events.log_jetstream_read`) find a late LSN by a binary
+Reads (:mod:`agentlog.events.log.jetstream_read`) find a late LSN by a binary
 search over the subject by direct get, then take messages through an
 ordered consumer.
 """
@@ -68,10 +68,10 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple, Sequence
 
-from .._logging import get_logger
-from .log_api import EventLog, LogClosed, LogError, LogFenced, PendingRecord
-from .log_format import FLAG_TERMINAL, encode_frame
-from .log_jetstream_read import (
+from ..._logging import get_logger
+from .api import EventLog, LogClosed, LogError, LogFenced, PendingRecord
+from .format import FLAG_TERMINAL, encode_frame
+from .jetstream_read import (
     HDR_CHUNK,
     HDR_KIND,
     HDR_MSG_ID,
@@ -87,7 +87,7 @@ from .log_jetstream_read import (
     retried,
     retry_errors,
 )
-from .types import TERMINAL_EVENT_TYPES, Envelope
+from ..schema.types import TERMINAL_EVENT_TYPES, Envelope
 
 log = get_logger(__name__)
 
@@ -315,7 +315,7 @@ class JetStreamLog(EventLog):
         """Advance next LSN and open sessions over the subject's records from
         ``from_lsn`` up to stream sequence ``end`` (the leader's end when
         None); the sequence read up to."""
-        from .log_jetstream_read import SubjectCursor
+        from .jetstream_read import SubjectCursor
 
         cur = SubjectCursor(self._js, self.stream, self.subject, self.where, from_lsn, raw=True, to_end=True,
                             start_timeout_s=self._failover_timeout_s, end=end)

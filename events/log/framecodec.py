@@ -1,7 +1,7 @@
 """Which frame codec the file log uses: the compiled one
-(:mod:`agentlog.events._framecodec`, built from ``events/_framecodec.c`` at
+(:mod:`agentlog.events.log._framecodec`, built from ``events/log/_framecodec.c`` at
 ``pip install`` when a C compiler is present) or the pure-Python one in
-:mod:`~agentlog.events.log_scan` and :mod:`~agentlog.events.log_writer`.
+:mod:`~agentlog.events.log.scan` and :mod:`~agentlog.events.log.writer`.
 Both give identical results (the differential tests hold them to it); the
 compiled one stops paying Python per frame for framing and CRC32C.
 

@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-from .log_api import LogLocked
-from .log_format import LOCK_NAME
+from .api import LogLocked
+from .format import LOCK_NAME
 
 
 class WriterLock(NamedTuple):

@@ -1,6 +1,6 @@
 """Delta encoding of turns: the one place that turns a full turn into a
-:class:`~agentlog.events.types.TurnDelta` and a delta back into the full
-:class:`~agentlog.events.types.TurnRecorded` it stands for.
+:class:`~agentlog.events.schema.types.TurnDelta` and a delta back into the full
+:class:`~agentlog.events.schema.types.TurnRecorded` it stands for.
 
 An agent's prompt usually repeats the previous turn's prompt and output and
 adds the tool's answer, so storing each prompt whole makes a session's log
@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator
 import msgspec
 import numpy as np
 
-from .errors import AgentlogError
+from ..errors import AgentlogError
 from .types import _READING_STORED, TERMINAL_EVENT_TYPES, Envelope, TurnDelta, TurnRecorded
 
 _encode = msgspec.msgpack.Encoder().encode

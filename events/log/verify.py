@@ -4,7 +4,7 @@ and lifecycle are the reducers' one check, ``reducers.lifecycle.LifecycleCheck``
 which ``agentlog verify`` runs next), reports what it
 found as a :class:`VerifyReport`, and with ``repair=True`` cuts a torn tail.
 
-It scans with the same :class:`~agentlog.events.log_scan.LogWalk` as the
+It scans with the same :class:`~agentlog.events.log.scan.LogWalk` as the
 writer's recovery, so both agree on what is a torn tail and what is
 corruption; verify changes nothing unless asked to repair, and never touches
 mid-log corruption.
@@ -19,9 +19,9 @@ from typing import Callable
 
 import msgspec
 
-from .fs import fsync_dir
-from .log_api import SchemaError
-from .log_format import (
+from ..fs import fsync_dir
+from .api import SchemaError
+from .format import (
     DEFAULT_MAX_RECORD_BYTES,
     FLAG_TERMINAL,
     SEG_HDR_SIZE,
@@ -30,10 +30,10 @@ from .log_format import (
     read_watermark,
     segment_name,
 )
-from .log_lock import acquire_lock, release_lock
-from .log_read import existing_log_dir
-from .log_scan import LogWalk, payload_error, proof
-from .types import UnknownEvent, decode_body
+from .lock import acquire_lock, release_lock
+from .read import existing_log_dir
+from .scan import LogWalk, payload_error, proof
+from ..schema.types import UnknownEvent, decode_body
 
 
 class VerifyReport(msgspec.Struct):

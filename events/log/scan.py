@@ -8,7 +8,7 @@ caller each segment's frames, and says why it stopped before the log's clean
 end, and whether that stop is a torn tail (never acknowledged: recovery cuts
 it, verify reports ``torn``) or corruption (a :class:`LogCorruption` naming
 segment, offset and last good LSN). Readers and followers position themselves
-with the sparse index instead (:mod:`agentlog.events.log_read`) but classify
+with the sparse index instead (:mod:`agentlog.events.log.read`) but classify
 what they find with the same functions.
 """
 
@@ -19,10 +19,10 @@ import struct
 from pathlib import Path
 from typing import Generator, Iterator, NamedTuple
 
-from .errors import AgentlogError
+from ..errors import AgentlogError
 from . import framecodec
-from .log_api import LogCorruption, SchemaError
-from .log_format import (
+from .api import LogCorruption, SchemaError
+from .format import (
     ENV_HDR,
     FRAME_HDR,
     FRAME_PREFIX,
@@ -363,7 +363,7 @@ def missing_acked(name: str, size: int, expected: int, watermark: int) -> LogCor
 
 def missing_start(directory: Path, segments: list[int]) -> LogCorruption | None:
     """The head of the log is gone: its first segment file does not start at
-    :data:`~agentlog.events.log_format.LOG_START_LSN` (nothing removes a
+    :data:`~agentlog.events.log.format.LOG_START_LSN` (nothing removes a
     log's head on purpose). None when it does, or when there are no segments."""
     if not segments or segments[0] == LOG_START_LSN:
         return None

@@ -1,6 +1,6 @@
 """Reading JetStream log partitions: one ordered consumer per subject.
 
-A log on JetStream (see :mod:`agentlog.events.log_jetstream`) is a subject
+A log on JetStream (see :mod:`agentlog.events.log.jetstream`) is a subject
 ``<stream>.<name>`` of a run's stream, ``<name>`` being a partition
 (``p0003``) or another log of the run (``learner``). Its records are the
 file log's frames, one message each (a frame over the server's max payload
@@ -33,10 +33,10 @@ import re
 import threading
 from typing import Any, AsyncIterator, Iterator
 
-from .._logging import get_logger
-from .log_api import LogCorruption, LogError, NotALog
-from .log_format import ENV_HDR, FLAG_TERMINAL, FRAME_HDR, FRAME_PREFIX, TYPE_RECORD, crc_value, mask_crc
-from .log_read import RawRecord
+from ..._logging import get_logger
+from .api import LogCorruption, LogError, NotALog
+from .format import ENV_HDR, FLAG_TERMINAL, FRAME_HDR, FRAME_PREFIX, TYPE_RECORD, crc_value, mask_crc
+from .read import RawRecord
 from .partitions import parse_partition_name, partition_name
 
 log = get_logger(__name__)

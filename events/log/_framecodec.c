@@ -1,7 +1,7 @@
-/* The compiled frame codec of the file log (agentlog.events._framecodec).
+/* The compiled frame codec of the file log (agentlog.events.log._framecodec).
  *
- * The hot loops of agentlog.events.log_scan and log_writer, with the same
- * behaviour as their pure-Python versions (agentlog.events.framecodec selects
+ * The hot loops of agentlog.events.log.scan and log_writer, with the same
+ * behaviour as their pure-Python versions (agentlog.events.log.framecodec selects
  * one; the differential tests hold them to identical results):
  *
  *   scan()          walk the frames wholly inside a read buffer: bound the

@@ -1,7 +1,7 @@
 """The file log writer's segment files: the fence that stops a stale writer,
 and spare segment files opened ahead of need.
 
-Mixed into :class:`~agentlog.events.log_writer.FileLog`, whose state these
+Mixed into :class:`~agentlog.events.log.writer.FileLog`, whose state these
 methods use (its ``_dir``, ``_epoch``, ``_cv``-guarded spares and segment
 accounting, ``_seg_fd``, ``_lock``). The fence: each writer open records a
 new epoch in ``FENCE``; :meth:`FenceAndSpares._check_fence` re-reads it around
@@ -19,12 +19,12 @@ import errno
 import os
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
-from .log_api import LogCorruption, LogError, LogFenced
-from .log_format import FENCE_NAME, SEG_HDR_SIZE, Checkpoint, pack_segment_header, read_fence, segment_name
-from .log_os import _OUT_OF_FDS
+from .api import LogCorruption, LogError, LogFenced
+from .format import FENCE_NAME, SEG_HDR_SIZE, Checkpoint, pack_segment_header, read_fence, segment_name
+from .osops import _OUT_OF_FDS
 
 if TYPE_CHECKING:
-    from .log_commit import _Submission
+    from .commit import _Submission
 
 
 class _NewSegment(NamedTuple):
@@ -49,7 +49,7 @@ _SPARE_AHEAD_FILL = 0.75
 
 class FenceAndSpares:
     """The fence checks, segment rolls and spare segment files of
-    :class:`~agentlog.events.log_writer.FileLog` (a mixin: it holds no state
+    :class:`~agentlog.events.log.writer.FileLog` (a mixin: it holds no state
     of its own)."""
 
     def _segments_needed(self, frame_sizes: list[int]) -> tuple[int, int]:

@@ -6,7 +6,7 @@ created is removed. A damaged frame followed by valid ones, or one below the
 durable watermark, is corruption: :class:`LogCorruption` names segment,
 offset and last good LSN, unless ``salvage=True`` moves the damaged rest into
 ``salvage-<epoch>/`` (never deleted). It scans with the same
-:class:`~agentlog.events.log_scan.LogWalk` as ``verify_log``, from the
+:class:`~agentlog.events.log.scan.LogWalk` as ``verify_log``, from the
 ``INDEX`` checkpoint when that checks out, so opening a log does not rescan it.
 """
 
@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 from agentlog._logging import get_logger
 
-from .fs import fsync_dir
-from .log_api import LogCorruption
-from .log_format import (
+from ..fs import fsync_dir
+from .api import LogCorruption
+from .format import (
     DURABLE_NAME,
     FENCE_NAME,
     FLAG_TERMINAL,
@@ -34,9 +34,9 @@ from .log_format import (
     read_watermark,
     segment_name,
 )
-from .log_scan import LogWalk, SegmentScanner, open_segment, proof
+from .scan import LogWalk, SegmentScanner, open_segment, proof
 
-log = get_logger("agentlog.events.log_recovery")
+log = get_logger("agentlog.events.log.recovery")
 
 
 class Recovered(NamedTuple):

@@ -3,11 +3,11 @@ leader/follower flush that writes and syncs them under the fsync policy, the
 writer thread (async appends, ``interval`` syncs) and the fatal path that
 fails every waiter.
 
-Mixed into :class:`~agentlog.events.log_writer.FileLog`, whose state these
+Mixed into :class:`~agentlog.events.log.writer.FileLog`, whose state these
 methods use: ``_cv`` guards ``_pending`` (staged :class:`_Submission` s),
 ``_waiters`` (async appenders), ``_flushing`` (one flusher at a time) and
 ``_acked``; whoever holds ``_flushing`` owns the segment descriptor. The
-fsync policies are described in :mod:`agentlog.events.log_writer`.
+fsync policies are described in :mod:`agentlog.events.log.writer`.
 
 Any ``OSError`` from write or fsync, and any unexpected exception in the
 writer thread, makes the writer fatal: every pending and later append raises
@@ -25,11 +25,11 @@ from typing import Any, Callable, NamedTuple
 
 from agentlog._logging import get_logger
 
-from .log_api import LogClosed, LogFenced
-from .log_format import Checkpoint, segment_name
+from .api import LogClosed, LogFenced
+from .format import Checkpoint, segment_name
 
 # The writer's logger: these are the writer's events, whichever module emits them.
-log = get_logger("agentlog.events.log_writer")
+log = get_logger("agentlog.events.log.writer")
 
 _IOV_MAX = 1024
 
@@ -43,7 +43,7 @@ class _Submission(NamedTuple):
 
 class GroupCommit:
     """The group commit and writer thread of
-    :class:`~agentlog.events.log_writer.FileLog` (a mixin: it holds no state
+    :class:`~agentlog.events.log.writer.FileLog` (a mixin: it holds no state
     of its own)."""
 
     def _take(self) -> list[_Submission]:

@@ -1,6 +1,6 @@
 """On-disk format of the file log: segments, frames, the durable watermark
 and the checkpoint, with their codecs. The scanner that reads frames back is
-:mod:`agentlog.events.log_scan`.
+:mod:`agentlog.events.log.scan`.
 
 Layout of a log directory::
 
@@ -52,7 +52,7 @@ from typing import NamedTuple
 import google_crc32c
 import msgspec
 
-from .log_api import LogCorruption
+from .api import LogCorruption
 
 #: CRC32C of bytes, and its continuation over more bytes (C code, no copies).
 crc_value = google_crc32c.value

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
-from .log_api import LogError, NotALog
+from .api import LogError, NotALog
 
 #: Partition ids are 0 .. MAX_PARTITIONS - 1, so that names sort as numbers.
 MAX_PARTITIONS = 10_000
@@ -79,7 +79,7 @@ def list_partitions(root: str | os.PathLike) -> list[int]:
 def open_partition(root: str | os.PathLike, pid: int, **open_kw: Any):
     """Open partition ``pid`` under ``root`` as its one writer (creating it if
     needed), with a new writer epoch: ``FileLog.open`` on :func:`partition_dir`."""
-    from .log_writer import FileLog
+    from .writer import FileLog
 
     return FileLog.open(partition_dir(root, pid), **open_kw)
 
@@ -110,11 +110,11 @@ def read_partitions(root: str | os.PathLike, *, raw: bool = False) -> Iterator[t
     segment) is re-raised as the same kind of error, its message prefixed
     by the partition's name and directory (the log layer's message names
     the segment, offset and LSN). ``root`` may also be a
-    :class:`~agentlog.events.log_jetstream_read.JetStreamRun` (a run's
+    :class:`~agentlog.events.log.jetstream_read.JetStreamRun` (a run's
     stream on JetStream, one subject per partition)."""
     import heapq
 
-    from .log_read import read_log
+    from .read import read_log
 
     remote = hasattr(root, "partitions")  # a run's stream on JetStream (log_jetstream_read.JetStreamRun)
     if not remote:

@@ -18,8 +18,8 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
 
 import msgspec
 
-from .errors import AgentlogError
-from .types import (
+from ..errors import AgentlogError
+from ..schema.types import (
     EVENT_TYPES,
     KNOWN_TAGS,
     TERMINAL_EVENT_TYPES,

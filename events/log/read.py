@@ -3,7 +3,7 @@ writer's lock: :func:`read_log`, :func:`follow_log`, and the :class:`Cursor`
 they share with ``FileLog.read`` / ``FileLog.follow``.
 
 They yield only records below the DURABLE watermark (see
-:mod:`agentlog.events.log_format`), follow segment rotation and writer
+:mod:`agentlog.events.log.format`), follow segment rotation and writer
 restarts, and raise :class:`LogCorruption` for damage that is not a torn tail,
 or when records the watermark says were acknowledged are missing.
 """
@@ -19,8 +19,8 @@ from typing import AsyncIterator, Callable, Iterator, Mapping, NamedTuple
 
 import msgspec
 
-from .log_api import LogCorruption, NotALog, SchemaError
-from .log_format import (
+from .api import LogCorruption, NotALog, SchemaError
+from .format import (
     DEFAULT_MAX_RECORD_BYTES,
     DURABLE_NAME,
     FLAG_TERMINAL,
@@ -32,7 +32,7 @@ from .log_format import (
     read_watermark,
     segment_name,
 )
-from .log_scan import (
+from .scan import (
     Frame,
     SegmentScanner,
     classify_bad,
@@ -43,7 +43,7 @@ from .log_scan import (
     payload_error,
     read_head,
 )
-from .types import Envelope, decode_body
+from ..schema.types import Envelope, decode_body
 
 
 class RawRecord(NamedTuple):
@@ -227,7 +227,7 @@ class Cursor:
                     yield Envelope(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, body)
 
     def frame_batches(self, limit: int | None) -> Iterator[list[Frame]]:
-        """:meth:`records` as lists of undecoded :class:`~agentlog.events.log_scan.Frame`
+        """:meth:`records` as lists of undecoded :class:`~agentlog.events.log.scan.Frame`
         (lsn, session id, seq, ts, flags, payload view), built in bulk by the
         scanner: for readers that need a few fields of many records."""
         from_lsn = self.from_lsn
@@ -328,7 +328,7 @@ def read_log(
     With ``durable_only`` (default) it stops at the DURABLE watermark; when
     no watermark file exists (a copied log) it reads every valid frame. A torn
     tail ends the iteration; corruption raises LogCorruption. ``path`` may
-    also be a :class:`~agentlog.events.log_jetstream_read.JetStreamRef`.
+    also be a :class:`~agentlog.events.log.jetstream_read.JetStreamRef`.
     """
     if hasattr(path, "cursor"):  # a log on JetStream (log_jetstream_read.JetStreamRef): only acknowledged records exist
         return path.read(from_lsn, raw=raw)
@@ -351,7 +351,7 @@ def read_frame_batches(
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Iterator[list[Frame]]:
     """:func:`read_log` with ``raw=True``, in lists of undecoded
-    :class:`~agentlog.events.log_scan.Frame` built in bulk by the scanner
+    :class:`~agentlog.events.log.scan.Frame` built in bulk by the scanner
     (one list per read buffer with the compiled codec): for readers that need
     a few fields of many records (``agentlog stats``). The same records, the
     same checks and errors. A log on JetStream (a JetStreamRef) gives the
@@ -427,7 +427,7 @@ async def follow_logs(
     longer read. With ``idle_s``, ``(None, None)`` is yielded after each
     ``idle_s`` with nothing new: a heartbeat for a consumer that must act on
     silence (declare a partition lost). A value of ``paths`` may also be a
-    :class:`~agentlog.events.log_jetstream_read.JetStreamRef` (a log on
+    :class:`~agentlog.events.log.jetstream_read.JetStreamRef` (a log on
     JetStream, read through an ordered consumer; its ``batches`` are lists
     of RawRecords, which carry the frame fields batch readers use)."""
     starts = dict(from_lsn or {})

@@ -29,7 +29,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-from .errors import AgentlogError
+from ..errors import AgentlogError
 
 SCHEMA_VERSION = 1
 
@@ -291,7 +291,7 @@ class TurnDelta(msgspec.Struct, frozen=True, tag="turn_delta"):
     then ``new_messages``. The first turn of a session has an empty previous
     turn. A new tag (not a reinterpreted ``turn_recorded``), so a reader that
     predates it sees an unknown event and stops instead of taking the suffix
-    for the whole prompt. :mod:`agentlog.events.turn_delta` encodes and
+    for the whole prompt. :mod:`agentlog.events.schema.turn_delta` encodes and
     expands it."""
 
     turn_index: int

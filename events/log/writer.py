@@ -1,16 +1,16 @@
 """The file-backed event log's writer: :class:`FileLog`, one writer per log
 directory. This module opens and recovers a log, frames and stages appends,
 and closes; the writer's other parts live apart: group commit and the writer
-thread in :mod:`~agentlog.events.log_commit`, the fence and the spare segment
-files in :mod:`~agentlog.events.log_fence`, the OS seam in
-:mod:`~agentlog.events.log_os`.
+thread in :mod:`~agentlog.events.log.commit`, the fence and the spare segment
+files in :mod:`~agentlog.events.log.fence`, the OS seam in
+:mod:`~agentlog.events.log.osops`.
 
 Its neighbours, one concept each: the on-disk format in
-:mod:`agentlog.events.log_format`, the scanner in :mod:`~agentlog.events.log_scan`,
-crash recovery in :mod:`~agentlog.events.log_recovery`, readers and followers
-in :mod:`~agentlog.events.log_read`, verification in
-:mod:`~agentlog.events.log_verify`, the writer lock in
-:mod:`~agentlog.events.log_lock`. The format in short: a
+:mod:`agentlog.events.log.format`, the scanner in :mod:`~agentlog.events.log.scan`,
+crash recovery in :mod:`~agentlog.events.log.recovery`, readers and followers
+in :mod:`~agentlog.events.log.read`, verification in
+:mod:`~agentlog.events.log.verify`, the writer lock in
+:mod:`~agentlog.events.log.lock`. The format in short: a
 directory of segment files named by their first LSN; CRC32C-framed records;
 a ``DURABLE`` watermark that readers in other processes trust; an ``INDEX``
 checkpoint (sequence state of open sessions + sparse offset index) so that
@@ -35,13 +35,13 @@ Durability and visibility (the follower contract):
   another process only ever sees durable records even though it can see
   bytes still in flight; a reader that finds records below it missing raises
   :class:`LogCorruption` naming the file and the LSN range.
-* A new segment's file is opened ahead of need (:mod:`~agentlog.events.log_fence`).
+* A new segment's file is opened ahead of need (:mod:`~agentlog.events.log.fence`).
 * Each writer open starts a new segment (lazily, at its first append) whose
   header carries the new writer epoch, so a segment's records all come from
   one writer and recovery only ever truncates a segment nobody writes to.
 
-Any I/O error makes the writer fatal (:mod:`~agentlog.events.log_commit`).
-Reopening recovers (:mod:`~agentlog.events.log_recovery`): it keeps the
+Any I/O error makes the writer fatal (:mod:`~agentlog.events.log.commit`).
+Reopening recovers (:mod:`~agentlog.events.log.recovery`): it keeps the
 longest valid prefix and truncates a torn tail. A damaged frame followed by
 valid ones, or one below the durable watermark, is corruption:
 :class:`LogCorruption` names segment, offset and last good LSN, unless
@@ -61,11 +61,11 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator
 from agentlog._logging import get_logger
 
 from . import framecodec
-from .fs import fsync_dir, write_atomic
-from .log_api import EventLog, LogClosed, LogError, NotALog, PendingRecord
-from .log_commit import GroupCommit, _Submission
-from .log_fence import _SPARE_PREFIX, FenceAndSpares, _NewSegment, _Spare
-from .log_format import (
+from ..fs import fsync_dir, write_atomic
+from .api import EventLog, LogClosed, LogError, NotALog, PendingRecord
+from .commit import GroupCommit, _Submission
+from .fence import _SPARE_PREFIX, FenceAndSpares, _NewSegment, _Spare
+from .format import (
     CHECKPOINT_EVERY_BYTES,
     DEFAULT_MAX_RECORD_BYTES,
     DURABLE_NAME,
@@ -88,16 +88,16 @@ from .log_format import (
     read_fence,
     segment_name,
 )
-from .log_format import MASK_DELTA as _MASK_DELTA
-from .log_format import crc_extend as _crc_extend
-from .log_format import crc_value as _crc_value
-from .log_lock import WriterLock, acquire_lock, release_lock
-from .log_read import Cursor
-from .log_os import _OUT_OF_FDS, OsOps, _raise_nofile_limit
-from .log_recovery import fence_without_log, recover
-from .types import TERMINAL_EVENT_TYPES, Envelope
+from .format import MASK_DELTA as _MASK_DELTA
+from .format import crc_extend as _crc_extend
+from .format import crc_value as _crc_value
+from .lock import WriterLock, acquire_lock, release_lock
+from .read import Cursor
+from .osops import _OUT_OF_FDS, OsOps, _raise_nofile_limit
+from .recovery import fence_without_log, recover
+from ..schema.types import TERMINAL_EVENT_TYPES, Envelope
 
-log = get_logger("agentlog.events.log_writer")
+log = get_logger("agentlog.events.log.writer")
 
 FSYNC_POLICIES = ("always", "batch", "interval", "never")
 _TERMINAL_SET = frozenset(TERMINAL_EVENT_TYPES)
@@ -248,7 +248,7 @@ class FileLog(GroupCommit, FenceAndSpares, EventLog):
     # ------------------------------------------------------------ recovery
 
     def _recover(self, salvage: bool) -> None:
-        """Recover the directory (see :mod:`agentlog.events.log_recovery`) and
+        """Recover the directory (see :mod:`agentlog.events.log.recovery`) and
         take over its state; publish the watermark and a fresh checkpoint."""
         d = self._dir
         # Fence first: a stale writer (on another node, whose flock this one

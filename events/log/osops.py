@@ -13,7 +13,7 @@ from pathlib import Path
 from agentlog._logging import get_logger
 
 # The writer's logger: these are the writer's events, whichever module emits them.
-log = get_logger("agentlog.events.log_writer")
+log = get_logger("agentlog.events.log.writer")
 
 
 class OsOps:

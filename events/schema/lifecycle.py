@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from transitions import Machine
 
-from .errors import AgentlogError
+from ..errors import AgentlogError
 from .types import CommandRan, RewardAssigned, SessionOpened, TeacherScored, TurnDelta, TurnRecorded, TurnUndelivered
 
 

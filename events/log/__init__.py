@@ -1,0 +1,7 @@
+"""The append-only log: the interface every log honours and the in-memory log
+(:mod:`.api`); the file WAL (:mod:`.format` frames and segments, :mod:`.scan`
+the one scanner, :mod:`.writer` with :mod:`.commit` group commit,
+:mod:`.fence` fence and spare segments and :mod:`.osops` the OS seam,
+:mod:`.recovery`, :mod:`.read` readers and followers, :mod:`.verify`,
+:mod:`.lock` the one-writer lock); :mod:`.partitions`; and the JetStream
+backend (:mod:`.jetstream` the writer, :mod:`.jetstream_read` readers)."""
