@@ -24,7 +24,8 @@ before that LSN hashes to the anchor the checkpoint saw (a log replaced,
 truncated or repaired below it fails the check). Anything else is logged as
 ``engine.checkpoint_unusable``, with the file and the reason, and the
 engine folds from LSN 0 as before: slower, never wrong. The orphans the
-restart aborts always come from the log's own exact open-session map.
+restart aborts always come from the log's own exact open-session map
+(:func:`abort_orphans`).
 """
 
 from __future__ import annotations
@@ -384,3 +385,41 @@ class Checkpointer:
                 _log.debug("engine.checkpoint_written", path=str(self.path), next_lsn=self.lsn, bytes=size,
                            seconds=round(time.perf_counter() - t0, 4))
             return self.lsn
+
+
+#: Reason recorded for sessions a crashed engine left open or running.
+RESTART_REASON = "engine_restart"
+
+
+def abort_orphans(log: EventLog, fold: RestartFold) -> int:
+    """Abort, in one batch, every session ``log`` still holds open or running
+    (a previous engine process left it so), reason :data:`RESTART_REASON`,
+    and fold the aborts into ``fold`` (they end the orphans there too: their
+    groups, the recent window). Returns how many sessions were aborted.
+
+    The orphans come from the log's exact open-session map, not from the
+    fold: the fold skips a session whose id is a Bloom-filter false
+    positive (it reports it as a reused id), and such a session, left
+    open here, would never be aborted and its group never released."""
+    folded = fold.check.open_sessions()
+    orphans = log.open_sessions()
+    if not orphans:
+        return 0
+    records = []
+    was: dict[str, str] = {}
+    for sid, seq in sorted(orphans.items()):
+        state, fold_seq = folded.get(sid, ("open (untracked by the lifecycle fold)", seq))
+        was[sid] = str(state)
+        if fold_seq != seq:
+            # The log enforces its own sequence; a mismatch means the fold saw a violation here.
+            _log.warning("engine.restart_seq_mismatch", session_id=sid, reducer_seq=fold_seq, log_seq=seq)
+        body = SessionAborted(
+            reason=RESTART_REASON,
+            error=f"left {state} by a previous engine process; aborted when a new engine opened the log",
+        )
+        records.append((sid, seq, body))
+    log.append_batch(records)
+    fold.catch_up(log)
+    for sid in sorted(orphans):
+        _log.warning("session.aborted", session_id=sid, reason=RESTART_REASON, was=was[sid])
+    return len(orphans)

@@ -1,0 +1,337 @@
+"""A live session's handle: :class:`SessionHandle`, what a caller holds between
+open and the terminal event (its lifecycle triggers, its in-session events,
+its in-flight work), and ``async with engine.session(...)``, the scope that
+always ends the session.
+
+The handle keeps the per-session state the engine needs between events (its
+sequence number, turn count, the previous turn's context, the FIFO lock's
+slots); the decisions (is this event legal now, what state follows) stay with
+:class:`engine.core.SessionEngine`, which every method calls into.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import traceback as _traceback
+from collections import deque
+from typing import TYPE_CHECKING, Any, Coroutine
+
+import numpy as np
+
+from agentlog._logging import get_logger
+from agentlog.events.schema.lifecycle import TERMINAL_STATES, LifecycleError, State
+from agentlog.events.schema.types import (
+    CommandRan,
+    Envelope,
+    RewardAssigned,
+    SessionAborted,
+    SessionDropped,
+    SessionFinished,
+    SessionStarted,
+    TeacherScored,
+    TurnRecorded,
+    TurnUndelivered,
+    pack_log_probs,
+    pack_tokens,
+)
+from agentlog.events.schema.turn_delta import TurnContext
+
+from .errors import SessionTimeout
+from .session_lock import acquire_contended, release
+
+if TYPE_CHECKING:
+    from .core import SessionEngine
+
+_log = get_logger("agentlog.engine")
+
+
+class SessionHandle:
+    """One live session. All methods return once their event is durable.
+
+    ``state`` stays readable after the session ended; the engine itself no
+    longer holds the handle then.
+    """
+
+    __slots__ = (
+        "_engine", "session_id", "group_id", "sample_index", "state", "turns", "budget_s",
+        "_seq", "_busy", "_waiters", "_inflight", "_timer", "_owner", "_owner_cancelled", "_expired", "_log",
+        "_context", "_turn_shapes",
+    )
+
+    def __init__(self, engine: "SessionEngine", session_id: str, group_id: str, budget_s: float | None) -> None:
+        self._engine = engine
+        self.session_id = session_id
+        self.group_id = group_id
+        #: Its place in the group (set by open_session, which may assign it).
+        self.sample_index = 0
+        self.state = State.OPEN
+        #: Turns recorded so far (the next turn_index).
+        self.turns = 0
+        self.budget_s = budget_s
+        self._seq = 0
+        # The session's lock (engine.session_lock): FIFO, in two slots.
+        self._busy = False
+        self._waiters: deque[asyncio.Future] | None = None
+        self._inflight: set[asyncio.Task] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._owner: asyncio.Task | None = None
+        self._owner_cancelled = False
+        self._expired = False
+        self._log: Any = None
+        #: The previous turn's prompt + output and messages + response: what
+        #: the next turn is stored as a delta against (O(current context);
+        #: dropped when the session ends).
+        self._context: TurnContext | None = TurnContext()
+        #: Per recorded turn: (output tokens, sampling temperature or None when
+        #: not a number): what a teacher's scores of the turn are checked against.
+        self._turn_shapes: list[tuple[int, float | None]] = []
+
+    def __repr__(self) -> str:
+        return f"SessionHandle({self.session_id!r}, state={self.state}, turns={self.turns})"
+
+    @property
+    def log(self) -> Any:
+        """A logger bound to this session (bound on first use)."""
+        if self._log is None:
+            self._log = _log.bind(session_id=self.session_id, group_id=self.group_id)
+        return self._log
+
+    # -- lifecycle triggers --------------------------------------------------
+
+    async def start(self, harness: str = "", sandbox: str = "", details: dict[str, Any] | None = None) -> Envelope:
+        """open -> running: the agent began (sandbox ready, harness launched)."""
+        body = SessionStarted(harness=harness, sandbox=sandbox, details=details or {})
+        return await self._engine._transition(self, "start", body)  # type: ignore[return-value]
+
+    async def finish(self, reward: Any = None, metadata: dict[str, Any] | None = None) -> Envelope:
+        """running -> finished, with the reward (None: the last assigned one).
+        Raises SessionClosed if the session already ended."""
+        body = SessionFinished(reward=reward, metadata=metadata or {})
+        return await self._engine._transition(self, "finish", body)  # type: ignore[return-value]
+
+    async def abort(self, reason: str, error: str = "", traceback: str = "") -> Envelope:
+        """open/running -> aborted (a failure; yields one zero-masked placeholder).
+        Raises SessionClosed if the session already ended."""
+        body = SessionAborted(reason=reason, error=error, traceback=traceback)
+        return await self._engine._transition(self, "abort", body)  # type: ignore[return-value]
+
+    async def drop(self, reason: str) -> Envelope | None:
+        """open/running -> dropped (cleanup, no sample). A no-op returning None
+        on a session that already ended, so it is safe in every ``finally``."""
+        if self.state in TERMINAL_STATES:
+            return None
+        body = SessionDropped(reason=reason)
+        return await self._engine._transition(self, "drop", body)
+
+    # -- in-session events -----------------------------------------------------
+
+    async def record_turn(
+        self,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_ids: Any = b"",
+        output_ids: Any = b"",
+        output_log_probs: Any = b"",
+        finish_reason: str = "stop",
+        response_message: dict[str, Any] | None = None,
+        policy_version: int = 0,
+        ill_formed: bool = False,
+        generate_s: float = 0.0,
+        sampling: dict[str, Any] | None = None,
+    ) -> Envelope:
+        """Record one generation; the engine assigns ``turn_index``. Returns the durable envelope.
+        Raises StragglerRefused if the session is not running."""
+        h = self
+        eng = self._engine
+        if h._busy:
+            await acquire_contended(h)
+        else:
+            h._busy = True
+        try:
+            if h.state is not State.RUNNING:
+                eng._refuse(h.session_id, "turn_recorded", h.state, h)
+            full = TurnRecorded(
+                turn_index=h.turns, messages=messages or [], prompt_ids=prompt_ids, output_ids=output_ids,
+                output_log_probs=output_log_probs, finish_reason=finish_reason, response_message=response_message,
+                ill_formed=ill_formed, policy_version=policy_version, generate_s=generate_s, sampling=sampling or {},
+            )
+            # The caller sends the whole prompt (as the chat APIs do); the log
+            # stores what is new since the previous turn.
+            context = h._context if h._context is not None else TurnContext()
+            body = context.delta_of(full)
+            return await eng._append(h, body, None, TurnContext.after(full))
+        finally:
+            release(h)
+
+    async def record_turn_undelivered(self, turn_index: int, reason: str = "") -> Envelope:
+        """The response of recorded turn ``turn_index`` never reached the agent."""
+        if not isinstance(turn_index, int) or not 0 <= turn_index < self.turns:
+            raise ValueError(
+                f"session {self.session_id!r}: turn_undelivered.turn_index: expected a recorded turn in [0, {self.turns}), found {turn_index!r}"
+            )
+        return await self._engine._in_session(self, TurnUndelivered(turn_index=turn_index, reason=reason))
+
+    async def record_teacher_scores(
+        self, turn_index: int, *, teacher: str, teacher_version: str, temperature: float, log_probs: Any,
+        start: int = 0, top_ids: Any = None, top_log_probs: Any = None,
+    ) -> Envelope:
+        """Record a teacher's log-probs of turn ``turn_index``'s output tokens
+        ``start..start+len(log_probs)`` (on-policy distillation), with its top-K
+        tokens when given (``top_ids`` / ``top_log_probs`` shaped (n, K)).
+
+        Refused with ValueError, naming the session and turn, when the turn was
+        never recorded, when the scores run past its output, or when
+        ``temperature`` is not the one the turn was sampled at: log-probs at
+        another temperature are of another distribution."""
+        n_out, sampled_at = self._scored_turn(turn_index, "teacher_scored")
+        lp = pack_log_probs(log_probs)
+        n = len(lp) // 4
+        if start < 0 or start + n > n_out:
+            raise ValueError(f"session {self.session_id!r}: teacher_scored of turn {turn_index} by {teacher!r}: tokens "
+                             f"{start}..{start + n - 1} run past the turn's {n_out} output tokens")
+        if sampled_at is None or float(temperature) != sampled_at:
+            raise ValueError(f"session {self.session_id!r}: teacher_scored of turn {turn_index} by {teacher!r}: scored at "
+                             f"temperature {temperature!r}, but the turn was sampled at temperature {sampled_at!r}; "
+                             "score at the rollout temperature")
+        top_k = 0
+        ids = tlp = b""
+        if top_ids is not None or top_log_probs is not None:
+            ids_arr = np.asarray(top_ids if top_ids is not None else [], dtype=np.int64)
+            lp_arr = np.asarray(top_log_probs if top_log_probs is not None else [], dtype=np.float64)
+            if ids_arr.ndim != 2 or ids_arr.shape != lp_arr.shape or ids_arr.shape[0] != n:
+                raise ValueError(f"session {self.session_id!r}: teacher_scored of turn {turn_index} by {teacher!r}: top_ids and "
+                                 f"top_log_probs must both be shaped ({n}, K); found {ids_arr.shape} and {lp_arr.shape}")
+            top_k = int(ids_arr.shape[1])
+            ids, tlp = pack_tokens(ids_arr.reshape(-1)), pack_log_probs(lp_arr.reshape(-1))
+        body = TeacherScored(turn_index=turn_index, teacher=teacher, teacher_version=teacher_version,
+                             temperature=float(temperature), log_probs=lp, start=start, top_k=top_k,
+                             top_ids=ids, top_log_probs=tlp)
+        return await self._engine._in_session(self, body)
+
+    async def record_teacher_failure(self, turn_index: int, *, teacher: str, teacher_version: str, error: str) -> Envelope:
+        """Record that a teacher failed to score turn ``turn_index`` (an error,
+        a timeout): the turn is then not distilled, and the reason is in the log."""
+        _, sampled_at = self._scored_turn(turn_index, "teacher_scored")
+        if not isinstance(error, str) or not error:
+            raise ValueError(f"session {self.session_id!r}: teacher failure of turn {turn_index}: expected the error text, found {error!r}")
+        body = TeacherScored(turn_index=turn_index, teacher=teacher, teacher_version=teacher_version,
+                             temperature=sampled_at or 1.0, error=error)
+        return await self._engine._in_session(self, body)
+
+    def _scored_turn(self, turn_index: int, event: str) -> tuple[int, float | None]:
+        if self.state is not State.RUNNING:
+            self._engine._refuse(self.session_id, event, self.state, self)
+        if not isinstance(turn_index, int) or isinstance(turn_index, bool) or not 0 <= turn_index < len(self._turn_shapes):
+            raise ValueError(f"session {self.session_id!r}: {event}.turn_index: expected a recorded turn in "
+                             f"[0, {len(self._turn_shapes)}), found {turn_index!r}")
+        return self._turn_shapes[turn_index]
+
+    async def record_command(
+        self, command: str, exit_code: int | None, budget_exceeded: bool, duration_s: float, output_tail: str
+    ) -> Envelope:
+        """Record a command that ran in the session's sandbox."""
+        body = CommandRan(command=command, exit_code=exit_code, budget_exceeded=budget_exceeded,
+                          duration_s=duration_s, output_tail=output_tail)
+        return await self._engine._in_session(self, body)
+
+    async def assign_reward(self, reward: Any, source: str = "") -> Envelope:
+        """Record a verifier's reward (a finite float or dict of them)."""
+        return await self._engine._in_session(self, RewardAssigned(reward=reward, source=source))
+
+    async def run_command(self, sandbox: Any, cmd: str, budget_s: float) -> Any:
+        """Run ``cmd`` in ``sandbox`` (None: the engine's default sandbox) under
+        a time budget and record ``command_ran``.
+
+        The run is in-flight work of the session: a terminal transition
+        drains it (bounded), then cancels it (the sandbox kills the process
+        group). Returns the sandbox's CommandResult. Raises StragglerRefused
+        if the session is not running, or ended while the command ran.
+        """
+        if self.state is not State.RUNNING:
+            self._engine._refuse(self.session_id, "command_ran", self.state, self)
+        if sandbox is None:
+            sandbox = self._engine.sandbox
+            if sandbox is None:
+                raise ValueError(f"session {self.session_id!r}: run_command needs a sandbox (none given and the engine has no default)")
+
+        async def run_and_record() -> Any:
+            res = await sandbox.run_command(cmd, budget_s)
+            await self.record_command(res.command, res.exit_code, res.budget_exceeded, res.duration_s, res.output_tail)
+            return res
+
+        task = self.spawn(run_and_record())
+        try:
+            return await task
+        except asyncio.CancelledError:
+            cur = asyncio.current_task()
+            if task.cancelled() and (cur is None or cur.cancelling() == 0):
+                # The engine cancelled the command because the session ended.
+                self._engine._refuse(self.session_id, "command_ran", self.state, self)
+            raise
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """Run ``coro`` as in-flight work of this session: a terminal transition
+        waits for it up to ``drain_s`` and then cancels it; the wall-clock
+        budget cancels it at once."""
+        if self.state in TERMINAL_STATES:
+            coro.close()
+            self._engine._refuse(self.session_id, "spawn", self.state, self)
+        task = asyncio.get_running_loop().create_task(coro)
+        if self._inflight is None:
+            self._inflight = set()
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        return task
+
+
+class _SessionContext:
+    """``async with engine.session(...)``: a session that always ends.
+
+    An exception inside aborts it (``exception:<Type>``, with the capped
+    traceback) and re-raises; cancellation drops it (``cancelled``) and
+    re-raises; leaving without a terminal event drops it (``unfinished``) with
+    a warning; an exhausted wall-clock budget raises SessionTimeout.
+    """
+
+    __slots__ = ("_engine", "_sid", "_kw", "_h")
+
+    def __init__(self, engine: "SessionEngine", session_id: str, kw: dict[str, Any]) -> None:
+        self._engine = engine
+        self._sid = session_id
+        self._kw = kw
+        self._h: SessionHandle | None = None
+
+    async def __aenter__(self) -> SessionHandle:
+        h = await self._engine.open_session(self._sid, **self._kw)
+        h._owner = asyncio.current_task()
+        self._h = h
+        return h
+
+    async def __aexit__(self, et: Any, exc: BaseException | None, tb: Any) -> bool:
+        h = self._h
+        assert h is not None
+        h._owner = None
+        if h._expired:
+            if h._owner_cancelled:
+                task = asyncio.current_task()
+                if task is not None and et is not None and issubclass(et, asyncio.CancelledError):
+                    task.uncancel()
+            if et is None or issubclass(et, (asyncio.CancelledError, LifecycleError)):
+                # Whatever the body was doing was cut short by the budget.
+                raise SessionTimeout(h.session_id, h.budget_s or 0.0) from exc
+            return False
+        if h.state in TERMINAL_STATES:
+            return False
+        if et is None:
+            h.log.warning("session.unfinished", state=str(h.state))
+            await h.drop("unfinished")
+            return False
+        if issubclass(et, asyncio.CancelledError):
+            await h.drop("cancelled")
+            return False
+        if issubclass(et, Exception):
+            tb_text = "".join(_traceback.format_exception(et, exc, tb))
+            await h.abort(f"exception:{et.__name__}", error=str(exc), traceback=tb_text)
+            return False
+        # KeyboardInterrupt / SystemExit / GeneratorExit: cleanup only.
+        await h.drop(f"interrupted:{et.__name__}")
+        return False

@@ -1,0 +1,89 @@
+"""The engine's background work: the wall-clock budget of each session (its
+timer, and the abort when it runs out), the periodic restart checkpoint, and
+the set of background tasks they run in, whose first crash is kept in
+``background_failure`` for health checks.
+
+:class:`BackgroundWork` is a part of :class:`engine.core.SessionEngine` (its
+base class): the engine creates the task set in its constructor, starts the
+budget timer when a session opens and cancels what is left at close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Coroutine
+
+from agentlog._logging import get_logger
+from agentlog.events.schema.lifecycle import TERMINAL_STATES, SessionClosed
+from agentlog.events.schema.types import Envelope, SessionAborted
+
+from .errors import TIMEOUT_REASON
+from .handle import SessionHandle
+from .restart import Checkpointer
+
+_log = get_logger("agentlog.engine")
+
+
+class BackgroundWork:
+    """Budget expiry, the checkpoint loop and the background tasks of a :class:`engine.core.SessionEngine`."""
+
+    # Set by SessionEngine.__init__; declared here for the type checker.
+    _bg: set[asyncio.Task]
+    background_failure: str | None
+    _checkpointer: Checkpointer | None
+    checkpoint_poll_s: float
+
+    if TYPE_CHECKING:
+        async def _transition(self, h: SessionHandle, trigger: str, body: Any, *, drain: bool = True) -> Envelope | None: ...
+
+    def _on_budget(self, h: SessionHandle) -> None:
+        h._timer = None
+        if h.state in TERMINAL_STATES:
+            return
+        self._background(self._expire(h))
+
+    async def _checkpoint_loop(self) -> None:
+        """Write a restart checkpoint each time ``checkpoint_every`` records
+        have been appended since the last one (the fold runs in a thread)."""
+        ckpt = self._checkpointer
+        assert ckpt is not None
+        while True:
+            await asyncio.sleep(self.checkpoint_poll_s)
+            if ckpt.due():
+                # A cache: a failed write is a warning (the next due one tries again), never a background failure.
+                await asyncio.to_thread(ckpt.advance, cache_only=True)
+
+    def _background(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> None:
+        t = asyncio.get_running_loop().create_task(coro, name=name)
+        self._bg.add(t)
+        t.add_done_callback(self._bg_done)
+
+    def _bg_done(self, t: asyncio.Task) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            exc = t.exception()
+            _log.error("engine.background_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+            if self.background_failure is None:
+                self.background_failure = f"background task {t.get_name()} crashed: {type(exc).__name__}: {exc}"
+        self._bg.discard(t)
+        if not self._bg:
+            self._bg = set()  # sets never shrink either; see SessionEngine._release
+
+    async def _expire(self, h: SessionHandle) -> None:
+        """The wall-clock budget ran out: cancel in-flight work, abort, stop the owner."""
+        if h.state in TERMINAL_STATES:
+            return
+        h._expired = True
+        for t in list(h._inflight or ()):
+            if not t.done():
+                t.cancel()
+        body = SessionAborted(reason=TIMEOUT_REASON, error=f"wall-clock budget of {h.budget_s}s exhausted")
+        try:
+            await self._transition(h, "abort", body, drain=False)
+        except SessionClosed:
+            # It ended on its own while we waited for its lock: nothing to abort.
+            h._expired = False
+            return
+        owner = h._owner
+        if owner is not None and not owner.done() and owner is not asyncio.current_task():
+            h._owner_cancelled = True
+            owner.cancel()
