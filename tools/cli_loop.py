@@ -115,7 +115,8 @@ def config_reference(defaults: LoopConfig) -> str:
     (LoopConfig's tables, LearnerConfig, the ``[task]`` table, the teachers),
     with its default and docstring: what ``--help`` prints after the flags."""
     from agentlog.learner.config import LearnerConfig
-    from agentlog.loop.config import TASK_TABLE_KEYS, TeacherSpec
+    from agentlog.loop.config import TASK_TABLE_KEYS
+    from agentlog.loop.config_sections import TeacherSpec
 
     top = [f.name for f in dataclasses.fields(LoopConfig) if not _is_table(defaults, f.name) and f.name not in TASK_TABLE_KEYS.values()]
     loop_help = field_help(LoopConfig)

@@ -1,0 +1,408 @@
+"""The tables of a run's config: ``[faults]`` (:class:`FaultConfig`),
+``[agent]`` (:class:`AgentConfig`), ``[inference]`` (:class:`InferenceConfig`),
+``[metrics]`` (:class:`MetricsConfig`), ``[rollout]`` (:class:`RolloutConfig`),
+``[log]`` (:class:`LogConfig`: where the logs live, files or a JetStream
+stream) and ``[distill]`` (:class:`DistillConfig`, with its
+``[[distill.teachers]]``, :class:`TeacherSpec`): each a dataclass that checks
+its own values. And how a table is built from plain data (JSON, TOML):
+:func:`check_field_types` and ``_from_mapping``, which name the table, the
+field and the value that is wrong.
+
+:class:`agentlog.loop.config.LoopConfig` holds one of each; it and its
+load, save and validation are :mod:`agentlog.loop.config`, which re-exports
+the tables it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+# A loop configuration value out of range or unknown raises the package's one ConfigError.
+from agentlog.events.errors import ConfigError
+
+
+@dataclass
+class FaultConfig:
+    """Faults the rollout worker injects on purpose (the demo runs with them on)."""
+
+    exception_rate: float = 0.05
+    """Fraction of sessions whose agent raises mid-episode (aborted, reason ``exception:InjectedFault``)."""
+    timeout_rate: float = 0.05
+    """Fraction of sessions that hang past their wall-clock budget (aborted, ``wall_clock_timeout``)."""
+    drop_rate: float = 0.05
+    """Fraction of sessions cancelled mid-episode (dropped, ``cancelled``)."""
+    straggler_rate: float = 0.02
+    """Fraction of finished sessions that then try one more turn (refused by the engine, never logged)."""
+    empty_marker_rate: float = 0.01
+    """Fraction of sessions whose tool runs in a LocalSandbox and dies leaving an empty done marker (aborted, ``empty_done_marker``)."""
+    timeout_budget_s: float = 0.05
+    """Wall-clock budget given to the sessions chosen to time out."""
+
+    def __post_init__(self) -> None:
+        rates = ("exception_rate", "timeout_rate", "drop_rate", "straggler_rate", "empty_marker_rate")
+        for name in rates:
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                raise ConfigError(f"FaultConfig.{name}: expected a fraction in [0, 1], found {v!r}")
+        if self.exception_rate + self.timeout_rate + self.drop_rate + self.empty_marker_rate > 1.0:
+            raise ConfigError("FaultConfig: exception, timeout, drop and empty-marker rates must sum to at most 1")
+        if not self.timeout_budget_s > 0:
+            raise ConfigError(f"FaultConfig.timeout_budget_s: expected > 0, found {self.timeout_budget_s!r}")
+
+    @classmethod
+    def none(cls) -> "FaultConfig":
+        """No injected faults at all."""
+        return cls(0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def any_enabled(self) -> bool:
+        """Whether any fault is injected at all."""
+        return any(v > 0 for v in (self.exception_rate, self.timeout_rate, self.drop_rate, self.straggler_rate, self.empty_marker_rate))
+
+
+#: Agent harnesses a text task's rollout can run (gateway/agents.py, gateway/python_agent.py).
+AGENT_HARNESSES = ("python-agent", "claude-code", "codex")
+#: Where the loop's model calls go: the policy in the worker process, or an inference server.
+INFERENCE_BACKENDS = ("in-process", "sglang", "vllm")
+
+
+@dataclass
+class AgentConfig:
+    """The agent a text task's rollout runs against the gateway (the ``[agent]`` table)."""
+
+    harness: str = "python-agent"
+    """Agent harness: python-agent (built in, the openai client), claude-code or codex (CLIs from npm)."""
+    budget_s: float = 300.0
+    """Wall-clock budget of one session (agent and verifier); the task's session_budget_s caps it too (the smaller wins)."""
+    max_tool_calls: int = 16
+    """python-agent: most tool calls (sandbox commands) per session."""
+    max_tokens: int = 0
+    """python-agent: most tokens the model generates per call (0: the task's max_new_tokens, which caps it too; the smaller wins)."""
+    command_budget_s: float = 60.0
+    """python-agent: wall-clock budget of one tool command (the task's command_budget_s caps it too)."""
+    cli: str = ""
+    """claude-code / codex: path of the CLI executable (empty: the install cache of tools/gateway_clis.sh, then PATH)."""
+    cli_tools: list[str] = field(default_factory=list)
+    """claude-code: the only built-in tools the CLI offers the model (`--tools`, e.g. ["Bash"]; empty: the CLI's default set). Each tool's definition is part of every prompt."""
+    system_prompt: str = ""
+    """claude-code: the CLI's system prompt (`--system-prompt`; empty: the CLI's own). Claude Code's default prompt and tools are ~76k characters per call; `cli_tools = ["Bash"]` with a short system prompt is ~3k."""
+
+    def __post_init__(self) -> None:
+        if self.harness not in AGENT_HARNESSES:
+            raise ConfigError(f"[agent] harness: expected one of {AGENT_HARNESSES}, found {self.harness!r}")
+        if isinstance(self.cli_tools, str):
+            self.cli_tools = [self.cli_tools]
+        if not isinstance(self.cli_tools, (list, tuple)) or not all(isinstance(t, str) and t.strip() and "," not in t for t in self.cli_tools):
+            raise ConfigError(f"[agent] cli_tools: expected a list of tool names (e.g. [\"Bash\"]), found {self.cli_tools!r}")
+        self.cli_tools = [t.strip() for t in self.cli_tools]
+        if not isinstance(self.system_prompt, str):
+            raise ConfigError(f"[agent] system_prompt: expected a str, found {self.system_prompt!r}")
+        for name in ("cli_tools", "system_prompt"):
+            if getattr(self, name) and self.harness != "claude-code":
+                raise ConfigError(f"[agent] {name}: only the claude-code harness takes it (harness is {self.harness!r}); "
+                                  "the python-agent's prompt is the task's messages, and codex has no such option here")
+        for name in ("budget_s", "command_budget_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ConfigError(f"[agent] {name}: expected a number of seconds > 0, found {v!r}")
+        if type(self.max_tool_calls) is not int or self.max_tool_calls < 1:
+            raise ConfigError(f"[agent] max_tool_calls: expected an int >= 1, found {self.max_tool_calls!r}")
+        if type(self.max_tokens) is not int or self.max_tokens < 0:
+            raise ConfigError(f"[agent] max_tokens: expected an int >= 1 (0: the task's max_new_tokens), found {self.max_tokens!r}")
+
+
+@dataclass
+class InferenceConfig:
+    """Where a text task's model calls are served (the ``[inference]`` table)."""
+
+    backend: str = "in-process"
+    """in-process (the loop's policy in the worker, reloaded between batches), sglang or vllm (a server at url, reloaded through its weight-update API)."""
+    url: str = ""
+    """sglang / vllm: the server's base URL (e.g. http://127.0.0.1:30000)."""
+    model: str = ""
+    """vllm: the model name the server serves (sent with each completion); "" sends none: the server's one model."""
+    context_length: int = 2048
+    """Longest prompt + output of a turn (tokens): the built-in GPT's max_seq_len in-process, the server's context otherwise."""
+    served_dir: str = ""
+    """vllm: the directory the server was launched on; each new policy is copied there before the reload (vLLM reloads from it)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in INFERENCE_BACKENDS:
+            raise ConfigError(f"[inference] backend: expected one of {INFERENCE_BACKENDS}, found {self.backend!r}")
+        if self.backend != "in-process" and not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"[inference] url: backend {self.backend!r} needs the server's http(s) base URL, found {self.url!r}")
+        if self.backend == "vllm" and not self.served_dir:
+            raise ConfigError("[inference] served_dir: backend 'vllm' needs the directory its server was launched on (vLLM reloads from there)")
+        if type(self.context_length) is not int or self.context_length < 64:
+            raise ConfigError(f"[inference] context_length: expected an int >= 64, found {self.context_length!r}")
+
+
+@dataclass
+class MetricsConfig:
+    """Where the learner's metrics go besides its log (the source of truth): the ``[metrics]`` table."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files under ``<run>/tensorboard`` (needs the tensorboard extra; a note in the log when missing)."""
+    wandb_project: str = ""
+    """Log to this Weights & Biases project when ``wandb`` is installed ("" : $WANDB_PROJECT, if set; else off)."""
+
+
+#: Where the rollout workers run: local processes, or Ray actors.
+ROLLOUT_BACKENDS = ("local", "ray")
+
+
+@dataclass
+class RolloutConfig:
+    """How many rollout workers run, and where (the ``[rollout]`` table).
+
+    With more than one worker, or on Ray, each worker writes its own log
+    partition ``<run>/rollout/pNNNN`` and runs the groups ``g`` of each batch
+    with ``g % workers`` equal to its partition id."""
+
+    workers: int = 1
+    """Rollout workers, one log partition each."""
+    backend: str = "local"
+    """local (worker processes on this machine) or ray (one Ray actor per worker)."""
+    address: str = ""
+    """ray: the cluster to join (ray.init(address=...), e.g. "auto" or "ray://head:10001"); "" starts a local Ray on this machine."""
+    max_restarts: int = 4
+    """ray: how often Ray restarts a rollout actor that died (its node lost, its process killed)."""
+    resources: dict[str, float] = field(default_factory=lambda: {"agentlog_rollout": 1.0})
+    """ray: the custom resources each rollout actor requests (give rollout nodes `--resources='{"agentlog_rollout": N}'`)."""
+    num_cpus: float = 1.0
+    """ray: CPUs each rollout actor reserves."""
+    lost_after_s: float = 0.0
+    """Declare a partition lost once it has written nothing for this long while the learner waits for groups (0: never); recorded in the learner log."""
+
+    def __post_init__(self) -> None:
+        if type(self.workers) is not int or self.workers < 1:
+            raise ConfigError(f"[rollout] workers: expected an int >= 1, found {self.workers!r}")
+        if self.backend not in ROLLOUT_BACKENDS:
+            raise ConfigError(f"[rollout] backend: expected one of {ROLLOUT_BACKENDS}, found {self.backend!r}")
+        if not isinstance(self.address, str):
+            raise ConfigError(f"[rollout] address: expected a Ray address (str), found {self.address!r}")
+        if self.address and self.backend != "ray":
+            raise ConfigError(f"[rollout] address: only the ray backend joins a cluster (backend is {self.backend!r})")
+        if type(self.max_restarts) is not int or self.max_restarts < 0:
+            raise ConfigError(f"[rollout] max_restarts: expected an int >= 0, found {self.max_restarts!r}")
+        if not isinstance(self.resources, Mapping) or not all(
+                isinstance(k, str) and k and not isinstance(v, bool) and isinstance(v, (int, float)) and v >= 0
+                for k, v in self.resources.items()):
+            raise ConfigError(f"[rollout] resources: expected a table of resource name -> amount >= 0, found {self.resources!r}")
+        self.resources = {k: float(v) for k, v in self.resources.items()}
+        for name in ("num_cpus", "lost_after_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ConfigError(f"[rollout] {name}: expected a number >= 0, found {v!r}")
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether the rollout log is a folder of partitions, one per worker."""
+        return self.workers > 1 or self.backend == "ray"
+
+    def partitions(self) -> list[int]:
+        """The partition ids of the workers (0 .. workers-1)."""
+        return list(range(self.workers))
+
+
+# --- issue 17: jetstream loop ---
+#: Where a run's logs live: folders under the run folder, or subjects of a JetStream stream.
+LOG_BACKENDS = ("file", "nats")
+
+
+@dataclass
+class LogConfig:
+    """Where the run's logs live (the ``[log]`` table). The run folder keeps
+    ``config.json`` and the checkpoints either way; with ``nats`` the rollout
+    partitions are the subjects ``<stream>.pNNNN`` and the learner log
+    ``<stream>.learner`` of one JetStream stream."""
+
+    backend: str = "file"
+    """file (``<run>/rollout``, ``<run>/learner``) or nats (one JetStream stream per run)."""
+    url: str = ""
+    """nats: the servers, nats://host:port or nats://h1:4222,h2:4222 (no stream in it; see stream)."""
+    stream: str = ""
+    """nats: the run's stream ("": the run folder's name, every character outside [A-Za-z0-9_-] replaced by '_')."""
+    replicas: int = 1
+    """nats: copies JetStream keeps of the stream (3 on a 3-node cluster)."""
+    duplicate_window_s: float = 120.0
+    """nats: how long the server remembers message ids to drop a retried publish (seconds)."""
+
+    def __post_init__(self) -> None:
+        from agentlog.events.log.jetstream_read import STREAM_RE, parse_nats_url
+
+        if self.backend not in LOG_BACKENDS:
+            raise ConfigError(f"[log] backend: expected one of {LOG_BACKENDS}, found {self.backend!r}")
+        for name in ("url", "stream"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"[log] {name}: expected a str, found {getattr(self, name)!r}")
+        if self.backend == "file":
+            given = [name for name in ("url", "stream") if getattr(self, name)]
+            if given:
+                raise ConfigError(f"[log] {given[0]}: only the nats backend takes it (backend is 'file')")
+        else:
+            if not self.url:
+                raise ConfigError("[log] url: backend 'nats' needs the servers' URL, e.g. nats://127.0.0.1:4222")
+            if not self.url.startswith("nats://"):
+                raise ConfigError(f"[log] url: expected nats://host:port[,host:port], found {self.url!r}")
+            if "/" in self.url.removeprefix("nats://"):
+                raise ConfigError(f"[log] url: expected nats://host:port[,host:port] without a path (the stream goes in "
+                                  f"[log] stream), found {self.url!r}")
+            try:
+                parse_nats_url(f"{self.url}/stream")
+            except ValueError as exc:
+                raise ConfigError(f"[log] url: expected nats://host:port[,host:port], found {self.url!r} ({exc})") from None
+            if self.stream and not STREAM_RE.fullmatch(self.stream):
+                raise ConfigError(f"[log] stream: expected letters, digits, '-' or '_' (1..200 of them), found {self.stream!r}")
+        if type(self.replicas) is not int or not 1 <= self.replicas <= 5:
+            raise ConfigError(f"[log] replicas: expected an int in 1..5, found {self.replicas!r}")
+        if isinstance(self.duplicate_window_s, bool) or not isinstance(self.duplicate_window_s, (int, float)) \
+                or not 0 < self.duplicate_window_s < math.inf:
+            raise ConfigError(f"[log] duplicate_window_s: expected a number of seconds > 0, found {self.duplicate_window_s!r}")
+
+    def servers(self) -> list[str]:
+        """The server URLs of ``url``, one each (nats-py takes a list; it does not split a comma-joined string)."""
+        return [f"nats://{host}" for host in self.url.removeprefix("nats://").split(",")]
+
+    def stream_for(self, run_dir: Path) -> str:
+        """The run's stream: ``stream``, or the run folder's name with every
+        character outside [A-Za-z0-9_-] replaced by '_' (at most 200)."""
+        if self.stream:
+            return self.stream
+        name = re.sub(r"[^A-Za-z0-9_-]", "_", Path(os.path.abspath(run_dir)).name)[:200]
+        return name or "run"
+
+
+# --- issue 16: distill ---
+#: The keys of one ``[[distill.teachers]]`` table that say where the teacher is (exactly one is given).
+TEACHER_SOURCES = ("url", "checkpoint", "hf_model")
+
+
+@dataclass
+class TeacherSpec:
+    """One teacher of on-policy distillation (a ``[[distill.teachers]]`` table)."""
+
+    name: str
+    """Name recorded with each of its scores (unique among the run's teachers)."""
+    url: str = ""
+    """A teacher server (slime's teacher server / SGLang's native /generate): its base URL or its /generate URL."""
+    checkpoint: str = ""
+    """A built-in GPT policy file (.pt: a learner checkpoint or a weights file), run in the worker process."""
+    hf_model: str = ""
+    """A local Hugging Face model directory, run in the worker process (nothing is downloaded)."""
+    version: str = ""
+    """url: the served weights' version id ("" reads the server's /get_model_info); in-process teachers use their weights' sha256."""
+    scales_temperature: bool = False
+    """url: the server returns input log-probs at the request's temperature (stock SGLang returns them at temperature 1, so turns sampled at another temperature are then recorded as teacher failures)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ConfigError(f"[[distill.teachers]] name: expected a non-empty str, found {self.name!r}")
+        for key in (*TEACHER_SOURCES, "version"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(f"[[distill.teachers]] {self.name!r}: {key}: expected a str, found {getattr(self, key)!r}")
+        given = [k for k in TEACHER_SOURCES if getattr(self, k)]
+        if len(given) != 1:
+            raise ConfigError(f"[[distill.teachers]] {self.name!r}: expected exactly one of {list(TEACHER_SOURCES)}, found "
+                              f"{given or 'none'}")
+        if self.version and not self.url:
+            raise ConfigError(f"[[distill.teachers]] {self.name!r}: version is for url teachers; an in-process teacher's "
+                              "version is the sha256 of its weights")
+        if not isinstance(self.scales_temperature, bool):
+            raise ConfigError(f"[[distill.teachers]] {self.name!r}: scales_temperature: expected true or false, found {self.scales_temperature!r}")
+        if self.scales_temperature and not self.url:
+            raise ConfigError(f"[[distill.teachers]] {self.name!r}: scales_temperature is for url teachers; an in-process "
+                              "teacher always scores at the turn's temperature")
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (the ``[distill]`` table): teachers score every turn of each
+    finished session before its terminal event, and the learner shapes each token's
+    advantage by ``coef`` x (rollout log-prob - teacher log-prob)."""
+
+    teachers: list[TeacherSpec] = field(default_factory=list)
+    """The teachers (``[[distill.teachers]]`` tables: name and one of url / checkpoint / hf_model); empty: no distillation."""
+    coef: float = 0.0
+    """lambda: weight of the per-token reverse KL to the teacher in the advantage (LearnerConfig.distill_coef)."""
+    topk: int = 0
+    """Top-K tokens (and log-probs) each teacher returns per scored token (0: none)."""
+    timeout_s: float = 60.0
+    """Longest a teacher may take to score one turn; past it the turn is recorded as a teacher failure."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.teachers, (list, tuple)):
+            raise ConfigError(f"[distill] teachers: expected a list of tables, found {self.teachers!r}")
+        self.teachers = [_from_mapping(TeacherSpec, t, "distill.teachers") if isinstance(t, Mapping) else t for t in self.teachers]
+        if not all(isinstance(t, TeacherSpec) for t in self.teachers):
+            raise ConfigError(f"[distill] teachers: expected a list of tables, found {self.teachers!r}")
+        names = [t.name for t in self.teachers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"[distill] teachers: names must be unique, found {names}")
+        if isinstance(self.coef, bool) or not isinstance(self.coef, (int, float)) or not 0 <= self.coef < math.inf:
+            raise ConfigError(f"[distill] coef: expected a number >= 0, found {self.coef!r}")
+        if self.coef > 0 and not self.teachers:
+            raise ConfigError(f"[distill] coef is {self.coef}, and no teachers are configured; add [[distill.teachers]]")
+        if type(self.topk) is not int or self.topk < 0:
+            raise ConfigError(f"[distill] topk: expected an int >= 0, found {self.topk!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s < math.inf:
+            raise ConfigError(f"[distill] timeout_s: expected a number of seconds > 0, found {self.timeout_s!r}")
+
+    def resolve_paths(self, base_dir: Path | None) -> None:
+        """Make the in-process teachers' relative paths absolute against ``base_dir`` (the
+        config file's directory; default the current one), so every process finds them."""
+        base = Path(base_dir) if base_dir is not None else Path.cwd()
+        for t in self.teachers:
+            for key in ("checkpoint", "hf_model"):
+                if getattr(t, key):
+                    setattr(t, key, os.path.abspath(base / os.path.expanduser(getattr(t, key))))
+
+
+#: Annotation names -> the Python types a config value of that name may have
+#: (JSON and TOML hand back ints for whole floats, lists for tuples).
+_ANNOTATION_TYPES: dict[str, tuple[type, ...]] = {
+    "bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "None": (type(None),),
+    "tuple": (tuple, list), "list": (list, tuple), "dict": (dict,),
+}
+
+
+def check_field_types(cls, values: Mapping[str, Any]) -> None:
+    """Raise ConfigError naming ``cls.field``, the expected type and the value
+    when a value of ``values`` does not have its field's annotated type (a
+    bool is never taken for a number). Annotations this does not know are not
+    checked. Without this, ``lr = "abc"`` got as far as ``"abc" > 0`` and a
+    TypeError traceback."""
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    for name, value in values.items():
+        annotation = fields.get(name)
+        if not isinstance(annotation, str):
+            continue
+        allowed: tuple[type, ...] = ()
+        for part in annotation.split("|"):
+            kinds = _ANNOTATION_TYPES.get(part.strip().split("[")[0])
+            if kinds is None:
+                allowed = ()  # an annotation we do not model: leave it to the class
+                break
+            allowed += kinds
+        if not allowed:
+            continue
+        if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+            raise ConfigError(f"{cls.__name__}.{name}: expected {annotation}, found {value!r}")
+
+
+def _from_mapping(cls, values: Mapping[str, Any], where: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        prefix = f"[{where}] " if where else ""
+        raise ConfigError(f"{prefix}unknown key(s) {unknown}; known keys are {sorted(known)}")
+    check_field_types(cls, values)
+    try:
+        return cls(**dict(values))
+    except TypeError as exc:
+        raise ConfigError(f"{cls.__name__}: {exc}") from None
