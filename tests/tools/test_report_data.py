@@ -8,7 +8,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentlog.tools.report.data import MAX_REASONS, TIME_BINS, LogHistogram, SessionRow, SessionTable, TimeSeries
+from agentlog.tools.report.aggregates import TIME_BINS, LogHistogram, TimeSeries
+from agentlog.tools.report.session_table import MAX_REASONS, SessionRow, SessionTable
 
 positive = st.floats(min_value=1e-6, max_value=1e7, allow_nan=False)
 
@@ -89,7 +90,7 @@ def test_table_counts_at_most_max_reasons_abort_reasons():
 
 
 def _held_by_the_report(log) -> tuple[int, object]:
-    """Bytes that the report's own code (tools/report/data.py) allocated and
+    """Bytes that the report's own code (tools/report/: the pass, its aggregates, its table) allocated and
     still holds when the pass reaches the end of ``log``, with the data it
     returns. What the log reader and the reducers allocate is left out: each
     bounds its own (the reader's id cache, the folds' windows of recently
@@ -103,10 +104,10 @@ def _held_by_the_report(log) -> tuple[int, object]:
 
     def envelopes():
         yield from read_log(log, 0)
-        snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/tools/report/data.py")])
+        snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/tools/report/*.py")])
         held.append(sum(st.size for st in snap.statistics("filename")))
 
-    tracemalloc.start(1)  # the innermost frame: what data.py's own lines allocate
+    tracemalloc.start(1)  # the innermost frame: what the report's own lines allocate
     try:
         data = collect(envelopes(), str(log))
     finally:

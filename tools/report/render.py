@@ -16,7 +16,8 @@ import html
 import math
 from typing import Any
 
-from .data import DrillSample, ReportData, SessionRow
+from .data import ReportData
+from .session_table import DrillSample, SessionRow
 
 OUTCOMES = ("finished", "aborted", "dropped", "running", "open")
 COLOURS = {
@@ -146,7 +147,7 @@ def per_session_figure(data: ReportData) -> Any:
 
 def _bucketed_versions(rows: list[tuple[int, Any]]) -> list[tuple[str, Any]]:
     """Versions as category labels; more than MAX_VERSION_BARS are summed in equal ranges."""
-    from .data import Totals
+    from .aggregates import Totals
 
     if len(rows) <= MAX_VERSION_BARS:
         return [(str(v), t) for v, t in rows]
