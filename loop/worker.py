@@ -131,7 +131,7 @@ class RolloutWorker:
             self.batcher = GenerationBatcher(self.model, self.task, seed=cfg.seed * 1_000_003 + 11, before_batch=self.maybe_reload,
                                               temperature=cfg.temperature)
         self.sandbox = LocalSandbox(self.run_dir / "sandbox" / self.worker_id)
-        # --- issue 16: distill ---
+        # --- on-policy distillation ---
         #: The teachers that score each finished session before its terminal event ([distill]).
         self.teachers = build_teachers(cfg.distill)
         self.counts: dict[str, int] = {}
