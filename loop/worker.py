@@ -454,7 +454,7 @@ class RolloutWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m loop.worker RUN_DIR``: run a rollout worker for a run folder."""
+    """``python -m agentlog.loop.worker RUN_DIR``: run a rollout worker for a run folder."""
     p = argparse.ArgumentParser(prog="agentlog-worker", description=main.__doc__)
     p.add_argument("run_dir", type=Path)
     p.add_argument("--worker-id", default="", help="name in logs and the sandbox folder (default: w0, or the partition's pNNNN)")
