@@ -118,7 +118,7 @@ class _Item:
 
 
 def _check_teacher(sample: Sample, where: str) -> None:
-    """The teacher arrays, when present, must be aligned with the response (contract of issue 16)."""
+    """The teacher arrays, when present, must be aligned with the response (the distillation contract: one entry per response token)."""
     n = sample.response_length
     if not (sample.teacher_log_probs or sample.teacher_scored or sample.teacher_top_k):
         return

@@ -451,7 +451,7 @@ def read_policy(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[
     """``(state_dict, model_config)`` of a policy file: a learner checkpoint, a
     `save_weights` file or a bare state dict (all read with weights_only=True).
     ``model_config`` is the built-in GPT's config when the file recorded it
-    (learner checkpoints since issue 14), else None."""
+    (learner checkpoints record it since HF policies were added), else None."""
     state = load_state(path)
     if "model" in state:
         model = state["model"]

@@ -110,54 +110,54 @@ class LoopConfig:
     """Injected faults (see FaultConfig)."""
     learner: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-3, "warmup_steps": 10, "grad_clip": 1.0})
     """Overrides of learner.config.LearnerConfig (estimator, eps_clip, lr, ...)."""
-    # --- issue 14: tasks ---
+    # --- the task's modules (the [task] table) ---
     task_modules: list[str] = field(default_factory=list)
     """Modules every loop process imports before selecting the task (they register it): `--import`, `[task] module`."""
     task_path: list[str] = field(default_factory=list)
     """Directories put in front of sys.path before importing task_modules (`[task] path`, resolved against the config file; absolute)."""
-    # --- issue 14: agent ---
+    # --- text tasks: the agent and its inference ---
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Text tasks: the agent harness each rollout session runs against the gateway (see AgentConfig)."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     """Text tasks: where model calls are served and how new weights reach it (see InferenceConfig)."""
-    # --- issue 14: hf model ---
+    # --- the policy model and its metric sinks ---
     hf_model: str = ""
     """The policy: "" for the built-in GPT; a local Hugging Face model directory; or "tiny-llama" / "tiny-qwen2", a tiny random model built in code into the run folder (tests, examples). Each version is then published as an HF directory beside its checkpoint."""
     gradient_checkpointing: bool = False
     """Recompute the HF model's activations in the backward pass (less memory, more time)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Metric sinks of the learner (the [metrics] table: tensorboard, wandb_project)."""
-    # --- issue 15: rollout workers ---
+    # --- rollout workers ---
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout workers: how many, local processes or Ray actors (see RolloutConfig)."""
-    # --- issue 16: distill ---
+    # --- on-policy distillation ---
     distill: DistillConfig = field(default_factory=DistillConfig)
     """On-policy distillation: the teachers that score each finished session, and lambda (see DistillConfig)."""
-    # --- issue 17: jetstream loop ---
+    # --- where the run's logs live ---
     log: LogConfig = field(default_factory=LogConfig)
     """Where the run's logs live: files in the run folder, or a JetStream stream (see LogConfig)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.faults, Mapping):
             self.faults = _from_mapping(FaultConfig, self.faults, "faults")
-        # --- issue 14: agent ---
+        # --- text tasks: [agent], [inference] ---
         if isinstance(self.agent, Mapping):
             self.agent = _from_mapping(AgentConfig, self.agent, "agent")
         if isinstance(self.inference, Mapping):
             self.inference = _from_mapping(InferenceConfig, self.inference, "inference")
-        # --- issue 14: hf model ---
+        # --- [metrics], [rollout] ---
         if isinstance(self.metrics, Mapping):
             self.metrics = _from_mapping(MetricsConfig, self.metrics, "metrics")
         if isinstance(self.rollout, Mapping):
             self.rollout = _from_mapping(RolloutConfig, self.rollout, "rollout")
         if not isinstance(self.rollout, RolloutConfig):
             raise ConfigError(f"LoopConfig.rollout: expected a [rollout] table, found {self.rollout!r}")
-        # --- issue 16: distill ---
+        # --- [distill] ---
         if isinstance(self.distill, Mapping):
             self.distill = _from_mapping(DistillConfig, self.distill, "distill")
         if not isinstance(self.distill, DistillConfig):
             raise ConfigError(f"LoopConfig.distill: expected a [distill] table, found {self.distill!r}")
-        # --- issue 17: jetstream loop ---
+        # --- [log] ---
         if isinstance(self.log, Mapping):
             self.log = _from_mapping(LogConfig, self.log, "log")
         if not isinstance(self.log, LogConfig):
@@ -197,7 +197,7 @@ class LoopConfig:
             raise ConfigError(f"LoopConfig.fsync: expected always, batch, interval or never, found {self.fsync!r}")
         if not isinstance(self.learner, Mapping):
             raise ConfigError(f"LoopConfig.learner: expected a table of LearnerConfig fields, found {self.learner!r}")
-        # --- issue 14: tasks ---
+        # --- task modules: one name or a list ---
         for name in ("task_modules", "task_path"):
             v = getattr(self, name)
             if isinstance(v, str):
@@ -222,7 +222,7 @@ class LoopConfig:
         values = dict(self.learner)
         if self.staleness_mode == "correct":
             values.setdefault("tis_cap", self.tis_cap)
-        # --- issue 16: distill ---
+        # --- [distill] coef is the learner's distill_coef ---
         if self.distill.coef:
             given = values.setdefault("distill_coef", self.distill.coef)
             if given != self.distill.coef:
@@ -240,7 +240,7 @@ class LoopConfig:
         Relative directories of a ``[task]`` table's ``path`` are resolved
         against ``base_dir`` (default: the current directory)."""
         cfg = _from_mapping(cls, task_table(values, base_dir), "")
-        cfg.distill.resolve_paths(base_dir)  # --- issue 16: distill ---
+        cfg.distill.resolve_paths(base_dir)
         return cfg
 
     def save(self, path: Path) -> None:
@@ -283,7 +283,7 @@ def run_reduce_config(run_dir: Path):
     return LoopConfig.load(path).reduce_config()
 
 
-# --- issue 14: tasks ---
+# --- the [task] table ---
 #: Keys of the ``[task]`` table -> the LoopConfig field each one sets.
 TASK_TABLE_KEYS = {"name": "task", "module": "task_modules", "path": "task_path"}
 

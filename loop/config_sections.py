@@ -210,7 +210,7 @@ class RolloutConfig:
         return list(range(self.workers))
 
 
-# --- issue 17: jetstream loop ---
+# --- [log]: where the run's logs live ---
 #: Where a run's logs live: folders under the run folder, or subjects of a JetStream stream.
 LOG_BACKENDS = ("file", "nats")
 
@@ -278,7 +278,7 @@ class LogConfig:
         return name or "run"
 
 
-# --- issue 16: distill ---
+# --- [distill]: on-policy distillation's teachers ---
 #: The keys of one ``[[distill.teachers]]`` table that say where the teacher is (exactly one is given).
 TEACHER_SOURCES = ("url", "checkpoint", "hf_model")
 

@@ -1,7 +1,7 @@
 """Run the loop: start the learner and rollout-worker processes, watch, summarise.
 
-The processes are plain ``python -m loop.trainer RUN_DIR`` and
-``python -m loop.worker RUN_DIR``; they share nothing but the run
+The processes are plain ``python -m agentlog.loop.trainer RUN_DIR`` and
+``python -m agentlog.loop.worker RUN_DIR``; they share nothing but the run
 folder (``config.json``, the two logs, the checkpoints). This module only
 starts them, reports progress by reading the learner log (to a :class:`RunProgress`
 the caller passes; the CLI draws it), and stops them.

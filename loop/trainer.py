@@ -554,7 +554,7 @@ class LoopLearner:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m loop.trainer RUN_DIR``: run the learner for a run folder."""
+    """``python -m agentlog.loop.trainer RUN_DIR``: run the learner for a run folder."""
     p = argparse.ArgumentParser(prog="agentlog-learner", description=main.__doc__)
     p.add_argument("run_dir", type=Path)
     p.add_argument("--max-steps", type=int, default=None)

@@ -131,7 +131,7 @@ class RolloutWorker:
             self.batcher = GenerationBatcher(self.model, self.task, seed=cfg.seed * 1_000_003 + 11, before_batch=self.maybe_reload,
                                               temperature=cfg.temperature)
         self.sandbox = LocalSandbox(self.run_dir / "sandbox" / self.worker_id)
-        # --- issue 16: distill ---
+        # --- on-policy distillation ---
         #: The teachers that score each finished session before its terminal event ([distill]).
         self.teachers = build_teachers(cfg.distill)
         self.counts: dict[str, int] = {}
@@ -454,7 +454,7 @@ class RolloutWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m loop.worker RUN_DIR``: run a rollout worker for a run folder."""
+    """``python -m agentlog.loop.worker RUN_DIR``: run a rollout worker for a run folder."""
     p = argparse.ArgumentParser(prog="agentlog-worker", description=main.__doc__)
     p.add_argument("run_dir", type=Path)
     p.add_argument("--worker-id", default="", help="name in logs and the sandbox folder (default: w0, or the partition's pNNNN)")

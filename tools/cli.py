@@ -179,7 +179,7 @@ def _close_remotes() -> None:
 
 
 if __name__ == "__main__":
-    # `python -m tools.cli`: run the imported module's main, so the commands'
+    # `python -m agentlog.tools.cli`: run the imported module's main, so the commands'
     # `from agentlog.tools.cli import CliError` is the class this main catches.
     from agentlog.tools.cli import main as _main
 

@@ -60,7 +60,7 @@ def add_config_flags(p, *, defaults: LoopConfig) -> None:
         default = getattr(defaults.faults, f.name)
         fg.add_argument(_flag(f.name), dest=f"fault_{f.name}", type=float, default=None, metavar="X",
                         help=f"{fault_help.get(f.name, '')} (default {default})".replace("%", "%%"))
-    # --- issue 14: hf model --- the [metrics] table
+    # --- the [metrics] table
     metrics_help = field_help(MetricsConfig)
     mg = p.add_argument_group("metric sinks (the [metrics] table)")
     for f in dataclasses.fields(MetricsConfig):
@@ -68,7 +68,7 @@ def add_config_flags(p, *, defaults: LoopConfig) -> None:
         kind = _parse_bool if isinstance(default, bool) else type(default)
         mg.add_argument(_flag(f.name), dest=f"metrics_{f.name}", type=kind, default=None, metavar=f.name.upper(),
                         help=f"{metrics_help.get(f.name, '')} (default {default!r})".replace("%", "%%"))
-    # --- issue 15: rollout workers --- the [rollout] table's worker count
+    # --- the [rollout] table's worker count
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help=f"rollout workers, one log partition each ([rollout] workers; default {defaults.rollout.workers}); "
                         "on the local backend they are processes on this machine")
@@ -172,7 +172,7 @@ def config_from_args(args, base: LoopConfig, *, task_modules: list[str] = (), im
         v = getattr(args, f.name, None)
         if v is not None:
             values[f.name] = list(values[f.name]) + v if isinstance(values[f.name], list) else v
-    # --- issue 14: tasks ---
+    # --- task modules: --import adds to the config's [task] module
     values["task_modules"] = list(values["task_modules"]) + [m for m in task_modules if m not in values["task_modules"]]
     if values["task_modules"]:
         values["task_path"] = list(values["task_path"]) + [str(d) for d in [*import_dirs, Path.cwd()]]

@@ -27,7 +27,7 @@ Reward: sparse, no partial credit. 1.0 when turn 1 is exactly
 ``answer <value of the prompt's key> EOS``, else 0.0; ``success`` is the same
 test. (A partially right episode, such as a correct lookup followed by a wrong
 answer, earns nothing: with shaped credit for the lookup, the policy learned
-the format and then collapsed before sampling correct answers, see issue #7.)
+the format and then collapsed before sampling correct answers on some seeds.)
 """
 
 from __future__ import annotations

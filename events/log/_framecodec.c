@@ -1,6 +1,6 @@
 /* The compiled frame codec of the file log (agentlog.events.log._framecodec).
  *
- * The hot loops of agentlog.events.log.scan and log_writer, with the same
+ * The hot loops of agentlog.events.log.scan and .writer, with the same
  * behaviour as their pure-Python versions (agentlog.events.log.framecodec selects
  * one; the differential tests hold them to identical results):
  *
@@ -17,7 +17,7 @@
  * pure-Python path uses too). set_crc_backend("python") forces that fallback
  * so that tests cover it on any machine.
  *
- * Layouts (little-endian; see log_format.py):
+ * Layouts (little-endian; see format.py):
  *   frame  = u32 masked crc | u32 length | u8 type | u64 lsn | u64 seq | i64 ts
  *            | u8 flags | u16 sid length | sid | payload
  *   crc covers everything after the crc field; length counts from the lsn on.

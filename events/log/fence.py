@@ -141,7 +141,7 @@ class FenceAndSpares:
         point of a sealed segment, or the stale DURABLE overwrites the new
         one until the new writer's next publish. ``verify``, a full recovery
         and readers (a segment never holds the LSN the next segment starts
-        at: see ``log_read.Cursor``) report those frames as corruption and
+        at: see ``read.Cursor``) report those frames as corruption and
         never yield them. The window is one batch's
         write + sync; a newer writer that waits longer than that after
         writing FENCE before it recovers closes it (not done here)."""

@@ -409,7 +409,7 @@ class FileLog(GroupCommit, FenceAndSpares, EventLog):
             sizes.append(n)
         self._reserve_spares(*self._segments_needed(sizes))
         # From here on nothing can fail. The frame layout is inlined (see
-        # log_format.encode_frame, which readers' tests use): this loop is the
+        # format.encode_frame, which readers' tests use): this loop is the
         # hot path of every append.
         ts = self._clock()
         lsn = self._assigned

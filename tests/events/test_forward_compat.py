@@ -1,4 +1,4 @@
-"""Issue 11 medium 11: a log written by a newer agentlog reads here. Unknown
+"""Tolerant read: a log written by a newer agentlog reads here. Unknown
 tags decode to UnknownEvent, new values of known fields read as they are, and
 a known tag whose fields this version cannot decode is a SchemaError (upgrade),
 never LogCorruption (disk damage)."""

@@ -98,7 +98,7 @@ class LogContract:
         ids=["metadata-list", "prompt-str", "prompt-list-of-int", "prompt-dict", "finish-metadata-list"],
     )
     def test_a_body_readers_could_not_decode_is_refused_before_anything_is_written(self, log, body, field, expected):
-        """Issue 11 critical 1: msgspec constructors do not check field types,
+        """Validated on write: msgspec constructors do not check field types,
         so these bodies encode; the writer decodes each back and refuses it."""
         log.append_batch([("s", 0, opened()), ("s", 1, SessionStarted())])
         with pytest.raises(EventValidationError) as info:

@@ -1,4 +1,4 @@
-"""Issue 11 critical 1, as a property: any event the writer accepts decodes
+"""Validated on write, as a property: any event the writer accepts decodes
 back equal, in every log. Bodies of every event type get hostile field values
 of the wrong type, either through the constructor (whose checks may refuse
 them) or forced in past it; each append is either refused with

@@ -1,4 +1,4 @@
-"""Issue 14, end-to-end test 2, "A real CLI agent in the loop": `agentlog train`
+"""End to end, a real CLI agent in the loop: `agentlog train`
 with the tiny HF model and the real Claude Code CLI as every session's agent.
 
 The CLI is installed by ``.ci/run`` (``tools/gateway_clis.sh`` into

@@ -1,4 +1,4 @@
-"""Issue 14, "Custom task from another directory": a task module written in a
+"""A custom task from another directory: a task module written in a
 temporary directory outside the repository trains through the real
 ``agentlog train`` command, run from that directory with no PYTHONPATH, in
 every process of the loop: once through ``--import MODULE``, once through

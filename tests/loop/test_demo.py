@@ -81,7 +81,7 @@ def test_short_demo_learns_with_faults_and_online_digests_equal_offline(tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(10))
 def test_default_demo_reaches_a_reward_of_090_on_every_seed(tmp_path: Path, seed: int) -> None:
-    """Issue #7: the demo must learn on any seed; defaults (120 steps, faults on)."""
+    """The demo must learn on any seed, not on lucky ones; defaults (120 steps, faults on)."""
     out = tmp_path / f"seed{seed}"
     assert cli_main(["demo", "--seed", str(seed), "--out", str(out), "--quiet", "--no-report"]) == 0
     curve = reward_curve(read_learner_records(out / "learner"))

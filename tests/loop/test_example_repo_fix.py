@@ -1,4 +1,4 @@
-"""Issue 14, end-to-end test 1, "The copyable example runs": the real
+"""End to end, the copyable example runs: the real
 ``agentlog train`` command, run on ``examples/repo_fix/config.toml`` from a
 copy of that directory (the task module imported from the user's own
 directory, no PYTHONPATH, no model hub), trains 2 RL steps of the repo-fix

@@ -1,4 +1,4 @@
-"""The ``[task]`` table of a loop config and the task-module flags (issue 14):
+"""The ``[task]`` table of a loop config and the task-module flags:
 ``name``, ``module`` and ``path`` onto LoopConfig's ``task``, ``task_modules``
 and ``task_path``, recorded in the run folder's config.json for the worker and
 learner processes."""

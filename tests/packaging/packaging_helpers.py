@@ -9,7 +9,7 @@ from pathlib import Path
 #: The repository root (the folder that holds pyproject.toml).
 ROOT = Path(__file__).resolve().parents[2]
 
-#: Top-level module names the repository used before issue 12 (and the layer
+#: Top-level module names the repository used before the `agentlog` namespace (and the layer
 #: folders added with it). Installed or imported bare, each of them collides with
 #: another distribution or with a user's own package of that name.
 OLD_TOP_LEVEL = ("engine", "events", "reducers", "learner", "tools", "gateway", "loop")

@@ -1,5 +1,5 @@
-"""No library module is over 600 lines (docs/design.md: each concept has one
-home). A file that grows past it holds more than one concept: split it by
+"""No library module is over 600 lines (docs/design.md, "Who owns what": a
+module owns a concept). A file that grows past it holds more than one concept: split it by
 concept, as events/log/writer.py, gateway/server.py and learner/model.py were."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A log written before the namespace change (issue 12) reconstructs to the
+"""A log written before the `agentlog` namespace change reconstructs to the
 same samples as it did then.
 
 ``tests/fixtures/pre_namespace_log`` is the rollout log of a short demo run

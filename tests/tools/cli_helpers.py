@@ -246,7 +246,7 @@ def write_learner_log(path: str | os.PathLike, steps: int) -> None:
 
 
 def agentlog(*args: str, timeout: float = 60, input: str | None = None) -> subprocess.CompletedProcess:
-    """Run ``agentlog ARGS`` in a subprocess (``python -m tools.cli``)."""
+    """Run ``agentlog ARGS`` in a subprocess (``python -m agentlog.tools.cli``)."""
     # The caller's environment as is: the subprocess imports the agentlog this test process imports
     # (the installed one, or a shim on PYTHONPATH), never the bare layer folders of the checkout.
     env = dict(os.environ)

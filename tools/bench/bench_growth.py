@@ -1,6 +1,6 @@
 """Benchmark: how the log and the reducer grow with the number of turns.
 
-The SWE-agent session shape of issue 13: a 2,000-token system prompt, then
+The SWE-agent session shape that motivated ``turn_delta``: a 2,000-token system prompt, then
 per turn 200 generated tokens (with log-probs and an assistant message) and
 400 tokens of tool output (a tool message); every turn's prompt is the whole
 context so far. Sessions of 10, 25, 50, 100 and 200 turns, plus one of 100

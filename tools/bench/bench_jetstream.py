@@ -1,4 +1,4 @@
-"""Benchmark of the JetStream log (issue 17) against FileLog, in one run on one machine:
+"""Benchmark of the replicated JetStream log against FileLog, in one run on one machine:
 
 1. durable appends/s of small events (one ``command_ran``, ~100 B framed):
    sync ``append_batch`` of one event (each acknowledged alone), sync

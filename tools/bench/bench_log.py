@@ -1,4 +1,4 @@
-"""Benchmark of the event log (issue #2 §5), each figure against an anchor
+"""Benchmark of the event log against its performance goals, each figure against an anchor
 measured in the same run on the same disk:
 
 1. durable append of 2048-token ``turn_recorded`` events (batch fsync) vs a raw

@@ -53,7 +53,7 @@ def _load_file_module(name: str, path: Path, **spec_kw):
 sys.path.insert(0, str(ROOT / "tests" / "tools"))
 write_many_sessions = _load_file_module("cli_helpers", ROOT / "tests" / "tools" / "cli_helpers.py").write_many_sessions
 
-#: The commit whose tools/report is the anchor (the report before issue 13).
+#: The commit whose tools/report is the anchor (the report before it became one bounded streaming pass).
 ANCHOR_COMMIT = "5b1e66f"
 CHARTS = ("over-time", "by-version", "per-session", "latency", "sizes", "reasons", "staleness")
 MAX_CHART_PX = 1200
