@@ -44,6 +44,18 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["WANDB_MODE"] = "disabled"
 
 
+@pytest.fixture(autouse=True)
+def _structlog_as_the_test_found_it():
+    """Each test starts with structlog unconfigured, as an application that
+    has not set up logging: a command run in-process (``cli.main``) configures
+    structlog for the rest of the process, and a later test of the library's
+    quiet default, or of ``capture_logs``, would otherwise see that setup."""
+    import structlog
+
+    yield
+    structlog.reset_defaults()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Under CI=true, a skip of a test marked ``required`` becomes a failure that carries the skip's reason."""
