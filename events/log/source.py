@@ -175,6 +175,11 @@ class LogSource:
         settings, used when the writer creates it."""
         raise ValueError(f"{self}: a partitioned log is written one partition at a time (open partition(pid)'s writer)")
 
+    def fence_epoch(self) -> int | None:
+        """The newest writer epoch taken on this log, where it is kept beside
+        the log (a directory's FENCE file); None where only the writer knows it."""
+        return None
+
     def verify(self, *, repair: bool = False, progress: Any = None) -> Any:
         """The frame check of one log (:class:`~agentlog.events.log.verify.VerifyReport`;
         its ``summary()`` is the one-line verdict). ``repair`` cuts a torn tail
@@ -262,7 +267,8 @@ async def follow_sources(sources: Mapping[int, LogSource], from_lsn: Mapping[int
         yield item
 
 
-def open_source(location: str | Path, *, allow_empty: bool = False, label: str | None = None) -> LogSource:
+def open_source(location: str | Path, *, allow_empty: bool = False, label: str | None = None,
+                check: bool = True, partitioned: bool | None = None) -> LogSource:
     """The :class:`LogSource` at ``location``: a log directory, a partition
     root, a run folder (its ``rollout/``), or a ``nats://host:port/stream[/log]``
     URL (its stream opened read-only, one connection per source; close it).
@@ -274,15 +280,23 @@ def open_source(location: str | Path, *, allow_empty: bool = False, label: str |
     directory the OS will not list. ``allow_empty`` accepts a log not written
     yet (a directory holding nothing but a writer's lock or index, a stream
     or subject with no message), to be followed or written. ``label`` names
-    the location in messages in place of ``location`` (a run folder's stream)."""
+    the location in messages in place of ``location`` (a run folder's stream).
+
+    ``check=False`` opens nothing and checks nothing (a run's logs before
+    their writers create them; the stream is connected to on first use). A
+    directory is then a single log (``partitioned`` False), a partition root
+    (True) or whichever it holds when read (None); a stream URL is always
+    partitioned, a subject URL never."""
     from .jetstream_read import is_nats_url
 
     if is_nats_url(str(location)):
         from .source_nats import open_nats
 
-        return open_nats(str(location), allow_empty=allow_empty, label=label)
-    from .source_file import open_directory
+        return open_nats(str(location), allow_empty=allow_empty, label=label, check=check)
+    from .source_file import directory_source, open_directory
 
+    if not check:
+        return directory_source(location, partitioned=partitioned)
     return open_directory(str(location), allow_empty=allow_empty)
 
 

@@ -70,6 +70,11 @@ class FileLogSource(LogSource):
 
         return FileLog.open(self.path, fsync=fsync, fence=fence)
 
+    def fence_epoch(self) -> int | None:
+        from .format import read_fence
+
+        return read_fence(self.path)
+
     def verify(self, *, repair: bool = False, progress: Any = None) -> Any:
         from .verify import verify_log
 

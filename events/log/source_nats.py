@@ -115,7 +115,7 @@ class SubjectSource(_NatsSource):
         return self._ref().follow(from_lsn, raw=raw, poll_s=poll_s)
 
     def tail(self, from_lsn: int = 0) -> LogTail:
-        return _SubjectTail(self._ref(), from_lsn)
+        return _SubjectTail(self, from_lsn)
 
     def next_lsn(self) -> int:
         return self._ref().next_lsn() if self._stream.exists() else 0
@@ -132,6 +132,9 @@ class SubjectSource(_NatsSource):
         return JetStreamLog.open(self._stream.servers, self._stream.stream, self.name if pid is None else pid,
                                  replicas=replicas, duplicate_window_s=duplicate_window_s)
 
+    def fence_epoch(self) -> int | None:
+        return None  # known to the writer that took it (JetStreamLog.epoch), not stored beside the log
+
     def verify(self, *, repair: bool = False, progress: Any = None) -> Any:
         if repair:
             raise ValueError(f"{self}: repair cuts a log directory's torn tail; a log on JetStream has none")
@@ -142,21 +145,24 @@ class SubjectSource(_NatsSource):
 
 
 class _SubjectTail(LogTail):
-    """One ordered consumer kept open, so a poll with nothing new costs no request."""
+    """One ordered consumer kept open, so a poll with nothing new costs no
+    request. Until the stream exists (its first writer creates it) a poll finds nothing."""
 
-    def __init__(self, ref: Any, from_lsn: int) -> None:
-        self.ref, self.next_lsn, self._cursor = ref, from_lsn, None
+    def __init__(self, source: SubjectSource, from_lsn: int) -> None:
+        self.source, self.next_lsn, self._cursor = source, from_lsn, None
+        self.ref: Any = None
 
     def poll(self, limit: int = 4096) -> list:
-        bridge = self.ref.run.bridge
         if self._cursor is None:
             from .jetstream_read import SubjectCursor
 
-            ref = self.ref
+            if not self.source._stream.exists():
+                return []
+            ref = self.ref = self.source._ref()
             cur = SubjectCursor(ref.run.js, ref.run.stream, ref.subject, ref.where, self.next_lsn, raw=False, to_end=False)
-            bridge.call(cur.start())
+            ref.run.bridge.call(cur.start())
             self._cursor = cur
-        out = bridge.call(self._cursor.take(limit, 0.0))
+        out = self.ref.run.bridge.call(self._cursor.take(limit, 0.0))
         if out:
             self.next_lsn = out[-1].lsn + 1
         return out
@@ -175,10 +181,10 @@ def stream_source(servers: str, stream: str, base: str, name: str | None = None)
     return StreamSource(s, None, owner=True) if name is None else SubjectSource(s, name, owner=True)
 
 
-def open_nats(text: str, *, allow_empty: bool = False, label: str | None = None) -> LogSource:
+def open_nats(text: str, *, allow_empty: bool = False, label: str | None = None, check: bool = True) -> LogSource:
     """The source a ``nats://host:port/stream[/log]`` URL names, its stream
     opened and checked (see :func:`~agentlog.events.log.source.open_source`).
-    Errors name ``label`` (default: the URL)."""
+    Errors name ``label`` (default: the URL); ``check=False`` connects on first use instead."""
     from .jetstream_read import parse_nats_url
 
     try:
@@ -187,6 +193,8 @@ def open_nats(text: str, *, allow_empty: bool = False, label: str | None = None)
         raise SourceError(str(exc)) from None
     hosts = text[len("nats://"):].partition("/")[0]
     source = stream_source(servers, stream, f"nats://{hosts}/{stream}", name)
+    if not check:
+        return source
     try:
         _check(label or text, source, allow_empty)
     except BaseException:

@@ -32,7 +32,7 @@ import torch
 from agentlog.events.schema.lifecycle import State
 from agentlog.events.schema.types import PolicyUpdated, SessionOpened, TurnDelta, TurnRecorded
 from agentlog.learner.learner import Learner
-from agentlog.loop import logs
+from agentlog.events import FileLog, read_log
 from agentlog.loop.config import FaultConfig, LoopConfig
 from agentlog.loop.policy import build_model
 from agentlog.loop.run import run_loop
@@ -51,7 +51,7 @@ def rollout_rates(run_dir: Path) -> dict[str, float]:
     """Sessions/s and turns/s over the span of the rollout log (first open to last event)."""
     sessions = turns = 0
     first = last = None
-    for env in logs.read(run_dir / "rollout", 0):
+    for env in read_log(run_dir / "rollout", 0):
         if isinstance(env.body, SessionOpened):
             sessions += 1
             first = env.ts_ns if first is None else first
@@ -65,18 +65,18 @@ def rollout_rates(run_dir: Path) -> dict[str, float]:
 def learner_figures(run_dir: Path) -> dict[str, Any]:
     """Idle fraction and release-to-step latencies, from the two logs."""
     rec_ts: list[tuple[PolicyUpdated, int]] = []
-    for env in logs.read(run_dir / "learner", 0):
+    for env in read_log(run_dir / "learner", 0):
         if isinstance(env.body, PolicyUpdated) and env.body.step > 0:
             rec_ts.append((env.body, env.ts_ns))
     # Which LSN released each group: recompute with the reducer (same as the learner did).
     from agentlog.reducers.pipeline import reduce_log
 
     cfg = LoopConfig.load(run_dir / "config.json")
-    res = reduce_log(logs.read(run_dir / "rollout", 0), cfg.reduce_config())
+    res = reduce_log(read_log(run_dir / "rollout", 0), cfg.reduce_config())
     released = {g.group_id: g.lsn_released for g in res.groups}
     want = set(released.values())
     ts_of: dict[int, int] = {}
-    for env in logs.read(run_dir / "rollout", 0):
+    for env in read_log(run_dir / "rollout", 0):
         if env.lsn in want:
             ts_of[env.lsn] = env.ts_ns
     lat = []
@@ -103,7 +103,7 @@ def _fixed_policy_run(run_dir: Path, cfg: LoopConfig) -> None:
 
     model = build_model(cfg, select_task(cfg.task))
     path = Learner(model, cfg.learner_config()).save_checkpoint(run_dir / "checkpoints" / "policy-v00000.pt")
-    llog = logs.open_log(run_dir / "learner", cfg.fsync)
+    llog = FileLog.open(run_dir / "learner", fsync=cfg.fsync)
     try:
         llog.append_batch([("learner", 0, PolicyUpdated(step=0, policy_version=0, checkpoint=str(path)))])
     finally:
@@ -168,7 +168,7 @@ async def overhead(run_dir: Path, cfg: LoopConfig, batches: int, repeats: int) -
 
     worker = RolloutWorker(run_dir, cfg)
     worker.maybe_reload()
-    rollout = logs.open_log(run_dir / "rollout-overhead", cfg.fsync)
+    rollout = FileLog.open(run_dir / "rollout-overhead", fsync=cfg.fsync)
     engine = await SessionEngine.open(rollout)
     null = NullEngine()
     t_real: list[float] = []
