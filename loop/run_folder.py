@@ -46,6 +46,7 @@ class Run:
         self.rollout: LogSource = open_source(self.logs_location(), check=False, partitioned=self.partitions is not None)
         #: The learner log: ``<run>/learner``, or the subject ``<stream>.learner``.
         self.learner: LogSource = self.rollout.sibling(RUN_LEARNER_LOG)
+        self.rollout.run_dir = self.learner.run_dir = self.dir
         self._tails: list[LogTail] = []
 
     @classmethod
@@ -73,6 +74,12 @@ class Run:
     def config_file(run_dir: str | Path) -> Path:
         """``<run_dir>/config.json``."""
         return Path(run_dir) / RUN_CONFIG
+
+    @staticmethod
+    def folder_of_checkpoint(checkpoint: str | Path) -> Path | None:
+        """The run folder a checkpoint file sits in (``<run>/checkpoints/policy-vNNNNN.pt``), or None."""
+        parent = Path(checkpoint).resolve().parent
+        return parent.parent if parent.name == RUN_CHECKPOINTS else None
 
     @staticmethod
     def has_config(run_dir: str | Path) -> bool:
@@ -104,9 +111,25 @@ class Run:
             return f"{log.url}/{self.stream}"
         return str(self.dir / RUN_ROLLOUT_LOG)
 
+    @property
+    def logs_elsewhere(self) -> bool:
+        """Whether the logs live outside the run folder (on JetStream), so that the folder itself holds no log."""
+        return self.logs_location() != str(self.dir / RUN_ROLLOUT_LOG)
+
     def describe(self) -> str:
         """Where the logs are, in words (for a summary line)."""
-        return f"{self.rollout.describe()}, {self.learner} (learner)"
+        parts = f"{len(self.partitions)} partitions, one per worker" if self.partitions is not None else "rollout"
+        return f"{self.rollout} ({parts}), {self.learner} (learner)"
+
+    def open_rollout_view(self, *, allow_empty: bool = False) -> LogSource:
+        """The rollout logs opened and checked for reading (what a command
+        given this run folder reads), with one-line errors naming the folder
+        and, when they live on JetStream, the stream (see
+        :func:`~agentlog.events.log.source.open_source`); close it."""
+        label = f"{self.dir} (its logs: {self.logs_location()})" if self.logs_elsewhere else None
+        source = open_source(self.logs_location() if label else self.dir, allow_empty=allow_empty, label=label)
+        source.run_dir = self.dir
+        return source
 
     # -- sources --------------------------------------------------------------
 

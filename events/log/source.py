@@ -17,7 +17,7 @@ import asyncio
 import math
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Mapping
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping
 
 from .api import EventLog, NotALog
 
@@ -26,8 +26,8 @@ RUN_ROLLOUT_LOG = "rollout"
 RUN_LEARNER_LOG = "learner"
 RUN_CONFIG = "config.json"
 
-#: How often a follower of a partitioned source lists its partitions again (seconds).
-DISCOVER_S = 0.2
+#: How often a follower of a partitioned source lists its partitions again, or looks for a log not created yet (seconds).
+DISCOVER_S = 0.5
 
 
 class SourceError(NotALog):
@@ -66,6 +66,8 @@ class LogSource:
     partitioned: bool = False
     #: True when :meth:`verify` can cut a torn tail (a log directory; JetStream has none).
     repairable: bool = False
+    #: The run folder this source is a log of, when known (its ``config.json`` holds the run's settings).
+    run_dir: Path | None = None
 
     def __str__(self) -> str:
         return self.location
@@ -117,14 +119,17 @@ class LogSource:
         """Tail one log forever from ``from_lsn`` (waiting for it to be created first)."""
         return _untagged(follow_sources({0: self}, {0: from_lsn}, poll_s=poll_s, raw=raw, batches=batches))
 
-    async def follow_tagged(self, *, raw: bool = False, batches: bool = False, poll_s: float = 0.05) -> AsyncIterator[tuple[int | None, Any]]:
-        """Follow forever: ``(None, record)`` for a single log, ``(pid, envelope)``
-        for a partitioned one (partitions created later are picked up), in
-        arrival order. A directory that holds neither yet is waited for."""
+    async def follow_tagged(self, *, raw: bool = False, batches: bool = False, poll_s: float = 0.05,
+                            discover_s: float = DISCOVER_S) -> AsyncIterator[tuple[int | None, Any]]:
+        """Follow forever: ``(None, record)`` for a single log (RawRecords with
+        ``raw``, lists of undecoded frames with ``batches``), ``(pid, envelope)``
+        for a partitioned one (its partitions listed again every ``discover_s``,
+        so one created later is picked up), in arrival order. A log not created
+        yet (a directory that holds neither) is looked for every ``discover_s``."""
         while not self.exists():
-            await asyncio.sleep(DISCOVER_S)
+            await asyncio.sleep(discover_s)
         if self.partitioned:
-            async for pid, env in follow_sources(LivePartitions(self), poll_s=poll_s):
+            async for pid, env in follow_sources(LivePartitions(self, discover_s), poll_s=poll_s):
                 yield pid, env
             return
         async for rec in self.follow(raw=raw, batches=batches, poll_s=poll_s):
@@ -148,6 +153,14 @@ class LogSource:
         """The partition ids a partitioned source holds now, ascending ([] for a single log)."""
         return []
 
+    def log_names(self) -> list[str]:
+        """The logs held beside each other where this source lives, by name:
+        a stream's subjects (``learner``, ``p0000``, ...), a partition root's
+        partitions; [] for a single log directory."""
+        from .partitions import partition_name
+
+        return [partition_name(pid) for pid in self.partitions()]
+
     def partition(self, pid: int) -> "LogSource":
         """Partition ``pid`` of a partitioned source (it need not exist yet)."""
         raise ValueError(f"{self}: a single log has no partitions (expected a partition root or a run's stream)")
@@ -156,6 +169,11 @@ class LogSource:
         """The log ``name`` beside this one: a directory's neighbour, another
         subject of the same stream (the ``learner`` beside the rollout)."""
         raise NotImplementedError
+
+    def run_sibling(self, name: str) -> "LogSource | None":
+        """The log ``name`` of the run this source is the rollout of (its
+        ``learner``), or None when it is no run's rollout (a bare log)."""
+        return self.sibling(name)
 
     def describe(self) -> str:
         """Where the log is, in words (for a summary line)."""
@@ -168,11 +186,12 @@ class LogSource:
     # -- writing and checking --------------------------------------------------
 
     def open_writer(self, *, fsync: str = "batch", fence: bool = False, replicas: int = 1,
-                    duplicate_window_s: float = 120.0) -> EventLog:
+                    duplicate_window_s: float = 120.0, clock: Callable[[], int] | None = None) -> EventLog:
         """Open (or create) this log as its one writer. ``fsync``: a file
         log's policy; ``fence`` takes a new writer epoch (a JetStream writer
         always does); ``replicas`` and ``duplicate_window_s``: the stream's
-        settings, used when the writer creates it."""
+        settings, used when the writer creates it; ``clock``: the records'
+        timestamps (default: the wall clock; a copy replays the source's)."""
         raise ValueError(f"{self}: a partitioned log is written one partition at a time (open partition(pid)'s writer)")
 
     def fence_epoch(self) -> int | None:
@@ -210,18 +229,18 @@ async def _untagged(tagged: AsyncIterator[tuple[Any, Any]]) -> AsyncIterator[Any
 
 class LivePartitions(Mapping):
     """The partitions of a partitioned source as ``{pid: LogSource}``, listed
-    afresh at most every DISCOVER_S: :func:`follow_sources` reads its mapping
+    afresh at most every ``every_s``: :func:`follow_sources` reads its mapping
     each round, so a partition a new worker creates is followed from then on
     (and a stray entry beside the partitions raises NotALog, naming it)."""
 
-    def __init__(self, root: LogSource) -> None:
-        self.root = root
+    def __init__(self, root: LogSource, every_s: float = DISCOVER_S) -> None:
+        self.root, self.every_s = root, every_s
         self._listed_at = -math.inf
         self._parts: dict[int, LogSource] = {}
 
     def _fresh(self) -> dict[int, LogSource]:
         now = time.monotonic()
-        if now - self._listed_at >= DISCOVER_S:
+        if now - self._listed_at >= self.every_s:
             self._parts = {pid: self._parts.get(pid) or self.root.partition(pid) for pid in self.root.partitions()}
             self._listed_at = now
         return self._parts

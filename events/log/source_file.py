@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .api import EventLog, NotALog
 from .source import RUN_CONFIG, RUN_ROLLOUT_LOG, LogSource, LogTail, SourceError
@@ -17,17 +17,28 @@ DID_YOU_MEAN_DEPTH = 3
 DID_YOU_MEAN_MAX_DIRS = 2000
 
 
-class FileLogSource(LogSource):
+class _Directory(LogSource):
+    path: Path
+
+    @property
+    def location(self) -> str:
+        return str(self.path)
+
+    def sibling(self, name: str) -> LogSource:
+        return FileLogSource(self.path.parent / name)
+
+    def run_sibling(self, name: str) -> LogSource | None:
+        # A run's rollout is its folder's rollout/; any other directory is a bare log.
+        return self.sibling(name) if self.path.name == RUN_ROLLOUT_LOG else None
+
+
+class FileLogSource(_Directory):
     """One log directory (segments, DURABLE watermark, INDEX)."""
 
     repairable = True
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-
-    @property
-    def location(self) -> str:
-        return str(self.path)
 
     def read(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False) -> Iterator[Any]:
         from .read import read_frame_batches, read_log
@@ -50,9 +61,6 @@ class FileLogSource(LogSource):
 
         return self.path.is_dir() and is_log_dir(self.path)
 
-    def sibling(self, name: str) -> LogSource:
-        return FileLogSource(self.path.parent / name)
-
     def byte_size(self) -> int:
         from .format import list_segments, segment_name
 
@@ -65,10 +73,10 @@ class FileLogSource(LogSource):
         return total
 
     def open_writer(self, *, fsync: str = "batch", fence: bool = False, replicas: int = 1,
-                    duplicate_window_s: float = 120.0) -> EventLog:
+                    duplicate_window_s: float = 120.0, clock: Callable[[], int] | None = None) -> EventLog:
         from .writer import FileLog
 
-        return FileLog.open(self.path, fsync=fsync, fence=fence)
+        return FileLog.open(self.path, fsync=fsync, fence=fence, **({} if clock is None else {"clock": clock}))
 
     def fence_epoch(self) -> int | None:
         from .format import read_fence
@@ -99,17 +107,13 @@ class _FileTail(LogTail):
         return out
 
 
-class PartitionRootSource(LogSource):
+class PartitionRootSource(_Directory):
     """A directory of ``pNNNN`` partition log directories, read merged."""
 
     partitioned = True
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-
-    @property
-    def location(self) -> str:
-        return str(self.path)
 
     def read_tagged(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[tuple[int | None, Any]]:
         from .partitions import read_partitions
@@ -132,24 +136,17 @@ class PartitionRootSource(LogSource):
 
         return FileLogSource(partition_dir(self.path, pid))
 
-    def sibling(self, name: str) -> LogSource:
-        return FileLogSource(self.path.parent / name)
-
     def byte_size(self) -> int:
         return sum(self.partition(pid).byte_size() for pid in self.partitions())
 
 
-class PendingDirectorySource(LogSource):
+class PendingDirectorySource(_Directory):
     """A directory that holds no log yet (``allow_empty``): a single log or a
     partition root once a writer creates one, judged afresh at each call
     (a single log until partitions appear)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-
-    @property
-    def location(self) -> str:
-        return str(self.path)
 
     def _now(self) -> LogSource:
         root = PartitionRootSource(self.path)
@@ -184,9 +181,6 @@ class PendingDirectorySource(LogSource):
     def partition(self, pid: int) -> LogSource:
         return PartitionRootSource(self.path).partition(pid)
 
-    def sibling(self, name: str) -> LogSource:
-        return FileLogSource(self.path.parent / name)
-
     def byte_size(self) -> int:
         return self._now().byte_size()
 
@@ -220,7 +214,19 @@ def is_run_folder(path: Path, *, allow_empty: bool) -> bool:
 
 
 def open_directory(arg: str, *, allow_empty: bool = False) -> LogSource:
-    """The source the directory ``arg`` names (see :func:`~agentlog.events.log.source.open_source`)."""
+    """The source the directory ``arg`` names (see :func:`~agentlog.events.log.source.open_source`),
+    with its ``run_dir`` when it is a run's ``rollout/`` or a partition of it."""
+    source = _judge(arg, allow_empty)
+    path = source.path  # type: ignore[attr-defined]
+    for run in (path.parent if path.name == RUN_ROLLOUT_LOG else None,
+                path.parent.parent if path.parent.name == RUN_ROLLOUT_LOG else None):
+        if run is not None and (run / RUN_CONFIG).is_file():
+            source.run_dir = run
+            break
+    return source
+
+
+def _judge(arg: str, allow_empty: bool) -> LogSource:
     from .format import DURABLE_NAME, INDEX_NAME, LOCK_NAME, is_log_dir
     from .partitions import is_partition_root
 

@@ -10,7 +10,7 @@ returned (its partitions, its siblings); closing that one closes it."""
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from .api import EventLog, LogCorruption, LogError, NotALog
 from .source import LogSource, LogTail, SourceError, StreamMissing
@@ -69,6 +69,10 @@ class _NatsSource(LogSource):
 
         return SubjectSource(self._stream, log_name(name), owner=False)
 
+    def log_names(self) -> list[str]:
+        """The logs of the run's stream that hold messages (``learner``, ``p0000``, ...), sorted."""
+        return self._stream.run().names()
+
     def close(self) -> None:
         if self._owner:
             self._stream.close()
@@ -124,13 +128,18 @@ class SubjectSource(_NatsSource):
         return self._stream.exists() and self._ref().exists()
 
     def open_writer(self, *, fsync: str = "batch", fence: bool = False, replicas: int = 1,
-                    duplicate_window_s: float = 120.0) -> EventLog:
+                    duplicate_window_s: float = 120.0, clock: Callable[[], int] | None = None) -> EventLog:
         from .jetstream import JetStreamLog
         from .partitions import parse_partition_name
 
         pid = parse_partition_name(self.name)
         return JetStreamLog.open(self._stream.servers, self._stream.stream, self.name if pid is None else pid,
-                                 replicas=replicas, duplicate_window_s=duplicate_window_s)
+                                 replicas=replicas, duplicate_window_s=duplicate_window_s,
+                                 **({} if clock is None else {"clock": clock}))
+
+    def describe(self) -> str:
+        s = self._stream.stream
+        return f"nats stream {s!r} subject {s}.{self.name}"
 
     def fence_epoch(self) -> int | None:
         return None  # known to the writer that took it (JetStreamLog.epoch), not stored beside the log
