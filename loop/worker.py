@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--partition", type=int, default=None, help="the log partition this worker writes (runs with several workers)")
     p.add_argument("--max-batches", type=int, default=None)
     args = p.parse_args(argv)
-    cfg = LoopConfig.load(args.run_dir / "config.json")
+    cfg = Run.load_config(args.run_dir)
     from .runlog import configure_process_logging
 
     worker_id = args.worker_id or ("w0" if args.partition is None else partition_name(args.partition))

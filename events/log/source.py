@@ -64,7 +64,8 @@ class LogSource:
 
     #: True for a partition root or a run's stream: records are read per partition and merged.
     partitioned: bool = False
-    #: True when :meth:`verify` can cut a torn tail (a log directory; JetStream has none).
+    #: True when :meth:`verify` can cut a torn tail (a log directory, or each partition of a
+    #: partition root; JetStream has none: the server keeps only acknowledged messages).
     repairable: bool = False
     #: The run folder this source is a log of, when known (its ``config.json`` holds the run's settings).
     run_dir: Path | None = None

@@ -111,6 +111,7 @@ class PartitionRootSource(_Directory):
     """A directory of ``pNNNN`` partition log directories, read merged."""
 
     partitioned = True
+    repairable = True  # each partition's torn tail, verified one at a time
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)

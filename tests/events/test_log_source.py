@@ -62,14 +62,15 @@ def test_a_partition_root_and_its_run_folder_read_merged_as_read_partitions_does
     (tmp_path / "run" / "config.json").write_text("{}")
     for where in (root, tmp_path / "run"):  # a run folder stands for its rollout/
         with open_source(where) as src:
-            assert src.partitioned and str(src) == str(root)
+            assert src.partitioned and src.repairable and str(src) == str(root)
             assert src.partitions() == [0, 3]
             assert list(src.read_tagged()) == list(read_partitions(root))
             assert list(src.read()) == [env for _, env in read_partitions(root)]
             assert list(src.partition(3).read()) == list(read_log(partition_dir(root, 3)))
             assert src.sibling("learner").location == str(tmp_path / "run" / "learner")
-            with pytest.raises(ValueError, match="one LSN sequence per partition"):
-                src.read(4)
+            for read_from_lsn in (src.read, src.read_tagged):
+                with pytest.raises(ValueError, match="one LSN sequence per partition"):
+                    read_from_lsn(4)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -156,7 +157,7 @@ def test_a_stream_and_its_subjects_read_as_the_jetstream_readers_do(nats_server)
     learner = write_nats(nats_server.url, stream, "learner", ["L"], per=1)
     url = f"{nats_server.url}/{stream}"
     with JetStreamRun.open(nats_server.url, stream) as run, open_source(url) as src:
-        assert src.partitioned and str(src) == url and src.partitions() == [0, 2]
+        assert src.partitioned and not src.repairable and str(src) == url and src.partitions() == [0, 2]
         merged = list(src.read_tagged())
         assert sorted((pid, env.lsn) for pid, env in merged) == sorted([(0, e.lsn) for e in a] + [(2, e.lsn) for e in b])
         assert [env.ts_ns for _, env in merged] == sorted(env.ts_ns for _, env in merged)
