@@ -118,6 +118,9 @@ class LogSource:
 
     def follow(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False, poll_s: float = 0.05) -> AsyncIterator[Any]:
         """Tail one log forever from ``from_lsn`` (waiting for it to be created first)."""
+        if self.partitioned:
+            raise ValueError(f"{self}: a partitioned log has one LSN sequence per partition; "
+                             f"follow it with follow_tagged, or one partition (e.g. {self.partition_location(0)})")
         return _untagged(follow_sources({0: self}, {0: from_lsn}, poll_s=poll_s, raw=raw, batches=batches))
 
     async def follow_tagged(self, *, raw: bool = False, batches: bool = False, poll_s: float = 0.05,
