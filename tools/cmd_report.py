@@ -14,7 +14,6 @@ each partition's events, sessions and outcomes (see :mod:`tools.report.data`).
 
 from __future__ import annotations
 
-
 from agentlog.events.fs import atomic_file
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import (
