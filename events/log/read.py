@@ -43,7 +43,7 @@ from .scan import (
     payload_error,
     read_head,
 )
-from ..schema.types import Envelope, decode_body
+from ..schema.types import TERMINAL_EVENT_TYPES, Envelope, decode_body, encode_body
 
 
 class RawRecord(NamedTuple):
@@ -69,6 +69,13 @@ class RawRecord(NamedTuple):
                 raise err from exc
             raise
         return Envelope(self.lsn, self.session_id, self.session_seq, self.ts_ns, body)
+
+    @classmethod
+    def of_envelope(cls, env: Envelope) -> "RawRecord":
+        """The record a log stores for ``env``: its body encoded as a payload
+        (what a log that keeps envelopes, MemoryLog, gives for ``read(raw=True)``)."""
+        return cls(env.lsn, env.session_id, env.session_seq, env.ts_ns, isinstance(env.body, TERMINAL_EVENT_TYPES),
+                   memoryview(encode_body(env.body)))
 
 
 class Cursor:

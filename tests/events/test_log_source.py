@@ -132,6 +132,24 @@ def test_bad_locations_are_named_with_what_was_expected(tmp_path):
         open_source("nats://nohost/stream/p/q")
 
 
+def test_raw_is_a_declared_parameter_of_every_log_read(tmp_path):
+    """EventLog.read takes ``raw`` (no caller probes for it): a MemoryLog gives
+    the same undecoded records a FileLog stores for the same appends."""
+    from agentlog.events import MemoryLog
+    from agentlog.events.schema.types import SessionFinished
+
+    batch = [("a", 0, opened()), ("a", 1, small_event(1)), ("a", 2, SessionFinished(reward=1.0))]
+    clock = itertools.count(1000).__next__
+    with FileLog.open(tmp_path / "log", fsync="never", clock=clock) as fl:
+        fl.append_batch(batch)
+        on_disk = [(r.lsn, r.session_id, r.session_seq, r.terminal, bytes(r.payload)) for r in fl.read(0, raw=True)]
+    mem = MemoryLog(clock=itertools.count(1000).__next__)
+    mem.append_batch(batch)
+    in_memory = [(r.lsn, r.session_id, r.session_seq, r.terminal, bytes(r.payload)) for r in mem.read(0, raw=True)]
+    assert in_memory == on_disk and on_disk[-1][3] is True
+    assert [r.decode() for r in mem.read(1, raw=True)] == list(mem.read(1))
+
+
 # ---------------------------------------------------------------- JetStream
 
 _names = itertools.count()
