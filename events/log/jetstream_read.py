@@ -492,8 +492,7 @@ async def follow_subject(bridge, js, stream: str, subject: str, where: str, from
 
 
 class JetStreamRun:
-    """A run's stream, opened read-only: its logs listed, read and followed
-    (the connection behind :mod:`~agentlog.events.log.source_nats`; open logs with ``open_source``).
+    """A run's stream, opened read-only (behind :mod:`~agentlog.events.log.source_nats`): its logs listed, read and followed.
 
     Creates nothing and takes no epoch, so it never disturbs the writers.
     One connection, held by a bridge thread; close it (or use ``with``)."""
