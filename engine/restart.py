@@ -44,7 +44,7 @@ from agentlog._logging import get_logger
 from agentlog.events.log.api import EventLog
 from agentlog.events.fs import write_atomic
 from agentlog.events.schema.types import (
-    KNOWN_TAGS, SessionAborted, SessionDropped, SessionFinished, SessionOpened, encode_body, event_tag, payload_tag,
+    KNOWN_TAGS, SessionAborted, SessionDropped, SessionFinished, SessionOpened, payload_tag,
 )
 from agentlog.reducers.errors import UnknownEventError
 from agentlog.reducers.groups import GroupError, GroupTracker, GroupTrackerSnapshot
@@ -119,21 +119,15 @@ class _Record(NamedTuple):
     session_seq: int
     ts_ns: int
     tag: str
-    #: The stored body bytes (a view valid until the next record), or None where the log keeps envelopes.
-    payload: memoryview | None
+    #: The stored body bytes (a view valid until the next record).
+    payload: memoryview
     body: Any  # decoded only where the fold needs it (session_opened), else None
 
 
 def _records(log: EventLog, from_lsn: int) -> Iterator[_Record]:
-    """The log's acknowledged records from ``from_lsn``, with their tags; a
-    FileLog's bodies are not decoded except ``session_opened``."""
-    try:
-        raw = log.read(from_lsn, raw=True)  # type: ignore[call-arg]
-    except TypeError:  # a log without undecoded reads (MemoryLog): its envelopes
-        for env in log.read(from_lsn):
-            yield _Record(env.lsn, env.session_id, env.session_seq, env.ts_ns, event_tag(env.body), None, env.body)
-        return
-    for rec in raw:
+    """The log's acknowledged records from ``from_lsn``, with their tags; the
+    bodies are not decoded except ``session_opened``."""
+    for rec in log.read(from_lsn, raw=True):
         tag = payload_tag(rec.payload)
         yield _Record(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, tag, rec.payload,
                       rec.decode().body if tag == _OPENED else None)
@@ -146,8 +140,7 @@ def anchor_at(log: EventLog, lsn: int) -> bytes | None:
         rec = next(records, None)
         if rec is None or rec.lsn != lsn:
             return None
-        payload = rec.payload if rec.payload is not None else encode_body(rec.body)
-        return record_anchor(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, payload)
+        return record_anchor(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, rec.payload)
 
 
 class RestartFold:

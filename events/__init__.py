@@ -5,7 +5,8 @@
 - :mod:`agentlog.events.log`: the log. The interface every log honours and
   the in-memory log (``api``), the file WAL (``format``, ``scan``, ``writer``
   with ``commit``, ``fence`` and ``osops``, ``recovery``, ``read``,
-  ``verify``, ``lock``), partitions, and the JetStream backend.
+  ``verify``, ``lock``), partitions, the JetStream backend, and ``source``:
+  the one reader type for a log wherever it lives (``open_source``).
 
 Beside them: ``errors`` (the one error root) and ``fs`` (atomic file writes).
 The public names are exported here."""
@@ -54,10 +55,10 @@ _LAZY = {
     "FSYNC_POLICIES": "log.writer",
     "FileLog": "log.writer",
     "JetStreamLog": "log.jetstream",
-    "JetStreamRef": "log.jetstream_read",
-    "JetStreamRun": "log.jetstream_read",
-    "is_nats_url": "log.jetstream_read",
-    "parse_nats_url": "log.jetstream_read",
+    "LogSource": "log.source",
+    "SourceError": "log.source",
+    "follow_sources": "log.source",
+    "open_source": "log.source",
     "OsOps": "log.writer",
     "RawRecord": "log.read",
     "follow_log": "log.read",

@@ -24,7 +24,7 @@ from agentlog.reducers.groups import ABORTED
 from agentlog.reducers.partitioned import ReleasedGroup, rebuild_batches, reduce_partitions
 from agentlog.reducers.samples import SampleDigest
 
-from . import logs
+from .run_folder import Run
 from .config import LoopConfig
 from .publish import read_learner_records
 from .trainer import record_frontier, step_digest
@@ -58,14 +58,13 @@ def check_run(run_dir: Path, cfg: LoopConfig | None = None) -> RunCheck:
     them (:func:`rebuild_batches`): the groups it names, taken from the
     partitions it names, in its order, must hash to the digest it recorded."""
     run_dir = Path(run_dir)
-    cfg = cfg or LoopConfig.load(run_dir / "config.json")
-    with logs.RunLogs.of(run_dir, cfg) as run_logs:
-        return _check(run_logs, cfg)
+    with Run.open(run_dir, cfg) as run:
+        return _check(run, run.config)
 
 
-def _check(run_logs: logs.RunLogs, cfg: LoopConfig) -> RunCheck:
-    sources = run_logs.existing_rollout_sources()
-    released = reduce_partitions({pid: logs.read(src, 0) for pid, src in sources.items()}, cfg.reduce_config())
+def _check(run: Run, cfg: LoopConfig) -> RunCheck:
+    sources = run.existing_rollout_logs()
+    released = reduce_partitions({pid: src.read() for pid, src in sources.items()}, cfg.reduce_config())
     out = RunCheck(groups_released=sum(len(r) for r in released.values()))
     digest = SampleDigest()
     for pid in sorted(released):
@@ -75,7 +74,7 @@ def _check(run_logs: logs.RunLogs, cfg: LoopConfig) -> RunCheck:
     out.sample_digest = digest.hexdigest()
     seen: dict[tuple[int, str], int] = {}
     frontier: dict[int, int] = {}
-    for rec in read_learner_records(run_logs.learner_source()):
+    for rec in read_learner_records(run.learner):
         if rec.step == 0:
             continue  # the warm-up: no rollout data
         out.steps += 1
@@ -134,14 +133,14 @@ def untrainable_cause(run_dir: Path, cfg: LoopConfig | None = None) -> str:
     rebuilt with the run's reduce settings, and their members' abort reasons (or,
     where none aborted, the groups' skip reasons) are counted."""
     run_dir = Path(run_dir)
-    cfg = cfg or LoopConfig.load(run_dir / "config.json")
-    with logs.RunLogs.of(run_dir, cfg) as run_logs:
+    with Run.open(run_dir, cfg) as run:
+        cfg = run.config
         window: list[PolicyUpdated] = []
-        for rec in read_learner_records(run_logs.learner_source()):
+        for rec in read_learner_records(run.learner):
             window = [] if rec.step == 0 or rec.groups else window + [rec]
         wanted = {(ref.partition, ref.group_id): rec.skipped.get(ref.group_id, ref.skip_reason) for rec in window for ref in rec.batch}
-        sources = run_logs.existing_rollout_sources()
-        released = reduce_partitions({pid: logs.read(src, 0) for pid, src in sources.items() if pid in {p for p, _ in wanted}},
+        sources = run.existing_rollout_logs()
+        released = reduce_partitions({pid: src.read() for pid, src in sources.items() if pid in {p for p, _ in wanted}},
                                      cfg.reduce_config())
     groups = [(released[pid][gid].group, why) for (pid, gid), why in sorted(wanted.items())
               if gid in released.get(pid, {})]

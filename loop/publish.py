@@ -26,7 +26,7 @@ from agentlog.events.fs import write_dir_atomically
 from agentlog.events.log.api import EventLog
 from agentlog.events.schema.types import PolicyUpdated
 
-from . import logs
+from agentlog.events.log.source import LogSource, LogTail, open_source
 
 #: Session id under which the learner appends its records to the learner log.
 LEARNER_STREAM = "learner"
@@ -76,21 +76,22 @@ def prune_checkpoints(checkpoint_dir: Path, newest_version: int, keep: int) -> N
             shutil.rmtree(hf_checkpoint_dir(p), ignore_errors=True)
 
 
-def read_learner_records(learner: "logs.Source") -> list[PolicyUpdated]:
-    """Every ``policy_updated`` in a learner log (a directory, or a log on JetStream), in order."""
-    if not logs.exists(learner):
+def read_learner_records(learner: "LogSource | Path") -> list[PolicyUpdated]:
+    """Every ``policy_updated`` in a learner log (a LogSource, or a learner log directory), in order."""
+    source = learner if isinstance(learner, LogSource) else open_source(learner, check=False, partitioned=False)
+    if not source.exists():
         return []
-    return [env.body for env in logs.read(learner, 0) if isinstance(env.body, PolicyUpdated)]
+    return [env.body for env in source.read() if isinstance(env.body, PolicyUpdated)]
 
 
 class PolicyFollower:
     """Tracks the learner log: the newest published version and its checkpoint.
 
-    ``learner``: the learner log (a directory or a JetStream ref), or a
-    :class:`~agentlog.loop.logs.LogTail` of it (``RunLogs.learner_tail()``)."""
+    ``learner``: the learner log (a LogSource), or a
+    :class:`~agentlog.events.log.source.LogTail` of it (``Run.learner_tail()``)."""
 
-    def __init__(self, learner: "logs.Source | logs.LogTail") -> None:
-        self.tail = learner if isinstance(learner, logs.LogTail) else logs.LogTail(learner)
+    def __init__(self, learner: "LogSource | LogTail") -> None:
+        self.tail = learner if isinstance(learner, LogTail) else learner.tail()
         self.latest: PolicyUpdated | None = None
         self.history: list[PolicyUpdated] = []
         self.final_version: int | None = None

@@ -40,6 +40,7 @@ from agentlog._logging import get_logger
 
 from .config import LoopConfig
 from .run import LoopError
+from .run_folder import Run
 
 log = get_logger("agentlog.loop.ray_rollout")
 
@@ -106,13 +107,12 @@ class RolloutActor:
         from .runlog import configure_process_logging
 
         self.run_dir = Path(run_dir)
-        cfg_path = self.run_dir / "config.json"
-        if not cfg_path.is_file():
+        if not Run.has_config(self.run_dir):
             raise RayBackendError(
-                f"rollout partition {partition}: {cfg_path} is not visible on this node (pid {os.getpid()}); "
+                f"rollout partition {partition}: {Run.config_file(self.run_dir)} is not visible on this node (pid {os.getpid()}); "
                 "the run folder must be on a filesystem every Ray node mounts at the same path"
             )
-        self.cfg = LoopConfig.load(cfg_path)
+        self.cfg = Run.load_config(self.run_dir)
         self.partition = partition
         self.worker_id = f"p{partition:04d}"
         # Errors also go to stderr, which Ray forwards to the driver's console: a failed
@@ -153,12 +153,9 @@ class RolloutActor:
             state, error, counts = self._state, self._error, dict(self._counts)
         if state == "idle":
             epoch = 0
-        elif self.worker.log_path is not None:  # a file partition: its FENCE file
-            from agentlog.events.log.format import read_fence
-
-            epoch = read_fence(self.worker.log_path)
-        else:  # JetStream: the epoch this incarnation's writer took
-            epoch = self.worker.epoch
+        else:  # as the log keeps it (a file partition's FENCE), else the epoch this incarnation's writer took
+            stored = self.worker.rollout_log.fence_epoch()
+            epoch = self.worker.epoch if stored is None else stored
         return ActorStatus(
             partition=self.partition, worker_id=self.worker_id, state=state, epoch=epoch, restarted=self._restarted,
             batches_done=self.worker.batches_done, pid=os.getpid(), node_id=self._node_id,

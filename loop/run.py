@@ -18,7 +18,7 @@ Run folder layout::
 
 With ``[log] backend = "nats"`` there is no ``rollout/`` or ``learner/``: the
 logs are the subjects ``<stream>.pNNNN`` and ``<stream>.learner`` of the
-run's JetStream stream (:class:`agentlog.loop.logs.RunLogs`).
+run's JetStream stream (:class:`agentlog.loop.run_folder.Run` owns the layout).
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ from typing import Callable, Protocol
 
 from agentlog.events.errors import AgentlogError
 from agentlog.events.log.partitions import partition_name
+from agentlog.events.log.source import LogTail
 from agentlog.events.schema.types import PolicyUpdated, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnDelta, TurnRecorded
 
-from . import logs
 from .config import LoopConfig
 from .publish import STOPPED_UNTRAINABLE, read_learner_records
+from .run_folder import Run
 from .run_marker import INCOMPLETE_MARKER, mark_incomplete
 
 
@@ -70,7 +71,7 @@ def start_process(kind: str, run_dir: Path, *args: str) -> subprocess.Popen:
     name = process_name(kind, *args)
     err = open(run_dir / "logs" / f"{name}.stderr", "ab")
     env = dict(os.environ)
-    cfg = LoopConfig.load(run_dir / "config.json")
+    cfg = Run.load_config(run_dir)
     # One BLAS/OpenMP pool per process, sized like torch's: the two processes share the cores.
     env.setdefault("OMP_NUM_THREADS", str(cfg.torch_threads))
     env.setdefault("MKL_NUM_THREADS", str(cfg.torch_threads))
@@ -154,20 +155,17 @@ class PartitionProgress:
     partition wrote per second since the last look, and how many of them the
     learner has not yet consumed into a step (its frontier in the last record)."""
 
-    def __init__(self, run_logs: logs.RunLogs) -> None:
-        self.logs = run_logs
-        self.sources: dict | None = None if run_logs.partitions else {}
+    def __init__(self, run: Run) -> None:
+        self.sources = run.rollout_logs() if run.partitions else {}
         self.last: dict[int, tuple[float, int]] = {}
         self.rate: dict[int, float] = {}
 
     def line(self, frontier: dict[int, int]) -> str:
         """``p0000 412 ev/s lag 37 | p0001 ...`` ("" for a single log)."""
-        if self.sources is None:  # JetStream: the sources exist once a writer has created the stream
-            self.sources = self.logs.rollout_sources() if not self.logs.nats or self.logs.stream_exists() else None
         now = time.monotonic()
         parts = []
-        for pid, path in (self.sources or {}).items():
-            end = logs.durable_end(path)
+        for pid, source in self.sources.items():
+            end = source.next_lsn()
             t, before = self.last.get(pid, (now, end))
             if now - t >= 1.0 or pid not in self.rate:
                 self.rate[pid] = (end - before) / (now - t) if now > t else 0.0
@@ -208,17 +206,17 @@ class RunResult:
 
 def summarise_rollout(run_dir: Path) -> tuple[Counter, int, int, int, int]:
     """Outcome counts by status and reason, sessions, turns, generated tokens, events."""
-    with logs.RunLogs.of(run_dir) as run_logs:
-        return _summarise(run_logs)[:5]
+    with Run.open(run_dir) as run:
+        return _summarise(run)[:5]
 
 
-def _summarise(run_logs: logs.RunLogs) -> tuple[Counter, int, int, int, int, str]:
+def _summarise(run: Run) -> tuple[Counter, int, int, int, int, str]:
     """What :func:`summarise_rollout` gives, and the first finished session that scored 0 ("" when none)."""
     outcomes: Counter = Counter()
     zero = ""
     sessions = turns = tokens = events = 0
-    sources = run_logs.existing_rollout_sources().values()
-    for env in (env for src in sources for env in logs.read(src, 0)):
+    sources = run.existing_rollout_logs().values()
+    for env in (env for src in sources for env in src.read()):
         events += 1
         b = env.body
         if isinstance(b, SessionOpened):
@@ -253,19 +251,19 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: Callable[[LoopConfig, 
     hf_dir = resolve_hf_model(cfg, run_dir)
     if hf_dir is not None and cfg.hf_model not in TINY_MODELS:
         cfg = dataclasses.replace(cfg, hf_model=str(hf_dir))
-    fresh = not (run_dir / "config.json").exists()
+    fresh = not Run.has_config(run_dir)
     if cfg.log.backend == "nats" and not cfg.log.stream:
         # Pinned in config.json: the stream stays the run's if the folder is renamed.
         cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, stream=cfg.log.stream_for(run_dir)))
-    run_logs = logs.RunLogs.of(run_dir, cfg)
+    run = Run.open(run_dir, cfg)
     try:
-        if fresh and run_logs.nats and run_logs.learner_exists():
-            raise LoopError(f"[log] stream {run_logs.stream!r} at {cfg.log.url} already holds a run's learner log, and "
-                            f"{run_dir} is a new run folder; set [log] stream to a new name (or resume in the run's own folder)")
-        cfg.save(run_dir / "config.json")
+        if fresh and run.learner.exists():
+            raise LoopError(f"{run.learner} already holds a run's learner log, and {run_dir} is a new run folder; "
+                            f"set [log] stream to a new name (or resume in the run's own folder)")
+        Run.save_config(run_dir, cfg)
         mark_incomplete(run_dir, "running: the loop started and has not ended (or its process was killed)")
         try:
-            result = _run(cfg, run_dir, run_logs, progress, timeout_s)
+            result = _run(cfg, run_dir, run, progress, timeout_s)
         except KeyboardInterrupt:
             mark_incomplete(run_dir, "interrupted (SIGINT, Ctrl-C) before the loop's end")
             raise
@@ -275,15 +273,15 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: Callable[[LoopConfig, 
         (run_dir / INCOMPLETE_MARKER).unlink()
         return result
     finally:
-        run_logs.close()
+        run.close()
 
 
-def _run(cfg: LoopConfig, run_dir: Path, run_logs: logs.RunLogs, progress: Callable[[LoopConfig, Path], RunProgress] | None,
+def _run(cfg: LoopConfig, run_dir: Path, run: Run, progress: Callable[[LoopConfig, Path], RunProgress] | None,
          timeout_s: float | None) -> RunResult:
     t0 = time.monotonic()
     learner = start_process("trainer", run_dir)
     rollouts = rollout_backend(cfg, run_dir)
-    progress_of_partitions = PartitionProgress(run_logs)
+    progress_of_partitions = PartitionProgress(run)
     bar = progress(cfg, run_dir) if progress is not None else None
     try:
         rollouts.start()
@@ -292,11 +290,11 @@ def _run(cfg: LoopConfig, run_dir: Path, run_logs: logs.RunLogs, progress: Calla
         last_version = 0
         # The learner log is tailed, not re-read from LSN 0 each round: on JetStream a read
         # creates (and drops) a consumer, ten times a second for the whole run.
-        learner_tail: logs.LogTail | None = None
+        learner_tail: LogTail | None = None
         records: list[PolicyUpdated] = []
         while True:
-            if learner_tail is None and run_logs.learner_exists():
-                learner_tail = run_logs.learner_tail()
+            if learner_tail is None and run.learner.exists():
+                learner_tail = run.learner_tail()
             if learner_tail is not None:
                 records.extend(env.body for env in learner_tail.poll() if isinstance(env.body, PolicyUpdated))
             for rec in records[seen:]:
@@ -343,8 +341,8 @@ def _run(cfg: LoopConfig, run_dir: Path, run_logs: logs.RunLogs, progress: Calla
 
         raise NothingTrainable(f"{untrainable_cause(run_dir, cfg)}; stopped after {cfg.max_untrainable_batches} batches in a row "
                                f"with nothing to train (max_untrainable_batches)")
-    outcomes, sessions, turns, tokens, events, zero = _summarise(run_logs)
-    return RunResult(run_dir, read_learner_records(run_logs.learner_source()), wall, outcomes, sessions, turns, tokens, events,
+    outcomes, sessions, turns, tokens, events, zero = _summarise(run)
+    return RunResult(run_dir, read_learner_records(run.learner), wall, outcomes, sessions, turns, tokens, events,
                      zero)
 
 

@@ -60,6 +60,7 @@ from agentlog._logging import get_logger
 from agentlog.engine.tasks import load_tasks, select_task
 from agentlog.events.log.api import EventLog
 from agentlog.events.log.partitions import partition_name
+from agentlog.events.log.source import follow_sources
 from agentlog.events.schema.types import Envelope, PolicyUpdated
 from agentlog.learner.learner import Learner
 from agentlog.reducers.groups import Group, row_trains
@@ -67,10 +68,10 @@ from agentlog.reducers.partitioned import PartitionFold, ReleasedGroup
 from agentlog.reducers.pipeline import InFlightWindow
 from agentlog.reducers.samples import SampleDigest, distill_problem
 
-from . import logs
 from .config import LoopConfig
 from .metric_sinks import MetricSinks
 from .policy import build_model
+from .run_folder import Run
 from .publish import STOPPED_UNTRAINABLE, checkpoint_path, prune_checkpoints, publish, save_hf_checkpoint
 from .staleness import judge_staleness
 
@@ -319,7 +320,7 @@ class LoopLearner:
         self.task = select_task(cfg.task)
         self.model = build_model(cfg, self.task, self.run_dir)
         self.learner = Learner(self.model, cfg.learner_config())
-        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.ckpt_dir = Run(self.run_dir, cfg).checkpoints
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.log = log.bind(component="learner")
         self.busy_s = 0.0
@@ -337,11 +338,11 @@ class LoopLearner:
     async def run(self, *, max_steps: int | None = None) -> int:
         """Train until version ``cfg.steps`` (or ``max_steps`` more steps); returns the final version."""
         cfg = self.cfg
-        run_logs = logs.RunLogs.of(self.run_dir, cfg)
+        run = Run.open(self.run_dir, cfg)
         try:
-            llog = run_logs.open_learner()
+            llog = run.open_learner()
         except BaseException:
-            run_logs.close()
+            run.close()
             raise
         sinks: MetricSinks | None = None
         try:
@@ -382,12 +383,12 @@ class LoopLearner:
             self.t_rl = time.perf_counter()
             steps_done = 0
             partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
-            sources = {pid: src for pid, src in run_logs.rollout_sources().items() if pid not in lost}
+            sources = {pid: src for pid, src in run.rollout_logs().items() if pid not in lost}
             fold = PartitionFold(cfg.reduce_config(), sources, windows=windows, start=read_from)
             cutter = StepCutter(fold, consumed, step_size(cfg, lost))
             watch = PartitionWatch(cfg.rollout.lost_after_s, sources)
             idle_s = min(1.0, cfg.rollout.lost_after_s / 4) if cfg.rollout.lost_after_s > 0 else None
-            async for pid, env in logs.follow_partitions(sources, read_from, idle_s=idle_s):
+            async for pid, env in follow_sources(sources, read_from, poll_s=0.01, idle_s=idle_s):
                 if pid is not None and pid not in sources:
                     continue  # declared lost
                 # Is a partition silent for too long? Checked as events arrive, and on the
@@ -433,7 +434,7 @@ class LoopLearner:
                 try:
                     llog.close()
                 finally:
-                    run_logs.close()
+                    run.close()
 
     def save_checkpoint(self, version: int) -> Path:
         """Save the learner checkpoint of ``version`` (resume) and, for an HF
@@ -559,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", type=Path)
     p.add_argument("--max-steps", type=int, default=None)
     args = p.parse_args(argv)
-    cfg = LoopConfig.load(args.run_dir / "config.json")
+    cfg = Run.load_config(args.run_dir)
     from .runlog import configure_process_logging
 
     configure_process_logging(args.run_dir, "learner")

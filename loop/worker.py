@@ -49,11 +49,11 @@ from agentlog.events.log.partitions import partition_name
 from agentlog.events.schema.types import PolicyUpdated, SessionOpened
 from agentlog.learner.learner import load_weights
 
-from . import logs
 from .config import LoopConfig
 from .demo import faults as demo_faults
 from .policy import GenerationBatcher, build_model, load_tokenizer, resolve_hf_model
 from .publish import PolicyFollower, hf_checkpoint_dir
+from .run_folder import Run
 from .teacher import TurnToScore, build_teachers, score_session
 
 log = get_logger("agentlog.loop.worker")
@@ -94,10 +94,10 @@ class RolloutWorker:
         #: The log partition this worker writes (None: the run's single rollout log).
         self.partition = partition
         self.worker_id = worker_id or ("w0" if partition is None else partition_name(partition))
-        #: The run's logs (files in the run folder, or a JetStream stream: ``cfg.log``).
-        self.logs = logs.RunLogs.of(self.run_dir, cfg)
-        #: The file log this worker is the single writer of (file backend; JetStream: None).
-        self.log_path = None if self.logs.nats else logs.rollout_log_path(self.run_dir, partition)
+        #: The run folder and its logs (files in the run folder, or a JetStream stream: ``cfg.log``).
+        self.run_folder = Run.open(self.run_dir, cfg)
+        #: The rollout log this worker is the single writer of.
+        self.rollout_log = self.run_folder.rollout_log(partition)
         #: The writer epoch this incarnation took on its log (0 before :meth:`run` opened it).
         self.epoch = 0
         # The user's task modules register their tasks on import, in this process too.
@@ -115,9 +115,9 @@ class RolloutWorker:
         else:
             self.model = build_model(cfg, self.task, self.run_dir)
             self.model.eval()
-        #: Follows the learner log; on JetStream made in :meth:`run`, once the worker's own
-        #: log has created the run's stream.
-        self.follower: PolicyFollower | None = None if self.logs.nats else PolicyFollower(self.logs.learner_source())
+        #: Follows the learner log (on JetStream, nothing to read until the worker's own
+        #: log has created the run's stream).
+        self.follower = PolicyFollower(self.run_folder.learner_tail())
         self.loaded_version = -1
         self.batcher: GenerationBatcher | None = None
         self.backend: Any = None
@@ -400,12 +400,10 @@ class RolloutWorker:
         async with contextlib.AsyncExitStack() as stack:
             # A partition is opened fenced: this incarnation takes a new writer epoch, and a
             # stale one (a worker presumed dead on a lost node) can append nothing more.
-            stack.callback(self.logs.close)
-            rollout = self.logs.open_rollout(self.partition, fence=self.partition is not None)
+            stack.callback(self.run_folder.close)
+            rollout = self.run_folder.open_rollout(self.partition, fence=self.partition is not None)
             stack.callback(rollout.close)
             self.epoch = getattr(rollout, "epoch", 0)
-            if self.follower is None:
-                self.follower = PolicyFollower(self.logs.learner_tail())
             if self.backend is not None:
                 stack.push_async_callback(self.backend.close)
             if self.weight_sync is not None:
@@ -461,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--partition", type=int, default=None, help="the log partition this worker writes (runs with several workers)")
     p.add_argument("--max-batches", type=int, default=None)
     args = p.parse_args(argv)
-    cfg = LoopConfig.load(args.run_dir / "config.json")
+    cfg = Run.load_config(args.run_dir)
     from .runlog import configure_process_logging
 
     worker_id = args.worker_id or ("w0" if args.partition is None else partition_name(args.partition))

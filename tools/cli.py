@@ -168,14 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     finally:
-        _close_remotes()
+        _close_sources()
 
 
-def _close_remotes() -> None:
-    """Close the JetStream connections a command opened (nats:// logs), if any."""
+def _close_sources() -> None:
+    """Close the logs a command opened (the JetStream connections of nats:// logs), if any."""
     common = sys.modules.get("agentlog.tools.cli_common")
     if common is not None:
-        common.close_remotes()
+        common.close_sources()
 
 
 if __name__ == "__main__":

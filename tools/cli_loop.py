@@ -250,13 +250,12 @@ def check_task(cfg: LoopConfig) -> None:
         raise CliError(f"task: {exc}", EXIT_USAGE) from None
 
 
-def _log_line(cfg: LoopConfig, run_dir: Path) -> str:
-    """Where the run's rollout and learner logs are, for the summary."""
-    parts = f"{cfg.rollout.workers} partitions, one per worker" if cfg.rollout.partitioned else "rollout"
-    if cfg.log.backend == "nats":
-        stream = LoopConfig.load(run_dir / "config.json").log.stream_for(run_dir)  # as the run pinned it
-        return (f"{cfg.log.url}/{stream} (JetStream: {stream}.pNNNN, {parts}; {stream}.learner, learner)")
-    return f"{run_dir / 'rollout'} ({parts}), {run_dir / 'learner'} (learner)"
+def _log_line(run_dir: Path) -> str:
+    """Where the run's rollout and learner logs are, for the summary (as the run's config pinned them)."""
+    from agentlog.loop.run_folder import Run
+
+    with Run.open(run_dir) as run:
+        return run.describe()
 
 
 def write_report(run_dir: Path) -> str:
@@ -288,7 +287,9 @@ def execute(cfg: LoopConfig, args, *, title: str, prepare=None) -> int:
     check_rollout_backend(cfg)
     if run_dir.exists() and not run_dir.is_dir():
         raise CliError(f"--out {run_dir}: is a file, expected a run folder (new or empty)", EXIT_USAGE)
-    if (run_dir / "config.json").exists():
+    from agentlog.loop.run_folder import Run
+
+    if Run.has_config(run_dir):
         from agentlog.loop.run_marker import incomplete_reason
 
         why = incomplete_reason(run_dir)
@@ -357,7 +358,7 @@ def _execute(cfg: LoopConfig, args, run_dir: Path, title: str, shown: Path) -> i
     check = check_run(run_dir, cfg)
     print("")
     print(f"run      {run_dir}" + (f" (also {shown})" if shown != run_dir else ""))
-    print(f"logs     {_log_line(cfg, run_dir)}, {run_dir / 'logs'} (structlog JSON)")
+    print(f"logs     {_log_line(run_dir)}, {run_dir / 'logs'} (structlog JSON)")
     print(f"chart    {png}")
     print(note)
     verdict = "EQUAL" if check.ok else "DIFFERENT"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from agentlog.events.log.source import LogSource
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
 
 
@@ -34,35 +35,40 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def plan_export(remote, directory: Path) -> dict[str, Path]:
-    """``{log name: directory}`` for every log the export writes."""
+def plan_export(source: LogSource, directory: Path) -> dict[str, Path]:
+    """``{log name: directory}`` for every log the export writes (``source``:
+    a run's stream, or one log of it)."""
     from agentlog.events.log.partitions import parse_partition_name
+    from agentlog.events.log.source import RUN_ROLLOUT_LOG
 
-    from agentlog.tools.cli_common import RUN_FOLDER_LOG
-
-    if remote.name is not None:
-        return {remote.name: directory}
-    names = remote.run.names()
+    if not source.partitioned:
+        return {str(source).rsplit("/", 1)[-1]: directory}
+    names = source.log_names()
     if not names:
-        raise CliError(f"{remote}: stream {remote.run.stream!r} holds no message: nothing to export", EXIT_USAGE)
-    if RUN_FOLDER_LOG in names:
-        raise CliError(f"{remote}: the stream has a log named {RUN_FOLDER_LOG!r}, which would clash with the "
-                       f"partitions' folder {directory / RUN_FOLDER_LOG}; export it alone ({remote}/{RUN_FOLDER_LOG})", EXIT_USAGE)
-    return {name: directory / RUN_FOLDER_LOG / name if parse_partition_name(name) is not None else directory / name for name in names}
+        stream = str(source).rsplit("/", 1)[-1]
+        raise CliError(f"{source}: stream {stream!r} holds no message: nothing to export", EXIT_USAGE)
+    if RUN_ROLLOUT_LOG in names:
+        raise CliError(f"{source}: the stream has a log named {RUN_ROLLOUT_LOG!r}, which would clash with the "
+                       f"partitions' folder {directory / RUN_ROLLOUT_LOG}; export it alone ({source}/{RUN_ROLLOUT_LOG})", EXIT_USAGE)
+    return {name: directory / RUN_ROLLOUT_LOG / name if parse_partition_name(name) is not None else directory / name for name in names}
 
 
 def run(args) -> int:
     """Copy every log, print one line each, then the total."""
     from agentlog.events.log.api import LogError
-    from agentlog.events.log.jetstream_read import is_nats_url
+    from agentlog.events.log.source import is_location_url
+    from agentlog.loop.config import ConfigError
+    from agentlog.loop.run_folder import Run
 
-    from agentlog.tools.cli_common import nats_run_folder, open_remote
+    from agentlog.tools.cli_common import check_log_path
     from agentlog.tools.log_transfer import CopyError, export_log
 
-    remote = None
-    if not is_nats_url(args.source):
-        remote = nats_run_folder(Path(args.source), allow_empty=True) if Path(args.source).is_dir() else None
-        if remote is None:
+    if not is_location_url(args.source):
+        try:
+            run = Run.at(args.source) if Path(args.source).is_dir() else None
+        except ConfigError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+        if run is None or not run.logs_elsewhere:
             raise CliError(f"{args.source}: expected nats://host:port/stream, or a run folder whose logs are on JetStream "
                            "(export copies a run on JetStream to directories; agentlog import copies directories to JetStream)",
                            EXIT_USAGE)
@@ -70,20 +76,19 @@ def run(args) -> int:
     if directory.exists() and (not directory.is_dir() or any(os.scandir(directory))):
         raise CliError(f"{directory}: exists and is {'not a directory' if not directory.is_dir() else 'not empty'}; "
                        "expected a new or empty directory to export into", EXIT_USAGE)
-    if remote is None:
-        remote = open_remote(args.source, allow_empty=True)
+    source = check_log_path(args.source, allow_empty=True)
     copies = []
-    for name, dest in plan_export(remote, directory).items():
+    for name, dest in plan_export(source, directory).items():
         try:
-            copies.append(export_log(remote.run.log(name), dest, name))
+            copies.append(export_log(source.sibling(name), dest, name))
         except CopyError as exc:
             raise CliError(str(exc), EXIT_DATA) from None
         except LogError as exc:  # corruption on the stream, or the server stopped answering
-            raise CliError(f"{remote}/{name}: {exc}", EXIT_DATA) from None
+            raise CliError(f"{source.sibling(name)}: {exc}", EXIT_DATA) from None
         except OSError as exc:
             raise CliError(f"{dest}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None
         print(copies[-1].line())
     equal = all(c.equal for c in copies)
-    print(f"exported {len(copies)} log(s), {sum(c.records for c in copies)} records, from {remote} to {directory}: "
+    print(f"exported {len(copies)} log(s), {sum(c.records for c in copies)} records, from {source} to {directory}: "
           f"{'every log EQUAL' if equal else 'DIFFERENT (see above)'}")
     return EXIT_OK if equal else EXIT_DATA

@@ -26,6 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from agentlog.events.log.source import LogSource
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
 
 
@@ -40,19 +41,27 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def plan_import(arg: str, log_name: str | None) -> dict[Any, Path]:
-    """``{partition id or log name: directory}`` for every log the import writes."""
-    from agentlog.tools.cli_common import RemoteLog, check_log_path, learner_log_of, log_partitions, partition_log, partitioned
+def plan_import(arg: str, log_name: str | None) -> dict[Any, LogSource]:
+    """``{partition id or log name: log}`` for every log the import writes."""
+    from agentlog.events.log.source import is_location_url
+    from agentlog.loop.config import ConfigError
+    from agentlog.loop.run_folder import Run
 
+    from agentlog.tools.cli_common import check_log_path, learner_log_of
+
+    try:
+        run = None if is_location_url(arg) or not Path(arg).is_dir() else Run.at(arg)
+    except ConfigError:
+        run = None  # judged as any other directory below
     path = check_log_path(arg)
-    if isinstance(path, RemoteLog):
+    if is_location_url(arg) or (run is not None and run.logs_elsewhere):
         raise CliError(f"{arg}: this run keeps its logs on JetStream already ({path}); "
                        "expected log directories to import (agentlog export copies a stream to directories)", EXIT_USAGE)
-    if partitioned(path):
-        plan: dict[Any, Path] = {pid: partition_log(path, pid) for pid in log_partitions(path)}
+    if path.partitioned:
+        plan: dict[Any, LogSource] = {pid: path.partition(pid) for pid in path.partitions()}
     else:
         plan = {0: path}
-    learner = learner_log_of(Path(arg))
+    learner = learner_log_of(path)
     if learner is not None:
         plan["learner"] = learner
     if log_name is not None:
@@ -65,39 +74,47 @@ def plan_import(arg: str, log_name: str | None) -> dict[Any, Path]:
 
 def run(args) -> int:
     """Refuse a non-empty stream (unless --resume), copy every log, print one line each, then the total."""
-    from agentlog.events.log.api import LogError, NotALog
-    from agentlog.events.log.jetstream_read import JetStreamRun, is_nats_url, parse_nats_url
+    from agentlog.events.log.api import LogError
+    from agentlog.events.log.partitions import partition_name
+    from agentlog.events.log.source import SourceError, StreamMissing, is_location_url, open_source
 
-    from agentlog.tools.cli_common import check_reachable
     from agentlog.tools.log_transfer import CopyError, import_log
 
-    if not is_nats_url(args.dest):
+    if not is_location_url(args.dest):
         raise CliError(f"{args.dest}: expected nats://host:port/stream to import into", EXIT_USAGE)
     try:
-        servers, stream, name = parse_nats_url(args.dest)
-    except ValueError as exc:
+        dest = open_source(args.dest, check=False)  # the URL parsed, nothing opened yet
+    except SourceError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
-    plan = plan_import(args.directory, name)
-    check_reachable(args.dest, servers)
+    # nats://host:port/stream or nats://host:port/stream/<log>
+    stream, log_name = (str(dest).rsplit("/", 1)[-1], None) if dest.partitioned else str(dest).rsplit("/", 2)[-2:]
+    plan = plan_import(args.directory, log_name)
+    dest.close()
     try:
-        with JetStreamRun.open(servers, stream) as existing:
-            held = existing.names()
-    except NotALog:
+        dest = open_source(args.dest, allow_empty=True)
+        held = dest.log_names()
+    except StreamMissing:
         held = []  # no such stream yet: the first log's writer creates it
-    except LogError as exc:
-        raise CliError(f"{args.dest}: {exc}", EXIT_USAGE) from None
+        dest = open_source(args.dest, check=False)
+    except (SourceError, LogError) as exc:
+        raise CliError(str(exc) if isinstance(exc, SourceError) else f"{args.dest}: {exc}", EXIT_USAGE) from None
     if held and not args.resume:
+        dest.close()
         raise CliError(f"{args.dest}: stream {stream!r} already holds logs ({', '.join(held[:8])}); "
                        "import into a new stream, or pass --resume to continue an interrupted import", EXIT_USAGE)
     copies = []
-    for log, source in plan.items():
-        try:
-            copies.append(import_log(source, servers, stream, log, replicas=args.replicas, resume=args.resume))
-        except CopyError as exc:
-            raise CliError(str(exc), EXIT_DATA) from None
-        except LogError as exc:  # corruption in the directory, a refused publish, a stream of other replicas
-            raise CliError(f"{source}: {exc}", EXIT_DATA) from None
-        print(copies[-1].line())
+    try:
+        for log, source in plan.items():
+            target = dest if not dest.partitioned else dest.sibling(partition_name(log) if isinstance(log, int) else log)
+            try:
+                copies.append(import_log(source, target, replicas=args.replicas, resume=args.resume))
+            except CopyError as exc:
+                raise CliError(str(exc), EXIT_DATA) from None
+            except LogError as exc:  # corruption in the directory, a refused publish, a stream of other replicas
+                raise CliError(f"{source}: {exc}", EXIT_DATA) from None
+            print(copies[-1].line())
+    finally:
+        dest.close()
     equal = all(c.equal for c in copies)
     print(f"imported {len(copies)} log(s), {sum(c.records for c in copies)} records, from {args.directory} to "
           f"{args.dest}: {'every log EQUAL' if equal else 'DIFFERENT (see above)'}")

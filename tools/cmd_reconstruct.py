@@ -319,24 +319,17 @@ def _settings(config: Any, base: Any) -> str:
 
 def _check_online_digests(path) -> tuple[str, bool] | None:
     """For the rollout log of a loop run folder (its learner log and config
-    beside it; or a run folder whose logs are on JetStream): the line comparing every online per-step sample digest with
+    beside it, wherever its logs live): the line comparing every online per-step sample digest with
     an offline replay of the learner's records against the rollout
     partitions (:func:`agentlog.loop.check.check_run`), and whether all are
     equal. None for a bare log."""
-    from pathlib import Path
+    from agentlog.tools.cli_common import learner_log_of
 
-    from agentlog.tools.cli_common import RemoteLog, learner_log_of
-
-    if isinstance(path, RemoteLog):
-        # A run folder whose logs are on JetStream (config.json [log] backend = "nats") is checked through
-        # the same RunLogs the loop wrote with; a bare stream URL has no config to replay the learner against.
-        if path.run_dir is None or path.name is not None or learner_log_of(path) is None:
-            return None
-        run = path.run_dir
-    else:
-        run = Path(path).parent
-        if Path(path).name != "rollout" or not (run / "config.json").is_file() or not (run / "learner").is_dir():
-            return None
+    # The whole rollout of a run folder (files, or the stream its config.json names), its learner log
+    # beside it: checked through the same Run the loop wrote with. A bare log or URL has no config to replay against.
+    run = path.run_dir
+    if run is None or learner_log_of(path) is None:
+        return None
     from agentlog.loop.check import check_run
 
     check = check_run(run)

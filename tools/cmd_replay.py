@@ -31,7 +31,7 @@ import sys
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, fmt_ts, nonneg_int, partitioned, read_records, read_tagged, record_id
+from agentlog.tools.cli_common import add_quiet, check_log_path, fmt_ts, nonneg_int, read_records, read_tagged, record_id
 
 STATUSES = ("open", "running", "finished", "aborted", "dropped")
 #: The rule every selection filter follows (printed by --help).
@@ -294,7 +294,7 @@ def run(args) -> int:
     from agentlog.events.schema.types import SessionOpened
 
     path = check_log_path(args.log)
-    merged = partitioned(path)
+    merged = path.partitioned
     if merged and (args.from_lsn is not None or args.until_lsn is not None):
         raise CliError(
             f"{path}: --from/--until take one log's LSNs, and this log is partitioned (LSNs are per partition);"

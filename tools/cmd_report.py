@@ -14,12 +14,10 @@ each partition's events, sessions and outcomes (see :mod:`tools.report.data`).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from agentlog.events.fs import atomic_file
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import (
-    RemoteLog, add_quiet, check_log_path, learner_log_of, log_partitions, nonneg_int, partitioned, read_records, read_tagged, reduce_config_of,
+    add_quiet, check_log_path, learner_log_of, nonneg_int, read_records, read_tagged, reduce_config_of,
 )
 
 
@@ -42,9 +40,9 @@ def run(args) -> int:
     from agentlog.tools.report.render import render
 
     path = check_log_path(args.log)
-    learner = learner_log_of(path if isinstance(path, RemoteLog) else Path(args.log))
-    if partitioned(path):
-        pids: list[int] | None = log_partitions(path)
+    learner = learner_log_of(path)
+    if path.partitioned:
+        pids: list[int] | None = path.partitions()
         envelopes = read_tagged(path, quiet=args.quiet, desc="report")
     else:
         pids, envelopes = None, read_records(path, quiet=args.quiet, desc="report")

@@ -164,18 +164,19 @@ def _load_gpt_checkpoint(path: str):
 
 
 def _run_folder_gpt_config(path: str) -> dict | None:
-    """The GPT shape from the ``config.json`` of the run folder a checkpoint sits in
+    """The GPT shape from the config of the run folder a checkpoint sits in
     (``<run>/checkpoints/policy-vNNNNN.pt``), for checkpoints that did not record it;
-    None when there is none (the shape is then read from the weights)."""
-    import json
-    from pathlib import Path
+    None when there is none, or it does not load (the shape is then read from the weights)."""
+    from agentlog.loop.config import ConfigError
+    from agentlog.loop.run_folder import Run
 
-    cfg_file = Path(path).resolve().parent.parent / "config.json"
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError):
+    run_dir = Run.folder_of_checkpoint(path)
+    if run_dir is None or not Run.has_config(run_dir):
         return None
-    return {"n_head": cfg["n_head"]} if isinstance(cfg, dict) and isinstance(cfg.get("n_head"), int) else None
+    try:
+        return {"n_head": Run.load_config(run_dir).n_head}
+    except ConfigError:
+        return None
 
 
 def default_max_connections() -> int:

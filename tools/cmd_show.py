@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, partitioned, read_records, read_tagged, record_id, reduce_config_of
+from agentlog.tools.cli_common import add_quiet, check_log_path, read_records, read_tagged, record_id, reduce_config_of
 from agentlog.tools.cmd_replay import command_outcome
 
 #: Prompts longer than this are shown as their head and tail.
@@ -301,7 +301,7 @@ def run(args) -> int:
     path = check_log_path(args.log)
     sid = args.session
     pid = None
-    if partitioned(path):
+    if path.partitioned:
         pid, envs = partition_session_envelopes(path, sid, quiet=args.quiet)
     else:
         envs = session_envelopes(path, sid, quiet=args.quiet)

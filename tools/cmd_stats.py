@@ -26,7 +26,7 @@ from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, CliError
 from agentlog.tools.cli_common import (
-    add_quiet, check_log_path, fmt_ts, log_partitions, partitioned, read_frame_batches, read_records, read_tagged, record_id,
+    add_quiet, check_log_path, fmt_ts, read_frame_batches, read_records, read_tagged, record_id,
     reduce_config_of,
 )
 
@@ -51,7 +51,7 @@ def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
     from agentlog.events.log.api import SchemaError
     from agentlog.reducers.runstats import RunStats, decode_projection
 
-    if partitioned(path):
+    if path.partitioned:
         return _partitioned_stats(path, quiet)
     stats = RunStats.of(reduce_config_of(path))
     feed = stats.feed_record
@@ -89,7 +89,7 @@ def _partitioned_stats(path: Any, quiet: bool) -> dict[str, Any]:
 
     stats = RunStats.of(reduce_config_of(path))
     # Every partition is listed, an empty one with 0 events.
-    parts: dict[str, dict[str, Any]] = {f"p{q:04d}": {"events": 0, "lsn_first": None, "lsn_last": None} for q in log_partitions(path)}
+    parts: dict[str, dict[str, Any]] = {f"p{q:04d}": {"events": 0, "lsn_first": None, "lsn_last": None} for q in path.partitions()}
     named: dict[int, str] = {}  # merged position -> pNNNN:LSN, for violations only
     pid = rec = None
     try:

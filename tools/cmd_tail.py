@@ -30,15 +30,13 @@ is durable. A stream not created yet is waited for, as a log directory is.
 from __future__ import annotations
 
 import asyncio
-import math
 import sys
 import time
-from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import RemoteLog, check_log_path, record_id, reduce_config_of
+from agentlog.events.log.source import LogSource
+from agentlog.tools.cli_common import check_log_path, record_id, reduce_config_of
 
 REFRESH_S = 0.5
 #: How often a partitioned log (or a folder holding no log yet) is looked at for new partitions.
@@ -108,71 +106,14 @@ def summary_line(snap: dict[str, Any]) -> str:
     )
 
 
-class _LivePartitions(Mapping):
-    """The partitions under ``root`` as ``{partition id: directory}`` (of a
-    run's stream on JetStream: ``{partition id: JetStreamRef}``), listed
-    afresh at most every DISCOVER_S: :func:`events.log.read.follow_logs`
-    reads its mapping each round, so a partition a new worker creates is
-    followed from then on, and a stray entry beside the partitions raises
-    NotALog (naming it) out of the follow."""
-
-    def __init__(self, root: Any) -> None:
-        self.root = root
-        self._listed_at = -math.inf
-        self._paths: dict[int, Any] = {}
-
-    def _fresh(self) -> dict[int, Any]:
-        from agentlog.tools.cli_common import log_partitions, partition_log
-
-        now = time.monotonic()
-        if now - self._listed_at >= DISCOVER_S:
-            remote = isinstance(self.root, RemoteLog)
-            self._paths = {pid: partition_log(self.root, pid).ref() if remote else partition_log(self.root, pid)
-                           for pid in log_partitions(self.root)}
-            self._listed_at = now
-        return self._paths
-
-    def __getitem__(self, pid: int) -> Path:
-        return self._fresh()[pid]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._fresh())
-
-    def __len__(self) -> int:
-        return len(self._fresh())
+def follow_tagged(source: LogSource, *, batches: bool = False) -> Any:
+    """Follow ``source`` forever (:meth:`~agentlog.events.log.source.LogSource.follow_tagged`):
+    ``(None, record)`` for one log, ``(partition id, envelope)`` for a partitioned
+    one (looked at for new partitions every DISCOVER_S); waits for a log not created yet."""
+    return source.follow_tagged(batches=batches, discover_s=DISCOVER_S)
 
 
-async def follow_tagged(path: Path, *, raw: bool = False, batches: bool = False) -> Any:
-    """Follow the log at ``path`` forever: ``(None, record)`` for one log
-    (:func:`events.log.read.follow_log`; RawRecords with ``raw``, lists of
-    undecoded frames with ``batches``),
-    ``(partition id, envelope)`` for a partitioned one
-    (:func:`events.log.read.follow_logs` over :class:`_LivePartitions`),
-    whose records come in arrival order. While ``path`` holds neither yet,
-    waits for one of them."""
-    from agentlog.events import follow_log, follow_logs
-    from agentlog.events.log.format import is_log_dir
-    from agentlog.events.log.partitions import is_partition_root
-
-    if isinstance(path, RemoteLog):
-        if path.name is not None:
-            async for rec in follow_log(path.ref(), raw=raw, batches=batches):
-                yield None, rec
-            return
-        async for pid, env in follow_logs(_LivePartitions(path)):  # envelopes, as for a partition root
-            yield pid, env
-        return
-    while not is_log_dir(path) and not is_partition_root(path):
-        await asyncio.sleep(DISCOVER_S)
-    if is_log_dir(path):
-        async for rec in follow_log(path, raw=raw, batches=batches):
-            yield None, rec
-        return
-    async for pid, env in follow_logs(_LivePartitions(path)):
-        yield pid, env
-
-
-async def _tail_events(path: Path) -> None:
+async def _tail_events(path: LogSource) -> None:
     from agentlog.reducers.lifecycle import LifecycleState, Violation, reduce_lifecycle
 
     from agentlog.events.schema.types import PolicyUpdated
@@ -194,7 +135,7 @@ async def _tail_events(path: Path) -> None:
         out.flush()
 
 
-async def _tail_summary(path: Path) -> None:
+async def _tail_summary(path: LogSource) -> None:
     from agentlog.reducers.runstats import RunStats, decode_projection
 
     stats = RunStats.of(reduce_config_of(path))

@@ -35,7 +35,7 @@ from typing import IO, Any, Iterable
 
 from agentlog.events.fs import atomic_file
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, log_partitions, partitioned, read_records, read_tagged
+from agentlog.tools.cli_common import add_quiet, check_log_path, read_records, read_tagged
 
 #: The one process every session track belongs to.
 TRACE_PID = 1
@@ -174,8 +174,8 @@ def run(args) -> int:
     try:
         # Not fsynced (durable=False): a trace is rebuilt from the log.
         with atomic_file(args.output, "w", encoding="utf-8", durable=False) as f:
-            if partitioned(path):
-                counts = write_trace(read_tagged(path, quiet=args.quiet, desc="trace"), f, log=str(path), partitions=log_partitions(path))
+            if path.partitioned:
+                counts = write_trace(read_tagged(path, quiet=args.quiet, desc="trace"), f, log=str(path), partitions=path.partitions())
             else:
                 counts = write_trace(read_records(path, quiet=args.quiet, desc="trace"), f, log=str(path))
     except OSError as exc:

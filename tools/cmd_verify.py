@@ -72,23 +72,23 @@ def register(sub) -> None:
 
 def run(args) -> int:
     """Verify, print the summary (and any lifecycle violations), return the exit status."""
-    from agentlog.events import LogLocked, NotALog, verify_log
+    from agentlog.events import LogLocked, NotALog
 
-    from agentlog.tools.cli_common import RemoteLog, check_log_path, log_partitions, partition_log, partitioned
+    from agentlog.tools.cli_common import check_log_path
 
     path = check_log_path(args.log)  # a run folder stands for its rollout/ log
-    if args.repair and isinstance(path, RemoteLog):
+    if args.repair and not path.repairable:
         raise CliError(f"{path}: --repair cuts a log directory's torn tail; a log on JetStream has none "
                        "(the server stores only acknowledged messages)", EXIT_USAGE)
-    if partitioned(path):
+    if path.partitioned:
         from agentlog.events.log.partitions import partition_name
 
         worst = EXIT_OK
         opened: dict[int, OpenedIds] = {}
-        for pid in log_partitions(path):
+        for pid in path.partitions():
             opened[pid] = OpenedIds()
             try:
-                code = _verify_one(partition_log(path, pid), args, prefix=f"{partition_name(pid)}: ", opened=opened[pid])
+                code = _verify_one(path.partition(pid), args, prefix=f"{partition_name(pid)}: ", opened=opened[pid])
             except CliError as exc:  # one partition's error is its line; the others are still checked
                 print(f"{partition_name(pid)}: {exc}")
                 code = exc.code
@@ -107,25 +107,26 @@ def run(args) -> int:
 
 def _verify_one(path: Any, args: Any, prefix: str = "", opened: "OpenedIds | None" = None) -> int:
     """Both checks of one log; its summary line starts with ``prefix``."""
-    from agentlog.events import LogLocked, NotALog, verify_log
+    from agentlog.events import LogLocked, NotALog
 
-    from agentlog.tools.cli_common import RecordDigest, RemoteLog
+    from agentlog.events.log.api import LogCorruption, LogError
+    from agentlog.tools.cli_common import RecordDigest
     from agentlog.tools.progress import ProgressBar
 
-    if isinstance(path, RemoteLog):
-        report = verify_remote(path)
-        print(prefix + remote_summary(report, path))
-    else:
-        try:
-            with ProgressBar("verify", unit="B", unit_scale=True) as bar:
-                report = verify_log(path, repair=args.repair, progress=bar)
-        except FileNotFoundError as exc:
-            raise CliError(str(exc), EXIT_USAGE) from None
-        except (NotALog, LogLocked) as exc:
-            raise CliError(str(exc), EXIT_USAGE) from None
-        except OSError as exc:
-            raise CliError(f"{args.log}: {exc.strerror or exc}", EXIT_USAGE) from None
-        print(prefix + report.summary())
+    try:
+        with ProgressBar("verify", unit="B", unit_scale=True) as bar:
+            report = path.verify(repair=args.repair, progress=bar)
+    except FileNotFoundError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    except (NotALog, LogLocked) as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    except OSError as exc:
+        raise CliError(f"{args.log}: {exc.strerror or exc}", EXIT_USAGE) from None
+    except LogError as exc:  # the server stopped answering mid-read: the log's soundness is unknown
+        if isinstance(exc, LogCorruption):
+            raise
+        raise CliError(f"{path}: {exc}", EXIT_DATA) from None
+    print(prefix + report.summary())
     if report.status not in ("ok", "repaired", "schema"):
         return EXIT_DATA  # torn or corrupt: the frames after the problem cannot be read
     digest = RecordDigest() if getattr(args, "digest", False) else None
@@ -141,78 +142,6 @@ def _verify_one(path: Any, args: Any, prefix: str = "", opened: "OpenedIds | Non
             EXIT_DATA,
         )
     return EXIT_OK if report.ok else EXIT_DATA
-
-
-def verify_remote(path: Any) -> Any:
-    """The frame check of one log on JetStream (a RemoteLog naming a
-    subject), as a :class:`~agentlog.events.log.verify.VerifyReport`: every
-    message's frame is checked as it is read (CRC, length, LSN continuity:
-    :func:`~agentlog.events.log.jetstream_read.decode_message`), each payload
-    decoded as a schema-v1 event (a newer writer's fields count as a schema
-    mismatch, unknown tags as unknown types), open sessions counted.
-    ``bytes`` counts the frames' bytes (what segments would hold, less their headers)."""
-    import msgspec
-
-    from agentlog.events.log.api import LogCorruption, LogError, SchemaError
-    from agentlog.events.log.format import FRAME_OVERHEAD
-    from agentlog.events.log.verify import VerifyReport
-    from agentlog.events.schema.types import UnknownEvent, decode_body
-
-    rep = VerifyReport(path=str(path), status="ok")
-    live: set[str] = set()
-    it = path.ref().read(raw=True)
-    try:
-        for rec in it:
-            try:
-                body = decode_body(rec.payload)
-            except msgspec.DecodeError as exc:
-                schema = SchemaError.of_payload(exc, rec.payload, lsn=rec.lsn, session_id=rec.session_id)
-                if schema is None:
-                    rep.status = "corrupt"
-                    rep.problem = (f"lsn {rec.lsn}, session {rec.session_id!r}: CRC-valid frame whose payload "
-                                   f"does not decode as a schema-v1 event: {exc}")
-                    rep.last_good_lsn = rec.lsn - 1
-                    return rep
-                rep.schema_errors += 1
-                rep.schema_problem = rep.schema_problem or str(schema)
-            else:
-                if type(body) is UnknownEvent:
-                    rep.unknown_types[body.tag] = rep.unknown_types.get(body.tag, 0) + 1
-            if rec.terminal:
-                live.discard(rec.session_id)
-            else:
-                live.add(rec.session_id)
-            rep.records += 1
-            rep.next_lsn = rec.lsn + 1
-            rep.bytes += FRAME_OVERHEAD + len(rec.session_id.encode()) + len(rec.payload)
-    except LogCorruption as exc:
-        rep.status, rep.problem, rep.last_good_lsn = "corrupt", str(exc), rep.next_lsn - 1
-        return rep
-    except LogError as exc:  # the server stopped answering mid-read: the log's soundness is unknown
-        raise CliError(f"{path}: {exc}", EXIT_DATA) from None
-    finally:
-        it.close()
-        rep.open_sessions = len(live)
-    if rep.schema_errors:
-        rep.status = "schema"
-    return rep
-
-
-def remote_summary(rep: Any, path: Any) -> str:
-    """:meth:`VerifyReport.summary` for a log on JetStream: its subject and
-    frame bytes where a directory's line has segments and bytes."""
-    subject = path.ref().subject
-    body = (f"{rep.records} records (lsn 0..{rep.next_lsn - 1}) on JetStream subject {subject}, "
-            f"{rep.bytes} bytes of frames, {rep.open_sessions} open sessions")
-    if rep.unknown_types:
-        body += (f"; note: {sum(rep.unknown_types.values())} records of unknown types (newer writer): "
-                 f"tags {', '.join(sorted(rep.unknown_types))}")
-    if rep.status == "ok":
-        return f"{path}: ok, {body}"
-    if rep.status == "schema":
-        return (f"{path}: SCHEMA MISMATCH: {rep.schema_errors} records this version cannot decode "
-                f"(upgrade agentlog); first: {rep.schema_problem}; {body}")
-    return f"{path}: CORRUPT: {rep.problem}"
 
 
 class OpenedIds:
@@ -245,7 +174,7 @@ def reused_across_partitions(root: Any, opened: dict[int, OpenedIds]) -> list[tu
     import numpy as np
 
     from agentlog.events.schema.types import payload_tag
-    from agentlog.tools.cli_common import partition_log, read_records
+    from agentlog.tools.cli_common import read_records
 
     if len(opened) < 2:
         return []
@@ -262,7 +191,7 @@ def reused_across_partitions(root: Any, opened: dict[int, OpenedIds]) -> list[tu
     places: dict[str, list[tuple[int, int]]] = {}
     for pid in suspects:
         try:
-            for rec in read_records(partition_log(root, pid), raw=True, quiet=True, desc="verify across partitions"):
+            for rec in read_records(root.partition(pid), raw=True, quiet=True, desc="verify across partitions"):
                 if hash(rec.session_id) in candidates and payload_tag(rec.payload) == _OPENED_TAG:
                     places.setdefault(rec.session_id, []).append((pid, rec.lsn))
         except (CliError, msgspec.DecodeError):

@@ -27,7 +27,7 @@ bytes would show as DIFFERENT, never pass unnoticed.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from agentlog.events.errors import AgentlogError
 
@@ -141,15 +141,16 @@ class Copied:
 
 
 def export_log(ref: Any, directory: Any, name: str) -> Copied:
-    """Write the JetStream log ``ref`` (a JetStreamRef) to a new log
-    directory, frame for frame; read it back and compare digests."""
-    from agentlog.events import FileLog, read_log
+    """Write the log ``ref`` (a LogSource: one log of a run's stream) to a new
+    log directory, frame for frame; read it back and compare digests."""
+    from agentlog.events.log.source import open_source
     from agentlog.tools.cli_common import RecordDigest
 
     clock = ReplayClock()
     source = RecordDigest()
+    copy_log = open_source(directory, check=False, partitioned=False)
     # fsync "never": the copy syncs once, at close (a crash mid-export leaves a copy to delete, not a run to lose).
-    dest = FileLog.open(directory, fsync="never", clock=clock, fence=False)
+    dest = copy_log.open_writer(fsync="never", clock=clock, fence=False)
     try:
         it = ref.read(raw=True)
         try:
@@ -158,7 +159,7 @@ def export_log(ref: Any, directory: Any, name: str) -> Copied:
             it.close()
     finally:
         dest.close()
-    back = read_log(directory, raw=True)
+    back = copy_log.read(raw=True)
     try:
         copy = digest_of(back)
     finally:
@@ -166,25 +167,21 @@ def export_log(ref: Any, directory: Any, name: str) -> Copied:
     return Copied(name, str(directory), n, source.hexdigest(), copy.hexdigest())
 
 
-def import_log(source: Any, url: str, stream: str, name: str | int, *, replicas: int, resume: bool,
-               open_log: Callable[..., Any] | None = None) -> Copied:
-    """Append the log directory ``source`` to the subject ``<stream>.<name>``
-    (``name``: a partition id or a log name), frame for frame; read it back
-    and compare digests. An existing subject is refused unless ``resume``:
-    then the records it holds must be the directory's first ones (compared
-    record by record), and the copy continues after them."""
-    from agentlog.events import read_log
-    from agentlog.events.log.jetstream import JetStreamLog
-    from agentlog.events.log.jetstream_read import log_name
+def import_log(source: Any, target: Any, *, replicas: int, resume: bool) -> Copied:
+    """Append the log ``source`` (a LogSource: a log directory) to the log
+    ``target`` (a LogSource: one subject of a run's stream), frame for frame;
+    read it back and compare digests. An existing subject is refused unless
+    ``resume``: then the records it holds must be the source's first ones
+    (compared record by record), and the copy continues after them."""
     from agentlog.tools.cli_common import RecordDigest
 
-    label = log_name(name)
+    label = str(target).rsplit("/", 1)[-1]
     clock = ReplayClock()
-    dest = (open_log or JetStreamLog.open)(url, stream, name, replicas=replicas, clock=clock)
-    where = f"{source} -> nats stream {stream!r} subject {stream}.{label}"
+    dest = target.open_writer(replicas=replicas, clock=clock)
+    where = f"{source} -> {target.describe()}"
     digest = RecordDigest()
     try:
-        it = read_log(source, raw=True)
+        it = source.read(raw=True)
         try:
             held = dest.next_lsn
             if held and not resume:
@@ -202,7 +199,7 @@ def import_log(source: Any, url: str, stream: str, name: str | int, *, replicas:
             back.close()
     finally:
         dest.close()
-    return Copied(label, f"{url}/{stream}/{label}", n, digest.hexdigest(), copy.hexdigest())
+    return Copied(label, str(target), n, digest.hexdigest(), copy.hexdigest())
 
 
 def _check_prefix(it: Iterator[Any], dest: Any, held: int, where: str, digest: Any) -> None:

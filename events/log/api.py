@@ -239,8 +239,9 @@ class EventLog(abc.ABC):
         """Append one record from asyncio; concurrent calls are group-committed."""
 
     @abc.abstractmethod
-    def read(self, from_lsn: int = 0) -> Iterator[Envelope]:
-        """Durable records with lsn >= from_lsn, in LSN order."""
+    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Envelope]:
+        """Durable records with lsn >= from_lsn, in LSN order; with ``raw``,
+        :class:`~agentlog.events.log.read.RawRecord` s (payload undecoded) instead."""
 
     @abc.abstractmethod
     def follow(self, from_lsn: int = 0, *, poll_s: float = 0.05) -> AsyncIterator[Envelope]:
@@ -284,10 +285,12 @@ class MemoryLog(EventLog):
     async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
         return self.append_batch([PendingRecord(session_id, session_seq, body)])[0]
 
-    def read(self, from_lsn: int = 0) -> Iterator[Envelope]:
+    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Envelope]:
+        from .read import RawRecord
+
         lsn = max(0, from_lsn)
         while lsn < len(self._records):
-            yield self._records[lsn]
+            yield RawRecord.of_envelope(self._records[lsn]) if raw else self._records[lsn]
             lsn += 1
 
     async def follow(self, from_lsn: int = 0, *, poll_s: float = 0.01) -> AsyncIterator[Envelope]:

@@ -492,7 +492,7 @@ async def follow_subject(bridge, js, stream: str, subject: str, where: str, from
 
 
 class JetStreamRun:
-    """A run's stream, opened read-only: its logs listed, read and followed.
+    """A run's stream, opened read-only (behind :mod:`~agentlog.events.log.source_nats`): its logs listed, read and followed.
 
     Creates nothing and takes no epoch, so it never disturbs the writers.
     One connection, held by a bridge thread; close it (or use ``with``)."""
@@ -579,9 +579,9 @@ class JetStreamRun:
 
 
 class JetStreamRef:
-    """One log of a run on JetStream (its stream's subject ``<stream>.<name>``):
-    what :func:`agentlog.events.read_log` and :func:`~agentlog.events.follow_logs`
-    accept in place of a directory."""
+    """One log of a run on JetStream (its stream's subject ``<stream>.<name>``),
+    behind :class:`~agentlog.events.log.source_nats.SubjectSource` (and what
+    :func:`~agentlog.events.follow_logs` takes in place of a directory)."""
 
     def __init__(self, run: JetStreamRun, name: str) -> None:
         self.run, self.name = run, name

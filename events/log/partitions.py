@@ -109,20 +109,27 @@ def read_partitions(root: str | os.PathLike, *, raw: bool = False) -> Iterator[t
     the log. An error while reading a partition (corruption, a missing
     segment) is re-raised as the same kind of error, its message prefixed
     by the partition's name and directory (the log layer's message names
-    the segment, offset and LSN). ``root`` may also be a
-    :class:`~agentlog.events.log.jetstream_read.JetStreamRun` (a run's
-    stream on JetStream, one subject per partition)."""
-    import heapq
+    the segment, offset and LSN)."""
+    root = Path(root)
+    yield from merge_partitions({pid: (partition_dir(root, pid), _dir_reader(partition_dir(root, pid)))
+                             for pid in list_partitions(root)}, raw=raw)
 
+
+def _dir_reader(directory: Path):
     from .read import read_log
 
-    remote = hasattr(root, "partitions")  # a run's stream on JetStream (log_jetstream_read.JetStreamRun)
-    if not remote:
-        root = Path(root)
+    return lambda raw: read_log(directory, raw=raw)
+
+
+def merge_partitions(readers: dict[int, tuple[Any, Any]], *, raw: bool = False) -> Iterator[tuple[int, Any]]:
+    """The merge of :func:`read_partitions` over any partitions: ``readers``
+    maps a partition id to ``(where, read)``, ``read(raw)`` giving that
+    partition's records in LSN order and ``where`` naming it in errors."""
+    import heapq
 
     def one(pid: int) -> Iterator[tuple[int, int, int, Any]]:
-        where = root.log(pid) if remote else partition_dir(root, pid)
-        it = read_log(where, raw=raw)
+        where, read = readers[pid]
+        it = read(raw)
         try:
             for rec in it:
                 yield rec.ts_ns, pid, rec.lsn, rec
@@ -134,8 +141,7 @@ def read_partitions(root: str | os.PathLike, *, raw: bool = False) -> Iterator[t
             it.close()
 
     # The key (ts_ns, pid, lsn) is unique, so merge never compares records.
-    pids = root.partitions() if remote else list_partitions(root)
-    for _ts, pid, _lsn, rec in heapq.merge(*(one(pid) for pid in pids), key=lambda t: t[:3]):
+    for _ts, pid, _lsn, rec in heapq.merge(*(one(pid) for pid in sorted(readers)), key=lambda t: t[:3]):
         yield pid, rec
 
 

@@ -43,7 +43,7 @@ from .scan import (
     payload_error,
     read_head,
 )
-from ..schema.types import Envelope, decode_body
+from ..schema.types import TERMINAL_EVENT_TYPES, Envelope, decode_body, encode_body
 
 
 class RawRecord(NamedTuple):
@@ -69,6 +69,13 @@ class RawRecord(NamedTuple):
                 raise err from exc
             raise
         return Envelope(self.lsn, self.session_id, self.session_seq, self.ts_ns, body)
+
+    @classmethod
+    def of_envelope(cls, env: Envelope) -> "RawRecord":
+        """The record a log stores for ``env``: its body encoded as a payload
+        (what a log that keeps envelopes, MemoryLog, gives for ``read(raw=True)``)."""
+        return cls(env.lsn, env.session_id, env.session_seq, env.ts_ns, isinstance(env.body, TERMINAL_EVENT_TYPES),
+                   memoryview(encode_body(env.body)))
 
 
 class Cursor:
@@ -327,11 +334,9 @@ def read_log(
 
     With ``durable_only`` (default) it stops at the DURABLE watermark; when
     no watermark file exists (a copied log) it reads every valid frame. A torn
-    tail ends the iteration; corruption raises LogCorruption. ``path`` may
-    also be a :class:`~agentlog.events.log.jetstream_read.JetStreamRef`.
+    tail ends the iteration; corruption raises LogCorruption. A log of any
+    backend is read through :func:`agentlog.events.log.source.open_source`.
     """
-    if hasattr(path, "cursor"):  # a log on JetStream (log_jetstream_read.JetStreamRef): only acknowledged records exist
-        return path.read(from_lsn, raw=raw)
     return _read_dir(path, from_lsn, durable_only, raw, max_record_bytes)
 
 
@@ -354,10 +359,7 @@ def read_frame_batches(
     :class:`~agentlog.events.log.scan.Frame` built in bulk by the scanner
     (one list per read buffer with the compiled codec): for readers that need
     a few fields of many records (``agentlog stats``). The same records, the
-    same checks and errors. A log on JetStream (a JetStreamRef) gives the
-    lists of RawRecords its cursor takes: the same fields batch readers use."""
-    if hasattr(path, "cursor"):
-        return path.read(from_lsn, batches=True)
+    same checks and errors."""
     return _frame_batches_of_dir(path, from_lsn, durable_only, max_record_bytes)
 
 
@@ -427,9 +429,10 @@ async def follow_logs(
     longer read. With ``idle_s``, ``(None, None)`` is yielded after each
     ``idle_s`` with nothing new: a heartbeat for a consumer that must act on
     silence (declare a partition lost). A value of ``paths`` may also be a
-    :class:`~agentlog.events.log.jetstream_read.JetStreamRef` (a log on
-    JetStream, read through an ordered consumer; its ``batches`` are lists
-    of RawRecords, which carry the frame fields batch readers use)."""
+    JetStream subject (``jetstream_read.JetStreamRef``, handed in by
+    :func:`agentlog.events.log.source.follow_sources`), read through an
+    ordered consumer; its ``batches`` are lists of RawRecords, which carry
+    the frame fields batch readers use."""
     starts = dict(from_lsn or {})
     cursors: dict[int, Cursor] = {}
     quiet_since = time.monotonic()
@@ -437,7 +440,7 @@ async def follow_logs(
         while True:
             n = 0
             for pid, path in list(paths.items()):
-                if hasattr(path, "cursor"):  # a log on JetStream: its cursor never waits
+                if not isinstance(path, (str, os.PathLike)):  # a JetStream subject: its cursor never waits
                     cur = cursors.get(pid)
                     if cur is None:
                         cur = cursors[pid] = path.cursor(starts.get(pid, 0), raw=raw or batches)

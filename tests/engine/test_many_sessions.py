@@ -71,7 +71,7 @@ class TallyLog(EventLog):
             await asyncio.sleep(0)
         return self.append_batch([PendingRecord(session_id, session_seq, body)])[0]
 
-    def read(self, from_lsn: int = 0) -> Iterator[Envelope]:
+    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Envelope]:
         return iter(())
 
     async def follow(self, from_lsn: int = 0, *, poll_s: float = 0.05):

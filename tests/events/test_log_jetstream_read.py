@@ -1,6 +1,6 @@
 """Reading JetStream logs without writing: JetStreamRun / JetStreamRef, the
 ordered-consumer cursor, reads from a late LSN (binary search over the
-subject), and the same logs through read_log / follow_logs / read_partitions."""
+subject), and the same logs through follow_logs and a LogSource (open_source)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ from event_samples import small_event
 
 pytest.importorskip("nats", reason="the JetStream log needs the nats extra: pip install 'agentlog[nats]'")
 
-from agentlog.events import follow_logs, read_log  # noqa: E402
+from agentlog.events import follow_logs, open_source  # noqa: E402
 from agentlog.events.log.jetstream import JetStreamLog  # noqa: E402
 from agentlog.events.log.jetstream_read import JetStreamRun, is_nats_url, parse_nats_url  # noqa: E402
-from agentlog.events.log.partitions import read_partitions  # noqa: E402
 
 _names = itertools.count()
 
@@ -64,11 +63,12 @@ def test_a_reader_lists_reads_and_merges_partitions(nats_server, stream):
     with JetStreamRun.open_url(f"{nats_server.url}/{stream}") as run:
         assert run.names() == ["learner", "p0000", "p0002"]
         assert run.partitions() == [0, 2]
-        assert list(read_log(run.log(0))) == a
+        assert list(run.log(0).read()) == a
         assert list(run.log(2).read()) == b
-        raw = list(read_log(run.log(0), raw=True))
+        raw = list(run.log(0).read(raw=True))
         assert [r.decode() for r in raw] == a
-        merged = list(read_partitions(run))
+        with open_source(f"{nats_server.url}/{stream}") as merged_source:
+            merged = list(merged_source.read_tagged())
         assert sorted((pid, env.lsn) for pid, env in merged) == sorted([(0, e.lsn) for e in a] + [(2, e.lsn) for e in b])
         assert [env.ts_ns for _, env in merged] == sorted(env.ts_ns for _, env in merged)
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted
-from agentlog.loop import logs
+from agentlog.events import read_log
 from agentlog.loop.config import LoopConfig
 from agentlog.loop.publish import read_learner_records
 
@@ -44,7 +44,7 @@ def check_trained(run_dir: Path, task_name: str, module: str) -> None:
     opened: set[str] = set()
     harness: dict[str, str] = {}
     ended: dict[str, int] = {}
-    for env in logs.read(run_dir / "rollout", 0):
+    for env in read_log(run_dir / "rollout", 0):
         b = env.body
         if isinstance(b, SessionOpened):
             opened.add(env.session_id)

@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 from agentlog.events.log.api import MemoryLog
 from agentlog.events.schema.types import PolicyUpdated
-from agentlog.loop import logs
+from agentlog.events import FileLog
 from agentlog.loop.publish import publish, read_learner_records
 from agentlog.loop.trainer import LoopLearner, read_resume_records, resume_point
 from agentlog.reducers.errors import ReduceError
@@ -103,7 +103,7 @@ def _without_low_water(run: Path, src: Path) -> None:
     (no ``lsn_low_water`` nor ``records_from_lsn``), its checkpoints pointing into ``run``."""
     records = read_learner_records(src / "learner")
     shutil.rmtree(run / "learner")
-    llog = logs.open_log(run / "learner", "batch")
+    llog = FileLog.open(run / "learner", fsync="batch")
     try:
         for r in records:
             ckpt = r.checkpoint.replace(str(src), str(run))
@@ -123,7 +123,7 @@ def test_a_learner_restarted_from_its_low_water_mark_trains_what_a_restart_from_
     a = tmp_path / "a"
     a.mkdir()
     cfg.save(a / "config.json")
-    rollout = logs.open_log(a / "rollout", "batch")
+    rollout = FileLog.open(a / "rollout", fsync="batch")
     try:
         record_interleaved(rollout, seed=5, groups=40, in_flight=16)
     finally:

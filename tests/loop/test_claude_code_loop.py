@@ -25,7 +25,7 @@ import pytest
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import CommandRan, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
 from agentlog.gateway import agents
-from agentlog.loop import logs
+from agentlog.events import read_log
 from agentlog.loop.check import check_run
 from agentlog.loop.config import LoopConfig
 from agentlog.loop.publish import hf_checkpoint_dir, read_learner_records
@@ -126,7 +126,7 @@ def test_claude_code_plays_every_session_of_a_training_step_and_each_model_call_
     cfg = LoopConfig.load(run_dir / "config.json")
     assert cfg.agent.harness == "claude-code" and cfg.agent.cli_tools == ["Bash"]
 
-    envs = list(logs.read(run_dir / "rollout", 0))
+    envs = list(read_log(run_dir / "rollout", 0))
     opened = [e.session_id for e in envs if isinstance(e.body, SessionOpened)]
     ends = {e.session_id: e.body for e in envs if isinstance(e.body, (SessionFinished, SessionAborted, SessionDropped))}
     assert len(opened) == 2 and set(ends) == set(opened), (opened, ends)

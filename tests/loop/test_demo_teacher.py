@@ -100,7 +100,7 @@ def test_demo_distill_scores_every_turn_with_the_runs_teacher_and_checks_equal(t
     folder, every finished session's turns carry its scores recorded under its weights digest, the
     learner trains with lambda and reports the reverse KL, and the offline check is EQUAL."""
     from agentlog.events.schema.types import SessionFinished, TeacherScored, TurnDelta, TurnRecorded
-    from agentlog.loop import logs
+    from agentlog.events import read_log
     from agentlog.loop.check import check_run
     from agentlog.loop.demo import DEMO_DISTILL_COEF, DEMO_TOPK, DEMO_TOPK_COEF, TEACHER_NAME
     from agentlog.loop.publish import read_learner_records
@@ -122,7 +122,7 @@ def test_demo_distill_scores_every_turn_with_the_runs_teacher_and_checks_equal(t
     turns: dict[str, int] = {}
     scored: dict[str, set[int]] = {}
     finished = set()
-    for env in logs.read(out / "rollout", 0):
+    for env in read_log(out / "rollout", 0):
         body = env.body
         if isinstance(body, (TurnRecorded, TurnDelta)):  # a turn is recorded whole or as a delta
             turns[env.session_id] = turns.get(env.session_id, 0) + 1

@@ -29,7 +29,8 @@ from aiohttp_helpers import serve_app
 from agentlog.engine.tasks import select_task
 from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, TeacherScored, TurnDelta, TurnRecorded
 from agentlog.learner.learner import save_state
-from agentlog.loop import FaultConfig, LoopLearner, RolloutWorker, check_run, logs
+from agentlog.loop import FaultConfig, LoopLearner, RolloutWorker, check_run
+from agentlog.events import FileLog, read_log
 from agentlog.loop.config import ConfigError, DistillConfig, LoopConfig
 from agentlog.loop.policy import build_model
 from agentlog.reducers.config import ReduceConfig
@@ -55,7 +56,7 @@ def run_loop_here(run_dir: Path, cfg: LoopConfig) -> None:
 
 def sessions_of(run_dir: Path, *, envelopes: bool = False) -> dict[str, list]:
     """Session id -> its event bodies (or envelopes) in log order."""
-    log = logs.open_log(logs.rollout_log_path(run_dir, None), "never")
+    log = FileLog.open(run_dir / "rollout", fsync="never")
     try:
         out: dict[str, list] = {}
         for env in log.read(0):
@@ -123,7 +124,7 @@ def test_torch_teacher_scores_every_turn_of_every_finished_session_before_its_en
             checked += 1
     assert checked
     # Every trained sample carries the teacher's scores on each of its trained tokens.
-    res = reduce_log(logs.open_log(logs.rollout_log_path(run_dir, None), "never"), ReduceConfig(min_valid=cfg.min_valid))
+    res = reduce_log(FileLog.open(run_dir / "rollout", fsync="never"), ReduceConfig(min_valid=cfg.min_valid))
     finished_samples = [s for g in res.groups for m in g.members if m.status == "finished" for s in m.samples]
     assert finished_samples and all(distill_problem(s) == "" for s in finished_samples)
     assert all(s.metadata.get("teachers") == [f"gpt-big@{teacher.version}"] for s in finished_samples)
@@ -212,7 +213,7 @@ def test_a_failing_teacher_server_is_recorded_and_its_groups_are_never_distilled
                     pytest.fail(f"unexpected teacher error: {e.error}")
     assert failures["http500"] >= 1 and failures["timeout"] >= 1, failures
     # Each sample of a session whose teacher failed says why it cannot be distilled; the others can be.
-    res = reduce_log(logs.open_log(logs.rollout_log_path(run_dir, None), "never"), ReduceConfig(min_valid=cfg.min_valid))
+    res = reduce_log(FileLog.open(run_dir / "rollout", fsync="never"), ReduceConfig(min_valid=cfg.min_valid))
     for g in res.groups:
         for m in g.members:
             if m.status != "finished":
@@ -281,7 +282,7 @@ def test_text_task_sessions_are_scored_through_the_gateways_recorded_turns(tmp_p
     run_dir = tmp_path / "run"
     run_loop_here(run_dir, cfg)
     teacher = TorchTeacher.from_checkpoint(path, name="bytes")
-    envs = list(logs.read(run_dir / "rollout", 0))
+    envs = list(read_log(run_dir / "rollout", 0))
     full = {(e.session_id, e.body.turn_index): e.body for e in full_turns(envs) if isinstance(e.body, TurnRecorded)}
     finished = {e.session_id: e.lsn for e in envs if isinstance(e.body, SessionFinished)}
     assert len(finished) == 4

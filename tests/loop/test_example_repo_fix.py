@@ -28,7 +28,7 @@ import torch
 
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
-from agentlog.loop import logs
+from agentlog.events import read_log
 from agentlog.loop.check import check_run
 from agentlog.loop.config import LoopConfig
 from agentlog.loop.publish import hf_checkpoint_dir, read_learner_records
@@ -62,7 +62,7 @@ def _run_dir(example_run) -> Path:
 
 
 def _envelopes(run_dir: Path) -> list:
-    return list(full_turns(logs.read(run_dir / "rollout", 0)))
+    return list(full_turns(read_log(run_dir / "rollout", 0)))
 
 
 def test_the_example_trained_two_steps_of_its_task_imported_from_the_users_directory(example_run):

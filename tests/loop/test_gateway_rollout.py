@@ -25,7 +25,7 @@ from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import CommandRan, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
 from agentlog.gateway import Backend, BackendError, ByteChatTemplate, Generation, SamplingParams
 from agentlog.loop import FaultConfig, LoopConfig, LoopLearner, RolloutWorker, check_run
-from agentlog.loop import logs
+from agentlog.events import read_log
 from agentlog.loop.config import AgentConfig, ConfigError
 from agentlog.loop.gateway_rollout import GatewayRollout
 
@@ -72,7 +72,7 @@ def test_text_task_trains_through_the_gateway_with_the_python_agent(tmp_path):
         await asyncio.wait_for(asyncio.gather(LoopLearner(run_dir, cfg).run(), RolloutWorker(run_dir, cfg).run()), 120)
 
     asyncio.run(train())
-    envs = list(logs.read(run_dir / "rollout", 0))
+    envs = list(read_log(run_dir / "rollout", 0))
     opened = [e.session_id for e in envs if isinstance(e.body, SessionOpened)]
     terminal = [e.session_id for e in envs if isinstance(e.body, (SessionFinished, SessionAborted, SessionDropped))]
     assert len(opened) == 8 and sorted(terminal) == sorted(opened), (opened, terminal)  # exactly one terminal event each

@@ -12,7 +12,7 @@ from loop_helpers import small_config
 
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import TurnRecorded
-from agentlog.loop import logs
+from agentlog.events import read_log
 from agentlog.loop.check import check_run
 from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig
 from agentlog.loop.metric_sinks import TENSORBOARD_DIR
@@ -57,7 +57,7 @@ def test_each_version_is_published_as_an_hf_directory_transformers_loads(hf_run)
 def test_the_worker_reloads_published_versions_and_records_them(hf_run):
     """Turns generated after the worker loaded version 1 record policy_version 1; its log says it
     loaded the HF directories; the online digests equal the offline reconstruction."""
-    turns = [e.body for e in full_turns(logs.read(hf_run / "rollout", 0)) if isinstance(e.body, TurnRecorded)]
+    turns = [e.body for e in full_turns(read_log(hf_run / "rollout", 0)) if isinstance(e.body, TurnRecorded)]
     versions = {t.policy_version for t in turns}
     assert {0, 1} <= versions
     worker_log = [json.loads(line) for line in (hf_run / "logs" / "worker-w0.jsonl").read_text().splitlines()]

@@ -20,10 +20,9 @@ from pathlib import Path
 import pytest
 
 from agentlog.events.schema.types import SessionAborted, SessionOpened, TERMINAL_EVENT_TYPES
-from agentlog.loop import logs
 from agentlog.loop.check import check_run
 from agentlog.loop.config import ConfigError, LogConfig, LoopConfig, RolloutConfig
-from agentlog.loop.logs import RunLogs
+from agentlog.loop.run_folder import Run
 from agentlog.loop.publish import read_learner_records
 from agentlog.loop.run import start_process
 
@@ -37,16 +36,16 @@ def _url(cluster) -> str:
     return "nats://" + ",".join(u.removeprefix("nats://") for u in cluster.urls)
 
 
-def _version(run_logs: RunLogs) -> int:
-    if not run_logs.learner_exists():
+def _version(run: Run) -> int:
+    if not run.learner.exists():
         return -1
-    recs = read_learner_records(run_logs.learner_source())
+    recs = read_learner_records(run.learner)
     return recs[-1].policy_version if recs else -1
 
 
 def _open_sessions(source) -> set[str]:
     opened: set[str] = set()
-    for env in logs.read(source, 0):
+    for env in source.read():
         if isinstance(env.body, SessionOpened):
             opened.add(env.session_id)
         elif isinstance(env.body, TERMINAL_EVENT_TYPES):
@@ -54,9 +53,11 @@ def _open_sessions(source) -> set[str]:
     return opened
 
 
-def _epochs(ref) -> list[tuple[int, int, bool]]:
+def _epochs(source) -> list[tuple[int, int, bool]]:
     """(stream sequence, writer epoch, is a fence) of every message on the log's subject, in order."""
     from nats.js.errors import NotFoundError
+
+    ref = source._ref()  # the subject behind the LogSource: its raw messages carry the epochs
 
     from agentlog.events.log.jetstream import HDR_EPOCH
     from agentlog.events.log.jetstream_read import HDR_KIND, KIND_FENCE
@@ -103,17 +104,17 @@ def test_a_run_on_jetstream_with_a_restarted_worker_fences_the_old_one_and_recon
     workers = {pid: start_process("worker", run, "--partition", str(pid)) for pid in (0, 1)}
     stale: subprocess.Popen | None = None
     try:
-        with RunLogs.of(run) as run_logs:
+        with Run.open(run) as run_logs:
             procs = [learner, *workers.values()]
-            wait_for("the run's stream", run_logs.stream_exists, 120, procs)
-            p1 = run_logs.rollout_source(1)
+            wait_for("the run's stream", run_logs.rollout.exists, 120, procs)
+            p1 = run_logs.rollout_log(1)
             # Only p0001 is watched from here on: polls of the whole learner log
             # are slow on a loaded machine, and the run must still be young when
             # worker 1 is frozen.
             wait_for("worker 1's first record", p1.exists, 120, procs)
             epoch_before = _last_epoch(p1)
             # Freeze it the moment its log shows a session in flight (a tail: each poll reads only what is new).
-            tail, live = logs.LogTail(p1), set()
+            tail, live = p1.tail(), set()
 
             def in_flight() -> bool:
                 for env in tail.poll():
@@ -137,7 +138,7 @@ def test_a_run_on_jetstream_with_a_restarted_worker_fences_the_old_one_and_recon
             finally:
                 tail.close()
             assert orphans, "could not freeze the worker mid-batch in 20 attempts"
-            acknowledged = [(e.lsn, e.session_id, e.body) for e in logs.read(p1, 0)]
+            acknowledged = [(e.lsn, e.session_id, e.body) for e in p1.read()]
             stale = workers[1]
             workers[1] = start_process("worker", run, "--partition", "1")
             wait_for("the new incarnation's fence", lambda: _last_epoch(p1) > epoch_before, 60, [learner, workers[1]])
@@ -147,7 +148,7 @@ def test_a_run_on_jetstream_with_a_restarted_worker_fences_the_old_one_and_recon
             assert learner.returncode == 0
             for w in workers.values():
                 assert w.wait(timeout=60) == 0
-            after = [(e.lsn, e.session_id, e.body) for e in logs.read(p1, 0)]
+            after = [(e.lsn, e.session_id, e.body) for e in p1.read()]
             msgs = _epochs(p1)
             final_version = _version(run_logs)
     finally:
@@ -169,8 +170,8 @@ def test_a_run_on_jetstream_with_a_restarted_worker_fences_the_old_one_and_recon
     check = check_run(run)  # from config.json alone, as `agentlog reconstruct RUN` does
     assert check.ok, (check.mismatches, check.duplicates, check.missing, check.unknown)
     assert check.steps >= cfg.steps and check.digests_equal == check.steps
-    with RunLogs.of(run) as run_logs:
-        consumed = {(ref.partition, ref.group_id) for r in read_learner_records(run_logs.learner_source()) for ref in r.batch}
+    with Run.open(run) as run_logs:
+        consumed = {(ref.partition, ref.group_id) for r in read_learner_records(run_logs.learner) for ref in r.batch}
     assert {(1, sid.rsplit("-s", 1)[0]) for sid in orphans} & consumed, "the orphans' groups must still be released and consumed"
 
 
@@ -204,12 +205,15 @@ def test_agentlog_train_with_the_readme_config_runs_on_jetstream(tmp_path: Path,
     saved = json.loads((run / "config.json").read_text())["log"]
     assert saved["backend"] == "nats" and saved["stream"] == "run_cli-1", saved  # pinned: the folder may be renamed
     assert not (run / "rollout").exists() and not (run / "learner").exists()
-    with RunLogs.of(run) as run_logs:
-        assert run_logs.stream_run().names() == ["learner", "p0000", "p0001"]
-        trained = [r for r in read_learner_records(run_logs.learner_source()) if r.step > 0]
+    with Run.open(run) as run_logs:
+        from agentlog.events.log.jetstream_read import JetStreamRun
+
+        with JetStreamRun.open(_url(nats_cluster), run_logs.stream) as stream:
+            assert stream.names() == ["learner", "p0000", "p0001"]
+        trained = [r for r in read_learner_records(run_logs.learner) if r.step > 0]
         assert {ref.partition for r in trained for ref in r.batch} == {0, 1}
-        ends = {pid: logs.durable_end(src) for pid, src in run_logs.rollout_sources().items()}
-        assert all(end == sum(1 for _ in logs.read(run_logs.rollout_source(pid))) for pid, end in ends.items())
+        ends = {pid: src.next_lsn() for pid, src in run_logs.rollout_logs().items()}
+        assert all(end == sum(1 for _ in run_logs.rollout_log(pid).read()) for pid, end in ends.items())
     # A second run into a new folder of the same name must not adopt the first run's stream.
     again = tmp_path / "again" / "run.cli-1"
     again.parent.mkdir()
@@ -246,17 +250,17 @@ def test_log_table_errors_name_the_field_and_what_was_expected() -> None:
 
 
 def test_run_logs_on_jetstream_end_tail_and_sources(tmp_path: Path, nats_cluster) -> None:
-    """RunLogs of a nats run: partitions and the learner log are the stream's
+    """The Run of a nats run: partitions and the learner log are the stream's
     subjects; ``durable_end`` is the next LSN even when the subject ends in
-    fences (writers that opened and wrote nothing); a LogTail of the learner
+    fences (writers that opened and wrote nothing); the learner tail
     log returns each record once, across polls."""
     from agentlog.events.schema.types import SessionOpened as Opened
 
     cfg = LoopConfig(rollout=RolloutConfig(workers=2), log=LogConfig(backend="nats", url=_url(nats_cluster), replicas=3))
     run = tmp_path / "tail.run"
-    with RunLogs.of(run, cfg) as run_logs:
-        assert run_logs.stream == "tail_run" and not run_logs.stream_exists() and not run_logs.learner_exists()
-        assert run_logs.existing_rollout_sources() == {}
+    with Run.open(run, cfg) as run_logs:
+        assert run_logs.stream == "tail_run" and not run_logs.rollout.exists() and not run_logs.learner.exists()
+        assert run_logs.existing_rollout_logs() == {}
         w = run_logs.open_rollout(1, fence=True)
         try:
             w.append_batch([(f"s{i}", 0, Opened(group_id="g", group_size=1, sample_index=0, agent="t")) for i in range(3)])
@@ -264,11 +268,11 @@ def test_run_logs_on_jetstream_end_tail_and_sources(tmp_path: Path, nats_cluster
             w.close()
         for _ in range(2):  # two more incarnations that write nothing: the subject ends in two fences
             run_logs.open_rollout(1, fence=True).close()
-        assert run_logs.stream_exists()
-        sources = run_logs.rollout_sources()
+        assert run_logs.rollout.exists()
+        sources = run_logs.rollout_logs()
         assert [str(s).rsplit("/", 1)[1] for s in sources.values()] == ["p0000", "p0001"]
-        assert logs.durable_end(sources[1]) == 3 and logs.durable_end(sources[0]) == 0
-        assert set(run_logs.existing_rollout_sources()) == {1}
+        assert sources[1].next_lsn() == 3 and sources[0].next_lsn() == 0
+        assert set(run_logs.existing_rollout_logs()) == {1}
         learner = run_logs.open_learner()
         try:
             tail = run_logs.learner_tail()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from agentlog.loop import logs
+from agentlog.events import FileLog
 from agentlog.loop.config import LoopConfig, MetricsConfig
 from agentlog.loop.metric_sinks import TENSORBOARD_DIR, MetricSinks
 
@@ -64,4 +64,4 @@ def test_the_learner_log_is_closed_when_the_sinks_cannot_be_built(tmp_path: Path
     monkeypatch.setattr(trainer, "MetricSinks", Broken)
     with pytest.raises(RuntimeError, match="sinks broke"):
         asyncio.run(ll.run())
-    logs.open_log(tmp_path / "learner").close()  # the writer lock was released: the log was closed
+    FileLog.open(tmp_path / "learner").close()  # the writer lock was released: the log was closed

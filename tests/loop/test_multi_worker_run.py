@@ -13,7 +13,7 @@ import pytest
 from agentlog.events.log.format import FENCE_NAME, read_fence
 from agentlog.events.log.partitions import list_partitions, partition_dir
 from agentlog.events.schema.types import SessionAborted, SessionOpened
-from agentlog.loop import logs
+from agentlog.events import read_log
 from agentlog.loop.check import check_run
 from agentlog.loop.config import RolloutConfig
 from agentlog.loop.publish import read_learner_records
@@ -40,7 +40,7 @@ def test_demo_with_three_workers_writes_three_partitions_and_reconstructs_equal(
     assert list_partitions(run / "rollout") == [0, 1, 2]
     group_partition: dict[str, int] = {}
     for pid in range(3):
-        for env in logs.read(partition_dir(run / "rollout", pid)):
+        for env in read_log(partition_dir(run / "rollout", pid)):
             if isinstance(env.body, SessionOpened):
                 g = int(env.body.group_id.rsplit("-g", 1)[1])
                 assert g % 3 == pid, f"group {env.body.group_id} ran on partition {pid}"
@@ -91,7 +91,7 @@ def test_a_killed_worker_restarts_on_its_partition_with_a_new_epoch_and_loses_no
         for _attempt in range(20):
             wait_for("sessions in flight on p0001", lambda: bool(_open_sessions(p1)), 60, [learner, *workers.values()])
             _kill(workers[1])
-            acknowledged = [(e.lsn, e.session_id, e.body) for e in logs.read(p1, 0)]
+            acknowledged = [(e.lsn, e.session_id, e.body) for e in read_log(p1, 0)]
             orphans = _open_sessions(p1)
             workers[1] = start_process("worker", run, "--partition", "1")
             if orphans:
@@ -107,9 +107,9 @@ def test_a_killed_worker_restarts_on_its_partition_with_a_new_epoch_and_loses_no
             if p.poll() is None:
                 _kill(p)
     assert (p1 / FENCE_NAME).is_file() and read_fence(p1) > epoch_before
-    after = [(e.lsn, e.session_id, e.body) for e in logs.read(p1, 0)]
+    after = [(e.lsn, e.session_id, e.body) for e in read_log(p1, 0)]
     assert after[: len(acknowledged)] == acknowledged, "a record acknowledged before the kill changed or vanished"
-    reasons = {e.session_id: e.body.reason for e in logs.read(p1, 0) if isinstance(e.body, SessionAborted)}
+    reasons = {e.session_id: e.body.reason for e in read_log(p1, 0) if isinstance(e.body, SessionAborted)}
     assert all(reasons.get(sid) == "engine_restart" for sid in orphans), {sid: reasons.get(sid) for sid in orphans}
     assert learner_version(run) == cfg.steps
     check = check_run(run, cfg)

@@ -15,7 +15,7 @@ from ray_helpers import loopback_cluster, ray  # noqa: F401  (sets the loopback 
 from agentlog.events.log.format import read_fence
 from agentlog.events.log.partitions import list_partitions, partition_dir
 from agentlog.events.schema.types import SessionOpened
-from agentlog.loop import logs
+from agentlog.events import read_log
 from agentlog.loop.check import check_run
 from agentlog.loop.config import RolloutConfig
 from agentlog.loop.publish import read_learner_records
@@ -47,7 +47,7 @@ def test_train_with_the_ray_backend_runs_two_actors_and_reconstructs_equal(tmp_p
     assert "ray_driver.started" in res.stderr and "ray_driver.stopped" in res.stderr
     assert list_partitions(run / "rollout") == [0, 1]
     for pid in (0, 1):
-        groups = {e.body.group_id for e in logs.read(partition_dir(run / "rollout", pid)) if isinstance(e.body, SessionOpened)}
+        groups = {e.body.group_id for e in read_log(partition_dir(run / "rollout", pid)) if isinstance(e.body, SessionOpened)}
         assert groups and all(int(g.rsplit("-g", 1)[1]) % 2 == pid for g in groups), (pid, groups)
     again = _agentlog("reconstruct", str(run), "-o", str(tmp_path / "samples.jsonl"), "--quiet")
     assert again.returncode == 0, again.stderr
@@ -62,7 +62,8 @@ def test_train_with_ray_actors_on_jetstream_logs_reconstructs_equal(tmp_path: Pa
     write their partitions as subjects of the run's stream (nothing under
     `rollout/`), and the offline check of the run folder, reading the stream
     its config.json names, equals every online digest."""
-    from agentlog.loop.logs import RunLogs
+    from agentlog.events.log.jetstream_read import JetStreamRun
+    from agentlog.loop.run_folder import Run
 
     config = tmp_path / "ray-nats.toml"
     config.write_text(
@@ -75,10 +76,11 @@ def test_train_with_ray_actors_on_jetstream_logs_reconstructs_equal(tmp_path: Pa
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "EQUAL (3/3 steps equal" in res.stdout, res.stdout[-2000:]
     assert not (run / "rollout").exists() and not (run / "learner").exists()
-    with RunLogs.of(run) as run_logs:
-        assert run_logs.stream_run().names() == ["learner", "p0000", "p0001"]
-        for pid, src in run_logs.rollout_sources().items():
-            groups = {e.body.group_id for e in logs.read(src) if isinstance(e.body, SessionOpened)}
+    with JetStreamRun.open(nats_server.url, "ray-nats") as stream:
+        assert stream.names() == ["learner", "p0000", "p0001"]
+    with Run.open(run) as run_logs:
+        for pid, src in run_logs.rollout_logs().items():
+            groups = {e.body.group_id for e in src.read() if isinstance(e.body, SessionOpened)}
             assert groups and all(int(g.rsplit("-g", 1)[1]) % 2 == pid for g in groups), (pid, groups)
     check = check_run(run)
     assert check.ok and check.digests_equal == check.steps == 3
@@ -166,7 +168,7 @@ def test_node_loss_restarts_the_actor_on_the_other_node_with_a_new_epoch_and_los
         before = rollouts.watch(force=True)[1]
         assert before.state == "running" and before.epoch == read_fence(p1) >= 1
         victim = next(n for n in nodes if n.node_id == before.node_id)
-        acknowledged = [(e.lsn, e.session_id, e.body) for e in logs.read(p1, 0)]
+        acknowledged = [(e.lsn, e.session_id, e.body) for e in read_log(p1, 0)]
         cluster.remove_node(victim, allow_graceful=False)
         _drive(rollouts, learner, "p0001 running again after its node was removed",
                lambda: rollouts.restarts[1] >= 1 and rollouts.statuses[1].state in ("running", "done"), deadline - time.monotonic())
@@ -181,7 +183,7 @@ def test_node_loss_restarts_the_actor_on_the_other_node_with_a_new_epoch_and_los
     moved = after_status[1]
     assert moved.restarted and moved.node_id != victim.node_id and moved.pid != before.pid, (before, moved)
     assert moved.epoch == read_fence(p1) > before.epoch
-    after = [(e.lsn, e.session_id, e.body) for e in logs.read(p1, 0)]
+    after = [(e.lsn, e.session_id, e.body) for e in read_log(p1, 0)]
     assert after[: len(acknowledged)] == acknowledged, "a record acknowledged before the node loss changed or vanished"
     assert len(after) > len(acknowledged), "the restarted actor wrote nothing to its partition"
     assert learner_version(run) == cfg.steps

@@ -25,7 +25,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from agentlog.loop import FaultConfig, logs
+from agentlog.loop import FaultConfig
+from agentlog.events import read_log
 from agentlog.loop.config import LoopConfig
 from agentlog.loop.publish import read_learner_records
 from agentlog.reducers.config import DEFAULT_CONFIG
@@ -111,8 +112,8 @@ def _reconstruct_line(path: Path, *args: str) -> str:
 
 def test_stats_and_reconstruct_of_a_run_folder_fold_with_the_runs_own_min_valid(run, tmp_path):
     run_dir, cfg = run
-    own = reduce_log(logs.read(run_dir / "rollout", 0), cfg.reduce_config())
-    default = reduce_log(logs.read(run_dir / "rollout", 0), DEFAULT_CONFIG)
+    own = reduce_log(read_log(run_dir / "rollout", 0), cfg.reduce_config())
+    default = reduce_log(read_log(run_dir / "rollout", 0), DEFAULT_CONFIG)
     own_skips = Counter(g.skip_reason.split(" (")[0] for g in own.groups if g.skipped)  # stats counts the reason's head
     assert sum(own_skips.values()) != sum(1 for g in default.groups if g.skipped), "the run should skip groups min_valid 2 keeps"
     # What the learner trained: every group it skipped for too few valid members, the offline fold skips for the same reason.

@@ -6,7 +6,7 @@ import signal
 from pathlib import Path
 
 from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened
-from agentlog.loop import logs
+from agentlog.events import read_log
 from agentlog.loop.check import check_run
 from agentlog.loop.run import start_process
 from agentlog.loop.publish import read_learner_records
@@ -103,7 +103,7 @@ def test_killed_worker_restart_aborts_orphans_with_engine_restart_and_training_g
     finally:
         _kill_live(worker, learner)
     reasons = {}
-    for env in logs.read(run / "rollout", 0):
+    for env in read_log(run / "rollout", 0):
         if isinstance(env.body, SessionAborted):
             reasons[env.session_id] = env.body.reason
     assert orphans and all(reasons.get(sid) == "engine_restart" for sid in orphans), {

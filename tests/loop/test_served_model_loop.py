@@ -29,7 +29,7 @@ from hf_helpers import build_once  # noqa: F401  (sets HF_HUB_OFFLINE before tra
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
 from agentlog.loop import FaultConfig, LoopConfig, LoopLearner, RolloutWorker, check_run
-from agentlog.loop import logs
+from agentlog.events import read_log
 from agentlog.loop.policy import resolve_hf_model
 from agentlog.loop.publish import hf_checkpoint_dir, read_learner_records
 
@@ -228,7 +228,7 @@ def test_a_served_model_is_reloaded_between_batches_and_every_turn_records_the_w
     else:
         assert server.reload_bodies == [{"method": "reload_weights"}] * 2
 
-    envs = list(logs.read(run_dir / "rollout", 0))
+    envs = list(read_log(run_dir / "rollout", 0))
     turns = [e for e in full_turns(envs) if isinstance(e.body, TurnRecorded)]
     per_batch = {b: [t for t in turns if t.session_id.startswith(f"b0000{b}")] for b in (0, 1)}
     assert per_batch[0] and per_batch[1] and len(turns) == len(per_batch[0]) + len(per_batch[1])

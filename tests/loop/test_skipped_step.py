@@ -16,7 +16,7 @@ from agentlog.engine.tasks import register_task
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import SessionAborted, SessionFinished, SessionOpened, TurnRecorded
 from agentlog.loop import FaultConfig, LoopConfig, LoopLearner, RolloutWorker, check_run
-from agentlog.loop import logs
+from agentlog.events import read_log
 from agentlog.loop.publish import read_learner_records
 
 from test_gateway_rollout import EchoWordTask
@@ -53,7 +53,7 @@ def test_a_step_whose_every_group_was_skipped_does_not_stall_the_worker(tmp_path
     asyncio.run(train())
     records = read_learner_records(run_dir / "learner")
     assert [(r.step, r.policy_version, len(r.skipped)) for r in records] == [(0, 0, 0), (1, 0, 2), (2, 1, 0), (3, 2, 0)]
-    envs = list(logs.read(run_dir / "rollout", 0))
+    envs = list(read_log(run_dir / "rollout", 0))
     ends = {e.session_id: e.body for e in envs if isinstance(e.body, (SessionFinished, SessionAborted))}
     assert len([e for e in envs if isinstance(e.body, SessionOpened)]) == len(ends) == 12
     assert {sid[:6] for sid, end in ends.items() if isinstance(end, SessionAborted) and end.reason == "setup_failed:OSError"} == {"b00000"}

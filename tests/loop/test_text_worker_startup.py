@@ -13,7 +13,7 @@ from agentlog.engine import SessionEngine
 from agentlog.events.log.api import MemoryLog
 from agentlog.events.schema.types import SessionDropped, SessionOpened
 from agentlog.loop import FaultConfig, LoopConfig, RolloutWorker
-from agentlog.loop import logs
+from agentlog.events import FileLog
 from agentlog.loop.config import AgentConfig, ConfigError
 from agentlog.loop.gateway_rollout import GatewayRollout
 
@@ -45,7 +45,7 @@ def test_a_missing_agent_cli_stops_the_worker_before_any_session_and_releases_th
     with pytest.raises(FileNotFoundError, match=r"harness 'claude-code': the CLI .*no-such-claude.* is not an executable file"):
         asyncio.run(asyncio.wait_for(worker.run(max_batches=1), 60))
     # Nothing was opened, and the log's writer lock was released: another writer opens it.
-    log = logs.open_log(run_dir / "rollout", cfg.fsync)
+    log = FileLog.open(run_dir / "rollout", fsync=cfg.fsync)
     try:
         assert not [e for e in log.read(0) if isinstance(e.body, SessionOpened)]
     finally:

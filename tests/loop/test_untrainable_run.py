@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agentlog.events.schema.types import SessionAborted
-from agentlog.loop import logs
+from agentlog.events import read_log
 from agentlog.loop.publish import STOPPED_UNTRAINABLE, read_learner_records
 
 from custom_task_helpers import agentlog_exe, clean_env, train_cli
@@ -48,7 +48,7 @@ def test_a_verifier_that_always_crashes_stops_the_run_with_exit_1_naming_the_rea
     # Two empty batches, the second final and marked as the stop: not a timeout, not an endless loop.
     assert [(r.policy_version, len(r.groups), len(r.skipped)) for r in records] == [(0, 0, 2), (0, 0, 2)], records
     assert records[-1].metrics["loop/final"] == 1.0 and records[-1].metrics[STOPPED_UNTRAINABLE] == 1.0
-    aborted = sorted(e.session_id for e in logs.read(run_dir / "rollout", 0) if isinstance(e.body, SessionAborted)
+    aborted = sorted(e.session_id for e in read_log(run_dir / "rollout", 0) if isinstance(e.body, SessionAborted)
                      and e.body.reason == "verifier_failed:ZeroDivisionError")
     assert aborted, "every session aborts with the verifier's exception type"
     err = proc.stderr.strip().splitlines()[-1]

@@ -29,8 +29,8 @@ def test_a_batch_that_ends_after_its_log_was_fenced_stops_the_worker(tmp_path: P
     run.mkdir()
     cfg.save(run / "config.json")
     worker = RolloutWorker(run, cfg, partition=1)
-    stale = worker.logs.open_rollout(1, fence=True)
-    newer = worker.logs.open_rollout(1, fence=True)  # a restarted incarnation takes a higher epoch
+    stale = worker.run_folder.open_rollout(1, fence=True)
+    newer = worker.run_folder.open_rollout(1, fence=True)  # a restarted incarnation takes a higher epoch
     try:
         async def batch_whose_appends_all_fail() -> str:
             try:
@@ -44,4 +44,4 @@ def test_a_batch_that_ends_after_its_log_was_fenced_stops_the_worker(tmp_path: P
     finally:
         stale.close()
         newer.close()
-        worker.logs.close()
+        worker.run_folder.close()

@@ -77,8 +77,10 @@ class _RecordedLog:
         self._envs = envs
         self.next_lsn = len(envs)
 
-    def read(self, from_lsn: int = 0) -> Any:
-        return iter(self._envs[from_lsn:])
+    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Any:
+        from agentlog.events.log.read import RawRecord
+
+        return iter([RawRecord.of_envelope(e) if raw else e for e in self._envs[from_lsn:]])
 
     def open_sessions(self) -> dict[str, int]:
         return {}

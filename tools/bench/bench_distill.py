@@ -43,7 +43,7 @@ import structlog
 from agentlog.engine.tasks import select_task
 from agentlog.events.schema.types import PolicyUpdated
 from agentlog.learner.learner import Learner
-from agentlog.loop import logs
+from agentlog.events import FileLog
 from agentlog.loop.config import LoopConfig
 from agentlog.loop.demo import DEMO_DISTILL_COEF, DEMO_TOPK, DEMO_TOPK_COEF
 from agentlog.loop.demo.teacher_model import ensure_teacher, with_teacher
@@ -89,7 +89,7 @@ def start_from(run_dir: Path, cfg: LoopConfig, checkpoint: Path) -> None:
     ckpt = checkpoint_path(run_dir / "checkpoints", 0)
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(checkpoint, ckpt)
-    llog = logs.open_log(run_dir / "learner", cfg.fsync)
+    llog = FileLog.open(run_dir / "learner", fsync=cfg.fsync)
     try:
         publish(llog, PolicyUpdated(step=0, policy_version=0, checkpoint=str(ckpt), metrics={"loop/final": 0.0}))
     finally:

@@ -32,10 +32,11 @@ import torch
 from agentlog.events.schema.lifecycle import State
 from agentlog.events.schema.types import PolicyUpdated, SessionOpened, TurnDelta, TurnRecorded
 from agentlog.learner.learner import Learner
-from agentlog.loop import logs
+from agentlog.events import FileLog
 from agentlog.loop.config import FaultConfig, LoopConfig
 from agentlog.loop.policy import build_model
 from agentlog.loop.run import run_loop
+from agentlog.loop.run_folder import Run
 from agentlog.loop.worker import RolloutWorker
 
 
@@ -51,7 +52,7 @@ def rollout_rates(run_dir: Path) -> dict[str, float]:
     """Sessions/s and turns/s over the span of the rollout log (first open to last event)."""
     sessions = turns = 0
     first = last = None
-    for env in logs.read(run_dir / "rollout", 0):
+    for env in Run.open(run_dir).rollout.read():
         if isinstance(env.body, SessionOpened):
             sessions += 1
             first = env.ts_ns if first is None else first
@@ -64,19 +65,19 @@ def rollout_rates(run_dir: Path) -> dict[str, float]:
 
 def learner_figures(run_dir: Path) -> dict[str, Any]:
     """Idle fraction and release-to-step latencies, from the two logs."""
+    run = Run.open(run_dir)
     rec_ts: list[tuple[PolicyUpdated, int]] = []
-    for env in logs.read(run_dir / "learner", 0):
+    for env in run.learner.read():
         if isinstance(env.body, PolicyUpdated) and env.body.step > 0:
             rec_ts.append((env.body, env.ts_ns))
     # Which LSN released each group: recompute with the reducer (same as the learner did).
     from agentlog.reducers.pipeline import reduce_log
 
-    cfg = LoopConfig.load(run_dir / "config.json")
-    res = reduce_log(logs.read(run_dir / "rollout", 0), cfg.reduce_config())
+    res = reduce_log(run.rollout.read(), run.config.reduce_config())
     released = {g.group_id: g.lsn_released for g in res.groups}
     want = set(released.values())
     ts_of: dict[int, int] = {}
-    for env in logs.read(run_dir / "rollout", 0):
+    for env in run.rollout.read():
         if env.lsn in want:
             ts_of[env.lsn] = env.ts_ns
     lat = []
@@ -98,12 +99,13 @@ def learner_figures(run_dir: Path) -> dict[str, Any]:
 def _fixed_policy_run(run_dir: Path, cfg: LoopConfig) -> None:
     """A run folder whose learner log publishes version 0 only (no learner process)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.save(run_dir / "config.json")
+    Run.save_config(run_dir, cfg)
+    run = Run.open(run_dir, cfg)
     from agentlog.engine.tasks import select_task
 
     model = build_model(cfg, select_task(cfg.task))
-    path = Learner(model, cfg.learner_config()).save_checkpoint(run_dir / "checkpoints" / "policy-v00000.pt")
-    llog = logs.open_log(run_dir / "learner", cfg.fsync)
+    path = Learner(model, cfg.learner_config()).save_checkpoint(run.checkpoints / "policy-v00000.pt")
+    llog = run.open_learner()
     try:
         llog.append_batch([("learner", 0, PolicyUpdated(step=0, policy_version=0, checkpoint=str(path)))])
     finally:
@@ -168,7 +170,7 @@ async def overhead(run_dir: Path, cfg: LoopConfig, batches: int, repeats: int) -
 
     worker = RolloutWorker(run_dir, cfg)
     worker.maybe_reload()
-    rollout = logs.open_log(run_dir / "rollout-overhead", cfg.fsync)
+    rollout = FileLog.open(run_dir / "rollout-overhead", fsync=cfg.fsync)
     engine = await SessionEngine.open(rollout)
     null = NullEngine()
     t_real: list[float] = []

@@ -7,7 +7,7 @@ from a group's last terminal event to its gradient step.
   events are copied into 1, 4 and 16 partition logs ``rollout/pNNNN``
   (group ``i`` to partition ``i % k``, as the workers split a batch). The
   timed path is exactly the learner's consumption minus the optimiser step:
-  ``loop.logs.follow_partitions`` (``events.follow_logs``) feeding
+  ``events.log.source.follow_sources`` (``events.follow_logs``) feeding
   ``loop.trainer.StepCutter`` over ``reducers.partitioned.PartitionFold``
   (with the learner's ``PartitionWatch``) until every group is released.
   Anchor, in the same run: the same events read from one log with the plain
@@ -55,7 +55,8 @@ from agentlog.events import FileLog, read_log
 from agentlog.events.log.api import MemoryLog
 from agentlog.events.log.partitions import partition_dir
 from agentlog.events.schema.types import SessionOpened, PolicyUpdated
-from agentlog.loop import logs
+from agentlog.events.log.source import follow_sources, open_source
+from agentlog.loop.run_folder import Run
 from agentlog.loop.config import LoopConfig, RolloutConfig
 from agentlog.loop.run import run_loop
 from agentlog.loop.trainer import PartitionWatch, StepCutter, step_size
@@ -158,13 +159,13 @@ async def _learner_consume(root: Path, k: int, groups: int, groups_per_step: int
     groups are released: events read, groups released."""
     # As LoopLearner.run sets them up for a run of ``k`` workers (default [rollout] otherwise).
     cfg = LoopConfig(groups_per_step=groups_per_step, rollout=RolloutConfig(workers=k))
-    sources = {pid: partition_dir(root, pid) for pid in range(k)}
+    sources = {pid: open_source(partition_dir(root, pid), check=False, partitioned=False) for pid in range(k)}
     fold = PartitionFold(cfg.reduce_config(), sources)
     cutter = StepCutter(fold, set(), step_size(cfg))
     watch = PartitionWatch(cfg.rollout.lost_after_s, sources)
     idle_s = min(1.0, cfg.rollout.lost_after_s / 4) if cfg.rollout.lost_after_s > 0 else None
     events = released = 0
-    stream = logs.follow_partitions(sources, {}, idle_s=idle_s)
+    stream = follow_sources(sources, {}, poll_s=0.01, idle_s=idle_s)
     try:
         async for pid, env in stream:
             events += pid is not None
@@ -338,13 +339,12 @@ def run_with_workers(run_dir: Path, workers: int, steps: int, backend: str = "lo
         t0 = time.perf_counter()
         res = run_loop(cfg, run_dir, timeout_s=600)
         wall = time.perf_counter() - t0
-    partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
-    sources = logs.rollout_sources(run_dir, partitions)
+    sources = Run.open(run_dir, cfg).rollout_logs()
     span_of: dict[int, tuple[int, int]] = {}  # partition -> (first session_opened, last event) ts_ns
     sessions = events = 0
     for pid, path in sources.items():
         first = last = None
-        for env in logs.read(path, 0):
+        for env in path.read():
             events += 1
             if isinstance(env.body, SessionOpened):
                 sessions += 1
@@ -381,12 +381,12 @@ def _percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
 
 
-def release_to_step(run_dir: Path, sources: dict[int, Path]) -> dict[str, Any]:
+def release_to_step(run_dir: Path, sources: dict[int, Any]) -> dict[str, Any]:
     """Per group of every learner record: the record's envelope time minus the
     time of the group's last terminal event (its members' terminal LSNs, as
     the record names them, looked up in their partition)."""
     records: list[tuple[PolicyUpdated, int]] = [
-        (env.body, env.ts_ns) for env in logs.read(run_dir / "learner", 0)
+        (env.body, env.ts_ns) for env in Run.open(run_dir).learner.read()
         if isinstance(env.body, PolicyUpdated) and env.body.step > 0
     ]
     wanted: dict[int, set[int]] = {}
@@ -395,7 +395,7 @@ def release_to_step(run_dir: Path, sources: dict[int, Path]) -> dict[str, Any]:
             wanted.setdefault(ref.partition, set()).update(m.terminal_lsn for m in ref.members if m.terminal_lsn >= 0)
     ts_of: dict[tuple[int, int], int] = {}
     for pid, lsns in wanted.items():
-        for env in logs.read(sources[pid], min(lsns) if lsns else 0):
+        for env in sources[pid].read(min(lsns) if lsns else 0):
             if env.lsn in lsns:
                 ts_of[(pid, env.lsn)] = env.ts_ns
     lat = []

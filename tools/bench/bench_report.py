@@ -90,10 +90,11 @@ def _load_anchor(tmp: Path):
 
 
 def _anchor(collect, render, log: Path) -> tuple[float, int]:
+    from agentlog.events.log.source import open_source
     from agentlog.tools.cli_common import read_records
 
     t0 = time.perf_counter()
-    page = render(collect(read_records(log, quiet=True), str(log), max_drill=300))
+    page = render(collect(read_records(open_source(log), quiet=True), str(log), max_drill=300))
     return time.perf_counter() - t0, len(page.encode("utf-8"))
 
 

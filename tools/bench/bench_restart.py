@@ -53,7 +53,7 @@ import msgspec
 import numpy as np
 
 from agentlog.events.schema.types import PolicyUpdated, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
-from agentlog.loop import logs
+from agentlog.events import FileLog, read_log
 from agentlog.loop.publish import publish, read_learner_records
 from agentlog.loop.trainer import RecordsNeeded, read_resume_records, resume_point
 from agentlog.reducers.config import ReduceConfig
@@ -125,7 +125,7 @@ def write_rollout(path: Path, events: int, seed: int = 0) -> None:
     """A rollout log of ``events`` events appended straight to the log, in
     :func:`schedule`'s order."""
     rng = random.Random(seed)
-    log = logs.open_log(path, "never")
+    log = FileLog.open(path, fsync="never")
     try:
         bodies: dict[str, list] = {}
         batch: list[tuple] = []
@@ -151,13 +151,13 @@ def write_learner_log(run: Path) -> int:
     have written: a step every ``GROUPS_PER_STEP`` released groups, each with
     its low-water LSN (as :class:`agentlog.loop.trainer.LoopLearner` records
     it). Returns the steps."""
-    llog = logs.open_log(run / "learner", "never")
+    llog = FileLog.open(run / "learner", fsync="never")
     try:
         reducer = Reducer(CONFIG)
         pending: list[str] = []
         step, lsn_next = 1, 0
         needed = RecordsNeeded(stop_window=10)
-        for env in logs.read(run / "rollout", 0):
+        for env in read_log(run / "rollout", 0):
             pending.extend(g.group_id for g in reducer.feed(env).groups)
             if len(pending) < GROUPS_PER_STEP:
                 continue
@@ -180,7 +180,7 @@ def restart(run: Path, *, from_zero: bool) -> tuple[float, list[tuple[str, str]]
         records = [msgspec.structs.replace(r, lsn_low_water=-1, records_from_lsn=-1)
                    for r in read_learner_records(run / "learner")]
     else:
-        llog = logs.open_log(run / "learner", "never")
+        llog = FileLog.open(run / "learner", fsync="never")
         try:
             records = [r for _, r in read_resume_records(llog)]
         finally:
@@ -190,7 +190,7 @@ def restart(run: Path, *, from_zero: bool) -> tuple[float, list[tuple[str, str]]
     window = windows.get(0) or InFlightWindow(-1, set())
     reducer = Reducer(CONFIG)
     released = []
-    for env in logs.read(run / "rollout", read_from):
+    for env in read_log(run / "rollout", read_from):
         if not window.admits(env):
             continue
         for g in reducer.feed(env).groups:

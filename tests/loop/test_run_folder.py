@@ -1,0 +1,106 @@
+"""Run: the one owner of a run folder's layout, its typed config and its logs
+(as LogSources, on files or on a JetStream stream), and of opening the writers."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import pytest
+
+from agentlog.events import read_log
+from agentlog.events.log.source import LogSource, SourceError, StreamMissing
+from agentlog.events.schema.types import PolicyUpdated, SessionOpened
+from agentlog.loop.config import ConfigError, LogConfig, LoopConfig, RolloutConfig
+from agentlog.loop.run_folder import Run
+
+
+def opened(i: int = 0) -> SessionOpened:
+    return SessionOpened(group_id=f"g{i}", group_size=1, sample_index=0, agent="t")
+
+
+def test_a_file_run_lays_out_its_folder_and_reads_back_what_its_writers_wrote(tmp_path: Path) -> None:
+    cfg = LoopConfig(fsync="never")
+    (tmp_path / "run").mkdir()
+    Run.save_config(tmp_path / "run", cfg)
+    with Run.open(tmp_path / "run") as run:
+        assert run.config == cfg and isinstance(run.config, LoopConfig)
+        assert run.config_path == tmp_path / "run" / "config.json" and run.checkpoints == tmp_path / "run" / "checkpoints"
+        assert isinstance(run.rollout, LogSource) and str(run.rollout) == str(tmp_path / "run" / "rollout")
+        assert str(run.learner) == str(tmp_path / "run" / "learner") and run.partitions is None
+        assert not run.logs_elsewhere and run.rollout_logs() == {0: run.rollout}
+        assert not run.learner.exists() and run.existing_rollout_logs() == {}
+        with run.open_rollout(None, fence=False) as w:
+            envs = w.append_batch([(f"s{i}", 0, opened(i)) for i in range(3)])
+        tail = run.learner_tail()
+        assert tail.poll() == []
+        with run.open_learner() as w:
+            rec = w.append_batch([("learner", 0, PolicyUpdated(step=0, policy_version=0, checkpoint="c"))])
+        assert tail.poll() == rec and tail.poll() == []
+        assert list(run.rollout.read()) == envs == list(read_log(tmp_path / "run" / "rollout"))
+        assert set(run.existing_rollout_logs()) == {0} and run.learner.exists()
+        assert "rollout (rollout)" in run.describe() and "learner (learner)" in run.describe()
+
+
+def test_a_partitioned_run_has_one_rollout_log_per_partition(tmp_path: Path) -> None:
+    run = Run.open(tmp_path / "run", LoopConfig(fsync="never", rollout=RolloutConfig(workers=3)))
+    assert run.partitions == [0, 1, 2]
+    assert {pid: str(src) for pid, src in run.rollout_logs().items()} == {
+        pid: str(tmp_path / "run" / "rollout" / f"p{pid:04d}") for pid in range(3)}
+    with run.open_rollout(1, fence=True) as w:
+        envs = w.append_batch([("s", 0, opened())])
+    assert set(run.existing_rollout_logs()) == {1}
+    assert run.rollout.partitioned and run.rollout.partitions() == [1]
+    assert [(pid, env) for pid, env in run.rollout.read_tagged()] == [(1, envs[0])]
+    assert "(3 partitions, one per worker)" in run.describe()
+
+
+def test_the_config_is_typed_and_a_folder_without_one_is_no_run(tmp_path: Path) -> None:
+    assert Run.at(tmp_path) is None and not Run.has_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"steps": "many"}')
+    with pytest.raises(ConfigError, match=r"config\.json: .*steps"):
+        Run.at(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    assert Run.at(tmp_path).config == LoopConfig()
+    ckpt = tmp_path / "checkpoints" / "policy-v00003.pt"
+    assert Run.folder_of_checkpoint(ckpt) == tmp_path.resolve() and Run.folder_of_checkpoint(tmp_path / "x.pt") is None
+
+
+_streams = itertools.count()
+
+
+def test_a_nats_run_keeps_its_logs_on_one_stream(tmp_path: Path, nats_server) -> None:
+    pytest.importorskip("nats")
+    stream = f"runfolder{next(_streams)}"
+    cfg = LoopConfig(log=LogConfig(backend="nats", url=nats_server.url, stream=stream))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    Run.save_config(run_dir, cfg)
+    with Run.open(run_dir) as run:
+        assert run.logs_elsewhere and str(run.rollout) == f"{nats_server.url}/{stream}"
+        assert str(run.learner) == f"{nats_server.url}/{stream}/learner"
+        assert str(run.rollout_log(None)) == f"{nats_server.url}/{stream}/p0000"  # a single rollout log is partition 0
+        assert not run.rollout.exists() and not run.learner.exists() and run.existing_rollout_logs() == {}
+        tail = run.learner_tail()
+        assert tail.poll() == []  # no stream yet: nothing to read, no error
+        with pytest.raises(StreamMissing, match=rf"\(its logs: {nats_server.url}/{stream}\): .*no such stream"):
+            run.open_rollout_view()
+        with run.open_rollout(None, fence=True) as w:
+            envs = w.append_batch([("s", 0, opened())])
+        with run.open_learner() as w:
+            rec = w.append_batch([("learner", 0, PolicyUpdated(step=0, policy_version=0, checkpoint="c"))])
+        assert run.rollout.partitions() == [0] and set(run.existing_rollout_logs()) == {0}
+        assert list(run.rollout_log(None).read()) == envs and list(run.learner.read()) == rec
+        got: list = []
+        deadline = time.monotonic() + 10
+        while len(got) < len(rec) and time.monotonic() < deadline:  # the consumer delivers what it has, when it has it
+            got += tail.poll()
+            time.sleep(0.01)
+        assert got == rec
+        with run.open_rollout_view() as view:
+            assert view.run_dir == run_dir and [env for _, env in view.read_tagged()] == envs
+    assert not (run_dir / "rollout").exists() and not (run_dir / "learner").exists()
+    with pytest.raises(SourceError, match="cannot connect to a NATS server"):
+        bad = LoopConfig(log=LogConfig(backend="nats", url="nats://127.0.0.1:1", stream=stream))
+        Run.open(run_dir, bad).open_rollout_view()
