@@ -72,7 +72,6 @@ def register(sub) -> None:
 
 def run(args) -> int:
     """Verify, print the summary (and any lifecycle violations), return the exit status."""
-    from agentlog.events import LogLocked, NotALog, verify_log
 
     from agentlog.tools.cli_common import RemoteLog, check_log_path, log_partitions, partition_log, partitioned
 

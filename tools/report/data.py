@@ -42,7 +42,6 @@ from collections import Counter
 from typing import Any, Iterable
 
 import msgspec
-import numpy as np
 
 from agentlog.tools.cmd_show import SessionWhy
 
