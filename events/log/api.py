@@ -170,7 +170,7 @@ class EventLog(abc.ABC):
         checks of anything built on the log report this."""
         return None
 
-    def _check_batch(self, records: Iterable[PendingRecord]) -> list[CheckedRecord]:
+    def _check_batch(self, records: Iterable[PendingRecord | tuple]) -> list[CheckedRecord]:
         """Validate a batch without changing state: the per-session sequence
         (SequenceError naming the session and both numbers) and each body
         against the schema (EventValidationError naming the session, event
