@@ -645,11 +645,8 @@ class SessionEngine:
             raise DuplicateSession(session_id, None, f"the log holds it at lsn {found}")
 
     def _scan_log_for(self, session_id: str) -> int | None:
-        try:
-            # Only ids are needed: skip decoding bodies where the log can (FileLog).
-            records = self._log_.read(0, raw=True)  # type: ignore[call-arg]
-        except TypeError:
-            records = self._log_.read(0)
+        # Only ids are needed: skip decoding bodies where the log can.
+        records = self._log_.read(0, raw=True) if self._log_.reads_raw else self._log_.read(0)
         for env in records:
             if env.session_id == session_id:
                 return env.lsn

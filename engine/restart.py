@@ -126,13 +126,11 @@ class _Record(NamedTuple):
 def _records(log: EventLog, from_lsn: int) -> Iterator[_Record]:
     """The log's acknowledged records from ``from_lsn``, with their tags; a
     FileLog's bodies are not decoded except ``session_opened``."""
-    try:
-        raw = log.read(from_lsn, raw=True)  # type: ignore[call-arg]
-    except TypeError:  # a log without undecoded reads (MemoryLog): its envelopes
+    if not log.reads_raw:  # a log without undecoded reads (MemoryLog): its envelopes
         for env in log.read(from_lsn):
             yield _Record(env.lsn, env.session_id, env.session_seq, env.ts_ns, event_tag(env.body), None, env.body)
         return
-    for rec in raw:
+    for rec in log.read(from_lsn, raw=True):
         tag = payload_tag(rec.payload)
         yield _Record(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, tag, rec.payload,
                       rec.decode().body if tag == _OPENED else None)

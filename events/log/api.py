@@ -238,9 +238,14 @@ class EventLog(abc.ABC):
     async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
         """Append one record from asyncio; concurrent calls are group-committed."""
 
+    #: Whether ``read(raw=True)`` yields RawRecords (bodies left undecoded): logs that store
+    #: encoded bodies (files, JetStream) do; one that keeps decoded envelopes does not.
+    reads_raw: bool = False
+
     @abc.abstractmethod
-    def read(self, from_lsn: int = 0) -> Iterator[Envelope]:
-        """Durable records with lsn >= from_lsn, in LSN order."""
+    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Any]:
+        """Durable records with lsn >= from_lsn, in LSN order: Envelopes, or with ``raw``
+        (only where :attr:`reads_raw`; elsewhere a ValueError) RawRecords."""
 
     @abc.abstractmethod
     def follow(self, from_lsn: int = 0, *, poll_s: float = 0.05) -> AsyncIterator[Envelope]:
@@ -284,7 +289,13 @@ class MemoryLog(EventLog):
     async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
         return self.append_batch([PendingRecord(session_id, session_seq, body)])[0]
 
-    def read(self, from_lsn: int = 0) -> Iterator[Envelope]:
+    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Envelope]:
+        if raw:
+            raise ValueError("MemoryLog.read(raw=True): this log keeps decoded envelopes, it has no undecoded records "
+                             "(reads_raw is False); read without raw")
+        return self._read(from_lsn)
+
+    def _read(self, from_lsn: int) -> Iterator[Envelope]:
         lsn = max(0, from_lsn)
         while lsn < len(self._records):
             yield self._records[lsn]

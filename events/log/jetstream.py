@@ -158,6 +158,8 @@ def _count(records: list[list[_Msg]] | None) -> int:
 class JetStreamLog(EventLog):
     """One log partition as a subject of a JetStream stream. Open with :meth:`open`."""
 
+    reads_raw = True
+
     #: Seconds one publish try waits for its ack (set by :meth:`open`).
     _publish_timeout_s = 5.0
     #: Seconds after a publish's first failure during which it is retried (set by :meth:`open`).

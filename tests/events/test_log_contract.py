@@ -54,6 +54,18 @@ class LogContract:
             (e.lsn, e.session_id, e.session_seq, e.body) for e in golden
         ]
 
+    def test_raw_reads_are_declared_by_reads_raw(self, log):
+        """``read(raw=True)`` yields undecoded records exactly where ``reads_raw`` says so (the engine
+        asks it instead of probing); elsewhere it is refused by name, never with a TypeError."""
+        log.append_batch([("a", 0, opened()), ("a", 1, SessionStarted()), ("b", 0, opened())])
+        decoded = [(e.lsn, e.session_id, e.session_seq, e.body) for e in log.read(1)]
+        if log.reads_raw:
+            raw = list(log.read(1, raw=True))
+            assert [(r.lsn, r.session_id, r.session_seq, r.decode().body) for r in raw] == decoded
+        else:
+            with pytest.raises(ValueError, match=r"read\(raw=True\).*reads_raw is False"):
+                log.read(1, raw=True)
+
     def test_read_from_any_lsn_returns_exactly_the_suffix(self, log):
         for i in range(10):
             log.append_batch([(f"s{i}", 0, opened()), (f"s{i}", 1, small_event(i))])
