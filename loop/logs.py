@@ -115,7 +115,7 @@ class LogTail:
     def __init__(self, source: Source, from_lsn: int = 0) -> None:
         self.source = source
         self.next_lsn = from_lsn
-        self._cursor = None
+        self._cursor: Any = None  # a jetstream_read.SubjectCursor, opened by the first poll
 
     def poll(self, limit: int = 4096) -> list[Envelope]:
         """The records appended since the last poll (at most ``limit`` per call for JetStream)."""
