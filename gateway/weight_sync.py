@@ -181,8 +181,8 @@ class GatedBackend(Backend):
         self.name = inner.name
         self.context_length = inner.context_length
 
-    @property  # type: ignore[override]
-    def policy_version(self) -> int:
+    @property
+    def policy_version(self) -> int:  # type: ignore[override]  # read-only here: the gate's version
         """The version new generations are admitted under."""
         return self.gate.version
 
