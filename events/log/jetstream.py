@@ -158,8 +158,7 @@ def _count(records: list[list[_Msg]] | None) -> int:
 class JetStreamLog(EventLog):
     """One log partition as a subject of a JetStream stream. Open with :meth:`open`."""
 
-    reads_raw = True
-
+    reads_raw = True  # bodies stay encoded in the stream
     #: Seconds one publish try waits for its ack (set by :meth:`open`).
     _publish_timeout_s = 5.0
     #: Seconds after a publish's first failure during which it is retried (set by :meth:`open`).
@@ -618,10 +617,8 @@ class JetStreamLog(EventLog):
             # Direct get may be answered by any replica: one that has a
             # message has it committed, so "landed" is sure; one that lags
             # shows an older end, which is read as "not known", not as fenced.
-            msg = await asyncio.wait_for(
-                self._js.get_msg(self.stream, subject=self.subject, direct=True),
-                timeout=min(self._publish_timeout_s, _LANDED_TIMEOUT_S),
-            )
+            msg = await asyncio.wait_for(self._js.get_msg(self.stream, subject=self.subject, direct=True),
+                                         timeout=min(self._publish_timeout_s, _LANDED_TIMEOUT_S))
         except NotFoundError:
             return None
         except (APIError, *retry_errors()):

@@ -112,7 +112,6 @@ class FileLog(GroupCommit, FenceAndSpares, EventLog):
     """The durable, segmented, CRC-framed log. Create with :meth:`open`."""
 
     reads_raw = True
-
     # Set by open() on the instance it builds (the rest of the state: _init_state and the mixins' declarations).
     _clock: Callable[[], int]
     _cap: int
