@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: demo test bench clean-venv
+.PHONY: demo test lint bench clean-venv
 
 # Torch goes in first, on its own: that takes the local CPU wheel instead of
 # letting a bare `torch` requirement pull a multi-GB CUDA build. The install
@@ -22,6 +22,20 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Static checks ([tool.ruff] and [tool.mypy] in pyproject.toml). mypy type-checks the
+# `agentlog` package, which is the repository root itself: build/mypy/agentlog holds a link
+# to each of the package's top-level modules and layer folders (a link to the root would
+# let mypy walk into build/ again), and [tool.mypy] mypy_path points there.
+MYPY_SHIM := build/mypy/agentlog
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	rm -rf $(MYPY_SHIM) && mkdir -p $(MYPY_SHIM)
+	for p in *.py */__init__.py; do \
+		top=$${p%%/*}; case $$top in setup.py|tests) continue;; esac; \
+		ln -sfn "$(CURDIR)/$$top" $(MYPY_SHIM)/$$top; \
+	done
+	$(VENV)/bin/mypy
 
 bench: $(VENV)/.installed
 	for b in tools/bench/bench_*.py; do $(PY) $$b || exit 1; done

@@ -16,7 +16,7 @@ The sampling rules live in :mod:`~agentlog.gateway.sampling`.
 from __future__ import annotations
 
 import hmac
-from typing import Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import msgspec
 from aiohttp import web
@@ -31,6 +31,11 @@ from agentlog.reducers.groups import GroupError
 # The sampling names are re-exported: they were first defined here.
 from .sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, SAMPLING_RULES, AdminFieldError, _is_int, check_sampling
 from .turn import _Refused
+
+if TYPE_CHECKING:
+    from agentlog.engine.core import SessionEngine
+
+    from .backends import Backend
 
 _log = get_logger("agentlog.gateway")
 
@@ -178,6 +183,21 @@ class AdminRoutes:
     :class:`~agentlog.gateway.server.Gateway` (a mixin: it holds no state of
     its own; it uses the gateway's engine, backend, admin token and session
     table)."""
+
+    if TYPE_CHECKING:  # the Gateway's state and methods this uses (server.py)
+        engine: SessionEngine
+        backend: Backend
+        admin_token: str | None
+        url: str
+        _body: Callable[[web.Request], Awaitable[dict[str, Any]]]
+        _error: Callable[..., web.Response]
+        _forget_if_ended: Callable[[str | None], None]
+        _log_unable: Callable[[], str | None]
+        configure_session: Callable[..., None]
+        session_key: Callable[[str], str]
+
+        @property
+        def fatal_reason(self) -> str | None: ...
 
     def _admin_ok(self, request: web.Request) -> bool:
         if not self.admin_token:

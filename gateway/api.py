@@ -143,10 +143,33 @@ def _request(api: str, body: dict[str, Any], messages: list[dict[str, Any]], too
     )
 
 
+class WireAPI:
+    """A wire API: how one route's bodies become a TurnRequest and a TurnResult becomes its
+    answer. Used as the class itself (every member is a static or class method)."""
+
+    name = ""
+    error_style = ""  # error_body's style: "openai" or "anthropic"
+
+    @staticmethod
+    def parse(body: dict[str, Any]) -> TurnRequest:
+        """Body -> TurnRequest; RequestError names the offending field."""
+        raise NotImplementedError
+
+    @classmethod
+    def render(cls, res: TurnResult, req: TurnRequest) -> dict[str, Any]:
+        """The answer's JSON body."""
+        raise NotImplementedError
+
+    @classmethod
+    def render_stream(cls, res: TurnResult, req: TurnRequest) -> list[bytes]:
+        """The answer as server-sent events."""
+        raise NotImplementedError
+
+
 # ====================================================================== OpenAI Chat Completions
 
 
-class ChatCompletionsAPI:
+class ChatCompletionsAPI(WireAPI):
     """``POST /v1/chat/completions`` (OpenAI Chat Completions)."""
 
     name = "chat"
@@ -250,7 +273,7 @@ class ChatCompletionsAPI:
 # ====================================================================== Anthropic Messages
 
 
-class MessagesAPI:
+class MessagesAPI(WireAPI):
     """``POST /v1/messages`` (Anthropic Messages; what Claude Code speaks)."""
 
     name = "messages"
@@ -394,7 +417,7 @@ def _responses_tools(items: Any, where: str, out: list[ToolSpec], namespace: str
         # web_search, file_search, local_shell...: hosted tools, not the model's to call
 
 
-class ResponsesAPI:
+class ResponsesAPI(WireAPI):
     """``POST /v1/responses`` (OpenAI Responses API; what the Codex CLI speaks)."""
 
     name = "responses"
@@ -548,7 +571,7 @@ class ResponsesAPI:
         return out
 
 
-APIS = {"chat": ChatCompletionsAPI, "messages": MessagesAPI, "responses": ResponsesAPI}
+APIS: dict[str, type[WireAPI]] = {"chat": ChatCompletionsAPI, "messages": MessagesAPI, "responses": ResponsesAPI}
 
 
 def error_body(style: str, status: int, kind: str, message: str, code: str | None = None) -> dict[str, Any]:

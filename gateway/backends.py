@@ -30,6 +30,8 @@ import msgspec
 from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
 
+from .http_json import HTTPJSONError, JSONClient
+
 _log = get_logger("agentlog.gateway")
 
 
@@ -100,6 +102,10 @@ class Backend(abc.ABC):
 
 # ---------------------------------------------------------------- HTTP backends
 
+#: The largest answer read from an inference server: a long generation with
+#: per-token log-probs (and a server's top log-probs) is tens of MB.
+ANSWER_LIMIT_BYTES = 256 << 20
+
 
 class _HTTPBackend(Backend):
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
@@ -108,7 +114,8 @@ class _HTTPBackend(Backend):
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.context_length = context_length
-        self._session: Any = None
+        # No connection cap: the gateway serves many sessions at once.
+        self._http = JSONClient(timeout_s=timeout_s, headers=self._headers(), connection_limit=0)
         #: Upstream aborts still being posted (close() lets them finish).
         self._aborts: set[asyncio.Task] = set()
 
@@ -118,32 +125,12 @@ class _HTTPBackend(Backend):
             h["Authorization"] = f"Bearer {self.api_key}"
         return h
 
-    def _client(self) -> Any:
-        import aiohttp
-
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                connector=aiohttp.TCPConnector(limit=0),
-            )
-        return self._session
-
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        import aiohttp
-
         url = self.base_url + path
         try:
-            async with self._client().post(url, json=body, headers=self._headers()) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    text = raw.decode("utf-8", "replace")[:500]
-                    raise BackendError(self.name, f"POST {url} answered HTTP {resp.status}: {text}", resp.status)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise BackendError(self.name, f"POST {url} failed: {type(exc).__name__}: {exc}") from exc
-        try:
-            out = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise BackendError(self.name, f"POST {url}: response is not JSON ({exc}): {raw[:200]!r}", 200) from exc
+            out = await self._http.request("POST", url, body, limit=ANSWER_LIMIT_BYTES)
+        except HTTPJSONError as exc:
+            raise BackendError(self.name, str(exc), exc.status) from exc
         if not isinstance(out, dict):
             raise BackendError(self.name, f"POST {url}: expected a JSON object, found {type(out).__name__}", 200)
         return out
@@ -153,9 +140,7 @@ class _HTTPBackend(Backend):
             # A shutdown cancels every call at once: let their aborts reach
             # the server, or it keeps generating for nobody.
             await asyncio.wait(set(self._aborts), timeout=min(self.timeout_s, 5.0))
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._http.close()
 
 
 class SGLangBackend(_HTTPBackend):

@@ -11,14 +11,21 @@ nesting beyond :data:`MAX_JSON_DEPTH` levels is refused with
 :class:`JSONTooDeep`, which names the limit and the path where it was
 crossed. The bound is far below the interpreter's limit, so a value that
 passes can be walked by any recursive code after it.
+
+JSON read from a server (:mod:`agentlog.gateway.http_json`) is measured
+before it is decoded, by :func:`text_depth`: a scan of the text with no
+recursion at all, so an answer nested past the decoder's limit is refused
+with its depth rather than a RecursionError.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from agentlog.events.errors import AgentlogError
 
@@ -79,6 +86,29 @@ def check_json_depth(value: Any, where: str) -> Any:
     return value
 
 
+# A JSON string token, escapes included (unrolled, so long strings match in linear time).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_DEPTH_CHUNK = 1 << 20
+
+
+def text_depth(raw: bytes) -> int:
+    """How deep arrays and objects nest in the JSON text ``raw`` (brackets inside strings
+    do not count), without decoding it: linear time, no recursion, memory a few times
+    a 1 MiB chunk beyond the text without its strings. Malformed text gets a number too
+    (decoding then refuses it)."""
+    bare = np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)
+    depth = deepest = 0
+    for start in range(0, len(bare), _DEPTH_CHUNK):
+        codes = bare[start : start + _DEPTH_CHUNK]
+        step = ((codes == ord("[")) | (codes == ord("{"))).astype(np.int32)
+        step -= (codes == ord("]")) | (codes == ord("}"))
+        levels = np.cumsum(step) + depth
+        if len(levels):
+            deepest = max(deepest, int(levels.max()))
+            depth = int(levels[-1])
+    return deepest
+
+
 def decode_json(raw: bytes, where: str) -> Any:
     """Decode a client's JSON bytes (msgspec: strict JSON, integers of any
     size) with the nesting bound. Raises ``msgspec.DecodeError`` for
@@ -101,4 +131,4 @@ def loads_json_text(text: str, where: str) -> Any:
     return check_json_depth(value, where)
 
 
-__all__ = ["JSONTooDeep", "MAX_JSON_DEPTH", "check_json_depth", "decode_json", "loads_json_text"]
+__all__ = ["JSONTooDeep", "MAX_JSON_DEPTH", "check_json_depth", "decode_json", "loads_json_text", "text_depth"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import msgspec
 from aiohttp import web
@@ -27,6 +27,11 @@ from agentlog.events.schema.types import turn_temperature
 from .api import APIS, TurnRequest, TurnResult, now_s
 from .backends import BackendError
 from .chat import RequestError, assistant_message
+
+if TYPE_CHECKING:
+    from .backends import Backend, SamplingParams
+    from .chat import ChatTemplate, ToolCallParser
+    from .server import GatewayConfig
 
 _log = get_logger("agentlog.gateway")
 
@@ -63,6 +68,31 @@ class _Refused(AgentlogError):
 
 class TurnPath:
     """The turn path of :class:`~agentlog.gateway.server.Gateway` (a mixin)."""
+
+    if TYPE_CHECKING:  # the Gateway's state and methods this uses (server.py)
+        backend: Backend
+        parser: ToolCallParser
+        template: ChatTemplate
+        config: GatewayConfig
+        max_body_bytes: int
+        stats: dict[str, int]
+        timings: list[tuple[float, float, float]] | None
+        _sessions: dict[str, _SessionCfg]
+        _large_bodies: int
+        _turns_inflight: int
+        _turns_idle: asyncio.Event
+        _draining: bool
+        _api_key: Callable[[web.Request], str]
+        _session_id: Callable[[str], str | None]
+        _session: Callable[[str, str | None], Any]
+        _body: Callable[[web.Request], Awaitable[dict[str, Any]]]
+        _sampling: Callable[[str, TurnRequest], dict[str, Any]]
+        _params: Callable[..., SamplingParams]
+        _error: Callable[..., web.Response]
+        _forget_if_ended: Callable[[str | None], None]
+
+        @property
+        def fatal_reason(self) -> str | None: ...
 
     async def _turn(self, request: web.Request, api_name: str) -> web.StreamResponse:
         api = APIS[api_name]

@@ -58,6 +58,7 @@ from agentlog._logging import get_logger
 from agentlog.events.fs import atomic_path
 
 from .backends import Backend, Generation, SamplingParams
+from .http_json import HTTPJSONError, JSONClient
 
 _log = get_logger("agentlog.gateway.weight_sync")
 
@@ -180,8 +181,8 @@ class GatedBackend(Backend):
         self.name = inner.name
         self.context_length = inner.context_length
 
-    @property  # type: ignore[override]
-    def policy_version(self) -> int:
+    @property
+    def policy_version(self) -> int:  # type: ignore[override]  # read-only here: the gate's version
         """The version new generations are admitted under."""
         return self.gate.version
 
@@ -225,38 +226,23 @@ class _HTTPSync:
         self.gate = gate
         self.api_key = api_key
         self.timeout_s = timeout_s
-        self._session: Any = None
+        self._http = JSONClient(timeout_s=timeout_s,
+                                headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
         self._step = ""
         self._effects = False
 
     async def _post(self, path: str, body: dict[str, Any] | None, *, effects: bool) -> Any:
         """POST ``body``; ``effects``: the request may change what the server serves."""
-        import aiohttp
-
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         url = self.base_url + path
         self._step = f"POST {path}"
         before, self._effects = self._effects, self._effects or effects
         try:
-            async with self._session.post(url, json=body, headers=headers) as resp:
-                raw = await resp.read()
-                status = resp.status
-        except aiohttp.ClientConnectorError as exc:
-            self._effects = before  # no connection: the request never reached the server
-            raise WeightSyncError(f"{self.server} weight sync: POST {url} failed: {type(exc).__name__}: {exc}") from exc
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise WeightSyncError(f"{self.server} weight sync: POST {url} failed: {type(exc).__name__}: {exc}") from exc
-        text = raw.decode("utf-8", "replace")
-        try:
-            answer: Any = msgspec.json.decode(raw) if raw.strip() else None
-        except msgspec.DecodeError:
-            answer = text
-        if status != 200:
-            raise WeightSyncError(f"{self.server} weight sync: POST {url} answered HTTP {status}: {text[:500]}",
-                                  status=status, answer=answer)
-        return answer
+            return await self._http.request("POST", url, body, empty=True)
+        except HTTPJSONError as exc:
+            if not exc.reached:
+                self._effects = before  # no connection: the request never reached the server
+            raise WeightSyncError(f"{self.server} weight sync: {exc}", status=exc.status or None,
+                                  answer=exc.answer) from exc
 
     async def reload(self, model_path: str | os.PathLike[str], version: int) -> Any:
         """Load ``model_path`` as policy ``version`` with the gate held (see :class:`ReloadGate`)."""
@@ -291,9 +277,7 @@ class _HTTPSync:
 
     async def close(self) -> None:
         """Close the HTTP session."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._http.close()
 
 
 class SGLangWeightSync(_HTTPSync):

@@ -404,7 +404,7 @@ def summary_table(res: RunResult, cfg: LoopConfig, rows: int = 10) -> str:
     lines += ["", "outcomes by reason"]
     for k, v in sorted(res.outcomes.items(), key=lambda kv: (-kv[1], kv[0])):
         lines.append(f"  {k:<36} {v:>8}")
-    skipped = Counter()
+    skipped: Counter[str] = Counter()
     for r in trained:
         for reason in r.skipped.values():
             skipped[reason.split(":")[0]] += 1

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import math
 import os
 import re
@@ -50,6 +49,7 @@ import numpy as np
 import torch
 
 from agentlog.events.errors import AgentlogError
+from agentlog.gateway.http_json import HTTPJSONError, JSONClient, NonFiniteJSON
 from agentlog._logging import get_logger
 
 log = get_logger("agentlog.loop.teacher")
@@ -167,27 +167,19 @@ def answer_limit(n_input: int, n_output: int, top_k: int) -> int:
     return ANSWER_OVERHEAD_BYTES + entries * ANSWER_BYTES_PER_ENTRY
 
 
-# A JSON string token, escapes included (unrolled, so long strings match in linear time).
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_DEPTH_CHUNK = 1 << 20
+#: A log-prob's place in a ``/generate`` answer: ``input_token_logprobs[j][0]`` or ``input_top_logprobs[j][i][0]``.
+_LOG_PROB_PATH = re.compile(r"\$\.meta_info\.input_(token|top)_logprobs\[(\d+)\](?:\[(\d+)\])?\[0\]")
 
 
-def json_depth(raw: bytes) -> int:
-    """How deep arrays and objects nest in the JSON text ``raw`` (brackets inside strings
-    do not count), without decoding it: linear time, no recursion, memory a few times
-    a 1 MiB chunk beyond the text without its strings. Malformed text gets a number too
-    (decoding then refuses it)."""
-    bare = np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)
-    depth = deepest = 0
-    for start in range(0, len(bare), _DEPTH_CHUNK):
-        codes = bare[start : start + _DEPTH_CHUNK]
-        step = ((codes == ord("[")) | (codes == ord("{"))).astype(np.int32)
-        step -= (codes == ord("]")) | (codes == ord("}"))
-        levels = np.cumsum(step) + depth
-        if len(levels):
-            deepest = max(deepest, int(levels.max()))
-            depth = int(levels[-1])
-    return deepest
+def _non_finite_field(exc: NonFiniteJSON) -> str:
+    """What a non-finite number in a teacher's answer is, in the answer's terms: a log-prob at
+    an output position (entry j scores output position j - 1), else the JSON path."""
+    found = _LOG_PROB_PATH.fullmatch(exc.path)
+    if found and int(found[2]) >= 1 and (found[1] == "token") == (found[3] is None):
+        t = int(found[2]) - 1
+        what = f"log-prob at output position {t}" if found[1] == "token" else f"top log-prob at output position {(t, int(found[3]))}"
+        return f"{what} is {exc.token.lower()}; expected a finite log-prob <= 0 (the answer holds {exc.token} at {exc.path})"
+    return f"the answer holds the number {exc.token} at {exc.path}; expected finite numbers (JSON has no NaN or Infinity)"
 
 
 def _clip(value: Any, limit: int = 120) -> str:
@@ -234,7 +226,7 @@ class HTTPTeacher:
         self.scales_temperature = bool(scales_temperature)
         self.headers = {"Content-Type": "application/json", **(headers or {})}
         self._version = version
-        self._session: Any = None
+        self._http = JSONClient(timeout_s=self.timeout_s, headers=self.headers)
         self._version_lock = asyncio.Lock()
 
     def __repr__(self) -> str:
@@ -245,61 +237,18 @@ class HTTPTeacher:
         """The weights' version id (given, or read from the server by the first :meth:`score`)."""
         return self._version
 
-    def _client(self) -> Any:
-        import aiohttp
-
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        return self._session
-
     async def _exchange(self, method: str, url: str, body: dict[str, Any] | None = None, *,
                         limit: int = ANSWER_OVERHEAD_BYTES) -> Any:
         """The decoded JSON answer of one request, read up to ``limit`` bytes and no further;
         a TeacherError names the URL and what went wrong (unreachable, timed out, an HTTP
-        error, an answer over ``limit``, nested deeper than ANSWER_MAX_DEPTH, not JSON)."""
-        import aiohttp
-
-        who = f"teacher {self.name!r}: {method} {url}"
+        error, an answer over ``limit``, nested deeper than ANSWER_MAX_DEPTH, not JSON, or
+        holding a non-finite number)."""
         try:
-            async with self._client().request(method, url, json=body, headers=self.headers) as resp:
-                status = resp.status
-                # Of an error, only its first lines are reported: read no more than that.
-                raw = await self._read_capped(who, resp, limit if status == 200 else 4096, refuse=status == 200)
-        except asyncio.TimeoutError:
-            raise TeacherError(f"{who}: no answer within {self.timeout_s:g} s (timeout_s)") from None
-        except aiohttp.ClientError as exc:
-            raise TeacherError(f"{who} failed: {type(exc).__name__}: {exc}") from exc
-        if status != 200:
-            text = raw.decode("utf-8", "replace")[:300]
-            raise TeacherError(f"{who} answered HTTP {status}, expected 200: {text}")
-        depth = json_depth(raw)
-        if depth > ANSWER_MAX_DEPTH:
-            raise TeacherError(f"{who}: the answer nests {depth} levels deep; expected at most {ANSWER_MAX_DEPTH} "
-                               "(a /generate answer nests 5)")
-        try:
-            return json.loads(raw)
-        except ValueError as exc:
-            raise TeacherError(f"{who}: the answer is not JSON ({exc}): {raw[:120]!r}") from None
-
-    @staticmethod
-    async def _read_capped(who: str, resp: Any, limit: int, *, refuse: bool) -> bytes:
-        """The body of ``resp``, at most ``limit`` bytes held at any time. Past ``limit``
-        (declared by Content-Length or found while reading, after decompression), a
-        TeacherError when ``refuse``, else the first ``limit`` bytes; the rest is never read."""
-        declared = resp.content_length
-        if refuse and declared is not None and declared > limit:
-            raise TeacherError(f"{who}: the answer is {declared} bytes (Content-Length), over the limit of {limit} for this "
-                               "request (tokens x (1 + top_k) entries x ANSWER_BYTES_PER_ENTRY + ANSWER_OVERHEAD_BYTES); not read")
-        raw = bytearray()
-        while len(raw) <= limit:
-            chunk = await resp.content.read(min(1 << 16, limit + 1 - len(raw)))
-            if not chunk:
-                return bytes(raw)
-            raw += chunk
-        if refuse:
-            raise TeacherError(f"{who}: the answer is over the limit of {limit} bytes for this request (tokens x (1 + top_k) "
-                               "entries x ANSWER_BYTES_PER_ENTRY + ANSWER_OVERHEAD_BYTES); the rest was not read")
-        return bytes(raw[:limit])
+            return await self._http.request(method, url, body, limit=limit, max_depth=ANSWER_MAX_DEPTH)
+        except NonFiniteJSON as exc:
+            raise TeacherError(f"teacher {self.name!r}: {method} {url}: {_non_finite_field(exc)}") from None
+        except HTTPJSONError as exc:
+            raise TeacherError(f"teacher {self.name!r}: {exc}") from None
 
     async def resolve_version(self) -> str:
         """The version id: as given, or ``model_path[@weight_version]`` from the server's ``/get_model_info``."""
@@ -406,9 +355,7 @@ class HTTPTeacher:
 
     async def close(self) -> None:
         """Close the HTTP session."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._http.close()
 
 
 # ---------------------------------------------------------------- torch teacher

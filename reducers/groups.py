@@ -218,7 +218,7 @@ class GroupTracker:
                 " session ids are never reused"
             )
         if group_size != p.group_size:
-            others = ", ".join(f"{s!r}{_at(l)}" for s, (_, l) in list(p.opened.items())[:8])
+            others = ", ".join(f"{s!r}{_at(lsn)}" for s, (_, lsn) in list(p.opened.items())[:8])
             raise GroupError(
                 f"group {group_id!r}: session {session_id!r}{at} declares group_size {group_size},"
                 f" but sessions {others} declared group_size {p.group_size}"

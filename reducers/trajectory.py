@@ -36,7 +36,6 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from agentlog.events.errors import AgentlogError
 from agentlog.events.schema.turn_delta import common_prefix_tokens  # noqa: F401  (re-exported: the prefix check lives with the delta encoding)

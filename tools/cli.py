@@ -9,6 +9,7 @@ codes: 0 ok, 1 a problem found in the data, 2 usage or I/O error (also any
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 import importlib
 import os
 import pkgutil
@@ -40,7 +41,7 @@ def _version() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
         # main() prints "agentlog: error: "; a subcommand's parser adds its own name once.
         command = self.prog.removeprefix("agentlog").strip()
         raise CliError(f"{command}: {message}" if command else message, EXIT_USAGE)

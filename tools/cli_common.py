@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import os
 import sys
 from pathlib import Path
 from typing import Any, Iterator

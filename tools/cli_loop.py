@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Sequence
 
 from agentlog.events.fs import atomic_path
 from agentlog.tools.cli import EXIT_DATA, EXIT_INTERRUPTED, EXIT_USAGE, CliError
@@ -157,7 +158,7 @@ def add_output_flags(p) -> None:
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="give up (exit 1) after S seconds")
 
 
-def config_from_args(args, base: LoopConfig, *, task_modules: list[str] = (), import_dirs: list[Path] = ()) -> LoopConfig:
+def config_from_args(args, base: LoopConfig, *, task_modules: Sequence[str] = (), import_dirs: Sequence[Path] = ()) -> LoopConfig:
     """``base`` with every flag the user gave applied on top.
 
     ``task_modules`` (``--import``) are added to the config's; when there are

@@ -81,13 +81,16 @@ def default_gateway_model(seed: int = 0):
 
 
 def _build(args):
-    from agentlog.gateway import ByteChatTemplate, HFChatTemplate, OpenAICompletionsBackend, SGLangBackend, TorchBackend, tool_parser
+    from agentlog.gateway import (Backend, ByteChatTemplate, ChatTemplate, HFChatTemplate, OpenAICompletionsBackend, SGLangBackend,
+                                  TorchBackend, tool_parser)
 
     try:
         parser = tool_parser(args.tool_parser)
     except ValueError as exc:
         raise CliError(f"--tool-parser: {exc}") from None
     hf_model = None
+    backend: Backend
+    template: ChatTemplate
     if args.backend == "torch":
         if args.model and args.checkpoint:
             raise CliError("--model and --checkpoint both name the weights to serve; give one")

@@ -26,7 +26,7 @@ from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, CliError
 from agentlog.tools.cli_common import (
-    add_quiet, check_log_path, fmt_ts, read_frame_batches, read_records, read_tagged, record_id,
+    add_quiet, check_log_path, fmt_ts, read_frame_batches, read_tagged, record_id,
     reduce_config_of,
 )
 

@@ -156,7 +156,7 @@ def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "", partit
                 emit({"ph": "X", "name": "session", "cat": "session", "pid": TRACE_PID, "tid": track.tid, "ts": track.opened_us,
                       "dur": max(0.0, now - track.opened_us), "args": args})
                 emit({"ph": "i", "s": "t", "name": label, "cat": "terminal", "pid": TRACE_PID, "tid": track.tid, "ts": now, "args": args})
-    for (pid, sid), track in tracks.items():  # still in flight at the end of the log
+    for (pid, _sid), track in tracks.items():  # still in flight at the end of the log
         counts["in_flight"] += 1
         emit({"ph": "X", "name": "session (in flight)", "cat": "session", "pid": TRACE_PID, "tid": track.tid, "ts": track.opened_us,
               "dur": max(0.0, last_us - track.opened_us),

@@ -72,8 +72,6 @@ def register(sub) -> None:
 
 def run(args) -> int:
     """Verify, print the summary (and any lifecycle violations), return the exit status."""
-    from agentlog.events import LogLocked, NotALog
-
     from agentlog.tools.cli_common import check_log_path
 
     path = check_log_path(args.log)  # a run folder stands for its rollout/ log

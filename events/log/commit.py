@@ -21,12 +21,20 @@ from __future__ import annotations
 import asyncio
 import errno
 import time
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
 from agentlog._logging import get_logger
 
 from .api import LogClosed, LogFenced
 from .format import Checkpoint, segment_name
+
+if TYPE_CHECKING:
+    import collections
+    import threading
+    from pathlib import Path
+
+    from .fence import _NewSegment, _Spare
+    from .osops import OsOps
 
 # The writer's logger: these are the writer's events, whichever module emits them.
 log = get_logger("agentlog.events.log.writer")
@@ -45,6 +53,33 @@ class GroupCommit:
     """The group commit and writer thread of
     :class:`~agentlog.events.log.writer.FileLog` (a mixin: it holds no state
     of its own)."""
+
+    # The FileLog state this uses (writer.py sets it) and its other mixin's methods (fence.py).
+    _dir: Path
+    _policy: str
+    _interval_s: float
+    _os: OsOps
+    _log: Any
+    _cv: threading.Condition
+    _pending: collections.deque[_Submission]
+    _waiters: collections.deque[tuple[int, asyncio.Future, Any, asyncio.AbstractEventLoop]]
+    _flushing: bool
+    _closed: bool
+    _fatal: BaseException | None
+    _seg_fd: int | None
+    _cur_seg: int | None
+    _acked: int
+    _assigned: int
+    _last_sync: float
+    _unsynced: bool
+    _thread_idle: bool
+    _ckpt_unsynced: Checkpoint | None
+    _check_fence: Callable[[], None]
+    _roll: Callable[[_NewSegment], None]
+    _discard_spares: Callable[[Iterable[_Spare]], None]
+    _unused_spares: Callable[[Iterable[_Submission]], list[_Spare]]
+    _publish: Callable[..., None]
+    _write_checkpoint_if_fds: Callable[..., None]
 
     def _take(self) -> list[_Submission]:
         if self._policy == "always":
@@ -88,6 +123,7 @@ class GroupCommit:
         """writev every piece, in order, completing short writes (a short write
         is not an error; an OSError is, and the caller makes it fatal)."""
         fd = self._seg_fd
+        assert fd is not None, "frames are written only after a segment was started"
         writev = self._os.writev
         i = 0
         while i < len(pieces):
@@ -144,6 +180,7 @@ class GroupCommit:
         write ``ckpt`` (whose records are now all synced), if any. The fence
         is checked after the sync (on NFS the data reaches the server there)
         and before anything is published or acknowledged."""
+        assert self._seg_fd is not None, "a sync follows written frames, so a segment is open"
         self._os.fdatasync(self._seg_fd)
         self._last_sync = time.monotonic()
         self._unsynced = False

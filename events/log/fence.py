@@ -24,7 +24,12 @@ from .format import FENCE_NAME, SEG_HDR_SIZE, Checkpoint, pack_segment_header, r
 from .osops import _OUT_OF_FDS
 
 if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import Any, Callable
+
     from .commit import _Submission
+    from .lock import WriterLock
+    from .osops import OsOps
 
 
 class _NewSegment(NamedTuple):
@@ -51,6 +56,25 @@ class FenceAndSpares:
     """The fence checks, segment rolls and spare segment files of
     :class:`~agentlog.events.log.writer.FileLog` (a mixin: it holds no state
     of its own)."""
+
+    # The FileLog state this uses (writer.py sets it) and its other mixin's methods (commit.py).
+    _dir: Path
+    _epoch: int
+    _os: OsOps
+    _log: Any
+    _lock: WriterLock | None
+    _fence_check: bool
+    _fence_stat: tuple[int, int, int]
+    _segment_bytes: int
+    _seg_fd: int | None
+    _seg_first: int | None
+    _seg_size: int
+    _cur_seg: int | None
+    _ckpt_unsynced: Checkpoint | None
+    _spares: collections.deque[_Spare]
+    _spare_count: int
+    _write_all: Callable[[list], None]
+    _write_checkpoint_if_fds: Callable[..., None]
 
     def _segments_needed(self, frame_sizes: list[int]) -> tuple[int, int]:
         """The segment accounting of ``_submit``'s staging loop, run ahead so
@@ -89,7 +113,7 @@ class FenceAndSpares:
             except OSError as exc:
                 raise LogError(
                     f"log {self._dir}: append refused, nothing was written: cannot open a file for a new "
-                    f"segment ({errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or exc})"
+                    f"segment ({errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror or exc})"
                     + ("; free file descriptors and retry, the log is healthy" if exc.errno in _OUT_OF_FDS else "")
                 ) from exc
         if len(self._spares) == needed and end_size >= _SPARE_AHEAD_FILL * self._segment_bytes:
@@ -198,6 +222,7 @@ class FenceAndSpares:
             self._write_all([pack_segment_header(self._epoch, op.first_lsn)])
             os.link(self._dir / op.spare.tmp, self._dir / name)
             os.unlink(self._dir / op.spare.tmp)
+        assert self._lock is not None, "a segment rolls only while the writer holds its lock"
         os.fsync(self._lock.dir_fd)
         self._ckpt_unsynced = None  # sealed: the rotation's checkpoint is newer
         if op.checkpoint is not None:

@@ -544,7 +544,7 @@ class LogWalk:
         self.flags = os.O_RDWR if writable else os.O_RDONLY
         self.stop: ScanStop | None = None
 
-    def scan(self) -> Iterator[SegmentScan]:
+    def scan(self) -> Generator[SegmentScan, None, None]:
         """The segments, one at a time (see the class docstring)."""
         offset = self.offset
         for i in range(self.start_index, len(self.segments)):

@@ -91,7 +91,7 @@ from .format import (
 from .format import MASK_DELTA as _MASK_DELTA
 from .format import crc_extend as _crc_extend
 from .format import crc_value as _crc_value
-from .lock import WriterLock, acquire_lock, release_lock
+from .lock import acquire_lock, release_lock
 from .read import Cursor
 from .osops import _OUT_OF_FDS, OsOps, _raise_nofile_limit
 from .recovery import fence_without_log, recover
@@ -110,6 +110,13 @@ _CKPT_SPACING = 8
 
 class FileLog(GroupCommit, FenceAndSpares, EventLog):
     """The durable, segmented, CRC-framed log. Create with :meth:`open`."""
+
+    # Set by open() on the instance it builds (the rest of the state: _init_state and the mixins' declarations).
+    _clock: Callable[[], int]
+    _cap: int
+    _ckpt_bytes: int
+    _ckpt_every: int
+    _thread: threading.Thread
 
     def __init__(self, directory: Path, *, _token: object = None, **_: Any) -> None:
         if _token is not _OPEN_TOKEN:
@@ -186,7 +193,7 @@ class FileLog(GroupCommit, FenceAndSpares, EventLog):
         self._fence_check = fence
         self._log = log.bind(log_dir=str(directory))
         _raise_nofile_limit()
-        self._lock: WriterLock | None = acquire_lock(directory, flock=_flock)
+        self._lock = acquire_lock(directory, flock=_flock)
         try:
             self._init_state()
             for name in os.listdir(directory):
@@ -353,6 +360,7 @@ class FileLog(GroupCommit, FenceAndSpares, EventLog):
         ``synced=False`` (fsync="never"): the records below ``end`` were only
         written, so recovery takes the watermark as a hint, not as proof."""
         if (end, synced) != self._published:
+            assert self._durable_fd is not None, "DURABLE is open from recovery until close"
             self._os.pwrite(self._durable_fd, pack_durable(end, self._epoch, synced=synced), 0)
             self._published = (end, synced)
 
@@ -461,6 +469,7 @@ class FileLog(GroupCommit, FenceAndSpares, EventLog):
             if seg_size - self._ckpt_off >= self._ckpt_every:
                 # The state right after this submission, a consistent point of
                 # the record stream; _flush writes it once these records are synced.
+                assert seg_first is not None  # a staged record always has its segment
                 ckpt = self._snapshot(lsn, seg_first, seg_size)
                 self._ckpt_off = seg_size
             self._pending.append(_Submission(ops, lsn, ckpt))

@@ -26,7 +26,6 @@ from agentlog.events.schema.types import (
     SessionDropped,
     SessionFinished,
     TurnDelta,
-    TurnRecorded,
 )
 
 from engine_helpers import YieldingLog, check_log_invariants
@@ -161,7 +160,7 @@ def test_exception_inside_session_block_aborts_with_reason_and_traceback(arun):
         with pytest.raises(ZeroDivisionError):
             async with eng.session("s", **KW) as h:
                 await h.start()
-                1 / 0
+                _ = 1 / 0  # raises inside the session block
         last = bodies(log, "s")[-1]
         assert isinstance(last, SessionAborted)
         assert last.reason == "exception:ZeroDivisionError" and "division by zero" in last.error

@@ -19,7 +19,7 @@ import agentlog.engine as engine
 import agentlog.reducers.lifecycle as lifecycle_mod
 from agentlog.engine import SessionEngine, StragglerRefused
 from agentlog.events.log.api import EventLog, PendingRecord
-from agentlog.events.schema.types import TERMINAL_EVENT_TYPES, Envelope, SessionAborted, SessionDropped, SessionOpened
+from agentlog.events.schema.types import TERMINAL_EVENT_TYPES, Envelope, SessionOpened
 
 ENGINE_DIR = os.path.dirname(engine.__file__)  # not "*/engine/*": that also matches tests/engine
 OUTCOMES = ("finish", "abort", "drop", "exception", "cancel", "unfinished", "straggler", "budget")

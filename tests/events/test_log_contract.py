@@ -54,6 +54,14 @@ class LogContract:
             (e.lsn, e.session_id, e.session_seq, e.body) for e in golden
         ]
 
+    def test_raw_reads_decode_to_the_records_read(self, log):
+        """``read(raw=True)`` is a declared parameter of every log (the engine's id scan and
+        restart fold use it without probing): its undecoded records decode to what ``read`` gives."""
+        log.append_batch([("a", 0, opened()), ("a", 1, SessionStarted()), ("b", 0, opened())])
+        decoded = [(e.lsn, e.session_id, e.session_seq, e.body) for e in log.read(1)]
+        raw = list(log.read(1, raw=True))
+        assert [(r.lsn, r.session_id, r.session_seq, r.decode().body) for r in raw] == decoded
+
     def test_read_from_any_lsn_returns_exactly_the_suffix(self, log):
         for i in range(10):
             log.append_batch([(f"s{i}", 0, opened()), (f"s{i}", 1, small_event(i))])

@@ -68,7 +68,7 @@ def test_a_chat_body_nested_past_the_limit_is_400_naming_the_limit_and_where(lev
             assert status == 400 and err["error"]["type"] == "invalid_request_error", err
             assert f"request body: JSON nested deeper than the limit of {MAX_JSON_DEPTH} levels" in message, message
             if levels == MAX_JSON_DEPTH + 1:  # decoded, then measured: the path names where
-                assert f"levels at $.tools[0].function.parameters.a.a.a" in message and "(52 levels more)" in message, message
+                assert "levels at $.tools[0].function.parameters.a.a.a" in message and "(52 levels more)" in message, message
             assert log.next_lsn == before and backend.prompts == []
             # At the limit is accepted: the bound refuses only what is past it.
             status, _ = await _post(gw.url, "/v1/chat/completions", _chat_with_parameters(MAX_JSON_DEPTH), {"Authorization": f"Bearer {key_for(gw, 's')}"})

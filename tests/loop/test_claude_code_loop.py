@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
-from pathlib import Path
 
 import pytest
 

@@ -90,7 +90,7 @@ def test_killed_worker_restart_aborts_orphans_with_engine_restart_and_training_g
     orphans: set[str] = set()
     try:
         wait_for("learner version 2", lambda: learner_version(run) >= 2, 120, [worker, learner])
-        for attempt in range(20):
+        for _attempt in range(20):
             # Kill while sessions are in flight (the worker is between batches only briefly).
             wait_for("sessions in flight", lambda: bool(_open_sessions(run / "rollout", durable_only=False)), 60, [worker, learner])
             _kill(worker)

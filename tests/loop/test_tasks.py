@@ -115,5 +115,5 @@ def test_tasks_are_selected_through_the_engine_harness_registry(monkeypatch) -> 
     monkeypatch.setenv("AGENTLOG_AGENT", "lookup")
     assert isinstance(select_task(""), LookupTask)
     monkeypatch.setenv("AGENTLOG_AGENT", "lokup")
-    with pytest.raises(TaskError, match="no task is registered under the name 'lokup'.*from \$AGENTLOG_AGENT.*expected one of the registered tasks: .*lookup"):
+    with pytest.raises(TaskError, match=r"no task is registered under the name 'lokup'.*from \$AGENTLOG_AGENT.*expected one of the registered tasks: .*lookup"):
         select_task(None)

@@ -148,6 +148,8 @@ class FakeTeacherServer:
             meta["input_top_logprobs"][1][0][1] = 2**64 + 5
         elif self.mode == "negative_top_id":
             meta["input_top_logprobs"][3][1][1] = -3
+        elif self.mode == "top_minus_infinity":
+            meta["input_top_logprobs"][2][1][0] = -math.inf  # json_response writes -Infinity, which is no JSON
         return web.json_response(out)
 
     #: What the huge answers would be in all.
@@ -298,6 +300,33 @@ def test_http_teacher_failures_are_clear_teacher_errors(model, mode, match):
     assert "teacher 'flaky'" in str(err) and f"{server.url}/generate" in str(err)
     if mode == "slow":
         assert took < 2.0  # the timeout, not the server, ended the call
+
+
+def test_http_teacher_refuses_non_finite_numbers_anywhere_in_its_answers(model):
+    """NaN and Infinity are not JSON: a server writing them (Python's json does) is refused with the
+    place they stand, in a version as in a score, never recorded as a version ``...@nan`` or a log-prob."""
+
+    async def go(server):
+        server.expect = (PROMPT, OUTPUT, 1.0, 2)
+        errors = []
+        for mode, version in (("ok", ""), ("top_minus_infinity", "v1")):
+            server.mode = mode
+            teacher = HTTPTeacher(server.url, name="inf", version=version, timeout_s=30)
+            try:
+                with pytest.raises(TeacherError) as info:
+                    await teacher.score(PROMPT, OUTPUT, temperature=1.0, top_k=2)
+                errors.append(str(info.value))
+            finally:
+                await teacher.close()
+        return server, errors
+
+    server, (in_version, in_top) = run(_with_server(model, go, weight_version=math.nan))
+    assert server.errors == []
+    assert in_version == (f"teacher 'inf': GET {server.url}/get_model_info: the answer holds the number NaN at "
+                          "$.weight_version; expected finite numbers (JSON has no NaN or Infinity)")
+    assert in_top.startswith(f"teacher 'inf': POST {server.url}/generate: top log-prob at output position (1, 1) is "
+                             "-infinity; expected a finite log-prob <= 0 (the answer holds -Infinity at "
+                             "$.meta_info.input_top_logprobs[2][1][0])")
 
 
 @pytest.mark.parametrize("mode,top_k,match", [

@@ -141,3 +141,26 @@ def test_ci_run_installs_what_the_required_tests_need_each_under_a_time_bound(tm
     install = f"timeout --kill-after=30 900 tools/gateway_clis.sh {cli_dir}"
     assert (install in calls) is have_npm, calls  # without npm (the stub apt installs nothing) there is nothing to install with
     assert calls[-2:] == ["make test", f"make-env CI=true AGENTLOG_CLI_DIR={cli_dir}"], calls
+
+
+@pytest.mark.parametrize("lint_fails", [False, True])
+def test_ci_run_runs_the_static_checks_before_the_tests_and_fails_on_a_finding(tmp_path, lint_fails):
+    """.ci/run runs `make lint` (ruff, mypy) before `make test`; a lint finding (make exits 2)
+    fails the run before any test starts."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "env"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    for tool in ("timeout", "npm", "chromium"):  # present: nothing to install
+        _stub(bin_dir, tool)
+    _stub(bin_dir, "make", 'if [ "$1" = lint ] && [ -n "$LINT_FAILS" ]; then exit 2; fi')
+    log = tmp_path / "calls.log"
+    env = {"PATH": str(bin_dir), "STUB_LOG": str(log), "HOME": str(tmp_path / "home")}
+    if lint_fails:
+        env["LINT_FAILS"] = "1"
+    res = subprocess.run([str(bin_dir / "bash"), str(ROOT / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    makes = [c for c in log.read_text().splitlines() if c.startswith("make")]
+    if lint_fails:
+        assert res.returncode == 2 and makes == ["make lint"], (res.returncode, makes)
+    else:
+        assert res.returncode == 0 and makes == ["make lint", "make test"], (res.returncode, res.stderr, makes)

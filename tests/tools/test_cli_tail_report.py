@@ -117,7 +117,7 @@ class _Dom(html.parser.HTMLParser):
         self.mask_spans: dict[str, list[int]] = {}
 
     def _chart(self) -> str | None:
-        for tag, at in reversed(self.stack):
+        for _tag, at in reversed(self.stack):
             if "plotly-graph-div" in (at.get("class") or "").split():
                 return at.get("id")
         return None

@@ -165,7 +165,7 @@ def decide_cost(n_live: int, ops: int = 2000) -> tuple[float, float]:
 
     # (a) the table: a dict lookup per trigger, no per-session registration.
     t0 = time.perf_counter()
-    for i in range(ops * 50):
+    for _ in range(ops * 50):
         s = State.OPEN
         s = next_state("x", s, "start")
         s = next_state("x", s, "finish")

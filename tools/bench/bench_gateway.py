@@ -170,7 +170,7 @@ async def _run(args) -> list[str]:
                 wall_gw, lats, _ = await through_gateway(n, args.turns)
                 rec = recorded({s for s, _, _ in lats})
                 by_session: dict[str, list] = {}
-                for (s, k), body in sorted(rec.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+                for (s, _k), body in sorted(rec.items(), key=lambda kv: (kv[0][0], kv[0][1])):
                     by_session.setdefault(s, []).append(body.prompt_tokens.tolist())
                 wall_be = await backend_alone(list(by_session.values()))
                 total = n * args.turns

@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import importlib.util
 import io
-import os
 import re
 import resource
 import shutil
