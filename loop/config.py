@@ -210,7 +210,7 @@ class LoopConfig:
         """The reducer settings of this run (a :class:`agentlog.reducers.config.ReduceConfig`):
         what the online learner folds the rollout log with, and so what the offline check
         and every reading command of the run folder must fold it with too
-        (:func:`run_reduce_config`)."""
+        (loaded through the folder's :class:`~agentlog.loop.run_folder.Run`)."""
         from agentlog.reducers.config import ReduceConfig
 
         return ReduceConfig(min_valid=self.min_valid)
@@ -270,17 +270,6 @@ class LoopConfig:
             return cls.from_dict(values, base_dir=path.parent)
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from None
-
-
-def run_reduce_config(run_dir: Path):
-    """The reducer settings a run folder was trained with: :meth:`LoopConfig.reduce_config`
-    of its ``config.json``, or None when ``run_dir`` holds no ``config.json`` (a bare log
-    folds with the reducers' defaults). A config that cannot be read raises ConfigError
-    naming the file."""
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        return None
-    return LoopConfig.load(path).reduce_config()
 
 
 # --- the [task] table ---

@@ -234,7 +234,7 @@ class LogConfig:
     """nats: how long the server remembers message ids to drop a retried publish (seconds)."""
 
     def __post_init__(self) -> None:
-        from agentlog.events.log.jetstream_read import STREAM_RE, parse_nats_url
+        from agentlog.events.log.jetstream_url import STREAM_RE, parse_nats_url
 
         if self.backend not in LOG_BACKENDS:
             raise ConfigError(f"[log] backend: expected one of {LOG_BACKENDS}, found {self.backend!r}")

@@ -37,9 +37,12 @@ commit, atomic batches, chunks of large records, retries through a
 failover) is :mod:`agentlog.events.log.jetstream_append`, whose
 :class:`JetStreamAppender` is the base class of :class:`JetStreamLog`.
 
-Reads (:mod:`agentlog.events.log.jetstream_read`) find a late LSN by a binary
-search over the subject by direct get, then take messages through an
-ordered consumer.
+Reads (:mod:`agentlog.events.log.jetstream_cursor`) find a late LSN by a
+binary search over the subject by direct get, then take messages through an
+ordered consumer. The connection and its bridge thread are
+:mod:`~agentlog.events.log.jetstream_conn`'s, the message headers
+:mod:`~agentlog.events.log.jetstream_msg`'s, the names
+:mod:`~agentlog.events.log.jetstream_url`'s.
 """
 
 from __future__ import annotations
@@ -53,20 +56,10 @@ from typing import AsyncIterator, Callable, Iterator, Sequence
 from ..._logging import get_logger
 from .api import LogClosed, LogError, LogFenced
 from .jetstream_append import HDR_EPOCH, JetStreamAppender, _Msg, is_wrong_last_sequence
-from .jetstream_read import (
-    HDR_KIND,
-    HDR_MSG_ID,
-    HDR_NEXT_LSN,
-    KIND_FENCE,
-    STREAM_RE,
-    Bridge,
-    connect,
-    follow_subject,
-    log_name,
-    lsn_after,
-    read_subject,
-    retried,
-)
+from .jetstream_conn import Bridge, connect, retried
+from .jetstream_cursor import follow_subject, read_subject
+from .jetstream_msg import HDR_KIND, HDR_MSG_ID, HDR_NEXT_LSN, KIND_FENCE, lsn_after
+from .jetstream_url import STREAM_RE, log_name
 from ..schema.types import Envelope
 
 log = get_logger(__name__)
@@ -215,7 +208,7 @@ class JetStreamLog(JetStreamAppender):
         """Advance next LSN and open sessions over the subject's records from
         ``from_lsn`` up to stream sequence ``end`` (the leader's end when
         None); the sequence read up to."""
-        from .jetstream_read import SubjectCursor
+        from .jetstream_cursor import SubjectCursor
 
         cur = SubjectCursor(self._js, self.stream, self.subject, self.where, from_lsn, raw=True, to_end=True,
                             start_timeout_s=self._failover_timeout_s, end=end)

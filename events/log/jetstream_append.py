@@ -45,13 +45,14 @@ from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 from ..._logging import get_logger
 from .api import EventLog, LogClosed, LogError, LogFenced, PendingRecord
 from .format import FLAG_TERMINAL, encode_frame
-from .jetstream_read import HDR_CHUNK, HDR_MSG_ID, retry_errors
+from .jetstream_conn import retry_errors
+from .jetstream_msg import HDR_CHUNK, HDR_MSG_ID
 from ..schema.types import TERMINAL_EVENT_TYPES, Envelope
 
 if TYPE_CHECKING:
     import threading
 
-    from .jetstream_read import Bridge
+    from .jetstream_conn import Bridge
 
 # The JetStream writer's events, under one logger name wherever its code lives.
 log = get_logger("agentlog.events.log.jetstream")

@@ -310,7 +310,7 @@ def open_source(location: str | Path, *, allow_empty: bool = False, label: str |
     directory is then a single log (``partitioned`` False), a partition root
     (True) or whichever it holds when read (None); a stream URL is always
     partitioned, a subject URL never."""
-    from .jetstream_read import is_nats_url
+    from .jetstream_url import is_nats_url
 
     if is_nats_url(str(location)):
         from .source_nats import open_nats
@@ -325,6 +325,6 @@ def open_source(location: str | Path, *, allow_empty: bool = False, label: str |
 
 def is_location_url(text: str) -> bool:
     """Whether ``text`` is a URL location (``nats://...``) rather than a path."""
-    from .jetstream_read import is_nats_url
+    from .jetstream_url import is_nats_url
 
     return is_nats_url(text)

@@ -65,7 +65,7 @@ class _NatsSource(LogSource):
         return self._stream.base if self.name is None else f"{self._stream.base}/{self.name}"
 
     def sibling(self, name: str) -> LogSource:
-        from .jetstream_read import log_name
+        from .jetstream_url import log_name
 
         return SubjectSource(self._stream, log_name(name), owner=False)
 
@@ -163,7 +163,7 @@ class _SubjectTail(LogTail):
 
     def poll(self, limit: int = 4096) -> list:
         if self._cursor is None:
-            from .jetstream_read import SubjectCursor
+            from .jetstream_cursor import SubjectCursor
 
             if not self.source._stream.exists():
                 return []
@@ -194,7 +194,7 @@ def open_nats(text: str, *, allow_empty: bool = False, label: str | None = None,
     """The source a ``nats://host:port/stream[/log]`` URL names, its stream
     opened and checked (see :func:`~agentlog.events.log.source.open_source`).
     Errors name ``label`` (default: the URL); ``check=False`` connects on first use instead."""
-    from .jetstream_read import parse_nats_url
+    from .jetstream_url import parse_nats_url
 
     try:
         servers, stream, name = parse_nats_url(text)

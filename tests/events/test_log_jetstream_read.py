@@ -17,7 +17,8 @@ pytest.importorskip("nats", reason="the JetStream log needs the nats extra: pip 
 
 from agentlog.events import follow_logs, open_source  # noqa: E402
 from agentlog.events.log.jetstream import JetStreamLog  # noqa: E402
-from agentlog.events.log.jetstream_read import JetStreamRun, is_nats_url, parse_nats_url  # noqa: E402
+from agentlog.events.log.jetstream_read import JetStreamRun  # noqa: E402
+from agentlog.events.log.jetstream_url import is_nats_url, parse_nats_url  # noqa: E402
 
 _names = itertools.count()
 

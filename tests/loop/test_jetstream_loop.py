@@ -60,7 +60,7 @@ def _epochs(source) -> list[tuple[int, int, bool]]:
     ref = source._ref()  # the subject behind the LogSource: its raw messages carry the epochs
 
     from agentlog.events.log.jetstream import HDR_EPOCH
-    from agentlog.events.log.jetstream_read import HDR_KIND, KIND_FENCE
+    from agentlog.events.log.jetstream_msg import HDR_KIND, KIND_FENCE
 
     async def scan() -> list[tuple[int, int, bool]]:
         out, seq = [], 1
