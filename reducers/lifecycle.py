@@ -340,12 +340,17 @@ def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleSta
     then it is counted per tag and checked for sequence only.
     """
     body = env.body
-    if type(body) is UnknownEvent and not state.tolerate_unknown:
-        raise UnknownEventError(env.lsn, env.session_id, body.tag)
-    state.events += 1
     out: list[Violation | SessionSummary] = []
-    state._out = out
-    state.fold.feed_envelope(env)
+    if type(body) is UnknownEvent:
+        if not state.tolerate_unknown:
+            raise UnknownEventError(env.lsn, env.session_id, body.tag)
+        state.events += 1
+        state._out = out
+        state.fold.feed(env.lsn, env.session_id, env.session_seq, body.tag, env, True)
+    else:
+        state.events += 1
+        state._out = out
+        state.fold.feed(env.lsn, env.session_id, env.session_seq, body.__struct_config__.tag, env)
     return state, out
 
 

@@ -37,6 +37,7 @@ from agentlog.events.schema.types import (
     TurnDelta,
     TurnRecorded,
     TurnUndelivered,
+    UnknownEvent,
 )
 
 from .config import DEFAULT_CONFIG, ReduceConfig
@@ -137,7 +138,11 @@ class Reducer:
         log should never hold; the reducer is then left as it was before
         that envelope."""
         self._out = None
-        self._fold.feed_envelope(env)  # learner progress passes: no session event
+        body = env.body
+        if type(body) is UnknownEvent:
+            self._fold.feed(env.lsn, env.session_id, env.session_seq, body.tag, env, True)
+        else:  # learner progress passes the driver: no session event
+            self._fold.feed(env.lsn, env.session_id, env.session_seq, body.__struct_config__.tag, env)
         self.events += 1
         out = self._out
         return Outputs([], []) if out is None else out
