@@ -15,11 +15,10 @@ each outcome, given as hooks:
   ``life`` attribute: the driver keeps the session's :class:`SessionLife`
   there), or None to refuse it (the hook reports why; nothing is kept).
 * ``applied(session, lsn, tag, record)``: a legal event of a session in
-  flight, before its new life is stored. A hook that raises leaves the
-  driver as it was before the record.
+  flight, before its new life is stored.
 * ``ended(session, lsn, session_id, state, record)``: after ``applied``,
   when the event is the session's terminal one; the session is already
-  evicted and noted in the ended window.
+  evicted and noted in the ended window, so this hook must not raise.
 * ``refused(violation)``: a record the step refuses, or an LSN that does
   not increase. Raise to stop the fold (the driver is then unchanged), or
   return to carry on: the record is not applied and its session continues
@@ -30,6 +29,9 @@ each outcome, given as hooks:
 * ``unknown(lsn, session_id, tag)``: a record the caller flags as of a type
   this version does not know (a newer writer's); called after the LSN check.
   Raise to refuse it; return and the step checks it for sequence only.
+
+Every hook but ``ended`` may raise to refuse the record: the driver is then
+exactly as it was before it (the sample reducer relies on it).
 
 ``record`` is whatever the caller fed (an envelope, a body, a projection or
 None); the driver never looks inside it. Options: ``ended_window`` (how many
@@ -141,7 +143,7 @@ class SessionFold(Generic[S]):
         """Fold one record: its LSN, session, ``session_seq`` and event tag;
         ``record`` is handed to the hooks as it is; ``unknown``: its type is one
         this version does not know. Raises whatever a hook raises, the driver
-        then left as it was before the record."""
+        then left as it was before the record (``ended`` excepted)."""
         if self.session_id is not None and session_id != self.session_id:
             return
         lsn_rises = lsn >= self.next_lsn
