@@ -1,9 +1,10 @@
 """The lifecycle reducer: replays the session grammar over the log.
 
 A pure, incremental fold ``reduce_lifecycle(state, envelope) -> (state,
-outputs)``. It checks every record with the one lifecycle and sequence step
-all folds compose (:func:`reducers.lifecycle_step.evolve`, over the same
-table the engine decides with) and emits:
+outputs)``: hooks on the one fold driver (:class:`reducers.fold.SessionFold`),
+which checks every record with the lifecycle and sequence step
+(:func:`reducers.lifecycle_step.evolve`, over the same table the engine
+decides with). It emits:
 
 * :class:`Violation` for any illegal record (an event for a session that was
   never opened, an event after the terminal one, a second terminal event, a

@@ -4,8 +4,8 @@ One code path serves the online loop (:class:`Reducer`, fed envelope by
 envelope while the log is tailed) and offline reconstruction
 (:func:`reduce_log` over a whole log); both give byte-identical samples.
 
-Each envelope goes through the one lifecycle and sequence step every fold
-composes (:func:`reducers.lifecycle_step.evolve`): its LSN must increase,
+Each envelope goes through the one fold driver (:class:`reducers.fold.SessionFold`)
+and its lifecycle and sequence step (:func:`reducers.lifecycle_step.evolve`): its LSN must increase,
 its ``session_seq`` must be the session's ``last + 1``, its move must be in
 the lifecycle table, and an ended session's id may not come back (checked
 against the last ``ENDED_WINDOW`` ended ids, and exactly within a pending

@@ -6,7 +6,7 @@ and drop reasons, turns and tokens, commands, rewards (through
 :class:`reducers.metrics.MetricsAccumulator`, finished sessions only) and
 GRPO groups (through :class:`reducers.groups.GroupTracker`: released,
 complete, skipped, pending), and the time span. Every record goes through
-the one lifecycle and sequence step all folds compose
+the one fold driver (:class:`reducers.fold.SessionFold`) and its lifecycle and sequence step
 (:func:`reducers.lifecycle_step.evolve`: ``session_seq`` gaps and repeats,
 events after the terminal one, illegal moves, reused ids); this fold counts
 a violation (by kind, the first few kept with LSN and session), does not
