@@ -56,7 +56,7 @@ from agentlog.events.schema.types import Envelope, PolicyUpdated, UnknownEvent
 
 from .lifecycle_step import EndedWindow, SessionLife, Violation, evolve, lsn_violation, resync
 
-__all__ = ["IdSet", "LEARNER_TAG", "SessionFold", "Tracked"]
+__all__ = ["HasLife", "IdSet", "LEARNER_TAG", "SessionFold", "Tracked"]
 
 #: The tag of the learner's records: learner progress, not a session's event.
 LEARNER_TAG = PolicyUpdated.__struct_config__.tag
@@ -82,7 +82,13 @@ class Tracked:
         self.life = life
 
 
-S = TypeVar("S")
+class HasLife(Protocol):
+    """A fold's per-session state: the driver keeps the session's life in it."""
+
+    life: SessionLife
+
+
+S = TypeVar("S", bound=HasLife)
 
 
 class SessionFold(Generic[S]):
@@ -135,7 +141,7 @@ class SessionFold(Generic[S]):
         """A session's state: in flight, recently ended, or None (unknown or long ended)."""
         session = self.live.get(session_id)
         if session is not None:
-            return session.life.state  # type: ignore[attr-defined]
+            return session.life.state
         ended = self.recent.get(session_id)
         return None if ended is None else ended[0]
 
@@ -160,13 +166,13 @@ class SessionFold(Generic[S]):
             if session is None:
                 step = evolve(None, lsn, session_id, seq, tag, self.ended_how(session_id))
             else:
-                step = evolve(session.life, lsn, session_id, seq, tag)  # type: ignore[attr-defined]
+                step = evolve(session.life, lsn, session_id, seq, tag)
             if step is None:
                 pass  # a newer writer's event outside any session in flight
             elif type(step) is Violation:
                 self._refused(step)
                 if session is not None and self._resync:
-                    session.life = resync(session.life, seq)  # type: ignore[attr-defined]
+                    session.life = resync(session.life, seq)  # type: ignore[assignment]
             elif session is None:
                 session = self._opened(lsn, session_id, record, step)  # type: ignore[arg-type]
                 if session is not None:
@@ -182,11 +188,11 @@ class SessionFold(Generic[S]):
                         del live[session_id]  # nothing may follow a terminal event
                         self.recent.note(session_id, state, lsn)
                     else:
-                        session.life = step  # type: ignore[attr-defined]
+                        session.life = step
                     if self._ended is not None:
                         self._ended(session, lsn, session_id, state, record)
                 else:
-                    session.life = step  # type: ignore[attr-defined]
+                    session.life = step
         if lsn_rises:
             self.next_lsn = lsn + 1
 
