@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from agentlog.learner.config import ESTIMATORS
+from agentlog.reducers.groups import group_means
 
 
 def compute_advantages(
@@ -63,8 +64,8 @@ def compute_advantages(
     n_groups = int(g.max()) + 1
 
     count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, g, torch.ones_like(r))
-    total = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, g, r)
-    mean = total / count
+    # The baseline's one definition (reducers.groups.reward_mean), per group.
+    mean = torch.tensor(group_means(r.tolist(), g.tolist()), dtype=torch.float64, device=r.device)
     centered = r - mean[g]
 
     # Equal rewards can still leave a rounding residue in r - mean; decide

@@ -37,7 +37,7 @@ from agentlog.learner.loss import LossInputs, total_loss
 from agentlog.learner.model import token_log_probs, token_stats
 from agentlog.learner.optim import make_optimizer, make_scheduler
 from agentlog.events.fs import atomic_file
-from agentlog.reducers.groups import row_removed, row_trains
+from agentlog.reducers.groups import reward_mean, row_removed, row_trains
 from agentlog.reducers.samples import Sample, distill_problem, sampling_problem
 
 CHECKPOINT_FORMAT = "agentlog.learner.v1"
@@ -478,11 +478,12 @@ def _model_config(model: torch.nn.Module) -> dict[str, Any] | None:
 
 
 def _reward_stats(rewards: Iterable[float]) -> dict[str, float]:
-    r = torch.tensor(list(rewards), dtype=torch.float64)
+    values = [float(x) for x in rewards]
+    r = torch.tensor(values, dtype=torch.float64)
     if len(r) == 0:
         return {"rollout/reward_mean": math.nan, "rollout/reward_std": math.nan, "rollout/valid_members": 0.0}
     return {
-        "rollout/reward_mean": float(r.mean()),
+        "rollout/reward_mean": reward_mean(values),
         "rollout/reward_std": float(r.std()) if len(r) > 1 else 0.0,
         "rollout/valid_members": float(len(r)),
     }

@@ -63,7 +63,7 @@ from agentlog.events.log.partitions import partition_name
 from agentlog.events.log.source import follow_sources
 from agentlog.events.schema.types import Envelope, PolicyUpdated
 from agentlog.learner.learner import Learner
-from agentlog.reducers.groups import Group, row_trains
+from agentlog.reducers.groups import Group, reward_mean, row_trains
 from agentlog.reducers.partitioned import PartitionFold, ReleasedGroup
 from agentlog.reducers.pipeline import InFlightWindow
 from agentlog.reducers.samples import SampleDigest, distill_problem
@@ -507,7 +507,7 @@ class LoopLearner:
         else:
             metrics["learner/skipped"] = 1.0
         # Ours, over the groups actually trained (Learner.step's rollout/* count the same members).
-        metrics["rollout/reward_mean"] = float(sum(valid_rewards) / len(valid_rewards)) if valid_rewards else math.nan
+        metrics["rollout/reward_mean"] = reward_mean(valid_rewards)
         metrics["rollout/solve_rate"] = float(sum(solved) / len(solved)) if solved else math.nan
         if self.learner.policy_version != version:
             checkpoint = str(self.save_checkpoint(self.learner.policy_version))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from typing import Sequence
 
 import msgspec
 
@@ -43,6 +44,29 @@ def row_trains(member_valid: bool, row: Sample) -> bool:
     """Whether a row contributes gradient: not removed (:func:`row_removed`) and
     with at least one trained token."""
     return not row_removed(member_valid, row) and bool(row.mask.any())
+
+
+def reward_mean(rewards: Sequence[float]) -> float:
+    """The mean of ``rewards``, NaN for none: the group baseline's one
+    definition. Added left to right in float64, from 0.0, then divided by the
+    count, so every user gets the same bits: :attr:`Group.baseline`, the
+    learner's per-group baseline (:func:`group_means`, which
+    ``learner.advantages`` centres the rewards on) and the reward means the
+    loop and the learner report. (Not ``sum``: from Python 3.12 it adds
+    floats with compensation, which would change the bits by version.)"""
+    total = 0.0
+    for r in rewards:
+        total += r
+    return total / len(rewards) if rewards else math.nan
+
+
+def group_means(rewards: Sequence[float], groups: Sequence[int]) -> list[float]:
+    """Per group ``0 .. max(groups)``: :func:`reward_mean` of its ``rewards``
+    (``groups[i]``: the group of ``rewards[i]``), in the order they are given."""
+    members: list[list[float]] = [[] for _ in range(max(groups) + 1 if groups else 0)]
+    for r, g in zip(rewards, groups):
+        members[g].append(r)
+    return [reward_mean(m) for m in members]
 
 
 class GroupMember(msgspec.Struct, frozen=True):
@@ -88,6 +112,11 @@ class Group(msgspec.Struct, frozen=True):
     def valid_rewards(self) -> list[float]:
         """Rewards of the valid members, one per member (not per row)."""
         return [m.reward for m in self.members if m.valid and m.reward is not None]
+
+    @property
+    def baseline(self) -> float:
+        """The group's baseline: :func:`reward_mean` of :attr:`valid_rewards` (NaN without any)."""
+        return reward_mean(self.valid_rewards)
 
     def solve_rate(self, threshold: float = 1.0) -> float:
         """Fraction of valid members with reward >= threshold (NaN without any)."""

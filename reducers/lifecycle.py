@@ -1,9 +1,10 @@
 """The lifecycle reducer: replays the session grammar over the log.
 
 A pure, incremental fold ``reduce_lifecycle(state, envelope) -> (state,
-outputs)``. It checks every record with the one lifecycle and sequence step
-all folds compose (:func:`reducers.lifecycle_step.evolve`, over the same
-table the engine decides with) and emits:
+outputs)``: hooks on the one fold driver (:class:`reducers.fold.SessionFold`),
+which checks every record with the lifecycle and sequence step
+(:func:`reducers.lifecycle_step.evolve`, over the same table the engine
+decides with). It emits:
 
 * :class:`Violation` for any illegal record (an event for a session that was
   never opened, an event after the terminal one, a second terminal event, a
@@ -48,7 +49,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 
 import msgspec
 
-from agentlog.events.schema.lifecycle import TERMINAL_STATES, State
+from agentlog.events.schema.lifecycle import State
 from agentlog.events.schema.types import (
     CommandRan,
     Envelope,
@@ -66,7 +67,8 @@ from agentlog.events.schema.types import (
 from agentlog.events.schema.turn_delta import prompt_token_count
 
 from .errors import UnknownEventError
-from .lifecycle_step import EndedWindow, EndedWindowSnapshot, SessionLife, Violation, evolve, lsn_violation, resync
+from .fold import SessionFold, Tracked
+from .lifecycle_step import EndedWindow, EndedWindowSnapshot, SessionLife, Violation
 from .samples import final_raw_reward
 
 __all__ = [
@@ -236,35 +238,79 @@ class _Track:
 
 
 class LifecycleState:
-    """The fold's state: open sessions, a window of recently ended ones, the id filter."""
+    """The fold's state: open sessions, a window of recently ended ones, the id
+    filter (all three kept by its :class:`reducers.fold.SessionFold`)."""
 
-    __slots__ = ("live", "recent", "ids", "next_lsn", "events", "ended", "tolerate_unknown", "unknown_events")
+    __slots__ = ("fold", "events", "ended", "tolerate_unknown", "unknown_events", "_out")
 
     def __init__(self, *, recent_window: int = 4096, id_capacity: int = 1 << 18, tolerate_unknown: bool = False) -> None:
-        self.live: dict[str, _Track] = {}
-        #: session_id -> (terminal state, lsn of its terminal event); bounded.
-        self.recent = EndedWindow(recent_window)
-        self.ids = IdFilter(id_capacity)
-        #: The smallest LSN the next envelope may carry.
-        self.next_lsn = 0
+        self.fold: SessionFold[_Track] = SessionFold(
+            opened=self._opened, applied=self._applied, ended=self._ended, refused=self._refused, unknown=self._unknown,
+            ended_window=recent_window, ids=IdFilter(id_capacity),
+        )
         self.events = 0
         self.ended = 0
         #: Pass over events of unknown types (counted below) instead of raising UnknownEventError.
         self.tolerate_unknown = tolerate_unknown
         #: Events of unknown types passed over, by tag.
         self.unknown_events: dict[str, int] = {}
+        self._out: list[Violation | SessionSummary] = []
+
+    @property
+    def live(self) -> dict[str, _Track]:
+        """Sessions without a terminal event, by id."""
+        return self.fold.live
+
+    @property
+    def recent(self) -> EndedWindow:
+        """session_id -> (terminal state, lsn of its terminal event); bounded."""
+        return self.fold.recent
+
+    @property
+    def ids(self) -> IdFilter:
+        """Every id whose ``session_opened`` the fold accepted."""
+        return self.fold.ids  # type: ignore[return-value]
+
+    @property
+    def next_lsn(self) -> int:
+        """The smallest LSN the next envelope may carry."""
+        return self.fold.next_lsn
 
     def open_sessions(self) -> dict[str, tuple[State, int]]:
         """Sessions without a terminal event: ``{session_id: (state, next_session_seq)}``."""
-        return {sid: (t.life.state, t.life.next_seq) for sid, t in self.live.items()}
+        return {sid: (t.life.state, t.life.next_seq) for sid, t in self.fold.live.items()}
 
     def state_of(self, session_id: str) -> State | None:
         """A session's state: live, recently ended, or None (unknown or long ended)."""
-        t = self.live.get(session_id)
-        if t is not None:
-            return t.life.state
-        r = self.recent.get(session_id)
-        return r[0] if r is not None else None
+        return self.fold.state_of(session_id)
+
+    # -- the fold's hooks
+
+    def _refused(self, violation: Violation) -> None:
+        self._out.append(violation)
+
+    def _unknown(self, lsn: int, session_id: str, tag: str) -> None:
+        self.unknown_events[tag] = self.unknown_events.get(tag, 0) + 1
+
+    def _opened(self, lsn: int, session_id: str, env: Envelope, life: SessionLife) -> _Track:
+        return _Track(life, env, env.body)
+
+    def _applied(self, t: _Track, lsn: int, tag: str, env: Envelope) -> None:
+        body = env.body
+        if isinstance(body, (TurnRecorded, TurnDelta)):
+            t.turns += 1
+            t.tokens_in += prompt_token_count(body)
+            t.tokens_out += len(body.output_ids) // 4
+        elif isinstance(body, TurnUndelivered):
+            t.undelivered += 1
+        elif isinstance(body, CommandRan):
+            t.commands += 1
+        elif isinstance(body, RewardAssigned):
+            t.reward = body.reward
+
+    def _ended(self, t: _Track, lsn: int, session_id: str, state: State, env: Envelope) -> None:
+        self.ended += 1
+        self._out.append(_summary(session_id, t, env, state))
 
 
 def _summary(sid: str, t: _Track, env: Envelope, state: State) -> SessionSummary:
@@ -283,16 +329,6 @@ def _summary(sid: str, t: _Track, env: Envelope, state: State) -> SessionSummary
     )
 
 
-def _how_it_ended(recent: EndedWindow, ids: IdFilter, session_id: str) -> str | None:
-    """For a session not in flight: how the fold knows it already ended (the
-    exact window, else the id filter), or None. The id goes into the filter
-    only once its ``session_opened`` is accepted (a refused one opened nothing)."""
-    how = recent.describe(session_id)
-    if how is not None:
-        return how
-    return "it ended before the recent window, per the id filter" if session_id in ids else None
-
-
 def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleState, list[Violation | SessionSummary]]:
     """Fold one envelope. Returns the (same, mutated) state and its outputs.
 
@@ -304,59 +340,18 @@ def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleSta
     UnknownEventError (state untouched) unless ``state.tolerate_unknown``:
     then it is counted per tag and checked for sequence only.
     """
-    out: list[Violation | SessionSummary] = []
     body = env.body
-    sid = env.session_id
-    lsn = env.lsn
-    unknown = type(body) is UnknownEvent
-    if unknown and not state.tolerate_unknown:
-        raise UnknownEventError(lsn, sid, body.tag)
-    state.events += 1
-    if lsn < state.next_lsn:
-        out.append(lsn_violation(state.next_lsn, lsn, sid))  # type: ignore[arg-type]
+    out: list[Violation | SessionSummary] = []
+    if type(body) is UnknownEvent:
+        if not state.tolerate_unknown:
+            raise UnknownEventError(env.lsn, env.session_id, body.tag)
+        state.events += 1
+        state._out = out
+        state.fold.feed(env.lsn, env.session_id, env.session_seq, body.tag, env, True)
     else:
-        state.next_lsn = lsn + 1
-    if isinstance(body, PolicyUpdated):
-        return state, out  # learner progress: not a session event
-    if unknown:
-        tag = body.tag
-        state.unknown_events[tag] = state.unknown_events.get(tag, 0) + 1
-    else:
-        tag = body.__struct_config__.tag
-    t = state.live.get(sid)
-    if t is None:
-        step = evolve(None, lsn, sid, env.session_seq, tag, _how_it_ended(state.recent, state.ids, sid))
-    else:
-        step = evolve(t.life, lsn, sid, env.session_seq, tag)
-    if step is None:
-        return state, out  # a newer writer's event outside any session in flight
-    if type(step) is Violation:
-        out.append(step)
-        if t is not None:
-            t.life = resync(t.life, env.session_seq)  # type: ignore[assignment]
-        return state, out
-    if t is None:
-        state.ids.add(sid)
-        state.live[sid] = _Track(step, env, body)
-        return state, out
-    if isinstance(body, (TurnRecorded, TurnDelta)):
-        t.turns += 1
-        t.tokens_in += prompt_token_count(body)
-        t.tokens_out += len(body.output_ids) // 4
-    elif isinstance(body, TurnUndelivered):
-        t.undelivered += 1
-    elif isinstance(body, CommandRan):
-        t.commands += 1
-    elif isinstance(body, RewardAssigned):
-        t.reward = body.reward
-    new = step.state
-    if new in TERMINAL_STATES:
-        del state.live[sid]
-        state.ended += 1
-        state.recent.note(sid, new, lsn)
-        out.append(_summary(sid, t, env, new))
-    else:
-        t.life = step
+        state.events += 1
+        state._out = out
+        state.fold.feed(env.lsn, env.session_id, env.session_seq, body.__struct_config__.tag, env)
     return state, out
 
 
@@ -398,57 +393,55 @@ class LifecycleCheck:
     (no body is decoded). Memory: the sessions in flight, the recent window
     and the id filter, as :class:`LifecycleState`."""
 
-    __slots__ = ("live", "recent", "ids", "next_lsn", "records")
+    __slots__ = ("fold", "records", "_out")
 
     def __init__(self, *, recent_window: int = 4096, id_capacity: int = 1 << 18) -> None:
-        self.live: dict[str, SessionLife] = {}
-        self.recent = EndedWindow(recent_window)
-        self.ids = IdFilter(id_capacity)
-        #: The smallest LSN the next record may carry.
-        self.next_lsn = 0
+        self.fold: SessionFold[Tracked] = SessionFold(
+            opened=_track, refused=self._refused, ended_window=recent_window, ids=IdFilter(id_capacity),
+        )
         self.records = 0
+        self._out: list[Violation] = []
+
+    def _refused(self, violation: Violation) -> None:
+        self._out.append(violation)
+
+    @property
+    def recent(self) -> EndedWindow:
+        """The recently ended sessions (the restart resizes it)."""
+        return self.fold.recent
+
+    @recent.setter
+    def recent(self, window: EndedWindow) -> None:
+        self.fold.recent = window
+
+    @property
+    def ids(self) -> IdFilter:
+        """Every id whose ``session_opened`` the check accepted."""
+        return self.fold.ids  # type: ignore[return-value]
+
+    @property
+    def next_lsn(self) -> int:
+        """The smallest LSN the next record may carry."""
+        return self.fold.next_lsn
 
     def feed(self, lsn: int, session_id: str, session_seq: int, tag: str) -> list[Violation]:
         """Check one record (``tag``: its event type); returns its violations (usually none)."""
-        out: list[Violation] = []
         self.records += 1
-        if lsn < self.next_lsn:
-            out.append(lsn_violation(self.next_lsn, lsn, session_id))  # type: ignore[arg-type]
-        else:
-            self.next_lsn = lsn + 1
-        if tag == _POLICY_TAG:
-            return out  # learner progress: not a session event
-        life = self.live.get(session_id)
-        if life is None:
-            step = evolve(None, lsn, session_id, session_seq, tag, _how_it_ended(self.recent, self.ids, session_id))
-        else:
-            step = evolve(life, lsn, session_id, session_seq, tag)
-        if step is None:
-            return out
-        if type(step) is Violation:
-            out.append(step)
-            if life is not None:
-                self.live[session_id] = resync(life, session_seq)  # type: ignore[assignment]
-            return out
-        if life is None:
-            self.ids.add(session_id)  # opened: the id is used from now on
-        if step.state in TERMINAL_STATES:
-            self.live.pop(session_id, None)
-            self.recent.note(session_id, step.state, lsn)
-        else:
-            self.live[session_id] = step
+        out: list[Violation] = []
+        self._out = out
+        self.fold.feed(lsn, session_id, session_seq, tag, None)
         return out
 
     def open_sessions(self) -> dict[str, tuple[State, int]]:
         """Sessions without a terminal event: ``{session_id: (state, next_session_seq)}``."""
-        return {sid: (life.state, life.next_seq) for sid, life in self.live.items()}
+        return {sid: (t.life.state, t.life.next_seq) for sid, t in self.fold.live.items()}
 
     def to_snapshot(self) -> "LifecycleCheckSnapshot":
         """The check's whole state as plain data: resuming from it at
         ``next_lsn`` gives the same violations as checking from LSN 0."""
         return LifecycleCheckSnapshot(
             next_lsn=self.next_lsn, records=self.records,
-            live=[(sid, life.state.value, life.next_seq) for sid, life in self.live.items()],
+            live=[(sid, t.life.state.value, t.life.next_seq) for sid, t in self.fold.live.items()],
             recent=self.recent.to_snapshot(), ids=self.ids.to_snapshot(),
         )
 
@@ -456,11 +449,17 @@ class LifecycleCheck:
     def from_snapshot(cls, snap: "LifecycleCheckSnapshot") -> "LifecycleCheck":
         """The check :meth:`to_snapshot` saw."""
         check = cls(recent_window=0, id_capacity=1)
-        check.next_lsn, check.records = snap.next_lsn, snap.records
-        check.live = {sid: SessionLife(State(state), seq) for sid, state, seq in snap.live}
-        check.recent = EndedWindow.from_snapshot(snap.recent)
-        check.ids = IdFilter.from_snapshot(snap.ids)
+        check.records = snap.records
+        fold = check.fold
+        fold.next_lsn = snap.next_lsn
+        fold.live = {sid: Tracked(SessionLife(State(state), seq)) for sid, state, seq in snap.live}
+        fold.recent = EndedWindow.from_snapshot(snap.recent)
+        fold.ids = IdFilter.from_snapshot(snap.ids)
         return check
+
+
+def _track(lsn: int, session_id: str, record: object, life: SessionLife) -> Tracked:
+    return Tracked(life)
 
 
 class LifecycleCheckSnapshot(msgspec.Struct, frozen=True):
@@ -473,8 +472,6 @@ class LifecycleCheckSnapshot(msgspec.Struct, frozen=True):
     recent: EndedWindowSnapshot
     ids: IdFilterSnapshot
 
-
-_POLICY_TAG = PolicyUpdated.__struct_config__.tag
 
 
 class ReplayStep(NamedTuple):

@@ -7,7 +7,9 @@ Every fold over the log composes this step: the reducer pipeline
 (:class:`reducers.lifecycle.LifecycleCheck`). They differ only in what they
 do with a :class:`Violation`: the pipeline raises it, replay shows it, stats
 counts it, verify exits 1 on it. So they agree, by construction, on which
-records are illegal and why.
+records are illegal and why. The machinery around the step (the live map,
+the ended window, the id filter, the LSN check, learner records, resync) is
+written once too: the fold driver, :class:`reducers.fold.SessionFold`.
 
 The step takes the few fields it needs (LSN, session id, ``session_seq``,
 event tag), never a decoded body, so a fold over projections or raw frames

@@ -4,8 +4,8 @@ One code path serves the online loop (:class:`Reducer`, fed envelope by
 envelope while the log is tailed) and offline reconstruction
 (:func:`reduce_log` over a whole log); both give byte-identical samples.
 
-Each envelope goes through the one lifecycle and sequence step every fold
-composes (:func:`reducers.lifecycle_step.evolve`): its LSN must increase,
+Each envelope goes through the one fold driver (:class:`reducers.fold.SessionFold`)
+and its lifecycle and sequence step (:func:`reducers.lifecycle_step.evolve`): its LSN must increase,
 its ``session_seq`` must be the session's ``last + 1``, its move must be in
 the lifecycle table, and an ended session's id may not come back (checked
 against the last ``ENDED_WINDOW`` ended ids, and exactly within a pending
@@ -42,7 +42,8 @@ from agentlog.events.schema.types import (
 
 from .config import DEFAULT_CONFIG, ReduceConfig
 from .errors import ReduceError, UnknownEventError
-from .lifecycle_step import EndedWindow, SessionLife, Violation, evolve, lsn_violation
+from .fold import SessionFold, Tracked
+from .lifecycle_step import SessionLife, Violation
 from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, GroupTracker
 from .metrics import MetricsAccumulator
 from .samples import Sample, SampleDigest, aborted_placeholder, final_raw_reward, finished_samples, resolve_reward
@@ -90,6 +91,16 @@ class _Session:
         self.last_reward: Any = None
 
 
+def _refuse(violation: Violation) -> None:
+    raise ReduceError.of_violation(violation)
+
+
+def _refuse_unknown(lsn: int, session_id: str, tag: str) -> None:
+    # Samples need every event of every session interpreted; guessing
+    # what a newer event meant could train on a wrong trajectory.
+    raise UnknownEventError(lsn, session_id, tag)
+
+
 class Reducer:
     """Incremental reducer: ``feed`` envelopes in LSN order, get outputs back.
 
@@ -100,15 +111,23 @@ class Reducer:
         if not isinstance(config, ReduceConfig):
             raise TypeError(f"Reducer: expected a ReduceConfig, found {type(config).__name__}")
         self.config = config
-        self._sessions: dict[str, _Session] = {}
+        self._fold: SessionFold[_Session] = SessionFold(
+            opened=self._opened, applied=self._applied, ended=self._terminal, refused=_refuse, unknown=_refuse_unknown,
+            ended_window=ENDED_WINDOW,
+        )
+        self._sessions = self._fold.live
         self._groups = GroupTracker(config.min_valid)
-        self._ended = EndedWindow(ENDED_WINDOW)
         self.metrics = MetricsAccumulator(config.reward_key, config.solve_threshold)
         self.digest = SampleDigest()
-        self.last_lsn = -1
         self.events = 0
         self.samples_emitted = 0
         self.groups_released = 0
+        self._out: Outputs | None = None
+
+    @property
+    def last_lsn(self) -> int:
+        """The LSN of the last envelope folded (-1 before any)."""
+        return self._fold.next_lsn - 1
 
     # ------------------------------------------------------------------ feed
 
@@ -118,52 +137,38 @@ class Reducer:
         Raises ReduceError (naming the LSN and session) on an envelope the
         log should never hold; the reducer is then left as it was before
         that envelope."""
-        lsn = env.lsn
-        sid = env.session_id
-        if lsn <= self.last_lsn:
-            raise ReduceError.of_violation(lsn_violation(self.last_lsn + 1, lsn, sid))
+        self._out = None
         body = env.body
         if type(body) is UnknownEvent:
-            # Samples need every event of every session interpreted; guessing
-            # what a newer event meant could train on a wrong trajectory.
-            raise UnknownEventError(lsn, sid, body.tag)
-        if isinstance(body, PolicyUpdated):
-            self.last_lsn = lsn
-            self.events += 1
-            return Outputs([], [])  # learner progress: not a session event
-        session = self._sessions.get(sid)
-        if session is None:
-            life = evolve(None, lsn, sid, env.session_seq, body.__struct_config__.tag, self._ended.describe(sid))
-        else:
-            life = evolve(session.life, lsn, sid, env.session_seq, body.__struct_config__.tag)
-        if type(life) is Violation:
-            raise ReduceError.of_violation(life)
-        assert life is not None  # every known tag but policy_updated is a session event
+            self._fold.feed(env.lsn, env.session_id, env.session_seq, body.tag, env, True)
+        else:  # learner progress passes the driver: no session event
+            self._fold.feed(env.lsn, env.session_id, env.session_seq, body.__struct_config__.tag, env)
+        self.events += 1
+        out = self._out
+        return Outputs([], []) if out is None else out
+
+    def _opened(self, lsn: int, sid: str, env: Envelope, life: SessionLife) -> _Session:
+        body = env.body
+        assert isinstance(body, SessionOpened)
         try:
-            if session is None:
-                assert isinstance(body, SessionOpened)
-                self._groups.open(body.group_id, sid, body.group_size, body.sample_index, lsn)
-                self._sessions[sid] = _Session(life, body, sid, lsn, self.config.fork_threshold)
-            elif isinstance(body, (TurnRecorded, TurnDelta)):
+            self._groups.open(body.group_id, sid, body.group_size, body.sample_index, lsn)
+        except GroupError as exc:
+            raise ReduceError(lsn, sid, str(exc)) from None
+        return _Session(life, body, sid, lsn, self.config.fork_threshold)
+
+    def _applied(self, session: _Session, lsn: int, tag: str, env: Envelope) -> None:
+        body = env.body
+        try:
+            if isinstance(body, (TurnRecorded, TurnDelta)):
                 session.trajectory.record_turn(body, lsn)
             elif isinstance(body, TurnUndelivered):
                 session.trajectory.mark_undelivered(body.turn_index, body.reason, lsn)
             elif isinstance(body, TeacherScored):
                 session.trajectory.record_teacher(body, lsn)
-        except (GroupError, TrajectoryError, TeacherScoreError) as exc:
-            raise ReduceError(lsn, sid, str(exc)) from None
-        # Checked: from here on the envelope is applied.
-        self.last_lsn = lsn
-        self.events += 1
-        if session is None:
-            return Outputs([], [])
-        session.life = life
+        except (TrajectoryError, TeacherScoreError) as exc:
+            raise ReduceError(lsn, env.session_id, str(exc)) from None
         if isinstance(body, RewardAssigned):
             session.last_reward = body.reward
-        new_state = life.state
-        if new_state is State.FINISHED or new_state is State.ABORTED or new_state is State.DROPPED:
-            return self._terminal(sid, session, body, lsn, new_state)
-        return Outputs([], [])
 
     def feed_many(self, envelopes: Iterable[Envelope]) -> Outputs:
         """Fold a chunk of envelopes; the outputs of every ``feed``, concatenated."""
@@ -175,9 +180,9 @@ class Reducer:
             groups.extend(out.groups)
         return Outputs(samples, groups)
 
-    def _terminal(self, sid: str, session: _Session, body: Any, lsn: int, state: State) -> Outputs:
-        del self._sessions[sid]  # evict first: nothing may follow a terminal event
-        self._ended.note(sid, state, lsn)
+    def _terminal(self, session: _Session, lsn: int, sid: str, state: State, env: Envelope) -> None:
+        # Evicted already (the driver did it first): nothing may follow a terminal event.
+        body = env.body
         traj = session.trajectory
         member: GroupMember | None
         samples: list[Sample]
@@ -230,10 +235,11 @@ class Reducer:
         self.samples_emitted += len(samples)
         group = self._groups.close(session.group_id, member, sid, lsn)
         if group is None:
-            return Outputs(samples, [])
+            self._out = Outputs(samples, [])
+            return
         self.groups_released += 1
         self.metrics.observe_group(group)
-        return Outputs(samples, [group])
+        self._out = Outputs(samples, [group])
 
     # ---------------------------------------------------------------- state
 
@@ -361,28 +367,29 @@ def session_trajectory(envelopes: Iterable[Envelope], session_id: str, config: R
     """The linearised trajectory (rows and per-turn drift decisions) of one
     session, from the envelopes of a log; for ``agentlog show``. The session's
     events are taken in order; other sessions' events are skipped."""
-    traj: SessionTrajectory | None = None
-    life: SessionLife | None = None  # kept after the terminal event: anything later is refused
-    for env in envelopes:
-        if env.session_id != session_id or isinstance(env.body, PolicyUpdated):
-            continue
-        if type(env.body) is UnknownEvent:
-            raise UnknownEventError(env.lsn, session_id, env.body.tag)
-        step = evolve(life, env.lsn, session_id, env.session_seq, env.body.__struct_config__.tag)
-        if type(step) is Violation:
-            raise ReduceError.of_violation(step)
-        life = step
+    trajectory: list[SessionTrajectory] = []
+
+    def opened(lsn: int, sid: str, env: Envelope, life: SessionLife) -> Tracked:
+        trajectory.append(SessionTrajectory(session_id, config.fork_threshold))
+        return Tracked(life)
+
+    def applied(session: Tracked, lsn: int, tag: str, env: Envelope) -> None:
+        body, traj = env.body, trajectory[0]
         try:
-            if isinstance(env.body, SessionOpened):
-                traj = SessionTrajectory(session_id, config.fork_threshold)
-            elif isinstance(env.body, (TurnRecorded, TurnDelta)):
-                assert traj is not None
-                traj.record_turn(env.body, env.lsn)
-            elif isinstance(env.body, TurnUndelivered):
-                assert traj is not None
-                traj.mark_undelivered(env.body.turn_index, env.body.reason, env.lsn)
+            if isinstance(body, (TurnRecorded, TurnDelta)):
+                traj.record_turn(body, lsn)
+            elif isinstance(body, TurnUndelivered):
+                traj.mark_undelivered(body.turn_index, body.reason, lsn)
         except TrajectoryError as exc:
-            raise ReduceError(env.lsn, session_id, str(exc)) from None
-    if traj is None:
+            raise ReduceError(lsn, session_id, str(exc)) from None
+
+    # One session, kept after its terminal event (anything later is refused); its LSNs are not checked.
+    fold: SessionFold[Tracked] = SessionFold(
+        opened=opened, applied=applied, refused=_refuse, unknown=_refuse_unknown,
+        session_id=session_id, check_lsn=False, resync=False, evict=False,
+    )
+    for env in envelopes:
+        fold.feed_envelope(env)
+    if not trajectory:
         raise KeyError(f"session {session_id!r}: no session_opened in the log")
-    return traj.linearise(config.max_context_tokens)
+    return trajectory[0].linearise(config.max_context_tokens)

@@ -6,7 +6,7 @@ and drop reasons, turns and tokens, commands, rewards (through
 :class:`reducers.metrics.MetricsAccumulator`, finished sessions only) and
 GRPO groups (through :class:`reducers.groups.GroupTracker`: released,
 complete, skipped, pending), and the time span. Every record goes through
-the one lifecycle and sequence step all folds compose
+the one fold driver (:class:`reducers.fold.SessionFold`) and its lifecycle and sequence step
 (:func:`reducers.lifecycle_step.evolve`: ``session_seq`` gaps and repeats,
 events after the terminal one, illegal moves, reused ids); this fold counts
 a violation (by kind, the first few kept with LSN and session), does not
@@ -35,11 +35,12 @@ from typing import Any, Union
 
 import msgspec
 
-from agentlog.events.schema.lifecycle import TERMINAL_STATES, State
+from agentlog.events.schema.lifecycle import State
 from agentlog.events.schema.types import Envelope, UnknownEvent, as_unknown_event
 
 from .config import ReduceConfig
-from .lifecycle_step import EndedWindow, SessionLife, Violation, ViolationKind, evolve, lsn_violation, resync
+from .fold import SessionFold
+from .lifecycle_step import SessionLife, Violation, ViolationKind
 from .groups import ABORTED, DROPPED, FINISHED, GroupError, GroupMember, GroupTracker
 from .metrics import MetricsAccumulator
 from .samples import final_raw_reward, resolve_reward
@@ -182,13 +183,14 @@ class RunStats:
 
     def __init__(self, *, min_valid: int = 2, reward_key: str | None = None, solve_threshold: float = 1.0) -> None:
         self.reward_key = reward_key
-        self._live: dict[str, _Live] = {}
-        self._ended = EndedWindow(self.ENDED_WINDOW)
+        self._fold: SessionFold[_Live] = SessionFold(
+            opened=self._opened, applied=self._applied, ended=self._terminal, refused=self._violation,
+            learner=self._learner, unknown=self._unknown, ended_window=self.ENDED_WINDOW,
+        )
         self._groups = GroupTracker(min_valid)
         self.metrics = MetricsAccumulator(reward_key, solve_threshold)
         self.events = 0
         self.first_lsn = -1
-        self.last_lsn = -1
         self.first_ts_ns: int | None = None
         self.last_ts_ns: int | None = None
         self.tokens_in = 0
@@ -232,48 +234,43 @@ class RunStats:
         if len(self.violations) < self.KEEP_VIOLATIONS:
             self.violations.append(violation)
 
+    @property
+    def last_lsn(self) -> int:
+        """The highest LSN folded (-1 before any)."""
+        return self._fold.next_lsn - 1
+
     def feed_record(self, lsn: int, session_id: str, session_seq: int, ts_ns: int, body: Any) -> None:
         """Fold one record; ``body`` is a schema-v1 body or its projection."""
         self.events += 1
         if self.first_lsn < 0:
             self.first_lsn = lsn
-        if lsn <= self.last_lsn:
-            self._violation(lsn_violation(self.last_lsn + 1, lsn, session_id))  # type: ignore[arg-type]
-        self.last_lsn = max(lsn, self.last_lsn)
         if self.first_ts_ns is None:
             self.first_ts_ns = ts_ns
         self.last_ts_ns = ts_ns
         if type(body) is UnknownEvent:
-            tag = body.tag
-            self.unknown_events[tag] += 1  # counted; checked for sequence only
+            self._fold.feed(lsn, session_id, session_seq, body.tag, body, True)  # counted; checked for sequence only
         else:
-            tag = body.__struct_config__.tag
-            if tag == "policy_updated":
-                self.policy_updates += 1
-                self.policy_version = body.policy_version
-                return
-        live = self._live.get(session_id)
-        if live is None:
-            step = evolve(None, lsn, session_id, session_seq, tag, self._ended.describe(session_id))
-        else:
-            step = evolve(live.life, lsn, session_id, session_seq, tag)
-        if step is None:
-            return  # a newer writer's event outside any session in flight
-        if type(step) is Violation:
-            self._violation(step)
-            if live is not None:
-                live.life = resync(live.life, session_seq)  # type: ignore[assignment]
-            return
-        if live is None:
-            try:
-                self._groups.open(body.group_id, session_id, body.group_size, body.sample_index, lsn)
-            except GroupError as exc:
-                self._violation(Violation(lsn, session_id, ViolationKind.GROUP_CONFLICT, str(exc)))
-                return
-            self._live[session_id] = _Live(step, body, ts_ns)
-            self.opened += 1
-            return
-        dest = step.state
+            self._fold.feed(lsn, session_id, session_seq, body.__struct_config__.tag, body)
+
+    # -- the fold's hooks
+
+    def _unknown(self, lsn: int, session_id: str, tag: str) -> None:
+        self.unknown_events[tag] += 1
+
+    def _learner(self, body: Any) -> None:
+        self.policy_updates += 1
+        self.policy_version = body.policy_version
+
+    def _opened(self, lsn: int, session_id: str, body: Any, life: SessionLife) -> _Live | None:
+        try:
+            self._groups.open(body.group_id, session_id, body.group_size, body.sample_index, lsn)
+        except GroupError as exc:
+            self._violation(Violation(lsn, session_id, ViolationKind.GROUP_CONFLICT, str(exc)))
+            return None
+        self.opened += 1
+        return _Live(life, body, self.last_ts_ns)  # type: ignore[arg-type]
+
+    def _applied(self, live: _Live, lsn: int, tag: str, body: Any) -> None:
         if tag == "turn_recorded" or tag == "turn_delta":
             n_out = len(body.output_ids) // 4
             self.turns += 1
@@ -298,17 +295,11 @@ class RunStats:
                 self.teacher_scored += 1
         elif tag == "reward_assigned":
             live.reward = body.reward
-        if dest in TERMINAL_STATES:
-            self._terminal(lsn, session_id, live, dest, body, ts_ns)
-        else:
-            live.life = step
 
-    def _terminal(self, lsn: int, sid: str, live: _Live, dest: State, body: Any, ts_ns: int) -> None:
-        del self._live[sid]
-        self._ended.note(sid, dest, lsn)
+    def _terminal(self, live: _Live, lsn: int, sid: str, dest: State, body: Any) -> None:
         status = _STATUS_OF[dest]
         self.ended += 1
-        duration = (ts_ns - live.opened_ts) / 1e9
+        duration = (self.last_ts_ns - live.opened_ts) / 1e9  # type: ignore[operator]
         self.duration_sum_s += duration
         self.duration_max_s = max(self.duration_max_s, duration)
         member: GroupMember | None = None
@@ -330,7 +321,7 @@ class RunStats:
 
     def live_by_state(self) -> dict[str, int]:
         """Sessions in flight, by state (open / running)."""
-        c = Counter(str(s.life.state) for s in self._live.values())
+        c = Counter(str(s.life.state) for s in self._fold.live.values())
         return {"open": c.get("open", 0), "running": c.get("running", 0)}
 
     def snapshot(self) -> dict[str, Any]:

@@ -223,14 +223,25 @@ def index_log(path: Any, until: int | None, quiet: bool) -> LogIndex:
     """The :class:`LogIndex` of the log at ``path`` up to ``until``."""
     import msgspec
 
-    from agentlog.events.schema.lifecycle import TERMINAL_STATES
+    from agentlog.events.schema.lifecycle import State
     from agentlog.events.schema.types import event_tag
-    from agentlog.reducers.lifecycle_step import SessionLife, evolve
+    from agentlog.reducers.fold import SessionFold, Tracked
     from agentlog.reducers.runstats import decode_projection
 
     index = LogIndex()
-    # The one lifecycle step (illegal records are left out here; the replay shows them).
-    lives: dict[str, SessionLife] = {}
+
+    def opened(lsn: int, sid: str, body: Any, life: Any) -> Tracked:
+        index.group[sid] = body.group_id
+        return Tracked(life)
+
+    def ended(session: Tracked, lsn: int, sid: str, state: State, body: Any) -> None:
+        if state is not State.FINISHED:
+            index.reason[sid] = body.reason
+
+    # The one fold driver: illegal records are left out here (the replay shows them), and
+    # every session is kept after its terminal event (nothing may follow it).
+    fold: SessionFold[Tracked] = SessionFold(opened=opened, ended=ended, refused=lambda violation: None,
+                                             check_lsn=False, resync=False, evict=False)
     for rec in read_records(path, raw=True, quiet=quiet, desc="select"):
         if until is not None and rec.lsn > until:
             break
@@ -239,19 +250,10 @@ def index_log(path: Any, until: int | None, quiet: bool) -> LogIndex:
         except msgspec.DecodeError as exc:
             raise CliError(f"{path}: lsn {rec.lsn}, session {rec.session_id!r}: payload is not a schema-v1 event: {exc}", EXIT_DATA) from None
         tag = event_tag(body)  # an unknown (newer) event keeps its stored tag
-        sid = rec.session_id
-        if tag == "policy_updated":
-            continue  # a learner-log record, not a session's
-        index.sessions[sid] = None
-        step = evolve(lives.get(sid), rec.lsn, sid, rec.session_seq, tag)
-        if not isinstance(step, SessionLife):
-            continue
-        lives[sid] = step  # kept after the terminal event: nothing may follow it
-        index.status[sid] = str(step.state)
-        if tag == "session_opened":
-            index.group[sid] = body.group_id
-        elif step.state in TERMINAL_STATES and tag != "session_finished":
-            index.reason[sid] = body.reason
+        if tag != "policy_updated":  # a learner-log record is no session's
+            index.sessions[rec.session_id] = None
+        fold.feed(rec.lsn, rec.session_id, rec.session_seq, tag, body)
+    index.status = {sid: str(session.life.state) for sid, session in fold.live.items()}
     return index
 
 

@@ -116,3 +116,21 @@ def test_vectorised_advantages_match_a_plain_loop(rows, estimator):
             a = a / (r.std() + 1e-6)
         want[idx] = a
     assert_close(got, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(members)
+def test_the_baseline_is_the_groups_reward_mean_to_the_bit(rows):
+    """dr_grpo's advantage is ``r - baseline``, the baseline being the one
+    definition of the group reward mean (reducers.groups), bit for bit."""
+    from agentlog.reducers.groups import reward_mean
+
+    rewards = T([r[1] for r in rows], dtype=torch.float64)
+    got = compute_advantages(rewards, T([r[0] for r in rows]), T([r[2] for r in rows]), "dr_grpo")
+    for g in {r[0] for r in rows}:
+        idx = [i for i, r in enumerate(rows) if r[0] == g and r[2]]
+        valid = [rows[i][1] for i in idx]
+        if len(idx) < 2 or max(valid) == min(valid):
+            continue
+        baseline = reward_mean(valid)
+        assert [float(got[i]) for i in idx] == [r - baseline for r in valid]
