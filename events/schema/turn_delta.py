@@ -1,6 +1,8 @@
 """Delta encoding of turns: the one place that turns a full turn into a
-:class:`~agentlog.events.schema.types.TurnDelta` and a delta back into the full
-:class:`~agentlog.events.schema.types.TurnRecorded` it stands for.
+:class:`~agentlog.events.schema.turn.TurnDelta` and a delta back into the full
+:class:`~agentlog.events.schema.turn.TurnRecorded` it stands for. Only the
+prompt is converted; every other field (:data:`~.turn.TURN_BODY_FIELDS`) is
+copied as it is, by name, so a new turn field needs no change here.
 
 An agent's prompt usually repeats the previous turn's prompt and output and
 adds the tool's answer, so storing each prompt whole makes a session's log
@@ -16,15 +18,25 @@ is O(current context), and drop it when the session ends.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any, Iterable, Iterator
 
 import msgspec
 import numpy as np
 
 from ..errors import AgentlogError
-from .types import _READING_STORED, TERMINAL_EVENT_TYPES, Envelope, TurnDelta, TurnRecorded
+from .turn import TURN_BODY_FIELDS, TurnBody, TurnDelta, TurnRecorded
+from .types import TERMINAL_EVENT_TYPES, Envelope
+from .validation import READING_STORED
 
 _encode = msgspec.msgpack.Encoder().encode
+_body_values = attrgetter(*TURN_BODY_FIELDS)
+
+
+def _body_fields(turn: TurnBody) -> dict[str, Any]:
+    """The fields a turn carries besides its prompt, by name: what both
+    encodings hold alike."""
+    return dict(zip(TURN_BODY_FIELDS, _body_values(turn)))
 
 
 class TurnDeltaError(AgentlogError, ValueError):
@@ -90,28 +102,20 @@ class TurnContext:
         check on before it acknowledges them."""
         shared_tokens = common_prefix_tokens(self.tokens, turn.prompt_ids)
         shared_messages = self._shared_messages(turn.messages)
-        token = _READING_STORED.set(True)
+        token = READING_STORED.set(True)
         try:
             return self._delta(turn, shared_tokens, shared_messages)
         finally:
-            _READING_STORED.reset(token)
+            READING_STORED.reset(token)
 
     @staticmethod
     def _delta(turn: TurnRecorded, shared_tokens: int, shared_messages: int) -> TurnDelta:
         return TurnDelta(
-            turn_index=turn.turn_index,
             shared_tokens=shared_tokens,
             new_prompt_ids=turn.prompt_ids[shared_tokens * 4 :],
             shared_messages=shared_messages,
             new_messages=list(turn.messages[shared_messages:]),
-            output_ids=turn.output_ids,
-            output_log_probs=turn.output_log_probs,
-            finish_reason=turn.finish_reason,
-            response_message=turn.response_message,
-            ill_formed=turn.ill_formed,
-            policy_version=turn.policy_version,
-            generate_s=turn.generate_s,
-            sampling=turn.sampling,
+            **_body_fields(turn),
         )
 
     def expand_messages(self, delta: TurnDelta, where: str = "", held_tokens: int | None = None) -> list[Any]:
@@ -140,23 +144,11 @@ class TurnContext:
         shared = delta.shared_tokens * 4
         prompt = delta.new_prompt_ids if not shared else self.tokens[:shared] + delta.new_prompt_ids
         # Built as a stored record is read: the checks ran when it was written.
-        token = _READING_STORED.set(True)
+        token = READING_STORED.set(True)
         try:
-            return TurnRecorded(
-                turn_index=delta.turn_index,
-                messages=messages,
-                prompt_ids=prompt,
-                output_ids=delta.output_ids,
-                output_log_probs=delta.output_log_probs,
-                finish_reason=delta.finish_reason,
-                response_message=delta.response_message,
-                ill_formed=delta.ill_formed,
-                policy_version=delta.policy_version,
-                generate_s=delta.generate_s,
-                sampling=delta.sampling,
-            )
+            return TurnRecorded(messages=messages, prompt_ids=prompt, **_body_fields(delta))
         finally:
-            _READING_STORED.reset(token)
+            READING_STORED.reset(token)
 
 
 def prompt_token_count(body: TurnRecorded | TurnDelta) -> int:

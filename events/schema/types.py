@@ -14,14 +14,13 @@ unknown tag decodes to an :class:`UnknownEvent`, so an old reader can read a
 newer log and say what it does not understand.
 
 Token ids and log-probs travel as raw little-endian ``int32`` / ``float32``
-bytes (see :func:`pack_tokens`, :func:`pack_log_probs`). Constructors accept
-lists or numpy arrays for those fields and convert them; accessors hand back
-read-only numpy views over the stored bytes.
+bytes (:mod:`.packing`). The two turn bodies and the fields they share live
+in :mod:`.turn`; what the checks share, in :mod:`.validation`. Their public
+names are re-exported here.
 """
 
 from __future__ import annotations
 
-import contextvars
 import math
 import re
 from typing import Any, Union
@@ -29,7 +28,11 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-from ..errors import AgentlogError
+# The turn bodies, token packing and the checks' shared parts live in their
+# own modules; their public names are re-exported here.
+from .packing import log_probs_view, pack_log_probs, pack_tokens, packed_field, tokens_view  # noqa: F401
+from .turn import FINISH_REASONS, TURN_BODY_FIELDS, TurnBody, TurnDelta, TurnRecorded, turn_temperature  # noqa: F401
+from .validation import READING_STORED, EventValidationError, fail  # noqa: F401
 
 SCHEMA_VERSION = 1
 
@@ -38,33 +41,6 @@ MAX_ID_BYTES = 256
 #: Forbidden in ids: a path separator (ids end up in file names and URLs),
 #: a C0 control or DEL..C1 control.
 _ID_BAD_CHAR = re.compile(r"[/\\\x00-\x1f\x7f-\x9f]")
-
-FINISH_REASONS = ("stop", "length", "abort")
-
-_TOKEN_DTYPE = np.dtype("<i4")
-_LOGPROB_DTYPE = np.dtype("<f4")
-
-
-class EventValidationError(AgentlogError, ValueError):
-    """An event field holds a value the schema does not allow.
-
-    The message names the event type, the field and the offending value.
-    """
-
-
-#: True while :func:`decode_body` decodes a stored record: the bodies' checks
-#: then stand aside (see the module docstring). A context variable, not a
-#: global, so a reader in one thread never switches off a writer's checks in
-#: another, and set per decode call (never across a generator's yield, which
-#: would leak it into the consumer's code).
-_READING_STORED: contextvars.ContextVar[bool] = contextvars.ContextVar("events_reading_stored", default=False)
-
-
-def _fail(event: str, field: str, expected: str, found: Any) -> None:
-    shown = repr(found)
-    if len(shown) > 120:
-        shown = shown[:117] + "..."
-    raise EventValidationError(f"{event}.{field}: expected {expected}, found {shown}")
 
 
 def validate_id(kind: str, value: Any) -> str:
@@ -85,71 +61,6 @@ def validate_id(kind: str, value: Any) -> str:
     return value
 
 
-# ---------------------------------------------------------------- token arrays
-
-
-def pack_tokens(values: Any) -> bytes:
-    """Token ids (list, tuple, numpy array or bytes) -> little-endian int32 bytes."""
-    if isinstance(values, (bytes, bytearray, memoryview)):
-        raw = bytes(values)
-        if len(raw) % 4:
-            raise EventValidationError(f"token bytes: expected a multiple of 4 bytes, found {len(raw)}")
-        return raw
-    try:
-        arr = np.asarray(values)
-    except (TypeError, ValueError) as exc:  # ragged nesting and the like
-        raise EventValidationError(f"token ids: expected a 1-D sequence of ints, found {type(values).__name__} ({exc})") from None
-    if arr.size == 0:
-        return b""
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise EventValidationError(f"token ids: expected a 1-D sequence of ints, found dtype {arr.dtype} shape {arr.shape}")
-    if arr.min() < -(2**31) or arr.max() >= 2**31:
-        raise EventValidationError(f"token ids: expected int32 range, found min {arr.min()} max {arr.max()}")
-    return arr.astype(_TOKEN_DTYPE, copy=False).tobytes()
-
-
-def pack_log_probs(values: Any) -> bytes:
-    """Log-probs (list, tuple, numpy array or bytes) -> little-endian float32 bytes."""
-    if isinstance(values, (bytes, bytearray, memoryview)):
-        raw = bytes(values)
-        if len(raw) % 4:
-            raise EventValidationError(f"log-prob bytes: expected a multiple of 4 bytes, found {len(raw)}")
-        return raw
-    try:
-        arr = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise EventValidationError(f"log-probs: expected a 1-D sequence of floats, found {type(values).__name__} ({exc})") from None
-    if arr.size == 0:
-        return b""
-    if arr.ndim != 1:
-        raise EventValidationError(f"log-probs: expected a 1-D sequence of floats, found shape {arr.shape}")
-    return arr.astype(_LOGPROB_DTYPE).tobytes()
-
-
-def tokens_view(raw: bytes) -> np.ndarray:
-    """Zero-copy read-only int32 view over packed token bytes."""
-    return np.frombuffer(raw, dtype=_TOKEN_DTYPE)
-
-
-def log_probs_view(raw: bytes) -> np.ndarray:
-    """Zero-copy read-only float32 view over packed log-prob bytes."""
-    return np.frombuffer(raw, dtype=_LOGPROB_DTYPE)
-
-
-def _packed(obj: msgspec.Struct, field: str, packer) -> bytes:
-    value = getattr(obj, field)
-    if isinstance(value, bytes):
-        if len(value) % 4:
-            _fail(type(obj).__name__, field, "a multiple of 4 bytes", f"{len(value)} bytes")
-        return value
-    try:
-        packed = packer(value)
-    except EventValidationError as exc:
-        raise EventValidationError(f"{type(obj).__name__}.{field}: {exc}") from None
-    msgspec.structs.force_setattr(obj, field, packed)
-    return packed
-
-
 # ---------------------------------------------------------------- rewards
 
 Reward = Union[float, dict[str, float]]
@@ -163,20 +74,20 @@ def normalize_reward(event: str, field: str, value: Any, *, optional: bool = Fal
         return float(value)
     if isinstance(value, float):
         if not math.isfinite(value):
-            _fail(event, field, "a finite float", value)
+            fail(event, field, "a finite float", value)
         return value
     if isinstance(value, dict):
         out = {}
         for key, v in value.items():
             if not isinstance(key, str):
-                _fail(event, f"{field}[{key!r}]", "a str key", key)
+                fail(event, f"{field}[{key!r}]", "a str key", key)
             if isinstance(v, (bool, int)) and not isinstance(v, float):
                 v = float(v)
             if not isinstance(v, float) or not math.isfinite(v):
-                _fail(event, f"{field}[{key!r}]", "a finite float", v)
+                fail(event, f"{field}[{key!r}]", "a finite float", v)
             out[key] = v
         return out
-    _fail(event, field, "a finite float or a dict of finite floats" + (" or None" if optional else ""), value)
+    fail(event, field, "a finite float or a dict of finite floats" + (" or None" if optional else ""), value)
 
 
 # ---------------------------------------------------------------- bodies
@@ -196,14 +107,14 @@ class SessionOpened(msgspec.Struct, frozen=True, tag="session_opened"):
     metadata: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
-        if _READING_STORED.get():
+        if READING_STORED.get():
             return
         validate_id("session_opened.group_id", self.group_id)
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1:
-            _fail("session_opened", "group_size", "an int >= 1", self.group_size)
+            fail("session_opened", "group_size", "an int >= 1", self.group_size)
         if not isinstance(self.sample_index, int) or isinstance(self.sample_index, bool) or self.sample_index < 0:
-            _fail("session_opened", "sample_index", "an int >= 0", self.sample_index)
-        _packed(self, "prompt_ids", pack_tokens)
+            fail("session_opened", "sample_index", "an int >= 0", self.sample_index)
+        packed_field(self, "prompt_ids", pack_tokens)
 
     @property
     def prompt_tokens(self) -> np.ndarray:
@@ -219,129 +130,11 @@ class SessionStarted(msgspec.Struct, frozen=True, tag="session_started"):
     details: dict[str, Any] = {}
 
 
-def _check_turn_output(body: Any, event: str) -> None:
-    """The write-time checks a turn's output fields share (turn_recorded, turn_delta)."""
-    if body.finish_reason not in FINISH_REASONS:
-        _fail(event, "finish_reason", "one of stop/length/abort", body.finish_reason)
-    out = _packed(body, "output_ids", pack_tokens)
-    lp = _packed(body, "output_log_probs", pack_log_probs)
-    if lp and len(lp) != len(out):
-        _fail(
-            event,
-            "output_log_probs",
-            f"{len(out) // 4} log-probs (one per output token) or none",
-            f"{len(lp) // 4} log-probs",
-        )
-    if lp:
-        # A NaN or infinite log-prob would surface much later as a NaN loss
-        # with no trace of which turn carried it. (This runs on every
-        # append: one reduction, and the position only when one is bad.)
-        finite = np.isfinite(log_probs_view(lp))
-        if not finite.all():
-            i = int(np.argmin(finite))
-            _fail(event, f"output_log_probs[{i}]", "a finite float", float(log_probs_view(lp)[i]))
-
-
-class TurnRecorded(msgspec.Struct, frozen=True, tag="turn_recorded"):
-    """One generation: the prompt the model saw, what it produced, and how."""
-
-    turn_index: int
-    messages: list[dict[str, Any]] = []
-    prompt_ids: bytes = b""
-    output_ids: bytes = b""
-    output_log_probs: bytes = b""
-    finish_reason: str = "stop"
-    response_message: dict[str, Any] | None = None
-    ill_formed: bool = False
-    policy_version: int = 0
-    generate_s: float = 0.0
-    sampling: dict[str, Any] = {}
-
-    def __post_init__(self) -> None:
-        if _READING_STORED.get():
-            return
-        if not isinstance(self.turn_index, int) or isinstance(self.turn_index, bool) or self.turn_index < 0:
-            _fail("turn_recorded", "turn_index", "an int >= 0", self.turn_index)
-        _packed(self, "prompt_ids", pack_tokens)
-        _check_turn_output(self, "turn_recorded")
-
-    @property
-    def prompt_tokens(self) -> np.ndarray:
-        """Prompt token ids as an int32 view."""
-        return tokens_view(self.prompt_ids)
-
-    @property
-    def output_tokens(self) -> np.ndarray:
-        """Output token ids as an int32 view."""
-        return tokens_view(self.output_ids)
-
-    @property
-    def log_probs(self) -> np.ndarray:
-        """Output log-probs as a float32 view (empty when not recorded)."""
-        return log_probs_view(self.output_log_probs)
-
-
-class TurnDelta(msgspec.Struct, frozen=True, tag="turn_delta"):
-    """One generation, stored as a delta against the session's previous turn.
-
-    The full turn (what a :class:`TurnRecorded` would hold) is: prompt ids =
-    the first ``shared_tokens`` tokens of the previous turn's prompt + output
-    ids, then ``new_prompt_ids``; messages = the first ``shared_messages`` of
-    the previous turn's messages + its response message (when it had one),
-    then ``new_messages``. The first turn of a session has an empty previous
-    turn. A new tag (not a reinterpreted ``turn_recorded``), so a reader that
-    predates it sees an unknown event and stops instead of taking the suffix
-    for the whole prompt. :mod:`agentlog.events.schema.turn_delta` encodes and
-    expands it."""
-
-    turn_index: int
-    shared_tokens: int = 0
-    new_prompt_ids: bytes = b""
-    shared_messages: int = 0
-    new_messages: list[dict[str, Any]] = []
-    output_ids: bytes = b""
-    output_log_probs: bytes = b""
-    finish_reason: str = "stop"
-    response_message: dict[str, Any] | None = None
-    ill_formed: bool = False
-    policy_version: int = 0
-    generate_s: float = 0.0
-    sampling: dict[str, Any] = {}
-
-    def __post_init__(self) -> None:
-        if _READING_STORED.get():
-            return
-        for field in ("turn_index", "shared_tokens", "shared_messages"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                _fail("turn_delta", field, "an int >= 0", value)
-        _packed(self, "new_prompt_ids", pack_tokens)
-        _check_turn_output(self, "turn_delta")
-
-    @property
-    def output_tokens(self) -> np.ndarray:
-        """Output token ids as an int32 view."""
-        return tokens_view(self.output_ids)
-
-
 class TurnUndelivered(msgspec.Struct, frozen=True, tag="turn_undelivered"):
     """A recorded turn's response never reached the agent; it is not trained."""
 
     turn_index: int
     reason: str = ""
-
-
-def turn_temperature(sampling: Any) -> float | None:
-    """The temperature a turn was sampled at, from its recorded ``sampling``
-    dict: 1.0 when absent or listed under ``ignored`` (the backend did not
-    apply it); None when it is not a number > 0."""
-    if not isinstance(sampling, dict):
-        return None
-    ignored = sampling.get("ignored") or ()
-    value = 1.0 if isinstance(ignored, (list, tuple)) and "temperature" in ignored else sampling.get("temperature", 1.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < math.inf:
-        return None
-    return float(value)
 
 
 class TeacherScored(msgspec.Struct, frozen=True, tag="teacher_scored"):
@@ -366,49 +159,49 @@ class TeacherScored(msgspec.Struct, frozen=True, tag="teacher_scored"):
     error: str = ""
 
     def __post_init__(self) -> None:
-        if _READING_STORED.get():
+        if READING_STORED.get():
             return
         ev = "teacher_scored"
         for field in ("turn_index", "start", "top_k"):
             v = getattr(self, field)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                _fail(ev, field, "an int >= 0", v)
+                fail(ev, field, "an int >= 0", v)
         for field in ("teacher", "teacher_version"):
             v = getattr(self, field)
             if not isinstance(v, str) or not v.strip():
-                _fail(ev, field, "a non-empty str (the teacher's name / weights digest or version)", v)
+                fail(ev, field, "a non-empty str (the teacher's name / weights digest or version)", v)
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t < math.inf:
-            _fail(ev, "temperature", "a number > 0 (the scored turn's sampling temperature)", t)
+            fail(ev, "temperature", "a number > 0 (the scored turn's sampling temperature)", t)
         if not isinstance(self.error, str):
-            _fail(ev, "error", "a str", self.error)
-        lp = _packed(self, "log_probs", pack_log_probs)
+            fail(ev, "error", "a str", self.error)
+        lp = packed_field(self, "log_probs", pack_log_probs)
         n = len(lp) // 4
         if self.error:
             if n or self.top_k:
-                _fail(ev, "error", "no log-probs and no top-K beside an error", f"{n} log-probs, top_k {self.top_k}")
+                fail(ev, "error", "no log-probs and no top-K beside an error", f"{n} log-probs, top_k {self.top_k}")
             return
         if n == 0:
-            _fail(ev, "log_probs", "at least one log-prob (or an error)", "none")
+            fail(ev, "log_probs", "at least one log-prob (or an error)", "none")
         values = log_probs_view(lp)
         ok = np.isfinite(values) & (values <= 0.0)
         if not ok.all():
             i = int(np.argmin(ok))
-            _fail(ev, f"log_probs[{i}]", "a finite log-prob <= 0", float(values[i]))
-        ids = _packed(self, "top_ids", pack_tokens)
-        tlp = _packed(self, "top_log_probs", pack_log_probs)
+            fail(ev, f"log_probs[{i}]", "a finite log-prob <= 0", float(values[i]))
+        ids = packed_field(self, "top_ids", pack_tokens)
+        tlp = packed_field(self, "top_log_probs", pack_log_probs)
         want = n * self.top_k
         if len(ids) // 4 != want or len(tlp) // 4 != want:
-            _fail(ev, "top_ids/top_log_probs", f"top_k x scored tokens = {want} entries each",
+            fail(ev, "top_ids/top_log_probs", f"top_k x scored tokens = {want} entries each",
                   f"{len(ids) // 4} ids and {len(tlp) // 4} log-probs")
         if want:
             top = log_probs_view(tlp)
             ok = np.isfinite(top) & (top <= 0.0)
             if not ok.all():
                 i = int(np.argmin(ok))
-                _fail(ev, f"top_log_probs[{i}]", "a finite log-prob <= 0", float(top[i]))
+                fail(ev, f"top_log_probs[{i}]", "a finite log-prob <= 0", float(top[i]))
             if (tokens_view(ids) < 0).any():
-                _fail(ev, "top_ids", "token ids >= 0", "a negative id")
+                fail(ev, "top_ids", "token ids >= 0", "a negative id")
 
     @property
     def scores(self) -> np.ndarray:
@@ -439,7 +232,7 @@ class RewardAssigned(msgspec.Struct, frozen=True, tag="reward_assigned"):
     source: str = ""
 
     def __post_init__(self) -> None:
-        if _READING_STORED.get():
+        if READING_STORED.get():
             return
         msgspec.structs.force_setattr(self, "reward", normalize_reward("reward_assigned", "reward", self.reward))
 
@@ -451,7 +244,7 @@ class SessionFinished(msgspec.Struct, frozen=True, tag="session_finished"):
     metadata: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
-        if _READING_STORED.get():
+        if READING_STORED.get():
             return
         msgspec.structs.force_setattr(
             self, "reward", normalize_reward("session_finished", "reward", self.reward, optional=True)
@@ -470,10 +263,10 @@ class SessionAborted(msgspec.Struct, frozen=True, tag="session_aborted"):
     traceback: str = ""
 
     def __post_init__(self) -> None:
-        if _READING_STORED.get():
+        if READING_STORED.get():
             return
         if not isinstance(self.reason, str) or not self.reason:
-            _fail("session_aborted", "reason", "a non-empty str", self.reason)
+            fail("session_aborted", "reason", "a non-empty str", self.reason)
         # A traceback of the wrong type is left to the writer's schema check.
         if isinstance(self.traceback, str) and len(self.traceback) > MAX_TRACEBACK_CHARS:
             # Keep the end: the innermost frames say what actually failed.
@@ -486,10 +279,10 @@ class SessionDropped(msgspec.Struct, frozen=True, tag="session_dropped"):
     reason: str
 
     def __post_init__(self) -> None:
-        if _READING_STORED.get():
+        if READING_STORED.get():
             return
         if not isinstance(self.reason, str) or not self.reason:
-            _fail("session_dropped", "reason", "a non-empty str", self.reason)
+            fail("session_dropped", "reason", "a non-empty str", self.reason)
 
 
 class MemberRef(msgspec.Struct, frozen=True, array_like=True):
@@ -629,7 +422,7 @@ def decode_body(payload: bytes | memoryview) -> Any:
     fields do not have this version's types, or the payload is not a tagged
     map (:func:`stored_tag` tells the two apart), and msgspec.DecodeError when
     it is not msgpack."""
-    token = _READING_STORED.set(True)
+    token = READING_STORED.set(True)
     try:
         return _body_decoder.decode(payload)
     except msgspec.ValidationError:
@@ -639,7 +432,7 @@ def decode_body(payload: bytes | memoryview) -> Any:
             raise
         return unknown
     finally:
-        _READING_STORED.reset(token)
+        READING_STORED.reset(token)
 
 
 def _stored_map(payload: bytes | memoryview) -> dict | None:

@@ -1,0 +1,81 @@
+"""Token ids and log-probs as stored: raw little-endian ``int32`` /
+``float32`` bytes. Constructors of the bodies accept lists or numpy arrays for
+those fields and convert them here; accessors hand back read-only numpy
+views over the stored bytes."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import msgspec
+import numpy as np
+
+from .validation import EventValidationError, fail
+
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+
+
+def pack_tokens(values: Any) -> bytes:
+    """Token ids (list, tuple, numpy array or bytes) -> little-endian int32 bytes."""
+    if isinstance(values, (bytes, bytearray, memoryview)):
+        raw = bytes(values)
+        if len(raw) % 4:
+            raise EventValidationError(f"token bytes: expected a multiple of 4 bytes, found {len(raw)}")
+        return raw
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError) as exc:  # ragged nesting and the like
+        raise EventValidationError(f"token ids: expected a 1-D sequence of ints, found {type(values).__name__} ({exc})") from None
+    if arr.size == 0:
+        return b""
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise EventValidationError(f"token ids: expected a 1-D sequence of ints, found dtype {arr.dtype} shape {arr.shape}")
+    if arr.min() < -(2**31) or arr.max() >= 2**31:
+        raise EventValidationError(f"token ids: expected int32 range, found min {arr.min()} max {arr.max()}")
+    return arr.astype(TOKEN_DTYPE, copy=False).tobytes()
+
+
+def pack_log_probs(values: Any) -> bytes:
+    """Log-probs (list, tuple, numpy array or bytes) -> little-endian float32 bytes."""
+    if isinstance(values, (bytes, bytearray, memoryview)):
+        raw = bytes(values)
+        if len(raw) % 4:
+            raise EventValidationError(f"log-prob bytes: expected a multiple of 4 bytes, found {len(raw)}")
+        return raw
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise EventValidationError(f"log-probs: expected a 1-D sequence of floats, found {type(values).__name__} ({exc})") from None
+    if arr.size == 0:
+        return b""
+    if arr.ndim != 1:
+        raise EventValidationError(f"log-probs: expected a 1-D sequence of floats, found shape {arr.shape}")
+    return arr.astype(LOGPROB_DTYPE).tobytes()
+
+
+def tokens_view(raw: bytes) -> np.ndarray:
+    """Zero-copy read-only int32 view over packed token bytes."""
+    return np.frombuffer(raw, dtype=TOKEN_DTYPE)
+
+
+def log_probs_view(raw: bytes) -> np.ndarray:
+    """Zero-copy read-only float32 view over packed log-prob bytes."""
+    return np.frombuffer(raw, dtype=LOGPROB_DTYPE)
+
+
+def packed_field(obj: msgspec.Struct, field: str, packer: Callable[[Any], bytes]) -> bytes:
+    """A body's token or log-prob field as packed bytes, stored back on the
+    (frozen) body when it was given as a list or array. Raises
+    EventValidationError naming the body and the field."""
+    value = getattr(obj, field)
+    if isinstance(value, bytes):
+        if len(value) % 4:
+            fail(type(obj).__name__, field, "a multiple of 4 bytes", f"{len(value)} bytes")
+        return value
+    try:
+        packed = packer(value)
+    except EventValidationError as exc:
+        raise EventValidationError(f"{type(obj).__name__}.{field}: {exc}") from None
+    msgspec.structs.force_setattr(obj, field, packed)
+    return packed

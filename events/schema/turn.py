@@ -1,0 +1,145 @@
+"""The turn schema: one generation of the model, as the log stores it.
+
+A turn is stored as one of two bodies that differ only in how they hold the
+prompt: :class:`TurnRecorded` holds it inline, :class:`TurnDelta` as a delta
+against the session's previous turn (:mod:`.turn_delta` converts between
+them). Everything else a turn carries (what the model produced and how) is
+declared once, in :class:`TurnBody`, which both inherit.
+
+**A new turn field is a one-place change**: add it at the end of
+:class:`TurnBody`, with a default. Both bodies then carry it, last on the
+wire (``TurnBody`` is ``kw_only``, and msgspec orders keyword-only fields
+after every positional one, so each body's stored layout stays ``turn_index``,
+its prompt fields, then the shared fields); the delta conversions copy it
+(they iterate over :data:`TURN_BODY_FIELDS`); the engine's ``record_turn``
+takes it by name; the statistics projection declares it (delimited, not
+decoded). Old records, which lack it, decode with its default.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from .packing import log_probs_view, pack_log_probs, pack_tokens, packed_field, tokens_view
+from .validation import READING_STORED, check_count, fail
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class _Indexed(msgspec.Struct, frozen=True):
+    # Its own class so that ``turn_index`` is positional and first on the
+    # wire, ahead of the subclass's prompt fields (TurnBody's are kw_only).
+    turn_index: int
+
+
+class TurnBody(_Indexed, frozen=True, kw_only=True):
+    """What every turn carries besides its prompt: its index, what the model
+    produced and how. Never stored itself: :class:`TurnRecorded` and
+    :class:`TurnDelta` inherit these fields and add the prompt. New fields go
+    at the end and carry a default (see the module docstring)."""
+
+    output_ids: bytes = b""
+    output_log_probs: bytes = b""
+    finish_reason: str = "stop"
+    response_message: dict[str, Any] | None = None
+    ill_formed: bool = False
+    policy_version: int = 0
+    generate_s: float = 0.0
+    sampling: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        if READING_STORED.get():
+            return
+        event = self.__struct_config__.tag
+        check_count(event, "turn_index", self.turn_index)
+        self._check_prompt(event)
+        if self.finish_reason not in FINISH_REASONS:
+            fail(event, "finish_reason", "one of stop/length/abort", self.finish_reason)
+        out = packed_field(self, "output_ids", pack_tokens)
+        lp = packed_field(self, "output_log_probs", pack_log_probs)
+        if lp and len(lp) != len(out):
+            fail(event, "output_log_probs", f"{len(out) // 4} log-probs (one per output token) or none", f"{len(lp) // 4} log-probs")
+        if lp:
+            # A NaN or infinite log-prob would surface much later as a NaN loss
+            # with no trace of which turn carried it. (This runs on every
+            # append: one reduction, and the position only when one is bad.)
+            finite = np.isfinite(log_probs_view(lp))
+            if not finite.all():
+                i = int(np.argmin(finite))
+                fail(event, f"output_log_probs[{i}]", "a finite float", float(log_probs_view(lp)[i]))
+
+    def _check_prompt(self, event: str) -> None:
+        """The write-time checks of the subclass's prompt fields."""
+        raise NotImplementedError(f"{type(self).__name__}: a turn body without a prompt encoding is never built")
+
+    @property
+    def output_tokens(self) -> np.ndarray:
+        """Output token ids as an int32 view."""
+        return tokens_view(self.output_ids)
+
+    @property
+    def log_probs(self) -> np.ndarray:
+        """Output log-probs as a float32 view (empty when not recorded)."""
+        return log_probs_view(self.output_log_probs)
+
+
+#: The fields a turn carries besides its prompt, in stored order, ``turn_index``
+#: first: what a conversion between the two encodings copies unchanged.
+TURN_BODY_FIELDS: tuple[str, ...] = TurnBody.__struct_fields__
+
+
+class TurnRecorded(TurnBody, frozen=True, tag="turn_recorded"):
+    """One generation with its prompt inline: the messages and token ids the
+    model saw, then what it produced and how (:class:`TurnBody`)."""
+
+    messages: list[dict[str, Any]] = []
+    prompt_ids: bytes = b""
+
+    def _check_prompt(self, event: str) -> None:
+        packed_field(self, "prompt_ids", pack_tokens)
+
+    @property
+    def prompt_tokens(self) -> np.ndarray:
+        """Prompt token ids as an int32 view."""
+        return tokens_view(self.prompt_ids)
+
+
+class TurnDelta(TurnBody, frozen=True, tag="turn_delta"):
+    """One generation, stored as a delta against the session's previous turn.
+
+    The full turn (what a :class:`TurnRecorded` would hold) is: prompt ids =
+    the first ``shared_tokens`` tokens of the previous turn's prompt + output
+    ids, then ``new_prompt_ids``; messages = the first ``shared_messages`` of
+    the previous turn's messages + its response message (when it had one),
+    then ``new_messages``. The first turn of a session has an empty previous
+    turn. A new tag (not a reinterpreted ``turn_recorded``), so a reader that
+    predates it sees an unknown event and stops instead of taking the suffix
+    for the whole prompt. :mod:`agentlog.events.schema.turn_delta` encodes and
+    expands it."""
+
+    shared_tokens: int = 0
+    new_prompt_ids: bytes = b""
+    shared_messages: int = 0
+    new_messages: list[dict[str, Any]] = []
+
+    def _check_prompt(self, event: str) -> None:
+        check_count(event, "shared_tokens", self.shared_tokens)
+        check_count(event, "shared_messages", self.shared_messages)
+        packed_field(self, "new_prompt_ids", pack_tokens)
+
+
+def turn_temperature(sampling: Any) -> float | None:
+    """The temperature a turn was sampled at, from its recorded ``sampling``
+    dict: 1.0 when absent or listed under ``ignored`` (the backend did not
+    apply it); None when it is not a number > 0."""
+    if not isinstance(sampling, dict):
+        return None
+    ignored = sampling.get("ignored") or ()
+    value = 1.0 if isinstance(ignored, (list, tuple)) and "temperature" in ignored else sampling.get("temperature", 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < math.inf:
+        return None
+    return float(value)

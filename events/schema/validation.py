@@ -1,0 +1,46 @@
+"""What the event bodies' write-time checks share: the error they raise, the
+switch that stands them aside while a stored record is decoded, and the
+helper that words a failure (event, field, what was expected, what was found).
+
+Every body module (:mod:`.types`, :mod:`.packing`, :mod:`.turn`) builds its
+checks on these, so the rule "validated on write, tolerant on read" is
+implemented once.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, NoReturn
+
+from ..errors import AgentlogError
+
+
+class EventValidationError(AgentlogError, ValueError):
+    """An event field holds a value the schema does not allow.
+
+    The message names the event type, the field and the offending value.
+    """
+
+
+#: True while a stored record is decoded (:func:`.types.decode_body`) or a
+#: body is rebuilt from one (:mod:`.turn_delta`): the bodies' checks then
+#: stand aside (see :mod:`.types`). A context variable, not a global, so a
+#: reader in one thread never switches off a writer's checks in another, and
+#: set per decode call (never across a generator's yield, which would leak it
+#: into the consumer's code).
+READING_STORED: contextvars.ContextVar[bool] = contextvars.ContextVar("events_reading_stored", default=False)
+
+
+def fail(event: str, field: str, expected: str, found: Any) -> NoReturn:
+    """Raise EventValidationError: ``event.field: expected ..., found ...``
+    (the found value's repr cut to 120 characters)."""
+    shown = repr(found)
+    if len(shown) > 120:
+        shown = shown[:117] + "..."
+    raise EventValidationError(f"{event}.{field}: expected {expected}, found {shown}")
+
+
+def check_count(event: str, field: str, value: Any) -> None:
+    """An int >= 0 (not a bool), else EventValidationError."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        fail(event, field, "an int >= 0", value)
