@@ -129,17 +129,13 @@ class SessionHandle:
         self,
         messages: list[dict[str, Any]] | None = None,
         prompt_ids: Any = b"",
-        output_ids: Any = b"",
-        output_log_probs: Any = b"",
-        finish_reason: str = "stop",
-        response_message: dict[str, Any] | None = None,
-        policy_version: int = 0,
-        ill_formed: bool = False,
-        generate_s: float = 0.0,
         sampling: dict[str, Any] | None = None,
+        **fields: Any,
     ) -> Envelope:
         """Record one generation; the engine assigns ``turn_index``. Returns the durable envelope.
-        Raises StragglerRefused if the session is not running."""
+        ``fields``: the turn's other fields by name (:class:`~agentlog.events.schema.turn.TurnBody`:
+        output_ids, output_log_probs, finish_reason, ...), so a new turn field needs no change here.
+        Raises StragglerRefused if the session is not running, TypeError naming an unknown field."""
         h = self
         eng = self._engine
         if h._busy:
@@ -149,11 +145,7 @@ class SessionHandle:
         try:
             if h.state is not State.RUNNING:
                 eng._refuse(h.session_id, "turn_recorded", h.state, h)
-            full = TurnRecorded(
-                turn_index=h.turns, messages=messages or [], prompt_ids=prompt_ids, output_ids=output_ids,
-                output_log_probs=output_log_probs, finish_reason=finish_reason, response_message=response_message,
-                ill_formed=ill_formed, policy_version=policy_version, generate_s=generate_s, sampling=sampling or {},
-            )
+            full = TurnRecorded(turn_index=h.turns, messages=messages or [], prompt_ids=prompt_ids, sampling=sampling or {}, **fields)
             # The caller sends the whole prompt (as the chat APIs do); the log
             # stores what is new since the previous turn.
             context = h._context if h._context is not None else TurnContext()

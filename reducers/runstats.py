@@ -18,7 +18,9 @@ fold also accepts a *projection* of each body: :func:`decode_projection`
 decodes a raw payload into small Structs carrying only the fields the
 statistics need (msgspec skips the rest without building Python objects).
 The projection is a view of schema v1 from :mod:`events.schema.types`: same tags,
-same field names (a test checks that every projected field exists there).
+same field names (a test checks that every projected field exists there); the
+two turn projections are built from the schema's turn bodies themselves, so a
+new turn field needs no change here.
 Full event bodies are accepted as well (``feed``), with identical results.
 Events of a type this version does not know (a newer writer's
 :class:`events.schema.types.UnknownEvent`) are counted per tag, not interpreted.
@@ -36,6 +38,7 @@ from typing import Any, Union
 import msgspec
 
 from agentlog.events.schema.lifecycle import State
+from agentlog.events.schema.turn import TurnDelta, TurnRecorded
 from agentlog.events.schema.types import Envelope, UnknownEvent, as_unknown_event
 
 from .config import ReduceConfig
@@ -68,27 +71,24 @@ class _Started(msgspec.Struct, tag="session_started"):
     pass
 
 
-class _Turn(msgspec.Struct, tag="turn_recorded"):
-    turn_index: int
-    messages: msgspec.Raw = _RAW
-    prompt_ids: bytes = b""
-    output_ids: bytes = b""
-    output_log_probs: msgspec.Raw = _RAW
-    finish_reason: str = "stop"
-    response_message: msgspec.Raw = _RAW
-    sampling: msgspec.Raw = _RAW
+def _turn_projection(body: type[msgspec.Struct], read: dict[str, Any]) -> Any:
+    """The projection of a schema turn body: the fields the statistics read,
+    typed as in ``read``, and every other field of the body (a turn field
+    added since included) declared Raw, so it is delimited, never decoded."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for f in msgspec.structs.fields(body):
+        if f.name not in read:
+            fields.append((f.name, msgspec.Raw, _RAW))
+        elif f.required:
+            fields.append((f.name, read[f.name]))
+        else:
+            fields.append((f.name, read[f.name], f.default))
+    return msgspec.defstruct("_" + body.__name__, fields, tag=body.__struct_config__.tag, module=__name__)
 
 
-class _Delta(msgspec.Struct, tag="turn_delta"):
-    turn_index: int
-    shared_tokens: int = 0
-    new_prompt_ids: bytes = b""
-    new_messages: msgspec.Raw = _RAW
-    output_ids: bytes = b""
-    output_log_probs: msgspec.Raw = _RAW
-    finish_reason: str = "stop"
-    response_message: msgspec.Raw = _RAW
-    sampling: msgspec.Raw = _RAW
+_TURN_READ = {"turn_index": int, "output_ids": bytes, "finish_reason": str}
+_Turn = _turn_projection(TurnRecorded, {**_TURN_READ, "prompt_ids": bytes})
+_Delta = _turn_projection(TurnDelta, {**_TURN_READ, "shared_tokens": int, "new_prompt_ids": bytes})
 
 
 class _Undelivered(msgspec.Struct, tag="turn_undelivered"):
