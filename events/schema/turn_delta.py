@@ -18,25 +18,35 @@ is O(current context), and drop it when the session ends.
 
 from __future__ import annotations
 
-from operator import attrgetter
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import msgspec
 import numpy as np
 
 from ..errors import AgentlogError
-from .turn import TURN_BODY_FIELDS, TurnBody, TurnDelta, TurnRecorded
+from .turn import TURN_BODY_FIELDS, TurnDelta, TurnRecorded
 from .types import TERMINAL_EVENT_TYPES, Envelope
 from .validation import READING_STORED
 
 _encode = msgspec.msgpack.Encoder().encode
-_body_values = attrgetter(*TURN_BODY_FIELDS)
 
 
-def _body_fields(turn: TurnBody) -> dict[str, Any]:
-    """The fields a turn carries besides its prompt, by name: what both
-    encodings hold alike."""
-    return dict(zip(TURN_BODY_FIELDS, _body_values(turn)))
+def _copying(target: type, prompt: tuple[str, ...]) -> Callable[..., Any]:
+    """A function ``(turn, *prompt) -> target``: the ``target`` body with the
+    given prompt fields and every field of ``turn`` in :data:`TURN_BODY_FIELDS`,
+    copied by name. Generated once from the field list, as dataclasses
+    generate ``__init__``: it runs for every turn the engine records, and
+    passing the fields as a built dict (``**``) costs about four times as much."""
+    assert all(name.isidentifier() for name in prompt + TURN_BODY_FIELDS)
+    fields = [f"{name}={name}" for name in prompt] + [f"{name}=turn.{name}" for name in TURN_BODY_FIELDS]
+    source = f"def build(turn, {', '.join(prompt)}):\n    return target({', '.join(fields)})\n"
+    namespace: dict[str, Any] = {"target": target}
+    exec(source, namespace)  # noqa: S102 - identifiers from the schema's own field list
+    return namespace["build"]
+
+
+_delta_from = _copying(TurnDelta, ("shared_tokens", "new_prompt_ids", "shared_messages", "new_messages"))
+_recorded_from = _copying(TurnRecorded, ("messages", "prompt_ids"))
 
 
 class TurnDeltaError(AgentlogError, ValueError):
@@ -110,12 +120,8 @@ class TurnContext:
 
     @staticmethod
     def _delta(turn: TurnRecorded, shared_tokens: int, shared_messages: int) -> TurnDelta:
-        return TurnDelta(
-            shared_tokens=shared_tokens,
-            new_prompt_ids=turn.prompt_ids[shared_tokens * 4 :],
-            shared_messages=shared_messages,
-            new_messages=list(turn.messages[shared_messages:]),
-            **_body_fields(turn),
+        return _delta_from(
+            turn, shared_tokens, turn.prompt_ids[shared_tokens * 4 :], shared_messages, list(turn.messages[shared_messages:])
         )
 
     def expand_messages(self, delta: TurnDelta, where: str = "", held_tokens: int | None = None) -> list[Any]:
@@ -146,7 +152,7 @@ class TurnContext:
         # Built as a stored record is read: the checks ran when it was written.
         token = READING_STORED.set(True)
         try:
-            return TurnRecorded(messages=messages, prompt_ids=prompt, **_body_fields(delta))
+            return _recorded_from(delta, messages, prompt)
         finally:
             READING_STORED.reset(token)
 
