@@ -8,8 +8,7 @@
   (``events/log/writer.py``, ``tools/bench/bench_log.py``, ...) and only
   ``agentlog.<...>`` names that resolve to a module or an attribute of one.
   docs/performance.md is history (it names files as they were when measured),
-  so it is not checked for paths; nor is design.md's "Planned pieces"
-  section, which names modules before they exist.
+  so it is not checked for paths.
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ _PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w/.-]*\.(?:py|c|md|toml|sh|png))" % "
 _DOTTED = re.compile(r"\bagentlog((?:\.[A-Za-z_]\w*)+)")
 #: ``agentlog.`` names that are not modules: the entry point group task packages declare.
 NOT_MODULES = {"tasks"}
-#: The design.md section that describes pieces not merged yet.
-PLANNED_SECTION = "## Planned pieces"
 
 
 def _module_names(text: str) -> list[tuple[int, str]]:
@@ -122,12 +119,7 @@ def missing_doc_references(root: Path) -> list[str]:
     """'doc:line: what' for each file path or ``agentlog.`` name in the living docs that does not exist."""
     problems = []
     for doc in LIVING_DOCS:
-        planned = False
         for lineno, line in enumerate((root / doc).read_text(encoding="utf-8").splitlines(), 1):
-            if line.startswith("## "):
-                planned = line.strip() == PLANNED_SECTION
-            if planned:
-                continue
             for m in _PATH.finditer(line):
                 path = m.group(1)
                 if not (root / path).exists():
