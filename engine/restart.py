@@ -35,7 +35,7 @@ import hashlib
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Generator, NamedTuple
 
 import msgspec
 
@@ -124,7 +124,7 @@ class _Record(NamedTuple):
     body: Any  # decoded only where the fold needs it (session_opened), else None
 
 
-def _records(log: EventLog, from_lsn: int) -> Iterator[_Record]:
+def _records(log: EventLog, from_lsn: int) -> Generator[_Record, None, None]:
     """The log's acknowledged records from ``from_lsn``, with their tags; the
     bodies are not decoded except ``session_opened``."""
     for rec in log.read(from_lsn, raw=True):

@@ -174,7 +174,7 @@ class SessionFold(Generic[S]):
                 if session is not None and self._resync:
                     session.life = resync(session.life, seq)  # type: ignore[assignment]
             elif session is None:
-                session = self._opened(lsn, session_id, record, step)  # type: ignore[arg-type]
+                session = self._opened(lsn, session_id, record, step)
                 if session is not None:
                     if self.ids is not None:
                         self.ids.add(session_id)
@@ -182,7 +182,7 @@ class SessionFold(Generic[S]):
             else:
                 if self._applied is not None:
                     self._applied(session, lsn, tag, record)
-                state = step.state  # type: ignore[union-attr]
+                state = step.state
                 if state in TERMINAL_STATES:
                     if self._evict:
                         del live[session_id]  # nothing may follow a terminal event
@@ -202,4 +202,4 @@ class SessionFold(Generic[S]):
         if type(body) is UnknownEvent:
             self.feed(env.lsn, env.session_id, env.session_seq, body.tag, env, True)
         else:
-            self.feed(env.lsn, env.session_id, env.session_seq, body.__struct_config__.tag, env)
+            self.feed(env.lsn, env.session_id, env.session_seq, body.__struct_config__.tag, env)  # type: ignore[arg-type]  # every event's tag is a str

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from enum import StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, final
 
 import msgspec
 
@@ -83,6 +83,7 @@ class ViolationKind(StrEnum):
     GROUP_CONFLICT = "group_conflict"
 
 
+@final  # no subclasses: the fold driver tells a violation from a state by its exact type
 class Violation(msgspec.Struct, frozen=True):
     """An illegal record: where it is, which session, what kind, and what was wrong."""
 

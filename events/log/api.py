@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import time
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Iterator, Literal, NamedTuple, overload
 
 import msgspec
 
@@ -30,6 +30,9 @@ from ..schema.types import (
     stored_tag,
     validate_id,
 )
+
+if TYPE_CHECKING:
+    from .read import RawRecord
 
 _EVENT_TYPE_SET = frozenset(EVENT_TYPES)
 
@@ -170,7 +173,7 @@ class EventLog(abc.ABC):
         checks of anything built on the log report this."""
         return None
 
-    def _check_batch(self, records: Iterable[PendingRecord]) -> list[CheckedRecord]:
+    def _check_batch(self, records: Iterable[PendingRecord | tuple]) -> list[CheckedRecord]:
         """Validate a batch without changing state: the per-session sequence
         (SequenceError naming the session and both numbers) and each body
         against the schema (EventValidationError naming the session, event
@@ -238,8 +241,15 @@ class EventLog(abc.ABC):
     async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
         """Append one record from asyncio; concurrent calls are group-committed."""
 
+    @overload
+    def read(self, from_lsn: int = 0, *, raw: Literal[False] = False) -> Iterator[Envelope]: ...
+    @overload
+    def read(self, from_lsn: int = 0, *, raw: Literal[True]) -> Iterator[RawRecord]: ...
+    @overload
+    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Envelope | RawRecord]: ...
+
     @abc.abstractmethod
-    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Envelope]:
+    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Envelope | RawRecord]:
         """Durable records with lsn >= from_lsn, in LSN order; with ``raw``,
         :class:`~agentlog.events.log.read.RawRecord` s (payload undecoded) instead."""
 
@@ -285,7 +295,7 @@ class MemoryLog(EventLog):
     async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
         return self.append_batch([PendingRecord(session_id, session_seq, body)])[0]
 
-    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Envelope]:
+    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Any]:  # typed by EventLog.read's overloads
         from .read import RawRecord
 
         lsn = max(0, from_lsn)

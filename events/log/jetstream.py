@@ -51,7 +51,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from typing import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from ..._logging import get_logger
 from .api import LogClosed, LogError, LogFenced
@@ -80,7 +80,7 @@ class JetStreamLog(JetStreamAppender):
     #: Seconds :meth:`close` waits for queued publishes to be acknowledged before it abandons them.
     _close_wait_s = 10.0
 
-    def __init__(self, *, url: str, stream: str, partition: int, clock: Callable[[], int]) -> None:
+    def __init__(self, *, url: str | Sequence[str], stream: str, partition: int | str, clock: Callable[[], int]) -> None:
         super().__init__(clock)
         self.url, self.stream, self.partition = url, stream, partition
         self.subject = f"{stream}.{log_name(partition)}"
@@ -106,7 +106,7 @@ class JetStreamLog(JetStreamAppender):
         cls,
         url: str | Sequence[str],
         stream: str,
-        partition: int = 0,
+        partition: int | str = 0,
         *,
         replicas: int = 1,
         duplicate_window_s: float = 120.0,
@@ -289,7 +289,7 @@ class JetStreamLog(JetStreamAppender):
 
     # -- reading -------------------------------------------------------------
 
-    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Envelope]:
+    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Any]:  # typed by EventLog.read's overloads
         if self._closed:
             raise LogClosed(f"{self.where}: closed")
         return read_subject(self._bridge, self._js, self.stream, self.subject, self.where, from_lsn, raw=raw)
@@ -310,6 +310,7 @@ class JetStreamLog(JetStreamAppender):
         async def finish() -> None:
             if self._writer is not None and not self._writer.done():
                 done: concurrent.futures.Future = concurrent.futures.Future()
+                assert self._queue is not None  # made before the writer task
                 self._queue.put_nowait((0, None, done))
                 try:
                     await asyncio.wait_for(asyncio.shield(self._writer), self._close_wait_s)

@@ -125,7 +125,7 @@ class JetStreamAppender(EventLog):
     subject: str
     stream: str
     where: str
-    partition: int
+    partition: int | str  # a partition id, or a named log (learner)
     epoch: int
     _lock: threading.Lock
     _next: int
@@ -158,6 +158,7 @@ class JetStreamAppender(EventLog):
             return
         self._fatal = self._fatal or reason
         items, self._taken = list(self._taken), []
+        assert self._queue is not None  # made before the writer task this callback watches
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
         for lsn, records, done in items:
@@ -186,21 +187,22 @@ class JetStreamAppender(EventLog):
                 done: concurrent.futures.Future = concurrent.futures.Future()
                 done.set_result(None)
                 return [], done
-            records, envs = [], []
+            batch: list[list[_Msg]] = []
+            envs = []
             lsn = self._next
             chunk_bytes = self._max_payload - _HEADER_ROOM
             for rec in checked:
                 ts = self._clock()
                 sid = rec.session_id.encode("utf-8")
                 flags = FLAG_TERMINAL if isinstance(rec.body, TERMINAL_EVENT_TYPES) else 0
-                at = lsn + len(records)
+                at = lsn + len(batch)
                 frame = encode_frame(at, rec.session_seq, ts, flags, sid, rec.payload)
                 if len(frame) > chunk_bytes * MAX_BATCH:
                     raise LogError(
                         f"{self.where}: session {rec.session_id!r} seq {rec.session_seq}: record of {len(frame)} bytes "
                         f"exceeds {MAX_BATCH} chunks of {chunk_bytes} bytes (one atomic batch); nothing was written"
                     )
-                records.append(self._messages_of(at, frame, chunk_bytes))
+                batch.append(self._messages_of(at, frame, chunk_bytes))
                 envs.append(Envelope(at, rec.session_id, rec.session_seq, ts, rec.body))
             done = concurrent.futures.Future()
             # Running: a caller that stops waiting (its task cancelled) cannot cancel the
@@ -208,8 +210,8 @@ class JetStreamAppender(EventLog):
             done.set_running_or_notify_cancel()
             for rec in checked:
                 self._advance(rec)
-            self._next = lsn + len(records)
-            self._bridge.loop.call_soon_threadsafe(self._enqueue, (lsn, records, done))
+            self._next = lsn + len(batch)
+            self._bridge.loop.call_soon_threadsafe(self._enqueue, (lsn, batch, done))
             return envs, done
 
     def _enqueue(self, item: tuple) -> None:
@@ -219,6 +221,7 @@ class JetStreamAppender(EventLog):
         if self._writer is None or self._writer.done():
             item[2].set_exception(LogClosed(f"{self.where}: fatal ({self._fatal}); lsn {item[0]} and later were not acknowledged"))
             return
+        assert self._queue is not None  # made before the writer task
         self._queue.put_nowait(item)
 
     def _messages_of(self, lsn: int, frame: bytes, chunk_bytes: int) -> list[_Msg]:
@@ -239,6 +242,7 @@ class JetStreamAppender(EventLog):
         MAX_BATCH records; one append is never split unless it alone is
         longer). Any failure makes the log fatal and fails every pending append."""
         held = None  # an item taken from the queue that did not fit the last group
+        assert self._queue is not None  # made before this task is started
         while True:
             group = [held if held is not None else await self._queue.get()]
             held = None
@@ -348,7 +352,7 @@ class JetStreamAppender(EventLog):
                         return
                 elif not (exc.code == 503 or exc.err_code in _RETRY_API_CODES):
                     raise
-                error: Exception = exc
+                error: BaseException = exc
             except transient as exc:
                 error = exc
                 landed = await self._landed(last_id)
@@ -383,6 +387,7 @@ class JetStreamAppender(EventLog):
         or a replica that has not caught up), and the caller tries again."""
         from nats.js.errors import APIError, NotFoundError
 
+        unknown_end: tuple[type[BaseException], ...] = (APIError, *retry_errors())
         try:
             # Direct get may be answered by any replica: one that has a
             # message has it committed, so "landed" is sure; one that lags
@@ -393,7 +398,7 @@ class JetStreamAppender(EventLog):
             )
         except NotFoundError:
             return None
-        except (APIError, *retry_errors()):
+        except unknown_end:
             return None
         if (msg.headers or {}).get(HDR_MSG_ID) == msg_id:
             return msg.seq

@@ -66,11 +66,11 @@ async def retried(call, what: str, where: str, timeout_s: float, per_try_s: floa
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    transient = retry_errors()
+    retried_errors: tuple[type[BaseException], ...] = (APIError, *retry_errors())
     while True:
         try:
             return await asyncio.wait_for(call(), timeout=per_try_s)
-        except (APIError, *transient) as exc:
+        except retried_errors as exc:
             if isinstance(exc, APIError) and exc.code != 503 and exc.err_code not in TRANSIENT_API_ERRORS:
                 raise
             if loop.time() >= deadline:

@@ -18,7 +18,7 @@ number of them, on any host, can read beside the live writer. A read:
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Generator
 
 from .api import LogError
 from .jetstream_conn import retried
@@ -76,7 +76,8 @@ async def seq_of_lsn(js, stream: str, subject: str, lsn: int, end: int) -> int:
         msg = await _direct_get(js, stream, subject, mid)
         while msg is not None and msg.seq < hi and msg_id_lsn(msg.headers) is None:
             msg = await _direct_get(js, stream, subject, msg.seq + 1)
-        if msg is None or msg.seq >= hi or msg_id_lsn(msg.headers) >= lsn:
+        at = msg_id_lsn(msg.headers) if msg is not None and msg.seq < hi else None  # an LSN, past the loop
+        if msg is None or at is None or at >= lsn:
             hi = mid
         else:
             lo = msg.seq + 1
@@ -101,7 +102,7 @@ class SubjectCursor:
         self.from_lsn, self.raw, self.to_end = max(0, from_lsn), raw, to_end
         self.expected: int | None = None  # the LSN the next record must carry
         self.joiner = ChunkJoiner(where)
-        self.sub = None
+        self.sub: Any = None  # the ordered consumer's subscription (nats-py), made by start()
         self.end = 0
         self.seen = 0  # stream sequence of the last message taken
         self.done = False
@@ -174,7 +175,8 @@ class SubjectCursor:
             if frame is None:
                 continue
             if self.expected is None:  # a read from a later LSN begins at what the search found
-                self.expected = msg_id_lsn(msg.headers) if msg_id_lsn(msg.headers) is not None else self.from_lsn
+                first_lsn = msg_id_lsn(msg.headers)
+                self.expected = first_lsn if first_lsn is not None else self.from_lsn
             try:
                 rec = decode_message(frame, f"{self.where} seq {self.seen}", self.expected)
                 self.expected += 1
@@ -199,7 +201,7 @@ class SubjectCursor:
 
 
 def read_subject(bridge, js, stream: str, subject: str, where: str, from_lsn: int = 0, *, raw: bool = False,
-                 chunk: int = 512, batches: bool = False) -> Iterator:
+                 chunk: int = 512, batches: bool = False) -> Generator[Any, None, None]:
     """Every record of a subject from ``from_lsn`` to its end as of the
     call, synchronously, through ``bridge`` (the thread holding the connection).
     With ``batches``, the lists the cursor takes (RawRecords), as they come."""

@@ -16,7 +16,7 @@ accepted by :func:`agentlog.events.read_log` and
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Generator
 
 from ..._logging import get_logger
 from .api import LogError, NotALog
@@ -40,7 +40,9 @@ class JetStreamRun:
         self.start_timeout_s = start_timeout_s
         self.where = f"nats stream {stream!r} at {url}"
         self.bridge = Bridge(f"jetstream-read-{stream}")
-        self.nc = self.js = None
+        # nats-py's client and JetStream context, made by the connection in open.
+        self.nc: Any = None
+        self.js: Any = None
 
     @classmethod
     def open(cls, url: str, stream: str, *, connect_timeout_s: float = 5.0, request_timeout_s: float = 10.0) -> "JetStreamRun":
@@ -150,7 +152,7 @@ class JetStreamRef:
 
         return self.run.bridge.call(ask())
 
-    def read(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False) -> Iterator:
+    def read(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False) -> Generator[Any, None, None]:
         """Every record from ``from_lsn`` to the end as of the call (in lists of RawRecords with ``batches``)."""
         return read_subject(self.run.bridge, self.run.js, self.run.stream, self.subject, self.where, from_lsn,
                             raw=raw, batches=batches)

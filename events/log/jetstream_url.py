@@ -37,8 +37,8 @@ def parse_nats_url(text: str) -> tuple[str, str, str | None]:
     if not hosts or not parts or not 1 <= len(parts) <= 2 or not all(parts):
         raise ValueError(f"{text!r}: expected nats://host:port/stream or nats://host:port/stream/<log> (p0003, learner)")
     for host in hosts.split(","):
-        name, _, port = host.rpartition(":")
-        if not name or not port.isdigit():
+        host_name, _, port = host.rpartition(":")
+        if not host_name or not port.isdigit():
             raise ValueError(f"{text!r}: server {host!r} is not host:port")
     if not STREAM_RE.fullmatch(parts[0]):
         raise ValueError(f"{text!r}: stream {parts[0]!r}: expected letters, digits, '-' or '_' (1..200)")

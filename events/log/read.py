@@ -15,7 +15,7 @@ import bisect
 import os
 import time
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator, Mapping, NamedTuple
+from typing import AsyncIterator, Callable, Generator, Iterator, Mapping, NamedTuple
 
 import msgspec
 
@@ -328,7 +328,7 @@ def read_log(
     durable_only: bool = True,
     raw: bool = False,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
-) -> Iterator[Envelope]:
+) -> Generator[Envelope, None, None]:
     """Records of the log at ``path`` from ``from_lsn`` on, without taking the
     writer's lock (safe beside a live writer in another process).
 
@@ -340,7 +340,7 @@ def read_log(
     return _read_dir(path, from_lsn, durable_only, raw, max_record_bytes)
 
 
-def _read_dir(path, from_lsn: int, durable_only: bool, raw: bool, max_record_bytes: int) -> Iterator[Envelope]:
+def _read_dir(path, from_lsn: int, durable_only: bool, raw: bool, max_record_bytes: int) -> Generator[Envelope, None, None]:
     cur, limit = _reader(path, from_lsn, durable_only, raw, max_record_bytes)
     try:
         yield from cur.records(limit)
@@ -354,7 +354,7 @@ def read_frame_batches(
     *,
     durable_only: bool = True,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
-) -> Iterator[list[Frame]]:
+) -> Generator[list[Frame], None, None]:
     """:func:`read_log` with ``raw=True``, in lists of undecoded
     :class:`~agentlog.events.log.scan.Frame` built in bulk by the scanner
     (one list per read buffer with the compiled codec): for readers that need
@@ -363,7 +363,7 @@ def read_frame_batches(
     return _frame_batches_of_dir(path, from_lsn, durable_only, max_record_bytes)
 
 
-def _frame_batches_of_dir(path, from_lsn: int, durable_only: bool, max_record_bytes: int) -> Iterator[list[Frame]]:
+def _frame_batches_of_dir(path, from_lsn: int, durable_only: bool, max_record_bytes: int) -> Generator[list[Frame], None, None]:
     cur, limit = _reader(path, from_lsn, durable_only, True, max_record_bytes)
     try:
         yield from cur.frame_batches(limit)

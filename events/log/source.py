@@ -17,7 +17,7 @@ import asyncio
 import math
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator, Mapping
+from typing import Any, AsyncIterator, Callable, Generator, Iterator, Mapping
 
 from .api import EventLog, NotALog
 
@@ -83,7 +83,7 @@ class LogSource:
 
     # -- reading ---------------------------------------------------------------
 
-    def read(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False) -> Iterator[Any]:
+    def read(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False) -> Generator[Any, None, None]:
         """Every durable (file) or acknowledged (JetStream) record from
         ``from_lsn`` to the end as of the call; a partitioned source gives its
         records merged (``from_lsn`` must be 0: LSNs are per partition)."""

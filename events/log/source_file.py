@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 from .api import EventLog, NotALog
 from .source import RUN_CONFIG, RUN_ROLLOUT_LOG, LogSource, LogTail, SourceError
@@ -40,7 +40,7 @@ class FileLogSource(_Directory):
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
 
-    def read(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False) -> Iterator[Any]:
+    def read(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False) -> Generator[Any, None, None]:
         from .read import read_frame_batches, read_log
 
         if batches:
@@ -76,7 +76,8 @@ class FileLogSource(_Directory):
                     duplicate_window_s: float = 120.0, clock: Callable[[], int] | None = None) -> EventLog:
         from .writer import FileLog
 
-        return FileLog.open(self.path, fsync=fsync, fence=fence, **({} if clock is None else {"clock": clock}))
+        options: dict[str, Any] = {} if clock is None else {"clock": clock}
+        return FileLog.open(self.path, fsync=fsync, fence=fence, **options)
 
     def fence_epoch(self) -> int | None:
         from .format import read_fence
@@ -153,15 +154,15 @@ class PendingDirectorySource(_Directory):
         root = PartitionRootSource(self.path)
         return root if not FileLogSource(self.path).exists() and root.exists() else FileLogSource(self.path)
 
-    @property  # type: ignore[override]
-    def partitioned(self) -> bool:
+    @property
+    def partitioned(self) -> bool:  # type: ignore[override]
         return self._now().partitioned
 
-    @property  # type: ignore[override]
-    def repairable(self) -> bool:
+    @property
+    def repairable(self) -> bool:  # type: ignore[override]
         return self._now().repairable
 
-    def read(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False) -> Iterator[Any]:
+    def read(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False) -> Generator[Any, None, None]:
         return self._now().read(from_lsn, raw=raw, batches=batches)
 
     def read_tagged(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[tuple[int | None, Any]]:

@@ -10,11 +10,15 @@ returned (its partitions, its siblings); closing that one closes it."""
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Generator
 
 from .api import EventLog, LogCorruption, LogError, NotALog
 from .source import LogSource, LogTail, SourceError, StreamMissing
 from .verify import VerifyReport
+
+if TYPE_CHECKING:
+    from .jetstream_cursor import SubjectCursor
+    from .jetstream_read import JetStreamRun
 
 #: Seconds to wait for a TCP connection to a NATS server before saying it cannot be reached.
 CONNECT_TIMEOUT_S = 3.0
@@ -25,7 +29,7 @@ class _Stream:
 
     def __init__(self, servers: str, stream: str, base: str) -> None:
         self.servers, self.stream, self.base = servers, stream, base
-        self._run = None
+        self._run: JetStreamRun | None = None
 
     def run(self) -> Any:
         """The stream opened read-only (NotALog naming it while no writer has created it)."""
@@ -110,7 +114,7 @@ class SubjectSource(_NatsSource):
     def _ref(self) -> Any:
         return self._stream.run().log(self.name)
 
-    def read(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False) -> Iterator[Any]:
+    def read(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False) -> Generator[Any, None, None]:
         return self._ref().read(from_lsn, raw=raw, batches=batches)
 
     def follow(self, from_lsn: int = 0, *, raw: bool = False, batches: bool = False, poll_s: float = 0.05) -> AsyncIterator[Any]:
@@ -132,10 +136,11 @@ class SubjectSource(_NatsSource):
         from .jetstream import JetStreamLog
         from .partitions import parse_partition_name
 
+        assert self.name is not None  # a subject source always names its log
         pid = parse_partition_name(self.name)
+        options: dict[str, Any] = {} if clock is None else {"clock": clock}
         return JetStreamLog.open(self._stream.servers, self._stream.stream, self.name if pid is None else pid,
-                                 replicas=replicas, duplicate_window_s=duplicate_window_s,
-                                 **({} if clock is None else {"clock": clock}))
+                                 replicas=replicas, duplicate_window_s=duplicate_window_s, **options)
 
     def describe(self) -> str:
         s = self._stream.stream
@@ -158,7 +163,8 @@ class _SubjectTail(LogTail):
     request. Until the stream exists (its first writer creates it) a poll finds nothing."""
 
     def __init__(self, source: SubjectSource, from_lsn: int) -> None:
-        self.source, self.next_lsn, self._cursor = source, from_lsn, None
+        self.source, self.next_lsn = source, from_lsn
+        self._cursor: SubjectCursor | None = None
         self.ref: Any = None
 
     def poll(self, limit: int = 4096) -> list:
@@ -182,7 +188,7 @@ class _SubjectTail(LogTail):
             self.ref.run.bridge.call(cur.close(), timeout=10)
 
 
-def stream_source(servers: str, stream: str, base: str, name: str | None = None) -> LogSource:
+def stream_source(servers: str, stream: str, base: str, name: str | None = None) -> _NatsSource:
     """A source of ``stream`` (``name`` None) or of its log ``name``, opened
     lazily: nothing is checked until it is read (a run's logs before its first
     writer created the stream). ``base``: ``nats://host:port/stream``."""

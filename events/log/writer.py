@@ -521,7 +521,7 @@ class FileLog(GroupCommit, FenceAndSpares, EventLog):
             entries = self._index.get(first)
             return list(entries) if entries else None
 
-    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Envelope]:
+    def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Any]:  # typed by EventLog.read's overloads
         """Acknowledged records with lsn >= from_lsn, in order. Seeks with the
         sparse index. ``raw=True`` yields RawRecords (payload undecoded)."""
         cur = Cursor(self._dir, from_lsn, self._cap, self._index_of, raw)
