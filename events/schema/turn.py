@@ -54,7 +54,7 @@ class TurnBody(_Indexed, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if READING_STORED.get():
             return
-        event = self.__struct_config__.tag
+        event = str(self.__struct_config__.tag)  # every turn body is tagged with its event name
         check_count(event, "turn_index", self.turn_index)
         self._check_prompt(event)
         if self.finish_reason not in FINISH_REASONS:
