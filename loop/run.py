@@ -235,6 +235,17 @@ def _summarise(run: Run) -> tuple[Counter, int, int, int, int, str]:
     return outcomes, sessions, turns, tokens, events, zero
 
 
+def refuse_another_runs_stream(run: Run) -> None:
+    """Raise LoopError when the new run folder ``run`` would take over another
+    run's logs: a stream outlives run folders, so a learner log on it belongs to
+    an earlier run. A learner log inside a new folder was put there on purpose
+    (a caller that publishes version 0 before the loop, as
+    ``tools/bench/bench_distill.py`` does), and is resumed from."""
+    if run.logs_elsewhere and run.learner.exists():
+        raise LoopError(f"{run.learner} already holds a run's learner log, and {run.dir} is a new run folder; "
+                        f"set [log] stream to a new name (or resume in the run's own folder)")
+
+
 def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: Callable[[LoopConfig, Path], RunProgress] | None = None,
              timeout_s: float | None = None) -> RunResult:
     """Run the learner and the rollout workers (``cfg.rollout``) on ``run_dir`` until
@@ -257,9 +268,8 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: Callable[[LoopConfig, 
         cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, stream=cfg.log.stream_for(run_dir)))
     run = Run.open(run_dir, cfg)
     try:
-        if fresh and run.learner.exists():
-            raise LoopError(f"{run.learner} already holds a run's learner log, and {run_dir} is a new run folder; "
-                            f"set [log] stream to a new name (or resume in the run's own folder)")
+        if fresh:
+            refuse_another_runs_stream(run)
         Run.save_config(run_dir, cfg)
         mark_incomplete(run_dir, "running: the loop started and has not ended (or its process was killed)")
         try:

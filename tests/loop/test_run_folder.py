@@ -13,6 +13,7 @@ from agentlog.events import read_log
 from agentlog.events.log.source import LogSource, SourceError, StreamMissing
 from agentlog.events.schema.types import PolicyUpdated, SessionOpened
 from agentlog.loop.config import ConfigError, LogConfig, LoopConfig, RolloutConfig
+from agentlog.loop.run import LoopError, refuse_another_runs_stream
 from agentlog.loop.run_folder import Run
 
 
@@ -41,6 +42,17 @@ def test_a_file_run_lays_out_its_folder_and_reads_back_what_its_writers_wrote(tm
         assert list(run.rollout.read()) == envs == list(read_log(tmp_path / "run" / "rollout"))
         assert set(run.existing_rollout_logs()) == {0} and run.learner.exists()
         assert "rollout (rollout)" in run.describe() and "learner (learner)" in run.describe()
+
+
+def test_a_new_file_run_folder_resumes_the_learner_log_put_in_it(tmp_path: Path) -> None:
+    """A learner log inside a new run folder was put there on purpose (version 0
+    published before the loop, as tools/bench/bench_distill.py does): the loop
+    starts from it. Only a stream, which outlives folders, is refused."""
+    with Run.open(tmp_path / "run", LoopConfig(fsync="never")) as run:
+        with run.open_learner() as w:
+            w.append_batch([("learner", 0, PolicyUpdated(step=0, policy_version=0, checkpoint="c"))])
+        assert run.learner.exists()
+        refuse_another_runs_stream(run)
 
 
 def test_a_partitioned_run_has_one_rollout_log_per_partition(tmp_path: Path) -> None:
@@ -101,6 +113,9 @@ def test_a_nats_run_keeps_its_logs_on_one_stream(tmp_path: Path, nats_server) ->
         with run.open_rollout_view() as view:
             assert view.run_dir == run_dir and [env for _, env in view.read_tagged()] == envs
     assert not (run_dir / "rollout").exists() and not (run_dir / "learner").exists()
+    with Run.open(tmp_path / "new", cfg) as new_folder:  # the same stream from a new folder: another run's logs
+        with pytest.raises(LoopError, match=rf"{stream}/learner already holds a run's learner log, and .*new is a new run folder"):
+            refuse_another_runs_stream(new_folder)
     with pytest.raises(SourceError, match="cannot connect to a NATS server"):
         bad = LoopConfig(log=LogConfig(backend="nats", url="nats://127.0.0.1:1", stream=stream))
         Run.open(run_dir, bad).open_rollout_view()
