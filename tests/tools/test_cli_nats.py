@@ -424,7 +424,7 @@ def test_a_run_folder_on_jetstream_reads_as_its_stream(nats_run_folder, nats_ser
     assert code == 0, err
     code, b, err = cli(capsys, "reconstruct", str(demo), "-o", str(tmp_path / "b.msgpack"))
     assert code == 0, err
-    # The online per-step digests are checked against the stream through the loop's RunLogs, as for the folder.
+    # The online per-step digests are checked against the stream through the run folder's Run, as for the folder.
     online = [line for line in a.splitlines() if line.startswith("online per-step digests vs offline:")]
     assert online and online[0].startswith("online per-step digests vs offline: EQUAL"), a
     assert online == [line for line in b.splitlines() if line.startswith("online per-step digests vs offline:")]
