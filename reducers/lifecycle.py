@@ -237,7 +237,33 @@ class _Track:
         self.opened_ts_ns = env.ts_ns
 
 
-class LifecycleState:
+class _OnSessionFold:
+    """What a fold over :class:`SessionFold` shows of the driver's state: the ended
+    window, the id filter and the next LSN (both lifecycle folds expose them)."""
+
+    fold: SessionFold[Any]
+
+    @property
+    def recent(self) -> EndedWindow:
+        """session_id -> (terminal state, lsn of its terminal event); bounded (the restart resizes it)."""
+        return self.fold.recent
+
+    @recent.setter
+    def recent(self, window: EndedWindow) -> None:
+        self.fold.recent = window
+
+    @property
+    def ids(self) -> IdFilter:
+        """Every id whose ``session_opened`` the fold accepted."""
+        return self.fold.ids  # type: ignore[return-value]
+
+    @property
+    def next_lsn(self) -> int:
+        """The smallest LSN the next record may carry."""
+        return self.fold.next_lsn
+
+
+class LifecycleState(_OnSessionFold):
     """The fold's state: open sessions, a window of recently ended ones, the id
     filter (all three kept by its :class:`reducers.fold.SessionFold`)."""
 
@@ -260,21 +286,6 @@ class LifecycleState:
     def live(self) -> dict[str, _Track]:
         """Sessions without a terminal event, by id."""
         return self.fold.live
-
-    @property
-    def recent(self) -> EndedWindow:
-        """session_id -> (terminal state, lsn of its terminal event); bounded."""
-        return self.fold.recent
-
-    @property
-    def ids(self) -> IdFilter:
-        """Every id whose ``session_opened`` the fold accepted."""
-        return self.fold.ids  # type: ignore[return-value]
-
-    @property
-    def next_lsn(self) -> int:
-        """The smallest LSN the next envelope may carry."""
-        return self.fold.next_lsn
 
     def open_sessions(self) -> dict[str, tuple[State, int]]:
         """Sessions without a terminal event: ``{session_id: (state, next_session_seq)}``."""
@@ -386,7 +397,7 @@ class LifecycleReducer:
         return self.state.open_sessions()
 
 
-class LifecycleCheck:
+class LifecycleCheck(_OnSessionFold):
     """The lifecycle fold with nothing but the check, over the few fields the
     step needs: ``feed(lsn, session_id, session_seq, tag)`` returns the
     record's violations. Behind ``agentlog verify``, which reads tags only
@@ -404,25 +415,6 @@ class LifecycleCheck:
 
     def _refused(self, violation: Violation) -> None:
         self._out.append(violation)
-
-    @property
-    def recent(self) -> EndedWindow:
-        """The recently ended sessions (the restart resizes it)."""
-        return self.fold.recent
-
-    @recent.setter
-    def recent(self, window: EndedWindow) -> None:
-        self.fold.recent = window
-
-    @property
-    def ids(self) -> IdFilter:
-        """Every id whose ``session_opened`` the check accepted."""
-        return self.fold.ids  # type: ignore[return-value]
-
-    @property
-    def next_lsn(self) -> int:
-        """The smallest LSN the next record may carry."""
-        return self.fold.next_lsn
 
     def feed(self, lsn: int, session_id: str, session_seq: int, tag: str) -> list[Violation]:
         """Check one record (``tag``: its event type); returns its violations (usually none)."""
