@@ -48,7 +48,7 @@ from agentlog.events.schema.types import (
     turn_temperature,
     validate_id,
 )
-from agentlog.events.schema.turn_delta import TurnContext
+from agentlog.events.schema.turn_delta import EncodingContext
 from agentlog.reducers.groups import GroupError, GroupTracker
 from agentlog.reducers.lifecycle import IdFilter
 
@@ -334,7 +334,7 @@ class SessionEngine(BackgroundWork):
         lg.warning("session.straggler_refused", what=what, state=str(state) if state is not None else None)
         raise StragglerRefused(session_id, what, state)
 
-    async def _append(self, h: SessionHandle, body: Any, dest: State | None, context: TurnContext | None = None) -> Envelope:
+    async def _append(self, h: SessionHandle, body: Any, dest: State | None, context: EncodingContext | None = None) -> Envelope:
         """Append one event of ``h`` (its lock held) and apply it: next seq,
         turn count, new state, release on a terminal state."""
         seq = h._seq
@@ -350,12 +350,12 @@ class SessionEngine(BackgroundWork):
         self._apply(h, body, dest, env.lsn, context)
         return env
 
-    def _apply(self, h: SessionHandle, body: Any, dest: State | None, lsn: int | None, context: TurnContext | None = None) -> None:
+    def _apply(self, h: SessionHandle, body: Any, dest: State | None, lsn: int | None, context: EncodingContext | None = None) -> None:
         h._seq += 1
         if type(body) is TurnDelta or type(body) is TurnRecorded:
             h.turns += 1
             h._context = context
-            h._turn_shapes.append((len(body.output_ids) // 4, turn_temperature(body.sampling)))
+            h._recorded(len(body.output_ids) // 4, turn_temperature(body.sampling))
         if dest is not None:
             h.state = dest
             if dest in TERMINAL_STATES:

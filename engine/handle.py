@@ -12,7 +12,9 @@ slots); the decisions (is this event legal now, what state follows) stay with
 from __future__ import annotations
 
 import asyncio
+import math
 import traceback as _traceback
+from array import array
 from collections import deque
 from typing import TYPE_CHECKING, Any, Coroutine
 
@@ -34,7 +36,7 @@ from agentlog.events.schema.types import (
     pack_log_probs,
     pack_tokens,
 )
-from agentlog.events.schema.turn_delta import TurnContext
+from agentlog.events.schema.turn_delta import EncodingContext
 
 from .errors import SessionTimeout
 from .session_lock import acquire_contended, release
@@ -43,6 +45,10 @@ if TYPE_CHECKING:
     from .core import SessionEngine
 
 _log = get_logger("agentlog.engine")
+
+
+#: The context of a session before its first turn: empty, shared by every handle (never changed).
+_BEFORE_THE_FIRST_TURN = EncodingContext()
 
 
 class SessionHandle:
@@ -55,7 +61,7 @@ class SessionHandle:
     __slots__ = (
         "_engine", "session_id", "group_id", "sample_index", "state", "turns", "budget_s",
         "_seq", "_busy", "_waiters", "_inflight", "_timer", "_owner", "_owner_cancelled", "_expired", "_log",
-        "_context", "_turn_shapes",
+        "_context", "_turn_outputs", "_turn_temperatures",
     )
 
     def __init__(self, engine: "SessionEngine", session_id: str, group_id: str, budget_s: float | None) -> None:
@@ -78,13 +84,15 @@ class SessionHandle:
         self._owner_cancelled = False
         self._expired = False
         self._log: Any = None
-        #: The previous turn's prompt + output and messages + response: what
-        #: the next turn is stored as a delta against (O(current context);
-        #: dropped when the session ends).
-        self._context: TurnContext | None = TurnContext()
-        #: Per recorded turn: (output tokens, sampling temperature or None when
-        #: not a number): what a teacher's scores of the turn are checked against.
-        self._turn_shapes: list[tuple[int, float | None]] = []
+        #: The previous turn's prompt + output token ids and its messages'
+        #: digests: what the next turn is stored as a delta against (its
+        #: context's token bytes + 16 bytes a message; dropped when the session ends).
+        self._context: EncodingContext | None = _BEFORE_THE_FIRST_TURN
+        #: Per recorded turn, its output tokens and sampling temperature (NaN
+        #: when not a number): what a teacher's scores of the turn are checked
+        #: against. Packed arrays: 12 bytes a turn, where a list of tuples costs ~120.
+        self._turn_outputs = array("I")
+        self._turn_temperatures = array("d")
 
     def __repr__(self) -> str:
         return f"SessionHandle({self.session_id!r}, state={self.state}, turns={self.turns})"
@@ -148,9 +156,8 @@ class SessionHandle:
             full = TurnRecorded(turn_index=h.turns, messages=messages or [], prompt_ids=prompt_ids, sampling=sampling or {}, **fields)
             # The caller sends the whole prompt (as the chat APIs do); the log
             # stores what is new since the previous turn.
-            context = h._context if h._context is not None else TurnContext()
-            body = context.delta_of(full)
-            return await eng._append(h, body, None, TurnContext.after(full))
+            body, after = (h._context or _BEFORE_THE_FIRST_TURN).encode(full)
+            return await eng._append(h, body, None, after)
         finally:
             release(h)
 
@@ -212,10 +219,16 @@ class SessionHandle:
     def _scored_turn(self, turn_index: int, event: str) -> tuple[int, float | None]:
         if self.state is not State.RUNNING:
             self._engine._refuse(self.session_id, event, self.state, self)
-        if not isinstance(turn_index, int) or isinstance(turn_index, bool) or not 0 <= turn_index < len(self._turn_shapes):
+        if not isinstance(turn_index, int) or isinstance(turn_index, bool) or not 0 <= turn_index < len(self._turn_outputs):
             raise ValueError(f"session {self.session_id!r}: {event}.turn_index: expected a recorded turn in "
-                             f"[0, {len(self._turn_shapes)}), found {turn_index!r}")
-        return self._turn_shapes[turn_index]
+                             f"[0, {len(self._turn_outputs)}), found {turn_index!r}")
+        temperature = self._turn_temperatures[turn_index]
+        return self._turn_outputs[turn_index], None if math.isnan(temperature) else temperature
+
+    def _recorded(self, output_tokens: int, temperature: float | None) -> None:
+        """Keep what a recorded turn's teacher scores are checked against."""
+        self._turn_outputs.append(output_tokens)
+        self._turn_temperatures.append(math.nan if temperature is None else temperature)
 
     async def record_command(
         self, command: str, exit_code: int | None, budget_exceeded: bool, duration_s: float, output_tail: str

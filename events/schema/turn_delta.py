@@ -11,13 +11,20 @@ new prompt shares with the previous turn's context and stores only the rest.
 A prompt that diverges (a rewritten history, a REALIGN, a FORK) shares a
 shorter prefix, down to none: the encoding is exact for every prompt.
 
-Both sides hold one :class:`TurnContext` per live session: the previous
-turn's prompt + output token ids and its messages + response message, that
-is O(current context), and drop it when the session ends.
+Each side holds one context per live session, dropped when the session
+ends. A reader holds a :class:`TurnContext`: the previous turn's prompt +
+output token ids and its messages + response message, which it needs to
+expand a delta. The engine, which only encodes, holds an
+:class:`EncodingContext`: the same token ids, as the turn's own packed
+bytes, and a 16-byte digest of each message instead of the message, so a
+live session costs its context's token bytes plus 16 bytes a message
+(about 33 kB at an 8k-token context, where the messages' text alone is
+about as much again).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Iterable, Iterator
 
 import msgspec
@@ -55,13 +62,102 @@ class TurnDeltaError(AgentlogError, ValueError):
 
 def common_prefix_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
     """Number of leading int32 tokens two packed arrays share."""
-    n = min(len(a), len(b)) // 4
-    if n == 0:
+    if len(a) <= len(b):
+        if b.startswith(a):  # the common case, an extended context: one memcmp, no array built
+            return len(a) // 4
+    elif a.startswith(b):
+        return len(b) // 4
+    return _shared_bytes(a, b, 0) // 4
+
+
+def _shared_bytes(held: bytes | bytearray, new: bytes | bytearray, offset: int) -> int:
+    """Bytes of ``held`` that ``new`` repeats from ``offset`` on, in whole
+    int32 tokens (``offset`` is a multiple of 4)."""
+    if new.startswith(held, offset):  # compared where it lies: no slice is copied
+        return len(held)
+    n = min(len(held), len(new) - offset) // 4
+    if n <= 0:
         return 0
     # Views, not slices: no copy of either array.
-    differ = np.frombuffer(a, dtype="<i4", count=n) != np.frombuffer(b, dtype="<i4", count=n)
+    differ = np.frombuffer(held, dtype="<i4", count=n) != np.frombuffer(new, dtype="<i4", count=n, offset=offset)
     first = int(differ.argmax())
-    return first if differ[first] else n
+    return 4 * (first if differ[first] else n)
+
+
+#: Bytes of a message digest (BLAKE2b): two different messages share one with probability 2**-128.
+DIGEST_BYTES = 16
+
+
+def message_digests(messages: Iterable[Any]) -> bytes:
+    """The digests of the messages' msgpack encodings, concatenated
+    (:data:`DIGEST_BYTES` each). Stops at the first message that cannot be
+    encoded: the log refuses that turn and names the field, so it never
+    becomes a context."""
+    out = []
+    for m in messages:
+        try:
+            data = _encode(m)
+        except (TypeError, msgspec.EncodeError):
+            break
+        out.append(hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest())
+    return b"".join(out)
+
+
+class EncodingContext:
+    """What the engine keeps of a live session's previous turn to encode the
+    next one: its prompt and output token ids (the turn's own packed bytes,
+    never concatenated) and the digests of its messages followed by its
+    response message (:func:`message_digests`). Empty before the first turn.
+
+    :meth:`encode` gives the delta :meth:`TurnContext.delta_of` gives for the
+    same previous turn, without holding the messages: a message counts as
+    shared when its encoding's 16-byte BLAKE2b digest is the held one (for
+    different encodings, a chance of 2**-128), where the reader's context
+    compares the encodings themselves."""
+
+    __slots__ = ("prompt", "output", "digests")
+
+    def __init__(self, prompt: bytes = b"", output: bytes = b"", digests: bytes = b"") -> None:
+        self.prompt = prompt
+        self.output = output
+        self.digests = digests
+
+    @property
+    def tokens(self) -> bytes:
+        """The previous turn's prompt + output ids, packed (a copy: for inspection)."""
+        return self.prompt + self.output
+
+    def shared_tokens(self, prompt: bytes) -> int:
+        """Leading tokens of ``prompt`` that repeat the held prompt + output."""
+        held = _shared_bytes(self.prompt, prompt, 0)
+        if held == len(self.prompt) and self.output:
+            held += _shared_bytes(self.output, prompt, held)
+        return held // 4
+
+    def encode(self, turn: TurnRecorded) -> tuple[TurnDelta, "EncodingContext"]:
+        """The delta that :meth:`TurnContext.expand` turns back into ``turn``
+        exactly, and the context ``turn`` leaves for the next one.
+
+        ``turn`` was checked when it was built (see :meth:`TurnContext.delta_of`),
+        so the delta is built without running the same checks again."""
+        digests = message_digests(turn.messages)
+        held = self.digests
+        if digests.startswith(held):
+            shared_messages = len(held) // DIGEST_BYTES
+        else:
+            shared_messages = 0
+            for i in range(0, min(len(held), len(digests)), DIGEST_BYTES):
+                if held[i : i + DIGEST_BYTES] != digests[i : i + DIGEST_BYTES]:
+                    break
+                shared_messages += 1
+        token = READING_STORED.set(True)
+        try:
+            delta = TurnContext._delta(turn, self.shared_tokens(turn.prompt_ids), shared_messages)
+        finally:
+            READING_STORED.reset(token)
+        if turn.response_message is not None and len(digests) == DIGEST_BYTES * len(turn.messages):
+            digests += message_digests((turn.response_message,))
+        return delta, EncodingContext(turn.prompt_ids, turn.output_ids, digests)
 
 
 class TurnContext:

@@ -15,7 +15,7 @@ from reduce_streams import RandomStream
 
 from agentlog.engine.core import SessionEngine
 from agentlog.events.log.api import MemoryLog
-from agentlog.events.schema.turn_delta import TurnContext
+from agentlog.events.schema.turn_delta import TurnContext, message_digests
 from agentlog.events.schema.types import (
     EVENT_TYPES,
     Envelope,
@@ -152,7 +152,7 @@ def test_engine_writes_deltas_that_reduce_like_full_prompts_and_holds_only_the_l
     # O(current context): after each turn the engine holds that turn's prompt + output and messages + response only.
     for kw, ctx in zip(turns, held):
         assert ctx.tokens == TurnRecorded(turn_index=0, prompt_ids=kw["prompt_ids"], output_ids=kw["output_ids"]).prompt_ids + TurnRecorded(turn_index=0, output_ids=kw["output_ids"]).output_ids
-        assert ctx.messages == kw["messages"] + [kw["response_message"]]
+        assert ctx.digests == message_digests(kw["messages"] + [kw["response_message"]])  # the messages, as digests
     assert held[-1] is None  # dropped when the session ended
 
 

@@ -1,0 +1,111 @@
+"""The engine's compact encoding context: the same deltas as the reader's full
+context for any sequence of turns, and a live session that holds its token
+bytes and message digests, not its messages."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import tracemalloc
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentlog.engine.core import SessionEngine
+from agentlog.events import FileLog
+from agentlog.events.schema.turn_delta import EncodingContext, TurnContext, common_prefix_tokens
+from agentlog.events.schema.types import TurnRecorded, encode_body
+
+# A small alphabet, so consecutive prompts share prefixes of every length.
+tokens = st.lists(st.integers(min_value=-3, max_value=3), max_size=12)
+# Values that compare equal but encode differently (1, 1.0, True) must not count as shared.
+contents = st.sampled_from(["a", "b", "", 1, 1.0, True, None, [1], {"k": "v"}])
+messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "tool"]), "content": contents}), max_size=4)
+
+
+@st.composite
+def sessions(draw: Any) -> list[TurnRecorded]:
+    """Turns whose prompts extend, cut or rewrite the previous turn's prompt +
+    output, and whose messages repeat, extend or change the previous ones."""
+    turns: list[TurnRecorded] = []
+    prompt: list[int] = draw(tokens)
+    msgs: list[Any] = draw(messages)
+    for t in range(draw(st.integers(min_value=1, max_value=6))):
+        output = draw(tokens)
+        response = draw(st.one_of(st.none(), st.fixed_dictionaries({"role": st.just("assistant"), "content": contents})))
+        turns.append(TurnRecorded(turn_index=t, messages=msgs, prompt_ids=prompt, output_ids=output, response_message=response))
+        context = prompt + output
+        how = draw(st.sampled_from(["extend", "cut", "rewrite", "fresh"]))
+        if how == "extend":
+            prompt = context + draw(tokens)
+        elif how == "cut":
+            prompt = context[: draw(st.integers(min_value=0, max_value=len(context)))]
+        elif how == "rewrite" and context:
+            i = draw(st.integers(min_value=0, max_value=len(context) - 1))
+            prompt = context[:i] + [context[i] + 1] + context[i + 1 :]
+        else:
+            prompt = draw(tokens)
+        held = msgs + ([response] if response is not None else [])
+        # A new request is parsed anew: equal messages, never the same objects.
+        msgs = [dict(m) for m in held[: draw(st.integers(min_value=0, max_value=len(held)))]] + draw(messages)
+    return turns
+
+
+@settings(max_examples=300, deadline=None)
+@given(sessions())
+def test_the_compact_context_encodes_every_turn_as_the_full_context_does(turns):
+    full, compact = TurnContext(), EncodingContext()
+    for turn in turns:
+        expected = full.delta_of(turn)
+        delta, after = compact.encode(turn)
+        assert encode_body(delta) == encode_body(expected)  # the stored bytes do not change
+        assert full.expand(delta) == turn
+        full, compact = TurnContext.after(turn), after
+        assert compact.tokens == full.tokens
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens, tokens)
+def test_common_prefix_tokens_counts_the_leading_tokens_two_arrays_share(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    pa, pb = (np.asarray(x, dtype="<i4").tobytes() for x in (a, b))
+    assert common_prefix_tokens(pa, pb) == n == common_prefix_tokens(pb, pa)
+    assert EncodingContext(pa[: len(pa) // 2 // 4 * 4], pa[len(pa) // 2 // 4 * 4 :]).shared_tokens(pb) == n
+
+
+def test_a_live_session_holds_its_token_bytes_and_message_digests_not_its_messages(tmp_path):
+    # 20 live sessions, each at an 8k-token context whose messages hold 32 kB of
+    # text: the engine keeps the 32 kB of token ids and 16 bytes a message.
+    n, context = 20, 8192
+
+    async def go() -> float:
+        log = FileLog.open(tmp_path / "log", fsync="never")
+        eng = await SessionEngine.open(log, checkpoint_every=0)
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            handles = []
+            for i in range(n):
+                h = await eng.open_session(f"s{i}", group_id=f"g{i}", group_size=1)
+                await h.start()
+                text = [{"role": "user", "content": os.urandom(2048).hex()} for _ in range(8)]  # 32 kB
+                ids = np.random.randint(0, 50_000, size=context - 64, dtype=np.int32).tobytes()
+                await h.record_turn(messages=text, prompt_ids=ids, output_ids=list(range(64)), response_message={"role": "assistant", "content": os.urandom(64).hex()})
+                handles.append(h)
+                del text, ids
+            gc.collect()
+            held = (tracemalloc.get_traced_memory()[0] - before) / n
+        finally:
+            tracemalloc.stop()
+        await eng.close()
+        log.close()
+        return held
+
+    held = asyncio.run(go())
+    assert 4 * context <= held < 4 * context + 6 * 1024, f"{held:.0f} bytes held per live session"
