@@ -34,6 +34,7 @@ tasks are :mod:`engine.timers`.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -355,7 +356,10 @@ class SessionEngine(BackgroundWork):
         if type(body) is TurnDelta or type(body) is TurnRecorded:
             h.turns += 1
             h._context = context
-            h._recorded(len(body.output_ids) // 4, turn_temperature(body.sampling))
+            h._turn_outputs.append(len(body.output_ids) // 4)
+            # Most turns carry no sampling settings, which means temperature 1.0: no call.
+            temperature = turn_temperature(body.sampling) if body.sampling else 1.0
+            h._turn_temperatures.append(math.nan if temperature is None else temperature)
         if dest is not None:
             h.state = dest
             if dest in TERMINAL_STATES:

@@ -225,10 +225,6 @@ class SessionHandle:
         temperature = self._turn_temperatures[turn_index]
         return self._turn_outputs[turn_index], None if math.isnan(temperature) else temperature
 
-    def _recorded(self, output_tokens: int, temperature: float | None) -> None:
-        """Keep what a recorded turn's teacher scores are checked against."""
-        self._turn_outputs.append(output_tokens)
-        self._turn_temperatures.append(math.nan if temperature is None else temperature)
 
     async def record_command(
         self, command: str, exit_code: int | None, budget_exceeded: bool, duration_s: float, output_tail: str

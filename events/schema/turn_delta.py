@@ -134,30 +134,43 @@ class EncodingContext:
             held += _shared_bytes(self.output, prompt, held)
         return held // 4
 
+    def shared_messages(self, digests: bytes) -> int:
+        """Leading messages whose digests (:func:`message_digests`) repeat the held ones."""
+        held = self.digests
+        if digests.startswith(held):
+            return len(held) // DIGEST_BYTES
+        n = 0
+        for i in range(0, min(len(held), len(digests)), DIGEST_BYTES):
+            if held[i : i + DIGEST_BYTES] != digests[i : i + DIGEST_BYTES]:
+                break
+            n += 1
+        return n
+
     def encode(self, turn: TurnRecorded) -> tuple[TurnDelta, "EncodingContext"]:
         """The delta that :meth:`TurnContext.expand` turns back into ``turn``
         exactly, and the context ``turn`` leaves for the next one.
 
         ``turn`` was checked when it was built (see :meth:`TurnContext.delta_of`),
-        so the delta is built without running the same checks again."""
-        digests = message_digests(turn.messages)
-        held = self.digests
-        if digests.startswith(held):
-            shared_messages = len(held) // DIGEST_BYTES
+        so the delta is built without running the same checks again. This
+        runs for every turn the engine records: the common cases (a prompt
+        that extends the held context, no messages) take no call they can skip."""
+        messages, prompt, held = turn.messages, turn.prompt_ids, self.prompt
+        digests = message_digests(messages) if messages else b""
+        shared_messages = self.shared_messages(digests) if self.digests else 0
+        if prompt.startswith(held) and prompt.startswith(self.output, len(held)):
+            shared_tokens = (len(held) + len(self.output)) // 4
         else:
-            shared_messages = 0
-            for i in range(0, min(len(held), len(digests)), DIGEST_BYTES):
-                if held[i : i + DIGEST_BYTES] != digests[i : i + DIGEST_BYTES]:
-                    break
-                shared_messages += 1
+            shared_tokens = self.shared_tokens(prompt)
+        new_messages = messages[shared_messages:]
         token = READING_STORED.set(True)
         try:
-            delta = TurnContext._delta(turn, self.shared_tokens(turn.prompt_ids), shared_messages)
+            delta = _delta_from(turn, shared_tokens, prompt[shared_tokens * 4 :], shared_messages,
+                                new_messages if type(new_messages) is list else list(new_messages))
         finally:
             READING_STORED.reset(token)
-        if turn.response_message is not None and len(digests) == DIGEST_BYTES * len(turn.messages):
+        if turn.response_message is not None and len(digests) == DIGEST_BYTES * len(messages):
             digests += message_digests((turn.response_message,))
-        return delta, EncodingContext(turn.prompt_ids, turn.output_ids, digests)
+        return delta, EncodingContext(prompt, turn.output_ids, digests)
 
 
 class TurnContext:
