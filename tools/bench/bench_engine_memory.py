@@ -2,8 +2,9 @@
 
 Each context size runs in a fresh process (so one size's freed memory does not
 hide the next one's): it opens a FileLog (fsync ``batch``) and a
-SessionEngine, warms them up with a few sessions that end, takes the process's
-resident set (``/proc/self/statm``, after ``gc.collect()``) as the baseline,
+SessionEngine, warms them up with a wave of sessions that end, takes the process's
+resident set (``/proc/self/statm``, after ``gc.collect()`` and glibc's
+``malloc_trim``) as the baseline,
 then opens N sessions and leaves them live after two turns each, whose last
 prompt + output reaches C tokens, and measures the resident set again. The
 figure is (after - baseline) / N: everything the process keeps for a live
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import gc
 import json
 import logging
@@ -43,7 +45,15 @@ CHARS_PER_TOKEN = 4
 
 
 def resident_bytes() -> int:
-    """The process's resident set size, in bytes (Linux)."""
+    """The process's resident set size, in bytes (Linux), after a full
+    collection and after handing the allocator's free pages back to the
+    system (glibc's ``malloc_trim``), so that what a wave of sessions left
+    free, and may reuse, is not counted as held."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the figure then includes the allocator's free pages
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -91,15 +101,15 @@ async def _measure(n: int, context: int, directory: Path) -> dict[str, float]:
     log = FileLog.open(directory, fsync="batch")
     eng = await SessionEngine.open(log)
     wave = 500  # sessions set up at once: the log group-commits their appends
-    for i in range(0, 200, wave):  # warm-up: every code path once, then ended
-        hs = await asyncio.gather(*(_live_session(eng, f"w{j}", context) for j in range(i, min(200, i + wave))))
-        await asyncio.gather(*(h.finish(reward=0.0) for h in hs))
-    gc.collect()
+    # Warm-up, one wave of sessions that then end: every code path runs, and the
+    # heap reaches the peak a wave's temporaries need, so the baseline holds it.
+    hs = await asyncio.gather(*(_live_session(eng, f"w{j}", context) for j in range(wave)))
+    await asyncio.gather(*(h.finish(reward=0.0) for h in hs))
+    del hs
     before = resident_bytes()
     handles: list = []
     for i in range(0, n, wave):
         handles += await asyncio.gather(*(_live_session(eng, f"s{j}", context) for j in range(i, min(n, i + wave))))
-    gc.collect()
     after = resident_bytes()
     assert eng.live_count == n
     return {"context": context, "sessions": n, "kb_per_session": (after - before) / n / 1024,
