@@ -7,6 +7,10 @@ One run measures, on a FileLog with fsync policy ``batch``:
 * the anchor: the same events, built the same way, appended straight to the
   log with the same concurrency (goal: engine <= 1.5x the anchor's time);
 * peak memory per open session (tracemalloc, engine code only);
+* resident memory per live session at an 8k-token context, 10,000 live
+  sessions (1,000 with ``--quick``), in a fresh process
+  (``bench_engine_memory.py``, which also gives the table against context
+  size; goal: <= 64 kB);
 * scaling: the engine's per-session cost at 1,000 and at 50,000 concurrent
   sessions over a MemoryLog (goal: within 1.3x, i.e. no O(n) step per
   operation), plus the same end to end on the FileLog for engine and anchor;
@@ -40,6 +44,9 @@ from agentlog.events.schema.lifecycle import LIFECYCLE_SPEC, State, next_state
 from agentlog.events import FileLog
 from agentlog.events.log.api import MemoryLog
 from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine_memory import GOAL_CONTEXT, goal_line, measure_in_child  # noqa: E402
 
 
 
@@ -254,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, fn in (("engine", run_engine), ("raw", run_raw)):
                 disk[(name, c)] = asyncio.run(fn(base / f"{name}-c{c}", n_scale, c, args.turns, toks, lps))
                 shutil.rmtree(base / f"{name}-c{c}", ignore_errors=True)
+        live = measure_in_child(1_000 if quick else 10_000, GOAL_CONTEXT)
         tab_lo, mach_lo = decide_cost(lo)
         tab_hi, mach_hi = decide_cost(hi)
     finally:
@@ -273,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         (f"raw appends over FileLog, {lo:,} / {hi:,}", f"{us(disk[('raw', lo)]):.1f} / {us(disk[('raw', hi)]):.1f} us/session", f"{disk[('raw', hi)] / disk[('raw', lo)]:.2f}x", "(the anchor's own scaling)"),
         ("restart fold from lsn 0 (SessionEngine.open)", f"{fold_events / t_fold:,.0f} events/s", f"{fold_events:,} events", f"{t_fold:.2f} s"),
         ("memory per open session", f"{per_open:,.0f} B", "(engine code, tracemalloc)", ""),
+        (f"resident memory per live session, {GOAL_CONTEXT:,}-token context", f"{live['kb_per_session']:.1f} kB",
+         f"{live['sessions']:,} live sessions", "(FileLog, fresh process)"),
         (f"decide: table, {lo:,} / {hi:,} live", f"{tab_lo:.2f} / {tab_hi:.2f} us", "per add+start+finish+remove", ""),
         (f"decide: transitions models, {lo:,} / {hi:,} live", f"{mach_lo:.1f} / {mach_hi:.1f} us", "(shared Machine; O(n))", ""),
     ]
@@ -280,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip())
     print(f"GOAL engine_vs_raw_append: {ratio:.2f}x (goal <= 1.5x) {'PASS' if ratio <= 1.5 else 'MISS'}")
+    print(goal_line(live["kb_per_session"]))
     print(f"GOAL per_session_cost_{hi // 1000}k_vs_{lo / 1000:g}k_concurrent: {scale:.2f}x (goal <= 1.3x) {'PASS' if scale <= 1.3 else 'MISS'}")
     return 0
 
