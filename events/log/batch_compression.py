@@ -56,8 +56,8 @@ if TYPE_CHECKING:
 
 #: The values of ``FileLog.open(compression=...)``: None keeps the log's choice.
 COMPRESSIONS = ("zstd", "none")
-#: zstd level: 3 (zstd's default) compresses at several hundred MB/s per core, above the disk's write speed.
-ZSTD_LEVEL = 3
+#: zstd level 1: the fastest level that still compresses token ids (negative "fast" levels store them as is).
+ZSTD_LEVEL = 1
 #: A batch is stored compressed only when that saves at least this fraction of its bytes.
 _MIN_SAVING = 0.1
 #: Frames below this many bytes in all are never worth a compression call.
