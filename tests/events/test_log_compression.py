@@ -209,3 +209,45 @@ def test_a_compressed_log_replays_equal_to_an_uncompressed_one(tmp_path_factory,
     assert lz.next_lsn == lp.next_lsn == sum(batches)
     lz.close()
     lp.close()
+
+
+def _rebatch(d: Path, which: int, damage) -> int:
+    """Replace the ``which``-th unit (a batch) of the last segment by ``damage(raw)`` -> (raw, claimed raw)
+    repacked with a valid outer CRC: what a writer or codec fault would store. Returns its offset."""
+    import zstandard
+
+    from agentlog.events.log.batch_compression import pack_batch
+
+    units = _units(d)
+    off, typ, first = units[which]
+    end = units[which + 1][0]
+    data = seg_path(d).read_bytes()
+    _first, count, raw_len, _codec = BATCH_HDR.unpack_from(data, off + FRAME_PREFIX)
+    assert typ == TYPE_BATCH
+    raw = zstandard.ZstdDecompressor().decompress(data[off + FRAME_PREFIX + BATCH_HDR.size : end])
+    raw, claimed = damage(bytearray(raw))
+    stored = zstandard.ZstdCompressor(level=1).compress(bytes(raw))
+    batch = pack_batch(first, count, bytes(claimed), stored)
+    seg_path(d).write_bytes(data[:off] + batch + data[end:])
+    return off
+
+
+@pytest.mark.parametrize("fault", ["inner frame", "content size"])
+def test_a_batch_whose_crc_holds_but_whose_frames_are_damaged_is_corruption(tmp_path, fault):
+    # The outer CRC covers the stored bytes; the inner frames' own checks catch what the writer or the codec got wrong.
+    d = tmp_path / "d"
+    _write(d, [20, 20, 20], "zstd")
+
+    def damage(raw: bytearray):
+        if fault == "inner frame":
+            raw[len(raw) // 2] ^= 0x10
+            return raw, raw
+        return raw, raw + b"?"  # the header claims one byte more than the zstd frame holds
+
+    off = _rebatch(d, 1, damage)
+    rep = verify_log(d)
+    assert (rep.status, rep.offset, rep.last_good_lsn) == ("corrupt", off, 19), rep.summary()
+    expected = "of its frames: CRC mismatch" if fault == "inner frame" else "its zstd frame says"
+    assert expected in rep.problem
+    with pytest.raises(LogCorruption, match=expected):
+        list(read_log(d))
