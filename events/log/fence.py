@@ -60,6 +60,7 @@ class FenceAndSpares:
     # The FileLog state this uses (writer.py sets it) and its other mixin's methods (commit.py).
     _dir: Path
     _epoch: int
+    _compression: str | None
     _os: OsOps
     _log: Any
     _lock: WriterLock | None
@@ -215,11 +216,11 @@ class FenceAndSpares:
         if op.spare is None:  # not reserved: only if the accounting above were wrong
             self._seg_fd = os.open(self._dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             self._cur_seg = op.first_lsn
-            self._write_all([pack_segment_header(self._epoch, op.first_lsn)])
+            self._write_all([pack_segment_header(self._epoch, op.first_lsn, self._compression)])
         else:
             self._seg_fd = op.spare.fd
             self._cur_seg = op.first_lsn
-            self._write_all([pack_segment_header(self._epoch, op.first_lsn)])
+            self._write_all([pack_segment_header(self._epoch, op.first_lsn, self._compression)])
             os.link(self._dir / op.spare.tmp, self._dir / name)
             os.unlink(self._dir / op.spare.tmp)
         assert self._lock is not None, "a segment rolls only while the writer holds its lock"

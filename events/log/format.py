@@ -12,8 +12,13 @@ Layout of a log directory::
 
 Segment header (32 bytes)::
 
-    magic b"AGLOGSEG" | u16 format version | u16 flags (0) | u64 writer epoch
+    magic b"AGLOGSEG" | u16 format version | u16 flags | u64 writer epoch
     | u64 first LSN | u32 masked CRC32C of the preceding 28 bytes
+
+Version 1: plain frames only (flags 0). Version 2: a segment of a log that
+compresses its batches (flags bit 0: zstd); it may hold compressed batches
+and plain frames mixed. A reader older than version 2 refuses such a segment
+("format version 2 is newer than this reader"), never misreads it.
 
 Frame (all little-endian)::
 
@@ -23,6 +28,18 @@ Frame (all little-endian)::
                    parses as a record
     u64 lsn | u64 session_seq | i64 ts_ns | u8 flags (bit 0: terminal event)
     | u16 session-id length | session id (UTF-8) | msgspec msgpack payload
+
+Compressed batch (a version-2 segment; :mod:`agentlog.events.log.batch_compression`)::
+
+    u32 masked CRC32C of everything after it (the stored, compressed bytes)
+    u32 length     bytes after the type byte
+    u8  type       2 = compressed batch
+    u64 first lsn | u32 record count | u32 raw length | u8 codec (1 = zstd)
+    | the codec's compression of ``count`` ordinary frames, concatenated
+    (``raw length`` bytes once decompressed)
+
+Its LSN sits where a frame's does, so a batch is one unit for recovery,
+verify and the sparse index: one offset, the LSN range [first, first + count).
 
 The CRC mask is LevelDB's: a CRC computed over data that itself embeds CRCs
 is weak, so the stored value is rotated and offset.
@@ -58,7 +75,14 @@ from .api import LogCorruption
 crc_value = google_crc32c.value
 crc_extend = google_crc32c.extend
 
-FORMAT_VERSION = 1
+#: The newest segment format this code reads (and writes for a compressed log).
+FORMAT_VERSION = 2
+#: The version of a segment without compression: what readers before compression read.
+FORMAT_VERSION_PLAIN = 1
+#: Segment header flag (version 2): its batches are compressed with zstd.
+SEG_FLAG_ZSTD = 1
+#: Compression name -> segment header flags; None is a log without compression.
+SEG_COMPRESSION_FLAGS = {None: 0, "zstd": SEG_FLAG_ZSTD}
 SEG_MAGIC = b"AGLOGSEG"
 SEG_HDR = struct.Struct("<8sHHQQI")
 SEG_HDR_SIZE = SEG_HDR.size  # 32
@@ -75,7 +99,21 @@ FRAME_CRC = struct.Struct("<I")
 FRAME_PREFIX = FRAME_HDR.size  # 9: crc + length + type
 FRAME_OVERHEAD = FRAME_CRC.size + HEAD.size  # 36 bytes before the session id
 TYPE_RECORD = 1
+TYPE_BATCH = 2
 FLAG_TERMINAL = 1
+#: first lsn, record count, raw (decompressed) length, codec: after a batch's type byte
+BATCH_HDR = struct.Struct("<QIIB")
+BATCH_CODEC_ZSTD = 1
+#: A writer closes a compressed batch once its frames reach this many bytes (a
+#: bigger single frame is a batch alone) or this many records; readers refuse more.
+BATCH_RAW_BYTES = 256 << 10
+BATCH_MAX_RECORDS = 4096
+
+
+def batch_raw_cap(max_record_bytes: int) -> int:
+    """The most bytes a compressed batch holds once decompressed: a frame
+    of at most ``max_record_bytes`` may make a batch alone."""
+    return max(BATCH_RAW_BYTES, max_record_bytes + FRAME_OVERHEAD + (1 << 16))
 
 DURABLE_NAME = "DURABLE"
 DURABLE_FMT = struct.Struct("<QQI")  # next durable lsn, epoch, masked crc
@@ -140,18 +178,24 @@ def is_log_dir(directory: Path) -> bool:
 # ---------------------------------------------------------------- segment header
 
 
-def pack_segment_header(epoch: int, first_lsn: int) -> bytes:
-    """The 32-byte header of a new segment."""
-    body = SEG_HDR.pack(SEG_MAGIC, FORMAT_VERSION, 0, epoch, first_lsn, 0)[:-4]
+def pack_segment_header(epoch: int, first_lsn: int, compression: str | None = None) -> bytes:
+    """The 32-byte header of a new segment; ``compression`` ("zstd" or None)
+    is the log's choice. A segment without it keeps version 1, which every
+    reader reads."""
+    flags = SEG_COMPRESSION_FLAGS[compression]
+    version = FORMAT_VERSION if flags else FORMAT_VERSION_PLAIN
+    body = SEG_HDR.pack(SEG_MAGIC, version, flags, epoch, first_lsn, 0)[:-4]
     return body + FRAME_CRC.pack(mask_crc(crc_value(body)))
 
 
 class SegmentHeader(NamedTuple):
-    """A checked segment header: format version, writer epoch, first LSN."""
+    """A checked segment header: format version, writer epoch, first LSN,
+    and the compression its writer chose ("zstd" or None)."""
 
     version: int
     epoch: int
     first_lsn: int
+    compression: str | None = None
 
 
 def parse_segment_header(raw: bytes, name: str, expected_first: int) -> SegmentHeader:
@@ -160,7 +204,7 @@ def parse_segment_header(raw: bytes, name: str, expected_first: int) -> SegmentH
         raise LogCorruption(
             f"segment {name}, offset 0: header is {len(raw)} bytes, expected {SEG_HDR_SIZE}", segment=name, offset=0
         )
-    magic, version, _flags, epoch, first, crc = SEG_HDR.unpack_from(raw)
+    magic, version, flags, epoch, first, crc = SEG_HDR.unpack_from(raw)
     if magic != SEG_MAGIC:
         raise LogCorruption(f"segment {name}, offset 0: bad magic {magic!r}, expected {SEG_MAGIC!r}", segment=name, offset=0)
     if mask_crc(crc_value(bytes(raw[: SEG_HDR_SIZE - 4]))) != crc:
@@ -177,7 +221,17 @@ def parse_segment_header(raw: bytes, name: str, expected_first: int) -> SegmentH
             segment=name,
             offset=0,
         )
-    return SegmentHeader(version, epoch, first)
+    compression = None
+    if version >= 2:
+        if flags & ~SEG_FLAG_ZSTD:
+            raise LogCorruption(
+                f"segment {name}, offset 0: header flags {flags:#06x} hold bits this reader does not know "
+                f"(expected only {SEG_FLAG_ZSTD:#06x}: zstd); upgrade agentlog",
+                segment=name,
+                offset=0,
+            )
+        compression = "zstd" if flags & SEG_FLAG_ZSTD else None
+    return SegmentHeader(version, epoch, first, compression)
 
 
 # ---------------------------------------------------------------- frames

@@ -15,24 +15,28 @@ what they find with the same functions.
 from __future__ import annotations
 
 import os
-import struct
 from pathlib import Path
 from typing import Generator, Iterator, NamedTuple
 
 from ..errors import AgentlogError
+import numpy as np
+
 from . import framecodec
 from .api import LogCorruption, SchemaError
+from .batch_compression import read_batch
+from .lost import missing_acked, missing_indexed, missing_start
 from .format import (
     ENV_HDR,
     FRAME_HDR,
     FRAME_PREFIX,
     LOG_START_LSN,
+    BATCH_MAX_RECORDS,
     SEG_HDR_SIZE,
+    TYPE_BATCH,
     TYPE_RECORD,
     Checkpoint,
     Watermark,
     crc_value as _crc_value,
-    list_segments,
     mask_crc,
     parse_segment_header,
     segment_name,
@@ -94,6 +98,8 @@ class SegmentScanner:
     #: VM, 2048-token events), the scan of 25 MB took 2.9 ms with 256 KiB
     #: chunks, 4.3 ms with 1 MiB and 7.8 ms with 4 MiB (a raw read: 1.6 ms).
     CHUNK = 256 << 10
+    #: What the scanner yields (read_batch builds a compressed batch's frames as these).
+    frame_type = Frame
 
     def __init__(self, fd: int, name: str, offset: int, expected_lsn: int, max_record_bytes: int) -> None:
         self.fd = fd
@@ -104,6 +110,15 @@ class SegmentScanner:
         self.bad: BadFrame | None = None
         self._buf = b""
         self._buf_off = offset  # file offset of _buf[0]
+        #: Frames of a compressed batch that a limit stopped in, last first (``offset`` is past the batch).
+        self.rest: list[Frame] = []
+
+    def _take_rest(self, limit: int | None) -> Iterator[Frame]:
+        rest = self.rest
+        while rest and (limit is None or rest[-1].lsn < limit):
+            fr = rest.pop()
+            self.expected = fr.lsn + 1
+            yield fr
 
     def _fill(self, need_end: int, size: int) -> None:
         """Make _buf cover [self.offset, need_end) (need_end <= size)."""
@@ -155,6 +170,11 @@ class SegmentScanner:
         if codec is None:
             yield from self._frames_py(limit, size, False)
             return
+        if self.rest:
+            taken = list(self._take_rest(limit))
+            yield from ([taken] if batched and taken else taken)
+            if self.rest:
+                return
         # The compiled walk takes every frame wholly inside the buffer in one
         # call; a frame that is not (the buffer must be refilled) goes through
         # one step of the Python loop, which owns the buffer.
@@ -178,17 +198,37 @@ class SegmentScanner:
                         yield fr
                 if code == _MORE:
                     continue
+                if code == _BAD and buf[rel + 8] == TYPE_BATCH:  # a compressed batch, read here (never nested)
+                    why = read_batch(self, base + rel, size)
+                    if why:
+                        self.bad = BadFrame(self.offset, why)
+                        return
+                    rest = self.rest
+                    if limit is None or rest[0].lsn < limit:  # all its frames (rest is last first)
+                        taken, self.rest = rest[::-1], []
+                        self.expected = taken[-1].lsn + 1
+                    else:
+                        taken = list(self._take_rest(limit))
+                    if batched:
+                        if taken:
+                            yield taken
+                    else:
+                        for fr in taken:
+                            yield fr
+                    if self.rest:
+                        return
+                    continue
                 if code == _BAD:
                     self.bad = BadFrame(self.offset, reason)
                     return
-                if code != _NEED:  # limit or end of file
+                if code != _NEED and code != _BAD:  # limit or end of file
                     return
             if batched:
                 step = list(self._frames_py(limit, size, True))
                 if step:
                     yield step
                 # A frame read means go on; none means the step stopped the walk.
-                if not step:
+                if not step or self.rest:
                     return
             else:
                 more = yield from self._frames_py(limit, size, True)
@@ -204,6 +244,9 @@ class SegmentScanner:
         unpack_hdr, unpack_env, crc_value = FRAME_HDR.unpack_from, ENV_HDR.unpack_from, _crc_value
         env_size = ENV_HDR.size
         p = 5 + env_size  # session id offset inside ``body`` (which starts after the CRC)
+        yield from self._take_rest(limit)
+        if self.rest:
+            return False
         buf, base = self._buf, self._buf_off
         expected = self.expected
         while limit is None or expected < limit:
@@ -220,6 +263,16 @@ class SegmentScanner:
                 buf, base = self._buf, self._buf_off
                 rel = off - base
             crc, length, typ = unpack_hdr(buf, rel)
+            if typ == TYPE_BATCH and self.fd >= 0:  # a compressed batch (batch_compression.py; never nested)
+                reason = read_batch(self, off, size)
+                if reason:
+                    self.bad = BadFrame(off, reason)
+                    return False
+                yield from self._take_rest(limit)
+                if once or self.rest:
+                    return not self.rest
+                buf, base, expected = self._buf, self._buf_off, self.expected
+                continue
             if typ != TYPE_RECORD:
                 what = "zero-filled" if typ == 0 and not any(buf[rel : rel + 64]) else f"type byte {typ}"
                 self.bad = BadFrame(off, f"{what} (expected a record, type {TYPE_RECORD})")
@@ -261,31 +314,26 @@ class SegmentScanner:
 
 
 def find_later_frame(fd: int, start: int, size: int, lsn_lo: int, max_record_bytes: int) -> int | None:
-    """Offset of a CRC-valid frame after ``start`` whose lsn is in
-    [lsn_lo, lsn_lo + 2], or None. It searches for the little-endian LSN bytes
-    (at a fixed place in every frame), so it runs at C speed over megabytes."""
-    patterns = [struct.pack("<Q", lsn_lo + k) for k in range(3)]
-    lsn_at = FRAME_PREFIX  # lsn follows crc, length and type
+    """Offset of a CRC-valid frame or compressed batch after ``start`` whose
+    (first) lsn is in [lsn_lo, lsn_lo + BATCH_MAX_RECORDS + 2] (a damaged batch
+    may hold that many records), or None. It compares the 8 bytes at every
+    offset with the range, vectorised (the LSN is at a fixed place in every
+    frame and batch), so it runs at C speed over megabytes."""
+    lsn_at, hi = FRAME_PREFIX, lsn_lo + BATCH_MAX_RECORDS + 2  # lsn follows crc, length and type
     pos = start + 1
     chunk = 1 << 20
-    seen: set[int] = set()
     while pos < size:
         buf = os.pread(fd, min(chunk + 16, size - pos), pos)
-        hits = []
-        for pat in patterns:
-            i = buf.find(pat, lsn_at)
-            while i != -1:
-                hits.append(i)
-                i = buf.find(pat, i + 1)
-        for i in sorted(hits):
-            cand = pos + i - lsn_at
-            if cand in seen:
-                continue
-            seen.add(cand)
-            expected = struct.unpack_from("<Q", buf, i)[0]
-            sc = SegmentScanner(fd, "", cand, expected, max_record_bytes)
-            for _ in sc.frames(limit=expected + 1, size=size):
-                return cand
+        n = len(buf) - lsn_at - 7
+        if n > 0:
+            lsns = np.ndarray((n,), "<u8", buf, lsn_at, (1,))  # unaligned: the u64 at each offset
+            kinds = np.frombuffer(buf, np.uint8, n, lsn_at - 1)
+            hits = np.flatnonzero((lsns >= lsn_lo) & (lsns <= hi) & ((kinds == TYPE_RECORD) | (kinds == TYPE_BATCH)))
+            for i in hits.tolist():
+                expected = int(lsns[i])
+                sc = SegmentScanner(fd, "", pos + i, expected, max_record_bytes)
+                for _ in sc.frames(limit=expected + 1, size=size):
+                    return pos + i
         pos += chunk
     return None
 
@@ -338,66 +386,6 @@ def read_head(path: Path) -> bytes:
     """The first SEG_HDR_SIZE bytes of a file (a segment may be 64 MiB)."""
     with open(path, "rb") as f:
         return f.read(SEG_HDR_SIZE)
-
-
-def missing_acked(name: str, size: int, expected: int, watermark: int) -> LogCorruption:
-    """The log ends cleanly (at ``size`` in segment ``name``; ``name`` empty:
-    no segment files exist), but before records the watermark says were
-    acknowledged."""
-    if not name:
-        return LogCorruption(
-            f"no segment files exist, but the durable watermark says lsn {expected}..{watermark - 1} "
-            f"were acknowledged; they are missing",
-            segment="",
-            offset=0,
-            last_good_lsn=expected - 1,
-        )
-    return LogCorruption(
-        f"segment {name}, offset {size}, last good lsn {expected - 1}: the log ends here, but the durable "
-        f"watermark says lsn {expected}..{watermark - 1} were acknowledged; they are missing",
-        segment=name,
-        offset=size,
-        last_good_lsn=expected - 1,
-    )
-
-
-def missing_start(directory: Path, segments: list[int]) -> LogCorruption | None:
-    """The head of the log is gone: its first segment file does not start at
-    :data:`~agentlog.events.log.format.LOG_START_LSN` (nothing removes a
-    log's head on purpose). None when it does, or when there are no segments."""
-    if not segments or segments[0] == LOG_START_LSN:
-        return None
-    lost, found = segment_name(LOG_START_LSN), segment_name(segments[0])
-    return LogCorruption(
-        f"log {directory}: segment {lost} is missing: the first segment is {found}, which starts at lsn "
-        f"{segments[0]}; expected the log to start at lsn {LOG_START_LSN}, so lsn {LOG_START_LSN}..{segments[0] - 1} are missing",
-        segment=lost,
-        offset=0,
-        last_good_lsn=LOG_START_LSN - 1,
-    )
-
-
-def missing_indexed(directory: Path, name: str, size: int, expected: int, ckpt: Checkpoint | None) -> LogCorruption | None:
-    """At the log's clean end (``size`` bytes into segment ``name``; ``name``
-    empty: no segment files exist), with ``expected`` the LSN after the last
-    record found: the corruption when the ``INDEX`` checkpoint ``ckpt``
-    describes records past it, else None. The writer writes an INDEX only
-    once the records it describes are synced, so they must exist (a last
-    segment deleted, with DURABLE, say)."""
-    if ckpt is None or expected >= ckpt.lsn:
-        return None
-    on_disk = set(list_segments(directory))
-    gone = [segment_name(s) for s in ckpt.segments if s not in on_disk]
-    where = f"the log ends at offset {size} of segment {name}" if name else "no segment files exist"
-    return LogCorruption(
-        f"log {directory}: {where} (last good lsn {expected - 1}), but its INDEX checkpoint (writer epoch "
-        f"{ckpt.epoch}, at offset {ckpt.offset} of segment {segment_name(ckpt.segment)}) says lsn "
-        f"{expected}..{ckpt.lsn - 1} were written; they are missing"
-        + (f" (INDEX names segment{'s' if len(gone) > 1 else ''} {', '.join(gone[:4])}{'...' if len(gone) > 4 else ''}, not on disk)" if gone else ""),
-        segment=name,
-        offset=size,
-        last_good_lsn=expected - 1,
-    )
 
 
 def header_being_created(size: int, header: bytes) -> bool:

@@ -63,6 +63,7 @@ from agentlog._logging import get_logger
 from . import framecodec
 from ..fs import fsync_dir, write_atomic
 from .api import EventLog, LogClosed, LogError, NotALog, PendingRecord
+from .batch_compression import BatchCompression, check_compression, chosen_compression
 from .commit import GroupCommit, _Submission
 from .fence import _SPARE_PREFIX, FenceAndSpares, _NewSegment, _Spare
 from .format import (
@@ -81,20 +82,19 @@ from .format import (
     TYPE_RECORD,
     Checkpoint,
     is_log_dir,
-    pack_checkpoint,
     pack_durable,
     pack_fence,
     read_durable,
     read_fence,
-    segment_name,
 )
 from .format import MASK_DELTA as _MASK_DELTA
 from .format import crc_extend as _crc_extend
 from .format import crc_value as _crc_value
 from .lock import acquire_lock, release_lock
 from .read import Cursor
-from .osops import _OUT_OF_FDS, OsOps, _raise_nofile_limit
+from .osops import OsOps, _raise_nofile_limit
 from .recovery import fence_without_log, recover
+from .writer_checkpoint import WriterCheckpoints
 from ..schema.types import TERMINAL_EVENT_TYPES, Envelope
 
 log = get_logger("agentlog.events.log.writer")
@@ -103,12 +103,9 @@ FSYNC_POLICIES = ("always", "batch", "interval", "never")
 _TERMINAL_SET = frozenset(TERMINAL_EVENT_TYPES)
 #: Payloads from this size on are written as their own iovec (never copied in Python).
 _BIG_PAYLOAD = 4096
-#: Periodic checkpoints are at least this many times the INDEX's size apart
-#: (at most ~1/8 more bytes written), whatever ``checkpoint_bytes`` says.
-_CKPT_SPACING = 8
 
 
-class FileLog(GroupCommit, FenceAndSpares, EventLog):
+class FileLog(GroupCommit, FenceAndSpares, WriterCheckpoints, BatchCompression, EventLog):
     """The durable, segmented, CRC-framed log. Create with :meth:`open`."""
 
     # Set by open() on the instance it builds (the rest of the state: _init_state and the mixins' declarations).
@@ -140,6 +137,7 @@ class FileLog(GroupCommit, FenceAndSpares, EventLog):
         os_ops: OsOps | None = None,
         checkpoint_bytes: int = CHECKPOINT_EVERY_BYTES,
         fence: bool = True,
+        compression: str | None = None,
         _flock: bool = True,
     ) -> "FileLog":
         """Open (creating if needed) the log directory at ``path`` as its one
@@ -156,6 +154,10 @@ class FileLog(GroupCommit, FenceAndSpares, EventLog):
         (see :meth:`_check_fence` for what this guards and its race window).
         ``fence=False`` skips those reads (a log on a local disk, where the
         flock already excludes a second writer); FENCE is still written.
+
+        ``compression``: ``"zstd"`` compresses each append call's frames as one
+        batch, ``"none"`` does not; None (default) keeps what the log's last
+        segment records (see :mod:`~agentlog.events.log.batch_compression`).
 
         ``_flock=False`` is a test seam, not an option: it skips the flock to
         simulate a second writer on another node of a shared filesystem,
@@ -191,6 +193,7 @@ class FileLog(GroupCommit, FenceAndSpares, EventLog):
         self._ckpt_bytes = self._ckpt_every = checkpoint_bytes
         self._os = os_ops or OsOps()
         self._fence_check = fence
+        self._compression = check_compression(compression)
         self._log = log.bind(log_dir=str(directory))
         _raise_nofile_limit()
         self._lock = acquire_lock(directory, flock=_flock)
@@ -284,6 +287,7 @@ class FileLog(GroupCommit, FenceAndSpares, EventLog):
         self._fence_stat = (st.st_ino, st.st_size, st.st_mtime_ns)
         self._rescanned = state.rescanned_bytes
         self._segments = state.segments
+        self._compression = chosen_compression(self._compression, d, state.segments)
         self._index = state.index
         self._next_seq = state.open_sessions
         self._assigned = self._acked = expected
@@ -300,60 +304,8 @@ class FileLog(GroupCommit, FenceAndSpares, EventLog):
             index="rebuilt" if state.rebuilt else "checkpoint",
             rescanned_bytes=state.rescanned_bytes,
             policy=self._policy,
+            compression=self._compression,
         )
-
-    # ------------------------------------------------------------ state helpers
-
-    def _snapshot_at_end(self) -> Checkpoint:
-        """Checkpoint of the state right after the last assigned record."""
-        if self._segments:
-            seg = self._segments[-1]
-            off = self._seg_size if self._seg_first == seg else (self._dir / segment_name(seg)).stat().st_size
-        else:
-            seg, off = self._assigned, SEG_HDR_SIZE
-        return self._snapshot(self._assigned, seg, off)
-
-    def _snapshot(self, lsn: int, segment: int, offset: int) -> Checkpoint:
-        """Under _cv (or before the writer starts): checkpoint of the state
-        as of record ``lsn`` at ``offset`` in ``segment``, the last segment.
-        O(open sessions + segments): only ``segment``'s index list is copied,
-        as sealed segments' lists never change again and are shared."""
-        return Checkpoint(
-            epoch=self._epoch,
-            lsn=lsn,
-            segment=segment,
-            offset=offset,
-            segments=list(self._segments),
-            open_sessions=dict(self._next_seq),
-            index={k: (v if k != segment else list(v)) for k, v in self._index.items()},
-        )
-
-    def _write_checkpoint(self, ckpt: Checkpoint, *, durable: bool = True) -> None:
-        if not ckpt.segments:
-            # Nothing to index; an old INDEX would be stale.
-            try:
-                os.unlink(self._dir / INDEX_NAME)
-            except FileNotFoundError:
-                pass
-            return
-        data = pack_checkpoint(ckpt)
-        write_atomic(self._dir, INDEX_NAME, data, durable=durable)
-        # The INDEX holds the whole sparse index, so it grows with the log:
-        # space periodic checkpoints so that rewriting it stays a small
-        # fraction of the bytes appended (read by _submit; an int, no lock).
-        self._ckpt_every = max(self._ckpt_bytes, _CKPT_SPACING * len(data))
-
-    def _write_checkpoint_if_fds(self, ckpt: Checkpoint, *, durable: bool = True) -> None:
-        """Write a rotation's or a periodic checkpoint. Only an optimisation:
-        the previous INDEX stays valid (recovery scans on from it), so a lack of
-        descriptors (EMFILE) skips it with a warning instead of killing the log;
-        any other OSError is fatal, like a failed data write."""
-        try:
-            self._write_checkpoint(ckpt, durable=durable)
-        except OSError as exc:
-            if exc.errno not in _OUT_OF_FDS:
-                raise
-            self._log.warning("log.checkpoint.skipped", segment=segment_name(ckpt.segment), lsn=ckpt.lsn, error=repr(exc))
 
     def _publish(self, end: int, *, synced: bool = True) -> None:
         """Advance the DURABLE watermark readers in other processes trust.
@@ -415,6 +367,8 @@ class FileLog(GroupCommit, FenceAndSpares, EventLog):
                 )
             sids.append(sidb)
             sizes.append(n)
+        if self._compression is not None:
+            return self._submit_compressed(checked, sids)
         self._reserve_spares(*self._segments_needed(sizes))
         # From here on nothing can fail. The frame layout is inlined (see
         # format.encode_frame, which readers' tests use): this loop is the

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from agentlog.events import FileLog, LogClosed
-from agentlog.events.log import writer as log_writer
+from agentlog.events.log import writer_checkpoint as log_writer  # the writer's checkpoints
 from agentlog.events.log.format import INDEX_NAME, SEG_HDR_SIZE, list_segments, load_checkpoint, read_watermark
 from agentlog.events.log.recovery import checkpoint_problem
 from agentlog.events.schema.types import CommandRan, SessionFinished

@@ -258,7 +258,7 @@ class PowerCutOps(OsOps):
 def test_a_power_cut_loses_only_unsynced_records_and_the_log_reopens(tmp_path, policy, watermark_reached_disk, checkpoint_bytes, monkeypatch):
     from structlog.testing import capture_logs
 
-    from agentlog.events.log import writer as log_writer
+    from agentlog.events.log import writer_checkpoint as log_writer
 
     from agentlog.events.log.format import SEG_HDR_SIZE, list_segments, load_checkpoint, read_watermark
     from agentlog.events.log.recovery import checkpoint_problem

@@ -1,0 +1,281 @@
+"""Compressed record batches of the file log: the writer stages the frames of
+one append call (``append`` / ``append_batch``: one producer batch, as Kafka
+compresses its record batches) as zstd-compressed batch frames, and the
+scanner turns a batch back into its frames. The layout is in
+:mod:`agentlog.events.log.format` ("Compressed batch").
+
+The choice is per log and recorded in each segment's header
+(:func:`chosen_compression`): a writer opened with ``compression=None``
+keeps what the log's last segment records; ``"zstd"`` or ``"none"`` sets it
+for the segments this writer creates (each writer open starts a segment, so
+a log changed this way holds both kinds, and every reader reads both). A
+segment of a compressed log holds batches and plain frames mixed: a batch
+that compression does not make smaller (tiny, or incompressible bytes) is
+stored as its plain frames.
+
+A batch is one unit on disk: one CRC over the stored (compressed) bytes, one
+offset holding the LSN range [first, first + count). Recovery, verify and the
+sparse index see it as one frame (a torn batch at the tail is cut whole; a
+damaged one is damage to all its records); each record it yields carries the
+batch's offset and end.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import zstandard
+
+from . import framecodec
+from .commit import _Submission
+from .format import (
+    BATCH_CODEC_ZSTD,
+    BATCH_HDR,
+    BATCH_MAX_RECORDS,
+    BATCH_RAW_BYTES,
+    FRAME_CRC,
+    FRAME_HDR,
+    FRAME_PREFIX,
+    INDEX_EVERY_BYTES,
+    SEG_HDR_SIZE,
+    TYPE_BATCH,
+    crc_extend,
+    crc_value,
+    encode_frame,
+    mask_crc,
+    batch_raw_cap,
+    segment_name,
+    parse_segment_header,
+)
+from ..schema.types import TERMINAL_EVENT_TYPES, Envelope
+
+if TYPE_CHECKING:
+    import collections
+
+#: The values of ``FileLog.open(compression=...)``: None keeps the log's choice.
+COMPRESSIONS = ("zstd", "none")
+#: zstd level 1: the fastest level that still compresses token ids (negative "fast" levels store them as is).
+ZSTD_LEVEL = 1
+#: A batch is stored compressed only when that saves at least this fraction of its bytes.
+_MIN_SAVING = 0.1
+#: Frames below this many bytes in all are never worth a compression call.
+_MIN_RAW = 128
+_HEAD = FRAME_HDR.size - FRAME_CRC.size  # length + type, after the CRC
+_TERMINAL_SET = frozenset(TERMINAL_EVENT_TYPES)
+
+
+def check_compression(value: str | None) -> str | None:
+    """``value`` checked as a ``compression`` option (None, "zstd" or "none")."""
+    if value is not None and value not in COMPRESSIONS:
+        raise ValueError(f"compression: expected one of {'/'.join(COMPRESSIONS)} or None (keep the log's), found {value!r}")
+    return value
+
+
+def chosen_compression(requested: str | None, directory: Path, segments: list[int]) -> str | None:
+    """The compression a writer opened with ``requested`` uses ("zstd" or
+    None): the one asked for, else the one the log's last segment records
+    (a new log: none)."""
+    if requested is not None:
+        return None if requested == "none" else requested
+    if not segments:
+        return None
+    name = segment_name(segments[-1])
+    with open(directory / name, "rb") as f:
+        return parse_segment_header(f.read(SEG_HDR_SIZE), name, segments[-1]).compression
+
+
+def pack_batch(first_lsn: int, count: int, raw: bytes, data: bytes) -> bytes:
+    """The batch frame of ``count`` frames from ``first_lsn`` whose
+    concatenation ``raw`` compresses (zstd) to ``data``."""
+    head = FRAME_HDR.pack(0, BATCH_HDR.size + len(data), TYPE_BATCH)[FRAME_CRC.size :]
+    head += BATCH_HDR.pack(first_lsn, count, len(raw), BATCH_CODEC_ZSTD)
+    return FRAME_CRC.pack(mask_crc(crc_extend(crc_value(head), data))) + head + data
+
+
+_local = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    # One per thread: readers run in any thread, and a decompressor is not shareable.
+    d = getattr(_local, "zstd", None)
+    if d is None:
+        d = _local.zstd = zstandard.ZstdDecompressor()
+    return d
+
+
+# ---------------------------------------------------------------- writing
+
+
+class BatchCompression:
+    """The compressed staging of :class:`~agentlog.events.log.writer.FileLog`
+    (a mixin: ``_submit`` hands it a checked submission when the log
+    compresses). It mirrors ``FileLog._submit``'s staging, with a batch of
+    frames as the unit a segment, the sparse index and a rotation see."""
+
+    # The FileLog state this uses (writer.py sets it) and its other parts' methods.
+    _compression: str | None
+    _clock: Callable[[], int]
+    _assigned: int
+    _seg_first: int | None
+    _seg_size: int
+    _last_index_off: int
+    _segment_bytes: int
+    _next_seq: dict[str, int]
+    _index: dict[int, list[tuple[int, int]]]
+    _ckpt_off: int
+    _ckpt_every: int
+    _pending: collections.deque[_Submission]
+    _reserve_spares: Callable[[int, int], None]
+    _segments_needed: Callable[[list[int]], tuple[int, int]]
+    _start_segment: Callable[..., list]
+    _snapshot: Callable[..., Any]
+    _zstd: zstandard.ZstdCompressor | None = None
+
+    def _compressed_units(self, checked: list, sids: list[bytes], lsn: int, ts: int) -> list[tuple[int, bytes]]:
+        """(first LSN, bytes) of each unit the records become: a compressed
+        batch, or a plain frame where compressing its batch saves too little."""
+        if self._zstd is None:
+            self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        compress = self._zstd.compress
+        flags = [type(rec.body) in _TERMINAL_SET for rec in checked]
+        codec = framecodec.native
+        if codec is not None:
+            buf, ends = codec.encode_batch([(sid, rec.session_seq, fl, rec.payload) for rec, sid, fl in zip(checked, sids, flags)], lsn, ts)
+        else:
+            parts = [encode_frame(lsn + i, rec.session_seq, ts, fl, sid, rec.payload) for i, (rec, sid, fl) in enumerate(zip(checked, sids, flags))]
+            buf, ends, at = b"".join(parts), [], 0
+            for p in parts:
+                at += len(p)
+                ends.append(at)
+        view = memoryview(buf)
+        units: list[tuple[int, bytes]] = []
+        start, i, n = 0, 0, len(ends)
+        while i < n:
+            # The batch: frames from i while it stays under BATCH_RAW_BYTES (one frame at least).
+            j = i + 1
+            while j < n and j - i < BATCH_MAX_RECORDS and ends[j] - start <= BATCH_RAW_BYTES:
+                j += 1
+            raw = view[start : ends[j - 1]]
+            data = compress(raw) if len(raw) >= _MIN_RAW else None
+            if data is not None and len(data) + FRAME_PREFIX + BATCH_HDR.size <= len(raw) * (1 - _MIN_SAVING):
+                units.append((lsn + i, pack_batch(lsn + i, j - i, raw, data)))
+            else:
+                at = start
+                for k in range(i, j):
+                    units.append((lsn + k, bytes(view[at : ends[k]])))
+                    at = ends[k]
+            start, i = ends[j - 1], j
+        return units
+
+    def _submit_compressed(self, checked: list, sids: list[bytes]) -> tuple[list[Envelope], int]:
+        """``FileLog._submit`` from its staging on, for a compressed log
+        (caller holds _cv; every check that can fail has run, but the
+        spare segment files' reservation, which runs here first)."""
+        ts = self._clock()
+        lsn = self._assigned
+        units = self._compressed_units(checked, sids, lsn, ts)
+        self._reserve_spares(*self._segments_needed([len(u) for _, u in units]))
+        # From here on nothing can fail.
+        seg_first, seg_size, last_idx = self._seg_first, self._seg_size, self._last_index_off
+        run: list = []
+        ops: list = [run]
+        seg_limit = self._segment_bytes
+        for first, unit in units:
+            n = len(unit)
+            if seg_first is None or (seg_size > SEG_HDR_SIZE and seg_size + n > seg_limit):
+                run = self._start_segment(first, rotating=seg_first is not None, ops=ops)
+                seg_first, seg_size, last_idx = first, SEG_HDR_SIZE, SEG_HDR_SIZE
+            elif seg_size - last_idx >= INDEX_EVERY_BYTES:
+                self._index[seg_first].append((first, seg_size))
+                last_idx = seg_size
+            run.append(unit)
+            seg_size += n
+        envs = []
+        next_seq = self._next_seq
+        for rec in checked:
+            sid, seq, body, _payload = rec
+            envs.append(Envelope(lsn, sid, seq, ts, body))
+            if type(body) in _TERMINAL_SET:
+                next_seq.pop(sid, None)
+            else:
+                next_seq[sid] = seq + 1
+            lsn += 1
+        self._seg_first, self._seg_size, self._last_index_off = seg_first, seg_size, last_idx
+        self._assigned = lsn
+        if envs:
+            ckpt = None
+            if seg_size - self._ckpt_off >= self._ckpt_every:
+                assert seg_first is not None  # a staged record always has its segment
+                ckpt = self._snapshot(lsn, seg_first, seg_size)
+                self._ckpt_off = seg_size
+            self._pending.append(_Submission(ops, lsn, ckpt))
+        return envs, lsn
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_batch(sc: Any, off: int, size: int) -> str:
+    """Decode the compressed batch at offset ``off`` (== ``sc.offset``) of the
+    :class:`~agentlog.events.log.scan.SegmentScanner` ``sc``, whose file
+    is ``size`` bytes. On success it returns "" with the batch's frames
+    waiting in ``sc.rest`` (last first) and ``sc.offset`` past the batch; else
+    the reason the batch is bad (``sc`` unchanged)."""
+    need = FRAME_PREFIX + BATCH_HDR.size
+    if size - off < need:
+        return f"incomplete batch header ({size - off} bytes before end of file)"
+    sc._fill(off + need, size)
+    buf, rel = sc._buf, off - sc._buf_off
+    crc, length, _typ = FRAME_HDR.unpack_from(buf, rel)
+    first, count, raw_len, codec = BATCH_HDR.unpack_from(buf, rel + FRAME_PREFIX)
+    raw_cap = batch_raw_cap(sc.cap)
+    if length <= BATCH_HDR.size or length > BATCH_HDR.size + raw_cap:
+        return f"compressed batch length {length} out of range (expected {BATCH_HDR.size + 1}..{BATCH_HDR.size + raw_cap} bytes)"
+    end = off + FRAME_PREFIX + length
+    if end > size:
+        return f"compressed batch of {FRAME_PREFIX + length} bytes runs past end of file ({size})"
+    sc._fill(end, size)
+    buf, rel = sc._buf, off - sc._buf_off
+    body = buf[rel + FRAME_CRC.size : rel + FRAME_PREFIX + length]
+    if mask_crc(crc_value(body)) != crc:
+        return "CRC mismatch"
+    if first != sc.expected:
+        return f"lsn {first}, expected {sc.expected}"
+    if codec != BATCH_CODEC_ZSTD or not 0 < count <= BATCH_MAX_RECORDS or raw_len > raw_cap:
+        return (f"compressed batch header: codec {codec}, {count} records, {raw_len} bytes raw (expected codec "
+                f"{BATCH_CODEC_ZSTD} (zstd), 1..{BATCH_MAX_RECORDS} records, at most {raw_cap} bytes)")
+    data = memoryview(body)[_HEAD + BATCH_HDR.size :]
+    try:
+        # The frame's own content size (the writer always records it) must be the header's: it bounds what
+        # decompress allocates, which is then given no max_output_size (that path is ~1.5x slower).
+        told = zstandard.frame_content_size(data)
+        if told != raw_len:
+            return f"compressed batch (lsn {first}..{first + count - 1}): its zstd frame says {told} bytes raw, its header {raw_len}"
+        raw = _decompressor().decompress(data)
+    except zstandard.ZstdError as exc:
+        return f"compressed batch (lsn {first}..{first + count - 1}) does not decompress: {exc}"
+    if len(raw) != raw_len:
+        return f"compressed batch (lsn {first}..{first + count - 1}) decompresses to {len(raw)} bytes, its header says {raw_len}"
+    # Its frames are checked as any segment's (CRC, LSN sequence, lengths, id), in memory: the batch's CRC
+    # covers the stored bytes, this a writer or codec fault, at ~0.1 us per KiB with the compiled codec.
+    codec = framecodec.native
+    if codec is not None:
+        make = sc.frame_type
+        frames, at, _next, code, why = codec.scan(raw, memoryview(raw), make, 0, 0, raw_len, first, None, sc.cap, count + 1)
+        if why is None and (len(frames) != count or at != raw_len):
+            why = f"{len(frames)} frames in {at} bytes, its header says {count} in {raw_len}"
+    else:
+        inner = type(sc)(-1, sc.name, 0, first, sc.cap)
+        inner._buf = raw
+        frames = list(inner.frames(size=raw_len))
+        at, why = inner.offset, inner.bad.reason if inner.bad is not None else None
+        if why is None and len(frames) != count:
+            why = f"{len(frames)} frames, its header says {count}"
+        make = type(frames[0]) if frames else None
+    if why is not None:
+        return f"compressed batch (lsn {first}..{first + count - 1}), byte {at} of its frames: {why}"
+    sc.rest = [make(off, end, *fr[2:]) for fr in reversed(frames)]
+    sc.offset = end
+    return ""
