@@ -172,19 +172,25 @@ def _is_valid_id(value: Any) -> bool:
     return True
 
 
+def check_record_body(sid: str, seq: int, body: Any) -> tuple[bytes, Any]:
+    """:func:`check_body` of one record's body: ``(payload, decoded)``, or
+    EventValidationError naming the record's session and seq, the event type,
+    the field and what was expected."""
+    try:
+        return check_body(body)
+    except EventValidationError as exc:
+        raise EventValidationError(
+            f"session {sid!r} seq {seq}: {exc} (the log refuses what its readers "
+            "could not decode; nothing was written)"
+        ) from None
+
+
 def _check_one_by_one(sids: list[str], seqs: list[int], bodies: list[Any]) -> tuple[list, list]:
     """The bodies of a batch that :func:`check_bodies` refused, checked one at
-    a time: raises EventValidationError naming the first refused record's
-    session and seq, the event type, the field and what was expected."""
+    a time: raises for the first refused record (:func:`check_record_body`)."""
     payloads, decoded = [], []
     for sid, seq, body in zip(sids, seqs, bodies):
-        try:
-            payload, back = check_body(body)
-        except EventValidationError as exc:
-            raise EventValidationError(
-                f"session {sid!r} seq {seq}: {exc} (the log refuses what its readers "
-                "could not decode; nothing was written)"
-            ) from None
+        payload, back = check_record_body(sid, seq, body)
         payloads.append(payload)
         decoded.append(back)
     return payloads, decoded

@@ -62,10 +62,7 @@ class GroupCommit:
     _log: Any
     _cv: threading.Condition
     _pending: collections.deque[_Submission]
-    #: Async appenders, one entry per staged intake: (end LSN, [(future, envelope)], their loop).
-    _waiters: collections.deque[tuple[int, list, asyncio.AbstractEventLoop]]
-    #: Per event loop, the async appends made since its last turn, not yet staged.
-    _intake: dict[asyncio.AbstractEventLoop, list]
+    _waiters: collections.deque[tuple[int, asyncio.Future, Any, asyncio.AbstractEventLoop]]
     _flushing: bool
     _closed: bool
     _fatal: BaseException | None
@@ -75,14 +72,13 @@ class GroupCommit:
     _assigned: int
     _last_sync: float
     _unsynced: bool
+    _thread_idle: bool
     _ckpt_unsynced: Checkpoint | None
     _check_fence: Callable[[], None]
     _roll: Callable[[_NewSegment], None]
     _discard_spares: Callable[[Iterable[_Spare]], None]
     _unused_spares: Callable[[Iterable[_Submission]], list[_Spare]]
     _publish: Callable[..., None]
-    _submit: Callable[[Iterable[Any]], tuple[list[Any], int]]
-    _thread_idle: bool
     _write_checkpoint_if_fds: Callable[..., None]
 
     def _take(self) -> list[_Submission]:
@@ -221,8 +217,8 @@ class GroupCommit:
         err = self._dead()
         by_loop: dict[Any, list] = {}
         while self._waiters:
-            _end, items, loop = self._waiters.popleft()
-            by_loop.setdefault(loop, []).extend((fut, None) for fut, _env in items)
+            _end, fut, _env, loop = self._waiters.popleft()
+            by_loop.setdefault(loop, []).append((fut, None))
         for loop, items in by_loop.items():
             _call_in_loop(loop, _fail_futures, items, err)
 
@@ -243,54 +239,10 @@ class GroupCommit:
         by_loop: dict[Any, list] = {}
         w = self._waiters
         while w and w[0][0] <= acked:
-            _end, items, loop = w.popleft()
-            by_loop.setdefault(loop, []).extend(items)
+            _end, fut, env, loop = w.popleft()
+            by_loop.setdefault(loop, []).append((fut, env))
         for loop, items in by_loop.items():
             _call_in_loop(loop, _set_futures, items)
-
-    async def append(self, session_id: str, session_seq: int, body: Any) -> Any:
-        """Append one record; returns its envelope once durable. Concurrent
-        calls are group-committed: the appends an event loop makes in one turn
-        are checked, framed and staged together at the end of that turn
-        (:meth:`_stage_intake`), and the writer thread writes and syncs them,
-        so the event loop never waits on disk. Raises what ``append_batch``
-        raises for this record alone."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        intake = self._intake.get(loop)
-        if intake is None:
-            intake = self._intake[loop] = []
-            loop.call_soon(self._stage_intake, loop)
-        intake.append((session_id, session_seq, body, fut))
-        return await fut
-
-    def _stage_intake(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On ``loop``: stage the appends it made in its last turn as one
-        batch, and wake the writer thread. An append whose caller was
-        cancelled before this is dropped (the log never saw it: its session's
-        ``next_seq`` did not move). When the batch is refused, each append
-        is staged alone, so each gets the outcome it would have had alone."""
-        items = [item for item in self._intake.pop(loop) if not item[3].done()]
-        if not items:
-            return
-        with self._cv:
-            try:
-                envs, end = self._submit([item[:3] for item in items])
-            except Exception:  # noqa: BLE001 - refused as a batch: each append gets its own outcome below
-                for sid, seq, body, fut in items:
-                    try:
-                        envs, end = self._submit([(sid, seq, body)])
-                    except Exception as exc:  # noqa: BLE001 - the appender's error, raised at its await
-                        fut.set_exception(exc)
-                    else:
-                        self._waiters.append((end, [(fut, envs[0])], loop))
-            else:
-                self._waiters.append((end, list(zip([item[3] for item in items], envs)), loop))
-            if self._thread_idle:
-                # Wake the writer only when it sleeps; a busy writer picks this
-                # up when its flush ends, with everything else that piled up.
-                self._thread_idle = False
-                self._cv.notify_all()
 
     def _writer_loop(self) -> None:
         """The writer thread: group-commits async appends; syncs under ``interval``.

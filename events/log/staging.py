@@ -55,7 +55,7 @@ class FrameStaging:
         buffer from the compiled codec, the sparse index entries (every
         INDEX_EVERY_BYTES) found by bisection over the frames' offsets, and
         the sessions' next seqs as of the batch's end."""
-        data, ends = codec.encode_batch(list(zip(sidbs, batch.seqs, batch.terminal, batch.payloads)), lsn, ts)
+        data, ends = codec.encode_columns(sidbs, batch.seqs, batch.terminal, batch.payloads, lsn, ts)
         seg_size, last_idx = self._seg_size, self._last_index_off
         if seg_size + len(data) - last_idx > INDEX_EVERY_BYTES:
             assert self._seg_first is not None

@@ -64,38 +64,24 @@ from agentlog._logging import get_logger
 
 from . import framecodec
 from ..fs import fsync_dir, write_atomic
-from .api import EventLog, LogClosed, LogError, NotALog, PendingRecord
+from .api import CheckedBatch, EventLog, LogClosed, LogError, NotALog, PendingRecord, check_record_body
 from .commit import GroupCommit, _Submission
 from .fence import _SPARE_PREFIX, FenceAndSpares, _Spare
-from .format import (
-    CHECKPOINT_EVERY_BYTES,
-    DEFAULT_MAX_RECORD_BYTES,
-    DURABLE_NAME,
-    ENV_HDR,
-    FENCE_NAME,
-    FRAME_OVERHEAD,
-    INDEX_NAME,
-    LOCK_NAME,
-    SEG_HDR_SIZE,
-    Checkpoint,
-    is_log_dir,
-    pack_checkpoint,
-    pack_durable,
-    pack_fence,
-    read_durable,
-    read_fence,
-    segment_name,
-)
+from .format import CHECKPOINT_EVERY_BYTES, DEFAULT_MAX_RECORD_BYTES, DURABLE_NAME, ENV_HDR, FENCE_NAME, FRAME_OVERHEAD
+from .format import INDEX_EVERY_BYTES, INDEX_NAME, LOCK_NAME, SEG_HDR_SIZE, Checkpoint, is_log_dir, pack_checkpoint
+from .format import pack_durable, pack_fence, read_durable, read_fence, segment_name
 from .lock import acquire_lock, release_lock
 from .staging import _BIG_PAYLOAD, FrameStaging
 from .read import Cursor
 from .osops import _OUT_OF_FDS, OsOps, _raise_nofile_limit
 from .recovery import fence_without_log, recover
-from ..schema.types import Envelope
+from ..schema.types import EVENT_TYPES, TERMINAL_EVENT_TYPES, Envelope
 
 log = get_logger("agentlog.events.log.writer")
 
 FSYNC_POLICIES = ("always", "batch", "interval", "never")
+_EVENT_TYPES = frozenset(EVENT_TYPES)
+_TERMINAL_TYPES = frozenset(TERMINAL_EVENT_TYPES)
 #: Periodic checkpoints are at least this many times the INDEX's size apart
 #: (at most ~1/8 more bytes written), whatever ``checkpoint_bytes`` says.
 _CKPT_SPACING = 8
@@ -205,8 +191,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, EventLog):
         # taken once per append.
         self._cv = threading.Condition(threading.Lock())
         self._pending: collections.deque[_Submission] = collections.deque()
-        self._waiters: collections.deque[tuple[int, list, asyncio.AbstractEventLoop]] = collections.deque()
-        self._intake: dict[asyncio.AbstractEventLoop, list] = {}
+        self._waiters: collections.deque[tuple[int, asyncio.Future, Any, asyncio.AbstractEventLoop]] = collections.deque()
         self._flushing = False
         self._thread_idle = False
         self._closing = False
@@ -394,7 +379,12 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, EventLog):
         every check that can fail runs before any state changes."""
         if self._fatal is not None or self._closing:
             raise self._dead()
-        batch = self._check_columns(records)  # encodes each body once; its payload is stored as is
+        return self._stage(self._check_columns(records))  # encodes each body once; its payload is stored as is
+
+    def _stage(self, batch: CheckedBatch) -> tuple[list[Envelope], int]:
+        """Stage a checked batch (caller holds _cv): refuse a record over
+        max_record_bytes, open the files of the segments it starts, then frame
+        it (:mod:`~agentlog.events.log.staging`) and queue it."""
         sids = batch.session_ids
         sidbs = list(map(str.encode, sids))
         sizes = list(map(FRAME_OVERHEAD.__add__, map(operator.add, map(len, sidbs), map(len, batch.payloads))))
@@ -422,6 +412,56 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, EventLog):
             ops = self._stage_frames(batch, sidbs, sizes, lsn, ts)
         end = lsn + len(sizes)
         envs = list(map(Envelope, range(lsn, end), sids, batch.seqs, itertools.repeat(ts, len(sizes)), batch.bodies))
+        self._queue(ops, end)
+        return envs, end
+
+    def _submit_one(self, sid: str, seq: int, body: Any) -> tuple[Envelope, int]:
+        """:meth:`_submit` of one record (caller holds _cv), for ``append``:
+        the common case (the next record of an open session, a small frame
+        that fits the active segment short of its next index entry, the
+        compiled codec) is checked and framed without a batch's columns;
+        anything else goes through :meth:`_submit`."""
+        codec = framecodec.native
+        if (
+            codec is None
+            or self._fatal is not None
+            or self._closing
+            or self._seg_first is None
+            or self._next_seq.get(sid) != seq
+            or type(body) not in _EVENT_TYPES
+        ):
+            envs, end = self._submit([(sid, seq, body)])
+            return envs[0], end
+        payload, body = check_record_body(sid, seq, body)
+        sidb = sid.encode()
+        n = FRAME_OVERHEAD + len(sidb) + len(payload)
+        seg_size = self._seg_size
+        if (
+            len(payload) >= _BIG_PAYLOAD
+            or n > self._cap + FRAME_OVERHEAD - ENV_HDR.size
+            or seg_size + n > self._segment_bytes
+            or seg_size - self._last_index_off >= INDEX_EVERY_BYTES
+        ):
+            terminal = type(body) in _TERMINAL_TYPES
+            checked = CheckedBatch([sid], [seq], [body], [payload], [int(terminal)], {sid: seq + 1}, {sid} if terminal else set())
+            envs, end = self._stage(checked)
+            return envs[0], end
+        self._reserve_spares(0, seg_size + n)
+        # From here on nothing can fail.
+        ts = self._clock()
+        lsn = self._assigned
+        if type(body) in _TERMINAL_TYPES:
+            frame = codec.encode_frame(lsn, seq, ts, 1, sidb, payload, False)
+            del self._next_seq[sid]
+        else:
+            frame = codec.encode_frame(lsn, seq, ts, 0, sidb, payload, False)
+            self._next_seq[sid] = seq + 1
+        self._seg_size = seg_size + n
+        self._queue([[frame]], lsn + 1)
+        return Envelope(lsn, sid, seq, ts, body), lsn + 1
+
+    def _queue(self, ops: list, end: int) -> None:
+        """Under _cv: hand staged frames (records up to ``end``) to the group commit."""
         self._assigned = end
         ckpt = None
         seg_size = self._seg_size
@@ -432,7 +472,6 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, EventLog):
             ckpt = self._snapshot(end, self._seg_first, seg_size)
             self._ckpt_off = seg_size
         self._pending.append(_Submission(ops, end, ckpt))
-        return envs, end
 
     def append_batch(self, records: Iterable[PendingRecord | tuple]) -> list[Envelope]:
         """Append records atomically in order; returns their envelopes once
@@ -443,6 +482,23 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, EventLog):
         if envs:
             self._commit(end)
         return envs
+
+    async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
+        """Append one record; concurrent calls are group-committed by the
+        writer thread, so the event loop never waits on disk. The record is
+        staged before the first await (a caller cancelled while it waits for
+        durability still has its record written: ``next_seq`` says so)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cv:
+            env, end = self._submit_one(session_id, session_seq, body)
+            self._waiters.append((end, fut, env, loop))
+            if self._thread_idle:
+                # Wake the writer only when it sleeps; a busy writer picks this
+                # up when its flush ends, with everything else that piled up.
+                self._thread_idle = False
+                self._cv.notify_all()
+        return await fut
 
     # ------------------------------------------------------------ reading
 
