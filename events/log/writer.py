@@ -457,8 +457,18 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, EventLog):
             frame = codec.encode_frame(lsn, seq, ts, 0, sidb, payload, False)
             self._next_seq[sid] = seq + 1
         self._seg_size = seg_size + n
-        self._queue([[frame]], lsn + 1)
-        return Envelope(lsn, sid, seq, ts, body), lsn + 1
+        end = lsn + 1
+        pending = self._pending
+        if pending and self._policy != "always" and seg_size + n - self._ckpt_off < self._ckpt_every:
+            last = pending[-1]
+            run = last.ops[-1]
+            if last.checkpoint is None and type(run) is list:
+                # Join the submission still waiting for a flush: one run, no new objects.
+                run.append(frame)
+                last.end = self._assigned = end
+                return Envelope(lsn, sid, seq, ts, body), end
+        self._queue([[frame]], end)
+        return Envelope(lsn, sid, seq, ts, body), end
 
     def _queue(self, ops: list, end: int) -> None:
         """Under _cv: hand staged frames (records up to ``end``) to the group commit."""

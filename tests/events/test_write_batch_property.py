@@ -21,6 +21,7 @@ from agentlog.events import FileLog, read_log, verify_log
 from agentlog.events.log import framecodec
 from agentlog.events.log.api import MemoryLog
 from agentlog.events.log.format import list_segments, segment_name
+from agentlog.events.log.osops import OsOps
 from agentlog.events.schema.types import CommandRan, EventValidationError, SessionFinished, SessionStarted, check_body, encode_body
 from test_write_schema_property import bodies, plain, scratch_dir
 
@@ -168,3 +169,43 @@ def test_every_way_of_staging_writes_the_same_bytes(tmp_path):
         framecodec.native = saved
     assert _log_bytes(tmp_path / "pure") == reference
     assert [(e.session_id, e.session_seq) for e in read_log(tmp_path / "big")] == [(s, q) for s, q, _ in recs]
+
+
+class _CountingOps(OsOps):
+    """Counts the data syncs of a real writer."""
+
+    def __init__(self) -> None:
+        self.syncs = 0
+
+    def fdatasync(self, fd: int) -> None:
+        self.syncs += 1
+        super().fdatasync(fd)
+
+
+@pytest.mark.parametrize("fsync", ["always", "batch"])
+def test_concurrent_async_appends_share_syncs_except_under_always(tmp_path, fsync):
+    """Async appends from many sessions at once: each session's records land
+    in its order and read back; under ``batch`` appends waiting for a flush
+    share its write and sync, under ``always`` each append is synced on its own."""
+    ops = _CountingOps()
+    sessions, per = 50, 6
+
+    async def session(lg: FileLog, k: int) -> None:
+        for seq in range(per):
+            await lg.append(f"s{k}", seq, CommandRan(command=f"{k}:{seq}"))
+
+    async def run(lg: FileLog) -> None:
+        await asyncio.gather(*(session(lg, k) for k in range(sessions)))
+
+    with FileLog.open(tmp_path / "log", fsync=fsync, os_ops=ops) as lg:
+        asyncio.run(run(lg))
+        syncs = ops.syncs
+    back = list(read_log(tmp_path / "log"))
+    assert len(back) == sessions * per
+    for k in range(sessions):
+        assert [e.body.command for e in back if e.session_id == f"s{k}"] == [f"{k}:{seq}" for seq in range(per)]
+    if fsync == "always":
+        assert syncs == sessions * per
+    else:
+        assert syncs < sessions * per / 4
+    assert verify_log(tmp_path / "log").status == "ok"
