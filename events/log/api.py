@@ -270,7 +270,7 @@ class EventLog(abc.ABC):
                     expected = 0
             if seq != expected:
                 return self._check_each(recs)
-            staged[sid] = seq + 1
+            staged[sid] = expected + 1
         ended: set[str] = set()
         if kinds & _TERMINAL_TYPE_SET:
             terminal = [1 if type(body) in _TERMINAL_TYPE_SET else 0 for body in bodies]
@@ -314,7 +314,7 @@ class EventLog(abc.ABC):
                     f"session {sid!r} seq {seq}: body: expected a schema-v1 event, "
                     f"found {kind.__name__}; nothing was written"
                 )
-            staged[sid] = seq + 1
+            staged[sid] = expected + 1
             sids.append(sid)
             seqs.append(seq)
             bodies.append(body)

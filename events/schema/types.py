@@ -6,8 +6,8 @@ types never change.
 
 Validated on write, tolerant on read. The checks of each body (``__post_init__``)
 run when it is built in Python and again when the log writer decodes the
-encoded body back (:func:`check_body`), so nothing reaches a log that a reader
-cannot decode. Reading a stored record (:func:`decode_body`) skips them: the
+encoded body back (:func:`check_body`; a whole batch at once:
+:func:`check_bodies`), so nothing reaches a log that a reader cannot decode. Reading a stored record (:func:`decode_body`) skips them: the
 record was checked by the version that wrote it, and a newer one may allow
 more (a new finish reason, a relaxed bound). Unknown fields are skipped and an
 unknown tag decodes to an :class:`UnknownEvent`, so an old reader can read a
