@@ -25,6 +25,7 @@ from ..schema.types import (
     TERMINAL_EVENT_TYPES,
     Envelope,
     EventValidationError,
+    check_bodies,
     check_body,
     describe_validation_error,
     stored_tag,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from .read import RawRecord
 
 _EVENT_TYPE_SET = frozenset(EVENT_TYPES)
+_TERMINAL_TYPE_SET = frozenset(TERMINAL_EVENT_TYPES)
 
 
 class LogError(AgentlogError):
@@ -137,7 +139,61 @@ class CheckedRecord(NamedTuple):
     session_id: str
     session_seq: int
     body: Any
-    payload: bytes
+    payload: Any  # bytes, or a msgspec.Raw view into the batch's encoded bodies
+
+
+class CheckedBatch(NamedTuple):
+    """A batch that passed every write-time check, as columns (one entry per
+    record, in order): what the file log frames without a tuple per record."""
+
+    session_ids: list[str]
+    seqs: list[int]
+    #: Each body as any reader will decode it.
+    bodies: list[Any]
+    #: Each encoded body, stored as is: ``bytes`` or a ``msgspec.Raw`` view.
+    payloads: list[Any]
+    #: 1 where the body is a terminal event, else 0 (the frame's flag).
+    terminal: list[int]
+    #: Each session's next session_seq after the batch...
+    next_seq: dict[str, int]
+    #: ...except the sessions whose last record in the batch is terminal: they end.
+    ended: set[str]
+
+    def records(self) -> list[CheckedRecord]:
+        """The batch one record at a time."""
+        return list(map(CheckedRecord._make, zip(self.session_ids, self.seqs, self.bodies, self.payloads)))
+
+
+def _is_valid_id(value: Any) -> bool:
+    try:
+        validate_id("session_id", value)
+    except EventValidationError:
+        return False
+    return True
+
+
+def check_record_body(sid: str, seq: int, body: Any) -> tuple[bytes, Any]:
+    """:func:`check_body` of one record's body: ``(payload, decoded)``, or
+    EventValidationError naming the record's session and seq, the event type,
+    the field and what was expected."""
+    try:
+        return check_body(body)
+    except EventValidationError as exc:
+        raise EventValidationError(
+            f"session {sid!r} seq {seq}: {exc} (the log refuses what its readers "
+            "could not decode; nothing was written)"
+        ) from None
+
+
+def _check_one_by_one(sids: list[str], seqs: list[int], bodies: list[Any]) -> tuple[list, list]:
+    """The bodies of a batch that :func:`check_bodies` refused, checked one at
+    a time: raises for the first refused record (:func:`check_record_body`)."""
+    payloads, decoded = [], []
+    for sid, seq, body in zip(sids, seqs, bodies):
+        payload, back = check_record_body(sid, seq, body)
+        payloads.append(payload)
+        decoded.append(back)
+    return payloads, decoded
 
 
 class EventLog(abc.ABC):
@@ -174,18 +230,66 @@ class EventLog(abc.ABC):
         return None
 
     def _check_batch(self, records: Iterable[PendingRecord | tuple]) -> list[CheckedRecord]:
+        """Validate a batch without changing state (see :meth:`_check_columns`);
+        the checked records one by one."""
+        return self._check_columns(records).records()
+
+    def _check_columns(self, records: Iterable[PendingRecord | tuple]) -> CheckedBatch:
         """Validate a batch without changing state: the per-session sequence
         (SequenceError naming the session and both numbers) and each body
         against the schema (EventValidationError naming the session, event
-        type, field and what was expected). The body is encoded and decoded
-        back strictly, so nothing reaches the log that a reader cannot decode,
-        whichever API built the event; the checked record carries the payload
-        (stored as is: no second encode) and the decoded body (what readers get)."""
+        type, field and what was expected). The bodies are encoded and decoded
+        back strictly (:func:`check_bodies`: the whole batch in one pass), so
+        nothing reaches the log that a reader cannot decode, whichever API
+        built the event; the checked batch carries the payloads (stored as
+        they are: no second encode) and the decoded bodies (what readers get).
+
+        The records are taken as columns, and only the sequence is checked
+        record by record; a batch with anything wrong is checked again by
+        :meth:`_check_each`, record by record, which raises for the first
+        record at fault exactly as the checks always have."""
+        recs = records if type(records) is list else list(records)
+        if not recs:
+            return CheckedBatch([], [], [], [], [], {}, set())
+        try:
+            sids, seqs, bodies = map(list, zip(*recs, strict=True))
+        except (TypeError, ValueError):  # a malformed record
+            return self._check_each(recs)
+        kinds = set(map(type, bodies))
+        if not kinds <= _EVENT_TYPE_SET:
+            return self._check_each(recs)
         staged: dict[str, int] = {}
-        out = []
         open_seq = self._next_seq
-        event_types = _EVENT_TYPE_SET
-        checked_record = CheckedRecord._make  # tuple.__new__ underneath: about 2x cheaper than calling the class
+        for sid, seq in zip(sids, seqs):
+            expected = staged.get(sid)
+            if expected is None:
+                expected = open_seq.get(sid)
+                if expected is None:
+                    if not _is_valid_id(sid):  # only a session the log does not hold yet: open ones were checked
+                        return self._check_each(recs)
+                    expected = 0
+            if seq != expected:
+                return self._check_each(recs)
+            staged[sid] = expected + 1
+        ended: set[str] = set()
+        if kinds & _TERMINAL_TYPE_SET:
+            terminal = [1 if type(body) in _TERMINAL_TYPE_SET else 0 for body in bodies]
+            # A session ends with the batch when its last record in it is terminal.
+            ended = {sids[i] for i, t in enumerate(terminal) if t and staged[sids[i]] == seqs[i] + 1}
+        else:
+            terminal = [0] * len(bodies)
+        return self._checked(sids, seqs, bodies, terminal, staged, ended)
+
+    def _check_each(self, records: list) -> CheckedBatch:
+        """:meth:`_check_columns` record by record: raises for the first
+        record at fault (its session, seq and what was wrong)."""
+        staged: dict[str, int] = {}
+        ended: set[str] = set()
+        sids: list[str] = []
+        seqs: list[int] = []
+        bodies: list[Any] = []
+        terminal: list[int] = []
+        open_seq = self._next_seq
         for rec in records:
             try:
                 sid, seq, body = rec  # a PendingRecord or a plain 3-tuple: no NamedTuple built per record
@@ -204,21 +308,39 @@ class EventLog(abc.ABC):
                     f"session {sid!r}: session_seq {seq} refused, expected {expected}"
                     + (" (a repeat)" if seq < expected else " (a gap)")
                 )
-            if type(body) not in event_types:
+            kind = type(body)
+            if kind not in _EVENT_TYPE_SET:
                 raise EventValidationError(
                     f"session {sid!r} seq {seq}: body: expected a schema-v1 event, "
-                    f"found {type(body).__name__}; nothing was written"
+                    f"found {kind.__name__}; nothing was written"
                 )
-            try:
-                payload, body = check_body(body)
-            except EventValidationError as exc:
-                raise EventValidationError(
-                    f"session {sid!r} seq {seq}: {exc} (the log refuses what its readers "
-                    "could not decode; nothing was written)"
-                ) from None
             staged[sid] = expected + 1
-            out.append(checked_record((sid, seq, body, payload)))
-        return out
+            sids.append(sid)
+            seqs.append(seq)
+            bodies.append(body)
+            is_terminal = kind in _TERMINAL_TYPE_SET
+            terminal.append(int(is_terminal))
+            if is_terminal:
+                ended.add(sid)
+            else:
+                ended.discard(sid)  # a record after the terminal one (a later batch's gap check refuses the next)
+        return self._checked(sids, seqs, bodies, terminal, staged, ended)
+
+    @staticmethod
+    def _checked(
+        sids: list[str], seqs: list[int], bodies: list[Any], terminal: list[int], staged: dict[str, int], ended: set[str]
+    ) -> CheckedBatch:
+        """The checked batch of records whose sequence and body types passed:
+        their bodies encoded and decoded back strictly (one pass for the
+        batch; body by body to name the first refused one)."""
+        if len(bodies) < 2:  # one body: two msgspec calls, not the batch's three
+            payloads, decoded = _check_one_by_one(sids, seqs, bodies)
+        else:
+            try:
+                payloads, decoded = check_bodies(bodies)
+            except EventValidationError:
+                payloads, decoded = _check_one_by_one(sids, seqs, bodies)
+        return CheckedBatch(sids, seqs, decoded, payloads, terminal, staged, ended)
 
     def _advance(self, rec: PendingRecord | CheckedRecord) -> None:
         if isinstance(rec.body, TERMINAL_EVENT_TYPES):

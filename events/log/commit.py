@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from agentlog._logging import get_logger
 
@@ -42,11 +42,21 @@ log = get_logger("agentlog.events.log.writer")
 _IOV_MAX = 1024
 
 
-class _Submission(NamedTuple):
-    ops: list  # frames (bytes) and _NewSegment markers, in order
-    end: int  # exclusive LSN bound of this submission
-    #: A periodic checkpoint of the state at ``end``, written once the data is synced.
-    checkpoint: Checkpoint | None = None
+class _Submission:
+    """Staged records waiting for a flush: their frames (bytes) and
+    :class:`~agentlog.events.log.fence._NewSegment` markers in order (``ops``),
+    the exclusive LSN bound ``end``, and a periodic checkpoint of the state at
+    ``end``, written once the data is synced. Until a flush takes it, a
+    one-record async append may join the last one (its last run grows,
+    ``end`` with it): under ``_cv``, and never under ``fsync="always"``, which
+    syncs each append call on its own."""
+
+    __slots__ = ("ops", "end", "checkpoint")
+
+    def __init__(self, ops: list, end: int, checkpoint: Checkpoint | None = None) -> None:
+        self.ops = ops
+        self.end = end
+        self.checkpoint = checkpoint
 
 
 class GroupCommit:

@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
+import operator
 import os
 import threading
 import time
@@ -62,50 +64,29 @@ from agentlog._logging import get_logger
 
 from . import framecodec
 from ..fs import fsync_dir, write_atomic
-from .api import EventLog, LogClosed, LogError, NotALog, PendingRecord
+from .api import CheckedBatch, EventLog, LogClosed, LogError, NotALog, PendingRecord, check_record_body
 from .batch_compression import BatchCompression, check_compression, chosen_compression
 from .commit import GroupCommit, _Submission
-from .fence import _SPARE_PREFIX, FenceAndSpares, _NewSegment, _Spare
-from .format import (
-    CHECKPOINT_EVERY_BYTES,
-    DEFAULT_MAX_RECORD_BYTES,
-    DURABLE_NAME,
-    ENV_HDR,
-    FENCE_NAME,
-    FRAME_CRC,
-    FRAME_OVERHEAD,
-    HEAD,
-    INDEX_EVERY_BYTES,
-    INDEX_NAME,
-    LOCK_NAME,
-    SEG_HDR_SIZE,
-    TYPE_RECORD,
-    Checkpoint,
-    is_log_dir,
-    pack_durable,
-    pack_fence,
-    read_durable,
-    read_fence,
-)
-from .format import MASK_DELTA as _MASK_DELTA
-from .format import crc_extend as _crc_extend
-from .format import crc_value as _crc_value
+from .fence import _SPARE_PREFIX, FenceAndSpares, _Spare
+from .format import CHECKPOINT_EVERY_BYTES, DEFAULT_MAX_RECORD_BYTES, DURABLE_NAME, ENV_HDR, FENCE_NAME, FRAME_OVERHEAD
+from .format import INDEX_EVERY_BYTES, INDEX_NAME, LOCK_NAME, SEG_HDR_SIZE, Checkpoint, is_log_dir
+from .format import pack_durable, pack_fence, read_durable, read_fence
 from .lock import acquire_lock, release_lock
+from .staging import _BIG_PAYLOAD, FrameStaging
 from .read import Cursor
 from .osops import OsOps, _raise_nofile_limit
 from .recovery import fence_without_log, recover
 from .writer_checkpoint import WriterCheckpoints
-from ..schema.types import TERMINAL_EVENT_TYPES, Envelope
+from ..schema.types import EVENT_TYPES, TERMINAL_EVENT_TYPES, Envelope
 
 log = get_logger("agentlog.events.log.writer")
 
 FSYNC_POLICIES = ("always", "batch", "interval", "never")
-_TERMINAL_SET = frozenset(TERMINAL_EVENT_TYPES)
-#: Payloads from this size on are written as their own iovec (never copied in Python).
-_BIG_PAYLOAD = 4096
+_EVENT_TYPES = frozenset(EVENT_TYPES)
+_TERMINAL_TYPES = frozenset(TERMINAL_EVENT_TYPES)
 
 
-class FileLog(GroupCommit, FenceAndSpares, WriterCheckpoints, BatchCompression, EventLog):
+class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, BatchCompression, EventLog):
     """The durable, segmented, CRC-framed log. Create with :meth:`open`."""
 
     # Set by open() on the instance it builds (the rest of the state: _init_state and the mixins' declarations).
@@ -352,96 +333,112 @@ class FileLog(GroupCommit, FenceAndSpares, WriterCheckpoints, BatchCompression, 
         every check that can fail runs before any state changes."""
         if self._fatal is not None or self._closing:
             raise self._dead()
-        checked = self._check_batch(records)  # encodes each body once; its payload is stored as is
+        return self._stage(self._check_columns(records))  # encodes each body once; its payload is stored as is
+
+    def _stage(self, batch: CheckedBatch) -> tuple[list[Envelope], int]:
+        """Stage a checked batch (caller holds _cv): refuse a record over
+        max_record_bytes, open the files of the segments it starts, then frame
+        it (:mod:`~agentlog.events.log.staging`) and queue it."""
+        sids = batch.session_ids
+        sidbs = list(map(str.encode, sids))
+        sizes = list(map(FRAME_OVERHEAD.__add__, map(operator.add, map(len, sidbs), map(len, batch.payloads))))
+        if not sizes:
+            return [], self._assigned
         # Frames of more than this many bytes hold a record over max_record_bytes.
         too_big = self._cap + FRAME_OVERHEAD - ENV_HDR.size
-        sids: list[bytes] = []
-        sizes: list[int] = []
-        for rec in checked:
-            sidb = rec.session_id.encode()
-            n = FRAME_OVERHEAD + len(sidb) + len(rec.payload)
-            if n > too_big:
-                raise LogError(
-                    f"session {rec.session_id!r} seq {rec.session_seq}: record of {n - FRAME_OVERHEAD + ENV_HDR.size} "
-                    f"bytes exceeds max_record_bytes {self._cap}"
-                )
-            sids.append(sidb)
-            sizes.append(n)
+        if max(sizes) > too_big:
+            i = next(i for i, n in enumerate(sizes) if n > too_big)
+            raise LogError(
+                f"session {sids[i]!r} seq {batch.seqs[i]}: record of {sizes[i] - FRAME_OVERHEAD + ENV_HDR.size} "
+                f"bytes exceeds max_record_bytes {self._cap}"
+            )
         if self._compression is not None:
-            return self._submit_compressed(checked, sids)
-        self._reserve_spares(*self._segments_needed(sizes))
-        # From here on nothing can fail. The frame layout is inlined (see
-        # format.encode_frame, which readers' tests use): this loop is the
-        # hot path of every append.
+            return self._submit_compressed(batch.records(), sidbs)
+        rotations, _end_size = needed = self._segments_needed(sizes)
+        self._reserve_spares(*needed)
+        # From here on nothing can fail.
         ts = self._clock()
         lsn = self._assigned
-        envs = []
-        seg_first, seg_size, last_idx = self._seg_first, self._seg_size, self._last_index_off
-        run: list = []
-        ops: list = [run]
-        seg_limit = self._segment_bytes
-        next_seq = self._next_seq
-        terminal_types = _TERMINAL_SET
-        head_pack, crc_pack, crc_value, crc_extend = HEAD.pack, FRAME_CRC.pack, _crc_value, _crc_extend
-        env_size = ENV_HDR.size
         codec = framecodec.native
-        encode = codec.encode_frame if codec is not None else None
-        for rec, sidb, n in zip(checked, sids, sizes):
-            sid, seq, body, payload = rec
-            plen = len(payload)
-            terminal = type(body) in terminal_types
-            if encode is not None:
-                # Compiled: the whole frame in one buffer, or (a big payload)
-                # only its prefix, whose CRC covers the payload where it lies.
-                frame = encode(lsn, seq, ts, terminal, sidb, payload, plen >= _BIG_PAYLOAD)
-            else:
-                head = head_pack(env_size + len(sidb) + plen, TYPE_RECORD, lsn, seq, ts, terminal, len(sidb)) + sidb
-                c = crc_extend(crc_value(head), payload)  # C code over the bytes where they lie: no copy
-                frame = crc_pack((((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF) + head
-                if plen < _BIG_PAYLOAD:
-                    frame += payload  # one small piece beats two iovecs
-            if seg_first is None or (seg_size > SEG_HDR_SIZE and seg_size + n > seg_limit):
-                run = self._start_segment(lsn, rotating=seg_first is not None, ops=ops)
-                seg_first, seg_size, last_idx = lsn, SEG_HDR_SIZE, SEG_HDR_SIZE
-            elif seg_size - last_idx >= INDEX_EVERY_BYTES:
-                self._index[seg_first].append((lsn, seg_size))
-                last_idx = seg_size
-            run.append(frame)
-            if plen >= _BIG_PAYLOAD:
-                run.append(payload)  # written with writev: never copied in Python
-            seg_size += n
-            envs.append(Envelope(lsn, sid, seq, ts, body))
-            if terminal:
-                next_seq.pop(sid, None)
-            else:
-                next_seq[sid] = seq + 1
-            lsn += 1
-        self._seg_first, self._seg_size, self._last_index_off = seg_first, seg_size, last_idx
-        self._assigned = lsn
-        if envs:
-            ckpt = None
-            if seg_size - self._ckpt_off >= self._ckpt_every:
-                # The state right after this submission, a consistent point of
-                # the record stream; _flush writes it once these records are synced.
-                assert seg_first is not None  # a staged record always has its segment
-                ckpt = self._snapshot(lsn, seg_first, seg_size)
-                self._ckpt_off = seg_size
-            self._pending.append(_Submission(ops, lsn, ckpt))
-        return envs, lsn
+        if codec is not None and not rotations and self._seg_first is not None and max(sizes) < _BIG_PAYLOAD:
+            # The common case: small frames that all fit the active segment,
+            # framed in one call into one buffer.
+            ops = self._stage_in_segment(codec, batch, sidbs, sizes, lsn, ts)
+        else:
+            ops = self._stage_frames(batch, sidbs, sizes, lsn, ts)
+        end = lsn + len(sizes)
+        envs = list(map(Envelope, range(lsn, end), sids, batch.seqs, itertools.repeat(ts, len(sizes)), batch.bodies))
+        self._queue(ops, end)
+        return envs, end
 
-    def _start_segment(self, lsn: int, *, rotating: bool, ops: list) -> list:
-        """Stage a new segment starting at ``lsn``; returns the run its frames go to."""
-        self._segments.append(lsn)
-        self._index[lsn] = [(lsn, SEG_HDR_SIZE)]
-        self._ckpt_off = SEG_HDR_SIZE
-        # A rotation checkpoints the state at the new segment's start, so a
-        # crash never makes the next open rescan sealed segments. The writer's
-        # first segment needs none: open left a valid checkpoint.
-        ckpt = self._snapshot(lsn, lsn, SEG_HDR_SIZE) if rotating else None
-        ops.append(_NewSegment(lsn, ckpt, self._spares.popleft() if self._spares else None))
-        run: list = []
-        ops.append(run)
-        return run
+    def _submit_one(self, sid: str, seq: int, body: Any) -> tuple[Envelope, int]:
+        """:meth:`_submit` of one record (caller holds _cv), for ``append``:
+        the common case (the next record of an open session, a small frame
+        that fits the active segment short of its next index entry, the
+        compiled codec) is checked and framed without a batch's columns;
+        anything else goes through :meth:`_submit`."""
+        codec = framecodec.native
+        if (
+            codec is None
+            or self._compression is not None
+            or self._fatal is not None
+            or self._closing
+            or self._seg_first is None
+            or self._next_seq.get(sid) != seq
+            or type(body) not in _EVENT_TYPES
+        ):
+            envs, end = self._submit([(sid, seq, body)])
+            return envs[0], end
+        payload, body = check_record_body(sid, seq, body)
+        sidb = sid.encode()
+        n = FRAME_OVERHEAD + len(sidb) + len(payload)
+        seg_size = self._seg_size
+        if (
+            len(payload) >= _BIG_PAYLOAD
+            or n > self._cap + FRAME_OVERHEAD - ENV_HDR.size
+            or seg_size + n > self._segment_bytes
+            or seg_size - self._last_index_off >= INDEX_EVERY_BYTES
+        ):
+            terminal = type(body) in _TERMINAL_TYPES
+            checked = CheckedBatch([sid], [seq], [body], [payload], [int(terminal)], {sid: seq + 1}, {sid} if terminal else set())
+            envs, end = self._stage(checked)
+            return envs[0], end
+        self._reserve_spares(0, seg_size + n)
+        # From here on nothing can fail.
+        ts = self._clock()
+        lsn = self._assigned
+        if type(body) in _TERMINAL_TYPES:
+            frame = codec.encode_frame(lsn, seq, ts, 1, sidb, payload, False)
+            del self._next_seq[sid]
+        else:
+            frame = codec.encode_frame(lsn, seq, ts, 0, sidb, payload, False)
+            self._next_seq[sid] = seq + 1
+        self._seg_size = seg_size + n
+        end = lsn + 1
+        pending = self._pending
+        if pending and self._policy != "always" and seg_size + n - self._ckpt_off < self._ckpt_every:
+            last = pending[-1]
+            run = last.ops[-1]
+            if last.checkpoint is None and type(run) is list:
+                # Join the submission still waiting for a flush: one run, no new objects.
+                run.append(frame)
+                last.end = self._assigned = end
+                return Envelope(lsn, sid, seq, ts, body), end
+        self._queue([[frame]], end)
+        return Envelope(lsn, sid, seq, ts, body), end
+
+    def _queue(self, ops: list, end: int) -> None:
+        """Under _cv: hand staged frames (records up to ``end``) to the group commit."""
+        self._assigned = end
+        ckpt = None
+        seg_size = self._seg_size
+        if seg_size - self._ckpt_off >= self._ckpt_every:
+            # The state right after this submission, a consistent point of
+            # the record stream; _flush writes it once these records are synced.
+            assert self._seg_first is not None  # a staged record always has its segment
+            ckpt = self._snapshot(end, self._seg_first, seg_size)
+            self._ckpt_off = seg_size
+        self._pending.append(_Submission(ops, end, ckpt))
 
     def append_batch(self, records: Iterable[PendingRecord | tuple]) -> list[Envelope]:
         """Append records atomically in order; returns their envelopes once
@@ -455,12 +452,14 @@ class FileLog(GroupCommit, FenceAndSpares, WriterCheckpoints, BatchCompression, 
 
     async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
         """Append one record; concurrent calls are group-committed by the
-        writer thread, so the event loop never waits on disk."""
+        writer thread, so the event loop never waits on disk. The record is
+        staged before the first await (a caller cancelled while it waits for
+        durability still has its record written: ``next_seq`` says so)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._cv:
-            envs, end = self._submit([PendingRecord(session_id, session_seq, body)])
-            self._waiters.append((end, fut, envs[0], loop))
+            env, end = self._submit_one(session_id, session_seq, body)
+            self._waiters.append((end, fut, env, loop))
             if self._thread_idle:
                 # Wake the writer only when it sleeps; a busy writer picks this
                 # up when its flush ends, with everything else that piled up.

@@ -235,6 +235,17 @@ def test_encode_batch_is_the_frames_back_to_back(crc_backend):
     assert ends == [sum(len(f) for f in ref[: i + 1]) for i in range(len(ref))]
 
 
+def test_encode_columns_is_encode_batch_over_columns(crc_backend):
+    recs = [(b"s%d" % i, i * 3, i & 1, os.urandom(i * 37)) for i in range(20)]
+    sids, seqs, flags, payloads = map(list, zip(*recs))
+    assert fc.encode_columns(sids, seqs, flags, payloads, 100, -5) == fc.encode_batch(recs, 100, -5)
+    assert fc.encode_columns([], [], [], [], 0, 0) == (b"", [])
+    with pytest.raises(ValueError, match="columns of 2, 1, 2 and 2 records"):
+        fc.encode_columns([b"s", b"t"], [0], [0, 0], [b"", b""], 0, 0)
+    with pytest.raises(ValueError, match="record 1: flags 256"):
+        fc.encode_columns([b"s", b"t"], [0, 0], [0, 256], [b"", b""], 0, 0)
+
+
 def test_limits_beyond_the_lsn_range_behave_as_in_python(scratch):
     data = _segment([("s", 0, 1, 0, b"x"), ("s", 1, 2, 0, b"y")])
     path = scratch / segment_name(0)
