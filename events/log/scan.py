@@ -156,9 +156,12 @@ class SegmentScanner:
             yield from self._frames_py(limit, size, False)
             return
         # The compiled walk takes every frame wholly inside the buffer in one
-        # call; a frame that is not (the buffer must be refilled) goes through
-        # one step of the Python loop, which owns the buffer.
+        # call. A frame that is not is read into a fresh buffer that starts at
+        # it (its header checked first) and the walk goes on there; only a
+        # header cut by the end of the file, or a file that shrank, goes
+        # through one step of the Python loop, which reports them.
         scan, cap = codec.scan, self.cap
+        unpack_length = FRAME_HDR.unpack_from
         while True:
             buf, base = self._buf, self._buf_off
             rel = self.offset - base
@@ -183,6 +186,15 @@ class SegmentScanner:
                     return
                 if code != _NEED:  # limit or end of file
                     return
+                off = self.offset
+                if rel + FRAME_PREFIX <= len(buf):
+                    # The header is here and the scan checked its length (within the cap and
+                    # the file): read the whole frame, and what follows up to a chunk.
+                    self._fill(off + FRAME_PREFIX + unpack_length(buf, rel)[1], size)
+                    continue
+                if size - off >= FRAME_PREFIX:
+                    self._fill(off + FRAME_PREFIX, size)
+                    continue
             if batched:
                 step = list(self._frames_py(limit, size, True))
                 if step:
