@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Union
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import msgspec
 import numpy as np
@@ -470,14 +471,31 @@ def stored_tag(payload: bytes | memoryview) -> str | None:
     return tag if isinstance(tag, str) else None
 
 
+def _accepting_alike(typ: Any) -> Any:
+    """A type msgspec decodes the same values into (and refuses the same
+    ones), building less: ``bytes`` as a ``memoryview`` of the payload, and
+    ``Any`` (which takes every value) as ``msgspec.Raw`` (only delimited),
+    inside lists, dicts and unions too."""
+    if typ is bytes:
+        return memoryview
+    if typ is Any:
+        return msgspec.Raw
+    origin, args = get_origin(typ), get_args(typ)
+    if origin in (list, dict) and args:
+        return origin[tuple(_accepting_alike(a) for a in args)]
+    if origin in (Union, UnionType):
+        return Union[tuple(_accepting_alike(a) for a in args)]
+    return typ
+
+
 def _checking_view(body: type) -> type:
-    """A struct with ``body``'s tag and fields, whose ``bytes`` fields are
-    ``memoryview`` s: decoding a payload into it checks every field as
-    decoding ``body`` does, but copies none of the big ones and runs no
-    ``__post_init__``."""
+    """A struct with ``body``'s tag and fields, each of a type that accepts
+    alike (:func:`_accepting_alike`): decoding a payload into it checks every
+    field as decoding ``body`` does, but copies none of the token bytes,
+    builds none of the free-form values and runs no ``__post_init__``."""
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for f in msgspec.structs.fields(body):
-        typ = memoryview if f.type is bytes else f.type
+        typ = _accepting_alike(f.type)
         fields.append((f.name, typ) if f.required else (f.name, typ, f.default))
     cfg = body.__struct_config__
     return msgspec.defstruct("_Checked" + body.__name__, fields, tag=cfg.tag, tag_field=cfg.tag_field, kw_only=True, module=__name__)
