@@ -155,11 +155,9 @@ class SegmentScanner:
         if codec is None:
             yield from self._frames_py(limit, size, False)
             return
-        # The compiled walk takes every frame wholly inside the buffer in one
-        # call. A frame that is not is read into a fresh buffer that starts at
-        # it (its header checked first) and the walk goes on there; only a
-        # header cut by the end of the file, or a file that shrank, goes
-        # through one step of the Python loop, which reports them.
+        # The compiled walk takes every frame wholly inside the buffer in one call; one that
+        # is not is read into a fresh buffer starting at it and the walk goes on there. Only a
+        # header cut by the end of the file goes through one step of the Python loop.
         scan, cap = codec.scan, self.cap
         unpack_length = FRAME_HDR.unpack_from
         while True:
