@@ -136,7 +136,7 @@ class LazyEnvelope(Envelope, frozen=True, gc=False):
 # fields, and the way msgspec builds and compares them, stay as they are. (Set
 # after the class is made: in the class body, msgspec would take it for the
 # field's default.)
-LazyEnvelope.body = property(_body, doc="The event body, decoded on first access (then kept).")  # type: ignore[assignment,misc]
+LazyEnvelope.body = property(_body, doc="The event body, decoded on first access (then kept).")  # type: ignore[assignment]
 
 
 def lazy_envelope(frame: Frame, segment: str) -> LazyEnvelope:
@@ -151,5 +151,5 @@ def lazy_envelope(frame: Frame, segment: str) -> LazyEnvelope:
     except msgspec.DecodeError as exc:  # ValidationError included
         raise payload_error(segment, frame, exc) from exc
     if type(tag) is str:
-        return LazyEnvelope(frame.lsn, frame.session_id, frame.session_seq, frame.ts_ns, StoredBody(frame, segment, tag))
+        return LazyEnvelope(frame.lsn, frame.session_id, frame.session_seq, frame.ts_ns, StoredBody(frame, segment, tag))  # type: ignore[arg-type]  # the body, until built
     return LazyEnvelope(frame.lsn, frame.session_id, frame.session_seq, frame.ts_ns, tag)

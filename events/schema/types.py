@@ -409,8 +409,7 @@ class Envelope(msgspec.Struct, frozen=True, gc=False):
     @property
     def tag(self) -> str:
         """The body's tag, as :func:`event_tag` gives it."""
-        body = self.body
-        return body.tag if type(body) is UnknownEvent else body.__struct_config__.tag
+        return event_tag(self.body)
 
     @property
     def unknown(self) -> bool:
