@@ -52,7 +52,7 @@ from __future__ import annotations
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
 from agentlog.events.schema.lifecycle import TERMINAL_STATES, State
-from agentlog.events.schema.types import Envelope, PolicyUpdated, UnknownEvent
+from agentlog.events.schema.types import Envelope, PolicyUpdated
 
 from .lifecycle_step import EndedWindow, SessionLife, Violation, evolve, lsn_violation, resync
 
@@ -197,9 +197,10 @@ class SessionFold(Generic[S]):
             self.next_lsn = lsn + 1
 
     def feed_envelope(self, env: Envelope) -> None:
-        """Fold one decoded envelope; the hooks get the envelope as ``record``."""
-        body = env.body
-        if type(body) is UnknownEvent:
-            self.feed(env.lsn, env.session_id, env.session_seq, body.tag, env, True)
-        else:
-            self.feed(env.lsn, env.session_id, env.session_seq, body.__struct_config__.tag, env)  # type: ignore[arg-type]  # every event's tag is a str
+        """Fold one envelope; the hooks get the envelope as ``record``. Only
+        its tag is looked at here: a log reader's envelope builds its body
+        when a hook first uses it, and another session's record (with
+        ``session_id``) is passed over before that."""
+        if self.session_id is not None and env.session_id != self.session_id:
+            return
+        self.feed(env.lsn, env.session_id, env.session_seq, env.tag, env, env.unknown)

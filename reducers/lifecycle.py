@@ -53,21 +53,18 @@ from agentlog.events.schema.lifecycle import State
 from agentlog.events.schema.types import (
     CommandRan,
     Envelope,
-    PolicyUpdated,
     RewardAssigned,
     SessionFinished,
     SessionOpened,
     TurnDelta,
     TurnRecorded,
     TurnUndelivered,
-    UnknownEvent,
-    event_tag,
 )
 
 from agentlog.events.schema.turn_delta import prompt_token_count
 
 from .errors import UnknownEventError
-from .fold import SessionFold, Tracked
+from .fold import LEARNER_TAG, SessionFold, Tracked
 from .lifecycle_step import EndedWindow, EndedWindowSnapshot, SessionLife, Violation
 from .samples import final_raw_reward
 
@@ -307,21 +304,26 @@ class LifecycleState(_OnSessionFold):
         return _Track(life, env, env.body)
 
     def _applied(self, t: _Track, lsn: int, tag: str, env: Envelope) -> None:
-        body = env.body
-        if isinstance(body, (TurnRecorded, TurnDelta)):
+        # By tag: only the events whose fields are counted have their bodies built.
+        if tag in _TURN_TAGS:
+            body = env.body
             t.turns += 1
             t.tokens_in += prompt_token_count(body)
             t.tokens_out += len(body.output_ids) // 4
-        elif isinstance(body, TurnUndelivered):
+        elif tag == _UNDELIVERED:
             t.undelivered += 1
-        elif isinstance(body, CommandRan):
+        elif tag == _COMMAND:
             t.commands += 1
-        elif isinstance(body, RewardAssigned):
-            t.reward = body.reward
+        elif tag == _REWARD:
+            t.reward = env.body.reward
 
     def _ended(self, t: _Track, lsn: int, session_id: str, state: State, env: Envelope) -> None:
         self.ended += 1
         self._out.append(_summary(session_id, t, env, state))
+
+
+_TURN_TAGS = frozenset(b.__struct_config__.tag for b in (TurnRecorded, TurnDelta))
+_UNDELIVERED, _COMMAND, _REWARD = (b.__struct_config__.tag for b in (TurnUndelivered, CommandRan, RewardAssigned))
 
 
 def _summary(sid: str, t: _Track, env: Envelope, state: State) -> SessionSummary:
@@ -351,18 +353,19 @@ def reduce_lifecycle(state: LifecycleState, env: Envelope) -> tuple[LifecycleSta
     UnknownEventError (state untouched) unless ``state.tolerate_unknown``:
     then it is counted per tag and checked for sequence only.
     """
-    body = env.body
+    # The tag, not the body: a log reader's envelope builds its body only if a hook uses it.
+    tag = env.tag
     out: list[Violation | SessionSummary] = []
-    if type(body) is UnknownEvent:
+    if env.unknown:
         if not state.tolerate_unknown:
-            raise UnknownEventError(env.lsn, env.session_id, body.tag)
+            raise UnknownEventError(env.lsn, env.session_id, tag)
         state.events += 1
         state._out = out
-        state.fold.feed(env.lsn, env.session_id, env.session_seq, body.tag, env, True)
+        state.fold.feed(env.lsn, env.session_id, env.session_seq, tag, env, True)
     else:
         state.events += 1
         state._out = out
-        state.fold.feed(env.lsn, env.session_id, env.session_seq, body.__struct_config__.tag, env)
+        state.fold.feed(env.lsn, env.session_id, env.session_seq, tag, env)
     return state, out
 
 
@@ -478,7 +481,7 @@ class ReplayStep(NamedTuple):
     @property
     def event(self) -> str:
         """The event's tag."""
-        return event_tag(self.envelope.body)
+        return self.envelope.tag
 
 
 def replay(
@@ -500,9 +503,10 @@ def replay(
             break
         if session_id is not None and env.session_id != session_id:
             continue
-        before = None if isinstance(env.body, PolicyUpdated) else state.state_of(env.session_id)
+        learner = env.tag == LEARNER_TAG
+        before = None if learner else state.state_of(env.session_id)
         state, out = reduce_lifecycle(state, env)
-        after = None if isinstance(env.body, PolicyUpdated) else state.state_of(env.session_id)
+        after = None if learner else state.state_of(env.session_id)
         viol = tuple(o for o in out if isinstance(o, Violation))
         summ = next((o for o in out if isinstance(o, SessionSummary)), None)
         yield ReplayStep(env, before, after, viol, summ)

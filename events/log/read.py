@@ -32,6 +32,8 @@ from .format import (
     read_watermark,
     segment_name,
 )
+from . import framecodec
+from .lazy import lazy_envelope
 from .scan import (
     Frame,
     SegmentScanner,
@@ -40,7 +42,6 @@ from .scan import (
     missing_indexed,
     missing_start,
     open_segment,
-    payload_error,
     read_head,
 )
 from ..schema.types import TERMINAL_EVENT_TYPES, Envelope, decode_body, encode_body
@@ -138,8 +139,7 @@ class Cursor:
         self.ino = os.fstat(fd).st_ino
         self.name = segment_name(first)
         self.scanner = SegmentScanner(fd, self.name, offset, expected, self.cap)
-        self.next_first = None
-        self._find_next(first)
+        self.next_first = None  # listed by _stretches as it starts on the segment
         return True
 
     def _find_next(self, first: int) -> None:
@@ -214,24 +214,29 @@ class Cursor:
         )
 
     def records(self, limit: int | None) -> Iterator:
-        """Yield the records available now below ``limit``, then return.
-        Records are yielded one by one (not gathered) so that each frame's
-        memory is reused as soon as the consumer drops it. Raises
-        LogCorruption for damage that is not a torn tail."""
+        """Yield the records available now below ``limit``, then return:
+        :class:`~agentlog.events.log.lazy.LazyEnvelope` s (bodies decoded on
+        first use), or RawRecords when the cursor is raw. Raises LogCorruption
+        for damage that is not a torn tail.
+
+        With the compiled codec the frames come a read buffer's worth at a
+        time (the scanner's position is then past the list while its records
+        are yielded: nothing reads it before this generator ends); with the
+        pure-Python one, one by one, so that a frame's memory is freed as soon
+        as the consumer drops it."""
         from_lsn = self.from_lsn
         raw = self.raw
         for sc, seg_limit, size in self._stretches(limit):
-            for fr in sc.frames(seg_limit, size):
-                if fr.lsn < from_lsn:
-                    continue
-                if raw:
-                    yield RawRecord(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, bool(fr.flags & FLAG_TERMINAL), fr.payload)
-                else:
-                    try:
-                        body = decode_body(fr.payload)
-                    except msgspec.DecodeError as exc:  # ValidationError included
-                        raise payload_error(self.name, fr, exc) from exc
-                    yield Envelope(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, body)
+            name = self.name
+            frames = sc.batches(seg_limit, size) if framecodec.native is not None else ((fr,) for fr in sc.frames(seg_limit, size))
+            for batch in frames:
+                for fr in batch:
+                    if fr.lsn < from_lsn:
+                        continue
+                    if raw:
+                        yield RawRecord(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, bool(fr.flags & FLAG_TERMINAL), fr.payload)
+                    else:
+                        yield lazy_envelope(fr, name)
 
     def frame_batches(self, limit: int | None) -> Iterator[list[Frame]]:
         """:meth:`records` as lists of undecoded :class:`~agentlog.events.log.scan.Frame`

@@ -175,10 +175,11 @@ class SegmentScanner:
             yield from ([taken] if batched and taken else taken)
             if self.rest:
                 return
-        # The compiled walk takes every frame wholly inside the buffer in one
-        # call; a frame that is not (the buffer must be refilled) goes through
-        # one step of the Python loop, which owns the buffer.
+        # The compiled walk takes every frame wholly inside the buffer in one call; one that
+        # is not is read into a fresh buffer starting at it and the walk goes on there. Only a
+        # header cut by the end of the file goes through one step of the Python loop.
         scan, cap = codec.scan, self.cap
+        unpack_length = FRAME_HDR.unpack_from
         while True:
             buf, base = self._buf, self._buf_off
             rel = self.offset - base
@@ -223,6 +224,15 @@ class SegmentScanner:
                     return
                 if code != _NEED and code != _BAD:  # limit or end of file
                     return
+                off = self.offset
+                if rel + FRAME_PREFIX <= len(buf):
+                    # The header is here and the scan checked its length (within the cap and
+                    # the file): read the whole frame, and what follows up to a chunk.
+                    self._fill(off + FRAME_PREFIX + unpack_length(buf, rel)[1], size)
+                    continue
+                if size - off >= FRAME_PREFIX:
+                    self._fill(off + FRAME_PREFIX, size)
+                    continue
             if batched:
                 step = list(self._frames_py(limit, size, True))
                 if step:

@@ -1,0 +1,165 @@
+"""The file log's readers yield LazyEnvelopes: bodies built on first use,
+payloads checked as they are read.
+
+Invariants: a lazy read equals an eager one (every record, whichever bodies
+are touched and in whatever order), under both frame codecs; the read-time
+check refuses exactly the payloads the decoder refuses, with the decoder's
+own error; a body nobody uses is never built (a replay of one session builds
+only its bodies); and the envelope pickles, compares, hashes and prints as a
+plain Envelope.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import tempfile
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agentlog.events import FileLog, read_log
+from agentlog.events.log.api import LogCorruption, SchemaError
+from agentlog.events.log.lazy import LazyEnvelope
+from agentlog.events.schema.types import TERMINAL_EVENT_TYPES, Envelope, checked_tag, decode_body, encode_body, event_tag
+from agentlog.reducers.lifecycle import replay
+from event_samples import every_event
+from future_log_shim import write_frames
+
+pytestmark = pytest.mark.usefixtures("codec")
+
+EVENTS = every_event()
+FUTURE = {"type": "checkpoint_pruned", "step": 3}  # a newer writer's event
+
+
+def _write(d: Path, picks: list[tuple[int, int]], segment_bytes: int) -> None:
+    lg = FileLog.open(d, fsync="never", segment_bytes=segment_bytes)
+    seqs: dict[str, int] = {}
+    for session, k in picks:
+        sid = f"s{session}"
+        lg.append_batch([(sid, seqs.get(sid, 0), EVENTS[k])])
+        seqs[sid] = 0 if isinstance(EVENTS[k], TERMINAL_EVENT_TYPES) else seqs.get(sid, 0) + 1  # the writer forgets an ended session
+    lg.close()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    picks=st.lists(st.tuples(st.integers(0, 3), st.integers(0, len(EVENTS) - 1)), min_size=1, max_size=40),
+    segment_bytes=st.sampled_from([400, 2000, 64 << 20]),
+    touched=st.lists(st.integers(0, 39)),
+)
+def test_a_lazy_read_equals_an_eager_one(picks, segment_bytes, touched):
+    d = Path(tempfile.mkdtemp(prefix="agentlog-lazy-"))
+    try:
+        _write(d / "log", picks, segment_bytes)
+        eager = [rec.decode() for rec in read_log(d / "log", raw=True)]
+        lazy = list(read_log(d / "log"))
+        assert all(type(e) is LazyEnvelope and not e.decoded for e in lazy)
+        assert [e.tag for e in lazy] == [event_tag(e.body) for e in eager]
+        assert not any(e.decoded for e in lazy), "the tag builds no body"
+        for i in touched:  # some bodies built first, in any order
+            if i < len(lazy):
+                assert lazy[i].body == eager[i].body
+        assert lazy == eager and eager == lazy and not (lazy != eager)
+        assert [repr(e) for e in lazy] == [repr(e) for e in eager]
+        assert pickle.loads(pickle.dumps(lazy)) == eager
+        assert all(type(e) is Envelope for e in pickle.loads(pickle.dumps(lazy)))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_body_is_built_on_first_use_and_kept(tmp_path):
+    _write(tmp_path / "log", [(0, k) for k in range(len(EVENTS))], 64 << 20)
+    envs = list(read_log(tmp_path / "log"))
+    env = envs[2]
+    assert not env.decoded and env.tag == "turn_recorded" and not env.unknown
+    body = env.body
+    assert env.decoded and env.body is body and body == EVENTS[2]
+    # The plain Envelope it stands for: equal, same hash where the body hashes, same msgpack bytes.
+    plain = Envelope(env.lsn, env.session_id, env.session_seq, env.ts_ns, body)
+    assert env.eager() == plain and type(env.eager()) is Envelope
+    small = envs[3]
+    assert hash(small) == hash(small.eager()) == hash(Envelope(small.lsn, small.session_id, small.session_seq, small.ts_ns, EVENTS[3]))
+    assert msgspec.msgpack.encode(env) == msgspec.msgpack.encode(plain)
+    assert msgspec.structs.replace(envs[4], lsn=99).body == EVENTS[4]
+
+
+def test_an_encoder_refuses_an_undecoded_envelope_instead_of_writing_garbage(tmp_path):
+    _write(tmp_path / "log", [(0, 0)], 64 << 20)
+    (env,) = read_log(tmp_path / "log")
+    with pytest.raises(TypeError, match="StoredBody"):
+        msgspec.json.encode(env)
+    assert msgspec.json.decode(msgspec.json.encode(env.eager()))["body"]["group_id"] == "g-0"
+
+
+def test_a_replay_of_one_session_builds_only_its_bodies(tmp_path):
+    _write(tmp_path / "log", [(i % 2, k) for i, k in enumerate([0, 0, 1, 1, 2, 2, 4, 4, 6, 6])], 64 << 20)
+    envs = list(read_log(tmp_path / "log"))
+    steps = list(replay(envs, session_id="s1"))
+    assert [s.envelope.session_id for s in steps] == ["s1"] * 5
+    assert [s.event for s in steps] == ["session_opened", "session_started", "turn_recorded", "command_ran", "session_finished"]
+    assert not any(e.decoded for e in envs if e.session_id == "s0")
+    # The lifecycle fold builds what it counts or reports (opened, turns, the terminal event), not the rest.
+    assert [e.decoded for e in envs if e.session_id == "s1"] == [True, False, True, False, True]
+
+
+def test_an_unknown_event_reads_as_before(tmp_path):
+
+
+    write_frames(tmp_path / "log", [("s", {"type": "session_opened", "group_id": "g", "group_size": 1}, False), ("s", FUTURE, False)])
+    env = list(read_log(tmp_path / "log"))[1]
+    assert env.tag == "checkpoint_pruned" and env.unknown and env.body.fields == {"step": 3}
+
+
+def test_a_payload_that_does_not_decode_still_raises_during_the_read(tmp_path):
+    """Checked as read, not when used: the error an eager read gave, naming segment, offset and LSN."""
+
+
+    write_frames(tmp_path / "log", [("s", {"type": "session_opened", "group_id": "g", "group_size": 1}, False),
+                                    ("s", {"type": "session_started", "details": ["not", "a", "map"]}, False)])
+    it = read_log(tmp_path / "log")
+    assert next(it).lsn == 0
+    with pytest.raises(SchemaError) as info:
+        next(it)
+    assert (info.value.lsn, info.value.field) == (1, "details") and "offset" in str(info.value)
+    write_frames(tmp_path / "bad", [("s", {"no_type": 1}, False)])
+    with pytest.raises(LogCorruption, match=r"segment 0+\.seg, offset \d+, lsn 0: CRC-valid frame whose payload does not decode"):
+        list(read_log(tmp_path / "bad"))
+
+
+def _outcome(fn, payload):
+    try:
+        return "ok", fn(payload)
+    except msgspec.DecodeError as exc:
+        return type(exc).__name__, str(exc)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    k=st.integers(0, len(EVENTS) - 1),
+    field_values=st.dictionaries(
+        st.sampled_from(["group_id", "group_size", "messages", "prompt_ids", "output_ids", "metadata", "details", "reward",
+                         "sampling", "label", "response_message", "exit_code", "log_probs", "batch", "prompt", "type"]),
+        st.recursive(st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats(allow_nan=False) | st.text(max_size=4) | st.binary(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3), max_leaves=6),
+        max_size=3,
+    ),
+    cut=st.none() | st.integers(0, 200),
+)
+def test_the_read_check_refuses_exactly_what_the_decoder_refuses(k, field_values, cut):
+    """checked_tag (the read-time check, no body built) agrees with decode_body
+    on every payload: the tag of what decodes, the UnknownEvent of a newer
+    tag, and the decoder's own error for the rest."""
+    stored = msgspec.msgpack.decode(encode_body(EVENTS[k]))
+    stored.update(field_values)
+    payload = msgspec.msgpack.encode(stored)
+    if cut is not None:
+        payload = payload[:cut]
+    checked, decoded = _outcome(checked_tag, payload), _outcome(decode_body, payload)
+    if decoded[0] == "ok" and type(checked[1]) is str:
+        assert checked[1] == event_tag(decoded[1])
+    else:
+        assert checked == decoded
