@@ -3,7 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
-PYTEST_ARGS ?= -m "not slow"
+# Two xdist workers, one test file each at a time (--dist loadfile): a file's module-scoped
+# fixtures (a NATS or Ray cluster, a trained run) are made once and its tests run in order,
+# as they do without xdist. Every file already keeps to its own ports (port 0 or free_ports),
+# temporary folders and, for the agent CLIs, its own HOME; Ray is started by one file only.
+PYTEST_ARGS ?= -m "not slow" -n 2 --dist loadfile
 
 .PHONY: demo test lint bench clean-venv
 

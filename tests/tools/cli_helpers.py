@@ -277,9 +277,11 @@ def on_a_terminal(*args: str, stdout: bool = False, until=None, timeout: float =
     master, slave = pty.openpty()
     # A fresh pty is 0x0; a real terminal has a size (tqdm draws nothing in 0 columns).
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    # The terminal's size is the pty's: $COLUMNS/$LINES (pytest-xdist's workers have them, 80x24) would override it.
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from agentlog.tools.cli import main; sys.exit(main())", *args],
-        cwd=ROOT, env=dict(os.environ),
+        cwd=ROOT, env=env,
         stdout=slave if stdout else subprocess.DEVNULL, stderr=slave,
     )
     os.close(slave)
