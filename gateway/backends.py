@@ -26,6 +26,7 @@ import uuid
 from typing import Any, Sequence
 
 import msgspec
+import numpy as np
 
 from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
@@ -81,7 +82,9 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         """Generate up to ``params.max_new_tokens`` tokens. Cancellation aborts the
-        request upstream; failure raises BackendError."""
+        request upstream; failure raises BackendError. ``prompt_ids`` is any
+        sequence of ints: the gateway passes a read-only int32 numpy array
+        (:func:`id_list` makes a list of it)."""
 
     def ignored_sampling(self, params: SamplingParams) -> list[str]:
         """Names of parameters set away from their neutral value that this
@@ -98,6 +101,13 @@ class Backend(abc.ABC):
 
     async def close(self) -> None:
         """Release connections and threads."""
+
+
+def id_list(ids: Sequence[int]) -> list[int]:
+    """Token ids as a list of Python ints (for a JSON body or a tensor)."""
+    if isinstance(ids, np.ndarray):
+        return ids.tolist()
+    return [int(t) for t in ids]
 
 
 # ---------------------------------------------------------------- HTTP backends
@@ -162,7 +172,7 @@ class SGLangBackend(_HTTPBackend):
             sp["stop_token_ids"] = list(params.stop_ids)
         if params.seed is not None:
             sp["sampling_seed"] = params.seed
-        return {"rid": rid, "input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True, "stream": False}
+        return {"rid": rid, "input_ids": id_list(prompt_ids), "sampling_params": sp, "return_logprob": True, "stream": False}
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         rid = uuid.uuid4().hex
@@ -222,7 +232,7 @@ class OpenAICompletionsBackend(_HTTPBackend):
         """The ``/v1/completions`` body for one call."""
         body: dict[str, Any] = {
             **({"model": self.model} if self.model else {}),
-            "prompt": list(prompt_ids),
+            "prompt": id_list(prompt_ids),
             "max_tokens": params.max_new_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
@@ -330,7 +340,7 @@ class TorchBackend(Backend):
         self.batches = 0  # how many sample() calls ran (for tests and the benchmark)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
-        prompt = [int(t) for t in prompt_ids]
+        prompt = id_list(prompt_ids)
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise BackendError(self.name, f"prompt token ids {bad[:5]} outside the model's vocabulary [0, {self.vocab_size})")

@@ -27,6 +27,7 @@ import re
 from typing import Any, Callable
 
 import msgspec
+import numpy as np
 
 from agentlog.events.errors import AgentlogError
 from .json_depth import JSONTooDeep, loads_json_text
@@ -224,8 +225,23 @@ def tool_parser(name: str) -> ToolCallParser:
 # ---------------------------------------------------------------- templates
 
 
+def pack_ids(ids: Any) -> bytes:
+    """Token ids as the log stores them: little-endian int32 bytes."""
+    return np.asarray(ids, dtype=_TOKEN_DTYPE).tobytes()
+
+
+_TOKEN_DTYPE = np.dtype("<i4")
+
+
 class ChatTemplate(abc.ABC):
-    """Messages (+ tools) -> prompt token ids; output ids -> text."""
+    """Messages (+ tools) -> prompt token ids; output ids -> text.
+
+    A template may also encode a conversation *incrementally*
+    (:meth:`encode_packed` then :meth:`extend_packed`): an agent's next
+    prompt repeats its previous conversation and adds a few messages, and
+    re-encoding the whole conversation at every turn costs O(context) per
+    turn. Whatever a template does there, its result must equal
+    :meth:`encode_prompt` token for token."""
 
     #: Token ids that end generation.
     stop_ids: tuple[int, ...] = ()
@@ -238,6 +254,20 @@ class ChatTemplate(abc.ABC):
     @abc.abstractmethod
     def decode(self, output_ids: list[int]) -> str:
         """Text of generated ids (stop tokens removed)."""
+
+    def encode_packed(self, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> tuple[bytes, Any]:
+        """A full encode: the prompt as packed int32 bytes and what
+        :meth:`extend_packed` continues from (None: this template cannot
+        continue, every prompt is encoded whole)."""
+        return pack_ids(self.encode_prompt(messages, tools)), None
+
+    def extend_packed(self, state: Any, messages: list[dict[str, Any]], tools: list[ToolSpec], shared: int) -> tuple[bytes, Any] | None:
+        """The packed prompt of ``messages`` and the state after it, from the
+        ``state`` an earlier encode left, when that encode was of exactly
+        ``messages[:shared]`` with exactly these ``tools`` (the caller checked
+        both); None when the template cannot prove the result equal to a full
+        encode (the caller then encodes whole)."""
+        return None
 
 
 class ByteChatTemplate(ChatTemplate):
@@ -280,8 +310,7 @@ class ByteChatTemplate(ChatTemplate):
             head += f"[{msg.get('tool_call_id', '')}] "
         return head + self.render_body(msg.get("content") or "", msg.get("tool_calls"))
 
-    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[int]:
-        ids: list[int] = []
+    def _with_tools(self, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[dict[str, Any]]:
         msgs = list(messages)
         if tools:
             block = "# Tools\n" + "\n".join(json.dumps(t.to_dict(), ensure_ascii=False) for t in tools)
@@ -289,14 +318,43 @@ class ByteChatTemplate(ChatTemplate):
                 msgs[0] = {**msgs[0], "content": (msgs[0].get("content") or "") + "\n\n" + block}
             else:
                 msgs.insert(0, {"role": "system", "content": block})
-        for msg in msgs:
-            ids.extend(self.encode_text(self._render(msg)))
-            ids.append(self.EOS)
-        ids.extend(self.encode_text("<assistant>\n"))
-        return ids
+        return msgs
+
+    def _rendered(self, msgs: list[dict[str, Any]]) -> bytes:
+        """The messages as bytes, one byte per id, each message closed by EOS
+        (the text is ASCII, so EOS, 128, cannot occur inside it)."""
+        eos = bytes([self.EOS])
+        return b"".join(self._render(m).encode("ascii", "replace") + eos for m in msgs)
+
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[int]:
+        return list(self._rendered(self._with_tools(messages, tools)) + self._GENERATION_PROMPT)
+
+    _GENERATION_PROMPT = b"<assistant>\n"
+
+    # A message renders on its own (the tools block goes into the first
+    # message only), so the prompt of a longer conversation is the previous
+    # one's messages followed by the new ones. The state is the previous
+    # prompt itself (the generation prompt ends it); the next one is built
+    # with one allocation, since a fresh buffer of the context's size costs
+    # its page faults, the larger part of the copy.
+    def encode_packed(self, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> tuple[bytes, Any]:
+        packed = _widen(self._rendered(self._with_tools(messages, tools)) + self._GENERATION_PROMPT)
+        return packed, packed
+
+    def extend_packed(self, state: Any, messages: list[dict[str, Any]], tools: list[ToolSpec], shared: int) -> tuple[bytes, Any] | None:
+        if shared == 0:  # the tools block lands in the first message: nothing rendered to continue from
+            return None
+        body = memoryview(state)[: len(state) - 4 * len(self._GENERATION_PROMPT)]
+        packed = b"".join((body, _widen(self._rendered(messages[shared:]) + self._GENERATION_PROMPT)))
+        return packed, packed
 
     def decode(self, output_ids: list[int]) -> str:
         return "".join(chr(i) for i in output_ids if 0 <= i < 128)
+
+
+def _widen(byte_ids: bytes) -> bytes:
+    """One-byte ids as packed int32 ids."""
+    return np.frombuffer(byte_ids, dtype=np.uint8).astype(_TOKEN_DTYPE).tobytes()
 
 
 class HFChatTemplate(ChatTemplate):
@@ -347,13 +405,90 @@ class HFChatTemplate(ChatTemplate):
         return [self._hf_message(m, call_names) for m in messages]
 
     def encode_prompt(self, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[int]:
-        hf_tools = [{"type": "function", "function": t.to_dict()} for t in tools] or None
         ids = self.tok.apply_chat_template(
-            self.hf_messages(messages), tools=hf_tools, add_generation_prompt=True, tokenize=True
+            self.hf_messages(messages), tools=self._hf_tools(tools), add_generation_prompt=True, tokenize=True
         )
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
+
+    @staticmethod
+    def _hf_tools(tools: list[ToolSpec]) -> list[dict[str, Any]] | None:
+        return [{"type": "function", "function": t.to_dict()} for t in tools] or None
+
+    def _render_text(self, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> str:
+        return self.tok.apply_chat_template(
+            self.hf_messages(messages), tools=self._hf_tools(tools), add_generation_prompt=True, tokenize=False
+        )
+
+    # Incremental encoding. ``apply_chat_template(tokenize=True)`` renders the
+    # conversation to text, then tokenizes that text with no added specials.
+    # A fast tokenizer first splits the text at every added token it finds
+    # (leftmost, longest), then tokenizes the pieces between on their own. So
+    # when the new text repeats the old text up to the end of an added token
+    # T that nothing can absorb or extend (no strip, no single-word rule, not
+    # normalized, and no other added token contains T's text), the tokens
+    # before T are the old ones, and the tokens from T on are those of the new
+    # text from T on. The jinja rendering stays O(context) (a template may
+    # re-render earlier messages, e.g. drop old reasoning, and only the text
+    # tells); the tokenization, by far the larger cost, becomes O(new text).
+    # The state: the rendered text, the packed ids, and the cut points
+    # (start, end, token index, token id) of every such T in the text.
+    @property
+    def _cut_ids(self) -> frozenset[int]:
+        cached = self.__dict__.get("_cut_ids_cache")
+        if cached is None:
+            cached = frozenset()
+            if getattr(self.tok, "is_fast", False):
+                added = {i: t for i, t in self.tok.added_tokens_decoder.items()}
+                texts = [str(t) for t in added.values()]
+                cached = frozenset(
+                    i for i, t in added.items()
+                    if str(t) and not (getattr(t, "lstrip", True) or getattr(t, "rstrip", True)
+                                       or getattr(t, "single_word", True) or getattr(t, "normalized", True))
+                    and sum(str(t) in other for other in texts) == 1
+                )
+            self.__dict__["_cut_ids_cache"] = cached
+        return cached
+
+    def _tokenize(self, text: str, base_char: int, base_token: int) -> tuple[bytes, list[tuple[int, int, int, int]]]:
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        cut_ids = self._cut_ids
+        cuts = [(base_char + a, base_char + b, base_token + j, t)
+                for j, (t, (a, b)) in enumerate(zip(ids, enc["offset_mapping"])) if t in cut_ids]
+        return pack_ids(ids), cuts
+
+    def encode_packed(self, messages: list[dict[str, Any]], tools: list[ToolSpec]) -> tuple[bytes, Any]:
+        if not self._cut_ids:
+            return super().encode_packed(messages, tools)
+        text = self._render_text(messages, tools)
+        packed, cuts = self._tokenize(text, 0, 0)
+        return packed, (text, packed, cuts)
+
+    def extend_packed(self, state: Any, messages: list[dict[str, Any]], tools: list[ToolSpec], shared: int) -> tuple[bytes, Any] | None:
+        if state is None:
+            return None
+        old_text, old_packed, cuts = state
+        text = self._render_text(messages, tools)
+        # The last cut point whose text, up to its end, the new text repeats
+        # (a binary search: repeating up to a later end implies an earlier).
+        lo, hi = 0, len(cuts)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            end = cuts[mid][1]
+            if text[:end] == old_text[:end]:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == 0:
+            return None
+        start, _end, index, token = cuts[lo - 1]
+        tail, tail_cuts = self._tokenize(text[start:], start, index)
+        if tail[:4] != pack_ids([token]):  # T did not stand alone at the cut: encode whole
+            return None
+        packed = b"".join((memoryview(old_packed)[: index * 4], tail))
+        return packed, (text, packed, cuts[: lo - 1] + tail_cuts)
 
     def decode(self, output_ids: list[int]) -> str:
         return self.tok.decode(output_ids, skip_special_tokens=True)

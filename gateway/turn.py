@@ -27,6 +27,7 @@ from agentlog.events.schema.types import turn_temperature
 from .api import APIS, TurnRequest, TurnResult, now_s
 from .backends import BackendError
 from .chat import RequestError, assistant_message
+from .prompt_cache import PromptCache
 
 if TYPE_CHECKING:
     from .backends import Backend, SamplingParams
@@ -40,7 +41,7 @@ _RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "m
 
 
 class _SessionCfg:
-    __slots__ = ("sampling", "max_turns", "max_new_tokens", "inflight", "api_key", "calls", "turns")
+    __slots__ = ("sampling", "max_turns", "max_new_tokens", "inflight", "api_key", "calls", "turns", "prompt")
 
     def __init__(self) -> None:
         self.sampling: dict[str, Any] = {}
@@ -55,6 +56,8 @@ class _SessionCfg:
         #: The recorded turns' (turn index, prompt ids, output ids, sampling temperature), kept only
         #: when asked (configure_session(keep_turns=True): a teacher scores them); else None.
         self.turns: list[tuple[int, list[int], list[int], float | None]] | None = None
+        #: The previous turn's encoded prompt, which the next one is encoded from.
+        self.prompt = PromptCache()
 
 class _Refused(AgentlogError):
     """A request answered with an error before anything was recorded."""
@@ -181,7 +184,8 @@ class TurnPath:
         self, request: web.Request, api: Any, req: TurnRequest, merged: dict[str, Any], h: Any, cfg: _SessionCfg, log: Any
     ) -> web.StreamResponse:
         t0 = time.perf_counter()
-        prompt_ids = self.template.encode_prompt(req.messages, req.tools)
+        prompt = cfg.prompt.encode(self.template, req.messages, req.tools)
+        prompt_ids = prompt.ids
         ctx = self.backend.context_length
         room = None if ctx is None else ctx - len(prompt_ids)
         if room is not None and room <= 0:
@@ -228,8 +232,8 @@ class TurnPath:
             sampling["ignored"] = ignored
         record = asyncio.ensure_future(
             h.record_turn(
-                messages=req.messages,
-                prompt_ids=prompt_ids,
+                messages=prompt.messages,
+                prompt_ids=prompt.packed,
                 output_ids=gen.output_ids,
                 output_log_probs=gen.log_probs,
                 finish_reason=gen.finish_reason,
@@ -254,10 +258,11 @@ class TurnPath:
             log.info("gateway.turn_refused", reason=str(exc))
             return self._error(api.error_style, 409, "invalid_request_error", str(exc))
         turn = env.body.turn_index
+        cfg.prompt.remember(prompt, response_message)
         self.stats["turns"] += 1
         cfg.calls["turns"] += 1
         if cfg.turns is not None:
-            cfg.turns.append((turn, list(prompt_ids), [int(t) for t in gen.output_ids], turn_temperature(sampling)))
+            cfg.turns.append((turn, prompt_ids.tolist(), [int(t) for t in gen.output_ids], turn_temperature(sampling)))
         res = TurnResult(
             id=f"{_RESPONSE_ID_PREFIX[api.name]}{uuid.uuid4().hex[:24]}",
             model=req.model or self.config.model_name,

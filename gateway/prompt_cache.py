@@ -1,0 +1,98 @@
+"""A session's prompt, encoded from what its previous turn left.
+
+An agent sends its whole conversation at every turn: the previous messages,
+the response it got, and a few new messages (tool results, the user). At a
+100k-token context, encoding all of it again at every turn is O(context)
+per turn and O(turns x context) per session. :class:`PromptCache` holds,
+per live session (in the gateway's per-session entry, dropped with it), the
+conversation the previous prompt was encoded from and the template's state
+after it; the next prompt encodes only what is new when the request repeats
+that conversation exactly, and encodes whole otherwise.
+
+*Exactly*: a message counts as repeated only when it is equal and encodes
+to the same bytes (``1``, ``1.0`` and ``True`` are equal but render apart,
+and so do dicts in another key order), and the tools must encode the same.
+The template then proves the result equal to a full encode or declines
+(:meth:`~agentlog.gateway.chat.ChatTemplate.extend_packed`). The recorded
+prompt is therefore the one a full encode gives, token for token, and the
+reducers' retokenization-drift rules see what they always saw.
+
+Repeated messages are handed on as the very objects recorded last turn, so
+the engine's own comparison with its previous turn is by identity, not by
+content.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from .chat import ChatTemplate, ToolSpec
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def _same(new: Any, held: Any) -> bool:
+    return new is held or (new == held and _encode(new) == _encode(held))
+
+
+class EncodedPrompt:
+    """One request's prompt: ``packed`` (int32 bytes, what the log records),
+    ``ids`` (a read-only int32 view of them, what the backend gets),
+    ``messages`` (the request's messages, the repeated ones replaced by the
+    objects recorded before) and ``incremental`` (True when it was encoded
+    from the previous encode, False when whole)."""
+
+    __slots__ = ("packed", "ids", "messages", "incremental", "_tools", "_state")
+
+    def __init__(self, packed: bytes, messages: list[Any], incremental: bool, tools: bytes, state: Any) -> None:
+        self.packed = packed
+        self.ids = np.frombuffer(packed, dtype="<i4")
+        self.messages = messages
+        self.incremental = incremental
+        self._tools = tools
+        self._state = state
+
+
+class PromptCache:
+    """The previous encode of one session (see the module docstring)."""
+
+    __slots__ = ("_messages", "_rendered", "_tools", "_state")
+
+    def __init__(self) -> None:
+        #: The messages last recorded, then the response recorded with them.
+        self._messages: list[Any] = []
+        #: How many of ``_messages`` the template ``_state`` was encoded from.
+        self._rendered = 0
+        self._tools = b""
+        self._state: Any = None
+
+    def encode(self, template: ChatTemplate, messages: list[Any], tools: list[ToolSpec]) -> EncodedPrompt:
+        """``messages`` and ``tools`` encoded by ``template``, from the
+        previous encode when the request repeats its conversation exactly."""
+        held = self._messages
+        n = min(len(held), len(messages))
+        shared = 0
+        while shared < n and _same(messages[shared], held[shared]):
+            shared += 1
+        if shared:
+            messages = held[:shared] + messages[shared:]
+        tools_key = _encode(tools)
+        out = None
+        if self._state is not None and shared >= self._rendered and tools_key == self._tools:
+            out = template.extend_packed(self._state, messages, tools, self._rendered)
+        if out is None:
+            packed, state = template.encode_packed(messages, tools)
+            return EncodedPrompt(packed, messages, False, tools_key, state)
+        packed, state = out
+        return EncodedPrompt(packed, messages, True, tools_key, state)
+
+    def remember(self, prompt: EncodedPrompt, response_message: dict[str, Any] | None) -> None:
+        """``prompt`` was recorded with ``response_message``: the next
+        request is encoded against them."""
+        self._messages = prompt.messages + ([response_message] if response_message is not None else [])
+        self._rendered = len(prompt.messages)
+        self._tools = prompt._tools
+        self._state = prompt._state
