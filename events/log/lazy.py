@@ -11,7 +11,7 @@ frame's payload, which keeps that frame's read chunk (256 KiB) alive, as a
 raw record's payload does; decoding releases it.
 
 Errors stay where they were: the reader checks every payload as it reads it
-(:func:`~agentlog.events.schema.types.checked_tag` decodes every field into a
+(:func:`~agentlog.events.schema.read_check.checked_tag` decodes every field into a
 view that copies none of the big ones), so a payload that does not decode
 raises during the iteration, as an eager read did, with the same error
 (:func:`agentlog.events.log.scan.payload_error`: ``SchemaError`` for a known
@@ -34,7 +34,8 @@ from typing import Any
 
 import msgspec
 
-from ..schema.types import Envelope, UnknownEvent, checked_tag, decode_body
+from ..schema.read_check import checked_tag
+from ..schema.types import Envelope, UnknownEvent, decode_body
 from .scan import Frame, payload_error
 
 __all__ = ["LazyEnvelope", "StoredBody"]
@@ -141,7 +142,7 @@ LazyEnvelope.body = property(_body, doc="The event body, decoded on first access
 
 def lazy_envelope(frame: Frame, segment: str) -> LazyEnvelope:
     """The LazyEnvelope of a CRC-valid frame of segment ``segment``. Its
-    payload is checked here (:func:`~agentlog.events.schema.types.checked_tag`:
+    payload is checked here (:func:`~agentlog.events.schema.read_check.checked_tag`:
     every field, nothing built), so a payload that does not decode raises now,
     as an eager read did: SchemaError or LogCorruption, naming the segment,
     the offset and the LSN. An unknown tag's body is decoded here (an

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from types import UnionType
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Union
 
 import msgspec
 import numpy as np
@@ -472,54 +471,6 @@ def stored_tag(payload: bytes | memoryview) -> str | None:
     data = _stored_map(payload)
     tag = data.get("type") if data is not None else None
     return tag if isinstance(tag, str) else None
-
-
-def _accepting_alike(typ: Any) -> Any:
-    """A type msgspec decodes the same values into (and refuses the same
-    ones), building less: ``bytes`` as a ``memoryview`` of the payload, and
-    ``Any`` (which takes every value) as ``msgspec.Raw`` (only delimited),
-    inside lists, dicts and unions too."""
-    if typ is bytes:
-        return memoryview
-    if typ is Any:
-        return msgspec.Raw
-    origin, args = get_origin(typ), get_args(typ)
-    if origin in (list, dict) and args:
-        return origin[tuple(_accepting_alike(a) for a in args)]
-    if origin in (Union, UnionType):
-        return Union[tuple(_accepting_alike(a) for a in args)]
-    return typ
-
-
-def _checking_view(body: type) -> type:
-    """A struct with ``body``'s tag and fields, each of a type that accepts
-    alike (:func:`_accepting_alike`): decoding a payload into it checks every
-    field as decoding ``body`` does, but copies none of the token bytes,
-    builds none of the free-form values and runs no ``__post_init__``."""
-    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
-    for f in msgspec.structs.fields(body):
-        typ = _accepting_alike(f.type)
-        fields.append((f.name, typ) if f.required else (f.name, typ, f.default))
-    cfg = body.__struct_config__
-    return msgspec.defstruct("_Checked" + body.__name__, fields, tag=cfg.tag, tag_field=cfg.tag_field, kw_only=True, module=__name__)
-
-
-_checking_views = {_checking_view(t): t.__struct_config__.tag for t in EVENT_TYPES}
-_checking_decoder = msgspec.msgpack.Decoder(Union[tuple(_checking_views)])  # type: ignore[misc]
-
-
-def checked_tag(payload: bytes | memoryview) -> Any:
-    """Check that a stored payload decodes as :func:`decode_body` decodes it,
-    without building the body (no field is copied out of ``payload``), and
-    return its tag. A payload that is no known event is handed to
-    :func:`decode_body`: its result (an :class:`UnknownEvent`) is returned
-    instead of a tag, or its error raised. So a caller gets a ``str`` (the
-    body is known to decode) or the body itself, and every error is
-    decode_body's own."""
-    try:
-        return _checking_views[type(_checking_decoder.decode(payload))]
-    except msgspec.DecodeError:  # ValidationError included: the rare path, decode_body says what it is
-        return decode_body(payload)
 
 
 class _TagOnly(msgspec.Struct):

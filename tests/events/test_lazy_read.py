@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from agentlog.events import FileLog, read_log
 from agentlog.events.log.api import LogCorruption, SchemaError
 from agentlog.events.log.lazy import LazyEnvelope
-from agentlog.events.schema.types import TERMINAL_EVENT_TYPES, Envelope, checked_tag, decode_body, encode_body, event_tag
+from agentlog.events.schema.read_check import checked_tag
+from agentlog.events.schema.types import TERMINAL_EVENT_TYPES, Envelope, decode_body, encode_body, event_tag
 from agentlog.reducers.lifecycle import replay
 from event_samples import every_event
 from future_log_shim import write_frames
