@@ -70,7 +70,7 @@ _EXPORTS = {
     "LoopLearner": "trainer",
     "judge_staleness": "staleness",
     "PolicyFollower": "publish",
-    "read_learner_records": "publish",
+    "read_learner_records": "learner_records",
     "LoopError": "run",
     "NothingTrainable": "run",
     "RunResult": "run",

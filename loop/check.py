@@ -26,8 +26,7 @@ from agentlog.reducers.samples import SampleDigest
 
 from .run_folder import Run
 from .config import LoopConfig
-from .publish import read_learner_records
-from .trainer import record_frontier, step_digest
+from .learner_records import read_learner_records, record_frontier, step_digest
 
 
 @dataclass

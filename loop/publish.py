@@ -11,7 +11,7 @@ therefore always load the checkpoint, unless it was pruned since
 
 The learner log is also the learner's memory for exactly-once resume (see
 :mod:`agentlog.loop.trainer`) and what the offline check and the progress
-display read (:func:`read_learner_records`).
+display read (:func:`~agentlog.loop.learner_records.read_learner_records`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from agentlog.events.fs import write_dir_atomically
 from agentlog.events.log.api import EventLog
 from agentlog.events.schema.types import PolicyUpdated
 
-from agentlog.events.log.source import LogSource, LogTail, open_source
+from agentlog.events.log.source import LogSource, LogTail
+
 
 #: Session id under which the learner appends its records to the learner log.
 LEARNER_STREAM = "learner"
@@ -74,14 +75,6 @@ def prune_checkpoints(checkpoint_dir: Path, newest_version: int, keep: int) -> N
         if v <= newest_version - keep and v % KEEP_EVERY != 0:
             p.unlink(missing_ok=True)
             shutil.rmtree(hf_checkpoint_dir(p), ignore_errors=True)
-
-
-def read_learner_records(learner: "LogSource | Path") -> list[PolicyUpdated]:
-    """Every ``policy_updated`` in a learner log (a LogSource, or a learner log directory), in order."""
-    source = learner if isinstance(learner, LogSource) else open_source(learner, check=False, partitioned=False)
-    if not source.exists():
-        return []
-    return [env.body for env in source.read() if isinstance(env.body, PolicyUpdated)]
 
 
 class PolicyFollower:

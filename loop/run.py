@@ -40,7 +40,8 @@ from agentlog.events.log.source import LogTail
 from agentlog.events.schema.types import PolicyUpdated, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnDelta, TurnRecorded
 
 from .config import LoopConfig
-from .publish import STOPPED_UNTRAINABLE, read_learner_records
+from .learner_records import read_learner_records
+from .publish import STOPPED_UNTRAINABLE
 from .run_folder import Run
 from .run_marker import INCOMPLETE_MARKER, mark_incomplete
 

@@ -66,9 +66,10 @@ from agentlog.learner.learner import Learner
 from agentlog.reducers.groups import Group, reward_mean, row_trains
 from agentlog.reducers.partitioned import PartitionFold, ReleasedGroup
 from agentlog.reducers.pipeline import InFlightWindow
-from agentlog.reducers.samples import SampleDigest, distill_problem
+from agentlog.reducers.samples import distill_problem
 
 from .config import LoopConfig
+from .learner_records import record_consumed, record_frontier, step_digest
 from .metric_sinks import MetricSinks
 from .policy import build_model
 from .run_folder import Run
@@ -76,17 +77,6 @@ from .publish import STOPPED_UNTRAINABLE, checkpoint_path, prune_checkpoints, pu
 from .staleness import judge_staleness
 
 log = get_logger("agentlog.loop.trainer")
-
-def step_digest(groups: Iterable[Group]) -> str:
-    """``sha256:<hex>`` over the samples of ``groups``, in order (aborted
-    placeholders included): what one step trained on. The offline check
-    recomputes it from the rollout log."""
-    d = SampleDigest()
-    for g in groups:
-        for s in g.samples:
-            d.update(s)
-    return d.hexdigest()
-
 
 def sampling_refusal(group: Group) -> str:
     """Why a released group trains nothing because of how it was sampled, or "".
@@ -119,22 +109,6 @@ def distill_refusal(group: Group) -> str:
             if problem:
                 return f"distill: {problem}"  # distill_problem names the session and row
     return ""
-
-
-def record_frontier(record: PolicyUpdated) -> dict[int, int]:
-    """Per partition, the next rollout LSN the learner had not read when it
-    cut ``record``'s step; a record written before partitions names only
-    the single log (partition 0) through ``lsn_end``."""
-    if record.frontier:
-        return dict(record.frontier)
-    return {0: record.lsn_end + 1} if record.lsn_end >= 0 else {}
-
-
-def record_consumed(record: PolicyUpdated) -> Iterable[tuple[int, str]]:
-    """(partition, group id) of every group ``record``'s step consumed."""
-    if record.batch:
-        return [(ref.partition, ref.group_id) for ref in record.batch]
-    return [(0, gid) for gid in list(record.groups) + list(record.skipped)]
 
 
 class ResumePoint(NamedTuple):

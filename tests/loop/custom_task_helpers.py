@@ -10,7 +10,7 @@ from pathlib import Path
 from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted
 from agentlog.events import read_log
 from agentlog.loop.config import LoopConfig
-from agentlog.loop.publish import read_learner_records
+from agentlog.loop.learner_records import read_learner_records
 
 REPO = Path(__file__).resolve().parents[2]
 

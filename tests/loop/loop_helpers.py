@@ -9,7 +9,7 @@ from typing import Callable
 import pytest
 
 from agentlog.loop.config import FaultConfig, LoopConfig
-from agentlog.loop.publish import read_learner_records
+from agentlog.loop.learner_records import read_learner_records
 
 
 def small_config(**overrides) -> LoopConfig:

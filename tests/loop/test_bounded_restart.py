@@ -19,7 +19,8 @@ from hypothesis import given, settings, strategies as st
 from agentlog.events.log.api import MemoryLog
 from agentlog.events.schema.types import PolicyUpdated
 from agentlog.events import FileLog
-from agentlog.loop.publish import publish, read_learner_records
+from agentlog.loop.publish import publish
+from agentlog.loop.learner_records import read_learner_records
 from agentlog.loop.trainer import LoopLearner, read_resume_records, resume_point
 from agentlog.reducers.errors import ReduceError
 from agentlog.reducers.pipeline import InFlightWindow, Reducer

@@ -27,7 +27,8 @@ from agentlog.gateway import agents
 from agentlog.events import read_log
 from agentlog.loop.check import check_run
 from agentlog.loop.config import LoopConfig
-from agentlog.loop.publish import hf_checkpoint_dir, read_learner_records
+from agentlog.loop.publish import hf_checkpoint_dir
+from agentlog.loop.learner_records import read_learner_records
 
 from custom_task_helpers import train_cli
 

@@ -18,7 +18,7 @@ import pytest
 from agentlog.tools.cli import main as cli_main
 from agentlog.loop.check import check_run
 from agentlog.loop.run import reward_curve, summarise_rollout
-from agentlog.loop.publish import read_learner_records
+from agentlog.loop.learner_records import read_learner_records
 
 
 def test_short_demo_runs_end_to_end_and_online_digests_equal_offline(short_demo_run) -> None:

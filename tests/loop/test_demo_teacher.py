@@ -103,7 +103,7 @@ def test_demo_distill_scores_every_turn_with_the_runs_teacher_and_checks_equal(t
     from agentlog.events import read_log
     from agentlog.loop.check import check_run
     from agentlog.loop.demo import DEMO_DISTILL_COEF, DEMO_TOPK, DEMO_TOPK_COEF, TEACHER_NAME
-    from agentlog.loop.publish import read_learner_records
+    from agentlog.loop.learner_records import read_learner_records
     from agentlog.tools.cli import main as cli_main
     from short_demo import SHORT_DEMO_ARGS
 

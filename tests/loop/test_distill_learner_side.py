@@ -10,7 +10,8 @@ import msgspec
 import numpy as np
 import torch
 
-from agentlog.loop.trainer import LoopLearner, distill_refusal, step_digest
+from agentlog.loop.trainer import LoopLearner, distill_refusal
+from agentlog.loop.learner_records import step_digest
 from agentlog.reducers.groups import Group
 from agentlog.reducers.partitioned import ReleasedGroup
 

@@ -301,7 +301,7 @@ def test_text_task_sessions_are_scored_through_the_gateways_recorded_turns(tmp_p
 def test_distilling_learner_skips_the_groups_a_teacher_failed_on_and_trains_the_others(tmp_path):
     """With distill coef > 0 and a teacher server that sometimes fails, no group with a teacher
     failure is trained: each is recorded skipped with a 'distill: ...' reason naming the teacher."""
-    from agentlog.loop.publish import read_learner_records
+    from agentlog.loop.learner_records import read_learner_records
 
     run_dir = tmp_path / "run"
     cfg, server = run_with_flaky_teacher(run_dir, ["ok"] * 20 + ["http500"] + ["ok"] * 20 + ["slow"], coef=0.5)

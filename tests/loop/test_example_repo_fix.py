@@ -31,7 +31,8 @@ from agentlog.events.schema.types import SessionAborted, SessionDropped, Session
 from agentlog.events import read_log
 from agentlog.loop.check import check_run
 from agentlog.loop.config import LoopConfig
-from agentlog.loop.publish import hf_checkpoint_dir, read_learner_records
+from agentlog.loop.publish import hf_checkpoint_dir
+from agentlog.loop.learner_records import read_learner_records
 from agentlog.reducers.pipeline import reduce_log
 
 from custom_task_helpers import REPO, agentlog_exe, clean_env

@@ -16,7 +16,8 @@ from agentlog.events import read_log
 from agentlog.loop.check import check_run
 from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig
 from agentlog.loop.metric_sinks import TENSORBOARD_DIR
-from agentlog.loop.publish import hf_checkpoint_dir, read_learner_records
+from agentlog.loop.publish import hf_checkpoint_dir
+from agentlog.loop.learner_records import read_learner_records
 from agentlog.loop.run import run_loop
 
 pytestmark = pytest.mark.required

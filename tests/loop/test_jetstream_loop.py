@@ -23,7 +23,7 @@ from agentlog.events.schema.types import SessionAborted, SessionOpened, TERMINAL
 from agentlog.loop.check import check_run
 from agentlog.loop.config import ConfigError, LogConfig, LoopConfig, RolloutConfig
 from agentlog.loop.run_folder import Run
-from agentlog.loop.publish import read_learner_records
+from agentlog.loop.learner_records import read_learner_records
 from agentlog.loop.run import start_process
 
 from loop_helpers import small_config, wait_for

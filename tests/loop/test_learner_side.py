@@ -16,7 +16,8 @@ from agentlog.learner.model import token_log_probs
 from agentlog.reducers.samples import COMPLETED, Sample, digest_samples
 from agentlog.loop.policy import GenerationBatcher, build_model
 from agentlog.reducers.partitioned import ReleasedGroup
-from agentlog.loop.trainer import LoopLearner, step_digest
+from agentlog.loop.trainer import LoopLearner
+from agentlog.loop.learner_records import step_digest
 
 from loop_helpers import build_groups, small_config
 

@@ -16,7 +16,7 @@ from agentlog.events.schema.types import SessionAborted, SessionOpened
 from agentlog.events import read_log
 from agentlog.loop.check import check_run
 from agentlog.loop.config import RolloutConfig
-from agentlog.loop.publish import read_learner_records
+from agentlog.loop.learner_records import read_learner_records
 from agentlog.loop.run import start_process
 
 from loop_helpers import learner_version, small_config, wait_for

@@ -18,7 +18,7 @@ from agentlog.events.schema.types import SessionOpened
 from agentlog.events import read_log
 from agentlog.loop.check import check_run
 from agentlog.loop.config import RolloutConfig
-from agentlog.loop.publish import read_learner_records
+from agentlog.loop.learner_records import read_learner_records
 from agentlog.loop.ray_rollout import RayRollouts
 from agentlog.loop.run import start_process
 

@@ -28,7 +28,7 @@ import pytest
 from agentlog.loop import FaultConfig
 from agentlog.events import read_log
 from agentlog.loop.config import LoopConfig
-from agentlog.loop.publish import read_learner_records
+from agentlog.loop.learner_records import read_learner_records
 from agentlog.reducers.config import DEFAULT_CONFIG
 from agentlog.reducers.pipeline import reduce_log
 from agentlog.reducers.samples import PACKED_DTYPES, Sample

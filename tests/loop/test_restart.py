@@ -9,7 +9,7 @@ from agentlog.events.schema.types import SessionAborted, SessionDropped, Session
 from agentlog.events import read_log
 from agentlog.loop.check import check_run
 from agentlog.loop.run import start_process
-from agentlog.loop.publish import read_learner_records
+from agentlog.loop.learner_records import read_learner_records
 
 from loop_helpers import learner_version, small_config, wait_for
 

@@ -31,7 +31,8 @@ from agentlog.events.schema.types import SessionAborted, SessionDropped, Session
 from agentlog.loop import FaultConfig, LoopConfig, LoopLearner, RolloutWorker, check_run
 from agentlog.events import read_log
 from agentlog.loop.policy import resolve_hf_model
-from agentlog.loop.publish import hf_checkpoint_dir, read_learner_records
+from agentlog.loop.publish import hf_checkpoint_dir
+from agentlog.loop.learner_records import read_learner_records
 
 from test_gateway_rollout import EchoWordTask  # noqa: F401  (registers echo-word-test)
 

@@ -17,7 +17,7 @@ from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import SessionAborted, SessionFinished, SessionOpened, TurnRecorded
 from agentlog.loop import FaultConfig, LoopConfig, LoopLearner, RolloutWorker, check_run
 from agentlog.events import read_log
-from agentlog.loop.publish import read_learner_records
+from agentlog.loop.learner_records import read_learner_records
 
 from test_gateway_rollout import EchoWordTask
 

@@ -14,7 +14,8 @@ import pytest
 
 from agentlog.events.schema.types import SessionAborted
 from agentlog.events import read_log
-from agentlog.loop.publish import STOPPED_UNTRAINABLE, read_learner_records
+from agentlog.loop.publish import STOPPED_UNTRAINABLE
+from agentlog.loop.learner_records import read_learner_records
 
 from custom_task_helpers import agentlog_exe, clean_env, train_cli
 from test_custom_task_dir import CONFIG, TASK_MODULE as ECHO_TASK_MODULE

@@ -242,3 +242,12 @@ def test_the_schema_to_log_check_bites(tmp_path):
         "events/schema/turn.py:1: imports the log (events/schema/ is data the log builds on)",
         "events/schema/types.py:1: imports the log (events/schema/ is data the log builds on)",
     ]
+
+
+def test_checking_a_run_folder_imports_no_torch():
+    """`agentlog reconstruct` and `check` run loop.check over a run folder: a
+    pure reading of logs, so importing it must not pay torch's import (it did,
+    through the trainer and the publisher, ~3 s a command)."""
+    code = "import sys, agentlog.loop.check, agentlog.loop.learner_records; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -49,7 +49,8 @@ from agentlog.loop.demo import DEMO_DISTILL_COEF, DEMO_TOPK, DEMO_TOPK_COEF
 from agentlog.loop.demo.teacher_model import ensure_teacher, with_teacher
 from agentlog.loop.demo.warmup import supervised_warmup
 from agentlog.loop.policy import build_model
-from agentlog.loop.publish import checkpoint_path, publish, read_learner_records
+from agentlog.loop.publish import checkpoint_path, publish
+from agentlog.loop.learner_records import read_learner_records
 from agentlog.loop.run import reward_curve, run_loop
 
 #: The demo's stop rule: the mean reward of this many trained steps reaches TARGET.

@@ -54,7 +54,8 @@ import numpy as np
 
 from agentlog.events.schema.types import PolicyUpdated, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 from agentlog.events import FileLog, read_log
-from agentlog.loop.publish import publish, read_learner_records
+from agentlog.loop.publish import publish
+from agentlog.loop.learner_records import read_learner_records
 from agentlog.loop.trainer import RecordsNeeded, read_resume_records, resume_point
 from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.pipeline import InFlightWindow, Reducer
