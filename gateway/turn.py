@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, cast
 
 import msgspec
 from aiohttp import web
@@ -198,7 +198,8 @@ class TurnPath:
             )
         params = self._params(merged, req, room, cfg.max_new_tokens)
         try:
-            task = h.spawn(self.backend.generate(prompt_ids, params))
+            # A read-only int32 array: a sequence of ints to every backend (Backend.generate).
+            task = h.spawn(self.backend.generate(cast(Sequence[int], prompt_ids), params))
         except IllegalTransition as exc:
             return self._error(api.error_style, 409, "invalid_request_error", str(exc))
         try:

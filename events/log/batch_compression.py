@@ -86,7 +86,7 @@ def chosen_compression(requested: str | None, directory: Path, segments: list[in
         return parse_segment_header(f.read(SEG_HDR_SIZE), name, segments[-1]).compression
 
 
-def pack_batch(first_lsn: int, count: int, raw: bytes, data: bytes) -> bytes:
+def pack_batch(first_lsn: int, count: int, raw: bytes | memoryview, data: bytes) -> bytes:
     """The batch frame of ``count`` frames from ``first_lsn`` whose
     concatenation ``raw`` compresses (zstd) to ``data``."""
     head = FRAME_HDR.pack(0, BATCH_HDR.size + len(data), TYPE_BATCH)[FRAME_CRC.size :]

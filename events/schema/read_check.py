@@ -31,7 +31,7 @@ def _accepting_alike(typ: Any) -> Any:
     return typ
 
 
-def _checking_view(body: type) -> type:
+def _checking_view(body: Any) -> type:
     """A struct with ``body``'s tag and fields, each of a type that accepts
     alike (:func:`_accepting_alike`): decoding a payload into it checks every
     field as decoding ``body`` does, but copies none of the token bytes,
@@ -44,8 +44,9 @@ def _checking_view(body: type) -> type:
     return msgspec.defstruct("_Checked" + body.__name__, fields, tag=cfg.tag, tag_field=cfg.tag_field, kw_only=True, module=__name__)
 
 
-_checking_views = {_checking_view(t): t.__struct_config__.tag for t in EVENT_TYPES}
-_checking_decoder = msgspec.msgpack.Decoder(Union[tuple(_checking_views)])  # type: ignore[misc]
+_event_structs: tuple[Any, ...] = EVENT_TYPES
+_checking_views = {_checking_view(t): t.__struct_config__.tag for t in _event_structs}
+_checking_decoder = msgspec.msgpack.Decoder(Union[tuple(_checking_views)])
 
 
 def checked_tag(payload: bytes | memoryview) -> Any:
