@@ -552,6 +552,84 @@ done:
     return out;
 }
 
+/* The four fields of record i of a batch (borrowed references), or -1 with
+   an exception set: how encode_batch's tuples and encode_columns's lists are
+   read by the one encoder below. */
+typedef int (*record_fields_fn)(void *src, Py_ssize_t i, PyObject **sid, PyObject **seq, PyObject **flags, PyObject **payload);
+
+/* Frames of n records from lsn on, with one timestamp, in one buffer: the
+   tuple (bytes, ends) where ends[i] is where frame i ends. ``who`` names the
+   entry point in errors. */
+static PyObject *encode_records(const char *who, Py_ssize_t n, record_fields_fn fields, void *src, unsigned long long lsn,
+                                long long ts) {
+    PyObject *out = NULL, *ends = NULL, *result = NULL;
+    Py_buffer *sids = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
+    Py_buffer *pls = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
+    unsigned long long *seqs = PyMem_Calloc((size_t)n + 1, sizeof(unsigned long long));
+    unsigned int *flags = PyMem_Calloc((size_t)n + 1, sizeof(unsigned int));
+    Py_ssize_t got = 0, total = 0;
+    if (!sids || !pls || !seqs || !flags) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        PyObject *sid_o, *seq_o, *flag_o, *pl_o;
+        if (fields(src, got, &sid_o, &seq_o, &flag_o, &pl_o) < 0) goto done;
+        if (PyObject_GetBuffer(sid_o, &sids[got], PyBUF_SIMPLE) < 0) goto done;
+        if (PyObject_GetBuffer(pl_o, &pls[got], PyBUF_SIMPLE) < 0) {
+            PyBuffer_Release(&sids[got]);
+            goto done;
+        }
+        seqs[got] = PyLong_AsUnsignedLongLong(seq_o);
+        unsigned long fl = PyLong_AsUnsignedLong(flag_o);
+        if (PyErr_Occurred() || fl > 255 || check_sizes(sids[got].len, pls[got].len) < 0) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: record %zd: flags %lu do not fit a byte", who, got, fl);
+            got++;
+            goto done;
+        }
+        flags[got] = (unsigned int)fl;
+        total += SID_AT + sids[got].len + pls[got].len;
+    }
+    out = PyBytes_FromStringAndSize(NULL, total);
+    ends = PyList_New(n);
+    if (out == NULL || ends == NULL) goto done;
+    uint8_t *f = (uint8_t *)PyBytes_AS_STRING(out);
+    Py_ssize_t pos = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (encode_at(f + pos, lsn + (unsigned long long)i, seqs[i], ts, flags[i], &sids[i], &pls[i], 0) < 0) goto done;
+        pos += SID_AT + sids[i].len + pls[i].len;
+        PyObject *e = PyLong_FromSsize_t(pos);
+        if (e == NULL) goto done;
+        PyList_SET_ITEM(ends, i, e);
+    }
+    result = PyTuple_Pack(2, out, ends);
+done:
+    for (Py_ssize_t i = 0; i < got; i++) {
+        if (sids[i].obj) PyBuffer_Release(&sids[i]);
+        if (pls[i].obj) PyBuffer_Release(&pls[i]);
+    }
+    PyMem_Free(sids);
+    PyMem_Free(pls);
+    PyMem_Free(seqs);
+    PyMem_Free(flags);
+    Py_XDECREF(out);
+    Py_XDECREF(ends);
+    return result;
+}
+
+static int tuple_fields(void *src, Py_ssize_t i, PyObject **sid, PyObject **seq, PyObject **flags, PyObject **payload) {
+    PyObject *it = ((PyObject **)src)[i];
+    if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 4) {
+        PyErr_Format(PyExc_TypeError, "encode_batch: record %zd: expected a (sid, seq, flags, payload) tuple", i);
+        return -1;
+    }
+    *sid = PyTuple_GET_ITEM(it, 0);
+    *seq = PyTuple_GET_ITEM(it, 1);
+    *flags = PyTuple_GET_ITEM(it, 2);
+    *payload = PyTuple_GET_ITEM(it, 3);
+    return 0;
+}
+
 /* encode_batch(records, lsn, ts_ns) -> (bytes, ends)
 
    ``records``: a sequence of (sid bytes, seq, flags, payload) tuples; the
@@ -564,65 +642,18 @@ static PyObject *fc_encode_batch(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OKL:encode_batch", &records, &lsn, &ts)) return NULL;
     PyObject *seq = PySequence_Fast(records, "encode_batch: records must be a sequence");
     if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *out = NULL, *ends = NULL, *result = NULL;
-    Py_buffer *sids = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
-    Py_buffer *pls = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
-    unsigned long long *seqs = PyMem_Calloc((size_t)n + 1, sizeof(unsigned long long));
-    unsigned int *flags = PyMem_Calloc((size_t)n + 1, sizeof(unsigned int));
-    Py_ssize_t got = 0, total = 0;
-    if (!sids || !pls || !seqs || !flags) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (; got < n; got++) {
-        PyObject *it = items[got];
-        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 4) {
-            PyErr_Format(PyExc_TypeError, "encode_batch: record %zd: expected a (sid, seq, flags, payload) tuple", got);
-            goto done;
-        }
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(it, 0), &sids[got], PyBUF_SIMPLE) < 0) goto done;
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(it, 3), &pls[got], PyBUF_SIMPLE) < 0) {
-            PyBuffer_Release(&sids[got]);
-            goto done;
-        }
-        seqs[got] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(it, 1));
-        unsigned long fl = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(it, 2));
-        if (PyErr_Occurred() || fl > 255 || check_sizes(sids[got].len, pls[got].len) < 0) {
-            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "encode_batch: record %zd: flags %lu do not fit a byte", got, fl);
-            got++;
-            goto done;
-        }
-        flags[got] = (unsigned int)fl;
-        total += SID_AT + sids[got].len + pls[got].len;
-    }
-    out = PyBytes_FromStringAndSize(NULL, total);
-    ends = PyList_New(n);
-    if (out == NULL || ends == NULL) goto done;
-    uint8_t *f = (uint8_t *)PyBytes_AS_STRING(out);
-    Py_ssize_t pos = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (encode_at(f + pos, lsn + (unsigned long long)i, seqs[i], ts, flags[i], &sids[i], &pls[i], 0) < 0) goto done;
-        pos += SID_AT + sids[i].len + pls[i].len;
-        PyObject *e = PyLong_FromSsize_t(pos);
-        if (e == NULL) goto done;
-        PyList_SET_ITEM(ends, i, e);
-    }
-    result = PyTuple_Pack(2, out, ends);
-done:
-    for (Py_ssize_t i = 0; i < got; i++) {
-        if (sids[i].obj) PyBuffer_Release(&sids[i]);
-        if (pls[i].obj) PyBuffer_Release(&pls[i]);
-    }
-    PyMem_Free(sids);
-    PyMem_Free(pls);
-    PyMem_Free(seqs);
-    PyMem_Free(flags);
-    Py_XDECREF(out);
-    Py_XDECREF(ends);
+    PyObject *result = encode_records("encode_batch", PySequence_Fast_GET_SIZE(seq), tuple_fields, PySequence_Fast_ITEMS(seq), lsn, ts);
     Py_DECREF(seq);
     return result;
+}
+
+static int column_fields(void *src, Py_ssize_t i, PyObject **sid, PyObject **seq, PyObject **flags, PyObject **payload) {
+    PyObject **lists = (PyObject **)src; /* sids, seqs, flags, payloads */
+    *sid = PyList_GET_ITEM(lists[0], i);
+    *seq = PyList_GET_ITEM(lists[1], i);
+    *flags = PyList_GET_ITEM(lists[2], i);
+    *payload = PyList_GET_ITEM(lists[3], i);
+    return 0;
 }
 
 /* encode_columns(sids, seqs, flags, payloads, lsn, ts_ns) -> (bytes, ends)
@@ -631,69 +662,19 @@ done:
    bytes, seqs, flag ints, payloads as buffers), so that the caller builds no
    tuple per record: the same frames, in one buffer, with their ends. */
 static PyObject *fc_encode_columns(PyObject *self, PyObject *args) {
-    PyObject *sid_list, *seq_list, *flag_list, *pl_list;
+    PyObject *lists[4];
     unsigned long long lsn;
     long long ts;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!KL:encode_columns", &PyList_Type, &sid_list, &PyList_Type, &seq_list, &PyList_Type,
-                          &flag_list, &PyList_Type, &pl_list, &lsn, &ts))
+    if (!PyArg_ParseTuple(args, "O!O!O!O!KL:encode_columns", &PyList_Type, &lists[0], &PyList_Type, &lists[1], &PyList_Type,
+                          &lists[2], &PyList_Type, &lists[3], &lsn, &ts))
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(sid_list);
-    if (PyList_GET_SIZE(seq_list) != n || PyList_GET_SIZE(flag_list) != n || PyList_GET_SIZE(pl_list) != n) {
+    Py_ssize_t n = PyList_GET_SIZE(lists[0]);
+    if (PyList_GET_SIZE(lists[1]) != n || PyList_GET_SIZE(lists[2]) != n || PyList_GET_SIZE(lists[3]) != n) {
         PyErr_Format(PyExc_ValueError, "encode_columns: columns of %zd, %zd, %zd and %zd records: expected one length", n,
-                     PyList_GET_SIZE(seq_list), PyList_GET_SIZE(flag_list), PyList_GET_SIZE(pl_list));
+                     PyList_GET_SIZE(lists[1]), PyList_GET_SIZE(lists[2]), PyList_GET_SIZE(lists[3]));
         return NULL;
     }
-    PyObject *out = NULL, *ends = NULL, *result = NULL;
-    Py_buffer *sids = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
-    Py_buffer *pls = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
-    unsigned long long *seqs = PyMem_Calloc((size_t)n + 1, sizeof(unsigned long long));
-    unsigned int *flags = PyMem_Calloc((size_t)n + 1, sizeof(unsigned int));
-    Py_ssize_t got = 0, total = 0;
-    if (!sids || !pls || !seqs || !flags) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (; got < n; got++) {
-        if (PyObject_GetBuffer(PyList_GET_ITEM(sid_list, got), &sids[got], PyBUF_SIMPLE) < 0) goto done;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(pl_list, got), &pls[got], PyBUF_SIMPLE) < 0) {
-            PyBuffer_Release(&sids[got]);
-            goto done;
-        }
-        seqs[got] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(seq_list, got));
-        unsigned long fl = PyLong_AsUnsignedLong(PyList_GET_ITEM(flag_list, got));
-        if (PyErr_Occurred() || fl > 255 || check_sizes(sids[got].len, pls[got].len) < 0) {
-            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "encode_columns: record %zd: flags %lu do not fit a byte", got, fl);
-            got++;
-            goto done;
-        }
-        flags[got] = (unsigned int)fl;
-        total += SID_AT + sids[got].len + pls[got].len;
-    }
-    out = PyBytes_FromStringAndSize(NULL, total);
-    ends = PyList_New(n);
-    if (out == NULL || ends == NULL) goto done;
-    uint8_t *f = (uint8_t *)PyBytes_AS_STRING(out);
-    Py_ssize_t pos = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (encode_at(f + pos, lsn + (unsigned long long)i, seqs[i], ts, flags[i], &sids[i], &pls[i], 0) < 0) goto done;
-        pos += SID_AT + sids[i].len + pls[i].len;
-        PyObject *e = PyLong_FromSsize_t(pos);
-        if (e == NULL) goto done;
-        PyList_SET_ITEM(ends, i, e);
-    }
-    result = PyTuple_Pack(2, out, ends);
-done:
-    for (Py_ssize_t i = 0; i < got; i++) {
-        if (sids[i].obj) PyBuffer_Release(&sids[i]);
-        if (pls[i].obj) PyBuffer_Release(&pls[i]);
-    }
-    PyMem_Free(sids);
-    PyMem_Free(pls);
-    PyMem_Free(seqs);
-    PyMem_Free(flags);
-    Py_XDECREF(out);
-    Py_XDECREF(ends);
-    return result;
+    return encode_records("encode_columns", n, column_fields, lists, lsn, ts);
 }
 
 /* ------------------------------------------------------------------ CRC entry points */
