@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Callable
 import zstandard
 
 from . import framecodec
-from .commit import _Submission
 from .format import (
     BATCH_CODEC_ZSTD,
     BATCH_HDR,
@@ -52,7 +51,7 @@ from .format import (
 from ..schema.types import TERMINAL_EVENT_TYPES, Envelope
 
 if TYPE_CHECKING:
-    import collections
+    pass
 
 #: The values of ``FileLog.open(compression=...)``: None keeps the log's choice.
 COMPRESSIONS = ("zstd", "none")
@@ -124,13 +123,11 @@ class BatchCompression:
     _segment_bytes: int
     _next_seq: dict[str, int]
     _index: dict[int, list[tuple[int, int]]]
-    _ckpt_off: int
-    _ckpt_every: int
-    _pending: collections.deque[_Submission]
     _reserve_spares: Callable[[int, int], None]
     _segments_needed: Callable[[list[int]], tuple[int, int]]
     _start_segment: Callable[..., list]
     _snapshot: Callable[..., Any]
+    _queue: Callable[[list, int], None]
     _zstd: zstandard.ZstdCompressor | None = None
 
     def _compressed_units(self, checked: list, sids: list[bytes], lsn: int, ts: int) -> list[tuple[int, bytes]]:
@@ -203,14 +200,7 @@ class BatchCompression:
                 next_seq[sid] = seq + 1
             lsn += 1
         self._seg_first, self._seg_size, self._last_index_off = seg_first, seg_size, last_idx
-        self._assigned = lsn
-        if envs:
-            ckpt = None
-            if seg_size - self._ckpt_off >= self._ckpt_every:
-                assert seg_first is not None  # a staged record always has its segment
-                ckpt = self._snapshot(lsn, seg_first, seg_size)
-                self._ckpt_off = seg_size
-            self._pending.append(_Submission(ops, lsn, ckpt))
+        self._queue(ops, lsn)
         return envs, lsn
 
 
