@@ -40,15 +40,14 @@ from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-sys.path.insert(0, str(HERE))
 
 import structlog  # noqa: E402
 
 from agentlog.engine import SessionEngine  # noqa: E402
 from agentlog.events import FileLog, read_log  # noqa: E402
 from agentlog.events.log.format import FRAME_OVERHEAD  # noqa: E402
-from bench_growth import session_turns, trajectory_bytes  # noqa: E402
-from bench_log import dir_bytes, drop_dir, goal, turn_events  # noqa: E402
+from agentlog.tools.bench.bench_growth import session_turns, trajectory_bytes  # noqa: E402
+from agentlog.tools.bench.bench_log import dir_bytes, drop_dir, goal, turn_events  # noqa: E402
 
 COMPRESSIONS = ("none", "zstd")
 

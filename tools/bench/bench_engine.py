@@ -45,8 +45,7 @@ from agentlog.events import FileLog
 from agentlog.events.log.api import MemoryLog
 from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine_memory import GOAL_CONTEXT, goal_line, measure_in_child  # noqa: E402
+from agentlog.tools.bench.bench_engine_memory import GOAL_CONTEXT, goal_line, measure_in_child
 
 
 
