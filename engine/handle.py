@@ -225,7 +225,6 @@ class SessionHandle:
         temperature = self._turn_temperatures[turn_index]
         return self._turn_outputs[turn_index], None if math.isnan(temperature) else temperature
 
-
     async def record_command(
         self, command: str, exit_code: int | None, budget_exceeded: bool, duration_s: float, output_tail: str
     ) -> Envelope:

@@ -35,7 +35,9 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 def _same(new: Any, held: Any) -> bool:
-    return new is held or (new == held and _encode(new) == _encode(held))
+    # Equal encodings are the exact test (1, 1.0 and True, or two key orders,
+    # encode apart), and imply equal values: no deep == besides.
+    return new is held or _encode(new) == _encode(held)
 
 
 class EncodedPrompt:

@@ -155,13 +155,10 @@ class EncodingContext:
         so the delta is built without running the same checks again. This
         runs for every turn the engine records: the common cases (a prompt
         that extends the held context, no messages) take no call they can skip."""
-        messages, prompt, held = turn.messages, turn.prompt_ids, self.prompt
+        messages, prompt = turn.messages, turn.prompt_ids
         digests = message_digests(messages) if messages else b""
         shared_messages = self.shared_messages(digests) if self.digests else 0
-        if prompt.startswith(held) and prompt.startswith(self.output, len(held)):
-            shared_tokens = (len(held) + len(self.output)) // 4
-        else:
-            shared_tokens = self.shared_tokens(prompt)
+        shared_tokens = self.shared_tokens(prompt)  # an extended context: two memcmps, no array built
         new_messages = messages[shared_messages:]
         token = READING_STORED.set(True)
         try:
