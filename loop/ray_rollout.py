@@ -331,9 +331,15 @@ def local_ray_init_kwargs(cfg: LoopConfig) -> dict[str, Any]:
     """``ray.init`` arguments of a local, single-machine Ray for ``cfg``: on
     loopback, no dashboard, a small object store (the actors pass only small
     status structs), and enough of the rollout resources and logical CPUs for
-    every actor (they share the machine's cores, as local worker processes do)."""
+    every actor (they share the machine's cores, as local worker processes do).
+
+    ``address="local"`` always starts a Ray of this run's own: with no address,
+    Ray joins any Ray it finds running on the machine (RAY_ADDRESS, its
+    ``ray_current_cluster`` file, or a GCS process found by pgrep), and then
+    refuses the resource arguments below."""
     ro = cfg.rollout
     return dict(
+        address="local",
         num_cpus=max(os.cpu_count() or 1, int(ro.num_cpus * ro.workers + 0.999)),
         resources={k: v * ro.workers for k, v in ro.resources.items()},
         include_dashboard=False,

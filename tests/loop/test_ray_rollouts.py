@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ray_helpers import loopback_cluster, ray  # noqa: F401  (sets the loopback env before ray is imported; a fixture)
+from ray_helpers import OBJECT_STORE_BYTES, loopback_cluster, ray  # noqa: F401  (sets the loopback env before ray is imported; a fixture)
+from ray.cluster_utils import Cluster
 
 from agentlog.events.log.format import read_fence
 from agentlog.events.log.partitions import list_partitions, partition_dir
@@ -34,14 +35,21 @@ def test_train_with_the_ray_backend_runs_two_actors_and_reconstructs_equal(tmp_p
     """`agentlog train --config` with `[rollout] workers = 2, backend = "ray"`
     starts a local Ray, runs one rollout actor per partition, stops them and
     Ray; both partitions hold sessions, and the offline reconstruction of the
-    run folder equals every online digest."""
+    run folder equals every online digest. A stranger's Ray head already
+    running on the machine (another test's, under xdist) is not joined: the
+    run starts a Ray of its own."""
     config = tmp_path / "ray.toml"
     config.write_text(
         "steps = 3\ngroups_per_step = 4\ngroup_size = 4\nwarmup_steps = 0\nseed = 0\n"
         '[rollout]\nworkers = 2\nbackend = "ray"\n'
     )
     run = tmp_path / "run"
-    res = _agentlog("train", "--config", str(config), "--out", str(run), "--quiet", "--no-report", "--timeout", "180")
+    bystander = Cluster(initialize_head=True, connect=False, head_node_args=dict(
+        num_cpus=0, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False, node_ip_address="127.0.0.1"))
+    try:
+        res = _agentlog("train", "--config", str(config), "--out", str(run), "--quiet", "--no-report", "--timeout", "180")
+    finally:
+        bystander.shutdown()
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "EQUAL (3/3 steps equal" in res.stdout, res.stdout[-2000:]
     assert "ray_driver.started" in res.stderr and "ray_driver.stopped" in res.stderr
