@@ -86,7 +86,8 @@ class SessionHandle:
         self._log: Any = None
         #: The previous turn's prompt + output token ids and its messages'
         #: digests: what the next turn is stored as a delta against (its
-        #: context's token bytes + 16 bytes a message; dropped when the session ends).
+        #: context's token bytes + 16 bytes a message, + a pointer a message for a
+        #: caller that records frozen messages; dropped when the session ends).
         self._context: EncodingContext | None = _BEFORE_THE_FIRST_TURN
         #: Per recorded turn, its output tokens and sampling temperature (NaN
         #: when not a number): what a teacher's scores of the turn are checked
@@ -138,12 +139,19 @@ class SessionHandle:
         messages: list[dict[str, Any]] | None = None,
         prompt_ids: Any = b"",
         sampling: dict[str, Any] | None = None,
+        *,
+        frozen_messages: bool = False,
         **fields: Any,
     ) -> Envelope:
         """Record one generation; the engine assigns ``turn_index``. Returns the durable envelope.
         ``fields``: the turn's other fields by name (:class:`~agentlog.events.schema.turn.TurnBody`:
         output_ids, output_log_probs, finish_reason, ...), so a new turn field needs no change here.
-        Raises StragglerRefused if the session is not running, TypeError naming an unknown field."""
+        ``frozen_messages=True`` promises that the message objects and the response message
+        are never changed afterwards: the session then holds a reference to each (a pointer a
+        message), and a message passed again as the very same object is not hashed again
+        (:meth:`~agentlog.events.schema.turn_delta.EncodingContext.encode`); the recorded turn is
+        the same either way. Raises StragglerRefused if the session is not running, TypeError
+        naming an unknown field."""
         h = self
         eng = self._engine
         if h._busy:
@@ -156,7 +164,7 @@ class SessionHandle:
             full = TurnRecorded(turn_index=h.turns, messages=messages or [], prompt_ids=prompt_ids, sampling=sampling or {}, **fields)
             # The caller sends the whole prompt (as the chat APIs do); the log
             # stores what is new since the previous turn.
-            body, after = (h._context or _BEFORE_THE_FIRST_TURN).encode(full)
+            body, after = (h._context or _BEFORE_THE_FIRST_TURN).encode(full, frozen_messages)
             return await eng._append(h, body, None, after)
         finally:
             release(h)

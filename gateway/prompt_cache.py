@@ -17,9 +17,10 @@ The template then proves the result equal to a full encode or declines
 prompt is therefore the one a full encode gives, token for token, and the
 reducers' retokenization-drift rules see what they always saw.
 
-Repeated messages are handed on as the very objects recorded last turn, so
-the engine's own comparison with its previous turn is by identity, not by
-content.
+Repeated messages are handed on as the very objects recorded last turn, and
+the gateway records them as frozen (never changed afterwards), so the engine
+reuses their digests by identity and hashes only the new messages
+(:meth:`~agentlog.events.schema.turn_delta.EncodingContext.encode`).
 """
 
 from __future__ import annotations

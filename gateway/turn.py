@@ -243,6 +243,9 @@ class TurnPath:
                 ill_formed=parsed.ill_formed,
                 generate_s=gen.generate_s or (time.perf_counter() - t0),
                 sampling=sampling,
+                # Parsed from this request, or the very objects recorded last turn
+                # (PromptCache); nothing changes them after: repeated ones are not hashed again.
+                frozen_messages=True,
             )
         )
         t_rec = time.perf_counter()

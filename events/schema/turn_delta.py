@@ -19,12 +19,18 @@ expand a delta. The engine, which only encodes, holds an
 bytes, and a 16-byte digest of each message instead of the message, so a
 live session costs its context's token bytes plus 16 bytes a message
 (about 33 kB at an 8k-token context, where the messages' text alone is
-about as much again).
+about as much again). A caller that promises never to change the message
+objects it records (the gateway: they are parsed from each request, or
+the very objects recorded the turn before) lets the engine also keep a
+reference to each of them, a pointer a message: a message that is the very
+object seen last turn then reuses its digest, and a turn hashes only its
+new messages instead of its whole context.
 """
 
 from __future__ import annotations
 
 from hashlib import sha256
+from operator import is_
 from typing import Any, Callable, Iterable, Iterator
 
 import msgspec
@@ -104,6 +110,17 @@ def message_digests(messages: Iterable[Any]) -> bytes:
     return b"".join(out)
 
 
+def _repeated_objects(new: list[Any], held: tuple[Any, ...]) -> int:
+    """Leading items of ``new`` that are the very objects of ``held`` (identity, not equality)."""
+    n = min(len(new), len(held))
+    if all(map(is_, new, held)):  # the common case, compared in C (map stops at the shorter)
+        return n
+    i = 0
+    while new[i] is held[i]:
+        i += 1
+    return i
+
+
 class EncodingContext:
     """What the engine keeps of a live session's previous turn to encode the
     next one: its prompt and output token ids (the turn's own packed bytes,
@@ -114,14 +131,20 @@ class EncodingContext:
     same previous turn, without holding the messages: a message counts as
     shared when its encoding's digest (16 bytes of SHA-256) is the held one (for
     different encodings, a chance of 2**-128), where the reader's context
-    compares the encodings themselves."""
+    compares the encodings themselves.
 
-    __slots__ = ("prompt", "output", "digests")
+    ``objects``: the message objects those digests are of, one for one, held
+    only when the turn was encoded with ``frozen=True`` (empty otherwise).
+    Holding them keeps them alive, so an identity test against them is never
+    one against a recycled ``id()``."""
 
-    def __init__(self, prompt: bytes = b"", output: bytes = b"", digests: bytes = b"") -> None:
+    __slots__ = ("prompt", "output", "digests", "objects")
+
+    def __init__(self, prompt: bytes = b"", output: bytes = b"", digests: bytes = b"", objects: tuple[Any, ...] = ()) -> None:
         self.prompt = prompt
         self.output = output
         self.digests = digests
+        self.objects = objects
 
     @property
     def tokens(self) -> bytes:
@@ -147,16 +170,30 @@ class EncodingContext:
             n += 1
         return n
 
-    def encode(self, turn: TurnRecorded) -> tuple[TurnDelta, "EncodingContext"]:
+    def encode(self, turn: TurnRecorded, frozen: bool = False) -> tuple[TurnDelta, "EncodingContext"]:
         """The delta that :meth:`TurnContext.expand` turns back into ``turn``
         exactly, and the context ``turn`` leaves for the next one.
+
+        ``frozen``: the caller promises that ``turn``'s message objects and
+        response message (and everything inside them) are never changed
+        afterwards. The next context then holds them, and a message of the
+        next frozen turn that is the very object held reuses its digest
+        instead of being hashed: the delta is the same (what the digest is of
+        cannot have changed), and a turn costs its new messages, not its
+        whole context. Without the promise every message is hashed.
 
         ``turn`` was checked when it was built (see :meth:`TurnContext.delta_of`),
         so the delta is built without running the same checks again. This
         runs for every turn the engine records: the common cases (a prompt
         that extends the held context, no messages) take no call they can skip."""
         messages, prompt = turn.messages, turn.prompt_ids
-        digests = message_digests(messages) if messages else b""
+        if not messages:
+            digests = b""
+        elif frozen and self.objects:
+            reused = _repeated_objects(messages, self.objects)
+            digests = self.digests[: reused * DIGEST_BYTES] + message_digests(messages[reused:]) if reused else message_digests(messages)
+        else:
+            digests = message_digests(messages)
         shared_messages = self.shared_messages(digests) if self.digests else 0
         shared_tokens = self.shared_tokens(prompt)  # an extended context: two memcmps, no array built
         new_messages = messages[shared_messages:]
@@ -168,7 +205,9 @@ class EncodingContext:
             READING_STORED.reset(token)
         if turn.response_message is not None and len(digests) == DIGEST_BYTES * len(messages):
             digests += message_digests((turn.response_message,))
-        return delta, EncodingContext(prompt, turn.output_ids, digests)
+        # The objects the digests are of, one for one (a message that cannot be encoded ends both).
+        objects = (*messages, turn.response_message)[: len(digests) // DIGEST_BYTES] if frozen else ()
+        return delta, EncodingContext(prompt, turn.output_ids, digests, objects)
 
 
 class TurnContext:

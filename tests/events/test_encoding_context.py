@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentlog.engine.core import SessionEngine
-from agentlog.events import FileLog
+from agentlog.events import FileLog, MemoryLog
 from agentlog.events.schema.turn_delta import EncodingContext, TurnContext, common_prefix_tokens
 from agentlog.events.schema.types import TurnRecorded, encode_body
 
@@ -109,3 +109,85 @@ def test_a_live_session_holds_its_token_bytes_and_message_digests_not_its_messag
 
     held = asyncio.run(go())
     assert 4 * context <= held < 4 * context + 6 * 1024, f"{held:.0f} bytes held per live session"
+
+
+@st.composite
+def frozen_sessions(draw: Any) -> list[tuple[TurnRecorded, bool]]:
+    """Turns, each recorded frozen or not, whose messages repeat the previous
+    turn's message objects themselves (in place, shifted, twice), equal
+    copies of them, or new messages: the cases identity could get wrong."""
+    turns: list[tuple[TurnRecorded, bool]] = []
+    prompt: list[int] = draw(tokens)
+    msgs: list[Any] = draw(messages)
+    for t in range(draw(st.integers(min_value=1, max_value=6))):
+        output = draw(tokens)
+        response = draw(st.one_of(st.none(), st.fixed_dictionaries({"role": st.just("assistant"), "content": contents})))
+        turn = TurnRecorded(turn_index=t, messages=msgs, prompt_ids=prompt, output_ids=output, response_message=response)
+        turns.append((turn, draw(st.booleans())))
+        prompt = prompt + output + draw(tokens)
+        held = msgs + ([response] if response is not None else [])
+        keep = held[: draw(st.integers(min_value=0, max_value=len(held)))]
+        how = draw(st.sampled_from(["same", "same", "copies", "shifted", "doubled"]))
+        if how == "copies":
+            keep = [dict(m) for m in keep]
+        elif how == "shifted" and held:
+            keep = [draw(st.sampled_from(held))] + keep
+        elif how == "doubled":
+            keep = keep + keep
+        msgs = keep + draw(messages)
+    return turns
+
+
+@settings(max_examples=300, deadline=None)
+@given(frozen_sessions())
+def test_frozen_messages_reuse_digests_and_encode_every_turn_as_hashing_all_does(turns):
+    # The fast path (a repeated object reuses its digest) and full hashing
+    # store the same bytes and leave the same context, turn after turn.
+    hashing, reusing = EncodingContext(), EncodingContext()
+    for turn, frozen in turns:
+        expected, hashing = hashing.encode(turn)
+        delta, reusing = reusing.encode(turn, frozen=frozen)
+        assert encode_body(delta) == encode_body(expected)
+        assert reusing.digests == hashing.digests and reusing.tokens == hashing.tokens
+        # What a frozen turn holds are the very objects it was given, one a digest.
+        held = turn.messages + ([turn.response_message] if turn.response_message is not None else [])
+        assert list(reusing.objects) == (held if frozen else [])
+        assert all(a is b for a, b in zip(reusing.objects, held))
+
+
+@settings(max_examples=40, deadline=None)
+@given(frozen_sessions())
+def test_the_engine_records_the_same_events_with_and_without_frozen_messages(turns):
+    async def record(frozen: bool) -> list[bytes]:
+        eng = await SessionEngine.open(MemoryLog(), checkpoint_every=0)
+        h = await eng.open_session("s", group_id="g", group_size=1)
+        await h.start()
+        out = []
+        for turn, _ in turns:
+            env = await h.record_turn(messages=turn.messages, prompt_ids=turn.prompt_ids, output_ids=turn.output_ids,
+                                      response_message=turn.response_message, frozen_messages=frozen)
+            out.append(encode_body(env.body))
+        await h.finish()
+        await eng.close()
+        return out
+
+    assert asyncio.run(record(True)) == asyncio.run(record(False))
+
+
+def test_a_frozen_turn_hashes_only_its_new_messages(monkeypatch):
+    import agentlog.events.schema.turn_delta as turn_delta
+
+    hashed: list[Any] = []
+    real = turn_delta.message_digests
+    monkeypatch.setattr(turn_delta, "message_digests", lambda ms: real(hashed.extend(ms) or ms))
+    history = [{"role": "user", "content": f"m{i}"} for i in range(50)]
+    response = {"role": "assistant", "content": "ok"}
+    _, ctx = EncodingContext().encode(TurnRecorded(turn_index=0, messages=history, response_message=response), frozen=True)
+    hashed.clear()
+    new = {"role": "tool", "content": "out"}
+    ctx.encode(TurnRecorded(turn_index=1, messages=history + [response, new]), frozen=True)
+    assert hashed == [new]
+    hashed.clear()
+    # Without the promise, every message is hashed.
+    ctx.encode(TurnRecorded(turn_index=1, messages=history + [response, new]))
+    assert len(hashed) == 52

@@ -337,7 +337,7 @@ async def _cpu_per_turn(args, contexts: list[int]) -> list[dict]:
                 t0, m0, w0 = pt(), time.thread_time(), time.perf_counter()
                 await h.record_turn(messages=prompt.messages, prompt_ids=prompt.packed, output_ids=out,
                                     output_log_probs=[-0.5] * len(out), finish_reason="stop", response_message=response,
-                                    sampling={"temperature": 1.0})
+                                    sampling={"temperature": 1.0}, frozen_messages=True)
                 caches["byte"].remember(prompt, response)
                 if timed:
                     cost["capture"].append(pt() - t0)
