@@ -190,3 +190,32 @@ def test_hf_growing_conversation_is_encoded_incrementally():
     assert _play(template, first, steps, _equals_full(template)) == 4
     im_end = _hf_once("metaspace-rstrip").tok.convert_tokens_to_ids("<|im_end|>")
     assert im_end not in _hf_once("metaspace-rstrip")._cut_ids and _hf_once("metaspace-rstrip")._cut_ids
+
+
+def test_the_gateway_hashes_only_the_new_messages_of_a_growing_conversation(monkeypatch):
+    """The gateway records its prompts frozen: the repeated messages, which
+    the prompt cache hands on as the objects recorded before, keep their
+    digests, and a turn hashes its new message and its response only."""
+    import agentlog.events.schema.turn_delta as turn_delta
+
+    from gateway_helpers import oa_client, open_running, rig, run, turns_of
+
+    hashed: list[int] = []
+    real = turn_delta.message_digests
+    monkeypatch.setattr(turn_delta, "message_digests", lambda ms: real(ms if hashed.append(len(ms)) else ms))
+
+    async def body() -> None:
+        async with rig() as (gw, engine, log):
+            h = await open_running(engine, "s-frozen")
+            client = oa_client(gw, "s-frozen")
+            msgs: list = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+            for k in range(3):
+                hashed.clear()
+                r = await client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=1.0)
+                msgs = msgs + [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": f"more {k}"}]
+            # Turn 3: five messages, of which the new user message is hashed, then the response.
+            assert hashed == [1, 1]
+            await h.finish(reward=0.0)
+            assert [len(t.messages) for t in turns_of(log, "s-frozen")] == [2, 4, 6]
+
+    run(body())
