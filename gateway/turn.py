@@ -245,6 +245,8 @@ class TurnPath:
                 sampling=sampling,
                 # Parsed from this request, or the very objects recorded last turn
                 # (PromptCache); nothing changes them after: repeated ones are not hashed again.
+                # The session's entry, whose PromptCache holds them too, lives as long as the
+                # session, so the engine's references to them cost a pointer each.
                 frozen_messages=True,
             )
         )
