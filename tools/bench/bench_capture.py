@@ -53,6 +53,7 @@ import argparse
 import asyncio
 import concurrent.futures as cf
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -286,6 +287,7 @@ async def _throughput(args, n: int, shape: dict, pool, counter: list) -> dict:
         await gw.stop()
         await engine.close()
         log.close()
+        shutil.rmtree(tmp)  # a run leaves no log behind (~50 MB each)
     total = n * shape["turns"]
     ratios = [d / g for d, g in zip(direct_walls, gw_walls)]
     return {"n": n, "gateway": total / statistics.median(gw_walls), "direct": total / statistics.median(direct_walls),
@@ -367,6 +369,7 @@ async def _cpu_per_turn(args, contexts: list[int]) -> list[dict]:
     finally:
         await engine.close()
         log.close()
+        shutil.rmtree(tmp)  # a run leaves no log behind (~50 MB each)
     return rows
 
 
@@ -430,6 +433,7 @@ async def _cpu_concurrent(args, ctx: int, n: int) -> dict:
     finally:
         await engine.close()
         log.close()
+        shutil.rmtree(tmp)  # a run leaves no log behind (~50 MB each)
     return {"ctx": ctx, "n": n, "tokens": int(statistics.median(sizes)),
             "capture": statistics.median(all_cpu) * 1e6, "main": statistics.median(main_cpu) * 1e6}
 
