@@ -10,6 +10,7 @@
  *                   the first bad frame with the Python scanner's reason;
  *   scan_mapped()   the same over a memory-mapped segment, guarded against
  *                   the file shrinking under the mapping (SIGBUS);
+ *   scan_batch()    the frames of a decompressed batch, with its place;
  *   encode_frame()  one frame (header, session id, payload, masked CRC);
  *   encode_batch()  many frames into one contiguous buffer;
  *   encode_columns() the same, from a batch held as columns (lists).
@@ -501,6 +502,7 @@ done:
 #include <signal.h>
 
 enum { SCAN_SHRANK = 5 };
+#define MAPPED_FRAMES 512 /* frames scan_mapped() notes per call, at most */
 
 static __thread sigjmp_buf *bus_guard; /* set while this thread reads a mapping */
 static struct sigaction bus_previous;  /* the disposition ours replaced */
@@ -528,7 +530,9 @@ static int bus_handler_installed(void) {
     struct sigaction act;
     memset(&act, 0, sizeof(act));
     act.sa_sigaction = on_sigbus;
-    act.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    /* SA_NODEFER: SIGBUS stays unblocked in the handler, so the jump out needs
+       no saved signal mask (sigsetjmp(.., 0): no system call per scan). */
+    act.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
     sigemptyset(&act.sa_mask);
     return sigaction(SIGBUS, &act, &bus_previous) == 0;
 }
@@ -540,7 +544,7 @@ static int scan_guarded(scan_state *st, frame_info *fi, Py_ssize_t max_frames, P
     sigjmp_buf jb;
     volatile Py_ssize_t got = 0;
     volatile int code = SCAN_MORE;
-    if (sigsetjmp(jb, 1) != 0) {
+    if (sigsetjmp(jb, 0) != 0) {
         /* The file shrank under a read: the frames noted so far were read whole before it. */
         *n = got;
         return SCAN_SHRANK;
@@ -565,7 +569,8 @@ static int scan_guarded(scan_state *st, frame_info *fi, Py_ssize_t max_frames, P
 
    scan() over a memory-mapped segment (``map``, whose first byte is at file
    offset ``base``; ``view`` a memoryview of it), safe against the file
-   shrinking while mapped: code 5 (SHRANK) says it did, at ``rel``. The same
+   shrinking while mapped: code 5 (SHRANK) says it did, at ``rel``. It
+   returns at most 512 frames a call, whatever ``max_frames`` says. The same
    frames, checks, codes and reasons as scan() otherwise; ``stop_type`` is
    the type byte of the frame a code 3 (BAD) stopped at (2: a compressed
    batch, for the caller to read), else -1. */
@@ -580,6 +585,9 @@ static PyObject *fc_scan_mapped(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "scan_mapped: frame_type must be a tuple subclass");
         return NULL;
     }
+    /* Noted on the stack, a bounded number per call (the caller asks again on code MORE). */
+    frame_info fi[MAPPED_FRAMES];
+    if (max_frames > MAPPED_FRAMES) max_frames = MAPPED_FRAMES;
     if (max_frames < 1) max_frames = 1;
     if (crc_backend != BACKEND_HW || !bus_handler_installed()) {
         /* The fallback CRC runs Python code on the mapping; no guard there. */
@@ -590,15 +598,9 @@ static PyObject *fc_scan_mapped(PyObject *self, PyObject *args) {
     if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
     scan_state st;
     PyObject *frames = NULL, *result = NULL;
-    frame_info *fi = NULL;
     sid_cache cache;
     memset(&cache, 0, sizeof(cache));
     if (parse_state(&st, &view, limit_obj, rel, base, size, expected, cap) < 0) goto done;
-    fi = PyMem_Malloc((size_t)max_frames * sizeof(frame_info));
-    if (fi == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
     Py_ssize_t n = 0;
     int stop_type = -1;
     int code = scan_guarded(&st, fi, max_frames, &n, &stop_type);
@@ -655,9 +657,91 @@ static PyObject *fc_scan_mapped(PyObject *self, PyObject *args) {
 done:
     Py_XDECREF(st.reason);
     Py_XDECREF(frames);
-    PyMem_Free(fi);
     sid_cache_clear(&cache);
     PyBuffer_Release(&view);
+    return result;
+}
+
+/* scan_batch(raw, frame_type, first, count, offset, end, cap) -> (frames, at, reason)
+
+   The frames of a decompressed batch (``raw``, a bytes object of frames
+   numbered from ``first``), checked as scan() checks a segment's, at most
+   count + 1 of them, each a ``frame_type`` carrying the batch's ``offset``
+   and ``end`` (where the batch lies in its segment) and a payload viewing
+   ``raw``. ``frames`` is last first (how the scanner keeps a batch's
+   frames); ``at`` is where the walk stopped in ``raw``; ``reason`` says why
+   it stopped at a bad frame, else None. */
+static PyObject *fc_scan_batch(PyObject *self, PyObject *args) {
+    PyObject *raw, *ftype;
+    unsigned long long first, offset, end, cap;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "SOKnKKK:scan_batch", &raw, &ftype, &first, &count, &offset, &end, &cap)) return NULL;
+    if (!PyType_Check(ftype) || !PyType_IsSubtype((PyTypeObject *)ftype, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "scan_batch: frame_type must be a tuple subclass");
+        return NULL;
+    }
+    PyTypeObject *tp = (PyTypeObject *)ftype;
+    scan_state st;
+    memset(&st, 0, sizeof(st));
+    st.buf = (const uint8_t *)PyBytes_AS_STRING(raw);
+    st.buflen = PyBytes_GET_SIZE(raw);
+    st.size = (unsigned long long)st.buflen;
+    st.cap = cap;
+    st.expected = first;
+    PyObject *frames = PyList_New(0), *view = PyMemoryView_FromObject(raw), *off_o = PyLong_FromUnsignedLongLong(offset),
+             *end_o = PyLong_FromUnsignedLongLong(end), *result = NULL;
+    sid_cache cache;
+    memset(&cache, 0, sizeof(cache));
+    if (frames == NULL || view == NULL || off_o == NULL || end_o == NULL) goto done;
+    while (PyList_GET_SIZE(frames) <= count) {
+        frame_info fi;
+        int code = scan_step(&st, &fi);
+        if (code < 0) goto done;
+        if (code != SCAN_MORE) break;
+        PyObject *sid = sid_or_bad(&cache, &fi, &st);
+        if (sid == NULL) {
+            if (st.reason == NULL) goto done;
+            break;
+        }
+        PyObject *payload = PySequence_GetSlice(view, fi.rel + SID_AT + fi.sidlen, fi.end);
+        PyObject *fr = payload ? tp->tp_alloc(tp, 8) : NULL;
+        if (fr == NULL) {
+            Py_DECREF(sid);
+            Py_XDECREF(payload);
+            goto done;
+        }
+        Py_INCREF(off_o);
+        Py_INCREF(end_o);
+        PyObject *vals[4] = {
+            PyLong_FromUnsignedLongLong(fi.lsn),
+            PyLong_FromUnsignedLongLong(fi.seq),
+            PyLong_FromLongLong(fi.ts),
+            PyLong_FromLong((long)fi.flags),
+        };
+        PyTuple_SET_ITEM(fr, 0, off_o);
+        PyTuple_SET_ITEM(fr, 1, end_o);
+        int bad = 0;
+        for (int k = 0; k < 4; k++) {
+            if (vals[k] == NULL) bad = 1;
+            PyTuple_SET_ITEM(fr, 2 + k, vals[k]);
+        }
+        PyTuple_SET_ITEM(fr, 6, sid);
+        PyTuple_SET_ITEM(fr, 7, payload);
+        int rc = bad ? -1 : PyList_Append(frames, fr);
+        Py_DECREF(fr);
+        if (rc < 0) goto done;
+        st.rel = fi.end;
+        st.expected = fi.lsn + 1;
+    }
+    if (PyList_Reverse(frames) < 0) goto done;
+    result = Py_BuildValue("(OnO)", frames, st.rel, st.reason ? st.reason : Py_None);
+done:
+    Py_XDECREF(st.reason);
+    Py_XDECREF(frames);
+    Py_XDECREF(view);
+    Py_XDECREF(off_o);
+    Py_XDECREF(end_o);
+    sid_cache_clear(&cache);
     return result;
 }
 
@@ -894,6 +978,7 @@ static PyObject *fc_crc_backend(PyObject *self, PyObject *noargs) {
 static PyMethodDef methods[] = {
     {"scan", fc_scan, METH_VARARGS, "Walk the frames wholly inside a buffer (see the C source)."},
     {"scan_mapped", fc_scan_mapped, METH_VARARGS, "scan() over a memory-mapped segment, safe if the file shrinks."},
+    {"scan_batch", fc_scan_batch, METH_VARARGS, "The frames of a decompressed batch, last first (see the C source)."},
     {"encode_frame", fc_encode_frame, METH_VARARGS, "One framed record (or its prefix, with prefix_only)."},
     {"encode_batch", fc_encode_batch, METH_VARARGS, "Frames of a batch in one buffer, with their ends."},
     {"encode_columns", fc_encode_columns, METH_VARARGS, "encode_batch over four lists: sids, seqs, flags, payloads."},

@@ -127,8 +127,7 @@ class SegmentScanner:
         """Make _buf cover [self.offset, need_end) (need_end <= size)."""
         if self._buf_off <= self.offset and need_end <= self._buf_off + len(self._buf):
             return
-        # Mapped, only what is asked for is read: the frames after it are read from the mapping.
-        want = need_end - self.offset if self._map is not None else max(need_end, min(size, self.offset + self.CHUNK)) - self.offset
+        want = max(need_end, min(size, self.offset + self.CHUNK)) - self.offset
         self._buf = os.pread(self.fd, want, self.offset)
         self._buf_off = self.offset
         if len(self._buf) < need_end - self.offset:
