@@ -540,7 +540,7 @@ static int bus_handler_installed(void) {
 /* Phase one: up to max_frames valid frames into fi[], under the guard.
    Returns the SCAN_* code (SCAN_SHRANK on a fault) or -1 with an error set;
    *n is how many frames were noted. */
-static int scan_guarded(scan_state *st, frame_info *fi, Py_ssize_t max_frames, Py_ssize_t *n, int *stop_type) {
+static int scan_guarded(scan_state *st, frame_info *fi, Py_ssize_t max_frames, Py_ssize_t *n) {
     sigjmp_buf jb;
     volatile Py_ssize_t got = 0;
     volatile int code = SCAN_MORE;
@@ -557,23 +557,19 @@ static int scan_guarded(scan_state *st, frame_info *fi, Py_ssize_t max_frames, P
         st->expected = fi[got].lsn + 1;
         got++;
     }
-    /* The type byte of a frame the scan stopped at (a compressed batch is read by the caller). */
-    if (code == SCAN_BAD) *stop_type = st->buf[st->rel + 8];
     bus_guard = NULL;
     *n = got;
     return code;
 }
 
 /* scan_mapped(map, view, frame_type, rel, base, size, expected, limit, cap, max_frames)
-   -> (frames, rel, expected, code, reason, stop_type)
+   -> (frames, rel, expected, code, reason)
 
    scan() over a memory-mapped segment (``map``, whose first byte is at file
    offset ``base``; ``view`` a memoryview of it), safe against the file
    shrinking while mapped: code 5 (SHRANK) says it did, at ``rel``. It
    returns at most 512 frames a call, whatever ``max_frames`` says. The same
-   frames, checks, codes and reasons as scan() otherwise; ``stop_type`` is
-   the type byte of the frame a code 3 (BAD) stopped at (2: a compressed
-   batch, for the caller to read), else -1. */
+   frames, checks, codes and reasons as scan() otherwise. */
 static PyObject *fc_scan_mapped(PyObject *self, PyObject *args) {
     PyObject *bufobj, *viewobj, *ftype, *limit_obj;
     Py_ssize_t rel, max_frames;
@@ -602,8 +598,7 @@ static PyObject *fc_scan_mapped(PyObject *self, PyObject *args) {
     memset(&cache, 0, sizeof(cache));
     if (parse_state(&st, &view, limit_obj, rel, base, size, expected, cap) < 0) goto done;
     Py_ssize_t n = 0;
-    int stop_type = -1;
-    int code = scan_guarded(&st, fi, max_frames, &n, &stop_type);
+    int code = scan_guarded(&st, fi, max_frames, &n);
     if (code < 0) goto done;
     frames = PyList_New(n);
     if (frames == NULL) goto done;
@@ -625,7 +620,6 @@ static PyObject *fc_scan_mapped(PyObject *self, PyObject *args) {
             st.rel = fi[i].rel;
             st.expected = fi[i].lsn;
             code = SCAN_BAD;
-            stop_type = TYPE_RECORD;
             break;
         }
         PyObject *payload = PySequence_GetSlice(viewobj, fi[i].rel + SID_AT + fi[i].sidlen, fi[i].end);
@@ -653,7 +647,7 @@ static PyObject *fc_scan_mapped(PyObject *self, PyObject *args) {
         PyList_SET_ITEM(frames, i, fr);
         if (bad) goto done;
     }
-    result = Py_BuildValue("(OnKiOi)", frames, st.rel, st.expected, code, st.reason ? st.reason : Py_None, stop_type);
+    result = Py_BuildValue("(OnKiO)", frames, st.rel, st.expected, code, st.reason ? st.reason : Py_None);
 done:
     Py_XDECREF(st.reason);
     Py_XDECREF(frames);

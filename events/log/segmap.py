@@ -8,8 +8,10 @@ turn a read past its new end into SIGBUS; the compiled ``scan_mapped`` reads
 the mapping under a guard that reports that as "file shrank while reading",
 the pread scanner's words. Everything else the fast path meets but a plain
 valid frame (a torn or damaged frame, a header cut by the end of the file)
-is left to the pread path, which says why it stopped in its usual words;
-a compressed batch is read with pread too (it is small, and read once).
+is left to the pread path, which says why it stopped in its usual words,
+and so is a compressed batch (with what follows it in the pread buffer:
+measured, decompression costs far more than the copy, and a mapped scan
+per batch saved nothing).
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import mmap
 from typing import TYPE_CHECKING, Any, Generator
 
 from . import framecodec
-from .batch_compression import read_batch
-from .format import TYPE_BATCH
 
 if TYPE_CHECKING:
     from .scan import SegmentScanner
@@ -47,8 +47,6 @@ def _mapping(sc: "SegmentScanner", size: int) -> tuple[Any, memoryview]:
     m = sc._map
     if m is None or len(m[0]) < size:
         mm = mmap.mmap(sc.fd, size, prot=mmap.PROT_READ)
-        if hasattr(mmap, "MADV_SEQUENTIAL"):
-            mm.madvise(mmap.MADV_SEQUENTIAL)
         # Frames handed out keep views of the old mapping: it is unmapped when the last goes.
         m = sc._map = (mm, memoryview(mm))
     return m
@@ -58,8 +56,8 @@ def frames_mapped(sc: "SegmentScanner", limit: int | None, size: int, batched: b
     """Yield ``sc``'s valid frames (lists of them with ``batched``) from the
     mapped segment, keeping ``sc.offset``/``sc.expected`` as the pread path
     does. Returns True when the pread path must go on from ``sc.offset`` (a
-    frame that is not plainly valid), False when the scan is over (end of
-    file, ``limit``, or the file shrank: ``sc.bad`` set)."""
+    frame that is not plainly valid, or a compressed batch), False when the
+    scan is over (end of file, ``limit``, or the file shrank: ``sc.bad`` set)."""
     from .scan import BadFrame  # scan imports this module
 
     scan = framecodec.native.scan_mapped
@@ -70,7 +68,7 @@ def frames_mapped(sc: "SegmentScanner", limit: int | None, size: int, batched: b
         return True
     make, cap = sc.frame_type, sc.cap
     while True:
-        frames, rel, expected, code, reason, stop_type = scan(mm, view, make, sc.offset, 0, size, sc.expected, limit, cap, max_frames)
+        frames, rel, expected, code, _reason = scan(mm, view, make, sc.offset, 0, size, sc.expected, limit, cap, max_frames)
         if frames:
             if batched:
                 sc.offset, sc.expected = rel, expected
@@ -87,26 +85,7 @@ def frames_mapped(sc: "SegmentScanner", limit: int | None, size: int, batched: b
         if code == _SHRANK:
             sc.bad = BadFrame(rel, "file shrank while reading")
             return False
-        if code == _BAD and stop_type == TYPE_BATCH:
-            why = read_batch(sc, rel, size)
-            if why:
-                sc.bad = BadFrame(rel, why)
-                return False
-            rest = sc.rest
-            if limit is None or rest[0].lsn < limit:  # all its frames (rest is last first)
-                taken, sc.rest = rest[::-1], []
-                sc.expected = taken[-1].lsn + 1
-            else:
-                taken = list(sc._take_rest(limit))
-            if batched:
-                if taken:
-                    yield taken
-            else:
-                yield from taken
-            if sc.rest or sc.offset >= size:
-                return False
-            continue
-        if code == _BAD or code == 0:  # the pread path reads and names it
+        if code == _BAD or code == 0:  # the pread path reads it (a compressed batch) or names what is wrong
             sc._buf, sc._buf_off = b"", sc.offset
             return True
         return False  # limit or end of file

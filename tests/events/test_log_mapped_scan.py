@@ -130,7 +130,7 @@ def test_scan_mapped_reports_a_fault_past_the_end_of_the_file(scratch, native_hw
     try:
         m = mmap.mmap(fd, ends[-1], prot=mmap.PROT_READ)
         os.ftruncate(fd, (ends[9] // mmap.PAGESIZE + 1) * mmap.PAGESIZE)
-        frames, rel, expected, code, reason, _typ = fc.scan_mapped(m, memoryview(m), Frame, SEG_HDR_SIZE, 0, ends[-1], 0, None, CAP, 4096)
+        frames, rel, expected, code, reason = fc.scan_mapped(m, memoryview(m), Frame, SEG_HDR_SIZE, 0, ends[-1], 0, None, CAP, 4096)
         del frames
     finally:
         os.close(fd)
