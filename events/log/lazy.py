@@ -7,8 +7,8 @@ type, a fold that skips what it does not need). The header fields (``lsn``,
 ``session_id``, ``session_seq``, ``ts_ns``) come from the frame and the event
 ``tag`` from the read-time check; the body is decoded on first access to
 ``body`` and kept. Until then the envelope holds a zero-copy view of its
-frame's payload, which keeps that frame's read chunk (256 KiB) alive, as a
-raw record's payload does; decoding releases it.
+frame's payload, which keeps that frame's read chunk (256 KiB), or its
+segment's mapping, alive, as a raw record's payload does; decoding releases it.
 
 Errors stay where they were: the reader checks every payload as it reads it
 (:func:`~agentlog.events.schema.read_check.checked_tag` decodes every field into a

@@ -89,7 +89,8 @@ class _Shrunk(AgentlogError):
 class SegmentScanner:
     """Reads CRC-valid frames of one segment file sequentially from an offset.
 
-    It reads in large chunks with ``pread`` and never allocates more than
+    It reads the segment mapped into memory where it can (:mod:`~agentlog.events.log.segmap`),
+    else in large chunks with ``pread``, and never allocates more than
     ``max_record_bytes`` plus one chunk, whatever a length field claims.
     """
 
