@@ -6,6 +6,7 @@ segment that grows while it is read (a tailing reader)."""
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import shutil
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentlog.events import FileLog, read_log
+from agentlog.events import FileLog, follow_log, read_log
 from agentlog.events.log import framecodec, segmap
 from agentlog.events.log.format import SEG_HDR_SIZE, encode_frame, list_segments, pack_segment_header, segment_name
 from agentlog.events.log.scan import Frame, SegmentScanner
@@ -168,3 +169,31 @@ def test_read_log_maps_a_large_segment(scratch, native_hw):
     finally:
         os.close(fd)
     assert [e.session_seq for e in read_log(scratch / "log")] == list(range(200))
+
+
+def test_a_follower_reads_a_mapped_segment_while_the_writer_appends(scratch, native_hw, map_everything):
+    """Tailing: the follower's cursor keeps its scanner (and mapping) across
+    polls while the writer appends; every record arrives once, in order."""
+    d = scratch / "log"
+    lg = FileLog.open(d, fsync="batch")
+    got: list = []
+
+    async def run() -> None:
+        async def follow() -> None:
+            async for env in follow_log(d, poll_s=0.005):
+                got.append((env.lsn, env.body))
+
+        task = asyncio.create_task(follow())
+        for b in range(10):
+            await asyncio.to_thread(lg.append_batch, [("s", b * 20 + i, CommandRan(command="z" * 5000, exit_code=i)) for i in range(20)])
+            await asyncio.sleep(0.02)
+        for _ in range(200):
+            if len(got) >= 200:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(run())
+    lg.close()
+    assert [lsn for lsn, _ in got] == list(range(200))
+    assert [body.exit_code for _, body in got] == [i for _ in range(10) for i in range(20)]
