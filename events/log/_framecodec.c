@@ -8,6 +8,9 @@
  *                   lengths, check the masked CRC32C, the session-id length,
  *                   the LSN sequence and the session id's UTF-8, and stop at
  *                   the first bad frame with the Python scanner's reason;
+ *   scan_mapped()   the same over a memory-mapped segment, guarded against
+ *                   the file shrinking under the mapping (SIGBUS);
+ *   scan_batch()    the frames of a decompressed batch, with its place;
  *   encode_frame()  one frame (header, session id, payload, masked CRC);
  *   encode_batch()  many frames into one contiguous buffer;
  *   encode_columns() the same, from a batch held as columns (lists).
@@ -483,6 +486,259 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ scanning a mapped segment */
+
+/* A segment mapped into memory is read without a copy, but a file cut short
+   while mapped (recovery truncating a torn tail, a repair) turns a read of the
+   pages past its new end into SIGBUS. scan_mapped() therefore checks frames in
+   two phases: first, under a SIGBUS guard, plain C that touches the mapping
+   (bounds, CRC, LSN) and notes each valid frame; then, unguarded, it builds
+   the Python objects from those notes. The second phase reads only bytes of
+   frames found valid, which every truncation leaves in place (the log is cut
+   at its first bad frame, never before), so a fault can only come in the
+   first phase, where the guard turns it into the stop code SCAN_SHRANK. */
+
+#include <setjmp.h>
+#include <signal.h>
+
+enum { SCAN_SHRANK = 5 };
+#define MAPPED_FRAMES 512 /* frames scan_mapped() notes per call, at most */
+
+static __thread sigjmp_buf *bus_guard; /* set while this thread reads a mapping */
+static struct sigaction bus_previous;  /* the disposition ours replaced */
+
+static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
+    sigjmp_buf *jb = bus_guard;
+    if (jb != NULL) {
+        bus_guard = NULL;
+        siglongjmp(*jb, 1);
+    }
+    /* Not a read of ours: hand SIGBUS back to whoever had it; returning
+       re-runs the faulting access under that disposition. */
+    (void)sig;
+    (void)info;
+    (void)ctx;
+    sigaction(SIGBUS, &bus_previous, NULL);
+}
+
+/* Make on_sigbus the SIGBUS handler (again, if someone replaced it since:
+   faulthandler, the signal module). Called with the GIL held. */
+static int bus_handler_installed(void) {
+    struct sigaction cur;
+    if (sigaction(SIGBUS, NULL, &cur) < 0) return 0;
+    if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigbus) return 1;
+    struct sigaction act;
+    memset(&act, 0, sizeof(act));
+    act.sa_sigaction = on_sigbus;
+    /* SA_NODEFER: SIGBUS stays unblocked in the handler, so the jump out needs
+       no saved signal mask (sigsetjmp(.., 0): no system call per scan). */
+    act.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+    sigemptyset(&act.sa_mask);
+    return sigaction(SIGBUS, &act, &bus_previous) == 0;
+}
+
+/* Phase one: up to max_frames valid frames into fi[], under the guard.
+   Returns the SCAN_* code (SCAN_SHRANK on a fault) or -1 with an error set;
+   *n is how many frames were noted. */
+static int scan_guarded(scan_state *st, frame_info *fi, Py_ssize_t max_frames, Py_ssize_t *n) {
+    sigjmp_buf jb;
+    volatile Py_ssize_t got = 0;
+    volatile int code = SCAN_MORE;
+    if (sigsetjmp(jb, 0) != 0) {
+        /* The file shrank under a read: the frames noted so far were read whole before it. */
+        *n = got;
+        return SCAN_SHRANK;
+    }
+    bus_guard = &jb;
+    while (got < max_frames) {
+        code = scan_step(st, &fi[got]);
+        if (code != SCAN_MORE) break;
+        st->rel = fi[got].end;
+        st->expected = fi[got].lsn + 1;
+        got++;
+    }
+    bus_guard = NULL;
+    *n = got;
+    return code;
+}
+
+/* scan_mapped(map, view, frame_type, rel, base, size, expected, limit, cap, max_frames)
+   -> (frames, rel, expected, code, reason)
+
+   scan() over a memory-mapped segment (``map``, whose first byte is at file
+   offset ``base``; ``view`` a memoryview of it), safe against the file
+   shrinking while mapped: code 5 (SHRANK) says it did, at ``rel``. It
+   returns at most 512 frames a call, whatever ``max_frames`` says. The same
+   frames, checks, codes and reasons as scan() otherwise. */
+static PyObject *fc_scan_mapped(PyObject *self, PyObject *args) {
+    PyObject *bufobj, *viewobj, *ftype, *limit_obj;
+    Py_ssize_t rel, max_frames;
+    unsigned long long base, size, expected, cap;
+    if (!PyArg_ParseTuple(args, "OOOnKKKOKn:scan_mapped", &bufobj, &viewobj, &ftype, &rel, &base, &size, &expected,
+                          &limit_obj, &cap, &max_frames))
+        return NULL;
+    if (!PyType_Check(ftype) || !PyType_IsSubtype((PyTypeObject *)ftype, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "scan_mapped: frame_type must be a tuple subclass");
+        return NULL;
+    }
+    /* Noted on the stack, a bounded number per call (the caller asks again on code MORE). */
+    frame_info fi[MAPPED_FRAMES];
+    if (max_frames > MAPPED_FRAMES) max_frames = MAPPED_FRAMES;
+    if (max_frames < 1) max_frames = 1;
+    if (crc_backend != BACKEND_HW || !bus_handler_installed()) {
+        /* The fallback CRC runs Python code on the mapping; no guard there. */
+        PyErr_SetString(PyExc_RuntimeError, "scan_mapped: needs the hardware CRC32C backend and a SIGBUS handler");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
+    scan_state st;
+    PyObject *frames = NULL, *result = NULL;
+    sid_cache cache;
+    memset(&cache, 0, sizeof(cache));
+    if (parse_state(&st, &view, limit_obj, rel, base, size, expected, cap) < 0) goto done;
+    Py_ssize_t n = 0;
+    int code = scan_guarded(&st, fi, max_frames, &n);
+    if (code < 0) goto done;
+    frames = PyList_New(n);
+    if (frames == NULL) goto done;
+    PyTypeObject *tp = (PyTypeObject *)ftype;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *later = st.reason; /* a bad frame after this one, if any */
+        st.reason = NULL;
+        PyObject *sid = sid_or_bad(&cache, &fi[i], &st);
+        if (sid == NULL && st.reason == NULL) {
+            st.reason = later;
+            goto done;
+        }
+        if (sid != NULL) {
+            st.reason = later;
+        } else {
+            Py_XDECREF(later);
+            /* Not UTF-8: the scan stops at this frame, as scan() does. */
+            if (PyList_SetSlice(frames, i, n, NULL) < 0) goto done;
+            st.rel = fi[i].rel;
+            st.expected = fi[i].lsn;
+            code = SCAN_BAD;
+            break;
+        }
+        PyObject *payload = PySequence_GetSlice(viewobj, fi[i].rel + SID_AT + fi[i].sidlen, fi[i].end);
+        PyObject *fr = payload ? tp->tp_alloc(tp, 8) : NULL;
+        if (fr == NULL) {
+            Py_DECREF(sid);
+            Py_XDECREF(payload);
+            goto done;
+        }
+        PyObject *vals[6] = {
+            PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi[i].rel),
+            PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi[i].end),
+            PyLong_FromUnsignedLongLong(fi[i].lsn),
+            PyLong_FromUnsignedLongLong(fi[i].seq),
+            PyLong_FromLongLong(fi[i].ts),
+            PyLong_FromLong((long)fi[i].flags),
+        };
+        int bad = 0;
+        for (int k = 0; k < 6; k++) {
+            if (vals[k] == NULL) bad = 1;
+            PyTuple_SET_ITEM(fr, k, vals[k]);
+        }
+        PyTuple_SET_ITEM(fr, 6, sid);
+        PyTuple_SET_ITEM(fr, 7, payload);
+        PyList_SET_ITEM(frames, i, fr);
+        if (bad) goto done;
+    }
+    result = Py_BuildValue("(OnKiO)", frames, st.rel, st.expected, code, st.reason ? st.reason : Py_None);
+done:
+    Py_XDECREF(st.reason);
+    Py_XDECREF(frames);
+    sid_cache_clear(&cache);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* scan_batch(raw, frame_type, first, count, offset, end, cap) -> (frames, at, reason)
+
+   The frames of a decompressed batch (``raw``, a bytes object of frames
+   numbered from ``first``), checked as scan() checks a segment's, at most
+   count + 1 of them, each a ``frame_type`` carrying the batch's ``offset``
+   and ``end`` (where the batch lies in its segment) and a payload viewing
+   ``raw``. ``frames`` is last first (how the scanner keeps a batch's
+   frames); ``at`` is where the walk stopped in ``raw``; ``reason`` says why
+   it stopped at a bad frame, else None. */
+static PyObject *fc_scan_batch(PyObject *self, PyObject *args) {
+    PyObject *raw, *ftype;
+    unsigned long long first, offset, end, cap;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "SOKnKKK:scan_batch", &raw, &ftype, &first, &count, &offset, &end, &cap)) return NULL;
+    if (!PyType_Check(ftype) || !PyType_IsSubtype((PyTypeObject *)ftype, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "scan_batch: frame_type must be a tuple subclass");
+        return NULL;
+    }
+    PyTypeObject *tp = (PyTypeObject *)ftype;
+    scan_state st;
+    memset(&st, 0, sizeof(st));
+    st.buf = (const uint8_t *)PyBytes_AS_STRING(raw);
+    st.buflen = PyBytes_GET_SIZE(raw);
+    st.size = (unsigned long long)st.buflen;
+    st.cap = cap;
+    st.expected = first;
+    PyObject *frames = PyList_New(0), *view = PyMemoryView_FromObject(raw), *off_o = PyLong_FromUnsignedLongLong(offset),
+             *end_o = PyLong_FromUnsignedLongLong(end), *result = NULL;
+    sid_cache cache;
+    memset(&cache, 0, sizeof(cache));
+    if (frames == NULL || view == NULL || off_o == NULL || end_o == NULL) goto done;
+    while (PyList_GET_SIZE(frames) <= count) {
+        frame_info fi;
+        int code = scan_step(&st, &fi);
+        if (code < 0) goto done;
+        if (code != SCAN_MORE) break;
+        PyObject *sid = sid_or_bad(&cache, &fi, &st);
+        if (sid == NULL) {
+            if (st.reason == NULL) goto done;
+            break;
+        }
+        PyObject *payload = PySequence_GetSlice(view, fi.rel + SID_AT + fi.sidlen, fi.end);
+        PyObject *fr = payload ? tp->tp_alloc(tp, 8) : NULL;
+        if (fr == NULL) {
+            Py_DECREF(sid);
+            Py_XDECREF(payload);
+            goto done;
+        }
+        Py_INCREF(off_o);
+        Py_INCREF(end_o);
+        PyObject *vals[4] = {
+            PyLong_FromUnsignedLongLong(fi.lsn),
+            PyLong_FromUnsignedLongLong(fi.seq),
+            PyLong_FromLongLong(fi.ts),
+            PyLong_FromLong((long)fi.flags),
+        };
+        PyTuple_SET_ITEM(fr, 0, off_o);
+        PyTuple_SET_ITEM(fr, 1, end_o);
+        int bad = 0;
+        for (int k = 0; k < 4; k++) {
+            if (vals[k] == NULL) bad = 1;
+            PyTuple_SET_ITEM(fr, 2 + k, vals[k]);
+        }
+        PyTuple_SET_ITEM(fr, 6, sid);
+        PyTuple_SET_ITEM(fr, 7, payload);
+        int rc = bad ? -1 : PyList_Append(frames, fr);
+        Py_DECREF(fr);
+        if (rc < 0) goto done;
+        st.rel = fi.end;
+        st.expected = fi.lsn + 1;
+    }
+    if (PyList_Reverse(frames) < 0) goto done;
+    result = Py_BuildValue("(OnO)", frames, st.rel, st.reason ? st.reason : Py_None);
+done:
+    Py_XDECREF(st.reason);
+    Py_XDECREF(frames);
+    Py_XDECREF(view);
+    Py_XDECREF(off_o);
+    Py_XDECREF(end_o);
+    sid_cache_clear(&cache);
+    return result;
+}
+
 /* ------------------------------------------------------------------ encoding */
 
 static void put_head(uint8_t *f, uint32_t length, unsigned long long lsn, unsigned long long seq, long long ts,
@@ -715,6 +971,8 @@ static PyObject *fc_crc_backend(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef methods[] = {
     {"scan", fc_scan, METH_VARARGS, "Walk the frames wholly inside a buffer (see the C source)."},
+    {"scan_mapped", fc_scan_mapped, METH_VARARGS, "scan() over a memory-mapped segment, safe if the file shrinks."},
+    {"scan_batch", fc_scan_batch, METH_VARARGS, "The frames of a decompressed batch, last first (see the C source)."},
     {"encode_frame", fc_encode_frame, METH_VARARGS, "One framed record (or its prefix, with prefix_only)."},
     {"encode_batch", fc_encode_batch, METH_VARARGS, "Frames of a batch in one buffer, with their ends."},
     {"encode_columns", fc_encode_columns, METH_VARARGS, "encode_batch over four lists: sids, seqs, flags, payloads."},
@@ -739,7 +997,8 @@ PyMODINIT_FUNC PyInit__framecodec(void) {
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "HW_AVAILABLE", hw_available) < 0 || PyModule_AddIntConstant(m, "NEED", SCAN_NEED) < 0 ||
         PyModule_AddIntConstant(m, "LIMIT", SCAN_LIMIT) < 0 || PyModule_AddIntConstant(m, "EOF", SCAN_EOF) < 0 ||
-        PyModule_AddIntConstant(m, "BAD", SCAN_BAD) < 0 || PyModule_AddIntConstant(m, "MORE", SCAN_MORE) < 0) {
+        PyModule_AddIntConstant(m, "BAD", SCAN_BAD) < 0 || PyModule_AddIntConstant(m, "MORE", SCAN_MORE) < 0 ||
+        PyModule_AddIntConstant(m, "SHRANK", SCAN_SHRANK) < 0) {
         Py_DECREF(m);
         return NULL;
     }

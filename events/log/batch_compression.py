@@ -63,6 +63,8 @@ _MIN_SAVING = 0.1
 _MIN_RAW = 128
 _HEAD = FRAME_HDR.size - FRAME_CRC.size  # length + type, after the CRC
 _TERMINAL_SET = frozenset(TERMINAL_EVENT_TYPES)
+_BATCH_PREFIX = FRAME_PREFIX + BATCH_HDR.size
+_unpack_frame_hdr, _unpack_batch_hdr = FRAME_HDR.unpack_from, BATCH_HDR.unpack_from
 
 
 def check_compression(value: str | None) -> str | None:
@@ -213,13 +215,13 @@ def read_batch(sc: Any, off: int, size: int) -> str:
     is ``size`` bytes. On success it returns "" with the batch's frames
     waiting in ``sc.rest`` (last first) and ``sc.offset`` past the batch; else
     the reason the batch is bad (``sc`` unchanged)."""
-    need = FRAME_PREFIX + BATCH_HDR.size
+    need = _BATCH_PREFIX
     if size - off < need:
         return f"incomplete batch header ({size - off} bytes before end of file)"
     sc._fill(off + need, size)
     buf, rel = sc._buf, off - sc._buf_off
-    crc, length, _typ = FRAME_HDR.unpack_from(buf, rel)
-    first, count, raw_len, codec = BATCH_HDR.unpack_from(buf, rel + FRAME_PREFIX)
+    crc, length, _typ = _unpack_frame_hdr(buf, rel)
+    first, count, raw_len, codec = _unpack_batch_hdr(buf, rel + FRAME_PREFIX)
     raw_cap = batch_raw_cap(sc.cap)
     if length <= BATCH_HDR.size or length > BATCH_HDR.size + raw_cap:
         return f"compressed batch length {length} out of range (expected {BATCH_HDR.size + 1}..{BATCH_HDR.size + raw_cap} bytes)"
@@ -228,15 +230,17 @@ def read_batch(sc: Any, off: int, size: int) -> str:
         return f"compressed batch of {FRAME_PREFIX + length} bytes runs past end of file ({size})"
     sc._fill(end, size)
     buf, rel = sc._buf, off - sc._buf_off
-    body = buf[rel + FRAME_CRC.size : rel + FRAME_PREFIX + length]
-    if mask_crc(crc_value(body)) != crc:
+    native = framecodec.native
+    # A view, not a copy: the CRC and the decompressor read the read buffer in place.
+    body = memoryview(buf)[rel + FRAME_CRC.size : rel + FRAME_PREFIX + length]
+    if mask_crc(native.crc32c(body) if native is not None else crc_value(bytes(body))) != crc:
         return "CRC mismatch"
     if first != sc.expected:
         return f"lsn {first}, expected {sc.expected}"
     if codec != BATCH_CODEC_ZSTD or not 0 < count <= BATCH_MAX_RECORDS or raw_len > raw_cap:
         return (f"compressed batch header: codec {codec}, {count} records, {raw_len} bytes raw (expected codec "
                 f"{BATCH_CODEC_ZSTD} (zstd), 1..{BATCH_MAX_RECORDS} records, at most {raw_cap} bytes)")
-    data = memoryview(body)[_HEAD + BATCH_HDR.size :]
+    data = body[_HEAD + BATCH_HDR.size :]
     try:
         # The frame's own content size (the writer always records it) must be the header's: it bounds what
         # decompress allocates, which is then given no max_output_size (that path is ~1.5x slower).
@@ -250,12 +254,11 @@ def read_batch(sc: Any, off: int, size: int) -> str:
         return f"compressed batch (lsn {first}..{first + count - 1}) decompresses to {len(raw)} bytes, its header says {raw_len}"
     # Its frames are checked as any segment's (CRC, LSN sequence, lengths, id), in memory: the batch's CRC
     # covers the stored bytes, this a writer or codec fault, at ~0.1 us per KiB with the compiled codec.
-    codec = framecodec.native
-    if codec is not None:
-        make = sc.frame_type
-        frames, at, _next, code, why = codec.scan(raw, memoryview(raw), make, 0, 0, raw_len, first, None, sc.cap, count + 1)
-        if why is None and (len(frames) != count or at != raw_len):
-            why = f"{len(frames)} frames in {at} bytes, its header says {count} in {raw_len}"
+    if native is not None:
+        # Built with the batch's place, last first (as ``rest`` keeps them).
+        rest, at, why = native.scan_batch(raw, sc.frame_type, first, count, off, end, sc.cap)
+        if why is None and (len(rest) != count or at != raw_len):
+            why = f"{len(rest)} frames in {at} bytes, its header says {count} in {raw_len}"
     else:
         inner = type(sc)(-1, sc.name, 0, first, sc.cap)
         inner._buf = raw
@@ -264,8 +267,9 @@ def read_batch(sc: Any, off: int, size: int) -> str:
         if why is None and len(frames) != count:
             why = f"{len(frames)} frames, its header says {count}"
         make = type(frames[0]) if frames else None
+        rest = [make(off, end, *fr[2:]) for fr in reversed(frames)]
     if why is not None:
         return f"compressed batch (lsn {first}..{first + count - 1}), byte {at} of its frames: {why}"
-    sc.rest = [make(off, end, *fr[2:]) for fr in reversed(frames)]
+    sc.rest = rest
     sc.offset = end
     return ""

@@ -7,8 +7,8 @@ type, a fold that skips what it does not need). The header fields (``lsn``,
 ``session_id``, ``session_seq``, ``ts_ns``) come from the frame and the event
 ``tag`` from the read-time check; the body is decoded on first access to
 ``body`` and kept. Until then the envelope holds a zero-copy view of its
-frame's payload, which keeps that frame's read chunk (256 KiB) alive, as a
-raw record's payload does; decoding releases it.
+frame's payload, which keeps that frame's read chunk (256 KiB), or its
+segment's mapping, alive, as a raw record's payload does; decoding releases it.
 
 Errors stay where they were: the reader checks every payload as it reads it
 (:func:`~agentlog.events.schema.read_check.checked_tag` decodes every field into a
@@ -30,7 +30,7 @@ StoredBody over. Call :meth:`LazyEnvelope.eager` (or touch ``body``) first.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import msgspec
 
@@ -154,3 +154,19 @@ def lazy_envelope(frame: Frame, segment: str) -> LazyEnvelope:
     if type(tag) is str:
         return LazyEnvelope(frame.lsn, frame.session_id, frame.session_seq, frame.ts_ns, StoredBody(frame, segment, tag))  # type: ignore[arg-type]  # the body, until built
     return LazyEnvelope(frame.lsn, frame.session_id, frame.session_seq, frame.ts_ns, tag)
+
+
+def lazy_envelopes(frames: Iterable[Frame], segment: str, from_lsn: int = 0) -> Iterator[LazyEnvelope]:
+    """:func:`lazy_envelope` of each frame whose LSN is ``from_lsn`` or more,
+    in order: the readers' per-record loop, with the same checks and errors
+    (raised when the consumer reaches that record) and less Python per record."""
+    check, make, stored = checked_tag, LazyEnvelope, StoredBody
+    for fr in frames:
+        lsn = fr[2]  # the fields by position: a Frame is a tuple (offset, end, lsn, seq, ts, flags, sid, payload)
+        if lsn < from_lsn:
+            continue
+        try:
+            tag = check(fr[7])
+        except msgspec.DecodeError as exc:  # ValidationError included
+            raise payload_error(segment, fr, exc) from exc
+        yield make(lsn, fr[6], fr[3], fr[4], stored(fr, segment, tag) if type(tag) is str else tag)  # type: ignore[arg-type]

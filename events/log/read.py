@@ -33,7 +33,7 @@ from .format import (
     segment_name,
 )
 from . import framecodec
-from .lazy import lazy_envelope
+from .lazy import lazy_envelopes
 from .scan import (
     Frame,
     SegmentScanner,
@@ -230,13 +230,12 @@ class Cursor:
             name = self.name
             frames = sc.batches(seg_limit, size) if framecodec.native is not None else ((fr,) for fr in sc.frames(seg_limit, size))
             for batch in frames:
+                if not raw:
+                    yield from lazy_envelopes(batch, name, from_lsn)
+                    continue
                 for fr in batch:
-                    if fr.lsn < from_lsn:
-                        continue
-                    if raw:
+                    if fr.lsn >= from_lsn:
                         yield RawRecord(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, bool(fr.flags & FLAG_TERMINAL), fr.payload)
-                    else:
-                        yield lazy_envelope(fr, name)
 
     def frame_batches(self, limit: int | None) -> Iterator[list[Frame]]:
         """:meth:`records` as lists of undecoded :class:`~agentlog.events.log.scan.Frame`

@@ -21,7 +21,7 @@ from typing import Generator, Iterator, NamedTuple
 from ..errors import AgentlogError
 import numpy as np
 
-from . import framecodec
+from . import framecodec, segmap
 from .api import LogCorruption, SchemaError
 from .batch_compression import read_batch
 from .lost import missing_acked, missing_indexed, missing_start
@@ -89,7 +89,8 @@ class _Shrunk(AgentlogError):
 class SegmentScanner:
     """Reads CRC-valid frames of one segment file sequentially from an offset.
 
-    It reads in large chunks with ``pread`` and never allocates more than
+    It reads the segment mapped into memory where it can (:mod:`~agentlog.events.log.segmap`),
+    else in large chunks with ``pread``, and never allocates more than
     ``max_record_bytes`` plus one chunk, whatever a length field claims.
     """
 
@@ -100,6 +101,8 @@ class SegmentScanner:
     CHUNK = 256 << 10
     #: What the scanner yields (read_batch builds a compressed batch's frames as these).
     frame_type = Frame
+    #: Read with the segment mapped into memory where it can (:mod:`~agentlog.events.log.segmap`).
+    mapped = True
 
     def __init__(self, fd: int, name: str, offset: int, expected_lsn: int, max_record_bytes: int) -> None:
         self.fd = fd
@@ -112,6 +115,7 @@ class SegmentScanner:
         self._buf_off = offset  # file offset of _buf[0]
         #: Frames of a compressed batch that a limit stopped in, last first (``offset`` is past the batch).
         self.rest: list[Frame] = []
+        self._map: tuple | None = None  # (mmap, its memoryview) once mapped
 
     def _take_rest(self, limit: int | None) -> Iterator[Frame]:
         rest = self.rest
@@ -175,6 +179,8 @@ class SegmentScanner:
             yield from ([taken] if batched and taken else taken)
             if self.rest:
                 return
+        if segmap.mappable(self, size) and not (yield from segmap.frames_mapped(self, limit, size, batched, _NATIVE_BATCH)):
+            return
         # The compiled walk takes every frame wholly inside the buffer in one call; one that
         # is not is read into a fresh buffer starting at it and the walk goes on there. Only a
         # header cut by the end of the file goes through one step of the Python loop.
