@@ -14,6 +14,8 @@ then rebuilt as its body through the body's constructor, so every check of
 it; a ``bytes`` field reuses the caller's ``bytes`` object when it is an exact
 ``bytes`` (its encoding is those bytes verbatim, so a reader decodes equal
 ones), else a copy of the view. Every other field is the decoded value.
+The turns' log-probs are scanned for NaN/inf once for the whole batch
+(:data:`~agentlog.events.schema.validation.DEFERRED_FINITE_SCANS`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from __future__ import annotations
 from typing import Any, Callable, Union
 
 import msgspec
+import numpy as np
 
+from .packing import log_probs_view
+from .validation import DEFERRED_FINITE_SCANS
 from .types import EVENT_TYPES, EventValidationError, _body_encoder, _bodies_decoder, _payloads_decoder
 
 
@@ -101,11 +106,18 @@ def check_bodies(bodies: list, kinds: set | frozenset | None = None) -> tuple[li
             decoded = _bodies_decoder.decode(array)
         else:
             decoded = _mirrors_decoder.decode(array)
-            rebuild = _REBUILD.get
-            for i, back in enumerate(decoded):
-                how = rebuild(type(back))
-                if how is not None:
-                    decoded[i] = how(back, bodies[i])
+            scans: list[bytes] = []
+            token = DEFERRED_FINITE_SCANS.set(scans)
+            try:
+                rebuild = _REBUILD.get
+                for i, back in enumerate(decoded):
+                    how = rebuild(type(back))
+                    if how is not None:
+                        decoded[i] = how(back, bodies[i])
+            finally:
+                DEFERRED_FINITE_SCANS.reset(token)
+            if scans and not np.isfinite(log_probs_view(b"".join(scans))).all():
+                raise EventValidationError(f"a batch of {len(bodies)} bodies: a turn's log-prob is not finite")
     except (msgspec.ValidationError, TypeError, ValueError) as exc:  # EventValidationError is a ValueError
         raise EventValidationError(f"a batch of {len(bodies)} bodies: one does not decode: {exc}") from None
     return _payloads_decoder.decode(array), decoded

@@ -79,3 +79,15 @@ def test_a_turn_whose_checks_were_bypassed_is_refused_in_a_batch(field, value):
         # What the one-body check takes (a bytearray is stored as bin), the batch takes too, as the same value.
         _, decoded = check_bodies([turn(1), bad, turn(2)])
         assert decoded[1] == check_body(bad)[1] and type(decoded[1].output_ids) is bytes
+
+
+def test_a_refused_batch_leaves_every_body_scanning_its_own_log_probs():
+    """The batch scans its turns' log-probs at once; afterwards (refused or
+    not) a body built anywhere scans its own again."""
+    bad = turn(4)
+    msgspec.structs.force_setattr(bad, "output_log_probs", np.array([math.nan] * 16, dtype=np.float32).tobytes())
+    with pytest.raises(EventValidationError):
+        check_bodies([turn(1), bad])
+    check_bodies([turn(1), turn(2)])
+    with pytest.raises(EventValidationError, match=r"turn_recorded\.output_log_probs\[0\]: expected a finite float"):
+        TurnRecorded(turn_index=0, output_ids=[1], output_log_probs=[math.inf])
