@@ -30,7 +30,7 @@ from .validation import DEFERRED_FINITE_SCANS
 from .types import EVENT_TYPES, EventValidationError, _body_encoder, _bodies_decoder, _payloads_decoder
 
 
-def _mirror(cls: type) -> tuple[type, tuple[str, ...]] | None:
+def _mirror(cls: Any) -> tuple[type, tuple[str, ...]] | None:
     """``(mirror, names of its bytes fields)`` for an event type with bytes
     fields, None for one without (it is decoded as itself)."""
     infos = msgspec.structs.fields(cls)
@@ -38,7 +38,7 @@ def _mirror(cls: type) -> tuple[type, tuple[str, ...]] | None:
     config = cls.__struct_config__
     if not binary or config.array_like or any(f.encode_name != f.name for f in infos):
         return None
-    fields = []
+    fields: list[tuple[Any, ...]] = []
     for f in infos:
         kind = memoryview if f.type is bytes else f.type
         if f.default is not msgspec.NODEFAULT:
