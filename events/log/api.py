@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Iterat
 import msgspec
 
 from ..errors import AgentlogError
+from ..schema.batch_check import check_bodies
 from ..schema.types import (
     EVENT_TYPES,
     KNOWN_TAGS,
     TERMINAL_EVENT_TYPES,
     Envelope,
     EventValidationError,
-    check_bodies,
     check_body,
     describe_validation_error,
     stored_tag,
@@ -278,7 +278,7 @@ class EventLog(abc.ABC):
             ended = {sids[i] for i, t in enumerate(terminal) if t and staged[sids[i]] == seqs[i] + 1}
         else:
             terminal = [0] * len(bodies)
-        return self._checked(sids, seqs, bodies, terminal, staged, ended)
+        return self._checked(sids, seqs, bodies, terminal, staged, ended, kinds)
 
     def _check_each(self, records: list) -> CheckedBatch:
         """:meth:`_check_columns` record by record: raises for the first
@@ -328,7 +328,13 @@ class EventLog(abc.ABC):
 
     @staticmethod
     def _checked(
-        sids: list[str], seqs: list[int], bodies: list[Any], terminal: list[int], staged: dict[str, int], ended: set[str]
+        sids: list[str],
+        seqs: list[int],
+        bodies: list[Any],
+        terminal: list[int],
+        staged: dict[str, int],
+        ended: set[str],
+        kinds: set | None = None,
     ) -> CheckedBatch:
         """The checked batch of records whose sequence and body types passed:
         their bodies encoded and decoded back strictly (one pass for the
@@ -337,7 +343,7 @@ class EventLog(abc.ABC):
             payloads, decoded = _check_one_by_one(sids, seqs, bodies)
         else:
             try:
-                payloads, decoded = check_bodies(bodies)
+                payloads, decoded = check_bodies(bodies, kinds)
             except EventValidationError:
                 payloads, decoded = _check_one_by_one(sids, seqs, bodies)
         return CheckedBatch(sids, seqs, decoded, payloads, terminal, staged, ended)

@@ -71,6 +71,7 @@ class GroupCommit:
     _os: OsOps
     _log: Any
     _cv: threading.Condition
+    _mutex: threading.Lock  # _cv's lock
     _pending: collections.deque[_Submission]
     _waiters: collections.deque[tuple[int, asyncio.Future, Any, asyncio.AbstractEventLoop]]
     _flushing: bool
@@ -102,7 +103,7 @@ class GroupCommit:
         """Make every record below ``end`` acknowledged: flush ourselves when no
         one else is flushing (leader), else wait for the flusher (follower)."""
         cv = self._cv
-        with cv:
+        with self._mutex:  # cv's lock
             while self._acked < end:
                 if self._fatal is not None or (self._closed and not self._pending):
                     raise self._dead()
@@ -273,7 +274,10 @@ class GroupCommit:
                 while True:
                     if self._fatal is not None or self._closed:
                         return
-                    if self._pending and not self._flushing:
+                    # Only submissions someone awaits here (async appends): an
+                    # append_batch caller flushes its own as leader, and taking it
+                    # from under it would make it wait for this thread instead.
+                    if self._pending and not self._flushing and self._waiters:
                         break
                     timeout = None
                     if self._unsynced and not self._flushing:

@@ -20,7 +20,7 @@ import os
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 from .api import LogCorruption, LogError, LogFenced
-from .format import FENCE_NAME, SEG_HDR_SIZE, Checkpoint, pack_segment_header, read_fence, segment_name
+from .format import FENCE_NAME, SEG_HDR_SIZE, Checkpoint, pack_segment_header, parse_fence, read_fence_bytes, segment_name
 from .osops import _OUT_OF_FDS
 
 if TYPE_CHECKING:
@@ -66,6 +66,8 @@ class FenceAndSpares:
     _lock: WriterLock | None
     _fence_check: bool
     _fence_stat: tuple[int, int, int]
+    _fence_path: str  # the FENCE file's path, as a str: built once, not per check
+    _fence_bytes: bytes  # what this writer wrote to FENCE (its epoch)
     _segment_bytes: int
     _seg_fd: int | None
     _seg_first: int | None
@@ -173,7 +175,7 @@ class FenceAndSpares:
         if not self._fence_check:
             return
         try:
-            newer = read_fence(self._dir)
+            raw = read_fence_bytes(self._fence_path)
         except OSError as exc:
             if exc.errno not in _OUT_OF_FDS:
                 raise
@@ -189,6 +191,9 @@ class FenceAndSpares:
                 f"opened this log; this writer (epoch {self._epoch}) is stale",
                 epoch=self._epoch,
             ) from exc
+        if raw == self._fence_bytes:
+            return  # the FENCE this writer wrote (its epoch): the common case, parsed once at open
+        newer = 0 if raw is None else parse_fence(raw, self._fence_path)
         if newer == self._epoch:
             return
         if newer > self._epoch:

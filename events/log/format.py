@@ -315,15 +315,22 @@ def read_fence(directory: Path) -> int:
     fences existed). Opens the file afresh: it is replaced by rename, and a
     fresh open is what makes NFS revalidate it (close-to-open consistency)."""
     path = directory / FENCE_NAME
+    raw = read_fence_bytes(path)
+    return 0 if raw is None else parse_fence(raw, path)
+
+
+def read_fence_bytes(path: Path | str) -> bytes | None:
+    """The bytes of the FENCE file at ``path`` (a byte more than a FENCE
+    holds, when there are more), opened afresh as :func:`read_fence` says;
+    None when there is none."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return 0
+        return None
     try:
-        raw = os.pread(fd, FENCE_FMT.size + 1, 0)
+        return os.pread(fd, FENCE_FMT.size + 1, 0)
     finally:
         os.close(fd)
-    return parse_fence(raw, path)
 
 
 # ---------------------------------------------------------------- checkpoint

@@ -193,8 +193,10 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
 
     def _init_state(self) -> None:
         # A plain Lock (not the default RLock): nothing re-enters it, and it is
-        # taken once per append.
-        self._cv = threading.Condition(threading.Lock())
+        # taken once per append. The hot paths enter the lock itself (``with
+        # self._mutex``: C code), not the condition (a Python-level __enter__).
+        self._mutex = threading.Lock()
+        self._cv = threading.Condition(self._mutex)
         self._pending: collections.deque[_Submission] = collections.deque()
         self._waiters: collections.deque[tuple[int, asyncio.Future, Any, asyncio.AbstractEventLoop]] = collections.deque()
         self._flushing = False
@@ -266,6 +268,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
             write_atomic(d, FENCE_NAME, pack_fence(self._epoch))
         st = os.stat(d / FENCE_NAME)
         self._fence_stat = (st.st_ino, st.st_size, st.st_mtime_ns)
+        self._fence_path, self._fence_bytes = str(d / FENCE_NAME), pack_fence(self._epoch)
         self._rescanned = state.rescanned_bytes
         self._segments = state.segments
         self._compression = chosen_compression(self._compression, d, state.segments)
@@ -403,7 +406,8 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
             checked = CheckedBatch([sid], [seq], [body], [payload], [int(terminal)], {sid: seq + 1}, {sid} if terminal else set())
             envs, end = self._stage(checked)
             return envs[0], end
-        self._reserve_spares(0, seg_size + n)
+        if not self._spares:
+            self._reserve_spares(0, seg_size + n)  # with a spare at hand it has nothing to do
         # From here on nothing can fail.
         ts = self._clock()
         lsn = self._assigned
@@ -444,7 +448,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         """Append records atomically in order; returns their envelopes once
         durable. Raises SequenceError / EventValidationError / LogError for bad
         input (nothing is appended) and LogClosed when the writer is closed or fatal."""
-        with self._cv:
+        with self._mutex:  # self._cv's lock
             envs, end = self._submit(records)
         if envs:
             self._commit(end)
@@ -457,7 +461,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         durability still has its record written: ``next_seq`` says so)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        with self._cv:
+        with self._mutex:  # self._cv's lock
             env, end = self._submit_one(session_id, session_seq, body)
             self._waiters.append((end, fut, env, loop))
             if self._thread_idle:

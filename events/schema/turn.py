@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 
 from .packing import log_probs_view, pack_log_probs, pack_tokens, packed_field, tokens_view
-from .validation import READING_STORED, check_count, fail
+from .validation import DEFERRED_FINITE_SCANS, READING_STORED, check_count, fail
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -67,10 +67,14 @@ class TurnBody(_Indexed, frozen=True, kw_only=True):
             # A NaN or infinite log-prob would surface much later as a NaN loss
             # with no trace of which turn carried it. (This runs on every
             # append: one reduction, and the position only when one is bad.)
-            finite = np.isfinite(log_probs_view(lp))
-            if not finite.all():
-                i = int(np.argmin(finite))
-                fail(event, f"output_log_probs[{i}]", "a finite float", float(log_probs_view(lp)[i]))
+            deferred = DEFERRED_FINITE_SCANS.get()
+            if deferred is not None:
+                deferred.append(lp)  # scanned with the rest of its batch (see DEFERRED_FINITE_SCANS)
+            else:
+                finite = np.isfinite(log_probs_view(lp))
+                if not finite.all():
+                    i = int(np.argmin(finite))
+                    fail(event, f"output_log_probs[{i}]", "a finite float", float(log_probs_view(lp)[i]))
 
     def _check_prompt(self, event: str) -> None:
         """The write-time checks of the subclass's prompt fields."""

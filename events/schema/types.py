@@ -7,7 +7,7 @@ types never change.
 Validated on write, tolerant on read. The checks of each body (``__post_init__``)
 run when it is built in Python and again when the log writer decodes the
 encoded body back (:func:`check_body`; a whole batch at once:
-:func:`check_bodies`), so nothing reaches a log that a reader cannot decode. Reading a stored record (:func:`decode_body`) skips them: the
+:func:`.batch_check.check_bodies`), so nothing reaches a log that a reader cannot decode. Reading a stored record (:func:`decode_body`) skips them: the
 record was checked by the version that wrote it, and a newer one may allow
 more (a new finish reason, a relaxed bound). Unknown fields are skipped and an
 unknown tag decodes to an :class:`UnknownEvent`, so an old reader can read a
@@ -424,7 +424,7 @@ class Envelope(msgspec.Struct, frozen=True, gc=False):
 
 _body_encoder = msgspec.msgpack.Encoder()
 _body_decoder = msgspec.msgpack.Decoder(Event)
-#: A batch's write-time check (:func:`check_bodies`): the array of encoded
+#: A batch's write-time check (:func:`.batch_check.check_bodies`): the array of encoded
 #: bodies split into each body's bytes (zero-copy views), and decoded strictly.
 _payloads_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _bodies_decoder = msgspec.msgpack.Decoder(list[Event])
@@ -537,24 +537,3 @@ def check_body(body: Any) -> tuple[bytes, Any]:
             # A body check's own message already names the event and the field.
             raise EventValidationError(what) from None
         raise EventValidationError(f"{tag}.{field}: {what}") from None
-
-
-def check_bodies(bodies: list) -> tuple[list[msgspec.Raw], list]:
-    """:func:`check_body` for a whole batch of schema event bodies, in three
-    msgspec calls instead of two per body: the list is encoded as one msgpack
-    array, split into each body's payload (views into that one buffer, whose
-    bytes are those ``encode_body`` gives: a body's encoding does not depend
-    on what holds it) and decoded back strictly as a list, every body check
-    on. Returns ``(payloads, decoded)``. Raises EventValidationError when any
-    body fails, without saying which: the caller then checks the bodies one by
-    one with :func:`check_body`, whose error names the event and the field
-    (a refused batch is rare; the common path pays nothing to locate it)."""
-    try:
-        array = _body_encoder.encode(bodies)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise EventValidationError(f"a batch of {len(bodies)} bodies: one cannot be encoded: {exc}") from None
-    try:
-        decoded = _bodies_decoder.decode(array)
-    except msgspec.ValidationError as exc:
-        raise EventValidationError(f"a batch of {len(bodies)} bodies: one does not decode: {exc}") from None
-    return _payloads_decoder.decode(array), decoded

@@ -30,6 +30,14 @@ class EventValidationError(AgentlogError, ValueError):
 #: into the consumer's code).
 READING_STORED: contextvars.ContextVar[bool] = contextvars.ContextVar("events_reading_stored", default=False)
 
+#: None, except while the write-time check of a batch rebuilds its decoded
+#: bodies (:mod:`.batch_check`): then a list to which a turn body's check
+#: hands its log-probs instead of scanning them for NaN/inf itself. The batch
+#: check scans them all in one numpy pass (one call per body costs four times
+#: as much) and, when one is not finite, checks the bodies one by one, each
+#: scanning its own, to name the record and position.
+DEFERRED_FINITE_SCANS: contextvars.ContextVar[list | None] = contextvars.ContextVar("events_deferred_finite_scans", default=None)
+
 
 def fail(event: str, field: str, expected: str, found: Any) -> NoReturn:
     """Raise EventValidationError: ``event.field: expected ..., found ...``
