@@ -240,6 +240,7 @@ class TurnPath:
                 finish_reason=gen.finish_reason,
                 response_message=response_message,
                 policy_version=gen.policy_version,
+                version_spans=gen.version_spans,
                 ill_formed=parsed.ill_formed,
                 generate_s=gen.generate_s or (time.perf_counter() - t0),
                 sampling=sampling,
