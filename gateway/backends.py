@@ -61,6 +61,8 @@ class Generation(msgspec.Struct):
     #: mid-generation (a partial rollout; ``policy_version`` is then the first
     #: span's), else UNSET: the turn's ``version_spans`` as recorded.
     version_spans: tuple[tuple[int, int], ...] | msgspec.UnsetType = msgspec.UNSET
+    #: How the backend met weight updates in flight (``events.schema.turn.WEIGHT_UPDATE_MODES``).
+    weight_update: str = "drain"
 
 
 class BackendError(AgentlogError, RuntimeError):

@@ -23,15 +23,11 @@ import time
 from typing import Any, Callable, Sequence
 
 from agentlog._logging import get_logger
-from agentlog.events.schema.turn import canonical_version_spans
+from agentlog.events.schema.turn import WEIGHT_UPDATE_MODES, canonical_version_spans
 
 from .backends import Backend, BackendError, Generation, SamplingParams, id_list
 
 _log = get_logger("agentlog.gateway")
-
-#: The values of ``TorchBackend(weight_update=...)``.
-WEIGHT_UPDATE_MODES = ("drain", "continue", "resubmit")
-
 
 class _Pending:
     __slots__ = ("prompt", "params", "future", "loop")
@@ -258,7 +254,7 @@ class TorchBackend(Backend):
                     fr = "stop" if end is not None else "length"
                     end = end if end is not None else min(cut, len(toks))
                     version, spans = canonical_version_spans(starts, end)
-                    _deliver(b, Generation(toks[:end], lps[:end], fr, version, dt, spans), None)
+                    _deliver(b, Generation(toks[:end], lps[:end], fr, version, dt, spans, self.weight_update), None)
             except Exception as exc:  # surfaced to every caller of the batch, never swallowed
                 err = BackendError(self.name, f"sample() failed: {type(exc).__name__}: {exc}")
                 for b in batch:
@@ -266,51 +262,23 @@ class TorchBackend(Backend):
             batch.clear()
 
     def _generate_batch(self, batch: list[_Pending]) -> list[tuple[list[int], list[float], list[tuple[int, int]]]]:
-        """Run ``batch`` (caller holds the model lock): per call, its tokens and
-        log-probs under the batch's shared stops and largest allowance, and where
-        each version started generating them, ``[(first token, version), ...]``.
-
-        In ``"drain"`` mode one ``sample()`` call. Otherwise updates requested
-        meanwhile are applied at token boundaries: ``"continue"`` goes on in the
-        same call; ``"resubmit"`` stops it and samples the unfinished rows
-        again, each prompt followed by its output so far. Every live row has
-        generated the same number of tokens when a call stops, so a resubmitted
-        batch still fits the context (longest prompt + largest allowance)."""
+        """Run ``batch`` (caller holds the model lock): see :func:`sample_through_updates`."""
         stops = sorted({s for b in batch for s in b.params.stop_ids})
         temperature = batch[0].params.temperature
-        version = self.policy_version
-        starts: list[list[tuple[int, int]]] = [[(0, version)] for _ in batch]
         if self.weight_update == "drain":
             gen = self.model.sample([b.prompt for b in batch], max(b.params.max_new_tokens for b in batch),
                                     temperature=temperature, stop_ids=stops, generator=self._generator)
-            return [(gen.tokens[i].tolist(), gen.log_probs[i].tolist(), starts[i]) for i in range(len(batch))]
-        toks: list[list[int]] = [[] for _ in batch]
-        lps: list[list[float]] = [[] for _ in batch]
-        live = list(range(len(batch)))
-        switched: list[tuple[int, int]] = []  # (tokens generated in the current call, version), in order
+            return [(gen.tokens[i].tolist(), gen.log_probs[i].tolist(), [(0, self.policy_version)])
+                    for i in range(len(batch))]
 
-        def between_steps(generated: int) -> bool:
-            if not self._swaps:  # a list read under the GIL: the common case costs nothing more
-                return False
-            for v in self._apply_swaps():
-                switched.append((generated, v))
-            return self.weight_update == "resubmit"
+        def pending() -> list[int]:
+            # A list read under the GIL: between tokens with nothing requested, this is all it costs.
+            return self._apply_swaps() if self._swaps else []
 
-        while live:
-            switched.clear()
-            done_before = {i: len(toks[i]) for i in live}
-            most = max(batch[i].params.max_new_tokens - done_before[i] for i in live)
-            gen = self.model.sample([batch[i].prompt + toks[i] for i in live], most, temperature=temperature,
-                                    stop_ids=stops, generator=self._generator, between_steps=between_steps)
-            again = []
-            for j, i in enumerate(live):
-                toks[i] += gen.tokens[j].tolist()
-                lps[i] += gen.log_probs[j].tolist()
-                starts[i] += [(done_before[i] + n, v) for n, v in switched]
-                if gen.finish_reasons[j] == "abort" and len(toks[i]) < batch[i].params.max_new_tokens:
-                    again.append(i)
-            live = again
-        return [(toks[i], lps[i], starts[i]) for i in range(len(batch))]
+        return sample_through_updates(
+            self.model, [b.prompt for b in batch], [b.params.max_new_tokens for b in batch], stops=stops,
+            temperature=temperature, generator=self._generator, mode=self.weight_update,
+            version=self.policy_version, updates=pending)
 
     def _apply_swaps(self) -> list[int]:
         """Apply every requested weight update in order (caller holds the
@@ -447,3 +415,49 @@ def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None
         fut.set_exception(exc)
     else:
         fut.set_result(result)
+
+
+def sample_through_updates(model: Any, prompts: list[list[int]], allowances: list[int], *, stops: Sequence[int],
+                           temperature: float, generator: Any, mode: str, version: int,
+                           updates: Callable[[], list[int]]) -> list[tuple[list[int], list[float], list[tuple[int, int]]]]:
+    """Sample a batch while weight updates land at its token boundaries: per
+    prompt, its tokens and log-probs (under the batch's shared ``stops`` and
+    largest allowance, as one ``sample()`` call would give them) and where each
+    version started generating them, ``[(first token, version), ...]``.
+
+    ``updates()`` runs at every token boundary: it applies the updates
+    requested since (changing ``model``'s weights in place) and returns the
+    versions now served, oldest first. ``mode`` ``"continue"`` goes on in the
+    same call, with the KV cache the old weights computed; ``"resubmit"``
+    stops the call and samples the unfinished rows again, each prompt
+    followed by its output so far, so the new weights recompute the cache.
+    Every live row has generated the same number of tokens when a call
+    stops, so a resubmitted batch still fits the context whenever the first
+    did (longest prompt + largest allowance). ``version``: the version
+    served when the batch starts."""
+    toks: list[list[int]] = [[] for _ in prompts]
+    lps: list[list[float]] = [[] for _ in prompts]
+    starts: list[list[tuple[int, int]]] = [[(0, version)] for _ in prompts]
+    live = list(range(len(prompts)))
+    switched: list[tuple[int, int]] = []  # (tokens generated in the current call, version), in order
+
+    def between_steps(generated: int) -> bool:
+        versions = updates()
+        switched.extend((generated, v) for v in versions)
+        return bool(versions) and mode == "resubmit"
+
+    while live:
+        switched.clear()
+        before = {i: len(toks[i]) for i in live}
+        most = max(allowances[i] - before[i] for i in live)
+        gen = model.sample([prompts[i] + toks[i] for i in live], most, temperature=temperature, stop_ids=stops,
+                           generator=generator, between_steps=between_steps)
+        again = []
+        for j, i in enumerate(live):
+            toks[i] += gen.tokens[j].tolist()
+            lps[i] += gen.log_probs[j].tolist()
+            starts[i] += [(before[i] + n, v) for n, v in switched]
+            if gen.finish_reasons[j] == "abort" and len(toks[i]) < allowances[i]:
+                again.append(i)
+        live = again
+    return [(toks[i], lps[i], starts[i]) for i in range(len(prompts))]

@@ -231,6 +231,8 @@ class TurnPath:
         ignored = self.backend.ignored_sampling(params) + (["stop"] if "stop" in req.overrides else [])
         if ignored:
             sampling["ignored"] = ignored
+        if gen.version_spans is not msgspec.UNSET:
+            sampling["weight_update"] = gen.weight_update  # how the update met this generation
         record = asyncio.ensure_future(
             h.record_turn(
                 messages=prompt.messages,

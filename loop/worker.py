@@ -39,6 +39,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Iterator
 
+import msgspec
 import torch
 
 from agentlog.events.errors import AgentlogError
@@ -129,7 +130,7 @@ class RolloutWorker:
             self.backend, self.weight_sync = make_backend(cfg, self.model)
         else:
             self.batcher = GenerationBatcher(self.model, self.task, seed=cfg.seed * 1_000_003 + 11, before_batch=self.maybe_reload,
-                                              temperature=cfg.temperature)
+                                              temperature=cfg.temperature, weight_update=cfg.rollout.weight_update)
         self.sandbox = LocalSandbox(self.run_dir / "sandbox" / self.worker_id)
         # --- on-policy distillation ---
         #: The teachers that score each finished session before its terminal event ([distill]).
@@ -205,6 +206,34 @@ class RolloutWorker:
                 await self.backend.reload_weights(source, rec.policy_version)
             self._loaded(rec, source)
             return
+
+    async def following_weights(self, work: Any) -> Any:
+        """Run ``work`` (a batch); text tasks on the in-process policy in a
+        partial ``weight_update`` mode meanwhile load each newly published
+        version as soon as it appears (every ``WEIGHTS_POLL_S``), which the
+        backend applies at the next token of the generations in flight: the
+        worker's own schedule, no drain. A failed load fails the batch, loudly.
+        (The built-in tasks' batcher checks at its token boundaries itself.)"""
+        if not (self.text and self.weight_sync is None and self.cfg.rollout.weight_update != "drain"):
+            return await work
+
+        async def follow() -> None:
+            while True:
+                await self.reload_text()
+                await asyncio.sleep(WEIGHTS_POLL_S)
+
+        batch, follower = asyncio.ensure_future(work), asyncio.ensure_future(follow())
+        try:
+            await asyncio.wait({batch, follower}, return_when=asyncio.FIRST_COMPLETED)
+            if follower.done():
+                follower.result()  # raises what stopped it
+            return batch.result()
+        finally:
+            for task in (follower, batch):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
 
     async def wait_for_step(self, step: int) -> bool:
         """Wait until the learner recorded ``step`` (False if the run ended first)."""
@@ -347,10 +376,13 @@ class RolloutWorker:
                     gen = await self.batcher.generate(context)
                     out = [int(t) for t in gen.tokens]
                     response = {"role": "assistant", "content": task.decode(out)}
+                    sampling: dict[str, Any] = {"temperature": self.batcher.temperature}
+                    if gen.version_spans is not msgspec.UNSET:
+                        sampling["weight_update"] = self.batcher.weight_update  # how the update met this turn
                     await h.record_turn(
                         messages=messages, prompt_ids=context, output_ids=gen.tokens, output_log_probs=gen.log_probs,
                         finish_reason=gen.finish_reason, response_message=response, policy_version=gen.policy_version,
-                        generate_s=gen.generate_s, sampling={"temperature": self.batcher.temperature},
+                        version_spans=gen.version_spans, generate_s=gen.generate_s, sampling=sampling,
                     )
                     outputs.append(out)
                     to_score.append(TurnToScore(turn, context, out, self.batcher.temperature))
@@ -437,7 +469,7 @@ class RolloutWorker:
                 else:
                     self.maybe_reload()
                 t0 = time.perf_counter()
-                await self.watch_log(rollout, self.run_batch(engine, batch))
+                await self.watch_log(rollout, self.following_weights(self.run_batch(engine, batch)))
                 self.log.info("worker.batch_done", batch=batch, policy_version=self.loaded_version,
                               seconds=round(time.perf_counter() - t0, 3))
                 batch += 1
@@ -449,6 +481,10 @@ class RolloutWorker:
             counts.update({f"rollout_{k}": v for k, v in self.rollout.counts.items()})
         self.log.info("worker.stopped", batches=done, **{k: v for k, v in counts.items() if isinstance(v, int)})
         return counts
+
+
+#: How often a worker in a partial ``weight_update`` mode looks for a newly published version during a batch.
+WEIGHTS_POLL_S = 0.05
 
 
 def main(argv: list[str] | None = None) -> int:

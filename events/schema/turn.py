@@ -25,6 +25,8 @@ one version leaves the field unset (``msgspec.UNSET``): it is then not
 encoded at all, so such a turn is stored byte for byte as before the field
 existed. :func:`canonical_version_spans` builds the field from where each
 version started; :func:`turn_version_spans` reads it back for any turn.
+How the generation met the update is recorded beside its sampling settings,
+``sampling["weight_update"]``: one of :data:`PARTIAL_MODES`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ from .packing import log_probs_view, pack_log_probs, pack_tokens, packed_field, 
 from .validation import READING_STORED, check_count, fail
 
 FINISH_REASONS = ("stop", "length", "abort")
+#: How a weight update meets a generation in flight: ``drain`` waits for it to
+#: finish; the partial modes apply the update at a token boundary and either
+#: keep the KV cache (``continue``) or resubmit prompt + partial output (``resubmit``).
+WEIGHT_UPDATE_MODES = ("drain", "continue", "resubmit")
+PARTIAL_MODES = WEIGHT_UPDATE_MODES[1:]
 
 
 class _Indexed(msgspec.Struct, frozen=True):
