@@ -47,18 +47,11 @@ def _trained(group: Group) -> list[Sample]:
     return trained or list(group.samples)
 
 
-def token_versions(sample: Sample) -> np.ndarray:
-    """Per response token, the version that generated it: ``token_versions``
-    when the row holds a partial rollout, else ``policy_version`` throughout."""
-    versions = sample.versions
-    return versions if versions is not None else np.full(sample.response_length, sample.policy_version, dtype="<i4")
-
-
 def oldest_span(group: Group) -> str:
     """Where the group's oldest trained tokens are: ``session S's response tokens A..B`` (inclusive)."""
     sample = min(_trained(group), key=lambda s: s.policy_version)
     mask = sample.mask.astype(bool)
-    oldest = mask & (token_versions(sample) == sample.policy_version)
+    oldest = mask & (sample.versions == sample.policy_version)
     if not oldest.any():
         return f"session {sample.session_id!r} (no trained token)"
     first = int(np.argmax(oldest))
@@ -73,10 +66,8 @@ def version_lag_shares(groups: Iterable[Group], current_version: int) -> dict[in
     counts: Counter[int] = Counter()
     for g in groups:
         for s in g.samples:
-            if s.remove_sample:
-                continue
-            lags, n = np.unique(current_version - token_versions(s)[s.mask.astype(bool)], return_counts=True)
-            counts.update(dict(zip(lags.tolist(), n.tolist())))
+            if not s.remove_sample:
+                counts.update({current_version - v: n for v, n in s.trained_tokens_by_version().items()})
     total = sum(counts.values())
     return {lag: n / total for lag, n in sorted(counts.items())} if total else {}
 

@@ -163,18 +163,25 @@ class RolloutWorker:
             if source.exists():
                 yield rec, source
 
-    def _loaded(self, rec: PolicyUpdated, source: Path) -> None:
+    def _loaded(self, rec: PolicyUpdated, source: Path, pause_s: float) -> None:
+        """Record that ``rec``'s version is served; ``pause_s``: how long generation waited for it
+        (the whole load in the built-in batcher, the wait for a token boundary in a partial mode)."""
         self.loaded_version = rec.policy_version
-        self.log.info("worker.weights_loaded", policy_version=rec.policy_version, source=str(source))
+        pause_ms = round(pause_s * 1e3, 3)
+        self.counts["weight_updates"] = self.counts.get("weight_updates", 0) + 1
+        self.counts["update_pause_ms_max"] = max(self.counts.get("update_pause_ms_max", 0), int(pause_ms + 0.999))
+        self.log.info("worker.weights_loaded", policy_version=rec.policy_version, source=str(source), pause_ms=pause_ms,
+                      mode=self.cfg.rollout.weight_update)
 
     def maybe_reload(self) -> None:
         """Load the newest published weights if they are newer than ours."""
         for rec, source in self._newer_published():
+            t0 = time.perf_counter()
             if source.is_dir():
                 self.model.load_hf_weights(source)
             else:
                 load_weights(self.model, str(source))
-            self._loaded(rec, source)
+            self._loaded(rec, source, time.perf_counter() - t0)
             self.batcher.version = rec.policy_version
             return
 
@@ -201,10 +208,13 @@ class RolloutWorker:
             if self.weight_sync is not None:
                 if not source.is_dir():
                     continue  # a server loads HF directories only; this version has none left
+                t0 = time.perf_counter()
                 await self.weight_sync.reload(str(source), rec.policy_version)
+                pause_s = time.perf_counter() - t0
             else:
                 await self.backend.reload_weights(source, rec.policy_version)
-            self._loaded(rec, source)
+                pause_s = self.backend.update_pauses_s[-1]
+            self._loaded(rec, source, pause_s)
             return
 
     async def following_weights(self, work: Any) -> Any:

@@ -115,9 +115,17 @@ class Sample(_SampleV3, frozen=True):
     token_versions: bytes = b""
 
     @property
-    def versions(self) -> np.ndarray | None:
-        """Per response token, the version that generated it (int32 view), or None (see ``token_versions``)."""
-        return np.frombuffer(self.token_versions, dtype="<i4") if self.token_versions else None
+    def versions(self) -> np.ndarray:
+        """Per response token, the version that generated it (int32): ``token_versions``, or
+        ``policy_version`` throughout when the row holds no partial rollout."""
+        if self.token_versions:
+            return np.frombuffer(self.token_versions, dtype="<i4")
+        return np.full(self.response_length, self.policy_version, dtype="<i4")
+
+    def trained_tokens_by_version(self) -> dict[int, int]:
+        """How many trained tokens (loss mask 1) each policy version generated."""
+        versions, counts = np.unique(self.versions[self.mask.astype(bool)], return_counts=True)
+        return dict(zip(versions.tolist(), counts.tolist()))
 
     @property
     def teacher_lp(self) -> np.ndarray:

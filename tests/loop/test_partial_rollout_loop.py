@@ -26,11 +26,12 @@ from agentlog.loop.worker import RolloutWorker
 
 
 class LongEchoTask(TextTask):
-    """Write the asked word into answer.txt; long turns, so updates land mid-generation."""
+    """Write the asked word into answer.txt. Turns of up to 400 tokens: a batch generates for longer
+    than the learner trains a step (max_lag 1), so each new version lands mid-generation."""
 
     name = "long-echo-test"
     max_turns = 2
-    max_new_tokens = 160
+    max_new_tokens = 400
     session_budget_s = 60.0
     command_budget_s = 10.0
 
@@ -52,7 +53,7 @@ register_task("long-echo-test")(LongEchoTask)
 def test_a_run_with_partial_rollouts_reconstructs_equal(tmp_path: Path, mode: str) -> None:
     cfg = LoopConfig(task="long-echo-test", steps=4, groups_per_step=2, group_size=2, warmup_steps=0, faults=FaultConfig.none(),
                      stop_reward=0, time_budget_s=0, max_lag=1, d_model=32, n_layer=1, n_head=2,
-                     agent={"harness": "python-agent", "budget_s": 60}, inference={"context_length": 1024},
+                     agent={"harness": "python-agent", "budget_s": 60}, inference={"context_length": 2048},
                      rollout={"weight_update": mode})
     run_dir = tmp_path / "run"
 
