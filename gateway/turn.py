@@ -231,6 +231,8 @@ class TurnPath:
         ignored = self.backend.ignored_sampling(params) + (["stop"] if "stop" in req.overrides else [])
         if ignored:
             sampling["ignored"] = ignored
+        if gen.version_spans is not msgspec.UNSET:
+            sampling["weight_update"] = gen.weight_update  # how the update met this generation
         record = asyncio.ensure_future(
             h.record_turn(
                 messages=prompt.messages,
@@ -240,6 +242,7 @@ class TurnPath:
                 finish_reason=gen.finish_reason,
                 response_message=response_message,
                 policy_version=gen.policy_version,
+                version_spans=gen.version_spans,
                 ill_formed=parsed.ill_formed,
                 generate_s=gen.generate_s or (time.perf_counter() - t0),
                 sampling=sampling,

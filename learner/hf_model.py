@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -112,12 +112,14 @@ class HFCausalLM(nn.Module):
         temperature: float = 1.0,
         stop_ids: Sequence[int] = (),
         generator: torch.Generator | None = None,
+        between_steps: Callable[[int], bool] | None = None,
     ) -> Generation:
         """Sample continuations of a batch of prompts with the model's KV cache.
 
         Same contract as `GPT.sample`: each sequence stops after one of
         ``stop_ids`` (included) or ``max_new_tokens``; log-probs are those of
-        ``log_softmax(logits / temperature)``."""
+        ``log_softmax(logits / temperature)``; ``between_steps`` as in
+        :func:`~agentlog.learner.model.decode`."""
         rows = sample_rows("HFCausalLM.sample", prompts, temperature, max_new_tokens, self.vocab_size,
                            self.max_seq_len, "max_position_embeddings")
         if not rows:
@@ -148,7 +150,7 @@ class HFCausalLM(nn.Module):
                 next_pos.add_(1)
                 return out.logits[:, -1]
 
-            return decode(logits, step_logits, max_new_tokens, temperature, stop_ids, generator)
+            return decode(logits, step_logits, max_new_tokens, temperature, stop_ids, generator, between_steps)
         finally:
             self.train(was_training)
 

@@ -205,7 +205,8 @@ class Generation:
     log_probs: list[np.ndarray] = field(default_factory=list)
     """Log-prob (float32) of each generated token under the sampling distribution."""
     finish_reasons: list[str] = field(default_factory=list)
-    """"stop" if a stop id was generated, else "length"."""
+    """"stop" if a stop id was generated, "abort" if ``between_steps`` stopped
+    the batch while the row was still generating, else "length"."""
 
 
 def decode(
@@ -215,6 +216,7 @@ def decode(
     temperature: float,
     stop_ids: Sequence[int],
     generator: torch.Generator | None,
+    between_steps: "Callable[[int], bool] | None" = None,
 ) -> Generation:
     """The decode loop of `GPT.sample` and `HFCausalLM.sample`.
 
@@ -228,7 +230,13 @@ def decode(
     generator, seeded per worker, whatever the model's device): torch
     refuses a CPU generator for a CUDA draw, and drawing on one device keeps
     a seed's samples the same on CPU and GPU. Everything else stays on the
-    model's device."""
+    model's device.
+
+    ``between_steps(n)``, when given, runs at each token boundary (``n``
+    tokens generated, before the next position is computed): it may change
+    the model's weights in place (the cache keeps what earlier weights
+    computed: continue in place), and returning True stops the batch there,
+    the rows still generating finishing ``"abort"`` (to be resubmitted)."""
     device = logits.device
     B = logits.shape[0]
     draw_on = generator.device if generator is not None else device
@@ -238,6 +246,7 @@ def decode(
     done = torch.zeros(B, dtype=torch.bool, device=device)
     stopped = torch.zeros(B, dtype=torch.bool, device=device)
     stop = torch.tensor(sorted({int(s) for s in stop_ids}), dtype=torch.long, device=device)
+    interrupted = torch.zeros(B, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         tok = torch.multinomial(logp.exp().to(draw_on), 1, generator=generator).squeeze(1).to(device)
@@ -251,13 +260,16 @@ def decode(
             done |= hit
         if bool(done.all()) or step == max_new_tokens - 1:
             break
+        if between_steps is not None and between_steps(step + 1):
+            interrupted = ~done
+            break
         logits = step_logits(tok, step)
     gen = Generation()
     for i in range(B):
         n = int(n_out[i])
         gen.tokens.append(out_tok[i, :n].to(torch.int32).cpu().numpy())
         gen.log_probs.append(out_lp[i, :n].cpu().numpy())
-        gen.finish_reasons.append("stop" if bool(stopped[i]) else "length")
+        gen.finish_reasons.append("stop" if bool(stopped[i]) else "abort" if bool(interrupted[i]) else "length")
     return gen
 
 
@@ -361,11 +373,13 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         stop_ids: Sequence[int] = (),
         generator: torch.Generator | None = None,
+        between_steps: Callable[[int], bool] | None = None,
     ) -> Generation:
         """Sample continuations of a batch of prompts (any lengths), with a KV cache.
 
         Each sequence stops after it emits one of ``stop_ids`` (included in
-        its tokens) or after ``max_new_tokens``. Log-probs are those of the
+        its tokens) or after ``max_new_tokens``; ``between_steps``: see
+        :func:`decode` (a weight update at a token boundary). Log-probs are those of the
         sampling distribution, ``log_softmax(logits / temperature)``: record
         the temperature with the turn (``sampling={"temperature": ...}``) so
         its samples carry it and the learner divides by the same value.
@@ -407,7 +421,7 @@ class GPT(nn.Module):
                 next_pos.add_(1)
                 return logits
 
-            return decode(logits, step_logits, max_new_tokens, temperature, stop_ids, generator)
+            return decode(logits, step_logits, max_new_tokens, temperature, stop_ids, generator, between_steps)
         finally:
             self.train(was_training)
 

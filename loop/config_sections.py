@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 # A loop configuration value out of range or unknown raises the package's one ConfigError.
 from agentlog.events.errors import ConfigError
+from agentlog.events.schema.turn import WEIGHT_UPDATE_MODES
 
 
 @dataclass
@@ -178,10 +179,16 @@ class RolloutConfig:
     """ray: CPUs each rollout actor reserves."""
     lost_after_s: float = 0.0
     """Declare a partition lost once it has written nothing for this long while the learner waits for groups (0: never); recorded in the learner log."""
+    weight_update: str = "drain"
+    """How a new policy version meets generation in flight in the in-process policy: drain (it finishes under the old
+    weights; new ones load between batches / turns), continue (applied at the next token, the KV cache kept) or resubmit
+    (applied at the next token, the partial output resubmitted as prompt); both partial modes record each token's version."""
 
     def __post_init__(self) -> None:
         if type(self.workers) is not int or self.workers < 1:
             raise ConfigError(f"[rollout] workers: expected an int >= 1, found {self.workers!r}")
+        if self.weight_update not in WEIGHT_UPDATE_MODES:
+            raise ConfigError(f"[rollout] weight_update: expected one of {WEIGHT_UPDATE_MODES}, found {self.weight_update!r}")
         if self.backend not in ROLLOUT_BACKENDS:
             raise ConfigError(f"[rollout] backend: expected one of {ROLLOUT_BACKENDS}, found {self.backend!r}")
         if not isinstance(self.address, str):

@@ -291,7 +291,7 @@ def make_backend(cfg: LoopConfig, model: Any) -> tuple[Backend, Any]:
     if inf.backend == "in-process":
         from agentlog.gateway import TorchBackend
 
-        return TorchBackend(model, seed=cfg.seed * 1_000_003 + 11), None
+        return TorchBackend(model, seed=cfg.seed * 1_000_003 + 11, weight_update=cfg.rollout.weight_update), None
     from agentlog.gateway import OpenAICompletionsBackend, SGLangBackend
     from agentlog.gateway.weight_sync import GatedBackend, SGLangWeightSync, VLLMWeightSync
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import msgspec
 import numpy as np
 import torch
 
@@ -124,6 +125,8 @@ class Generated:
     finish_reason: str  # stop / length
     policy_version: int
     generate_s: float
+    #: ``((first token, version), ...)`` when a weight update landed mid-generation, else UNSET.
+    version_spans: Any = msgspec.UNSET
 
 
 class GenerationBatcher:
@@ -133,11 +136,14 @@ class GenerationBatcher:
     generation, or ``max_wait_s`` after its first request, whichever comes
     first. ``before_batch`` (if set) runs just before each batch: the worker
     uses it to load newer weights, so each turn records the version that
-    really generated it.
+    really generated it. With ``weight_update`` ``"continue"`` or
+    ``"resubmit"`` it also runs at the batch's token boundaries (at most every
+    ``check_every_s``), and a version it loads there applies from the next
+    token on (a partial rollout, recorded as the turn's version spans).
     """
 
     def __init__(self, model: GPT, task: Task, *, seed: int, max_wait_s: float = 0.02, before_batch=None,
-                 temperature: float = 1.0) -> None:
+                 temperature: float = 1.0, weight_update: str = "drain", check_every_s: float = 0.02) -> None:
         self.model = model
         self.task = task
         self.temperature = temperature  # sessions record it with each turn
@@ -151,6 +157,9 @@ class GenerationBatcher:
         self._runner: asyncio.Task | None = None
         self.batches = 0
         self.busy_s = 0.0
+        self.weight_update = weight_update
+        self.check_every_s = check_every_s
+        self._checked_at = 0.0
 
     def register(self) -> None:
         """A session that will ask for generations started."""
@@ -199,18 +208,43 @@ class GenerationBatcher:
             if self.before_batch is not None:
                 self.before_batch()
             t0 = time.perf_counter()
-            gen = self.model.sample(
-                [p for p, _ in batch],
-                self.task.max_new_tokens,
-                temperature=self.temperature,
-                stop_ids=(self.task.eos_id,),
-                generator=self.generator,
-            )
+            results = self._sample([list(map(int, p)) for p, _ in batch])
             dt = time.perf_counter() - t0
             self.busy_s += dt
             self.batches += 1
-            for i, (_, fut) in enumerate(batch):
+            for (_, fut), res in zip(batch, results):
                 if not fut.done():
-                    fut.set_result(Generated(gen.tokens[i], gen.log_probs[i], gen.finish_reasons[i], self.version, dt))
+                    fut.set_result(Generated(res[0], res[1], res[2], res[3], dt, res[4]))
             # Let the sessions we just served run before we gather the next batch.
             await asyncio.sleep(0)
+
+    def _sample(self, prompts: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray, str, int, Any]]:
+        """One batch: per prompt (tokens, log-probs, finish reason, policy version, version spans)."""
+        allowance = self.task.max_new_tokens
+        if self.weight_update == "drain":
+            gen = self.model.sample(prompts, allowance, temperature=self.temperature, stop_ids=(self.task.eos_id,),
+                                    generator=self.generator)
+            return [(gen.tokens[i], gen.log_probs[i], gen.finish_reasons[i], self.version, msgspec.UNSET)
+                    for i in range(len(prompts))]
+        from agentlog.events.schema.turn import canonical_version_spans
+        from agentlog.gateway.torch_backend import sample_through_updates
+
+        rows = sample_through_updates(self.model, prompts, [allowance] * len(prompts), stops=(self.task.eos_id,),
+                                      temperature=self.temperature, generator=self.generator, mode=self.weight_update,
+                                      version=self.version, updates=self._updates_between_tokens)
+        out = []
+        for toks, lps, starts in rows:
+            finish = "stop" if toks and toks[-1] == self.task.eos_id else "length"
+            version, spans = canonical_version_spans(starts, len(toks))
+            out.append((np.asarray(toks, dtype=np.int32), np.asarray(lps, dtype=np.float32), finish, version, spans))
+        return out
+
+    def _updates_between_tokens(self) -> list[int]:
+        """At a token boundary: load newer weights (``before_batch``), at most every ``check_every_s``."""
+        now = time.monotonic()
+        if self.before_batch is None or now - self._checked_at < self.check_every_s:
+            return []
+        self._checked_at = now
+        old = self.version
+        self.before_batch()
+        return [self.version] if self.version != old else []

@@ -74,7 +74,7 @@ from .metric_sinks import MetricSinks
 from .policy import build_model
 from .run_folder import Run
 from .publish import STOPPED_UNTRAINABLE, checkpoint_path, prune_checkpoints, publish, save_hf_checkpoint
-from .staleness import judge_staleness
+from .staleness import judge_staleness, version_lag_shares
 
 log = get_logger("agentlog.loop.trainer")
 
@@ -474,6 +474,9 @@ class LoopLearner:
             "rollout/staleness_max": float(max(staleness)) if staleness else 0.0,
             "rollout/stale_corrected": float(corrected),
         }
+        # The share of trained tokens per version lag (per token: a partial rollout's turn spans versions).
+        for lag, share in version_lag_shares(train, version).items():
+            metrics[f"rollout/trained_tokens_lag_{lag}"] = share
         checkpoint = str(checkpoint_path(self.ckpt_dir, version))
         if train:
             m = self.learner.step(train)

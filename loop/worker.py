@@ -39,6 +39,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Iterator
 
+import msgspec
 import torch
 
 from agentlog.events.errors import AgentlogError
@@ -129,7 +130,7 @@ class RolloutWorker:
             self.backend, self.weight_sync = make_backend(cfg, self.model)
         else:
             self.batcher = GenerationBatcher(self.model, self.task, seed=cfg.seed * 1_000_003 + 11, before_batch=self.maybe_reload,
-                                              temperature=cfg.temperature)
+                                              temperature=cfg.temperature, weight_update=cfg.rollout.weight_update)
         self.sandbox = LocalSandbox(self.run_dir / "sandbox" / self.worker_id)
         # --- on-policy distillation ---
         #: The teachers that score each finished session before its terminal event ([distill]).
@@ -162,18 +163,25 @@ class RolloutWorker:
             if source.exists():
                 yield rec, source
 
-    def _loaded(self, rec: PolicyUpdated, source: Path) -> None:
+    def _loaded(self, rec: PolicyUpdated, source: Path, pause_s: float) -> None:
+        """Record that ``rec``'s version is served; ``pause_s``: how long generation waited for it
+        (the whole load in the built-in batcher, the wait for a token boundary in a partial mode)."""
         self.loaded_version = rec.policy_version
-        self.log.info("worker.weights_loaded", policy_version=rec.policy_version, source=str(source))
+        pause_ms = round(pause_s * 1e3, 3)
+        self.counts["weight_updates"] = self.counts.get("weight_updates", 0) + 1
+        self.counts["update_pause_ms_max"] = max(self.counts.get("update_pause_ms_max", 0), int(pause_ms + 0.999))
+        self.log.info("worker.weights_loaded", policy_version=rec.policy_version, source=str(source), pause_ms=pause_ms,
+                      mode=self.cfg.rollout.weight_update)
 
     def maybe_reload(self) -> None:
         """Load the newest published weights if they are newer than ours."""
         for rec, source in self._newer_published():
+            t0 = time.perf_counter()
             if source.is_dir():
                 self.model.load_hf_weights(source)
             else:
                 load_weights(self.model, str(source))
-            self._loaded(rec, source)
+            self._loaded(rec, source, time.perf_counter() - t0)
             self.batcher.version = rec.policy_version
             return
 
@@ -200,11 +208,42 @@ class RolloutWorker:
             if self.weight_sync is not None:
                 if not source.is_dir():
                     continue  # a server loads HF directories only; this version has none left
+                t0 = time.perf_counter()
                 await self.weight_sync.reload(str(source), rec.policy_version)
+                pause_s = time.perf_counter() - t0
             else:
                 await self.backend.reload_weights(source, rec.policy_version)
-            self._loaded(rec, source)
+                pause_s = self.backend.update_pauses_s[-1]
+            self._loaded(rec, source, pause_s)
             return
+
+    async def following_weights(self, work: Any) -> Any:
+        """Run ``work`` (a batch); text tasks on the in-process policy in a
+        partial ``weight_update`` mode meanwhile load each newly published
+        version as soon as it appears (every ``WEIGHTS_POLL_S``), which the
+        backend applies at the next token of the generations in flight: the
+        worker's own schedule, no drain. A failed load fails the batch, loudly.
+        (The built-in tasks' batcher checks at its token boundaries itself.)"""
+        if not (self.text and self.weight_sync is None and self.cfg.rollout.weight_update != "drain"):
+            return await work
+
+        async def follow() -> None:
+            while True:
+                await self.reload_text()
+                await asyncio.sleep(WEIGHTS_POLL_S)
+
+        batch, follower = asyncio.ensure_future(work), asyncio.ensure_future(follow())
+        try:
+            await asyncio.wait({batch, follower}, return_when=asyncio.FIRST_COMPLETED)
+            if follower.done():
+                follower.result()  # raises what stopped it
+            return batch.result()
+        finally:
+            for task in (follower, batch):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
 
     async def wait_for_step(self, step: int) -> bool:
         """Wait until the learner recorded ``step`` (False if the run ended first)."""
@@ -347,10 +386,13 @@ class RolloutWorker:
                     gen = await self.batcher.generate(context)
                     out = [int(t) for t in gen.tokens]
                     response = {"role": "assistant", "content": task.decode(out)}
+                    sampling: dict[str, Any] = {"temperature": self.batcher.temperature}
+                    if gen.version_spans is not msgspec.UNSET:
+                        sampling["weight_update"] = self.batcher.weight_update  # how the update met this turn
                     await h.record_turn(
                         messages=messages, prompt_ids=context, output_ids=gen.tokens, output_log_probs=gen.log_probs,
                         finish_reason=gen.finish_reason, response_message=response, policy_version=gen.policy_version,
-                        generate_s=gen.generate_s, sampling={"temperature": self.batcher.temperature},
+                        version_spans=gen.version_spans, generate_s=gen.generate_s, sampling=sampling,
                     )
                     outputs.append(out)
                     to_score.append(TurnToScore(turn, context, out, self.batcher.temperature))
@@ -437,7 +479,7 @@ class RolloutWorker:
                 else:
                     self.maybe_reload()
                 t0 = time.perf_counter()
-                await self.watch_log(rollout, self.run_batch(engine, batch))
+                await self.watch_log(rollout, self.following_weights(self.run_batch(engine, batch)))
                 self.log.info("worker.batch_done", batch=batch, policy_version=self.loaded_version,
                               seconds=round(time.perf_counter() - t0, 3))
                 batch += 1
@@ -449,6 +491,10 @@ class RolloutWorker:
             counts.update({f"rollout_{k}": v for k, v in self.rollout.counts.items()})
         self.log.info("worker.stopped", batches=done, **{k: v for k, v in counts.items() if isinstance(v, int)})
         return counts
+
+
+#: How often a worker in a partial ``weight_update`` mode looks for a newly published version during a batch.
+WEIGHTS_POLL_S = 0.05
 
 
 def main(argv: list[str] | None = None) -> int:

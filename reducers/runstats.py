@@ -86,7 +86,8 @@ def _turn_projection(body: type[msgspec.Struct], read: dict[str, Any]) -> Any:
     return msgspec.defstruct("_" + body.__name__, fields, tag=body.__struct_config__.tag, module=__name__)
 
 
-_TURN_READ = {"turn_index": int, "output_ids": bytes, "finish_reason": str}
+_TURN_READ = {"turn_index": int, "output_ids": bytes, "finish_reason": str,
+              "version_spans": tuple[tuple[int, int], ...] | msgspec.UnsetType}
 _Turn = _turn_projection(TurnRecorded, {**_TURN_READ, "prompt_ids": bytes})
 _Delta = _turn_projection(TurnDelta, {**_TURN_READ, "shared_tokens": int, "new_prompt_ids": bytes})
 
@@ -197,6 +198,7 @@ class RunStats:
         self.tokens_out = 0
         self.turns = 0
         self.undelivered = 0
+        self.interrupted = 0  # turns made by more than one policy version (partial rollouts)
         self.finish_reasons: Counter[str] = Counter()
         self.commands = 0
         self.commands_failed = 0
@@ -280,6 +282,8 @@ class RunStats:
             self.tokens_in += len(body.prompt_ids) // 4 if tag == "turn_recorded" else body.shared_tokens + len(body.new_prompt_ids) // 4
             self.tokens_out += n_out
             self.finish_reasons[body.finish_reason] += 1
+            if body.version_spans is not msgspec.UNSET:
+                self.interrupted += 1
         elif tag == "turn_undelivered":
             self.undelivered += 1
         elif tag == "command_ran":
@@ -358,6 +362,7 @@ class RunStats:
                 "total": self.turns,
                 "mean_per_session": self.turns / self.opened if self.opened else math.nan,
                 "undelivered": self.undelivered,
+                "interrupted": self.interrupted,
                 "finish_reasons": dict(sorted(self.finish_reasons.items())),
             },
             "tokens": {"prompt": self.tokens_in, "output": self.tokens_out},

@@ -86,8 +86,9 @@ class _SampleV2(_SampleV1, frozen=True):
     top_k: int = TOP_K_OFF  # tokens kept (-1: off)
 
 
-class Sample(_SampleV2, frozen=True):
-    """One training row (see the module docstring for the sampling and teacher fields)."""
+class _SampleV3(_SampleV2, frozen=True):
+    """The fields of a training row up to the teacher fields: their
+    canonical bytes must never change either (see `encode_sample`)."""
 
     #: float32 LE per response token: the teachers' log-prob of the token
     #: (the mean over the teachers that scored it), 0.0 where none did.
@@ -101,6 +102,30 @@ class Sample(_SampleV2, frozen=True):
     teacher_top_ids: bytes = b""
     #: float32 LE, ``teacher_top_k`` per response token (0.0 where unscored).
     teacher_top_log_probs: bytes = b""
+
+
+class Sample(_SampleV3, frozen=True):
+    """One training row (see the module docstring for the sampling, teacher and version fields)."""
+
+    #: int32 LE per response token: the policy version that generated it (0
+    #: where the loss mask is 0). b"" unless a trained turn of the row was made
+    #: by more than one version (a partial rollout: its ``version_spans``);
+    #: every trained token's version is then ``policy_version`` or, for a row
+    #: of whole turns made by different versions, that of its turn.
+    token_versions: bytes = b""
+
+    @property
+    def versions(self) -> np.ndarray:
+        """Per response token, the version that generated it (int32): ``token_versions``, or
+        ``policy_version`` throughout when the row holds no partial rollout."""
+        if self.token_versions:
+            return np.frombuffer(self.token_versions, dtype="<i4")
+        return np.full(self.response_length, self.policy_version, dtype="<i4")
+
+    def trained_tokens_by_version(self) -> dict[int, int]:
+        """How many trained tokens (loss mask 1) each policy version generated."""
+        versions, counts = np.unique(self.versions[self.mask.astype(bool)], return_counts=True)
+        return dict(zip(versions.tolist(), counts.tolist()))
 
     @property
     def teacher_lp(self) -> np.ndarray:
@@ -152,9 +177,18 @@ PACKED_DTYPES: dict[str, str] = {
     "teacher_scored": "u1",
     "teacher_top_ids": "<i4",
     "teacher_top_log_probs": "<f4",
+    "token_versions": "<i4",
 }
 if {f.name for f in msgspec.structs.fields(Sample) if f.type is bytes} != set(PACKED_DTYPES):
     raise TypeError("reducers.samples: every bytes field of Sample needs its dtype in PACKED_DTYPES")
+
+
+def _token_versions(row: Any) -> bytes:
+    """int32 LE per response token of ``row``: the version of each trained span's tokens, 0 elsewhere."""
+    out = np.zeros(row.response_length, dtype="<i4")
+    for (offset, n, _turn, _), version in zip(row.trained_spans, row.span_versions):
+        out[offset : offset + n] = version
+    return out.tobytes()
 
 
 def aborted_placeholder(
@@ -197,6 +231,7 @@ _sample_decoder = msgspec.msgpack.Decoder(Sample)
 
 _V1_FIELDS = len(_SampleV1.__struct_fields__)
 _V2_FIELDS = len(_SampleV2.__struct_fields__)
+_V3_FIELDS = len(_SampleV3.__struct_fields__)
 
 
 def encode_sample(sample: Sample) -> bytes:
@@ -204,14 +239,17 @@ def encode_sample(sample: Sample) -> bytes:
 
     The sampling fields are left out while all are at their defaults, and the
     teacher fields while the row has no teacher scores (see the module
-    docstring), so samples of logs written before either existed keep their
-    bytes and digests; `decode_sample` reads every form back."""
-    if not sample.teacher_scored and not sample.teacher_top_k:
-        fields = msgspec.structs.astuple(sample)
-        if sample.temperature == DEFAULT_TEMPERATURE and sample.top_p == DEFAULT_TOP_P and sample.top_k == TOP_K_OFF:
-            return _canonical.encode(_SampleV1(*fields[:_V1_FIELDS]))
-        return _canonical.encode(_SampleV2(*fields[:_V2_FIELDS]))
-    return _canonical.encode(sample)
+    docstring), and ``token_versions`` while empty (no partial rollout), so
+    samples of logs written before any of them existed keep their bytes and
+    digests; `decode_sample` reads every form back."""
+    if sample.token_versions:
+        return _canonical.encode(sample)
+    fields = msgspec.structs.astuple(sample)
+    if sample.teacher_scored or sample.teacher_top_k:
+        return _canonical.encode(_SampleV3(*fields[:_V3_FIELDS]))
+    if sample.temperature == DEFAULT_TEMPERATURE and sample.top_p == DEFAULT_TOP_P and sample.top_k == TOP_K_OFF:
+        return _canonical.encode(_SampleV1(*fields[:_V1_FIELDS]))
+    return _canonical.encode(_SampleV2(*fields[:_V2_FIELDS]))
 
 
 def decode_sample(raw: bytes) -> Sample:
@@ -434,6 +472,7 @@ def finished_samples(
                 temperature=settings[0],
                 top_p=settings[1],
                 top_k=settings[2],
+                token_versions=_token_versions(row) if row.partial else b"",
                 **teacher,
             )
         )

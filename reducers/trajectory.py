@@ -40,6 +40,7 @@ import msgspec
 from agentlog.events.errors import AgentlogError
 from agentlog.events.schema.turn_delta import common_prefix_tokens  # noqa: F401  (re-exported: the prefix check lives with the delta encoding)
 from agentlog.events.schema.turn_delta import TurnContext, TurnDeltaError
+from agentlog.events.schema.turn import turn_version_spans
 from agentlog.events.schema.types import TeacherScored, TurnDelta, TurnRecorded
 
 from .teacher import TeacherScores
@@ -108,6 +109,10 @@ class Row(msgspec.Struct, frozen=True):
     #: index, offset in that turn's output), in row order (teacher scores
     #: are aligned through these).
     trained_spans: tuple[tuple[int, int, int, int], ...] = ()
+    #: The policy version of each of ``trained_spans``.
+    span_versions: tuple[int, ...] = ()
+    #: A turn of the row was made by more than one version (a partial rollout).
+    partial: bool = False
 
 
 class Trajectory(msgspec.Struct, frozen=True):
@@ -207,15 +212,16 @@ class _RowBuilder:
     with the prompt, which agrees with the held tokens before that point.
     So the builder keeps them in one buffer, extended in place by a CLEAN
     turn (a delta that repeats all of them costs only its new tokens), and
-    mask and log-probs as spans, ``(n_tokens, log_probs or None, policy
-    version, turn index)``, materialised once per emitted row."""
+    mask and log-probs as spans, ``(n_tokens, log_probs or None, policy version,
+    turn index, offset in the turn's output)``, one per version of a turn,
+    materialised once per emitted row."""
 
     __slots__ = ("fork_threshold", "held", "spans", "spanned", "last_start", "last_turn", "lead", "turns")
 
     def __init__(self, fork_threshold: int) -> None:
         self.fork_threshold = fork_threshold
         self.held = bytearray()  # the last turn's prompt + output
-        self.spans: list[tuple[int, bytes | None, int, int]] = []
+        self.spans: list[tuple[int, bytes | memoryview | None, int, int, int]] = []
         self.spanned = 0  # tokens covered by spans (== held tokens)
         self.last_start: int | None = None  # token index where the last response starts
         self.last_turn: _Turn | None = None
@@ -243,10 +249,23 @@ class _RowBuilder:
             return REALIGN
         return FORK
 
-    def _span(self, n: int, log_probs: bytes | None, version: int = 0, turn: int = -1) -> None:
+    def _span(self, n: int, log_probs: bytes | memoryview | None, version: int = 0, turn: int = -1, offset: int = 0) -> None:
         if n:
-            self.spans.append((n, log_probs, version, turn))
+            self.spans.append((n, log_probs, version, turn, offset))
             self.spanned += n
+
+    def _output_spans(self, body: TurnRecorded | TurnDelta, train: bool, turn: int) -> None:
+        """The turn's output as spans, one per policy version that generated it."""
+        n_out = len(body.output_ids) // 4
+        lp = body.output_log_probs if train else None
+        version_spans = turn_version_spans(body)
+        if len(version_spans) == 1:
+            self._span(n_out, lp, body.policy_version, turn)
+            return
+        view = memoryview(lp) if lp is not None else None
+        ends = [first for first, _ in version_spans[1:]] + [n_out]
+        for (first, version), end in zip(version_spans, ends):
+            self._span(end - first, view[first * 4 : end * 4] if view is not None else None, version, turn, first)
 
     def append(self, turn: _Turn, prompt: bytes | None, kind: str, train: bool) -> None:
         """Add a turn; ``prompt`` None: a delta that repeats all the held tokens (see prompt_of)."""
@@ -268,17 +287,16 @@ class _RowBuilder:
         self._span(n_prompt - self.spanned, None)
         if self.last_start is None:
             self.lead = n_prompt
-        out = body.output_ids
         if prompt is None:
             self.held += new
         elif kind == CLEAN:
             self.held += memoryview(prompt)[len(self.held) :]  # the prompt starts with the held tokens
         else:
             self.held = bytearray(prompt)
-        self.held += out
+        self.held += body.output_ids
         self.last_start = n_prompt
         self.last_turn = turn
-        self._span(len(out) // 4, body.output_log_probs if train else None, body.policy_version, turn.index)
+        self._output_spans(body, train, turn.index)
         self.turns.append(turn.index)
 
     def to_row(self, leaf: int, truncated: bool, use_tool: bool, ill_formed: bool, max_tokens: int) -> Row | None:
@@ -297,7 +315,7 @@ class _RowBuilder:
         trained: list[int] = []
         spans: list[tuple[int, int, int, int]] = []
         pos = 0
-        for n, log_probs, version, turn in self.spans:
+        for n, log_probs, version, turn, offset in self.spans:
             lo, hi = max(pos, lead), min(pos + n, n_tok)
             pos += n
             if lo >= hi:
@@ -311,7 +329,7 @@ class _RowBuilder:
             else:
                 mask_parts.append(b"\x01" * k)
                 lp_parts.append(log_probs[(lo - pos + n) * 4 : (hi - pos + n) * 4])
-                spans.append((lo - lead, k, turn, lo - pos + n))
+                spans.append((lo - lead, k, turn, offset + lo - pos + n))
                 versions.append(version)
                 if turn not in trained:
                     trained.append(turn)
@@ -331,6 +349,8 @@ class _RowBuilder:
             cut=cut,
             trained_turns=tuple(trained),
             trained_spans=tuple(spans),
+            span_versions=tuple(versions),
+            partial=any(offset and turn in trained for _, _, _, turn, offset in self.spans),
         )
 
 

@@ -167,7 +167,7 @@ def event_fields(body: Any) -> dict[str, Any]:
 
     if type(body) is UnknownEvent:
         return {**body.fields, "unknown": True}
-    d = msgspec.structs.asdict(body)
+    d = {k: v for k, v in msgspec.structs.asdict(body).items() if v is not msgspec.UNSET}  # unset: not stored
     for f in _TOKEN_FIELDS:
         if f in d:
             d[f] = tokens_view(d[f]).tolist()

@@ -227,6 +227,18 @@ def why_lines(envs: list, full: bool, at: Any = str) -> list[str]:
     return why.lines(full, at)
 
 
+def version_note(turn: Any) -> str:
+    """``  policy v3 -> v4 at token 17`` for a turn a weight update interrupted (a partial rollout), else ""."""
+    import msgspec
+
+    spans = turn.version_spans
+    if spans is msgspec.UNSET:
+        return ""
+    changes = ", ".join(f"v{v} at token {first}" for first, v in spans[1:])
+    how = turn.sampling.get("weight_update", "") if isinstance(turn.sampling, dict) else ""
+    return f"  policy v{spans[0][1]} -> {changes}" + (f" ({how})" if how else "")
+
+
 def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
     """Per turn the messages new since the turn before, then the response; each command and its output.
     ``at`` names an LSN (``p0003:1234`` in a partitioned log)."""
@@ -250,7 +262,7 @@ def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
             else:
                 new, note = msgs, (" (history rewritten: all messages)" if held else "")
             flags = " ill-formed" if b.ill_formed else ""
-            lines.append(f"  turn {b.turn_index}  lsn {at(e.lsn)}  finish {b.finish_reason}{flags}{note}")
+            lines.append(f"  turn {b.turn_index}  lsn {at(e.lsn)}  finish {b.finish_reason}{flags}{note}{version_note(b)}")
             lines.extend("    " + _message(m, full) for m in new)
             lines.append("    -> " + (_message(b.response_message, full) if b.response_message is not None else "(no response message)"))
             held = msgs + ([b.response_message] if b.response_message is not None else [])

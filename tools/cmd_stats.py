@@ -170,7 +170,8 @@ def render_text(s: dict[str, Any]) -> str:
         f"aborted by {_counts(s['abort_reasons'])}",
         f"dropped by {_counts(s['drop_reasons'])}",
         f"turns      {turns['total']} (mean {_num(turns['mean_per_session'], '.2f')} per session),"
-        f" undelivered {turns['undelivered']}, finish {_counts(turns['finish_reasons'])}",
+        f" undelivered {turns['undelivered']}, interrupted by a weight update {turns['interrupted']},"
+        f" finish {_counts(turns['finish_reasons'])}",
         f"tokens     prompt {tok['prompt']}, output {tok['output']}",
         f"commands   {s['commands']['total']}, failed {s['commands']['failed']}, over budget {s['commands']['over_budget']}",
         *([f"teacher    {s['teacher']['scored_turns']} turns scored, {s['teacher']['failed_turns']} failed"]

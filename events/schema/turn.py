@@ -14,6 +14,19 @@ its prompt fields, then the shared fields); the delta conversions copy it
 (they iterate over :data:`TURN_BODY_FIELDS`); the engine's ``record_turn``
 takes it by name; the statistics projection declares it (delimited, not
 decoded). Old records, which lack it, decode with its default.
+
+**Version spans.** A generation interrupted by a weight update (a partial
+rollout) is made by more than one policy version. ``version_spans`` then
+says which: ``((first output token, version), ...)``, from token 0, first
+tokens and versions strictly increasing, every span non-empty, and
+``policy_version`` the first (oldest) span's version, so a reader that knows
+only ``policy_version`` judges the turn by its oldest tokens. A turn made by
+one version leaves the field unset (``msgspec.UNSET``): it is then not
+encoded at all, so such a turn is stored byte for byte as before the field
+existed. :func:`canonical_version_spans` builds the field from where each
+version started; :func:`turn_version_spans` reads it back for any turn.
+How the generation met the update is recorded beside its sampling settings,
+``sampling["weight_update"]``: one of :data:`PARTIAL_MODES`.
 """
 
 from __future__ import annotations
@@ -23,11 +36,17 @@ from typing import Any
 
 import msgspec
 import numpy as np
+from msgspec import UNSET, UnsetType
 
 from .packing import log_probs_view, pack_log_probs, pack_tokens, packed_field, tokens_view
 from .validation import DEFERRED_FINITE_SCANS, READING_STORED, check_count, fail
 
 FINISH_REASONS = ("stop", "length", "abort")
+#: How a weight update meets a generation in flight: ``drain`` waits for it to
+#: finish; the partial modes apply the update at a token boundary and either
+#: keep the KV cache (``continue``) or resubmit prompt + partial output (``resubmit``).
+WEIGHT_UPDATE_MODES = ("drain", "continue", "resubmit")
+PARTIAL_MODES = WEIGHT_UPDATE_MODES[1:]
 
 
 class _Indexed(msgspec.Struct, frozen=True):
@@ -50,6 +69,7 @@ class TurnBody(_Indexed, frozen=True, kw_only=True):
     policy_version: int = 0
     generate_s: float = 0.0
     sampling: dict[str, Any] = {}
+    version_spans: tuple[tuple[int, int], ...] | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         if READING_STORED.get():
@@ -75,6 +95,8 @@ class TurnBody(_Indexed, frozen=True, kw_only=True):
                 if not finite.all():
                     i = int(np.argmin(finite))
                     fail(event, f"output_log_probs[{i}]", "a finite float", float(log_probs_view(lp)[i]))
+        if self.version_spans is not UNSET:
+            _check_version_spans(event, self.version_spans, len(out) // 4, self.policy_version)
 
     def _check_prompt(self, event: str) -> None:
         """The write-time checks of the subclass's prompt fields."""
@@ -134,6 +156,61 @@ class TurnDelta(TurnBody, frozen=True, tag="turn_delta"):
         check_count(event, "shared_tokens", self.shared_tokens)
         check_count(event, "shared_messages", self.shared_messages)
         packed_field(self, "new_prompt_ids", pack_tokens)
+
+
+def _check_version_spans(event: str, spans: Any, n_out: int, policy_version: int) -> None:
+    """The canonical form of a multi-version turn's spans (see the module docstring)."""
+    expected = (f"two or more (first output token, version) pairs of ints >= 0, from token 0, both strictly "
+                f"increasing, every first token < the turn's {n_out} output tokens")
+    if not isinstance(spans, (tuple, list)) or len(spans) < 2:
+        fail(event, "version_spans", expected + " (a turn made by one version leaves the field unset)", spans)
+    prev_first, prev_version = -1, -1
+    for i, span in enumerate(spans):
+        if not isinstance(span, (tuple, list)) or len(span) != 2:
+            fail(event, f"version_spans[{i}]", "a (first output token, version) pair", span)
+        first, version = span
+        check_count(event, f"version_spans[{i}][0]", first)
+        check_count(event, f"version_spans[{i}][1]", version)
+        if (i == 0 and first != 0) or first <= prev_first or first >= n_out or version <= prev_version:
+            fail(event, f"version_spans[{i}]", expected, spans)
+        prev_first, prev_version = first, version
+    if spans[0][1] != policy_version:
+        fail(event, "policy_version", f"the first (oldest) span's version {spans[0][1]} (version_spans)", policy_version)
+
+
+def canonical_version_spans(starts: Any, n_out: int) -> tuple[int, tuple[tuple[int, int], ...] | UnsetType]:
+    """``(policy_version, version_spans)`` of a turn of ``n_out`` output tokens
+    whose generation ran under each ``(first output token, version)`` of
+    ``starts`` in order (an interrupt at token 0 or after the last token, and
+    two updates between the same two tokens, leave empty spans: dropped, the
+    later version kept). ``version_spans`` is UNSET when one version made
+    every token (also when ``n_out`` is 0: the last version stands)."""
+    kept: list[tuple[int, int]] = []
+    for first, version in starts:
+        first = min(int(first), n_out)
+        if kept and version < kept[-1][1]:
+            raise ValueError(f"version spans: version {version} at token {first} after version {kept[-1][1]} "
+                             "(versions only increase within a turn)")
+        while kept and kept[-1][0] >= first:
+            kept.pop()  # the span it started is empty
+        if first < n_out or not kept:
+            kept.append((first if kept else 0, int(version)))
+    merged: list[tuple[int, int]] = []
+    for first, version in kept:
+        if not merged or merged[-1][1] != version:
+            merged.append((first, version))
+    if len(merged) == 1:
+        return merged[0][1], UNSET
+    return merged[0][1], tuple(merged)
+
+
+def turn_version_spans(body: Any) -> tuple[tuple[int, int], ...]:
+    """The (first output token, version) spans of a turn body: its
+    ``version_spans``, or one span from token 0 at its ``policy_version``."""
+    spans = getattr(body, "version_spans", UNSET)
+    if spans is UNSET:
+        return ((0, body.policy_version),)
+    return spans
 
 
 def turn_temperature(sampling: Any) -> float | None:

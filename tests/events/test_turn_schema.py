@@ -53,9 +53,18 @@ V1_LAYOUT = {
 }
 
 
+#: Turn fields added since v1, each UNSET by default: a turn that does not use
+#: one is stored without it, in the v1 layout.
+ADDED_SINCE_V1 = ("version_spans",)
+
+
 def test_both_bodies_keep_the_v1_layout_with_the_shared_fields_declared_once():
-    assert TurnRecorded.__struct_fields__ == V1_LAYOUT["turn_recorded"]
-    assert TurnDelta.__struct_fields__ == V1_LAYOUT["turn_delta"]
+    assert TurnRecorded.__struct_fields__ == V1_LAYOUT["turn_recorded"] + ADDED_SINCE_V1
+    assert TurnDelta.__struct_fields__ == V1_LAYOUT["turn_delta"] + ADDED_SINCE_V1
+    for body in (TurnRecorded, TurnDelta):
+        defaults = {f.name: f.default for f in msgspec.structs.fields(body)}
+        assert all(defaults[name] is msgspec.UNSET for name in ADDED_SINCE_V1)
+        assert tuple(msgspec.msgpack.decode(encode_body(body(turn_index=0))))[1:] == V1_LAYOUT[body.__struct_config__.tag]
     assert issubclass(TurnRecorded, TurnBody) and issubclass(TurnDelta, TurnBody)
     # The shared fields: turn_index, then the tail both bodies end with.
     assert TURN_BODY_FIELDS[0] == "turn_index"

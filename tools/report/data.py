@@ -101,6 +101,9 @@ class ReportData(msgspec.Struct):
     #: A partitioned log's partitions (``p0003`` -> events, sessions, each
     #: outcome, digest), every listed partition included; {} for one log.
     partitions: dict[str, dict[str, Any]] = {}
+    #: Trained tokens (loss mask 1, removed samples left out) per policy version that generated them:
+    #: per token, so a turn a weight update interrupted counts under each of its versions.
+    trained_tokens_by_version: dict[int, int] = {}
 
 
 def _count_reason(counter: Counter, reason: str) -> None:
@@ -158,6 +161,7 @@ def collect(
         "tokens_in": LogHistogram(1, 1e9),
     }
     staleness: Counter[int] = Counter()
+    token_versions: Counter[int] = Counter()
     newest_version = 0
     reward_n, reward_sum, reward_lo, reward_hi = 0, 0.0, math.inf, -math.inf
     released = skipped = 0
@@ -222,6 +226,9 @@ def collect(
                 reducers[pid] = None
             else:
                 samples = res.samples
+                for smp in samples:
+                    if not smp.remove_sample:
+                        token_versions.update(smp.trained_tokens_by_version())
                 for g in res.groups:
                     released += 1
                     skipped += bool(g.skipped)
@@ -294,6 +301,7 @@ def collect(
         by_version=sorted(versions.items()),
         histograms=hist,
         staleness=dict(sorted(staleness.items())),
+        trained_tokens_by_version=dict(sorted(token_versions.items())),
         table=table.rows(),
         table_limits={"worst": worst, "per_reason": per_reason, "sample": sample, "seed": seed},
         learner=learner_rows,

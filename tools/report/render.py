@@ -218,6 +218,18 @@ def reasons_figure(data: ReportData) -> Any:
     return _layout(fig, yaxis_title="sessions", barmode="group")
 
 
+def token_versions_figure(data: ReportData) -> Any:
+    """Trained tokens by the policy version that generated each (a partial rollout's turn counts under each of its versions)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    if not data.trained_tokens_by_version:
+        return _layout(_empty(fig, "no trained token yet"))
+    tv = data.trained_tokens_by_version
+    fig.add_trace(go.Bar(x=list(tv), y=list(tv.values()), marker_color="#17becf", name="trained tokens"))
+    return _layout(fig, xaxis={"title": "policy version", "dtick": 1}, yaxis_title="trained tokens")
+
+
 def staleness_figure(data: ReportData) -> Any:
     """Sessions by staleness when they ended: the newest version the log had shown minus the session's oldest."""
     import plotly.graph_objects as go
@@ -424,6 +436,8 @@ def render(data: ReportData) -> str:
         _figure_html(outcomes_over_time_figure(data), "over-time"),
         "<h2>By policy version</h2><p class='meta'>Sessions by the oldest policy version that generated them.</p>",
         _figure_html(by_version_figure(data), "by-version"),
+        "<p class='meta'>Trained tokens by the policy version that generated each token.</p>",
+        _figure_html(token_versions_figure(data), "token-versions"),
         _figure_html(per_session_figure(data), "per-session"),
         learner_html,
         "<h2>Latency</h2>",
