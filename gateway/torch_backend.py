@@ -368,6 +368,11 @@ class TorchBackend(Backend):
                 if loader is None:
                     raise BackendError(self.name, f"reload_weights {where}: a directory (HF checkpoint), but the served "
                                                   f"model {type(self.model).__name__} has no load_hf_weights")
+                reader, applier = getattr(self.model, "read_hf_weights", None), getattr(self.model, "apply_hf_weights", None)
+                if reader is not None and applier is not None:
+                    # Read and checked here, while generation goes on; the swap only copies.
+                    hf_state = reader(where)
+                    return lambda: applier(hf_state)
                 return lambda: loader(where)
             try:
                 state = torch.load(where, map_location="cpu", weights_only=True)

@@ -160,6 +160,12 @@ class HFCausalLM(nn.Module):
 
         Every parameter must be there, except an output layer tied to the
         input embedding; a missing or unexpected tensor raises naming it."""
+        self.apply_hf_weights(self.read_hf_weights(directory))
+
+    def read_hf_weights(self, directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+        """The state of an HF directory, read and checked against this model
+        (as :meth:`load_hf_weights` checks it) but not applied: a server reads
+        the next version while it still generates with this one."""
         from safetensors.torch import load_file
 
         d = Path(directory)
@@ -181,6 +187,10 @@ class HFCausalLM(nn.Module):
                 f"{d}: weights do not fit the model ({type(self.model).__name__}): "
                 f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:3]}"
             )
+        return state
+
+    def apply_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy a state from :meth:`read_hf_weights` into the model, in place."""
         self.model.load_state_dict(state, strict=False)
 
     def _cache_of(self, out):
