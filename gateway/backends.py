@@ -161,6 +161,10 @@ class SGLangBackend(_HTTPBackend):
     """SGLang's native API: ``/generate`` with token ids and log-probs."""
 
     name = "sglang"
+    #: Return a generation the server aborted (``finish_reason`` "abort", its
+    #: partial output and ``weight_version``) instead of raising: set by a
+    #: :class:`~.weight_sync.GatedBackend` that resubmits partial outputs.
+    partial = False
 
     def request_body(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str) -> dict[str, Any]:
         """The ``/generate`` body for one call (exposed for tests and docs)."""
@@ -204,8 +208,11 @@ class SGLangBackend(_HTTPBackend):
             raise BackendError(self.name, f"/generate output_token_logprobs: expected [logprob, token_id, ...] items: {exc}", 200) from exc
         fr = meta.get("finish_reason")
         kind = fr.get("type") if isinstance(fr, dict) else fr
-        if kind not in ("stop", "length"):
+        if kind not in ("stop", "length") and not (kind == "abort" and self.partial):
             raise BackendError(self.name, f"/generate finished with {fr!r} (rid {rid}); nothing to record", 200)
+        if self.partial and "weight_version" not in meta:
+            raise BackendError(self.name, f"/generate meta_info lacks weight_version (rid {rid}): resubmitting partial "
+                                          "outputs needs the version that generated each part", 200)
         version = meta.get("weight_version", self.policy_version)
         try:
             version = int(version)

@@ -32,6 +32,19 @@ The reloads, each a small HTTP client against the server's own API:
   then asks for the reload, then resets the prefix cache (KV computed by
   the old weights must not be reused). vLLM answers 200 on success.
 
+Partial rollouts against SGLang (``GatedBackend(weight_update="resubmit")``):
+a reload does not drain. It holds new generations, then ``POST
+/pause_generation {"mode": "abort"}`` (SGLang aborts the requests in flight,
+each answering with its partial output, ``finish_reason`` ``abort`` and the
+``weight_version`` that made it, and holds requests that arrive meanwhile),
+``/update_weights_from_disk``, and ``POST /continue_generation {}`` (also after
+a refused update, so the server never stays paused). The gated backend
+resubmits each aborted generation with its partial output appended to the
+prompt; each part's version is the one the server reports
+(``meta_info.weight_version``), so a request that reached the server during
+the pause, and ran on the new weights, is recorded with the new version. The
+turn records its version spans.
+
 Every failure raises :class:`WeightSyncError` naming the server, the URL,
 the status and the body. A failure before anything reached the server (or
 SGLang's explicit refusal, after which it rolls back) leaves the gate at the
@@ -48,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -57,7 +71,9 @@ from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
 from agentlog.events.fs import atomic_path
 
-from .backends import Backend, Generation, SamplingParams
+from agentlog.events.schema.turn import canonical_version_spans
+
+from .backends import Backend, BackendError, Generation, SamplingParams, id_list
 from .http_json import HTTPJSONError, JSONClient
 
 _log = get_logger("agentlog.gateway.weight_sync")
@@ -94,11 +110,17 @@ class ReloadGate:
     until a later reload succeeds.
     """
 
-    def __init__(self, version: int = 0, *, drain_timeout_s: float = 300.0) -> None:
+    def __init__(self, version: int = 0, *, drain_timeout_s: float = 300.0, drains: bool = True) -> None:
         if not drain_timeout_s > 0:
             raise ValueError(f"ReloadGate: drain_timeout_s: expected a number > 0, found {drain_timeout_s!r}")
         self.version = version
         self.drain_timeout_s = drain_timeout_s
+        #: False for partial rollouts: a reload does not wait for the generations in
+        #: flight (the server aborts them and they are resubmitted; see the module docstring).
+        self.drains = drains
+        #: Reloads begun so far: a generation aborted while it was in flight and
+        #: this moved was aborted by a reload.
+        self.reloads_begun = 0
         self.fatal_reason: str | None = None
         self._inflight = 0
         self._reloading = False
@@ -153,10 +175,12 @@ class ReloadGate:
         timeout = self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         async with self._reload_lock:
             self._reloading = True
+            self.reloads_begun += 1
             self._open.clear()
             try:
                 try:
-                    await asyncio.wait_for(self._drained.wait(), timeout)
+                    if self.drains:
+                        await asyncio.wait_for(self._drained.wait(), timeout)
                 except asyncio.TimeoutError:
                     raise WeightSyncError(
                         f"reload to policy version {version}: {self._inflight} generation(s) still in flight "
@@ -175,9 +199,18 @@ class GatedBackend(Backend):
     """``inner`` behind a :class:`ReloadGate`: each generation is admitted by
     the gate and recorded with the version it was admitted under."""
 
-    def __init__(self, inner: Backend, gate: ReloadGate | None = None) -> None:
+    def __init__(self, inner: Backend, gate: ReloadGate | None = None, *, weight_update: str = "drain") -> None:
+        if weight_update not in ("drain", "resubmit"):
+            raise ValueError(f"GatedBackend: weight_update: expected 'drain' or 'resubmit' (a server reports no "
+                             f"per-token version boundary to continue from), found {weight_update!r}")
+        if weight_update == "resubmit":
+            if not hasattr(inner, "partial"):
+                raise ValueError(f"GatedBackend: weight_update 'resubmit' needs a backend that returns aborted partial "
+                                 f"outputs with their version (SGLang); {inner.name!r} does not")
+            inner.partial = True  # type: ignore[attr-defined]
         self.inner = inner
-        self.gate = gate or ReloadGate(inner.policy_version)
+        self.weight_update = weight_update
+        self.gate = gate or ReloadGate(inner.policy_version, drains=weight_update == "drain")
         self.name = inner.name
         self.context_length = inner.context_length
 
@@ -187,12 +220,47 @@ class GatedBackend(Backend):
         return self.gate.version
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        if self.weight_update == "resubmit":
+            return await self._generate_through_reloads(prompt_ids, params)
         version = await self.gate.admit()
         try:
             gen = await self.inner.generate(prompt_ids, params)
         finally:
             self.gate.release()
         return msgspec.structs.replace(gen, policy_version=version)
+
+    async def _generate_through_reloads(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        """One generation that a reload may abort: each aborted part is
+        resubmitted with the output so far appended to the prompt, under the
+        version the server then serves; the parts' versions (as the server
+        reported them) become the turn's version spans."""
+        prompt = id_list(prompt_ids)
+        toks: list[int] = []
+        lps: list[float] = []
+        starts: list[tuple[int, int]] = []
+        t0 = time.perf_counter()
+        while True:
+            await self.gate.admit()
+            reloads = self.gate.reloads_begun
+            try:
+                part = await self.inner.generate(
+                    prompt + toks, msgspec.structs.replace(params, max_new_tokens=params.max_new_tokens - len(toks)))
+            finally:
+                self.gate.release()
+            starts.append((len(toks), part.policy_version))
+            toks += part.output_ids
+            lps += part.log_probs
+            finish = part.finish_reason
+            if finish != "abort":
+                break
+            if self.gate.reloads_begun == reloads:
+                raise BackendError(self.name, f"the server aborted a generation after {len(toks)} tokens while no weight "
+                                              "update was under way; nothing to record")
+            if len(toks) >= params.max_new_tokens:
+                finish = "length"
+                break
+        version, spans = canonical_version_spans(starts, len(toks))
+        return Generation(toks, lps, finish, version, time.perf_counter() - t0, spans, self.weight_update)
 
     def ignored_sampling(self, params: SamplingParams) -> list[str]:
         return self.inner.ignored_sampling(params)
@@ -291,6 +359,23 @@ class SGLangWeightSync(_HTTPSync):
         return {"model_path": str(path), "weight_version": str(version), "flush_cache": True, "abort_all_requests": False}
 
     async def _reload(self, path: Path, version: int) -> Any:
+        if self.gate.drains:
+            return await self._update(path, version)
+        # Partial rollouts: abort what is in flight (each answers with its part), update, go on.
+        await self._post("/pause_generation", {"mode": "abort"}, effects=True)
+        try:
+            out = await self._update(path, version)
+        except WeightSyncError:
+            refused = not self._effects  # SGLang rolled back: the old weights still answer once it goes on
+            self._effects = True
+            await self._post("/continue_generation", {}, effects=True)
+            self._effects = not refused
+            raise
+        await self._post("/continue_generation", {}, effects=True)
+        return out
+
+    async def _update(self, path: Path, version: int) -> Any:
+        """``/update_weights_from_disk``; an explicit refusal leaves ``_effects`` False."""
         try:
             out = await self._post("/update_weights_from_disk", self.request_body(path, version), effects=True)
         except WeightSyncError as exc:

@@ -296,7 +296,7 @@ def make_backend(cfg: LoopConfig, model: Any) -> tuple[Backend, Any]:
     from agentlog.gateway.weight_sync import GatedBackend, SGLangWeightSync, VLLMWeightSync
 
     if inf.backend == "sglang":
-        backend = GatedBackend(SGLangBackend(inf.url, context_length=inf.context_length))
+        backend = GatedBackend(SGLangBackend(inf.url, context_length=inf.context_length), weight_update=cfg.rollout.weight_update)
         return backend, SGLangWeightSync(inf.url, gate=backend.gate)
     backend = GatedBackend(OpenAICompletionsBackend(inf.url, inf.model, context_length=inf.context_length))
     return backend, VLLMWeightSync(inf.url, inf.served_dir, gate=backend.gate)

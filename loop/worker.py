@@ -218,13 +218,14 @@ class RolloutWorker:
             return
 
     async def following_weights(self, work: Any) -> Any:
-        """Run ``work`` (a batch); text tasks on the in-process policy in a
-        partial ``weight_update`` mode meanwhile load each newly published
-        version as soon as it appears (every ``WEIGHTS_POLL_S``), which the
-        backend applies at the next token of the generations in flight: the
-        worker's own schedule, no drain. A failed load fails the batch, loudly.
+        """Run ``work`` (a batch); text tasks in a partial ``weight_update``
+        mode meanwhile load each newly published version as soon as it appears
+        (every ``WEIGHTS_POLL_S``): the in-process backend applies it at the
+        next token of the generations in flight, an SGLang server's gate
+        aborts them and resubmits their partial outputs. The worker's own
+        schedule, no drain. A failed load fails the batch, loudly.
         (The built-in tasks' batcher checks at its token boundaries itself.)"""
-        if not (self.text and self.weight_sync is None and self.cfg.rollout.weight_update != "drain"):
+        if not (self.text and self.cfg.rollout.weight_update != "drain"):
             return await work
 
         async def follow() -> None:

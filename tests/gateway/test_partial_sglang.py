@@ -1,0 +1,197 @@
+"""Partial rollouts against an SGLang server (a local fake on loopback that
+checks the order and shape of the control calls): a reload pauses the
+server with ``mode="abort"``, updates its weights and lets it go on; the
+gated backend resubmits each aborted generation with its partial output, and
+the recorded turn says which version made which tokens.
+
+The fake answers every token with the digit of the weights version it holds
+while generating it, so each recorded token's version can be checked against
+the turn's version spans."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from aiohttp_helpers import serve_app
+
+from agentlog.events.errors import ConfigError
+from agentlog.events.schema.turn import turn_version_spans
+from agentlog.gateway import OpenAICompletionsBackend, SamplingParams, SGLangBackend
+from agentlog.gateway.weight_sync import GatedBackend, SGLangWeightSync, WeightSyncError
+from agentlog.loop import LoopConfig
+from gateway_helpers import open_running, rig, run, turns_of
+
+TOKEN_S = 0.002
+
+
+class PausingSGLang:
+    """A fake SGLang: ``/generate`` makes one token every TOKEN_S; the control
+    routes must come as pause(abort) -> update -> continue, and an update
+    while generations run or the server is not paused is a violation."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.running = asyncio.Event()
+        self.running.set()
+        self.aborts: dict[int, asyncio.Event] = {}
+        self.calls: list[str] = []
+        self.violations: list[str] = []
+        self.refuse_next_update = False
+        self.aborted = 0
+
+    async def start(self) -> "PausingSGLang":
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/pause_generation", self.pause)
+        app.router.add_post("/update_weights_from_disk", self.update)
+        app.router.add_post("/continue_generation", self.go_on)
+        self.runner, self.url = await serve_app(app)
+        return self
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        assert isinstance(body["input_ids"], list) and body["return_logprob"] is True
+        await self.running.wait()  # SGLang holds a request that arrives while paused
+        abort = self.aborts[id(body)] = asyncio.Event()
+        version, out, finish = self.version, [], {"type": "length", "length": body["sampling_params"]["max_new_tokens"]}
+        try:
+            for _ in range(body["sampling_params"]["max_new_tokens"]):
+                if abort.is_set():
+                    finish = {"type": "abort", "message": "paused"}
+                    self.aborted += 1
+                    break
+                await asyncio.sleep(TOKEN_S)
+                if self.version != version:
+                    self.violations.append(f"weights changed from {version} to {self.version} mid-generation")
+                out.append(ord(str(version % 10)))
+        finally:
+            del self.aborts[id(body)]
+        return web.json_response({"text": "", "meta_info": {
+            "output_token_logprobs": [[-0.5, t, None] for t in out], "finish_reason": finish,
+            "weight_version": str(version)}})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls.append("pause")
+        if body != {"mode": "abort"}:
+            self.violations.append(f"pause body {body}")
+        self.running.clear()
+        for ev in self.aborts.values():
+            ev.set()
+        while self.aborts:  # the aborted requests answer before the pause does
+            await asyncio.sleep(0.001)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def update(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls.append("update")
+        if self.running.is_set() or self.aborts:
+            self.violations.append("update while not paused or with generations running")
+        if self.refuse_next_update:
+            self.refuse_next_update = False
+            return web.json_response({"success": False, "message": "cannot load"}, status=400)
+        self.version = int(body["weight_version"])
+        return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    async def go_on(self, request: web.Request) -> web.Response:
+        self.calls.append("continue")
+        self.running.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+def _hf_dir(root, version: int):
+    d = root / f"policy-v{version:05d}"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"w%d" % version)
+    return d
+
+
+async def _sessions_through_reloads(tmp_path, sessions: int = 4, reloads: int = 3):
+    server = await PausingSGLang().start()
+    try:
+        backend = GatedBackend(SGLangBackend(server.url), weight_update="resubmit")
+        sync = SGLangWeightSync(server.url, gate=backend.gate)
+        async with rig(backend) as (gw, engine, log):
+            started = asyncio.Event()
+
+            async def agent(i: int) -> None:
+                sid = f"s{i}"
+                await open_running(engine, sid)
+                headers = {"Authorization": f"Bearer {gw.session_key(sid)}"}
+                async with aiohttp.ClientSession() as http:
+                    for t in range(3):
+                        body = {"messages": [{"role": "user", "content": f"turn {t}"}], "max_tokens": 60}
+                        started.set()
+                        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                            assert r.status == 200, await r.text()
+
+            async def learner() -> None:
+                await started.wait()
+                for v in range(1, reloads + 1):
+                    await asyncio.sleep(0.03)
+                    await sync.reload(_hf_dir(tmp_path / "ckpt", v), v)
+
+            await asyncio.gather(learner(), *(agent(i) for i in range(sessions)))
+            await sync.close()
+            return server, turns_of(log)
+    finally:
+        await server.runner.cleanup()
+
+
+def test_reloads_abort_and_resubmit_and_every_token_records_the_version_that_made_it(tmp_path) -> None:
+    server, turns = run(_sessions_through_reloads(tmp_path))
+    assert not server.violations, server.violations
+    assert server.calls == ["pause", "update", "continue"] * 3
+    assert server.aborted > 0 and len(turns) == 12
+    interrupted = [t for t in turns if len(turn_version_spans(t)) > 1]
+    assert interrupted, "no generation was in flight at a reload"
+    for turn in turns:
+        spans = turn_version_spans(turn)
+        made_by = [int(chr(tok)) for tok in turn.output_tokens]
+        want = []
+        for k, (first, version) in enumerate(spans):
+            end = spans[k + 1][0] if k + 1 < len(spans) else len(made_by)
+            want += [version % 10] * (end - first)
+        assert made_by == want, (spans, made_by)
+        assert len(made_by) == 60 and turn.finish_reason == "length"
+    assert all(t.sampling["weight_update"] == "resubmit" for t in interrupted)
+
+
+def test_a_refused_update_lets_the_server_go_on_at_the_old_version(tmp_path) -> None:
+    async def body():
+        server = await PausingSGLang().start()
+        try:
+            backend = GatedBackend(SGLangBackend(server.url), weight_update="resubmit")
+            sync = SGLangWeightSync(server.url, gate=backend.gate)
+            server.refuse_next_update = True
+            with pytest.raises(WeightSyncError, match="update_weights_from_disk"):
+                await sync.reload(_hf_dir(tmp_path / "ckpt", 1), 1)
+            after = await backend.generate([1, 2], SamplingParams(max_new_tokens=3))
+            await sync.close()
+            await backend.close()
+            return server, backend, after
+        finally:
+            await server.runner.cleanup()
+
+    server, backend, after = run(body())
+    assert server.calls == ["pause", "update", "continue"] and server.running.is_set()
+    assert backend.gate.fatal_reason is None and backend.gate.version == 0
+    assert after.policy_version == 0 and after.output_ids == [ord("0")] * 3
+
+
+def test_partial_modes_a_server_cannot_record_exactly_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="weight_update: expected 'drain' or 'resubmit'"):
+        GatedBackend(SGLangBackend("http://127.0.0.1:9"), weight_update="continue")
+    with pytest.raises(ValueError, match="needs a backend that returns aborted partial outputs"):
+        GatedBackend(OpenAICompletionsBackend("http://127.0.0.1:9", "m"), weight_update="resubmit")
+    with pytest.raises(ConfigError, match=r"weight_update 'continue' with \[inference\] backend 'sglang'"):
+        LoopConfig(hf_model="tiny-llama", inference={"backend": "sglang", "url": "http://127.0.0.1:9"},
+                   rollout={"weight_update": "continue"})
+    with pytest.raises(ConfigError, match=r"weight_update 'resubmit' with \[inference\] backend 'vllm'"):
+        LoopConfig(hf_model="tiny-llama", inference={"backend": "vllm", "url": "http://127.0.0.1:9", "served_dir": "/x"},
+                   rollout={"weight_update": "resubmit"})
