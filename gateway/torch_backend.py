@@ -66,6 +66,7 @@ class TorchBackend(Backend):
     """
 
     name = "torch"
+    context_length: int  # always known in-process (the model's max_seq_len)
 
     def __init__(self, model: Any, *, max_batch: int = 64, seed: int = 0, policy_version: int = 0,
                  batch_window_s: float = 0.02, max_gather_s: float = 0.25, gil_switch_s: float | None = 0.0005,

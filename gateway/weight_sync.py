@@ -207,7 +207,7 @@ class GatedBackend(Backend):
             if not hasattr(inner, "partial"):
                 raise ValueError(f"GatedBackend: weight_update 'resubmit' needs a backend that returns aborted partial "
                                  f"outputs with their version (SGLang); {inner.name!r} does not")
-            inner.partial = True  # type: ignore[attr-defined]
+            inner.partial = True
         self.inner = inner
         self.weight_update = weight_update
         self.gate = gate or ReloadGate(inner.policy_version, drains=weight_update == "drain")

@@ -266,8 +266,7 @@ def read_batch(sc: Any, off: int, size: int) -> str:
         at, why = inner.offset, inner.bad.reason if inner.bad is not None else None
         if why is None and len(frames) != count:
             why = f"{len(frames)} frames, its header says {count}"
-        make = type(frames[0]) if frames else None
-        rest = [make(off, end, *fr[2:]) for fr in reversed(frames)]
+        rest = [type(fr)(off, end, *fr[2:]) for fr in reversed(frames)]
     if why is not None:
         return f"compressed batch (lsn {first}..{first + count - 1}), byte {at} of its frames: {why}"
     sc.rest = rest

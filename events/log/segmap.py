@@ -60,7 +60,9 @@ def frames_mapped(sc: "SegmentScanner", limit: int | None, size: int, batched: b
     scan is over (end of file, ``limit``, or the file shrank: ``sc.bad`` set)."""
     from .scan import BadFrame  # scan imports this module
 
-    scan = framecodec.native.scan_mapped
+    codec = framecodec.native
+    assert codec is not None  # mappable() checked it
+    scan = codec.scan_mapped
     try:
         mm, view = _mapping(sc, size)
     except (OSError, ValueError):  # not mappable (the file shrank since its size was taken, a file system without mmap)
