@@ -75,12 +75,21 @@ class TurnBody(_Indexed, frozen=True, kw_only=True):
         if READING_STORED.get():
             return
         event = str(self.__struct_config__.tag)  # every turn body is tagged with its event name
-        check_count(event, "turn_index", self.turn_index)
+        # Each check below has a fast path for what passes it (an exact int
+        # >= 0, exact bytes of whole items) and hands anything else to the
+        # full check: a turn's checks run on every body of every write.
+        index = self.turn_index
+        if type(index) is not int or index < 0:
+            check_count(event, "turn_index", index)
         self._check_prompt(event)
         if self.finish_reason not in FINISH_REASONS:
             fail(event, "finish_reason", "one of stop/length/abort", self.finish_reason)
-        out = packed_field(self, "output_ids", pack_tokens)
-        lp = packed_field(self, "output_log_probs", pack_log_probs)
+        out = self.output_ids
+        if type(out) is not bytes or len(out) % 4:
+            out = packed_field(self, "output_ids", pack_tokens)
+        lp = self.output_log_probs
+        if type(lp) is not bytes or len(lp) % 4:
+            lp = packed_field(self, "output_log_probs", pack_log_probs)
         if lp and len(lp) != len(out):
             fail(event, "output_log_probs", f"{len(out) // 4} log-probs (one per output token) or none", f"{len(lp) // 4} log-probs")
         if lp:
@@ -126,7 +135,9 @@ class TurnRecorded(TurnBody, frozen=True, tag="turn_recorded"):
     prompt_ids: bytes = b""
 
     def _check_prompt(self, event: str) -> None:
-        packed_field(self, "prompt_ids", pack_tokens)
+        prompt = self.prompt_ids
+        if type(prompt) is not bytes or len(prompt) % 4:  # else it passes packed_field as is
+            packed_field(self, "prompt_ids", pack_tokens)
 
     @property
     def prompt_tokens(self) -> np.ndarray:
