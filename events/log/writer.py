@@ -274,6 +274,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         self._compression = chosen_compression(self._compression, d, state.segments)
         self._index = state.index
         self._next_seq = state.open_sessions
+        self._placed_seq = dict(state.open_sessions)
         self._assigned = self._acked = expected
         self._seg_first = None
         self._publish(expected)
