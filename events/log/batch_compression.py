@@ -1,7 +1,7 @@
-"""Compressed record batches of the file log: the writer stages the frames of
-one append call (``append`` / ``append_batch``: one producer batch, as Kafka
-compresses its record batches) as zstd-compressed batch frames, and the
-scanner turns a batch back into its frames. The layout is in
+"""Compressed record batches of the file log: the writer compresses the
+frames one flush writes together (group commit: every append call it takes;
+our producer batch, as Kafka compresses its record batches) as zstd batch
+frames, and the scanner turns a batch back into its frames. The layout is in
 :mod:`agentlog.events.log.format` ("Compressed batch").
 
 The choice is per log and recorded in each segment's header
