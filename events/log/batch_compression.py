@@ -1,7 +1,7 @@
-"""Compressed record batches of the file log: the writer stages the frames of
-one append call (``append`` / ``append_batch``: one producer batch, as Kafka
-compresses its record batches) as zstd-compressed batch frames, and the
-scanner turns a batch back into its frames. The layout is in
+"""Compressed record batches of the file log: the writer compresses the
+frames one flush writes together (group commit: every append call it takes;
+our producer batch, as Kafka compresses its record batches) as zstd batch
+frames, and the scanner turns a batch back into its frames. The layout is in
 :mod:`agentlog.events.log.format` ("Compressed batch").
 
 The choice is per log and recorded in each segment's header
@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import zstandard
 
 from . import framecodec
+from .commit import _Submission
 from .format import (
     BATCH_CODEC_ZSTD,
     BATCH_HDR,
@@ -109,35 +110,56 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 # ---------------------------------------------------------------- writing
 
 
+class _Staged(NamedTuple):
+    """The frames of one append call of a compressed log, staged uncompressed:
+    ``buf`` holds them from LSN ``first`` on, ``ends`` their end offsets in it,
+    ``keys`` each record's (session, seq, terminal)."""
+
+    first: int
+    buf: bytes
+    ends: list[int]
+    keys: list[tuple[str, int, bool]]
+
+
 class BatchCompression:
     """The compressed staging of :class:`~agentlog.events.log.writer.FileLog`
     (a mixin: ``_submit`` hands it a checked submission when the log
-    compresses). It mirrors ``FileLog._submit``'s staging, with a batch of
-    frames as the unit a segment, the sparse index and a rotation see."""
+    compresses). Staging only frames the records (LSNs, sessions' next seqs);
+    the flush (:meth:`_lay_out_batches`, run by whoever flushes, one at a
+    time) compresses every record it writes together into batches and places
+    them: segments, rotations, the sparse index and periodic checkpoints are
+    decided there, as ``FileLog._submit``'s staging decides them for plain frames."""
 
     # The FileLog state this uses (writer.py sets it) and its other parts' methods.
     _compression: str | None
     _clock: Callable[[], int]
+    _cv: threading.Condition
     _assigned: int
     _seg_first: int | None
     _seg_size: int
     _last_index_off: int
+    _ckpt_off: int
+    _ckpt_every: int
     _segment_bytes: int
     _next_seq: dict[str, int]
+    #: The sessions' next seqs as of the last record a flush placed (flusher side, under _cv).
+    _placed_seq: dict[str, int]
+    #: Bytes of frames staged and not placed yet (under _cv): what the spare reservation counts.
+    _unplaced_bytes: int = 0
     _index: dict[int, list[tuple[int, int]]]
+    _pending: Any
     _reserve_spares: Callable[[int, int], None]
     _segments_needed: Callable[[list[int]], tuple[int, int]]
     _start_segment: Callable[..., list]
     _snapshot: Callable[..., Any]
-    _queue: Callable[[list, int], None]
     _zstd: zstandard.ZstdCompressor | None = None
 
-    def _compressed_units(self, checked: list, sids: list[bytes], lsn: int, ts: int) -> list[tuple[int, bytes]]:
-        """(first LSN, bytes) of each unit the records become: a compressed
-        batch, or a plain frame where compressing its batch saves too little."""
-        if self._zstd is None:
-            self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-        compress = self._zstd.compress
+    def _submit_compressed(self, checked: list, sids: list[bytes]) -> tuple[list[Envelope], int]:
+        """``FileLog._submit`` from its staging on, for a compressed log
+        (caller holds _cv; every check that can fail has run, but the
+        spare segment files' reservation, which runs here first)."""
+        ts = self._clock()
+        lsn = self._assigned
         flags = [type(rec.body) in _TERMINAL_SET for rec in checked]
         codec = framecodec.native
         if codec is not None:
@@ -148,8 +170,58 @@ class BatchCompression:
             for p in parts:
                 at += len(p)
                 ends.append(at)
+        # The frames' own sizes bound what they take once placed (a batch is stored only when smaller).
+        self._reserve_spares(*self._segments_needed([self._unplaced_bytes, len(buf)] if self._unplaced_bytes else [len(buf)]))
+        # From here on nothing can fail.
+        self._unplaced_bytes += len(buf)
+        keys = []
+        envs = []
+        next_seq = self._next_seq
+        for rec, terminal in zip(checked, flags):
+            sid, seq, body, _payload = rec
+            keys.append((sid, seq, terminal))
+            envs.append(Envelope(lsn, sid, seq, ts, body))
+            if terminal:
+                next_seq.pop(sid, None)
+            else:
+                next_seq[sid] = seq + 1
+            lsn += 1
+        self._assigned = lsn
+        self._pending.append(_Submission([_Staged(lsn - len(keys), buf, ends, keys)], lsn))
+        return envs, lsn
+
+    def _lay_out_batches(self, subs: list) -> None:
+        """Before a flush of a compressed log writes ``subs`` (their ops:
+        :class:`_Staged` frames): compress their frames together, in batches
+        of at most BATCH_RAW_BYTES (outside _cv), then place the batches
+        (under _cv) and make ``subs``' ops the runs and segment starts to
+        write, with a periodic checkpoint when one is due."""
+        staged = [op for sub in subs for op in sub.ops]
+        if len(staged) == 1:
+            buf, ends = staged[0].buf, staged[0].ends
+        else:
+            buf = b"".join([s.buf for s in staged])
+            ends, base = [], 0
+            for s in staged:
+                ends += [e + base for e in s.ends] if base else s.ends
+                base += len(s.buf)
+        units = self._compressed_units(buf, ends, staged[0].first)
+        with self._cv:
+            ops, ckpt = self._place(units, [k for s in staged for k in s.keys], subs[-1].end)
+            self._unplaced_bytes -= len(buf)
+        subs[0].ops = ops
+        for sub in subs[1:]:
+            sub.ops = []
+        subs[-1].checkpoint = ckpt
+
+    def _compressed_units(self, buf: bytes, ends: list[int], lsn: int) -> list[tuple[int, int, bytes]]:
+        """(first LSN, records, bytes) of each unit the frames in ``buf`` become: a
+        compressed batch, or a plain frame where compressing its batch saves too little."""
+        if self._zstd is None:
+            self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        compress = self._zstd.compress
         view = memoryview(buf)
-        units: list[tuple[int, bytes]] = []
+        units: list[tuple[int, int, bytes]] = []
         start, i, n = 0, 0, len(ends)
         while i < n:
             # The batch: frames from i while it stays under BATCH_RAW_BYTES (one frame at least).
@@ -159,51 +231,49 @@ class BatchCompression:
             raw = view[start : ends[j - 1]]
             data = compress(raw) if len(raw) >= _MIN_RAW else None
             if data is not None and len(data) + FRAME_PREFIX + BATCH_HDR.size <= len(raw) * (1 - _MIN_SAVING):
-                units.append((lsn + i, pack_batch(lsn + i, j - i, raw, data)))
+                units.append((lsn + i, j - i, pack_batch(lsn + i, j - i, raw, data)))
             else:
                 at = start
                 for k in range(i, j):
-                    units.append((lsn + k, bytes(view[at : ends[k]])))
+                    units.append((lsn + k, 1, bytes(view[at : ends[k]])))
                     at = ends[k]
             start, i = ends[j - 1], j
         return units
 
-    def _submit_compressed(self, checked: list, sids: list[bytes]) -> tuple[list[Envelope], int]:
-        """``FileLog._submit`` from its staging on, for a compressed log
-        (caller holds _cv; every check that can fail has run, but the
-        spare segment files' reservation, which runs here first)."""
-        ts = self._clock()
-        lsn = self._assigned
-        units = self._compressed_units(checked, sids, lsn, ts)
-        self._reserve_spares(*self._segments_needed([len(u) for _, u in units]))
-        # From here on nothing can fail.
+    def _place(self, units: list[tuple[int, int, bytes]], keys: list[tuple[str, int, bool]], end: int) -> tuple[list, Any]:
+        """Under _cv: the ops that write ``units`` (segment starts, whose
+        checkpoints hold the sessions as of their first record, and runs),
+        their sparse index entries, and the checkpoint of the state at
+        ``end`` when one is due."""
         seg_first, seg_size, last_idx = self._seg_first, self._seg_size, self._last_index_off
         run: list = []
         ops: list = [run]
         seg_limit = self._segment_bytes
-        for first, unit in units:
+        sessions = self._placed_seq
+        k = 0
+        for first, count, unit in units:
             n = len(unit)
             if seg_first is None or (seg_size > SEG_HDR_SIZE and seg_size + n > seg_limit):
-                run = self._start_segment(first, rotating=seg_first is not None, ops=ops)
+                run = self._start_segment(first, rotating=seg_first is not None, ops=ops, sessions=sessions)
                 seg_first, seg_size, last_idx = first, SEG_HDR_SIZE, SEG_HDR_SIZE
             elif seg_size - last_idx >= INDEX_EVERY_BYTES:
                 self._index[seg_first].append((first, seg_size))
                 last_idx = seg_size
             run.append(unit)
             seg_size += n
-        envs = []
-        next_seq = self._next_seq
-        for rec in checked:
-            sid, seq, body, _payload = rec
-            envs.append(Envelope(lsn, sid, seq, ts, body))
-            if type(body) in _TERMINAL_SET:
-                next_seq.pop(sid, None)
-            else:
-                next_seq[sid] = seq + 1
-            lsn += 1
+            for sid, seq, terminal in keys[k : k + count]:
+                if terminal:
+                    sessions.pop(sid, None)
+                else:
+                    sessions[sid] = seq + 1
+            k += count
         self._seg_first, self._seg_size, self._last_index_off = seg_first, seg_size, last_idx
-        self._queue(ops, lsn)
-        return envs, lsn
+        ckpt = None
+        if seg_size - self._ckpt_off >= self._ckpt_every:
+            assert seg_first is not None
+            ckpt = self._snapshot(end, seg_first, seg_size, sessions=sessions)
+            self._ckpt_off = seg_size
+        return ops, ckpt
 
 
 # ---------------------------------------------------------------- reading

@@ -46,7 +46,9 @@ class _Submission:
     """Staged records waiting for a flush: their frames (bytes) and
     :class:`~agentlog.events.log.fence._NewSegment` markers in order (``ops``),
     the exclusive LSN bound ``end``, and a periodic checkpoint of the state at
-    ``end``, written once the data is synced. Until a flush takes it, a
+    ``end``, written once the data is synced (a compressed log stages its
+    records' frames uncompressed, and the flush that takes them compresses
+    and places them: :mod:`~agentlog.events.log.batch_compression`). Until a flush takes it, a
     one-record async append may join the last one (its last run grows,
     ``end`` with it): under ``_cv``, and never under ``fsync="always"``, which
     syncs each append call on its own."""
@@ -91,6 +93,8 @@ class GroupCommit:
     _unused_spares: Callable[[Iterable[_Submission]], list[_Spare]]
     _publish: Callable[..., None]
     _write_checkpoint_if_fds: Callable[..., None]
+    _compression: str | None
+    _lay_out_batches: Callable[[list[_Submission]], None]
 
     def _take(self) -> list[_Submission]:
         if self._policy == "always":
@@ -156,6 +160,8 @@ class GroupCommit:
         not put bytes after a newer writer's recovery point) and again before
         the batch is acknowledged or published."""
         self._check_fence()
+        if self._compression is not None:
+            self._lay_out_batches(subs)  # one compression per flush: its records compress together
         buf: list = []
         ckpt = self._ckpt_unsynced
         for sub in subs:

@@ -48,7 +48,7 @@ class FrameStaging:
     _next_seq: dict[str, int]
     _index: dict[int, list[tuple[int, int]]]
     _spares: collections.deque[_Spare]
-    _snapshot: Callable[[int, int, int], Checkpoint]
+    _snapshot: Callable[..., Checkpoint]
 
     def _stage_in_segment(self, codec: Any, batch: CheckedBatch, sidbs: list[bytes], sizes: list[int], lsn: int, ts: int) -> list:
         """Stage a batch of small frames that fits the active segment: one
@@ -119,15 +119,16 @@ class FrameStaging:
         self._seg_first, self._seg_size, self._last_index_off = seg_first, seg_size, last_idx
         return ops
 
-    def _start_segment(self, lsn: int, *, rotating: bool, ops: list) -> list:
-        """Stage a new segment starting at ``lsn``; returns the run its frames go to."""
+    def _start_segment(self, lsn: int, *, rotating: bool, ops: list, sessions: dict[str, int] | None = None) -> list:
+        """Stage a new segment starting at ``lsn``; returns the run its frames
+        go to. ``sessions``: the next seqs as of ``lsn``, if not ``_next_seq``."""
         self._segments.append(lsn)
         self._index[lsn] = [(lsn, SEG_HDR_SIZE)]
         self._ckpt_off = SEG_HDR_SIZE
         # A rotation checkpoints the state at the new segment's start, so a
         # crash never makes the next open rescan sealed segments. The writer's
         # first segment needs none: open left a valid checkpoint.
-        ckpt = self._snapshot(lsn, lsn, SEG_HDR_SIZE) if rotating else None
+        ckpt = self._snapshot(lsn, lsn, SEG_HDR_SIZE, sessions=sessions) if rotating else None
         ops.append(_NewSegment(lsn, ckpt, self._spares.popleft() if self._spares else None))
         run: list = []
         ops.append(run)

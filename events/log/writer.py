@@ -136,8 +136,8 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         ``fence=False`` skips those reads (a log on a local disk, where the
         flock already excludes a second writer); FENCE is still written.
 
-        ``compression``: ``"zstd"`` compresses each append call's frames as one
-        batch, ``"none"`` does not; None (default) keeps what the log's last
+        ``compression``: ``"zstd"`` compresses the frames each flush writes
+        together as batches, ``"none"`` does not; None (default) keeps what the log's last
         segment records (see :mod:`~agentlog.events.log.batch_compression`).
 
         ``_flock=False`` is a test seam, not an option: it skips the flock to
@@ -274,6 +274,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         self._compression = chosen_compression(self._compression, d, state.segments)
         self._index = state.index
         self._next_seq = state.open_sessions
+        self._placed_seq = dict(state.open_sessions)
         self._assigned = self._acked = expected
         self._seg_first = None
         self._publish(expected)

@@ -47,18 +47,20 @@ class WriterCheckpoints:
             seg, off = self._assigned, SEG_HDR_SIZE
         return self._snapshot(self._assigned, seg, off)
 
-    def _snapshot(self, lsn: int, segment: int, offset: int) -> Checkpoint:
+    def _snapshot(self, lsn: int, segment: int, offset: int, *, sessions: dict[str, int] | None = None) -> Checkpoint:
         """Under _cv (or before the writer starts): checkpoint of the state
         as of record ``lsn`` at ``offset`` in ``segment``, the last segment.
         O(open sessions + segments): only ``segment``'s index list is copied,
-        as sealed segments' lists never change again and are shared."""
+        as sealed segments' lists never change again and are shared.
+        ``sessions``: the open sessions' next seqs as of ``lsn`` when
+        ``_next_seq`` is ahead of it (a compressed log's flush)."""
         return Checkpoint(
             epoch=self._epoch,
             lsn=lsn,
             segment=segment,
             offset=offset,
             segments=list(self._segments),
-            open_sessions=dict(self._next_seq),
+            open_sessions=dict(self._next_seq if sessions is None else sessions),
             index={k: (v if k != segment else list(v)) for k, v in self._index.items()},
         )
 

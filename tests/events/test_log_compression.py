@@ -251,3 +251,53 @@ def test_a_batch_whose_crc_holds_but_whose_frames_are_damaged_is_corruption(tmp_
     assert expected in rep.problem
     with pytest.raises(LogCorruption, match=expected):
         list(read_log(d))
+
+
+def test_records_written_by_one_flush_share_a_batch_and_checkpoints_hold_their_lsn_state(tmp_path):
+    """Concurrent one-record async appends: a flush compresses every record it
+    writes as one batch (so batches hold several append calls), and the
+    checkpoints it takes (rotations, periodic) hold the sessions as of their
+    own LSN, although appends staged meanwhile are ahead of it."""
+    from agentlog.events.log.osops import OsOps
+
+    d = tmp_path / "log"
+    seen: list[bytes] = []
+
+    class IndexWatch(OsOps):
+        def fdatasync(self, fd: int) -> None:  # the INDEX a previous sync wrote, before the next one
+            if (d / "INDEX").exists():
+                seen.append((d / "INDEX").read_bytes())
+            super().fdatasync(fd)
+
+    n_sessions, n_turns = 12, 30
+
+    async def go() -> list:
+        lg = FileLog.open(d, compression="zstd", segment_bytes=24 << 10, checkpoint_bytes=2048, os_ops=IndexWatch())
+
+        async def session(k: int) -> list:
+            rng = random.Random(k)  # each session its own letters: batches do not compress across sessions
+            bodies = [SessionOpened(group_id="g", group_size=1), SessionStarted()] + [
+                CommandRan(command=f"step {seq}", exit_code=0, output_tail="".join(rng.choices(string.ascii_letters, k=300)))
+                for seq in range(2, n_turns)]
+            return [await lg.append(f"s{k}", seq, body) for seq, body in enumerate(bodies)]
+
+        envs = [e for got in await asyncio.gather(*(session(k) for k in range(n_sessions))) for e in got]
+        lg.close()
+        return sorted(envs, key=lambda e: e.lsn)
+
+    envs = asyncio.run(go())
+    assert list(read_log(d)) == envs
+    assert verify_log(d).status == "ok"
+    counts = [BATCH_HDR.unpack_from(seg_path(d, k).read_bytes(), off + FRAME_PREFIX)[1]
+              for k in range(len(list_segments(d))) for off, typ, _ in _units(d, k) if typ == TYPE_BATCH]
+    assert len(list_segments(d)) > 2 and max(counts) > 1
+    checked = 0
+    for raw in seen:
+        (tmp_path / "one").mkdir(exist_ok=True)
+        (tmp_path / "one" / "INDEX").write_bytes(raw)
+        ckpt = load_checkpoint(tmp_path / "one")[0]
+        assert ckpt is not None
+        expected = {e.session_id: e.session_seq + 1 for e in envs[: ckpt.lsn]}
+        assert ckpt.open_sessions == expected, ckpt.lsn
+        checked += 1
+    assert checked > 5
