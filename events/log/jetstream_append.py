@@ -345,8 +345,17 @@ class JetStreamAppender(EventLog):
             except APIError as exc:
                 if exc.err_code in _MAYBE_LANDED:
                     landed = await self._landed(last_id)
+                    if landed == _MOVED and is_wrong_last_sequence(exc):
+                        raise  # the callers tell this refusal apart (append: LogFenced; a take-over: fence again)
                     if landed == _MOVED:
-                        raise
+                        # Another writer's message is past ours, and the retry met a duplicate-id refusal
+                        # (a thawed stale writer's own ids still in the window): fenced all the same.
+                        raise LogFenced(
+                            f"{self.where}: epoch {self.epoch} was fenced by a newer writer (the subject moved past "
+                            f"sequence {self._last_seq} to another writer's message; the server refused lsn {lsn}: "
+                            f"{exc}); lsn {lsn} and later were not acknowledged",
+                            epoch=self.epoch,
+                        ) from exc
                     if isinstance(landed, int):
                         self._last_seq = landed
                         return
