@@ -6,8 +6,9 @@ per decode step for the whole batch (``--token-ms``, default 2 ms), calls
 ``between_steps`` at each token boundary as ``learner.model.decode`` does
 (stopping the batch when it returns True, the rows still generating finishing
 ``"abort"``) and emits one fixed token per step. 64 sessions run at once,
-turn after turn; each turn's length (its ``max_new_tokens``) is drawn from a
-lognormal. A publisher hands the backend a new version every period through
+each playing ``--turns`` turns (default 10) one after the other; each turn's
+length (its ``max_new_tokens``) is drawn from a lognormal, the same draws in
+every arm. A publisher hands the backend a new version every period through
 ``backend.load_weights(...)`` (a one-tensor state dict the fake model takes).
 
 Scale: the target workload is turns of median 2 s and p99 60 s of generation
@@ -33,9 +34,18 @@ Learning (the demo arms): the loop's demo (``loop.run.run_loop``, default
 lookup task) with ``[rollout] weight_update = "continue"`` and ``"drain"``,
 same seed, both from the same warm-up (version 0, built once, as
 ``bench_distill`` does); the figure is the policy version at which the mean
-reward of the last 10 trained steps first reaches 0.9 (the demo's stop rule).
-``--quick`` runs 2 steps per arm from no warm-up (it cannot reach 0.9: it
+reward of the last 10 trained steps first reaches 0.9 (the demo's stop rule;
+never within ``--demo-steps``: that + 1).
+``--quick`` runs 1 step per arm from no warm-up (it cannot reach 0.9: it
 shows both modes train, and its GOAL reads n/a, MISS).
+
+What to expect: ``TorchBackend`` batches statically (a batch runs for its
+longest row's allowance; the shorter rows wait in it), so the time a drained
+update waits for the batch in flight is time the model generates anyway:
+drain delays the update (and serves staler tokens) but leaves the model
+busy, and tokens/s stays the same in every arm. The throughput loss that
+partial rollouts avoid belongs to servers that stop admitting new requests
+while a drain's long tail finishes, which this backend never does.
 
 Usage: ``python tools/bench/bench_partial.py [--quick] [--turns N] [--demo-steps N] [--no-demo]``.
 """
@@ -309,16 +319,16 @@ def _goal(name: str, measured: str, op: str, target: str, ok: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the workload arms and the demo arms, print the tables and the GOAL lines."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 turns per session; 2 demo steps per arm, no warm-up")
+    p.add_argument("--quick", action="store_true", help="2 turns per session; 1 demo step per arm, no warm-up")
     p.add_argument("--turns", type=int, default=None, help="turns per session in each workload arm (default 10; --quick 2)")
     p.add_argument("--token-ms", type=float, default=2.0, help="simulated time per decode step (default 2 ms)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--demo-steps", type=int, default=None, help="most RL steps per demo arm (default 60; --quick 2)")
+    p.add_argument("--demo-steps", type=int, default=None, help="most RL steps per demo arm (default 60; --quick 1)")
     p.add_argument("--no-demo", action="store_true", help="skip the demo arms (no learning GOAL line)")
     p.add_argument("--keep", type=Path, default=None, help="keep the demo run folders under this directory")
     args = p.parse_args(argv)
     turns = args.turns if args.turns is not None else (2 if args.quick else 10)
-    demo_steps = args.demo_steps if args.demo_steps is not None else (2 if args.quick else 60)
+    demo_steps = args.demo_steps if args.demo_steps is not None else (1 if args.quick else 60)
     torch.set_num_threads(1)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
 
@@ -366,12 +376,14 @@ def main(argv: list[str] | None = None) -> int:
     _goal("update_pause_p99_ms", f"{p99:.1f}", "<=", "200", p99 <= 200)
     if demo:
         d, c = demo["drain"]["steps"], demo["continue"]["steps"]
-        if args.quick or d is None or c is None:
-            print(f"steps to 0.9: drain {d if d is not None else 'never'}, continue {c if c is not None else 'never'} "
-                  f"(in {demo_steps} steps): not measured")
+        if args.quick:
+            print(f"steps to 0.9 (in {demo_steps} steps): drain {d if d is not None else 'never'}, "
+                  f"continue {c if c is not None else 'never'}: not measured in --quick")
             _goal("demo_steps_to_0.9_partial_vs_drain", "n/a", "<=", "1.1x", False)
         else:
-            _goal("demo_steps_to_0.9_partial_vs_drain", f"{c / d:.2f}x", "<=", "1.1x", c / d <= 1.1)
+            # As bench_distill: a run that never gets there counts as demo_steps + 1.
+            ratio = (c if c is not None else demo_steps + 1) / (d if d is not None else demo_steps + 1)
+            _goal("demo_steps_to_0.9_partial_vs_drain", f"{ratio:.2f}x", "<=", "1.1x", ratio <= 1.1)
     return 0
 
 
