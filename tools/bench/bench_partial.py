@@ -8,7 +8,9 @@ per decode step for the whole batch (``--token-ms``, default 2 ms), calls
 ``"abort"``) and emits one fixed token per step. 64 sessions run at once,
 each playing ``--turns`` turns (default 10) one after the other; each turn's
 length (its ``max_new_tokens``) is drawn from a lognormal, the same draws in
-every arm. A publisher hands the backend a new version every period through
+every arm. Before the clock starts, the sessions play untimed one-token
+rounds until one is served as a single batch (a cold backend starts its
+first batch with whatever has arrived). A publisher hands the backend a new version every period through
 ``backend.load_weights(...)`` (a one-tensor state dict the fake model takes).
 
 Scale: the target workload is turns of median 2 s and p99 60 s of generation
@@ -210,6 +212,16 @@ async def run_arm(mode: str, *, turns: int, token_s: float, period_s: float, see
     res = ArmResult(mode, 0.0)
     waiting = _Waiting()
     published = 0
+    # Untimed one-token rounds until one is served as a single batch: the backend gathers its
+    # first batch from whatever has arrived (it last saw a batch of 1), which would otherwise
+    # split the first round at random in any arm.
+    for _ in range(10):
+        before = backend.batches
+        await asyncio.gather(*(backend.generate(PROMPT, SamplingParams(max_new_tokens=1)) for _ in range(SESSIONS)))
+        if backend.batches - before == 1:
+            break
+    primed_batches = backend.batches
+    model.busy.clear()
     t0 = time.perf_counter()
     playing = SESSIONS
 
@@ -265,7 +277,7 @@ async def run_arm(mode: str, *, turns: int, token_s: float, period_s: float, see
         await backend.close()
     res.wall_s = time.perf_counter() - t0
     res.pauses_s = list(backend.update_pauses_s)
-    res.batches = backend.batches
+    res.batches = backend.batches - primed_batches
     busy_while_waiting = _overlap(waiting.spans, model.busy)
     res.idle_frac = (sum(b - a for a, b in waiting.spans) - busy_while_waiting) / res.wall_s
     return res
