@@ -297,8 +297,7 @@ def workload(turns: int, token_s: float, seed: int) -> dict[str, ArmResult]:
 def demo_arm(base: Path, mode: str, *, seed: int, steps: int, quick: bool) -> dict:
     """One run of the loop's demo under ``[rollout] weight_update = mode``; steps to a 10-step mean
     reward of 0.9 (None: never), trained steps, last reward, interrupted turns and wall time."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_distill import TARGET, WINDOW, start_from, steps_to_target, warmed_up
+    from agentlog.tools.bench.bench_distill import TARGET, WINDOW, start_from, steps_to_target, warmed_up
 
     from agentlog.events import read_log
     from agentlog.events.schema.turn_delta import full_turns
