@@ -412,3 +412,54 @@ def test_an_append_cancelled_by_its_caller_does_not_break_the_log(nats_server, s
         assert lg.fatal_reason is None
         lg.append_batch([("a", 2, small_event(2))])
         assert [(e.lsn, e.session_id) for e in lg.read()] == [(0, "a"), (1, "a"), (2, "s0"), (3, "s1"), (4, "s2"), (5, "a")]
+
+
+def test_a_stale_writer_whose_batch_landed_unacknowledged_is_fenced_by_name(nats_server, stream):
+    """A writer's batch lands but its ack is lost (the writer was frozen, as
+    SIGSTOP does to a worker), and meanwhile a new writer takes the partition
+    over. The stale writer's retry of the same batch meets its own message ids
+    in the duplicate window (10201), while the subject ends in the new writer's
+    fence: it is refused as fenced by a newer writer (LogFenced), not as a raw
+    server refusal, and the new writer holds every record that landed."""
+    import threading
+
+    old = JetStreamLog.open(nats_server.url, stream, 0)
+    old.append_batch([("a", 0, opened())])
+    landed, taken_over = threading.Event(), threading.Event()
+    real = old._publish_once
+
+    async def ack_lost_once(msgs, attempt, timeout):
+        seq = await real(msgs, attempt, timeout)
+        if len(msgs) > 1 and not landed.is_set():
+            landed.set()  # the batch is stored; its writer "freezes" before it sees the ack
+            await asyncio.to_thread(taken_over.wait, 30)
+            raise asyncio.TimeoutError("ack lost while the writer was frozen")
+        return seq
+
+    old._publish_once = ack_lost_once
+    outcome: list[BaseException] = []
+
+    def append() -> None:
+        try:
+            old.append_batch([("a", k, small_event(k)) for k in (1, 2, 3)])
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread, which checks it
+            outcome.append(exc)
+
+    appender = threading.Thread(target=append)
+    appender.start()
+    new = None
+    try:
+        assert landed.wait(30), "the batch never reached the server"
+        new = JetStreamLog.open(nats_server.url, stream, 0)
+        taken_over.set()
+        appender.join(30)
+        assert not appender.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], LogFenced), outcome
+        assert "fenced by a newer writer" in str(outcome[0])
+        assert [e.lsn for e in new.read()] == [0, 1, 2, 3] and new.next_lsn == 4
+    finally:
+        taken_over.set()
+        old.close()
+        if new is not None:
+            new.close()
+        appender.join(5)
