@@ -367,6 +367,7 @@ class SGLangWeightSync(_HTTPSync):
             out = await self._update(path, version)
         except WeightSyncError:
             refused = not self._effects  # SGLang rolled back: the old weights still answer once it goes on
+            # The server is paused whatever happened: a continue that cannot reach it leaves it so (fatal).
             self._effects = True
             await self._post("/continue_generation", {}, effects=True)
             self._effects = not refused

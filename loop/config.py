@@ -166,13 +166,14 @@ class LoopConfig:
             raise ConfigError(f"LoopConfig.metrics: expected a [metrics] table, found {self.metrics!r}")
         if not isinstance(self.hf_model, str):
             raise ConfigError(f"LoopConfig.hf_model: expected a directory or a tiny model name, found {self.hf_model!r}")
-        mode = self.rollout.weight_update
-        if self.inference.backend == "sglang" and mode == "continue" or self.inference.backend == "vllm" and mode != "drain":
+        # A server's partial modes: what it reports decides what the log can record exactly.
+        server, mode = self.inference.backend, self.rollout.weight_update
+        supported = {"sglang": ("drain", "resubmit"), "vllm": ("drain",)}.get(server, (mode,))
+        if mode not in supported:
             raise ConfigError(
-                f"[rollout] weight_update {mode!r} with [inference] backend {self.inference.backend!r}: not supported "
-                "(the server reports no per-token version boundary" + (" and no version per response" if
-                self.inference.backend == "vllm" else "") + "); use " + ("'drain' or 'resubmit'" if
-                self.inference.backend == "sglang" else "'drain'"))
+                f"[rollout] weight_update {mode!r} with [inference] backend {server!r}: not supported (the server reports "
+                f"no per-token version boundary{' and no version per response' if server == 'vllm' else ''}); use one of "
+                f"{supported}")
         if self.inference.backend != "in-process" and not self.hf_model:
             # A server loads published HF directories and tokenises with the model's own tokenizer;
             # the built-in GPT has neither.

@@ -359,6 +359,13 @@ static PyObject *sid_or_bad(sid_cache *c, const frame_info *fi, scan_state *st) 
     return sid;
 }
 
+/* The scanners build frames as instances of the caller's tuple subclass: -1 (TypeError naming ``who``) otherwise. */
+static int check_frame_type(PyObject *ftype, const char *who) {
+    if (PyType_Check(ftype) && PyType_IsSubtype((PyTypeObject *)ftype, &PyTuple_Type)) return 0;
+    PyErr_Format(PyExc_TypeError, "%s: frame_type must be a tuple subclass", who);
+    return -1;
+}
+
 static int parse_state(scan_state *st, Py_buffer *view, PyObject *limit_obj, Py_ssize_t rel, unsigned long long base,
                        unsigned long long size, unsigned long long expected, unsigned long long cap) {
     memset(st, 0, sizeof(*st));
@@ -411,10 +418,7 @@ static PyObject *fc_scan(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOnKKKOKn:scan", &bufobj, &viewobj, &ftype, &rel, &base, &size, &expected, &limit_obj,
                           &cap, &max_frames))
         return NULL;
-    if (!PyType_Check(ftype) || !PyType_IsSubtype((PyTypeObject *)ftype, &PyTuple_Type)) {
-        PyErr_SetString(PyExc_TypeError, "scan: frame_type must be a tuple subclass");
-        return NULL;
-    }
+    if (check_frame_type(ftype, "scan") < 0) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
     scan_state st;
@@ -577,10 +581,7 @@ static PyObject *fc_scan_mapped(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOnKKKOKn:scan_mapped", &bufobj, &viewobj, &ftype, &rel, &base, &size, &expected,
                           &limit_obj, &cap, &max_frames))
         return NULL;
-    if (!PyType_Check(ftype) || !PyType_IsSubtype((PyTypeObject *)ftype, &PyTuple_Type)) {
-        PyErr_SetString(PyExc_TypeError, "scan_mapped: frame_type must be a tuple subclass");
-        return NULL;
-    }
+    if (check_frame_type(ftype, "scan_mapped") < 0) return NULL;
     /* Noted on the stack, a bounded number per call (the caller asks again on code MORE). */
     frame_info fi[MAPPED_FRAMES];
     if (max_frames > MAPPED_FRAMES) max_frames = MAPPED_FRAMES;
@@ -670,10 +671,7 @@ static PyObject *fc_scan_batch(PyObject *self, PyObject *args) {
     unsigned long long first, offset, end, cap;
     Py_ssize_t count;
     if (!PyArg_ParseTuple(args, "SOKnKKK:scan_batch", &raw, &ftype, &first, &count, &offset, &end, &cap)) return NULL;
-    if (!PyType_Check(ftype) || !PyType_IsSubtype((PyTypeObject *)ftype, &PyTuple_Type)) {
-        PyErr_SetString(PyExc_TypeError, "scan_batch: frame_type must be a tuple subclass");
-        return NULL;
-    }
+    if (check_frame_type(ftype, "scan_batch") < 0) return NULL;
     PyTypeObject *tp = (PyTypeObject *)ftype;
     scan_state st;
     memset(&st, 0, sizeof(st));

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Generator, Iterator, NamedTuple
+from typing import Any, Generator, Iterator, NamedTuple
 
 from ..errors import AgentlogError
 import numpy as np
@@ -169,6 +169,19 @@ class SegmentScanner:
         if batch:  # the frames read before the walk stopped
             yield batch
 
+    def hand_out(self, frames: list, batched: bool, offset: int, expected: int) -> Iterator[Any]:
+        """Yield scanned ``frames``, as one list with ``batched``, else one by one
+        with ``offset``/``expected`` kept current per frame (a consumer may stop
+        anywhere); ``offset``/``expected``: where the scan of them ended."""
+        if batched:
+            self.offset, self.expected = offset, expected
+            yield frames
+            return
+        for fr in frames:
+            self.offset = fr.end
+            self.expected = fr.lsn + 1
+            yield fr
+
     def _frames(self, limit: int | None, size: int, batched: bool = False) -> Iterator:
         codec = framecodec.native
         if codec is None:
@@ -193,16 +206,8 @@ class SegmentScanner:
                 frames, rel, expected, code, reason = scan(
                     buf, memoryview(buf), Frame, rel, base, size, self.expected, limit, cap, _NATIVE_BATCH
                 )
-                if batched:
-                    if frames:
-                        self.offset, self.expected = base + rel, expected
-                        yield frames
-                else:
-                    for fr in frames:
-                        # Kept current per frame: a consumer may stop anywhere.
-                        self.offset = fr.end
-                        self.expected = fr.lsn + 1
-                        yield fr
+                if frames:
+                    yield from self.hand_out(frames, batched, base + rel, expected)
                 if code == _MORE:
                     continue
                 if code == _BAD and buf[rel + 8] == TYPE_BATCH:  # a compressed batch, read here (never nested)

@@ -72,15 +72,7 @@ def frames_mapped(sc: "SegmentScanner", limit: int | None, size: int, batched: b
     while True:
         frames, rel, expected, code, _reason = scan(mm, view, make, sc.offset, 0, size, sc.expected, limit, cap, max_frames)
         if frames:
-            if batched:
-                sc.offset, sc.expected = rel, expected
-                yield frames
-            else:
-                for fr in frames:
-                    # Kept current per frame: a consumer may stop anywhere.
-                    sc.offset = fr.end
-                    sc.expected = fr.lsn + 1
-                    yield fr
+            yield from sc.hand_out(frames, batched, rel, expected)
         sc.offset, sc.expected = rel, expected
         if code == _MORE:
             continue

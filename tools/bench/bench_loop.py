@@ -40,7 +40,8 @@ from agentlog.loop.run_folder import Run
 from agentlog.loop.worker import RolloutWorker
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile of ``values`` (NaN when empty); the benchmarks' one definition."""
     if not values:
         return float("nan")
     values = sorted(values)
@@ -90,8 +91,8 @@ def learner_figures(run_dir: Path) -> dict[str, Any]:
     return {
         "steps": len(rec_ts),
         "idle_frac": 1.0 - busy / span if span == span and span > 0 else float("nan"),
-        "lat_p50": _percentile(lat, 50),
-        "lat_p99": _percentile(lat, 99),
+        "lat_p50": percentile(lat, 50),
+        "lat_p99": percentile(lat, 99),
         "groups": len(lat),
     }
 

@@ -76,6 +76,7 @@ import torch
 from tqdm import tqdm
 
 from agentlog.gateway import SamplingParams, TorchBackend
+from agentlog.tools.bench.bench_loop import percentile
 
 #: 25x faster than the target workload (median 2 s, p99 60 s, a version every 10 s).
 TIME_SCALE = 25.0
@@ -159,13 +160,6 @@ def turn_lengths(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     sigma = math.log(P99_TOKENS / MEDIAN_TOKENS) / 2.326
     return [max(1, min(MAX_TOKENS, round(rng.lognormvariate(math.log(MEDIAN_TOKENS), sigma)))) for _ in range(n)]
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
 
 
 class _Waiting:
@@ -354,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'pause p50 ms':>13} {'p99 ms':>8} {'turn p50 ms':>12} {'p99 ms':>8} {'lag mean':>9}")
     for mode, r in arms.items():
         print(f"{mode:<9} {r.tokens_per_s:>9.0f} {r.wall_s:>7.1f} {r.turns:>6} {r.partial_turns:>8} {r.batches:>8} {r.versions:>9} {r.idle_frac:>6.1%} "
-              f"{_percentile(r.pauses_s, 50) * 1e3:>13.1f} {_percentile(r.pauses_s, 99) * 1e3:>8.1f} "
-              f"{_percentile(r.latencies_s, 50) * 1e3:>12.0f} {_percentile(r.latencies_s, 99) * 1e3:>8.0f} "
+              f"{percentile(r.pauses_s, 50) * 1e3:>13.1f} {percentile(r.pauses_s, 99) * 1e3:>8.1f} "
+              f"{percentile(r.latencies_s, 50) * 1e3:>12.0f} {percentile(r.latencies_s, 99) * 1e3:>8.0f} "
               f"{statistics.mean(r.lags) if r.lags else float('nan'):>9.2f}")
     print("(idle: the model outside sample() while a session waits, over the arm's wall time; lag: per token, the newest "
           "published version minus the version that generated it, when its turn returns)")
@@ -385,10 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     ratio = cont.tokens_per_s / drain.tokens_per_s
     print(f"tokens/s over drain: continue {ratio:.2f}x, resubmit {resub.tokens_per_s / drain.tokens_per_s:.2f}x; "
           f"idle: drain {drain.idle_frac:.1%}, resubmit {resub.idle_frac:.1%}; update pause p99: drain "
-          f"{_percentile(drain.pauses_s, 99) * 1e3:.0f} ms, resubmit {_percentile(resub.pauses_s, 99) * 1e3:.1f} ms")
+          f"{percentile(drain.pauses_s, 99) * 1e3:.0f} ms, resubmit {percentile(resub.pauses_s, 99) * 1e3:.1f} ms")
     _goal("partial_vs_drain_tokens_per_s", f"{ratio:.2f}x", ">=", "2.0x", ratio >= 2.0)
     _goal("server_idle_during_updates", f"{cont.idle_frac:.1%}", "<=", "5%", cont.idle_frac <= 0.05)
-    p99 = _percentile(cont.pauses_s, 99) * 1e3
+    p99 = percentile(cont.pauses_s, 99) * 1e3
     _goal("update_pause_p99_ms", f"{p99:.1f}", "<=", "200", p99 <= 200)
     if not args.no_demo:
         if args.quick:

@@ -56,6 +56,7 @@ from agentlog.events.log.api import MemoryLog
 from agentlog.events.log.partitions import partition_dir
 from agentlog.events.schema.types import SessionOpened, PolicyUpdated
 from agentlog.events.log.source import follow_sources, open_source
+from agentlog.tools.bench.bench_loop import percentile
 from agentlog.loop.run_folder import Run
 from agentlog.loop.config import LoopConfig, RolloutConfig
 from agentlog.loop.run import run_loop
@@ -374,13 +375,6 @@ def run_with_workers(run_dir: Path, workers: int, steps: int, backend: str = "lo
 # ---------------------------------------------------------------- 3. release -> step
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
-
-
 def release_to_step(run_dir: Path, sources: dict[int, Any]) -> dict[str, Any]:
     """Per group of every learner record: the record's envelope time minus the
     time of the group's last terminal event (its members' terminal LSNs, as
@@ -404,7 +398,7 @@ def release_to_step(run_dir: Path, sources: dict[int, Any]) -> dict[str, Any]:
             ends = [ts_of[(ref.partition, m.terminal_lsn)] for m in ref.members if m.terminal_lsn >= 0]
             if ends:
                 lat.append((ts - max(ends)) / 1e9)
-    return {"lat_p50_s": _percentile(lat, 50), "lat_p99_s": _percentile(lat, 99), "lat_groups": len(lat)}
+    return {"lat_p50_s": percentile(lat, 50), "lat_p99_s": percentile(lat, 99), "lat_groups": len(lat)}
 
 
 # ---------------------------------------------------------------- main
