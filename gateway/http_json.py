@@ -135,6 +135,7 @@ class JSONClient:
             raise ValueError(f"JSONClient: timeout_s must be > 0, found {timeout_s!r}")
         self.timeout_s = float(timeout_s)
         self.headers = dict(headers or {})
+        self._json_headers = {"Content-Type": "application/json", **self.headers}
         self.connection_limit = connection_limit
         self._session: Any = None
 
@@ -156,7 +157,10 @@ class JSONClient:
 
         where = f"{method} {url}"
         try:
-            async with self._client().request(method, url, json=body, headers=self.headers) as resp:
+            # msgspec encodes a 100k-token prompt about 20x faster than aiohttp's json=
+            # (the standard library's json.dumps).
+            data, headers = (None, self.headers) if body is None else (msgspec.json.encode(body), self._json_headers)
+            async with self._client().request(method, url, data=data, headers=headers) as resp:
                 status = resp.status
                 raw = await self._read(where, resp, limit if status == 200 else ERROR_BYTES, refuse=status == 200)
         except asyncio.TimeoutError:

@@ -20,9 +20,27 @@ sigma ln(30)/2.326 = 1.46, capped at 4000 tokens), a version every 400 ms.
 
 Arms, same workload and seed, one after the other in one run:
 
-* drain: ``weight_update="drain"``: an update waits for the batch in flight;
-* continue: applied at the next token boundary, the batch goes on (the GOAL);
-* resubmit: applied at the next token boundary, unfinished rows resubmitted.
+* in-process, on ``TorchBackend`` (static batching), each session playing
+  ``--turns`` turns:
+
+  * drain: ``weight_update="drain"``: an update waits for the batch in flight;
+  * continue: applied at the next token boundary, the batch goes on;
+  * resubmit: applied at the next token boundary, unfinished rows resubmitted;
+
+* server, for ``--server-s`` seconds each (a steady state: sessions play turn
+  after turn, and the turns in flight at the end are not counted), through
+  agentlog's SGLang client and weight sync (``GatedBackend(SGLangBackend)``,
+  ``SGLangWeightSync``) over HTTP against a simulated SGLang server with
+  continuous batching (``tools/bench/simulated_server.py``, in a process of
+  its own). Each session's context starts at 1,000 tokens and grows by its
+  output and a 50-token tool result every turn:
+
+  * server drain: a reload holds new requests until those in flight finish;
+  * server resubmit: pause (abort), update, continue, each aborted request
+    resubmitted with its partial output (the GOAL's partial arm);
+  * the same pair as "server+prefill", where each uncached prompt token costs
+    ``--prefill-us``: an update flushes the prefix cache, so every session
+    re-prefills its whole context after it, in both modes.
 
 Figures, as a user sees them: generated tokens per second over the arm's
 wall time (tokens the sessions received), the server's idle fraction (time
@@ -42,15 +60,22 @@ never within ``--demo-steps``: that + 1).
 ``--quick`` runs 1 step per arm from no warm-up (it cannot reach 0.9: it
 shows both modes train, and its GOAL reads n/a, MISS).
 
-What to expect: ``TorchBackend`` batches statically (a batch runs for its
+What to expect. ``TorchBackend`` batches statically (a batch runs for its
 longest row's allowance; the shorter rows wait in it), so the time a drained
 update waits for the batch in flight is time the model generates anyway:
 drain delays the update (and serves staler tokens) but leaves the model
-busy, and tokens/s stays the same in every arm. The throughput loss that
-partial rollouts avoid belongs to servers that stop admitting new requests
-while a drain's long tail finishes, which this backend never does.
+busy, and tokens/s stays the same in every in-process arm. The throughput
+that partial rollouts win belongs to servers that batch continuously: while
+a drain waits for its longest turn, the sessions that finished wait at the
+gate and the server runs a shrinking batch. That is the GOAL's figure
+(server resubmit over server drain; the issue's workload charges generated
+tokens only). With prefill charged, resubmit applies every update and so
+re-prefills every context once per update, where drain skips the updates
+published during its drains: at long contexts and frequent updates that cost
+can outweigh the win; the server+prefill line shows by how much.
 
-Usage: ``python tools/bench/bench_partial.py [--quick] [--turns N] [--demo-steps N] [--demo-seeds N] [--no-demo]``.
+Usage: ``python tools/bench/bench_partial.py [--quick] [--turns N] [--server-s S] [--prefill-us U] [--update-ms M]
+[--demo-steps N] [--demo-seeds N] [--no-demo]``.
 """
 
 from __future__ import annotations
@@ -69,14 +94,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import msgspec
 import numpy as np
 import structlog
 import torch
 from tqdm import tqdm
 
-from agentlog.gateway import SamplingParams, TorchBackend
+from agentlog.gateway import SamplingParams, SGLangBackend, TorchBackend
+from agentlog.gateway.weight_sync import GatedBackend, SGLangWeightSync
 from agentlog.tools.bench.bench_loop import percentile
+from agentlog.tools.bench import simulated_server
 
 #: 25x faster than the target workload (median 2 s, p99 60 s, a version every 10 s).
 TIME_SCALE = 25.0
@@ -87,6 +115,14 @@ SESSIONS = 64
 PROMPT = [1, 2, 3, 4]
 TOKEN = 5
 MODES = ("drain", "continue", "resubmit")
+SERVER_MODES = ("drain", "resubmit")
+#: Server arms: each session's context starts at CONTEXT_TOKENS and grows by its output and a
+#: TOOL_RESULT_TOKENS-token tool result every turn.
+CONTEXT_TOKENS = 1000
+TOOL_RESULT_TOKENS = 50
+TOOL_TOKEN = 7
+#: Server arms run for a time, not a number of turns; no session gets near this many.
+SERVER_TURNS_CAP = 10_000
 
 
 class _Config:
@@ -148,7 +184,10 @@ class ArmResult:
     pauses_s: list[float] = field(default_factory=list)
     idle_frac: float = 0.0
     versions: int = 0
-    batches: int = 0
+    batches: int = 0  # in-process: batches; server: decode steps
+    prefill_tokens: int = 0
+    update_s: float = 0.0  # server arms: time spent loading weights
+    cached_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -198,35 +237,23 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return total
 
 
-async def run_arm(mode: str, *, turns: int, token_s: float, period_s: float, seed: int, bar: tqdm) -> ArmResult:
-    """Every session plays its ``turns`` turns under ``mode``; the arm ends when the last one returns."""
-    model = SleepyModel(token_s)
-    backend = TorchBackend(model, max_batch=SESSIONS, seed=seed, weight_update=mode)
-    lengths = [turn_lengths(seed * 1000 + s, turns) for s in range(SESSIONS)]
-    res = ArmResult(mode, 0.0)
-    waiting = _Waiting()
-    published = 0
-    # Untimed one-token rounds until one is served as a single batch: the backend gathers its
-    # first batch from whatever has arrived (it last saw a batch of 1), which would otherwise
-    # split the first round at random in any arm.
-    for _ in range(10):
-        before = backend.batches
-        await asyncio.gather(*(backend.generate(PROMPT, SamplingParams(max_new_tokens=1)) for _ in range(SESSIONS)))
-        if backend.batches - before == 1:
-            break
-    primed_batches = backend.batches
-    model.busy.clear()
+async def _play(res: ArmResult, lengths: list[list[int]], generate, load, *, period_s: float, bar: tqdm,
+                waiting: _Waiting, until_s: float | None = None) -> None:
+    """The sessions play their turns (``generate(session, max_new_tokens)``) while a publisher puts
+    out a new version every ``period_s`` and an updater applies the newest (``load(version)``).
+    ``until_s``: stop after that long (the turns in flight then are cancelled and not counted), the
+    arm's wall time; else when every session has played all its turns."""
     t0 = time.perf_counter()
-    playing = SESSIONS
+    playing = len(lengths)
+    published = 0
 
     async def session(s: int) -> None:
         nonlocal playing
         for length in lengths[s]:
-            params = SamplingParams(max_new_tokens=length, temperature=1.0)
             waiting.enter()
             start = time.perf_counter()
             try:
-                gen = await backend.generate(PROMPT, params)
+                gen = await generate(s, length)
             finally:
                 waiting.leave()
             res.latencies_s.append(time.perf_counter() - start)
@@ -262,29 +289,130 @@ async def run_arm(mode: str, *, turns: int, token_s: float, period_s: float, see
             published_event.clear()
             if playing and published > applied:
                 applied = published
-                await backend.load_weights({"version": torch.tensor(applied)}, applied)
+                await load(applied)
                 res.versions += 1
 
+    sessions = [asyncio.create_task(session(s)) for s in range(len(lengths))]
+    control = [asyncio.create_task(publisher()), asyncio.create_task(updater())]
+    if until_s is None:
+        await asyncio.gather(*sessions, *control)
+        res.wall_s = time.perf_counter() - t0
+        return
+    done, _ = await asyncio.wait(sessions, timeout=until_s)
+    res.wall_s = time.perf_counter() - t0
+    for task in done:
+        task.result()  # a session that failed fails the arm
+    playing = 0  # the publisher and the updater stop after what they are doing
+    for task in sessions:
+        task.cancel()
+    await asyncio.gather(*sessions, return_exceptions=True)
+    published_event.set()
+    await asyncio.gather(*control)
+
+
+def _idle_frac(waiting: _Waiting, busy: list[tuple[float, float]], wall_s: float) -> float:
+    """Time some session waited while the server ran no step, over the arm's wall time."""
+    return (sum(b - a for a, b in waiting.spans) - _overlap(waiting.spans, busy)) / wall_s
+
+
+async def run_arm(mode: str, *, turns: int, token_s: float, period_s: float, seed: int, bar: tqdm) -> ArmResult:
+    """In-process arm: every session plays its ``turns`` turns on a ``TorchBackend`` under ``mode``."""
+    model = SleepyModel(token_s)
+    backend = TorchBackend(model, max_batch=SESSIONS, seed=seed, weight_update=mode)
+    res = ArmResult(mode, 0.0)
+    waiting = _Waiting()
+    # Untimed one-token rounds until one is served as a single batch: the backend gathers its
+    # first batch from whatever has arrived (it last saw a batch of 1), which would otherwise
+    # split the first round at random in any arm.
+    for _ in range(10):
+        before = backend.batches
+        await asyncio.gather(*(backend.generate(PROMPT, SamplingParams(max_new_tokens=1)) for _ in range(SESSIONS)))
+        if backend.batches - before == 1:
+            break
+    primed_batches = backend.batches
+    model.busy.clear()
+
+    def generate(s: int, length: int):
+        return backend.generate(PROMPT, SamplingParams(max_new_tokens=length, temperature=1.0))
+
+    async def load(version: int) -> None:
+        await backend.load_weights({"version": torch.tensor(version)}, version)
+
     try:
-        await asyncio.gather(publisher(), updater(), *(session(s) for s in range(SESSIONS)))
+        await _play(res, [turn_lengths(seed * 1000 + s, turns) for s in range(SESSIONS)], generate, load,
+                    period_s=period_s, bar=bar, waiting=waiting)
     finally:
         await backend.close()
-    res.wall_s = time.perf_counter() - t0
     res.pauses_s = list(backend.update_pauses_s)
     res.batches = backend.batches - primed_batches
-    busy_while_waiting = _overlap(waiting.spans, model.busy)
-    res.idle_frac = (sum(b - a for a, b in waiting.spans) - busy_while_waiting) / res.wall_s
+    res.idle_frac = _idle_frac(waiting, model.busy, res.wall_s)
     return res
 
 
-def workload(turns: int, token_s: float, seed: int) -> dict[str, ArmResult]:
-    """Every arm on the same workload (the same turns, the same lengths) and seed."""
+async def run_server_arm(mode: str, *, duration_s: float, token_s: float, period_s: float, seed: int, bar: tqdm,
+                         prefill_token_s: float, update_s: float, ckpt: Path) -> ArmResult:
+    """Server arm: for ``duration_s``, every session plays turn after turn through
+    ``GatedBackend(SGLangBackend)`` (``weight_update`` drain or resubmit) against a continuous-batching
+    :class:`SimulatedSGLang`, reloaded by ``SGLangWeightSync``. Each session's context grows by its
+    output and a tool result every turn. A steady state, so tokens/s is the server's throughput, not
+    the longest session's chain of turns."""
+    proc, url = simulated_server.spawn(token_s, prefill_token_s, update_s)
+    backend = GatedBackend(SGLangBackend(url), weight_update=mode)
+    sync = SGLangWeightSync(url, gate=backend.gate)
+    res = ArmResult(f"server {mode}", 0.0)
+    waiting = _Waiting()
+    contexts = [[1000 + s] + [TOOL_TOKEN] * (CONTEXT_TOKENS - 1) for s in range(SESSIONS)]
+
+    async def generate(s: int, length: int):
+        gen = await backend.generate(contexts[s], SamplingParams(max_new_tokens=length, temperature=1.0))
+        contexts[s] += gen.output_ids + [TOOL_TOKEN] * TOOL_RESULT_TOKENS
+        return gen
+
+    async def load(version: int) -> None:
+        d = ckpt / f"{mode}-v{version:05d}"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+        await sync.reload(d, version)
+
+    try:
+        await _play(res, [turn_lengths(seed * 1000 + s, SERVER_TURNS_CAP) for s in range(SESSIONS)], generate, load,
+                    period_s=period_s, bar=bar, waiting=waiting, until_s=duration_s)
+        async with aiohttp.ClientSession() as http, http.get(url + "/stats") as answer:
+            stats = await answer.json()
+    finally:
+        await sync.close()
+        await backend.close()
+        proc.terminate()
+        proc.wait()
+    if stats["violations"]:
+        raise RuntimeError(f"server arm {mode}: the simulated server saw protocol violations: {stats['violations'][:5]}")
+    res.idle_frac = _idle_frac(waiting, [tuple(b) for b in stats["busy"]], res.wall_s)
+    res.update_s = stats["updating_s"]
+    res.batches = stats["steps"]
+    res.prefill_tokens, res.cached_tokens = stats["prefill_tokens"], stats["cached_tokens"]
+    return res
+
+
+def workload(turns: int, token_s: float, seed: int, *, server_s: float, prefill_token_s: float,
+             update_s: float) -> dict[str, ArmResult]:
+    """Every arm on the same workload (the same turns, the same lengths) and seed: the in-process
+    arms by mode, then the server arms (keys ``server drain``, ``server resubmit``)."""
     period_s = 10.0 / TIME_SCALE
     total = sum(sum(turn_lengths(seed * 1000 + s, turns)) for s in range(SESSIONS))
     out = {}
     for mode in MODES:
         with tqdm(desc=f"{mode} tokens", total=total, unit="tok", leave=False) as bar:
             out[mode] = asyncio.run(run_arm(mode, turns=turns, token_s=token_s, period_s=period_s, seed=seed, bar=bar))
+    # The GOAL's server arms spend time on generated tokens only, as the issue's workload says;
+    # the "+prefill" pair also charges uncached prompt tokens (0: not run).
+    pairs = [("server", 0.0)] + ([("server+prefill", prefill_token_s)] if prefill_token_s > 0 else [])
+    with tempfile.TemporaryDirectory(prefix="bench_partial_ckpt_") as ckpt:
+        for name, prefill in pairs:
+            for mode in SERVER_MODES:
+                with tqdm(desc=f"{name} {mode} tokens", unit="tok", leave=False) as bar:
+                    out[f"{name} {mode}"] = asyncio.run(run_server_arm(
+                        mode, duration_s=server_s, token_s=token_s, period_s=period_s, seed=seed, bar=bar,
+                        prefill_token_s=prefill, update_s=update_s, ckpt=Path(ckpt) / name))
     return out
 
 
@@ -328,6 +456,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="2 turns per session; 1 demo step per arm, no warm-up")
     p.add_argument("--turns", type=int, default=None, help="turns per session in each workload arm (default 10; --quick 2)")
     p.add_argument("--token-ms", type=float, default=2.0, help="simulated time per decode step (default 2 ms)")
+    p.add_argument("--server-s", type=float, default=None,
+                   help="seconds each server arm runs (default 20, 500 s at full scale; --quick 5)")
+    p.add_argument("--prefill-us", type=float, default=4.0,
+                   help="the server+prefill arms: simulated time per uncached prompt token (default 4 us: a "
+                        "2,000-token prefill costs 4 decode steps; 0: skip those arms)")
+    p.add_argument("--update-ms", type=float, default=20.0,
+                   help="server arms: simulated time of one weight update (default 20 ms: 0.5 s at full scale)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--demo-steps", type=int, default=None, help="most RL steps per demo arm (default 60; --quick 1)")
     p.add_argument("--demo-seeds", type=int, default=1,
@@ -340,19 +475,31 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
 
-    arms = workload(turns, args.token_ms / 1e3, args.seed)
+    server_s = args.server_s if args.server_s is not None else (5.0 if args.quick else 20.0)
+    arms = workload(turns, args.token_ms / 1e3, args.seed, server_s=server_s, prefill_token_s=args.prefill_us / 1e6,
+                    update_s=args.update_ms / 1e3)
     print(f"simulated server: {args.token_ms:g} ms per decode step (any batch), {SESSIONS} sessions turn after turn, "
           f"turn lengths lognormal median {MEDIAN_TOKENS} / p99 {P99_TOKENS} tokens (cap {MAX_TOKENS}), a version every "
           f"{10.0 / TIME_SCALE * 1e3:.0f} ms ({TIME_SCALE:g}x faster than median 2 s / p99 60 s / 10 s), {turns} turns per session, seed {args.seed}")
-    print(f"{'arm':<9} {'tokens/s':>9} {'wall s':>7} {'turns':>6} {'partial':>8} {'batches':>8} {'versions':>9} {'idle':>6} "
+    print(f"server arms: SGLang's routes over HTTP, continuous batching (a request joins at the next step), "
+          f"prompt tokens free (server+prefill: {args.prefill_us:g} us per uncached one; the prefix cache is flushed by "
+          f"each update), an update takes {args.update_ms:g} ms, "
+          f"contexts from {CONTEXT_TOKENS} tokens growing by the output + {TOOL_RESULT_TOKENS} tool tokens a turn, "
+          f"{server_s:g} s per arm (turns in flight at the end not counted)")
+    print(f"{'arm':<16} {'tokens/s':>9} {'wall s':>7} {'turns':>6} {'partial':>8} {'batches':>8} {'versions':>9} {'idle':>6} "
           f"{'pause p50 ms':>13} {'p99 ms':>8} {'turn p50 ms':>12} {'p99 ms':>8} {'lag mean':>9}")
     for mode, r in arms.items():
-        print(f"{mode:<9} {r.tokens_per_s:>9.0f} {r.wall_s:>7.1f} {r.turns:>6} {r.partial_turns:>8} {r.batches:>8} {r.versions:>9} {r.idle_frac:>6.1%} "
+        print(f"{mode:<16} {r.tokens_per_s:>9.0f} {r.wall_s:>7.1f} {r.turns:>6} {r.partial_turns:>8} {r.batches:>8} {r.versions:>9} {r.idle_frac:>6.1%} "
               f"{percentile(r.pauses_s, 50) * 1e3:>13.1f} {percentile(r.pauses_s, 99) * 1e3:>8.1f} "
               f"{percentile(r.latencies_s, 50) * 1e3:>12.0f} {percentile(r.latencies_s, 99) * 1e3:>8.0f} "
               f"{statistics.mean(r.lags) if r.lags else float('nan'):>9.2f}")
-    print("(idle: the model outside sample() while a session waits, over the arm's wall time; lag: per token, the newest "
-          "published version minus the version that generated it, when its turn returns)")
+    print("(idle: the model outside sample() (server: no step running) while a session waits, over the arm's wall time; "
+          "batches: server arms count decode steps; lag: per token, the newest published version minus the version that "
+          "generated it, when its turn returns)")
+    for name in [k for k in arms if k.startswith("server")]:
+        r = arms[name]
+        print(f"{name}: prefill {r.prefill_tokens} tokens, {r.cached_tokens} from the prefix cache; loading "
+              f"weights {r.update_s / r.wall_s:.1%} of the arm; idle outside loading {r.idle_frac - r.update_s / r.wall_s:.1%}")
 
     demo: dict[str, list[dict]] = {"drain": [], "continue": []}
     seeds = range(args.seed, args.seed + args.demo_seeds)
@@ -376,10 +523,19 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     drain, cont, resub = arms["drain"], arms["continue"], arms["resubmit"]
-    ratio = cont.tokens_per_s / drain.tokens_per_s
-    print(f"tokens/s over drain: continue {ratio:.2f}x, resubmit {resub.tokens_per_s / drain.tokens_per_s:.2f}x; "
-          f"idle: drain {drain.idle_frac:.1%}, resubmit {resub.idle_frac:.1%}; update pause p99: drain "
-          f"{percentile(drain.pauses_s, 99) * 1e3:.0f} ms, resubmit {percentile(resub.pauses_s, 99) * 1e3:.1f} ms")
+    s_drain, s_resub = arms["server drain"], arms["server resubmit"]
+    ratio = s_resub.tokens_per_s / s_drain.tokens_per_s
+    print(f"in-process (static batching) tokens/s over drain: continue {cont.tokens_per_s / drain.tokens_per_s:.2f}x, "
+          f"resubmit {resub.tokens_per_s / drain.tokens_per_s:.2f}x; idle: drain {drain.idle_frac:.1%}, resubmit "
+          f"{resub.idle_frac:.1%}; update pause p99: drain {percentile(drain.pauses_s, 99) * 1e3:.0f} ms, resubmit "
+          f"{percentile(resub.pauses_s, 99) * 1e3:.1f} ms")
+    print(f"server (continuous batching) tokens/s: resubmit {ratio:.2f}x drain; idle: drain {s_drain.idle_frac:.1%}, "
+          f"resubmit {s_resub.idle_frac:.1%}")
+    if "server+prefill drain" in arms:
+        p_drain, p_resub = arms["server+prefill drain"], arms["server+prefill resubmit"]
+        print(f"server+prefill ({args.prefill_us:g} us per uncached prompt token): resubmit "
+              f"{p_resub.tokens_per_s / p_drain.tokens_per_s:.2f}x drain (each applied update flushes the prefix cache, "
+              f"so every session re-prefills its context; resubmit applies {p_resub.versions} updates, drain {p_drain.versions})")
     _goal("partial_vs_drain_tokens_per_s", f"{ratio:.2f}x", ">=", "2.0x", ratio >= 2.0)
     _goal("server_idle_during_updates", f"{cont.idle_frac:.1%}", "<=", "5%", cont.idle_frac <= 0.05)
     p99 = percentile(cont.pauses_s, 99) * 1e3
