@@ -233,11 +233,16 @@ class OpenAICompletionsBackend(_HTTPBackend):
 
     name = "openai-completions"
 
+    #: Stream answers so that a reload can cut them (see :meth:`interrupt`): set by a
+    #: :class:`~.weight_sync.GatedBackend` that resubmits partial outputs.
+    partial = False
+
     def __init__(self, base_url: str, model: str = "", **kw: Any) -> None:
         super().__init__(base_url, **kw)
         #: The served model's name; "" sends none, which vLLM answers with its one base model
         #: (any other name it does not serve is a 404).
         self.model = model
+        self._streams: set[asyncio.Future] = set()
 
     def request_body(self, prompt_ids: Sequence[int], params: SamplingParams) -> dict[str, Any]:
         """The ``/v1/completions`` body for one call."""
@@ -261,11 +266,9 @@ class OpenAICompletionsBackend(_HTTPBackend):
             body["seed"] = params.seed
         return body
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
-        t0 = time.perf_counter()
-        out = await self._post("/v1/completions", self.request_body(prompt_ids, params))
+    def _tokens(self, choice: Any) -> tuple[list[int], list[float]]:
+        """One answer's (or one streamed chunk's) ``choices[0]``: its token ids and log-probs."""
         try:
-            choice = out["choices"][0]
             lp = choice["logprobs"]
             log_probs = [float(x) for x in lp["token_logprobs"]]
             ids = choice.get("token_ids")
@@ -276,10 +279,85 @@ class OpenAICompletionsBackend(_HTTPBackend):
             raise BackendError(self.name, f"/v1/completions: expected choices[0].logprobs with token ids: {type(exc).__name__}: {exc}", 200) from exc
         if len(output_ids) != len(log_probs):
             raise BackendError(self.name, f"/v1/completions: {len(output_ids)} token ids but {len(log_probs)} log-probs", 200)
+        return output_ids, log_probs
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        if self.partial:
+            return await self._generate_streamed(prompt_ids, params)
+        t0 = time.perf_counter()
+        out = await self._post("/v1/completions", self.request_body(prompt_ids, params))
+        try:
+            choice = out["choices"][0]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise BackendError(self.name, f"/v1/completions: expected choices[0]: {type(exc).__name__}: {exc}", 200) from exc
+        output_ids, log_probs = self._tokens(choice)
         fr = choice.get("finish_reason")
         if fr not in ("stop", "length"):
             raise BackendError(self.name, f"/v1/completions finished with {fr!r}; nothing to record", 200)
         return Generation(output_ids, log_probs, fr, self.policy_version, time.perf_counter() - t0)
+
+    # Partial rollouts (``partial``, set by a GatedBackend that resubmits): the answer is
+    # streamed, and a reload cuts every stream in flight (``interrupt``) before it touches the
+    # weights. Each cut generation returns the tokens received so far, finish_reason "abort":
+    # all of them arrived before the reload began, so the old weights made them. Tokens the
+    # server made after the cut are never read; closing the connection makes vLLM abort the
+    # request. No server-side pause is needed, and no version per answer.
+
+    def interrupt(self) -> int:
+        """Cut every streamed generation in flight at the last token received; returns how many."""
+        for reader in self._streams:
+            reader.cancel()
+        return len(self._streams)
+
+    async def _generate_streamed(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        t0 = time.perf_counter()
+        ids: list[int] = []
+        lps: list[float] = []
+        finish: list[Any] = []
+        # Registered before the first await: a reload that closes the gate after this
+        # generation was admitted finds it here.
+        reader = asyncio.ensure_future(self._read_stream({**self.request_body(prompt_ids, params), "stream": True},
+                                                         ids, lps, finish))
+        self._streams.add(reader)
+        try:
+            await asyncio.wait({reader})
+        except asyncio.CancelledError:  # the caller went away: stop reading, which closes the stream
+            reader.cancel()
+            raise
+        finally:
+            self._streams.discard(reader)
+        if reader.cancelled():
+            return Generation(ids, lps, "abort", self.policy_version, time.perf_counter() - t0)
+        reader.result()
+        fr = finish[0] if finish else None
+        if fr not in ("stop", "length"):
+            raise BackendError(self.name, f"/v1/completions (streamed) finished with {fr!r}; nothing to record", 200)
+        return Generation(ids, lps, fr, self.policy_version, time.perf_counter() - t0)
+
+    async def _read_stream(self, body: dict[str, Any], ids: list[int], lps: list[float], finish: list[Any]) -> None:
+        """Read the streamed answer into ``ids``/``lps`` one chunk at a time (each chunk's tokens
+        are added whole, so a cut never splits one); ``finish`` gets the finish reason."""
+        url = self.base_url + "/v1/completions"
+        try:
+            async for event in self._http.server_sent_events(url, body, limit=ANSWER_LIMIT_BYTES):
+                choices = event.get("choices") if isinstance(event, dict) else None
+                if not isinstance(choices, list):
+                    raise BackendError(self.name, f"/v1/completions (streamed): expected an event with choices, found "
+                                                  f"{str(event)[:200]}", 200)
+                if not choices:  # a usage-only event
+                    continue
+                choice = choices[0]
+                if choice.get("logprobs") is not None:
+                    chunk_ids, chunk_lps = self._tokens(choice)
+                    ids += chunk_ids
+                    lps += chunk_lps
+                elif choice.get("token_ids"):
+                    raise BackendError(self.name, "/v1/completions (streamed): a chunk has token ids but no logprobs "
+                                                  "(was logprobs honoured?)", 200)
+                if choice.get("finish_reason") is not None:
+                    finish.append(choice["finish_reason"])
+        except HTTPJSONError as exc:
+            raise BackendError(self.name, str(exc), exc.status) from exc
 
 
 # ---------------------------------------------------------------- built-in torch policy

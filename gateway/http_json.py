@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from typing import Any
+from typing import Any, AsyncIterator
 
 import msgspec
 
@@ -172,16 +172,64 @@ class JSONClient:
         except aiohttp.ClientError as exc:
             raise HTTPJSONError(f"{where} failed: {type(exc).__name__}: {exc}", method=method, url=url) from exc
         if status != 200:
-            text = error_text(raw)
-            try:
-                answer: Any = msgspec.json.decode(raw) if raw.strip() else None
-            except msgspec.DecodeError:
-                answer = raw.decode("utf-8", "replace")
-            raise HTTPJSONError(f"{where} answered HTTP {status}, expected 200: {text}", method=method, url=url,
-                                status=status, error_text=text, answer=answer)
+            raise self._status_error(where, status, raw)
         if empty and not raw.strip():
             return None
         return self.decode(raw, method=method, url=url, max_depth=max_depth, status=status)
+
+    @staticmethod
+    def _status_error(where: str, status: int, raw: bytes) -> "HTTPJSONError":
+        """The error for an answer with HTTP ``status`` other than 200 and body ``raw``."""
+        method, url = where.split(" ", 1)
+        text = error_text(raw)
+        try:
+            answer: Any = msgspec.json.decode(raw) if raw.strip() else None
+        except msgspec.DecodeError:
+            answer = raw.decode("utf-8", "replace")
+        return HTTPJSONError(f"{where} answered HTTP {status}, expected 200: {text}", method=method, url=url,
+                             status=status, error_text=text, answer=answer)
+
+    async def server_sent_events(self, url: str, body: Any, *, limit: int = 64 << 20,
+                                 max_depth: int = MAX_JSON_DEPTH) -> AsyncIterator[Any]:
+        """POST ``body`` as JSON and yield the decoded JSON of each server-sent event's
+        ``data:`` line (an OpenAI-style stream) until ``data: [DONE]``. An event's line
+        longer than ``limit`` bytes, a stream that ends before ``[DONE]``, and every other
+        failure are an :class:`HTTPJSONError`. Cancelling the consumer closes the
+        connection, which tells the server to stop."""
+        import aiohttp
+
+        where = f"POST {url}"
+        try:
+            async with self._client().request("POST", url, data=msgspec.json.encode(body),
+                                              headers=self._json_headers) as resp:
+                if resp.status != 200:
+                    raise self._status_error(where, resp.status, await self._read(where, resp, ERROR_BYTES, refuse=False))
+                pending = bytearray()
+                async for chunk in resp.content.iter_any():
+                    pending += chunk
+                    *lines, rest = pending.split(b"\n")
+                    if len(rest) > limit:
+                        raise HTTPJSONError(f"{where}: an event's line is over the limit of {limit} bytes; the rest "
+                                            "was not read", method="POST", url=url, status=200)
+                    pending = bytearray(rest)
+                    for line in lines:
+                        # Other SSE fields (event:, id:, retry:) and comments (":...") carry nothing here.
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            return
+                        yield self.decode(bytes(data), method="POST", url=url, max_depth=max_depth)
+                raise HTTPJSONError(f"{where}: the event stream ended without 'data: [DONE]'", method="POST", url=url,
+                                    status=200)
+        except asyncio.TimeoutError:
+            raise HTTPJSONError(f"{where} failed: no end of the stream within {self.timeout_s:g} s (timeout_s)",
+                                method="POST", url=url) from None
+        except aiohttp.ClientConnectorError as exc:
+            raise HTTPJSONError(f"{where} failed: {type(exc).__name__}: {exc}", method="POST", url=url,
+                                reached=False) from exc
+        except aiohttp.ClientError as exc:
+            raise HTTPJSONError(f"{where} failed: {type(exc).__name__}: {exc}", method="POST", url=url) from exc
 
     @staticmethod
     def decode(raw: bytes, *, method: str, url: str, max_depth: int = MAX_JSON_DEPTH, status: int = 200) -> Any:

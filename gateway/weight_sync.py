@@ -45,6 +45,15 @@ prompt; each part's version is the one the server reports
 the pause, and ran on the new weights, is recorded with the new version. The
 turn records its version spans.
 
+Partial rollouts against vLLM (``GatedBackend(weight_update="resubmit")`` over
+an :class:`~.backends.OpenAICompletionsBackend`, whose answers are then
+streamed): vLLM reports no weight version per answer, so the client draws the
+boundary. A reload closes the gate, cuts every stream in flight at its last
+received token (``ReloadGate.interrupt``; the closed connection makes vLLM
+abort the request), waits for the cut generations to return, then runs
+:class:`VLLMWeightSync`'s reload. Every received token predates the reload,
+so each part is recorded with the version it was admitted under.
+
 Every failure raises :class:`WeightSyncError` naming the server, the URL,
 the status and the body. A failure before anything reached the server (or
 SGLang's explicit refusal, after which it rolls back) leaves the gate at the
@@ -121,6 +130,10 @@ class ReloadGate:
         #: Reloads begun so far: a generation aborted while it was in flight and
         #: this moved was aborted by a reload.
         self.reloads_begun = 0
+        #: For partial rollouts whose generations the client cuts (a streamed
+        #: /v1/completions): called as a reload begins, before it waits for the
+        #: cut generations to return and then touches the weights.
+        self.interrupt: Callable[[], int] | None = None
         self.fatal_reason: str | None = None
         self._inflight = 0
         self._reloading = False
@@ -179,7 +192,10 @@ class ReloadGate:
             self._open.clear()
             try:
                 try:
-                    if self.drains:
+                    if not self.drains and self.interrupt is not None:
+                        cut = self.interrupt()
+                        _log.debug("gateway.generations_cut", policy_version=version, cut=cut)
+                    if self.drains or self.interrupt is not None:
                         await asyncio.wait_for(self._drained.wait(), timeout)
                 except asyncio.TimeoutError:
                     raise WeightSyncError(
@@ -206,11 +222,17 @@ class GatedBackend(Backend):
         if weight_update == "resubmit":
             if not hasattr(inner, "partial"):
                 raise ValueError(f"GatedBackend: weight_update 'resubmit' needs a backend that returns aborted partial "
-                                 f"outputs with their version (SGLang); {inner.name!r} does not")
+                                 f"outputs (SGLang's, or a streamed /v1/completions); {inner.name!r} does not")
             inner.partial = True
         self.inner = inner
         self.weight_update = weight_update
         self.gate = gate or ReloadGate(inner.policy_version, drains=weight_update == "drain")
+        #: The inner backend cuts its own generations at a reload (a streamed /v1/completions):
+        #: each part then ran on the version it was admitted under. Otherwise (SGLang) the
+        #: server aborts them, and each part's version is the one the server reports.
+        self._cuts_client_side = weight_update == "resubmit" and hasattr(inner, "interrupt")
+        if self._cuts_client_side:
+            self.gate.interrupt = inner.interrupt
         self.name = inner.name
         self.context_length = inner.context_length
 
@@ -240,14 +262,14 @@ class GatedBackend(Backend):
         starts: list[tuple[int, int]] = []
         t0 = time.perf_counter()
         while True:
-            await self.gate.admit()
+            admitted = await self.gate.admit()
             reloads = self.gate.reloads_begun
             try:
                 part = await self.inner.generate(
                     prompt + toks, msgspec.structs.replace(params, max_new_tokens=params.max_new_tokens - len(toks)))
             finally:
                 self.gate.release()
-            starts.append((len(toks), part.policy_version))
+            starts.append((len(toks), admitted if self._cuts_client_side else part.policy_version))
             toks += part.output_ids
             lps += part.log_probs
             finish = part.finish_reason

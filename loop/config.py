@@ -168,12 +168,11 @@ class LoopConfig:
             raise ConfigError(f"LoopConfig.hf_model: expected a directory or a tiny model name, found {self.hf_model!r}")
         # A server's partial modes: what it reports decides what the log can record exactly.
         server, mode = self.inference.backend, self.rollout.weight_update
-        supported = {"sglang": ("drain", "resubmit"), "vllm": ("drain",)}.get(server, (mode,))
+        supported = {"sglang": ("drain", "resubmit"), "vllm": ("drain", "resubmit")}.get(server, (mode,))
         if mode not in supported:
             raise ConfigError(
-                f"[rollout] weight_update {mode!r} with [inference] backend {server!r}: not supported (the server reports "
-                f"no per-token version boundary{' and no version per response' if server == 'vllm' else ''}); use one of "
-                f"{supported}")
+                f"[rollout] weight_update {mode!r} with [inference] backend {server!r}: not supported (a server that keeps "
+                f"its KV cache through an update reports no per-token version boundary); use one of {supported}")
         if self.inference.backend != "in-process" and not self.hf_model:
             # A server loads published HF directories and tokenises with the model's own tokenizer;
             # the built-in GPT has neither.

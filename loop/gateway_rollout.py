@@ -298,7 +298,8 @@ def make_backend(cfg: LoopConfig, model: Any) -> tuple[Backend, Any]:
     if inf.backend == "sglang":
         backend = GatedBackend(SGLangBackend(inf.url, context_length=inf.context_length), weight_update=cfg.rollout.weight_update)
         return backend, SGLangWeightSync(inf.url, gate=backend.gate)
-    backend = GatedBackend(OpenAICompletionsBackend(inf.url, inf.model, context_length=inf.context_length))
+    backend = GatedBackend(OpenAICompletionsBackend(inf.url, inf.model, context_length=inf.context_length),
+                           weight_update=cfg.rollout.weight_update)
     return backend, VLLMWeightSync(inf.url, inf.served_dir, gate=backend.gate)
 
 

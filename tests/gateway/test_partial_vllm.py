@@ -1,0 +1,188 @@
+"""Partial rollouts against vLLM (a local fake on loopback): generations are streamed, a reload
+cuts every stream in flight at the last token received before it touches the weights, the
+weights are reloaded through vLLM's dev routes, and each cut generation is resubmitted with its
+partial output. The recorded turn says which version made which tokens.
+
+The fake streams one token per event, every TOKEN_S, and each token is the digit of the weights
+version it holds while making it, so each recorded token's version can be checked against the
+turn's version spans. It keeps generating for a client that went away until its next write
+fails, as a server does: tokens made after a cut must never be recorded."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import msgspec
+import pytest
+from aiohttp import web
+
+from aiohttp_helpers import serve_app
+
+from agentlog.events.errors import ConfigError
+from agentlog.events.schema.turn import turn_version_spans
+from agentlog.gateway import OpenAICompletionsBackend, SamplingParams
+from agentlog.gateway.backends import BackendError
+from agentlog.gateway.weight_sync import GatedBackend, VLLMWeightSync
+from agentlog.loop import LoopConfig
+from gateway_helpers import open_running, rig, run, turns_of
+
+TOKEN_S = 0.002
+
+
+class StreamingVLLM:
+    """A fake vLLM: ``/v1/completions`` with ``stream`` answers server-sent events, one token each;
+    ``/collective_rpc`` reloads the version written in the served directory."""
+
+    def __init__(self, served_dir) -> None:
+        self.served_dir = served_dir
+        self.version = 0
+        self.calls: list[str] = []
+        self.violations: list[str] = []
+        self.disconnected = 0
+        self.finish_with: str | None = None  # force a finish reason (a misbehaving server)
+
+    async def start(self) -> "StreamingVLLM":
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/collective_rpc", self.collective_rpc)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        self.runner, self.url = await serve_app(app)
+        return self
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not (isinstance(body["prompt"], list) and body["logprobs"] == 0 and body.get("stream") is True):
+            self.violations.append(f"completions body {sorted(body)}")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = body["max_tokens"]
+        try:
+            for i in range(n):
+                await asyncio.sleep(TOKEN_S)
+                tok = ord(str(self.version % 10))
+                last = i == n - 1
+                event = {"choices": [{"index": 0, "text": "", "token_ids": [tok],
+                                      "logprobs": {"tokens": [f"token_id:{tok}"], "token_logprobs": [-0.5]},
+                                      "finish_reason": (self.finish_with or "length") if last else None}]}
+                await resp.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
+            await resp.write(b'data: {"choices": [], "usage": {}}\n\ndata: [DONE]\n\n')
+        except (ConnectionResetError, ConnectionError):
+            self.disconnected += 1
+        return resp
+
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls.append("collective_rpc")
+        if body != {"method": "reload_weights"}:
+            self.violations.append(f"collective_rpc body {body}")
+        self.version = int((self.served_dir / "version.txt").read_text())
+        return web.json_response({"results": [None]})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.calls.append("reset_prefix_cache")
+        return web.Response(status=200)
+
+
+def _hf_dir(root, version: int):
+    d = root / f"policy-v{version:05d}"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"w%d" % version)
+    (d / "version.txt").write_text(str(version))
+    return d
+
+
+def test_reloads_cut_streams_and_resubmit_and_every_token_records_the_version_that_made_it(tmp_path) -> None:
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "version.txt").write_text("0")
+
+    async def body():
+        server = await StreamingVLLM(served).start()
+        try:
+            backend = GatedBackend(OpenAICompletionsBackend(server.url), weight_update="resubmit")
+            sync = VLLMWeightSync(server.url, served, gate=backend.gate)
+            async with rig(backend) as (gw, engine, log):
+                started = asyncio.Event()
+
+                async def agent(i: int) -> None:
+                    sid = f"s{i}"
+                    await open_running(engine, sid)
+                    headers = {"Authorization": f"Bearer {gw.session_key(sid)}"}
+                    async with aiohttp.ClientSession() as http:
+                        for t in range(3):
+                            req = {"messages": [{"role": "user", "content": f"turn {t}"}], "max_tokens": 60}
+                            started.set()
+                            async with http.post(gw.url + "/v1/chat/completions", json=req, headers=headers) as r:
+                                assert r.status == 200, await r.text()
+
+                async def learner() -> None:
+                    await started.wait()
+                    for v in range(1, 4):
+                        await asyncio.sleep(0.03)
+                        await sync.reload(_hf_dir(tmp_path / "ckpt", v), v)
+
+                await asyncio.gather(learner(), *(agent(i) for i in range(4)))
+                await sync.close()
+                return turns_of(log)
+        finally:
+            await server.runner.cleanup()
+        return None
+
+    turns = run(body())
+    assert len(turns) == 12
+    interrupted = [t for t in turns if len(turn_version_spans(t)) > 1]
+    assert interrupted, "no generation was in flight at a reload"
+    for turn in turns:
+        spans = turn_version_spans(turn)
+        made_by = [int(chr(tok)) for tok in turn.output_tokens]
+        want = []
+        for k, (first, version) in enumerate(spans):
+            end = spans[k + 1][0] if k + 1 < len(spans) else len(made_by)
+            want += [version % 10] * (end - first)
+        assert made_by == want, (spans, made_by)
+        assert len(made_by) == 60 and turn.finish_reason == "length"
+    assert all(t.sampling["weight_update"] == "resubmit" for t in interrupted)
+
+
+def test_a_streamed_generation_that_ends_without_a_usable_finish_is_refused_by_name(tmp_path) -> None:
+    async def body():
+        server = await StreamingVLLM(tmp_path).start()
+        server.finish_with = "abort"
+        try:
+            inner = OpenAICompletionsBackend(server.url)
+            inner.partial = True
+            with pytest.raises(BackendError, match=r"\(streamed\) finished with 'abort'"):
+                await inner.generate([1, 2], SamplingParams(max_new_tokens=3))
+            await inner.close()
+        finally:
+            await server.runner.cleanup()
+
+    run(body())
+
+
+def test_a_cut_before_any_token_resubmits_from_nothing_and_a_cut_outside_a_reload_is_an_error(tmp_path) -> None:
+    async def body():
+        server = await StreamingVLLM(tmp_path).start()
+        try:
+            backend = GatedBackend(OpenAICompletionsBackend(server.url), weight_update="resubmit")
+            gen = asyncio.ensure_future(backend.generate([1], SamplingParams(max_new_tokens=5)))
+            await asyncio.sleep(0)  # admitted and registered, nothing received yet
+            assert backend.inner.interrupt() == 1
+            with pytest.raises(BackendError, match="aborted a generation after 0 tokens while no weight update"):
+                await gen
+            await backend.close()
+        finally:
+            await server.runner.cleanup()
+
+    run(body())
+
+
+def test_continue_in_place_against_a_server_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"weight_update 'continue' with \[inference\] backend 'vllm'"):
+        LoopConfig(hf_model="tiny-llama", inference={"backend": "vllm", "url": "http://127.0.0.1:9", "served_dir": "/x"},
+                   rollout={"weight_update": "continue"})
+    # resubmit is accepted for vLLM
+    LoopConfig(hf_model="tiny-llama", inference={"backend": "vllm", "url": "http://127.0.0.1:9", "served_dir": "/x"},
+               rollout={"weight_update": "resubmit"})
