@@ -125,12 +125,14 @@ def test_reloads_cut_streams_and_resubmit_and_every_token_records_the_version_th
 
                 await asyncio.gather(learner(), *(agent(i) for i in range(4)))
                 await sync.close()
-                return turns_of(log)
+                return server, turns_of(log)
         finally:
             await server.runner.cleanup()
-        return None
 
-    turns = run(body())
+    server, turns = run(body())
+    assert not server.violations, server.violations
+    assert server.calls == ["collective_rpc", "reset_prefix_cache"] * 3
+    assert server.disconnected > 0  # the cut streams were closed: vLLM aborts a request whose client went away
     assert len(turns) == 12
     interrupted = [t for t in turns if len(turn_version_spans(t)) > 1]
     assert interrupted, "no generation was in flight at a reload"

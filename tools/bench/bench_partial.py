@@ -486,10 +486,10 @@ def main(argv: list[str] | None = None) -> int:
           f"each update), an update takes {args.update_ms:g} ms, "
           f"contexts from {CONTEXT_TOKENS} tokens growing by the output + {TOOL_RESULT_TOKENS} tool tokens a turn, "
           f"{server_s:g} s per arm (turns in flight at the end not counted)")
-    print(f"{'arm':<16} {'tokens/s':>9} {'wall s':>7} {'turns':>6} {'partial':>8} {'batches':>8} {'versions':>9} {'idle':>6} "
+    print(f"{'arm':<24} {'tokens/s':>9} {'wall s':>7} {'turns':>6} {'partial':>8} {'batches':>8} {'versions':>9} {'idle':>6} "
           f"{'pause p50 ms':>13} {'p99 ms':>8} {'turn p50 ms':>12} {'p99 ms':>8} {'lag mean':>9}")
     for mode, r in arms.items():
-        print(f"{mode:<16} {r.tokens_per_s:>9.0f} {r.wall_s:>7.1f} {r.turns:>6} {r.partial_turns:>8} {r.batches:>8} {r.versions:>9} {r.idle_frac:>6.1%} "
+        print(f"{mode:<24} {r.tokens_per_s:>9.0f} {r.wall_s:>7.1f} {r.turns:>6} {r.partial_turns:>8} {r.batches:>8} {r.versions:>9} {r.idle_frac:>6.1%} "
               f"{percentile(r.pauses_s, 50) * 1e3:>13.1f} {percentile(r.pauses_s, 99) * 1e3:>8.1f} "
               f"{percentile(r.latencies_s, 50) * 1e3:>12.0f} {percentile(r.latencies_s, 99) * 1e3:>8.0f} "
               f"{statistics.mean(r.lags) if r.lags else float('nan'):>9.2f}")
