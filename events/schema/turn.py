@@ -164,9 +164,16 @@ class TurnDelta(TurnBody, frozen=True, tag="turn_delta"):
     new_messages: list[dict[str, Any]] = []
 
     def _check_prompt(self, event: str) -> None:
-        check_count(event, "shared_tokens", self.shared_tokens)
-        check_count(event, "shared_messages", self.shared_messages)
-        packed_field(self, "new_prompt_ids", pack_tokens)
+        # The fast paths of TurnBody.__post_init__: what passes goes no further.
+        shared = self.shared_tokens
+        if type(shared) is not int or shared < 0:
+            check_count(event, "shared_tokens", shared)
+        shared = self.shared_messages
+        if type(shared) is not int or shared < 0:
+            check_count(event, "shared_messages", shared)
+        prompt = self.new_prompt_ids
+        if type(prompt) is not bytes or len(prompt) % 4:  # else it passes packed_field as is
+            packed_field(self, "new_prompt_ids", pack_tokens)
 
 
 def _check_version_spans(event: str, spans: Any, n_out: int, policy_version: int) -> None:
