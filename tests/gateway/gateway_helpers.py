@@ -159,3 +159,62 @@ def turns_of(log: MemoryLog, sid: str | None = None) -> list[TurnRecorded]:
 def undelivered_of(log: MemoryLog) -> list[TurnUndelivered]:
     """The turn_undelivered bodies in the log."""
     return [e.body for e in log.read() if isinstance(e.body, TurnUndelivered)]
+
+
+def hf_dir(root: Any, version: int) -> Any:
+    """A Hugging Face directory a fake server can "load" as ``version``: config.json, a
+    safetensors file and version.txt (what the fake vLLM reads on reload)."""
+    d = root / f"policy-v{version:05d}"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"w%d" % version)
+    (d / "version.txt").write_text(str(version))
+    return d
+
+
+async def chat_through_reloads(gw: Gateway, engine: Any, reload: Callable[[int], Any], *, sessions: int = 4,
+                               turns: int = 3, reloads: int = 3, max_tokens: int = 60) -> None:
+    """``sessions`` sessions each play ``turns`` chat turns of ``max_tokens`` through the
+    gateway while ``await reload(v)`` runs for v = 1..``reloads``, 30 ms apart, from the
+    moment the first turn was sent."""
+    import aiohttp
+
+    started = asyncio.Event()
+
+    async def agent(i: int) -> None:
+        sid = f"s{i}"
+        await open_running(engine, sid)
+        async with aiohttp.ClientSession() as http:
+            for t in range(turns):
+                body = {"messages": [{"role": "user", "content": f"turn {t}"}], "max_tokens": max_tokens}
+                started.set()
+                async with http.post(gw.url + "/v1/chat/completions", json=body, headers=bearer(gw, sid)) as r:
+                    assert r.status == 200, await r.text()
+
+    async def learner() -> None:
+        await started.wait()
+        for v in range(1, reloads + 1):
+            await asyncio.sleep(0.03)
+            await reload(v)
+
+    await asyncio.gather(learner(), *(agent(i) for i in range(sessions)))
+
+
+def check_versions_made_the_tokens(turns: list[TurnRecorded], *, n_tokens: int = 60) -> None:
+    """Against a fake server whose every token is the digit of the weights version that made
+    it: each turn has ``n_tokens`` tokens, each span's tokens carry its version's digit, at
+    least one turn spans versions, and every such turn says it was resubmitted."""
+    from agentlog.events.schema.turn import turn_version_spans
+
+    interrupted = [t for t in turns if len(turn_version_spans(t)) > 1]
+    assert interrupted, "no generation was in flight at a reload"
+    for turn in turns:
+        spans = turn_version_spans(turn)
+        made_by = [int(chr(tok)) for tok in turn.output_tokens]
+        want: list[int] = []
+        for k, (first, version) in enumerate(spans):
+            end = spans[k + 1][0] if k + 1 < len(spans) else len(made_by)
+            want += [version % 10] * (end - first)
+        assert made_by == want, (spans, made_by)
+        assert len(made_by) == n_tokens and turn.finish_reason == "length"
+    assert all(t.sampling["weight_update"] == "resubmit" for t in interrupted)

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
 from aiohttp import web
 
 from aiohttp_helpers import serve_app
 
 from agentlog.events.errors import ConfigError
-from agentlog.events.schema.turn import turn_version_spans
 from agentlog.gateway import SamplingParams, SGLangBackend
 from agentlog.gateway.weight_sync import GatedBackend, SGLangWeightSync, WeightSyncError
 from agentlog.loop import LoopConfig
-from gateway_helpers import HangingBackend, open_running, rig, run, turns_of
+from gateway_helpers import HangingBackend, chat_through_reloads, check_versions_made_the_tokens, hf_dir, rig, run, turns_of
 
 TOKEN_S = 0.002
 
@@ -103,40 +101,14 @@ class PausingSGLang:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
-def _hf_dir(root, version: int):
-    d = root / f"policy-v{version:05d}"
-    d.mkdir(parents=True)
-    (d / "config.json").write_text("{}")
-    (d / "model.safetensors").write_bytes(b"w%d" % version)
-    return d
-
-
 async def _sessions_through_reloads(tmp_path, sessions: int = 4, reloads: int = 3):
     server = await PausingSGLang().start()
     try:
         backend = GatedBackend(SGLangBackend(server.url), weight_update="resubmit")
         sync = SGLangWeightSync(server.url, gate=backend.gate)
         async with rig(backend) as (gw, engine, log):
-            started = asyncio.Event()
-
-            async def agent(i: int) -> None:
-                sid = f"s{i}"
-                await open_running(engine, sid)
-                headers = {"Authorization": f"Bearer {gw.session_key(sid)}"}
-                async with aiohttp.ClientSession() as http:
-                    for t in range(3):
-                        body = {"messages": [{"role": "user", "content": f"turn {t}"}], "max_tokens": 60}
-                        started.set()
-                        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=headers) as r:
-                            assert r.status == 200, await r.text()
-
-            async def learner() -> None:
-                await started.wait()
-                for v in range(1, reloads + 1):
-                    await asyncio.sleep(0.03)
-                    await sync.reload(_hf_dir(tmp_path / "ckpt", v), v)
-
-            await asyncio.gather(learner(), *(agent(i) for i in range(sessions)))
+            await chat_through_reloads(gw, engine, lambda v: sync.reload(hf_dir(tmp_path / "ckpt", v), v),
+                                       sessions=sessions, reloads=reloads)
             await sync.close()
             return server, turns_of(log)
     finally:
@@ -148,18 +120,7 @@ def test_reloads_abort_and_resubmit_and_every_token_records_the_version_that_mad
     assert not server.violations, server.violations
     assert server.calls == ["pause", "update", "continue"] * 3
     assert server.aborted > 0 and len(turns) == 12
-    interrupted = [t for t in turns if len(turn_version_spans(t)) > 1]
-    assert interrupted, "no generation was in flight at a reload"
-    for turn in turns:
-        spans = turn_version_spans(turn)
-        made_by = [int(chr(tok)) for tok in turn.output_tokens]
-        want = []
-        for k, (first, version) in enumerate(spans):
-            end = spans[k + 1][0] if k + 1 < len(spans) else len(made_by)
-            want += [version % 10] * (end - first)
-        assert made_by == want, (spans, made_by)
-        assert len(made_by) == 60 and turn.finish_reason == "length"
-    assert all(t.sampling["weight_update"] == "resubmit" for t in interrupted)
+    check_versions_made_the_tokens(turns)
 
 
 def test_a_refused_update_lets_the_server_go_on_at_the_old_version(tmp_path) -> None:
@@ -170,7 +131,7 @@ def test_a_refused_update_lets_the_server_go_on_at_the_old_version(tmp_path) -> 
             sync = SGLangWeightSync(server.url, gate=backend.gate)
             server.refuse_next_update = True
             with pytest.raises(WeightSyncError, match="update_weights_from_disk"):
-                await sync.reload(_hf_dir(tmp_path / "ckpt", 1), 1)
+                await sync.reload(hf_dir(tmp_path / "ckpt", 1), 1)
             after = await backend.generate([1, 2], SamplingParams(max_new_tokens=3))
             await sync.close()
             await backend.close()

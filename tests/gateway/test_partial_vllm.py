@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
@@ -20,12 +19,11 @@ from aiohttp import web
 from aiohttp_helpers import serve_app
 
 from agentlog.events.errors import ConfigError
-from agentlog.events.schema.turn import turn_version_spans
 from agentlog.gateway import OpenAICompletionsBackend, SamplingParams
 from agentlog.gateway.backends import BackendError
 from agentlog.gateway.weight_sync import GatedBackend, VLLMWeightSync
 from agentlog.loop import LoopConfig
-from gateway_helpers import open_running, rig, run, turns_of
+from gateway_helpers import chat_through_reloads, check_versions_made_the_tokens, hf_dir, rig, run, turns_of
 
 TOKEN_S = 0.002
 
@@ -84,15 +82,6 @@ class StreamingVLLM:
         return web.Response(status=200)
 
 
-def _hf_dir(root, version: int):
-    d = root / f"policy-v{version:05d}"
-    d.mkdir(parents=True)
-    (d / "config.json").write_text("{}")
-    (d / "model.safetensors").write_bytes(b"w%d" % version)
-    (d / "version.txt").write_text(str(version))
-    return d
-
-
 def test_reloads_cut_streams_and_resubmit_and_every_token_records_the_version_that_made_it(tmp_path) -> None:
     served = tmp_path / "served"
     served.mkdir()
@@ -104,26 +93,7 @@ def test_reloads_cut_streams_and_resubmit_and_every_token_records_the_version_th
             backend = GatedBackend(OpenAICompletionsBackend(server.url), weight_update="resubmit")
             sync = VLLMWeightSync(server.url, served, gate=backend.gate)
             async with rig(backend) as (gw, engine, log):
-                started = asyncio.Event()
-
-                async def agent(i: int) -> None:
-                    sid = f"s{i}"
-                    await open_running(engine, sid)
-                    headers = {"Authorization": f"Bearer {gw.session_key(sid)}"}
-                    async with aiohttp.ClientSession() as http:
-                        for t in range(3):
-                            req = {"messages": [{"role": "user", "content": f"turn {t}"}], "max_tokens": 60}
-                            started.set()
-                            async with http.post(gw.url + "/v1/chat/completions", json=req, headers=headers) as r:
-                                assert r.status == 200, await r.text()
-
-                async def learner() -> None:
-                    await started.wait()
-                    for v in range(1, 4):
-                        await asyncio.sleep(0.03)
-                        await sync.reload(_hf_dir(tmp_path / "ckpt", v), v)
-
-                await asyncio.gather(learner(), *(agent(i) for i in range(4)))
+                await chat_through_reloads(gw, engine, lambda v: sync.reload(hf_dir(tmp_path / "ckpt", v), v))
                 await sync.close()
                 return server, turns_of(log)
         finally:
@@ -134,18 +104,7 @@ def test_reloads_cut_streams_and_resubmit_and_every_token_records_the_version_th
     assert server.calls == ["collective_rpc", "reset_prefix_cache"] * 3
     assert server.disconnected > 0  # the cut streams were closed: vLLM aborts a request whose client went away
     assert len(turns) == 12
-    interrupted = [t for t in turns if len(turn_version_spans(t)) > 1]
-    assert interrupted, "no generation was in flight at a reload"
-    for turn in turns:
-        spans = turn_version_spans(turn)
-        made_by = [int(chr(tok)) for tok in turn.output_tokens]
-        want = []
-        for k, (first, version) in enumerate(spans):
-            end = spans[k + 1][0] if k + 1 < len(spans) else len(made_by)
-            want += [version % 10] * (end - first)
-        assert made_by == want, (spans, made_by)
-        assert len(made_by) == 60 and turn.finish_reason == "length"
-    assert all(t.sampling["weight_update"] == "resubmit" for t in interrupted)
+    check_versions_made_the_tokens(turns)
 
 
 def test_a_streamed_generation_that_ends_without_a_usable_finish_is_refused_by_name(tmp_path) -> None:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from agentlog.gateway import ByteChatTemplate, OpenAICompletionsBackend, SGLangBackend
 from agentlog.gateway.weight_sync import GatedBackend, ReloadGate, SGLangWeightSync, VLLMWeightSync, WeightSyncError
 from agentlog.gateway.backends import SamplingParams
-from gateway_helpers import HangingBackend, open_running, rig, run, turns_of
+from gateway_helpers import HangingBackend, hf_dir, open_running, rig, run, turns_of
 
 T = ByteChatTemplate()
 
@@ -121,15 +121,6 @@ class FakeServer:
             self.fail_next_reset = False
             return web.json_response({"detail": "reset failed"}, status=500)
         return web.Response(status=200)
-
-
-def hf_dir(root, version: int):
-    d = root / f"policy-v{version:05d}"
-    d.mkdir(parents=True)
-    (d / "config.json").write_text("{}")
-    (d / "model.safetensors").write_bytes(b"w%d" % version)
-    (d / "version.txt").write_text(str(version))
-    return d
 
 
 async def _loop_with_reloads(kind: str, tmp_path, sessions: int = 6, turns: int = 6, reloads: int = 3):
