@@ -230,9 +230,10 @@ class GatedBackend(Backend):
         #: The inner backend cuts its own generations at a reload (a streamed /v1/completions):
         #: each part then ran on the version it was admitted under. Otherwise (SGLang) the
         #: server aborts them, and each part's version is the one the server reports.
-        self._cuts_client_side = weight_update == "resubmit" and hasattr(inner, "interrupt")
-        if self._cuts_client_side:
-            self.gate.interrupt = inner.interrupt
+        interrupt = getattr(inner, "interrupt", None) if weight_update == "resubmit" else None
+        self._cuts_client_side = interrupt is not None
+        if interrupt is not None:
+            self.gate.interrupt = interrupt
         self.name = inner.name
         self.context_length = inner.context_length
 

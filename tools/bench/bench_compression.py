@@ -42,9 +42,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 import structlog  # noqa: E402
+import zstandard  # noqa: E402
 
 from agentlog.engine import SessionEngine  # noqa: E402
 from agentlog.events import FileLog, read_log  # noqa: E402
+from agentlog.events.log.batch_compression import ZSTD_LEVEL  # noqa: E402
 from agentlog.events.log.format import FRAME_OVERHEAD  # noqa: E402
 from agentlog.tools.bench.bench_growth import session_turns, trajectory_bytes  # noqa: E402
 from agentlog.tools.bench.bench_log import dir_bytes, drop_dir, goal, turn_events  # noqa: E402
@@ -131,24 +133,39 @@ def append_vs_raw(root: Path, batches: list[list[tuple]], reps: int) -> dict:
     blob = b"".join((p.read_bytes()[32:] for p in sorted(dirs["none"].glob("*.seg"))))
     assert len(blob) == sum(sizes), (len(blob), sum(sizes))
 
-    def raw_write() -> float:
-        p = root / "raw.bin"
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        view, at = memoryview(blob), 0
-        try:
-            t0 = time.perf_counter()
-            for n in sizes:
-                chunk = view[at : at + n]
-                at += n
-                while chunk:
-                    chunk = chunk[os.write(fd, chunk) :]
-                os.fdatasync(fd)
-            return time.perf_counter() - t0
-        finally:
-            os.close(fd)
-            os.unlink(p)
+    view, at = memoryview(blob), 0
+    plain = []
+    for n in sizes:
+        plain.append(view[at : at + n])
+        at += n
+    # The bound on any writer that compresses each batch here: compressing it (zstd at the log's
+    # level, timed apart) and then a raw write + fdatasync of only the compressed bytes.
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    t_compress = float("inf")
+    for _ in range(max(reps, 2)):
+        t0 = time.perf_counter()
+        packed = [compressor.compress(chunk) for chunk in plain]
+        t_compress = min(t_compress, time.perf_counter() - t0)
 
-    t = best_alternated({"raw": raw_write, "none": append("none"), "zstd": append("zstd")}, reps)
+    def raw_write(chunks: list) -> Callable[[], float]:
+        def run() -> float:
+            p = root / "raw.bin"
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                t0 = time.perf_counter()
+                for chunk in chunks:
+                    while chunk:
+                        chunk = chunk[os.write(fd, chunk) :]
+                    os.fdatasync(fd)
+                return time.perf_counter() - t0
+            finally:
+                os.close(fd)
+                os.unlink(p)
+        return run
+
+    t = best_alternated({"raw": raw_write(plain), "raw_zstd": raw_write([memoryview(c) for c in packed]),
+                         "none": append("none"), "zstd": append("zstd")}, reps)
+    t["compress"] = t_compress
     return dict(t=t, bytes={c: dir_bytes(dirs[c]) for c in COMPRESSIONS}, plain_frames=sum(sizes))
 
 
@@ -214,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{tt['raw'] / tt['zstd']:.2f}x (uncompressed append {tt['raw'] / tt['none']:.2f}x)")
     print(goal("log_bytes_vs_final_trajectory_100_turns_compressed", seg["zstd"] / traj, "<=", 0.6))
     print(goal("replay_compressed_vs_uncompressed", tr["none"] / tr["zstd"], ">=", 0.8))
+    bound = ta["raw"] / (ta["compress"] + ta["raw_zstd"])
+    print(f"  the most any writer that compresses each batch can reach here: {bound:.2f}x (compressing "
+          f"{ta['compress']:.4f} s + raw write+fdatasync of the compressed bytes {ta['raw_zstd']:.4f} s, against "
+          f"{ta['raw']:.4f} s for the uncompressed ones: each batch's fdatasync, not its bytes, sets the disk's time)")
     print(goal("durable_append_compressed_vs_raw_fdatasync_of_uncompressed_bytes", ta["raw"] / ta["zstd"], ">=", 1.0))
     return 0
 
