@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -68,6 +69,8 @@ class FakeServedModel:
         #: (output ids, log-probs, the weights that produced them), per generation.
         self.scored: list[tuple[list[int], list[float], str]] = []
         self.inflight = 0
+        self.weight_version = "0"
+        self.streamed = 0  # /v1/completions answered as a stream
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -84,6 +87,8 @@ class FakeServedModel:
             app.router.add_post("/generate", self.generate)
             app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
             app.router.add_post("/abort_request", self.abort_request)
+            app.router.add_post("/pause_generation", self.pause_generation)
+            app.router.add_post("/continue_generation", self.continue_generation)
         else:
             app.router.add_post("/v1/completions", self.completions)
             app.router.add_post("/collective_rpc", self.collective_rpc)
@@ -134,7 +139,8 @@ class FakeServedModel:
             return self._bad(f"bad /generate body {body}")
         ids, lps, finish = await self._score(body["input_ids"], sp["max_new_tokens"], sp.get("stop_token_ids", []))
         meta = {"output_token_logprobs": [[lp, i, None] for lp, i in zip(lps, ids)], "finish_reason": {"type": finish},
-                "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids), "id": body["rid"]}
+                "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids), "id": body["rid"],
+                "weight_version": self.weight_version}
         return web.json_response({"text": self.tokenizer.decode(ids), "output_ids": ids, "meta_info": meta})
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
@@ -145,7 +151,19 @@ class FakeServedModel:
             return self._bad(f"bad /update_weights_from_disk body {body}")
         self._reloading(weights_digest(path))
         self.model, self.weights = await asyncio.to_thread(self._load, path)
+        self.weight_version = body["weight_version"]
         return web.json_response({"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if body != {"mode": "abort"}:
+            return self._bad(f"bad /pause_generation body {body}")
+        self.events.append(("pause", self.inflight))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self.events.append(("continue",))
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, request: web.Request) -> web.Response:
         self.aborts.append(await request.json())
@@ -164,6 +182,17 @@ class FakeServedModel:
         if not (isinstance(body.get("prompt"), list) and body.get("logprobs") == 0 and body.get("return_tokens_as_token_ids") is True):
             return self._bad(f"bad /v1/completions body {body}")
         ids, lps, finish = await self._score(body["prompt"], body["max_tokens"], body.get("stop_token_ids", []))
+        if body.get("stream"):  # partial rollouts: server-sent events, a token each (as vLLM streams)
+            self.streamed += 1
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for k, (i, lp) in enumerate(zip(ids, lps)):
+                event = {"choices": [{"index": 0, "text": self.tokenizer.decode([i]), "token_ids": [i],
+                                      "finish_reason": finish if k == len(ids) - 1 else None,
+                                      "logprobs": {"token_logprobs": [lp], "tokens": [f"token_id:{i}"]}}]}
+                await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
         return web.json_response({"choices": [{"index": 0, "text": self.tokenizer.decode(ids), "token_ids": ids, "finish_reason": finish,
                                                "logprobs": {"token_logprobs": lps, "tokens": [f"token_id:{i}" for i in ids]}}]})
 
@@ -181,8 +210,9 @@ class FakeServedModel:
         return web.Response(status=200)
 
 
-def _run_served_loop(kind: str, tmp_path: Path):
-    """Two RL steps of echo-word-test with tiny-llama served by a fake ``kind`` server."""
+def _run_served_loop(kind: str, tmp_path: Path, weight_update: str = "drain"):
+    """Two RL steps of echo-word-test with tiny-llama served by a fake ``kind`` server, new
+    versions loaded as ``weight_update`` says."""
     run_dir = tmp_path / "run"
     base = LoopConfig(task="echo-word-test", hf_model="tiny-llama", seed=3)
     # The model is built into the run folder first, as an operator would launch the server on it.
@@ -200,7 +230,8 @@ def _run_served_loop(kind: str, tmp_path: Path):
             cfg = LoopConfig(task="echo-word-test", hf_model="tiny-llama", seed=3, steps=2, groups_per_step=2, group_size=2,
                              warmup_steps=0, faults=FaultConfig.none(), stop_reward=0, time_budget_s=0, max_lag=0,
                              learner={"lr": 1e-2, "warmup_steps": 0, "entropy_coef": 0.01},
-                             agent={"harness": "python-agent", "budget_s": 60}, inference=inference)
+                             agent={"harness": "python-agent", "budget_s": 60}, inference=inference,
+                             rollout={"weight_update": weight_update})
             worker = RolloutWorker(run_dir, cfg)
             await asyncio.wait_for(asyncio.gather(LoopLearner(run_dir, cfg).run(), worker.run()), 60)
             return server, worker, cfg
@@ -211,10 +242,15 @@ def _run_served_loop(kind: str, tmp_path: Path):
     return run_dir, server, worker, cfg
 
 
-@pytest.mark.parametrize("kind", ["sglang", "vllm"])
-def test_a_served_model_is_reloaded_between_batches_and_every_turn_records_the_weights_that_made_it(kind, tmp_path):
-    run_dir, server, worker, cfg = _run_served_loop(kind, tmp_path)
+@pytest.mark.parametrize("kind, weight_update", [("sglang", "drain"), ("vllm", "drain"), ("sglang", "resubmit"),
+                                                 ("vllm", "resubmit")])
+def test_a_served_model_is_reloaded_between_batches_and_every_turn_records_the_weights_that_made_it(kind, weight_update, tmp_path):
+    """With max_lag 0 no version is published while a batch generates, so partial rollouts
+    (resubmit: SGLang's pause, update, continue; vLLM's streamed answers) go through the
+    same sequence as draining, with the pause and continue calls around each SGLang reload."""
+    run_dir, server, worker, cfg = _run_served_loop(kind, tmp_path, weight_update)
     assert not server.errors, server.errors
+    assert (server.streamed > 0) == (kind == "vllm" and weight_update == "resubmit")
     # The worker held only the tokenizer: the server holds the weights.
     assert worker.model is None and worker.tokenizer is not None
 
@@ -237,8 +273,12 @@ def test_a_served_model_is_reloaded_between_batches_and_every_turn_records_the_w
     # (vLLM: each reload followed by its prefix-cache reset).
     digest = {v: d for d, v in version_of.items()}
     reset = [("reset_prefix_cache",)] if kind == "vllm" else []
-    expected = ([("reload", digest[0], 0)] + reset + [("generate", 0)] * len(per_batch[0])
-                + [("reload", digest[1], 0)] + reset + [("generate", 1)] * len(per_batch[1]))
+    paused = kind == "sglang" and weight_update == "resubmit"
+
+    def reload(v: int) -> list:
+        return ([("pause", 0)] if paused else []) + [("reload", digest[v], 0)] + reset + ([("continue",)] if paused else [])
+
+    expected = (reload(0) + [("generate", 0)] * len(per_batch[0]) + reload(1) + [("generate", 1)] * len(per_batch[1]))
     seen = [(e[0], version_of.get(e[1], "unpublished weights")) if e[0] == "generate" else e for e in server.events]
     assert seen == expected, seen
     # Every turn records its batch's version, and the log-probs it records came from that version's weights.
