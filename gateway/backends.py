@@ -327,6 +327,10 @@ class OpenAICompletionsBackend(_HTTPBackend):
         finally:
             self._streams.discard(reader)
         if reader.cancelled():
+            # A cut between the event that finished the generation and the stream's end loses
+            # nothing: the generation is whole (resubmitting it would run past its stop token).
+            if finish and finish[0] in ("stop", "length"):
+                return Generation(ids, lps, finish[0], self.policy_version, time.perf_counter() - t0)
             return Generation(ids, lps, "abort", self.policy_version, time.perf_counter() - t0)
         reader.result()
         fr = finish[0] if finish else None
@@ -342,11 +346,14 @@ class OpenAICompletionsBackend(_HTTPBackend):
             async for event in self._http.server_sent_events(url, body, limit=ANSWER_LIMIT_BYTES):
                 choices = event.get("choices") if isinstance(event, dict) else None
                 if not isinstance(choices, list):
-                    raise BackendError(self.name, f"/v1/completions (streamed): expected an event with choices, found "
-                                                  f"{str(event)[:200]}", 200)
+                    raise BackendError(self.name, f"/v1/completions (streamed) at {self.base_url}: expected an event with "
+                                                  f"choices, found {str(event)[:500]}", 200)
                 if not choices:  # a usage-only event
                     continue
                 choice = choices[0]
+                if not isinstance(choice, dict):
+                    raise BackendError(self.name, f"/v1/completions (streamed) at {self.base_url}: expected choices[0] to "
+                                                  f"be an object, found {str(choice)[:200]}", 200)
                 if choice.get("logprobs") is not None:
                     chunk_ids, chunk_lps = self._tokens(choice)
                     ids += chunk_ids

@@ -204,14 +204,21 @@ class JSONClient:
                                               headers=self._json_headers) as resp:
                 if resp.status != 200:
                     raise self._status_error(where, resp.status, await self._read(where, resp, ERROR_BYTES, refuse=False))
-                pending = bytearray()
+                parts: list[bytes] = []  # the line not ended yet, in the pieces it came in
+                held = 0
                 async for chunk in resp.content.iter_any():
-                    pending += chunk
-                    *lines, rest = pending.split(b"\n")
-                    if len(rest) > limit:
+                    if b"\n" in chunk:
+                        *lines, rest = chunk.split(b"\n")
+                        if parts:
+                            lines[0] = b"".join(parts) + lines[0]
+                        parts, held = ([rest], len(rest)) if rest else ([], 0)
+                    else:
+                        lines = []
+                        parts.append(chunk)
+                        held += len(chunk)
+                    if held > limit or any(len(line) > limit for line in lines):
                         raise HTTPJSONError(f"{where}: an event's line is over the limit of {limit} bytes; the rest "
                                             "was not read", method="POST", url=url, status=200)
-                    pending = bytearray(rest)
                     for line in lines:
                         # Other SSE fields (event:, id:, retry:) and comments (":...") carry nothing here.
                         if not line.startswith(b"data:"):

@@ -51,8 +51,13 @@ streamed): vLLM reports no weight version per answer, so the client draws the
 boundary. A reload closes the gate, cuts every stream in flight at its last
 received token (``ReloadGate.interrupt``; the closed connection makes vLLM
 abort the request), waits for the cut generations to return, then runs
-:class:`VLLMWeightSync`'s reload. Every received token predates the reload,
-so each part is recorded with the version it was admitted under.
+:class:`VLLMWeightSync`'s reload inside vLLM's dev-mode ``POST
+/pause?mode=abort`` ... ``POST /resume`` (``vllm/entrypoints/serve/dev/rlhf/
+api_router.py``), so no request the server has not yet freed keeps KV made by
+the old weights. Every received token predates the reload, so each part is
+recorded with the version it was admitted under. (Pausing first, without the
+client-side cut, would not be exact: a request in transit at the pause is held
+and runs on the new weights, and vLLM's answer names no version.)
 
 Every failure raises :class:`WeightSyncError` naming the server, the URL,
 the status and the body. A failure before anything reached the server (or
@@ -424,6 +429,27 @@ class VLLMWeightSync(_HTTPSync):
         self.served_dir = Path(served_dir)
 
     async def _reload(self, path: Path, version: int) -> Any:
+        if self.gate.drains:
+            return await self._swap(path, version)
+        # Partial rollouts: the gate has cut our streams and seen them return, but vLLM frees a
+        # request only once it notices the closed connection. Pausing with abort ends whatever
+        # still runs (KV made by the old weights must not outlive the reload in a running
+        # request's blocks, which a cache reset cannot free); resume afterwards, also after a
+        # failure, so the server never stays paused. (A request cut while in transit may reach
+        # the server paused and run after the resume: nobody reads it.)
+        self._check_routes_answer(await self._post("/pause?mode=abort", None, effects=True), "/pause?mode=abort")
+        try:
+            return await self._swap(path, version)
+        finally:
+            await self._post("/resume", None, effects=True)
+
+    def _check_routes_answer(self, out: Any, route: str) -> None:
+        if isinstance(out, dict) and out.get("success") is False:
+            raise WeightSyncError(f"vllm weight sync: {route} answered 200 with success false: {out!r:.300}", status=200,
+                                  answer=out)
+
+    async def _swap(self, path: Path, version: int) -> Any:
+        """Install ``path``'s files into the served directory, reload them, reset the prefix cache."""
         if path.resolve() != self.served_dir.resolve():
             _installable(path)  # checked before anything is replaced
             # Files replaced one by one: a failure part way leaves served_dir mixed.
@@ -436,7 +462,8 @@ class VLLMWeightSync(_HTTPSync):
         # A failing reset is fatal too (run() sets fatal_reason, since the RPC
         # had effects): the prefix cache still holds KV computed by the old
         # weights, and turns recorded under the new version would reuse it.
-        await self._post("/reset_prefix_cache", None, effects=True)
+        # Newer servers answer {"success": false} when blocks were still held: as fatal as a failed call.
+        self._check_routes_answer(await self._post("/reset_prefix_cache", None, effects=True), "/reset_prefix_cache")
         return out
 
 

@@ -39,14 +39,31 @@ class StreamingVLLM:
         self.violations: list[str] = []
         self.disconnected = 0
         self.finish_with: str | None = None  # force a finish reason (a misbehaving server)
+        self.paused = False
+        self.done_after_finish = asyncio.Event()  # set once a stream sent its finishing event
+        self.linger_s = 0.0  # wait this long between the finishing event and [DONE]
 
     async def start(self) -> "StreamingVLLM":
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/collective_rpc", self.collective_rpc)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        app.router.add_post("/pause", self.pause)
+        app.router.add_post("/resume", self.resume)
         self.runner, self.url = await serve_app(app)
         return self
+
+    async def pause(self, request: web.Request) -> web.Response:
+        self.calls.append("pause")
+        if dict(request.query) != {"mode": "abort"}:
+            self.violations.append(f"pause query {dict(request.query)}")
+        self.paused = True
+        return web.json_response({"status": "paused"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.calls.append("resume")
+        self.paused = False
+        return web.json_response({"status": "resumed"})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -64,6 +81,8 @@ class StreamingVLLM:
                                       "logprobs": {"tokens": [f"token_id:{tok}"], "token_logprobs": [-0.5]},
                                       "finish_reason": (self.finish_with or "length") if last else None}]}
                 await resp.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
+            self.done_after_finish.set()
+            await asyncio.sleep(self.linger_s)
             await resp.write(b'data: {"choices": [], "usage": {}}\n\ndata: [DONE]\n\n')
         except (ConnectionResetError, ConnectionError):
             self.disconnected += 1
@@ -74,6 +93,8 @@ class StreamingVLLM:
         self.calls.append("collective_rpc")
         if body != {"method": "reload_weights"}:
             self.violations.append(f"collective_rpc body {body}")
+        if not self.paused:
+            self.violations.append("reload while not paused")
         self.version = int((self.served_dir / "version.txt").read_text())
         return web.json_response({"results": [None]})
 
@@ -101,7 +122,7 @@ def test_reloads_cut_streams_and_resubmit_and_every_token_records_the_version_th
 
     server, turns = run(body())
     assert not server.violations, server.violations
-    assert server.calls == ["collective_rpc", "reset_prefix_cache"] * 3
+    assert server.calls == ["pause", "collective_rpc", "reset_prefix_cache", "resume"] * 3
     assert server.disconnected > 0  # the cut streams were closed: vLLM aborts a request whose client went away
     assert len(turns) == 12
     check_versions_made_the_tokens(turns)
@@ -147,3 +168,28 @@ def test_continue_in_place_against_a_server_is_refused_by_name() -> None:
     # resubmit is accepted for vLLM
     LoopConfig(hf_model="tiny-llama", inference={"backend": "vllm", "url": "http://127.0.0.1:9", "served_dir": "/x"},
                rollout={"weight_update": "resubmit"})
+
+
+def test_a_cut_after_the_finishing_event_keeps_the_generation_whole(tmp_path) -> None:
+    """A reload that lands between the event that finishes a generation and the end of its stream
+    cuts nothing: the generation returns with its finish reason, not as a part to resubmit (which
+    would run past its stop token)."""
+
+    async def body():
+        server = await StreamingVLLM(tmp_path).start()
+        server.finish_with, server.linger_s = "stop", 0.5
+        try:
+            inner = OpenAICompletionsBackend(server.url)
+            inner.partial = True
+            call = asyncio.ensure_future(inner.generate([1, 2], SamplingParams(max_new_tokens=3)))
+            await asyncio.wait_for(server.done_after_finish.wait(), 10)
+            await asyncio.sleep(0.05)  # the finishing event reached the client
+            assert inner.interrupt() == 1
+            gen = await call
+            await inner.close()
+            return gen
+        finally:
+            await server.runner.cleanup()
+
+    gen = run(body())
+    assert gen.finish_reason == "stop" and len(gen.output_ids) == 3

@@ -93,6 +93,8 @@ class FakeServedModel:
             app.router.add_post("/v1/completions", self.completions)
             app.router.add_post("/collective_rpc", self.collective_rpc)
             app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+            app.router.add_post("/pause", self.pause)
+            app.router.add_post("/resume", self.resume)
         self.runner, self.url = await serve_app(app)
         return self
 
@@ -209,6 +211,16 @@ class FakeServedModel:
         self.events.append(("reset_prefix_cache",))
         return web.Response(status=200)
 
+    async def pause(self, request: web.Request) -> web.Response:
+        if dict(request.query) != {"mode": "abort"}:
+            return self._bad(f"bad /pause query {dict(request.query)}")
+        self.events.append(("pause", self.inflight))
+        return web.json_response({"status": "paused"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.events.append(("continue",))  # SGLang's continue_generation, vLLM's resume: the same step
+        return web.json_response({"status": "resumed"})
+
 
 def _run_served_loop(kind: str, tmp_path: Path, weight_update: str = "drain"):
     """Two RL steps of echo-word-test with tiny-llama served by a fake ``kind`` server, new
@@ -273,7 +285,7 @@ def test_a_served_model_is_reloaded_between_batches_and_every_turn_records_the_w
     # (vLLM: each reload followed by its prefix-cache reset).
     digest = {v: d for d, v in version_of.items()}
     reset = [("reset_prefix_cache",)] if kind == "vllm" else []
-    paused = kind == "sglang" and weight_update == "resubmit"
+    paused = weight_update == "resubmit"  # SGLang: pause, update, continue; vLLM: pause, reload, reset, resume
 
     def reload(v: int) -> list:
         return ([("pause", 0)] if paused else []) + [("reload", digest[v], 0)] + reset + ([("continue",)] if paused else [])
