@@ -50,6 +50,7 @@ from agentlog.events.log.batch_compression import ZSTD_LEVEL  # noqa: E402
 from agentlog.events.log.format import FRAME_OVERHEAD  # noqa: E402
 from agentlog.tools.bench.bench_growth import session_turns, trajectory_bytes  # noqa: E402
 from agentlog.tools.bench.bench_log import dir_bytes, drop_dir, goal, turn_events  # noqa: E402
+from agentlog.tools.bench.probe_fdatasync import write_synced  # noqa: E402
 
 COMPRESSIONS = ("none", "zstd")
 
@@ -152,12 +153,7 @@ def append_vs_raw(root: Path, batches: list[list[tuple]], reps: int) -> dict:
             p = root / "raw.bin"
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                t0 = time.perf_counter()
-                for chunk in chunks:
-                    while chunk:
-                        chunk = chunk[os.write(fd, chunk) :]
-                    os.fdatasync(fd)
-                return time.perf_counter() - t0
+                return write_synced(fd, chunks)
             finally:
                 os.close(fd)
                 os.unlink(p)
