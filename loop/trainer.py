@@ -74,7 +74,7 @@ from .metric_sinks import MetricSinks
 from .policy import build_model
 from .run_folder import Run
 from .publish import STOPPED_UNTRAINABLE, checkpoint_path, prune_checkpoints, publish, save_hf_checkpoint
-from .staleness import judge_staleness, version_lag_shares
+from .staleness import StalenessVerdict, judge_staleness, version_lag_shares
 
 log = get_logger("agentlog.loop.trainer")
 
@@ -90,6 +90,20 @@ def sampling_refusal(group: Group) -> str:
         first = rows[0]
         return f"sampling: session {first.session_id} row {first.row_index}: {first.metadata['sampling_error']}"
     return ""
+
+
+def decide_group(group: Group, version: int, cfg: LoopConfig, *, distills: bool) -> tuple[str, StalenessVerdict | None]:
+    """The learner's decision on one released group in a step taken at policy ``version``:
+    why it trains nothing ("" when it trains), and its staleness verdict (None when an
+    earlier reason settled it). The one rule, for the online step and for the offline
+    counterfactual (:mod:`agentlog.loop.counterfactual`)."""
+    if group.skipped:
+        return group.skip_reason or "skipped", None
+    refused = sampling_refusal(group) or (distill_refusal(group) if distills else "")
+    if refused:
+        return refused, None
+    verdict = judge_staleness(group, version, cfg.max_staleness, cfg.staleness_mode)
+    return verdict.drop_reason, verdict
 
 
 def distill_refusal(group: Group) -> str:
@@ -445,18 +459,13 @@ class LoopLearner:
         staleness: list[int] = []
         corrected = 0
         for g in groups:
-            if g.skipped:
-                skipped[g.group_id] = g.skip_reason or "skipped"
+            reason, verdict = decide_group(g, version, cfg, distills=self.learner.config.distills)
+            if verdict is not None:
+                staleness.append(verdict.staleness)
+            if reason:
+                skipped[g.group_id] = reason
                 continue
-            refused = sampling_refusal(g) or (distill_refusal(g) if self.learner.config.distills else "")
-            if refused:
-                skipped[g.group_id] = refused
-                continue
-            verdict = judge_staleness(g, version, cfg.max_staleness, cfg.staleness_mode)
-            staleness.append(verdict.staleness)
-            if verdict.drop_reason:
-                skipped[g.group_id] = verdict.drop_reason
-                continue
+            assert verdict is not None  # a group that trains was judged for staleness
             if verdict.stale:
                 corrected += 1
             train.append(g)

@@ -57,8 +57,53 @@ def register(sub) -> None:
     p.add_argument("--format", choices=FORMATS, default=None, help="output format (default: from OUT's suffix, else jsonl)")
     p.add_argument("--fork-threshold", type=nonneg_int, default=None, metavar="N", help="REALIGN only outputs shorter than N tokens (0: always fork)")
     p.add_argument("--max-context-tokens", type=nonneg_int, default=None, metavar="N", help="cut rows to N tokens (0: no limit)")
+    p.add_argument("--policy", default=None, metavar="FILE",
+                   help="a run folder only: re-reduce the recorded run under FILE's settings (a TOML of LoopConfig fields on "
+                        "top of the run's: min_valid, max_staleness, staleness_mode, [learner] estimator) and, with --diff, "
+                        "print what the learner would have trained differently; nothing is re-run")
+    p.add_argument("--diff", action="store_true", help="with --policy: print the groups whose outcome changes")
+    p.add_argument("--json", action="store_true", help="with --policy --diff: the diff as one JSON object")
     add_quiet(p)
     p.set_defaults(func=run)
+
+
+def run_counterfactual(args) -> int:
+    """``--policy FILE --diff``: the recorded run replayed under its own settings and under FILE's."""
+    import tomllib
+
+    import msgspec
+
+    from agentlog.events.errors import ConfigError
+    from agentlog.loop.counterfactual import diff_outcomes, format_diff, policy_config, replay_run
+    from agentlog.loop.run_folder import Run
+
+    path = check_log_path(args.log)
+    run_dir = path.run_dir
+    if run_dir is None:
+        raise CliError(f"reconstruct --policy: {args.log} is not a run folder (its learner log and config.json "
+                       "name what was trained)", EXIT_USAGE)
+    if not args.diff:
+        raise CliError("reconstruct --policy: add --diff (what would have changed is all it prints)", EXIT_USAGE)
+    try:
+        with open(args.policy, "rb") as f:
+            policy = tomllib.load(f)
+    except OSError as exc:
+        raise CliError(f"reconstruct --policy {args.policy}: cannot read it: {exc.strerror or exc}", EXIT_USAGE) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise CliError(f"reconstruct --policy {args.policy}: not TOML: {exc}", EXIT_USAGE) from None
+    with Run.open(run_dir) as run:
+        recorded = run.config
+    try:
+        other = policy_config(recorded, policy)
+    except ConfigError as exc:
+        raise CliError(f"reconstruct --policy {args.policy}: {exc}", EXIT_USAGE) from None
+    diff = diff_outcomes(replay_run(run_dir, recorded), replay_run(run_dir, other))
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(diff).decode() + "\n")
+    else:
+        for line in format_diff(diff):
+            print(line)
+    return EXIT_OK
 
 
 def sample_columns() -> list[tuple[str, str]]:
@@ -242,6 +287,10 @@ def _format_of(args) -> str:
 
 def run(args) -> int:
     """Reduce the log and write its samples; the digest is the last line."""
+    if args.policy is not None:
+        return run_counterfactual(args)
+    if args.diff or args.json:
+        raise CliError("reconstruct: --diff and --json go with --policy FILE", EXIT_USAGE)
     from agentlog.reducers.config import ConfigError, ReduceConfig
     from agentlog.reducers.partitioned import PartitionFold
     from agentlog.reducers.pipeline import ReduceError
