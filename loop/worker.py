@@ -227,11 +227,13 @@ class RolloutWorker:
         (The built-in tasks' batcher checks at its token boundaries itself.)"""
         if not (self.text and self.cfg.rollout.weight_update != "drain"):
             return await work
+        stop = asyncio.Event()
 
         async def follow() -> None:
-            while True:
+            while not stop.is_set():
                 await self.reload_text()
-                await asyncio.sleep(WEIGHTS_POLL_S)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), WEIGHTS_POLL_S)
 
         batch, follower = asyncio.ensure_future(work), asyncio.ensure_future(follow())
         try:
@@ -240,11 +242,16 @@ class RolloutWorker:
                 follower.result()  # raises what stopped it
             return batch.result()
         finally:
-            for task in (follower, batch):
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+            if not batch.done():  # the follower failed, or this call was cancelled
+                batch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await batch
+            # A reload under way when the batch ended is let finish, not cancelled: cut part
+            # way it would leave the server paused and its weights unknown (a fatal gate).
+            stop.set()
+            if not follower.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await follower
 
     async def wait_for_step(self, step: int) -> bool:
         """Wait until the learner recorded ``step`` (False if the run ended first)."""

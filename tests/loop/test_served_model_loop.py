@@ -271,11 +271,15 @@ def test_a_served_model_is_reloaded_between_batches_and_every_turn_records_the_w
     version_of = {weights_digest(hf_checkpoint_dir(r.checkpoint)): r.policy_version for r in records}
     assert len(version_of) == 3, "each version's weights differ (else the log-probs could not tell them apart)"
     published = [str(hf_checkpoint_dir(r.checkpoint)) for r in records]
+    # A partial mode loads each version as soon as it is published: the last one too, when it
+    # appears before the worker stops (it trains nothing more).
+    reloads = len(server.reload_bodies)
+    assert reloads == 2 or (weight_update != "drain" and reloads == 3), server.reload_bodies
     if kind == "sglang":
-        assert [(b["model_path"], b["weight_version"]) for b in server.reload_bodies] == [(published[0], "0"), (published[1], "1")]
+        assert [(b["model_path"], b["weight_version"]) for b in server.reload_bodies] == [(published[v], str(v)) for v in range(reloads)]
         assert not server.aborts  # nothing was cancelled
     else:
-        assert server.reload_bodies == [{"method": "reload_weights"}] * 2
+        assert server.reload_bodies == [{"method": "reload_weights"}] * reloads
 
     envs = list(read_log(run_dir / "rollout", 0))
     turns = [e for e in full_turns(envs) if isinstance(e.body, TurnRecorded)]
@@ -290,7 +294,8 @@ def test_a_served_model_is_reloaded_between_batches_and_every_turn_records_the_w
     def reload(v: int) -> list:
         return ([("pause", 0)] if paused else []) + [("reload", digest[v], 0)] + reset + ([("continue",)] if paused else [])
 
-    expected = (reload(0) + [("generate", 0)] * len(per_batch[0]) + reload(1) + [("generate", 1)] * len(per_batch[1]))
+    expected = (reload(0) + [("generate", 0)] * len(per_batch[0]) + reload(1) + [("generate", 1)] * len(per_batch[1])
+                + (reload(2) if reloads == 3 else []))
     seen = [(e[0], version_of.get(e[1], "unpublished weights")) if e[0] == "generate" else e for e in server.events]
     assert seen == expected, seen
     # Every turn records its batch's version, and the log-probs it records came from that version's weights.
