@@ -78,6 +78,10 @@ class LoopConfig:
     """Truncation cap of the importance weight pi_learner / pi_rollout when staleness_mode is correct."""
     min_valid: int = 2
     """A group with fewer valid (finished) members is skipped with its reason."""
+    dynamic_sampling: bool = False
+    """Filter groups whose valid rewards have no spread (DAPO's dynamic sampling): all their advantages are 0, so such a group is recorded as skipped (reason ``zero spread``) instead of trained. The step trains the groups that remain; the metrics count the filtered ones (``rollout/groups_filtered``)."""
+    spread_tolerance: float = 0.0
+    """With dynamic_sampling: a group whose valid rewards differ by at most this has no spread."""
     max_untrainable_batches: int = 3
     """Stop the run with an error (exit 1) after this many batches in a row with nothing to train (every group skipped: say every session aborted), naming the main abort reason and a session to inspect (0: never stop)."""
     warmup_steps: int = 300
@@ -196,6 +200,11 @@ class LoopConfig:
             raise ConfigError(f"LoopConfig.time_budget_s: expected >= 0 (0 disables), found {self.time_budget_s!r}")
         if not self.tis_cap > 0:
             raise ConfigError(f"LoopConfig.tis_cap: expected > 0, found {self.tis_cap!r}")
+        if not isinstance(self.dynamic_sampling, bool):
+            raise ConfigError(f"LoopConfig.dynamic_sampling: expected true or false, found {self.dynamic_sampling!r}")
+        if (not isinstance(self.spread_tolerance, (int, float)) or isinstance(self.spread_tolerance, bool)
+                or not 0 <= self.spread_tolerance < math.inf):
+            raise ConfigError(f"LoopConfig.spread_tolerance: expected a finite number >= 0, found {self.spread_tolerance!r}")
         if not 0.0 <= self.warmup_wrong_rate <= 1.0:
             raise ConfigError(f"LoopConfig.warmup_wrong_rate: expected a fraction in [0, 1], found {self.warmup_wrong_rate!r}")
         if not 1 <= self.min_valid <= self.group_size:

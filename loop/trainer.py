@@ -102,8 +102,22 @@ def decide_group(group: Group, version: int, cfg: LoopConfig, *, distills: bool)
     refused = sampling_refusal(group) or (distill_refusal(group) if distills else "")
     if refused:
         return refused, None
+    if cfg.dynamic_sampling:
+        filtered = zero_spread(group, cfg.spread_tolerance)
+        if filtered:
+            return filtered, None
     verdict = judge_staleness(group, version, cfg.max_staleness, cfg.staleness_mode)
     return verdict.drop_reason, verdict
+
+
+def zero_spread(group: Group, tolerance: float) -> str:
+    """Dynamic sampling's filter: why ``group`` teaches nothing (its valid rewards differ by at
+    most ``tolerance``, so every advantage is 0), or "" when they spread."""
+    rewards = group.valid_rewards
+    if rewards and max(rewards) - min(rewards) <= tolerance:
+        return (f"zero spread: {len(rewards)} valid reward(s) within {tolerance:g} of each other "
+                f"({min(rewards):g}..{max(rewards):g}; dynamic sampling)")
+    return ""
 
 
 def distill_refusal(group: Group) -> str:
@@ -476,6 +490,7 @@ class LoopLearner:
             "rollout/groups_released": float(len(groups)),
             "rollout/groups_trained": float(len(train)),
             "rollout/groups_skipped": float(len(skipped)),
+            "rollout/groups_filtered": float(sum(r.startswith("zero spread") for r in skipped.values())),
             "rollout/members": float(len(members)),
             "rollout/aborted": float(sum(1 for m in members if m.status == "aborted")),
             "rollout/dropped": float(sum(len(g.dropped) for g in groups)),
