@@ -172,3 +172,65 @@ def test_text_depth_is_the_nesting_of_the_value_brackets_in_strings_aside(value,
     raw = json.dumps(value, indent=1 if pretty else None).encode()
     assert text_depth(raw) == _depth(value)
     assert text_depth(msgspec.json.encode(value)) == _depth(value)
+
+
+def _streaming(pieces: list[bytes], status: int = 200):
+    """A server whose POST /sse answers ``pieces``, each written (and flushed) on its own."""
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(status=status, headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for piece in pieces:
+            await resp.write(piece)
+            await asyncio.sleep(0.001)
+        return resp
+
+    async def go(limit: int):
+        app = web.Application()
+        app.router.add_post("/sse", sse)
+        runner, url = await serve_app(app)
+        client = JSONClient(timeout_s=5)
+        try:
+            return [e async for e in client.server_sent_events(url + "/sse", {"q": 1}, limit=limit)]
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    return go
+
+
+@settings(max_examples=25, deadline=None)
+@given(events=st.lists(st.dictionaries(st.sampled_from(["a", "bb", "text"]), st.integers(-5, 10**6) | st.text(max_size=30),
+                                       max_size=3), min_size=1, max_size=6),
+       crlf=st.booleans(), spaced=st.booleans(), cuts=st.lists(st.integers(1, 400), max_size=8))
+def test_server_sent_events_yield_each_data_line_whatever_the_chunking(events, crlf, spaced, cuts) -> None:
+    """Each ``data:`` line's JSON comes back once, in order, however the stream is cut into chunks,
+    with LF or CRLF line ends, with or without the space after the colon; comments and other
+    fields are skipped; ``data: [DONE]`` ends it."""
+    nl = b"\r\n" if crlf else b"\n"
+    sep = b"data: " if spaced else b"data:"
+    body = b": a comment" + nl + b"event: message" + nl
+    for e in events:
+        body += sep + msgspec.json.encode(e) + nl + nl
+    body += sep + b"[DONE]" + nl + nl
+    pieces, at = [], 0
+    for c in sorted(set(cuts)):
+        if at < c < len(body):
+            pieces.append(body[at:c])
+            at = c
+    pieces.append(body[at:])
+    assert asyncio.run(_streaming(pieces)(1 << 20)) == events
+
+
+def test_a_stream_without_done_an_error_status_and_an_over_long_line_are_each_named() -> None:
+    with pytest.raises(HTTPJSONError, match=r"POST http://127\.0\.0\.1:\d+/sse: the event stream ended without 'data: \[DONE\]'"):
+        asyncio.run(_streaming([b'data: {"a": 1}\n\n'])(1 << 20))
+    with pytest.raises(HTTPJSONError, match=r"answered HTTP 503, expected 200: overloaded") as err:
+        asyncio.run(_streaming([b'{"error": {"message": "overloaded"}}'], status=503)(1 << 20))
+    assert err.value.status == 503
+    with pytest.raises(HTTPJSONError, match="an event's line is over the limit of 100 bytes"):
+        asyncio.run(_streaming([b"data: " + b"[" + b"1," * 100 + b"1]\n\n", b"data: [DONE]\n\n"])(100))
+    with pytest.raises(HTTPJSONError, match="an event's line is over the limit of 100 bytes"):  # a line still arriving
+        asyncio.run(_streaming([b"data: " + b"x" * 80, b"y" * 80])(100))
+    with pytest.raises(NonFiniteJSON, match=r"the answer holds the number NaN at \$\.a"):
+        asyncio.run(_streaming([b'data: {"a": NaN}\n\n'])(1 << 20))
