@@ -64,11 +64,21 @@ class Replay:
     missing: list[str] = field(default_factory=list)  # groups a record names that the rollout never released
 
 
-def replay_run(run_dir: Path, cfg: LoopConfig) -> Replay:
-    """Replay the run at ``run_dir`` under ``cfg`` (see the module docstring)."""
+def released_groups(run_dir: Path, cfg: LoopConfig) -> dict[int, dict[str, ReleasedGroup]]:
+    """The run's rollout partitions reduced with ``cfg``'s reduce settings: per partition,
+    the released groups by id (what :func:`replay_run` decides on)."""
     with Run.open(Path(run_dir)) as run:
         sources = run.existing_rollout_logs()
-        released = reduce_partitions({pid: src.read() for pid, src in sources.items()}, cfg.reduce_config())
+        return reduce_partitions({pid: src.read() for pid, src in sources.items()}, cfg.reduce_config())
+
+
+def replay_run(run_dir: Path, cfg: LoopConfig, released: Mapping[int, Mapping[str, ReleasedGroup]] | None = None) -> Replay:
+    """Replay the run at ``run_dir`` under ``cfg`` (see the module docstring). ``released``:
+    :func:`released_groups` for ``cfg``'s reduce settings, when the caller has it (two
+    configurations that reduce alike share one reduction)."""
+    if released is None:
+        released = released_groups(run_dir, cfg)
+    with Run.open(Path(run_dir)) as run:
         records = read_learner_records(run.learner)
     out = Replay()
     distills = cfg.learner_config().distills
@@ -168,6 +178,15 @@ def diff_outcomes(before: Replay, after: Replay) -> Diff:
         steps_equal_after=after.steps_equal,
         changes=tuple(changes),
     )
+
+
+def compare(run_dir: Path, before: LoopConfig, after: LoopConfig) -> Diff:
+    """:func:`diff_outcomes` of the run replayed under ``before`` and under ``after``, reducing
+    the rollout once when both reduce alike."""
+    reduced = released_groups(run_dir, before)
+    same = after.reduce_config() == before.reduce_config()
+    return diff_outcomes(replay_run(run_dir, before, reduced),
+                         replay_run(run_dir, after, reduced if same else None))
 
 
 def policy_config(run_cfg: LoopConfig, policy: Mapping[str, Any], *, base_dir: Path | None = None) -> LoopConfig:

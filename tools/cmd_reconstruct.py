@@ -74,7 +74,7 @@ def run_counterfactual(args) -> int:
     import msgspec
 
     from agentlog.events.errors import ConfigError
-    from agentlog.loop.counterfactual import diff_outcomes, format_diff, policy_config, replay_run
+    from agentlog.loop.counterfactual import compare, format_diff, policy_config
     from agentlog.loop.run_folder import Run
 
     path = check_log_path(args.log)
@@ -97,7 +97,7 @@ def run_counterfactual(args) -> int:
         other = policy_config(recorded, policy)
     except ConfigError as exc:
         raise CliError(f"reconstruct --policy {args.policy}: {exc}", EXIT_USAGE) from None
-    diff = diff_outcomes(replay_run(run_dir, recorded), replay_run(run_dir, other))
+    diff = compare(run_dir, recorded, other)
     if args.json:
         sys.stdout.write(msgspec.json.encode(diff).decode() + "\n")
     else:
