@@ -411,6 +411,38 @@ static int parse_state(scan_state *st, Py_buffer *view, PyObject *limit_obj, Py_
    why it stopped: 0 the next frame is not wholly in the buffer (``rel`` is
    where it starts), 1 ``limit`` reached, 2 end of file, 3 a bad frame at
    ``rel`` (``reason`` says why), 4 ``max_frames`` returned. */
+/* The Frame (a ``tp`` of 8 items: offset, end, lsn, seq, ts, flags, sid, payload) of the
+   valid frame ``fi``, its payload a slice of ``viewobj``. Steals ``sid``, ``off`` and ``end``
+   (either may be NULL after a failed allocation: then NULL is returned). NULL with an
+   exception set on failure, everything given released. The one place every scanner
+   builds its frames. */
+static PyObject *make_frame(PyTypeObject *tp, PyObject *viewobj, const frame_info *fi, PyObject *sid, PyObject *off,
+                            PyObject *end) {
+    PyObject *payload = PySequence_GetSlice(viewobj, fi->rel + SID_AT + fi->sidlen, fi->end);
+    PyObject *fr = payload != NULL && off != NULL && end != NULL ? tp->tp_alloc(tp, 8) : NULL;
+    if (fr == NULL) {
+        Py_DECREF(sid);
+        Py_XDECREF(payload);
+        Py_XDECREF(off);
+        Py_XDECREF(end);
+        return NULL;
+    }
+    PyObject *vals[8] = {
+        off, end, PyLong_FromUnsignedLongLong(fi->lsn), PyLong_FromUnsignedLongLong(fi->seq), PyLong_FromLongLong(fi->ts),
+        PyLong_FromLong((long)fi->flags), sid, payload,
+    };
+    int bad = 0;
+    for (int k = 0; k < 8; k++) {
+        if (vals[k] == NULL) bad = 1;
+        PyTuple_SET_ITEM(fr, k, vals[k]);
+    }
+    if (bad) {
+        Py_DECREF(fr);
+        return NULL;
+    }
+    return fr;
+}
+
 static PyObject *fc_scan(PyObject *self, PyObject *args) {
     PyObject *bufobj, *viewobj, *ftype, *limit_obj;
     Py_ssize_t rel, max_frames;
@@ -445,36 +477,9 @@ static PyObject *fc_scan(PyObject *self, PyObject *args) {
             code = SCAN_BAD;
             break;
         }
-        PyObject *payload = PySequence_GetSlice(viewobj, fi.rel + SID_AT + fi.sidlen, fi.end);
-        if (payload == NULL) {
-            Py_DECREF(sid);
-            goto done;
-        }
-        PyObject *fr = tp->tp_alloc(tp, 8);
-        if (fr == NULL) {
-            Py_DECREF(sid);
-            Py_DECREF(payload);
-            goto done;
-        }
-        PyObject *vals[6] = {
-            PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi.rel),
-            PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi.end),
-            PyLong_FromUnsignedLongLong(fi.lsn),
-            PyLong_FromUnsignedLongLong(fi.seq),
-            PyLong_FromLongLong(fi.ts),
-            PyLong_FromLong((long)fi.flags),
-        };
-        int bad = 0;
-        for (int i = 0; i < 6; i++) {
-            if (vals[i] == NULL) bad = 1;
-            PyTuple_SET_ITEM(fr, i, vals[i]);
-        }
-        PyTuple_SET_ITEM(fr, 6, sid);
-        PyTuple_SET_ITEM(fr, 7, payload);
-        if (bad) {
-            Py_DECREF(fr);
-            goto done;
-        }
+        PyObject *fr = make_frame(tp, viewobj, &fi, sid, PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi.rel),
+                                  PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi.end));
+        if (fr == NULL) goto done;
         int rc = PyList_Append(frames, fr);
         Py_DECREF(fr);
         if (rc < 0) goto done;
@@ -623,30 +628,10 @@ static PyObject *fc_scan_mapped(PyObject *self, PyObject *args) {
             code = SCAN_BAD;
             break;
         }
-        PyObject *payload = PySequence_GetSlice(viewobj, fi[i].rel + SID_AT + fi[i].sidlen, fi[i].end);
-        PyObject *fr = payload ? tp->tp_alloc(tp, 8) : NULL;
-        if (fr == NULL) {
-            Py_DECREF(sid);
-            Py_XDECREF(payload);
-            goto done;
-        }
-        PyObject *vals[6] = {
-            PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi[i].rel),
-            PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi[i].end),
-            PyLong_FromUnsignedLongLong(fi[i].lsn),
-            PyLong_FromUnsignedLongLong(fi[i].seq),
-            PyLong_FromLongLong(fi[i].ts),
-            PyLong_FromLong((long)fi[i].flags),
-        };
-        int bad = 0;
-        for (int k = 0; k < 6; k++) {
-            if (vals[k] == NULL) bad = 1;
-            PyTuple_SET_ITEM(fr, k, vals[k]);
-        }
-        PyTuple_SET_ITEM(fr, 6, sid);
-        PyTuple_SET_ITEM(fr, 7, payload);
+        PyObject *fr = make_frame(tp, viewobj, &fi[i], sid, PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi[i].rel),
+                                  PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi[i].end));
+        if (fr == NULL) goto done;
         PyList_SET_ITEM(frames, i, fr);
-        if (bad) goto done;
     }
     result = Py_BuildValue("(OnKiO)", frames, st.rel, st.expected, code, st.reason ? st.reason : Py_None);
 done:
@@ -695,31 +680,11 @@ static PyObject *fc_scan_batch(PyObject *self, PyObject *args) {
             if (st.reason == NULL) goto done;
             break;
         }
-        PyObject *payload = PySequence_GetSlice(view, fi.rel + SID_AT + fi.sidlen, fi.end);
-        PyObject *fr = payload ? tp->tp_alloc(tp, 8) : NULL;
-        if (fr == NULL) {
-            Py_DECREF(sid);
-            Py_XDECREF(payload);
-            goto done;
-        }
         Py_INCREF(off_o);
         Py_INCREF(end_o);
-        PyObject *vals[4] = {
-            PyLong_FromUnsignedLongLong(fi.lsn),
-            PyLong_FromUnsignedLongLong(fi.seq),
-            PyLong_FromLongLong(fi.ts),
-            PyLong_FromLong((long)fi.flags),
-        };
-        PyTuple_SET_ITEM(fr, 0, off_o);
-        PyTuple_SET_ITEM(fr, 1, end_o);
-        int bad = 0;
-        for (int k = 0; k < 4; k++) {
-            if (vals[k] == NULL) bad = 1;
-            PyTuple_SET_ITEM(fr, 2 + k, vals[k]);
-        }
-        PyTuple_SET_ITEM(fr, 6, sid);
-        PyTuple_SET_ITEM(fr, 7, payload);
-        int rc = bad ? -1 : PyList_Append(frames, fr);
+        PyObject *fr = make_frame(tp, view, &fi, sid, off_o, end_o); /* every frame of a batch carries its place */
+        if (fr == NULL) goto done;
+        int rc = PyList_Append(frames, fr);
         Py_DECREF(fr);
         if (rc < 0) goto done;
         st.rel = fi.end;
