@@ -13,7 +13,7 @@ from agentlog.tools.bench.bench_partial import SESSIONS, run_server_arm
 
 def _arm(tmp_path, mode: str):
     with tqdm(disable=True) as bar:
-        return asyncio.run(run_server_arm(mode, duration_s=1.5, token_s=0.002, period_s=0.2, seed=0, bar=bar,
+        return asyncio.run(run_server_arm(mode, duration_s=4.0, token_s=0.002, period_s=0.2, seed=0, bar=bar,
                                           prefill_token_s=0.0, update_s=0.005, ckpt=tmp_path))
 
 
