@@ -38,6 +38,8 @@ import math
 from collections import OrderedDict
 from typing import Any, Callable
 
+import msgspec
+
 from agentlog._logging import get_logger
 from agentlog.events.schema.lifecycle import TERMINAL_STATES, State, next_state
 from agentlog.events.log.api import EventLog
@@ -50,6 +52,8 @@ from agentlog.events.schema.types import (
     validate_id,
 )
 from agentlog.events.schema.turn_delta import EncodingContext
+from agentlog.reducers.abort_classes import REFILL
+from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.groups import GroupError, GroupTracker
 from agentlog.reducers.lifecycle import IdFilter
 
@@ -84,6 +88,7 @@ class SessionEngine(BackgroundWork):
         sandbox: Any = None,
         checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
         checkpoint_poll_s: float = 0.2,
+        groups: ReduceConfig | None = None,
     ) -> None:
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every: expected >= 0 records (0: no checkpoints), found {checkpoint_every}")
@@ -106,6 +111,11 @@ class SessionEngine(BackgroundWork):
         # refused at open instead of poisoning the log. Released groups are
         # forgotten, so this holds only the open groups.
         self._groups = GroupTracker(min_valid=0)
+        #: The abort classes and refill cap (a run's [groups]): with a "refill" class,
+        #: an abort owes its group a replacement (recorded as session_aborted.refill).
+        self.group_rules = groups
+        #: Per group: refill decisions taken whose abort is not folded into _groups yet.
+        self._refills_deciding: dict[str, int] = {}
         self._bg: set[asyncio.Task] = set()
         #: None while every background task (budget expiry) ended well; else
         #: the first crash, in one line (health checks report it).
@@ -206,8 +216,11 @@ class SessionEngine(BackgroundWork):
         policy_version: int = 0,
         metadata: dict[str, Any] | None = None,
         budget_s: float | None = None,
+        replaces: str = "",
     ) -> SessionHandle:
         """Append ``session_opened`` for a fresh id and return its handle.
+        ``replaces``: open a replacement (per-sample refill) for that aborted
+        member of the group, which the group must owe (:meth:`owed_replacements`).
 
         ``sample_index`` None takes the group's smallest free index. Raises
         DuplicateSession if the id was ever used, and GroupError (naming the
@@ -222,6 +235,7 @@ class SessionEngine(BackgroundWork):
         body = SessionOpened(
             group_id=group_id, group_size=group_size, sample_index=sample_index, prompt=prompt or [],
             prompt_ids=prompt_ids, label=label, agent=agent, policy_version=policy_version, metadata=metadata or {},
+            replaces=replaces or msgspec.UNSET,
         )
         live = self._live.get(session_id)
         if live is not None:
@@ -231,7 +245,7 @@ class SessionEngine(BackgroundWork):
         # Joined before the first await, so concurrent opens cannot both take
         # the last place or the same index; withdrawn if the open fails.
         try:
-            self._groups.open(group_id, session_id, group_size, sample_index, None)
+            self._groups.open(group_id, session_id, group_size, sample_index, None, replaces)
         except GroupError:
             # A reused id is reported as such, not as the group conflict it also causes.
             if session_id in self._ids:
@@ -392,9 +406,38 @@ class SessionEngine(BackgroundWork):
             dest = next_state(h.session_id, h.state, trigger)
             if dest is None:
                 return None
+            if trigger == "abort" and not body.refill and self._owes_refill(h.group_id, body.reason):
+                # The engine decides, the log records: the group is released only with a replacement.
+                body = msgspec.structs.replace(body, refill=True)
+                deciding = self._refills_deciding
+                deciding[h.group_id] = deciding.get(h.group_id, 0) + 1
+                try:
+                    return await self._append(h, body, dest)
+                finally:
+                    deciding[h.group_id] -= 1
+                    if not deciding[h.group_id]:
+                        del deciding[h.group_id]
             return await self._append(h, body, dest)
         finally:
             release(h)
+
+    def _owes_refill(self, group_id: str, reason: str) -> bool:
+        """Whether an abort for ``reason`` in ``group_id`` owes the group a replacement:
+        its abort class's outcome is "refill" and the group is under its refill cap."""
+        rules = self.group_rules
+        if rules is None or rules.outcome_of(reason) != REFILL:
+            return False
+        return self._groups.refills(group_id) + self._refills_deciding.get(group_id, 0) < rules.max_refills
+
+    def replacement_index(self, group_id: str) -> int:
+        """The sample_index of the next replacement of ``group_id`` (in flight): past every
+        original member's slot, so a replacement never takes an index a member may still open."""
+        return self._groups.replacement_index(group_id)
+
+    def owed_replacements(self, group_id: str) -> list[str]:
+        """The aborted members of ``group_id`` (in flight) owed a replacement that has
+        not opened yet: open each with ``open_session(..., replaces=member)``."""
+        return self._groups.owed(group_id)
 
     async def _drain(self, h: SessionHandle) -> None:
         """Wait up to drain_s for the session's in-flight work, then cancel the rest."""
@@ -413,7 +456,7 @@ class SessionEngine(BackgroundWork):
         """Forget everything held for a session that just ended (``lsn``: of its terminal event, if known)."""
         sid = h.session_id
         h._context = None  # the next-turn context: nothing follows a terminal event
-        self._groups.close(h.group_id, None, sid, lsn)
+        self._groups.close(h.group_id, None, sid, lsn, refill=h.state is State.ABORTED and body.refill is True)
         self._live.pop(sid, None)
         if not self._live:
             # dicts never shrink on delete: drop the table a burst grew, so an

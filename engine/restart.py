@@ -63,6 +63,9 @@ CHECKPOINT_FORMAT = 1
 FIRST_VIOLATIONS = 20
 
 _OPENED = SessionOpened.__struct_config__.tag
+_ABORTED = SessionAborted.__struct_config__.tag
+#: The bodies the fold reads: an opening's group, an abort's owed replacement.
+_DECODED = frozenset({_OPENED, _ABORTED})
 _TERMINAL_TAGS = frozenset(b.__struct_config__.tag for b in (SessionFinished, SessionAborted, SessionDropped))
 
 
@@ -121,7 +124,7 @@ class _Record(NamedTuple):
     tag: str
     #: The stored body bytes (a view valid until the next record).
     payload: memoryview
-    body: Any  # decoded only where the fold needs it (session_opened), else None
+    body: Any  # decoded only where the fold needs it (session_opened, session_aborted), else None
 
 
 def _records(log: EventLog, from_lsn: int) -> Generator[_Record, None, None]:
@@ -130,7 +133,7 @@ def _records(log: EventLog, from_lsn: int) -> Generator[_Record, None, None]:
     for rec in log.read(from_lsn, raw=True):
         tag = payload_tag(rec.payload)
         yield _Record(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, tag, rec.payload,
-                      rec.decode().body if tag == _OPENED else None)
+                      rec.decode().body if tag in _DECODED else None)
 
 
 def anchor_at(log: EventLog, lsn: int) -> bytes | None:
@@ -203,7 +206,7 @@ class RestartFold:
         if rec.tag == _OPENED:
             body = rec.body
             try:
-                self.groups.open(body.group_id, sid, body.group_size, body.sample_index, rec.lsn)
+                self.groups.open(body.group_id, sid, body.group_size, body.sample_index, rec.lsn, body.replaces or "")
             except GroupError as exc:
                 # Already in the log: the reducers refuse it too; the engine
                 # counts it and keeps the membership the log first declared.
@@ -213,7 +216,7 @@ class RestartFold:
         elif rec.tag in _TERMINAL_TAGS:
             gid = self.in_groups.pop(sid, None)
             if gid is not None:
-                self.groups.close(gid, None, sid, rec.lsn)
+                self.groups.close(gid, None, sid, rec.lsn, refill=rec.tag == _ABORTED and rec.body.refill is True)
 
     def _note(self, lsn: int, session_id: str, kind: str, message: str) -> None:
         self.violations += 1

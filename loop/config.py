@@ -31,11 +31,13 @@ from typing import Any, Mapping
 # A loop configuration value out of range or unknown raises the package's one ConfigError.
 from agentlog.events.errors import ConfigError
 from agentlog.events.fs import atomic_file
+from agentlog.reducers.abort_classes import EXCLUDE_ALL
 
 from .config_sections import (
     AgentConfig,
     DistillConfig,
     FaultConfig,
+    GroupsConfig,
     InferenceConfig,
     LogConfig,
     MetricsConfig,
@@ -78,10 +80,6 @@ class LoopConfig:
     """Truncation cap of the importance weight pi_learner / pi_rollout when staleness_mode is correct."""
     min_valid: int = 2
     """A group with fewer valid (finished) members is skipped with its reason."""
-    dynamic_sampling: bool = False
-    """Filter groups whose valid rewards have no spread (DAPO's dynamic sampling): all their advantages are 0, so such a group is recorded as skipped (reason ``zero spread``) instead of trained. The step trains the groups that remain; the metrics count the filtered ones (``rollout/groups_filtered``)."""
-    spread_tolerance: float = 0.0
-    """With dynamic_sampling: a group whose valid rewards differ by at most this has no spread."""
     max_untrainable_batches: int = 3
     """Stop the run with an error (exit 1) after this many batches in a row with nothing to train (every group skipped: say every session aborted), naming the main abort reason and a session to inspect (0: never stop)."""
     warmup_steps: int = 300
@@ -140,6 +138,9 @@ class LoopConfig:
     # --- where the run's logs live ---
     log: LogConfig = field(default_factory=LogConfig)
     """Where the run's logs live: files in the run folder, or a JetStream stream (see LogConfig)."""
+    # --- how groups spend rollouts ---
+    groups: GroupsConfig = field(default_factory=GroupsConfig)
+    """What each class of abort gets, and dynamic sampling (see GroupsConfig)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.faults, Mapping):
@@ -161,6 +162,11 @@ class LoopConfig:
             self.distill = _from_mapping(DistillConfig, self.distill, "distill")
         if not isinstance(self.distill, DistillConfig):
             raise ConfigError(f"LoopConfig.distill: expected a [distill] table, found {self.distill!r}")
+        # --- [groups] ---
+        if isinstance(self.groups, Mapping):
+            self.groups = _from_mapping(GroupsConfig, self.groups, "groups")
+        if not isinstance(self.groups, GroupsConfig):
+            raise ConfigError(f"LoopConfig.groups: expected a [groups] table, found {self.groups!r}")
         # --- [log] ---
         if isinstance(self.log, Mapping):
             self.log = _from_mapping(LogConfig, self.log, "log")
@@ -200,11 +206,6 @@ class LoopConfig:
             raise ConfigError(f"LoopConfig.time_budget_s: expected >= 0 (0 disables), found {self.time_budget_s!r}")
         if not self.tis_cap > 0:
             raise ConfigError(f"LoopConfig.tis_cap: expected > 0, found {self.tis_cap!r}")
-        if not isinstance(self.dynamic_sampling, bool):
-            raise ConfigError(f"LoopConfig.dynamic_sampling: expected true or false, found {self.dynamic_sampling!r}")
-        if (not isinstance(self.spread_tolerance, (int, float)) or isinstance(self.spread_tolerance, bool)
-                or not 0 <= self.spread_tolerance < math.inf):
-            raise ConfigError(f"LoopConfig.spread_tolerance: expected a finite number >= 0, found {self.spread_tolerance!r}")
         if not 0.0 <= self.warmup_wrong_rate <= 1.0:
             raise ConfigError(f"LoopConfig.warmup_wrong_rate: expected a fraction in [0, 1], found {self.warmup_wrong_rate!r}")
         if not 1 <= self.min_valid <= self.group_size:
@@ -229,7 +230,9 @@ class LoopConfig:
         (loaded through the folder's :class:`~agentlog.loop.run_folder.Run`)."""
         from agentlog.reducers.config import ReduceConfig
 
-        return ReduceConfig(min_valid=self.min_valid)
+        g = self.groups
+        return ReduceConfig(min_valid=self.min_valid, abort_outcomes=g.outcomes(), abort_reasons=dict(g.reasons),
+                            fail_reward=float(g.fail_reward), max_refills=g.max_refills)
 
     def learner_config(self):
         """The LearnerConfig this loop trains with (TIS switched on in correct mode)."""
@@ -282,10 +285,27 @@ class LoopConfig:
                 values = json.loads(raw)
             except ValueError as exc:
                 raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+            values = saved_groups_table(values)
         try:
             return cls.from_dict(values, base_dir=path.parent)
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from None
+
+
+def saved_groups_table(values: Any) -> Any:
+    """A saved ``config.json`` with its ``[groups]`` table as this version reads it.
+    One saved before the table existed (it holds every other field) ran with every abort excluded: it gets that
+    (so its samples rebuild byte for byte), not the table's new defaults; one saved
+    while dynamic sampling sat at the top level has those keys moved into the table."""
+    if not isinstance(values, dict) or "groups" in values or "min_valid" not in values:
+        return values  # a full save (every field since long before the table has min_valid), or a hand-written file
+    out = dict(values)
+    groups: dict[str, Any] = dict(EXCLUDE_ALL)
+    for key in ("dynamic_sampling", "spread_tolerance"):
+        if key in out:
+            groups[key] = out.pop(key)
+    out["groups"] = groups
+    return out
 
 
 # --- the [task] table ---

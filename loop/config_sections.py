@@ -2,7 +2,7 @@
 ``[agent]`` (:class:`AgentConfig`), ``[inference]`` (:class:`InferenceConfig`),
 ``[metrics]`` (:class:`MetricsConfig`), ``[rollout]`` (:class:`RolloutConfig`),
 ``[log]`` (:class:`LogConfig`: where the logs live, files or a JetStream
-stream) and ``[distill]`` (:class:`DistillConfig`, with its
+stream), ``[groups]`` (:class:`GroupsConfig`: abort classes, dynamic sampling) and ``[distill]`` (:class:`DistillConfig`, with its
 ``[[distill.teachers]]``, :class:`TeacherSpec`): each a dataclass that checks
 its own values. And how a table is built from plain data (JSON, TOML):
 :func:`check_field_types` and ``_from_mapping``, which name the table, the
@@ -26,6 +26,7 @@ from typing import Any, Mapping
 # A loop configuration value out of range or unknown raises the package's one ConfigError.
 from agentlog.events.errors import ConfigError
 from agentlog.events.schema.turn import WEIGHT_UPDATE_MODES
+from agentlog.reducers.abort_classes import ABORT_CLASSES, RUN_OUTCOMES, REFILL, check_tables
 
 
 @dataclass
@@ -368,6 +369,58 @@ class DistillConfig:
             for key in ("checkpoint", "hf_model"):
                 if getattr(t, key):
                     setattr(t, key, os.path.abspath(base / os.path.expanduser(getattr(t, key))))
+
+
+@dataclass
+class GroupsConfig:
+    """How groups spend rollouts: what each class of abort gets, dynamic sampling and
+    over-sampling (the ``[groups]`` table; :mod:`agentlog.reducers.abort_classes`)."""
+
+    infrastructure: str = RUN_OUTCOMES["infrastructure"]
+    """What an abort of the infrastructure class gets (engine_restart, setup_failed, agent_crashed, exception, empty_done_marker, server_error): exclude (out of the baseline, zero gradient), fail (in the baseline with fail_reward, its turns trained) or refill (excluded, and a replacement session for the same prompt joins the group)."""
+    policy: str = RUN_OUTCOMES["policy"]
+    """What an abort of the policy class gets (wall_clock_timeout, too_many_tool_calls, max_turns, context_exceeded): fail by default, since the policy caused it and refilling would hide that cost from training."""
+    task: str = RUN_OUTCOMES["task"]
+    """What an abort of the task class gets (verifier_failed)."""
+    other: str = RUN_OUTCOMES["other"]
+    """What an abort whose reason no table names gets."""
+    reasons: dict[str, str] = field(default_factory=dict)
+    """Abort reason (exact, or its head before ":") -> class, over the built-in table: {"my_sandbox_died" = "infrastructure"}."""
+    fail_reward: float = 0.0
+    """The reward of an aborted member counted as a failure."""
+    max_refills: int = 2
+    """Replacements one group may get; past it, an abort of a refill class is excluded."""
+    dynamic_sampling: bool = False
+    """Filter groups whose valid rewards have no spread (DAPO's dynamic sampling): all their advantages are 0, so such a group is recorded as skipped (reason ``zero spread``) instead of trained, and the worker draws a new prompt in its place (up to max_redraws). The metrics count the filtered ones (``rollout/groups_filtered``)."""
+    spread_tolerance: float = 0.0
+    """With dynamic_sampling: a group whose valid rewards differ by at most this has no spread."""
+    max_redraws: int = 2
+    """With dynamic_sampling: new prompts drawn in place of one filtered group; a step then has at most groups_per_step x (1 + max_redraws) groups, and trains what it has (its shortfall recorded)."""
+
+    def __post_init__(self) -> None:
+        problem = check_tables(self.outcomes(), self.reasons, "[groups]")
+        if problem:
+            raise ConfigError(problem)
+        if isinstance(self.fail_reward, bool) or not isinstance(self.fail_reward, (int, float)) or not math.isfinite(self.fail_reward):
+            raise ConfigError(f"[groups] fail_reward: expected a finite number, found {self.fail_reward!r}")
+        for name in ("max_refills", "max_redraws"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 0:
+                raise ConfigError(f"[groups] {name}: expected an int >= 0, found {v!r}")
+        if not isinstance(self.dynamic_sampling, bool):
+            raise ConfigError(f"[groups] dynamic_sampling: expected true or false, found {self.dynamic_sampling!r}")
+        if (not isinstance(self.spread_tolerance, (int, float)) or isinstance(self.spread_tolerance, bool)
+                or not 0 <= self.spread_tolerance < math.inf):
+            raise ConfigError(f"[groups] spread_tolerance: expected a finite number >= 0, found {self.spread_tolerance!r}")
+
+    def outcomes(self) -> dict[str, str]:
+        """Abort class -> its outcome."""
+        return {cls: getattr(self, cls) for cls in ABORT_CLASSES}
+
+    @property
+    def refills(self) -> bool:
+        """Whether any abort class is refilled (the worker then opens replacements)."""
+        return REFILL in self.outcomes().values()
 
 
 #: Annotation names -> the Python types a config value of that name may have

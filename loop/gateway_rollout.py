@@ -186,8 +186,10 @@ class GatewayRollout:
         self.counts[what] = self.counts.get(what, 0) + 1
 
     async def run_session(self, task: TextTask, episode: TextEpisode, *, session_id: str, group_id: str, group_size: int,
-                          sample_index: int, policy_version: int = 0, metadata: dict[str, Any] | None = None) -> None:
+                          sample_index: int, policy_version: int = 0, metadata: dict[str, Any] | None = None,
+                          replaces: str = "") -> None:
         """Play one session to its terminal state (see the module docstring).
+        ``replaces``: the session is the replacement of that aborted member (per-sample refill).
         Raises SessionTimeout after a budget abort and CancelledError after a
         drop, as ``engine.session`` does; returns after finish or abort."""
         assert self.gateway is not None, "GatewayRollout.start() first"
@@ -197,7 +199,7 @@ class GatewayRollout:
             async with self.engine.session(
                 session_id, group_id=group_id, group_size=group_size, sample_index=sample_index, prompt=episode.messages,
                 label=episode.label, agent=self.agent.harness, policy_version=policy_version,
-                metadata={**(metadata or {}), "task": task.name}, budget_s=budget,
+                metadata={**(metadata or {}), "task": task.name}, budget_s=budget, replaces=replaces,
             ) as h:
                 ok, _ = await self._step(h, "setup_failed", task.setup(episode, sandbox))
                 if not ok:

@@ -102,8 +102,8 @@ def decide_group(group: Group, version: int, cfg: LoopConfig, *, distills: bool)
     refused = sampling_refusal(group) or (distill_refusal(group) if distills else "")
     if refused:
         return refused, None
-    if cfg.dynamic_sampling:
-        filtered = zero_spread(group, cfg.spread_tolerance)
+    if cfg.groups.dynamic_sampling:
+        filtered = zero_spread(group, cfg.groups.spread_tolerance)
         if filtered:
             return filtered, None
     verdict = judge_staleness(group, version, cfg.max_staleness, cfg.staleness_mode)

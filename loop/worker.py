@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import random
 import re
 import sys
@@ -298,6 +299,18 @@ class RolloutWorker:
                 )
                 await h.abort("engine_restart", error="never started: the worker was killed while opening its batch")
                 n += 1
+        for g in range(self.cfg.groups_per_step):
+            gid = group_id(batch, g)
+            # Replacements owed before the kill (and those these aborts owe, up to max_refills) never ran.
+            while self.owns(g) and engine.owed_replacements(gid):
+                replaced = engine.owed_replacements(gid)[0]
+                i = engine.replacement_index(gid)
+                h = await engine.open_session(
+                    session_id(batch, g, i), group_id=gid, group_size=self.cfg.group_size, sample_index=i,
+                    agent=self.task.name, metadata={"batch": batch, "worker": self.worker_id}, replaces=replaced,
+                )
+                await h.abort("engine_restart", error="never started: the worker was killed before this replacement opened")
+                n += 1
         if n:
             self.log.warning("worker.interrupted_batch_completed", batch=batch, aborted_unopened=n)
 
@@ -337,11 +350,36 @@ class RolloutWorker:
                 member = self.task.group_member(ep, rng)  # drawn for every group: each partition draws the same batch
                 if not self.owns(g):
                     continue
-                tasks.append(asyncio.ensure_future(self.run_session(engine, batch, g, i, member, faults.get((g, i)))))
+                play = functools.partial(self.run_session, engine, batch, g, member=member)
+                tasks.append(asyncio.ensure_future(self.with_refills(engine, batch, g, i, play, faults.get((g, i)))))
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, (asyncio.CancelledError, demo_faults.InjectedFault, SessionTimeout)):
                 raise r
+
+    async def with_refills(self, engine: SessionEngine, batch: int, g: int, i: int, play: Any, fault: str | None = None) -> None:
+        """Play member ``i`` of group ``g`` (``play(i, fault=..., replaces=...)``), then, while the
+        engine owes the group a replacement for the member just played (its abort class is
+        "refill" and the group is under ``max_refills``), play a replacement for the same
+        prompt: the next free sample index, ``replaces`` naming the member it replaces.
+        Raises what the first play raised, after its replacements ran."""
+        gid = group_id(batch, g)
+        first: BaseException | None = None
+        sid, replaces = session_id(batch, g, i), ""
+        while True:
+            try:
+                await play(i, fault=fault, replaces=replaces)
+            except (asyncio.CancelledError, demo_faults.InjectedFault, SessionTimeout) as exc:
+                # The session ended aborted or dropped; a replacement may be owed for it.
+                first = first or exc
+            if sid not in engine.owed_replacements(gid):
+                break
+            i = engine.replacement_index(gid)
+            sid, replaces, fault = session_id(batch, g, i), sid, None
+            self._count("refills")
+            self.log.info("worker.refill", group_id=gid, replaces=replaces, session_id=sid)
+        if first is not None:
+            raise first
 
     async def run_text_batch(self, batch: int) -> None:
         """Text tasks: every session of ``batch`` played through the gateway
@@ -351,11 +389,17 @@ class RolloutWorker:
         cfg = self.cfg
         rng = batch_rng(cfg.seed, batch, "episodes")
         members = draw_members(self.task, rng, cfg.groups_per_step, cfg.group_size)
+
+        def play(g: int, ep: Any) -> Any:
+            async def one(i: int, *, fault: str | None = None, replaces: str = "") -> None:
+                await self.rollout.run_session(
+                    self.task, ep, session_id=session_id(batch, g, i), group_id=group_id(batch, g), group_size=cfg.group_size,
+                    sample_index=i, policy_version=max(self.loaded_version, 0), metadata={"batch": batch, "worker": self.worker_id},
+                    replaces=replaces)
+            return one
+
         tasks = [
-            asyncio.ensure_future(self.rollout.run_session(
-                self.task, ep, session_id=session_id(batch, g, i), group_id=group_id(batch, g), group_size=cfg.group_size,
-                sample_index=i, policy_version=max(self.loaded_version, 0), metadata={"batch": batch, "worker": self.worker_id},
-            ))
+            asyncio.ensure_future(self.with_refills(self.rollout.engine, batch, g, i, play(g, ep)))
             for g, group in enumerate(members) if self.owns(g) for i, ep in enumerate(group)
         ]
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -366,9 +410,11 @@ class RolloutWorker:
     def _count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
 
-    async def run_session(self, engine: SessionEngine, batch: int, g: int, i: int, ep: Episode, fault: str | None) -> None:
-        """One agent session: turn, tool, turn, ..., verifier reward, finish."""
-        task = self.task
+    async def run_session(self, engine: SessionEngine, batch: int, g: int, i: int, *, member: Episode, fault: str | None = None,
+                          replaces: str = "") -> None:
+        """One agent session: turn, tool, turn, ..., verifier reward, finish. ``replaces``: it
+        replaces that aborted member of its group (per-sample refill)."""
+        task, ep = self.task, member
         sid = session_id(batch, g, i)
         budget = self.cfg.faults.timeout_budget_s if fault == "timeout" else None
         registered = False
@@ -377,7 +423,7 @@ class RolloutWorker:
                 sid, group_id=group_id(batch, g), group_size=self.cfg.group_size, sample_index=i,
                 prompt=ep.messages, prompt_ids=list(ep.prompt_ids), label=ep.label, agent=task.name,
                 policy_version=max(self.loaded_version, 0), metadata={"batch": batch, "worker": self.worker_id},
-                budget_s=budget,
+                budget_s=budget, replaces=replaces,
             ) as h:
                 await h.start(harness=task.name, sandbox=self.sandbox.name)
                 self.batcher.register()
@@ -458,7 +504,8 @@ class RolloutWorker:
                 stack.push_async_callback(self.backend.close)
             if self.weight_sync is not None:
                 stack.push_async_callback(self.weight_sync.close)
-            engine = await SessionEngine.open(rollout, drain_s=0.2)
+            # The run's abort classes: an abort of a "refill" class owes its group a replacement.
+            engine = await SessionEngine.open(rollout, drain_s=0.2, groups=cfg.reduce_config())
             stack.push_async_callback(engine.close)
             if self.batcher is not None:
                 stack.push_async_callback(self.batcher.close)

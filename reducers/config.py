@@ -17,6 +17,8 @@ import msgspec
 # A ReduceConfig field holding a value it cannot take raises the package's one ConfigError.
 from agentlog.events.errors import ConfigError
 
+from .abort_classes import EXCLUDE_ALL, abort_outcome, check_tables
+
 
 class ReduceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How a log is reduced into trajectories, samples, groups and metrics."""
@@ -37,6 +39,19 @@ class ReduceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reward_key: str | None = None
     #: A valid member whose reward is >= this counts as solved (metrics).
     solve_threshold: float = 1.0
+    #: What an aborted member of each abort class gets: class -> "exclude",
+    #: "fail" or "refill" (:mod:`agentlog.reducers.abort_classes`). A class
+    #: left out is excluded (as every abort was before abort classes; a
+    #: run's [groups] table defaults to failing policy aborts); every class
+    #: is then named.
+    abort_outcomes: dict[str, str] = {}
+    #: Abort reasons (exact, or the head before ":") -> class, over the defaults.
+    abort_reasons: dict[str, str] = {}
+    #: The reward of an aborted member whose class counts it as a failure.
+    fail_reward: float = 0.0
+    #: Replacements the engine may owe one group (refill outcome); past it, an
+    #: aborted member of a refill class is excluded.
+    max_refills: int = 2
 
     def __post_init__(self) -> None:
         for name in ("fork_threshold", "max_context_tokens"):
@@ -49,6 +64,19 @@ class ReduceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"ReduceConfig.reward_key: expected a non-empty str or None, found {self.reward_key!r}")
         if not isinstance(self.solve_threshold, (int, float)) or not math.isfinite(self.solve_threshold):
             raise ConfigError(f"ReduceConfig.solve_threshold: expected a finite number, found {self.solve_threshold!r}")
+        problem = check_tables(self.abort_outcomes, self.abort_reasons, "ReduceConfig.abort_outcomes/abort_reasons")
+        if problem:
+            raise ConfigError(problem)
+        # Every class named, defaults filled in: one configuration, one form (and digest).
+        msgspec.structs.force_setattr(self, "abort_outcomes", {**EXCLUDE_ALL, **self.abort_outcomes})
+        if isinstance(self.fail_reward, bool) or not isinstance(self.fail_reward, (int, float)) or not math.isfinite(self.fail_reward):
+            raise ConfigError(f"ReduceConfig.fail_reward: expected a finite number, found {self.fail_reward!r}")
+        if not isinstance(self.max_refills, int) or isinstance(self.max_refills, bool) or self.max_refills < 0:
+            raise ConfigError(f"ReduceConfig.max_refills: expected an int >= 0, found {self.max_refills!r}")
+
+    def outcome_of(self, reason: str) -> str:
+        """What an aborted member with ``reason`` gets: "exclude", "fail" or "refill"."""
+        return abort_outcome(reason, self.abort_outcomes, self.abort_reasons)
 
     def to_dict(self) -> dict[str, Any]:
         """The configuration as plain data (for stream headers and JSON)."""

@@ -1,7 +1,9 @@
 """GRPO groups: released exactly once, in completion order.
 
 A group is released when all ``group_size`` sessions that declared it are
-terminal. Finished members with a usable reward are valid. Aborted members
+terminal, and so is every replacement it is owed: a member aborted with
+``refill`` (per-sample refill, :mod:`agentlog.reducers.abort_classes`) is
+excluded and owes the group one more member, a session that ``replaces`` it. Finished members with a usable reward are valid. Aborted members
 stay as their zero-masked placeholder and are invalid (out of the baseline).
 Dropped members are absent: counted towards completion, carrying no sample.
 A group with fewer than ``min_valid`` valid members is released as skipped,
@@ -13,11 +15,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Sequence
+from typing import Any, Sequence
 
 import msgspec
 
 from agentlog.events.errors import AgentlogError
+from .abort_classes import FAIL
+from .config import ReduceConfig
 from .samples import Sample
 
 FINISHED = "finished"
@@ -38,6 +42,14 @@ def row_removed(member_valid: bool, row: Sample) -> bool:
     sampling that cannot be reproduced). The learner drops such rows, and the
     baseline counts only valid members (:attr:`Group.valid_rewards`)."""
     return not member_valid or row.remove_sample
+
+
+def aborted_as_failure(body: Any, config: ReduceConfig) -> bool:
+    """Whether an aborted member (its ``session_aborted`` ``body``) counts as a
+    failure in its group's baseline, with ``config.fail_reward``: its reason's
+    abort class says "fail", and no replacement was owed for it (a refilled
+    member is always excluded). Otherwise it is excluded: zero contribution."""
+    return body.refill is not True and config.outcome_of(body.reason) == FAIL
 
 
 def row_trains(member_valid: bool, row: Sample) -> bool:
@@ -79,6 +91,7 @@ class GroupMember(msgspec.Struct, frozen=True):
     reward: float | None  # None when invalid
     reason: str = ""  # abort reason, or why a finished member is invalid
     samples: tuple[Sample, ...] = ()
+    replaces: str = ""  # the aborted member this one replaces (per-sample refill)
 
 
 class Group(msgspec.Struct, frozen=True):
@@ -92,6 +105,8 @@ class Group(msgspec.Struct, frozen=True):
     skip_reason: str
     release_index: int  # 0, 1, 2... in completion order
     lsn_released: int  # LSN of the terminal event that completed the group
+    #: (replacement, the member it replaces) for each per-sample refill, in opening order.
+    replaced: tuple[tuple[str, str], ...] = ()
 
     @property
     def samples(self) -> list[Sample]:
@@ -127,13 +142,21 @@ class Group(msgspec.Struct, frozen=True):
 
 
 class _Pending:
-    __slots__ = ("group_size", "opened", "done", "dropped")
+    __slots__ = ("group_size", "opened", "done", "dropped", "owed", "refills")
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
         self.opened: dict[str, tuple[int, int]] = {}  # session -> (sample_index, lsn)
         self.done: list[GroupMember] = []
         self.dropped: list[str] = []
+        #: Members aborted with ``refill`` whose replacement has not opened yet.
+        self.owed: list[str] = []
+        #: replacement -> the member it replaces, in opening order.
+        self.refills: dict[str, str] = {}
+
+    def expected(self) -> int:
+        """Terminal members that complete the group: its size, plus one per refill owed or opened."""
+        return self.group_size + len(self.owed) + len(self.refills)
 
 
 #: How many recently released group ids are remembered to refuse a late
@@ -160,6 +183,8 @@ class PendingGroupSnapshot(msgspec.Struct, frozen=True):
     opened: list[tuple[str, int, int]]  # (session_id, sample_index, lsn), in joining order
     done: list[GroupMember]
     dropped: list[str]
+    owed: list[str] = []
+    refills: list[tuple[str, str]] = []  # (replacement, replaced)
 
 
 class GroupTrackerSnapshot(msgspec.Struct, frozen=True):
@@ -203,7 +228,7 @@ class GroupTracker:
             min_valid=self.min_valid,
             pending=[
                 PendingGroupSnapshot(gid, p.group_size, [(sid, idx, lsn) for sid, (idx, lsn) in p.opened.items()],
-                                     list(p.done), list(p.dropped))
+                                     list(p.done), list(p.dropped), list(p.owed), list(p.refills.items()))
                 for gid, p in self._pending.items()
             ],
             recent=list(self._recent.items()),
@@ -218,13 +243,17 @@ class GroupTracker:
             p = t._pending[g.group_id] = _Pending(g.group_size)
             p.opened = {sid: (idx, lsn) for sid, idx, lsn in g.opened}
             p.done, p.dropped = list(g.done), list(g.dropped)
+            p.owed, p.refills = list(g.owed), dict(g.refills)
         t._recent = OrderedDict(snap.recent)
         t.released = snap.released
         return t
 
-    def check_open(self, group_id: str, session_id: str, group_size: int, sample_index: int, lsn: int | None = None) -> None:
+    def check_open(self, group_id: str, session_id: str, group_size: int, sample_index: int, lsn: int | None = None,
+                   replaces: str = "") -> None:
         """The membership rule: raise GroupError naming the conflict if
         ``session_id`` may not join ``group_id`` as declared; change nothing.
+        A replacement (``replaces``: the member it replaces) joins only a group
+        in flight that owes a replacement for that member, and only once.
 
         One rule for both sides: the reducers apply it to what the log holds
         and the engine (:class:`engine.core.SessionEngine`) to what it is
@@ -232,6 +261,13 @@ class GroupTracker:
         accepts a member the reducers would then refuse."""
         at = _at_lsn(-1 if lsn is None else lsn)
         p = self._pending.get(group_id)
+        if replaces and (p is None or replaces not in p.owed):
+            owed = "none" if p is None or not p.owed else ", ".join(repr(s) for s in p.owed)
+            where = "a group not in flight" if p is None else f"a group that owes replacements for: {owed}"
+            raise GroupError(
+                f"group {group_id!r}: session {session_id!r}{at} replaces {replaces!r}, but {where}"
+                " (a replacement follows its member's session_aborted with refill, once)"
+            )
         if p is None:
             released_at = self._recent.get(group_id)
             if released_at is not None:
@@ -252,7 +288,7 @@ class GroupTracker:
                 f"group {group_id!r}: session {session_id!r}{at} declares group_size {group_size},"
                 f" but sessions {others} declared group_size {p.group_size}"
             )
-        if len(p.opened) >= group_size:
+        if not replaces and len(p.opened) - len(p.refills) >= group_size:
             raise GroupError(
                 f"group {group_id!r}: session {session_id!r}{at} would be member {len(p.opened) + 1}"
                 f" of a group of group_size {group_size} (members: {', '.join(repr(s) for s in p.opened)})"
@@ -264,13 +300,27 @@ class GroupTracker:
                     f" of session {other!r}{_at(other_lsn)}"
                 )
 
-    def open(self, group_id: str, session_id: str, group_size: int, sample_index: int, lsn: int | None) -> None:
+    def open(self, group_id: str, session_id: str, group_size: int, sample_index: int, lsn: int | None,
+             replaces: str = "") -> None:
         """A session declared membership of ``group_id`` (refused by :meth:`check_open`'s rule)."""
-        self.check_open(group_id, session_id, group_size, sample_index, lsn)
+        self.check_open(group_id, session_id, group_size, sample_index, lsn, replaces)
         p = self._pending.get(group_id)
         if p is None:
             p = self._pending[group_id] = _Pending(group_size)
         p.opened[session_id] = (sample_index, -1 if lsn is None else lsn)
+        if replaces:
+            p.owed.remove(replaces)
+            p.refills[session_id] = replaces
+
+    def owed(self, group_id: str) -> list[str]:
+        """The members of ``group_id`` (in flight) owed a replacement that has not opened yet."""
+        p = self._pending.get(group_id)
+        return list(p.owed) if p is not None else []
+
+    def refills(self, group_id: str) -> int:
+        """Replacements ``group_id`` (in flight) was owed so far, opened or not."""
+        p = self._pending.get(group_id)
+        return len(p.owed) + len(p.refills) if p is not None else 0
 
     def is_member(self, group_id: str, session_id: str) -> bool:
         """Whether ``session_id`` joined ``group_id``, which is still in flight."""
@@ -285,24 +335,42 @@ class GroupTracker:
         taken = {idx for idx, _ in p.opened.values()}
         return next(i for i in range(len(taken) + 1) if i not in taken)
 
+    def replacement_index(self, group_id: str) -> int:
+        """The sample_index of ``group_id``'s next replacement: the smallest one at or past
+        its group_size that no member holds (never an original member's slot)."""
+        p = self._pending.get(group_id)
+        if p is None:
+            raise GroupError(f"group {group_id!r}: not in flight, so it owes no replacement")
+        taken = {idx for idx, _ in p.opened.values()}
+        return next(i for i in range(p.group_size, p.group_size + len(taken) + 1) if i not in taken)
+
     def withdraw(self, group_id: str, session_id: str) -> None:
         """Undo :meth:`open` of a member whose opening never reached the log."""
         p = self._pending.get(group_id)
         if p is None or session_id not in p.opened:
             return
         del p.opened[session_id]
+        replaced = p.refills.pop(session_id, None)
+        if replaced is not None:
+            p.owed.append(replaced)  # still owed: its replacement never reached the log
         if not p.opened and not p.done and not p.dropped:
             del self._pending[group_id]
 
-    def close(self, group_id: str, member: GroupMember | None, session_id: str, lsn: int | None) -> Group | None:
-        """A member reached its terminal state (``member`` None: dropped).
-        Returns the group when this completes it, else None."""
+    def close(self, group_id: str, member: GroupMember | None, session_id: str, lsn: int | None,
+              refill: bool = False) -> Group | None:
+        """A member reached its terminal state (``member`` None: dropped;
+        ``refill``: aborted owing the group a replacement). Returns the group
+        when this completes it, else None."""
         p = self._pending[group_id]
         if member is None:
             p.dropped.append(session_id)
         else:
+            if session_id in p.refills:
+                member = msgspec.structs.replace(member, replaces=p.refills[session_id])
             p.done.append(member)
-        if len(p.done) + len(p.dropped) < p.group_size:
+        if refill:
+            p.owed.append(session_id)
+        if len(p.done) + len(p.dropped) < p.expected():
             return None
         del self._pending[group_id]
         members = tuple(sorted(p.done, key=lambda m: (m.sample_index, m.session_id)))
@@ -324,6 +392,7 @@ class GroupTracker:
             skip_reason=skip_reason,
             release_index=self.released,
             lsn_released=lsn,
+            replaced=tuple(p.refills.items()),
         )
         self.released += 1
         self._recent[group_id] = -1 if lsn is None else lsn

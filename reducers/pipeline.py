@@ -44,7 +44,7 @@ from .config import DEFAULT_CONFIG, ReduceConfig
 from .errors import ReduceError, UnknownEventError
 from .fold import SessionFold, Tracked
 from .lifecycle_step import SessionLife, Violation
-from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, GroupTracker
+from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, GroupTracker, aborted_as_failure
 from .metrics import MetricsAccumulator
 from .samples import Sample, SampleDigest, aborted_placeholder, final_raw_reward, finished_samples, resolve_reward
 from .teacher import TeacherScoreError
@@ -151,7 +151,7 @@ class Reducer:
         body = env.body
         assert isinstance(body, SessionOpened)
         try:
-            self._groups.open(body.group_id, sid, body.group_size, body.sample_index, lsn)
+            self._groups.open(body.group_id, sid, body.group_size, body.sample_index, lsn, body.replaces or "")
         except GroupError as exc:
             raise ReduceError(lsn, sid, str(exc)) from None
         return _Session(life, body, sid, lsn, self.config.fork_threshold)
@@ -189,23 +189,19 @@ class Reducer:
         if isinstance(body, SessionFinished):
             raw = final_raw_reward(body.reward, session.last_reward)
             reward, problem = resolve_reward(raw, self.config.reward_key)
-            rows = traj.linearise(self.config.max_context_tokens).rows
-            samples = finished_samples(
-                rows,
-                group_id=session.group_id,
-                session_id=sid,
-                sample_index=session.sample_index,
-                reward=reward,
-                reward_problem=problem,
-                turns=traj.n_turns,
-                lsn_first=session.lsn_first,
-                lsn_last=lsn,
-                turn_sampling=traj.turn_sampling,
-                row_teacher=traj.teacher.row_fields if traj.teacher else None,
-            )
+            samples = self._row_samples(session, sid, lsn, reward, reward_problem=problem)
             member = GroupMember(sid, session.sample_index, FINISHED, reward is not None, reward, problem, tuple(samples))
             self.metrics.observe_session(
                 FINISHED, reward=raw, turns=traj.n_turns, output_tokens=traj.output_tokens, samples=samples
+            )
+        elif isinstance(body, SessionAborted) and aborted_as_failure(body, self.config):
+            # Its abort class counts it as a failure: its recorded turns train like a
+            # finished session's, with the configured failure reward.
+            reward = self.config.fail_reward
+            samples = self._row_samples(session, sid, lsn, reward, abort_reason=body.reason)
+            member = GroupMember(sid, session.sample_index, ABORTED, True, reward, body.reason, tuple(samples))
+            self.metrics.observe_session(
+                ABORTED, reason=body.reason, turns=traj.n_turns, output_tokens=traj.output_tokens, samples=samples
             )
         elif isinstance(body, SessionAborted):
             placeholder = aborted_placeholder(
@@ -233,13 +229,31 @@ class Reducer:
         for s in samples:
             self.digest.update(s)
         self.samples_emitted += len(samples)
-        group = self._groups.close(session.group_id, member, sid, lsn)
+        group = self._groups.close(session.group_id, member, sid, lsn, refill=isinstance(body, SessionAborted) and body.refill is True)
         if group is None:
             self._out = Outputs(samples, [])
             return
         self.groups_released += 1
         self.metrics.observe_group(group)
         self._out = Outputs(samples, [group])
+
+    def _row_samples(self, session: _Session, sid: str, lsn: int, reward: float | None, **how: str) -> list[Sample]:
+        """The samples of an ended session's trajectory rows, each with ``reward``
+        (``how``: ``reward_problem`` or ``abort_reason``, see :func:`finished_samples`)."""
+        traj = session.trajectory
+        return finished_samples(
+            traj.linearise(self.config.max_context_tokens).rows,
+            group_id=session.group_id,
+            session_id=sid,
+            sample_index=session.sample_index,
+            reward=reward,
+            turns=traj.n_turns,
+            lsn_first=session.lsn_first,
+            lsn_last=lsn,
+            turn_sampling=traj.turn_sampling,
+            row_teacher=traj.teacher.row_fields if traj.teacher else None,
+            **how,
+        )
 
     # ---------------------------------------------------------------- state
 

@@ -44,7 +44,7 @@ from agentlog.events.schema.types import Envelope, UnknownEvent, as_unknown_even
 from .config import ReduceConfig
 from .fold import SessionFold
 from .lifecycle_step import SessionLife, Violation, ViolationKind
-from .groups import ABORTED, DROPPED, FINISHED, GroupError, GroupMember, GroupTracker
+from .groups import ABORTED, DROPPED, FINISHED, GroupError, GroupMember, GroupTracker, aborted_as_failure
 from .metrics import MetricsAccumulator
 from .samples import final_raw_reward, resolve_reward
 
@@ -65,6 +65,7 @@ class _Opened(msgspec.Struct, tag="session_opened"):
     sample_index: int = 0
     prompt: msgspec.Raw = _RAW
     metadata: msgspec.Raw = _RAW
+    replaces: str = ""
 
 
 class _Started(msgspec.Struct, tag="session_started"):
@@ -120,6 +121,7 @@ class _Aborted(msgspec.Struct, tag="session_aborted"):
     reason: str = ""
     error: msgspec.Raw = _RAW
     traceback: msgspec.Raw = _RAW
+    refill: bool = False
 
 
 class _Dropped(msgspec.Struct, tag="session_dropped"):
@@ -182,8 +184,11 @@ class RunStats:
     #: Recently ended sessions remembered, to tell "after its terminal event" from "never opened".
     ENDED_WINDOW = 4096
 
-    def __init__(self, *, min_valid: int = 2, reward_key: str | None = None, solve_threshold: float = 1.0) -> None:
+    def __init__(self, *, min_valid: int = 2, reward_key: str | None = None, solve_threshold: float = 1.0,
+                 config: ReduceConfig | None = None) -> None:
         self.reward_key = reward_key
+        #: The abort classes' outcomes (a failure joins its group's baseline).
+        self.config = config or ReduceConfig(min_valid=min_valid, reward_key=reward_key, solve_threshold=solve_threshold)
         self._fold: SessionFold[_Live] = SessionFold(
             opened=self._opened, applied=self._applied, ended=self._terminal, refused=self._violation,
             learner=self._learner, unknown=self._unknown, ended_window=self.ENDED_WINDOW,
@@ -222,7 +227,7 @@ class RunStats:
     def of(cls, config: ReduceConfig) -> "RunStats":
         """Statistics that count groups and rewards as ``config`` says (a run's own
         ``min_valid``, ``reward_key`` and ``solve_threshold``)."""
-        return cls(min_valid=config.min_valid, reward_key=config.reward_key, solve_threshold=config.solve_threshold)
+        return cls(min_valid=config.min_valid, reward_key=config.reward_key, solve_threshold=config.solve_threshold, config=config)
 
     # ------------------------------------------------------------------ feed
 
@@ -265,7 +270,7 @@ class RunStats:
 
     def _opened(self, lsn: int, session_id: str, body: Any, life: SessionLife) -> _Live | None:
         try:
-            self._groups.open(body.group_id, session_id, body.group_size, body.sample_index, lsn)
+            self._groups.open(body.group_id, session_id, body.group_size, body.sample_index, lsn, body.replaces)
         except GroupError as exc:
             self._violation(Violation(lsn, session_id, ViolationKind.GROUP_CONFLICT, str(exc)))
             return None
@@ -313,11 +318,12 @@ class RunStats:
             member = GroupMember(sid, live.sample_index, FINISHED, reward is not None, reward, problem)
             self.metrics.observe_session(FINISHED, reward=raw, turns=live.turns, output_tokens=live.tokens_out)
         elif status == ABORTED:
-            member = GroupMember(sid, live.sample_index, ABORTED, False, None, body.reason)
+            failed = aborted_as_failure(body, self.config)
+            member = GroupMember(sid, live.sample_index, ABORTED, failed, self.config.fail_reward if failed else None, body.reason)
             self.metrics.observe_session(ABORTED, reason=body.reason, turns=live.turns, output_tokens=live.tokens_out)
         else:
             self.metrics.observe_session(DROPPED, reason=body.reason, turns=live.turns, output_tokens=live.tokens_out)
-        group = self._groups.close(live.group_id, member, sid, lsn)
+        group = self._groups.close(live.group_id, member, sid, lsn, refill=status == ABORTED and body.refill is True)
         if group is not None:
             self.metrics.observe_group(group)
 

@@ -415,9 +415,12 @@ def finished_samples(
     lsn_last: int,
     turn_sampling: Callable[[int], Mapping[str, Any]] | None = None,
     row_teacher: Callable[[Any], Mapping[str, Any]] | None = None,
+    abort_reason: str = "",
 ) -> list[Sample]:
     """Samples of a finished session: one per trajectory row, each with the
-    session's reward. A row whose chain ended on a ``length`` finish is
+    session's reward. ``abort_reason``: the session aborted, and its abort
+    class counts it as a failure (``reward`` is then the failure reward); its
+    rows say so (status ``aborted``, ``abort_reason`` in their metadata). A row whose chain ended on a ``length`` finish is
     TRUNCATED. Without a usable reward (``reward`` None) the rows are kept
     for inspection but marked ``remove_sample`` with ``reward_error``, so they
     carry no gradient and stay out of every baseline.
@@ -445,6 +448,8 @@ def finished_samples(
         }
         if row.cut:
             metadata["cut_to_max_context"] = True
+        if abort_reason:
+            metadata["abort_reason"] = abort_reason
         if reward is None:
             metadata["reward_error"] = reward_problem
         if sampling_error:
@@ -461,7 +466,7 @@ def finished_samples(
                 loss_mask=row.loss_mask,
                 rollout_log_probs=row.rollout_log_probs,
                 reward=0.0 if reward is None else reward,
-                status=TRUNCATED if row.truncated else COMPLETED,
+                status=ABORTED if abort_reason else TRUNCATED if row.truncated else COMPLETED,
                 remove_sample=reward is None or bool(sampling_error),
                 policy_version=row.policy_version,
                 turns=turns,

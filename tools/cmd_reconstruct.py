@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
@@ -57,6 +58,9 @@ def register(sub) -> None:
     p.add_argument("--format", choices=FORMATS, default=None, help="output format (default: from OUT's suffix, else jsonl)")
     p.add_argument("--fork-threshold", type=nonneg_int, default=None, metavar="N", help="REALIGN only outputs shorter than N tokens (0: always fork)")
     p.add_argument("--max-context-tokens", type=nonneg_int, default=None, metavar="N", help="cut rows to N tokens (0: no limit)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="fold with this run's reduce settings (its config.json, or a TOML config): for a copy of a run's "
+                        "log that holds no config, such as its JetStream stream")
     p.add_argument("--policy", default=None, metavar="FILE",
                    help="a run folder only: re-reduce the recorded run under FILE's settings (a TOML of LoopConfig fields on "
                         "top of the run's: min_valid, max_staleness, staleness_mode, [learner] estimator) and, with --diff, "
@@ -297,7 +301,8 @@ def run(args) -> int:
     from agentlog.reducers.samples import SampleDigest
 
     path = check_log_path(args.log)
-    base = reduce_config_of(path)  # a run folder's own settings: the samples and groups its learner trained
+    # A run folder's own settings (the samples and groups its learner trained), or the run's config given.
+    base = reduce_config_of(path) if args.config is None else _run_settings(args.config)
     overrides = {}
     if args.fork_threshold is not None:
         overrides["fork_threshold"] = args.fork_threshold
@@ -357,12 +362,29 @@ def run(args) -> int:
     return EXIT_OK if verdict is None or verdict[1] else EXIT_DATA
 
 
+def _run_settings(path: str) -> Any:
+    """The reduce settings of the run whose config file is ``path`` (exit 2 naming it when it does not load)."""
+    from agentlog.loop.config import ConfigError, LoopConfig
+
+    try:
+        return LoopConfig.load(Path(path)).reduce_config()
+    except ConfigError as exc:
+        raise CliError(f"reconstruct --config: {exc}", EXIT_USAGE) from None
+
+
 def _settings(config: Any, base: Any) -> str:
-    """Where the reduce settings came from, and those that differ from the reducers' defaults."""
+    """Where the reduce settings came from, and those that differ from the reducers' defaults
+    (of a table, the entries that differ)."""
     from agentlog.reducers.config import DEFAULT_CONFIG
 
     source = "the run's config.json" if base != DEFAULT_CONFIG else "defaults"
-    changed = [f"{k} {v}" for k, v in config.to_dict().items() if v != getattr(DEFAULT_CONFIG, k)]
+    changed = []
+    for k, v in config.to_dict().items():
+        default = getattr(DEFAULT_CONFIG, k)
+        if isinstance(v, dict) and isinstance(default, dict):
+            changed += [f"{k}.{key} {value}" for key, value in v.items() if default.get(key) != value]
+        elif v != default:
+            changed.append(f"{k} {v}")
     return source + (f": {', '.join(changed)}" if changed else "")
 
 

@@ -27,6 +27,7 @@ from typing import Any, Union
 
 import msgspec
 import numpy as np
+from msgspec import UNSET, UnsetType
 
 # The turn bodies, token packing and the checks' shared parts live in their
 # own modules; their public names are re-exported here.
@@ -105,11 +106,17 @@ class SessionOpened(msgspec.Struct, frozen=True, tag="session_opened"):
     agent: str = ""
     policy_version: int = 0
     metadata: dict[str, Any] = {}
+    #: A replacement member (per-sample refill): the id of the aborted member of
+    #: the same group whose ``session_aborted`` owed one (``refill``). Unset for
+    #: every other member, so their bytes are those of a log before refills.
+    replaces: str | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         if READING_STORED.get():
             return
         validate_id("session_opened.group_id", self.group_id)
+        if self.replaces is not UNSET:
+            validate_id("session_opened.replaces", self.replaces)
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1:
             fail("session_opened", "group_size", "an int >= 1", self.group_size)
         if not isinstance(self.sample_index, int) or isinstance(self.sample_index, bool) or self.sample_index < 0:
@@ -256,17 +263,26 @@ MAX_TRACEBACK_CHARS = 8192
 
 
 class SessionAborted(msgspec.Struct, frozen=True, tag="session_aborted"):
-    """Terminal: the session failed; it yields one zero-masked placeholder sample."""
+    """Terminal: the session failed. It yields one zero-masked placeholder
+    sample, unless its reason's abort class counts it as a failure
+    (:mod:`agentlog.reducers.abort_classes`)."""
 
     reason: str
     error: str = ""
     traceback: str = ""
+    #: True: the engine owes the group a replacement for this member
+    #: (per-sample refill); the group is released only once a session that
+    #: ``replaces`` it has ended too. Unset otherwise (the bytes of an abort
+    #: before refills).
+    refill: bool | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         if READING_STORED.get():
             return
         if not isinstance(self.reason, str) or not self.reason:
             fail("session_aborted", "reason", "a non-empty str", self.reason)
+        if self.refill is not UNSET and self.refill is not True:
+            fail("session_aborted", "refill", "true (a replacement is owed) or unset", self.refill)
         # A traceback of the wrong type is left to the writer's schema check.
         if isinstance(self.traceback, str) and len(self.traceback) > MAX_TRACEBACK_CHARS:
             # Keep the end: the innermost frames say what actually failed.

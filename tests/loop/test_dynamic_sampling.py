@@ -41,7 +41,7 @@ def test_the_counterfactual_with_dynamic_sampling_filters_exactly_the_groups_wit
     # By hand: a trained group whose valid rewards are all equal.
     predicted = {name for name, o in own.outcomes.items() if o.trained and not _spreads(groups[name.split("/", 1)[1]])}
     assert predicted, "the short demo trained groups whose rewards are all equal"
-    diff = diff_outcomes(own, replay_run(run_dir, policy_config(cfg, {"dynamic_sampling": True})))
+    diff = diff_outcomes(own, replay_run(run_dir, policy_config(cfg, {"groups": {"dynamic_sampling": True}})))
     assert {c.group for c in diff.changes} == predicted
     assert all(c.after.reason.startswith("zero spread: ") and not c.after.trained for c in diff.changes)
 
@@ -50,7 +50,7 @@ def test_a_run_with_dynamic_sampling_trains_no_group_without_spread_and_reconstr
     # A warmed-up policy solves some prompts, so some groups spread (from a cold one none does, and
     # dynamic sampling then trains nothing: the run stops after max_untrainable_batches).
     cfg = LoopConfig(seed=0, steps=3, warmup_steps=300, groups_per_step=4, group_size=4, stop_reward=0, time_budget_s=0,
-                     dynamic_sampling=True, max_untrainable_batches=10)
+                     groups={"dynamic_sampling": True}, max_untrainable_batches=10)
     run_dir = tmp_path / "run"
     run_loop(cfg, run_dir)
     check = check_run(run_dir, cfg)
@@ -67,5 +67,5 @@ def test_a_run_with_dynamic_sampling_trains_no_group_without_spread_and_reconstr
 
 
 def test_a_bad_spread_tolerance_is_refused_by_name() -> None:
-    with pytest.raises(ConfigError, match=r"LoopConfig.spread_tolerance: expected a finite number >= 0, found -1"):
-        LoopConfig(dynamic_sampling=True, spread_tolerance=-1)
+    with pytest.raises(ConfigError, match=r"\[groups\] spread_tolerance: expected a finite number >= 0, found -1"):
+        LoopConfig(groups={"dynamic_sampling": True, "spread_tolerance": -1})

@@ -130,9 +130,15 @@ def test_stats_and_reconstruct_of_a_run_folder_fold_with_the_runs_own_min_valid(
 
     out = _reconstruct_line(run_dir, "-o", str(tmp_path / "s.msgpack"))
     assert f"{len(own.groups)} groups released ({sum(own_skips.values())} skipped)" in out, out
-    assert f"config {cfg.reduce_config().digest()[:19]} (the run's config.json: min_valid {MIN_VALID})" in out, out
+    assert (f"config {cfg.reduce_config().digest()[:19]} (the run's config.json: min_valid {MIN_VALID}, "
+            "abort_outcomes.policy fail)") in out, out
     out = _reconstruct_line(bare, "-o", str(tmp_path / "b.msgpack"))
     assert f"({sum(1 for g in default.groups if g.skipped)} skipped)" in out and "(defaults)" in out, out
+    # A copy of the log without its config folds with the run's settings when given them.
+    given = _reconstruct_line(bare, "--config", str(run_dir / "config.json"), "-o", str(tmp_path / "c.msgpack"))
+    assert f"{len(own.groups)} groups released ({sum(own_skips.values())} skipped)" in given, given
+    assert f"(the run's config.json: min_valid {MIN_VALID}" in given, given
+    assert given.splitlines()[-1] == _reconstruct_line(run_dir, "-o", str(tmp_path / "d.msgpack")).splitlines()[-1]
 
 
 def test_reconstruct_of_a_run_folder_without_an_output_prints_the_per_step_check(run, tmp_path):

@@ -1,0 +1,57 @@
+"""Per-sample refill and abort classes in the training loop: the worker opens a replacement for
+every member the engine owes one, groups complete at full size, and the run rebuilds EQUAL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loop_helpers import small_config
+
+from agentlog.events.schema.types import SessionAborted, SessionOpened
+from agentlog.loop.check import check_run
+from agentlog.loop.config import FaultConfig, LoopConfig
+from agentlog.loop.run import run_loop
+from agentlog.loop.run_folder import Run
+from agentlog.reducers.partitioned import reduce_partitions
+
+
+def test_a_run_that_refills_infrastructure_aborts_completes_its_groups_and_rebuilds_equal(tmp_path: Path) -> None:
+    # Injected exceptions (reason exception:InjectedFault) are infrastructure aborts: refilled here.
+    cfg = small_config(steps=3, faults=FaultConfig(exception_rate=0.15, timeout_rate=0.0, drop_rate=0.0, straggler_rate=0.0,
+                                                     empty_marker_rate=0.0),
+                       groups={"infrastructure": "refill", "max_refills": 4}, max_untrainable_batches=0)
+    run_dir = tmp_path / "run"
+    run_loop(cfg, run_dir)
+    check = check_run(run_dir, cfg)
+    assert check.ok and check.digests_equal == check.steps >= cfg.steps, (check.mismatches, check.missing)
+    with Run.open(run_dir) as run:
+        envs = [e for src in run.existing_rollout_logs().values() for e in src.read()]
+        released = reduce_partitions({pid: src.read() for pid, src in run.existing_rollout_logs().items()}, cfg.reduce_config())
+    opened = {e.session_id: e.body for e in envs if isinstance(e.body, SessionOpened)}
+    refilled = {e.session_id for e in envs if isinstance(e.body, SessionAborted) and e.body.refill}
+    replacements = {sid: body.replaces for sid, body in opened.items() if body.replaces}
+    assert refilled, "15% injected exceptions over 96 sessions refilled some"
+    # Each refilled member got exactly one replacement, in its own group, past the original slots.
+    assert sorted(replacements.values()) == sorted(refilled)
+    for sid, replaced in replacements.items():
+        assert opened[sid].group_id == opened[replaced].group_id and opened[sid].sample_index >= cfg.group_size
+    groups = {gid: r.group for part in released.values() for gid, r in part.items()}
+    for g in groups.values():
+        originals = [m for m in g.members if not m.replaces]
+        # Full size: every original slot ends in one member that is not a refilled abort (or was dropped).
+        assert len(g.members) + len(g.dropped) - len([m for m in g.members if m.session_id in refilled]) == cfg.group_size
+        assert len(originals) + sum(1 for s in g.dropped if not opened[s].replaces) == cfg.group_size
+
+
+def test_a_run_folder_saved_before_abort_classes_rebuilds_with_every_abort_excluded(tmp_path: Path) -> None:
+    saved = LoopConfig().to_dict()
+    del saved["groups"]
+    saved["dynamic_sampling"] = True  # where dynamic sampling sat before the [groups] table
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    cfg = Run.load_config(tmp_path)
+    assert cfg.groups.outcomes() == {"infrastructure": "exclude", "policy": "exclude", "task": "exclude", "other": "exclude"}
+    assert cfg.groups.dynamic_sampling is True
+    assert cfg.reduce_config().outcome_of("wall_clock_timeout") == "exclude"
+    # A new run's defaults: a policy abort is a failure.
+    assert LoopConfig().reduce_config().outcome_of("wall_clock_timeout") == "fail"
