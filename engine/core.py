@@ -429,6 +429,10 @@ class SessionEngine(BackgroundWork):
             return False
         return self._groups.refills(group_id) + self._refills_deciding.get(group_id, 0) < rules.max_refills
 
+    def live_members(self, group_id: str) -> list[SessionHandle]:
+        """The live (not yet ended) sessions of ``group_id``."""
+        return [h for h in self._live.values() if h.group_id == group_id]
+
     def replacement_index(self, group_id: str) -> int:
         """The sample_index of the next replacement of ``group_id`` (in flight): past every
         original member's slot, so a replacement never takes an index a member may still open."""

@@ -124,6 +124,15 @@ class SessionHandle:
         body = SessionAborted(reason=reason, error=error, traceback=traceback)
         return await self._engine._transition(self, "abort", body)  # type: ignore[return-value]
 
+    async def cancel(self, reason: str) -> Envelope | None:
+        """Drop the session for ``reason`` and cancel the task playing it (the one in
+        ``engine.session``), which then sees CancelledError. None if it already ended."""
+        env = await self.drop(reason)
+        owner = self._owner
+        if env is not None and owner is not None and owner is not asyncio.current_task():
+            owner.cancel()
+        return env
+
     async def drop(self, reason: str) -> Envelope | None:
         """open/running -> dropped (cleanup, no sample). A no-op returning None
         on a session that already ended, so it is safe in every ``finally``."""

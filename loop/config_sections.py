@@ -396,6 +396,8 @@ class GroupsConfig:
     """With dynamic_sampling: a group whose valid rewards differ by at most this has no spread."""
     max_redraws: int = 2
     """With dynamic_sampling: new prompts drawn in place of one filtered group; a step then has at most groups_per_step x (1 + max_redraws) groups, and trains what it has (its shortfall recorded)."""
+    oversample: float = 0.0
+    """Over-sampling: start groups_per_step x (1 + oversample) groups per batch, train the first groups_per_step that complete, and cancel the rest (dropped, reason ``oversampled``). Favours short episodes: see ``rollout/len_trained`` against ``rollout/len_started``."""
 
     def __post_init__(self) -> None:
         problem = check_tables(self.outcomes(), self.reasons, "[groups]")
@@ -407,6 +409,8 @@ class GroupsConfig:
             v = getattr(self, name)
             if type(v) is not int or v < 0:
                 raise ConfigError(f"[groups] {name}: expected an int >= 0, found {v!r}")
+        if isinstance(self.oversample, bool) or not isinstance(self.oversample, (int, float)) or not 0 <= self.oversample <= 10:
+            raise ConfigError(f"[groups] oversample: expected a fraction of extra groups in [0, 10], found {self.oversample!r}")
         if not isinstance(self.dynamic_sampling, bool):
             raise ConfigError(f"[groups] dynamic_sampling: expected true or false, found {self.dynamic_sampling!r}")
         if (not isinstance(self.spread_tolerance, (int, float)) or isinstance(self.spread_tolerance, bool)
@@ -416,6 +420,10 @@ class GroupsConfig:
     def outcomes(self) -> dict[str, str]:
         """Abort class -> its outcome."""
         return {cls: getattr(self, cls) for cls in ABORT_CLASSES}
+
+    def groups_started(self, groups_per_step: int) -> int:
+        """Base groups a batch starts: ``groups_per_step``, plus the over-sampled ones."""
+        return math.ceil(groups_per_step * (1 + self.oversample) - 1e-9)
 
     @property
     def refills(self) -> bool:

@@ -68,7 +68,9 @@ from agentlog.reducers.partitioned import PartitionFold, ReleasedGroup
 from agentlog.reducers.pipeline import InFlightWindow
 from agentlog.reducers.samples import distill_problem
 
-from .config import LoopConfig
+from .config import GroupsConfig, LoopConfig
+from .dynamic_sampling import ends_chain, oversampled, zero_spread
+from .naming import redraw_of
 from .learner_records import record_consumed, record_frontier, step_digest
 from .metric_sinks import MetricSinks
 from .policy import build_model
@@ -97,6 +99,9 @@ def decide_group(group: Group, version: int, cfg: LoopConfig, *, distills: bool)
     why it trains nothing ("" when it trains), and its staleness verdict (None when an
     earlier reason settled it). The one rule, for the online step and for the offline
     counterfactual (:mod:`agentlog.loop.counterfactual`)."""
+    leftover = oversampled(group)
+    if leftover:
+        return leftover, None
     if group.skipped:
         return group.skip_reason or "skipped", None
     refused = sampling_refusal(group) or (distill_refusal(group) if distills else "")
@@ -110,14 +115,10 @@ def decide_group(group: Group, version: int, cfg: LoopConfig, *, distills: bool)
     return verdict.drop_reason, verdict
 
 
-def zero_spread(group: Group, tolerance: float) -> str:
-    """Dynamic sampling's filter: why ``group`` teaches nothing (its valid rewards differ by at
-    most ``tolerance``, so every advantage is 0), or "" when they spread."""
-    rewards = group.valid_rewards
-    if rewards and max(rewards) - min(rewards) <= tolerance:
-        return (f"zero spread: {len(rewards)} valid reward(s) within {tolerance:g} of each other "
-                f"({min(rewards):g}..{max(rewards):g}; dynamic sampling)")
-    return ""
+def _mean_length(groups: list[Group]) -> float:
+    """Mean response tokens per member that ended with rows to train (NaN for none)."""
+    lengths = [sum(s.response_length for s in m.samples) for g in groups for m in g.members if m.valid]
+    return float(sum(lengths) / len(lengths)) if lengths else math.nan
 
 
 def distill_refusal(group: Group) -> str:
@@ -238,15 +239,19 @@ def step_size(cfg: LoopConfig, lost: Iterable[int] = ()) -> int:
 class StepCutter:
     """Where the learner's steps begin and end: released groups are taken in
     the order they arrive, from whichever partition, and a step is cut once
-    ``groups_per_step`` are waiting. Groups already consumed by a recorded
+    ``groups_per_step`` are waiting; with dynamic sampling, once that many
+    chains have ended (a filtered group with a redraw left does not count:
+    :mod:`agentlog.loop.dynamic_sampling`). Groups already consumed by a recorded
     step (a restart) are passed over. Arrival order across partitions is not
     deterministic; the record of each step names its cut, so the replay never
     depends on it."""
 
-    def __init__(self, fold: PartitionFold, consumed: set[tuple[int, str]], groups_per_step: int) -> None:
+    def __init__(self, fold: PartitionFold, consumed: set[tuple[int, str]], groups_per_step: int,
+                 groups: GroupsConfig | None = None) -> None:
         self.fold = fold
         self.consumed = consumed
         self.groups_per_step = groups_per_step
+        self.groups = groups or GroupsConfig()
         self.pending: list[ReleasedGroup] = []
         #: (partition, group) -> ts_ns of the terminal event that released it.
         self.released_at: dict[tuple[int, str], int] = {}
@@ -262,8 +267,8 @@ class StepCutter:
         return self.take()
 
     def take(self) -> list[ReleasedGroup] | None:
-        """The next step's groups if enough are waiting (the step size may have shrunk), else None."""
-        if not self.pending or len(self.pending) < self.groups_per_step:
+        """The next step's groups if enough chains have ended (the step size may have shrunk), else None."""
+        if not self.pending or sum(1 for r in self.pending if ends_chain(r.group, self.groups)) < self.groups_per_step:
             return None
         batch, self.pending = self.pending, []
         return batch
@@ -387,7 +392,7 @@ class LoopLearner:
             partitions = cfg.rollout.partitions() if cfg.rollout.partitioned else None
             sources = {pid: src for pid, src in run.rollout_logs().items() if pid not in lost}
             fold = PartitionFold(cfg.reduce_config(), sources, windows=windows, start=read_from)
-            cutter = StepCutter(fold, consumed, step_size(cfg, lost))
+            cutter = StepCutter(fold, consumed, step_size(cfg, lost), cfg.groups)
             watch = PartitionWatch(cfg.rollout.lost_after_s, sources)
             idle_s = min(1.0, cfg.rollout.lost_after_s / 4) if cfg.rollout.lost_after_s > 0 else None
             async for pid, env in follow_sources(sources, read_from, poll_s=0.01, idle_s=idle_s):
@@ -491,6 +496,7 @@ class LoopLearner:
             "rollout/groups_trained": float(len(train)),
             "rollout/groups_skipped": float(len(skipped)),
             "rollout/groups_filtered": float(sum(r.startswith("zero spread") for r in skipped.values())),
+            "rollout/redraws": float(sum(1 for g in groups if redraw_of(g.group_id) > 0)),
             "rollout/members": float(len(members)),
             "rollout/aborted": float(sum(1 for m in members if m.status == "aborted")),
             "rollout/dropped": float(sum(len(g.dropped) for g in groups)),
@@ -499,6 +505,15 @@ class LoopLearner:
             "rollout/stale_corrected": float(corrected),
         }
         # The share of trained tokens per version lag (per token: a partial rollout's turn spans versions).
+        if cfg.groups.oversample:
+            # Over-sampling keeps the groups that complete first: shorter episodes. The mean
+            # response tokens of a trained member against those of every ended member shows it.
+            metrics["rollout/len_trained"] = _mean_length(train)
+            metrics["rollout/len_released"] = _mean_length(groups)
+            metrics["rollout/groups_oversampled"] = float(sum(1 for g in groups if oversampled(g)))
+        if cfg.groups.dynamic_sampling:
+            # Chains that ended without a group worth training: what the step is short of.
+            metrics["rollout/groups_short"] = float(max(0, sum(1 for g in groups if ends_chain(g, cfg.groups)) - len(train)))
         for lag, share in version_lag_shares(train, version).items():
             metrics[f"rollout/trained_tokens_lag_{lag}"] = share
         checkpoint = str(checkpoint_path(self.ckpt_dir, version))

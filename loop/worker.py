@@ -31,9 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
-import random
-import re
 import sys
 import time
 import traceback
@@ -45,13 +42,17 @@ import torch
 
 from agentlog.events.errors import AgentlogError
 from agentlog._logging import get_logger
-from agentlog.engine import LocalSandbox, SessionEngine, SessionTimeout
+from agentlog.engine import LocalSandbox, SessionEngine
 from agentlog.engine.tasks import Episode, Task, TextTask, load_tasks, select_task
 from agentlog.events.log.partitions import partition_name
 from agentlog.events.schema.types import PolicyUpdated, SessionOpened
 from agentlog.learner.learner import load_weights
+from agentlog.reducers.groups import Group
 
 from .config import LoopConfig
+from .dynamic_sampling import OVERSAMPLED, ReleasedGroups, ends_chain, run_chain
+from . import group_play
+from .naming import BASE_GROUP_RE, batch_rng, group_id, member_id, redraw_id
 from .demo import faults as demo_faults
 from .policy import GenerationBatcher, build_model, load_tokenizer, resolve_hf_model
 from .publish import PolicyFollower, hf_checkpoint_dir
@@ -60,26 +61,8 @@ from .teacher import TurnToScore, build_teachers, score_session
 
 log = get_logger("agentlog.loop.worker")
 
-_BATCH_RE = re.compile(r"^b(\d+)-g\d+$")
-
-
 class WorkerLogFatal(AgentlogError, RuntimeError):
     """The worker's rollout log went fatal mid-batch (fenced by a newer incarnation, or a failed write)."""
-
-
-def group_id(batch: int, g: int) -> str:
-    """The id of group ``g`` of batch ``batch``."""
-    return f"b{batch:05d}-g{g:02d}"
-
-
-def session_id(batch: int, g: int, i: int) -> str:
-    """The id of member ``i`` of group ``g`` of batch ``batch``."""
-    return f"{group_id(batch, g)}-s{i}"
-
-
-def batch_rng(seed: int, batch: int, stream: str) -> random.Random:
-    """An independent, reproducible random stream per (seed, batch, purpose)."""
-    return random.Random(f"{seed}:{batch}:{stream}")
 
 
 class RolloutWorker:
@@ -140,6 +123,8 @@ class RolloutWorker:
         self.log = log.bind(component="worker", worker=self.worker_id)
         #: Batches this incarnation completed (status for a driver).
         self.batches_done = 0
+        #: The groups its log released, for dynamic sampling's decisions (run() opens it).
+        self.released: ReleasedGroups | None = None
 
     def owns(self, g: int) -> bool:
         """Whether group ``g`` of a batch is this worker's: groups are dealt
@@ -271,7 +256,7 @@ class RolloutWorker:
         last = -1
         for env in engine_log.read(0):
             if isinstance(env.body, SessionOpened):
-                m = _BATCH_RE.match(env.body.group_id)
+                m = BASE_GROUP_RE.match(env.body.group_id)
                 if m:
                     last = max(last, int(m.group(1)))
         return last + 1
@@ -286,31 +271,30 @@ class RolloutWorker:
             if isinstance(env.body, SessionOpened) and env.body.group_id.startswith(f"b{batch:05d}-"):
                 opened.add(env.session_id)
         n = 0
-        for g in range(self.cfg.groups_per_step):
+        meta = {"batch": batch, "worker": self.worker_id}
+        for g in range(self.cfg.groups.groups_started(self.cfg.groups_per_step)):
             if not self.owns(g):
                 continue
-            for i in range(self.cfg.group_size):
-                sid = session_id(batch, g, i)
-                if sid in opened:
-                    continue
-                h = await engine.open_session(
-                    sid, group_id=group_id(batch, g), group_size=self.cfg.group_size, sample_index=i,
-                    agent=self.task.name, metadata={"batch": batch, "worker": self.worker_id},
-                )
-                await h.abort("engine_restart", error="never started: the worker was killed while opening its batch")
-                n += 1
-        for g in range(self.cfg.groups_per_step):
-            gid = group_id(batch, g)
-            # Replacements owed before the kill (and those these aborts owe, up to max_refills) never ran.
-            while self.owns(g) and engine.owed_replacements(gid):
-                replaced = engine.owed_replacements(gid)[0]
-                i = engine.replacement_index(gid)
-                h = await engine.open_session(
-                    session_id(batch, g, i), group_id=gid, group_size=self.cfg.group_size, sample_index=i,
-                    agent=self.task.name, metadata={"batch": batch, "worker": self.worker_id}, replaces=replaced,
-                )
-                await h.abort("engine_restart", error="never started: the worker was killed before this replacement opened")
-                n += 1
+            k = 0
+            while True:  # each group of the chain: the base, then each redraw its predecessor wanted
+                gid = redraw_id(group_id(batch, g), k)
+                for i in range(self.cfg.group_size):
+                    if member_id(gid, i) in opened:
+                        continue
+                    h = await engine.open_session(member_id(gid, i), group_id=gid, group_size=self.cfg.group_size,
+                                                  sample_index=i, agent=self.task.name, metadata=meta)
+                    await h.abort("engine_restart", error="never started: the worker was killed while opening its batch")
+                    n += 1
+                # Replacements owed before the kill (and those these aborts owe, up to max_refills) never ran.
+                while engine.owed_replacements(gid):
+                    i = engine.replacement_index(gid)
+                    h = await engine.open_session(member_id(gid, i), group_id=gid, group_size=self.cfg.group_size, sample_index=i,
+                                                  agent=self.task.name, metadata=meta, replaces=engine.owed_replacements(gid)[0])
+                    await h.abort("engine_restart", error="never started: the worker was killed before this replacement opened")
+                    n += 1
+                if not self.cfg.groups.dynamic_sampling or ends_chain(self.released_group(gid), self.cfg.groups):
+                    break
+                k += 1
         if n:
             self.log.warning("worker.interrupted_batch_completed", batch=batch, aborted_unopened=n)
 
@@ -337,90 +321,111 @@ class RolloutWorker:
                 await asyncio.gather(task, return_exceptions=True)
 
     async def run_batch(self, engine: SessionEngine, batch: int) -> None:
-        """Run every session of ``batch`` concurrently until each is terminal."""
+        """Run every chain of ``batch`` this worker owns concurrently (one group each, or with
+        ``[groups] dynamic_sampling`` up to ``1 + max_redraws``), until each session is terminal.
+        With ``oversample``, the batch starts more chains than a step needs; once this
+        worker's share of ``groups_per_step`` chains has ended, the others are cancelled
+        (their live sessions dropped, reason ``oversampled``)."""
         cfg = self.cfg
+        started = cfg.groups.groups_started(cfg.groups_per_step)
+        rng = batch_rng(cfg.seed, batch, "episodes")
+        base: list[list[Any]]
         if self.text:
-            return await self.run_text_batch(batch)
-        rng = batch_rng(cfg.seed, batch, "episodes")
-        episodes = [self.task.new_episode(rng) for _ in range(cfg.groups_per_step)]
-        faults = demo_faults.plan_faults(cfg.faults, batch_rng(cfg.seed, batch, "faults"), cfg.groups_per_step, cfg.group_size)
-        tasks = []
-        for g, ep in enumerate(episodes):
-            for i in range(cfg.group_size):
-                member = self.task.group_member(ep, rng)  # drawn for every group: each partition draws the same batch
-                if not self.owns(g):
-                    continue
-                play = functools.partial(self.run_session, engine, batch, g, member=member)
-                tasks.append(asyncio.ensure_future(self.with_refills(engine, batch, g, i, play, faults.get((g, i)))))
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, (asyncio.CancelledError, demo_faults.InjectedFault, SessionTimeout)):
-                raise r
+            from .gateway_rollout import draw_members
 
-    async def with_refills(self, engine: SessionEngine, batch: int, g: int, i: int, play: Any, fault: str | None = None) -> None:
-        """Play member ``i`` of group ``g`` (``play(i, fault=..., replaces=...)``), then, while the
-        engine owes the group a replacement for the member just played (its abort class is
-        "refill" and the group is under ``max_refills``), play a replacement for the same
-        prompt: the next free sample index, ``replaces`` naming the member it replaces.
-        Raises what the first play raised, after its replacements ran."""
-        gid = group_id(batch, g)
-        first: BaseException | None = None
-        sid, replaces = session_id(batch, g, i), ""
-        while True:
-            try:
-                await play(i, fault=fault, replaces=replaces)
-            except (asyncio.CancelledError, demo_faults.InjectedFault, SessionTimeout) as exc:
-                # The session ended aborted or dropped; a replacement may be owed for it.
-                first = first or exc
-            if sid not in engine.owed_replacements(gid):
-                break
-            i = engine.replacement_index(gid)
-            sid, replaces, fault = session_id(batch, g, i), sid, None
-            self._count("refills")
-            self.log.info("worker.refill", group_id=gid, replaces=replaces, session_id=sid)
-        if first is not None:
-            raise first
+            base = draw_members(self.task, rng, started, cfg.group_size)
+            faults: dict = {}
+        else:
+            episodes = [self.task.new_episode(rng) for _ in range(started)]
+            faults = demo_faults.plan_faults(cfg.faults, batch_rng(cfg.seed, batch, "faults"), started, cfg.group_size)
+            # Drawn for every group: each partition draws the same batch.
+            base = [[self.task.group_member(ep, rng) for _ in range(cfg.group_size)] for ep in episodes]
 
-    async def run_text_batch(self, batch: int) -> None:
-        """Text tasks: every session of ``batch`` played through the gateway
-        (:meth:`GatewayRollout.run_session`), concurrently, until each is terminal."""
-        from .gateway_rollout import draw_members
+        def members(g: int, k: int) -> list[Any]:
+            if k == 0:
+                return base[g]
+            redraw = batch_rng(cfg.seed, batch, f"redraw-g{g}-r{k}")  # a new prompt per redraw, reproducible
+            if self.text:
+                return draw_members(self.task, redraw, 1, cfg.group_size)[0]
+            ep = self.task.new_episode(redraw)
+            return [self.task.group_member(ep, redraw) for _ in range(cfg.group_size)]
 
-        cfg = self.cfg
-        rng = batch_rng(cfg.seed, batch, "episodes")
-        members = draw_members(self.task, rng, cfg.groups_per_step, cfg.group_size)
+        share = sum(1 for g in range(cfg.groups_per_step) if self.owns(g))
+        playing: dict[int, str] = {}  # chain -> the group it plays now
+        ended: list[int] = []
+        cancelled: set[int] = set()
 
-        def play(g: int, ep: Any) -> Any:
-            async def one(i: int, *, fault: str | None = None, replaces: str = "") -> None:
-                await self.rollout.run_session(
-                    self.task, ep, session_id=session_id(batch, g, i), group_id=group_id(batch, g), group_size=cfg.group_size,
-                    sample_index=i, policy_version=max(self.loaded_version, 0), metadata={"batch": batch, "worker": self.worker_id},
-                    replaces=replaces)
-            return one
+        async def cancel_leftovers() -> None:
+            for g, gid in playing.items():
+                if g not in ended:
+                    cancelled.add(g)
+                    for h in engine.live_members(gid):
+                        await h.cancel(OVERSAMPLED)
+            self._count("oversampled", len(cancelled))
 
-        tasks = [
-            asyncio.ensure_future(self.with_refills(self.rollout.engine, batch, g, i, play(g, ep)))
-            for g, group in enumerate(members) if self.owns(g) for i, ep in enumerate(group)
-        ]
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, (asyncio.CancelledError, SessionTimeout)):
-                raise r
+        async def chain(g: int) -> None:
+            async def play(k: int) -> Group:
+                gid = playing[g] = redraw_id(group_id(batch, g), k)
+                group_faults = {i: f for (fg, i), f in faults.items() if fg == g} if k == 0 else {}
+                await self.play_group(engine, batch, gid, members(g, k), group_faults)
+                return self.released_group(gid)
 
-    def _count(self, what: str) -> None:
-        self.counts[what] = self.counts.get(what, 0) + 1
+            if cfg.groups.dynamic_sampling:
+                played = await run_chain(play, cfg.groups, stop=lambda: g in cancelled)
+                if len(played) > 1:
+                    self._count("redraws", len(played) - 1)
+            else:
+                gid = playing[g] = group_id(batch, g)
+                await self.play_group(engine, batch, gid, members(g, 0), {i: f for (fg, i), f in faults.items() if fg == g})
+            if g not in cancelled:
+                ended.append(g)
+                if started > cfg.groups_per_step and len(ended) == share:
+                    await cancel_leftovers()
 
-    async def run_session(self, engine: SessionEngine, batch: int, g: int, i: int, *, member: Episode, fault: str | None = None,
+        await asyncio.gather(*(chain(g) for g in range(started) if self.owns(g)))
+
+    def released_group(self, gid: str) -> Group:
+        """Group ``gid`` of this worker's log, released (every member and replacement ended)."""
+        assert self.released is not None, "run() folds the worker's log before a batch"
+        group = self.released.take(gid)
+        if group is None:
+            raise RuntimeError(f"rollout worker {self.worker_id}: group {gid} is not released after all its sessions "
+                               "ended; a member or an owed replacement never ended")
+        return group
+
+    async def play_group(self, engine: SessionEngine, batch: int, gid: str, members: list[Any], faults: dict[int, str]) -> None:
+        """Play every member of group ``gid`` concurrently (and the replacements it is owed),
+        until each is terminal. An injected fault, a timeout or a drop ends its session; any
+        other failure is raised."""
+        if self.text:
+            def play(i: int, slot: int, *, fault: str | None = None, replaces: str = "") -> Any:
+                return self.rollout.run_session(
+                    self.task, members[slot], session_id=member_id(gid, i),
+                    group_id=gid, group_size=self.cfg.group_size, sample_index=i, policy_version=max(self.loaded_version, 0),
+                    metadata={"batch": batch, "worker": self.worker_id}, replaces=replaces)
+        else:
+            def play(i: int, slot: int, *, fault: str | None = None, replaces: str = "") -> Any:
+                return self.run_session(engine, batch, gid, i, member=members[slot], fault=fault, replaces=replaces)
+        await group_play.play_group(engine, gid, len(members), play, faults, self._refilled)
+
+    def _refilled(self, replaced: str, replacement: str, slot: int) -> None:
+        self._count("refills")
+        self.log.info("worker.refill", replaces=replaced, session_id=replacement, slot=slot)
+
+    def _count(self, what: str, n: int = 1) -> None:
+        self.counts[what] = self.counts.get(what, 0) + n
+
+    async def run_session(self, engine: SessionEngine, batch: int, gid: str, i: int, *, member: Episode, fault: str | None = None,
                           replaces: str = "") -> None:
         """One agent session: turn, tool, turn, ..., verifier reward, finish. ``replaces``: it
         replaces that aborted member of its group (per-sample refill)."""
         task, ep = self.task, member
-        sid = session_id(batch, g, i)
+        sid = member_id(gid, i)
         budget = self.cfg.faults.timeout_budget_s if fault == "timeout" else None
         registered = False
         try:
             async with engine.session(
-                sid, group_id=group_id(batch, g), group_size=self.cfg.group_size, sample_index=i,
+                sid, group_id=gid, group_size=self.cfg.group_size, sample_index=i,
                 prompt=ep.messages, prompt_ids=list(ep.prompt_ids), label=ep.label, agent=task.name,
                 policy_version=max(self.loaded_version, 0), metadata={"batch": batch, "worker": self.worker_id},
                 budget_s=budget, replaces=replaces,
@@ -507,6 +512,8 @@ class RolloutWorker:
             # The run's abort classes: an abort of a "refill" class owes its group a replacement.
             engine = await SessionEngine.open(rollout, drain_s=0.2, groups=cfg.reduce_config())
             stack.push_async_callback(engine.close)
+            if cfg.groups.dynamic_sampling:
+                self.released = ReleasedGroups(rollout, cfg.reduce_config())
             if self.batcher is not None:
                 stack.push_async_callback(self.batcher.close)
             for teacher in self.teachers:

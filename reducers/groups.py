@@ -107,6 +107,8 @@ class Group(msgspec.Struct, frozen=True):
     lsn_released: int  # LSN of the terminal event that completed the group
     #: (replacement, the member it replaces) for each per-sample refill, in opening order.
     replaced: tuple[tuple[str, str], ...] = ()
+    #: Why each member of :attr:`dropped` was dropped, in the same order ("" where not known).
+    drop_reasons: tuple[str, ...] = ()
 
     @property
     def samples(self) -> list[Sample]:
@@ -142,7 +144,7 @@ class Group(msgspec.Struct, frozen=True):
 
 
 class _Pending:
-    __slots__ = ("group_size", "opened", "done", "dropped", "owed", "refills")
+    __slots__ = ("group_size", "opened", "done", "dropped", "owed", "refills", "drop_reasons")
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
@@ -153,6 +155,8 @@ class _Pending:
         self.owed: list[str] = []
         #: replacement -> the member it replaces, in opening order.
         self.refills: dict[str, str] = {}
+        #: dropped member -> why it was dropped.
+        self.drop_reasons: dict[str, str] = {}
 
     def expected(self) -> int:
         """Terminal members that complete the group: its size, plus one per refill owed or opened."""
@@ -185,6 +189,7 @@ class PendingGroupSnapshot(msgspec.Struct, frozen=True):
     dropped: list[str]
     owed: list[str] = []
     refills: list[tuple[str, str]] = []  # (replacement, replaced)
+    drop_reasons: dict[str, str] = {}
 
 
 class GroupTrackerSnapshot(msgspec.Struct, frozen=True):
@@ -228,7 +233,8 @@ class GroupTracker:
             min_valid=self.min_valid,
             pending=[
                 PendingGroupSnapshot(gid, p.group_size, [(sid, idx, lsn) for sid, (idx, lsn) in p.opened.items()],
-                                     list(p.done), list(p.dropped), list(p.owed), list(p.refills.items()))
+                                     list(p.done), list(p.dropped), list(p.owed), list(p.refills.items()),
+                                     dict(p.drop_reasons))
                 for gid, p in self._pending.items()
             ],
             recent=list(self._recent.items()),
@@ -243,7 +249,7 @@ class GroupTracker:
             p = t._pending[g.group_id] = _Pending(g.group_size)
             p.opened = {sid: (idx, lsn) for sid, idx, lsn in g.opened}
             p.done, p.dropped = list(g.done), list(g.dropped)
-            p.owed, p.refills = list(g.owed), dict(g.refills)
+            p.owed, p.refills, p.drop_reasons = list(g.owed), dict(g.refills), dict(g.drop_reasons)
         t._recent = OrderedDict(snap.recent)
         t.released = snap.released
         return t
@@ -357,13 +363,15 @@ class GroupTracker:
             del self._pending[group_id]
 
     def close(self, group_id: str, member: GroupMember | None, session_id: str, lsn: int | None,
-              refill: bool = False) -> Group | None:
-        """A member reached its terminal state (``member`` None: dropped;
-        ``refill``: aborted owing the group a replacement). Returns the group
-        when this completes it, else None."""
+              refill: bool = False, drop_reason: str = "") -> Group | None:
+        """A member reached its terminal state (``member`` None: dropped, for
+        ``drop_reason``; ``refill``: aborted owing the group a replacement).
+        Returns the group when this completes it, else None."""
         p = self._pending[group_id]
         if member is None:
             p.dropped.append(session_id)
+            if drop_reason:
+                p.drop_reasons[session_id] = drop_reason
         else:
             if session_id in p.refills:
                 member = msgspec.structs.replace(member, replaces=p.refills[session_id])
@@ -388,6 +396,7 @@ class GroupTracker:
             group_size=p.group_size,
             members=members,
             dropped=tuple(sorted(p.dropped)),
+            drop_reasons=tuple(p.drop_reasons.get(s, "") for s in sorted(p.dropped)),
             skipped=bool(skip_reason),
             skip_reason=skip_reason,
             release_index=self.released,

@@ -229,7 +229,8 @@ class Reducer:
         for s in samples:
             self.digest.update(s)
         self.samples_emitted += len(samples)
-        group = self._groups.close(session.group_id, member, sid, lsn, refill=isinstance(body, SessionAborted) and body.refill is True)
+        group = self._groups.close(session.group_id, member, sid, lsn, refill=isinstance(body, SessionAborted) and body.refill is True,
+                                   drop_reason=body.reason if isinstance(body, SessionDropped) else "")
         if group is None:
             self._out = Outputs(samples, [])
             return

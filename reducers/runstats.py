@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import msgspec
 
@@ -44,7 +44,7 @@ from agentlog.events.schema.types import Envelope, UnknownEvent, as_unknown_even
 from .config import ReduceConfig
 from .fold import SessionFold
 from .lifecycle_step import SessionLife, Violation, ViolationKind
-from .groups import ABORTED, DROPPED, FINISHED, GroupError, GroupMember, GroupTracker, aborted_as_failure
+from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, GroupTracker, aborted_as_failure
 from .metrics import MetricsAccumulator
 from .samples import final_raw_reward, resolve_reward
 
@@ -194,6 +194,8 @@ class RunStats:
             learner=self._learner, unknown=self._unknown, ended_window=self.ENDED_WINDOW,
         )
         self._groups = GroupTracker(min_valid)
+        #: Called with each group as it is released (after the metrics count it).
+        self.on_group: Callable[[Group], None] | None = None
         self.metrics = MetricsAccumulator(reward_key, solve_threshold)
         self.events = 0
         self.first_lsn = -1
@@ -210,6 +212,11 @@ class RunStats:
         self.commands_over_budget = 0
         self.teacher_scored = 0
         self.teacher_failed = 0
+        #: Per-sample refill: aborts that owed their group a replacement, and replacements opened.
+        self.refills_owed = 0
+        self.replacements = 0
+        #: Aborted members counted as failures by their abort class.
+        self.aborted_as_failures = 0
         self.policy_updates = 0
         self.policy_version: int | None = None
         self.opened = 0
@@ -275,6 +282,8 @@ class RunStats:
             self._violation(Violation(lsn, session_id, ViolationKind.GROUP_CONFLICT, str(exc)))
             return None
         self.opened += 1
+        if body.replaces:
+            self.replacements += 1
         return _Live(life, body, self.last_ts_ns)  # type: ignore[arg-type]
 
     def _applied(self, live: _Live, lsn: int, tag: str, body: Any) -> None:
@@ -319,13 +328,20 @@ class RunStats:
             self.metrics.observe_session(FINISHED, reward=raw, turns=live.turns, output_tokens=live.tokens_out)
         elif status == ABORTED:
             failed = aborted_as_failure(body, self.config)
+            if body.refill is True:
+                self.refills_owed += 1
+            elif failed:
+                self.aborted_as_failures += 1
             member = GroupMember(sid, live.sample_index, ABORTED, failed, self.config.fail_reward if failed else None, body.reason)
             self.metrics.observe_session(ABORTED, reason=body.reason, turns=live.turns, output_tokens=live.tokens_out)
         else:
             self.metrics.observe_session(DROPPED, reason=body.reason, turns=live.turns, output_tokens=live.tokens_out)
-        group = self._groups.close(live.group_id, member, sid, lsn, refill=status == ABORTED and body.refill is True)
+        group = self._groups.close(live.group_id, member, sid, lsn, refill=status == ABORTED and body.refill is True,
+                                   drop_reason=body.reason if status == DROPPED else "")
         if group is not None:
             self.metrics.observe_group(group)
+            if self.on_group is not None:
+                self.on_group(group)
 
     # --------------------------------------------------------------- results
 
@@ -389,6 +405,9 @@ class RunStats:
                 "pending": len(pending),
                 "skip_reasons": m["groups/skip_reasons"],
                 "solve_rate_mean": m["groups/solve_rate_mean"],
+                "refills_owed": self.refills_owed,
+                "replacements": self.replacements,
+                "aborted_as_failures": self.aborted_as_failures,
             },
             "policy": {"updates": self.policy_updates, "version": self.policy_version},
             "unknown_events": dict(sorted(self.unknown_events.items())),

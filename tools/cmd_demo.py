@@ -56,8 +56,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    """Run the demo with defaults plus the flags given."""
-    cfg = config_from_args(args, LoopConfig())
+    """Run the demo with defaults (its injected timeouts are infrastructure aborts) plus the flags given."""
+    from agentlog.loop.demo.faults import demo_groups
+
+    cfg = config_from_args(args, LoopConfig.from_dict({"groups": demo_groups()}))
     if not args.distill:
         if args.distill_coef is not None:
             raise CliError("--distill-coef: only with --distill", EXIT_USAGE)

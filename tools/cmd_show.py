@@ -149,7 +149,7 @@ class SessionWhy:
     names it: a text task's tests) and an abort's traceback. The one source of
     these lines for ``show`` and the report's drill-down."""
 
-    __slots__ = ("opened", "label", "metadata", "assigned", "finished", "aborted", "last_command")
+    __slots__ = ("opened", "label", "metadata", "assigned", "finished", "aborted", "last_command", "replaces")
 
     def __init__(self) -> None:
         self.opened = False
@@ -159,6 +159,7 @@ class SessionWhy:
         self.finished: Any = None  # the session_finished envelope
         self.aborted: Any = None  # the session_aborted body
         self.last_command: Any = None  # the last command_ran envelope
+        self.replaces = ""  # the member this one replaces (per-sample refill)
 
     def feed(self, env: Any) -> None:
         """Take one of the session's envelopes (in log order)."""
@@ -167,6 +168,7 @@ class SessionWhy:
         b = env.body
         if isinstance(b, SessionOpened) and not self.opened:
             self.opened, self.label, self.metadata = True, b.label, b.metadata
+            self.replaces = b.replaces or ""
         elif isinstance(b, RewardAssigned):
             self.assigned.append(env)
         elif isinstance(b, SessionFinished) and self.finished is None:
@@ -189,6 +191,10 @@ class SessionWhy:
             lines.append(f"label    {'(none)' if self.label is None else _cut(_value(self.label), full)}")
             if self.metadata:
                 lines.append(f"opened   metadata {_cut(_value(self.metadata), full)}")
+            if self.replaces:
+                lines.append(f"refill   replaces {self.replaces}, an aborted member of its group (per-sample refill)")
+        if self.aborted is not None and self.aborted.refill is True:
+            lines.append("refill   its group is owed a replacement: a session for the same prompt joins it in its place")
         assigned, finished = self.assigned, self.finished
         for e in assigned:
             lines.append(f"assigned reward {_reward(e.body.reward)} from {e.body.source or '(no source given)'} at lsn {at(e.lsn)}")

@@ -182,6 +182,9 @@ def render_text(s: dict[str, Any]) -> str:
     ]
     if g["skip_reasons"]:
         lines.append(f"skipped by {_counts(g['skip_reasons'])}")
+    if g["refills_owed"] or g["replacements"] or g["aborted_as_failures"]:
+        lines.append(f"aborts     {g['refills_owed']} refilled ({g['replacements']} replacements opened), "
+                     f"{g['aborted_as_failures']} counted as failures")
     if s["policy"]["updates"]:
         lines.append(f"policy     {s['policy']['updates']} updates, version {s['policy']['version']}")
     if s["unknown_events"]:

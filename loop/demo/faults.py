@@ -35,6 +35,14 @@ from ..config import FaultConfig
 #: exit code, so LocalSandbox finds an empty marker and no exit code.
 EMPTY_MARKER_CMD = "m=$(tr '\\0' '\\n' < /proc/$PPID/cmdline | tail -n 1); : > \"$m\"; kill -9 $PPID"
 
+# Why the demo has its own ``[groups]`` table (:func:`demo_groups`): its timeouts are injected hangs (``timeout_rate``), which
+# the policy did not cause, so its ``wall_clock_timeout`` aborts are infrastructure
+# (excluded), not the policy failures a real run counts them as: a correct first turn
+# cut off by an injected hang must not be trained as a failure.
+def demo_groups() -> dict:
+    """The demo's ``[groups]`` table (a fresh copy)."""
+    return {"reasons": {"wall_clock_timeout": "infrastructure"}}
+
 #: Abort reason of a session whose tool left an empty done marker.
 EMPTY_MARKER_REASON = "empty_done_marker"
 

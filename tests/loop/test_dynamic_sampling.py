@@ -5,12 +5,19 @@ spread teaches nothing (every advantage is 0), so the learner records it as skip
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentlog.events.errors import ConfigError
 from agentlog.loop import LoopConfig
+from agentlog.loop.config import GroupsConfig
+from agentlog.loop.dynamic_sampling import ends_chain, run_chain, wants_redraw
+from agentlog.loop.naming import redraw_id, redraw_of
+from agentlog.reducers.groups import Group, GroupMember
 from agentlog.loop.check import check_run
 from agentlog.loop.counterfactual import diff_outcomes, policy_config, replay_run
 from agentlog.loop.learner_records import read_learner_records
@@ -64,6 +71,39 @@ def test_a_run_with_dynamic_sampling_trains_no_group_without_spread_and_reconstr
     # Every group it filtered had no spread, and every released group without spread was filtered or skipped.
     assert all(not _spreads(groups[gid]) and groups[gid].n_valid >= cfg.min_valid for gid in filtered)
     assert sum(r.metrics["rollout/groups_filtered"] for r in records) == len(filtered)
+    # The worker drew a new prompt after each filtered group with a redraw left, and each step
+    # ended exactly groups_per_step chains: its trained groups, plus its shortfall.
+    released = {gid for r in records for gid in [*r.groups, *r.skipped]}
+    assert any(redraw_of(gid) > 0 for gid in released), "some group was redrawn"
+    for r in records:
+        ends = [gid for gid in [*r.groups, *r.skipped] if ends_chain(groups[gid], cfg.groups)]
+        assert len(ends) == cfg.groups_per_step, (r.step, ends)
+        assert r.metrics["rollout/groups_short"] == cfg.groups_per_step - len(r.groups)
+        assert r.metrics["rollout/redraws"] == sum(1 for gid in [*r.groups, *r.skipped] if redraw_of(gid) > 0)
+        for gid in r.skipped:
+            if wants_redraw(groups[gid], cfg.groups):
+                assert redraw_id(gid.split("-r")[0], redraw_of(gid) + 1) in released, gid
+
+
+@settings(max_examples=200, deadline=None)
+@given(max_redraws=st.integers(0, 4), spreads=st.lists(st.booleans(), max_size=8), dynamic=st.booleans())
+def test_a_chain_ends_at_its_first_group_with_spread_or_its_last_redraw(max_redraws, spreads, dynamic) -> None:
+    cfg = GroupsConfig(dynamic_sampling=dynamic, max_redraws=max_redraws)
+
+    async def play(k: int) -> Group:
+        spread = spreads[k] if k < len(spreads) else False  # past the list: never spreads
+        rewards = (0.0, 1.0) if spread else (1.0, 1.0)
+        members = tuple(GroupMember(f"s{i}", i, "finished", True, r) for i, r in enumerate(rewards))
+        return Group(redraw_id("b00000-g00", k), 2, members, (), False, "", k, k)
+
+    played = asyncio.run(run_chain(play, cfg))
+    # Terminates under its cap, at the first group with spread (or the first of all without dynamic sampling).
+    assert 1 <= len(played) <= max_redraws + 1
+    first_spread = next((k for k, sp in enumerate(spreads) if sp), None)
+    expected = 1 if not dynamic else min(max_redraws, first_spread if first_spread is not None else max_redraws) + 1
+    assert len(played) == expected
+    # The learner counts exactly one end per chain, whatever came before it.
+    assert [ends_chain(g, cfg) for g in played] == [False] * (len(played) - 1) + [True]
 
 
 def test_a_bad_spread_tolerance_is_refused_by_name() -> None:

@@ -16,17 +16,23 @@ from agentlog.loop.run_folder import Run
 from agentlog.reducers.partitioned import reduce_partitions
 
 
-def test_a_run_that_refills_infrastructure_aborts_completes_its_groups_and_rebuilds_equal(tmp_path: Path) -> None:
-    # Injected exceptions (reason exception:InjectedFault) are infrastructure aborts: refilled here.
-    cfg = small_config(steps=3, faults=FaultConfig(exception_rate=0.15, timeout_rate=0.0, drop_rate=0.0, straggler_rate=0.0,
-                                                     empty_marker_rate=0.0),
-                       groups={"infrastructure": "refill", "max_refills": 4}, max_untrainable_batches=0)
+def _run_and_check(cfg: LoopConfig, tmp_path: Path) -> tuple[Path, list]:
+    """Run ``cfg``'s loop; check that it rebuilds EQUAL offline; its folder and every rollout envelope."""
     run_dir = tmp_path / "run"
     run_loop(cfg, run_dir)
     check = check_run(run_dir, cfg)
     assert check.ok and check.digests_equal == check.steps >= cfg.steps, (check.mismatches, check.missing)
     with Run.open(run_dir) as run:
-        envs = [e for src in run.existing_rollout_logs().values() for e in src.read()]
+        return run_dir, [e for src in run.existing_rollout_logs().values() for e in src.read()]
+
+
+def test_a_run_that_refills_infrastructure_aborts_completes_its_groups_and_rebuilds_equal(tmp_path: Path) -> None:
+    # Injected exceptions (reason exception:InjectedFault) are infrastructure aborts: refilled here.
+    cfg = small_config(steps=3, faults=FaultConfig(exception_rate=0.15, timeout_rate=0.0, drop_rate=0.0, straggler_rate=0.0,
+                                                     empty_marker_rate=0.0),
+                       groups={"infrastructure": "refill", "max_refills": 4}, max_untrainable_batches=0)
+    run_dir, envs = _run_and_check(cfg, tmp_path)
+    with Run.open(run_dir) as run:
         released = reduce_partitions({pid: src.read() for pid, src in run.existing_rollout_logs().items()}, cfg.reduce_config())
     opened = {e.session_id: e.body for e in envs if isinstance(e.body, SessionOpened)}
     refilled = {e.session_id for e in envs if isinstance(e.body, SessionAborted) and e.body.refill}
@@ -55,3 +61,29 @@ def test_a_run_folder_saved_before_abort_classes_rebuilds_with_every_abort_exclu
     assert cfg.reduce_config().outcome_of("wall_clock_timeout") == "exclude"
     # A new run's defaults: a policy abort is a failure.
     assert LoopConfig().reduce_config().outcome_of("wall_clock_timeout") == "fail"
+
+
+def test_an_oversampled_run_trains_the_first_groups_and_records_the_cancelled_leftovers(tmp_path: Path) -> None:
+    from agentlog.events.schema.types import SessionDropped
+    from agentlog.loop.learner_records import read_learner_records
+
+    # Injected hangs (3 s) keep some groups running after four completed: those get cancelled.
+    hangs = FaultConfig(exception_rate=0.0, timeout_rate=0.08, drop_rate=0.0, straggler_rate=0.0, empty_marker_rate=0.0,
+                        timeout_budget_s=3.0)
+    cfg = small_config(steps=4, groups_per_step=4, faults=hangs, groups={"oversample": 0.5}, max_untrainable_batches=0)
+    run_dir, envs = _run_and_check(cfg, tmp_path)
+    opened = {e.session_id: e.body for e in envs if isinstance(e.body, SessionOpened)}
+    cancelled = {e.session_id for e in envs if isinstance(e.body, SessionDropped) and e.body.reason == "oversampled"}
+    # Each batch started 6 groups (4 x 1.5), and cancelled the sessions still live once 4 had completed
+    # (a group that completed before that is trained in a later step, as slime keeps finished extras).
+    assert {o.group_id for o in opened.values()} >= {f"b00000-g{g:02d}" for g in range(6)}
+    assert cancelled, "the leftovers' live sessions were dropped, reason oversampled"
+    records = [r for r in read_learner_records(run_dir / "learner") if r.step > 0]
+    leftovers = {gid for r in records for gid, why in r.skipped.items() if why.startswith("oversampled: ")}
+    assert leftovers and leftovers == {opened[s].group_id for s in cancelled} & {g for r in records for g in r.skipped}
+    for r in records:
+        # A step counts the groups that completed, never a leftover, and trains at most groups_per_step.
+        assert len(r.groups) <= cfg.groups_per_step
+        assert not leftovers & set(r.groups)
+        assert r.metrics["rollout/groups_oversampled"] == sum(1 for g in r.skipped if g in leftovers)
+        assert "rollout/len_trained" in r.metrics and "rollout/len_released" in r.metrics

@@ -1,0 +1,54 @@
+"""How a rollout worker plays one group: its members concurrently, each followed by the
+replacements the engine owes for it (per-sample refill, :mod:`agentlog.reducers.abort_classes`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable
+
+from agentlog.engine import SessionEngine, SessionTimeout
+
+from .demo.faults import InjectedFault
+from .naming import member_id
+
+#: How a session may end that is the session's outcome, not the worker's failure.
+SESSION_ENDINGS = (asyncio.CancelledError, InjectedFault, SessionTimeout)
+
+#: ``play(index, slot, fault=..., replaces=...)``: play member ``index`` for the prompt of ``slot``.
+Play = Callable[..., Awaitable[Any]]
+
+
+async def play_group(engine: SessionEngine, gid: str, size: int, play: Play, faults: dict[int, str],
+                     on_refill: Callable[[str, str, int], None]) -> None:
+    """Play members ``0 .. size-1`` of group ``gid`` concurrently, each with its refills
+    (:func:`with_refills`), until every one is terminal. A session that ended (an
+    injected fault, a timeout, a drop) is its outcome; any other failure is raised."""
+    tasks = [asyncio.ensure_future(with_refills(engine, gid, i, play, faults.get(i), on_refill)) for i in range(size)]
+    for r in await asyncio.gather(*tasks, return_exceptions=True):
+        if isinstance(r, BaseException) and not isinstance(r, SESSION_ENDINGS):
+            raise r
+
+
+async def with_refills(engine: SessionEngine, gid: str, i: int, play: Play, fault: str | None,
+                       on_refill: Callable[[str, str, int], None]) -> None:
+    """Play member ``i`` of group ``gid``, then, while the engine owes the group a replacement
+    for the member just played (its abort class is "refill" and the group is under
+    ``max_refills``), play a replacement for the same prompt (the same slot): the next
+    replacement index, ``replaces`` naming the member it replaces (``on_refill(replaced,
+    replacement, slot)`` is told first). Raises what the first play raised, after its
+    replacements ran."""
+    first: BaseException | None = None
+    sid, replaces, slot = member_id(gid, i), "", i
+    while True:
+        try:
+            await play(i, slot, fault=fault, replaces=replaces)
+        except SESSION_ENDINGS as exc:
+            # The session ended aborted or dropped; a replacement may be owed for it.
+            first = first or exc
+        if sid not in engine.owed_replacements(gid):
+            break
+        i = engine.replacement_index(gid)
+        sid, replaces, fault = member_id(gid, i), sid, None
+        on_refill(replaces, sid, slot)
+    if first is not None:
+        raise first

@@ -1,0 +1,48 @@
+"""The ids a run gives its batches, groups and sessions, and the random stream of each batch.
+
+Batch ``b`` holds ``groups_per_step`` base groups, ``b00012-g07``; a base group's redraws
+(dynamic sampling, :mod:`agentlog.loop.dynamic_sampling`) are ``b00012-g07-r1``,
+``-r2``...; member ``i`` of a group is ``<group>-s<i>`` (a replacement's ``i`` is past the
+group's size). Every draw of a batch comes from a stream seeded by ``(seed, b, purpose)``,
+so a restarted worker draws the same batch.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+#: A base group's id, and its batch.
+BASE_GROUP_RE = re.compile(r"^b(\d+)-g\d+$")
+_REDRAW = re.compile(r"-r(\d+)$")
+
+
+def group_id(batch: int, g: int) -> str:
+    """The id of base group ``g`` of batch ``batch``."""
+    return f"b{batch:05d}-g{g:02d}"
+
+
+def member_id(gid: str, i: int) -> str:
+    """The id of member ``i`` of the group ``gid``."""
+    return f"{gid}-s{i}"
+
+
+def session_id(batch: int, g: int, i: int) -> str:
+    """The id of member ``i`` of base group ``g`` of batch ``batch``."""
+    return member_id(group_id(batch, g), i)
+
+
+def redraw_of(gid: str) -> int:
+    """Which redraw of its chain the group ``gid`` is (0: the base group)."""
+    m = _REDRAW.search(gid)
+    return int(m.group(1)) if m else 0
+
+
+def redraw_id(base_group_id: str, k: int) -> str:
+    """The id of redraw ``k`` of the chain that starts at ``base_group_id`` (k 0: the base itself)."""
+    return base_group_id if k == 0 else f"{base_group_id}-r{k}"
+
+
+def batch_rng(seed: int, batch: int, stream: str) -> random.Random:
+    """An independent, reproducible random stream per (seed, batch, purpose)."""
+    return random.Random(f"{seed}:{batch}:{stream}")

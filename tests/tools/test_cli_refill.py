@@ -1,0 +1,47 @@
+"""`stats` and `show` name the abort-class decisions a log recorded: refills owed, replacements, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from cli_helpers import agentlog
+
+from agentlog.engine import SessionEngine
+from agentlog.events.log.writer import FileLog
+from agentlog.reducers.config import ReduceConfig
+
+
+def _write(path: Path) -> None:
+    rules = ReduceConfig(abort_outcomes={"infrastructure": "refill", "policy": "fail"})
+
+    async def go() -> None:
+        with FileLog.open(path) as log:
+            eng = await SessionEngine.open(log, groups=rules, checkpoint_every=0)
+            a = await eng.open_session("g-s0", group_id="g", group_size=2, sample_index=0)
+            await a.start()
+            await a.abort("setup_failed:OSError", error="no sandbox")
+            b = await eng.open_session("g-s1", group_id="g", group_size=2, sample_index=1)
+            await b.start()
+            await b.abort("wall_clock_timeout")
+            r = await eng.open_session("g-s2", group_id="g", group_size=2, replaces="g-s0")
+            await r.start()
+            await r.finish(reward=1.0)
+            await eng.close()
+
+    asyncio.run(go())
+
+
+def test_stats_and_show_name_the_refill_and_the_replacement(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    _write(log)
+    stats = json.loads(agentlog("stats", str(log), "--json").stdout)["groups"]
+    # Folded with the reducers' defaults (a bare log): the timeout is excluded, not a failure.
+    assert (stats["refills_owed"], stats["replacements"], stats["aborted_as_failures"], stats["released"]) == (1, 1, 0, 1)
+    text = agentlog("stats", str(log)).stdout
+    assert "aborts     1 refilled (1 replacements opened), 0 counted as failures" in text, text
+    shown = agentlog("show", str(log), "g-s2").stdout
+    assert "refill   replaces g-s0, an aborted member of its group (per-sample refill)" in shown, shown
+    shown = agentlog("show", str(log), "g-s0").stdout
+    assert "refill   its group is owed a replacement" in shown, shown
