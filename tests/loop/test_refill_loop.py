@@ -87,3 +87,21 @@ def test_an_oversampled_run_trains_the_first_groups_and_records_the_cancelled_le
         assert not leftovers & set(r.groups)
         assert r.metrics["rollout/groups_oversampled"] == sum(1 for g in r.skipped if g in leftovers)
         assert "rollout/len_trained" in r.metrics and "rollout/len_released" in r.metrics
+
+
+def test_the_counterfactual_of_excluding_policy_aborts_changes_exactly_the_groups_that_hold_one(tmp_path: Path) -> None:
+    from agentlog.loop.counterfactual import diff_outcomes, policy_config, replay_run
+
+    timeouts = FaultConfig(exception_rate=0.0, timeout_rate=0.2, drop_rate=0.0, straggler_rate=0.0, empty_marker_rate=0.0)
+    cfg = small_config(steps=2, faults=timeouts, max_untrainable_batches=0)  # a new run: policy aborts are failures
+    run_dir, envs = _run_and_check(cfg, tmp_path)
+    timed_out = {e.session_id for e in envs if isinstance(e.body, SessionAborted) and e.body.reason == "wall_clock_timeout"}
+    opened = {e.session_id: e.body.group_id for e in envs if isinstance(e.body, SessionOpened)}
+    own = replay_run(run_dir, cfg)
+    assert own.steps_equal == own.steps
+    # By hand: a group changes iff a member timed out (its failure, no rows, becomes one zero-masked placeholder).
+    predicted = {f"p0000/{opened[s]}" for s in timed_out} & set(own.outcomes)
+    assert predicted, "20% injected timeouts hit some consumed group"
+    diff = diff_outcomes(own, replay_run(run_dir, policy_config(cfg, {"groups": {"policy": "exclude"}})))
+    assert {c.group for c in diff.changes} == predicted
+    assert all("samples" in c.changed for c in diff.changes)

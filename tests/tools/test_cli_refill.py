@@ -1,4 +1,4 @@
-"""`stats` and `show` name the abort-class decisions a log recorded: refills owed, replacements, failures."""
+"""`stats`, `show` and `report` name the abort-class decisions a log recorded: refills owed, replacements, failures."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _write(path: Path) -> None:
     asyncio.run(go())
 
 
-def test_stats_and_show_name_the_refill_and_the_replacement(tmp_path: Path) -> None:
+def test_stats_show_and_the_report_name_the_refill_and_the_replacement(tmp_path: Path) -> None:
     log = tmp_path / "log"
     _write(log)
     stats = json.loads(agentlog("stats", str(log), "--json").stdout)["groups"]
@@ -45,3 +45,6 @@ def test_stats_and_show_name_the_refill_and_the_replacement(tmp_path: Path) -> N
     assert "refill   replaces g-s0, an aborted member of its group (per-sample refill)" in shown, shown
     shown = agentlog("show", str(log), "g-s0").stdout
     assert "refill   its group is owed a replacement" in shown, shown
+    html = tmp_path / "report.html"
+    assert agentlog("report", str(log), "-o", str(html)).returncode == 0
+    assert "<span id='refills'>members refilled 1 · aborts counted as failures 0</span>" in html.read_text()

@@ -84,7 +84,7 @@ class ReportData(msgspec.Struct):
     abort_reasons: dict[str, int]
     drop_reasons: dict[str, int]
     reward: dict[str, float]  # count, mean, min, max over finished sessions with a usable reward
-    groups: dict[str, int]  # released, skipped, pending
+    groups: dict[str, int]  # released, skipped, pending, refilled (replacements), failures (aborts counted as such)
     time_bin_s: float
     over_time: list[tuple[float, Any]]  # (seconds since first event, Totals)
     by_version: list[tuple[int, Any]]  # (policy version, Totals)
@@ -164,7 +164,7 @@ def collect(
     token_versions: Counter[int] = Counter()
     newest_version = 0
     reward_n, reward_sum, reward_lo, reward_hi = 0, 0.0, math.inf, -math.inf
-    released = skipped = 0
+    released = skipped = refilled = failures = 0
     violations: list[str] = []
     violation_count = 0
     problem = ""
@@ -232,6 +232,8 @@ def collect(
                 for g in res.groups:
                     released += 1
                     skipped += bool(g.skipped)
+                    refilled += len(g.replaced)
+                    failures += sum(1 for m in g.members if m.status == "aborted" and m.valid)
         if summary is None:
             continue
         lv = live.pop((pid, sid), None)
@@ -294,7 +296,7 @@ def collect(
         drop_reasons=dict(drop_reasons.most_common()),
         reward={"count": reward_n, "mean": reward_sum / reward_n if reward_n else math.nan,
                 "min": reward_lo if reward_n else math.nan, "max": reward_hi if reward_n else math.nan},
-        groups={"released": released, "skipped": skipped,
+        groups={"released": released, "skipped": skipped, "refilled": refilled, "failures": failures,
                 "pending": len({t.group_id for state in states.values() for t in state.live.values()})},
         time_bin_s=(series.width / 1e9) if series is not None else 0.0,
         over_time=series.used() if series is not None else [],

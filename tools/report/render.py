@@ -429,7 +429,9 @@ def render(data: ReportData) -> str:
         "<h2>Outcomes</h2>",
         f"<table class='outcomes' id='outcomes'><tr><th>sessions</th><td id='sessions-total'>{data.sessions}</td></tr>{rows}</table>",
         f"<p class='meta'>groups released {g['released']} (skipped {g['skipped']}) · pending {g['pending']} · "
-        f"reward mean {_fmt(r['mean'])} (min {_fmt(r['min'])}, max {_fmt(r['max'])}) over {r['count']} finished sessions</p>",
+        + (f"<span id='refills'>members refilled {g.get('refilled', 0)} · aborts counted as failures {g.get('failures', 0)}</span> · "
+           if g.get("refilled") or g.get("failures") else "")
+        + f"reward mean {_fmt(r['mean'])} (min {_fmt(r['min'])}, max {_fmt(r['max'])}) over {r['count']} finished sessions</p>",
         _partitions_html(data),
         "<h2>Over time</h2><p class='meta'>Sessions by the time they ended, stacked by outcome; "
         "reward mean and solve rate of the finished ones.</p>",
