@@ -58,13 +58,22 @@ def learner_log_of(source: LogSource) -> LogSource | None:
     return learner if learner is not None and learner.exists() else None
 
 
-def reduce_config_of(source: LogSource) -> Any:
+def reduce_config_of(source: LogSource, config_file: str | None = None) -> Any:
     """The :class:`~agentlog.reducers.config.ReduceConfig` every reading command folds
-    the (checked) log with: its run folder's own settings, the ones the
-    learner trained with (:meth:`agentlog.loop.config.LoopConfig.reduce_config`), or the
-    reducers' defaults for a bare log. An unreadable ``config.json`` exits 2 naming it."""
+    the (checked) log with: the settings of the run whose config file is ``config_file``
+    when given (a copy of a run's log without its config, such as its JetStream stream),
+    else its run folder's own settings, the ones the learner trained with
+    (:meth:`agentlog.loop.config.LoopConfig.reduce_config`), or the reducers' defaults for
+    a bare log. A config that does not load exits 2 naming it."""
     from agentlog.reducers.config import DEFAULT_CONFIG
 
+    if config_file is not None:
+        from agentlog.loop.config import ConfigError as LoopConfigError, LoopConfig
+
+        try:
+            return LoopConfig.load(Path(config_file)).reduce_config()
+        except LoopConfigError as exc:
+            raise CliError(f"--config: {exc}", EXIT_USAGE) from None
     if source.run_dir is None:
         return DEFAULT_CONFIG
     from agentlog.loop.config import ConfigError

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
@@ -302,7 +301,7 @@ def run(args) -> int:
 
     path = check_log_path(args.log)
     # A run folder's own settings (the samples and groups its learner trained), or the run's config given.
-    base = reduce_config_of(path) if args.config is None else _run_settings(args.config)
+    base = reduce_config_of(path, args.config)
     overrides = {}
     if args.fork_threshold is not None:
         overrides["fork_threshold"] = args.fork_threshold
@@ -360,16 +359,6 @@ def run(args) -> int:
     print(f"digest {digest.hexdigest()}")
     sys.stdout.flush()
     return EXIT_OK if verdict is None or verdict[1] else EXIT_DATA
-
-
-def _run_settings(path: str) -> Any:
-    """The reduce settings of the run whose config file is ``path`` (exit 2 naming it when it does not load)."""
-    from agentlog.loop.config import ConfigError, LoopConfig
-
-    try:
-        return LoopConfig.load(Path(path)).reduce_config()
-    except ConfigError as exc:
-        raise CliError(f"reconstruct --config: {exc}", EXIT_USAGE) from None
 
 
 def _settings(config: Any, base: Any) -> str:

@@ -48,3 +48,13 @@ def test_stats_show_and_the_report_name_the_refill_and_the_replacement(tmp_path:
     html = tmp_path / "report.html"
     assert agentlog("report", str(log), "-o", str(html)).returncode == 0
     assert "<span id='refills'>members refilled 1 · aborts counted as failures 0</span>" in html.read_text()
+
+
+def test_reconstruct_with_a_config_that_does_not_load_exits_2_naming_it(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    _write(log)
+    res = agentlog("reconstruct", str(log), "--config", str(tmp_path / "missing.json"))
+    assert res.returncode == 2 and f"--config: {tmp_path / 'missing.json'}: cannot read the config" in res.stderr, res.stderr
+    (tmp_path / "bad.toml").write_text("[groups]\npolicy = 'retry'\n")
+    res = agentlog("reconstruct", str(log), "--config", str(tmp_path / "bad.toml"))
+    assert res.returncode == 2 and "class 'policy' gets 'retry'; expected one of exclude, fail, refill" in res.stderr, res.stderr
