@@ -231,7 +231,8 @@ class SessionEngine(BackgroundWork):
             raise EngineClosed(f"engine closed; cannot open session {session_id!r}")
         validate_id("session_id", session_id)
         if sample_index is None:
-            sample_index = self._groups.next_sample_index(group_id)
+            # A replacement takes a slot past the originals', never one an original may still open.
+            sample_index = self._groups.replacement_index(group_id) if replaces else self._groups.next_sample_index(group_id)
         body = SessionOpened(
             group_id=group_id, group_size=group_size, sample_index=sample_index, prompt=prompt or [],
             prompt_ids=prompt_ids, label=label, agent=agent, policy_version=policy_version, metadata=metadata or {},

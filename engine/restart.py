@@ -64,8 +64,21 @@ FIRST_VIOLATIONS = 20
 
 _OPENED = SessionOpened.__struct_config__.tag
 _ABORTED = SessionAborted.__struct_config__.tag
-#: The bodies the fold reads: an opening's group, an abort's owed replacement.
-_DECODED = frozenset({_OPENED, _ABORTED})
+
+
+class _AbortRefill(msgspec.Struct, tag="session_aborted"):
+    """What the fold reads of a ``session_aborted``: whether it owes its group a replacement
+    (its reason, error and traceback are delimited, never decoded)."""
+
+    refill: bool | msgspec.UnsetType = msgspec.UNSET
+
+
+_abort_refill_decoder = msgspec.msgpack.Decoder(_AbortRefill)
+
+
+def _abort_refill(payload: Any) -> _AbortRefill:
+    """The refill flag of a stored ``session_aborted`` payload."""
+    return _abort_refill_decoder.decode(payload)
 _TERMINAL_TAGS = frozenset(b.__struct_config__.tag for b in (SessionFinished, SessionAborted, SessionDropped))
 
 
@@ -133,7 +146,7 @@ def _records(log: EventLog, from_lsn: int) -> Generator[_Record, None, None]:
     for rec in log.read(from_lsn, raw=True):
         tag = payload_tag(rec.payload)
         yield _Record(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, tag, rec.payload,
-                      rec.decode().body if tag in _DECODED else None)
+                      rec.decode().body if tag == _OPENED else _abort_refill(rec.payload) if tag == _ABORTED else None)
 
 
 def anchor_at(log: EventLog, lsn: int) -> bytes | None:

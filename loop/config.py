@@ -258,6 +258,9 @@ class LoopConfig:
         """Build from plain data; an unknown key raises and lists the known ones.
         Relative directories of a ``[task]`` table's ``path`` are resolved
         against ``base_dir`` (default: the current directory)."""
+        moved = sorted(k for k in ("dynamic_sampling", "spread_tolerance") if k in values)
+        if moved:
+            raise ConfigError(f"{', '.join(moved)}: moved to the [groups] table (e.g. [groups] dynamic_sampling = true)")
         cfg = _from_mapping(cls, task_table(values, base_dir), "")
         cfg.distill.resolve_paths(base_dir)
         return cfg

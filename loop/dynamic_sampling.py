@@ -18,6 +18,7 @@ batch still makes one step, and the pacing by steps (``max_lag``) holds.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Awaitable, Callable
 
 from agentlog.reducers.groups import Group
@@ -84,6 +85,7 @@ class ReleasedGroups:
         self._released: dict[str, Group] = {}
         self._stats = RunStats.of(config)
         self._stats.on_group = self._keep
+        self._lock = asyncio.Lock()  # one catch-up at a time (it runs in a thread)
 
     def _keep(self, group: Group) -> None:
         self._released[group.group_id] = group
@@ -94,10 +96,16 @@ class ReleasedGroups:
         for rec in self._log.read(self._stats.last_lsn + 1, raw=True):
             feed(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload))
 
-    def take(self, group_id: str) -> Group | None:
-        """``group_id`` once released (forgotten here then), or None while it is in flight."""
-        group = self._released.pop(group_id, None)
-        if group is None:
-            self.catch_up()
+    async def take(self, group_id: str) -> Group | None:
+        """``group_id`` once released (forgotten here then), or None while it is in flight.
+        The log is read in a thread, so the sessions in flight go on meanwhile."""
+        async with self._lock:
             group = self._released.pop(group_id, None)
+            if group is None:
+                await asyncio.to_thread(self.catch_up)
+                group = self._released.pop(group_id, None)
         return group
+
+    def retain(self, prefix: str) -> None:
+        """Forget the released groups whose id does not start with ``prefix`` (earlier batches')."""
+        self._released = {gid: g for gid, g in self._released.items() if gid.startswith(prefix)}

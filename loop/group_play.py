@@ -19,18 +19,23 @@ Play = Callable[..., Awaitable[Any]]
 
 
 async def play_group(engine: SessionEngine, gid: str, size: int, play: Play, faults: dict[int, str],
-                     on_refill: Callable[[str, str, int], None]) -> None:
+                     on_refill: Callable[[str, str, int], None], cancelled: Callable[[], bool] = lambda: False,
+                     unplayed: Callable[..., Awaitable[None]] | None = None) -> None:
     """Play members ``0 .. size-1`` of group ``gid`` concurrently, each with its refills
     (:func:`with_refills`), until every one is terminal. A session that ended (an
-    injected fault, a timeout, a drop) is its outcome; any other failure is raised."""
-    tasks = [asyncio.ensure_future(with_refills(engine, gid, i, play, faults.get(i), on_refill)) for i in range(size)]
+    injected fault, a timeout, a drop) is its outcome; any other failure is raised.
+    Once ``cancelled()``, a member or replacement not yet opened is handed to
+    ``unplayed(index, replaces=...)`` (which opens and drops it) instead of played."""
+    tasks = [asyncio.ensure_future(with_refills(engine, gid, i, play, faults.get(i), on_refill, cancelled, unplayed))
+             for i in range(size)]
     for r in await asyncio.gather(*tasks, return_exceptions=True):
         if isinstance(r, BaseException) and not isinstance(r, SESSION_ENDINGS):
             raise r
 
 
 async def with_refills(engine: SessionEngine, gid: str, i: int, play: Play, fault: str | None,
-                       on_refill: Callable[[str, str, int], None]) -> None:
+                       on_refill: Callable[[str, str, int], None], cancelled: Callable[[], bool] = lambda: False,
+                       unplayed: Callable[..., Awaitable[None]] | None = None) -> None:
     """Play member ``i`` of group ``gid``, then, while the engine owes the group a replacement
     for the member just played (its abort class is "refill" and the group is under
     ``max_refills``), play a replacement for the same prompt (the same slot): the next
@@ -41,8 +46,14 @@ async def with_refills(engine: SessionEngine, gid: str, i: int, play: Play, faul
     sid, replaces, slot = member_id(gid, i), "", i
     while True:
         try:
-            await play(i, slot, fault=fault, replaces=replaces)
+            if cancelled() and unplayed is not None:
+                await unplayed(i, replaces=replaces)
+            else:
+                await play(i, slot, fault=fault, replaces=replaces)
         except SESSION_ENDINGS as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the batch itself is being cancelled: no replacement starts
             # The session ended aborted or dropped; a replacement may be owed for it.
             first = first or exc
         if sid not in engine.owed_replacements(gid):

@@ -17,9 +17,14 @@ BASE_GROUP_RE = re.compile(r"^b(\d+)-g\d+$")
 _REDRAW = re.compile(r"-r(\d+)$")
 
 
+def batch_prefix(batch: int) -> str:
+    """What every group id of batch ``batch`` starts with."""
+    return f"b{batch:05d}-"
+
+
 def group_id(batch: int, g: int) -> str:
     """The id of base group ``g`` of batch ``batch``."""
-    return f"b{batch:05d}-g{g:02d}"
+    return f"{batch_prefix(batch)}g{g:02d}"
 
 
 def member_id(gid: str, i: int) -> str:

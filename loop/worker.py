@@ -50,9 +50,9 @@ from agentlog.learner.learner import load_weights
 from agentlog.reducers.groups import Group
 
 from .config import LoopConfig
-from .dynamic_sampling import OVERSAMPLED, ReleasedGroups, ends_chain, run_chain
+from .dynamic_sampling import OVERSAMPLED, ReleasedGroups, oversampled, run_chain, wants_redraw
 from . import group_play
-from .naming import BASE_GROUP_RE, batch_rng, group_id, member_id, redraw_id
+from .naming import BASE_GROUP_RE, batch_prefix, batch_rng, group_id, member_id, redraw_id
 from .demo import faults as demo_faults
 from .policy import GenerationBatcher, build_model, load_tokenizer, resolve_hf_model
 from .publish import PolicyFollower, hf_checkpoint_dir
@@ -268,7 +268,7 @@ class RolloutWorker:
             return
         opened: set[str] = set()
         for env in engine.log.read(0):
-            if isinstance(env.body, SessionOpened) and env.body.group_id.startswith(f"b{batch:05d}-"):
+            if isinstance(env.body, SessionOpened) and env.body.group_id.startswith(batch_prefix(batch)):
                 opened.add(env.session_id)
         n = 0
         meta = {"batch": batch, "worker": self.worker_id}
@@ -292,7 +292,11 @@ class RolloutWorker:
                                                   agent=self.task.name, metadata=meta, replaces=engine.owed_replacements(gid)[0])
                     await h.abort("engine_restart", error="never started: the worker was killed before this replacement opened")
                     n += 1
-                if not self.cfg.groups.dynamic_sampling or ends_chain(self.released_group(gid), self.cfg.groups):
+                if not self.cfg.groups.dynamic_sampling:
+                    break
+                group = await self.released_group(engine, gid)
+                # A redraw follows only what wanted one: never an over-sampled leftover, never past max_redraws.
+                if oversampled(group) or not wants_redraw(group, self.cfg.groups):
                     break
                 k += 1
         if n:
@@ -351,32 +355,39 @@ class RolloutWorker:
             return [self.task.group_member(ep, redraw) for _ in range(cfg.group_size)]
 
         share = sum(1 for g in range(cfg.groups_per_step) if self.owns(g))
+        if share == 0:
+            return  # this worker owns none of the groups a step counts, so none of their over-sampled extras either
+        if self.released is not None:
+            self.released.retain(batch_prefix(batch))  # forget groups of earlier batches never taken
         playing: dict[int, str] = {}  # chain -> the group it plays now
         ended: list[int] = []
         cancelled: set[int] = set()
 
         async def cancel_leftovers() -> None:
-            for g, gid in playing.items():
-                if g not in ended:
-                    cancelled.add(g)
-                    for h in engine.live_members(gid):
-                        await h.cancel(OVERSAMPLED)
-            self._count("oversampled", len(cancelled))
+            leftovers = [g for g in playing if g not in ended]
+            cancelled.update(leftovers)  # first: no leftover opens a member, a refill or a redraw from here on
+            live = [h for g in leftovers for h in engine.live_members(playing[g])]
+            await asyncio.gather(*(h.cancel(OVERSAMPLED) for h in live))
+            self._count("oversampled", len(leftovers))
 
         async def chain(g: int) -> None:
+            def is_cancelled() -> bool:
+                return g in cancelled
+
             async def play(k: int) -> Group:
                 gid = playing[g] = redraw_id(group_id(batch, g), k)
                 group_faults = {i: f for (fg, i), f in faults.items() if fg == g} if k == 0 else {}
-                await self.play_group(engine, batch, gid, members(g, k), group_faults)
-                return self.released_group(gid)
+                await self.play_group(engine, batch, gid, members(g, k), group_faults, is_cancelled)
+                return await self.released_group(engine, gid)
 
             if cfg.groups.dynamic_sampling:
-                played = await run_chain(play, cfg.groups, stop=lambda: g in cancelled)
+                played = await run_chain(play, cfg.groups, stop=is_cancelled)
                 if len(played) > 1:
                     self._count("redraws", len(played) - 1)
             else:
                 gid = playing[g] = group_id(batch, g)
-                await self.play_group(engine, batch, gid, members(g, 0), {i: f for (fg, i), f in faults.items() if fg == g})
+                await self.play_group(engine, batch, gid, members(g, 0), {i: f for (fg, i), f in faults.items() if fg == g},
+                                      is_cancelled)
             if g not in cancelled:
                 ended.append(g)
                 if started > cfg.groups_per_step and len(ended) == share:
@@ -384,16 +395,18 @@ class RolloutWorker:
 
         await asyncio.gather(*(chain(g) for g in range(started) if self.owns(g)))
 
-    def released_group(self, gid: str) -> Group:
+    async def released_group(self, engine: SessionEngine, gid: str) -> Group:
         """Group ``gid`` of this worker's log, released (every member and replacement ended)."""
         assert self.released is not None, "run() folds the worker's log before a batch"
-        group = self.released.take(gid)
+        group = await self.released.take(gid)
         if group is None:
+            live = [h.session_id for h in engine.live_members(gid)]
             raise RuntimeError(f"rollout worker {self.worker_id}: group {gid} is not released after all its sessions "
-                               "ended; a member or an owed replacement never ended")
+                               f"ended; live members {live or 'none'}, replacements owed for {engine.owed_replacements(gid) or 'none'}")
         return group
 
-    async def play_group(self, engine: SessionEngine, batch: int, gid: str, members: list[Any], faults: dict[int, str]) -> None:
+    async def play_group(self, engine: SessionEngine, batch: int, gid: str, members: list[Any], faults: dict[int, str],
+                         cancelled: Any = lambda: False) -> None:
         """Play every member of group ``gid`` concurrently (and the replacements it is owed),
         until each is terminal. An injected fault, a timeout or a drop ends its session; any
         other failure is raised."""
@@ -406,7 +419,14 @@ class RolloutWorker:
         else:
             def play(i: int, slot: int, *, fault: str | None = None, replaces: str = "") -> Any:
                 return self.run_session(engine, batch, gid, i, member=members[slot], fault=fault, replaces=replaces)
-        await group_play.play_group(engine, gid, len(members), play, faults, self._refilled)
+        async def unplayed(i: int, *, replaces: str = "") -> None:
+            # A cancelled chain's member that never opened: opened and dropped, so its group releases.
+            h = await engine.open_session(member_id(gid, i), group_id=gid, group_size=self.cfg.group_size, sample_index=i,
+                                          agent=self.task.name, metadata={"batch": batch, "worker": self.worker_id},
+                                          replaces=replaces)
+            await h.drop(OVERSAMPLED)
+
+        await group_play.play_group(engine, gid, len(members), play, faults, self._refilled, cancelled, unplayed)
 
     def _refilled(self, replaced: str, replacement: str, slot: int) -> None:
         self._count("refills")

@@ -296,8 +296,8 @@ class GroupTracker:
             )
         if not replaces and len(p.opened) - len(p.refills) >= group_size:
             raise GroupError(
-                f"group {group_id!r}: session {session_id!r}{at} would be member {len(p.opened) + 1}"
-                f" of a group of group_size {group_size} (members: {', '.join(repr(s) for s in p.opened)})"
+                f"group {group_id!r}: session {session_id!r}{at} would be member {len(p.opened) - len(p.refills) + 1}"
+                f" of a group of group_size {group_size} (members: {', '.join(repr(s) for s in p.opened if s not in p.refills)})"
             )
         for other, (idx, other_lsn) in p.opened.items():
             if idx == sample_index:

@@ -124,7 +124,8 @@ def test_a_replacement_nobody_owes_is_refused_by_the_engine_and_the_reducers() -
         await h.start()
         await h.abort(REASONS["infrastructure"])  # refilled, once
         assert eng.owed_replacements("g") == ["g-s1"]
-        r = await eng.open_session("g-s2", group_id="g", group_size=2, sample_index=2, replaces="g-s1")
+        r = await eng.open_session("g-s2", group_id="g", group_size=2, replaces="g-s1")
+        assert r.sample_index == 2  # a replacement's default index is past the original slots
         with pytest.raises(GroupError, match=r"replaces 'g-s1', but a group that owes replacements for: none"):
             await eng.open_session("g-s3", group_id="g", group_size=2, sample_index=3, replaces="g-s1")
         await r.start()

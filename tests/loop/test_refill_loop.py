@@ -105,3 +105,12 @@ def test_the_counterfactual_of_excluding_policy_aborts_changes_exactly_the_group
     diff = diff_outcomes(own, replay_run(run_dir, policy_config(cfg, {"groups": {"policy": "exclude"}})))
     assert {c.group for c in diff.changes} == predicted
     assert all("samples" in c.changed for c in diff.changes)
+
+
+def test_dynamic_sampling_at_the_top_level_of_a_config_says_where_it_moved() -> None:
+    import pytest
+
+    from agentlog.events.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"dynamic_sampling: moved to the \[groups\] table"):
+        LoopConfig.from_dict({"dynamic_sampling": True})
