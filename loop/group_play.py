@@ -33,6 +33,24 @@ async def play_group(engine: SessionEngine, gid: str, size: int, play: Play, fau
             raise r
 
 
+async def end_unplayed(engine: SessionEngine, gid: str, size: int, opened: set[str], **open_kw: Any) -> int:
+    """After a killed worker: open and abort (``engine_restart``) the members of group ``gid``
+    it never opened (not in ``opened``), then each replacement still owed (and those these
+    aborts owe, up to ``max_refills``), so the group completes. Returns how many."""
+    n = 0
+    for i in range(size):
+        if member_id(gid, i) not in opened:
+            h = await engine.open_session(member_id(gid, i), group_id=gid, group_size=size, sample_index=i, **open_kw)
+            await h.abort("engine_restart", error="never started: the worker was killed while opening its batch")
+            n += 1
+    while engine.owed_replacements(gid):
+        h = await engine.open_session(member_id(gid, engine.replacement_index(gid)), group_id=gid, group_size=size,
+                                      replaces=engine.owed_replacements(gid)[0], **open_kw)
+        await h.abort("engine_restart", error="never started: the worker was killed before this replacement opened")
+        n += 1
+    return n
+
+
 async def with_refills(engine: SessionEngine, gid: str, i: int, play: Play, fault: str | None,
                        on_refill: Callable[[str, str, int], None], cancelled: Callable[[], bool] = lambda: False,
                        unplayed: Callable[..., Awaitable[None]] | None = None) -> None:

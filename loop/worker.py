@@ -278,20 +278,7 @@ class RolloutWorker:
             k = 0
             while True:  # each group of the chain: the base, then each redraw its predecessor wanted
                 gid = redraw_id(group_id(batch, g), k)
-                for i in range(self.cfg.group_size):
-                    if member_id(gid, i) in opened:
-                        continue
-                    h = await engine.open_session(member_id(gid, i), group_id=gid, group_size=self.cfg.group_size,
-                                                  sample_index=i, agent=self.task.name, metadata=meta)
-                    await h.abort("engine_restart", error="never started: the worker was killed while opening its batch")
-                    n += 1
-                # Replacements owed before the kill (and those these aborts owe, up to max_refills) never ran.
-                while engine.owed_replacements(gid):
-                    i = engine.replacement_index(gid)
-                    h = await engine.open_session(member_id(gid, i), group_id=gid, group_size=self.cfg.group_size, sample_index=i,
-                                                  agent=self.task.name, metadata=meta, replaces=engine.owed_replacements(gid)[0])
-                    await h.abort("engine_restart", error="never started: the worker was killed before this replacement opened")
-                    n += 1
+                n += await group_play.end_unplayed(engine, gid, self.cfg.group_size, opened, agent=self.task.name, metadata=meta)
                 if not self.cfg.groups.dynamic_sampling:
                     break
                 group = await self.released_group(engine, gid)
