@@ -192,7 +192,8 @@ def compare(run_dir: Path, before: LoopConfig, after: LoopConfig) -> Diff:
 def policy_config(run_cfg: LoopConfig, policy: Mapping[str, Any], *, base_dir: Path | None = None) -> LoopConfig:
     """The run's configuration with ``policy``'s settings on top (a policy file's TOML table:
     any LoopConfig field; those that decide what is trained are ``min_valid``,
-    ``max_staleness``, ``staleness_mode`` and the learner's ``estimator``)."""
+    ``max_staleness``, ``staleness_mode``, the learner's ``estimator`` and ``[groups]``: the
+    abort classes' outcomes, ``dynamic_sampling`` and ``spread_tolerance``)."""
     values = run_cfg.to_dict()
     for key, value in policy.items():
         if isinstance(value, Mapping) and isinstance(values.get(key), Mapping):
