@@ -407,18 +407,21 @@ class SessionEngine(BackgroundWork):
             dest = next_state(h.session_id, h.state, trigger)
             if dest is None:
                 return None
-            if trigger == "abort" and not body.refill and self._owes_refill(h.group_id, body.reason):
+            refill = trigger == "abort" and not body.refill and self._owes_refill(h.group_id, body.reason)
+            if refill:
                 # The engine decides, the log records: the group is released only with a replacement.
+                # Counted while the abort is in flight, so concurrent aborts respect the cap.
                 body = msgspec.structs.replace(body, refill=True)
-                deciding = self._refills_deciding
-                deciding[h.group_id] = deciding.get(h.group_id, 0) + 1
-                try:
-                    return await self._append(h, body, dest)
-                finally:
-                    deciding[h.group_id] -= 1
-                    if not deciding[h.group_id]:
-                        del deciding[h.group_id]
-            return await self._append(h, body, dest)
+                self._refills_deciding[h.group_id] = self._refills_deciding.get(h.group_id, 0) + 1
+            try:
+                return await self._append(h, body, dest)
+            finally:
+                if refill:
+                    left = self._refills_deciding[h.group_id] - 1
+                    if left:
+                        self._refills_deciding[h.group_id] = left
+                    else:
+                        del self._refills_deciding[h.group_id]
         finally:
             release(h)
 

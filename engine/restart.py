@@ -79,6 +79,8 @@ _abort_refill_decoder = msgspec.msgpack.Decoder(_AbortRefill)
 def _abort_refill(payload: Any) -> _AbortRefill:
     """The refill flag of a stored ``session_aborted`` payload."""
     return _abort_refill_decoder.decode(payload)
+
+
 _TERMINAL_TAGS = frozenset(b.__struct_config__.tag for b in (SessionFinished, SessionAborted, SessionDropped))
 
 

@@ -258,7 +258,7 @@ class LoopConfig:
         """Build from plain data; an unknown key raises and lists the known ones.
         Relative directories of a ``[task]`` table's ``path`` are resolved
         against ``base_dir`` (default: the current directory)."""
-        moved = sorted(k for k in ("dynamic_sampling", "spread_tolerance") if k in values)
+        moved = sorted(k for k in MOVED_TO_GROUPS if k in values)
         if moved:
             raise ConfigError(f"{', '.join(moved)}: moved to the [groups] table (e.g. [groups] dynamic_sampling = true)")
         cfg = _from_mapping(cls, task_table(values, base_dir), "")
@@ -295,6 +295,10 @@ class LoopConfig:
             raise ConfigError(f"{path}: {exc}") from None
 
 
+#: Keys that sat at the top level before the [groups] table held them.
+MOVED_TO_GROUPS = ("dynamic_sampling", "spread_tolerance")
+
+
 def saved_groups_table(values: Any) -> Any:
     """A saved ``config.json`` with its ``[groups]`` table as this version reads it.
     One saved before the table existed (it holds every other field) ran with every abort excluded: it gets that
@@ -304,7 +308,7 @@ def saved_groups_table(values: Any) -> Any:
         return values  # a full save (every field since long before the table has min_valid), or a hand-written file
     out = dict(values)
     groups: dict[str, Any] = dict(EXCLUDE_ALL)
-    for key in ("dynamic_sampling", "spread_tolerance"):
+    for key in MOVED_TO_GROUPS:
         if key in out:
             groups[key] = out.pop(key)
     out["groups"] = groups

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 # A loop configuration value out of range or unknown raises the package's one ConfigError.
 from agentlog.events.errors import ConfigError
 from agentlog.events.schema.turn import WEIGHT_UPDATE_MODES
-from agentlog.reducers.abort_classes import ABORT_CLASSES, RUN_OUTCOMES, REFILL, check_tables
+from agentlog.reducers.abort_classes import ABORT_CLASSES, RUN_OUTCOMES, check_abort_settings
 
 
 @dataclass
@@ -400,15 +400,11 @@ class GroupsConfig:
     """Over-sampling: start groups_per_step x (1 + oversample) groups per batch, train the first groups_per_step that complete, and cancel the rest (dropped, reason ``oversampled``). Favours short episodes: see ``rollout/len_trained`` against ``rollout/len_started``."""
 
     def __post_init__(self) -> None:
-        problem = check_tables(self.outcomes(), self.reasons, "[groups]")
+        problem = check_abort_settings(self.outcomes(), self.reasons, self.fail_reward, self.max_refills, "[groups]")
         if problem:
             raise ConfigError(problem)
-        if isinstance(self.fail_reward, bool) or not isinstance(self.fail_reward, (int, float)) or not math.isfinite(self.fail_reward):
-            raise ConfigError(f"[groups] fail_reward: expected a finite number, found {self.fail_reward!r}")
-        for name in ("max_refills", "max_redraws"):
-            v = getattr(self, name)
-            if type(v) is not int or v < 0:
-                raise ConfigError(f"[groups] {name}: expected an int >= 0, found {v!r}")
+        if type(self.max_redraws) is not int or self.max_redraws < 0:
+            raise ConfigError(f"[groups] max_redraws: expected an int >= 0, found {self.max_redraws!r}")
         if isinstance(self.oversample, bool) or not isinstance(self.oversample, (int, float)) or not 0 <= self.oversample <= 10:
             raise ConfigError(f"[groups] oversample: expected a fraction of extra groups in [0, 10], found {self.oversample!r}")
         if not isinstance(self.dynamic_sampling, bool):
@@ -424,11 +420,6 @@ class GroupsConfig:
     def groups_started(self, groups_per_step: int) -> int:
         """Base groups a batch starts: ``groups_per_step``, plus the over-sampled ones."""
         return math.ceil(groups_per_step * (1 + self.oversample) - 1e-9)
-
-    @property
-    def refills(self) -> bool:
-        """Whether any abort class is refilled (the worker then opens replacements)."""
-        return REFILL in self.outcomes().values()
 
 
 #: Annotation names -> the Python types a config value of that name may have

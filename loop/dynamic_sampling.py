@@ -27,6 +27,7 @@ from agentlog.reducers.runstats import RunStats, decode_projection
 from .config_sections import GroupsConfig
 from .naming import redraw_of
 
+
 def zero_spread(group: Group, tolerance: float) -> str:
     """Why ``group`` teaches nothing because its valid rewards differ by at most ``tolerance``
     (so every advantage is 0), or "" when they spread."""

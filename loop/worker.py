@@ -361,20 +361,21 @@ class RolloutWorker:
             def is_cancelled() -> bool:
                 return g in cancelled
 
-            async def play(k: int) -> Group:
+            async def play_only(k: int) -> str:
                 gid = playing[g] = redraw_id(group_id(batch, g), k)
                 group_faults = {i: f for (fg, i), f in faults.items() if fg == g} if k == 0 else {}
                 await self.play_group(engine, batch, gid, members(g, k), group_faults, is_cancelled)
-                return await self.released_group(engine, gid)
+                return gid
+
+            async def play(k: int) -> Group:  # and the group it released, for dynamic sampling's rule
+                return await self.released_group(engine, await play_only(k))
 
             if cfg.groups.dynamic_sampling:
                 played = await run_chain(play, cfg.groups, stop=is_cancelled)
                 if len(played) > 1:
                     self._count("redraws", len(played) - 1)
             else:
-                gid = playing[g] = group_id(batch, g)
-                await self.play_group(engine, batch, gid, members(g, 0), {i: f for (fg, i), f in faults.items() if fg == g},
-                                      is_cancelled)
+                await play_only(0)
             if g not in cancelled:
                 ended.append(g)
                 if started > cfg.groups_per_step and len(ended) == share:

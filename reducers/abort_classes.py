@@ -35,7 +35,8 @@ are matched exactly first, then by head.
 
 from __future__ import annotations
 
-from typing import Mapping
+import math
+from typing import Any, Mapping
 
 INFRASTRUCTURE = "infrastructure"
 POLICY = "policy"
@@ -100,9 +101,16 @@ def abort_outcome(reason: str, outcomes: Mapping[str, str], overrides: Mapping[s
     return outcomes.get(abort_class(reason, overrides), EXCLUDE)
 
 
-def check_tables(outcomes: Mapping[str, str], reasons: Mapping[str, str], where: str) -> str:
-    """Why ``outcomes`` (class -> outcome) or ``reasons`` (reason -> class) is not a
-    valid pair of tables, naming ``where`` and the entry, or "" when they are."""
+def check_abort_settings(outcomes: Mapping[str, str], reasons: Mapping[str, str], fail_reward: Any, max_refills: Any,
+                         where: str) -> str:
+    """Why the abort-class settings are not valid, naming ``where`` (the table) and the entry,
+    or "" when they are: ``outcomes`` (class -> outcome), ``reasons`` (reason -> class), the
+    failure reward (a finite number) and the refill cap (an int >= 0). The one check of them,
+    for the reducers' configuration and a run's ``[groups]`` table alike."""
+    if isinstance(fail_reward, bool) or not isinstance(fail_reward, (int, float)) or not math.isfinite(fail_reward):
+        return f"{where} fail_reward: expected a finite number, found {fail_reward!r}"
+    if type(max_refills) is not int or max_refills < 0:
+        return f"{where} max_refills: expected an int >= 0, found {max_refills!r}"
     if not isinstance(outcomes, Mapping) or not isinstance(reasons, Mapping):
         return f"{where}: expected tables (class -> outcome, reason -> class), found {outcomes!r} and {reasons!r}"
     for cls, outcome in outcomes.items():

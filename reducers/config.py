@@ -17,7 +17,7 @@ import msgspec
 # A ReduceConfig field holding a value it cannot take raises the package's one ConfigError.
 from agentlog.events.errors import ConfigError
 
-from .abort_classes import EXCLUDE_ALL, abort_outcome, check_tables
+from .abort_classes import EXCLUDE_ALL, abort_outcome, check_abort_settings
 
 
 class ReduceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -64,15 +64,11 @@ class ReduceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"ReduceConfig.reward_key: expected a non-empty str or None, found {self.reward_key!r}")
         if not isinstance(self.solve_threshold, (int, float)) or not math.isfinite(self.solve_threshold):
             raise ConfigError(f"ReduceConfig.solve_threshold: expected a finite number, found {self.solve_threshold!r}")
-        problem = check_tables(self.abort_outcomes, self.abort_reasons, "ReduceConfig.abort_outcomes/abort_reasons")
+        problem = check_abort_settings(self.abort_outcomes, self.abort_reasons, self.fail_reward, self.max_refills, "ReduceConfig")
         if problem:
             raise ConfigError(problem)
         # Every class named, defaults filled in: one configuration, one form (and digest).
         msgspec.structs.force_setattr(self, "abort_outcomes", {**EXCLUDE_ALL, **self.abort_outcomes})
-        if isinstance(self.fail_reward, bool) or not isinstance(self.fail_reward, (int, float)) or not math.isfinite(self.fail_reward):
-            raise ConfigError(f"ReduceConfig.fail_reward: expected a finite number, found {self.fail_reward!r}")
-        if not isinstance(self.max_refills, int) or isinstance(self.max_refills, bool) or self.max_refills < 0:
-            raise ConfigError(f"ReduceConfig.max_refills: expected an int >= 0, found {self.max_refills!r}")
 
     def outcome_of(self, reason: str) -> str:
         """What an aborted member with ``reason`` gets: "exclude", "fail" or "refill"."""

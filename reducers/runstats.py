@@ -41,7 +41,7 @@ from agentlog.events.schema.lifecycle import State
 from agentlog.events.schema.turn import TurnDelta, TurnRecorded
 from agentlog.events.schema.types import Envelope, UnknownEvent, as_unknown_event
 
-from .config import ReduceConfig
+from .config import DEFAULT_CONFIG, ReduceConfig
 from .fold import SessionFold
 from .lifecycle_step import SessionLife, Violation, ViolationKind
 from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, GroupTracker, aborted_as_failure
@@ -184,19 +184,19 @@ class RunStats:
     #: Recently ended sessions remembered, to tell "after its terminal event" from "never opened".
     ENDED_WINDOW = 4096
 
-    def __init__(self, *, min_valid: int = 2, reward_key: str | None = None, solve_threshold: float = 1.0,
-                 config: ReduceConfig | None = None) -> None:
-        self.reward_key = reward_key
-        #: The abort classes' outcomes (a failure joins its group's baseline).
-        self.config = config or ReduceConfig(min_valid=min_valid, reward_key=reward_key, solve_threshold=solve_threshold)
+    def __init__(self, config: ReduceConfig = DEFAULT_CONFIG) -> None:
+        #: How groups and rewards are counted: ``min_valid``, ``reward_key``, ``solve_threshold``
+        #: and the abort classes' outcomes (a failure joins its group's baseline).
+        self.config = config
+        self.reward_key = config.reward_key
         self._fold: SessionFold[_Live] = SessionFold(
             opened=self._opened, applied=self._applied, ended=self._terminal, refused=self._violation,
             learner=self._learner, unknown=self._unknown, ended_window=self.ENDED_WINDOW,
         )
-        self._groups = GroupTracker(min_valid)
+        self._groups = GroupTracker(config.min_valid)
         #: Called with each group as it is released (after the metrics count it).
         self.on_group: Callable[[Group], None] | None = None
-        self.metrics = MetricsAccumulator(reward_key, solve_threshold)
+        self.metrics = MetricsAccumulator(config.reward_key, config.solve_threshold)
         self.events = 0
         self.first_lsn = -1
         self.first_ts_ns: int | None = None
@@ -234,7 +234,7 @@ class RunStats:
     def of(cls, config: ReduceConfig) -> "RunStats":
         """Statistics that count groups and rewards as ``config`` says (a run's own
         ``min_valid``, ``reward_key`` and ``solve_threshold``)."""
-        return cls(min_valid=config.min_valid, reward_key=config.reward_key, solve_threshold=config.solve_threshold, config=config)
+        return cls(config)
 
     # ------------------------------------------------------------------ feed
 

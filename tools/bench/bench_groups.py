@@ -38,13 +38,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_log import goal, goal_line  # noqa: E402
-
-from agentlog.engine import SessionEngine  # noqa: E402
-from agentlog.events.log.api import MemoryLog  # noqa: E402
-from agentlog.reducers.config import ReduceConfig  # noqa: E402
-from agentlog.reducers.pipeline import reduce_log  # noqa: E402
+from agentlog.engine import SessionEngine
+from agentlog.events.log.api import MemoryLog
+from agentlog.reducers.config import ReduceConfig
+from agentlog.reducers.pipeline import reduce_log
+from agentlog.tools.bench.bench_log import goal, goal_line
 
 GROUP = 8
 ABORT_P = 0.05
