@@ -80,6 +80,8 @@ class LoopConfig:
     """Truncation cap of the importance weight pi_learner / pi_rollout when staleness_mode is correct."""
     min_valid: int = 2
     """A group with fewer valid (finished) members is skipped with its reason."""
+    allow_repeated_targets: bool = False
+    """Train a branching session's shared ancestor turns in every row that holds them (repeated targets), not once (the default: each generated token is a target at most once)."""
     max_untrainable_batches: int = 3
     """Stop the run with an error (exit 1) after this many batches in a row with nothing to train (every group skipped: say every session aborted), naming the main abort reason and a session to inspect (0: never stop)."""
     warmup_steps: int = 300
@@ -210,6 +212,8 @@ class LoopConfig:
             raise ConfigError(f"LoopConfig.warmup_wrong_rate: expected a fraction in [0, 1], found {self.warmup_wrong_rate!r}")
         if not 1 <= self.min_valid <= self.group_size:
             raise ConfigError(f"LoopConfig.min_valid: expected 1..group_size ({self.group_size}), found {self.min_valid!r}")
+        if not isinstance(self.allow_repeated_targets, bool):
+            raise ConfigError(f"LoopConfig.allow_repeated_targets: expected true or false, found {self.allow_repeated_targets!r}")
         if self.fsync not in ("always", "batch", "interval", "never"):
             raise ConfigError(f"LoopConfig.fsync: expected always, batch, interval or never, found {self.fsync!r}")
         if not isinstance(self.learner, Mapping):
@@ -232,7 +236,8 @@ class LoopConfig:
 
         g = self.groups
         return ReduceConfig(min_valid=self.min_valid, abort_outcomes=g.outcomes(), abort_reasons=dict(g.reasons),
-                            fail_reward=float(g.fail_reward), max_refills=g.max_refills)
+                            fail_reward=float(g.fail_reward), max_refills=g.max_refills,
+                            allow_repeated_targets=self.allow_repeated_targets)
 
     def learner_config(self):
         """The LearnerConfig this loop trains with (TIS switched on in correct mode)."""

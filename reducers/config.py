@@ -52,6 +52,12 @@ class ReduceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: Replacements the engine may owe one group (refill outcome); past it, an
     #: aborted member of a refill class is excluded.
     max_refills: int = 2
+    #: Train once (False, the default): a generated turn that several rows
+    #: hold (a shared ancestor of a branching session) carries loss in the
+    #: first row only, and is mask-0 context in the others, so every
+    #: generated token is a training target at most once. True trains it
+    #: in every row that holds it (repeated targets).
+    allow_repeated_targets: bool = False
 
     def __post_init__(self) -> None:
         for name in ("fork_threshold", "max_context_tokens"):
@@ -62,6 +68,8 @@ class ReduceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"ReduceConfig.min_valid: expected an int >= 1, found {self.min_valid!r}")
         if self.reward_key is not None and (not isinstance(self.reward_key, str) or not self.reward_key):
             raise ConfigError(f"ReduceConfig.reward_key: expected a non-empty str or None, found {self.reward_key!r}")
+        if not isinstance(self.allow_repeated_targets, bool):
+            raise ConfigError(f"ReduceConfig.allow_repeated_targets: expected true or false, found {self.allow_repeated_targets!r}")
         if not isinstance(self.solve_threshold, (int, float)) or not math.isfinite(self.solve_threshold):
             raise ConfigError(f"ReduceConfig.solve_threshold: expected a finite number, found {self.solve_threshold!r}")
         problem = check_abort_settings(self.abort_outcomes, self.abort_reasons, self.fail_reward, self.max_refills, "ReduceConfig")

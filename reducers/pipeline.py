@@ -243,7 +243,7 @@ class Reducer:
         (``how``: ``reward_problem`` or ``abort_reason``, see :func:`finished_samples`)."""
         traj = session.trajectory
         return finished_samples(
-            traj.linearise(self.config.max_context_tokens).rows,
+            linearise(traj, self.config).rows,
             group_id=session.group_id,
             session_id=sid,
             sample_index=session.sample_index,
@@ -278,7 +278,7 @@ class Reducer:
         session = self._sessions.get(session_id)
         if session is None:
             raise KeyError(f"session {session_id!r} is not in flight (never opened, or already terminal and evicted)")
-        return session.trajectory.linearise(self.config.max_context_tokens)
+        return linearise(session.trajectory, self.config)
 
 
 class InFlightWindow:
@@ -378,6 +378,11 @@ def reduce_log(source: Any, config: ReduceConfig = DEFAULT_CONFIG) -> ReduceResu
     )
 
 
+def linearise(trajectory: SessionTrajectory, config: ReduceConfig) -> Trajectory:
+    """``trajectory``'s rows and decisions under ``config`` (its context cut and train-once setting)."""
+    return trajectory.linearise(config.max_context_tokens, config.allow_repeated_targets)
+
+
 def session_trajectory(envelopes: Iterable[Envelope], session_id: str, config: ReduceConfig = DEFAULT_CONFIG) -> Trajectory:
     """The linearised trajectory (rows and per-turn drift decisions) of one
     session, from the envelopes of a log; for ``agentlog show``. The session's
@@ -407,4 +412,4 @@ def session_trajectory(envelopes: Iterable[Envelope], session_id: str, config: R
         fold.feed_envelope(env)
     if not trajectory:
         raise KeyError(f"session {session_id!r}: no session_opened in the log")
-    return trajectory[0].linearise(config.max_context_tokens)
+    return linearise(trajectory[0], config)

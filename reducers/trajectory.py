@@ -38,8 +38,7 @@ from typing import Any
 import msgspec
 
 from agentlog.events.errors import AgentlogError
-from agentlog.events.schema.turn_delta import common_prefix_tokens  # noqa: F401  (re-exported: the prefix check lives with the delta encoding)
-from agentlog.events.schema.turn_delta import TurnContext, TurnDeltaError
+from agentlog.events.schema.turn_delta import TurnContext, TurnDeltaError, common_prefix_tokens
 from agentlog.events.schema.turn import turn_version_spans
 from agentlog.events.schema.types import TeacherScored, TurnDelta, TurnRecorded
 
@@ -543,9 +542,10 @@ class SessionTrajectory:
                 out.append(generated)
         return out
 
-    def linearise(self, max_context_tokens: int = 0) -> Trajectory:
-        """The session's rows (depth-first leaves, one row per FORK segment)
-        and a decision per turn. Pure: the tree is left as it was."""
+    def linearise(self, max_context_tokens: int = 0, allow_repeated_targets: bool = False) -> Trajectory:
+        """The session's rows (depth-first leaves, one row per FORK segment) and a decision per
+        turn; a turn on several leaves is trained on the first only, or on each with
+        ``allow_repeated_targets`` (its decision names the first). Pure: the tree is left as it was."""
         decisions = {i: msgspec.structs.replace(t.decision) for i, t in self._turns.items()}
         for i, t in self._turns.items():
             d = decisions[i]
@@ -572,7 +572,7 @@ class SessionTrajectory:
                 first = turn.index not in claimed
                 claimed.add(turn.index)
                 decision = decisions[turn.index]
-                train = first and decision.trainable
+                train = (first or allow_repeated_targets) and decision.trainable
                 if builders:
                     prompt = builders[-1].prompt_of(turn, prompts)
                     kind = builders[-1].classify(turn, prompt)

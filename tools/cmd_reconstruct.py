@@ -1,5 +1,5 @@
 """`agentlog reconstruct LOG [-o OUT] [--format jsonl|msgpack|parquet]
-[--fork-threshold N] [--max-context-tokens N]`: the training samples of a
+[--fork-threshold N] [--max-context-tokens N] [--allow-repeated-targets]`: the training samples of a
 recorded run, through the same :class:`reducers.pipeline.Reducer` the online
 loop feeds, streamed to OUT in emission order (without ``-o`` nothing is
 written: the counts, the per-step check and the digest are printed).
@@ -57,12 +57,14 @@ def register(sub) -> None:
     p.add_argument("--format", choices=FORMATS, default=None, help="output format (default: from OUT's suffix, else jsonl)")
     p.add_argument("--fork-threshold", type=nonneg_int, default=None, metavar="N", help="REALIGN only outputs shorter than N tokens (0: always fork)")
     p.add_argument("--max-context-tokens", type=nonneg_int, default=None, metavar="N", help="cut rows to N tokens (0: no limit)")
+    p.add_argument("--allow-repeated-targets", action="store_true",
+                   help="train a branching session's shared turns in every row that holds them (default: once, in the first)")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="fold with this run's reduce settings (its config.json, or a TOML config): for a copy of a run's "
                         "log that holds no config, such as its JetStream stream")
     p.add_argument("--policy", default=None, metavar="FILE",
                    help="a run folder only: re-reduce the recorded run under FILE's settings (a TOML of LoopConfig fields on "
-                        "top of the run's: min_valid, max_staleness, staleness_mode, [learner] estimator) and, with --diff, "
+                        "top of the run's: min_valid, allow_repeated_targets, max_staleness, staleness_mode, [learner] estimator, [groups]) and, with --diff, "
                         "print what the learner would have trained differently; nothing is re-run")
     p.add_argument("--diff", action="store_true", help="with --policy: print the groups whose outcome changes")
     p.add_argument("--json", action="store_true", help="with --policy --diff: the diff as one JSON object")
@@ -307,6 +309,8 @@ def run(args) -> int:
         overrides["fork_threshold"] = args.fork_threshold
     if args.max_context_tokens is not None:
         overrides["max_context_tokens"] = args.max_context_tokens
+    if args.allow_repeated_targets:
+        overrides["allow_repeated_targets"] = True
     try:
         config = ReduceConfig(**{**base.to_dict(), **overrides})
     except ConfigError as exc:

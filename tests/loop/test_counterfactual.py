@@ -59,3 +59,15 @@ def test_the_cli_prints_the_diff_as_json_and_refuses_a_bad_policy_by_name(short_
     policy.write_text("min_valid = 0\n")
     bad = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "LoopConfig.min_valid: expected 1..group_size (4), found 0" in bad.stderr
+
+
+def test_train_once_is_a_policy_setting_and_linear_sessions_train_the_same_either_way(short_demo_run) -> None:
+    run_dir, cfg = _run(short_demo_run)
+    assert cfg.allow_repeated_targets is False and cfg.reduce_config().allow_repeated_targets is False
+    repeated = policy_config(cfg, {"allow_repeated_targets": True})
+    assert repeated.reduce_config().allow_repeated_targets is True
+    # The built-in agent never branches (one row per session), so no turn is held by two rows:
+    # re-reduced with repeated targets, every step still trains exactly the recorded samples.
+    other = replay_run(run_dir, repeated)
+    assert other.steps == other.steps_equal == 2
+    assert diff_outcomes(replay_run(run_dir, cfg), other).changes == ()

@@ -26,9 +26,10 @@ def _trainable(body: TurnRecorded, undelivered: set[int]) -> bool:
 
 
 def reference_rows(
-    turns: list[TurnRecorded], undelivered: set[int], fork_threshold: int, max_tokens: int
+    turns: list[TurnRecorded], undelivered: set[int], fork_threshold: int, max_tokens: int, repeated: bool = False
 ) -> list[tuple[list[int], int, list[int], list[float]]]:
-    """(tokens, response_length, mask, log-probs) per emitted row."""
+    """(tokens, response_length, mask, log-probs) per emitted row; ``repeated``:
+    a turn on several leaves is trained on each (else on the first only)."""
     root = _N(None, None, None)
     last_gen: _N | None = None
     for body in turns:
@@ -83,7 +84,7 @@ def reference_rows(
         for body in generated:
             first = body.turn_index not in claimed
             claimed.add(body.turn_index)
-            train = first and _trainable(body, undelivered)
+            train = (first or repeated) and _trainable(body, undelivered)
             prompt = body.prompt_tokens.tolist()
             out = body.output_tokens.tolist()
             kind = "new"

@@ -22,7 +22,12 @@ from agentlog.reducers.trajectory import SessionTrajectory, TrajectoryError
 
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
 configs = st.sampled_from(
-    [ReduceConfig(), ReduceConfig(fork_threshold=0), ReduceConfig(fork_threshold=3, max_context_tokens=12, min_valid=1)]
+    [
+        ReduceConfig(),
+        ReduceConfig(fork_threshold=0),
+        ReduceConfig(fork_threshold=3, max_context_tokens=12, min_valid=1),
+        ReduceConfig(allow_repeated_targets=True),
+    ]
 )
 PROPERTY = settings(max_examples=100, deadline=None)
 
@@ -152,11 +157,64 @@ def test_rows_equal_a_plain_list_reference_element_by_element(seed, config):
                 (s.token_ids.tolist(), s.response_length, s.mask.tolist(), s.log_probs.tolist())
             )
     for sid, rows in got.items():
-        want = reference_rows(turns[sid], undelivered.get(sid, set()), config.fork_threshold, config.max_context_tokens)
+        want = reference_rows(turns[sid], undelivered.get(sid, set()), config.fork_threshold, config.max_context_tokens, config.allow_repeated_targets)
         assert len(rows) == len(want), sid
         for (t, n, m, lp), (wt, wn, wm, wlp) in zip(rows, want):
             assert (t, n, m) == (wt, wn, wm), sid
             np.testing.assert_array_equal(np.asarray(lp, np.float32), np.asarray(wlp, np.float32))
     finished = {env.session_id for env in RandomStream(seed).log().read(0) if isinstance(env.body, SessionFinished)}
     for sid in finished - set(got):
-        assert reference_rows(turns.get(sid, []), undelivered.get(sid, set()), config.fork_threshold, config.max_context_tokens) == []
+        assert reference_rows(turns.get(sid, []), undelivered.get(sid, set()), config.fork_threshold, config.max_context_tokens, config.allow_repeated_targets) == []
+
+
+def _target_counts(rows) -> dict[tuple[int, int], int]:
+    """How many rows train each generated token, keyed (turn index, offset in its output)."""
+    counts: dict[tuple[int, int], int] = {}
+    for row in rows:
+        for _start, n, turn, offset in row.trained_spans:
+            for k in range(offset, offset + n):
+                counts[(turn, k)] = counts.get((turn, k), 0) + 1
+    return counts
+
+
+@PROPERTY
+@given(seed=seeds, threshold=st.sampled_from([0, 3, 1024]))
+def test_train_once_every_trainable_generated_token_is_a_target_exactly_once(seed, threshold):
+    """Branching sessions (tool-result, system and retry branches, rewrites, token drift):
+    by default every generated token of a trainable turn is trained in exactly one row,
+    unless a later turn REALIGNed that response away; with repeated targets a shared
+    turn is trained once per row that holds it."""
+    turns: dict[str, list] = {}
+    for env in RandomStream(seed).log().read(0):
+        if isinstance(env.body, TurnRecorded):
+            turns.setdefault(env.session_id, []).append((env.lsn, env.body))
+    for sid, recorded in turns.items():
+        traj = SessionTrajectory(sid, threshold)
+        for lsn, body in recorded:
+            traj.record_turn(body, lsn)
+        once = traj.linearise()
+        counts = _target_counts(once.rows)
+        assert set(counts.values()) <= {1}, (sid, counts)
+        by_turn = {body.turn_index: body for _, body in recorded}
+        for d in once.decisions:
+            n_out = len(by_turn[d.turn_index].output_ids) // 4
+            trained = sum(counts.get((d.turn_index, k), 0) for k in range(n_out))
+            if d.trained:
+                assert trained == n_out, (sid, d)
+            else:
+                assert trained == 0, (sid, d)
+                if d.trainable:  # trainable but not trained: the next turn of its row realigned it away
+                    row = once.rows[d.row] if d.row >= 0 else None
+                    assert row is None or d.turn_index not in row.trained_turns, (sid, d)
+                    later = [e for e in once.decisions if e.row == d.row and e.drift == "realign" and e.turn_index != d.turn_index]
+                    assert d.row < 0 or later, (sid, d)
+        repeated = traj.linearise(allow_repeated_targets=True)
+        holding: dict[int, int] = {}
+        for row in repeated.rows:
+            for turn in row.trained_turns:
+                holding[turn] = holding.get(turn, 0) + 1
+        again = _target_counts(repeated.rows)
+        assert set(again) >= set(counts), sid
+        for (turn, k), n in again.items():
+            assert n <= holding[turn], (sid, turn, k)
+        assert sum(again.values()) >= sum(counts.values())

@@ -105,6 +105,19 @@ def test_tool_result_fork_trains_shared_response_on_first_leaf_only():
     assert (first.metadata["leaf"], second.metadata["leaf"]) == (0, 1)
 
 
+def test_repeated_targets_train_the_shared_response_on_every_leaf():
+    s = Script("s")
+    s.turn([S, U], [1, 2, 3], [10, 11], response=A1)
+    s.turn([S, U, A1, T1], [1, 2, 3, 10, 11, 20, 21], [12], response=A2)
+    s.turn([S, U, A1, T1b], [1, 2, 3, 10, 11, 30, 31], [13], response=A3).finish()
+    first, second = reduce_scripts(s, config=ReduceConfig(allow_repeated_targets=True)).samples
+    expect_row(first, [1, 2, 3, 10, 11, 20, 21, 12], [1, 1, 0, 0, 1])
+    # A1 is a target again on the second leaf, with its recorded log-probs.
+    expect_row(second, [1, 2, 3, 10, 11, 30, 31, 13], [1, 1, 0, 0, 1])
+    assert second.log_probs[:2].tolist() == first.log_probs[:2].tolist()
+    assert second.trained_tokens_by_version() == {0: 3}
+
+
 def test_system_fork_makes_independent_rows_in_insertion_order():
     s = Script("s")
     s.turn([S, U], [1, 2, 3], [10], response=A1)

@@ -99,3 +99,39 @@ def test_reconstruct_options_change_the_samples_and_their_digest(run_log, tmp_pa
     assert _digest_line(res.stdout) != facts["online_digest"]
     rows = [json.loads(x) for x in (tmp_path / "c.jsonl").read_text().splitlines()]
     assert all(len(r["tokens"]) <= 6 for r in rows if r["status"] != "aborted")
+
+
+def test_reconstruct_trains_a_shared_turn_once_unless_repeated_targets_are_allowed(tmp_path):
+    """A session that branches after its first response (two tool results): by default
+    the shared response is a target in the first row only; --allow-repeated-targets
+    trains it in both rows, and the digest says the samples differ."""
+    from agentlog.events import FileLog
+    from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+
+    def turn(i, messages, prompt, output, content):
+        return TurnRecorded(turn_index=i, messages=messages, prompt_ids=prompt, output_ids=output,
+                            output_log_probs=[-0.5] * len(output), finish_reason="stop",
+                            response_message={"role": "assistant", "content": content})
+
+    system, user = {"role": "system", "content": "sys"}, {"role": "user", "content": "task"}
+    a1 = {"role": "assistant", "content": "a1"}
+    bodies = [
+        SessionOpened(group_id="g", group_size=1, sample_index=0), SessionStarted(),
+        turn(0, [system, user], [1, 2, 3], [10, 11], "a1"),
+        turn(1, [system, user, a1, {"role": "tool", "content": "r1"}], [1, 2, 3, 10, 11, 20], [12], "a2"),
+        turn(2, [system, user, a1, {"role": "tool", "content": "r1 retried"}], [1, 2, 3, 10, 11, 30], [13], "a3"),
+        SessionFinished(reward=1.0),
+    ]
+    log_dir = tmp_path / "log"
+    with FileLog.open(log_dir) as log:
+        log.append_batch([("s", i, b) for i, b in enumerate(bodies)])
+    masks, digests = {}, {}
+    for name, extra in (("once", []), ("repeated", ["--allow-repeated-targets"])):
+        out = tmp_path / f"{name}.jsonl"
+        res = agentlog("reconstruct", str(log_dir), "-o", str(out), *extra)
+        assert res.returncode == 0, res.stderr
+        masks[name] = [json.loads(x)["loss_mask"] for x in out.read_text().splitlines()]
+        digests[name] = _digest_line(res.stdout)
+    assert masks["once"] == [[1, 1, 0, 1], [0, 0, 0, 1]]
+    assert masks["repeated"] == [[1, 1, 0, 1], [1, 1, 0, 1]]
+    assert digests["once"] != digests["repeated"]
