@@ -69,10 +69,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     names = sorted(m.name for m in pkgutil.iter_modules(tools.__path__) if m.name.startswith("cmd_"))
     # The root parser takes no option with a value, so the first word is the command.
     first = next((a for a in argv or () if not a.startswith("-")), None)
-    if first is not None and f"cmd_{first}" in names:
-        names = [f"cmd_{first}"]
+    # A command named with a hyphen (verify-tokens) lives in cmd_verify_tokens.py.
+    module = None if first is None else f"cmd_{first.replace('-', '_')}"
+    if module is not None and module in names:
+        names = [module]
     elif first is not None:
-        raise unknown_command(first, [n.removeprefix("cmd_") for n in names])
+        raise unknown_command(first, [n.removeprefix("cmd_").replace("_", "-") for n in names])
     for name in names:
         importlib.import_module(f"agentlog.tools.{name}").register(sub)
     return parser

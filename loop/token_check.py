@@ -1,0 +1,339 @@
+"""``agentlog verify-tokens``: prove a log's recorded tokens against an inference engine.
+
+Each recorded turn (``turn_recorded``, or a ``turn_delta`` expanded to the turn it stands
+for) is re-fed to a :class:`~agentlog.gateway.scoring.Scorer` and checked three ways:
+
+1. **Retokenization.** Where the turn recorded its messages and the scorer can tokenize a
+   conversation (vLLM's ``/tokenize``, or the run's own chat template in process), the
+   engine's tokenization of the messages must equal the recorded prompt ids. A difference
+   names the first differing token and the message it falls in. Tool definitions are not
+   recorded with a turn: a request that declared tools rendered them into its prompt, so
+   its turns differ where they begin (the report says so).
+2. **Log-probs.** The engine's log-prob of every recorded output token against the recorded
+   behaviour log-prob: max and mean absolute difference per turn and overall, and the first
+   token past the tolerance.
+3. **Reproduction.** A greedy turn (recorded temperature 0, or ``top_k`` 1) must come back
+   token for token.
+
+The negative control (``corrupt``) replaces the recorded output token at one position
+(counted over the checked turns' output tokens, in order) by a neighbouring id before the
+checks: the report must then name that very position as the first mismatch.
+
+Turns are taken in version order, so an in-process scorer loads each version's policy once;
+a turn whose version has no checkpoint is skipped, and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import msgspec
+import numpy as np
+
+from agentlog.events.schema.turn_delta import full_turns
+from agentlog.events.schema.types import Envelope, TurnRecorded
+from agentlog.gateway.scoring import Scorer
+
+from .model_scorer import ModelScorer
+
+__all__ = ["CheckedTurn", "TokenReport", "Turn", "collect_turns", "verify_turns"]
+
+#: Default bound on |engine log-prob - recorded log-prob| per token.
+DEFAULT_TOLERANCE = 1e-2
+#: Requests in flight at once against a server.
+SERVER_CONCURRENCY = 16
+#: Turns scored per in-process batch.
+IN_PROCESS_TURNS_PER_BATCH = 64
+
+
+@dataclass
+class Turn:
+    """One recorded turn to check (its full prompt, whatever its encoding in the log)."""
+
+    session_id: str
+    turn_index: int
+    lsn: int
+    version: int
+    prompt: list[int]
+    output: list[int]
+    log_probs: list[float]
+    temperature: float
+    greedy: bool
+    stop_ids: tuple[int, ...]
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    corrupted_at: int = -1  # the output position the negative control changed (-1: none)
+
+
+class CheckedTurn(msgspec.Struct):
+    """What the checks found for one turn (``--json`` lists them)."""
+
+    session_id: str
+    turn_index: int
+    lsn: int
+    policy_version: int
+    tokens: int
+    #: "" when checked, else why not (no checkpoint for its version, ...).
+    skipped: str = ""
+    lp_max_abs_diff: float = 0.0
+    lp_mean_abs_diff: float = 0.0
+    #: Output position of the first token whose log-prob differs past the tolerance (-1: none).
+    lp_first_mismatch: int = -1
+    #: "ok", "mismatch", or why it was not checked ("no messages", "engine has no tokenize route").
+    retokenization: str = ""
+    retok_first_diff: int = -1  # prompt position of the first differing token
+    retok_message: int = -1  # index of the message that token falls in
+    #: "ok", "mismatch" or "" (not a greedy turn).
+    reproduction: str = ""
+    repro_first_diff: int = -1
+
+
+class TokenReport(msgspec.Struct):
+    """The whole verification: totals, the first mismatch, and every turn."""
+
+    engine: str
+    tolerance: float
+    turns_checked: int = 0
+    turns_skipped: int = 0
+    tokens: int = 0
+    lp_max_abs_diff: float = 0.0
+    lp_mean_abs_diff: float = 0.0
+    lp_mismatched_turns: int = 0
+    retok_checked: int = 0
+    retok_mismatched: int = 0
+    greedy_checked: int = 0
+    greedy_mismatched: int = 0
+    #: The first mismatch in log order: {"session", "turn", "lsn", "check", "position", "global_position"}.
+    first_mismatch: dict[str, Any] | None = None
+    #: With the negative control: {"position", "session", "turn", "offset", "caught"}.
+    corrupt: dict[str, Any] | None = None
+    seconds: float = 0.0
+    turns: list[CheckedTurn] = []
+
+    @property
+    def ok(self) -> bool:
+        """No check failed (the negative control: its corruption was caught exactly where made)."""
+        if self.corrupt is not None:
+            return bool(self.corrupt["caught"])
+        return self.first_mismatch is None
+
+
+def _is_greedy(sampling: dict[str, Any]) -> bool:
+    t, k = sampling.get("temperature"), sampling.get("top_k")
+    return (isinstance(t, (int, float)) and t == 0) or k == 1
+
+
+def collect_turns(envelopes: Iterable[Envelope], *, sessions: int | None = None,
+                  version: int | None = None) -> list[Turn]:
+    """The turns to check, in log order: those of the first ``sessions`` sessions that
+    recorded a turn (all with None), at policy ``version`` only when given."""
+    chosen: set[str] = set()
+    turns: list[Turn] = []
+    for env in full_turns(envelopes):
+        body = env.body
+        if type(body) is not TurnRecorded:
+            continue
+        sid = env.session_id
+        if sid not in chosen:
+            if sessions is not None and len(chosen) >= sessions:
+                continue
+            chosen.add(sid)
+        if version is not None and body.policy_version != version:
+            continue
+        sampling = body.sampling or {}
+        # A greedy turn (temperature 0) is scored at temperature 1: the log-probs engines report for it.
+        t = sampling.get("temperature", 1.0)
+        temperature = float(t) if isinstance(t, (int, float)) and t > 0 else 1.0
+        stops = sampling.get("stop_ids") or ()
+        turns.append(Turn(
+            session_id=sid, turn_index=body.turn_index, lsn=env.lsn, version=body.policy_version,
+            prompt=np.frombuffer(body.prompt_ids, "<i4").tolist(), output=body.output_tokens.tolist(),
+            log_probs=body.log_probs.tolist(), temperature=temperature,
+            greedy=_is_greedy(sampling), stop_ids=tuple(int(s) for s in stops), messages=list(body.messages),
+        ))
+    return turns
+
+
+def corrupt_turns(turns: list[Turn], position: int) -> dict[str, Any]:
+    """The negative control: replace the recorded output token at ``position`` (over all the
+    turns' output tokens, in order) by a neighbouring id; returns where it landed."""
+    at = position
+    for turn in turns:
+        if at < len(turn.output):
+            old = turn.output[at]
+            turn.output[at] = old - 1 if old > 0 else old + 1
+            turn.corrupted_at = at
+            return {"position": position, "session": turn.session_id, "turn": turn.turn_index, "offset": at,
+                    "from": old, "to": turn.output[at], "caught": False}
+        at -= len(turn.output)
+    total = sum(len(t.output) for t in turns)
+    raise ValueError(f"--corrupt {position}: the checked turns hold {total} output tokens (positions 0..{total - 1})")
+
+
+def _lp_check(result: CheckedTurn, recorded: Sequence[float], scored: Sequence[float], tolerance: float) -> None:
+    if not recorded:
+        result.skipped = "no recorded log-probs"
+        return
+    diff = np.abs(np.asarray(scored, np.float64) - np.asarray(recorded, np.float64))
+    if diff.size:
+        result.lp_max_abs_diff = float(diff.max())
+        result.lp_mean_abs_diff = float(diff.mean())
+        over = np.flatnonzero(diff > tolerance)
+        result.lp_first_mismatch = int(over[0]) if over.size else -1
+
+
+def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
+    """First position where ``a`` and ``b`` differ (-1 when equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return -1 if len(a) == len(b) else min(len(a), len(b))
+
+
+async def _message_at(scorer: Scorer, messages: list[dict[str, Any]], full: list[int], position: int) -> int:
+    """The index of the message whose rendering holds prompt ``position``: the first message
+    whose conversation prefix, rendered alone, agrees with the whole rendering ``full`` past
+    that position (the last one when none does)."""
+    for i in range(1, len(messages)):
+        ids = await scorer.tokenize_chat(messages[:i])
+        agree = -1 if ids is None else _first_diff(ids, full)
+        if ids is not None and (agree < 0 or agree > position):
+            return i - 1
+    return len(messages) - 1
+
+
+async def _retokenize(scorer: Scorer, turn: Turn, result: CheckedTurn, skip: str) -> None:
+    if skip or not turn.messages:
+        result.retokenization = skip or "no messages"
+        return
+    ids = await scorer.tokenize_chat(turn.messages)
+    if ids is None:
+        result.retokenization = scorer.no_tokenize
+        return
+    at = _first_diff(ids, turn.prompt)
+    if at < 0:
+        result.retokenization = "ok"
+        return
+    result.retokenization = "mismatch"
+    result.retok_first_diff = at
+    result.retok_message = await _message_at(scorer, turn.messages, ids, at)
+
+
+async def _reproduce(scorer: Scorer, turn: Turn, result: CheckedTurn) -> None:
+    if isinstance(scorer, ModelScorer):
+        tokens = scorer.argmax_batch([(turn.prompt, turn.output)])[0]
+    else:
+        tokens = await scorer.greedy(turn.prompt, len(turn.output), turn.stop_ids)
+    at = _first_diff(tokens, turn.output)
+    result.reproduction = "ok" if at < 0 else "mismatch"
+    result.repro_first_diff = at
+
+
+async def _check_group(scorer: Scorer, turns: list[Turn], tolerance: float, skip_retok: str) -> list[CheckedTurn]:
+    """The checks of turns that one scorer (one version) answers."""
+    results = [CheckedTurn(t.session_id, t.turn_index, t.lsn, t.version, len(t.output)) for t in turns]
+    scoreable = [i for i, t in enumerate(turns) if t.output]
+    if isinstance(scorer, ModelScorer):
+        scored: dict[int, list[float]] = {}
+        for lo in range(0, len(scoreable), IN_PROCESS_TURNS_PER_BATCH):
+            chunk = scoreable[lo : lo + IN_PROCESS_TURNS_PER_BATCH]
+            got = await asyncio.to_thread(scorer.score_batch, [(turns[i].prompt, turns[i].output, turns[i].temperature) for i in chunk])
+            scored.update(zip(chunk, got))
+    else:
+        gate = asyncio.Semaphore(SERVER_CONCURRENCY)
+
+        async def one(i: int) -> list[float]:
+            async with gate:
+                return await scorer.score(turns[i].prompt, turns[i].output, turns[i].temperature)
+
+        scored = dict(zip(scoreable, await asyncio.gather(*(one(i) for i in scoreable))))
+    for i, turn in enumerate(turns):
+        result = results[i]
+        if i in scored:
+            _lp_check(result, turn.log_probs, scored[i], tolerance)
+        await _retokenize(scorer, turn, result, skip_retok)
+        if turn.greedy and turn.output:
+            await _reproduce(scorer, turn, result)
+    return results
+
+
+def _first_mismatch(turn: CheckedTurn, offset: int) -> dict[str, Any] | None:
+    """The turn's earliest failed check (``offset``: its first output token's global position)."""
+    where = {"session": turn.session_id, "turn": turn.turn_index, "lsn": turn.lsn}
+    if turn.retokenization == "mismatch":
+        return {**where, "check": "retokenization", "position": turn.retok_first_diff, "message": turn.retok_message,
+                "global_position": -1}
+    found = [p for p in (turn.lp_first_mismatch, turn.repro_first_diff) if p >= 0]
+    if not found:
+        return None
+    pos = min(found)
+    check = "log_prob" if pos == turn.lp_first_mismatch else "reproduction"
+    return {**where, "check": check, "position": pos, "global_position": offset + pos}
+
+
+async def verify_turns(turns: list[Turn], scorer_at: Callable[[int], Scorer | None], *, engine: str,
+                       tolerance: float = DEFAULT_TOLERANCE, corrupt: int | None = None, skip_retokenization: str = "",
+                       progress: Callable[[int], None] | None = None) -> TokenReport:
+    """Check ``turns`` (from :func:`collect_turns`) against ``scorer_at(version)``, the scorer
+    of each recorded version (None: that version cannot be checked); with ``corrupt``, run the
+    negative control at that output position; ``skip_retokenization``: why not to retokenize
+    (a token-level task's messages are for display). ``progress(n)`` is told of each n turns done."""
+    t0 = time.perf_counter()
+    report = TokenReport(engine=engine, tolerance=tolerance)
+    if corrupt is not None:
+        report.corrupt = corrupt_turns(turns, corrupt)
+    offsets, total = [], 0
+    for t in turns:
+        offsets.append(total)
+        total += len(t.output)
+    order = sorted(range(len(turns)), key=lambda i: (turns[i].version, i))
+    checked: dict[int, CheckedTurn] = {}
+    lo = 0
+    while lo < len(order):
+        version = turns[order[lo]].version
+        hi = lo
+        while hi < len(order) and turns[order[hi]].version == version:
+            hi += 1
+        group = order[lo:hi]
+        scorer = scorer_at(version)
+        if scorer is None:
+            for i in group:
+                t = turns[i]
+                checked[i] = CheckedTurn(t.session_id, t.turn_index, t.lsn, t.version, len(t.output),
+                                         skipped=f"no policy for version {version}")
+        else:
+            checked.update(zip(group, await _check_group(scorer, [turns[i] for i in group], tolerance, skip_retokenization)))
+        if progress is not None:
+            progress(len(group))
+        lo = hi
+    report.turns = [checked[i] for i in range(len(turns))]
+    _summarise(report, offsets)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _summarise(report: TokenReport, offsets: list[int]) -> None:
+    diffs_sum = 0.0
+    for turn, offset in zip(report.turns, offsets):
+        if turn.skipped:
+            report.turns_skipped += 1
+            continue
+        report.turns_checked += 1
+        report.tokens += turn.tokens
+        report.lp_max_abs_diff = max(report.lp_max_abs_diff, turn.lp_max_abs_diff)
+        diffs_sum += turn.lp_mean_abs_diff * turn.tokens
+        report.lp_mismatched_turns += turn.lp_first_mismatch >= 0
+        if turn.retokenization in ("ok", "mismatch"):
+            report.retok_checked += 1
+            report.retok_mismatched += turn.retokenization == "mismatch"
+        if turn.reproduction:
+            report.greedy_checked += 1
+            report.greedy_mismatched += turn.reproduction == "mismatch"
+        if report.first_mismatch is None:
+            report.first_mismatch = _first_mismatch(turn, offset)
+    report.lp_mean_abs_diff = diffs_sum / report.tokens if report.tokens else 0.0
+    if report.corrupt is not None:
+        first = report.first_mismatch
+        report.corrupt["caught"] = first is not None and first["global_position"] == report.corrupt["position"]
