@@ -74,7 +74,7 @@ class ModelScorer(Scorer):
         out = []
         with torch.no_grad():
             for prompt, output in items:
-                ids = torch.tensor([list(prompt) + list(output)], dtype=torch.long)
+                ids = torch.from_numpy(np.concatenate([np.asarray(prompt, np.int64), np.asarray(output, np.int64)]))[None]
                 logits = self.model(ids)
                 n_prompt = len(prompt)
                 picked = logits[0, n_prompt - 1 : n_prompt - 1 + len(output)]
@@ -90,7 +90,7 @@ class ModelScorer(Scorer):
 
 def _scoring_sample(prompt: Sequence[int], output: Sequence[int], temperature: float) -> Sample:
     """A one-row Sample holding prompt + output, every output token scored."""
-    tokens = np.asarray(list(prompt) + list(output), dtype=np.int32).tobytes()
+    tokens = np.concatenate([np.asarray(prompt, np.int32), np.asarray(output, np.int32)]).tobytes()
     n = len(output)
     return Sample(
         group_id="", session_id="", sample_index=0, tokens=tokens, response_length=n,

@@ -57,9 +57,9 @@ class Turn:
     turn_index: int
     lsn: int
     version: int
-    prompt: list[int]
-    output: list[int]
-    log_probs: list[float]
+    prompt: np.ndarray  # int32 (read-only views of the record: 4 bytes a token)
+    output: np.ndarray  # int32
+    log_probs: np.ndarray  # float32
     temperature: float
     greedy: bool
     stop_ids: tuple[int, ...]
@@ -149,8 +149,8 @@ def collect_turns(envelopes: Iterable[Envelope], *, sessions: int | None = None,
         stops = sampling.get("stop_ids") or ()
         turns.append(Turn(
             session_id=sid, turn_index=body.turn_index, lsn=env.lsn, version=body.policy_version,
-            prompt=np.frombuffer(body.prompt_ids, "<i4").tolist(), output=body.output_tokens.tolist(),
-            log_probs=body.log_probs.tolist(), temperature=temperature,
+            prompt=np.frombuffer(body.prompt_ids, "<i4"), output=body.output_tokens,
+            log_probs=body.log_probs, temperature=temperature,
             greedy=_is_greedy(sampling), stop_ids=tuple(int(s) for s in stops), messages=list(body.messages),
         ))
     return turns
@@ -162,18 +162,19 @@ def corrupt_turns(turns: list[Turn], position: int) -> dict[str, Any]:
     at = position
     for turn in turns:
         if at < len(turn.output):
-            old = turn.output[at]
+            old = int(turn.output[at])
+            turn.output = turn.output.copy()  # the record's own tokens stay as stored
             turn.output[at] = old - 1 if old > 0 else old + 1
             turn.corrupted_at = at
             return {"position": position, "session": turn.session_id, "turn": turn.turn_index, "offset": at,
-                    "from": old, "to": turn.output[at], "caught": False}
+                    "from": old, "to": int(turn.output[at]), "caught": False}
         at -= len(turn.output)
     total = sum(len(t.output) for t in turns)
     raise ValueError(f"--corrupt {position}: the checked turns hold {total} output tokens (positions 0..{total - 1})")
 
 
-def _lp_check(result: CheckedTurn, recorded: Sequence[float], scored: Sequence[float], tolerance: float) -> None:
-    if not recorded:
+def _lp_check(result: CheckedTurn, recorded: np.ndarray, scored: Sequence[float], tolerance: float) -> None:
+    if not len(recorded):
         result.skipped = "no recorded log-probs"
         return
     diff = np.abs(np.asarray(scored, np.float64) - np.asarray(recorded, np.float64))
@@ -184,12 +185,14 @@ def _lp_check(result: CheckedTurn, recorded: Sequence[float], scored: Sequence[f
         result.lp_first_mismatch = int(over[0]) if over.size else -1
 
 
-def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
+def _first_diff(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
     """First position where ``a`` and ``b`` differ (-1 when equal)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return -1 if len(a) == len(b) else min(len(a), len(b))
+    x, y = np.asarray(a, np.int64), np.asarray(b, np.int64)
+    n = min(len(x), len(y))
+    differ = np.flatnonzero(x[:n] != y[:n])
+    if differ.size:
+        return int(differ[0])
+    return -1 if len(x) == len(y) else n
 
 
 async def _message_at(scorer: Scorer, messages: list[dict[str, Any]], full: list[int], position: int) -> int:
@@ -234,7 +237,7 @@ async def _reproduce(scorer: Scorer, turn: Turn, result: CheckedTurn) -> None:
 async def _check_group(scorer: Scorer, turns: list[Turn], tolerance: float, skip_retok: str) -> list[CheckedTurn]:
     """The checks of turns that one scorer (one version) answers."""
     results = [CheckedTurn(t.session_id, t.turn_index, t.lsn, t.version, len(t.output)) for t in turns]
-    scoreable = [i for i, t in enumerate(turns) if t.output]
+    scoreable = [i for i, t in enumerate(turns) if len(t.output)]
     if isinstance(scorer, ModelScorer):
         scored: dict[int, list[float]] = {}
         for lo in range(0, len(scoreable), IN_PROCESS_TURNS_PER_BATCH):
@@ -254,7 +257,7 @@ async def _check_group(scorer: Scorer, turns: list[Turn], tolerance: float, skip
         if i in scored:
             _lp_check(result, turn.log_probs, scored[i], tolerance)
         await _retokenize(scorer, turn, result, skip_retok)
-        if turn.greedy and turn.output:
+        if turn.greedy and len(turn.output):
             await _reproduce(scorer, turn, result)
     return results
 

@@ -5,6 +5,8 @@ and message, and greedy turns are reproduced."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from agentlog.events.schema.types import SessionFinished, SessionOpened, Session
 from agentlog.loop.model_scorer import load_policy
 from agentlog.loop.run_folder import Run
 from agentlog.loop.token_check import collect_turns
+from agentlog.tools.cli import main as cli_main
 
 
 def _demo(short_demo_run) -> Path:
@@ -25,10 +28,19 @@ def _demo(short_demo_run) -> Path:
     return cwd / "runs" / "demo"
 
 
+def _cli(*args: str) -> tuple[int, str, str]:
+    """``agentlog verify-tokens ARGS`` in this process (a subprocess per call would spend most
+    of the test importing torch): exit code, stdout, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli_main(["verify-tokens", *args])
+    return rc, out.getvalue(), err.getvalue()
+
+
 def _verify(*args: str) -> tuple[int, dict]:
-    res = agentlog("verify-tokens", *args, "--json", "-q", timeout=180)
-    assert res.returncode in (0, 1), res.stderr
-    return res.returncode, json.loads(res.stdout)
+    rc, out, err = _cli(*args, "--json", "-q")
+    assert rc in (0, 1), err
+    return rc, json.loads(out)
 
 
 def test_in_process_the_runs_own_checkpoints_reproduce_every_recorded_log_prob(short_demo_run) -> None:
@@ -49,10 +61,13 @@ def test_in_process_negative_control_is_caught_at_its_exact_position(short_demo_
     rc, report = _verify(run, "--corrupt", str(k))
     assert rc == 0 and report["corrupt"]["caught"], report["first_mismatch"]
     assert report["first_mismatch"]["global_position"] == k and report["first_mismatch"]["check"] == "log_prob"
-    text = agentlog("verify-tokens", run, "--corrupt", str(k), "-q").stdout
-    assert f"negative control: output token {k} " in text and "caught there" in text and text.rstrip().endswith("OK")
-    past = agentlog("verify-tokens", run, "--corrupt", str(total), "-q")
-    assert past.returncode == 2 and f"--corrupt {total}: the checked turns hold {total} output tokens" in past.stderr
+    if position == 37:  # the command as a user runs it, in a fresh interpreter, once
+        res = agentlog("verify-tokens", run, "--corrupt", str(k), "-q", timeout=180)
+        text = res.stdout
+        assert res.returncode == 0 and f"negative control: output token {k} " in text and "caught there" in text
+        assert text.rstrip().endswith("OK")
+    rc, _, err = _cli(run, "--corrupt", str(total), "-q")
+    assert rc == 2 and f"--corrupt {total}: the checked turns hold {total} output tokens" in err
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
@@ -87,11 +102,11 @@ def test_an_unreachable_server_and_a_bare_log_without_an_engine_are_usage_errors
     import shutil
 
     run_dir = _demo(short_demo_run)
-    res = agentlog("verify-tokens", str(run_dir), "--server", "http://127.0.0.1:9", "-q", timeout=120)
-    assert res.returncode == 2 and "verify-tokens: backend sglang" in res.stderr
+    rc, _, err = _cli(str(run_dir), "--server", "http://127.0.0.1:9", "-q")
+    assert rc == 2 and "verify-tokens: backend sglang" in err
     bare = shutil.copytree(run_dir / "rollout", tmp_path / "bare")
-    res = agentlog("verify-tokens", str(bare), "-q")
-    assert res.returncode == 2 and "is not a run folder, so it has no checkpoints" in res.stderr
+    rc, _, err = _cli(str(bare), "-q")
+    assert rc == 2 and "is not a run folder, so it has no checkpoints" in err
 
 
 # ---------------------------------------------------------------- constructed logs on the tiny HF model
