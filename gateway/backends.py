@@ -107,7 +107,7 @@ class Backend(abc.ABC):
         """Release connections and threads."""
 
 
-def id_list(ids: Sequence[int]) -> list[int]:
+def id_list(ids: "Sequence[int] | np.ndarray") -> list[int]:
     """Token ids as a list of Python ints (for a JSON body or a tensor)."""
     if isinstance(ids, np.ndarray):
         return ids.tolist()

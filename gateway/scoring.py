@@ -35,11 +35,16 @@ processed log-probs, say) shows that difference, which is the point.
 from __future__ import annotations
 
 import abc
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
+
+import numpy as np
 
 from .backends import BackendError, OpenAICompletionsBackend, SamplingParams, SGLangBackend, id_list
 
-__all__ = ["Scorer", "SGLangScorer", "VLLMScorer"]
+__all__ = ["Scorer", "SGLangScorer", "TokenIds", "VLLMScorer"]
+
+#: Token ids as a scorer takes them: a sequence of ints, or an int32 array (a record's view).
+TokenIds = Union[Sequence[int], np.ndarray]
 
 
 class Scorer(abc.ABC):
@@ -50,11 +55,11 @@ class Scorer(abc.ABC):
     no_tokenize = "the engine has no route that tokenizes a conversation"
 
     @abc.abstractmethod
-    async def score(self, prompt_ids: Sequence[int], output_ids: Sequence[int], temperature: float) -> list[float]:
+    async def score(self, prompt_ids: TokenIds, output_ids: TokenIds, temperature: float) -> list[float]:
         """The engine's log-prob of each of ``output_ids`` after ``prompt_ids`` (and the outputs before it)."""
 
     @abc.abstractmethod
-    async def greedy(self, prompt_ids: Sequence[int], n: int, stop_ids: Sequence[int]) -> list[int]:
+    async def greedy(self, prompt_ids: TokenIds, n: int, stop_ids: Sequence[int]) -> list[int]:
         """Up to ``n`` tokens generated greedily from ``prompt_ids``, stopping after one of ``stop_ids``."""
 
     async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int] | None:
@@ -85,7 +90,7 @@ class SGLangScorer(SGLangBackend, Scorer):
 
     no_tokenize = "SGLang has no route that applies its chat template (check retokenization with --model DIR)"
 
-    async def score(self, prompt_ids: Sequence[int], output_ids: Sequence[int], temperature: float) -> list[float]:
+    async def score(self, prompt_ids: TokenIds, output_ids: TokenIds, temperature: float) -> list[float]:
         prompt, output = id_list(prompt_ids), id_list(output_ids)
         body = {
             "input_ids": prompt + output,
@@ -105,8 +110,8 @@ class SGLangScorer(SGLangBackend, Scorer):
             raise BackendError(self.name, f"/generate input_token_logprobs: expected [logprob, token_id, ...] items: {exc}", 200) from exc
         return _aligned(self.name, "/generate input_token_logprobs", entries, output)
 
-    async def greedy(self, prompt_ids: Sequence[int], n: int, stop_ids: Sequence[int]) -> list[int]:
-        gen = await self.generate(prompt_ids, SamplingParams(max_new_tokens=n, temperature=0.0, stop_ids=tuple(stop_ids)))
+    async def greedy(self, prompt_ids: TokenIds, n: int, stop_ids: Sequence[int]) -> list[int]:
+        gen = await self.generate(id_list(prompt_ids), SamplingParams(max_new_tokens=n, temperature=0.0, stop_ids=tuple(stop_ids)))
         return gen.output_ids
 
 
@@ -115,7 +120,7 @@ class VLLMScorer(OpenAICompletionsBackend, Scorer):
 
     name = "vllm"
 
-    async def score(self, prompt_ids: Sequence[int], output_ids: Sequence[int], temperature: float) -> list[float]:
+    async def score(self, prompt_ids: TokenIds, output_ids: TokenIds, temperature: float) -> list[float]:
         output = id_list(output_ids)
         body = {
             **({"model": self.model} if self.model else {}),
@@ -144,8 +149,8 @@ class VLLMScorer(OpenAICompletionsBackend, Scorer):
                 raise BackendError(self.name, f"/v1/completions prompt_logprobs[{k}][{want}]: expected a logprob: {exc}", 200) from exc
         return _aligned(self.name, "/v1/completions prompt_logprobs", entries, output)
 
-    async def greedy(self, prompt_ids: Sequence[int], n: int, stop_ids: Sequence[int]) -> list[int]:
-        gen = await self.generate(prompt_ids, SamplingParams(max_new_tokens=n, temperature=0.0, stop_ids=tuple(stop_ids)))
+    async def greedy(self, prompt_ids: TokenIds, n: int, stop_ids: Sequence[int]) -> list[int]:
+        gen = await self.generate(id_list(prompt_ids), SamplingParams(max_new_tokens=n, temperature=0.0, stop_ids=tuple(stop_ids)))
         return gen.output_ids
 
     async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int] | None:

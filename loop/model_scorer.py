@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from agentlog.gateway.chat import ChatTemplate
-from agentlog.gateway.scoring import Scorer
+from agentlog.gateway.scoring import Scorer, TokenIds
 from agentlog.reducers.samples import Sample
 
 from .config import LoopConfig
@@ -49,7 +49,7 @@ class ModelScorer(Scorer):
         self.template = template
         self.pad_id = pad_id
 
-    def score_batch(self, items: Sequence[tuple[Sequence[int], Sequence[int], float]]) -> list[list[float]]:
+    def score_batch(self, items: Sequence[tuple[TokenIds, TokenIds, float]]) -> list[list[float]]:
         """The log-probs of each item's output tokens ((prompt ids, output ids, temperature) per
         item), computed in as few forward passes as the token budget allows."""
         from agentlog.learner.batching import make_batches
@@ -65,10 +65,10 @@ class ModelScorer(Scorer):
                     out[index] = log_probs[row, :n].tolist()
         return out
 
-    async def score(self, prompt_ids: Sequence[int], output_ids: Sequence[int], temperature: float) -> list[float]:
+    async def score(self, prompt_ids: TokenIds, output_ids: TokenIds, temperature: float) -> list[float]:
         return self.score_batch([(prompt_ids, output_ids, temperature)])[0]
 
-    def argmax_batch(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[int]]:
+    def argmax_batch(self, items: Sequence[tuple[TokenIds, TokenIds]]) -> list[list[int]]:
         """For each (prompt, recorded output): the arg-max token at every output position of
         the teacher-forced forward (the greedy tokens while they agree with the recorded ones)."""
         out = []
@@ -81,14 +81,14 @@ class ModelScorer(Scorer):
                 out.append(picked.argmax(dim=-1).tolist())
         return out
 
-    async def greedy(self, prompt_ids: Sequence[int], n: int, stop_ids: Sequence[int]) -> list[int]:
+    async def greedy(self, prompt_ids: TokenIds, n: int, stop_ids: Sequence[int]) -> list[int]:
         raise NotImplementedError("ModelScorer reproduces greedy turns with argmax_batch (teacher forcing)")
 
     async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int] | None:
         return None if self.template is None else self.template.encode_prompt(messages, [])
 
 
-def _scoring_sample(prompt: Sequence[int], output: Sequence[int], temperature: float) -> Sample:
+def _scoring_sample(prompt: TokenIds, output: TokenIds, temperature: float) -> Sample:
     """A one-row Sample holding prompt + output, every output token scored."""
     tokens = np.concatenate([np.asarray(prompt, np.int32), np.asarray(output, np.int32)]).tobytes()
     n = len(output)
