@@ -32,6 +32,7 @@ from typing import Any, Mapping
 from agentlog.events.errors import ConfigError
 from agentlog.events.fs import atomic_file
 from agentlog.reducers.abort_classes import EXCLUDE_ALL
+from agentlog.reducers.health import check_flag_names
 
 from .config_sections import (
     AgentConfig,
@@ -82,6 +83,8 @@ class LoopConfig:
     """A group with fewer valid (finished) members is skipped with its reason."""
     allow_repeated_targets: bool = False
     """Train a branching session's shared ancestor turns in every row that holds them (repeated targets), not once (the default: each generated token is a target at most once)."""
+    untrainable_flags: list[str] = field(default_factory=list)
+    """Health flags that make a session untrainable (drift, no_reward, teacher_missing, truncated, undelivered, version_span): a finished member carrying one is one zero-masked placeholder, out of its group's baseline (empty: none; version_span's bound is max_staleness)."""
     max_untrainable_batches: int = 3
     """Stop the run with an error (exit 1) after this many batches in a row with nothing to train (every group skipped: say every session aborted), naming the main abort reason and a session to inspect (0: never stop)."""
     warmup_steps: int = 300
@@ -214,6 +217,9 @@ class LoopConfig:
             raise ConfigError(f"LoopConfig.min_valid: expected 1..group_size ({self.group_size}), found {self.min_valid!r}")
         if not isinstance(self.allow_repeated_targets, bool):
             raise ConfigError(f"LoopConfig.allow_repeated_targets: expected true or false, found {self.allow_repeated_targets!r}")
+        problem = check_flag_names(self.untrainable_flags, "LoopConfig.untrainable_flags")
+        if problem:
+            raise ConfigError(problem)
         if self.fsync not in ("always", "batch", "interval", "never"):
             raise ConfigError(f"LoopConfig.fsync: expected always, batch, interval or never, found {self.fsync!r}")
         if not isinstance(self.learner, Mapping):
@@ -231,13 +237,17 @@ class LoopConfig:
         """The reducer settings of this run (a :class:`agentlog.reducers.config.ReduceConfig`):
         what the online learner folds the rollout log with, and so what the offline check
         and every reading command of the run folder must fold it with too
-        (loaded through the folder's :class:`~agentlog.loop.run_folder.Run`)."""
+        (loaded through the folder's :class:`~agentlog.loop.run_folder.Run`). The health
+        flags' bounds come from the run: ``version_span`` past ``max_staleness`` (such a
+        session is stale whenever it is trained), ``teacher_missing`` on every finished
+        session when ``[distill]`` has teachers."""
         from agentlog.reducers.config import ReduceConfig
 
         g = self.groups
         return ReduceConfig(min_valid=self.min_valid, abort_outcomes=g.outcomes(), abort_reasons=dict(g.reasons),
                             fail_reward=float(g.fail_reward), max_refills=g.max_refills,
-                            allow_repeated_targets=self.allow_repeated_targets)
+                            allow_repeated_targets=self.allow_repeated_targets, max_version_span=self.max_staleness,
+                            expect_teacher_scores=bool(self.distill.teachers), untrainable_flags=tuple(self.untrainable_flags))
 
     def learner_config(self):
         """The LearnerConfig this loop trains with (TIS switched on in correct mode)."""

@@ -2,7 +2,7 @@
 other group settings, without re-running anything.
 
 The run's rollout partitions are reduced again with the other configuration's reduce
-settings (``min_valid``, train-once, abort classes), and every recorded step is replayed with the same groups in the
+settings (``min_valid``, train-once, abort classes, untrainable health flags), and every recorded step is replayed with the same groups in the
 same order (the batches the learner cut: a policy changes what is trained, not when
 rollouts arrived), each group decided again by the learner's own rule
 (:func:`agentlog.loop.trainer.decide_group`: the reducer's skip, sampling and
@@ -192,7 +192,8 @@ def compare(run_dir: Path, before: LoopConfig, after: LoopConfig) -> Diff:
 def policy_config(run_cfg: LoopConfig, policy: Mapping[str, Any], *, base_dir: Path | None = None) -> LoopConfig:
     """The run's configuration with ``policy``'s settings on top (a policy file's TOML table:
     any LoopConfig field; those that decide what is trained are ``min_valid``,
-    ``allow_repeated_targets`` (train-once for shared turns), ``max_staleness``, ``staleness_mode``, the learner's ``estimator`` and ``[groups]``: the
+    ``allow_repeated_targets`` (train-once for shared turns), ``untrainable_flags`` (health flags that make a session
+    untrainable), ``max_staleness``, ``staleness_mode``, the learner's ``estimator`` and ``[groups]``: the
     abort classes' outcomes, ``dynamic_sampling`` and ``spread_tolerance``)."""
     values = run_cfg.to_dict()
     for key, value in policy.items():

@@ -79,7 +79,7 @@ async def run_chain(play: Callable[[int], Awaitable[Group]], groups: GroupsConfi
 
 class ReleasedGroups:
     """The groups a worker's own log has released, folded with the run's reduce settings
-    (the statistics fold: bodies projected, no trajectories), read on demand."""
+    (the statistics fold: bodies projected, with their stored bytes for the health flags), read on demand."""
 
     def __init__(self, log: Any, config: Any) -> None:
         self._log = log
@@ -95,7 +95,7 @@ class ReleasedGroups:
         """Fold what the log holds past what was folded."""
         feed = self._stats.feed_record
         for rec in self._log.read(self._stats.last_lsn + 1, raw=True):
-            feed(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload))
+            feed(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload), rec.payload)
 
     async def take(self, group_id: str) -> Group | None:
         """``group_id`` once released (forgotten here then), or None while it is in flight.

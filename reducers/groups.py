@@ -22,6 +22,7 @@ import msgspec
 from agentlog.events.errors import AgentlogError
 from .abort_classes import FAIL
 from .config import ReduceConfig
+from .health import UNTRAINABLE
 from .samples import Sample
 
 FINISHED = "finished"
@@ -386,10 +387,12 @@ class GroupTracker:
         skip_reason = ""
         if n_valid < self.min_valid:
             aborted = sum(1 for m in members if m.status == ABORTED)
-            invalid_finished = sum(1 for m in members if m.status == FINISHED and not m.valid)
+            invalid = [m for m in members if m.status == FINISHED and not m.valid]
+            flagged = sum(1 for m in invalid if m.reason.startswith(UNTRAINABLE + ":"))
             skip_reason = (
                 f"{n_valid} valid member(s) < min_valid {self.min_valid}"
-                f" ({aborted} aborted, {len(p.dropped)} dropped, {invalid_finished} finished without a usable reward)"
+                f" ({aborted} aborted, {len(p.dropped)} dropped, {len(invalid) - flagged} finished without a usable reward"
+                + (f", {flagged} untrainable by health flags)" if flagged else ")")
             )
         group = Group(
             group_id=group_id,

@@ -45,6 +45,7 @@ from .errors import ReduceError, UnknownEventError
 from .fold import SessionFold, Tracked
 from .lifecycle_step import SessionLife, Violation
 from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, GroupTracker, aborted_as_failure
+from .health import SessionHealth, untrainable_by, untrainable_reason
 from .metrics import MetricsAccumulator
 from .samples import Sample, SampleDigest, aborted_placeholder, final_raw_reward, finished_samples, resolve_reward
 from .teacher import TeacherScoreError
@@ -61,11 +62,13 @@ ENDED_WINDOW = 1024
 
 
 class Outputs(NamedTuple):
-    """What one or more envelopes produced: samples (in emission order) and
-    groups (in release order)."""
+    """What one or more envelopes produced: samples (in emission order),
+    groups (in release order) and the health flags of every session that
+    ended (session id -> its flags, sorted; :mod:`reducers.health`)."""
 
     samples: list[Sample]
     groups: list[Group]
+    flags: dict[str, tuple[str, ...]]
 
 
 class _Session:
@@ -78,17 +81,19 @@ class _Session:
         "lsn_first",
         "trajectory",
         "last_reward",
+        "health",
     )
 
-    def __init__(self, life: SessionLife, opened: SessionOpened, session_id: str, lsn: int, fork_threshold: int) -> None:
+    def __init__(self, life: SessionLife, opened: SessionOpened, session_id: str, lsn: int, config: ReduceConfig) -> None:
         self.life = life
         self.group_id = opened.group_id
         self.group_size = opened.group_size
         self.sample_index = opened.sample_index
         self.policy_version = opened.policy_version
         self.lsn_first = lsn
-        self.trajectory = SessionTrajectory(session_id, fork_threshold)
+        self.trajectory = SessionTrajectory(session_id, config.fork_threshold)
         self.last_reward: Any = None
+        self.health = SessionHealth(session_id, config)
 
 
 def _refuse(violation: Violation) -> None:
@@ -145,7 +150,7 @@ class Reducer:
             self._fold.feed(env.lsn, env.session_id, env.session_seq, body.__struct_config__.tag, env)
         self.events += 1
         out = self._out
-        return Outputs([], []) if out is None else out
+        return Outputs([], [], {}) if out is None else out
 
     def _opened(self, lsn: int, sid: str, env: Envelope, life: SessionLife) -> _Session:
         body = env.body
@@ -154,7 +159,7 @@ class Reducer:
             self._groups.open(body.group_id, sid, body.group_size, body.sample_index, lsn, body.replaces or "")
         except GroupError as exc:
             raise ReduceError(lsn, sid, str(exc)) from None
-        return _Session(life, body, sid, lsn, self.config.fork_threshold)
+        return _Session(life, body, sid, lsn, self.config)
 
     def _applied(self, session: _Session, lsn: int, tag: str, env: Envelope) -> None:
         body = env.body
@@ -169,16 +174,19 @@ class Reducer:
             raise ReduceError(lsn, env.session_id, str(exc)) from None
         if isinstance(body, RewardAssigned):
             session.last_reward = body.reward
+        session.health.observe(tag, body)
 
     def feed_many(self, envelopes: Iterable[Envelope]) -> Outputs:
         """Fold a chunk of envelopes; the outputs of every ``feed``, concatenated."""
         samples: list[Sample] = []
         groups: list[Group] = []
+        flags: dict[str, tuple[str, ...]] = {}
         for env in envelopes:
             out = self.feed(env)
             samples.extend(out.samples)
             groups.extend(out.groups)
-        return Outputs(samples, groups)
+            flags.update(out.flags)
+        return Outputs(samples, groups, flags)
 
     def _terminal(self, session: _Session, lsn: int, sid: str, state: State, env: Envelope) -> None:
         # Evicted already (the driver did it first): nothing may follow a terminal event.
@@ -186,34 +194,42 @@ class Reducer:
         traj = session.trajectory
         member: GroupMember | None
         samples: list[Sample]
-        if isinstance(body, SessionFinished):
+        failed = isinstance(body, SessionAborted) and aborted_as_failure(body, self.config)
+        # A member that would train is linearised once, for its rows and its flags.
+        rows = linearise(traj, self.config) if failed or isinstance(body, SessionFinished) else None
+        flags = session.health.flags(traj if rows is None else rows)
+        bad = untrainable_by(flags, self.config) if rows is not None else ()
+        if bad:
+            # Its flags make it untrainable: an excluded abort's one placeholder, out of the baseline.
+            reason = body.reason if isinstance(body, SessionAborted) else ""
+            samples = [self._placeholder(session, sid, lsn, reason, bad)]
+            status = ABORTED if failed else FINISHED
+            member = GroupMember(sid, session.sample_index, status, False, None, reason or untrainable_reason(bad), tuple(samples))
+            raw = None if failed else final_raw_reward(body.reward, session.last_reward)
+            self.metrics.observe_session(
+                status, reason=reason, reward=raw, turns=traj.n_turns, output_tokens=traj.output_tokens, samples=samples
+            )
+        elif isinstance(body, SessionFinished):
+            assert rows is not None
             raw = final_raw_reward(body.reward, session.last_reward)
             reward, problem = resolve_reward(raw, self.config.reward_key)
-            samples = self._row_samples(session, sid, lsn, reward, reward_problem=problem)
+            samples = self._row_samples(session, sid, lsn, reward, rows, reward_problem=problem)
             member = GroupMember(sid, session.sample_index, FINISHED, reward is not None, reward, problem, tuple(samples))
             self.metrics.observe_session(
                 FINISHED, reward=raw, turns=traj.n_turns, output_tokens=traj.output_tokens, samples=samples
             )
-        elif isinstance(body, SessionAborted) and aborted_as_failure(body, self.config):
+        elif failed:
             # Its abort class counts it as a failure: its recorded turns train like a
             # finished session's, with the configured failure reward.
+            assert rows is not None and isinstance(body, SessionAborted)
             reward = self.config.fail_reward
-            samples = self._row_samples(session, sid, lsn, reward, abort_reason=body.reason)
+            samples = self._row_samples(session, sid, lsn, reward, rows, abort_reason=body.reason)
             member = GroupMember(sid, session.sample_index, ABORTED, True, reward, body.reason, tuple(samples))
             self.metrics.observe_session(
                 ABORTED, reason=body.reason, turns=traj.n_turns, output_tokens=traj.output_tokens, samples=samples
             )
         elif isinstance(body, SessionAborted):
-            placeholder = aborted_placeholder(
-                session.group_id,
-                sid,
-                session.sample_index,
-                body.reason,
-                policy_version=session.policy_version,
-                turns=traj.n_turns,
-                lsn_first=session.lsn_first,
-                lsn_last=lsn,
-            )
+            placeholder = self._placeholder(session, sid, lsn, body.reason)
             samples = [placeholder]
             member = GroupMember(sid, session.sample_index, ABORTED, False, None, body.reason, (placeholder,))
             self.metrics.observe_session(
@@ -232,18 +248,26 @@ class Reducer:
         group = self._groups.close(session.group_id, member, sid, lsn, refill=isinstance(body, SessionAborted) and body.refill is True,
                                    drop_reason=body.reason if isinstance(body, SessionDropped) else "")
         if group is None:
-            self._out = Outputs(samples, [])
+            self._out = Outputs(samples, [], {sid: flags})
             return
         self.groups_released += 1
         self.metrics.observe_group(group)
-        self._out = Outputs(samples, [group])
+        self._out = Outputs(samples, [group], {sid: flags})
 
-    def _row_samples(self, session: _Session, sid: str, lsn: int, reward: float | None, **how: str) -> list[Sample]:
-        """The samples of an ended session's trajectory rows, each with ``reward``
+    def _placeholder(self, session: _Session, sid: str, lsn: int, reason: str, untrainable: tuple[str, ...] = ()) -> Sample:
+        """The one zero-masked row of a member out of its baseline: an excluded abort, or
+        one its health flags make untrainable (:func:`aborted_placeholder`)."""
+        return aborted_placeholder(
+            session.group_id, sid, session.sample_index, reason, policy_version=session.policy_version,
+            turns=session.trajectory.n_turns, lsn_first=session.lsn_first, lsn_last=lsn, untrainable=untrainable,
+        )
+
+    def _row_samples(self, session: _Session, sid: str, lsn: int, reward: float | None, rows: Trajectory, **how: str) -> list[Sample]:
+        """The samples of an ended session's trajectory ``rows``, each with ``reward``
         (``how``: ``reward_problem`` or ``abort_reason``, see :func:`finished_samples`)."""
         traj = session.trajectory
         return finished_samples(
-            linearise(traj, self.config).rows,
+            rows.rows,
             group_id=session.group_id,
             session_id=sid,
             sample_index=session.sample_index,
@@ -272,6 +296,15 @@ class Reducer:
         open session belongs to such a group, so a fold resumed from here
         (:class:`InFlightWindow`) rebuilds every pending group whole."""
         return self._groups.oldest_open_lsn()
+
+    def session_flags(self, session_id: str) -> tuple[str, ...]:
+        """The health flags of a session still in flight, as far as its events so far
+        decide them (sorted; :mod:`reducers.health`). An ended session's are in the
+        ``Outputs.flags`` of the envelope that ended it."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise KeyError(f"session {session_id!r} is not in flight (never opened, or already terminal and evicted)")
+        return session.health.flags(session.trajectory)
 
     def trajectory(self, session_id: str) -> Trajectory:
         """The current linearisation of a session still in flight (for inspection)."""

@@ -5,7 +5,8 @@ A pure, incremental fold. It counts sessions by state (live ones too), abort
 and drop reasons, turns and tokens, commands, rewards (through
 :class:`reducers.metrics.MetricsAccumulator`, finished sessions only) and
 GRPO groups (through :class:`reducers.groups.GroupTracker`: released,
-complete, skipped, pending), and the time span. Every record goes through
+complete, skipped, pending), the health flags of each ended session
+(:class:`reducers.health.SessionHealth`, the one rule), and the time span. Every record goes through
 the one fold driver (:class:`reducers.fold.SessionFold`) and its lifecycle and sequence step
 (:func:`reducers.lifecycle_step.evolve`: ``session_seq`` gaps and repeats,
 events after the terminal one, illegal moves, reused ids); this fold counts
@@ -22,6 +23,10 @@ same field names (a test checks that every projected field exists there); the
 two turn projections are built from the schema's turn bodies themselves, so a
 new turn field needs no change here.
 Full event bodies are accepted as well (``feed``), with identical results.
+A turn's projection comes with its stored bytes (``feed_record``'s
+``payload``): the health flags keep a session's turns until it ends, and
+only a session some turn of which does not extend the turn before is
+decoded in full and linearised, for its ``drift`` flag.
 Events of a type this version does not know (a newer writer's
 :class:`events.schema.types.UnknownEvent`) are counted per tag, not interpreted.
 
@@ -45,6 +50,7 @@ from .config import DEFAULT_CONFIG, ReduceConfig
 from .fold import SessionFold
 from .lifecycle_step import SessionLife, Violation, ViolationKind
 from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, GroupTracker, aborted_as_failure
+from .health import SessionHealth, flag_counts, untrainable_by, untrainable_reason
 from .metrics import MetricsAccumulator
 from .samples import final_raw_reward, resolve_reward
 
@@ -87,7 +93,7 @@ def _turn_projection(body: type[msgspec.Struct], read: dict[str, Any]) -> Any:
     return msgspec.defstruct("_" + body.__name__, fields, tag=body.__struct_config__.tag, module=__name__)
 
 
-_TURN_READ = {"turn_index": int, "output_ids": bytes, "finish_reason": str,
+_TURN_READ = {"turn_index": int, "output_ids": bytes, "finish_reason": str, "policy_version": int,
               "version_spans": tuple[tuple[int, int], ...] | msgspec.UnsetType}
 _Turn = _turn_projection(TurnRecorded, {**_TURN_READ, "prompt_ids": bytes})
 _Delta = _turn_projection(TurnDelta, {**_TURN_READ, "shared_tokens": int, "new_prompt_ids": bytes})
@@ -105,6 +111,7 @@ class _Command(msgspec.Struct, tag="command_ran"):
 
 
 class _Teacher(msgspec.Struct, tag="teacher_scored"):
+    turn_index: int = 0
     log_probs: msgspec.Raw = _RAW
     error: str = ""
 
@@ -162,9 +169,9 @@ _STATUS_OF = {State.FINISHED: FINISHED, State.ABORTED: ABORTED, State.DROPPED: D
 
 
 class _Live:
-    __slots__ = ("life", "group_id", "sample_index", "turns", "tokens_out", "reward", "opened_ts")
+    __slots__ = ("life", "group_id", "sample_index", "turns", "tokens_out", "reward", "opened_ts", "health")
 
-    def __init__(self, life: SessionLife, body: Any, ts_ns: int) -> None:
+    def __init__(self, life: SessionLife, body: Any, ts_ns: int, health: SessionHealth) -> None:
         self.life = life
         self.group_id = body.group_id
         self.sample_index = body.sample_index
@@ -172,6 +179,7 @@ class _Live:
         self.tokens_out = 0
         self.reward: Any = None
         self.opened_ts = ts_ns
+        self.health = health
 
 
 class RunStats:
@@ -217,6 +225,10 @@ class RunStats:
         self.replacements = 0
         #: Aborted members counted as failures by their abort class.
         self.aborted_as_failures = 0
+        #: Ended sessions per health flag (:mod:`reducers.health`), and members those flags made untrainable.
+        self.flags: Counter[str] = Counter()
+        self.untrainable = 0
+        self._payload: Any = None  # the stored bytes of the record being folded, when given
         self.policy_updates = 0
         self.policy_version: int | None = None
         self.opened = 0
@@ -253,9 +265,13 @@ class RunStats:
         """The highest LSN folded (-1 before any)."""
         return self._fold.next_lsn - 1
 
-    def feed_record(self, lsn: int, session_id: str, session_seq: int, ts_ns: int, body: Any) -> None:
-        """Fold one record; ``body`` is a schema-v1 body or its projection."""
+    def feed_record(self, lsn: int, session_id: str, session_seq: int, ts_ns: int, body: Any,
+                    payload: bytes | memoryview | None = None) -> None:
+        """Fold one record; ``body`` is a schema-v1 body or its projection. ``payload``:
+        the record's stored bytes, which a turn's projection needs (a session whose turns
+        do not extend each other is linearised from them for its ``drift`` flag)."""
         self.events += 1
+        self._payload = payload
         if self.first_lsn < 0:
             self.first_lsn = lsn
         if self.first_ts_ns is None:
@@ -284,9 +300,10 @@ class RunStats:
         self.opened += 1
         if body.replaces:
             self.replacements += 1
-        return _Live(life, body, self.last_ts_ns)  # type: ignore[arg-type]
+        return _Live(life, body, self.last_ts_ns, SessionHealth(session_id, self.config, keep_turns=True))  # type: ignore[arg-type]
 
     def _applied(self, live: _Live, lsn: int, tag: str, body: Any) -> None:
+        live.health.observe(tag, body, self._payload)
         if tag == "turn_recorded" or tag == "turn_delta":
             n_out = len(body.output_ids) // 4
             self.turns += 1
@@ -321,13 +338,23 @@ class RunStats:
         self.duration_sum_s += duration
         self.duration_max_s = max(self.duration_max_s, duration)
         member: GroupMember | None = None
+        flags = live.health.flags()
+        self.flags.update(flags)
+        # As the sample pipeline does: a member its flags make untrainable is out of the baseline.
+        bad = untrainable_by(flags, self.config) if status != DROPPED else ()
         if status == FINISHED:
             raw = final_raw_reward(body.reward, live.reward)
             reward, problem = resolve_reward(raw, self.reward_key)
+            if bad:
+                self.untrainable += 1
+                reward, problem = None, untrainable_reason(bad)
             member = GroupMember(sid, live.sample_index, FINISHED, reward is not None, reward, problem)
             self.metrics.observe_session(FINISHED, reward=raw, turns=live.turns, output_tokens=live.tokens_out)
         elif status == ABORTED:
             failed = aborted_as_failure(body, self.config)
+            if failed and bad:
+                self.untrainable += 1
+                failed = False
             if body.refill is True:
                 self.refills_owed += 1
             elif failed:
@@ -408,7 +435,9 @@ class RunStats:
                 "refills_owed": self.refills_owed,
                 "replacements": self.replacements,
                 "aborted_as_failures": self.aborted_as_failures,
+                "untrainable_by_flags": self.untrainable,
             },
+            "flags": flag_counts(self.flags),
             "policy": {"updates": self.policy_updates, "version": self.policy_version},
             "unknown_events": dict(sorted(self.unknown_events.items())),
             "violations": {

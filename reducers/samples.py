@@ -201,9 +201,17 @@ def aborted_placeholder(
     turns: int = 0,
     lsn_first: int = -1,
     lsn_last: int = -1,
+    untrainable: tuple[str, ...] = (),
 ) -> Sample:
     """The one zero-masked row an aborted session yields, so its group knows a
-    member failed. It contributes nothing to any gradient or baseline."""
+    member failed. It contributes nothing to any gradient or baseline.
+    ``untrainable``: the health flags that made a session untrainable
+    (``ReduceConfig.untrainable_flags``, :mod:`agentlog.reducers.health`): its
+    one row is this placeholder too, its metadata naming them under
+    ``untrainable_flags`` (and ``abort_reason`` only when it aborted)."""
+    metadata: dict[str, Any] = {"abort_reason": abort_reason} if abort_reason or not untrainable else {}
+    if untrainable:
+        metadata["untrainable_flags"] = list(untrainable)
     return Sample(
         group_id=group_id,
         session_id=session_id,
@@ -219,7 +227,7 @@ def aborted_placeholder(
         turns=turns,
         lsn_first=lsn_first,
         lsn_last=lsn_last,
-        metadata={"abort_reason": abort_reason},
+        metadata=metadata,
     )
 
 

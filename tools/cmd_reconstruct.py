@@ -64,7 +64,7 @@ def register(sub) -> None:
                         "log that holds no config, such as its JetStream stream")
     p.add_argument("--policy", default=None, metavar="FILE",
                    help="a run folder only: re-reduce the recorded run under FILE's settings (a TOML of LoopConfig fields on "
-                        "top of the run's: min_valid, allow_repeated_targets, max_staleness, staleness_mode, [learner] estimator, [groups]) and, with --diff, "
+                        "top of the run's: min_valid, allow_repeated_targets, untrainable_flags, max_staleness, staleness_mode, [learner] estimator, [groups]) and, with --diff, "
                         "print what the learner would have trained differently; nothing is re-run")
     p.add_argument("--diff", action="store_true", help="with --policy: print the groups whose outcome changes")
     p.add_argument("--json", action="store_true", help="with --policy --diff: the diff as one JSON object")

@@ -1,5 +1,5 @@
 """`agentlog replay LOG [--session ID] [--group ID] [--status S] [--reason R]
-[--from LSN] [--until LSN] [--json]`: the timeline, one line per event, with
+[--flag F] [--from LSN] [--until LSN] [--json]`: the timeline, one line per event, with
 the session's state before -> after (from the lifecycle reducer's replay
 helper, :func:`reducers.lifecycle.replay`) and a short summary.
 
@@ -12,7 +12,9 @@ sequence), a closing note on stderr counts them, and the exit status stays 0:
 showing them is this command's job (``verify`` and ``reconstruct`` exit 1).
 
 ``--status`` and ``--reason`` select sessions by how they ended (or ``open``
-/ ``running`` for sessions still in flight at the end of the range), which
+/ ``running`` for sessions still in flight at the end of the range), and
+``--flag`` by a health flag they carry at the end of the range
+(:mod:`reducers.health`, folded with the run's reduce settings), which
 needs a first, cheap pass over the log. A filter value that matches no
 session is an error naming the values that exist (:data:`FILTER_RULE`).
 
@@ -30,13 +32,14 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from agentlog.reducers.health import ALL_FLAGS
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import add_quiet, check_log_path, fmt_ts, nonneg_int, read_records, read_tagged, record_id
 
 STATUSES = ("open", "running", "finished", "aborted", "dropped")
 #: The rule every selection filter follows (printed by --help).
 FILTER_RULE = (
-    "Filters: --session, --group, --status and --reason each name a value that must occur in the log "
+    "Filters: --session, --group, --status, --reason and --flag each name a value that must occur in the log "
     "(up to --until): a value that matches no session is an error (exit 2) whose one line names the filter "
     "and the values the log does hold. Filters that each match but select no event together print nothing "
     "(exit 0)."
@@ -69,6 +72,8 @@ def register(sub) -> None:
     p.add_argument("--group", metavar="ID", help="only sessions of this group")
     p.add_argument("--status", choices=STATUSES, help="only sessions that ended so (open/running: still in flight)")
     p.add_argument("--reason", metavar="R", help="only sessions aborted or dropped with this reason")
+    p.add_argument("--flag", choices=ALL_FLAGS, metavar="F",
+                   help=f"only sessions carrying this health flag at the end of the range ({', '.join(ALL_FLAGS)})")
     p.add_argument("--from", dest="from_lsn", type=nonneg_int, metavar="LSN", help="start printing at this LSN")
     p.add_argument("--until", dest="until_lsn", type=nonneg_int, metavar="LSN", help="stop after this LSN")
     p.add_argument("--json", action="store_true", help="one JSON object per event (token arrays as lists)")
@@ -203,44 +208,62 @@ class LogIndex:
     """What the selection filters can match, from one cheap pass (projections
     only) up to ``until``: every session in order of first event; for each
     opened one its group and its status at the end of the range (open /
-    running / finished / aborted / dropped); the reason of each abort or drop."""
+    running / finished / aborted / dropped); the reason of each abort or drop;
+    and, when asked for, each opened session's health flags."""
 
     def __init__(self) -> None:
         self.sessions: dict[str, None] = {}  # every session id with an event, in order (a dict keeps it)
         self.group: dict[str, str] = {}
         self.status: dict[str, str] = {}  # only sessions with a session_opened
         self.reason: dict[str, str] = {}
+        self.flags: dict[str, tuple[str, ...]] = {}  # only when index_log was asked for them
 
-    def select(self, status: str | None, reason: str | None) -> set[str]:
-        """The sessions whose outcome is ``status`` (any if None) with ``reason`` (any if None)."""
+    def select(self, status: str | None, reason: str | None, flag: str | None = None) -> set[str]:
+        """The sessions whose outcome is ``status`` (any if None) with ``reason`` (any if None),
+        carrying ``flag`` (any if None)."""
         return {
             sid for sid, st in self.status.items()
             if (status is None or st == status) and (reason is None or self.reason.get(sid) == reason)
+            and (flag is None or flag in self.flags.get(sid, ()))
         }
 
 
-def index_log(path: Any, until: int | None, quiet: bool) -> LogIndex:
-    """The :class:`LogIndex` of the log at ``path`` up to ``until``."""
+def index_log(path: Any, until: int | None, quiet: bool, *, flags: bool = False) -> LogIndex:
+    """The :class:`LogIndex` of the log at ``path`` up to ``until``; ``flags``: with each
+    session's health flags (:class:`reducers.health.SessionHealth`, the run's reduce settings)."""
     import msgspec
 
     from agentlog.events.schema.lifecycle import State
     from agentlog.events.schema.types import event_tag
     from agentlog.reducers.fold import SessionFold, Tracked
+    from agentlog.reducers.health import SessionHealth
     from agentlog.reducers.runstats import decode_projection
+    from agentlog.tools.cli_common import reduce_config_of
 
     index = LogIndex()
+    config = reduce_config_of(path) if flags else None
+    health: dict[str, SessionHealth] = {}
+    record: list[Any] = [None, ""]  # the record being folded: its stored bytes (a turn's projection needs them), its session
 
     def opened(lsn: int, sid: str, body: Any, life: Any) -> Tracked:
         index.group[sid] = body.group_id
+        if config is not None:
+            health[sid] = SessionHealth(sid, config, keep_turns=True)
         return Tracked(life)
+
+    def applied(session: Tracked, lsn: int, tag: str, body: Any) -> None:
+        if config is not None:
+            health[record[1]].observe(tag, body, record[0])
 
     def ended(session: Tracked, lsn: int, sid: str, state: State, body: Any) -> None:
         if state is not State.FINISHED:
             index.reason[sid] = body.reason
+        if config is not None:
+            index.flags[sid] = health.pop(sid).flags()
 
     # The one fold driver: illegal records are left out here (the replay shows them), and
     # every session is kept after its terminal event (nothing may follow it).
-    fold: SessionFold[Tracked] = SessionFold(opened=opened, ended=ended, refused=lambda violation: None,
+    fold: SessionFold[Tracked] = SessionFold(opened=opened, applied=applied, ended=ended, refused=lambda violation: None,
                                              check_lsn=False, resync=False, evict=False)
     for rec in read_records(path, raw=True, quiet=quiet, desc="select"):
         if until is not None and rec.lsn > until:
@@ -252,8 +275,10 @@ def index_log(path: Any, until: int | None, quiet: bool) -> LogIndex:
         tag = event_tag(body)  # an unknown (newer) event keeps its stored tag
         if tag != "policy_updated":  # a learner-log record is no session's
             index.sessions[rec.session_id] = None
+        record[0], record[1] = rec.payload, rec.session_id
         fold.feed(rec.lsn, rec.session_id, rec.session_seq, tag, body)
     index.status = {sid: str(session.life.state) for sid, session in fold.live.items()}
+    index.flags.update((sid, h.flags()) for sid, h in health.items())  # in flight: the flags so far
     return index
 
 
@@ -286,6 +311,10 @@ def unmatched_filter(args: Any, index: LogIndex) -> str | None:
     if args.reason is not None and args.reason not in index.reason.values():
         held = _counted(index.reason.values()) or "none (no session was aborted or dropped)"
         return f"--reason {args.reason!r}: no session was aborted or dropped with this reason{where}; reasons in the log: {held}"
+    flag = getattr(args, "flag", None)
+    if flag is not None and not any(flag in f for f in index.flags.values()):
+        held = _counted(f for fs in index.flags.values() for f in fs) or "none (no session carries a flag)"
+        return f"--flag {flag}: no session carries this flag {at}; flags {at}: {held}"
     return None
 
 
@@ -304,13 +333,13 @@ def run(args) -> int:
     if args.from_lsn is not None and args.until_lsn is not None and args.from_lsn > args.until_lsn:
         raise CliError(f"replay: --from {args.from_lsn} is after --until {args.until_lsn}", EXIT_USAGE)
     chosen = None
-    if args.status is not None or args.reason is not None:
+    if args.status is not None or args.reason is not None or args.flag is not None:
         # The first pass these filters need also checks every filter before anything is printed.
-        index = index_log(path, args.until_lsn, args.quiet)
+        index = index_log(path, args.until_lsn, args.quiet, flags=args.flag is not None)
         complaint = unmatched_filter(args, index)
         if complaint is not None:
             raise CliError(f"{path}: {complaint}", EXIT_USAGE)
-        chosen = index.select(args.status, args.reason)
+        chosen = index.select(args.status, args.reason, args.flag)
     current: list[Any] = [None, 0]  # (partition, LSN) of the record replay() last took: it takes one, yields one
 
     def merged_envs() -> Any:
@@ -373,7 +402,7 @@ def run(args) -> int:
     if not (seen_session and seen_group):
         # Only now, on this rare path, the pass that lists the values the log does hold. No
         # complaint: --session and --group each exist but do not meet (the session is in another group).
-        complaint = unmatched_filter(args, index_log(path, args.until_lsn, args.quiet))
+        complaint = unmatched_filter(args, index_log(path, args.until_lsn, args.quiet, flags=args.flag is not None))
         if complaint is not None:
             raise CliError(f"{path}: {complaint}", EXIT_USAGE)
     if first_violation is not None:

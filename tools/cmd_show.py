@@ -1,9 +1,11 @@
 """`agentlog show LOG SESSION`: one session in depth.
 
-Prints its header and outcome, then what answers "why did it score so":
-its label, the reward and where it came from (``session_finished`` or the
-last ``reward_assigned`` and its source), the verifier's detail (finish
-metadata) and, for an aborted session, the error and its traceback. Then
+Prints its header, outcome and health flags (:mod:`reducers.health`; those
+its run's ``untrainable_flags`` name are marked), then what answers "why did
+it score so": its label, the reward and where it came from
+(``session_finished`` or the last ``reward_assigned`` and its source), the
+verifier's detail (finish metadata) and, for an aborted session, the error
+and its traceback. Then
 its timeline (state before -> after per event), its transcript (the
 messages new at each turn, the response text and tool calls, each command's
 output; long texts cut, ``--full`` shows all), its turn tree as the reducer
@@ -309,10 +311,38 @@ def log_prob_pairs(sample: Any, full: bool, limit: int = PROMPT_SHOWN) -> str:
     return " ".join(parts)
 
 
+def flags_line(flags: tuple[str, ...], ended: bool, config: Any) -> str:
+    """``flags    drift, truncated`` (:mod:`reducers.health`), naming those that make it
+    untrainable under ``config`` and, for a session in flight, that more may come."""
+    from agentlog.reducers.health import untrainable_by
+
+    line = f"flags    {', '.join(flags) or '(none)'}"
+    bad = untrainable_by(flags, config)
+    if bad and ended:
+        line += f"  (untrainable by untrainable_flags: {', '.join(bad)}: one zero-masked placeholder, out of its group's baseline)"
+    return line + ("" if ended else "  (so far: the session is still in flight)")
+
+
+def _reduced(envs: list, sid: str, path: Any) -> tuple[str | None, Any, list, tuple[str, ...] | None, Any]:
+    """The session through the reducers, with the run's own settings (as the learner folded it):
+    ``(problem, trajectory, samples, health flags, config)``; a refusal leaves the problem and no flags."""
+    from agentlog.reducers.pipeline import ReduceError, Reducer, session_trajectory
+
+    config = reduce_config_of(path)
+    traj = None
+    try:
+        traj = session_trajectory(envs, sid, config)
+        reducer = Reducer(config)
+        out = reducer.feed_many(envs)
+        flags = out.flags[sid] if sid in out.flags else reducer.session_flags(sid)
+    except (ReduceError, KeyError) as exc:
+        return str(exc).strip("'\""), traj, [], None, config
+    return None, traj, out.samples, flags, config
+
+
 def run(args) -> int:
     """Print the session."""
     from agentlog.reducers.lifecycle import replay
-    from agentlog.reducers.pipeline import ReduceError, Reducer, session_trajectory
 
     from agentlog.tools.cmd_replay import format_step
 
@@ -354,6 +384,9 @@ def run(args) -> int:
     else:
         last = steps[-1].state_after if steps else None
         w(f"outcome  still {last or 'unknown'} at the end of the log\n")
+    problem, traj, samples, health, config = _reduced(envs, sid, path)
+    if health is not None:
+        w(flags_line(health, summary is not None, config) + "\n")
     for line in why_lines(envs, args.full, at):
         w(line + "\n")
 
@@ -367,16 +400,6 @@ def run(args) -> int:
         for line in transcript:
             w(line + "\n")
 
-    problem = None
-    samples: list = []
-    traj = None
-    try:
-        config = reduce_config_of(path)  # the run's own settings, as the learner folded the session
-        traj = session_trajectory(envs, sid, config)
-        reducer = Reducer(config)
-        samples = reducer.feed_many(envs).samples
-    except (ReduceError, KeyError) as exc:
-        problem = str(exc).strip("'\"")
     if traj is not None:
         w("\ntree (turns as routed; leaves depth-first)\n")
         for i, row in enumerate(traj.rows):
@@ -395,7 +418,8 @@ def run(args) -> int:
         n_prompt = s.prompt_length
         mask = s.mask
         flags = " remove_sample" if s.remove_sample else ""
-        meta = s.metadata.get("abort_reason") or s.metadata.get("reward_error") or s.metadata.get("sampling_error") or ""
+        meta = (s.metadata.get("abort_reason") or s.metadata.get("reward_error") or s.metadata.get("sampling_error")
+                or ("untrainable: " + ", ".join(s.metadata["untrainable_flags"]) if "untrainable_flags" in s.metadata else ""))
         w(
             f"  row {s.row_index}: {s.status}{flags}, reward {s.reward:g}, {len(toks)} tokens = {n_prompt} prompt"
             f" + {s.response_length} response, {int(mask.sum())} trained" + (f"  [{meta}]" if meta else "") + "\n"

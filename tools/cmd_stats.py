@@ -1,5 +1,6 @@
 """`agentlog stats LOG [--json]`: sessions by status, abort and drop reasons,
-turns and tokens, reward statistics, groups complete/skipped, time span.
+turns and tokens, reward statistics, groups complete/skipped, the ended
+sessions per health flag (:mod:`reducers.health`), time span.
 
 One pass over raw frames, decoding only the fields the statistics need
 (:mod:`reducers.runstats`). Events of types this version does not know (a
@@ -63,7 +64,8 @@ def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
         # generators or RawRecords between them and the fold).
         for batch in read_frame_batches(path, quiet=quiet, desc="stats"):
             for rec in batch:
-                feed(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode(rec.payload))
+                payload = rec.payload
+                feed(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, decode(payload), payload)
     except msgspec.DecodeError as exc:
         # Only decode() raises DecodeError, so a record was read: rec names it.
         schema = SchemaError.of_payload(exc, rec.payload, lsn=rec.lsn, session_id=rec.session_id)
@@ -95,7 +97,7 @@ def _partitioned_stats(path: Any, quiet: bool) -> dict[str, Any]:
     try:
         for pos, (pid, rec) in enumerate(read_tagged(path, raw=True, quiet=quiet, desc="stats")):
             before = stats.violation_count
-            stats.feed_record(pos, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload))
+            stats.feed_record(pos, rec.session_id, rec.session_seq, rec.ts_ns, decode_projection(rec.payload), rec.payload)
             if stats.violation_count != before:
                 named[pos] = record_id(pid, rec.lsn)
             p = parts[f"p{pid:04d}"]
@@ -149,6 +151,11 @@ def _counts(d: dict[str, int]) -> str:
     return ", ".join(f"{k} ({v})" for k, v in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
 
 
+def _flags(counts: dict[str, int]) -> str:
+    """The health flags in their fixed order (:data:`reducers.health.ALL_FLAGS`), zeros included."""
+    return ", ".join(f"{name} {n}" for name, n in counts.items())
+
+
 def render_text(s: dict[str, Any]) -> str:
     """The statistics as an aligned text report."""
     ses, turns, tok, rw, g = s["sessions"], s["turns"], s["tokens"], s["reward"], s["groups"]
@@ -185,6 +192,8 @@ def render_text(s: dict[str, Any]) -> str:
     if g["refills_owed"] or g["replacements"] or g["aborted_as_failures"]:
         lines.append(f"aborts     {g['refills_owed']} refilled ({g['replacements']} replacements opened), "
                      f"{g['aborted_as_failures']} counted as failures")
+    lines.append(f"flags      {_flags(s['flags'])} (ended sessions)"
+                 + (f"; {g['untrainable_by_flags']} made untrainable by them" if g["untrainable_by_flags"] else ""))
     if s["policy"]["updates"]:
         lines.append(f"policy     {s['policy']['updates']} updates, version {s['policy']['version']}")
     if s["unknown_events"]:

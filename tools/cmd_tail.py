@@ -148,7 +148,7 @@ async def _tail_summary(path: LogSource) -> None:
             if pid is None:
                 # One log: frames the scanner builds in bulk, no RawRecord per record.
                 for fr in rec:
-                    stats.feed_record(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, decode_projection(fr.payload))
+                    stats.feed_record(fr.lsn, fr.session_id, fr.session_seq, fr.ts_ns, decode_projection(fr.payload), fr.payload)
             else:
                 # An envelope. The fold checks that LSNs rise: it is fed the arrival position; the title names each partition's LSN.
                 stats.feed_record(pos, rec.session_id, rec.session_seq, rec.ts_ns, rec.body)

@@ -71,3 +71,25 @@ def test_train_once_is_a_policy_setting_and_linear_sessions_train_the_same_eithe
     other = replay_run(run_dir, repeated)
     assert other.steps == other.steps_equal == 2
     assert diff_outcomes(replay_run(run_dir, cfg), other).changes == ()
+
+
+def test_a_policy_that_makes_a_health_flag_untrainable_changes_exactly_the_groups_holding_a_flagged_member(short_demo_run) -> None:
+    from agentlog.events.schema.types import SessionAborted, SessionFinished, SessionOpened, TurnDelta, TurnRecorded
+
+    run_dir, cfg = _run(short_demo_run)
+    own = replay_run(run_dir, cfg)
+    with Run.open(run_dir) as run:
+        envs = [(pid, e) for pid, src in run.existing_rollout_logs().items() for e in src.read()]
+    # By hand: a member that trains (finished, or aborted as a failure) with a turn stopped at its length limit.
+    group_of = {(pid, e.session_id): f"p{pid:04d}/{e.body.group_id}" for pid, e in envs if isinstance(e.body, SessionOpened)}
+    cut = {(pid, e.session_id) for pid, e in envs if isinstance(e.body, (TurnRecorded, TurnDelta)) and e.body.finish_reason == "length"}
+    trains = {(pid, e.session_id) for pid, e in envs
+              if isinstance(e.body, SessionFinished)
+              or isinstance(e.body, SessionAborted) and not e.body.refill and cfg.reduce_config().outcome_of(e.body.reason) == "fail"}
+    predicted = {group_of[s] for s in cut & trains} & set(own.outcomes)
+    assert predicted, "the demo's turns stop at their token limit"
+    diff = diff_outcomes(own, replay_run(run_dir, policy_config(cfg, {"untrainable_flags": ["truncated"]})))
+    assert {c.group for c in diff.changes} == predicted
+    assert all("samples" in c.changed for c in diff.changes)
+    # A flag no member carries changes nothing.
+    assert diff_outcomes(own, replay_run(run_dir, policy_config(cfg, {"untrainable_flags": ["undelivered"]}))).changes == ()

@@ -86,7 +86,8 @@ def test_projection_and_full_bodies_give_identical_stats_matching_lifecycle_summ
     full, proj = RunStats(), RunStats()
     for env in envs:
         full.feed(env)
-        proj.feed_record(env.lsn, env.session_id, env.session_seq, env.ts_ns, decode_projection(encode_body(env.body)))
+        payload = encode_body(env.body)  # a turn's projection comes with its stored bytes (the drift flag may need them)
+        proj.feed_record(env.lsn, env.session_id, env.session_seq, env.ts_ns, decode_projection(payload), payload)
     a, b = full.snapshot(), proj.snapshot()
     assert msgspec.json.encode(a) == msgspec.json.encode(b)
     # Cross-check against the lifecycle reducer, an independent fold.

@@ -3,7 +3,8 @@
 Generates a log (default 1 GB; ``--quick``: 64 MB) of SWE-agent-like
 sessions in groups of 4, written with ``agentlog.events.FileLog``: each turn's
 prompt carries the whole conversation so far (chat messages with text and
-its token ids), 60-400 generated tokens with log-probs, a command run per
+its token ids, which extend the previous turn's prompt and output, as a real
+agent's do: no session drifts), 60-400 generated tokens with log-probs, a command run per
 turn, a reward; ~10% of sessions abort, ~5% are dropped. Sessions of a
 group interleave, as they do in a live run.
 
@@ -78,10 +79,14 @@ def _session_bodies(rng: np.random.Generator, pool: np.ndarray, group: int, inde
     n_turns = int(rng.integers(3, 16))
     if fate < 0.15:
         n_turns = int(rng.integers(1, n_turns + 1))
+    prompt = out = pool[:0]
     for t in range(n_turns):
         n_out = int(rng.integers(60, 400))
         start = int(rng.integers(0, len(pool) - ctx_len - n_out))
-        prompt = pool[start : start + ctx_len]
+        if t == 0:
+            prompt = pool[start : start + ctx_len]
+        else:  # the conversation so far, as an agent sends it: the previous prompt and output, then the tool's result
+            prompt = np.concatenate([prompt, out, pool[start : start + ctx_len - len(prompt) - len(out)]])
         out = pool[start + ctx_len : start + ctx_len + n_out]
         lp = -rng.random(n_out, dtype=np.float32)
         reply = {"role": "assistant", "content": " ".join(rng.choice(WORDS, n_out // 2))}

@@ -17,6 +17,8 @@ list of every session:
   tokens per session, session duration; log-spaced buckets give quantiles;
 * staleness at the end of each session: the newest policy version the log
   had shown by then minus the session's oldest version;
+* ended sessions per health flag (:mod:`reducers.health`, from the sample
+  reducer's outputs), and each table row's flags;
 * a bounded sessions table (:class:`SessionTable`): the ``worst`` finished
   sessions by reward (a bounded heap), the first ``per_reason`` aborted
   sessions of each reason, and a seeded reservoir sample of the rest. Only
@@ -104,6 +106,10 @@ class ReportData(msgspec.Struct):
     #: Trained tokens (loss mask 1, removed samples left out) per policy version that generated them:
     #: per token, so a turn a weight update interrupted counts under each of its versions.
     trained_tokens_by_version: dict[int, int] = {}
+    #: Ended sessions per health flag (every flag, 0 included; :data:`reducers.health.ALL_FLAGS` order).
+    flags: dict[str, int] = {}
+    #: The flags the run's reduce settings make untrainable (``ReduceConfig.untrainable_flags``).
+    untrainable_flags: list[str] = []
 
 
 def _count_reason(counter: Counter, reason: str) -> None:
@@ -135,6 +141,7 @@ def collect(
     from agentlog.events.schema.types import CommandRan, PolicyUpdated, SessionOpened
     from agentlog.reducers.lifecycle import LifecycleState, SessionSummary, Violation, reduce_lifecycle
     from agentlog.reducers.config import DEFAULT_CONFIG
+    from agentlog.reducers.health import flag_counts
     from agentlog.reducers.pipeline import ReduceError, Reducer
     from agentlog.reducers.samples import resolve_reward
 
@@ -162,6 +169,7 @@ def collect(
     }
     staleness: Counter[int] = Counter()
     token_versions: Counter[int] = Counter()
+    flag_count: Counter[str] = Counter()
     newest_version = 0
     reward_n, reward_sum, reward_lo, reward_hi = 0, 0.0, math.inf, -math.inf
     released = skipped = refilled = failures = 0
@@ -217,6 +225,7 @@ def collect(
                     if lv is not None:
                         lv.min_version = version if lv.min_version is None else min(lv.min_version, version)
         samples: list[Any] = []
+        ended_flags: dict[str, tuple[str, ...]] = {}
         reducer = reducers[pid]
         if reducer is not None:
             try:
@@ -226,6 +235,9 @@ def collect(
                 reducers[pid] = None
             else:
                 samples = res.samples
+                ended_flags = res.flags
+                for flags in ended_flags.values():
+                    flag_count.update(flags)
                 for smp in samples:
                     if not smp.remove_sample:
                         token_versions.update(smp.trained_tokens_by_version())
@@ -267,6 +279,7 @@ def collect(
                 summary.reward, version, [drill_sample(s) for s in samples if s.session_id == sid],
                 partition="" if pid is None else f"p{pid:04d}",
                 explain=lv.why.lines(False, lambda lsn: record_id(pid, lsn)) if lv is not None else [],
+                flags=list(ended_flags.get(sid, ())),
             )
             table.add(row, reward)
         else:
@@ -304,6 +317,8 @@ def collect(
         histograms=hist,
         staleness=dict(sorted(staleness.items())),
         trained_tokens_by_version=dict(sorted(token_versions.items())),
+        flags=flag_counts(flag_count),
+        untrainable_flags=list((config or DEFAULT_CONFIG).untrainable_flags),
         table=table.rows(),
         table_limits={"worst": worst, "per_reason": per_reason, "sample": sample, "seed": seed},
         learner=learner_rows,

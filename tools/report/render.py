@@ -3,8 +3,9 @@
 Sections: outcome counts, outcomes with reward and solve rate over time
 and per policy version, turns and tokens per session, the learner's curves
 (for a run folder), latency and size distributions (histograms and
-quantiles), abort and drop reasons, staleness, and the bounded sessions
-table whose drill-down highlights response tokens by loss mask. Every chart
+quantiles), abort and drop reasons, staleness, the health flags, and the
+bounded sessions table (each row with its flags) whose drill-down highlights
+response tokens by loss mask. Every chart
 draws fixed-size aggregates, so the page's size does not grow with the
 number of sessions. The page loads nothing from the network.
 """
@@ -326,6 +327,7 @@ def _session_html(s: SessionRow, data: ReportData) -> str:
         f"<summary><b>{e(s.session_id)}</b>" + (f" · {e(s.partition)}" if s.partition else "") + f" · group {e(s.group_id)} [{s.sample_index}] · "
         f'<span class="status">{s.status}</span>{reason}{reward} · {s.turns} turns · '
         f"{s.tokens_in} in / {s.tokens_out} out tokens · version {s.policy_version} · {dur:.3f} s"
+        f' · <span class="flags" data-flags="{e(" ".join(s.flags))}">flags {e(", ".join(s.flags) or "none")}</span>'
         f' · <span class="meta">{WHY.get(s.why, s.why)}</span></summary>'
     )
     body = []
@@ -363,6 +365,19 @@ def _partitions_html(data: ReportData) -> str:
     return (f"<h2>Partitions</h2><p class='meta'>{len(data.partitions)} partitions, read merged by time; everything above and "
             "below is over all of them. A partition's digest is the one <code>agentlog reconstruct</code> gives for it alone.</p>"
             f"<table class='outcomes' id='partitions'>{head}{rows}</table>")
+
+
+def _flags_html(data: ReportData) -> str:
+    """Ended sessions per health flag (:mod:`reducers.health`), the ones the run makes untrainable marked."""
+    e = html.escape
+    rows = "".join(
+        f"<tr data-flag='{e(name)}' data-count='{n}'><th>{e(name)}"
+        + (" (untrainable)" if name in data.untrainable_flags else "") + f"</th><td>{n}</td></tr>"
+        for name, n in data.flags.items()
+    )
+    return ("<h2>Health flags</h2><p class='meta'>Ended sessions carrying each flag (a session may carry several; "
+            "<code>agentlog replay LOG --flag NAME</code> lists them).</p>"
+            f"<table class='outcomes' id='flags'>{rows}</table>")
 
 
 def _stat_table(data: ReportData) -> str:
@@ -433,6 +448,7 @@ def render(data: ReportData) -> str:
            if g.get("refilled") or g.get("failures") else "")
         + f"reward mean {_fmt(r['mean'])} (min {_fmt(r['min'])}, max {_fmt(r['max'])}) over {r['count']} finished sessions</p>",
         _partitions_html(data),
+        _flags_html(data),
         "<h2>Over time</h2><p class='meta'>Sessions by the time they ended, stacked by outcome; "
         "reward mean and solve rate of the finished ones.</p>",
         _figure_html(outcomes_over_time_figure(data), "over-time"),

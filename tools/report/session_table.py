@@ -85,6 +85,8 @@ class SessionRow(msgspec.Struct):
     #: Why it scored so, as ``agentlog show`` says it (:class:`tools.cmd_show.SessionWhy`): label, reward
     #: and its source, verifier detail, the test command's output, traceback.
     explain: list[str] = []
+    #: Its health flags (:mod:`reducers.health`), sorted.
+    flags: list[str] = []
 
 
 class SessionTable:
