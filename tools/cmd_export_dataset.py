@@ -1,0 +1,304 @@
+"""`agentlog export-dataset LOG -o DIR [--format hf|sft|jsonl] [filters] [--tokens]`:
+a run's sessions as a dataset, one row per session (:mod:`tools.dataset_rows`
+says what a row holds: the final conversation with its tool calls, the tool
+definitions, the outcome, the GRPO advantage, optionally the tokens).
+
+LOG is a log directory, a partition root, a run folder or a ``nats://`` URL,
+as every reading command takes it; a run folder is folded with the run's own
+reduce settings and its learner's advantage estimator. Formats:
+
+* ``hf``: a Hugging Face ``datasets`` dataset written with
+  ``Dataset.save_to_disk`` (Arrow shards): ``datasets.load_from_disk(DIR)``;
+  every column;
+* ``sft``: the same, in the form TRL's ``SFTTrainer`` takes: a dataset
+  directory (``load_from_disk``) with two columns, ``messages`` and
+  ``tools`` (JSON text, which TRL decodes); a session without an assistant
+  message (nothing to learn from) is left out;
+* ``jsonl``: ``DIR/sessions.jsonl``, one JSON object per session, every
+  column (messages without the keys they do not have).
+
+Tool-call arguments and the tool definitions are JSON text: Arrow gives every
+struct of a column the union of their keys, so arguments kept as objects
+would come back with the other tools' keys set to null.
+
+Filters (all must hold): ``--status`` (default: every session that ended),
+``--group``, ``--min-reward``; ``--sessions N`` stops after N rows. Rows come
+in the order groups complete (see :mod:`tools.dataset_rows`). DIR must not
+exist, or be empty; it is written beside itself and renamed into place, so an
+interrupted export leaves nothing that looks whole. ``DIR/export.json``
+records the source, the format, the filters, the counts, the reduce
+settings and the advantage estimator. Exit 1 when the reducers refuse the log
+(naming the LSN and session), 2 on usage and I/O errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
+from agentlog.tools.cli_common import add_quiet, check_log_path, finite_float, positive_int, read_tagged, reduce_config_of
+
+FORMATS = ("hf", "sft", "jsonl")
+#: The sessions exported when ``--status`` is not given: every one that ended.
+DEFAULT_STATUSES = ("finished", "aborted", "dropped")
+#: The jsonl format's file in DIR.
+JSONL_FILE = "sessions.jsonl"
+#: The export's record in DIR.
+MANIFEST = "export.json"
+
+
+def register(sub) -> None:
+    """Add the subcommand."""
+    from agentlog.learner.config import ESTIMATORS
+    from agentlog.tools.dataset_rows import STATUSES
+
+    p = sub.add_parser("export-dataset", help="write the sessions as a dataset (Hugging Face, TRL SFT or JSONL): messages, tools, outcome, advantage")
+    p.add_argument("log", metavar="LOG", help="the log directory, or a run folder (then its reduce settings and estimator)")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="the directory to write: new, or empty")
+    p.add_argument("--format", choices=FORMATS, default="hf",
+                   help="hf: datasets.load_from_disk(DIR), every column; sft: load_from_disk(DIR), messages and tools only, for "
+                        "TRL's SFTTrainer; jsonl: DIR/sessions.jsonl, one object per session (default hf)")
+    p.add_argument("--status", action="append", default=None, metavar="S[,S...]",
+                   help=f"only sessions in these states ({', '.join(STATUSES)}; open and running: still in flight at the end of "
+                        f"the log); repeat or comma-separate (default: {','.join(DEFAULT_STATUSES)})")
+    p.add_argument("--group", action="append", default=None, metavar="ID", help="only sessions of this group (repeat for several)")
+    p.add_argument("--min-reward", type=finite_float, default=None, metavar="X", help="only sessions with a reward >= X (sessions without one are left out)")
+    p.add_argument("--sessions", type=positive_int, default=None, metavar="N", help="stop after N rows (the first in export order)")
+    p.add_argument("--tokens", action="store_true", help="add token_ids, loss_mask and log_probs per trajectory row (the reducer's samples)")
+    p.add_argument("--estimator", choices=ESTIMATORS, default=None,
+                   help="the advantage estimator (default: the run's [learner] estimator, grpo for a bare log)")
+    add_quiet(p)
+    p.set_defaults(func=run)
+
+
+def _statuses(given: list[str] | None) -> tuple[str, ...]:
+    from agentlog.tools.dataset_rows import STATUSES
+
+    if not given:
+        return DEFAULT_STATUSES
+    out = tuple(s.strip() for g in given for s in g.split(",") if s.strip())
+    bad = [s for s in out if s not in STATUSES]
+    if bad or not out:
+        raise CliError(f"export-dataset: --status: expected one or more of {', '.join(STATUSES)}, found {', '.join(map(repr, bad or given))}",
+                       EXIT_USAGE)
+    return out
+
+
+def _check_output(out: Path) -> None:
+    """DIR must be new or an empty directory (exit 2 otherwise, before the log is read)."""
+    if out.is_dir():
+        try:
+            entries = next(os.scandir(out), None)
+        except OSError as exc:
+            raise CliError(f"{out}: cannot read: {exc.strerror or exc}", EXIT_USAGE) from None
+        if entries is not None:
+            raise CliError(f"{out}: exists and is not empty; export-dataset writes a new (or empty) directory: remove it or choose another",
+                           EXIT_USAGE)
+    elif out.exists() or out.is_symlink():
+        raise CliError(f"{out}: exists and is not a directory; export-dataset writes a new (or empty) directory", EXIT_USAGE)
+
+
+def _advantage_settings(source: Any, estimator: str | None) -> tuple[str, float]:
+    """(estimator, eps) of the run's learner (a run folder), else the learner's defaults; ``estimator`` on top."""
+    from agentlog.events.errors import ConfigError
+    from agentlog.learner.config import LearnerConfig
+    from agentlog.loop.run_folder import Run
+
+    learner = LearnerConfig()
+    if source.run_dir is not None and Run.has_config(source.run_dir):
+        try:
+            learner = Run.load_config(source.run_dir).learner_config()
+        except ConfigError as exc:
+            raise CliError(f"{exc} (the run's learner settings)", EXIT_USAGE) from None
+    return estimator or learner.estimator, learner.adv_eps
+
+
+def arrow_schema(fmt: str, tokens: bool) -> Any:
+    """The Arrow schema of a ``fmt`` (hf or sft) dataset; the Hugging Face features follow from it."""
+    import pyarrow as pa
+
+    s, i64 = pa.string(), pa.int64()
+    call = pa.struct([("id", s), ("type", s), ("function", pa.struct([("name", s), ("arguments", s)]))])
+    message = pa.struct([("role", s), ("content", s), ("tool_calls", pa.list_(call)), ("tool_call_id", s), ("name", s)])
+    if fmt == "sft":
+        return pa.schema([("messages", pa.list_(message)), ("tools", s)])
+    fields = [
+        ("session_id", s), ("partition", pa.int32()), ("group_id", s), ("sample_index", i64), ("group_size", i64), ("agent", s),
+        ("label", s), ("messages", pa.list_(message)), ("tools", s), ("tools_source", s), ("status", s), ("reason", s),
+        ("reward", pa.float64()), ("in_baseline", pa.bool_()), ("truncated", pa.bool_()), ("finish_reason", s), ("turns", i64),
+        ("policy_versions", pa.list_(i64)), ("advantage", pa.float64()), ("group_skip_reason", s), ("health_flags", pa.list_(s)),
+    ]
+    if tokens:
+        fields += [("token_ids", pa.list_(pa.list_(pa.int32()))), ("loss_mask", pa.list_(pa.list_(pa.uint8()))),
+                   ("log_probs", pa.list_(pa.list_(pa.float32())))]
+    return pa.schema(fields)
+
+
+class _JsonlRows:
+    """``DIR/sessions.jsonl``: one JSON object per row."""
+
+    def __init__(self, data: Path, work: Path, fmt: str, tokens: bool, quiet: bool) -> None:
+        import msgspec
+
+        data.mkdir()
+        self._encode = msgspec.json.Encoder().encode
+        self._f = open(data / JSONL_FILE, "wb")
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        enc = self._encode
+        self._f.write(b"".join(enc(r) + b"\n" for r in rows))
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class _ArrowRows:
+    """A ``datasets`` dataset: rows streamed to an Arrow file in ``work`` (bounded
+    memory), then ``Dataset.from_file`` (memory-mapped) and ``save_to_disk(data)``."""
+
+    BATCH = 2048
+
+    def __init__(self, data: Path, work: Path, fmt: str, tokens: bool, quiet: bool) -> None:
+        import pyarrow as pa
+
+        self._pa, self._data, self._quiet = pa, data, quiet
+        self._schema = arrow_schema(fmt, tokens)
+        self._file = work / "rows.arrow"
+        self._sink = pa.OSFile(str(self._file), "wb")
+        self._writer = pa.ipc.new_stream(self._sink, self._schema)
+        self._buf: list[dict[str, Any]] = []
+        self._batches = 0
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        self._buf.extend(rows)
+        if len(self._buf) >= self.BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._buf or not self._batches:  # an export of no row still writes its (empty) table
+            self._writer.write_table(self._pa.Table.from_pylist(self._buf, schema=self._schema))
+            self._buf = []
+            self._batches += 1
+
+    def close(self) -> None:
+        import datasets
+
+        self._flush()
+        self._writer.close()
+        self._sink.close()
+        if self._quiet or not sys.stderr.isatty():
+            datasets.disable_progress_bars()
+        dataset = datasets.Dataset.from_file(str(self._file))
+        # One shard for no row: datasets' default writes no shard then, and load_from_disk fails on that.
+        dataset.save_to_disk(str(self._data), num_shards=None if len(dataset) else 1)
+
+
+def _writer(fmt: str) -> Any:
+    if fmt == "jsonl":
+        return _JsonlRows
+    try:
+        import datasets  # noqa: F401
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise CliError(f"export-dataset --format {fmt} needs the datasets package: pip install 'agentlog[export]'", EXIT_USAGE) from None
+    return _ArrowRows
+
+
+def _sft_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The rows with an assistant message (something to learn from); and how many had none."""
+    out = [r for r in rows if any(m["role"] == "assistant" for m in r["messages"])]
+    return out, len(rows) - len(out)
+
+
+def _sft_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A row in TRL's conversational form: its messages and tools."""
+    return {"messages": row["messages"], "tools": row["tools"]}
+
+
+def run(args) -> int:
+    """Fold the log into rows, write them, print one line."""
+    from agentlog.reducers.pipeline import ReduceError
+    from agentlog.tools.dataset_rows import DatasetFold, group_advantages
+
+    fmt = args.format
+    statuses = _statuses(args.status)
+    out = Path(args.output)
+    _check_output(out)
+    writer_type = _writer(fmt)
+    path = check_log_path(args.log)
+    config = reduce_config_of(path)
+    estimator, eps = _advantage_settings(path, args.estimator)
+    groups = set(args.group or ())
+    min_reward = args.min_reward
+
+    def keep(row: dict[str, Any]) -> bool:
+        if row["status"] not in statuses or (groups and row["group_id"] not in groups):
+            return False
+        return min_reward is None or (row["reward"] is not None and row["reward"] >= min_reward)
+
+    fold = DatasetFold(config, group_advantages(estimator, eps), tokens=args.tokens, keep=keep)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        work = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+    except OSError as exc:
+        raise CliError(f"{out}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None
+    counts: dict[str, int] = {}
+    written = no_assistant = 0
+    limit = args.sessions
+
+    def emit(rows: list[dict[str, Any]]) -> bool:
+        """Write ``rows`` (up to the limit); whether the limit is reached."""
+        nonlocal written, no_assistant
+        if fmt == "sft":
+            rows, skipped = _sft_rows(rows)
+            no_assistant += skipped
+        if limit is not None:
+            rows = rows[: limit - written]
+        for r in rows:
+            counts[r["status"]] = counts.get(r["status"], 0) + 1
+        writer.write([_sft_row(r) for r in rows] if fmt == "sft" else rows)
+        written += len(rows)
+        return limit is not None and written >= limit
+
+    data = work / "data"
+    try:
+        writer = writer_type(data, work, fmt, args.tokens, args.quiet)
+        done = False
+        for pid, env in read_tagged(path, quiet=args.quiet, desc="export-dataset"):
+            try:
+                rows = fold.feed(pid, env)
+            except ReduceError as exc:
+                where = "" if pid is None else f" partition p{pid:04d}:"
+                raise CliError(f"{path}:{where} {exc}", EXIT_DATA) from None
+            if rows and emit(rows):
+                done = True
+                break
+        if not done:
+            emit(fold.finish())
+        writer.close()
+        manifest = {
+            "source": str(path), "format": fmt, "rows": written, "by_status": counts,
+            "filters": {"status": list(statuses), "group": sorted(groups), "min_reward": min_reward, "sessions": limit},
+            "tokens": args.tokens, "advantage": {"estimator": estimator, "eps": eps},
+            "reduce_config": config.to_dict(), "reduce_config_digest": config.digest(),
+        }
+        (data / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        if out.is_dir():
+            out.rmdir()  # empty (checked above): the rename takes its place
+        os.replace(data, out)
+    except OSError as exc:
+        raise CliError(f"{out}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    by_status = ", ".join(f"{s} {counts[s]}" for s in sorted(counts))
+    note = f"; {no_assistant} without an assistant message left out" if no_assistant else ""
+    print(f"{out}: {written} sessions ({fmt}{'; ' + by_status if by_status else ''}){note}; {fold.left_out} of "
+          f"{fold.sessions} ended sessions left out by the filters; advantage {estimator}; config {config.digest()[:19]}")
+    return EXIT_OK
