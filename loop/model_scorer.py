@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from agentlog.events.errors import AgentlogError
 from agentlog.gateway.chat import ChatTemplate
 from agentlog.gateway.scoring import Scorer, TokenIds
 from agentlog.reducers.samples import Sample
@@ -32,7 +33,11 @@ from agentlog.reducers.samples import Sample
 from .config import LoopConfig
 from .publish import checkpoint_path, hf_checkpoint_dir
 
-__all__ = ["ModelScorer", "is_text_task", "load_policy", "run_template", "versioned_scorers"]
+__all__ = ["ModelScorer", "PolicyLoadError", "is_text_task", "load_policy", "run_template", "versioned_scorers"]
+
+class PolicyLoadError(AgentlogError, ValueError):
+    """A version's checkpoint exists but does not load (the message names the file and why)."""
+
 
 #: Tokens scored per forward batch (padded): bounds memory on long turns.
 SCORE_TOKENS_PER_BATCH = 32768
@@ -101,22 +106,26 @@ def _scoring_sample(prompt: TokenIds, output: TokenIds, temperature: float) -> S
 
 def load_policy(run_dir: Path, cfg: LoopConfig, version: int) -> torch.nn.Module | None:
     """The run's policy at ``version`` from its checkpoints, or None when that version's
-    checkpoint was pruned (or never written)."""
+    checkpoint was pruned (or never written); PolicyLoadError when it is there but does not load."""
     ckpt = checkpoint_path(Path(run_dir) / "checkpoints", version)
-    if cfg.hf_model:
-        hf_dir = hf_checkpoint_dir(ckpt)
-        if not hf_dir.is_dir():
+    try:
+        if cfg.hf_model:
+            hf_dir = hf_checkpoint_dir(ckpt)
+            if not hf_dir.is_dir():
+                return None
+            from agentlog.learner.hf_model import HFCausalLM
+
+            return HFCausalLM(hf_dir)
+        if not ckpt.is_file():
             return None
-        from agentlog.learner.hf_model import HFCausalLM
+        from agentlog.learner.learner import read_policy
+        from agentlog.learner.model import GPT
 
-        return HFCausalLM(hf_dir)
-    if not ckpt.is_file():
-        return None
-    from agentlog.learner.learner import read_policy
-    from agentlog.learner.model import GPT
-
-    state, config = read_policy(ckpt)
-    return GPT.from_state_dict(state, config or {"n_head": cfg.n_head})
+        state, config = read_policy(ckpt)
+        return GPT.from_state_dict(state, config or {"n_head": cfg.n_head})
+    except (OSError, ValueError, RuntimeError) as exc:  # torch and transformers raise these for files that are not ours
+        why = (str(exc).strip().splitlines() or [""])[0]
+        raise PolicyLoadError(f"policy version {version} ({ckpt}): cannot load it: {type(exc).__name__}: {why}") from None
 
 
 def run_template(run_dir: Path | None, cfg: LoopConfig | None, model_dir: str | None = None) -> ChatTemplate | None:

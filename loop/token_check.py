@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Sequence
 import msgspec
 import numpy as np
 
+from agentlog.events.schema.turn import turn_version_spans
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import Envelope, TurnRecorded
 from agentlog.gateway.scoring import Scorer
@@ -64,7 +65,15 @@ class Turn:
     greedy: bool
     stop_ids: tuple[int, ...]
     messages: list[dict[str, Any]] = field(default_factory=list)
-    corrupted_at: int = -1  # the output position the negative control changed (-1: none)
+    #: ((first output position, version), ...): the versions that generated the output (one
+    #: entry unless a weight update landed mid-turn, a partial rollout).
+    spans: tuple[tuple[int, int], ...] = ()
+
+    def parts(self) -> list[tuple[int, int, int]]:
+        """``(lo, hi, version)``: the output positions each version generated."""
+        spans = self.spans or ((0, self.version),)
+        ends = [first for first, _ in spans[1:]] + [len(self.output)]
+        return [(first, end, version) for (first, version), end in zip(spans, ends)]
 
 
 class CheckedTurn(msgspec.Struct):
@@ -74,9 +83,13 @@ class CheckedTurn(msgspec.Struct):
     turn_index: int
     lsn: int
     policy_version: int
-    tokens: int
+    #: Output tokens whose log-probs were compared.
+    tokens: int = 0
     #: "" when checked, else why not (no checkpoint for its version, ...).
     skipped: str = ""
+    #: Output tokens not compared: no recorded log-probs, or made by a version not checked
+    #: (a partial rollout's other part, against a server that holds one version).
+    unchecked_tokens: int = 0
     lp_max_abs_diff: float = 0.0
     lp_mean_abs_diff: float = 0.0
     #: Output position of the first token whose log-prob differs past the tolerance (-1: none).
@@ -98,6 +111,8 @@ class TokenReport(msgspec.Struct):
     turns_checked: int = 0
     turns_skipped: int = 0
     tokens: int = 0
+    #: Output tokens of checked turns whose log-probs were not compared (none recorded, another version).
+    unchecked_tokens: int = 0
     lp_max_abs_diff: float = 0.0
     lp_mean_abs_diff: float = 0.0
     lp_mismatched_turns: int = 0
@@ -140,7 +155,8 @@ def collect_turns(envelopes: Iterable[Envelope], *, sessions: int | None = None,
             if sessions is not None and len(chosen) >= sessions:
                 continue
             chosen.add(sid)
-        if version is not None and body.policy_version != version:
+        spans = turn_version_spans(body)
+        if version is not None and all(v != version for _, v in spans):
             continue
         sampling = body.sampling or {}
         # A greedy turn (temperature 0) is scored at temperature 1: the log-probs engines report for it.
@@ -152,37 +168,50 @@ def collect_turns(envelopes: Iterable[Envelope], *, sessions: int | None = None,
             prompt=np.frombuffer(body.prompt_ids, "<i4"), output=body.output_tokens,
             log_probs=body.log_probs, temperature=temperature,
             greedy=_is_greedy(sampling), stop_ids=tuple(int(s) for s in stops), messages=list(body.messages),
+            spans=tuple((int(a), int(b)) for a, b in spans),
         ))
     return turns
 
 
 def corrupt_turns(turns: list[Turn], position: int) -> dict[str, Any]:
-    """The negative control: replace the recorded output token at ``position`` (over all the
-    turns' output tokens, in order) by a neighbouring id; returns where it landed."""
+    """The negative control: replace the recorded output token at ``position`` (counted over the
+    output tokens of the turns that recorded log-probs, in order) by a neighbouring id; returns
+    where it landed. ValueError past the last one."""
     at = position
     for turn in turns:
+        if not len(turn.log_probs):
+            continue
         if at < len(turn.output):
             old = int(turn.output[at])
             turn.output = turn.output.copy()  # the record's own tokens stay as stored
             turn.output[at] = old - 1 if old > 0 else old + 1
-            turn.corrupted_at = at
             return {"position": position, "session": turn.session_id, "turn": turn.turn_index, "offset": at,
                     "from": old, "to": int(turn.output[at]), "caught": False}
         at -= len(turn.output)
-    total = sum(len(t.output) for t in turns)
+    total = corruptible_tokens(turns)
     raise ValueError(f"--corrupt {position}: the checked turns hold {total} output tokens (positions 0..{total - 1})")
 
 
-def _lp_check(result: CheckedTurn, recorded: np.ndarray, scored: Sequence[float], tolerance: float) -> None:
-    if not len(recorded):
-        result.skipped = "no recorded log-probs"
+def corruptible_tokens(turns: list[Turn]) -> int:
+    """How many output positions ``--corrupt`` can name: those of turns that recorded log-probs."""
+    return sum(len(t.output) for t in turns if len(t.log_probs))
+
+
+def _lp_compare(result: CheckedTurn, recorded: np.ndarray, scored: Sequence[float], lo: int, hi: int,
+                tolerance: float) -> None:
+    """Fold the comparison of output positions ``lo..hi`` into ``result`` (max, running mean,
+    first position past the tolerance)."""
+    diff = np.abs(np.asarray(scored, np.float64)[lo:hi] - np.asarray(recorded, np.float64)[lo:hi])
+    if not diff.size:
         return
-    diff = np.abs(np.asarray(scored, np.float64) - np.asarray(recorded, np.float64))
-    if diff.size:
-        result.lp_max_abs_diff = float(diff.max())
-        result.lp_mean_abs_diff = float(diff.mean())
-        over = np.flatnonzero(diff > tolerance)
-        result.lp_first_mismatch = int(over[0]) if over.size else -1
+    n_before = result.tokens
+    result.tokens += diff.size
+    result.lp_max_abs_diff = max(result.lp_max_abs_diff, float(diff.max()))
+    result.lp_mean_abs_diff = (result.lp_mean_abs_diff * n_before + float(diff.sum())) / result.tokens
+    over = np.flatnonzero(diff > tolerance)
+    if over.size:
+        at = lo + int(over[0])
+        result.lp_first_mismatch = at if result.lp_first_mismatch < 0 else min(result.lp_first_mismatch, at)
 
 
 def _first_diff(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
@@ -197,14 +226,19 @@ def _first_diff(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) ->
 
 async def _message_at(scorer: Scorer, messages: list[dict[str, Any]], full: list[int], position: int) -> int:
     """The index of the message whose rendering holds prompt ``position``: the first message
-    whose conversation prefix, rendered alone, agrees with the whole rendering ``full`` past
-    that position (the last one when none does)."""
-    for i in range(1, len(messages)):
-        ids = await scorer.tokenize_chat(messages[:i])
+    whose conversation prefix, rendered alone, agrees with the whole rendering ``full`` past that
+    position (the last one when none does). A longer prefix agrees at least as far, so the
+    search halves: O(log messages) renderings."""
+    lo, hi = 1, len(messages)  # the answer prefix length lies in lo..hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        ids = await scorer.tokenize_chat(messages[:mid])
         agree = -1 if ids is None else _first_diff(ids, full)
         if ids is not None and (agree < 0 or agree > position):
-            return i - 1
-    return len(messages) - 1
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo - 1
 
 
 async def _retokenize(scorer: Scorer, turn: Turn, result: CheckedTurn, skip: str) -> None:
@@ -234,32 +268,45 @@ async def _reproduce(scorer: Scorer, turn: Turn, result: CheckedTurn) -> None:
     result.repro_first_diff = at
 
 
-async def _check_group(scorer: Scorer, turns: list[Turn], tolerance: float, skip_retok: str) -> list[CheckedTurn]:
-    """The checks of turns that one scorer (one version) answers."""
-    results = [CheckedTurn(t.session_id, t.turn_index, t.lsn, t.version, len(t.output)) for t in turns]
-    scoreable = [i for i, t in enumerate(turns) if len(t.output)]
+@dataclass
+class _Part:
+    """The output positions ``lo..hi`` of turn ``index`` that ``version`` generated; the turn's
+    retokenization and greedy reproduction run with its first part."""
+
+    index: int
+    version: int
+    lo: int
+    hi: int
+    first: bool
+
+
+async def _check_parts(scorer: Scorer, turns: list[Turn], parts: list[_Part], results: list[CheckedTurn],
+                       tolerance: float, skip_retok: str) -> None:
+    """The checks of the parts one scorer (one version) answers, folded into ``results``."""
+    scoreable = [p for p in parts if len(turns[p.index].log_probs)]
+    items = [(turns[p.index].prompt, turns[p.index].output, turns[p.index].temperature) for p in scoreable]
     if isinstance(scorer, ModelScorer):
-        scored: dict[int, list[float]] = {}
-        for lo in range(0, len(scoreable), IN_PROCESS_TURNS_PER_BATCH):
-            chunk = scoreable[lo : lo + IN_PROCESS_TURNS_PER_BATCH]
-            got = await asyncio.to_thread(scorer.score_batch, [(turns[i].prompt, turns[i].output, turns[i].temperature) for i in chunk])
-            scored.update(zip(chunk, got))
+        scored: list[list[float]] = []
+        for lo in range(0, len(items), IN_PROCESS_TURNS_PER_BATCH):
+            scored += await asyncio.to_thread(scorer.score_batch, items[lo : lo + IN_PROCESS_TURNS_PER_BATCH])
     else:
         gate = asyncio.Semaphore(SERVER_CONCURRENCY)
 
-        async def one(i: int) -> list[float]:
+        async def one(item: tuple[Any, Any, float]) -> list[float]:
             async with gate:
-                return await scorer.score(turns[i].prompt, turns[i].output, turns[i].temperature)
+                return await scorer.score(*item)
 
-        scored = dict(zip(scoreable, await asyncio.gather(*(one(i) for i in scoreable))))
-    for i, turn in enumerate(turns):
-        result = results[i]
-        if i in scored:
-            _lp_check(result, turn.log_probs, scored[i], tolerance)
-        await _retokenize(scorer, turn, result, skip_retok)
-        if turn.greedy and len(turn.output):
-            await _reproduce(scorer, turn, result)
-    return results
+        scored = list(await asyncio.gather(*(one(item) for item in items)))
+    for part, got in zip(scoreable, scored):
+        _lp_compare(results[part.index], turns[part.index].log_probs, got, part.lo, part.hi, tolerance)
+    for part in parts:
+        turn, result = turns[part.index], results[part.index]
+        if not len(turn.log_probs):
+            result.unchecked_tokens += part.hi - part.lo
+        if part.first:
+            await _retokenize(scorer, turn, result, skip_retok)
+            if turn.greedy and len(turn.output) and len(turn.parts()) == 1:
+                await _reproduce(scorer, turn, result)
 
 
 def _first_mismatch(turn: CheckedTurn, offset: int) -> dict[str, Any] | None:
@@ -278,11 +325,14 @@ def _first_mismatch(turn: CheckedTurn, offset: int) -> dict[str, Any] | None:
 
 async def verify_turns(turns: list[Turn], scorer_at: Callable[[int], Scorer | None], *, engine: str,
                        tolerance: float = DEFAULT_TOLERANCE, corrupt: int | None = None, skip_retokenization: str = "",
-                       progress: Callable[[int], None] | None = None) -> TokenReport:
-    """Check ``turns`` (from :func:`collect_turns`) against ``scorer_at(version)``, the scorer
-    of each recorded version (None: that version cannot be checked); with ``corrupt``, run the
-    negative control at that output position; ``skip_retokenization``: why not to retokenize
-    (a token-level task's messages are for display). ``progress(n)`` is told of each n turns done."""
+                       only_version: int | None = None, progress: Callable[[int], None] | None = None) -> TokenReport:
+    """Check ``turns`` (from :func:`collect_turns`) against ``scorer_at(version)``, the scorer of
+    each recorded version (None: that version cannot be checked). Each version's part of a turn
+    (a partial rollout has several) is scored by its own version's scorer; ``only_version``: only
+    that version's parts are compared (an engine that holds one version). With ``corrupt``, run
+    the negative control at that output position (ValueError past the last one);
+    ``skip_retokenization``: why not to retokenize (a token-level task's messages are for display).
+    ``progress(n)`` is told of each n parts done."""
     t0 = time.perf_counter()
     report = TokenReport(engine=engine, tolerance=tolerance)
     if corrupt is not None:
@@ -290,28 +340,35 @@ async def verify_turns(turns: list[Turn], scorer_at: Callable[[int], Scorer | No
     offsets, total = [], 0
     for t in turns:
         offsets.append(total)
-        total += len(t.output)
-    order = sorted(range(len(turns)), key=lambda i: (turns[i].version, i))
-    checked: dict[int, CheckedTurn] = {}
+        total += len(t.output) if len(t.log_probs) else 0
+    results = [CheckedTurn(t.session_id, t.turn_index, t.lsn, t.version) for t in turns]
+    parts: list[_Part] = []
+    for i, t in enumerate(turns):
+        checked = [(lo, hi, v) for lo, hi, v in t.parts() if only_version is None or v == only_version]
+        results[i].unchecked_tokens = len(t.output) - sum(hi - lo for lo, hi, _ in checked)
+        parts += [_Part(i, v, lo, hi, k == 0) for k, (lo, hi, v) in enumerate(checked)]
+    parts.sort(key=lambda p: (p.version, p.index))
     lo = 0
-    while lo < len(order):
-        version = turns[order[lo]].version
+    while lo < len(parts):
+        version = parts[lo].version
         hi = lo
-        while hi < len(order) and turns[order[hi]].version == version:
+        while hi < len(parts) and parts[hi].version == version:
             hi += 1
-        group = order[lo:hi]
+        group = parts[lo:hi]
         scorer = scorer_at(version)
         if scorer is None:
-            for i in group:
-                t = turns[i]
-                checked[i] = CheckedTurn(t.session_id, t.turn_index, t.lsn, t.version, len(t.output),
-                                         skipped=f"no policy for version {version}")
+            for part in group:
+                results[part.index].unchecked_tokens += part.hi - part.lo
+                results[part.index].skipped = f"no policy for version {version}"
         else:
-            checked.update(zip(group, await _check_group(scorer, [turns[i] for i in group], tolerance, skip_retokenization)))
+            await _check_parts(scorer, turns, group, results, tolerance, skip_retokenization)
         if progress is not None:
             progress(len(group))
         lo = hi
-    report.turns = [checked[i] for i in range(len(turns))]
+    for result in results:
+        if result.tokens or result.retokenization or result.reproduction:
+            result.skipped = ""  # some part was checked
+    report.turns = results
     _summarise(report, offsets)
     report.seconds = time.perf_counter() - t0
     return report
@@ -325,6 +382,7 @@ def _summarise(report: TokenReport, offsets: list[int]) -> None:
             continue
         report.turns_checked += 1
         report.tokens += turn.tokens
+        report.unchecked_tokens += turn.unchecked_tokens
         report.lp_max_abs_diff = max(report.lp_max_abs_diff, turn.lp_max_abs_diff)
         diffs_sum += turn.lp_mean_abs_diff * turn.tokens
         report.lp_mismatched_turns += turn.lp_first_mismatch >= 0

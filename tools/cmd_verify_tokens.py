@@ -63,13 +63,14 @@ def _token_level(source) -> str:
     return "" if is_text_task(run.config) else "a token-level task (its prompts are ids; its messages are for display)"
 
 
-def _scorers(args, source) -> tuple[Any, str, bool]:
-    """``(scorer_at(version), engine name, one_version)`` for the chosen engine."""
+def _scorers(args, source) -> tuple[Any, str, Any]:
+    """``(scorer_at(version), engine name, the one scorer)`` for the chosen engine; the one scorer
+    (a server's, or a model directory's) holds one version, and is None for a run's checkpoints."""
     if args.server is not None:
         from agentlog.gateway.scoring import SGLangScorer, VLLMScorer
 
         scorer = SGLangScorer(args.server) if args.engine == "sglang" else VLLMScorer(args.server, model=args.served_model)
-        return (lambda _version: scorer), f"{args.engine} at {args.server}", True
+        return (lambda _version: scorer), f"{args.engine} at {args.server}", scorer
     from agentlog.loop.model_scorer import ModelScorer, run_template, versioned_scorers
 
     run = _run_of(source)
@@ -82,11 +83,11 @@ def _scorers(args, source) -> tuple[Any, str, bool]:
             raise CliError("verify-tokens --model needs transformers: pip install 'agentlog[hf]'", EXIT_USAGE) from None
         except (OSError, ValueError) as exc:
             raise CliError(f"verify-tokens --model {args.model}: {exc}", EXIT_USAGE) from None
-        return (lambda _version: model_scorer), f"in-process {args.model}", True
+        return (lambda _version: model_scorer), f"in-process {args.model}", model_scorer
     if run is None:
         raise CliError(f"verify-tokens: {args.log} is not a run folder, so it has no checkpoints to score with; "
                        "pass --server URL or --model DIR", EXIT_USAGE)
-    return versioned_scorers(run.dir, run.config, run_template(run.dir, run.config)), "in-process (the run's checkpoints)", False
+    return versioned_scorers(run.dir, run.config, run_template(run.dir, run.config)), "in-process (the run's checkpoints)", None
 
 
 def _run_of(source) -> Any:
@@ -103,26 +104,36 @@ def _run_of(source) -> Any:
 
 def run(args) -> int:
     """Verify, print the report; exit 1 on a mismatch (see the module docstring)."""
+    from agentlog.events.schema.turn_delta import TurnDeltaError
     from agentlog.gateway.backends import BackendError
-    from agentlog.loop.token_check import DEFAULT_TOLERANCE, collect_turns
+    from agentlog.loop.token_check import DEFAULT_TOLERANCE, collect_turns, corruptible_tokens
     from agentlog.tools.progress import new_bar
 
     source = check_log_path(args.log)
-    scorer_at, engine, one_version = _scorers(args, source)
+    scorer_at, engine, closing = _scorers(args, source)
     envelopes = (env for _pid, env in read_tagged(source, quiet=args.quiet, desc="verify-tokens: read"))
-    turns = collect_turns(envelopes, sessions=args.sessions, version=args.version)
-    if one_version and args.version is None and turns:
-        newest = max(t.version for t in turns)
-        turns = [t for t in turns if t.version == newest]
+    try:
+        turns = collect_turns(envelopes, sessions=args.sessions, version=args.version)
+    except TurnDeltaError as exc:
+        raise CliError(f"verify-tokens: {args.log}: {exc}", EXIT_DATA) from None
+    only_version = args.version
+    if closing is not None and only_version is None and turns:
+        # A server or a model directory holds one version: the newest any turn was made by.
+        only_version = max(v for t in turns for _, _, v in t.parts())
+        turns = [t for t in turns if any(v == only_version for _, _, v in t.parts())]
     if not turns:
         raise CliError(f"verify-tokens: {args.log} holds no recorded turn to check"
                        + (f" at version {args.version}" if args.version is not None else ""), EXIT_DATA)
+    if args.corrupt is not None and args.corrupt >= corruptible_tokens(turns):
+        total = corruptible_tokens(turns)
+        raise CliError(f"verify-tokens: --corrupt {args.corrupt}: the checked turns hold {total} output tokens with "
+                       f"recorded log-probs (positions 0..{total - 1})", EXIT_USAGE)
     tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
-    bar = new_bar(len(turns), "verify-tokens", unit="turn", disable=True if args.quiet else None)
+    bar = new_bar(sum(len(t.parts()) for t in turns), "verify-tokens", unit="part", disable=True if args.quiet else None)
     try:
-        report = asyncio.run(_verify(turns, scorer_at, engine, tolerance, args.corrupt, _token_level(source), bar.update))
-    except ValueError as exc:  # --corrupt past the last token
-        raise CliError(f"verify-tokens: {exc}", EXIT_USAGE) from None
+        report = asyncio.run(_verify(turns, scorer_at, closing, engine=engine, tolerance=tolerance, corrupt=args.corrupt,
+                                     skip_retokenization=_token_level(source), only_version=only_version,
+                                     progress=bar.update))
     except BackendError as exc:
         raise CliError(f"verify-tokens: {exc}", EXIT_USAGE) from None
     finally:
@@ -138,23 +149,15 @@ def run(args) -> int:
     return EXIT_OK if report.ok else EXIT_DATA
 
 
-async def _verify(turns, scorer_at, engine, tolerance, corrupt, skip_retokenization, progress):
+async def _verify(turns, scorer_at, closing, **options):
+    """:func:`~agentlog.loop.token_check.verify_turns`, closing the server's connections after."""
     from agentlog.loop.token_check import verify_turns
 
-    closing = []
-
-    def at(version: int):
-        scorer = scorer_at(version)
-        if scorer is not None and scorer not in closing:
-            closing.append(scorer)
-        return scorer
-
     try:
-        return await verify_turns(turns, at, engine=engine, tolerance=tolerance, corrupt=corrupt,
-                                  skip_retokenization=skip_retokenization, progress=progress)
+        return await verify_turns(turns, scorer_at, **options)
     finally:
-        for scorer in closing:
-            await scorer.close()
+        if closing is not None:
+            await closing.close()
 
 
 def format_report(report: Any) -> list[str]:
@@ -166,7 +169,9 @@ def format_report(report: Any) -> list[str]:
         f"verify-tokens: {report.turns_checked} turn(s) of {sessions} session(s) at {span} against {report.engine}"
         f" ({report.turns_skipped} skipped; {report.seconds:.2f} s)",
         f"  log-probs: {report.tokens:,} tokens, max |diff| {report.lp_max_abs_diff:.3g}, mean {report.lp_mean_abs_diff:.3g}"
-        f" (tolerance {report.tolerance:g}); {report.lp_mismatched_turns} turn(s) past it",
+        f" (tolerance {report.tolerance:g}); {report.lp_mismatched_turns} turn(s) past it"
+        + (f"; {report.unchecked_tokens:,} not compared (no recorded log-probs, or another version's part)"
+           if report.unchecked_tokens else ""),
         f"  retokenization: {report.retok_checked} turn(s) checked, {report.retok_mismatched} differ",
         f"  reproduction: {report.greedy_checked} greedy turn(s), {report.greedy_mismatched} differ",
     ]

@@ -216,5 +216,10 @@ def test_train_once_every_trainable_generated_token_is_a_target_exactly_once(see
         again = _target_counts(repeated.rows)
         assert set(again) >= set(counts), sid
         for (turn, k), n in again.items():
-            assert n <= holding[turn], (sid, turn, k)
+            assert n == holding[turn], (sid, turn, k)  # every row that trains the turn trains all of it
+        for turn, n_rows in holding.items():
+            n_out = len(by_turn[turn].output_ids) // 4
+            assert all(again.get((turn, k)) == n_rows for k in range(n_out)), (sid, turn)
+        # That a shared turn is a target on every leaf that holds it is checked element by element
+        # against the plain reference (test_rows_equal_a_plain_list_reference_element_by_element).
         assert sum(again.values()) >= sum(counts.values())
