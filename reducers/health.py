@@ -46,7 +46,8 @@ finished member carrying one, or an aborted member its abort class counts as
 a failure, is then treated like an excluded abort: one zero-masked
 placeholder sample (:func:`reducers.samples.aborted_placeholder`, its
 metadata naming the flags under ``untrainable_flags``), out of its group's
-baseline. The default, no flag, changes nothing: undelivered turns are
+baseline (the rule's one owner: :func:`reducers.outcome.session_outcome`).
+The default, no flag, changes nothing: undelivered turns are
 already left untrained turn by turn.
 
 **Public API** (what an exporter needs to put the flags in a column):
@@ -70,9 +71,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Iterable
 
+import msgspec
 from msgspec import UNSET
 
 from agentlog.events.schema.turn import TurnDelta, TurnRecorded
+from agentlog.events.schema.turn_delta import EncodingContext
+from agentlog.events.schema.types import decode_body, encode_body
 
 from .samples import final_raw_reward, resolve_reward
 from .trajectory import FORK, REALIGN, SessionTrajectory, Trajectory, TrajectoryError
@@ -96,6 +100,15 @@ PROBLEM_FLAGS: frozenset[str] = frozenset(ALL_FLAGS) - {COMPLETE}
 UNTRAINABLE = "untrainable"
 
 _TURN_TAGS = frozenset(("turn_recorded", "turn_delta"))
+
+# A kept turn_recorded re-encoded as a turn_delta: its fields delimited, never decoded (their
+# msgpack copied as it is), its messages one Raw each, compared as bytes.
+_encode = msgspec.msgpack.Encoder().encode
+_raw_fields = msgspec.msgpack.Decoder(dict[str, msgspec.Raw]).decode
+_raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
+_TAG_FIELD = str(TurnDelta.__struct_config__.tag_field)
+_DELTA_TAG = str(TurnDelta.__struct_config__.tag)
+_NIL = msgspec.Raw(b"\xc0")  # msgpack nil: a turn without a response message
 
 
 def check_flag_names(names: Any, where: str) -> str:
@@ -148,12 +161,18 @@ class SessionHealth:
     trajectory, whose decisions then decide. A fold that holds the session's
     :class:`~agentlog.reducers.trajectory.SessionTrajectory` (the pipeline)
     passes it to :meth:`flags`; one that does not (``keep_turns``: the
-    statistics) keeps the session's turns here, the full bodies or the raw
-    payloads of projected ones (``payload``), until the session ends."""
+    statistics, ``replay --flag``) keeps the session's turns here until it
+    ends, each as a stored ``turn_delta`` (:meth:`_recorded_as_delta`): a delta as it
+    was stored, a ``turn_recorded`` re-encoded as the delta on the turn
+    before it (its prompt tokens and messages past what that turn held), so
+    a session costs its new tokens and messages, not a whole prompt a turn.
+    A projected turn needs its stored bytes (``payload``); a full body is
+    encoded. Only a session some turn of which does not extend the turn
+    before decodes them, once it ends."""
 
     __slots__ = ("session_id", "config", "undelivered", "truncated", "v_lo", "v_hi", "outputs", "scored",
                  "teacher_events", "last_reward", "ended", "usable_reward", "suspect", "_n_turns",
-                 "_prev_prompt", "_prev_output", "_prev_held", "_kept", "_drift")
+                 "_prev_prompt", "_prev_output", "_prev_held", "_keeps", "_kept", "_messages", "_drift")
 
     def __init__(self, session_id: str, config: "ReduceConfig", *, keep_turns: bool = False) -> None:
         self.session_id = session_id
@@ -174,12 +193,17 @@ class SessionHealth:
         self._prev_prompt: bytes | None = None  # the previous turn's prompt ids (None: a delta's, not held)
         self._prev_output = b""
         self._prev_held = 0  # the previous turn's prompt + output, in bytes
-        self._kept: list[Any] | None = [] if keep_turns else None
+        self._keeps = keep_turns
+        #: The turns kept (stored turn_delta payloads); None once a turn could not be read (it cannot be placed).
+        self._kept: list[bytes] | None = [] if keep_turns else None
+        #: The previous turn_recorded's messages + response, as their stored msgpack (None after a delta).
+        self._messages: list[msgspec.Raw] | None = [] if keep_turns else None
         self._drift: bool | None = None  # decided once the session ended
 
     def observe(self, tag: str, body: Any, payload: bytes | memoryview | None = None) -> None:
-        """Fold one of the session's events (``tag``: its event name). ``payload``: the
-        stored bytes of a turn event given as a projection, when this health keeps turns."""
+        """Fold one of the session's events (``tag``: its event name). ``payload``: the stored
+        bytes of a turn event given as a projection, which a health that keeps turns needs
+        (TypeError naming the session and turn without it)."""
         if tag in _TURN_TAGS:
             self._turn(tag, body, payload)
         elif tag == "turn_undelivered":
@@ -212,6 +236,8 @@ class SessionHealth:
             self.v_lo = lo
         if self.v_hi is None or hi > self.v_hi:
             self.v_hi = hi
+        if self._keeps:
+            self._keep(tag, body, payload)  # before the previous turn's tokens are replaced: it is encoded on them
         if tag == "turn_delta":
             # Its prompt is the previous turn's first shared_tokens tokens, then new ones.
             extends = body.shared_tokens * 4 == self._prev_held
@@ -228,10 +254,55 @@ class SessionHealth:
         self._n_turns += 1
         self._prev_output = out
         self._prev_held = held
-        kept = self._kept
-        if kept is not None:
-            # The stored bytes (copied: a view into a read buffer that is reused), else the body itself.
-            kept.append(body if payload is None else bytes(payload))
+
+    def _keep(self, tag: str, body: Any, payload: bytes | memoryview | None) -> None:
+        """Keep a turn for a later linearisation, as a stored turn_delta (see the class docstring)."""
+        if payload is None:
+            if not isinstance(body, (TurnRecorded, TurnDelta)):
+                raise TypeError(f"session {self.session_id!r}: turn {body.turn_index} was given as a projection without its "
+                                "stored bytes; a health that keeps turns (for its drift flag) needs them: the payload argument")
+            payload = encode_body(body)
+        if self._kept is None:
+            return  # a turn before could not be read: the session will count as drift if it must be linearised
+        try:
+            if tag == "turn_delta":
+                self._kept.append(bytes(payload))  # copied: a view into a read buffer that is reused
+                self._messages = None
+            else:
+                self._kept.append(self._recorded_as_delta(body.prompt_ids, payload))
+        except msgspec.DecodeError:
+            self._kept = self._messages = None
+
+    def _recorded_as_delta(self, prompt: bytes, payload: bytes | memoryview) -> bytes:
+        """A stored turn_recorded as the stored turn_delta that stands for it on the previous turn
+        (what :meth:`agentlog.events.schema.turn_delta.TurnContext.expand` turns back into it): messages
+        compared as their stored msgpack, so none is decoded. After a delta, whose context is not held, the
+        turn is kept whole (shares nothing): exact either way."""
+        fields = _raw_fields(payload)
+        messages = _raw_list(fields.pop("messages")) if "messages" in fields else []
+        fields.pop("prompt_ids", None)
+        fields.pop(_TAG_FIELD, None)
+        held = self._messages or ()
+        shared = 0
+        for a, b in zip(held, messages):
+            if a != b:
+                break
+            shared += 1
+        before = self._prev_prompt
+        tokens = 0 if before is None else EncodingContext(before, self._prev_output).shared_tokens(prompt)
+        delta: dict[str, Any] = {_TAG_FIELD: _DELTA_TAG}  # the tag first: the decoder reads it first
+        delta.update(fields)
+        delta.update(shared_tokens=tokens, new_prompt_ids=prompt[tokens * 4:], shared_messages=shared, new_messages=messages[shared:])
+        response = fields.get("response_message")
+        tail = [response.copy()] if response is not None and response != _NIL else []
+        # What the next turn_recorded is compared with; copies, so no payload is held.
+        self._messages = list(held[:shared]) + [m.copy() for m in messages[shared:]] + tail
+        return _encode(delta)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the turns kept for a later linearisation (0 when none are kept)."""
+        return sum(map(len, self._kept or ())) + sum(map(len, self._messages or ()))
 
     # ---------------------------------------------------------------- flags
 
@@ -250,22 +321,18 @@ class SessionHealth:
             drift = self._kept_drift()
         if self.ended:
             self._drift = drift
-            self._kept = None
+            self._kept = self._messages = None
         return drift
 
     def _kept_drift(self) -> bool:
-        from agentlog.events.schema.types import decode_body
-
-        if self._kept is None:
+        if not self._keeps:
             raise TypeError(f"session {self.session_id!r}: SessionHealth.drift needs the session's trajectory (it keeps no turns)")
-        for n, turn in enumerate(self._kept):
-            if not isinstance(turn, (bytes, TurnRecorded, TurnDelta)):
-                raise TypeError(f"session {self.session_id!r}: its drift flag needs its turns linearised, and turn {n} (in log "
-                                "order) was given as a projection without its payload (RunStats.feed_record's payload)")
+        if self._kept is None:
+            return True  # a turn whose stored bytes do not read: the record does not hold together
         traj = SessionTrajectory(self.session_id, self.config.fork_threshold)
         try:
             for i, turn in enumerate(self._kept):
-                traj.record_turn(decode_body(turn) if isinstance(turn, bytes) else turn, i)
+                traj.record_turn(decode_body(turn), i)
         except (TrajectoryError, ValueError):
             return True  # a turn that cannot be placed: the record does not hold together
         return trajectory_drift(traj.linearise(0, False))

@@ -30,8 +30,6 @@ from agentlog.events.schema.types import (
     PolicyUpdated,
     RewardAssigned,
     SessionAborted,
-    SessionDropped,
-    SessionFinished,
     SessionOpened,
     TeacherScored,
     TurnDelta,
@@ -44,10 +42,11 @@ from .config import DEFAULT_CONFIG, ReduceConfig
 from .errors import ReduceError, UnknownEventError
 from .fold import SessionFold, Tracked
 from .lifecycle_step import SessionLife, Violation
-from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, GroupTracker, aborted_as_failure
-from .health import SessionHealth, untrainable_by, untrainable_reason
+from .groups import DROPPED, FINISHED, Group, GroupError, GroupTracker
+from .health import SessionHealth
 from .metrics import MetricsAccumulator
-from .samples import Sample, SampleDigest, aborted_placeholder, final_raw_reward, finished_samples, resolve_reward
+from .outcome import SessionOutcome, session_outcome, would_make_rows
+from .samples import Sample, SampleDigest, aborted_placeholder, finished_samples
 from .teacher import TeacherScoreError
 from .trajectory import SessionTrajectory, Trajectory, TrajectoryError
 
@@ -63,12 +62,15 @@ ENDED_WINDOW = 1024
 
 class Outputs(NamedTuple):
     """What one or more envelopes produced: samples (in emission order),
-    groups (in release order) and the health flags of every session that
-    ended (session id -> its flags, sorted; :mod:`reducers.health`)."""
+    groups (in release order), the health flags of every session that
+    ended (session id -> its flags, sorted; :mod:`reducers.health`) and what
+    each became in its group (session id -> its :class:`~reducers.outcome.SessionOutcome`:
+    whether it trains, with what reward, in the baseline or not)."""
 
     samples: list[Sample]
     groups: list[Group]
     flags: dict[str, tuple[str, ...]]
+    outcomes: dict[str, SessionOutcome]
 
 
 class _Session:
@@ -150,7 +152,7 @@ class Reducer:
             self._fold.feed(env.lsn, env.session_id, env.session_seq, body.__struct_config__.tag, env)
         self.events += 1
         out = self._out
-        return Outputs([], [], {}) if out is None else out
+        return Outputs([], [], {}, {}) if out is None else out
 
     def _opened(self, lsn: int, sid: str, env: Envelope, life: SessionLife) -> _Session:
         body = env.body
@@ -181,78 +183,54 @@ class Reducer:
         samples: list[Sample] = []
         groups: list[Group] = []
         flags: dict[str, tuple[str, ...]] = {}
+        outcomes: dict[str, SessionOutcome] = {}
         for env in envelopes:
             out = self.feed(env)
             samples.extend(out.samples)
             groups.extend(out.groups)
             flags.update(out.flags)
-        return Outputs(samples, groups, flags)
+            outcomes.update(out.outcomes)
+        return Outputs(samples, groups, flags, outcomes)
 
     def _terminal(self, session: _Session, lsn: int, sid: str, state: State, env: Envelope) -> None:
         # Evicted already (the driver did it first): nothing may follow a terminal event.
         body = env.body
         traj = session.trajectory
-        member: GroupMember | None
         samples: list[Sample]
-        failed = isinstance(body, SessionAborted) and aborted_as_failure(body, self.config)
         # A member that would train is linearised once, for its rows and its flags.
-        rows = linearise(traj, self.config) if failed or isinstance(body, SessionFinished) else None
+        rows = linearise(traj, self.config) if would_make_rows(body, self.config) else None
         flags = session.health.flags(traj if rows is None else rows)
-        bad = untrainable_by(flags, self.config) if rows is not None else ()
-        if bad:
-            # Its flags make it untrainable: an excluded abort's one placeholder, out of the baseline.
-            reason = body.reason if isinstance(body, SessionAborted) else ""
-            samples = [self._placeholder(session, sid, lsn, reason, bad)]
-            status = ABORTED if failed else FINISHED
-            member = GroupMember(sid, session.sample_index, status, False, None, reason or untrainable_reason(bad), tuple(samples))
-            raw = None if failed else final_raw_reward(body.reward, session.last_reward)
-            self.metrics.observe_session(
-                status, reason=reason, reward=raw, turns=traj.n_turns, output_tokens=traj.output_tokens, samples=samples
-            )
-        elif isinstance(body, SessionFinished):
-            assert rows is not None
-            raw = final_raw_reward(body.reward, session.last_reward)
-            reward, problem = resolve_reward(raw, self.config.reward_key)
-            samples = self._row_samples(session, sid, lsn, reward, rows, reward_problem=problem)
-            member = GroupMember(sid, session.sample_index, FINISHED, reward is not None, reward, problem, tuple(samples))
-            self.metrics.observe_session(
-                FINISHED, reward=raw, turns=traj.n_turns, output_tokens=traj.output_tokens, samples=samples
-            )
-        elif failed:
-            # Its abort class counts it as a failure: its recorded turns train like a
-            # finished session's, with the configured failure reward.
-            assert rows is not None and isinstance(body, SessionAborted)
-            reward = self.config.fail_reward
-            samples = self._row_samples(session, sid, lsn, reward, rows, abort_reason=body.reason)
-            member = GroupMember(sid, session.sample_index, ABORTED, True, reward, body.reason, tuple(samples))
-            self.metrics.observe_session(
-                ABORTED, reason=body.reason, turns=traj.n_turns, output_tokens=traj.output_tokens, samples=samples
-            )
-        elif isinstance(body, SessionAborted):
-            placeholder = self._placeholder(session, sid, lsn, body.reason)
-            samples = [placeholder]
-            member = GroupMember(sid, session.sample_index, ABORTED, False, None, body.reason, (placeholder,))
-            self.metrics.observe_session(
-                ABORTED, reason=body.reason, turns=traj.n_turns, output_tokens=traj.output_tokens, samples=samples
-            )
-        else:
-            assert isinstance(body, SessionDropped)
+        outcome = session_outcome(body, session.last_reward, flags, self.config)
+        status = outcome.status
+        if status == DROPPED:
             samples = []
-            member = None
-            self.metrics.observe_session(
-                DROPPED, reason=body.reason, turns=traj.n_turns, output_tokens=traj.output_tokens
-            )
+        elif not outcome.makes_rows:
+            # An excluded abort, or a member its flags make untrainable: one placeholder, out of the baseline.
+            samples = [self._placeholder(session, sid, lsn, outcome.end_reason, outcome.untrainable)]
+        else:
+            assert rows is not None
+            # A finished session, or an abort its class counts as a failure: its recorded turns
+            # train, with its reward (the configured failure reward for the abort).
+            how = {"reward_problem": outcome.reason} if status == FINISHED else {"abort_reason": outcome.end_reason}
+            samples = self._row_samples(session, sid, lsn, outcome.reward, rows, **how)
+        member = outcome.member(sid, session.sample_index, tuple(samples))
+        if status == DROPPED:
+            self.metrics.observe_session(DROPPED, reason=outcome.end_reason, turns=traj.n_turns, output_tokens=traj.output_tokens)
+        else:
+            self.metrics.observe_session(status, reason=outcome.end_reason, reward=outcome.raw_reward, turns=traj.n_turns,
+                                         output_tokens=traj.output_tokens, samples=samples)
         for s in samples:
             self.digest.update(s)
         self.samples_emitted += len(samples)
         group = self._groups.close(session.group_id, member, sid, lsn, refill=isinstance(body, SessionAborted) and body.refill is True,
-                                   drop_reason=body.reason if isinstance(body, SessionDropped) else "")
+                                   drop_reason=outcome.end_reason if status == DROPPED else "")
+        ended = {sid: outcome}
         if group is None:
-            self._out = Outputs(samples, [], {sid: flags})
+            self._out = Outputs(samples, [], {sid: flags}, ended)
             return
         self.groups_released += 1
         self.metrics.observe_group(group)
-        self._out = Outputs(samples, [group], {sid: flags})
+        self._out = Outputs(samples, [group], {sid: flags}, ended)
 
     def _placeholder(self, session: _Session, sid: str, lsn: int, reason: str, untrainable: tuple[str, ...] = ()) -> Sample:
         """The one zero-masked row of a member out of its baseline: an excluded abort, or

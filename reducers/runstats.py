@@ -24,9 +24,11 @@ two turn projections are built from the schema's turn bodies themselves, so a
 new turn field needs no change here.
 Full event bodies are accepted as well (``feed``), with identical results.
 A turn's projection comes with its stored bytes (``feed_record``'s
-``payload``): the health flags keep a session's turns until it ends, and
-only a session some turn of which does not extend the turn before is
-decoded in full and linearised, for its ``drift`` flag.
+``payload``, required for it): the health flags keep a session's turns until
+it ends, each as its new tokens and messages only (a stored ``turn_delta``,
+:class:`reducers.health.SessionHealth`), and only a session some turn of
+which does not extend the turn before is decoded in full and linearised,
+for its ``drift`` flag.
 Events of a type this version does not know (a newer writer's
 :class:`events.schema.types.UnknownEvent`) are counted per tag, not interpreted.
 
@@ -49,10 +51,10 @@ from agentlog.events.schema.types import Envelope, UnknownEvent, as_unknown_even
 from .config import DEFAULT_CONFIG, ReduceConfig
 from .fold import SessionFold
 from .lifecycle_step import SessionLife, Violation, ViolationKind
-from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupMember, GroupTracker, aborted_as_failure
-from .health import SessionHealth, flag_counts, untrainable_by, untrainable_reason
+from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupTracker
+from .health import SessionHealth, flag_counts
 from .metrics import MetricsAccumulator
-from .samples import final_raw_reward, resolve_reward
+from .outcome import session_outcome
 
 __all__ = ["RunStats", "decode_projection", "PROJECTED_FIELDS"]
 
@@ -269,7 +271,11 @@ class RunStats:
                     payload: bytes | memoryview | None = None) -> None:
         """Fold one record; ``body`` is a schema-v1 body or its projection. ``payload``:
         the record's stored bytes, which a turn's projection needs (a session whose turns
-        do not extend each other is linearised from them for its ``drift`` flag)."""
+        do not extend each other is linearised from them for its ``drift`` flag): a turn's
+        projection without them raises TypeError naming the LSN and session, folding nothing."""
+        if payload is None and (type(body) is _Turn or type(body) is _Delta):
+            raise TypeError(f"RunStats.feed_record: lsn {lsn}, session {session_id!r}: a {body.__struct_config__.tag} projection "
+                            "needs its payload (the record's stored bytes), which the session's drift flag may be decided from")
         self.events += 1
         self._payload = payload
         if self.first_lsn < 0:
@@ -337,32 +343,20 @@ class RunStats:
         duration = (self.last_ts_ns - live.opened_ts) / 1e9  # type: ignore[operator]
         self.duration_sum_s += duration
         self.duration_max_s = max(self.duration_max_s, duration)
-        member: GroupMember | None = None
         flags = live.health.flags()
         self.flags.update(flags)
-        # As the sample pipeline does: a member its flags make untrainable is out of the baseline.
-        bad = untrainable_by(flags, self.config) if status != DROPPED else ()
-        if status == FINISHED:
-            raw = final_raw_reward(body.reward, live.reward)
-            reward, problem = resolve_reward(raw, self.reward_key)
-            if bad:
-                self.untrainable += 1
-                reward, problem = None, untrainable_reason(bad)
-            member = GroupMember(sid, live.sample_index, FINISHED, reward is not None, reward, problem)
-            self.metrics.observe_session(FINISHED, reward=raw, turns=live.turns, output_tokens=live.tokens_out)
-        elif status == ABORTED:
-            failed = aborted_as_failure(body, self.config)
-            if failed and bad:
-                self.untrainable += 1
-                failed = False
+        # The pipeline's rule (reducers.outcome): a member its flags make untrainable is out of the baseline.
+        outcome = session_outcome(body, live.reward, flags, self.config)
+        if outcome.untrainable:
+            self.untrainable += 1
+        member = outcome.member(sid, live.sample_index)
+        if status == ABORTED:
             if body.refill is True:
                 self.refills_owed += 1
-            elif failed:
+            elif outcome.in_baseline:
                 self.aborted_as_failures += 1
-            member = GroupMember(sid, live.sample_index, ABORTED, failed, self.config.fail_reward if failed else None, body.reason)
-            self.metrics.observe_session(ABORTED, reason=body.reason, turns=live.turns, output_tokens=live.tokens_out)
-        else:
-            self.metrics.observe_session(DROPPED, reason=body.reason, turns=live.turns, output_tokens=live.tokens_out)
+        self.metrics.observe_session(status, reason=outcome.end_reason, reward=outcome.raw_reward, turns=live.turns,
+                                     output_tokens=live.tokens_out)
         group = self._groups.close(live.group_id, member, sid, lsn, refill=status == ABORTED and body.refill is True,
                                    drop_reason=body.reason if status == DROPPED else "")
         if group is not None:

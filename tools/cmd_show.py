@@ -1,14 +1,17 @@
 """`agentlog show LOG SESSION`: one session in depth.
 
 Prints its header, outcome and health flags (:mod:`reducers.health`; those
-its run's ``untrainable_flags`` name are marked), then what answers "why did
+that made it untrainable are marked, as the pipeline applies its run's
+``untrainable_flags``: only to a member that would train,
+:mod:`reducers.outcome`), then what answers "why did
 it score so": its label, the reward and where it came from
 (``session_finished`` or the last ``reward_assigned`` and its source), the
 verifier's detail (finish metadata) and, for an aborted session, the error
 and its traceback. Then
 its timeline (state before -> after per event), its transcript (the
 messages new at each turn, the response text and tool calls, each command's
-output; long texts cut, ``--full`` shows all), its turn tree as the reducer
+output; a session without a turn, its ``session_opened`` prompt; long texts
+cut, ``--full`` shows all), its turn tree as the reducer
 routed it (per turn: routing, leaf, drift decision CLEAN / REALIGN / FORK,
 trainable or why not), and each trajectory row as the sample it becomes:
 prompt tokens, then the response tokens in runs marked ``train[...]`` (loss
@@ -125,11 +128,11 @@ def _message(msg: Any, full: bool) -> str:
     """One chat message as ``[role] text`` plus its tool calls / tool call id."""
     if not isinstance(msg, dict):
         return _cut(_value(msg), full)
+    from agentlog.tools.dataset_rows import content_text
+
     role = msg.get("role", "?")
     parts = []
-    content = msg.get("content")
-    if isinstance(content, list):  # content blocks: keep their text, name the rest
-        content = " ".join(b.get("text", f"<{b.get('type', '?')}>") if isinstance(b, dict) else str(b) for b in content)
+    content = content_text(msg.get("content"))  # content blocks: their text, the others named (export-dataset's text too)
     if content:
         parts.append(_cut(content, full))
     for call in msg.get("tool_calls") or ():
@@ -249,11 +252,16 @@ def version_note(turn: Any) -> str:
 
 def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
     """Per turn the messages new since the turn before, then the response; each command and its output.
-    ``at`` names an LSN (``p0003:1234`` in a partitioned log)."""
+    A session that recorded no turn shows its ``session_opened`` prompt first (its conversation, as
+    ``export-dataset`` writes it). ``at`` names an LSN (``p0003:1234`` in a partitioned log)."""
     from agentlog.events.schema.turn_delta import TurnContext
-    from agentlog.events.schema.types import CommandRan, TeacherScored, TurnDelta, TurnRecorded, TurnUndelivered
+    from agentlog.events.schema.types import CommandRan, SessionOpened, TeacherScored, TurnDelta, TurnRecorded, TurnUndelivered
 
     lines: list[str] = []
+    opened = next((e for e in envs if type(e.body) is SessionOpened), None)
+    if opened is not None and opened.body.prompt and not any(type(e.body) in (TurnRecorded, TurnDelta) for e in envs):
+        lines.append(f"  prompt (session_opened; no turn recorded)  lsn {at(opened.lsn)}")
+        lines.extend("    " + _message(m, full) for m in opened.body.prompt)
     held: list = []  # the previous turn's messages and its response: what a new turn's messages extend
     context = TurnContext()  # what a turn_delta expands against
     for e in envs:
@@ -311,21 +319,25 @@ def log_prob_pairs(sample: Any, full: bool, limit: int = PROMPT_SHOWN) -> str:
     return " ".join(parts)
 
 
-def flags_line(flags: tuple[str, ...], ended: bool, config: Any) -> str:
-    """``flags    drift, truncated`` (:mod:`reducers.health`), naming those that make it
-    untrainable under ``config`` and, for a session in flight, that more may come."""
-    from agentlog.reducers.health import untrainable_by
-
+def flags_line(flags: tuple[str, ...], outcome: Any) -> str:
+    """``flags    drift, truncated`` (:mod:`reducers.health`) and what the pipeline made of them:
+    ``outcome`` is the session's :class:`~agentlog.reducers.outcome.SessionOutcome` (None while it
+    is in flight: more flags may come). The flags that made it untrainable are named; flags never
+    make an excluded abort or a dropped session untrainable (they train nothing anyway)."""
     line = f"flags    {', '.join(flags) or '(none)'}"
-    bad = untrainable_by(flags, config)
-    if bad and ended:
-        line += f"  (untrainable by untrainable_flags: {', '.join(bad)}: one zero-masked placeholder, out of its group's baseline)"
-    return line + ("" if ended else "  (so far: the session is still in flight)")
+    if outcome is None:
+        return line + "  (so far: the session is still in flight)"
+    if outcome.untrainable:
+        line += (f"  (untrainable by untrainable_flags: {', '.join(outcome.untrainable)}: one zero-masked placeholder, "
+                 "out of its group's baseline)")
+    return line
 
 
 def _reduced(envs: list, sid: str, path: Any) -> tuple[str | None, Any, list, tuple[str, ...] | None, Any]:
     """The session through the reducers, with the run's own settings (as the learner folded it):
-    ``(problem, trajectory, samples, health flags, config)``; a refusal leaves the problem and no flags."""
+    ``(problem, trajectory, samples, health flags, outcome)``: the outcome is what the pipeline made
+    of the session (:mod:`reducers.outcome`; None while it is in flight); a refusal leaves the
+    problem and no flags."""
     from agentlog.reducers.pipeline import ReduceError, Reducer, session_trajectory
 
     config = reduce_config_of(path)
@@ -336,12 +348,13 @@ def _reduced(envs: list, sid: str, path: Any) -> tuple[str | None, Any, list, tu
         out = reducer.feed_many(envs)
         flags = out.flags[sid] if sid in out.flags else reducer.session_flags(sid)
     except (ReduceError, KeyError) as exc:
-        return str(exc).strip("'\""), traj, [], None, config
-    return None, traj, out.samples, flags, config
+        return str(exc).strip("'\""), traj, [], None, None
+    return None, traj, out.samples, flags, out.outcomes.get(sid)
 
 
 def run(args) -> int:
     """Print the session."""
+    from agentlog.reducers.health import untrainable_reason
     from agentlog.reducers.lifecycle import replay
 
     from agentlog.tools.cmd_replay import format_step
@@ -384,9 +397,9 @@ def run(args) -> int:
     else:
         last = steps[-1].state_after if steps else None
         w(f"outcome  still {last or 'unknown'} at the end of the log\n")
-    problem, traj, samples, health, config = _reduced(envs, sid, path)
+    problem, traj, samples, health, outcome = _reduced(envs, sid, path)
     if health is not None:
-        w(flags_line(health, summary is not None, config) + "\n")
+        w(flags_line(health, outcome) + "\n")
     for line in why_lines(envs, args.full, at):
         w(line + "\n")
 
@@ -419,7 +432,7 @@ def run(args) -> int:
         mask = s.mask
         flags = " remove_sample" if s.remove_sample else ""
         meta = (s.metadata.get("abort_reason") or s.metadata.get("reward_error") or s.metadata.get("sampling_error")
-                or ("untrainable: " + ", ".join(s.metadata["untrainable_flags"]) if "untrainable_flags" in s.metadata else ""))
+                or (untrainable_reason(s.metadata["untrainable_flags"]) if "untrainable_flags" in s.metadata else ""))
         w(
             f"  row {s.row_index}: {s.status}{flags}, reward {s.reward:g}, {len(toks)} tokens = {n_prompt} prompt"
             f" + {s.response_length} response, {int(mask.sum())} trained" + (f"  [{meta}]" if meta else "") + "\n"

@@ -19,12 +19,14 @@ One streaming pass over a log (:class:`DatasetFold`, fed what
   the calls the session made (``"inferred"``: one function per name called,
   its parameters the argument names seen, typed by their JSON values, no
   description), or ``[]`` (``"none"``);
-* the outcome: ``status`` and ``reason``, ``reward`` (the reward the
-  reducers resolve, :func:`reducers.samples.resolve_reward`; an abort its
-  class counts as a failure has the run's failure reward), ``in_baseline``
-  (whether its group's baseline counts it: finished with a usable reward, or
-  an abort counted as a failure, unless its health flags make it
-  untrainable: the run's ``untrainable_flags``), ``health_flags``
+* the outcome, as the sample pipeline decided it (``Outputs.outcomes``,
+  :mod:`reducers.outcome`): ``status`` and ``reason`` (an abort's or a
+  drop's), ``reward`` (the reward the reducers resolve,
+  :func:`reducers.samples.resolve_reward`; an abort its class counts as a
+  failure has the run's failure reward), ``in_baseline`` (whether its
+  group's baseline counts it: finished with a usable reward, or an abort
+  counted as a failure, unless its health flags make it untrainable: the
+  run's ``untrainable_flags``), ``health_flags``
   (:mod:`reducers.health`, as ``show`` prints them; a session in flight has
   those decided so far), ``truncated`` (some turn stopped at its token limit:
   the ``truncated`` flag) and the final turn's ``finish_reason``, ``turns``,
@@ -37,16 +39,22 @@ One streaming pass over a log (:class:`DatasetFold`, fed what
 * with ``tokens``: per trajectory row the reducer makes of it (the samples
   ``reconstruct`` writes, :mod:`reducers.samples`), ``token_ids`` (prompt +
   response), ``loss_mask`` and ``log_probs`` over the same positions (0 over
-  the prompt). An excluded abort, or a member its flags make untrainable,
-  has none (its one zero-masked placeholder is no data).
+  the prompt), as numpy arrays (:func:`token_columns`). An excluded abort,
+  or a member its flags make untrainable, has none (its one zero-masked
+  placeholder is no data).
 
-The samples, groups and the lifecycle check come from the reducers
-(:class:`reducers.partitioned.PartitionFold`, one reducer per partition), so
-a log they refuse is refused here too. A row is complete when its session's
-group is released (its advantage needs the group), so rows come in the order
-groups complete, members by sample index; the rows of groups still pending at
-the end of the log follow, then the sessions still in flight. Memory holds
-the sessions and groups in flight.
+Text columns hold JSON text; a recorded value JSON has no form for (bytes in
+the ``tools`` metadata or in a tool call's arguments) is refused with a
+:class:`DatasetError` naming the LSN, the session and the field.
+
+The samples, groups, outcomes and the lifecycle check come from the reducers
+(one :class:`reducers.pipeline.Reducer` per partition: a session never spans
+partitions), so a log they refuse is refused here too. A row is complete
+when its session's group is released (its advantage needs the group), so
+rows come in the order groups complete, members by sample index; the rows of
+groups still pending at the end of the log follow, then the sessions still
+in flight. Memory holds the sessions and groups in flight, and released
+groups' rows up to :data:`ADVANTAGE_BATCH` groups or :data:`SETTLE_BYTES`.
 """
 
 from __future__ import annotations
@@ -54,61 +62,96 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Iterable
 
+from agentlog.events.errors import AgentlogError
+from agentlog.events.schema.turn_delta import TurnContext, prompt_token_count
 from agentlog.events.schema.types import (
-    RewardAssigned, SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted, TurnDelta, TurnRecorded,
+    SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted, TurnDelta, TurnRecorded,
 )
 from agentlog.reducers.config import ReduceConfig
-from agentlog.reducers.groups import Group, aborted_as_failure
-from agentlog.reducers.health import TRUNCATED, untrainable_by
-from agentlog.reducers.samples import final_raw_reward, resolve_reward
+from agentlog.reducers.groups import Group
+from agentlog.reducers.health import TRUNCATED
+from agentlog.reducers.outcome import SessionOutcome
+from agentlog.reducers.pipeline import Reducer
 
 #: Statuses a row can have: the terminal states, and the states of a session still in flight at the end of the log.
 STATUSES = ("finished", "aborted", "dropped", "open", "running")
-#: Released groups whose advantages are computed together (one call of the learner's function).
+#: Released groups whose advantages are computed together (one call of the learner's function), at most ...
 ADVANTAGE_BATCH = 512
+#: ... and at most about this many bytes of their rows (:func:`row_nbytes`) waiting for it.
+SETTLE_BYTES = 32 << 20
 #: Where a row's ``tools`` come from.
 TOOLS_SOURCES = ("recorded", "inferred", "none")
 
 _JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"), (dict, "object"))
 
 
+class DatasetError(AgentlogError, ValueError):
+    """A session whose row cannot be written (a value that is no JSON, a message that is no
+    message); the message names the LSN, the session and the field."""
+
+
 def content_text(content: Any) -> str:
-    """A message's content as text: a string as it is, None as "", content blocks
-    as ``agentlog show`` prints them (each block's text, ``<type>`` for a block
-    without text, joined by spaces)."""
+    """A message's content as text, the one reading ``agentlog show`` prints and ``export-dataset``
+    writes: a string as it is, None as "", content blocks as each block's text (``<type>`` for a
+    block without text) joined by spaces, anything else as ``str``."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return " ".join(b.get("text", f"<{b.get('type', '?')}>") if isinstance(b, dict) else str(b) for b in content)
+        return " ".join((f"<{b.get('type', '?')}>" if b.get("text") is None else str(b["text"])) if isinstance(b, dict) else str(b)
+                        for b in content)
     return str(content)
 
 
 def export_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     """A recorded tool call (the gateway's ``{"id", "name", "arguments"}`` or the
     OpenAI ``{"id", "type", "function": {...}}``) in the OpenAI form, its
-    arguments as JSON text (a string recorded as it is)."""
+    arguments as JSON text (a string recorded as it is). DatasetError when they
+    hold a value JSON has no form for (bytes, say)."""
     inner = call.get("function")
     fn: dict[str, Any] = inner if isinstance(inner, dict) else call
     args = fn.get("arguments", "")
+    try:
+        text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise DatasetError(f"function.arguments: expected JSON values, found {exc}") from None
     return {
         "id": str(call.get("id") or ""),
         "type": str(call.get("type") or "function"),
-        "function": {"name": str(fn.get("name", "")),
-                     "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)},
+        "function": {"name": str(fn.get("name", "")), "arguments": text},
     }
 
 
 def export_message(msg: dict[str, Any]) -> dict[str, Any]:
-    """One recorded chat message in the exported form (keys it does not have are left out)."""
+    """One recorded chat message in the exported form (keys it does not have are left out).
+    DatasetError, naming the field, for what cannot be written."""
+    if not isinstance(msg, dict):
+        raise DatasetError(f"expected a chat message (a dict with a 'role'), found {type(msg).__name__}")
     out: dict[str, Any] = {"role": str(msg.get("role", "")), "content": content_text(msg.get("content"))}
-    calls = [export_tool_call(c) for c in msg.get("tool_calls") or () if isinstance(c, dict)]
+    calls = []
+    for j, c in enumerate(msg.get("tool_calls") or ()):
+        if isinstance(c, dict):
+            try:
+                calls.append(export_tool_call(c))
+            except DatasetError as exc:
+                raise DatasetError(f"tool_calls[{j}].{exc}") from None
     if calls:
         out["tool_calls"] = calls
     for key in ("tool_call_id", "name"):
         if msg.get(key):
             out[key] = str(msg[key])
+    return out
+
+
+def export_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
+    """:func:`export_message` of each; a DatasetError names the message: ``messages[3].tool_calls[0]...``."""
+    out = []
+    for i, m in enumerate(messages):
+        try:
+            out.append(export_message(m))
+        except DatasetError as exc:
+            raise DatasetError(f"messages[{i}]: {exc}") from None
     return out
 
 
@@ -155,17 +198,23 @@ def session_tools(metadata: Any, messages: list[dict[str, Any]]) -> tuple[list[A
 class _Live:
     """What a session in flight needs for its row."""
 
-    __slots__ = ("pid", "opened", "state", "held", "last_turn", "versions", "turns", "assigned")
+    __slots__ = ("pid", "opened", "lsn", "state", "held", "held_tokens", "last_turn", "turn_lsn", "versions", "turns")
 
-    def __init__(self, pid: int | None, opened: SessionOpened) -> None:
+    def __init__(self, pid: int | None, opened: SessionOpened, lsn: int) -> None:
         self.pid = pid
         self.opened = opened
+        self.lsn = lsn  # its session_opened's
         self.state = "open"
         self.held: list[Any] | None = None  # the last turn's messages + its response (None before a turn)
+        self.held_tokens = 0  # the last turn's prompt + output tokens (what a delta may share)
         self.last_turn: Any = None
+        self.turn_lsn = -1
         self.versions: set[int] = set()
         self.turns = 0
-        self.assigned: Any = None  # the last reward_assigned value
+
+
+def _partition(live: _Live) -> str:
+    return "" if live.pid is None else f"partition p{live.pid:04d}: "
 
 
 class DatasetFold:
@@ -175,61 +224,72 @@ class DatasetFold:
     returns the rows it completed; :meth:`finish` returns the rest once the log
     is read. ``keep(row)`` says which rows to build (filters); ``advantages``
     computes the member advantages of released groups (:func:`group_advantages`),
-    taken :data:`ADVANTAGE_BATCH` groups at a time; ``tokens`` adds the token columns."""
+    for up to :data:`ADVANTAGE_BATCH` groups or :data:`SETTLE_BYTES` of rows at a
+    time; ``tokens`` adds the token columns (numpy arrays, see :func:`token_columns`)."""
 
     def __init__(self, config: ReduceConfig, advantages: Callable[[list[float], list[int], list[bool]], list[float]], *,
                  tokens: bool = False, keep: Callable[[dict[str, Any]], bool] = lambda row: True) -> None:
-        from agentlog.reducers.partitioned import PartitionFold
-
         self.config = config
-        self.fold = PartitionFold(config)
+        self._reducers: dict[int | None, Reducer] = {}  # one per partition: a session never spans partitions
         self.tokens = tokens
         self.keep = keep
         self._advantages = advantages
         self._live: dict[tuple[int | None, str], _Live] = {}
         self._held: dict[tuple[int | None, str], dict[str, dict[str, Any]]] = {}  # (pid, group) -> session -> row
         self._released_groups: list[tuple[Group, dict[str, dict[str, Any]]]] = []  # awaiting their advantages
+        self._released_bytes = 0  # their rows' size (row_nbytes)
         self.sessions = 0  # sessions that ended (every one, kept or not)
         self.left_out = 0  # ended sessions the filters left out
 
+    def _reducer(self, pid: int | None) -> Reducer:
+        reducer = self._reducers.get(pid)
+        if reducer is None:
+            reducer = self._reducers[pid] = Reducer(self.config)
+        return reducer
+
     def feed(self, pid: int | None, env: Any) -> list[dict[str, Any]]:
-        """Fold one envelope. Raises ReduceError (naming LSN and session) on what the reducers refuse."""
-        out = self.fold.reducer_of(pid or 0).feed(env)
+        """Fold one envelope. Raises ReduceError (naming LSN and session) on what the reducers
+        refuse, DatasetError (naming them too) on a session whose row cannot be written."""
+        out = self._reducer(pid).feed(env)
         body = env.body
-        key = (pid, env.session_id)
+        sid = env.session_id
+        key = (pid, sid)
         if type(body) is SessionOpened:
-            self._live[key] = _Live(pid, body)
+            self._live[key] = _Live(pid, body, env.lsn)
             return []
         live = self._live.get(key)
         if live is None:  # not a session's event (a learner record)
             return []
         if type(body) is TurnDelta:
-            before = live.held or []
-            self._turn(live, body, before[: body.shared_messages] + body.new_messages)
+            # The reducer checked it already; expanded by the owner of the encoding, with its checks.
+            context = TurnContext(b"", live.held or [])
+            self._turn(live, env.lsn, body, context.expand_messages(body, f"lsn {env.lsn}, session {sid!r}: ", live.held_tokens))
         elif type(body) is TurnRecorded:
-            self._turn(live, body, list(body.messages))
+            self._turn(live, env.lsn, body, list(body.messages))
         elif type(body) is SessionStarted:
             live.state = "running"
-        elif type(body) is RewardAssigned:
-            live.assigned = body.reward
         elif isinstance(body, (SessionFinished, SessionAborted, SessionDropped)):
             del self._live[key]
-            self._ended(live, env, body, out.samples, out.flags[env.session_id])
+            self._ended(live, sid, out.outcomes[sid], out.samples, out.flags[sid])
             for g in out.groups:
                 rows = self._held.pop((pid, g.group_id), None)
                 if rows:
                     self._released_groups.append((g, rows))
-            return self._settle() if len(self._released_groups) >= ADVANTAGE_BATCH else []
+                    self._released_bytes += sum(map(row_nbytes, rows.values()))
+            if len(self._released_groups) >= ADVANTAGE_BATCH or self._released_bytes >= SETTLE_BYTES:
+                return self._settle()
         return []
 
     @staticmethod
-    def _turn(live: _Live, body: Any, messages: list[Any]) -> None:
+    def _turn(live: _Live, lsn: int, body: Any, messages: list[Any]) -> None:
         import msgspec
 
         if body.response_message is not None:
             messages.append(body.response_message)
         live.held = messages
+        live.held_tokens = prompt_token_count(body) + len(body.output_ids) // 4
         live.last_turn = body
+        live.turn_lsn = lsn
         live.turns += 1
         live.versions.add(body.policy_version)
         if body.version_spans is not msgspec.UNSET:
@@ -238,14 +298,23 @@ class DatasetFold:
     def _row(self, sid: str, live: _Live, status: str, flags: tuple[str, ...]) -> dict[str, Any]:
         opened = live.opened
         recorded = live.held if live.held is not None else opened.prompt
-        messages = [export_message(m) for m in recorded]
+        try:
+            messages = export_messages(recorded)
+        except DatasetError as exc:
+            lsn, what = (live.turn_lsn, "its last turn's") if live.held is not None else (live.lsn, "its session_opened prompt's")
+            raise DatasetError(f"{_partition(live)}lsn {lsn}, session {sid!r}: {what} {exc}") from None
         tools, source = session_tools(opened.metadata, messages)
+        try:
+            tools_text = json.dumps(tools, ensure_ascii=False)
+        except (TypeError, ValueError) as exc:
+            raise DatasetError(f"{_partition(live)}lsn {live.lsn}, session {sid!r}: session_opened metadata 'tools': expected JSON values "
+                               f"(a list of function tools), found {exc}") from None
         last = live.last_turn
         return {
             "session_id": sid, "partition": live.pid, "group_id": opened.group_id, "sample_index": opened.sample_index,
             "group_size": opened.group_size, "agent": opened.agent,
             "label": None if opened.label is None else json.dumps(opened.label, ensure_ascii=False, default=str),
-            "messages": messages, "tools": json.dumps(tools, ensure_ascii=False), "tools_source": source,
+            "messages": messages, "tools": tools_text, "tools_source": source,
             "status": status, "reason": "", "reward": None, "in_baseline": False,
             "truncated": TRUNCATED in flags,
             "finish_reason": None if last is None else last.finish_reason,
@@ -253,31 +322,22 @@ class DatasetFold:
             "advantage": None, "group_skip_reason": None, "health_flags": list(flags),
         }
 
-    def _ended(self, live: _Live, env: Any, body: Any, samples: list[Any], flags: tuple[str, ...]) -> None:
+    def _ended(self, live: _Live, sid: str, outcome: SessionOutcome, samples: list[Any], flags: tuple[str, ...]) -> None:
+        """The row of a session the pipeline just ended: its outcome as the pipeline decided it
+        (:mod:`reducers.outcome`), its rows' tokens when it makes rows (a placeholder is no data)."""
         self.sessions += 1
-        row = self._row(env.session_id, live, body.__struct_config__.tag.removeprefix("session_"), flags)
-        trains = True  # whether the reducers made rows of it (else one placeholder, or nothing)
-        if isinstance(body, SessionFinished):
-            row["reward"], _problem = resolve_reward(final_raw_reward(body.reward, live.assigned), self.config.reward_key)
-            row["in_baseline"] = row["reward"] is not None
-        elif isinstance(body, SessionAborted) and aborted_as_failure(body, self.config):
-            row["reason"], row["reward"], row["in_baseline"] = body.reason, self.config.fail_reward, True
-        else:
-            row["reason"], trains = body.reason, False
-        if trains and untrainable_by(flags, self.config):
-            row["in_baseline"] = trains = False  # its flags make it untrainable: one placeholder, out of the baseline
-        if not trains:
-            samples = []  # a placeholder carries no data
+        row = self._row(sid, live, outcome.status, flags)
+        row["reason"], row["reward"], row["in_baseline"] = outcome.end_reason, outcome.reward, outcome.in_baseline
         if not self.keep(row):
             self.left_out += 1
             return
         if self.tokens:
-            row.update(token_columns(samples))
-        self._held.setdefault((live.pid, live.opened.group_id), {})[env.session_id] = row
+            row.update(token_columns(samples if outcome.makes_rows else []))
+        self._held.setdefault((live.pid, live.opened.group_id), {})[sid] = row
 
     def _settle(self) -> list[dict[str, Any]]:
         """The rows of the released groups waiting, with their advantages (one call for all their groups)."""
-        waiting, self._released_groups = self._released_groups, []
+        waiting, self._released_groups, self._released_bytes = self._released_groups, [], 0
         rewards: list[float] = []
         index: list[int] = []
         valid: list[bool] = []
@@ -306,7 +366,7 @@ class DatasetFold:
         rows = self._settle() + [row for held in self._held.values() for row in held.values()]
         self._held = {}
         for (pid, sid), live in self._live.items():
-            row = self._row(sid, live, live.state, self.fold.reducer_of(pid or 0).session_flags(sid))
+            row = self._row(sid, live, live.state, self._reducers[pid].session_flags(sid))
             if self.keep(row):
                 if self.tokens:
                     row.update(token_columns([]))
@@ -315,22 +375,39 @@ class DatasetFold:
         return rows
 
 
-def token_columns(samples: list[Any]) -> dict[str, list[list[Any]]]:
-    """Per sample: ``token_ids`` (prompt + response), and ``loss_mask`` and ``log_probs`` over the
-    same positions (0 over the prompt)."""
+#: The token columns (``--tokens``), each one array per trajectory row.
+TOKEN_COLUMNS = ("token_ids", "loss_mask", "log_probs")
+
+
+def token_columns(samples: list[Any]) -> dict[str, list[Any]]:
+    """Per sample: ``token_ids`` (prompt + response, int32), and ``loss_mask`` (uint8) and
+    ``log_probs`` (float32) over the same positions (0 over the prompt); numpy arrays, 4, 1 and
+    4 bytes a token (the writers turn them into Arrow arrays or JSON lists)."""
     import numpy as np
 
     ids, masks, lps = [], [], []
     for s in samples:
         n_prompt = s.prompt_length
-        mask = np.zeros(len(s.tokens) // 4, dtype=np.uint8)
+        tokens = s.token_ids
+        mask = np.zeros(len(tokens), dtype=np.uint8)
         mask[n_prompt:] = s.mask
-        lp = np.zeros(len(mask), dtype=np.float32)
+        lp = np.zeros(len(tokens), dtype=np.float32)
         lp[n_prompt:] = s.log_probs
-        ids.append(s.token_ids.tolist())
-        masks.append(mask.tolist())
-        lps.append(lp.tolist())
+        ids.append(tokens)
+        masks.append(mask)
+        lps.append(lp)
     return {"token_ids": ids, "loss_mask": masks, "log_probs": lps}
+
+
+def row_nbytes(row: dict[str, Any]) -> int:
+    """About the bytes a row holds, what the buffers of an export are bounded by: its token
+    arrays and its texts (messages, tool-call arguments, tools)."""
+    n = len(row.get("tools", ""))
+    for m in row["messages"]:
+        n += len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", ()))
+    for column in TOKEN_COLUMNS:
+        n += sum(a.nbytes for a in row.get(column, ()))
+    return n
 
 
 def group_advantages(estimator: str, eps: float) -> Callable[[list[float], list[int], list[bool]], list[float]]:

@@ -267,6 +267,23 @@ def _varied(log: MemoryLog, seed: int) -> MemoryLog:
     return out
 
 
+def _some_deltas(log: MemoryLog, seed: int) -> MemoryLog:
+    """``log`` with about half its turns re-encoded as deltas on the turn before, the rest kept whole."""
+    from agentlog.events.schema.turn_delta import TurnContext
+
+    rng = random.Random(seed)
+    out, contexts = MemoryLog(clock=lambda: 0), {}
+    for env in log.read(0):
+        body = env.body
+        if type(body) is TurnRecorded:
+            context = contexts.get(env.session_id, TurnContext())
+            contexts[env.session_id] = TurnContext.after(body)
+            if rng.random() < 0.5:
+                body = context.delta_of(body)
+        out.append_batch([(env.session_id, env.session_seq, body)])
+    return out
+
+
 def reference_flags(envs: list, config: ReduceConfig) -> dict[str, tuple[str, ...]]:
     """The flags of every ended session, from its whole event list at once (a plain batch reading
     of the rules, not SessionHealth): the trajectory's decisions for drift."""
@@ -316,11 +333,14 @@ CONFIGS = st.sampled_from([
 
 
 @settings(max_examples=80, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), cuts=st.lists(st.integers(1, 30), max_size=12), config=CONFIGS, deltas=st.booleans())
+@given(seed=st.integers(0, 2**32 - 1), cuts=st.lists(st.integers(1, 30), max_size=12), config=CONFIGS,
+       deltas=st.sampled_from(["none", "all", "some"]))
 def test_flags_folded_event_by_event_equal_the_batch_reference_in_every_fold(seed, cuts, config, deltas):
     log = _varied(RandomStream(seed).log(), seed)
-    if deltas:
+    if deltas == "all":
         log, _ = delta_log(log)  # what the engine writes: turns as deltas on the turn before
+    elif deltas == "some":
+        log = _some_deltas(log, seed)  # full and delta turns mixed in a session
     envs = list(log.read(0))
     want = reference_flags(envs, config)
     # The sample pipeline, one envelope at a time.
@@ -345,6 +365,11 @@ def test_flags_folded_event_by_event_equal_the_batch_reference_in_every_fold(see
         for f in flags:
             counts[f] += 1
     assert stats.snapshot()["flags"] == counts
+    # ... and over full bodies (each turn encoded for keeping): the same counts.
+    bodies = RunStats(config)
+    for env in envs:
+        bodies.feed(env)
+    assert bodies.snapshot()["flags"] == counts
     # Deterministic: a second fold gives the same flags, in the same (sorted) order.
     assert reduce_flags(envs, config) == want
 
@@ -353,12 +378,63 @@ def reduce_flags(envs: list, config: ReduceConfig) -> dict[str, tuple[str, ...]]
     return Reducer(config).feed_many(envs).flags
 
 
-def test_a_statistics_fold_given_a_projection_without_its_payload_says_what_it_needs_for_drift():
+def test_a_turn_projection_without_its_payload_is_refused_at_the_call_naming_session_and_lsn():
+    """The statistics keep turns for the drift flag: a projected turn must come with its stored bytes."""
     t = Script("t")
-    t.turn([], [1, 2, 3], [10, 11]).turn([], [7, 2, 3, 10, 11, 5], [12])
+    t.turn([], [1, 2, 3], [10, 11]).turn([], [1, 2, 3, 10, 11, 5], [12])  # turns that extend each other: no drift either way
     health = SessionHealth("t", ReduceConfig(), keep_turns=True)
     health.observe("session_opened", SessionOpened(group_id="g", group_size=1))
-    for body in t.bodies[2:]:
-        health.observe(body.__struct_config__.tag, decode_projection(encode_body(body)))
-    with pytest.raises(TypeError, match=r"session 't': its drift flag needs its turns linearised, and turn 0 .* without its payload"):
-        health.flags()
+    with pytest.raises(TypeError, match=r"session 't': turn 0 was given as a projection without its stored bytes"):
+        health.observe("turn_recorded", decode_projection(encode_body(t.bodies[2])))
+    stats = RunStats()
+    envs = list(log_of(t).read(0))
+    for env in envs[:2]:
+        stats.feed(env)
+    with pytest.raises(TypeError, match=rf"RunStats.feed_record: lsn {envs[2].lsn}, session 't': a turn_recorded projection needs its payload"):
+        stats.feed_record(envs[2].lsn, "t", envs[2].session_seq, envs[2].ts_ns, decode_projection(encode_body(envs[2].body)))
+    assert stats.events == 2  # nothing folded
+
+
+def _full_prompt_session(turns: int, tokens_per_turn: int) -> Script:
+    """One session whose every turn_recorded holds its whole prompt (an old, full-prompt log):
+    a prompt and a conversation that grow by a tool answer each turn."""
+    s = Script("long")
+    prompt, messages = list(range(1, 50)), [S, U]
+    for i in range(turns):
+        out = [300 + i] * tokens_per_turn
+        s.turn(list(messages), list(prompt), out, response=msg("assistant", f"reply {i} " + "x" * 200))
+        messages = messages + [msg("assistant", f"reply {i} " + "x" * 200), msg("tool", f"result {i} " + "y" * 200)]
+        prompt = prompt + out + [7] * tokens_per_turn
+    return s.finish(1.0)
+
+
+def test_the_statistics_keep_a_full_prompt_session_in_memory_linear_in_its_turns():
+    """Kept turns hold what each adds to the one before (a stored delta), not each whole prompt:
+    the bytes kept grow linearly with the turns while the stored turns grow quadratically."""
+    kept, stored = {}, {}
+    for n in (20, 40):
+        health = SessionHealth("long", ReduceConfig(), keep_turns=True)
+        stored[n] = 0
+        for env in log_of(_full_prompt_session(n, 30)).read(0):
+            payload = encode_body(env.body)
+            if env.body.__struct_config__.tag != "session_finished":  # kept until the end; then freed
+                health.observe(env.body.__struct_config__.tag, decode_projection(payload), payload)
+            stored[n] += len(payload) if isinstance(env.body, TurnRecorded) else 0
+        kept[n] = health.kept_bytes
+    assert stored[40] > 3.5 * stored[20]  # quadratic
+    assert kept[40] < 2.2 * kept[20] and kept[40] < stored[40] / 8  # linear
+
+
+def test_a_drifting_full_prompt_session_is_linearised_from_its_kept_deltas_as_from_the_log():
+    """A session the statistics must linearise: the kept deltas give the trajectory's own decisions."""
+    s = _full_prompt_session(6, 3)
+    drifted = s.bodies[4]  # the third turn: one of its prompt tokens re-tokenised
+    s.bodies[4] = msgspec.structs.replace(drifted, prompt_ids=b"\x63\x00\x00\x00" + drifted.prompt_ids[4:])
+    envs = list(log_of(s).read(0))
+    want = reduce_flags(envs, ReduceConfig())["long"]
+    assert "drift" in want
+    stats = RunStats()
+    for env in envs:
+        payload = encode_body(env.body)
+        stats.feed_record(env.lsn, env.session_id, env.session_seq, env.ts_ns, decode_projection(payload), payload)
+    assert [f for f, n in stats.snapshot()["flags"].items() if n] == list(want)

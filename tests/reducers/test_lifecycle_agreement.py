@@ -113,7 +113,14 @@ def test_every_fold_finds_the_same_violations(seed, faults):
     assert verify_violations(envs) == shown
     assert engine_violation_count(envs) == len(shown)
     assert by_kind == {k: sum(1 for v in shown if v[2] == k) for k in {v[2] for v in shown}}
-    assert pipeline_first_violation(envs) == (shown[0] if shown else None)
+    first = pipeline_first_violation(envs)
+    if first is not None and first[2] is None:
+        # A data error the lifecycle does not judge (a turn_index recorded twice, which a
+        # duplicated event with a valid sequence number makes) may stop the pipeline first;
+        # it is never later than the first lifecycle violation.
+        assert not shown or first[0] <= shown[0][0], (first, shown[0])
+    else:
+        assert first == (shown[0] if shown else None)
     assert all(kind in {k.value for k in ViolationKind} for _, _, kind in shown)
     if not faults:
         assert shown == []

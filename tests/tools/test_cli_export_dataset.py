@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import re
 import statistics
 from pathlib import Path
@@ -104,18 +105,19 @@ def hf_rows(log: Path, out: Path, *args: str) -> list[dict]:
 # ---------------------------------------------------------------- show, parsed
 
 _OUTCOME = re.compile(r"^outcome  (?:still (\w+)|(\w+)(?: \((.*?)\))?(?:  reward (\S+))?  turns)")
-_ROW = re.compile(r"^  row \d+: .* (\d+) tokens = (\d+) prompt \+ (\d+) response")
+_ROW = re.compile(r"^  row \d+: (\w+)(?: remove_sample)?, reward (\S+), (\d+) tokens = (\d+) prompt \+ (\d+) response")
 
 
 def show(log: Path, session: str) -> dict:
     """What ``agentlog show --full`` prints of a session: status, reason, reward, health
-    flags, the conversation its transcript adds up to, and its rows' prompt and response lines."""
+    flags, the conversation its transcript adds up to (its session_opened prompt when it
+    recorded no turn), and its rows' prompt and response lines and rewards."""
     rc, out, err = cli("show", str(log), session, "--full", "-q")
     assert rc == 0, err
     lines = out.splitlines()
     m = next(_OUTCOME.match(line) for line in lines if line.startswith("outcome  "))
     facts: dict = {"status": m.group(1) or m.group(2), "reason": m.group(3) or "",
-                   "reward": None if m.group(4) is None else float(m.group(4)), "conversation": [], "rows": []}
+                   "reward": None if m.group(4) is None else float(m.group(4)), "conversation": [], "rows": [], "row_rewards": []}
     flags = next(line for line in lines if line.startswith("flags    ")).removeprefix("flags    ").split("  (")[0]
     facts["flags"] = [] if flags == "(none)" else flags.split(", ")
     facts["raw_flags"] = next(line for line in lines if line.startswith("flags    "))
@@ -132,7 +134,8 @@ def show(log: Path, session: str) -> dict:
                 facts["conversation"].append(line[4:])
         elif section == "rows" and _ROW.match(line):
             prompt = lines[i + 1].removeprefix("    prompt    ").strip()
-            facts["rows"].append((int(_ROW.match(line).group(2)), prompt, lines[i + 2].removeprefix("    response  ")))
+            facts["rows"].append((int(_ROW.match(line).group(4)), prompt, lines[i + 2].removeprefix("    response  ")))
+            facts["row_rewards"].append(float(_ROW.match(line).group(2)))
     return facts
 
 
@@ -158,28 +161,76 @@ def same_lines(exported: list[str], shown: list[str]) -> bool:
     return True
 
 
+def assert_matches_show(log: Path, row: dict) -> None:
+    """Every column ``show`` prints of the row's session agrees with the row: outcome, reward (a
+    finished session's, and an abort's its class counts as a failure: its rows'), flags, the
+    conversation (the prompt of a session without a turn) and, with --tokens, the token rows."""
+    sid = row["session_id"]
+    facts = show(log, sid)
+    assert row["status"] == facts["status"], sid
+    assert row["reason"] == facts["reason"], sid
+    assert row["health_flags"] == facts["flags"], sid
+    if row["status"] == "finished":
+        assert row["reward"] == facts["reward"], sid
+    elif row["status"] == "aborted" and row["in_baseline"]:  # a failure: its rows carry the run's failure reward
+        assert facts["row_rewards"] and all(r == row["reward"] for r in facts["row_rewards"]), (sid, facts["row_rewards"])
+    else:
+        assert row["reward"] is None, sid
+    assert same_lines(rendered(row), facts["conversation"]), (sid, rendered(row), facts["conversation"])
+    if "token_ids" not in row:
+        return
+    # The token rows are the rows show prints, prompt then response runs; a member out of the
+    # baseline by its abort class or its flags has none (its placeholder is no data).
+    placeholder = (row["status"] == "aborted" and not row["in_baseline"]) or "untrainable by" in facts["raw_flags"]
+    expected_rows = [] if placeholder else facts["rows"]
+    assert len(row["token_ids"]) == len(expected_rows), sid
+    for ids, mask, lps, (n_prompt, prompt, response) in zip(row["token_ids"], row["loss_mask"], row["log_probs"], expected_rows):
+        assert len(ids) == len(mask) == len(lps)
+        assert " ".join(map(str, ids[:n_prompt])) == prompt
+        assert not any(mask[:n_prompt]) and not any(lps[:n_prompt])
+        runs = " ".join(("train[" if m else "ctx[") + " ".join(map(str, t)) + "]" for m, t in mask_runs(_np(ids[n_prompt:]), _np(mask[n_prompt:])))
+        assert runs == response
+
+
+#: A run's settings where a policy abort counts as a failure (reward -1) and a truncated member is untrainable.
+FAILING_CONFIG = """untrainable_flags = ["truncated"]
+min_valid = 1
+
+[groups]
+fail_reward = -1.0
+
+[learner]
+estimator = "dr_grpo"
+"""
+
+
+def failing_run(log: Path, tmp_path: Path) -> Path:
+    """A run folder holding a copy of ``log`` with :data:`FAILING_CONFIG` as its config."""
+    import shutil
+
+    from agentlog.loop.config import LoopConfig
+    from agentlog.loop.run_folder import Run
+
+    run = tmp_path / f"{log.name}-run"
+    shutil.copytree(log, run / "rollout", ignore=shutil.ignore_patterns("LOCK"))
+    (tmp_path / "failing.toml").write_text(FAILING_CONFIG)
+    Run.save_config(run, LoopConfig.load(tmp_path / "failing.toml"))
+    return run
+
+
 def test_every_row_matches_show(run_log, tool_log, tmp_path):
-    for log in (run_log[0], tool_log):
-        rows = hf_rows(log, tmp_path / log.name, "--status", ALL, "--tokens")
-        assert rows
-        for row in rows:
-            facts = show(log, row["session_id"])
-            assert row["status"] == facts["status"], row["session_id"]
-            assert row["reason"] == facts["reason"], row["session_id"]
-            assert row["health_flags"] == facts["flags"], row["session_id"]
-            if row["status"] == "finished":
-                assert row["reward"] == facts["reward"], row["session_id"]
-            if row["turns"]:
-                assert same_lines(rendered(row), facts["conversation"]), (row["session_id"], rendered(row), facts["conversation"])
-            # The token rows are the rows show prints, prompt then response runs (an excluded abort has none).
-            expected_rows = [] if row["status"] == "aborted" and not row["in_baseline"] else facts["rows"]
-            assert len(row["token_ids"]) == len(expected_rows), row["session_id"]
-            for ids, mask, lps, (n_prompt, prompt, response) in zip(row["token_ids"], row["loss_mask"], row["log_probs"], expected_rows):
-                assert len(ids) == len(mask) == len(lps)
-                assert " ".join(map(str, ids[:n_prompt])) == prompt
-                assert not any(mask[:n_prompt]) and not any(lps[:n_prompt])
-                runs = " ".join(("train[" if m else "ctx[") + " ".join(map(str, t)) + "]" for m, t in mask_runs(_np(ids[n_prompt:]), _np(mask[n_prompt:])))
-                assert runs == response
+    rows = {}
+    for log in (run_log[0], tool_log, failing_run(run_log[0], tmp_path), failing_run(tool_log, tmp_path)):
+        rows[log.name] = {r["session_id"]: r for r in hf_rows(log, tmp_path / f"{log.name}.out", "--status", ALL, "--tokens")}
+        assert rows[log.name]
+        for row in rows[log.name].values():
+            assert_matches_show(log, row)
+    # The rows cover a session without a turn, a failure abort, an excluded abort and an untrainable member.
+    failed, tools = rows[f"{run_log[0].name}-run"], rows[f"{tool_log.name}-run"]
+    assert not rows[tool_log.name]["solo-0"]["turns"] and not failed["drop-2"]["turns"]
+    assert failed["abort-0"]["in_baseline"] and failed["abort-0"]["reward"] == -1.0  # wall_clock_timeout: a policy abort
+    assert not failed["exc-1"]["in_baseline"] and failed["exc-1"]["reward"] is None  # an infrastructure abort: excluded
+    assert "truncated" in tools["tc-1"]["health_flags"] and not tools["tc-1"]["in_baseline"] and tools["tc-1"]["token_ids"] == []
 
 
 def _np(values):
@@ -358,12 +409,8 @@ def test_a_run_folder_exports_with_its_settings(short_demo_run, tmp_path):
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     kept = [s for s in samples if "turn_indices" in s["metadata"]]
     assert sum(len(r["token_ids"]) for r in rows) == len(kept) > 0
-    for row in rows[:8]:
-        facts = show(run, row["session_id"])
-        assert (row["status"], row["reason"]) == (facts["status"], facts["reason"])
-        assert same_lines(rendered(row), facts["conversation"]) or not row["turns"]
-        if row["status"] == "finished":
-            assert row["reward"] == facts["reward"]
+    for row in rows:
+        assert_matches_show(run, row)
     # Each released group's advantages are the learner's function over that group alone, exactly
     # (the export computes them for many groups in one call, as a learner batch does).
     import torch
@@ -424,3 +471,161 @@ def test_a_big_log_shows_progress_and_quiet_silences_it(tmp_path):
     assert code == 0 and "export-dataset:" in err and "B/s" in err, err
     code, err = on_a_terminal("export-dataset", str(tmp_path / "big.log"), "-o", str(tmp_path / "b"), "--format", "jsonl", "--quiet")
     assert code == 0 and err == "", err
+
+
+def _open_files_under(root: Path) -> list[str]:
+    """The files under ``root`` this process holds open (Linux: /proc/self/fd)."""
+    fds = Path("/proc/self/fd")
+    if not fds.is_dir():
+        pytest.skip("needs /proc/self/fd to see open files")
+    held = []
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith(str(root)):
+                held.append(target)
+    return held
+
+
+@pytest.mark.parametrize("fmt", ["hf", "jsonl"])
+def test_an_export_the_reducers_end_closes_its_files_and_leaves_nothing(tmp_path, fmt):
+    """A log refused after rows were written: exit 1, no DIR, no temporary, no file left open."""
+    from agentlog.events import FileLog
+    from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted
+
+    log = FileLog.open(tmp_path / "bad.log")
+    log.append_batch([(f"s{i}", n, b) for i in range(3) for n, b in enumerate(
+        (SessionOpened(group_id=f"g{i}", group_size=1), SessionStarted(), SessionFinished(reward=1.0)))])
+    log.append_batch([("late", 0, SessionOpened(group_id="g", group_size=1)), ("late", 1, SessionFinished(reward=1.0))])
+    log.close()
+    out = tmp_path / "deep" / "er" / "out"
+    rc, _, err = cli("export-dataset", str(tmp_path / "bad.log"), "-o", str(out), "--format", fmt, "-q")
+    assert rc == 1 and "session 'late'" in err and "illegal" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.log"]  # no DIR, no parents made for it, no temporary
+    assert _open_files_under(tmp_path / "deep") == []
+
+
+@pytest.mark.parametrize("fmt", ["hf", "jsonl"])
+def test_an_export_that_cannot_place_its_output_closes_its_files_and_leaves_dir_as_it_was(tool_log, tmp_path, monkeypatch, fmt):
+    from agentlog.tools import cmd_export_dataset
+
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cmd_export_dataset.os, "replace", full)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, _, err = cli("export-dataset", str(tool_log), "-o", str(empty), "--format", fmt, "-q")
+    assert rc == 2 and f"{empty}: cannot write: No space left on device" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and list(empty.iterdir()) == []  # as it was
+    assert _open_files_under(tmp_path) == []
+
+
+def _log_with(path: Path, opened: dict, response: dict | None = None) -> Path:
+    from agentlog.events import FileLog
+    from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+
+    bodies = [SessionOpened(group_id="g", group_size=1, **opened), SessionStarted()]
+    if response is not None:
+        bodies.append(TurnRecorded(turn_index=0, messages=[SYSTEM], prompt_ids=[1], output_ids=[2], output_log_probs=[-0.5],
+                                   response_message=response))
+    log = FileLog.open(path)
+    log.append_batch([("s", i, b) for i, b in enumerate(bodies + [SessionFinished(reward=1.0)])])
+    log.close()
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["hf", "jsonl"])
+def test_a_recorded_value_json_has_no_form_for_is_refused_naming_the_session_and_field(tmp_path, fmt):
+    bad_tools = _log_with(tmp_path / "tools.log", {"metadata": {"tools": [{"type": "function", "function": {"name": "f", "blob": b"\x00"}}]}})
+    rc, out, err = cli("export-dataset", str(bad_tools), "-o", str(tmp_path / "a"), "--format", fmt, "-q")
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert ("lsn 0, session 's': session_opened metadata 'tools': expected JSON values (a list of function tools), "
+            "found Object of type bytes is not JSON serializable") in err
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "upload", "arguments": {"data": b"\x01"}}]}
+    bad_args = _log_with(tmp_path / "args.log", {}, response=call)
+    rc, out, err = cli("export-dataset", str(bad_args), "-o", str(tmp_path / "b"), "--format", fmt, "-q")
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert ("lsn 2, session 's': its last turn's messages[1]: tool_calls[0].function.arguments: expected JSON values, "
+            "found Object of type bytes is not JSON serializable") in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["args.log", "tools.log"]
+
+
+def test_config_gives_a_copy_of_a_runs_log_the_runs_settings_and_estimator(run_log, tmp_path):
+    """A run's log without its config.json (a copy, or its JetStream stream) folds with --config FILE
+    exactly as the run folder does: reduce settings and the learner's estimator."""
+    import shutil
+
+    run = failing_run(run_log[0], tmp_path)
+    copy = tmp_path / "copy.log"  # the run's log alone, no config beside it
+    shutil.copytree(run / "rollout", copy)
+    as_run = hf_rows(run, tmp_path / "run", "--status", ALL)
+    given = hf_rows(copy, tmp_path / "given", "--status", ALL, "--config", str(tmp_path / "failing.toml"))
+    bare = hf_rows(copy, tmp_path / "bare", "--status", ALL)
+    assert given == as_run != bare
+    by_sid = {r["session_id"]: r for r in given}
+    assert by_sid["abort-0"]["in_baseline"] and by_sid["abort-0"]["reward"] == -1.0
+    # Dr. GRPO over g-bad's valid members (strag-3 0.5, abort-0 -1): r - mean, no std scaling.
+    assert by_sid["strag-3"]["advantage"] == pytest.approx(0.75) and by_sid["abort-0"]["advantage"] == pytest.approx(-0.75)
+    manifest = json.loads((tmp_path / "given" / "export.json").read_text())
+    assert manifest["config_file"] == str(tmp_path / "failing.toml") and manifest["advantage"]["estimator"] == "dr_grpo"
+    assert manifest["reduce_config_digest"] == json.loads((tmp_path / "run" / "export.json").read_text())["reduce_config_digest"]
+    rc, _, err = cli("export-dataset", str(copy), "-o", str(tmp_path / "x"), "--config", str(tmp_path / "nope.toml"))
+    assert rc == 2 and "--config" in err and "nope.toml" in err and not (tmp_path / "x").exists()
+
+
+def test_small_buffers_write_the_same_rows(tool_log, run_log, tmp_path, monkeypatch):
+    """Rows flushed and groups settled by size, however small, give the same dataset."""
+    from agentlog.tools import cmd_export_dataset, dataset_rows
+
+    for log in (run_log[0], tool_log):
+        want = hf_rows(log, tmp_path / f"{log.name}.big", "--status", ALL, "--tokens")
+        with monkeypatch.context() as m:
+            m.setattr(cmd_export_dataset._ArrowRows, "FLUSH_BYTES", 1)
+            m.setattr(dataset_rows, "SETTLE_BYTES", 1)
+            got = hf_rows(log, tmp_path / f"{log.name}.small", "--status", ALL, "--tokens")
+        assert got == want
+
+
+@pytest.fixture(scope="module")
+def partitioned_run(tmp_path_factory) -> Path:
+    from test_partitioned_views import write_run
+
+    run = tmp_path_factory.mktemp("export-parts") / "run"
+    write_run(run)
+    return run
+
+
+def test_a_partitioned_run_folder_exports_every_partitions_sessions(partitioned_run, tmp_path):
+    from test_partitioned_views import OUTCOMES
+
+    rows = hf_rows(partitioned_run, tmp_path / "x", "--status", ALL, "--tokens")
+    assert sorted((r["partition"], r["session_id"], r["status"]) for r in rows) == sorted(
+        (pid, sid, status) for pid, sessions in OUTCOMES.items() for sid, status in sessions.items())
+    for row in rows:
+        assert row["group_id"].startswith(f"g{row['partition']}")
+        assert_matches_show(partitioned_run, row)
+    by_sid = {r["session_id"]: r for r in rows}
+    for pid in (0, 2):  # rewards 1 and 0: GRPO gives +-(0.5 / (std 0.7071 + 1e-6))
+        assert by_sid[f"p{pid}-a"]["advantage"] == pytest.approx(0.7071, abs=1e-3) == -by_sid[f"p{pid}-b"]["advantage"]
+    assert "min_valid" in by_sid["p1-a"]["group_skip_reason"]  # p1-b aborted: one valid member
+    assert by_sid["p2-live"]["advantage"] is None
+
+
+def test_replay_flag_selects_across_the_partitions(partitioned_run):
+    """``replay --flag`` over a partitioned run: the sessions each partition's own reducer flags."""
+    from agentlog.events import read_log
+    from agentlog.events.log.partitions import partition_dir
+    from agentlog.reducers.pipeline import Reducer
+    from test_partitioned_views import OUTCOMES
+
+    flagged: dict[str, set[str]] = {}
+    for pid in OUTCOMES:
+        for sid, flags in Reducer().feed_many(read_log(partition_dir(partitioned_run / "rollout", pid))).flags.items():
+            for f in flags:
+                flagged.setdefault(f, set()).add(sid)
+    assert flagged["complete"] and any(len({s[:2] for s in sids}) > 1 for sids in flagged.values())  # flags in several partitions
+    for flag, sids in flagged.items():
+        rc, out, err = cli("replay", str(partitioned_run), "--flag", flag, "--json", "-q")
+        assert rc == 0, err
+        assert {json.loads(line)["session_id"] for line in out.splitlines()} == sids, flag

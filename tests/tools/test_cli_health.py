@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cli_helpers import agentlog
 from agentlog.events import FileLog
 from agentlog.events.schema.types import (
-    SessionFinished, SessionOpened, SessionStarted, TeacherScored, TurnRecorded, TurnUndelivered,
+    SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted, TeacherScored, TurnRecorded, TurnUndelivered,
 )
 from agentlog.loop.config import LoopConfig
 
@@ -135,3 +136,32 @@ def test_a_run_folder_that_makes_a_flag_untrainable_marks_it_and_counts_the_memb
     assert "row 0: aborted remove_sample, reward 0, 2 tokens = 1 prompt + 1 response, 0 trained  [untrainable: truncated]" in show.stdout
     stats = json.loads(agentlog("stats", str(run), "--json").stdout)
     assert stats["groups"]["untrainable_by_flags"] == 1 and stats["groups"]["skipped"] == 1  # the group of "cut" only
+
+
+def _ended(how: Any) -> list:
+    """Two turns, the second stopped at its token limit (``truncated``), then ``how`` ends it."""
+    return [*_session(finish="length")[:-1], how]
+
+
+def test_show_marks_untrainable_only_the_members_the_pipeline_makes_untrainable(tmp_path):
+    """Flags make a member untrainable only when it would train: a finished session or an abort counted
+    as a failure. An excluded abort and a dropped session carry the same flag and are not marked."""
+    run = tmp_path / "run"
+    (run / "rollout").mkdir(parents=True)
+    LoopConfig(min_valid=1, untrainable_flags=["truncated"]).save(run / "config.json")  # a policy abort is a failure
+    sessions = {
+        "timeout": (_ended(SessionAborted(reason="wall_clock_timeout")), True),  # policy: a failure, so untrainable
+        "crashed": (_ended(SessionAborted(reason="agent_crashed")), False),  # infrastructure: excluded anyway
+        "gone": (_ended(SessionDropped(reason="cancelled")), False),
+        "cut": (_session(finish="length"), True),
+    }
+    _write(run / "rollout", {sid: (bodies, ()) for sid, (bodies, _) in sessions.items()})
+    for sid, (_, marked) in sessions.items():
+        res = agentlog("show", str(run), sid)
+        assert res.returncode == 0, res.stderr
+        line = next(line for line in res.stdout.splitlines() if line.startswith("flags    "))
+        assert line.startswith("flags    truncated"), (sid, line)
+        assert ("untrainable by untrainable_flags: truncated" in line) is marked, (sid, line)
+        assert ("[untrainable: truncated]" in res.stdout) is (sid == "cut"), (sid, res.stdout)  # an abort's row names its reason
+    stats = json.loads(agentlog("stats", str(run), "--json").stdout)
+    assert stats["groups"]["untrainable_by_flags"] == 2  # the same two members
