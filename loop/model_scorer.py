@@ -63,7 +63,10 @@ class ModelScorer(Scorer):
         samples = [_scoring_sample(prompt, output, temperature) for prompt, output, temperature in items]
         out: list[list[float]] = [[] for _ in items]
         with torch.no_grad():
-            for batch in make_batches(samples, max_tokens_per_batch=SCORE_TOKENS_PER_BATCH, pad_id=self.pad_id):
+            # Padded rows (a causal model needs no mask for padding at the end), caller's order: a
+            # caller that sorts by length wastes little padding. Measured on the tiny HF model, about
+            # 1.3x faster than packed rows, whose block-diagonal masks cost more than the padding.
+            for batch in make_batches(samples, packing=False, max_tokens_per_batch=SCORE_TOKENS_PER_BATCH, pad_id=self.pad_id):
                 log_probs, _ = token_log_probs(self.model, batch)
                 for row, index in enumerate(batch.sample_indices):
                     n = samples[index].response_length

@@ -284,6 +284,8 @@ async def _check_parts(scorer: Scorer, turns: list[Turn], parts: list[_Part], re
                        tolerance: float, skip_retok: str) -> None:
     """The checks of the parts one scorer (one version) answers, folded into ``results``."""
     scoreable = [p for p in parts if len(turns[p.index].log_probs)]
+    # By length: an in-process batch then pads little.
+    scoreable.sort(key=lambda p: len(turns[p.index].prompt) + len(turns[p.index].output))
     items = [(turns[p.index].prompt, turns[p.index].output, turns[p.index].temperature) for p in scoreable]
     if isinstance(scorer, ModelScorer):
         scored: list[list[float]] = []

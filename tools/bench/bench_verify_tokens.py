@@ -10,7 +10,8 @@ in one run:
   the log (``collect_turns``: read, delta turns expanded), each turn retokenized through
   the chat template and scored by :class:`agentlog.loop.model_scorer.ModelScorer`, wall time;
 * **anchor**: the scoring forward passes alone (``ModelScorer.score_batch`` over the same
-  turns, already in memory): what any re-feed costs at the least.
+  turns, already in memory, sorted by length as ours sorts them): what any re-feed costs at
+  the least.
 
 It ends with ``GOAL verify_tokens_turns_per_s_in_process`` (goal >= 200 turns/s), the
 anchor's rate and the max log-prob difference printed beside it.
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = time.perf_counter() - t0
         assert report.turns_checked == written, (report.turns_checked, written)
 
-        items = [(t.prompt, t.output, t.temperature) for t in turns]
+        items = sorted(((t.prompt, t.output, t.temperature) for t in turns), key=lambda it: len(it[0]) + len(it[1]))
         t0 = time.perf_counter()
         for lo in range(0, len(items), 64):
             scorer.score_batch(items[lo : lo + 64])
