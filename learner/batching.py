@@ -76,6 +76,8 @@ class Batch:
     """(N, L, K) float32: the teacher's log-probs of those ids (0 where absent)."""
     teacher_top_mask: torch.Tensor | None = None
     """(N, L, K) bool: which top-K entries are real (a scored token of a sample with top-K data)."""
+    versions: torch.Tensor | None = None
+    """(N, L) long: the policy version that generated each response token (`Sample.versions`; 0 in padding)."""
 
     @property
     def attention_mask(self) -> torch.Tensor | None:
@@ -247,6 +249,7 @@ def _collate(rows: list[list[_Item]], *, packed: bool, pad_id: int) -> Batch:
     slots = np.zeros(M, dtype=np.int64)
     loss_mask = np.zeros((N, L), dtype=np.float32)
     rollout = np.zeros((N, L), dtype=np.float32)
+    versions = np.zeros((N, L), dtype=np.int64)
     advantages = np.zeros(N, dtype=np.float32)
     temperatures = np.ones(M, dtype=np.float32)
     scored_any = any(it.sample.teacher_scored for it in flat)
@@ -275,6 +278,7 @@ def _collate(rows: list[list[_Item]], *, packed: bool, pad_id: int) -> Batch:
             j += m
             loss_mask[n, :m] = it.mask
             rollout[n, :m] = it.log_probs
+            versions[n, :m] = it.sample.versions
             advantages[n] = it.advantage
             if it.sample.teacher_scored:
                 teacher[n, :m] = it.sample.teacher_lp
@@ -307,4 +311,5 @@ def _collate(rows: list[list[_Item]], *, packed: bool, pad_id: int) -> Batch:
         teacher_top_ids=None if top_ids is None else torch.from_numpy(top_ids),
         teacher_top_log_probs=None if top_lp is None else torch.from_numpy(top_lp),
         teacher_top_mask=None if top_mask is None else torch.from_numpy(top_mask),
+        versions=torch.from_numpy(versions),
     )

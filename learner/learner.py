@@ -34,6 +34,7 @@ from agentlog.learner.advantages import compute_advantages
 from agentlog.learner.batching import make_batches
 from agentlog.learner.config import LearnerConfig
 from agentlog.learner.loss import LossInputs, total_loss
+from agentlog.learner.mismatch import MismatchStats
 from agentlog.learner.model import token_log_probs, token_stats
 from agentlog.learner.optim import make_optimizer, make_scheduler
 from agentlog.events.fs import atomic_file
@@ -251,7 +252,9 @@ class Learner:
 
         Returns metrics (``loss/*``, ``stats/*``, ``rollout/*``, ``perf/*``,
         ``learner/*``, and ``distill/*`` when samples carry teacher scores;
-        loss, stats and distill averaged over the mini-batches). When
+        loss, stats and distill averaged over the mini-batches), with the
+        training–inference mismatch over the trained tokens of this
+        version (`agentlog.learner.mismatch`: ``stats/train_rollout_*``). When
         nothing is trainable (every row removed or masked) no optimiser step
         is taken, ``policy_version`` is unchanged and ``learner/skipped`` is 1.
         """
@@ -289,6 +292,7 @@ class Learner:
         before = self._snapshot() if len(minis) > 1 else None
 
         sums: dict[str, float] = {}
+        mismatch = MismatchStats()
         grad_norm = torch.zeros(())
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         for k, mini in enumerate(minis):
@@ -315,6 +319,11 @@ class Learner:
                     teacher_top_log_probs=b.teacher_top_log_probs if with_top else None,
                     teacher_top_mask=b.teacher_top_mask if with_top else None,
                 )
+                # The policy before this step's update against the recorded one, on tokens of this version.
+                counted = b.loss_mask > 0
+                if b.versions is not None:
+                    counted &= b.versions == self.policy_version
+                mismatch.add(inputs.old_log_probs, b.rollout_log_probs, counted)
                 loss, m = total_loss(inputs, c, num_tokens=num_tokens, num_samples=num_samples,
                                      num_scored=max(num_scored, 1.0))
                 loss.backward()
@@ -342,6 +351,7 @@ class Learner:
         real = sum(b.num_tokens for b in batches)
         padded = sum(b.num_padded for b in batches)
         metrics.update({k: v / len(minis) for k, v in sums.items()})
+        metrics.update(mismatch.metrics())
         metrics.update({
             "learner/step": float(self.steps),
             "learner/policy_version": float(self.policy_version),

@@ -14,7 +14,10 @@ dense T x T mask.
 The built-in `GPT` serves the tests and the demo. It ties its input and
 output embeddings by default: in the lookup task of the demo untied runs
 collapsed or stalled. `GPT.sample` generates batches with a KV cache and
-returns the sampled tokens together with their log-probs.
+returns the sampled tokens together with their log-probs. By default
+(``GPT.batch_invariant``) sampling and the training forward share one
+numeric path (:mod:`agentlog.learner.batch_invariant`), so the learner
+reproduces the recorded log-probs bit for bit at the same weights.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from agentlog.learner import batch_invariant
 
 if TYPE_CHECKING:
     from agentlog.learner.batching import Batch
@@ -280,6 +285,10 @@ class GPT(nn.Module):
     #: within each run of positions that starts at 0 (the flash-attention
     #: "varlen" convention), computed at the cost of the samples' own lengths.
     packs_by_position_ids = True
+    #: Sample and score through the batch-invariant kernels (:mod:`.batch_invariant`): a token's
+    #: log-prob is then the same bit for bit in `sample` and in a training forward. False: torch's
+    #: attention and one product per linear layer (faster; used by the demo's supervised warm-up).
+    batch_invariant = True
 
     def __init__(self, config: GPTConfig | None = None, **overrides) -> None:
         super().__init__()
@@ -343,7 +352,10 @@ class GPT(nn.Module):
         ``attention_mask`` (B, T, T) bool, True where query t may attend to
         key s. With position_ids and no mask, attention is causal within each
         run of positions starting at 0; with neither, plainly causal.
+        With ``batch_invariant`` (and no mask) the batch-invariant path computes them.
         """
+        if self.batch_invariant and attention_mask is None:
+            return batch_invariant.logits(self, input_ids, position_ids)
         plan = None
         if position_ids is not None and attention_mask is None:
             plan = _VarlenPlan(position_ids)
@@ -388,6 +400,12 @@ class GPT(nn.Module):
                            self.config.max_seq_len, "max_seq_len")
         if not rows:
             return Generation()
+        if self.batch_invariant:
+            was_training = self.training
+            try:
+                return batch_invariant.sample(self.eval(), rows, max_new_tokens, temperature, stop_ids, generator, between_steps)
+            finally:
+                self.train(was_training)
         lengths = torch.tensor([len(p) for p in rows])
         B, P = len(rows), int(lengths.max())
         total = P + max_new_tokens

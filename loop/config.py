@@ -79,6 +79,8 @@ class LoopConfig:
     """What happens to stale groups: correct (trained with truncated importance sampling against the rollout log-probs) or drop (skipped, reason ``stale``)."""
     tis_cap: float = 2.0
     """Truncation cap of the importance weight pi_learner / pi_rollout when staleness_mode is correct."""
+    mismatch_warn_abs_diff: float = 0.05
+    """Warn (learner.train_rollout_mismatch; metric stats/train_rollout_mismatch_warned) when a step's mean |learner - rollout log-prob| over the trained tokens of the learner's own version exceeds this: the inference engine does not compute what the trainer does. The built-in GPT in-process gives 0; bf16 servers typically 0.01-0.03; slime's CI fails at 0.1."""
     min_valid: int = 2
     """A group with fewer valid (finished) members is skipped with its reason."""
     allow_repeated_targets: bool = False
@@ -211,6 +213,9 @@ class LoopConfig:
             raise ConfigError(f"LoopConfig.time_budget_s: expected >= 0 (0 disables), found {self.time_budget_s!r}")
         if not self.tis_cap > 0:
             raise ConfigError(f"LoopConfig.tis_cap: expected > 0, found {self.tis_cap!r}")
+        v = self.mismatch_warn_abs_diff
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+            raise ConfigError(f"LoopConfig.mismatch_warn_abs_diff: expected a finite number >= 0, found {v!r}")
         if not 0.0 <= self.warmup_wrong_rate <= 1.0:
             raise ConfigError(f"LoopConfig.warmup_wrong_rate: expected a fraction in [0, 1], found {self.warmup_wrong_rate!r}")
         if not 1 <= self.min_valid <= self.group_size:

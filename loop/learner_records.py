@@ -7,8 +7,9 @@ them here spares those commands torch's import."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from agentlog.events.log.source import LogSource, open_source
 from agentlog.events.schema.types import PolicyUpdated
@@ -49,3 +50,30 @@ def record_consumed(record: PolicyUpdated) -> Iterable[tuple[int, str]]:
     if record.batch:
         return [(ref.partition, ref.group_id) for ref in record.batch]
     return [(0, gid) for gid in list(record.groups) + list(record.skipped)]
+
+
+class Mismatch(NamedTuple):
+    """The training–inference mismatch over a run's steps (`mismatch_summary`)."""
+
+    abs_diff_max: float
+    """The largest |learner - rollout log-prob| of any step."""
+    abs_diff_mean: float
+    """The mean |learner - rollout log-prob|, over every token the steps measured."""
+    tokens: int
+    """Trained tokens generated at the learner's version, over all steps."""
+    steps: int
+    """Steps that measured at least one."""
+
+
+def mismatch_summary(records: Iterable[PolicyUpdated]) -> Mismatch | None:
+    """The mismatch the steps of ``records`` recorded (``stats/train_rollout_*``,
+    :mod:`agentlog.learner.mismatch`), or None when none measured any token
+    (every step trained stale groups only, or a learner log from before the metric)."""
+    top, total, tokens, steps = 0.0, 0.0, 0, 0
+    for r in records:
+        n = int(r.metrics.get("stats/train_rollout_tokens", 0.0))
+        mean, largest = r.metrics.get("stats/train_rollout_logprob_abs_diff"), r.metrics.get("stats/train_rollout_logprob_abs_diff_max")
+        if n <= 0 or mean is None or largest is None or not math.isfinite(mean):
+            continue
+        top, total, tokens, steps = max(top, largest), total + mean * n, tokens + n, steps + 1
+    return Mismatch(top, total / tokens, tokens, steps) if tokens else None

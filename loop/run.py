@@ -40,7 +40,7 @@ from agentlog.events.log.source import LogTail
 from agentlog.events.schema.types import PolicyUpdated, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnDelta, TurnRecorded
 
 from .config import LoopConfig
-from .learner_records import read_learner_records
+from .learner_records import mismatch_summary, read_learner_records
 from .publish import STOPPED_UNTRAINABLE
 from .run_folder import Run
 from .run_marker import INCOMPLETE_MARKER, mark_incomplete
@@ -442,4 +442,8 @@ def summary_table(res: RunResult, cfg: LoopConfig, rows: int = 10) -> str:
         last = [c[1] for c in curve[-k:] if not math.isnan(c[1])]
         if first and last:
             lines.append(f"  mean reward: first {k} steps {sum(first) / len(first):.3f} -> last {k} steps {sum(last) / len(last):.3f}")
+    mismatch = mismatch_summary(trained)
+    if mismatch is not None:
+        lines.append(f"  learner vs rollout log-probs at the same version: max |diff| {mismatch.abs_diff_max:.3g}, mean "
+                     f"{mismatch.abs_diff_mean:.3g} over {mismatch.tokens} trained tokens ({mismatch.steps} steps)")
     return "\n".join(lines)

@@ -63,6 +63,7 @@ from agentlog.events.log.partitions import partition_name
 from agentlog.events.log.source import follow_sources
 from agentlog.events.schema.types import Envelope, PolicyUpdated
 from agentlog.learner.learner import Learner
+from agentlog.learner.mismatch import warn_past
 from agentlog.reducers.groups import Group, reward_mean, row_trains
 from agentlog.reducers.partitioned import PartitionFold, ReleasedGroup
 from agentlog.reducers.pipeline import InFlightWindow
@@ -520,6 +521,7 @@ class LoopLearner:
         if train:
             m = self.learner.step(train)
             metrics.update({k: float(v) for k, v in m.items() if isinstance(v, (int, float))})
+            metrics.update(warn_past(metrics, cfg.mismatch_warn_abs_diff, self.log.warning, step=step, backend=cfg.inference.backend))
         else:
             metrics["learner/skipped"] = 1.0
         # Ours, over the groups actually trained (Learner.step's rollout/* count the same members).

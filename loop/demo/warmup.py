@@ -80,10 +80,17 @@ def supervised_warmup(model: GPT, task: Task, cfg: LoopConfig, *, stop: Callable
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.warmup_threads)
+    # No rollout to agree with here: the warm-up trains through torch's own kernels (faster);
+    # RL samples and trains on the batch-invariant path again.
+    invariant = getattr(model, "batch_invariant", None)
+    if invariant is not None:
+        model.batch_invariant = False
     try:
         loss_v, steps = _warmup_steps(model, task, cfg, rng, opt, sched, stop, check_every)
     finally:
         torch.set_num_threads(threads)
+        if invariant is not None:
+            model.batch_invariant = invariant
     return {"warmup/steps": float(steps), "warmup/loss": loss_v, "warmup/seconds": time.perf_counter() - t0}
 
 

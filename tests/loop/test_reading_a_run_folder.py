@@ -130,8 +130,10 @@ def test_stats_and_reconstruct_of_a_run_folder_fold_with_the_runs_own_min_valid(
 
     out = _reconstruct_line(run_dir, "-o", str(tmp_path / "s.msgpack"))
     assert f"{len(own.groups)} groups released ({sum(own_skips.values())} skipped)" in out, out
+    # The settings that differ from the reducers' defaults, named: the run's teachers make it expect teacher scores.
+    teachers = ", expect_teacher_scores True" if cfg.distill.teachers else ""
     assert (f"config {cfg.reduce_config().digest()[:19]} (the run's config.json: min_valid {MIN_VALID}, "
-            "abort_outcomes.policy fail)") in out, out
+            f"abort_outcomes.policy fail{teachers})") in out, out
     out = _reconstruct_line(bare, "-o", str(tmp_path / "b.msgpack"))
     assert f"({sum(1 for g in default.groups if g.skipped)} skipped)" in out and "(defaults)" in out, out
     # A copy of the log without its config folds with the run's settings when given them.

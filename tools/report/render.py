@@ -251,6 +251,9 @@ LEARNER_CURVES = (
     ("entropy", ("stats/entropy", "loss/entropy")),
     ("gradient norm", ("stats/grad_norm",)),
     ("clip fraction", ("stats/clip_frac",)),
+    # Learner vs rollout log-probs at the learner's version; a learner log from before it has the all-token mean.
+    ("train-rollout |Δ log-prob|", ("stats/train_rollout_logprob_abs_diff", "stats/rollout_logprob_abs_diff")),
+    ("train-rollout |Δ log-prob| max", ("stats/train_rollout_logprob_abs_diff_max",)),
 )
 
 
