@@ -145,7 +145,7 @@ _CHILD = textwrap.dedent(
     by_body, by_projection = RunStats(), RunStats()
     for r, e in zip(raw, envs):
         by_body.feed(e)
-        by_projection.feed_record(r.lsn, r.session_id, r.session_seq, r.ts_ns, decode_projection(bytes(r.payload)))
+        by_projection.feed_record(r.lsn, r.session_id, r.session_seq, r.ts_ns, decode_projection(bytes(r.payload)), payload=bytes(r.payload))
     print(json.dumps({
         "package": agentlog.__file__,
         "tags": [e.body.__struct_config__.tag for _, e in turns],
