@@ -71,6 +71,12 @@ class Scorer(abc.ABC):
         """Release connections."""
 
 
+async def _greedy(backend: Any, prompt_ids: TokenIds, n: int, stop_ids: Sequence[int]) -> list[int]:
+    """A server backend's greedy generation (temperature 0) of up to ``n`` tokens."""
+    gen = await backend.generate(id_list(prompt_ids), SamplingParams(max_new_tokens=n, temperature=0.0, stop_ids=tuple(stop_ids)))
+    return list(gen.output_ids)
+
+
 def _aligned(name: str, route: str, entries: list[tuple[float, int]], output_ids: list[int]) -> list[float]:
     """The log-probs of ``output_ids`` from the last ``len(output_ids)`` of ``entries``
     ((log-prob, token id) per position, as the server echoed them); the echoed ids
@@ -111,8 +117,7 @@ class SGLangScorer(SGLangBackend, Scorer):
         return _aligned(self.name, "/generate input_token_logprobs", entries, output)
 
     async def greedy(self, prompt_ids: TokenIds, n: int, stop_ids: Sequence[int]) -> list[int]:
-        gen = await self.generate(id_list(prompt_ids), SamplingParams(max_new_tokens=n, temperature=0.0, stop_ids=tuple(stop_ids)))
-        return gen.output_ids
+        return await _greedy(self, prompt_ids, n, stop_ids)
 
 
 class VLLMScorer(OpenAICompletionsBackend, Scorer):
@@ -150,8 +155,7 @@ class VLLMScorer(OpenAICompletionsBackend, Scorer):
         return _aligned(self.name, "/v1/completions prompt_logprobs", entries, output)
 
     async def greedy(self, prompt_ids: TokenIds, n: int, stop_ids: Sequence[int]) -> list[int]:
-        gen = await self.generate(id_list(prompt_ids), SamplingParams(max_new_tokens=n, temperature=0.0, stop_ids=tuple(stop_ids)))
-        return gen.output_ids
+        return await _greedy(self, prompt_ids, n, stop_ids)
 
     async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int] | None:
         body = {**({"model": self.model} if self.model else {}), "messages": messages, "add_generation_prompt": True}
