@@ -35,7 +35,7 @@ processed log-probs, say) shows that difference, which is the point.
 from __future__ import annotations
 
 import abc
-from typing import Any, Sequence, Union
+from typing import Any, Sequence, Union, cast
 
 import numpy as np
 
@@ -71,10 +71,13 @@ class Scorer(abc.ABC):
         """Release connections."""
 
 
-async def _greedy(backend: Any, prompt_ids: TokenIds, n: int, stop_ids: Sequence[int]) -> list[int]:
-    """A server backend's greedy generation (temperature 0) of up to ``n`` tokens."""
-    gen = await backend.generate(id_list(prompt_ids), SamplingParams(max_new_tokens=n, temperature=0.0, stop_ids=tuple(stop_ids)))
-    return list(gen.output_ids)
+class _ServerScorer(Scorer):
+    """What the two servers' scorers share: greedy reproduction through the backend's own ``generate``."""
+
+    async def greedy(self, prompt_ids: TokenIds, n: int, stop_ids: Sequence[int]) -> list[int]:
+        backend = cast(Any, self)  # the server backend this scorer is mixed into
+        gen = await backend.generate(id_list(prompt_ids), SamplingParams(max_new_tokens=n, temperature=0.0, stop_ids=tuple(stop_ids)))
+        return list(gen.output_ids)
 
 
 def _aligned(name: str, route: str, entries: list[tuple[float, int]], output_ids: list[int]) -> list[float]:
@@ -91,7 +94,7 @@ def _aligned(name: str, route: str, entries: list[tuple[float, int]], output_ids
     return [lp for lp, _tok in tail]
 
 
-class SGLangScorer(SGLangBackend, Scorer):
+class SGLangScorer(SGLangBackend, _ServerScorer):
     """SGLang's ``/generate`` as a scorer (see the module docstring)."""
 
     no_tokenize = "SGLang has no route that applies its chat template (check retokenization with --model DIR)"
@@ -116,11 +119,8 @@ class SGLangScorer(SGLangBackend, Scorer):
             raise BackendError(self.name, f"/generate input_token_logprobs: expected [logprob, token_id, ...] items: {exc}", 200) from exc
         return _aligned(self.name, "/generate input_token_logprobs", entries, output)
 
-    async def greedy(self, prompt_ids: TokenIds, n: int, stop_ids: Sequence[int]) -> list[int]:
-        return await _greedy(self, prompt_ids, n, stop_ids)
 
-
-class VLLMScorer(OpenAICompletionsBackend, Scorer):
+class VLLMScorer(OpenAICompletionsBackend, _ServerScorer):
     """vLLM's ``/v1/completions`` and ``/tokenize`` as a scorer (see the module docstring)."""
 
     name = "vllm"
@@ -153,9 +153,6 @@ class VLLMScorer(OpenAICompletionsBackend, Scorer):
             except (KeyError, TypeError, ValueError) as exc:
                 raise BackendError(self.name, f"/v1/completions prompt_logprobs[{k}][{want}]: expected a logprob: {exc}", 200) from exc
         return _aligned(self.name, "/v1/completions prompt_logprobs", entries, output)
-
-    async def greedy(self, prompt_ids: TokenIds, n: int, stop_ids: Sequence[int]) -> list[int]:
-        return await _greedy(self, prompt_ids, n, stop_ids)
 
     async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int] | None:
         body = {**({"model": self.model} if self.model else {}), "messages": messages, "add_generation_prompt": True}

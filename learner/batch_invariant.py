@@ -153,6 +153,19 @@ def _pad_rows(t: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim)
 
 
+def length_buckets(lengths: Sequence[int], ratio: float) -> list[tuple[int, int]]:
+    """Cut ``lengths`` (sorted longest first) into runs ``[i, j)`` of similar length: each run
+    holds the lengths at least ``ratio`` times its first (the varlen attention's buckets)."""
+    out, i = [], 0
+    while i < len(lengths):
+        j = i
+        while j < len(lengths) and lengths[j] >= ratio * lengths[i]:
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
 class Segments:
     """Attention over runs of tokens (the samples), laid out flat, one token per row.
 
@@ -176,19 +189,14 @@ class Segments:
         self.buckets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
         order = torch.argsort(self.lengths, descending=True, stable=True)
         lengths = self.lengths[order].tolist()
-        i = 0
-        while i < len(lengths):
+        for i, j in length_buckets(lengths, ratio):
             top = lengths[i]
-            j = i
-            while j < len(lengths) and lengths[j] >= ratio * top:
-                j += 1
             ids = order[i:j]
             queries = top if top <= QUERY_TILE else padded(top, QUERY_TILE)
             ar = torch.arange(padded(top, KEY_BLOCK), device=device)
             valid = ar[None, :] < self.lengths[ids][:, None]
             index = torch.where(valid, starts[ids][:, None] + ar[None, :], torch.zeros_like(ar)[None, :])
             self.buckets.append((ids, index, valid, queries))
-            i = j
 
     def attend(self, qkv: torch.Tensor, n_head: int,
                keep: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
@@ -220,12 +228,6 @@ def block(module: nn.Module, x: torch.Tensor, attention: Callable[[torch.Tensor]
     return x + linear(act(linear(blk.ln2(x), cast(nn.Linear, up))), cast(nn.Linear, down))
 
 
-def _embed(model: "GPT", ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    if len(pos) and int(pos.max()) >= model.config.max_seq_len:
-        raise ValueError(f"GPT: position {int(pos.max())} is beyond max_seq_len={model.config.max_seq_len}")
-    return model.tok_emb(ids) + model.pos_emb(pos)
-
-
 def logits(model: "GPT", input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """``model(input_ids, position_ids)`` (B, T, V), batch-invariant: the logits
     at a position depend on the tokens of its run (up to it) and on nothing else."""
@@ -234,7 +236,7 @@ def logits(model: "GPT", input_ids: torch.Tensor, position_ids: torch.Tensor | N
         position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
     ids, pos = input_ids.reshape(-1), position_ids.reshape(-1)
     seg = Segments(pos, row=T)
-    x = _embed(model, ids, pos)
+    x = model.embed(ids, pos)
     for blk in model.blocks:
         x = block(blk, x, lambda qkv: seg.attend(qkv, model.config.n_head))
     return linear(model.ln_f(x), model.lm_head).reshape(B, T, -1)
@@ -272,7 +274,7 @@ def sample(model: "GPT", rows: list[list[int]], max_new_tokens: int, temperature
     def prefill(i: int, qkv: torch.Tensor) -> torch.Tensor:
         return seg.attend(qkv, H, partial(keep, i))
 
-    x = _embed(model, ids, pos)
+    x = model.embed(ids, pos)
     for i, blk in enumerate(model.blocks):
         x = block(blk, x, partial(prefill, i))
     first = linear(model.ln_f(x[seg.starts + seg.lengths - 1]), model.lm_head)  # each prompt's last token
@@ -289,7 +291,7 @@ def sample(model: "GPT", rows: list[list[int]], max_new_tokens: int, temperature
             cache_v[i][rows_h, at] = v
             return attend(q[:, None], cache_k[i], cache_v[i], at[:, None]).reshape(B, D)
 
-        x = _embed(model, tok, next_pos)
+        x = model.embed(tok, next_pos)
         for i, blk in enumerate(model.blocks):
             x = block(blk, x, partial(attention, i))
         next_pos.add_(1)

@@ -128,12 +128,9 @@ class _VarlenPlan:
         order = torch.argsort(lengths, descending=True, stable=True)
         starts_l, lengths_l = starts[order].tolist(), lengths[order].tolist()
         where = torch.empty(B * T, dtype=torch.long, device=device)
-        base, i = 0, 0
-        while i < len(starts_l):
+        base = 0
+        for i, j in batch_invariant.length_buckets(lengths_l, ratio):
             top = lengths_l[i]
-            j = i
-            while j < len(starts_l) and lengths_l[j] >= ratio * top:
-                j += 1
             st = torch.tensor(starts_l[i:j], device=device)
             ln = torch.tensor(lengths_l[i:j], device=device)
             ar = torch.arange(top, device=device)
@@ -144,7 +141,6 @@ class _VarlenPlan:
             slots = base + torch.arange((j - i) * top, device=device).view(j - i, top)
             where[idx[valid]] = slots[valid]
             base += (j - i) * top
-            i = j
         self.where = where
 
     def attend(self, qkv: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -363,16 +359,19 @@ class GPT(nn.Module):
                 plan = None
         return self._run(input_ids, position_ids, attention_mask, None, plan)
 
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token plus position embeddings (ValueError for a position past ``max_seq_len``):
+        the input of both numeric paths."""
+        if positions.numel() and int(positions.max()) >= self.config.max_seq_len:
+            raise ValueError(f"GPT: position {int(positions.max())} is beyond max_seq_len={self.config.max_seq_len}")
+        return self.tok_emb(ids) + self.pos_emb(positions)
+
     def _run(self, input_ids, position_ids, attention_mask, cache, plan=None):
         B, T = input_ids.shape
         if position_ids is None:
             offset = 0 if cache is None else cache.length
             position_ids = torch.arange(offset, offset + T, device=input_ids.device).expand(B, T)
-        if int(position_ids.max()) >= self.config.max_seq_len:
-            raise ValueError(
-                f"GPT: position {int(position_ids.max())} is beyond max_seq_len={self.config.max_seq_len}"
-            )
-        x = self.tok_emb(input_ids) + self.pos_emb(position_ids)
+        x = self.embed(input_ids, position_ids)
         for i, block in enumerate(self.blocks):
             x = block(x, attention_mask, cache, i, plan)
         return self.lm_head(self.ln_f(x))
@@ -400,48 +399,49 @@ class GPT(nn.Module):
                            self.config.max_seq_len, "max_seq_len")
         if not rows:
             return Generation()
+        was_training = self.training
+        try:
+            return self._sample(rows, max_new_tokens, temperature, stop_ids, generator, between_steps)
+        finally:
+            self.train(was_training)
+
+    def _sample(self, rows: list[list[int]], max_new_tokens: int, temperature: float, stop_ids: Sequence[int],
+                generator: torch.Generator | None, between_steps: Callable[[int], bool] | None) -> Generation:
+        """:meth:`sample` of checked rows, in eval mode (the caller restores the mode)."""
+        self.eval()
         if self.batch_invariant:
-            was_training = self.training
-            try:
-                return batch_invariant.sample(self.eval(), rows, max_new_tokens, temperature, stop_ids, generator, between_steps)
-            finally:
-                self.train(was_training)
+            return batch_invariant.sample(self, rows, max_new_tokens, temperature, stop_ids, generator, between_steps)
         lengths = torch.tensor([len(p) for p in rows])
         B, P = len(rows), int(lengths.max())
         total = P + max_new_tokens
-        was_training = self.training
-        self.eval()
         device = self.tok_emb.weight.device
-        try:
-            # Left-pad so every sequence's next token sits in the same column.
-            ids = torch.zeros(B, P, dtype=torch.long)
-            real = torch.zeros(B, total, dtype=torch.bool)  # which cache columns hold real tokens
-            for i, p in enumerate(rows):
-                ids[i, P - len(p) :] = torch.tensor(p)
-                real[i, P - len(p) : P] = True
-            ids, real, lengths = ids.to(device), real.to(device), lengths.to(device)
-            pos = (torch.arange(P, device=device) - (P - lengths).unsqueeze(1)).clamp(min=0)
-            causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-            # A padding query attends to itself so no softmax row is empty (NaN).
-            eye = torch.eye(P, dtype=torch.bool, device=device)
-            mask = (causal & real[:, None, :P]) | eye
-            cache = _KVCache(self.config.n_layer, B, self.config.n_head, total,
-                             self.config.d_model // self.config.n_head, self.tok_emb.weight)
-            logits = self._run(ids, pos, mask, cache)[:, -1]
-            cache.length = P
+        # Left-pad so every sequence's next token sits in the same column.
+        ids = torch.zeros(B, P, dtype=torch.long)
+        real = torch.zeros(B, total, dtype=torch.bool)  # which cache columns hold real tokens
+        for i, p in enumerate(rows):
+            ids[i, P - len(p) :] = torch.tensor(p)
+            real[i, P - len(p) : P] = True
+        ids, real, lengths = ids.to(device), real.to(device), lengths.to(device)
+        pos = (torch.arange(P, device=device) - (P - lengths).unsqueeze(1)).clamp(min=0)
+        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+        # A padding query attends to itself so no softmax row is empty (NaN).
+        eye = torch.eye(P, dtype=torch.bool, device=device)
+        mask = (causal & real[:, None, :P]) | eye
+        cache = _KVCache(self.config.n_layer, B, self.config.n_head, total,
+                         self.config.d_model // self.config.n_head, self.tok_emb.weight)
+        logits = self._run(ids, pos, mask, cache)[:, -1]
+        cache.length = P
 
-            next_pos = lengths.clone()
+        next_pos = lengths.clone()
 
-            def step_logits(tok: torch.Tensor, step: int) -> torch.Tensor:
-                real[:, P + step] = True
-                logits = self._run(tok[:, None], next_pos[:, None], real[:, None, : P + step + 1], cache)[:, -1]
-                cache.length += 1
-                next_pos.add_(1)
-                return logits
+        def step_logits(tok: torch.Tensor, step: int) -> torch.Tensor:
+            real[:, P + step] = True
+            logits = self._run(tok[:, None], next_pos[:, None], real[:, None, : P + step + 1], cache)[:, -1]
+            cache.length += 1
+            next_pos.add_(1)
+            return logits
 
-            return decode(logits, step_logits, max_new_tokens, temperature, stop_ids, generator, between_steps)
-        finally:
-            self.train(was_training)
+        return decode(logits, step_logits, max_new_tokens, temperature, stop_ids, generator, between_steps)
 
 
 def token_log_probs(

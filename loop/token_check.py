@@ -34,7 +34,7 @@ import msgspec
 import numpy as np
 
 from agentlog.events.schema.turn import turn_version_spans
-from agentlog.events.schema.turn_delta import full_turns
+from agentlog.events.schema.turn_delta import common_prefix_tokens, full_turns
 from agentlog.events.schema.types import Envelope, TurnRecorded
 from agentlog.gateway.scoring import Scorer
 
@@ -173,28 +173,38 @@ def collect_turns(envelopes: Iterable[Envelope], *, sessions: int | None = None,
     return turns
 
 
+def comparable_offsets(turns: list[Turn]) -> tuple[list[int], int]:
+    """Where each turn's first output token sits among the output positions whose log-probs can
+    be compared (those of turns that recorded log-probs; what ``--corrupt`` counts), and how many
+    there are."""
+    offsets, total = [], 0
+    for t in turns:
+        offsets.append(total)
+        total += len(t.output) if len(t.log_probs) else 0
+    return offsets, total
+
+
+def corruptible_tokens(turns: list[Turn]) -> int:
+    """How many output positions ``--corrupt`` can name."""
+    return comparable_offsets(turns)[1]
+
+
 def corrupt_turns(turns: list[Turn], position: int) -> dict[str, Any]:
-    """The negative control: replace the recorded output token at ``position`` (counted over the
-    output tokens of the turns that recorded log-probs, in order) by a neighbouring id; returns
-    where it landed. ValueError past the last one."""
-    at = position
-    for turn in turns:
-        if not len(turn.log_probs):
-            continue
-        if at < len(turn.output):
+    """The negative control: replace the recorded output token at ``position`` (counted as
+    :func:`comparable_offsets` counts) by a neighbouring id; returns where it landed. ValueError
+    past the last one."""
+    offsets, total = comparable_offsets(turns)
+    if not 0 <= position < total:
+        raise ValueError(f"--corrupt {position}: the checked turns hold {total} output tokens (positions 0..{total - 1})")
+    for turn, first in zip(turns, offsets):
+        at = position - first
+        if len(turn.log_probs) and 0 <= at < len(turn.output):
             old = int(turn.output[at])
             turn.output = turn.output.copy()  # the record's own tokens stay as stored
             turn.output[at] = old - 1 if old > 0 else old + 1
             return {"position": position, "session": turn.session_id, "turn": turn.turn_index, "offset": at,
                     "from": old, "to": int(turn.output[at]), "caught": False}
-        at -= len(turn.output)
-    total = corruptible_tokens(turns)
-    raise ValueError(f"--corrupt {position}: the checked turns hold {total} output tokens (positions 0..{total - 1})")
-
-
-def corruptible_tokens(turns: list[Turn]) -> int:
-    """How many output positions ``--corrupt`` can name: those of turns that recorded log-probs."""
-    return sum(len(t.output) for t in turns if len(t.log_probs))
+    raise AssertionError("unreachable: position < total lies in some turn")
 
 
 def _lp_compare(result: CheckedTurn, recorded: np.ndarray, scored: Sequence[float], lo: int, hi: int,
@@ -215,13 +225,11 @@ def _lp_compare(result: CheckedTurn, recorded: np.ndarray, scored: Sequence[floa
 
 
 def _first_diff(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
-    """First position where ``a`` and ``b`` differ (-1 when equal)."""
-    x, y = np.asarray(a, np.int64), np.asarray(b, np.int64)
-    n = min(len(x), len(y))
-    differ = np.flatnonzero(x[:n] != y[:n])
-    if differ.size:
-        return int(differ[0])
-    return -1 if len(x) == len(y) else n
+    """First position where token ids ``a`` and ``b`` differ (-1 when equal): the prefix check
+    the delta encoding owns (:func:`~agentlog.events.schema.turn_delta.common_prefix_tokens`)."""
+    x, y = np.asarray(a, "<i4").tobytes(), np.asarray(b, "<i4").tobytes()
+    shared = common_prefix_tokens(x, y)
+    return -1 if len(x) == len(y) == 4 * shared else shared
 
 
 async def _message_at(scorer: Scorer, messages: list[dict[str, Any]], full: list[int], position: int) -> int:
@@ -339,10 +347,7 @@ async def verify_turns(turns: list[Turn], scorer_at: Callable[[int], Scorer | No
     report = TokenReport(engine=engine, tolerance=tolerance)
     if corrupt is not None:
         report.corrupt = corrupt_turns(turns, corrupt)
-    offsets, total = [], 0
-    for t in turns:
-        offsets.append(total)
-        total += len(t.output) if len(t.log_probs) else 0
+    offsets, _ = comparable_offsets(turns)
     results = [CheckedTurn(t.session_id, t.turn_index, t.lsn, t.version) for t in turns]
     parts: list[_Part] = []
     for i, t in enumerate(turns):

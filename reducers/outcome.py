@@ -73,8 +73,7 @@ class SessionOutcome(NamedTuple):
 def would_make_rows(body: Any, config: ReduceConfig) -> bool:
     """Whether the terminal ``body`` makes its session's turns into rows before its flags are
     known: finished, or aborted as a failure (the sessions whose flags can make them untrainable)."""
-    tag = body.__struct_config__.tag
-    return tag == "session_finished" or (tag == "session_aborted" and aborted_as_failure(body, config))
+    return session_outcome(body, None, (), config).makes_rows  # the one rule, before any flag
 
 
 def session_outcome(body: Any, last_reward: Any, flags: tuple[str, ...], config: ReduceConfig) -> SessionOutcome:

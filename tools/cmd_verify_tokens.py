@@ -53,9 +53,8 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _token_level(source) -> str:
+def _token_level(run) -> str:
     """Why not to retokenize: "" for a text task or a bare log, a reason for a run of a token-level task."""
-    run = _run_of(source)
     if run is None:
         return ""
     from agentlog.loop.model_scorer import is_text_task
@@ -63,7 +62,7 @@ def _token_level(source) -> str:
     return "" if is_text_task(run.config) else "a token-level task (its prompts are ids; its messages are for display)"
 
 
-def _scorers(args, source) -> tuple[Any, str, Any]:
+def _scorers(args, run) -> tuple[Any, str, Any]:
     """``(scorer_at(version), engine name, the one scorer)`` for the chosen engine; the one scorer
     (a server's, or a model directory's) holds one version, and is None for a run's checkpoints."""
     if args.server is not None:
@@ -73,7 +72,6 @@ def _scorers(args, source) -> tuple[Any, str, Any]:
         return (lambda _version: scorer), f"{args.engine} at {args.server}", scorer
     from agentlog.loop.model_scorer import ModelScorer, run_template, versioned_scorers
 
-    run = _run_of(source)
     if args.model is not None:
         try:
             from agentlog.learner.hf_model import HFCausalLM
@@ -91,6 +89,7 @@ def _scorers(args, source) -> tuple[Any, str, Any]:
 
 
 def _run_of(source) -> Any:
+    """The run folder ``source`` belongs to (its config loaded), or None for a bare log."""
     if source.run_dir is None:
         return None
     from agentlog.loop.config import ConfigError
@@ -110,7 +109,8 @@ def run(args) -> int:
     from agentlog.tools.progress import new_bar
 
     source = check_log_path(args.log)
-    scorer_at, engine, closing = _scorers(args, source)
+    run = _run_of(source)  # None for a bare log
+    scorer_at, engine, closing = _scorers(args, run)
     envelopes = (env for _pid, env in read_tagged(source, quiet=args.quiet, desc="verify-tokens: read"))
     try:
         turns = collect_turns(envelopes, sessions=args.sessions, version=args.version)
@@ -124,15 +124,15 @@ def run(args) -> int:
     if not turns:
         raise CliError(f"verify-tokens: {args.log} holds no recorded turn to check"
                        + (f" at version {args.version}" if args.version is not None else ""), EXIT_DATA)
-    if args.corrupt is not None and args.corrupt >= corruptible_tokens(turns):
-        total = corruptible_tokens(turns)
+    total = corruptible_tokens(turns)
+    if args.corrupt is not None and args.corrupt >= total:
         raise CliError(f"verify-tokens: --corrupt {args.corrupt}: the checked turns hold {total} output tokens with "
                        f"recorded log-probs (positions 0..{total - 1})", EXIT_USAGE)
     tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
     bar = new_bar(sum(len(t.parts()) for t in turns), "verify-tokens", unit="part", disable=True if args.quiet else None)
     try:
         report = asyncio.run(_verify(turns, scorer_at, closing, engine=engine, tolerance=tolerance, corrupt=args.corrupt,
-                                     skip_retokenization=_token_level(source), only_version=only_version,
+                                     skip_retokenization=_token_level(run), only_version=only_version,
                                      progress=bar.update))
     except BackendError as exc:
         raise CliError(f"verify-tokens: {exc}", EXIT_USAGE) from None
