@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  anchor, the scoring forward passes alone:                 {anchor:.2f} s = {written / anchor:,.0f} turns/s")
     print(f"  max |log-prob diff| {report.lp_max_abs_diff:.3g} (tolerance {report.tolerance:g}); retokenized "
           f"{report.retok_checked}, differ {report.retok_mismatched}; verdict {'OK' if report.ok else 'MISMATCH'}")
+    print(f"  ours / anchor: {anchor / ours:.2f}x the forwards' rate")
     rate = written / ours
     print(goal_line("verify_tokens_turns_per_s_in_process", f"{rate:,.0f} turns/s", ">=", "200", rate >= 200))
     return 0
