@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextvars
+import re
 import time
+import urllib.parse
 import uuid
 from typing import Any, Sequence
 
@@ -32,6 +35,17 @@ from agentlog._logging import get_logger
 from .http_json import HTTPJSONError, JSONClient
 
 _log = get_logger("agentlog.gateway")
+
+#: The routing key of the generation being made in this context: the gateway sets
+#: it (a session's id, or its group's) before it generates. A
+#: :class:`~.fleet.Fleet` routes on it; an HTTP backend sends it upstream in its
+#: routing header, so the user's own router (sglang-router's consistent hashing)
+#: keeps the session on one server too. None: no key.
+ROUTING_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentlog_routing_key", default=None)
+#: A routing key sent as it is: visible ASCII (no control character, no space at the ends).
+_HEADER_SAFE = re.compile(r"[!-~]+(?: +[!-~]+)*")
+#: The header an HTTP backend sends the routing key in, unless told another.
+ROUTING_HEADER_DEFAULT = "X-Agentlog-Routing-Key"
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -63,6 +77,8 @@ class Generation(msgspec.Struct):
     version_spans: tuple[tuple[int, int], ...] | msgspec.UnsetType = msgspec.UNSET
     #: How the backend met weight updates in flight (``events.schema.turn.WEIGHT_UPDATE_MODES``).
     weight_update: str = "drain"
+    #: The fleet member that generated it (:class:`~.fleet.Fleet`); "" behind a single backend.
+    server: str = ""
 
 
 class BackendError(AgentlogError, RuntimeError):
@@ -103,6 +119,12 @@ class Backend(abc.ABC):
         ``/health`` reports it and refuses turns with it."""
         return None
 
+    async def probe(self) -> str | None:
+        """None when the backend can serve; else why not, in one line. A fleet
+        asks every ``probe_interval_s`` (an HTTP backend asks its server's
+        ``/health``; an in-process one reports its ``fatal_reason``)."""
+        return self.fatal_reason
+
     async def close(self) -> None:
         """Release connections and threads."""
 
@@ -123,8 +145,10 @@ ANSWER_LIMIT_BYTES = 256 << 20
 
 class _HTTPBackend(Backend):
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
-                 context_length: int | None = None) -> None:
+                 context_length: int | None = None, routing_header: str | None = ROUTING_HEADER_DEFAULT) -> None:
         self.base_url = base_url.rstrip("/")
+        #: The header each request carries its routing key in ("" or None: none).
+        self.routing_header = routing_header or None
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.context_length = context_length
@@ -139,10 +163,32 @@ class _HTTPBackend(Backend):
             h["Authorization"] = f"Bearer {self.api_key}"
         return h
 
+    def routing_headers(self) -> dict[str, str] | None:
+        """This request's routing header (see :data:`ROUTING_KEY`), or None."""
+        key = ROUTING_KEY.get()
+        if key is None or self.routing_header is None:
+            return None
+        if not _HEADER_SAFE.fullmatch(key):
+            # A header value is visible ASCII: any other key travels percent-encoded (the same
+            # key always encodes the same way, so a router's hashing still keeps it together).
+            key = urllib.parse.quote(key, safe="")
+        return {self.routing_header: key}
+
+    async def probe(self) -> str | None:
+        """The server's ``GET /health`` (SGLang and vLLM both answer 200 when they can serve)."""
+        if self.fatal_reason is not None:
+            return self.fatal_reason
+        try:
+            await self._http.request("GET", self.base_url + "/health", None, limit=1 << 16, empty=True)
+        except HTTPJSONError as exc:
+            if exc.status != 200:  # a 200 whose text is not JSON is healthy too
+                return str(exc)
+        return None
+
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         url = self.base_url + path
         try:
-            out = await self._http.request("POST", url, body, limit=ANSWER_LIMIT_BYTES)
+            out = await self._http.request("POST", url, body, limit=ANSWER_LIMIT_BYTES, headers=self.routing_headers())
         except HTTPJSONError as exc:
             raise BackendError(self.name, str(exc), exc.status) from exc
         if not isinstance(out, dict):
@@ -343,7 +389,7 @@ class OpenAICompletionsBackend(_HTTPBackend):
         are added whole, so a cut never splits one); ``finish`` gets the finish reason."""
         url = self.base_url + "/v1/completions"
         try:
-            async for event in self._http.server_sent_events(url, body, limit=ANSWER_LIMIT_BYTES):
+            async for event in self._http.server_sent_events(url, body, limit=ANSWER_LIMIT_BYTES, headers=self.routing_headers()):
                 choices = event.get("choices") if isinstance(event, dict) else None
                 if not isinstance(choices, list):
                     raise BackendError(self.name, f"/v1/completions (streamed) at {self.base_url}: expected an event with "

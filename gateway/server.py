@@ -96,6 +96,19 @@ class GatewayConfig(msgspec.Struct, frozen=True):
     top_k: int = -1
     #: Name reported by GET /v1/models and echoed when the client names none.
     model_name: str = "agentlog"
+    #: The routing key of a session's turns (a fleet routes on it, and an HTTP backend
+    #: sends it upstream for the user's own router): "session", its session id, so
+    #: each session keeps one server's prefix cache; "group", its group id, so a
+    #: group's members share one server and the prompt prefix they have in common.
+    route_by: str = "session"
+
+    def __post_init__(self) -> None:
+        if self.route_by not in ROUTE_BY:
+            raise ValueError(f"GatewayConfig: route_by: expected one of {ROUTE_BY}, found {self.route_by!r}")
+
+
+#: What a session's routing key is (GatewayConfig.route_by).
+ROUTE_BY = ("session", "group")
 
 
 #: Bytes a recorded turn may take beyond its messages and prompt ids: the
@@ -480,11 +493,13 @@ class Gateway(TurnPath, AdminRoutes):
 
     async def _health(self, request: web.Request) -> web.Response:
         reason = self.fatal_reason
+        body: dict[str, Any] = {"status": "ok", "service": "agentlog-gateway", "backend": self.backend.name}
+        servers = getattr(self.backend, "describe", None)  # a fleet: each server, in routing or out and why
+        if servers is not None:
+            body["servers"] = servers()
         if reason is not None:
-            return web.json_response(
-                {"status": "failing", "reason": reason, "service": "agentlog-gateway", "backend": self.backend.name}, status=503
-            )
-        return web.json_response({"status": "ok", "service": "agentlog-gateway", "backend": self.backend.name})
+            return web.json_response(body | {"status": "failing", "reason": reason}, status=503)
+        return web.json_response(body)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(

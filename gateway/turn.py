@@ -22,10 +22,11 @@ from agentlog._logging import get_logger
 from agentlog.events.errors import AgentlogError
 from agentlog.events.schema.lifecycle import IllegalTransition
 from agentlog.events.log.api import LogClosed
+from agentlog.events.schema.turn import SERVER_KEY, SERVER_MOVED_FROM_KEY
 from agentlog.events.schema.types import turn_temperature
 
 from .api import APIS, TurnRequest, TurnResult, now_s
-from .backends import BackendError
+from .backends import ROUTING_KEY, BackendError
 from .chat import RequestError, assistant_message
 from .prompt_cache import PromptCache
 
@@ -41,7 +42,7 @@ _RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "m
 
 
 class _SessionCfg:
-    __slots__ = ("sampling", "max_turns", "max_new_tokens", "inflight", "api_key", "calls", "turns", "prompt")
+    __slots__ = ("sampling", "max_turns", "max_new_tokens", "inflight", "api_key", "calls", "turns", "prompt", "server")
 
     def __init__(self) -> None:
         self.sampling: dict[str, Any] = {}
@@ -58,6 +59,8 @@ class _SessionCfg:
         self.turns: list[tuple[int, list[int], list[int], float | None]] | None = None
         #: The previous turn's encoded prompt, which the next one is encoded from.
         self.prompt = PromptCache()
+        #: The fleet server that generated the session's last recorded turn ("": none yet, or one backend).
+        self.server = ""
 
 class _Refused(AgentlogError):
     """A request answered with an error before anything was recorded."""
@@ -197,6 +200,9 @@ class TurnPath:
                 "context_length_exceeded",
             )
         params = self._params(merged, req, room, cfg.max_new_tokens)
+        # The task below runs in a copy of this context: its backend routes on the key
+        # (a Fleet) and sends it upstream (an HTTP backend's routing header).
+        ROUTING_KEY.set(h.group_id if self.config.route_by == "group" else h.session_id)
         try:
             # A read-only int32 array: a sequence of ints to every backend (Backend.generate).
             task = h.spawn(self.backend.generate(cast(Sequence[int], prompt_ids), params))
@@ -233,6 +239,11 @@ class TurnPath:
             sampling["ignored"] = ignored
         if gen.version_spans is not msgspec.UNSET:
             sampling["weight_update"] = gen.weight_update  # how the update met this generation
+        if gen.server:  # a fleet's answer: which server made the turn, and a move when there was one
+            sampling[SERVER_KEY] = gen.server
+            if cfg.server and cfg.server != gen.server:
+                sampling[SERVER_MOVED_FROM_KEY] = cfg.server
+                log.info("gateway.session_moved", server=gen.server, moved_from=cfg.server)
         record = asyncio.ensure_future(
             h.record_turn(
                 messages=prompt.messages,
@@ -267,6 +278,8 @@ class TurnPath:
             log.info("gateway.turn_refused", reason=str(exc))
             return self._error(api.error_style, 409, "invalid_request_error", str(exc))
         turn = env.body.turn_index
+        if gen.server:
+            cfg.server = gen.server
         cfg.prompt.remember(prompt, response_message)
         self.stats["turns"] += 1
         cfg.calls["turns"] += 1

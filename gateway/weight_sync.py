@@ -299,6 +299,10 @@ class GatedBackend(Backend):
         after the server may have changed its weights)."""
         return self.inner.fatal_reason or self.gate.fatal_reason
 
+    async def probe(self) -> str | None:
+        """The server's own health, then the gate's fatal reason."""
+        return await self.inner.probe() or self.gate.fatal_reason
+
     async def close(self) -> None:
         await self.inner.close()
 

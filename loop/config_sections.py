@@ -69,6 +69,8 @@ class FaultConfig:
 
 #: Agent harnesses a text task's rollout can run (gateway/agents.py, gateway/python_agent.py).
 AGENT_HARNESSES = ("python-agent", "claude-code", "codex")
+#: An HTTP header name (RFC 9110's token, as header names are used).
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 #: Where the loop's model calls go: the policy in the worker process, or an inference server.
 INFERENCE_BACKENDS = ("in-process", "sglang", "vllm")
 
@@ -132,16 +134,74 @@ class InferenceConfig:
     """Longest prompt + output of a turn (tokens): the built-in GPT's max_seq_len in-process, the server's context otherwise."""
     served_dir: str = ""
     """vllm: the directory the server was launched on; each new policy is copied there before the reload (vLLM reloads from it)."""
+    servers: list[Any] = field(default_factory=list)
+    """A fleet instead of one server: each entry a base URL (sglang / vllm), a table {url, served_dir, name}, or "in-process" (one more replica of the policy in the worker). Each session is routed to one server (route_by); every new version goes to every server."""
+    route_by: str = "session"
+    """Fleet routing key, also sent upstream in routing_header: session (each session keeps one server's prefix cache) or group (a group's members share one server and their common prompt prefix)."""
+    route_policy: str = "affinity"
+    """Fleet: affinity (consistent hashing on the routing key with bounded load) or round_robin (no affinity; a baseline)."""
+    load_factor: float = 1.25
+    """Fleet: a server takes up to this times its share of the generations in flight before a key moves on to the next server."""
+    probe_interval_s: float = 2.0
+    """Fleet: seconds between health probes of every server (GET /health); a failing server is taken out of routing."""
+    routing_header: str | None = None
+    """Header that carries each request's routing key to an HTTP server or the user's own router (unset: X-Agentlog-Routing-Key, the gateway's default; "": none)."""
 
     def __post_init__(self) -> None:
         if self.backend not in INFERENCE_BACKENDS:
             raise ConfigError(f"[inference] backend: expected one of {INFERENCE_BACKENDS}, found {self.backend!r}")
-        if self.backend != "in-process" and not self.url.startswith(("http://", "https://")):
+        if self.servers:
+            self.servers = self._fleet_servers()
+        elif self.backend != "in-process" and not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"[inference] url: backend {self.backend!r} needs the server's http(s) base URL, found {self.url!r}")
-        if self.backend == "vllm" and not self.served_dir:
+        elif self.backend == "vllm" and not self.served_dir:
             raise ConfigError("[inference] served_dir: backend 'vllm' needs the directory its server was launched on (vLLM reloads from there)")
         if type(self.context_length) is not int or self.context_length < 64:
             raise ConfigError(f"[inference] context_length: expected an int >= 64, found {self.context_length!r}")
+        from agentlog.gateway.fleet import ROUTE_POLICIES
+        from agentlog.gateway.server import ROUTE_BY
+
+        for name, allowed in (("route_by", ROUTE_BY), ("route_policy", ROUTE_POLICIES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"[inference] {name}: expected one of {allowed}, found {getattr(self, name)!r}")
+        for name, low in (("load_factor", 1.0), ("probe_interval_s", 0.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v < math.inf or v == 0:
+                raise ConfigError(f"[inference] {name}: expected a number >= {low:g} (and > 0), found {v!r}")
+        if self.routing_header is not None and (not isinstance(self.routing_header, str)
+                                                or (self.routing_header and not _HEADER_NAME.fullmatch(self.routing_header))):
+            raise ConfigError(f"[inference] routing_header: expected an HTTP header name (letters, digits, '-') or \"\", found {self.routing_header!r}")
+
+    def _fleet_servers(self) -> list[dict[str, str]]:
+        """``servers`` as tables {name, url, served_dir}, checked: one kind of server, unique names."""
+        if not isinstance(self.servers, (list, tuple)):
+            raise ConfigError(f"[inference] servers: expected a list of server URLs, tables or \"in-process\", found {self.servers!r}")
+        if self.url:
+            raise ConfigError(f"[inference] url and servers: give one server in url, or a fleet in servers, not both (url is {self.url!r})")
+        out: list[dict[str, str]] = []
+        for i, entry in enumerate(self.servers):
+            where = f"[inference] servers[{i}]"
+            spec = {"url": entry} if isinstance(entry, str) else entry
+            if not isinstance(spec, Mapping) or not set(spec) <= {"url", "served_dir", "name"} or not isinstance(spec.get("url"), str):
+                raise ConfigError(f"{where}: expected a URL, \"in-process\" or a table {{url, served_dir, name}}, found {entry!r}")
+            url = spec["url"]
+            if (url == "in-process") != (self.backend == "in-process"):
+                raise ConfigError(f"{where}: backend {self.backend!r} takes " + ("\"in-process\" entries" if self.backend == "in-process"
+                                  else "http(s) base URLs") + f", found {url!r}")
+            if url != "in-process" and not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{where}: expected the server's http(s) base URL, found {url!r}")
+            served_dir = spec.get("served_dir", self.served_dir if len(self.servers) == 1 else "")
+            if self.backend == "vllm" and not served_dir:
+                raise ConfigError(f"{where}: backend 'vllm' needs served_dir, the directory this server was launched on")
+            default_name = f"in-process-{i}" if url == "in-process" else url.split("://", 1)[1].rstrip("/")
+            name = spec.get("name", default_name)
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"{where}: name: expected a non-empty str, found {name!r}")
+            out.append({"name": name, "url": url, "served_dir": str(served_dir)})
+        names = [s["name"] for s in out]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"[inference] servers: names must be unique (give each a name), found {names}")
+        return out
 
 
 @dataclass
@@ -221,6 +281,8 @@ class RolloutConfig:
 # --- [log]: where the run's logs live ---
 #: Where a run's logs live: folders under the run folder, or subjects of a JetStream stream.
 LOG_BACKENDS = ("file", "nats")
+#: How rollout workers get a version's weights on a nats run ([log] weights; loop/weight_store.py).
+WEIGHTS_MODES = ("auto", "store", "folder")
 
 
 @dataclass
@@ -240,6 +302,16 @@ class LogConfig:
     """nats: copies JetStream keeps of the stream (3 on a 3-node cluster)."""
     duplicate_window_s: float = 120.0
     """nats: how long the server remembers message ids to drop a retried publish (seconds)."""
+    weights: str = "auto"
+    """nats: how rollout workers get each version's weights: auto (the run folder's checkpoint when their host
+    sees it, else fetched from the run's JetStream object store), store (always fetched), folder (a shared
+    folder only: nothing is put into the object store)."""
+    weights_chunk_kib: int = 128
+    """nats: chunk size of the weights in the object store (KiB; at most the server's max_payload, 1 MiB by default)."""
+    weights_timeout_s: float = 300.0
+    """nats: longest one version's put (learner) or fetch (worker) may take (seconds)."""
+    weights_cache: str = ""
+    """nats: where workers keep fetched versions ("": <run>/weights-cache), in <cache>/<stream>/<worker>."""
 
     def __post_init__(self) -> None:
         from agentlog.events.log.jetstream_url import STREAM_RE, parse_nats_url
@@ -269,6 +341,18 @@ class LogConfig:
                 raise ConfigError(f"[log] stream: expected letters, digits, '-' or '_' (1..200 of them), found {self.stream!r}")
         if type(self.replicas) is not int or not 1 <= self.replicas <= 5:
             raise ConfigError(f"[log] replicas: expected an int in 1..5, found {self.replicas!r}")
+        if self.weights not in WEIGHTS_MODES:
+            raise ConfigError(f"[log] weights: expected one of {WEIGHTS_MODES}, found {self.weights!r}")
+        if self.backend == "file" and self.weights == "store":
+            raise ConfigError("[log] weights: 'store' needs backend 'nats' (the JetStream object store); "
+                              "with backend 'file' the weights are in <run>/checkpoints")
+        if type(self.weights_chunk_kib) is not int or not 1 <= self.weights_chunk_kib <= 65536:
+            raise ConfigError(f"[log] weights_chunk_kib: expected an int in 1..65536 (KiB), found {self.weights_chunk_kib!r}")
+        if isinstance(self.weights_timeout_s, bool) or not isinstance(self.weights_timeout_s, (int, float)) \
+                or not 0 < self.weights_timeout_s < math.inf:
+            raise ConfigError(f"[log] weights_timeout_s: expected a number of seconds > 0, found {self.weights_timeout_s!r}")
+        if not isinstance(self.weights_cache, str):
+            raise ConfigError(f"[log] weights_cache: expected a folder path (str), found {self.weights_cache!r}")
         if isinstance(self.duplicate_window_s, bool) or not isinstance(self.duplicate_window_s, (int, float)) \
                 or not 0 < self.duplicate_window_s < math.inf:
             raise ConfigError(f"[log] duplicate_window_s: expected a number of seconds > 0, found {self.duplicate_window_s!r}")

@@ -40,6 +40,7 @@ GPT's :class:`~agentlog.gateway.ByteChatTemplate` by default, a
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 import shutil
 import traceback as _traceback
@@ -116,8 +117,11 @@ class GatewayRollout:
 
     def __init__(self, engine: SessionEngine, backend: Backend, *, agent: AgentConfig, sandbox_root: Path,
                  temperature: float = 1.0, template: ChatTemplate | None = None, parser: ToolCallParser | None = None,
-                 keep_sandboxes: bool = False, teachers: Sequence[Any] = (), distill: Any = None) -> None:
+                 keep_sandboxes: bool = False, teachers: Sequence[Any] = (), distill: Any = None,
+                 route_by: str = "session") -> None:
         self.engine = engine
+        #: The turns' routing key (GatewayConfig.route_by): a fleet routes on it.
+        self.route_by = route_by
         self.backend = backend
         self.agent = agent
         self.parser = parser or HermesToolParser()
@@ -140,7 +144,7 @@ class GatewayRollout:
         """Listen on 127.0.0.1 (any free port); returns the gateway's URL."""
         # Output allowances come from each task (the agent asks for max_new_tokens); the cap only bounds clients.
         self.gateway = Gateway(self.engine, self.backend, template=self.template, parser=self.parser,
-                               config=GatewayConfig(temperature=self.temperature))
+                               config=GatewayConfig(temperature=self.temperature, route_by=self.route_by))
         return await self.gateway.start("127.0.0.1", 0)
 
     async def close(self) -> None:
@@ -288,21 +292,42 @@ def _remove_tree(path: Any) -> None:
 def make_backend(cfg: LoopConfig, model: Any) -> tuple[Backend, Any]:
     """``(backend, weight_sync)`` for ``[inference]``: the in-process
     TorchBackend over ``model`` (sync None: the worker swaps its weights),
-    or a gated SGLang / vLLM client and its weight-sync client."""
+    a gated SGLang / vLLM client and its weight-sync client, or, when
+    ``servers`` lists a fleet, a :class:`~agentlog.gateway.fleet.Fleet` of
+    those (sync None: the fleet's ``reload_weights`` updates every server)."""
+    inf: InferenceConfig = cfg.inference
+    if not inf.servers:
+        return _server_backend(cfg, model, {"url": inf.url, "served_dir": inf.served_dir})
+    from agentlog.gateway.fleet import Fleet, FleetMember
+
+    members = []
+    for i, spec in enumerate(inf.servers):
+        # In process, every replica but the first serves its own copy of the policy.
+        backend, sync = _server_backend(cfg, model if i == 0 else copy.deepcopy(model), spec)
+        members.append(FleetMember(spec["name"], backend, None if sync is None else sync.reload))
+    return Fleet(members, policy=inf.route_policy, load_factor=inf.load_factor, probe_interval_s=inf.probe_interval_s), None
+
+
+def _server_backend(cfg: LoopConfig, model: Any, spec: dict[str, str]) -> tuple[Backend, Any]:
+    """One server's ``(backend, weight_sync)``: ``spec["url"]`` is "in-process" or its base URL."""
     inf: InferenceConfig = cfg.inference
     if inf.backend == "in-process":
         from agentlog.gateway import TorchBackend
 
         return TorchBackend(model, seed=cfg.seed * 1_000_003 + 11, weight_update=cfg.rollout.weight_update), None
     from agentlog.gateway import OpenAICompletionsBackend, SGLangBackend
+    from agentlog.gateway.backends import ROUTING_HEADER_DEFAULT
     from agentlog.gateway.weight_sync import GatedBackend, SGLangWeightSync, VLLMWeightSync
 
+    url = spec["url"]
+    header = ROUTING_HEADER_DEFAULT if inf.routing_header is None else inf.routing_header
     if inf.backend == "sglang":
-        backend = GatedBackend(SGLangBackend(inf.url, context_length=inf.context_length), weight_update=cfg.rollout.weight_update)
-        return backend, SGLangWeightSync(inf.url, gate=backend.gate)
-    backend = GatedBackend(OpenAICompletionsBackend(inf.url, inf.model, context_length=inf.context_length),
+        backend = GatedBackend(SGLangBackend(url, context_length=inf.context_length, routing_header=header),
+                               weight_update=cfg.rollout.weight_update)
+        return backend, SGLangWeightSync(url, gate=backend.gate)
+    backend = GatedBackend(OpenAICompletionsBackend(url, inf.model, context_length=inf.context_length, routing_header=header),
                            weight_update=cfg.rollout.weight_update)
-    return backend, VLLMWeightSync(inf.url, inf.served_dir, gate=backend.gate)
+    return backend, VLLMWeightSync(url, spec["served_dir"], gate=backend.gate)
 
 
 def draw_members(task: TextTask, seed_rng: random.Random, groups: int, group_size: int) -> list[list[TextEpisode]]:

@@ -250,6 +250,16 @@ def version_note(turn: Any) -> str:
     return f"  policy v{spans[0][1]} -> {changes}" + (f" ({how})" if how else "")
 
 
+def server_note(turn: Any) -> str:
+    """``  server s1 (moved from s0)`` for a turn a fleet's server generated, else ""."""
+    from agentlog.events.schema.turn import turn_server
+
+    server, moved_from = turn_server(turn)
+    if not server:
+        return ""
+    return f"  server {server}" + (f" (moved from {moved_from})" if moved_from else "")
+
+
 def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
     """Per turn the messages new since the turn before, then the response; each command and its output.
     A session that recorded no turn shows its ``session_opened`` prompt first (its conversation, as
@@ -278,7 +288,7 @@ def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
             else:
                 new, note = msgs, (" (history rewritten: all messages)" if held else "")
             flags = " ill-formed" if b.ill_formed else ""
-            lines.append(f"  turn {b.turn_index}  lsn {at(e.lsn)}  finish {b.finish_reason}{flags}{note}{version_note(b)}")
+            lines.append(f"  turn {b.turn_index}  lsn {at(e.lsn)}  finish {b.finish_reason}{flags}{note}{version_note(b)}{server_note(b)}")
             lines.extend("    " + _message(m, full) for m in new)
             lines.append("    -> " + (_message(b.response_message, full) if b.response_message is not None else "(no response message)"))
             held = msgs + ([b.response_message] if b.response_message is not None else [])

@@ -27,6 +27,14 @@ existed. :func:`canonical_version_spans` builds the field from where each
 version started; :func:`turn_version_spans` reads it back for any turn.
 How the generation met the update is recorded beside its sampling settings,
 ``sampling["weight_update"]``: one of :data:`PARTIAL_MODES`.
+
+**Servers.** Behind a fleet of inference servers, a turn records the server
+that generated it beside its sampling settings too, ``sampling["server"]``
+(its ``policy_version`` is that server's), and, when the session's previous
+turn went to another server, ``sampling["server_moved_from"]``: the move,
+recorded where it happened. Not new fields: a sixteenth field would change
+the stored bytes of every turn_delta (msgpack's map header grows past 15
+entries), and a turn behind one backend records neither.
 """
 
 from __future__ import annotations
@@ -242,3 +250,16 @@ def turn_temperature(sampling: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < math.inf:
         return None
     return float(value)
+
+
+#: The sampling-dict keys that place a turn on a fleet's server (see the module docstring).
+SERVER_KEY, SERVER_MOVED_FROM_KEY = "server", "server_moved_from"
+
+
+def turn_server(body: Any) -> tuple[str, str]:
+    """``(server, moved_from)`` of a recorded turn: the fleet server that generated it and the
+    previous turn's server when the session moved, each "" when not recorded."""
+    sampling = getattr(body, "sampling", None)
+    if not isinstance(sampling, dict):
+        return "", ""
+    return str(sampling.get(SERVER_KEY, "")), str(sampling.get(SERVER_MOVED_FROM_KEY, ""))

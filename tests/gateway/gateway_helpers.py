@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from typing import Any, Callable, Sequence
+
+from aiohttp import web
+
+from aiohttp_helpers import serve_app
 
 from agentlog.engine import SessionEngine
 from agentlog.gateway import Backend, ByteChatTemplate, Gateway, GatewayConfig, Generation, SamplingParams, TorchBackend
 from agentlog.events.log.api import MemoryLog
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import TurnDelta, TurnRecorded, TurnUndelivered
+from agentlog.gateway.backends import ROUTING_HEADER_DEFAULT
 from agentlog.tools.cmd_serve import default_gateway_model
 
 TEMPLATE = ByteChatTemplate()
@@ -218,3 +224,106 @@ def check_versions_made_the_tokens(turns: list[TurnRecorded], *, n_tokens: int =
         assert made_by == want, (spans, made_by)
         assert len(made_by) == n_tokens and turn.finish_reason == "length"
     assert all(t.sampling["weight_update"] == "resubmit" for t in interrupted)
+
+
+class FakeServer:
+    """A fake inference server holding a weights version; ``kind`` sglang or vllm."""
+
+    def __init__(self, kind: str, served_dir=None) -> None:
+        self.kind = kind
+        self.version = 0
+        self.inflight = 0
+        self.violations: list[str] = []
+        self.reloads: list[dict] = []
+        self.calls: list[str] = []
+        self.served_dir = served_dir
+        self.fail_next_reload = False
+        self.fail_next_reset = False
+        self.hang_after_apply = 0.0  # sglang: apply the weights, then answer only after this many seconds
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+        #: The routing-key header of each generation it answered, in order.
+        self.keys: list[str | None] = []
+        self.healthy = True
+
+    async def start(self) -> "FakeServer":
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/update_weights_from_disk", self.update_from_disk)
+        app.router.add_post("/collective_rpc", self.collective_rpc)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        app.router.add_get("/health", self.health)
+        self.runner, self.url = await serve_app(app)
+        return self
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+    async def _generate_ids(self) -> list[int]:
+        self.inflight += 1
+        try:
+            v = self.version
+            await asyncio.sleep(random.uniform(0.0, 0.01))
+            if self.version != v:
+                self.violations.append(f"weights changed from {v} to {self.version} during a generation")
+            return [ord(str(v % 10)), TEMPLATE.EOS]
+        finally:
+            self.inflight -= 1
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503, text="" if self.healthy else "unhealthy")
+
+    async def generate(self, request: web.Request) -> web.Response:
+        self.keys.append(request.headers.get(ROUTING_HEADER_DEFAULT))
+        body = await request.json()
+        assert isinstance(body["input_ids"], list) and body["return_logprob"] is True
+        ids = await self._generate_ids()
+        return web.json_response({"text": "", "meta_info": {"output_token_logprobs": [[-0.5, i, None] for i in ids],
+                                                            "finish_reason": {"type": "stop"}}})
+
+    async def completions(self, request: web.Request) -> web.Response:
+        self.keys.append(request.headers.get(ROUTING_HEADER_DEFAULT))
+        body = await request.json()
+        assert isinstance(body["prompt"], list)
+        ids = await self._generate_ids()
+        return web.json_response({"choices": [{"token_ids": ids, "finish_reason": "stop",
+                                               "logprobs": {"token_logprobs": [-0.5] * len(ids), "tokens": []}}]})
+
+    def _reloading(self, what: str) -> None:
+        self.calls.append(what)
+        if self.inflight:
+            self.violations.append(f"{what} while {self.inflight} generation(s) in flight")
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self._reloading("update_weights_from_disk")
+        self.reloads.append(body)
+        if self.fail_next_reload:
+            self.fail_next_reload = False
+            return web.json_response({"success": False, "message": "cannot load", "num_paused_requests": 0}, status=400)
+        expected = {"model_path", "weight_version", "flush_cache", "abort_all_requests"}
+        if set(body) != expected or body["flush_cache"] is not True or not isinstance(body["weight_version"], str):
+            return web.json_response({"success": False, "message": f"bad body {body}"}, status=400)
+        await asyncio.sleep(0.01)
+        self.version = int(body["weight_version"])
+        if self.hang_after_apply:
+            await asyncio.sleep(self.hang_after_apply)
+        return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self._reloading("collective_rpc")
+        self.reloads.append(body)
+        if body != {"method": "reload_weights"}:
+            return web.json_response({"detail": f"bad body {body}"}, status=400)
+        await asyncio.sleep(0.01)
+        self.version = int((self.served_dir / "version.txt").read_text())
+        return web.json_response({"results": [None]})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self._reloading("reset_prefix_cache")
+        if self.fail_next_reset:
+            self.fail_next_reset = False
+            return web.json_response({"detail": "reset failed"}, status=500)
+        return web.Response(status=200)

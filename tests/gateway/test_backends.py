@@ -15,6 +15,8 @@ import pytest
 from aiohttp import web
 
 from agentlog.gateway import OpenAICompletionsBackend, SGLangBackend
+from agentlog.gateway.backends import ROUTING_HEADER_DEFAULT, ROUTING_KEY, SamplingParams
+from aiohttp_helpers import serve_app
 from gateway_helpers import TEMPLATE, bearer, oa_client, open_running, rig, run, turns_of
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -31,6 +33,7 @@ class ScriptedSGLang:
         self.finish = {"type": "stop", "matched": 128}
         self.reply = "Hi!"
         self.url = ""
+        self.runner: web.AppRunner | None = None  # set while serving; ``await runner.cleanup()`` takes it down early
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -57,21 +60,22 @@ class ScriptedSGLang:
         lp = {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": [-0.5] * len(ids)}
         return web.json_response({"choices": [{"index": 0, "text": self.reply, "logprobs": lp, "finish_reason": "stop"}]})
 
+    async def health(self, request: web.Request) -> web.Response:
+        """SGLang's liveness probe (a router checks it before it sends a server work)."""
+        return web.Response(text="")
+
     @contextlib.asynccontextmanager
     async def serve(self):
         app = web.Application()
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort_request", self.abort)
         app.router.add_post("/v1/completions", self.completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        app.router.add_get("/health", self.health)
+        self.runner, self.url = await serve_app(app)
         try:
             yield self
         finally:
-            await runner.cleanup()
+            await self.runner.cleanup()
 
 
 def test_sglang_request_body_and_headers_on_the_wire_and_the_recorded_turn():
@@ -168,5 +172,69 @@ def test_openai_completions_backend_sends_token_ids_and_records_token_log_probs(
                 assert sent["return_tokens_as_token_ids"] is True and sent["max_tokens"] == 20
                 assert turn.output_tokens.tolist() == TEMPLATE.encode_text("Hi!") + [TEMPLATE.EOS]
                 assert turn.log_probs.tolist() == [-0.5] * 4
+
+    run(body())
+
+
+def header(headers: dict, name: str) -> str | None:
+    """``name``'s value in recorded request ``headers`` (HTTP header names are case-insensitive), or None."""
+    return {k.lower(): v for k, v in headers.items()}.get(name.lower())
+
+
+def test_the_routing_key_of_the_calling_context_goes_upstream_in_the_routing_header():
+    """A task that set ROUTING_KEY sends it in the backend's routing header (concurrent tasks each their
+    own); no header when no key is set or the backend's routing_header is "" or None."""
+    async def generate_as(backend: SGLangBackend, key: str | None, prompt: int) -> None:
+        if key is not None:
+            ROUTING_KEY.set(key)  # this task's context only
+        await backend.generate([prompt], SamplingParams(max_new_tokens=4))
+
+    async def body():
+        async with ScriptedSGLang().serve() as srv:
+            plain, renamed = SGLangBackend(srv.url), SGLangBackend(srv.url, routing_header="X-SMG-Routing-Key")
+            off, none = SGLangBackend(srv.url, routing_header=""), SGLangBackend(srv.url, routing_header=None)
+            try:
+                await asyncio.gather(*(generate_as(plain, f"session-{i}", i) for i in range(8)))
+                await asyncio.gather(generate_as(plain, None, 100), generate_as(renamed, "s-r", 101),
+                                     generate_as(off, "s-off", 102), generate_as(none, "s-none", 103))
+                assert ROUTING_KEY.get() is None  # each call set the key in its own task
+            finally:
+                for b in (plain, renamed, off, none):
+                    await b.close()
+            sent = {body["input_ids"][0]: headers for _, headers, body in srv.requests}
+            assert {p: header(sent[p], ROUTING_HEADER_DEFAULT) for p in range(8)} == {i: f"session-{i}" for i in range(8)}
+            assert ROUTING_HEADER_DEFAULT == "X-Agentlog-Routing-Key"
+            assert header(sent[100], ROUTING_HEADER_DEFAULT) is None  # no key set
+            assert header(sent[101], "X-SMG-Routing-Key") == "s-r" and header(sent[101], ROUTING_HEADER_DEFAULT) is None
+            for p in (102, 103):  # routing header switched off
+                assert not [k for k in sent[p] if "routing" in k.lower()], sent[p]
+
+    run(body())
+
+
+def test_a_cancelled_calls_abort_carries_its_routing_key():
+    """/abort_request goes with the key of the call it stops, so a router keyed on it can reach the
+    server that is generating."""
+    async def body():
+        async with ScriptedSGLang().serve() as srv:
+            srv.hold = True
+            backend = SGLangBackend(srv.url)
+
+            async def generate_as(key: str) -> None:
+                ROUTING_KEY.set(key)
+                await backend.generate([1, 2], SamplingParams(max_new_tokens=4))
+
+            call = asyncio.ensure_future(generate_as("session-9"))
+            for _ in range(500):
+                if srv.requests:
+                    break
+                await asyncio.sleep(0.01)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            await backend.close()
+            (gen, abort) = srv.requests
+            assert abort[0] == "/abort_request" and abort[2] == {"rid": gen[2]["rid"]}
+            assert header(gen[1], ROUTING_HEADER_DEFAULT) == header(abort[1], ROUTING_HEADER_DEFAULT) == "session-9"
 
     run(body())

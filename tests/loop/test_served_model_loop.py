@@ -83,6 +83,7 @@ class FakeServedModel:
 
     async def start(self) -> "FakeServedModel":
         app = web.Application()
+        app.router.add_get("/health", self.health)
         if self.kind == "sglang":
             app.router.add_post("/generate", self.generate)
             app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
@@ -100,6 +101,9 @@ class FakeServedModel:
 
     async def stop(self) -> None:
         await self.runner.cleanup()
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
 
     def _bad(self, what: str) -> web.Response:
         self.errors.append(what)
@@ -311,6 +315,64 @@ def test_a_served_model_is_reloaded_between_batches_and_every_turn_records_the_w
     terminal = [e.session_id for e in envs if isinstance(e.body, (SessionFinished, SessionAborted, SessionDropped))]
     assert len(opened) == 8 and sorted(terminal) == sorted(opened), (opened, terminal)  # exactly one terminal event each
     assert all(isinstance(e.body, SessionFinished) for e in envs if isinstance(e.body, (SessionFinished, SessionAborted, SessionDropped)))
+    check = check_run(run_dir, cfg)
+    assert check.ok, (check.mismatches, check.duplicates, check.missing, check.unknown)
+    assert check.digests_equal == check.steps == 2
+
+
+def test_a_fleet_loses_no_turn_when_a_server_dies_mid_run_and_the_run_reconstructs_equal(tmp_path):
+    """Three fake SGLang servers behind ``[inference] servers``; one is stopped while batch 0
+    generates. Its generations in flight are retried on another server (nothing was recorded),
+    its sessions move and say so, the update to version 1 reaches the two left (the dead one
+    is out of routing), and the run's samples rebuild EQUAL."""
+    from agentlog.events.schema.turn import turn_server
+
+    run_dir = tmp_path / "run"
+    base = LoopConfig(task="echo-word-test", hf_model="tiny-llama", seed=3)
+    model_dir = resolve_hf_model(base, run_dir)
+
+    async def body():
+        servers = [await FakeServedModel("sglang", model_dir).start() for _ in range(3)]
+        names = [s.url.split("://", 1)[1] for s in servers]
+        victim = servers[0]
+
+        async def kill_mid_batch() -> None:
+            while len(victim.scored) < 1:
+                await asyncio.sleep(0.005)
+            await victim.stop()
+
+        try:
+            cfg = LoopConfig(task="echo-word-test", hf_model="tiny-llama", seed=3, steps=2, groups_per_step=4, group_size=2,
+                             warmup_steps=0, faults=FaultConfig.none(), stop_reward=0, time_budget_s=0, max_lag=0,
+                             learner={"lr": 1e-2, "warmup_steps": 0, "entropy_coef": 0.01},
+                             agent={"harness": "python-agent", "budget_s": 60},
+                             inference={"backend": "sglang", "servers": [s.url for s in servers], "context_length": 512,
+                                        "probe_interval_s": 0.05})
+            worker = RolloutWorker(run_dir, cfg)
+            await asyncio.wait_for(asyncio.gather(LoopLearner(run_dir, cfg).run(), worker.run(), kill_mid_batch()), 90)
+            return servers, names, cfg
+        finally:
+            for s in servers[1:]:
+                await s.stop()
+
+    servers, names, cfg = asyncio.run(body())
+    assert not any(s.errors for s in servers), [s.errors for s in servers]
+    envs = list(read_log(run_dir / "rollout", 0))
+    turns = [e for e in full_turns(envs) if isinstance(e.body, TurnRecorded)]
+    by_session: dict[str, list] = {}
+    for t in turns:
+        by_session.setdefault(t.session_id, []).append(t.body)
+    for sid, bodies in by_session.items():
+        assert [b.turn_index for b in bodies] == list(range(len(bodies))), sid  # none lost, none twice
+    placed = [turn_server(b) for bodies in by_session.values() for b in bodies]
+    assert {s for s, _ in placed} <= set(names) and all(s for s, _ in placed)
+    # The dead server answered only before it died: no turn of version 1 names it.
+    assert all(turn_server(t.body)[0] != names[0] for t in turns if t.body.policy_version == 1)
+    assert len(servers[0].reload_bodies) == 1  # version 0 only; the update to 1 could not reach it
+    assert all(len(s.reload_bodies) >= 2 for s in servers[1:])
+    opened = [e.session_id for e in envs if isinstance(e.body, SessionOpened)]
+    assert all(isinstance(e.body, SessionFinished) for e in envs if isinstance(e.body, (SessionFinished, SessionAborted, SessionDropped)))
+    assert len(opened) == 16
     check = check_run(run_dir, cfg)
     assert check.ok, (check.mismatches, check.duplicates, check.missing, check.unknown)
     assert check.digests_equal == check.steps == 2
