@@ -44,8 +44,10 @@ _log = get_logger("agentlog.gateway")
 ROUTING_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentlog_routing_key", default=None)
 #: A routing key sent as it is: visible ASCII (no control character, no space at the ends).
 _HEADER_SAFE = re.compile(r"[!-~]+(?: +[!-~]+)*")
-#: The header an HTTP backend sends the routing key in, unless told another.
-ROUTING_HEADER_DEFAULT = "X-Agentlog-Routing-Key"
+#: The header an HTTP backend sends the routing key in, unless told another: the one
+#: sglang-router's consistent_hashing policy hashes (a fixed name; the router drops
+#: headers it does not know), so a fleet behind that router keeps affinity as it is.
+ROUTING_HEADER_DEFAULT = "X-SMG-Routing-Key"
 
 
 class SamplingParams(msgspec.Struct, frozen=True):

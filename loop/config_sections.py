@@ -145,7 +145,7 @@ class InferenceConfig:
     probe_interval_s: float = 2.0
     """Fleet: seconds between health probes of every server (GET /health); a failing server is taken out of routing."""
     routing_header: str | None = None
-    """Header that carries each request's routing key to an HTTP server or the user's own router (unset: X-Agentlog-Routing-Key, the gateway's default; "": none)."""
+    """Header that carries each request's routing key to an HTTP server or the user's own router (unset: X-SMG-Routing-Key, which sglang-router's consistent_hashing policy hashes; "": none)."""
 
     def __post_init__(self) -> None:
         if self.backend not in INFERENCE_BACKENDS:

@@ -191,7 +191,7 @@ def test_the_routing_key_of_the_calling_context_goes_upstream_in_the_routing_hea
 
     async def body():
         async with ScriptedSGLang().serve() as srv:
-            plain, renamed = SGLangBackend(srv.url), SGLangBackend(srv.url, routing_header="X-SMG-Routing-Key")
+            plain, renamed = SGLangBackend(srv.url), SGLangBackend(srv.url, routing_header="X-Session-Route")
             off, none = SGLangBackend(srv.url, routing_header=""), SGLangBackend(srv.url, routing_header=None)
             try:
                 await asyncio.gather(*(generate_as(plain, f"session-{i}", i) for i in range(8)))
@@ -203,9 +203,9 @@ def test_the_routing_key_of_the_calling_context_goes_upstream_in_the_routing_hea
                     await b.close()
             sent = {body["input_ids"][0]: headers for _, headers, body in srv.requests}
             assert {p: header(sent[p], ROUTING_HEADER_DEFAULT) for p in range(8)} == {i: f"session-{i}" for i in range(8)}
-            assert ROUTING_HEADER_DEFAULT == "X-Agentlog-Routing-Key"
+            assert ROUTING_HEADER_DEFAULT == "X-SMG-Routing-Key"  # the header sglang-router's consistent hashing reads
             assert header(sent[100], ROUTING_HEADER_DEFAULT) is None  # no key set
-            assert header(sent[101], "X-SMG-Routing-Key") == "s-r" and header(sent[101], ROUTING_HEADER_DEFAULT) is None
+            assert header(sent[101], "X-Session-Route") == "s-r" and header(sent[101], ROUTING_HEADER_DEFAULT) is None
             for p in (102, 103):  # routing header switched off
                 assert not [k for k in sent[p] if "routing" in k.lower()], sent[p]
 

@@ -29,6 +29,7 @@ from gateway_helpers import TEMPLATE, run
 from nats_cluster import free_ports
 from test_backends import ScriptedSGLang, header
 
+from agentlog.gateway.backends import ROUTING_HEADER_DEFAULT
 from agentlog.gateway import BackendError, SGLangBackend
 from agentlog.gateway.backends import ROUTING_KEY, SamplingParams
 
@@ -41,6 +42,7 @@ pytestmark = [
 #: The header sglang-router's consistent_hashing policy hashes (x-smg-routing-key; without it the
 #: policy falls back to Authorization / X-Forwarded-For / Cookie, then to a random worker).
 ROUTER_HEADER = "X-SMG-Routing-Key"
+assert ROUTER_HEADER == ROUTING_HEADER_DEFAULT  # agentlog sends the key where the router looks, by default
 #: sglang-router's own launcher with the consistent_hashing policy; the arguments are its CLI's.
 LAUNCH = ("import sys; from sglang_router.launch_router import launch_router, parse_router_args; "
           "args = parse_router_args(sys.argv[1:]); args.policy = 'consistent_hashing'; launch_router(args)")
@@ -119,7 +121,7 @@ async def servers_behind_a_router(tmp_path: Path, *router_args: str):
     async with contextlib.AsyncExitStack() as stack:
         servers = [await stack.enter_async_context(ScriptedSGLang().serve()) for _ in range(SERVERS)]
         router = await stack.enter_async_context(sglang_router([s.url for s in servers], tmp_path / "router.log", *router_args))
-        backend = SGLangBackend(router.url, routing_header=ROUTER_HEADER, timeout_s=30)
+        backend = SGLangBackend(router.url, timeout_s=30)  # the default header is the one the router hashes
         stack.push_async_callback(backend.close)
         yield servers, router, backend
 
