@@ -21,6 +21,7 @@ import pytest
 from agentlog.engine import SessionEngine, SessionTimeout
 from agentlog.engine.tasks import TextEpisode, TextTask, register_task, verdict_of_command
 from agentlog.events.log.api import MemoryLog
+from agentlog.events.schema.turn import turn_server
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import CommandRan, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnRecorded
 from agentlog.gateway import Backend, BackendError, ByteChatTemplate, Generation, SamplingParams
@@ -59,13 +60,19 @@ register_task("echo-word-test")(EchoWordTask)
 # ---------------------------------------------------------------- the loop
 
 
-def test_text_task_trains_through_the_gateway_with_the_python_agent(tmp_path):
+@pytest.mark.parametrize("fleet", [False, True], ids=["one-backend", "in-process-fleet"])
+def test_text_task_trains_through_the_gateway_with_the_python_agent(fleet, tmp_path):
     """Two RL steps; every session ends once; turns come through the gateway;
     offline reconstruction equals the online digests; turns after the first
-    reload record policy_version 1."""
+    reload record policy_version 1. With a fleet of two in-process replicas
+    routed by group, each group's turns name one replica and both replicas
+    serve, each at the batch's version."""
+    inference: dict = {"context_length": 512}
+    if fleet:
+        inference |= {"servers": ["in-process", "in-process"], "route_by": "group"}
     cfg = LoopConfig(task="echo-word-test", steps=2, groups_per_step=2, group_size=2, warmup_steps=0, faults=FaultConfig.none(),
                      stop_reward=0, time_budget_s=0, max_lag=0, d_model=32, n_layer=1, n_head=2,
-                     agent={"harness": "python-agent", "budget_s": 60}, inference={"context_length": 512})
+                     agent={"harness": "python-agent", "budget_s": 60}, inference=inference)
     run_dir = tmp_path / "run"
 
     async def train() -> None:
@@ -83,6 +90,14 @@ def test_text_task_trains_through_the_gateway_with_the_python_agent(tmp_path):
     assert all(t.body.sampling["api"] == "chat" and t.body.sampling["temperature"] == cfg.temperature for t in turns)
     versions = {(e.session_id[:6], e.body.policy_version) for e in turns}
     assert versions == {("b00000", 0), ("b00001", 1)}, versions
+    placed = {}
+    for t in turns:
+        placed.setdefault(t.session_id.rsplit("-", 1)[0], set()).add(turn_server(t.body)[0])
+    if fleet:
+        assert all(len(names) == 1 for names in placed.values()), placed  # a group shares one replica
+        assert set().union(*placed.values()) == {"in-process-0", "in-process-1"}, placed
+    else:
+        assert set().union(*placed.values()) == {""}  # one backend: no server recorded
     check = check_run(run_dir, cfg)
     assert check.ok, (check.mismatches, check.duplicates, check.missing, check.unknown)
     assert check.digests_equal == check.steps == 2
