@@ -308,8 +308,8 @@ class LogConfig:
     folder only: nothing is put into the object store)."""
     weights_chunk_kib: int = 128
     """nats: chunk size of the weights in the object store (KiB; at most the server's max_payload, 1 MiB by default)."""
-    weights_timeout_s: float = 300.0
-    """nats: longest one version's put (learner) or fetch (worker) may take (seconds)."""
+    weights_timeout_s: float = 60.0
+    """nats: longest a version's put (learner) or fetch (worker) may go without moving a chunk (seconds)."""
     weights_cache: str = ""
     """nats: where workers keep fetched versions ("": <run>/weights-cache), in <cache>/<stream>/<worker>."""
 

@@ -7,7 +7,10 @@ appends a ``policy_updated`` record naming it to its own log
 ``<run>/learner`` (:func:`publish`). A reader that sees the record can
 therefore always load the checkpoint, unless it was pruned since
 (:func:`prune_checkpoints` keeps the newest ``keep_checkpoints`` and every
-50th); :class:`PolicyFollower` then falls back to the newest one left.
+50th); :class:`PolicyFollower` then falls back to the newest one left. On
+JetStream the version is also put into the run's object store before the
+record names it (:mod:`agentlog.loop.weight_store`), for workers on hosts
+that do not see the run folder.
 
 The learner log is also the learner's memory for exactly-once resume (see
 :mod:`agentlog.loop.trainer`) and what the offline check and the progress
@@ -19,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +31,9 @@ from agentlog.events.log.api import EventLog
 from agentlog.events.schema.types import PolicyUpdated
 
 from agentlog.events.log.source import LogSource, LogTail
+
+if TYPE_CHECKING:
+    from .weight_store import WeightStore
 
 
 #: Session id under which the learner appends its records to the learner log.
@@ -62,8 +69,12 @@ def save_hf_checkpoint(model: torch.nn.Module, checkpoint: str | os.PathLike) ->
     return write_dir_atomically(hf_checkpoint_dir(checkpoint), model.save_pretrained, replace=True)
 
 
-def publish(learner_log: EventLog, record: PolicyUpdated) -> None:
-    """Append ``record`` to the learner log (after its checkpoint was saved)."""
+def publish(learner_log: EventLog, record: PolicyUpdated, weights: "WeightStore | None" = None) -> None:
+    """Append ``record`` to the learner log (after its checkpoint was saved). With
+    ``weights`` (``Run.weight_store()``: a run on JetStream) the version is first put
+    into the object store and the record names the object and its digest."""
+    if weights is not None:
+        record = weights.publish(record)
     learner_log.append_batch([(LEARNER_STREAM, learner_log.next_seq(LEARNER_STREAM), record)])
 
 

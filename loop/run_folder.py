@@ -6,10 +6,14 @@
     <run>/rollout/        the rollout log, or its partitions pNNNN/ (file backend)
     <run>/learner/        the learner log (file backend)
     <run>/checkpoints/    the policy checkpoints (Run.checkpoints)
+    <run>/weights-cache/  versions a worker fetched from the object store (nats; Run.weights_cache)
 
 With ``[log] backend = "nats"`` the logs are the subjects ``<stream>.pNNNN``
 (a single rollout log is partition 0) and ``<stream>.learner`` of one
-JetStream stream; the folder still holds ``config.json`` and the checkpoints.
+JetStream stream; the folder still holds ``config.json`` and the checkpoints,
+and each version also goes to the stream's object store bucket
+(:meth:`Run.weight_store`), from which a worker on a host without the
+folder's checkpoints fetches it (:mod:`agentlog.loop.weight_store`).
 Either way :attr:`Run.rollout` and :attr:`Run.learner` are
 :class:`~agentlog.events.log.source.LogSource` objects (opened by
 :func:`~agentlog.events.log.source.open_source` from the location the
@@ -19,15 +23,20 @@ config names), and the writers are opened through them.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentlog.events.log.api import EventLog
 from agentlog.events.log.source import RUN_CONFIG, RUN_LEARNER_LOG, RUN_ROLLOUT_LOG, LogSource, LogTail, open_source
 
 from .config import LoopConfig
 
+if TYPE_CHECKING:
+    from .weight_store import WeightStore
+
 #: The checkpoints folder inside a run folder.
 RUN_CHECKPOINTS = "checkpoints"
+#: The default folder of the versions workers fetched from the object store.
+RUN_WEIGHTS_CACHE = "weights-cache"
 
 
 class Run:
@@ -48,6 +57,7 @@ class Run:
         self.learner: LogSource = self.rollout.sibling(RUN_LEARNER_LOG)
         self.rollout.run_dir = self.learner.run_dir = self.dir
         self._tails: list[LogTail] = []
+        self._weights: WeightStore | None = None
 
     @classmethod
     def open(cls, run_dir: str | Path, config: LoopConfig | None = None) -> "Run":
@@ -97,6 +107,12 @@ class Run:
     def checkpoints(self) -> Path:
         """``<run>/checkpoints``: the policy checkpoints the learner saves."""
         return self.dir / RUN_CHECKPOINTS
+
+    def weights_cache(self, worker_id: str) -> Path:
+        """Where worker ``worker_id`` keeps the versions it fetched from the object
+        store: ``<[log] weights_cache, default <run>/weights-cache>/<stream>/<worker_id>``."""
+        root = Path(self.config.log.weights_cache) if self.config.log.weights_cache else self.dir / RUN_WEIGHTS_CACHE
+        return root / self.stream / worker_id
 
     @property
     def stream(self) -> str:
@@ -149,6 +165,19 @@ class Run:
         """The rollout logs that have been created."""
         return {pid: src for pid, src in self.rollout_logs().items() if src.exists()}
 
+    def weight_store(self) -> "WeightStore | None":
+        """The run's bucket of policy weights in the JetStream object store (connected
+        on first use, closed with this Run), or None when the weights travel through
+        the run folder only (``[log] backend = "file"``, or ``weights = "folder"``)."""
+        log = self.config.log
+        if log.backend != "nats" or log.weights == "folder":
+            return None
+        if self._weights is None:
+            from .weight_store import WeightStore
+
+            self._weights = WeightStore.for_run(self)
+        return self._weights
+
     def learner_tail(self) -> LogTail:
         """A :class:`~agentlog.events.log.source.LogTail` of the learner log
         (closed with this Run). On JetStream the stream must exist (a worker
@@ -175,13 +204,18 @@ class Run:
     # -- lifetime -------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the tails and the read-only connection (nothing to close for files)."""
+        """Close the tails, the read-only connection and the weights' (nothing to close for files)."""
         tails, self._tails = self._tails, []
+        weights, self._weights = self._weights, None
         try:
             for tail in tails:
                 tail.close()
         finally:
-            self.rollout.close()
+            try:
+                self.rollout.close()
+            finally:
+                if weights is not None:
+                    weights.close()
 
     def __enter__(self) -> "Run":
         return self

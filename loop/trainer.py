@@ -382,7 +382,7 @@ class LoopLearner:
                 self.learner = Learner(self.model, cfg.learner_config())
                 path = self.save_checkpoint(0)
                 metrics["loop/final"] = 1.0 if cfg.steps == 0 else 0.0
-                publish(llog, PolicyUpdated(step=0, policy_version=0, checkpoint=str(path), metrics=metrics))
+                publish(llog, PolicyUpdated(step=0, policy_version=0, checkpoint=str(path), metrics=metrics), run.weight_store())
                 sinks.log(0, metrics)
                 self.log.info("learner.warmup_done", **{k.replace("/", "_"): v for k, v in metrics.items()})
                 step, lsn_next = 1, 0
@@ -419,7 +419,7 @@ class LoopLearner:
                                                  lsn_low_water=low_water.get(0, -1) if partitions is None else -1)
                 record = msgspec.structs.replace(record, records_from_lsn=needed.note(llog.next_lsn, record, low_water))
                 self.pending_lost.clear()
-                publish(llog, record)
+                publish(llog, record, run.weight_store())
                 sinks.log(record.step, record.metrics)  # after the log: the record is the source of truth
                 self.busy_s += time.perf_counter() - t_busy
                 self.log.info("learner.policy_updated", step=step, policy_version=record.policy_version,

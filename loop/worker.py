@@ -55,9 +55,10 @@ from . import group_play
 from .naming import BASE_GROUP_RE, batch_prefix, batch_rng, group_id, member_id, redraw_id
 from .demo import faults as demo_faults
 from .policy import GenerationBatcher, build_model, load_tokenizer, resolve_hf_model
-from .publish import PolicyFollower, hf_checkpoint_dir
+from .publish import PolicyFollower
 from .run_folder import Run
 from .teacher import TurnToScore, build_teachers, score_session
+from .weight_store import version_source
 
 log = get_logger("agentlog.loop.worker")
 
@@ -138,15 +139,16 @@ class RolloutWorker:
         directory to load it from; a version whose files were pruned since it was
         published is passed over (the loop moves on to the newest one left). An HF
         policy loads the HF directory published beside the checkpoint, as an inference
-        server would."""
+        server would. A host that does not see the run folder's checkpoints fetches
+        the version from the run's JetStream object store (loop/weight_store.py)."""
         self.follower.poll()
         hf_policy = self.model is None or hasattr(self.model, "load_hf_weights")
         for rec in reversed(self.follower.history):
             if rec.policy_version <= self.loaded_version:
                 return
-            hf_dir = hf_checkpoint_dir(rec.checkpoint)
-            source = hf_dir if hf_policy and hf_dir.is_dir() else Path(rec.checkpoint)
-            if source.exists():
+            # The run folder's checkpoint, or (no shared folder) the version fetched from the object store.
+            source = version_source(self.run_folder, rec, hf_policy=hf_policy, worker_id=self.worker_id)
+            if source is not None:
                 yield rec, source
 
     def _loaded(self, rec: PolicyUpdated, source: Path, pause_s: float) -> None:
@@ -191,9 +193,9 @@ class RolloutWorker:
         it the new one); an SGLang / vLLM server is reloaded through its
         weight-sync client behind a ReloadGate, with the same guarantee."""
         for rec, source in self._newer_published():
+            if self.cfg.inference.backend != "in-process" and not source.is_dir():
+                continue  # a server loads HF directories only; this version has none left
             if self.weight_sync is not None:
-                if not source.is_dir():
-                    continue  # a server loads HF directories only; this version has none left
                 t0 = time.perf_counter()
                 await self.weight_sync.reload(str(source), rec.policy_version)
                 pause_s = time.perf_counter() - t0
@@ -533,7 +535,7 @@ class RolloutWorker:
                     self.log.warning("worker.faults_ignored", reason="fault injection is demo-only; text tasks run without it")
                 self.rollout = GatewayRollout(engine, self.backend, agent=cfg.agent, sandbox_root=self.run_dir / "sandbox" / self.worker_id,
                                               temperature=cfg.temperature, template=self.chat_template(),
-                                              teachers=self.teachers, distill=cfg.distill)
+                                              teachers=self.teachers, distill=cfg.distill, route_by=cfg.inference.route_by)
                 self.rollout.preflight()
                 stack.push_async_callback(self.rollout.close)
                 url = await self.rollout.start()

@@ -360,6 +360,13 @@ class PolicyUpdated(msgspec.Struct, frozen=True, tag="policy_updated"):
     #: Partitions the learner declared lost at this step -> why; it reads
     #: nothing more from them.
     lost_partitions: dict[int, str] = {}
+    #: The object holding this version's weights in the run's JetStream object
+    #: store (``policy-vNNNNN.pt`` / ``.tar``; loop/weight_store.py), and its
+    #: SHA-256 digest as the store writes it (``SHA-256=<base64url>``), which
+    #: a worker checks what it fetched against. Unset (and then not encoded,
+    #: so such a record is stored byte for byte as before): not put there.
+    weights_object: str | UnsetType = UNSET
+    weights_digest: str | UnsetType = UNSET
 
 
 Event = Union[
