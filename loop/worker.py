@@ -191,7 +191,9 @@ class RolloutWorker:
         the backend's model lock together with its version, so no turn
         generated after the swap records the old version (and none before
         it the new one); an SGLang / vLLM server is reloaded through its
-        weight-sync client behind a ReloadGate, with the same guarantee."""
+        weight-sync client behind a ReloadGate, with the same guarantee; a
+        fleet (``[inference] servers``) loads it on every server at once, and a
+        server whose update fails leaves routing (gateway/fleet.py)."""
         for rec, source in self._newer_published():
             if self.cfg.inference.backend != "in-process" and not source.is_dir():
                 continue  # a server loads HF directories only; this version has none left
