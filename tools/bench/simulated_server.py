@@ -1,4 +1,4 @@
-"""A simulated SGLang server with continuous batching, for ``bench_partial``.
+"""A simulated SGLang server with continuous batching and a prefix cache, for ``bench_partial`` and ``bench_fleet``.
 
 It speaks the routes agentlog's SGLang client and weight sync call
 (``/generate``, ``/pause_generation``, ``/update_weights_from_disk``,
@@ -15,6 +15,12 @@ and spends simulated GPU time the way a continuous-batching server does:
   batch waits for it, as without chunked prefill). The cache holds whole
   ``BLOCK``-token blocks of prompts and outputs it has seen, and is flushed by
   a weight update (``flush_cache``): KV made by old weights is not reused.
+* **Cache capacity.** ``cache_tokens`` (``--cache-tokens``; None or 0:
+  unbounded) bounds the cache, in tokens (whole blocks): past it, the least
+  recently used blocks are evicted. A request's hit and its finished prompt
+  and output refresh their blocks, a prefix's first block last, so a
+  prefix's tail goes before its head (as a radix cache evicts leaves first):
+  what stays is always a usable prefix.
 * **Weight updates.** ``/update_weights_from_disk`` takes ``update_s`` with no
   step running, and is refused (a violation, counted) while a request runs
   unless the server is paused. ``/pause_generation {"mode": "abort"}`` ends
@@ -28,14 +34,17 @@ never spans versions: updates run with nothing in flight).
 It runs in a process of its own (``python -m
 agentlog.tools.bench.simulated_server``, or :func:`spawn`), as a real server
 does, so the clients' JSON work does not delay its steps; ``GET /stats``
-answers its counters and busy intervals (``time.perf_counter``, which is
-``CLOCK_MONOTONIC`` and so comparable across processes on Linux).
+answers its counters (prompt tokens served from the cache and prefilled,
+output tokens, evicted blocks) and busy intervals (``time.perf_counter``, which is
+``CLOCK_MONOTONIC`` and so comparable across processes on Linux); ``GET
+/health`` answers 200 while it serves (a fleet's probe).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import subprocess
 import sys
 import time
@@ -63,7 +72,10 @@ class SimulatedSGLang:
     """See the module docstring. ``busy``: the (start, end) of every run of
     consecutive scheduler steps (prefill and decode), for the idle fraction."""
 
-    def __init__(self, token_s: float, prefill_token_s: float, update_s: float) -> None:
+    def __init__(self, token_s: float, prefill_token_s: float, update_s: float, cache_tokens: int | None = None) -> None:
+        if cache_tokens is not None and cache_tokens < 0:
+            raise ValueError(f"simulated server: cache_tokens: expected a number of tokens >= 0 (0: unbounded), "
+                             f"found {cache_tokens!r}")
         self.token_s = token_s
         self.prefill_token_s = prefill_token_s
         self.update_s = update_s
@@ -71,7 +83,13 @@ class SimulatedSGLang:
         self.paused = False
         self.waiting: list[_Request] = []  # arrived, not yet in the batch
         self.running: list[_Request] = []
-        self.cache: set[int] = set()
+        #: Block hashes, least recently used first (see :meth:`_touch`).
+        self.cache: collections.OrderedDict[int, None] = collections.OrderedDict()
+        #: Blocks the cache holds at most (None: unbounded); a partial block's room is never used.
+        self.cache_blocks = cache_tokens // BLOCK if cache_tokens else None
+        self.evicted_blocks = 0
+        self.output_tokens = 0
+        self.requests = 0
         self.busy: list[tuple[float, float]] = []
         self.violations: list[str] = []
         self.prefill_tokens = 0
@@ -92,6 +110,7 @@ class SimulatedSGLang:
         app.router.add_post("/continue_generation", self.go_on)
         app.router.add_post("/abort_request", self.abort_request)
         app.router.add_get("/stats", self.stats)
+        app.router.add_get("/health", self.health)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -121,18 +140,38 @@ class SimulatedSGLang:
             out.append(h)
         return out
 
+    def _touch(self, blocks: list[int]) -> None:
+        """Make a prefix's ``blocks`` (shortest first) the most recently used, its first block
+        last, inserting those not held; then evict least recently used blocks past the capacity.
+        A prefix's later blocks are thus always older than its earlier ones: eviction shortens
+        a cached prefix from its end, and never leaves a tail cached behind a lost head."""
+        cache = self.cache
+        for h in reversed(blocks):
+            if h in cache:
+                cache.move_to_end(h)
+            else:
+                cache[h] = None
+        if self.cache_blocks is not None:
+            while len(cache) > self.cache_blocks:
+                cache.popitem(last=False)
+                self.evicted_blocks += 1
+
     def _prefill_s(self, req: _Request) -> float:
-        hit = 0
-        for k, h in enumerate(self._blocks(req.prompt)):
+        blocks = self._blocks(req.prompt)
+        held = 0
+        for h in blocks:
             if h not in self.cache:
                 break
-            hit = (k + 1) * BLOCK
+            held += 1
+        self._touch(blocks[:held])  # a hit refreshes what it used
+        hit = held * BLOCK
         self.cached_tokens += hit
         self.prefill_tokens += len(req.prompt) - hit
         return (len(req.prompt) - hit) * self.prefill_token_s
 
     def _finish(self, req: _Request, kind: str) -> None:
-        self.cache.update(self._blocks(req.prompt + req.out))
+        self._touch(self._blocks(req.prompt + req.out))
+        self.output_tokens += len(req.out)
         if not req.done.done():
             req.done.set_result(kind)
 
@@ -178,6 +217,7 @@ class SimulatedSGLang:
         req = _Request(body.get("rid", ""), body["input_ids"], body["sampling_params"]["max_new_tokens"],
                        asyncio.get_running_loop().create_future())
         self.waiting.append(req)
+        self.requests += 1
         self._wake.set()
         kind = await req.done
         finish = {"type": "abort", "message": "paused"} if kind == "abort" else {"type": "length", "length": len(req.out)}
@@ -228,25 +268,57 @@ class SimulatedSGLang:
             busy.append((busy[-1][1] if busy else time.perf_counter(), time.perf_counter()))
         return web.json_response({"busy": busy, "violations": self.violations, "steps": self.steps,
                                   "prefill_tokens": self.prefill_tokens, "cached_tokens": self.cached_tokens,
-                                  "updating_s": self.updating_s})
+                                  "updating_s": self.updating_s, "requests": self.requests,
+                                  "output_tokens": self.output_tokens, "cache_blocks": len(self.cache),
+                                  "cache_capacity_blocks": self.cache_blocks, "evicted_blocks": self.evicted_blocks})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
 
 
-def spawn(token_s: float, prefill_token_s: float, update_s: float) -> tuple[subprocess.Popen, str]:
-    """Start a server process; returns it (``terminate()`` it when done) and its base URL."""
-    proc = subprocess.Popen([sys.executable, "-m", "agentlog.tools.bench.simulated_server", "--token-s", repr(token_s),
-                             "--prefill-token-s", repr(prefill_token_s), "--update-s", repr(update_s)],
+def _start(token_s: float, prefill_token_s: float, update_s: float, cache_tokens: int | None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "agentlog.tools.bench.simulated_server", "--token-s", repr(token_s),
+                             "--prefill-token-s", repr(prefill_token_s), "--update-s", repr(update_s),
+                             "--cache-tokens", str(cache_tokens or 0)],
                             stdout=subprocess.PIPE, text=True)
+
+
+def _url_of(proc: subprocess.Popen) -> str:
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
     if not line.startswith("http://"):
         proc.kill()
         raise RuntimeError(f"simulated server: expected its URL on the first line of its output, found {line!r} "
                            f"(exit status {proc.wait()})")
-    return proc, line
+    return line
+
+
+def spawn(token_s: float, prefill_token_s: float, update_s: float,
+          cache_tokens: int | None = None) -> tuple[subprocess.Popen, str]:
+    """Start a server process; returns it (``terminate()`` it when done) and its base URL."""
+    return spawn_many(1, token_s, prefill_token_s, update_s, cache_tokens)[0]
+
+
+def spawn_many(n: int, token_s: float, prefill_token_s: float, update_s: float,
+               cache_tokens: int | None = None) -> list[tuple[subprocess.Popen, str]]:
+    """Start ``n`` server processes at once (a fleet); returns each with its base URL.
+    If one fails to start, every one started is killed."""
+    procs = [_start(token_s, prefill_token_s, update_s, cache_tokens) for _ in range(n)]
+    out = []
+    try:
+        for proc in procs:
+            out.append((proc, _url_of(proc)))
+    except BaseException:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        raise
+    return out
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    server = await SimulatedSGLang(args.token_s, args.prefill_token_s, args.update_s).start()
+    server = await SimulatedSGLang(args.token_s, args.prefill_token_s, args.update_s, args.cache_tokens or None).start()
     print(server.url, flush=True)
     try:
         await asyncio.Event().wait()  # until terminated
@@ -260,8 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-s", type=float, required=True, help="time of one decode step")
     p.add_argument("--prefill-token-s", type=float, default=0.0, help="time per uncached prompt token")
     p.add_argument("--update-s", type=float, default=0.0, help="time of one weight update")
+    p.add_argument("--cache-tokens", type=int, default=0,
+                   help=f"prefix cache capacity in tokens (whole {BLOCK}-token blocks, least recently used evicted "
+                        "first); 0: unbounded")
+    args = p.parse_args(argv)
+    if args.cache_tokens < 0:
+        p.error(f"--cache-tokens: expected a number of tokens >= 0 (0: unbounded), found {args.cache_tokens}")
     try:
-        asyncio.run(_serve(p.parse_args(argv)))
+        asyncio.run(_serve(args))
     except KeyboardInterrupt:
         pass
     return 0
