@@ -103,9 +103,13 @@ def write_dir_atomically(target: Path, write: Callable[[Path], Any], *, replace:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    for f in tmp.iterdir():
-        _fsync_path(f)
+    try:
+        write(tmp)
+        for f in tmp.iterdir():
+            _fsync_path(f)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed build leaves nothing behind
+        raise
     if replace:
         shutil.rmtree(target, ignore_errors=True)
     try:

@@ -42,6 +42,8 @@ _log = get_logger("agentlog.gateway")
 #: routing header, so the user's own router (sglang-router's consistent hashing)
 #: keeps the session on one server too. None: no key.
 ROUTING_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentlog_routing_key", default=None)
+#: An HTTP header name (RFC 9110's token): what ``routing_header`` may be.
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 #: A routing key sent as it is: visible ASCII (no control character, no space at the ends).
 _HEADER_SAFE = re.compile(r"[!-~]+(?: +[!-~]+)*")
 #: The header an HTTP backend sends the routing key in, unless told another: the one

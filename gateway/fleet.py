@@ -19,12 +19,14 @@ cache. A server at its share gives way to the next one on the ring for new
 keys only. A key unused for ``key_ttl_s`` (its session ended) is forgotten.
 ``policy="round_robin"`` ignores the key (the benchmark's anchor).
 
-**Out of routing.** A member is taken out, with its reason, when:
+**Out of routing.** A generation that fails on the server was never
+recorded, so it is retried on the next member (each at most once): the turn
+is neither lost nor recorded twice, and the session's later turns stay on
+their new server. A 5xx leaves its member in routing (the fault may be that
+request's; the probe decides); a 4xx is the request's fault and is raised.
+A member is taken out, with its reason, when:
 
-* a generation fails without an answer or with a 5xx (the server died,
-  timed out or failed). The generation was never recorded, so it is retried
-  on the next member: the turn is neither lost nor recorded twice, and the
-  session's later turns stay on their new server;
+* a generation gets no answer (the server died or timed out);
 * its health probe (:meth:`~.backends.Backend.probe`, every
   ``probe_interval_s``) fails, or its backend reports a fatal reason;
 * a weight update fails on it (:meth:`reload_weights`). It then serves the
@@ -32,7 +34,9 @@ keys only. A key unused for ``key_ttl_s`` (its session ended) is forgotten.
   routing on a version that is not the fleet's.
 
 A member whose probe passes again comes back once it serves the fleet's
-version (at once, or after the next update reaches it). With no member left
+version: after any update it is updated again to the last version first (a
+restarted server starts on its launch weights, whatever its gate says), and
+a member out for a failed update comes back when the next update reaches it. With no member left
 in routing the fleet's :attr:`fatal_reason` names each member's reason, and
 the gateway refuses turns with it (503).
 """
@@ -42,11 +46,12 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import contextlib
 import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Sequence
 
 import msgspec
 
@@ -73,12 +78,14 @@ class FleetMember:
 
     name: str
     backend: Backend
-    #: Loads a new version on this server: ``update(path, version)`` (a weight-sync
-    #: client's ``reload``, or an in-process backend's ``reload_weights``); None: the
-    #: backend's own ``reload_weights``.
-    update: Callable[[str, int], Awaitable[Any]] | None = None
+    #: The server's weight-sync client (``reload(path, version)``, ``close()``:
+    #: :class:`~.weight_sync.SGLangWeightSync`, :class:`~.weight_sync.VLLMWeightSync`);
+    #: None: the backend loads weights itself (``reload_weights``, in process).
+    sync: Any = None
     #: None while in routing; else why the member is out.
     out_reason: str | None = None
+    #: What took it out: "answer" (a generation got no answer), "probe", "update", "fatal".
+    out_kind: str | None = None
     inflight: int = 0
     #: Routing keys placed on this member (its share of the sessions).
     keys: int = 0
@@ -86,6 +93,13 @@ class FleetMember:
     served: int = 0
     failures: int = 0
     _since: float = field(default_factory=time.monotonic)
+
+    async def update(self, path: str, version: int) -> None:
+        """Load ``version`` from ``path`` on this server."""
+        if self.sync is not None:
+            await self.sync.reload(path, version)
+        else:
+            await self.backend.reload_weights(path, version)  # type: ignore[attr-defined]
 
     def describe(self) -> dict[str, Any]:
         """The member's state, as ``/health`` reports it."""
@@ -134,9 +148,14 @@ class Fleet(Backend):
         self.update_pauses_s: list[float] = []
         self._prober: asyncio.Task | None = None
         self._prober_failure: str | None = None
+        #: The last update that reached a member, ``(path, version)``: what a member that
+        #: comes back (perhaps restarted on its launch weights) is brought to first.
+        self._last_update: tuple[str, int] | None = None
+        #: Updates and re-admissions one at a time: each reads and sets ``version``.
+        self._updating = asyncio.Lock()
         for m in self.members:
             if m.backend.policy_version != self.version:
-                self._take_out(m, f"serves version {m.backend.policy_version}, the fleet version {self.version}")
+                self._take_out(m, "update", f"serves version {m.backend.policy_version}, the fleet version {self.version}")
 
     # ------------------------------------------------------------ routing
 
@@ -163,7 +182,7 @@ class Fleet(Backend):
         ``ceil(load_factor * (keys held + 1) / members in routing)`` keys."""
         for m in self.members:
             if m.out_reason is None and m.backend.fatal_reason is not None:
-                self._take_out(m, f"backend failed: {m.backend.fatal_reason}")
+                self._take_out(m, "fatal", f"backend failed: {m.backend.fatal_reason}")
         live = [m for m in self.members if m.out_reason is None and m.name not in skip]
         if not live:
             raise BackendError(self.name, f"no server left in routing ({self._reasons()})", 503)
@@ -206,8 +225,10 @@ class Fleet(Backend):
             del self._used[key]
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
-        """Generate on the routing key's member; a member that fails without an
-        answer (or with a 5xx) is taken out and the generation goes to the next."""
+        """Generate on the routing key's member. Nothing is recorded before this returns, so
+        a generation that fails on the server is retried on the next member (each member at
+        most once): one that got no answer takes its member out; a 5xx leaves it to its probe
+        (the fault may be this request's); a 4xx is the request's fault and is raised."""
         self._start_prober()
         key = ROUTING_KEY.get()
         tried: set[str] = set()
@@ -218,11 +239,12 @@ class Fleet(Backend):
                 gen = await m.backend.generate(prompt_ids, params)
             except BackendError as exc:
                 if 0 < exc.status < 500:
-                    raise  # the request's fault (a 4xx): another server would refuse it too
+                    raise  # another server would refuse it too
                 m.failures += 1
                 tried.add(m.name)
-                self._take_out(m, f"generation failed: {exc}")
-                if len(tried) == len(self.members):
+                if exc.status == 0:
+                    self._take_out(m, "answer", f"a generation got no answer: {exc}")
+                if len(tried) == len(self.members) or not self.in_routing():
                     raise
                 continue
             finally:
@@ -250,34 +272,56 @@ class Fleet(Backend):
     def _reasons(self) -> str:
         return "; ".join(f"{m.name}: {m.out_reason or m.backend.fatal_reason}" for m in self.members)
 
-    def _take_out(self, m: FleetMember, reason: str) -> None:
+    def _take_out(self, m: FleetMember, kind: str, reason: str) -> None:
         if m.out_reason is None:
             _log.warning("fleet.server_out", server=m.name, reason=reason, in_routing=len(self.in_routing()) - 1)
-        m.out_reason = reason
-        m._since = time.monotonic()
+            m._since = time.monotonic()
+        m.out_reason, m.out_kind = reason, kind
 
     def _bring_back(self, m: FleetMember) -> None:
         _log.info("fleet.server_back", server=m.name, policy_version=m.backend.policy_version, was=m.out_reason,
                   out_s=round(time.monotonic() - m._since, 3))
-        m.out_reason = None
+        m.out_reason = m.out_kind = None
 
     async def probe_all(self) -> None:
-        """Probe every member once: take out those that fail, bring back those that
-        pass and serve the fleet's version."""
+        """Probe every member once: take out those that fail; bring back those out that
+        pass, once they serve the fleet's version. A member that was out may have been
+        restarted on its launch weights, whatever its gate says: after any update, it is
+        updated again to the last version before it comes back."""
         async def one(m: FleetMember) -> None:
             try:
                 reason = await asyncio.wait_for(m.backend.probe(), self.probe_timeout_s)
             except asyncio.TimeoutError:
                 reason = f"health probe timed out after {self.probe_timeout_s} s"
+            except Exception as exc:  # this member's probe broke, not the prober: it counts as a failed probe
+                reason = f"health probe raised {type(exc).__name__}: {exc}"
             if reason is not None:
-                self._take_out(m, f"health probe failed: {reason}")
-            elif m.out_reason is not None and m.backend.policy_version == self.version:
-                self._bring_back(m)
+                self._take_out(m, "probe", f"health probe failed: {reason}")
+            elif m.out_reason is not None:
+                await self._readmit(m)
 
         await asyncio.gather(*(one(m) for m in self.members))
 
+    async def _readmit(self, m: FleetMember) -> None:
+        """Bring back a member whose probe passed, at the fleet's version."""
+        async with self._updating:
+            if m.out_reason is None or m.backend.fatal_reason is not None:
+                return
+            if self._last_update is None:
+                if m.backend.policy_version == self.version:  # no update yet: its launch weights are the version
+                    self._bring_back(m)
+                return
+            path, version = self._last_update
+            try:
+                await m.update(path, version)
+            except Exception as exc:  # reported as its reason, and tried again at its next passing probe
+                self._take_out(m, "update", f"update to version {version} (coming back) failed: {type(exc).__name__}: {exc}")
+                return
+            if m.backend.policy_version == version:
+                self._bring_back(m)
+
     def _start_prober(self) -> None:
-        if self._prober is None and len(self.members) > 1:
+        if self._prober is None:
             self._prober = asyncio.get_running_loop().create_task(self._probe_forever(), name="fleet-prober")
 
     async def _probe_forever(self) -> None:
@@ -295,39 +339,44 @@ class Fleet(Backend):
     # ------------------------------------------------------------ weights
 
     async def reload_weights(self, path: Any, policy_version: int) -> None:
-        """Load version ``policy_version`` from ``path`` on every member, at once.
+        """Load version ``policy_version`` from ``path`` on every member in routing, and on
+        those out only for a failed update, at once.
 
-        A member whose update fails is taken out of routing (it keeps serving
-        nothing new; its gate keeps the version it still reports) and comes back
-        after a later update reaches it. Raises BackendError naming every
-        member's error when the update reached none."""
-        t0 = time.perf_counter()
+        A member whose update fails is taken out of routing (its gate keeps the version it
+        still serves, so no turn it serves is labelled with the new one) and comes back
+        after a later update reaches it. Members out for no answer or a failed probe are
+        left to the prober, which updates them before they come back. Raises BackendError
+        naming every member's error when the update reached none."""
+        async with self._updating:
+            t0 = time.perf_counter()
+            targets = [m for m in self.members if m.out_reason is None or m.out_kind == "update"]
 
-        async def one(m: FleetMember) -> BaseException | None:
-            update = m.update or m.backend.reload_weights  # type: ignore[attr-defined]
-            try:
-                await update(str(path), policy_version)
-            except Exception as exc:  # each member's failure is reported below, never dropped
-                return exc
-            return None
+            async def one(m: FleetMember) -> BaseException | None:
+                try:
+                    await m.update(str(path), policy_version)
+                except Exception as exc:  # each member's failure is reported below, never dropped
+                    return exc
+                return None
 
-        results = await asyncio.gather(*(one(m) for m in self.members))
-        failed = [(m, exc) for m, exc in zip(self.members, results) if exc is not None]
-        if len(failed) == len(self.members):
-            raise BackendError(self.name, f"the update to version {policy_version} from {path} failed on every server: "
-                               + "; ".join(f"{m.name}: {type(e).__name__}: {e}" for m, e in failed))
-        self.version = policy_version
-        for m, exc in failed:
-            self._take_out(m, f"update to version {policy_version} failed: {type(exc).__name__}: {exc}")
-        for m in self.members:
-            if m.backend.policy_version != policy_version and m.out_reason is None:
-                self._take_out(m, f"serves version {m.backend.policy_version} after the update to {policy_version}")
-            elif m.out_reason is not None and m.backend.policy_version == policy_version and m not in (f for f, _ in failed):
-                if m.backend.fatal_reason is None and not m.out_reason.startswith("health probe failed"):
+            results = await asyncio.gather(*(one(m) for m in targets))
+            failed = [(m, exc) for m, exc in zip(targets, results) if exc is not None]
+            if len(failed) == len(targets):
+                raise BackendError(self.name, f"the update to version {policy_version} from {path} reached no server: "
+                                   + "; ".join(f"{m.name}: {type(e).__name__}: {e}" for m, e in failed))
+            self.version = policy_version
+            self._last_update = (str(path), policy_version)
+            for m, exc in failed:
+                self._take_out(m, "update", f"update to version {policy_version} failed: {type(exc).__name__}: {exc}")
+            for m in targets:
+                if m in (f for f, _ in failed):
+                    continue
+                if m.backend.policy_version != policy_version:
+                    self._take_out(m, "update", f"serves version {m.backend.policy_version} after the update to {policy_version}")
+                elif m.out_reason is not None and m.backend.fatal_reason is None:
                     self._bring_back(m)
-        self.update_pauses_s.append(time.perf_counter() - t0)
-        _log.info("fleet.weights_loaded", policy_version=policy_version, servers=len(self.members) - len(failed),
-                  failed=[m.name for m, _ in failed])
+            self.update_pauses_s.append(time.perf_counter() - t0)
+            _log.info("fleet.weights_loaded", policy_version=policy_version, servers=len(targets) - len(failed),
+                      failed=[m.name for m, _ in failed], out=[m.name for m in self.members if m not in targets])
 
     def describe(self) -> list[dict[str, Any]]:
         """Each member's state (for ``/health`` and the benchmark)."""
@@ -336,8 +385,10 @@ class Fleet(Backend):
     async def close(self) -> None:
         if self._prober is not None:
             self._prober.cancel()
-            await asyncio.gather(self._prober, return_exceptions=True)
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # a crash was logged and reported when it happened
+                await self._prober
         await asyncio.gather(*(m.backend.close() for m in self.members))
+        await asyncio.gather(*(m.sync.close() for m in self.members if m.sync is not None))
 
 
 __all__ = ["Fleet", "FleetMember", "ROUTE_POLICIES", "VNODES", "ring_point"]

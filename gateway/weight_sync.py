@@ -250,12 +250,23 @@ class GatedBackend(Backend):
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         if self.weight_update == "resubmit":
             return await self._generate_through_reloads(prompt_ids, params)
-        version = await self.gate.admit()
+        version = await self._admit()
         try:
             gen = await self.inner.generate(prompt_ids, params)
         finally:
             self.gate.release()
         return msgspec.structs.replace(gen, policy_version=version)
+
+    async def _admit(self) -> int:
+        """The gate's admission, refused when a reload that failed while this generation
+        waited left the served weights unknown: it would run on weights no version names
+        (a fleet then sends it to another server; nothing was recorded)."""
+        version = await self.gate.admit()
+        reason = self.gate.fatal_reason
+        if reason is not None:
+            self.gate.release()
+            raise BackendError(self.name, f"not generated: {reason}")
+        return version
 
     async def _generate_through_reloads(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         """One generation that a reload may abort: each aborted part is
@@ -268,7 +279,7 @@ class GatedBackend(Backend):
         starts: list[tuple[int, int]] = []
         t0 = time.perf_counter()
         while True:
-            admitted = await self.gate.admit()
+            admitted = await self._admit()
             reloads = self.gate.reloads_begun
             try:
                 part = await self.inner.generate(

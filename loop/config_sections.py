@@ -69,8 +69,6 @@ class FaultConfig:
 
 #: Agent harnesses a text task's rollout can run (gateway/agents.py, gateway/python_agent.py).
 AGENT_HARNESSES = ("python-agent", "claude-code", "codex")
-#: An HTTP header name (RFC 9110's token, as header names are used).
-_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 #: Where the loop's model calls go: the policy in the worker process, or an inference server.
 INFERENCE_BACKENDS = ("in-process", "sglang", "vllm")
 
@@ -141,7 +139,7 @@ class InferenceConfig:
     route_policy: str = "affinity"
     """Fleet: affinity (consistent hashing on the routing key with bounded load) or round_robin (no affinity; a baseline)."""
     load_factor: float = 1.25
-    """Fleet: a server takes up to this times its share of the generations in flight before a key moves on to the next server."""
+    """Fleet: a server holds up to this times its share of the sessions (routing keys used within the last 10 minutes) before a new one goes on to the next server."""
     probe_interval_s: float = 2.0
     """Fleet: seconds between health probes of every server (GET /health); a failing server is taken out of routing."""
     routing_header: str | None = None
@@ -158,18 +156,20 @@ class InferenceConfig:
             raise ConfigError("[inference] served_dir: backend 'vllm' needs the directory its server was launched on (vLLM reloads from there)")
         if type(self.context_length) is not int or self.context_length < 64:
             raise ConfigError(f"[inference] context_length: expected an int >= 64, found {self.context_length!r}")
+        from agentlog.gateway.backends import HEADER_NAME
         from agentlog.gateway.fleet import ROUTE_POLICIES
         from agentlog.gateway.server import ROUTE_BY
 
         for name, allowed in (("route_by", ROUTE_BY), ("route_policy", ROUTE_POLICIES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"[inference] {name}: expected one of {allowed}, found {getattr(self, name)!r}")
-        for name, low in (("load_factor", 1.0), ("probe_interval_s", 0.0)):
+        for name, expected, ok in (("load_factor", "a number >= 1", lambda v: 1 <= v < math.inf),
+                                   ("probe_interval_s", "seconds > 0", lambda v: 0 < v < math.inf)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v < math.inf or v == 0:
-                raise ConfigError(f"[inference] {name}: expected a number >= {low:g} (and > 0), found {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+                raise ConfigError(f"[inference] {name}: expected {expected}, found {v!r}")
         if self.routing_header is not None and (not isinstance(self.routing_header, str)
-                                                or (self.routing_header and not _HEADER_NAME.fullmatch(self.routing_header))):
+                                                or (self.routing_header and not HEADER_NAME.fullmatch(self.routing_header))):
             raise ConfigError(f"[inference] routing_header: expected an HTTP header name (letters, digits, '-') or \"\", found {self.routing_header!r}")
 
     def _fleet_servers(self) -> list[dict[str, str]]:

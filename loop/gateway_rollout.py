@@ -302,19 +302,22 @@ def make_backend(cfg: LoopConfig, model: Any) -> tuple[Backend, Any]:
 
     members = []
     for i, spec in enumerate(inf.servers):
-        # In process, every replica but the first serves its own copy of the policy.
-        backend, sync = _server_backend(cfg, model if i == 0 else copy.deepcopy(model), spec)
-        members.append(FleetMember(spec["name"], backend, None if sync is None else sync.reload))
+        # In process, every replica but the first serves its own copy of the policy, and
+        # samples from its own seed: replicas serving one group must not draw alike.
+        backend, sync = _server_backend(cfg, model if i == 0 else copy.deepcopy(model), spec, replica=i)
+        members.append(FleetMember(spec["name"], backend, sync))
     return Fleet(members, policy=inf.route_policy, load_factor=inf.load_factor, probe_interval_s=inf.probe_interval_s), None
 
 
-def _server_backend(cfg: LoopConfig, model: Any, spec: dict[str, str]) -> tuple[Backend, Any]:
-    """One server's ``(backend, weight_sync)``: ``spec["url"]`` is "in-process" or its base URL."""
+def _server_backend(cfg: LoopConfig, model: Any, spec: dict[str, str], replica: int = 0) -> tuple[Backend, Any]:
+    """One server's ``(backend, weight_sync)``: ``spec["url"]`` is "in-process" or its base URL;
+    ``replica``: its place in a fleet (an in-process replica's sampling seed)."""
     inf: InferenceConfig = cfg.inference
     if inf.backend == "in-process":
         from agentlog.gateway import TorchBackend
 
-        return TorchBackend(model, seed=cfg.seed * 1_000_003 + 11, weight_update=cfg.rollout.weight_update), None
+        seed = cfg.seed * 1_000_003 + 11 + replica * 7_919
+        return TorchBackend(model, seed=seed, weight_update=cfg.rollout.weight_update), None
     from agentlog.gateway import OpenAICompletionsBackend, SGLangBackend
     from agentlog.gateway.backends import ROUTING_HEADER_DEFAULT
     from agentlog.gateway.weight_sync import GatedBackend, SGLangWeightSync, VLLMWeightSync

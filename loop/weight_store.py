@@ -44,7 +44,7 @@ import msgspec
 
 from agentlog._logging import get_logger
 from agentlog.events.errors import AgentlogError
-from agentlog.events.fs import atomic_path, write_dir_atomically
+from agentlog.events.fs import atomic_path, write_atomic, write_dir_atomically
 from agentlog.events.log.jetstream_conn import Bridge, connect, retried
 from agentlog.events.schema.types import PolicyUpdated
 
@@ -322,10 +322,19 @@ class WeightStore:
         if m is None or int(m.group(1)) != version:
             raise WeightStoreError(f"bucket {self.bucket!r}: object {name!r} of policy version {version}: expected the name "
                                    f"{object_name(version, False)!r} or {object_name(version, True)!r}")
+        if not digest.startswith(DIGEST_PREFIX):
+            raise WeightStoreError(f"bucket {self.bucket!r}: object {name!r} of policy version {version}: its policy_updated "
+                                   f"record names no digest (expected {DIGEST_PREFIX}<base64url>, found {digest!r}): not loaded")
         directory = m.group(2) == "tar"
         final = Path(cache_dir) / (name.removesuffix(".tar") if directory else name)
+        # The digest the cached copy was checked against, written after it: a copy without
+        # it, or of another digest (a cache shared by an earlier run of the same stream),
+        # is fetched again.
+        checked = final.with_name(f".{final.name}.digest")
         if final.exists():
-            return final
+            if checked.is_file() and checked.read_text() == digest:
+                return final
+            shutil.rmtree(final, ignore_errors=True) if final.is_dir() else final.unlink()
         final.parent.mkdir(parents=True, exist_ok=True)
         self._sweep(final.parent)
         part = final.parent / f".{name}.{os.getpid()}.part"
@@ -333,14 +342,11 @@ class WeightStore:
             if not self._call(self._get(name, version, digest, part)):
                 return None
             if directory:
-                try:
-                    write_dir_atomically(final, lambda tmp: _extract(part, tmp), replace=True)
-                except BaseException:
-                    shutil.rmtree(final.with_name(f".{final.name}.{os.getpid()}.tmp"), ignore_errors=True)
-                    raise
+                write_dir_atomically(final, lambda tmp: _extract(part, tmp), replace=True)
             else:
                 with atomic_path(final) as tmp:  # fsynced before the rename: a cached file is whole after a power loss
                     os.rename(part, tmp)
+            write_atomic(checked.parent, checked.name, digest.encode())
         finally:
             part.unlink(missing_ok=True)
         _prune_cache(final.parent)
@@ -365,11 +371,10 @@ class WeightStore:
                     f"bucket {self.bucket!r}: {what}: its chunks do not match the digest the object store recorded "
                     f"(expected {stored.digest}, the chunks hash to {digest_of(writer.sha256)}): refused, not loaded") from exc
         got = digest_of(writer.sha256)
-        if writer.size != result.info.size or got != (digest or result.info.digest):
+        if writer.size != result.info.size or got != digest:
             raise WeightStoreError(
                 f"bucket {self.bucket!r}: {what}: fetched {writer.size} bytes with digest {got}; expected "
-                f"{result.info.size} bytes with the digest {'the policy_updated record names' if digest else 'the object store recorded'}, "
-                f"{digest or result.info.digest}: refused, not loaded")
+                f"{result.info.size} bytes with the digest the policy_updated record names, {digest}: refused, not loaded")
         return True
 
     def _sweep(self, cache_dir: Path) -> None:
@@ -377,6 +382,8 @@ class WeightStore:
         if cache_dir in self._swept:
             return
         for stale in cache_dir.glob(".policy-v*"):
+            if stale.name.endswith(".digest"):
+                continue  # what a cached version was checked against, not a temporary
             shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
         self._swept.add(cache_dir)
 
@@ -473,4 +480,5 @@ def _prune_cache(cache_dir: Path) -> None:
             cached.append((int(m.group(1)), entry))
     for _, entry in sorted(cached, key=lambda c: c[0])[:-CACHE_KEEP]:
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        entry.with_name(f".{entry.name}.digest").unlink(missing_ok=True)
         log.info("weights.cache_pruned", path=str(entry))

@@ -1,10 +1,8 @@
 """The rollout worker: drives task sessions through the SessionEngine into the rollout log.
 
-It is coupled to the learner only through files: it appends session events
-to the rollout log (``<run>/rollout``), and it follows the learner log
-(``<run>/learner``) to learn of new policy versions, whose weights it loads
-from the checkpoint each ``policy_updated`` names. Nothing else passes
-between them.
+It is coupled to the learner only through its logs: it appends session events
+to the rollout log and follows the learner log to learn of new policy versions,
+whose weights it loads from the checkpoint each ``policy_updated`` names.
 
 Batches. Batch ``b`` is ``groups_per_step`` prompts x ``group_size``
 sessions (ids ``b00012-g07-s3``, group ``b00012-g07``), drawn from a random
@@ -135,21 +133,24 @@ class RolloutWorker:
     # -- weights ----------------------------------------------------------
 
     def _newer_published(self) -> Iterator[tuple[PolicyUpdated, Path]]:
-        """Published versions newer than ours, newest first, each with the file or HF
-        directory to load it from; a version whose files were pruned since it was
-        published is passed over (the loop moves on to the newest one left). An HF
-        policy loads the HF directory published beside the checkpoint, as an inference
-        server would. A host that does not see the run folder's checkpoints fetches
-        the version from the run's JetStream object store (loop/weight_store.py)."""
-        self.follower.poll()
-        hf_policy = self.model is None or hasattr(self.model, "load_hf_weights")
-        for rec in reversed(self.follower.history):
-            if rec.policy_version <= self.loaded_version:
-                return
-            # The run folder's checkpoint, or (no shared folder) the version fetched from the object store.
-            source = version_source(self.run_folder, rec, hf_policy=hf_policy, worker_id=self.worker_id)
+        """Published versions newer than ours, newest first, each with the file or HF directory
+        to load it from (:meth:`_version_source`); a pruned version is passed over."""
+        for rec in self._newer_records():
+            source = self._version_source(rec)
             if source is not None:
                 yield rec, source
+
+    def _newer_records(self) -> list[PolicyUpdated]:
+        """The published versions newer than ours, newest first."""
+        self.follower.poll()
+        return [rec for rec in reversed(self.follower.history) if rec.policy_version > self.loaded_version]
+
+    def _version_source(self, rec: PolicyUpdated) -> Path | None:
+        """The run folder's checkpoint of ``rec`` (an HF policy: the HF directory beside it, as a
+        server loads), or, on a host without the run folder's checkpoints, the version fetched from
+        the run's JetStream object store (loop/weight_store.py); None when neither holds it."""
+        hf_policy = self.model is None or hasattr(self.model, "load_hf_weights")
+        return version_source(self.run_folder, rec, hf_policy=hf_policy, worker_id=self.worker_id)
 
     def _loaded(self, rec: PolicyUpdated, source: Path, pause_s: float) -> None:
         """Record that ``rec``'s version is served; ``pause_s``: how long generation waited for it
@@ -194,7 +195,12 @@ class RolloutWorker:
         weight-sync client behind a ReloadGate, with the same guarantee; a
         fleet (``[inference] servers``) loads it on every server at once, and a
         server whose update fails leaves routing (gateway/fleet.py)."""
-        for rec, source in self._newer_published():
+        for rec in self._newer_records():
+            # A fetch from the object store can take minutes: off the event loop, where the
+            # gateway, its agents and the fleet's prober run.
+            source = await asyncio.to_thread(self._version_source, rec)
+            if source is None:
+                continue
             if self.cfg.inference.backend != "in-process" and not source.is_dir():
                 continue  # a server loads HF directories only; this version has none left
             if self.weight_sync is not None:

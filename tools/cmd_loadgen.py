@@ -15,14 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import add_quiet, check_log_path, positive_float, positive_int, read_tagged
 
-#: An HTTP header name (RFC 9110 token characters).
-_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 DESCRIPTION = """\
 Replay the recorded sessions of RUN against an inference server or router.
@@ -43,7 +40,9 @@ overlap in the replay.
 
 
 def _header_name(text: str) -> str:
-    if text and not _HEADER_NAME.fullmatch(text):
+    from agentlog.gateway.backends import HEADER_NAME
+
+    if text and not HEADER_NAME.fullmatch(text):
         raise argparse.ArgumentTypeError(f"expected an HTTP header name (letters, digits, '-', ...) or \"\", found {text!r}")
     return text
 

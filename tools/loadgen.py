@@ -129,7 +129,7 @@ def collect_sessions(envelopes: Iterable[Envelope], *, sessions: int | None = No
         generate_ns = int(body.generate_s * 1e9) if math.isfinite(body.generate_s) and body.generate_s > 0 else 0
         session.turns.append(RecordedTurn(
             turn_index=body.turn_index, lsn=env.lsn, prompt_ids=body.prompt_tokens, messages=list(body.messages),
-            output_tokens=len(body.output_ids) // 4, sampling=dict(body.sampling or {}),
+            output_tokens=len(body.output_tokens), sampling=dict(body.sampling or {}),
             sent_ns=env.ts_ns - generate_ns, answered_ns=env.ts_ns,
         ))
     return list(chosen.values())

@@ -245,6 +245,8 @@ class FakeServer:
         #: The routing-key header of each generation it answered, in order.
         self.keys: list[str | None] = []
         self.healthy = True
+        #: When set, the next generation is answered with this HTTP status (and nothing generated).
+        self.fail_next_generate = 0
 
     async def start(self) -> "FakeServer":
         app = web.Application()
@@ -275,6 +277,9 @@ class FakeServer:
         return web.Response(status=200 if self.healthy else 503, text="" if self.healthy else "unhealthy")
 
     async def generate(self, request: web.Request) -> web.Response:
+        if self.fail_next_generate:
+            status, self.fail_next_generate = self.fail_next_generate, 0
+            return web.json_response({"error": {"message": f"failing on purpose with {status}"}}, status=status)
         self.keys.append(request.headers.get(ROUTING_HEADER_DEFAULT))
         body = await request.json()
         assert isinstance(body["input_ids"], list) and body["return_logprob"] is True

@@ -32,7 +32,7 @@ async def _fleet(n: int, **kw) -> tuple[Fleet, list[FakeServer]]:
     members = []
     for i, s in enumerate(servers):
         backend = GatedBackend(SGLangBackend(s.url))
-        members.append(FleetMember(f"s{i}", backend, SGLangWeightSync(s.url, gate=backend.gate).reload))
+        members.append(FleetMember(f"s{i}", backend, SGLangWeightSync(s.url, gate=backend.gate)))
     return Fleet(members, **kw), servers
 
 
@@ -188,7 +188,7 @@ def test_an_update_that_fails_everywhere_raises_naming_every_server(tmp_path):
         fleet, servers = await _fleet(2)
         for s in servers:
             s.fail_next_reload = True
-        with pytest.raises(Exception, match=r"every server: s0: .*; s1: ") as info:
+        with pytest.raises(Exception, match=r"reached no server: s0: .*; s1: ") as info:
             await fleet.reload_weights(hf_dir(tmp_path, 1), 1)
         assert "version 1" in str(info.value)
         assert fleet.version == 0 and all(m.out_reason is None for m in fleet.members)
@@ -315,5 +315,95 @@ def test_a_single_backend_records_no_server_and_stores_turns_as_before():
             for t in turns_of(log):
                 assert turn_server(t) == ("", "") and "server" not in t.sampling
             assert all(b"server" not in msgspec.msgpack.encode(e.body) for e in log.read())
+
+    run(main())
+
+
+def _gen_params():
+    from agentlog.gateway.backends import SamplingParams
+
+    return SamplingParams(max_new_tokens=4)
+
+
+async def _generate_as(fleet: Fleet, key: str):
+    from agentlog.gateway.backends import ROUTING_KEY
+
+    async def go():
+        ROUTING_KEY.set(key)
+        return await fleet.generate([1, 2, 3], _gen_params())
+
+    return await asyncio.create_task(go())
+
+
+def test_a_5xx_retries_elsewhere_but_leaves_the_server_in_routing_and_a_4xx_is_raised():
+    from agentlog.gateway.backends import BackendError
+
+    async def main():
+        fleet, servers = await _fleet(2)
+        home = fleet.home("k").name
+        first = servers[int(home[1:])]
+        first.fail_next_generate = 500
+        gen = await _generate_as(fleet, "k")
+        assert gen.server != home and all(m.out_reason is None for m in fleet.members)
+        fleet._placed.clear()
+        for m in fleet.members:
+            m.keys = 0
+        first.fail_next_generate = 400
+        with pytest.raises(BackendError, match="400"):
+            await _generate_as(fleet, "k")
+        assert all(m.out_reason is None for m in fleet.members)
+        assert sum(len(s.keys) for s in servers) == 1  # the 4xx was not sent anywhere else
+        await fleet.close()
+        for s in servers:
+            await s.stop()
+
+    run(main())
+
+
+def test_a_one_server_fleet_comes_back_when_its_server_does():
+    async def main():
+        fleet, servers = await _fleet(1, probe_interval_s=0.02)
+        await _generate_as(fleet, "k")  # starts the prober
+        servers[0].healthy = False
+        for _ in range(200):
+            if fleet.fatal_reason:
+                break
+            await asyncio.sleep(0.01)
+        assert "health probe failed" in fleet.fatal_reason
+        servers[0].healthy = True
+        for _ in range(200):
+            if fleet.fatal_reason is None:
+                break
+            await asyncio.sleep(0.01)
+        assert fleet.fatal_reason is None
+        assert (await _generate_as(fleet, "k")).server == "s0"
+        await fleet.close()
+        await servers[0].stop()
+
+    run(main())
+
+
+def test_a_restarted_server_is_updated_to_the_fleets_version_before_it_comes_back(tmp_path):
+    async def main():
+        fleet, servers = await _fleet(2)
+        await fleet.reload_weights(hf_dir(tmp_path, 1), 1)
+        assert [s.version for s in servers] == [1, 1]
+        # s0 dies and a supervisor restarts it on its launch weights: its gate still says version 1.
+        servers[0].healthy = False
+        await fleet.probe_all()
+        servers[0].version = 0
+        servers[0].healthy = True
+        await fleet.probe_all()
+        assert fleet.members[0].out_reason is None
+        assert servers[0].version == 1 and len(servers[0].reloads) == 2  # updated again before it came back
+        # A restarted server that cannot load the version stays out.
+        servers[1].healthy = False
+        await fleet.probe_all()
+        servers[1].healthy, servers[1].fail_next_reload = True, True
+        await fleet.probe_all()
+        assert fleet.members[1].out_reason is not None and "coming back" in fleet.members[1].out_reason
+        await fleet.close()
+        for s in servers:
+            await s.stop()
 
     run(main())

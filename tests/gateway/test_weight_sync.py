@@ -295,3 +295,32 @@ def test_a_drain_that_does_not_finish_fails_naming_the_generations_in_flight():
         assert gate.version == 1
 
     run(body())
+
+
+def test_a_generation_waiting_at_the_gate_is_refused_when_the_reload_leaves_the_weights_unknown():
+    """A reload that fails after the server may have changed its weights reopens the gate at the
+    old version with a fatal reason: a generation that waited meanwhile must not run on weights
+    no version names (a fleet then sends it to another server)."""
+    from agentlog.gateway.backends import BackendError
+    from gateway_helpers import ScriptedBackend
+
+    async def main():
+        inner = ScriptedBackend(lambda text: "ok")
+        backend = GatedBackend(inner)
+        gate = backend.gate
+
+        async def failing() -> None:
+            await asyncio.sleep(0.05)
+            gate.fail("sglang: update to version 1 sent, no answer: the served weights are unknown")
+            raise WeightSyncError("no answer")
+
+        reload = asyncio.create_task(gate.reload(failing, 1))
+        await asyncio.sleep(0.01)
+        waiting = asyncio.create_task(backend.generate([1, 2], SamplingParams(max_new_tokens=4)))
+        with pytest.raises(WeightSyncError):
+            await reload
+        with pytest.raises(BackendError, match="served weights are unknown"):
+            await waiting
+        assert gate.inflight == 0 and inner.prompts == []  # released, and nothing reached the server
+
+    run(main())

@@ -123,7 +123,8 @@ def test_a_worker_without_the_run_folders_checkpoints_loads_each_version_from_th
                 inode = (source / "config.json").stat().st_ino
                 assert version_source(worker.run_folder, records[2], hf_policy=True, worker_id=worker.worker_id) == source
                 assert (source / "config.json").stat().st_ino == inode
-                assert sorted(p.name for p in cache.iterdir()) == ["policy-v00001.pt", "policy-v00002"]
+                assert sorted(p.name for p in cache.iterdir()) == [".policy-v00001.pt.digest", ".policy-v00002.digest",
+                                                                   "policy-v00001.pt", "policy-v00002"]
             finally:
                 worker.run_folder.close()
         finally:
@@ -221,6 +222,16 @@ def test_a_corrupted_chunk_is_refused_by_its_digest_and_leaves_nothing_in_the_ca
             store.fetch(1, "policy-v00001.pt", records[1].weights_digest, tmp_path / "other-cache")
         assert f"the policy_updated record names, {records[1].weights_digest}" in str(info.value), str(info.value)
         assert list((tmp_path / "other-cache").iterdir()) == []
+        # A cached copy checked against another digest (a cache shared with an earlier run of the stream) is fetched again.
+        shared = tmp_path / "shared-cache"
+        first = store.fetch(0, "policy-v00000.pt", records[0].weights_digest, shared)
+        right = first.read_bytes()
+        first.write_bytes(b"an earlier run's weights")
+        first.with_name(f".{first.name}.digest").write_text("SHA-256=an-earlier-runs-digest")
+        assert store.fetch(0, "policy-v00000.pt", records[0].weights_digest, shared).read_bytes() == right
+        assert store.fetch(0, "policy-v00000.pt", records[0].weights_digest, shared).read_bytes() == right  # reused
+        with pytest.raises(WeightStoreError, match="names no digest"):
+            store.fetch(0, "policy-v00000.pt", "", tmp_path / "no-digest")
 
 
 def test_pruned_versions_stalled_fetches_and_oversized_chunks(tmp_path: Path, nats_server) -> None:
@@ -349,5 +360,5 @@ def test_a_loop_on_jetstream_trains_through_every_version_with_a_worker_loading_
     assert sorted(e["policy_version"] for e in loads) == list(range(cfg.steps)), loads
     cache = worker_dir / "weights-cache" / "ws-loop" / "w0"
     assert all(Path(e["source"]).parent == cache for e in loads), [e["source"] for e in loads]
-    assert sorted(p.name for p in cache.iterdir()) == [f"policy-v{v:05d}.pt" for v in range(cfg.steps)]
+    assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".")) == [f"policy-v{v:05d}.pt" for v in range(cfg.steps)]
     assert not (worker_dir / "checkpoints").exists()
