@@ -154,3 +154,34 @@ def test_partial_modes_a_server_cannot_record_exactly_are_refused_by_name() -> N
         LoopConfig(hf_model="tiny-llama", inference={"backend": "sglang", "url": "http://127.0.0.1:9"},
                    rollout={"weight_update": "continue"})
 
+
+
+def test_a_fleet_in_resubmit_mode_takes_every_version_to_every_server_mid_generation(tmp_path) -> None:
+    """Two servers behind a fleet, each gated in resubmit mode: every reload reaches both with
+    pause, update, continue, and every token of every turn records the version that made it."""
+    from agentlog.events.schema.turn import turn_server
+    from agentlog.gateway.fleet import Fleet, FleetMember
+
+    async def main():
+        servers = [await PausingSGLang().start() for _ in range(2)]
+        try:
+            members = []
+            for i, server in enumerate(servers):
+                backend = GatedBackend(SGLangBackend(server.url), weight_update="resubmit")
+                members.append(FleetMember(f"s{i}", backend, SGLangWeightSync(server.url, gate=backend.gate)))
+            fleet = Fleet(members)
+            async with rig(fleet) as (gw, engine, log):
+                await chat_through_reloads(gw, engine, lambda v: fleet.reload_weights(hf_dir(tmp_path / "ckpt", v), v),
+                                           sessions=6, reloads=3)
+                return servers, fleet, turns_of(log)
+        finally:
+            for server in servers:
+                await server.runner.cleanup()
+
+    servers, fleet, turns = run(main())
+    for server in servers:
+        assert not server.violations, server.violations
+        assert server.calls == ["pause", "update", "continue"] * 3
+    assert fleet.version == 3 and all(m.out_reason is None for m in fleet.members)
+    assert len(turns) == 18 and {turn_server(t)[0] for t in turns} == {"s0", "s1"}
+    check_versions_made_the_tokens(turns)
