@@ -10,6 +10,9 @@
  *                   the first bad frame with the Python scanner's reason;
  *   scan_mapped()   the same over a memory-mapped segment, guarded against
  *                   the file shrinking under the mapping (SIGBUS);
+ *   MappedScan      scan_mapped() with the walk (bounds, CRC, LSNs) in a
+ *                   second thread that holds no GIL, ahead of the caller,
+ *                   who builds the frames it has checked (take());
  *   scan_batch()    the frames of a decompressed batch, with its place;
  *   encode_frame()  one frame (header, session id, payload, masked CRC);
  *   encode_batch()  many frames into one contiguous buffer;
@@ -241,9 +244,43 @@ typedef struct {
     Py_ssize_t sidlen;
 } frame_info;
 
-/* One step: returns -1 (Python error), or a SCAN_* code with *fi filled when
-   the code is SCAN_MORE (one valid frame; the state has moved past it). */
-static int scan_step(scan_state *st, frame_info *fi) {
+/* Why scan_core() stopped at a bad frame, as plain numbers: the reason's
+   text is made from it with the GIL held (bad_reason), so that a scan that
+   runs without the GIL (MappedScan's thread) can stop at a bad frame too. */
+enum { BAD_ZERO = 1, BAD_TYPE, BAD_LENGTH, BAD_PAST_EOF, BAD_CRC, BAD_SIDLEN, BAD_LSN };
+typedef struct {
+    int kind;
+    unsigned long long a, b; /* the numbers the reason names */
+} bad_info;
+
+/* The text of a bad frame's reason (the Python scanner's words), or NULL with an error set. */
+static PyObject *bad_reason(const bad_info *bad, unsigned long long cap, unsigned long long size) {
+    switch (bad->kind) {
+    case BAD_ZERO:
+        return PyUnicode_FromFormat("zero-filled (expected a record, type %d)", TYPE_RECORD);
+    case BAD_TYPE:
+        return PyUnicode_FromFormat("type byte %u (expected a record, type %d)", (unsigned int)bad->a, TYPE_RECORD);
+    case BAD_LENGTH:
+        return PyUnicode_FromFormat("frame length %lu out of range (expected %d..%llu bytes)", (unsigned long)bad->a, ENV_SIZE, cap);
+    case BAD_PAST_EOF:
+        return PyUnicode_FromFormat("frame of %llu bytes runs past end of file (%llu)", bad->a, size);
+    case BAD_CRC:
+        return PyUnicode_FromString("CRC mismatch");
+    case BAD_SIDLEN:
+        return PyUnicode_FromFormat("session-id length %u exceeds frame length %lu", (unsigned int)bad->a, (unsigned long)bad->b);
+    case BAD_LSN:
+        return PyUnicode_FromFormat("lsn %llu, expected %llu", bad->a, bad->b);
+    }
+    PyErr_Format(PyExc_SystemError, "_framecodec: unknown bad-frame kind %d", bad->kind);
+    return NULL;
+}
+
+/* One step: returns -1 (Python error, only from the google_crc32c fallback,
+   never with ``hw_only``), or a SCAN_* code: SCAN_MORE with *fi filled (one
+   valid frame; the caller moves the state past it), SCAN_BAD with *bad
+   filled. With ``hw_only`` it calls no Python and may run without the GIL
+   (the caller checked that the hardware CRC is in use). */
+static inline int scan_core(const scan_state *st, frame_info *fi, bad_info *bad, int hw_only) {
     if (st->has_limit && st->expected >= st->limit) return SCAN_LIMIT;
     unsigned long long off = st->base + (unsigned long long)st->rel;
     if (off >= st->size) return SCAN_EOF;
@@ -264,38 +301,45 @@ static int scan_step(scan_state *st, frame_info *fi) {
                     break;
                 }
         }
-        st->reason = zero ? PyUnicode_FromFormat("zero-filled (expected a record, type %d)", TYPE_RECORD)
-                          : PyUnicode_FromFormat("type byte %u (expected a record, type %d)", typ, TYPE_RECORD);
-        return st->reason ? SCAN_BAD : -1;
+        bad->kind = zero ? BAD_ZERO : BAD_TYPE;
+        bad->a = typ;
+        return SCAN_BAD;
     }
     if (length < ENV_SIZE || (unsigned long long)length > st->cap) {
-        st->reason = PyUnicode_FromFormat("frame length %lu out of range (expected %d..%llu bytes)", (unsigned long)length,
-                                          ENV_SIZE, st->cap);
-        return st->reason ? SCAN_BAD : -1;
+        bad->kind = BAD_LENGTH;
+        bad->a = length;
+        return SCAN_BAD;
     }
     unsigned long long end = off + FRAME_PREFIX + length;
     if (end > st->size) {
-        st->reason = PyUnicode_FromFormat("frame of %llu bytes runs past end of file (%llu)",
-                                          (unsigned long long)FRAME_PREFIX + length, st->size);
-        return st->reason ? SCAN_BAD : -1;
+        bad->kind = BAD_PAST_EOF;
+        bad->a = (unsigned long long)FRAME_PREFIX + length;
+        return SCAN_BAD;
     }
     Py_ssize_t rend = rel + FRAME_PREFIX + (Py_ssize_t)length;
     if (rend > st->buflen) return SCAN_NEED;
     uint32_t c;
-    if (crc_extend(0, f + 4, (size_t)length + 5, &c) < 0) return -1;
+    if (hw_only)
+        c = ~crc_hw(~0u, f + 4, (size_t)length + 5);
+    else if (crc_extend(0, f + 4, (size_t)length + 5, &c) < 0)
+        return -1;
     if (mask_crc(c) != crc) {
-        st->reason = PyUnicode_FromString("CRC mismatch");
-        return st->reason ? SCAN_BAD : -1;
+        bad->kind = BAD_CRC;
+        return SCAN_BAD;
     }
     unsigned long long lsn = rd64(f + 9);
     unsigned int sidlen = rd16(f + 34);
     if (ENV_SIZE + sidlen > length) {
-        st->reason = PyUnicode_FromFormat("session-id length %u exceeds frame length %lu", sidlen, (unsigned long)length);
-        return st->reason ? SCAN_BAD : -1;
+        bad->kind = BAD_SIDLEN;
+        bad->a = sidlen;
+        bad->b = length;
+        return SCAN_BAD;
     }
     if (lsn != st->expected) {
-        st->reason = PyUnicode_FromFormat("lsn %llu, expected %llu", lsn, st->expected);
-        return st->reason ? SCAN_BAD : -1;
+        bad->kind = BAD_LSN;
+        bad->a = lsn;
+        bad->b = st->expected;
+        return SCAN_BAD;
     }
     fi->rel = rel;
     fi->end = rend;
@@ -306,6 +350,17 @@ static int scan_step(scan_state *st, frame_info *fi) {
     fi->sid = f + SID_AT;
     fi->sidlen = sidlen;
     return SCAN_MORE;
+}
+
+/* scan_core() with the GIL held: a bad frame's reason is set in st->reason. */
+static int scan_step(scan_state *st, frame_info *fi) {
+    bad_info bad;
+    int code = scan_core(st, fi, &bad, 0);
+    if (code == SCAN_BAD) {
+        st->reason = bad_reason(&bad, st->cap, st->size);
+        if (st->reason == NULL) return -1;
+    }
+    return code;
 }
 
 /* A small cache of decoded session ids: consecutive records of a batch often
@@ -642,6 +697,342 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ a mapped segment checked by a second thread */
+
+/* MappedScan: scan_mapped() split over two threads. A thread of its own
+   (no GIL, no Python) walks the mapping: bounds, CRC32C, LSN sequence,
+   under the SIGBUS guard (bus_guard is per thread), and notes each valid
+   frame in a ring; the caller's thread takes the noted frames (take()) and
+   builds their Python objects, as scan_mapped()'s second phase does, while
+   the walk goes on ahead. On a machine with two cores the CRC pass, which
+   costs about as much as all the per-record Python work of a replay, then
+   runs beside it instead of before it. Same frames, codes and reasons as
+   scan_mapped(); the frames are handed out in order, never before the walk
+   has checked them. */
+
+#include <pthread.h>
+#include <unistd.h>
+
+#define RING_FRAMES 4096               /* frames the walk notes ahead of the consumer, at most */
+#define PUBLISH_FRAMES 16              /* the walk shows its progress after this many frames */
+#define PUBLISH_BYTES (256 << 10)      /* ... or this many bytes, whichever comes first */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view; /* the mapping, exported (so it stays mapped) while the walk may read it */
+    int have_view;
+    PyObject *viewobj; /* payloads are slices of it */
+    PyTypeObject *ftype;
+    scan_state st; /* the walk's state: its thread's alone until ``done`` */
+    frame_info *ring;
+    pthread_t thread;
+    pid_t owner; /* the process that started the thread (a forked child has none to join) */
+    int started;
+    /* Guarded by mu: */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    unsigned long long produced, consumed; /* frames noted by the walk / handed out */
+    int done, cancel, waiting;
+    int code;     /* the walk's stop code, once done */
+    bad_info bad; /* with code SCAN_BAD */
+    /* The consumer's (the GIL holder's) alone: */
+    sid_cache cache;
+    int finished; /* the stop has been handed out */
+    PyObject *final; /* the last take()'s result once finished */
+} MappedScan;
+
+static void *mapped_walk(void *arg) {
+    MappedScan *ms = (MappedScan *)arg;
+    /* Signals for the process go to the other threads (Python handles them in its main thread). */
+    sigset_t block;
+    sigfillset(&block);
+    sigdelset(&block, SIGBUS);
+    sigdelset(&block, SIGSEGV);
+    sigdelset(&block, SIGFPE);
+    sigdelset(&block, SIGILL);
+    pthread_sigmask(SIG_BLOCK, &block, NULL);
+    scan_state *st = &ms->st;
+    volatile unsigned long long n = 0; /* frames noted */
+    volatile int code = SCAN_LIMIT;
+    bad_info bad;
+    memset(&bad, 0, sizeof(bad));
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0) != 0) {
+        /* The file shrank under a read: st->rel is the start of the frame being read. */
+        code = SCAN_SHRANK;
+        goto out;
+    }
+    bus_guard = &jb;
+    {
+        unsigned long long published = 0, consumed = 0;
+        size_t bytes = 0;
+        for (;;) {
+            if (n - consumed >= RING_FRAMES) {
+                /* The ring is full: show what is noted and wait for the consumer. */
+                pthread_mutex_lock(&ms->mu);
+                __atomic_store_n(&ms->produced, n, __ATOMIC_RELEASE);
+                pthread_cond_broadcast(&ms->cv);
+                while (n - ms->consumed >= RING_FRAMES && !ms->cancel) pthread_cond_wait(&ms->cv, &ms->mu);
+                consumed = ms->consumed;
+                int cancel = ms->cancel;
+                pthread_mutex_unlock(&ms->mu);
+                published = n;
+                bytes = 0;
+                if (cancel) break;
+            }
+            frame_info *fi = &ms->ring[n % RING_FRAMES];
+            int c = scan_core(st, fi, &bad, 1);
+            if (c != SCAN_MORE) {
+                code = c;
+                break;
+            }
+            st->rel = fi->end;
+            st->expected = fi->lsn + 1;
+            bytes += (size_t)(fi->end - fi->rel);
+            __asm__ __volatile__("" ::: "memory"); /* the frame and the state are in memory before it counts */
+            n = n + 1;
+            if (n - published >= PUBLISH_FRAMES || bytes >= PUBLISH_BYTES) {
+                pthread_mutex_lock(&ms->mu);
+                __atomic_store_n(&ms->produced, n, __ATOMIC_RELEASE);
+                consumed = ms->consumed;
+                int cancel = ms->cancel;
+                if (ms->waiting) pthread_cond_broadcast(&ms->cv);
+                pthread_mutex_unlock(&ms->mu);
+                published = n;
+                bytes = 0;
+                if (cancel) break;
+            }
+        }
+    }
+out:
+    bus_guard = NULL;
+    pthread_mutex_lock(&ms->mu);
+    __atomic_store_n(&ms->produced, n, __ATOMIC_RELEASE);
+    ms->code = code;
+    ms->bad = bad;
+    __atomic_store_n(&ms->done, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&ms->cv);
+    pthread_mutex_unlock(&ms->mu);
+    return NULL;
+}
+
+/* Stop the walk and wait for its thread (idempotent). Called with the GIL held. */
+static void mapped_stop(MappedScan *ms) {
+    if (ms->started && ms->owner == getpid()) {
+        pthread_mutex_lock(&ms->mu);
+        ms->cancel = 1;
+        pthread_cond_broadcast(&ms->cv);
+        pthread_mutex_unlock(&ms->mu);
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(ms->thread, NULL);
+        Py_END_ALLOW_THREADS
+    }
+    ms->started = 0;
+    if (ms->have_view) {
+        PyBuffer_Release(&ms->view);
+        ms->have_view = 0;
+    }
+    Py_CLEAR(ms->viewobj); /* frames handed out keep views of their own */
+}
+
+/* Wait up to SPIN_NS for the walk to note a frame past ``consumed`` (or stop),
+   without sleeping: the walk publishes every few frames, and a futex sleep and
+   wake-up per wait cost more than the short spin when the consumer is the
+   faster of the two (a raw read). The caller sleeps on the condition after. */
+#define SPIN_NS 200000
+static void mapped_spin(MappedScan *ms, unsigned long long consumed) {
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (unsigned int i = 1;; i++) {
+        if (__atomic_load_n(&ms->produced, __ATOMIC_ACQUIRE) != consumed || __atomic_load_n(&ms->done, __ATOMIC_ACQUIRE)) return;
+#if defined(FC_X86)
+        _mm_pause();
+#endif
+        if ((i & 255) == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > SPIN_NS) return;
+        }
+    }
+}
+
+static PyTypeObject MappedScanType;
+
+/* MappedScan(map, view, frame_type, rel, base, size, expected, limit, cap):
+   scan_mapped()'s arguments but max_frames; the walk starts at once. */
+static PyObject *ms_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *bufobj, *viewobj, *ftype, *limit_obj;
+    Py_ssize_t rel;
+    unsigned long long base, size, expected, cap;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "MappedScan takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OOOnKKKOK:MappedScan", &bufobj, &viewobj, &ftype, &rel, &base, &size, &expected, &limit_obj,
+                          &cap))
+        return NULL;
+    if (check_frame_type(ftype, "MappedScan") < 0) return NULL;
+    if (crc_backend != BACKEND_HW || !bus_handler_installed()) {
+        PyErr_SetString(PyExc_RuntimeError, "MappedScan: needs the hardware CRC32C backend and a SIGBUS handler");
+        return NULL;
+    }
+    MappedScan *ms = (MappedScan *)type->tp_alloc(type, 0);
+    if (ms == NULL) return NULL;
+    pthread_mutex_init(&ms->mu, NULL);
+    pthread_cond_init(&ms->cv, NULL);
+    if (PyObject_GetBuffer(bufobj, &ms->view, PyBUF_SIMPLE) < 0) goto fail;
+    ms->have_view = 1;
+    Py_INCREF(viewobj);
+    ms->viewobj = viewobj;
+    Py_INCREF(ftype);
+    ms->ftype = (PyTypeObject *)ftype;
+    if (parse_state(&ms->st, &ms->view, limit_obj, rel, base, size, expected, cap) < 0) goto fail;
+    ms->ring = PyMem_RawMalloc(sizeof(frame_info) * RING_FRAMES);
+    if (ms->ring == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    ms->owner = getpid();
+    int err = pthread_create(&ms->thread, NULL, mapped_walk, ms);
+    if (err != 0) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto fail;
+    }
+    ms->started = 1;
+    return (PyObject *)ms;
+fail:
+    Py_DECREF(ms);
+    return NULL;
+}
+
+static void ms_dealloc(MappedScan *ms) {
+    mapped_stop(ms);
+    Py_XDECREF(ms->ftype);
+    Py_XDECREF(ms->final);
+    sid_cache_clear(&ms->cache);
+    PyMem_RawFree(ms->ring);
+    pthread_mutex_destroy(&ms->mu);
+    pthread_cond_destroy(&ms->cv);
+    Py_TYPE(ms)->tp_free((PyObject *)ms);
+}
+
+/* take(max_frames) -> (frames, rel, expected, code, reason), as scan_mapped() returns:
+   the frames the walk has checked and the consumer has not had yet (at least one,
+   waiting for the walk if need be, at most max_frames), then, with the last of
+   them or alone, the walk's stop (code 4 MORE until then). */
+static PyObject *ms_take(MappedScan *ms, PyObject *arg) {
+    Py_ssize_t max_frames = PyLong_AsSsize_t(arg);
+    if (max_frames == -1 && PyErr_Occurred()) return NULL;
+    if (max_frames < 1) max_frames = 1;
+    if (ms->finished) {
+        Py_INCREF(ms->final);
+        return ms->final;
+    }
+    if (!ms->have_view) {
+        PyErr_SetString(PyExc_ValueError, "MappedScan.take: the scan was closed");
+        return NULL;
+    }
+    pthread_mutex_lock(&ms->mu);
+    unsigned long long produced = ms->produced, consumed = ms->consumed;
+    int done = ms->done;
+    pthread_mutex_unlock(&ms->mu);
+    if (produced == consumed && !done) {
+        Py_BEGIN_ALLOW_THREADS
+        mapped_spin(ms, consumed);
+        pthread_mutex_lock(&ms->mu);
+        ms->waiting = 1;
+        while (ms->produced == ms->consumed && !ms->done) pthread_cond_wait(&ms->cv, &ms->mu);
+        ms->waiting = 0;
+        produced = ms->produced;
+        done = ms->done;
+        pthread_mutex_unlock(&ms->mu);
+        Py_END_ALLOW_THREADS
+    }
+    Py_ssize_t n = (Py_ssize_t)(produced - consumed);
+    if (n > max_frames) n = max_frames;
+    PyObject *frames = PyList_New(n), *reason = NULL, *result = NULL;
+    if (frames == NULL) return NULL;
+    scan_state *st = &ms->st; /* for base (constant) and, once done, the stop */
+    Py_ssize_t rel = 0;
+    unsigned long long expected = 0;
+    int code = SCAN_MORE;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const frame_info *fi = &ms->ring[(consumed + (unsigned long long)i) % RING_FRAMES];
+        scan_state bad_st; /* only its reason is used (``st`` is the walk's, still moving) */
+        memset(&bad_st, 0, sizeof(bad_st));
+        PyObject *sid = sid_or_bad(&ms->cache, fi, &bad_st);
+        if (sid == NULL) {
+            if (bad_st.reason == NULL) goto fail;
+            /* Not UTF-8: the scan stops at this frame, as scan() does. */
+            reason = bad_st.reason;
+            if (PyList_SetSlice(frames, i, n, NULL) < 0) goto fail;
+            rel = fi->rel;
+            expected = fi->lsn;
+            code = SCAN_BAD;
+            n = i;
+            break;
+        }
+        PyObject *fr = make_frame(ms->ftype, ms->viewobj, fi, sid, PyLong_FromUnsignedLongLong(st->base + (unsigned long long)fi->rel),
+                                  PyLong_FromUnsignedLongLong(st->base + (unsigned long long)fi->end));
+        if (fr == NULL) goto fail;
+        PyList_SET_ITEM(frames, i, fr);
+        rel = fi->end;
+        expected = fi->lsn + 1;
+    }
+    pthread_mutex_lock(&ms->mu);
+    ms->consumed = consumed + (unsigned long long)n;
+    int all_taken = ms->consumed == ms->produced;
+    pthread_cond_broadcast(&ms->cv); /* room in the ring */
+    pthread_mutex_unlock(&ms->mu);
+    if (code == SCAN_BAD) {
+        mapped_stop(ms);
+    } else if (done && all_taken) {
+        /* The walk is over and everything it noted is handed out: its stop goes with them. */
+        code = ms->code;
+        rel = st->rel;
+        expected = st->expected;
+        if (code == SCAN_BAD) {
+            reason = bad_reason(&ms->bad, st->cap, st->size);
+            if (reason == NULL) goto fail;
+        }
+        mapped_stop(ms);
+    }
+    result = Py_BuildValue("(OnKiO)", frames, rel, expected, code, reason ? reason : Py_None);
+    if (result != NULL && code != SCAN_MORE) {
+        ms->finished = 1;
+        PyObject *empty = PyList_New(0);
+        ms->final = empty ? Py_BuildValue("(OnKiO)", empty, rel, expected, code, reason ? reason : Py_None) : NULL;
+        Py_XDECREF(empty);
+        if (ms->final == NULL) Py_CLEAR(result);
+    }
+fail:
+    Py_XDECREF(reason);
+    Py_DECREF(frames);
+    return result;
+}
+
+/* close(): stop the walk, wait for its thread and let go of the mapping (idempotent). */
+static PyObject *ms_close(MappedScan *ms, PyObject *noargs) {
+    mapped_stop(ms);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef ms_methods[] = {
+    {"take", (PyCFunction)ms_take, METH_O, "The next checked frames: (frames, rel, expected, code, reason)."},
+    {"close", (PyCFunction)ms_close, METH_NOARGS, "Stop the walk and wait for its thread."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject MappedScanType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "agentlog.events.log._framecodec.MappedScan",
+    .tp_basicsize = sizeof(MappedScan),
+    .tp_dealloc = (destructor)ms_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "scan_mapped() with the walk (bounds, CRC, LSNs) in a second thread; see the C source.",
+    .tp_methods = ms_methods,
+    .tp_new = ms_new,
+};
+
 /* scan_batch(raw, frame_type, first, count, offset, end, cap) -> (frames, at, reason)
 
    The frames of a decompressed batch (``raw``, a bytes object of frames
@@ -956,8 +1347,15 @@ PyMODINIT_FUNC PyInit__framecodec(void) {
     if (py_extend == NULL) return NULL;
     hw_available = detect_hw();
     crc_backend = hw_available ? BACKEND_HW : BACKEND_PY;
+    if (PyType_Ready(&MappedScanType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL) return NULL;
+    Py_INCREF(&MappedScanType);
+    if (PyModule_AddObject(m, "MappedScan", (PyObject *)&MappedScanType) < 0) {
+        Py_DECREF(&MappedScanType);
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddIntConstant(m, "HW_AVAILABLE", hw_available) < 0 || PyModule_AddIntConstant(m, "NEED", SCAN_NEED) < 0 ||
         PyModule_AddIntConstant(m, "LIMIT", SCAN_LIMIT) < 0 || PyModule_AddIntConstant(m, "EOF", SCAN_EOF) < 0 ||
         PyModule_AddIntConstant(m, "BAD", SCAN_BAD) < 0 || PyModule_AddIntConstant(m, "MORE", SCAN_MORE) < 0 ||

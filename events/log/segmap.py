@@ -12,11 +12,22 @@ is left to the pread path, which says why it stopped in its usual words,
 and so is a compressed batch (with what follows it in the pread buffer:
 measured, decompression costs far more than the copy, and a mapped scan
 per batch saved nothing).
+
+With two CPUs or more and at least ``MIN_THREADED_BYTES`` left to read, the
+walk over the mapping (bounds, CRC32C, LSN sequence: the part that touches
+every byte) runs in a thread of the compiled codec's own (``MappedScan``),
+which never takes the GIL, a ring of checked frames ahead of this thread,
+which builds their Python objects and hands them on. No frame is handed out
+before the walk has checked it, and its stops are ``scan_mapped``'s, so the
+reader's results and errors are the same; only the CRC pass, about as long
+as the per-record Python work of a replay, runs beside that work instead of
+before it. Closing the generator (a reader that stops early) stops the thread.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 from typing import TYPE_CHECKING, Any, Generator
 
 from . import framecodec
@@ -27,6 +38,21 @@ if TYPE_CHECKING:
 #: Map a segment only when this much of it is left to read: below it one pread is as cheap.
 MIN_MAPPED_BYTES = 256 << 10
 _MORE, _BAD, _SHRANK = 4, 3, 5  # the compiled scanner's stop codes (see _framecodec.c)
+#: Check the frames in a second thread (the compiled ``MappedScan``) when this
+#: much is left to read: its CRC pass then runs beside the per-record Python
+#: work instead of before it. Below it, starting the thread costs more than it saves.
+MIN_THREADED_BYTES = 4 << 20
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+#: CPUs this process may run on (a second thread helps only with two or more).
+CPUS = _cpus()
 
 
 def mappable(sc: "SegmentScanner", size: int) -> bool:
@@ -58,19 +84,40 @@ def frames_mapped(sc: "SegmentScanner", limit: int | None, size: int, batched: b
     does. Returns True when the pread path must go on from ``sc.offset`` (a
     frame that is not plainly valid, or a compressed batch), False when the
     scan is over (end of file, ``limit``, or the file shrank: ``sc.bad`` set)."""
-    from .scan import BadFrame  # scan imports this module
-
     codec = framecodec.native
     assert codec is not None  # mappable() checked it
-    scan = codec.scan_mapped
     try:
         mm, view = _mapping(sc, size)
     except (OSError, ValueError):  # not mappable (the file shrank since its size was taken, a file system without mmap)
         sc._buf, sc._buf_off = b"", sc.offset
         return True
+    walk = None
+    if CPUS > 1 and size - sc.offset >= MIN_THREADED_BYTES:
+        try:
+            walk = codec.MappedScan(mm, view, sc.frame_type, sc.offset, 0, size, sc.expected, limit, sc.cap)
+        except OSError:  # no thread to be had (a process limit): the walk runs in this thread
+            walk = None
+    try:
+        return (yield from _walk(sc, walk, mm, view, limit, size, batched, max_frames))
+    finally:
+        if walk is not None:
+            walk.close()  # a consumer that stopped early: the thread stops too
+
+
+def _walk(sc: "SegmentScanner", walk: Any, mm: Any, view: memoryview, limit: int | None, size: int, batched: bool,
+          max_frames: int) -> Generator[Any, None, bool]:
+    """The loop of :func:`frames_mapped`: frames from ``walk`` (a ``MappedScan``) or, without one, from ``scan_mapped``."""
+    from .scan import BadFrame  # scan imports this module
+
+    codec = framecodec.native
+    assert codec is not None
+    scan = codec.scan_mapped
     make, cap = sc.frame_type, sc.cap
     while True:
-        frames, rel, expected, code, _reason = scan(mm, view, make, sc.offset, 0, size, sc.expected, limit, cap, max_frames)
+        if walk is not None:
+            frames, rel, expected, code, _reason = walk.take(max_frames)
+        else:
+            frames, rel, expected, code, _reason = scan(mm, view, make, sc.offset, 0, size, sc.expected, limit, cap, max_frames)
         if frames:
             yield from sc.hand_out(frames, batched, rel, expected)
         sc.offset, sc.expected = rel, expected

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import structlog  # noqa: E402
 
 from agentlog.events import FileLog, read_log  # noqa: E402
-from agentlog.events.log import framecodec  # noqa: E402
+from agentlog.events.log import framecodec, segmap  # noqa: E402
 from agentlog.events.log.format import list_segments, segment_name  # noqa: E402
 from agentlog.events.schema.types import CommandRan, TurnRecorded  # noqa: E402
 
@@ -364,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     tok = results[codecs[0]]["tok"]
     print(f"bench_log: {tok['n']} x {TOKENS}-token turn events in batches of {tok['batch']}; log {tok['bytes']:,} B, JSONL {tok['json_bytes']:,} B")
     print(f"codecs: {', '.join(codecs)} (compiled: {'built' if framecodec.available() else 'NOT BUILT'}); anchors are measured in each pass")
+    # The compiled replay checks a large segment's frames in a second thread: it needs a free second core.
+    walk = "in a second thread" if segmap.CPUS > 1 else "in the reading thread (one CPU)"
+    print(f"compiled replay: CRC walk {walk}; {segmap.CPUS} CPUs, load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     table = {name: rows_of(r) for name, r in results.items()}
     head = "".join(f" {name + ' s':>10}" for name in codecs)
     print(f"{'measurement':<46}{head}  rate ({codecs[0]})")

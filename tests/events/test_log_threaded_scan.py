@@ -1,0 +1,244 @@
+"""The mapped scanner's second thread (``MappedScan`` in _framecodec.c, used by
+events/log/segmap.py): the walk that checks bounds, CRC32C and LSNs runs in a
+thread of its own while the reader builds the frames it has checked. It must
+give the same frames, stops and reasons as the pread path on random and
+mutated segments, report a file cut short under it as "file shrank while
+reading" (never SIGBUS), keep going when its ring of noted frames fills, and
+stop its thread when the reader stops early."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agentlog.events import FileLog, LogCorruption, read_log
+from agentlog.events.log import framecodec, segmap
+from agentlog.events.log.format import SEG_HDR_SIZE, encode_frame, list_segments, pack_segment_header, segment_name
+from agentlog.events.log.scan import Frame, SegmentScanner
+from agentlog.events.schema.types import CommandRan
+
+from test_framecodec import _mutate, _mutation, _records, _segment
+
+if framecodec.available():
+    from agentlog.events.log import _framecodec as fc
+
+pytestmark = pytest.mark.skipif(
+    not framecodec.available() or not fc.HW_AVAILABLE, reason="the threaded scan needs the compiled codec and a CRC32C instruction"
+)
+
+CAP = 1 << 20
+RING = 4096  # RING_FRAMES in _framecodec.c: frames the walk notes ahead at most
+
+
+@pytest.fixture
+def scratch():
+    d = Path(tempfile.mkdtemp(prefix="agentlog-threaded-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def threaded(monkeypatch):
+    """The compiled codec with its hardware CRC, every segment mapped and walked
+    by the second thread however little is left to read, on any machine."""
+    saved, backend = framecodec.native, fc.crc_backend()
+    framecodec.use_native(True)
+    fc.set_crc_backend("hardware")
+    monkeypatch.setattr(segmap, "MIN_MAPPED_BYTES", 0)
+    monkeypatch.setattr(segmap, "MIN_THREADED_BYTES", 0)
+    monkeypatch.setattr(segmap, "CPUS", 2)
+    yield
+    framecodec.native = saved
+    fc.set_crc_backend(backend)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _scan(path: Path, mapped: bool, limit: int | None = None):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        sc = SegmentScanner(fd, path.name, SEG_HDR_SIZE, 0, CAP)
+        sc.mapped = mapped
+        frames = [(*fr[:7], bytes(fr.payload)) for fr in sc.frames(limit=limit)]
+        return frames, sc.offset, sc.expected, sc.bad
+    finally:
+        os.close(fd)
+
+
+def _frames_file(path: Path, n: int, payload: int = 4000, sids: dict[int, bytes] | None = None) -> list[int]:
+    """A segment of n frames (frame i's session id ``sids[i]``, else b"s"); returns each frame's end offset."""
+    ends, data = [], bytearray(pack_segment_header(1, 0))
+    for i in range(n):
+        data += encode_frame(i, i, 1, 0, (sids or {}).get(i, b"s"), bytes([i % 251]) * payload)
+        ends.append(len(data))
+    path.write_bytes(bytes(data))
+    return ends
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(recs=_records, muts=st.lists(_mutation, max_size=3), seed=st.integers(0, 1 << 30), limit=st.one_of(st.none(), st.integers(0, 14)))
+def test_threaded_and_pread_scans_agree_on_random_and_mutated_segments(scratch, threaded, recs, muts, seed, limit):
+    path = scratch / segment_name(0)
+    path.write_bytes(_mutate(_segment(recs), muts, seed))
+    assert _scan(path, True, limit) == _scan(path, False, limit)
+
+
+def test_more_frames_than_the_ring_holds_arrive_in_order_in_small_takes(scratch, threaded):
+    path = scratch / segment_name(0)
+    n = 3 * RING + 17
+    ends = _frames_file(path, n, payload=20)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    view = memoryview(mm)
+    walk = fc.MappedScan(mm, view, Frame, SEG_HDR_SIZE, 0, len(mm), 0, None, CAP)
+    got: list[int] = []
+    while True:
+        frames, rel, expected, code, reason = walk.take(1000)
+        assert len(frames) <= 1000
+        got += [fr.lsn for fr in frames]
+        if frames:
+            assert (rel, expected) == (frames[-1].end, frames[-1].lsn + 1)
+        if code != fc.MORE:
+            break
+    assert got == list(range(n)) and code == fc.EOF and reason is None and rel == ends[-1]
+    assert walk.take(10)[1:] == (rel, expected, code, None)  # the stop again, with no frames
+    walk.close()
+    del frames, view
+    mm.close()
+
+
+def test_a_limit_stops_the_walk_at_that_lsn(scratch, threaded):
+    path = scratch / segment_name(0)
+    ends = _frames_file(path, 50)
+    assert [fr[2] for fr in _scan(path, True, limit=23)[0]] == list(range(23))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        sc = SegmentScanner(fd, path.name, SEG_HDR_SIZE, 0, CAP)
+        assert len(list(sc.frames(limit=23))) == 23 and sc.offset == ends[22] and sc.expected == 23 and sc.bad is None
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("cut_page_aligned", [True, False])
+def test_a_file_cut_short_under_the_walk_stops_it_instead_of_sigbus(scratch, threaded, cut_page_aligned):
+    path = scratch / segment_name(0)
+    ends = _frames_file(path, 200)
+    size = ends[-1]
+    cut = ends[99] if not cut_page_aligned else (ends[99] // mmap.PAGESIZE + 1) * mmap.PAGESIZE
+    fd = os.open(path, os.O_RDWR)
+    try:
+        sc = SegmentScanner(fd, path.name, SEG_HDR_SIZE, 0, CAP)
+        got = list(sc.frames(limit=1, size=size))  # maps the whole file
+        os.ftruncate(fd, cut)  # what a recovery racing a reader does
+        got += list(sc.frames(size=size))  # the thread walks into the pages past the new end
+    finally:
+        os.close(fd)
+    assert [fr.lsn for fr in got] == list(range(100)) and got[-1].end == ends[99]
+    assert sc.bad is not None and sc.bad.reason == "file shrank while reading" and sc.bad.offset == ends[99]
+
+
+def test_the_walk_reports_a_fault_in_its_own_thread(scratch, threaded):
+    path = scratch / segment_name(0)
+    ends = _frames_file(path, 50)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        m = mmap.mmap(fd, ends[-1], prot=mmap.PROT_READ)
+        os.ftruncate(fd, (ends[9] // mmap.PAGESIZE + 1) * mmap.PAGESIZE)
+        walk = fc.MappedScan(m, memoryview(m), Frame, SEG_HDR_SIZE, 0, ends[-1], 0, None, CAP)
+        lsns: list[int] = []
+        while True:
+            frames, rel, expected, code, reason = walk.take(4096)
+            lsns += [fr.lsn for fr in frames]
+            if code != fc.MORE:
+                break
+        del frames
+    finally:
+        os.close(fd)
+    assert code == fc.SHRANK and reason is None and lsns == list(range(10)) and (rel, expected) == (ends[9], 10)
+
+
+def test_a_session_id_that_is_not_utf8_stops_the_scan_as_the_pread_path_does(scratch, threaded):
+    path = scratch / segment_name(0)
+    _frames_file(path, 300, sids={157: b"\xff\xfe"})
+    mapped, pread = _scan(path, True), _scan(path, False)
+    assert mapped == pread
+    assert len(mapped[0]) == 157 and mapped[3] is not None and mapped[3].reason == "session id is not UTF-8"
+
+
+def test_a_reader_that_stops_early_stops_the_thread(scratch, threaded):
+    path = scratch / segment_name(0)
+    _frames_file(path, 2000, payload=2000)
+    before = _threads()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for stop_at in (0, 1, 700):
+            sc = SegmentScanner(fd, path.name, SEG_HDR_SIZE, 0, CAP)
+            it = sc.frames()
+            lsns = []
+            for fr in it:
+                lsns.append(fr.lsn)
+                if len(lsns) > stop_at:
+                    break
+            assert lsns == list(range(stop_at + 1))
+            it.close()
+            assert _threads() == before
+        del fr, it, sc
+    finally:
+        os.close(fd)
+
+
+def test_take_after_close_says_so(scratch, threaded):
+    path = scratch / segment_name(0)
+    _frames_file(path, 10)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    walk = fc.MappedScan(m, memoryview(m), Frame, SEG_HDR_SIZE, 0, len(m), 0, None, CAP)
+    walk.close()
+    walk.close()
+    with pytest.raises(ValueError, match="closed"):
+        walk.take(1)
+    m.close()  # no export left: the walk let go of the mapping
+
+
+def _big_log(d: Path) -> None:
+    lg = FileLog.open(d, fsync="never")
+    lg.append_batch([("s%d" % (i % 7), i // 7, CommandRan(command="y" * 3000, exit_code=i % 5)) for i in range(1500)])
+    lg.close()
+
+
+def test_read_log_reads_a_large_segment_alike_threaded_or_not(scratch, threaded, monkeypatch):
+    _big_log(scratch / "log")
+    threaded_read = [(e.lsn, e.session_id, e.session_seq, e.body) for e in read_log(scratch / "log")]
+    monkeypatch.setattr(segmap, "CPUS", 1)
+    assert threaded_read == [(e.lsn, e.session_id, e.session_seq, e.body) for e in read_log(scratch / "log")]
+    assert [x[0] for x in threaded_read] == list(range(1500))
+
+
+def test_a_damaged_frame_in_a_large_segment_raises_the_same_error_threaded_or_not(scratch, threaded, monkeypatch):
+    _big_log(scratch / "log")
+    (seg,) = list_segments(scratch / "log")
+    path = scratch / "log" / segment_name(seg)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10  # a payload byte near the middle: a CRC mismatch
+    path.write_bytes(bytes(data))
+
+    def failure():
+        n = 0
+        with pytest.raises(LogCorruption) as err:
+            for _ in read_log(scratch / "log"):
+                n += 1
+        return n, str(err.value), err.value.segment, err.value.offset, err.value.last_good_lsn
+
+    threaded_failure = failure()
+    monkeypatch.setattr(segmap, "CPUS", 1)
+    assert threaded_failure == failure()
+    assert "CRC mismatch" in threaded_failure[1] and 0 < threaded_failure[0] < 1500
