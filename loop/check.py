@@ -79,23 +79,19 @@ def _check(run: Run, cfg: LoopConfig) -> RunCheck:
         out.steps += 1
         for pid, end in record_frontier(rec).items():
             frontier[pid] = max(frontier.get(pid, 0), end)
-        if not rec.batch:  # a record from before partitions: its groups are the single log's
-            rec = msgspec.structs.replace(rec, batch=[
-                GroupRef(0, gid, [MemberRef(sid, lsn) for sid, lsn in _members(released.get(0, {}).get(gid))], rec.skipped.get(gid, ""))
-                for gid in _consumed_order(rec)])
+        rec = with_batch(rec, released)
         for ref in rec.batch:
             key = (ref.partition, ref.group_id)
             if key in seen:
                 out.duplicates.append(f"group {_name(key)} consumed by step {seen[key]} and again by step {rec.step}")
             seen[key] = rec.step
-        rebuilt = next(rebuild_batches([rec], released))
-        unknown = [p for p in rebuilt.problems if "is not released" in p]
+        digest, problems = check_step(rec, released)
+        unknown = [p for p in problems if "is not released" in p]
         out.unknown.extend(unknown)
         if unknown:
             continue
-        out.mismatches.extend(rebuilt.problems)
-        digest = step_digest(rebuilt.trained)
-        if digest == rec.sample_digest and not rebuilt.problems:
+        out.mismatches.extend(problems)
+        if digest == rec.sample_digest and not problems:
             out.digests_equal += 1
         elif digest != rec.sample_digest:
             out.mismatches.append(f"step {rec.step}: online {rec.sample_digest} != offline {digest}")
@@ -110,6 +106,24 @@ def _check(run: Run, cfg: LoopConfig) -> RunCheck:
 def _name(key: tuple[int, str]) -> str:
     pid, gid = key
     return f"{partition_name(pid)}/{gid}"
+
+
+def with_batch(rec: PolicyUpdated, released: dict[int, dict[str, ReleasedGroup]]) -> PolicyUpdated:
+    """``rec`` with its ``batch`` (the groups it consumed, in order, with their members); a
+    record from before partitions names its groups only, and they are the single log's."""
+    if rec.batch:
+        return rec
+    return msgspec.structs.replace(rec, batch=[
+        GroupRef(0, gid, [MemberRef(sid, lsn) for sid, lsn in _members(released.get(0, {}).get(gid))], rec.skipped.get(gid, ""))
+        for gid in _consumed_order(rec)])
+
+
+def check_step(rec: PolicyUpdated, released: dict[int, dict[str, ReleasedGroup]]) -> tuple[str, list[str]]:
+    """``(offline digest, problems)`` of one learner step: its trained samples rebuilt from
+    the released groups and hashed as the learner hashed them (equal to ``rec.sample_digest``
+    when the step reconstructs)."""
+    rebuilt = next(rebuild_batches([with_batch(rec, released)], released))
+    return step_digest(rebuilt.trained), rebuilt.problems
 
 
 def _consumed_order(rec: PolicyUpdated) -> list[str]:

@@ -1,0 +1,344 @@
+"""The JSON of each `agentlog ui` view, built from the log with the project's reducers.
+
+* a session (:meth:`RunViews.session`): the lines ``agentlog show`` prints for
+  "why" (:func:`tools.cmd_show.why_lines`), its turns as recorded (turn
+  deltas expanded, :class:`events.schema.turn_delta.TurnContext`), commands,
+  and its training rows exactly as the sample reducer makes them
+  (:class:`reducers.pipeline.Reducer`, the rows ``agentlog reconstruct``
+  writes), each token labelled by kind from the row's mask and the turns it
+  is made of (:func:`token_kinds`);
+* a group and a learner step: from the learner log
+  (:func:`loop.learner_records.read_learner_records`) and the groups the
+  partitions release (:func:`reducers.partitioned.reduce_partitions`), with
+  the learner's advantages (:func:`tools.dataset_rows.group_advantages`);
+* the reconstruct check of one step: the check of :func:`loop.check.check_run`
+  for that step's record (:func:`reducers.partitioned.rebuild_batches`, the
+  digest :func:`loop.learner_records.step_digest`).
+
+The released groups are computed once per log position and cached.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+from agentlog.events.log.source import LogSource
+
+#: Kinds of token in a row (the token view's overlay).
+KINDS = ("prompt", "trained", "generated_untrained", "tool", "given")
+
+
+def _num(x: Any) -> float | None:
+    return None if x is None or not isinstance(x, (int, float)) or not math.isfinite(x) else float(x)
+
+
+def token_text(ids: list[int]) -> list[str]:
+    """Each token's text: a byte-level vocabulary (every id below 256) as its byte, else the id in angle brackets."""
+    if all(0 <= t < 256 for t in ids):
+        return [chr(t) if 32 <= t < 127 or t in (9, 10) else f"\\x{t:02x}" for t in ids]
+    return [f"<{t}>" for t in ids]
+
+
+def token_kinds(sample: Any, turns: dict[int, Any], row: Any | None) -> list[str]:
+    """Per token of ``sample`` its kind: ``prompt`` (before the response); in the response,
+    ``trained`` where the loss mask is 1; a token some turn of the row generated (its output,
+    found in order) and mask 0 is ``generated_untrained``; any other response token came from
+    outside the policy: ``tool`` when the turn after it holds a tool message, else ``given``."""
+    ids = sample.token_ids.tolist()
+    n_prompt = sample.prompt_length
+    mask = sample.mask.tolist()
+    kinds = ["prompt"] * n_prompt + ["given"] * sample.response_length
+    resp = ids[n_prompt:]
+    cursor = 0
+    order = list(row.turn_indices) if row is not None else []
+    for k, t in enumerate(order):
+        turn = turns.get(t)
+        if turn is None:
+            continue
+        out = turn.output_ids_list
+        at = _find(resp, out, cursor) if out else -1
+        if at < 0:
+            continue
+        nxt = turns.get(order[k + 1]) if k + 1 < len(order) else None
+        filler = "tool" if nxt is not None and nxt.has_tool_message else "given"
+        for i in range(at + len(out), len(resp)):
+            kinds[n_prompt + i] = filler
+        for i in range(at, at + len(out)):
+            kinds[n_prompt + i] = "generated_untrained"
+        cursor = at + len(out)
+    for i, m in enumerate(mask):
+        if m:
+            kinds[n_prompt + i] = "trained"
+    return kinds
+
+
+def _find(hay: list[int], needle: list[int], start: int) -> int:
+    n = len(needle)
+    for i in range(start, len(hay) - n + 1):
+        if hay[i:i + n] == needle:
+            return i
+    return -1
+
+
+class _TurnInfo:
+    __slots__ = ("output_ids_list", "has_tool_message")
+
+    def __init__(self, output_ids: list[int], has_tool_message: bool) -> None:
+        self.output_ids_list, self.has_tool_message = output_ids, has_tool_message
+
+
+class RunViews:
+    """The views of one source (``source`` a rollout :class:`LogSource`; ``learner`` its
+    learner log or None; ``run_dir`` the run folder or None), folded with ``config``."""
+
+    def __init__(self, source: LogSource, learner: LogSource | None, config: Any, run_dir: Any = None) -> None:
+        self.source, self.learner, self.config, self.run_dir = source, learner, config, run_dir
+        self._lock = threading.Lock()
+        self._released: tuple[Any, Any] = (None, None)  # (position key, released groups)
+        self._checks: dict[tuple[Any, int], dict] = {}
+
+    # ------------------------------------------------------------------ session
+
+    def session_envelopes(self, session_id: str, pkey: int, first_lsn: int) -> list:
+        """The session's envelopes from its first record (the index says where), up to its terminal one."""
+        from agentlog.tools.ui.index import SINGLE
+
+        log = self.source if pkey == SINGLE else self.source.partition(pkey)
+        envs = []
+        for rec in log.read(first_lsn, raw=True):
+            if rec.session_id == session_id:
+                envs.append(rec.decode())
+                if rec.terminal:
+                    break
+        return envs
+
+    def session(self, row: dict, envs: list) -> dict[str, Any]:
+        """The session view (see the contract) of the session whose index row is ``row``."""
+        from agentlog.events.schema.turn import turn_server
+        from agentlog.events.schema.turn_delta import TurnContext
+        from agentlog.events.schema.types import CommandRan, SessionAborted, SessionFinished, TurnDelta, TurnRecorded, TurnUndelivered
+        from agentlog.reducers.pipeline import ReduceError, Reducer, session_trajectory
+        from agentlog.tools.cmd_show import why_lines
+        from agentlog.tools.cmd_replay import command_outcome
+
+        sid = row["session_id"]
+        undelivered = {e.body.turn_index for e in envs if type(e.body) is TurnUndelivered}
+        turns: list[dict] = []
+        infos: dict[int, _TurnInfo] = {}
+        commands: list[dict] = []
+        verdict = error = traceback = None
+        held: list = []
+        context = TurnContext()
+        last_turn: int | None = None
+        for e in envs:
+            b = e.body
+            if type(b) is TurnDelta:
+                b = context.expand(b, f"lsn {e.lsn}: ")
+            if isinstance(b, TurnRecorded):
+                context = TurnContext.after(b)
+                msgs = list(b.messages)
+                new = msgs[len(held):] if held and msgs[:len(held)] == held else msgs
+                server, moved = turn_server(b)
+                spans = [list(s) for s in b.version_spans] if b.version_spans else [[0, b.policy_version]]
+                turns.append({"turn": b.turn_index, "lsn": str(e.lsn), "new_messages": new, "response": b.response_message,
+                              "finish_reason": b.finish_reason, "policy_version": b.policy_version, "version_spans": spans,
+                              "server": server or None, "server_moved_from": moved or None,
+                              "undelivered": b.turn_index in undelivered})
+                infos[b.turn_index] = _TurnInfo(
+                    [int(x) for x in memoryview(b.output_ids).cast("i")],
+                    any(isinstance(m, dict) and m.get("role") == "tool" for m in new))
+                held = msgs + ([b.response_message] if b.response_message is not None else [])
+                last_turn = b.turn_index
+            elif isinstance(b, CommandRan):
+                commands.append({"turn": last_turn, "command": b.command, "exit_code": b.exit_code,
+                                 "outcome": command_outcome(b), "output": b.output_tail})
+            elif isinstance(b, SessionFinished):
+                verdict = dict(b.metadata) if b.metadata else None
+            elif isinstance(b, SessionAborted):
+                error, traceback = b.error or None, b.traceback or None
+        rows: list[dict] = []
+        branches: list[dict] = []
+        problem = None
+        try:
+            traj = session_trajectory(envs, sid, self.config)
+            samples = [s for s in Reducer(self.config).feed_many(envs).samples if s.session_id == sid]
+        except (ReduceError, KeyError) as exc:
+            traj, samples, problem = None, [], str(exc).strip("'\"")
+        for s in samples:
+            trow = traj.rows[s.row_index] if traj is not None and s.row_index < len(traj.rows) else None
+            rows.append(self._row_json(s, infos, trow))
+            branches.append({"row": s.row_index, "turns": list(trow.turn_indices) if trow is not None else []})
+        return {**row, "why": why_lines(envs, True), "verdict": verdict, "error": error, "traceback": traceback,
+                "turns": turns, "commands": commands, "rows": rows,
+                "forks": {"branches": branches, "train_once": _train_once(traj)}, "problem": problem}
+
+    @staticmethod
+    def _row_json(s: Any, turns: dict[int, _TurnInfo], trow: Any) -> dict[str, Any]:
+        ids = s.token_ids.tolist()
+        n_prompt = s.prompt_length
+        mask = s.mask.tolist()
+        rollout = s.log_probs.tolist()
+        teacher = s.teacher_lp.tolist() if s.teacher_scored else []
+        scored = s.teacher_mask.tolist() if s.teacher_scored else []
+        versions = s.versions.tolist()
+        kinds = token_kinds(s, turns, trow)
+        gen = [k in ("trained", "generated_untrained") for k in kinds]
+        return {
+            "row": s.row_index, "trained": bool(sum(mask)) and not s.remove_sample, "advantage": None,
+            "status": s.status, "reward": _num(s.reward), "remove_sample": s.remove_sample,
+            "tokens": ids, "text": token_text(ids), "kinds": kinds,
+            "mask": [0] * n_prompt + mask,
+            "rollout_logprob": [None] * n_prompt + [_num(x) if gen[n_prompt + i] else None for i, x in enumerate(rollout)],
+            "trainer_logprob": [None] * len(ids),  # the learner records no per-token log-prob (only step metrics)
+            "teacher_logprob": [None] * n_prompt + [_num(teacher[i]) if scored and scored[i] else None
+                                                    for i in range(s.response_length)],
+            "version": [None] * n_prompt + [versions[i] if gen[n_prompt + i] else None for i in range(s.response_length)],
+        }
+
+    # ------------------------------------------------------------------ groups and steps
+
+    def records(self) -> list:
+        """The learner's ``policy_updated`` records ([] without a learner log)."""
+        return [body for _ts, body in self._timed_records()]
+
+    def _timed_records(self) -> list[tuple[float, Any]]:
+        """(timestamp in seconds, record) of every ``policy_updated`` of the learner log
+        (:func:`loop.learner_records.read_learner_records` with the records' times)."""
+        from agentlog.events.schema.types import PolicyUpdated
+
+        if self.learner is None or not self.learner.exists():
+            return []
+        return [(env.ts_ns / 1e9, env.body) for env in self.learner.read() if isinstance(env.body, PolicyUpdated)]
+
+    def step_summaries(self) -> list[dict[str, Any]]:
+        """One entry per learner step (the run view's ``steps``)."""
+        out = []
+        for ts, r in self._timed_records():
+            m = r.metrics
+            out.append({"step": r.step, "policy_version": r.policy_version,
+                        "reward_mean": _num(m.get("rollout/reward_mean")), "loss": _num(m.get("loss/policy")),
+                        "trained_groups": len(r.groups), "skipped_groups": len(r.skipped),
+                        "tokens_per_s": _num(m.get("perf/tokens_per_s", m.get("tokens_per_s"))), "ts": ts})
+        return out
+
+    def released(self, position: Any) -> dict:
+        """Every partition's released groups (:func:`reducers.partitioned.reduce_partitions`), cached per ``position``."""
+        from agentlog.reducers.partitioned import reduce_partitions
+
+        with self._lock:
+            if self._released[0] != position:
+                if self.source.partitioned:
+                    parts = {pid: self.source.partition(pid).read() for pid in self.source.partitions()}
+                else:
+                    parts = {0: self.source.read()}
+                self._released = (position, reduce_partitions(parts, self.config))
+            return self._released[1]
+
+    def _advantages(self, group: Any) -> list[float]:
+        from agentlog.tools.dataset_rows import group_advantages
+
+        lc = self._learner_config()
+        members = group.members
+        of = group_advantages(lc.estimator, lc.adv_eps)
+        adv = of([m.reward if m.valid and m.reward is not None else 0.0 for m in members], [0] * len(members),
+                 [m.valid for m in members])
+        return [a if m.valid else 0.0 for a, m in zip(adv, members)]
+
+    def _learner_config(self) -> Any:
+        from agentlog.learner.config import LearnerConfig
+
+        if self.run_dir is not None:
+            from agentlog.loop.run_folder import Run
+
+            run = Run.at(self.run_dir)
+            if run is not None:
+                return run.config.learner_config()
+        return LearnerConfig()
+
+    def group(self, group_id: str, position: Any) -> dict[str, Any] | None:
+        """The group view, or None when no partition released ``group_id`` (yet)."""
+        released = self.released(position)
+        found = next(((pid, g[group_id]) for pid, g in released.items() if group_id in g), None)
+        if found is None:
+            return None
+        pid, r = found
+        g = r.group
+        step, skip = None, g.skip_reason or None
+        for rec in self.records():
+            if group_id in rec.groups or group_id in rec.skipped:
+                step, skip = rec.step, rec.skipped.get(group_id) or skip
+                break
+        adv = self._advantages(g)
+        refill_of = {new: old for new, old in g.replaced}
+        refilled_by = {old: new for new, old in g.replaced}
+        members = [{"session_id": m.session_id, "status": m.status, "reason": m.reason or None, "reward": _num(m.reward),
+                    "advantage": _num(a) if m.valid else None, "in_baseline": m.valid,
+                    "excluded_why": None if m.valid else (m.reason or m.status),
+                    "refill_of": refill_of.get(m.session_id), "refilled_by": refilled_by.get(m.session_id)}
+                   for m, a in zip(g.members, adv)]
+        members += [{"session_id": sid, "status": "dropped", "reason": why or None, "reward": None, "advantage": None,
+                     "in_baseline": False, "excluded_why": f"dropped: {why}" if why else "dropped",
+                     "refill_of": None, "refilled_by": refilled_by.get(sid)}
+                    for sid, why in zip(g.dropped, g.drop_reasons or [""] * len(g.dropped))]
+        return {"group_id": group_id, "partition": pid, "step": step, "skip_reason": skip, "members": members}
+
+    def step(self, n: int, position: Any) -> dict[str, Any] | None:
+        """The learner-step view, or None when the learner log has no step ``n``."""
+        rec = next((r for r in self.records() if r.step == n), None)
+        if rec is None:
+            return None
+        released = self.released(position)
+        groups = []
+        from agentlog.loop.check import with_batch
+
+        names = [ref.group_id for ref in with_batch(rec, released).batch]
+        for gid in names:
+            r = next((g[gid] for g in released.values() if gid in g), None)
+            trained = gid in rec.groups
+            members = []
+            if r is not None:
+                adv = self._advantages(r.group)
+                members = [{"session_id": m.session_id, "advantage": _num(a) if m.valid else None,
+                            "trained": trained and m.valid} for m, a in zip(r.group.members, adv)]
+            groups.append({"group_id": gid, "trained": trained, "skip_reason": rec.skipped.get(gid) or None,
+                           "staleness": (rec.policy_version - 1 - min((s.policy_version for s in r.group.samples), default=0))
+                           if r is not None and r.group.samples else None,
+                           "members": members})
+        return {"step": rec.step, "policy_version": rec.policy_version,
+                "metrics": {k: _num(v) for k, v in rec.metrics.items()}, "groups": groups}
+
+    def reconstruct(self, n: int, position: Any) -> dict[str, Any] | None:
+        """The offline check of step ``n`` (as :func:`loop.check.check_run` runs it), cached per position."""
+        from agentlog.loop.check import check_step
+
+        key = (position, n)
+        if key in self._checks:
+            return self._checks[key]
+        rec = next((r for r in self.records() if r.step == n), None)
+        if rec is None:
+            return None
+        offline, problems = check_step(rec, self.released(position))
+        equal = offline == rec.sample_digest and not problems
+        detail = "; ".join(problems) or ("the samples rebuilt from the rollout log hash to the recorded digest"
+                                                  if equal else "the digests differ")
+        out = {"step": n, "equal": equal, "online_digest": rec.sample_digest, "offline_digest": offline, "detail": detail}
+        self._checks[key] = out
+        return out
+
+
+def _train_once(traj: Any) -> dict[str, Any]:
+    """Whether every trained turn is trained in exactly one row (the fork rows' check)."""
+    if traj is None:
+        return {"ok": False, "detail": "the reducers refused the session (no trajectory)"}
+    seen: dict[int, int] = {}
+    twice = []
+    for i, row in enumerate(traj.rows):
+        for t in row.trained_turns:
+            if t in seen:
+                twice.append(f"turn {t} trained in rows {seen[t]} and {i}")
+            seen[t] = i
+    if twice:
+        return {"ok": False, "detail": "; ".join(twice)}
+    return {"ok": True, "detail": f"{len(seen)} trained turn(s) over {len(traj.rows)} row(s), each trained once"}
