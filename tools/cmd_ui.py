@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from agentlog.tools.cli import EXIT_OK
+from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import add_quiet, nonneg_int
 
 
@@ -39,7 +39,13 @@ def run(args) -> int:
 
     async def main() -> None:
         ui = UiServer(args.source, token=args.token, index_path=args.index, host=args.host, quiet=args.quiet)
-        url = await ui.start(args.port)
+        try:
+            url = await ui.start(args.port)
+        except OSError as exc:
+            await ui.stop()
+            raise CliError(f"ui: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
+                           f" (another server there?); give --port P for another port, or --port 0 for any free one",
+                           EXIT_USAGE) from None
         shown = f"{url}/?token={args.token}" if args.token else f"{url}/"
         print(f"agentlog ui: serving {args.source} at {shown}  (index {ui.index.path}; Ctrl-C stops)", flush=True)
         try:

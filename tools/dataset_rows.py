@@ -338,23 +338,13 @@ class DatasetFold:
     def _settle(self) -> list[dict[str, Any]]:
         """The rows of the released groups waiting, with their advantages (one call for all their groups)."""
         waiting, self._released_groups, self._released_bytes = self._released_groups, [], 0
-        rewards: list[float] = []
-        index: list[int] = []
-        valid: list[bool] = []
-        for i, (group, _held) in enumerate(waiting):
-            if not group.skipped:
-                for m in group.members:
-                    rewards.append(m.reward if m.valid and m.reward is not None else 0.0)
-                    index.append(i)
-                    valid.append(m.valid)
-        adv = iter(self._advantages(rewards, index, valid) if rewards else ())
+        advantages = member_advantages([group for group, _held in waiting], self._advantages)
         rows: list[dict[str, Any]] = []
-        for group, held in waiting:
-            for m in group.members:
-                a = 0.0 if group.skipped else next(adv)
+        for (group, held), adv in zip(waiting, advantages):
+            for m, a in zip(group.members, adv):
                 row = held.get(m.session_id)
                 if row is not None:
-                    row["advantage"] = a if m.valid else 0.0
+                    row["advantage"] = a
                     row["in_baseline"] = m.valid
             for row in held.values():
                 row["group_skip_reason"] = group.skip_reason
@@ -408,6 +398,27 @@ def row_nbytes(row: dict[str, Any]) -> int:
     for column in TOKEN_COLUMNS:
         n += sum(a.nbytes for a in row.get(column, ()))
     return n
+
+
+def member_advantages(groups: list[Group], advantages: Callable[[list[float], list[int], list[bool]], list[float]]) -> list[list[float]]:
+    """Per group, its members' advantages (in ``group.members`` order) as the learner computes
+    them, in one call of ``advantages`` (:func:`group_advantages`) for all the groups: 0.0 for a
+    member outside the baseline (not valid) and for every member of a skipped group."""
+    rewards: list[float] = []
+    index: list[int] = []
+    valid: list[bool] = []
+    for i, group in enumerate(groups):
+        if not group.skipped:
+            for m in group.members:
+                rewards.append(m.reward if m.valid and m.reward is not None else 0.0)
+                index.append(i)
+                valid.append(m.valid)
+    adv = iter(advantages(rewards, index, valid) if rewards else ())
+    out: list[list[float]] = []
+    for group in groups:
+        values = [0.0 if group.skipped else next(adv) for _ in group.members]
+        out.append([a if m.valid else 0.0 for a, m in zip(values, group.members)])
+    return out
 
 
 def group_advantages(estimator: str, eps: float) -> Callable[[list[float], list[int], list[bool]], list[float]]:

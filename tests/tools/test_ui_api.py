@@ -86,7 +86,7 @@ def test_filters_select_what_replay_selects(ui_run, log_ui, demo_ui):  # noqa: F
 def test_run_view_counts_the_sessions_and_steps(ui_run, log_ui, demo_ui):  # noqa: F811
     expected = ui_run.log_facts and __import__("cli_helpers").EXPECTED["sessions"]
     run = _ok(f"{log_ui}/api/run")
-    assert run["sessions"] == {"total": 8, "finished": 4, "aborted": 2, "dropped": 1, "running": 1}
+    assert run["sessions"] == {"total": 8, "finished": 4, "aborted": 2, "dropped": 1, "running": 1, "open": 0}
     assert run["reasons"] == {"wall_clock_timeout": 1, "exception:ValueError": 1, "cancelled": 1}
     assert run["live"] is True and "error" not in run and run["steps"] == []
     rows = {r["session_id"]: r for r in _ok(f"{log_ui}/api/sessions?limit=100")["rows"]}
@@ -182,6 +182,48 @@ def test_bad_parameters_are_a_400_naming_them(log_ui):
     assert _get(f"{log_ui}/api/step/abc")[0] == 400
 
 
+def test_out_of_range_and_odd_values_are_a_400_or_an_answer_never_a_crash(log_ui):
+    huge = "99999999999999999999999"
+    for query, named in ((f"version={huge}", "version"), (f"offset={huge}", "offset"), (f"offset=-{huge}", "offset"),
+                         (f"limit={huge}", "limit")):
+        status, body = _get(f"{log_ui}/api/sessions?{query}")
+        assert status == 400 and body["error"].startswith(f"/api/sessions: {named}:"), (query, body)
+    assert _get(f"{log_ui}/api/step/{huge}")[0] == 400
+    assert _ok(f"{log_ui}/api/sessions?offset={2**63 - 1}")["rows"] == []
+    for q in ("%00", "a%00b", "%22%00%22", "NEAR(", "*"):  # NUL, quotes, FTS syntax: searched as text
+        assert _ok(f"{log_ui}/api/sessions?q={q}")["rows"] == [], q
+
+
+def test_an_unexpected_error_is_a_json_500_logged_without_the_token(ui_run, tmp_path):  # noqa: F811
+    from structlog.testing import capture_logs
+
+    url, stop = start_ui(ui_run.log, host="0.0.0.0", token="s3cret", index_path=tmp_path / "i.sqlite")
+    url = url.replace("0.0.0.0", "127.0.0.1")
+
+    def broken() -> list:  # a fault inside a view, as a bug there would raise
+        raise RuntimeError("views broke")
+
+    stop.server.views.step_summaries = broken  # type: ignore[attr-defined]
+    try:
+        with capture_logs() as logs:
+            status, body = _get(f"{url}/api/run?token=s3cret")
+        assert status == 500 and body == {"error": "/api/run: internal error (RuntimeError); see the server log"}
+        failed = [e for e in logs if e["event"] == "ui.request.failed"]
+        assert failed and failed[0]["path"] == "/api/run" and "views broke" in str(failed[0]), logs
+        assert "s3cret" not in repr(logs)
+    finally:
+        stop()
+
+
+def test_a_tokenless_server_answers_only_loopback_host_names(log_ui):
+    port = log_ui.rsplit(":", 1)[1]
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "LOCALHOST"):
+        assert _get(f"{log_ui}/api/run", headers={"Host": host})[0] == 200, host
+    for host in (f"evil.example:{port}", "127.0.0.1.evil.example", f"192.168.1.2:{port}", "[::2]"):
+        status, body = _get(f"{log_ui}/api/sessions", headers={"Host": host})
+        assert status == 403 and repr(host) in body["error"] and "loopback" in body["error"], host
+
+
 def test_read_only_every_other_method_is_405(log_ui):
     for method in ("POST", "PUT", "DELETE", "PATCH"):
         for path in ("/api/run", "/api/sessions", "/"):
@@ -222,6 +264,20 @@ def test_the_index_is_reused_on_a_second_start(ui_run, tmp_path):  # noqa: F811
     assert again["resumed"] is True and again["rebuilt_why"] is None
     assert again["records_read"] == 0 and again["sessions"] == 48 and again["built_to"] == first["built_to"]
     assert again["build_s"] < max(first["build_s"], 0.05)
+    # A log with a session in flight: a reused start reads only that session's records again.
+    from agentlog.tools.cli_common import check_log_path
+
+    ix = _open_index(ui_run.log, tmp_path / "log.sqlite")
+    ix.catch_up()
+    ix.close()
+    ix = _open_index(ui_run.log, tmp_path / "log.sqlite")
+    try:
+        (running,) = ix.query(status="running")[1]
+        ix.catch_up()
+        in_flight = [e for e in check_log_path(str(ui_run.log)).read() if e.session_id == running["session_id"]]
+        assert ix.resumed and ix.rebuilt_why is None and ix.records_read == len(in_flight) > 0
+    finally:
+        ix.close()
 
 
 def test_a_log_whose_identity_changed_is_rebuilt_saying_why(ui_run, tmp_path):  # noqa: F811
@@ -287,3 +343,199 @@ def test_a_live_log_shows_new_sessions_on_the_api_and_the_stream_within_2_s(tmp_
     finally:
         stop()
         writer.close()
+
+
+def _write_sessions(writer, ids, *, end: bool = True, start: bool = True) -> None:
+    from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted
+
+    batch = []
+    for sid in ids:
+        batch.append((sid, 0, SessionOpened(group_id="g", group_size=1)))
+        if start:
+            batch.append((sid, 1, SessionStarted()))
+        if end:
+            batch.append((sid, 2, SessionFinished(reward=1.0)))
+    writer.append_batch(batch)
+
+
+def _open_index(log, path):
+    from agentlog.tools.cli_common import check_log_path, reduce_config_of
+    from agentlog.tools.ui.index import SessionIndex
+
+    source = check_log_path(str(log))
+    return SessionIndex(source, Path(path), reduce_config_of(source))
+
+
+def _index_content(ix) -> tuple[list, list]:
+    rows = [{k: v for k, v in r.items()} for r in ix.query(limit=1000, sort="session_id")[1]]
+    texts = sorted(ix._reader.execute("SELECT session_id, body FROM session_text").fetchall())
+    return rows, texts
+
+
+def test_memory_holds_only_the_sessions_in_flight(ui_run, tmp_path):  # noqa: F811
+    ix = _open_index(ui_run.log, tmp_path / "i.sqlite")
+    try:
+        ix.catch_up()
+        in_flight = {r["session_id"] for r in ix.query(limit=1000)[1] if r["status"] in ("open", "running")}
+        assert ix.count() == 8 and len(in_flight) == 1
+        assert set(ix._fold.live) == set(ix._live) == in_flight  # no ended session's transcript or health is kept
+    finally:
+        ix.close()
+
+
+def test_open_sessions_are_counted_apart_from_running_ones(tmp_path):
+    from agentlog.events import FileLog
+
+    writer = FileLog.open(tmp_path / "log", fsync="batch")
+    _write_sessions(writer, ["done"])
+    _write_sessions(writer, ["busy"], end=False)
+    _write_sessions(writer, ["queued"], end=False, start=False)
+    writer.close()
+    url, stop = start_ui(tmp_path / "log", index_path=tmp_path / "i.sqlite")
+    try:
+        assert _ok(f"{url}/api/run")["sessions"] == {"total": 3, "finished": 1, "aborted": 0, "dropped": 0,
+                                                     "running": 1, "open": 1}
+        assert _ids(url, status="running") == {"busy"} and _ids(url, status="open") == {"queued"}
+    finally:
+        stop()
+
+
+def test_a_second_opener_of_the_same_index_is_refused_naming_the_lock(ui_run, tmp_path):  # noqa: F811
+    import os
+
+    from agentlog.tools.cli import CliError
+    from agentlog.tools.ui.index import IndexLockedError
+
+    index = tmp_path / "i.sqlite"
+    url, stop = start_ui(ui_run.log, index_path=index)
+    try:
+        with pytest.raises(IndexLockedError, match=f"pid {os.getpid()}.*{index}.lock"):
+            _open_index(ui_run.log, index)
+        with pytest.raises(CliError, match=f"{index}.lock"):
+            start_ui(ui_run.log, index_path=index)
+        assert _ok(f"{url}/api/run")["index"]["sessions"] == 8  # the first server goes on
+    finally:
+        stop()
+    ix = _open_index(ui_run.log, index)  # released on stop
+    ix.close()
+
+
+def test_stop_during_a_long_build_waits_for_it_and_a_restart_resumes(tmp_path):
+    from structlog.testing import capture_logs
+
+    from agentlog.events import FileLog
+
+    writer = FileLog.open(tmp_path / "log", fsync="batch")
+    for b in range(30):
+        _write_sessions(writer, [f"s{i:05d}" for i in range(b * 500, b * 500 + 500)])
+    writer.close()
+    total = 30 * 500 * 3
+    with capture_logs() as logs:
+        url, stop = start_ui(tmp_path / "log", index_path=tmp_path / "i.sqlite", wait_indexed=False)
+        ix = stop.server.index  # type: ignore[attr-defined]
+        time.sleep(0.1)
+        stopped = time.monotonic()
+        stop()
+        assert time.monotonic() - stopped < 5.0
+    assert 0 < ix.records_read < total, "the build was not stopped part way (or never started)"
+    assert not [e for e in logs if e.get("log_level") in ("error", "critical")], logs
+    again = _open_index(tmp_path / "log", tmp_path / "i.sqlite")
+    ref = _open_index(tmp_path / "log", tmp_path / "ref.sqlite")
+    try:
+        assert again.resumed and again.rebuilt_why is None
+        again.catch_up()
+        ref.catch_up()
+        # On from where the stopped build got to (the one session in flight there is folded again).
+        assert total - ix.records_read <= again.records_read <= total - ix.records_read + 3
+        assert again.count() == ref.count() == 15000
+        assert _index_content(again) == _index_content(ref)
+    finally:
+        again.close()
+        ref.close()
+
+
+def test_an_sse_client_that_falls_behind_is_dropped(tmp_path):
+    import asyncio
+
+    from agentlog.events import FileLog
+    from agentlog.tools.ui.server import SSE_QUEUE_MAX
+
+    writer = FileLog.open(tmp_path / "log", fsync="batch")
+    _write_sessions(writer, ["one"])
+    writer.close()
+    url, stop = start_ui(tmp_path / "log", index_path=tmp_path / "i.sqlite")
+    ui = stop.server  # type: ignore[attr-defined]
+    try:
+        with urllib.request.urlopen(f"{url}/api/stream", timeout=10) as resp:
+            assert resp.readline().startswith(b"event: index")
+            while not ui._clients:
+                time.sleep(0.01)
+
+            async def flood() -> None:  # no await: the stream's handler cannot drain the queue meanwhile
+                for n in range(SSE_QUEUE_MAX + 1):
+                    ui._push("index", {"n": n})
+
+            asyncio.run_coroutine_threadsafe(flood(), ui.follower.get_loop()).result(10)
+            rest = resp.read()  # the server ends the stream
+        assert b'"n": 1' not in rest and not ui._clients
+    finally:
+        stop()
+
+
+def test_a_port_in_use_is_a_usage_error_naming_it(ui_run, tmp_path, capsys):  # noqa: F811
+    import socket
+
+    from agentlog.tools.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc = main(["ui", str(ui_run.log), "--port", str(port), "--index", str(tmp_path / "i.sqlite"), "-q"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"127.0.0.1:{port}" in err and "--port 0" in err, err
+    _open_index(ui_run.log, tmp_path / "i.sqlite").close()  # the failed start released the index
+
+
+def test_an_index_built_in_pieces_with_restarts_equals_one_built_in_one_go(tmp_path):
+    """The CLI tests' engine-written log, appended in random pieces (sessions in flight at the
+    cuts), indexed after each piece by the same or a new SessionIndex on the same file."""
+    import asyncio
+    import random
+
+    from cli_helpers import write_run
+
+    from agentlog.events import FileLog
+    from agentlog.tools.cli_common import check_log_path
+
+    asyncio.run(write_run(tmp_path / "src"))
+    envs = list(check_log_path(str(tmp_path / "src")).read())
+    ref = _open_index(tmp_path / "src", tmp_path / "ref.sqlite")
+    ref.catch_up()
+    want = _index_content(ref)
+    ref.close()
+    assert len(want[0]) == 8 and any(r["status"] == "running" for r in want[0])
+    for trial in range(12):
+        rng = random.Random(trial)
+        d = tmp_path / f"t{trial}"
+        writer = FileLog.open(d / "log", fsync="batch")
+        cuts = sorted(rng.sample(range(1, len(envs)), rng.randint(1, 6))) + [len(envs)]
+        restart = trial % 2 == 0
+        done, ix = 0, None
+        try:
+            for cut in cuts:
+                writer.append_batch([(e.session_id, e.session_seq, e.body) for e in envs[done:cut]])
+                done = cut
+                if ix is None or restart:
+                    if ix is not None:
+                        ix.close()
+                    ix = _open_index(d / "log", d / "ix.sqlite")
+                ix.catch_up()
+            got = _index_content(ix)
+        finally:
+            writer.close()
+            if ix is not None:
+                ix.close()
+        assert [{k: v for k, v in r.items() if k != "first_ts"} for r in got[0]] == \
+               [{k: v for k, v in r.items() if k != "first_ts"} for r in want[0]], (trial, cuts, restart)
+        assert got[1] == want[1], (trial, cuts, restart)

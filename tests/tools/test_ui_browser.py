@@ -130,9 +130,10 @@ def get_json(base: str, path: str, token: str | None = None) -> Any:
 
 
 @pytest.fixture(scope="module")
-def demo_tab(browser, ui_run):  # noqa: F811
-    """A page on the server of the short demo's run folder (rollout + learner: steps, groups, reconstruct)."""
-    url, stop = start_ui(ui_run.demo)
+def demo_tab(browser, ui_run, tmp_path_factory):  # noqa: F811
+    """A page on the server of the short demo's run folder (rollout + learner: steps, groups, reconstruct);
+    its index in a temporary file, not in the run folder other modules share."""
+    url, stop = start_ui(ui_run.demo, index_path=tmp_path_factory.mktemp("ui-browser") / "demo.sqlite")
     tab = Tab(browser, url)
     yield tab
     tab.page.close()
@@ -140,9 +141,9 @@ def demo_tab(browser, ui_run):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def log_tab(browser, ui_run):  # noqa: F811
+def log_tab(browser, ui_run, tmp_path_factory):  # noqa: F811
     """A page on the server of the CLI tests' log (finished, aborted, dropped, forked, running sessions)."""
-    url, stop = start_ui(ui_run.log)
+    url, stop = start_ui(ui_run.log, index_path=tmp_path_factory.mktemp("ui-browser") / "log.sqlite")
     tab = Tab(browser, url)
     yield tab
     tab.page.close()

@@ -24,10 +24,12 @@ says why.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -35,6 +37,7 @@ from typing import Any, Iterable
 from agentlog._logging import get_logger
 from agentlog.events.errors import AgentlogError
 from agentlog.events.log.source import LogSource
+from agentlog.tools.cmd_replay import STATUSES  # replay --status: the one list of statuses
 
 log = get_logger("agentlog.tools.ui.index")
 
@@ -45,7 +48,8 @@ SINGLE = -1
 #: Sort fields the sessions query accepts (the API's ``sort``).
 SORT_FIELDS = ("session_id", "group_id", "status", "reason", "reward", "turns", "version_min", "version_max",
                "partition", "first_ts")
-STATUSES = ("open", "running", "finished", "aborted", "dropped")
+#: The largest integer SQLite stores (a query parameter beyond it is refused, not overflowed).
+MAX_SQL_INT = 2**63 - 1
 _TURN_TAGS = ("turn_recorded", "turn_delta")
 _TEXT_TAGS = frozenset(("turn_recorded", "turn_delta", "command_ran", "session_aborted"))
 
@@ -67,6 +71,10 @@ CREATE INDEX IF NOT EXISTS by_open ON sessions(ended, pkey, first_lsn);
 """
 _COLUMNS = ("session_id", "group_id", "partition", "status", "reason", "reward", "turns", "version_min",
             "version_max", "flags", "first_ts")
+
+
+class IndexLockedError(AgentlogError):
+    """Another process (or server) holds the index file: two writers would corrupt its position."""
 
 
 class QueryError(AgentlogError, ValueError):
@@ -121,22 +129,56 @@ class _Session:
         self.text_id: int | None = None  # its row in session_text (FTS5 rowid), once written
 
 
+class _EndedIds:
+    """The fold's filter of sessions that ended (:class:`reducers.fold.IdSet`), kept in the index
+    file rather than in memory: an id opened or ended since the last flush is held here, every
+    other one is an ended row of the ``sessions`` table. A record of an ended session (a second
+    ``session_opened`` with its id included) is then refused as replay's fold refuses it, while
+    memory holds only the sessions in flight."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+        self.unflushed: set[str] = set()
+
+    def add(self, session_id: str) -> None:
+        self.unflushed.add(session_id)
+
+    def __contains__(self, session_id: object) -> bool:
+        if session_id in self.unflushed:
+            return True
+        return self._db.execute("SELECT 1 FROM sessions WHERE session_id = ? AND ended = 1",
+                                (session_id,)).fetchone() is not None
+
+
 class SessionIndex:
     """The session index of ``source`` in the SQLite file ``path`` (see the module docstring).
 
-    Writes (:meth:`catch_up`) happen on one thread at a time; reads
-    (:meth:`query`, :meth:`summary`) use their own connection and may run on
-    another thread meanwhile (WAL journal)."""
+    Writes (:meth:`catch_up`) happen on one thread at a time (a lock: :meth:`close` waits for a
+    catch-up in progress, which it asks to stop at the next record); reads (:meth:`query`,
+    :meth:`summary`) use their own connection and may run on another thread meanwhile (WAL
+    journal). One process at a time holds the index: an exclusive lock on ``<path>.lock``
+    (holding its pid); a second opener gets :class:`IndexLockedError`."""
 
     def __init__(self, source: LogSource, path: Path, config: Any) -> None:
-        from agentlog.reducers.fold import SessionFold
-
         self.source, self.path, self.config = source, Path(path), config
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rebuilt_why: str | None = None  # why this start rebuilt the index (None: new or reused)
         self.resumed = False  # this start reused an index that held records
         self.records_read = 0  # records folded since this start
         self.build_s = 0.0  # seconds spent reading since this start
+        self._write_lock = threading.Lock()  # catch_up and close: never both at once
+        self._stopping = False  # close() asks a catch-up in progress to stop at the next record
+        self._closed = False
+        self._lock_file = self._take_lock()
+        try:
+            self._open()
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _open(self) -> None:
+        from agentlog.reducers.fold import SessionFold
+
         self._db = self._connect()
         self._check_identity()
         self._reader = self._connect()
@@ -148,13 +190,39 @@ class SessionIndex:
         self._restart: dict[int, int] = {
             k: lsn for k, lsn in self._db.execute("SELECT pkey, MIN(first_lsn) FROM sessions WHERE ended = 0 GROUP BY pkey")}
         self._live: dict[str, _Session] = {}
+        # Ended sessions leave the fold's live map (evict) and this index's: only sessions in flight
+        # stay in memory; the id filter (in the file) still refuses anything after a session's end.
+        self._ended_ids = _EndedIds(self._db)
         self._fold: SessionFold = SessionFold(opened=self._opened, applied=self._applied, ended=self._ended,
-                                              refused=lambda violation: None, check_lsn=False, resync=False, evict=False)
+                                              refused=lambda violation: None, check_lsn=False, resync=False,
+                                              evict=True, ids=self._ended_ids)
         self._pkey = SINGLE
         self._record: Any = None
         self._next_text_id = 1 + (self._db.execute("SELECT MAX(text_id) FROM sessions").fetchone()[0] or 0)
 
     # ------------------------------------------------------------------ opening
+
+    def _take_lock(self) -> Any:
+        lock_path = Path(f"{self.path}.lock")
+        handle = open(lock_path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise IndexLockedError(
+                f"{self.path}: the index is in use by another process (pid {holder}, lock file {lock_path});"
+                " stop that `agentlog ui`, or give --index PATH for another index file") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        return handle
+
+    def _release_lock(self) -> None:
+        fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+        self._lock_file.close()
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -221,13 +289,19 @@ class SessionIndex:
 
     def catch_up(self, bar: Any = None) -> set[str]:
         """Fold every record appended since the last call (or start); returns the ids of the
-        sessions whose row changed. ``bar``: a byte progress bar to advance."""
-        started = time.perf_counter()
-        changed: set[str] = set()
-        for pkey in self._pkeys():
-            changed |= self._catch_up_one(pkey, bar)
-        self.build_s += time.perf_counter() - started
-        return changed
+        sessions whose row changed. ``bar``: a byte progress bar to advance. After :meth:`close`
+        (or while it waits for this call, which then stops early, keeping what it read) reads nothing."""
+        with self._write_lock:
+            if self._stopping:
+                return set()
+            started = time.perf_counter()
+            changed: set[str] = set()
+            for pkey in self._pkeys():
+                changed |= self._catch_up_one(pkey, bar)
+                if self._stopping:
+                    break
+            self.build_s += time.perf_counter() - started
+            return changed
 
     def _catch_up_one(self, pkey: int, bar: Any) -> set[str]:
         from agentlog.reducers.runstats import decode_projection
@@ -241,6 +315,8 @@ class SessionIndex:
         last = None  # the last new record read (its fingerprint is taken at each flush)
         n = 0
         for rec in self._read(self._log(pkey), start):
+            if self._stopping:
+                break  # close() waits: what was read so far is flushed below, a later start goes on from it
             if rec.lsn < next_lsn and rec.session_id not in self._refold:
                 continue  # read before, and its session's row is final
             if rec.lsn == 0:
@@ -287,6 +363,7 @@ class SessionIndex:
     def _ended(self, s: _Session, lsn: int, sid: str, state: Any, body: Any) -> None:
         from agentlog.reducers.outcome import session_outcome
 
+        self._ended_ids.add(sid)  # ended before its row says so (see _EndedIds)
         s.ended = True
         s.status = str(state)
         if s.status != "finished":
@@ -324,18 +401,22 @@ class SessionIndex:
                 if s is None:
                     continue
                 self._write_row(s)
-                if s.ended:
-                    del self._live[sid]
             db.execute("INSERT OR REPLACE INTO position VALUES (?, ?, ?, ?)", (pkey, next_lsn, first_fp, last_fp))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
+        # Written: an ended session's row is final, so its transcript and health leave memory.
+        for sid in changed:
+            s = self._live.get(sid)
+            if s is not None and s.ended:
+                del self._live[sid]
+        self._ended_ids.unflushed.clear()
         self._pos[pkey] = (next_lsn, first_fp, last_fp)
 
     def _write_row(self, s: _Session) -> None:
         h = s.health
-        flags = h.flags() if s.ended else self._flags_in_flight(h)
+        flags = h.flags()  # for a session in flight: the flags known so far, as replay --flag reads them
         from agentlog.events.log.partitions import partition_name
 
         part = None if s.pkey == SINGLE else partition_name(s.pkey)
@@ -355,11 +436,6 @@ class SessionIndex:
         self._db.executemany("INSERT INTO session_flags VALUES (?, ?)", [(f, s.sid) for f in flags])
         self._db.execute("INSERT INTO session_text(rowid, session_id, body) VALUES (?, ?, ?)",
                          (s.text_id, s.sid, "\n".join(t for t in s.text if t)))
-
-    @staticmethod
-    def _flags_in_flight(h: Any) -> tuple[str, ...]:
-        # The flags known so far (replay --flag reads them so for a session in flight, cmd_replay.index_log).
-        return h.flags()
 
     # ------------------------------------------------------------------ reading
 
@@ -382,7 +458,7 @@ class SessionIndex:
         by_status = dict(r.execute("SELECT status, COUNT(*) FROM sessions GROUP BY status"))
         sessions = {"total": sum(by_status.values()), "finished": by_status.get("finished", 0),
                     "aborted": by_status.get("aborted", 0), "dropped": by_status.get("dropped", 0),
-                    "running": by_status.get("running", 0) + by_status.get("open", 0)}
+                    "running": by_status.get("running", 0), "open": by_status.get("open", 0)}
         reasons = dict(r.execute("SELECT reason, COUNT(*) FROM sessions WHERE reason IS NOT NULL GROUP BY reason ORDER BY 2 DESC"))
         flags = dict(r.execute("SELECT flag, COUNT(*) FROM session_flags GROUP BY flag ORDER BY 2 DESC"))
         return {"sessions": sessions, "reasons": reasons, "flags": flags}
@@ -427,6 +503,9 @@ class SessionIndex:
         if flag is not None:
             where.append("session_id IN (SELECT session_id FROM session_flags WHERE flag = ?)")
             args.append(flag)
+        for name, value in (("version", version), ("offset", offset), ("limit", limit)):
+            if value is not None and not 0 <= value <= MAX_SQL_INT:
+                raise QueryError(name, f"{name}: expected an integer in [0, {MAX_SQL_INT}], found {value}")
         if version is not None:
             where.append("version_min <= ? AND version_max >= ?")
             args += [version, version]
@@ -451,20 +530,33 @@ class SessionIndex:
             raise QueryError("sort", f"sort: expected one of {', '.join(SORT_FIELDS)} (prefix - for descending), found {sort!r}")
         cond = (" WHERE " + " AND ".join(where)) if where else ""
         order = f" ORDER BY {field} IS NULL, {field} {'DESC' if desc else 'ASC'}, session_id"
-        total = self._reader.execute(f"SELECT COUNT(*) FROM sessions{cond}", args).fetchone()[0]
-        rows = self._reader.execute(f"SELECT {', '.join(_COLUMNS)} FROM sessions{cond}{order} LIMIT ? OFFSET ?",
-                                    [*args, limit, offset])
-        return total, [_as_row(r) for r in rows]
+        r = self._reader
+        r.execute("BEGIN")  # one read transaction: the total and the page see the same index
+        try:
+            total = r.execute(f"SELECT COUNT(*) FROM sessions{cond}", args).fetchone()[0]
+            rows = r.execute(f"SELECT {', '.join(_COLUMNS)} FROM sessions{cond}{order} LIMIT ? OFFSET ?",
+                             [*args, limit, offset]).fetchall()
+        finally:
+            r.execute("COMMIT")
+        return total, [_as_row(row) for row in rows]
 
     def close(self) -> None:
-        """Close both connections."""
-        self._reader.close()
-        self._db.close()
+        """Stop a catch-up in progress (at its next record, keeping what it read), wait for it,
+        then close both connections and release the index's lock. Idempotent."""
+        self._stopping = True
+        with self._write_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._reader.close()
+            self._db.close()
+            self._release_lock()
 
 
 def _fts_phrase(q: str) -> str:
     """``q`` as one FTS5 phrase (quoted: the user's text is searched, not parsed as a query)."""
-    return '"' + q.replace('"', '""') + '"'
+    # NUL is no text anyone searches for, and SQLite refuses it in a query string.
+    return '"' + q.replace("\x00", "").replace('"', '""') + '"'
 
 
 def _content(message: Any) -> str:

@@ -3,8 +3,12 @@
 Read-only: GET and HEAD only (anything else 405). Bound to 127.0.0.1 unless
 told otherwise; another host needs a token, and with a token every request
 (API, SSE, static) must carry ``Authorization: Bearer <token>`` or
-``?token=<token>`` (else 401). Errors are JSON ``{"error": ...}`` naming what
-was wrong. The routes and their JSON are the contract in the module
+``?token=<token>`` (else 401). Without a token only requests whose ``Host``
+is a loopback name are answered (else 403): a web page elsewhere cannot
+read the run through a DNS name rebound to 127.0.0.1. Errors are JSON
+``{"error": ...}`` naming what was wrong; an unexpected one is a JSON 500
+(logged with its traceback, the token never). An SSE client that falls
+:data:`SSE_QUEUE_MAX` events behind is dropped (EventSource reconnects). The routes and their JSON are the contract in the module
 docstrings of :mod:`.views` and :mod:`.index`.
 
 One follower task keeps the index up to date: every :data:`POLL_S` it reads
@@ -29,6 +33,8 @@ from aiohttp import web
 from agentlog._logging import get_logger
 from agentlog.events.errors import AgentlogError
 
+from .index import MAX_SQL_INT
+
 log = get_logger("agentlog.tools.ui.server")
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -37,6 +43,10 @@ POLL_S = 0.25
 #: The most rows one page of /api/sessions may ask for.
 MAX_LIMIT = 1000
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+#: The Host header names (port aside) a tokenless server answers.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+#: Events queued for one SSE client before it counts as stuck and is dropped.
+SSE_QUEUE_MAX = 1000
 _SESSION_PARAMS = ("offset", "limit", "sort", "status", "reason", "flag", "version", "partition", "group", "q",
                    "min_reward", "max_reward", "token")
 
@@ -65,7 +75,7 @@ class UiServer:
         from agentlog.tools.cli import EXIT_USAGE, CliError
         from agentlog.tools.cli_common import check_log_path, learner_log_of, reduce_config_of
 
-        from .index import SessionIndex, default_index_path
+        from .index import IndexLockedError, SessionIndex, default_index_path
         from .views import RunViews
 
         if host not in LOOPBACK and not token:
@@ -76,7 +86,10 @@ class UiServer:
         self.learner = learner_log_of(self.source)
         config = reduce_config_of(self.source)
         path = Path(index_path) if index_path else default_index_path(self.source, source)
-        self.index = SessionIndex(self.source, path, config)
+        try:
+            self.index = SessionIndex(self.source, path, config)
+        except IndexLockedError as exc:
+            raise CliError(f"ui: {exc}", EXIT_USAGE) from None
         self.views = RunViews(self.source, self.learner, config, self.source.run_dir)
         self.runner: web.AppRunner | None = None
         self.follower: asyncio.Task | None = None
@@ -113,7 +126,8 @@ class UiServer:
             raise TimeoutError(f"{self.arg}: the index did not catch up within {timeout_s} s")
 
     async def stop(self) -> None:
-        """Stop following and serving; close the index."""
+        """Stop following and serving; close the index (waiting for a catch-up in progress, which
+        stops at its next record and keeps what it read)."""
         if self.follower is not None and not self.follower.done():
             self.follower.cancel()
             try:
@@ -121,10 +135,10 @@ class UiServer:
             except asyncio.CancelledError:
                 pass
         for q in list(self._clients):
-            q.put_nowait(None)
+            self._end_stream(q)
         if self.runner is not None:
             await self.runner.cleanup()
-        self.index.close()
+        await asyncio.to_thread(self.index.close)
 
     # ------------------------------------------------------------------ following
 
@@ -171,7 +185,18 @@ class UiServer:
 
     def _push(self, event: str, data: Any) -> None:
         for q in list(self._clients):
-            q.put_nowait((event, data))
+            try:
+                q.put_nowait((event, data))
+            except asyncio.QueueFull:
+                log.warning("ui.stream.dropped", why=f"the client fell {SSE_QUEUE_MAX} events behind", kind=event)
+                self._end_stream(q)
+
+    def _end_stream(self, q: asyncio.Queue) -> None:
+        """End one SSE client's stream: whatever it has not been sent is dropped, then the end mark."""
+        self._clients.discard(q)
+        while not q.empty():
+            q.get_nowait()
+        q.put_nowait(None)
 
     # ------------------------------------------------------------------ the app
 
@@ -194,6 +219,9 @@ class UiServer:
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):
             return _error(405, f"{request.method} {request.path}: this server is read-only (GET and HEAD only)")
+        if self.token is None and not _loopback_host(request.headers.get("Host", "")):
+            return _error(403, f"{request.path}: Host {request.headers.get('Host', '')!r} is not a loopback name"
+                          f" ({', '.join(LOOPBACK_HOSTS)}); a server without --token answers only those")
         if self.token is not None and not self._authorized(request):
             return _error(401, f"{request.path}: a token is required (Authorization: Bearer <token> or ?token=<token>)")
         try:
@@ -204,9 +232,10 @@ class UiServer:
             if exc.status == 405:
                 return _error(405, f"{request.method} {request.path}: this server is read-only (GET and HEAD only)")
             return _error(exc.status, f"{request.path}: {exc.reason}")
-        except Exception:
-            log.exception("ui.request.failed", path=request.path, query=request.query_string)
-            raise
+        except Exception as exc:
+            query = {k: ("<hidden>" if k == "token" else v) for k, v in request.query.items()}
+            log.error("ui.request.failed", path=request.path, query=query, exc_info=exc)
+            return _error(500, f"{request.path}: internal error ({type(exc).__name__}); see the server log")
 
     def _authorized(self, request: web.Request) -> bool:
         given = request.query.get("token")
@@ -316,7 +345,7 @@ class UiServer:
     async def _api_stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=SSE_QUEUE_MAX)
         self._clients.add(queue)
         try:
             await resp.write(f"event: index\ndata: {json.dumps({'sessions': self.index.count(), 'built_to': self.index.built_to})}\n\n".encode())
@@ -344,9 +373,10 @@ def _int(q: Any, name: str, default: int | None, low: int, high: int | None = No
     try:
         value = int(text)
     except ValueError:
-        raise BadRequest(f"{name}: expected an integer, found {text!r}") from None
-    if value < low or (high is not None and value > high):
-        raise BadRequest(f"{name}: expected an integer in [{low}, {high if high is not None else 'inf'}], found {value}")
+        raise BadRequest(f"{name}: expected an integer, found {text!r:.60}") from None
+    high = MAX_SQL_INT if high is None else high
+    if value < low or value > high:
+        raise BadRequest(f"{name}: expected an integer in [{low}, {high}], found {text:.60}")
     return value
 
 
@@ -366,6 +396,15 @@ def _float(q: Any, name: str) -> float | None:
 def _path_int(request: web.Request, name: str) -> int:
     text = request.match_info[name]
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise BadRequest(f"{name}: expected an integer, found {text!r}") from None
+        raise BadRequest(f"{name}: expected an integer, found {text!r:.60}") from None
+    if abs(value) > MAX_SQL_INT:
+        raise BadRequest(f"{name}: expected an integer in [-{MAX_SQL_INT}, {MAX_SQL_INT}], found {text:.60}")
+    return value
+
+
+def _loopback_host(host: str) -> bool:
+    """Whether a Host header names a loopback host (any port)."""
+    name = host.rpartition("]")[0] + "]" if host.startswith("[") else host.partition(":")[0]
+    return name.lower() in LOOPBACK_HOSTS

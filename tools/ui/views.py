@@ -15,7 +15,8 @@
   for that step's record (:func:`reducers.partitioned.rebuild_batches`, the
   digest :func:`loop.learner_records.step_digest`).
 
-The released groups are computed once per log position and cached.
+The released groups are folded incrementally: one partition fold kept across
+requests reads only the records appended since the previous request.
 """
 
 from __future__ import annotations
@@ -41,52 +42,68 @@ def token_text(ids: list[int]) -> list[str]:
     return [f"<{t}>" for t in ids]
 
 
-def token_kinds(sample: Any, turns: dict[int, Any], row: Any | None) -> list[str]:
+def token_kinds(sample: Any, turns: dict[int, "_TurnInfo"], row: Any | None) -> list[str]:
     """Per token of ``sample`` its kind: ``prompt`` (before the response); in the response,
-    ``trained`` where the loss mask is 1; a token some turn of the row generated (its output,
-    found in order) and mask 0 is ``generated_untrained``; any other response token came from
-    outside the policy: ``tool`` when the turn after it holds a tool message, else ``given``."""
-    ids = sample.token_ids.tolist()
-    n_prompt = sample.prompt_length
-    mask = sample.mask.tolist()
+    ``trained`` where the loss mask is 1; a token a turn of the row generated (its output where
+    the row holds it, :func:`reducers.row_layout.turn_output_spans`) and mask 0 is
+    ``generated_untrained``; any other response token came from outside the policy: ``tool``
+    when the turn after it holds a tool message, else ``given``. One pass over the row."""
+    return _layout(sample, turns, row)[0]
+
+
+def _layout(sample: Any, turns: dict[int, "_TurnInfo"], row: Any | None) -> tuple[list[str], list, list]:
+    """(kinds, rollout log-probs, versions) per token of ``sample``: the log-prob and version
+    each turn recorded for its own output tokens, None wherever the log holds none."""
+    from agentlog.reducers.row_layout import turn_output_spans
+
+    n_prompt, n = sample.prompt_length, sample.prompt_length + sample.response_length
     kinds = ["prompt"] * n_prompt + ["given"] * sample.response_length
-    resp = ids[n_prompt:]
-    cursor = 0
-    order = list(row.turn_indices) if row is not None else []
-    for k, t in enumerate(order):
-        turn = turns.get(t)
-        if turn is None:
-            continue
-        out = turn.output_ids_list
-        at = _find(resp, out, cursor) if out else -1
-        if at < 0:
-            continue
-        nxt = turns.get(order[k + 1]) if k + 1 < len(order) else None
+    logprob: list[float | None] = [None] * n
+    version: list[int | None] = [None] * n
+    spans: list = []
+    after: dict[int, int] = {}  # turn index -> the next turn of the row
+    if row is not None:
+        order = list(row.turn_indices)
+        spans = turn_output_spans(sample.tokens, order, {t: (turns[t].prompt_tokens, turns[t].output_ids)
+                                                         for t in order if t in turns})
+        after = {t: order[k + 1] for k, t in enumerate(order[:-1])}
+    for k, span in enumerate(spans):
+        info = turns[span.turn]
+        end = span.start + span.length
+        for i in range(max(span.start, n_prompt), end):
+            kinds[i] = "generated_untrained"
+        lps = info.log_probs
+        if lps is not None:
+            logprob[span.start:end] = [_num(x) for x in lps[:span.length]]
+        for (first, v), last in zip(info.version_spans, [f for f, _ in info.version_spans[1:]] + [span.length]):
+            version[span.start + first:span.start + min(last, span.length)] = [v] * max(0, min(last, span.length) - first)
+        nxt = turns.get(after.get(span.turn, -1))
         filler = "tool" if nxt is not None and nxt.has_tool_message else "given"
-        for i in range(at + len(out), len(resp)):
-            kinds[n_prompt + i] = filler
-        for i in range(at, at + len(out)):
-            kinds[n_prompt + i] = "generated_untrained"
-        cursor = at + len(out)
-    for i, m in enumerate(mask):
+        stop = spans[k + 1].start if k + 1 < len(spans) else n
+        for i in range(max(end, n_prompt), stop):
+            kinds[i] = filler
+    for i, m in enumerate(sample.mask.tolist()):
         if m:
             kinds[n_prompt + i] = "trained"
-    return kinds
-
-
-def _find(hay: list[int], needle: list[int], start: int) -> int:
-    n = len(needle)
-    for i in range(start, len(hay) - n + 1):
-        if hay[i:i + n] == needle:
-            return i
-    return -1
+    return kinds, logprob, version
 
 
 class _TurnInfo:
-    __slots__ = ("output_ids_list", "has_tool_message")
+    """What a row's token view needs of one recorded turn."""
 
-    def __init__(self, output_ids: list[int], has_tool_message: bool) -> None:
-        self.output_ids_list, self.has_tool_message = output_ids, has_tool_message
+    __slots__ = ("prompt_tokens", "output_ids", "log_probs", "version_spans", "has_tool_message")
+
+    def __init__(self, body: Any, has_tool_message: bool) -> None:
+        from agentlog.events.schema.turn import turn_version_spans
+
+        self.prompt_tokens = len(body.prompt_ids) // 4
+        self.output_ids = bytes(body.output_ids)
+        n_out = len(self.output_ids) // 4
+        lps = body.output_log_probs
+        # A turn recorded without one log-prob per output token has none to show.
+        self.log_probs = memoryview(bytes(lps)).cast("f").tolist() if lps and len(lps) // 4 == n_out else None
+        self.version_spans = [tuple(s) for s in turn_version_spans(body)]
+        self.has_tool_message = has_tool_message
 
 
 class RunViews:
@@ -96,7 +113,8 @@ class RunViews:
     def __init__(self, source: LogSource, learner: LogSource | None, config: Any, run_dir: Any = None) -> None:
         self.source, self.learner, self.config, self.run_dir = source, learner, config, run_dir
         self._lock = threading.Lock()
-        self._released: tuple[Any, Any] = (None, None)  # (position key, released groups)
+        self._fold: Any = None  # the PartitionFold of released(), fed incrementally
+        self._released: dict[int, dict[str, Any]] = {}  # partition -> group id -> ReleasedGroup
         self._checks: dict[tuple[Any, int], dict] = {}
 
     # ------------------------------------------------------------------ session
@@ -146,9 +164,7 @@ class RunViews:
                               "finish_reason": b.finish_reason, "policy_version": b.policy_version, "version_spans": spans,
                               "server": server or None, "server_moved_from": moved or None,
                               "undelivered": b.turn_index in undelivered})
-                infos[b.turn_index] = _TurnInfo(
-                    [int(x) for x in memoryview(b.output_ids).cast("i")],
-                    any(isinstance(m, dict) and m.get("role") == "tool" for m in new))
+                infos[b.turn_index] = _TurnInfo(b, any(isinstance(m, dict) and m.get("role") == "tool" for m in new))
                 held = msgs + ([b.response_message] if b.response_message is not None else [])
                 last_turn = b.turn_index
             elif isinstance(b, CommandRan):
@@ -179,22 +195,20 @@ class RunViews:
         ids = s.token_ids.tolist()
         n_prompt = s.prompt_length
         mask = s.mask.tolist()
-        rollout = s.log_probs.tolist()
         teacher = s.teacher_lp.tolist() if s.teacher_scored else []
         scored = s.teacher_mask.tolist() if s.teacher_scored else []
-        versions = s.versions.tolist()
-        kinds = token_kinds(s, turns, trow)
-        gen = [k in ("trained", "generated_untrained") for k in kinds]
+        kinds, rollout, versions = _layout(s, turns, trow)
         return {
             "row": s.row_index, "trained": bool(sum(mask)) and not s.remove_sample, "advantage": None,
             "status": s.status, "reward": _num(s.reward), "remove_sample": s.remove_sample,
             "tokens": ids, "text": token_text(ids), "kinds": kinds,
             "mask": [0] * n_prompt + mask,
-            "rollout_logprob": [None] * n_prompt + [_num(x) if gen[n_prompt + i] else None for i, x in enumerate(rollout)],
+            # Only what the turns recorded: an untrained or realigned token has no made-up 0.0 / version 0.
+            "rollout_logprob": rollout,
             "trainer_logprob": [None] * len(ids),  # the learner records no per-token log-prob (only step metrics)
             "teacher_logprob": [None] * n_prompt + [_num(teacher[i]) if scored and scored[i] else None
                                                     for i in range(s.response_length)],
-            "version": [None] * n_prompt + [versions[i] if gen[n_prompt + i] else None for i in range(s.response_length)],
+            "version": versions,
         }
 
     # ------------------------------------------------------------------ groups and steps
@@ -223,28 +237,39 @@ class RunViews:
                         "tokens_per_s": _num(m.get("perf/tokens_per_s", m.get("tokens_per_s"))), "ts": ts})
         return out
 
-    def released(self, position: Any) -> dict:
-        """Every partition's released groups (:func:`reducers.partitioned.reduce_partitions`), cached per ``position``."""
-        from agentlog.reducers.partitioned import reduce_partitions
+    def released(self, position: Any = None) -> dict:
+        """Every partition's released groups (as :func:`reducers.partitioned.reduce_partitions`
+        gives them), folded incrementally: one :class:`reducers.partitioned.PartitionFold` kept
+        across calls is fed only the records appended since the last call (``position`` is not
+        needed: each partition's read frontier says where to go on)."""
+        from agentlog.reducers.partitioned import PartitionFold
 
         with self._lock:
-            if self._released[0] != position:
-                if self.source.partitioned:
-                    parts = {pid: self.source.partition(pid).read() for pid in self.source.partitions()}
-                else:
-                    parts = {0: self.source.read()}
-                self._released = (position, reduce_partitions(parts, self.config))
-            return self._released[1]
+            if self._fold is None:
+                self._fold = PartitionFold(self.config)
+            fold = self._fold
+            if self.source.partitioned:
+                parts = {pid: self.source.partition(pid) for pid in self.source.partitions()}
+            else:
+                parts = {0: self.source}
+            for pid, log in parts.items():
+                released = self._released.setdefault(pid, {})
+                try:
+                    for env in log.read(fold.frontier.get(pid, 0)):
+                        for r in fold.feed(pid, env):
+                            released[r.group.group_id] = r
+                except Exception:
+                    # The fold moved past the record it refused: start over next time, so every
+                    # call raises the same error instead of one call raising and the rest skipping it.
+                    self._fold, self._released = None, {}
+                    raise
+            return {pid: dict(groups) for pid, groups in self._released.items()}
 
     def _advantages(self, group: Any) -> list[float]:
-        from agentlog.tools.dataset_rows import group_advantages
+        from agentlog.tools.dataset_rows import group_advantages, member_advantages
 
         lc = self._learner_config()
-        members = group.members
-        of = group_advantages(lc.estimator, lc.adv_eps)
-        adv = of([m.reward if m.valid and m.reward is not None else 0.0 for m in members], [0] * len(members),
-                 [m.valid for m in members])
-        return [a if m.valid else 0.0 for a, m in zip(adv, members)]
+        return member_advantages([group], group_advantages(lc.estimator, lc.adv_eps))[0]
 
     def _learner_config(self) -> Any:
         from agentlog.learner.config import LearnerConfig
@@ -293,9 +318,11 @@ class RunViews:
         groups = []
         from agentlog.loop.check import with_batch
 
-        names = [ref.group_id for ref in with_batch(rec, released).batch]
-        for gid in names:
-            r = next((g[gid] for g in released.values() if gid in g), None)
+        from agentlog.loop.staleness import group_version
+
+        for ref in with_batch(rec, released).batch:
+            gid = ref.group_id
+            r = released.get(ref.partition, {}).get(gid)
             trained = gid in rec.groups
             members = []
             if r is not None:
@@ -303,7 +330,8 @@ class RunViews:
                 members = [{"session_id": m.session_id, "advantage": _num(a) if m.valid else None,
                             "trained": trained and m.valid} for m, a in zip(r.group.members, adv)]
             groups.append({"group_id": gid, "trained": trained, "skip_reason": rec.skipped.get(gid) or None,
-                           "staleness": (rec.policy_version - 1 - min((s.policy_version for s in r.group.samples), default=0))
+                           # As the learner judged it: its version before this update minus the group's.
+                           "staleness": rec.policy_version - 1 - group_version(r.group)
                            if r is not None and r.group.samples else None,
                            "members": members})
         return {"step": rec.step, "policy_version": rec.policy_version,

@@ -20,7 +20,7 @@ const KIND_LABEL = {
   prompt: "prompt (mask 0)", trained: "trained (mask 1)", generated_untrained: "generated, not trained (mask 0)",
   tool: "tool output (mask 0)", given: "given (mask 0)",
 };
-const STATUSES = ["finished", "aborted", "dropped", "running"];
+const STATUSES = ["finished", "aborted", "dropped", "running", "open"];  // replay --status: open = opened, not started
 // Distinct colours for categories (abort reasons, chart series), colour-blind-friendly first.
 const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d", "#9333ea", "#475569"];
 
@@ -324,7 +324,8 @@ const RunView = {
       grid.appendChild(el("div", { class: "card muted" }, "No learner steps in this log (a rollout-only log, or the learner has not stepped yet)."));
     }
 
-    // Aborts over time, stacked by reason; each bar part opens the aborted sessions of that reason.
+    // Aborts over time, stacked by reason; each bar part opens the sessions of that reason
+    // (reason only: aborts_over_time counts drops too, which status=aborted would hide).
     const aborts = run.aborts_over_time || [];
     const reasons = [...new Set(aborts.map((a) => a.reason))].sort();
     const colorOf = (r) => PALETTE[reasons.indexOf(r) % PALETTE.length];
@@ -334,7 +335,7 @@ const RunView = {
       abortCard.appendChild(legend(reasons.map((r) => [colorOf(r), r])));
       abortCard.appendChild(stackedBars(buckets.map((b) => ({
         label: fmtTime(b),
-        parts: aborts.filter((a) => a.bucket_ts === b).map((a) => ({ key: a.reason, value: a.count, href: sessionsHref({ status: "aborted", reason: a.reason }) })),
+        parts: aborts.filter((a) => a.bucket_ts === b).map((a) => ({ key: a.reason, value: a.count, href: sessionsHref({ reason: a.reason }) })),
       })), colorOf));
     } else {
       abortCard.appendChild(el("p", { class: "muted" }, "No aborted session."));
