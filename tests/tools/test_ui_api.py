@@ -539,3 +539,42 @@ def test_an_index_built_in_pieces_with_restarts_equals_one_built_in_one_go(tmp_p
         assert [{k: v for k, v in r.items() if k != "first_ts"} for r in got[0]] == \
                [{k: v for k, v in r.items() if k != "first_ts"} for r in want[0]], (trial, cuts, restart)
         assert got[1] == want[1], (trial, cuts, restart)
+
+
+def test_each_abort_bar_opens_exactly_the_sessions_it_counts(tmp_path):
+    """For every bucket of /api/run aborts_over_time, /api/sessions?reason=R&since=..&until=.. lists
+    exactly ``count`` sessions, and together the buckets list each abort and drop once. The opening
+    times sit on bucket edges (lo + k * width), where a bucket computed by division and a filter
+    by comparison would disagree."""
+    import random
+
+    from agentlog.events import FileLog
+    from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionOpened, SessionStarted
+
+    now_ns = [0]
+    writer = FileLog.open(tmp_path / "log", fsync="batch", clock=lambda: now_ns[0])
+    base, rng = 1_767_000_000_123_456_789, random.Random(7)
+    offsets = sorted([k * 100_000_000 for k in range(31)] + [rng.randrange(3_000_000_000) for _ in range(40)])
+    expected: dict[str, str] = {}
+    for i, offset in enumerate(offsets):
+        sid, reason = f"s{i:03d}", ("cancelled", "wall_clock_timeout", "exception:ValueError")[i % 3]
+        now_ns[0] = base + offset
+        end = SessionDropped(reason=reason) if i % 4 == 0 else SessionAborted(reason=reason)
+        writer.append_batch([(sid, 0, SessionOpened(group_id="g", group_size=1)), (sid, 1, SessionStarted()), (sid, 2, end)])
+        expected[sid] = reason
+    writer.close()
+    url, stop = start_ui(tmp_path / "log", index_path=tmp_path / "i.sqlite")
+    try:
+        buckets = _ok(f"{url}/api/run")["aborts_over_time"]
+        assert len({b["bucket_ts"] for b in buckets}) >= 25, buckets
+        listed: list[str] = []
+        for b in buckets:
+            got = _ids(url, reason=b["reason"], since=repr(b["bucket_ts"]), until=repr(b["bucket_end"]))
+            assert len(got) == b["count"] and {expected[s] for s in got} == {b["reason"]}, b
+            listed += got
+        assert sorted(listed) == sorted(expected)  # every abort and drop in exactly one bucket
+        for query in ("since=soon", "until=nan"):
+            status, body = _get(f"{url}/api/sessions?{query}")
+            assert status == 400 and query.split("=")[0] in body["error"], (query, body)
+    finally:
+        stop()

@@ -263,19 +263,34 @@ def test_sessions_filtered_in_the_ui_are_the_sessions_replay_selects(log_tab, ui
     tab.assert_clean()
 
 
+def test_each_abort_bar_opens_the_sessions_it_counts(log_tab):
+    tab, page = log_tab, log_tab.page
+    buckets = get_json(tab.base, "/api/run")["aborts_over_time"]
+    tab.open("run", "run")
+    hrefs = page.eval_on_selector_all("#chart-aborts svg a", "as => as.map(a => a.getAttribute('href'))")
+    assert len(hrefs) == len(buckets) >= 3, (hrefs, buckets)
+    for href, bucket in zip(hrefs, buckets):
+        query = urllib.parse.parse_qs(href.split("?", 1)[1])
+        assert (query["reason"], float(query["since"][0]), float(query["until"][0])) == (
+            [bucket["reason"]], bucket["bucket_ts"], bucket["bucket_end"]), href
+        tab.open(href.removeprefix("#/") + "&limit=500", "sessions")
+        assert len(tab.row_ids()) == bucket["count"], (href, bucket)
+    tab.assert_clean()
+
+
 # ---------------------------------------------------------------- the token view
 
 
 def test_the_token_view_has_one_span_per_token_carrying_the_rows_mask(log_tab):
     tab, page = log_tab, log_tab.page
-    checked = 0
+    checked = forked = 0
     for sid in ("fin-0", "fork-2", "abort-0"):
         session = get_json(tab.base, f"/api/session/{sid}")
         tab.open(f"session/{sid}", "session")
         for row in session["rows"]:
             spans = page.eval_on_selector_all(
                 f".tokens[data-row='{row['row']}'] span.tok",
-                "ss => ss.map(s => [s.dataset.mask, s.className.replace('tok kind-', '')])")
+                "ss => ss.map(s => [s.dataset.mask, [...s.classList].find(c => c.startsWith('kind-')).slice(5)])")
             assert len(spans) == len(row["tokens"]), (sid, row["row"])
             assert [int(m) for m, _ in spans] == row["mask"], (sid, row["row"])
             assert [k for _, k in spans] == row["kinds"], (sid, row["row"])
@@ -286,7 +301,21 @@ def test_the_token_view_has_one_span_per_token_carrying_the_rows_mask(log_tab):
             assert page.locator("#forks .forks > div").count() == len(session["forks"]["branches"])
             ok = session["forks"]["train_once"]["ok"]
             assert page.text_content("#train-once") == ("train-once check: OK" if ok else "train-once check: FAILED")
-    assert checked >= 3
+            # Where the branches part: every branch's tokens from the common prefix on are marked diverged.
+            branch_rows = [r for b in session["forks"]["branches"] for r in session["rows"] if r["row"] == b["row"]]
+            shared = len(os.path.commonprefix([r["tokens"] for r in branch_rows]))
+            assert shared < min(len(r["tokens"]) for r in branch_rows), (sid, shared)  # fork-2's branches share 0
+            assert page.text_content("#fork-diverge") == f"branches share {shared} tokens, differ from token {shared}"
+            for r in branch_rows:
+                diverged = page.eval_on_selector_all(
+                    f"#forks .tokens[data-row='{r['row']}'] span.tok.diverged", "ss => ss.map(s => Number(s.dataset.i))")
+                assert diverged == list(range(shared, len(r["tokens"]))), (sid, r["row"])
+            forked += 1
+    assert checked >= 3 and forked == 1
+    # A shared prefix the log's fork lacks (its second branch rewrote the first prompt): the page's own measure.
+    prefix = "rs => commonPrefix(rs.map(t => ({tokens: t})))"
+    assert page.evaluate(prefix, [[1, 2, 3, 4], [1, 2, 9], [1, 2, 3]]) == 2
+    assert page.evaluate(prefix, [[5, 6], [5, 6, 7]]) == 2 and page.evaluate(prefix, [[1], [2]]) == 0
     # The tooltip of a generated token names its mask and its rollout log-prob.
     tab.open("session/fin-0", "session")
     page.hover(".tokens span.tok.kind-trained >> nth=0")

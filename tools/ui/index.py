@@ -27,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import sqlite3
 import threading
@@ -464,15 +465,23 @@ class SessionIndex:
         return {"sessions": sessions, "reasons": reasons, "flags": flags}
 
     def aborts_over_time(self, buckets: int = 30) -> list[dict[str, Any]]:
-        """Aborts and drops per time bucket and reason."""
+        """Aborts and drops per bucket of ``first_ts`` and reason. A bucket holds the sessions with
+        ``bucket_ts <= first_ts < bucket_end``: the same comparisons :meth:`query`'s ``since`` and
+        ``until`` make, so ``reason=R&since=bucket_ts&until=bucket_end`` lists exactly ``count`` sessions."""
         r = self._reader
         lo, hi = r.execute("SELECT MIN(first_ts), MAX(first_ts) FROM sessions WHERE reason IS NOT NULL").fetchone()
         if lo is None:
             return []
         width = max((hi - lo) / buckets, 1e-3)
-        rows = r.execute("SELECT CAST((first_ts - ?) / ? AS INTEGER) AS b, reason, COUNT(*) FROM sessions "
-                         "WHERE reason IS NOT NULL GROUP BY b, reason ORDER BY b, reason", (lo, width))
-        return [{"bucket_ts": lo + b * width, "reason": reason, "count": n} for b, reason, n in rows]
+        edges = [lo + i * width for i in range(buckets)]
+        # The last bucket ends past the latest session (lo + buckets * width may round below it).
+        edges.append(max(lo + buckets * width, math.nextafter(hi, math.inf)))
+        spans = ", ".join("(?, ?, ?)" for _ in range(buckets))
+        rows = r.execute(f"WITH b(i, since, until) AS (VALUES {spans}) SELECT b.i, reason, COUNT(*) FROM b JOIN sessions "
+                         "ON first_ts >= b.since AND first_ts < b.until WHERE reason IS NOT NULL "
+                         "GROUP BY b.i, reason ORDER BY b.i, reason",
+                         [v for i in range(buckets) for v in (i, edges[i], edges[i + 1])])
+        return [{"bucket_ts": edges[i], "bucket_end": edges[i + 1], "reason": reason, "count": n} for i, reason, n in rows]
 
     def locate(self, session_id: str) -> tuple[int, int] | None:
         """(partition key, first LSN) of a session the index holds, or None."""
@@ -487,7 +496,8 @@ class SessionIndex:
     def query(self, *, offset: int = 0, limit: int = 50, sort: str = "first_ts", status: str | None = None,
               reason: str | None = None, flag: str | None = None, version: int | None = None,
               partition: str | None = None, group: str | None = None, q: str | None = None,
-              min_reward: float | None = None, max_reward: float | None = None) -> tuple[int, list[dict[str, Any]]]:
+              min_reward: float | None = None, max_reward: float | None = None, since: float | None = None,
+              until: float | None = None) -> tuple[int, list[dict[str, Any]]]:
         """(total matching, the page of rows): the sessions table's question (see the contract).
         Raises :class:`QueryError` naming a parameter the index cannot take."""
         where: list[str] = []
@@ -515,12 +525,12 @@ class SessionIndex:
         if group is not None:
             where.append("group_id = ?")
             args.append(group)
-        if min_reward is not None:
-            where.append("reward >= ?")
-            args.append(min_reward)
-        if max_reward is not None:
-            where.append("reward <= ?")
-            args.append(max_reward)
+        # since/until: the bounds of an aborts_over_time bucket (first_ts in [since, until)).
+        for column, op, bound in (("reward", ">=", min_reward), ("reward", "<=", max_reward),
+                                  ("first_ts", ">=", since), ("first_ts", "<", until)):
+            if bound is not None:
+                where.append(f"{column} {op} ?")
+                args.append(bound)
         if q:
             where.append("text_id IN (SELECT rowid FROM session_text WHERE session_text MATCH ?)")
             args.append(_fts_phrase(q))

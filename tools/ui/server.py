@@ -48,7 +48,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 #: Events queued for one SSE client before it counts as stuck and is dropped.
 SSE_QUEUE_MAX = 1000
 _SESSION_PARAMS = ("offset", "limit", "sort", "status", "reason", "flag", "version", "partition", "group", "q",
-                   "min_reward", "max_reward", "token")
+                   "min_reward", "max_reward", "since", "until", "token")
 
 
 class BadRequest(AgentlogError, ValueError):
@@ -287,7 +287,8 @@ class UiServer:
               "sort": q.get("sort") or "first_ts", "status": q.get("status") or None, "reason": q.get("reason") or None,
               "flag": flag, "version": _int(q, "version", None, 0), "partition": q.get("partition") or None,
               "group": q.get("group") or None, "q": q.get("q") or None,
-              "min_reward": _float(q, "min_reward"), "max_reward": _float(q, "max_reward")}
+              "min_reward": _float(q, "min_reward"), "max_reward": _float(q, "max_reward"),
+              "since": _float(q, "since"), "until": _float(q, "until")}
         try:
             total, rows = self.index.query(**kw)
         except QueryError as exc:

@@ -324,8 +324,8 @@ const RunView = {
       grid.appendChild(el("div", { class: "card muted" }, "No learner steps in this log (a rollout-only log, or the learner has not stepped yet)."));
     }
 
-    // Aborts over time, stacked by reason; each bar part opens the sessions of that reason
-    // (reason only: aborts_over_time counts drops too, which status=aborted would hide).
+    // Aborts over time, stacked by reason; each bar part opens exactly the sessions it counts: that reason,
+    // opened in [bucket_ts, bucket_end) (reason only: the chart counts drops too, which status=aborted would hide).
     const aborts = run.aborts_over_time || [];
     const reasons = [...new Set(aborts.map((a) => a.reason))].sort();
     const colorOf = (r) => PALETTE[reasons.indexOf(r) % PALETTE.length];
@@ -335,7 +335,7 @@ const RunView = {
       abortCard.appendChild(legend(reasons.map((r) => [colorOf(r), r])));
       abortCard.appendChild(stackedBars(buckets.map((b) => ({
         label: fmtTime(b),
-        parts: aborts.filter((a) => a.bucket_ts === b).map((a) => ({ key: a.reason, value: a.count, href: sessionsHref({ reason: a.reason }) })),
+        parts: aborts.filter((a) => a.bucket_ts === b).map((a) => ({ key: a.reason, value: a.count, href: sessionsHref({ reason: a.reason, since: a.bucket_ts, until: a.bucket_end }) })),
       })), colorOf));
     } else {
       abortCard.appendChild(el("p", { class: "muted" }, "No aborted session."));
@@ -361,7 +361,8 @@ const SORTABLE = [
   ["reward", "reward", true], ["turns", "turns", true], ["version_min", "versions", true], [null, "flags"], ["first_ts", "started"],
 ];
 const TEXT_FILTERS = [["version", "version", true], ["partition", "partition"], ["group", "group"], ["q", "transcript text"],
-  ["min_reward", "reward ≥", true], ["max_reward", "reward ≤", true]];
+  ["min_reward", "reward ≥", true], ["max_reward", "reward ≤", true],
+  ["since", "opened ≥ (unix s)", true], ["until", "opened < (unix s)", true]];
 
 const SessionsView = {
   params: null,
@@ -539,7 +540,7 @@ function present(arr) { return Array.isArray(arr) && arr.some((v) => v !== null 
 
 /** The token view of one training row: one <span class="tok kind-K" data-mask="M"> per token (the contract's
  *  selector), its text, and under it one thin ribbon per log-prob source the row has. Hover: the tooltip. */
-function tokenView(row) {
+function tokenView(row, divergeFrom = null) {
   const box = el("div", { class: "tokens", "data-row": row.row });
   const ribbons = RIBBONS.filter(([, field]) => present(row[field]));
   const withDelta = present(row.rollout_logprob) && present(row.trainer_logprob);
@@ -551,7 +552,7 @@ function tokenView(row) {
     // Whitespace made visible: a newline shows as ↵ (and breaks the line after the token), a tab as →.
     const shown = text.replace(/\n/g, "↵").replace(/\t/g, "→") || "∅";
     const span = document.createElement("span");
-    span.className = "tok kind-" + String(kind).replace(/[^a-z_]/g, "");
+    span.className = "tok kind-" + String(kind).replace(/[^a-z_]/g, "") + (divergeFrom !== null && i >= divergeFrom ? " diverged" : "");
     span.dataset.mask = String(row.mask[i]);
     span.dataset.i = String(i);
     span.appendChild(document.createTextNode(shown));
@@ -626,12 +627,25 @@ function ribbonControls(root, rows) {
     el("span", { class: "muted" }, " colour: p(token) "), el("span", { class: "ribbon-scale", title: "left: p near 0, right: p = 1" }), el("span", { class: "muted" }, " 0 → 1"));
 }
 
-function rowBlock(row) {
+/** ``divergeFrom``: for a fork branch, the first token where it differs from the other branches (marked diverged). */
+function rowBlock(row, divergeFrom = null) {
   const trained = row.mask.reduce((a, m) => a + m, 0);
   return el("div", { class: "row-block", "data-row-block": row.row },
     el("div", { class: "rowhead" }, el("b", {}, `row ${row.row}`), yesNo(row.trained, "trained", "not trained"),
       el("span", {}, `advantage ${fmtNum(row.advantage)}`), el("span", { class: "muted" }, `${row.tokens.length} tokens, ${trained} in the loss`)),
-    tokenView(row));
+    tokenView(row, divergeFrom));
+}
+
+/** How many leading tokens all the rows share (the fork's common prefix). */
+function commonPrefix(rows) {
+  if (!rows.length) return 0;
+  let n = Math.min(...rows.map((r) => r.tokens.length));
+  for (const r of rows.slice(1)) {
+    let i = 0;
+    while (i < n && r.tokens[i] === rows[0].tokens[i]) i++;
+    n = i;
+  }
+  return n;
 }
 
 const SessionView = {
@@ -699,15 +713,18 @@ const SessionView = {
     if ((forks.branches || []).length > 1) {
       // Forked branches side by side: the shared prefix must be trained once only (the train-once check).
       const check = forks.train_once || {};
+      const branchRowList = forks.branches.map((b) => rows.find((r) => r.row === b.row)).filter(Boolean);
+      const shared = commonPrefix(branchRowList);
       box.appendChild(el("div", { class: "card", id: "forks" },
         el("h3", {}, "Fork branches ", el("span", { class: check.ok ? "check-ok" : "check-bad", id: "train-once" },
           check.ok ? "train-once check: OK" : "train-once check: FAILED")),
         el("p", {}, check.detail || ""),
+        el("p", { id: "fork-diverge", "data-shared": shared }, `branches share ${shared} tokens, differ from token ${shared}`),
         el("div", { class: "forks", style: `grid-template-columns: repeat(${forks.branches.length}, minmax(0, 1fr))` },
           forks.branches.map((b) => {
             const row = rows.find((r) => r.row === b.row);
             return el("div", {}, el("div", { class: "muted" }, `branch: row ${b.row}, turns ${(b.turns || []).join(", ")}`),
-              row ? rowBlock(row) : el("p", { class: "error" }, `row ${b.row} is not among this session's rows`));
+              row ? rowBlock(row, shared) : el("p", { class: "error" }, `row ${b.row} is not among this session's rows`));
           }))));
     }
     for (const row of rows) if (!branchRows.has(row.row) || (forks.branches || []).length <= 1) box.appendChild(rowBlock(row));
