@@ -186,3 +186,18 @@ def test_released_groups_are_folded_incrementally_as_the_log_grows(ui_run, tmp_p
     fresh = reduce_partitions({0: source.read()})
     assert {pid: {g: r.members for g, r in gs.items()} for pid, gs in second.items()} == \
         {pid: {g: r.members for g, r in gs.items()} for pid, gs in fresh.items()}
+
+
+def test_the_reconstruct_cache_stays_bounded_as_the_position_moves(ui_run):  # noqa: F811
+    """On a live run the index position moves every poll: the per-step check cache keeps at most
+    MAX_CACHED_CHECKS entries instead of one per position ever asked."""
+    from agentlog.tools.cli_common import check_log_path, learner_log_of, reduce_config_of
+    from agentlog.tools.ui.views import MAX_CACHED_CHECKS, RunViews
+
+    source = check_log_path(str(ui_run.demo), allow_empty=True)
+    views = RunViews(source, learner_log_of(source), reduce_config_of(source), source.run_dir)
+    step = max(r.step for r in views.records())
+    assert step >= 1
+    for position in range(MAX_CACHED_CHECKS + 10):
+        assert views.reconstruct(step, position)["equal"]
+    assert len(views._checks) == MAX_CACHED_CHECKS

@@ -21,6 +21,7 @@ requests reads only the records appended since the previous request.
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 from typing import Any
@@ -29,6 +30,8 @@ from agentlog.events.log.source import LogSource
 
 #: Kinds of token in a row (the token view's overlay).
 KINDS = ("prompt", "trained", "generated_untrained", "tool", "given")
+#: Reconstruct checks kept (RunViews._checks).
+MAX_CACHED_CHECKS = 64
 
 
 def _num(x: Any) -> float | None:
@@ -115,7 +118,9 @@ class RunViews:
         self._lock = threading.Lock()
         self._fold: Any = None  # the PartitionFold of released(), fed incrementally
         self._released: dict[int, dict[str, Any]] = {}  # partition -> group id -> ReleasedGroup
-        self._checks: dict[tuple[Any, int], dict] = {}
+        #: Reconstruct checks by (index position, step), the most recent last; bounded, since on a
+        #: live run the position moves every poll and old entries are never asked again.
+        self._checks: collections.OrderedDict[tuple[Any, int], dict] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ session
 
@@ -353,6 +358,8 @@ class RunViews:
                                                   if equal else "the digests differ")
         out = {"step": n, "equal": equal, "online_digest": rec.sample_digest, "offline_digest": offline, "detail": detail}
         self._checks[key] = out
+        while len(self._checks) > MAX_CACHED_CHECKS:
+            self._checks.popitem(last=False)
         return out
 
 
