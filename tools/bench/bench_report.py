@@ -3,7 +3,7 @@ report it replaced.
 
 Generates a log of small sessions (groups of 4, members interleaved; 1-3
 turns with a command each; ~80% finished, ~15% aborted, ~5% dropped) with
-``FileLog.append_batch`` (tests/tools/cli_helpers.py: write_many_sessions),
+``FileLog.append_batch`` (tools/bench/synthetic_log.py: write_many_sessions),
 then measures, in one run:
 
 * the report (``agentlog report LOG -o OUT``, in process): wall and CPU
@@ -48,9 +48,7 @@ def _load_file_module(name: str, path: Path, **spec_kw):
     return mod
 
 
-# The log builder the report tests use (tests/tools/cli_helpers.py, which imports its neighbours).
-sys.path.insert(0, str(ROOT / "tests" / "tools"))
-write_many_sessions = _load_file_module("cli_helpers", ROOT / "tests" / "tools" / "cli_helpers.py").write_many_sessions
+from agentlog.tools.bench.synthetic_log import write_many_sessions  # noqa: E402  (the report tests' log builder)
 
 #: The commit whose tools/report is the anchor (the report before it became one bounded streaming pass).
 ANCHOR_COMMIT = "5b1e66f"

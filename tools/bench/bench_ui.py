@@ -1,7 +1,7 @@
 """Benchmark: `agentlog ui` on a generated 100k-session run, against the CLI answering the same questions.
 
 Generates a log of 100,000 small sessions (``--quick``: 5,000) with the log's
-batch append (tests/tools/cli_helpers.py: write_many_sessions, the generator
+batch append (tools/bench/synthetic_log.py: write_many_sessions, the generator
 of bench_report: groups of 4 interleaved, 1-3 turns with a command each, ~80%
 finished, ~15% aborted, ~5% dropped), then appends one 200-turn session with
 the real SessionEngine (a conversation that grows each turn: 1,500 prompt
@@ -60,15 +60,11 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from agentlog.tools.bench.bench_cli import WORDS
+from agentlog.tools.bench.synthetic_log import write_many_sessions
+from agentlog.tools.progress import new_bar
+
 ROOT = Path(__file__).resolve().parents[2]
-# The log builder the report tests and bench_report use.
-if str(ROOT / "tests" / "tools") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tests" / "tools"))
-
-from cli_helpers import write_many_sessions  # noqa: E402
-
-from agentlog.tools.bench.bench_cli import WORDS  # noqa: E402
-from agentlog.tools.progress import new_bar  # noqa: E402
 
 LONG_SESSION = "long-200"
 LONG_TURNS = 200
