@@ -92,19 +92,19 @@ def test_compressed_log_reads_alike_mapped_or_not(scratch, native_hw, map_everyt
     assert len(mapped) == 20 * 51
 
 
-def _frames_file(path: Path, n: int, payload: int = 4000) -> list[int]:
-    """A segment of n frames; returns each frame's end offset."""
+def _frames_file(path: Path, n: int, payload: int = 4000, sids: dict[int, bytes] | None = None) -> list[int]:
+    """A segment of n frames (frame i's session id ``sids[i]``, else b"s"); returns each frame's end offset."""
     ends, data = [], bytearray(pack_segment_header(1, 0))
     for i in range(n):
-        data += encode_frame(i, i, 1, 0, b"s", bytes([i % 251]) * payload)
+        data += encode_frame(i, i, 1, 0, (sids or {}).get(i, b"s"), bytes([i % 251]) * payload)
         ends.append(len(data))
     path.write_bytes(bytes(data))
     return ends
 
 
-@pytest.mark.parametrize("cut_page_aligned", [True, False])
-def test_a_file_cut_short_under_the_mapping_stops_the_scan_instead_of_sigbus(scratch, native_hw, map_everything, cut_page_aligned):
-    path = scratch / segment_name(0)
+def scan_across_a_cut(path: Path, cut_page_aligned: bool) -> tuple[SegmentScanner, list, list[int]]:
+    """Map a 200-frame segment whole, cut it after frame 99 (at the frame's end, or the page
+    after it) as a recovery racing a reader does, and scan on: ``(scanner, frames, ends)``."""
     ends = _frames_file(path, 200)
     size = ends[-1]
     cut = ends[99] if not cut_page_aligned else (ends[99] // mmap.PAGESIZE + 1) * mmap.PAGESIZE
@@ -112,10 +112,16 @@ def test_a_file_cut_short_under_the_mapping_stops_the_scan_instead_of_sigbus(scr
     try:
         sc = SegmentScanner(fd, path.name, SEG_HDR_SIZE, 0, CAP)
         got = list(sc.frames(limit=1, size=size))  # maps the whole file
-        os.ftruncate(fd, cut)  # what a recovery racing a reader does
-        got += list(sc.frames(size=size))
+        os.ftruncate(fd, cut)
+        got += list(sc.frames(size=size))  # reads into the pages past the new end
     finally:
         os.close(fd)
+    return sc, got, ends
+
+
+@pytest.mark.parametrize("cut_page_aligned", [True, False])
+def test_a_file_cut_short_under_the_mapping_stops_the_scan_instead_of_sigbus(scratch, native_hw, map_everything, cut_page_aligned):
+    sc, got, ends = scan_across_a_cut(scratch / segment_name(0), cut_page_aligned)
     assert sc._map is not None
     assert [fr.lsn for fr in got] == list(range(len(got)))
     assert len(got) == 100 and got[-1].end == ends[99]

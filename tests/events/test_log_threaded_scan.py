@@ -20,11 +20,12 @@ from hypothesis import strategies as st
 
 from agentlog.events import FileLog, LogCorruption, read_log
 from agentlog.events.log import framecodec, segmap
-from agentlog.events.log.format import SEG_HDR_SIZE, encode_frame, list_segments, pack_segment_header, segment_name
+from agentlog.events.log.format import SEG_HDR_SIZE, list_segments, segment_name
 from agentlog.events.log.scan import Frame, SegmentScanner
 from agentlog.events.schema.types import CommandRan
 
 from test_framecodec import _mutate, _mutation, _records, _segment
+from test_log_mapped_scan import _frames_file, scan_across_a_cut
 
 if framecodec.available():
     from agentlog.events.log import _framecodec as fc
@@ -74,16 +75,6 @@ def _scan(path: Path, mapped: bool, limit: int | None = None):
         os.close(fd)
 
 
-def _frames_file(path: Path, n: int, payload: int = 4000, sids: dict[int, bytes] | None = None) -> list[int]:
-    """A segment of n frames (frame i's session id ``sids[i]``, else b"s"); returns each frame's end offset."""
-    ends, data = [], bytearray(pack_segment_header(1, 0))
-    for i in range(n):
-        data += encode_frame(i, i, 1, 0, (sids or {}).get(i, b"s"), bytes([i % 251]) * payload)
-        ends.append(len(data))
-    path.write_bytes(bytes(data))
-    return ends
-
-
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(recs=_records, muts=st.lists(_mutation, max_size=3), seed=st.integers(0, 1 << 30), limit=st.one_of(st.none(), st.integers(0, 14)))
 def test_threaded_and_pread_scans_agree_on_random_and_mutated_segments(scratch, threaded, recs, muts, seed, limit):
@@ -130,18 +121,7 @@ def test_a_limit_stops_the_walk_at_that_lsn(scratch, threaded):
 
 @pytest.mark.parametrize("cut_page_aligned", [True, False])
 def test_a_file_cut_short_under_the_walk_stops_it_instead_of_sigbus(scratch, threaded, cut_page_aligned):
-    path = scratch / segment_name(0)
-    ends = _frames_file(path, 200)
-    size = ends[-1]
-    cut = ends[99] if not cut_page_aligned else (ends[99] // mmap.PAGESIZE + 1) * mmap.PAGESIZE
-    fd = os.open(path, os.O_RDWR)
-    try:
-        sc = SegmentScanner(fd, path.name, SEG_HDR_SIZE, 0, CAP)
-        got = list(sc.frames(limit=1, size=size))  # maps the whole file
-        os.ftruncate(fd, cut)  # what a recovery racing a reader does
-        got += list(sc.frames(size=size))  # the thread walks into the pages past the new end
-    finally:
-        os.close(fd)
+    sc, got, ends = scan_across_a_cut(scratch / segment_name(0), cut_page_aligned)  # the thread walks past the new end
     assert [fr.lsn for fr in got] == list(range(100)) and got[-1].end == ends[99]
     assert sc.bad is not None and sc.bad.reason == "file shrank while reading" and sc.bad.offset == ends[99]
 
