@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import io
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -168,5 +169,8 @@ def test_a_session_appended_to_the_stream_after_start_appears_within_2_s(nats_se
             assert rows["second"]["status"] == "finished" and rows["second"]["reward"] == 1.0
         finally:
             stop()
+        # Stopped, the UI holds no connection to the stream (none left reconnecting to a server long gone).
+        readers = [t.name for t in threading.enumerate() if t.name == f"jetstream-read-{stream}"]
+        assert readers == [], f"the stopped UI left its stream reader running: {readers}"
     finally:
         writer.close()

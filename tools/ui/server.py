@@ -88,8 +88,11 @@ class UiServer:
         path = Path(index_path) if index_path else default_index_path(self.source, source)
         try:
             self.index = SessionIndex(self.source, path, config)
-        except IndexLockedError as exc:
-            raise CliError(f"ui: {exc}", EXIT_USAGE) from None
+        except BaseException as exc:
+            self.source.close()
+            if isinstance(exc, IndexLockedError):
+                raise CliError(f"ui: {exc}", EXIT_USAGE) from None
+            raise
         self.views = RunViews(self.source, self.learner, config, self.source.run_dir)
         self.runner: web.AppRunner | None = None
         self.follower: asyncio.Task | None = None
@@ -139,6 +142,9 @@ class UiServer:
         if self.runner is not None:
             await self.runner.cleanup()
         await asyncio.to_thread(self.index.close)
+        # The source owns its connection (a JetStream stream's client and bridge thread):
+        # left open, it would keep reconnecting to a server long gone.
+        await asyncio.to_thread(self.source.close)
 
     # ------------------------------------------------------------------ following
 
