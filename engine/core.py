@@ -56,10 +56,13 @@ from agentlog.reducers.abort_classes import REFILL
 from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.groups import GroupError, GroupTracker
 from agentlog.reducers.lifecycle import IdFilter
+from agentlog.reducers.resume import ResumePoint
 
 from .errors import TIMEOUT_REASON, DuplicateSession, EngineClosed, SessionTimeout, StragglerRefused
 from .handle import SessionHandle, _SessionContext
-from .restart import Checkpointer, abort_orphans, checkpoint_path_of, resume_fold
+from . import adopt as engine_adopt
+from .adopt import adopt_orphans
+from .restart import RESTART_REASON, Checkpointer, abort_orphans, checkpoint_path_of, resume_fold
 from .session_lock import acquire_contended, release
 from .timers import BackgroundWork
 
@@ -89,10 +92,15 @@ class SessionEngine(BackgroundWork):
         checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
         checkpoint_poll_s: float = 0.2,
         groups: ReduceConfig | None = None,
+        adopt_orphans: bool = False,
     ) -> None:
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every: expected >= 0 records (0: no checkpoints), found {checkpoint_every}")
         self._log_ = log
+        #: Adopt the sessions a killed process left open (engine.adopt) instead of aborting them.
+        self.adopt_orphans = adopt_orphans
+        #: Adopted sessions not yet resumed or aborted, with their resume points (engine.adopt).
+        self.orphans: dict[str, ResumePoint] = {}
         #: Records between restart checkpoints (:mod:`engine.restart`); 0 turns them off.
         self.checkpoint_every = checkpoint_every
         self.checkpoint_poll_s = checkpoint_poll_s
@@ -125,7 +133,7 @@ class SessionEngine(BackgroundWork):
         #: restart_folded (records the restart folded after its checkpoint).
         self.stats: dict[str, int] = dict.fromkeys(
             ("opened", "finished", "aborted", "dropped", "stragglers", "id_scans", "restart_aborted", "violations",
-             "restart_folded"), 0
+             "restart_folded", "resumed"), 0
         )
 
     # -- construction and restart ----------------------------------------------
@@ -156,7 +164,10 @@ class SessionEngine(BackgroundWork):
         self.stats["violations"] += fold.violations
         for v in fold.first_violations:
             _log.warning("engine.log_violation", lsn=v.lsn, session_id=v.session_id, kind=v.kind, message=v.message)
-        aborted = abort_orphans(self._log_, fold)
+        if self.adopt_orphans:
+            self.orphans = adopt_orphans(self, fold)
+        # Every orphan not adopted (all of them by default) is aborted, as a crashed process left it.
+        aborted = abort_orphans(self._log_, fold, keep=set(self.orphans))
         self.stats["restart_aborted"] += aborted
         self.stats["aborted"] += aborted
         self._ids = fold.id_filter()
@@ -171,6 +182,40 @@ class SessionEngine(BackgroundWork):
                   aborted=aborted, checkpoint=str(path) if path is not None else None)
 
     # -- public API -------------------------------------------------------------
+
+    async def resume(self, session_id: str, snapshot: str, *, worker: str = "", budget_s: float | None = None) -> SessionHandle:
+        """Continue the adopted orphan ``session_id`` (:attr:`orphans`) as a new incarnation:
+        append ``session_resumed`` naming ``snapshot`` (the digest its sandbox was restored
+        from) and return its handle. Raises KeyError naming the session when it is not an
+        undecided orphan, and IllegalTransition when it never started."""
+        point = self._undecided(session_id)
+        h = await engine_adopt.resume(self, point, snapshot, worker=worker, budget_s=budget_s)
+        self.stats["resumed"] += 1
+        return h
+
+    async def abort_orphan(self, session_id: str, error: str) -> None:
+        """Abort the adopted orphan ``session_id`` (reason ``engine_restart``), ``error``
+        saying why it could not resume."""
+        self._undecided(session_id)
+        await self._live[session_id].abort(RESTART_REASON, error=error)
+        self.stats["restart_aborted"] += 1
+
+    def resumed(self, session_id: str, snapshot: str, **kwargs: Any) -> _SessionContext:
+        """``async with engine.resumed(id, snapshot, worker=..., budget_s=...) as h``: :meth:`resume`
+        as the scope :meth:`session` gives a new session: the session always ends."""
+        return _SessionContext(self, session_id, {"snapshot": snapshot, **kwargs}, resume=True)
+
+    def _undecided(self, session_id: str) -> ResumePoint:
+        point = self.orphans.pop(session_id, None)
+        if point is None:
+            raise KeyError(f"session {session_id!r}: not an adopted orphan awaiting resume or abort "
+                           f"(undecided: {len(self.orphans)})")
+        return point
+
+    def _opened_again(self, h: SessionHandle) -> None:
+        """Start a resumed session's budget timer, as :meth:`_opened` does for a new one."""
+        if h.budget_s is not None:
+            h._timer = asyncio.get_running_loop().call_later(h.budget_s, self._on_budget, h)
 
     @property
     def log(self) -> EventLog:

@@ -26,6 +26,7 @@ from agentlog.events.schema.types import (
     CommandRan,
     Envelope,
     RewardAssigned,
+    SandboxSnapshotted,
     SessionAborted,
     SessionDropped,
     SessionFinished,
@@ -250,6 +251,17 @@ class SessionHandle:
                           duration_s=duration_s, output_tail=output_tail)
         return await self._engine._in_session(self, body)
 
+    async def record_snapshot(self, turn_index: int, digest: str, *, files: int = 0, bytes: int = 0, new_bytes: int = 0,
+                              seconds: float = 0.0) -> Envelope:
+        """Record that the sandbox was saved (durably, already) as turn ``turn_index``'s request
+        found it: ``turn_index`` must be the next turn's. Raises ValueError naming the session otherwise."""
+        if turn_index != self.turns:
+            raise ValueError(f"session {self.session_id!r}: sandbox_snapshotted.turn_index: expected the next turn's "
+                             f"index {self.turns} (a snapshot is taken before its turn), found {turn_index!r}")
+        body = SandboxSnapshotted(turn_index=turn_index, digest=digest, files=files, bytes=bytes, new_bytes=new_bytes,
+                                  seconds=seconds)
+        return await self._engine._in_session(self, body)
+
     async def assign_reward(self, reward: Any, source: str = "") -> Envelope:
         """Record a verifier's reward (a finite float or dict of them)."""
         return await self._engine._in_session(self, RewardAssigned(reward=reward, source=source))
@@ -309,16 +321,21 @@ class _SessionContext:
     a warning; an exhausted wall-clock budget raises SessionTimeout.
     """
 
-    __slots__ = ("_engine", "_sid", "_kw", "_h")
+    __slots__ = ("_engine", "_sid", "_kw", "_h", "_resume")
 
-    def __init__(self, engine: "SessionEngine", session_id: str, kw: dict[str, Any]) -> None:
+    def __init__(self, engine: "SessionEngine", session_id: str, kw: dict[str, Any], resume: bool = False) -> None:
         self._engine = engine
         self._sid = session_id
         self._kw = kw
         self._h: SessionHandle | None = None
+        #: Enter by resuming an adopted orphan (SessionEngine.resume) instead of opening a new session.
+        self._resume = resume
 
     async def __aenter__(self) -> SessionHandle:
-        h = await self._engine.open_session(self._sid, **self._kw)
+        if self._resume:
+            h = await self._engine.resume(self._sid, **self._kw)
+        else:
+            h = await self._engine.open_session(self._sid, **self._kw)
         h._owner = asyncio.current_task()
         self._h = h
         return h

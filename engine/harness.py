@@ -5,6 +5,14 @@ name; a run selects one by config or the ``AGENTLOG_AGENT`` environment
 variable. An unknown or empty name fails at start-up with an error listing
 the valid names, never later in the middle of a rollout (the lesson of
 slime's SWE_AGENT selector, which fell through to a default on a typo).
+
+Capabilities. A harness registered with ``resumable=True`` can continue a
+session a killed worker left running (:func:`is_resumable`): its agent has
+``async resume(handle, sandbox, messages, api_key)``, which takes the
+conversation rebuilt from the log (ending with the last durable turn's
+answer), runs that answer's tool calls in the restored sandbox and goes on as
+``run`` would. A harness that is not resumable has its orphaned sessions
+aborted (``engine_restart``), as every harness did before.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ ENV_VAR = "AGENTLOG_AGENT"
 F = TypeVar("F", bound=Callable[..., Any])
 
 _REGISTRY: dict[str, Callable[..., Any]] = {}
+#: Names of the registered harnesses that can resume a session (see the module docstring).
+_RESUMABLE: set[str] = set()
 
 
 class UnknownHarness(AgentlogError, LookupError):
@@ -34,8 +44,9 @@ class UnknownHarness(AgentlogError, LookupError):
         super().__init__(f"{what} (from {source}); expected one of: {shown}")
 
 
-def register(name: str) -> Callable[[F], F]:
-    """Decorator: ``@register("swe")`` registers a harness factory under ``name``.
+def register(name: str, *, resumable: bool = False) -> Callable[[F], F]:
+    """Decorator: ``@register("swe")`` registers a harness factory under ``name``;
+    ``resumable=True`` declares that its agents can resume a session (the module docstring).
 
     Registering a different factory under a taken name is an error; the same
     factory again (a module re-import) is accepted.
@@ -48,6 +59,10 @@ def register(name: str) -> Callable[[F], F]:
         if old is not None and old is not factory and _ident(old) != _ident(factory):
             raise ValueError(f"harness {name!r} is already registered to {old!r}; refusing {factory!r}")
         _REGISTRY[name] = factory
+        if resumable:
+            _RESUMABLE.add(name)
+        else:
+            _RESUMABLE.discard(name)
         return factory
 
     return deco
@@ -62,6 +77,13 @@ def unregister(name: str) -> None:
     if name not in _REGISTRY:
         raise UnknownHarness(name, names(), "unregister")
     del _REGISTRY[name]
+    _RESUMABLE.discard(name)
+
+
+def is_resumable(name: str) -> bool:
+    """Whether the harness registered under ``name`` can resume a session; UnknownHarness for an unknown name."""
+    get(name)
+    return name in _RESUMABLE
 
 
 def names() -> list[str]:

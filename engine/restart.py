@@ -402,7 +402,7 @@ class Checkpointer:
 RESTART_REASON = "engine_restart"
 
 
-def abort_orphans(log: EventLog, fold: RestartFold) -> int:
+def abort_orphans(log: EventLog, fold: RestartFold, keep: set[str] | frozenset[str] = frozenset()) -> int:
     """Abort, in one batch, every session ``log`` still holds open or running
     (a previous engine process left it so), reason :data:`RESTART_REASON`,
     and fold the aborts into ``fold`` (they end the orphans there too: their
@@ -411,9 +411,10 @@ def abort_orphans(log: EventLog, fold: RestartFold) -> int:
     The orphans come from the log's exact open-session map, not from the
     fold: the fold skips a session whose id is a Bloom-filter false
     positive (it reports it as a reused id), and such a session, left
-    open here, would never be aborted and its group never released."""
+    open here, would never be aborted and its group never released.
+    ``keep``: sessions adopted to resume (:mod:`engine.adopt`), left as they are."""
     folded = fold.check.open_sessions()
-    orphans = log.open_sessions()
+    orphans = {sid: seq for sid, seq in log.open_sessions().items() if sid not in keep}
     if not orphans:
         return 0
     records = []

@@ -177,51 +177,83 @@ class PythonAgent:
         module docstring); returns how it ended. Raises on any failure the
         episode cannot go on from."""
         openai = _openai()
-        if not isinstance(api_key, str) or not api_key:
-            raise ValueError(f"harness {self.name!r}: api_key: expected the session's key from the gateway, found {type(api_key).__name__}")
         messages = as_messages(prompt_or_messages)
         if str(handle.state) == "open":
             await handle.start(harness=self.name, sandbox=getattr(sandbox, "name", ""), details={"gateway": self.gateway_url})
+        client = self._client_for(openai, api_key)
+        return await self._play(client, openai, handle, sandbox, messages, 0, 0, None)
+
+    async def resume(self, handle: Any, sandbox: Any, messages: list[dict[str, Any]], api_key: str) -> AgentResult:
+        """Continue a session a killed worker left running (the harness is registered
+        resumable): ``messages`` is the conversation rebuilt from the log, ending with the
+        last durable turn's answer, and ``sandbox`` was restored to the state that turn's
+        request found. The answer's tool calls run again (their results before the crash
+        were never sent to the model), then the episode goes on as :meth:`run` does. The
+        caps count the model calls and tool calls the conversation already holds."""
+        openai = _openai()
+        messages = as_messages(messages)
+        last = messages[-1]
+        if last.get("role") != "assistant":
+            raise ValueError(f"harness {self.name!r}: resume: expected the conversation to end with the last durable turn's "
+                             f"assistant answer, found a {last.get('role')!r} message")
+        turns = sum(1 for m in messages if m.get("role") == "assistant")
+        tool_calls = sum(1 for m in messages if m.get("role") == "tool")
+        pending = [(c.get("id", ""), c.get("function", {}).get("name", ""), c.get("function", {}).get("arguments"))
+                   for c in last.get("tool_calls") or []]
+        client = self._client_for(openai, api_key)
+        return await self._play(client, openai, handle, sandbox, messages, turns, tool_calls, pending)
+
+    def _client_for(self, openai: Any, api_key: str) -> Any:
+        """A client with the session's key, sharing one connection pool (made on first use)."""
+        if not isinstance(api_key, str) or not api_key:
+            raise ValueError(f"harness {self.name!r}: api_key: expected the session's key from the gateway, found {type(api_key).__name__}")
         if self._client is None:
             self._client = openai.AsyncOpenAI(base_url=self.gateway_url + "/v1", api_key=api_key, max_retries=0, timeout=self.timeout_s)
-        client = self._client.with_options(api_key=api_key)
-        turns = tool_calls = 0
+        return self._client.with_options(api_key=api_key)
+
+    async def _play(self, client: Any, openai: Any, handle: Any, sandbox: Any, messages: list[dict[str, Any]], turns: int,
+                    tool_calls: int, pending: list[tuple[str, str, Any]] | None) -> AgentResult:
+        """The agent loop from ``turns`` model calls and ``tool_calls`` tool calls on;
+        ``pending``: the tool calls of the last answer, still to run (a resume), else None."""
         while True:
-            if turns >= self.max_turns:
-                return AgentResult("max_turns", turns, tool_calls, messages)
-            try:
-                resp = await client.chat.completions.create(
-                    model=self.model, messages=messages, tools=[BASH_TOOL], max_tokens=self.max_tokens,
-                )
-            except openai.RateLimitError:
-                return AgentResult("turn_cap", turns, tool_calls, messages)
-            except openai.BadRequestError as exc:
-                if getattr(exc, "code", None) == "context_length_exceeded":
-                    return AgentResult("context_exhausted", turns, tool_calls, messages)
-                raise
-            turns += 1
-            msg = resp.choices[0].message
-            calls = list(msg.tool_calls or [])
-            assistant: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
-            if calls:
-                assistant["tool_calls"] = [
-                    {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                    for c in calls
-                ]
-            messages.append(assistant)
+            if pending is not None:
+                calls, pending = pending, None
+            else:
+                if turns >= self.max_turns:
+                    return AgentResult("max_turns", turns, tool_calls, messages)
+                try:
+                    resp = await client.chat.completions.create(
+                        model=self.model, messages=messages, tools=[BASH_TOOL], max_tokens=self.max_tokens,
+                    )
+                except openai.RateLimitError:
+                    return AgentResult("turn_cap", turns, tool_calls, messages)
+                except openai.BadRequestError as exc:
+                    if getattr(exc, "code", None) == "context_length_exceeded":
+                        return AgentResult("context_exhausted", turns, tool_calls, messages)
+                    raise
+                turns += 1
+                msg = resp.choices[0].message
+                calls = [(c.id, c.function.name, c.function.arguments) for c in msg.tool_calls or []]
+                assistant: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
+                if calls:
+                    assistant["tool_calls"] = [
+                        {"id": cid, "type": "function", "function": {"name": name, "arguments": arguments}}
+                        for cid, name, arguments in calls
+                    ]
+                messages.append(assistant)
             if not calls:
                 return AgentResult("answered", turns, tool_calls, messages)
-            for c in calls:
+            for cid, name, arguments in calls:
                 if tool_calls >= self.max_tool_calls:
                     return AgentResult("max_tool_calls", turns, tool_calls, messages)
-                command, why = bash_command(c.function.name, c.function.arguments)
+                command, why = bash_command(name, arguments)
                 if command is None:
                     content = f"error: {why}"
                 else:
                     res = await handle.run_command(sandbox, command, self.command_budget_s)
                     content = format_result(res, self.max_tool_output_chars)
                 tool_calls += 1
-                messages.append({"role": "tool", "tool_call_id": c.id, "content": content})
+                messages.append({"role": "tool", "tool_call_id": cid, "content": content})
 
     async def close(self) -> None:
         """Close the HTTP client shared by this agent's sessions (a later run opens a new one)."""
@@ -230,7 +262,7 @@ class PythonAgent:
             self._client = None
 
 
-@harness.register("python-agent")
+@harness.register("python-agent", resumable=True)
 def python_agent(gateway_url: str, **kw: Any) -> PythonAgent:
     """Harness factory: the built-in Python tool-calling agent pointed at the gateway."""
     return PythonAgent(gateway_url, **kw)

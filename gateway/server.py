@@ -287,13 +287,15 @@ class Gateway(TurnPath, AdminRoutes):
         await self.stop()
 
     def configure_session(self, session_id: str, *, sampling: dict[str, Any] | None = None, max_turns: int | None = None,
-                          max_new_tokens: int | None = None, keep_turns: bool = False) -> None:
+                          max_new_tokens: int | None = None, keep_turns: bool = False, before_turn: Any = None) -> None:
         """Per-session sampling defaults, turn cap and output cap (forgotten
         when the session ends). ``max_new_tokens`` caps every turn's output,
         whatever the client asks for (Claude Code asks for 64000): a task's
         output allowance holds for a CLI agent too. ``keep_turns``: keep each
         recorded turn's token ids for :meth:`session_turns` (a teacher scores
-        them before the session ends)."""
+        them before the session ends). ``before_turn``: an async callable awaited with the
+        turn index when each turn's request arrives, before it is generated (the rollout
+        snapshots the sandbox there); what it raises fails that request with a 500."""
         if sampling:
             try:
                 check_sampling(sampling, "sampling")
@@ -312,6 +314,8 @@ class Gateway(TurnPath, AdminRoutes):
             cfg.max_turns = max_turns
         if keep_turns and cfg.turns is None:
             cfg.turns = []
+        if before_turn is not None:
+            cfg.before_turn = before_turn
 
     def session_key(self, session_id: str) -> str:
         """The API key of live session ``session_id``, issued on first call: a

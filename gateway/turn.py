@@ -42,7 +42,8 @@ _RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "m
 
 
 class _SessionCfg:
-    __slots__ = ("sampling", "max_turns", "max_new_tokens", "inflight", "api_key", "calls", "turns", "prompt", "server")
+    __slots__ = ("sampling", "max_turns", "max_new_tokens", "inflight", "api_key", "calls", "turns", "prompt", "server",
+                 "before_turn")
 
     def __init__(self) -> None:
         self.sampling: dict[str, Any] = {}
@@ -61,6 +62,9 @@ class _SessionCfg:
         self.prompt = PromptCache()
         #: The fleet server that generated the session's last recorded turn ("": none yet, or one backend).
         self.server = ""
+        #: Awaited with the turn index when a turn's request arrives, before it is generated
+        #: (configure_session(before_turn=...): the rollout snapshots the session's sandbox there).
+        self.before_turn: Any = None
 
 class _Refused(AgentlogError):
     """A request answered with an error before anything was recorded."""
@@ -187,6 +191,9 @@ class TurnPath:
         self, request: web.Request, api: Any, req: TurnRequest, merged: dict[str, Any], h: Any, cfg: _SessionCfg, log: Any
     ) -> web.StreamResponse:
         t0 = time.perf_counter()
+        if cfg.before_turn is not None:
+            # The sandbox as this turn's request found it; its event lands before the turn's.
+            await cfg.before_turn(h.turns)
         prompt = cfg.prompt.encode(self.template, req.messages, req.tools)
         prompt_ids = prompt.ids
         ctx = self.backend.context_length

@@ -18,7 +18,9 @@ from typing import Any, Mapping
 from transitions import Machine
 
 from ..errors import AgentlogError
-from .types import CommandRan, RewardAssigned, SessionOpened, TeacherScored, TurnDelta, TurnRecorded, TurnUndelivered
+from .types import (
+    CommandRan, RewardAssigned, SandboxSnapshotted, SessionOpened, TeacherScored, TurnDelta, TurnRecorded, TurnUndelivered,
+)
 
 
 class State(str, Enum):
@@ -46,11 +48,15 @@ LIFECYCLE_SPEC: tuple[dict[str, Any], ...] = (
     {"trigger": "finish", "source": ["running"], "dest": "finished", "event": "session_finished"},
     {"trigger": "abort", "source": ["open", "running"], "dest": "aborted", "event": "session_aborted"},
     {"trigger": "drop", "source": ["open", "running"], "dest": "dropped", "event": "session_dropped"},
+    # A new incarnation continues a running session whose previous one died: never after a terminal event.
+    {"trigger": "resume", "source": ["running"], "dest": "running", "event": "session_resumed"},
 )
 
 #: Event bodies that are legal only while the session is running; they
 #: happen inside it without changing its state.
-RUNNING_ONLY_EVENTS: tuple[type, ...] = (TurnRecorded, TurnUndelivered, CommandRan, RewardAssigned, TurnDelta, TeacherScored)
+RUNNING_ONLY_EVENTS: tuple[type, ...] = (
+    TurnRecorded, TurnUndelivered, CommandRan, RewardAssigned, TurnDelta, TeacherScored, SandboxSnapshotted,
+)
 #: The same events by tag (for folds over projections that carry tags only).
 IN_SESSION_EVENTS: tuple[str, ...] = tuple(t.__struct_config__.tag for t in RUNNING_ONLY_EVENTS)
 

@@ -8,7 +8,7 @@ from collections import defaultdict
 from typing import Any
 
 from agentlog.events.log.api import MemoryLog
-from agentlog.events.schema.types import TERMINAL_EVENT_TYPES, SessionOpened
+from agentlog.events.schema.types import TERMINAL_EVENT_TYPES, SessionOpened, SessionResumed
 
 
 class YieldingLog(MemoryLog):
@@ -64,6 +64,10 @@ async def fire(h: Any, trigger: str) -> Any:
         return await h.abort("random")
     if trigger == "drop":
         return await h.drop("random")
+    if trigger == "resume":
+        # A live session resumed in place: what SessionEngine.resume appends for an adopted one.
+        body = SessionResumed(incarnation=1, durable_turns=h.turns, snapshot="0" * 64, snapshot_turn=max(h.turns - 1, 0))
+        return await h._engine._transition(h, "resume", body)
     if trigger == "reward":
         return await h.assign_reward(0.5, source="test")
     if trigger == "command":

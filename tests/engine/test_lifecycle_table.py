@@ -10,7 +10,7 @@ from agentlog.engine import SessionEngine, StragglerRefused
 from engine_helpers import fire
 from agentlog.events.schema.lifecycle import TRANSITIONS, IllegalTransition, SessionClosed, State
 from agentlog.events.log.api import MemoryLog
-from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionStarted, TurnDelta
+from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionResumed, SessionStarted, TurnDelta
 
 O, R, F, A, D = State.OPEN, State.RUNNING, State.FINISHED, State.ABORTED, State.DROPPED
 NOOP = "noop"
@@ -19,14 +19,16 @@ NOOP = "noop"
 EXPECTED = {
     (O, "start"): R, (O, "finish"): IllegalTransition, (O, "abort"): A, (O, "drop"): D, (O, "turn"): StragglerRefused,
     (R, "start"): IllegalTransition, (R, "finish"): F, (R, "abort"): A, (R, "drop"): D, (R, "turn"): R,
+    (O, "resume"): IllegalTransition, (R, "resume"): R,
 }
 for _t in (F, A, D):
     EXPECTED.update({
         (_t, "start"): IllegalTransition, (_t, "finish"): SessionClosed, (_t, "abort"): SessionClosed,
-        (_t, "drop"): NOOP, (_t, "turn"): StragglerRefused,
+        (_t, "drop"): NOOP, (_t, "turn"): StragglerRefused, (_t, "resume"): IllegalTransition,
     })
 
-EVENT_OF = {"start": SessionStarted, "finish": SessionFinished, "abort": SessionAborted, "drop": SessionDropped, "turn": TurnDelta}
+EVENT_OF = {"start": SessionStarted, "finish": SessionFinished, "abort": SessionAborted, "drop": SessionDropped, "turn": TurnDelta,
+            "resume": SessionResumed}
 
 
 def test_hand_written_table_matches_the_shared_transition_table():
@@ -79,4 +81,4 @@ def test_every_state_trigger_pair_follows_the_table(arun, state, trigger):
 
 
 def test_all_pairs_are_covered():
-    assert set(EXPECTED) == set(itertools.product(list(State), ["start", "finish", "abort", "drop", "turn"]))
+    assert set(EXPECTED) == set(itertools.product(list(State), ["start", "finish", "abort", "drop", "turn", "resume"]))

@@ -9,10 +9,12 @@ from agentlog.events.schema.types import (
     CommandRan,
     PolicyUpdated,
     RewardAssigned,
+    SandboxSnapshotted,
     SessionAborted,
     SessionDropped,
     SessionFinished,
     SessionOpened,
+    SessionResumed,
     SessionStarted,
     TeacherScored,
     TurnDelta,
@@ -83,6 +85,8 @@ def every_event() -> list:
             turn_index=4, teacher="big-gpt", teacher_version="sha256:ab12", temperature=0.7,
             log_probs=[-0.25, -1.5], start=1, top_k=2, top_ids=[11, 3, 12, 9], top_log_probs=[-0.25, -2.0, -1.5, -1.75],
         ),
+        SandboxSnapshotted(turn_index=4, digest="ab" * 32, files=12, bytes=52_428_800, new_bytes=4096, seconds=0.03),
+        SessionResumed(incarnation=2, durable_turns=5, snapshot="cd" * 32, snapshot_turn=4, worker="p0003"),
     ]
     assert {type(e) for e in out} == set(EVENT_TYPES), "every_event() must cover every event type"
     return out

@@ -1,0 +1,142 @@
+"""Where an interrupted session can continue from: its resume point, a pure fold of the log.
+
+A worker killed mid-session leaves the session open or running in the log.
+The log holds everything a new incarnation needs to continue it:
+
+* the conversation: the session's prompt (``session_opened``) and every
+  turn acknowledged before the crash. A turn in flight at the crash was never
+  acknowledged, so it is not in the log and not in the sample;
+* the sandbox: the ``sandbox_snapshotted`` events name, per turn, the
+  snapshot of the sandbox as that turn's request found it (after every
+  command before the turn);
+* the harness (``session_started.harness``) and how often the session was
+  resumed already (``session_resumed``).
+
+:func:`resume_points` folds the records of the given sessions into one
+:class:`ResumePoint` each. The rule for continuing is
+:meth:`ResumePoint.snapshot_to_resume`: with ``n`` durable turns the new
+incarnation restores the snapshot taken before turn ``n - 1`` (before turn 0
+when no turn was durable), rebuilds the conversation up to turn ``n - 1``'s
+answer, runs that answer's tool calls again in the restored sandbox, and
+asks for turn ``n``. Restoring any other snapshot would put the agent on a
+sandbox from another turn, so there is no fallback: without that snapshot
+the session is aborted.
+
+Pure: no clock, randomness or I/O; the caller reads the log.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from agentlog.events.schema.turn_delta import full_turns
+from agentlog.events.schema.types import (
+    Envelope, SandboxSnapshotted, SessionOpened, SessionResumed, SessionStarted, TurnRecorded, turn_temperature,
+)
+
+
+@dataclass
+class ResumePoint:
+    """What the log holds of one interrupted session (see the module docstring)."""
+
+    session_id: str
+    group_id: str = ""
+    group_size: int = 1
+    sample_index: int = 0
+    #: The session's prompt messages, label, agent and metadata (from ``session_opened``).
+    prompt: list[dict[str, Any]] = field(default_factory=list)
+    label: Any = None
+    agent: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    #: The aborted member it replaces (per-sample refill), "" for an original member.
+    replaces: str = ""
+    #: When the session opened and when its last record was written (ns since the epoch):
+    #: how much of its wall-clock budget it had used before the crash.
+    opened_ns: int = 0
+    last_ns: int = 0
+    #: Whether ``session_started`` is in the log, and the harness it named.
+    started: bool = False
+    harness: str = ""
+    #: Turns acknowledged before the crash (turn indexes 0 .. durable_turns - 1).
+    durable_turns: int = 0
+    #: The last durable turn in full (deltas expanded), None before the first.
+    last_turn: TurnRecorded | None = None
+    #: Per durable turn: output tokens and sampling temperature (NaN when not a number),
+    #: what the engine checks a teacher's scores of an earlier turn against.
+    turn_outputs: list[int] = field(default_factory=list)
+    turn_temperatures: list[float] = field(default_factory=list)
+    #: Per turn index: the digest of the last ``sandbox_snapshotted`` for it.
+    snapshots: dict[int, str] = field(default_factory=dict)
+    #: ``session_resumed`` events so far (the next incarnation is this + 1).
+    resumes: int = 0
+    #: The LSN of the session's last record.
+    last_lsn: int = -1
+
+    @property
+    def snapshot_turn(self) -> int:
+        """The turn whose snapshot a resume restores: the last durable one (0 before any)."""
+        return max(self.durable_turns - 1, 0)
+
+    def snapshot_to_resume(self) -> str | None:
+        """The digest of the snapshot a resume must restore, or None when the log names none
+        for :attr:`snapshot_turn` (the session cannot resume: no other snapshot matches)."""
+        return self.snapshots.get(self.snapshot_turn)
+
+    def why_not_resumable(self) -> str | None:
+        """Why the log alone rules a resume out (one line), or None when it allows one."""
+        if not self.started:
+            return "it never started (no session_started in the log)"
+        if self.snapshot_to_resume() is None:
+            held = ", ".join(str(t) for t in sorted(self.snapshots)) or "none"
+            return (f"no sandbox snapshot of turn {self.snapshot_turn}, the last durable turn's "
+                    f"({self.durable_turns} durable turns; snapshots of turns: {held})")
+        return None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages up to and including the last durable turn's answer (the prompt before any turn)."""
+        turn = self.last_turn
+        if turn is None:
+            return [dict(m) for m in self.prompt]
+        messages = [dict(m) for m in turn.messages]
+        if turn.response_message is not None:
+            messages.append(dict(turn.response_message))
+        return messages
+
+
+def resume_points(envelopes: Iterable[Envelope], session_ids: Iterable[str]) -> dict[str, ResumePoint]:
+    """One :class:`ResumePoint` for each of ``session_ids`` that ``envelopes`` (a log, in LSN
+    order) opened; the records of every other session are skipped before any turn is expanded."""
+    wanted = set(session_ids)
+    points: dict[str, ResumePoint] = {}
+    mine = (env for env in envelopes if env.session_id in wanted)
+    for env in full_turns(mine):
+        body = env.body
+        sid = env.session_id
+        if type(body) is SessionOpened:
+            points[sid] = ResumePoint(sid, body.group_id, body.group_size, body.sample_index, list(body.prompt),
+                                      body.label, body.agent, dict(body.metadata),
+                                      body.replaces if isinstance(body.replaces, str) else "", env.ts_ns)
+        point = points.get(sid)
+        if point is None:
+            continue  # a record of a session the slice did not see open: not one of ours
+        point.last_lsn, point.last_ns = env.lsn, env.ts_ns
+        if type(body) is SessionStarted:
+            point.started, point.harness = True, body.harness
+        elif type(body) is TurnRecorded:
+            point.durable_turns = body.turn_index + 1
+            point.last_turn = body
+            point.turn_outputs.append(len(body.output_ids) // 4)
+            temperature = turn_temperature(body.sampling) if body.sampling else 1.0
+            point.turn_temperatures.append(math.nan if temperature is None else temperature)
+        elif type(body) is SandboxSnapshotted:
+            point.snapshots[body.turn_index] = body.digest
+        elif type(body) is SessionResumed:
+            point.resumes += 1
+            # Snapshots past the restored one were the dead incarnation's: its sandbox, not this one's.
+            point.snapshots = {t: d for t, d in point.snapshots.items() if t <= body.snapshot_turn}
+    return points
+
+
+__all__ = ["ResumePoint", "resume_points"]

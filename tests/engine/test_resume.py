@@ -1,0 +1,159 @@
+"""Adopting and resuming the sessions a killed engine left running (engine.adopt).
+
+A "crash" here is an engine abandoned mid-session on a FileLog (the log closed
+under it, nothing of the engine closed), as a killed worker leaves it; a new
+engine opens the same log with ``adopt_orphans=True``. The kill -9 of a real
+worker process is tests/loop/test_resume_worker.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from agentlog.engine import RESTART_REASON, SessionEngine
+from agentlog.events import FileLog
+from agentlog.events.schema.lifecycle import IllegalTransition, State
+from agentlog.events.schema.types import SessionAborted, SessionResumed, TurnDelta
+from agentlog.reducers.pipeline import reduce_log
+
+D0, D1, D2, D2B = ("0a" * 32), ("1b" * 32), ("2c" * 32), ("3d" * 32)
+PROMPT = [{"role": "user", "content": "fix it"}]
+
+
+def _turn(k: int) -> dict:
+    """Turn k of the scripted session: each prompt extends the last context by a tool answer."""
+    prompt = list(range(1, 4))
+    for j in range(k):
+        prompt += [100 + 10 * j, 101 + 10 * j, 50 + j]  # output of turn j, then its tool result
+    out = [100 + 10 * k, 101 + 10 * k]
+    messages = PROMPT + [m for j in range(k) for m in ({"role": "assistant", "content": f"a{j}"}, {"role": "tool", "content": f"t{j}"})]
+    return dict(messages=messages, prompt_ids=prompt, output_ids=out, output_log_probs=[-0.25 - k, -0.5 - k],
+                response_message={"role": "assistant", "content": f"a{k}"})
+
+
+async def _play(h, turns: range, snapshots: dict[int, str]) -> None:
+    for k in turns:
+        await h.record_snapshot(k, snapshots[k], files=3, bytes=30)
+        await h.record_turn(**_turn(k))
+        await h.record_command(f"echo {k}", 0, False, 0.01, f"t{k}")
+
+
+def _samples(path) -> list:
+    log = FileLog.open(path)
+    try:
+        return reduce_log(log).samples
+    finally:
+        log.close()
+
+
+def test_a_resumed_session_trains_as_the_uninterrupted_one_and_ends_once(arun, tmp_path):
+    async def crashed() -> None:
+        log = FileLog.open(tmp_path / "run")
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("s", group_id="g", group_size=2, sample_index=0, prompt=PROMPT)
+        await h.start(harness="python-agent")
+        await _play(h, range(2), {0: D0, 1: D1})
+        await h.record_snapshot(2, D2)  # turn 2's request arrived; the worker died while it generated
+        other = await eng.open_session("never-started", group_id="g", group_size=2, sample_index=1)
+        assert other.state is State.OPEN
+        log.close()  # killed: nothing of the engine is closed
+
+    async def resumed() -> None:
+        log = FileLog.open(tmp_path / "run")
+        eng = await SessionEngine.open(log, adopt_orphans=True)
+        assert sorted(eng.orphans) == ["never-started", "s"]
+        point = eng.orphans["s"]
+        assert (point.durable_turns, point.harness, point.snapshot_to_resume()) == (2, "python-agent", D1)
+        assert point.conversation()[-1] == {"role": "assistant", "content": "a1"}
+        assert eng.orphans["never-started"].why_not_resumable().startswith("it never started")
+        await eng.abort_orphan("never-started", eng.orphans["never-started"].why_not_resumable())
+        h = await eng.resume("s", D1, worker="w1")
+        assert (h.turns, h.state) == (2, State.RUNNING)
+        await h.record_command("echo 1", 0, False, 0.01, "t1")  # the last durable turn's tool call, run again
+        await _play(h, range(2, 4), {2: D2B, 3: D2B})
+        await h.finish(reward=1.0)
+        await eng.close()
+        envs = [e for e in log.read(0) if e.session_id == "s"]
+        log.close()
+        resumes = [e.body for e in envs if isinstance(e.body, SessionResumed)]
+        assert resumes == [SessionResumed(incarnation=1, durable_turns=2, snapshot=D1, snapshot_turn=1, worker="w1")]
+        # The first turn after the resume is a delta against the last durable one, not a full turn.
+        after = [e.body for e in envs if isinstance(e.body, TurnDelta) and e.body.turn_index == 2]
+        assert len(after) == 1 and after[0].shared_tokens == len(_turn(1)["prompt_ids"]) + 2
+
+    async def reference() -> None:
+        log = FileLog.open(tmp_path / "ref")
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("s", group_id="g", group_size=2, sample_index=0, prompt=PROMPT)
+        await h.start(harness="python-agent")
+        await _play(h, range(4), {0: D0, 1: D1, 2: D2B, 3: D2B})
+        await h.finish(reward=1.0)
+        other = await eng.open_session("never-started", group_id="g", group_size=2, sample_index=1)
+        await other.abort(RESTART_REASON)
+        await eng.close()
+        log.close()
+
+    arun(crashed())
+    arun(resumed())
+    arun(reference())
+    got = {s.session_id: s for s in _samples(tmp_path / "run")}
+    want = {s.session_id: s for s in _samples(tmp_path / "ref")}
+    assert set(got) == set(want) == {"s", "never-started"}
+    a, b = got["s"], want["s"]
+    assert a.turns == b.turns == 4 and a.response_length == b.response_length
+    for name in ("tokens", "loss_mask", "rollout_log_probs"):
+        assert getattr(a, name) == getattr(b, name), f"{name} differs across the resume point"
+    # The tokens, masks and log-probs line up with the turns as they were generated.
+    lp = np.frombuffer(a.rollout_log_probs, dtype="<f4")
+    mask = np.frombuffer(a.loss_mask, dtype=np.uint8)
+    assert np.allclose(lp[mask == 1], [x for k in range(4) for x in _turn(k)["output_log_probs"]])
+    assert got["never-started"].status == "aborted"
+
+
+def test_adopted_orphans_end_once_whatever_the_caller_decides(arun, tmp_path):
+    async def go() -> None:
+        log = FileLog.open(tmp_path / "run")
+        eng = await SessionEngine.open(log)
+        for sid in ("a", "b", "c"):
+            h = await eng.open_session(sid, group_id=f"g-{sid}", group_size=1)
+            await h.start(harness="python-agent")
+            await h.record_snapshot(0, D0)
+        log.close()
+        log = FileLog.open(tmp_path / "run")
+        eng = await SessionEngine.open(log, adopt_orphans=True)
+        h = await eng.resume("a", D0)
+        with pytest.raises(KeyError, match="'a': not an adopted orphan"):
+            await eng.resume("a", D0)
+        await eng.abort_orphan("b", "no snapshot store")
+        await h.finish(reward=0.0)
+        await eng.close()  # "c", left undecided, is dropped at shutdown
+        ends = [(e.session_id, type(e.body).__name__) for e in log.read(0) if type(e.body).__name__ in
+                ("SessionFinished", "SessionAborted", "SessionDropped")]
+        aborted = [e.body for e in log.read(0) if isinstance(e.body, SessionAborted)]
+        log.close()
+        assert sorted(ends) == [("a", "SessionFinished"), ("b", "SessionAborted"), ("c", "SessionDropped")]
+        assert aborted[0].reason == RESTART_REASON and aborted[0].error == "no snapshot store"
+        # Reopened with the default, nothing is left to abort: each session ended exactly once.
+        log = FileLog.open(tmp_path / "run")
+        eng = await SessionEngine.open(log)
+        assert eng.stats["restart_aborted"] == 0
+        await eng.close()
+        log.close()
+
+    arun(go())
+
+
+def test_a_session_never_resumes_after_its_terminal_event(arun, tmp_path):
+    async def go() -> None:
+        log = FileLog.open(tmp_path / "run")
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("s", group_id="g", group_size=1)
+        await h.start()
+        await h.finish(reward=1.0)
+        with pytest.raises(IllegalTransition, match="illegal 'resume' in state 'finished'"):
+            await h._engine._transition(h, "resume", SessionResumed(incarnation=1, durable_turns=0, snapshot=D0, snapshot_turn=0))
+        await eng.close()
+        log.close()
+
+    arun(go())
