@@ -5,3 +5,4 @@ from .handle import SessionHandle  # noqa: F401
 from .restart import RESTART_REASON  # noqa: F401
 from .errors import TIMEOUT_REASON, DuplicateSession, EngineClosed, SessionTimeout, StragglerRefused  # noqa: F401
 from .sandbox import CommandResult, LocalSandbox, Sandbox, read_done_marker  # noqa: F401
+from .snapshots import SnapshotDamaged, SnapshotError, SnapshotInfo, SnapshotMissing, SnapshotStore  # noqa: F401

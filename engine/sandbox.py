@@ -21,8 +21,16 @@ import signal
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:  # engine.snapshots imports this module (CONTROL_DIR)
+    from .snapshots import SnapshotInfo, SnapshotStore
+
+#: The directory inside a LocalSandbox's workdir where it keeps its own markers
+#: and output files; never part of a snapshot.
+CONTROL_DIR = ".agentlog-cmd"
 
 #: Default cap on the output tail kept in a CommandResult (characters).
 OUTPUT_TAIL_CHARS = 4096
@@ -59,6 +67,8 @@ class Sandbox(abc.ABC):
 
     #: A short description recorded in session_started.sandbox.
     name: str = ""
+    #: Whether :meth:`snapshot` and :meth:`restore` work (a resumed session needs them).
+    snapshottable: bool = False
 
     @abc.abstractmethod
     async def run_command(self, cmd: str, budget_s: float) -> CommandResult:
@@ -67,6 +77,15 @@ class Sandbox(abc.ABC):
 
     async def close(self) -> None:
         """Release the sandbox (default: nothing to release)."""
+
+    async def snapshot(self, store: "SnapshotStore", session_id: str, turn_index: int | None = None) -> "SnapshotInfo":
+        """Save the sandbox's files to ``store`` as ``session_id``'s newest snapshot (the
+        one before turn ``turn_index``, for the logs), durable on return (engine.snapshots)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot snapshot its files (snapshottable is False); LocalSandbox can")
+
+    async def restore(self, store: "SnapshotStore", digest: str) -> "SnapshotInfo":
+        """Make the sandbox's files exactly snapshot ``digest`` of ``store``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot restore a snapshot (snapshottable is False); LocalSandbox can")
 
 
 def _check_budget(budget_s: float) -> float:
@@ -91,7 +110,17 @@ class LocalSandbox(Sandbox):
         self.tail_chars = tail_chars
         self.env = env
         self.name = f"local:{self.workdir}"
-        self._ctl = self.workdir / ".agentlog-cmd"
+        self._ctl = self.workdir / CONTROL_DIR
+
+    snapshottable = True
+
+    async def snapshot(self, store: "SnapshotStore", session_id: str, turn_index: int | None = None) -> "SnapshotInfo":
+        """The workdir (but its control dir) into ``store``, on a worker thread."""
+        return await asyncio.to_thread(store.snapshot, self.workdir, session_id, turn_index=turn_index)
+
+    async def restore(self, store: "SnapshotStore", digest: str) -> "SnapshotInfo":
+        """The workdir replaced by snapshot ``digest`` (checked as it is copied), on a worker thread."""
+        return await asyncio.to_thread(store.restore, digest, self.workdir)
 
     async def run_command(self, cmd: str, budget_s: float) -> CommandResult:
         """Run ``cmd``; on budget exhaustion or cancellation kill its whole

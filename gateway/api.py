@@ -218,6 +218,17 @@ class ChatCompletionsAPI(WireAPI):
         return _request("chat", body, messages, tools, ("max_completion_tokens", "max_tokens"), include_usage=usage)
 
     @staticmethod
+    def client_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Canonical (recorded) messages as a Chat Completions client sends them, each tool call's
+        arguments as the JSON text :meth:`render` gave it: a resumed client's conversation, which
+        :meth:`parse` turns back into the very messages recorded."""
+        def wire(m: dict[str, Any]) -> dict[str, Any]:
+            calls = [{"id": tc["id"], "type": "function", "function": {"name": tc["name"], "arguments": _dumps(tc["arguments"])}}
+                     for tc in m.get("tool_calls") or ()]
+            return {**m, "tool_calls": calls} if calls and m.get("role") == "assistant" else dict(m)
+        return [wire(m) for m in messages]
+
+    @staticmethod
     def _finish(res: TurnResult) -> str:
         if res.tool_calls:
             return "tool_calls"

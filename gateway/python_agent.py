@@ -40,6 +40,8 @@ from typing import Any
 
 from agentlog.engine import harness
 
+from .api import ChatCompletionsAPI
+
 #: The one tool the agent offers (OpenAI Chat Completions tools schema).
 BASH_TOOL: dict[str, Any] = {
     "type": "function",
@@ -191,15 +193,15 @@ class PythonAgent:
         were never sent to the model), then the episode goes on as :meth:`run` does. The
         caps count the model calls and tool calls the conversation already holds."""
         openai = _openai()
-        messages = as_messages(messages)
+        # Recorded in the gateway's canonical form; sent again as this client sent them.
+        messages = ChatCompletionsAPI.client_messages(as_messages(messages))
         last = messages[-1]
         if last.get("role") != "assistant":
             raise ValueError(f"harness {self.name!r}: resume: expected the conversation to end with the last durable turn's "
                              f"assistant answer, found a {last.get('role')!r} message")
         turns = sum(1 for m in messages if m.get("role") == "assistant")
         tool_calls = sum(1 for m in messages if m.get("role") == "tool")
-        pending = [(c.get("id", ""), c.get("function", {}).get("name", ""), c.get("function", {}).get("arguments"))
-                   for c in last.get("tool_calls") or []]
+        pending = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in last.get("tool_calls") or []]
         client = self._client_for(openai, api_key)
         return await self._play(client, openai, handle, sandbox, messages, turns, tool_calls, pending)
 

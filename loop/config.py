@@ -42,6 +42,7 @@ from .config_sections import (
     InferenceConfig,
     LogConfig,
     MetricsConfig,
+    ResumeConfig,
     RolloutConfig,
     _from_mapping,
     check_field_types,
@@ -134,6 +135,8 @@ class LoopConfig:
     """The policy: "" for the built-in GPT; a local Hugging Face model directory; or "tiny-llama" / "tiny-qwen2", a tiny random model built in code into the run folder (tests, examples). Each version is then published as an HF directory beside its checkpoint."""
     gradient_checkpointing: bool = False
     """Recompute the HF model's activations in the backward pass (less memory, more time)."""
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
+    """Text tasks: sandbox snapshots, and resuming a killed worker's sessions (see ResumeConfig)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Metric sinks of the learner (the [metrics] table: tensorboard, wandb_project)."""
     # --- rollout workers ---
@@ -157,6 +160,10 @@ class LoopConfig:
             self.agent = _from_mapping(AgentConfig, self.agent, "agent")
         if isinstance(self.inference, Mapping):
             self.inference = _from_mapping(InferenceConfig, self.inference, "inference")
+        if isinstance(self.resume, Mapping):
+            self.resume = _from_mapping(ResumeConfig, self.resume, "resume")
+        if not isinstance(self.resume, ResumeConfig):
+            raise ConfigError(f"LoopConfig.resume: expected a [resume] table, found {self.resume!r}")
         # --- [metrics], [rollout] ---
         if isinstance(self.metrics, Mapping):
             self.metrics = _from_mapping(MetricsConfig, self.metrics, "metrics")

@@ -214,6 +214,31 @@ class MetricsConfig:
     """Log to this Weights & Biases project when ``wandb`` is installed ("" : $WANDB_PROJECT, if set; else off)."""
 
 
+@dataclass
+class ResumeConfig:
+    """Resuming the sessions a killed rollout worker left running (the ``[resume]`` table; text tasks with a
+    resumable harness: loop/resume.py)."""
+
+    enabled: bool = True
+    """Snapshot each session's sandbox before every turn, and resume orphaned sessions on restart instead of aborting them."""
+    max_resumes: int = 2
+    """Most resumes of one session; an orphan resumed this often already is aborted (engine_restart)."""
+    restore_timeout_s: float = 120.0
+    """Longest a sandbox restore may take before the session is aborted instead."""
+    keep_aborted_s: float = 86400.0
+    """How long an aborted session's last snapshot is kept (for debugging; 0: not kept)."""
+
+    def __post_init__(self) -> None:
+        if type(self.enabled) is not bool:
+            raise ConfigError(f"[resume] enabled: expected true or false, found {self.enabled!r}")
+        if type(self.max_resumes) is not int or self.max_resumes < 0:
+            raise ConfigError(f"[resume] max_resumes: expected an int >= 0, found {self.max_resumes!r}")
+        for name, low in (("restore_timeout_s", 0.0), ("keep_aborted_s", -1.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not low < v < math.inf:
+                raise ConfigError(f"[resume] {name}: expected a number of seconds {'> 0' if low == 0 else '>= 0'}, found {v!r}")
+
+
 #: Where the rollout workers run: local processes, or Ray actors.
 ROLLOUT_BACKENDS = ("local", "ray")
 

@@ -118,8 +118,10 @@ class GatewayRollout:
     def __init__(self, engine: SessionEngine, backend: Backend, *, agent: AgentConfig, sandbox_root: Path,
                  temperature: float = 1.0, template: ChatTemplate | None = None, parser: ToolCallParser | None = None,
                  keep_sandboxes: bool = False, teachers: Sequence[Any] = (), distill: Any = None,
-                 route_by: str = "session") -> None:
+                 route_by: str = "session", snapshots: Any = None) -> None:
         self.engine = engine
+        #: The worker's sandbox snapshots (loop.resume.SessionSnapshots), None: no snapshots, no resume.
+        self.snapshots = snapshots
         #: The turns' routing key (GatewayConfig.route_by): a fleet routes on it.
         self.route_by = route_by
         self.backend = backend
@@ -163,6 +165,11 @@ class GatewayRollout:
         kw = {"cli": self.agent.cli} if self.agent.cli and self.agent.harness != "python-agent" else {}
         harness.get(self.agent.harness)("http://127.0.0.1:1", **kw).check_ready()
 
+    @property
+    def resumable(self) -> bool:
+        """Whether the configured harness can resume a session (engine.harness.is_resumable)."""
+        return harness.is_resumable(self.agent.harness)
+
     def harness_for(self, task: TextTask, budget_s: float) -> Any:
         """The configured agent harness, pointed at the gateway and sized for ``task`` (one per task and budget)."""
         assert self.gateway is not None, "GatewayRollout.start() first"
@@ -197,7 +204,7 @@ class GatewayRollout:
         Raises SessionTimeout after a budget abort and CancelledError after a
         drop, as ``engine.session`` does; returns after finish or abort."""
         assert self.gateway is not None, "GatewayRollout.start() first"
-        budget = min(float(task.session_budget_s), float(self.agent.budget_s))
+        budget = self.budget_of(task)
         sandbox = LocalSandbox(self.sandbox_root / session_id)
         try:
             async with self.engine.session(
@@ -208,46 +215,69 @@ class GatewayRollout:
                 ok, _ = await self._step(h, "setup_failed", task.setup(episode, sandbox))
                 if not ok:
                     return
-                agent = self.harness_for(task, budget)
                 await h.start(harness=self.agent.harness, sandbox=sandbox.name, details={"gateway": self.gateway.url, "task": task.name})
-                # The task's output allowance holds whatever the agent asks for (Claude Code asks for 64000).
-                self.gateway.configure_session(session_id, sampling={"temperature": self.temperature}, max_turns=task.max_turns,
-                                               max_new_tokens=task.max_new_tokens, keep_turns=bool(self.teachers))
-                key = self.gateway.session_key(session_id)
-                try:
-                    result = await agent.run(h, sandbox, episode.messages, key)
-                except Exception as exc:  # noqa: BLE001 - the crash is the session's outcome, recorded with its traceback
-                    await self._abort_for(h, f"agent_crashed:{type(exc).__name__}", exc)
-                    return
-                calls = self.gateway.session_calls(session_id)
-                crash = crash_reason(result)
-                # A CLI that gave up on the model's own answers (Claude Code after over-long outputs) was not a crash:
-                # the policy did it, so the verifier judges it (aborting would hide it from training).
-                judge = getattr(agent, "model_stopped", None)
-                stopped = judge(result) if judge is not None and crash is not None and crash[0].startswith("agent_crashed:exit_") else None
-                if crash is not None and stopped is None:
-                    self._count(crash[0].split(":")[0])
-                    await h.abort(crash[0], error=crash[1])
-                    return
-                ok, verdict = await self._step(h, "verifier_failed", _verify(task, episode, _RecordedSandbox(sandbox, h)))
-                if not ok:
-                    return
-                if hasattr(result, "summary"):
-                    summary = result.summary()
-                else:  # a CLI: how it exited, and (non-zero) why that was the model's doing
-                    summary = {"exit_code": result.exit_code, **({"stop_reason": stopped} if stopped else {})}
-                if self.teachers:
-                    # Before the terminal event: the learner releases the group only with its scores in the log.
-                    turns = [TurnToScore(*t) for t in self.gateway.session_turns(session_id)]
-                    for what, n in (await score_session(h, turns, self.teachers, top_k=self.distill.topk,
-                                                        timeout_s=self.distill.timeout_s)).items():
-                        self.counts[f"teacher_{what}"] = self.counts.get(f"teacher_{what}", 0) + n
-                await h.finish(reward=verdict.reward, metadata={"success": verdict.success, **verdict.detail, "agent": summary,
-                                                                "gateway": calls})
-                self._count("finished")
+                await self.play(h, task, episode, sandbox, budget)
         finally:
-            if not self.keep_sandboxes:
-                await asyncio.to_thread(_remove_tree, sandbox.workdir)
+            await self.release_session(session_id, sandbox)
+
+    def budget_of(self, task: TextTask) -> float:
+        """A session's wall-clock budget: the smaller of the task's and ``[agent] budget_s``."""
+        return min(float(task.session_budget_s), float(self.agent.budget_s))
+
+    async def release_session(self, session_id: str, sandbox: Any) -> None:
+        """A session ended (or could not be played): its snapshots and its sandbox go."""
+        if self.snapshots is not None:
+            await self.snapshots.session_ended(session_id, self.engine.status(session_id))
+        if not self.keep_sandboxes:
+            await asyncio.to_thread(_remove_tree, sandbox.workdir)
+
+    async def play(self, h: Any, task: TextTask, episode: TextEpisode, sandbox: Any, budget: float,
+                   resumed_from: list[dict[str, Any]] | None = None) -> None:
+        """Run the agent on the running session ``h``, verify, score and finish (or abort).
+        ``resumed_from``: the conversation a resumed session continues (its last durable
+        turn's answer last; the harness's ``resume``), None to start the agent afresh."""
+        assert self.gateway is not None, "GatewayRollout.start() first"
+        session_id = h.session_id
+        agent = self.harness_for(task, budget)
+        # The task's output allowance holds whatever the agent asks for (Claude Code asks for 64000).
+        before_turn = self.snapshots.before_turn(h, sandbox) if self.snapshots is not None and self.resumable else None
+        self.gateway.configure_session(session_id, sampling={"temperature": self.temperature}, max_turns=task.max_turns,
+                                       max_new_tokens=task.max_new_tokens, keep_turns=bool(self.teachers), before_turn=before_turn)
+        key = self.gateway.session_key(session_id)
+        try:
+            if resumed_from is None:
+                result = await agent.run(h, sandbox, episode.messages, key)
+            else:
+                result = await agent.resume(h, sandbox, resumed_from, key)
+        except Exception as exc:  # noqa: BLE001 - the crash is the session's outcome, recorded with its traceback
+            await self._abort_for(h, f"agent_crashed:{type(exc).__name__}", exc)
+            return
+        calls = self.gateway.session_calls(session_id)
+        crash = crash_reason(result)
+        # A CLI that gave up on the model's own answers (Claude Code after over-long outputs) was not a crash:
+        # the policy did it, so the verifier judges it (aborting would hide it from training).
+        judge = getattr(agent, "model_stopped", None)
+        stopped = judge(result) if judge is not None and crash is not None and crash[0].startswith("agent_crashed:exit_") else None
+        if crash is not None and stopped is None:
+            self._count(crash[0].split(":")[0])
+            await h.abort(crash[0], error=crash[1])
+            return
+        ok, verdict = await self._step(h, "verifier_failed", _verify(task, episode, _RecordedSandbox(sandbox, h)))
+        if not ok:
+            return
+        if hasattr(result, "summary"):
+            summary = result.summary()
+        else:  # a CLI: how it exited, and (non-zero) why that was the model's doing
+            summary = {"exit_code": result.exit_code, **({"stop_reason": stopped} if stopped else {})}
+        if self.teachers:
+            # Before the terminal event: the learner releases the group only with its scores in the log.
+            turns = [TurnToScore(*t) for t in self.gateway.session_turns(session_id)]
+            for what, n in (await score_session(h, turns, self.teachers, top_k=self.distill.topk,
+                                                timeout_s=self.distill.timeout_s)).items():
+                self.counts[f"teacher_{what}"] = self.counts.get(f"teacher_{what}", 0) + n
+        await h.finish(reward=verdict.reward, metadata={"success": verdict.success, **verdict.detail, "agent": summary,
+                                                        "gateway": calls})
+        self._count("finished")
 
     async def _step(self, h: Any, reason: str, coro: Any) -> tuple[bool, Any]:
         """Run a task step: ``(True, its result)``, or on an exception abort

@@ -13,11 +13,14 @@ Steps, not versions: a step whose every group was skipped (all aborted)
 publishes no new version, and waiting for one would stall the run for good
 (with ``max_lag = 0`` only the next batch could produce it).
 
-Restart. ``SessionEngine.open`` aborts the sessions a killed worker left
-open or running (reason ``engine_restart``). Sessions of the interrupted
-batch that were never opened are then opened and aborted with the same
-reason, so every group of that batch completes and is released; the worker
-carries on with the next batch.
+Restart (:mod:`agentlog.loop.resume`). For a text task the engine adopts the
+sessions a killed worker left open or running, and each is resumed from its
+last durable turn (its sandbox restored from a snapshot) and played to its
+end, or, when it cannot be, aborted (reason ``engine_restart``, saying why);
+for the built-in token tasks ``SessionEngine.open`` aborts them all. Sessions of
+the interrupted batch that were never opened are then opened and aborted with
+the same reason, so every group of that batch completes and is released; the
+worker carries on with the next batch.
 
 Faults (``LoopConfig.faults``, demo-only: :mod:`agentlog.loop.demo.faults`)
 are planned per batch and played at fixed points of :meth:`RolloutWorker.run_session`;
@@ -33,7 +36,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgspec
 import torch
@@ -48,8 +51,9 @@ from agentlog.learner.learner import load_weights
 from agentlog.reducers.groups import Group
 
 from .config import LoopConfig
-from .dynamic_sampling import OVERSAMPLED, ReleasedGroups, oversampled, run_chain, wants_redraw
+from .dynamic_sampling import OVERSAMPLED, ReleasedGroups, run_chain
 from . import group_play
+from . import resume as restart
 from .naming import BASE_GROUP_RE, batch_prefix, batch_rng, group_id, member_id, redraw_id
 from .demo import faults as demo_faults
 from .policy import GenerationBatcher, build_model, load_tokenizer, resolve_hf_model
@@ -271,34 +275,6 @@ class RolloutWorker:
                     last = max(last, int(m.group(1)))
         return last + 1
 
-    async def complete_interrupted(self, engine: SessionEngine, batch: int) -> None:
-        """Open and abort (``engine_restart``) the sessions of ``batch`` that a
-        killed worker never opened, so all its groups complete."""
-        if batch < 0:
-            return
-        opened: set[str] = set()
-        for env in engine.log.read(0):
-            if isinstance(env.body, SessionOpened) and env.body.group_id.startswith(batch_prefix(batch)):
-                opened.add(env.session_id)
-        n = 0
-        meta = {"batch": batch, "worker": self.worker_id}
-        for g in range(self.cfg.groups.groups_started(self.cfg.groups_per_step)):
-            if not self.owns(g):
-                continue
-            k = 0
-            while True:  # each group of the chain: the base, then each redraw its predecessor wanted
-                gid = redraw_id(group_id(batch, g), k)
-                n += await group_play.end_unplayed(engine, gid, self.cfg.group_size, opened, agent=self.task.name, metadata=meta)
-                if not self.cfg.groups.dynamic_sampling:
-                    break
-                group = await self.released_group(engine, gid)
-                # A redraw follows only what wanted one: never an over-sampled leftover, never past max_redraws.
-                if oversampled(group) or not wants_redraw(group, self.cfg.groups):
-                    break
-                k += 1
-        if n:
-            self.log.warning("worker.interrupted_batch_completed", batch=batch, aborted_unopened=n)
-
     async def watch_log(self, rollout: Any, work: Any, poll_s: float = 0.1) -> Any:
         """Await ``work`` (a batch), but stop it and raise :class:`WorkerLogFatal` once the
         rollout log has gone fatal (a newer incarnation fenced it, or a write failed): no
@@ -329,28 +305,8 @@ class RolloutWorker:
         (their live sessions dropped, reason ``oversampled``)."""
         cfg = self.cfg
         started = cfg.groups.groups_started(cfg.groups_per_step)
-        rng = batch_rng(cfg.seed, batch, "episodes")
-        base: list[list[Any]]
-        if self.text:
-            from .gateway_rollout import draw_members
-
-            base = draw_members(self.task, rng, started, cfg.group_size)
-            faults: dict = {}
-        else:
-            episodes = [self.task.new_episode(rng) for _ in range(started)]
-            faults = demo_faults.plan_faults(cfg.faults, batch_rng(cfg.seed, batch, "faults"), started, cfg.group_size)
-            # Drawn for every group: each partition draws the same batch.
-            base = [[self.task.group_member(ep, rng) for _ in range(cfg.group_size)] for ep in episodes]
-
-        def members(g: int, k: int) -> list[Any]:
-            if k == 0:
-                return base[g]
-            redraw = batch_rng(cfg.seed, batch, f"redraw-g{g}-r{k}")  # a new prompt per redraw, reproducible
-            if self.text:
-                return draw_members(self.task, redraw, 1, cfg.group_size)[0]
-            ep = self.task.new_episode(redraw)
-            return [self.task.group_member(ep, redraw) for _ in range(cfg.group_size)]
-
+        members = self.draw(batch)
+        faults = {} if self.text else demo_faults.plan_faults(cfg.faults, batch_rng(cfg.seed, batch, "faults"), started, cfg.group_size)
         share = sum(1 for g in range(cfg.groups_per_step) if self.owns(g))
         if share == 0:
             return  # this worker owns none of the groups a step counts, so none of their over-sampled extras either
@@ -392,6 +348,31 @@ class RolloutWorker:
                     await cancel_leftovers()
 
         await asyncio.gather(*(chain(g) for g in range(started) if self.owns(g)))
+
+    def draw(self, batch: int) -> Callable[[int, int], list[Any]]:
+        """``members(g, k)``: the episodes of redraw ``k`` of group ``g`` of ``batch``, one per
+        member, drawn as every partition (and a restarted worker) draws them."""
+        cfg = self.cfg
+        rng = batch_rng(cfg.seed, batch, "episodes")
+        started = cfg.groups.groups_started(cfg.groups_per_step)
+        if self.text:
+            from .gateway_rollout import draw_members
+
+            base = draw_members(self.task, rng, started, cfg.group_size)
+        else:  # drawn for every group: each partition draws the same batch
+            episodes = [self.task.new_episode(rng) for _ in range(started)]
+            base = [[self.task.group_member(ep, rng) for _ in range(cfg.group_size)] for ep in episodes]
+
+        def members(g: int, k: int) -> list[Any]:
+            if k == 0:
+                return base[g]
+            redraw = batch_rng(cfg.seed, batch, f"redraw-g{g}-r{k}")  # a new prompt per redraw, reproducible
+            if self.text:
+                return draw_members(self.task, redraw, 1, cfg.group_size)[0]
+            ep = self.task.new_episode(redraw)
+            return [self.task.group_member(ep, redraw) for _ in range(cfg.group_size)]
+
+        return members
 
     async def released_group(self, engine: SessionEngine, gid: str) -> Group:
         """Group ``gid`` of this worker's log, released (every member and replacement ended)."""
@@ -528,7 +509,8 @@ class RolloutWorker:
             if self.weight_sync is not None:
                 stack.push_async_callback(self.weight_sync.close)
             # The run's abort classes: an abort of a "refill" class owes its group a replacement.
-            engine = await SessionEngine.open(rollout, drain_s=0.2, groups=cfg.reduce_config())
+            # Text tasks adopt the sessions a killed incarnation left running, to resume them (loop/resume.py).
+            engine = await SessionEngine.open(rollout, drain_s=0.2, groups=cfg.reduce_config(), adopt_orphans=self.text)
             stack.push_async_callback(engine.close)
             if cfg.groups.dynamic_sampling:
                 self.released = ReleasedGroups(rollout, cfg.reduce_config())
@@ -543,13 +525,15 @@ class RolloutWorker:
                     self.log.warning("worker.faults_ignored", reason="fault injection is demo-only; text tasks run without it")
                 self.rollout = GatewayRollout(engine, self.backend, agent=cfg.agent, sandbox_root=self.run_dir / "sandbox" / self.worker_id,
                                               temperature=cfg.temperature, template=self.chat_template(),
-                                              teachers=self.teachers, distill=cfg.distill, route_by=cfg.inference.route_by)
+                                              teachers=self.teachers, distill=cfg.distill, route_by=cfg.inference.route_by,
+                                              snapshots=restart.snapshots_of(self))
                 self.rollout.preflight()
                 stack.push_async_callback(self.rollout.close)
                 url = await self.rollout.start()
                 self.log.info("worker.gateway_started", url=url, harness=cfg.agent.harness, backend=cfg.inference.backend)
             batch = self.next_batch(rollout)
-            await self.complete_interrupted(engine, batch - 1)
+            self.counts.update(await self.watch_log(rollout, restart.resume_orphans(self, engine)))
+            await restart.complete_interrupted(self, engine, batch - 1)
             self.log.info("worker.started", first_batch=batch, restart_aborted=engine.stats.get("restart_aborted", 0))
             while max_batches is None or done < max_batches:
                 if not await self.wait_for_step(max(0, batch - cfg.max_lag)):

@@ -184,3 +184,23 @@ def test_hf_template_passes_canonical_messages_and_tools_to_the_tokenizer_templa
     assert seen_msgs[1]["tool_calls"] == [{"id": "c1", "type": "function", "function": {"name": "Bash", "arguments": {"command": "ls"}}}]
     assert seen_msgs[2] == {"role": "tool", "content": "a", "tool_call_id": "c1", "name": "Bash"}  # named after its call
     assert tpl.stop_ids == (2,) and tpl.decode([1, 2, 3]) == "ac"
+
+
+_text = st.text(max_size=20)
+_calls = st.lists(st.fixed_dictionaries({
+    "id": st.text(min_size=1, max_size=8), "name": st.sampled_from(["bash", "edit"]),
+    "arguments": st.dictionaries(st.text(max_size=5), st.one_of(st.integers(), _text), max_size=3)}), max_size=3)
+_message = st.one_of(
+    st.builds(lambda c: {"role": "user", "content": c}, _text),
+    st.builds(lambda c, calls: {"role": "assistant", "content": c, **({"tool_calls": calls} if calls else {})}, _text, _calls),
+    st.builds(lambda c, i: {"role": "tool", "content": c, "tool_call_id": i}, _text, st.text(min_size=1, max_size=8)),
+)
+
+
+@given(st.lists(_message, min_size=1, max_size=6))
+def test_recorded_messages_sent_again_by_a_chat_client_parse_back_to_themselves(messages):
+    """What a resumed agent sends (the recorded conversation in the Chat Completions wire
+    shape) parses back to the very messages recorded, so its prompt re-encodes exactly."""
+    canonical = [assistant_message(m["content"], m.get("tool_calls")) if m["role"] == "assistant" else m for m in messages]
+    again = ChatCompletionsAPI.parse({"model": "m", "messages": ChatCompletionsAPI.client_messages(canonical)})
+    assert again.messages == canonical
