@@ -355,6 +355,7 @@ class RolloutWorker:
         cfg = self.cfg
         rng = batch_rng(cfg.seed, batch, "episodes")
         started = cfg.groups.groups_started(cfg.groups_per_step)
+        base: list[list[Any]]
         if self.text:
             from .gateway_rollout import draw_members
 

@@ -7,7 +7,8 @@ task (6 turns each, ``--gen-s`` seconds of generation per turn, ``--data-mb``
 of files in every sandbox), SIGKILLs it once every session has ``--kill-after``
 durable turns or more on average, and starts it again with
 ``--max-batches 0`` (it decides the orphans, plays the resumed ones to the
-end, and exits). Only the worker runs: no learner is needed for one batch.
+end, and exits). The learner process records its step 0 (which the
+worker's first batch waits for) and trains the batch once it completes.
 
 * ours: ``[resume] enabled = true``: orphans resume from their last durable turn;
 * the anchor: ``[resume] enabled = false``: orphans are aborted ``engine_restart``,
@@ -46,6 +47,7 @@ from agentlog.events.schema.types import (
     SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionResumed, TurnRecorded,
 )
 from agentlog.loop import FaultConfig, LoopConfig
+from agentlog.loop.run import start_process
 
 TERMINAL = (SessionFinished, SessionAborted, SessionDropped)
 
@@ -62,6 +64,8 @@ def _worker(run: Path, args: argparse.Namespace, *extra: str) -> subprocess.Pope
 
 def _durable_turns(run: Path) -> dict[str, int]:
     turns: dict[str, int] = {}
+    if not (run / "rollout").exists():
+        return turns
     for env in read_log(run / "rollout", 0):
         if isinstance(env.body, SessionOpened):
             turns[env.session_id] = 0
@@ -82,6 +86,8 @@ def run_arm(root: Path, args: argparse.Namespace, *, resume: bool) -> dict:
                      agent={"harness": "python-agent", "budget_s": 600}, inference={"context_length": 2048},
                      resume={"enabled": resume})
     cfg.save(run / "config.json")
+    # The learner records step 0 (the worker's first batch waits for it) and trains the batch once it is released.
+    learner = start_process("trainer", run)
     proc = _worker(run, args, "--max-batches", "1")
     n = args.groups * args.group_size
     deadline = time.monotonic() + 600
@@ -100,6 +106,12 @@ def run_arm(root: Path, args: argparse.Namespace, *, resume: bool) -> dict:
     if again.wait(timeout=900) != 0:
         raise SystemExit(f"bench_resume: the restarted worker exited {again.returncode}; see {run}/logs")
     restart_s = time.perf_counter() - t0
+    try:
+        learner.wait(timeout=300)  # its one step, on the batch the restart completed
+    finally:
+        if learner.poll() is None:
+            learner.kill()
+            learner.wait()
     envs = list(full_turns(read_log(run / "rollout", 0)))
     orphans = {sid for sid, _ in live.items()}
     lost = 0.0
