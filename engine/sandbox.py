@@ -18,6 +18,7 @@ import math
 import os
 import re
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -25,8 +26,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from agentlog._logging import get_logger
+
 if TYPE_CHECKING:  # engine.snapshots imports this module (CONTROL_DIR)
     from .snapshots import SnapshotInfo, SnapshotStore
+
+_log = get_logger("agentlog.engine.sandbox")
 
 #: The directory inside a LocalSandbox's workdir where it keeps its own markers
 #: and output files; never part of a snapshot.
@@ -119,8 +124,20 @@ class LocalSandbox(Sandbox):
         return await asyncio.to_thread(store.snapshot, self.workdir, session_id, turn_index=turn_index)
 
     async def restore(self, store: "SnapshotStore", digest: str) -> "SnapshotInfo":
-        """The workdir replaced by snapshot ``digest`` (checked as it is copied), on a worker thread."""
-        return await asyncio.to_thread(store.restore, digest, self.workdir)
+        """The workdir replaced by snapshot ``digest`` (checked as it is copied), on a worker thread.
+        Cancelled (a restore timeout), the thread is told to stop and awaited, so nothing writes
+        the workdir or its staging sibling once this returns: the workdir is as it was, or restored."""
+        stop = threading.Event()
+        job = asyncio.ensure_future(asyncio.to_thread(store.restore, digest, self.workdir, cancel=stop))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            stop.set()
+            await asyncio.wait([job])
+            exc = None if job.cancelled() else job.exception()
+            _log.info("sandbox.restore_stopped", workdir=str(self.workdir), digest=digest,
+                      outcome="restored before it could stop" if exc is None else f"{type(exc).__name__}: {exc}")
+            raise
 
     async def run_command(self, cmd: str, budget_s: float) -> CommandResult:
         """Run ``cmd``; on budget exhaustion or cancellation kill its whole

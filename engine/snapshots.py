@@ -290,9 +290,10 @@ class SnapshotStore:
 
     # ------------------------------------------------------------ restore
 
-    def restore(self, digest: str, workdir: str | os.PathLike[str]) -> SnapshotInfo:
+    def restore(self, digest: str, workdir: str | os.PathLike[str], *, cancel: threading.Event | None = None) -> SnapshotInfo:
         """Make ``workdir`` exactly snapshot ``digest`` (its control dir kept), every
-        content checked against its address; on failure ``workdir`` is left as it was."""
+        content checked against its address; on failure ``workdir`` is left as it was.
+        ``cancel``: once set, the restore stops before its next entry (SnapshotError)."""
         t0 = time.perf_counter()
         workdir = Path(os.path.realpath(workdir))  # a link to the workdir stays a link
         entries = self.manifest(digest)
@@ -301,7 +302,7 @@ class SnapshotStore:
         try:
             stage = new_stage(workdir)
             try:
-                files, total = self._fill(os.fsencode(stage), entries, digest, (self._dev, os.stat(stage).st_dev))
+                files, total = self._fill(os.fsencode(stage), entries, digest, (self._dev, os.stat(stage).st_dev), cancel)
                 swap_in(stage, workdir)
             except BaseException:
                 if os.path.lexists(stage):
@@ -313,10 +314,14 @@ class SnapshotStore:
         self._log.debug("sandbox.restored", digest=digest, workdir=str(workdir), files=files, bytes=total, seconds=round(info.seconds, 4))
         return info
 
-    def _fill(self, stage: bytes, entries: list[ManifestEntry], digest: str, devices: tuple[int, int]) -> tuple[int, int]:
+    def _fill(self, stage: bytes, entries: list[ManifestEntry], digest: str, devices: tuple[int, int],
+              cancel: threading.Event | None) -> tuple[int, int]:
         dir_modes: list[tuple[bytes, int]] = []
         files = total = 0
-        for e in entries:
+        for i, e in enumerate(entries):
+            if cancel is not None and cancel.is_set():
+                raise SnapshotError(f"snapshot store {self.root}: restore of snapshot {digest} stopped (cancelled) after "
+                                    f"{i} of {len(entries)} entries; the workdir was left as it was")
             dst = stage + b"/" + e.path
             if e.kind == "dir":
                 os.mkdir(dst, 0o700)  # its own mode at the end: a read-only dir is filled first

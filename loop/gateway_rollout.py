@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import math
 import random
 import shutil
 import traceback as _traceback
@@ -53,6 +54,8 @@ from agentlog.engine.core import TIMEOUT_REASON, SessionEngine
 from agentlog.engine.sandbox import CommandResult
 from agentlog.engine.tasks import TextEpisode, TextTask, Verdict
 from agentlog.events.schema.lifecycle import TERMINAL_STATES
+from agentlog.events.schema.packing import tokens_view
+from agentlog.reducers.resume import ResumePoint
 from agentlog.gateway import Backend, ByteChatTemplate, ChatTemplate, Gateway, GatewayConfig, HermesToolParser, ToolCallParser
 
 from .config import AgentConfig, InferenceConfig, LoopConfig
@@ -232,12 +235,22 @@ class GatewayRollout:
             await asyncio.to_thread(_remove_tree, sandbox.workdir)
 
     async def play(self, h: Any, task: TextTask, episode: TextEpisode, sandbox: Any, budget: float,
-                   resumed_from: list[dict[str, Any]] | None = None) -> None:
+                   resumed: ResumePoint | None = None) -> None:
         """Run the agent on the running session ``h``, verify, score and finish (or abort).
-        ``resumed_from``: the conversation a resumed session continues (its last durable
-        turn's answer last; the harness's ``resume``), None to start the agent afresh."""
+        ``resumed``: a resumed session's resume point (loop/resume.py): the harness's ``resume``
+        continues its conversation (with no durable turn, ``run`` starts it again), and the
+        teachers score its turns before the resume too (but those the log holds a result of;
+        with teachers, the point must keep its turns). None: a new session."""
         assert self.gateway is not None, "GatewayRollout.start() first"
         session_id = h.session_id
+        earlier: list[TurnToScore] = []
+        if resumed is not None and self.teachers:
+            if len(resumed.turns) != resumed.durable_turns:
+                raise ValueError(f"session {session_id!r}: resumed with {resumed.durable_turns} durable turns but "
+                                 f"{len(resumed.turns)} kept; the teachers need them all (resume_points(keep_turns=True))")
+            temps = resumed.turn_temperatures
+            earlier = [TurnToScore(t.turn_index, tokens_view(t.prompt_ids).tolist(), tokens_view(t.output_ids).tolist(),
+                                   None if math.isnan(temps[t.turn_index]) else temps[t.turn_index]) for t in resumed.turns]
         agent = self.harness_for(task, budget)
         # The task's output allowance holds whatever the agent asks for (Claude Code asks for 64000).
         before_turn = self.snapshots.before_turn(h, sandbox) if self.snapshots is not None and self.resumable else None
@@ -245,10 +258,11 @@ class GatewayRollout:
                                        max_new_tokens=task.max_new_tokens, keep_turns=bool(self.teachers), before_turn=before_turn)
         key = self.gateway.session_key(session_id)
         try:
-            if resumed_from is None:
+            if resumed is None or not resumed.durable_turns:
+                # A resumed session without a durable turn starts again from the prompt, on the sandbox as set up.
                 result = await agent.run(h, sandbox, episode.messages, key)
             else:
-                result = await agent.resume(h, sandbox, resumed_from, key)
+                result = await agent.resume(h, sandbox, resumed.conversation(), key)
         except Exception as exc:  # noqa: BLE001 - the crash is the session's outcome, recorded with its traceback
             await self._abort_for(h, f"agent_crashed:{type(exc).__name__}", exc)
             return
@@ -271,9 +285,9 @@ class GatewayRollout:
             summary = {"exit_code": result.exit_code, **({"stop_reason": stopped} if stopped else {})}
         if self.teachers:
             # Before the terminal event: the learner releases the group only with its scores in the log.
-            turns = [TurnToScore(*t) for t in self.gateway.session_turns(session_id)]
-            for what, n in (await score_session(h, turns, self.teachers, top_k=self.distill.topk,
-                                                timeout_s=self.distill.timeout_s)).items():
+            turns = earlier + [TurnToScore(*t) for t in self.gateway.session_turns(session_id)]
+            for what, n in (await score_session(h, turns, self.teachers, top_k=self.distill.topk, timeout_s=self.distill.timeout_s,
+                                                skip=resumed.scored if resumed is not None else ())).items():
                 self.counts[f"teacher_{what}"] = self.counts.get(f"teacher_{what}", 0) + n
         await h.finish(reward=verdict.reward, metadata={"success": verdict.success, **verdict.detail, "agent": summary,
                                                         "gateway": calls})

@@ -14,8 +14,9 @@ start the rollouts: :class:`RayRollouts` (the driver) sees the actor back in
 state ``idle`` and calls :meth:`RolloutActor.start` again. The new
 incarnation reopens its partition with a new writer epoch (``FileLog``
 ``fence=True``), so a stale incarnation still alive on a partitioned-off node
-can append nothing more; the sessions the old one left open are aborted
-with ``engine_restart`` and its interrupted batch completed (see
+can append nothing more; the sessions the old one left open are resumed
+from their last durable turn, or aborted with ``engine_restart`` (see
+:mod:`agentlog.loop.resume`), and its interrupted batch completed (see
 :mod:`agentlog.loop.worker`). Both actor methods are idempotent, because
 Ray retries calls to a restarting actor (at least once).
 

@@ -42,7 +42,7 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, Collection, NamedTuple, Protocol, Sequence, runtime_checkable
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -493,14 +493,15 @@ def build_teachers(cfg: Any) -> list[Teacher]:
 
 
 async def score_session(h: Any, turns: Sequence[TurnToScore], teachers: Sequence[Teacher], *, top_k: int = 0,
-                        timeout_s: float = 60.0) -> dict[str, int]:
+                        timeout_s: float = 60.0, skip: Collection[tuple[int, str]] = ()) -> dict[str, int]:
     """Score every turn of a finished session ``h`` (still running: call before its terminal
     event) with every teacher, and record each result in the session: ``teacher_scored`` with
     the log-probs, or, when the teacher raised or took longer than ``timeout_s``, a teacher
     failure with the error text (the learner then refuses the group for distillation with it,
     and never trains it without scores). Turns with no output tokens have nothing to score.
     All scores run concurrently; they are recorded in turn order, teacher by teacher.
-    Returns ``{"scored": n, "failed": m}``."""
+    ``skip``: ``(turn_index, teacher name)`` pairs the log holds a result of already (a
+    resumed session's). Returns ``{"scored": n, "failed": m}``."""
 
     async def one(teacher: Teacher, turn: TurnToScore) -> TeacherScores | BaseException:
         if turn.temperature is None:
@@ -513,7 +514,8 @@ async def score_session(h: Any, turns: Sequence[TurnToScore], teachers: Sequence
         except Exception as exc:  # noqa: BLE001 - any teacher failure is recorded in the session, and logged
             return exc
 
-    jobs = [(teacher, turn) for turn in turns if len(turn.output_ids) for teacher in teachers]
+    jobs = [(teacher, turn) for turn in turns if len(turn.output_ids) for teacher in teachers
+            if (turn.turn_index, teacher.name) not in skip]
     results = await asyncio.gather(*(one(teacher, turn) for teacher, turn in jobs))
     counts = {"scored": 0, "failed": 0}
     for (teacher, turn), res in zip(jobs, results):

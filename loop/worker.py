@@ -533,6 +533,10 @@ class RolloutWorker:
                 url = await self.rollout.start()
                 self.log.info("worker.gateway_started", url=url, harness=cfg.agent.harness, backend=cfg.inference.backend)
             batch = self.next_batch(rollout)
+            if engine.orphans:
+                # A resumed session's next turns come from the newest published policy, as the next batch's would,
+                # never from the weights this process started with (the backend's version 0).
+                await self.reload_text()
             self.counts.update(await self.watch_log(rollout, restart.resume_orphans(self, engine)))
             await restart.complete_interrupted(self, engine, batch - 1)
             self.log.info("worker.started", first_batch=batch, restart_aborted=engine.stats.get("restart_aborted", 0))

@@ -33,7 +33,7 @@ from typing import Any, Iterable
 
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import (
-    Envelope, SandboxSnapshotted, SessionOpened, SessionResumed, SessionStarted, TurnRecorded, turn_temperature,
+    Envelope, SandboxSnapshotted, SessionOpened, SessionResumed, SessionStarted, TeacherScored, TurnRecorded, turn_temperature,
 )
 
 
@@ -52,10 +52,13 @@ class ResumePoint:
     metadata: dict[str, Any] = field(default_factory=dict)
     #: The aborted member it replaces (per-sample refill), "" for an original member.
     replaces: str = ""
-    #: When the session opened and when its last record was written (ns since the epoch):
-    #: how much of its wall-clock budget it had used before the crash.
+    #: When the session opened and when its last record was written (ns since the epoch).
     opened_ns: int = 0
     last_ns: int = 0
+    #: When its newest incarnation began (``session_opened``'s, else its last ``session_resumed``'s
+    #: time), and the seconds its earlier incarnations ran: see :attr:`spent_s`.
+    incarnation_ns: int = -1
+    earlier_s: float = 0.0
     #: Whether ``session_started`` is in the log, and the harness it named.
     started: bool = False
     harness: str = ""
@@ -71,8 +74,23 @@ class ResumePoint:
     snapshots: dict[int, str] = field(default_factory=dict)
     #: ``session_resumed`` events so far (the next incarnation is this + 1).
     resumes: int = 0
-    #: The LSN of the session's last record.
+    #: The LSNs of the session's ``session_opened`` and of its last record.
+    opened_lsn: int = -1
     last_lsn: int = -1
+    #: ``(turn_index, teacher)`` of every ``teacher_scored`` (scores or a failure) in the log: a
+    #: worker killed while it recorded a session's scores left some, which must not be recorded twice.
+    scored: set[tuple[int, str]] = field(default_factory=set)
+    #: Every durable turn in full, oldest first: kept only by ``resume_points(..., keep_turns=True)``
+    #: (a teacher scores them before the resumed session ends), else empty.
+    turns: list[TurnRecorded] = field(default_factory=list)
+
+    @property
+    def spent_s(self) -> float:
+        """The wall-clock budget the session used: each incarnation's time from its start to its
+        last record (a crash's downtime, between a dead incarnation's last record and the next's
+        ``session_resumed``, is not the session's)."""
+        start = self.opened_ns if self.incarnation_ns < 0 else self.incarnation_ns
+        return self.earlier_s + max(0.0, (self.last_ns - start) / 1e9)
 
     @property
     def snapshot_turn(self) -> int:
@@ -105,9 +123,11 @@ class ResumePoint:
         return messages
 
 
-def resume_points(envelopes: Iterable[Envelope], session_ids: Iterable[str]) -> dict[str, ResumePoint]:
+def resume_points(envelopes: Iterable[Envelope], session_ids: Iterable[str], *, keep_turns: bool = False) -> dict[str, ResumePoint]:
     """One :class:`ResumePoint` for each of ``session_ids`` that ``envelopes`` (a log, in LSN
-    order) opened; the records of every other session are skipped before any turn is expanded."""
+    order) opened; the records of every other session are skipped before any turn is expanded.
+    ``keep_turns``: keep every durable turn in full (:attr:`ResumePoint.turns`; memory: each
+    turn's whole prompt), not just the last."""
     wanted = set(session_ids)
     points: dict[str, ResumePoint] = {}
     mine = (env for env in envelopes if env.session_id in wanted)
@@ -117,10 +137,12 @@ def resume_points(envelopes: Iterable[Envelope], session_ids: Iterable[str]) -> 
         if type(body) is SessionOpened:
             points[sid] = ResumePoint(sid, body.group_id, body.group_size, body.sample_index, list(body.prompt),
                                       body.label, body.agent, dict(body.metadata),
-                                      body.replaces if isinstance(body.replaces, str) else "", env.ts_ns)
+                                      body.replaces if isinstance(body.replaces, str) else "", env.ts_ns, opened_lsn=env.lsn)
         point = points.get(sid)
         if point is None:
             continue  # a record of a session the slice did not see open: not one of ours
+        if type(body) is SessionResumed:  # the dead incarnation's time, to its last record, before this one starts
+            point.earlier_s, point.incarnation_ns = point.spent_s, env.ts_ns
         point.last_lsn, point.last_ns = env.lsn, env.ts_ns
         if type(body) is SessionStarted:
             point.started, point.harness = True, body.harness
@@ -130,6 +152,10 @@ def resume_points(envelopes: Iterable[Envelope], session_ids: Iterable[str]) -> 
             point.turn_outputs.append(len(body.output_ids) // 4)
             temperature = turn_temperature(body.sampling) if body.sampling else 1.0
             point.turn_temperatures.append(math.nan if temperature is None else temperature)
+            if keep_turns:
+                point.turns.append(body)
+        elif type(body) is TeacherScored:
+            point.scored.add((body.turn_index, body.teacher))
         elif type(body) is SandboxSnapshotted:
             point.snapshots[body.turn_index] = body.digest
         elif type(body) is SessionResumed:

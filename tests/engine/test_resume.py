@@ -13,6 +13,7 @@ import pytest
 
 from agentlog.engine import RESTART_REASON, SessionEngine
 from agentlog.events import FileLog
+from agentlog.events.log.api import MemoryLog
 from agentlog.events.schema.lifecycle import IllegalTransition, State
 from agentlog.events.schema.types import SessionAborted, SessionResumed, TurnDelta
 from agentlog.reducers.pipeline import reduce_log
@@ -155,5 +156,32 @@ def test_a_session_never_resumes_after_its_terminal_event(arun, tmp_path):
             await h._engine._transition(h, "resume", SessionResumed(incarnation=1, durable_turns=0, snapshot=D0, snapshot_turn=0))
         await eng.close()
         log.close()
+
+    arun(go())
+
+
+def test_the_budget_a_resumed_session_used_leaves_out_each_crash_downtime(arun):
+    now = [0]
+    log = MemoryLog(clock=lambda: now[0])
+
+    async def at(t: float, coro):
+        now[0] = int(t * 1e9)
+        return await coro
+
+    async def go() -> None:
+        eng = await SessionEngine.open(log)
+        h = await at(0, eng.open_session("s", group_id="g", group_size=1, prompt=PROMPT))
+        await at(1, h.start(harness="python-agent"))
+        await at(2, h.record_snapshot(0, D0))
+        await at(10, h.record_turn(**_turn(0)))  # killed at 50 s, its last record at 10 s
+        eng = await at(100, SessionEngine.open(log, adopt_orphans=True))
+        assert eng.orphans["s"].spent_s == 10.0
+        h = await at(100, eng.resume("s", D0))
+        await at(103, h.record_command("echo 0", 0, False, 0.01, "t0"))
+        await at(105, h.record_snapshot(1, D1))  # killed again
+        eng = await at(1000, SessionEngine.open(log, adopt_orphans=True))
+        assert eng.orphans["s"].spent_s == 10.0 + 5.0  # not the 105 s from its opening to its last record
+        await eng.abort_orphan("s", "the test is over")
+        await eng.close()
 
     arun(go())

@@ -43,9 +43,11 @@ def _start_worker(run: Path) -> subprocess.Popen:
         err.close()
 
 
-def _running_with_turns(run: Path, at_least: int) -> dict[str, int]:
-    """Sessions not ended, and their durable turns, for those with ``at_least`` turns."""
+def _running_with_turns(run: Path, at_least: int, version: int = 0) -> dict[str, int]:
+    """Sessions not ended, and their durable turns, for those with ``at_least`` turns, the last made by policy
+    ``version`` or a newer one."""
     turns: dict[str, int] = {}
+    versions: dict[str, int] = {}
     ended: set[str] = set()
     if not (run / "rollout").exists():
         return {}
@@ -54,9 +56,10 @@ def _running_with_turns(run: Path, at_least: int) -> dict[str, int]:
             turns[env.session_id] = 0
         elif isinstance(env.body, (TurnRecorded, TurnDelta)):
             turns[env.session_id] = env.body.turn_index + 1
+            versions[env.session_id] = env.body.policy_version
         elif isinstance(env.body, TERMINAL):
             ended.add(env.session_id)
-    return {sid: n for sid, n in turns.items() if sid not in ended and n >= at_least}
+    return {sid: n for sid, n in turns.items() if sid not in ended and n >= at_least and versions.get(sid, -1) >= version}
 
 
 @pytest.mark.required
@@ -71,7 +74,10 @@ def test_a_killed_worker_resumes_its_sessions_and_the_run_reconstructs_equal(tmp
     learner = start_process("trainer", run)
     worker = _start_worker(run)
     try:
-        wait_for("sessions two turns in", lambda: len(_running_with_turns(run, 2)) >= 4, 120, [learner, worker])
+        # Killed once the learner published a version past the first: a restarted worker must play on with it, not
+        # with the weights it starts with.
+        wait_for("sessions two turns in, by version 1 or newer", lambda: len(_running_with_turns(run, 2, version=1)) >= 4, 120,
+                 [learner, worker])
         worker.send_signal(signal.SIGKILL)
         worker.wait()
         # What was acknowledged before the kill: every record the log marks durable.
@@ -107,6 +113,12 @@ def test_a_killed_worker_resumes_its_sessions_and_the_run_reconstructs_equal(tmp
             snapshots[(e.session_id, e.body.turn_index)] = e.body.digest
         elif isinstance(e.body, SessionResumed):
             assert snapshots[(e.session_id, e.body.snapshot_turn)] == e.body.snapshot, e
+    # A resumed session's turns are made by the policy it was played with before the kill, or a newer one.
+    for sid in resumed:
+        turns = [(e.lsn, e.body.policy_version) for e in envs if e.session_id == sid and isinstance(e.body, (TurnRecorded, TurnDelta))]
+        at = next(e.lsn for e in envs if e.session_id == sid and isinstance(e.body, SessionResumed))
+        before, after = [v for lsn, v in turns if lsn < at], [v for lsn, v in turns if lsn > at]
+        assert not before or not after or min(after) >= max(before) >= 1, (sid, before, after)
     # A resumed session trains as one linear trajectory of all its turns: the conversation the
     # agent sent again re-encoded to the recorded prompt (no fork, no re-alignment at the resume).
     rows: dict[str, list] = {}

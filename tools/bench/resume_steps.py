@@ -23,8 +23,8 @@ from typing import Any, Sequence
 from agentlog.engine.tasks import TextEpisode, TextTask, register_task, verdict_of_command
 from agentlog.gateway import Backend, ByteChatTemplate, Generation, SamplingParams
 
-#: Tool calls before the answer (turns of a session: STEPS + 2).
-STEPS = 4
+#: Tool calls before the answer (turns of a session: STEPS + 2); ``AGENTLOG_STEPS_STEPS`` sets it.
+STEPS = int(os.environ.get("AGENTLOG_STEPS_STEPS", "4"))
 WORDS = ("apple", "river", "stone", "cloud", "maple", "ember")
 TEMPLATE = ByteChatTemplate()
 _DONE = re.compile(r"exit code 0")
