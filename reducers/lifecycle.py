@@ -13,8 +13,9 @@ decides with). It emits:
   never silently accepted, and not applied; the fold carries on from
   :func:`reducers.lifecycle_step.resync`.
 * :class:`SessionSummary` once a session ends (status, reason, turns, tokens,
-  reward, timestamps, duration); the session is then evicted, so memory is
-  bounded by the number of open sessions.
+  reward, timestamps, duration, resumes: a resumed session is one session);
+  the session is then evicted, so memory is bounded by the number of open
+  sessions.
 
 An event type this version does not know (a newer writer's
 :class:`events.schema.types.UnknownEvent`) raises :class:`UnknownEventError` (upgrade
@@ -56,6 +57,7 @@ from agentlog.events.schema.types import (
     RewardAssigned,
     SessionFinished,
     SessionOpened,
+    SessionResumed,
     TurnDelta,
     TurnRecorded,
     TurnUndelivered,
@@ -105,6 +107,8 @@ class SessionSummary(msgspec.Struct, frozen=True):
     opened_ts_ns: int
     ended_ts_ns: int
     duration_s: float
+    #: How often it was resumed (``session_resumed``): each a new incarnation of the same session.
+    resumes: int = 0
 
 
 class IdFilter:
@@ -216,7 +220,7 @@ class _Track:
 
     __slots__ = (
         "life", "group_id", "group_size", "sample_index", "turns", "undelivered", "commands",
-        "tokens_in", "tokens_out", "reward", "opened_lsn", "opened_ts_ns",
+        "tokens_in", "tokens_out", "reward", "opened_lsn", "opened_ts_ns", "resumes",
     )
 
     def __init__(self, life: SessionLife, env: Envelope, body: SessionOpened) -> None:
@@ -232,6 +236,7 @@ class _Track:
         self.reward: Any = None
         self.opened_lsn = env.lsn
         self.opened_ts_ns = env.ts_ns
+        self.resumes = 0
 
 
 class _OnSessionFold:
@@ -316,6 +321,8 @@ class LifecycleState(_OnSessionFold):
             t.commands += 1
         elif tag == _REWARD:
             t.reward = env.body.reward
+        elif tag == _RESUMED:
+            t.resumes += 1
 
     def _ended(self, t: _Track, lsn: int, session_id: str, state: State, env: Envelope) -> None:
         self.ended += 1
@@ -323,7 +330,7 @@ class LifecycleState(_OnSessionFold):
 
 
 _TURN_TAGS = frozenset(b.__struct_config__.tag for b in (TurnRecorded, TurnDelta))
-_UNDELIVERED, _COMMAND, _REWARD = (b.__struct_config__.tag for b in (TurnUndelivered, CommandRan, RewardAssigned))
+_UNDELIVERED, _COMMAND, _REWARD, _RESUMED = (b.__struct_config__.tag for b in (TurnUndelivered, CommandRan, RewardAssigned, SessionResumed))
 
 
 def _summary(sid: str, t: _Track, env: Envelope, state: State) -> SessionSummary:
@@ -338,7 +345,7 @@ def _summary(sid: str, t: _Track, env: Envelope, state: State) -> SessionSummary
         status=state.value, reason=reason, error=error, turns=t.turns, undelivered=t.undelivered,
         commands=t.commands, tokens_in=t.tokens_in, tokens_out=t.tokens_out, reward=reward,
         opened_lsn=t.opened_lsn, ended_lsn=env.lsn, opened_ts_ns=t.opened_ts_ns, ended_ts_ns=env.ts_ns,
-        duration_s=(env.ts_ns - t.opened_ts_ns) / 1e9,
+        duration_s=(env.ts_ns - t.opened_ts_ns) / 1e9, resumes=t.resumes,
     )
 
 

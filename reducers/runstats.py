@@ -2,7 +2,9 @@
 stats`` and ``agentlog tail --summary``.
 
 A pure, incremental fold. It counts sessions by state (live ones too), abort
-and drop reasons, turns and tokens, commands, rewards (through
+and drop reasons, turns and tokens, commands, sandbox snapshots and
+resumes (a resumed session is one session: counted once, its resumes
+beside it), rewards (through
 :class:`reducers.metrics.MetricsAccumulator`, finished sessions only) and
 GRPO groups (through :class:`reducers.groups.GroupTracker`: released,
 complete, skipped, pending), the health flags of each ended session
@@ -118,6 +120,17 @@ class _Teacher(msgspec.Struct, tag="teacher_scored"):
     error: str = ""
 
 
+class _Snapshot(msgspec.Struct, tag="sandbox_snapshotted"):
+    turn_index: int = 0
+    bytes: int = 0
+    new_bytes: int = 0
+    seconds: float = 0.0
+
+
+class _Resumed(msgspec.Struct, tag="session_resumed"):
+    incarnation: int = 0
+
+
 class _Reward(msgspec.Struct, tag="reward_assigned"):
     reward: Any = None
 
@@ -142,7 +155,8 @@ class _Policy(msgspec.Struct, tag="policy_updated"):
     policy_version: int = 0
 
 
-_PROJECTIONS = (_Opened, _Started, _Turn, _Delta, _Undelivered, _Command, _Teacher, _Reward, _Finished, _Aborted, _Dropped, _Policy)
+_PROJECTIONS = (_Opened, _Started, _Turn, _Delta, _Undelivered, _Command, _Teacher, _Snapshot, _Resumed, _Reward, _Finished,
+                _Aborted, _Dropped, _Policy)
 _projection_decoder = msgspec.msgpack.Decoder(Union[_PROJECTIONS])  # type: ignore[valid-type]
 
 #: tag -> the field names the projection reads (checked against events.schema.types by a test).
@@ -171,7 +185,7 @@ _STATUS_OF = {State.FINISHED: FINISHED, State.ABORTED: ABORTED, State.DROPPED: D
 
 
 class _Live:
-    __slots__ = ("life", "group_id", "sample_index", "turns", "tokens_out", "reward", "opened_ts", "health")
+    __slots__ = ("life", "group_id", "sample_index", "turns", "tokens_out", "reward", "opened_ts", "health", "resumed")
 
     def __init__(self, life: SessionLife, body: Any, ts_ns: int, health: SessionHealth) -> None:
         self.life = life
@@ -182,6 +196,7 @@ class _Live:
         self.reward: Any = None
         self.opened_ts = ts_ns
         self.health = health
+        self.resumed = False
 
 
 class RunStats:
@@ -222,6 +237,14 @@ class RunStats:
         self.commands_over_budget = 0
         self.teacher_scored = 0
         self.teacher_failed = 0
+        #: Sandbox snapshots (count, bytes, bytes new to the store, seconds the turns waited for them).
+        self.snapshots = 0
+        self.snapshot_bytes = 0
+        self.snapshot_new_bytes = 0
+        self.snapshot_seconds = 0.0
+        #: Resumes (``session_resumed``: a new incarnation took over) and the sessions resumed at least once.
+        self.resumes = 0
+        self.sessions_resumed = 0
         #: Per-sample refill: aborts that owed their group a replacement, and replacements opened.
         self.refills_owed = 0
         self.replacements = 0
@@ -334,6 +357,16 @@ class RunStats:
                 self.teacher_failed += 1
             else:
                 self.teacher_scored += 1
+        elif tag == "sandbox_snapshotted":
+            self.snapshots += 1
+            self.snapshot_bytes += body.bytes
+            self.snapshot_new_bytes += body.new_bytes
+            self.snapshot_seconds += body.seconds
+        elif tag == "session_resumed":
+            self.resumes += 1
+            if not live.resumed:
+                live.resumed = True
+                self.sessions_resumed += 1
         elif tag == "reward_assigned":
             live.reward = body.reward
 
@@ -398,6 +431,8 @@ class RunStats:
                 "running": live["running"],
                 "duration_mean_s": self.duration_sum_s / self.ended if self.ended else math.nan,
                 "duration_max_s": self.duration_max_s if self.ended else math.nan,
+                "resumed": self.sessions_resumed,
+                "resumes": self.resumes,
             },
             "abort_reasons": m["sessions/abort_reasons"],
             "drop_reasons": m["sessions/drop_reasons"],
@@ -411,6 +446,8 @@ class RunStats:
             "tokens": {"prompt": self.tokens_in, "output": self.tokens_out},
             "commands": {"total": self.commands, "failed": self.commands_failed, "over_budget": self.commands_over_budget},
             "teacher": {"scored_turns": self.teacher_scored, "failed_turns": self.teacher_failed},
+            "snapshots": {"count": self.snapshots, "bytes": self.snapshot_bytes, "new_bytes": self.snapshot_new_bytes,
+                          "seconds": self.snapshot_seconds},
             "reward": {
                 "count": m["rollout/reward_count"],
                 "mean": m["rollout/reward_mean"],

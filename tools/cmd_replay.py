@@ -48,6 +48,8 @@ FILTER_RULE = (
 VALUES_SHOWN = 8
 _TOKEN_FIELDS = ("prompt_ids", "output_ids", "new_prompt_ids")
 _LOGPROB_FIELDS = ("output_log_probs",)
+#: Hex digits of a snapshot digest shown in text lines (the JSON has all 64).
+DIGEST_SHOWN = 8
 
 
 def command_outcome(cmd: Any) -> str:
@@ -127,6 +129,10 @@ def event_summary(body: Any) -> str:
         return f"turn {body.turn_index} undelivered: {body.reason or '-'}"
     if tag == "command_ran":
         return f"$ {_short(body.command, 50)} -> {command_outcome(body)} in {body.duration_s:.2f}s"
+    if tag == "sandbox_snapshotted":
+        return snapshot_summary(body)
+    if tag == "session_resumed":
+        return resume_summary(body)
     if tag == "reward_assigned":
         return f"reward {_reward(body.reward)}" + (f" from {body.source}" if body.source else "")
     if tag == "session_finished":
@@ -140,6 +146,19 @@ def event_summary(body: Any) -> str:
     return ""
 
 
+def snapshot_summary(body: Any) -> str:
+    """``snapshot before turn 3: 1b1b1b1b... 12 files, 4096 bytes (512 new) in 0.25s`` (a ``sandbox_snapshotted``)."""
+    return (f"snapshot before turn {body.turn_index}: {body.digest[:DIGEST_SHOWN]}... {body.files} files, {body.bytes} bytes"
+            f" ({body.new_bytes} new) in {body.seconds:.2f}s")
+
+
+def resume_summary(body: Any) -> str:
+    """What a ``session_resumed`` did, in one line: who took over, what it kept and restored."""
+    worker = f" on {body.worker}" if body.worker else ""
+    return (f"incarnation {body.incarnation}{worker}: keeps {body.durable_turns} durable turn(s), sandbox restored from"
+            f" {body.snapshot[:DIGEST_SHOWN]}... (before turn {body.snapshot_turn})")
+
+
 def _state(s: Any) -> str:
     return "-" if s is None else str(s)
 
@@ -151,11 +170,11 @@ def format_step(env: Any, before: Any, after: Any, violations: Any = (), label: 
 
     tag = event_tag(env.body)
     if label is not None:
-        return [f"{label:>12}  {fmt_ts(env.ts_ns)}  {env.session_id}  #{env.session_seq:<3} {tag:<17}"
+        return [f"{label:>12}  {fmt_ts(env.ts_ns)}  {env.session_id}  #{env.session_seq:<3} {tag:<19}"
                 f" {_state(before):>8} -> {_state(after):<8}  {event_summary(env.body)}"] + [
             f"{label:>12}  !! VIOLATION {label} session {v.session_id!r}: {v.describe()}" for v in violations]
     lines = [
-        f"{env.lsn:>8}  {fmt_ts(env.ts_ns)}  {env.session_id}  #{env.session_seq:<3} {tag:<17}"
+        f"{env.lsn:>8}  {fmt_ts(env.ts_ns)}  {env.session_id}  #{env.session_seq:<3} {tag:<19}"
         f" {_state(before):>8} -> {_state(after):<8}  {event_summary(env.body)}"
     ]
     for v in violations:

@@ -10,8 +10,11 @@ verifier's detail (finish metadata) and, for an aborted session, the error
 and its traceback. Then
 its timeline (state before -> after per event), its transcript (the
 messages new at each turn, the response text and tool calls, each command's
-output; a session without a turn, its ``session_opened`` prompt; long texts
-cut, ``--full`` shows all), its turn tree as the reducer
+output, each sandbox snapshot; a session without a turn, its
+``session_opened`` prompt; long texts cut, ``--full`` shows all), with a
+marker line where a new incarnation resumed the session and the dead
+incarnation's records that resume made void marked undone
+(:func:`resume_marks`, which the ui shows too), its turn tree as the reducer
 routed it (per turn: routing, leaf, drift decision CLEAN / REALIGN / FORK,
 trainable or why not), and each trajectory row as the sample it becomes:
 prompt tokens, then the response tokens in runs marked ``train[...]`` (loss
@@ -30,7 +33,7 @@ reused id: exit 1 naming where each holds it (``agentlog verify`` reports it too
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import add_quiet, check_log_path, read_records, read_tagged, record_id, reduce_config_of
@@ -260,12 +263,85 @@ def server_note(turn: Any) -> str:
     return f"  server {server}" + (f" (moved from {moved_from})" if moved_from else "")
 
 
+class ResumeMarks(NamedTuple):
+    """Where a session was resumed, for ``show`` and the ui (:func:`resume_marks`)."""
+
+    #: LSN of each ``session_resumed`` -> its marker line.
+    lines: dict[int, str]
+    #: LSN of each record a resume made void -> (the resume's LSN, the dead incarnation).
+    undone: dict[int, tuple[int, int]]
+
+
+def resume_marks(envs: list) -> ResumeMarks:
+    """The marker line of each ``session_resumed`` in a session's envelopes, and the records it
+    made void: the commands and snapshots its dead incarnation made after the last durable turn
+    (after the restored snapshot when no turn was durable), in a sandbox the restore discarded.
+    The durable turns themselves are kept: the new incarnation continues from them."""
+    from agentlog.events.schema.types import CommandRan, SandboxSnapshotted, SessionResumed, TurnDelta, TurnRecorded
+
+    lines: dict[int, str] = {}
+    undone: dict[int, tuple[int, int]] = {}
+    turn_at: dict[int, int] = {}  # turn index -> position of its record in envs
+    snapshot_at: dict[str, int] = {}  # digest -> position of its last sandbox_snapshotted
+    since = 0  # the first position after the last resume: what an earlier resume undid is not undone again
+    for i, e in enumerate(envs):
+        b = e.body
+        kind = type(b)
+        if kind is TurnRecorded or kind is TurnDelta:
+            turn_at[b.turn_index] = i
+        elif kind is SandboxSnapshotted:
+            snapshot_at[b.digest] = i
+        elif kind is SessionResumed:
+            anchor = turn_at.get(b.durable_turns - 1, -1) if b.durable_turns else snapshot_at.get(b.snapshot, -1)
+            void = [v for v in envs[max(since, anchor + 1):i] if type(v.body) in (CommandRan, SandboxSnapshotted)]
+            for v in void:
+                undone[v.lsn] = (e.lsn, b.incarnation - 1)
+            lines[e.lsn] = resume_line(b, void)
+            since = i + 1
+    return ResumeMarks(lines, undone)
+
+
+def resume_line(body: Any, void: list) -> str:
+    """The marker of one ``session_resumed``: who took over from whom, what was kept and restored,
+    which records above were the dead incarnation's (``void``), what runs again below."""
+    from agentlog.events.schema.types import CommandRan
+
+    from agentlog.tools.cmd_replay import DIGEST_SHOWN
+
+    dead = body.incarnation - 1
+    worker = f" on {body.worker}" if body.worker else ""
+    n = body.durable_turns
+    kept = f"after {n} durable turn(s) (0..{n - 1})" if n else "before its first turn (no turn was durable)"
+    line = (f"-- resumed: incarnation {body.incarnation}{worker} took over from incarnation {dead} {kept};"
+            f" sandbox restored from snapshot {body.snapshot[:DIGEST_SHOWN]}... taken before turn {body.snapshot_turn}")
+    if void:
+        commands = sum(1 for v in void if type(v.body) is CommandRan)
+        line += (f"; the {commands} command(s) and {len(void) - commands} snapshot(s) above marked 'undone' were"
+                 f" incarnation {dead}'s, in the sandbox the restore discarded")
+    line += f"; turn {n - 1}'s commands run again below --" if n else "; turn 0 is asked for again below --"
+    return line
+
+
+def undone_note(marks: ResumeMarks, lsn: int, at: Any = str) -> str:
+    """``  [undone: incarnation 0's, before the resume at lsn 9]`` for a record a resume made void, else ""."""
+    got = marks.undone.get(lsn)
+    if got is None:
+        return ""
+    return f"  [undone: incarnation {got[1]}'s, before the resume at lsn {at(got[0])}]"
+
+
 def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
     """Per turn the messages new since the turn before, then the response; each command and its output.
     A session that recorded no turn shows its ``session_opened`` prompt first (its conversation, as
-    ``export-dataset`` writes it). ``at`` names an LSN (``p0003:1234`` in a partitioned log)."""
+    ``export-dataset`` writes it). Each sandbox snapshot is a line, and each resume its marker
+    (:func:`resume_marks`), records of a dead incarnation marked undone. ``at`` names an LSN
+    (``p0003:1234`` in a partitioned log)."""
     from agentlog.events.schema.turn_delta import TurnContext
-    from agentlog.events.schema.types import CommandRan, SessionOpened, TeacherScored, TurnDelta, TurnRecorded, TurnUndelivered
+    from agentlog.events.schema.types import (
+        CommandRan, SandboxSnapshotted, SessionOpened, SessionResumed, TeacherScored, TurnDelta, TurnRecorded, TurnUndelivered,
+    )
+
+    from agentlog.tools.cmd_replay import snapshot_summary
 
     lines: list[str] = []
     opened = next((e for e in envs if type(e.body) is SessionOpened), None)
@@ -274,6 +350,7 @@ def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
         lines.extend("    " + _message(m, full) for m in opened.body.prompt)
     held: list = []  # the previous turn's messages and its response: what a new turn's messages extend
     context = TurnContext()  # what a turn_delta expands against
+    marks = resume_marks(envs)
     for e in envs:
         b = e.body
         if type(b) is TurnDelta:
@@ -293,9 +370,14 @@ def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
             lines.append("    -> " + (_message(b.response_message, full) if b.response_message is not None else "(no response message)"))
             held = msgs + ([b.response_message] if b.response_message is not None else [])
         elif isinstance(b, CommandRan):
-            lines.append(f"  $ {_cut(b.command, full)}  -> {command_outcome(b)} in {b.duration_s:.2f}s  lsn {at(e.lsn)}")
+            lines.append(f"  $ {_cut(b.command, full)}  -> {command_outcome(b)} in {b.duration_s:.2f}s  lsn {at(e.lsn)}"
+                         + undone_note(marks, e.lsn, at))
             if b.output_tail:
                 lines.append(f"    output {_cut(b.output_tail, full)}")
+        elif type(b) is SandboxSnapshotted:
+            lines.append(f"  {snapshot_summary(b)}  lsn {at(e.lsn)}" + undone_note(marks, e.lsn, at))
+        elif type(b) is SessionResumed:
+            lines.append(f"  {marks.lines[e.lsn]}  lsn {at(e.lsn)}")
         elif isinstance(b, TurnUndelivered):
             lines.append(f"  turn {b.turn_index} undelivered (the client was gone): {b.reason or '-'}  lsn {at(e.lsn)}")
         elif isinstance(b, TeacherScored):
@@ -395,18 +477,20 @@ def run(args) -> int:
         )
     else:
         w(f"session {sid}  (no session_opened){where}\n")
+    marks = resume_marks(envs)
+    resumed = f"  resumed {len(marks.lines)}x" if marks.lines else ""
     if summary is not None:
         reason = f" ({summary.reason})" if summary.reason else ""
         reward = f"  reward {summary.reward}" if summary.status == "finished" else ""
         w(
             f"outcome  {summary.status}{reason}{reward}  turns {summary.turns}  tokens in {summary.tokens_in} out {summary.tokens_out}"
-            f"  duration {summary.duration_s:.2f} s  lsn {at(summary.opened_lsn)}..{at(summary.ended_lsn)}\n"
+            f"  duration {summary.duration_s:.2f} s  lsn {at(summary.opened_lsn)}..{at(summary.ended_lsn)}{resumed}\n"
         )
         if summary.error:
             w(f"error    {_cut(summary.error, args.full)}\n")
     else:
         last = steps[-1].state_after if steps else None
-        w(f"outcome  still {last or 'unknown'} at the end of the log\n")
+        w(f"outcome  still {last or 'unknown'} at the end of the log{resumed}\n")
     problem, traj, samples, health, outcome = _reduced(envs, sid, path)
     if health is not None:
         w(flags_line(health, outcome) + "\n")
@@ -415,7 +499,12 @@ def run(args) -> int:
 
     w("\ntimeline\n")
     for s in steps:
-        for line in format_step(s.envelope, s.state_before, s.state_after, s.violations, None if pid is None else at(s.envelope.lsn)):
+        lsn = s.envelope.lsn
+        if lsn in marks.lines:
+            w("  " + marks.lines[lsn] + "\n")
+        step_lines = format_step(s.envelope, s.state_before, s.state_after, s.violations, None if pid is None else at(lsn))
+        step_lines[0] += undone_note(marks, lsn, at)
+        for line in step_lines:
             w("  " + line + "\n")
     transcript = transcript_lines(envs, args.full, at)
     if transcript:

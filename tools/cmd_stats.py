@@ -159,6 +159,7 @@ def _flags(counts: dict[str, int]) -> str:
 def render_text(s: dict[str, Any]) -> str:
     """The statistics as an aligned text report."""
     ses, turns, tok, rw, g = s["sessions"], s["turns"], s["tokens"], s["reward"], s["groups"]
+    snap = s.get("snapshots", {})  # absent from statistics computed before snapshots were counted
     span = s["time_span"]
     lines = [
         f"log        {s['log']}",
@@ -183,6 +184,10 @@ def render_text(s: dict[str, Any]) -> str:
         f"commands   {s['commands']['total']}, failed {s['commands']['failed']}, over budget {s['commands']['over_budget']}",
         *([f"teacher    {s['teacher']['scored_turns']} turns scored, {s['teacher']['failed_turns']} failed"]
           if s["teacher"]["scored_turns"] or s["teacher"]["failed_turns"] else []),
+        *([f"resumed    {ses['resumed']} session(s), {ses['resumes']} resume(s) (each a new incarnation from the last durable turn)"]
+          if ses.get("resumes") else []),
+        *([f"snapshots  {snap['count']}, {snap['bytes']} bytes ({snap['new_bytes']} new to the store), {snap['seconds']:.2f} s"]
+          if snap.get("count") else []),
         f"reward     n {rw['count']}, mean {_num(rw['mean'])}, std {_num(rw['std'])}, min {_num(rw['min'])},"
         f" max {_num(rw['max'])}, unusable {rw['unusable']}",
         f"groups     released {g['released']}: complete {g['complete']}, skipped {g['skipped']}; pending {g['pending']}",

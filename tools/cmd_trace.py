@@ -10,6 +10,10 @@ numbered in the order sessions open and named by ``thread_name`` metadata
 * a ``turn N`` span per recorded turn: it ends at the turn's record and
   lasts its ``generate_s``;
 * a ``command`` span per command run: ends at its record, lasts ``duration_s``;
+* a ``snapshot`` span per sandbox snapshot: ends at its record, lasts its
+  ``seconds`` (the turn after it waited for it);
+* an instant event ("i") at each resume: ``resumed (incarnation N)``, a new
+  incarnation of the same session taking over on the same track;
 * an instant event ("i") at the terminal event: ``finished`` (with the
   reward), ``aborted: REASON`` or ``dropped: REASON``.
 
@@ -68,13 +72,14 @@ def _span(name: str, cat: str, track: _Track, end_us: float, seconds: float, arg
 def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "", partitions: list[int] | None = None) -> dict[str, int]:
     """Write the Trace Event JSON of ``envelopes`` (in LSN order) to ``out``,
     streaming. Returns counts: sessions, turns, commands, terminal (instant
-    events), in_flight, skipped (records the lifecycle fold refused).
+    events), in_flight, skipped (records the lifecycle fold refused),
+    policy_updates, snapshots, resumes.
 
     ``partitions``: the partition ids of a partitioned log, whose
     ``envelopes`` are then ``(partition id, Envelope)`` pairs in merged order
     (:func:`tools.cli_common.read_tagged`); one lifecycle fold per partition,
     and each track and span names its partition."""
-    from agentlog.events.schema.types import CommandRan, PolicyUpdated, SessionOpened
+    from agentlog.events.schema.types import CommandRan, PolicyUpdated, SandboxSnapshotted, SessionOpened, SessionResumed
     from agentlog.reducers.lifecycle import LifecycleState, SessionSummary, Violation, reduce_lifecycle
 
     # One fold per partition (None: the one log): LSNs rise within a partition only.
@@ -82,7 +87,8 @@ def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "", partit
     tracks: dict[tuple[int | None, str], _Track] = {}
     per_partition = None if partitions is None else {f"p{q:04d}": {"sessions": 0, "events": 0} for q in partitions}
     pairs = ((None, env) for env in envelopes) if partitions is None else envelopes
-    counts = {"sessions": 0, "turns": 0, "commands": 0, "terminal": 0, "in_flight": 0, "skipped": 0, "policy_updates": 0}
+    counts = {"sessions": 0, "turns": 0, "commands": 0, "terminal": 0, "in_flight": 0, "skipped": 0, "policy_updates": 0,
+              "snapshots": 0, "resumes": 0}
     t0: int | None = None
     last_us = 0.0
     first = True
@@ -137,6 +143,16 @@ def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "", partit
             counts["commands"] += 1
             emit(_span("command", "command", track, now, body.duration_s,
                        {"command": body.command[:200], "exit_code": body.exit_code, "budget_exceeded": body.budget_exceeded, **where}))
+        elif isinstance(body, SandboxSnapshotted):
+            counts["snapshots"] += 1
+            emit(_span(f"snapshot before turn {body.turn_index}", "snapshot", track, now, body.seconds,
+                       {"digest": body.digest, "files": body.files, "bytes": body.bytes, "new_bytes": body.new_bytes, **where}))
+        elif isinstance(body, SessionResumed):
+            counts["resumes"] += 1
+            emit({"ph": "i", "s": "t", "name": f"resumed (incarnation {body.incarnation})", "cat": "resume", "pid": TRACE_PID,
+                  "tid": track.tid, "ts": now, "args": {"incarnation": body.incarnation, "durable_turns": body.durable_turns,
+                                                        "snapshot": body.snapshot, "snapshot_turn": body.snapshot_turn,
+                                                        "worker": body.worker, **where}})
         elif gen is not None:  # a turn, whatever its encoding (full prompt or delta)
             counts["turns"] += 1
             emit(_span(f"turn {getattr(body, 'turn_index', '?')}", "turn", track, now, gen,
@@ -152,6 +168,8 @@ def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "", partit
                     args["reward"] = o.reward
                 if o.error:
                     args["error"] = o.error[:500]
+                if o.resumes:
+                    args["resumes"] = o.resumes
                 args.update(where)
                 emit({"ph": "X", "name": "session", "cat": "session", "pid": TRACE_PID, "tid": track.tid, "ts": track.opened_us,
                       "dur": max(0.0, now - track.opened_us), "args": args})

@@ -110,6 +110,8 @@ class ReportData(msgspec.Struct):
     flags: dict[str, int] = {}
     #: The flags the run's reduce settings make untrainable (``ReduceConfig.untrainable_flags``).
     untrainable_flags: list[str] = []
+    #: Ended sessions resumed at least once (``sessions``) and their resumes in all (``resumes``).
+    resumed: dict[str, int] = {}
 
 
 def _count_reason(counter: Counter, reason: str) -> None:
@@ -173,6 +175,7 @@ def collect(
     newest_version = 0
     reward_n, reward_sum, reward_lo, reward_hi = 0, 0.0, math.inf, -math.inf
     released = skipped = refilled = failures = 0
+    resumed_sessions = resumes = 0
     violations: list[str] = []
     violation_count = 0
     problem = ""
@@ -269,6 +272,8 @@ def collect(
         series.at(env.ts_ns).add(status, reward, summary.turns, summary.tokens_in, summary.tokens_out)  # type: ignore[union-attr]
         versions.setdefault(version, Totals()).add(status, reward, summary.turns, summary.tokens_in, summary.tokens_out)
         hist["session_s"].add(summary.duration_s)
+        resumed_sessions += bool(summary.resumes)
+        resumes += summary.resumes
         hist["turns"].add(summary.turns)
         hist["tokens_out"].add(summary.tokens_out)
         hist["tokens_in"].add(summary.tokens_in)
@@ -279,7 +284,7 @@ def collect(
                 summary.reward, version, [drill_sample(s) for s in samples if s.session_id == sid],
                 partition="" if pid is None else f"p{pid:04d}",
                 explain=lv.why.lines(False, lambda lsn: record_id(pid, lsn)) if lv is not None else [],
-                flags=list(ended_flags.get(sid, ())),
+                flags=list(ended_flags.get(sid, ())), resumes=summary.resumes,
             )
             table.add(row, reward)
         else:
@@ -319,6 +324,7 @@ def collect(
         trained_tokens_by_version=dict(sorted(token_versions.items())),
         flags=flag_counts(flag_count),
         untrainable_flags=list((config or DEFAULT_CONFIG).untrainable_flags),
+        resumed={"sessions": resumed_sessions, "resumes": resumes},
         table=table.rows(),
         table_limits={"worst": worst, "per_reason": per_reason, "sample": sample, "seed": seed},
         learner=learner_rows,

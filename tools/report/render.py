@@ -330,6 +330,7 @@ def _session_html(s: SessionRow, data: ReportData) -> str:
         f"<summary><b>{e(s.session_id)}</b>" + (f" · {e(s.partition)}" if s.partition else "") + f" · group {e(s.group_id)} [{s.sample_index}] · "
         f'<span class="status">{s.status}</span>{reason}{reward} · {s.turns} turns · '
         f"{s.tokens_in} in / {s.tokens_out} out tokens · version {s.policy_version} · {dur:.3f} s"
+        + (f' · <span class="resumed" data-resumes="{s.resumes}">resumed {s.resumes}x</span>' if s.resumes else "") +
         f' · <span class="flags" data-flags="{e(" ".join(s.flags))}">flags {e(", ".join(s.flags) or "none")}</span>'
         f' · <span class="meta">{WHY.get(s.why, s.why)}</span></summary>'
     )
@@ -449,6 +450,8 @@ def render(data: ReportData) -> str:
         f"<p class='meta'>groups released {g['released']} (skipped {g['skipped']}) · pending {g['pending']} · "
         + (f"<span id='refills'>members refilled {g.get('refilled', 0)} · aborts counted as failures {g.get('failures', 0)}</span> · "
            if g.get("refilled") or g.get("failures") else "")
+        + (f"<span id='resumed'>sessions resumed {data.resumed['sessions']} ({data.resumed['resumes']} resumes)</span> · "
+           if data.resumed.get("resumes") else "")
         + f"reward mean {_fmt(r['mean'])} (min {_fmt(r['min'])}, max {_fmt(r['max'])}) over {r['count']} finished sessions</p>",
         _partitions_html(data),
         _flags_html(data),

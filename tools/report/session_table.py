@@ -87,6 +87,8 @@ class SessionRow(msgspec.Struct):
     explain: list[str] = []
     #: Its health flags (:mod:`reducers.health`), sorted.
     flags: list[str] = []
+    #: How often it was resumed (a new incarnation from its last durable turn; still one session).
+    resumes: int = 0
 
 
 class SessionTable:

@@ -43,12 +43,12 @@ from agentlog.tools.cmd_replay import STATUSES  # replay --status: the one list 
 log = get_logger("agentlog.tools.ui.index")
 
 #: Bump when the tables or a column's meaning change: an older index is rebuilt.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the sessions' resumes column
 #: The key of a single (not partitioned) log in the position table.
 SINGLE = -1
 #: Sort fields the sessions query accepts (the API's ``sort``).
 SORT_FIELDS = ("session_id", "group_id", "status", "reason", "reward", "turns", "version_min", "version_max",
-               "partition", "first_ts")
+               "partition", "first_ts", "resumes")
 #: The largest integer SQLite stores (a query parameter beyond it is refused, not overflowed).
 MAX_SQL_INT = 2**63 - 1
 _TURN_TAGS = ("turn_recorded", "turn_delta")
@@ -60,7 +60,8 @@ CREATE TABLE IF NOT EXISTS position(pkey INTEGER PRIMARY KEY, next_lsn INTEGER N
     first_fp TEXT NOT NULL, last_fp TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sessions(session_id TEXT PRIMARY KEY, group_id TEXT, partition TEXT, pkey INTEGER,
     status TEXT, reason TEXT, reward REAL, turns INTEGER, version_min INTEGER, version_max INTEGER,
-    flags TEXT NOT NULL, first_ts REAL, first_lsn INTEGER, ended INTEGER NOT NULL, text_id INTEGER NOT NULL);
+    flags TEXT NOT NULL, first_ts REAL, first_lsn INTEGER, ended INTEGER NOT NULL, text_id INTEGER NOT NULL,
+    resumes INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS session_flags(flag TEXT NOT NULL, session_id TEXT NOT NULL, PRIMARY KEY(flag, session_id));
 CREATE VIRTUAL TABLE IF NOT EXISTS session_text USING fts5(session_id UNINDEXED, body);
 CREATE INDEX IF NOT EXISTS flags_of ON session_flags(session_id);
@@ -71,7 +72,7 @@ CREATE INDEX IF NOT EXISTS by_first_ts ON sessions(first_ts);
 CREATE INDEX IF NOT EXISTS by_open ON sessions(ended, pkey, first_lsn);
 """
 _COLUMNS = ("session_id", "group_id", "partition", "status", "reason", "reward", "turns", "version_min",
-            "version_max", "flags", "first_ts")
+            "version_max", "flags", "first_ts", "resumes")
 
 
 class IndexLockedError(AgentlogError):
@@ -114,7 +115,7 @@ class _Session:
     """What the index folds for one session in flight."""
 
     __slots__ = ("life", "sid", "group_id", "pkey", "first_ts", "first_lsn", "turns", "health", "text",
-                 "n_messages", "status", "reason", "reward", "ended", "text_id")
+                 "n_messages", "status", "reason", "reward", "ended", "text_id", "resumes")
 
     def __init__(self, life: Any, sid: str, group_id: str, pkey: int, health: Any) -> None:
         self.life, self.sid, self.group_id, self.pkey, self.health = life, sid, group_id, pkey, health
@@ -128,6 +129,7 @@ class _Session:
         self.reward: float | None = None
         self.ended = False
         self.text_id: int | None = None  # its row in session_text (FTS5 rowid), once written
+        self.resumes = 0  # session_resumed events: one session, resumed by new incarnations
 
 
 class _EndedIds:
@@ -360,6 +362,8 @@ class SessionIndex:
         if tag in _TEXT_TAGS:
             s.text.extend(self._text_of(s, tag, payload))
         s.status = "running" if tag == "session_started" else s.status
+        if tag == "session_resumed":
+            s.resumes += 1
 
     def _ended(self, s: _Session, lsn: int, sid: str, state: Any, body: Any) -> None:
         from agentlog.reducers.outcome import session_outcome
@@ -428,9 +432,9 @@ class SessionIndex:
                 old, fresh = (self._next_text_id,), True
                 self._next_text_id += 1
             s.text_id = old[0]
-        self._db.execute("INSERT OR REPLACE INTO sessions VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", (
+        self._db.execute("INSERT OR REPLACE INTO sessions VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", (
             s.sid, s.group_id, part, s.pkey, s.status, s.reason, s.reward, s.turns, h.v_lo, h.v_hi,
-            " ".join(flags), s.first_ts, s.first_lsn, int(s.ended), s.text_id))
+            " ".join(flags), s.first_ts, s.first_lsn, int(s.ended), s.text_id, s.resumes))
         if not fresh:
             self._db.execute("DELETE FROM session_flags WHERE session_id = ?", (s.sid,))
             self._db.execute("DELETE FROM session_text WHERE rowid = ?", (s.text_id,))
@@ -454,7 +458,7 @@ class SessionIndex:
         return self._reader.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
 
     def summary(self) -> dict[str, Any]:
-        """Counts for the run view: sessions by status, reasons and flags."""
+        """Counts for the run view: sessions by status, reasons, flags, and the sessions resumed at least once."""
         r = self._reader
         by_status = dict(r.execute("SELECT status, COUNT(*) FROM sessions GROUP BY status"))
         sessions = {"total": sum(by_status.values()), "finished": by_status.get("finished", 0),
@@ -462,7 +466,8 @@ class SessionIndex:
                     "running": by_status.get("running", 0), "open": by_status.get("open", 0)}
         reasons = dict(r.execute("SELECT reason, COUNT(*) FROM sessions WHERE reason IS NOT NULL GROUP BY reason ORDER BY 2 DESC"))
         flags = dict(r.execute("SELECT flag, COUNT(*) FROM session_flags GROUP BY flag ORDER BY 2 DESC"))
-        return {"sessions": sessions, "reasons": reasons, "flags": flags}
+        resumed = r.execute("SELECT COUNT(*) FROM sessions WHERE resumes > 0").fetchone()[0]
+        return {"sessions": sessions, "reasons": reasons, "flags": flags, "sessions_resumed": resumed}
 
     def aborts_over_time(self, buckets: int = 30) -> list[dict[str, Any]]:
         """Aborts and drops per bucket of ``first_ts`` and reason. A bucket holds the sessions with

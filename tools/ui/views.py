@@ -3,6 +3,8 @@
 * a session (:meth:`RunViews.session`): the lines ``agentlog show`` prints for
   "why" (:func:`tools.cmd_show.why_lines`), its turns as recorded (turn
   deltas expanded, :class:`events.schema.turn_delta.TurnContext`), commands,
+  sandbox snapshots and resumes (each with the marker ``show`` prints, and
+  the records a resume made void marked ``undone``: :func:`tools.cmd_show.resume_marks`),
   and its training rows exactly as the sample reducer makes them
   (:class:`reducers.pipeline.Reducer`, the rows ``agentlog reconstruct``
   writes), each token labelled by kind from the row's mask and the turns it
@@ -141,9 +143,11 @@ class RunViews:
         """The session view (see the contract) of the session whose index row is ``row``."""
         from agentlog.events.schema.turn import turn_server
         from agentlog.events.schema.turn_delta import TurnContext
-        from agentlog.events.schema.types import CommandRan, SessionAborted, SessionFinished, TurnDelta, TurnRecorded, TurnUndelivered
+        from agentlog.events.schema.types import (
+            CommandRan, SandboxSnapshotted, SessionAborted, SessionFinished, SessionResumed, TurnDelta, TurnRecorded, TurnUndelivered,
+        )
         from agentlog.reducers.pipeline import ReduceError, Reducer, session_trajectory
-        from agentlog.tools.cmd_show import why_lines
+        from agentlog.tools.cmd_show import resume_marks, why_lines
         from agentlog.tools.cmd_replay import command_outcome
 
         sid = row["session_id"]
@@ -151,6 +155,14 @@ class RunViews:
         turns: list[dict] = []
         infos: dict[int, _TurnInfo] = {}
         commands: list[dict] = []
+        snapshots: list[dict] = []
+        resumes: list[dict] = []
+        marks = resume_marks(envs)  # the resume markers and the records each made void, as `agentlog show` marks them
+
+        def undone(lsn: int) -> dict | None:
+            got = marks.undone.get(lsn)
+            return None if got is None else {"resume_lsn": str(got[0]), "incarnation": got[1]}
+
         verdict = error = traceback = None
         held: list = []
         context = TurnContext()
@@ -173,8 +185,16 @@ class RunViews:
                 held = msgs + ([b.response_message] if b.response_message is not None else [])
                 last_turn = b.turn_index
             elif isinstance(b, CommandRan):
-                commands.append({"turn": last_turn, "command": b.command, "exit_code": b.exit_code,
-                                 "outcome": command_outcome(b), "output": b.output_tail})
+                commands.append({"turn": last_turn, "lsn": str(e.lsn), "command": b.command, "exit_code": b.exit_code,
+                                 "outcome": command_outcome(b), "output": b.output_tail, "undone": undone(e.lsn)})
+            elif type(b) is SandboxSnapshotted:
+                snapshots.append({"turn": last_turn, "lsn": str(e.lsn), "turn_index": b.turn_index, "digest": b.digest,
+                                  "files": b.files, "bytes": b.bytes, "new_bytes": b.new_bytes, "seconds": b.seconds,
+                                  "undone": undone(e.lsn)})
+            elif type(b) is SessionResumed:
+                resumes.append({"turn": last_turn, "lsn": str(e.lsn), "incarnation": b.incarnation, "worker": b.worker,
+                                "durable_turns": b.durable_turns, "snapshot": b.snapshot, "snapshot_turn": b.snapshot_turn,
+                                "line": marks.lines[e.lsn]})
             elif isinstance(b, SessionFinished):
                 verdict = dict(b.metadata) if b.metadata else None
             elif isinstance(b, SessionAborted):
@@ -192,7 +212,7 @@ class RunViews:
             rows.append(self._row_json(s, infos, trow))
             branches.append({"row": s.row_index, "turns": list(trow.turn_indices) if trow is not None else []})
         return {**row, "why": why_lines(envs, True), "verdict": verdict, "error": error, "traceback": traceback,
-                "turns": turns, "commands": commands, "rows": rows,
+                "turns": turns, "commands": commands, "snapshots": snapshots, "resumes": resumes, "rows": rows,
                 "forks": {"branches": branches, "train_once": _train_once(traj)}, "problem": problem}
 
     @staticmethod

@@ -291,6 +291,8 @@ const RunView = {
       el("a", { class: "stat", href: sessionsHref({}) }, el("b", {}, fmtNum(s.total)), el("span", {}, "sessions")),
       STATUSES.map((st) => el("a", { class: "stat", href: sessionsHref({ status: st }), "data-status": st },
         el("b", {}, fmtNum(s[st] || 0)), el("span", {}, st))),
+      run.sessions_resumed ? el("a", { class: "stat", id: "stat-resumed", href: sessionsHref({ sort: "-resumes" }), title: "sessions a new incarnation took over (most resumed first)" },
+        el("b", {}, fmtNum(run.sessions_resumed)), el("span", {}, "resumed")) : null,
       el("div", { class: "stat" }, el("b", {}, fmtNum((run.steps || []).length)), el("span", {}, "learner steps")),
       el("div", { class: "stat", title: `index built to ${run.index ? run.index.built_to : "?"} in ${fmtNum(run.index ? run.index.build_s : null, 2)} s` },
         el("b", {}, run.live ? "live" : "done"), el("span", {}, run.live ? "log still written" : "log complete"))));
@@ -359,6 +361,7 @@ const RunView = {
 const SORTABLE = [
   ["session_id", "session"], ["group_id", "group"], ["partition", "partition"], ["status", "status"], ["reason", "reason"],
   ["reward", "reward", true], ["turns", "turns", true], ["version_min", "versions", true], [null, "flags"], ["first_ts", "started"],
+  ["resumes", "resumed", true],
 ];
 const TEXT_FILTERS = [["version", "version", true], ["partition", "partition"], ["group", "group"], ["q", "transcript text"],
   ["min_reward", "reward ≥", true], ["max_reward", "reward ≤", true],
@@ -449,7 +452,9 @@ const SessionsView = {
         el("td", { class: "num" }, r.version_min === null || r.version_min === undefined ? "—"
           : r.version_min === r.version_max ? `v${r.version_min}` : `v${r.version_min}–v${r.version_max}`),
         el("td", {}, (r.flags || []).map((f) => el("a", { class: "badge flag", href: sessionsHref({ flag: f }) }, f))),
-        el("td", { title: fmtDateTime(r.first_ts) }, fmtTime(r.first_ts)));
+        el("td", { title: fmtDateTime(r.first_ts) }, fmtTime(r.first_ts)),
+        el("td", { class: "num", title: r.resumes ? "new incarnations took it over from its last durable turn" : null },
+          r.resumes ? `${r.resumes}x` : ""));
       // The whole row opens the session; its inner links (group, reason, flag) keep their own targets.
       tr.addEventListener("click", (e) => { if (!e.target.closest("a")) location.hash = sessionHref(r.session_id); });
       return tr;
@@ -510,10 +515,32 @@ function messageBox(msg, extra) {
 
 function commandBox(cmd) {
   const code = cmd.exit_code;
-  return el("div", { class: "cmd" },
+  return el("div", { class: "cmd" + (cmd.undone ? " undone" : ""), "data-lsn": cmd.lsn },
     el("div", { class: "cmdline" }, "$ ", cmd.command, "  ",
-      el("span", { class: code === 0 ? "exit-ok" : "exit-bad" }, code === null || code === undefined ? "(no exit code)" : `exit ${code}`)),
+      el("span", { class: code === 0 ? "exit-ok" : "exit-bad" }, code === null || code === undefined ? "(no exit code)" : `exit ${code}`),
+      undoneBadge(cmd.undone)),
     cmd.output ? longText(cmd.output, 4000) : null);
+}
+
+/** The mark of a record a resume made void: its (dead) incarnation ran it in a sandbox the restore discarded. */
+function undoneBadge(undone) {
+  if (!undone) return null;
+  return el("span", { class: "badge undone-badge", title: `incarnation ${undone.incarnation} ran this in the sandbox that the resume at lsn ${undone.resume_lsn} discarded` },
+    `undone: incarnation ${undone.incarnation}'s`);
+}
+
+/** One sandbox snapshot: the sandbox as the next turn's request found it. */
+function snapshotBox(snap) {
+  return el("div", { class: "snapshot" + (snap.undone ? " undone" : ""), "data-lsn": snap.lsn, title: snap.digest },
+    `snapshot before turn ${snap.turn_index}: ${snap.digest.slice(0, 12)}… ${snap.files} files, ${snap.bytes} bytes (${snap.new_bytes} new) in ${fmtNum(snap.seconds, 2)} s`,
+    undoneBadge(snap.undone));
+}
+
+/** Where a new incarnation took the session over (the line `agentlog show` prints there). */
+function resumeMarker(r) {
+  return el("div", { class: "resume-marker", "data-lsn": r.lsn, "data-incarnation": r.incarnation },
+    el("b", {}, `resumed: incarnation ${r.incarnation}`), el("span", { class: "muted" }, `  lsn ${r.lsn}`),
+    el("div", {}, r.line.replace(/^-- | --$/g, "")));
 }
 
 /** The colour of a log-prob on the ribbon: probability 1 pale green, 0.5 amber, near 0 red. */
@@ -664,7 +691,8 @@ const SessionView = {
       s.why && s.why.length ? el("ul", {}, s.why.map((line) => el("li", {}, line))) : el("p", { class: "muted" }, "(no explanation recorded)")));
     const jump = (sel, label) => el("button", { onclick: () => root.querySelector(sel).scrollIntoView() }, label);
     root.appendChild(el("div", { class: "jumps" }, "jump to: ",
-      jump("#transcript", `transcript (${(s.turns || []).length} turns, ${(s.commands || []).length} commands)`), " ",
+      jump("#transcript", `transcript (${(s.turns || []).length} turns, ${(s.commands || []).length} commands`
+        + ((s.resumes || []).length ? `, resumed ${s.resumes.length}x` : "") + ")"), " ",
       jump("#token-view", `token view (${(s.rows || []).length} training rows)`)));
     if (s.verdict) root.appendChild(el("div", { class: "card" }, el("h3", {}, "Verdict"), longText(JSON.stringify(s.verdict, null, 2))));
     if (s.error || s.traceback) {
@@ -678,12 +706,19 @@ const SessionView = {
 
   transcript(s) {
     const box = el("section", { id: "transcript" }, el("h2", {}, "Transcript"));
+    // What followed each turn (null: before the first), in log order: commands, the snapshot before the next
+    // turn, and a resume's marker between the dead incarnation's records and the new one's.
     const byTurn = new Map();
-    const loose = [];
-    for (const c of s.commands || []) {
-      if (c.turn === null || c.turn === undefined) loose.push(c);
-      else (byTurn.get(c.turn) || byTurn.set(c.turn, []).get(c.turn)).push(c);
-    }
+    const add = (turn, lsn, node) => {
+      const key = turn === undefined ? null : turn;
+      (byTurn.get(key) || byTurn.set(key, []).get(key)).push({ lsn: Number(lsn), node });
+    };
+    for (const c of s.commands || []) add(c.turn, c.lsn, commandBox(c));
+    for (const p of s.snapshots || []) add(p.turn, p.lsn, snapshotBox(p));
+    for (const r of s.resumes || []) add(r.turn, r.lsn, resumeMarker(r));
+    const after = (turn) => (byTurn.get(turn) || []).sort((a, b) => a.lsn - b.lsn).map((x) => x.node);
+    const before = after(null);
+    if (before.length) box.appendChild(el("div", { class: "pre-turns" }, el("h3", {}, "Before the first turn"), before));
     if (!(s.turns || []).length) box.appendChild(el("p", { class: "muted" }, "No turn recorded."));
     for (const t of s.turns || []) {
       const spans = (t.version_spans || []).map(([first, v]) => `v${v} from token ${first}`).join(", ");
@@ -696,9 +731,8 @@ const SessionView = {
           t.undelivered ? el("span", { class: "badge no", title: "the response never reached the agent" }, "undelivered") : null),
         (t.new_messages || []).map((m) => messageBox(m)),
         t.response ? messageBox(t.response, "  (response)") : null,
-        (byTurn.get(t.turn) || []).map(commandBox)));
+        after(t.turn)));
     }
-    if (loose.length) box.appendChild(el("div", {}, el("h3", {}, "Commands"), loose.map(commandBox)));
     return box;
   },
 
