@@ -189,7 +189,12 @@ class SessionEngine(BackgroundWork):
         from) and return its handle. Raises KeyError naming the session when it is not an
         undecided orphan, and IllegalTransition when it never started."""
         point = self._undecided(session_id)
-        h = await engine_adopt.resume(self, point, snapshot, worker=worker, budget_s=budget_s)
+        try:
+            h = await engine_adopt.resume(self, point, snapshot, worker=worker, budget_s=budget_s)
+        except BaseException:
+            if self.status(session_id) not in TERMINAL_STATES:
+                self.orphans[session_id] = point  # still undecided: the caller may abort it
+            raise
         self.stats["resumed"] += 1
         return h
 

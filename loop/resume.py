@@ -44,6 +44,7 @@ from typing import Any, Awaitable, Callable
 from agentlog._logging import get_logger
 from agentlog.engine import LocalSandbox, harness
 from agentlog.engine.core import SessionEngine, SessionTimeout
+from agentlog.engine.restart import RESTART_REASON
 from agentlog.engine.snapshots import SnapshotError, SnapshotStore
 from agentlog.events.schema.lifecycle import State
 from agentlog.events.schema.types import SessionOpened
@@ -268,17 +269,19 @@ async def _resume(engine: SessionEngine, rollout: Any, point: ResumePoint, task:
     assert digest is not None, "checked by _why_not"
     sandbox = LocalSandbox(rollout.sandbox_root / sid)
     try:
-        try:
-            await asyncio.wait_for(sandbox.restore(rollout.snapshots.store, digest), restore_timeout_s)
-        except (SnapshotError, OSError, asyncio.TimeoutError) as exc:
-            what = f"restoring snapshot {digest[:16]} took over {restore_timeout_s} s" if isinstance(exc, asyncio.TimeoutError) \
-                else f"{type(exc).__name__}: {exc}"
-            log.warning("session.not_resumed", session_id=sid, why=what)
-            await engine.abort_orphan(sid, f"not resumed: the sandbox could not be restored: {what}")
-            return 0
         budget = rollout.budget_of(task) - point.spent_s
         try:
+            # session_resumed first: a worker that dies while restoring has used one of the session's
+            # max_resumes all the same, so a restore that kills its worker is not retried for ever.
             async with engine.resumed(sid, digest, worker=worker, budget_s=budget) as h:
+                try:
+                    await asyncio.wait_for(sandbox.restore(rollout.snapshots.store, digest), restore_timeout_s)
+                except (SnapshotError, OSError, asyncio.TimeoutError) as exc:
+                    what = f"restoring snapshot {digest[:16]} took over {restore_timeout_s} s" \
+                        if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
+                    h.log.warning("session.not_resumed", why=what)
+                    await h.abort(RESTART_REASON, error=f"not resumed: the sandbox could not be restored: {what}")
+                    return 0
                 await rollout.play(h, task, episode, sandbox, budget, resumed=point)
         except SessionTimeout:
             pass  # aborted wall_clock_timeout by the engine: it was resumed, and ended as any session may

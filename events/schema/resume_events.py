@@ -52,10 +52,12 @@ class SessionResumed(msgspec.Struct, frozen=True, tag="session_resumed"):
     """running -> running: a new incarnation took over a session whose previous
     one died (its worker was killed). It keeps the session's first
     ``durable_turns`` turns (every turn acknowledged before the crash; one in
-    flight then was never acknowledged and is not in the log), restored the
-    sandbox from snapshot ``snapshot`` (taken before turn ``snapshot_turn``),
-    rebuilt the conversation from the log, and continues: it runs the last
-    durable turn's tool calls again, then asks for turn ``durable_turns``."""
+    flight then was never acknowledged and is not in the log) and restores the
+    sandbox from snapshot ``snapshot`` (taken before turn ``snapshot_turn``)
+    right after this event: a restore that fails aborts the session, and a
+    worker that dies restoring has used this resume all the same. Then it
+    rebuilds the conversation from the log, runs the last durable turn's tool
+    calls again, and asks for turn ``durable_turns``."""
 
     #: 1 for the first resume of the session, 2 for the next, ...
     incarnation: int

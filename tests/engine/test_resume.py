@@ -185,3 +185,22 @@ def test_the_budget_a_resumed_session_used_leaves_out_each_crash_downtime(arun):
         await eng.close()
 
     arun(go())
+
+
+def test_an_orphan_whose_resume_is_refused_can_still_be_aborted(arun, tmp_path):
+    async def go() -> None:
+        log = FileLog.open(tmp_path / "run")
+        eng = await SessionEngine.open(log)
+        await eng.open_session("s", group_id="g", group_size=1)  # opened, never started
+        log.close()
+        log = FileLog.open(tmp_path / "run")
+        eng = await SessionEngine.open(log, adopt_orphans=True)
+        with pytest.raises(IllegalTransition, match="illegal 'resume' in state 'open'"):
+            await eng.resume("s", D0)
+        await eng.abort_orphan("s", "it never started")
+        await eng.close()
+        ends = [e.body for e in log.read(0) if isinstance(e.body, SessionAborted)]
+        log.close()
+        assert [(b.reason, b.error) for b in ends] == [(RESTART_REASON, "it never started")]
+
+    arun(go())

@@ -19,6 +19,7 @@ import msgspec
 import pytest
 
 from agentlog.events import read_log
+from agentlog.events.log.format import DURABLE_NAME
 from agentlog.events.schema.types import (
     SandboxSnapshotted, SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionResumed, TurnDelta, TurnRecorded,
 )
@@ -49,7 +50,7 @@ def _running_with_turns(run: Path, at_least: int, version: int = 0) -> dict[str,
     turns: dict[str, int] = {}
     versions: dict[str, int] = {}
     ended: set[str] = set()
-    if not (run / "rollout").exists():
+    if not (run / "rollout" / DURABLE_NAME).exists():  # not created yet
         return {}
     for env in read_log(run / "rollout", 0):
         if isinstance(env.body, SessionOpened):

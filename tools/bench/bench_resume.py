@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from agentlog.events import read_log
+from agentlog.events.log.format import DURABLE_NAME
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import (
     SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionResumed, TurnRecorded,
@@ -69,7 +70,7 @@ def _worker(run: Path, args: argparse.Namespace, *extra: str) -> subprocess.Pope
 
 def _durable_turns(run: Path) -> dict[str, int]:
     turns: dict[str, int] = {}
-    if not (run / "rollout").exists():
+    if not (run / "rollout" / DURABLE_NAME).exists():  # not created yet
         return turns
     for env in read_log(run / "rollout", 0):
         if isinstance(env.body, SessionOpened):
