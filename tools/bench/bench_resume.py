@@ -94,27 +94,34 @@ def run_arm(root: Path, args: argparse.Namespace, *, resume: bool) -> dict:
     cfg.save(run / "config.json")
     # The learner records step 0 (the worker's first batch waits for it) and trains the batch once it is released.
     learner = start_process("trainer", run)
-    proc = _worker(run, args, "--max-batches", "1")
-    n = args.groups * args.group_size
-    deadline = time.monotonic() + 600
-    while True:
-        live = _durable_turns(run)
-        if len(live) == n and sum(live.values()) >= args.kill_after * n:
-            break
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"bench_resume: the worker exited ({proc.returncode}) or stalled before the kill; see {run}/logs")
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    killed_ns = time.time_ns()
-    proc.wait()
-    t0 = time.perf_counter()
-    again = _worker(run, args, "--max-batches", "0")
-    if again.wait(timeout=900) != 0:
-        raise SystemExit(f"bench_resume: the restarted worker exited {again.returncode}; see {run}/logs")
-    restart_s = time.perf_counter() - t0
-    # The learner was there for step 0; with every orphan aborted its step is skipped and it would wait on.
-    learner.kill()
-    learner.wait()
+    procs = [learner]
+    try:
+        proc = _worker(run, args, "--max-batches", "1")
+        procs.append(proc)
+        n = args.groups * args.group_size
+        deadline = time.monotonic() + 600
+        while True:
+            live = _durable_turns(run)
+            if len(live) == n and sum(live.values()) >= args.kill_after * n:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"bench_resume: the worker exited ({proc.returncode}) or stalled before the kill; see {run}/logs")
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        killed_ns = time.time_ns()
+        proc.wait()
+        t0 = time.perf_counter()
+        again = _worker(run, args, "--max-batches", "0")
+        procs.append(again)
+        if again.wait(timeout=900) != 0:
+            raise SystemExit(f"bench_resume: the restarted worker exited {again.returncode}; see {run}/logs")
+        restart_s = time.perf_counter() - t0
+    finally:
+        # The learner was there for step 0; with every orphan aborted its step is skipped and it would wait on.
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     envs = list(full_turns(read_log(run / "rollout", 0)))
     orphans = {sid for sid, _ in live.items()}
     lost = 0.0
