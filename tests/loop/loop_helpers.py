@@ -34,6 +34,14 @@ def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 60.0, pr
         time.sleep(0.05)
 
 
+def kill_live(*procs) -> None:
+    """SIGKILL and reap every process of ``procs`` still running (a test's clean-up)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def learner_version(run_dir: Path) -> int:
     """Newest policy version in a run's learner log (-1 before any)."""
     recs = read_learner_records(Path(run_dir) / "learner")

@@ -19,7 +19,7 @@ from agentlog.loop.config import RolloutConfig
 from agentlog.loop.learner_records import read_learner_records
 from agentlog.loop.run import start_process
 
-from loop_helpers import learner_version, small_config, wait_for
+from loop_helpers import kill_live, learner_version, small_config, wait_for
 from short_demo import SHORT_DEMO_ARGS
 
 
@@ -103,9 +103,7 @@ def test_a_killed_worker_restarts_on_its_partition_with_a_new_epoch_and_loses_no
             w.wait(timeout=60)
             assert w.returncode == 0
     finally:
-        for p in [learner, *workers.values()]:
-            if p.poll() is None:
-                _kill(p)
+        kill_live(learner, *workers.values())
     assert (p1 / FENCE_NAME).is_file() and read_fence(p1) > epoch_before
     after = [(e.lsn, e.session_id, e.body) for e in read_log(p1, 0)]
     assert after[: len(acknowledged)] == acknowledged, "a record acknowledged before the kill changed or vanished"
@@ -136,9 +134,7 @@ def test_a_partition_that_never_writes_is_declared_lost_recorded_and_training_go
         worker.wait(timeout=60)
         assert worker.returncode == 0
     finally:
-        for p in (learner, worker):
-            if p.poll() is None:
-                _kill(p)
+        kill_live(learner, worker)
     records = [r for r in read_learner_records(run / "learner") if r.step > 0]
     declared = [r for r in records if r.lost_partitions]
     assert len(declared) == 1 and set(declared[0].lost_partitions) == {1}

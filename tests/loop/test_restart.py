@@ -11,7 +11,7 @@ from agentlog.loop.check import check_run
 from agentlog.loop.run import start_process
 from agentlog.loop.learner_records import read_learner_records
 
-from loop_helpers import learner_version, small_config, wait_for
+from loop_helpers import kill_live, learner_version, small_config, wait_for
 
 
 def _kill(proc) -> None:
@@ -25,12 +25,6 @@ def _both_exit_cleanly(learner, worker) -> None:
     assert learner.returncode == 0
     worker.wait(timeout=60)
     assert worker.returncode == 0
-
-
-def _kill_live(*procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            _kill(p)
 
 
 def _open_sessions(rollout: Path, *, durable_only: bool = True) -> set[str]:
@@ -64,7 +58,7 @@ def test_killed_learner_resumes_from_its_log_and_trains_every_group_exactly_once
         learner = start_process("trainer", run)
         _both_exit_cleanly(learner, worker)
     finally:
-        _kill_live(worker, learner)
+        kill_live(worker, learner)
     records = read_learner_records(run / "learner")
     assert [r.step for r in records] == list(range(len(records)))
     trained = [r for r in records if r.groups]
@@ -101,7 +95,7 @@ def test_killed_worker_restart_aborts_orphans_with_engine_restart_and_training_g
         assert orphans, "could not kill the worker mid-batch in 20 attempts"
         _both_exit_cleanly(learner, worker)
     finally:
-        _kill_live(worker, learner)
+        kill_live(worker, learner)
     reasons = {}
     for env in read_log(run / "rollout", 0):
         if isinstance(env.body, SessionAborted):

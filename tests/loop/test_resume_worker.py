@@ -28,7 +28,7 @@ from agentlog.loop.run import start_process
 from agentlog.reducers.pipeline import reduce_log
 from agentlog.tools.bench.resume_steps import STEPS
 
-from loop_helpers import learner_version, wait_for
+from loop_helpers import kill_live, learner_version, wait_for
 
 TERMINAL = (SessionFinished, SessionAborted, SessionDropped)
 _encode = msgspec.msgpack.Encoder().encode
@@ -90,10 +90,7 @@ def test_a_killed_worker_resumes_its_sessions_and_the_run_reconstructs_equal(tmp
         worker.wait(timeout=60)
         assert worker.returncode == 0
     finally:
-        for p in (learner, worker):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_live(learner, worker)
     envs = list(read_log(run / "rollout", 0))
     # Every acknowledged record is still there, unchanged.
     now = {e.lsn: _encode(e.body) for e in envs}

@@ -41,7 +41,7 @@ from agentlog.loop.weight_store import DirectoryTar, WeightStore, WeightStoreErr
 from agentlog.loop.worker import RolloutWorker
 
 from hf_helpers import tiny_hf_dir  # noqa: F401 - the session fixture
-from loop_helpers import small_config, wait_for
+from loop_helpers import kill_live, small_config, wait_for
 
 
 def _config(url: str, stream: str, **log) -> LoopConfig:
@@ -346,10 +346,7 @@ def test_a_loop_on_jetstream_trains_through_every_version_with_a_worker_loading_
         assert learner.returncode == 0, (learner_dir / "logs" / "trainer.stderr").read_text()[-3000:]
         assert worker.wait(timeout=60) == 0, (worker_dir / "logs" / "worker.stderr").read_text()[-3000:]
     finally:
-        for p in (learner, worker):
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
+        kill_live(learner, worker)
     with Run.open(learner_dir) as run:
         records = read_learner_records(run.learner)
     assert records[-1].policy_version == cfg.steps and all(r.weights_object for r in records)
