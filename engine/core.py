@@ -34,7 +34,6 @@ tasks are :mod:`engine.timers`.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -48,9 +47,9 @@ from agentlog.events.schema.types import (
     SessionOpened,
     TurnDelta,
     TurnRecorded,
-    turn_temperature,
     validate_id,
 )
+from agentlog.events.schema.turn import scored_against
 from agentlog.events.schema.turn_delta import EncodingContext
 from agentlog.reducers.abort_classes import REFILL
 from agentlog.reducers.config import ReduceConfig
@@ -421,10 +420,9 @@ class SessionEngine(BackgroundWork):
         if type(body) is TurnDelta or type(body) is TurnRecorded:
             h.turns += 1
             h._context = context
-            h._turn_outputs.append(len(body.output_ids) // 4)
-            # Most turns carry no sampling settings, which means temperature 1.0: no call.
-            temperature = turn_temperature(body.sampling) if body.sampling else 1.0
-            h._turn_temperatures.append(math.nan if temperature is None else temperature)
+            n_out, temperature = scored_against(body)
+            h._turn_outputs.append(n_out)
+            h._turn_temperatures.append(temperature)
         if dest is not None:
             h.state = dest
             if dest in TERMINAL_STATES:

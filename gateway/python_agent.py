@@ -183,7 +183,7 @@ class PythonAgent:
         if str(handle.state) == "open":
             await handle.start(harness=self.name, sandbox=getattr(sandbox, "name", ""), details={"gateway": self.gateway_url})
         client = self._client_for(openai, api_key)
-        return await self._play(client, openai, handle, sandbox, messages, 0, 0, None)
+        return await self._play(client, openai, handle, sandbox, messages, 0, 0)
 
     async def resume(self, handle: Any, sandbox: Any, messages: list[dict[str, Any]], api_key: str) -> AgentResult:
         """Continue a session a killed worker left running (the harness is registered
@@ -201,9 +201,8 @@ class PythonAgent:
                              f"assistant answer, found a {last.get('role')!r} message")
         turns = sum(1 for m in messages if m.get("role") == "assistant")
         tool_calls = sum(1 for m in messages if m.get("role") == "tool")
-        pending = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in last.get("tool_calls") or []]
         client = self._client_for(openai, api_key)
-        return await self._play(client, openai, handle, sandbox, messages, turns, tool_calls, pending)
+        return await self._play(client, openai, handle, sandbox, messages, turns, tool_calls, answered=True)
 
     def _client_for(self, openai: Any, api_key: str) -> Any:
         """A client with the session's key, sharing one connection pool (made on first use)."""
@@ -214,13 +213,11 @@ class PythonAgent:
         return self._client.with_options(api_key=api_key)
 
     async def _play(self, client: Any, openai: Any, handle: Any, sandbox: Any, messages: list[dict[str, Any]], turns: int,
-                    tool_calls: int, pending: list[tuple[str, str, Any]] | None) -> AgentResult:
-        """The agent loop from ``turns`` model calls and ``tool_calls`` tool calls on;
-        ``pending``: the tool calls of the last answer, still to run (a resume), else None."""
+                    tool_calls: int, *, answered: bool = False) -> AgentResult:
+        """The agent loop from ``turns`` model calls and ``tool_calls`` tool calls on.
+        ``answered``: the last message is the model's answer, its tool calls still to run (a resume)."""
         while True:
-            if pending is not None:
-                calls, pending = pending, None
-            else:
+            if not answered:
                 if turns >= self.max_turns:
                     return AgentResult("max_turns", turns, tool_calls, messages)
                 try:
@@ -235,27 +232,28 @@ class PythonAgent:
                     raise
                 turns += 1
                 msg = resp.choices[0].message
-                calls = [(c.id, c.function.name, c.function.arguments) for c in msg.tool_calls or []]
                 assistant: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
-                if calls:
+                if msg.tool_calls:
                     assistant["tool_calls"] = [
-                        {"id": cid, "type": "function", "function": {"name": name, "arguments": arguments}}
-                        for cid, name, arguments in calls
+                        {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                        for c in msg.tool_calls
                     ]
                 messages.append(assistant)
+            answered = False
+            calls = messages[-1].get("tool_calls") or []
             if not calls:
                 return AgentResult("answered", turns, tool_calls, messages)
-            for cid, name, arguments in calls:
+            for call in calls:
                 if tool_calls >= self.max_tool_calls:
                     return AgentResult("max_tool_calls", turns, tool_calls, messages)
-                command, why = bash_command(name, arguments)
+                command, why = bash_command(call["function"]["name"], call["function"]["arguments"])
                 if command is None:
                     content = f"error: {why}"
                 else:
                     res = await handle.run_command(sandbox, command, self.command_budget_s)
                     content = format_result(res, self.max_tool_output_chars)
                 tool_calls += 1
-                messages.append({"role": "tool", "tool_call_id": cid, "content": content})
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
 
     async def close(self) -> None:
         """Close the HTTP client shared by this agent's sessions (a later run opens a new one)."""

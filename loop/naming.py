@@ -15,6 +15,8 @@ import re
 #: A base group's id, and its batch.
 BASE_GROUP_RE = re.compile(r"^b(\d+)-g\d+$")
 _REDRAW = re.compile(r"-r(\d+)$")
+_GROUP = re.compile(r"^b(\d+)-g(\d+)(?:-r(\d+))?$")
+_MEMBER = re.compile(r"-s(\d+)$")
 
 
 def batch_prefix(batch: int) -> str:
@@ -41,6 +43,18 @@ def redraw_of(gid: str) -> int:
     """Which redraw of its chain the group ``gid`` is (0: the base group)."""
     m = _REDRAW.search(gid)
     return int(m.group(1)) if m else 0
+
+
+def parse_group_id(gid: str) -> tuple[int, int, int] | None:
+    """``(batch, g, k)`` of a group id :func:`group_id` / :func:`redraw_id` made, None for any other id."""
+    m = _GROUP.match(gid)
+    return None if m is None else (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+
+
+def member_index(session_id: str) -> int | None:
+    """The member index ``i`` of a session id :func:`member_id` made, None for any other id."""
+    m = _MEMBER.search(session_id)
+    return None if m is None else int(m.group(1))
 
 
 def redraw_id(base_group_id: str, k: int) -> str:

@@ -36,7 +36,6 @@ but those the log holds a result of already.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -52,12 +51,9 @@ from agentlog.reducers.resume import ResumePoint, resume_points
 
 from . import group_play
 from .dynamic_sampling import oversampled, wants_redraw
-from .naming import batch_prefix, group_id, redraw_id
+from .naming import batch_prefix, group_id, member_index, parse_group_id, redraw_id
 
 log = get_logger("agentlog.loop.resume")
-
-_GROUP_RE = re.compile(r"^b(\d+)-g(\d+)(?:-r(\d+))?$")
-_MEMBER_RE = re.compile(r"-s(\d+)$")
 
 #: How often (session ends) the store's garbage is collected.
 COLLECT_EVERY = 16
@@ -137,30 +133,27 @@ async def resume_orphans(worker: Any, engine: SessionEngine) -> dict[str, int]:
                                 max_resumes=cfg.max_resumes, restore_timeout_s=cfg.restore_timeout_s, worker=worker.worker_id)
 
 
-def episode_of(worker: Any, point: ResumePoint, draws: dict[int, Callable[[int, int], list[Any]]] | None = None) -> Any:
+def episode_of(worker: Any, point: ResumePoint, draws: dict[int, Callable[[int, int], list[Any]]]) -> Any:
     """``(task, episode)`` that session ``point`` played, drawn again as its batch drew it
     (loop/naming.py: ``b<batch>-g<g>[-r<k>]``, member ``i`` or a replacement of member ``i``),
     or a str saying why it cannot be drawn. ``draws``: the batches drawn so far, by number."""
-    m = _GROUP_RE.match(point.group_id)
-    if m is None:
+    parsed = parse_group_id(point.group_id)
+    if parsed is None:
         return f"group id {point.group_id!r} is not one of this loop's (expected b<batch>-g<group>[-r<redraw>])"
-    batch, g, k = int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+    batch, g, k = parsed
     slot = point.sample_index
     if slot >= point.group_size:  # a replacement plays the prompt of the member it replaces
-        replaced = _MEMBER_RE.match(point.replaces)
-        slot = int(replaced.group(1)) if replaced else slot
+        replaced = member_index(point.replaces)
+        slot = replaced if replaced is not None else slot
         if slot >= point.group_size:
             return f"a replacement of {point.replaces!r}, itself a replacement: its episode is not drawn again"
     started = worker.cfg.groups.groups_started(worker.cfg.groups_per_step)
     if g >= started or point.group_size != worker.cfg.group_size:
         return (f"group {g} of {point.group_size} members is not one this run's config draws ({started} groups of "
                 f"{worker.cfg.group_size} a batch): the config changed since the session opened")
-    draw = draws.get(batch) if draws is not None else None
-    if draw is None:
-        draw = worker.draw(batch)
-        if draws is not None:
-            draws[batch] = draw
-    return worker.task, draw(g, k)[slot]
+    if batch not in draws:
+        draws[batch] = worker.draw(batch)
+    return worker.task, draws[batch](g, k)[slot]
 
 
 async def complete_interrupted(worker: Any, engine: SessionEngine, batch: int) -> None:

@@ -558,6 +558,8 @@ class RolloutWorker:
         counts.update(self.counts)
         if self.rollout is not None:
             counts.update({f"rollout_{k}": v for k, v in self.rollout.counts.items()})
+            if self.rollout.snapshots is not None:  # snapshots taken, failed, and the store's garbage collected
+                counts.update({f"rollout_{k}": v for k, v in self.rollout.snapshots.counts.items()})
         self.log.info("worker.stopped", batches=done, **{k: v for k, v in counts.items() if isinstance(v, int)})
         return counts
 

@@ -27,14 +27,14 @@ Pure: no clock, randomness or I/O; the caller reads the log.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import (
-    Envelope, SandboxSnapshotted, SessionOpened, SessionResumed, SessionStarted, TeacherScored, TurnRecorded, turn_temperature,
+    Envelope, SandboxSnapshotted, SessionOpened, SessionResumed, SessionStarted, TeacherScored, TurnRecorded,
 )
+from agentlog.events.schema.turn import scored_against
 
 
 @dataclass
@@ -45,11 +45,8 @@ class ResumePoint:
     group_id: str = ""
     group_size: int = 1
     sample_index: int = 0
-    #: The session's prompt messages, label, agent and metadata (from ``session_opened``).
+    #: The session's prompt messages (from ``session_opened``).
     prompt: list[dict[str, Any]] = field(default_factory=list)
-    label: Any = None
-    agent: str = ""
-    metadata: dict[str, Any] = field(default_factory=dict)
     #: The aborted member it replaces (per-sample refill), "" for an original member.
     replaces: str = ""
     #: When the session opened and when its last record was written (ns since the epoch).
@@ -74,9 +71,8 @@ class ResumePoint:
     snapshots: dict[int, str] = field(default_factory=dict)
     #: ``session_resumed`` events so far (the next incarnation is this + 1).
     resumes: int = 0
-    #: The LSNs of the session's ``session_opened`` and of its last record.
+    #: The LSN of the session's ``session_opened``.
     opened_lsn: int = -1
-    last_lsn: int = -1
     #: ``(turn_index, teacher)`` of every ``teacher_scored`` (scores or a failure) in the log: a
     #: worker killed while it recorded a session's scores left some, which must not be recorded twice.
     scored: set[tuple[int, str]] = field(default_factory=set)
@@ -136,22 +132,21 @@ def resume_points(envelopes: Iterable[Envelope], session_ids: Iterable[str], *, 
         sid = env.session_id
         if type(body) is SessionOpened:
             points[sid] = ResumePoint(sid, body.group_id, body.group_size, body.sample_index, list(body.prompt),
-                                      body.label, body.agent, dict(body.metadata),
                                       body.replaces if isinstance(body.replaces, str) else "", env.ts_ns, opened_lsn=env.lsn)
         point = points.get(sid)
         if point is None:
             continue  # a record of a session the slice did not see open: not one of ours
         if type(body) is SessionResumed:  # the dead incarnation's time, to its last record, before this one starts
             point.earlier_s, point.incarnation_ns = point.spent_s, env.ts_ns
-        point.last_lsn, point.last_ns = env.lsn, env.ts_ns
+        point.last_ns = env.ts_ns
         if type(body) is SessionStarted:
             point.started, point.harness = True, body.harness
         elif type(body) is TurnRecorded:
             point.durable_turns = body.turn_index + 1
             point.last_turn = body
-            point.turn_outputs.append(len(body.output_ids) // 4)
-            temperature = turn_temperature(body.sampling) if body.sampling else 1.0
-            point.turn_temperatures.append(math.nan if temperature is None else temperature)
+            n_out, temperature = scored_against(body)
+            point.turn_outputs.append(n_out)
+            point.turn_temperatures.append(temperature)
             if keep_turns:
                 point.turns.append(body)
         elif type(body) is TeacherScored:

@@ -252,6 +252,14 @@ def turn_temperature(sampling: Any) -> float | None:
     return float(value)
 
 
+def scored_against(body: Any) -> tuple[int, float]:
+    """What a teacher's scores of a recorded turn are checked against: its output token count
+    and its sampling temperature (:func:`turn_temperature`; NaN when not a number > 0)."""
+    # Most turns carry no sampling settings, which means temperature 1.0: no call.
+    temperature = turn_temperature(body.sampling) if body.sampling else 1.0
+    return len(body.output_ids) // 4, math.nan if temperature is None else temperature
+
+
 #: The sampling-dict keys that place a turn on a fleet's server (see the module docstring).
 SERVER_KEY, SERVER_MOVED_FROM_KEY = "server", "server_moved_from"
 

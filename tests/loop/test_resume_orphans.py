@@ -174,3 +174,6 @@ def test_an_orphan_whose_group_the_config_no_longer_draws_is_refused_saying_why(
     assert episode_of(worker, ResumePoint("b3-g1-s2", "b3-g1", 4, 2), draws) == ("the task", "b3-g1-r0-m2")
     assert episode_of(worker, ResumePoint("b3-g0-r1-s3", "b3-g0-r1", 4, 3), draws) == ("the task", "b3-g0-r1-m3")
     assert drawn == [3]
+    # A replacement plays the prompt of the member it replaces; a replacement of a replacement is not drawn again.
+    assert episode_of(worker, ResumePoint("b3-g1-s4", "b3-g1", 4, 4, replaces="b3-g1-s2"), draws) == ("the task", "b3-g1-r0-m2")
+    assert "itself a replacement" in episode_of(worker, ResumePoint("b3-g1-s5", "b3-g1", 4, 5, replaces="b3-g1-s4"), draws)
