@@ -31,6 +31,7 @@ from typing import Iterator
 import msgspec
 
 from agentlog._logging import get_logger
+from agentlog.events import fs
 from agentlog.events.errors import AgentlogError
 from agentlog.events.schema.types import SNAPSHOT_DIGEST_RE
 
@@ -176,12 +177,12 @@ def fsync_fd(fd: int, path: Path) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    """fsync a directory, so the entries renamed into it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    """fsync a directory (events.fs), so the entries renamed into it are durable, or
+    raise SnapshotError (never retried, as :func:`fsync_fd`)."""
     try:
-        fsync_fd(fd, path)
-    finally:
-        os.close(fd)
+        fs.fsync_dir(path)
+    except OSError as e:
+        raise SnapshotError(f"fsync of directory {path} failed ({e}); the snapshot is not durable") from e
 
 
 #: Threads of the shared pool that runs fsyncs, and the files a batch may hold open at once.

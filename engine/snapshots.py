@@ -150,7 +150,7 @@ class SnapshotStore:
         self._caches: dict[str, _StatCache] = {}
         self._ref_lists: dict[str, _Ref] = {}
         self._reflinks = Reflinks()
-        self._fans: set[Path] = set()  # fan-out directories known to exist
+        self._fans: set[Path] = {self._refs}  # directories _publish renames into known to exist (fan-outs made on demand)
         self._log = _log.bind(store=str(self.root))
 
     def __repr__(self) -> str:
@@ -172,7 +172,8 @@ class SnapshotStore:
         pins: list[str] = []
         temps: list[Path] = []
         syncs = SyncBatch()
-        new: dict[str, tuple[Path, Path]] = {}  # digest -> (temp file, its place), fsynced then renamed
+        # (temp file, its place), fsynced then renamed in this order: objects by digest, the manifest, the ref.
+        new: dict[str, tuple[Path, Path]] = {}
         hits: list[str] = []
         files = total = new_bytes = read_bytes = 0
         try:
@@ -209,22 +210,20 @@ class SnapshotStore:
             if not final.exists():
                 new["m" + digest] = (self._queue_temp(data, temps, syncs), final)
                 new_bytes += len(data)
-            ref = self._prepare_ref(session_id, digest, turn_index, temps, syncs)
+            ref = self._next_ref(session_id, digest, turn_index)
+            if ref is not None:
+                new["ref"] = (self._queue_temp(msgspec.msgpack.encode(ref), temps, syncs), self._refs / _ref_name(session_id))
             syncs.wait()  # the contents are durable: objects, manifest, the new ref
             dirs: set[Path] = set()
             for tmp, final in new.values():
                 self._publish(tmp, final, temps, dirs)
-            if ref is not None:
-                os.rename(ref[0], ref[1])
-                temps.remove(ref[0])
-                dirs.add(self._refs)
             names = SyncBatch()
             for d in dirs:
                 names.add_dir(d)
             names.wait()  # and their names
             if ref is not None:
                 with self._lock:
-                    self._ref_lists[session_id] = ref[2]
+                    self._ref_lists[session_id] = ref
         finally:
             syncs.drain()  # every descriptor closed before the temp files go
             self._unpin(pins)
@@ -481,18 +480,16 @@ class SnapshotStore:
             if not p.name.startswith(self._token + "-") and p.lstat().st_mtime < cutoff:
                 p.unlink(missing_ok=True)
 
-    def _prepare_ref(self, session_id: str, digest: str, turn_index: int | None, temps: list[Path],
-                     syncs: SyncBatch) -> tuple[Path, Path, _Ref] | None:
-        """The session's new ref, written to a temp file queued in ``syncs``: (temp, its place,
-        the ref); None if ``digest`` is its newest already. The ref keeps the newest snapshot of
-        each of the session's last ``keep_last`` turns (a resume needs the one before the last
-        durable turn; a resumed session snapshots a turn again, which replaces that turn's)."""
+    def _next_ref(self, session_id: str, digest: str, turn_index: int | None) -> _Ref | None:
+        """The session's ref once ``digest`` is its snapshot before turn ``turn_index``; None if
+        ``digest`` is its newest already. The ref keeps the newest snapshot of each of the
+        session's last ``keep_last`` turns (a resume needs the one before the last durable
+        turn; a resumed session snapshots a turn again, which replaces that turn's)."""
         with self._lock:
             old = self._ref_lists.get(session_id)
         if old is None:
             old = self._read_ref(self._refs / _ref_name(session_id))
-        by_turn = dict(zip(old.turns, old.digests)) if old is not None and len(old.turns) == len(old.digests) else \
-            dict(enumerate(old.digests if old is not None else []))
+        by_turn = dict(zip(old.turns, old.digests)) if old is not None else {}
         newest = max(by_turn, default=-1)
         if by_turn.get(newest) == digest and turn_index in (None, newest):
             return None  # the newest already
@@ -500,9 +497,7 @@ class SnapshotStore:
         by_turn[turn] = digest
         # Turns past this one were another incarnation's: this snapshot supersedes them.
         kept = sorted(t for t in by_turn if t <= turn)[-self.keep_last:]
-        ref = _Ref(session_id, [by_turn[t] for t in kept], turns=kept)
-        tmp = self._queue_temp(msgspec.msgpack.encode(ref), temps, syncs)
-        return tmp, self._refs / _ref_name(session_id), ref
+        return _Ref(session_id, [by_turn[t] for t in kept], turns=kept)
 
     def _queue_temp(self, data: bytes, temps: list[Path], syncs: SyncBatch) -> Path:
         """A temp file holding ``data``, its fsync queued in ``syncs``."""
