@@ -9,23 +9,21 @@ session resumed onto a sandbox from another turn would score 0.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from agentlog.events import read_log
-from agentlog.events.log.format import DURABLE_NAME
 from agentlog.events.schema.types import (
     SandboxSnapshotted, SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionResumed, TurnDelta, TurnRecorded,
 )
 from agentlog.loop import FaultConfig, LoopConfig, check_run
 from agentlog.loop.run import start_process
 from agentlog.reducers.pipeline import reduce_log
+from agentlog.tools.bench import scripted_worker
 from agentlog.tools.bench.resume_steps import STEPS
 
 from loop_helpers import kill_live, learner_version, wait_for
@@ -34,33 +32,12 @@ TERMINAL = (SessionFinished, SessionAborted, SessionDropped)
 _encode = msgspec.msgpack.Encoder().encode
 
 
+def _running_with(run: Path, at_least: int, *, version: int) -> dict[str, int]:
+    return {sid: n for sid, n in scripted_worker.running_turns(run, version=version).items() if n >= at_least}
+
+
 def _start_worker(run: Path) -> subprocess.Popen:
-    err = open(run / "logs" / "scripted-worker.stderr", "ab")
-    env = dict(os.environ, AGENTLOG_STEPS_GEN_S="0.25", OMP_NUM_THREADS="1")
-    try:
-        return subprocess.Popen([sys.executable, "-m", "agentlog.tools.bench.scripted_worker", str(run)],
-                                stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env)
-    finally:
-        err.close()
-
-
-def _running_with_turns(run: Path, at_least: int, version: int = 0) -> dict[str, int]:
-    """Sessions not ended, and their durable turns, for those with ``at_least`` turns, the last made by policy
-    ``version`` or a newer one."""
-    turns: dict[str, int] = {}
-    versions: dict[str, int] = {}
-    ended: set[str] = set()
-    if not (run / "rollout" / DURABLE_NAME).exists():  # not created yet
-        return {}
-    for env in read_log(run / "rollout", 0):
-        if isinstance(env.body, SessionOpened):
-            turns[env.session_id] = 0
-        elif isinstance(env.body, (TurnRecorded, TurnDelta)):
-            turns[env.session_id] = env.body.turn_index + 1
-            versions[env.session_id] = env.body.policy_version
-        elif isinstance(env.body, TERMINAL):
-            ended.add(env.session_id)
-    return {sid: n for sid, n in turns.items() if sid not in ended and n >= at_least and versions.get(sid, -1) >= version}
+    return scripted_worker.start(run, AGENTLOG_STEPS_GEN_S="0.25")
 
 
 @pytest.mark.required
@@ -77,13 +54,13 @@ def test_a_killed_worker_resumes_its_sessions_and_the_run_reconstructs_equal(tmp
     try:
         # Killed once the learner published a version past the first: a restarted worker must play on with it, not
         # with the weights it starts with.
-        wait_for("sessions two turns in, by version 1 or newer", lambda: len(_running_with_turns(run, 2, version=1)) >= 4, 120,
+        wait_for("sessions two turns in, by version 1 or newer", lambda: len(_running_with(run, 2, version=1)) >= 4, 120,
                  [learner, worker])
         worker.send_signal(signal.SIGKILL)
         worker.wait()
         # What was acknowledged before the kill: every record the log marks durable.
         acknowledged = {e.lsn: _encode(e.body) for e in read_log(run / "rollout", 0, durable_only=True)}
-        orphans = set(_running_with_turns(run, 0))
+        orphans = set(scripted_worker.running_turns(run))
         worker = _start_worker(run)
         wait_for("the final version", lambda: learner.poll() is not None, 240, [worker])
         assert learner.returncode == 0

@@ -40,46 +40,22 @@ import argparse
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from agentlog.events import read_log
-from agentlog.events.log.format import DURABLE_NAME
 from agentlog.events.schema.turn_delta import full_turns
-from agentlog.events.schema.types import (
-    SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionResumed, TurnRecorded,
-)
+from agentlog.events.schema.types import SessionFinished, SessionResumed, TurnRecorded
 from agentlog.loop import FaultConfig, LoopConfig
 from agentlog.loop.run import start_process
-
-TERMINAL = (SessionFinished, SessionAborted, SessionDropped)
-
-
-def _worker(run: Path, args: argparse.Namespace, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, AGENTLOG_STEPS_GEN_S=str(args.gen_s), AGENTLOG_STEPS_DATA_MB=str(args.data_mb), OMP_NUM_THREADS="1")
-    err = open(run / "logs" / "scripted-worker.stderr", "ab")
-    try:
-        return subprocess.Popen([sys.executable, "-m", "agentlog.tools.bench.scripted_worker", str(run), *extra],
-                                stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env)
-    finally:
-        err.close()
+from agentlog.tools.bench import scripted_worker
 
 
-def _durable_turns(run: Path) -> dict[str, int]:
-    turns: dict[str, int] = {}
-    if not (run / "rollout" / DURABLE_NAME).exists():  # not created yet
-        return turns
-    for env in read_log(run / "rollout", 0):
-        if isinstance(env.body, SessionOpened):
-            turns[env.session_id] = 0
-        elif hasattr(env.body, "turn_index") and type(env.body).__name__ in ("TurnRecorded", "TurnDelta"):
-            turns[env.session_id] = env.body.turn_index + 1
-        elif isinstance(env.body, TERMINAL):
-            turns.pop(env.session_id, None)
-    return turns
+def _worker(run: Path, args: argparse.Namespace, *extra: str) -> Any:
+    return scripted_worker.start(run, *extra, AGENTLOG_STEPS_GEN_S=str(args.gen_s), AGENTLOG_STEPS_DATA_MB=str(args.data_mb))
 
 
 def run_arm(root: Path, args: argparse.Namespace, *, resume: bool) -> dict:
@@ -101,7 +77,7 @@ def run_arm(root: Path, args: argparse.Namespace, *, resume: bool) -> dict:
         n = args.groups * args.group_size
         deadline = time.monotonic() + 600
         while True:
-            live = _durable_turns(run)
+            live = scripted_worker.running_turns(run)
             if len(live) == n and sum(live.values()) >= args.kill_after * n:
                 break
             if proc.poll() is not None or time.monotonic() > deadline:

@@ -18,8 +18,41 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 from pathlib import Path
+
+
+def start(run_dir: Path, *args: str, **env: str) -> "subprocess.Popen[bytes]":
+    """Start this worker on ``run_dir`` in its own process (``args``: its flags; ``env``: the task's
+    ``AGENTLOG_STEPS_*`` settings), its output appended to ``logs/scripted-worker.stderr``."""
+    err = open(Path(run_dir) / "logs" / "scripted-worker.stderr", "ab")
+    try:
+        return subprocess.Popen([sys.executable, "-m", "agentlog.tools.bench.scripted_worker", str(run_dir), *args],
+                                stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+    finally:
+        err.close()
+
+
+def running_turns(run_dir: Path, *, version: int = 0) -> dict[str, int]:
+    """The sessions of the run's rollout log that have not ended, and their durable turns, for those
+    whose last turn a policy ``version`` or newer made (or with no turn, when ``version`` is 0)."""
+    from agentlog.events import read_log
+    from agentlog.events.log.format import DURABLE_NAME
+    from agentlog.events.schema.types import TERMINAL_EVENT_TYPES, SessionOpened, TurnDelta, TurnRecorded
+
+    log_dir = Path(run_dir) / "rollout"
+    if not (log_dir / DURABLE_NAME).exists():  # not created yet
+        return {}
+    turns: dict[str, tuple[int, int]] = {}
+    for env in read_log(log_dir, 0):
+        if isinstance(env.body, SessionOpened):
+            turns[env.session_id] = (0, 0)
+        elif isinstance(env.body, (TurnRecorded, TurnDelta)):
+            turns[env.session_id] = (env.body.turn_index + 1, env.body.policy_version)
+        elif isinstance(env.body, TERMINAL_EVENT_TYPES):
+            turns.pop(env.session_id, None)
+    return {sid: n for sid, (n, v) in turns.items() if v >= version}
 
 
 def main(argv: list[str] | None = None) -> int:
