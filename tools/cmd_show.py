@@ -330,12 +330,24 @@ def undone_note(marks: ResumeMarks, lsn: int, at: Any = str) -> str:
     return f"  [undone: incarnation {got[1]}'s, before the resume at lsn {at(got[0])}]"
 
 
-def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
+def new_messages(held: list, msgs: list) -> tuple[list, bool]:
+    """(the messages of a turn's ``msgs`` new since the turn before, whether the history was
+    rewritten): ``held`` is the previous turn's messages and its response. A turn extends them,
+    or the previous turn's messages with another response; any other history was rewritten,
+    and all its messages are new."""
+    if held and msgs[: len(held)] == held:
+        return msgs[len(held):], False
+    if held and msgs[: len(held) - 1] == held[:-1]:
+        return msgs[len(held) - 1:], False
+    return msgs, bool(held)
+
+
+def transcript_lines(envs: list, full: bool, at: Any = str, marks: ResumeMarks | None = None) -> list[str]:
     """Per turn the messages new since the turn before, then the response; each command and its output.
     A session that recorded no turn shows its ``session_opened`` prompt first (its conversation, as
     ``export-dataset`` writes it). Each sandbox snapshot is a line, and each resume its marker
-    (:func:`resume_marks`), records of a dead incarnation marked undone. ``at`` names an LSN
-    (``p0003:1234`` in a partitioned log)."""
+    (:func:`resume_marks`; ``marks`` when the caller has them), records of a dead incarnation
+    marked undone. ``at`` names an LSN (``p0003:1234`` in a partitioned log)."""
     from agentlog.events.schema.turn_delta import TurnContext
     from agentlog.events.schema.types import (
         CommandRan, SandboxSnapshotted, SessionOpened, SessionResumed, TeacherScored, TurnDelta, TurnRecorded, TurnUndelivered,
@@ -350,7 +362,8 @@ def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
         lines.extend("    " + _message(m, full) for m in opened.body.prompt)
     held: list = []  # the previous turn's messages and its response: what a new turn's messages extend
     context = TurnContext()  # what a turn_delta expands against
-    marks = resume_marks(envs)
+    if marks is None:
+        marks = resume_marks(envs)
     for e in envs:
         b = e.body
         if type(b) is TurnDelta:
@@ -358,12 +371,8 @@ def transcript_lines(envs: list, full: bool, at: Any = str) -> list[str]:
         if isinstance(b, TurnRecorded):
             context = TurnContext.after(b)
             msgs = list(b.messages)
-            if held and msgs[: len(held)] == held:
-                new, note = msgs[len(held):], ""
-            elif held and msgs[: len(held) - 1] == held[:-1]:
-                new, note = msgs[len(held) - 1:], ""
-            else:
-                new, note = msgs, (" (history rewritten: all messages)" if held else "")
+            new, rewritten = new_messages(held, msgs)
+            note = " (history rewritten: all messages)" if rewritten else ""
             flags = " ill-formed" if b.ill_formed else ""
             lines.append(f"  turn {b.turn_index}  lsn {at(e.lsn)}  finish {b.finish_reason}{flags}{note}{version_note(b)}{server_note(b)}")
             lines.extend("    " + _message(m, full) for m in new)
@@ -506,7 +515,7 @@ def run(args) -> int:
         step_lines[0] += undone_note(marks, lsn, at)
         for line in step_lines:
             w("  " + line + "\n")
-    transcript = transcript_lines(envs, args.full, at)
+    transcript = transcript_lines(envs, args.full, at, marks)
     if transcript:
         w(f"\ntranscript (messages new at each turn, -> the response; texts over {TEXT_SHOWN} chars are cut: --full)\n")
         for line in transcript:

@@ -505,36 +505,23 @@ class SessionIndex:
               until: float | None = None) -> tuple[int, list[dict[str, Any]]]:
         """(total matching, the page of rows): the sessions table's question (see the contract).
         Raises :class:`QueryError` naming a parameter the index cannot take."""
-        where: list[str] = []
-        args: list[Any] = []
-        if status is not None:
-            if status not in STATUSES:
-                raise QueryError("status", f"status: expected one of {', '.join(STATUSES)}, found {status!r}")
-            where.append("status = ?")
-            args.append(status)
-        if reason is not None:
-            where.append("reason = ?")
-            args.append(reason)
-        if flag is not None:
-            where.append("session_id IN (SELECT session_id FROM session_flags WHERE flag = ?)")
-            args.append(flag)
+        if status is not None and status not in STATUSES:
+            raise QueryError("status", f"status: expected one of {', '.join(STATUSES)}, found {status!r}")
         for name, value in (("version", version), ("offset", offset), ("limit", limit)):
             if value is not None and not 0 <= value <= MAX_SQL_INT:
                 raise QueryError(name, f"{name}: expected an integer in [0, {MAX_SQL_INT}], found {value}")
-        if version is not None:
-            where.append("version_min <= ? AND version_max >= ?")
-            args += [version, version]
-        if partition is not None:
-            where.append("partition = ?")
-            args.append(partition)
-        if group is not None:
-            where.append("group_id = ?")
-            args.append(group)
-        # since/until: the bounds of an aborts_over_time bucket (first_ts in [since, until)).
-        for column, op, bound in (("reward", ">=", min_reward), ("reward", "<=", max_reward),
-                                  ("first_ts", ">=", since), ("first_ts", "<", until)):
+        where: list[str] = []
+        args: list[Any] = []
+        # version: the sessions whose policy versions span it; since/until: the bounds of an aborts_over_time
+        # bucket (first_ts in [since, until)).
+        for condition, bound in (("status = ?", status), ("reason = ?", reason), ("partition = ?", partition),
+                                 ("group_id = ?", group),
+                                 ("session_id IN (SELECT session_id FROM session_flags WHERE flag = ?)", flag),
+                                 ("version_min <= ?", version), ("version_max >= ?", version),
+                                 ("reward >= ?", min_reward), ("reward <= ?", max_reward),
+                                 ("first_ts >= ?", since), ("first_ts < ?", until)):
             if bound is not None:
-                where.append(f"{column} {op} ?")
+                where.append(condition)
                 args.append(bound)
         if q:
             where.append("text_id IN (SELECT rowid FROM session_text WHERE session_text MATCH ?)")

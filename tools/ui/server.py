@@ -374,6 +374,7 @@ class UiServer:
 
 
 def _int(q: Any, name: str, default: int | None, low: int, high: int | None = None) -> Any:
+    """``q[name]`` as an integer in [low, high] (high: SQLite's largest), ``default`` when absent or empty."""
     text = q.get(name)
     if text is None or text == "":
         return default
@@ -401,14 +402,8 @@ def _float(q: Any, name: str) -> float | None:
 
 
 def _path_int(request: web.Request, name: str) -> int:
-    text = request.match_info[name]
-    try:
-        value = int(text)
-    except ValueError:
-        raise BadRequest(f"{name}: expected an integer, found {text!r:.60}") from None
-    if abs(value) > MAX_SQL_INT:
-        raise BadRequest(f"{name}: expected an integer in [-{MAX_SQL_INT}, {MAX_SQL_INT}], found {text:.60}")
-    return value
+    """The path's integer ``name`` (any sign: a step number that cannot exist is a 404, not a 400)."""
+    return _int(request.match_info, name, None, -MAX_SQL_INT)
 
 
 def _loopback_host(host: str) -> bool:

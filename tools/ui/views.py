@@ -8,7 +8,7 @@
   and its training rows exactly as the sample reducer makes them
   (:class:`reducers.pipeline.Reducer`, the rows ``agentlog reconstruct``
   writes), each token labelled by kind from the row's mask and the turns it
-  is made of (:func:`token_kinds`);
+  is made of (:func:`token_layout`);
 * a group and a learner step: from the learner log
   (:func:`loop.learner_records.read_learner_records`) and the groups the
   partitions release (:func:`reducers.partitioned.reduce_partitions`), with
@@ -47,18 +47,15 @@ def token_text(ids: list[int]) -> list[str]:
     return [f"<{t}>" for t in ids]
 
 
-def token_kinds(sample: Any, turns: dict[int, "_TurnInfo"], row: Any | None) -> list[str]:
-    """Per token of ``sample`` its kind: ``prompt`` (before the response); in the response,
-    ``trained`` where the loss mask is 1; a token a turn of the row generated (its output where
-    the row holds it, :func:`reducers.row_layout.turn_output_spans`) and mask 0 is
-    ``generated_untrained``; any other response token came from outside the policy: ``tool``
-    when the turn after it holds a tool message, else ``given``. One pass over the row."""
-    return _layout(sample, turns, row)[0]
+def token_layout(sample: Any, turns: dict[int, "_TurnInfo"], row: Any | None) -> tuple[list[str], list, list]:
+    """(kinds, rollout log-probs, versions) per token of ``sample``, in one pass over the row.
 
-
-def _layout(sample: Any, turns: dict[int, "_TurnInfo"], row: Any | None) -> tuple[list[str], list, list]:
-    """(kinds, rollout log-probs, versions) per token of ``sample``: the log-prob and version
-    each turn recorded for its own output tokens, None wherever the log holds none."""
+    Kinds: ``prompt`` (before the response); in the response, ``trained`` where the loss mask
+    is 1; a token a turn of the row generated (its output where the row holds it,
+    :func:`reducers.row_layout.turn_output_spans`) and mask 0 is ``generated_untrained``; any
+    other response token came from outside the policy: ``tool`` when the turn after it holds a
+    tool message, else ``given``. Log-probs and versions: those each turn recorded for its own
+    output tokens, None wherever the log holds none."""
     from agentlog.reducers.row_layout import turn_output_spans
 
     n_prompt, n = sample.prompt_length, sample.prompt_length + sample.response_length
@@ -141,13 +138,13 @@ class RunViews:
 
     def session(self, row: dict, envs: list) -> dict[str, Any]:
         """The session view (see the contract) of the session whose index row is ``row``."""
-        from agentlog.events.schema.turn import turn_server
-        from agentlog.events.schema.turn_delta import TurnContext
+        from agentlog.events.schema.turn import turn_server, turn_version_spans
+        from agentlog.events.schema.turn_delta import full_turns
         from agentlog.events.schema.types import (
-            CommandRan, SandboxSnapshotted, SessionAborted, SessionFinished, SessionResumed, TurnDelta, TurnRecorded, TurnUndelivered,
+            CommandRan, SandboxSnapshotted, SessionAborted, SessionFinished, SessionResumed, TurnRecorded, TurnUndelivered,
         )
         from agentlog.reducers.pipeline import ReduceError, Reducer, session_trajectory
-        from agentlog.tools.cmd_show import resume_marks, why_lines
+        from agentlog.tools.cmd_show import new_messages, resume_marks, why_lines
         from agentlog.tools.cmd_replay import command_outcome
 
         sid = row["session_id"]
@@ -164,19 +161,15 @@ class RunViews:
             return None if got is None else {"resume_lsn": str(got[0]), "incarnation": got[1]}
 
         verdict = error = traceback = None
-        held: list = []
-        context = TurnContext()
+        held: list = []  # the previous turn's messages and its response (as `agentlog show` reads them)
         last_turn: int | None = None
-        for e in envs:
+        for e in full_turns(envs):  # each turn_delta as the turn_recorded it stands for
             b = e.body
-            if type(b) is TurnDelta:
-                b = context.expand(b, f"lsn {e.lsn}: ")
             if isinstance(b, TurnRecorded):
-                context = TurnContext.after(b)
                 msgs = list(b.messages)
-                new = msgs[len(held):] if held and msgs[:len(held)] == held else msgs
+                new, _rewritten = new_messages(held, msgs)
                 server, moved = turn_server(b)
-                spans = [list(s) for s in b.version_spans] if b.version_spans else [[0, b.policy_version]]
+                spans = [list(s) for s in turn_version_spans(b)]
                 turns.append({"turn": b.turn_index, "lsn": str(e.lsn), "new_messages": new, "response": b.response_message,
                               "finish_reason": b.finish_reason, "policy_version": b.policy_version, "version_spans": spans,
                               "server": server or None, "server_moved_from": moved or None,
@@ -222,7 +215,7 @@ class RunViews:
         mask = s.mask.tolist()
         teacher = s.teacher_lp.tolist() if s.teacher_scored else []
         scored = s.teacher_mask.tolist() if s.teacher_scored else []
-        kinds, rollout, versions = _layout(s, turns, trow)
+        kinds, rollout, versions = token_layout(s, turns, trow)
         return {
             "row": s.row_index, "trained": bool(sum(mask)) and not s.remove_sample, "advantage": None,
             "status": s.status, "reward": _num(s.reward), "remove_sample": s.remove_sample,
