@@ -177,3 +177,39 @@ def test_an_orphan_whose_group_the_config_no_longer_draws_is_refused_saying_why(
     # A replacement plays the prompt of the member it replaces; a replacement of a replacement is not drawn again.
     assert episode_of(worker, ResumePoint("b3-g1-s4", "b3-g1", 4, 4, replaces="b3-g1-s2"), draws) == ("the task", "b3-g1-r0-m2")
     assert "itself a replacement" in episode_of(worker, ResumePoint("b3-g1-s5", "b3-g1", 4, 5, replaces="b3-g1-s4"), draws)
+
+
+def test_only_a_harness_registered_resumable_resumes_its_orphans(tmp_path):
+    """The CLI harnesses are registered without ``resumable``: their orphans are aborted naming the
+    harness; a user's harness registered ``resumable=True`` is resumed like the Python agent."""
+    import msgspec
+
+    from agentlog.engine import harness
+    from agentlog.events.schema.types import SessionStarted
+
+    assert harness.is_resumable("python-agent") and not harness.is_resumable("claude-code")
+    assert not harness.is_resumable("codex")
+    ref = MemoryLog()
+    asyncio.run(_play(ref, tmp_path / "ref", adopt=False))
+    envs = list(ref.read(0))
+
+    def crashed_under(name: str) -> MemoryLog:
+        log = MemoryLog()
+        log.append_batch([(e.session_id, e.session_seq, msgspec.structs.replace(e.body, harness=name)
+                           if isinstance(e.body, SessionStarted) else e.body) for e in envs[:len(envs) // 2]])
+        return log
+
+    log = crashed_under("claude-code")
+    assert asyncio.run(_play(log, tmp_path / "cli", adopt=True)) == {"resumed": 0, "resume_refused": 1}
+    (end,) = [e.body for e in log.read(0) if isinstance(e.body, SessionAborted)]
+    assert "harness 'claude-code' is not resumable" in end.error
+
+    harness.register("mine-resumable-test", resumable=True)(harness.get("python-agent"))
+    try:
+        assert harness.is_resumable("mine-resumable-test")
+        log = crashed_under("mine-resumable-test")
+        assert asyncio.run(_play(log, tmp_path / "ref", adopt=True)) == {"resumed": 1, "resume_refused": 0}  # the snapshots are in ref/store
+    finally:
+        harness.unregister("mine-resumable-test")
+    (end,) = [e.body for e in log.read(0) if isinstance(e.body, SessionFinished)]
+    assert end.reward == 1.0
