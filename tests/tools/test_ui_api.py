@@ -6,15 +6,18 @@ question, and each row's mask against what `agentlog reconstruct` writes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
+import math
 import shutil
 import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -155,12 +158,26 @@ def test_session_view_kinds_forks_and_abort_details(log_ui):
     assert status == 404 and "'nope'" in body["error"]
 
 
-def test_group_step_and_reconstruct_views(demo_ui):
+def test_group_step_and_reconstruct_views(demo_ui, ui_run):  # noqa: F811
+    from agentlog.events.log.source import open_source
+
+    records = {e.body.step: e.body for e in open_source(str(ui_run.demo / "learner")).read()}
     run = _ok(f"{demo_ui}/api/run")
     for step in run["steps"][1:]:
         view = _ok(f"{demo_ui}/api/step/{step['step']}")
+        rec = records[step["step"]]
         assert view["policy_version"] == step["policy_version"]
         assert sum(g["trained"] for g in view["groups"]) == step["trained_groups"]
+        # The learner's own metrics and decisions, as its record holds them.
+        finite = {k: v if math.isfinite(v) else None for k, v in rec.metrics.items()}  # JSON has no NaN: null
+        assert view["metrics"] == finite
+        assert {g["group_id"] for g in view["groups"] if g["trained"]} == set(rec.groups)
+        for g in view["groups"]:
+            assert g["skip_reason"] == (rec.skipped.get(g["group_id"]) or None), g
+            # Staleness as the learner judged it: its version before this update minus the oldest
+            # version that generated the group's trained sessions (read from the sessions table).
+            members = _ok(f"{demo_ui}/api/sessions?group={g['group_id']}&status=finished&limit=100")["rows"]
+            assert g["staleness"] == rec.policy_version - 1 - min(m["version_min"] for m in members), g
         check = _ok(f"{demo_ui}/api/step/{step['step']}/reconstruct")
         assert check["equal"] is True and check["online_digest"] == check["offline_digest"], check
         trained = next(g for g in view["groups"] if g["trained"])
@@ -578,3 +595,96 @@ def test_each_abort_bar_opens_exactly_the_sessions_it_counts(tmp_path):
             assert status == 400 and query.split("=")[0] in body["error"], (query, body)
     finally:
         stop()
+
+
+def test_partition_and_version_filters_select_by_hand(tmp_path):
+    """A partitioned log (p0000, p0001, each its own engine) whose sessions' turns were generated at
+    known policy versions: ``partition`` selects a partition's sessions, ``version`` the sessions whose
+    turns span that version (a partial rollout's turn spans both of its versions)."""
+    from agentlog.engine import SessionEngine
+    from agentlog.events.log.partitions import open_partition
+
+    root = tmp_path / "rollout"
+    # partition -> session -> each turn's (policy_version, version_spans or None)
+    written: dict[int, dict[str, list[tuple[int, list | None]]]] = {0: {"a0": [(0, None), (1, None)], "b0": [(2, None)]},
+                                                                   1: {"a1": [(1, None)], "b1": [(3, [(0, 3), (1, 4)])]}}
+
+    async def write(pid: int) -> None:
+        log = open_partition(root, pid, fsync="never")
+        eng = await SessionEngine.open(log, drain_s=0.1)
+        for k, (sid, turns) in enumerate(written[pid].items()):
+            h = await eng.open_session(sid, group_id=f"g{pid}", group_size=2, sample_index=k)
+            await h.start()
+            prompt = [1, 2, 3]
+            for version, spans in turns:
+                extra: dict[str, Any] = {"version_spans": spans} if spans else {}
+                await h.record_turn(messages=[{"role": "user", "content": sid}], prompt_ids=prompt, output_ids=[7, 8],
+                                    output_log_probs=[-0.5, -0.5], policy_version=version, **extra)
+                prompt = prompt + [7, 8, 9]
+            await h.finish(reward=1.0)
+        await eng.close()
+        log.close()
+
+    for pid in written:
+        asyncio.run(write(pid))
+    url, stop = start_ui(root, index_path=tmp_path / "i.sqlite")
+    try:
+        assert _ids(url, partition="p0000") == {"a0", "b0"} and _ids(url, partition="p0001") == {"a1", "b1"}
+        assert _ids(url, partition="p0002") == set()
+        assert _ids(url, version="0") == {"a0"}
+        assert _ids(url, version="1") == {"a0", "a1"}
+        assert _ids(url, version="2") == {"b0"}
+        assert _ids(url, version="3") == _ids(url, version="4") == {"b1"}
+        assert _ids(url, version="5") == set()
+        assert _ids(url, partition="p0000", version="1") == {"a0"}
+        rows = {r["session_id"]: r for r in _ok(f"{url}/api/sessions?limit=100")["rows"]}
+        assert {sid: (r["partition"], r["version_min"], r["version_max"]) for sid, r in rows.items()} == {
+            "a0": ("p0000", 0, 1), "b0": ("p0000", 2, 2), "a1": ("p0001", 1, 1), "b1": ("p0001", 3, 4)}
+    finally:
+        stop()
+
+
+def test_a_new_learner_step_reaches_the_api_and_the_stream_within_2_s(ui_run, tmp_path):  # noqa: F811
+    """The short demo's run folder with its learner log cut after step 1; step 2's record, appended
+    while the server runs, is pushed on /api/stream and listed by /api/run without a restart."""
+    from agentlog.events import FileLog
+    from agentlog.events.log.source import open_source
+
+    run = tmp_path / "run"
+    shutil.copytree(ui_run.demo, run, ignore=shutil.ignore_patterns("LOCK", "learner", ".agentlog-ui"))
+    records = [(e.session_id, e.session_seq, e.body) for e in open_source(str(ui_run.demo / "learner")).read()]
+    assert [body.step for _, _, body in records] == [0, 1, 2]
+    learner = FileLog.open(run / "learner", fsync="batch")
+    learner.append_batch(records[:2])
+    url, stop = start_ui(run, index_path=tmp_path / "i.sqlite")
+    steps: list[dict] = []
+    connected = threading.Event()
+
+    def listen() -> None:
+        with urllib.request.urlopen(f"{url}/api/stream", timeout=10) as resp:
+            kind = None
+            for raw in resp:
+                line = raw.decode().rstrip("\n")
+                if line.startswith("event: "):
+                    kind = line[len("event: "):]
+                elif line.startswith("data: "):
+                    connected.set()
+                    if kind == "step":
+                        steps.append(json.loads(line[len("data: "):]))
+                        return
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    try:
+        assert connected.wait(5), "the stream sent nothing"
+        assert [s["step"] for s in _ok(f"{url}/api/run")["steps"]] == [0, 1]
+        written = time.monotonic()
+        learner.append_batch(records[2:])
+        listener.join(2.0)
+        assert not listener.is_alive(), f"step 2 did not reach /api/stream within 2 s (took over {time.monotonic() - written:.1f} s)"
+        assert steps[0]["step"] == 2 and steps[0]["policy_version"] == records[2][2].policy_version
+        assert [s["step"] for s in _ok(f"{url}/api/run")["steps"]] == [0, 1, 2]
+        assert _ok(f"{url}/api/step/2")["step"] == 2
+    finally:
+        stop()
+        learner.close()

@@ -166,6 +166,18 @@ def test_every_view_renders_what_the_api_says_without_console_errors(demo_tab):
     # One linked point per step with a reward, each opening that step.
     hrefs = page.eval_on_selector_all("#chart-reward svg a", "as => as.map(a => a.getAttribute('href'))")
     assert hrefs == [f"#/step/{s['step']}" for s in steps]
+    # The loss and throughput curves likewise; the version curve opens the sessions of each version.
+    for chart, field in (("loss", "loss"), ("throughput", "tokens_per_s")):
+        hrefs = page.eval_on_selector_all(f"#chart-{chart} svg a", "as => as.map(a => a.getAttribute('href'))")
+        assert hrefs == [f"#/step/{s['step']}" for s in run["steps"] if s[field] is not None], chart
+    hrefs = page.eval_on_selector_all("#chart-versions svg a", "as => as.map(a => a.getAttribute('href'))")
+    assert hrefs == [f"#/sessions?version={s['policy_version']}" for s in run["steps"]]
+    # Health-flag and reason counts: each its count, each opening the sessions it counts.
+    for card, param, counts in (("flags", "flag", run["flags"]), ("reasons", "reason", run["reasons"])):
+        shown = page.eval_on_selector_all(f"#{card} .hbars > a", "as => as.map(a => [a.getAttribute('href'),"
+                                          " a.nextElementSibling.nextElementSibling.textContent])")
+        assert counts and sorted(shown) == sorted([f"#/sessions?{urllib.parse.urlencode({param: k})}", str(n)]
+                                                  for k, n in counts.items()), (card, shown)
 
     # Sessions: the first page as the API gives it, then sorted by reward through a header click.
     table = tab.open("sessions", "sessions")

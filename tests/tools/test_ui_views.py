@@ -201,3 +201,35 @@ def test_the_reconstruct_cache_stays_bounded_as_the_position_moves(ui_run):  # n
     for position in range(MAX_CACHED_CHECKS + 10):
         assert views.reconstruct(step, position)["equal"]
     assert len(views._checks) == MAX_CACHED_CHECKS
+
+
+def test_the_teacher_ribbon_is_the_teachers_recorded_log_probs(tmp_path):
+    """A distilled session: turn 0 scored by the teacher, turn 1 not (the teacher failed on it). The
+    teacher ribbon holds the teacher's log-probs on turn 0's tokens and nothing elsewhere."""
+    log = tmp_path / "log"
+
+    async def write() -> None:
+        from agentlog.engine import SessionEngine
+        from agentlog.events import FileLog
+
+        fl = FileLog.open(log, fsync="batch")
+        eng = await SessionEngine.open(fl, drain_s=0.1)
+        h = await eng.open_session("s-teach", group_id="g", group_size=1)
+        await h.start()
+        await h.record_turn(prompt_ids=[1, 2], output_ids=[30, 31], output_log_probs=[-1.5, -0.75], sampling={"temperature": 0.5})
+        await h.record_turn(prompt_ids=[1, 2, 30, 31, 5], output_ids=[40], output_log_probs=[-2.0], sampling={"temperature": 0.5})
+        await h.record_teacher_scores(0, teacher="big", teacher_version="v1", temperature=0.5, log_probs=[-0.25, -0.5])
+        await h.record_teacher_failure(1, teacher="big", teacher_version="v1", error="timeout after 2 s")
+        await h.finish(reward=1.0)
+        await eng.close()
+        fl.close()
+
+    asyncio.run(write())
+    url, stop = start_ui(log, index_path=tmp_path / "ix.sqlite")
+    try:
+        (row,) = _ok(f"{url}/api/session/s-teach")["rows"]
+    finally:
+        stop()
+    assert row["tokens"] == [1, 2, 30, 31, 5, 40] and row["mask"] == [0, 0, 1, 1, 0, 1]
+    assert row["rollout_logprob"] == [None, None, -1.5, -0.75, None, -2.0]
+    assert row["teacher_logprob"] == [None, None, -0.25, -0.5, None, None]
