@@ -420,6 +420,8 @@ class SessionEngine(BackgroundWork):
         if type(body) is TurnDelta or type(body) is TurnRecorded:
             h.turns += 1
             h._context = context
+            if context is not None:
+                h._lineages.commit(body.turn_index, context)
             n_out, temperature = scored_against(body)
             h._turn_outputs.append(n_out)
             h._turn_temperatures.append(temperature)

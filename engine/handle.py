@@ -40,6 +40,7 @@ from agentlog.events.schema.types import (
 from agentlog.events.schema.turn_delta import EncodingContext
 
 from .errors import SessionTimeout
+from .lineages import Declared, LineageTracker
 from .session_lock import acquire_contended, release
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class SessionHandle:
     __slots__ = (
         "_engine", "session_id", "group_id", "sample_index", "state", "turns", "budget_s",
         "_seq", "_busy", "_waiters", "_inflight", "_timer", "_owner", "_owner_cancelled", "_expired", "_log",
-        "_context", "_turn_outputs", "_turn_temperatures",
+        "_context", "_turn_outputs", "_turn_temperatures", "_lineages",
     )
 
     def __init__(self, engine: "SessionEngine", session_id: str, group_id: str, budget_s: float | None) -> None:
@@ -90,6 +91,8 @@ class SessionHandle:
         #: context's token bytes + 16 bytes a message, + a pointer a message for a
         #: caller that records frozen messages; dropped when the session ends).
         self._context: EncodingContext | None = _BEFORE_THE_FIRST_TURN
+        #: The session's lineages (its conversation threads): the engine places each turn in one.
+        self._lineages = LineageTracker()
         #: Per recorded turn, its output tokens and sampling temperature (NaN
         #: when not a number): what a teacher's scores of the turn are checked
         #: against. Packed arrays: 12 bytes a turn, where a list of tuples costs ~120.
@@ -151,6 +154,7 @@ class SessionHandle:
         sampling: dict[str, Any] | None = None,
         *,
         frozen_messages: bool = False,
+        declared_lineage: Declared | None = None,
         **fields: Any,
     ) -> Envelope:
         """Record one generation; the engine assigns ``turn_index``. Returns the durable envelope.
@@ -160,8 +164,10 @@ class SessionHandle:
         are never changed afterwards: the session then holds a reference to each (a pointer a
         message), and a message passed again as the very same object is not hashed again
         (:meth:`~agentlog.events.schema.turn_delta.EncodingContext.encode`); the recorded turn is
-        the same either way. Raises StragglerRefused if the session is not running, TypeError
-        naming an unknown field."""
+        the same either way. The engine places the turn in one of the session's lineages
+        (:mod:`agentlog.engine.lineages`), in ``declared_lineage`` when the agent named one.
+        Raises StragglerRefused if the session is not running, TypeError naming an unknown
+        field, LineageError for a declared lineage the session cannot take."""
         h = self
         eng = self._engine
         if h._busy:
@@ -174,10 +180,19 @@ class SessionHandle:
             full = TurnRecorded(turn_index=h.turns, messages=messages or [], prompt_ids=prompt_ids, sampling=sampling or {}, **fields)
             # The caller sends the whole prompt (as the chat APIs do); the log
             # stores what is new since the previous turn.
-            body, after = (h._context or _BEFORE_THE_FIRST_TURN).encode(full, frozen_messages)
+            before = h._context or _BEFORE_THE_FIRST_TURN
+            digests = h._lineages.digests(before, full.messages, frozen_messages)
+            body, after = before.encode(full, frozen_messages, digests)
+            body = h._lineages.stamp(full, body, before, digests, declared_lineage)
             return await eng._append(h, body, None, after)
         finally:
             release(h)
+
+    def check_lineage(self, declared: Declared) -> None:
+        """Raise LineageError when a turn declaring ``declared`` would be refused now
+        (an unknown parent or spawning call, or one contradicting the lineage's first turn):
+        the gateway asks before it generates."""
+        self._lineages.check(declared)
 
     async def record_turn_undelivered(self, turn_index: int, reason: str = "") -> Envelope:
         """The response of recorded turn ``turn_index`` never reached the agent."""

@@ -99,3 +99,40 @@ class PromptCache:
         self._rendered = len(prompt.messages)
         self._tools = prompt._tools
         self._state = prompt._state
+
+
+class LineagePrompts:
+    """The previous encode of each lineage of one session (its agent's
+    subagents, :mod:`agentlog.engine.lineages`): a turn that returns to a lineage
+    encodes from that lineage's last prompt, not from whichever lineage spoke
+    last. Which cache a request extends is a guess (the engine decides the
+    turn's lineage after it is generated); a wrong guess only costs a full
+    encode, since :meth:`PromptCache.encode` proves every extension exact."""
+
+    __slots__ = ("_caches",)
+
+    #: Lineages a session keeps a cache for (the least recently used is dropped beyond).
+    LIMIT = 32
+
+    def __init__(self) -> None:
+        self._caches: dict[str, PromptCache] = {}  # least recently recorded first
+
+    def pick(self, messages: list[Any], lineage: str | None = None) -> PromptCache:
+        """The cache to encode ``messages`` from: the declared ``lineage``'s, else the most
+        recent one whose conversation starts with the same first two messages, else a new one."""
+        if lineage is not None:
+            return self._caches.get(lineage) or PromptCache()
+        head = messages[:2]
+        for cache in reversed(self._caches.values()):
+            held = cache._messages
+            if len(held) >= len(head) and all(_same(m, h) for m, h in zip(head, held)):
+                return cache
+        return PromptCache()
+
+    def remember(self, lineage: str, cache: PromptCache, prompt: EncodedPrompt, response_message: dict[str, Any] | None) -> None:
+        """``prompt`` (encoded from ``cache``) was recorded in ``lineage`` with ``response_message``."""
+        cache.remember(prompt, response_message)
+        self._caches.pop(lineage, None)
+        self._caches[lineage] = cache
+        if len(self._caches) > self.LIMIT:
+            del self._caches[next(iter(self._caches))]

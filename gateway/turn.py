@@ -22,13 +22,15 @@ from agentlog._logging import get_logger
 from agentlog.events.errors import AgentlogError
 from agentlog.events.schema.lifecycle import IllegalTransition
 from agentlog.events.log.api import LogClosed
+from agentlog.engine.lineages import Declared, LineageError
+from agentlog.events.schema.lineage import turn_lineage
 from agentlog.events.schema.turn import SERVER_KEY, SERVER_MOVED_FROM_KEY
 from agentlog.events.schema.types import turn_temperature
 
 from .api import APIS, TurnRequest, TurnResult, now_s
 from .backends import ROUTING_KEY, BackendError
 from .chat import RequestError, assistant_message
-from .prompt_cache import PromptCache
+from .prompt_cache import LineagePrompts
 
 if TYPE_CHECKING:
     from .backends import Backend, SamplingParams
@@ -42,7 +44,7 @@ _RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "m
 
 
 class _SessionCfg:
-    __slots__ = ("sampling", "max_turns", "max_new_tokens", "inflight", "api_key", "calls", "turns", "prompt", "server",
+    __slots__ = ("sampling", "max_turns", "max_new_tokens", "inflight", "api_key", "calls", "turns", "prompts", "server",
                  "before_turn")
 
     def __init__(self) -> None:
@@ -58,8 +60,8 @@ class _SessionCfg:
         #: The recorded turns' (turn index, prompt ids, output ids, sampling temperature), kept only
         #: when asked (configure_session(keep_turns=True): a teacher scores them); else None.
         self.turns: list[tuple[int, list[int], list[int], float | None]] | None = None
-        #: The previous turn's encoded prompt, which the next one is encoded from.
-        self.prompt = PromptCache()
+        #: Each lineage's previous encoded prompt, which its next one is encoded from.
+        self.prompts = LineagePrompts()
         #: The fleet server that generated the session's last recorded turn ("": none yet, or one backend).
         self.server = ""
         #: Awaited with the turn index when a turn's request arrives, before it is generated
@@ -123,6 +125,7 @@ class TurnPath:
                 except RequestError as exc:
                     raise _Refused(400, "invalid_request_error", f"{api_name} request: {exc}") from None
                 _check_recordable(api_name, req)
+                declared = declared_lineage(request, h)
                 cfg = self._sessions.setdefault(h.session_id, _SessionCfg())
                 merged = self._sampling(h.session_id, req)  # refuse unusable sampling values before anything runs
                 cap = cfg.max_turns if cfg.max_turns is not None else self.config.max_turns
@@ -135,7 +138,7 @@ class TurnPath:
                 return self._error(api.error_style, exc.status, exc.kind, str(exc), exc.code)
             cfg.inflight += 1
             try:
-                return await self._generate_record_send(request, api, req, merged, h, cfg, log)
+                return await self._generate_record_send(request, api, req, merged, h, cfg, log, declared)
             except _Refused as exc:
                 self.stats["refused"] += 1
                 log.info("gateway.request_refused", status=exc.status, reason=str(exc))
@@ -188,13 +191,15 @@ class TurnPath:
         return size
 
     async def _generate_record_send(
-        self, request: web.Request, api: Any, req: TurnRequest, merged: dict[str, Any], h: Any, cfg: _SessionCfg, log: Any
+        self, request: web.Request, api: Any, req: TurnRequest, merged: dict[str, Any], h: Any, cfg: _SessionCfg, log: Any,
+        declared: Declared | None = None,
     ) -> web.StreamResponse:
         t0 = time.perf_counter()
         if cfg.before_turn is not None:
             # The sandbox as this turn's request found it; its event lands before the turn's.
             await cfg.before_turn(h.turns)
-        prompt = cfg.prompt.encode(self.template, req.messages, req.tools)
+        cache = cfg.prompts.pick(req.messages, None if declared is None else declared.id)
+        prompt = cache.encode(self.template, req.messages, req.tools)
         prompt_ids = prompt.ids
         ctx = self.backend.context_length
         room = None if ctx is None else ctx - len(prompt_ids)
@@ -269,6 +274,7 @@ class TurnPath:
                 # The session's entry, whose PromptCache holds them too, lives as long as the
                 # session, so the engine's references to them cost a pointer each.
                 frozen_messages=True,
+                declared_lineage=declared,
             )
         )
         t_rec = time.perf_counter()
@@ -284,10 +290,13 @@ class TurnPath:
         except IllegalTransition as exc:
             log.info("gateway.turn_refused", reason=str(exc))
             return self._error(api.error_style, 409, "invalid_request_error", str(exc))
+        except LineageError as exc:  # another turn changed the session's lineages since the check
+            log.info("gateway.turn_refused", reason=str(exc))
+            return self._error(api.error_style, 400, "invalid_request_error", f"{LINEAGE_HEADER}: {exc}")
         turn = env.body.turn_index
         if gen.server:
             cfg.server = gen.server
-        cfg.prompt.remember(prompt, response_message)
+        cfg.prompts.remember(turn_lineage(env.body), cache, prompt, response_message)
         self.stats["turns"] += 1
         cfg.calls["turns"] += 1
         if cfg.turns is not None:
@@ -347,6 +356,35 @@ class TurnPath:
         await resp.write(payload)
         await resp.write_eof()
         return resp
+
+
+#: The header an agent declares a turn's lineage with (its subagents, see
+#: :mod:`agentlog.engine.lineages`): ``<id>``, then optionally ``; parent=<id>``
+#: and ``; call=<tool call id>`` (the parent's call that spawned it).
+LINEAGE_HEADER = "X-Agentlog-Lineage"
+
+
+def declared_lineage(request: web.Request, h: Any) -> Declared | None:
+    """The lineage the request's :data:`LINEAGE_HEADER` declares (None without
+    the header), checked against the session's lineages: a malformed value, an
+    unknown parent or call, or one contradicting the lineage's first turn is a 400."""
+    raw = request.headers.get(LINEAGE_HEADER)
+    if raw is None:
+        return None
+    parts = [p.strip() for p in raw.split(";")]
+    fields: dict[str, str] = {}
+    try:
+        for part in parts[1:]:
+            name, eq, value = part.partition("=")
+            name = name.strip()
+            if not eq or name not in ("parent", "call") or name in fields:
+                raise LineageError(f"expected '<id>[; parent=<id>][; call=<tool call id>]', found {raw[:200]!r}")
+            fields[name] = value.strip()
+        declared = Declared(parts[0], **fields)
+        h.check_lineage(declared)
+    except LineageError as exc:
+        raise _Refused(400, "invalid_request_error", f"{LINEAGE_HEADER}: {exc}") from None
+    return declared
 
 
 def _check_recordable(api_name: str, req: TurnRequest) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from agentlog.events.errors import ConfigError
 
 ESTIMATORS = ("grpo", "dr_grpo", "gspo")
+LINEAGE_ADVANTAGES = ("session", "member")
 KL_TYPES = ("k1", "k2", "k3")
 LOSS_AGGS = ("token_mean", "sample_mean")
 OPTIMIZERS = ("adamw", "stateless_adam")
@@ -38,6 +39,11 @@ class LearnerConfig:
 
     estimator: str = "grpo"
     """Advantage estimator: grpo (mean/std-normalised), dr_grpo (mean only) or gspo (grpo advantage, sequence-level ratio)."""
+    lineage_advantage: str = "session"
+    """How a session's lineages (its agent's subagents) share advantages: session (the default:
+    the group's members are its sessions, and every lineage's tokens take their session's
+    advantage) or member (each lineage is a member of the group with its own reward, the
+    verifier's per-lineage reward where it gave one)."""
     adv_eps: float = 1e-6
     """Added to the group std before dividing (grpo, gspo)."""
     eps_clip: float = 0.2
@@ -100,6 +106,8 @@ class LearnerConfig:
 
         if self.estimator not in ESTIMATORS:
             raise bad("estimator", f"one of {ESTIMATORS}")
+        if self.lineage_advantage not in LINEAGE_ADVANTAGES:
+            raise bad("lineage_advantage", f"one of {LINEAGE_ADVANTAGES}")
         if self.kl_type not in KL_TYPES:
             raise bad("kl_type", f"one of {KL_TYPES}")
         if self.loss_agg not in LOSS_AGGS:

@@ -38,6 +38,7 @@ from agentlog.learner.mismatch import MismatchStats
 from agentlog.learner.model import token_log_probs, token_stats
 from agentlog.learner.optim import make_optimizer, make_scheduler
 from agentlog.events.fs import atomic_file
+from agentlog.events.schema.lineage import ROOT_LINEAGE
 from agentlog.reducers.groups import reward_mean, row_removed, row_trains
 from agentlog.reducers.samples import Sample, distill_problem, sampling_problem
 
@@ -55,8 +56,33 @@ class _Member:
     samples: Sequence[Sample]
 
 
-def _members_from(items: Sequence[Any]) -> tuple[list[_Member], int]:
-    """Normalise released groups or plain samples into members; count skipped groups."""
+def _by_lineage(members: list[_Member]) -> list[_Member]:
+    """Each member split into one member per lineage of its session (lineages as members): a
+    lineage's reward is its rows' (the verifier's per-lineage reward, else the session's)."""
+    out: list[_Member] = []
+    for m in members:
+        parts: dict[str, _Member] = {}
+        for s in m.samples:
+            lineage = s.metadata.get("lineage", ROOT_LINEAGE)
+            part = parts.get(lineage)
+            if part is None:
+                reward = float(s.reward) if m.valid and "session_reward" in s.metadata else m.reward
+                part = parts[lineage] = _Member(m.group, f"{m.session_id}#{lineage}", m.valid, reward, [])
+                out.append(part)
+            part.samples.append(s)
+        if not parts:
+            out.append(m)
+    return out
+
+
+def _members_from(items: Sequence[Any], lineage_members: bool = False) -> tuple[list[_Member], int]:
+    """Normalise released groups or plain samples into members; count skipped groups.
+    ``lineage_members``: each lineage of a session is a member of its own."""
+    members, skipped = _session_members(items)
+    return (_by_lineage(members) if lineage_members else members), skipped
+
+
+def _session_members(items: Sequence[Any]) -> tuple[list[_Member], int]:
     members: list[_Member] = []
     skipped = 0
     if not items:
@@ -67,10 +93,12 @@ def _members_from(items: Sequence[Any]) -> tuple[list[_Member], int]:
         for s in items:
             key = (s.group_id, s.session_id)
             m = by_key.get(key)
+            # A subagent's row with a reward of its own keeps its session's beside it.
+            reward = float(s.metadata.get("session_reward", s.reward))
             if m is None:
-                m = by_key[key] = _Member(s.group_id, s.session_id, not s.remove_sample, float(s.reward), [])
+                m = by_key[key] = _Member(s.group_id, s.session_id, not s.remove_sample, reward, [])
                 members.append(m)
-            elif float(s.reward) != m.reward and not (math.isnan(s.reward) and math.isnan(m.reward)):
+            elif reward != m.reward and not (math.isnan(reward) and math.isnan(m.reward)):
                 raise ValueError(
                     f"Learner.step: session {s.session_id!r} of group {s.group_id!r} has rows with different "
                     f"rewards ({m.reward} and {s.reward}); a session has one reward"
@@ -156,7 +184,7 @@ class Learner:
             metrics.update(_reward_stats(rewards))
             return [items[i] for i in keep], adv[keep], metrics
 
-        members, skipped = _members_from(items)
+        members, skipped = _members_from(items, self.config.lineage_advantage == "member")
         for m in members:
             if m.valid and not math.isfinite(m.reward):
                 raise ValueError(

@@ -46,7 +46,7 @@ from .groups import DROPPED, FINISHED, Group, GroupError, GroupTracker
 from .health import SessionHealth
 from .metrics import MetricsAccumulator
 from .outcome import SessionOutcome, session_outcome, would_make_rows
-from .samples import Sample, SampleDigest, aborted_placeholder, finished_samples
+from .samples import Sample, SampleDigest, aborted_placeholder, finished_samples, lineage_rewards
 from .teacher import TeacherScoreError
 from .trajectory import SessionTrajectory, Trajectory, TrajectoryError
 
@@ -212,7 +212,8 @@ class Reducer:
             # A finished session, or an abort its class counts as a failure: its recorded turns
             # train, with its reward (the configured failure reward for the abort).
             how = {"reward_problem": outcome.reason} if status == FINISHED else {"abort_reason": outcome.end_reason}
-            samples = self._row_samples(session, sid, lsn, outcome.reward, rows, **how)
+            by_lineage = lineage_rewards(outcome.raw_reward)[0] if status == FINISHED else {}
+            samples = self._row_samples(session, sid, lsn, outcome.reward, rows, by_lineage, **how)
         member = outcome.member(sid, session.sample_index, tuple(samples))
         if status == DROPPED:
             self.metrics.observe_session(DROPPED, reason=outcome.end_reason, turns=traj.n_turns, output_tokens=traj.output_tokens)
@@ -240,9 +241,10 @@ class Reducer:
             turns=session.trajectory.n_turns, lsn_first=session.lsn_first, lsn_last=lsn, untrainable=untrainable,
         )
 
-    def _row_samples(self, session: _Session, sid: str, lsn: int, reward: float | None, rows: Trajectory, **how: str) -> list[Sample]:
-        """The samples of an ended session's trajectory ``rows``, each with ``reward``
-        (``how``: ``reward_problem`` or ``abort_reason``, see :func:`finished_samples`)."""
+    def _row_samples(self, session: _Session, sid: str, lsn: int, reward: float | None, rows: Trajectory,
+                     by_lineage: dict[str, float], **how: str) -> list[Sample]:
+        """The samples of an ended session's trajectory ``rows``, each with ``reward`` or its
+        lineage's (``how``: ``reward_problem`` or ``abort_reason``, see :func:`finished_samples`)."""
         traj = session.trajectory
         return finished_samples(
             rows.rows,
@@ -255,6 +257,8 @@ class Reducer:
             lsn_last=lsn,
             turn_sampling=traj.turn_sampling,
             row_teacher=traj.teacher.row_fields if traj.teacher else None,
+            lineages=traj.lineages,
+            rewards_by_lineage=by_lineage,
             **how,
         )
 

@@ -30,6 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from msgspec import UNSET
+
+from agentlog.events.schema.lineage import Lineage, turn_lineage
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import (
     Envelope, SandboxSnapshotted, SessionOpened, SessionResumed, SessionStarted, TeacherScored, TurnRecorded,
@@ -63,6 +66,10 @@ class ResumePoint:
     durable_turns: int = 0
     #: The last durable turn in full (deltas expanded), None before the first.
     last_turn: TurnRecorded | None = None
+    #: The last durable turn of each lineage (subagents), least recently active first, and each
+    #: lineage's first-turn record: what the engine's lineage tracker continues from.
+    lineage_turns: dict[str, TurnRecorded] = field(default_factory=dict)
+    lineage_origins: dict[str, Lineage] = field(default_factory=dict)
     #: Per durable turn: output tokens and sampling temperature (NaN when not a number),
     #: what the engine checks a teacher's scores of an earlier turn against.
     turn_outputs: list[int] = field(default_factory=list)
@@ -144,6 +151,11 @@ def resume_points(envelopes: Iterable[Envelope], session_ids: Iterable[str], *, 
         elif type(body) is TurnRecorded:
             point.durable_turns = body.turn_index + 1
             point.last_turn = body
+            lineage = turn_lineage(body)
+            point.lineage_turns.pop(lineage, None)
+            point.lineage_turns[lineage] = body
+            if body.lineage is not UNSET and body.lineage.how:
+                point.lineage_origins[lineage] = body.lineage
             n_out, temperature = scored_against(body)
             point.turn_outputs.append(n_out)
             point.turn_temperatures.append(temperature)

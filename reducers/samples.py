@@ -43,6 +43,8 @@ from typing import Any, Callable, Iterable, Mapping
 import msgspec
 import numpy as np
 
+from agentlog.events.schema.lineage import ROOT_LINEAGE
+
 COMPLETED = "completed"
 TRUNCATED = "truncated"
 ABORTED = "aborted"
@@ -318,6 +320,13 @@ def resolve_reward(value: Any, reward_key: str | None = None) -> tuple[float | N
         if f != f or f in (float("inf"), float("-inf")):
             return None, f"reward is not finite: {value!r}"
         return f, ""
+    if isinstance(value, dict) and any(type(k) is str and k.startswith(LINEAGE_REWARD_PREFIX) for k in value):
+        _, problem = lineage_rewards(value)
+        if problem:
+            return None, problem
+        value = {k: v for k, v in value.items() if not (type(k) is str and k.startswith(LINEAGE_REWARD_PREFIX))}
+        if not value:
+            return None, f"dict reward holds only lineage rewards ({LINEAGE_REWARD_PREFIX}<id>): the session's own reward is missing"
     if isinstance(value, dict):
         if reward_key is not None and reward_key in value:
             inner, problem = resolve_reward(value[reward_key], None)
@@ -334,6 +343,41 @@ def resolve_reward(value: Any, reward_key: str | None = None) -> tuple[float | N
     if value is None:
         return None, "no reward (SessionFinished.reward is None and no RewardAssigned)"
     return None, f"reward of type {type(value).__name__} is not a number"
+
+
+#: The prefix of a dict reward's keys under which a verifier gives some lineages (subagents) a
+#: reward of their own: ``{"reward": 1.0, "lineage/sub-1": 0.0}`` (a reward is a flat dict of
+#: numbers; lineage ids never hold a ``/``). Lineages it does not name get the session's reward.
+LINEAGE_REWARD_PREFIX = "lineage/"
+
+
+def lineage_rewards(value: Any) -> tuple[dict[str, float], str]:
+    """The per-lineage rewards a raw reward value carries (empty when none), or why they
+    cannot be used: each must be a finite number."""
+    if not isinstance(value, dict):
+        return {}, ""
+    out = {}
+    for key, raw in value.items():
+        if type(key) is str and key.startswith(LINEAGE_REWARD_PREFIX):
+            reward, problem = resolve_reward(raw) if not isinstance(raw, dict) else (None, "a dict, expected a number")
+            if reward is None:
+                return {}, f"reward[{key!r}]: {problem}"
+            out[key[len(LINEAGE_REWARD_PREFIX):]] = reward
+    return out, ""
+
+
+def lineage_metadata(lineage: str, origin: Any) -> dict[str, Any]:
+    """What a row of a session with subagents says of its lineage: its id and, for a spawned
+    lineage, its parent, the parent's turn and the tool call that spawned it."""
+    meta: dict[str, Any] = {"lineage": lineage}
+    if origin is not None:
+        meta["parent_lineage"] = origin.parent
+        meta["parent_turn"] = origin.parent_turn
+        if origin.spawn_call:
+            meta["spawn_call"] = origin.spawn_call
+        if origin.how:
+            meta["spawn_match"] = origin.how
+    return meta
 
 
 def recorded_sampling(recorded: Mapping[str, Any]) -> tuple[float, float, int] | str:
@@ -424,6 +468,8 @@ def finished_samples(
     turn_sampling: Callable[[int], Mapping[str, Any]] | None = None,
     row_teacher: Callable[[Any], Mapping[str, Any]] | None = None,
     abort_reason: str = "",
+    lineages: Mapping[str, Any] | None = None,
+    rewards_by_lineage: Mapping[str, float] | None = None,
 ) -> list[Sample]:
     """Samples of a finished session: one per trajectory row, each with the
     session's reward. ``abort_reason``: the session aborted, and its abort
@@ -440,7 +486,14 @@ def finished_samples(
     but its session's reward still counts in the group baseline.
 
     ``row_teacher(row)`` gives the row's teacher fields and metadata
-    (:meth:`agentlog.reducers.teacher.TeacherScores.row_fields`; None: no teacher)."""
+    (:meth:`agentlog.reducers.teacher.TeacherScores.row_fields`; None: no teacher).
+
+    ``lineages``: the session's lineages (id -> first-turn record, None for a
+    root), when it had more than one: each row then names its lineage
+    (:func:`lineage_metadata`). ``rewards_by_lineage``: the verifier's rewards of
+    some lineages (:func:`lineage_rewards`); a row of such a lineage carries it as
+    its reward, and the session's own reward as ``metadata["session_reward"]``
+    (what its group's baseline and, by default, its advantage use)."""
     out = []
     for row_index, row in enumerate(rows):
         settings, sampling_error = (
@@ -462,6 +515,12 @@ def finished_samples(
             metadata["reward_error"] = reward_problem
         if sampling_error:
             metadata["sampling_error"] = sampling_error
+        row_reward = reward
+        if lineages is not None and (len(lineages) > 1 or row.lineage != ROOT_LINEAGE):
+            metadata.update(lineage_metadata(row.lineage, lineages.get(row.lineage)))
+            if reward is not None and rewards_by_lineage and row.lineage in rewards_by_lineage:
+                row_reward = rewards_by_lineage[row.lineage]
+                metadata["session_reward"] = reward
         teacher = dict(row_teacher(row)) if row_teacher is not None else {}
         metadata.update(teacher.pop("metadata", {}))
         out.append(
@@ -473,7 +532,7 @@ def finished_samples(
                 response_length=row.response_length,
                 loss_mask=row.loss_mask,
                 rollout_log_probs=row.rollout_log_probs,
-                reward=0.0 if reward is None else reward,
+                reward=0.0 if row_reward is None else row_reward,
                 status=ABORTED if abort_reason else TRUNCATED if row.truncated else COMPLETED,
                 remove_sample=reward is None or bool(sampling_error),
                 policy_version=row.policy_version,

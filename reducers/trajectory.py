@@ -19,6 +19,14 @@ The semantics follow slime's TrajectoryManager (slime/agent/trajectory.py):
   span is overwritten from the prompt with mask 0 and log-prob 0), FORK
   (anything else: a new row starts).
 
+**Lineages.** A session whose agent spawns subagents holds several
+conversations (:mod:`agentlog.events.schema.lineage`); each turn names its
+lineage and each lineage has a tree of its own (:mod:`.turn_tree`). Rows are
+built per lineage, in the order the lineages began, and name their lineage:
+a subagent's turns never fork its parent's trajectory, and the parent's
+trajectory stays one row across them. A turn_delta still expands against the
+session's previous turn in log order, whichever lineage that was.
+
 Unlike slime the tree is never consumed: :meth:`SessionTrajectory.linearise`
 can run any number of times and gives the same rows. A turn is trainable only
 if it finished ``stop`` or ``length``, has one log-prob per output token and
@@ -37,16 +45,16 @@ from typing import Any
 
 import msgspec
 
-from agentlog.events.errors import AgentlogError
-from agentlog.events.schema.turn_delta import TurnContext, TurnDeltaError, common_prefix_tokens
-from agentlog.events.schema.turn import turn_version_spans
+from msgspec import UNSET
+
+from agentlog.events.schema.lineage import Lineage, turn_lineage
+from agentlog.events.schema.turn_delta import TurnContext, TurnDeltaError
 from agentlog.events.schema.types import TeacherScored, TurnDelta, TurnRecorded
 
+from .row_builder import CLEAN, FORK, REALIGN, Row, RowBuilder  # noqa: F401 - Row and the drift kinds are public here
 from .teacher import TeacherScores
+from .turn_tree import MessageTree, TrajectoryError  # noqa: F401 - TrajectoryError is public here
 
-CLEAN = "clean"
-REALIGN = "realign"
-FORK = "fork"
 
 #: Why a turn contributes no trainable token.
 REASON_ABORT_FINISH = "finish_abort"
@@ -54,11 +62,6 @@ REASON_MISSING_LOG_PROBS = "missing_log_probs"
 REASON_EMPTY_OUTPUT = "empty_output"
 REASON_UNDELIVERED = "undelivered"
 REASON_REWRITTEN = "rewritten"
-
-
-class TrajectoryError(AgentlogError, ValueError):
-    """A turn cannot be placed in its session's tree (duplicate turn index,
-    malformed messages, an undelivered notice for an unknown turn)."""
 
 
 class TurnDecision(msgspec.Struct):
@@ -87,31 +90,6 @@ class TurnDecision(msgspec.Struct):
     #: Whether its output carries mask 1 in that row (a later REALIGN or the
     #: max_context_tokens cut can mask a trainable turn again).
     trained: bool = False
-
-
-class Row(msgspec.Struct, frozen=True):
-    """One linearised training row, before it becomes a Sample."""
-
-    tokens: bytes  # int32 LE: prompt + response
-    response_length: int
-    loss_mask: bytes  # uint8 per response token
-    rollout_log_probs: bytes  # float32 LE per response token
-    turn_indices: tuple[int, ...]
-    leaf: int
-    truncated: bool  # the leaf's last generated turn finished with "length"
-    use_tool: bool
-    ill_formed: bool
-    policy_version: int  # oldest policy version among the row's trained turns
-    cut: bool = False  # shortened to max_context_tokens
-    trained_turns: tuple[int, ...] = ()  # turns with mask-1 tokens in this row
-    #: Where each trained turn's tokens sit: (response offset, tokens, turn
-    #: index, offset in that turn's output), in row order (teacher scores
-    #: are aligned through these).
-    trained_spans: tuple[tuple[int, int, int, int], ...] = ()
-    #: The policy version of each of ``trained_spans``.
-    span_versions: tuple[int, ...] = ()
-    #: A turn of the row was made by more than one version (a partial rollout).
-    partial: bool = False
 
 
 class Trajectory(msgspec.Struct, frozen=True):
@@ -174,198 +152,17 @@ class _Turn:
         return ""
 
 
-class _Node:
-    __slots__ = ("role", "message", "parent", "children", "turn")
-
-    def __init__(self, role: Any, message: Any, parent: "_Node | None") -> None:
-        self.role = role
-        self.message = message
-        self.parent = parent
-        self.children: list[_Node] = []
-        # The generated turn this node holds; None for routing-only nodes.
-        self.turn: _Turn | None = None
-
-    def add(self, child: "_Node") -> "_Node":
-        self.children.append(child)
-        return child
-
-
-_zeros = bytes(1 << 16)
-
-
-def _zero_view(nbytes: int) -> memoryview:
-    """A read-only view of ``nbytes`` zero bytes, without allocating them each time."""
-    global _zeros
-    if nbytes > len(_zeros):
-        # A cache of constant zeros, grown on demand: no state that affects outputs.
-        _zeros = bytes(max(nbytes, 2 * len(_zeros)))
-    return memoryview(_zeros)[:nbytes]
-
-
-class _RowBuilder:
-    """Accumulates one chain of turns into one row's tokens, mask and log-probs.
-
-    After every append the held tokens are exactly the last turn's prompt
-    followed by its output: CLEAN appends the prompt's tail to tokens the
-    prompt starts with, and REALIGN overwrites from the last response on
-    with the prompt, which agrees with the held tokens before that point.
-    So the builder keeps them in one buffer, extended in place by a CLEAN
-    turn (a delta that repeats all of them costs only its new tokens), and
-    mask and log-probs as spans, ``(n_tokens, log_probs or None, policy version,
-    turn index, offset in the turn's output)``, one per version of a turn,
-    materialised once per emitted row."""
-
-    __slots__ = ("fork_threshold", "held", "spans", "spanned", "last_start", "last_turn", "lead", "turns")
-
-    def __init__(self, fork_threshold: int) -> None:
-        self.fork_threshold = fork_threshold
-        self.held = bytearray()  # the last turn's prompt + output
-        self.spans: list[tuple[int, bytes | memoryview | None, int, int, int]] = []
-        self.spanned = 0  # tokens covered by spans (== held tokens)
-        self.last_start: int | None = None  # token index where the last response starts
-        self.last_turn: _Turn | None = None
-        self.lead = 0  # the first turn's prompt length: the row's prompt
-        self.turns: list[int] = []
-
-    def prompt_of(self, turn: _Turn, cache: dict[int, bytes]) -> bytes | None:
-        """The turn's full prompt, or None when it is a delta on the row's
-        last turn that repeats all the held tokens (CLEAN: only its new
-        tokens are needed)."""
-        body = turn.body
-        if type(body) is TurnDelta and turn.base is not None and turn.base is self.last_turn:
-            shared = body.shared_tokens * 4
-            if shared == len(self.held):
-                return None
-            if shared < len(self.held):
-                return bytes(self.held[:shared]) + body.new_prompt_ids
-        return turn.prompt(cache)
-
-    def classify(self, turn: _Turn, prompt: bytes | None) -> str:
-        if prompt is None or prompt.startswith(self.held):
-            return CLEAN
-        agree = common_prefix_tokens(self.held, prompt)
-        if self.last_start is not None and agree >= self.last_start and len(turn.body.output_ids) // 4 < self.fork_threshold:
-            return REALIGN
-        return FORK
-
-    def _span(self, n: int, log_probs: bytes | memoryview | None, version: int = 0, turn: int = -1, offset: int = 0) -> None:
-        if n:
-            self.spans.append((n, log_probs, version, turn, offset))
-            self.spanned += n
-
-    def _output_spans(self, body: TurnRecorded | TurnDelta, train: bool, turn: int) -> None:
-        """The turn's output as spans, one per policy version that generated it."""
-        n_out = len(body.output_ids) // 4
-        lp = body.output_log_probs if train else None
-        version_spans = turn_version_spans(body)
-        if len(version_spans) == 1:
-            self._span(n_out, lp, body.policy_version, turn)
-            return
-        view = memoryview(lp) if lp is not None else None
-        ends = [first for first, _ in version_spans[1:]] + [n_out]
-        for (first, version), end in zip(version_spans, ends):
-            self._span(end - first, view[first * 4 : end * 4] if view is not None else None, version, turn, first)
-
-    def append(self, turn: _Turn, prompt: bytes | None, kind: str, train: bool) -> None:
-        """Add a turn; ``prompt`` None: a delta that repeats all the held tokens (see prompt_of)."""
-        body = turn.body
-        if prompt is None:
-            new = body.new_prompt_ids
-            n_prompt = len(self.held) // 4 + len(new) // 4
-        else:
-            n_prompt = len(prompt) // 4
-        if kind == REALIGN:
-            # The drifted span carries no signal: overwrite it from the prompt
-            # as context (mask 0, log-prob 0); earlier turns stay untouched.
-            # last_start is always a span boundary (a response starts there).
-            start = self.last_start
-            assert start is not None
-            while self.spanned > start:
-                n = self.spans.pop()[0]
-                self.spanned -= n
-        self._span(n_prompt - self.spanned, None)
-        if self.last_start is None:
-            self.lead = n_prompt
-        if prompt is None:
-            self.held += new
-        elif kind == CLEAN:
-            self.held += memoryview(prompt)[len(self.held) :]  # the prompt starts with the held tokens
-        else:
-            self.held = bytearray(prompt)
-        self.held += body.output_ids
-        self.last_start = n_prompt
-        self.last_turn = turn
-        self._output_spans(body, train, turn.index)
-        self.turns.append(turn.index)
-
-    def to_row(self, leaf: int, truncated: bool, use_tool: bool, ill_formed: bool, max_tokens: int) -> Row | None:
-        """The row, or None when it holds no trainable token (after any cut)."""
-        n_tok = self.spanned
-        cut = bool(max_tokens) and n_tok > max_tokens
-        if cut:
-            n_tok = max_tokens
-        lead = self.lead
-        response_length = n_tok - lead
-        if response_length < 1:
-            return None
-        mask_parts: list[bytes | memoryview] = []
-        lp_parts: list[bytes | memoryview] = []
-        versions: list[int] = []
-        trained: list[int] = []
-        spans: list[tuple[int, int, int, int]] = []
-        pos = 0
-        for n, log_probs, version, turn, offset in self.spans:
-            lo, hi = max(pos, lead), min(pos + n, n_tok)
-            pos += n
-            if lo >= hi:
-                if pos >= n_tok:
-                    break
-                continue
-            k = hi - lo
-            if log_probs is None:
-                mask_parts.append(_zero_view(k))
-                lp_parts.append(_zero_view(4 * k))
-            else:
-                mask_parts.append(b"\x01" * k)
-                lp_parts.append(log_probs[(lo - pos + n) * 4 : (hi - pos + n) * 4])
-                spans.append((lo - lead, k, turn, offset + lo - pos + n))
-                versions.append(version)
-                if turn not in trained:
-                    trained.append(turn)
-        if not versions:
-            return None  # nothing trainable survives (or ever was)
-        return Row(
-            tokens=bytes(self.held[: n_tok * 4]) if cut else bytes(self.held),
-            response_length=response_length,
-            loss_mask=b"".join(mask_parts),
-            rollout_log_probs=b"".join(lp_parts),
-            turn_indices=tuple(self.turns),
-            leaf=leaf,
-            truncated=truncated,
-            use_tool=use_tool,
-            ill_formed=ill_formed,
-            policy_version=min(versions),
-            cut=cut,
-            trained_turns=tuple(trained),
-            trained_spans=tuple(spans),
-            span_versions=tuple(versions),
-            partial=any(offset and turn in trained for _, _, _, turn, offset in self.spans),
-        )
-
-
 class SessionTrajectory:
     """One session's message tree, built turn by turn as events arrive."""
 
     def __init__(self, session_id: str, fork_threshold: int = 1024) -> None:
         self.session_id = session_id
         self.fork_threshold = fork_threshold
-        self._root = _Node(None, None, None)
         self._turns: dict[int, _Turn] = {}
-        self._last_generated: _Node | None = None
-        # The last routed prompt and the nodes its messages matched or mounted
-        # (the routing fast path, see _mount_point).
-        self._prev_messages: list[dict[str, Any]] = []
-        self._prev_path: list[_Node] = []
+        #: One message tree per lineage (conversation thread), in the order they began.
+        self._trees: dict[str, MessageTree] = {}
+        #: Each lineage's first-turn record (its parent and spawning call), None for a root.
+        self.lineages: dict[str, Lineage | None] = {}
         self.output_tokens = 0
         #: Teacher scores of the turns (on-policy distillation), aligned to rows when they are built.
         self.teacher = TeacherScores(session_id)
@@ -407,36 +204,15 @@ class SessionTrajectory:
             messages = body.messages
             n_prompt = len(body.prompt_ids) // 4
         turn = _Turn(body, lsn, self._prev_turn)
-        if not messages:
-            node = self._last_generated or self._root
-            turn.decision.routing = "linear"
-        else:
-            try:
-                node, depth, path = self._mount_point(messages)
-            except AttributeError:
-                node, depth, path = self._root, 0, []  # a non-dict message: reported below
-            # Every message is checked before the tree changes, so an error
-            # leaves the session's tree as it was.
-            for i in range(depth, len(messages)):
-                if not isinstance(messages[i], dict):
-                    raise TrajectoryError(
-                        f"session {self.session_id!r}, lsn {lsn}, turn {body.turn_index}: messages[{i}]:"
-                        f" expected a dict with a 'role', found {type(messages[i]).__name__}"
-                    )
-            node, depth, merged = self._merge_rewrite(node, messages, depth)
-            if merged:
-                path.append(node)
-            rest = messages[depth:]
-            for msg in rest:
-                node = node.add(_Node(msg.get("role"), msg, node))
-                path.append(node)
-            self._prev_messages = messages
-            self._prev_path = path
-            turn.decision.mounted_nodes = len(rest)
-            turn.decision.routing = "merged_rewrite" if merged else ("mounted" if rest else "matched")
-        leaf = node.add(_Node("assistant", body.response_message, node))
-        leaf.turn = turn
-        self._last_generated = leaf
+        lineage = turn_lineage(body)
+        tree = self._trees.get(lineage)
+        if tree is None:
+            tree = MessageTree(lineage, self.fork_threshold)
+        tree.route(turn, messages, f"session {self.session_id!r}, lsn {lsn}")
+        if lineage not in self._trees:  # added only once its first turn routed
+            self._trees[lineage] = tree
+            origin = getattr(body, "lineage", UNSET)
+            self.lineages[lineage] = origin if origin is not UNSET and origin.spawned else None
         self._turns[turn.index] = turn
         self._prev_turn = turn
         # What the next delta expands against: these messages + the response,
@@ -466,81 +242,7 @@ class SessionTrajectory:
             )
         turn.undelivered = reason or "undelivered"
 
-    def _mount_point(self, messages: list[dict[str, Any]]) -> tuple[_Node, int, list[_Node]]:
-        """Walk down matching each message to the first child with its role and
-        an equal message; returns the deepest match, how many messages
-        matched, and the nodes matched.
-
-        Fast path (exact): when the prompt starts with the previous routed
-        prompt (compared in C), the walk over that prefix would end on the
-        same nodes. Since that routing the tree only gained children appended
-        after existing siblings (never ahead of a matched node) and, by a
-        rewrite merge, a new message on a node of that very path, so the
-        first match at every level is unchanged."""
-        prev = self._prev_messages
-        n_prev = len(prev)
-        if n_prev and len(messages) >= n_prev and messages[:n_prev] == prev:
-            path = list(self._prev_path)
-            node = path[-1]
-            depth = n_prev
-        else:
-            path = []
-            node = self._root
-            depth = 0
-        n = len(messages)
-        while depth < n:
-            msg = messages[depth]
-            role = msg.get("role")
-            for child in node.children:
-                if child.role == role and child.message == msg:
-                    node = child
-                    path.append(child)
-                    depth += 1
-                    break
-            else:
-                break
-        return node, depth, path
-
-    def _merge_rewrite(self, node: _Node, messages: list[dict[str, Any]], depth: int) -> tuple[_Node, int, bool]:
-        # A client that re-renders its last assistant message would otherwise
-        # fork, stranding the original turn as a dead-end leaf that trains on
-        # its own. Merge only when unambiguous (one assistant child), cheap to
-        # lose (a generated leaf shorter than fork_threshold) and enabled.
-        if self.fork_threshold <= 0 or depth >= len(messages) or messages[depth].get("role") != "assistant":
-            return node, depth, False
-        assistants = [c for c in node.children if c.role == "assistant"]
-        if len(assistants) != 1:
-            return node, depth, False
-        target = assistants[0]
-        turn = target.turn
-        if target.children or turn is None or len(turn.body.output_ids) // 4 >= self.fork_threshold:
-            return node, depth, False
-        turn.decision.routing = "rewritten"
-        target.turn = None
-        target.message = messages[depth]
-        if self._last_generated is target:
-            self._last_generated = None
-        return target, depth + 1, True
-
     # -------------------------------------------------------- linearisation
-
-    def _generated_chains(self) -> list[tuple[_Node, ...]]:
-        """For each leaf (depth-first, insertion order; the bare root is not
-        a leaf) the generated nodes on its root path, in one walk."""
-        out: list[tuple[_Node, ...]] = []
-        stack: list[tuple[_Node, tuple[_Node, ...]]] = [(c, ()) for c in reversed(self._root.children)]
-        while stack:
-            node, generated = stack.pop()
-            if node.turn is not None:
-                generated = generated + (node,)
-            children = node.children
-            if len(children) == 1:
-                stack.append((children[0], generated))
-            elif children:
-                stack.extend([(c, generated) for c in reversed(children)])
-            else:
-                out.append(generated)
-        return out
 
     def linearise(self, max_context_tokens: int = 0, allow_repeated_targets: bool = False) -> Trajectory:
         """The session's rows (depth-first leaves, one row per FORK segment) and a decision per
@@ -558,13 +260,14 @@ class SessionTrajectory:
         claimed: set[int] = set()
         prompts: dict[int, bytes] = {}  # delta turns' prompts rebuilt off the row's path (branches)
         rows: list[Row] = []
-        for leaf_no, generated in enumerate(self._generated_chains()):
+        chains = [(tree.lineage, chain) for tree in self._trees.values() for chain in tree.generated_chains()]
+        for leaf_no, (lineage, generated) in enumerate(chains):
             if not generated:
                 continue
             truncated = generated[-1].turn.body.finish_reason == "length"  # type: ignore[union-attr]
             use_tool = any(isinstance(n.message, dict) and bool(n.message.get("tool_calls")) for n in generated)
             ill_formed = any(n.turn.body.ill_formed for n in generated)  # type: ignore[union-attr]
-            builders: list[_RowBuilder] = []
+            builders: list[RowBuilder] = []
             first_seen: list[tuple[TurnDecision, int]] = []  # (decision, builder index)
             for node in generated:
                 turn = node.turn
@@ -579,7 +282,7 @@ class SessionTrajectory:
                 else:
                     prompt, kind = turn.prompt(prompts), CLEAN
                 if kind == FORK or not builders:
-                    builders.append(_RowBuilder(self.fork_threshold))
+                    builders.append(RowBuilder(self.fork_threshold))
                     builders[-1].append(turn, prompt, CLEAN, train)
                 else:
                     builders[-1].append(turn, prompt, kind, train)
@@ -589,7 +292,7 @@ class SessionTrajectory:
                     first_seen.append((decision, len(builders) - 1))
             emitted: dict[int, int] = {}
             for b_no, builder in enumerate(builders):
-                row = builder.to_row(leaf_no, truncated, use_tool, ill_formed, max_context_tokens)
+                row = builder.to_row(leaf_no, truncated, use_tool, ill_formed, max_context_tokens, lineage)
                 if row is not None:
                     emitted[b_no] = len(rows)
                     rows.append(row)

@@ -35,6 +35,12 @@ turn went to another server, ``sampling["server_moved_from"]``: the move,
 recorded where it happened. Not new fields: a sixteenth field would change
 the stored bytes of every turn_delta (msgpack's map header grows past 15
 entries), and a turn behind one backend records neither.
+
+**Lineages.** A session whose agent spawns subagents holds several
+conversations; ``sampling["lineage"]`` (:mod:`.lineage`; read it as the
+``lineage`` property) says which one a turn belongs to, absent on the
+session's first lineage: for the same reason, and so a turn of a session
+without subagents keeps its stored bytes.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import msgspec
 import numpy as np
 from msgspec import UNSET, UnsetType
 
+from .lineage import LINEAGE_KEY, Lineage, check_lineage, lineage_of
 from .packing import log_probs_view, pack_log_probs, pack_tokens, packed_field, tokens_view
 from .validation import DEFERRED_FINITE_SCANS, READING_STORED, check_count, fail
 
@@ -114,10 +121,19 @@ class TurnBody(_Indexed, frozen=True, kw_only=True):
                     fail(event, f"output_log_probs[{i}]", "a finite float", float(log_probs_view(lp)[i]))
         if self.version_spans is not UNSET:
             _check_version_spans(event, self.version_spans, len(out) // 4, self.policy_version)
+        sampling = self.sampling
+        if sampling and LINEAGE_KEY in sampling:
+            check_lineage(event, sampling[LINEAGE_KEY])
 
     def _check_prompt(self, event: str) -> None:
         """The write-time checks of the subclass's prompt fields."""
         raise NotImplementedError(f"{type(self).__name__}: a turn body without a prompt encoding is never built")
+
+    @property
+    def lineage(self) -> Lineage | UnsetType:
+        """The lineage the turn belongs to (``sampling["lineage"]``, see :mod:`.lineage`),
+        UNSET on the session's first lineage."""
+        return lineage_of(self.sampling)
 
     @property
     def output_tokens(self) -> np.ndarray:

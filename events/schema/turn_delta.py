@@ -170,7 +170,19 @@ class EncodingContext:
             n += 1
         return n
 
-    def encode(self, turn: TurnRecorded, frozen: bool = False) -> tuple[TurnDelta, "EncodingContext"]:
+    def digests_for(self, messages: list[Any], frozen: bool = False) -> bytes:
+        """The digests of ``messages`` (:func:`message_digests`); with ``frozen``
+        (see :meth:`encode`), a leading message that is the very object this
+        context holds reuses its digest instead of being hashed."""
+        if not messages:
+            return b""
+        if frozen and self.objects:
+            reused = _repeated_objects(messages, self.objects)
+            if reused:
+                return self.digests[: reused * DIGEST_BYTES] + message_digests(messages[reused:])
+        return message_digests(messages)
+
+    def encode(self, turn: TurnRecorded, frozen: bool = False, digests: bytes | None = None) -> tuple[TurnDelta, "EncodingContext"]:
         """The delta that :meth:`TurnContext.expand` turns back into ``turn``
         exactly, and the context ``turn`` leaves for the next one.
 
@@ -181,19 +193,16 @@ class EncodingContext:
         instead of being hashed: the delta is the same (what the digest is of
         cannot have changed), and a turn costs its new messages, not its
         whole context. Without the promise every message is hashed.
+        ``digests``: the turn's message digests when the caller has them
+        (:meth:`digests_for`, maybe of another context); else computed here.
 
         ``turn`` was checked when it was built (see :meth:`TurnContext.delta_of`),
         so the delta is built without running the same checks again. This
         runs for every turn the engine records: the common cases (a prompt
         that extends the held context, no messages) take no call they can skip."""
         messages, prompt = turn.messages, turn.prompt_ids
-        if not messages:
-            digests = b""
-        elif frozen and self.objects:
-            reused = _repeated_objects(messages, self.objects)
-            digests = self.digests[: reused * DIGEST_BYTES] + message_digests(messages[reused:]) if reused else message_digests(messages)
-        else:
-            digests = message_digests(messages)
+        if digests is None:
+            digests = self.digests_for(messages, frozen)
         shared_messages = self.shared_messages(digests) if self.digests else 0
         shared_tokens = self.shared_tokens(prompt)  # an extended context: two memcmps, no array built
         new_messages = messages[shared_messages:]

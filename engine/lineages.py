@@ -1,0 +1,381 @@
+"""Which lineage of its session a turn belongs to: the engine's decision, made as the turn is recorded.
+
+A session whose agent spawns subagents runs several conversations under one
+key (:mod:`agentlog.events.schema.lineage`). :class:`LineageTracker` holds,
+per live session, each lineage's context after its last turn (the same
+:class:`~agentlog.events.schema.turn_delta.EncodingContext` the delta encoding
+keeps: token bytes and 16-byte message digests, never the text), its key
+(the digests of its system prompt and first user message) and the tool calls
+of its last answer not yet matched to a subagent. A turn is placed:
+
+1. **declared**: in the lineage its agent named (:class:`Declared`, from the
+   gateway's header); a new id starts a lineage under the declared parent,
+   which must exist, and a declared spawning call must be one of its calls;
+2. **extends**: else in the lineage whose recorded context it extends (its
+   messages repeat the lineage's last messages and answer; a turn without
+   messages, its tokens), the most recently active first;
+3. **same key**: else in the most recently active lineage with its system
+   prompt and first user message: a history rewrite inside one lineage,
+   which the reducers handle as REALIGN or FORK, as before lineages existed;
+4. **new**: else it starts a lineage (``sub-1``, ``sub-2``, ...). Its parent
+   is found by the spawning tool call: one whose arguments carry the new
+   lineage's first user message (the ``prompt`` of Claude Code's ``Task``),
+   else the newest pending call of a spawning tool (:data:`SPAWN_TOOLS`), else
+   the newest pending call, else the newest turn of another lineage.
+
+A turn without messages that extends no lineage stays in the most recently
+active one (its tokens alone cannot tell a subagent from a rewrite): token-only
+agents that spawn subagents declare them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from agentlog.events.errors import AgentlogError
+from agentlog.events.schema.lineage import (
+    CALL_ID_RE, HOW_DECLARED, HOW_ORDER, HOW_TOOL_CALL, LINEAGE_ID_RE, LINEAGE_KEY, ROOT_LINEAGE, Lineage, lineage_value,
+    turn_lineage,
+)
+from agentlog.events.schema.turn_delta import DIGEST_BYTES, EncodingContext
+from agentlog.events.schema.types import TurnDelta, TurnRecorded
+from agentlog.events.schema.validation import READING_STORED
+
+#: Tools whose calls spawn a subagent in the harnesses we know (Claude Code's ``Task``, later
+#: ``Agent``; Codex's and common agent frameworks' names): what matching by order prefers.
+SPAWN_TOOLS = frozenset({"Task", "Agent", "task", "agent", "spawn_agent", "spawn_subagent", "subagent", "delegate"})
+#: Pending tool calls a lineage keeps for matching subagents to (its newest).
+_PENDING = 32
+#: A prompt shorter than this matches a tool call's argument only when equal to it or its last line(s)
+#: (Claude Code sends the prompt as the last text block of the subagent's first user message, after
+#: its <system-reminder> block), never as a part elsewhere.
+_MIN_CONTAINED = 32
+
+
+class LineageError(AgentlogError, ValueError):
+    """A declared lineage the session cannot take: an unknown parent or spawning call, or one
+    that contradicts what the lineage declared before."""
+
+
+class Declared(msgspec.Struct, frozen=True):
+    """A lineage an agent declared for a turn: its ``id``, and for a new lineage
+    optionally its ``parent`` lineage and the ``call`` id of the parent's tool
+    call that spawned it."""
+
+    id: str
+    parent: str = ""
+    call: str = ""
+
+    def __post_init__(self) -> None:
+        for name, value, pattern, empty_ok in (("id", self.id, LINEAGE_ID_RE, False), ("parent", self.parent, LINEAGE_ID_RE, True),
+                                               ("call", self.call, CALL_ID_RE, True)):
+            if not (empty_ok and value == "") and (type(value) is not str or not pattern.fullmatch(value)):
+                raise LineageError(f"lineage {name}: expected {pattern.pattern}{' or nothing' if empty_ok else ''}, found {value!r}")
+        if self.parent and self.parent == self.id:
+            raise LineageError(f"lineage {self.id!r} names itself as its parent")
+
+
+class _Thread:
+    """One lineage of a live session."""
+
+    __slots__ = ("id", "context", "key", "last_turn", "pending", "calls", "first")
+
+    def __init__(self, lineage_id: str, key: bytes, first: Lineage | None) -> None:
+        self.id = lineage_id
+        self.context = EncodingContext()
+        self.key = key
+        self.last_turn = -1
+        #: (call id, tool name, argument texts) of its last answer's calls not matched to a subagent.
+        self.pending: list[tuple[str, str, tuple[str, ...]]] = []
+        #: Every tool call id its answers made -> the turn that made it (declared calls are looked up here).
+        self.calls: dict[str, int] = {}
+        #: What its first turn recorded (None for an undeclared root).
+        self.first = first
+
+
+def _text(content: Any) -> str:
+    """A message's text: its str content, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) and isinstance(p.get("text"), str) else "" for p in content)
+    return ""
+
+
+def _strings(value: Any, depth: int = 0) -> Iterable[str]:
+    """The strings inside a tool call's arguments (a few levels deep)."""
+    if isinstance(value, str):
+        yield value
+    elif depth < 3 and isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v, depth + 1)
+    elif depth < 3 and isinstance(value, list):
+        for v in value:
+            yield from _strings(v, depth + 1)
+
+
+def _tool_calls(response: Any) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(id, name, argument strings) of an answer's tool calls, in order."""
+    calls = response.get("tool_calls") if isinstance(response, dict) else None
+    if not isinstance(calls, list):
+        return []
+    out = []
+    for c in calls:
+        if not isinstance(c, dict):
+            continue
+        fn = c.get("function") if isinstance(c.get("function"), dict) else c  # OpenAI's nesting, or the gateway's flat form
+        call_id, name = c.get("id"), fn.get("name")
+        args = fn.get("arguments")
+        if isinstance(args, str) and args.startswith("{"):  # OpenAI's wire form: a JSON object as text
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass  # not JSON after all: matched as the text it is
+        if isinstance(call_id, str) and call_id:
+            out.append((call_id, name if isinstance(name, str) else "", tuple(_strings(args))))
+    return out
+
+
+def _key(messages: list[Any], digests: bytes) -> bytes:
+    """The digests of the first system message and the first user message (b"" without messages)."""
+    key = [b"", b""]
+    for i, m in enumerate(messages[: len(digests) // DIGEST_BYTES]):
+        role = m.get("role") if isinstance(m, dict) else None
+        slot = 0 if role == "system" else 1 if role == "user" else -1
+        if slot >= 0 and not key[slot]:
+            key[slot] = digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]
+            if key[0] and key[1]:
+                break
+        if role == "assistant" and key[1]:
+            break
+    return key[0] + key[1]
+
+
+def _answered(messages: list[Any]) -> set[str]:
+    """The tool call ids answered by the tool results after the prompt's last assistant message."""
+    out = set()
+    for m in reversed(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role == "assistant":
+            break
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            out.add(m["tool_call_id"])
+    return out
+
+
+def _first_user_text(messages: list[Any]) -> str:
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") == "user":
+            return _text(m.get("content"))
+    return ""
+
+
+class LineageTracker:
+    """The lineages of one live session (see the module docstring). :meth:`place`
+    decides a turn's lineage before it is appended; :meth:`commit` applies it
+    once the turn is in the log (the session's lock is held in between)."""
+
+    __slots__ = ("_threads", "_recent", "_staged", "_subs")
+
+    def __init__(self) -> None:
+        self._threads: dict[str, _Thread] = {}
+        self._recent: list[_Thread] = []  # most recently active first
+        self._staged: tuple[str, bytes, Lineage | None, list[tuple[str, str, tuple[str, ...]]], set[str]] | None = None
+        self._subs = 0  # detected lineages named so far
+
+    def __len__(self) -> int:
+        return len(self._threads)
+
+    # -------------------------------------------------------------- deciding
+
+    def check(self, declared: Declared) -> None:
+        """Raise LineageError when ``declared`` cannot be taken now (what
+        :meth:`place` would refuse), before anything runs."""
+        self._declared_lineage(declared, None)
+
+    def digests(self, before: EncodingContext, messages: list[Any], frozen: bool) -> bytes:
+        """The message digests of a turn about to be encoded against ``before`` (the session's
+        previous turn): from the context whose message objects it repeats, so a turn back from
+        another lineage hashes only its new messages (:meth:`EncodingContext.digests_for`)."""
+        source = before
+        if frozen and messages and len(self._threads) > 1 and not (before.objects and messages[0] is before.objects[0]):
+            source = next((t.context for t in self._recent if t.context.objects and messages[0] is t.context.objects[0]), before)
+        return source.digests_for(messages, frozen)
+
+    def stamp(self, turn: TurnRecorded, body: TurnDelta, before: EncodingContext, digests: bytes,
+              declared: Declared | None = None) -> TurnDelta:
+        """``body`` (``turn`` encoded against ``before``) with its lineage placed (:meth:`place`)
+        and recorded in its sampling (:data:`~agentlog.events.schema.lineage.LINEAGE_KEY`)."""
+        if turn.messages:
+            held = len(before.digests) // DIGEST_BYTES
+            extends = held > 0 and body.shared_messages == held and len(turn.messages) > held
+        else:
+            extends = bool(before.prompt) and body.shared_tokens * 4 == len(before.prompt) + len(before.output)
+        lineage = self.place(turn, digests, extends, declared)
+        if lineage is UNSET:
+            return body
+        token = READING_STORED.set(True)  # the body was checked when built, the lineage when placed
+        try:
+            return msgspec.structs.replace(body, sampling={**body.sampling, LINEAGE_KEY: lineage_value(lineage)})
+        finally:
+            READING_STORED.reset(token)
+
+    def place(self, turn: TurnRecorded, digests: bytes, extends_previous: bool, declared: Declared | None = None) -> Lineage | UnsetType:
+        """The ``lineage`` value to record with ``turn`` (UNSET on the root
+        lineage), staged for :meth:`commit`. ``digests``: the turn's message
+        digests (:func:`~agentlog.events.schema.turn_delta.message_digests`);
+        ``extends_previous``: whether the turn extends the session's previous
+        turn in log order (the delta encoding found all of it shared)."""
+        messages = turn.messages
+        calls = _tool_calls(turn.response_message)
+        answered = _answered(messages)
+        if declared is not None:
+            value = self._declared_lineage(declared, turn)
+            existing = self._threads.get(declared.id)
+            key = existing.key if existing is not None else _key(messages, digests)
+            self._staged = (declared.id, key, value if existing is None else None, calls, answered)
+            return value if (value is not UNSET or declared.id != ROOT_LINEAGE) else UNSET
+        thread = self._extended(turn, digests, extends_previous)
+        if thread is None:
+            key = _key(messages, digests)
+            if key or not messages:
+                thread = next((t for t in self._recent if t.key == key), None) if messages else (self._recent[0] if self._recent else None)
+        if thread is not None:
+            self._staged = (thread.id, thread.key, None, calls, answered)
+            return UNSET if thread.id == ROOT_LINEAGE else Lineage(thread.id)
+        key = _key(messages, digests)
+        if not self._threads:
+            self._staged = (ROOT_LINEAGE, key, None, calls, answered)
+            return UNSET
+        lineage = self._spawned(self._new_id(), _first_user_text(messages))
+        self._staged = (lineage.id, key, lineage, calls, answered)
+        return lineage
+
+    def _extended(self, turn: TurnRecorded, digests: bytes, extends_previous: bool) -> _Thread | None:
+        recent = self._recent
+        if not recent:
+            return None
+        if extends_previous:
+            return recent[0]
+        messages = turn.messages
+        for t in recent[1:]:
+            held = t.context
+            if messages:
+                if held.digests and len(digests) > len(held.digests) and digests.startswith(held.digests):
+                    return t
+            elif held.prompt and held.shared_tokens(turn.prompt_ids) * 4 == len(held.prompt) + len(held.output):
+                return t
+        return None
+
+    def _new_id(self) -> str:
+        while True:
+            self._subs += 1
+            name = f"sub-{self._subs}"
+            if name not in self._threads:
+                return name
+
+    def _spawned(self, lineage_id: str, prompt: str, *, parent: str = "", call: str = "", how: str = "") -> Lineage:
+        """A new lineage's first-turn value, its parent found as the module docstring says."""
+        if parent:
+            owner = self._threads[parent]
+            turn = owner.calls[call] if call else owner.last_turn
+            return Lineage(lineage_id, parent=parent, parent_turn=turn, spawn_call=call, how=how or HOW_DECLARED)
+        if call:
+            for t in self._recent:
+                if call in t.calls:
+                    return Lineage(lineage_id, parent=t.id, parent_turn=t.calls[call], spawn_call=call, how=how or HOW_TOOL_CALL)
+        if prompt:
+            for t in self._recent:
+                for call_id, _name, texts in t.pending:
+                    if any(s == prompt or (s and prompt.endswith("\n" + s)) or (len(s) >= _MIN_CONTAINED and s in prompt) for s in texts):
+                        return Lineage(lineage_id, parent=t.id, parent_turn=t.calls[call_id], spawn_call=call_id, how=HOW_TOOL_CALL)
+        for spawning_only in (True, False):
+            for t in self._recent:
+                candidates = [c[0] for c in t.pending if c[1] in SPAWN_TOOLS or not spawning_only]
+                if candidates:
+                    # The newest answer's calls, first come first matched: parallel subagents start in call order.
+                    newest = max(t.calls[c] for c in candidates)
+                    call_id = next(c for c in candidates if t.calls[c] == newest)
+                    return Lineage(lineage_id, parent=t.id, parent_turn=newest, spawn_call=call_id, how=HOW_ORDER)
+        t = self._recent[0]
+        return Lineage(lineage_id, parent=t.id, parent_turn=t.last_turn, how=HOW_ORDER)
+
+    def _declared_lineage(self, declared: Declared, turn: TurnRecorded | None) -> Lineage | UnsetType:
+        existing = self._threads.get(declared.id)
+        if existing is not None:
+            first = existing.first
+            recorded_parent = first.parent if first is not None else ""
+            if declared.parent and declared.parent != recorded_parent:
+                raise LineageError(f"lineage {declared.id!r} was recorded with parent {recorded_parent or 'none'!r};"
+                                   f" this turn declares parent {declared.parent!r}")
+            if declared.call and (first is None or declared.call != first.spawn_call):
+                raise LineageError(f"lineage {declared.id!r} was recorded as spawned by call"
+                                   f" {(first.spawn_call if first is not None else '') or 'none'!r}; this turn declares {declared.call!r}")
+            return UNSET if declared.id == ROOT_LINEAGE else Lineage(declared.id)
+        if declared.parent and declared.parent not in self._threads:
+            known = ", ".join(repr(k) for k in self._threads) or "none yet"
+            raise LineageError(f"lineage {declared.id!r} declares parent {declared.parent!r}, which the session has not recorded"
+                               f" (its lineages: {known})")
+        if declared.call:
+            owners = [t for t in ([self._threads[declared.parent]] if declared.parent else self._recent) if declared.call in t.calls]
+            if not owners:
+                raise LineageError(f"lineage {declared.id!r} declares spawning call {declared.call!r}, which no recorded answer"
+                                   f" {'of lineage ' + repr(declared.parent) + ' ' if declared.parent else ''}made")
+        if turn is None:
+            return UNSET
+        if not self._threads:
+            return Lineage(declared.id, how=HOW_DECLARED)  # the session's first lineage, named by its agent
+        return self._spawned(declared.id, _first_user_text(turn.messages), parent=declared.parent, call=declared.call,
+                             how=HOW_DECLARED if declared.parent else "")
+
+    # -------------------------------------------------------------- applying
+
+    def commit(self, turn_index: int, context: EncodingContext) -> None:
+        """The staged turn is in the log as ``turn_index``, leaving ``context``."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        lineage_id, key, first, calls, answered = staged
+        self._apply(lineage_id, key, first, calls, turn_index, context, answered)
+
+    def _apply(self, lineage_id: str, key: bytes, first: Lineage | None, calls: list[tuple[str, str, tuple[str, ...]]],
+               turn_index: int, context: EncodingContext, answered: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        thread = self._threads.get(lineage_id)
+        if thread is None:
+            thread = self._threads[lineage_id] = _Thread(lineage_id, key, first)
+            if first is not None and first.spawn_call:
+                parent = self._threads.get(first.parent)
+                if parent is not None:
+                    parent.pending = [c for c in parent.pending if c[0] != first.spawn_call]
+        else:
+            self._recent.remove(thread)
+        self._recent.insert(0, thread)
+        thread.context = context
+        thread.last_turn = turn_index
+        # A call stays pending until a subagent claims it or a later prompt carries its result
+        # (Claude Code answers a Task call only once its subagent ended); the newest _PENDING kept.
+        kept = [c for c in thread.pending if c[0] not in answered]
+        thread.pending = (kept + calls)[-_PENDING:]
+        for call_id, _name, _texts in calls:
+            thread.calls[call_id] = turn_index
+
+    def rebuild(self, last_turns: Iterable[TurnRecorded], origins: dict[str, Lineage]) -> None:
+        """The state a resumed session continues from: each lineage's last durable turn
+        (full, least recently active first) and each lineage's first-turn record."""
+        claimed = {o.spawn_call for o in origins.values() if o.spawn_call}
+        for turn in last_turns:
+            _, context = EncodingContext().encode(turn)
+            lineage_id = turn_lineage(turn)
+            calls = [c for c in _tool_calls(turn.response_message) if c[0] not in claimed]
+            self._apply(lineage_id, _key(turn.messages, context.digests), origins.get(lineage_id), calls, turn.turn_index, context)
+            if lineage_id_is_sub(lineage_id):
+                self._subs = max(self._subs, int(lineage_id[4:]))
+
+
+def lineage_id_is_sub(lineage_id: str) -> bool:
+    """Whether ``lineage_id`` is one the engine names (``sub-N``)."""
+    return lineage_id.startswith("sub-") and lineage_id[4:].isdigit()
