@@ -105,12 +105,21 @@ class CLIAgent:
         """Nothing to release (each run is its own process); here for the harnesses' common shape."""
 
 
+#: The only built-in tools Claude Code 2.x offers in ``--bare`` mode (it sets CLAUDE_CODE_SIMPLE=1):
+#: any other name in ``--tools`` is dropped without a word, the subagent tool ``Agent`` among them.
+BARE_TOOLS = frozenset({"Bash", "Edit", "Read"})
+
+
 class ClaudeCodeAgent(CLIAgent):
     """Claude Code in print mode: Anthropic Messages (always streaming) with ``x-api-key``.
 
     It runs ``--bare``: no CLAUDE.md discovery (which would read the folders
     above the sandbox), hooks, plugins or background prefetches, so a
-    rollout's prompt depends on the task and these options only. ``tools``
+    rollout's prompt depends on the task and these options only. Bare mode
+    offers only :data:`BARE_TOOLS` and silently drops any other tool named;
+    ``tools`` beyond them (``Agent``, its subagent tool, ``Write``, ``Grep``...)
+    run ``--safe-mode`` instead, which also skips CLAUDE.md, skills, plugins,
+    hooks, MCP servers and custom agents but keeps every built-in tool. ``tools``
     (``--tools``) limits the built-in tools it offers the model and
     ``system_prompt`` (``--system-prompt``) replaces its own: both are part of
     every model call (Claude Code's full default is ~76k characters per call).
@@ -149,7 +158,8 @@ class ClaudeCodeAgent(CLIAgent):
         allowed = ",".join(self.tools) if self.tools else "Bash"
         # Each of these options takes one argument (names joined by commas): a
         # variadic option followed by the prompt would swallow it.
-        args = [self.cli, "-p", prompt, "--output-format", "json", "--bare", "--allowedTools", allowed]
+        mode = "--bare" if set(self.tools) <= BARE_TOOLS else "--safe-mode"
+        args = [self.cli, "-p", prompt, "--output-format", "json", mode, "--allowedTools", allowed]
         if self.tools:
             args += ["--tools", ",".join(self.tools)]
         if self.system_prompt:

@@ -2,7 +2,8 @@
 
 Each CLI runs through the harness registry in a LocalSandbox, pointed at the
 gateway on loopback. The backend is scripted (it asks for one shell command,
-then answers from the tool result): the gateway is what is under test. The
+then answers from the tool result; for Claude Code's subagents, it calls the
+``Agent`` tool and answers each subagent): the gateway is what is under test. The
 CLIs are installed once per machine, outside the repo, by ``.ci/run`` (through
 ``tools/gateway_clis.sh``, with a time bound); these tests only look for them
 in ``$AGENTLOG_CLI_DIR`` and skip with the reason when they are missing, a
@@ -19,10 +20,13 @@ import signal
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
+from msgspec import UNSET
 
 from agentlog.engine import LocalSandbox, harness
 from agentlog.gateway import agents
+from agentlog.events.schema.lineage import turn_lineage
 from agentlog.events.schema.types import CommandRan
 from gateway_helpers import ScriptedBackend, open_running, rig, run, turns_of
 from agentlog.reducers.pipeline import reduce_log, session_trajectory
@@ -126,12 +130,115 @@ def test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded(agent,
     run(body(), timeout=240)
 
 
+#: The two subagents the scripted parent spawns at once through Claude Code's ``Agent`` tool: one runs
+#: a shell command before it answers (its prompt over 32 characters, the marker telling its requests
+#: apart); one answers at once (a short prompt, which the engine matches as the last line of the
+#: subagent's first user message, where Claude Code puts it after its <system-reminder> block).
+SUBAGENT_MARK = "SUBAGENT-TASK-7f3c"
+SHELL_SUBAGENT = f"{SUBAGENT_MARK}: run one shell command, then report the sum of two and two as a word."
+SHORT_SUBAGENT = "Say six."
+SUBAGENT_SHELL = "echo sub-shell-ok"
+SUBAGENT_ANSWERS = {SHELL_SUBAGENT: "SUBAGENT-RESULT four", SHORT_SUBAGENT: "six"}
+PARENT_ANSWER = "The subagents answered four and six."
+
+
+def _spawning_reply(prompt: str) -> str:
+    """The parent calls its subagent tool (``Agent`` in Claude Code 2.x) twice in one answer; the
+    first subagent runs one shell command, then answers, the second answers at once; the parent
+    answers from their results."""
+    if SUBAGENT_ANSWERS[SHELL_SUBAGENT] in prompt:  # the parent, given the Agent calls' results
+        return PARENT_ANSWER
+    if "sub-shell-ok" in prompt:  # the shell subagent, given its command's result
+        return SUBAGENT_ANSWERS[SHELL_SUBAGENT]
+    if SUBAGENT_MARK in prompt:  # the shell subagent's first request: its first user message ends with its prompt
+        return '<tool_call>{"name": "Bash", "arguments": {"command": "%s", "description": "check the shell"}}</tool_call>' % SUBAGENT_SHELL
+    if SHORT_SUBAGENT in prompt:  # the short subagent (the parent's first request holds no prompt yet)
+        return SUBAGENT_ANSWERS[SHORT_SUBAGENT]
+    if '"name": "Agent"' in prompt:
+        # one call a line, as the chat template renders them back: the answer then extends exactly
+        return "\n".join("<tool_call>" + json.dumps({"name": "Agent", "arguments": {
+            "description": f"subagent {i}", "prompt": p, "subagent_type": "general-purpose"}}) + "</tool_call>"
+            for i, p in enumerate(SUBAGENT_ANSWERS))
+    return "No subagent tool was offered."
+
+
+@pytest.mark.required
+def test_claude_code_subagents_become_lineages_spawned_by_their_agent_calls(cli_dir, tmp_path):
+    """Claude Code's subagent tool (``Agent``, input ``description``/``prompt``/``subagent_type``)
+    runs a conversation per call under the same key, in parallel: its own system prompt, its first
+    user message the call's ``prompt`` after Claude Code's <system-reminder> block. The engine
+    records each as a lineage of its own, spawned by its call, and reducing gives one row per
+    lineage with every generated token trained once, as generated. Side requests Claude Code may
+    add would be lineages of their own: only the parent and the spawned lineages are pinned."""
+
+    async def body():
+        backend = ScriptedBackend(_spawning_reply)
+        async with rig(backend) as (gw, engine, log):
+            sid = "e2e-claude-subagents"
+            h = await open_running(engine, sid)
+            runner = harness.get("claude-code")(gw.url, cli=str(cli_dir / "claude"), budget_s=60, tools=["Agent", "Bash"])
+            res = await runner.run(h, LocalSandbox(tmp_path / "work"), "Delegate the arithmetic to subagents.", api_key=gw.session_key(sid))
+            assert res.exit_code == 0, res.output_tail[-2000:]
+            assert PARENT_ANSWER in res.output_tail
+            turns = turns_of(log, sid)
+            by_lineage: dict[str, list] = {}
+            for t in turns:
+                by_lineage.setdefault(turn_lineage(t), []).append(t)
+            spawning = [t for t in turns if any(c["name"] == "Agent" for c in (t.response_message.get("tool_calls") or ()))]
+            assert len(spawning) == 1, [t.response_message for t in turns]
+            parent = spawning[0]
+            calls = {c["arguments"]["prompt"]: c for c in parent.response_message["tool_calls"]}
+            assert list(calls) == list(SUBAGENT_ANSWERS)
+            parent_id = turn_lineage(parent)
+            # the parent's turns: the spawning one, then the one answering from both results
+            last = by_lineage[parent_id][-1]
+            assert last.response_message == {"role": "assistant", "content": PARENT_ANSWER}
+            results = {m["tool_call_id"]: m["content"] for m in last.messages if m["role"] == "tool"}
+            for prompt, call in calls.items():
+                assert results[call["id"]].startswith(SUBAGENT_ANSWERS[prompt]), results
+            # each subagent: a lineage of its own, its parent matched to its Agent call by its prompt
+            spawned = {ts[0].lineage.spawn_call: lid for lid, ts in by_lineage.items()
+                       if ts[0].lineage is not UNSET and ts[0].lineage.parent == parent_id}
+            subs = {prompt: by_lineage[spawned[call["id"]]] for prompt, call in calls.items()}
+            for prompt, sub in subs.items():
+                origin = sub[0].lineage
+                assert (origin.parent_turn, origin.how) == (parent.turn_index, "tool_call"), origin
+                first_user = next(m["content"] for m in sub[0].messages if m["role"] == "user")
+                assert first_user.endswith("\n" + prompt) and first_user != prompt  # after Claude Code's reminder block
+                assert parent.messages[0]["role"] == sub[0].messages[0]["role"] == "system"
+                assert parent.messages[0]["content"] != sub[0].messages[0]["content"]  # its own system prompt
+                assert sub[-1].response_message == {"role": "assistant", "content": SUBAGENT_ANSWERS[prompt]}
+            shell_sub = subs[SHELL_SUBAGENT]
+            assert len(shell_sub) == 2 and len(subs[SHORT_SUBAGENT]) == 1
+            (sub_call,) = shell_sub[0].response_message["tool_calls"]  # the subagent ran its own shell command
+            assert {"role": "tool", "content": "sub-shell-ok", "tool_call_id": sub_call["id"]} in shell_sub[1].messages
+            await h.finish(reward=1.0)
+            samples = reduce_log(log).samples
+            assert sorted(s.metadata["lineage"] for s in samples) == sorted(by_lineage), [s.metadata for s in samples]
+            row = {s.metadata["lineage"]: s for s in samples}
+            for call in calls.values():
+                meta = row[spawned[call["id"]]].metadata
+                assert {k: meta.get(k) for k in ("parent_lineage", "parent_turn", "spawn_call", "spawn_match")} == {
+                    "parent_lineage": parent_id, "parent_turn": parent.turn_index, "spawn_call": call["id"], "spawn_match": "tool_call"}, meta
+            for lid, ts in by_lineage.items():  # every generated token trained once, in its lineage's row, as generated
+                s, generated = row[lid], np.concatenate([t.output_tokens for t in ts])
+                trained = s.mask.astype(bool)
+                assert np.array_equal(s.token_ids[s.prompt_length :][trained], generated), lid
+                assert np.all(s.log_probs[trained] == np.float32(-0.25)), lid
+
+    run(body(), timeout=120)
+
+
 def test_cli_harnesses_are_registered():
     assert {"claude-code", "codex"} <= set(harness.names())
     cmd = harness.get("codex")("http://127.0.0.1:1234", cli="/bin/codex").command(Path("/w/k"), Path("/w"), "do it")
     assert 'base_url="http://127.0.0.1:1234/v1"' in cmd and 'OPENAI_API_KEY="$(cat /w/k)"' in cmd and "< /dev/null" in cmd
     cmd = harness.get("claude-code")("http://127.0.0.1:1234", cli="/bin/claude").command(Path("/w/k"), Path("/w"), "do it")
     assert 'ANTHROPIC_API_KEY="$(cat /w/k)"' in cmd and "ANTHROPIC_BASE_URL=http://127.0.0.1:1234" in cmd and "CLAUDE_CODE_MAX_RETRIES=0" in cmd
+    assert " --bare " in cmd and "--safe-mode" not in cmd
+    # --bare would drop the subagent tool without a word: a tool set beyond Bash, Edit and Read runs --safe-mode.
+    cmd = harness.get("claude-code")("http://127.0.0.1:1234", cli="/bin/claude", tools=["Agent", "Bash"]).command(Path("/w/k"), Path("/w"), "do it")
+    assert " --safe-mode " in cmd and "--bare" not in cmd and "--tools Agent,Bash" in cmd
     # A sandbox behind HTTP(S)_PROXY still reaches the gateway directly.
     for name in ("codex", "claude-code"):
         cmd = harness.get(name)("http://gw.internal:1234", cli="/bin/x").command(Path("/w/k"), Path("/w"), "do it")
