@@ -14,6 +14,7 @@ for scripts that pass it).
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
@@ -37,7 +38,14 @@ def run(args) -> int:
     """Serve until interrupted."""
     from agentlog.tools.ui.server import UiServer
 
+    terminated = []
+
     async def main() -> None:
+        # SIGTERM (a service manager, or a parent whose background children ignore SIGINT) stops
+        # the server as Ctrl-C does: this task is cancelled and the server closes its index.
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: (terminated.append(True), task.cancel()))
         ui = UiServer(args.source, token=args.token, index_path=args.index, host=args.host, quiet=args.quiet)
         try:
             url = await ui.start(args.port)
@@ -55,9 +63,13 @@ def run(args) -> int:
             print(f"agentlog ui: index {how}: {ix.count()} sessions, built to {ix.built_to}, {ix.records_read} records read"
                   f" in {ix.build_s:.2f} s", file=sys.stderr, flush=True)
             assert ui.follower is not None
-            await ui.follower  # runs until cancelled (Ctrl-C); a crash raises here after /api/run reported it
+            await ui.follower  # runs until cancelled (Ctrl-C, SIGTERM); a crash raises here after /api/run reported it
         finally:
             await ui.stop()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except asyncio.CancelledError:
+        if not terminated:
+            raise
     return EXIT_OK

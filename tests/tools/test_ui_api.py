@@ -688,3 +688,24 @@ def test_a_new_learner_step_reaches_the_api_and_the_stream_within_2_s(ui_run, tm
     finally:
         stop()
         learner.close()
+
+
+def test_sigterm_stops_the_server_cleanly_even_with_sigint_ignored(ui_run, tmp_path):  # noqa: F811
+    """A child started in the background ignores SIGINT; SIGTERM stops it as Ctrl-C does: exit 0, index released."""
+    import signal
+    import subprocess
+    import sys
+
+    index = tmp_path / "i.sqlite"
+    proc = subprocess.Popen([sys.executable, "-m", "agentlog.tools.cli", "ui", str(ui_run.log), "--port", "0", "--index", str(index)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert "serving" in proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)  # ignored, as in a background job
+        proc.terminate()
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    _open_index(ui_run.log, index).close()  # the index lock was released

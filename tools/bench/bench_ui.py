@@ -126,16 +126,17 @@ class UiProcess:
         return line
 
     async def stop(self) -> None:
-        """Interrupt the server (Ctrl-C) and wait for it; kill it if it does not exit in 20 s."""
+        """Stop the server (SIGTERM: a child started in the background ignores SIGINT) and wait for it;
+        kill it if it does not exit in 20 s."""
         if self.proc is None or self.proc.returncode is not None:
             return
-        self.proc.send_signal(2)  # SIGINT: the server closes its index as on Ctrl-C
+        self.proc.terminate()  # the server closes its index as on Ctrl-C
         try:
             await asyncio.wait_for(self.proc.wait(), 20)
         except asyncio.TimeoutError:
             self.proc.kill()
             await self.proc.wait()
-            raise SystemExit(f"agentlog ui {self.log}: did not exit within 20 s of SIGINT") from None
+            raise SystemExit(f"agentlog ui {self.log}: did not exit within 20 s of SIGTERM") from None
 
 
 async def get_json(http: aiohttp.ClientSession, url: str) -> Any:
