@@ -1,7 +1,8 @@
 """`agentlog export-dataset LOG -o DIR [--format hf|sft|jsonl] [filters] [--tokens]`:
-a run's sessions as a dataset, one row per session (:mod:`tools.dataset_rows`
-says what a row holds: the final conversation with its tool calls, the tool
-definitions, the outcome, the GRPO advantage, optionally the tokens).
+a run's sessions as a dataset, one row per session, or per lineage of a session
+whose agent spawned subagents (:mod:`tools.dataset_rows` says what a row holds:
+the lineage and its parent, the final conversation with its tool calls, the
+tool definitions, the outcome, the GRPO advantage, optionally the tokens).
 
 LOG is a log directory, a partition root, a run folder or a ``nats://`` URL,
 as every reading command takes it; a run folder is folded with the run's own
@@ -18,7 +19,7 @@ log that holds no config (its JetStream stream, a copied ``rollout/``), as
   ``tools`` (JSON text, which TRL decodes); a session without an assistant
   message (nothing to learn from) is left out;
 * ``jsonl``: ``DIR/sessions.jsonl``, one JSON object per session, every
-  column (messages without the keys they do not have).
+  column (messages without the keys they do not have); a row per session, or per lineage.
 
 Tool-call arguments and the tool definitions are JSON text: Arrow gives every
 struct of a column the union of their keys, so arguments kept as objects
@@ -71,7 +72,7 @@ def register(sub) -> None:
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="the directory to write: new, or empty")
     p.add_argument("--format", choices=FORMATS, default="hf",
                    help="hf: datasets.load_from_disk(DIR), every column; sft: load_from_disk(DIR), messages and tools only, for "
-                        "TRL's SFTTrainer; jsonl: DIR/sessions.jsonl, one object per session (default hf)")
+                        "TRL's SFTTrainer; jsonl: DIR/sessions.jsonl, one object per row (default hf)")
     p.add_argument("--status", action="append", default=None, metavar="S[,S...]",
                    help=f"only sessions in these states ({', '.join(STATUSES)}; open and running: still in flight at the end of "
                         f"the log); repeat or comma-separate (default: {','.join(DEFAULT_STATUSES)})")
@@ -147,6 +148,7 @@ def arrow_schema(fmt: str, tokens: bool) -> Any:
         return pa.schema([("messages", pa.list_(message)), ("tools", s)])
     fields = [
         ("session_id", s), ("partition", pa.int32()), ("group_id", s), ("sample_index", i64), ("group_size", i64), ("agent", s),
+        ("lineage", s), ("parent_lineage", s), ("parent_turn", i64), ("spawn_call", s),
         ("label", s), ("messages", pa.list_(message)), ("tools", s), ("tools_source", s), ("status", s), ("reason", s),
         ("reward", pa.float64()), ("in_baseline", pa.bool_()), ("truncated", pa.bool_()), ("finish_reason", s), ("turns", i64),
         ("policy_versions", pa.list_(i64)), ("advantage", pa.float64()), ("group_skip_reason", s), ("health_flags", pa.list_(s)),
@@ -343,20 +345,24 @@ def run(args) -> int:
     except OSError as exc:
         _remove_empty(made)
         raise CliError(f"{out}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None
-    counts: dict[str, int] = {}
-    written = no_assistant = 0
+    counts: dict[str, int] = {}  # sessions written, by status
+    written = no_assistant = sessions = 0
+    last_session: Any = None  # a session's rows (one per lineage) come together
     limit = args.sessions
 
     def emit(rows: list[dict[str, Any]]) -> bool:
         """Write ``rows`` (up to the limit); whether the limit is reached."""
-        nonlocal written, no_assistant
+        nonlocal written, no_assistant, sessions, last_session
         if fmt == "sft":
             rows, skipped = _sft_rows(rows)
             no_assistant += skipped
         if limit is not None:
             rows = rows[: limit - written]
         for r in rows:
-            counts[r["status"]] = counts.get(r["status"], 0) + 1
+            if (r["partition"], r["session_id"]) != last_session:
+                last_session = (r["partition"], r["session_id"])
+                sessions += 1
+                counts[r["status"]] = counts.get(r["status"], 0) + 1
         writer.write([_sft_row(r) for r in rows] if fmt == "sft" else rows)
         written += len(rows)
         return limit is not None and written >= limit
@@ -389,7 +395,7 @@ def run(args) -> int:
             raise CliError(f"{path}: {exc}", EXIT_DATA) from None
         writer.finish()
         manifest = {
-            "source": str(path), "format": fmt, "rows": written, "by_status": counts,
+            "source": str(path), "format": fmt, "rows": written, "sessions": sessions, "by_status": counts,
             "filters": {"status": list(statuses), "group": sorted(groups), "min_reward": min_reward, "sessions": limit},
             "tokens": args.tokens, "advantage": {"estimator": estimator, "eps": eps},
             "reduce_config": config.to_dict(), "reduce_config_digest": config.digest(),
@@ -416,6 +422,7 @@ def run(args) -> int:
             _remove_empty(made)
     by_status = ", ".join(f"{s} {counts[s]}" for s in sorted(counts))
     note = f"; {no_assistant} without an assistant message left out" if no_assistant else ""
-    print(f"{out}: {written} sessions ({fmt}{'; ' + by_status if by_status else ''}){note}; {fold.left_out} of "
+    spread = f" in {written} rows (one per lineage)" if written != sessions else ""
+    print(f"{out}: {sessions} sessions ({fmt}{'; ' + by_status if by_status else ''}){spread}{note}; {fold.left_out} of "
           f"{fold.sessions} ended sessions left out by the filters; advantage {estimator}; config {config.digest()[:19]}")
     return EXIT_OK

@@ -18,7 +18,10 @@ incarnation's records that resume made void marked undone
 routed it (per turn: routing, leaf, drift decision CLEAN / REALIGN / FORK,
 trainable or why not), and each trajectory row as the sample it becomes:
 prompt tokens, then the response tokens in runs marked ``train[...]`` (loss
-mask 1) or ``ctx[...]`` (mask 0), with the reward and status. Everything comes from the log through the same
+mask 1) or ``ctx[...]`` (mask 0), with the reward and status. A session whose agent spawned subagents
+names each turn's and row's lineage, and its ``lineages`` section prints the lineage tree
+(:mod:`tools.lineage_view`): each lineage under its parent, with the parent turn, the tool call that
+spawned it and how they were matched. Everything comes from the log through the same
 reducers as reconstruction (:func:`reducers.pipeline.session_trajectory`,
 :class:`reducers.pipeline.Reducer`). Unknown session: exit 2.
 
@@ -342,25 +345,30 @@ def new_messages(held: list, msgs: list) -> tuple[list, bool]:
     return msgs, bool(held)
 
 
-def transcript_lines(envs: list, full: bool, at: Any = str, marks: ResumeMarks | None = None) -> list[str]:
-    """Per turn the messages new since the turn before, then the response; each command and its output.
+def transcript_lines(envs: list, full: bool, at: Any = str, marks: ResumeMarks | None = None, lineages: Any = None) -> list[str]:
+    """Per turn the messages new since its lineage's turn before, then the response; each command and its output.
     A session that recorded no turn shows its ``session_opened`` prompt first (its conversation, as
     ``export-dataset`` writes it). Each sandbox snapshot is a line, and each resume its marker
     (:func:`resume_marks`; ``marks`` when the caller has them), records of a dead incarnation
-    marked undone. ``at`` names an LSN (``p0003:1234`` in a partitioned log)."""
+    marked undone. ``at`` names an LSN (``p0003:1234`` in a partitioned log). A session with subagents
+    (``lineages``, :class:`tools.lineage_view.SessionLineages`; gathered here when None) names each
+    turn's lineage, and a turn's new messages are those since its own lineage's previous turn."""
+    from agentlog.events.schema.lineage import turn_lineage
     from agentlog.events.schema.turn_delta import TurnContext
     from agentlog.events.schema.types import (
         CommandRan, SandboxSnapshotted, SessionOpened, SessionResumed, TeacherScored, TurnDelta, TurnRecorded, TurnUndelivered,
     )
 
     from agentlog.tools.cmd_replay import snapshot_summary
+    from agentlog.tools.lineage_view import session_lineages
 
+    named = (lineages if lineages is not None else session_lineages(envs)).shown
     lines: list[str] = []
     opened = next((e for e in envs if type(e.body) is SessionOpened), None)
     if opened is not None and opened.body.prompt and not any(type(e.body) in (TurnRecorded, TurnDelta) for e in envs):
         lines.append(f"  prompt (session_opened; no turn recorded)  lsn {at(opened.lsn)}")
         lines.extend("    " + _message(m, full) for m in opened.body.prompt)
-    held: list = []  # the previous turn's messages and its response: what a new turn's messages extend
+    helds: dict[str, list] = {}  # per lineage, its previous turn's messages and response: what a new turn's extend
     context = TurnContext()  # what a turn_delta expands against
     if marks is None:
         marks = resume_marks(envs)
@@ -371,13 +379,15 @@ def transcript_lines(envs: list, full: bool, at: Any = str, marks: ResumeMarks |
         if isinstance(b, TurnRecorded):
             context = TurnContext.after(b)
             msgs = list(b.messages)
-            new, rewritten = new_messages(held, msgs)
+            lineage = turn_lineage(b)
+            new, rewritten = new_messages(helds.get(lineage, []), msgs)
             note = " (history rewritten: all messages)" if rewritten else ""
             flags = " ill-formed" if b.ill_formed else ""
-            lines.append(f"  turn {b.turn_index}  lsn {at(e.lsn)}  finish {b.finish_reason}{flags}{note}{version_note(b)}{server_note(b)}")
+            where = f"  lineage {lineage}" if named else ""
+            lines.append(f"  turn {b.turn_index}{where}  lsn {at(e.lsn)}  finish {b.finish_reason}{flags}{note}{version_note(b)}{server_note(b)}")
             lines.extend("    " + _message(m, full) for m in new)
             lines.append("    -> " + (_message(b.response_message, full) if b.response_message is not None else "(no response message)"))
-            held = msgs + ([b.response_message] if b.response_message is not None else [])
+            helds[lineage] = msgs + ([b.response_message] if b.response_message is not None else [])
         elif isinstance(b, CommandRan):
             lines.append(f"  $ {_cut(b.command, full)}  -> {command_outcome(b)} in {b.duration_s:.2f}s  lsn {at(e.lsn)}"
                          + undone_note(marks, e.lsn, at))
@@ -453,12 +463,22 @@ def _reduced(envs: list, sid: str, path: Any) -> tuple[str | None, Any, list, tu
     return None, traj, out.samples, flags, out.outcomes.get(sid)
 
 
+def _row_lineage(meta: dict) -> str:
+    """``  lineage sub-1 (parent main turn 0, own reward; session's 1)`` for a row of a session with subagents, else ""."""
+    if "lineage" not in meta:
+        return ""
+    parent = f"parent {meta['parent_lineage']} turn {meta['parent_turn']}" if meta.get("parent_lineage") else "a root"
+    own = f", its own reward; the session's {meta['session_reward']:g}" if "session_reward" in meta else ""
+    return f"  lineage {meta['lineage']} ({parent}{own})"
+
+
 def run(args) -> int:
     """Print the session."""
     from agentlog.reducers.health import untrainable_reason
     from agentlog.reducers.lifecycle import replay
 
     from agentlog.tools.cmd_replay import format_step
+    from agentlog.tools.lineage_view import row_lineages, session_lineages
 
     path = check_log_path(args.log)
     sid = args.session
@@ -515,22 +535,30 @@ def run(args) -> int:
         step_lines[0] += undone_note(marks, lsn, at)
         for line in step_lines:
             w("  " + line + "\n")
-    transcript = transcript_lines(envs, args.full, at, marks)
+    lineages = session_lineages(envs)
+    transcript = transcript_lines(envs, args.full, at, marks, lineages)
     if transcript:
         w(f"\ntranscript (messages new at each turn, -> the response; texts over {TEXT_SHOWN} chars are cut: --full)\n")
         for line in transcript:
             w(line + "\n")
 
+    named = lineages.shown
+    if named:
+        w(f"\nlineages ({len(lineages.lineages)} conversations; each subagent under the parent turn and tool call that spawned it)\n")
+        for line in lineages.lines(args.full, row_lineages(traj.rows) if traj is not None else None):
+            w(line + "\n")
+    lineage_of = {t: entry.id for entry in lineages.lineages for t in entry.turns} if named else {}
     if traj is not None:
         w("\ntree (turns as routed; leaves depth-first)\n")
         for i, row in enumerate(traj.rows):
-            w(f"  leaf {row.leaf} row {i}: turns {' -> '.join(str(t) for t in row.turn_indices)}\n")
+            w(f"  leaf {row.leaf} row {i}: turns {' -> '.join(str(t) for t in row.turn_indices)}" + (f"  lineage {row.lineage}" if named else "") + "\n")
         w("\nturns\n")
         for d in traj.decisions:
             routing = d.routing + (f" +{d.mounted_nodes}" if d.mounted_nodes else "")
             drift = (d.drift or "-").upper()
             train = "trained" if d.trained else ("not trained" + (f": {d.reason}" if d.reason else " (context only)"))
-            w(f"  turn {d.turn_index:<3} lsn {at(d.lsn):<8} routing {routing:<16} leaf {d.leaf:<3} drift {drift:<8} row {d.row:<3} {train}\n")
+            where = f"  lineage {lineage_of.get(d.turn_index, '?')}" if named else ""
+            w(f"  turn {d.turn_index:<3} lsn {at(d.lsn):<8} routing {routing:<16} leaf {d.leaf:<3} drift {drift:<8} row {d.row:<3} {train}{where}\n")
     w("\nrows\n")
     if not samples:
         w("  (no samples: " + ("dropped sessions yield none" if summary is not None and summary.status == "dropped" else "none emitted") + ")\n")
@@ -543,7 +571,7 @@ def run(args) -> int:
                 or (untrainable_reason(s.metadata["untrainable_flags"]) if "untrainable_flags" in s.metadata else ""))
         w(
             f"  row {s.row_index}: {s.status}{flags}, reward {s.reward:g}, {len(toks)} tokens = {n_prompt} prompt"
-            f" + {s.response_length} response, {int(mask.sum())} trained" + (f"  [{meta}]" if meta else "") + "\n"
+            f" + {s.response_length} response, {int(mask.sum())} trained" + (f"  [{meta}]" if meta else "") + _row_lineage(s.metadata) + "\n"
         )
         w(f"    prompt    {_prompt(toks[:n_prompt].tolist())}\n")
         runs = " ".join(("train[" if m else "ctx[") + _ids(ids) + "]" for m, ids in mask_runs(toks[n_prompt:], mask))

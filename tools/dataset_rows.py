@@ -1,7 +1,17 @@
-"""Sessions as dataset rows: what ``agentlog export-dataset`` writes, one row per session.
+"""Sessions as dataset rows: what ``agentlog export-dataset`` writes, one row per lineage of a session.
+
+A session whose agent spawned subagents holds several conversations, its
+lineages (:mod:`events.schema.lineage`): it makes one row per lineage, in the
+order they began, each with ``lineage`` (its id), ``parent_lineage``,
+``parent_turn`` and ``spawn_call`` (the parent's tool call that spawned it;
+"", null and "" for a root). A session without subagents
+makes one row, lineage ``main``. The columns below are per lineage where they
+read turns (messages, tools inferred, finish reason, turns, policy versions,
+tokens), and the session's elsewhere (outcome, reward, advantage: every lineage
+shares its session's).
 
 One streaming pass over a log (:class:`DatasetFold`, fed what
-:func:`tools.cli_common.read_tagged` yields) builds, per session:
+:func:`tools.cli_common.read_tagged` yields) builds, per session and lineage:
 
 * ``messages``: its final conversation, the last recorded turn's messages (a
   ``turn_delta`` expanded against the turn before, as
@@ -62,7 +72,10 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Iterable
 
+from msgspec import UNSET
+
 from agentlog.events.errors import AgentlogError
+from agentlog.events.schema.lineage import ROOT_LINEAGE, turn_lineage
 from agentlog.events.schema.turn_delta import TurnContext, prompt_token_count
 from agentlog.events.schema.types import (
     SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted, TurnDelta, TurnRecorded,
@@ -195,22 +208,36 @@ def session_tools(metadata: Any, messages: list[dict[str, Any]]) -> tuple[list[A
     return inferred, ("inferred" if inferred else "none")
 
 
-class _Live:
-    """What a session in flight needs for its row."""
+class _Thread:
+    """One lineage of a session in flight: what its row needs."""
 
-    __slots__ = ("pid", "opened", "lsn", "state", "held", "held_tokens", "last_turn", "turn_lsn", "versions", "turns")
+    __slots__ = ("id", "origin", "held", "last_turn", "turn_lsn", "versions", "turns")
+
+    def __init__(self, lineage: str, origin: Any) -> None:
+        self.id = lineage
+        self.origin = origin  # its first turn's Lineage record when it names a parent, else None
+        self.held: list[Any] = []  # its last turn's messages + its response
+        self.last_turn: Any = None
+        self.turn_lsn = -1
+        self.versions: set[int] = set()
+        self.turns = 0
+
+
+class _Live:
+    """What a session in flight needs for its rows."""
+
+    __slots__ = ("pid", "opened", "lsn", "state", "held", "held_tokens", "threads")
 
     def __init__(self, pid: int | None, opened: SessionOpened, lsn: int) -> None:
         self.pid = pid
         self.opened = opened
         self.lsn = lsn  # its session_opened's
         self.state = "open"
-        self.held: list[Any] | None = None  # the last turn's messages + its response (None before a turn)
-        self.held_tokens = 0  # the last turn's prompt + output tokens (what a delta may share)
-        self.last_turn: Any = None
-        self.turn_lsn = -1
-        self.versions: set[int] = set()
-        self.turns = 0
+        # The last turn's messages + its response, whatever its lineage (None before a turn), and its
+        # prompt + output tokens: what the next turn_delta expands against.
+        self.held: list[Any] | None = None
+        self.held_tokens = 0
+        self.threads: dict[str, _Thread] = {}  # its lineages, in the order they began
 
 
 def _partition(live: _Live) -> str:
@@ -235,8 +262,8 @@ class DatasetFold:
         self.keep = keep
         self._advantages = advantages
         self._live: dict[tuple[int | None, str], _Live] = {}
-        self._held: dict[tuple[int | None, str], dict[str, dict[str, Any]]] = {}  # (pid, group) -> session -> row
-        self._released_groups: list[tuple[Group, dict[str, dict[str, Any]]]] = []  # awaiting their advantages
+        self._held: dict[tuple[int | None, str], dict[str, list[dict[str, Any]]]] = {}  # (pid, group) -> session -> its rows
+        self._released_groups: list[tuple[Group, dict[str, list[dict[str, Any]]]]] = []  # awaiting their advantages
         self._released_bytes = 0  # their rows' size (row_nbytes)
         self.sessions = 0  # sessions that ended (every one, kept or not)
         self.left_out = 0  # ended sessions the filters left out
@@ -275,7 +302,7 @@ class DatasetFold:
                 rows = self._held.pop((pid, g.group_id), None)
                 if rows:
                     self._released_groups.append((g, rows))
-                    self._released_bytes += sum(map(row_nbytes, rows.values()))
+                    self._released_bytes += sum(row_nbytes(r) for session in rows.values() for r in session)
             if len(self._released_groups) >= ADVANTAGE_BATCH or self._released_bytes >= SETTLE_BYTES:
                 return self._settle()
         return []
@@ -288,52 +315,72 @@ class DatasetFold:
             messages.append(body.response_message)
         live.held = messages
         live.held_tokens = prompt_token_count(body) + len(body.output_ids) // 4
-        live.last_turn = body
-        live.turn_lsn = lsn
-        live.turns += 1
-        live.versions.add(body.policy_version)
+        lineage = turn_lineage(body)
+        thread = live.threads.get(lineage)
+        if thread is None:
+            origin = body.lineage if body.lineage is not UNSET and body.lineage.spawned else None
+            thread = live.threads[lineage] = _Thread(lineage, origin)
+        thread.held = messages
+        thread.last_turn = body
+        thread.turn_lsn = lsn
+        thread.turns += 1
+        thread.versions.add(body.policy_version)
         if body.version_spans is not msgspec.UNSET:
-            live.versions.update(v for _, v in body.version_spans)
+            thread.versions.update(v for _, v in body.version_spans)
 
-    def _row(self, sid: str, live: _Live, status: str, flags: tuple[str, ...]) -> dict[str, Any]:
+    def _rows(self, sid: str, live: _Live, status: str, flags: tuple[str, ...]) -> list[dict[str, Any]]:
+        """One row per lineage of the session (one, lineage ``main``, for a session without a turn)."""
+        threads: list[_Thread | None] = [*live.threads.values()] or [None]
+        return [self._row(sid, live, thread, status, flags) for thread in threads]
+
+    def _row(self, sid: str, live: _Live, thread: _Thread | None, status: str, flags: tuple[str, ...]) -> dict[str, Any]:
         opened = live.opened
-        recorded = live.held if live.held is not None else opened.prompt
+        recorded = thread.held if thread is not None else opened.prompt
+        where = "" if thread is None or thread.id == ROOT_LINEAGE else f", lineage {thread.id!r}"
         try:
             messages = export_messages(recorded)
         except DatasetError as exc:
-            lsn, what = (live.turn_lsn, "its last turn's") if live.held is not None else (live.lsn, "its session_opened prompt's")
-            raise DatasetError(f"{_partition(live)}lsn {lsn}, session {sid!r}: {what} {exc}") from None
+            lsn, what = (thread.turn_lsn, "its last turn's") if thread is not None else (live.lsn, "its session_opened prompt's")
+            raise DatasetError(f"{_partition(live)}lsn {lsn}, session {sid!r}{where}: {what} {exc}") from None
         tools, source = session_tools(opened.metadata, messages)
         try:
             tools_text = json.dumps(tools, ensure_ascii=False)
         except (TypeError, ValueError) as exc:
             raise DatasetError(f"{_partition(live)}lsn {live.lsn}, session {sid!r}: session_opened metadata 'tools': expected JSON values "
                                f"(a list of function tools), found {exc}") from None
-        last = live.last_turn
+        last = thread.last_turn if thread is not None else None
+        origin = thread.origin if thread is not None else None
         return {
             "session_id": sid, "partition": live.pid, "group_id": opened.group_id, "sample_index": opened.sample_index,
             "group_size": opened.group_size, "agent": opened.agent,
+            "lineage": thread.id if thread is not None else ROOT_LINEAGE,
+            "parent_lineage": origin.parent if origin is not None else "",
+            "parent_turn": origin.parent_turn if origin is not None else None,
+            "spawn_call": origin.spawn_call if origin is not None else "",
             "label": None if opened.label is None else json.dumps(opened.label, ensure_ascii=False, default=str),
             "messages": messages, "tools": tools_text, "tools_source": source,
             "status": status, "reason": "", "reward": None, "in_baseline": False,
             "truncated": TRUNCATED in flags,
             "finish_reason": None if last is None else last.finish_reason,
-            "turns": live.turns, "policy_versions": sorted(live.versions),
+            "turns": thread.turns if thread is not None else 0, "policy_versions": sorted(thread.versions) if thread is not None else [],
             "advantage": None, "group_skip_reason": None, "health_flags": list(flags),
         }
 
     def _ended(self, live: _Live, sid: str, outcome: SessionOutcome, samples: list[Any], flags: tuple[str, ...]) -> None:
-        """The row of a session the pipeline just ended: its outcome as the pipeline decided it
-        (:mod:`reducers.outcome`), its rows' tokens when it makes rows (a placeholder is no data)."""
+        """The rows of a session the pipeline just ended: its outcome as the pipeline decided it
+        (:mod:`reducers.outcome`), each lineage's rows' tokens when it makes rows (a placeholder is no data)."""
         self.sessions += 1
-        row = self._row(sid, live, outcome.status, flags)
-        row["reason"], row["reward"], row["in_baseline"] = outcome.end_reason, outcome.reward, outcome.in_baseline
-        if not self.keep(row):
+        rows = self._rows(sid, live, outcome.status, flags)
+        for row in rows:
+            row["reason"], row["reward"], row["in_baseline"] = outcome.end_reason, outcome.reward, outcome.in_baseline
+        if not self.keep(rows[0]):  # the filters read the session's columns: the same for each of its rows
             self.left_out += 1
             return
         if self.tokens:
-            row.update(token_columns(samples if outcome.makes_rows else []))
-        self._held.setdefault((live.pid, live.opened.group_id), {})[sid] = row
+            made = samples if outcome.makes_rows else []
+            for row in rows:
+                row.update(token_columns([s for s in made if s.metadata.get("lineage", ROOT_LINEAGE) == row["lineage"]]))
+        self._held.setdefault((live.pid, live.opened.group_id), {})[sid] = rows
 
     def _settle(self) -> list[dict[str, Any]]:
         """The rows of the released groups waiting, with their advantages (one call for all their groups)."""
@@ -342,25 +389,27 @@ class DatasetFold:
         rows: list[dict[str, Any]] = []
         for (group, held), adv in zip(waiting, advantages):
             for m, a in zip(group.members, adv):
-                row = held.get(m.session_id)
-                if row is not None:
+                for row in held.get(m.session_id, ()):  # every lineage shares its session's advantage
                     row["advantage"] = a
                     row["in_baseline"] = m.valid
-            for row in held.values():
-                row["group_skip_reason"] = group.skip_reason
-            rows += sorted(held.values(), key=lambda r: (r["sample_index"], r["session_id"]))
+            for session in held.values():
+                for row in session:
+                    row["group_skip_reason"] = group.skip_reason
+            # Members by sample index, each session's lineages in the order they began.
+            rows += [r for session in sorted(held.values(), key=lambda rs: (rs[0]["sample_index"], rs[0]["session_id"])) for r in session]
         return rows
 
     def finish(self) -> list[dict[str, Any]]:
         """The rows left at the end of the log: those of groups not released, then the sessions in flight."""
-        rows = self._settle() + [row for held in self._held.values() for row in held.values()]
+        rows = self._settle() + [row for held in self._held.values() for session in held.values() for row in session]
         self._held = {}
         for (pid, sid), live in self._live.items():
-            row = self._row(sid, live, live.state, self._reducers[pid].session_flags(sid))
-            if self.keep(row):
-                if self.tokens:
-                    row.update(token_columns([]))
-                rows.append(row)
+            session = self._rows(sid, live, live.state, self._reducers[pid].session_flags(sid))
+            if self.keep(session[0]):
+                for row in session:
+                    if self.tokens:
+                        row.update(token_columns([]))
+                    rows.append(row)
         self._live = {}
         return rows
 

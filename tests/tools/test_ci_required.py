@@ -105,6 +105,7 @@ def test_the_end_to_end_checks_are_marked_required():
         "tests/tools/test_cli_tail_report.py::test_report_of_a_generated_run_stays_small_and_renders_with_the_learner_curves",
         "tests/gateway/test_agent_clis.py::test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded[claude-code]",
         "tests/gateway/test_agent_clis.py::test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded[codex]",
+        "tests/gateway/test_agent_clis.py::test_claude_code_subagents_become_lineages_spawned_by_their_agent_calls",
         "tests/loop/test_claude_code_loop.py::test_claude_code_plays_every_session_of_a_training_step_and_each_model_call_is_a_recorded_turn",
     }, res.stdout
 

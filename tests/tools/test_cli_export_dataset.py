@@ -106,35 +106,41 @@ def hf_rows(log: Path, out: Path, *args: str) -> list[dict]:
 
 _OUTCOME = re.compile(r"^outcome  (?:still (\w+)|(\w+)(?: \((.*?)\))?(?:  reward (\S+))?  turns)")
 _ROW = re.compile(r"^  row \d+: (\w+)(?: remove_sample)?, reward (\S+), (\d+) tokens = (\d+) prompt \+ (\d+) response")
+#: The lineage a transcript turn or a row of a session with subagents names.
+_LINEAGE = re.compile(r"  lineage (\S+)")
 
 
 def show(log: Path, session: str) -> dict:
     """What ``agentlog show --full`` prints of a session: status, reason, reward, health
-    flags, the conversation its transcript adds up to (its session_opened prompt when it
-    recorded no turn), and its rows' prompt and response lines and rewards."""
+    flags, the conversation its transcript adds up to per lineage (its session_opened prompt
+    when it recorded no turn), and its rows' prompt and response lines per lineage and rewards."""
     rc, out, err = cli("show", str(log), session, "--full", "-q")
     assert rc == 0, err
     lines = out.splitlines()
     m = next(_OUTCOME.match(line) for line in lines if line.startswith("outcome  "))
     facts: dict = {"status": m.group(1) or m.group(2), "reason": m.group(3) or "",
-                   "reward": None if m.group(4) is None else float(m.group(4)), "conversation": [], "rows": [], "row_rewards": []}
+                   "reward": None if m.group(4) is None else float(m.group(4)), "conversation": {}, "rows": {}, "row_rewards": []}
     flags = next(line for line in lines if line.startswith("flags    ")).removeprefix("flags    ").split("  (")[0]
     facts["flags"] = [] if flags == "(none)" else flags.split(", ")
     facts["raw_flags"] = next(line for line in lines if line.startswith("flags    "))
-    section = ""
+    section, lineage = "", "main"
     for i, line in enumerate(lines):
         if line and not line.startswith(" "):
             section = line.split()[0]
         elif section == "transcript":
-            if line.startswith("  turn ") and "(history rewritten" in line:
-                facts["conversation"] = []
+            if line.startswith("  turn "):
+                lineage = _LINEAGE.search(line).group(1) if _LINEAGE.search(line) else "main"
+                if "(history rewritten" in line:
+                    facts["conversation"][lineage] = []
             elif line.startswith("    -> "):
-                facts["conversation"].append(line[len("    -> "):])
+                facts["conversation"].setdefault(lineage, []).append(line[len("    -> "):])
             elif line.startswith("    ["):
-                facts["conversation"].append(line[4:])
+                facts["conversation"].setdefault(lineage, []).append(line[4:])
         elif section == "rows" and _ROW.match(line):
             prompt = lines[i + 1].removeprefix("    prompt    ").strip()
-            facts["rows"].append((int(_ROW.match(line).group(4)), prompt, lines[i + 2].removeprefix("    response  ")))
+            row_lineage = _LINEAGE.search(line).group(1) if _LINEAGE.search(line) else "main"
+            facts["rows"].setdefault(row_lineage, []).append(
+                (int(_ROW.match(line).group(4)), prompt, lines[i + 2].removeprefix("    response  ")))
             facts["row_rewards"].append(float(_ROW.match(line).group(2)))
     return facts
 
@@ -176,13 +182,14 @@ def assert_matches_show(log: Path, row: dict) -> None:
         assert facts["row_rewards"] and all(r == row["reward"] for r in facts["row_rewards"]), (sid, facts["row_rewards"])
     else:
         assert row["reward"] is None, sid
-    assert same_lines(rendered(row), facts["conversation"]), (sid, rendered(row), facts["conversation"])
+    conversation = facts["conversation"].get(row["lineage"], [])
+    assert same_lines(rendered(row), conversation), (sid, row["lineage"], rendered(row), conversation)
     if "token_ids" not in row:
         return
     # The token rows are the rows show prints, prompt then response runs; a member out of the
     # baseline by its abort class or its flags has none (its placeholder is no data).
     placeholder = (row["status"] == "aborted" and not row["in_baseline"]) or "untrainable by" in facts["raw_flags"]
-    expected_rows = [] if placeholder else facts["rows"]
+    expected_rows = [] if placeholder else facts["rows"].get(row["lineage"], [])
     assert len(row["token_ids"]) == len(expected_rows), sid
     for ids, mask, lps, (n_prompt, prompt, response) in zip(row["token_ids"], row["loss_mask"], row["log_probs"], expected_rows):
         assert len(ids) == len(mask) == len(lps)
@@ -221,9 +228,10 @@ def failing_run(log: Path, tmp_path: Path) -> Path:
 def test_every_row_matches_show(run_log, tool_log, tmp_path):
     rows = {}
     for log in (run_log[0], tool_log, failing_run(run_log[0], tmp_path), failing_run(tool_log, tmp_path)):
-        rows[log.name] = {r["session_id"]: r for r in hf_rows(log, tmp_path / f"{log.name}.out", "--status", ALL, "--tokens")}
+        every = hf_rows(log, tmp_path / f"{log.name}.out", "--status", ALL, "--tokens")
+        rows[log.name] = {r["session_id"]: r for r in every}
         assert rows[log.name]
-        for row in rows[log.name].values():
+        for row in every:  # one per lineage of a session
             assert_matches_show(log, row)
     # The rows cover a session without a turn, a failure abort, an excluded abort and an untrainable member.
     failed, tools = rows[f"{run_log[0].name}-run"], rows[f"{tool_log.name}-run"]
@@ -439,7 +447,8 @@ def test_sft_export_trains_one_trl_step_on_the_tiny_model(tool_log, run_log, tin
     line = export(tool_log, out, "--format", "sft", "--status", "finished")
     assert "1 without an assistant message left out" in line  # solo-0: no turn
     ds = load_from_disk(out)
-    assert ds.column_names == ["messages", "tools"] and len(ds) == 2
+    # tc-0, and tc-1's two lineages (its second turn opens another conversation: another first user message).
+    assert ds.column_names == ["messages", "tools"] and len(ds) == 3
     assert json.loads(ds[0]["tools"]) == [BASH]
     tok = AutoTokenizer.from_pretrained(tiny_hf_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_hf_dir)
@@ -600,7 +609,8 @@ def test_a_partitioned_run_folder_exports_every_partitions_sessions(partitioned_
     from test_partitioned_views import OUTCOMES
 
     rows = hf_rows(partitioned_run, tmp_path / "x", "--status", ALL, "--tokens")
-    assert sorted((r["partition"], r["session_id"], r["status"]) for r in rows) == sorted(
+    # A session makes one row per lineage (p0-a's second turn opens another conversation: two rows).
+    assert sorted({(r["partition"], r["session_id"], r["status"]) for r in rows}) == sorted(
         (pid, sid, status) for pid, sessions in OUTCOMES.items() for sid, status in sessions.items())
     for row in rows:
         assert row["group_id"].startswith(f"g{row['partition']}")

@@ -336,6 +336,43 @@ def test_the_token_view_has_one_span_per_token_carrying_the_rows_mask(log_tab):
     tab.assert_clean()
 
 
+# ---------------------------------------------------------------- a session with subagents
+
+
+def test_a_session_with_subagents_shows_one_column_per_lineage_side_by_side(browser, tmp_path):
+    from lineage_helpers import LINEAGE_SESSION, write_lineage_log
+
+    with ThreadPoolExecutor(1) as pool:  # its own thread and event loop: Playwright's sync API owns this thread's loop
+        log = pool.submit(write_lineage_log, tmp_path / "lin.log").result(60)
+    url, stop = start_ui(log, index_path=tmp_path / "lin.sqlite")
+    tab = Tab(browser, url)
+    try:
+        page = tab.page
+        session = get_json(url, f"/api/session/{LINEAGE_SESSION}")
+        tab.open(f"session/{LINEAGE_SESSION}", "session")
+        # One column per lineage, in the API's (tree) order, each with its turns and its rows' token views.
+        cols = page.eval_on_selector_all("#lineages .lineage-col", "cs => cs.map(c => [c.dataset.lineageCol, c.dataset.parent,"
+                                         " [...c.querySelectorAll('.turn')].map(t => Number(t.dataset.turn)),"
+                                         " [...c.querySelectorAll('.tokens')].map(t => Number(t.dataset.row))])")
+        assert cols == [[lin["id"], lin["parent"] or "", lin["turns"], lin["rows"]] for lin in session["lineages"]]
+        assert len(cols) == 4 and page.locator("#transcript .turn").count() == len(session["turns"])
+        # Side by side: the columns start at one height, left to right.
+        boxes = page.eval_on_selector_all("#lineages .lineage-col", "cs => cs.map(c => [c.offsetLeft, c.offsetTop])")
+        assert len({top for _, top in boxes}) == 1 and [left for left, _ in boxes] == sorted({left for left, _ in boxes})
+        # Each subagent names its parent turn and spawning call; the parent turn links to the subagents it spawned.
+        for lin in session["lineages"][1:]:
+            spawn = page.text_content(f"[data-lineage-col='{lin['id']}'] .spawn")
+            assert f"{lin['parent']} turn {lin['parent_turn']}" in spawn and f"call {lin['spawn_call']}" in spawn and "→ Task(" in spawn
+        assert page.eval_on_selector_all("[data-lineage-col='main'] [data-turn='4'] .spawned-link",
+                                         "ls => ls.map(l => l.dataset.spawned)") == ["sub-2", "sub-3"]
+        page.click("[data-lineage-col='sub-3'] .spawn .jump-link")  # to the parent turn: no error
+        assert page.text_content("#train-once") == "train-once check: OK"
+        tab.assert_clean()
+    finally:
+        tab.page.close()
+        stop()
+
+
 # ---------------------------------------------------------------- live, with a token
 
 

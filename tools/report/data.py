@@ -48,23 +48,29 @@ from typing import Any, Iterable
 import msgspec
 
 from agentlog.tools.cmd_show import SessionWhy
+from agentlog.tools.lineage_view import SessionLineages, row_lineages
 
 from .aggregates import LogHistogram, TimeSeries, Totals
 from .session_table import MAX_REASONS, SessionRow, SessionTable, drill_sample
 
 #: What reasons past the first MAX_REASONS distinct ones are counted under.
 OTHER_REASON = "(other)"
+#: Turns with tool calls kept per lineage of a session in flight, to name a subagent's spawning
+#: call (a subagent is spawned by one of its parent's latest turns; memory stays bounded).
+LINEAGE_CALL_TURNS = 8
 
 
 class _Live:
     """What the report adds, per session in flight, to the lifecycle fold's track."""
 
-    __slots__ = ("opened_version", "min_version", "why")
+    __slots__ = ("opened_version", "min_version", "why", "lineages")
 
     def __init__(self, opened_version: int) -> None:
         self.opened_version = opened_version
         #: What explains its score, gathered as its events pass (shown in the drill-down).
         self.why = SessionWhy()
+        #: Its lineages (subagents) and the calls that spawned them, for the drill-down's columns.
+        self.lineages = SessionLineages(keep_turns=LINEAGE_CALL_TURNS)
         #: The oldest policy version among the session's turns (None before its first turn).
         self.min_version: int | None = None
 
@@ -216,6 +222,7 @@ def collect(
             lv = live.get((pid, sid))
             if lv is not None:
                 lv.why.feed(env)  # what explains its score, for the drill-down
+                lv.lineages.feed(env)
             # Fields any turn-like or command event carries (whatever its encoding): latency and version.
             if isinstance(body, CommandRan):
                 hist["command_s"].add(body.duration_s)
@@ -278,13 +285,15 @@ def collect(
         hist["tokens_out"].add(summary.tokens_out)
         hist["tokens_in"].add(summary.tokens_in)
         if table.wants(status, reward, summary.reason):
+            mine = [s for s in samples if s.session_id == sid]
             row = SessionRow(
                 summary.session_id, summary.group_id, summary.sample_index, status, "", summary.reason, summary.error,
                 summary.opened_ts_ns, summary.ended_ts_ns, summary.turns, summary.tokens_in, summary.tokens_out,
-                summary.reward, version, [drill_sample(s) for s in samples if s.session_id == sid],
+                summary.reward, version, [drill_sample(s) for s in mine],
                 partition="" if pid is None else f"p{pid:04d}",
                 explain=lv.why.lines(False, lambda lsn: record_id(pid, lsn)) if lv is not None else [],
                 flags=list(ended_flags.get(sid, ())), resumes=summary.resumes,
+                lineages=lv.lineages.to_json(row_lineages(mine)) if lv is not None and lv.lineages.shown else [],
             )
             table.add(row, reward)
         else:

@@ -5,7 +5,8 @@ and per policy version, turns and tokens per session, the learner's curves
 (for a run folder), latency and size distributions (histograms and
 quantiles), abort and drop reasons, staleness, the health flags, and the
 bounded sessions table (each row with its flags) whose drill-down highlights
-response tokens by loss mask. Every chart
+response tokens by loss mask, a session with subagents' rows in one column per
+lineage with its lineage tree (:mod:`tools.lineage_view`). Every chart
 draws fixed-size aggregates, so the page's size does not grow with the
 number of sessions. The page loads nothing from the network.
 """
@@ -50,6 +51,9 @@ details.session summary { cursor: pointer; }
 .t.p { color: #777; }
 .t.m0 { background: #eee; color: #444; }
 .t.m1 { background: #b9f0c6; color: #0b4a1c; font-weight: 600; }
+table.lineages td, table.lineages th { padding: 0.1em 0.6em; text-align: left; border-bottom: 1px solid #eee; font-size: 0.9em; }
+.lineage-cols { display: grid; gap: 0.8em; overflow-x: auto; }
+.lineage-col { min-width: 0; border: 1px solid #ddd; padding: 0.2em 0.5em; }
 """
 
 
@@ -341,14 +345,41 @@ def _session_html(s: SessionRow, data: ReportData) -> str:
         body.append('<pre class="why">' + e("\n".join(s.explain)) + "</pre>")
     if not s.samples:
         body.append('<p class="meta">no samples' + (" (dropped sessions yield none)" if s.status == "dropped" else "") + "</p>")
-    for smp in s.samples:
-        flag = " · remove_sample" if smp.remove_sample else ""
-        body.append(
-            f'<p class="meta">row {smp.row_index} · {smp.status}{flag} · reward {smp.reward:g} · '
-            f"{smp.response_length} response tokens, {smp.trained} trained</p>"
-            f'<div class="tokens" data-row="{smp.row_index}">{_tokens_html(smp)}</div>'
-        )
+    if s.lineages:
+        body.append(_lineages_html(s))
+    else:
+        body.extend(_sample_html(smp) for smp in s.samples)
     return head + "".join(body) + "</details>"
+
+
+def _sample_html(smp: DrillSample) -> str:
+    """One row of the drill-down: its outcome line and its tokens by loss mask."""
+    flag = " · remove_sample" if smp.remove_sample else ""
+    return (
+        f'<p class="meta">row {smp.row_index} · {smp.status}{flag} · reward {smp.reward:g} · '
+        f"{smp.response_length} response tokens, {smp.trained} trained</p>"
+        f'<div class="tokens" data-row="{smp.row_index}">{_tokens_html(smp)}</div>'
+    )
+
+
+def _lineages_html(s: SessionRow) -> str:
+    """A session with subagents: its lineage tree as a table (each lineage under its parent, the
+    spawning call), then one column per lineage with its rows, side by side."""
+    e = html.escape
+    table = ['<table class="lineages"><tr><th>lineage</th><th>turns</th><th>rows</th><th>spawned by</th></tr>']
+    cols = []
+    for ln in s.lineages:
+        rows = [smp for smp in s.samples if smp.lineage == ln["id"]]
+        pad = "&nbsp;&nbsp;" * ln["depth"] + ("↳ " if ln["depth"] else "")
+        table.append(f'<tr data-lineage="{e(ln["id"])}"><td>{pad}<b>{e(ln["id"])}</b></td><td>{len(ln["turns"])}</td>'
+                     f'<td>{e(", ".join(map(str, ln["rows"])) or "none")}</td><td>{e(ln["spawned_by"] or "(root)")}</td></tr>')
+        cols.append(f'<div class="lineage-col" data-lineage="{e(ln["id"])}"><p><b>{e(ln["id"])}</b>'
+                    + (f' <span class="meta">&larr; {e(ln["parent"])} turn {ln["parent_turn"]}</span>' if ln["parent"] else "")
+                    + "</p>" + ("".join(_sample_html(smp) for smp in rows) or '<p class="meta">no row</p>') + "</div>")
+    rest = [smp for smp in s.samples if not any(smp.lineage == ln["id"] for ln in s.lineages)]
+    return ("".join(table) + "</table>"
+            + f'<div class="lineage-cols" style="grid-template-columns: repeat({len(cols)}, minmax(16em, 1fr))">' + "".join(cols) + "</div>"
+            + "".join(_sample_html(smp) for smp in rest))
 
 
 def _partitions_html(data: ReportData) -> str:

@@ -39,6 +39,8 @@ class DrillSample(msgspec.Struct):
     #: Per shown response token: the rollout log-prob, and the teacher's (None where no teacher scored it).
     rollout_lp: list[float] = []
     teacher_lp: list[float | None] = []
+    #: The lineage (conversation of a session with subagents) it is a row of; "" for a session without.
+    lineage: str = ""
 
 
 def drill_sample(s: Any) -> DrillSample:
@@ -59,6 +61,7 @@ def drill_sample(s: Any) -> DrillSample:
         rollout_lp=[round(float(x), 4) for x in s.log_probs[:DRILL_RESPONSE_TOKENS]],
         teacher_lp=([round(float(x), 4) if ok else None for x, ok in zip(s.teacher_lp[:DRILL_RESPONSE_TOKENS], s.teacher_mask)]
                     if s.teacher_scored else []),
+        lineage=s.metadata.get("lineage", ""),
     )
 
 
@@ -89,6 +92,8 @@ class SessionRow(msgspec.Struct):
     flags: list[str] = []
     #: How often it was resumed (a new incarnation from its last durable turn; still one session).
     resumes: int = 0
+    #: Its lineages when its agent spawned subagents (:meth:`tools.lineage_view.SessionLineages.to_json`), else [].
+    lineages: list[dict] = []
 
 
 class SessionTable:

@@ -8,7 +8,11 @@
   and its training rows exactly as the sample reducer makes them
   (:class:`reducers.pipeline.Reducer`, the rows ``agentlog reconstruct``
   writes), each token labelled by kind from the row's mask and the turns it
-  is made of (:func:`token_layout`);
+  is made of (:func:`token_layout`); for a session whose agent spawned
+  subagents, its ``lineages`` (:meth:`tools.lineage_view.SessionLineages.to_json`:
+  each with its turns, rows, parent and spawning call) and each turn's, row's
+  and fork branch's ``lineage`` (a session without subagents has the one
+  lineage ``main``);
 * a group and a learner step: from the learner log
   (:func:`loop.learner_records.read_learner_records`) and the groups the
   partitions release (:func:`reducers.partitioned.reduce_partitions`), with
@@ -146,8 +150,11 @@ class RunViews:
         from agentlog.reducers.pipeline import ReduceError, Reducer, session_trajectory
         from agentlog.tools.cmd_show import new_messages, resume_marks, why_lines
         from agentlog.tools.cmd_replay import command_outcome
+        from agentlog.events.schema.lineage import turn_lineage
+        from agentlog.tools.lineage_view import row_lineages, session_lineages
 
         sid = row["session_id"]
+        lineages = session_lineages(envs)
         undelivered = {e.body.turn_index for e in envs if type(e.body) is TurnUndelivered}
         turns: list[dict] = []
         infos: dict[int, _TurnInfo] = {}
@@ -161,21 +168,22 @@ class RunViews:
             return None if got is None else {"resume_lsn": str(got[0]), "incarnation": got[1]}
 
         verdict = error = traceback = None
-        held: list = []  # the previous turn's messages and its response (as `agentlog show` reads them)
+        helds: dict[str, list] = {}  # per lineage, its previous turn's messages and response (as `agentlog show` reads them)
         last_turn: int | None = None
         for e in full_turns(envs):  # each turn_delta as the turn_recorded it stands for
             b = e.body
             if isinstance(b, TurnRecorded):
                 msgs = list(b.messages)
-                new, _rewritten = new_messages(held, msgs)
+                lineage = turn_lineage(b)
+                new, _rewritten = new_messages(helds.get(lineage, []), msgs)
                 server, moved = turn_server(b)
                 spans = [list(s) for s in turn_version_spans(b)]
                 turns.append({"turn": b.turn_index, "lsn": str(e.lsn), "new_messages": new, "response": b.response_message,
                               "finish_reason": b.finish_reason, "policy_version": b.policy_version, "version_spans": spans,
                               "server": server or None, "server_moved_from": moved or None,
-                              "undelivered": b.turn_index in undelivered})
+                              "undelivered": b.turn_index in undelivered, "lineage": lineage})
                 infos[b.turn_index] = _TurnInfo(b, any(isinstance(m, dict) and m.get("role") == "tool" for m in new))
-                held = msgs + ([b.response_message] if b.response_message is not None else [])
+                helds[lineage] = msgs + ([b.response_message] if b.response_message is not None else [])
                 last_turn = b.turn_index
             elif isinstance(b, CommandRan):
                 commands.append({"turn": last_turn, "lsn": str(e.lsn), "command": b.command, "exit_code": b.exit_code,
@@ -202,10 +210,12 @@ class RunViews:
             traj, samples, problem = None, [], str(exc).strip("'\"")
         for s in samples:
             trow = traj.rows[s.row_index] if traj is not None and s.row_index < len(traj.rows) else None
-            rows.append(self._row_json(s, infos, trow))
-            branches.append({"row": s.row_index, "turns": list(trow.turn_indices) if trow is not None else []})
+            row_lineage = trow.lineage if trow is not None else s.metadata.get("lineage")
+            rows.append({**self._row_json(s, infos, trow), "lineage": row_lineage})
+            branches.append({"row": s.row_index, "turns": list(trow.turn_indices) if trow is not None else [], "lineage": row_lineage})
         return {**row, "why": why_lines(envs, True), "verdict": verdict, "error": error, "traceback": traceback,
                 "turns": turns, "commands": commands, "snapshots": snapshots, "resumes": resumes, "rows": rows,
+                "lineages": lineages.to_json(row_lineages(traj.rows) if traj is not None else row_lineages(samples)),
                 "forks": {"branches": branches, "train_once": _train_once(traj)}, "problem": problem}
 
     @staticmethod

@@ -508,8 +508,11 @@ function messageBox(msg, extra) {
     el("div", { class: "body" }, messageContent(msg.content),
       msg.reasoning_content ? el("details", {}, el("summary", { class: "muted" }, "reasoning"), longText(msg.reasoning_content)) : null,
       calls.map((c) => {
-        const fn = c.function || {};
-        return el("div", { class: "toolcall mono" }, `→ ${fn.name || c.name || "?"}`, longText(String(fn.arguments ?? JSON.stringify(c.input ?? c))));
+        // OpenAI's form nests the call under "function" (arguments as JSON text); the gateway's is flat (an object).
+        const fn = c.function || c;
+        const args = fn.arguments ?? c.input;
+        return el("div", { class: "toolcall mono" }, `→ ${fn.name || "?"}`,
+          longText(typeof args === "string" ? args : JSON.stringify(args === undefined ? c : args)));
       })));
 }
 
@@ -675,6 +678,49 @@ function commonPrefix(rows) {
   return n;
 }
 
+/** A button, drawn as a link, that scrolls the element ``selector`` names into view (the hash is the route). */
+function jumpTo(selector, label) {
+  return el("button", { type: "button", class: "jump-link", "data-target": selector, onclick: () => {
+    const target = document.querySelector(selector);
+    if (target) target.scrollIntoView({ block: "nearest", inline: "nearest" });
+  } }, label);
+}
+
+/** A session with subagents: the lineage tree, then one column per lineage (side by side, in tree order) with
+ *  where it came from (the parent turn and the spawning tool call), its turns and its training rows; a lineage's
+ *  fork branches marked where they diverge. */
+function lineageColumns(s, turnBox) {
+  const lineages = s.lineages || [];
+  const rows = s.rows || [];
+  const tree = el("ul", { class: "lineage-tree", id: "lineage-tree" }, lineages.map((l) =>
+    el("li", { style: `margin-left: ${1.2 * l.depth}em`, "data-lineage": l.id },
+      jumpTo(`[data-lineage-col="${CSS.escape(l.id)}"]`, l.id), ` — ${l.turns.length} turns, rows ${l.rows.join(", ") || "none"}`,
+      l.spawned_by ? el("span", { class: "muted" }, ` — spawned by ${l.spawned_by}`) : el("span", { class: "muted" }, " — root"))));
+  const columns = lineages.map((l) => {
+    const mine = rows.filter((r) => r.lineage === l.id);
+    const shared = mine.length > 1 ? commonPrefix(mine) : null;
+    const call = l.spawn && l.spawn.name ? `${l.spawn.name}(${(l.spawn.arguments || "").slice(0, 160)}${(l.spawn.arguments || "").length > 160 ? "…" : ""})` : null;
+    return el("div", { class: "lineage-col", "data-lineage-col": l.id, "data-parent": l.parent || "" },
+      el("div", { class: "lineage-head" },
+        el("b", {}, "↳ ".repeat(l.depth), `lineage ${l.id}`), " ",
+        el("span", { class: "badge" }, l.parent === null ? "root" : "subagent"),
+        l.parent !== null ? el("div", { class: "spawn", "data-spawn-call": l.spawn_call || "" }, "spawned by ",
+          jumpTo(`[data-lineage-col="${CSS.escape(l.parent)}"] [data-turn="${l.parent_turn}"]`, `${l.parent} turn ${l.parent_turn}`),
+          l.spawn_call ? `, call ${l.spawn_call}` : ", no tool call named",
+          call ? el("div", { class: "toolcall mono" }, `→ ${call}`) : null,
+          el("div", { class: "muted how" }, l.matched || "")) : null,
+        el("div", { class: "muted" }, `${l.turns.length} turns · ${mine.length} training row${mine.length === 1 ? "" : "s"}`)),
+      (s.turns || []).filter((t) => t.lineage === l.id).map(turnBox),
+      el("h4", {}, "Training rows"),
+      mine.length ? mine.map((r) => rowBlock(r, shared)) : el("p", { class: "muted" }, "This lineage makes no training row."));
+  });
+  const orphans = rows.filter((r) => !lineages.some((l) => l.id === r.lineage));
+  return el("div", { id: "lineages" },
+    el("h3", {}, `Lineages (${lineages.length}): the agent's conversation and its subagents', side by side`), tree,
+    el("div", { class: "lineages", style: `grid-template-columns: repeat(${lineages.length}, minmax(22em, 1fr))` }, columns),
+    orphans.length ? el("div", {}, el("h4", {}, "Rows of no lineage"), orphans.map((r) => rowBlock(r))) : null);
+}
+
 const SessionView = {
   id: null,
   async render(root, params, id) {
@@ -720,9 +766,10 @@ const SessionView = {
     const before = after(null);
     if (before.length) box.appendChild(el("div", { class: "pre-turns" }, el("h3", {}, "Before the first turn"), before));
     if (!(s.turns || []).length) box.appendChild(el("p", { class: "muted" }, "No turn recorded."));
-    for (const t of s.turns || []) {
+    const lineages = s.lineages || [];
+    const turnBox = (t) => {
       const spans = (t.version_spans || []).map(([first, v]) => `v${v} from token ${first}`).join(", ");
-      box.appendChild(el("div", { class: "turn", "data-turn": t.turn },
+      return el("div", { class: "turn", "data-turn": t.turn },
         el("div", { class: "turn-head" },
           el("b", {}, `turn ${t.turn}`), el("span", {}, `lsn ${t.lsn}`), el("span", {}, `policy v${t.policy_version}`),
           spans && (t.version_spans || []).length > 1 ? el("span", { class: "badge flag", title: "a weight update interrupted this turn" }, spans) : null,
@@ -731,8 +778,17 @@ const SessionView = {
           t.undelivered ? el("span", { class: "badge no", title: "the response never reached the agent" }, "undelivered") : null),
         (t.new_messages || []).map((m) => messageBox(m)),
         t.response ? messageBox(t.response, "  (response)") : null,
-        after(t.turn)));
+        // The subagents this turn's tool calls spawned: each a link to its lineage's column.
+        lineages.filter((l) => l.parent !== null && l.parent === t.lineage && l.parent_turn === t.turn).map((l) =>
+          el("div", { class: "spawned-link", "data-spawned": l.id }, "spawned ", jumpTo(`[data-lineage-col="${CSS.escape(l.id)}"]`, `lineage ${l.id}`),
+            l.spawn_call ? ` by call ${l.spawn_call}` : "")),
+        after(t.turn));
+    };
+    if (lineages.length > 1) {
+      box.appendChild(lineageColumns(s, turnBox));
+      return box;
     }
+    for (const t of s.turns || []) box.appendChild(turnBox(t));
     return box;
   },
 
@@ -742,6 +798,14 @@ const SessionView = {
     if (!rows.length) { box.appendChild(el("p", { class: "muted" }, "This session makes no training row.")); return box; }
     box.appendChild(kindLegend(rows));
     box.appendChild(ribbonControls(root, rows));
+    if ((s.lineages || []).length > 1) {
+      // A session with subagents: each row sits in its lineage's column (above), beside the turns it is made of.
+      const check = (s.forks || {}).train_once || {};
+      box.appendChild(el("p", { id: "lineage-rows-note" }, `${rows.length} rows, one or more per lineage, in the lineage columns above. `,
+        el("span", { class: check.ok ? "check-ok" : "check-bad", id: "train-once" }, check.ok ? "train-once check: OK" : "train-once check: FAILED"),
+        " ", check.detail || ""));
+      return box;
+    }
     const forks = s.forks || { branches: [] };
     const branchRows = new Set((forks.branches || []).map((b) => b.row));
     if ((forks.branches || []).length > 1) {
