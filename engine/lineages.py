@@ -127,14 +127,14 @@ def _tool_calls(response: Any) -> list[tuple[str, str, tuple[str, ...]]]:
     for c in calls:
         if not isinstance(c, dict):
             continue
-        fn = c.get("function") if isinstance(c.get("function"), dict) else c  # OpenAI's nesting, or the gateway's flat form
+        fn: dict[str, Any] = c["function"] if isinstance(c.get("function"), dict) else c  # OpenAI's nesting, or the gateway's flat form
         call_id, name = c.get("id"), fn.get("name")
         args = fn.get("arguments")
         if isinstance(args, str) and args.startswith("{"):  # OpenAI's wire form: a JSON object as text
             try:
                 args = json.loads(args)
-            except ValueError:
-                pass  # not JSON after all: matched as the text it is
+            except (ValueError, RecursionError):
+                pass  # not JSON after all, or nested too deep to parse: matched as the text it is
         if isinstance(call_id, str) and call_id:
             out.append((call_id, name if isinstance(name, str) else "", tuple(_strings(args))))
     return out
@@ -209,7 +209,12 @@ class LineageTracker:
     def stamp(self, turn: TurnRecorded, body: TurnDelta, before: EncodingContext, digests: bytes,
               declared: Declared | None = None) -> TurnDelta:
         """``body`` (``turn`` encoded against ``before``) with its lineage placed (:meth:`place`)
-        and recorded in its sampling (:data:`~agentlog.events.schema.lineage.LINEAGE_KEY`)."""
+        and recorded in its sampling (:data:`~agentlog.events.schema.lineage.LINEAGE_KEY`).
+        Raises LineageError when the caller's sampling already holds that key: the engine's
+        placement, not a caller's copy (say of a recorded turn's sampling), names the lineage."""
+        if LINEAGE_KEY in turn.sampling:
+            raise LineageError(f"turn {turn.turn_index}: sampling[{LINEAGE_KEY!r}] is recorded by the engine, found"
+                               f" {turn.sampling[LINEAGE_KEY]!r} passed in; declare a lineage with declared_lineage=Declared(...)")
         if turn.messages:
             held = len(before.digests) // DIGEST_BYTES
             extends = held > 0 and body.shared_messages == held and len(turn.messages) > held
@@ -237,13 +242,19 @@ class LineageTracker:
             value = self._declared_lineage(declared, turn)
             existing = self._threads.get(declared.id)
             key = existing.key if existing is not None else _key(messages, digests)
-            self._staged = (declared.id, key, value if existing is None else None, calls, answered)
+            first = value if existing is None and isinstance(value, Lineage) else None  # a new lineage's origin
+            self._staged = (declared.id, key, first, calls, answered)
             return value if (value is not UNSET or declared.id != ROOT_LINEAGE) else UNSET
         thread = self._extended(turn, digests, extends_previous)
         if thread is None:
             key = _key(messages, digests)
-            if key or not messages:
-                thread = next((t for t in self._recent if t.key == key), None) if messages else (self._recent[0] if self._recent else None)
+            if messages and key:
+                thread = next((t for t in self._recent if t.key == key), None)
+            elif not messages and self._recent:
+                # A rewrite of a lineage's tokens (a re-tokenised last response: REALIGN) shares most
+                # of them with that lineage, not with whichever lineage spoke last; ties: the newest.
+                prompt = turn.prompt_ids
+                thread = max(self._recent, key=lambda t: t.context.shared_tokens(prompt)) if len(self._recent) > 1 else self._recent[0]
         if thread is not None:
             self._staged = (thread.id, thread.key, None, calls, answered)
             return UNSET if thread.id == ROOT_LINEAGE else Lineage(thread.id)
@@ -272,9 +283,11 @@ class LineageTracker:
         return None
 
     def _new_id(self) -> str:
+        # Counted when the turn is in the log (_apply): a turn whose append failed takes no number.
+        n = self._subs
         while True:
-            self._subs += 1
-            name = f"sub-{self._subs}"
+            n += 1
+            name = f"sub-{n}"
             if name not in self._threads:
                 return name
 
@@ -347,6 +360,8 @@ class LineageTracker:
         thread = self._threads.get(lineage_id)
         if thread is None:
             thread = self._threads[lineage_id] = _Thread(lineage_id, key, first)
+            if lineage_id_is_sub(lineage_id):
+                self._subs = max(self._subs, int(lineage_id[4:]))
             if first is not None and first.spawn_call:
                 parent = self._threads.get(first.parent)
                 if parent is not None:
@@ -372,8 +387,6 @@ class LineageTracker:
             lineage_id = turn_lineage(turn)
             calls = [c for c in _tool_calls(turn.response_message) if c[0] not in claimed]
             self._apply(lineage_id, _key(turn.messages, context.digests), origins.get(lineage_id), calls, turn.turn_index, context)
-            if lineage_id_is_sub(lineage_id):
-                self._subs = max(self._subs, int(lineage_id[4:]))
 
 
 def lineage_id_is_sub(lineage_id: str) -> bool:

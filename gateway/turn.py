@@ -366,14 +366,18 @@ LINEAGE_HEADER = "X-Agentlog-Lineage"
 
 def declared_lineage(request: web.Request, h: Any) -> Declared | None:
     """The lineage the request's :data:`LINEAGE_HEADER` declares (None without
-    the header), checked against the session's lineages: a malformed value, an
-    unknown parent or call, or one contradicting the lineage's first turn is a 400."""
-    raw = request.headers.get(LINEAGE_HEADER)
-    if raw is None:
+    the header), checked against the session's lineages: a malformed value, the header
+    repeated with different values, an unknown parent or call, or one contradicting
+    the lineage's first turn is a 400."""
+    values = request.headers.getall(LINEAGE_HEADER, ())
+    if not values:
         return None
-    parts = [p.strip() for p in raw.split(";")]
+    raw = values[0]
     fields: dict[str, str] = {}
     try:
+        if any(v != raw for v in values[1:]):  # two different lineages for one turn: neither is taken
+            raise LineageError(f"sent {len(values)} times with different values {[v[:100] for v in values[:4]]}; expected one")
+        parts = [p.strip() for p in raw.split(";")]
         for part in parts[1:]:
             name, eq, value = part.partition("=")
             name = name.strip()
