@@ -75,7 +75,7 @@ async def resume(engine: "SessionEngine", point: ResumePoint, snapshot: str, *, 
     if point.last_turn is not None:
         # The context the last durable turn left: the next turn is stored as a delta against it.
         _, h._context = EncodingContext().encode(point.last_turn)
-        h._lineages.rebuild(point.lineage_turns.values(), point.lineage_origins)
+        h._lineages.rebuild(point.lineage_turns.values(), point.lineage_origins, point.lineage_history)
     h._turn_outputs.extend(point.turn_outputs)
     h._turn_temperatures.extend(point.turn_temperatures)
     body = SessionResumed(incarnation=point.resumes + 1, durable_turns=point.durable_turns, snapshot=snapshot,

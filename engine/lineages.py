@@ -21,16 +21,16 @@ of its last answer not yet matched to a subagent. A turn is placed:
    is found by the spawning tool call: one whose arguments carry the new
    lineage's first user message (the ``prompt`` of Claude Code's ``Task``),
    else the newest pending call of a spawning tool (:data:`SPAWN_TOOLS`), else
-   the newest pending call, else the newest turn of another lineage.
+   the newest turn of another lineage (no call named: a compacted history or a
+   side request spawns nothing).
 
-A turn without messages that extends no lineage stays in the most recently
-active one (its tokens alone cannot tell a subagent from a rewrite): token-only
-agents that spawn subagents declare them.
+A turn without messages that extends no lineage goes to the one whose context
+shares most of its prompt (the newest on a tie): its tokens alone cannot tell a
+subagent from a rewrite, so token-only agents that spawn subagents declare them.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any, Iterable
 
 import msgspec
@@ -38,8 +38,8 @@ from msgspec import UNSET, UnsetType
 
 from agentlog.events.errors import AgentlogError
 from agentlog.events.schema.lineage import (
-    CALL_ID_RE, HOW_DECLARED, HOW_ORDER, HOW_TOOL_CALL, LINEAGE_ID_RE, LINEAGE_KEY, ROOT_LINEAGE, Lineage, lineage_value,
-    turn_lineage,
+    CALL_ID_RE, HOW_DECLARED, HOW_ORDER, HOW_TOOL_CALL, LINEAGE_ID_RE, LINEAGE_KEY, ROOT_LINEAGE, Lineage, answered_calls,
+    ToolCall, lineage_value, message_text, tool_calls, turn_lineage,
 )
 from agentlog.events.schema.turn_delta import DIGEST_BYTES, EncodingContext
 from agentlog.events.schema.types import TurnDelta, TurnRecorded
@@ -48,6 +48,10 @@ from agentlog.events.schema.validation import READING_STORED
 #: Tools whose calls spawn a subagent in the harnesses we know (Claude Code's ``Task``, later
 #: ``Agent``; Codex's and common agent frameworks' names): what matching by order prefers.
 SPAWN_TOOLS = frozenset({"Task", "Agent", "task", "agent", "spawn_agent", "spawn_subagent", "subagent", "delegate"})
+#: Tool call ids a lineage remembers (the newest), and lineages whose last context is kept (the most recent).
+_CALLS = 1024
+_CONTEXTS = 32
+_EMPTY = EncodingContext()
 #: Pending tool calls a lineage keeps for matching subagents to (its newest).
 _PENDING = 32
 #: A prompt shorter than this matches a tool call's argument only when equal to it or its last line(s)
@@ -97,49 +101,6 @@ class _Thread:
         self.first = first
 
 
-def _text(content: Any) -> str:
-    """A message's text: its str content, or its text parts joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) and isinstance(p.get("text"), str) else "" for p in content)
-    return ""
-
-
-def _strings(value: Any, depth: int = 0) -> Iterable[str]:
-    """The strings inside a tool call's arguments (a few levels deep)."""
-    if isinstance(value, str):
-        yield value
-    elif depth < 3 and isinstance(value, dict):
-        for v in value.values():
-            yield from _strings(v, depth + 1)
-    elif depth < 3 and isinstance(value, list):
-        for v in value:
-            yield from _strings(v, depth + 1)
-
-
-def _tool_calls(response: Any) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(id, name, argument strings) of an answer's tool calls, in order."""
-    calls = response.get("tool_calls") if isinstance(response, dict) else None
-    if not isinstance(calls, list):
-        return []
-    out = []
-    for c in calls:
-        if not isinstance(c, dict):
-            continue
-        fn: dict[str, Any] = c["function"] if isinstance(c.get("function"), dict) else c  # OpenAI's nesting, or the gateway's flat form
-        call_id, name = c.get("id"), fn.get("name")
-        args = fn.get("arguments")
-        if isinstance(args, str) and args.startswith("{"):  # OpenAI's wire form: a JSON object as text
-            try:
-                args = json.loads(args)
-            except (ValueError, RecursionError):
-                pass  # not JSON after all, or nested too deep to parse: matched as the text it is
-        if isinstance(call_id, str) and call_id:
-            out.append((call_id, name if isinstance(name, str) else "", tuple(_strings(args))))
-    return out
-
-
 def _key(messages: list[Any], digests: bytes) -> bytes:
     """The digests of the first system message and the first user message (b"" without messages)."""
     key = [b"", b""]
@@ -155,22 +116,10 @@ def _key(messages: list[Any], digests: bytes) -> bytes:
     return key[0] + key[1]
 
 
-def _answered(messages: list[Any]) -> set[str]:
-    """The tool call ids answered by the tool results after the prompt's last assistant message."""
-    out = set()
-    for m in reversed(messages):
-        role = m.get("role") if isinstance(m, dict) else None
-        if role == "assistant":
-            break
-        if role == "tool" and isinstance(m.get("tool_call_id"), str):
-            out.add(m["tool_call_id"])
-    return out
-
-
 def _first_user_text(messages: list[Any]) -> str:
     for m in messages:
         if isinstance(m, dict) and m.get("role") == "user":
-            return _text(m.get("content"))
+            return message_text(m.get("content"))
     return ""
 
 
@@ -236,8 +185,8 @@ class LineageTracker:
         ``extends_previous``: whether the turn extends the session's previous
         turn in log order (the delta encoding found all of it shared)."""
         messages = turn.messages
-        calls = _tool_calls(turn.response_message)
-        answered = _answered(messages)
+        calls = tool_calls(turn.response_message)
+        answered = answered_calls(messages)
         if declared is not None:
             value = self._declared_lineage(declared, turn)
             existing = self._threads.get(declared.id)
@@ -306,14 +255,15 @@ class LineageTracker:
                 for call_id, _name, texts in t.pending:
                     if any(s == prompt or (s and prompt.endswith("\n" + s)) or (len(s) >= _MIN_CONTAINED and s in prompt) for s in texts):
                         return Lineage(lineage_id, parent=t.id, parent_turn=t.calls[call_id], spawn_call=call_id, how=HOW_TOOL_CALL)
-        for spawning_only in (True, False):
-            for t in self._recent:
-                candidates = [c[0] for c in t.pending if c[1] in SPAWN_TOOLS or not spawning_only]
-                if candidates:
-                    # The newest answer's calls, first come first matched: parallel subagents start in call order.
-                    newest = max(t.calls[c] for c in candidates)
-                    call_id = next(c for c in candidates if t.calls[c] == newest)
-                    return Lineage(lineage_id, parent=t.id, parent_turn=newest, spawn_call=call_id, how=HOW_ORDER)
+        for t in self._recent:
+            candidates = [c[0] for c in t.pending if c[1] in SPAWN_TOOLS]
+            if candidates:
+                # The newest answer's calls, first come first matched: parallel subagents start in call order.
+                newest = max(t.calls[c] for c in candidates)
+                call_id = next(c for c in candidates if t.calls[c] == newest)
+                return Lineage(lineage_id, parent=t.id, parent_turn=newest, spawn_call=call_id, how=HOW_ORDER)
+        # No call spawned it that we can tell (a compacted history, a side request): its parent is the
+        # newest turn of another lineage, and no call is named (a Bash call is no spawn).
         t = self._recent[0]
         return Lineage(lineage_id, parent=t.id, parent_turn=t.last_turn, how=HOW_ORDER)
 
@@ -377,16 +327,32 @@ class LineageTracker:
         thread.pending = (kept + calls)[-_PENDING:]
         for call_id, _name, _texts in calls:
             thread.calls[call_id] = turn_index
+        # Bounded per live session: the calls a lineage made (for declared spawning calls) and the
+        # contexts of its most recently active lineages (an older one is still found by its key).
+        while len(thread.calls) > _CALLS:
+            del thread.calls[next(iter(thread.calls))]
+        for old in self._recent[_CONTEXTS:]:
+            old.context = _EMPTY
 
-    def rebuild(self, last_turns: Iterable[TurnRecorded], origins: dict[str, Lineage]) -> None:
+    def rebuild(self, last_turns: Iterable[TurnRecorded], origins: dict[str, Lineage],
+                history: Iterable[tuple[str, int, tuple[ToolCall, ...], tuple[str, ...]]]) -> None:
         """The state a resumed session continues from: each lineage's last durable turn
-        (full, least recently active first) and each lineage's first-turn record."""
+        (full), each lineage's first-turn record, and every durable turn's
+        ``(lineage, turn index, tool calls, calls its prompt answered)`` in log order
+        (:class:`agentlog.reducers.resume.ResumePoint`): the calls made and still pending
+        are the live tracker's."""
+        last = {turn_lineage(t): t for t in last_turns}
+        contexts = {lid: EncodingContext().encode(t)[1] for lid, t in last.items()}
         claimed = {o.spawn_call for o in origins.values() if o.spawn_call}
-        for turn in last_turns:
-            _, context = EncodingContext().encode(turn)
-            lineage_id = turn_lineage(turn)
-            calls = [c for c in _tool_calls(turn.response_message) if c[0] not in claimed]
-            self._apply(lineage_id, _key(turn.messages, context.digests), origins.get(lineage_id), calls, turn.turn_index, context)
+        empty = EncodingContext()
+        for lineage_id, turn_index, calls, answered in history:
+            turn = last.get(lineage_id)
+            if turn is None:
+                continue
+            context = contexts[lineage_id] if turn_index == turn.turn_index else empty
+            unclaimed = [c for c in calls if c[0] not in claimed]
+            self._apply(lineage_id, _key(turn.messages, contexts[lineage_id].digests), origins.get(lineage_id), unclaimed,
+                        turn_index, context, set(answered))
 
 
 def lineage_id_is_sub(lineage_id: str) -> bool:

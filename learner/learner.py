@@ -58,7 +58,7 @@ class _Member:
 
 def _by_lineage(members: list[_Member]) -> list[_Member]:
     """Each member split into one member per lineage of its session (lineages as members): a
-    lineage's reward is its rows' (the verifier's per-lineage reward, else the session's)."""
+    lineage's reward is the verifier's per-lineage reward (``metadata["lineage_reward"]``), else its session's."""
     out: list[_Member] = []
     for m in members:
         parts: dict[str, _Member] = {}
@@ -66,7 +66,7 @@ def _by_lineage(members: list[_Member]) -> list[_Member]:
             lineage = s.metadata.get("lineage", ROOT_LINEAGE)
             part = parts.get(lineage)
             if part is None:
-                reward = float(s.reward) if m.valid and "session_reward" in s.metadata else m.reward
+                reward = float(s.metadata["lineage_reward"]) if m.valid and "lineage_reward" in s.metadata else m.reward
                 part = parts[lineage] = _Member(m.group, f"{m.session_id}#{lineage}", m.valid, reward, [])
                 out.append(part)
             part.samples.append(s)
@@ -93,8 +93,7 @@ def _session_members(items: Sequence[Any]) -> tuple[list[_Member], int]:
         for s in items:
             key = (s.group_id, s.session_id)
             m = by_key.get(key)
-            # A subagent's row with a reward of its own keeps its session's beside it.
-            reward = float(s.metadata.get("session_reward", s.reward))
+            reward = float(s.reward)
             if m is None:
                 m = by_key[key] = _Member(s.group_id, s.session_id, not s.remove_sample, reward, [])
                 members.append(m)

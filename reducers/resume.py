@@ -32,7 +32,7 @@ from typing import Any, Iterable
 
 from msgspec import UNSET
 
-from agentlog.events.schema.lineage import Lineage, turn_lineage
+from agentlog.events.schema.lineage import Lineage, ToolCall, answered_calls, tool_calls, turn_lineage
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import (
     Envelope, SandboxSnapshotted, SessionOpened, SessionResumed, SessionStarted, TeacherScored, TurnRecorded,
@@ -70,6 +70,9 @@ class ResumePoint:
     #: lineage's first-turn record: what the engine's lineage tracker continues from.
     lineage_turns: dict[str, TurnRecorded] = field(default_factory=dict)
     lineage_origins: dict[str, Lineage] = field(default_factory=dict)
+    #: Every durable turn's (lineage, turn index, its answer's tool calls, the calls its prompt
+    #: answered), in log order: which calls each lineage made and which are still pending.
+    lineage_history: list[tuple[str, int, tuple[ToolCall, ...], tuple[str, ...]]] = field(default_factory=list)
     #: Per durable turn: output tokens and sampling temperature (NaN when not a number),
     #: what the engine checks a teacher's scores of an earlier turn against.
     turn_outputs: list[int] = field(default_factory=list)
@@ -156,6 +159,8 @@ def resume_points(envelopes: Iterable[Envelope], session_ids: Iterable[str], *, 
             point.lineage_turns[lineage] = body
             if body.lineage is not UNSET and body.lineage.how:
                 point.lineage_origins[lineage] = body.lineage
+            point.lineage_history.append((lineage, body.turn_index, tuple(tool_calls(body.response_message)),
+                                          tuple(answered_calls(body.messages))))
             n_out, temperature = scored_against(body)
             point.turn_outputs.append(n_out)
             point.turn_temperatures.append(temperature)

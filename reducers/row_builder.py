@@ -128,6 +128,7 @@ class RowBuilder:
         """Add a turn; ``prompt`` None: a delta that repeats all the held tokens (see prompt_of)."""
         body = turn.body
         if prompt is None:
+            assert type(body) is TurnDelta  # prompt_of gives None for a delta only
             new = body.new_prompt_ids
             n_prompt = len(self.held) // 4 + len(new) // 4
         else:

@@ -491,9 +491,11 @@ def finished_samples(
     ``lineages``: the session's lineages (id -> first-turn record, None for a
     root), when it had more than one: each row then names its lineage
     (:func:`lineage_metadata`). ``rewards_by_lineage``: the verifier's rewards of
-    some lineages (:func:`lineage_rewards`); a row of such a lineage carries it as
-    its reward, and the session's own reward as ``metadata["session_reward"]``
-    (what its group's baseline and, by default, its advantage use)."""
+    some lineages (:func:`lineage_rewards`): a row of such a lineage keeps the
+    session's reward (what its group's baseline and, by default, its advantage
+    use) and carries its own as ``metadata["lineage_reward"]`` (what lineages as
+    members use); lineage ids that name no lineage of the session are listed in
+    ``metadata["lineage_reward_unknown"]``."""
     out = []
     for row_index, row in enumerate(rows):
         settings, sampling_error = (
@@ -515,12 +517,14 @@ def finished_samples(
             metadata["reward_error"] = reward_problem
         if sampling_error:
             metadata["sampling_error"] = sampling_error
-        row_reward = reward
         if lineages is not None and (len(lineages) > 1 or row.lineage != ROOT_LINEAGE):
             metadata.update(lineage_metadata(row.lineage, lineages.get(row.lineage)))
-            if reward is not None and rewards_by_lineage and row.lineage in rewards_by_lineage:
-                row_reward = rewards_by_lineage[row.lineage]
-                metadata["session_reward"] = reward
+            if reward is not None and rewards_by_lineage:
+                if row.lineage in rewards_by_lineage:
+                    metadata["lineage_reward"] = rewards_by_lineage[row.lineage]
+                unknown = sorted(k for k in rewards_by_lineage if k not in lineages)
+                if unknown:  # a verifier's typo would otherwise vanish without a trace
+                    metadata["lineage_reward_unknown"] = unknown
         teacher = dict(row_teacher(row)) if row_teacher is not None else {}
         metadata.update(teacher.pop("metadata", {}))
         out.append(
@@ -532,7 +536,7 @@ def finished_samples(
                 response_length=row.response_length,
                 loss_mask=row.loss_mask,
                 rollout_log_probs=row.rollout_log_probs,
-                reward=0.0 if row_reward is None else row_reward,
+                reward=0.0 if reward is None else reward,
                 status=ABORTED if abort_reason else TRUNCATED if row.truncated else COMPLETED,
                 remove_sample=reward is None or bool(sampling_error),
                 policy_version=row.policy_version,

@@ -464,11 +464,11 @@ def _reduced(envs: list, sid: str, path: Any) -> tuple[str | None, Any, list, tu
 
 
 def _row_lineage(meta: dict) -> str:
-    """``  lineage sub-1 (parent main turn 0, own reward; session's 1)`` for a row of a session with subagents, else ""."""
+    """``  lineage sub-1 (parent main turn 0, its own reward 0)`` for a row of a session with subagents, else ""."""
     if "lineage" not in meta:
         return ""
     parent = f"parent {meta['parent_lineage']} turn {meta['parent_turn']}" if meta.get("parent_lineage") else "a root"
-    own = f", its own reward; the session's {meta['session_reward']:g}" if "session_reward" in meta else ""
+    own = f", its own reward {meta['lineage_reward']:g}" if "lineage_reward" in meta else ""
     return f"  lineage {meta['lineage']} ({parent}{own})"
 
 

@@ -45,7 +45,12 @@ def run(args) -> int:
         # the server as Ctrl-C does: this task is cancelled and the server closes its index.
         task = asyncio.current_task()
         assert task is not None
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: (terminated.append(True), task.cancel()))
+
+        def on_sigterm() -> None:
+            terminated.append(True)
+            task.cancel()
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
         ui = UiServer(args.source, token=args.token, index_path=args.index, host=args.host, quiet=args.quiet)
         try:
             url = await ui.start(args.port)

@@ -27,8 +27,9 @@ and ``how`` the parent was found (:data:`HOW_VALUES`).
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Any
+from typing import Any, Iterable
 
 import msgspec
 from msgspec import UNSET
@@ -124,3 +125,64 @@ def turn_lineage(body: Any) -> str:
     """The id of the lineage a turn (either encoding) belongs to."""
     lineage = lineage_of(getattr(body, "sampling", None))
     return ROOT_LINEAGE if lineage is UNSET else lineage.id
+
+
+# ------------------------------------------------ what placing a turn reads of its messages
+
+#: A tool call as lineage placement reads it: (id, tool name, the strings in its arguments).
+ToolCall = tuple[str, str, tuple[str, ...]]
+
+
+def message_text(content: Any) -> str:
+    """A message's text: its str content, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) and isinstance(p.get("text"), str) else "" for p in content)
+    return ""
+
+
+def _strings(value: Any, depth: int = 0) -> Iterable[str]:
+    """The strings inside a tool call's arguments (a few levels deep)."""
+    if isinstance(value, str):
+        yield value
+    elif depth < 3 and isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v, depth + 1)
+    elif depth < 3 and isinstance(value, list):
+        for v in value:
+            yield from _strings(v, depth + 1)
+
+
+def tool_calls(response: Any) -> list[ToolCall]:
+    """(id, name, argument strings) of an answer's tool calls, in order."""
+    calls = response.get("tool_calls") if isinstance(response, dict) else None
+    if not isinstance(calls, list):
+        return []
+    out = []
+    for c in calls:
+        if not isinstance(c, dict):
+            continue
+        fn: dict[str, Any] = c["function"] if isinstance(c.get("function"), dict) else c  # OpenAI's nesting, or the gateway's flat form
+        call_id, name = c.get("id"), fn.get("name")
+        args = fn.get("arguments")
+        if isinstance(args, str) and args.startswith("{"):  # OpenAI's wire form: a JSON object as text
+            try:
+                args = json.loads(args)
+            except (ValueError, RecursionError):
+                pass  # not JSON after all, or nested too deep to parse: matched as the text it is
+        if isinstance(call_id, str) and call_id:
+            out.append((call_id, name if isinstance(name, str) else "", tuple(_strings(args))))
+    return out
+
+
+def answered_calls(messages: list[Any]) -> set[str]:
+    """The tool call ids answered by the tool results after the prompt's last assistant message."""
+    out = set()
+    for m in reversed(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role == "assistant":
+            break
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            out.add(m["tool_call_id"])
+    return out

@@ -152,8 +152,12 @@ def test_a_rebuilt_tracker_places_the_next_turns_as_the_live_one_does():
         last.pop(turn_lineage(t), None)
         last[turn_lineage(t)] = t
     origins = {turn_lineage(t): t.lineage for t in head if turn_lineage(t) != ROOT_LINEAGE and t.lineage.how}
+    from agentlog.reducers.resume import resume_points
+
+    # What a resume point holds of the turns before the cut: every turn's calls, in log order.
+    history = [h for h in resume_points(whole.read(), ["s"])["s"].lineage_history if h[1] < len(schedule)]
     tracker = LineageTracker()
-    tracker.rebuild(last.values(), origins)
+    tracker.rebuild(last.values(), origins, history)
     from agentlog.events.schema.turn_delta import EncodingContext
     for t in turns[len(schedule):]:
         bare = TurnRecorded(turn_index=t.turn_index, messages=t.messages, prompt_ids=t.prompt_ids, output_ids=t.output_ids,
@@ -190,3 +194,26 @@ def test_openai_shaped_calls_with_json_text_arguments_are_matched_by_their_promp
 
     turns = asyncio.run(body())
     assert [(t.lineage.spawn_call, t.lineage.how) for t in turns[1:]] == [("call_b", "tool_call"), ("call_a", "tool_call")]
+
+
+def test_a_compacted_history_is_a_new_lineage_spawned_by_no_call():
+    async def body():
+        log = MemoryLog()
+        engine = await SessionEngine.open(log)
+        async with engine.session("s", group_id="g", group_size=1, sample_index=0) as h:
+            await h.start()
+            system = {"role": "system", "content": "agent"}
+            bash = {"role": "assistant", "content": "", "tool_calls": [{"id": "call_b", "name": "Bash", "arguments": {"command": "ls"}}]}
+            await h.record_turn([system, {"role": "user", "content": "the task"}], [1, 2], output_ids=[3], output_log_probs=[-1.0],
+                                response_message=bash)
+            # The agent compacted its history: same system prompt, a summary as its first message.
+            await h.record_turn([system, {"role": "user", "content": "summary of the work so far"}], [1, 9], output_ids=[4],
+                                output_log_probs=[-1.0], response_message={"role": "assistant", "content": "go on"})
+            await h.finish(1.0)
+        await engine.close()
+        return [e.body for e in full_turns(log.read()) if isinstance(e.body, TurnRecorded)]
+
+    first, compacted = asyncio.run(body())
+    assert turn_lineage(first) == ROOT_LINEAGE
+    o = compacted.lineage
+    assert (o.id, o.parent, o.parent_turn, o.spawn_call, o.how) == ("sub-1", "main", 0, "", "order")

@@ -161,11 +161,10 @@ def live_and_rebuilt() -> tuple[LineageTracker, LineageTracker]:
     tracker, log = asyncio.run(live())
     point = resume_points(log.read(), ["s"])["s"]
     rebuilt = LineageTracker()
-    rebuilt.rebuild(point.lineage_turns.values(), point.lineage_origins)
+    rebuilt.rebuild(point.lineage_turns.values(), point.lineage_origins, point.lineage_history)
     return tracker, rebuilt
 
 
-@pytest.mark.xfail(strict=True, reason="rebuild sees only each lineage's last turn: the calls of its earlier answers are lost")
 def test_a_resumed_session_takes_a_subagent_declared_by_an_earlier_call_as_the_live_one_does():
     live, rebuilt = live_and_rebuilt()
     declared = Declared("A", parent="main", call="call_t1")
@@ -173,7 +172,6 @@ def test_a_resumed_session_takes_a_subagent_declared_by_an_earlier_call_as_the_l
     rebuilt.check(declared)
 
 
-@pytest.mark.xfail(strict=True, reason="rebuild sees only each lineage's last turn: its pending spawn calls are lost")
 def test_a_resumed_session_matches_a_subagent_to_an_earlier_pending_call_as_the_live_one_does():
     live, rebuilt = live_and_rebuilt()
     first = TurnRecorded(turn_index=2, messages=[{"role": "system", "content": "sub"},

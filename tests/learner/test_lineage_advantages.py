@@ -71,8 +71,8 @@ def test_by_default_every_lineage_shares_its_sessions_advantage_and_reward():
     assert adv[("a", "main")] == adv[("a", "sub-1")] == pytest.approx(1 / 2 ** 0.5, rel=1e-4)
     assert adv[("b", "main")] == adv[("b", "sub-1")] == pytest.approx(-1 / 2 ** 0.5, rel=1e-4)
     rows = {(s.session_id, s.metadata.get("lineage")): s for s in samples}
-    assert rows[("a", "sub-1")].reward == 0.0 and rows[("a", "sub-1")].metadata["session_reward"] == 1.0
-    assert rows[("a", "main")].reward == 1.0 and "session_reward" not in rows[("a", "main")].metadata
+    assert rows[("a", "sub-1")].reward == 1.0 and rows[("a", "sub-1")].metadata["lineage_reward"] == 0.0
+    assert rows[("a", "main")].reward == 1.0 and "lineage_reward" not in rows[("a", "main")].metadata
     # The aborted session: one zero-masked placeholder, no row of any lineage trained.
     (placeholder,) = [s for s in samples if s.session_id == "c"]
     assert placeholder.remove_sample and not placeholder.mask.any()
@@ -99,3 +99,20 @@ def test_a_bad_per_lineage_reward_makes_the_session_reward_unusable_naming_it():
     assert resolve_reward({"reward": 1.0, "lineage/sub-1": float("nan")})[1].startswith("reward['lineage/sub-1']: reward is not finite")
     assert resolve_reward({"reward": 1.0, "lineage/sub-1": 0.5}) == (1.0, "")
     assert "session's own reward is missing" in resolve_reward({"lineage/sub-1": 0.5})[1]
+
+
+def test_a_lineage_reward_naming_no_lineage_of_the_session_is_listed_on_its_rows():
+    async def build():
+        log = MemoryLog()
+        engine = await SessionEngine.open(log)
+
+        async def end(h):
+            await h.finish({"reward": 1.0, "lineage/sub-9": 0.5})
+
+        await session(engine, "a", 0, end)
+        await engine.close()
+        return log
+
+    samples = reduce_log(asyncio.run(build())).samples
+    assert [s.metadata["lineage_reward_unknown"] for s in samples] == [["sub-9"], ["sub-9"]]
+    assert all(s.reward == 1.0 and "lineage_reward" not in s.metadata for s in samples)
