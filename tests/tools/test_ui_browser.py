@@ -7,7 +7,8 @@ page logged, and on any request that left the server under test.
 
 Checks: each view renders (run, sessions, session, group, step; the reconstruct button shows what the API says); the
 sessions table filtered in the UI (status, reason, health flag) shows exactly the sessions ``agentlog replay LOG
---status X --json`` prints; the token view has one span per token whose data-mask is the row's mask; a live log's new
+--status X --json`` prints; the token view has one span per token whose data-mask is the row's mask; the "trainer
+log-probs" button draws the trainer ribbon where the API scored a token (a bare log shows why not instead); a live log's new
 session shows within 2 s, through a server started with --token (the page passes ?token= on every request), with its
 hostile transcript text drawn as text.
 
@@ -333,6 +334,47 @@ def test_the_token_view_has_one_span_per_token_carrying_the_rows_mask(log_tab):
     page.hover(".tokens span.tok.kind-trained >> nth=0")
     tip = page.text_content("#tok-tip")
     assert "mask 1" in tip and "rollout" in tip, tip
+    tab.assert_clean()
+
+
+def test_the_trainer_log_probs_button_draws_the_trainer_ribbon_and_a_bare_log_says_why_not(demo_tab, log_tab):
+    # A run folder: the button scores the session's turns with the run's checkpoints, then the rows are drawn again
+    # with a trainer ribbon under each token the API gave a log-prob (and the |trainer - rollout| ribbon).
+    tab, page = demo_tab, demo_tab.page
+    sid = get_json(tab.base, "/api/sessions?status=finished&limit=1&sort=session_id")["rows"][0]["session_id"]
+    tab.open("run", "run")  # a hash change (the tab may already show this session: the same hash draws nothing)
+    tab.open(f"session/{urllib.parse.quote(sid)}", "session")
+    assert page.locator("#token-view .rib-trainer").count() == 0
+    page.click("#trainer-load")
+    page.wait_for_selector("#trainer-status[data-state='loaded'], #trainer-status[data-state='error']", timeout=60_000)
+    assert page.get_attribute("#trainer-status", "data-state") == "loaded", page.text_content("#trainer-status")
+    trainer = get_json(tab.base, f"/api/session/{urllib.parse.quote(sid)}/trainer")
+    assert trainer["cached"] is True  # the page's request scored it; this one reads the server's cache
+    for row in trainer["rows"]:
+        drawn = page.eval_on_selector_all(f".tokens[data-row='{row['row']}'] span.tok",
+                                          "ss => ss.map(s => { const r = s.querySelector('.rib-trainer');"
+                                          " return r === null ? 'none' : r.style.background !== ''; })")
+        assert drawn == [lp is not None for lp in row["trainer_logprob"]], (sid, row["row"])
+        assert any(drawn)
+    assert page.locator("#token-view .rib-delta").count() > 0
+    # Its toggle hides it (on the view on screen), and a ribbon hidden stays hidden when the rows are drawn again.
+    toggle = page.locator(".ribbon-toggles label", has_text="trainer log-prob").locator("input")
+    toggle.uncheck()
+    assert page.eval_on_selector("#token-view .rib-trainer", "r => getComputedStyle(r).display") == "none"
+    toggle.check()
+    assert page.eval_on_selector("#token-view .rib-trainer", "r => getComputedStyle(r).display") == "block"
+    assert f"{trainer['scored_tokens']} tokens scored" in page.text_content("#trainer-status")
+    tab.shot("session-trainer")
+    tab.assert_clean()
+
+    # A bare log: no button, the server's reason in its place (and no request that would fail).
+    tab, page = log_tab, log_tab.page
+    why = get_json(tab.base, "/api/session/fin-0")["trainer_scoring"]["why"]
+    tab.open("run", "run")
+    tab.open("session/fin-0", "session")
+    assert page.locator("#trainer-load").count() == 0
+    assert page.get_attribute("#trainer-status", "data-state") == "unavailable"
+    assert why in page.text_content("#trainer-status")
     tab.assert_clean()
 
 

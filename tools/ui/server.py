@@ -9,7 +9,9 @@ read the run through a DNS name rebound to 127.0.0.1. Errors are JSON
 ``{"error": ...}`` naming what was wrong; an unexpected one is a JSON 500
 (logged with its traceback, the token never). An SSE client that falls
 :data:`SSE_QUEUE_MAX` events behind is dropped (EventSource reconnects). The routes and their JSON are the contract in the module
-docstrings of :mod:`.views` and :mod:`.index`.
+docstrings of :mod:`.views`, :mod:`.index` and :mod:`.trainer` (``/api/session/{id}/trainer``:
+the trainer's per-token log-probs, scored on demand in a worker thread; 409 for a source
+without a run folder's checkpoints, 413 for a session past the bounds).
 
 One follower task keeps the index up to date: every :data:`POLL_S` it reads
 what the log(s) gained (in a worker thread; the first pass builds or resumes
@@ -76,6 +78,7 @@ class UiServer:
         from agentlog.tools.cli_common import check_log_path, learner_log_of, reduce_config_of
 
         from .index import IndexLockedError, SessionIndex, default_index_path
+        from .trainer import TrainerScores
         from .views import RunViews
 
         if host not in LOOPBACK and not token:
@@ -94,6 +97,7 @@ class UiServer:
                 raise CliError(f"ui: {exc}", EXIT_USAGE) from None
             raise
         self.views = RunViews(self.source, self.learner, config, self.source.run_dir)
+        self.trainer = TrainerScores(self.source.run_dir, config)
         self.runner: web.AppRunner | None = None
         self.follower: asyncio.Task | None = None
         self.follow_error: str | None = None
@@ -214,6 +218,7 @@ class UiServer:
         r.add_get("/api/run", self._api_run)
         r.add_get("/api/sessions", self._api_sessions)
         r.add_get("/api/session/{id}", self._api_session)
+        r.add_get("/api/session/{id}/trainer", self._api_trainer)
         r.add_get("/api/group/{id}", self._api_group)
         r.add_get("/api/step/{n}", self._api_step)
         r.add_get("/api/step/{n}/reconstruct", self._api_reconstruct)
@@ -317,7 +322,31 @@ class UiServer:
             adv = await asyncio.to_thread(self._advantage_of, row)
             for r in view["rows"]:
                 r["advantage"] = adv if r["trained"] else None
+        why = await asyncio.to_thread(self.trainer.unavailable)
+        view["trainer_scoring"] = {"available": why is None, "why": why}
         return _json(view)
+
+    async def _api_trainer(self, request: web.Request) -> web.Response:
+        """The session's trainer log-probs, scored on demand in a worker thread (:mod:`.trainer`):
+        409 when the source cannot be scored, 413 past the per-session bounds."""
+        from agentlog.events.errors import ConfigError
+
+        from .trainer import ScoringUnavailable, TooMuchToScore
+
+        sid = request.match_info["id"]
+        where = self.index.locate(sid)
+        if where is None:
+            return _error(404, f"session {sid!r}: not in the index of {self.arg} (built to {self.index.built_to})")
+
+        def build() -> dict:
+            return self.trainer.session(sid, self.views.session_envelopes(sid, *where))
+
+        try:
+            return _json(await asyncio.to_thread(build))
+        except (ScoringUnavailable, ConfigError) as exc:
+            return _error(409, f"{request.path}: {exc}")
+        except TooMuchToScore as exc:
+            return _error(413, f"{request.path}: {exc}")
 
     def _advantage_of(self, row: dict) -> float | None:
         if self.learner is None or not row.get("group_id"):

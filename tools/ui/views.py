@@ -13,6 +13,9 @@
   each with its turns, rows, parent and spawning call) and each turn's, row's
   and fork branch's ``lineage`` (a session without subagents has the one
   lineage ``main``);
+* a session's trainer log-probs, on demand (:mod:`.trainer`): its turns scored
+  by the run's policy at the versions that generated them, placed in the rows
+  as the rollout log-probs are (:func:`row_output_spans`);
 * a group and a learner step: from the learner log
   (:func:`loop.learner_records.read_learner_records`) and the groups the
   partitions release (:func:`reducers.partitioned.reduce_partitions`), with
@@ -60,18 +63,14 @@ def token_layout(sample: Any, turns: dict[int, "_TurnInfo"], row: Any | None) ->
     other response token came from outside the policy: ``tool`` when the turn after it holds a
     tool message, else ``given``. Log-probs and versions: those each turn recorded for its own
     output tokens, None wherever the log holds none."""
-    from agentlog.reducers.row_layout import turn_output_spans
-
     n_prompt, n = sample.prompt_length, sample.prompt_length + sample.response_length
     kinds = ["prompt"] * n_prompt + ["given"] * sample.response_length
     logprob: list[float | None] = [None] * n
     version: list[int | None] = [None] * n
-    spans: list = []
+    spans = row_output_spans(sample, row, {t: (info.prompt_tokens, info.output_ids) for t, info in turns.items()})
     after: dict[int, int] = {}  # turn index -> the next turn of the row
     if row is not None:
         order = list(row.turn_indices)
-        spans = turn_output_spans(sample.tokens, order, {t: (turns[t].prompt_tokens, turns[t].output_ids)
-                                                         for t in order if t in turns})
         after = {t: order[k + 1] for k, t in enumerate(order[:-1])}
     for k, span in enumerate(spans):
         info = turns[span.turn]
@@ -92,6 +91,38 @@ def token_layout(sample: Any, turns: dict[int, "_TurnInfo"], row: Any | None) ->
         if m:
             kinds[n_prompt + i] = "trained"
     return kinds, logprob, version
+
+
+def row_output_spans(sample: Any, row: Any | None, outputs: dict[int, tuple[int, bytes]]) -> list:
+    """Where each turn of ``row`` (the trajectory row ``sample`` was made from; None: none known)
+    put its output in the sample's tokens (:func:`reducers.row_layout.turn_output_spans`);
+    ``outputs``: turn index -> (prompt token count, output ids as int32 LE bytes). The one
+    placement every per-token ribbon of a row follows (rollout here, the trainer's in :mod:`.trainer`)."""
+    from agentlog.reducers.row_layout import turn_output_spans
+
+    if row is None:
+        return []
+    order = list(row.turn_indices)
+    return turn_output_spans(sample.tokens, order, {t: outputs[t] for t in order if t in outputs})
+
+
+def session_rows(envs: list, session_id: str, config: Any) -> tuple[Any, list, str | None]:
+    """(trajectory, samples, problem) of one session's envelopes: its training rows exactly as the
+    sample reducer makes them (:class:`reducers.pipeline.Reducer`) beside the trajectory rows they
+    come from; (None, [], why) when the reducers refuse the session."""
+    from agentlog.reducers.pipeline import ReduceError, Reducer, session_trajectory
+
+    try:
+        traj = session_trajectory(envs, session_id, config)
+        samples = [s for s in Reducer(config).feed_many(envs).samples if s.session_id == session_id]
+    except (ReduceError, KeyError) as exc:
+        return None, [], str(exc).strip("'\"")
+    return traj, samples, None
+
+
+def trajectory_row(traj: Any, sample: Any) -> Any | None:
+    """The trajectory row ``sample`` was made from (None when the trajectory has no such row)."""
+    return traj.rows[sample.row_index] if traj is not None and sample.row_index < len(traj.rows) else None
 
 
 class _TurnInfo:
@@ -147,7 +178,6 @@ class RunViews:
         from agentlog.events.schema.types import (
             CommandRan, SandboxSnapshotted, SessionAborted, SessionFinished, SessionResumed, TurnRecorded, TurnUndelivered,
         )
-        from agentlog.reducers.pipeline import ReduceError, Reducer, session_trajectory
         from agentlog.tools.cmd_show import new_messages, resume_marks, why_lines
         from agentlog.tools.cmd_replay import command_outcome
         from agentlog.events.schema.lineage import turn_lineage
@@ -202,14 +232,9 @@ class RunViews:
                 error, traceback = b.error or None, b.traceback or None
         rows: list[dict] = []
         branches: list[dict] = []
-        problem = None
-        try:
-            traj = session_trajectory(envs, sid, self.config)
-            samples = [s for s in Reducer(self.config).feed_many(envs).samples if s.session_id == sid]
-        except (ReduceError, KeyError) as exc:
-            traj, samples, problem = None, [], str(exc).strip("'\"")
+        traj, samples, problem = session_rows(envs, sid, self.config)
         for s in samples:
-            trow = traj.rows[s.row_index] if traj is not None and s.row_index < len(traj.rows) else None
+            trow = trajectory_row(traj, s)
             row_lineage = trow.lineage if trow is not None else s.metadata.get("lineage")
             rows.append({**self._row_json(s, infos, trow), "lineage": row_lineage})
             branches.append({"row": s.row_index, "turns": list(trow.turn_indices) if trow is not None else [], "lineage": row_lineage})
@@ -233,7 +258,9 @@ class RunViews:
             "mask": [0] * n_prompt + mask,
             # Only what the turns recorded: an untrained or realigned token has no made-up 0.0 / version 0.
             "rollout_logprob": rollout,
-            "trainer_logprob": [None] * len(ids),  # the learner records no per-token log-prob (only step metrics)
+            # The learner records no per-token log-prob (only step metrics): /api/session/{id}/trainer
+            # scores the turns with the run's checkpoints on demand (:mod:`.trainer`).
+            "trainer_logprob": [None] * len(ids),
             "teacher_logprob": [None] * n_prompt + [_num(teacher[i]) if scored and scored[i] else None
                                                     for i in range(s.response_length)],
             "version": versions,

@@ -617,6 +617,8 @@ function tokenView(row, divergeFrom = null) {
       const lp = row[field] ? row[field][i] : null;
       if (lp !== null && lp !== undefined) lines.push(`${name.padEnd(8)} log-prob ${lp.toFixed(4)}  (p ${Math.exp(lp).toFixed(3)})`);
     }
+    const v = row.version ? row.version[i] : null;
+    if (row.trainer_missing && v !== null && v !== undefined && row.trainer_missing[v]) lines.push(`trainer  none: ${row.trainer_missing[v]}`);
     if (withDelta && row.rollout_logprob[i] != null && row.trainer_logprob[i] != null) {
       lines.push(`trainer − rollout ${(row.trainer_logprob[i] - row.rollout_logprob[i]).toFixed(4)}`);
     }
@@ -648,13 +650,59 @@ function ribbonControls(root, rows) {
   const have = RIBBONS.filter(([, field]) => rows.some((r) => present(r[field])));
   const delta = rows.some((r) => present(r.rollout_logprob) && present(r.trainer_logprob));
   if (!have.length) return el("p", { class: "muted" }, "No per-token log-probs in this session's rows.");
-  const toggle = (name, label) => el("label", {}, el("input", { type: "checkbox", checked: true,
-    onchange: (e) => root.classList.toggle("hide-rib-" + name, !e.target.checked) }), " " + label);
+  // ``root`` may be the detached box a view is drawn into before it is shown (route()): a toggle acts on the view
+  // on screen that holds it. Checked as that view shows it: a redraw (the trainer ribbon loaded) keeps what was hidden.
+  const toggle = (name, label) => el("label", {}, el("input", { type: "checkbox", checked: !root.classList.contains("hide-rib-" + name),
+    onchange: (e) => (e.target.closest("#app > div") || root).classList.toggle("hide-rib-" + name, !e.target.checked) }), " " + label);
   return el("div", { class: "ribbon-toggles" },
     el("span", { class: "muted" }, "ribbons under each token, top to bottom: "),
     have.map(([name, , label]) => toggle(name, label)),
     delta ? toggle("delta", "|trainer − rollout| (white 0, red ≥ 0.5)") : null,
     el("span", { class: "muted" }, " colour: p(token) "), el("span", { class: "ribbon-scale", title: "left: p near 0, right: p = 1" }), el("span", { class: "muted" }, " 0 → 1"));
+}
+
+/** The trainer ribbon, on demand: a button asking the server to score the session's turns with the run's own
+ *  policy at the versions that generated them (GET /api/session/{id}/trainer), then ``onLoaded(answer)``; or, for a
+ *  source the server cannot score (a bare log: no run folder with checkpoints), why not instead of a button. */
+function trainerControl(s, onLoaded) {
+  const status = el("span", { id: "trainer-status", class: "muted", "data-state": "idle" });
+  const box = (...children) => el("div", { class: "trainer-control" }, children);
+  const scoring = s.trainer_scoring || { available: true, why: null };
+  if (s.trainer) {
+    status.dataset.state = "loaded";
+    status.textContent = trainerSummary(s.trainer);
+    return box(status);
+  }
+  if (!scoring.available) {
+    status.dataset.state = "unavailable";
+    status.textContent = `no trainer log-probs: ${scoring.why}`;
+    return box(status);
+  }
+  const button = el("button", { type: "button", id: "trainer-load",
+    title: "score each turn with the run's checkpoint of the version that generated it (the learner's computation)" },
+  "trainer log-probs");
+  button.addEventListener("click", async () => {
+    button.disabled = true;
+    status.dataset.state = "loading";
+    status.textContent = "scoring the turns with the run's policy at their versions…";
+    try {
+      onLoaded(await api("/api/session/" + encodeURIComponent(s.session_id) + "/trainer"));
+    } catch (e) {
+      status.dataset.state = "error";
+      status.className = "error";
+      status.textContent = e.message;
+      button.disabled = false;
+    }
+  });
+  return box(button, " ", status);
+}
+
+/** One line on what the trainer ribbon holds: tokens scored, and each version left blank and why. */
+function trainerSummary(t) {
+  const parts = [`trainer log-probs: ${t.scored_tokens} tokens scored ${t.engine} in ${fmtNum(t.seconds)} s` + (t.cached ? " (cached)" : "")];
+  for (const m of t.missing || []) parts.push(`policy v${m.version} (${m.tokens} tokens of turns ${m.turns.join(", ")}) left blank: ${m.why}`);
+  if (t.problem) parts.push(`no training rows: ${t.problem}`);
+  return parts.join("; ");
 }
 
 /** ``divergeFrom``: for a fork branch, the first token where it differs from the other branches (marked diverged). */
@@ -798,6 +846,7 @@ const SessionView = {
     if (!rows.length) { box.appendChild(el("p", { class: "muted" }, "This session makes no training row.")); return box; }
     box.appendChild(kindLegend(rows));
     box.appendChild(ribbonControls(root, rows));
+    box.appendChild(trainerControl(s, (t) => this.withTrainer(root, s, t)));
     if ((s.lineages || []).length > 1) {
       // A session with subagents: each row sits in its lineage's column (above), beside the turns it is made of.
       const check = (s.forks || {}).train_once || {};
@@ -827,6 +876,24 @@ const SessionView = {
     }
     for (const row of rows) if (!branchRows.has(row.row) || (forks.branches || []).length <= 1) box.appendChild(rowBlock(row));
     return box;
+  },
+
+  /** The trainer's answer merged into the rows, then the rows drawn again where they are (the reader's scroll kept). */
+  withTrainer(root, s, t) {
+    const byRow = new Map((t.rows || []).map((r) => [r.row, r.trainer_logprob]));
+    const missing = Object.fromEntries((t.missing || []).map((m) => [m.version, m.why]));
+    for (const r of s.rows || []) {
+      if (byRow.has(r.row)) r.trainer_logprob = byRow.get(r.row);
+      r.trainer_missing = missing;
+    }
+    s.trainer = t;
+    // ``root`` was the box the view was drawn into; the view on screen now holds its nodes.
+    const view = document.getElementById("token-view").closest("#app > div") || root;
+    const x = window.scrollX, y = window.scrollY;
+    // A session with subagents draws its rows in the lineage columns of the transcript.
+    if ((s.lineages || []).length > 1) view.querySelector("#transcript").replaceWith(this.transcript(s));
+    view.querySelector("#token-view").replaceWith(this.tokens(view, s));
+    window.scrollTo(x, y);
   },
 
   // Live: a change to the session on screen offers a reload instead of redrawing under the reader's eyes.
