@@ -116,8 +116,8 @@ def _check_output(out: Path) -> None:
         raise CliError(f"{out}: exists and is not a directory; export-dataset writes a new (or empty) directory", EXIT_USAGE)
 
 
-def _advantage_settings(source: Any, estimator: str | None, config_file: str | None) -> tuple[str, float]:
-    """(estimator, eps) of the run's learner: the one ``config_file`` configures when given (as
+def _advantage_settings(source: Any, estimator: str | None, config_file: str | None) -> tuple[str, float, bool]:
+    """(estimator, eps, lineages as members) of the run's learner: the one ``config_file`` configures when given (as
     :func:`tools.cli_common.reduce_config_of` takes it), else a run folder's, else the learner's
     defaults; ``estimator`` on top."""
     from agentlog.events.errors import ConfigError
@@ -134,7 +134,7 @@ def _advantage_settings(source: Any, estimator: str | None, config_file: str | N
     except ConfigError as exc:
         where = "--config: " if config_file is not None else ""
         raise CliError(f"{where}{exc} (the run's learner settings)", EXIT_USAGE) from None
-    return estimator or learner.estimator, learner.adv_eps
+    return estimator or learner.estimator, learner.adv_eps, learner.lineage_advantage == "member"
 
 
 def arrow_schema(fmt: str, tokens: bool) -> Any:
@@ -326,7 +326,7 @@ def run(args) -> int:
     writer_type = _writer(fmt)
     path = check_log_path(args.log)
     config = reduce_config_of(path, args.config)
-    estimator, eps = _advantage_settings(path, args.estimator, args.config)
+    estimator, eps, lineage_members = _advantage_settings(path, args.estimator, args.config)
     groups = set(args.group or ())
     min_reward = args.min_reward
 
@@ -335,7 +335,7 @@ def run(args) -> int:
             return False
         return min_reward is None or (row["reward"] is not None and row["reward"] >= min_reward)
 
-    fold = DatasetFold(config, group_advantages(estimator, eps), tokens=args.tokens, keep=keep)
+    fold = DatasetFold(config, group_advantages(estimator, eps), tokens=args.tokens, keep=keep, lineage_members=lineage_members)
     made = _missing_dirs(out.parent)  # removed again when the export fails
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -397,7 +397,8 @@ def run(args) -> int:
         manifest = {
             "source": str(path), "format": fmt, "rows": written, "sessions": sessions, "by_status": counts,
             "filters": {"status": list(statuses), "group": sorted(groups), "min_reward": min_reward, "sessions": limit},
-            "tokens": args.tokens, "advantage": {"estimator": estimator, "eps": eps},
+            "tokens": args.tokens, "advantage": {"estimator": estimator, "eps": eps,
+                                                 "lineage_advantage": "member" if lineage_members else "session"},
             "reduce_config": config.to_dict(), "reduce_config_digest": config.digest(),
             "config_file": None if args.config is None else str(Path(args.config).resolve()),
         }

@@ -255,8 +255,11 @@ class DatasetFold:
     time; ``tokens`` adds the token columns (numpy arrays, see :func:`token_columns`)."""
 
     def __init__(self, config: ReduceConfig, advantages: Callable[[list[float], list[int], list[bool]], list[float]], *,
-                 tokens: bool = False, keep: Callable[[dict[str, Any]], bool] = lambda row: True) -> None:
+                 tokens: bool = False, keep: Callable[[dict[str, Any]], bool] = lambda row: True,
+                 lineage_members: bool = False) -> None:
         self.config = config
+        #: The learner's ``lineage_advantage = "member"``: each lineage is a member of its group.
+        self.lineage_members = lineage_members
         self._reducers: dict[int | None, Reducer] = {}  # one per partition: a session never spans partitions
         self.tokens = tokens
         self.keep = keep
@@ -385,12 +388,12 @@ class DatasetFold:
     def _settle(self) -> list[dict[str, Any]]:
         """The rows of the released groups waiting, with their advantages (one call for all their groups)."""
         waiting, self._released_groups, self._released_bytes = self._released_groups, [], 0
-        advantages = member_advantages([group for group, _held in waiting], self._advantages)
+        advantages = member_advantages([group for group, _held in waiting], self._advantages, self.lineage_members)
         rows: list[dict[str, Any]] = []
         for (group, held), adv in zip(waiting, advantages):
             for m, a in zip(group.members, adv):
-                for row in held.get(m.session_id, ()):  # every lineage shares its session's advantage
-                    row["advantage"] = a
+                for row in held.get(m.session_id, ()):  # by default every lineage shares its session's advantage
+                    row["advantage"] = a.get(row["lineage"], 0.0) if isinstance(a, dict) else a
                     row["in_baseline"] = m.valid
             for session in held.values():
                 for row in session:
@@ -449,24 +452,52 @@ def row_nbytes(row: dict[str, Any]) -> int:
     return n
 
 
-def member_advantages(groups: list[Group], advantages: Callable[[list[float], list[int], list[bool]], list[float]]) -> list[list[float]]:
+def _lineage_rewards(member: Any) -> dict[str, float]:
+    """A member's lineages, in the order they began, each with its reward: the verifier's own
+    for it (``metadata["lineage_reward"]``), else the session's (lineages as members)."""
+    out: dict[str, float] = {}
+    base = member.reward if member.valid and member.reward is not None else 0.0
+    for s in member.samples:
+        lineage = s.metadata.get("lineage", ROOT_LINEAGE)
+        if lineage not in out:
+            own = s.metadata.get("lineage_reward")
+            out[lineage] = float(own) if member.valid and own is not None else base
+    return out or {ROOT_LINEAGE: base}
+
+
+def member_advantages(groups: list[Group], advantages: Callable[[list[float], list[int], list[bool]], list[float]],
+                      lineage_members: bool = False) -> list[list[Any]]:
     """Per group, its members' advantages (in ``group.members`` order) as the learner computes
     them, in one call of ``advantages`` (:func:`group_advantages`) for all the groups: 0.0 for a
-    member outside the baseline (not valid) and for every member of a skipped group."""
+    member outside the baseline (not valid) and for every member of a skipped group. With
+    ``lineage_members`` each lineage of a session is a member of its own (the learner's
+    ``lineage_advantage = "member"``), and a member's advantage is a dict lineage -> advantage."""
     rewards: list[float] = []
     index: list[int] = []
     valid: list[bool] = []
     for i, group in enumerate(groups):
         if not group.skipped:
             for m in group.members:
-                rewards.append(m.reward if m.valid and m.reward is not None else 0.0)
-                index.append(i)
-                valid.append(m.valid)
+                parts = _lineage_rewards(m).values() if lineage_members else [m.reward if m.valid and m.reward is not None else 0.0]
+                for reward in parts:
+                    rewards.append(reward)
+                    index.append(i)
+                    valid.append(m.valid)
     adv = iter(advantages(rewards, index, valid) if rewards else ())
-    out: list[list[float]] = []
+    out: list[list[Any]] = []
     for group in groups:
-        values = [0.0 if group.skipped else next(adv) for _ in group.members]
-        out.append([a if m.valid else 0.0 for a, m in zip(values, group.members)])
+        values: list[Any] = []
+        for m in group.members:
+            if lineage_members:
+                per_lineage = {}
+                for lineage in _lineage_rewards(m):
+                    a = 0.0 if group.skipped else next(adv)
+                    per_lineage[lineage] = a if m.valid else 0.0
+                values.append(per_lineage)
+            else:
+                a = 0.0 if group.skipped else next(adv)
+                values.append(a if m.valid else 0.0)
+        out.append(values)
     return out
 
 
