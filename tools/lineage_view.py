@@ -50,6 +50,9 @@ class SpawnCall(NamedTuple):
     name: str
     #: Its arguments as JSON text (a string argument as it is), "" when unknown.
     arguments: str
+    #: Whether the parent turn's calls were no longer held when the lineage began (a bounded
+    #: :class:`SessionLineages` keeps only each lineage's latest turns with calls): name unknown.
+    forgotten: bool = False
 
 
 class LineageEntry:
@@ -96,13 +99,14 @@ class SessionLineages:
     calls are kept to name a later subagent's spawning call (None: all; the report, which
     streams, bounds it, since a subagent is spawned by its parent's latest turns)."""
 
-    __slots__ = ("keep_turns", "_lineages", "_calls", "_called")
+    __slots__ = ("keep_turns", "_lineages", "_calls", "_called", "_dropped")
 
     def __init__(self, keep_turns: int | None = None) -> None:
         self.keep_turns = keep_turns
         self._lineages: dict[str, LineageEntry] = {}
         self._calls: dict[int, list] = {}  # turn index -> the tool calls of its response
         self._called: dict[str, collections.deque] = {}  # lineage -> its turns in _calls, oldest first
+        self._dropped: dict[str, int] = {}  # lineage -> the newest of its turns whose calls keep_turns dropped
 
     def feed(self, env: Any) -> None:
         """Take one of the session's envelopes (in log order); only turns matter."""
@@ -126,7 +130,9 @@ class SessionLineages:
                 called = self._called.setdefault(lineage_id, collections.deque())
                 called.append(body.turn_index)
                 while len(called) > self.keep_turns:
-                    self._calls.pop(called.popleft(), None)
+                    dropped = called.popleft()
+                    self._calls.pop(dropped, None)
+                    self._dropped[lineage_id] = max(dropped, self._dropped.get(lineage_id, dropped))
 
     def _spawn_call(self, origin: Lineage) -> SpawnCall:
         """The parent turn's call ``origin`` names (name and arguments "" when not found)."""
@@ -135,7 +141,8 @@ class SessionLineages:
                 fields = _call_fields(call)
                 if fields is not None and fields[0] == origin.spawn_call:
                     return SpawnCall(origin.parent_turn, origin.spawn_call, fields[1], _arguments_text(fields[2]))
-        return SpawnCall(origin.parent_turn, origin.spawn_call, "", "")
+        forgotten = origin.parent_turn not in self._calls and origin.parent_turn <= self._dropped.get(origin.parent, -1)
+        return SpawnCall(origin.parent_turn, origin.spawn_call, "", "", forgotten)
 
     @property
     def lineages(self) -> list[LineageEntry]:
@@ -222,6 +229,8 @@ def spawn_text(entry: LineageEntry, full: bool) -> str:
             if not full and len(args) > SPAWN_ARGS_SHOWN:
                 args = args[:SPAWN_ARGS_SHOWN] + f"... (+{len(spawn.arguments) - SPAWN_ARGS_SHOWN} chars)"
             text += f" {spawn.name}({' '.join(args.split())})"
+        elif spawn is not None and spawn.forgotten:
+            text += " (its tool and arguments not kept: only each lineage's latest turns with calls are)"
         else:
             text += " (not among the parent turn's tool calls)"
     else:

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import threading
+import time
+import tracemalloc
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -37,9 +41,9 @@ SECOND_OUTPUT = [7, 7]
 TEMPERATURE = 0.7
 
 
-def _get(url: str) -> tuple[int, Any]:
+def _get(url: str, timeout: float = 60) -> tuple[int, Any]:
     try:
-        with urllib.request.urlopen(url, timeout=60) as resp:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
@@ -230,3 +234,62 @@ def test_a_bare_log_is_refused_with_why_scoring_needs_a_run_folder(ui_run, tmp_p
         assert status == 409 and view["trainer_scoring"]["why"] in body["error"], body
     finally:
         stop()
+
+
+# ---------------------------------------------------------------- the server stays answering; the bounds bound memory
+
+
+def test_requests_waiting_for_the_scorer_leave_every_other_route_answering(ui_run, tmp_path):  # noqa: F811
+    """Scoring is serialised; requests waiting their turn must not hold the worker threads the
+    session view (and the log follower) run in."""
+    url, stop = start_ui(ui_run.demo, index_path=tmp_path / "ix.sqlite")
+    lock = stop.server.trainer._lock  # type: ignore[attr-defined]
+    answers: list[tuple[int, Any]] = []
+    waiting = min(32, (os.cpu_count() or 1) + 4)  # as many as the default executor has threads
+    try:
+        sid = _ok(f"{url}/api/sessions?status=finished&limit=1&sort=session_id")["rows"][0]["session_id"]
+        threads = [threading.Thread(target=lambda: answers.append(_get(f"{url}/api/session/{sid}/trainer")), daemon=True)
+                   for _ in range(waiting)]
+        lock.acquire()  # a long scoring under way
+        try:
+            for t in threads:
+                t.start()
+            time.sleep(1.0)  # every request is waiting for the scorer
+            t0 = time.perf_counter()
+            status, view = _get(f"{url}/api/session/{sid}", timeout=20)
+            assert status == 200 and view["session_id"] == sid and time.perf_counter() - t0 < 20
+        finally:
+            lock.release()
+        for t in threads:
+            t.join(60)
+        assert [a[0] for a in answers] == [200] * waiting, answers[:1]
+        assert sum(not a[1]["cached"] for a in answers) == 1  # scored once, the others from the cache
+    finally:
+        stop()
+
+
+def test_a_session_past_the_bounds_is_refused_before_its_turns_are_expanded(tmp_path):
+    """The 413 is decided on the stored turn deltas: expanding every turn's full prompt first
+    would take the memory the bounds are there to spare (here about 15 MB, each prompt
+    repeating all the turns before)."""
+    from agentlog.events.schema.types import Envelope, TurnDelta
+    from agentlog.reducers.config import ReduceConfig
+    from agentlog.tools.ui.trainer import TooMuchToScore, TrainerScores
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "config.json").write_text("{}")  # never read: refused before any policy loads
+    (tmp_path / "checkpoints" / "policy-v00000.pt").write_bytes(b"")
+    new, turns, held = np.arange(2000, dtype="<i4").tobytes(), 60, 0
+    envs = []
+    for k in range(turns):
+        envs.append(Envelope(k, "long", k, k, TurnDelta(k, output_ids=np.int32([7]).tobytes(), shared_tokens=held, new_prompt_ids=new)))
+        held += 2000 + 1
+    trainer = TrainerScores(tmp_path, ReduceConfig(), max_turns=1000, max_forward_tokens=100_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TooMuchToScore, match=f"{turns} turns and {sum(2001 * (k + 1) for k in range(turns)):,} tokens"):
+            trainer.session("long", envs)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2_000_000, f"{peak:,} bytes taken to refuse"

@@ -10,7 +10,7 @@ read the run through a DNS name rebound to 127.0.0.1. Errors are JSON
 (logged with its traceback, the token never). An SSE client that falls
 :data:`SSE_QUEUE_MAX` events behind is dropped (EventSource reconnects). The routes and their JSON are the contract in the module
 docstrings of :mod:`.views`, :mod:`.index` and :mod:`.trainer` (``/api/session/{id}/trainer``:
-the trainer's per-token log-probs, scored on demand in a worker thread; 409 for a source
+the trainer's per-token log-probs, scored on demand in a thread of its own; 409 for a source
 without a run folder's checkpoints, 413 for a session past the bounds).
 
 One follower task keeps the index up to date: every :data:`POLL_S` it reads
@@ -24,6 +24,8 @@ traceback) and ``/api/run`` then says ``"live": false`` with the error.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import hmac
 import json
 import math
@@ -98,6 +100,9 @@ class UiServer:
             raise
         self.views = RunViews(self.source, self.learner, config, self.source.run_dir)
         self.trainer = TrainerScores(self.source.run_dir, config)
+        # Its own thread: scoring is serialised and may take long, and requests waiting on it in the
+        # default executor would hold every worker thread the other routes and the follower need.
+        self._trainer_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentlog-ui-trainer")
         self.runner: web.AppRunner | None = None
         self.follower: asyncio.Task | None = None
         self.follow_error: str | None = None
@@ -145,6 +150,7 @@ class UiServer:
             self._end_stream(q)
         if self.runner is not None:
             await self.runner.cleanup()
+        self._trainer_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.index.close)
         # The source owns its connection (a JetStream stream's client and bridge thread):
         # left open, it would keep reconnecting to a server long gone.
@@ -327,7 +333,7 @@ class UiServer:
         return _json(view)
 
     async def _api_trainer(self, request: web.Request) -> web.Response:
-        """The session's trainer log-probs, scored on demand in a worker thread (:mod:`.trainer`):
+        """The session's trainer log-probs, scored on demand in the trainer's own thread (:mod:`.trainer`):
         409 when the source cannot be scored, 413 past the per-session bounds."""
         from agentlog.events.errors import ConfigError
 
@@ -342,7 +348,8 @@ class UiServer:
             return self.trainer.session(sid, self.views.session_envelopes(sid, *where))
 
         try:
-            return _json(await asyncio.to_thread(build))
+            scored = await asyncio.get_running_loop().run_in_executor(self._trainer_pool, contextvars.copy_context().run, build)
+            return _json(scored)
         except (ScoringUnavailable, ConfigError) as exc:
             return _error(409, f"{request.path}: {exc}")
         except TooMuchToScore as exc:

@@ -26,9 +26,10 @@ The JSON (one object per session)::
      "scored_tokens" (output tokens given a log-prob), "forward_tokens" (tokens run through a policy)}
 
 Bounded: a session needing more than :data:`MAX_TURNS` turns or :data:`MAX_FORWARD_TOKENS`
-tokens through a policy is refused (:class:`TooMuchToScore`, a 413) before any model loads.
-Scoring is serialised (one lock) and runs in the caller's thread: the server calls it in a
-worker thread, off its event loop. Results are kept per session (the last
+tokens through a policy is refused (:class:`TooMuchToScore`, a 413), sized on the stored
+turns before any is expanded or any model loads. Scoring is serialised (one lock) and runs in
+the caller's thread: the server calls it in a thread of its own, off its event loop and off
+the worker threads its other routes and its log follower use. Results are kept per session (the last
 :data:`MAX_CACHED_SESSIONS`), keyed by the session's last record, so a live session that
 grew is scored again; the policies of the last :data:`MAX_LOADED_VERSIONS` versions stay loaded.
 """
@@ -130,13 +131,15 @@ class TrainerScores:
         if why is not None:
             raise ScoringUnavailable(why)
         key = (len(envs), envs[-1].lsn if envs else -1)
+        # Sized on the stored turns, before any is expanded: a long session's full prompts add up to
+        # far more memory than its turn deltas do, and the bounds are there to keep that off the server.
+        self._check_bounds(session_id, envs)
         with self._lock:
             hit = self._cache.get(session_id)
             if hit is not None and hit[0] == key:
                 self._cache.move_to_end(session_id)
                 return {**hit[1], "cached": True}
             turns = session_turns(envs)
-            self._check_bounds(session_id, turns)
             t0 = time.perf_counter()
             missing = self._score(turns)
             out = self._rows(session_id, envs, turns, missing)
@@ -148,11 +151,11 @@ class TrainerScores:
                  missing_versions=[m["version"] for m in out["missing"]], seconds=out["seconds"])
         return {**out, "cached": False}
 
-    def _check_bounds(self, session_id: str, turns: list[_Turn]) -> None:
-        forward = forward_tokens(turns)
-        if len(turns) > self.max_turns or forward > self.max_forward_tokens:
+    def _check_bounds(self, session_id: str, envs: list) -> None:
+        n_turns, forward = scoring_size(envs)
+        if n_turns > self.max_turns or forward > self.max_forward_tokens:
             raise TooMuchToScore(
-                f"session {session_id!r}: {len(turns)} turns and {forward:,} tokens to run through the policy"
+                f"session {session_id!r}: {n_turns} turns and {forward:,} tokens to run through the policy"
                 f" (prompt + output, once per version part); the ui scores at most {self.max_turns} turns and"
                 f" {self.max_forward_tokens:,} tokens per session: agentlog verify-tokens RUN scores whole runs")
 
@@ -237,7 +240,7 @@ class TrainerScores:
 
 def session_turns(envs: list) -> list[_Turn]:
     """The session's recorded turns (turn deltas expanded), in log order, ready to score."""
-    from agentlog.events.schema.turn import turn_temperature, turn_version_spans
+    from agentlog.events.schema.turn import turn_temperature
     from agentlog.events.schema.turn_delta import full_turns
     from agentlog.events.schema.types import TurnRecorded
 
@@ -247,14 +250,38 @@ def session_turns(envs: list) -> list[_Turn]:
         if type(body) is not TurnRecorded:
             continue
         output = np.asarray(body.output_tokens, np.int32)
-        spans = turn_version_spans(body)
-        ends = [first for first, _ in spans[1:]] + [len(output)]
         # A greedy turn (temperature 0: None here) is scored at 1.0, the log-probs engines report for it.
         temperature = turn_temperature(body.sampling) or 1.0
         turns.append(_Turn(index=body.turn_index, prompt=np.frombuffer(body.prompt_ids, "<i4"), output=output,
-                           temperature=temperature,
-                           parts=[(int(first), int(end), int(v)) for (first, v), end in zip(spans, ends)]))
+                           temperature=temperature, parts=turn_parts(body, len(output))))
     return turns
+
+
+def turn_parts(body: Any, n_output: int) -> list[tuple[int, int, int]]:
+    """(first output position, end, version) of each version part of a turn (either encoding)."""
+    from agentlog.events.schema.turn import turn_version_spans
+
+    spans = turn_version_spans(body)
+    ends = [first for first, _ in spans[1:]] + [n_output]
+    return [(int(first), int(end), int(v)) for (first, v), end in zip(spans, ends)]
+
+
+def scoring_size(envs: list) -> tuple[int, int]:
+    """(turns, tokens through a policy) that scoring the session's envelopes takes, as
+    :func:`forward_tokens` counts them, read off the stored turns without expanding a turn_delta."""
+    from agentlog.events.schema.turn_delta import prompt_token_count
+    from agentlog.events.schema.types import TurnDelta, TurnRecorded
+
+    n_turns = forward = 0
+    for env in envs:
+        body = env.body
+        if type(body) is not TurnRecorded and type(body) is not TurnDelta:
+            continue
+        n_turns += 1
+        n_output = len(body.output_ids) // 4
+        parts = sum(1 for lo, hi, _ in turn_parts(body, n_output) if hi > lo)
+        forward += parts * (prompt_token_count(body) + n_output)
+    return n_turns, forward
 
 
 def forward_tokens(turns: list[_Turn], skip: Any = ()) -> int:

@@ -181,7 +181,7 @@ class RunViews:
         from agentlog.tools.cmd_show import new_messages, resume_marks, why_lines
         from agentlog.tools.cmd_replay import command_outcome
         from agentlog.events.schema.lineage import turn_lineage
-        from agentlog.tools.lineage_view import row_lineages, session_lineages
+        from agentlog.tools.lineage_view import session_lineages
 
         sid = row["session_id"]
         lineages = session_lineages(envs)
@@ -238,9 +238,14 @@ class RunViews:
             row_lineage = trow.lineage if trow is not None else s.metadata.get("lineage")
             rows.append({**self._row_json(s, infos, trow), "lineage": row_lineage})
             branches.append({"row": s.row_index, "turns": list(trow.turn_indices) if trow is not None else [], "lineage": row_lineage})
+        shown_rows: dict[str, list[int]] = {}
+        for r in rows:
+            if r["lineage"]:
+                shown_rows.setdefault(r["lineage"], []).append(r["row"])
         return {**row, "why": why_lines(envs, True), "verdict": verdict, "error": error, "traceback": traceback,
                 "turns": turns, "commands": commands, "snapshots": snapshots, "resumes": resumes, "rows": rows,
-                "lineages": lineages.to_json(row_lineages(traj.rows) if traj is not None else row_lineages(samples)),
+                # Each lineage's rows as the view shows them (an aborted session's one placeholder, not its trajectory's rows).
+                "lineages": lineages.to_json(shown_rows),
                 "forks": {"branches": branches, "train_once": _train_once(traj)}, "problem": problem}
 
     @staticmethod
