@@ -56,6 +56,30 @@ def _structlog_as_the_test_found_it():
     structlog.reset_defaults()
 
 
+def _one_torch_thread() -> None:
+    """Torch in this process on one thread, where the test modules imported it (no import here):
+    `make test` runs two xdist workers on two cores, and torch's default of one thread per core
+    makes the two workers' threads spin against each other (a learner step measured 20-30x
+    slower). Small models gain nothing from more; a test about thread counts sets its own."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread_for_module_fixtures() -> None:
+    """Before the first module-scoped fixture (a run trained in this process) is made."""
+    _one_torch_thread()
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread_for_each_test() -> None:
+    """Again before each test: a test may import torch itself, or leave another thread count."""
+    _one_torch_thread()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Under CI=true, a skip of a test marked ``required`` becomes a failure that carries the skip's reason."""
