@@ -122,7 +122,7 @@ class TurnBody(_Indexed, frozen=True, kw_only=True):
         if self.version_spans is not UNSET:
             _check_version_spans(event, self.version_spans, len(out) // 4, self.policy_version)
         sampling = self.sampling
-        if sampling and LINEAGE_KEY in sampling:
+        if type(sampling) is dict and LINEAGE_KEY in sampling:  # another type is refused when the body is decoded
             check_lineage(event, sampling[LINEAGE_KEY])
 
     def _check_prompt(self, event: str) -> None:

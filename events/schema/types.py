@@ -68,11 +68,17 @@ def validate_id(kind: str, value: Any) -> str:
 Reward = Union[float, dict[str, float]]
 
 
+#: The largest int a float holds exactly: a reward beyond it would be stored as another number.
+_EXACT_INT = 2**53
+
+
 def normalize_reward(event: str, field: str, value: Any, *, optional: bool = False) -> Any:
     """Rewards are finite floats (int and bool converted) or dicts of them."""
     if value is None and optional:
         return None
     if isinstance(value, (bool, int)) and not isinstance(value, float):
+        if abs(value) > _EXACT_INT:
+            fail(event, field, "a finite float (an int beyond 2**53 would not be stored as given)", value)
         return float(value)
     if isinstance(value, float):
         if not math.isfinite(value):
@@ -84,6 +90,8 @@ def normalize_reward(event: str, field: str, value: Any, *, optional: bool = Fal
             if not isinstance(key, str):
                 fail(event, f"{field}[{key!r}]", "a str key", key)
             if isinstance(v, (bool, int)) and not isinstance(v, float):
+                if abs(v) > _EXACT_INT:
+                    fail(event, f"{field}[{key!r}]", "a finite float (an int beyond 2**53 would not be stored as given)", v)
                 v = float(v)
             if not isinstance(v, float) or not math.isfinite(v):
                 fail(event, f"{field}[{key!r}]", "a finite float", v)

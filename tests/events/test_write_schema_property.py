@@ -132,3 +132,15 @@ def test_any_event_the_writer_accepts_decodes_back_equal(drawn):
             assert plain(encode_body(back.body)) == plain(encode_body(env.body)) == plain(encode_body(body))
             assert plain(encode_body(decode_body(encode_body(back.body)))) == plain(encode_body(back.body))
         assert verify_log(path).status == "ok"
+
+
+def test_a_reward_int_a_float_cannot_hold_is_refused_naming_it():
+    """An int past 2**53 would be stored as another number (the writer converts rewards to floats)."""
+    import pytest as _pytest
+
+    from agentlog.events.schema.types import EventValidationError, RewardAssigned
+
+    assert RewardAssigned(reward=2**53, source="v").reward == float(2**53)
+    for bad in (2**53 + 1, {"score": -(2**53) - 1}):
+        with _pytest.raises(EventValidationError, match=r"reward.*beyond 2\*\*53"):
+            RewardAssigned(reward=bad, source="v")
