@@ -11,6 +11,8 @@ import asyncio
 import pytest
 import torch
 
+from lineage_sessions import spawning_session
+
 from agentlog.engine import SessionEngine
 from agentlog.events.log.api import MemoryLog
 from agentlog.learner.config import ConfigError, LearnerConfig
@@ -25,19 +27,7 @@ def tiny_gpt() -> GPT:
 
 
 async def session(engine, sid: str, index: int, end) -> None:
-    """A parent turn that spawns one subagent by a Task call, the subagent's turn, the parent again."""
-    async with engine.session(sid, group_id="g", group_size=3, sample_index=index) as h:
-        await h.start()
-        parent = [{"role": "system", "content": "parent"}, {"role": "user", "content": f"task {sid}"}]
-        call = {"id": f"call_{sid}", "name": "Task", "arguments": {"prompt": f"search {sid}"}}
-        a0 = {"role": "assistant", "content": "", "tool_calls": [call]}
-        await h.record_turn(parent, [1, 2], output_ids=[3, 4], output_log_probs=[-1.0, -1.0], response_message=a0)
-        sub = [{"role": "system", "content": "sub"}, {"role": "user", "content": f"search {sid}"}]
-        await h.record_turn(sub, [5, 6], output_ids=[7], output_log_probs=[-1.0], response_message={"role": "assistant", "content": "x"})
-        tool = {"role": "tool", "tool_call_id": call["id"], "content": "x"}
-        await h.record_turn(parent + [a0, tool], [1, 2, 3, 4, 8], output_ids=[9], output_log_probs=[-1.0],
-                            response_message={"role": "assistant", "content": "done"})
-        await end(h)
+    await spawning_session(engine, sid, index, end, group_size=3)
 
 
 def released_group():

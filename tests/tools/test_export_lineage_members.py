@@ -8,6 +8,8 @@ import asyncio
 import pytest
 import torch
 
+from lineage_sessions import spawning_session
+
 from agentlog.engine import SessionEngine
 from agentlog.events.log.api import MemoryLog
 from agentlog.learner.config import LearnerConfig
@@ -19,15 +21,10 @@ from agentlog.tools.dataset_rows import DatasetFold, group_advantages
 
 
 async def _session(engine, sid: str, index: int, reward) -> None:
-    async with engine.session(sid, group_id="g", group_size=2, sample_index=index) as h:
-        await h.start()
-        parent = [{"role": "system", "content": "parent"}, {"role": "user", "content": f"task {sid}"}]
-        call = {"id": f"call_{sid}", "name": "Task", "arguments": {"prompt": f"search {sid}"}}
-        a0 = {"role": "assistant", "content": "", "tool_calls": [call]}
-        await h.record_turn(parent, [1, 2], output_ids=[3, 4], output_log_probs=[-1.0, -1.0], response_message=a0)
-        sub = [{"role": "system", "content": "sub"}, {"role": "user", "content": f"search {sid}"}]
-        await h.record_turn(sub, [5, 6], output_ids=[7], output_log_probs=[-1.0], response_message={"role": "assistant", "content": "x"})
+    async def end(h):
         await h.finish(reward)
+
+    await spawning_session(engine, sid, index, end, group_size=2)
 
 
 def _log() -> MemoryLog:
