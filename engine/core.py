@@ -415,6 +415,28 @@ class SessionEngine(BackgroundWork):
         self._apply(h, body, dest, env.lsn, context)
         return env
 
+    def _stage(self, h: SessionHandle, body: Any, context: EncodingContext, then: Callable[[Envelope | None, BaseException | None], None]) -> None:
+        """Stage one in-session event of ``h`` (its lock held): once the log
+        acknowledges it, apply it and release the lock, then ``then(env, exc)``
+        (:meth:`SessionHandle.begin_turn`). A refusal by the log raises here."""
+        seq = h._seq
+        log_ = self._log_
+
+        def on_durable(env: Envelope | None, exc: BaseException | None) -> None:
+            try:
+                if env is not None:
+                    self._apply(h, body, None, env.lsn, context)
+                elif isinstance(exc, asyncio.CancelledError) and log_.next_seq(h.session_id) != seq:
+                    self._apply(h, body, None, None, context)  # staged before the cancel: written anyway (_append)
+            except Exception as failure:  # handed to the waiter, and logged: never swallowed
+                h.log.critical("engine.apply_failed", lsn=None if env is None else env.lsn, error=repr(failure), exc_info=failure)
+                env, exc = None, failure
+            finally:
+                release(h)
+            then(env, exc)
+
+        log_.stage(h.session_id, seq, body, on_durable)
+
     def _apply(self, h: SessionHandle, body: Any, dest: State | None, lsn: int | None, context: EncodingContext | None = None) -> None:
         h._seq += 1
         if type(body) is TurnDelta or type(body) is TurnRecorded:

@@ -53,6 +53,43 @@ _log = get_logger("agentlog.engine")
 _BEFORE_THE_FIRST_TURN = EncodingContext()
 
 
+class PendingTurn:
+    """A turn :meth:`SessionHandle.begin_turn` staged: ``durable`` (a future of its
+    envelope) is what a caller awaits, and may cancel; :meth:`settled` waits
+    for the record itself, whatever became of that wait."""
+
+    __slots__ = ("durable", "_settled")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.durable: asyncio.Future[Envelope] = loop.create_future()
+        self._settled: asyncio.Future[Envelope] = loop.create_future()
+
+    def settle(self, env: Envelope | None, exc: BaseException | None) -> None:
+        """Called once (on the loop) with the durable envelope or the failure."""
+        for fut in (self.durable, self._settled):
+            if fut.done():
+                continue
+            if exc is None:
+                fut.set_result(env)  # type: ignore[arg-type]
+            else:
+                fut.set_exception(exc)
+        # Retrieved here: nobody may ever await _settled, and its exception is the durable one's.
+        if exc is not None:
+            self._settled.exception()
+
+    def from_task(self, task: asyncio.Task) -> None:
+        """Settle from a :meth:`SessionHandle.record_turn` task (the contended path)."""
+        if task.cancelled():
+            self.settle(None, asyncio.CancelledError())
+        else:
+            exc = task.exception()
+            self.settle(None if exc is not None else task.result(), exc)
+
+    async def settled(self) -> Envelope:
+        """The durable envelope (raises what recording it raised)."""
+        return await asyncio.shield(self._settled)
+
+
 class SessionHandle:
     """One live session. All methods return once their event is durable.
 
@@ -169,24 +206,65 @@ class SessionHandle:
         Raises StragglerRefused if the session is not running, TypeError naming an unknown
         field, LineageError for a declared lineage the session cannot take."""
         h = self
-        eng = self._engine
         if h._busy:
             await acquire_contended(h)
         else:
             h._busy = True
         try:
-            if h.state is not State.RUNNING:
-                eng._refuse(h.session_id, "turn_recorded", h.state, h)
-            full = TurnRecorded(turn_index=h.turns, messages=messages or [], prompt_ids=prompt_ids, sampling=sampling or {}, **fields)
-            # The caller sends the whole prompt (as the chat APIs do); the log
-            # stores what is new since the previous turn.
-            before = h._context or _BEFORE_THE_FIRST_TURN
-            digests = h._lineages.digests(before, full.messages, frozen_messages)
-            body, after = before.encode(full, frozen_messages, digests)
-            body = h._lineages.stamp(full, body, before, digests, declared_lineage)
-            return await eng._append(h, body, None, after)
+            body, after = h._turn_body(messages, prompt_ids, sampling, frozen_messages, declared_lineage, fields)
+            return await h._engine._append(h, body, None, after)
         finally:
             release(h)
+
+    def begin_turn(
+        self,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_ids: Any = b"",
+        sampling: dict[str, Any] | None = None,
+        *,
+        frozen_messages: bool = False,
+        declared_lineage: Declared | None = None,
+        **fields: Any,
+    ) -> "PendingTurn":
+        """:meth:`record_turn`, its record staged before this returns where it can be:
+        the session's lock is free and the log stages synchronously (the file log).
+        Then a refusal (StragglerRefused, LineageError, a bad field) raises here,
+        and the turn is applied when the log's writer acknowledges it, with no task
+        between (the gateway's turn path: each task step is a trip through an event
+        loop that 256 sessions share). Otherwise it runs :meth:`record_turn` as a
+        task. Await ``.durable`` for the envelope; cancelling that wait cancels
+        nothing: the turn is still recorded, and ``.settled()`` waits for it."""
+        loop = asyncio.get_running_loop()
+        pending = PendingTurn(loop)
+        h = self
+        if h._busy:
+            task = loop.create_task(h.record_turn(messages, prompt_ids, sampling, frozen_messages=frozen_messages,
+                                                  declared_lineage=declared_lineage, **fields))
+            task.add_done_callback(pending.from_task)
+            return pending
+        h._busy = True
+        try:
+            body, after = h._turn_body(messages, prompt_ids, sampling, frozen_messages, declared_lineage, fields)
+            h._engine._stage(h, body, after, pending.settle)
+        except BaseException:
+            release(h)
+            raise
+        return pending
+
+    def _turn_body(
+        self, messages: list[dict[str, Any]] | None, prompt_ids: Any, sampling: dict[str, Any] | None,
+        frozen_messages: bool, declared_lineage: Declared | None, fields: dict[str, Any],
+    ) -> tuple[Any, EncodingContext]:
+        """The next turn's stored body (its lock held) and the context after it; refused unless running."""
+        if self.state is not State.RUNNING:
+            self._engine._refuse(self.session_id, "turn_recorded", self.state, self)
+        full = TurnRecorded(turn_index=self.turns, messages=messages or [], prompt_ids=prompt_ids, sampling=sampling or {}, **fields)
+        # The caller sends the whole prompt (as the chat APIs do); the log
+        # stores what is new since the previous turn.
+        before = self._context or _BEFORE_THE_FIRST_TURN
+        digests = self._lineages.digests(before, full.messages, frozen_messages)
+        body, after = before.encode(full, frozen_messages, digests)
+        return self._lineages.stamp(full, body, before, digests, declared_lineage), after
 
     def check_lineage(self, declared: Declared) -> None:
         """Raise LineageError when a turn declaring ``declared`` would be refused now
@@ -312,6 +390,16 @@ class SessionHandle:
                 self._engine._refuse(self.session_id, "command_ran", self.state, self)
             raise
 
+    def in_flight(self) -> "InFlight":
+        """``with h.in_flight() as work:``: what the current task does inside is this
+        session's in-flight work, as :meth:`spawn`'s task would be, without a task of
+        its own (the gateway's generation: a task costs two trips through an event
+        loop that every session shares). Refused (StragglerRefused) once the session
+        ended. The work inside must not end its own session (its drain would wait for it)."""
+        if self.state in TERMINAL_STATES:
+            self._engine._refuse(self.session_id, "spawn", self.state, self)
+        return InFlight(self)
+
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """Run ``coro`` as in-flight work of this session: a terminal transition
         waits for it up to ``drain_s`` and then cancels it; the wall-clock
@@ -325,6 +413,48 @@ class SessionHandle:
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
         return task
+
+
+class InFlight:
+    """The scope :meth:`SessionHandle.in_flight` returns. Inside it the session
+    holds a marker future among its in-flight work: the engine waits for it
+    (a terminal transition's drain) or cancels it (after ``drain_s``, or at once
+    when the budget runs out), and cancelling it cancels the task inside the
+    scope; :attr:`cancelled_by_session` then tells that from any other cancel
+    (a client that left)."""
+
+    __slots__ = ("_h", "_task", "_marker")
+
+    def __init__(self, h: SessionHandle) -> None:
+        self._h = h
+        self._task: asyncio.Task | None = None
+        self._marker: asyncio.Future | None = None
+
+    def __enter__(self) -> "InFlight":
+        h = self._h
+        self._task = asyncio.current_task()
+        self._marker = marker = asyncio.get_running_loop().create_future()
+        marker.add_done_callback(self._ended)
+        if h._inflight is None:
+            h._inflight = set()
+        h._inflight.add(marker)  # type: ignore[arg-type]  # a future: what asyncio.wait and cancel need of a task
+        marker.add_done_callback(h._inflight.discard)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._task = None  # left: a cancel of the marker from here on cancels nothing
+        marker = self._marker
+        if marker is not None and not marker.done():
+            marker.set_result(None)
+
+    def _ended(self, marker: asyncio.Future) -> None:
+        if marker.cancelled() and self._task is not None:
+            self._task.cancel(f"session {self._h.session_id!r} cancelled its in-flight work ({self._h.state})")
+
+    @property
+    def cancelled_by_session(self) -> bool:
+        """Whether the session cancelled this work (its drain timed out, its budget ran out)."""
+        return self._marker is not None and self._marker.cancelled()
 
 
 class _SessionContext:

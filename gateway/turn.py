@@ -23,6 +23,7 @@ from agentlog.events.errors import AgentlogError
 from agentlog.events.schema.lifecycle import IllegalTransition
 from agentlog.events.log.api import LogClosed
 from agentlog.engine.lineages import Declared, LineageError
+from agentlog.engine.handle import PendingTurn
 from agentlog.events.schema.lineage import turn_lineage
 from agentlog.events.schema.turn import SERVER_KEY, SERVER_MOVED_FROM_KEY
 from agentlog.events.schema.types import turn_temperature
@@ -212,21 +213,22 @@ class TurnPath:
                 "context_length_exceeded",
             )
         params = self._params(merged, req, room, cfg.max_new_tokens)
-        # The task below runs in a copy of this context: its backend routes on the key
-        # (a Fleet) and sends it upstream (an HTTP backend's routing header).
+        # The backend routes on the key (a Fleet) and sends it upstream (an HTTP backend's routing header).
         ROUTING_KEY.set(h.group_id if self.config.route_by == "group" else h.session_id)
         try:
-            # A read-only int32 array: a sequence of ints to every backend (Backend.generate).
-            task = h.spawn(self.backend.generate(cast(Sequence[int], prompt_ids), params))
+            work = h.in_flight()
         except IllegalTransition as exc:
             return self._error(api.error_style, 409, "invalid_request_error", str(exc))
         try:
-            gen = await task
+            # Generated in this task, as the session's in-flight work (a terminal transition
+            # waits for it, then cancels it): a task of its own would add two trips through the loop.
+            with work:
+                # A read-only int32 array: a sequence of ints to every backend (Backend.generate).
+                gen = await self.backend.generate(cast(Sequence[int], prompt_ids), params)
         except asyncio.CancelledError:
-            task.cancel()
             self.stats["cancelled"] += 1
             cur = asyncio.current_task()
-            if cur is not None and cur.cancelling():
+            if not work.cancelled_by_session or (cur is not None and cur.uncancel() > 0):
                 log.info("gateway.turn_cancelled", reason="client disconnected during generation; nothing recorded")
                 raise
             log.info("gateway.turn_cancelled", reason=f"session {h.state} during generation; nothing recorded")
@@ -256,8 +258,10 @@ class TurnPath:
             if cfg.server and cfg.server != gen.server:
                 sampling[SERVER_MOVED_FROM_KEY] = cfg.server
                 log.info("gateway.session_moved", server=gen.server, moved_from=cfg.server)
-        record = asyncio.ensure_future(
-            h.record_turn(
+        try:
+            # Staged here, before the first await: the turn joins the writer's
+            # next flush without waiting for a task's turn on the shared loop.
+            pending = h.begin_turn(
                 messages=prompt.messages,
                 prompt_ids=prompt.packed,
                 output_ids=gen.output_ids,
@@ -276,14 +280,13 @@ class TurnPath:
                 frozen_messages=True,
                 declared_lineage=declared,
             )
-        )
-        t_rec = time.perf_counter()
-        try:
-            env = await asyncio.shield(record)
+            t_rec = time.perf_counter()
+            # Cancelling this wait (the client left) cancels nothing of the record.
+            env = await pending.durable
         except asyncio.CancelledError:
             # The client left while the turn was being made durable: finish
             # recording it, then mark it undelivered so it is never trained.
-            env = await self._settle_record(record, log)
+            env = await self._settle_record(pending, log)
             if env is not None:
                 await self._undelivered(h, env.body.turn_index, "client disconnected before the response was sent", log)
             raise
@@ -323,9 +326,9 @@ class TurnPath:
                 raise
             return web.Response(status=499)
 
-    async def _settle_record(self, record: asyncio.Future, log: Any) -> Any:
+    async def _settle_record(self, pending: PendingTurn, log: Any) -> Any:
         try:
-            return await record
+            return await pending.settled()
         except IllegalTransition as exc:
             log.info("gateway.turn_refused", reason=str(exc))
             return None

@@ -196,6 +196,10 @@ def _check_one_by_one(sids: list[str], seqs: list[int], bodies: list[Any]) -> tu
     return payloads, decoded
 
 
+#: What :meth:`EventLog.stage` calls once its record is durable (envelope, None) or failed (None, the error).
+OnDurable = Callable[[Envelope | None, BaseException | None], None]
+
+
 class EventLog(abc.ABC):
     """Writer and reader over one log. One writer per log."""
 
@@ -368,6 +372,26 @@ class EventLog(abc.ABC):
     @abc.abstractmethod
     async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
         """Append one record from asyncio; concurrent calls are group-committed."""
+
+    def stage(self, session_id: str, session_seq: int, body: Any, on_durable: OnDurable) -> None:
+        """Append one record from asyncio without awaiting it: ``on_durable(env, None)``
+        is called on the running event loop once the record is durable, or
+        ``on_durable(None, exc)`` when the append failed; it must not raise.
+        A log that stages synchronously (the file log) refuses bad input here,
+        raising with nothing staged, and calls back with no task between: the
+        gateway's turn path saves the hops of a task. This default runs
+        :meth:`append` as a task (its refusals reach ``on_durable``)."""
+        task = asyncio.get_running_loop().create_task(self.append(session_id, session_seq, body))
+
+        def settle(t: asyncio.Task) -> None:
+            if t.cancelled():
+                on_durable(None, asyncio.CancelledError())
+            elif (exc := t.exception()) is not None:
+                on_durable(None, exc)
+            else:
+                on_durable(t.result(), None)
+
+        task.add_done_callback(settle)
 
     @overload
     def read(self, from_lsn: int = 0, *, raw: Literal[False] = False) -> Iterator[Envelope]: ...

@@ -314,6 +314,28 @@ class GroupCommit:
             except LogClosed:
                 return  # fatal: already recorded and reported to every waiter
 
+class DurableCallback:
+    """A waiter of the writer thread in place of an asyncio future
+    (:meth:`FileLog.stage <agentlog.events.log.writer.FileLog.stage>`): where
+    the loop would set a future, it calls ``fn(env, None)``, or ``fn(None, exc)``
+    when the log failed; ``fn`` must not raise (the next waiters of its flush
+    would go unanswered)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[Any, BaseException | None], None]) -> None:
+        self.fn = fn
+
+    def done(self) -> bool:
+        return False  # a callback is never cancelled: it runs once, for the one record it waits for
+
+    def set_result(self, env: Any) -> None:
+        self.fn(env, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.fn(None, exc)
+
+
 def _set_futures(items: list) -> None:
     for fut, env in items:
         if not fut.done():

@@ -64,9 +64,9 @@ from agentlog._logging import get_logger
 
 from . import framecodec
 from ..fs import fsync_dir, write_atomic
-from .api import CheckedBatch, EventLog, LogClosed, LogError, NotALog, PendingRecord, check_record_body
+from .api import CheckedBatch, EventLog, LogClosed, LogError, NotALog, OnDurable, PendingRecord, check_record_body
 from .batch_compression import BatchCompression, check_compression, chosen_compression
-from .commit import GroupCommit, _Submission
+from .commit import DurableCallback, GroupCommit, _Submission
 from .fence import _SPARE_PREFIX, FenceAndSpares, _Spare
 from .format import CHECKPOINT_EVERY_BYTES, DEFAULT_MAX_RECORD_BYTES, DURABLE_NAME, ENV_HDR, FENCE_NAME, FRAME_OVERHEAD
 from .format import INDEX_EVERY_BYTES, INDEX_NAME, LOCK_NAME, SEG_HDR_SIZE, Checkpoint, is_log_dir
@@ -460,17 +460,28 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         writer thread, so the event loop never waits on disk. The record is
         staged before the first await (a caller cancelled while it waits for
         durability still has its record written: ``next_seq`` says so)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._enqueue(session_id, session_seq, body, fut)
+        return await fut
+
+    def stage(self, session_id: str, session_seq: int, body: Any, on_durable: OnDurable) -> None:
+        """:meth:`EventLog.stage`: the record is staged before this returns (bad
+        input raises here, nothing staged), and the writer thread's
+        acknowledgement calls ``on_durable`` on the loop directly, no future
+        or task between."""
+        self._enqueue(session_id, session_seq, body, DurableCallback(on_durable))
+
+    def _enqueue(self, session_id: str, session_seq: int, body: Any, waiter: Any) -> None:
+        """Stage one record and hand ``waiter`` (a future, or a DurableCallback) to the writer thread."""
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
         with self._mutex:  # self._cv's lock
             env, end = self._submit_one(session_id, session_seq, body)
-            self._waiters.append((end, fut, env, loop))
+            self._waiters.append((end, waiter, env, loop))
             if self._thread_idle:
                 # Wake the writer only when it sleeps; a busy writer picks this
                 # up when its flush ends, with everything else that piled up.
                 self._thread_idle = False
                 self._cv.notify_all()
-        return await fut
 
     # ------------------------------------------------------------ reading
 
