@@ -522,7 +522,8 @@ class SessionEngine(BackgroundWork):
     async def _drain(self, h: SessionHandle) -> None:
         """Wait up to drain_s for the session's in-flight work, then cancel the rest."""
         cur = asyncio.current_task()
-        tasks = {t for t in (h._inflight or ()) if t is not cur and not t.done()}
+        # A task's own work (itself, or the InFlightMarker of its scope) is never waited for or cancelled by it.
+        tasks = {t for t in (h._inflight or ()) if getattr(t, "task", t) is not cur and not t.done()}
         if not tasks:
             return
         _done, pending = await asyncio.wait(tasks, timeout=self.drain_s)
@@ -548,7 +549,7 @@ class SessionEngine(BackgroundWork):
         if h._inflight:
             cur = asyncio.current_task()
             for t in list(h._inflight):
-                if t is not cur and not t.done():
+                if getattr(t, "task", t) is not cur and not t.done():
                     t.cancel()
         self._remember(sid, h.state)
         if h.state is State.FINISHED:

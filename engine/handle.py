@@ -87,7 +87,11 @@ class PendingTurn:
 
     async def settled(self) -> Envelope:
         """The durable envelope (raises what recording it raised)."""
-        return await asyncio.shield(self._settled)
+        try:
+            return await asyncio.shield(self._settled)
+        finally:
+            if self.durable.done() and not self.durable.cancelled():
+                self.durable.exception()  # retrieved: raised here instead
 
 
 class SessionHandle:
@@ -395,7 +399,7 @@ class SessionHandle:
         session's in-flight work, as :meth:`spawn`'s task would be, without a task of
         its own (the gateway's generation: a task costs two trips through an event
         loop that every session shares). Refused (StragglerRefused) once the session
-        ended. The work inside must not end its own session (its drain would wait for it)."""
+        ended."""
         if self.state in TERMINAL_STATES:
             self._engine._refuse(self.session_id, "spawn", self.state, self)
         return InFlight(self)
@@ -415,26 +419,45 @@ class SessionHandle:
         return task
 
 
-class InFlight:
-    """The scope :meth:`SessionHandle.in_flight` returns. Inside it the session
-    holds a marker future among its in-flight work: the engine waits for it
-    (a terminal transition's drain) or cancels it (after ``drain_s``, or at once
-    when the budget runs out), and cancelling it cancels the task inside the
-    scope; :attr:`cancelled_by_session` then tells that from any other cancel
-    (a client that left)."""
+class InFlightMarker(asyncio.Future):
+    """What :class:`InFlight` puts among a session's in-flight work in place of a
+    task: the engine waits for it (a drain) and cancels it as it would a task.
+    Its ``cancel`` cancels the task inside the scope at once, and the marker
+    stays pending until that task leaves the scope, so a drain waits for the
+    cancelled work to finish as it waits for a cancelled task."""
 
-    __slots__ = ("_h", "_task", "_marker")
+    def __init__(self, task: asyncio.Task | None, session_id: str) -> None:
+        super().__init__()
+        #: The task inside the scope (None once it left).
+        self.task = task
+        #: Whether the session cancelled it (its drain timed out, its budget ran out).
+        self.by_session = False
+        self._session_id = session_id
+
+    def cancel(self, msg: Any = None) -> bool:
+        if self.done():
+            return False
+        if not self.by_session and self.task is not None:
+            self.by_session = True
+            self.task.cancel(f"session {self._session_id!r} cancelled its in-flight work")
+        return True
+
+
+class InFlight:
+    """The scope :meth:`SessionHandle.in_flight` returns: while the current task
+    is inside, the session's in-flight work holds an :class:`InFlightMarker`
+    for it; :attr:`cancelled_by_session` tells a cancel by the session from any
+    other (a client that left)."""
+
+    __slots__ = ("_h", "_marker")
 
     def __init__(self, h: SessionHandle) -> None:
         self._h = h
-        self._task: asyncio.Task | None = None
-        self._marker: asyncio.Future | None = None
+        self._marker: InFlightMarker | None = None
 
     def __enter__(self) -> "InFlight":
         h = self._h
-        self._task = asyncio.current_task()
-        self._marker = marker = asyncio.get_running_loop().create_future()
-        marker.add_done_callback(self._ended)
+        self._marker = marker = InFlightMarker(asyncio.current_task(), h.session_id)
         if h._inflight is None:
             h._inflight = set()
         h._inflight.add(marker)  # type: ignore[arg-type]  # a future: what asyncio.wait and cancel need of a task
@@ -442,19 +465,16 @@ class InFlight:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._task = None  # left: a cancel of the marker from here on cancels nothing
         marker = self._marker
-        if marker is not None and not marker.done():
-            marker.set_result(None)
-
-    def _ended(self, marker: asyncio.Future) -> None:
-        if marker.cancelled() and self._task is not None:
-            self._task.cancel(f"session {self._h.session_id!r} cancelled its in-flight work ({self._h.state})")
+        if marker is not None:
+            marker.task = None  # left: a cancel from here on cancels nothing
+            if not marker.done():
+                marker.set_result(None)
 
     @property
     def cancelled_by_session(self) -> bool:
         """Whether the session cancelled this work (its drain timed out, its budget ran out)."""
-        return self._marker is not None and self._marker.cancelled()
+        return self._marker is not None and self._marker.by_session
 
 
 class _SessionContext:

@@ -329,7 +329,7 @@ class TurnPath:
     async def _settle_record(self, pending: PendingTurn, log: Any) -> Any:
         try:
             return await pending.settled()
-        except IllegalTransition as exc:
+        except (IllegalTransition, LineageError) as exc:  # refused (a contended record_turn): nothing to mark undelivered
             log.info("gateway.turn_refused", reason=str(exc))
             return None
 

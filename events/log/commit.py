@@ -318,8 +318,8 @@ class DurableCallback:
     """A waiter of the writer thread in place of an asyncio future
     (:meth:`FileLog.stage <agentlog.events.log.writer.FileLog.stage>`): where
     the loop would set a future, it calls ``fn(env, None)``, or ``fn(None, exc)``
-    when the log failed; ``fn`` must not raise (the next waiters of its flush
-    would go unanswered)."""
+    when the log failed; ``fn`` should not raise (what it raises goes to the
+    loop's exception handler, and the flush's other waiters are answered)."""
 
     __slots__ = ("fn",)
 
@@ -330,10 +330,18 @@ class DurableCallback:
         return False  # a callback is never cancelled: it runs once, for the one record it waits for
 
     def set_result(self, env: Any) -> None:
-        self.fn(env, None)
+        self._call(env, None)
 
     def set_exception(self, exc: BaseException) -> None:
-        self.fn(None, exc)
+        self._call(None, exc)
+
+    def _call(self, env: Any, exc: BaseException | None) -> None:
+        try:
+            self.fn(env, exc)
+        except Exception as failure:  # the flush's other waiters must still be answered: reported, never swallowed
+            asyncio.get_running_loop().call_exception_handler(
+                {"message": f"log: a durable callback raised ({'acknowledged' if exc is None else 'failed'} record)",
+                 "exception": failure})
 
 
 def _set_futures(items: list) -> None:

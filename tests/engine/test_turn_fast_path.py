@@ -15,6 +15,7 @@ from agentlog.engine.session_lock import release
 from agentlog.events import FileLog, read_log
 from agentlog.events.log.api import LogClosed, MemoryLog
 from agentlog.events.log.osops import OsOps
+from agentlog.events.schema.types import SessionOpened
 
 TURN = dict(messages=[{"role": "user", "content": "fix the bug"}], prompt_ids=[5, 6, 7], output_ids=[8, 9],
             output_log_probs=[-0.5, -0.25], finish_reason="stop", response_message={"role": "assistant", "content": "ok"})
@@ -87,10 +88,16 @@ def test_a_cancelled_wait_still_records_and_applies_the_turn(tmp_path, arun):
         log = FileLog.open(tmp_path / "log")
         eng, h = await _running(log)
         pending = h.begin_turn(**TURN)
-        waiter = asyncio.ensure_future(pending.durable)
+
+        async def handler():
+            return await pending.durable
+
+        waiter = asyncio.create_task(handler())
         await asyncio.sleep(0)
-        waiter.cancel()
-        pending.durable.cancel()
+        waiter.cancel()  # the client left: the handler's wait (pending.durable) is cancelled with it
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert pending.durable.cancelled()
         env = await pending.settled()
         assert env.body.turn_index == 0 and h.turns == 1 and not h._busy
         await h.finish(reward=0.0)
@@ -216,4 +223,87 @@ def test_the_budget_cancels_the_work_in_flight_at_once(arun):
             await asyncio.sleep(0.01)
         assert h.state.name == "ABORTED"
         await eng.close()
+    arun(go())
+
+
+def test_a_client_cancel_landing_just_before_the_sessions_is_still_the_clients(arun):
+    async def go():
+        eng = await SessionEngine.open(MemoryLog())
+        h = await eng.open_session("s", group_id="g", group_size=1)
+        await h.start()
+        started = asyncio.Event()
+        task = asyncio.create_task(_generating(h, started))
+        await started.wait()
+        task.cancel()  # the client left ...
+        for marker in list(h._inflight):
+            marker.cancel()  # ... and in the same loop step the session cancels its work
+        with pytest.raises(asyncio.CancelledError):
+            await task  # the client's cancel is not swallowed into a 409
+        await eng.close()
+    arun(go())
+
+
+def test_a_drain_waits_for_the_cancelled_work_to_finish_as_for_a_task(arun):
+    async def go():
+        eng = await SessionEngine.open(MemoryLog(), drain_s=0.05)
+        order = []
+
+        async def work(h, started):
+            with h.in_flight():  # as the gateway's generation: its cleanup runs inside the scope
+                try:
+                    started.set()
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    await asyncio.sleep(0.03)  # cleanup after the cancel (an upstream abort)
+                    order.append("cleanup done")
+                    raise
+
+        h = await eng.open_session("s", group_id="g", group_size=1)
+        await h.start()
+        started = asyncio.Event()
+        task = asyncio.create_task(work(h, started))
+        await started.wait()
+        await h.finish(reward=1.0)
+        order.append("finish returned")
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert order == ["cleanup done", "finish returned"]
+        await eng.close()
+    arun(go())
+
+
+def test_a_transition_from_inside_the_scope_is_not_its_own_drain(arun):
+    async def go():
+        eng = await SessionEngine.open(MemoryLog(), drain_s=5)
+        h = await eng.open_session("s", group_id="g", group_size=1)
+        await h.start()
+        with h.in_flight() as work:
+            t0 = asyncio.get_running_loop().time()
+            env = await h.finish(reward=1.0)  # neither waits for (drain_s) nor cancels itself
+            assert asyncio.get_running_loop().time() - t0 < 1
+        assert env is not None and h.state.name == "FINISHED" and not work.cancelled_by_session
+        await eng.close()
+    arun(go())
+
+
+def test_a_callback_that_raises_leaves_the_flushs_other_waiters_answered(tmp_path, arun):
+    async def go():
+        log = FileLog.open(tmp_path / "log")
+        reported = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: reported.append(ctx))
+        got = []
+
+        def bad(env, exc):
+            raise RuntimeError("callback bug")
+
+        log.stage("a", 0, SessionOpened(group_id="g", group_size=1), bad)
+        log.stage("b", 0, SessionOpened(group_id="g", group_size=1), lambda env, exc: got.append((env.session_id, exc)))
+        other = await log.append("c", 0, SessionOpened(group_id="g", group_size=1))
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        assert got == [("b", None)] and other.session_id == "c"
+        assert len(reported) == 1 and isinstance(reported[0]["exception"], RuntimeError)
+        log.close()
     arun(go())
