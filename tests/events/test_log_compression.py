@@ -36,12 +36,16 @@ from log_helpers import copy_log, seg_path
 pytestmark = pytest.mark.usefixtures("codec")
 
 
+_VOCABULARY = ["".join(random.Random(i).choices(string.ascii_letters, k=1 + i % 8)) for i in range(512)]
+
+
 def _records(sid: str, start: int, n: int, size: int = 200) -> list:
-    """Records of session ``sid`` from seq ``start``; a negative ``size``: that many random letters
-    (compressed to about 3/4), else a text that compresses well."""
+    """Records of session ``sid`` from seq ``start``; a negative ``size``: that many characters of
+    random words (of 1-8 random letters, from a vocabulary of 512: compressed to about half), else a
+    text that compresses well."""
     out = []
     for seq in range(start, start + n):
-        text = "".join(random.Random(seq).choices(string.ascii_letters, k=-size)) if size < 0 else ("F." * size)[:size]
+        text = " ".join(random.Random(seq).choices(_VOCABULARY, k=-size))[:-size] if size < 0 else ("F." * size)[:size]
         body = SessionOpened(group_id="g", group_size=1) if seq == 0 else SessionStarted() if seq == 1 else \
             CommandRan(command=f"pytest -k case{seq}", exit_code=seq % 3, output_tail=text)
         out.append((sid, seq, body))
@@ -156,7 +160,7 @@ def test_verify_and_recovery_find_a_flipped_byte_in_a_compressed_batch(tmp_path,
 def test_seek_and_follow_stop_and_resume_inside_a_batch(tmp_path):
     d = tmp_path / "log"
     # Batches big enough for several sparse-index entries (every 64 KiB), and small ones.
-    envs = _write(d, [300, 7, 300, 1, 250], "zstd", sizes=[-900, -900, 200, 0, -900], segment_bytes=256 << 10)
+    envs = _write(d, [300, 7, 300, 1, 250], "zstd", sizes=[-900, -900, 200, 0, -900], segment_bytes=128 << 10)
     assert len(list_segments(d)) > 1
     assert any(len(entries) > 1 for entries in load_checkpoint(d)[0].index.values())  # seeks use the sparse index
     for k in (0, 1, 150, 299, 300, 306, 307, 500, 606, 607, 857):
