@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # fixtures (a NATS or Ray cluster, a trained run) are made once and its tests run in order,
 # as they do without xdist. Every file already keeps to its own ports (port 0 or free_ports),
 # temporary folders and, for the agent CLIs, its own HOME; Ray is started by one file only.
-PYTEST_ARGS ?= -m "not slow" -n 2 --dist loadfile
+PYTEST_ARGS ?= -m "not slow" -n 2 --dist loadfile --durations=30
 
 .PHONY: demo test lint bench clean-venv
 
