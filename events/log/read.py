@@ -108,6 +108,8 @@ class Cursor:
         #: yet). A segment never holds that LSN: frames there are a stale
         #: writer's (see FileLog._check_fence) and reading them is refused.
         self.next_first: int | None = None
+        #: The segments (first LSNs, ascending) as last listed.
+        self._listed: list[int] = []
         #: The limit is a watermark written under fsync="never" (not synced).
         self.unsynced_limit = False
         #: The directory's INDEX checkpoint, whose records must exist when no
@@ -143,12 +145,20 @@ class Cursor:
         return True
 
     def _find_next(self, first: int) -> None:
-        """Record the first LSN of the segment after ``first``, if one is listed."""
-        later = [s for s in list_segments(self.dir) if s > first]
-        self.next_first = later[0] if later else None
+        """Record the first LSN of the segment after ``first``, if one is listed. The
+        directory is listed again only when the last listing has none after it: a read
+        across N segments lists it about once, not N times (each listing costs O(N)).
+        A listed segment still exists (or the switch to it says it is gone), and none can
+        appear between two listed ones: the writer creates segments in LSN order."""
+        segs = self._listed
+        i = bisect.bisect_right(segs, first)
+        if i == len(segs):
+            segs = self._listed = list_segments(self.dir)
+            i = bisect.bisect_right(segs, first)
+        self.next_first = segs[i] if i < len(segs) else None
 
     def _position(self) -> bool:
-        segs = list_segments(self.dir)
+        segs = self._listed = list_segments(self.dir)
         lost = missing_start(self.dir, segs)
         if lost is not None:
             raise lost

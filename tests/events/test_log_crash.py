@@ -65,36 +65,47 @@ def _run_and_kill(log_dir: Path, seed: int, delay_s: float) -> list[tuple[int, s
     return acked
 
 
-def _check(log_dir: Path, acked_all: dict[int, tuple[str, int]]) -> int:
+def _check(log_dir: Path, acked_all: dict[int, tuple[str, int]], verified: list[tuple[str, int, bytes]]) -> int:
+    """The log after a crash: a gapless prefix holding every acknowledged record, each
+    session's seqs gapless, every body the one its (session, seq) implies. ``verified``:
+    (session, seq, payload) of the LSNs a previous check decoded and compared, which
+    must still hold those very bytes (compared as bytes: the check stays linear in what
+    is new); it is extended with the new records."""
     lg = FileLog.open(log_dir)
     try:
-        recs = list(lg.read())
+        recs = [(r.lsn, r.session_id, r.session_seq, bytes(r.payload)) for r in lg.read(raw=True)]
+        fresh = {e.lsn: e for e in lg.read(len(verified))}
     finally:
         lg.close()
-    assert [e.lsn for e in recs] == list(range(len(recs))), "the log is not a gapless prefix"
-    by_lsn = {e.lsn: e for e in recs}
+    assert [lsn for lsn, *_ in recs] == list(range(len(recs))), "the log is not a gapless prefix"
+    assert len(recs) >= len(verified), f"the log holds {len(recs)} records; {len(verified)} were read back before"
+    for lsn, (sid, seq, payload) in enumerate(verified):
+        assert recs[lsn][1:] == (sid, seq, payload), f"lsn {lsn} changed since it was read back"
+    for lsn, sid, seq, payload in recs[len(verified):]:
+        env = fresh[lsn]
+        assert (env.session_id, env.session_seq, env.body) == (sid, seq, body(sid, seq)), f"lsn {lsn}"
+        verified.append((sid, seq, payload))
     for lsn, (sid, seq) in acked_all.items():
-        env = by_lsn.get(lsn)
-        assert env is not None, f"acknowledged lsn {lsn} ({sid}, {seq}) lost; log has {len(recs)} records"
-        assert (env.session_id, env.session_seq, env.body) == (sid, seq, body(sid, seq))
+        assert lsn < len(recs), f"acknowledged lsn {lsn} ({sid}, {seq}) lost; log has {len(recs)} records"
+        assert recs[lsn][1:3] == (sid, seq), f"acknowledged lsn {lsn} holds {recs[lsn][1:3]}, expected ({sid}, {seq})"
     nxt: dict[str, int] = {}
-    for e in recs:
-        assert e.session_seq == nxt.get(e.session_id, 0), f"lsn {e.lsn}: session {e.session_id} seq gap"
-        assert e.body == body(e.session_id, e.session_seq)
-        nxt[e.session_id] = e.session_seq + 1
+    for lsn, sid, seq, _payload in recs:
+        assert seq == nxt.get(sid, 0), f"lsn {lsn}: session {sid} seq gap"
+        nxt[sid] = seq + 1
     return len(recs)
 
 
 def _crash_loop(log_dir: Path, kills: int, seed: int) -> None:
     r = rng(seed)
     acked_all: dict[int, tuple[str, int]] = {}
+    verified: list[tuple[str, int, bytes]] = []
     total_acked = 0
     for k in range(kills):
         acked = _run_and_kill(log_dir, r.randrange(1 << 30), r.uniform(0.0, 0.25))
         total_acked += len(acked)
         for lsn, sid, seq in acked:
             assert acked_all.setdefault(lsn, (sid, seq)) == (sid, seq), f"lsn {lsn} acknowledged twice"
-        n = _check(log_dir, acked_all)
+        n = _check(log_dir, acked_all, verified)
         assert n >= len(acked_all), (k, r)
     assert total_acked > 0, "the child never acknowledged anything: the test tested nothing"
     assert verify_log(log_dir).status == "ok"

@@ -151,3 +151,20 @@ def test_watermark_reaches_every_acknowledged_record_under_each_policy(tmp_path,
     assert read_durable(d)[0] == 2
     assert [e.lsn for e in read_log(d)] == [0, 1]
     lg.close()
+
+
+def test_a_read_across_many_segments_lists_the_directory_about_once(tmp_path, monkeypatch):
+    """Each segment switch used to list the directory again (O(segments) each): a log
+    reopened 300 times (a segment per writer open) took seconds to read."""
+    import agentlog.events.log.read as read_mod
+
+    d = tmp_path / "log"
+    for k in range(60):
+        with FileLog.open(d) as lg:
+            lg.append_batch([(f"s{k}", 0, SessionOpened(group_id=f"g{k}", group_size=1))])
+    listings = []
+    real = read_mod.list_segments
+    monkeypatch.setattr(read_mod, "list_segments", lambda directory: listings.append(1) or real(directory))
+    got = [e.session_id for e in read_log(d)]
+    assert got == [f"s{k}" for k in range(60)]
+    assert len(list_segments(d)) == 60 and len(listings) <= 3, len(listings)
