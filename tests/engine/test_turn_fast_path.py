@@ -165,6 +165,16 @@ async def _generating(h, started, release_after=None):
         raise
 
 
+async def _generating_session(eng, sid="s", **open_kw):
+    """A running session of ``eng`` and a task generating inside its ``in_flight()`` scope, once it is inside."""
+    h = await eng.open_session(sid, group_id=f"g-{sid}", group_size=1, **open_kw)
+    await h.start()
+    started = asyncio.Event()
+    task = asyncio.create_task(_generating(h, started))
+    await started.wait()
+    return h, task
+
+
 def test_a_terminal_transition_waits_for_the_work_in_flight_then_cancels_it(arun):
     async def go():
         eng = await SessionEngine.open(MemoryLog(), drain_s=0.2)
@@ -178,11 +188,7 @@ def test_a_terminal_transition_waits_for_the_work_in_flight_then_cancels_it(arun
         assert await quick == "generated"
         assert asyncio.get_running_loop().time() - t0 >= 0.04
 
-        h2 = await eng.open_session("s2", group_id="g2", group_size=1)
-        await h2.start()
-        started2 = asyncio.Event()
-        stuck = asyncio.create_task(_generating(h2, started2))
-        await started2.wait()
+        h2, stuck = await _generating_session(eng, "s2")
         await h2.abort("test")
         assert await stuck == "cancelled by the session"
         with pytest.raises(StragglerRefused):
@@ -194,11 +200,7 @@ def test_a_terminal_transition_waits_for_the_work_in_flight_then_cancels_it(arun
 def test_a_cancel_from_elsewhere_is_not_the_sessions(arun):
     async def go():
         eng = await SessionEngine.open(MemoryLog())
-        h = await eng.open_session("s", group_id="g", group_size=1)
-        await h.start()
-        started = asyncio.Event()
-        task = asyncio.create_task(_generating(h, started))
-        await started.wait()
+        h, task = await _generating_session(eng)
         task.cancel()  # the client left
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -211,11 +213,7 @@ def test_a_cancel_from_elsewhere_is_not_the_sessions(arun):
 def test_the_budget_cancels_the_work_in_flight_at_once(arun):
     async def go():
         eng = await SessionEngine.open(MemoryLog())
-        h = await eng.open_session("s", group_id="g", group_size=1, budget_s=0.1)
-        await h.start()
-        started = asyncio.Event()
-        task = asyncio.create_task(_generating(h, started))
-        await started.wait()
+        h, task = await _generating_session(eng, budget_s=0.1)
         assert await asyncio.wait_for(task, 5) == "cancelled by the session"
         for _ in range(100):
             if h.state.name == "ABORTED":
@@ -229,11 +227,7 @@ def test_the_budget_cancels_the_work_in_flight_at_once(arun):
 def test_a_client_cancel_landing_just_before_the_sessions_is_still_the_clients(arun):
     async def go():
         eng = await SessionEngine.open(MemoryLog())
-        h = await eng.open_session("s", group_id="g", group_size=1)
-        await h.start()
-        started = asyncio.Event()
-        task = asyncio.create_task(_generating(h, started))
-        await started.wait()
+        h, task = await _generating_session(eng)
         task.cancel()  # the client left ...
         for marker in list(h._inflight):
             marker.cancel()  # ... and in the same loop step the session cancels its work
