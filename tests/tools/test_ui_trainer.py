@@ -293,3 +293,41 @@ def test_a_session_past_the_bounds_is_refused_before_its_turns_are_expanded(tmp_
     finally:
         tracemalloc.stop()
     assert peak < 2_000_000, f"{peak:,} bytes taken to refuse"
+
+
+def test_a_turn_longer_than_the_policys_context_is_a_422_naming_it(ui_run, tmp_path):  # noqa: F811
+    """The policy raises for a turn past its max_seq_len: the route answers 422 naming the turn, the
+    version and the model's error (it answered a JSON 500 before)."""
+    from agentlog.engine import SessionEngine
+    from agentlog.events import FileLog
+    from agentlog.loop.run_folder import Run
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(ui_run.demo / "config.json", run / "config.json")
+    shutil.copy(ui_run.demo / "checkpoints" / "policy-v00000.pt", run / "checkpoints" / "policy-v00000.pt")
+    context = Run.load_config(run).inference.context_length
+
+    async def write() -> None:
+        log = FileLog.open(run / "rollout", fsync="batch")
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("long", group_id="g", group_size=1, sample_index=0)
+        await h.start()
+        await h.record_turn(messages=[{"role": "user", "content": "fits"}], prompt_ids=PROMPT, output_ids=OUTPUT,
+                            sampling={"temperature": TEMPERATURE}, response_message={"role": "assistant", "content": "a"})
+        await h.record_turn(prompt_ids=[3] * (context + 10), output_ids=SECOND_OUTPUT, sampling={"temperature": TEMPERATURE},
+                            response_message={"role": "assistant", "content": "b"})
+        await h.finish(reward=1.0)
+        await eng.close()
+        log.close()
+
+    asyncio.run(write())
+    url, stop = start_ui(run, index_path=tmp_path / "ix.sqlite")
+    try:
+        status, body = _get(f"{url}/api/session/long/trainer")
+        assert status == 422, body
+        assert "'long'" in body["error"] and "turns [1]" in body["error"] and "policy version 0" in body["error"], body
+        assert "max_seq_len" in body["error"], body  # the model's own words
+        assert _get(f"{url}/api/session/long")[0] == 200  # the session's view is unaffected
+    finally:
+        stop()

@@ -334,10 +334,11 @@ class UiServer:
 
     async def _api_trainer(self, request: web.Request) -> web.Response:
         """The session's trainer log-probs, scored on demand in the trainer's own thread (:mod:`.trainer`):
-        409 when the source cannot be scored, 413 past the per-session bounds."""
+        409 when the source cannot be scored, 413 past the per-session bounds, 422 naming the
+        turns a version's policy cannot take (longer than its context)."""
         from agentlog.events.errors import ConfigError
 
-        from .trainer import ScoringUnavailable, TooMuchToScore
+        from .trainer import ScoringUnavailable, TooMuchToScore, TurnNotScorable
 
         sid = request.match_info["id"]
         where = self.index.locate(sid)
@@ -354,6 +355,8 @@ class UiServer:
             return _error(409, f"{request.path}: {exc}")
         except TooMuchToScore as exc:
             return _error(413, f"{request.path}: {exc}")
+        except TurnNotScorable as exc:
+            return _error(422, f"{request.path}: session {sid!r}: {exc}")
 
     def _advantage_of(self, row: dict) -> float | None:
         if self.learner is None or not row.get("group_id"):

@@ -71,6 +71,15 @@ class TooMuchToScore(AgentlogError):
     """A session past the per-request bounds (the message names its size and the bounds)."""
 
 
+#: What torch and the models raise for an input they cannot take (a position past the context, say).
+_MODEL_REFUSALS = (ValueError, RuntimeError, IndexError)
+
+
+class TurnNotScorable(AgentlogError):
+    """The policy of a version cannot score a turn (one longer than the model's context, say):
+    the message names the session, the turns, the version and the model's error."""
+
+
 @dataclass
 class _Turn:
     """One recorded turn to score: its full prompt and output, and who generated which output tokens."""
@@ -177,10 +186,29 @@ class TrainerScores:
             parts = sorted(by_version[version], key=lambda p: len(p[0].prompt) + len(p[0].output))
             for k in range(0, len(parts), TURNS_PER_BATCH):
                 chunk = parts[k:k + TURNS_PER_BATCH]
-                scored = scorer.score_batch([(t.prompt, t.output, t.temperature) for t, _, _ in chunk])
+                try:
+                    scored = scorer.score_batch([(t.prompt, t.output, t.temperature) for t, _, _ in chunk])
+                except _MODEL_REFUSALS as exc:
+                    raise self._not_scorable(scorer, version, [t for t, _, _ in chunk], exc) from exc
                 for (t, lo, hi), got in zip(chunk, scored):
                     t.log_probs[lo:hi] = [float(x) for x in got[lo:hi]]
         return missing
+
+    @staticmethod
+    def _not_scorable(scorer: Any, version: int, chunk: list[_Turn], exc: BaseException) -> TurnNotScorable:
+        """The error naming the turns of ``chunk`` that ``scorer`` refuses one by one (the whole
+        chunk when none does alone): a batch's failure does not say which turn caused it."""
+        bad: list[tuple[_Turn, BaseException]] = []
+        for t in chunk:
+            try:
+                scorer.score_batch([(t.prompt, t.output, t.temperature)])
+            except _MODEL_REFUSALS as one:
+                bad.append((t, one))
+        named = bad or [(t, exc) for t in chunk]
+        first = named[0][1]
+        longest = max(len(t.prompt) + len(t.output) for t, _ in named)
+        return TurnNotScorable(f"turns {sorted(t.index for t, _ in named)} ({longest:,} tokens at most, prompt + output): "
+                               f"policy version {version} cannot score them: {type(first).__name__}: {str(first)[:300]}")
 
     def _scorer(self, version: int) -> tuple[Any, str]:
         """(the ModelScorer of ``version``, "") or (None, why not)."""
