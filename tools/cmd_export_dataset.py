@@ -26,7 +26,7 @@ struct of a column the union of their keys, so arguments kept as objects
 would come back with the other tools' keys set to null.
 
 Filters (all must hold): ``--status`` (default: every session that ended),
-``--group``, ``--min-reward``; ``--sessions N`` stops after N rows. Rows come
+``--group``, ``--min-reward``; ``--sessions N`` stops after N sessions (all their rows). Rows come
 in the order groups complete (see :mod:`tools.dataset_rows`). DIR must not
 exist, or be empty; it is written beside itself and renamed into place, so an
 interrupted export leaves nothing that looks whole. ``DIR/export.json``
@@ -78,7 +78,7 @@ def register(sub) -> None:
                         f"the log); repeat or comma-separate (default: {','.join(DEFAULT_STATUSES)})")
     p.add_argument("--group", action="append", default=None, metavar="ID", help="only sessions of this group (repeat for several)")
     p.add_argument("--min-reward", type=finite_float, default=None, metavar="X", help="only sessions with a reward >= X (sessions without one are left out)")
-    p.add_argument("--sessions", type=positive_int, default=None, metavar="N", help="stop after N rows (the first in export order)")
+    p.add_argument("--sessions", type=positive_int, default=None, metavar="N", help="stop after N sessions, each with all its rows (the first in export order)")
     p.add_argument("--tokens", action="store_true", help="add token_ids, loss_mask and log_probs per trajectory row (the reducer's samples)")
     p.add_argument("--estimator", choices=ESTIMATORS, default=None,
                    help="the advantage estimator (default: the run's [learner] estimator, grpo for a bare log)")
@@ -356,16 +356,18 @@ def run(args) -> int:
         if fmt == "sft":
             rows, skipped = _sft_rows(rows)
             no_assistant += skipped
-        if limit is not None:
-            rows = rows[: limit - written]
+        kept = []
         for r in rows:
             if (r["partition"], r["session_id"]) != last_session:
+                if limit is not None and sessions >= limit:
+                    break  # the limit counts sessions: a session's rows (one per lineage) are never cut
                 last_session = (r["partition"], r["session_id"])
                 sessions += 1
                 counts[r["status"]] = counts.get(r["status"], 0) + 1
-        writer.write([_sft_row(r) for r in rows] if fmt == "sft" else rows)
-        written += len(rows)
-        return limit is not None and written >= limit
+            kept.append(r)
+        writer.write([_sft_row(r) for r in kept] if fmt == "sft" else kept)
+        written += len(kept)
+        return limit is not None and sessions >= limit
 
     def refused(pid: int | None, exc: Exception) -> CliError:
         where = "" if pid is None else f" partition p{pid:04d}:"

@@ -56,3 +56,25 @@ def test_the_export_advantage_of_each_lineage_is_the_learners(mode):
         assert exported[("a", "main")] > 0 > exported[("a", "sub-1")]  # the subagent's own reward 0
     else:
         assert exported[("a", "main")] == exported[("a", "sub-1")] > 0
+
+
+def test_sessions_n_counts_sessions_and_never_cuts_one_between_its_lineages(tmp_path):
+    import json
+
+    from agentlog.events import FileLog
+    from agentlog.tools.cli import main
+
+    async def build() -> None:
+        log = FileLog.open(tmp_path / "log")
+        engine = await SessionEngine.open(log)
+        await _session(engine, "a", 0, 1.0)
+        await _session(engine, "b", 1, 0.0)
+        await engine.close()
+        log.close()
+
+    asyncio.run(build())
+    rc = main(["export-dataset", str(tmp_path / "log"), "-o", str(tmp_path / "out"), "--format", "jsonl", "--sessions", "1", "-q"])
+    assert rc == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "sessions.jsonl").read_text().splitlines()]
+    # One session, both of its lineages (the limit used to count rows: 1 row, the subagent's cut off).
+    assert [(r["session_id"], r["lineage"]) for r in rows] == [("a", "main"), ("a", "sub-1")]
