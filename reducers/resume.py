@@ -32,7 +32,7 @@ from typing import Any, Iterable
 
 from msgspec import UNSET
 
-from agentlog.events.schema.lineage import Lineage, ToolCall, answered_calls, tool_calls, turn_lineage
+from agentlog.events.schema.lineage import ROOT_LINEAGE, Lineage, ToolCall, answered_calls, tool_calls, turn_lineage
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import (
     Envelope, SandboxSnapshotted, SessionOpened, SessionResumed, SessionStarted, TeacherScored, TurnRecorded,
@@ -119,8 +119,10 @@ class ResumePoint:
         return None
 
     def conversation(self) -> list[dict[str, Any]]:
-        """The messages up to and including the last durable turn's answer (the prompt before any turn)."""
-        turn = self.last_turn
+        """The messages up to and including the answer of the last durable turn of the session's
+        main lineage (the prompt before any): a subagent's turn recorded after it is the subagent's
+        conversation, not the one the resumed agent continues."""
+        turn = self.lineage_turns.get(ROOT_LINEAGE)
         if turn is None:
             return [dict(m) for m in self.prompt]
         messages = [dict(m) for m in turn.messages]

@@ -204,3 +204,29 @@ def test_an_orphan_whose_resume_is_refused_can_still_be_aborted(arun, tmp_path):
         assert [(b.reason, b.error) for b in ends] == [(RESTART_REASON, "it never started")]
 
     arun(go())
+
+
+def test_the_conversation_a_resume_continues_is_the_main_lineages_not_a_later_subagents(arun):
+    from agentlog.events.log.api import MemoryLog
+    from agentlog.events.schema.lineage import turn_lineage
+    from agentlog.reducers.resume import resume_points
+
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("s", group_id="g", group_size=1)
+        await h.start()
+        main = [{"role": "system", "content": "you fix bugs"}, {"role": "user", "content": "fix the parser"}]
+        call = {"id": "c1", "name": "Agent", "arguments": {"prompt": "find where the parser fails on empty input"}}
+        await h.record_turn(messages=main, prompt_ids=[1, 2], output_ids=[3], finish_reason="stop",
+                            response_message={"role": "assistant", "content": "delegating", "tool_calls": [call]})
+        sub = [{"role": "system", "content": "you search code"}, {"role": "user", "content": "find where the parser fails on empty input"}]
+        env = await h.record_turn(messages=sub, prompt_ids=[4, 5], output_ids=[6], finish_reason="stop",
+                                  response_message={"role": "assistant", "content": "in parse_header"})
+        assert turn_lineage(env.body) != "main"  # the subagent's own lineage, recorded last
+        (point,) = resume_points(log.read(), ["s"]).values()
+        assert point.last_turn is not None and point.last_turn.turn_index == 1
+        conv = point.conversation()
+        assert conv[:2] == main and conv[-1]["content"] == "delegating"
+        await eng.close()
+    arun(go())
