@@ -53,6 +53,9 @@ class SpawnCall(NamedTuple):
     #: Whether the parent turn's calls were no longer held when the lineage began (a bounded
     #: :class:`SessionLineages` keeps only each lineage's latest turns with calls): name unknown.
     forgotten: bool = False
+    #: The arguments' full length in characters (a bounded SessionLineages keeps only the
+    #: first SPAWN_ARGS_SHOWN of them in ``arguments``).
+    arguments_chars: int = 0
 
 
 class LineageEntry:
@@ -104,7 +107,7 @@ class SessionLineages:
     def __init__(self, keep_turns: int | None = None) -> None:
         self.keep_turns = keep_turns
         self._lineages: dict[str, LineageEntry] = {}
-        self._calls: dict[int, list] = {}  # turn index -> the tool calls of its response
+        self._calls: dict[int, list] = {}  # turn index -> (id, name, arguments, chars) of its response's tool calls
         self._called: dict[str, collections.deque] = {}  # lineage -> its turns in _calls, oldest first
         self._dropped: dict[str, int] = {}  # lineage -> the newest of its turns whose calls keep_turns dropped
 
@@ -125,7 +128,16 @@ class SessionLineages:
         response = body.response_message
         calls = response.get("tool_calls") if isinstance(response, dict) else None
         if calls and isinstance(calls, list):
-            self._calls[body.turn_index] = calls
+            # (id, name, arguments text, its length) of each call: a bounded SessionLineages (the
+            # report, over sessions in flight) keeps only the arguments' first characters it shows.
+            cut = None if self.keep_turns is None else SPAWN_ARGS_SHOWN
+            kept = []
+            for call in calls:
+                fields = _call_fields(call)
+                if fields is not None:
+                    text = _arguments_text(fields[2])
+                    kept.append((fields[0], fields[1], text if cut is None else text[:cut], len(text)))
+            self._calls[body.turn_index] = kept
             if self.keep_turns is not None:
                 called = self._called.setdefault(lineage_id, collections.deque())
                 called.append(body.turn_index)
@@ -137,10 +149,9 @@ class SessionLineages:
     def _spawn_call(self, origin: Lineage) -> SpawnCall:
         """The parent turn's call ``origin`` names (name and arguments "" when not found)."""
         if origin.spawn_call:
-            for call in self._calls.get(origin.parent_turn, ()):
-                fields = _call_fields(call)
-                if fields is not None and fields[0] == origin.spawn_call:
-                    return SpawnCall(origin.parent_turn, origin.spawn_call, fields[1], _arguments_text(fields[2]))
+            for call_id, name, text, chars in self._calls.get(origin.parent_turn, ()):
+                if call_id == origin.spawn_call:
+                    return SpawnCall(origin.parent_turn, call_id, name, text, arguments_chars=chars)
         forgotten = origin.parent_turn not in self._calls and origin.parent_turn <= self._dropped.get(origin.parent, -1)
         return SpawnCall(origin.parent_turn, origin.spawn_call, "", "", forgotten)
 
@@ -226,8 +237,8 @@ def spawn_text(entry: LineageEntry, full: bool) -> str:
         text += f", call {o.spawn_call}"
         if spawn is not None and spawn.name:
             args = spawn.arguments
-            if not full and len(args) > SPAWN_ARGS_SHOWN:
-                args = args[:SPAWN_ARGS_SHOWN] + f"... (+{len(spawn.arguments) - SPAWN_ARGS_SHOWN} chars)"
+            if spawn.arguments_chars > SPAWN_ARGS_SHOWN and (not full or len(args) < spawn.arguments_chars):
+                args = args[:SPAWN_ARGS_SHOWN] + f"... (+{spawn.arguments_chars - SPAWN_ARGS_SHOWN} chars)"
             text += f" {spawn.name}({' '.join(args.split())})"
         elif spawn is not None and spawn.forgotten:
             text += " (its tool and arguments not kept: only each lineage's latest turns with calls are)"

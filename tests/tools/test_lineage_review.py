@@ -91,3 +91,33 @@ def test_the_ui_lineage_tree_lists_only_the_rows_an_aborted_sessions_view_shows(
     assert len(view["lineages"]) == 1 + LEAD_CALLS and len(shown) == 1  # an aborted session: one placeholder row
     listed = {row: lineage["id"] for lineage in view["lineages"] for row in lineage["rows"]}
     assert listed == shown, (listed, shown)
+
+
+def test_the_bounded_gatherer_keeps_only_the_arguments_it_shows_and_shows_what_the_full_one_does():
+    from agentlog.tools.lineage_view import SPAWN_ARGS_SHOWN
+
+    long_prompt = "review the change " + "x" * 5000
+
+    async def build() -> MemoryLog:
+        log = MemoryLog()
+        engine = await SessionEngine.open(log)
+        async with engine.session("s", group_id="g", group_size=1, sample_index=0) as h:
+            await h.start()
+            call = {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "name": "Task", "arguments": {"prompt": long_prompt}}]}
+            await h.record_turn(messages=[_m("system", "lead"), _m("user", "do it")], prompt_ids=[1, 2], output_ids=[3],
+                                output_log_probs=[-0.1], response_message=call)
+            await h.record_turn(messages=[_m("system", "worker"), _m("user", long_prompt)], prompt_ids=[4, 5], output_ids=[6],
+                                output_log_probs=[-0.1], response_message=_m("assistant", "ok"))
+            await h.finish(reward=1.0)
+        await engine.close()
+        return log
+
+    envs = list(asyncio.run(build()).read())
+    bounded, full = SessionLineages(keep_turns=8), SessionLineages()
+    for env in envs:
+        bounded.feed(env)
+        full.feed(env)
+    (_, b_sub), (_, f_sub) = bounded.lineages, full.lineages
+    assert len(b_sub.spawn.arguments) == SPAWN_ARGS_SHOWN < len(f_sub.spawn.arguments) == b_sub.spawn.arguments_chars
+    assert spawn_text(b_sub, False) == spawn_text(f_sub, False) == spawn_text(b_sub, True)
+    assert "chars)" in spawn_text(b_sub, False) and "x" * 200 in spawn_text(f_sub, True)
