@@ -168,3 +168,34 @@ def test_a_read_across_many_segments_lists_the_directory_about_once(tmp_path, mo
     got = [e.session_id for e in read_log(d)]
     assert got == [f"s{k}" for k in range(60)]
     assert len(list_segments(d)) == 60 and len(listings) <= 3, len(listings)
+
+
+def test_a_segment_listed_before_the_limit_was_read_never_lets_a_stale_writers_frames_through(tmp_path):
+    """A cursor lists the directory again for each read (after its limit), not once for good: a newer
+    writer's segment that appeared since (here 10, while a stale writer's segment 5 runs past lsn 10
+    and its segment 15 was listed before) makes the stale frames refused, never read."""
+    import shutil
+
+    from agentlog.events.log.api import LogCorruption
+    from agentlog.events.log.format import segment_name
+    from agentlog.events.log.read import Cursor
+
+    def write(d: Path, runs: list[int], tag: str) -> None:
+        lsn = 0
+        for n in runs:
+            with FileLog.open(d) as lg:
+                lg.append_batch([(f"{tag}{lsn + i}", 0, SessionOpened(group_id="g", group_size=1)) for i in range(n)])
+            lsn += n
+
+    stale, newer, d = tmp_path / "stale", tmp_path / "newer", tmp_path / "log"
+    write(stale, [5, 10, 5], "A")  # segments 0 (0..4), 5 (5..14), 15 (15..19)
+    write(newer, [5, 5, 3], "B")  # segments 0, 5 (5..9), 10 (10..12)
+    shutil.copytree(stale, d, ignore=shutil.ignore_patterns("INDEX*", "DURABLE*", "LOCK*", "FENCE*"))
+    cur = Cursor(d, 0, 1 << 20, None, True)
+    try:
+        assert [r.session_id for r in cur.records(5)] == [f"A{i}" for i in range(5)]
+        shutil.copy(newer / segment_name(10), d / segment_name(10))
+        with pytest.raises(LogCorruption, match=f"segment {segment_name(10)} starts at lsn 10"):
+            list(cur.records(13))
+    finally:
+        cur.close()
