@@ -331,3 +331,32 @@ def test_a_turn_longer_than_the_policys_context_is_a_422_naming_it(ui_run, tmp_p
         assert _get(f"{url}/api/session/long")[0] == 200  # the session's view is unaffected
     finally:
         stop()
+
+
+def test_a_batch_that_fails_where_each_turn_passes_alone_is_scored_turn_by_turn():
+    """A batch too big for memory (a RuntimeError, as torch's out-of-memory is) scores turn by turn and
+    keeps those scores; only turns the policy refuses alone are named, in a TurnNotScorable."""
+    from agentlog.tools.ui.trainer import TrainerScores, TurnNotScorable, _Turn
+
+    class PolicyOfContext:
+        """Scores one turn at a time up to 8 tokens (prompt + output); any batch of two or more fails."""
+
+        def score_batch(self, items):
+            if len(items) > 1:
+                raise RuntimeError("out of memory: tried to allocate 2.00 GiB")
+            ((prompt, output, _t),) = items
+            if len(prompt) + len(output) > 8:
+                raise ValueError(f"position {len(prompt) + len(output) - 1} is beyond max_seq_len=8")
+            return [[-0.25 * (k + 1) for k in range(len(output))]]
+
+    def turns(prompt_lengths):
+        return [_Turn(index=i, prompt=np.arange(n, dtype=np.int32), output=np.arange(3, dtype=np.int32), temperature=1.0,
+                      parts=[(0, 3, 0)]) for i, n in enumerate(prompt_lengths)]
+
+    trainer = TrainerScores(None, None)
+    trainer._scorer = lambda version: (PolicyOfContext(), "")
+    fits = turns([4, 5, 3])
+    assert trainer._score(fits) == {}
+    assert [t.log_probs for t in fits] == [[-0.25, -0.5, -0.75]] * 3
+    with pytest.raises(TurnNotScorable, match=r"turns \[1\] .*policy version 0.*ValueError: position 9 is beyond max_seq_len=8"):
+        trainer._score(turns([4, 7, 3]))

@@ -76,8 +76,8 @@ _MODEL_REFUSALS = (ValueError, RuntimeError, IndexError)
 
 
 class TurnNotScorable(AgentlogError):
-    """The policy of a version cannot score a turn (one longer than the model's context, say):
-    the message names the session, the turns, the version and the model's error."""
+    """The policy of a version cannot score a turn alone (one longer than the model's context,
+    say): the message names the turns, the version and the model's error."""
 
 
 @dataclass
@@ -189,26 +189,30 @@ class TrainerScores:
                 try:
                     scored = scorer.score_batch([(t.prompt, t.output, t.temperature) for t, _, _ in chunk])
                 except _MODEL_REFUSALS as exc:
-                    raise self._not_scorable(scorer, version, [t for t, _, _ in chunk], exc) from exc
+                    scored = self._one_by_one(scorer, version, [t for t, _, _ in chunk], exc)
                 for (t, lo, hi), got in zip(chunk, scored):
                     t.log_probs[lo:hi] = [float(x) for x in got[lo:hi]]
         return missing
 
     @staticmethod
-    def _not_scorable(scorer: Any, version: int, chunk: list[_Turn], exc: BaseException) -> TurnNotScorable:
-        """The error naming the turns of ``chunk`` that ``scorer`` refuses one by one (the whole
-        chunk when none does alone): a batch's failure does not say which turn caused it."""
-        bad: list[tuple[_Turn, BaseException]] = []
+    def _one_by_one(scorer: Any, version: int, chunk: list[_Turn], exc: BaseException) -> list:
+        """The scores of ``chunk``'s turns, each scored alone after the batch failed with ``exc``
+        (a batch's failure does not say which turn caused it; a batch too big for memory passes
+        turn by turn, and its scores are kept). Raises TurnNotScorable naming the turns the
+        policy refuses alone, with the error of the first."""
+        scored, bad = [], []
         for t in chunk:
             try:
-                scorer.score_batch([(t.prompt, t.output, t.temperature)])
+                scored.extend(scorer.score_batch([(t.prompt, t.output, t.temperature)]))
             except _MODEL_REFUSALS as one:
                 bad.append((t, one))
-        named = bad or [(t, exc) for t in chunk]
-        first = named[0][1]
-        longest = max(len(t.prompt) + len(t.output) for t, _ in named)
-        return TurnNotScorable(f"turns {sorted(t.index for t, _ in named)} ({longest:,} tokens at most, prompt + output): "
-                               f"policy version {version} cannot score them: {type(first).__name__}: {str(first)[:300]}")
+                scored.append(None)
+        if not bad:
+            return scored
+        first = bad[0][1]
+        longest = max(len(t.prompt) + len(t.output) for t, _ in bad)
+        raise TurnNotScorable(f"turns {sorted(t.index for t, _ in bad)} ({longest:,} tokens at most, prompt + output): "
+                              f"policy version {version} cannot score them: {type(first).__name__}: {str(first)[:300]}") from first
 
     def _scorer(self, version: int) -> tuple[Any, str]:
         """(the ModelScorer of ``version``, "") or (None, why not)."""
