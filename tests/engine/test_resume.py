@@ -230,3 +230,26 @@ def test_the_conversation_a_resume_continues_is_the_main_lineages_not_a_later_su
         assert conv[:2] == main and conv[-1]["content"] == "delegating"
         await eng.close()
     arun(go())
+
+
+def test_a_root_lineage_its_agent_named_is_the_conversation_a_resume_continues(arun):
+    from agentlog.engine.lineages import Declared
+    from agentlog.events.log.api import MemoryLog
+    from agentlog.reducers.resume import resume_points
+
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        h = await eng.open_session("s", group_id="g", group_size=1)
+        await h.start()
+        msgs = [{"role": "user", "content": "fix the parser"}]
+        for k in range(3):
+            answer = {"role": "assistant", "content": f"step {k}"}
+            await h.record_turn(messages=list(msgs), prompt_ids=[1, 2 + k], output_ids=[3], finish_reason="stop",
+                                response_message=answer, declared_lineage=Declared(id="orchestrator"))
+            msgs += [answer, {"role": "user", "content": f"go on {k}"}]
+        (point,) = resume_points(log.read(), ["s"]).values()
+        assert point.root_lineage == "orchestrator" and point.durable_turns == 3
+        assert point.conversation()[-1] == {"role": "assistant", "content": "step 2"}
+        await eng.close()
+    arun(go())
