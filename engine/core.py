@@ -58,7 +58,7 @@ from agentlog.reducers.lifecycle import IdFilter
 from agentlog.reducers.resume import ResumePoint
 
 from .errors import TIMEOUT_REASON, DuplicateSession, EngineClosed, SessionTimeout, StragglerRefused
-from .handle import SessionHandle, _SessionContext
+from .handle import InFlightMarker, SessionHandle, _SessionContext
 from . import adopt as engine_adopt
 from .adopt import adopt_orphans
 from .restart import RESTART_REASON, Checkpointer, abort_orphans, checkpoint_path_of, resume_fold
@@ -71,6 +71,12 @@ _log = get_logger("agentlog.engine")
 #: checkpoint (about 1 MiB: the ID filter) costs a few ms of writing in a background thread.
 DEFAULT_CHECKPOINT_EVERY = 4096
 
+
+
+def _own_work(work: Any, cur: asyncio.Task | None) -> bool:
+    """Whether in-flight ``work`` (a task, or the InFlightMarker of a task's scope) is ``cur``'s
+    own: a task never waits for or cancels itself when it ends its own session."""
+    return (work.task if isinstance(work, InFlightMarker) else work) is cur
 
 class SessionEngine(BackgroundWork):
     """Drives concurrent sessions over one :class:`events.log.api.EventLog`.
@@ -406,10 +412,7 @@ class SessionEngine(BackgroundWork):
         try:
             env = await self._log_.append(h.session_id, seq, body)
         except asyncio.CancelledError:
-            # Logs stage a record synchronously and then wait for durability.
-            # If ours was staged before the cancel, the log writes it anyway:
-            # apply it, so the session stays in step with the log.
-            if self._log_.next_seq(h.session_id) != seq:
+            if self._written_anyway(h, seq):
                 self._apply(h, body, dest, None, context)
             raise
         self._apply(h, body, dest, env.lsn, context)
@@ -420,14 +423,13 @@ class SessionEngine(BackgroundWork):
         acknowledges it, apply it and release the lock, then ``then(env, exc)``
         (:meth:`SessionHandle.begin_turn`). A refusal by the log raises here."""
         seq = h._seq
-        log_ = self._log_
 
         def on_durable(env: Envelope | None, exc: BaseException | None) -> None:
             try:
                 if env is not None:
                     self._apply(h, body, None, env.lsn, context)
-                elif isinstance(exc, asyncio.CancelledError) and log_.next_seq(h.session_id) != seq:
-                    self._apply(h, body, None, None, context)  # staged before the cancel: written anyway (_append)
+                elif isinstance(exc, asyncio.CancelledError) and self._written_anyway(h, seq):
+                    self._apply(h, body, None, None, context)
             except Exception as failure:  # handed to the waiter, and logged: never swallowed
                 h.log.critical("engine.apply_failed", lsn=None if env is None else env.lsn, error=repr(failure), exc_info=failure)
                 env, exc = None, failure
@@ -435,7 +437,13 @@ class SessionEngine(BackgroundWork):
                 release(h)
             then(env, exc)
 
-        log_.stage(h.session_id, seq, body, on_durable)
+        self._log_.stage(h.session_id, seq, body, on_durable)
+
+    def _written_anyway(self, h: SessionHandle, seq: int) -> bool:
+        """Whether ``h``'s record ``seq``, whose append was cancelled, was staged before the cancel:
+        logs stage a record synchronously and then wait for durability, so the log writes it
+        anyway, and the session must apply it to stay in step with the log."""
+        return self._log_.next_seq(h.session_id) != seq
 
     def _apply(self, h: SessionHandle, body: Any, dest: State | None, lsn: int | None, context: EncodingContext | None = None) -> None:
         h._seq += 1
@@ -522,8 +530,7 @@ class SessionEngine(BackgroundWork):
     async def _drain(self, h: SessionHandle) -> None:
         """Wait up to drain_s for the session's in-flight work, then cancel the rest."""
         cur = asyncio.current_task()
-        # A task's own work (itself, or the InFlightMarker of its scope) is never waited for or cancelled by it.
-        tasks = {t for t in (h._inflight or ()) if getattr(t, "task", t) is not cur and not t.done()}
+        tasks = {t for t in (h._inflight or ()) if not _own_work(t, cur) and not t.done()}
         if not tasks:
             return
         _done, pending = await asyncio.wait(tasks, timeout=self.drain_s)
@@ -549,7 +556,7 @@ class SessionEngine(BackgroundWork):
         if h._inflight:
             cur = asyncio.current_task()
             for t in list(h._inflight):
-                if getattr(t, "task", t) is not cur and not t.done():
+                if not _own_work(t, cur) and not t.done():
                     t.cancel()
         self._remember(sid, h.state)
         if h.state is State.FINISHED:

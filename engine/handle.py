@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Coroutine
 import numpy as np
 
 from agentlog._logging import get_logger
+from agentlog.events.log.api import settle_from_task
 from agentlog.events.schema.lifecycle import TERMINAL_STATES, LifecycleError, State
 from agentlog.events.schema.types import (
     CommandRan,
@@ -76,14 +77,6 @@ class PendingTurn:
         # Retrieved here: nobody may ever await _settled, and its exception is the durable one's.
         if exc is not None:
             self._settled.exception()
-
-    def from_task(self, task: asyncio.Task) -> None:
-        """Settle from a :meth:`SessionHandle.record_turn` task (the contended path)."""
-        if task.cancelled():
-            self.settle(None, asyncio.CancelledError())
-        else:
-            exc = task.exception()
-            self.settle(None if exc is not None else task.result(), exc)
 
     async def settled(self) -> Envelope:
         """The durable envelope (raises what recording it raised)."""
@@ -244,7 +237,7 @@ class SessionHandle:
         if h._busy:
             task = loop.create_task(h.record_turn(messages, prompt_ids, sampling, frozen_messages=frozen_messages,
                                                   declared_lineage=declared_lineage, **fields))
-            task.add_done_callback(pending.from_task)
+            task.add_done_callback(settle_from_task(pending.settle))
             return pending
         h._busy = True
         try:
@@ -412,11 +405,15 @@ class SessionHandle:
             coro.close()
             self._engine._refuse(self.session_id, "spawn", self.state, self)
         task = asyncio.get_running_loop().create_task(coro)
+        self._track(task)
+        return task
+
+    def _track(self, work: asyncio.Future) -> None:
+        """Hold ``work`` (a task, or an InFlightMarker) among the in-flight work until it is done."""
         if self._inflight is None:
             self._inflight = set()
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
-        return task
+        self._inflight.add(work)  # type: ignore[arg-type]  # a marker is a future: what asyncio.wait and cancel need
+        work.add_done_callback(self._inflight.discard)
 
 
 class InFlightMarker(asyncio.Future):
@@ -456,12 +453,8 @@ class InFlight:
         self._marker: InFlightMarker | None = None
 
     def __enter__(self) -> "InFlight":
-        h = self._h
-        self._marker = marker = InFlightMarker(asyncio.current_task(), h.session_id)
-        if h._inflight is None:
-            h._inflight = set()
-        h._inflight.add(marker)  # type: ignore[arg-type]  # a future: what asyncio.wait and cancel need of a task
-        marker.add_done_callback(h._inflight.discard)
+        self._marker = marker = InFlightMarker(asyncio.current_task(), self._h.session_id)
+        self._h._track(marker)
         return self
 
     def __exit__(self, *exc: Any) -> None:

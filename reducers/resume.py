@@ -70,8 +70,6 @@ class ResumePoint:
     #: lineage's first-turn record: what the engine's lineage tracker continues from.
     lineage_turns: dict[str, TurnRecorded] = field(default_factory=dict)
     lineage_origins: dict[str, Lineage] = field(default_factory=dict)
-    #: The lineage of the session's first durable turn: ``main``, or the id its agent declared.
-    root_lineage: str = ROOT_LINEAGE
     #: Every durable turn's (lineage, turn index, its answer's tool calls, the calls its prompt
     #: answered), in log order: which calls each lineage made and which are still pending.
     lineage_history: list[tuple[str, int, tuple[ToolCall, ...], tuple[str, ...]]] = field(default_factory=list)
@@ -120,6 +118,11 @@ class ResumePoint:
                     f"({self.durable_turns} durable turns; snapshots of turns: {held})")
         return None
 
+    @property
+    def root_lineage(self) -> str:
+        """The lineage of the session's first durable turn: ``main``, or the id its agent declared."""
+        return self.lineage_history[0][0] if self.lineage_history else ROOT_LINEAGE
+
     def conversation(self) -> list[dict[str, Any]]:
         """The messages up to and including the answer of the last durable turn of the session's
         root lineage, the one its first turn began (the prompt before any): a subagent's turn
@@ -161,8 +164,6 @@ def resume_points(envelopes: Iterable[Envelope], session_ids: Iterable[str], *, 
             point.durable_turns = body.turn_index + 1
             point.last_turn = body
             lineage = turn_lineage(body)
-            if not point.lineage_turns:
-                point.root_lineage = lineage
             point.lineage_turns.pop(lineage, None)
             point.lineage_turns[lineage] = body
             if body.lineage is not UNSET and body.lineage.how:

@@ -89,6 +89,16 @@ def _call_fields(call: Any) -> tuple[str, str, Any] | None:
     return call_id, name if isinstance(name, str) else "", fn.get("arguments", "")
 
 
+def _compact(call: Any, cut: int | None) -> tuple[str, str, str, int] | None:
+    """(id, name, arguments as text cut to ``cut`` characters, the text's full length) of a
+    recorded tool call, None for no call."""
+    fields = _call_fields(call)
+    if fields is None:
+        return None
+    text = _arguments_text(fields[2])
+    return fields[0], fields[1], text if cut is None else text[:cut], len(text)
+
+
 def _arguments_text(args: Any) -> str:
     if isinstance(args, str):
         return args
@@ -107,7 +117,8 @@ class SessionLineages:
     def __init__(self, keep_turns: int | None = None) -> None:
         self.keep_turns = keep_turns
         self._lineages: dict[str, LineageEntry] = {}
-        self._calls: dict[int, list] = {}  # turn index -> (id, name, arguments, chars) of its response's tool calls
+        # Turn index -> its response's tool calls (bounded: their _compact forms).
+        self._calls: dict[int, list] = {}
         self._called: dict[str, collections.deque] = {}  # lineage -> its turns in _calls, oldest first
         self._dropped: dict[str, int] = {}  # lineage -> the newest of its turns whose calls keep_turns dropped
 
@@ -128,17 +139,12 @@ class SessionLineages:
         response = body.response_message
         calls = response.get("tool_calls") if isinstance(response, dict) else None
         if calls and isinstance(calls, list):
-            # (id, name, arguments text, its length) of each call: a bounded SessionLineages (the
-            # report, over sessions in flight) keeps only the arguments' first characters it shows.
-            cut = None if self.keep_turns is None else SPAWN_ARGS_SHOWN
-            kept = []
-            for call in calls:
-                fields = _call_fields(call)
-                if fields is not None:
-                    text = _arguments_text(fields[2])
-                    kept.append((fields[0], fields[1], text if cut is None else text[:cut], len(text)))
-            self._calls[body.turn_index] = kept
-            if self.keep_turns is not None:
+            if self.keep_turns is None:
+                self._calls[body.turn_index] = calls  # read only when a lineage names one of them
+            else:
+                # A bounded SessionLineages (the report, over sessions in flight) keeps only the
+                # arguments' first characters it shows.
+                self._calls[body.turn_index] = [c for c in (_compact(call, SPAWN_ARGS_SHOWN) for call in calls) if c]
                 called = self._called.setdefault(lineage_id, collections.deque())
                 called.append(body.turn_index)
                 while len(called) > self.keep_turns:
@@ -149,8 +155,10 @@ class SessionLineages:
     def _spawn_call(self, origin: Lineage) -> SpawnCall:
         """The parent turn's call ``origin`` names (name and arguments "" when not found)."""
         if origin.spawn_call:
-            for call_id, name, text, chars in self._calls.get(origin.parent_turn, ()):
-                if call_id == origin.spawn_call:
+            for call in self._calls.get(origin.parent_turn, ()):
+                compact = call if type(call) is tuple else _compact(call, None)
+                if compact is not None and compact[0] == origin.spawn_call:
+                    call_id, name, text, chars = compact
                     return SpawnCall(origin.parent_turn, call_id, name, text, arguments_chars=chars)
         forgotten = origin.parent_turn not in self._calls and origin.parent_turn <= self._dropped.get(origin.parent, -1)
         return SpawnCall(origin.parent_turn, origin.spawn_call, "", "", forgotten)

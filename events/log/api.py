@@ -200,6 +200,21 @@ def _check_one_by_one(sids: list[str], seqs: list[int], bodies: list[Any]) -> tu
 OnDurable = Callable[[Envelope | None, BaseException | None], None]
 
 
+def settle_from_task(on_durable: OnDurable) -> Callable[[asyncio.Task], None]:
+    """A done-callback for a task whose result is an envelope, calling ``on_durable``
+    with (its result, None) or (None, what it raised or a CancelledError)."""
+
+    def settle(task: asyncio.Task) -> None:
+        if task.cancelled():
+            on_durable(None, asyncio.CancelledError())
+        elif (exc := task.exception()) is not None:
+            on_durable(None, exc)
+        else:
+            on_durable(task.result(), None)
+
+    return settle
+
+
 class EventLog(abc.ABC):
     """Writer and reader over one log. One writer per log."""
 
@@ -382,16 +397,7 @@ class EventLog(abc.ABC):
         gateway's turn path saves the hops of a task. This default runs
         :meth:`append` as a task (its refusals reach ``on_durable``)."""
         task = asyncio.get_running_loop().create_task(self.append(session_id, session_seq, body))
-
-        def settle(t: asyncio.Task) -> None:
-            if t.cancelled():
-                on_durable(None, asyncio.CancelledError())
-            elif (exc := t.exception()) is not None:
-                on_durable(None, exc)
-            else:
-                on_durable(t.result(), None)
-
-        task.add_done_callback(settle)
+        task.add_done_callback(settle_from_task(on_durable))
 
     @overload
     def read(self, from_lsn: int = 0, *, raw: Literal[False] = False) -> Iterator[Envelope]: ...

@@ -206,9 +206,9 @@ def test_an_orphan_whose_resume_is_refused_can_still_be_aborted(arun, tmp_path):
     arun(go())
 
 
-def test_the_conversation_a_resume_continues_is_the_main_lineages_not_a_later_subagents(arun):
+def _resume_point_after(arun, play):
+    """The resume point of session ``s`` (running, on a memory log) after ``play(h)`` recorded its turns."""
     from agentlog.events.log.api import MemoryLog
-    from agentlog.events.schema.lineage import turn_lineage
     from agentlog.reducers.resume import resume_points
 
     async def go():
@@ -216,7 +216,19 @@ def test_the_conversation_a_resume_continues_is_the_main_lineages_not_a_later_su
         eng = await SessionEngine.open(log)
         h = await eng.open_session("s", group_id="g", group_size=1)
         await h.start()
-        main = [{"role": "system", "content": "you fix bugs"}, {"role": "user", "content": "fix the parser"}]
+        await play(h)
+        (point,) = resume_points(log.read(), ["s"]).values()
+        await eng.close()
+        return point
+    return arun(go())
+
+
+def test_the_conversation_a_resume_continues_is_the_main_lineages_not_a_later_subagents(arun):
+    from agentlog.events.schema.lineage import turn_lineage
+
+    main = [{"role": "system", "content": "you fix bugs"}, {"role": "user", "content": "fix the parser"}]
+
+    async def play(h):
         call = {"id": "c1", "name": "Agent", "arguments": {"prompt": "find where the parser fails on empty input"}}
         await h.record_turn(messages=main, prompt_ids=[1, 2], output_ids=[3], finish_reason="stop",
                             response_message={"role": "assistant", "content": "delegating", "tool_calls": [call]})
@@ -224,32 +236,24 @@ def test_the_conversation_a_resume_continues_is_the_main_lineages_not_a_later_su
         env = await h.record_turn(messages=sub, prompt_ids=[4, 5], output_ids=[6], finish_reason="stop",
                                   response_message={"role": "assistant", "content": "in parse_header"})
         assert turn_lineage(env.body) != "main"  # the subagent's own lineage, recorded last
-        (point,) = resume_points(log.read(), ["s"]).values()
-        assert point.last_turn is not None and point.last_turn.turn_index == 1
-        conv = point.conversation()
-        assert conv[:2] == main and conv[-1]["content"] == "delegating"
-        await eng.close()
-    arun(go())
+
+    point = _resume_point_after(arun, play)
+    assert point.last_turn is not None and point.last_turn.turn_index == 1
+    conv = point.conversation()
+    assert conv[:2] == main and conv[-1]["content"] == "delegating"
 
 
 def test_a_root_lineage_its_agent_named_is_the_conversation_a_resume_continues(arun):
     from agentlog.engine.lineages import Declared
-    from agentlog.events.log.api import MemoryLog
-    from agentlog.reducers.resume import resume_points
 
-    async def go():
-        log = MemoryLog()
-        eng = await SessionEngine.open(log)
-        h = await eng.open_session("s", group_id="g", group_size=1)
-        await h.start()
+    async def play(h):
         msgs = [{"role": "user", "content": "fix the parser"}]
         for k in range(3):
             answer = {"role": "assistant", "content": f"step {k}"}
             await h.record_turn(messages=list(msgs), prompt_ids=[1, 2 + k], output_ids=[3], finish_reason="stop",
                                 response_message=answer, declared_lineage=Declared(id="orchestrator"))
             msgs += [answer, {"role": "user", "content": f"go on {k}"}]
-        (point,) = resume_points(log.read(), ["s"]).values()
-        assert point.root_lineage == "orchestrator" and point.durable_turns == 3
-        assert point.conversation()[-1] == {"role": "assistant", "content": "step 2"}
-        await eng.close()
-    arun(go())
+
+    point = _resume_point_after(arun, play)
+    assert point.root_lineage == "orchestrator" and point.durable_turns == 3
+    assert point.conversation()[-1] == {"role": "assistant", "content": "step 2"}

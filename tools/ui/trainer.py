@@ -206,7 +206,6 @@ class TrainerScores:
                 scored.extend(scorer.score_batch([(t.prompt, t.output, t.temperature)]))
             except _MODEL_REFUSALS as one:
                 bad.append((t, one))
-                scored.append(None)
         if not bad:
             return scored
         first = bad[0][1]
