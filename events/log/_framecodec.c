@@ -12,7 +12,8 @@
  *                   the file shrinking under the mapping (SIGBUS);
  *   MappedScan      scan_mapped() with the walk (bounds, CRC, LSNs) in a
  *                   second thread that holds no GIL, ahead of the caller,
- *                   who builds the frames it has checked (take());
+ *                   who builds the frames it has checked (take()); the walk
+ *                   also decompresses compressed batches (libzstd, dlopen);
  *   scan_batch()    the frames of a decompressed batch, with its place;
  *   encode_frame()  one frame (header, session id, payload, masked CRC);
  *   encode_batch()  many frames into one contiguous buffer;
@@ -235,6 +236,8 @@ typedef struct {
     PyObject *reason; /* set with SCAN_BAD */
 } scan_state;
 
+struct batch_buf;
+
 typedef struct {
     Py_ssize_t rel, end;
     unsigned long long lsn, seq;
@@ -242,6 +245,12 @@ typedef struct {
     unsigned int flags;
     const uint8_t *sid;
     Py_ssize_t sidlen;
+    /* A frame of a compressed batch that MappedScan's walk decompressed: the
+       batch's buffer (rel and end are within it), the batch's own place in the
+       segment, and whether this is its last frame. NULL for a segment's frame. */
+    struct batch_buf *bb;
+    Py_ssize_t batch_rel, batch_end;
+    int last_of_batch;
 } frame_info;
 
 /* Why scan_core() stopped at a bad frame, as plain numbers: the reason's
@@ -349,6 +358,7 @@ static inline int scan_core(const scan_state *st, frame_info *fi, bad_info *bad,
     fi->flags = f[33];
     fi->sid = f + SID_AT;
     fi->sidlen = sidlen;
+    fi->bb = NULL;
     return SCAN_MORE;
 }
 
@@ -697,6 +707,237 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ compressed batches, decompressed by the walk
+
+   libzstd, loaded at import with dlopen (no build-time dependency: the
+   zstandard package links its own copy privately, and most systems carry
+   libzstd.so.1, which dpkg and systemd need). Without it, or with one older
+   than 1.3, the walk leaves every compressed batch to the pread path, as
+   before. Only the decompression is libzstd's; the layout, the checks and the
+   error messages stay the Python reader's (batch_compression.read_batch):
+   the walk takes a batch only when it is plainly valid, whole and below the
+   scan's limit, and leaves anything else to that path, which reads it again
+   and says what is wrong in its own words. */
+
+#include <dlfcn.h>
+#include <stdlib.h>
+
+#define TYPE_BATCH 2
+#define BATCH_HDR_SIZE 17 /* u64 first lsn | u32 count | u32 raw length | u8 codec */
+#define BATCH_CODEC_ZSTD 1
+#define BATCH_MAX_RECORDS 4096 /* format.BATCH_MAX_RECORDS: readers refuse more */
+#define ZSTD_MAGIC 0xFD2FB528u /* a zstd frame (format 1.0); libzstd may also decode legacy frames, zstandard does not */
+/* Decompressed bytes the walk keeps ahead of the reader, at most (one batch always may be: a
+   record over 256 KiB is a batch alone, and a ring of them would otherwise hold gigabytes). */
+#define HELD_BYTES_MAX (32ull << 20)
+
+typedef struct ZSTD_DCtx_s ZSTD_DCtx;
+static struct {
+    ZSTD_DCtx *(*create)(void);
+    size_t (*release)(ZSTD_DCtx *);
+    size_t (*decompress)(ZSTD_DCtx *, void *, size_t, const void *, size_t);
+    unsigned (*is_error)(size_t);
+    unsigned long long (*content_size)(const void *, size_t);
+    unsigned version; /* 0: not loaded */
+} zstd;
+
+/* Load libzstd's few decompression entry points (their signatures are its stable API). */
+static void zstd_load(void) {
+    static const char *const names[] = {"libzstd.so.1", "libzstd.so", "libzstd.1.dylib", "libzstd.dylib", NULL};
+    for (int i = 0; names[i] != NULL; i++) {
+        void *h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+        if (h == NULL) continue;
+        unsigned (*version)(void) = (unsigned (*)(void))dlsym(h, "ZSTD_versionNumber");
+        zstd.create = (ZSTD_DCtx * (*)(void)) dlsym(h, "ZSTD_createDCtx");
+        zstd.release = (size_t(*)(ZSTD_DCtx *))dlsym(h, "ZSTD_freeDCtx");
+        zstd.decompress = (size_t(*)(ZSTD_DCtx *, void *, size_t, const void *, size_t))dlsym(h, "ZSTD_decompressDCtx");
+        zstd.is_error = (unsigned (*)(size_t))dlsym(h, "ZSTD_isError");
+        zstd.content_size = (unsigned long long (*)(const void *, size_t))dlsym(h, "ZSTD_getFrameContentSize");
+        if (version != NULL && zstd.create != NULL && zstd.release != NULL && zstd.decompress != NULL && zstd.is_error != NULL &&
+            zstd.content_size != NULL && version() >= 10300) {
+            zstd.version = version();
+            return; /* kept loaded for the life of the process */
+        }
+        dlclose(h);
+    }
+    memset(&zstd, 0, sizeof(zstd));
+}
+
+/* A batch the walk decompressed: its frames, in memory of its own (not
+   Python's: the walk holds no GIL). The consumer wraps ``data`` in a
+   BatchBytes the first time it hands out one of the batch's frames (``view``
+   then holds a memoryview of it, and the payloads are slices of that) and
+   releases the batch_buf with its last frame; mapped_stop() releases those
+   whose last frame was never handed out. */
+typedef struct batch_buf {
+    uint8_t *data; /* malloc'd (not PyMem_Raw: with tracemalloc on, its hooks take the GIL); NULL once a BatchBytes owns it */
+    Py_ssize_t len;
+    PyObject *view;
+} batch_buf;
+
+/* Free a batch the walk made but did not note (no Python: any thread). */
+static void batch_discard(batch_buf *bb) {
+    free(bb->data);
+    free(bb);
+}
+
+/* Release a noted batch (the GIL held): the payloads handed out keep their BatchBytes alive. */
+static void batch_release(batch_buf *bb) {
+    Py_XDECREF(bb->view);
+    batch_discard(bb);
+}
+
+/* BatchBytes: read-only bytes-like memory that a decompressed batch's payloads view. */
+typedef struct {
+    PyObject_HEAD uint8_t *data;
+    Py_ssize_t len;
+} BatchBytes;
+
+static int batch_bytes_getbuffer(BatchBytes *self, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->data, self->len, 1, flags);
+}
+
+static void batch_bytes_dealloc(BatchBytes *self) {
+    free(self->data);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyBufferProcs batch_bytes_as_buffer = {.bf_getbuffer = (getbufferproc)batch_bytes_getbuffer};
+
+static PyTypeObject BatchBytesType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "agentlog.events.log._framecodec.BatchBytes",
+    .tp_basicsize = sizeof(BatchBytes),
+    .tp_dealloc = (destructor)batch_bytes_dealloc,
+    .tp_as_buffer = &batch_bytes_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The decompressed frames of one compressed batch (read-only; its payloads are views of it).",
+};
+
+/* The memoryview a batch's payloads slice, made with its first frame handed out (the GIL held). */
+static PyObject *batch_view(batch_buf *bb) {
+    if (bb->view != NULL) return bb->view;
+    BatchBytes *owner = PyObject_New(BatchBytes, &BatchBytesType);
+    if (owner == NULL) return NULL;
+    owner->data = bb->data;
+    owner->len = bb->len;
+    PyObject *view = PyMemoryView_FromObject((PyObject *)owner);
+    if (view == NULL) owner->data = NULL; /* the batch keeps its bytes (a take may be tried again) */
+    Py_DECREF(owner);
+    if (view == NULL) return NULL;
+    bb->data = NULL; /* owned by the BatchBytes now */
+    bb->view = view;
+    return view;
+}
+
+/* Strict UTF-8 (what str.decode("utf-8") accepts): no overlong forms, no surrogates, nothing past U+10FFFF. */
+static int utf8_valid(const uint8_t *p, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    while (i < n) {
+        uint8_t c = p[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        int k;
+        uint8_t lo = 0x80, hi = 0xBF;
+        if (c >= 0xC2 && c <= 0xDF)
+            k = 1;
+        else if (c == 0xE0)
+            k = 2, lo = 0xA0;
+        else if ((c >= 0xE1 && c <= 0xEC) || c == 0xEE || c == 0xEF)
+            k = 2;
+        else if (c == 0xED)
+            k = 2, hi = 0x9F;
+        else if (c == 0xF0)
+            k = 3, lo = 0x90;
+        else if (c >= 0xF1 && c <= 0xF3)
+            k = 3;
+        else if (c == 0xF4)
+            k = 3, hi = 0x8F;
+        else
+            return 0;
+        if (n - i <= k || p[i + 1] < lo || p[i + 1] > hi) return 0;
+        for (int j = 2; j <= k; j++)
+            if ((p[i + j] & 0xC0) != 0x80) return 0;
+        i += k + 1;
+    }
+    return 1;
+}
+
+/* The record count of the batch frame at st->rel when its header lies in the
+   mapping and says 1..BATCH_MAX_RECORDS records (and no more than ``ring``),
+   with its raw length in *raw_len; else 0 (the walk leaves it to the pread path). */
+static unsigned long long batch_count(const scan_state *st, unsigned long long ring, unsigned long long *raw_len) {
+    if (st->rel + FRAME_PREFIX + BATCH_HDR_SIZE > st->buflen ||
+        st->base + (unsigned long long)st->rel + FRAME_PREFIX + BATCH_HDR_SIZE > st->size)
+        return 0;
+    unsigned long long count = rd32(st->buf + st->rel + FRAME_PREFIX + 8);
+    *raw_len = rd32(st->buf + st->rel + FRAME_PREFIX + 12);
+    return count >= 1 && count <= BATCH_MAX_RECORDS && count <= ring ? count : 0;
+}
+
+/* Decompress and check the batch frame at st->rel (``count`` records, from
+   batch_count()) into ``ring`` slots from ``slot`` on, as read_batch() checks
+   it: length, CRC of the stored bytes, first LSN, codec, sizes, the zstd
+   frame's own content size, then every inner frame as a segment's (bounds,
+   CRC, LSN sequence, session id UTF-8), exactly ``count`` of them filling the
+   raw bytes. No Python, no GIL. Returns the batch's end (relative to st->buf)
+   once noted, or 0 when the walk leaves it to the pread path: anything short
+   of that, or a batch that reaches ``st->limit``. ``*pending`` holds the batch
+   while it is being read (the walk frees it if a fault jumps out). */
+static Py_ssize_t walk_batch(const scan_state *st, ZSTD_DCtx *dctx, unsigned long long raw_cap, unsigned long long count,
+                             frame_info *ring, unsigned long long slot, unsigned long long ring_size,
+                             batch_buf *volatile *pending) {
+    const uint8_t *f = st->buf + st->rel;
+    uint32_t crc = rd32(f), length = rd32(f + 4);
+    if (length <= BATCH_HDR_SIZE || (unsigned long long)length > BATCH_HDR_SIZE + raw_cap) return 0;
+    Py_ssize_t rend = st->rel + FRAME_PREFIX + (Py_ssize_t)length;
+    if (st->base + (unsigned long long)rend > st->size || rend > st->buflen) return 0;
+    if (mask_crc(~crc_hw(~0u, f + 4, (size_t)length + 5)) != crc) return 0;
+    unsigned long long first = rd64(f + FRAME_PREFIX), raw_len = rd32(f + FRAME_PREFIX + 12);
+    if (first != st->expected || f[FRAME_PREFIX + 16] != BATCH_CODEC_ZSTD || raw_len > raw_cap || raw_len < SID_AT) return 0;
+    if (st->has_limit && first + count > st->limit) return 0; /* the pread path stops inside it and keeps the rest */
+    const uint8_t *data = f + FRAME_PREFIX + BATCH_HDR_SIZE;
+    size_t stored = (size_t)length - BATCH_HDR_SIZE;
+    if (stored < 4 || rd32(data) != ZSTD_MAGIC || zstd.content_size(data, stored) != raw_len) return 0;
+    batch_buf *bb = calloc(1, sizeof(batch_buf));
+    if (bb == NULL) return 0;
+    bb->data = malloc((size_t)raw_len);
+    bb->len = (Py_ssize_t)raw_len;
+    if (bb->data == NULL) {
+        batch_discard(bb);
+        return 0;
+    }
+    *pending = bb;
+    size_t got = zstd.decompress(dctx, bb->data, (size_t)raw_len, data, stored);
+    if (zstd.is_error(got) || got != raw_len) goto refuse;
+    scan_state in;
+    memset(&in, 0, sizeof(in));
+    in.buf = bb->data;
+    in.buflen = bb->len;
+    in.size = raw_len;
+    in.cap = st->cap;
+    in.expected = first;
+    bad_info bad;
+    for (unsigned long long k = 0; k < count; k++) {
+        frame_info *fi = &ring[(slot + k) % ring_size];
+        if (scan_core(&in, fi, &bad, 1) != SCAN_MORE || !utf8_valid(fi->sid, fi->sidlen)) goto refuse;
+        in.rel = fi->end;
+        in.expected = fi->lsn + 1;
+        fi->bb = bb;
+        fi->batch_rel = st->rel;
+        fi->batch_end = rend;
+        fi->last_of_batch = k + 1 == count;
+    }
+    if ((unsigned long long)in.rel != raw_len) goto refuse;
+    *pending = NULL;
+    return rend;
+refuse:
+    *pending = NULL;
+    batch_discard(bb);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ a mapped segment checked by a second thread */
 
 /* MappedScan: scan_mapped() split over two threads. A thread of its own
@@ -724,6 +965,7 @@ typedef struct {
     PyObject *viewobj; /* payloads are slices of it */
     PyTypeObject *ftype;
     scan_state st; /* the walk's state: its thread's alone until ``done`` */
+    unsigned long long raw_cap; /* the most bytes a batch decompresses to; 0: batches are left to the pread path */
     frame_info *ring;
     pthread_t thread;
     pid_t owner; /* the process that started the thread (a forked child has none to join) */
@@ -732,6 +974,7 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     unsigned long long produced, consumed; /* frames noted by the walk / handed out */
+    unsigned long long held_bytes;         /* decompressed bytes of the batches noted and not yet handed out whole */
     int done, cancel, waiting;
     int code;     /* the walk's stop code, once done */
     bad_info bad; /* with code SCAN_BAD */
@@ -740,6 +983,23 @@ typedef struct {
     int finished; /* the stop has been handed out */
     PyObject *final; /* the last take()'s result once finished */
 } MappedScan;
+
+/* In the walk: show the frames noted so far and wait until the ring has room
+   for ``need`` more, and the batches held ahead for ``bytes`` more (or none is
+   held ahead). Returns 1 when the consumer cancelled the walk instead. */
+static int walk_wait(MappedScan *ms, unsigned long long n, unsigned long long need, unsigned long long bytes,
+                     unsigned long long *consumed) {
+    pthread_mutex_lock(&ms->mu);
+    __atomic_store_n(&ms->produced, n, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&ms->cv);
+    while (!ms->cancel && (n + need - ms->consumed > RING_FRAMES ||
+                           (bytes > 0 && ms->held_bytes + bytes > HELD_BYTES_MAX && ms->consumed < n)))
+        pthread_cond_wait(&ms->cv, &ms->mu);
+    *consumed = ms->consumed;
+    int cancel = ms->cancel;
+    pthread_mutex_unlock(&ms->mu);
+    return cancel;
+}
 
 static void *mapped_walk(void *arg) {
     MappedScan *ms = (MappedScan *)arg;
@@ -754,43 +1014,61 @@ static void *mapped_walk(void *arg) {
     scan_state *st = &ms->st;
     volatile unsigned long long n = 0; /* frames noted */
     volatile int code = SCAN_LIMIT;
+    batch_buf *volatile pending = NULL; /* a batch being decompressed */
+    ZSTD_DCtx *volatile dctx = ms->raw_cap > 0 && zstd.version != 0 ? zstd.create() : NULL;
     bad_info bad;
     memset(&bad, 0, sizeof(bad));
     sigjmp_buf jb;
     if (sigsetjmp(jb, 0) != 0) {
-        /* The file shrank under a read: st->rel is the start of the frame being read. */
+        /* The file shrank under a read: st->rel is the start of the frame (or batch) being read. */
         code = SCAN_SHRANK;
         goto out;
     }
     bus_guard = &jb;
     {
         unsigned long long published = 0, consumed = 0;
+        unsigned long long held_seen = 0; /* ms->held_bytes when last read (it only falls meanwhile) */
         size_t bytes = 0;
         for (;;) {
             if (n - consumed >= RING_FRAMES) {
-                /* The ring is full: show what is noted and wait for the consumer. */
-                pthread_mutex_lock(&ms->mu);
-                __atomic_store_n(&ms->produced, n, __ATOMIC_RELEASE);
-                pthread_cond_broadcast(&ms->cv);
-                while (n - ms->consumed >= RING_FRAMES && !ms->cancel) pthread_cond_wait(&ms->cv, &ms->mu);
-                consumed = ms->consumed;
-                int cancel = ms->cancel;
-                pthread_mutex_unlock(&ms->mu);
+                if (walk_wait(ms, n, 1, 0, &consumed)) break;
                 published = n;
                 bytes = 0;
-                if (cancel) break;
             }
             frame_info *fi = &ms->ring[n % RING_FRAMES];
             int c = scan_core(st, fi, &bad, 1);
+            if (c == SCAN_BAD && bad.kind == BAD_TYPE && bad.a == TYPE_BATCH && dctx != NULL) {
+                /* A compressed batch: its frames go into the ring together, or it is left to the pread path. */
+                unsigned long long raw_len = 0, count = batch_count(st, RING_FRAMES, &raw_len);
+                if (count > 0 && (n + count - consumed > RING_FRAMES || held_seen + raw_len > HELD_BYTES_MAX)) {
+                    if (walk_wait(ms, n, count, raw_len, &consumed)) break;
+                    published = n;
+                    bytes = 0;
+                }
+                Py_ssize_t end = count > 0 ? walk_batch(st, dctx, ms->raw_cap, count, ms->ring, n, RING_FRAMES, &pending) : 0;
+                if (end > 0) {
+                    pthread_mutex_lock(&ms->mu);
+                    ms->held_bytes += raw_len;
+                    held_seen = ms->held_bytes;
+                    pthread_mutex_unlock(&ms->mu);
+                    bytes += (size_t)(end - st->rel);
+                    st->rel = end;
+                    st->expected += count;
+                    __asm__ __volatile__("" ::: "memory");
+                    n = n + count;
+                    c = SCAN_MORE;
+                }
+            } else if (c == SCAN_MORE) {
+                st->rel = fi->end;
+                st->expected = fi->lsn + 1;
+                bytes += (size_t)(fi->end - fi->rel);
+                __asm__ __volatile__("" ::: "memory"); /* the frame and the state are in memory before it counts */
+                n = n + 1;
+            }
             if (c != SCAN_MORE) {
                 code = c;
                 break;
             }
-            st->rel = fi->end;
-            st->expected = fi->lsn + 1;
-            bytes += (size_t)(fi->end - fi->rel);
-            __asm__ __volatile__("" ::: "memory"); /* the frame and the state are in memory before it counts */
-            n = n + 1;
             if (n - published >= PUBLISH_FRAMES || bytes >= PUBLISH_BYTES) {
                 pthread_mutex_lock(&ms->mu);
                 __atomic_store_n(&ms->produced, n, __ATOMIC_RELEASE);
@@ -806,6 +1084,8 @@ static void *mapped_walk(void *arg) {
     }
 out:
     bus_guard = NULL;
+    if (pending != NULL) batch_discard(pending);
+    if (dctx != NULL) zstd.release(dctx);
     pthread_mutex_lock(&ms->mu);
     __atomic_store_n(&ms->produced, n, __ATOMIC_RELEASE);
     ms->code = code;
@@ -826,6 +1106,12 @@ static void mapped_stop(MappedScan *ms) {
         Py_BEGIN_ALLOW_THREADS
         pthread_join(ms->thread, NULL);
         Py_END_ALLOW_THREADS
+        /* The batches noted but not handed out to their last frame (a reader that stopped early). */
+        for (unsigned long long i = ms->consumed; i < ms->produced; i++) {
+            frame_info *fi = &ms->ring[i % RING_FRAMES];
+            if (fi->bb != NULL && fi->last_of_batch) batch_release(fi->bb);
+        }
+        ms->consumed = ms->produced;
     }
     ms->started = 0;
     if (ms->have_view) {
@@ -857,18 +1143,22 @@ static void mapped_spin(MappedScan *ms, unsigned long long consumed) {
 
 static PyTypeObject MappedScanType;
 
-/* MappedScan(map, view, frame_type, rel, base, size, expected, limit, cap):
-   scan_mapped()'s arguments but max_frames; the walk starts at once. */
+/* MappedScan(map, view, frame_type, rel, base, size, expected, limit, cap, batch_raw_cap=0):
+   scan_mapped()'s arguments but max_frames; the walk starts at once. With
+   ``batch_raw_cap`` (format.batch_raw_cap(cap)) and libzstd loaded, the walk
+   decompresses and checks compressed batches too (walk_batch()); a batch's
+   frames then carry its place (offset, end) and their payloads view its
+   decompressed bytes. */
 static PyObject *ms_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     PyObject *bufobj, *viewobj, *ftype, *limit_obj;
     Py_ssize_t rel;
-    unsigned long long base, size, expected, cap;
+    unsigned long long base, size, expected, cap, raw_cap = 0;
     if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "MappedScan takes no keyword arguments");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "OOOnKKKOK:MappedScan", &bufobj, &viewobj, &ftype, &rel, &base, &size, &expected, &limit_obj,
-                          &cap))
+    if (!PyArg_ParseTuple(args, "OOOnKKKOK|K:MappedScan", &bufobj, &viewobj, &ftype, &rel, &base, &size, &expected, &limit_obj,
+                          &cap, &raw_cap))
         return NULL;
     if (check_frame_type(ftype, "MappedScan") < 0) return NULL;
     if (crc_backend != BACKEND_HW || !bus_handler_installed()) {
@@ -886,6 +1176,7 @@ static PyObject *ms_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     Py_INCREF(ftype);
     ms->ftype = (PyTypeObject *)ftype;
     if (parse_state(&ms->st, &ms->view, limit_obj, rel, base, size, expected, cap) < 0) goto fail;
+    ms->raw_cap = raw_cap;
     ms->ring = PyMem_RawMalloc(sizeof(frame_info) * RING_FRAMES);
     if (ms->ring == NULL) {
         PyErr_NoMemory();
@@ -949,7 +1240,14 @@ static PyObject *ms_take(MappedScan *ms, PyObject *arg) {
         Py_END_ALLOW_THREADS
     }
     Py_ssize_t n = (Py_ssize_t)(produced - consumed);
-    if (n > max_frames) n = max_frames;
+    if (n > max_frames) {
+        n = max_frames;
+        /* Never part of a batch: the scanner's offset and next LSN stay at a batch's end between takes (the
+           walk notes a batch's frames together, so its last is there). */
+        while (ms->ring[(consumed + (unsigned long long)n - 1) % RING_FRAMES].bb != NULL &&
+               !ms->ring[(consumed + (unsigned long long)n - 1) % RING_FRAMES].last_of_batch)
+            n++;
+    }
     PyObject *frames = PyList_New(n), *reason = NULL, *result = NULL;
     if (frames == NULL) return NULL;
     scan_state *st = &ms->st; /* for base (constant) and, once done, the stop */
@@ -963,23 +1261,42 @@ static PyObject *ms_take(MappedScan *ms, PyObject *arg) {
         PyObject *sid = sid_or_bad(&ms->cache, fi, &bad_st);
         if (sid == NULL) {
             if (bad_st.reason == NULL) goto fail;
-            /* Not UTF-8: the scan stops at this frame, as scan() does. */
+            /* Not UTF-8: the scan stops at this frame, as scan() does; in a batch (whose ids
+               the walk checked, so never in practice), at the batch, which a take never splits. */
+            Py_ssize_t at = i;
+            while (fi->bb != NULL && at > 0 && ms->ring[(consumed + (unsigned long long)at - 1) % RING_FRAMES].bb == fi->bb) at--;
             reason = bad_st.reason;
-            if (PyList_SetSlice(frames, i, n, NULL) < 0) goto fail;
-            rel = fi->rel;
-            expected = fi->lsn;
+            if (PyList_SetSlice(frames, at, n, NULL) < 0) goto fail;
+            rel = fi->bb != NULL ? fi->batch_rel : fi->rel;
+            expected = ms->ring[(consumed + (unsigned long long)at) % RING_FRAMES].lsn;
             code = SCAN_BAD;
-            n = i;
+            n = at;
             break;
         }
-        PyObject *fr = make_frame(ms->ftype, ms->viewobj, fi, sid, PyLong_FromUnsignedLongLong(st->base + (unsigned long long)fi->rel),
-                                  PyLong_FromUnsignedLongLong(st->base + (unsigned long long)fi->end));
+        /* A batch's frame: its payload views the batch's bytes, its place is the batch's. */
+        PyObject *viewobj = fi->bb != NULL ? batch_view(fi->bb) : ms->viewobj;
+        Py_ssize_t at = fi->bb != NULL ? fi->batch_rel : fi->rel, end = fi->bb != NULL ? fi->batch_end : fi->end;
+        if (viewobj == NULL) {
+            Py_DECREF(sid);
+            goto fail;
+        }
+        PyObject *fr = make_frame(ms->ftype, viewobj, fi, sid, PyLong_FromUnsignedLongLong(st->base + (unsigned long long)at),
+                                  PyLong_FromUnsignedLongLong(st->base + (unsigned long long)end));
         if (fr == NULL) goto fail;
         PyList_SET_ITEM(frames, i, fr);
-        rel = fi->end;
+        rel = end;
         expected = fi->lsn + 1;
     }
+    unsigned long long released = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const frame_info *fi = &ms->ring[(consumed + (unsigned long long)i) % RING_FRAMES];
+        if (fi->bb != NULL && fi->last_of_batch) { /* handed out whole */
+            released += (unsigned long long)fi->bb->len;
+            batch_release(fi->bb);
+        }
+    }
     pthread_mutex_lock(&ms->mu);
+    ms->held_bytes -= released;
     ms->consumed = consumed + (unsigned long long)n;
     int all_taken = ms->consumed == ms->produced;
     pthread_cond_broadcast(&ms->cv); /* room in the ring */
@@ -1017,8 +1334,17 @@ static PyObject *ms_close(MappedScan *ms, PyObject *noargs) {
     Py_RETURN_NONE;
 }
 
+/* held_bytes() -> int: decompressed bytes of the batches the walk holds ahead of the reader (at most 32 MiB, or one batch). */
+static PyObject *ms_held_bytes(MappedScan *ms, PyObject *noargs) {
+    pthread_mutex_lock(&ms->mu);
+    unsigned long long held = ms->held_bytes;
+    pthread_mutex_unlock(&ms->mu);
+    return PyLong_FromUnsignedLongLong(held);
+}
+
 static PyMethodDef ms_methods[] = {
     {"take", (PyCFunction)ms_take, METH_O, "The next checked frames: (frames, rel, expected, code, reason)."},
+    {"held_bytes", (PyCFunction)ms_held_bytes, METH_NOARGS, "Decompressed bytes of the batches held ahead of the reader."},
     {"close", (PyCFunction)ms_close, METH_NOARGS, "Stop the walk and wait for its thread."},
     {NULL, NULL, 0, NULL},
 };
@@ -1323,6 +1649,12 @@ static PyObject *fc_crc_backend(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(crc_backend == BACKEND_HW ? "hardware" : "python");
 }
 
+/* zstd_version() -> int | None: the version of the libzstd the walk decompresses batches with (e.g. 10504), None without one. */
+static PyObject *fc_zstd_version(PyObject *self, PyObject *noargs) {
+    if (zstd.version == 0) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLong(zstd.version);
+}
+
 static PyMethodDef methods[] = {
     {"scan", fc_scan, METH_VARARGS, "Walk the frames wholly inside a buffer (see the C source)."},
     {"scan_mapped", fc_scan_mapped, METH_VARARGS, "scan() over a memory-mapped segment, safe if the file shrinks."},
@@ -1333,6 +1665,7 @@ static PyMethodDef methods[] = {
     {"crc32c", fc_crc32c, METH_VARARGS, "google_crc32c.extend(crc, data) through the selected backend."},
     {"set_crc_backend", fc_set_crc_backend, METH_O, "'hardware' (the CPU instruction) or 'python' (google_crc32c)."},
     {"crc_backend", fc_crc_backend, METH_NOARGS, "The CRC32C backend in use."},
+    {"zstd_version", fc_zstd_version, METH_NOARGS, "The libzstd MappedScan decompresses batches with (its version number), or None."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1347,7 +1680,8 @@ PyMODINIT_FUNC PyInit__framecodec(void) {
     if (py_extend == NULL) return NULL;
     hw_available = detect_hw();
     crc_backend = hw_available ? BACKEND_HW : BACKEND_PY;
-    if (PyType_Ready(&MappedScanType) < 0) return NULL;
+    if (PyType_Ready(&MappedScanType) < 0 || PyType_Ready(&BatchBytesType) < 0) return NULL;
+    zstd_load();
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL) return NULL;
     Py_INCREF(&MappedScanType);

@@ -287,7 +287,10 @@ def read_batch(sc: Any, off: int, size: int) -> str:
     :class:`~agentlog.events.log.scan.SegmentScanner` ``sc``, whose file
     is ``size`` bytes. On success it returns "" with the batch's frames
     waiting in ``sc.rest`` (last first) and ``sc.offset`` past the batch; else
-    the reason the batch is bad (``sc`` unchanged)."""
+    the reason the batch is bad (``sc`` unchanged). The mapped scanner's second
+    thread has a compiled twin of these checks (``walk_batch`` in _framecodec.c)
+    that takes only batches passing all of them and leaves the rest here:
+    a check added here goes there too (the differential tests compare them)."""
     need = _BATCH_PREFIX
     if size - off < need:
         return f"incomplete batch header ({size - off} bytes before end of file)"

@@ -172,14 +172,22 @@ class SegmentScanner:
     def hand_out(self, frames: list, batched: bool, offset: int, expected: int) -> Iterator[Any]:
         """Yield scanned ``frames``, as one list with ``batched``, else one by one
         with ``offset``/``expected`` kept current per frame (a consumer may stop
-        anywhere); ``offset``/``expected``: where the scan of them ended."""
+        anywhere; a compressed batch's frames leave them past the whole batch,
+        as its frames share its place); ``offset``/``expected``: where the scan
+        of them ended."""
         if batched:
             self.offset, self.expected = offset, expected
             yield frames
             return
-        for fr in frames:
-            self.offset = fr.end
-            self.expected = fr.lsn + 1
+        n, at = len(frames), -1
+        for i, fr in enumerate(frames):
+            if i > at:
+                # The frames of a compressed batch share its end: past them all, as read_batch leaves it.
+                at = i
+                while at + 1 < n and frames[at + 1].end == fr.end:
+                    at += 1
+                self.offset = fr.end
+                self.expected = frames[at].lsn + 1
             yield fr
 
     def _frames(self, limit: int | None, size: int, batched: bool = False) -> Iterator:

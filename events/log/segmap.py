@@ -9,9 +9,8 @@ the mapping under a guard that reports that as "file shrank while reading",
 the pread scanner's words. Everything else the fast path meets but a plain
 valid frame (a torn or damaged frame, a header cut by the end of the file)
 is left to the pread path, which says why it stopped in its usual words,
-and so is a compressed batch (with what follows it in the pread buffer:
-measured, decompression costs far more than the copy, and a mapped scan
-per batch saved nothing).
+and so is a compressed batch (with what follows it in the pread buffer),
+except in the second thread below.
 
 With two CPUs or more and at least ``MIN_THREADED_BYTES`` left to read, the
 walk over the mapping (bounds, CRC32C, LSN sequence: the part that touches
@@ -22,6 +21,10 @@ before the walk has checked it, and its stops are ``scan_mapped``'s, so the
 reader's results and errors are the same; only the CRC pass, about as long
 as the per-record Python work of a replay, runs beside that work instead of
 before it. Closing the generator (a reader that stops early) stops the thread.
+That thread also decompresses and checks compressed batches (libzstd, loaded
+by the compiled codec), taking only those plainly valid, whole and below the
+limit; any other batch stops the walk there and goes to the pread path, which
+reads it again and names what is wrong.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import os
 from typing import TYPE_CHECKING, Any, Generator
 
 from . import framecodec
+from .format import batch_raw_cap
 
 if TYPE_CHECKING:
     from .scan import SegmentScanner
@@ -42,6 +46,10 @@ _MORE, _BAD, _SHRANK = 4, 3, 5  # the compiled scanner's stop codes (see _framec
 #: much is left to read: its CRC pass then runs beside the per-record Python
 #: work instead of before it. Below it, starting the thread costs more than it saves.
 MIN_THREADED_BYTES = 4 << 20
+#: Let that thread decompress and check compressed batches too (with the libzstd the
+#: compiled codec loads, ``zstd_version()``): a batch's frames then reach this thread
+#: checked, as a segment's do. Off, every batch goes through the pread path.
+WALK_BATCHES = True
 
 
 def _cpus() -> int:
@@ -94,7 +102,8 @@ def frames_mapped(sc: "SegmentScanner", limit: int | None, size: int, batched: b
     walk = None
     if CPUS > 1 and size - sc.offset >= MIN_THREADED_BYTES:
         try:
-            walk = codec.MappedScan(mm, view, sc.frame_type, sc.offset, 0, size, sc.expected, limit, sc.cap)
+            raw_cap = batch_raw_cap(sc.cap) if WALK_BATCHES else 0
+            walk = codec.MappedScan(mm, view, sc.frame_type, sc.offset, 0, size, sc.expected, limit, sc.cap, raw_cap)
         except OSError:  # no thread to be had (a process limit): the walk runs in this thread
             walk = None
     try:
