@@ -1693,7 +1693,9 @@ PyMODINIT_FUNC PyInit__framecodec(void) {
     if (PyModule_AddIntConstant(m, "HW_AVAILABLE", hw_available) < 0 || PyModule_AddIntConstant(m, "NEED", SCAN_NEED) < 0 ||
         PyModule_AddIntConstant(m, "LIMIT", SCAN_LIMIT) < 0 || PyModule_AddIntConstant(m, "EOF", SCAN_EOF) < 0 ||
         PyModule_AddIntConstant(m, "BAD", SCAN_BAD) < 0 || PyModule_AddIntConstant(m, "MORE", SCAN_MORE) < 0 ||
-        PyModule_AddIntConstant(m, "SHRANK", SCAN_SHRANK) < 0) {
+        PyModule_AddIntConstant(m, "SHRANK", SCAN_SHRANK) < 0 ||
+        /* framecodec.API: raised with every change to what this module exports (a stale build is then not used). */
+        PyModule_AddIntConstant(m, "API", 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -17,13 +17,32 @@ from types import ModuleType
 
 ENV_VAR = "AGENTLOG_PURE_PYTHON"
 
+#: The compiled module's ``API`` this Python side calls (raised with every change to what it exports).
+API = 2
+
+
+def stale_reason(module: object) -> str:
+    """Why a compiled codec module cannot serve this version of the Python side
+    (built from an older ``_framecodec.c`` and never rebuilt), or "" when it can."""
+    found = getattr(module, "API", 1)
+    if found == API:
+        return ""
+    return (f"the compiled codec is stale (its API {found}, this version needs {API}): rebuild it with "
+            "`pip install -e .` (or `make .venv/.installed`); the pure-Python codec is used meanwhile")
+
+
 try:
     from . import _framecodec as _compiled
 except ImportError as _exc:  # not built: no compiler at install time, or an unsupported platform
     _compiled: ModuleType | None = None
     _missing = f"the compiled codec is not built ({_exc})"
 else:
-    _missing = ""
+    _missing = stale_reason(_compiled)
+    if _missing:
+        import warnings
+
+        warnings.warn(_missing, RuntimeWarning, stacklevel=2)
+        _compiled = None
 
 
 def _forced_pure() -> bool:

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import google_crc32c
@@ -299,6 +300,16 @@ def test_the_environment_variable_forces_the_pure_python_codec():
     assert off.returncode == 0 and off.stdout.startswith("False pure Python"), off.stderr
     bad = _codec_in_child("maybe")
     assert bad.returncode != 0 and "AGENTLOG_PURE_PYTHON='maybe'" in bad.stderr and "expected 1/true/yes" in bad.stderr
+
+
+def test_a_stale_compiled_codec_is_named_and_not_used():
+    # A build of an older _framecodec.c (a checkout updated without `pip install -e .`) lacks what this
+    # version calls (MappedScan's batch argument, zstd_version): it must not be used, and must say why.
+    assert framecodec.stale_reason(fc) == ""  # the one built here is current
+    stale = types.SimpleNamespace(**{k: getattr(fc, k) for k in dir(fc) if not k.startswith("_") and k != "API"})
+    reason = framecodec.stale_reason(stale)
+    assert f"its API 1, this version needs {framecodec.API}" in reason and "pip install -e ." in reason
+    assert "API 3" in framecodec.stale_reason(types.SimpleNamespace(API=3))
 
 
 def test_a_frame_across_chunk_edges_is_read_by_both(scratch):
