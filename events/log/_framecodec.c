@@ -876,8 +876,8 @@ static unsigned long long batch_count(const scan_state *st, unsigned long long r
     return count >= 1 && count <= BATCH_MAX_RECORDS && count <= ring ? count : 0;
 }
 
-/* Decompress and check the batch frame at st->rel (``count`` records, from
-   batch_count()) into ``ring`` slots from ``slot`` on, as read_batch() checks
+/* Decompress and check the batch frame at st->rel (``count`` records and
+   ``*expect_raw`` bytes raw, from batch_count()) into ``ring`` slots from ``slot`` on, as read_batch() checks
    it: length, CRC of the stored bytes, first LSN, codec, sizes, the zstd
    frame's own content size, then every inner frame as a segment's (bounds,
    CRC, LSN sequence, session id UTF-8), exactly ``count`` of them filling the
@@ -886,8 +886,8 @@ static unsigned long long batch_count(const scan_state *st, unsigned long long r
    of that, or a batch that reaches ``st->limit``. ``*pending`` holds the batch
    while it is being read (the walk frees it if a fault jumps out). */
 static Py_ssize_t walk_batch(const scan_state *st, ZSTD_DCtx *dctx, unsigned long long raw_cap, unsigned long long count,
-                             frame_info *ring, unsigned long long slot, unsigned long long ring_size,
-                             batch_buf *volatile *pending) {
+                             const unsigned long long *expect_raw, frame_info *ring, unsigned long long slot,
+                             unsigned long long ring_size, batch_buf *volatile *pending) {
     const uint8_t *f = st->buf + st->rel;
     uint32_t crc = rd32(f), length = rd32(f + 4);
     if (length <= BATCH_HDR_SIZE || (unsigned long long)length > BATCH_HDR_SIZE + raw_cap) return 0;
@@ -895,6 +895,9 @@ static Py_ssize_t walk_batch(const scan_state *st, ZSTD_DCtx *dctx, unsigned lon
     if (st->base + (unsigned long long)rend > st->size || rend > st->buflen) return 0;
     if (mask_crc(~crc_hw(~0u, f + 4, (size_t)length + 5)) != crc) return 0;
     unsigned long long first = rd64(f + FRAME_PREFIX), raw_len = rd32(f + FRAME_PREFIX + 12);
+    /* The header read again under its CRC: it must still say what batch_count() read (the file is not rewritten
+       under a reader in place, but the count sizes the ring slots and the size the bytes held). */
+    if (rd32(f + FRAME_PREFIX + 8) != count || raw_len != *expect_raw) return 0;
     if (first != st->expected || f[FRAME_PREFIX + 16] != BATCH_CODEC_ZSTD || raw_len > raw_cap || raw_len < SID_AT) return 0;
     if (st->has_limit && first + count > st->limit) return 0; /* the pread path stops inside it and keeps the rest */
     const uint8_t *data = f + FRAME_PREFIX + BATCH_HDR_SIZE;
@@ -1045,7 +1048,7 @@ static void *mapped_walk(void *arg) {
                     published = n;
                     bytes = 0;
                 }
-                Py_ssize_t end = count > 0 ? walk_batch(st, dctx, ms->raw_cap, count, ms->ring, n, RING_FRAMES, &pending) : 0;
+                Py_ssize_t end = count > 0 ? walk_batch(st, dctx, ms->raw_cap, count, &raw_len, ms->ring, n, RING_FRAMES, &pending) : 0;
                 if (end > 0) {
                     pthread_mutex_lock(&ms->mu);
                     ms->held_bytes += raw_len;
@@ -1109,7 +1112,10 @@ static void mapped_stop(MappedScan *ms) {
         /* The batches noted but not handed out to their last frame (a reader that stopped early). */
         for (unsigned long long i = ms->consumed; i < ms->produced; i++) {
             frame_info *fi = &ms->ring[i % RING_FRAMES];
-            if (fi->bb != NULL && fi->last_of_batch) batch_release(fi->bb);
+            if (fi->bb != NULL && fi->last_of_batch) {
+                ms->held_bytes -= (unsigned long long)fi->bb->len;
+                batch_release(fi->bb);
+            }
         }
         ms->consumed = ms->produced;
     }

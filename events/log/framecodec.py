@@ -39,9 +39,6 @@ except ImportError as _exc:  # not built: no compiler at install time, or an uns
 else:
     _missing = stale_reason(_compiled)
     if _missing:
-        import warnings
-
-        warnings.warn(_missing, RuntimeWarning, stacklevel=2)
         _compiled = None
 
 
@@ -56,11 +53,21 @@ def _forced_pure() -> bool:
 
 #: The compiled codec module in use, or None (pure Python).
 native: ModuleType | None = None if _forced_pure() else _compiled
+if _missing.startswith("the compiled codec is stale") and not _forced_pure():
+    import warnings
+
+    warnings.warn(_missing, RuntimeWarning, stacklevel=2)
 
 
 def available() -> bool:
     """True when the compiled codec was built (whether or not it is in use)."""
     return _compiled is not None
+
+
+def unavailable_reason() -> str:
+    """Why the compiled codec cannot be used ("" when it can): not built (no C
+    compiler at install time?), or built from an older source (stale)."""
+    return _missing
 
 
 def use_native(on: bool) -> None:

@@ -36,7 +36,7 @@ def codec(request, monkeypatch):
     saying why."""
     pure = request.param == "pure"
     if not pure and not framecodec.available():
-        pytest.skip("the compiled frame codec is not built (no C compiler at install time?)")
+        pytest.skip(framecodec.unavailable_reason())
     saved = framecodec.native
     framecodec.use_native(not pure)
     monkeypatch.setenv(framecodec.ENV_VAR, "1" if pure else "0")

@@ -290,8 +290,15 @@ def test_the_walk_holds_at_most_32_mib_of_batches_ahead_of_a_slow_reader(scratch
         peak = max(peak, walk.held_bytes())
         if code != fc.MORE:
             break
-    assert got == n and 16 << 20 <= peak <= (32 << 20) + (1 << 20)
+    assert got == n and 16 << 20 <= peak <= (32 << 20) + (1 << 20) and walk.held_bytes() == 0
     walk.close()
+    # A reader that stops early: closing frees what the walk held ahead, and says so.
+    early = fc.MappedScan(mm, view, Frame, SEG_HDR_SIZE, 0, len(mm), 0, None, CAP, batch_raw_cap(CAP))
+    frames = early.take(1)[0]
+    time.sleep(0.05)
+    assert early.held_bytes() > 0
+    early.close()
+    assert early.held_bytes() == 0
     del frames, view
     mm.close()
 
