@@ -170,24 +170,20 @@ class SegmentScanner:
             yield batch
 
     def hand_out(self, frames: list, batched: bool, offset: int, expected: int) -> Iterator[Any]:
-        """Yield scanned ``frames``, as one list with ``batched``, else one by one
-        with ``offset``/``expected`` kept current per frame (a consumer may stop
-        anywhere; a compressed batch's frames leave them past the whole batch,
-        as its frames share its place); ``offset``/``expected``: where the scan
-        of them ended."""
+        """Yield scanned ``frames``, as one list with ``batched``, else one by one with ``offset``/``expected``
+        kept current per frame, or past the whole batch for a compressed batch's frames, which share its place (a
+        consumer may stop anywhere); ``offset``/``expected``: where the scan of them ended."""
         if batched:
             self.offset, self.expected = offset, expected
             yield frames
             return
         n, at = len(frames), -1
         for i, fr in enumerate(frames):
-            if i > at:
-                # The frames of a compressed batch share its end: past them all, as read_batch leaves it.
+            if i > at:  # a frame, or a compressed batch's first: past the batch, as read_batch leaves it
                 at = i
                 while at + 1 < n and frames[at + 1].end == fr.end:
                     at += 1
-                self.offset = fr.end
-                self.expected = frames[at].lsn + 1
+                self.offset, self.expected = fr.end, frames[at].lsn + 1
             yield fr
 
     def _frames(self, limit: int | None, size: int, batched: bool = False) -> Iterator:
@@ -370,17 +366,8 @@ def find_later_frame(fd: int, start: int, size: int, lsn_lo: int, max_record_byt
 # ---------------------------------------------------------------- classification
 
 
-def classify_bad(
-    fd: int,
-    name: str,
-    size: int,
-    bad: BadFrame,
-    expected: int,
-    watermark: int | None,
-    later_segments: bool,
-    cap: int,
-    indexed: int | None = None,
-) -> LogCorruption | None:
+def classify_bad(fd: int, name: str, size: int, bad: BadFrame, expected: int, watermark: int | None, later_segments: bool,
+                 cap: int, indexed: int | None = None) -> LogCorruption | None:
     """A stop in the middle of a segment: corruption (returned) or a torn tail (None).
 
     It is corruption when valid records follow (later segments, or a valid
