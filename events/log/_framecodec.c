@@ -9,7 +9,8 @@
  *                   the LSN sequence and the session id's UTF-8, and stop at
  *                   the first bad frame with the Python scanner's reason;
  *   scan_mapped()   the same over a memory-mapped segment, guarded against
- *                   the file shrinking under the mapping (SIGBUS);
+ *                   the file shrinking under the mapping (SIGBUS), and its
+ *                   compressed batches (libzstd, dlopen: mapped_batch());
  *   MappedScan      scan_mapped() with the walk (bounds, CRC, LSNs) in a
  *                   second thread that holds no GIL, ahead of the caller,
  *                   who builds the frames it has checked (take()); the walk
@@ -560,153 +561,6 @@ done:
     return result;
 }
 
-/* ------------------------------------------------------------------ scanning a mapped segment */
-
-/* A segment mapped into memory is read without a copy, but a file cut short
-   while mapped (recovery truncating a torn tail, a repair) turns a read of the
-   pages past its new end into SIGBUS. scan_mapped() therefore checks frames in
-   two phases: first, under a SIGBUS guard, plain C that touches the mapping
-   (bounds, CRC, LSN) and notes each valid frame; then, unguarded, it builds
-   the Python objects from those notes. The second phase reads only bytes of
-   frames found valid, which every truncation leaves in place (the log is cut
-   at its first bad frame, never before), so a fault can only come in the
-   first phase, where the guard turns it into the stop code SCAN_SHRANK. */
-
-#include <setjmp.h>
-#include <signal.h>
-
-enum { SCAN_SHRANK = 5 };
-#define MAPPED_FRAMES 512 /* frames scan_mapped() notes per call, at most */
-
-static __thread sigjmp_buf *bus_guard; /* set while this thread reads a mapping */
-static struct sigaction bus_previous;  /* the disposition ours replaced */
-
-static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
-    sigjmp_buf *jb = bus_guard;
-    if (jb != NULL) {
-        bus_guard = NULL;
-        siglongjmp(*jb, 1);
-    }
-    /* Not a read of ours: hand SIGBUS back to whoever had it; returning
-       re-runs the faulting access under that disposition. */
-    (void)sig;
-    (void)info;
-    (void)ctx;
-    sigaction(SIGBUS, &bus_previous, NULL);
-}
-
-/* Make on_sigbus the SIGBUS handler (again, if someone replaced it since:
-   faulthandler, the signal module). Called with the GIL held. */
-static int bus_handler_installed(void) {
-    struct sigaction cur;
-    if (sigaction(SIGBUS, NULL, &cur) < 0) return 0;
-    if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigbus) return 1;
-    struct sigaction act;
-    memset(&act, 0, sizeof(act));
-    act.sa_sigaction = on_sigbus;
-    /* SA_NODEFER: SIGBUS stays unblocked in the handler, so the jump out needs
-       no saved signal mask (sigsetjmp(.., 0): no system call per scan). */
-    act.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
-    sigemptyset(&act.sa_mask);
-    return sigaction(SIGBUS, &act, &bus_previous) == 0;
-}
-
-/* Phase one: up to max_frames valid frames into fi[], under the guard.
-   Returns the SCAN_* code (SCAN_SHRANK on a fault) or -1 with an error set;
-   *n is how many frames were noted. */
-static int scan_guarded(scan_state *st, frame_info *fi, Py_ssize_t max_frames, Py_ssize_t *n) {
-    sigjmp_buf jb;
-    volatile Py_ssize_t got = 0;
-    volatile int code = SCAN_MORE;
-    if (sigsetjmp(jb, 0) != 0) {
-        /* The file shrank under a read: the frames noted so far were read whole before it. */
-        *n = got;
-        return SCAN_SHRANK;
-    }
-    bus_guard = &jb;
-    while (got < max_frames) {
-        code = scan_step(st, &fi[got]);
-        if (code != SCAN_MORE) break;
-        st->rel = fi[got].end;
-        st->expected = fi[got].lsn + 1;
-        got++;
-    }
-    bus_guard = NULL;
-    *n = got;
-    return code;
-}
-
-/* scan_mapped(map, view, frame_type, rel, base, size, expected, limit, cap, max_frames)
-   -> (frames, rel, expected, code, reason)
-
-   scan() over a memory-mapped segment (``map``, whose first byte is at file
-   offset ``base``; ``view`` a memoryview of it), safe against the file
-   shrinking while mapped: code 5 (SHRANK) says it did, at ``rel``. It
-   returns at most 512 frames a call, whatever ``max_frames`` says. The same
-   frames, checks, codes and reasons as scan() otherwise. */
-static PyObject *fc_scan_mapped(PyObject *self, PyObject *args) {
-    PyObject *bufobj, *viewobj, *ftype, *limit_obj;
-    Py_ssize_t rel, max_frames;
-    unsigned long long base, size, expected, cap;
-    if (!PyArg_ParseTuple(args, "OOOnKKKOKn:scan_mapped", &bufobj, &viewobj, &ftype, &rel, &base, &size, &expected,
-                          &limit_obj, &cap, &max_frames))
-        return NULL;
-    if (check_frame_type(ftype, "scan_mapped") < 0) return NULL;
-    /* Noted on the stack, a bounded number per call (the caller asks again on code MORE). */
-    frame_info fi[MAPPED_FRAMES];
-    if (max_frames > MAPPED_FRAMES) max_frames = MAPPED_FRAMES;
-    if (max_frames < 1) max_frames = 1;
-    if (crc_backend != BACKEND_HW || !bus_handler_installed()) {
-        /* The fallback CRC runs Python code on the mapping; no guard there. */
-        PyErr_SetString(PyExc_RuntimeError, "scan_mapped: needs the hardware CRC32C backend and a SIGBUS handler");
-        return NULL;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
-    scan_state st;
-    PyObject *frames = NULL, *result = NULL;
-    sid_cache cache;
-    memset(&cache, 0, sizeof(cache));
-    if (parse_state(&st, &view, limit_obj, rel, base, size, expected, cap) < 0) goto done;
-    Py_ssize_t n = 0;
-    int code = scan_guarded(&st, fi, max_frames, &n);
-    if (code < 0) goto done;
-    frames = PyList_New(n);
-    if (frames == NULL) goto done;
-    PyTypeObject *tp = (PyTypeObject *)ftype;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *later = st.reason; /* a bad frame after this one, if any */
-        st.reason = NULL;
-        PyObject *sid = sid_or_bad(&cache, &fi[i], &st);
-        if (sid == NULL && st.reason == NULL) {
-            st.reason = later;
-            goto done;
-        }
-        if (sid != NULL) {
-            st.reason = later;
-        } else {
-            Py_XDECREF(later);
-            /* Not UTF-8: the scan stops at this frame, as scan() does. */
-            if (PyList_SetSlice(frames, i, n, NULL) < 0) goto done;
-            st.rel = fi[i].rel;
-            st.expected = fi[i].lsn;
-            code = SCAN_BAD;
-            break;
-        }
-        PyObject *fr = make_frame(tp, viewobj, &fi[i], sid, PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi[i].rel),
-                                  PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi[i].end));
-        if (fr == NULL) goto done;
-        PyList_SET_ITEM(frames, i, fr);
-    }
-    result = Py_BuildValue("(OnKiO)", frames, st.rel, st.expected, code, st.reason ? st.reason : Py_None);
-done:
-    Py_XDECREF(st.reason);
-    Py_XDECREF(frames);
-    sid_cache_clear(&cache);
-    PyBuffer_Release(&view);
-    return result;
-}
-
 /* ------------------------------------------------------------------ compressed batches, decompressed by the walk
 
    libzstd, loaded at import with dlopen (no build-time dependency: the
@@ -939,6 +793,250 @@ refuse:
     *pending = NULL;
     batch_discard(bb);
     return 0;
+}
+
+/* ------------------------------------------------------------------ scanning a mapped segment */
+
+/* A segment mapped into memory is read without a copy, but a file cut short
+   while mapped (recovery truncating a torn tail, a repair) turns a read of the
+   pages past its new end into SIGBUS. scan_mapped() therefore checks frames in
+   two phases: first, under a SIGBUS guard, plain C that touches the mapping
+   (bounds, CRC, LSN) and notes each valid frame; then, unguarded, it builds
+   the Python objects from those notes. The second phase reads only bytes of
+   frames found valid, which every truncation leaves in place (the log is cut
+   at its first bad frame, never before), so a fault can only come in the
+   first phase, where the guard turns it into the stop code SCAN_SHRANK. A
+   compressed batch is read under a guard too: its header by scan_guarded(),
+   the rest by mapped_batch(), whose frames are built from its decompressed
+   copy. */
+
+#include <setjmp.h>
+#include <signal.h>
+
+enum { SCAN_SHRANK = 5 };
+#define MAPPED_FRAMES 512 /* frames scan_mapped() notes per call, at most */
+
+static __thread sigjmp_buf *bus_guard; /* set while this thread reads a mapping */
+static struct sigaction bus_previous;  /* the disposition ours replaced */
+
+static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
+    sigjmp_buf *jb = bus_guard;
+    if (jb != NULL) {
+        bus_guard = NULL;
+        siglongjmp(*jb, 1);
+    }
+    /* Not a read of ours: hand SIGBUS back to whoever had it; returning
+       re-runs the faulting access under that disposition. */
+    (void)sig;
+    (void)info;
+    (void)ctx;
+    sigaction(SIGBUS, &bus_previous, NULL);
+}
+
+/* Make on_sigbus the SIGBUS handler (again, if someone replaced it since:
+   faulthandler, the signal module). Called with the GIL held. */
+static int bus_handler_installed(void) {
+    struct sigaction cur;
+    if (sigaction(SIGBUS, NULL, &cur) < 0) return 0;
+    if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigbus) return 1;
+    struct sigaction act;
+    memset(&act, 0, sizeof(act));
+    act.sa_sigaction = on_sigbus;
+    /* SA_NODEFER: SIGBUS stays unblocked in the handler, so the jump out needs
+       no saved signal mask (sigsetjmp(.., 0): no system call per scan). */
+    act.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+    sigemptyset(&act.sa_mask);
+    return sigaction(SIGBUS, &act, &bus_previous) == 0;
+}
+
+/* What scan_guarded() saw of a compressed batch it stopped at (read under its guard, since the
+   mapping may end anywhere): whether it stopped at one, and when it noted no frame before it, the
+   batch's record count (0: not one the walk takes) and raw length, from batch_count(). */
+typedef struct {
+    int at_batch;
+    unsigned long long count, raw_len;
+} batch_peek;
+
+/* Phase one: up to max_frames valid frames into fi[], under the guard, and
+   with ``peek`` (not NULL) what the guard lets it read of a batch it stopped
+   at. Returns the SCAN_* code (SCAN_SHRANK on a fault) or -1 with an error
+   set; *n is how many frames were noted. */
+static int scan_guarded(scan_state *st, frame_info *fi, Py_ssize_t max_frames, Py_ssize_t *n, batch_peek *peek) {
+    sigjmp_buf jb;
+    volatile Py_ssize_t got = 0;
+    volatile int code = SCAN_MORE;
+    if (sigsetjmp(jb, 0) != 0) {
+        /* The file shrank under a read: the frames noted so far were read whole before it. */
+        Py_CLEAR(st->reason); /* a stop found before the fault (a batch's type byte) is not this stop */
+        *n = got;
+        return SCAN_SHRANK;
+    }
+    bus_guard = &jb;
+    while (got < max_frames) {
+        code = scan_step(st, &fi[got]);
+        if (code != SCAN_MORE) break;
+        st->rel = fi[got].end;
+        st->expected = fi[got].lsn + 1;
+        got++;
+    }
+    if (peek != NULL && code == SCAN_BAD && st->buf[st->rel + FRAME_PREFIX - 1] == TYPE_BATCH) {
+        peek->at_batch = 1;
+        if (got == 0) peek->count = batch_count(st, BATCH_MAX_RECORDS, &peek->raw_len);
+    }
+    bus_guard = NULL;
+    *n = got;
+    return code;
+}
+
+static PyObject *mapped_batch(scan_state *st, PyTypeObject *tp, unsigned long long raw_cap, const batch_peek *peek,
+                              sid_cache *cache, int *shrank);
+
+/* scan_mapped(map, view, frame_type, rel, base, size, expected, limit, cap, max_frames, batch_raw_cap=0)
+   -> (frames, rel, expected, code, reason)
+
+   scan() over a memory-mapped segment (``map``, whose first byte is at file
+   offset ``base``; ``view`` a memoryview of it), safe against the file
+   shrinking while mapped: code 5 (SHRANK) says it did, at ``rel``. It
+   returns at most 512 frames a call, whatever ``max_frames`` says. The same
+   frames, checks, codes and reasons as scan() otherwise. With ``batch_raw_cap``
+   (as MappedScan takes it) and libzstd loaded, a call that starts at a
+   compressed batch returns that batch's frames alone (mapped_batch()), and one
+   that meets a batch after some frames stops before it (code MORE). */
+static PyObject *fc_scan_mapped(PyObject *self, PyObject *args) {
+    PyObject *bufobj, *viewobj, *ftype, *limit_obj;
+    Py_ssize_t rel, max_frames;
+    unsigned long long base, size, expected, cap, raw_cap = 0;
+    if (!PyArg_ParseTuple(args, "OOOnKKKOKn|K:scan_mapped", &bufobj, &viewobj, &ftype, &rel, &base, &size, &expected,
+                          &limit_obj, &cap, &max_frames, &raw_cap))
+        return NULL;
+    if (check_frame_type(ftype, "scan_mapped") < 0) return NULL;
+    /* Noted on the stack, a bounded number per call (the caller asks again on code MORE). */
+    frame_info fi[MAPPED_FRAMES];
+    if (max_frames > MAPPED_FRAMES) max_frames = MAPPED_FRAMES;
+    if (max_frames < 1) max_frames = 1;
+    if (crc_backend != BACKEND_HW || !bus_handler_installed()) {
+        /* The fallback CRC runs Python code on the mapping; no guard there. */
+        PyErr_SetString(PyExc_RuntimeError, "scan_mapped: needs the hardware CRC32C backend and a SIGBUS handler");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
+    scan_state st;
+    PyObject *frames = NULL, *result = NULL;
+    sid_cache cache;
+    memset(&cache, 0, sizeof(cache));
+    if (parse_state(&st, &view, limit_obj, rel, base, size, expected, cap) < 0) goto done;
+    Py_ssize_t n = 0;
+    batch_peek peek = {0, 0, 0};
+    int batches = raw_cap > 0 && zstd.version != 0;
+    int code = scan_guarded(&st, fi, max_frames, &n, batches ? &peek : NULL);
+    if (code < 0) goto done;
+    if (code == SCAN_BAD && peek.at_batch) {
+        if (n > 0) {
+            code = SCAN_MORE; /* the frames before it now, the batch in the next call */
+            Py_CLEAR(st.reason);
+        } else if (peek.count > 0) {
+            int shrank = 0;
+            frames = mapped_batch(&st, (PyTypeObject *)ftype, raw_cap, &peek, &cache, &shrank);
+            if (frames == NULL && PyErr_Occurred()) goto done;
+            if (frames != NULL || shrank) { /* taken (st is past it), or the file shrank under it (st at it) */
+                Py_CLEAR(st.reason);
+                if (frames == NULL && (frames = PyList_New(0)) == NULL) goto done;
+                result = Py_BuildValue("(OnKiO)", frames, st.rel, st.expected, shrank ? SCAN_SHRANK : SCAN_MORE, Py_None);
+                goto done;
+            }
+            /* Left to the pread path: the stop and its reason stay the batch's (a bad frame's, to the scanner). */
+        }
+    }
+    frames = PyList_New(n);
+    if (frames == NULL) goto done;
+    PyTypeObject *tp = (PyTypeObject *)ftype;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *later = st.reason; /* a bad frame after this one, if any */
+        st.reason = NULL;
+        PyObject *sid = sid_or_bad(&cache, &fi[i], &st);
+        if (sid == NULL && st.reason == NULL) {
+            st.reason = later;
+            goto done;
+        }
+        if (sid != NULL) {
+            st.reason = later;
+        } else {
+            Py_XDECREF(later);
+            /* Not UTF-8: the scan stops at this frame, as scan() does. */
+            if (PyList_SetSlice(frames, i, n, NULL) < 0) goto done;
+            st.rel = fi[i].rel;
+            st.expected = fi[i].lsn;
+            code = SCAN_BAD;
+            break;
+        }
+        PyObject *fr = make_frame(tp, viewobj, &fi[i], sid, PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi[i].rel),
+                                  PyLong_FromUnsignedLongLong(st.base + (unsigned long long)fi[i].end));
+        if (fr == NULL) goto done;
+        PyList_SET_ITEM(frames, i, fr);
+    }
+    result = Py_BuildValue("(OnKiO)", frames, st.rel, st.expected, code, st.reason ? st.reason : Py_None);
+done:
+    Py_XDECREF(st.reason);
+    Py_XDECREF(frames);
+    sid_cache_clear(&cache);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* scan_mapped()'s batch, in the caller's thread (one CPU, or less left of the
+   segment than MappedScan needs): walk_batch() under the SIGBUS guard (every
+   read of the mapping here is), then the batch's frames built as MappedScan's
+   consumer builds them. ``peek``: the batch's count and raw length, read by
+   scan_guarded() under its guard. Returns the list with ``st`` moved past the
+   batch; NULL with no error set when the batch is left to the pread path, or
+   with ``*shrank`` set when the file shrank under the read (``st`` unchanged
+   either way); NULL with an error on failure. Called with the GIL held
+   throughout, so one decompression context serves every call. */
+static ZSTD_DCtx *mapped_dctx;
+
+static PyObject *mapped_batch(scan_state *st, PyTypeObject *tp, unsigned long long raw_cap, const batch_peek *peek,
+                              sid_cache *cache, int *shrank) {
+    unsigned long long raw_len = peek->raw_len, count = peek->count;
+    if (mapped_dctx == NULL && (mapped_dctx = zstd.create()) == NULL) return PyErr_NoMemory();
+    frame_info *fi = PyMem_Malloc(sizeof(frame_info) * (size_t)count);
+    if (fi == NULL) return PyErr_NoMemory();
+    batch_buf *volatile pending = NULL;
+    volatile Py_ssize_t end = 0;
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0) == 0) {
+        bus_guard = &jb;
+        end = walk_batch(st, mapped_dctx, raw_cap, count, &raw_len, fi, 0, count, &pending);
+    } else {
+        if (pending != NULL) batch_discard(pending);
+        *shrank = 1; /* the file shrank under the read: reported as scan_guarded() reports it */
+    }
+    bus_guard = NULL;
+    if (end == 0) {
+        PyMem_Free(fi);
+        return NULL;
+    }
+    batch_buf *bb = fi[0].bb;
+    PyObject *view = batch_view(bb), *frames = view != NULL ? PyList_New((Py_ssize_t)count) : NULL;
+    for (unsigned long long k = 0; frames != NULL && k < count; k++) {
+        PyObject *sid = sid_decode(cache, fi[k].sid, fi[k].sidlen); /* UTF-8: walk_batch checked it */
+        PyObject *fr = sid == NULL ? NULL
+                                   : make_frame(tp, view, &fi[k], sid, PyLong_FromUnsignedLongLong(st->base + (unsigned long long)st->rel),
+                                                PyLong_FromUnsignedLongLong(st->base + (unsigned long long)end));
+        if (fr == NULL)
+            Py_CLEAR(frames);
+        else
+            PyList_SET_ITEM(frames, (Py_ssize_t)k, fr);
+    }
+    if (frames != NULL) {
+        st->rel = end;
+        st->expected = fi[count - 1].lsn + 1;
+    } else if (!PyErr_Occurred()) {
+        PyErr_NoMemory();
+    }
+    batch_release(bb); /* the payloads keep its bytes alive */
+    PyMem_Free(fi);
+    return frames;
 }
 
 /* ------------------------------------------------------------------ a mapped segment checked by a second thread */
@@ -1701,7 +1799,7 @@ PyMODINIT_FUNC PyInit__framecodec(void) {
         PyModule_AddIntConstant(m, "BAD", SCAN_BAD) < 0 || PyModule_AddIntConstant(m, "MORE", SCAN_MORE) < 0 ||
         PyModule_AddIntConstant(m, "SHRANK", SCAN_SHRANK) < 0 ||
         /* framecodec.API: raised with every change to what this module exports (a stale build is then not used). */
-        PyModule_AddIntConstant(m, "API", 2) < 0) {
+        PyModule_AddIntConstant(m, "API", 3) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -8,9 +8,11 @@ turn a read past its new end into SIGBUS; the compiled ``scan_mapped`` reads
 the mapping under a guard that reports that as "file shrank while reading",
 the pread scanner's words. Everything else the fast path meets but a plain
 valid frame (a torn or damaged frame, a header cut by the end of the file)
-is left to the pread path, which says why it stopped in its usual words,
-and so is a compressed batch (with what follows it in the pread buffer),
-except in the second thread below.
+is left to the pread path, which says why it stopped in its usual words.
+A compressed batch is decompressed and checked by the compiled walk too
+(libzstd, loaded by the compiled codec), which takes only a batch plainly
+valid, whole and below the limit; any other goes to the pread path, which
+reads it again and names what is wrong.
 
 With two CPUs or more and at least ``MIN_THREADED_BYTES`` left to read, the
 walk over the mapping (bounds, CRC32C, LSN sequence: the part that touches
@@ -21,10 +23,6 @@ before the walk has checked it, and its stops are ``scan_mapped``'s, so the
 reader's results and errors are the same; only the CRC pass, about as long
 as the per-record Python work of a replay, runs beside that work instead of
 before it. Closing the generator (a reader that stops early) stops the thread.
-That thread also decompresses and checks compressed batches (libzstd, loaded
-by the compiled codec), taking only those plainly valid, whole and below the
-limit; any other batch stops the walk there and goes to the pread path, which
-reads it again and names what is wrong.
 """
 
 from __future__ import annotations
@@ -46,9 +44,10 @@ _MORE, _BAD, _SHRANK = 4, 3, 5  # the compiled scanner's stop codes (see _framec
 #: much is left to read: its CRC pass then runs beside the per-record Python
 #: work instead of before it. Below it, starting the thread costs more than it saves.
 MIN_THREADED_BYTES = 4 << 20
-#: Let that thread decompress and check compressed batches too (with the libzstd the
-#: compiled codec loads, ``zstd_version()``): a batch's frames then reach this thread
-#: checked, as a segment's do. Off, every batch goes through the pread path.
+#: Decompress and check compressed batches in the compiled walk (with the libzstd the
+#: compiled codec loads, ``zstd_version()``), in that thread or, without it, in this
+#: one (``scan_mapped``): a batch's frames then arrive checked, as a segment's do. Off,
+#: every batch goes through the pread path.
 WALK_BATCHES = True
 
 
@@ -100,21 +99,21 @@ def frames_mapped(sc: "SegmentScanner", limit: int | None, size: int, batched: b
         sc._buf, sc._buf_off = b"", sc.offset
         return True
     walk = None
+    raw_cap = batch_raw_cap(sc.cap) if WALK_BATCHES else 0
     if CPUS > 1 and size - sc.offset >= MIN_THREADED_BYTES:
         try:
-            raw_cap = batch_raw_cap(sc.cap) if WALK_BATCHES else 0
             walk = codec.MappedScan(mm, view, sc.frame_type, sc.offset, 0, size, sc.expected, limit, sc.cap, raw_cap)
         except OSError:  # no thread to be had (a process limit): the walk runs in this thread
             walk = None
     try:
-        return (yield from _walk(sc, walk, mm, view, limit, size, batched, max_frames))
+        return (yield from _walk(sc, walk, mm, view, limit, size, batched, max_frames, raw_cap))
     finally:
         if walk is not None:
             walk.close()  # a consumer that stopped early: the thread stops too
 
 
 def _walk(sc: "SegmentScanner", walk: Any, mm: Any, view: memoryview, limit: int | None, size: int, batched: bool,
-          max_frames: int) -> Generator[Any, None, bool]:
+          max_frames: int, raw_cap: int) -> Generator[Any, None, bool]:
     """The loop of :func:`frames_mapped`: frames from ``walk`` (a ``MappedScan``) or, without one, from ``scan_mapped``."""
     from .scan import BadFrame  # scan imports this module
 
@@ -126,7 +125,7 @@ def _walk(sc: "SegmentScanner", walk: Any, mm: Any, view: memoryview, limit: int
         if walk is not None:
             frames, rel, expected, code, _reason = walk.take(max_frames)
         else:
-            frames, rel, expected, code, _reason = scan(mm, view, make, sc.offset, 0, size, sc.expected, limit, cap, max_frames)
+            frames, rel, expected, code, _reason = scan(mm, view, make, sc.offset, 0, size, sc.expected, limit, cap, max_frames, raw_cap)
         if frames:
             yield from sc.hand_out(frames, batched, rel, expected)
         sc.offset, sc.expected = rel, expected

@@ -43,11 +43,14 @@ pytestmark = pytest.mark.skipif(
 CAP = 1 << 20
 
 
-@pytest.fixture
-def walking(request):
-    """The threaded walk on every segment (test_log_threaded_scan's ``threaded``), with libzstd;
-    required where CI runs (its machines carry libzstd.so.1)."""
+@pytest.fixture(params=["second thread", "caller's thread"])
+def walking(request, monkeypatch):
+    """The compiled walk on every segment, with libzstd: in ``MappedScan``'s thread (test_log_threaded_scan's
+    ``threaded``), or in the reader's (``scan_mapped``: one CPU). Required where CI runs (its machines carry
+    libzstd.so.1)."""
     request.getfixturevalue("threaded")
+    if request.param == "caller's thread":
+        monkeypatch.setattr(segmap, "CPUS", 1)
     if fc.zstd_version() is None:
         if os.environ.get("CI") == "true":
             pytest.fail("no libzstd for the compiled codec to load: the walk's batch path is untested")
@@ -319,3 +322,74 @@ def test_a_reader_stopped_inside_a_batch_is_left_past_it_as_the_pread_path_leave
         finally:
             os.close(fd)
     assert states[0] == states[1] and states[0][1] == 10
+
+
+@pytest.mark.parametrize("walk_batches", [True, False])
+def test_a_segment_cut_short_under_a_batch_read_says_the_file_shrank(scratch, walking, monkeypatch, walk_batches):
+    # Recovery racing a reader cuts the file while its mapping still covers the old end: a batch read
+    # there faults (SIGBUS) in the walk, which reports it as the pread path does, never crashing.
+    monkeypatch.setattr(segmap, "WALK_BATCHES", walk_batches)
+    seg = scratch / segment_name(0)
+    r = random.Random(9)
+    units = [[(b"s", r.randbytes(32) * 600)] * 8 for _ in range(40)]
+    _compressed_segment(seg, units)
+    size = seg.stat().st_size
+    fd = os.open(seg, os.O_RDWR)
+    try:
+        sc = SegmentScanner(fd, seg.name, SEG_HDR_SIZE, 0, CAP)
+        got = [fr.lsn for fr in sc.frames(limit=1, size=size)]  # maps the whole file
+        os.ftruncate(fd, (size // 2 // mmap.PAGESIZE) * mmap.PAGESIZE)
+        got += [fr.lsn for fr in sc.frames(size=size)]
+    finally:
+        os.close(fd)
+    assert got == list(range(len(got))) and 0 < len(got) < 320
+    assert sc.bad is not None and sc.bad.reason == "file shrank while reading" and sc.offset == sc.bad.offset
+
+
+_CUT_CHILD = """
+import os, sys
+from agentlog.events.log import framecodec, segmap
+from agentlog.events.log import _framecodec as fc
+from agentlog.events.log.format import SEG_HDR_SIZE
+from agentlog.events.log.scan import SegmentScanner
+framecodec.use_native(True)
+fc.set_crc_backend("hardware")
+segmap.MIN_MAPPED_BYTES, segmap.MIN_THREADED_BYTES, segmap.CPUS = 0, 0, int(sys.argv[3])
+path, cut = sys.argv[1], int(sys.argv[2])
+size = os.path.getsize(path)
+fd = os.open(path, os.O_RDWR)
+sc = SegmentScanner(fd, os.path.basename(path), SEG_HDR_SIZE, 0, 1 << 20)
+got = [f.lsn for f in sc.frames(limit=1, size=size)]  # maps the whole file
+os.ftruncate(fd, cut)
+got += [f.lsn for f in sc.frames(size=size)]
+print(len(got), sc.offset, sc.bad.offset, sc.bad.reason)
+"""
+
+
+@pytest.mark.parametrize("cpus", [1, 2])
+def test_a_cut_between_a_batchs_type_byte_and_the_rest_of_its_header_is_a_shrunk_file_not_a_crash(scratch, cpus):
+    # The batch header's count and size lie past the bytes that name its type: a file cut (at a page boundary,
+    # as the kernel truncates a mapping) between the two must read as "file shrank while reading", never SIGBUS.
+    if fc.zstd_version() is None:
+        pytest.skip("no libzstd.so.1 on this machine")
+    import subprocess
+    import sys
+
+    page = mmap.PAGESIZE
+    seg = scratch / segment_name(0)
+    data, lsn = bytearray(pack_segment_header(1, 0, "zstd")), 0
+    while len(data) < 2 * page - 12:  # plain frames up to 12 bytes before the second page's end
+        room = 2 * page - 12 - len(data)
+        fr = _frame(lsn, b"s", b"x" * 100)
+        if room < 2 * len(fr):
+            fr = _frame(lsn, b"s", b"x" * (100 + room - len(fr)))
+        data += fr
+        lsn += 1
+    assert len(data) == 2 * page - 12
+    data += _batch(lsn, [_frame(lsn + i, b"s", bytes([i]) * 300) for i in range(8)])
+    seg.write_bytes(bytes(data))
+    child = subprocess.run([sys.executable, "-c", _CUT_CHILD, str(seg), str(2 * page), str(cpus)], capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    frames, offset, bad_offset, reason = child.stdout.split(maxsplit=3)
+    assert (int(frames), int(offset), int(bad_offset), reason.strip()) == (lsn, 2 * page - 12, 2 * page - 12, "file shrank while reading")
