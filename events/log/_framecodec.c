@@ -719,15 +719,15 @@ static int utf8_valid(const uint8_t *p, Py_ssize_t n) {
 }
 
 /* The record count of the batch frame at st->rel when its header lies in the
-   mapping and says 1..BATCH_MAX_RECORDS records (and no more than ``ring``),
-   with its raw length in *raw_len; else 0 (the walk leaves it to the pread path). */
-static unsigned long long batch_count(const scan_state *st, unsigned long long ring, unsigned long long *raw_len) {
+   mapping and says 1..BATCH_MAX_RECORDS records, with its raw length in
+   *raw_len; else 0 (the walk leaves it to the pread path). */
+static unsigned long long batch_count(const scan_state *st, unsigned long long *raw_len) {
     if (st->rel + FRAME_PREFIX + BATCH_HDR_SIZE > st->buflen ||
         st->base + (unsigned long long)st->rel + FRAME_PREFIX + BATCH_HDR_SIZE > st->size)
         return 0;
     unsigned long long count = rd32(st->buf + st->rel + FRAME_PREFIX + 8);
     *raw_len = rd32(st->buf + st->rel + FRAME_PREFIX + 12);
-    return count >= 1 && count <= BATCH_MAX_RECORDS && count <= ring ? count : 0;
+    return count >= 1 && count <= BATCH_MAX_RECORDS ? count : 0;
 }
 
 /* Decompress and check the batch frame at st->rel (``count`` records and
@@ -881,7 +881,7 @@ static int scan_guarded(scan_state *st, frame_info *fi, Py_ssize_t max_frames, P
     }
     if (peek != NULL && code == SCAN_BAD && st->buf[st->rel + FRAME_PREFIX - 1] == TYPE_BATCH) {
         peek->at_batch = 1;
-        if (got == 0) peek->count = batch_count(st, BATCH_MAX_RECORDS, &peek->raw_len);
+        if (got == 0) peek->count = batch_count(st, &peek->raw_len);
     }
     bus_guard = NULL;
     *n = got;
@@ -1056,6 +1056,8 @@ static PyObject *mapped_batch(scan_state *st, PyTypeObject *tp, unsigned long lo
 #include <unistd.h>
 
 #define RING_FRAMES 4096               /* frames the walk notes ahead of the consumer, at most */
+/* The ring holds a whole batch (the walk notes a batch's frames together). */
+typedef char ring_holds_a_batch[RING_FRAMES >= BATCH_MAX_RECORDS ? 1 : -1];
 #define PUBLISH_FRAMES 16              /* the walk shows its progress after this many frames */
 #define PUBLISH_BYTES (256 << 10)      /* ... or this many bytes, whichever comes first */
 
@@ -1128,7 +1130,6 @@ static void *mapped_walk(void *arg) {
     bus_guard = &jb;
     {
         unsigned long long published = 0, consumed = 0;
-        unsigned long long held_seen = 0; /* ms->held_bytes when last read (it only falls meanwhile) */
         size_t bytes = 0;
         for (;;) {
             if (n - consumed >= RING_FRAMES) {
@@ -1140,8 +1141,10 @@ static void *mapped_walk(void *arg) {
             int c = scan_core(st, fi, &bad, 1);
             if (c == SCAN_BAD && bad.kind == BAD_TYPE && bad.a == TYPE_BATCH && dctx != NULL) {
                 /* A compressed batch: its frames go into the ring together, or it is left to the pread path. */
-                unsigned long long raw_len = 0, count = batch_count(st, RING_FRAMES, &raw_len);
-                if (count > 0 && (n + count - consumed > RING_FRAMES || held_seen + raw_len > HELD_BYTES_MAX)) {
+                unsigned long long raw_len = 0, count = batch_count(st, &raw_len);
+                /* Read without the lock: only this thread raises held_bytes, so the value read is an upper bound. */
+                unsigned long long held = __atomic_load_n(&ms->held_bytes, __ATOMIC_RELAXED);
+                if (count > 0 && (n + count - consumed > RING_FRAMES || held + raw_len > HELD_BYTES_MAX)) {
                     if (walk_wait(ms, n, count, raw_len, &consumed)) break;
                     published = n;
                     bytes = 0;
@@ -1149,8 +1152,7 @@ static void *mapped_walk(void *arg) {
                 Py_ssize_t end = count > 0 ? walk_batch(st, dctx, ms->raw_cap, count, &raw_len, ms->ring, n, RING_FRAMES, &pending) : 0;
                 if (end > 0) {
                     pthread_mutex_lock(&ms->mu);
-                    ms->held_bytes += raw_len;
-                    held_seen = ms->held_bytes;
+                    __atomic_add_fetch(&ms->held_bytes, raw_len, __ATOMIC_RELAXED);
                     pthread_mutex_unlock(&ms->mu);
                     bytes += (size_t)(end - st->rel);
                     st->rel = end;
@@ -1211,7 +1213,7 @@ static void mapped_stop(MappedScan *ms) {
         for (unsigned long long i = ms->consumed; i < ms->produced; i++) {
             frame_info *fi = &ms->ring[i % RING_FRAMES];
             if (fi->bb != NULL && fi->last_of_batch) {
-                ms->held_bytes -= (unsigned long long)fi->bb->len;
+                __atomic_sub_fetch(&ms->held_bytes, (unsigned long long)fi->bb->len, __ATOMIC_RELAXED);
                 batch_release(fi->bb);
             }
         }
@@ -1400,7 +1402,7 @@ static PyObject *ms_take(MappedScan *ms, PyObject *arg) {
         }
     }
     pthread_mutex_lock(&ms->mu);
-    ms->held_bytes -= released;
+    __atomic_sub_fetch(&ms->held_bytes, released, __ATOMIC_RELAXED); /* atomic: the walk reads it without the lock */
     ms->consumed = consumed + (unsigned long long)n;
     int all_taken = ms->consumed == ms->produced;
     pthread_cond_broadcast(&ms->cv); /* room in the ring */

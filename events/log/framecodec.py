@@ -31,17 +31,6 @@ def stale_reason(module: object) -> str:
             "`pip install -e .` (or `make .venv/.installed`); the pure-Python codec is used meanwhile")
 
 
-try:
-    from . import _framecodec as _compiled
-except ImportError as _exc:  # not built: no compiler at install time, or an unsupported platform
-    _compiled: ModuleType | None = None
-    _missing = f"the compiled codec is not built ({_exc})"
-else:
-    _missing = stale_reason(_compiled)
-    if _missing:
-        _compiled = None
-
-
 def _forced_pure() -> bool:
     value = os.environ.get(ENV_VAR, "").strip().lower()
     if value in ("", "0", "false", "no"):
@@ -51,12 +40,23 @@ def _forced_pure() -> bool:
     raise ValueError(f"environment variable {ENV_VAR}={os.environ[ENV_VAR]!r}: expected 1/true/yes or 0/false/no (or unset)")
 
 
+try:
+    from . import _framecodec as _compiled
+except ImportError as _exc:  # not built: no compiler at install time, or an unsupported platform
+    _compiled: ModuleType | None = None
+    _missing = f"the compiled codec is not built ({_exc})"
+else:
+    _missing = stale_reason(_compiled)
+    if _missing:
+        _compiled = None
+        if not _forced_pure():  # the compiled codec was wanted
+            import warnings
+
+            warnings.warn(_missing, RuntimeWarning, stacklevel=2)
+
+
 #: The compiled codec module in use, or None (pure Python).
 native: ModuleType | None = None if _forced_pure() else _compiled
-if _missing.startswith("the compiled codec is stale") and not _forced_pure():
-    import warnings
-
-    warnings.warn(_missing, RuntimeWarning, stacklevel=2)
 
 
 def available() -> bool:

@@ -108,10 +108,9 @@ class Cursor:
         #: yet). A segment never holds that LSN: frames there are a stale
         #: writer's (see FileLog._check_fence) and reading them is refused.
         self.next_first: int | None = None
-        #: The segments (first LSNs, ascending) as last listed, and whether that listing
-        #: was made during the current _stretches call (after its limit was read).
-        self._listed: list[int] = []
-        self._listed_fresh = False
+        #: The segments (first LSNs, ascending) as listed during the current _stretches
+        #: call (after its limit was read); None until then.
+        self._listed: list[int] | None = None
         #: The limit is a watermark written under fsync="never" (not synced).
         self.unsynced_limit = False
         #: The directory's INDEX checkpoint, whose records must exist when no
@@ -151,16 +150,14 @@ class Cursor:
         directory is listed once per :meth:`_stretches` call (after its ``limit`` was read,
         which the stale-writer check needs), not once per segment: a read across N
         segments lists it once, not N times (each listing costs O(N))."""
-        if not self._listed_fresh:
-            self._listed = list_segments(self.dir)
-            self._listed_fresh = True
         segs = self._listed
+        if segs is None:
+            segs = self._listed = list_segments(self.dir)
         i = bisect.bisect_right(segs, first)
         self.next_first = segs[i] if i < len(segs) else None
 
     def _position(self) -> bool:
         segs = self._listed = list_segments(self.dir)
-        self._listed_fresh = True
         lost = missing_start(self.dir, segs)
         if lost is not None:
             raise lost
@@ -266,7 +263,7 @@ class Cursor:
         for each stretch of a segment to scan; the caller scans it to its end
         before asking for the next. Between stretches it follows rotation and
         raises LogCorruption for damage that is not a torn tail."""
-        self._listed_fresh = False  # a segment listed before ``limit`` was read may miss a newer writer's
+        self._listed = None  # a listing made before ``limit`` was read may miss a newer writer's segment
         if self.scanner is None and not self._position():
             self._check_reached(limit)
             return

@@ -188,15 +188,15 @@ class TrainerScores:
                 chunk = parts[k:k + TURNS_PER_BATCH]
                 try:
                     scored = scorer.score_batch([(t.prompt, t.output, t.temperature) for t, _, _ in chunk])
-                except _MODEL_REFUSALS as exc:
-                    scored = self._one_by_one(scorer, version, [t for t, _, _ in chunk], exc)
+                except _MODEL_REFUSALS:
+                    scored = self._one_by_one(scorer, version, [t for t, _, _ in chunk])
                 for (t, lo, hi), got in zip(chunk, scored):
                     t.log_probs[lo:hi] = [float(x) for x in got[lo:hi]]
         return missing
 
     @staticmethod
-    def _one_by_one(scorer: Any, version: int, chunk: list[_Turn], exc: BaseException) -> list:
-        """The scores of ``chunk``'s turns, each scored alone after the batch failed with ``exc``
+    def _one_by_one(scorer: Any, version: int, chunk: list[_Turn]) -> list:
+        """The scores of ``chunk``'s turns, each scored alone after their batch failed
         (a batch's failure does not say which turn caused it; a batch too big for memory passes
         turn by turn, and its scores are kept). Raises TurnNotScorable naming the turns the
         policy refuses alone, with the error of the first."""
