@@ -317,7 +317,7 @@ class SessionEngine(BackgroundWork):
         try:
             if self._ids.add(session_id):  # maybe seen before: confirm exactly
                 await self._confirm_fresh(session_id)
-            await self._log_.append(session_id, 0, body)
+            env = await self._log_.append(session_id, 0, body)
         except asyncio.CancelledError:
             if self._log_.next_seq(session_id) == 1:
                 # Staged before the cancel: the log writes it, so the session
@@ -338,6 +338,8 @@ class SessionEngine(BackgroundWork):
             raise
         self._opened(h, budget)
         release(h)
+        if self._checkpointer is not None:
+            self._checkpointer.note(env)
         return h
 
     def _opened(self, h: SessionHandle, budget: float | None) -> None:
@@ -366,7 +368,7 @@ class SessionEngine(BackgroundWork):
             # The last checkpoint, after the drops: a clean restart then folds nothing
             # (a cache: one that cannot be written is a warning; reading the log still fails here).
             try:
-                await asyncio.to_thread(self._checkpointer.advance, cache_only=True)
+                await self._checkpointer.checkpoint(final=True)
             except Exception as exc:
                 _log.error("engine.checkpoint_failed", path=str(self._checkpointer.path), error=f"{type(exc).__name__}: {exc}")
                 errors.append(exc)
@@ -416,6 +418,8 @@ class SessionEngine(BackgroundWork):
                 self._apply(h, body, dest, None, context)
             raise
         self._apply(h, body, dest, env.lsn, context)
+        if self._checkpointer is not None:
+            self._checkpointer.note(env)
         return env
 
     def _stage(self, h: SessionHandle, body: Any, context: EncodingContext, then: Callable[[Envelope | None, BaseException | None], None]) -> None:
@@ -428,6 +432,8 @@ class SessionEngine(BackgroundWork):
             try:
                 if env is not None:
                     self._apply(h, body, None, env.lsn, context)
+                    if self._checkpointer is not None:
+                        self._checkpointer.note(env)
                 elif isinstance(exc, asyncio.CancelledError) and self._written_anyway(h, seq):
                     self._apply(h, body, None, None, context)
             except Exception as failure:  # handed to the waiter, and logged: never swallowed

@@ -30,6 +30,7 @@ restart aborts always come from the log's own exact open-session map
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import threading
@@ -74,6 +75,15 @@ class _AbortRefill(msgspec.Struct, tag="session_aborted"):
 
 
 _abort_refill_decoder = msgspec.msgpack.Decoder(_AbortRefill)
+
+
+class _GroupJoin(NamedTuple):
+    """What the fold reads of a ``session_opened`` (a noted one waiting for its turn holds only this)."""
+
+    group_id: str
+    group_size: int
+    sample_index: int
+    replaces: Any
 
 
 def _abort_refill(payload: Any) -> _AbortRefill:
@@ -137,8 +147,8 @@ class _Record(NamedTuple):
     session_seq: int
     ts_ns: int
     tag: str
-    #: The stored body bytes (a view valid until the next record).
-    payload: memoryview
+    #: The stored body bytes (a view valid until the next record); None for a record the engine noted.
+    payload: memoryview | None
     body: Any  # decoded only where the fold needs it (session_opened, session_aborted), else None
 
 
@@ -158,6 +168,7 @@ def anchor_at(log: EventLog, lsn: int) -> bytes | None:
         rec = next(records, None)
         if rec is None or rec.lsn != lsn:
             return None
+        assert rec.payload is not None, "a record read from the log carries its stored bytes"
         return record_anchor(rec.lsn, rec.session_id, rec.session_seq, rec.ts_ns, rec.payload)
 
 
@@ -207,6 +218,14 @@ class RestartFold:
                 raise CheckpointError(Path("<fold>"), f"the log's record at lsn {last} was folded but cannot be read back")
             self.next_lsn, self.anchor = last + 1, anchor
         return n
+
+    def fold_noted(self, rec: _Record) -> None:
+        """Fold the record at :attr:`next_lsn` as the engine saw it acknowledged,
+        not read from the log (:meth:`Checkpointer.note`). Its stored bytes are
+        not at hand, so :attr:`anchor` is unknown (b"") until a read: a
+        checkpoint reads its anchor from the log when it is written."""
+        self._feed(rec)
+        self.next_lsn, self.anchor = rec.lsn + 1, b""
 
     def _feed(self, rec: _Record) -> None:
         refused = False
@@ -348,8 +367,22 @@ def resume_fold(log: EventLog, path: Path | None, *, recent_window: int, id_capa
 
 
 class Checkpointer:
-    """Keeps a :class:`RestartFold` caught up with a live log and writes its
-    checkpoint; :meth:`advance` runs in a worker thread, one at a time."""
+    """Keeps a :class:`RestartFold` caught up with a live log and writes its checkpoint.
+
+    The fold takes the records the engine saw acknowledged (:meth:`note`, in
+    the event loop's thread): the engine wrote them, so nothing is read back.
+    A record the engine did not see (another writer's ``policy_updated``, an
+    append whose caller was cancelled) leaves a gap, and the records after it
+    wait; once the fold lags the log by ``every`` records, :meth:`checkpoint`
+    reads the log from the gap on in a worker thread, as a restart would, and
+    the waiting records it already folded are dropped. Either way the fold
+    holds the log's records in LSN order, each once: what it would hold from
+    reading the whole log. The fold itself never leaves the loop's thread,
+    except for that read (noted records wait meanwhile) and :meth:`advance`
+    before the engine takes records."""
+
+    #: Records noted ahead of a gap that are kept (beyond it, the log is read instead).
+    AHEAD_MAX = 1 << 16
 
     def __init__(self, log: EventLog, fold: RestartFold, path: Path, every: int) -> None:
         if every < 1:
@@ -361,40 +394,136 @@ class Checkpointer:
         self.lsn = -1
         #: Why the last checkpoint could not be written (one line), or None once one was.
         self.write_error: str | None = None
+        #: Records noted above the fold's end, by LSN, until the records before them are folded.
+        self._ahead: dict[int, _Record] = {}
+        #: Reads of the log by worker threads, running or waiting for the lock: while any is, noted records wait in _ahead.
+        self._reads = 0
+        #: The fold's end at the last checkpoint tried (written or not).
+        self._tried = -1
+        #: Records folded as noted, and read from the log after a gap (for tests and benchmarks).
+        self.noted = self.read_back = 0
+        #: Why the fold can no longer be trusted (a failed read of the log), or None.
+        self._broken: str | None = None
+
+    def note(self, env: Any) -> None:
+        """Fold one record of the log that the engine saw acknowledged
+        (an :class:`~agentlog.events.schema.types.Envelope`); in the event
+        loop's thread, never reading the log. A record ahead of the fold's end
+        waits for the ones before it; one behind it was already read from the log."""
+        fold = self.fold
+        lsn = env.lsn
+        if lsn < fold.next_lsn or self._broken is not None:
+            return
+        body = env.body
+        tag = type(body).__struct_config__.tag
+        if tag not in KNOWN_TAGS:
+            return  # left to the log read, which refuses it by name (UnknownEventError)
+        rec = _Record(lsn, env.session_id, env.session_seq, env.ts_ns, tag, None,
+                      body if tag == _OPENED or tag == _ABORTED else None)
+        if self._reads or lsn != fold.next_lsn:
+            if len(self._ahead) < self.AHEAD_MAX:
+                # What the fold reads of an open, not its body: a prompt held while it waits could be large.
+                self._ahead[lsn] = rec if tag != _OPENED else rec._replace(body=_GroupJoin(
+                    body.group_id, body.group_size, body.sample_index, body.replaces))
+            return
+        fold.fold_noted(rec)
+        self.noted += 1
+        if self._ahead:
+            self._fold_ahead()
+
+    def _fold_ahead(self) -> None:
+        """Fold the waiting records that now follow the fold's end; drop those it already holds."""
+        fold, ahead = self.fold, self._ahead
+        for lsn in [k for k in ahead if k < fold.next_lsn]:
+            del ahead[lsn]
+        while (rec := ahead.pop(fold.next_lsn, None)) is not None:
+            fold.fold_noted(rec)
+            self.noted += 1
 
     def due(self) -> bool:
-        """Whether ``every`` records or more were appended since the fold's end."""
-        return self.log.next_lsn - self.fold.next_lsn >= self.every
+        """Whether ``every`` records or more were appended since the last checkpoint was tried."""
+        return self.log.next_lsn - max(self._tried, 0) >= self.every
+
+    async def checkpoint(self, *, final: bool = False, cache_only: bool = True) -> int:
+        """Write the checkpoint of the fold as it stands, after reading the log
+        from its end when it lags by ``every`` records or more (up to the first
+        noted record waiting), or always with ``final`` (the engine closes:
+        every record, noted or not, to the log's end). Returns the LSN of the
+        last checkpoint written; errors as :meth:`advance`'s."""
+        if self._broken is not None:
+            raise CheckpointError(self.path, f"not written: {self._broken}")
+        if final or self.log.next_lsn - self.fold.next_lsn >= self.every:
+            # Up to the first record waiting (the gap only; the rest is noted), or with ``final`` to the log's end.
+            until = min(self._ahead) if self._ahead and not final else None
+            self._reads += 1
+            done = asyncio.get_running_loop().run_in_executor(None, self._read_log, until)
+            done.add_done_callback(self._read_done)
+            # Shielded: a cancelled caller leaves the read running, and noted records keep waiting until it ends.
+            await asyncio.shield(done)
+        if self._reads or self.fold.next_lsn == self._tried:
+            return self.lsn  # a cancelled caller's read still runs (the engine closes), or nothing new
+        self._tried = self.fold.next_lsn
+        ckpt = self.fold.to_checkpoint()  # in the loop's thread, where the fold changes: a consistent state
+        return await asyncio.to_thread(self._write, ckpt, cache_only)
+
+    def _read_log(self, until: int | None = None) -> None:
+        with self._lock:
+            self.read_back += self.fold.catch_up(self.log, until=until)
+
+    def _read_done(self, done: asyncio.Future) -> None:
+        self._reads -= 1
+        exc = asyncio.CancelledError() if done.cancelled() else done.exception()
+        if exc is None:
+            if not self._reads:
+                self._fold_ahead()
+        else:
+            # The fold may hold part of what it read: it takes nothing more, and no checkpoint is written from it.
+            self._broken = f"reading the log failed: {type(exc).__name__}: {exc}"
 
     def advance(self, *, cache_only: bool = False) -> int:
-        """Fold the records appended since the last call and write the
-        checkpoint (unless nothing changed); returns the LSN of the last
-        checkpoint written. Errors propagate, except with ``cache_only``:
-        then a checkpoint that cannot be written (a full disk, a directory in
-        its place: any OSError) is only logged, as the warning
+        """Fold the log's records from the fold's end and write the
+        checkpoint (unless nothing changed), in the caller's thread, before
+        the engine notes records; returns the LSN of the last checkpoint
+        written. Errors propagate, except with ``cache_only``: then a
+        checkpoint that cannot be written (a full disk, a directory in its
+        place: any OSError) is only logged, as the warning
         ``engine.checkpoint_failed`` naming the file and the error, and kept in
         :attr:`write_error`. A checkpoint is a cache: without it a restart
         folds from the last one written, or from lsn 0. Reading the log
         (the fold) still raises."""
+        self._read_log()
+        if self.fold.next_lsn == self.lsn:
+            return self.lsn
+        self._tried = self.fold.next_lsn
+        return self._write(self.fold.to_checkpoint(), cache_only)
+
+    def _write(self, ckpt: EngineCheckpoint, cache_only: bool) -> int:
+        """Write ``ckpt`` with the anchor of its last record, read from the log
+        (noted records carry no stored bytes); returns the LSN of the last checkpoint written."""
         with self._lock:
-            self.fold.catch_up(self.log)
-            if self.fold.next_lsn != self.lsn:
-                t0 = time.perf_counter()
-                try:
-                    size = write_checkpoint(self.path, self.fold.to_checkpoint())
-                except OSError as exc:
-                    if not cache_only:
-                        raise
-                    self.write_error = f"cannot write the engine checkpoint {self.path}: {type(exc).__name__}: {exc}"
-                    _log.warning("engine.checkpoint_failed", path=str(self.path), error=f"{type(exc).__name__}: {exc}",
-                                 next_lsn=self.fold.next_lsn, last_written_lsn=self.lsn,
-                                 effect="the engine goes on; a restart folds from the last checkpoint written, or from lsn 0")
-                    return self.lsn
-                self.write_error = None
-                self.written += 1
-                self.lsn = self.fold.next_lsn
-                _log.debug("engine.checkpoint_written", path=str(self.path), next_lsn=self.lsn, bytes=size,
-                           seconds=round(time.perf_counter() - t0, 4))
+            if ckpt.next_lsn <= self.lsn:
+                return self.lsn  # a newer one is already written (a cancelled caller's write came late)
+            t0 = time.perf_counter()
+            try:
+                if ckpt.next_lsn > 0:
+                    anchor = anchor_at(self.log, ckpt.next_lsn - 1)
+                    if anchor is None:
+                        raise CheckpointError(self.path, f"the log's record at lsn {ckpt.next_lsn - 1} was folded but cannot be read back")
+                    ckpt = msgspec.structs.replace(ckpt, anchor=anchor)
+                size = write_checkpoint(self.path, ckpt)
+            except OSError as exc:
+                if not cache_only:
+                    raise
+                self.write_error = f"cannot write the engine checkpoint {self.path}: {type(exc).__name__}: {exc}"
+                _log.warning("engine.checkpoint_failed", path=str(self.path), error=f"{type(exc).__name__}: {exc}",
+                             next_lsn=ckpt.next_lsn, last_written_lsn=self.lsn,
+                             effect="the engine goes on; a restart folds from the last checkpoint written, or from lsn 0")
+                return self.lsn
+            self.write_error = None
+            self.written += 1
+            self.lsn = ckpt.next_lsn
+            _log.debug("engine.checkpoint_written", path=str(self.path), next_lsn=self.lsn, bytes=size,
+                       seconds=round(time.perf_counter() - t0, 4))
             return self.lsn
 
 

@@ -44,14 +44,15 @@ class BackgroundWork:
 
     async def _checkpoint_loop(self) -> None:
         """Write a restart checkpoint each time ``checkpoint_every`` records
-        have been appended since the last one (the fold runs in a thread)."""
+        have been appended since the last one (the fold takes the records the
+        engine saw acknowledged as they come; the file is written in a thread)."""
         ckpt = self._checkpointer
         assert ckpt is not None
         while True:
             await asyncio.sleep(self.checkpoint_poll_s)
             if ckpt.due():
                 # A cache: a failed write is a warning (the next due one tries again), never a background failure.
-                await asyncio.to_thread(ckpt.advance, cache_only=True)
+                await ckpt.checkpoint()
 
     def _background(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> None:
         t = asyncio.get_running_loop().create_task(coro, name=name)

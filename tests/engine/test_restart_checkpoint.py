@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from agentlog.engine import DuplicateSession, SessionEngine
 from agentlog.engine.restart import (
     CHECKPOINT_NAME,
+    Checkpointer,
     CheckpointError,
     RestartFold,
     load_checkpoint,
@@ -23,6 +25,7 @@ from agentlog.engine.restart import (
 )
 from agentlog.events import FileLog
 from agentlog.events.schema.types import (
+    PolicyUpdated,
     SessionAborted,
     SessionDropped,
     SessionFinished,
@@ -335,3 +338,114 @@ def test_a_checkpoint_that_cannot_be_written_never_stops_the_engine(tmp_path):
             log.close()
 
     asyncio.run(go())
+
+
+# -- the fold the engine feeds (Checkpointer.note) ------------------------------------------------
+
+
+def _fold_state(fold: RestartFold):
+    """A fold's whole state, without what differs by how it was reached (the time, an anchor not read yet)."""
+    return msgspec.structs.replace(fold.to_checkpoint(), anchor=b"", written_ns=0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=scripts(), order=st.randoms(use_true_random=False), never_noted=st.sets(st.integers(0, 60), max_size=4))
+def test_noted_records_in_any_order_with_gaps_fold_as_reading_the_log_does(script, order, never_noted):
+    """The records the engine saw acknowledged, noted in any order, some never
+    (another writer's, a cancelled caller's): the fold equals the fold of the
+    whole log read from LSN 0, reads the log only for what was never noted,
+    and its checkpoint proves it belongs to the log (the anchor, read back)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "log"
+        end = _write(path, script)
+        log = FileLog.open(path, fsync="never")
+        try:
+            ref = RestartFold()
+            ref.catch_up(log)
+            envs = [e for e in log.read(0) if e.lsn not in never_noted]
+            order.shuffle(envs)
+            ckpt = Checkpointer(log, RestartFold(), path / CHECKPOINT_NAME, every=1)
+            for env in envs:
+                ckpt.note(env)
+            if not never_noted & set(range(end)):
+                assert ckpt.fold.next_lsn == end and ckpt.noted == end
+            assert asyncio.run(ckpt.checkpoint(final=True)) == end
+            assert _fold_state(ckpt.fold) == _fold_state(ref)
+            assert ckpt.noted + ckpt.read_back == end
+            assert ckpt.read_back <= end - min(never_noted & set(range(end)), default=end)
+            assert load_checkpoint(path / CHECKPOINT_NAME, log).next_lsn == end
+        finally:
+            log.close()
+
+
+def test_a_running_engine_folds_what_it_appended_without_reading_the_log_back(tmp_path):
+    """The engine's checkpoints come from the records it saw acknowledged; a
+    record another writer appended is read from the log, and the checkpoint
+    still equals a fold of the whole log."""
+    path = tmp_path / "log"
+
+    async def go():
+        log = FileLog.open(path, fsync="never")
+        try:
+            eng = await SessionEngine.open(log, checkpoint_every=16, checkpoint_poll_s=0.002)
+            for i in range(12):
+                h = await eng.open_session(f"s{i}", group_id=f"g{i // 4}", group_size=4)
+                await h.start()
+                await h.record_turn(prompt_ids=[1, 2], output_ids=[3], output_log_probs=[-0.1])
+                if i == 5:  # another writer's record, which the engine never sees
+                    log.append_batch([("learner", 0, PolicyUpdated(step=1, policy_version=1))])
+                await h.finish(reward=1.0)
+                await asyncio.sleep(0.005)  # the checkpointer's turn
+            ckpt = eng._checkpointer
+            during = ckpt.written, ckpt.noted, ckpt.read_back
+            await eng.close()
+            ref = RestartFold()
+            ref.catch_up(log)
+            return during, ckpt, ref, log.next_lsn
+        finally:
+            log.close()
+
+    (written, noted, read_back), ckpt, ref, end = asyncio.run(go())
+    assert written >= 2
+    assert ckpt.noted == end - 1 and ckpt.read_back == 1  # only the other writer's record was read
+    assert noted > 0 and read_back <= 1
+    assert _fold_state(ckpt.fold) == _fold_state(ref)
+    log = FileLog.open(path, fsync="never")
+    try:
+        assert load_checkpoint(path / CHECKPOINT_NAME, log).next_lsn == end
+    finally:
+        log.close()
+
+
+def test_records_noted_while_a_cancelled_read_runs_wait_for_it(tmp_path):
+    """A checkpoint's caller cancelled during its read of the log (the engine
+    closing): the read goes on, the records noted meanwhile wait, and the next
+    checkpoint equals the fold of the whole log."""
+    path = tmp_path / "log"
+    records = [(f"s{i}", 0, SessionOpened(group_id=f"g{i}", group_size=1)) for i in range(400)]
+    end = _write(path, records)
+
+    async def go(log):
+        ckpt = Checkpointer(log, RestartFold(), path / CHECKPOINT_NAME, every=1)
+        first = asyncio.get_running_loop().create_task(ckpt.checkpoint(final=True))
+        await asyncio.sleep(0)  # the read is submitted to a worker thread
+        first.cancel()
+        envs = list(log.read(0))
+        for env in envs[:200]:
+            ckpt.note(env)  # while the read may still run: they wait, or are behind the fold's end
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        for env in envs[200:]:
+            ckpt.note(env)
+        await ckpt.checkpoint(final=True)
+        return ckpt
+
+    log = FileLog.open(path, fsync="never")
+    try:
+        ckpt = asyncio.run(go(log))
+        ref = RestartFold()
+        ref.catch_up(log)
+        assert _fold_state(ckpt.fold) == _fold_state(ref) and ckpt.fold.next_lsn == end
+        assert ckpt.noted + ckpt.read_back == end
+    finally:
+        log.close()
