@@ -397,7 +397,7 @@ class Checkpointer:
         #: Records noted above the fold's end, by LSN, until the records before them are folded.
         self._ahead: dict[int, _Record] = {}
         #: Reads of the log by worker threads, running or waiting for the lock: while any is, noted records wait in _ahead.
-        self._reads = 0
+        self._reading: set[asyncio.Future] = set()
         #: The fold's end at the last checkpoint tried (written or not).
         self._tried = -1
         #: Records folded as noted, and read from the log after a gap (for tests and benchmarks).
@@ -420,11 +420,15 @@ class Checkpointer:
             return  # left to the log read, which refuses it by name (UnknownEventError)
         rec = _Record(lsn, env.session_id, env.session_seq, env.ts_ns, tag, None,
                       body if tag == _OPENED or tag == _ABORTED else None)
-        if self._reads or lsn != fold.next_lsn:
+        if self._reading or lsn != fold.next_lsn:
             if len(self._ahead) < self.AHEAD_MAX:
-                # What the fold reads of an open, not its body: a prompt held while it waits could be large.
-                self._ahead[lsn] = rec if tag != _OPENED else rec._replace(body=_GroupJoin(
-                    body.group_id, body.group_size, body.sample_index, body.replaces))
+                # What the fold reads of an open or an abort, not the body: a prompt or a traceback held while it
+                # waits could be large.
+                if tag == _OPENED:
+                    rec = rec._replace(body=_GroupJoin(body.group_id, body.group_size, body.sample_index, body.replaces))
+                elif tag == _ABORTED:
+                    rec = rec._replace(body=_AbortRefill(refill=body.refill))
+                self._ahead[lsn] = rec
             return
         fold.fold_noted(rec)
         self.noted += 1
@@ -446,35 +450,50 @@ class Checkpointer:
 
     async def checkpoint(self, *, final: bool = False, cache_only: bool = True) -> int:
         """Write the checkpoint of the fold as it stands, after reading the log
-        from its end when it lags by ``every`` records or more (up to the first
-        noted record waiting), or always with ``final`` (the engine closes:
-        every record, noted or not, to the log's end). Returns the LSN of the
-        last checkpoint written; errors as :meth:`advance`'s."""
+        from the fold's end when the fold is stuck at a gap ``every`` records or
+        more behind the log, or always with ``final`` (the engine closes: every
+        record, noted or not, to the log's end). Returns the LSN of the last
+        checkpoint written; errors as :meth:`advance`'s."""
         if self._broken is not None:
             raise CheckpointError(self.path, f"not written: {self._broken}")
-        if final or self.log.next_lsn - self.fold.next_lsn >= self.every:
-            # Up to the first record waiting (the gap only; the rest is noted), or with ``final`` to the log's end.
-            until = min(self._ahead) if self._ahead and not final else None
-            self._reads += 1
-            done = asyncio.get_running_loop().run_in_executor(None, self._read_log, until)
-            done.add_done_callback(self._read_done)
-            # Shielded: a cancelled caller leaves the read running, and noted records keep waiting until it ends.
-            await asyncio.shield(done)
-        if self._reads or self.fold.next_lsn == self._tried:
-            return self.lsn  # a cancelled caller's read still runs (the engine closes), or nothing new
+        fold, ahead = self.fold, self._ahead
+        if final:
+            # Every record, noted or not, to the log's end; after any read a cancelled caller left running.
+            if self._reading:
+                await asyncio.wait(list(self._reading))
+                if self._broken is not None:
+                    raise CheckpointError(self.path, f"not written: {self._broken}")
+            await self._read_in_thread(None)
+        elif self.log.next_lsn - fold.next_lsn >= self.every and (ahead or fold.next_lsn == self._tried):
+            # Stuck at a gap (records wait behind it, or the fold has not moved since the last try): read the gap.
+            # One gap, then the records waiting after it; several, the log to its end (the waiting ones are dropped).
+            first = min(ahead) if ahead else None
+            one_gap = first is not None and max(ahead) - first + 1 == len(ahead)
+            await self._read_in_thread(first if one_gap else None)
+        if self._reading or fold.next_lsn == (self.lsn if final else self._tried):
+            return self.lsn  # a cancelled caller's read still runs, or nothing new since the last try
         self._tried = self.fold.next_lsn
         ckpt = self.fold.to_checkpoint()  # in the loop's thread, where the fold changes: a consistent state
         return await asyncio.to_thread(self._write, ckpt, cache_only)
+
+    async def _read_in_thread(self, until: int | None) -> None:
+        """Fold the log's records from the fold's end (to ``until``, exclusive, or its
+        end) in a worker thread; noted records wait until every such read ended."""
+        done = asyncio.get_running_loop().run_in_executor(None, self._read_log, until)
+        self._reading.add(done)
+        done.add_done_callback(self._read_done)
+        # Shielded: a cancelled caller leaves the read running, and noted records keep waiting until it ends.
+        await asyncio.shield(done)
 
     def _read_log(self, until: int | None = None) -> None:
         with self._lock:
             self.read_back += self.fold.catch_up(self.log, until=until)
 
     def _read_done(self, done: asyncio.Future) -> None:
-        self._reads -= 1
+        self._reading.discard(done)
         exc = asyncio.CancelledError() if done.cancelled() else done.exception()
         if exc is None:
-            if not self._reads:
+            if not self._reading:
                 self._fold_ahead()
         else:
             # The fold may hold part of what it read: it takes nothing more, and no checkpoint is written from it.

@@ -449,3 +449,40 @@ def test_records_noted_while_a_cancelled_read_runs_wait_for_it(tmp_path):
         assert ckpt.noted + ckpt.read_back == end
     finally:
         log.close()
+
+
+def test_a_fold_stuck_at_many_gaps_reads_past_all_of_them_at_once(tmp_path):
+    """Every tenth record never noted: one checkpoint reads the log to its end
+    (not one gap per checkpoint, which would leave the fold ever further behind)."""
+    path = tmp_path / "log"
+    end = _write(path, [(f"s{i}", 0, SessionOpened(group_id=f"g{i}", group_size=1)) for i in range(500)])
+    log = FileLog.open(path, fsync="never")
+    try:
+        ckpt = Checkpointer(log, RestartFold(), path / CHECKPOINT_NAME, every=64)
+        for env in log.read(0):
+            if env.lsn % 10 != 9:
+                ckpt.note(env)
+        assert ckpt.fold.next_lsn == 9 and ckpt.due()
+        assert asyncio.run(ckpt.checkpoint()) == end
+        assert ckpt.fold.next_lsn == end and not ckpt._ahead
+    finally:
+        log.close()
+
+
+def test_the_final_checkpoint_is_written_after_a_failed_one_even_with_nothing_new(tmp_path):
+    """A periodic checkpoint that could not be written (a directory in its
+    place) does not make the final one think it has nothing to write."""
+    path = tmp_path / "log"
+    end = _write(path, [(f"s{i}", 0, SessionOpened(group_id=f"g{i}", group_size=1)) for i in range(100)])
+    log = FileLog.open(path, fsync="never")
+    try:
+        ckpt = Checkpointer(log, RestartFold(), path / CHECKPOINT_NAME, every=16)
+        for env in log.read(0):
+            ckpt.note(env)
+        (path / CHECKPOINT_NAME).mkdir()
+        assert asyncio.run(ckpt.checkpoint()) == -1 and ckpt.write_error is not None
+        (path / CHECKPOINT_NAME).rmdir()
+        assert asyncio.run(ckpt.checkpoint(final=True)) == end
+        assert ckpt.write_error is None and load_checkpoint(path / CHECKPOINT_NAME, log).next_lsn == end
+    finally:
+        log.close()
