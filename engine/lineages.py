@@ -308,6 +308,7 @@ class LineageTracker:
     def _apply(self, lineage_id: str, key: bytes, first: Lineage | None, calls: list[tuple[str, str, tuple[str, ...]]],
                turn_index: int, context: EncodingContext, answered: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         thread = self._threads.get(lineage_id)
+        recent = self._recent
         if thread is None:
             thread = self._threads[lineage_id] = _Thread(lineage_id, key, first)
             if lineage_id_is_sub(lineage_id):
@@ -316,23 +317,27 @@ class LineageTracker:
                 parent = self._threads.get(first.parent)
                 if parent is not None:
                     parent.pending = [c for c in parent.pending if c[0] != first.spawn_call]
-        else:
-            self._recent.remove(thread)
-        self._recent.insert(0, thread)
+            recent.insert(0, thread)
+        elif recent[0] is not thread:  # every lineage is in _recent; the common turn continues the newest
+            recent.remove(thread)
+            recent.insert(0, thread)
         thread.context = context
         thread.last_turn = turn_index
-        # A call stays pending until a subagent claims it or a later prompt carries its result
-        # (Claude Code answers a Task call only once its subagent ended); the newest _PENDING kept.
-        kept = [c for c in thread.pending if c[0] not in answered]
-        thread.pending = (kept + calls)[-_PENDING:]
-        for call_id, _name, _texts in calls:
-            thread.calls[call_id] = turn_index
-        # Bounded per live session: the calls a lineage made (for declared spawning calls) and the
-        # contexts of its most recently active lineages (an older one is still found by its key).
-        while len(thread.calls) > _CALLS:
-            del thread.calls[next(iter(thread.calls))]
-        for old in self._recent[_CONTEXTS:]:
-            old.context = _EMPTY
+        if calls or thread.pending:
+            # A call stays pending until a subagent claims it or a later prompt carries its result
+            # (Claude Code answers a Task call only once its subagent ended); the newest _PENDING kept.
+            kept = [c for c in thread.pending if c[0] not in answered]
+            thread.pending = (kept + calls)[-_PENDING:]
+        if calls:
+            for call_id, _name, _texts in calls:
+                thread.calls[call_id] = turn_index
+            # Bounded per live session: the calls a lineage made (for declared spawning calls) and the
+            # contexts of its most recently active lineages (an older one is still found by its key).
+            while len(thread.calls) > _CALLS:
+                del thread.calls[next(iter(thread.calls))]
+        if len(recent) > _CONTEXTS:
+            for old in recent[_CONTEXTS:]:
+                old.context = _EMPTY
 
     def rebuild(self, last_turns: Iterable[TurnRecorded], origins: dict[str, Lineage],
                 history: Iterable[tuple[str, int, tuple[ToolCall, ...], tuple[str, ...]]]) -> None:
