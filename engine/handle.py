@@ -38,7 +38,7 @@ from agentlog.events.schema.types import (
     pack_log_probs,
     pack_tokens,
 )
-from agentlog.events.schema.turn_delta import EncodingContext
+from agentlog.events.schema.turn_delta import EncodingContext, ExtendedPrompt
 
 from .errors import SessionTimeout
 from .lineages import Declared, LineageTracker
@@ -198,8 +198,12 @@ class SessionHandle:
         are never changed afterwards: the session then holds a reference to each (a pointer a
         message), and a message passed again as the very same object is not hashed again
         (:meth:`~agentlog.events.schema.turn_delta.EncodingContext.encode`); the recorded turn is
-        the same either way. The engine places the turn in one of the session's lineages
-        (:mod:`agentlog.engine.lineages`), in ``declared_lineage`` when the agent named one.
+        the same either way. ``prompt_ids`` may be an
+        :class:`~agentlog.events.schema.turn_delta.ExtendedPrompt` (a chat template's
+        incremental encode): the bytes it proves it kept of the previous prompt are then
+        not compared again; the recorded turn is the same. The engine places the turn in
+        one of the session's lineages (:mod:`agentlog.engine.lineages`), in
+        ``declared_lineage`` when the agent named one.
         Raises StragglerRefused if the session is not running, TypeError naming an unknown
         field, LineageError for a declared lineage the session cannot take."""
         h = self
@@ -255,12 +259,15 @@ class SessionHandle:
         """The next turn's stored body (its lock held) and the context after it; refused unless running."""
         if self.state is not State.RUNNING:
             self._engine._refuse(self.session_id, "turn_recorded", self.state, self)
+        proof = None
+        if type(prompt_ids) is ExtendedPrompt:  # built from an earlier prompt: its kept bytes need no comparing
+            proof, prompt_ids = prompt_ids, prompt_ids.packed
         full = TurnRecorded(turn_index=self.turns, messages=messages or [], prompt_ids=prompt_ids, sampling=sampling or {}, **fields)
         # The caller sends the whole prompt (as the chat APIs do); the log
         # stores what is new since the previous turn.
         before = self._context or _BEFORE_THE_FIRST_TURN
         digests = self._lineages.digests(before, full.messages, frozen_messages)
-        body, after = before.encode(full, frozen_messages, digests)
+        body, after = before.encode(full, frozen_messages, digests, proof)
         return self._lineages.stamp(full, body, before, digests, declared_lineage), after
 
     def check_lineage(self, declared: Declared) -> None:

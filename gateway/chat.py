@@ -30,6 +30,7 @@ import msgspec
 import numpy as np
 
 from agentlog.events.errors import AgentlogError
+from agentlog.events.schema.turn_delta import ExtendedPrompt
 from .json_depth import JSONTooDeep, loads_json_text
 
 
@@ -261,12 +262,16 @@ class ChatTemplate(abc.ABC):
         continue, every prompt is encoded whole)."""
         return pack_ids(self.encode_prompt(messages, tools)), None
 
-    def extend_packed(self, state: Any, messages: list[dict[str, Any]], tools: list[ToolSpec], shared: int) -> tuple[bytes, Any] | None:
+    def extend_packed(self, state: Any, messages: list[dict[str, Any]], tools: list[ToolSpec],
+                      shared: int) -> tuple[ExtendedPrompt | bytes, Any] | None:
         """The packed prompt of ``messages`` and the state after it, from the
         ``state`` an earlier encode left, when that encode was of exactly
         ``messages[:shared]`` with exactly these ``tools`` (the caller checked
         both); None when the template cannot prove the result equal to a full
-        encode (the caller then encodes whole)."""
+        encode (the caller then encodes whole). A prompt that keeps the
+        earlier prompt's first bytes is built as an
+        :class:`~agentlog.events.schema.turn_delta.ExtendedPrompt` of those
+        very bytes, so the engine need not compare them again."""
         return None
 
 
@@ -341,12 +346,13 @@ class ByteChatTemplate(ChatTemplate):
         packed = _widen(self._rendered(self._with_tools(messages, tools)) + self._GENERATION_PROMPT)
         return packed, packed
 
-    def extend_packed(self, state: Any, messages: list[dict[str, Any]], tools: list[ToolSpec], shared: int) -> tuple[bytes, Any] | None:
+    def extend_packed(self, state: Any, messages: list[dict[str, Any]], tools: list[ToolSpec],
+                      shared: int) -> tuple[ExtendedPrompt | bytes, Any] | None:
         if shared == 0:  # the tools block lands in the first message: nothing rendered to continue from
             return None
-        body = memoryview(state)[: len(state) - 4 * len(self._GENERATION_PROMPT)]
-        packed = b"".join((body, _widen(self._rendered(messages[shared:]) + self._GENERATION_PROMPT)))
-        return packed, packed
+        prompt = ExtendedPrompt(state, len(state) - 4 * len(self._GENERATION_PROMPT),
+                                _widen(self._rendered(messages[shared:]) + self._GENERATION_PROMPT))
+        return prompt, prompt.packed
 
     def decode(self, output_ids: list[int]) -> str:
         return "".join(chr(i) for i in output_ids if 0 <= i < 128)
@@ -466,7 +472,8 @@ class HFChatTemplate(ChatTemplate):
         packed, cuts = self._tokenize(text, 0, 0)
         return packed, (text, packed, cuts)
 
-    def extend_packed(self, state: Any, messages: list[dict[str, Any]], tools: list[ToolSpec], shared: int) -> tuple[bytes, Any] | None:
+    def extend_packed(self, state: Any, messages: list[dict[str, Any]], tools: list[ToolSpec],
+                      shared: int) -> tuple[ExtendedPrompt | bytes, Any] | None:
         if state is None:
             return None
         old_text, old_packed, cuts = state
@@ -487,8 +494,8 @@ class HFChatTemplate(ChatTemplate):
         tail, tail_cuts = self._tokenize(text[start:], start, index)
         if tail[:4] != pack_ids([token]):  # T did not stand alone at the cut: encode whole
             return None
-        packed = b"".join((memoryview(old_packed)[: index * 4], tail))
-        return packed, (text, packed, cuts[: lo - 1] + tail_cuts)
+        prompt = ExtendedPrompt(old_packed, index * 4, tail)
+        return prompt, (text, prompt.packed, cuts[: lo - 1] + tail_cuts)
 
     def decode(self, output_ids: list[int]) -> str:
         return self.tok.decode(output_ids, skip_special_tokens=True)

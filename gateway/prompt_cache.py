@@ -30,6 +30,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from agentlog.events.schema.turn_delta import ExtendedPrompt
+
 from .chat import ChatTemplate, ToolSpec
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -45,14 +47,18 @@ class EncodedPrompt:
     """One request's prompt: ``packed`` (int32 bytes, what the log records),
     ``ids`` (a read-only int32 view of them, what the backend gets),
     ``messages`` (the request's messages, the repeated ones replaced by the
-    objects recorded before) and ``incremental`` (True when it was encoded
-    from the previous encode, False when whole)."""
+    objects recorded before), ``incremental`` (True when it was encoded
+    from the previous encode, False when whole) and ``recorded`` (what the
+    engine's ``record_turn`` takes as ``prompt_ids``: the template's
+    :class:`~agentlog.events.schema.turn_delta.ExtendedPrompt` when it built
+    one, so the bytes it kept are not compared again, else ``packed``)."""
 
-    __slots__ = ("packed", "ids", "messages", "incremental", "_tools", "_state")
+    __slots__ = ("packed", "ids", "messages", "incremental", "recorded", "_tools", "_state")
 
-    def __init__(self, packed: bytes, messages: list[Any], incremental: bool, tools: bytes, state: Any) -> None:
-        self.packed = packed
-        self.ids = np.frombuffer(packed, dtype="<i4")
+    def __init__(self, prompt: ExtendedPrompt | bytes, messages: list[Any], incremental: bool, tools: bytes, state: Any) -> None:
+        self.recorded = prompt
+        self.packed: bytes = prompt.packed if isinstance(prompt, ExtendedPrompt) else prompt
+        self.ids = np.frombuffer(self.packed, dtype="<i4")
         self.messages = messages
         self.incremental = incremental
         self._tools = tools
@@ -89,8 +95,8 @@ class PromptCache:
         if out is None:
             packed, state = template.encode_packed(messages, tools)
             return EncodedPrompt(packed, messages, False, tools_key, state)
-        packed, state = out
-        return EncodedPrompt(packed, messages, True, tools_key, state)
+        prompt, state = out
+        return EncodedPrompt(prompt, messages, True, tools_key, state)
 
     def remember(self, prompt: EncodedPrompt, response_message: dict[str, Any] | None) -> None:
         """``prompt`` was recorded with ``response_message``: the next

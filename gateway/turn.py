@@ -263,7 +263,7 @@ class TurnPath:
             # next flush without waiting for a task's turn on the shared loop.
             pending = h.begin_turn(
                 messages=prompt.messages,
-                prompt_ids=prompt.packed,
+                prompt_ids=prompt.recorded,
                 output_ids=gen.output_ids,
                 output_log_probs=gen.log_probs,
                 finish_reason=gen.finish_reason,

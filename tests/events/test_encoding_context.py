@@ -11,12 +11,13 @@ import tracemalloc
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentlog.engine.core import SessionEngine
 from agentlog.events import FileLog, MemoryLog
-from agentlog.events.schema.turn_delta import EncodingContext, TurnContext, common_prefix_tokens
+from agentlog.events.schema.turn_delta import EncodingContext, ExtendedPrompt, TurnContext, common_prefix_tokens
 from agentlog.events.schema.types import TurnRecorded, encode_body
 
 # A small alphabet, so consecutive prompts share prefixes of every length.
@@ -191,3 +192,99 @@ def test_a_frozen_turn_hashes_only_its_new_messages(monkeypatch):
     # Without the promise, every message is hashed.
     ctx.encode(TurnRecorded(turn_index=1, messages=history + [response, new]))
     assert len(hashed) == 52
+
+
+# -- prompts built as an ExtendedPrompt of the previous prompt --------------------------------------
+
+
+@st.composite
+def extended_sessions(draw: Any) -> list[tuple[Any, list[int]]]:
+    """Per turn: how its prompt is built from the previous turn's prompt bytes
+    (keep a prefix of them, of any length, then a tail; or whole, no proof),
+    and its output."""
+    turns = []
+    for _ in range(draw(st.integers(min_value=1, max_value=6))):
+        how = draw(st.one_of(st.none(), st.tuples(st.floats(0, 1), tokens)))
+        turns.append((how, draw(tokens)))
+    return turns
+
+
+def _packed(ids: list[int]) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+@settings(max_examples=300, deadline=None)
+@given(extended_sessions(), st.booleans())
+def test_a_prompt_built_as_an_extended_prompt_encodes_as_its_bytes_do(turns, same_base):
+    """With the proof (its base the held prompt itself, or an equal copy that
+    proves nothing), every turn's delta and context equal those of the same
+    prompt given as plain bytes."""
+    proven, plain = EncodingContext(), EncodingContext()
+    previous = _packed([1, 2, 3])
+    for t, (how, output) in enumerate(turns):
+        if how is None:
+            prompt, proof = _packed([7] * t), None
+        else:
+            frac, tail = how
+            base = previous if same_base else bytes(bytearray(previous))
+            proof = ExtendedPrompt(base, int(len(base) // 4 * frac) * 4, _packed(tail))
+            prompt = proof.packed
+        turn = TurnRecorded(turn_index=t, prompt_ids=prompt, output_ids=output)
+        expected, plain = plain.encode(turn)
+        delta, proven = proven.encode(turn, proof=proof)
+        assert encode_body(delta) == encode_body(expected)
+        assert proven.tokens == plain.tokens
+        previous = prompt
+
+
+def test_the_bytes_an_extended_prompt_kept_of_the_held_prompt_are_not_compared(monkeypatch):
+    import agentlog.events.schema.turn_delta as turn_delta
+
+    compared: list[int] = []
+    real = turn_delta._shared_bytes
+    monkeypatch.setattr(turn_delta, "_shared_bytes", lambda held, new, offset: compared.append(len(held)) or real(held, new, offset))
+    first = _packed(list(range(100_000)))
+    _, ctx = EncodingContext().encode(TurnRecorded(turn_index=0, prompt_ids=first, output_ids=_packed([5, 6])))
+    proof = ExtendedPrompt(first, len(first) - 8, _packed([99_998, 99_999, 5, 6, 7]))
+    delta, _ = ctx.encode(TurnRecorded(turn_index=1, prompt_ids=proof.packed), proof=proof)
+    assert delta.shared_tokens == 100_002 and delta.new_prompt_ids == _packed([7])
+    assert max(compared) <= 8  # the kept 399,992 bytes were taken as proven
+    compared.clear()
+    ctx.encode(TurnRecorded(turn_index=1, prompt_ids=proof.packed))  # without the proof: compared whole
+    assert max(compared) == len(first)
+
+
+def test_an_extended_prompt_is_built_only_from_whole_tokens_and_is_read_only():
+    base = _packed([1, 2, 3])
+    with pytest.raises(ValueError, match="whole number of its int32 tokens"):
+        ExtendedPrompt(base, 13, b"")
+    with pytest.raises(ValueError, match="whole number of its int32 tokens"):
+        ExtendedPrompt(bytearray(base), 4, b"")
+    with pytest.raises(ValueError, match="not whole int32 tokens"):
+        ExtendedPrompt(base, 4, b"\x01\x02")
+    p = ExtendedPrompt(base, 8, _packed([9]))
+    assert p.packed == _packed([1, 2, 9]) and p.base is base
+    with pytest.raises(AttributeError, match="read-only"):
+        p.packed = base
+
+
+@settings(max_examples=40, deadline=None)
+@given(extended_sessions())
+def test_the_engine_records_the_same_events_given_an_extended_prompt_or_its_bytes(turns):
+    async def record(proven: bool) -> list[bytes]:
+        eng = await SessionEngine.open(MemoryLog(), checkpoint_every=0)
+        h = await eng.open_session("s", group_id="g", group_size=1)
+        await h.start()
+        out, previous = [], _packed([1])
+        for t, (how, output) in enumerate(turns):
+            prompt: Any = _packed([t])
+            if how is not None:
+                prompt = ExtendedPrompt(previous, int(len(previous) // 4 * how[0]) * 4, _packed(how[1]))
+            env = await h.record_turn(prompt_ids=prompt if proven else getattr(prompt, "packed", prompt), output_ids=output)
+            out.append(encode_body(env.body))
+            previous = prompt.packed if isinstance(prompt, ExtendedPrompt) else prompt
+        await h.finish()
+        await eng.close()
+        return out
+
+    assert asyncio.run(record(True)) == asyncio.run(record(False))

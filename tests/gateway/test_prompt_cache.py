@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agentlog.events.schema.turn_delta import ExtendedPrompt
 from agentlog.gateway.chat import ByteChatTemplate, HFChatTemplate, ToolSpec, assistant_message
 from agentlog.gateway.prompt_cache import PromptCache
 
@@ -59,10 +60,18 @@ def _play(template, first, steps, check):
     cache = PromptCache()
     messages, tools = first, TOOLS
     incremental = 0
+    last = None
     for step in steps + [None]:
         prompt = cache.encode(template, [dict(m) for m in messages], tools)  # fresh objects, as a request decodes
         check(messages, tools, prompt)
         incremental += prompt.incremental
+        if prompt.incremental:
+            # Built from the very bytes recorded last turn, which the engine holds: those it kept are not compared again.
+            assert type(prompt.recorded) is ExtendedPrompt and prompt.recorded.packed is prompt.packed
+            assert last is not None and prompt.recorded.base is last.packed
+        else:
+            assert prompt.recorded is prompt.packed
+        last = prompt
         if step is None:
             break
         cache.remember(prompt, step["response"])

@@ -349,7 +349,7 @@ async def _cpu_per_turn(args, contexts: list[int]) -> list[dict]:
                 response = assistant_message("Looking.", [call])
                 out = byte.encode_text("Looking.\n" + byte.parser.render("bash", call["arguments"])) + [byte.EOS]
                 t0, m0, w0 = pt(), time.thread_time(), time.perf_counter()
-                await h.record_turn(messages=prompt.messages, prompt_ids=prompt.packed, output_ids=out,
+                await h.record_turn(messages=prompt.messages, prompt_ids=prompt.recorded, output_ids=out,
                                     output_log_probs=[-0.5] * len(out), finish_reason="stop", response_message=response,
                                     sampling={"temperature": 1.0}, frozen_messages=True)
                 caches["byte"].remember(prompt, response)
@@ -405,7 +405,7 @@ async def _cpu_concurrent(args, ctx: int, n: int) -> dict:
             convs.append([{"role": "system", "content": _text(min(ctx // 2, 8000), sid)}, {"role": "user", "content": "fix it"}])
 
         async def record(i: int, prompt, response, out) -> None:
-            await handles[i].record_turn(messages=prompt.messages, prompt_ids=prompt.packed, output_ids=out,
+            await handles[i].record_turn(messages=prompt.messages, prompt_ids=prompt.recorded, output_ids=out,
                                          output_log_probs=[-0.5] * len(out), finish_reason="stop", response_message=response,
                                          sampling={"temperature": 1.0}, frozen_messages=True)
             caches[i].remember(prompt, response)
