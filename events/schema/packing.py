@@ -5,6 +5,8 @@ views over the stored bytes."""
 
 from __future__ import annotations
 
+import sys
+from array import array
 from typing import Any, Callable
 
 import msgspec
@@ -16,8 +18,23 @@ TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 
 
+# A list of Python numbers (what backends and agents hand over) packs through
+# ``array`` in one C pass, about ten times faster than numpy's conversion
+# for a turn's few hundred values. ``array`` refuses what numpy's path would
+# (a float or str among token ids, a token past int32), and then that path
+# runs and words the error; it is used only where its items are 4-byte
+# little-endian, as stored.
+_ARRAY_PACKS = sys.byteorder == "little" and array("i").itemsize == 4 and array("f").itemsize == 4
+
+
 def pack_tokens(values: Any) -> bytes:
     """Token ids (list, tuple, numpy array or bytes) -> little-endian int32 bytes."""
+    # An all-bool list is refused by numpy's path (dtype bool): a first item that is a bool goes there.
+    if type(values) is list and _ARRAY_PACKS and values and type(values[0]) is not bool:
+        try:
+            return array("i", values).tobytes()
+        except (TypeError, OverflowError):
+            pass  # refused: numpy's path says why
     if isinstance(values, (bytes, bytearray, memoryview)):
         raw = bytes(values)
         if len(raw) % 4:
@@ -38,6 +55,11 @@ def pack_tokens(values: Any) -> bytes:
 
 def pack_log_probs(values: Any) -> bytes:
     """Log-probs (list, tuple, numpy array or bytes) -> little-endian float32 bytes."""
+    if type(values) is list and _ARRAY_PACKS:
+        try:
+            return array("f", values).tobytes()  # rounds each double to float32 as numpy's astype does
+        except (TypeError, OverflowError):
+            pass  # a str or other non-number: numpy's path converts it or says why
     if isinstance(values, (bytes, bytearray, memoryview)):
         raw = bytes(values)
         if len(raw) % 4:
