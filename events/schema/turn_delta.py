@@ -76,7 +76,7 @@ def common_prefix_tokens(a: bytes | bytearray, b: bytes | bytearray) -> int:
     return _shared_bytes(a, b, 0) // 4
 
 
-def _shared_bytes(held: bytes | bytearray, new: bytes | bytearray, offset: int) -> int:
+def _shared_bytes(held: bytes | bytearray | memoryview, new: bytes | bytearray, offset: int) -> int:
     """Bytes of ``held`` that ``new`` repeats from ``offset`` on, in whole
     int32 tokens (``offset`` is a multiple of 4)."""
     if new.startswith(held, offset):  # compared where it lies: no slice is copied
@@ -122,6 +122,9 @@ class ExtendedPrompt:
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"ExtendedPrompt is read-only (its {name} is part of its proof)")
+
+    def __delattr__(self, name: str) -> None:
         raise AttributeError(f"ExtendedPrompt is read-only (its {name} is part of its proof)")
 
     def __repr__(self) -> str:
@@ -193,9 +196,9 @@ class EncodingContext:
         """Leading tokens of ``prompt`` that repeat the held prompt + output.
         ``proof``: ``prompt`` built as an :class:`ExtendedPrompt`; when its
         base is the held prompt itself, the bytes it kept are not compared."""
-        if proof is not None and proof.base is self.prompt and proof.packed is prompt and proof.keep:
-            keep = proof.keep  # proven shared; only the rest of the held prompt (a few tokens, copied) is compared
-            held = keep + _shared_bytes(self.prompt[keep:], prompt, keep)
+        if type(proof) is ExtendedPrompt and proof.base is self.prompt and proof.packed is prompt and proof.keep:
+            keep = proof.keep  # proven shared; only the rest of the held prompt is compared (a view: no copy)
+            held = keep + _shared_bytes(memoryview(self.prompt)[keep:], prompt, keep)
         else:
             held = _shared_bytes(self.prompt, prompt, 0)
         if held == len(self.prompt) and self.output:

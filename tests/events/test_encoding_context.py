@@ -266,6 +266,8 @@ def test_an_extended_prompt_is_built_only_from_whole_tokens_and_is_read_only():
     assert p.packed == _packed([1, 2, 9]) and p.base is base
     with pytest.raises(AttributeError, match="read-only"):
         p.packed = base
+    with pytest.raises(AttributeError, match="read-only"):
+        del p.base
 
 
 @settings(max_examples=40, deadline=None)
