@@ -25,7 +25,11 @@ recovery, which rescans what was appended since its last periodic INDEX
 checkpoint) then ``SessionEngine.open``. Ours resumes from the engine's last
 periodic checkpoint (:mod:`agentlog.engine.restart`); the anchor folds the
 whole log (``checkpoint_every=0``). Both must append the same aborts and
-count the same violations (checked).
+count the same violations (checked). The child is killed exactly
+:data:`PAST_CHECKPOINT` records after its last periodic checkpoint, after
+the short log and the long one alike: a restart's fold runs from that
+checkpoint, so a kill at a random point of the checkpoint cycle would
+compare folds of 0 and ~4,000 records, not log lengths.
 
 Goals: ``restart_1M_vs_10k_events`` and ``engine_restart_1M_vs_10k_events``
 (the total: FileLog.open + SessionEngine.open), each <= 2x (restart time
@@ -200,6 +204,9 @@ def restart(run: Path, *, from_zero: bool) -> tuple[float, list[tuple[str, str]]
     return time.perf_counter() - t0, released, read_from
 
 
+#: Records the engine child appends after its last periodic checkpoint before it is killed.
+PAST_CHECKPOINT = 2_048
+
 ENGINE_CHILD = """
 import asyncio, sys
 sys.path.insert(0, {here!r})
@@ -222,8 +229,11 @@ async def drive_engine(path: str, events: int, seed: int) -> None:
     eng = await SessionEngine.open(log)
     handles: dict[str, Any] = {}
     lps = np.full(8, -0.5, dtype="<f4").tobytes()
+    ckpt = eng._checkpointer
     for sid, gid, idx, step in schedule(rng):
-        if log.next_lsn >= events:
+        # Past ``events``, on to exactly PAST_CHECKPOINT records after the last checkpoint tried (written, or
+        # being written: the sleep below lets it land); fewer than checkpoint_every, so none falls due after.
+        if log.next_lsn >= events and log.next_lsn - ckpt._tried == PAST_CHECKPOINT:
             break
         if step == 0:
             handles[sid] = await eng.open_session(sid, group_id=gid, group_size=GROUP_SIZE, sample_index=idx)
