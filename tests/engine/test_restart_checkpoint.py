@@ -451,14 +451,19 @@ def test_records_noted_while_a_cancelled_read_runs_wait_for_it(tmp_path):
         log.close()
 
 
+def _opens_and_a_checkpointer(tmp_path: Path, n: int, every: int):
+    """A log of ``n`` sessions that only opened, open for reading, and a checkpointer over it that has noted nothing."""
+    path = tmp_path / "log"
+    end = _write(path, [(f"s{i}", 0, SessionOpened(group_id=f"g{i}", group_size=1)) for i in range(n)])
+    log = FileLog.open(path, fsync="never")
+    return path, end, log, Checkpointer(log, RestartFold(), path / CHECKPOINT_NAME, every=every)
+
+
 def test_a_fold_stuck_at_many_gaps_reads_past_all_of_them_at_once(tmp_path):
     """Every tenth record never noted: one checkpoint reads the log to its end
     (not one gap per checkpoint, which would leave the fold ever further behind)."""
-    path = tmp_path / "log"
-    end = _write(path, [(f"s{i}", 0, SessionOpened(group_id=f"g{i}", group_size=1)) for i in range(500)])
-    log = FileLog.open(path, fsync="never")
+    path, end, log, ckpt = _opens_and_a_checkpointer(tmp_path, 500, every=64)
     try:
-        ckpt = Checkpointer(log, RestartFold(), path / CHECKPOINT_NAME, every=64)
         for env in log.read(0):
             if env.lsn % 10 != 9:
                 ckpt.note(env)
@@ -472,11 +477,8 @@ def test_a_fold_stuck_at_many_gaps_reads_past_all_of_them_at_once(tmp_path):
 def test_the_final_checkpoint_is_written_after_a_failed_one_even_with_nothing_new(tmp_path):
     """A periodic checkpoint that could not be written (a directory in its
     place) does not make the final one think it has nothing to write."""
-    path = tmp_path / "log"
-    end = _write(path, [(f"s{i}", 0, SessionOpened(group_id=f"g{i}", group_size=1)) for i in range(100)])
-    log = FileLog.open(path, fsync="never")
+    path, end, log, ckpt = _opens_and_a_checkpointer(tmp_path, 100, every=16)
     try:
-        ckpt = Checkpointer(log, RestartFold(), path / CHECKPOINT_NAME, every=16)
         for env in log.read(0):
             ckpt.note(env)
         (path / CHECKPOINT_NAME).mkdir()
