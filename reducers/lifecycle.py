@@ -455,7 +455,7 @@ class LifecycleCheck(_OnSessionFold):
         ``next_lsn`` gives the same violations as checking from LSN 0."""
         return LifecycleCheckSnapshot(
             next_lsn=self.next_lsn, records=self.records,
-            live=[(sid, t.life.state.value, t.life.next_seq) for sid, t in self.fold.live.items()],
+            live=[(sid, t.life.state, t.life.next_seq) for sid, t in self.fold.live.items()],
             recent=self.recent.to_snapshot(), ids=self.ids.to_snapshot(),
         )
 
@@ -466,7 +466,7 @@ class LifecycleCheck(_OnSessionFold):
         check.records = snap.records
         fold = check.fold
         fold.next_lsn = snap.next_lsn
-        fold.live = {sid: Tracked(SessionLife(State(state), seq)) for sid, state, seq in snap.live}
+        fold.live = {sid: Tracked(SessionLife(state, seq)) for sid, state, seq in snap.live}
         fold.recent = EndedWindow.from_snapshot(snap.recent)
         fold.ids = IdFilter.from_snapshot(snap.ids)
         return check
@@ -482,7 +482,7 @@ class LifecycleCheckSnapshot(msgspec.Struct, frozen=True):
 
     next_lsn: int
     records: int
-    live: list[tuple[str, str, int]]
+    live: list[tuple[str, State, int]]
     recent: EndedWindowSnapshot
     ids: IdFilterSnapshot
 

@@ -196,7 +196,8 @@ class EndedWindowSnapshot(msgspec.Struct, frozen=True):
     """:class:`EndedWindow` as plain data: its size and ``(session_id, state, lsn)``, oldest first."""
 
     size: int
-    ended: list[tuple[str, str, int]]
+    #: The states as their values on the wire (msgspec encodes and checks the enum in C).
+    ended: list[tuple[str, State, int]]
 
 
 class EndedWindow:
@@ -235,14 +236,13 @@ class EndedWindow:
 
     def to_snapshot(self) -> "EndedWindowSnapshot":
         """The window as plain data (oldest first), for a checkpoint."""
-        return EndedWindowSnapshot(self.size, [(sid, st.value, lsn) for sid, (st, lsn) in self._ended.items()])
+        return EndedWindowSnapshot(self.size, [(sid, st, lsn) for sid, (st, lsn) in self._ended.items()])
 
     @classmethod
     def from_snapshot(cls, snap: "EndedWindowSnapshot") -> "EndedWindow":
         """The window :meth:`to_snapshot` saw."""
         w = cls(snap.size)
-        for sid, state, lsn in snap.ended:
-            w._ended[sid] = (State(state), lsn)
+        w._ended = OrderedDict((sid, (state, lsn)) for sid, state, lsn in snap.ended)
         return w
 
     def __len__(self) -> int:
