@@ -1,0 +1,46 @@
+"""The ``agentlog`` command starts without importing torch: the reading
+commands never need it, and importing it costs about two seconds of every
+command's start (``agentlog.learner``'s names are imported on first use)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from agentlog.events import FileLog
+from agentlog.events.schema.types import SessionOpened
+
+
+def _modules_after(argv: list[str]) -> set[str]:
+    code = (
+        "import sys\n"
+        "from agentlog.tools.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('MODULES', ' '.join(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("MODULES ")), None)
+    assert line is not None, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
+    return set(line.split()[1:])
+
+
+def test_help_and_a_reading_command_start_without_torch(tmp_path):
+    log = tmp_path / "log"
+    with FileLog.open(log) as lg:
+        lg.append_batch([("s0", 0, SessionOpened(group_id="g", group_size=1))])
+    for argv in (["--help"], ["stats", str(log)]):
+        loaded = _modules_after(argv)
+        assert "agentlog.tools.cli" in loaded
+        assert "torch" not in loaded, f"agentlog {' '.join(argv)} imported torch"
+
+
+def test_the_learner_names_are_still_reachable_on_first_use():
+    import agentlog.learner as learner
+
+    assert learner.LearnerConfig.__module__ == "agentlog.learner.config"
+    assert learner.compute_advantages.__module__ == "agentlog.learner.advantages"
+    assert learner.loss.__name__ == "agentlog.learner.loss"  # a submodule, as an attribute
+    assert set(learner.__all__) >= {"Learner", "GPT", "total_loss"}
