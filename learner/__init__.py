@@ -40,6 +40,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
 if TYPE_CHECKING:  # the names, re-exported for type checkers (`x as x`), not imported at run time
     from agentlog.learner.advantages import compute_advantages as compute_advantages
     from agentlog.learner.batching import Batch as Batch, make_batches as make_batches
