@@ -488,3 +488,41 @@ def test_the_final_checkpoint_is_written_after_a_failed_one_even_with_nothing_ne
         assert ckpt.write_error is None and load_checkpoint(path / CHECKPOINT_NAME, log).next_lsn == end
     finally:
         log.close()
+
+
+def test_checkpoints_come_no_more_often_than_four_records_per_session_in_flight(tmp_path):
+    """Each checkpoint snapshots every session in flight, so with many of them
+    the interval stretches to four records a session: its cost per record
+    stays bounded. The restart still decides as one from LSN 0."""
+    path = tmp_path / "log"
+
+    async def go():
+        log = FileLog.open(path, fsync="never")
+        eng = await SessionEngine.open(log, checkpoint_every=16, checkpoint_poll_s=0.001)
+        handles = []
+        for i in range(50):
+            h = await eng.open_session(f"s{i}", group_id=f"g{i}", group_size=1)
+            await h.start()
+            handles.append(h)
+        ckpt = eng._checkpointer
+        assert ckpt.interval() == 200
+        written_at = []
+        for k in range(600):
+            await handles[k % 50].record_turn(prompt_ids=[1], output_ids=[2], output_log_probs=[-0.1])
+            await asyncio.sleep(0.0005)  # the checkpointer's turn
+            if ckpt.lsn not in written_at:
+                written_at.append(ckpt.lsn)
+        return written_at, log
+
+    written_at, log = asyncio.run(go())
+    try:
+        gaps = [b - a for a, b in zip(written_at[1:], written_at[2:])]
+        # 200 records appended between tries; a checkpoint holds what was acknowledged (one turn may be in flight).
+        assert len(written_at) >= 3 and all(g >= 199 for g in gaps), written_at
+    finally:
+        log.close()
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)  # each restart appends its aborts: each gets the log as the engine left it
+    ours, folded = asyncio.run(_restart(path))
+    zero, _ = asyncio.run(_restart(copy, checkpoint_every=0))
+    assert ours == zero and 0 < folded < 250
