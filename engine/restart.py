@@ -377,9 +377,10 @@ class Checkpointer:
     the event loop's thread): the engine wrote them, so nothing is read back.
     A record the engine did not see (another writer's ``policy_updated``, an
     append whose caller was cancelled) leaves a gap, and the records after it
-    wait; once the fold lags the log by ``every`` records, :meth:`checkpoint`
-    reads the log from the gap on in a worker thread, as a restart would, and
-    the waiting records it already folded are dropped. Either way the fold
+    wait; when a checkpoint falls due (:meth:`interval`) with the fold stuck
+    there ``every`` records or more behind the log, :meth:`checkpoint` reads
+    the log from the gap on in a worker thread, as a restart would, and the
+    waiting records it already folded are dropped. Either way the fold
     holds the log's records in LSN order, each once: what it would hold from
     reading the whole log. The fold itself never leaves the loop's thread,
     except for that read (noted records wait meanwhile) and :meth:`advance`
