@@ -417,9 +417,7 @@ class SessionEngine(BackgroundWork):
             if self._written_anyway(h, seq):
                 self._apply(h, body, dest, None, context)
             raise
-        self._apply(h, body, dest, env.lsn, context)
-        if self._checkpointer is not None:
-            self._checkpointer.note(env)
+        self._apply(h, body, dest, env, context)
         return env
 
     def _stage(self, h: SessionHandle, body: Any, context: EncodingContext, then: Callable[[Envelope | None, BaseException | None], None]) -> None:
@@ -431,9 +429,7 @@ class SessionEngine(BackgroundWork):
         def on_durable(env: Envelope | None, exc: BaseException | None) -> None:
             try:
                 if env is not None:
-                    self._apply(h, body, None, env.lsn, context)
-                    if self._checkpointer is not None:
-                        self._checkpointer.note(env)
+                    self._apply(h, body, None, env, context)
                 elif isinstance(exc, asyncio.CancelledError) and self._written_anyway(h, seq):
                     self._apply(h, body, None, None, context)
             except Exception as failure:  # handed to the waiter, and logged: never swallowed
@@ -451,7 +447,10 @@ class SessionEngine(BackgroundWork):
         anyway, and the session must apply it to stay in step with the log."""
         return self._log_.next_seq(h.session_id) != seq
 
-    def _apply(self, h: SessionHandle, body: Any, dest: State | None, lsn: int | None, context: EncodingContext | None = None) -> None:
+    def _apply(self, h: SessionHandle, body: Any, dest: State | None, env: Envelope | None,
+               context: EncodingContext | None = None) -> None:
+        """Apply ``h``'s record as the log acknowledged it (``env``; None for one whose
+        append was cancelled after it was staged), and note it for the checkpoint's fold."""
         h._seq += 1
         if type(body) is TurnDelta or type(body) is TurnRecorded:
             h.turns += 1
@@ -464,7 +463,9 @@ class SessionEngine(BackgroundWork):
         if dest is not None:
             h.state = dest
             if dest in TERMINAL_STATES:
-                self._release(h, body, lsn)
+                self._release(h, body, None if env is None else env.lsn)
+        if env is not None and self._checkpointer is not None:
+            self._checkpointer.note(env)
 
     async def _in_session(self, h: SessionHandle, body: Any) -> Envelope:
         # In-session events are legal only while running (events.schema.lifecycle.RUNNING_ONLY_EVENTS).

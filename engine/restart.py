@@ -530,14 +530,15 @@ class Checkpointer:
         return self._write(self.fold.to_checkpoint(), cache_only)
 
     def _write(self, ckpt: EngineCheckpoint, cache_only: bool) -> int:
-        """Write ``ckpt`` with the anchor of its last record, read from the log
-        (noted records carry no stored bytes); returns the LSN of the last checkpoint written."""
+        """Write ``ckpt`` with the anchor of its last record: the fold's, when its last
+        record was read from the log (``catch_up`` hashed it), else read back now (a
+        noted record carries no stored bytes); returns the LSN of the last checkpoint written."""
         with self._lock:
             if ckpt.next_lsn <= self.lsn:
                 return self.lsn  # a newer one is already written (a cancelled caller's write came late)
             t0 = time.perf_counter()
             try:
-                if ckpt.next_lsn > 0:
+                if ckpt.next_lsn > 0 and not ckpt.anchor:
                     anchor = anchor_at(self.log, ckpt.next_lsn - 1)
                     if anchor is None:
                         raise CheckpointError(self.path, f"the log's record at lsn {ckpt.next_lsn - 1} was folded but cannot be read back")

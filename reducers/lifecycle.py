@@ -112,6 +112,25 @@ class SessionSummary(msgspec.Struct, frozen=True):
     resumes: int = 0
 
 
+def _probe(bits: bytearray, m: int, h1: int, h2: int, k: int, set_them: bool) -> bool:
+    """Whether the ``k`` bits ``(h1 + i*h2) mod m`` of ``bits`` are all set; with
+    ``set_them``, set them too. The compiled codec's ``bloom_probe`` when it is
+    in use, else this loop: the same bits (a differential test holds them to it)."""
+    native = framecodec.native
+    if native is not None:
+        return native.bloom_probe(bits, m, h1, h2, k, set_them)
+    seen = True
+    for i in range(k):
+        idx = (h1 + i * h2) % m
+        byte, mask = idx >> 3, 1 << (idx & 7)
+        if not bits[byte] & mask:
+            if not set_them:
+                return False
+            seen = False
+            bits[byte] |= mask
+    return seen
+
+
 class IdFilter:
     """A Bloom filter over session ids: no false negatives, ~3.4e-7 false positives.
 
@@ -157,17 +176,7 @@ class IdFilter:
             self._capacity += cap
         bits, m = self._layers[-1]
         h1, h2 = self._hashes(session_id)
-        native = framecodec.native
-        if native is not None:
-            seen = native.bloom_probe(bits, m, h1, h2, self.HASHES, True)  # the loop below, in C
-        else:
-            seen = True
-            for i in range(self.HASHES):
-                idx = (h1 + i * h2) % m
-                byte, mask = idx >> 3, 1 << (idx & 7)
-                if not bits[byte] & mask:
-                    seen = False
-                    bits[byte] |= mask
+        seen = _probe(bits, m, h1, h2, self.HASHES, True)
         if not seen and len(self._layers) > 1:
             seen = self._in_layers(h1, h2, self._layers[:-1])
         if not seen:
@@ -175,20 +184,7 @@ class IdFilter:
         return seen
 
     def _in_layers(self, h1: int, h2: int, layers: list[tuple[bytearray, int]]) -> bool:
-        native = framecodec.native
-        if native is not None:
-            for bits, m in layers:
-                if native.bloom_probe(bits, m, h1, h2, self.HASHES, False):
-                    return True
-            return False
-        for bits, m in layers:
-            for i in range(self.HASHES):
-                idx = (h1 + i * h2) % m
-                if not bits[idx >> 3] & (1 << (idx & 7)):
-                    break
-            else:
-                return True
-        return False
+        return any(_probe(bits, m, h1, h2, self.HASHES, False) for bits, m in layers)
 
     def __contains__(self, session_id: object) -> bool:
         if not isinstance(session_id, str):

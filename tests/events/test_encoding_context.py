@@ -159,20 +159,25 @@ def test_frozen_messages_reuse_digests_and_encode_every_turn_as_hashing_all_does
 @settings(max_examples=40, deadline=None)
 @given(frozen_sessions())
 def test_the_engine_records_the_same_events_with_and_without_frozen_messages(turns):
-    async def record(frozen: bool) -> list[bytes]:
+    def record(frozen: bool) -> list[bytes]:
+        return _recorded_bodies([dict(messages=turn.messages, prompt_ids=turn.prompt_ids, output_ids=turn.output_ids,
+                                      response_message=turn.response_message, frozen_messages=frozen) for turn, _ in turns])
+
+    assert record(True) == record(False)
+
+
+def _recorded_bodies(turns: list[dict[str, Any]]) -> list[bytes]:
+    """The stored bytes of each turn an engine records for one session, given ``record_turn``'s keywords per turn."""
+    async def go() -> list[bytes]:
         eng = await SessionEngine.open(MemoryLog(), checkpoint_every=0)
         h = await eng.open_session("s", group_id="g", group_size=1)
         await h.start()
-        out = []
-        for turn, _ in turns:
-            env = await h.record_turn(messages=turn.messages, prompt_ids=turn.prompt_ids, output_ids=turn.output_ids,
-                                      response_message=turn.response_message, frozen_messages=frozen)
-            out.append(encode_body(env.body))
+        out = [encode_body((await h.record_turn(**kwargs)).body) for kwargs in turns]
         await h.finish()
         await eng.close()
         return out
 
-    assert asyncio.run(record(True)) == asyncio.run(record(False))
+    return asyncio.run(go())
 
 
 def test_a_frozen_turn_hashes_only_its_new_messages(monkeypatch):
@@ -273,20 +278,17 @@ def test_an_extended_prompt_is_built_only_from_whole_tokens_and_is_read_only():
 @settings(max_examples=40, deadline=None)
 @given(extended_sessions())
 def test_the_engine_records_the_same_events_given_an_extended_prompt_or_its_bytes(turns):
-    async def record(proven: bool) -> list[bytes]:
-        eng = await SessionEngine.open(MemoryLog(), checkpoint_every=0)
-        h = await eng.open_session("s", group_id="g", group_size=1)
-        await h.start()
-        out, previous = [], _packed([1])
-        for t, (how, output) in enumerate(turns):
-            prompt: Any = _packed([t])
-            if how is not None:
-                prompt = ExtendedPrompt(previous, int(len(previous) // 4 * how[0]) * 4, _packed(how[1]))
-            env = await h.record_turn(prompt_ids=prompt if proven else getattr(prompt, "packed", prompt), output_ids=output)
-            out.append(encode_body(env.body))
-            previous = prompt.packed if isinstance(prompt, ExtendedPrompt) else prompt
-        await h.finish()
-        await eng.close()
-        return out
+    prompts: list[Any] = []
+    previous = _packed([1])
+    for t, (how, _output) in enumerate(turns):
+        prompt: Any = _packed([t])
+        if how is not None:
+            prompt = ExtendedPrompt(previous, int(len(previous) // 4 * how[0]) * 4, _packed(how[1]))
+        prompts.append(prompt)
+        previous = prompt.packed if isinstance(prompt, ExtendedPrompt) else prompt
 
-    assert asyncio.run(record(True)) == asyncio.run(record(False))
+    def record(proven: bool) -> list[bytes]:
+        return _recorded_bodies([dict(prompt_ids=p if proven else getattr(p, "packed", p), output_ids=output)
+                                 for p, (_how, output) in zip(prompts, turns)])
+
+    assert record(True) == record(False)

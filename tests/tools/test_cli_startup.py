@@ -44,3 +44,4 @@ def test_the_learner_names_are_still_reachable_on_first_use():
     assert learner.compute_advantages.__module__ == "agentlog.learner.advantages"
     assert learner.loss.__name__ == "agentlog.learner.loss"  # a submodule, as an attribute
     assert set(learner.__all__) >= {"Learner", "GPT", "total_loss"}
+    assert all(getattr(learner, name) is not None for name in learner.__all__)  # each lazy name resolves
