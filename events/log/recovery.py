@@ -189,14 +189,16 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
             epoch = max(epoch, seg.epoch)
             entries = index.setdefault(first, [(first, SEG_HDR_SIZE)])
             last_off = entries[-1][1]
-            for fr in seg.frames():
-                if fr.offset - last_off >= INDEX_EVERY_BYTES:
-                    entries.append((fr.lsn, fr.offset))
-                    last_off = fr.offset
-                if fr.flags & FLAG_TERMINAL:
-                    state.pop(fr.session_id, None)
-                else:
-                    state[fr.session_id] = fr.session_seq + 1
+            for batch in seg.batches():
+                # Unpacked, not read by name: this loop runs once per record rescanned.
+                for frame_at, _end, lsn, seq, _ts, flags, sid, _payload in batch:
+                    if frame_at - last_off >= INDEX_EVERY_BYTES:
+                        entries.append((lsn, frame_at))
+                        last_off = frame_at
+                    if flags & FLAG_TERMINAL:
+                        state.pop(sid, None)
+                    else:
+                        state[sid] = seq + 1
             scanned += 1
             rescanned += seg.size - (offset if seg.index == start_i else SEG_HDR_SIZE)
             stop = seg.end()

@@ -489,6 +489,11 @@ class SegmentScan:
         """The segment's CRC-valid frames in order, up to the first bad one."""
         return self.scanner.frames(size=self.size)
 
+    def batches(self) -> Iterator[list[Frame]]:
+        """:meth:`frames` in lists (:meth:`SegmentScanner.batches`): a walk over
+        every frame pays one generator step per list, not per frame."""
+        return self.scanner.batches(size=self.size)
+
     def end(self) -> ScanStop | None:
         """After :meth:`frames` is exhausted: None when the segment ended
         cleanly, else the stop (also kept as ``walk.stop``; the walk goes no
