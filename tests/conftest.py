@@ -39,9 +39,24 @@ def _skip_reason(report: pytest.TestReport) -> str:
 def pytest_configure(config: pytest.Config) -> None:
     """Keep the suite off Weights & Biases: a CI environment with
     $WANDB_PROJECT set would otherwise reach wandb from the loop tests
-    (the learner's metric sinks read it)."""
+    (the learner's metric sinks read it). Take Ctrl-C as Python does when
+    the suite was started with SIGINT ignored (:func:`_deliver_ctrl_c`)."""
     os.environ.pop("WANDB_PROJECT", None)
     os.environ["WANDB_MODE"] = "disabled"
+    _deliver_ctrl_c()
+
+
+def _deliver_ctrl_c() -> None:
+    """A suite started in the background by a shell without job control
+    (``make test &`` in a script) starts with SIGINT ignored, and every
+    command it starts inherits that: the tests that stop ``tail``, ``serve``
+    or a run with Ctrl-C would see it ignored and fail as hangs. Python's own
+    handler instead, in this process (an xdist worker calls this too) and so,
+    reset to the default by exec, in each command it starts."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
