@@ -51,8 +51,9 @@ def _deliver_ctrl_c() -> None:
     (``make test &`` in a script) starts with SIGINT ignored, and every
     command it starts inherits that: the tests that stop ``tail``, ``serve``
     or a run with Ctrl-C would see it ignored and fail as hangs. Python's own
-    handler instead, in this process (an xdist worker calls this too) and so,
-    reset to the default by exec, in each command it starts."""
+    handler instead, in this process and so, reset to the default by exec, in
+    each command it starts (xdist's workers included: the controller runs this
+    before it starts them)."""
     import signal
 
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:

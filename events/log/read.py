@@ -32,7 +32,6 @@ from .format import (
     read_watermark,
     segment_name,
 )
-from . import framecodec
 from .lazy import lazy_envelopes
 from .scan import (
     Frame,
@@ -228,17 +227,15 @@ class Cursor:
         first use), or RawRecords when the cursor is raw. Raises LogCorruption
         for damage that is not a torn tail.
 
-        With the compiled codec the frames come a read buffer's worth at a
-        time (the scanner's position is then past the list while its records
-        are yielded: nothing reads it before this generator ends); with the
-        pure-Python one, one by one, so that a frame's memory is freed as soon
-        as the consumer drops it."""
+        The frames come as :meth:`SegmentScanner.frame_lists` hands them out:
+        with the compiled codec a read buffer's worth at a time (the scanner's
+        position is then past the list while its records are yielded: nothing
+        reads it before this generator ends)."""
         from_lsn = self.from_lsn
         raw = self.raw
         for sc, seg_limit, size in self._stretches(limit):
             name = self.name
-            frames = sc.batches(seg_limit, size) if framecodec.native is not None else ((fr,) for fr in sc.frames(seg_limit, size))
-            for batch in frames:
+            for batch in sc.frame_lists(seg_limit, size):
                 if not raw:
                     yield from lazy_envelopes(batch, name, from_lsn)
                     continue

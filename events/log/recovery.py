@@ -189,7 +189,7 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
             epoch = max(epoch, seg.epoch)
             entries = index.setdefault(first, [(first, SEG_HDR_SIZE)])
             last_off = entries[-1][1]
-            for batch in seg.batches():
+            for batch in seg.frame_lists():
                 # Unpacked, not read by name: this loop runs once per record rescanned.
                 for frame_at, _end, lsn, seq, _ts, flags, sid, _payload in batch:
                     if frame_at - last_off >= INDEX_EVERY_BYTES:

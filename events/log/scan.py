@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Generator, Iterator, NamedTuple
+from typing import Any, Generator, Iterator, NamedTuple, Sequence
 
 from ..errors import AgentlogError
 import numpy as np
@@ -168,6 +168,16 @@ class SegmentScanner:
             self.bad = BadFrame(self.offset, "file shrank while reading")
         if batch:  # the frames read before the walk stopped
             yield batch
+
+    def frame_lists(self, limit: int | None = None, size: int | None = None) -> Iterator[Sequence[Frame]]:
+        """:meth:`frames` for a consumer of every frame: with the compiled codec
+        in lists (:meth:`batches`: one generator step per list), with the
+        pure-Python one a frame at a time, since each of its frames holds a copy
+        of its bytes, freed as soon as the consumer drops it (a list would hold
+        up to ``_NATIVE_BATCH`` of them at once)."""
+        if framecodec.native is not None:
+            return self.batches(limit, size)
+        return ((fr,) for fr in self.frames(limit, size))
 
     def hand_out(self, frames: list, batched: bool, offset: int, expected: int) -> Iterator[Any]:
         """Yield scanned ``frames``, as one list with ``batched``, else one by one with ``offset``/``expected``
@@ -489,10 +499,10 @@ class SegmentScan:
         """The segment's CRC-valid frames in order, up to the first bad one."""
         return self.scanner.frames(size=self.size)
 
-    def batches(self) -> Iterator[list[Frame]]:
-        """:meth:`frames` in lists (:meth:`SegmentScanner.batches`): a walk over
-        every frame pays one generator step per list, not per frame."""
-        return self.scanner.batches(size=self.size)
+    def frame_lists(self) -> Iterator[Sequence[Frame]]:
+        """:meth:`frames` in lists where that costs no memory
+        (:meth:`SegmentScanner.frame_lists`)."""
+        return self.scanner.frame_lists(size=self.size)
 
     def end(self) -> ScanStop | None:
         """After :meth:`frames` is exhausted: None when the segment ended

@@ -291,6 +291,28 @@ def test_oversized_records_are_refused_and_corrupt_lengths_allocate_nothing(tmp_
     assert peak < 8 << 20
 
 
+def test_a_rescan_holds_a_few_records_at_a_time_whatever_the_log_holds(tmp_path):
+    """Recovery rescans every frame, but holds only a few records' bytes at once
+    under either codec: the pure-Python one copies each frame's bytes, and a list
+    of them (a read buffer's worth, up to thousands) held 12 MiB here."""
+    d = tmp_path / "log"
+    lg = FileLog.open(d)
+    prompt = bytes(32 << 10)  # 8,192 tokens: 32 KiB a record
+    for i in range(400):
+        lg.append_batch([(f"s{i}", 0, SessionOpened(group_id="g", group_size=1, prompt_ids=prompt))])
+    lg.close()
+    (d / INDEX_NAME).unlink()  # no checkpoint: the whole log is rescanned
+    tracemalloc.start()
+    try:
+        lg = FileLog.open(d)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert lg.next_lsn == 400
+    lg.close()
+    assert peak < 4 << 20, f"{peak / 2**20:.1f} MiB held while rescanning 12.5 MiB of records"
+
+
 def test_second_writer_is_refused_naming_the_directory(tmp_path):
     d = tmp_path / "log"
     lg = FileLog.open(d)

@@ -289,11 +289,12 @@ def restart_engine_here(path: str, from_zero: bool) -> None:
     from agentlog.events import FileLog
 
     logging.getLogger("agentlog").setLevel(logging.ERROR)  # one warning per orphan aborted: expected
-    # The imports leave ~180k objects that the collector has not yet moved to
-    # its oldest generation; its first full collection of them (65-90 ms here)
-    # comes after a fixed number of allocations. Without this it fell inside
-    # whichever restore happened to allocate past that point (the long log's,
-    # as a rule), and the goal compared the collector's timing, not the logs.
+    # This child's imports (this module's, the learner's and the loop's, not
+    # only the engine's) leave ~180k objects waiting for the collector's first
+    # full collection (65-90 ms here), which comes after a fixed number of
+    # allocations. Without this it fell inside whichever restore happened to
+    # allocate past that point (the long log's, as a rule), and the goal
+    # compared the collector's timing, not the logs.
     gc.collect()
 
     async def go() -> dict:
