@@ -170,11 +170,8 @@ class SegmentScanner:
             yield batch
 
     def frame_lists(self, limit: int | None = None, size: int | None = None) -> Iterator[Sequence[Frame]]:
-        """:meth:`frames` for a consumer of every frame: with the compiled codec
-        in lists (:meth:`batches`: one generator step per list), with the
-        pure-Python one a frame at a time, since each of its frames holds a copy
-        of its bytes, freed as soon as the consumer drops it (a list would hold
-        up to ``_NATIVE_BATCH`` of them at once)."""
+        """:meth:`frames` in lists with the compiled codec (:meth:`batches`: a generator step a list); with the
+        pure-Python one a frame at a time, as each of its frames copies its bytes (a list would hold thousands)."""
         if framecodec.native is not None:
             return self.batches(limit, size)
         return ((fr,) for fr in self.frames(limit, size))
@@ -482,7 +479,7 @@ class ScanStop(NamedTuple):
 
 class SegmentScan:
     """One segment of a :class:`LogWalk`, open while the walk is on it.
-    Iterate :meth:`frames`, then call :meth:`end` to learn why it ended."""
+    Iterate :meth:`frame_lists`, then call :meth:`end` to learn why it ended."""
 
     def __init__(self, walk: "LogWalk", index: int, first: int, fd: int, epoch: int, size: int, offset: int) -> None:
         self.walk = walk
@@ -495,17 +492,12 @@ class SegmentScan:
         self.last = index == len(walk.segments) - 1
         self.scanner = SegmentScanner(fd, self.name, offset, walk.expected, walk.cap)
 
-    def frames(self) -> Iterator[Frame]:
-        """The segment's CRC-valid frames in order, up to the first bad one."""
-        return self.scanner.frames(size=self.size)
-
     def frame_lists(self) -> Iterator[Sequence[Frame]]:
-        """:meth:`frames` in lists where that costs no memory
-        (:meth:`SegmentScanner.frame_lists`)."""
+        """The segment's CRC-valid frames in order, up to the first bad one (:meth:`SegmentScanner.frame_lists`)."""
         return self.scanner.frame_lists(size=self.size)
 
     def end(self) -> ScanStop | None:
-        """After :meth:`frames` is exhausted: None when the segment ended
+        """After :meth:`frame_lists` is exhausted: None when the segment ended
         cleanly, else the stop (also kept as ``walk.stop``; the walk goes no
         further). Advances ``walk.expected`` past the segment's last good record."""
         walk, sc = self.walk, self.scanner
