@@ -19,9 +19,9 @@ Both restarts must release exactly the same groups with the same samples
 
 The engine's restart, on a log of the same shape and length written
 through the engine itself in a child process that is then SIGKILLed (no
-clean close), each restart in a fresh process (its import heap collected
-once before the clock starts), timed from nothing to an engine ready to open
-sessions: ``FileLog.open`` (the log's own crash
+clean close), each restart in a fresh process that imports only the engine
+and the log (``restart_child.py``; its import heap collected once before the
+clock starts), timed from nothing to an engine ready to open sessions: ``FileLog.open`` (the log's own crash
 recovery, which rescans what was appended since its last periodic INDEX
 checkpoint) then ``SessionEngine.open``. Ours resumes from the engine's last
 periodic checkpoint (:mod:`agentlog.engine.restart`); the anchor folds the
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import random
 import shutil
@@ -273,45 +272,9 @@ def write_engine_log(path: Path, events: int, seed: int = 0) -> tuple[int, int]:
 RESTART_CHILD = """
 import sys
 sys.path.insert(0, {here!r})
-import bench_restart
-bench_restart.restart_engine_here({path!r}, {from_zero!r})
+import restart_child
+restart_child.restart_engine_here({path!r}, {from_zero!r})
 """
-
-
-def restart_engine_here(path: str, from_zero: bool) -> None:
-    """A restarted engine process: open the log and the engine (it aborts the
-    orphans); print, as JSON, the seconds that took, the records it folded,
-    and what it appended (a digest) and counted."""
-    import hashlib
-    import json
-
-    from agentlog.engine import SessionEngine
-    from agentlog.events import FileLog
-
-    logging.getLogger("agentlog").setLevel(logging.ERROR)  # one warning per orphan aborted: expected
-    # This child's imports (this module's, the learner's and the loop's, not
-    # only the engine's) leave ~180k objects waiting for the collector's first
-    # full collection (65-90 ms here), which comes after a fixed number of
-    # allocations. Without this it fell inside whichever restore happened to
-    # allocate past that point (the long log's, as a rule), and the goal
-    # compared the collector's timing, not the logs.
-    gc.collect()
-
-    async def go() -> dict:
-        t0 = time.perf_counter()
-        log = FileLog.open(path, fsync="never")
-        try:
-            t1 = time.perf_counter()
-            before = log.next_lsn
-            eng = await SessionEngine.open(log, **({"checkpoint_every": 0} if from_zero else {}))
-            took = time.perf_counter() - t1
-            appended = [(e.session_id, e.session_seq, e.body) for e in log.read(before)]
-            return {"took": took, "log_open": t1 - t0, "total": took + t1 - t0, "rescanned": log.rescanned_bytes, "folded": eng.stats["restart_folded"], "violations": eng.stats["violations"],
-                    "aborted": len(appended), "digest": hashlib.sha256(msgspec.msgpack.encode(appended)).hexdigest()}
-        finally:
-            log.close()
-
-    print(json.dumps(asyncio.run(go())), flush=True)
 
 
 def engine_restart(path: Path, *, from_zero: bool) -> dict:
