@@ -189,16 +189,15 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
             epoch = max(epoch, seg.epoch)
             entries = index.setdefault(first, [(first, SEG_HDR_SIZE)])
             last_off = entries[-1][1]
-            for batch in seg.frame_lists():
-                # Unpacked, not read by name: this loop runs once per record rescanned.
-                for frame_at, _end, lsn, seq, _ts, flags, sid, _payload in batch:
-                    if frame_at - last_off >= INDEX_EVERY_BYTES:
-                        entries.append((lsn, frame_at))
-                        last_off = frame_at
-                    if flags & FLAG_TERMINAL:
-                        state.pop(sid, None)
-                    else:
-                        state[sid] = seq + 1
+            # Unpacked, not read by name: this loop runs once per record rescanned.
+            for frame_at, _end, lsn, seq, _ts, flags, sid, _payload in seg.frames():
+                if frame_at - last_off >= INDEX_EVERY_BYTES:
+                    entries.append((lsn, frame_at))
+                    last_off = frame_at
+                if flags & FLAG_TERMINAL:
+                    state.pop(sid, None)
+                else:
+                    state[sid] = seq + 1
             scanned += 1
             rescanned += seg.size - (offset if seg.index == start_i else SEG_HDR_SIZE)
             stop = seg.end()

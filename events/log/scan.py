@@ -15,6 +15,7 @@ what they find with the same functions.
 from __future__ import annotations
 
 import os
+from itertools import chain
 from pathlib import Path
 from typing import Any, Generator, Iterator, NamedTuple, Sequence
 
@@ -170,8 +171,7 @@ class SegmentScanner:
             yield batch
 
     def frame_lists(self, limit: int | None = None, size: int | None = None) -> Iterator[Sequence[Frame]]:
-        """:meth:`frames` in lists with the compiled codec (:meth:`batches`: a generator step a list); with the
-        pure-Python one a frame at a time, as each of its frames copies its bytes (a list would hold thousands)."""
+        """:meth:`frames` in lists (:meth:`batches`), or one by one with the pure-Python codec, whose frames copy their bytes."""
         if framecodec.native is not None:
             return self.batches(limit, size)
         return ((fr,) for fr in self.frames(limit, size))
@@ -479,7 +479,7 @@ class ScanStop(NamedTuple):
 
 class SegmentScan:
     """One segment of a :class:`LogWalk`, open while the walk is on it.
-    Iterate :meth:`frame_lists`, then call :meth:`end` to learn why it ended."""
+    Iterate :meth:`frames`, then call :meth:`end` to learn why it ended."""
 
     def __init__(self, walk: "LogWalk", index: int, first: int, fd: int, epoch: int, size: int, offset: int) -> None:
         self.walk = walk
@@ -492,12 +492,12 @@ class SegmentScan:
         self.last = index == len(walk.segments) - 1
         self.scanner = SegmentScanner(fd, self.name, offset, walk.expected, walk.cap)
 
-    def frame_lists(self) -> Iterator[Sequence[Frame]]:
+    def frames(self) -> Iterator[Frame]:
         """The segment's CRC-valid frames in order, up to the first bad one (:meth:`SegmentScanner.frame_lists`)."""
-        return self.scanner.frame_lists(size=self.size)
+        return chain.from_iterable(self.scanner.frame_lists(size=self.size))
 
     def end(self) -> ScanStop | None:
-        """After :meth:`frame_lists` is exhausted: None when the segment ended
+        """After :meth:`frames` is exhausted: None when the segment ended
         cleanly, else the stop (also kept as ``walk.stop``; the walk goes no
         further). Advances ``walk.expected`` past the segment's last good record."""
         walk, sc = self.walk, self.scanner

@@ -137,27 +137,26 @@ def _scan(directory: Path, max_record_bytes: int, progress: Callable[[int, int],
         with contextlib.closing(walk.scan()) as segments:
             for seg in segments:
                 name = seg.name
-                for batch in seg.frame_lists():
-                    for fr in batch:
-                        try:
-                            body = decode_body(fr.payload)
-                        except msgspec.DecodeError as exc:  # ValidationError included
-                            err = payload_error(name, fr, exc)
-                            if not isinstance(err, SchemaError):
-                                return corrupt(str(err), name, fr.offset, fr.lsn - 1)
-                            # Sound on disk, only newer than this reader: keep checking the rest.
-                            rep.schema_errors += 1
-                            rep.schema_problem = rep.schema_problem or str(err)
-                        else:
-                            if type(body) is UnknownEvent:
-                                rep.unknown_types[body.tag] = rep.unknown_types.get(body.tag, 0) + 1
-                        # Sequence and lifecycle are the reducers' one check (agentlog verify runs it
-                        # after this frame check); here only which sessions are still open.
-                        if fr.flags & FLAG_TERMINAL:
-                            live.discard(fr.session_id)
-                        else:
-                            live.add(fr.session_id)
-                        rep.records += 1
+                for fr in seg.frames():
+                    try:
+                        body = decode_body(fr.payload)
+                    except msgspec.DecodeError as exc:  # ValidationError included
+                        err = payload_error(name, fr, exc)
+                        if not isinstance(err, SchemaError):
+                            return corrupt(str(err), name, fr.offset, fr.lsn - 1)
+                        # Sound on disk, only newer than this reader: keep checking the rest.
+                        rep.schema_errors += 1
+                        rep.schema_problem = rep.schema_problem or str(err)
+                    else:
+                        if type(body) is UnknownEvent:
+                            rep.unknown_types[body.tag] = rep.unknown_types.get(body.tag, 0) + 1
+                    # Sequence and lifecycle are the reducers' one check (agentlog verify runs it
+                    # after this frame check); here only which sessions are still open.
+                    if fr.flags & FLAG_TERMINAL:
+                        live.discard(fr.session_id)
+                    else:
+                        live.add(fr.session_id)
+                    rep.records += 1
                 stop = seg.end()
                 checked += seg.size
                 if progress is not None:

@@ -21,9 +21,9 @@ The engine's restart, on a log of the same shape and length written
 through the engine itself in a child process that is then SIGKILLed (no
 clean close), each restart in a fresh process that imports only the engine
 and the log (``restart_child.py``; its import heap collected once before the
-clock starts), timed from nothing to an engine ready to open sessions: ``FileLog.open`` (the log's own crash
-recovery, which rescans what was appended since its last periodic INDEX
-checkpoint) then ``SessionEngine.open``. Ours resumes from the engine's last
+clock starts), timed from nothing to an engine ready to open sessions:
+``FileLog.open`` (the log's own crash recovery, which rescans what was
+appended since its last periodic INDEX checkpoint) then ``SessionEngine.open``. Ours resumes from the engine's last
 periodic checkpoint (:mod:`agentlog.engine.restart`); the anchor folds the
 whole log (``checkpoint_every=0``). Both must append the same aborts and
 count the same violations (checked). The child is killed exactly

@@ -1,7 +1,7 @@
 """The restarted engine process of ``bench_restart.py``: it imports what a
 worker that restarts imports to open its log and its engine, and nothing of
-the benchmark (numpy's and the loop's modules would make its heap, and so the
-collector's work, larger than a restart's)."""
+the benchmark (the learner's, the reducers' pipeline and the loop's modules
+would make its heap, and so the collector's work, larger than a restart's)."""
 
 from __future__ import annotations
 
