@@ -20,6 +20,7 @@ the ones LoopConfig holds are importable from here too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -388,14 +389,29 @@ def task_table(values: Mapping[str, Any], base_dir: Path | None) -> Mapping[str,
 
 def field_help(cls=LoopConfig) -> dict[str, str]:
     """Field name -> its docstring (the text under the field in the class body)."""
+    return dict(_class_field_docs(cls.__module__).get(cls.__qualname__, {}))
+
+
+@functools.cache
+def _class_field_docs(module: str) -> dict[str, dict[str, str]]:
+    """Class qualname -> {field name: docstring} for every class of ``module``,
+    from one parse of its source: ``inspect.getsource`` of each class would
+    parse the whole module again (the help of ``train`` reads 30 classes)."""
     import ast
     import inspect
-    import textwrap
+    import sys
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    out: dict[str, str] = {}
-    body = tree.body[0].body
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
-            out[node.target.id] = str(nxt.value.value)
+    out: dict[str, dict[str, str]] = {}
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                docs = out.setdefault(prefix + node.name, {})
+                for field_node, nxt in zip(node.body, node.body[1:]):
+                    if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
+                            and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+                        docs[field_node.target.id] = str(nxt.value.value)
+                visit(node.body, f"{prefix}{node.name}.")
+
+    visit(ast.parse(inspect.getsource(sys.modules[module])).body, "")
     return out

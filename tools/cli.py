@@ -41,6 +41,16 @@ def _version() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
+    """The CLI's parser: errors as one line, and an ``epilog`` that may be a
+    callable, made into text only when help is printed (``train`` and
+    ``demo`` generate their config reference from the config types' source,
+    which every run would otherwise pay for at start-up)."""
+
+    def format_help(self) -> str:
+        if callable(self.epilog):
+            self.epilog = self.epilog()
+        return super().format_help()
+
     def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
         # main() prints "agentlog: error: "; a subcommand's parser adds its own name once.
         command = self.prog.removeprefix("agentlog").strip()

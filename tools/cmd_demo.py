@@ -42,7 +42,7 @@ def register(sub) -> None:
         "demo",
         help="run the online training demo (rollouts + learner coupled through logs)",
         description=__doc__.split("\n\n")[0],
-        epilog=EPILOG.format(coef=DEMO_DISTILL_COEF, topk=DEMO_TOPK, topk_coef=DEMO_TOPK_COEF) + "\n" + config_reference(LoopConfig()),
+        epilog=lambda: EPILOG.format(coef=DEMO_DISTILL_COEF, topk=DEMO_TOPK, topk_coef=DEMO_TOPK_COEF) + "\n" + config_reference(LoopConfig()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_flags(p, defaults=LoopConfig())

@@ -29,7 +29,7 @@ def register(sub) -> None:
         "train",
         help="run the online loop with a TOML config (task, model, learner, faults)",
         description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1] + "\n" + config_reference(LoopConfig()),
+        epilog=lambda: __doc__.split("\n\n", 1)[1] + "\n" + config_reference(LoopConfig()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", type=Path, required=True, metavar="FILE", help="TOML file of LoopConfig fields")
