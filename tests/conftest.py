@@ -74,9 +74,9 @@ def _structlog_as_the_test_found_it():
 
 def _one_torch_thread() -> None:
     """Torch in this process on one thread, where the test modules imported it (no import here):
-    `make test` runs two xdist workers on two cores, and torch's default of one thread per core
-    makes the two workers' threads spin against each other (a learner step measured 20-30x
-    slower). Small models gain nothing from more; a test about thread counts sets its own."""
+    `make test` runs three xdist workers on two cores, and torch's default of one thread per core
+    makes the workers' threads spin against each other (a learner step measured 20-30x
+    slower with two). Small models gain nothing from more; a test about thread counts sets its own."""
     import sys
 
     torch = sys.modules.get("torch")
