@@ -1805,6 +1805,74 @@ static PyObject *fc_bloom_probe(PyObject *self, PyObject *args) {
     return PyBool_FromLong(all);
 }
 
+/* recovery_note(frames, entries, last_off, every, state, terminal) -> last_off: crash recovery's
+   per-frame step (events/log/recovery.py, whose note_frames is the same loop in Python) over one list
+   of scanned frames, each a tuple (frame_at, end, lsn, seq, ts_ns, flags, session_id, payload):
+   - when frame_at is ``every`` bytes or more past ``last_off``, append (lsn, frame_at) to ``entries``
+     (the segment's sparse index) and move ``last_off`` there;
+   - a terminal frame (flags & terminal) removes its session from ``state``; any other sets
+     state[session_id] = seq + 1 (the session's next session_seq).
+   Returns the new last_off. A frame that is not such a tuple raises TypeError. */
+static PyObject *fc_recovery_note(PyObject *self, PyObject *args) {
+    PyObject *frames_obj, *entries, *state;
+    long long last_off, every;
+    unsigned long long terminal;
+    if (!PyArg_ParseTuple(args, "OO!LLO!K:recovery_note", &frames_obj, &PyList_Type, &entries, &last_off, &every,
+                          &PyDict_Type, &state, &terminal))
+        return NULL;
+    if (!PyList_Check(frames_obj) && !PyTuple_Check(frames_obj)) {
+        PyErr_Format(PyExc_TypeError, "recovery_note: frames is a %.100s, expected a list or tuple of frames",
+                     Py_TYPE(frames_obj)->tp_name);
+        return NULL;
+    }
+    PyObject *frames = PySequence_Fast(frames_obj, "recovery_note: frames"); /* the same list or tuple */
+    if (frames == NULL) return NULL;
+    PyObject *one = PyLong_FromLong(1);
+    if (one == NULL) goto fail;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(frames);
+    PyObject **items = PySequence_Fast_ITEMS(frames);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *fr = items[i];
+        if (!PyTuple_Check(fr) || PyTuple_GET_SIZE(fr) < 7) {
+            PyErr_Format(PyExc_TypeError, "recovery_note: frames[%zd] is a %.100s, expected a frame tuple "
+                         "(frame_at, end, lsn, seq, ts_ns, flags, session_id, ...)", i, Py_TYPE(fr)->tp_name);
+            goto fail;
+        }
+        long long at = PyLong_AsLongLong(PyTuple_GET_ITEM(fr, 0));
+        if (at == -1 && PyErr_Occurred()) goto fail;
+        if (at - last_off >= every) {
+            PyObject *entry = PyTuple_Pack(2, PyTuple_GET_ITEM(fr, 2), PyTuple_GET_ITEM(fr, 0));
+            if (entry == NULL) goto fail;
+            int added = PyList_Append(entries, entry);
+            Py_DECREF(entry);
+            if (added < 0) goto fail;
+            last_off = at;
+        }
+        unsigned long long flags = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(fr, 5));
+        if (flags == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
+        PyObject *sid = PyTuple_GET_ITEM(fr, 6);
+        if (flags & terminal) {
+            if (PyDict_DelItem(state, sid) < 0) {
+                if (!PyErr_ExceptionMatches(PyExc_KeyError)) goto fail;
+                PyErr_Clear(); /* a session the rescan never saw open (opened before the INDEX) */
+            }
+        } else {
+            PyObject *next = PyNumber_Add(PyTuple_GET_ITEM(fr, 3), one);
+            if (next == NULL) goto fail;
+            int set = PyDict_SetItem(state, sid, next);
+            Py_DECREF(next);
+            if (set < 0) goto fail;
+        }
+    }
+    Py_DECREF(one);
+    Py_DECREF(frames);
+    return PyLong_FromLongLong(last_off);
+fail:
+    Py_XDECREF(one);
+    Py_DECREF(frames);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"scan", fc_scan, METH_VARARGS, "Walk the frames wholly inside a buffer (see the C source)."},
     {"scan_mapped", fc_scan_mapped, METH_VARARGS, "scan() over a memory-mapped segment, safe if the file shrinks."},
@@ -1815,6 +1883,7 @@ static PyMethodDef methods[] = {
     {"crc32c", fc_crc32c, METH_VARARGS, "google_crc32c.extend(crc, data) through the selected backend."},
     {"set_crc_backend", fc_set_crc_backend, METH_O, "'hardware' (the CPU instruction) or 'python' (google_crc32c)."},
     {"crc_backend", fc_crc_backend, METH_NOARGS, "The CRC32C backend in use."},
+    {"recovery_note", fc_recovery_note, METH_VARARGS, "Crash recovery's per-frame step over a list of frames (see the C source)."},
     {"bloom_probe", fc_bloom_probe, METH_VARARGS, "The id filter's k bit probes (see the C source): all set?, setting them with set."},
     {"zstd_version", fc_zstd_version, METH_NOARGS, "The libzstd MappedScan decompresses batches with (its version number), or None."},
     {NULL, NULL, 0, NULL},
@@ -1846,7 +1915,7 @@ PyMODINIT_FUNC PyInit__framecodec(void) {
         PyModule_AddIntConstant(m, "BAD", SCAN_BAD) < 0 || PyModule_AddIntConstant(m, "MORE", SCAN_MORE) < 0 ||
         PyModule_AddIntConstant(m, "SHRANK", SCAN_SHRANK) < 0 ||
         /* framecodec.API: raised with every change to what this module exports (a stale build is then not used). */
-        PyModule_AddIntConstant(m, "API", 4) < 0) {
+        PyModule_AddIntConstant(m, "API", 5) < 0) {
         Py_DECREF(m);
         return NULL;
     }

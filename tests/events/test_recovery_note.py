@@ -1,0 +1,93 @@
+"""Crash recovery's per-frame step in the compiled codec (``recovery_note``)
+gives exactly what the Python loop (``recovery.note_frames``) gives: the same
+sparse index entries, the same open sessions and the same last offset, for
+any frames and any starting state."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentlog.events import FileLog
+from agentlog.events.log import framecodec
+from agentlog.events.log.format import FLAG_TERMINAL, INDEX_NAME
+from agentlog.events.log.recovery import note_frames, recover
+from agentlog.events.log.scan import Frame
+from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted
+
+if not framecodec.available():
+    if os.environ.get("CI") == "true":
+        raise AssertionError(f"CI=true: the compiled codec must be built here ({framecodec.unavailable_reason()})")
+    pytest.skip(framecodec.unavailable_reason(), allow_module_level=True)
+
+_compiled_note = framecodec._compiled.recovery_note  # type: ignore[union-attr]
+
+
+@st.composite
+def _frames(draw) -> list[Frame]:
+    """Frames at rising offsets (a compressed batch's frames share one), of a few sessions, some terminal."""
+    n = draw(st.integers(0, 60))
+    offset, out = draw(st.integers(0, 1 << 20)), []
+    for lsn in range(n):
+        offset += draw(st.sampled_from([0, 1, 37, 4096, 70_000]))
+        flags = draw(st.sampled_from([0, FLAG_TERMINAL, 2, 2 | FLAG_TERMINAL]))
+        seq = draw(st.integers(0, 2**64 - 1))  # seq + 1 past 64 bits stays exact in both
+        out.append(Frame(offset, offset + 40, lsn, seq, 0, flags, draw(st.sampled_from(["a", "b", "c", "é"])), memoryview(b"")))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(frames=_frames(), every=st.sampled_from([0, 1, 4096, 64 << 10]),
+       state=st.dictionaries(st.sampled_from(["a", "b", "z"]), st.integers(0, 9), max_size=3),
+       as_tuple=st.booleans())
+def test_the_compiled_step_gives_what_the_python_loop_gives(frames, every, state, as_tuple):
+    first = frames[0].offset if frames else 0
+    results = []
+    for note in (note_frames, _compiled_note):
+        entries, kept = [(7, first)], dict(state)
+        last = note(tuple(frames) if as_tuple else list(frames), entries, first, every, kept, FLAG_TERMINAL)
+        results.append((entries, kept, list(kept), last))
+    assert results[0] == results[1]
+
+
+def test_the_compiled_step_refuses_what_is_not_a_frame_naming_its_position():
+    frame = Frame(0, 40, 0, 0, 0, 0, "a", memoryview(b""))
+    with pytest.raises(TypeError, match=r"frames\[1\] is a str, expected a frame tuple"):
+        _compiled_note([frame, "not a frame"], [], 0, 4096, {}, FLAG_TERMINAL)
+    with pytest.raises(TypeError, match="frames is a list_iterator, expected a list or tuple of frames"):
+        _compiled_note(iter([frame]), [], 0, 4096, {}, FLAG_TERMINAL)
+
+
+def test_a_log_rescanned_whole_recovers_alike_under_either_codec(tmp_path):
+    """Sessions open, running and ended across several index intervals: the
+    rescan (no INDEX) finds the same open sessions, index and end."""
+    d = tmp_path / "log"
+    with FileLog.open(d) as lg:
+        prompt = bytes(4 << 10)
+        for i in range(120):
+            sid = f"s{i}"
+            lg.append_batch([(sid, 0, SessionOpened(group_id="g", group_size=1, prompt_ids=prompt))])
+            if i % 3:
+                lg.append_batch([(sid, 1, SessionStarted(harness="test"))])
+            if i % 3 == 2:
+                lg.append_batch([(sid, 2, SessionFinished(reward=1.0))])
+    (d / INDEX_NAME).unlink()
+    saved, results = framecodec.native, []
+    try:
+        for native in (True, False):
+            framecodec.use_native(native)
+            copy = tmp_path / f"copy-{native}"
+            copy.mkdir()
+            for f in d.iterdir():
+                (copy / f.name).write_bytes(f.read_bytes())
+            got = recover(copy, max_record_bytes=16 << 20, salvage=False)
+            results.append((got.open_sessions, got.index, got.next_lsn))
+    finally:
+        framecodec.native = saved
+    assert results[0] == results[1]
+    open_sessions, index, _ = results[0]
+    assert open_sessions == {f"s{i}": 1 + (i % 3 == 1) for i in range(120) if i % 3 != 2}
+    assert sum(len(entries) for entries in index.values()) > 4  # the rescan rebuilt several index entries
