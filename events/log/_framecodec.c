@@ -1807,40 +1807,56 @@ static PyObject *fc_bloom_probe(PyObject *self, PyObject *args) {
 
 /* recovery_note(frames, entries, last_off, every, state, terminal) -> last_off: crash recovery's
    per-frame step (events/log/recovery.py, whose note_frames is the same loop in Python) over one list
-   of scanned frames, each a tuple (frame_at, end, lsn, seq, ts_ns, flags, session_id, payload):
+   or tuple of frames as the scanner builds them, each a tuple of 8 (frame_at, end, lsn, seq, ts_ns,
+   flags, session_id, payload) with offsets in [0, 2**63):
    - when frame_at is ``every`` bytes or more past ``last_off``, append (lsn, frame_at) to ``entries``
      (the segment's sparse index) and move ``last_off`` there;
-   - a terminal frame (flags & terminal) removes its session from ``state``; any other sets
-     state[session_id] = seq + 1 (the session's next session_seq).
-   Returns the new last_off. A frame that is not such a tuple raises TypeError. */
+   - a terminal frame (flags & terminal) removes its session from ``state`` (none there: nothing to
+     remove, as dict.pop(sid, None)); any other sets state[session_id] = seq + 1 (its next session_seq).
+   Returns the new last_off. ``entries`` must be a list and ``state`` a dict (not subclasses: their
+   overridden methods would be bypassed); anything else, a frame that is not such a tuple, or an offset
+   out of range raises TypeError, ValueError or OverflowError, as the Python loop would raise or
+   never be given. The frames are walked from a tuple of them (the very one, or a copy of the list),
+   so code a session id's hash or comparison runs cannot change what is walked. */
 static PyObject *fc_recovery_note(PyObject *self, PyObject *args) {
     PyObject *frames_obj, *entries, *state;
     long long last_off, every;
     unsigned long long terminal;
-    if (!PyArg_ParseTuple(args, "OO!LLO!K:recovery_note", &frames_obj, &PyList_Type, &entries, &last_off, &every,
-                          &PyDict_Type, &state, &terminal))
+    if (!PyArg_ParseTuple(args, "OOLLOK:recovery_note", &frames_obj, &entries, &last_off, &every, &state, &terminal))
         return NULL;
     if (!PyList_Check(frames_obj) && !PyTuple_Check(frames_obj)) {
         PyErr_Format(PyExc_TypeError, "recovery_note: frames is a %.100s, expected a list or tuple of frames",
                      Py_TYPE(frames_obj)->tp_name);
         return NULL;
     }
-    PyObject *frames = PySequence_Fast(frames_obj, "recovery_note: frames"); /* the same list or tuple */
+    if (!PyList_CheckExact(entries) || !PyDict_CheckExact(state)) {
+        PyErr_Format(PyExc_TypeError, "recovery_note: entries is a %.100s and state a %.100s, expected a list and a dict",
+                     Py_TYPE(entries)->tp_name, Py_TYPE(state)->tp_name);
+        return NULL;
+    }
+    if (last_off < 0 || every < 0) {
+        PyErr_Format(PyExc_ValueError, "recovery_note: last_off %lld and every %lld, expected offsets >= 0", last_off, every);
+        return NULL;
+    }
+    PyObject *frames = PySequence_Tuple(frames_obj); /* a tuple: the same one, or the list's items copied */
     if (frames == NULL) return NULL;
     PyObject *one = PyLong_FromLong(1);
     if (one == NULL) goto fail;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(frames);
-    PyObject **items = PySequence_Fast_ITEMS(frames);
+    Py_ssize_t n = PyTuple_GET_SIZE(frames);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *fr = items[i];
-        if (!PyTuple_Check(fr) || PyTuple_GET_SIZE(fr) < 7) {
-            PyErr_Format(PyExc_TypeError, "recovery_note: frames[%zd] is a %.100s, expected a frame tuple "
-                         "(frame_at, end, lsn, seq, ts_ns, flags, session_id, ...)", i, Py_TYPE(fr)->tp_name);
+        PyObject *fr = PyTuple_GET_ITEM(frames, i); /* held by ``frames``; its items by the frame, a tuple */
+        if (!PyTuple_Check(fr) || PyTuple_GET_SIZE(fr) != 8) {
+            PyErr_Format(PyExc_TypeError, "recovery_note: frames[%zd] is a %.100s, expected a frame tuple of 8 "
+                         "(frame_at, end, lsn, seq, ts_ns, flags, session_id, payload)", i, Py_TYPE(fr)->tp_name);
             goto fail;
         }
         long long at = PyLong_AsLongLong(PyTuple_GET_ITEM(fr, 0));
         if (at == -1 && PyErr_Occurred()) goto fail;
-        if (at - last_off >= every) {
+        if (at < 0) {
+            PyErr_Format(PyExc_ValueError, "recovery_note: frames[%zd] is at offset %lld, expected an offset >= 0", i, at);
+            goto fail;
+        }
+        if (at - last_off >= every) { /* both in [0, 2**63): no overflow */
             PyObject *entry = PyTuple_Pack(2, PyTuple_GET_ITEM(fr, 2), PyTuple_GET_ITEM(fr, 0));
             if (entry == NULL) goto fail;
             int added = PyList_Append(entries, entry);
@@ -1852,10 +1868,8 @@ static PyObject *fc_recovery_note(PyObject *self, PyObject *args) {
         if (flags == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
         PyObject *sid = PyTuple_GET_ITEM(fr, 6);
         if (flags & terminal) {
-            if (PyDict_DelItem(state, sid) < 0) {
-                if (!PyErr_ExceptionMatches(PyExc_KeyError)) goto fail;
-                PyErr_Clear(); /* a session the rescan never saw open (opened before the INDEX) */
-            }
+            PyObject *held = PyDict_GetItemWithError(state, sid);
+            if (held == NULL ? PyErr_Occurred() != NULL : PyDict_DelItem(state, sid) < 0) goto fail;
         } else {
             PyObject *next = PyNumber_Add(PyTuple_GET_ITEM(fr, 3), one);
             if (next == NULL) goto fail;

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Iterable, NamedTuple
 
 from agentlog._logging import get_logger
 
@@ -40,7 +40,7 @@ from .scan import Frame, LogWalk, SegmentScanner, open_segment, proof
 log = get_logger("agentlog.events.log.recovery")
 
 
-def note_frames(frames: Sequence[Frame], entries: list[tuple[int, int]], last_off: int, every: int,
+def note_frames(frames: Iterable[Frame], entries: list[tuple[int, int]], last_off: int, every: int,
                 state: dict[str, int], terminal: int) -> int:
     """Recovery's step over scanned ``frames``: add ``(lsn, offset)`` to the
     segment's sparse index ``entries`` each ``every`` bytes past ``last_off``,
@@ -210,10 +210,13 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
             epoch = max(epoch, seg.epoch)
             entries = index.setdefault(first, [(first, SEG_HDR_SIZE)])
             last_off = entries[-1][1]
-            # A list of frames at a time (one by one with the pure-Python codec): see note_frames.
-            note = note_frames if framecodec.native is None else framecodec.native.recovery_note
-            for frames in seg.scanner.frame_lists(size=seg.size):
-                last_off = note(frames, entries, last_off, INDEX_EVERY_BYTES, state, FLAG_TERMINAL)
+            # In C a list of frames at a time with the compiled codec, else the same loop in Python (note_frames).
+            native = framecodec.native
+            if native is None:
+                last_off = note_frames(seg.frames(), entries, last_off, INDEX_EVERY_BYTES, state, FLAG_TERMINAL)
+            else:
+                for frames in seg.frame_lists():
+                    last_off = native.recovery_note(frames, entries, last_off, INDEX_EVERY_BYTES, state, FLAG_TERMINAL)
             scanned += 1
             rescanned += seg.size - (offset if seg.index == start_i else SEG_HDR_SIZE)
             stop = seg.end()

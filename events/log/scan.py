@@ -27,20 +27,8 @@ from .api import LogCorruption, SchemaError
 from .batch_compression import read_batch
 from .lost import missing_acked, missing_indexed, missing_start
 from .format import (
-    ENV_HDR,
-    FRAME_HDR,
-    FRAME_PREFIX,
-    LOG_START_LSN,
-    BATCH_MAX_RECORDS,
-    SEG_HDR_SIZE,
-    TYPE_BATCH,
-    TYPE_RECORD,
-    Checkpoint,
-    Watermark,
-    crc_value as _crc_value,
-    mask_crc,
-    parse_segment_header,
-    segment_name,
+    ENV_HDR, FRAME_HDR, FRAME_PREFIX, LOG_START_LSN, BATCH_MAX_RECORDS, SEG_HDR_SIZE, TYPE_BATCH, TYPE_RECORD, Checkpoint,
+    Watermark, crc_value as _crc_value, mask_crc, parse_segment_header, segment_name,
 )
 
 
@@ -478,8 +466,8 @@ class ScanStop(NamedTuple):
 
 
 class SegmentScan:
-    """One segment of a :class:`LogWalk`, open while the walk is on it.
-    Iterate :meth:`frames`, then call :meth:`end` to learn why it ended."""
+    """One segment of a :class:`LogWalk`, open while the walk is on it. Iterate
+    :meth:`frames` (or :meth:`frame_lists`), then call :meth:`end` to learn why it ended."""
 
     def __init__(self, walk: "LogWalk", index: int, first: int, fd: int, epoch: int, size: int, offset: int) -> None:
         self.walk = walk
@@ -492,9 +480,13 @@ class SegmentScan:
         self.last = index == len(walk.segments) - 1
         self.scanner = SegmentScanner(fd, self.name, offset, walk.expected, walk.cap)
 
+    def frame_lists(self) -> Iterator[Sequence[Frame]]:
+        """The segment's CRC-valid frames in order, up to the first bad one, in lists (:meth:`SegmentScanner.frame_lists`)."""
+        return self.scanner.frame_lists(size=self.size)
+
     def frames(self) -> Iterator[Frame]:
-        """The segment's CRC-valid frames in order, up to the first bad one (:meth:`SegmentScanner.frame_lists`)."""
-        return chain.from_iterable(self.scanner.frame_lists(size=self.size))
+        """:meth:`frame_lists`, one frame at a time."""
+        return chain.from_iterable(self.frame_lists())
 
     def end(self) -> ScanStop | None:
         """After :meth:`frames` is exhausted: None when the segment ended

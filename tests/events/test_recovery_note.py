@@ -1,7 +1,8 @@
 """Crash recovery's per-frame step in the compiled codec (``recovery_note``)
 gives exactly what the Python loop (``recovery.note_frames``) gives: the same
 sparse index entries, the same open sessions and the same last offset, for
-any frames and any starting state."""
+any frames as the scanner builds them and any starting state; and it stays
+memory-safe when the code of a session id's hash changes what it was given."""
 
 from __future__ import annotations
 
@@ -55,8 +56,18 @@ def test_the_compiled_step_gives_what_the_python_loop_gives(frames, every, state
 
 def test_the_compiled_step_refuses_what_is_not_a_frame_naming_its_position():
     frame = Frame(0, 40, 0, 0, 0, 0, "a", memoryview(b""))
-    with pytest.raises(TypeError, match=r"frames\[1\] is a str, expected a frame tuple"):
+    with pytest.raises(TypeError, match=r"frames\[1\] is a str, expected a frame tuple of 8"):
         _compiled_note([frame, "not a frame"], [], 0, 4096, {}, FLAG_TERMINAL)
+    with pytest.raises(TypeError, match=r"frames\[0\] is a tuple, expected a frame tuple of 8"):
+        _compiled_note([tuple(frame)[:7]], [], 0, 4096, {}, FLAG_TERMINAL)
+    with pytest.raises(ValueError, match=r"frames\[0\] is at offset -1, expected an offset >= 0"):
+        _compiled_note([frame._replace(offset=-1)], [], 0, 4096, {}, FLAG_TERMINAL)
+    with pytest.raises(ValueError, match="last_off -10 and every 0, expected offsets >= 0"):
+        _compiled_note([frame], [], -10, 0, {}, FLAG_TERMINAL)
+    from collections import OrderedDict
+
+    with pytest.raises(TypeError, match="entries is a list and state a collections.OrderedDict, expected a list and a dict"):
+        _compiled_note([frame], [], 0, 4096, OrderedDict(), FLAG_TERMINAL)
     with pytest.raises(TypeError, match="frames is a list_iterator, expected a list or tuple of frames"):
         _compiled_note(iter([frame]), [], 0, 4096, {}, FLAG_TERMINAL)
 
@@ -91,3 +102,33 @@ def test_a_log_rescanned_whole_recovers_alike_under_either_codec(tmp_path):
     open_sessions, index, _ = results[0]
     assert open_sessions == {f"s{i}": 1 + (i % 3 == 1) for i in range(120) if i % 3 != 2}
     assert sum(len(entries) for entries in index.values()) > 4  # the rescan rebuilt several index entries
+
+
+class _ClearingId(str):
+    """A session id whose hash empties the list of frames being walked (and its entries)."""
+
+    victims: list = []
+
+    def __hash__(self) -> int:
+        for victim in self.victims:
+            victim.clear()
+        return str.__hash__(self)
+
+
+def test_the_compiled_step_walks_what_it_was_given_whatever_a_session_ids_code_does():
+    """The frames are walked from a tuple taken at the call: a session id whose
+    hash clears the list, or entries that are the very list of frames, change
+    nothing the walk reads (the Python loop's list iterator stops early there;
+    the C step finishes the frames it was given, without reading freed memory)."""
+    frames = [Frame(i * 100, i * 100 + 40, i, 0, 0, 0, _ClearingId(f"s{i}"), memoryview(b"")) for i in range(50)]
+    _ClearingId.victims = [frames]
+    state: dict = {}
+    try:
+        last = _compiled_note(frames, [], 0, 1000, state, FLAG_TERMINAL)
+    finally:
+        _ClearingId.victims = []
+    assert frames == [] and last == 4000 and sorted(state) == sorted(f"s{i}" for i in range(50))
+    same = [Frame(i * 100, i * 100 + 40, i, 0, 0, 0, f"s{i}", memoryview(b"")) for i in range(200)]
+    walked = list(same)
+    _compiled_note(same, same, 0, 1000, {}, FLAG_TERMINAL)  # appends to the list it walks
+    assert same[:200] == walked and same[200:] == [(i, i * 100) for i in range(10, 200, 10)]
