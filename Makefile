@@ -4,7 +4,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 # Three xdist workers on two cores, one test file each at a time (--dist loadfile): the tests wait
-# on subprocesses, servers and clusters about a third of their time (1,190 s of test time took
+# on subprocesses, servers and clusters about a third of their time (1,191 s of test time took
 # 773 s of CPU), so a third worker fills the cores (632 s -> 422 s, 2026-12-05). A file's module-scoped
 # fixtures (a NATS or Ray cluster, a trained run) are made once and its tests run in order,
 # as they do without xdist. Every file already keeps to its own ports (port 0 or free_ports),

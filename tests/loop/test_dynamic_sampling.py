@@ -58,7 +58,7 @@ def test_a_run_with_dynamic_sampling_trains_no_group_without_spread_and_reconstr
     # dynamic sampling then trains nothing: the run stops after max_untrainable_batches). 150 warm-up
     # steps of 64 demonstrations teach the protocol as the demo's 300 of 256 do (a quarter to a third of the
     # groups spread either way, on seeds 0-7), at a tenth of the cost; one warm-up thread, as the test
-    # shares 2 cores with another xdist worker (two threads there spin against it, 4-8x slower).
+    # shares 2 cores with the other xdist workers (two threads there spin against them, 4-8x slower).
     cfg = LoopConfig(seed=0, steps=3, warmup_steps=150, warmup_batch=64, warmup_threads=1, groups_per_step=4, group_size=4,
                      stop_reward=0, time_budget_s=0, groups={"dynamic_sampling": True}, max_untrainable_batches=10)
     run_dir = tmp_path / "run"
