@@ -58,7 +58,7 @@ from agentlog.reducers.lifecycle import IdFilter
 from agentlog.reducers.resume import ResumePoint
 
 from .errors import TIMEOUT_REASON, DuplicateSession, EngineClosed, SessionTimeout, StragglerRefused
-from .handle import InFlightMarker, SessionHandle, _SessionContext
+from .handle import InFlightMarker, SessionHandle, _SessionContext, append_built_turn, stage_built_turn
 from . import adopt as engine_adopt
 from .adopt import adopt_orphans
 from .restart import RESTART_REASON, Checkpointer, abort_orphans, checkpoint_path_of, resume_fold
@@ -412,7 +412,10 @@ class SessionEngine(BackgroundWork):
         turn count, new state, release on a terminal state."""
         seq = h._seq
         try:
-            env = await self._log_.append(h.session_id, seq, body)
+            if context is None:
+                env = await self._log_.append(h.session_id, seq, body)
+            else:  # a turn the engine built (SessionHandle._turn_body)
+                env = await append_built_turn(self._log_, h.session_id, seq, body)
         except asyncio.CancelledError:
             if self._written_anyway(h, seq):
                 self._apply(h, body, dest, None, context)
@@ -421,7 +424,7 @@ class SessionEngine(BackgroundWork):
         return env
 
     def _stage(self, h: SessionHandle, body: Any, context: EncodingContext, then: Callable[[Envelope | None, BaseException | None], None]) -> None:
-        """Stage one in-session event of ``h`` (its lock held): once the log
+        """Stage one turn of ``h`` the engine built (its lock held): once the log
         acknowledges it, apply it and release the lock, then ``then(env, exc)``
         (:meth:`SessionHandle.begin_turn`). A refusal by the log raises here."""
         seq = h._seq
@@ -439,7 +442,7 @@ class SessionEngine(BackgroundWork):
                 release(h)
             then(env, exc)
 
-        self._log_.stage(h.session_id, seq, body, on_durable)
+        stage_built_turn(self._log_, h.session_id, seq, body, on_durable)
 
     def _written_anyway(self, h: SessionHandle, seq: int) -> bool:
         """Whether ``h``'s record ``seq``, whose append was cancelled, was staged before the cancel:

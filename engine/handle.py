@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Coroutine
 import numpy as np
 
 from agentlog._logging import get_logger
-from agentlog.events.log.api import settle_from_task
+from agentlog.events.log.api import EventLog, OnDurable, settle_from_task
 from agentlog.events.schema.lifecycle import TERMINAL_STATES, LifecycleError, State
 from agentlog.events.schema.types import (
     CommandRan,
@@ -39,6 +39,7 @@ from agentlog.events.schema.types import (
     pack_tokens,
 )
 from agentlog.events.schema.turn_delta import EncodingContext, ExtendedPrompt
+from agentlog.events.schema.validation import READING_STORED
 
 from .errors import SessionTimeout
 from .lineages import Declared, LineageTracker
@@ -85,6 +86,30 @@ class PendingTurn:
         finally:
             if self.durable.done() and not self.durable.cancelled():
                 self.durable.exception()  # retrieved: raised here instead
+
+
+async def append_built_turn(log: EventLog, session_id: str, seq: int, body: Any) -> Envelope:
+    """``log.append`` of a turn the engine built (:meth:`SessionHandle._turn_body`),
+    which the log takes as checked when built: ``READING_STORED`` is set while it
+    stages the turn, so its write-time check still encodes the body and decodes it
+    back strictly (every field's type: nothing a reader cannot decode is stored)
+    but does not run the turn's value checks (``__post_init__``) a second time.
+    They ran on the caller's values when the ``TurnRecorded`` was built, and the
+    delta and the lineage the engine derived from them were checked when made."""
+    token = READING_STORED.set(True)
+    try:
+        return await log.append(session_id, seq, body)
+    finally:
+        READING_STORED.reset(token)
+
+
+def stage_built_turn(log: EventLog, session_id: str, seq: int, body: Any, on_durable: OnDurable) -> None:
+    """``log.stage`` of a turn the engine built, taken as checked when built (:func:`append_built_turn`)."""
+    token = READING_STORED.set(True)
+    try:
+        log.stage(session_id, seq, body, on_durable)
+    finally:
+        READING_STORED.reset(token)
 
 
 class SessionHandle:

@@ -301,3 +301,70 @@ def test_a_callback_that_raises_leaves_the_flushs_other_waiters_answered(tmp_pat
         assert len(reported) == 1 and isinstance(reported[0]["exception"], RuntimeError)
         log.close()
     arun(go())
+
+
+async def _two_turns(h, path: str) -> None:
+    for _ in range(2):
+        if path == "record_turn":
+            await h.record_turn(**TURN)
+        else:
+            await h.begin_turn(**TURN).durable
+
+
+@pytest.mark.parametrize("path", ["record_turn", "begin_turn"])
+@pytest.mark.parametrize("kind", ["file", "memory"])
+def test_a_turn_the_engine_built_runs_its_value_checks_once(tmp_path, arun, monkeypatch, path, kind):
+    """The caller's values are checked when the TurnRecorded is built; the log's
+    write-time check of what the engine derived from it (the delta, the lineage)
+    decodes it strictly but does not run the turn's value checks a second time.
+    The stored turns are the ones a check of each would accept."""
+    from agentlog.events.schema.turn import TurnDelta, TurnRecorded
+
+    checked: list[str] = []
+    for cls in (TurnRecorded, TurnDelta):
+        def spy(self, event, _check=cls._check_prompt):
+            checked.append(type(self).__name__)
+            return _check(self, event)
+        monkeypatch.setattr(cls, "_check_prompt", spy)
+
+    async def go():
+        log = FileLog.open(tmp_path / "log") if kind == "file" else MemoryLog()
+        eng, h = await _running(log)
+        await _two_turns(h, path)
+        assert checked == ["TurnRecorded", "TurnRecorded"]
+        await h.finish(reward=1.0)
+        await eng.close()
+        return log
+
+    log = arun(go())
+    stored = [e.body for e in log.read(0) if isinstance(e.body, (TurnRecorded, TurnDelta))]
+    log.close()
+    assert [b.turn_index for b in stored] == [0, 1]
+    for body in stored:  # each would pass its own checks: rebuilt through its constructor, checks on
+        type(body)(**{f: getattr(body, f) for f in body.__struct_fields__})
+
+
+@pytest.mark.parametrize("path", ["record_turn", "begin_turn"])
+def test_a_turn_the_engine_built_with_a_field_of_the_wrong_type_is_refused_by_the_log(tmp_path, arun, path):
+    """The value checks are not run twice, but the write-time decode still checks
+    every field's type: a turn whose policy_version is a string (no value check
+    looks at it) is refused naming the field, nothing is stored, and the session
+    records its next turn as turn 0."""
+    from agentlog.events.schema.types import EventValidationError
+
+    async def go():
+        log = FileLog.open(tmp_path / "log")
+        eng, h = await _running(log)
+        n = log.next_lsn
+        with pytest.raises(EventValidationError, match=r"policy_version: expected `int`"):
+            if path == "record_turn":
+                await h.record_turn(**TURN, policy_version="v3")
+            else:
+                await h.begin_turn(**TURN, policy_version="v3").durable
+        assert log.next_lsn == n and h.turns == 0 and not h._busy
+        env = await h.record_turn(**TURN)
+        assert env.body.turn_index == 0
+        await eng.close()
+        log.close()
+
+    arun(go())
