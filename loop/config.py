@@ -388,8 +388,13 @@ def task_table(values: Mapping[str, Any], base_dir: Path | None) -> Mapping[str,
 
 
 def field_help(cls=LoopConfig) -> dict[str, str]:
-    """Field name -> its docstring (the text under the field in the class body)."""
-    return dict(_class_field_docs(cls.__module__).get(cls.__qualname__, {}))
+    """Field name -> its docstring (the text under the field in the class body).
+    LookupError when the class is not defined by a class statement of its
+    module (at the top level or nested in another class)."""
+    docs = _class_field_docs(cls.__module__).get(cls.__qualname__)
+    if docs is None:
+        raise LookupError(f"field_help: no class statement of {cls.__qualname__} in the source of {cls.__module__}")
+    return dict(docs)
 
 
 @functools.cache

@@ -122,3 +122,16 @@ def test_the_run_summary_ends_with_next_commands_naming_a_session_that_scored_0(
     assert f"agentlog replay {run} --status aborted" in tail and f"agentlog stats {run}" in tail, tail
     res = agentlog("show", str(run), show.group(1), "--quiet")
     assert res.returncode == 0 and "outcome  finished" in res.stdout and "reward   0 from" in res.stdout, res.stdout[:800]
+
+
+def test_field_help_names_a_class_without_a_class_statement_in_its_source():
+    import dataclasses
+
+    import pytest
+
+    from agentlog.loop.config import FaultConfig, field_help
+
+    assert field_help(FaultConfig) and all(isinstance(text, str) and text for text in field_help(FaultConfig).values())
+    made = dataclasses.make_dataclass("Made", ["x"])  # no source: help would silently lose its docs
+    with pytest.raises(LookupError, match="no class statement of Made in the source of types"):
+        field_help(made)
