@@ -94,8 +94,10 @@ async def append_built_turn(log: EventLog, session_id: str, seq: int, body: Any)
     stages the turn, so its write-time check still encodes the body and decodes it
     back strictly (every field's type: nothing a reader cannot decode is stored)
     but does not run the turn's value checks (``__post_init__``) a second time.
-    They ran on the caller's values when the ``TurnRecorded`` was built, and the
-    delta and the lineage the engine derived from them were checked when made."""
+    They ran on the caller's values when the ``TurnRecorded`` was built, with no
+    await between (so the values stored are the values checked), and the delta's
+    own fields and the lineage were checked when the engine made them. Reset
+    before this returns or raises: the engine's code after it runs without it."""
     token = READING_STORED.set(True)
     try:
         return await log.append(session_id, seq, body)
@@ -104,7 +106,15 @@ async def append_built_turn(log: EventLog, session_id: str, seq: int, body: Any)
 
 
 def stage_built_turn(log: EventLog, session_id: str, seq: int, body: Any, on_durable: OnDurable) -> None:
-    """``log.stage`` of a turn the engine built, taken as checked when built (:func:`append_built_turn`)."""
+    """``log.stage`` of a turn the engine built: taken as checked when built
+    (:func:`append_built_turn`) by a log that checks it before ``stage``
+    returns (``stages_synchronously``). Any other log checks it in full a loop
+    step later, when the caller may have changed a value it handed over (a
+    ``sampling`` dict, a ``version_spans`` list), and ``on_durable`` runs
+    without the flag either way."""
+    if not log.stages_synchronously:
+        log.stage(session_id, seq, body, on_durable)
+        return
     token = READING_STORED.set(True)
     try:
         log.stage(session_id, seq, body, on_durable)

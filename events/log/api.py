@@ -218,6 +218,10 @@ def settle_from_task(on_durable: OnDurable) -> Callable[[asyncio.Task], None]:
 class EventLog(abc.ABC):
     """Writer and reader over one log. One writer per log."""
 
+    #: Whether :meth:`stage` checks and stages its record before it returns (the
+    #: file log); the default runs :meth:`append` as a task, a loop step later.
+    stages_synchronously = False
+
     def __init__(self, clock: Callable[[], int] = time.time_ns) -> None:
         self._clock = clock
         # Next expected session_seq of every session that has not ended.

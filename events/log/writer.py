@@ -89,6 +89,8 @@ _TERMINAL_TYPES = frozenset(TERMINAL_EVENT_TYPES)
 class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, BatchCompression, EventLog):
     """The durable, segmented, CRC-framed log. Create with :meth:`open`."""
 
+    stages_synchronously = True  # stage() checks and stages its record before it returns
+
     # Set by open() on the instance it builds (the rest of the state: _init_state and the mixins' declarations).
     _clock: Callable[[], int]
     _cap: int

@@ -60,6 +60,7 @@ def _copying(target: type, prompt: tuple[str, ...]) -> Callable[..., Any]:
 
 _delta_from = _copying(TurnDelta, ("shared_tokens", "new_prompt_ids", "shared_messages", "new_messages"))
 _recorded_from = _copying(TurnRecorded, ("messages", "prompt_ids"))
+_DELTA_TAG = str(TurnDelta.__struct_config__.tag)
 
 
 class TurnDeltaError(AgentlogError, ValueError):
@@ -247,7 +248,10 @@ class EncodingContext:
         (see :meth:`shared_tokens`); the delta is the same with or without it.
 
         ``turn`` was checked when it was built (see :meth:`TurnContext.delta_of`),
-        so the delta is built without running the same checks again. This
+        so the delta is built without running the same checks again; the
+        delta's own fields (the shared counts, the new prompt's bytes) are
+        checked here, since the engine's log takes the turn as checked when
+        built (:func:`agentlog.engine.handle.append_built_turn`). This
         runs for every turn the engine records: the common cases (a prompt
         that extends the held context, no messages) take no call they can skip."""
         messages, prompt = turn.messages, turn.prompt_ids
@@ -262,6 +266,7 @@ class EncodingContext:
                                 new_messages if type(new_messages) is list else list(new_messages))
         finally:
             READING_STORED.reset(token)
+        delta._check_prompt(_DELTA_TAG)
         if turn.response_message is not None and len(digests) == DIGEST_BYTES * len(messages):
             digests += message_digests((turn.response_message,))
         # The objects the digests are of, one for one (a message that cannot be encoded ends both).

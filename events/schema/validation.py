@@ -24,7 +24,11 @@ class EventValidationError(AgentlogError, ValueError):
 
 #: True while a stored record is decoded (:func:`.types.decode_body`) or a
 #: body is rebuilt from one (:mod:`.turn_delta`): the bodies' checks then
-#: stand aside (see :mod:`.types`). A context variable, not a global, so a
+#: stand aside (see :mod:`.types`). Also while the engine stages a turn it
+#: built, whose value checks ran when it was built: the log's write-time
+#: check then decodes it strictly without running them again
+#: (``engine.handle.append_built_turn``, set across that one append's await,
+#: reset before the engine's code goes on). A context variable, not a global, so a
 #: reader in one thread never switches off a writer's checks in another, and
 #: set per decode call (never across a generator's yield, which would leak it
 #: into the consumer's code).

@@ -313,30 +313,32 @@ async def _two_turns(h, path: str) -> None:
 
 @pytest.mark.parametrize("path", ["record_turn", "begin_turn"])
 @pytest.mark.parametrize("kind", ["file", "memory"])
-def test_a_turn_the_engine_built_runs_its_value_checks_once(tmp_path, arun, monkeypatch, path, kind):
+def test_a_turn_the_engine_built_runs_its_value_checks_once(tmp_path, arun, path, kind):
     """The caller's values are checked when the TurnRecorded is built; the log's
-    write-time check of what the engine derived from it (the delta, the lineage)
-    decodes it strictly but does not run the turn's value checks a second time.
-    The stored turns are the ones a check of each would accept."""
+    write-time check of what the engine derived from it decodes it strictly but
+    does not run the turn's value checks a second time, where the log checks it
+    before begin_turn returns (a MemoryLog's stage checks a loop step later, so
+    it checks in full). Each run of a turn's value checks hands its log-probs to
+    DEFERRED_FINITE_SCANS when that is set. The stored turns are ones a check of
+    each would accept."""
     from agentlog.events.schema.turn import TurnDelta, TurnRecorded
-
-    checked: list[str] = []
-    for cls in (TurnRecorded, TurnDelta):
-        def spy(self, event, _check=cls._check_prompt):
-            checked.append(type(self).__name__)
-            return _check(self, event)
-        monkeypatch.setattr(cls, "_check_prompt", spy)
+    from agentlog.events.schema.validation import DEFERRED_FINITE_SCANS
 
     async def go():
         log = FileLog.open(tmp_path / "log") if kind == "file" else MemoryLog()
         eng, h = await _running(log)
-        await _two_turns(h, path)
-        assert checked == ["TurnRecorded", "TurnRecorded"]
+        scans: list[bytes] = []
+        token = DEFERRED_FINITE_SCANS.set(scans)
+        try:
+            await _two_turns(h, path)
+        finally:
+            DEFERRED_FINITE_SCANS.reset(token)
         await h.finish(reward=1.0)
         await eng.close()
-        return log
+        return log, len(scans)
 
-    log = arun(go())
+    log, checks = arun(go())
+    assert checks == (4 if kind == "memory" and path == "begin_turn" else 2)
     stored = [e.body for e in log.read(0) if isinstance(e.body, (TurnRecorded, TurnDelta))]
     log.close()
     assert [b.turn_index for b in stored] == [0, 1]
@@ -368,3 +370,61 @@ def test_a_turn_the_engine_built_with_a_field_of_the_wrong_type_is_refused_by_th
         log.close()
 
     arun(go())
+
+
+def test_a_log_that_stages_a_loop_step_later_checks_a_built_turn_in_full(arun):
+    """A log whose stage() runs the append as a task (the default: MemoryLog)
+    checks the turn a loop step after begin_turn returned, when the caller may
+    have changed a value it handed over: that log checks every value again,
+    and the engine's code after the turn runs with no check switched off."""
+    from agentlog.engine import core
+    from agentlog.events.schema.types import EventValidationError
+    from agentlog.events.schema.validation import READING_STORED
+
+    seen: list[bool] = []
+    apply = core.SessionEngine._apply
+
+    def spying_apply(self, *args, **kwargs):
+        seen.append(READING_STORED.get())
+        return apply(self, *args, **kwargs)
+
+    async def go():
+        log = MemoryLog()
+        assert not log.stages_synchronously
+        eng, h = await _running(log)
+        spans = [[0, 1], [1, 2]]
+        pending = h.begin_turn(**TURN, policy_version=1, version_spans=spans)
+        spans[1][0] = 7  # past the turn's two output tokens, changed after it was handed over
+        with pytest.raises(EventValidationError, match=r"version_spans\[1\]"):
+            await pending.durable
+        sampling = {"temperature": 1.0}
+        pending = h.begin_turn(**TURN, sampling=sampling)
+        sampling["lineage"] = {"id": "not a valid id!"}
+        with pytest.raises(EventValidationError, match="sampling.lineage: expected a lineage map"):
+            await pending.durable
+        await h.begin_turn(**TURN).durable
+        await h.record_turn(**TURN)
+        assert h.turns == 2 and not READING_STORED.get()
+        await eng.close()
+
+    core.SessionEngine._apply = spying_apply
+    try:
+        arun(go())
+    finally:
+        core.SessionEngine._apply = apply
+    assert seen and not any(seen), seen
+
+
+def test_the_delta_the_engine_makes_is_checked_where_it_is_made(monkeypatch):
+    """The log takes a turn the engine built as checked, so the delta's own
+    fields (which no check of the caller's values sees) are checked when the
+    delta is made: a bad shared count is refused naming the field."""
+    from agentlog.events.schema import turn_delta
+    from agentlog.events.schema.turn import TurnRecorded
+    from agentlog.events.schema.types import EventValidationError
+
+    make = turn_delta._delta_from
+    monkeypatch.setattr(turn_delta, "_delta_from", lambda turn, shared, new, _messages, msgs: make(turn, shared, new, -1, msgs))
+    context = turn_delta.EncodingContext(b"", b"", b"", ())
+    with pytest.raises(EventValidationError, match=r"turn_delta.shared_messages: expected an int >= 0, found -1"):
+        context.encode(TurnRecorded(turn_index=0, prompt_ids=[1, 2], output_ids=[3]))
