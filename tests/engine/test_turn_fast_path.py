@@ -372,7 +372,7 @@ def test_a_turn_the_engine_built_with_a_field_of_the_wrong_type_is_refused_by_th
     arun(go())
 
 
-def test_a_log_that_stages_a_loop_step_later_checks_a_built_turn_in_full(arun):
+def test_a_log_that_stages_a_loop_step_later_checks_a_built_turn_in_full(arun, monkeypatch):
     """A log whose stage() runs the append as a task (the default: MemoryLog)
     checks the turn a loop step after begin_turn returned, when the caller may
     have changed a value it handed over: that log checks every value again,
@@ -407,11 +407,8 @@ def test_a_log_that_stages_a_loop_step_later_checks_a_built_turn_in_full(arun):
         assert h.turns == 2 and not READING_STORED.get()
         await eng.close()
 
-    core.SessionEngine._apply = spying_apply
-    try:
-        arun(go())
-    finally:
-        core.SessionEngine._apply = apply
+    monkeypatch.setattr(core.SessionEngine, "_apply", spying_apply)
+    arun(go())
     assert seen and not any(seen), seen
 
 

@@ -18,6 +18,7 @@ from agentlog.events.log.format import FLAG_TERMINAL, INDEX_NAME
 from agentlog.events.log.recovery import note_frames, recover
 from agentlog.events.log.scan import Frame
 from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted
+from log_helpers import copy_log
 
 if not framecodec.available():
     if os.environ.get("CI") == "true":
@@ -72,7 +73,7 @@ def test_the_compiled_step_refuses_what_is_not_a_frame_naming_its_position():
         _compiled_note(iter([frame]), [], 0, 4096, {}, FLAG_TERMINAL)
 
 
-def test_a_log_rescanned_whole_recovers_alike_under_either_codec(tmp_path):
+def test_a_log_rescanned_whole_recovers_alike_under_either_codec(tmp_path, monkeypatch):
     """Sessions open, running and ended across several index intervals: the
     rescan (no INDEX) finds the same open sessions, index and end."""
     d = tmp_path / "log"
@@ -85,19 +86,14 @@ def test_a_log_rescanned_whole_recovers_alike_under_either_codec(tmp_path):
                 lg.append_batch([(sid, 1, SessionStarted(harness="test"))])
             if i % 3 == 2:
                 lg.append_batch([(sid, 2, SessionFinished(reward=1.0))])
-    (d / INDEX_NAME).unlink()
-    saved, results = framecodec.native, []
-    try:
-        for native in (True, False):
-            framecodec.use_native(native)
-            copy = tmp_path / f"copy-{native}"
-            copy.mkdir()
-            for f in d.iterdir():
-                (copy / f.name).write_bytes(f.read_bytes())
-            got = recover(copy, max_record_bytes=16 << 20, salvage=False)
-            results.append((got.open_sessions, got.index, got.next_lsn))
-    finally:
-        framecodec.native = saved
+    monkeypatch.setattr(framecodec, "native", framecodec.native)  # put back after the test
+    results = []
+    for native in (True, False):
+        framecodec.use_native(native)
+        copy = copy_log(d, tmp_path / f"copy-{native}")  # without its INDEX: the whole log is rescanned
+        assert not (copy / INDEX_NAME).exists()
+        got = recover(copy, max_record_bytes=16 << 20, salvage=False)
+        results.append((got.open_sessions, got.index, got.next_lsn))
     assert results[0] == results[1]
     open_sessions, index, _ = results[0]
     assert open_sessions == {f"s{i}": 1 + (i % 3 == 1) for i in range(120) if i % 3 != 2}
