@@ -27,7 +27,7 @@ from agentlog.loop.worker import RolloutWorker
 
 class LongEchoTask(TextTask):
     """Write the asked word into answer.txt. Turns of up to 400 tokens: a batch generates for longer
-    than the learner trains a step (max_lag 1), so each new version lands mid-generation."""
+    than the learner trains a step, so each new version lands mid-generation."""
 
     name = "long-echo-test"
     max_turns = 2
@@ -50,13 +50,20 @@ register_task("long-echo-test")(LongEchoTask)
 
 
 def _train(run_dir: Path, mode: str) -> LoopConfig:
+    """Train a run, the learner on a thread and event loop of its own, as it runs in a process of its
+    own under ``agentlog train``. On the worker's loop its synchronous step would stop the worker's
+    sessions until it published: every new version would come before the next batch's first request,
+    and a turn would be interrupted only when the weight load lost a race of milliseconds against that
+    request (on a loaded machine it never did). On its own thread, the step (of a model large enough
+    to take longer than a batch takes to start) overlaps the next batch's generation."""
     cfg = LoopConfig(task="long-echo-test", steps=5, groups_per_step=2, group_size=2, warmup_steps=0, faults=FaultConfig.none(),
-                     stop_reward=0, time_budget_s=0, max_lag=2, d_model=32, n_layer=1, n_head=2,
+                     stop_reward=0, time_budget_s=0, max_lag=2, d_model=64, n_layer=2, n_head=2,
                      agent={"harness": "python-agent", "budget_s": 60}, inference={"context_length": 2048},
                      rollout={"weight_update": mode})
 
     async def train() -> None:
-        await asyncio.wait_for(asyncio.gather(LoopLearner(run_dir, cfg).run(), RolloutWorker(run_dir, cfg).run()), 240)
+        learner = asyncio.to_thread(asyncio.run, LoopLearner(run_dir, cfg).run())
+        await asyncio.wait_for(asyncio.gather(learner, RolloutWorker(run_dir, cfg).run()), 240)
 
     asyncio.run(train())
     return cfg
@@ -64,10 +71,10 @@ def _train(run_dir: Path, mode: str) -> LoopConfig:
 
 @pytest.mark.parametrize("mode", ["continue", "resubmit"])
 def test_a_run_with_partial_rollouts_reconstructs_equal(tmp_path: Path, mode: str) -> None:
-    """Every run's offline check is EQUAL on every step. The learner publishes
-    on its own clock, so a run whose every publish fell between batches
-    (the worker waiting at max_lag, or its turns ended early on a sampled end
-    token) has no interrupted turn: up to three runs, until one has."""
+    """Every run's offline check is EQUAL on every step, and turns were
+    interrupted by weight updates. The learner publishes on its own clock, so
+    a run could still see every publish fall between generations (its turns
+    all ended early on a sampled end token): up to three runs, until one has."""
     interrupted = []
     for attempt in range(3):
         run_dir = tmp_path / f"run{attempt}"
