@@ -473,18 +473,20 @@ static int parse_state(scan_state *st, Py_buffer *view, PyObject *limit_obj, Py_
    Frames wholly inside ``buf`` (a bytes-like object whose first byte is at file
    offset ``base``), from ``rel`` on, each a ``frame_type`` (a tuple subclass:
    offset, end, lsn, session_seq, ts_ns, flags, session_id, payload) whose
-   payload is a slice of ``view`` (a memoryview of buf: zero copy). code says
+   payload is a slice of ``view`` (a memoryview of buf: zero copy), or None when
+   ``view`` is None (a walk that reads only the heads: recovery). code says
    why it stopped: 0 the next frame is not wholly in the buffer (``rel`` is
    where it starts), 1 ``limit`` reached, 2 end of file, 3 a bad frame at
    ``rel`` (``reason`` says why), 4 ``max_frames`` returned. */
 /* The Frame (a ``tp`` of 8 items: offset, end, lsn, seq, ts, flags, sid, payload) of the
-   valid frame ``fi``, its payload a slice of ``viewobj``. Steals ``sid``, ``off`` and ``end``
+   valid frame ``fi``, its payload a slice of ``viewobj``, or None when ``viewobj`` is None
+   (no payload asked for: a memoryview per frame is a quarter of a walk). Steals ``sid``, ``off`` and ``end``
    (either may be NULL after a failed allocation: then NULL is returned). NULL with an
    exception set on failure, everything given released. The one place every scanner
    builds its frames. */
 static PyObject *make_frame(PyTypeObject *tp, PyObject *viewobj, const frame_info *fi, PyObject *sid, PyObject *off,
                             PyObject *end) {
-    PyObject *payload = PySequence_GetSlice(viewobj, fi->rel + SID_AT + fi->sidlen, fi->end);
+    PyObject *payload = viewobj == Py_None ? Py_NewRef(Py_None) : PySequence_GetSlice(viewobj, fi->rel + SID_AT + fi->sidlen, fi->end);
     PyObject *fr = payload != NULL && off != NULL && end != NULL ? tp->tp_alloc(tp, 8) : NULL;
     if (fr == NULL) {
         Py_DECREF(sid);
@@ -895,7 +897,7 @@ static PyObject *mapped_batch(scan_state *st, PyTypeObject *tp, unsigned long lo
    -> (frames, rel, expected, code, reason)
 
    scan() over a memory-mapped segment (``map``, whose first byte is at file
-   offset ``base``; ``view`` a memoryview of it), safe against the file
+   offset ``base``; ``view`` a memoryview of it, or None: no payloads), safe against the file
    shrinking while mapped: code 5 (SHRANK) says it did, at ``rel``. It
    returns at most 512 frames a call, whatever ``max_frames`` says. The same
    frames, checks, codes and reasons as scan() otherwise. With ``batch_raw_cap``
@@ -1929,7 +1931,7 @@ PyMODINIT_FUNC PyInit__framecodec(void) {
         PyModule_AddIntConstant(m, "BAD", SCAN_BAD) < 0 || PyModule_AddIntConstant(m, "MORE", SCAN_MORE) < 0 ||
         PyModule_AddIntConstant(m, "SHRANK", SCAN_SHRANK) < 0 ||
         /* framecodec.API: raised with every change to what this module exports (a stale build is then not used). */
-        PyModule_AddIntConstant(m, "API", 5) < 0) {
+        PyModule_AddIntConstant(m, "API", 6) < 0) {
         Py_DECREF(m);
         return NULL;
     }

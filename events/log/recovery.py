@@ -202,6 +202,7 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
         offset=offset,
         expected=expected,
         writable=True,
+        payloads=False,  # it reads where records are and whose, never what they say
     )
     # closing(): an error raised inside the walk closes the segment it has open at once.
     with contextlib.closing(walk.scan()) as walked:

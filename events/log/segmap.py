@@ -99,20 +99,21 @@ def frames_mapped(sc: "SegmentScanner", limit: int | None, size: int, batched: b
         sc._buf, sc._buf_off = b"", sc.offset
         return True
     walk = None
+    payload_view = view if sc.payloads else None  # the frames' payloads are slices of it; None: frames without
     raw_cap = batch_raw_cap(sc.cap) if WALK_BATCHES else 0
     if CPUS > 1 and size - sc.offset >= MIN_THREADED_BYTES:
         try:
-            walk = codec.MappedScan(mm, view, sc.frame_type, sc.offset, 0, size, sc.expected, limit, sc.cap, raw_cap)
+            walk = codec.MappedScan(mm, payload_view, sc.frame_type, sc.offset, 0, size, sc.expected, limit, sc.cap, raw_cap)
         except OSError:  # no thread to be had (a process limit): the walk runs in this thread
             walk = None
     try:
-        return (yield from _walk(sc, walk, mm, view, limit, size, batched, max_frames, raw_cap))
+        return (yield from _walk(sc, walk, mm, payload_view, limit, size, batched, max_frames, raw_cap))
     finally:
         if walk is not None:
             walk.close()  # a consumer that stopped early: the thread stops too
 
 
-def _walk(sc: "SegmentScanner", walk: Any, mm: Any, view: memoryview, limit: int | None, size: int, batched: bool,
+def _walk(sc: "SegmentScanner", walk: Any, mm: Any, view: memoryview | None, limit: int | None, size: int, batched: bool,
           max_frames: int, raw_cap: int) -> Generator[Any, None, bool]:
     """The loop of :func:`frames_mapped`: frames from ``walk`` (a ``MappedScan``) or, without one, from ``scan_mapped``."""
     from .scan import BadFrame  # scan imports this module

@@ -83,6 +83,36 @@ def test_threaded_and_pread_scans_agree_on_random_and_mutated_segments(scratch, 
     assert _scan(path, True, limit) == _scan(path, False, limit)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(recs=_records, muts=st.lists(_mutation, max_size=3), seed=st.integers(0, 1 << 30),
+       limit=st.one_of(st.none(), st.integers(0, 14)), walk=st.sampled_from(["pread", "mapped", "threaded"]))
+def test_a_scan_without_payloads_gives_the_same_frames_and_stop_each_frame_without_its_payload(
+        scratch, threaded, recs, muts, seed, limit, walk):
+    """``payloads`` off (recovery's walk): every compiled path (pread, mapped, mapped
+    with the second thread) gives the frames, offsets and stop it gives with them, and
+    builds no payload view."""
+    path = scratch / segment_name(0)
+    path.write_bytes(_mutate(_segment(recs), muts, seed))
+    cpus = segmap.CPUS
+    segmap.CPUS = 1 if walk == "mapped" else 2  # one CPU: the mapped walk runs in the reader's thread
+    try:
+        scans = []
+        for payloads in (True, False):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                sc = SegmentScanner(fd, path.name, SEG_HDR_SIZE, 0, CAP)
+                sc.mapped, sc.payloads = walk != "pread", payloads
+                frames = list(sc.frames(limit=limit))
+                scans.append(([fr[:7] for fr in frames], [fr.payload for fr in frames], sc.offset, sc.expected, sc.bad))
+            finally:
+                os.close(fd)
+    finally:
+        segmap.CPUS = cpus
+    (heads, views, *stop), (heads_only, nones, *stop_only) = scans
+    assert heads_only == heads and stop_only == stop
+    assert all(type(v) is memoryview for v in views) and nones == [None] * len(heads)
+
+
 def test_more_frames_than_the_ring_holds_arrive_in_order_in_small_takes(scratch, threaded):
     path = scratch / segment_name(0)
     n = 3 * RING + 17
