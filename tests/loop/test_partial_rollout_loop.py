@@ -6,6 +6,8 @@ reconstruction still equals every online digest."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import random
 from pathlib import Path
 from typing import Any
@@ -62,11 +64,34 @@ def _train(run_dir: Path, mode: str) -> LoopConfig:
                      rollout={"weight_update": mode})
 
     async def train() -> None:
-        learner = asyncio.to_thread(asyncio.run, LoopLearner(run_dir, cfg).run())
-        await asyncio.wait_for(asyncio.gather(learner, RolloutWorker(run_dir, cfg).run()), 240)
+        await asyncio.wait_for(asyncio.gather(_learner_on_its_own_thread(run_dir, cfg), RolloutWorker(run_dir, cfg).run()), 240)
 
     asyncio.run(train())
     return cfg
+
+
+async def _learner_on_its_own_thread(run_dir: Path, cfg: LoopConfig) -> None:
+    """Run the learner on a thread and event loop of its own. Cancelled (the worker failed, or the
+    time ran out), it cancels the learner there and waits for its thread: a learner left waiting for
+    batches that will never come would hold this process's exit forever."""
+    started: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        async def learn() -> None:
+            started.set_result((asyncio.get_running_loop(), asyncio.current_task()))
+            await LoopLearner(run_dir, cfg).run()
+
+        asyncio.run(learn())
+
+    thread = asyncio.ensure_future(asyncio.to_thread(run))
+    try:
+        await asyncio.shield(thread)
+    except asyncio.CancelledError:
+        loop, task = await asyncio.wrap_future(started)
+        loop.call_soon_threadsafe(task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await thread
+        raise
 
 
 @pytest.mark.parametrize("mode", ["continue", "resubmit"])
