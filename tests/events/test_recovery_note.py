@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentlog.events import FileLog
-from agentlog.events.log import framecodec
+from agentlog.events.log import framecodec, recovery, segmap
 from agentlog.events.log.format import FLAG_TERMINAL, INDEX_NAME
 from agentlog.events.log.recovery import note_frames, recover
-from agentlog.events.log.scan import Frame
+from agentlog.events.log.scan import Frame, LogWalk
 from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted
 from log_helpers import copy_log
 
@@ -103,11 +103,13 @@ def test_a_log_rescanned_whole_recovers_alike_under_either_codec(tmp_path, monke
 def test_recovery_reads_where_records_are_and_whose_not_their_payloads(tmp_path, monkeypatch):
     """Recovery's walk leaves every frame's payload unread (a view per frame was a
     quarter of the compiled walk's time): its step gets each frame with payload None,
-    and finds what it found with them."""
+    and it finds what a walk with the payloads finds. The log is past the size the
+    scanner maps, so the mapped walk is the one checked where the CPU has CRC32C."""
     d = tmp_path / "log"
     with FileLog.open(d) as lg:
         for i in range(200):
-            lg.append_batch([(f"s{i}", 0, SessionOpened(group_id="g", group_size=1, prompt_ids=bytes(1 << 10)))])
+            lg.append_batch([(f"s{i}", 0, SessionOpened(group_id="g", group_size=1, prompt_ids=bytes(2 << 10)))])
+    assert sum(p.stat().st_size for p in d.glob("*.seg")) > segmap.MIN_MAPPED_BYTES
     compiled = framecodec.native
     payloads: list = []
 
@@ -123,10 +125,17 @@ def test_recovery_reads_where_records_are_and_whose_not_their_payloads(tmp_path,
             return compiled.recovery_note(frames, *args)
 
     monkeypatch.setattr(framecodec, "native", Spy())
-    got = recover(copy_log(d, tmp_path / "copy"), max_record_bytes=16 << 20, salvage=False)
+    without = recover(copy_log(d, tmp_path / "copy"), max_record_bytes=16 << 20, salvage=False)
     assert len(payloads) == 200 and set(payloads) == {None}
-    monkeypatch.setattr(framecodec, "native", compiled)
-    assert got == recover(copy_log(d, tmp_path / "again"), max_record_bytes=16 << 20, salvage=False)
+
+    def walk_with_payloads(*args, **kwargs):
+        return LogWalk(*args, **{**kwargs, "payloads": True})
+
+    payloads.clear()
+    monkeypatch.setattr(recovery, "LogWalk", walk_with_payloads)
+    with_them = recover(copy_log(d, tmp_path / "again"), max_record_bytes=16 << 20, salvage=False)
+    assert len(payloads) == 200 and all(type(p) is memoryview for p in payloads)
+    assert with_them == without
 
 
 class _ClearingId(str):

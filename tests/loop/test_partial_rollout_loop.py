@@ -88,7 +88,8 @@ async def _learner_on_its_own_thread(run_dir: Path, cfg: LoopConfig) -> None:
         await asyncio.shield(thread)
     except asyncio.CancelledError:
         loop, task = await asyncio.wrap_future(started)
-        loop.call_soon_threadsafe(task.cancel)
+        with contextlib.suppress(RuntimeError):  # its loop already closed: the learner had finished
+            loop.call_soon_threadsafe(task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
             await thread
         raise
