@@ -22,7 +22,10 @@ keys only. A key unused for ``key_ttl_s`` (its session ended) is forgotten.
 **Out of routing.** A generation that fails on the server was never
 recorded, so it is retried on the next member (each at most once): the turn
 is neither lost nor recorded twice, and the session's later turns stay on
-their new server. A 5xx leaves its member in routing (the fault may be that
+their new server. So is one still waiting on a member taken out as unhealthy
+(no answer, a failed probe, a fatal reason) while it runs: a hung server
+keeps its connections open and answers nothing, which would hold the turn
+until the client's timeout. A 5xx leaves its member in routing (the fault may be that
 request's; the probe decides); a 4xx is the request's fault and is raised.
 A member is taken out, with its reason, when:
 
@@ -72,6 +75,17 @@ def ring_point(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
+class _TakenOut(Exception):
+    """A member was taken out as unhealthy while a generation waited on it (its reason)."""
+
+
+def _retrieve(task: "asyncio.Future[Any]") -> None:
+    """Done callback of a generation given up on: its outcome (the cancellation, or an error
+    the abort met) is nobody's to raise; the backend logs a failed abort itself."""
+    if not task.cancelled():
+        task.exception()
+
+
 @dataclass(eq=False)
 class FleetMember:
     """One inference server of a fleet, and whether it is in routing."""
@@ -93,6 +107,8 @@ class FleetMember:
     served: int = 0
     failures: int = 0
     _since: float = field(default_factory=time.monotonic)
+    #: Set while the member is out as unhealthy: the generations waiting on it give up and go elsewhere.
+    _unhealthy: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     async def update(self, path: str, version: int) -> None:
         """Load ``version`` from ``path`` on this server."""
@@ -228,7 +244,8 @@ class Fleet(Backend):
         """Generate on the routing key's member. Nothing is recorded before this returns, so
         a generation that fails on the server is retried on the next member (each member at
         most once): one that got no answer takes its member out; a 5xx leaves it to its probe
-        (the fault may be this request's); a 4xx is the request's fault and is raised."""
+        (the fault may be this request's); a 4xx is the request's fault and is raised. One still
+        waiting when its member is taken out as unhealthy is given up and retried the same way."""
         self._start_prober()
         key = ROUTING_KEY.get()
         tried: set[str] = set()
@@ -236,7 +253,13 @@ class Fleet(Backend):
             m = self.choose(key, frozenset(tried))
             m.inflight += 1
             try:
-                gen = await m.backend.generate(prompt_ids, params)
+                gen = await self._generate_on(m, prompt_ids, params)
+            except _TakenOut as out:
+                m.failures += 1
+                tried.add(m.name)
+                if len(tried) == len(self.members) or not self.in_routing():
+                    raise BackendError(self.name, f"server {m.name} was taken out during a generation: {out}") from None
+                continue
             except BackendError as exc:
                 if 0 < exc.status < 500:
                     raise  # another server would refuse it too
@@ -251,6 +274,27 @@ class Fleet(Backend):
                 m.inflight -= 1
             m.served += 1
             return msgspec.structs.replace(gen, server=m.name)
+
+    async def _generate_on(self, m: FleetMember, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        """``m``'s generation, given up (raising :class:`_TakenOut`) when ``m`` is taken out as
+        unhealthy before it answers: the request is cancelled, which asks the server to abort
+        it, without waiting for that (a hung server would not answer the abort either). A
+        cancelled call cancels the request and waits for its abort, as the backend's own would."""
+        gen = asyncio.ensure_future(m.backend.generate(prompt_ids, params))
+        gone = asyncio.ensure_future(m._unhealthy.wait())
+        try:
+            await asyncio.wait((gen, gone), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            gen.cancel()
+            await asyncio.gather(gen, return_exceptions=True)
+            raise
+        finally:
+            gone.cancel()
+        if gen.done():
+            return gen.result()
+        gen.cancel()
+        gen.add_done_callback(_retrieve)
+        raise _TakenOut(m.out_reason or "out of routing")
 
     def ignored_sampling(self, params: SamplingParams) -> list[str]:
         ignored: set[str] = set()
@@ -277,11 +321,14 @@ class Fleet(Backend):
             _log.warning("fleet.server_out", server=m.name, reason=reason, in_routing=len(self.in_routing()) - 1)
             m._since = time.monotonic()
         m.out_reason, m.out_kind = reason, kind
+        if kind != "update":  # a failed update leaves it serving the turns it has, on the version its gate reports
+            m._unhealthy.set()
 
     def _bring_back(self, m: FleetMember) -> None:
         _log.info("fleet.server_back", server=m.name, policy_version=m.backend.policy_version, was=m.out_reason,
                   out_s=round(time.monotonic() - m._since, 3))
         m.out_reason = m.out_kind = None
+        m._unhealthy.clear()
 
     async def probe_all(self) -> None:
         """Probe every member once: take out those that fail; bring back those out that

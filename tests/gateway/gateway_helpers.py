@@ -247,6 +247,11 @@ class FakeServer:
         self.healthy = True
         #: When set, the next generation is answered with this HTTP status (and nothing generated).
         self.fail_next_generate = 0
+        #: When set, generations are taken and never answered (a hung server: its connections stay open).
+        self.hang_generations = False
+        #: Generations it took and holds unanswered while hung (released by :meth:`stop`).
+        self.hung = 0
+        self._unhang = asyncio.Event()
 
     async def start(self) -> "FakeServer":
         app = web.Application()
@@ -260,6 +265,7 @@ class FakeServer:
         return self
 
     async def stop(self) -> None:
+        self._unhang.set()  # a hung generation's handler ends, or the shutdown would wait a minute for it
         await self.runner.cleanup()
 
     async def _generate_ids(self) -> list[int]:
@@ -283,6 +289,10 @@ class FakeServer:
         self.keys.append(request.headers.get(ROUTING_HEADER_DEFAULT))
         body = await request.json()
         assert isinstance(body["input_ids"], list) and body["return_logprob"] is True
+        if self.hang_generations:
+            self.hung += 1
+            await self._unhang.wait()
+            return web.json_response({"error": {"message": "stopped while hung"}}, status=503)
         ids = await self._generate_ids()
         return web.json_response({"text": "", "meta_info": {"output_token_logprobs": [[-0.5, i, None] for i in ids],
                                                             "finish_reason": {"type": "stop"}}})

@@ -221,6 +221,41 @@ def test_a_server_failing_its_health_probe_is_taken_out_and_comes_back():
     run(main())
 
 
+def test_a_generation_waiting_on_a_hung_server_goes_elsewhere_once_its_probe_fails():
+    """A hung server keeps its connections open and answers nothing (a wedged GPU, a
+    server stuck shutting down). The turn waiting on it must not wait for the client's
+    timeout (600 s): once the probe takes the server out, the generation is given up
+    there and made on another server, recorded once, naming the move."""
+    async def main():
+        fleet, servers = await _fleet(2, probe_interval_s=0.05)
+        hung: list = []
+
+        async def hang_its_server(sid: str, t: int) -> None:
+            if t == 0:  # its first turn placed it: its server hangs from now on
+                hung.append(servers[fleet.members.index(fleet._placed[sid])])
+                hung[0].hang_generations = True
+
+        async def fail_the_probe_once_hung() -> None:
+            while not (hung and hung[0].hung):
+                await asyncio.sleep(0.005)
+            hung[0].healthy = False
+
+        async with rig(fleet) as (gw, engine, log):
+            started = asyncio.get_running_loop().time()
+            await asyncio.wait_for(asyncio.gather(_play(gw, engine, ["s"], 2, between=hang_its_server),
+                                                  fail_the_probe_once_hung()), 10)
+            took = asyncio.get_running_loop().time() - started
+            home = fleet.members[servers.index(hung[0])]
+            names = _servers_by_session(log)["s"]
+            assert names[0] == home.name and names[1] != home.name and hung[0].hung == 1
+            assert "health probe failed" in home.out_reason and home.failures == 1
+            assert took < 5, f"two turns took {took:.1f} s with one server hung"
+        for server in servers:
+            await server.stop()
+
+    run(main())
+
+
 class _Idle(Backend):
     """A member that never generates: routing is decided by Fleet.choose alone."""
 
