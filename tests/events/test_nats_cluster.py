@@ -37,6 +37,24 @@ async def _add_r3_stream(js, name: str, duplicate_window: float):
     )
 
 
+async def _publish(js, subject: str, data: bytes, msg_id: str):
+    """``js.publish`` with a ``Nats-Msg-Id``, tried again while no stream answers its subject
+    yet: a new replicas-3 stream takes a moment to elect its leader and spread its subjects'
+    interest over the cluster. A publish nobody answered stored nothing, so trying it again
+    cannot make a duplicate; a timeout might have, and is raised."""
+    import nats.errors
+    import nats.js.errors
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return await js.publish(subject, data, headers={MSG_ID: msg_id})
+        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
 async def _stored_ids(js, stream: str) -> list[str]:
     """The ``Nats-Msg-Id`` of every message in ``stream``, in sequence order."""
     info = await js.stream_info(stream)
@@ -71,13 +89,13 @@ def test_msg_id_duplicates_are_suppressed_only_within_the_window(nats_cluster: N
             js = nc.jetstream()
             info = await _add_r3_stream(js, "DEDUP", duplicate_window=window)
             assert info.config.num_replicas == 3 and info.config.duplicate_window == window
-            first = await js.publish("DEDUP.p0", b"a", headers={MSG_ID: "p0-e1-l1"})
-            again = await js.publish("DEDUP.p0", b"a", headers={MSG_ID: "p0-e1-l1"})
-            other = await js.publish("DEDUP.p0", b"b", headers={MSG_ID: "p0-e1-l2"})
+            first = await _publish(js, "DEDUP.p0", b"a", "p0-e1-l1")
+            again = await _publish(js, "DEDUP.p0", b"a", "p0-e1-l1")
+            other = await _publish(js, "DEDUP.p0", b"b", "p0-e1-l2")
             assert not first.duplicate and again.duplicate and again.seq == first.seq
             assert other.seq == first.seq + 1 and not other.duplicate
             await asyncio.sleep(window * 1.5)
-            late = await js.publish("DEDUP.p0", b"a", headers={MSG_ID: "p0-e1-l1"})
+            late = await _publish(js, "DEDUP.p0", b"a", "p0-e1-l1")
             assert not late.duplicate and late.seq == other.seq + 1
             assert await _stored_ids(js, "DEDUP") == ["p0-e1-l1", "p0-e1-l2", "p0-e1-l1"]
 
