@@ -59,6 +59,7 @@ from typing import Any, Sequence
 import msgspec
 
 from agentlog._logging import get_logger
+from agentlog.events.errors import AgentlogError
 
 from .backends import ROUTING_KEY, Backend, BackendError, Generation, SamplingParams
 
@@ -75,7 +76,7 @@ def ring_point(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
-class _TakenOut(Exception):
+class _TakenOut(AgentlogError):
     """A member was taken out as unhealthy while a generation waited on it (its reason)."""
 
 

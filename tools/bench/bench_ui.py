@@ -428,10 +428,11 @@ async def bench(args: argparse.Namespace, base: Path) -> int:
     for what, ours, anchor, note in rows:
         print(f"{what:58s} {ours:>8s} {anchor:>10s}  {note}")
     print(f"worst filter: {worst[0]}")
-    _goal(f"ui_first_page_{scale}_ms", med(first_page) * 1000, 1000)
-    _goal(f"ui_filter_{scale}_ms", worst[1] * 1000, 1000)
-    _goal(f"ui_session_view_{LONG_TURNS}_turns_ms", med(views) * 1000, 500)
-    _goal("ui_live_lag_s", sse[-1], 2, 2)
+    # Enough digits that a fast measure never prints as 0 (a 4 ms lag was "0.00").
+    _goal(f"ui_first_page_{scale}_ms", med(first_page) * 1000, 1000, 1)
+    _goal(f"ui_filter_{scale}_ms", worst[1] * 1000, 1000, 1)
+    _goal(f"ui_session_view_{LONG_TURNS}_turns_ms", med(views) * 1000, 500, 1)
+    _goal("ui_live_lag_s", sse[-1], 2, 3)
     return 0
 
 
