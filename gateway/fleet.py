@@ -59,7 +59,6 @@ from typing import Any, Sequence
 import msgspec
 
 from agentlog._logging import get_logger
-from agentlog.events.errors import AgentlogError
 
 from .backends import ROUTING_KEY, Backend, BackendError, Generation, SamplingParams
 
@@ -76,8 +75,9 @@ def ring_point(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
-class _TakenOut(AgentlogError):
-    """A member was taken out as unhealthy while a generation waited on it (its reason)."""
+class _TakenOut(BackendError):
+    """A generation given up because its member was taken out as unhealthy while it waited
+    (no answer, status 0): retried as any unanswered one, the member already out."""
 
 
 def _retrieve(task: "asyncio.Future[Any]") -> None:
@@ -255,18 +255,12 @@ class Fleet(Backend):
             m.inflight += 1
             try:
                 gen = await self._generate_on(m, prompt_ids, params)
-            except _TakenOut as out:
-                m.failures += 1
-                tried.add(m.name)
-                if len(tried) == len(self.members) or not self.in_routing():
-                    raise BackendError(self.name, f"server {m.name} was taken out during a generation: {out}") from None
-                continue
             except BackendError as exc:
                 if 0 < exc.status < 500:
                     raise  # another server would refuse it too
                 m.failures += 1
                 tried.add(m.name)
-                if exc.status == 0:
+                if exc.status == 0 and not isinstance(exc, _TakenOut):
                     self._take_out(m, "answer", f"a generation got no answer: {exc}")
                 if len(tried) == len(self.members) or not self.in_routing():
                     raise
@@ -295,7 +289,7 @@ class Fleet(Backend):
             return gen.result()
         gen.cancel()
         gen.add_done_callback(_retrieve)
-        raise _TakenOut(m.out_reason or "out of routing")
+        raise _TakenOut(self.name, f"server {m.name} was taken out during the generation: {m.out_reason}")
 
     def ignored_sampling(self, params: SamplingParams) -> list[str]:
         ignored: set[str] = set()

@@ -390,7 +390,11 @@ class EventLog(abc.ABC):
 
     @abc.abstractmethod
     async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
-        """Append one record from asyncio; concurrent calls are group-committed."""
+        """Append one record from asyncio; concurrent calls are group-committed.
+        It checks the record before its first await (every log here does): the
+        engine sets ``READING_STORED`` across the append of a turn it built
+        (``engine.handle.append_built_turn``), which is sound only if the values
+        checked are the values the caller handed over."""
 
     def stage(self, session_id: str, session_seq: int, body: Any, on_durable: OnDurable) -> None:
         """Append one record from asyncio without awaiting it: ``on_durable(env, None)``
