@@ -25,9 +25,10 @@ gateway parses it, the agent echoes it back and answers with a tool result.
 2. Capture CPU per turn at 1k, 10k and 100k-token contexts: CPU time
    (``time.process_time``, all threads, the log's writer included; the
    event loop's thread alone beside it) of what the gateway does to record a
-   turn once the prompt is encoded (engine decision, delta against the
-   previous turn, log append made durable, the prompt cache's update),
-   excluding HTTP and tokenization; beside it the prompt encoding per turn
+   turn once the prompt is encoded, through the gateway's own turn path
+   (``begin_turn``, staged in the request's task, then awaited durable; the
+   engine decision, delta against the previous turn, lineage, log append,
+   the prompt cache's update), excluding HTTP and tokenization; beside it the prompt encoding per turn
    before (a full encode at every turn) and after (incremental), for the
    built-in template and a Hugging Face byte-level BPE tokenizer built in
    code (learner/hf_tiny.py). Two arms, both FileLog fsync ``batch``:
@@ -298,6 +299,16 @@ async def _throughput(args, n: int, shape: dict, pool, counter: list) -> dict:
 # ---------------------------------------------------------------- capture CPU per turn
 
 
+def _record(h, prompt, response, out):
+    """Record a turn as the gateway's turn path does (gateway/turn.py): staged with
+    ``begin_turn`` before the first await, in the request handler's own task (no
+    task per turn), its frozen messages and the cached prompt handed over as they
+    are. Returns the :class:`~agentlog.engine.handle.PendingTurn`."""
+    return h.begin_turn(messages=prompt.messages, prompt_ids=prompt.recorded, output_ids=out,
+                        output_log_probs=[-0.5] * len(out), finish_reason="stop", response_message=response,
+                        sampling={"temperature": 1.0}, frozen_messages=True)
+
+
 async def _cpu_per_turn(args, contexts: list[int]) -> list[dict]:
     """Per context size: one session grown to it (context/20 new tokens a
     turn), then ``cpu_turns`` turns that add context/400 tokens each (and an
@@ -305,8 +316,9 @@ async def _cpu_per_turn(args, contexts: list[int]) -> list[dict]:
     from agentlog.engine import SessionEngine
     from agentlog.events import FileLog
     from agentlog.gateway import ByteChatTemplate, HFChatTemplate, ToolSpec
+    from agentlog.events.schema.lineage import turn_lineage
     from agentlog.gateway.chat import assistant_message, pack_ids
-    from agentlog.gateway.prompt_cache import PromptCache
+    from agentlog.gateway.prompt_cache import LineagePrompts, PromptCache
     from agentlog.learner.hf_tiny import build_tokenizer
 
     tools = [ToolSpec("bash", "run a shell command", {"type": "object", "properties": {"command": {"type": "string"}}})]
@@ -323,6 +335,7 @@ async def _cpu_per_turn(args, contexts: list[int]) -> list[dict]:
             await h.start(harness="bench")
             step = max(100, ctx // 20)
             msgs = [{"role": "system", "content": _text(min(ctx // 2, 8000), sid)}, {"role": "user", "content": "fix it"}]
+            lineages = LineagePrompts()  # the gateway's byte-template caches, one per lineage (one here)
             caches = {"byte": PromptCache(), "hf": PromptCache()}
             cost = {k: [] for k in ("capture", "main", "byte_full", "byte_inc", "hf_full", "hf_inc", "wall")}
             k, sizes = 0, []
@@ -333,6 +346,7 @@ async def _cpu_per_turn(args, contexts: list[int]) -> list[dict]:
                 if timed:
                     sizes.append(length)
                 prompts = {}
+                caches["byte"] = lineages.pick(msgs)
                 for name, template in (("byte", byte), ("hf", hf)):
                     if timed:
                         fresh = msgspec.json.decode(wire)
@@ -349,10 +363,8 @@ async def _cpu_per_turn(args, contexts: list[int]) -> list[dict]:
                 response = assistant_message("Looking.", [call])
                 out = byte.encode_text("Looking.\n" + byte.parser.render("bash", call["arguments"])) + [byte.EOS]
                 t0, m0, w0 = pt(), time.thread_time(), time.perf_counter()
-                await h.record_turn(messages=prompt.messages, prompt_ids=prompt.recorded, output_ids=out,
-                                    output_log_probs=[-0.5] * len(out), finish_reason="stop", response_message=response,
-                                    sampling={"temperature": 1.0}, frozen_messages=True)
-                caches["byte"].remember(prompt, response)
+                env = await _record(h, prompt, response, out).durable
+                lineages.remember(turn_lineage(env.body), caches["byte"], prompt, response)
                 if timed:
                     cost["capture"].append(pt() - t0)
                     cost["wall"].append(time.perf_counter() - w0)
@@ -383,8 +395,9 @@ async def _cpu_concurrent(args, ctx: int, n: int) -> dict:
     from agentlog.engine import SessionEngine
     from agentlog.events import FileLog
     from agentlog.gateway import ByteChatTemplate, ToolSpec
+    from agentlog.events.schema.lineage import turn_lineage
     from agentlog.gateway.chat import assistant_message
-    from agentlog.gateway.prompt_cache import PromptCache
+    from agentlog.gateway.prompt_cache import LineagePrompts
 
     tools = [ToolSpec("bash", "run a shell command", {"type": "object", "properties": {"command": {"type": "string"}}})]
     byte = ByteChatTemplate()
@@ -401,25 +414,24 @@ async def _cpu_concurrent(args, ctx: int, n: int) -> dict:
             h = await engine.open_session(sid, group_id=f"many{ctx}", group_size=n)
             await h.start(harness="bench")
             handles.append(h)
-            caches.append(PromptCache())
+            caches.append(LineagePrompts())
             convs.append([{"role": "system", "content": _text(min(ctx // 2, 8000), sid)}, {"role": "user", "content": "fix it"}])
-
-        async def record(i: int, prompt, response, out) -> None:
-            await handles[i].record_turn(messages=prompt.messages, prompt_ids=prompt.recorded, output_ids=out,
-                                         output_log_probs=[-0.5] * len(out), finish_reason="stop", response_message=response,
-                                         sampling={"temperature": 1.0}, frozen_messages=True)
-            caches[i].remember(prompt, response)
 
         k = 0
         while len(all_cpu) < args.cpu_turns:
             # Each request's messages arrive as fresh objects, encoded from the previous turn (untimed).
-            prompts = [c.encode(byte, msgspec.json.decode(msgspec.json.encode(m)), tools) for c, m in zip(caches, convs)]
+            picked = [c.pick(m) for c, m in zip(caches, convs)]
+            prompts = [p.encode(byte, msgspec.json.decode(msgspec.json.encode(m)), tools) for p, m in zip(picked, convs)]
             timed = min(len(p.packed) for p in prompts) // 4 >= ctx
             call = {"id": f"call_{k}", "name": "bash", "arguments": {"command": f"cat f{k}.py"}}
             responses = [assistant_message("Looking.", [call]) for _ in range(n)]
             out = byte.encode_text("Looking.\n" + byte.parser.render("bash", call["arguments"])) + [byte.EOS]
             t0, m0 = pt(), time.thread_time()
-            await asyncio.gather(*(record(i, prompts[i], responses[i], out) for i in range(n)))
+            # Each turn staged as the gateway's request handler stages it (no task of its own), then made durable together.
+            staged = [_record(handles[i], prompts[i], responses[i], out) for i in range(n)]
+            envs = await asyncio.gather(*(t.durable for t in staged))
+            for i, env in enumerate(envs):
+                caches[i].remember(turn_lineage(env.body), picked[i], prompts[i], responses[i])
             if timed:
                 all_cpu.append((pt() - t0) / n)
                 main_cpu.append((time.thread_time() - m0) / n)
@@ -469,7 +481,7 @@ async def _run(args) -> list[str]:
     lines.append("(gw CPU: the gateway's process, all threads, per turn; client CPU: the agents' HTTP client process)")
     lines.append("")
     lines.append("per turn, microseconds of CPU (median of "
-                 f"{args.cpu_turns} turns; capture = record_turn durable + cache update, no HTTP, no tokenization)")
+                 f"{args.cpu_turns} turns; capture = the gateway's begin_turn made durable + cache update, no HTTP, no tokenization)")
     lines.append(f"{'context':>9}{'capture':>9}{'main thr':>9}{'(wall)':>9}{'builtin full':>14}{'builtin incr':>14}{'HF full':>11}{'HF incr':>10}")
     for r in cpu:
         lines.append(f"{r['tokens']:>9}{r['capture']:>9.0f}{r['main']:>9.0f}{r['wall']:>9.0f}{r['byte_full']:>14.0f}{r['byte_inc']:>14.0f}"
