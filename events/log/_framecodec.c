@@ -1331,6 +1331,13 @@ static PyObject *ms_take(MappedScan *ms, PyObject *arg) {
         PyErr_SetString(PyExc_ValueError, "MappedScan.take: the scan was closed");
         return NULL;
     }
+    if (ms->started && ms->owner != getpid()) {
+        /* A forked child: the walk thread is its parent's, and a lock it held at the fork stays held
+           here. Never touch the ring's lock: refuse, and the caller reads on without the thread. */
+        PyErr_Format(PyExc_RuntimeError, "MappedScan.take: the walk thread runs in process %ld, not in this one "
+                     "(a fork); read on with scan_mapped", (long)ms->owner);
+        return NULL;
+    }
     pthread_mutex_lock(&ms->mu);
     unsigned long long produced = ms->produced, consumed = ms->consumed;
     int done = ms->done;

@@ -37,9 +37,11 @@ _NOFILE_RAISED = False
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
 
 
-def _raise_nofile_limit() -> None:
+def raise_nofile_limit() -> None:
     """Once per process: raise the soft RLIMIT_NOFILE to the hard limit, so a
-    burst of connections does not starve the writer of descriptors."""
+    burst of connections does not starve the writer of descriptors, and a
+    reader that holds the frames of many mapped segments (a descriptor each,
+    :mod:`~agentlog.events.log.segmap`) does not run out."""
     global _NOFILE_RAISED
     if _NOFILE_RAISED:
         return

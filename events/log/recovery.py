@@ -15,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 from agentlog._logging import get_logger
 
-from ..fs import fsync_dir
+from ..fs import atomic_file, fsync_dir
 from .api import LogCorruption
 from .format import (
     DURABLE_NAME,
@@ -292,23 +292,33 @@ def recover(directory: Path, *, max_record_bytes: int, salvage: bool) -> Recover
     )
 
 
+def _copy_range(fd: int, start: int, end: int, out: Any, what: str) -> None:
+    """Write bytes ``start..end`` of the file ``fd`` (``what``, for the error) to the open file ``out``."""
+    pos = start
+    while pos < end:
+        chunk = os.pread(fd, min(1 << 20, end - pos), pos)
+        if not chunk:
+            raise LogCorruption(f"{what}: ended at offset {pos} while being copied up to offset {end} (it shrank)")
+        out.write(chunk)
+        pos += len(chunk)
+
+
 def _salvage(directory: Path, later: list[int], fd: int | None, offset: int, err: LogCorruption, epoch: int, name: str = "") -> None:
     """Move damaged bytes and everything after them into ``salvage-<epoch>/``
     (never deleted), keeping the valid prefix as the log."""
     dest = directory / f"salvage-{epoch + 1}"
     dest.mkdir(exist_ok=True)
     if fd is not None:
-        size = os.fstat(fd).st_size
         with open(dest / f"{name}.tail@{offset}", "wb") as out:
-            pos = offset
-            while pos < size:
-                chunk = os.pread(fd, min(1 << 20, size - pos), pos)
-                out.write(chunk)
-                pos += len(chunk)
+            _copy_range(fd, offset, os.fstat(fd).st_size, out, f"{directory / name}")
             out.flush()
             os.fsync(out.fileno())
-        os.ftruncate(fd, offset)
-        os.fsync(fd)
+        # The kept prefix replaces the segment as a new file; the file is never cut in place. A
+        # reader (another process) may hold frames past the damage, mapped from this file (it
+        # sought past the damage with the INDEX): cutting the file under its mapping would kill it
+        # with SIGBUS. Its mapping keeps the old file, whose space is freed once nobody maps it.
+        with atomic_file(directory / name) as kept:
+            _copy_range(fd, 0, offset, kept, f"{directory / name}")
     for first in later:
         os.replace(directory / segment_name(first), dest / segment_name(first))
     fsync_dir(dest)

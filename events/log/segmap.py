@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Generator
 
 from . import framecodec
 from .format import batch_raw_cap
+from .osops import raise_nofile_limit
 
 if TYPE_CHECKING:
     from .scan import SegmentScanner
@@ -79,6 +80,9 @@ def _mapping(sc: "SegmentScanner", size: int) -> tuple[Any, memoryview]:
     """The segment mapped from its start to ``size`` (mapped again when the file grew)."""
     m = sc._map
     if m is None or len(m[0]) < size:
+        # A mapping holds a descriptor of its own (CPython's mmap keeps a dup) for as long as a frame
+        # handed out from it lives: a caller holding the envelopes of many segments holds that many.
+        raise_nofile_limit()
         mm = mmap.mmap(sc.fd, size, prot=mmap.PROT_READ)
         # Frames handed out keep views of the old mapping: it is unmapped when the last goes.
         m = sc._map = (mm, memoryview(mm))
@@ -107,15 +111,17 @@ def frames_mapped(sc: "SegmentScanner", limit: int | None, size: int, batched: b
         except OSError:  # no thread to be had (a process limit): the walk runs in this thread
             walk = None
     try:
-        return (yield from _walk(sc, walk, mm, payload_view, limit, size, batched, max_frames, raw_cap))
+        return (yield from _walk(sc, walk, mm, payload_view, limit, size, batched, max_frames, raw_cap, os.getpid()))
     finally:
         if walk is not None:
-            walk.close()  # a consumer that stopped early: the thread stops too
+            walk.close()  # a consumer that stopped early: the thread stops too (a forked child's close leaves it be)
 
 
 def _walk(sc: "SegmentScanner", walk: Any, mm: Any, view: memoryview | None, limit: int | None, size: int, batched: bool,
-          max_frames: int, raw_cap: int) -> Generator[Any, None, bool]:
-    """The loop of :func:`frames_mapped`: frames from ``walk`` (a ``MappedScan``) or, without one, from ``scan_mapped``."""
+          max_frames: int, raw_cap: int, owner: int) -> Generator[Any, None, bool]:
+    """The loop of :func:`frames_mapped`: frames from ``walk`` (a ``MappedScan``, whose thread runs in
+    process ``owner``) or, without one, from ``scan_mapped``. A forked child that goes on with a reader
+    its parent started has no walk thread: it reads on with ``scan_mapped`` from where the last take ended."""
     from .scan import BadFrame  # scan imports this module
 
     codec = framecodec.native
@@ -123,6 +129,8 @@ def _walk(sc: "SegmentScanner", walk: Any, mm: Any, view: memoryview | None, lim
     scan = codec.scan_mapped
     make, cap = sc.frame_type, sc.cap
     while True:
+        if walk is not None and owner != os.getpid():
+            walk = None  # its thread is the parent's (closed by frames_mapped: a no-op here)
         if walk is not None:
             frames, rel, expected, code, _reason = walk.take(max_frames)
         else:

@@ -74,7 +74,7 @@ from .format import pack_durable, pack_fence, read_durable, read_fence
 from .lock import acquire_lock, release_lock
 from .staging import _BIG_PAYLOAD, FrameStaging
 from .read import Cursor
-from .osops import OsOps, _raise_nofile_limit
+from .osops import OsOps, raise_nofile_limit
 from .recovery import fence_without_log, recover
 from .writer_checkpoint import WriterCheckpoints
 from ..schema.types import EVENT_TYPES, TERMINAL_EVENT_TYPES, Envelope
@@ -178,7 +178,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         self._fence_check = fence
         self._compression = check_compression(compression)
         self._log = log.bind(log_dir=str(directory))
-        _raise_nofile_limit()
+        raise_nofile_limit()
         self._lock = acquire_lock(directory, flock=_flock)
         try:
             self._init_state()

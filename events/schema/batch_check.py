@@ -129,7 +129,7 @@ def check_bodies(bodies: list, kinds: set | frozenset | None = None) -> tuple[li
     path pays nothing to locate it)."""
     try:
         array = _body_encoder.encode(bodies)
-    except (TypeError, ValueError, OverflowError) as exc:
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
         raise EventValidationError(f"a batch of {len(bodies)} bodies: one cannot be encoded: {exc}") from None
     if kinds is None:
         kinds = set(map(type, bodies))
@@ -150,6 +150,6 @@ def check_bodies(bodies: list, kinds: set | frozenset | None = None) -> tuple[li
                 DEFERRED_FINITE_SCANS.reset(token)
             if scans and not np.isfinite(log_probs_view(b"".join(scans))).all():
                 raise EventValidationError(f"a batch of {len(bodies)} bodies: a turn's log-prob is not finite")
-    except (msgspec.ValidationError, TypeError, ValueError) as exc:  # EventValidationError is a ValueError
+    except (msgspec.ValidationError, TypeError, ValueError, RecursionError) as exc:  # EventValidationError is a ValueError
         raise EventValidationError(f"a batch of {len(bodies)} bodies: one does not decode: {exc}") from None
     return _payloads_decoder.decode(array), decoded

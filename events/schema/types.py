@@ -477,7 +477,7 @@ def decode_body(payload: bytes | memoryview) -> Any:
     :class:`UnknownEvent`. Raises msgspec.ValidationError when a known tag's
     fields do not have this version's types, or the payload is not a tagged
     map (:func:`stored_tag` tells the two apart), and msgspec.DecodeError when
-    it is not msgpack."""
+    it is not msgpack (or nests deeper than the decoder follows: :func:`too_deep`)."""
     token = READING_STORED.set(True)
     try:
         return _body_decoder.decode(payload)
@@ -487,14 +487,24 @@ def decode_body(payload: bytes | memoryview) -> Any:
         if unknown is None:
             raise
         return unknown
+    except RecursionError as exc:
+        raise too_deep(exc) from None
     finally:
         READING_STORED.reset(token)
+
+
+def too_deep(exc: RecursionError) -> msgspec.DecodeError:
+    """The error of a stored payload nested deeper than msgspec's decoder
+    follows (it raises RecursionError): a DecodeError, as for any payload that
+    does not decode, so every reader reports it where it lies (segment,
+    offset, LSN) instead of letting a bare RecursionError through."""
+    return msgspec.DecodeError(f"the payload nests deeper than the decoder follows ({exc})")
 
 
 def _stored_map(payload: bytes | memoryview) -> dict | None:
     try:
         data = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -518,7 +528,10 @@ def payload_tag(payload: bytes | memoryview) -> str:
     """The ``type`` of a stored payload, decoding nothing else (several times
     faster than decoding the body). Raises msgspec.DecodeError when the
     payload is not a msgpack map with a str ``type``."""
-    return _tag_only_decoder.decode(payload).type
+    try:
+        return _tag_only_decoder.decode(payload).type
+    except RecursionError as exc:
+        raise too_deep(exc) from None
 
 
 def as_unknown_event(payload: bytes | memoryview) -> UnknownEvent | None:
@@ -560,11 +573,14 @@ def check_body(body: Any) -> tuple[bytes, Any]:
     tag = type(body).__struct_config__.tag
     try:
         payload = _body_encoder.encode(body)
-    except (TypeError, ValueError, OverflowError) as exc:
-        # UnicodeEncodeError (a lone surrogate), an int beyond 64 bits, an object msgpack cannot hold.
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        # UnicodeEncodeError (a lone surrogate), an int beyond 64 bits, an object msgpack cannot hold,
+        # a value nested deeper than the encoder follows.
         raise EventValidationError(f"{tag}: cannot be encoded: {exc}") from None
     try:
         return payload, _body_decoder.decode(payload)
+    except RecursionError as exc:  # encoded, but nested too deep for a reader to decode
+        raise EventValidationError(f"{tag}: a reader could not decode it: {exc}") from None
     except msgspec.ValidationError as exc:
         field, what = describe_validation_error(exc)
         if not field:

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentlog.events import FileLog, read_log
+from agentlog.events import FileLog, read_log, verify_log
 from agentlog.events.log.api import LogCorruption, SchemaError
 from agentlog.events.log.lazy import LazyEnvelope
 from agentlog.events.schema.read_check import checked_tag
@@ -131,6 +131,28 @@ def test_a_payload_that_does_not_decode_still_raises_during_the_read(tmp_path):
         list(read_log(tmp_path / "bad"))
 
 
+def test_a_payload_nested_deeper_than_the_decoder_follows_is_corruption_named_where_it_lies(tmp_path):
+    """msgspec raises RecursionError decoding it: readers and verify report a corrupt
+    record (segment, offset, LSN) instead of letting a bare RecursionError through."""
+    pack = msgspec.msgpack.encode
+    deep = b"\x82" + pack("type") + pack("session_started") + pack("details") + b"\x81" + pack("k") + b"\x91" * 5000 + b"\x01"
+    write_frames(tmp_path / "log", [("s", {"type": "session_opened", "group_id": "g", "group_size": 1}, False), ("s", deep, False)])
+    with pytest.raises(LogCorruption, match=r"segment 0+\.seg, offset \d+, lsn 1: CRC-valid frame whose payload does not decode.*nests deeper"):
+        list(read_log(tmp_path / "log"))
+    rep = verify_log(tmp_path / "log")
+    assert rep.status == "corrupt" and rep.last_good_lsn == 0, rep.summary()
+
+
+def test_a_record_from_before_a_field_with_an_empty_default_reads_lazily(tmp_path):
+    """A field whose default is [] or {} (kept by msgspec as a factory) is as optional to the
+    read-time check as to the decoder: an older writer's record without it is checked, not built."""
+    old = {"type": "policy_updated", "step": 1, "policy_version": 1}  # before batch, frontier, low_water...
+    assert checked_tag(msgspec.msgpack.encode(old)) == "policy_updated"
+    write_frames(tmp_path / "log", [("learner", old, False)])
+    (env,) = read_log(tmp_path / "log")
+    assert not env.decoded and env.body.step == 1 and env.body.batch == []
+
+
 def _outcome(fn, payload):
     try:
         return "ok", fn(payload)
@@ -164,3 +186,28 @@ def test_the_read_check_refuses_exactly_what_the_decoder_refuses(k, field_values
         assert checked[1] == event_tag(decoded[1])
     else:
         assert checked == decoded
+
+
+#: msgpack values msgspec's decoder refuses inside a free-form (``Any``) field although they are
+#: well-formed msgpack: a str that is not UTF-8, a timestamp of a wrong length, a map as a map key.
+_REFUSED_INSIDE = {"not utf-8": b"\xa2\xff\xfe", "bad timestamp": b"\xd5\xff\x00\x01", "map as key": b"\x81\x80\x01"}
+#: Every free-form field of every sample event: (event index, field name, whether it is a map).
+_FREE_FIELDS = [(k, f.encode_name, "dict" in str(f.type))
+                for k, ev in enumerate(EVENTS) for f in msgspec.structs.fields(type(ev)) if "Any" in str(f.type)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(where=st.sampled_from(_FREE_FIELDS), bad=st.sampled_from(sorted(_REFUSED_INSIDE)), nest=st.integers(0, 2))
+def test_a_free_form_value_the_decoder_refuses_is_refused_by_the_read_check(where, bad, nest):
+    """A free-form (Any) field of an event holding a value the decoder refuses: the read-time
+    check refuses it too, with the decoder's error (as a Raw, it passed the check before)."""
+    k, field, is_map = where
+    marker = "\x00free\x00"
+    stored = msgspec.msgpack.decode(encode_body(EVENTS[k]))
+    stored[field] = {"k": marker} if is_map else [marker]
+    value = _REFUSED_INSIDE[bad]
+    for _ in range(nest):
+        value = b"\x91" + value  # inside arrays
+    payload = msgspec.msgpack.encode(stored).replace(msgspec.msgpack.encode(marker), value)
+    checked, decoded = _outcome(checked_tag, payload), _outcome(decode_body, payload)
+    assert decoded[0] != "ok" and checked == decoded, (field, bad, checked, decoded)

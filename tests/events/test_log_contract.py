@@ -128,6 +128,18 @@ class LogContract:
             log.append_batch([("s", 0, SessionOpened(group_id="g", group_size=1, label=2**70))])
         assert log.next_lsn == 0
 
+    def test_a_body_nested_deeper_than_the_encoder_follows_is_refused_naming_the_record(self, log):
+        """msgspec raises RecursionError for such a value: the log says which record and why
+        (EventValidationError), as for any body it cannot store, and writes nothing."""
+        deep: object = 1
+        for _ in range(5000):
+            deep = [deep]
+        for batch in ([("s", 0, SessionOpened(group_id="g", group_size=1, metadata={"k": deep}))],
+                      [("s", 0, opened()), ("t", 0, SessionOpened(group_id="g", group_size=1, metadata={"k": deep}))]):
+            with pytest.raises(EventValidationError, match=r"session '[st]' seq 0: session_opened: cannot be encoded: maximum recursion depth"):
+                log.append_batch(batch)
+        assert log.next_lsn == 0
+
     def test_only_schema_events_are_appended(self, log):
         for body in ({"type": "session_opened"}, UnknownEvent("turn_scored", {})):
             with pytest.raises(EventValidationError, match=f"body: expected a schema-v1 event, found {type(body).__name__}"):

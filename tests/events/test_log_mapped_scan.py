@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import resource
+import subprocess
+import sys
 import shutil
 import tempfile
 from pathlib import Path
@@ -203,3 +206,30 @@ def test_a_follower_reads_a_mapped_segment_while_the_writer_appends(scratch, nat
     lg.close()
     assert [lsn for lsn, _ in got] == list(range(200))
     assert [body.exit_code for _, body in got] == [i for _ in range(10) for i in range(20)]
+
+
+HOLD_EVERY_SEGMENT = r"""
+import resource, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))  # a reader's process that never opened a writer
+from agentlog.events import read_log
+from agentlog.events.log import framecodec
+envs = list(read_log(sys.argv[1]))  # every segment's frames held: a mapping, and a descriptor, each
+print(framecodec.native is not None, len(envs), envs[-1].body.command[-3:], resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 64)
+"""
+
+
+@pytest.mark.skipif(not framecodec.available(), reason="segments are mapped by the compiled codec only")
+@pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_NOFILE)[1] <= 200, reason="the hard RLIMIT_NOFILE leaves no room above the test's 64")
+def test_holding_the_frames_of_more_mapped_segments_than_the_soft_fd_limit_reads_on(scratch):
+    """Each mapped segment keeps a descriptor while its frames live (CPython's mmap holds a dup):
+    a reader raises the soft RLIMIT_NOFILE to the hard one, as the writer does, before it maps
+    (with a soft limit of 64, holding 100 segments' envelopes failed with EMFILE)."""
+    lg = FileLog.open(scratch / "log", fsync="never", segment_bytes=300_000)
+    lg.append_batch([("s", i, CommandRan(command="y" * 2900 + f"{i:03d}"[-3:])) for i in range(100 * 98)])
+    lg.close()
+    assert len(list_segments(scratch / "log")) >= 100
+    res = subprocess.run([sys.executable, "-c", HOLD_EVERY_SEGMENT, str(scratch / "log")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    compiled, n, last, raised = res.stdout.split()
+    assert (compiled, n, last, raised) == ("True", str(100 * 98), f"{100 * 98 - 1:03d}"[-3:], "True")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tracemalloc
 
 import pytest
@@ -372,3 +374,36 @@ def test_raw_reads_give_undecoded_payload_views(tmp_path):
     raws = list(read_log(d, raw=True))
     assert all(isinstance(r.payload, memoryview) for r in raws)
     assert [r.decode() for r in raws] == envs
+
+
+SALVAGE_UNDER_A_READER = r"""
+import subprocess, sys
+from pathlib import Path
+from agentlog.events import FileLog, read_log
+from agentlog.events.log.format import INDEX_NAME, list_segments, segment_name
+from agentlog.events.schema.types import CommandRan
+
+d = Path(sys.argv[1])
+lg = FileLog.open(d, fsync="batch")
+lg.append_batch([("s", i, CommandRan(command="y" * 3000 + str(i), exit_code=0)) for i in range(2000)])
+lg.close()
+seg = d / segment_name(list_segments(d)[-1])
+data = bytearray(seg.read_bytes())
+data[200_000] ^= 0x10  # damage near lsn 65; valid records follow it
+seg.write_bytes(bytes(data))
+envs = list(read_log(d, from_lsn=1000))  # sought past the damage with the INDEX: mapped frames, bodies not built
+(d / INDEX_NAME).unlink()  # the next writer scans in full, finds the damage and salvages
+subprocess.run([sys.executable, "-c", f"from agentlog.events import FileLog; FileLog.open({str(d)!r}, salvage=True).close()"], check=True)
+assert seg.stat().st_size < 200_000, seg.stat().st_size
+print(len(envs), envs[0].lsn, envs[-1].body.command[-4:], sum(e.body.command.endswith(str(e.session_seq)) for e in envs))
+"""
+
+
+def test_a_salvage_never_cuts_a_segment_under_a_reader_that_holds_its_frames(tmp_path):
+    """A reader in another process that sought past mid-log damage holds frames mapped from the
+    segment; the next writer's salvage keeps the valid prefix as a new file instead of cutting
+    this one, so the reader's bodies still build (cut in place, touching one killed it with SIGBUS)."""
+    res = subprocess.run([sys.executable, "-c", SALVAGE_UNDER_A_READER, str(tmp_path / "log")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, (res.returncode, res.stderr[-2000:])
+    assert res.stdout.split() == ["1000", "1000", "1999", "1000"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -252,3 +253,57 @@ def test_a_damaged_frame_in_a_large_segment_raises_the_same_error_threaded_or_no
     monkeypatch.setattr(segmap, "CPUS", 1)
     assert threaded_failure == failure()
     assert "CRC mismatch" in threaded_failure[1] and 0 < threaded_failure[0] < 1500
+
+
+def _in_a_fork(child) -> tuple[int, str]:
+    """Run ``child()`` (returning a short str) in a forked child with a 20 s alarm; its exit
+    status and what it returned. The child never returns into pytest."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(20)  # a child that hangs is killed, and the test fails instead of hanging
+            os.write(w, child().encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(r) as f:
+        return status, f.read()
+
+
+def test_a_forked_child_reads_on_without_its_parents_walk_thread(scratch, threaded):
+    """A reader whose walk thread runs, iterated on in a forked child (which has no such thread):
+    the child reads the rest on its own (it waited forever for the parent's thread before), and
+    the parent's reader goes on as if nothing happened."""
+    _big_log(scratch / "log")
+    it = read_log(scratch / "log")
+    assert next(it).lsn == 0
+    status, out = _in_a_fork(lambda: " ".join(str(e.lsn) for e in it))
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert out.split() == [str(i) for i in range(1, 1500)]
+    assert [e.lsn for e in it] == list(range(1, 1500))
+
+
+def test_a_take_of_a_walk_started_by_another_process_refuses(scratch, threaded):
+    path = scratch / segment_name(0)
+    _frames_file(path, 10)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    walk = fc.MappedScan(m, memoryview(m), Frame, SEG_HDR_SIZE, 0, len(m), 0, None, CAP)
+
+    def child() -> str:
+        try:
+            walk.take(1)
+        except RuntimeError as exc:
+            return str(exc)
+        return "took"
+
+    status, out = _in_a_fork(child)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert f"runs in process {os.getpid()}, not in this one" in out
+    assert len(walk.take(10)[0]) == 10  # the parent's own walk is untouched
+    walk.close()
+    m.close()
