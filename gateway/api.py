@@ -468,8 +468,14 @@ class ResponsesAPI(WireAPI):
             elif kind in ("function_call", "custom_tool_call"):
                 if not isinstance(it.get("name"), str):
                     raise RequestError(f"{where}.name", "a string", it.get("name"))
-                args = it.get("arguments") if kind == "function_call" else it.get("input")
-                call = {"id": str(it.get("call_id", "")), "name": it["name"], "arguments": canonical_arguments(args)}
+                if kind == "function_call":
+                    args = canonical_arguments(it.get("arguments"))
+                else:
+                    # A custom tool's call is its input text, recorded as {"input": text} (what _items
+                    # renders back as the text): parsed back to that form, the echo equals the record.
+                    text = it.get("input")
+                    args = {"input": text} if isinstance(text, str) else canonical_arguments(text)
+                call = {"id": str(it.get("call_id", "")), "name": it["name"], "arguments": args}
                 # Calls follow the assistant message of the same turn; without
                 # one (no text was produced) they form an empty-text message.
                 if not messages or messages[-1]["role"] != "assistant":

@@ -191,6 +191,11 @@ class HermesToolParser(ToolCallParser):
                 return ParsedOutput(text, [], True, f"tool call {i}: expected object 'arguments', found {type(args).__name__}")
             if declared and obj["name"] not in declared:
                 return ParsedOutput(text, [], True, f"tool call {i}: unknown tool {obj['name']!r} (declared: {sorted(declared)[:10]})")
+            try:
+                msgspec.msgpack.encode((obj["name"], args))  # what the log will store of the call
+            except (ValueError, OverflowError) as exc:
+                # Valid JSON the log cannot hold: an integer beyond 64 bits, a "\ud800" escape (a lone surrogate).
+                return ParsedOutput(text, [], True, f"tool call {i}: a value the log cannot record ({exc})")
             calls.append({"name": obj["name"], "arguments": args})
         rest = self._block.sub("", text)
         if self.OPEN in rest or self.CLOSE in rest:

@@ -55,7 +55,7 @@ class EncodedPrompt:
 
     __slots__ = ("packed", "ids", "messages", "incremental", "recorded", "_tools", "_state")
 
-    def __init__(self, prompt: ExtendedPrompt | bytes, messages: list[Any], incremental: bool, tools: bytes, state: Any) -> None:
+    def __init__(self, prompt: ExtendedPrompt | bytes, messages: list[Any], incremental: bool, tools: bytes | None, state: Any) -> None:
         self.recorded = prompt
         self.packed: bytes = prompt.packed if isinstance(prompt, ExtendedPrompt) else prompt
         self.ids = np.frombuffer(self.packed, dtype="<i4")
@@ -88,9 +88,14 @@ class PromptCache:
             shared += 1
         if shared:
             messages = held[:shared] + messages[shared:]
-        tools_key = _encode(tools)
+        try:
+            tools_key: bytes | None = _encode(tools)
+        except (TypeError, ValueError, OverflowError, RecursionError):
+            # Tools are never recorded, so any schema is theirs to send (an integer beyond 64 bits in a
+            # "maximum"); one msgpack cannot hold only costs the reuse: the prompt is encoded whole.
+            tools_key = None
         out = None
-        if self._state is not None and shared >= self._rendered and tools_key == self._tools:
+        if self._state is not None and shared >= self._rendered and tools_key is not None and tools_key == self._tools:
             out = template.extend_packed(self._state, messages, tools, self._rendered)
         if out is None:
             packed, state = template.encode_packed(messages, tools)

@@ -406,3 +406,8 @@ def _check_recordable(api_name: str, req: TurnRequest) -> None:
         raise _Refused(400, "invalid_request_error", f"{api_name} request: an integer in the messages is outside 64 bits; expected -2**63 <= n < 2**64") from None
     except RecursionError:
         raise _Refused(400, "invalid_request_error", f"{api_name} request: the messages are nested too deeply to record") from None
+    except UnicodeEncodeError as exc:  # a "\ud800" escape: valid JSON, not text the log can store
+        raise _Refused(400, "invalid_request_error", f"{api_name} request: a string in the messages holds a lone surrogate "
+                       f"({exc.object[exc.start:exc.end]!r}); expected Unicode text") from None
+    except (TypeError, ValueError) as exc:
+        raise _Refused(400, "invalid_request_error", f"{api_name} request: the messages cannot be recorded: {exc}") from None

@@ -146,7 +146,8 @@ def message_digests(messages: Iterable[Any]) -> bytes:
     for m in messages:
         try:
             data = _encode(m)
-        except (TypeError, msgspec.EncodeError):
+        except (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError):
+            # Not a msgpack value, a lone surrogate (UnicodeEncodeError), an integer beyond 64 bits, too deep.
             break
         out.append(sha256(data).digest()[:DIGEST_BYTES])
     return b"".join(out)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from agentlog.engine.core import SessionEngine
 from agentlog.events import FileLog, MemoryLog
-from agentlog.events.schema.turn_delta import EncodingContext, ExtendedPrompt, TurnContext, common_prefix_tokens
+from agentlog.events.schema.turn_delta import DIGEST_BYTES, EncodingContext, ExtendedPrompt, TurnContext, common_prefix_tokens, message_digests
 from agentlog.events.schema.types import TurnRecorded, encode_body
 
 # A small alphabet, so consecutive prompts share prefixes of every length.
@@ -298,3 +298,12 @@ def test_the_engine_records_the_same_events_given_an_extended_prompt_or_its_byte
                                  for p, (_how, output) in zip(prompts, turns)])
 
     assert record(True) == record(False)
+
+
+def test_message_digests_stop_at_the_first_message_msgpack_cannot_hold():
+    """As its docstring says, for every reason msgpack refuses a value (it raised OverflowError
+    and UnicodeEncodeError through the engine's turn path: a 500 and the generation lost)."""
+    ok = {"role": "user", "content": "hi"}
+    for bad in ({"role": "user", "content": "\ud800"}, {"role": "tool", "content": "", "n": 2**70}, {"role": "user", "content": object()}):
+        assert message_digests([ok, bad, ok]) == message_digests([ok])
+        assert len(message_digests([ok, bad, ok])) == DIGEST_BYTES

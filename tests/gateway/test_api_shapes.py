@@ -128,6 +128,20 @@ def test_echoed_response_normalises_to_the_recorded_response_message_in_every_ap
     assert ResponsesAPI.parse({"input": [user] + items}).messages[1] == expected
 
 
+@settings(max_examples=40, deadline=None)
+@given(content=_text, inputs=st.lists(_text, max_size=3))
+def test_an_echoed_custom_tool_call_normalises_to_the_recorded_one(content, inputs):
+    """A Responses custom tool (Codex's apply_patch) is called with its input text, recorded as
+    {"input": text} and sent back as the text alone: the echo parses to the recorded form again
+    (it parsed to the bare text, so every such turn drifted and was left untrained)."""
+    req = ResponsesAPI.parse({"input": "q", "tools": [{"type": "custom", "name": "apply_patch", "description": "patch"}]})
+    res = TurnResult("r1", "m", content, [{"id": f"call_{i}", "name": "apply_patch", "arguments": {"input": t}} for i, t in enumerate(inputs)], "stop", 3, 4)
+    items = _through_json(ResponsesAPI.render(res, req))["output"]
+    assert {it["type"] for it in items} <= {"message", "custom_tool_call"}
+    echoed = ResponsesAPI.parse({"input": [{"role": "user", "content": "q"}] + items}).messages[1]
+    assert echoed == assistant_message(res.content, res.tool_calls)
+
+
 @settings(max_examples=60, deadline=None)
 @given(content=_text, calls=_calls)
 def test_builtin_template_renders_an_echoed_turn_exactly_as_generated(content, calls):
@@ -154,6 +168,9 @@ def test_hermes_parser_flags_ill_formed_calls_with_a_reason():
         '<tool_call>{"name": "Rm", "arguments": {}}</tool_call>': "unknown tool",
         '<tool_call>{"name": "Bash", "arguments": [1]}</tool_call>': "object 'arguments'",
         'text <tool_call>{"name": "Bash", "arguments": {}}': "unterminated",
+        # Valid JSON the log cannot hold: the turn is recorded as the text the model wrote (it was a 500, the turn lost).
+        '<tool_call>{"name": "Bash", "arguments": {"n": 100000000000000000000}}</tool_call>': "cannot record",
+        '<tool_call>{"name": "Bash", "arguments": {"command": "\\ud800"}}</tool_call>': "cannot record",
     }
     for text, reason in cases.items():
         out = p.parse(text, tools)

@@ -115,6 +115,22 @@ def test_a_growing_conversation_is_encoded_incrementally_and_repeated_messages_a
     assert second.messages[2] is response and second.messages[3] is nxt[3]
 
 
+def test_tools_msgpack_cannot_hold_are_encoded_whole_at_every_turn_never_refused():
+    """Tools are never recorded, so a schema with an integer beyond 64 bits is the client's to
+    send: the cache cannot key its reuse on them and encodes the prompt whole (it raised
+    OverflowError, a 500 on every turn of the session)."""
+    template = ByteChatTemplate()
+    tools = [ToolSpec("bash", "run", {"type": "object", "properties": {"n": {"type": "integer", "maximum": 2**64}}})]
+    cache = PromptCache()
+    msgs = [{"role": "user", "content": "u"}]
+    first = cache.encode(template, msgs, tools)
+    cache.remember(first, assistant_message("ok"))
+    nxt = msgs + [assistant_message("ok"), {"role": "user", "content": "again"}]
+    second = cache.encode(template, nxt, tools)
+    assert not second.incremental and second.ids.tolist() == template.encode_prompt(nxt, tools)
+    assert first.ids.tolist() == template.encode_prompt(msgs, tools)
+
+
 def test_an_argument_equal_but_not_identical_is_not_repeated():
     """``1 == 1.0 == True``, and dicts equal in another key order, render
     apart: such a message is new, and the prompt is what a full encode gives."""

@@ -441,6 +441,27 @@ def test_an_integer_beyond_64_bits_inside_the_messages_is_refused_before_generat
     run(body())
 
 
+def test_a_lone_surrogate_inside_the_messages_is_refused_before_generation():
+    """A "\\ud800" escape in a tool call's arguments text is valid JSON but no text the log can store:
+    a 400 naming it, not aiohttp's plain-text 500."""
+    async def body():
+        backend = ScriptedBackend(lambda p: "x")
+        async with rig(backend) as (gw, engine, log):
+            await open_running(engine, "s")
+            # The arguments as a JSON string (as the wire has them): msgspec refuses the escape in the
+            # body itself, json.loads of the arguments text takes it.
+            messages = [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"command": "\\ud800"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            ]
+            status, err = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), {"messages": messages})
+            assert status == 400 and "lone surrogate" in err["error"]["message"], (status, err)
+            assert backend.prompts == [] and turns_of(log) == []
+
+    run(body())
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
 def test_json_nested_too_deeply_is_a_400_json_answer_in_the_dialect(path):
     async def body():
