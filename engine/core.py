@@ -420,7 +420,10 @@ class SessionEngine(BackgroundWork):
             if self._written_anyway(h, seq):
                 self._apply(h, body, dest, None, context)
             raise
-        self._apply(h, body, dest, env, context)
+        try:
+            self._apply(h, body, dest, env, context)
+        except Exception as exc:
+            raise self._not_applied(h, env, exc) from exc
         return env
 
     def _stage(self, h: SessionHandle, body: Any, context: EncodingContext, then: Callable[[Envelope | None, BaseException | None], None]) -> None:
@@ -435,9 +438,8 @@ class SessionEngine(BackgroundWork):
                     self._apply(h, body, None, env, context)
                 elif isinstance(exc, asyncio.CancelledError) and self._written_anyway(h, seq):
                     self._apply(h, body, None, None, context)
-            except Exception as failure:  # handed to the waiter, and logged: never swallowed
-                h.log.critical("engine.apply_failed", lsn=None if env is None else env.lsn, error=repr(failure), exc_info=failure)
-                env, exc = None, failure
+            except Exception as failure:  # handed to the waiter, logged and in health: never swallowed
+                env, exc = None, self._not_applied(h, env, failure)
             finally:
                 release(h)
             then(env, exc)
@@ -445,24 +447,25 @@ class SessionEngine(BackgroundWork):
         stage_built_turn(self._log_, h.session_id, seq, body, on_durable)
 
     def _written_anyway(self, h: SessionHandle, seq: int) -> bool:
-        """Whether ``h``'s record ``seq``, whose append was cancelled, was staged before the cancel:
-        logs stage a record synchronously and then wait for durability, so the log writes it
-        anyway, and the session must apply it to stay in step with the log."""
+        """Whether ``h``'s record ``seq``, whose append was cancelled, was staged before the cancel (logs
+        stage synchronously, then wait for durability): written anyway, so the session applies it too."""
         return self._log_.next_seq(h.session_id) != seq
 
     def _apply(self, h: SessionHandle, body: Any, dest: State | None, env: Envelope | None,
                context: EncodingContext | None = None) -> None:
-        """Apply ``h``'s record as the log acknowledged it (``env``; None for one whose
+        """Apply ``h``'s record as the log acknowledged it (``env``, whose body is what the log
+        stored: a caller may change what it handed over once it was staged; None for one whose
         append was cancelled after it was staged), and note it for the checkpoint's fold."""
+        body = body if env is None else env.body
         h._seq += 1
         if type(body) is TurnDelta or type(body) is TurnRecorded:
+            n_out, temperature = scored_against(body)
             h.turns += 1
+            h._turn_outputs.append(n_out)
+            h._turn_temperatures.append(temperature)
             h._context = context
             if context is not None:
                 h._lineages.commit(body.turn_index, context)
-            n_out, temperature = scored_against(body)
-            h._turn_outputs.append(n_out)
-            h._turn_temperatures.append(temperature)
         if dest is not None:
             h.state = dest
             if dest in TERMINAL_STATES:

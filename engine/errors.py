@@ -53,3 +53,18 @@ class SessionTimeout(AgentlogError, TimeoutError):
 
 class EngineClosed(AgentlogError, RuntimeError):
     """The engine was closed; it opens no further sessions."""
+
+
+class RecordNotApplied(AgentlogError, RuntimeError):
+    """A record the log acknowledged that the engine failed to apply to its session
+    (a bug, never bad input): the record is in the log, and this engine's state of
+    the session may disagree with it. The engine's health reports it."""
+
+    def __init__(self, session_id: str, lsn: int | None, error: BaseException) -> None:
+        self.session_id, self.lsn = session_id, lsn
+        super().__init__(
+            f"session {session_id!r}: the record at lsn {lsn} is in the log, but the engine failed to apply it "
+            f"({type(error).__name__}: {error}); this engine's state of the session may disagree with the log: "
+            "restart the engine (it folds the log)"
+        )
+

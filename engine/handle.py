@@ -43,7 +43,7 @@ from agentlog.events.schema.validation import READING_STORED
 
 from .errors import SessionTimeout
 from .lineages import Declared, LineageTracker
-from .session_lock import acquire_contended, release
+from .session_lock import acquire_contended, handed_over, queue_for, release
 
 if TYPE_CHECKING:
     from .core import SessionEngine
@@ -53,6 +53,11 @@ _log = get_logger("agentlog.engine")
 
 #: The context of a session before its first turn: empty, shared by every handle (never changed).
 _BEFORE_THE_FIRST_TURN = EncodingContext()
+
+
+def _copied(value: Any) -> Any:
+    """A list or dict a caller handed over, copied (one level: a message object is kept as it is)."""
+    return list(value) if type(value) is list else dict(value) if type(value) is dict else value
 
 
 class PendingTurn:
@@ -267,15 +272,21 @@ class SessionHandle:
         Then a refusal (StragglerRefused, LineageError, a bad field) raises here,
         and the turn is applied when the log's writer acknowledges it, with no task
         between (the gateway's turn path: each task step is a trip through an event
-        loop that 256 sessions share). Otherwise it runs :meth:`record_turn` as a
-        task. Await ``.durable`` for the envelope; cancelling that wait cancels
-        nothing: the turn is still recorded, and ``.settled()`` waits for it."""
+        loop that 256 sessions share). With the lock held by someone else, it takes
+        its place in the lock's queue now (in call order: a later ``finish`` comes
+        after it) and records as a task once the lock is handed over, with the
+        arguments as they were (their lists and dicts copied). Await ``.durable``
+        for the envelope; cancelling that wait cancels nothing: the turn is still
+        recorded, and ``.settled()`` waits for it."""
         loop = asyncio.get_running_loop()
         pending = PendingTurn(loop)
         h = self
         if h._busy:
-            task = loop.create_task(h.record_turn(messages, prompt_ids, sampling, frozen_messages=frozen_messages,
-                                                  declared_lineage=declared_lineage, **fields))
+            # In the lock's queue now, in call order, with the arguments as they are now (their lists
+            # and dicts copied: an agent loop may extend its conversation once this returns).
+            task = loop.create_task(h._record_queued(
+                queue_for(h), _copied(messages), _copied(prompt_ids), _copied(sampling), frozen_messages, declared_lineage,
+                {k: _copied(v) for k, v in fields.items()}))
             task.add_done_callback(settle_from_task(pending.settle))
             return pending
         h._busy = True
@@ -286,6 +297,17 @@ class SessionHandle:
             release(h)
             raise
         return pending
+
+    async def _record_queued(self, queued: asyncio.Future, messages: list[dict[str, Any]] | None, prompt_ids: Any,
+                             sampling: dict[str, Any] | None, frozen_messages: bool, declared_lineage: Declared | None,
+                             fields: dict[str, Any]) -> Envelope:
+        """:meth:`record_turn` of a turn :meth:`begin_turn` queued for the busy lock (``queued``)."""
+        await handed_over(self, queued)
+        try:
+            body, after = self._turn_body(messages, prompt_ids, sampling, frozen_messages, declared_lineage, fields)
+            return await self._engine._append(self, body, None, after)
+        finally:
+            release(self)
 
     def _turn_body(
         self, messages: list[dict[str, Any]] | None, prompt_ids: Any, sampling: dict[str, Any] | None,

@@ -30,10 +30,21 @@ from typing import Any
 
 async def acquire_contended(h: Any) -> None:
     """Wait for ``h``'s lock (held by someone else, ``h._busy`` is True); returns owning it."""
+    await handed_over(h, queue_for(h))
+
+
+def queue_for(h: Any) -> asyncio.Future:
+    """Join ``h``'s queue for its lock (held by someone else) now: the place is taken at
+    this call, in call order, whenever the caller then waits (:func:`handed_over`)."""
     if h._waiters is None:
         h._waiters = deque()
     fut = asyncio.get_running_loop().create_future()
     h._waiters.append(fut)
+    return fut
+
+
+async def handed_over(h: Any, fut: asyncio.Future) -> None:
+    """Wait until ``h``'s lock is handed over through ``fut`` (:func:`queue_for`); returns owning it."""
     try:
         await fut
     except asyncio.CancelledError:

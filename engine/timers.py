@@ -17,7 +17,7 @@ from agentlog._logging import get_logger
 from agentlog.events.schema.lifecycle import TERMINAL_STATES, SessionClosed
 from agentlog.events.schema.types import Envelope, SessionAborted
 
-from .errors import TIMEOUT_REASON
+from .errors import TIMEOUT_REASON, RecordNotApplied
 from .handle import SessionHandle
 from .restart import Checkpointer
 
@@ -53,6 +53,17 @@ class BackgroundWork:
             if ckpt.due():
                 # A cache: a failed write is a warning (the next due one tries again), never a background failure.
                 await ckpt.checkpoint()
+
+    def _not_applied(self, h: SessionHandle, env: Envelope | None, exc: BaseException) -> RecordNotApplied:
+        """A record of ``h`` the log acknowledged that applying failed: logged at critical,
+        kept in ``background_failure`` (health: the engine's state may disagree with its log),
+        and returned as the error its waiter gets, which says the record is in the log."""
+        lsn = None if env is None else env.lsn
+        h.log.critical("engine.apply_failed", lsn=lsn, error=repr(exc), exc_info=exc)
+        failure = RecordNotApplied(h.session_id, lsn, exc)
+        if self.background_failure is None:
+            self.background_failure = str(failure)
+        return failure
 
     def _background(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> None:
         t = asyncio.get_running_loop().create_task(coro, name=name)

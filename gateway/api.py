@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from .sampling import SAMPLING_RULES
-from .chat import RequestError, ToolSpec, assistant_message, canonical_arguments, text_of
+from .chat import RequestError, ToolSpec, assistant_message, canonical_arguments, custom_tool_arguments, text_of
 
 _enc = msgspec.json.Encoder()
 
@@ -468,13 +468,7 @@ class ResponsesAPI(WireAPI):
             elif kind in ("function_call", "custom_tool_call"):
                 if not isinstance(it.get("name"), str):
                     raise RequestError(f"{where}.name", "a string", it.get("name"))
-                if kind == "function_call":
-                    args = canonical_arguments(it.get("arguments"))
-                else:
-                    # A custom tool's call is its input text, recorded as {"input": text} (what _items
-                    # renders back as the text): parsed back to that form, the echo equals the record.
-                    text = it.get("input")
-                    args = {"input": text} if isinstance(text, str) else canonical_arguments(text)
+                args = canonical_arguments(it.get("arguments")) if kind == "function_call" else custom_tool_arguments(it.get("input"))
                 call = {"id": str(it.get("call_id", "")), "name": it["name"], "arguments": args}
                 # Calls follow the assistant message of the same turn; without
                 # one (no text was produced) they form an empty-text message.

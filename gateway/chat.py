@@ -61,6 +61,13 @@ def canonical_arguments(args: Any) -> Any:
     return {} if args is None else args
 
 
+def custom_tool_arguments(text: Any) -> Any:
+    """A custom tool call's arguments (the Responses API's ``custom_tool_call``, whose
+    ``input`` is free text): recorded as ``{"input": text}``, the form the gateway renders
+    back as the text, so an echoed call parses to what was recorded."""
+    return {"input": text} if isinstance(text, str) else canonical_arguments(text)
+
+
 def text_of(content: Any, where: str) -> str:
     """Flatten message content (a str, or a list of typed parts) to text.
 

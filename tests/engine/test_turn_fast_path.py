@@ -125,6 +125,104 @@ def test_a_contended_session_falls_back_to_a_task_in_lock_order(tmp_path, arun):
     arun(go())
 
 
+def _turn(i: int, **over) -> dict:
+    msgs = TURN["messages"] + [TURN["response_message"], {"role": "user", "content": f"step {i}"}] * i
+    return {**TURN, "messages": msgs, "prompt_ids": list(range(3 + 4 * i)), **over}
+
+
+@pytest.mark.parametrize("kind", ["file", "memory"])
+def test_a_contended_begin_turn_keeps_its_place_in_the_lock_queue_from_the_call(tmp_path, arun, kind):
+    """Queued at the call, not when its task first runs: a finish or a record_turn the caller
+    issues after it comes after it (the finish refused it as a straggler, the record_turn took
+    its turn index)."""
+    async def go():
+        log = FileLog.open(tmp_path / "log") if kind == "file" else MemoryLog()
+        eng, h = await _running(log)
+        first = h.begin_turn(**_turn(0))  # holds the lock
+        second = h.begin_turn(**_turn(1, output_ids=[1, 1], output_log_probs=[]))  # contended
+        third = await h.record_turn(**_turn(2, output_ids=[3, 3], output_log_probs=[]))
+        fourth = h.begin_turn(**_turn(3))  # contended again, then a finish issued after it
+        await h.finish(reward=1.0)
+        envs = [await first.settled(), await second.settled(), third, await fourth.settled()]
+        assert [e.body.turn_index for e in envs] == [0, 1, 2, 3]
+        await eng.close()
+        log.close()
+    arun(go())
+
+
+def test_a_contended_begin_turn_records_the_arguments_as_they_were_at_the_call(tmp_path, arun):
+    """As uncontended: an agent loop that extends its conversation (or reuses its sampling dict)
+    once begin_turn returned records what it passed (it recorded the later lists)."""
+    async def go():
+        log = FileLog.open(tmp_path / "log")
+        eng, h = await _running(log)
+        other = asyncio.create_task(h.assign_reward(0.5))  # an in-session event in flight holds the lock
+        await asyncio.sleep(0)
+        msgs, sampling = [{"role": "user", "content": "fix the bug"}], {"temperature": 0.7}
+        pending = h.begin_turn(messages=msgs, prompt_ids=[5, 6, 7], output_ids=[8, 9], sampling=sampling,
+                               response_message={"role": "assistant", "content": "ok"})
+        msgs.append({"role": "assistant", "content": "ok"})
+        sampling["temperature"] = 1.0
+        env = await pending.durable
+        await other
+        assert [m["role"] for m in env.body.new_messages] == ["user"] and env.body.sampling["temperature"] == 0.7
+        await eng.close()
+        log.close()
+    arun(go())
+
+
+def test_a_staged_turn_is_applied_as_the_log_stored_it(tmp_path, arun):
+    """The engine applies the body the log acknowledged, not the caller's objects: a sampling
+    dict changed once begin_turn returned left the engine's temperature of the turn (what
+    teacher scores are checked against) other than the log's."""
+    async def go():
+        log = FileLog.open(tmp_path / "log")
+        eng, h = await _running(log)
+        sampling = {"temperature": 0.7}
+        pending = h.begin_turn(**_turn(0), sampling=sampling)
+        sampling["temperature"] = 1.0
+        await pending.durable
+        assert list(h._turn_temperatures) == [0.7]
+        await h.record_teacher_scores(0, teacher="t", teacher_version="v", temperature=0.7, log_probs=[-0.1, -0.2])
+        with pytest.raises(ValueError, match="sampled at temperature 0.7"):
+            await h.record_teacher_scores(0, teacher="t", teacher_version="v", temperature=1.0, log_probs=[-0.1, -0.2])
+        await eng.close()
+        log.close()
+    arun(go())
+
+
+@pytest.mark.parametrize("path", ["begin_turn", "record_turn"])
+def test_a_record_the_engine_fails_to_apply_is_reported_in_health_as_in_the_log(tmp_path, arun, path, monkeypatch):
+    """A bug while applying an acknowledged turn (injected in the lineage commit) is never quiet:
+    the waiter learns the record is in the log at its LSN, the engine's health says so, and the
+    turn tables stay whole (the failure came after them)."""
+    from agentlog.engine import lineages
+    from agentlog.engine.errors import RecordNotApplied
+
+    commit, armed = lineages.LineageTracker.commit, [False]
+
+    def failing_commit(self, *a, **k):
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("injected bug in the apply")
+        return commit(self, *a, **k)
+
+    monkeypatch.setattr(lineages.LineageTracker, "commit", failing_commit)
+
+    async def go():
+        log = FileLog.open(tmp_path / "log")
+        eng, h = await _running(log)
+        await h.record_turn(**_turn(0))
+        armed[0] = True
+        with pytest.raises(RecordNotApplied, match=r"the record at lsn \d+ is in the log, but the engine failed to apply it"):
+            await (h.begin_turn(**_turn(1)).durable if path == "begin_turn" else h.record_turn(**_turn(1)))
+        assert eng.background_failure is not None and "is in the log" in eng.background_failure
+        assert h.turns == 2 and list(h._turn_outputs) == [2, 2] and not h._busy
+        await eng.close()
+        log.close()
+    arun(go())
+
+
 class _FailingSync(OsOps):
     def __init__(self) -> None:
         self.fail = False
