@@ -14,6 +14,7 @@ import shutil
 import signal
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -207,12 +208,17 @@ def test_a_reader_that_stops_early_stops_the_thread(scratch, threaded):
         os.close(fd)
 
 
-def test_take_after_close_says_so(scratch, threaded):
+def _small_walk(scratch: Path) -> tuple[Any, mmap.mmap]:
+    """A MappedScan over a mapped segment of ten frames, its thread started, and the mapping."""
     path = scratch / segment_name(0)
     _frames_file(path, 10)
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    walk = fc.MappedScan(m, memoryview(m), Frame, SEG_HDR_SIZE, 0, len(m), 0, None, CAP)
+    return fc.MappedScan(m, memoryview(m), Frame, SEG_HDR_SIZE, 0, len(m), 0, None, CAP), m
+
+
+def test_take_after_close_says_so(scratch, threaded):
+    walk, m = _small_walk(scratch)
     walk.close()
     walk.close()
     with pytest.raises(ValueError, match="closed"):
@@ -288,11 +294,7 @@ def test_a_forked_child_reads_on_without_its_parents_walk_thread(scratch, thread
 
 
 def test_a_take_of_a_walk_started_by_another_process_refuses(scratch, threaded):
-    path = scratch / segment_name(0)
-    _frames_file(path, 10)
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    walk = fc.MappedScan(m, memoryview(m), Frame, SEG_HDR_SIZE, 0, len(m), 0, None, CAP)
+    walk, m = _small_walk(scratch)
 
     def child() -> str:
         try:

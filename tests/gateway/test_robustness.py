@@ -424,39 +424,26 @@ def test_integers_beyond_64_bits_are_refused_400_in_the_dialect_before_generatio
     run(body())
 
 
-def test_an_integer_beyond_64_bits_inside_the_messages_is_refused_before_generation():
+@pytest.mark.parametrize("arguments, named", [
+    ({"n": 2**70}, "outside 64 bits"),
+    # As JSON text (as the wire has them): msgspec refuses a lone surrogate in the body itself,
+    # json.loads of the arguments text takes it; it was aiohttp's plain-text 500.
+    ('{"command": "\\ud800"}', "lone surrogate"),
+])
+def test_a_value_the_log_cannot_store_inside_the_messages_is_refused_before_generation(arguments, named):
+    """An integer beyond 64 bits, or a "\\ud800" escape in a tool call's arguments text: valid JSON
+    the log cannot record, a 400 naming it before anything runs."""
     async def body():
         backend = ScriptedBackend(lambda p: "x")
         async with rig(backend) as (gw, engine, log):
             await open_running(engine, "s")
             messages = [
                 {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"n": 2**70}}}]},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "ok"},
             ]
             status, err = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), {"messages": messages})
-            assert status == 400 and "outside 64 bits" in err["error"]["message"]
-            assert backend.prompts == [] and turns_of(log) == []
-
-    run(body())
-
-
-def test_a_lone_surrogate_inside_the_messages_is_refused_before_generation():
-    """A "\\ud800" escape in a tool call's arguments text is valid JSON but no text the log can store:
-    a 400 naming it, not aiohttp's plain-text 500."""
-    async def body():
-        backend = ScriptedBackend(lambda p: "x")
-        async with rig(backend) as (gw, engine, log):
-            await open_running(engine, "s")
-            # The arguments as a JSON string (as the wire has them): msgspec refuses the escape in the
-            # body itself, json.loads of the arguments text takes it.
-            messages = [
-                {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"command": "\\ud800"}'}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "ok"},
-            ]
-            status, err = await _request(gw.url, "POST", "/v1/chat/completions", key_for(gw, "s"), {"messages": messages})
-            assert status == 400 and "lone surrogate" in err["error"]["message"], (status, err)
+            assert status == 400 and named in err["error"]["message"], (status, err)
             assert backend.prompts == [] and turns_of(log) == []
 
     run(body())
