@@ -277,9 +277,13 @@ class Cursor:
             size = os.fstat(self.fd).st_size
             yield sc, seg_limit, size
             bad = sc.bad
-            if bad is None and nxt_first is not None and sc.expected >= nxt_first and size > sc.offset:
+            if bad is None and nxt_first is not None and sc.expected >= nxt_first and (size > sc.offset or sc.rest):
+                # Bytes past the limit, or a compressed batch it stopped in (the scanner is past the batch,
+                # its records from the limit on wait in ``rest``): records of lsn nxt_first on, here too.
+                past = f"a compressed batch ending at offset {sc.offset} whose records run" if sc.rest else \
+                    f"{size - sc.offset} bytes past offset {sc.offset}"
                 raise LogCorruption(
-                    f"log {self.dir}: segment {self.name} holds {size - sc.offset} bytes past offset {sc.offset} "
+                    f"log {self.dir}: segment {self.name} holds {past} "
                     f"(lsn {nxt_first} on), but segment {segment_name(nxt_first)} starts at lsn {nxt_first}: "
                     f"written by a stale writer after a newer one recovered the log (see FENCE); verify names the damage",
                     segment=self.name,

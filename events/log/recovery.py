@@ -109,6 +109,9 @@ def checkpoint_problem(directory: Path, ckpt: Checkpoint, segs: list[int], cap: 
         sc = SegmentScanner(fd, name, off, lsn, cap)
         for _ in sc.frames(limit=ckpt.lsn, size=ckpt.offset):
             pass
+        if sc.rest:  # the checkpoint's lsn lies inside a compressed batch: no frame boundary
+            return (f"the checkpoint's lsn {ckpt.lsn} lies inside the compressed batch of {name} that ends at offset "
+                    f"{sc.offset}, lsn {sc.rest[0].lsn + 1}: not a frame boundary")
         if (sc.expected, sc.offset) != (ckpt.lsn, ckpt.offset):
             return (
                 f"the frames of {name} from index entry (lsn {lsn}, offset {off}) end at lsn {sc.expected}, "
