@@ -75,7 +75,8 @@ class PromptCache:
         self._messages: list[Any] = []
         #: How many of ``_messages`` the template ``_state`` was encoded from.
         self._rendered = 0
-        self._tools = b""
+        #: The msgpack of the tools they were encoded with (None: tools msgpack cannot hold, never reused).
+        self._tools: bytes | None = b""
         self._state: Any = None
 
     def encode(self, template: ChatTemplate, messages: list[Any], tools: list[ToolSpec]) -> EncodedPrompt:
