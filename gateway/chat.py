@@ -61,6 +61,23 @@ def canonical_arguments(args: Any) -> Any:
     return {} if args is None else args
 
 
+def unrecordable(value: Any) -> str | None:
+    """What in ``value`` (JSON a client or the model wrote) the log could not store, in
+    words, or None when it can: valid JSON may hold an integer beyond 64 bits or a
+    ``"\\ud800"`` escape (a lone surrogate), which msgpack refuses."""
+    try:
+        msgspec.msgpack.encode(value)
+    except OverflowError:
+        return "an integer outside 64 bits; expected -2**63 <= n < 2**64"
+    except RecursionError:
+        return "values nested too deeply to record"
+    except UnicodeEncodeError as exc:
+        return f"a string holding a lone surrogate ({exc.object[exc.start:exc.end]!r}); expected Unicode text"
+    except (TypeError, ValueError) as exc:
+        return f"a value msgpack cannot hold ({exc})"
+    return None
+
+
 def custom_tool_arguments(text: Any) -> Any:
     """A custom tool call's arguments (the Responses API's ``custom_tool_call``, whose
     ``input`` is free text): recorded as ``{"input": text}``, the form the gateway renders
@@ -198,11 +215,9 @@ class HermesToolParser(ToolCallParser):
                 return ParsedOutput(text, [], True, f"tool call {i}: expected object 'arguments', found {type(args).__name__}")
             if declared and obj["name"] not in declared:
                 return ParsedOutput(text, [], True, f"tool call {i}: unknown tool {obj['name']!r} (declared: {sorted(declared)[:10]})")
-            try:
-                msgspec.msgpack.encode((obj["name"], args))  # what the log will store of the call
-            except (ValueError, OverflowError) as exc:
-                # Valid JSON the log cannot hold: an integer beyond 64 bits, a "\ud800" escape (a lone surrogate).
-                return ParsedOutput(text, [], True, f"tool call {i}: a value the log cannot record ({exc})")
+            problem = unrecordable((obj["name"], args))  # what the log will store of the call
+            if problem is not None:
+                return ParsedOutput(text, [], True, f"tool call {i}: {problem}: the log cannot record it")
             calls.append({"name": obj["name"], "arguments": args})
         rest = self._block.sub("", text)
         if self.OPEN in rest or self.CLOSE in rest:

@@ -30,7 +30,7 @@ from agentlog.events.schema.types import turn_temperature
 
 from .api import APIS, TurnRequest, TurnResult, now_s
 from .backends import ROUTING_KEY, BackendError
-from .chat import RequestError, assistant_message
+from .chat import RequestError, assistant_message, unrecordable
 from .prompt_cache import LineagePrompts
 
 if TYPE_CHECKING:
@@ -395,19 +395,11 @@ def declared_lineage(request: web.Request, h: Any) -> Declared | None:
 
 
 def _check_recordable(api_name: str, req: TurnRequest) -> None:
-    """Refuse (400, before any generation) what the log could not record:
-    an integer beyond 64 bits or nesting too deep anywhere in the messages
-    or the client's sampling values. Encoding them now costs what the
+    """Refuse (400, before any generation) what the log could not record
+    (:func:`~.chat.unrecordable`: an integer beyond 64 bits, a lone surrogate,
+    nesting too deep) anywhere in the messages or the client's sampling values. Encoding them now costs what the
     record will cost anyway, and a failure after generation would be a 500
     with the model's work thrown away."""
-    try:
-        msgspec.msgpack.encode((req.messages, req.overrides, req.max_tokens))
-    except OverflowError:
-        raise _Refused(400, "invalid_request_error", f"{api_name} request: an integer in the messages is outside 64 bits; expected -2**63 <= n < 2**64") from None
-    except RecursionError:
-        raise _Refused(400, "invalid_request_error", f"{api_name} request: the messages are nested too deeply to record") from None
-    except UnicodeEncodeError as exc:  # a "\ud800" escape: valid JSON, not text the log can store
-        raise _Refused(400, "invalid_request_error", f"{api_name} request: a string in the messages holds a lone surrogate "
-                       f"({exc.object[exc.start:exc.end]!r}); expected Unicode text") from None
-    except (TypeError, ValueError) as exc:
-        raise _Refused(400, "invalid_request_error", f"{api_name} request: the messages cannot be recorded: {exc}") from None
+    problem = unrecordable((req.messages, req.overrides, req.max_tokens))
+    if problem is not None:
+        raise _Refused(400, "invalid_request_error", f"{api_name} request: the messages hold {problem}")
