@@ -45,6 +45,7 @@
 #include <cpuid.h>
 #include <nmmintrin.h>
 #include <wmmintrin.h>
+#include <immintrin.h>
 #elif defined(__aarch64__)
 #define FC_ARM 1
 #include <sys/auxv.h>
@@ -63,6 +64,7 @@
 
 enum { BACKEND_HW = 1, BACKEND_PY = 2 };
 static int crc_backend = BACKEND_PY;
+static int crc_fold = 1; /* fold with VPCLMULQDQ where the CPU can (set_crc_backend("hardware-streams") turns it off) */
 static int hw_available = 0;
 static PyObject *py_extend = NULL; /* google_crc32c.extend */
 
@@ -130,8 +132,97 @@ __attribute__((target("sse4.2,pclmul"))) static uint64_t crc_three(uint64_t c, c
     return c;
 }
 
+/* Folding: with VPCLMULQDQ on 512-bit registers (AVX-512), four registers of
+   four 128-bit lanes each take 256 bytes a step, several times the CRC
+   instruction's rate (which stays the instruction of choice for short
+   inputs and for the last bytes). A lane A, the polynomial of 128 message
+   bits, is "folded" F bits forward: A * x^F mod P is congruent to
+   A_first * x^(F+64) + A_second * x^F, each a 64 x 32-bit carry-less product
+   of at most 96 bits, added to the lane F bits on. In the reflected order a
+   lane's first 64 message bits are its low quadword, and the product of two
+   reflected operands comes out multiplied by x^33 (see shift_by), so the
+   constants are x^(F+31) and x^(F-33) mod P. The 128 bits left at the end go
+   through the CRC instruction, which multiplies them by x^32 as a CRC does. */
+typedef struct {
+    uint32_t first, second; /* multiply a lane's first (low) and second (high) quadword */
+} fold_k;
+static fold_k fold_2048, fold_512, fold_384, fold_256, fold_128;
+static int have_fold512 = 0;
+#define FOLD_MIN 512 /* bytes: below it, setting up the registers costs more than folding saves */
+
+static fold_k fold_constants(unsigned int bits) {
+    fold_k k = {xpow_mod(bits + 31), xpow_mod(bits - 33)};
+    return k;
+}
+
+#define FOLD_TARGET __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2")))
+
+FOLD_TARGET static inline __m512i fold_lanes(fold_k k) {
+    return _mm512_set_epi64(k.second, k.first, k.second, k.first, k.second, k.first, k.second, k.first);
+}
+
+/* x folded forward by k's distance onto d: both of x's products and d in one three-way XOR. */
+FOLD_TARGET static inline __m512i fold_onto(__m512i x, __m512i k, __m512i d) {
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11), d, 0x96);
+}
+
+FOLD_TARGET static inline __m128i fold_lane(__m128i x, fold_k k) {
+    __m128i kk = _mm_set_epi64x(k.second, k.first);
+    return _mm_xor_si128(_mm_clmulepi64_si128(x, kk, 0x00), _mm_clmulepi64_si128(x, kk, 0x11));
+}
+
+/* The register c (not inverted here) continued over the whole 64-byte steps of
+   p[0:*pn] (at least FOLD_MIN bytes); *pp and *pn move past them. */
+FOLD_TARGET static uint64_t crc_fold512(uint64_t c, const uint8_t **pp, size_t *pn) {
+    const uint8_t *p = *pp;
+    size_t n = *pn;
+    /* The register's 32 bits are added to the message's first 32, as the CRC instruction adds them. */
+    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set_epi64(0, 0, 0, 0, 0, 0, 0, (long long)(uint32_t)c));
+    __m512i x1 = _mm512_loadu_si512(p + 64), x2 = _mm512_loadu_si512(p + 128), x3 = _mm512_loadu_si512(p + 192);
+    p += 256;
+    n -= 256;
+    const __m512i k4 = fold_lanes(fold_2048), k1 = fold_lanes(fold_512);
+    while (n >= 256) {
+        x0 = fold_onto(x0, k4, _mm512_loadu_si512(p));
+        x1 = fold_onto(x1, k4, _mm512_loadu_si512(p + 64));
+        x2 = fold_onto(x2, k4, _mm512_loadu_si512(p + 128));
+        x3 = fold_onto(x3, k4, _mm512_loadu_si512(p + 192));
+        p += 256;
+        n -= 256;
+    }
+    x1 = fold_onto(x0, k1, x1);
+    x2 = fold_onto(x1, k1, x2);
+    x3 = fold_onto(x2, k1, x3);
+    while (n >= 64) {
+        x3 = fold_onto(x3, k1, _mm512_loadu_si512(p));
+        p += 64;
+        n -= 64;
+    }
+    /* The four lanes onto the last, then its 16 bytes through the instruction from a zero register. */
+    __m128i r = _mm512_extracti32x4_epi32(x3, 3);
+    r = _mm_xor_si128(r, fold_lane(_mm512_extracti32x4_epi32(x3, 0), fold_384));
+    r = _mm_xor_si128(r, fold_lane(_mm512_extracti32x4_epi32(x3, 1), fold_256));
+    r = _mm_xor_si128(r, fold_lane(_mm512_extracti32x4_epi32(x3, 2), fold_128));
+    uint64_t out = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
+    out = _mm_crc32_u64(out, (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(r, r)));
+    *pp = p;
+    *pn = n;
+    return out;
+}
+
+/* AVX-512F and VPCLMULQDQ in the CPU, and the 512-bit register state enabled by the OS (XCR0). */
+static int detect_fold512(void) {
+    unsigned int a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE)) return 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & bit_AVX512F) || !(c & (1u << 10))) return 0;
+    unsigned int xlo, xhi;
+    __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+    return (xlo & 0xE6) == 0xE6; /* SSE, AVX, opmask, upper ZMM0-15, ZMM16-31 state */
+}
+
 static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n) {
     uint64_t c = crc;
+    if (have_fold512 && crc_fold && n >= FOLD_MIN) c = crc_fold512(c, &p, &n);
     if (have_clmul) {
         c = crc_three(c, &p, &n, K_BIG, k_big);
         c = crc_three(c, &p, &n, K_SMALL, k_small);
@@ -149,6 +240,14 @@ static int detect_hw(void) {
         k_small[0] = xpow_mod(8 * 2 * K_SMALL - 33);
         k_small[1] = xpow_mod(8 * K_SMALL - 33);
         have_clmul = 1;
+        if (detect_fold512()) {
+            fold_2048 = fold_constants(2048);
+            fold_512 = fold_constants(512);
+            fold_384 = fold_constants(384);
+            fold_256 = fold_constants(256);
+            fold_128 = fold_constants(128);
+            have_fold512 = 1;
+        }
     }
     return 1;
 }
@@ -1745,23 +1844,25 @@ static PyObject *fc_crc32c(PyObject *self, PyObject *args) {
 static PyObject *fc_set_crc_backend(PyObject *self, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
     if (name == NULL) return NULL;
-    if (strcmp(name, "hardware") == 0) {
+    int streams = strcmp(name, "hardware-streams") == 0;
+    if (strcmp(name, "hardware") == 0 || streams) {
         if (!hw_available) {
             PyErr_SetString(PyExc_RuntimeError, "this CPU has no CRC32C instruction (SSE4.2 / ARMv8 CRC)");
             return NULL;
         }
         crc_backend = BACKEND_HW;
+        crc_fold = !streams;
     } else if (strcmp(name, "python") == 0) {
         crc_backend = BACKEND_PY;
     } else {
-        PyErr_Format(PyExc_ValueError, "crc backend %R: expected 'hardware' or 'python'", arg);
+        PyErr_Format(PyExc_ValueError, "crc backend %R: expected 'hardware', 'hardware-streams' or 'python'", arg);
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
 static PyObject *fc_crc_backend(PyObject *self, PyObject *noargs) {
-    return PyUnicode_FromString(crc_backend == BACKEND_HW ? "hardware" : "python");
+    return PyUnicode_FromString(crc_backend != BACKEND_HW ? "python" : crc_fold ? "hardware" : "hardware-streams");
 }
 
 /* zstd_version() -> int | None: the version of the libzstd the walk decompresses batches with (e.g. 10504), None without one. */
@@ -1904,7 +2005,7 @@ static PyMethodDef methods[] = {
     {"encode_batch", fc_encode_batch, METH_VARARGS, "Frames of a batch in one buffer, with their ends."},
     {"encode_columns", fc_encode_columns, METH_VARARGS, "encode_batch over four lists: sids, seqs, flags, payloads."},
     {"crc32c", fc_crc32c, METH_VARARGS, "google_crc32c.extend(crc, data) through the selected backend."},
-    {"set_crc_backend", fc_set_crc_backend, METH_O, "'hardware' (the CPU instruction) or 'python' (google_crc32c)."},
+    {"set_crc_backend", fc_set_crc_backend, METH_O, "'hardware' (the CPU's fastest: folding, else the instruction), 'hardware-streams' (the instruction only) or 'python' (google_crc32c)."},
     {"crc_backend", fc_crc_backend, METH_NOARGS, "The CRC32C backend in use."},
     {"recovery_note", fc_recovery_note, METH_VARARGS, "Crash recovery's per-frame step over a list of frames (see the C source)."},
     {"bloom_probe", fc_bloom_probe, METH_VARARGS, "The id filter's k bit probes (see the C source): all set?, setting them with set."},
@@ -1914,6 +2015,12 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_framecodec", "The compiled frame codec of the file log.", -1,
                                        methods};
+
+#if defined(FC_X86)
+#define FOLD_AVAILABLE have_fold512
+#else
+#define FOLD_AVAILABLE 0
+#endif
 
 PyMODINIT_FUNC PyInit__framecodec(void) {
     PyObject *crcmod = PyImport_ImportModule("google_crc32c");
@@ -1933,7 +2040,8 @@ PyMODINIT_FUNC PyInit__framecodec(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "HW_AVAILABLE", hw_available) < 0 || PyModule_AddIntConstant(m, "NEED", SCAN_NEED) < 0 ||
+    if (PyModule_AddIntConstant(m, "HW_AVAILABLE", hw_available) < 0 ||
+        PyModule_AddIntConstant(m, "FOLD_AVAILABLE", FOLD_AVAILABLE) < 0 || PyModule_AddIntConstant(m, "NEED", SCAN_NEED) < 0 ||
         PyModule_AddIntConstant(m, "LIMIT", SCAN_LIMIT) < 0 || PyModule_AddIntConstant(m, "EOF", SCAN_EOF) < 0 ||
         PyModule_AddIntConstant(m, "BAD", SCAN_BAD) < 0 || PyModule_AddIntConstant(m, "MORE", SCAN_MORE) < 0 ||
         PyModule_AddIntConstant(m, "SHRANK", SCAN_SHRANK) < 0 ||

@@ -71,7 +71,7 @@ def mappable(sc: "SegmentScanner", size: int) -> bool:
         and sc.fd >= 0
         and codec is not None
         and size - sc.offset >= MIN_MAPPED_BYTES
-        and codec.crc_backend() == "hardware"
+        and codec.crc_backend() != "python"  # either hardware kernel: the walk runs without the GIL
         and not sc.rest
     )
 

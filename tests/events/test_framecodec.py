@@ -42,11 +42,12 @@ CAP = 4096
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(params=["hardware", "python"])
+@pytest.fixture(params=["hardware", "hardware-streams", "python"])
 def crc_backend(request):
-    """Both CRC32C backends of the compiled codec: the CPU instruction (skipped
+    """Every CRC32C backend of the compiled codec: the CPU's fastest (folding
+    with VPCLMULQDQ where it has it), the CRC instruction alone (both skipped
     where the CPU has none) and the call into google_crc32c."""
-    if request.param == "hardware" and not fc.HW_AVAILABLE:
+    if request.param.startswith("hardware") and not fc.HW_AVAILABLE:
         pytest.skip("this CPU has no CRC32C instruction")
     saved = fc.crc_backend()
     fc.set_crc_backend(request.param)
@@ -279,6 +280,35 @@ def test_crc32c_three_stream_block_edges(crc_backend):
     for n in (767, 768, 769, 1535, 1536, 12287, 12288, 12289, 13056, 3 * 4096 + 3 * 256 + 7):
         data = random.Random(n).randbytes(n)
         assert fc.crc32c(data) == google_crc32c.value(data), n
+
+
+def test_crc32c_folding_edges(crc_backend):
+    """The folding path's edges: its 512-byte minimum, its 256-byte steps, the
+    64-byte steps after them and the tail the instruction finishes; from any
+    register value, as a frame's CRC continues one."""
+    for n in (511, 512, 513, 575, 576, 639, 767, 768, 831, 1023, 1024, 1088, 24_000, 1 << 20):
+        data = random.Random(n).randbytes(n + 3)
+        for skip in range(4):
+            for crc in (0, 1, 0xFFFFFFFF, 0x9E3779B9):
+                view = memoryview(data)[skip : skip + n]
+                assert fc.crc32c(view, crc) == google_crc32c.extend(crc, bytes(view)), (n, skip, crc)
+
+
+def test_crc32c_backend_switch_names_the_kernel():
+    """'hardware' is the CPU's fastest kernel, 'hardware-streams' the instruction
+    alone; crc_backend() reports the one chosen, and an unknown name is refused."""
+    if not fc.HW_AVAILABLE:
+        pytest.skip("this CPU has no CRC32C instruction")
+    saved = fc.crc_backend()
+    try:
+        fc.set_crc_backend("hardware-streams")
+        assert fc.crc_backend() == "hardware-streams"
+        fc.set_crc_backend("hardware")
+        assert fc.crc_backend() == "hardware"
+        with pytest.raises(ValueError, match="expected 'hardware', 'hardware-streams' or 'python'"):
+            fc.set_crc_backend("fold")
+    finally:
+        fc.set_crc_backend(saved)
 
 
 # ---------------------------------------------------------------- the switch
