@@ -323,7 +323,9 @@ def read_batch(sc: Any, off: int, size: int) -> str:
         told = zstandard.frame_content_size(data)
         if told != raw_len:
             return f"compressed batch (lsn {first}..{first + count - 1}): its zstd frame says {told} bytes raw, its header {raw_len}"
-        raw = _decompressor().decompress(data)
+        # One frame and nothing after it, as the writer stores a batch: zstandard would otherwise ignore
+        # trailing bytes (libzstd, in the mapped walk, refuses them and leaves the batch to this path).
+        raw = _decompressor().decompress(data, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         return f"compressed batch (lsn {first}..{first + count - 1}) does not decompress: {exc}"
     if len(raw) != raw_len:

@@ -215,9 +215,10 @@ def test_a_compressed_log_replays_equal_to_an_uncompressed_one(tmp_path_factory,
     lp.close()
 
 
-def _rebatch(d: Path, which: int, damage) -> int:
+def _rebatch(d: Path, which: int, damage, junk: bytes = b"") -> int:
     """Replace the ``which``-th unit (a batch) of the last segment by ``damage(raw)`` -> (raw, claimed raw)
-    repacked with a valid outer CRC: what a writer or codec fault would store. Returns its offset."""
+    repacked with a valid outer CRC, ``junk`` stored after its zstd frame: what a writer or codec fault
+    would store. Returns its offset."""
     import zstandard
 
     from agentlog.events.log.batch_compression import pack_batch
@@ -230,13 +231,13 @@ def _rebatch(d: Path, which: int, damage) -> int:
     assert typ == TYPE_BATCH
     raw = zstandard.ZstdDecompressor().decompress(data[off + FRAME_PREFIX + BATCH_HDR.size : end])
     raw, claimed = damage(bytearray(raw))
-    stored = zstandard.ZstdCompressor(level=1).compress(bytes(raw))
+    stored = zstandard.ZstdCompressor(level=1).compress(bytes(raw)) + junk
     batch = pack_batch(first, count, bytes(claimed), stored)
     seg_path(d).write_bytes(data[:off] + batch + data[end:])
     return off
 
 
-@pytest.mark.parametrize("fault", ["inner frame", "content size"])
+@pytest.mark.parametrize("fault", ["inner frame", "content size", "junk after the frame"])
 def test_a_batch_whose_crc_holds_but_whose_frames_are_damaged_is_corruption(tmp_path, fault):
     # The outer CRC covers the stored bytes; the inner frames' own checks catch what the writer or the codec got wrong.
     d = tmp_path / "d"
@@ -246,12 +247,16 @@ def test_a_batch_whose_crc_holds_but_whose_frames_are_damaged_is_corruption(tmp_
         if fault == "inner frame":
             raw[len(raw) // 2] ^= 0x10
             return raw, raw
+        if fault == "junk after the frame":
+            return raw, raw
         return raw, raw + b"?"  # the header claims one byte more than the zstd frame holds
 
-    off = _rebatch(d, 1, damage)
+    # Bytes after the zstd frame, inside the batch's CRC: its records decode, but the batch is not what the writer stores.
+    off = _rebatch(d, 1, damage, junk=b"not a zstd frame" if fault == "junk after the frame" else b"")
     rep = verify_log(d)
     assert (rep.status, rep.offset, rep.last_good_lsn) == ("corrupt", off, 19), rep.summary()
-    expected = "of its frames: CRC mismatch" if fault == "inner frame" else "its zstd frame says"
+    expected = {"inner frame": "of its frames: CRC mismatch", "content size": "its zstd frame says",
+                "junk after the frame": "16 bytes of unused data"}[fault]
     assert expected in rep.problem
     with pytest.raises(LogCorruption, match=expected):
         list(read_log(d))
