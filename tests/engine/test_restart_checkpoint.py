@@ -349,12 +349,14 @@ def _fold_state(fold: RestartFold):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(script=scripts(), order=st.randoms(use_true_random=False), never_noted=st.sets(st.integers(0, 60), max_size=4))
-def test_noted_records_in_any_order_with_gaps_fold_as_reading_the_log_does(script, order, never_noted):
+@given(script=scripts(), order=st.randoms(use_true_random=False), never_noted=st.sets(st.integers(0, 60), max_size=4),
+       pending_max=st.sampled_from([1, 3, Checkpointer.PENDING_MAX]))
+def test_noted_records_in_any_order_with_gaps_fold_as_reading_the_log_does(script, order, never_noted, pending_max):
     """The records the engine saw acknowledged, noted in any order, some never
     (another writer's, a cancelled caller's): the fold equals the fold of the
     whole log read from LSN 0, reads the log only for what was never noted,
-    and its checkpoint proves it belongs to the log (the anchor, read back)."""
+    and its checkpoint proves it belongs to the log (the anchor, read back).
+    Noted records are folded ``pending_max`` at a time, and whenever the fold is read."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "log"
         end = _write(path, script)
@@ -365,8 +367,10 @@ def test_noted_records_in_any_order_with_gaps_fold_as_reading_the_log_does(scrip
             envs = [e for e in log.read(0) if e.lsn not in never_noted]
             order.shuffle(envs)
             ckpt = Checkpointer(log, RestartFold(), path / CHECKPOINT_NAME, every=1)
+            ckpt.PENDING_MAX = pending_max
             for env in envs:
                 ckpt.note(env)
+            assert len(ckpt._pending) < pending_max  # never more wait than that
             if not never_noted & set(range(end)):
                 assert ckpt.fold.next_lsn == end and ckpt.noted == end
             assert asyncio.run(ckpt.checkpoint(final=True)) == end
