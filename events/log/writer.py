@@ -379,10 +379,11 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
 
     def _submit_one(self, sid: str, seq: int, body: Any) -> tuple[Envelope, int]:
         """:meth:`_submit` of one record (caller holds _cv), for ``append``:
-        the common case (the next record of an open session, a small frame
-        that fits the active segment short of its next index entry, the
-        compiled codec) is checked and framed without a batch's columns;
-        anything else goes through :meth:`_submit`."""
+        the common case (the next record of an open session, a frame that
+        fits the active segment short of its next index entry, the compiled
+        codec; a big payload is written where it lies, after its frame's
+        prefix) is checked and framed without a batch's columns; anything
+        else goes through :meth:`_submit`."""
         codec = framecodec.native
         if (
             codec is None
@@ -400,8 +401,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         n = FRAME_OVERHEAD + len(sidb) + len(payload)
         seg_size = self._seg_size
         if (
-            len(payload) >= _BIG_PAYLOAD
-            or n > self._cap + FRAME_OVERHEAD - ENV_HDR.size
+            n > self._cap + FRAME_OVERHEAD - ENV_HDR.size
             or seg_size + n > self._segment_bytes
             or seg_size - self._last_index_off >= INDEX_EVERY_BYTES
         ):
@@ -414,11 +414,13 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         # From here on nothing can fail.
         ts = self._clock()
         lsn = self._assigned
+        # A big payload is written where it lies (writev), after its frame's prefix, whose CRC covers it.
+        big = len(payload) >= _BIG_PAYLOAD
         if type(body) in _TERMINAL_TYPES:
-            frame = codec.encode_frame(lsn, seq, ts, 1, sidb, payload, False)
+            frame = codec.encode_frame(lsn, seq, ts, 1, sidb, payload, big)
             del self._next_seq[sid]
         else:
-            frame = codec.encode_frame(lsn, seq, ts, 0, sidb, payload, False)
+            frame = codec.encode_frame(lsn, seq, ts, 0, sidb, payload, big)
             self._next_seq[sid] = seq + 1
         self._seg_size = seg_size + n
         end = lsn + 1
@@ -429,9 +431,11 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
             if last.checkpoint is None and type(run) is list:
                 # Join the submission still waiting for a flush: one run, no new objects.
                 run.append(frame)
+                if big:
+                    run.append(payload)
                 last.end = self._assigned = end
                 return Envelope(lsn, sid, seq, ts, body), end
-        self._queue([[frame]], end)
+        self._queue([[frame, payload] if big else [frame]], end)
         return Envelope(lsn, sid, seq, ts, body), end
 
     def _queue(self, ops: list, end: int) -> None:

@@ -136,7 +136,7 @@ def _log_bytes(path: Path) -> dict[str, bytes]:
 def test_every_way_of_staging_writes_the_same_bytes(tmp_path):
     """Batches (framed in one call where they fit the segment, frame by frame
     across a rotation or a big payload), one record per batch, and async
-    appends, under a fixed clock: byte for byte the same segments, index and
+    appends one at a time and many at once, under a fixed clock: byte for byte the same segments, index and
     watermark, with several segments and sparse-index entries in each."""
     recs = _records(2400)
     opts = dict(fsync="never", segment_bytes=200_000, checkpoint_bytes=50_000, clock=lambda: 7)
@@ -154,6 +154,16 @@ def test_every_way_of_staging_writes_the_same_bytes(tmp_path):
         with FileLog.open(path, **opts) as lg:
             asyncio.run(run(lg))
 
+    def concurrent_appends(path: Path) -> None:
+        # 50 appends at a time, staged in call order: most join a submission still waiting for its flush,
+        # big payloads (written where they lie, after their frame's prefix) among them.
+        async def run(lg: FileLog) -> None:
+            for i in range(0, len(recs), 50):
+                await asyncio.gather(*(lg.append(sid, seq, body) for sid, seq, body in recs[i : i + 50]))
+
+        with FileLog.open(path, **opts) as lg:
+            asyncio.run(run(lg))
+
     batches(tmp_path / "big", 500)
     batches(tmp_path / "one", 1)
     async_appends(tmp_path / "async")
@@ -161,6 +171,8 @@ def test_every_way_of_staging_writes_the_same_bytes(tmp_path):
     assert len(list_segments(tmp_path / "big")) >= 3
     assert _log_bytes(tmp_path / "one") == reference
     assert _log_bytes(tmp_path / "async") == reference
+    concurrent_appends(tmp_path / "concurrent")
+    assert _log_bytes(tmp_path / "concurrent") == reference
     saved = framecodec.native
     framecodec.use_native(False)
     try:
