@@ -46,7 +46,9 @@ def stream_info(cluster, stream: str):
 
     async def body():
         async with nats_client(cluster) as nc:
-            return await nc.jetstream(timeout=2).stream_info(stream)
+            # 10 s, as stored_messages' 5: on two loaded cores (the suite's workers, the cluster and the test's own
+            # writers at full speed) the answer took over 2 s once, failing the test before anything was killed.
+            return await nc.jetstream(timeout=10).stream_info(stream)
 
     return run(body())
 
