@@ -457,7 +457,10 @@ class Checkpointer:
             self._fold_pending()
 
     def _fold_pending(self) -> None:
-        """Fold the noted records in the order they came (see :meth:`note`)."""
+        """Fold the noted records in the order they came (see :meth:`note`).
+        Whatever the fold raises breaks it (no checkpoint is written from it:
+        :meth:`checkpoint` raises, naming the record) instead of failing the
+        unrelated record whose note or read of the fold came next."""
         pending, self._pending = self._pending, []
         fold, ahead = self._fold, self._ahead
         for rec in pending:
@@ -468,10 +471,15 @@ class Checkpointer:
                 if len(ahead) < self.AHEAD_MAX:
                     ahead[lsn] = rec
                 continue
-            fold.fold_noted(rec)
-            self._noted += 1
-            if ahead:
-                self._fold_ahead()
+            try:
+                fold.fold_noted(rec)
+                self._noted += 1
+                if ahead:
+                    self._fold_ahead()
+            except Exception as exc:
+                self._broken = f"folding the noted record at lsn {lsn} (session {rec.session_id!r}) failed: {type(exc).__name__}: {exc}"
+                _log.error("engine.checkpoint_fold_failed", path=str(self.path), lsn=lsn, session_id=rec.session_id,
+                           error=f"{type(exc).__name__}: {exc}", effect="no checkpoint is written until the engine reopens the log")
 
     def _fold_ahead(self) -> None:
         """Fold the waiting records that now follow the fold's end; drop those it already holds."""
@@ -500,9 +508,7 @@ class Checkpointer:
         more behind the log, or always with ``final`` (the engine closes: every
         record, noted or not, to the log's end). Returns the LSN of the last
         checkpoint written; errors as :meth:`advance`'s."""
-        if self._broken is not None:
-            raise CheckpointError(self.path, f"not written: {self._broken}")
-        fold, ahead = self.fold, self._ahead
+        fold, ahead = self._checked_fold(), self._ahead
         if final:
             # Every record, noted or not, to the log's end; after any read a cancelled caller left running.
             if self._reading:
@@ -516,11 +522,19 @@ class Checkpointer:
             first = min(ahead) if ahead else None
             one_gap = first is not None and max(ahead) - first + 1 == len(ahead)
             await self._read_in_thread(first if one_gap else None)
+        fold = self._checked_fold()  # with what was noted during a read
         if self._reading or fold.next_lsn == (self.lsn if final else self._tried):
             return self.lsn  # a cancelled caller's read still runs, or nothing new since the last try
-        self._tried = self.fold.next_lsn
-        ckpt = self.fold.to_checkpoint()  # in the loop's thread, where the fold changes: a consistent state
+        self._tried = fold.next_lsn
+        ckpt = fold.to_checkpoint()  # in the loop's thread, where the fold changes: a consistent state
         return await asyncio.to_thread(self._write, ckpt, cache_only)
+
+    def _checked_fold(self) -> RestartFold:
+        """:attr:`fold`, or CheckpointError when it can no longer be trusted."""
+        fold = self.fold
+        if self._broken is not None:
+            raise CheckpointError(self.path, f"not written: {self._broken}")
+        return fold
 
     async def _read_in_thread(self, until: int | None) -> None:
         """Fold the log's records from the fold's end (to ``until``, exclusive, or its

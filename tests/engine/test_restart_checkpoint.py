@@ -478,6 +478,39 @@ def test_a_fold_stuck_at_many_gaps_reads_past_all_of_them_at_once(tmp_path):
         log.close()
 
 
+class _FoldFailingAt(RestartFold):
+    """A fold whose step raises at one LSN (a bug in the fold, as the engine would meet it)."""
+
+    def __init__(self, lsn: int) -> None:
+        super().__init__()
+        self.failing = lsn
+
+    def fold_noted(self, rec) -> None:
+        if rec.lsn == self.failing:
+            raise KeyError("a bug in the fold")
+        super().fold_noted(rec)
+
+
+def test_a_fold_that_raises_on_a_noted_record_breaks_the_checkpoint_not_the_engines_next_record(tmp_path):
+    """Noted records are folded later, in runs: an error there must not surface in whichever
+    record's note came next. The fold is broken instead: no checkpoint is written from it, and
+    the checkpoint's error names the record."""
+    path, end, log, _ = _opens_and_a_checkpointer(tmp_path, 40, every=8)
+    try:
+        ckpt = Checkpointer(log, _FoldFailingAt(17), path / CHECKPOINT_NAME, every=8)
+        ckpt.PENDING_MAX = 4
+        for env in log.read(0):
+            ckpt.note(env)  # never raises: the run holding lsn 17 breaks the fold
+        assert ckpt.fold.next_lsn == 17
+        with pytest.raises(CheckpointError, match=r"not written: folding the noted record at lsn 17 \(session 's17'\) failed: KeyError"):
+            asyncio.run(ckpt.checkpoint())
+        with pytest.raises(CheckpointError, match="lsn 17"):
+            asyncio.run(ckpt.checkpoint(final=True))
+        assert not (path / CHECKPOINT_NAME).exists()
+    finally:
+        log.close()
+
+
 def test_the_final_checkpoint_is_written_after_a_failed_one_even_with_nothing_new(tmp_path):
     """A periodic checkpoint that could not be written (a directory in its
     place) does not make the final one think it has nothing to write."""
