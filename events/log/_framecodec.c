@@ -693,6 +693,7 @@ static struct {
     size_t (*decompress)(ZSTD_DCtx *, void *, size_t, const void *, size_t);
     unsigned (*is_error)(size_t);
     unsigned long long (*content_size)(const void *, size_t);
+    size_t (*frame_size)(const void *, size_t); /* the first frame's compressed size */
     unsigned version; /* 0: not loaded */
 } zstd;
 
@@ -708,8 +709,9 @@ static void zstd_load(void) {
         zstd.decompress = (size_t(*)(ZSTD_DCtx *, void *, size_t, const void *, size_t))dlsym(h, "ZSTD_decompressDCtx");
         zstd.is_error = (unsigned (*)(size_t))dlsym(h, "ZSTD_isError");
         zstd.content_size = (unsigned long long (*)(const void *, size_t))dlsym(h, "ZSTD_getFrameContentSize");
+        zstd.frame_size = (size_t(*)(const void *, size_t))dlsym(h, "ZSTD_findFrameCompressedSize");
         if (version != NULL && zstd.create != NULL && zstd.release != NULL && zstd.decompress != NULL && zstd.is_error != NULL &&
-            zstd.content_size != NULL && version() >= 10300) {
+            zstd.content_size != NULL && zstd.frame_size != NULL && version() >= 10300) {
             zstd.version = version();
             return; /* kept loaded for the life of the process */
         }
@@ -858,6 +860,10 @@ static Py_ssize_t walk_batch(const scan_state *st, ZSTD_DCtx *dctx, unsigned lon
     const uint8_t *data = f + FRAME_PREFIX + BATCH_HDR_SIZE;
     size_t stored = (size_t)length - BATCH_HDR_SIZE;
     if (stored < 4 || rd32(data) != ZSTD_MAGIC || zstd.content_size(data, stored) != raw_len) return 0;
+    /* One frame that ends the stored bytes, as the writer stores a batch: ZSTD_decompressDCtx would also read
+       on through an empty or a skippable frame after it, which the pread path refuses. */
+    size_t framed = zstd.frame_size(data, stored);
+    if (zstd.is_error(framed) || framed != stored) return 0;
     batch_buf *bb = calloc(1, sizeof(batch_buf));
     if (bb == NULL) return 0;
     bb->data = malloc((size_t)raw_len);

@@ -324,7 +324,7 @@ def read_batch(sc: Any, off: int, size: int) -> str:
         if told != raw_len:
             return f"compressed batch (lsn {first}..{first + count - 1}): its zstd frame says {told} bytes raw, its header {raw_len}"
         # One frame and nothing after it, as the writer stores a batch: zstandard would otherwise ignore
-        # trailing bytes (libzstd, in the mapped walk, refuses them and leaves the batch to this path).
+        # trailing bytes (the mapped walk checks the frame's compressed size and leaves such a batch to this path).
         raw = _decompressor().decompress(data, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         return f"compressed batch (lsn {first}..{first + count - 1}) does not decompress: {exc}"

@@ -275,6 +275,21 @@ def test_a_legacy_zstd_frame_that_libzstd_would_decode_is_refused_as_the_pread_p
     assert walked == pread and walked[0] == [] and "does not decompress" in walked[3][1]
 
 
+@pytest.mark.parametrize("after", ["text", "skippable frame", "empty frame"])
+def test_bytes_after_a_batchs_zstd_frame_stop_both_paths_at_the_batch(scratch, walking, monkeypatch, after):
+    # The writer stores one zstd frame a batch. libzstd reads on through an empty or a skippable frame
+    # after it, zstandard ignores anything after it unless told not to: both paths must refuse all three.
+    seg = scratch / segment_name(0)
+    raw = b"".join(_frame(i, b"s", b"payload %d" % i) for i in range(3))
+    extra = {"text": b"not a zstd frame",
+             "skippable frame": (0x184D2A50).to_bytes(4, "little") + (4).to_bytes(4, "little") + b"skip",
+             "empty frame": zstandard.ZstdCompressor(level=-1, write_content_size=True).compress(b"")}[after]
+    stored = zstandard.ZstdCompressor(level=-1).compress(raw) + extra
+    seg.write_bytes(pack_segment_header(1, 0, "zstd") + pack_batch(0, 3, raw, stored) + _frame(3, b"s", b"tail"))
+    walked, pread = _scan(seg, True, None, monkeypatch)[0], _scan(seg, False, None, monkeypatch)[0]
+    assert walked == pread and walked[0] == [] and "unused data" in walked[3][1]
+
+
 def test_the_walk_holds_at_most_32_mib_of_batches_ahead_of_a_slow_reader(scratch, walking):
     # Records over 256 KiB are each a batch alone: a ring of 4,096 of them would hold gigabytes.
     seg = scratch / segment_name(0)
