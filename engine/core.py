@@ -61,7 +61,8 @@ from .errors import TIMEOUT_REASON, DuplicateSession, EngineClosed, SessionTimeo
 from .handle import InFlightMarker, SessionHandle, _SessionContext, append_built_turn, stage_built_turn
 from . import adopt as engine_adopt
 from .adopt import adopt_orphans
-from .restart import RESTART_REASON, Checkpointer, abort_orphans, checkpoint_path_of, resume_fold
+from .checkpointer import Checkpointer
+from .restart import RESTART_REASON, abort_orphans, checkpoint_path_of, resume_fold
 from .session_lock import acquire_contended, release
 from .timers import BackgroundWork
 
@@ -70,7 +71,6 @@ _log = get_logger("agentlog.engine")
 #: Records between two restart checkpoints: a restart folds at most this many (about 50 ms), and each
 #: checkpoint (about 1 MiB: the ID filter) costs a few ms of writing in a background thread.
 DEFAULT_CHECKPOINT_EVERY = 4096
-
 
 
 def _own_work(work: Any, cur: asyncio.Task | None) -> bool:

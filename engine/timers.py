@@ -19,7 +19,7 @@ from agentlog.events.schema.types import Envelope, SessionAborted
 
 from .errors import TIMEOUT_REASON, RecordNotApplied
 from .handle import SessionHandle
-from .restart import Checkpointer
+from .checkpointer import Checkpointer
 
 _log = get_logger("agentlog.engine")
 

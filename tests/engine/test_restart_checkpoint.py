@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentlog.engine import DuplicateSession, SessionEngine
+from agentlog.engine.checkpointer import Checkpointer
 from agentlog.engine.restart import (
     CHECKPOINT_NAME,
-    Checkpointer,
     CheckpointError,
     RestartFold,
     load_checkpoint,
