@@ -511,6 +511,39 @@ def test_a_fold_that_raises_on_a_noted_record_breaks_the_checkpoint_not_the_engi
         log.close()
 
 
+def test_an_engine_whose_fold_breaks_reports_it_as_its_background_failure_and_at_close(tmp_path, monkeypatch):
+    """The same fault inside a running engine: its periodic checkpoint fails loudly (the engine's
+    background_failure, which health reports), and close raises it, naming the record."""
+    folded = RestartFold.fold_noted
+
+    def failing(self, rec):  # fault injection into the fold, not into what reports it
+        if rec.lsn == 5:
+            raise KeyError("a bug in the fold")
+        folded(self, rec)
+
+    monkeypatch.setattr(RestartFold, "fold_noted", failing)
+
+    async def go():
+        log = FileLog.open(tmp_path / "log", fsync="never")
+        try:
+            eng = await SessionEngine.open(log, checkpoint_every=4, checkpoint_poll_s=0.01)
+            for i in range(10):
+                h = await eng.open_session(f"s{i}", group_id=f"g{i}", group_size=1)
+                await h.start(harness="bench")
+                await h.finish(reward=1.0)
+            for _ in range(200):
+                if eng.background_failure is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert eng.background_failure is not None and "folding the noted record at lsn 5" in eng.background_failure
+            with pytest.raises(CheckpointError, match="lsn 5"):
+                await eng.close()
+        finally:
+            log.close()
+
+    asyncio.run(go())
+
+
 def test_the_final_checkpoint_is_written_after_a_failed_one_even_with_nothing_new(tmp_path):
     """A periodic checkpoint that could not be written (a directory in its
     place) does not make the final one think it has nothing to write."""
