@@ -27,7 +27,7 @@ from .restart import (
     write_checkpoint,
 )
 
-_log = get_logger("agentlog.engine.restart")
+_log = get_logger("agentlog.engine.checkpointer")
 
 
 #: A checkpoint comes at most every this many records per session in flight (see :meth:`Checkpointer.interval`).
@@ -52,6 +52,10 @@ class Checkpointer:
 
     #: Records noted ahead of a gap that are kept (beyond it, the log is read instead).
     AHEAD_MAX = 1 << 16
+    #: Noted records folded together once this many wait: in a run of their own the fold's code and
+    #: data stay in the CPU's caches, where a record folded as it comes finds them evicted by the engine's
+    #: work between two records (about half the cost per record in ``bench_engine``).
+    PENDING_MAX = 256
 
     def __init__(self, log: EventLog, fold: RestartFold, path: Path, every: int) -> None:
         if every < 1:
@@ -73,13 +77,8 @@ class Checkpointer:
         self._tried = -1
         #: Records folded as noted (:attr:`noted`), and read from the log after a gap (for tests and benchmarks).
         self._noted = self.read_back = 0
-        #: Why the fold can no longer be trusted (a failed read of the log), or None.
+        #: Why the fold can no longer be trusted (a failed read of the log, an error folding a noted record), or None.
         self._broken: str | None = None
-
-    #: Noted records folded together once this many wait: in a run of their own the fold's code and
-    #: data stay in the CPU's caches, where a record folded as it comes finds them evicted by the engine's
-    #: work between two records (about half the cost per record in ``bench_engine``).
-    PENDING_MAX = 256
 
     @property
     def fold(self) -> RestartFold:
@@ -126,11 +125,13 @@ class Checkpointer:
         :meth:`checkpoint` raises, naming the record) instead of failing the
         unrelated record whose note or read of the fold came next."""
         pending, self._pending = self._pending, []
+        if self._broken is not None:
+            return
         fold, ahead = self._fold, self._ahead
         for rec in pending:
             lsn = rec.lsn
-            if lsn < fold.next_lsn or self._broken is not None:
-                continue
+            if lsn < fold.next_lsn:
+                continue  # already read from the log
             if self._reading or lsn != fold.next_lsn:
                 if len(ahead) < self.AHEAD_MAX:
                     ahead[lsn] = rec
@@ -144,6 +145,7 @@ class Checkpointer:
                 self._broken = f"folding the noted record at lsn {lsn} (session {rec.session_id!r}) failed: {type(exc).__name__}: {exc}"
                 _log.error("engine.checkpoint_fold_failed", path=str(self.path), lsn=lsn, session_id=rec.session_id,
                            error=f"{type(exc).__name__}: {exc}", effect="no checkpoint is written until the engine reopens the log")
+                return
 
     def _fold_ahead(self) -> None:
         """Fold the waiting records that now follow the fold's end; drop those it already holds."""

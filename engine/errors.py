@@ -67,4 +67,3 @@ class RecordNotApplied(AgentlogError, RuntimeError):
             f"({type(error).__name__}: {error}); this engine's state of the session may disagree with the log: "
             "restart the engine (it folds the log)"
         )
-

@@ -51,7 +51,8 @@ class BackgroundWork:
         while True:
             await asyncio.sleep(self.checkpoint_poll_s)
             if ckpt.due():
-                # A cache: a failed write is a warning (the next due one tries again), never a background failure.
+                # A cache: a failed write is a warning (the next due one tries again); only a fold that can no
+                # longer be trusted raises (CheckpointError), and that is a background failure.
                 await ckpt.checkpoint()
 
     def _not_applied(self, h: SessionHandle, env: Envelope | None, exc: BaseException) -> RecordNotApplied:

@@ -210,10 +210,11 @@ FOLD_TARGET static uint64_t crc_fold512(uint64_t c, const uint8_t **pp, size_t *
     return out;
 }
 
-/* AVX-512F and VPCLMULQDQ in the CPU, and the 512-bit register state enabled by the OS (XCR0). */
-static int detect_fold512(void) {
+/* AVX-512F and VPCLMULQDQ in the CPU, and the 512-bit register state enabled by the OS (XCR0);
+   ``leaf1_ecx``: what CPUID leaf 1 said (detect_hw asked it already). */
+static int detect_fold512(unsigned int leaf1_ecx) {
     unsigned int a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE)) return 0;
+    if (!(leaf1_ecx & bit_OSXSAVE)) return 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & bit_AVX512F) || !(c & (1u << 10))) return 0;
     unsigned int xlo, xhi;
     __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
@@ -240,7 +241,7 @@ static int detect_hw(void) {
         k_small[0] = xpow_mod(8 * 2 * K_SMALL - 33);
         k_small[1] = xpow_mod(8 * K_SMALL - 33);
         have_clmul = 1;
-        if (detect_fold512()) {
+        if (detect_fold512(c)) {
             fold_2048 = fold_constants(2048);
             fold_512 = fold_constants(512);
             fold_384 = fold_constants(384);
