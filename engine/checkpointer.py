@@ -62,7 +62,7 @@ class Checkpointer:
             raise ValueError(f"checkpoint_every: expected >= 1 record, found {every}")
         self.log, self._fold, self.path, self.every = log, fold, path, every
         #: Records noted and not folded yet, oldest first (see :meth:`note`).
-        self._pending: list[_Record] = []
+        self._pending: list[Any] = []  # envelopes
         self._lock = threading.Lock()
         #: Checkpoints written, and the LSN the last one folded up to.
         self.written = 0
@@ -102,20 +102,10 @@ class Checkpointer:
         after it, :data:`PENDING_MAX` at a time or when the fold is next used
         (:attr:`fold`); a record ahead of the fold's end waits for the ones
         before it; one behind it was already read from the log."""
-        body = env.body
-        tag = type(body).__struct_config__.tag
-        if tag not in KNOWN_TAGS:
-            return  # left to the log read, which refuses it by name (UnknownEventError)
-        # What the fold reads of an open or an abort, not the body: a prompt or a traceback held while it
-        # waits could be large.
-        if tag == _OPENED:
-            body = _GroupJoin(body.group_id, body.group_size, body.sample_index, body.replaces)
-        elif tag == _ABORTED:
-            body = _AbortRefill(refill=body.refill)
-        else:
-            body = None
+        # The envelope itself waits (untracked by the cyclic GC, nothing built for it): at most
+        # PENDING_MAX of them, so the bodies they hold stay few.
         pending = self._pending
-        pending.append(_Record(env.lsn, env.session_id, env.session_seq, env.ts_ns, tag, None, body))
+        pending.append(env)
         if len(pending) >= self.PENDING_MAX:
             self._fold_pending()
 
@@ -128,22 +118,25 @@ class Checkpointer:
         if self._broken is not None:
             return
         fold, ahead = self._fold, self._ahead
-        for rec in pending:
-            lsn = rec.lsn
+        for env in pending:
+            tag = type(env.body).__struct_config__.tag
+            if tag not in KNOWN_TAGS:
+                continue  # left to the log read, which refuses it by name (UnknownEventError)
+            lsn = env.lsn
             if lsn < fold.next_lsn:
                 continue  # already read from the log
             if self._reading or lsn != fold.next_lsn:
                 if len(ahead) < self.AHEAD_MAX:
-                    ahead[lsn] = rec
+                    ahead[lsn] = _waiting(env, tag)
                 continue
             try:
-                fold.fold_noted(rec)
+                fold.fold_noted(env, tag)
                 self._noted += 1
                 if ahead:
                     self._fold_ahead()
             except Exception as exc:
-                self._broken = f"folding the noted record at lsn {lsn} (session {rec.session_id!r}) failed: {type(exc).__name__}: {exc}"
-                _log.error("engine.checkpoint_fold_failed", path=str(self.path), lsn=lsn, session_id=rec.session_id,
+                self._broken = f"folding the noted record at lsn {lsn} (session {env.session_id!r}) failed: {type(exc).__name__}: {exc}"
+                _log.error("engine.checkpoint_fold_failed", path=str(self.path), lsn=lsn, session_id=env.session_id,
                            error=f"{type(exc).__name__}: {exc}", effect="no checkpoint is written until the engine reopens the log")
                 return
 
@@ -153,7 +146,7 @@ class Checkpointer:
         for lsn in [k for k in ahead if k < fold.next_lsn]:
             del ahead[lsn]
         while (rec := ahead.pop(fold.next_lsn, None)) is not None:
-            fold.fold_noted(rec)
+            fold.fold_noted(rec, rec.tag)
             self._noted += 1
 
     def interval(self) -> int:
@@ -271,3 +264,16 @@ class Checkpointer:
             _log.debug("engine.checkpoint_written", path=str(self.path), next_lsn=self.lsn, bytes=size,
                        seconds=round(time.perf_counter() - t0, 4))
             return self.lsn
+
+
+def _waiting(env: Any, tag: str) -> _Record:
+    """What a noted record keeps while it waits for the records before it: what the fold
+    reads of it, not its body (a prompt or a traceback held up to AHEAD_MAX times could be large)."""
+    body = env.body
+    if tag == _OPENED:
+        body = _GroupJoin(body.group_id, body.group_size, body.sample_index, body.replaces)
+    elif tag == _ABORTED:
+        body = _AbortRefill(refill=body.refill)
+    else:
+        body = None
+    return _Record(env.lsn, env.session_id, env.session_seq, env.ts_ns, tag, None, body)

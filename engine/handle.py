@@ -16,7 +16,7 @@ import math
 import traceback as _traceback
 from array import array
 from collections import deque
-from typing import TYPE_CHECKING, Any, Coroutine
+from typing import TYPE_CHECKING, Any, Awaitable, Coroutine
 
 import numpy as np
 
@@ -93,17 +93,26 @@ class PendingTurn:
                 self.durable.exception()  # retrieved: raised here instead
 
 
-async def append_built_turn(log: EventLog, session_id: str, seq: int, body: Any) -> Envelope:
-    """``log.append`` of a turn the engine built (:meth:`SessionHandle._turn_body`),
-    which the log takes as checked when built: ``READING_STORED`` is set while it
-    stages the turn, so its write-time check still encodes the body and decodes it
-    back strictly (every field's type: nothing a reader cannot decode is stored)
-    but does not run the turn's value checks (``__post_init__``) a second time.
-    They ran on the caller's values when the ``TurnRecorded`` was built, with no
-    await between (so the values stored are the values checked), and the delta's
-    own fields and the lineage were checked when the engine made them. Reset
-    before this returns or raises: the engine's code after it runs without it."""
+def append_built_turn(log: EventLog, session_id: str, seq: int, body: Any) -> Awaitable[Envelope]:
+    """``log.append`` of a turn the engine built (:meth:`SessionHandle._turn_body`), which
+    the log takes as checked when built: with ``READING_STORED`` set, its write-time check
+    still encodes the body and decodes it back strictly (nothing a reader cannot decode is
+    stored) without running the turn's value checks a second time. They ran on the caller's
+    values when the ``TurnRecorded`` was built, with no await between, and the delta's own
+    fields and the lineage when the engine made them. Returns what to await. A log that
+    stages synchronously has the flag only while :meth:`~EventLog.submit` stages (no coroutine
+    or context outlives it); any other across its append, reset before the engine goes on."""
+    if not log.stages_synchronously:
+        return _append_flagged(log, session_id, seq, body)
     token = READING_STORED.set(True)
+    try:
+        return log.submit(session_id, seq, body)
+    finally:
+        READING_STORED.reset(token)
+
+
+async def _append_flagged(log: EventLog, session_id: str, seq: int, body: Any) -> Envelope:
+    token = READING_STORED.set(True)  # see append_built_turn
     try:
         return await log.append(session_id, seq, body)
     finally:
@@ -117,14 +126,12 @@ def stage_built_turn(log: EventLog, session_id: str, seq: int, body: Any, on_dur
     step later, when the caller may have changed a value it handed over (a
     ``sampling`` dict, a ``version_spans`` list), and ``on_durable`` runs
     without the flag either way."""
-    if not log.stages_synchronously:
-        log.stage(session_id, seq, body, on_durable)
-        return
-    token = READING_STORED.set(True)
+    token = READING_STORED.set(True) if log.stages_synchronously else None
     try:
         log.stage(session_id, seq, body, on_durable)
     finally:
-        READING_STORED.reset(token)
+        if token is not None:
+            READING_STORED.reset(token)
 
 
 class SessionHandle:

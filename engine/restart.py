@@ -204,7 +204,7 @@ class RestartFold:
                     break
                 if rec.tag not in KNOWN_TAGS:
                     raise UnknownEventError(rec.lsn, rec.session_id, rec.tag)
-                self._feed(rec)
+                self._feed(rec, rec.tag)
                 last = rec.lsn
                 n += 1
                 if progress is not None and n & 0x3FFF == 0:
@@ -217,25 +217,26 @@ class RestartFold:
             self.next_lsn, self.anchor = last + 1, anchor
         return n
 
-    def fold_noted(self, rec: _Record) -> None:
+    def fold_noted(self, rec: Any, tag: str) -> None:
         """Fold the record at :attr:`next_lsn` as the engine saw it acknowledged,
-        not read from the log (:meth:`Checkpointer.note`). Its stored bytes are
+        not read from the log (:meth:`Checkpointer.note`): its envelope, or the
+        :class:`_Record` kept of it while it waited, and its event type (``tag``). Its stored bytes are
         not at hand, so :attr:`anchor` is unknown (b"") until a read: a
         checkpoint reads its anchor from the log when it is written."""
-        self._feed(rec)
+        self._feed(rec, tag)
         self.next_lsn, self.anchor = rec.lsn + 1, b""
 
-    def _feed(self, rec: _Record) -> None:
+    def _feed(self, rec: Any, tag: str) -> None:  # a _Record, or a noted envelope (the same fields and body)
         refused = False
-        for v in self.check.feed(rec.lsn, rec.session_id, rec.session_seq, rec.tag):
+        for v in self.check.feed(rec.lsn, rec.session_id, rec.session_seq, tag):
             self._note(v.lsn, v.session_id, v.kind.value, v.message)
             refused = refused or v.kind is not ViolationKind.LSN_ORDER
         if refused:  # a record the lifecycle step refused is not applied to the groups either
-            if rec.tag == _OPENED:
+            if tag == _OPENED:
                 self.refused_opens.append(rec.session_id)
             return
         sid = rec.session_id
-        if rec.tag == _OPENED:
+        if tag == _OPENED:
             body = rec.body
             try:
                 self.groups.open(body.group_id, sid, body.group_size, body.sample_index, rec.lsn, body.replaces or "")
@@ -245,10 +246,10 @@ class RestartFold:
                 self._note(rec.lsn, sid, "group", str(exc))
                 return
             self.in_groups[sid] = body.group_id
-        elif rec.tag in _TERMINAL_TAGS:
+        elif tag in _TERMINAL_TAGS:
             gid = self.in_groups.pop(sid, None)
             if gid is not None:
-                self.groups.close(gid, None, sid, rec.lsn, refill=rec.tag == _ABORTED and rec.body.refill is True)
+                self.groups.close(gid, None, sid, rec.lsn, refill=tag == _ABORTED and rec.body.refill is True)
 
     def _note(self, lsn: int, session_id: str, kind: str, message: str) -> None:
         self.violations += 1

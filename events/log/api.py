@@ -396,6 +396,15 @@ class EventLog(abc.ABC):
         (``engine.handle.append_built_turn``), which is sound only if the values
         checked are the values the caller handed over."""
 
+    def submit(self, session_id: str, session_seq: int, body: Any) -> asyncio.Future[Envelope]:
+        """:meth:`append` as a future to await instead of a coroutine. A log that
+        stages synchronously (the file log) stages the record before this returns
+        (bad input raises here, nothing staged), so a flag set around this call
+        covers the record's check and nothing after it (``engine.handle.append_built_turn``);
+        cancelling the future cancels the wait only, as with :meth:`append`. This
+        default runs :meth:`append` as a task."""
+        return asyncio.get_running_loop().create_task(self.append(session_id, session_seq, body))
+
     def stage(self, session_id: str, session_seq: int, body: Any, on_durable: OnDurable) -> None:
         """Append one record from asyncio without awaiting it: ``on_durable(env, None)``
         is called on the running event loop once the record is durable, or

@@ -466,9 +466,17 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         writer thread, so the event loop never waits on disk. The record is
         staged before the first await (a caller cancelled while it waits for
         durability still has its record written: ``next_seq`` says so)."""
-        fut = asyncio.get_running_loop().create_future()
+        fut = asyncio.get_running_loop().create_future()  # as submit does, without a call more per append
         self._enqueue(session_id, session_seq, body, fut)
         return await fut
+
+    def submit(self, session_id: str, session_seq: int, body: Any) -> asyncio.Future[Envelope]:
+        """:meth:`EventLog.submit`: the record is staged before this returns
+        (bad input raises here, nothing staged), and the writer thread's
+        acknowledgement resolves the future."""
+        fut = asyncio.get_running_loop().create_future()
+        self._enqueue(session_id, session_seq, body, fut)
+        return fut
 
     def stage(self, session_id: str, session_seq: int, body: Any, on_durable: OnDurable) -> None:
         """:meth:`EventLog.stage`: the record is staged before this returns (bad

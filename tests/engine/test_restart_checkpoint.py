@@ -485,10 +485,10 @@ class _FoldFailingAt(RestartFold):
         super().__init__()
         self.failing = lsn
 
-    def fold_noted(self, rec) -> None:
+    def fold_noted(self, rec, tag) -> None:
         if rec.lsn == self.failing:
             raise KeyError("a bug in the fold")
-        super().fold_noted(rec)
+        super().fold_noted(rec, tag)
 
 
 def test_a_fold_that_raises_on_a_noted_record_breaks_the_checkpoint_not_the_engines_next_record(tmp_path):
@@ -516,10 +516,10 @@ def test_an_engine_whose_fold_breaks_reports_it_as_its_background_failure_and_at
     background_failure, which health reports), and close raises it, naming the record."""
     folded = RestartFold.fold_noted
 
-    def failing(self, rec):  # fault injection into the fold, not into what reports it
+    def failing(self, rec, tag):  # fault injection into the fold, not into what reports it
         if rec.lsn == 5:
             raise KeyError("a bug in the fold")
-        folded(self, rec)
+        folded(self, rec, tag)
 
     monkeypatch.setattr(RestartFold, "fold_noted", failing)
 

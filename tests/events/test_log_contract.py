@@ -194,6 +194,32 @@ class LogContract:
         asyncio.run(main())
         assert log.next_lsn == 1
 
+    def test_submit_returns_a_future_of_the_same_envelope_append_gives(self, log):
+        """``submit`` is ``append`` as a future; a log that stages synchronously has
+        the record staged (its sequence taken, bad input refused with nothing
+        staged) before ``submit`` returns, and a cancelled wait still writes it."""
+        async def main():
+            first = log.submit("s", 0, opened())
+            if log.stages_synchronously:
+                assert log.next_seq("s") == 1
+                with pytest.raises(SequenceError):
+                    log.submit("s", 0, opened())
+            env = await first
+            waited = log.submit("s", 1, small_event(1))
+            if log.stages_synchronously:
+                waited.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waited
+            else:
+                await waited  # the default runs append as a task: cancelled before its first step, it appends nothing
+            last = await log.append("s", 2, small_event(2))
+            return env, last
+
+        env, last = asyncio.run(main())
+        stored = list(log.read())
+        assert stored[0] == env and env.session_id == "s" and env.session_seq == 0
+        assert [e.session_seq for e in stored] == [0, 1, 2] and stored[2] == last
+
     def test_follow_yields_records_appended_later(self, log):
         async def main():
             got = []

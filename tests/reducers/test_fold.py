@@ -131,6 +131,21 @@ def test_the_driver_refuses_what_a_fold_with_unbounded_memory_refuses(seed, faul
 
 
 @PROPERTY
+@given(seed=st.integers(min_value=0, max_value=2**32 - 1), faults=FAULTS)
+def test_the_lifecycle_check_refuses_what_a_fold_with_unbounded_memory_refuses(seed, faults):
+    """The check behind verify and the engine's restart takes a running session's next
+    in-session event (most records) on a path of its own: the same refusals, the same
+    sessions in flight with the same next sequence numbers."""
+    records = faulty_stream(seed, faults)
+    check = LifecycleCheck()
+    got = [(v.lsn, v.session_id, v.kind.value) for r in records for v in check.feed(*r)]
+    assert got == reference_refusals(records)
+    driver = Recorder(ended_window=1000, ids=set()).feed(records).fold
+    assert check.open_sessions() == {sid: (t.life.state, t.life.next_seq) for sid, t in driver.live.items()}
+    assert check.next_lsn == max((r[0] for r in records), default=-1) + 1
+
+
+@PROPERTY
 @given(seed=st.integers(min_value=0, max_value=2**32 - 1), faults=FAULTS,
        cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=6))
 def test_folding_any_split_incrementally_equals_folding_in_one_batch(seed, faults, cuts):
