@@ -64,7 +64,11 @@
 
 enum { BACKEND_HW = 1, BACKEND_PY = 2 };
 static int crc_backend = BACKEND_PY;
-static int crc_fold = 1; /* fold with VPCLMULQDQ where the CPU can (set_crc_backend("hardware-streams") turns it off) */
+/* Fold with VPCLMULQDQ where the CPU can: on its widest registers (FOLD_BEST), on 256-bit ones
+   (FOLD_256: set_crc_backend("hardware-fold256"), for tests and A/Bs), or not (FOLD_OFF:
+   "hardware-streams"). */
+enum { FOLD_OFF, FOLD_BEST, FOLD_256 };
+static int crc_fold = FOLD_BEST;
 static int hw_available = 0;
 static PyObject *py_extend = NULL; /* google_crc32c.extend */
 
@@ -147,7 +151,7 @@ typedef struct {
     uint32_t first, second; /* multiply a lane's first (low) and second (high) quadword */
 } fold_k;
 static fold_k fold_2048, fold_512, fold_384, fold_256, fold_128;
-static int have_fold512 = 0;
+static int have_fold512 = 0, have_fold256 = 0;
 #define FOLD_MIN 512 /* bytes: below it, setting up the registers costs more than folding saves */
 
 static fold_k fold_constants(unsigned int bits) {
@@ -210,6 +214,58 @@ FOLD_TARGET static uint64_t crc_fold512(uint64_t c, const uint8_t **pp, size_t *
     return out;
 }
 
+#define FOLD256_TARGET __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.2")))
+
+FOLD256_TARGET static inline __m256i fold_lanes256(fold_k k) {
+    return _mm256_set_epi64x(k.second, k.first, k.second, k.first);
+}
+
+FOLD256_TARGET static inline __m256i fold_onto256(__m256i x, __m256i k, __m256i d) {
+    return _mm256_xor_si256(_mm256_xor_si256(_mm256_clmulepi64_epi128(x, k, 0x00), _mm256_clmulepi64_epi128(x, k, 0x11)), d);
+}
+
+/* crc_fold512 on 256-bit registers (AVX2 with VPCLMULQDQ: AMD Zen 3, Intel Alder Lake and later
+   client CPUs, which have no AVX-512): eight registers of two lanes, still 256 bytes a step, then
+   32-byte steps; the same constants by distance. */
+FOLD256_TARGET static uint64_t crc_fold256(uint64_t c, const uint8_t **pp, size_t *pn) {
+    const uint8_t *p = *pp;
+    size_t n = *pn;
+    __m256i x[8];
+    x[0] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p), _mm256_set_epi64x(0, 0, 0, (long long)(uint32_t)c));
+    for (int i = 1; i < 8; i++) x[i] = _mm256_loadu_si256((const __m256i *)(p + 32 * i));
+    p += 256;
+    n -= 256;
+    const __m256i k8 = fold_lanes256(fold_2048), k1 = fold_lanes256(fold_256);
+    while (n >= 256) {
+        for (int i = 0; i < 8; i++) x[i] = fold_onto256(x[i], k8, _mm256_loadu_si256((const __m256i *)(p + 32 * i)));
+        p += 256;
+        n -= 256;
+    }
+    for (int i = 1; i < 8; i++) x[i] = fold_onto256(x[i - 1], k1, x[i]);
+    __m256i last = x[7];
+    while (n >= 32) {
+        last = fold_onto256(last, k1, _mm256_loadu_si256((const __m256i *)p));
+        p += 32;
+        n -= 32;
+    }
+    __m128i r = _mm_xor_si128(_mm256_extracti128_si256(last, 1), fold_lane(_mm256_castsi256_si128(last), fold_128));
+    uint64_t out = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
+    out = _mm_crc32_u64(out, (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(r, r)));
+    *pp = p;
+    *pn = n;
+    return out;
+}
+
+/* AVX2 and VPCLMULQDQ in the CPU, and the 256-bit register state enabled by the OS (XCR0). */
+static int detect_fold256(unsigned int leaf1_ecx) {
+    unsigned int a, b, c, d;
+    if (!(leaf1_ecx & bit_OSXSAVE)) return 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & bit_AVX2) || !(c & (1u << 10))) return 0;
+    unsigned int xlo, xhi;
+    __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+    return (xlo & 0x6) == 0x6; /* SSE and AVX state */
+}
+
 /* AVX-512F and VPCLMULQDQ in the CPU, and the 512-bit register state enabled by the OS (XCR0);
    ``leaf1_ecx``: what CPUID leaf 1 said (detect_hw asked it already). */
 static int detect_fold512(unsigned int leaf1_ecx) {
@@ -223,7 +279,12 @@ static int detect_fold512(unsigned int leaf1_ecx) {
 
 static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n) {
     uint64_t c = crc;
-    if (have_fold512 && crc_fold && n >= FOLD_MIN) c = crc_fold512(c, &p, &n);
+    if (crc_fold != FOLD_OFF && n >= FOLD_MIN) {
+        if (have_fold512 && crc_fold == FOLD_BEST)
+            c = crc_fold512(c, &p, &n);
+        else if (have_fold256)
+            c = crc_fold256(c, &p, &n);
+    }
     if (have_clmul) {
         c = crc_three(c, &p, &n, K_BIG, k_big);
         c = crc_three(c, &p, &n, K_SMALL, k_small);
@@ -241,13 +302,14 @@ static int detect_hw(void) {
         k_small[0] = xpow_mod(8 * 2 * K_SMALL - 33);
         k_small[1] = xpow_mod(8 * K_SMALL - 33);
         have_clmul = 1;
-        if (detect_fold512(c)) {
+        have_fold512 = detect_fold512(c);
+        have_fold256 = detect_fold256(c);
+        if (have_fold512 || have_fold256) {
             fold_2048 = fold_constants(2048);
             fold_512 = fold_constants(512);
             fold_384 = fold_constants(384);
             fold_256 = fold_constants(256);
             fold_128 = fold_constants(128);
-            have_fold512 = 1;
         }
     }
     return 1;
@@ -278,6 +340,14 @@ static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n) {
     return crc;
 }
 static int detect_hw(void) { return 0; }
+#endif
+
+#if defined(FC_X86)
+#define FOLD512_AVAILABLE have_fold512
+#define FOLD256_AVAILABLE have_fold256
+#else
+#define FOLD512_AVAILABLE 0
+#define FOLD256_AVAILABLE 0
 #endif
 
 /* CRC32C of p[0:n] continued from the finished value ``crc`` (google_crc32c.extend
@@ -1851,25 +1921,31 @@ static PyObject *fc_crc32c(PyObject *self, PyObject *args) {
 static PyObject *fc_set_crc_backend(PyObject *self, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
     if (name == NULL) return NULL;
-    int streams = strcmp(name, "hardware-streams") == 0;
-    if (strcmp(name, "hardware") == 0 || streams) {
+    int fold = strcmp(name, "hardware") == 0 ? FOLD_BEST : strcmp(name, "hardware-streams") == 0 ? FOLD_OFF
+             : strcmp(name, "hardware-fold256") == 0 ? FOLD_256 : -1;
+    if (fold >= 0) {
         if (!hw_available) {
             PyErr_SetString(PyExc_RuntimeError, "this CPU has no CRC32C instruction (SSE4.2 / ARMv8 CRC)");
             return NULL;
         }
+        if (fold == FOLD_256 && !FOLD256_AVAILABLE) {
+            PyErr_SetString(PyExc_RuntimeError, "crc backend 'hardware-fold256': this CPU has no AVX2 with VPCLMULQDQ");
+            return NULL;
+        }
         crc_backend = BACKEND_HW;
-        crc_fold = !streams;
+        crc_fold = fold;
     } else if (strcmp(name, "python") == 0) {
         crc_backend = BACKEND_PY;
     } else {
-        PyErr_Format(PyExc_ValueError, "crc backend %R: expected 'hardware', 'hardware-streams' or 'python'", arg);
+        PyErr_Format(PyExc_ValueError, "crc backend %R: expected 'hardware', 'hardware-streams', 'hardware-fold256' or 'python'", arg);
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
 static PyObject *fc_crc_backend(PyObject *self, PyObject *noargs) {
-    return PyUnicode_FromString(crc_backend != BACKEND_HW ? "python" : crc_fold ? "hardware" : "hardware-streams");
+    if (crc_backend != BACKEND_HW) return PyUnicode_FromString("python");
+    return PyUnicode_FromString(crc_fold == FOLD_BEST ? "hardware" : crc_fold == FOLD_256 ? "hardware-fold256" : "hardware-streams");
 }
 
 /* zstd_version() -> int | None: the version of the libzstd the walk decompresses batches with (e.g. 10504), None without one. */
@@ -2012,7 +2088,7 @@ static PyMethodDef methods[] = {
     {"encode_batch", fc_encode_batch, METH_VARARGS, "Frames of a batch in one buffer, with their ends."},
     {"encode_columns", fc_encode_columns, METH_VARARGS, "encode_batch over four lists: sids, seqs, flags, payloads."},
     {"crc32c", fc_crc32c, METH_VARARGS, "google_crc32c.extend(crc, data) through the selected backend."},
-    {"set_crc_backend", fc_set_crc_backend, METH_O, "'hardware' (the CPU's fastest: folding, else the instruction), 'hardware-streams' (the instruction only) or 'python' (google_crc32c)."},
+    {"set_crc_backend", fc_set_crc_backend, METH_O, "'hardware' (the CPU's fastest: folding, else the instruction), 'hardware-streams' (the instruction only), 'hardware-fold256' (folding on 256-bit registers) or 'python' (google_crc32c)."},
     {"crc_backend", fc_crc_backend, METH_NOARGS, "The CRC32C backend in use."},
     {"recovery_note", fc_recovery_note, METH_VARARGS, "Crash recovery's per-frame step over a list of frames (see the C source)."},
     {"bloom_probe", fc_bloom_probe, METH_VARARGS, "The id filter's k bit probes (see the C source): all set?, setting them with set."},
@@ -2023,11 +2099,6 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_framecodec", "The compiled frame codec of the file log.", -1,
                                        methods};
 
-#if defined(FC_X86)
-#define FOLD_AVAILABLE have_fold512
-#else
-#define FOLD_AVAILABLE 0
-#endif
 
 PyMODINIT_FUNC PyInit__framecodec(void) {
     PyObject *crcmod = PyImport_ImportModule("google_crc32c");
@@ -2048,12 +2119,13 @@ PyMODINIT_FUNC PyInit__framecodec(void) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "HW_AVAILABLE", hw_available) < 0 ||
-        PyModule_AddIntConstant(m, "FOLD_AVAILABLE", FOLD_AVAILABLE) < 0 || PyModule_AddIntConstant(m, "NEED", SCAN_NEED) < 0 ||
+        PyModule_AddIntConstant(m, "FOLD_AVAILABLE", FOLD512_AVAILABLE || FOLD256_AVAILABLE) < 0 ||
+        PyModule_AddIntConstant(m, "FOLD256_AVAILABLE", FOLD256_AVAILABLE) < 0 || PyModule_AddIntConstant(m, "NEED", SCAN_NEED) < 0 ||
         PyModule_AddIntConstant(m, "LIMIT", SCAN_LIMIT) < 0 || PyModule_AddIntConstant(m, "EOF", SCAN_EOF) < 0 ||
         PyModule_AddIntConstant(m, "BAD", SCAN_BAD) < 0 || PyModule_AddIntConstant(m, "MORE", SCAN_MORE) < 0 ||
         PyModule_AddIntConstant(m, "SHRANK", SCAN_SHRANK) < 0 ||
         /* framecodec.API: raised with every change to what this module exports (a stale build is then not used). */
-        PyModule_AddIntConstant(m, "API", 6) < 0) {
+        PyModule_AddIntConstant(m, "API", 7) < 0) {
         Py_DECREF(m);
         return NULL;
     }

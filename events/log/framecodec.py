@@ -18,7 +18,7 @@ from types import ModuleType
 ENV_VAR = "AGENTLOG_PURE_PYTHON"
 
 #: The compiled module's ``API`` this Python side calls (raised with every change to what it exports).
-API = 6
+API = 7
 
 
 def stale_reason(module: object) -> str:

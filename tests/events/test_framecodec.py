@@ -42,13 +42,17 @@ CAP = 4096
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(params=["hardware", "hardware-streams", "python"])
+@pytest.fixture(params=["hardware", "hardware-streams", "hardware-fold256", "python"])
 def crc_backend(request):
     """Every CRC32C backend of the compiled codec: the CPU's fastest (folding
     with VPCLMULQDQ where it has it), the CRC instruction alone (both skipped
-    where the CPU has none) and the call into google_crc32c."""
+    where the CPU has none), folding on 256-bit registers (what a CPU with AVX2
+    and VPCLMULQDQ but no AVX-512 runs; skipped without them) and the call into
+    google_crc32c."""
     if request.param.startswith("hardware") and not fc.HW_AVAILABLE:
         pytest.skip("this CPU has no CRC32C instruction")
+    if request.param == "hardware-fold256" and not fc.FOLD256_AVAILABLE:
+        pytest.skip("this CPU has no AVX2 with VPCLMULQDQ")
     saved = fc.crc_backend()
     fc.set_crc_backend(request.param)
     yield request.param
@@ -284,9 +288,9 @@ def test_crc32c_three_stream_block_edges(crc_backend):
 
 def test_crc32c_folding_edges(crc_backend):
     """The folding path's edges: its 512-byte minimum, its 256-byte steps, the
-    64-byte steps after them and the tail the instruction finishes; from any
-    register value, as a frame's CRC continues one."""
-    for n in (511, 512, 513, 575, 576, 639, 767, 768, 831, 1023, 1024, 1088, 24_000, 1 << 20):
+    64-byte (or, on 256-bit registers, 32-byte) steps after them and the tail
+    the instruction finishes; from any register value, as a frame's CRC continues one."""
+    for n in (511, 512, 513, 543, 544, 575, 576, 639, 767, 768, 799, 831, 1023, 1024, 1056, 1088, 24_000, 1 << 20):
         data = random.Random(n).randbytes(n + 3)
         for skip in range(4):
             for crc in (0, 1, 0xFFFFFFFF, 0x9E3779B9):
@@ -296,7 +300,9 @@ def test_crc32c_folding_edges(crc_backend):
 
 def test_crc32c_backend_switch_names_the_kernel():
     """'hardware' is the CPU's fastest kernel, 'hardware-streams' the instruction
-    alone; crc_backend() reports the one chosen, and an unknown name is refused."""
+    alone, 'hardware-fold256' folding on 256-bit registers (refused, naming what
+    is missing, on a CPU without them); crc_backend() reports the one chosen,
+    and an unknown name is refused."""
     if not fc.HW_AVAILABLE:
         pytest.skip("this CPU has no CRC32C instruction")
     saved = fc.crc_backend()
@@ -305,7 +311,14 @@ def test_crc32c_backend_switch_names_the_kernel():
         assert fc.crc_backend() == "hardware-streams"
         fc.set_crc_backend("hardware")
         assert fc.crc_backend() == "hardware"
-        with pytest.raises(ValueError, match="expected 'hardware', 'hardware-streams' or 'python'"):
+        if fc.FOLD256_AVAILABLE:
+            fc.set_crc_backend("hardware-fold256")
+            assert fc.crc_backend() == "hardware-fold256"
+        else:
+            with pytest.raises(RuntimeError, match="no AVX2 with VPCLMULQDQ"):
+                fc.set_crc_backend("hardware-fold256")
+            assert fc.crc_backend() == "hardware"
+        with pytest.raises(ValueError, match="expected 'hardware', 'hardware-streams', 'hardware-fold256' or 'python'"):
             fc.set_crc_backend("fold")
     finally:
         fc.set_crc_backend(saved)
