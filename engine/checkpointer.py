@@ -29,6 +29,9 @@ from .restart import (
 
 _log = get_logger("agentlog.engine.checkpointer")
 
+#: ``_Record(...)`` runs the NamedTuple's Python-level ``__new__``; a note per record takes the C constructor.
+_new_record = tuple.__new__
+
 
 #: A checkpoint comes at most every this many records per session in flight (see :meth:`Checkpointer.interval`).
 RECORDS_PER_SESSION_IN_FLIGHT = 4
@@ -62,7 +65,7 @@ class Checkpointer:
             raise ValueError(f"checkpoint_every: expected >= 1 record, found {every}")
         self.log, self._fold, self.path, self.every = log, fold, path, every
         #: Records noted and not folded yet, oldest first (see :meth:`note`).
-        self._pending: list[Any] = []  # envelopes
+        self._pending: list[_Record] = []
         self._lock = threading.Lock()
         #: Checkpoints written, and the LSN the last one folded up to.
         self.written = 0
@@ -102,10 +105,20 @@ class Checkpointer:
         after it, :data:`PENDING_MAX` at a time or when the fold is next used
         (:attr:`fold`); a record ahead of the fold's end waits for the ones
         before it; one behind it was already read from the log."""
-        # The envelope itself waits (untracked by the cyclic GC, nothing built for it): at most
-        # PENDING_MAX of them, so the bodies they hold stay few.
+        body = env.body
+        tag = type(body).__struct_config__.tag
+        if tag not in KNOWN_TAGS:
+            return  # left to the log read, which refuses it by name (UnknownEventError)
+        # What the fold reads of an open or an abort, not the body: a prompt, a teacher's scores or a
+        # traceback held while it waits could be large.
+        if tag == _OPENED:
+            body = _GroupJoin(body.group_id, body.group_size, body.sample_index, body.replaces)
+        elif tag == _ABORTED:
+            body = _AbortRefill(refill=body.refill)
+        else:
+            body = None
         pending = self._pending
-        pending.append(env)
+        pending.append(_new_record(_Record, (env.lsn, env.session_id, env.session_seq, env.ts_ns, tag, None, body)))
         if len(pending) >= self.PENDING_MAX:
             self._fold_pending()
 
@@ -118,25 +131,22 @@ class Checkpointer:
         if self._broken is not None:
             return
         fold, ahead = self._fold, self._ahead
-        for env in pending:
-            tag = type(env.body).__struct_config__.tag
-            if tag not in KNOWN_TAGS:
-                continue  # left to the log read, which refuses it by name (UnknownEventError)
-            lsn = env.lsn
+        for rec in pending:
+            lsn = rec.lsn
             if lsn < fold.next_lsn:
                 continue  # already read from the log
             if self._reading or lsn != fold.next_lsn:
                 if len(ahead) < self.AHEAD_MAX:
-                    ahead[lsn] = _waiting(env, tag)
+                    ahead[lsn] = rec
                 continue
             try:
-                fold.fold_noted(env, tag)
+                fold.fold_noted(rec)
                 self._noted += 1
                 if ahead:
                     self._fold_ahead()
             except Exception as exc:
-                self._broken = f"folding the noted record at lsn {lsn} (session {env.session_id!r}) failed: {type(exc).__name__}: {exc}"
-                _log.error("engine.checkpoint_fold_failed", path=str(self.path), lsn=lsn, session_id=env.session_id,
+                self._broken = f"folding the noted record at lsn {lsn} (session {rec.session_id!r}) failed: {type(exc).__name__}: {exc}"
+                _log.error("engine.checkpoint_fold_failed", path=str(self.path), lsn=lsn, session_id=rec.session_id,
                            error=f"{type(exc).__name__}: {exc}", effect="no checkpoint is written until the engine reopens the log")
                 return
 
@@ -146,7 +156,7 @@ class Checkpointer:
         for lsn in [k for k in ahead if k < fold.next_lsn]:
             del ahead[lsn]
         while (rec := ahead.pop(fold.next_lsn, None)) is not None:
-            fold.fold_noted(rec, rec.tag)
+            fold.fold_noted(rec)
             self._noted += 1
 
     def interval(self) -> int:
@@ -264,16 +274,3 @@ class Checkpointer:
             _log.debug("engine.checkpoint_written", path=str(self.path), next_lsn=self.lsn, bytes=size,
                        seconds=round(time.perf_counter() - t0, 4))
             return self.lsn
-
-
-def _waiting(env: Any, tag: str) -> _Record:
-    """What a noted record keeps while it waits for the records before it: what the fold
-    reads of it, not its body (a prompt or a traceback held up to AHEAD_MAX times could be large)."""
-    body = env.body
-    if tag == _OPENED:
-        body = _GroupJoin(body.group_id, body.group_size, body.sample_index, body.replaces)
-    elif tag == _ABORTED:
-        body = _AbortRefill(refill=body.refill)
-    else:
-        body = None
-    return _Record(env.lsn, env.session_id, env.session_seq, env.ts_ns, tag, None, body)

@@ -204,7 +204,7 @@ class RestartFold:
                     break
                 if rec.tag not in KNOWN_TAGS:
                     raise UnknownEventError(rec.lsn, rec.session_id, rec.tag)
-                self._feed(rec, rec.tag)
+                self._feed(rec)
                 last = rec.lsn
                 n += 1
                 if progress is not None and n & 0x3FFF == 0:
@@ -217,16 +217,16 @@ class RestartFold:
             self.next_lsn, self.anchor = last + 1, anchor
         return n
 
-    def fold_noted(self, rec: Any, tag: str) -> None:
+    def fold_noted(self, rec: _Record) -> None:
         """Fold the record at :attr:`next_lsn` as the engine saw it acknowledged,
-        not read from the log (:meth:`Checkpointer.note`): its envelope, or the
-        :class:`_Record` kept of it while it waited, and its event type (``tag``). Its stored bytes are
+        not read from the log (:meth:`Checkpointer.note`). Its stored bytes are
         not at hand, so :attr:`anchor` is unknown (b"") until a read: a
         checkpoint reads its anchor from the log when it is written."""
-        self._feed(rec, tag)
+        self._feed(rec)
         self.next_lsn, self.anchor = rec.lsn + 1, b""
 
-    def _feed(self, rec: Any, tag: str) -> None:  # a _Record, or a noted envelope (the same fields and body)
+    def _feed(self, rec: _Record) -> None:
+        tag = rec.tag
         refused = False
         for v in self.check.feed(rec.lsn, rec.session_id, rec.session_seq, tag):
             self._note(v.lsn, v.session_id, v.kind.value, v.message)

@@ -170,7 +170,9 @@ FOLD_TARGET static inline __m512i fold_onto(__m512i x, __m512i k, __m512i d) {
     return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11), d, 0x96);
 }
 
-FOLD_TARGET static inline __m128i fold_lane(__m128i x, fold_k k) {
+/* SSE encodings only: both fold kernels call it, the 256-bit one on CPUs without AVX-512, so it must
+   not be compiled for the 512-bit target (where the compiler may use EVEX forms). */
+__attribute__((target("pclmul,sse4.2"))) static inline __m128i fold_lane(__m128i x, fold_k k) {
     __m128i kk = _mm_set_epi64x(k.second, k.first);
     return _mm_xor_si128(_mm_clmulepi64_si128(x, kk, 0x00), _mm_clmulepi64_si128(x, kk, 0x11));
 }
@@ -256,25 +258,17 @@ FOLD256_TARGET static uint64_t crc_fold256(uint64_t c, const uint8_t **pp, size_
     return out;
 }
 
-/* AVX2 and VPCLMULQDQ in the CPU, and the 256-bit register state enabled by the OS (XCR0). */
-static int detect_fold256(unsigned int leaf1_ecx) {
-    unsigned int a, b, c, d;
-    if (!(leaf1_ecx & bit_OSXSAVE)) return 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & bit_AVX2) || !(c & (1u << 10))) return 0;
-    unsigned int xlo, xhi;
-    __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
-    return (xlo & 0x6) == 0x6; /* SSE and AVX state */
-}
 
-/* AVX-512F and VPCLMULQDQ in the CPU, and the 512-bit register state enabled by the OS (XCR0);
-   ``leaf1_ecx``: what CPUID leaf 1 said (detect_hw asked it already). */
-static int detect_fold512(unsigned int leaf1_ecx) {
+/* VPCLMULQDQ and the register width's feature (``leaf7_ebx_bit``: AVX2, AVX-512F) in the CPU, and
+   that register state (``xcr0_mask``) enabled by the OS (XCR0); ``leaf1_ecx``: what CPUID leaf 1
+   said (detect_hw asked it already). */
+static int detect_fold(unsigned int leaf1_ecx, unsigned int leaf7_ebx_bit, unsigned int xcr0_mask) {
     unsigned int a, b, c, d;
     if (!(leaf1_ecx & bit_OSXSAVE)) return 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & bit_AVX512F) || !(c & (1u << 10))) return 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & leaf7_ebx_bit) || !(c & (1u << 10))) return 0;
     unsigned int xlo, xhi;
     __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
-    return (xlo & 0xE6) == 0xE6; /* SSE, AVX, opmask, upper ZMM0-15, ZMM16-31 state */
+    return (xlo & xcr0_mask) == xcr0_mask;
 }
 
 static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n) {
@@ -302,8 +296,8 @@ static int detect_hw(void) {
         k_small[0] = xpow_mod(8 * 2 * K_SMALL - 33);
         k_small[1] = xpow_mod(8 * K_SMALL - 33);
         have_clmul = 1;
-        have_fold512 = detect_fold512(c);
-        have_fold256 = detect_fold256(c);
+        have_fold512 = detect_fold(c, bit_AVX512F, 0xE6); /* SSE, AVX, opmask, upper ZMM0-15, ZMM16-31 state */
+        have_fold256 = detect_fold(c, bit_AVX2, 0x6);      /* SSE and AVX state */
         if (have_fold512 || have_fold256) {
             fold_2048 = fold_constants(2048);
             fold_512 = fold_constants(512);
@@ -1929,7 +1923,7 @@ static PyObject *fc_set_crc_backend(PyObject *self, PyObject *arg) {
             return NULL;
         }
         if (fold == FOLD_256 && !FOLD256_AVAILABLE) {
-            PyErr_SetString(PyExc_RuntimeError, "crc backend 'hardware-fold256': this CPU has no AVX2 with VPCLMULQDQ");
+            PyErr_SetString(PyExc_RuntimeError, "crc backend 'hardware-fold256': this CPU has no AVX2 with VPCLMULQDQ (or its OS has not enabled the AVX registers)");
             return NULL;
         }
         crc_backend = BACKEND_HW;

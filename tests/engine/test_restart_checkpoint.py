@@ -485,10 +485,10 @@ class _FoldFailingAt(RestartFold):
         super().__init__()
         self.failing = lsn
 
-    def fold_noted(self, rec, tag) -> None:
+    def fold_noted(self, rec) -> None:
         if rec.lsn == self.failing:
             raise KeyError("a bug in the fold")
-        super().fold_noted(rec, tag)
+        super().fold_noted(rec)
 
 
 def test_a_fold_that_raises_on_a_noted_record_breaks_the_checkpoint_not_the_engines_next_record(tmp_path):
@@ -516,10 +516,10 @@ def test_an_engine_whose_fold_breaks_reports_it_as_its_background_failure_and_at
     background_failure, which health reports), and close raises it, naming the record."""
     folded = RestartFold.fold_noted
 
-    def failing(self, rec, tag):  # fault injection into the fold, not into what reports it
+    def failing(self, rec):  # fault injection into the fold, not into what reports it
         if rec.lsn == 5:
             raise KeyError("a bug in the fold")
-        folded(self, rec, tag)
+        folded(self, rec)
 
     monkeypatch.setattr(RestartFold, "fold_noted", failing)
 
@@ -596,3 +596,23 @@ def test_checkpoints_come_no_more_often_than_four_records_per_session_in_flight(
     ours, folded = asyncio.run(_restart(path))
     zero, _ = asyncio.run(_restart(copy, checkpoint_every=0))
     assert ours == zero and 0 < folded < 250
+
+
+def test_a_noted_record_keeps_nothing_of_its_envelope_while_it_waits(tmp_path):
+    """Noted records wait to be folded (up to PENDING_MAX, or behind a gap); what waits is what
+    the fold reads of each, never the envelope or its body (a prompt or a teacher's scores,
+    up to 255 of them, would stay in memory until the next fold)."""
+    import sys
+
+    path, end, log, ckpt = _opens_and_a_checkpointer(tmp_path, 4, every=64)
+    try:
+        envs = list(log.read(0))
+        held = [sys.getrefcount(env) for env in envs]
+        list(map(ckpt.note, envs[1:]))  # waiting to be folded (fewer than PENDING_MAX), then behind a gap
+        assert [sys.getrefcount(env) for env in envs] == held
+        assert ckpt.fold.next_lsn == 0 and len(ckpt._ahead) == end - 1
+        assert [sys.getrefcount(env) for env in envs] == held
+        ckpt.note(envs[0])
+        assert ckpt.fold.next_lsn == end
+    finally:
+        log.close()
