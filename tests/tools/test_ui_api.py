@@ -450,7 +450,11 @@ def test_stop_during_a_long_build_waits_for_it_and_a_restart_resumes(tmp_path):
     with capture_logs() as logs:
         url, stop = start_ui(tmp_path / "log", index_path=tmp_path / "i.sqlite", wait_indexed=False)
         ix = stop.server.index  # type: ignore[attr-defined]
-        time.sleep(0.1)
+        started = time.monotonic()
+        # Until the build has folded its first record (under load it can take longer than a fixed sleep to start;
+        # records_read counts only when a pass ends): then stop it while it runs.
+        while ix._record is None and time.monotonic() - started < 30:
+            time.sleep(0.002)
         stopped = time.monotonic()
         stop()
         assert time.monotonic() - stopped < 5.0
