@@ -141,23 +141,34 @@ class Checkpointer:
                 continue
             try:
                 fold.fold_noted(rec)
-                self._noted += 1
-                if ahead:
-                    self._fold_ahead()
             except Exception as exc:
-                self._broken = f"folding the noted record at lsn {lsn} (session {rec.session_id!r}) failed: {type(exc).__name__}: {exc}"
-                _log.error("engine.checkpoint_fold_failed", path=str(self.path), lsn=lsn, session_id=rec.session_id,
-                           error=f"{type(exc).__name__}: {exc}", effect="no checkpoint is written until the engine reopens the log")
+                self._break(rec, exc)
+                return
+            self._noted += 1
+            if ahead and not self._fold_ahead():
                 return
 
-    def _fold_ahead(self) -> None:
-        """Fold the waiting records that now follow the fold's end; drop those it already holds."""
+    def _fold_ahead(self) -> bool:
+        """Fold the waiting records that now follow the fold's end; drop those it already holds.
+        False when the fold broke on one (:meth:`_break`)."""
         fold, ahead = self._fold, self._ahead
         for lsn in [k for k in ahead if k < fold.next_lsn]:
             del ahead[lsn]
-        while (rec := ahead.pop(fold.next_lsn, None)) is not None:
-            fold.fold_noted(rec)
-            self._noted += 1
+        while self._broken is None and (rec := ahead.pop(fold.next_lsn, None)) is not None:
+            try:
+                fold.fold_noted(rec)
+            except Exception as exc:
+                self._break(rec, exc)
+            else:
+                self._noted += 1
+        return self._broken is None
+
+    def _break(self, rec: _Record, exc: Exception) -> None:
+        """The fold raised on a noted record: it is no longer trusted (no checkpoint is written
+        from it: :meth:`checkpoint` raises, naming the record), and it takes nothing more."""
+        self._broken = f"folding the noted record at lsn {rec.lsn} (session {rec.session_id!r}) failed: {type(exc).__name__}: {exc}"
+        _log.error("engine.checkpoint_fold_failed", path=str(self.path), lsn=rec.lsn, session_id=rec.session_id,
+                   error=f"{type(exc).__name__}: {exc}", effect="no checkpoint is written until the engine reopens the log")
 
     def interval(self) -> int:
         """Records between checkpoints: ``every``, or :data:`RECORDS_PER_SESSION_IN_FLIGHT`
@@ -222,8 +233,8 @@ class Checkpointer:
         self._reading.discard(done)
         exc = asyncio.CancelledError() if done.cancelled() else done.exception()
         if exc is None:
-            if not self._reading:
-                self._fold_ahead()
+            if not self._reading and self._broken is None:
+                self._fold_ahead()  # a record it breaks on is reported as _broken, as in _fold_pending
         else:
             # The fold may hold part of what it read: it takes nothing more, and no checkpoint is written from it.
             self._broken = f"reading the log failed: {type(exc).__name__}: {exc}"

@@ -68,7 +68,7 @@ from agentlog.events.schema.turn_delta import prompt_token_count
 
 from .errors import UnknownEventError
 from .fold import LEARNER_TAG, SessionFold, Tracked
-from .lifecycle_step import IN_SESSION_EVENTS, EndedWindow, EndedWindowSnapshot, SessionLife, Violation, _new_life
+from .lifecycle_step import EndedWindow, EndedWindowSnapshot, SessionLife, Violation
 from .samples import final_raw_reward
 
 __all__ = [
@@ -415,9 +415,6 @@ class LifecycleReducer:
         return self.state.open_sessions()
 
 
-_RUNNING = State.RUNNING
-
-
 class LifecycleCheck(_OnSessionFold):
     """The lifecycle fold with nothing but the check, over the few fields the
     step needs: ``feed(lsn, session_id, session_seq, tag)`` returns the
@@ -440,17 +437,6 @@ class LifecycleCheck(_OnSessionFold):
     def feed(self, lsn: int, session_id: str, session_seq: int, tag: str) -> list[Violation]:
         """Check one record (``tag``: its event type); returns its violations (usually none)."""
         self.records += 1
-        fold = self.fold
-        if tag in IN_SESSION_EVENTS and lsn >= fold.next_lsn:
-            # Most records are a running session's next event (a turn, a tool call): what
-            # evolve gives it, without the driver's general path (this fold has no hooks for it).
-            tracked = fold.live.get(session_id)
-            if tracked is not None:
-                life = tracked.life
-                if life.state is _RUNNING and life.next_seq == session_seq:
-                    tracked.life = _new_life(SessionLife, (_RUNNING, session_seq + 1))
-                    fold.next_lsn = lsn + 1
-                    return []
         out: list[Violation] = []
         self._out = out
         self.fold.feed(lsn, session_id, session_seq, tag, None)

@@ -177,6 +177,12 @@ __attribute__((target("pclmul,sse4.2"))) static inline __m128i fold_lane(__m128i
     return _mm_xor_si128(_mm_clmulepi64_si128(x, kk, 0x00), _mm_clmulepi64_si128(x, kk, 0x11));
 }
 
+/* The CRC register of a folded 128-bit lane: its 16 bytes through the instruction from a zero register. */
+__attribute__((target("sse4.2"))) static inline uint64_t lane_crc(__m128i r) {
+    uint64_t out = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
+    return _mm_crc32_u64(out, (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(r, r)));
+}
+
 /* The register c (not inverted here) continued over the whole 64-byte steps of
    p[0:*pn] (at least FOLD_MIN bytes); *pp and *pn move past them. */
 FOLD_TARGET static uint64_t crc_fold512(uint64_t c, const uint8_t **pp, size_t *pn) {
@@ -204,16 +210,14 @@ FOLD_TARGET static uint64_t crc_fold512(uint64_t c, const uint8_t **pp, size_t *
         p += 64;
         n -= 64;
     }
-    /* The four lanes onto the last, then its 16 bytes through the instruction from a zero register. */
+    /* The four lanes onto the last. */
     __m128i r = _mm512_extracti32x4_epi32(x3, 3);
     r = _mm_xor_si128(r, fold_lane(_mm512_extracti32x4_epi32(x3, 0), fold_384));
     r = _mm_xor_si128(r, fold_lane(_mm512_extracti32x4_epi32(x3, 1), fold_256));
     r = _mm_xor_si128(r, fold_lane(_mm512_extracti32x4_epi32(x3, 2), fold_128));
-    uint64_t out = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
-    out = _mm_crc32_u64(out, (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(r, r)));
     *pp = p;
     *pn = n;
-    return out;
+    return lane_crc(r);
 }
 
 #define FOLD256_TARGET __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.2")))
@@ -250,14 +254,10 @@ FOLD256_TARGET static uint64_t crc_fold256(uint64_t c, const uint8_t **pp, size_
         p += 32;
         n -= 32;
     }
-    __m128i r = _mm_xor_si128(_mm256_extracti128_si256(last, 1), fold_lane(_mm256_castsi256_si128(last), fold_128));
-    uint64_t out = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
-    out = _mm_crc32_u64(out, (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(r, r)));
     *pp = p;
     *pn = n;
-    return out;
+    return lane_crc(_mm_xor_si128(_mm256_extracti128_si256(last, 1), fold_lane(_mm256_castsi256_si128(last), fold_128)));
 }
-
 
 /* VPCLMULQDQ and the register width's feature (``leaf7_ebx_bit``: AVX2, AVX-512F) in the CPU, and
    that register state (``xcr0_mask``) enabled by the OS (XCR0); ``leaf1_ecx``: what CPUID leaf 1
@@ -337,10 +337,8 @@ static int detect_hw(void) { return 0; }
 #endif
 
 #if defined(FC_X86)
-#define FOLD512_AVAILABLE have_fold512
 #define FOLD256_AVAILABLE have_fold256
 #else
-#define FOLD512_AVAILABLE 0
 #define FOLD256_AVAILABLE 0
 #endif
 
@@ -2113,7 +2111,6 @@ PyMODINIT_FUNC PyInit__framecodec(void) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "HW_AVAILABLE", hw_available) < 0 ||
-        PyModule_AddIntConstant(m, "FOLD_AVAILABLE", FOLD512_AVAILABLE || FOLD256_AVAILABLE) < 0 ||
         PyModule_AddIntConstant(m, "FOLD256_AVAILABLE", FOLD256_AVAILABLE) < 0 || PyModule_AddIntConstant(m, "NEED", SCAN_NEED) < 0 ||
         PyModule_AddIntConstant(m, "LIMIT", SCAN_LIMIT) < 0 || PyModule_AddIntConstant(m, "EOF", SCAN_EOF) < 0 ||
         PyModule_AddIntConstant(m, "BAD", SCAN_BAD) < 0 || PyModule_AddIntConstant(m, "MORE", SCAN_MORE) < 0 ||

@@ -616,3 +616,21 @@ def test_a_noted_record_keeps_nothing_of_its_envelope_while_it_waits(tmp_path):
         assert ckpt.fold.next_lsn == end
     finally:
         log.close()
+
+
+def test_a_fold_that_raises_on_a_record_waiting_behind_a_gap_breaks_the_checkpoint_too(tmp_path):
+    """Records noted behind a gap are folded when the read of the gap ends (in its done
+    callback): a fold error there breaks the fold as it does anywhere else, and the
+    checkpoint's error names the record, instead of escaping to the event loop's handler."""
+    path, end, log, _ = _opens_and_a_checkpointer(tmp_path, 40, every=8)
+    try:
+        ckpt = Checkpointer(log, _FoldFailingAt(30), path / CHECKPOINT_NAME, every=8)
+        for env in log.read(0):
+            if env.lsn != 5:  # a gap: what follows it waits
+                ckpt.note(env)
+        assert ckpt.fold.next_lsn == 5 and len(ckpt._ahead) == end - 6
+        with pytest.raises(CheckpointError, match=r"not written: folding the noted record at lsn 30 \(session 's30'\)"):
+            asyncio.run(ckpt.checkpoint())
+        assert not (path / CHECKPOINT_NAME).exists()
+    finally:
+        log.close()

@@ -75,11 +75,11 @@ def _open_log(path: Path | None):
     return MemoryLog() if path is None else FileLog.open(path, fsync="batch")
 
 
-async def run_engine(path: Path | None, n: int, conc: int, turns: int, toks: bytes, lps: bytes) -> float:
-    """Seconds for n sessions through the engine."""
+async def run_engine(path: Path | None, n: int, conc: int, turns: int, toks: bytes, lps: bytes, **engine_options) -> float:
+    """Seconds for n sessions through the engine (``engine_options``: SessionEngine's keywords; its defaults here)."""
     log = _open_log(path)
     try:
-        eng = await SessionEngine.open(log)
+        eng = await SessionEngine.open(log, **engine_options)
 
         async def one(i: int) -> None:
             h = await eng.open_session(f"s{i}", group_id=f"g{i // 8}", group_size=8)

@@ -45,26 +45,19 @@ _COLLECTED = re.compile(r"Collected : (\d+)")
 
 def run_arm(arm: str, sessions: int) -> None:
     """In the child: one arm of bench_engine over ``sessions`` sessions, in a fresh directory."""
-    from agentlog.engine import SessionEngine
     from agentlog.tools.bench import bench_engine as be
 
     if arm not in ARMS:
         raise ValueError(f"arm: expected one of {', '.join(ARMS)}, found {arm!r}")
-    every = {"engine_no_snapshots": 10**12, "engine_no_checkpointer": 0}.get(arm)
-    opened = SessionEngine.__dict__["open"]
-
-    async def open_with(cls, log, **options):
-        return await opened.__func__(cls, log, **{**options, "checkpoint_every": every})
-
-    if every is not None:  # bench_engine's arm opens the engine with its defaults: these arms change one
-        SessionEngine.open = classmethod(open_with)  # type: ignore[method-assign,assignment]
+    options = {"engine_no_snapshots": {"checkpoint_every": 10**12}, "engine_no_checkpointer": {"checkpoint_every": 0}}
     toks, lps = be._payload(512)
     d = Path(tempfile.mkdtemp(prefix="bench_engine_ir_"))
     try:
-        run = be.run_raw if arm == "raw" else be.run_engine
-        asyncio.run(run(d / "log", sessions, 1000, 3, toks, lps))
+        if arm == "raw":
+            asyncio.run(be.run_raw(d / "log", sessions, 1000, 3, toks, lps))
+        else:
+            asyncio.run(be.run_engine(d / "log", sessions, 1000, 3, toks, lps, **options.get(arm, {})))
     finally:
-        SessionEngine.open = opened  # type: ignore[method-assign]
         shutil.rmtree(d, ignore_errors=True)
 
 
