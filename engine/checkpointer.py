@@ -1,36 +1,70 @@
-"""The engine's restart checkpoint, kept up to date while it runs: :class:`Checkpointer`.
+"""The engine's restart checkpoint, served from the engine's own state while it runs: :class:`Checkpointer`.
 
-The fold behind a restart and the checkpoint file itself (its format, how it
-is written, loaded and proven to belong to the log) are :mod:`engine.restart`'s;
-this module keeps a live engine's fold caught up with the records it saw
-acknowledged, reads the log where it saw none, and writes the file when one
-falls due.
+A checkpoint holds what a fold of the log up to an LSN holds (the fold, the
+file's format and the proof that it belongs to the log are
+:mod:`engine.restart`'s). A running engine already holds that state: the log
+acknowledges records in LSN order and the engine applies each as it comes, so
+its id filter and recent window (:mod:`engine.ids`), its groups and its
+sessions in flight are the fold of every record it applied. The checkpointer
+keeps no second fold. It keeps the *frontier*: the LSN below which every
+record is applied. At a moment when nothing past the frontier is applied,
+the engine's state is exactly the fold of the log below it, and a checkpoint
+due then is a snapshot of that state, taken in the event loop's thread
+(decisions whose records are not in the log yet, such as a member joining
+its group before its ``session_opened`` is written, are left out, as the
+fold would not hold them yet).
+
+Two things can leave records applied past the frontier, and the snapshot
+then waits:
+
+* a record the engine did not write (another writer's ``policy_updated``)
+  is a hole that nothing fills;
+* a record whose append was cancelled after it was staged is applied when
+  the cancel comes, with its LSN not known.
+
+When a checkpoint falls due with records waiting, the checkpointer reads the
+holes from the log in a worker thread, tags only: a learner record changes
+nothing the checkpoint holds, and a record applied without its LSN is placed.
+Anything else (a session record the engine did not apply: another writer's,
+one whose apply failed, or a cancelled opening or terminal event, whose LSN
+the engine's state keeps) means the engine's state cannot be proven to be
+the log's. From then on every checkpoint is folded from the log, from the
+last one taken, in a worker thread, as a restart would
+(``engine.checkpoint_from_log``, logged once): slower, never wrong.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Generator, TypeVar
 
 import msgspec
 
 from agentlog._logging import get_logger
 from agentlog.events.log.api import EventLog
-from agentlog.events.schema.types import KNOWN_TAGS
+from agentlog.events.schema.types import payload_tag
+from agentlog.reducers.fold import LEARNER_TAG
+from agentlog.reducers.lifecycle import LifecycleCheckSnapshot
 
-# The fold's own record shapes, shared with the restart fold that reads them (same package).
-from .restart import (
-    _ABORTED, _OPENED, CheckpointError, EngineCheckpoint, RestartFold, _AbortRefill, _GroupJoin, _Record, anchor_at,
-    write_checkpoint,
-)
+from .restart import CHECKPOINT_FORMAT, CheckpointError, EngineCheckpoint, RestartFold, anchor_at, write_checkpoint
+
+if TYPE_CHECKING:
+    from .core import SessionEngine
 
 _log = get_logger("agentlog.engine.checkpointer")
 
-#: ``_Record(...)`` runs the NamedTuple's Python-level ``__new__``; a note per record takes the C constructor.
-_new_record = tuple.__new__
+
+_T = TypeVar("_T")
+
+
+def _tagged(log: EventLog, start: int) -> Generator[tuple[int, str, int, str], None, None]:
+    """``(lsn, session_id, session_seq, tag)`` of the log's records from ``start``; no body decoded."""
+    for rec in log.read(start, raw=True):
+        yield rec.lsn, rec.session_id, rec.session_seq, payload_tag(rec.payload)
 
 
 #: A checkpoint comes at most every this many records per session in flight (see :meth:`Checkpointer.interval`).
@@ -38,137 +72,98 @@ RECORDS_PER_SESSION_IN_FLIGHT = 4
 
 
 class Checkpointer:
-    """Keeps a :class:`RestartFold` caught up with a live log and writes its checkpoint.
+    """Writes the restart checkpoint of a live engine, served from the engine's state (see the module docstring).
 
-    The fold takes the records the engine saw acknowledged (:meth:`note`, in
-    the event loop's thread): the engine wrote them, so nothing is read back.
-    A record the engine did not see (another writer's ``policy_updated``, an
-    append whose caller was cancelled) leaves a gap, and the records after it
-    wait; when a checkpoint falls due (:meth:`interval`) with the fold stuck
-    there ``every`` records or more behind the log, :meth:`checkpoint` reads
-    the log from the gap on in a worker thread, as a restart would, and the
-    waiting records it already folded are dropped. Either way the fold
-    holds the log's records in LSN order, each once: what it would hold from
-    reading the whole log. The fold itself never leaves the loop's thread,
-    except for that read (noted records wait meanwhile) and :meth:`advance`
-    before the engine takes records."""
+    ``fold`` is the restart fold the engine started from (caught up to the
+    log's end when the engine opened): the records' violations it counted
+    come from it, and a checkpoint folded from the log continues from the
+    last checkpoint taken. :meth:`applied` is called by the engine in the
+    event loop's thread, for each of its records, as it applies it."""
 
-    #: Records noted ahead of a gap that are kept (beyond it, the log is read instead).
+    #: Records applied past a hole that are tracked; past that, checkpoints are folded from the log.
     AHEAD_MAX = 1 << 16
-    #: Noted records folded together once this many wait: in a run of their own the fold's code and
-    #: data stay in the CPU's caches, where a record folded as it comes finds them evicted by the engine's
-    #: work between two records (about half the cost per record in ``bench_engine``).
-    PENDING_MAX = 256
 
-    def __init__(self, log: EventLog, fold: RestartFold, path: Path, every: int) -> None:
+    def __init__(self, log: EventLog, fold: RestartFold, path: Path, every: int, engine: "SessionEngine") -> None:
         if every < 1:
             raise ValueError(f"checkpoint_every: expected >= 1 record, found {every}")
-        self.log, self._fold, self.path, self.every = log, fold, path, every
-        #: Records noted and not folded yet, oldest first (see :meth:`note`).
-        self._pending: list[_Record] = []
+        self.log, self.path, self.every = log, path, every
+        self._engine = engine
+        #: The fold the engine started from; once checkpoints are folded from the log, the fold they continue.
+        self._fold = fold
+        #: Every record below this LSN is applied by the engine, or changes nothing a checkpoint holds.
+        self.frontier = fold.next_lsn
+        #: LSNs past the frontier whose records the engine applied (waiting for the holes before them).
+        self._ahead: set[int] = set()
+        #: (session_id, session_seq) of records applied before their LSN was known (cancelled after staging).
+        self._unplaced: set[tuple[str, int]] = set()
+        #: Why checkpoints are folded from the log instead of served from the engine (one line), or None.
+        self.from_log: str | None = None
+        #: The lifecycle check counts every record it folds: this many more than the LSNs below its end.
+        self._records_offset = fold.check.records - fold.next_lsn
+        #: The last checkpoint taken (written or not): where folding from the log starts.
+        self._last: EngineCheckpoint | None = None
         self._lock = threading.Lock()
-        #: Checkpoints written, and the LSN the last one folded up to.
+        #: Checkpoints written, and the LSN the last one covers up to.
         self.written = 0
         self.lsn = -1
         #: Why the last checkpoint could not be written (one line), or None once one was.
         self.write_error: str | None = None
-        #: Records noted above the fold's end, by LSN, until the records before them are folded.
-        self._ahead: dict[int, _Record] = {}
-        #: Reads of the log by worker threads, running or waiting for the lock: while any is, noted records wait in _ahead.
-        self._reading: set[asyncio.Future] = set()
-        #: The fold's end at the last checkpoint tried (written or not).
+        #: The frontier at the last checkpoint tried (written or not).
         self._tried = -1
-        #: Records folded as noted (:attr:`noted`), and read from the log after a gap (for tests and benchmarks).
-        self._noted = self.read_back = 0
-        #: Why the fold can no longer be trusted (a failed read of the log, an error folding a noted record), or None.
+        #: Checkpoints served from the engine's state, and records read from the log (holes, or folds).
+        self.served = self.read_back = 0
+        #: A read of the log in a worker thread (holes, or a fold), running or waiting for the lock.
+        self._reading: asyncio.Future | None = None
+        #: Why the fold can no longer be trusted (a failed read of the log), or None.
         self._broken: str | None = None
 
-    @property
-    def fold(self) -> RestartFold:
-        """The fold, with every record noted so far folded in (or waiting behind a gap).
-        In the event loop's thread only, as :meth:`note`."""
-        if self._pending:
-            self._fold_pending()
-        return self._fold
+    # -- what the engine tells it -----------------------------------------------------
 
-    @property
-    def noted(self) -> int:
-        """Records folded as noted (the rest of the fold's records were read from the log)."""
-        if self._pending:
-            self._fold_pending()
-        return self._noted
-
-    def note(self, env: Any) -> None:
-        """Fold one record of the log that the engine saw acknowledged
-        (an :class:`~agentlog.events.schema.types.Envelope`); in the event
-        loop's thread, never reading the log. Folded with the records noted
-        after it, :data:`PENDING_MAX` at a time or when the fold is next used
-        (:attr:`fold`); a record ahead of the fold's end waits for the ones
-        before it; one behind it was already read from the log."""
-        body = env.body
-        tag = type(body).__struct_config__.tag
-        if tag not in KNOWN_TAGS:
-            return  # left to the log read, which refuses it by name (UnknownEventError)
-        # What the fold reads of an open or an abort, not the body: a prompt, a teacher's scores or a
-        # traceback held while it waits could be large.
-        if tag == _OPENED:
-            body = _GroupJoin(body.group_id, body.group_size, body.sample_index, body.replaces)
-        elif tag == _ABORTED:
-            body = _AbortRefill(refill=body.refill)
-        else:
-            body = None
-        pending = self._pending
-        pending.append(_new_record(_Record, (env.lsn, env.session_id, env.session_seq, env.ts_ns, tag, None, body)))
-        if len(pending) >= self.PENDING_MAX:
-            self._fold_pending()
-
-    def _fold_pending(self) -> None:
-        """Fold the noted records in the order they came (see :meth:`note`).
-        Whatever the fold raises breaks it (no checkpoint is written from it:
-        :meth:`checkpoint` raises, naming the record) instead of failing the
-        unrelated record whose note or read of the fold came next."""
-        pending, self._pending = self._pending, []
-        if self._broken is not None:
+    def applied(self, lsn: int | None, session_id: str, seq: int, *, lsn_kept: bool) -> None:
+        """The engine applied its record ``seq`` of ``session_id``, which the log holds at
+        ``lsn`` (None: its append was cancelled after it was staged, so its LSN is not known
+        yet). ``lsn_kept``: the engine's state keeps the record's LSN (an opening, a terminal
+        event); one applied without it cannot be served, and checkpoints are folded from the
+        log from then on. In the event loop's thread; a few attribute reads when in order."""
+        if lsn == self.frontier:
+            self.frontier = lsn + 1
+            if self._ahead:
+                self._advance()
+        elif self.from_log is not None:
             return
-        fold, ahead = self._fold, self._ahead
-        for rec in pending:
-            lsn = rec.lsn
-            if lsn < fold.next_lsn:
-                continue  # already read from the log
-            if self._reading or lsn != fold.next_lsn:
-                if len(ahead) < self.AHEAD_MAX:
-                    ahead[lsn] = rec
-                continue
-            try:
-                fold.fold_noted(rec)
-            except Exception as exc:
-                self._break(rec, exc)
-                return
-            self._noted += 1
-            if ahead and not self._fold_ahead():
-                return
-
-    def _fold_ahead(self) -> bool:
-        """Fold the waiting records that now follow the fold's end; drop those it already holds.
-        False when the fold broke on one (:meth:`_break`)."""
-        fold, ahead = self._fold, self._ahead
-        for lsn in [k for k in ahead if k < fold.next_lsn]:
-            del ahead[lsn]
-        while self._broken is None and (rec := ahead.pop(fold.next_lsn, None)) is not None:
-            try:
-                fold.fold_noted(rec)
-            except Exception as exc:
-                self._break(rec, exc)
+        elif lsn is None:
+            if lsn_kept:
+                self._fold_from_log(f"session {session_id!r}: record {seq}, whose append was cancelled after it was "
+                                    "staged, was applied before its LSN was known, and the engine's state keeps that LSN")
             else:
-                self._noted += 1
-        return self._broken is None
+                self._unplaced.add((session_id, seq))
+        elif lsn > self.frontier:
+            if len(self._ahead) >= self.AHEAD_MAX:
+                self._fold_from_log(f"{len(self._ahead)} records applied past a hole at lsn {self.frontier}")
+            else:
+                self._ahead.add(lsn)
 
-    def _break(self, rec: _Record, exc: Exception) -> None:
-        """The fold raised on a noted record: it is no longer trusted (no checkpoint is written
-        from it: :meth:`checkpoint` raises, naming the record), and it takes nothing more."""
-        self._broken = f"folding the noted record at lsn {rec.lsn} (session {rec.session_id!r}) failed: {type(exc).__name__}: {exc}"
-        _log.error("engine.checkpoint_fold_failed", path=str(self.path), lsn=rec.lsn, session_id=rec.session_id,
-                   error=f"{type(exc).__name__}: {exc}", effect="no checkpoint is written until the engine reopens the log")
+    def _advance(self) -> None:
+        """Move the frontier over the applied records that now follow it."""
+        ahead, frontier = self._ahead, self.frontier
+        while frontier in ahead:
+            ahead.remove(frontier)
+            frontier += 1
+        self.frontier = frontier
+
+    def _fold_from_log(self, why: str) -> None:
+        """From now on, fold each checkpoint from the log, from the last one taken."""
+        if self.from_log is not None:
+            return
+        self.from_log = why
+        self._ahead.clear()
+        self._unplaced.clear()
+        if self._last is not None:
+            self._fold = RestartFold.from_checkpoint(self._last, recent_window=self._last.lifecycle.recent.size)
+        _log.warning("engine.checkpoint_from_log", path=str(self.path), reason=why, since_lsn=self._fold.next_lsn,
+                     effect="each checkpoint is folded from the log in a worker thread from now on (slower, never wrong)")
+
+    # -- when, and what -------------------------------------------------------------------
 
     def interval(self) -> int:
         """Records between checkpoints: ``every``, or :data:`RECORDS_PER_SESSION_IN_FLIGHT`
@@ -176,73 +171,130 @@ class Checkpointer:
         session in flight in the event loop's thread (about 1.5 µs each), so this keeps
         its cost per record bounded however many run at once; a restart then folds at
         most that many records, a few per session it has to abort anyway."""
-        return max(self.every, RECORDS_PER_SESSION_IN_FLIGHT * len(self.fold.in_groups))
+        return max(self.every, RECORDS_PER_SESSION_IN_FLIGHT * self._engine.live_count)
 
     def due(self) -> bool:
         """Whether :meth:`interval` records or more were appended since the last checkpoint was tried."""
         return self.log.next_lsn - max(self._tried, 0) >= self.interval()
 
     async def checkpoint(self, *, final: bool = False, cache_only: bool = True) -> int:
-        """Write the checkpoint of the fold as it stands, after reading the log
-        from the fold's end when the fold is stuck at a gap ``every`` records or
-        more behind the log, or always with ``final`` (the engine closes: every
-        record, noted or not, to the log's end). Returns the LSN of the last
-        checkpoint written; errors as :meth:`advance`'s."""
-        fold, ahead = self._checked_fold(), self._ahead
-        if final:
-            # Every record, noted or not, to the log's end; after any read a cancelled caller left running.
-            if self._reading:
-                await asyncio.wait(list(self._reading))
-                if self._broken is not None:
-                    raise CheckpointError(self.path, f"not written: {self._broken}")
-            await self._read_in_thread(None)
-        elif self.log.next_lsn - fold.next_lsn >= self.every and (ahead or fold.next_lsn == self._tried):
-            # Stuck at a gap (records wait behind it, or the fold has not moved since the last try): read the gap.
-            # One gap, then the records waiting after it; several, the log to its end (the waiting ones are dropped).
-            first = min(ahead) if ahead else None
-            one_gap = first is not None and max(ahead) - first + 1 == len(ahead)
-            await self._read_in_thread(first if one_gap else None)
-        fold = self._checked_fold()  # with what was noted during a read
-        if self._reading or fold.next_lsn == (self.lsn if final else self._tried):
-            return self.lsn  # a cancelled caller's read still runs, or nothing new since the last try
-        self._tried = fold.next_lsn
-        ckpt = fold.to_checkpoint()  # in the loop's thread, where the fold changes: a consistent state
+        """Write the checkpoint of the log up to the frontier, served from the engine's state;
+        with ``final`` (the engine closes) up to the log's end, reading the records the engine
+        did not write. Records waiting past a hole make it read the holes first, and wait for
+        the next call when they are still not filled. Returns the LSN of the last checkpoint
+        written; a write that fails is only logged (:meth:`_write`); a read of the log that
+        fails raises, and so does every later call (CheckpointError)."""
+        if self._reading is not None:
+            if not final:
+                return self.lsn  # a cancelled caller's read still runs
+            await asyncio.wait([self._reading])
+        self._check_fold()
+        if self.from_log is None and (final or self._ahead or self._unplaced):
+            await self._read_holes(final)
+        if self.from_log is None:
+            if self._ahead or self._unplaced:
+                if not final:
+                    return self.lsn  # the holes' records are not all in the log yet: the next call
+                self._fold_from_log(f"at close, {len(self._ahead) + len(self._unplaced)} applied records could not be placed")
+        if self.from_log is None:
+            ckpt = self._served(self.frontier)
+            self.served += 1
+        else:
+            ckpt = await self._in_thread(self._fold_log)
+        if ckpt.next_lsn == (self.lsn if final else self._tried):
+            return self.lsn  # nothing new since the last one
+        self._tried = ckpt.next_lsn
+        self._last = ckpt
         return await asyncio.to_thread(self._write, ckpt, cache_only)
 
-    def _checked_fold(self) -> RestartFold:
-        """:attr:`fold`, or CheckpointError when it can no longer be trusted."""
-        fold = self.fold
+    def _check_fold(self) -> None:
         if self._broken is not None:
             raise CheckpointError(self.path, f"not written: {self._broken}")
-        return fold
 
-    async def _read_in_thread(self, until: int | None) -> None:
-        """Fold the log's records from the fold's end (to ``until``, exclusive, or its
-        end) in a worker thread; noted records wait until every such read ended."""
-        done = asyncio.get_running_loop().run_in_executor(None, self._read_log, until)
-        self._reading.add(done)
+    async def _in_thread(self, work: Callable[..., _T], *args: Any) -> _T:
+        """Run ``work`` in a worker thread; shielded: a cancelled caller leaves it running
+        (the next call waits for it). A failure breaks the checkpointer (see :meth:`checkpoint`)."""
+        done = asyncio.get_running_loop().run_in_executor(None, work, *args)
+        self._reading = done
         done.add_done_callback(self._read_done)
-        # Shielded: a cancelled caller leaves the read running, and noted records keep waiting until it ends.
-        await asyncio.shield(done)
-
-    def _read_log(self, until: int | None = None) -> None:
-        with self._lock:
-            self.read_back += self._fold.catch_up(self.log, until=until)  # a worker thread: never drains the pending notes
+        return await asyncio.shield(done)
 
     def _read_done(self, done: asyncio.Future) -> None:
-        self._reading.discard(done)
+        if self._reading is done:
+            self._reading = None
         exc = asyncio.CancelledError() if done.cancelled() else done.exception()
-        if exc is None:
-            if not self._reading and self._broken is None:
-                self._fold_ahead()  # a record it breaks on is reported as _broken, as in _fold_pending
-        else:
-            # The fold may hold part of what it read: it takes nothing more, and no checkpoint is written from it.
+        if exc is not None and self._broken is None:
             self._broken = f"reading the log failed: {type(exc).__name__}: {exc}"
+
+    async def _read_holes(self, final: bool) -> None:
+        """Read the records from the frontier to the last one applied past it (with ``final``,
+        to the log's end), tags only, and account for each the engine did not apply."""
+        start = self.frontier
+        end = self.log.next_lsn if final or not self._ahead else max(self._ahead) + 1
+        if end <= start:
+            return
+        # Below the last record applied past the frontier every record was acknowledged, and the engine
+        # applies in LSN order: what it did not apply there, it never will.
+        settled = max(self._ahead, default=-1) if not final else end
+        records = await self._in_thread(self._tags, start, end)
+        for lsn, session_id, seq, tag in records:
+            if lsn < self.frontier or lsn in self._ahead:
+                continue  # applied meanwhile
+            if (session_id, seq) in self._unplaced:
+                self._unplaced.discard((session_id, seq))
+            elif tag != LEARNER_TAG:
+                if lsn < settled:
+                    self._fold_from_log(f"the log's record at lsn {lsn} ({tag} of session {session_id!r}, "
+                                        f"session_seq {seq}) was not applied by this engine")
+                    return
+                continue
+            self._ahead.add(lsn)
+        self._advance()
+
+    def _tags(self, start: int, end: int) -> list[tuple[int, str, int, str]]:
+        """``(lsn, session_id, session_seq, tag)`` of the log's records from ``start`` to ``end`` (exclusive)."""
+        out = []
+        with self._lock, contextlib.closing(_tagged(self.log, start)) as records:  # closes the cursor on the break
+            for rec in records:
+                if rec[0] >= end:
+                    break
+                out.append(rec)
+        self.read_back += len(out)
+        return out
+
+    def _fold_log(self) -> EngineCheckpoint:
+        """The fold of the log from the last checkpoint taken to its end (a worker thread)."""
+        with self._lock:
+            self.read_back += self._fold.catch_up(self.log)
+            return self._fold.to_checkpoint()
+
+    def _served(self, cut: int) -> EngineCheckpoint:
+        """The engine's state as the checkpoint of the log below ``cut``, in the event loop's
+        thread, where it changes (a consistent state): nothing at or past ``cut`` is applied."""
+        eng, base = self._engine, self._fold
+        groups = eng._groups
+        # A session whose opening is not in the log yet (its seq still 0) is no session of the fold's yet.
+        members = [(groups.member_lsn(h.group_id, h.session_id), h) for h in eng._live.values() if h._seq]
+        members.sort(key=lambda m: -1 if m[0] is None else m[0])  # a fold holds them in the order they opened
+        ids, recent = eng._ids.snapshots()
+        lifecycle = LifecycleCheckSnapshot(
+            next_lsn=cut, records=cut + self._records_offset,
+            live=[(h.session_id, h.state, h._seq) for _, h in members], recent=recent, ids=ids,
+        )
+        return EngineCheckpoint(
+            format=CHECKPOINT_FORMAT, next_lsn=cut, anchor=b"", lifecycle=lifecycle,
+            groups=groups.to_snapshot(placed_only=True),
+            in_groups=[(h.session_id, h.group_id) for lsn, h in members if lsn is not None],
+            refused_opens=list(base.refused_opens), violations=base.violations,
+            first_violations=list(base.first_violations), written_ns=time.time_ns(),
+        )
+
+    # -- at the engine's start --------------------------------------------------------------
 
     def advance(self, *, cache_only: bool = False) -> int:
         """Fold the log's records from the fold's end and write the
         checkpoint (unless nothing changed), in the caller's thread, before
-        the engine notes records; returns the LSN of the last checkpoint
+        the engine applies records; returns the LSN of the last checkpoint
         written. Errors propagate, except with ``cache_only``: then a
         checkpoint that cannot be written (a full disk, a directory in its
         place: any OSError) is only logged, as the warning
@@ -250,16 +302,18 @@ class Checkpointer:
         :attr:`write_error`. A checkpoint is a cache: without it a restart
         folds from the last one written, or from lsn 0. Reading the log
         (the fold) still raises."""
-        self._read_log()
-        if self.fold.next_lsn == self.lsn:
+        self.read_back += self._fold.catch_up(self.log)
+        self.frontier = self._fold.next_lsn
+        self._records_offset = self._fold.check.records - self._fold.next_lsn
+        if self._fold.next_lsn == self.lsn:
             return self.lsn
-        self._tried = self.fold.next_lsn
-        return self._write(self.fold.to_checkpoint(), cache_only)
+        self._tried = self._fold.next_lsn
+        return self._write(self._fold.to_checkpoint(), cache_only)
 
     def _write(self, ckpt: EngineCheckpoint, cache_only: bool) -> int:
         """Write ``ckpt`` with the anchor of its last record: the fold's, when its last
         record was read from the log (``catch_up`` hashed it), else read back now (a
-        noted record carries no stored bytes); returns the LSN of the last checkpoint written."""
+        served checkpoint carries no stored bytes); returns the LSN of the last checkpoint written."""
         with self._lock:
             if ckpt.next_lsn <= self.lsn:
                 return self.lsn  # a newer one is already written (a cancelled caller's write came late)
@@ -268,7 +322,7 @@ class Checkpointer:
                 if ckpt.next_lsn > 0 and not ckpt.anchor:
                     anchor = anchor_at(self.log, ckpt.next_lsn - 1)
                     if anchor is None:
-                        raise CheckpointError(self.path, f"the log's record at lsn {ckpt.next_lsn - 1} was folded but cannot be read back")
+                        raise CheckpointError(self.path, f"the log's record at lsn {ckpt.next_lsn - 1} was applied but cannot be read back")
                     ckpt = msgspec.structs.replace(ckpt, anchor=anchor)
                 size = write_checkpoint(self.path, ckpt)
             except OSError as exc:
@@ -285,3 +339,6 @@ class Checkpointer:
             _log.debug("engine.checkpoint_written", path=str(self.path), next_lsn=self.lsn, bytes=size,
                        seconds=round(time.perf_counter() - t0, 4))
             return self.lsn
+
+
+__all__ = ["Checkpointer", "RECORDS_PER_SESSION_IN_FLIGHT"]

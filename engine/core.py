@@ -16,13 +16,19 @@ Duplicate ids. Ids are never reused, even after their session ended and was
 evicted. ``open()`` folds the log (:class:`engine.restart.RestartFold`: the
 lifecycle check and the group rule, from the engine's last checkpoint on,
 so a restart reads only the records since then), whose Bloom filter (:class:`reducers.lifecycle.IdFilter`, 1 MiB preallocated for 262,144
-ids, then ~4 B per id) holds every id in the log; the engine adds each id it
-opens. A filter miss proves the id is fresh (no false negatives). A hit is
-confirmed exactly: first against the live sessions and the recently ended
-cache, then by a sparse scan of the log in a worker thread (expected only for
-~3.4e-7 of fresh ids). So refusals are exact and memory stays fixed up to the
-filter's capacity. The sessions a crashed process left open are taken from the
-log's exact open-session map, never from the filter-gated fold.
+ids, then ~4 B per id) holds every id in the log; the engine adds each id
+whose opening the log acknowledged (:mod:`engine.ids`, the rule's owner). A
+filter miss proves the id is fresh (no false negatives). A hit is confirmed
+exactly: first against the live sessions and the recently ended cache, then by
+a sparse scan of the log in a worker thread (expected only for ~3.4e-7 of
+fresh ids). So refusals are exact and memory stays fixed up to the filter's
+capacity. The sessions a crashed process left open are taken from the log's
+exact open-session map, never from the filter-gated fold.
+
+Restart checkpoints are served from this state (:mod:`engine.checkpointer`):
+the engine applies each record the log acknowledged in LSN order, and its id
+filter, recent window, groups and sessions are then what a fold of the log up
+to that record holds.
 
 This module owns the engine's decisions (open, finish, abort, drop, what an
 event does to a session). The handle callers hold is :mod:`engine.handle`;
@@ -34,7 +40,6 @@ tasks are :mod:`engine.timers`.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from typing import Any, Callable
 
 import msgspec
@@ -55,6 +60,7 @@ from agentlog.reducers.abort_classes import REFILL
 from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.groups import GroupError, GroupTracker
 from agentlog.reducers.lifecycle import IdFilter
+from agentlog.reducers.lifecycle_step import EndedWindow
 from agentlog.reducers.resume import ResumePoint
 
 from .errors import TIMEOUT_REASON, DuplicateSession, EngineClosed, SessionTimeout, StragglerRefused
@@ -62,6 +68,7 @@ from .handle import InFlightMarker, SessionHandle, _SessionContext, append_built
 from . import adopt as engine_adopt
 from .adopt import adopt_orphans
 from .checkpointer import Checkpointer
+from .ids import SessionIds
 from .restart import RESTART_REASON, abort_orphans, checkpoint_path_of, resume_fold
 from .session_lock import acquire_contended, release
 from .timers import BackgroundWork
@@ -115,10 +122,8 @@ class SessionEngine(BackgroundWork):
         #: Default sandbox for callers that do not bring their own.
         self.sandbox = sandbox
         self._live: dict[str, SessionHandle] = {}
-        self._recent: OrderedDict[str, State] = OrderedDict()
         self._status_cache = status_cache
         self._id_capacity = id_capacity
-        self._ids = IdFilter(id_capacity)
         # Membership of the groups still in flight, under the reducers' own
         # rule (GroupTracker.check_open): a member they would refuse is
         # refused at open instead of poisoning the log. Released groups are
@@ -140,6 +145,8 @@ class SessionEngine(BackgroundWork):
             ("opened", "finished", "aborted", "dropped", "stragglers", "id_scans", "restart_aborted", "violations",
              "restart_folded", "resumed"), 0
         )
+        #: Every id the log holds, and the recently ended sessions (engine.ids).
+        self._ids = SessionIds(log, IdFilter(id_capacity), (), EndedWindow(max(0, status_cache)), self.stats)
 
     # -- construction and restart ----------------------------------------------
 
@@ -175,13 +182,12 @@ class SessionEngine(BackgroundWork):
         aborted = abort_orphans(self._log_, fold, keep=set(self.orphans))
         self.stats["restart_aborted"] += aborted
         self.stats["aborted"] += aborted
-        self._ids = fold.id_filter()
+        self._ids = SessionIds(self._log_, IdFilter.from_snapshot(fold.check.ids.to_snapshot()), fold.refused_opens,
+                               EndedWindow.from_snapshot(fold.check.recent.to_snapshot()), self.stats)
         self._groups = fold.group_tracker()
-        for sid, (state, _lsn) in fold.check.recent.items():
-            self._recent[sid] = state
         if path is not None:
             # Written now, so a crash before the first periodic one restarts from here.
-            self._checkpointer = Checkpointer(self._log_, fold, path, self.checkpoint_every)
+            self._checkpointer = Checkpointer(self._log_, fold, path, self.checkpoint_every, self)
             self._checkpointer.advance(cache_only=True)  # a cache: failing to write it never stops the open
         _log.info("engine.restarted", resumed_from=fold.resumed_from, folded=folded_now,
                   aborted=aborted, checkpoint=str(path) if path is not None else None)
@@ -255,7 +261,7 @@ class SessionEngine(BackgroundWork):
         h = self._live.get(session_id)
         if h is not None:
             return h.state
-        return self._recent.get(session_id)
+        return self._ids.state_of(session_id)
 
     async def open_session(
         self,
@@ -304,8 +310,8 @@ class SessionEngine(BackgroundWork):
             self._groups.open(group_id, session_id, group_size, sample_index, None, replaces)
         except GroupError:
             # A reused id is reported as such, not as the group conflict it also causes.
-            if session_id in self._ids:
-                await self._confirm_fresh(session_id)
+            if self._ids.maybe_used(session_id, self._ids.hashes(session_id)):
+                await self._ids.confirm_fresh(session_id)
             raise
         budget = budget_s if budget_s is not None else self.session_budget_s
         h = SessionHandle(self, session_id, group_id, budget)
@@ -314,16 +320,17 @@ class SessionEngine(BackgroundWork):
         # no concurrent open of the same id and no early op can slip in.
         h._busy = True  # nobody else can see h yet
         self._live[session_id] = h
+        hashes = self._ids.hashes(session_id)
         try:
-            if self._ids.add(session_id):  # maybe seen before: confirm exactly
-                await self._confirm_fresh(session_id)
+            if self._ids.maybe_used(session_id, hashes):  # maybe seen before: confirm exactly
+                await self._ids.confirm_fresh(session_id)
             env = await self._log_.append(session_id, 0, body)
         except asyncio.CancelledError:
             if self._log_.next_seq(session_id) == 1:
                 # Staged before the cancel: the log writes it, so the session
                 # exists, but nobody holds its handle. End it like any
                 # cancelled session, in the background.
-                self._opened(h, budget)
+                self._opened(h, budget, hashes, None)
                 release(h)
                 self._background(h.drop("cancelled"))
             else:
@@ -336,14 +343,18 @@ class SessionEngine(BackgroundWork):
             self._groups.withdraw(group_id, session_id)
             release(h)
             raise
-        self._opened(h, budget)
+        self._opened(h, budget, hashes, env.lsn)
         release(h)
-        if self._checkpointer is not None:
-            self._checkpointer.note(env)
         return h
 
-    def _opened(self, h: SessionHandle, budget: float | None) -> None:
+    def _opened(self, h: SessionHandle, budget: float | None, hashes: tuple[int, int], lsn: int | None) -> None:
+        """``h``'s session_opened is in the log, at ``lsn`` (None: its append was cancelled after it was staged)."""
         h._seq = 1
+        self._ids.opened(hashes)
+        if lsn is not None:
+            self._groups.placed(h.group_id, h.session_id, lsn)
+        if self._checkpointer is not None:
+            self._checkpointer.applied(lsn, h.session_id, 0, lsn_kept=True)
         self.stats["opened"] += 1
         if budget is not None:
             h._timer = asyncio.get_running_loop().call_later(budget, self._on_budget, h)
@@ -382,24 +393,6 @@ class SessionEngine(BackgroundWork):
         await self.close()
 
     # -- internals ---------------------------------------------------------------
-
-    async def _confirm_fresh(self, session_id: str) -> None:
-        """The filter says the id may be in the log: confirm exactly."""
-        st = self._recent.get(session_id)
-        if st is not None:
-            raise DuplicateSession(session_id, st, "it already ended in this log")
-        self.stats["id_scans"] += 1
-        _log.info("engine.id_scan", session_id=session_id)
-        found = await asyncio.to_thread(self._scan_log_for, session_id)
-        if found is not None:
-            raise DuplicateSession(session_id, None, f"the log holds it at lsn {found}")
-
-    def _scan_log_for(self, session_id: str) -> int | None:
-        # Only ids are needed: no body is decoded.
-        for env in self._log_.read(0, raw=True):
-            if env.session_id == session_id:
-                return env.lsn
-        return None
 
     def _refuse(self, session_id: str, what: str, state: State | None, h: SessionHandle | None) -> None:
         self.stats["stragglers"] += 1
@@ -455,7 +448,7 @@ class SessionEngine(BackgroundWork):
                context: EncodingContext | None = None) -> None:
         """Apply ``h``'s record as the log acknowledged it (``env``, whose body is what the log
         stored: a caller may change what it handed over once it was staged; None for one whose
-        append was cancelled after it was staged), and note it for the checkpoint's fold."""
+        append was cancelled after it was staged), and tell the checkpointer it is applied."""
         body = body if env is None else env.body
         h._seq += 1
         if type(body) is TurnDelta or type(body) is TurnRecorded:
@@ -466,12 +459,13 @@ class SessionEngine(BackgroundWork):
             h._context = context
             if context is not None:
                 h._lineages.commit(body.turn_index, context)
+        ended = dest is not None and dest in TERMINAL_STATES
         if dest is not None:
             h.state = dest
-            if dest in TERMINAL_STATES:
+            if ended:
                 self._release(h, body, None if env is None else env.lsn)
-        if env is not None and self._checkpointer is not None:
-            self._checkpointer.note(env)
+        if self._checkpointer is not None:
+            self._checkpointer.applied(None if env is None else env.lsn, h.session_id, h._seq - 1, lsn_kept=ended)
 
     async def _in_session(self, h: SessionHandle, body: Any) -> Envelope:
         # In-session events are legal only while running (events.schema.lifecycle.RUNNING_ONLY_EVENTS).
@@ -571,7 +565,7 @@ class SessionEngine(BackgroundWork):
             for t in list(h._inflight):
                 if not _own_work(t, cur) and not t.done():
                     t.cancel()
-        self._remember(sid, h.state)
+        self._ids.ended(sid, h.state, -1 if lsn is None else lsn)
         if h.state is State.FINISHED:
             self.stats["finished"] += 1
         elif h.state is State.ABORTED:
@@ -580,13 +574,6 @@ class SessionEngine(BackgroundWork):
         else:
             self.stats["dropped"] += 1
             h.log.info("session.dropped", reason=body.reason)
-
-    def _remember(self, sid: str, state: State) -> None:
-        if self._status_cache <= 0:
-            return
-        self._recent[sid] = state
-        if len(self._recent) > self._status_cache:
-            self._recent.popitem(last=False)
 
 
 __all__ = [

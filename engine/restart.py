@@ -10,10 +10,10 @@ four are a fold over the whole log: :class:`RestartFold`, the lifecycle
 check (:class:`reducers.lifecycle.LifecycleCheck`, tags only) and the
 reducers' group rule (:class:`reducers.groups.GroupTracker`).
 
-Folding from LSN 0 on every restart costs O(log). So the engine keeps the
-fold running beside it and writes its whole state to a checkpoint file
-(``engine.checkpoint`` in the log's directory) every ``checkpoint_every``
-records and when it closes. A restart loads the checkpoint and folds only
+Folding from LSN 0 on every restart costs O(log). So the engine writes the
+fold's whole state to a checkpoint file (``engine.checkpoint`` in the log's
+directory) every ``checkpoint_every`` records and when it closes, served from
+its own state, which is that fold's (:mod:`engine.checkpointer`). A restart loads the checkpoint and folds only
 the records after it: O(records since the last checkpoint), whatever the
 log's length (``tools/bench/bench_restart.py``).
 
@@ -73,15 +73,6 @@ class _AbortRefill(msgspec.Struct, tag="session_aborted"):
 
 
 _abort_refill_decoder = msgspec.msgpack.Decoder(_AbortRefill)
-
-
-class _GroupJoin(NamedTuple):
-    """What the fold reads of a ``session_opened`` (a noted one waiting for its turn holds only this)."""
-
-    group_id: str
-    group_size: int
-    sample_index: int
-    replaces: Any
 
 
 def _abort_refill(payload: Any) -> _AbortRefill:
@@ -145,8 +136,8 @@ class _Record(NamedTuple):
     session_seq: int
     ts_ns: int
     tag: str
-    #: The stored body bytes (a view valid until the next record); None for a record the engine noted.
-    payload: memoryview | None
+    #: The stored body bytes (a view valid until the next record).
+    payload: memoryview
     body: Any  # decoded only where the fold needs it (session_opened, session_aborted), else None
 
 
@@ -217,14 +208,6 @@ class RestartFold:
             self.next_lsn, self.anchor = last + 1, anchor
         return n
 
-    def fold_noted(self, rec: _Record) -> None:
-        """Fold the record at :attr:`next_lsn` as the engine saw it acknowledged,
-        not read from the log (:meth:`Checkpointer.note`). Its stored bytes are
-        not at hand, so :attr:`anchor` is unknown (b"") until a read: a
-        checkpoint reads its anchor from the log when it is written."""
-        self._feed(rec)
-        self.next_lsn, self.anchor = rec.lsn + 1, b""
-
     def _feed(self, rec: _Record) -> None:
         tag = rec.tag
         refused = False
@@ -257,14 +240,6 @@ class RestartFold:
             self.first_violations.append(LoggedViolation(lsn, session_id, kind, message))
 
     # -- what the engine takes -------------------------------------------------------
-
-    def id_filter(self) -> IdFilter:
-        """A copy of the id filter, with the ids of refused opens: duplicate
-        refusals stay exact only if the filter holds every id the log does."""
-        ids = IdFilter.from_snapshot(self.check.ids.to_snapshot())
-        for sid in self.refused_opens:
-            ids.add(sid)
-        return ids
 
     def group_tracker(self) -> GroupTracker:
         """A copy of the groups in flight."""

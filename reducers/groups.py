@@ -228,19 +228,28 @@ class GroupTracker:
         lsns = [lsn for p in self._pending.values() for _, lsn in p.opened.values()]
         return min(lsns) if lsns else None
 
-    def to_snapshot(self) -> GroupTrackerSnapshot:
-        """The tracker's whole state as plain data, for a checkpoint."""
-        return GroupTrackerSnapshot(
-            min_valid=self.min_valid,
-            pending=[
-                PendingGroupSnapshot(gid, p.group_size, [(sid, idx, lsn) for sid, (idx, lsn) in p.opened.items()],
-                                     list(p.done), list(p.dropped), list(p.owed), list(p.refills.items()),
-                                     dict(p.drop_reasons))
-                for gid, p in self._pending.items()
-            ],
-            recent=list(self._recent.items()),
-            released=self.released,
-        )
+    def to_snapshot(self, *, placed_only: bool = False) -> GroupTrackerSnapshot:
+        """The tracker's whole state as plain data, for a checkpoint. ``placed_only``: as a
+        fold of the log would hold it, leaving out each member whose opening is not in the
+        log yet (joined with lsn None and not :meth:`placed`), as :meth:`withdraw` would."""
+        pending = []
+        for gid, p in self._pending.items():
+            opened, refills, owed = list(p.opened.items()), list(p.refills.items()), list(p.owed)
+            if placed_only:
+                # A fold joins members in LSN order; the engine joins them as it decides.
+                opened = sorted(((s, m) for s, m in opened if m[1] >= 0), key=lambda sm: sm[1][1])
+                placed = {s for s, _ in opened}
+                refills = sorted(((r, m) for r, m in refills if r in placed), key=lambda rm: p.opened[rm[0]][1])
+                # Owed in the order the members ended (a fold appends each at its abort); ``dropped`` holds that order.
+                owed += [m for r, m in p.refills.items() if r not in placed]
+                ended_at = {s: i for i, s in enumerate(p.dropped)}
+                owed.sort(key=ended_at.__getitem__)
+                if not opened and not p.done and not p.dropped:
+                    continue  # every member's opening is still on its way to the log
+            pending.append(PendingGroupSnapshot(gid, p.group_size, [(sid, idx, lsn) for sid, (idx, lsn) in opened],
+                                                list(p.done), list(p.dropped), owed, refills, dict(p.drop_reasons)))
+        return GroupTrackerSnapshot(min_valid=self.min_valid, pending=pending, recent=list(self._recent.items()),
+                                    released=self.released)
 
     @classmethod
     def from_snapshot(cls, snap: GroupTrackerSnapshot) -> "GroupTracker":
@@ -318,6 +327,18 @@ class GroupTracker:
         if replaces:
             p.owed.remove(replaces)
             p.refills[session_id] = replaces
+
+    def placed(self, group_id: str, session_id: str, lsn: int) -> None:
+        """The opening of ``session_id``, which joined ``group_id`` with lsn None, reached the log at ``lsn``."""
+        p = self._pending[group_id]
+        p.opened[session_id] = (p.opened[session_id][0], lsn)
+
+    def member_lsn(self, group_id: str, session_id: str) -> int | None:
+        """The LSN of ``session_id``'s opening as a member of ``group_id`` (in flight); -1 while it is
+        not in the log yet; None when it is no member."""
+        p = self._pending.get(group_id)
+        m = None if p is None else p.opened.get(session_id)
+        return None if m is None else m[1]
 
     def owed(self, group_id: str) -> list[str]:
         """The members of ``group_id`` (in flight) owed a replacement that has not opened yet."""

@@ -163,19 +163,25 @@ class IdFilter:
         return sum(len(b) for b, _ in self._layers)
 
     @staticmethod
-    def _hashes(session_id: str) -> tuple[int, int]:
+    def hashes(session_id: str) -> tuple[int, int]:
+        """The id's two hashes, from which every probe of it is derived: a caller that asks
+        twice about one id (:meth:`has_hashed`, then :meth:`add_hashed`) hashes it once."""
         d = hashlib.blake2b(session_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
         return int.from_bytes(d[:8], "little"), int.from_bytes(d[8:], "little") | 1
 
     def add(self, session_id: str) -> bool:
         """Insert an id; returns True if it may have been present already
         (a test-and-set: one hash for both questions)."""
+        return self.add_hashed(self.hashes(session_id))
+
+    def add_hashed(self, hashes: tuple[int, int]) -> bool:
+        """:meth:`add` of the id whose :meth:`hashes` these are."""
         if self._count >= self._capacity:
             cap = self._layers[-1][1] // self.BITS_PER_ID * 2
             self._layers.append((bytearray(cap * self.BITS_PER_ID // 8 + 1), cap * self.BITS_PER_ID))
             self._capacity += cap
         bits, m = self._layers[-1]
-        h1, h2 = self._hashes(session_id)
+        h1, h2 = hashes
         seen = _probe(bits, m, h1, h2, self.HASHES, True)
         if not seen and len(self._layers) > 1:
             seen = self._in_layers(h1, h2, self._layers[:-1])
@@ -189,8 +195,11 @@ class IdFilter:
     def __contains__(self, session_id: object) -> bool:
         if not isinstance(session_id, str):
             return False
-        h1, h2 = self._hashes(session_id)
-        return self._in_layers(h1, h2, self._layers)
+        return self.has_hashed(self.hashes(session_id))
+
+    def has_hashed(self, hashes: tuple[int, int]) -> bool:
+        """``in`` for the id whose :meth:`hashes` these are."""
+        return self._in_layers(hashes[0], hashes[1], self._layers)
 
     def to_snapshot(self) -> "IdFilterSnapshot":
         """The filter's bits and counters as plain data, for a checkpoint."""

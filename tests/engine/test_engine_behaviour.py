@@ -471,7 +471,7 @@ def test_engine_holds_no_per_session_state_after_sessions_end(arun):
         await asyncio.gather(*(one(i) for i in range(200)))
         assert eng.live_count == 0 and eng._live == {}
         assert len(eng._groups) == 0  # every group released: no membership held
-        assert len(eng._recent) == 8
+        assert len(eng._ids.recent) == 8
         assert not [t for t in loop._scheduled if not t.cancelled()]  # no budget timers left
         assert eng._bg == set()
     arun(go())

@@ -55,7 +55,7 @@ def test_a_freed_index_is_not_reused_and_explicit_indices_are_skipped(arun):
 @pytest.mark.parametrize(
     "second, match",
     [
-        (dict(group_size=3), r"group 'g': session 'b' declares group_size 3, but sessions 'a' declared group_size 2"),
+        (dict(group_size=3), r"group 'g': session 'b' declares group_size 3, but sessions 'a' \(lsn 0\) declared group_size 2"),
         (dict(group_size=2, sample_index=0), r"group 'g': session 'b' repeats sample_index 0 of session 'a'"),
     ],
 )

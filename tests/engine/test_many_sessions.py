@@ -166,7 +166,7 @@ def test_concurrent_sessions_with_random_outcomes_leave_nothing_behind(arun, n):
         structlog.reset_defaults()
     assert counts["peak_live"] == n  # all n were live at once
     assert after - before < 16 * 1024, f"engine memory grew by {after - before} bytes over {n} sessions"
-    assert eng._live == {} and eng._bg == set() and len(eng._recent) == 256
+    assert eng._live == {} and eng._bg == set() and len(eng._ids.recent) == 256
     # Released groups hold no membership; only the warm-up's last group, 4 of
     # its 8 members never opened, is still in flight.
     assert eng._groups.pending() == {"warmg62": (8, 4, 4)}

@@ -5,6 +5,7 @@ used."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentlog.engine import DuplicateSession, SessionEngine
-from agentlog.engine.checkpointer import Checkpointer
 from agentlog.engine.restart import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -109,14 +109,14 @@ async def _restart(path: Path, **options):
         before = log.next_lsn
         eng = await SessionEngine.open(log, checkpoint_poll_s=3600, **options)
         appended = [(e.session_id, e.session_seq, e.body) for e in log.read(before)]
-        used = sorted({e.session_id for e in log.read(0)})
+        used = sorted({e.session_id for e in log.read(0) if isinstance(e.body, SessionOpened)})
         state = {
             "violations": eng.stats["violations"],
             "restart_aborted": eng.stats["restart_aborted"],
             "appended": appended,
             "status": {sid: eng.status(sid) for sid in used},
             "groups": eng._groups.to_snapshot(),
-            "ids": eng._ids.to_snapshot(),
+            "ids": eng._ids.snapshots(),
         }
         for sid in used:  # every id the log holds is refused, exactly
             with pytest.raises(DuplicateSession):
@@ -340,224 +340,156 @@ def test_a_checkpoint_that_cannot_be_written_never_stops_the_engine(tmp_path):
     asyncio.run(go())
 
 
-# -- the fold the engine feeds (Checkpointer.note) ------------------------------------------------
+# -- checkpoints served from the engine's state ----------------------------------------------------
 
 
-def _fold_state(fold: RestartFold):
-    """A fold's whole state, without what differs by how it was reached (the time, an anchor not read yet)."""
-    return msgspec.structs.replace(fold.to_checkpoint(), anchor=b"", written_ns=0)
+def _comparable(ckpt):
+    """A checkpoint without what differs by how it was reached (the time, an anchor not read yet)."""
+    return msgspec.structs.replace(ckpt, anchor=b"", written_ns=0)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(script=scripts(), order=st.randoms(use_true_random=False), never_noted=st.sets(st.integers(0, 60), max_size=4),
-       pending_max=st.sampled_from([1, 3, Checkpointer.PENDING_MAX]))
-def test_noted_records_in_any_order_with_gaps_fold_as_reading_the_log_does(script, order, never_noted, pending_max):
-    """The records the engine saw acknowledged, noted in any order, some never
-    (another writer's, a cancelled caller's): the fold equals the fold of the
-    whole log read from LSN 0, reads the log only for what was never noted,
-    and its checkpoint proves it belongs to the log (the anchor, read back).
-    Noted records are folded ``pending_max`` at a time, and whenever the fold is read."""
+#: A small id filter (4 kB, not 1 MiB) for the engines of the served-checkpoint tests, which snapshot it often.
+_IDS = 1024
+
+
+def _fold_of(log, until=None):
+    """The restart fold of ``log`` from LSN 0 (to ``until``, exclusive), as a comparable checkpoint."""
+    fold = RestartFold(id_capacity=_IDS)
+    fold.catch_up(log, until=until)
+    return _comparable(fold.to_checkpoint())
+
+
+def _served_now(eng):
+    """The checkpoint the engine's checkpointer would serve at this moment, or None when records wait past a hole."""
+    ckpt = eng._checkpointer
+    if ckpt._ahead or ckpt._unplaced or ckpt.from_log is not None:
+        return None
+    return _comparable(ckpt._served(ckpt.frontier))
+
+
+def _restart_from_the_checkpoint_and_from_0(path: Path, copy: Path, **options):
+    """Restart the log at ``path`` from its checkpoint, and a copy of it without one from LSN 0:
+    what each restart decided, and how many records the first folded."""
+    shutil.copytree(path, copy)
+    (copy / CHECKPOINT_NAME).unlink()
+    ours, folded = asyncio.run(_restart(path, **options))
+    zero, _ = asyncio.run(_restart(copy, checkpoint_every=0, **options))
+    return ours, zero, folded
+
+
+@st.composite
+def workloads(draw):
+    """Sessions of random groups run concurrently through one engine: they open (now and then
+    with a membership the group refuses, or an id already used), start, take turns (one of them
+    now and then cancelled once staged), and finish, abort (some owing a replacement, which then
+    opens), drop or stay in flight; another writer's learner records land in between."""
+    plans = []
+    for g in range(draw(st.integers(1, 5))):
+        size = draw(st.integers(1, 3))
+        for i in range(size):
+            plans.append(dict(
+                sid=f"g{g}-s{i}", group=f"g{g}", size=size, turns=draw(st.integers(0, 3)),
+                fate=draw(st.sampled_from(["open", "running", "finished", "aborted", "refill", "dropped"])),
+                cancel_turn=draw(st.integers(0, 5)) == 0, conflict=draw(st.integers(0, 7)) == 0,
+            ))
+    return plans, draw(st.integers(0, 3)), draw(st.randoms(use_true_random=False))
+
+
+async def _run_session(eng, plan, rng, compared):
+    from agentlog.reducers.groups import GroupError
+
+    async def yield_some():
+        for _ in range(rng.randint(0, 3)):
+            await asyncio.sleep(0)
+
+    await yield_some()
+    h = await eng.open_session(plan["sid"], group_id=plan["group"], group_size=plan["size"])
+    if plan["conflict"]:  # refused, and nothing of them kept
+        with pytest.raises(GroupError):
+            await eng.open_session(plan["sid"] + "-x", group_id=plan["group"], group_size=plan["size"] + 1)
+        with pytest.raises(DuplicateSession):
+            await eng.open_session(plan["sid"], group_id="elsewhere", group_size=1)
+    await yield_some()
+    if plan["fate"] == "open":
+        return
+    await h.start()
+    for t in range(plan["turns"]):
+        await yield_some()
+        turn = h.record_turn(prompt_ids=[1, 2, t], output_ids=[3], output_log_probs=[-0.1])
+        if plan["cancel_turn"] and t == 0:
+            task = asyncio.ensure_future(turn)
+            await asyncio.sleep(0)  # staged: the log writes it, and the engine applies it as the cancel comes
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        else:
+            await turn
+    await yield_some()
+    if plan["fate"] == "finished":
+        await h.finish(reward=1.0)
+    elif plan["fate"] in ("aborted", "refill"):
+        await h.abort("setup_failed:OSError" if plan["fate"] == "refill" else "x")
+        for member in eng.owed_replacements(plan["group"]):
+            r = await eng.open_session(member + "-r", group_id=plan["group"], group_size=plan["size"], replaces=member)
+            await r.start()
+            await r.finish(reward=0.5)
+    elif plan["fate"] == "dropped":
+        await h.drop("y")
+    served = _served_now(eng)  # while the other sessions' records are in flight
+    if served is not None:
+        compared.append(served)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=workloads())
+def test_a_checkpoint_served_from_the_engines_state_equals_the_fold_of_the_log_below_its_cut(workload):
+    """At any moment no record past the frontier is applied, the engine's state (its ids,
+    recent window, groups with their owed replacements, sessions in flight, with decisions not
+    in the log yet left out) is the restart fold of the log up to the frontier, field for
+    field; and a restart from the checkpoint written at close decides as one from LSN 0."""
+    plans, learner_records, rng = workload
+    from agentlog.reducers.config import ReduceConfig
+
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "log"
-        end = _write(path, script)
-        log = FileLog.open(path, fsync="never")
-        try:
-            ref = RestartFold()
-            ref.catch_up(log)
-            envs = [e for e in log.read(0) if e.lsn not in never_noted]
-            order.shuffle(envs)
-            ckpt = Checkpointer(log, RestartFold(), path / CHECKPOINT_NAME, every=1)
-            ckpt.PENDING_MAX = pending_max
-            for env in envs:
-                ckpt.note(env)
-            assert len(ckpt._pending) < pending_max  # never more wait than that
-            if not never_noted & set(range(end)):
-                assert ckpt.fold.next_lsn == end and ckpt.noted == end
-            assert asyncio.run(ckpt.checkpoint(final=True)) == end
-            assert _fold_state(ckpt.fold) == _fold_state(ref)
-            assert ckpt.noted + ckpt.read_back == end
-            assert ckpt.read_back <= end - min(never_noted & set(range(end)), default=end)
-            assert load_checkpoint(path / CHECKPOINT_NAME, log).next_lsn == end
-        finally:
-            log.close()
 
+        async def go():
+            log = FileLog.open(path, fsync="never")
+            try:
+                eng = await SessionEngine.open(log, checkpoint_poll_s=3600, id_capacity=_IDS, groups=ReduceConfig(
+                    abort_outcomes={"infrastructure": "refill"}, max_refills=1))
+                compared: list = []
 
-def test_a_running_engine_folds_what_it_appended_without_reading_the_log_back(tmp_path):
-    """The engine's checkpoints come from the records it saw acknowledged; a
-    record another writer appended is read from the log, and the checkpoint
-    still equals a fold of the whole log."""
-    path = tmp_path / "log"
+                async def learner():
+                    for step in range(learner_records):
+                        await asyncio.sleep(0)
+                        log.append_batch([("learner", step, PolicyUpdated(step=step, policy_version=step))])
 
-    async def go():
-        log = FileLog.open(path, fsync="never")
-        try:
-            eng = await SessionEngine.open(log, checkpoint_every=16, checkpoint_poll_s=0.002)
-            for i in range(12):
-                h = await eng.open_session(f"s{i}", group_id=f"g{i // 4}", group_size=4)
-                await h.start()
-                await h.record_turn(prompt_ids=[1, 2], output_ids=[3], output_log_probs=[-0.1])
-                if i == 5:  # another writer's record, which the engine never sees
-                    log.append_batch([("learner", 0, PolicyUpdated(step=1, policy_version=1))])
-                await h.finish(reward=1.0)
-                await asyncio.sleep(0.005)  # the checkpointer's turn
-            ckpt = eng._checkpointer
-            during = ckpt.written, ckpt.noted, ckpt.read_back
-            await eng.close()
-            ref = RestartFold()
-            ref.catch_up(log)
-            return during, ckpt, ref, log.next_lsn
-        finally:
-            log.close()
-
-    (written, noted, read_back), ckpt, ref, end = asyncio.run(go())
-    assert written >= 2
-    assert ckpt.noted == end - 1 and ckpt.read_back == 1  # only the other writer's record was read
-    assert noted > 0 and read_back <= 1
-    assert _fold_state(ckpt.fold) == _fold_state(ref)
-    log = FileLog.open(path, fsync="never")
-    try:
-        assert load_checkpoint(path / CHECKPOINT_NAME, log).next_lsn == end
-    finally:
-        log.close()
-
-
-def test_records_noted_while_a_cancelled_read_runs_wait_for_it(tmp_path):
-    """A checkpoint's caller cancelled during its read of the log (the engine
-    closing): the read goes on, the records noted meanwhile wait, and the next
-    checkpoint equals the fold of the whole log."""
-    path = tmp_path / "log"
-    records = [(f"s{i}", 0, SessionOpened(group_id=f"g{i}", group_size=1)) for i in range(400)]
-    end = _write(path, records)
-
-    async def go(log):
-        ckpt = Checkpointer(log, RestartFold(), path / CHECKPOINT_NAME, every=1)
-        first = asyncio.get_running_loop().create_task(ckpt.checkpoint(final=True))
-        await asyncio.sleep(0)  # the read is submitted to a worker thread
-        first.cancel()
-        envs = list(log.read(0))
-        for env in envs[:200]:
-            ckpt.note(env)  # while the read may still run: they wait, or are behind the fold's end
-        with pytest.raises(asyncio.CancelledError):
-            await first
-        for env in envs[200:]:
-            ckpt.note(env)
-        await ckpt.checkpoint(final=True)
-        return ckpt
-
-    log = FileLog.open(path, fsync="never")
-    try:
-        ckpt = asyncio.run(go(log))
-        ref = RestartFold()
-        ref.catch_up(log)
-        assert _fold_state(ckpt.fold) == _fold_state(ref) and ckpt.fold.next_lsn == end
-        assert ckpt.noted + ckpt.read_back == end
-    finally:
-        log.close()
-
-
-def _opens_and_a_checkpointer(tmp_path: Path, n: int, every: int):
-    """A log of ``n`` sessions that only opened, open for reading, and a checkpointer over it that has noted nothing."""
-    path = tmp_path / "log"
-    end = _write(path, [(f"s{i}", 0, SessionOpened(group_id=f"g{i}", group_size=1)) for i in range(n)])
-    log = FileLog.open(path, fsync="never")
-    return path, end, log, Checkpointer(log, RestartFold(), path / CHECKPOINT_NAME, every=every)
-
-
-def test_a_fold_stuck_at_many_gaps_reads_past_all_of_them_at_once(tmp_path):
-    """Every tenth record never noted: one checkpoint reads the log to its end
-    (not one gap per checkpoint, which would leave the fold ever further behind)."""
-    path, end, log, ckpt = _opens_and_a_checkpointer(tmp_path, 500, every=64)
-    try:
-        for env in log.read(0):
-            if env.lsn % 10 != 9:
-                ckpt.note(env)
-        assert ckpt.fold.next_lsn == 9 and ckpt.due()
-        assert asyncio.run(ckpt.checkpoint()) == end
-        assert ckpt.fold.next_lsn == end and not ckpt._ahead
-    finally:
-        log.close()
-
-
-class _FoldFailingAt(RestartFold):
-    """A fold whose step raises at one LSN (a bug in the fold, as the engine would meet it)."""
-
-    def __init__(self, lsn: int) -> None:
-        super().__init__()
-        self.failing = lsn
-
-    def fold_noted(self, rec) -> None:
-        if rec.lsn == self.failing:
-            raise KeyError("a bug in the fold")
-        super().fold_noted(rec)
-
-
-def test_a_fold_that_raises_on_a_noted_record_breaks_the_checkpoint_not_the_engines_next_record(tmp_path):
-    """Noted records are folded later, in runs: an error there must not surface in whichever
-    record's note came next. The fold is broken instead: no checkpoint is written from it, and
-    the checkpoint's error names the record."""
-    path, end, log, _ = _opens_and_a_checkpointer(tmp_path, 40, every=8)
-    try:
-        ckpt = Checkpointer(log, _FoldFailingAt(17), path / CHECKPOINT_NAME, every=8)
-        ckpt.PENDING_MAX = 4
-        for env in log.read(0):
-            ckpt.note(env)  # never raises: the run holding lsn 17 breaks the fold
-        assert ckpt.fold.next_lsn == 17
-        with pytest.raises(CheckpointError, match=r"not written: folding the noted record at lsn 17 \(session 's17'\) failed: KeyError"):
-            asyncio.run(ckpt.checkpoint())
-        with pytest.raises(CheckpointError, match="lsn 17"):
-            asyncio.run(ckpt.checkpoint(final=True))
-        assert not (path / CHECKPOINT_NAME).exists()
-    finally:
-        log.close()
-
-
-def test_an_engine_whose_fold_breaks_reports_it_as_its_background_failure_and_at_close(tmp_path, monkeypatch):
-    """The same fault inside a running engine: its periodic checkpoint fails loudly (the engine's
-    background_failure, which health reports), and close raises it, naming the record."""
-    folded = RestartFold.fold_noted
-
-    def failing(self, rec):  # fault injection into the fold, not into what reports it
-        if rec.lsn == 5:
-            raise KeyError("a bug in the fold")
-        folded(self, rec)
-
-    monkeypatch.setattr(RestartFold, "fold_noted", failing)
-
-    async def go():
-        log = FileLog.open(tmp_path / "log", fsync="never")
-        try:
-            eng = await SessionEngine.open(log, checkpoint_every=4, checkpoint_poll_s=0.01)
-            for i in range(10):
-                h = await eng.open_session(f"s{i}", group_id=f"g{i}", group_size=1)
-                await h.start(harness="bench")
-                await h.finish(reward=1.0)
-            for _ in range(200):
-                if eng.background_failure is not None:
-                    break
-                await asyncio.sleep(0.01)
-            assert eng.background_failure is not None and "folding the noted record at lsn 5" in eng.background_failure
-            with pytest.raises(CheckpointError, match="lsn 5"):
+                sessions = asyncio.gather(learner(), *(_run_session(eng, p, rng, compared) for p in plans))
+                while not sessions.done():  # a snapshot at every turn of the event loop, decisions in flight
+                    await asyncio.sleep(0)
+                    served = _served_now(eng)
+                    if served is not None and (not compared or served != compared[-1]):
+                        compared.append(served)
+                await sessions
+                checked = []
+                for served in compared:
+                    checked.append(served == _fold_of(log, until=served.next_lsn))
+                ckpt = eng._checkpointer
+                await ckpt.checkpoint()  # places what waits past a hole
+                now = _served_now(eng)
+                assert ckpt.from_log is None, ckpt.from_log
+                assert now is not None and now == _fold_of(log, until=now.next_lsn)
                 await eng.close()
-        finally:
-            log.close()
+                assert ckpt.from_log is None and ckpt.lsn == log.next_lsn
+                return checked
+            finally:
+                log.close()
 
-    asyncio.run(go())
-
-
-def test_the_final_checkpoint_is_written_after_a_failed_one_even_with_nothing_new(tmp_path):
-    """A periodic checkpoint that could not be written (a directory in its
-    place) does not make the final one think it has nothing to write."""
-    path, end, log, ckpt = _opens_and_a_checkpointer(tmp_path, 100, every=16)
-    try:
-        for env in log.read(0):
-            ckpt.note(env)
-        (path / CHECKPOINT_NAME).mkdir()
-        assert asyncio.run(ckpt.checkpoint()) == -1 and ckpt.write_error is not None
-        (path / CHECKPOINT_NAME).rmdir()
-        assert asyncio.run(ckpt.checkpoint(final=True)) == end
-        assert ckpt.write_error is None and load_checkpoint(path / CHECKPOINT_NAME, log).next_lsn == end
-    finally:
-        log.close()
+        checked = asyncio.run(go())
+        assert all(checked), checked
+        ours, zero, folded = _restart_from_the_checkpoint_and_from_0(path, Path(d) / "copy", id_capacity=_IDS)
+        assert ours == zero and folded == 0
 
 
 def test_checkpoints_come_no_more_often_than_four_records_per_session_in_flight(tmp_path):
@@ -598,39 +530,213 @@ def test_checkpoints_come_no_more_often_than_four_records_per_session_in_flight(
     assert ours == zero and 0 < folded < 250
 
 
-def test_a_noted_record_keeps_nothing_of_its_envelope_while_it_waits(tmp_path):
-    """Noted records wait to be folded (up to PENDING_MAX, or behind a gap); what waits is what
-    the fold reads of each, never the envelope or its body (a prompt or a teacher's scores,
-    up to 255 of them, would stay in memory until the next fold)."""
-    import sys
+async def _engine_with_sessions(path: Path, n: int, **options):
+    """A FileLog at ``path`` and an engine on it (no periodic checkpoints unless asked) with ``n`` running sessions."""
+    log = FileLog.open(path, fsync="never")
+    eng = await SessionEngine.open(log, **{"checkpoint_poll_s": 3600, "id_capacity": _IDS, **options})
+    handles = []
+    for i in range(n):
+        h = await eng.open_session(f"s{i}", group_id=f"g{i // 2}", group_size=2)
+        await h.start()
+        handles.append(h)
+    return log, eng, handles
 
-    path, end, log, ckpt = _opens_and_a_checkpointer(tmp_path, 4, every=64)
+
+async def _turn(h, t: int = 0):
+    return await h.record_turn(prompt_ids=[1, 2, t], output_ids=[3], output_log_probs=[-0.1])
+
+
+def test_a_running_engine_serves_its_checkpoints_and_reads_only_the_records_it_did_not_write(tmp_path):
+    """Periodic checkpoints come from the engine's state; another writer's learner record is a
+    hole, read from the log (tags only) when records wait past it. Each checkpoint proves it
+    belongs to the log (the anchor, read back), and the last equals a fold of the whole log."""
+    path = tmp_path / "log"
+
+    async def go():
+        log = FileLog.open(path, fsync="never")
+        try:
+            eng = await SessionEngine.open(log, checkpoint_every=16, checkpoint_poll_s=0.002, id_capacity=_IDS)
+            for i in range(12):
+                h = await eng.open_session(f"s{i}", group_id=f"g{i // 4}", group_size=4)
+                await h.start()
+                await _turn(h)
+                if i == 5:  # another writer's record, which the engine never applies
+                    log.append_batch([("learner", 0, PolicyUpdated(step=1, policy_version=1))])
+                await h.finish(reward=1.0)
+                await asyncio.sleep(0.005)  # the checkpointer's turn
+            ckpt = eng._checkpointer
+            during = ckpt.written, ckpt.served
+            await eng.close()
+            return during, ckpt, _fold_of(log), log.next_lsn
+        finally:
+            log.close()
+
+    (written, served), ckpt, ref, end = asyncio.run(go())
+    assert written >= 3 and served >= 2 and ckpt.from_log is None
+    assert ckpt.read_back < 16  # the records from the hole to the last one applied past it, once
+    log = FileLog.open(path, fsync="never")
     try:
-        envs = list(log.read(0))
-        held = [sys.getrefcount(env) for env in envs]
-        list(map(ckpt.note, envs[1:]))  # waiting to be folded (fewer than PENDING_MAX), then behind a gap
-        assert [sys.getrefcount(env) for env in envs] == held
-        assert ckpt.fold.next_lsn == 0 and len(ckpt._ahead) == end - 1
-        assert [sys.getrefcount(env) for env in envs] == held
-        ckpt.note(envs[0])
-        assert ckpt.fold.next_lsn == end
+        loaded = load_checkpoint(path / CHECKPOINT_NAME, log)
+        assert loaded.next_lsn == end and _comparable(loaded) == ref
     finally:
         log.close()
 
 
-def test_a_fold_that_raises_on_a_record_waiting_behind_a_gap_breaks_the_checkpoint_too(tmp_path):
-    """Records noted behind a gap are folded when the read of the gap ends (in its done
-    callback): a fold error there breaks the fold as it does anywhere else, and the
-    checkpoint's error names the record, instead of escaping to the event loop's handler."""
-    path, end, log, _ = _opens_and_a_checkpointer(tmp_path, 40, every=8)
-    try:
-        ckpt = Checkpointer(log, _FoldFailingAt(30), path / CHECKPOINT_NAME, every=8)
-        for env in log.read(0):
-            if env.lsn != 5:  # a gap: what follows it waits
-                ckpt.note(env)
-        assert ckpt.fold.next_lsn == 5 and len(ckpt._ahead) == end - 6
-        with pytest.raises(CheckpointError, match=r"not written: folding the noted record at lsn 30 \(session 's30'\)"):
-            asyncio.run(ckpt.checkpoint())
-        assert not (path / CHECKPOINT_NAME).exists()
-    finally:
-        log.close()
+def test_a_turn_cancelled_once_staged_waits_then_is_placed_by_reading_its_hole(tmp_path):
+    """A turn whose caller was cancelled after the log staged it is applied as the cancel comes,
+    before its LSN is known: nothing is served until a read of the log places it, and then
+    the checkpoint is the fold of the log below its cut."""
+
+    async def go():
+        log, eng, (a, b) = await _engine_with_sessions(tmp_path / "log", 2)
+        try:
+            ckpt = eng._checkpointer
+            task = asyncio.ensure_future(_turn(a))
+            await asyncio.sleep(0)  # staged
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert ckpt._unplaced == {("s0", 2)} and _served_now(eng) is None
+            await _turn(b)
+            assert ckpt._ahead  # b's turn is applied past the cancelled one's LSN
+            await ckpt.checkpoint()
+            assert not ckpt._unplaced and not ckpt._ahead and ckpt.from_log is None and ckpt.served == 1
+            assert ckpt.lsn == log.next_lsn and ckpt._last is not None
+            assert _comparable(ckpt._last) == _fold_of(log)
+            await eng.close()
+        finally:
+            log.close()
+
+    asyncio.run(go())
+
+
+def test_another_writers_session_record_makes_checkpoints_fold_the_log_and_says_so(tmp_path):
+    """A session record the engine did not apply (another writer's) means its state is not the
+    log's: a warning names the record, and from then on each checkpoint is folded from the
+    log in a worker thread, from the last one taken; a restart still decides as one from 0."""
+    from structlog.testing import capture_logs
+
+    path = tmp_path / "log"
+
+    async def go():
+        log, eng, handles = await _engine_with_sessions(path, 4)
+        try:
+            ckpt = eng._checkpointer
+            await ckpt.checkpoint()
+            assert ckpt.served == 1
+            log.append_batch([("intruder", 0, SessionOpened(group_id="elsewhere", group_size=1))])
+            for h in handles:
+                await _turn(h)
+            with capture_logs() as logs:
+                await ckpt.checkpoint()
+            warned = [e for e in logs if e["event"] == "engine.checkpoint_from_log"]
+            assert len(warned) == 1 and "'intruder'" in warned[0]["reason"] and f"lsn {ckpt.lsn - 5}" in warned[0]["reason"]
+            assert ckpt.from_log is not None and ckpt.served == 1 and ckpt.lsn == log.next_lsn
+            assert _comparable(ckpt._last) == _fold_of(log)
+            await handles[0].finish(reward=1.0)
+            await eng.close()
+            assert ckpt.lsn == log.next_lsn and _comparable(ckpt._last) == _fold_of(log)
+        finally:
+            log.close()
+
+    asyncio.run(go())
+    ours, zero, folded = _restart_from_the_checkpoint_and_from_0(path, tmp_path / "copy", id_capacity=_IDS)
+    assert ours == zero and folded == 0
+
+
+def test_an_opening_cancelled_once_staged_makes_checkpoints_fold_the_log(tmp_path):
+    """An opening (or a terminal event) applied before its LSN is known leaves the engine's
+    state holding a wrong LSN for it: checkpoints are folded from the log from then on."""
+
+    async def go():
+        log, eng, _ = await _engine_with_sessions(tmp_path / "log", 1)
+        try:
+            task = asyncio.ensure_future(eng.open_session("late", group_id="late", group_size=1))
+            await asyncio.sleep(0)  # staged
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            ckpt = eng._checkpointer
+            assert ckpt.from_log is not None and "'late'" in ckpt.from_log
+            await eng.close()  # the cancelled session is dropped in the background
+            assert ckpt.lsn == log.next_lsn and _comparable(ckpt._last) == _fold_of(log)
+            assert str(eng.status("late")) == "dropped"
+        finally:
+            log.close()
+
+    asyncio.run(go())
+
+
+def test_too_many_records_past_a_hole_make_checkpoints_fold_the_log(tmp_path):
+    """The applied records waiting past a hole are bounded (AHEAD_MAX): past that, no more are
+    tracked, and checkpoints are folded from the log."""
+
+    async def go():
+        log, eng, handles = await _engine_with_sessions(tmp_path / "log", 2)
+        try:
+            ckpt = eng._checkpointer
+            ckpt.AHEAD_MAX = 3
+            log.append_batch([("learner", 0, PolicyUpdated(step=1, policy_version=1))])
+            for t in range(2):
+                for h in handles:
+                    await _turn(h, t)
+            assert ckpt.from_log is not None and "4 records applied past a hole" not in ckpt.from_log
+            assert "3 records applied past a hole" in ckpt.from_log
+            await ckpt.checkpoint()
+            assert _comparable(ckpt._last) == _fold_of(log)
+            await eng.close()
+        finally:
+            log.close()
+
+    asyncio.run(go())
+
+
+def test_a_checkpointer_whose_read_of_the_log_fails_is_broken_loudly(tmp_path, monkeypatch):
+    """Folding the log (once the engine's state cannot be served) raises: the checkpoint is
+    not written, the engine's periodic checkpoint fails loudly (its background_failure, which
+    health reports), and every later one, at close too, raises naming the first error."""
+
+    def failing(self, log, **kwargs):  # fault injection into the fold, not into what reports it
+        raise OSError("a read of the log failed")
+
+    async def go():
+        log, eng, handles = await _engine_with_sessions(tmp_path / "log", 2, checkpoint_every=2, checkpoint_poll_s=0.01)
+        try:
+            log.append_batch([("intruder", 0, SessionOpened(group_id="elsewhere", group_size=1))])
+            monkeypatch.setattr(RestartFold, "catch_up", failing)
+            for t in range(6):  # a checkpoint falls due every 8 records (4 a session in flight)
+                for h in handles:
+                    await _turn(h, t)
+            for _ in range(200):
+                if eng.background_failure is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert eng.background_failure == "background task engine.checkpointer crashed: OSError: a read of the log failed"
+            with pytest.raises(CheckpointError, match="not written: reading the log failed: OSError: a read of the log failed"):
+                await eng.close()
+        finally:
+            log.close()
+
+    asyncio.run(go())
+
+
+def test_the_final_checkpoint_is_written_after_a_failed_one_even_with_nothing_new(tmp_path):
+    """A periodic checkpoint that could not be written (a directory in its
+    place) does not make the final one think it has nothing to write."""
+    path = tmp_path / "log"
+
+    async def go():
+        log, eng, _ = await _engine_with_sessions(path, 4)
+        try:
+            ckpt = eng._checkpointer
+            (path / CHECKPOINT_NAME).unlink()
+            (path / CHECKPOINT_NAME).mkdir()
+            assert await ckpt.checkpoint() == ckpt.lsn and ckpt.write_error is not None
+            (path / CHECKPOINT_NAME).rmdir()
+            eng._live.clear()  # nothing new at close: no drop appended
+            assert await ckpt.checkpoint(final=True) == log.next_lsn
+            assert ckpt.write_error is None and load_checkpoint(path / CHECKPOINT_NAME, log).next_lsn == log.next_lsn
+        finally:
+            log.close()
+
+    asyncio.run(go())

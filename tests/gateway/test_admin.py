@@ -194,7 +194,7 @@ def test_readme_example_two_sessions_of_one_group_without_sample_index_reduce():
 @pytest.mark.parametrize(
     "second, problem",
     [
-        ({"group_size": 3}, "group 'g': session 's2' declares group_size 3, but sessions 's1' declared group_size 2"),
+        ({"group_size": 3}, "group 'g': session 's2' declares group_size 3, but sessions 's1' (lsn 0) declared group_size 2"),
         ({"group_size": 2, "sample_index": 0}, "group 'g': session 's2' repeats sample_index 0 of session 's1'"),
     ],
 )

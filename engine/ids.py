@@ -1,0 +1,89 @@
+"""Session ids are never reused: :class:`SessionIds`, the engine's one owner of that rule.
+
+It holds the Bloom filter of every id the log's ``session_opened`` records
+carry that the lifecycle step accepted (:class:`reducers.lifecycle.IdFilter`,
+the restart fold's own filter, continued), the ids of the opens it refused
+(in the log all the same), and the window of recently ended sessions with
+their terminal state and LSN. A filter miss proves an id fresh; a hit is
+confirmed exactly, first against the window, then by a sparse scan of the
+log in a worker thread (expected for ~3.4e-7 of fresh ids).
+
+An id enters the filter when its ``session_opened`` is in the log, not when
+the engine decides to open it: the filter then holds exactly what a fold of
+the log holds, and the engine's restart checkpoint is served from it
+(:mod:`engine.checkpointer`). A caller hashes the id once for both questions
+(:meth:`SessionIds.hashes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Iterable
+
+from agentlog._logging import get_logger
+from agentlog.events.log.api import EventLog
+from agentlog.events.schema.lifecycle import State
+from agentlog.reducers.lifecycle import IdFilter, IdFilterSnapshot
+from agentlog.reducers.lifecycle_step import EndedWindow, EndedWindowSnapshot
+
+from .errors import DuplicateSession
+
+_log = get_logger("agentlog.engine")
+
+
+class SessionIds:
+    """Every id the log holds (a filter, confirmed exactly) and the recently ended sessions."""
+
+    __slots__ = ("_log", "_filter", "_refused", "recent", "_stats")
+
+    def __init__(self, log: EventLog, ids: IdFilter, refused: Iterable[str], recent: EndedWindow,
+                 stats: dict[str, int]) -> None:
+        self._log = log
+        self._filter = ids
+        #: Ids of session_opened records the lifecycle step refused: in the log, but not in the fold's filter.
+        self._refused = frozenset(refused)
+        #: The most recently ended sessions: ``session_id -> (terminal state, lsn)``.
+        self.recent = recent
+        #: The engine's counters: ``id_scans`` counts the exact scans of the log.
+        self._stats = stats
+
+    hashes = staticmethod(IdFilter.hashes)
+
+    def maybe_used(self, session_id: str, hashes: tuple[int, int]) -> bool:
+        """Whether the filter says ``session_id`` (its :meth:`hashes`) may be in the log."""
+        return self._filter.has_hashed(hashes) or session_id in self._refused
+
+    async def confirm_fresh(self, session_id: str) -> None:
+        """The filter says the id may be in the log: raise DuplicateSession unless it is not."""
+        ended = self.recent.get(session_id)
+        if ended is not None:
+            raise DuplicateSession(session_id, ended[0], "it already ended in this log")
+        self._stats["id_scans"] += 1
+        _log.info("engine.id_scan", session_id=session_id)
+        found = await asyncio.to_thread(self._scan_log_for, session_id)
+        if found is not None:
+            raise DuplicateSession(session_id, None, f"the log holds it at lsn {found}")
+
+    def _scan_log_for(self, session_id: str) -> int | None:
+        # Only ids are needed: no body is decoded.
+        for env in self._log.read(0, raw=True):
+            if env.session_id == session_id:
+                return env.lsn
+        return None
+
+    def opened(self, hashes: tuple[int, int]) -> None:
+        """The ``session_opened`` of the id whose :meth:`hashes` these are is in the log."""
+        self._filter.add_hashed(hashes)
+
+    def ended(self, session_id: str, state: State, lsn: int) -> None:
+        """``session_id`` ended in ``state`` at ``lsn``."""
+        self.recent.note(session_id, state, lsn)
+
+    def state_of(self, session_id: str) -> State | None:
+        """The terminal state of a recently ended session, else None."""
+        ended = self.recent.get(session_id)
+        return None if ended is None else ended[0]
+
+    def snapshots(self) -> tuple[IdFilterSnapshot, EndedWindowSnapshot]:
+        """The filter and the window as plain data, as the restart fold's lifecycle check holds them."""
+        return self._filter.to_snapshot(), self.recent.to_snapshot()
