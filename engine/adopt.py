@@ -60,6 +60,7 @@ def adopt_orphans(engine: "SessionEngine", fold: "RestartFold") -> dict[str, Res
         h.sample_index = point.sample_index
         h.state = State(str(state))
         h._seq = orphans[sid]
+        h.opened_lsn = point.opened_lsn
         h.turns = point.durable_turns
         engine._live[sid] = h
         _log.info("session.adopted", session_id=sid, state=str(state), durable_turns=point.durable_turns,

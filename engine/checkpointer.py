@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generator, TypeVar
 
@@ -59,6 +60,7 @@ _log = get_logger("agentlog.engine.checkpointer")
 
 
 _T = TypeVar("_T")
+_opened_lsn = attrgetter("opened_lsn")
 
 
 def _tagged(log: EventLog, start: int) -> Generator[tuple[int, str, int, str], None, None]:
@@ -94,8 +96,9 @@ class Checkpointer:
         self.frontier = fold.next_lsn
         #: LSNs past the frontier whose records the engine applied (waiting for the holes before them).
         self._ahead: set[int] = set()
-        #: (session_id, session_seq) of records applied before their LSN was known (cancelled after staging).
-        self._unplaced: set[tuple[str, int]] = set()
+        #: (session_id, session_seq) of records applied before their LSN was known (cancelled after staging),
+        #: each with what the engine calls once its LSN is read (:meth:`applied`'s ``placed``).
+        self._unplaced: dict[tuple[str, int], Callable[[int], None] | None] = {}
         #: Why checkpoints are folded from the log instead of served from the engine (one line), or None.
         self.from_log: str | None = None
         #: The lifecycle check counts every record it folds: this many more than the LSNs below its end.
@@ -119,12 +122,15 @@ class Checkpointer:
 
     # -- what the engine tells it -----------------------------------------------------
 
-    def applied(self, lsn: int | None, session_id: str, seq: int, *, lsn_kept: bool) -> None:
+    def applied(self, lsn: int | None, session_id: str, seq: int, *, ended: bool = False,
+                placed: Callable[[int], None] | None = None) -> None:
         """The engine applied its record ``seq`` of ``session_id``, which the log holds at
         ``lsn`` (None: its append was cancelled after it was staged, so its LSN is not known
-        yet). ``lsn_kept``: the engine's state keeps the record's LSN (an opening, a terminal
-        event); one applied without it cannot be served, and checkpoints are folded from the
-        log from then on. In the event loop's thread; a few attribute reads when in order."""
+        yet, and a read of the log finds it: ``placed(lsn)`` is then called, for the engine to
+        keep the LSN where its state holds one, as for an opening). ``ended``: a terminal event,
+        whose LSN the engine's state keeps in the order sessions ended: one applied without it
+        cannot be served, and checkpoints are folded from the log from then on. In the event
+        loop's thread; a few attribute reads when in order."""
         if lsn == self.frontier:
             self.frontier = lsn + 1
             if self._ahead:
@@ -132,11 +138,11 @@ class Checkpointer:
         elif self.from_log is not None:
             return
         elif lsn is None:
-            if lsn_kept:
-                self._fold_from_log(f"session {session_id!r}: record {seq}, whose append was cancelled after it was "
-                                    "staged, was applied before its LSN was known, and the engine's state keeps that LSN")
+            if ended:
+                self._fold_from_log(f"session {session_id!r}: its terminal event (record {seq}), whose append was cancelled "
+                                    "after it was staged, was applied before its LSN was known, out of the order sessions ended")
             else:
-                self._unplaced.add((session_id, seq))
+                self._unplaced[session_id, seq] = placed
         elif lsn > self.frontier:
             if len(self._ahead) >= self.AHEAD_MAX:
                 self._fold_from_log(f"{len(self._ahead)} records applied past a hole at lsn {self.frontier}")
@@ -174,8 +180,9 @@ class Checkpointer:
         return max(self.every, RECORDS_PER_SESSION_IN_FLIGHT * self._engine.live_count)
 
     def due(self) -> bool:
-        """Whether :meth:`interval` records or more were appended since the last checkpoint was tried."""
-        return self.log.next_lsn - max(self._tried, 0) >= self.interval()
+        """Whether :meth:`interval` records or more were appended since the last checkpoint was tried,
+        or half of :data:`AHEAD_MAX` records wait past a hole (an interval can be longer than that)."""
+        return self.log.next_lsn - max(self._tried, 0) >= self.interval() or len(self._ahead) >= self.AHEAD_MAX // 2
 
     async def checkpoint(self, *, final: bool = False, cache_only: bool = True) -> int:
         """Write the checkpoint of the log up to the frontier, served from the engine's state;
@@ -198,11 +205,12 @@ class Checkpointer:
                 self._fold_from_log(f"at close, {len(self._ahead) + len(self._unplaced)} applied records could not be placed")
         if self.from_log is None:
             ckpt = self._served(self.frontier)
-            self.served += 1
         else:
             ckpt = await self._in_thread(self._fold_log)
         if ckpt.next_lsn == (self.lsn if final else self._tried):
             return self.lsn  # nothing new since the last one
+        if self.from_log is None:
+            self.served += 1
         self._tried = ckpt.next_lsn
         self._last = ckpt
         return await asyncio.to_thread(self._write, ckpt, cache_only)
@@ -230,7 +238,7 @@ class Checkpointer:
         """Read the records from the frontier to the last one applied past it (with ``final``,
         to the log's end), tags only, and account for each the engine did not apply."""
         start = self.frontier
-        end = self.log.next_lsn if final or not self._ahead else max(self._ahead) + 1
+        end = self.log.next_lsn if final or self._unplaced or not self._ahead else max(self._ahead) + 1
         if end <= start:
             return
         # Below the last record applied past the frontier every record was acknowledged, and the engine
@@ -241,7 +249,9 @@ class Checkpointer:
             if lsn < self.frontier or lsn in self._ahead:
                 continue  # applied meanwhile
             if (session_id, seq) in self._unplaced:
-                self._unplaced.discard((session_id, seq))
+                placed = self._unplaced.pop((session_id, seq))
+                if placed is not None:
+                    placed(lsn)
             elif tag != LEARNER_TAG:
                 if lsn < settled:
                     self._fold_from_log(f"the log's record at lsn {lsn} ({tag} of session {session_id!r}, "
@@ -274,17 +284,16 @@ class Checkpointer:
         eng, base = self._engine, self._fold
         groups = eng._groups
         # A session whose opening is not in the log yet (its seq still 0) is no session of the fold's yet.
-        members = [(groups.member_lsn(h.group_id, h.session_id), h) for h in eng._live.values() if h._seq]
-        members.sort(key=lambda m: -1 if m[0] is None else m[0])  # a fold holds them in the order they opened
+        live = sorted((h for h in eng._live.values() if h._seq), key=_opened_lsn)  # a fold holds them as they opened
         ids, recent = eng._ids.snapshots()
         lifecycle = LifecycleCheckSnapshot(
             next_lsn=cut, records=cut + self._records_offset,
-            live=[(h.session_id, h.state, h._seq) for _, h in members], recent=recent, ids=ids,
+            live=[(h.session_id, h.state, h._seq) for h in live], recent=recent, ids=ids,
         )
         return EngineCheckpoint(
             format=CHECKPOINT_FORMAT, next_lsn=cut, anchor=b"", lifecycle=lifecycle,
             groups=groups.to_snapshot(placed_only=True),
-            in_groups=[(h.session_id, h.group_id) for lsn, h in members if lsn is not None],
+            in_groups=[(h.session_id, h.group_id) for h in live if groups.is_member(h.group_id, h.session_id)],
             refused_opens=list(base.refused_opens), violations=base.violations,
             first_violations=list(base.first_violations), written_ns=time.time_ns(),
         )

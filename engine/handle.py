@@ -144,20 +144,20 @@ class SessionHandle:
     __slots__ = (
         "_engine", "session_id", "group_id", "sample_index", "state", "turns", "budget_s",
         "_seq", "_busy", "_waiters", "_inflight", "_timer", "_owner", "_owner_cancelled", "_expired", "_log",
-        "_context", "_turn_outputs", "_turn_temperatures", "_lineages",
+        "_context", "_turn_outputs", "_turn_temperatures", "_lineages", "opened_lsn",
     )
 
     def __init__(self, engine: "SessionEngine", session_id: str, group_id: str, budget_s: float | None) -> None:
         self._engine = engine
         self.session_id = session_id
         self.group_id = group_id
-        #: Its place in the group (set by open_session, which may assign it).
-        self.sample_index = 0
+        self.sample_index = 0  #: its place in the group (set by open_session, which may assign it)
         self.state = State.OPEN
-        #: Turns recorded so far (the next turn_index).
-        self.turns = 0
+        self.turns = 0  #: turns recorded so far (the next turn_index)
         self.budget_s = budget_s
         self._seq = 0
+        #: The LSN of its session_opened, once the log acknowledged it (-1 before).
+        self.opened_lsn = -1
         # The session's lock (engine.session_lock): FIFO, in two slots.
         self._busy = False
         self._waiters: deque[asyncio.Future] | None = None

@@ -31,6 +31,17 @@ from .errors import DuplicateSession
 _log = get_logger("agentlog.engine")
 
 
+def first_lsn_of(log: EventLog, session_id: str, before: int | None = None) -> int | None:
+    """The LSN of the log's first record of ``session_id`` (below ``before``), or None: the exact
+    answer when the filter says an id may be used. A scan of the log, reading ids only."""
+    for env in log.read(0, raw=True):
+        if before is not None and env.lsn >= before:
+            break
+        if env.session_id == session_id:
+            return env.lsn
+    return None
+
+
 class SessionIds:
     """Every id the log holds (a filter, confirmed exactly) and the recently ended sessions."""
 
@@ -60,16 +71,9 @@ class SessionIds:
             raise DuplicateSession(session_id, ended[0], "it already ended in this log")
         self._stats["id_scans"] += 1
         _log.info("engine.id_scan", session_id=session_id)
-        found = await asyncio.to_thread(self._scan_log_for, session_id)
+        found = await asyncio.to_thread(first_lsn_of, self._log, session_id)
         if found is not None:
             raise DuplicateSession(session_id, None, f"the log holds it at lsn {found}")
-
-    def _scan_log_for(self, session_id: str) -> int | None:
-        # Only ids are needed: no body is decoded.
-        for env in self._log.read(0, raw=True):
-            if env.session_id == session_id:
-                return env.lsn
-        return None
 
     def opened(self, hashes: tuple[int, int]) -> None:
         """The ``session_opened`` of the id whose :meth:`hashes` these are is in the log."""

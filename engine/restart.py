@@ -50,6 +50,8 @@ from agentlog.reducers.groups import GroupError, GroupTracker, GroupTrackerSnaps
 from agentlog.reducers.lifecycle import IdFilter, LifecycleCheck, LifecycleCheckSnapshot
 from agentlog.reducers.lifecycle_step import EndedWindow, ViolationKind
 
+from .ids import first_lsn_of
+
 _log = get_logger("agentlog.engine.restart")
 
 #: The checkpoint's file name inside a FileLog's directory.
@@ -189,6 +191,9 @@ class RestartFold:
         (its effect on the session cannot be known: upgrade agentlog)."""
         n = 0
         last = -1
+        # An opening the id filter alone calls a reuse is confirmed by a scan of the log (engine.ids), as the
+        # engine confirms it at open: a false positive, a fresh id the engine opened, is no violation.
+        self.check.fold.confirm_used = lambda sid, lsn: first_lsn_of(log, sid, before=lsn) is not None
         with contextlib.closing(_records(log, self.next_lsn)) as records:  # closes the cursor on a break too
             for rec in records:
                 if until is not None and rec.lsn >= until:
@@ -351,9 +356,9 @@ def abort_orphans(log: EventLog, fold: RestartFold, keep: set[str] | frozenset[s
     groups, the recent window). Returns how many sessions were aborted.
 
     The orphans come from the log's exact open-session map, not from the
-    fold: the fold skips a session whose id is a Bloom-filter false
-    positive (it reports it as a reused id), and such a session, left
-    open here, would never be aborted and its group never released.
+    fold: a session whose opening the fold refused (a reused id, a refused
+    membership) is open in the log all the same, and left open here it
+    would never be aborted.
     ``keep``: sessions adopted to resume (:mod:`engine.adopt`), left as they are."""
     folded = fold.check.open_sessions()
     orphans = {sid: seq for sid, seq in log.open_sessions().items() if sid not in keep}

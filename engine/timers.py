@@ -44,8 +44,8 @@ class BackgroundWork:
 
     async def _checkpoint_loop(self) -> None:
         """Write a restart checkpoint each time ``checkpoint_every`` records
-        have been appended since the last one (the fold takes the records the
-        engine saw acknowledged as they come; the file is written in a thread)."""
+        have been appended since the last one (served from the engine's state
+        in the event loop's thread; the file is written in a worker thread)."""
         ckpt = self._checkpointer
         assert ckpt is not None
         while True:

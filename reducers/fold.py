@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
-from agentlog.events.schema.lifecycle import TERMINAL_STATES, State
+from agentlog.events.schema.lifecycle import OPENED_TAG, TERMINAL_STATES, State
 from agentlog.events.schema.types import Envelope, PolicyUpdated
 
 from .lifecycle_step import EndedWindow, SessionLife, Violation, evolve, lsn_violation, resync
@@ -95,7 +95,7 @@ class SessionFold(Generic[S]):
     """The fold driver: ``feed`` records in LSN order, get hook calls (see the module docstring)."""
 
     __slots__ = (
-        "live", "recent", "ids", "next_lsn", "session_id", "_check_lsn", "_resync", "_evict",
+        "live", "recent", "ids", "next_lsn", "session_id", "confirm_used", "_check_lsn", "_resync", "_evict",
         "_opened", "_applied", "_ended", "_refused", "_learner", "_unknown",
     )
 
@@ -125,6 +125,10 @@ class SessionFold(Generic[S]):
         self.next_lsn = 0
         #: Fold only this session's records (None: every record).
         self.session_id = session_id
+        #: ``confirm_used(session_id, lsn)``: whether the log holds ``session_id`` below ``lsn``, asked
+        #: when the id filter alone says a ``session_opened`` reuses an id (it has false positives: a
+        #: fold that can read its log confirms exactly, as the engine does at open); None trusts the filter.
+        self.confirm_used: Callable[[str, int], bool] | None = None
         self._check_lsn, self._resync, self._evict = check_lsn, resync, evict
         self._opened, self._applied, self._ended = opened, applied, ended
         self._refused, self._learner, self._unknown = refused, learner, unknown
@@ -164,7 +168,11 @@ class SessionFold(Generic[S]):
             live = self.live
             session = live.get(session_id)
             if session is None:
-                step = evolve(None, lsn, session_id, seq, tag, self.ended_how(session_id))
+                ended = self.ended_how(session_id)
+                if ended is _BY_ID_FILTER and tag == OPENED_TAG and self.confirm_used is not None \
+                        and not self.confirm_used(session_id, lsn):
+                    ended = None  # the filter's false positive: a fresh id
+                step = evolve(None, lsn, session_id, seq, tag, ended)
             else:
                 step = evolve(session.life, lsn, session_id, seq, tag)
             if step is None:

@@ -476,7 +476,11 @@ def test_a_checkpoint_served_from_the_engines_state_equals_the_fold_of_the_log_b
                 for served in compared:
                     checked.append(served == _fold_of(log, until=served.next_lsn))
                 ckpt = eng._checkpointer
-                await ckpt.checkpoint()  # places what waits past a hole
+                for _ in range(200):  # place what waits past a hole, once the log acknowledged it
+                    await ckpt.checkpoint()
+                    if not ckpt._ahead and not ckpt._unplaced:
+                        break
+                    await asyncio.sleep(0.005)
                 now = _served_now(eng)
                 assert ckpt.from_log is None, ckpt.from_log
                 assert now is not None and now == _fold_of(log, until=now.next_lsn)
@@ -596,7 +600,7 @@ def test_a_turn_cancelled_once_staged_waits_then_is_placed_by_reading_its_hole(t
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert ckpt._unplaced == {("s0", 2)} and _served_now(eng) is None
+            assert ckpt._unplaced == {("s0", 2): None} and _served_now(eng) is None
             await _turn(b)
             assert ckpt._ahead  # b's turn is applied past the cancelled one's LSN
             await ckpt.checkpoint()
@@ -644,27 +648,74 @@ def test_another_writers_session_record_makes_checkpoints_fold_the_log_and_says_
     assert ours == zero and folded == 0
 
 
-def test_an_opening_cancelled_once_staged_makes_checkpoints_fold_the_log(tmp_path):
-    """An opening (or a terminal event) applied before its LSN is known leaves the engine's
-    state holding a wrong LSN for it: checkpoints are folded from the log from then on."""
+def test_an_opening_cancelled_once_staged_is_placed_when_its_hole_is_read(tmp_path):
+    """An opening applied as its cancel came, before its LSN was known (the engine then drops the
+    session in the background): once a read of the log finds it, the engine keeps its LSN (the
+    session's, its group member's) and the served checkpoint is the fold of the log again."""
 
     async def go():
         log, eng, _ = await _engine_with_sessions(tmp_path / "log", 1)
         try:
-            task = asyncio.ensure_future(eng.open_session("late", group_id="late", group_size=1))
+            ckpt = eng._checkpointer
+            task = asyncio.ensure_future(eng.open_session("late", group_id="late", group_size=2))
+            await asyncio.sleep(0)  # staged
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert list(ckpt._unplaced) == [("late", 0)] and _served_now(eng) is None
+            mate = await eng.open_session("mate", group_id="late", group_size=2)  # the group stays in flight
+            for _ in range(200):  # the background drop of "late", then its hole read
+                await ckpt.checkpoint()
+                if not ckpt._unplaced and not ckpt._ahead:
+                    break
+                await asyncio.sleep(0.005)
+            assert ckpt.from_log is None and str(eng.status("late")) == "dropped" and mate.opened_lsn > 0
+            group = eng._groups.to_snapshot(placed_only=True).pending[-1]
+            assert [sid for sid, _, lsn in group.opened if lsn >= 0] == ["late", "mate"]  # placed, in LSN order
+            assert _served_now(eng) == _fold_of(log)
+            await eng.close()
+            assert ckpt.from_log is None and _comparable(ckpt._last) == _fold_of(log)
+        finally:
+            log.close()
+
+    asyncio.run(go())
+
+
+def test_a_terminal_event_cancelled_once_staged_makes_checkpoints_fold_the_log(tmp_path):
+    """A terminal event applied before its LSN is known is out of the order sessions ended in the
+    engine's state (its recent window, its groups): checkpoints are folded from the log from then on."""
+
+    async def go():
+        log, eng, (a, b) = await _engine_with_sessions(tmp_path / "log", 2)
+        try:
+            task = asyncio.ensure_future(a.finish(reward=1.0))
             await asyncio.sleep(0)  # staged
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             ckpt = eng._checkpointer
-            assert ckpt.from_log is not None and "'late'" in ckpt.from_log
-            await eng.close()  # the cancelled session is dropped in the background
+            assert ckpt.from_log is not None and "'s0': its terminal event (record 2)" in ckpt.from_log
+            await b.finish(reward=0.0)
+            await eng.close()
             assert ckpt.lsn == log.next_lsn and _comparable(ckpt._last) == _fold_of(log)
-            assert str(eng.status("late")) == "dropped"
         finally:
             log.close()
 
     asyncio.run(go())
+
+
+async def _a_hole_then_turns(path: Path, *, ahead_max: int, rounds: int, pause_s: float = 0.0, **options):
+    """Two running sessions, another writer's learner record (a hole), then ``rounds`` turns of each
+    (``pause_s`` after each: the checkpoint loop's turn), the checkpointer tracking ``ahead_max``."""
+    log, eng, handles = await _engine_with_sessions(path, 2, **options)
+    ckpt = eng._checkpointer
+    ckpt.AHEAD_MAX = ahead_max
+    log.append_batch([("learner", 0, PolicyUpdated(step=1, policy_version=1))])
+    for t in range(rounds):
+        for h in handles:
+            await _turn(h, t)
+            await asyncio.sleep(pause_s)
+    return log, eng, ckpt
 
 
 def test_too_many_records_past_a_hole_make_checkpoints_fold_the_log(tmp_path):
@@ -672,14 +723,8 @@ def test_too_many_records_past_a_hole_make_checkpoints_fold_the_log(tmp_path):
     tracked, and checkpoints are folded from the log."""
 
     async def go():
-        log, eng, handles = await _engine_with_sessions(tmp_path / "log", 2)
+        log, eng, ckpt = await _a_hole_then_turns(tmp_path / "log", ahead_max=3, rounds=2)
         try:
-            ckpt = eng._checkpointer
-            ckpt.AHEAD_MAX = 3
-            log.append_batch([("learner", 0, PolicyUpdated(step=1, policy_version=1))])
-            for t in range(2):
-                for h in handles:
-                    await _turn(h, t)
             assert ckpt.from_log is not None and "4 records applied past a hole" not in ckpt.from_log
             assert "3 records applied past a hole" in ckpt.from_log
             await ckpt.checkpoint()
@@ -736,6 +781,97 @@ def test_the_final_checkpoint_is_written_after_a_failed_one_even_with_nothing_ne
             eng._live.clear()  # nothing new at close: no drop appended
             assert await ckpt.checkpoint(final=True) == log.next_lsn
             assert ckpt.write_error is None and load_checkpoint(path / CHECKPOINT_NAME, log).next_lsn == log.next_lsn
+        finally:
+            log.close()
+
+    asyncio.run(go())
+
+
+def test_adopted_orphans_whose_membership_the_log_refused_leave_the_group_alone(tmp_path):
+    """An orphan adopted to resume whose opening broke its group's rule (the restart fold
+    counted a violation and kept it out of the group) ends without touching the group: the
+    group's other members still complete it, and the served checkpoint stays the fold's."""
+    path = tmp_path / "log"
+    _write(path, [
+        ("a", 0, SessionOpened(group_id="G", group_size=2, sample_index=0)),
+        ("b", 0, SessionOpened(group_id="G", group_size=3, sample_index=1)),  # refused by the group rule
+        ("c", 0, SessionOpened(group_id="G", group_size=2, sample_index=1)),
+        ("a", 1, SessionStarted(harness="t")), ("b", 1, SessionStarted(harness="t")), ("c", 1, SessionStarted(harness="t")),
+    ])
+
+    async def go():
+        log = FileLog.open(path, fsync="never")
+        try:
+            eng = await SessionEngine.open(log, adopt_orphans=True, checkpoint_poll_s=3600, id_capacity=_IDS)
+            assert eng.stats["violations"] == 1 and sorted(eng.orphans) == ["a", "b", "c"]
+            assert _served_now(eng) == _fold_of(log)
+            for sid in ("b", "a", "c"):
+                await eng.abort_orphan(sid, "no sandbox to resume")
+                assert _served_now(eng) == _fold_of(log), sid
+            assert eng.background_failure is None and not eng._groups.pending()  # released by a and c
+            await eng.close()
+        finally:
+            log.close()
+
+    asyncio.run(go())
+
+
+def test_a_filter_false_positive_is_a_fresh_id_for_the_restart_fold_too(tmp_path):
+    """The id filter answers "maybe used" for ~3.4e-7 of fresh ids; the engine confirms by a scan
+    of the log and opens the id. The restart fold confirms the same way instead of refusing the
+    opening as a reused id (which would leave its group in flight for ever), and still refuses
+    a real reuse the recent window no longer remembers."""
+    path = tmp_path / "log"
+    end = _write(path, [
+        ("ghost", 0, SessionOpened(group_id="G", group_size=1)), ("ghost", 1, SessionStarted(harness="t")),
+        ("ghost", 2, SessionFinished(reward=1.0)),
+        ("old", 0, SessionOpened(group_id="O", group_size=1)), ("old", 1, SessionDropped(reason="y")),
+        ("old", 0, SessionOpened(group_id="O2", group_size=1)),  # a real reuse
+    ])
+    log = FileLog.open(path, fsync="never")
+    try:
+        fold = RestartFold(recent_window=0, id_capacity=64)  # the window forgets: the filter alone answers
+        fold.check.ids.add("ghost")  # what a false positive answers for this fresh id
+        assert fold.catch_up(log) == end
+        assert [(v.session_id, v.kind) for v in fold.first_violations] == [("old", "reused_id")]
+        assert fold.groups.released == 2 and "ghost" not in fold.in_groups
+    finally:
+        log.close()
+
+
+def test_records_waiting_past_a_hole_make_the_checkpoint_due_before_they_are_too_many(tmp_path):
+    """An interval can be longer than the records the checkpointer tracks past a hole (many
+    sessions in flight): half that many waiting make a checkpoint due, which reads the hole."""
+
+    async def go():
+        log, eng, ckpt = await _a_hole_then_turns(tmp_path / "log", ahead_max=16, rounds=6, pause_s=0.003,
+                                                  checkpoint_every=10**9, checkpoint_poll_s=0.002)
+        try:
+            assert ckpt.from_log is None and ckpt.served >= 1 and len(ckpt._ahead) < 8
+            await eng.close()
+        finally:
+            log.close()
+
+    asyncio.run(go())
+
+
+def test_groups_created_in_another_order_than_the_log_placed_them_are_served_in_the_logs(tmp_path):
+    """An opening whose id the filter calls maybe-used waits for the exact scan of the log after
+    its group was joined: another group, decided later, reaches the log first. The served groups
+    come in the order a fold of the log creates them."""
+
+    async def go():
+        log, eng, _ = await _engine_with_sessions(tmp_path / "log", 0)
+        try:
+            eng._ids._filter.add("slow")  # what a false positive answers: "slow" waits for a scan
+            slow = asyncio.ensure_future(eng.open_session("slow", group_id="first", group_size=2))
+            await asyncio.sleep(0)  # "first" joined, the scan running in a worker thread
+            await eng.open_session("quick", group_id="second", group_size=2)
+            await slow
+            served = _served_now(eng)
+            assert [g.group_id for g in served.groups.pending] == ["second", "first"]
+            assert served.groups == _fold_of(log).groups and served.lifecycle.live == _fold_of(log).lifecycle.live
+            await eng.close()
         finally:
             log.close()
 
