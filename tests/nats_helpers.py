@@ -80,6 +80,29 @@ def run(coro):
 
 
 
+def pause(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP the server ``pid`` and return once every one of its threads is stopped: the signal
+    is only queued when ``kill`` returns, and a loaded machine can let a thread answer one more
+    request before it stops (a test that expects the server silent would then flake)."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            with contextlib.suppress(FileNotFoundError):  # a thread that exited meanwhile
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        if states and all(state in ("T", "t") for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nats-server pid {pid}: threads not all stopped {timeout_s}s after SIGSTOP: {states}")
+        time.sleep(0.001)
+
+
 class SingleServer:
     """One JetStream server (a 1-node :class:`NatsCluster`): ``url`` to connect."""
 

@@ -11,6 +11,7 @@ import pytest
 from agentlog.events.log.api import LogClosed, LogCorruption, LogError, LogFenced, SequenceError
 from agentlog.events.schema.types import SessionFinished, SessionOpened
 from event_samples import small_event
+from nats_helpers import pause
 
 nats = pytest.importorskip("nats", reason="JetStreamLog needs the nats extra: pip install 'agentlog[nats]'")
 
@@ -308,7 +309,7 @@ def test_a_publish_that_timed_out_but_landed_is_acknowledged_once(nats_server, s
 
     with JetStreamLog.open(nats_server.url, stream, 0, publish_timeout_s=0.3) as lg:
         lg.append_batch([("a", 0, opened())])
-        os.kill(nats_server.pid, signal.SIGSTOP)
+        pause(nats_server.pid)
         try:
             out: list = []
             t = threading.Thread(target=lambda: out.append(lg.append_batch([("a", k, small_event(k)) for k in range(1, n + 1)])))
@@ -335,7 +336,7 @@ def test_close_while_a_publish_is_retried_fails_the_pending_append_instead_of_ha
     lg._close_wait_s = 0.5  # close's own wait, short for the test
     lg.append_batch([("a", 0, opened())])
     pool = concurrent.futures.ThreadPoolExecutor(1)
-    os.kill(nats_server.pid, signal.SIGSTOP)
+    pause(nats_server.pid)
     try:
         pending = pool.submit(lg.append_batch, [("a", 1, small_event(1))])
         with pytest.raises(concurrent.futures.TimeoutError):

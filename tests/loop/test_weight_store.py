@@ -36,6 +36,7 @@ from agentlog.loop.learner_records import read_learner_records
 from agentlog.loop.policy import build_model
 from agentlog.loop.publish import PolicyFollower, checkpoint_path, hf_checkpoint_dir, publish
 from agentlog.loop.run import start_process
+from nats_helpers import pause
 from agentlog.loop.run_folder import Run
 from agentlog.loop.weight_store import DirectoryTar, WeightStore, WeightStoreError, bucket_name, version_source
 from agentlog.loop.worker import RolloutWorker
@@ -266,7 +267,7 @@ def test_pruned_versions_stalled_fetches_and_oversized_chunks(tmp_path: Path, na
     store = WeightStore(nats_server.url, "ws-prune", timeout_s=1.0)
     try:
         assert store.fetch(0, "policy-v00000.pt", records[0].weights_digest, tmp_path / "warm").is_file()  # connected
-        os.kill(nats_server.pid, signal.SIGSTOP)
+        pause(nats_server.pid)
         try:
             t0 = time.monotonic()
             with pytest.raises(WeightStoreError, match=r"fetch policy-v00003.pt \(policy version 3\): no chunk moved for 1\.\d s"):
