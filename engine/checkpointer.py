@@ -96,9 +96,8 @@ class Checkpointer:
         self.frontier = fold.next_lsn
         #: LSNs past the frontier whose records the engine applied (waiting for the holes before them).
         self._ahead: set[int] = set()
-        #: (session_id, session_seq) of records applied before their LSN was known (cancelled after staging),
-        #: each with what the engine calls once its LSN is read (:meth:`applied`'s ``placed``).
-        self._unplaced: dict[tuple[str, int], Callable[[int], None] | None] = {}
+        #: (session_id, session_seq) of records applied before their LSN was known (cancelled after staging).
+        self._unplaced: set[tuple[str, int]] = set()
         #: Why checkpoints are folded from the log instead of served from the engine (one line), or None.
         self.from_log: str | None = None
         #: The lifecycle check counts every record it folds: this many more than the LSNs below its end.
@@ -122,15 +121,15 @@ class Checkpointer:
 
     # -- what the engine tells it -----------------------------------------------------
 
-    def applied(self, lsn: int | None, session_id: str, seq: int, *, ended: bool = False,
-                placed: Callable[[int], None] | None = None) -> None:
+    def applied(self, lsn: int | None, session_id: str, seq: int, *, ordered: bool = False) -> None:
         """The engine applied its record ``seq`` of ``session_id``, which the log holds at
         ``lsn`` (None: its append was cancelled after it was staged, so its LSN is not known
-        yet, and a read of the log finds it: ``placed(lsn)`` is then called, for the engine to
-        keep the LSN where its state holds one, as for an opening). ``ended``: a terminal event,
-        whose LSN the engine's state keeps in the order sessions ended: one applied without it
-        cannot be served, and checkpoints are folded from the log from then on. In the event
-        loop's thread; a few attribute reads when in order."""
+        yet; a read of the log places it). ``ordered``: the engine's state keeps this record in
+        LSN order (an opening: its LSN, and its id in the filter, whose layers depend on the
+        order ids come in; a terminal event: the order sessions ended, in the recent window and
+        the groups). One applied without its LSN is out of that order: it cannot be served, and
+        checkpoints are folded from the log from then on. In the event loop's thread; a few
+        attribute reads when in order."""
         if lsn == self.frontier:
             self.frontier = lsn + 1
             if self._ahead:
@@ -138,11 +137,11 @@ class Checkpointer:
         elif self.from_log is not None:
             return
         elif lsn is None:
-            if ended:
-                self._fold_from_log(f"session {session_id!r}: its terminal event (record {seq}), whose append was cancelled "
-                                    "after it was staged, was applied before its LSN was known, out of the order sessions ended")
+            if ordered:
+                self._fold_from_log(f"session {session_id!r}: record {seq}, whose append was cancelled after it was staged, "
+                                    "was applied before its LSN was known, out of the order the engine's state keeps it in")
             else:
-                self._unplaced[session_id, seq] = placed
+                self._unplaced.add((session_id, seq))
         elif lsn > self.frontier:
             if len(self._ahead) >= self.AHEAD_MAX:
                 self._fold_from_log(f"{len(self._ahead)} records applied past a hole at lsn {self.frontier}")
@@ -249,9 +248,7 @@ class Checkpointer:
             if lsn < self.frontier or lsn in self._ahead:
                 continue  # applied meanwhile
             if (session_id, seq) in self._unplaced:
-                placed = self._unplaced.pop((session_id, seq))
-                if placed is not None:
-                    placed(lsn)
+                self._unplaced.discard((session_id, seq))
             elif tag != LEARNER_TAG:
                 if lsn < settled:
                     self._fold_from_log(f"the log's record at lsn {lsn} ({tag} of session {session_id!r}, "

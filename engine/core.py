@@ -40,7 +40,6 @@ tasks are :mod:`engine.timers`.
 from __future__ import annotations
 
 import asyncio
-from functools import partial
 from typing import Any, Callable
 
 import msgspec
@@ -353,18 +352,13 @@ class SessionEngine(BackgroundWork):
         h._seq = 1
         self._ids.opened(hashes)
         if lsn is not None:
-            self._placed(h, lsn)
+            h.opened_lsn = lsn
+            self._groups.placed(h.group_id, h.session_id, lsn)
         if self._checkpointer is not None:
-            self._checkpointer.applied(lsn, h.session_id, 0, placed=None if lsn is not None else partial(self._placed, h))
+            self._checkpointer.applied(lsn, h.session_id, 0, ordered=True)
         self.stats["opened"] += 1
         if budget is not None:
             h._timer = asyncio.get_running_loop().call_later(budget, self._on_budget, h)
-
-    def _placed(self, h: SessionHandle, lsn: int) -> None:
-        """``h``'s session_opened is at ``lsn`` in the log (known late when its append was cancelled)."""
-        h.opened_lsn = lsn
-        if self._groups.is_member(h.group_id, h.session_id):  # not when its group was released meanwhile
-            self._groups.placed(h.group_id, h.session_id, lsn)
 
     def session(self, session_id: str, **kwargs: Any) -> _SessionContext:
         """``async with engine.session(id, group_id=..., group_size=...) as h``:
@@ -472,7 +466,7 @@ class SessionEngine(BackgroundWork):
             if ended:
                 self._release(h, body, None if env is None else env.lsn)
         if self._checkpointer is not None:
-            self._checkpointer.applied(None if env is None else env.lsn, h.session_id, h._seq - 1, ended=ended)
+            self._checkpointer.applied(None if env is None else env.lsn, h.session_id, h._seq - 1, ordered=ended)
 
     async def _in_session(self, h: SessionHandle, body: Any) -> Envelope:
         # In-session events are legal only while running (events.schema.lifecycle.RUNNING_ONLY_EVENTS).

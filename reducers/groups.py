@@ -145,8 +145,7 @@ class Group(msgspec.Struct, frozen=True):
 
 
 class _Pending:
-    __slots__ = ("group_size", "opened", "done", "dropped", "owed", "refills", "drop_reasons", "unplaced", "last_lsn",
-                 "disordered", "created_at")
+    __slots__ = ("group_size", "opened", "done", "dropped", "owed", "refills", "drop_reasons")
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
@@ -159,14 +158,6 @@ class _Pending:
         self.refills: dict[str, str] = {}
         #: dropped member -> why it was dropped.
         self.drop_reasons: dict[str, str] = {}
-        #: Members joined with lsn None and not :meth:`GroupTracker.placed` yet; the largest LSN a
-        #: member joined at; whether one joined below it (the engine decides in one order, the log
-        #: may place in another): with neither, the group already is as a fold of the log holds it.
-        self.unplaced = 0
-        self.last_lsn = -1
-        self.disordered = False
-        #: Where a fold of the log creates the group: its first member's opening (-1: none placed yet).
-        self.created_at = -1
 
     def expected(self) -> int:
         """Terminal members that complete the group: its size, plus one per refill owed or opened."""
@@ -244,7 +235,7 @@ class GroupTracker:
         pending = []
         for gid, p in self._pending.items():
             opened, refills, owed = list(p.opened.items()), list(p.refills.items()), list(p.owed)
-            if placed_only and (p.unplaced or p.disordered):
+            if placed_only:
                 # A fold joins members in LSN order; the engine joins them as it decides.
                 opened = sorted(((s, m) for s, m in opened if m[1] >= 0), key=lambda sm: sm[1][1])
                 placed = {s for s, _ in opened}
@@ -257,10 +248,9 @@ class GroupTracker:
                     continue  # every member's opening is still on its way to the log
             pending.append(PendingGroupSnapshot(gid, p.group_size, [(sid, idx, lsn) for sid, (idx, lsn) in opened],
                                                 list(p.done), list(p.dropped), owed, refills, dict(p.drop_reasons)))
-        created = [p.created_at for p in self._pending.values() if p.created_at >= 0]
-        if placed_only and any(a > b for a, b in zip(created, created[1:])):
-            # The engine creates a group as it decides; a fold, at its first member's opening in the log.
-            pending.sort(key=lambda g: min((lsn for _, _, lsn in g.opened), default=-1))
+        if placed_only:
+            # A fold creates a group at its first member's opening in the log; the engine, as it decides.
+            pending.sort(key=lambda g: g.opened[0][2] if g.opened else -1)
         return GroupTrackerSnapshot(min_valid=self.min_valid, pending=pending, recent=list(self._recent.items()),
                                     released=self.released)
 
@@ -271,11 +261,6 @@ class GroupTracker:
         for g in snap.pending:
             p = t._pending[g.group_id] = _Pending(g.group_size)
             p.opened = {sid: (idx, lsn) for sid, idx, lsn in g.opened}
-            for _, _, lsn in g.opened:
-                if lsn < 0:
-                    p.unplaced += 1
-                else:
-                    cls._joined_at(p, lsn)
             p.done, p.dropped = list(g.done), list(g.dropped)
             p.owed, p.refills, p.drop_reasons = list(g.owed), dict(g.refills), dict(g.drop_reasons)
         t._recent = OrderedDict(snap.recent)
@@ -342,10 +327,6 @@ class GroupTracker:
         if p is None:
             p = self._pending[group_id] = _Pending(group_size)
         p.opened[session_id] = (sample_index, -1 if lsn is None else lsn)
-        if lsn is None:
-            p.unplaced += 1
-        else:
-            self._joined_at(p, lsn)
         if replaces:
             p.owed.remove(replaces)
             p.refills[session_id] = replaces
@@ -354,17 +335,6 @@ class GroupTracker:
         """The opening of ``session_id``, which joined ``group_id`` with lsn None, reached the log at ``lsn``."""
         p = self._pending[group_id]
         p.opened[session_id] = (p.opened[session_id][0], lsn)
-        p.unplaced -= 1
-        self._joined_at(p, lsn)
-
-    @staticmethod
-    def _joined_at(p: _Pending, lsn: int) -> None:
-        if p.last_lsn < 0:
-            p.created_at = lsn
-        if lsn < p.last_lsn:
-            p.disordered = True
-        else:
-            p.last_lsn = lsn
 
     def owed(self, group_id: str) -> list[str]:
         """The members of ``group_id`` (in flight) owed a replacement that has not opened yet."""
@@ -403,8 +373,7 @@ class GroupTracker:
         p = self._pending.get(group_id)
         if p is None or session_id not in p.opened:
             return
-        if p.opened.pop(session_id)[1] < 0:
-            p.unplaced -= 1
+        del p.opened[session_id]
         replaced = p.refills.pop(session_id, None)
         if replaced is not None:
             p.owed.append(replaced)  # still owed: its replacement never reached the log

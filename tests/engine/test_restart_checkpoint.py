@@ -600,7 +600,7 @@ def test_a_turn_cancelled_once_staged_waits_then_is_placed_by_reading_its_hole(t
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert ckpt._unplaced == {("s0", 2): None} and _served_now(eng) is None
+            assert ckpt._unplaced == {("s0", 2)} and _served_now(eng) is None
             await _turn(b)
             assert ckpt._ahead  # b's turn is applied past the cancelled one's LSN
             await ckpt.checkpoint()
@@ -648,10 +648,10 @@ def test_another_writers_session_record_makes_checkpoints_fold_the_log_and_says_
     assert ours == zero and folded == 0
 
 
-def test_an_opening_cancelled_once_staged_is_placed_when_its_hole_is_read(tmp_path):
+def test_an_opening_cancelled_once_staged_makes_checkpoints_fold_the_log(tmp_path):
     """An opening applied as its cancel came, before its LSN was known (the engine then drops the
-    session in the background): once a read of the log finds it, the engine keeps its LSN (the
-    session's, its group member's) and the served checkpoint is the fold of the log again."""
+    session in the background), entered the id filter out of LSN order (the filter's layers depend
+    on that order) and keeps no LSN in its group: checkpoints are folded from the log from then on."""
 
     async def go():
         log, eng, _ = await _engine_with_sessions(tmp_path / "log", 1)
@@ -662,19 +662,11 @@ def test_an_opening_cancelled_once_staged_is_placed_when_its_hole_is_read(tmp_pa
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert list(ckpt._unplaced) == [("late", 0)] and _served_now(eng) is None
-            mate = await eng.open_session("mate", group_id="late", group_size=2)  # the group stays in flight
-            for _ in range(200):  # the background drop of "late", then its hole read
-                await ckpt.checkpoint()
-                if not ckpt._unplaced and not ckpt._ahead:
-                    break
-                await asyncio.sleep(0.005)
-            assert ckpt.from_log is None and str(eng.status("late")) == "dropped" and mate.opened_lsn > 0
-            group = eng._groups.to_snapshot(placed_only=True).pending[-1]
-            assert [sid for sid, _, lsn in group.opened if lsn >= 0] == ["late", "mate"]  # placed, in LSN order
-            assert _served_now(eng) == _fold_of(log)
-            await eng.close()
-            assert ckpt.from_log is None and _comparable(ckpt._last) == _fold_of(log)
+            assert ckpt.from_log is not None and "'late': record 0" in ckpt.from_log
+            await eng.open_session("mate", group_id="late", group_size=2)  # the group stays in flight
+            await eng.close()  # the cancelled session is dropped in the background, then at close
+            assert str(eng.status("late")) == "dropped"
+            assert ckpt.lsn == log.next_lsn and _comparable(ckpt._last) == _fold_of(log)
         finally:
             log.close()
 
@@ -694,7 +686,7 @@ def test_a_terminal_event_cancelled_once_staged_makes_checkpoints_fold_the_log(t
             with pytest.raises(asyncio.CancelledError):
                 await task
             ckpt = eng._checkpointer
-            assert ckpt.from_log is not None and "'s0': its terminal event (record 2)" in ckpt.from_log
+            assert ckpt.from_log is not None and "'s0': record 2" in ckpt.from_log
             await b.finish(reward=0.0)
             await eng.close()
             assert ckpt.lsn == log.next_lsn and _comparable(ckpt._last) == _fold_of(log)
@@ -855,10 +847,11 @@ def test_records_waiting_past_a_hole_make_the_checkpoint_due_before_they_are_too
     asyncio.run(go())
 
 
-def test_groups_created_in_another_order_than_the_log_placed_them_are_served_in_the_logs(tmp_path):
+def test_groups_and_members_decided_in_another_order_than_the_log_placed_them_are_served_in_the_logs(tmp_path):
     """An opening whose id the filter calls maybe-used waits for the exact scan of the log after
-    its group was joined: another group, decided later, reaches the log first. The served groups
-    come in the order a fold of the log creates them."""
+    its group was joined: another group, or another member of the same group, decided later,
+    reaches the log first. The served groups and members come in the order a fold of the log
+    creates and joins them."""
 
     async def go():
         log, eng, _ = await _engine_with_sessions(tmp_path / "log", 0)
@@ -868,11 +861,72 @@ def test_groups_created_in_another_order_than_the_log_placed_them_are_served_in_
             await asyncio.sleep(0)  # "first" joined, the scan running in a worker thread
             await eng.open_session("quick", group_id="second", group_size=2)
             await slow
+            eng._ids._filter.add("slow2")  # the same within one group: its members in the order the log placed them
+            slow = asyncio.ensure_future(eng.open_session("slow2", group_id="third", group_size=2))
+            await asyncio.sleep(0)
+            await eng.open_session("quick2", group_id="third", group_size=2)
+            await slow
             served = _served_now(eng)
-            assert [g.group_id for g in served.groups.pending] == ["second", "first"]
+            assert [g.group_id for g in served.groups.pending] == ["second", "first", "third"]
+            assert [sid for sid, _, _ in served.groups.pending[2].opened] == ["quick2", "slow2"]
             assert served.groups == _fold_of(log).groups and served.lifecycle.live == _fold_of(log).lifecycle.live
             await eng.close()
         finally:
             log.close()
 
     asyncio.run(go())
+
+
+def test_a_refused_replacement_leaves_the_owed_replacements_in_the_order_their_members_ended(tmp_path):
+    """A replacement the engine refuses (its id was used) is withdrawn: the member it would have
+    replaced is owed again, and the served checkpoint owes them in the order they ended, as a
+    fold of the log does (the engine's own list has it last)."""
+    from agentlog.reducers.config import ReduceConfig
+
+    async def go():
+        log, eng, _ = await _engine_with_sessions(tmp_path / "log", 0, groups=ReduceConfig(
+            abort_outcomes={"infrastructure": "refill"}, max_refills=2))
+        try:
+            z = await eng.open_session("z", group_id="Z", group_size=1)
+            await z.start()
+            await z.finish(reward=1.0)
+            for sid in ("a", "b"):
+                h = await eng.open_session(sid, group_id="G", group_size=2)
+                await h.start()
+                await h.abort("setup_failed:OSError")
+            assert eng.owed_replacements("G") == ["a", "b"]
+            with pytest.raises(DuplicateSession):
+                await eng.open_session("z", group_id="G", group_size=2, replaces="a")
+            assert eng.owed_replacements("G") == ["b", "a"]
+            served = _served_now(eng)
+            assert served.groups.pending[0].owed == ["a", "b"] and served == _fold_of(log)
+            await eng.close()
+        finally:
+            log.close()
+
+    asyncio.run(go())
+
+
+def test_the_restart_folds_scans_for_reused_ids_are_bounded(tmp_path, monkeypatch):
+    """Each opening the id filter alone calls a reuse costs the restart fold a scan of the log;
+    a log another writer filled with reused ids gets ID_SCANS_MAX of them, then a warning, and
+    the filter answers alone (every reuse is still refused)."""
+    from structlog.testing import capture_logs
+
+    from agentlog.engine import restart
+
+    monkeypatch.setattr(restart, "ID_SCANS_MAX", 2)
+    path = tmp_path / "log"
+    reused = [(f"s{i}", 0, SessionOpened(group_id=f"again{i}", group_size=1)) for i in range(4)]
+    end = _write(path, [(f"s{i}", k, body) for i in range(4)
+                        for k, body in enumerate([SessionOpened(group_id=f"g{i}", group_size=1), SessionDropped(reason="y")])]
+                 + reused)
+    log = FileLog.open(path, fsync="never")
+    try:
+        fold = RestartFold(recent_window=0, id_capacity=64)  # the window forgets: the filter alone answers
+        with capture_logs() as logs:
+            assert fold.catch_up(log) == end
+        assert fold.id_scans == 2 and fold.violations == 4
+        assert [e["event"] for e in logs if e["event"].startswith("engine.restart_id")] == ["engine.restart_id_scans_capped"]
+    finally:
+        log.close()
