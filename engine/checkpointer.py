@@ -25,12 +25,18 @@ then waits:
 When a checkpoint falls due with records waiting, the checkpointer reads the
 holes from the log in a worker thread, tags only: a learner record changes
 nothing the checkpoint holds, and a record applied without its LSN is placed.
-Anything else (a session record the engine did not apply: another writer's,
-one whose apply failed, or a cancelled opening or terminal event, whose LSN
-the engine's state keeps) means the engine's state cannot be proven to be
-the log's. From then on every checkpoint is folded from the log, from the
-last one taken, in a worker thread, as a restart would
-(``engine.checkpoint_from_log``, logged once): slower, never wrong.
+A cancelled opening or terminal event is placed the same way, but the
+engine's state keeps such records in LSN order (the id filter's layers,
+the groups, the recent window), and one applied as its cancel came may be
+out of it. Until that is proven otherwise, each checkpoint is folded from
+the log, from the last one taken, in a worker thread, as a restart would
+(``engine.checkpoint_from_log``); each such checkpoint, when nothing past
+the frontier is applied, is compared with the engine's state served at the
+same LSN, and once they are equal the checkpoints are served again
+(``engine.checkpoint_served_again``). A session record the engine did not
+apply (another writer's, or one whose apply failed) means its state can
+never be proven to be the log's: checkpoints are folded from the log for
+the rest of the engine's life. Slower, never wrong.
 """
 
 from __future__ import annotations
@@ -61,6 +67,11 @@ _log = get_logger("agentlog.engine.checkpointer")
 
 _T = TypeVar("_T")
 _opened_lsn = attrgetter("opened_lsn")
+
+
+def _comparable(ckpt: EngineCheckpoint) -> EngineCheckpoint:
+    """``ckpt`` without what differs by how it was reached (its time, an anchor not read yet)."""
+    return msgspec.structs.replace(ckpt, anchor=b"", written_ns=0)
 
 
 def _tagged(log: EventLog, start: int) -> Generator[tuple[int, str, int, str], None, None]:
@@ -96,10 +107,13 @@ class Checkpointer:
         self.frontier = fold.next_lsn
         #: LSNs past the frontier whose records the engine applied (waiting for the holes before them).
         self._ahead: set[int] = set()
-        #: (session_id, session_seq) of records applied before their LSN was known (cancelled after staging).
-        self._unplaced: set[tuple[str, int]] = set()
+        #: (session_id, session_seq) of records applied before their LSN was known (cancelled after staging),
+        #: each with what the engine calls once its LSN is read (:meth:`applied`'s ``placed``), or None.
+        self._unplaced: dict[tuple[str, int], Callable[[int], None] | None] = {}
         #: Why checkpoints are folded from the log instead of served from the engine (one line), or None.
         self.from_log: str | None = None
+        #: Whether the frontier is still tracked: False once the engine's state can never be proven again.
+        self._tracking = True
         #: The lifecycle check counts every record it folds: this many more than the LSNs below its end.
         self._records_offset = fold.check.records - fold.next_lsn
         #: The last checkpoint taken (written or not): where folding from the log starts.
@@ -121,30 +135,32 @@ class Checkpointer:
 
     # -- what the engine tells it -----------------------------------------------------
 
-    def applied(self, lsn: int | None, session_id: str, seq: int, *, ordered: bool = False) -> None:
+    def applied(self, lsn: int | None, session_id: str, seq: int, *, ordered: bool = False,
+                placed: Callable[[int], None] | None = None) -> None:
         """The engine applied its record ``seq`` of ``session_id``, which the log holds at
         ``lsn`` (None: its append was cancelled after it was staged, so its LSN is not known
         yet; a read of the log places it). ``ordered``: the engine's state keeps this record in
         LSN order (an opening: its LSN, and its id in the filter, whose layers depend on the
         order ids come in; a terminal event: the order sessions ended, in the recent window and
-        the groups). One applied without its LSN is out of that order: it cannot be served, and
-        checkpoints are folded from the log from then on. In the event loop's thread; a few
-        attribute reads when in order."""
+        the groups). One applied without its LSN may be out of that order: checkpoints are folded
+        from the log until the engine's state is proven to be the log's again (:meth:`checkpoint`).
+        ``placed(lsn)`` is called once a read of the log finds a record applied without its LSN,
+        for the engine to keep that LSN where its state holds one. In the event loop's thread; a
+        few attribute reads when in order."""
         if lsn == self.frontier:
             self.frontier = lsn + 1
             if self._ahead:
                 self._advance()
-        elif self.from_log is not None:
+        elif not self._tracking:
             return
         elif lsn is None:
+            self._unplaced[session_id, seq] = placed
             if ordered:
                 self._fold_from_log(f"session {session_id!r}: record {seq}, whose append was cancelled after it was staged, "
                                     "was applied before its LSN was known, out of the order the engine's state keeps it in")
-            else:
-                self._unplaced.add((session_id, seq))
         elif lsn > self.frontier:
             if len(self._ahead) >= self.AHEAD_MAX:
-                self._fold_from_log(f"{len(self._ahead)} records applied past a hole at lsn {self.frontier}")
+                self._fold_from_log(f"{len(self._ahead)} records applied past a hole at lsn {self.frontier}", for_good=True)
             else:
                 self._ahead.add(lsn)
 
@@ -156,17 +172,22 @@ class Checkpointer:
             frontier += 1
         self.frontier = frontier
 
-    def _fold_from_log(self, why: str) -> None:
-        """From now on, fold each checkpoint from the log, from the last one taken."""
+    def _fold_from_log(self, why: str, *, for_good: bool = False) -> None:
+        """Fold each checkpoint from the log, from the last one taken, until the engine's state is
+        proven to be the log's again (:meth:`checkpoint`); ``for_good``: it never can be (a record
+        it did not apply, or the frontier no longer tracked), for the rest of the engine's life."""
+        if for_good and self._tracking:
+            self._tracking = False
+            self._ahead.clear()
+            self._unplaced.clear()
         if self.from_log is not None:
             return
         self.from_log = why
-        self._ahead.clear()
-        self._unplaced.clear()
         if self._last is not None:
             self._fold = RestartFold.from_checkpoint(self._last, recent_window=self._last.lifecycle.recent.size)
         _log.warning("engine.checkpoint_from_log", path=str(self.path), reason=why, since_lsn=self._fold.next_lsn,
-                     effect="each checkpoint is folded from the log in a worker thread from now on (slower, never wrong)")
+                     effect="each checkpoint is folded from the log in a worker thread, until the engine's state "
+                            "equals that fold again (slower, never wrong)")
 
     # -- when, and what -------------------------------------------------------------------
 
@@ -195,20 +216,19 @@ class Checkpointer:
                 return self.lsn  # a cancelled caller's read still runs
             await asyncio.wait([self._reading])
         self._check_fold()
-        if self.from_log is None and (final or self._ahead or self._unplaced):
+        if self._tracking and (final or self._ahead or self._unplaced):
             await self._read_holes(final)
-        if self.from_log is None:
-            if self._ahead or self._unplaced:
-                if not final:
-                    return self.lsn  # the holes' records are not all in the log yet: the next call
-                self._fold_from_log(f"at close, {len(self._ahead) + len(self._unplaced)} applied records could not be placed")
-        if self.from_log is None:
-            ckpt = self._served(self.frontier)
-        else:
-            ckpt = await self._in_thread(self._fold_log)
+        if self._tracking and (self._ahead or self._unplaced):
+            if not final and self.from_log is None:
+                return self.lsn  # the holes' records are not all in the log yet: the next call
+            if final:
+                self._fold_from_log(f"at close, {len(self._ahead) + len(self._unplaced)} applied records could not be placed",
+                                    for_good=True)
+        served = self.from_log is None
+        ckpt = self._served(self.frontier) if served else await self._fold_and_compare()
         if ckpt.next_lsn == (self.lsn if final else self._tried):
             return self.lsn  # nothing new since the last one
-        if self.from_log is None:
+        if served:
             self.served += 1
         self._tried = ckpt.next_lsn
         self._last = ckpt
@@ -248,11 +268,13 @@ class Checkpointer:
             if lsn < self.frontier or lsn in self._ahead:
                 continue  # applied meanwhile
             if (session_id, seq) in self._unplaced:
-                self._unplaced.discard((session_id, seq))
+                placed = self._unplaced.pop((session_id, seq))
+                if placed is not None:
+                    placed(lsn)
             elif tag != LEARNER_TAG:
                 if lsn < settled:
                     self._fold_from_log(f"the log's record at lsn {lsn} ({tag} of session {session_id!r}, "
-                                        f"session_seq {seq}) was not applied by this engine")
+                                        f"session_seq {seq}) was not applied by this engine", for_good=True)
                     return
                 continue
             self._ahead.add(lsn)
@@ -269,10 +291,24 @@ class Checkpointer:
         self.read_back += len(out)
         return out
 
-    def _fold_log(self) -> EngineCheckpoint:
-        """The fold of the log from the last checkpoint taken to its end (a worker thread)."""
+    async def _fold_and_compare(self) -> EngineCheckpoint:
+        """The checkpoint folded from the log: to the frontier, when nothing past it is applied, and
+        then compared with the engine's state served there (equal: served again from now on);
+        else to the log's end."""
+        cut = served = None
+        if self._tracking and not self._ahead and not self._unplaced:
+            cut = self.frontier
+            served = self._served(cut)  # taken now, in the loop's thread, before the fold moves past it
+        ckpt = await self._in_thread(self._fold_log, cut)
+        if served is not None and _comparable(served) == _comparable(ckpt):
+            _log.info("engine.checkpoint_served_again", path=str(self.path), next_lsn=cut, was=self.from_log)
+            self.from_log = None
+        return ckpt
+
+    def _fold_log(self, until: int | None = None) -> EngineCheckpoint:
+        """The fold of the log from the last checkpoint taken to its end, or to ``until`` (a worker thread)."""
         with self._lock:
-            self.read_back += self._fold.catch_up(self.log)
+            self.read_back += self._fold.catch_up(self.log, until=until)
             return self._fold.to_checkpoint()
 
     def _served(self, cut: int) -> EngineCheckpoint:

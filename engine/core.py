@@ -40,6 +40,7 @@ tasks are :mod:`engine.timers`.
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Any, Callable
 
 import msgspec
@@ -355,10 +356,19 @@ class SessionEngine(BackgroundWork):
             h.opened_lsn = lsn
             self._groups.placed(h.group_id, h.session_id, lsn)
         if self._checkpointer is not None:
-            self._checkpointer.applied(lsn, h.session_id, 0, ordered=True)
+            self._checkpointer.applied(lsn, h.session_id, 0, ordered=True, placed=partial(self._placed_late, h, None))
         self.stats["opened"] += 1
         if budget is not None:
             h._timer = asyncio.get_running_loop().call_later(budget, self._on_budget, h)
+
+    def _placed_late(self, h: SessionHandle, ended: State | None, lsn: int) -> None:
+        """``h``'s opening (``ended`` None) or terminal event, applied as its cancel came, is at ``lsn``."""
+        if ended is None:
+            h.opened_lsn = lsn
+            self._groups.placed_late(h.group_id, h.session_id, lsn)
+        else:
+            self._ids.ended_late(h.session_id, ended, lsn)
+            self._groups.released_late(h.group_id, lsn)
 
     def session(self, session_id: str, **kwargs: Any) -> _SessionContext:
         """``async with engine.session(id, group_id=..., group_size=...) as h``:
@@ -466,7 +476,8 @@ class SessionEngine(BackgroundWork):
             if ended:
                 self._release(h, body, None if env is None else env.lsn)
         if self._checkpointer is not None:
-            self._checkpointer.applied(None if env is None else env.lsn, h.session_id, h._seq - 1, ordered=ended)
+            self._checkpointer.applied(None if env is None else env.lsn, h.session_id, h._seq - 1, ordered=ended,
+                                       placed=partial(self._placed_late, h, h.state) if env is None and ended else None)
 
     async def _in_session(self, h: SessionHandle, body: Any) -> Envelope:
         # In-session events are legal only while running (events.schema.lifecycle.RUNNING_ONLY_EVENTS).

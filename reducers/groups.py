@@ -336,6 +336,18 @@ class GroupTracker:
         p = self._pending[group_id]
         p.opened[session_id] = (p.opened[session_id][0], lsn)
 
+    def placed_late(self, group_id: str, session_id: str, lsn: int) -> None:
+        """:meth:`placed`, for an opening whose LSN became known late: nothing when its group was
+        released meanwhile, or the member already placed."""
+        p = self._pending.get(group_id)
+        if p is not None and session_id in p.opened and p.opened[session_id][1] < 0:
+            self.placed(group_id, session_id, lsn)
+
+    def released_late(self, group_id: str, lsn: int) -> None:
+        """The terminal event that released ``group_id`` with its LSN not known (-1) is at ``lsn``."""
+        if self._recent.get(group_id) == -1:
+            self._recent[group_id] = lsn
+
     def owed(self, group_id: str) -> list[str]:
         """The members of ``group_id`` (in flight) owed a replacement that has not opened yet."""
         p = self._pending.get(group_id)

@@ -352,9 +352,9 @@ def _comparable(ckpt):
 _IDS = 1024
 
 
-def _fold_of(log, until=None):
+def _fold_of(log, until=None, recent_window=4096):
     """The restart fold of ``log`` from LSN 0 (to ``until``, exclusive), as a comparable checkpoint."""
-    fold = RestartFold(id_capacity=_IDS)
+    fold = RestartFold(id_capacity=_IDS, recent_window=recent_window)
     fold.catch_up(log, until=until)
     return _comparable(fold.to_checkpoint())
 
@@ -600,7 +600,7 @@ def test_a_turn_cancelled_once_staged_waits_then_is_placed_by_reading_its_hole(t
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert ckpt._unplaced == {("s0", 2)} and _served_now(eng) is None
+            assert ckpt._unplaced == {("s0", 2): None} and _served_now(eng) is None
             await _turn(b)
             assert ckpt._ahead  # b's turn is applied past the cancelled one's LSN
             await ckpt.checkpoint()
@@ -648,48 +648,76 @@ def test_another_writers_session_record_makes_checkpoints_fold_the_log_and_says_
     assert ours == zero and folded == 0
 
 
-def test_an_opening_cancelled_once_staged_makes_checkpoints_fold_the_log(tmp_path):
-    """An opening applied as its cancel came, before its LSN was known (the engine then drops the
-    session in the background), entered the id filter out of LSN order (the filter's layers depend
-    on that order) and keeps no LSN in its group: checkpoints are folded from the log from then on."""
+@pytest.mark.parametrize("cancelled", ["opening", "terminal"])
+def test_an_opening_or_terminal_event_cancelled_once_staged_is_folded_from_the_log_until_proven(tmp_path, cancelled):
+    """An opening or a terminal event applied as its cancel came, before its LSN was known, may be
+    out of the LSN order the engine's state keeps (the id filter's layers, the groups, the recent
+    window): checkpoints are folded from the log, and served again once a fold at the frontier
+    equals the engine's state there (here at once: nothing else moved in between)."""
+    from structlog.testing import capture_logs
 
     async def go():
-        log, eng, _ = await _engine_with_sessions(tmp_path / "log", 1)
+        log, eng, (a, b) = await _engine_with_sessions(tmp_path / "log", 2)
         try:
             ckpt = eng._checkpointer
-            task = asyncio.ensure_future(eng.open_session("late", group_id="late", group_size=2))
+            cancel = eng.open_session("late", group_id="late", group_size=2) if cancelled == "opening" else a.finish(reward=1.0)
+            task = asyncio.ensure_future(cancel)
             await asyncio.sleep(0)  # staged
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert ckpt.from_log is not None and "'late': record 0" in ckpt.from_log
-            await eng.open_session("mate", group_id="late", group_size=2)  # the group stays in flight
-            await eng.close()  # the cancelled session is dropped in the background, then at close
-            assert str(eng.status("late")) == "dropped"
-            assert ckpt.lsn == log.next_lsn and _comparable(ckpt._last) == _fold_of(log)
+            assert ckpt.from_log is not None and ("'late': record 0" if cancelled == "opening" else "'s0': record 2") in ckpt.from_log
+            await _turn(b)
+            with capture_logs() as logs:
+                for _ in range(200):  # the hole read places it, then the fold at the frontier equals the engine's state
+                    await ckpt.checkpoint()
+                    if ckpt.from_log is None:
+                        break
+                    await asyncio.sleep(0.005)
+            assert ckpt.from_log is None and [e["event"] for e in logs if "served_again" in e["event"]]
+            assert _comparable(ckpt._last) == _fold_of(log, until=ckpt._last.next_lsn)
+            await _turn(b, 1)
+            assert _served_now(eng) == _fold_of(log)
+            await eng.close()
+            assert ckpt.from_log is None and _comparable(ckpt._last) == _fold_of(log)
         finally:
             log.close()
 
     asyncio.run(go())
 
 
-def test_a_terminal_event_cancelled_once_staged_makes_checkpoints_fold_the_log(tmp_path):
-    """A terminal event applied before its LSN is known is out of the order sessions ended in the
-    engine's state (its recent window, its groups): checkpoints are folded from the log from then on."""
+def test_a_terminal_event_applied_out_of_order_is_folded_from_the_log_until_the_window_forgets_it(tmp_path, monkeypatch):
+    """A finish cancelled once staged, while an earlier-staged finish still waits for the disk, is
+    applied first: the engine's recent window holds the two in the other order than the log, and
+    their group is released at the other one's LSN. Checkpoints are folded from the log while that
+    lasts, and served again once both windows forgot them (two more sessions and groups ended,
+    with windows of two)."""
+    from agentlog.reducers import groups
+
+    monkeypatch.setattr(groups, "RELEASED_WINDOW", 2)
 
     async def go():
-        log, eng, (a, b) = await _engine_with_sessions(tmp_path / "log", 2)
+        log, eng, (a, b) = await _engine_with_sessions(tmp_path / "log", 2, status_cache=2)
         try:
-            task = asyncio.ensure_future(a.finish(reward=1.0))
-            await asyncio.sleep(0)  # staged
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
             ckpt = eng._checkpointer
-            assert ckpt.from_log is not None and "'s0': record 2" in ckpt.from_log
-            await b.finish(reward=0.0)
+            first = asyncio.ensure_future(b.finish(reward=0.0))
+            await asyncio.sleep(0)  # staged, waiting for the disk
+            second = asyncio.ensure_future(a.finish(reward=1.0))
+            await asyncio.sleep(0)  # staged after it
+            second.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await second  # applied now, before the first
+            await first
+            assert [sid for sid, _, _ in eng._ids.snapshots()[1].ended] == ["s0", "s1"]  # the log: s1, then s0
+            await ckpt.checkpoint()
+            assert ckpt.from_log is not None and not ckpt._unplaced  # placed, but out of order
+            for i in range(2):
+                h = await eng.open_session(f"later{i}", group_id=f"later{i}", group_size=1)
+                await h.start()
+                await h.finish(reward=1.0)
+            await ckpt.checkpoint()
+            assert ckpt.from_log is None and _served_now(eng) == _fold_of(log, recent_window=2)
             await eng.close()
-            assert ckpt.lsn == log.next_lsn and _comparable(ckpt._last) == _fold_of(log)
         finally:
             log.close()
 
