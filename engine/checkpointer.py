@@ -114,6 +114,8 @@ class Checkpointer:
         self.from_log: str | None = None
         #: Whether the frontier is still tracked: False once the engine's state can never be proven again.
         self._tracking = True
+        #: How often the engine's state was found out of the log's order (each :meth:`_fold_from_log`).
+        self._disorders = 0
         #: The lifecycle check counts every record it folds: this many more than the LSNs below its end.
         self._records_offset = fold.check.records - fold.next_lsn
         #: The last checkpoint taken (written or not): where folding from the log starts.
@@ -176,18 +178,20 @@ class Checkpointer:
         """Fold each checkpoint from the log, from the last one taken, until the engine's state is
         proven to be the log's again (:meth:`checkpoint`); ``for_good``: it never can be (a record
         it did not apply, or the frontier no longer tracked), for the rest of the engine's life."""
+        self._disorders += 1  # a comparison begun before this proves nothing (_fold_and_compare)
         if for_good and self._tracking:
             self._tracking = False
             self._ahead.clear()
             self._unplaced.clear()
-        if self.from_log is not None:
+        elif self.from_log is not None:
             return
         self.from_log = why
         if self._last is not None:
             self._fold = RestartFold.from_checkpoint(self._last, recent_window=self._last.lifecycle.recent.size)
         _log.warning("engine.checkpoint_from_log", path=str(self.path), reason=why, since_lsn=self._fold.next_lsn,
-                     effect="each checkpoint is folded from the log in a worker thread, until the engine's state "
-                            "equals that fold again (slower, never wrong)")
+                     effect="each checkpoint is folded from the log in a worker thread, "
+                            + ("for the rest of the engine's life" if for_good else "until the engine's state equals that fold again")
+                            + " (slower, never wrong)")
 
     # -- when, and what -------------------------------------------------------------------
 
@@ -296,11 +300,13 @@ class Checkpointer:
         then compared with the engine's state served there (equal: served again from now on);
         else to the log's end."""
         cut = served = None
+        disorders = self._disorders
         if self._tracking and not self._ahead and not self._unplaced:
             cut = self.frontier
             served = self._served(cut)  # taken now, in the loop's thread, before the fold moves past it
         ckpt = await self._in_thread(self._fold_log, cut)
-        if served is not None and _comparable(served) == _comparable(ckpt):
+        # Equal, and nothing put the engine's state out of order (or stopped the frontier) while the fold ran.
+        if served is not None and self._disorders == disorders and self._tracking and _comparable(served) == _comparable(ckpt):
             _log.info("engine.checkpoint_served_again", path=str(self.path), next_lsn=cut, was=self.from_log)
             self.from_log = None
         return ckpt

@@ -356,19 +356,20 @@ class SessionEngine(BackgroundWork):
             h.opened_lsn = lsn
             self._groups.placed(h.group_id, h.session_id, lsn)
         if self._checkpointer is not None:
-            self._checkpointer.applied(lsn, h.session_id, 0, ordered=True, placed=partial(self._placed_late, h, None))
+            self._checkpointer.applied(lsn, h.session_id, 0, ordered=True, placed=partial(self._placed_late, h, None, False))
         self.stats["opened"] += 1
         if budget is not None:
             h._timer = asyncio.get_running_loop().call_later(budget, self._on_budget, h)
 
-    def _placed_late(self, h: SessionHandle, ended: State | None, lsn: int) -> None:
-        """``h``'s opening (``ended`` None) or terminal event, applied as its cancel came, is at ``lsn``."""
+    def _placed_late(self, h: SessionHandle, ended: State | None, released: bool, lsn: int) -> None:
+        """``h``'s opening (``ended`` None) or terminal event (which ``released`` its group, or not), applied as its cancel came, is at ``lsn``."""
         if ended is None:
             h.opened_lsn = lsn
             self._groups.placed_late(h.group_id, h.session_id, lsn)
         else:
             self._ids.ended_late(h.session_id, ended, lsn)
-            self._groups.released_late(h.group_id, lsn)
+            if released:
+                self._groups.released_late(h.group_id, lsn)
 
     def session(self, session_id: str, **kwargs: Any) -> _SessionContext:
         """``async with engine.session(id, group_id=..., group_size=...) as h``:
@@ -473,11 +474,10 @@ class SessionEngine(BackgroundWork):
         ended = dest is not None and dest in TERMINAL_STATES
         if dest is not None:
             h.state = dest
-            if ended:
-                self._release(h, body, None if env is None else env.lsn)
+        released = ended and self._release(h, body, None if env is None else env.lsn)
         if self._checkpointer is not None:
             self._checkpointer.applied(None if env is None else env.lsn, h.session_id, h._seq - 1, ordered=ended,
-                                       placed=partial(self._placed_late, h, h.state) if env is None and ended else None)
+                                       placed=partial(self._placed_late, h, h.state, released) if env is None and ended else None)
 
     async def _in_session(self, h: SessionHandle, body: Any) -> Envelope:
         # In-session events are legal only while running (events.schema.lifecycle.RUNNING_ONLY_EVENTS).
@@ -559,17 +559,16 @@ class SessionEngine(BackgroundWork):
                 t.cancel()
             await asyncio.wait(pending, timeout=self.drain_s)
 
-    def _release(self, h: SessionHandle, body: Any, lsn: int | None) -> None:
-        """Forget everything held for a session that just ended (``lsn``: of its terminal event, if known)."""
+    def _release(self, h: SessionHandle, body: Any, lsn: int | None) -> bool:
+        """Forget everything held for a session that just ended (``lsn``: of its terminal event, if
+        known); whether that released its group (an adopted orphan whose membership the log refused has none)."""
         sid = h.session_id
         h._context = None  # the next-turn context: nothing follows a terminal event
-        if self._groups.is_member(h.group_id, sid):  # an adopted orphan whose membership the log refused is none
-            self._groups.close(h.group_id, None, sid, lsn, refill=h.state is State.ABORTED and body.refill is True)
+        released = self._groups.is_member(h.group_id, sid) and self._groups.close(
+            h.group_id, None, sid, lsn, refill=h.state is State.ABORTED and body.refill is True) is not None
         self._live.pop(sid, None)
         if not self._live:
-            # dicts never shrink on delete: drop the table a burst grew, so an
-            # idle engine holds no per-session memory at all.
-            self._live = {}
+            self._live = {}  # dicts never shrink on delete: an idle engine holds no per-session memory at all
         if h._timer is not None:
             h._timer.cancel()
             h._timer = None
@@ -587,6 +586,7 @@ class SessionEngine(BackgroundWork):
         else:
             self.stats["dropped"] += 1
             h.log.info("session.dropped", reason=body.reason)
+        return released
 
 
 __all__ = [

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentlog.engine import DuplicateSession, SessionEngine
+from agentlog.engine.checkpointer import Checkpointer
 from agentlog.engine.restart import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -958,3 +959,92 @@ def test_the_restart_folds_scans_for_reused_ids_are_bounded(tmp_path, monkeypatc
         assert [e["event"] for e in logs if e["event"].startswith("engine.restart_id")] == ["engine.restart_id_scans_capped"]
     finally:
         log.close()
+
+
+def test_two_cancelled_finishes_in_one_group_keep_the_release_lsn_of_the_one_that_released_it(tmp_path):
+    """Both members' finishes cancelled once staged: placed in LSN order, only the one that
+    completed the group gives the group its release LSN, and checkpoints are served again."""
+
+    async def go():
+        log, eng, (a, b) = await _engine_with_sessions(tmp_path / "log", 2)
+        try:
+            ckpt = eng._checkpointer
+            tasks = []
+            for h in (a, b):
+                tasks.append(asyncio.ensure_future(h.finish(reward=1.0)))
+                await asyncio.sleep(0)  # staged
+            for task in tasks:
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            await eng.open_session("next", group_id="next", group_size=1)  # past the two holes
+            for _ in range(200):
+                await ckpt.checkpoint()
+                if ckpt.from_log is None:
+                    break
+                await asyncio.sleep(0.005)
+            assert ckpt.from_log is None and dict(eng._groups.to_snapshot().recent)["g0"] == 5  # b's finish, at lsn 5
+            assert _served_now(eng) == _fold_of(log)
+            await eng.close()
+        finally:
+            log.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("meanwhile", ["a finish applied out of order", "too many records past a hole"])
+def test_what_happens_while_a_fold_is_compared_keeps_the_checkpoints_folded_from_the_log(tmp_path, monkeypatch, meanwhile):
+    """The engine's state is compared with a fold of the log at the frontier; the fold runs in a
+    worker thread, and the engine goes on meanwhile. A record applied out of order then, or the
+    frontier given up then, makes the comparison (begun before) prove nothing: the checkpoints
+    stay folded from the log."""
+    import threading
+
+    gate = threading.Event()
+    fold_log = Checkpointer._fold_log
+
+    def held(self, until=None):  # holds the fold's worker thread until the test let the engine move on
+        assert gate.wait(10)
+        return fold_log(self, until)
+
+    async def go():
+        log, eng, (a, b) = await _engine_with_sessions(tmp_path / "log", 2, status_cache=2)
+        try:
+            ckpt = eng._checkpointer
+            task = asyncio.ensure_future(eng.open_session("late", group_id="late", group_size=2))
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task  # out of order until proven: checkpoints folded from the log
+            await _turn(b)
+            monkeypatch.setattr(Checkpointer, "_fold_log", held)
+            checkpoint = asyncio.ensure_future(ckpt.checkpoint())
+            for _ in range(200):  # the hole read placed "late"; the fold at the frontier is held
+                if ckpt._reading is not None and not ckpt._unplaced:
+                    break
+                await asyncio.sleep(0.005)
+            if meanwhile == "a finish applied out of order":
+                first = asyncio.ensure_future(b.finish(reward=0.0))
+                await asyncio.sleep(0)
+                second = asyncio.ensure_future(a.finish(reward=1.0))
+                await asyncio.sleep(0)
+                second.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await second
+                await first
+            else:
+                ckpt.AHEAD_MAX = 2
+                log.append_batch([("learner", 0, PolicyUpdated(step=1, policy_version=1))])
+                for t in range(3):
+                    await _turn(b, t)
+                assert not ckpt._tracking
+            gate.set()
+            await checkpoint
+            assert ckpt.from_log is not None
+            await eng.close()
+            assert _comparable(ckpt._last) == _fold_of(log, recent_window=2)
+        finally:
+            gate.set()
+            log.close()
+
+    asyncio.run(go())
