@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
 import time
 from operator import attrgetter
@@ -67,11 +68,6 @@ _log = get_logger("agentlog.engine.checkpointer")
 
 _T = TypeVar("_T")
 _opened_lsn = attrgetter("opened_lsn")
-
-
-def _comparable(ckpt: EngineCheckpoint) -> EngineCheckpoint:
-    """``ckpt`` without what differs by how it was reached (its time, an anchor not read yet)."""
-    return msgspec.structs.replace(ckpt, anchor=b"", written_ns=0)
 
 
 def _tagged(log: EventLog, start: int) -> Generator[tuple[int, str, int, str], None, None]:
@@ -286,12 +282,8 @@ class Checkpointer:
 
     def _tags(self, start: int, end: int) -> list[tuple[int, str, int, str]]:
         """``(lsn, session_id, session_seq, tag)`` of the log's records from ``start`` to ``end`` (exclusive)."""
-        out = []
-        with self._lock, contextlib.closing(_tagged(self.log, start)) as records:  # closes the cursor on the break
-            for rec in records:
-                if rec[0] >= end:
-                    break
-                out.append(rec)
+        with self._lock, contextlib.closing(_tagged(self.log, start)) as records:  # closes the cursor at ``end``
+            out = list(itertools.takewhile(lambda rec: rec[0] < end, records))
         self.read_back += len(out)
         return out
 
@@ -306,7 +298,7 @@ class Checkpointer:
             served = self._served(cut)  # taken now, in the loop's thread, before the fold moves past it
         ckpt = await self._in_thread(self._fold_log, cut)
         # Equal, and nothing put the engine's state out of order (or stopped the frontier) while the fold ran.
-        if served is not None and self._disorders == disorders and self._tracking and _comparable(served) == _comparable(ckpt):
+        if served is not None and self._disorders == disorders and self._tracking and served.comparable() == ckpt.comparable():
             _log.info("engine.checkpoint_served_again", path=str(self.path), next_lsn=cut, was=self.from_log)
             self.from_log = None
         return ckpt

@@ -305,13 +305,14 @@ class SessionEngine(BackgroundWork):
             raise DuplicateSession(session_id, live.state, "a live session")
         if self._groups.is_member(group_id, session_id):
             raise DuplicateSession(session_id, None, f"a member of group {group_id!r}, which is still in flight")
+        hashes = self._ids.hashes(session_id)  # once, for the filter's question now and its insert once in the log
         # Joined before the first await, so concurrent opens cannot both take
         # the last place or the same index; withdrawn if the open fails.
         try:
             self._groups.open(group_id, session_id, group_size, sample_index, None, replaces)
         except GroupError:
             # A reused id is reported as such, not as the group conflict it also causes.
-            if self._ids.maybe_used(session_id, self._ids.hashes(session_id)):
+            if self._ids.maybe_used(session_id, hashes):
                 await self._ids.confirm_fresh(session_id)
             raise
         budget = budget_s if budget_s is not None else self.session_budget_s
@@ -321,7 +322,6 @@ class SessionEngine(BackgroundWork):
         # no concurrent open of the same id and no early op can slip in.
         h._busy = True  # nobody else can see h yet
         self._live[session_id] = h
-        hashes = self._ids.hashes(session_id)
         try:
             if self._ids.maybe_used(session_id, hashes):  # maybe seen before: confirm exactly
                 await self._ids.confirm_fresh(session_id)
@@ -353,19 +353,18 @@ class SessionEngine(BackgroundWork):
         h._seq = 1
         self._ids.opened(hashes)
         if lsn is not None:
-            h.opened_lsn = lsn
-            self._groups.placed(h.group_id, h.session_id, lsn)
-        if self._checkpointer is not None:
-            self._checkpointer.applied(lsn, h.session_id, 0, ordered=True, placed=partial(self._placed_late, h, None, False))
+            self._placed(h, None, False, lsn)
+        if self._checkpointer is not None:  # an LSN not known yet is found by the checkpointer's read of the log
+            self._checkpointer.applied(lsn, h.session_id, 0, ordered=True, placed=partial(self._placed, h, None, False) if lsn is None else None)
         self.stats["opened"] += 1
         if budget is not None:
             h._timer = asyncio.get_running_loop().call_later(budget, self._on_budget, h)
 
-    def _placed_late(self, h: SessionHandle, ended: State | None, released: bool, lsn: int) -> None:
-        """``h``'s opening (``ended`` None) or terminal event (which ``released`` its group, or not), applied as its cancel came, is at ``lsn``."""
+    def _placed(self, h: SessionHandle, ended: State | None, released: bool, lsn: int) -> None:
+        """``h``'s opening (``ended`` None) is at ``lsn``, or its terminal event (which ``released`` its group, or not), applied as its cancel came."""
         if ended is None:
             h.opened_lsn = lsn
-            self._groups.placed_late(h.group_id, h.session_id, lsn)
+            self._groups.placed(h.group_id, h.session_id, lsn)
         else:
             self._ids.ended_late(h.session_id, ended, lsn)
             if released:
@@ -477,7 +476,7 @@ class SessionEngine(BackgroundWork):
         released = ended and self._release(h, body, None if env is None else env.lsn)
         if self._checkpointer is not None:
             self._checkpointer.applied(None if env is None else env.lsn, h.session_id, h._seq - 1, ordered=ended,
-                                       placed=partial(self._placed_late, h, h.state, released) if env is None and ended else None)
+                                       placed=partial(self._placed, h, h.state, released) if env is None and ended else None)
 
     async def _in_session(self, h: SessionHandle, body: Any) -> Envelope:
         # In-session events are legal only while running (events.schema.lifecycle.RUNNING_ONLY_EVENTS).

@@ -123,6 +123,11 @@ class EngineCheckpoint(msgspec.Struct, frozen=True):
     first_violations: list[LoggedViolation]
     written_ns: int = 0
 
+    def comparable(self) -> "EngineCheckpoint":
+        """This checkpoint without what differs by how it was reached (the time it was taken,
+        an anchor not read back yet): what a served checkpoint and a fold of the log share."""
+        return msgspec.structs.replace(self, anchor=b"", written_ns=0)
+
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(EngineCheckpoint)

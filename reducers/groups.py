@@ -332,16 +332,14 @@ class GroupTracker:
             p.refills[session_id] = replaces
 
     def placed(self, group_id: str, session_id: str, lsn: int) -> None:
-        """The opening of ``session_id``, which joined ``group_id`` with lsn None, reached the log at ``lsn``."""
-        p = self._pending[group_id]
-        p.opened[session_id] = (p.opened[session_id][0], lsn)
-
-    def placed_late(self, group_id: str, session_id: str, lsn: int) -> None:
-        """:meth:`placed`, for an opening whose LSN became known late: nothing when its group was
-        released meanwhile, or the member already placed."""
+        """The opening of ``session_id``, which joined ``group_id`` with lsn None, reached the log at
+        ``lsn``: nothing when the group was released meanwhile (an LSN known late, when the opening's
+        append was cancelled after it was staged)."""
         p = self._pending.get(group_id)
-        if p is not None and session_id in p.opened and p.opened[session_id][1] < 0:
-            self.placed(group_id, session_id, lsn)
+        if p is not None:
+            member = p.opened.get(session_id)
+            if member is not None and member[1] < 0:
+                p.opened[session_id] = (member[0], lsn)
 
     def released_late(self, group_id: str, lsn: int) -> None:
         """The terminal event that released ``group_id`` with its LSN not known (-1) is at ``lsn``."""

@@ -10,7 +10,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -344,11 +343,6 @@ def test_a_checkpoint_that_cannot_be_written_never_stops_the_engine(tmp_path):
 # -- checkpoints served from the engine's state ----------------------------------------------------
 
 
-def _comparable(ckpt):
-    """A checkpoint without what differs by how it was reached (the time, an anchor not read yet)."""
-    return msgspec.structs.replace(ckpt, anchor=b"", written_ns=0)
-
-
 #: A small id filter (4 kB, not 1 MiB) for the engines of the served-checkpoint tests, which snapshot it often.
 _IDS = 1024
 
@@ -357,7 +351,7 @@ def _fold_of(log, until=None, recent_window=4096):
     """The restart fold of ``log`` from LSN 0 (to ``until``, exclusive), as a comparable checkpoint."""
     fold = RestartFold(id_capacity=_IDS, recent_window=recent_window)
     fold.catch_up(log, until=until)
-    return _comparable(fold.to_checkpoint())
+    return fold.to_checkpoint().comparable()
 
 
 def _served_now(eng):
@@ -365,7 +359,7 @@ def _served_now(eng):
     ckpt = eng._checkpointer
     if ckpt._ahead or ckpt._unplaced or ckpt.from_log is not None:
         return None
-    return _comparable(ckpt._served(ckpt.frontier))
+    return ckpt._served(ckpt.frontier).comparable()
 
 
 def _restart_from_the_checkpoint_and_from_0(path: Path, copy: Path, **options):
@@ -582,7 +576,7 @@ def test_a_running_engine_serves_its_checkpoints_and_reads_only_the_records_it_d
     log = FileLog.open(path, fsync="never")
     try:
         loaded = load_checkpoint(path / CHECKPOINT_NAME, log)
-        assert loaded.next_lsn == end and _comparable(loaded) == ref
+        assert loaded.next_lsn == end and loaded.comparable() == ref
     finally:
         log.close()
 
@@ -607,7 +601,7 @@ def test_a_turn_cancelled_once_staged_waits_then_is_placed_by_reading_its_hole(t
             await ckpt.checkpoint()
             assert not ckpt._unplaced and not ckpt._ahead and ckpt.from_log is None and ckpt.served == 1
             assert ckpt.lsn == log.next_lsn and ckpt._last is not None
-            assert _comparable(ckpt._last) == _fold_of(log)
+            assert ckpt._last.comparable() == _fold_of(log)
             await eng.close()
         finally:
             log.close()
@@ -637,10 +631,10 @@ def test_another_writers_session_record_makes_checkpoints_fold_the_log_and_says_
             warned = [e for e in logs if e["event"] == "engine.checkpoint_from_log"]
             assert len(warned) == 1 and "'intruder'" in warned[0]["reason"] and f"lsn {ckpt.lsn - 5}" in warned[0]["reason"]
             assert ckpt.from_log is not None and ckpt.served == 1 and ckpt.lsn == log.next_lsn
-            assert _comparable(ckpt._last) == _fold_of(log)
+            assert ckpt._last.comparable() == _fold_of(log)
             await handles[0].finish(reward=1.0)
             await eng.close()
-            assert ckpt.lsn == log.next_lsn and _comparable(ckpt._last) == _fold_of(log)
+            assert ckpt.lsn == log.next_lsn and ckpt._last.comparable() == _fold_of(log)
         finally:
             log.close()
 
@@ -676,11 +670,11 @@ def test_an_opening_or_terminal_event_cancelled_once_staged_is_folded_from_the_l
                         break
                     await asyncio.sleep(0.005)
             assert ckpt.from_log is None and [e["event"] for e in logs if "served_again" in e["event"]]
-            assert _comparable(ckpt._last) == _fold_of(log, until=ckpt._last.next_lsn)
+            assert ckpt._last.comparable() == _fold_of(log, until=ckpt._last.next_lsn)
             await _turn(b, 1)
             assert _served_now(eng) == _fold_of(log)
             await eng.close()
-            assert ckpt.from_log is None and _comparable(ckpt._last) == _fold_of(log)
+            assert ckpt.from_log is None and ckpt._last.comparable() == _fold_of(log)
         finally:
             log.close()
 
@@ -749,7 +743,7 @@ def test_too_many_records_past_a_hole_make_checkpoints_fold_the_log(tmp_path):
             assert ckpt.from_log is not None and "4 records applied past a hole" not in ckpt.from_log
             assert "3 records applied past a hole" in ckpt.from_log
             await ckpt.checkpoint()
-            assert _comparable(ckpt._last) == _fold_of(log)
+            assert ckpt._last.comparable() == _fold_of(log)
             await eng.close()
         finally:
             log.close()
@@ -1042,7 +1036,7 @@ def test_what_happens_while_a_fold_is_compared_keeps_the_checkpoints_folded_from
             await checkpoint
             assert ckpt.from_log is not None
             await eng.close()
-            assert _comparable(ckpt._last) == _fold_of(log, recent_window=2)
+            assert ckpt._last.comparable() == _fold_of(log, recent_window=2)
         finally:
             gate.set()
             log.close()
