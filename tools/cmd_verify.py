@@ -8,7 +8,8 @@ readable, the lifecycle check follows: the one step every fold composes
 :class:`reducers.lifecycle.LifecycleCheck`, reading only each record's
 session, ``session_seq`` and event tag) over the whole log. Each lifecycle
 violation (a ``session_seq`` gap or repeat, an event after the terminal one,
-an illegal move, a reused id, ...) is printed on its own line naming its LSN,
+an illegal move, a reused id (confirmed by the log's ids when the check's
+id filter alone says so: the filter has false positives), ...) is printed on its own line naming its LSN,
 session and kind (the first ``SHOWN``), and the command exits 1.
 
 Exit 0 when the log is sound (or was repaired), with a note counting records
@@ -200,18 +201,54 @@ def reused_across_partitions(root: Any, opened: dict[int, OpenedIds]) -> list[tu
 _OPENED_TAG = "session_opened"
 
 
-def check_lifecycle(path: Any, *, opened: OpenedIds | None = None, digest: Any = None) -> tuple[int, list[Any]]:
+def check_lifecycle(path: Any, *, opened: OpenedIds | None = None, digest: Any = None,
+                    new_check: Any = None) -> tuple[int, list[Any]]:
     """The lifecycle check over the log at ``path``: ``(violations, the first SHOWN of them)``.
     Reads each record's tag only; no body is decoded. ``opened``, when given,
     collects every session_opened record (for the check across partitions);
-    ``digest`` (a :class:`~agentlog.tools.cli_common.RecordDigest`), when given, takes every record."""
+    ``digest`` (a :class:`~agentlog.tools.cli_common.RecordDigest`), when given, takes every record.
+    ``new_check``: makes the :class:`~agentlog.reducers.lifecycle.LifecycleCheck` (its defaults
+    when None).
+
+    The check's id filter has false positives (~3.4e-7 of fresh ids; a log of ten million
+    sessions holds a few), which alone it would report as reused ids. So an opening the filter
+    alone calls a reuse is only noted in the first pass; when there are any, one more pass finds
+    the first LSN of each such id, and if any of them is fresh after all, the check runs again
+    with that exact answer (as the restart fold confirms by a scan, and the engine at open).
+    A sound log is read once; the extra passes read ids and tags only."""
+    from agentlog.reducers.lifecycle import LifecycleCheck
+
+    make = new_check or LifecycleCheck
+    suspects: dict[str, int] = {}  # id -> LSN of its first opening the filter alone called a reuse
+
+    def note_suspect(session_id: str, lsn: int) -> bool:
+        suspects.setdefault(session_id, lsn)
+        return True  # refused for now; confirmed below
+
+    count, shown = _check_pass(path, make(), note_suspect, opened=opened, digest=digest)
+    if not suspects:
+        return count, shown
+    first = _first_lsns(path, set(suspects))
+    if all(first[sid] < lsn for sid, lsn in suspects.items()):
+        return count, shown  # every one a real reuse: the first pass's answer is exact
+
+    def used_before(session_id: str, lsn: int) -> bool:
+        if session_id not in first:  # an id the second run suspects alone (its window moved): rare twice over
+            first.update(_first_lsns(path, {session_id}))
+        return first[session_id] < lsn
+
+    return _check_pass(path, make(), used_before)
+
+
+def _check_pass(path: Any, check: Any, confirm_used: Any, *, opened: OpenedIds | None = None,
+                digest: Any = None) -> tuple[int, list[Any]]:
+    """One pass of ``check`` over the log, its id filter's maybe-used openings answered by ``confirm_used``."""
     import msgspec
 
     from agentlog.events.schema.types import payload_tag
-    from agentlog.reducers.lifecycle import LifecycleCheck
     from agentlog.tools.cli_common import read_records
 
-    check = LifecycleCheck()
+    check.fold.confirm_used = confirm_used
     feed = check.feed
     count = 0
     shown: list[Any] = []
@@ -229,3 +266,16 @@ def check_lifecycle(path: Any, *, opened: OpenedIds | None = None, digest: Any =
             count += len(found)
             shown.extend(found[: SHOWN - len(shown)])
     return count, shown
+
+
+def _first_lsns(path: Any, ids: set[str]) -> dict[str, int]:
+    """The LSN of the first record of each of ``ids`` in the log at ``path`` (ids only are read)."""
+    from agentlog.tools.cli_common import read_records
+
+    first: dict[str, int] = {}
+    for rec in read_records(path, raw=True, quiet=True, desc="verify reused ids"):
+        if rec.session_id in ids and rec.session_id not in first:
+            first[rec.session_id] = rec.lsn
+            if len(first) == len(ids):
+                break
+    return first
