@@ -16,6 +16,10 @@ from agentlog.events.schema.types import PolicyUpdated
 from agentlog.reducers.groups import Group
 from agentlog.reducers.samples import SampleDigest
 
+#: The metric of a final learner record that says the run stopped because nothing was
+#: trainable for ``max_untrainable_batches`` batches in a row: the run failed.
+STOPPED_UNTRAINABLE = "loop/stopped_untrainable"
+
 
 def read_learner_records(learner: "LogSource | Path") -> list[PolicyUpdated]:
     """Every ``policy_updated`` in a learner log (a LogSource, or a learner log directory), in order."""

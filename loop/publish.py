@@ -39,10 +39,6 @@ if TYPE_CHECKING:
 #: Session id under which the learner appends its records to the learner log.
 LEARNER_STREAM = "learner"
 
-#: The metric of a final learner record that says the run stopped because nothing was
-#: trainable for ``max_untrainable_batches`` batches in a row: the run failed.
-STOPPED_UNTRAINABLE = "loop/stopped_untrainable"
-
 #: Checkpoints of versions that are multiples of this are never pruned.
 KEEP_EVERY = 50
 

@@ -40,8 +40,7 @@ from agentlog.events.log.source import LogTail
 from agentlog.events.schema.types import PolicyUpdated, SessionAborted, SessionDropped, SessionFinished, SessionOpened, TurnDelta, TurnRecorded
 
 from .config import LoopConfig
-from .learner_records import mismatch_summary, read_learner_records
-from .publish import STOPPED_UNTRAINABLE
+from .learner_records import STOPPED_UNTRAINABLE, mismatch_summary, read_learner_records
 from .run_folder import Run
 from .run_marker import INCOMPLETE_MARKER, mark_incomplete
 
@@ -256,13 +255,14 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: Callable[[LoopConfig, 
     run_dir.mkdir(parents=True, exist_ok=True)
     # Both processes read the HF model: build a tiny one once, here, and pin a
     # local directory to an absolute path (the processes may not share a cwd).
-    from agentlog.learner.hf_tiny import TINY_MODELS
+    if cfg.hf_model:  # the built-in GPT needs nothing here, and this process no torch
+        from agentlog.learner.hf_tiny import TINY_MODELS
 
-    from .policy import resolve_hf_model  # torch: only once a run starts
+        from .policy import resolve_hf_model
 
-    hf_dir = resolve_hf_model(cfg, run_dir)
-    if hf_dir is not None and cfg.hf_model not in TINY_MODELS:
-        cfg = dataclasses.replace(cfg, hf_model=str(hf_dir))
+        hf_dir = resolve_hf_model(cfg, run_dir)
+        if cfg.hf_model not in TINY_MODELS:
+            cfg = dataclasses.replace(cfg, hf_model=str(hf_dir))
     fresh = not Run.has_config(run_dir)
     if cfg.log.backend == "nats" and not cfg.log.stream:
         # Pinned in config.json: the stream stays the run's if the folder is renamed.

@@ -72,11 +72,11 @@ from agentlog.reducers.samples import distill_problem
 from .config import GroupsConfig, LoopConfig
 from .dynamic_sampling import ends_chain, oversampled, zero_spread
 from .naming import redraw_of
-from .learner_records import record_consumed, record_frontier, step_digest
+from .learner_records import STOPPED_UNTRAINABLE, record_consumed, record_frontier, step_digest
 from .metric_sinks import MetricSinks
 from .policy import build_model
 from .run_folder import Run
-from .publish import STOPPED_UNTRAINABLE, checkpoint_path, prune_checkpoints, publish, save_hf_checkpoint
+from .publish import checkpoint_path, prune_checkpoints, publish, save_hf_checkpoint
 from .staleness import StalenessVerdict, judge_staleness, version_lag_shares
 
 log = get_logger("agentlog.loop.trainer")

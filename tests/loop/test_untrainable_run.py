@@ -14,7 +14,7 @@ import pytest
 
 from agentlog.events.schema.types import SessionAborted
 from agentlog.events import read_log
-from agentlog.loop.publish import STOPPED_UNTRAINABLE
+from agentlog.loop.learner_records import STOPPED_UNTRAINABLE
 from agentlog.loop.learner_records import read_learner_records
 
 from custom_task_helpers import agentlog_exe, clean_env, train_cli

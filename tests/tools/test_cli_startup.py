@@ -72,3 +72,18 @@ def test_train_and_demo_build_their_config_reference_only_for_help(monkeypatch, 
             build_parser([command]).parse_args([command, "--help"])
         assert "THE CONFIG REFERENCE" in capsys.readouterr().out, command
     assert made == ["LoopConfig", "LoopConfig"]
+
+
+def test_the_train_command_itself_runs_without_torch(tmp_path):
+    """`agentlog train` with the built-in GPT: only its learner and rollout worker processes
+    need torch; the process that starts and watches them, and checks the run at its end, does
+    not pay torch's import (about two seconds of every run's start, and of every test's)."""
+    from agentlog.loop.learner_records import read_learner_records
+
+    config = tmp_path / "one.toml"
+    config.write_text("steps = 1\ngroups_per_step = 2\ngroup_size = 2\nwarmup_steps = 0\nseed = 0\n")
+    run = tmp_path / "run"
+    loaded = _modules_after(["train", "--config", str(config), "--out", str(run), "--quiet", "--no-report"])
+    assert "agentlog.loop.run" in loaded
+    assert [r.policy_version for r in read_learner_records(run / "learner")][-1] == 1  # it trained
+    assert "torch" not in loaded, "the train command's own process imported torch"
