@@ -6,6 +6,9 @@ One run measures, on a FileLog with fsync policy ``batch``:
   sessions in flight at once: sessions/s, cost per transition;
 * the anchor: the same events, built the same way, appended straight to the
   log with the same concurrency (goal: engine <= 1.5x the anchor's time);
+  beside it, the two arms' CPU time (every thread of the process, over the
+  same span): on a shared VM the rounds' wall clock spreads by more than the
+  changes it judges, while the CPU a round needs moves much less;
 * peak memory per open session (tracemalloc, engine code only);
 * resident memory per live session at an 8k-token context, 10,000 live
   sessions (1,000 with ``--quick``), in a fresh process
@@ -75,8 +78,11 @@ def _open_log(path: Path | None):
     return MemoryLog() if path is None else FileLog.open(path, fsync="batch")
 
 
-async def run_engine(path: Path | None, n: int, conc: int, turns: int, toks: bytes, lps: bytes, **engine_options) -> float:
-    """Seconds for n sessions through the engine (``engine_options``: SessionEngine's keywords; its defaults here)."""
+async def run_engine(path: Path | None, n: int, conc: int, turns: int, toks: bytes, lps: bytes,
+                     cpu: list[float] | None = None, **engine_options) -> float:
+    """Seconds for n sessions through the engine (``engine_options``: SessionEngine's keywords; its defaults here).
+    ``cpu``: when given, the process's CPU seconds over the same span (every thread: the log's
+    writer and the checkpoint's worker too) are appended to it."""
     log = _open_log(path)
     try:
         eng = await SessionEngine.open(log, **engine_options)
@@ -89,9 +95,11 @@ async def run_engine(path: Path | None, n: int, conc: int, turns: int, toks: byt
             await h.finish(reward=1.0)
 
         gc.collect()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         await _workers(n, conc, one)
         elapsed = time.perf_counter() - t0
+        if cpu is not None:
+            cpu.append(time.process_time() - c0)
         assert eng.live_count == 0 and log.next_lsn == n * (turns + 3)
         await eng.close()
         return elapsed
@@ -114,8 +122,9 @@ async def reopen(path: Path) -> tuple[float, int]:
         log.close()
 
 
-async def run_raw(path: Path | None, n: int, conc: int, turns: int, toks: bytes, lps: bytes) -> float:
-    """Seconds for the same events appended straight to the log (the anchor)."""
+async def run_raw(path: Path | None, n: int, conc: int, turns: int, toks: bytes, lps: bytes,
+                  cpu: list[float] | None = None) -> float:
+    """Seconds for the same events appended straight to the log (the anchor); ``cpu`` as :func:`run_engine`'s."""
     log = _open_log(path)
     try:
         async def one(i: int) -> None:
@@ -128,9 +137,11 @@ async def run_raw(path: Path | None, n: int, conc: int, turns: int, toks: bytes,
             await log.append(sid, 2 + turns, SessionFinished(reward=1.0))
 
         gc.collect()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         await _workers(n, conc, one)
         elapsed = time.perf_counter() - t0
+        if cpu is not None:
+            cpu.append(time.process_time() - c0)
         assert log.next_lsn == n * (turns + 3)
         return elapsed
     finally:
@@ -228,19 +239,21 @@ def main(argv: list[str] | None = None) -> int:
         per = n // rounds
         t_raw = t_eng = 0.0
         round_ratios = []
+        cpu: dict[str, list[float]] = {"raw": [], "engine": []}
         for r in range(rounds):
             pair = [("raw", run_raw), ("engine", run_engine)]
             if r % 2:
                 pair.reverse()
             took = {}
             for name, fn in pair:
-                took[name] = asyncio.run(fn(base / f"{name}{r}", per, conc, args.turns, toks, lps))
+                took[name] = asyncio.run(fn(base / f"{name}{r}", per, conc, args.turns, toks, lps, cpu=cpu[name]))
                 if name == "raw" or r > 0:  # keep one engine log for the restart fold
                     shutil.rmtree(base / f"{name}{r}", ignore_errors=True)
             t_raw += took["raw"]
             t_eng += took["engine"]
             round_ratios.append(took["engine"] / took["raw"])
-            print(f"  round {r + 1}/{rounds}: raw {took['raw']:.2f} s, engine {took['engine']:.2f} s", file=sys.stderr)
+            print(f"  round {r + 1}/{rounds}: raw {took['raw']:.2f} s ({cpu['raw'][-1]:.2f} s CPU), "
+                  f"engine {took['engine']:.2f} s ({cpu['engine'][-1]:.2f} s CPU)", file=sys.stderr)
         n = per * rounds
         events = n * (args.turns + 3)
         t_fold, fold_events = asyncio.run(reopen(base / "engine0"))
@@ -274,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         ("engine over FileLog", f"{n / t_eng:,.0f} sessions/s", f"{t_eng / events * 1e6:.1f} us/transition", f"{t_eng:.2f} s"),
         ("engine / raw, per round", " ".join(f"{x:.2f}" for x in round_ratios), f"median {sorted(round_ratios)[len(round_ratios) // 2]:.2f}x", ""),
         ("raw appends (anchor)", f"{n / t_raw:,.0f} sessions/s", f"{t_raw / events * 1e6:.1f} us/event", f"{t_raw:.2f} s"),
+        ("engine / raw, CPU of every thread", f"{sum(cpu['engine']) / sum(cpu['raw']):.2f}x",
+         " ".join(f"{e / r:.2f}" for e, r in zip(cpu["engine"], cpu["raw"])) + " per round",
+         f"{sum(cpu['engine']):.2f} / {sum(cpu['raw']):.2f} s"),
         ("engine / raw over MemoryLog (CPU only)", f"{m_eng / m_raw:.2f}x", f"{(m_eng - m_raw) / (n_mem * (args.turns + 3)) * 1e6:.1f} us/transition added", f"{n_mem:,} sessions"),
         (f"engine over MemoryLog, {lo:,} / {hi:,} concurrent", f"{us(mem[lo], 2):.1f} / {us(mem[hi], 2):.1f} us/session", f"{scale:.2f}x", f"{n_scale:,} sessions x 2 each"),
         (f"engine over FileLog, {lo:,} / {hi:,} concurrent", f"{us(disk[('engine', lo)]):.1f} / {us(disk[('engine', hi)]):.1f} us/session", f"{disk[('engine', hi)] / disk[('engine', lo)]:.2f}x", f"{n_scale:,} sessions each"),
