@@ -14,29 +14,22 @@ due then is a snapshot of that state, taken in the event loop's thread
 its group before its ``session_opened`` is written, are left out, as the
 fold would not hold them yet).
 
-Two things can leave records applied past the frontier, and the snapshot
-then waits:
+The engine applies each of its records as the log acknowledges it, never as
+a caller's wait is cancelled (:meth:`SessionEngine._stage`), so it applies
+them in the log's order, each at its LSN. One thing leaves records applied
+past the frontier, and the snapshot then waits: a record the engine did not
+write (another writer's ``policy_updated``), a hole that nothing fills.
+When a checkpoint falls due with records waiting, the checkpointer reads
+the holes from the log in a worker thread, tags only: a learner record
+changes nothing a checkpoint holds.
 
-* a record the engine did not write (another writer's ``policy_updated``)
-  is a hole that nothing fills;
-* a record whose append was cancelled after it was staged is applied when
-  the cancel comes, with its LSN not known.
-
-When a checkpoint falls due with records waiting, the checkpointer reads the
-holes from the log in a worker thread, tags only: a learner record changes
-nothing the checkpoint holds, and a record applied without its LSN is placed.
-A cancelled opening or terminal event is placed the same way, but the
-engine's state keeps such records in LSN order (the id filter's layers,
-the groups, the recent window), and one applied as its cancel came may be
-out of it. Until that is proven otherwise, each checkpoint is folded from
-the log, from the last one taken, in a worker thread, as a restart would
-(``engine.checkpoint_from_log``); each such checkpoint, when nothing past
-the frontier is applied, is compared with the engine's state served at the
-same LSN, and once they are equal the checkpoints are served again
-(``engine.checkpoint_served_again``). A session record the engine did not
-apply (another writer's, or one whose apply failed) means its state can
-never be proven to be the log's: checkpoints are folded from the log for
-the rest of the engine's life. Slower, never wrong.
+A session record the engine did not apply (another writer's, one whose
+apply failed, or one of a log that stages in a task, applied without its
+LSN when that task was cancelled) means the engine's state can no longer be
+proven to be the log's: each checkpoint is then folded from the log, from
+the last one taken, in a worker thread, as a restart would
+(``engine.checkpoint_from_log``), for the rest of the engine's life. Slower,
+never wrong.
 """
 
 from __future__ import annotations
@@ -103,15 +96,8 @@ class Checkpointer:
         self.frontier = fold.next_lsn
         #: LSNs past the frontier whose records the engine applied (waiting for the holes before them).
         self._ahead: set[int] = set()
-        #: (session_id, session_seq) of records applied before their LSN was known (cancelled after staging),
-        #: each with what the engine calls once its LSN is read (:meth:`applied`'s ``placed``), or None.
-        self._unplaced: dict[tuple[str, int], Callable[[int], None] | None] = {}
         #: Why checkpoints are folded from the log instead of served from the engine (one line), or None.
         self.from_log: str | None = None
-        #: Whether the frontier is still tracked: False once the engine's state can never be proven again.
-        self._tracking = True
-        #: How often the engine's state was found out of the log's order (each :meth:`_fold_from_log`).
-        self._disorders = 0
         #: The lifecycle check counts every record it folds: this many more than the LSNs below its end.
         self._records_offset = fold.check.records - fold.next_lsn
         #: The last checkpoint taken (written or not): where folding from the log starts.
@@ -133,32 +119,22 @@ class Checkpointer:
 
     # -- what the engine tells it -----------------------------------------------------
 
-    def applied(self, lsn: int | None, session_id: str, seq: int, *, ordered: bool = False,
-                placed: Callable[[int], None] | None = None) -> None:
+    def applied(self, lsn: int | None, session_id: str, seq: int) -> None:
         """The engine applied its record ``seq`` of ``session_id``, which the log holds at
-        ``lsn`` (None: its append was cancelled after it was staged, so its LSN is not known
-        yet; a read of the log places it). ``ordered``: the engine's state keeps this record in
-        LSN order (an opening: its LSN, and its id in the filter, whose layers depend on the
-        order ids come in; a terminal event: the order sessions ended, in the recent window and
-        the groups). One applied without its LSN may be out of that order: checkpoints are folded
-        from the log until the engine's state is proven to be the log's again (:meth:`checkpoint`).
-        ``placed(lsn)`` is called once a read of the log finds a record applied without its LSN,
-        for the engine to keep that LSN where its state holds one. In the event loop's thread; a
-        few attribute reads when in order."""
+        ``lsn`` (None: not known, see :meth:`SessionEngine._stage`; checkpoints are then folded
+        from the log). In the event loop's thread; a few attribute reads when in order."""
         if lsn == self.frontier:
             self.frontier = lsn + 1
             if self._ahead:
                 self._advance()
-        elif not self._tracking:
+        elif self.from_log is not None:
             return
         elif lsn is None:
-            self._unplaced[session_id, seq] = placed
-            if ordered:
-                self._fold_from_log(f"session {session_id!r}: record {seq}, whose append was cancelled after it was staged, "
-                                    "was applied before its LSN was known, out of the order the engine's state keeps it in")
+            self._fold_from_log(f"session {session_id!r}: record {seq} was applied with its LSN not known "
+                                "(the task of a log that stages in one was cancelled)")
         elif lsn > self.frontier:
             if len(self._ahead) >= self.AHEAD_MAX:
-                self._fold_from_log(f"{len(self._ahead)} records applied past a hole at lsn {self.frontier}", for_good=True)
+                self._fold_from_log(f"{len(self._ahead)} records applied past a hole at lsn {self.frontier}")
             else:
                 self._ahead.add(lsn)
 
@@ -170,24 +146,18 @@ class Checkpointer:
             frontier += 1
         self.frontier = frontier
 
-    def _fold_from_log(self, why: str, *, for_good: bool = False) -> None:
-        """Fold each checkpoint from the log, from the last one taken, until the engine's state is
-        proven to be the log's again (:meth:`checkpoint`); ``for_good``: it never can be (a record
-        it did not apply, or the frontier no longer tracked), for the rest of the engine's life."""
-        self._disorders += 1  # a comparison begun before this proves nothing (_fold_and_compare)
-        if for_good and self._tracking:
-            self._tracking = False
-            self._ahead.clear()
-            self._unplaced.clear()
-        elif self.from_log is not None:
+    def _fold_from_log(self, why: str) -> None:
+        """Fold each checkpoint from the log, from the last one taken, for the rest of the engine's
+        life: its state can no longer be proven to be the log's (``why``)."""
+        if self.from_log is not None:
             return
         self.from_log = why
+        self._ahead.clear()
         if self._last is not None:
             self._fold = RestartFold.from_checkpoint(self._last, recent_window=self._last.lifecycle.recent.size)
         _log.warning("engine.checkpoint_from_log", path=str(self.path), reason=why, since_lsn=self._fold.next_lsn,
-                     effect="each checkpoint is folded from the log in a worker thread, "
-                            + ("for the rest of the engine's life" if for_good else "until the engine's state equals that fold again")
-                            + " (slower, never wrong)")
+                     effect="each checkpoint is folded from the log in a worker thread, for the rest of the "
+                            "engine's life (slower, never wrong)")
 
     # -- when, and what -------------------------------------------------------------------
 
@@ -216,16 +186,14 @@ class Checkpointer:
                 return self.lsn  # a cancelled caller's read still runs
             await asyncio.wait([self._reading])
         self._check_fold()
-        if self._tracking and (final or self._ahead or self._unplaced):
+        if self.from_log is None and (final or self._ahead):
             await self._read_holes(final)
-        if self._tracking and (self._ahead or self._unplaced):
-            if not final and self.from_log is None:
+        if self.from_log is None and self._ahead:
+            if not final:
                 return self.lsn  # the holes' records are not all in the log yet: the next call
-            if final:
-                self._fold_from_log(f"at close, {len(self._ahead) + len(self._unplaced)} applied records could not be placed",
-                                    for_good=True)
+            self._fold_from_log(f"at close, {len(self._ahead)} applied records wait past a hole at lsn {self.frontier}")
         served = self.from_log is None
-        ckpt = self._served(self.frontier) if served else await self._fold_and_compare()
+        ckpt = self._served(self.frontier) if served else await self._in_thread(self._fold_log)
         if ckpt.next_lsn == (self.lsn if final else self._tried):
             return self.lsn  # nothing new since the last one
         if served:
@@ -257,7 +225,7 @@ class Checkpointer:
         """Read the records from the frontier to the last one applied past it (with ``final``,
         to the log's end), tags only, and account for each the engine did not apply."""
         start = self.frontier
-        end = self.log.next_lsn if final or self._unplaced or not self._ahead else max(self._ahead) + 1
+        end = self.log.next_lsn if final or not self._ahead else max(self._ahead) + 1
         if end <= start:
             return
         # Below the last record applied past the frontier every record was acknowledged, and the engine
@@ -267,14 +235,10 @@ class Checkpointer:
         for lsn, session_id, seq, tag in records:
             if lsn < self.frontier or lsn in self._ahead:
                 continue  # applied meanwhile
-            if (session_id, seq) in self._unplaced:
-                placed = self._unplaced.pop((session_id, seq))
-                if placed is not None:
-                    placed(lsn)
-            elif tag != LEARNER_TAG:
+            if tag != LEARNER_TAG:
                 if lsn < settled:
                     self._fold_from_log(f"the log's record at lsn {lsn} ({tag} of session {session_id!r}, "
-                                        f"session_seq {seq}) was not applied by this engine", for_good=True)
+                                        f"session_seq {seq}) was not applied by this engine")
                     return
                 continue
             self._ahead.add(lsn)
@@ -287,26 +251,10 @@ class Checkpointer:
         self.read_back += len(out)
         return out
 
-    async def _fold_and_compare(self) -> EngineCheckpoint:
-        """The checkpoint folded from the log: to the frontier, when nothing past it is applied, and
-        then compared with the engine's state served there (equal: served again from now on);
-        else to the log's end."""
-        cut = served = None
-        disorders = self._disorders
-        if self._tracking and not self._ahead and not self._unplaced:
-            cut = self.frontier
-            served = self._served(cut)  # taken now, in the loop's thread, before the fold moves past it
-        ckpt = await self._in_thread(self._fold_log, cut)
-        # Equal, and nothing put the engine's state out of order (or stopped the frontier) while the fold ran.
-        if served is not None and self._disorders == disorders and self._tracking and served.comparable() == ckpt.comparable():
-            _log.info("engine.checkpoint_served_again", path=str(self.path), next_lsn=cut, was=self.from_log)
-            self.from_log = None
-        return ckpt
-
-    def _fold_log(self, until: int | None = None) -> EngineCheckpoint:
-        """The fold of the log from the last checkpoint taken to its end, or to ``until`` (a worker thread)."""
+    def _fold_log(self) -> EngineCheckpoint:
+        """The fold of the log from the last checkpoint taken to its end (a worker thread)."""
         with self._lock:
-            self.read_back += self._fold.catch_up(self.log, until=until)
+            self.read_back += self._fold.catch_up(self.log)
             return self._fold.to_checkpoint()
 
     def _served(self, cut: int) -> EngineCheckpoint:

@@ -65,14 +65,15 @@ from agentlog.reducers.lifecycle_step import EndedWindow
 from agentlog.reducers.resume import ResumePoint
 
 from .errors import TIMEOUT_REASON, DuplicateSession, EngineClosed, SessionTimeout, StragglerRefused
-from .handle import InFlightMarker, SessionHandle, _SessionContext, append_built_turn, stage_built_turn
+from .handle import SessionHandle, _SessionContext, stage_built_turn
 from . import adopt as engine_adopt
 from .adopt import adopt_orphans
 from .checkpointer import Checkpointer
 from .ids import SessionIds
 from .restart import RESTART_REASON, abort_orphans, checkpoint_path_of, resume_fold
 from .session_lock import acquire_contended, release
-from .timers import BackgroundWork
+from .staged import StagedOpening, StagedRecord
+from .timers import BackgroundWork, own_work
 
 _log = get_logger("agentlog.engine")
 
@@ -80,11 +81,6 @@ _log = get_logger("agentlog.engine")
 #: checkpoint (about 1 MiB: the ID filter) costs a few ms of writing in a background thread.
 DEFAULT_CHECKPOINT_EVERY = 4096
 
-
-def _own_work(work: Any, cur: asyncio.Task | None) -> bool:
-    """Whether in-flight ``work`` (a task, or the InFlightMarker of a task's scope) is ``cur``'s
-    own: a task never waits for or cancels itself when it ends its own session."""
-    return (work.task if isinstance(work, InFlightMarker) else work) is cur
 
 class SessionEngine(BackgroundWork):
     """Drives concurrent sessions over one :class:`events.log.api.EventLog`.
@@ -322,53 +318,40 @@ class SessionEngine(BackgroundWork):
         # no concurrent open of the same id and no early op can slip in.
         h._busy = True  # nobody else can see h yet
         self._live[session_id] = h
+        done = asyncio.get_running_loop().create_future()
         try:
             if self._ids.maybe_used(session_id, hashes):  # maybe seen before: confirm exactly
                 await self._ids.confirm_fresh(session_id)
-            env = await self._log_.append(session_id, 0, body)
-        except asyncio.CancelledError:
-            if self._log_.next_seq(session_id) == 1:
-                # Staged before the cancel: the log writes it, so the session
-                # exists, but nobody holds its handle. End it like any
-                # cancelled session, in the background.
-                self._opened(h, budget, hashes, None)
-                release(h)
-                self._background(h.drop("cancelled"))
-            else:
-                del self._live[session_id]
-                self._groups.withdraw(group_id, session_id)
-                release(h)
-            raise
+            self._log_.stage(session_id, 0, body, StagedOpening(self, h, body, done, budget, hashes))
         except BaseException:
-            del self._live[session_id]
-            self._groups.withdraw(group_id, session_id)
+            self._unopened(h)
             release(h)
             raise
-        self._opened(h, budget, hashes, env.lsn)
-        release(h)
+        try:
+            await done
+        except asyncio.CancelledError:
+            if not done.cancelled() and done.exception() is None:  # opened just before the cancel came
+                self._background(h.drop("cancelled"))
+            raise
         return h
 
+    def _unopened(self, h: SessionHandle) -> None:
+        """Forget ``h``, whose ``session_opened`` the log refused (or never got)."""
+        del self._live[h.session_id]
+        self._groups.withdraw(h.group_id, h.session_id)
+
     def _opened(self, h: SessionHandle, budget: float | None, hashes: tuple[int, int], lsn: int | None) -> None:
-        """``h``'s session_opened is in the log, at ``lsn`` (None: its append was cancelled after it was staged)."""
+        """``h``'s session_opened is in the log, at ``lsn`` (None: see :meth:`_stage`)."""
         h._seq = 1
         self._ids.opened(hashes)
         if lsn is not None:
-            self._placed(h, None, False, lsn)
-        if self._checkpointer is not None:  # an LSN not known yet is found by the checkpointer's read of the log
-            self._checkpointer.applied(lsn, h.session_id, 0, ordered=True, placed=partial(self._placed, h, None, False) if lsn is None else None)
+            h.opened_lsn = lsn
+            self._groups.placed(h.group_id, h.session_id, lsn)
+        if self._checkpointer is not None:
+            self._checkpointer.applied(lsn, h.session_id, 0)
         self.stats["opened"] += 1
         if budget is not None:
             h._timer = asyncio.get_running_loop().call_later(budget, self._on_budget, h)
-
-    def _placed(self, h: SessionHandle, ended: State | None, released: bool, lsn: int) -> None:
-        """``h``'s opening (``ended`` None) is at ``lsn``, or its terminal event (which ``released`` its group, or not), applied as its cancel came."""
-        if ended is None:
-            h.opened_lsn = lsn
-            self._groups.placed(h.group_id, h.session_id, lsn)
-        else:
-            self._ids.ended_late(h.session_id, ended, lsn)
-            if released:
-                self._groups.released_late(h.group_id, lsn)
 
     def session(self, session_id: str, **kwargs: Any) -> _SessionContext:
         """``async with engine.session(id, group_id=..., group_size=...) as h``:
@@ -411,55 +394,45 @@ class SessionEngine(BackgroundWork):
         lg.warning("session.straggler_refused", what=what, state=str(state) if state is not None else None)
         raise StragglerRefused(session_id, what, state)
 
-    async def _append(self, h: SessionHandle, body: Any, dest: State | None, context: EncodingContext | None = None) -> Envelope:
-        """Append one event of ``h`` (its lock held) and apply it: next seq,
-        turn count, new state, release on a terminal state."""
-        seq = h._seq
+    async def _append(self, h: SessionHandle, body: Any, dest: State | None, context: EncodingContext | None = None,
+                      settled: Callable[[], None] | None = None) -> Envelope:
+        """Append one record of ``h`` and apply it (:meth:`_stage`), called holding ``h``'s lock,
+        which this releases on every path; returns the record's envelope. ``settled``: called once
+        the record is applied or failed (or the log refused it). Cancelling the wait cancels nothing."""
+        done = asyncio.get_running_loop().create_future()
         try:
-            if context is None:
-                env = await self._log_.append(h.session_id, seq, body)
-            else:  # a turn the engine built (SessionHandle._turn_body)
-                env = await append_built_turn(self._log_, h.session_id, seq, body)
-        except asyncio.CancelledError:
-            if self._written_anyway(h, seq):
-                self._apply(h, body, dest, None, context)
+            self._stage(h, body, dest, context, done, settled=settled, caller_waits=True)
+        except BaseException:
+            release(h)
+            if settled is not None:
+                settled()
             raise
-        try:
-            self._apply(h, body, dest, env, context)
-        except Exception as exc:
-            raise self._not_applied(h, env, exc) from exc
-        return env
+        return await done
 
-    def _stage(self, h: SessionHandle, body: Any, context: EncodingContext, then: Callable[[Envelope | None, BaseException | None], None]) -> None:
-        """Stage one turn of ``h`` the engine built (its lock held): once the log
-        acknowledges it, apply it and release the lock, then ``then(env, exc)``
-        (:meth:`SessionHandle.begin_turn`). A refusal by the log raises here."""
-        seq = h._seq
+    def _stage(self, h: SessionHandle, body: Any, dest: State | None, context: EncodingContext | None, waiter: Any, *,
+               settled: Callable[[], None] | None = None, caller_waits: bool = False) -> None:
+        """Stage one record of ``h`` (its lock held; ``context``: the one a turn the engine built leaves,
+        :meth:`SessionHandle._turn_body`): once the log acknowledges it, apply it at its LSN, release the
+        lock and answer ``waiter`` (:class:`~agentlog.engine.staged.StagedRecord`). A refusal by a log
+        that stages synchronously raises here, nothing staged and the lock still the caller's.
+        ``caller_waits``: the caller awaits the record (see :func:`~agentlog.engine.handle.stage_built_turn`).
 
-        def on_durable(env: Envelope | None, exc: BaseException | None) -> None:
-            try:
-                if env is not None:
-                    self._apply(h, body, None, env, context)
-                elif isinstance(exc, asyncio.CancelledError) and self._written_anyway(h, seq):
-                    self._apply(h, body, None, None, context)
-            except Exception as failure:  # handed to the waiter, logged and in health: never swallowed
-                env, exc = None, self._not_applied(h, env, failure)
-            finally:
-                release(h)
-            then(env, exc)
-
-        stage_built_turn(self._log_, h.session_id, seq, body, on_durable)
-
-    def _written_anyway(self, h: SessionHandle, seq: int) -> bool:
-        """Whether ``h``'s record ``seq``, whose append was cancelled, was staged before the cancel (logs
-        stage synchronously, then wait for durability): written anyway, so the session applies it too."""
-        return self._log_.next_seq(h.session_id) != seq
+        Every record is applied as its acknowledgement comes, never as a caller's wait is cancelled,
+        so the engine applies its records in the log's order and knows each one's LSN. The one
+        exception is a log that stages in a task (not the file log) whose task was cancelled (the
+        event loop shutting down) after the record went out: it is applied then, its LSN unknown."""
+        staged = StagedRecord(self, h, body, dest, context, waiter, settled)
+        if context is None:
+            self._log_.stage(h.session_id, staged.seq, body, staged)
+        else:
+            stage_built_turn(self._log_, h.session_id, staged.seq, body, staged, caller_waits=caller_waits)
 
     def _apply(self, h: SessionHandle, body: Any, dest: State | None, env: Envelope | None,
-               context: EncodingContext | None = None) -> None:
+               context: EncodingContext | None = None, ender: asyncio.Task | None = None) -> None:
         """Apply ``h``'s record as the log acknowledged it (``env``, whose body is what the log
-        stored: a caller may change what it handed over once it was staged; None for one whose
-        append was cancelled after it was staged), and tell the checkpointer it is applied."""
+        stored: a caller may change what it handed over once it was staged; None: see
+        :meth:`_stage`), and tell the checkpointer it is applied. ``ender``: the task that
+        staged a terminal event."""
         body = body if env is None else env.body
         h._seq += 1
         if type(body) is TurnDelta or type(body) is TurnRecorded:
@@ -470,13 +443,12 @@ class SessionEngine(BackgroundWork):
             h._context = context
             if context is not None:
                 h._lineages.commit(body.turn_index, context)
-        ended = dest is not None and dest in TERMINAL_STATES
         if dest is not None:
             h.state = dest
-        released = ended and self._release(h, body, None if env is None else env.lsn)
+            if dest in TERMINAL_STATES:
+                self._release(h, body, None if env is None else env.lsn, ender)
         if self._checkpointer is not None:
-            self._checkpointer.applied(None if env is None else env.lsn, h.session_id, h._seq - 1, ordered=ended,
-                                       placed=partial(self._placed, h, h.state, released) if env is None and ended else None)
+            self._checkpointer.applied(None if env is None else env.lsn, h.session_id, h._seq - 1)
 
     async def _in_session(self, h: SessionHandle, body: Any) -> Envelope:
         # In-session events are legal only while running (events.schema.lifecycle.RUNNING_ONLY_EVENTS).
@@ -484,12 +456,10 @@ class SessionEngine(BackgroundWork):
             await acquire_contended(h)
         else:
             h._busy = True
-        try:
-            if h.state is not State.RUNNING:
-                self._refuse(h.session_id, type(body).__struct_config__.tag, h.state, h)
-            return await self._append(h, body, None)
-        finally:
+        if h.state is not State.RUNNING:
             release(h)
+            self._refuse(h.session_id, type(body).__struct_config__.tag, h.state, h)
+        return await self._append(h, body, None)  # releases the lock
 
     async def _transition(self, h: SessionHandle, trigger: str, body: Any, *, drain: bool = True) -> Envelope | None:
         # Decide early (cheap) so a refused trigger does not wait for the drain.
@@ -501,27 +471,30 @@ class SessionEngine(BackgroundWork):
             await acquire_contended(h)
         else:
             h._busy = True
+        settled = None
         try:
-            dest = next_state(h.session_id, h.state, trigger)
+            dest = next_state(h.session_id, h.state, trigger)  # raises for an illegal one
             if dest is None:
+                release(h)
                 return None
-            refill = trigger == "abort" and not body.refill and self._owes_refill(h.group_id, body.reason)
-            if refill:
+            if trigger == "abort" and not body.refill and self._owes_refill(h.group_id, body.reason):
                 # The engine decides, the log records: the group is released only with a replacement.
-                # Counted while the abort is in flight, so concurrent aborts respect the cap.
+                # Counted until the abort is applied, so concurrent aborts respect the cap.
                 body = msgspec.structs.replace(body, refill=True)
                 self._refills_deciding[h.group_id] = self._refills_deciding.get(h.group_id, 0) + 1
-            try:
-                return await self._append(h, body, dest)
-            finally:
-                if refill:
-                    left = self._refills_deciding[h.group_id] - 1
-                    if left:
-                        self._refills_deciding[h.group_id] = left
-                    else:
-                        del self._refills_deciding[h.group_id]
-        finally:
+                settled = partial(self._refill_decided, h.group_id)
+        except BaseException:
             release(h)
+            raise
+        return await self._append(h, body, dest, settled=settled)  # releases the lock
+
+    def _refill_decided(self, group_id: str) -> None:
+        """An abort that owes ``group_id`` a replacement is applied (or failed): no longer deciding."""
+        left = self._refills_deciding[group_id] - 1
+        if left:
+            self._refills_deciding[group_id] = left
+        else:
+            del self._refills_deciding[group_id]
 
     def _owes_refill(self, group_id: str, reason: str) -> bool:
         """Whether an abort for ``reason`` in ``group_id`` owes the group a replacement:
@@ -545,26 +518,13 @@ class SessionEngine(BackgroundWork):
         not opened yet: open each with ``open_session(..., replaces=member)``."""
         return self._groups.owed(group_id)
 
-    async def _drain(self, h: SessionHandle) -> None:
-        """Wait up to drain_s for the session's in-flight work, then cancel the rest."""
-        cur = asyncio.current_task()
-        tasks = {t for t in (h._inflight or ()) if not _own_work(t, cur) and not t.done()}
-        if not tasks:
-            return
-        _done, pending = await asyncio.wait(tasks, timeout=self.drain_s)
-        if pending:
-            h.log.info("session.inflight_cancelled", count=len(pending))
-            for t in pending:
-                t.cancel()
-            await asyncio.wait(pending, timeout=self.drain_s)
-
-    def _release(self, h: SessionHandle, body: Any, lsn: int | None) -> bool:
+    def _release(self, h: SessionHandle, body: Any, lsn: int | None, ender: asyncio.Task | None) -> None:
         """Forget everything held for a session that just ended (``lsn``: of its terminal event, if
-        known); whether that released its group (an adopted orphan whose membership the log refused has none)."""
+        known), and cancel its in-flight work but ``ender``'s (the task that ended it)."""
         sid = h.session_id
         h._context = None  # the next-turn context: nothing follows a terminal event
-        released = self._groups.is_member(h.group_id, sid) and self._groups.close(
-            h.group_id, None, sid, lsn, refill=h.state is State.ABORTED and body.refill is True) is not None
+        if self._groups.is_member(h.group_id, sid):  # an adopted orphan whose membership the log refused has none
+            self._groups.close(h.group_id, None, sid, lsn, refill=h.state is State.ABORTED and body.refill is True)
         self._live.pop(sid, None)
         if not self._live:
             self._live = {}  # dicts never shrink on delete: an idle engine holds no per-session memory at all
@@ -572,9 +532,8 @@ class SessionEngine(BackgroundWork):
             h._timer.cancel()
             h._timer = None
         if h._inflight:
-            cur = asyncio.current_task()
             for t in list(h._inflight):
-                if not _own_work(t, cur) and not t.done():
+                if not own_work(t, ender) and not t.done():
                     t.cancel()
         self._ids.ended(sid, h.state, -1 if lsn is None else lsn)
         if h.state is State.FINISHED:
@@ -585,7 +544,6 @@ class SessionEngine(BackgroundWork):
         else:
             self.stats["dropped"] += 1
             h.log.info("session.dropped", reason=body.reason)
-        return released
 
 
 __all__ = [

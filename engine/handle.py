@@ -16,7 +16,7 @@ import math
 import traceback as _traceback
 from array import array
 from collections import deque
-from typing import TYPE_CHECKING, Any, Awaitable, Coroutine
+from typing import TYPE_CHECKING, Any, Coroutine
 
 import numpy as np
 
@@ -93,45 +93,34 @@ class PendingTurn:
                 self.durable.exception()  # retrieved: raised here instead
 
 
-def append_built_turn(log: EventLog, session_id: str, seq: int, body: Any) -> Awaitable[Envelope]:
-    """``log.append`` of a turn the engine built (:meth:`SessionHandle._turn_body`), which
-    the log takes as checked when built: with ``READING_STORED`` set, its write-time check
-    still encodes the body and decodes it back strictly (nothing a reader cannot decode is
-    stored) without running the turn's value checks a second time. They ran on the caller's
-    values when the ``TurnRecorded`` was built, with no await between, and the delta's own
-    fields and the lineage when the engine made them. Returns what to await. A log that
-    stages synchronously has the flag only while :meth:`~EventLog.submit` stages (no coroutine
-    or context outlives it); any other across its append, reset before the engine goes on."""
-    if not log.stages_synchronously:
-        return _append_flagged(log, session_id, seq, body)
+def stage_built_turn(log: EventLog, session_id: str, seq: int, body: Any, on_durable: OnDurable, *,
+                     caller_waits: bool = False) -> None:
+    """``log.stage`` of a turn the engine built (:meth:`SessionHandle._turn_body`), taken as
+    checked when built: with ``READING_STORED`` set while the log checks it, its write-time
+    check still encodes the body and decodes it back strictly (nothing a reader cannot decode
+    is stored) without running the turn's value checks a second time. They ran on the caller's
+    values when the ``TurnRecorded`` was built, and the delta's own fields and the lineage when
+    the engine made them. That is sound where nothing of the caller's runs in between: a log
+    that stages synchronously (``stages_synchronously``) checks before this returns; any other
+    checks in a task of its own a loop step later, which runs flagged only when the caller
+    waits for the record (``caller_waits``, :meth:`SessionHandle.record_turn`), and else
+    checks in full (:meth:`SessionHandle.begin_turn`'s caller goes on at once and may change
+    a value it handed over: a ``sampling`` dict, a ``version_spans`` list). ``on_durable``
+    runs without the flag either way."""
+    if log.stages_synchronously or not caller_waits:
+        token = READING_STORED.set(True) if log.stages_synchronously else None
+        try:
+            log.stage(session_id, seq, body, on_durable)
+        finally:
+            if token is not None:
+                READING_STORED.reset(token)
+        return
     token = READING_STORED.set(True)
     try:
-        return log.submit(session_id, seq, body)
+        staged = log.submit(session_id, seq, body)  # its task takes the flag with it
     finally:
         READING_STORED.reset(token)
-
-
-async def _append_flagged(log: EventLog, session_id: str, seq: int, body: Any) -> Envelope:
-    token = READING_STORED.set(True)  # see append_built_turn
-    try:
-        return await log.append(session_id, seq, body)
-    finally:
-        READING_STORED.reset(token)
-
-
-def stage_built_turn(log: EventLog, session_id: str, seq: int, body: Any, on_durable: OnDurable) -> None:
-    """``log.stage`` of a turn the engine built: taken as checked when built
-    (:func:`append_built_turn`) by a log that checks it before ``stage``
-    returns (``stages_synchronously``). Any other log checks it in full a loop
-    step later, when the caller may have changed a value it handed over (a
-    ``sampling`` dict, a ``version_spans`` list), and ``on_durable`` runs
-    without the flag either way."""
-    token = READING_STORED.set(True) if log.stages_synchronously else None
-    try:
-        log.stage(session_id, seq, body, on_durable)
-    finally:
-        if token is not None:
-            READING_STORED.reset(token)
+    staged.add_done_callback(settle_from_task(on_durable))  # added unflagged: the callback runs so
 
 
 class SessionHandle:
@@ -260,9 +249,10 @@ class SessionHandle:
             h._busy = True
         try:
             body, after = h._turn_body(messages, prompt_ids, sampling, frozen_messages, declared_lineage, fields)
-            return await h._engine._append(h, body, None, after)
-        finally:
+        except BaseException:
             release(h)
+            raise
+        return await h._engine._append(h, body, None, after)  # releases the lock
 
     def begin_turn(
         self,
@@ -299,7 +289,7 @@ class SessionHandle:
         h._busy = True
         try:
             body, after = h._turn_body(messages, prompt_ids, sampling, frozen_messages, declared_lineage, fields)
-            h._engine._stage(h, body, after, pending.settle)
+            h._engine._stage(h, body, None, after, pending.settle)
         except BaseException:
             release(h)
             raise
@@ -312,9 +302,10 @@ class SessionHandle:
         await handed_over(self, queued)
         try:
             body, after = self._turn_body(messages, prompt_ids, sampling, frozen_messages, declared_lineage, fields)
-            return await self._engine._append(self, body, None, after)
-        finally:
+        except BaseException:
             release(self)
+            raise
+        return await self._engine._append(self, body, None, after)  # releases the lock
 
     def _turn_body(
         self, messages: list[dict[str, Any]] | None, prompt_ids: Any, sampling: dict[str, Any] | None,

@@ -83,11 +83,6 @@ class SessionIds:
         """``session_id`` ended in ``state`` at ``lsn``."""
         self.recent.note(session_id, state, lsn)
 
-    def ended_late(self, session_id: str, state: State, lsn: int) -> None:
-        """``session_id``'s terminal event, noted with its LSN not known (-1), is at ``lsn``."""
-        if self.recent.get(session_id) == (state, -1):
-            self.recent.note(session_id, state, lsn)  # in its place: the window keeps the order sessions ended
-
     def state_of(self, session_id: str) -> State | None:
         """The terminal state of a recently ended session, else None."""
         ended = self.recent.get(session_id)

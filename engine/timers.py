@@ -1,7 +1,8 @@
 """The engine's background work: the wall-clock budget of each session (its
-timer, and the abort when it runs out), the periodic restart checkpoint, and
-the set of background tasks they run in, whose first crash is kept in
-``background_failure`` for health checks.
+timer, and the abort when it runs out), a session's in-flight work (drained
+before it ends), the periodic restart checkpoint, and the set of background
+tasks they run in, whose first crash is kept in ``background_failure`` for
+health checks.
 
 :class:`BackgroundWork` is a part of :class:`engine.core.SessionEngine` (its
 base class): the engine creates the task set in its constructor, starts the
@@ -18,10 +19,16 @@ from agentlog.events.schema.lifecycle import TERMINAL_STATES, SessionClosed
 from agentlog.events.schema.types import Envelope, SessionAborted
 
 from .errors import TIMEOUT_REASON, RecordNotApplied
-from .handle import SessionHandle
+from .handle import InFlightMarker, SessionHandle
 from .checkpointer import Checkpointer
 
 _log = get_logger("agentlog.engine")
+
+
+def own_work(work: Any, cur: asyncio.Task | None) -> bool:
+    """Whether in-flight ``work`` (a task, or the InFlightMarker of a task's scope) is ``cur``'s
+    own: a task never waits for or cancels itself when it ends its own session."""
+    return (work.task if isinstance(work, InFlightMarker) else work) is cur
 
 
 class BackgroundWork:
@@ -32,6 +39,7 @@ class BackgroundWork:
     background_failure: str | None
     _checkpointer: Checkpointer | None
     checkpoint_poll_s: float
+    drain_s: float
 
     if TYPE_CHECKING:
         async def _transition(self, h: SessionHandle, trigger: str, body: Any, *, drain: bool = True) -> Envelope | None: ...
@@ -100,3 +108,16 @@ class BackgroundWork:
         if owner is not None and not owner.done() and owner is not asyncio.current_task():
             h._owner_cancelled = True
             owner.cancel()
+
+    async def _drain(self, h: SessionHandle) -> None:
+        """Wait up to drain_s for the session's in-flight work, then cancel the rest."""
+        cur = asyncio.current_task()
+        tasks = {t for t in (h._inflight or ()) if not own_work(t, cur) and not t.done()}
+        if not tasks:
+            return
+        _done, pending = await asyncio.wait(tasks, timeout=self.drain_s)
+        if pending:
+            h.log.info("session.inflight_cancelled", count=len(pending))
+            for t in pending:
+                t.cancel()
+            await asyncio.wait(pending, timeout=self.drain_s)

@@ -332,19 +332,12 @@ class GroupTracker:
             p.refills[session_id] = replaces
 
     def placed(self, group_id: str, session_id: str, lsn: int) -> None:
-        """The opening of ``session_id``, which joined ``group_id`` with lsn None, reached the log at
-        ``lsn``: nothing when the group was released meanwhile (an LSN known late, when the opening's
-        append was cancelled after it was staged)."""
+        """The opening of ``session_id``, which joined ``group_id`` with lsn None, reached the log at ``lsn``."""
         p = self._pending.get(group_id)
         if p is not None:
             member = p.opened.get(session_id)
             if member is not None and member[1] < 0:
                 p.opened[session_id] = (member[0], lsn)
-
-    def released_late(self, group_id: str, lsn: int) -> None:
-        """The terminal event that released ``group_id`` with its LSN not known (-1) is at ``lsn``."""
-        if self._recent.get(group_id) == -1:
-            self._recent[group_id] = lsn
 
     def owed(self, group_id: str) -> list[str]:
         """The members of ``group_id`` (in flight) owed a replacement that has not opened yet."""

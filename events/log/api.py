@@ -200,11 +200,11 @@ def _check_one_by_one(sids: list[str], seqs: list[int], bodies: list[Any]) -> tu
 OnDurable = Callable[[Envelope | None, BaseException | None], None]
 
 
-def settle_from_task(on_durable: OnDurable) -> Callable[[asyncio.Task], None]:
-    """A done-callback for a task whose result is an envelope, calling ``on_durable``
+def settle_from_task(on_durable: OnDurable) -> Callable[[asyncio.Future], None]:
+    """A done-callback for a task (or future) whose result is an envelope, calling ``on_durable``
     with (its result, None) or (None, what it raised or a CancelledError)."""
 
-    def settle(task: asyncio.Task) -> None:
+    def settle(task: asyncio.Future) -> None:
         if task.cancelled():
             on_durable(None, asyncio.CancelledError())
         elif (exc := task.exception()) is not None:
@@ -392,15 +392,15 @@ class EventLog(abc.ABC):
     async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
         """Append one record from asyncio; concurrent calls are group-committed.
         It checks the record before its first await (every log here does): the
-        engine sets ``READING_STORED`` across the append of a turn it built
-        (``engine.handle.append_built_turn``), which is sound only if the values
+        engine sets ``READING_STORED`` while a log that stages synchronously
+        stages a turn it built (``engine.handle.stage_built_turn``), which is sound only if the values
         checked are the values the caller handed over."""
 
     def submit(self, session_id: str, session_seq: int, body: Any) -> asyncio.Future[Envelope]:
         """:meth:`append` as a future to await instead of a coroutine. A log that
         stages synchronously (the file log) stages the record before this returns
         (bad input raises here, nothing staged), so a flag set around this call
-        covers the record's check and nothing after it (``engine.handle.append_built_turn``);
+        covers the record's check and nothing after it (as ``engine.handle.stage_built_turn`` does);
         cancelling the future cancels the wait only, as with :meth:`append`. This
         default runs :meth:`append` as a task."""
         return asyncio.get_running_loop().create_task(self.append(session_id, session_seq, body))

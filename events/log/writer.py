@@ -482,8 +482,10 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         """:meth:`EventLog.stage`: the record is staged before this returns (bad
         input raises here, nothing staged), and the writer thread's
         acknowledgement calls ``on_durable`` on the loop directly, no future
-        or task between."""
-        self._enqueue(session_id, session_seq, body, DurableCallback(on_durable))
+        or task between. A :class:`DurableCallback` is taken as the waiter itself (one object
+        less a record)."""
+        waiter = on_durable if isinstance(on_durable, DurableCallback) else DurableCallback(on_durable)
+        self._enqueue(session_id, session_seq, body, waiter)
 
     def _enqueue(self, session_id: str, session_seq: int, body: Any, waiter: Any) -> None:
         """Stage one record and hand ``waiter`` (a future, or a DurableCallback) to the writer thread."""

@@ -252,7 +252,7 @@ class EncodingContext:
         so the delta is built without running the same checks again; the
         delta's own fields (the shared counts, the new prompt's bytes) are
         checked here, since the engine's log takes the turn as checked when
-        built (:func:`agentlog.engine.handle.append_built_turn`). This
+        built (:func:`agentlog.engine.handle.stage_built_turn`). This
         runs for every turn the engine records: the common cases (a prompt
         that extends the held context, no messages) take no call they can skip."""
         messages, prompt = turn.messages, turn.prompt_ids

@@ -27,8 +27,8 @@ class EventValidationError(AgentlogError, ValueError):
 #: stand aside (see :mod:`.types`). Also while the engine stages a turn it
 #: built, whose value checks ran when it was built: the log's write-time
 #: check then decodes it strictly without running them again
-#: (``engine.handle.append_built_turn``, set across that one append's await,
-#: reset before the engine's code goes on). A context variable, not a global, so a
+#: (``engine.handle.stage_built_turn``, set while a log that stages
+#: synchronously stages it, reset before the engine's code goes on). A context variable, not a global, so a
 #: reader in one thread never switches off a writer's checks in another, and
 #: set per decode call (never across a generator's yield, which would leak it
 #: into the consumer's code).

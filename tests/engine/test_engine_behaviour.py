@@ -19,6 +19,7 @@ from agentlog.engine import (
 )
 from agentlog.events.schema.lifecycle import IllegalTransition, SessionClosed, State
 from agentlog.events.log.api import LogClosed, MemoryLog
+from agentlog.events.schema.packing import pack_tokens
 from agentlog.events.schema.types import (
     CommandRan,
     EventValidationError,
@@ -514,28 +515,35 @@ def test_cancelled_turn_that_the_log_already_staged_keeps_the_session_in_step(ar
     arun(go())
 
 
-def test_cancelled_turn_that_was_never_staged_appends_nothing(arun):
+def test_a_cancelled_turn_is_recorded_once_the_engine_took_it_and_never_when_it_waited_for_the_lock(arun):
+    """On a log that stages in a task (a YieldingLog: its append gives the loop away before and
+    after it stores the record), a turn whose caller is cancelled once ``record_turn`` holds the
+    session's lock is recorded anyway and applied when the log acknowledges it (the engine
+    decided it; the log records it). A turn cancelled while it waits for the lock behind
+    another one is never appended. Either way the session stays in step with the log."""
+
     async def go():
-        log = YieldingLog(seed=0, max_yields=0)
+        log = YieldingLog(seed=1, max_yields=5)
         eng = await SessionEngine.open(log)
         h = await eng.open_session("s", **KW)
         await h.start()
-        n = log.next_lsn
-        log._max_yields = 5
-        log._rng.seed(1)
-        while True:  # find a schedule where the cancel lands before staging
-            t = asyncio.create_task(h.record_turn(output_ids=[1]))
-            await asyncio.sleep(0)
-            t.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await t
-            if log.next_lsn == n:
-                break
-            n = log.next_lsn
-        assert h.turns == n - 2
-        env = await h.record_turn(output_ids=[2])
-        assert env.body.turn_index == h.turns - 1
-        check_log_invariants(log)
+        for _ in range(5):
+            while h._busy:  # the last cancelled turn not yet acknowledged: its lock still held
+                await asyncio.sleep(0)
+            taken = asyncio.create_task(h.record_turn(output_ids=[1]))
+            await asyncio.sleep(0)  # it holds the lock, its record staged
+            queued = asyncio.create_task(h.record_turn(output_ids=[9]))
+            await asyncio.sleep(0)  # waiting for the lock
+            for t in (taken, queued):
+                t.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await t
+        env = await h.record_turn(output_ids=[2])  # waits for the lock: every cancelled turn applied first
+        assert env.body.turn_index == 5 and h.turns == 6
+        per = check_log_invariants(log)
+        turns = [e.body for e in per["s"] if isinstance(e.body, TurnDelta)]
+        assert [b.turn_index for b in turns] == list(range(6))
+        assert [bytes(b.output_ids) for b in turns] == [pack_tokens([1])] * 5 + [pack_tokens([2])]
     arun(go())
 
 

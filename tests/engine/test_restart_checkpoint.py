@@ -5,7 +5,6 @@ used."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentlog.engine import DuplicateSession, SessionEngine
-from agentlog.engine.checkpointer import Checkpointer
 from agentlog.engine.restart import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -24,6 +22,7 @@ from agentlog.engine.restart import (
     write_checkpoint,
 )
 from agentlog.events import FileLog
+from agentlog.events.schema.lifecycle import State
 from agentlog.events.schema.types import (
     PolicyUpdated,
     SessionAborted,
@@ -357,7 +356,7 @@ def _fold_of(log, until=None, recent_window=4096):
 def _served_now(eng):
     """The checkpoint the engine's checkpointer would serve at this moment, or None when records wait past a hole."""
     ckpt = eng._checkpointer
-    if ckpt._ahead or ckpt._unplaced or ckpt.from_log is not None:
+    if ckpt._ahead or ckpt.from_log is not None:
         return None
     return ckpt._served(ckpt.frontier).comparable()
 
@@ -372,12 +371,22 @@ def _restart_from_the_checkpoint_and_from_0(path: Path, copy: Path, **options):
     return ours, zero, folded
 
 
+async def _cancelled_once_staged(work) -> None:
+    """Start ``work`` (a coroutine), let it stage its record, then cancel the wait for it."""
+    task = asyncio.ensure_future(work)
+    await asyncio.sleep(0)  # staged: the log writes it
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 @st.composite
 def workloads(draw):
     """Sessions of random groups run concurrently through one engine: they open (now and then
     with a membership the group refuses, or an id already used), start, take turns (one of them
     now and then cancelled once staged), and finish, abort (some owing a replacement, which then
-    opens), drop or stay in flight; another writer's learner records land in between."""
+    opens), drop (now and then cancelled once staged) or stay in flight; another writer's
+    learner records land in between."""
     plans = []
     for g in range(draw(st.integers(1, 5))):
         size = draw(st.integers(1, 3))
@@ -385,7 +394,8 @@ def workloads(draw):
             plans.append(dict(
                 sid=f"g{g}-s{i}", group=f"g{g}", size=size, turns=draw(st.integers(0, 3)),
                 fate=draw(st.sampled_from(["open", "running", "finished", "aborted", "refill", "dropped"])),
-                cancel_turn=draw(st.integers(0, 5)) == 0, conflict=draw(st.integers(0, 7)) == 0,
+                cancel_turn=draw(st.integers(0, 5)) == 0, cancel_end=draw(st.integers(0, 4)) == 0,
+                conflict=draw(st.integers(0, 7)) == 0,
             ))
     return plans, draw(st.integers(0, 3)), draw(st.randoms(use_true_random=False))
 
@@ -412,15 +422,14 @@ async def _run_session(eng, plan, rng, compared):
         await yield_some()
         turn = h.record_turn(prompt_ids=[1, 2, t], output_ids=[3], output_log_probs=[-0.1])
         if plan["cancel_turn"] and t == 0:
-            task = asyncio.ensure_future(turn)
-            await asyncio.sleep(0)  # staged: the log writes it, and the engine applies it as the cancel comes
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await _cancelled_once_staged(turn)  # the log writes it, and the engine applies it at its acknowledgement
         else:
             await turn
     await yield_some()
-    if plan["fate"] == "finished":
+    if plan["cancel_end"] and plan["fate"] in ("finished", "aborted", "dropped"):
+        end = h.finish(reward=1.0) if plan["fate"] == "finished" else h.abort("x") if plan["fate"] == "aborted" else h.drop("y")
+        await _cancelled_once_staged(end)
+    elif plan["fate"] == "finished":
         await h.finish(reward=1.0)
     elif plan["fate"] in ("aborted", "refill"):
         await h.abort("setup_failed:OSError" if plan["fate"] == "refill" else "x")
@@ -473,7 +482,7 @@ def test_a_checkpoint_served_from_the_engines_state_equals_the_fold_of_the_log_b
                 ckpt = eng._checkpointer
                 for _ in range(200):  # place what waits past a hole, once the log acknowledged it
                     await ckpt.checkpoint()
-                    if not ckpt._ahead and not ckpt._unplaced:
+                    if not ckpt._ahead:
                         break
                     await asyncio.sleep(0.005)
                 now = _served_now(eng)
@@ -581,28 +590,34 @@ def test_a_running_engine_serves_its_checkpoints_and_reads_only_the_records_it_d
         log.close()
 
 
-def test_a_turn_cancelled_once_staged_waits_then_is_placed_by_reading_its_hole(tmp_path):
-    """A turn whose caller was cancelled after the log staged it is applied as the cancel comes,
-    before its LSN is known: nothing is served until a read of the log places it, and then
-    the checkpoint is the fold of the log below its cut."""
+@pytest.mark.parametrize("cancelled", ["turn", "opening", "terminal"])
+def test_a_record_cancelled_once_staged_is_applied_at_its_acknowledgement_and_checkpoints_stay_served(tmp_path, cancelled):
+    """A turn, an opening or a terminal event whose caller stopped waiting once the log staged it
+    is applied when the log acknowledges it, at its LSN and in the log's order (the id filter's
+    layers, the groups, the recent window keep that order): nothing waits past a hole, and every
+    checkpoint is served from the engine's state, equal to the fold of the log below its cut.
+    An opening nobody holds the handle of is dropped ("cancelled")."""
 
     async def go():
         log, eng, (a, b) = await _engine_with_sessions(tmp_path / "log", 2)
         try:
             ckpt = eng._checkpointer
-            task = asyncio.ensure_future(_turn(a))
-            await asyncio.sleep(0)  # staged
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            assert ckpt._unplaced == {("s0", 2): None} and _served_now(eng) is None
-            await _turn(b)
-            assert ckpt._ahead  # b's turn is applied past the cancelled one's LSN
+            work = {"turn": lambda: _turn(a), "terminal": lambda: a.finish(reward=1.0),
+                    "opening": lambda: eng.open_session("late", group_id="late", group_size=2)}[cancelled]
+            await _cancelled_once_staged(work())
+            if cancelled == "opening":
+                for _ in range(200):  # the drop of the session nobody holds, in the background
+                    if eng.status("late") is State.DROPPED:
+                        break
+                    await asyncio.sleep(0.005)
+                assert eng.status("late") is State.DROPPED
+            await _turn(b)  # acknowledged after the cancelled record, which is applied first
+            assert not ckpt._ahead and ckpt.from_log is None
+            assert _served_now(eng) == _fold_of(log)
             await ckpt.checkpoint()
-            assert not ckpt._unplaced and not ckpt._ahead and ckpt.from_log is None and ckpt.served == 1
-            assert ckpt.lsn == log.next_lsn and ckpt._last is not None
-            assert ckpt._last.comparable() == _fold_of(log)
+            assert ckpt.served == 1 and ckpt.lsn == log.next_lsn and ckpt._last.comparable() == _fold_of(log)
             await eng.close()
+            assert ckpt.from_log is None and ckpt._last.comparable() == _fold_of(log)
         finally:
             log.close()
 
@@ -643,75 +658,23 @@ def test_another_writers_session_record_makes_checkpoints_fold_the_log_and_says_
     assert ours == zero and folded == 0
 
 
-@pytest.mark.parametrize("cancelled", ["opening", "terminal"])
-def test_an_opening_or_terminal_event_cancelled_once_staged_is_folded_from_the_log_until_proven(tmp_path, cancelled):
-    """An opening or a terminal event applied as its cancel came, before its LSN was known, may be
-    out of the LSN order the engine's state keeps (the id filter's layers, the groups, the recent
-    window): checkpoints are folded from the log, and served again once a fold at the frontier
-    equals the engine's state there (here at once: nothing else moved in between)."""
-    from structlog.testing import capture_logs
-
-    async def go():
-        log, eng, (a, b) = await _engine_with_sessions(tmp_path / "log", 2)
-        try:
-            ckpt = eng._checkpointer
-            cancel = eng.open_session("late", group_id="late", group_size=2) if cancelled == "opening" else a.finish(reward=1.0)
-            task = asyncio.ensure_future(cancel)
-            await asyncio.sleep(0)  # staged
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            assert ckpt.from_log is not None and ("'late': record 0" if cancelled == "opening" else "'s0': record 2") in ckpt.from_log
-            await _turn(b)
-            with capture_logs() as logs:
-                for _ in range(200):  # the hole read places it, then the fold at the frontier equals the engine's state
-                    await ckpt.checkpoint()
-                    if ckpt.from_log is None:
-                        break
-                    await asyncio.sleep(0.005)
-            assert ckpt.from_log is None and [e["event"] for e in logs if "served_again" in e["event"]]
-            assert ckpt._last.comparable() == _fold_of(log, until=ckpt._last.next_lsn)
-            await _turn(b, 1)
-            assert _served_now(eng) == _fold_of(log)
-            await eng.close()
-            assert ckpt.from_log is None and ckpt._last.comparable() == _fold_of(log)
-        finally:
-            log.close()
-
-    asyncio.run(go())
-
-
-def test_a_terminal_event_applied_out_of_order_is_folded_from_the_log_until_the_window_forgets_it(tmp_path, monkeypatch):
-    """A finish cancelled once staged, while an earlier-staged finish still waits for the disk, is
-    applied first: the engine's recent window holds the two in the other order than the log, and
-    their group is released at the other one's LSN. Checkpoints are folded from the log while that
-    lasts, and served again once both windows forgot them (two more sessions and groups ended,
-    with windows of two)."""
-    from agentlog.reducers import groups
-
-    monkeypatch.setattr(groups, "RELEASED_WINDOW", 2)
+def test_a_finish_cancelled_while_an_earlier_one_waits_for_the_disk_is_applied_after_it(tmp_path):
+    """Two finishes staged one after the other, the second one's wait cancelled while the first
+    still waits for the disk: the second is applied when the log acknowledges it, after the
+    first, so the engine's recent window and its group's release hold them in the log's order,
+    and the served checkpoint is the fold of the log."""
 
     async def go():
         log, eng, (a, b) = await _engine_with_sessions(tmp_path / "log", 2, status_cache=2)
         try:
-            ckpt = eng._checkpointer
             first = asyncio.ensure_future(b.finish(reward=0.0))
             await asyncio.sleep(0)  # staged, waiting for the disk
-            second = asyncio.ensure_future(a.finish(reward=1.0))
-            await asyncio.sleep(0)  # staged after it
-            second.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await second  # applied now, before the first
+            await _cancelled_once_staged(a.finish(reward=1.0))
             await first
-            assert [sid for sid, _, _ in eng._ids.snapshots()[1].ended] == ["s0", "s1"]  # the log: s1, then s0
-            await ckpt.checkpoint()
-            assert ckpt.from_log is not None and not ckpt._unplaced  # placed, but out of order
-            for i in range(2):
-                h = await eng.open_session(f"later{i}", group_id=f"later{i}", group_size=1)
-                await h.start()
-                await h.finish(reward=1.0)
-            await ckpt.checkpoint()
-            assert ckpt.from_log is None and _served_now(eng) == _fold_of(log, recent_window=2)
+            await eng.open_session("next", group_id="next", group_size=1)  # the cancelled finish is acknowledged before it
+            assert [sid for sid, _, _ in eng._ids.snapshots()[1].ended] == ["s1", "s0"]  # the log's order
+            assert dict(eng._groups.to_snapshot().recent)["g0"] == 5  # a's finish, which completed the group
+            assert eng._checkpointer.from_log is None and _served_now(eng) == _fold_of(log, recent_window=2)
             await eng.close()
         finally:
             log.close()
@@ -955,14 +918,13 @@ def test_the_restart_folds_scans_for_reused_ids_are_bounded(tmp_path, monkeypatc
         log.close()
 
 
-def test_two_cancelled_finishes_in_one_group_keep_the_release_lsn_of_the_one_that_released_it(tmp_path):
-    """Both members' finishes cancelled once staged: placed in LSN order, only the one that
-    completed the group gives the group its release LSN, and checkpoints are served again."""
+def test_two_cancelled_finishes_in_one_group_give_the_group_the_release_lsn_of_the_second(tmp_path):
+    """Both members' finishes cancelled once staged: applied in LSN order as the log acknowledges
+    them, the second one completes the group and gives it its release LSN, as a fold of the log does."""
 
     async def go():
         log, eng, (a, b) = await _engine_with_sessions(tmp_path / "log", 2)
         try:
-            ckpt = eng._checkpointer
             tasks = []
             for h in (a, b):
                 tasks.append(asyncio.ensure_future(h.finish(reward=1.0)))
@@ -971,74 +933,11 @@ def test_two_cancelled_finishes_in_one_group_keep_the_release_lsn_of_the_one_tha
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
-            await eng.open_session("next", group_id="next", group_size=1)  # past the two holes
-            for _ in range(200):
-                await ckpt.checkpoint()
-                if ckpt.from_log is None:
-                    break
-                await asyncio.sleep(0.005)
-            assert ckpt.from_log is None and dict(eng._groups.to_snapshot().recent)["g0"] == 5  # b's finish, at lsn 5
-            assert _served_now(eng) == _fold_of(log)
+            await eng.open_session("next", group_id="next", group_size=1)
+            assert dict(eng._groups.to_snapshot().recent)["g0"] == 5  # b's finish, at lsn 5
+            assert eng._checkpointer.from_log is None and _served_now(eng) == _fold_of(log)
             await eng.close()
         finally:
-            log.close()
-
-    asyncio.run(go())
-
-
-@pytest.mark.parametrize("meanwhile", ["a finish applied out of order", "too many records past a hole"])
-def test_what_happens_while_a_fold_is_compared_keeps_the_checkpoints_folded_from_the_log(tmp_path, monkeypatch, meanwhile):
-    """The engine's state is compared with a fold of the log at the frontier; the fold runs in a
-    worker thread, and the engine goes on meanwhile. A record applied out of order then, or the
-    frontier given up then, makes the comparison (begun before) prove nothing: the checkpoints
-    stay folded from the log."""
-    import threading
-
-    gate = threading.Event()
-    fold_log = Checkpointer._fold_log
-
-    def held(self, until=None):  # holds the fold's worker thread until the test let the engine move on
-        assert gate.wait(10)
-        return fold_log(self, until)
-
-    async def go():
-        log, eng, (a, b) = await _engine_with_sessions(tmp_path / "log", 2, status_cache=2)
-        try:
-            ckpt = eng._checkpointer
-            task = asyncio.ensure_future(eng.open_session("late", group_id="late", group_size=2))
-            await asyncio.sleep(0)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task  # out of order until proven: checkpoints folded from the log
-            await _turn(b)
-            monkeypatch.setattr(Checkpointer, "_fold_log", held)
-            checkpoint = asyncio.ensure_future(ckpt.checkpoint())
-            for _ in range(200):  # the hole read placed "late"; the fold at the frontier is held
-                if ckpt._reading is not None and not ckpt._unplaced:
-                    break
-                await asyncio.sleep(0.005)
-            if meanwhile == "a finish applied out of order":
-                first = asyncio.ensure_future(b.finish(reward=0.0))
-                await asyncio.sleep(0)
-                second = asyncio.ensure_future(a.finish(reward=1.0))
-                await asyncio.sleep(0)
-                second.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await second
-                await first
-            else:
-                ckpt.AHEAD_MAX = 2
-                log.append_batch([("learner", 0, PolicyUpdated(step=1, policy_version=1))])
-                for t in range(3):
-                    await _turn(b, t)
-                assert not ckpt._tracking
-            gate.set()
-            await checkpoint
-            assert ckpt.from_log is not None
-            await eng.close()
-            assert ckpt._last.comparable() == _fold_of(log, recent_window=2)
-        finally:
-            gate.set()
             log.close()
 
     asyncio.run(go())
