@@ -40,6 +40,7 @@ tasks are :mod:`engine.timers`.
 from __future__ import annotations
 
 import asyncio
+import math
 from functools import partial
 from typing import Any, Callable
 
@@ -288,6 +289,10 @@ class SessionEngine(BackgroundWork):
         if self._closed:
             raise EngineClosed(f"engine closed; cannot open session {session_id!r}")
         validate_id("session_id", session_id)
+        budget = budget_s if budget_s is not None else self.session_budget_s
+        if budget is not None and (type(budget) not in (int, float) or not 0 <= budget < math.inf):
+            # Checked before anything is decided: the session's timer starts once its opening is acknowledged.
+            raise ValueError(f"session {session_id!r}: budget_s: expected seconds >= 0 (or None), found {budget!r}")
         if sample_index is None:
             # A replacement takes a slot past the originals', never one an original may still open.
             sample_index = self._groups.replacement_index(group_id) if replaces else self._groups.next_sample_index(group_id)
@@ -311,7 +316,6 @@ class SessionEngine(BackgroundWork):
             if self._ids.maybe_used(session_id, hashes):
                 await self._ids.confirm_fresh(session_id)
             raise
-        budget = budget_s if budget_s is not None else self.session_budget_s
         h = SessionHandle(self, session_id, group_id, budget)
         h.sample_index = sample_index
         # Claim the id before the first await, holding the session's lock, so
@@ -336,9 +340,12 @@ class SessionEngine(BackgroundWork):
         return h
 
     def _unopened(self, h: SessionHandle) -> None:
-        """Forget ``h``, whose ``session_opened`` the log refused (or never got)."""
+        """Forget ``h``, whose ``session_opened`` the log refused (or never got). What queued on its lock
+        meanwhile (a drop at close, an admin's start: a log that stages in a task checks the opening a
+        loop step late, and the id scan awaits) is refused as after an ending, and appends nothing."""
         del self._live[h.session_id]
         self._groups.withdraw(h.group_id, h.session_id)
+        h.state = State.DROPPED
 
     def _opened(self, h: SessionHandle, budget: float | None, hashes: tuple[int, int], lsn: int | None) -> None:
         """``h``'s session_opened is in the log, at ``lsn`` (None: see :meth:`_stage`)."""
@@ -401,7 +408,11 @@ class SessionEngine(BackgroundWork):
         the record is applied or failed (or the log refused it). Cancelling the wait cancels nothing."""
         done = asyncio.get_running_loop().create_future()
         try:
-            self._stage(h, body, dest, context, done, settled=settled, caller_waits=True)
+            staged = StagedRecord(self, h, body, dest, context, done, settled)
+            if context is None:
+                self._log_.stage(h.session_id, staged.seq, body, staged)
+            else:
+                stage_built_turn(self._log_, h.session_id, staged.seq, body, staged, True)
         except BaseException:
             release(h)
             if settled is not None:
@@ -409,23 +420,22 @@ class SessionEngine(BackgroundWork):
             raise
         return await done
 
-    def _stage(self, h: SessionHandle, body: Any, dest: State | None, context: EncodingContext | None, waiter: Any, *,
-               settled: Callable[[], None] | None = None, caller_waits: bool = False) -> None:
+    def _stage(self, h: SessionHandle, body: Any, dest: State | None, context: EncodingContext | None, waiter: Any) -> None:
         """Stage one record of ``h`` (its lock held; ``context``: the one a turn the engine built leaves,
         :meth:`SessionHandle._turn_body`): once the log acknowledges it, apply it at its LSN, release the
         lock and answer ``waiter`` (:class:`~agentlog.engine.staged.StagedRecord`). A refusal by a log
-        that stages synchronously raises here, nothing staged and the lock still the caller's.
-        ``caller_waits``: the caller awaits the record (see :func:`~agentlog.engine.handle.stage_built_turn`).
+        that stages synchronously raises here, nothing staged and the lock still the caller's
+        (:meth:`_append` stages the same way for a caller that awaits the record).
 
         Every record is applied as its acknowledgement comes, never as a caller's wait is cancelled,
         so the engine applies its records in the log's order and knows each one's LSN. The one
         exception is a log that stages in a task (not the file log) whose task was cancelled (the
         event loop shutting down) after the record went out: it is applied then, its LSN unknown."""
-        staged = StagedRecord(self, h, body, dest, context, waiter, settled)
+        staged = StagedRecord(self, h, body, dest, context, waiter)
         if context is None:
             self._log_.stage(h.session_id, staged.seq, body, staged)
         else:
-            stage_built_turn(self._log_, h.session_id, staged.seq, body, staged, caller_waits=caller_waits)
+            stage_built_turn(self._log_, h.session_id, staged.seq, body, staged)
 
     def _apply(self, h: SessionHandle, body: Any, dest: State | None, env: Envelope | None,
                context: EncodingContext | None = None, ender: asyncio.Task | None = None) -> None:

@@ -93,7 +93,7 @@ class PendingTurn:
                 self.durable.exception()  # retrieved: raised here instead
 
 
-def stage_built_turn(log: EventLog, session_id: str, seq: int, body: Any, on_durable: OnDurable, *,
+def stage_built_turn(log: EventLog, session_id: str, seq: int, body: Any, on_durable: OnDurable,
                      caller_waits: bool = False) -> None:
     """``log.stage`` of a turn the engine built (:meth:`SessionHandle._turn_body`), taken as
     checked when built: with ``READING_STORED`` set while the log checks it, its write-time

@@ -18,7 +18,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any, Callable
 
 from agentlog.events.log.commit import DurableCallback
-from agentlog.events.schema.lifecycle import TERMINAL_STATES, State
+from agentlog.events.schema.lifecycle import State
 from agentlog.events.schema.turn_delta import EncodingContext
 
 from .session_lock import release
@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 
 def answer(waiter: Any, env: Any, exc: BaseException | None) -> None:
-    """Give ``waiter`` the record's envelope or failure (a future whose wait was cancelled takes nothing)."""
+    """Give ``waiter`` (the future a caller awaits, or a callable ``(env, exc)``) the record's
+    envelope or failure; a future whose wait was cancelled takes nothing."""
     if not isinstance(waiter, asyncio.Future):
         waiter(env, exc)
     elif not waiter.done():
@@ -38,6 +39,12 @@ def answer(waiter: Any, env: Any, exc: BaseException | None) -> None:
             waiter.set_result(env)
         else:
             waiter.set_exception(exc)
+
+
+def _report(failure: Exception) -> None:
+    """What answering a staged record's waiter raised: reported to the loop, never swallowed (a bug)."""
+    asyncio.get_running_loop().call_exception_handler(
+        {"message": "engine: answering a staged record's waiter raised", "exception": failure})
 
 
 class StagedRecord(DurableCallback):
@@ -52,25 +59,56 @@ class StagedRecord(DurableCallback):
         self.engine, self.h, self.body, self.dest, self.context = engine, h, body, dest, context
         self.seq = h._seq
         # An ending cancels the session's in-flight work, never the task that ends it (applied from a callback).
-        self.ender = asyncio.current_task() if dest in TERMINAL_STATES else None
+        self.ender = asyncio.current_task()
         self.waiter, self.settled = waiter, settled
 
-    def _call(self, env: Any, exc: BaseException | None) -> None:
+    def set_result(self, env: Any) -> None:
+        """The log acknowledged the record (the writer's call, as it would set a future): the hot path."""
         engine, h = self.engine, self.h
+        exc = None
         try:
-            if env is not None:
-                engine._apply(h, self.body, self.dest, env, self.context, self.ender)
-            elif isinstance(exc, asyncio.CancelledError) and engine.log.next_seq(h.session_id) != self.seq:
-                engine._apply(h, self.body, self.dest, None, self.context, self.ender)  # see SessionEngine._stage
+            engine._apply(h, self.body, self.dest, env, self.context, self.ender)
         except Exception as failure:  # handed to the waiter, logged and in health: never swallowed
             env, exc = None, engine._not_applied(h, env, failure)
         finally:
             release(h)
-        if self.settled is not None:
-            self.settled()
-        answer(self.waiter, env, exc)
+        try:
+            if self.settled is not None:
+                self.settled()
+            waiter = self.waiter
+            if type(waiter) is not asyncio.Future or waiter.done():  # a callable, or a wait cancelled
+                answer(waiter, env, exc)
+            elif exc is None:
+                waiter.set_result(env)
+            else:
+                waiter.set_exception(exc)
+        except Exception as failure:  # the flush's other waiters must still be answered (DurableCallback)
+            _report(failure)
 
-    __call__ = _call
+    def set_exception(self, exc: BaseException) -> None:
+        """The log failed the record; one that stages in a task may have written it anyway when that
+        task was cancelled (see SessionEngine._stage): then it is applied, its LSN unknown."""
+        engine, h = self.engine, self.h
+        try:
+            if isinstance(exc, asyncio.CancelledError) and engine.log.next_seq(h.session_id) != self.seq:
+                engine._apply(h, self.body, self.dest, None, self.context, self.ender)
+        except Exception as failure:
+            exc = engine._not_applied(h, None, failure)
+        finally:
+            release(h)
+        try:
+            if self.settled is not None:
+                self.settled()
+            answer(self.waiter, None, exc)
+        except Exception as failure:
+            _report(failure)
+
+    def __call__(self, env: Any, exc: BaseException | None) -> None:
+        """``on_durable(env, exc)``, for a log that stages in a task."""
+        if exc is None:
+            self.set_result(env)
+        else:
+            self.set_exception(exc)
 
 
 class StagedOpening(StagedRecord):
@@ -84,15 +122,26 @@ class StagedOpening(StagedRecord):
         super().__init__(engine, h, body, None, None, waiter)
         self.budget, self.hashes = budget, hashes
 
-    def _call(self, env: Any, exc: BaseException | None) -> None:
-        engine, h, done = self.engine, self.h, self.waiter
-        if env is not None or (isinstance(exc, asyncio.CancelledError) and engine.log.next_seq(h.session_id) == 1):
-            engine._opened(h, self.budget, self.hashes, None if env is None else env.lsn)
-            if done.cancelled():
-                engine._background(h.drop("cancelled"))
-        else:
-            engine._unopened(h)
-        release(h)
-        answer(done, env, exc)
+    def set_result(self, env: Any) -> None:
+        self(env, None)
 
-    __call__ = _call
+    def set_exception(self, exc: BaseException) -> None:
+        self(None, exc)
+
+    def __call__(self, env: Any, exc: BaseException | None) -> None:
+        engine, h, done = self.engine, self.h, self.waiter
+        try:
+            if env is not None or (isinstance(exc, asyncio.CancelledError) and engine.log.next_seq(h.session_id) == 1):
+                engine._opened(h, self.budget, self.hashes, None if env is None else env.lsn)
+                if done.cancelled():
+                    engine._background(h.drop("cancelled"))
+            else:
+                engine._unopened(h)
+        except Exception as failure:  # handed to the waiter, logged and in health: never swallowed
+            env, exc = None, engine._not_applied(h, env, failure)
+        finally:
+            release(h)
+        try:
+            answer(done, env, exc)
+        except Exception as failure:
+            _report(failure)

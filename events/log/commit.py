@@ -346,7 +346,7 @@ class DurableCallback:
 
 def _set_futures(items: list) -> None:
     for fut, env in items:
-        if not fut.done():
+        if isinstance(fut, DurableCallback) or not fut.done():  # a callback is never done: its done() call spared
             fut.set_result(env)
 
 

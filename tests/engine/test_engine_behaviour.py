@@ -560,3 +560,73 @@ def test_run_command_uses_the_engine_default_sandbox(arun, tmp_path):
         with pytest.raises(ValueError, match="needs a sandbox"):
             await h2.run_command(None, "true", 5)
     arun(go())
+
+
+def test_an_opening_a_log_refuses_a_step_late_refuses_what_queued_on_its_lock_and_appends_nothing(arun):
+    """A log that stages in a task (a MemoryLog) checks a session_opened a loop step after
+    open_session staged it; meanwhile close's drop (or an admin's start) may queue on the new
+    session's lock. Once the log refuses the opening, what waited is refused as after an
+    ending: the log holds nothing of the session."""
+    from agentlog.events.schema.types import EventValidationError
+
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        opening = asyncio.ensure_future(eng.open_session("x", group_id="g", group_size=1, metadata={"bad": object()}))
+        await asyncio.sleep(0)  # staged; the log checks it in its own task
+        h = eng.get("x")
+        start = asyncio.ensure_future(h.start())
+        await eng.close()
+        with pytest.raises(EventValidationError):
+            await opening
+        with pytest.raises(IllegalTransition):
+            await start
+        assert list(log.read(0)) == [] and eng.get("x") is None and not h._busy
+    arun(go())
+
+
+@pytest.mark.parametrize("budget", ["30", -1.0, math.inf, math.nan, True])
+def test_a_bad_budget_is_refused_at_open_before_anything_is_decided(arun, budget):
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        with pytest.raises(ValueError, match="session 'x': budget_s: expected seconds >= 0"):
+            await eng.open_session("x", group_id="g", group_size=1, budget_s=budget)
+        h = await eng.open_session("x", group_id="g", group_size=1)  # nothing of the refused one is kept
+        assert log.next_lsn == 1 and h.state is State.OPEN
+        await eng.close()
+    arun(go())
+
+
+def test_an_acknowledged_record_whose_apply_fails_answers_its_caller_and_the_rest_of_the_flush(arun, tmp_path, monkeypatch):
+    """Applying one acknowledged record fails (injected into applying an opening): its caller gets
+    RecordNotApplied and health reports it, while the other records the writer acknowledged in the
+    same flush are applied and answered, and no session's lock is left held."""
+    from agentlog.engine.errors import RecordNotApplied
+    from agentlog.events import FileLog
+
+    opened = SessionEngine._opened
+
+    def failing(self, h, *args):
+        if h.session_id == "c":
+            raise RuntimeError("injected: applying the opening failed")
+        return opened(self, h, *args)
+
+    async def go():
+        log = FileLog.open(tmp_path / "log", fsync="never")
+        try:
+            eng = await SessionEngine.open(log, checkpoint_poll_s=3600)
+            a = await eng.open_session("a", **KW)
+            await a.start()
+            monkeypatch.setattr(SessionEngine, "_opened", failing)
+            c = asyncio.ensure_future(eng.open_session("c", group_id="gc", group_size=1))
+            turn = asyncio.ensure_future(a.record_turn(output_ids=[2]))
+            done, pending = await asyncio.wait([c, turn], timeout=10)
+            assert not pending
+            with pytest.raises(RecordNotApplied, match="injected: applying the opening failed"):
+                c.result()
+            assert turn.result().body.turn_index == 0 and a.turns == 1 and not a._busy
+            assert eng.background_failure is not None and "'c'" in eng.background_failure
+        finally:
+            log.close()
+    arun(go())
