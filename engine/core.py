@@ -408,11 +408,7 @@ class SessionEngine(BackgroundWork):
         the record is applied or failed (or the log refused it). Cancelling the wait cancels nothing."""
         done = asyncio.get_running_loop().create_future()
         try:
-            staged = StagedRecord(self, h, body, dest, context, done, settled)
-            if context is None:
-                self._log_.stage(h.session_id, staged.seq, body, staged)
-            else:
-                stage_built_turn(self._log_, h.session_id, staged.seq, body, staged, True)
+            self._stage(h, body, dest, context, done, settled, True)
         except BaseException:
             release(h)
             if settled is not None:
@@ -420,22 +416,24 @@ class SessionEngine(BackgroundWork):
             raise
         return await done
 
-    def _stage(self, h: SessionHandle, body: Any, dest: State | None, context: EncodingContext | None, waiter: Any) -> None:
+    def _stage(self, h: SessionHandle, body: Any, dest: State | None, context: EncodingContext | None, waiter: Any,
+               settled: Callable[[], None] | None = None, caller_waits: bool = False) -> None:
         """Stage one record of ``h`` (its lock held; ``context``: the one a turn the engine built leaves,
         :meth:`SessionHandle._turn_body`): once the log acknowledges it, apply it at its LSN, release the
         lock and answer ``waiter`` (:class:`~agentlog.engine.staged.StagedRecord`). A refusal by a log
-        that stages synchronously raises here, nothing staged and the lock still the caller's
-        (:meth:`_append` stages the same way for a caller that awaits the record).
+        that stages synchronously raises here, nothing staged and the lock still the caller's.
+        ``settled``: see :meth:`_append`; ``caller_waits``: the caller awaits the record
+        (see :func:`~agentlog.engine.handle.stage_built_turn`).
 
         Every record is applied as its acknowledgement comes, never as a caller's wait is cancelled,
         so the engine applies its records in the log's order and knows each one's LSN. The one
         exception is a log that stages in a task (not the file log) whose task was cancelled (the
         event loop shutting down) after the record went out: it is applied then, its LSN unknown."""
-        staged = StagedRecord(self, h, body, dest, context, waiter)
+        staged = StagedRecord(self, h, body, dest, context, waiter, settled)
         if context is None:
             self._log_.stage(h.session_id, staged.seq, body, staged)
         else:
-            stage_built_turn(self._log_, h.session_id, staged.seq, body, staged)
+            stage_built_turn(self._log_, h.session_id, staged.seq, body, staged, caller_waits)
 
     def _apply(self, h: SessionHandle, body: Any, dest: State | None, env: Envelope | None,
                context: EncodingContext | None = None, ender: asyncio.Task | None = None) -> None:
