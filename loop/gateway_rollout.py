@@ -53,7 +53,7 @@ from agentlog.engine import LocalSandbox, harness
 from agentlog.engine.core import TIMEOUT_REASON, SessionEngine
 from agentlog.engine.sandbox import CommandResult
 from agentlog.engine.tasks import TextEpisode, TextTask, Verdict
-from agentlog.events.schema.lifecycle import TERMINAL_STATES
+from agentlog.events.schema.lifecycle import TERMINAL_STATES, SessionClosed
 from agentlog.events.schema.packing import tokens_view
 from agentlog.reducers.resume import ResumePoint
 from agentlog.gateway import Backend, ByteChatTemplate, ChatTemplate, Gateway, GatewayConfig, HermesToolParser, ToolCallParser
@@ -303,16 +303,20 @@ class GatewayRollout:
             return False, None
 
     async def _abort_for(self, h: Any, reason: str, exc: BaseException) -> None:
-        if h.state in TERMINAL_STATES:
-            # It ended under us: its budget ran out (the engine's session context raises
-            # SessionTimeout on exit) or the engine dropped it at shutdown. The session's own
-            # terminal event says why; the agent's error that followed is logged, not re-raised.
-            h.log.info("rollout.error_after_end", state=str(h.state), error=f"{type(exc).__name__}: {exc}")
-            return
-        self._count(reason.split(":")[0])
-        tb = "".join(_traceback.format_exception(type(exc), exc, exc.__traceback__))
-        h.log.warning("rollout.session_failed", reason=reason, error=f"{type(exc).__name__}: {exc}")
-        await h.abort(reason, error=f"{type(exc).__name__}: {exc}", traceback=tb)
+        if h.state not in TERMINAL_STATES:
+            tb = "".join(_traceback.format_exception(type(exc), exc, exc.__traceback__))
+            try:
+                await h.abort(reason, error=f"{type(exc).__name__}: {exc}", traceback=tb)
+            except SessionClosed:
+                pass  # it ended while the abort waited for the session's lock (a drop not yet acknowledged): as below
+            else:
+                self._count(reason.split(":")[0])
+                h.log.warning("rollout.session_failed", reason=reason, error=f"{type(exc).__name__}: {exc}")
+                return
+        # It ended under us: its budget ran out (the engine's session context raises
+        # SessionTimeout on exit) or the engine dropped it at shutdown. The session's own
+        # terminal event says why; the agent's error that followed is logged, not re-raised.
+        h.log.info("rollout.error_after_end", state=str(h.state), error=f"{type(exc).__name__}: {exc}")
 
 
 async def _verify(task: TextTask, episode: TextEpisode, sandbox: Any) -> Verdict:
