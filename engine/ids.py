@@ -18,7 +18,7 @@ the log holds, and the engine's restart checkpoint is served from it
 from __future__ import annotations
 
 import asyncio
-from typing import Iterable
+from typing import Any, Iterable
 
 from agentlog._logging import get_logger
 from agentlog.events.log.api import EventLog
@@ -31,15 +31,25 @@ from .errors import DuplicateSession
 _log = get_logger("agentlog.engine")
 
 
-def first_lsn_of(log: EventLog, session_id: str, before: int | None = None) -> int | None:
-    """The LSN of the log's first record of ``session_id`` (below ``before``), or None: the exact
-    answer when the filter says an id may be used. A scan of the log, reading ids only."""
-    for env in log.read(0, raw=True):
-        if before is not None and env.lsn >= before:
+def first_lsns(records: Iterable[Any], ids: set[str], before: int | None = None) -> dict[str, int]:
+    """The LSN of the first of ``records`` (raw records in LSN order, below ``before``) of each of
+    ``ids`` that has one: the exact answer where the id filter says an id may be used. Reads ids
+    only, and stops once every id is found."""
+    first: dict[str, int] = {}
+    for rec in records:
+        if before is not None and rec.lsn >= before:
             break
-        if env.session_id == session_id:
-            return env.lsn
-    return None
+        sid = rec.session_id
+        if sid in ids and sid not in first:
+            first[sid] = rec.lsn
+            if len(first) == len(ids):
+                break
+    return first
+
+
+def first_lsn_of(log: EventLog, session_id: str, before: int | None = None) -> int | None:
+    """The LSN of ``log``'s first record of ``session_id`` (below ``before``), or None (:func:`first_lsns`)."""
+    return first_lsns(log.read(0, raw=True), {session_id}, before).get(session_id)
 
 
 class SessionIds:

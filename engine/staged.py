@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from .handle import SessionHandle
 
 
-
 def answer(waiter: Any, env: Any, exc: BaseException | None) -> None:
     """Give ``waiter`` (the future a caller awaits, or a callable ``(env, exc)``) the record's
     envelope or failure; a future whose wait was cancelled takes nothing."""
@@ -39,12 +38,6 @@ def answer(waiter: Any, env: Any, exc: BaseException | None) -> None:
             waiter.set_result(env)
         else:
             waiter.set_exception(exc)
-
-
-def _report(failure: Exception) -> None:
-    """What answering a staged record's waiter raised: reported to the loop, never swallowed (a bug)."""
-    asyncio.get_running_loop().call_exception_handler(
-        {"message": "engine: answering a staged record's waiter raised", "exception": failure})
 
 
 class StagedRecord(DurableCallback):
@@ -62,53 +55,24 @@ class StagedRecord(DurableCallback):
         self.ender = asyncio.current_task()
         self.waiter, self.settled = waiter, settled
 
-    def set_result(self, env: Any) -> None:
-        """The log acknowledged the record (the writer's call, as it would set a future): the hot path."""
+    def run(self, env: Any, exc: BaseException | None) -> None:
+        """Apply the record the log acknowledged (``env``), or not (``exc``, a failure), release the
+        lock, and answer. What raises here is reported by :class:`DurableCallback`, and the flush's
+        other records are still answered."""
         engine, h = self.engine, self.h
-        exc = None
         try:
-            engine._apply(h, self.body, self.dest, env, self.context, self.ender)
+            if env is not None:
+                engine._apply(h, self.body, self.dest, env, self.context, self.ender)
+            elif isinstance(exc, asyncio.CancelledError) and engine.log.next_seq(h.session_id) != self.seq:
+                # A log that stages in a task had it cancelled after the record went out (SessionEngine._stage).
+                engine._apply(h, self.body, self.dest, None, self.context, self.ender)
         except Exception as failure:  # handed to the waiter, logged and in health: never swallowed
             env, exc = None, engine._not_applied(h, env, failure)
         finally:
             release(h)
-        try:
-            if self.settled is not None:
-                self.settled()
-            waiter = self.waiter
-            if type(waiter) is not asyncio.Future or waiter.done():  # a callable, or a wait cancelled
-                answer(waiter, env, exc)
-            elif exc is None:
-                waiter.set_result(env)
-            else:
-                waiter.set_exception(exc)
-        except Exception as failure:  # the flush's other waiters must still be answered (DurableCallback)
-            _report(failure)
-
-    def set_exception(self, exc: BaseException) -> None:
-        """The log failed the record; one that stages in a task may have written it anyway when that
-        task was cancelled (see SessionEngine._stage): then it is applied, its LSN unknown."""
-        engine, h = self.engine, self.h
-        try:
-            if isinstance(exc, asyncio.CancelledError) and engine.log.next_seq(h.session_id) != self.seq:
-                engine._apply(h, self.body, self.dest, None, self.context, self.ender)
-        except Exception as failure:
-            exc = engine._not_applied(h, None, failure)
-        finally:
-            release(h)
-        try:
-            if self.settled is not None:
-                self.settled()
-            answer(self.waiter, None, exc)
-        except Exception as failure:
-            _report(failure)
-
-    def __call__(self, env: Any, exc: BaseException | None) -> None:
-        """``on_durable(env, exc)``, for a log that stages in a task."""
-        if exc is None:
-            self.set_result(env)
-        else:
-            self.set_exception(exc)
+        if self.settled is not None:
+            self.settled()
+        answer(self.waiter, env, exc)
 
 
 class StagedOpening(StagedRecord):
@@ -122,13 +86,7 @@ class StagedOpening(StagedRecord):
         super().__init__(engine, h, body, None, None, waiter)
         self.budget, self.hashes = budget, hashes
 
-    def set_result(self, env: Any) -> None:
-        self(env, None)
-
-    def set_exception(self, exc: BaseException) -> None:
-        self(None, exc)
-
-    def __call__(self, env: Any, exc: BaseException | None) -> None:
+    def run(self, env: Any, exc: BaseException | None) -> None:
         engine, h, done = self.engine, self.h, self.waiter
         try:
             if env is not None or (isinstance(exc, asyncio.CancelledError) and engine.log.next_seq(h.session_id) == 1):
@@ -141,7 +99,4 @@ class StagedOpening(StagedRecord):
             env, exc = None, engine._not_applied(h, env, failure)
         finally:
             release(h)
-        try:
-            answer(done, env, exc)
-        except Exception as failure:
-            _report(failure)
+        answer(done, env, exc)

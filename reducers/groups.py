@@ -333,11 +333,8 @@ class GroupTracker:
 
     def placed(self, group_id: str, session_id: str, lsn: int) -> None:
         """The opening of ``session_id``, which joined ``group_id`` with lsn None, reached the log at ``lsn``."""
-        p = self._pending.get(group_id)
-        if p is not None:
-            member = p.opened.get(session_id)
-            if member is not None and member[1] < 0:
-                p.opened[session_id] = (member[0], lsn)
+        p = self._pending[group_id]
+        p.opened[session_id] = (p.opened[session_id][0], lsn)
 
     def owed(self, group_id: str) -> list[str]:
         """The members of ``group_id`` (in flight) owed a replacement that has not opened yet."""

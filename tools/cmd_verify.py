@@ -270,12 +270,7 @@ def _check_pass(path: Any, check: Any, confirm_used: Any, *, opened: OpenedIds |
 
 def _first_lsns(path: Any, ids: set[str]) -> dict[str, int]:
     """The LSN of the first record of each of ``ids`` in the log at ``path`` (ids only are read)."""
+    from agentlog.engine.ids import first_lsns
     from agentlog.tools.cli_common import read_records
 
-    first: dict[str, int] = {}
-    for rec in read_records(path, raw=True, quiet=True, desc="verify reused ids"):
-        if rec.session_id in ids and rec.session_id not in first:
-            first[rec.session_id] = rec.lsn
-            if len(first) == len(ids):
-                break
-    return first
+    return first_lsns(read_records(path, raw=True, quiet=True, desc="verify reused ids"), ids)

@@ -317,9 +317,11 @@ class GroupCommit:
 class DurableCallback:
     """A waiter of the writer thread in place of an asyncio future
     (:meth:`FileLog.stage <agentlog.events.log.writer.FileLog.stage>`): where
-    the loop would set a future, it calls ``fn(env, None)``, or ``fn(None, exc)``
-    when the log failed; ``fn`` should not raise (what it raises goes to the
-    loop's exception handler, and the flush's other waiters are answered)."""
+    the loop would set a future, it runs ``fn(env, None)``, or ``fn(None, exc)``
+    when the log failed (a subclass overrides :meth:`run` instead). It should
+    not raise: what it raises goes to the loop's exception handler, and the
+    flush's other waiters are answered. Called as ``(env, exc)`` itself, it is an
+    ``on_durable`` for any log's ``stage``."""
 
     __slots__ = ("fn",)
 
@@ -335,9 +337,16 @@ class DurableCallback:
     def set_exception(self, exc: BaseException) -> None:
         self._call(None, exc)
 
+    def __call__(self, env: Any, exc: BaseException | None) -> None:
+        self._call(env, exc)
+
+    def run(self, env: Any, exc: BaseException | None) -> None:
+        """What the acknowledgement (``env``) or the failure (``exc``) of the record does."""
+        self.fn(env, exc)
+
     def _call(self, env: Any, exc: BaseException | None) -> None:
         try:
-            self.fn(env, exc)
+            self.run(env, exc)
         except Exception as failure:  # the flush's other waiters must still be answered: reported, never swallowed
             asyncio.get_running_loop().call_exception_handler(
                 {"message": f"log: a durable callback raised ({'acknowledged' if exc is None else 'failed'} record)",

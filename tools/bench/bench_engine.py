@@ -58,8 +58,9 @@ def _payload(tokens: int) -> tuple[bytes, bytes]:
     return toks, lps
 
 
-async def _workers(n_sessions: int, concurrency: int, one) -> None:
-    """Keep ``concurrency`` sessions in flight until ``n_sessions`` ran."""
+async def _workers(n_sessions: int, concurrency: int, one, cpu: list[float] | None) -> float:
+    """Keep ``concurrency`` sessions in flight until ``n_sessions`` ran; returns the seconds that took,
+    and appends the process's CPU seconds over the same span (every thread) to ``cpu`` when given."""
     next_i = 0
 
     async def worker() -> None:
@@ -69,7 +70,13 @@ async def _workers(n_sessions: int, concurrency: int, one) -> None:
             next_i += 1
             await one(i)
 
+    gc.collect()
+    c0, t0 = time.process_time(), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, n_sessions))))
+    elapsed = time.perf_counter() - t0
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
+    return elapsed
 
 
 def _open_log(path: Path | None):
@@ -94,12 +101,7 @@ async def run_engine(path: Path | None, n: int, conc: int, turns: int, toks: byt
                 await h.record_turn(prompt_ids=toks, output_ids=toks, output_log_probs=lps, finish_reason="stop")
             await h.finish(reward=1.0)
 
-        gc.collect()
-        c0, t0 = time.process_time(), time.perf_counter()
-        await _workers(n, conc, one)
-        elapsed = time.perf_counter() - t0
-        if cpu is not None:
-            cpu.append(time.process_time() - c0)
+        elapsed = await _workers(n, conc, one, cpu)
         assert eng.live_count == 0 and log.next_lsn == n * (turns + 3)
         await eng.close()
         return elapsed
@@ -136,12 +138,7 @@ async def run_raw(path: Path | None, n: int, conc: int, turns: int, toks: bytes,
                                                           output_log_probs=lps, finish_reason="stop"))
             await log.append(sid, 2 + turns, SessionFinished(reward=1.0))
 
-        gc.collect()
-        c0, t0 = time.process_time(), time.perf_counter()
-        await _workers(n, conc, one)
-        elapsed = time.perf_counter() - t0
-        if cpu is not None:
-            cpu.append(time.process_time() - c0)
+        elapsed = await _workers(n, conc, one, cpu)
         assert log.next_lsn == n * (turns + 3)
         return elapsed
     finally:
