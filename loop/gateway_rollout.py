@@ -273,8 +273,7 @@ class GatewayRollout:
         judge = getattr(agent, "model_stopped", None)
         stopped = judge(result) if judge is not None and crash is not None and crash[0].startswith("agent_crashed:exit_") else None
         if crash is not None and stopped is None:
-            self._count(crash[0].split(":")[0])
-            await h.abort(crash[0], error=crash[1])
+            await self._end(h, crash[0].split(":")[0], h.abort(crash[0], error=crash[1]))
             return
         ok, verdict = await self._step(h, "verifier_failed", _verify(task, episode, _RecordedSandbox(sandbox, h)))
         if not ok:
@@ -289,9 +288,22 @@ class GatewayRollout:
             for what, n in (await score_session(h, turns, self.teachers, top_k=self.distill.topk, timeout_s=self.distill.timeout_s,
                                                 skip=resumed.scored if resumed is not None else ())).items():
                 self.counts[f"teacher_{what}"] = self.counts.get(f"teacher_{what}", 0) + n
-        await h.finish(reward=verdict.reward, metadata={"success": verdict.success, **verdict.detail, "agent": summary,
-                                                        "gateway": calls})
-        self._count("finished")
+        await self._end(h, "finished", h.finish(reward=verdict.reward, metadata={
+            "success": verdict.success, **verdict.detail, "agent": summary, "gateway": calls}))
+
+    async def _end(self, h: Any, outcome: str, ending: Any) -> bool:
+        """Await the session's own ending (``h.finish`` or ``h.abort``) and count ``outcome``.
+        The rollout ends each session once, so SessionClosed here means the engine ended it
+        first (a drop at shutdown while the agent or the verifier ran, not yet acknowledged
+        when the rollout looked): that terminal event says why, and the rollout returns as
+        it left it, uncounted. False then."""
+        try:
+            await ending
+        except SessionClosed:
+            h.log.info("rollout.ended_under_us", state=str(h.state), wanted=outcome)
+            return False
+        self._count(outcome)
+        return True
 
     async def _step(self, h: Any, reason: str, coro: Any) -> tuple[bool, Any]:
         """Run a task step: ``(True, its result)``, or on an exception abort
@@ -305,12 +317,7 @@ class GatewayRollout:
     async def _abort_for(self, h: Any, reason: str, exc: BaseException) -> None:
         if h.state not in TERMINAL_STATES:
             tb = "".join(_traceback.format_exception(type(exc), exc, exc.__traceback__))
-            try:
-                await h.abort(reason, error=f"{type(exc).__name__}: {exc}", traceback=tb)
-            except SessionClosed:
-                pass  # it ended while the abort waited for the session's lock (a drop not yet acknowledged): as below
-            else:
-                self._count(reason.split(":")[0])
+            if await self._end(h, reason.split(":")[0], h.abort(reason, error=f"{type(exc).__name__}: {exc}", traceback=tb)):
                 h.log.warning("rollout.session_failed", reason=reason, error=f"{type(exc).__name__}: {exc}")
                 return
         # It ended under us: its budget ran out (the engine's session context raises

@@ -1,6 +1,7 @@
 """A text-task worker at start-up and shutdown: what cannot run is refused before any
 session, resources are released however start-up ends, and an agent error after the
-engine ended its session does not escape the rollout."""
+engine ended its session (or the finish that follows) does not
+escape the rollout."""
 
 from __future__ import annotations
 
@@ -102,3 +103,47 @@ def test_an_agent_error_after_the_engine_dropped_the_session_does_not_escape(tmp
     log = asyncio.run(body())
     (end,) = [e.body for e in log.read() if isinstance(e.body, SessionDropped)]
     assert end.reason == "shutdown"
+
+
+class _VerifyWaits(EchoWordTask):
+    """Its verifier judges, then waits to be let go before it answers: the engine can end the session meanwhile."""
+
+    def __init__(self) -> None:
+        self.verifying, self.go = asyncio.Event(), asyncio.Event()
+
+    async def verify(self, episode, sandbox):
+        verdict = await super().verify(episode, sandbox)
+        self.verifying.set()
+        await self.go.wait()
+        return verdict
+
+
+def test_a_finish_after_the_engine_dropped_the_session_does_not_escape(tmp_path):
+    """The agent ended and the verifier runs when the engine drops the session (shutdown);
+    the rollout's finish then finds the session ended: run_session returns, the drop is the
+    session's only ending, and nothing counts the session as finished."""
+
+    async def body():
+        log = MemoryLog()
+        engine = await SessionEngine.open(log, drain_s=0.1)
+        rollout = GatewayRollout(engine, Scripted(), agent=AgentConfig(harness="python-agent"), sandbox_root=tmp_path / "sb")
+        await rollout.start()
+        task = _VerifyWaits()
+        job = asyncio.ensure_future(rollout.run_session(task, task.new_episode(random.Random(0)), session_id="s0", group_id="g0",
+                                                        group_size=1, sample_index=0))
+        await asyncio.wait_for(task.verifying.wait(), 30)
+        dropping = asyncio.ensure_future(engine.get("s0").drop("shutdown"))
+        await asyncio.sleep(0)  # the drop holds the session's lock, its acknowledgement not yet in
+        task.go.set()
+        try:
+            await asyncio.wait_for(job, 30)
+            await dropping
+        finally:
+            await rollout.close()
+            await engine.close()
+        return log, rollout.counts
+
+    log, counts = asyncio.run(body())
+    ends = [e.body for e in log.read() if type(e.body).__name__ in ("SessionFinished", "SessionAborted", "SessionDropped")]
+    assert [type(b).__name__ for b in ends] == ["SessionDropped"] and ends[0].reason == "shutdown"
+    assert "finished" not in counts
