@@ -18,7 +18,7 @@ the log holds, and the engine's restart checkpoint is served from it
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from agentlog._logging import get_logger
 from agentlog.events.log.api import EventLog
@@ -50,6 +50,38 @@ def first_lsns(records: Iterable[Any], ids: set[str], before: int | None = None)
 def first_lsn_of(log: EventLog, session_id: str, before: int | None = None) -> int | None:
     """The LSN of ``log``'s first record of ``session_id`` (below ``before``), or None (:func:`first_lsns`)."""
     return first_lsns(log.read(0, raw=True), {session_id}, before).get(session_id)
+
+
+#: Scans of a log one :class:`IdScans` runs; past that its filter answers alone.
+ID_SCANS_MAX = 64
+
+
+class IdScans:
+    """A fold's ``confirm_used`` (:attr:`reducers.fold.SessionFold.confirm_used`) for a log it can
+    read again: whether the log holds ``session_id`` below ``lsn``, asked for an opening the id filter
+    alone calls a reuse, answered by a scan of ``read()`` (the log's raw records from lsn 0), so a
+    false positive (~3.4e-7 of fresh ids) is no violation. Past ``cap`` scans it answers True without
+    one, with the warning ``engine.id_scans_capped`` naming ``where``: each scan reads the log from lsn 0,
+    and only a log another writer filled with reused ids needs that many."""
+
+    __slots__ = ("_read", "cap", "where", "scans")
+
+    def __init__(self, read: Callable[[], Iterable[Any]], where: str, cap: int | None = None) -> None:
+        self._read = read
+        self.cap = ID_SCANS_MAX if cap is None else cap
+        #: What is folded (a log's path, "the restart fold"): named in the warning.
+        self.where = where
+        #: Scans run so far.
+        self.scans = 0
+
+    def __call__(self, session_id: str, lsn: int) -> bool:
+        if self.scans >= self.cap:
+            return True
+        self.scans += 1
+        if self.scans == self.cap:
+            _log.warning("engine.id_scans_capped", log=self.where, scans=self.cap, lsn=lsn, session_id=session_id,
+                         effect="later openings the id filter calls reuses are reported as reuses without a scan of the log")
+        return session_id in first_lsns(self._read(), {session_id}, before=lsn)
 
 
 class SessionIds:

@@ -51,7 +51,7 @@ from agentlog.reducers.groups import GroupError, GroupTracker, GroupTrackerSnaps
 from agentlog.reducers.lifecycle import IdFilter, LifecycleCheck, LifecycleCheckSnapshot
 from agentlog.reducers.lifecycle_step import EndedWindow, ViolationKind
 
-from .ids import first_lsn_of
+from .ids import IdScans
 
 _log = get_logger("agentlog.engine.restart")
 
@@ -61,8 +61,6 @@ CHECKPOINT_NAME = "engine.checkpoint"
 CHECKPOINT_MAGIC = b"agentlog engine checkpoint\n"
 #: Bumped when :class:`EngineCheckpoint` changes incompatibly (an older one is then unusable, not misread).
 CHECKPOINT_FORMAT = 1
-#: Scans of the log a restart fold runs to confirm an opening the id filter alone calls a reuse.
-ID_SCANS_MAX = 64
 #: Violations kept verbatim (the rest are counted).
 FIRST_VIOLATIONS = 20
 
@@ -188,8 +186,8 @@ class RestartFold:
         self.next_lsn = 0
         self.anchor = b""
         self.resumed_from = 0
-        #: Openings this fold confirmed by a scan of the log (:meth:`_confirm_used`).
-        self.id_scans = 0
+        #: Confirms, by a scan of the log, an opening the id filter alone calls a reuse (set by :meth:`catch_up`).
+        self.id_scans: IdScans | None = None
 
     # -- folding -------------------------------------------------------------------
 
@@ -201,7 +199,9 @@ class RestartFold:
         (its effect on the session cannot be known: upgrade agentlog)."""
         n = 0
         last = -1
-        self.check.fold.confirm_used = partial(self._confirm_used, log)
+        if self.id_scans is None:  # one cap for the fold's life: a fold catches up with one log
+            self.id_scans = IdScans(partial(log.read, 0, raw=True), f"the restart fold of {getattr(log, 'path', log)}")
+        self.check.fold.confirm_used = self.id_scans
         with contextlib.closing(_records(log, self.next_lsn)) as records:  # closes the cursor on a break too
             for rec in records:
                 if until is not None and rec.lsn >= until:
@@ -220,20 +220,6 @@ class RestartFold:
                 raise CheckpointError(Path("<fold>"), f"the log's record at lsn {last} was folded but cannot be read back")
             self.next_lsn, self.anchor = last + 1, anchor
         return n
-
-    def _confirm_used(self, log: EventLog, session_id: str, lsn: int) -> bool:
-        """Whether ``log`` holds ``session_id`` below ``lsn``, for an opening the id filter alone calls a
-        reuse: a scan of the log (engine.ids), as the engine confirms it at open, so a false positive
-        (a fresh id the engine opened) is no violation. Past :data:`ID_SCANS_MAX` scans the filter
-        answers alone, with a warning: each scan reads the log from lsn 0, and only a log another
-        writer filled with reused ids needs that many."""
-        if self.id_scans >= ID_SCANS_MAX:
-            return True
-        self.id_scans += 1
-        if self.id_scans == ID_SCANS_MAX:
-            _log.warning("engine.restart_id_scans_capped", scans=ID_SCANS_MAX, lsn=lsn, session_id=session_id,
-                         effect="later openings the id filter calls reuses are refused without a scan of the log")
-        return first_lsn_of(log, session_id, before=lsn) is not None
 
     def _feed(self, rec: _Record) -> None:
         tag = rec.tag

@@ -46,7 +46,7 @@ filter hit with a sparse scan of the log (see ``engine.core``).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import msgspec
 
@@ -288,11 +288,14 @@ class LifecycleState(_OnSessionFold):
 
     __slots__ = ("fold", "events", "ended", "tolerate_unknown", "unknown_events", "_out")
 
-    def __init__(self, *, recent_window: int = 4096, id_capacity: int = 1 << 18, tolerate_unknown: bool = False) -> None:
+    def __init__(self, *, recent_window: int = 4096, id_capacity: int = 1 << 18, tolerate_unknown: bool = False,
+                 confirm_used: Callable[[str, int], bool] | None = None) -> None:
         self.fold: SessionFold[_Track] = SessionFold(
             opened=self._opened, applied=self._applied, ended=self._ended, refused=self._refused, unknown=self._unknown,
             ended_window=recent_window, ids=IdFilter(id_capacity),
         )
+        #: See :attr:`reducers.fold.SessionFold.confirm_used` (None: the id filter answers alone).
+        self.fold.confirm_used = confirm_used
         self.events = 0
         self.ended = 0
         #: Pass over events of unknown types (counted below) instead of raising UnknownEventError.

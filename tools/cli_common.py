@@ -249,6 +249,20 @@ class RecordDigest:
         return f"sha256:{self._h.hexdigest()}"
 
 
+def id_scans_of(source: LogSource) -> Any:
+    """``of(pid)``: the ``confirm_used`` of the lifecycle fold of ``source``'s partition ``pid``
+    (None: the one log), an :class:`engine.ids.IdScans` reading it again: an opening the id filter
+    alone calls a reuse is confirmed by a scan, so trace, tail and report show what verify finds."""
+
+    def of(pid: int | None) -> Any:
+        from agentlog.engine.ids import IdScans
+
+        part = source if pid is None else source.partition(pid)
+        return IdScans(lambda: read_records(part, raw=True, quiet=True, desc="confirm a reused id"), str(part))
+
+    return of
+
+
 def read_frame_batches(source: LogSource, *, quiet: bool = False, desc: str = "read") -> Iterator[list[Any]]:
     """Every durable record of the (single, not partitioned) log as lists of
     undecoded frames (lsn, session_id, session_seq, ts_ns, flags, payload;

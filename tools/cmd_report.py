@@ -17,7 +17,7 @@ from __future__ import annotations
 from agentlog.events.fs import atomic_file
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import (
-    add_quiet, check_log_path, learner_log_of, nonneg_int, read_records, read_tagged, reduce_config_of,
+    add_quiet, check_log_path, id_scans_of, learner_log_of, nonneg_int, read_records, read_tagged, reduce_config_of,
 )
 
 
@@ -50,7 +50,7 @@ def run(args) -> int:
         envelopes, str(path),
         worst=args.worst, per_reason=args.per_reason, sample=args.sample, seed=args.seed,
         learner=read_records(learner, quiet=True) if learner is not None else (),
-        learner_log=str(learner or ""), partitions=pids, config=reduce_config_of(path),
+        learner_log=str(learner or ""), partitions=pids, config=reduce_config_of(path), confirm_for=id_scans_of(path),
     )
     page = render(data)
     try:

@@ -36,7 +36,7 @@ from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
 from agentlog.events.log.source import LogSource
-from agentlog.tools.cli_common import check_log_path, record_id, reduce_config_of
+from agentlog.tools.cli_common import check_log_path, id_scans_of, record_id, reduce_config_of
 
 REFRESH_S = 0.5
 #: How often a partitioned log (or a folder holding no log yet) is looked at for new partitions.
@@ -121,11 +121,13 @@ async def _tail_events(path: LogSource) -> None:
 
     # One fold per partition (None: the one log): LSNs rise, and sessions live, within a partition.
     states: dict[int | None, LifecycleState] = {}
+    confirm_for = id_scans_of(path)
     out = sys.stdout
     async for pid, env in follow_tagged(path):
         state = states.get(pid)
         if state is None:
-            state = states[pid] = LifecycleState(tolerate_unknown=True)  # shown, not interpreted: a newer writer's event types
+            # Unknown event types shown, not interpreted (a newer writer's); a reused id confirmed by a scan.
+            state = states[pid] = LifecycleState(tolerate_unknown=True, confirm_used=confirm_for(pid))
         learner = isinstance(env.body, PolicyUpdated)
         before = None if learner else state.state_of(env.session_id)
         state, produced = reduce_lifecycle(state, env)

@@ -39,7 +39,7 @@ from typing import IO, Any, Iterable
 
 from agentlog.events.fs import atomic_file
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, read_records, read_tagged
+from agentlog.tools.cli_common import add_quiet, check_log_path, id_scans_of, read_records, read_tagged
 
 #: The one process every session track belongs to.
 TRACE_PID = 1
@@ -69,7 +69,8 @@ def _span(name: str, cat: str, track: _Track, end_us: float, seconds: float, arg
     return {"ph": "X", "name": name, "cat": cat, "pid": TRACE_PID, "tid": track.tid, "ts": start, "dur": end - start, "args": args}
 
 
-def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "", partitions: list[int] | None = None) -> dict[str, int]:
+def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "", partitions: list[int] | None = None,
+                confirm_for: Any = None) -> dict[str, int]:
     """Write the Trace Event JSON of ``envelopes`` (in LSN order) to ``out``,
     streaming. Returns counts: sessions, turns, commands, terminal (instant
     events), in_flight, skipped (records the lifecycle fold refused),
@@ -78,7 +79,9 @@ def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "", partit
     ``partitions``: the partition ids of a partitioned log, whose
     ``envelopes`` are then ``(partition id, Envelope)`` pairs in merged order
     (:func:`tools.cli_common.read_tagged`); one lifecycle fold per partition,
-    and each track and span names its partition."""
+    and each track and span names its partition. ``confirm_for(pid)``: the ``confirm_used``
+    of the fold of partition ``pid`` (None: the one log), :func:`tools.cli_common.id_scans_of`;
+    None: the id filter alone says an opening reuses an id."""
     from agentlog.events.schema.types import CommandRan, PolicyUpdated, SandboxSnapshotted, SessionOpened, SessionResumed
     from agentlog.reducers.lifecycle import LifecycleState, SessionSummary, Violation, reduce_lifecycle
 
@@ -118,7 +121,7 @@ def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "", partit
         sid = env.session_id
         state = states.get(pid)
         if state is None:
-            state = states[pid] = LifecycleState(tolerate_unknown=True)
+            state = states[pid] = LifecycleState(tolerate_unknown=True, confirm_used=confirm_for and confirm_for(pid))
         state, produced = reduce_lifecycle(state, env)
         if any(isinstance(o, Violation) for o in produced):
             counts["skipped"] += 1
@@ -193,9 +196,10 @@ def run(args) -> int:
         # Not fsynced (durable=False): a trace is rebuilt from the log.
         with atomic_file(args.output, "w", encoding="utf-8", durable=False) as f:
             if path.partitioned:
-                counts = write_trace(read_tagged(path, quiet=args.quiet, desc="trace"), f, log=str(path), partitions=path.partitions())
+                counts = write_trace(read_tagged(path, quiet=args.quiet, desc="trace"), f, log=str(path), partitions=path.partitions(),
+                                     confirm_for=id_scans_of(path))
             else:
-                counts = write_trace(read_records(path, quiet=args.quiet, desc="trace"), f, log=str(path))
+                counts = write_trace(read_records(path, quiet=args.quiet, desc="trace"), f, log=str(path), confirm_for=id_scans_of(path))
     except OSError as exc:
         raise CliError(f"{args.output}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None
     print(f"{args.output}: {counts['sessions']} sessions ({counts['in_flight']} in flight), {counts['turns']} turns, "

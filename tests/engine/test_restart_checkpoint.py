@@ -899,9 +899,9 @@ def test_the_restart_folds_scans_for_reused_ids_are_bounded(tmp_path, monkeypatc
     the filter answers alone (every reuse is still refused)."""
     from structlog.testing import capture_logs
 
-    from agentlog.engine import restart
+    from agentlog.engine import ids
 
-    monkeypatch.setattr(restart, "ID_SCANS_MAX", 2)
+    monkeypatch.setattr(ids, "ID_SCANS_MAX", 2)
     path = tmp_path / "log"
     reused = [(f"s{i}", 0, SessionOpened(group_id=f"again{i}", group_size=1)) for i in range(4)]
     end = _write(path, [(f"s{i}", k, body) for i in range(4)
@@ -912,8 +912,8 @@ def test_the_restart_folds_scans_for_reused_ids_are_bounded(tmp_path, monkeypatc
         fold = RestartFold(recent_window=0, id_capacity=64)  # the window forgets: the filter alone answers
         with capture_logs() as logs:
             assert fold.catch_up(log) == end
-        assert fold.id_scans == 2 and fold.violations == 4
-        assert [e["event"] for e in logs if e["event"].startswith("engine.restart_id")] == ["engine.restart_id_scans_capped"]
+        assert fold.id_scans.scans == 2 and fold.violations == 4
+        assert [e["event"] for e in logs if e["event"].startswith("engine.id_scans")] == ["engine.id_scans_capped"]
     finally:
         log.close()
 

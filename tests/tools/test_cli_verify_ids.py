@@ -1,11 +1,20 @@
-"""`agentlog verify`'s lifecycle check and the id filter's false positives."""
+"""`agentlog verify`'s lifecycle check and the id filter's false positives; trace, tail and report
+confirm a reuse the filter alone reports as verify does."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
+import pytest
+
 from agentlog.events import FileLog
 from agentlog.events.schema.types import SessionDropped, SessionFinished, SessionOpened, SessionStarted
-from agentlog.reducers.lifecycle import LifecycleCheck
-from agentlog.tools.cli_common import check_log_path
+from agentlog.reducers.lifecycle import IdFilter, LifecycleCheck
+from agentlog.tools.cli import main
+from agentlog.tools.cli_common import check_log_path, id_scans_of, read_records
+from agentlog.tools.cmd_tail import _tail_events
+from agentlog.tools.report.data import collect
 from agentlog.tools.cmd_verify import check_lifecycle
 
 
@@ -60,3 +69,85 @@ def test_only_real_reuses_are_reported_as_they_are_without_a_second_check(tmp_pa
     # The reuse at lsn 2 is refused; its drop at lsn 3 then belongs to no session in flight.
     assert [(v.lsn, v.kind.value) for v in shown][:1] == [(2, "reused_id")] and count == len(shown) >= 1
     assert len(made) == 1  # the scan proved it real: the first pass's answer stands
+
+
+# ------------------------------------------------ trace, tail and report confirm as verify does
+
+
+def _false_positive_log(path) -> None:
+    """``ghost`` opens once (a false positive of the seeded filter); ``old`` is really reused at lsn 5."""
+    _write(path, [
+        ("old", 0, SessionOpened(group_id="O", group_size=1)), ("old", 1, SessionDropped(reason="y")),
+        ("ghost", 0, SessionOpened(group_id="G", group_size=1)), ("ghost", 1, SessionStarted(harness="t")),
+        ("ghost", 2, SessionFinished(reward=1.0)),
+        ("old", 0, SessionOpened(group_id="O2", group_size=1)),
+    ])
+
+
+@pytest.fixture
+def ghost_in_the_filter(monkeypatch):
+    """Every id filter answers "maybe used" for the fresh id ``ghost``, as a false positive does."""
+    real = IdFilter.__contains__
+    monkeypatch.setattr(IdFilter, "__contains__", lambda self, sid: sid == "ghost" or real(self, sid))
+
+
+def test_trace_shows_a_false_positive_as_the_session_it_is_and_a_real_reuse_as_skipped(tmp_path, ghost_in_the_filter):
+    _false_positive_log(tmp_path / "log")
+    assert main(["trace", str(tmp_path / "log"), "-o", str(tmp_path / "t.json"), "--quiet"]) == 0
+    trace = json.loads((tmp_path / "t.json").read_text())
+    names = [e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"]
+    assert [n.split()[0] for n in names] == ["old", "ghost"]
+    finished = [e for e in trace["traceEvents"] if e.get("ph") == "i" and e["tid"] == 2]
+    assert finished, "ghost's terminal event is drawn on its track"
+    assert trace["otherData"]["skipped"] == 1  # old's reuse at lsn 5
+
+
+def test_report_counts_a_false_positive_as_a_session_and_a_real_reuse_as_a_violation(tmp_path, ghost_in_the_filter):
+    _false_positive_log(tmp_path / "log")
+    source = check_log_path(str(tmp_path / "log"))
+    data = collect(read_records(source, quiet=True), str(source), confirm_for=id_scans_of(source))
+    assert data.outcomes["finished"] == 1 and data.sessions == 2
+    assert len(data.violations) == 1 and "lsn 5, session 'old'" in data.violations[0], data.violations
+
+
+def test_tail_shows_a_false_positive_as_a_fresh_session_and_a_real_reuse_as_a_violation(tmp_path, ghost_in_the_filter, capsys):
+    _false_positive_log(tmp_path / "log")
+    seen = []
+
+    async def follow() -> None:
+        job = asyncio.ensure_future(_tail_events(check_log_path(str(tmp_path / "log"))))
+        try:
+            for _ in range(400):  # until the last record is shown (20 s at most)
+                await asyncio.sleep(0.05)
+                seen.extend(capsys.readouterr().out.splitlines())
+                if any("VIOLATION lsn 5 " in line for line in seen):
+                    return
+        finally:
+            job.cancel()
+
+    asyncio.run(follow())
+    ghost = [line.split("ghost", 1)[1].split()[1:5] for line in seen if " ghost " in line]
+    assert ghost == [["session_opened", "-", "->", "open"], ["session_started", "open", "->", "running"],
+                     ["session_finished", "running", "->", "finished"]], seen
+    assert [line.split()[6] for line in seen if "VIOLATION" in line] == ["'old':"], seen
+
+
+def test_trace_of_a_partitioned_log_confirms_in_the_partition_of_the_opening(tmp_path, ghost_in_the_filter):
+    """The scan reads the partition whose fold asks: ``ghost`` is fresh in p0001 though p0000 also holds one."""
+    from agentlog.events.log.partitions import open_partition
+
+    root = tmp_path / "rollout"
+    for pid, sessions in ((0, ["ghost", "a"]), (1, ["b", "ghost"])):
+        log = open_partition(root, pid, fsync="never")
+        try:
+            for sid in sessions:
+                log.append_batch([(sid, 0, SessionOpened(group_id=sid, group_size=1))])
+                log.append_batch([(sid, 1, SessionDropped(reason="y"))])
+        finally:
+            log.close()
+    assert main(["trace", str(root), "-o", str(tmp_path / "t.json"), "--quiet"]) == 0
+    trace = json.loads((tmp_path / "t.json").read_text())
+    names = sorted(e["args"]["name"].split()[0] + e["args"]["name"].split()[-1]
+                   for e in trace["traceEvents"] if e.get("name") == "thread_name")
+    assert names == ["ap0000", "bp0001", "ghostp0000", "ghostp0001"], names
+    assert trace["otherData"]["skipped"] == 0

@@ -139,13 +139,16 @@ def collect(
     learner_log: str = "",
     partitions: list[int] | None = None,
     config: Any = None,
+    confirm_for: Any = None,
 ) -> ReportData:
     """Fold the envelopes (in LSN order) into :class:`ReportData`, in one pass.
     ``learner``: the learner log's envelopes (its PolicyUpdated records), when
     the report is of a run folder. ``partitions``: the partition ids of a
     partitioned log, whose ``envelopes`` are then ``(partition id, Envelope)``
     pairs in merged order (:func:`tools.cli_common.read_tagged`). ``config``: the
-    ReduceConfig to fold samples and groups with (None: the reducers' defaults)."""
+    ReduceConfig to fold samples and groups with (None: the reducers' defaults). ``confirm_for(pid)``:
+    the ``confirm_used`` of partition ``pid``'s lifecycle fold (:func:`tools.cli_common.id_scans_of`);
+    None: the id filter alone says an opening reuses an id."""
     from agentlog.events.schema.types import CommandRan, PolicyUpdated, SessionOpened
     from agentlog.reducers.lifecycle import LifecycleState, SessionSummary, Violation, reduce_lifecycle
     from agentlog.reducers.config import DEFAULT_CONFIG
@@ -202,7 +205,8 @@ def collect(
         sid = env.session_id
         state = states.get(pid)
         if state is None:
-            state = states[pid] = LifecycleState(tolerate_unknown=True)  # shown, not interpreted: a newer writer's event types
+            # Unknown event types shown, not interpreted (a newer writer's); a reused id confirmed by a scan.
+            state = states[pid] = LifecycleState(tolerate_unknown=True, confirm_used=confirm_for and confirm_for(pid))
             reducers[pid] = Reducer(config or DEFAULT_CONFIG)
         state, out = reduce_lifecycle(state, env)
         summary = None
