@@ -21,8 +21,10 @@ from agentlog.gateway import Gateway
 from gateway_helpers import ScriptedBackend, open_running, run
 
 ADMIN = {"X-Admin-Token": "tok"}
-#: /health must answer within 100 ms; asserted with a margin for a loaded 2-core machine.
-HEALTH_BOUND_S = 0.5
+#: /health must answer within 100 ms; asserted with a margin for a loaded 2-core machine, where the
+#: test's client and server share one event loop with two other test workers (0.5 s was exceeded once
+#: under such load): a frozen /health, the failure this guards against, never answers at all.
+HEALTH_BOUND_S = 2.0
 
 
 async def _call(url: str, method: str, path: str, body: object = None, headers: dict | None = None) -> tuple[int, dict, float]:
