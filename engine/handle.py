@@ -173,6 +173,14 @@ class SessionHandle:
         return f"SessionHandle({self.session_id!r}, state={self.state}, turns={self.turns})"
 
     @property
+    def ended_by_engine(self) -> bool:
+        """Whether the session ended without an outcome of its own: dropped (at the engine's
+        shutdown, a cancel, or anyone's ``drop``: cleanup, never a sample) or aborted by the
+        engine when its wall-clock budget ran out. A finish or abort after that raises
+        SessionClosed; one who plays the session may take it as this ending's doing."""
+        return self.state is State.DROPPED or self._expired
+
+    @property
     def log(self) -> Any:
         """A logger bound to this session (bound on first use)."""
         if self._log is None:

@@ -293,13 +293,16 @@ class GatewayRollout:
 
     async def _end(self, h: Any, outcome: str, ending: Any) -> bool:
         """Await the session's own ending (``h.finish`` or ``h.abort``) and count ``outcome``.
-        The rollout ends each session once, so SessionClosed here means the engine ended it
-        first (a drop at shutdown while the agent or the verifier ran, not yet acknowledged
-        when the rollout looked): that terminal event says why, and the rollout returns as
-        it left it, uncounted. False then."""
+        SessionClosed from a session the engine ended first (``h.ended_by_engine``: a drop at
+        shutdown or its budget, while the agent or the verifier ran, not yet acknowledged when
+        the rollout looked) is that ending's doing: its terminal event says why, and the rollout
+        returns as it left it, uncounted (False). Any other SessionClosed is a second ending of
+        the rollout's own side (an agent that finished its session itself) and raises."""
         try:
             await ending
         except SessionClosed:
+            if not h.ended_by_engine:
+                raise
             h.log.info("rollout.ended_under_us", state=str(h.state), wanted=outcome)
             return False
         self._count(outcome)

@@ -147,3 +147,40 @@ def test_a_finish_after_the_engine_dropped_the_session_does_not_escape(tmp_path)
     ends = [e.body for e in log.read() if type(e.body).__name__ in ("SessionFinished", "SessionAborted", "SessionDropped")]
     assert [type(b).__name__ for b in ends] == ["SessionDropped"] and ends[0].reason == "shutdown"
     assert "finished" not in counts
+
+
+class _VerifyFinishesItself(EchoWordTask):
+    """A verifier that ends the session itself (a bug of the task's): the rollout's finish is a second one."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    async def verify(self, episode, sandbox):
+        verdict = await super().verify(episode, sandbox)
+        await self.engine.get("s0").finish(reward=0.25)
+        return verdict
+
+
+def test_a_second_finish_of_the_rollouts_own_side_is_raised_not_hidden(tmp_path):
+    """Only an ending of the engine's (a drop, the budget) makes the rollout's finish a no-op:
+    a session its own side already finished raises SessionClosed out of run_session."""
+    from agentlog.events.schema.lifecycle import SessionClosed
+
+    async def body():
+        log = MemoryLog()
+        engine = await SessionEngine.open(log, drain_s=0.1)
+        rollout = GatewayRollout(engine, Scripted(), agent=AgentConfig(harness="python-agent"), sandbox_root=tmp_path / "sb")
+        await rollout.start()
+        task = _VerifyFinishesItself(engine)
+        try:
+            with pytest.raises(SessionClosed, match="already finished"):
+                await rollout.run_session(task, task.new_episode(random.Random(0)), session_id="s0", group_id="g0",
+                                          group_size=1, sample_index=0)
+        finally:
+            await rollout.close()
+            await engine.close()
+        return log
+
+    log = asyncio.run(body())
+    ends = [e.body for e in log.read() if type(e.body).__name__ in ("SessionFinished", "SessionAborted", "SessionDropped")]
+    assert [(type(b).__name__, b.reward) for b in ends] == [("SessionFinished", 0.25)]
