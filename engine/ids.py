@@ -81,7 +81,13 @@ class IdScans:
         if self.scans == self.cap:
             _log.warning("engine.id_scans_capped", log=self.where, scans=self.cap, lsn=lsn, session_id=session_id,
                          effect="later openings the id filter calls reuses are reported as reuses without a scan of the log")
-        return session_id in first_lsns(self._read(), {session_id}, before=lsn)
+        records = self._read()
+        try:
+            return session_id in first_lsns(records, {session_id}, before=lsn)
+        finally:
+            close = getattr(records, "close", None)  # a cursor or consumer left early is closed now, not at collection
+            if close is not None:
+                close()
 
 
 class SessionIds:

@@ -517,14 +517,16 @@ def replay(
     session_id: str | None = None,
     until_lsn: int | None = None,
     recent_window: int = 4096,
+    confirm_used: Callable[[str, int], bool] | None = None,
 ) -> Iterator[ReplayStep]:
     """Replay envelopes through the lifecycle, yielding each with the state
     before and after it (None: no such session), its violations and, on a
     terminal event, the session summary. ``session_id`` keeps one session;
     ``until_lsn`` stops after that LSN. Learner events (policy_updated) are
     yielded with both states None. Events of unknown types (a newer
-    writer's) are shown, not interpreted: the state stays as it was."""
-    state = LifecycleState(recent_window=recent_window, tolerate_unknown=True)
+    writer's) are shown, not interpreted: the state stays as it was.
+    ``confirm_used``: see :class:`LifecycleState`."""
+    state = LifecycleState(recent_window=recent_window, tolerate_unknown=True, confirm_used=confirm_used)
     for env in envs:
         if until_lsn is not None and env.lsn > until_lsn:
             break

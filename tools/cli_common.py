@@ -22,7 +22,7 @@ import contextlib
 import datetime as _dt
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Generator, Iterator, NamedTuple
 
 from agentlog.events.log.source import LogSource, open_source
 from agentlog.tools.cli import EXIT_DATA, EXIT_USAGE, CliError
@@ -172,7 +172,7 @@ def read_records(
 
 def read_tagged(
     source: LogSource, *, raw: bool = False, from_lsn: int = 0, quiet: bool = False, desc: str = "read"
-) -> Iterator[tuple[int | None, Any]]:
+) -> Generator[tuple[int | None, Any], None, None]:
     """:func:`read_records` with each record's partition id: ``(None, record)``
     for a single log; for a partitioned one, ``(pid, record)`` for every
     partition's records in the merged order of
@@ -252,15 +252,34 @@ class RecordDigest:
 def id_scans_of(source: LogSource) -> Any:
     """``of(pid)``: the ``confirm_used`` of the lifecycle fold of ``source``'s partition ``pid``
     (None: the one log), an :class:`engine.ids.IdScans` reading it again: an opening the id filter
-    alone calls a reuse is confirmed by a scan, so trace, tail and report show what verify finds."""
+    alone calls a reuse is confirmed by a scan, so trace, tail, report and replay show what verify
+    finds. ``of("merged")``: for one fold over a partitioned log read merged, whose LSNs are
+    positions in :func:`read_tagged`'s order (``agentlog replay``)."""
 
-    def of(pid: int | None) -> Any:
+    def of(pid: int | str | None) -> Any:
         from agentlog.engine.ids import IdScans
 
-        part = source if pid is None else source.partition(pid)
+        if pid == "merged":
+            return IdScans(lambda: _merged_positions(source), str(source))
+        part = source if pid is None else source.partition(int(pid))
         return IdScans(lambda: read_records(part, raw=True, quiet=True, desc="confirm a reused id"), str(part))
 
     return of
+
+
+class _Position(NamedTuple):
+    lsn: int
+    session_id: str
+
+
+def _merged_positions(source: LogSource) -> Iterator[_Position]:
+    """``(position, session id)`` of every record of a partitioned log, in :func:`read_tagged`'s merged order."""
+    records = read_tagged(source, raw=True, quiet=True, desc="confirm a reused id")
+    try:
+        for pos, (_pid, rec) in enumerate(records):
+            yield _Position(pos, rec.session_id)
+    finally:
+        records.close()
 
 
 def read_frame_batches(source: LogSource, *, quiet: bool = False, desc: str = "read") -> Iterator[list[Any]]:

@@ -14,6 +14,8 @@ each partition's events, sessions and outcomes (see :mod:`tools.report.data`).
 
 from __future__ import annotations
 
+from typing import Any, Iterable
+
 from agentlog.events.fs import atomic_file
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import (
@@ -41,6 +43,7 @@ def run(args) -> int:
 
     path = check_log_path(args.log)
     learner = learner_log_of(path)
+    envelopes: Iterable[Any]
     if path.partitioned:
         pids: list[int] | None = path.partitions()
         envelopes = read_tagged(path, quiet=args.quiet, desc="report")

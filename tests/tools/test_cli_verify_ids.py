@@ -151,3 +151,37 @@ def test_trace_of_a_partitioned_log_confirms_in_the_partition_of_the_opening(tmp
                    for e in trace["traceEvents"] if e.get("name") == "thread_name")
     assert names == ["ap0000", "bp0001", "ghostp0000", "ghostp0001"], names
     assert trace["otherData"]["skipped"] == 0
+
+
+def test_the_report_command_counts_a_false_positive_as_a_session(tmp_path, ghost_in_the_filter, capsys):
+    _false_positive_log(tmp_path / "log")
+    assert main(["report", str(tmp_path / "log"), "-o", str(tmp_path / "r.html"), "--quiet"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert ": 2 sessions (dropped 1, finished 1)" in first, first
+
+
+def test_replay_shows_a_false_positive_as_a_fresh_session_and_a_real_reuse_as_a_violation(tmp_path, ghost_in_the_filter, capsys):
+    _false_positive_log(tmp_path / "log")
+    assert main(["replay", str(tmp_path / "log"), "--quiet"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[6] for line in out if "VIOLATION" in line] == ["'old':"], out
+    assert [line.split("ghost", 1)[1].split()[1] for line in out if " ghost " in line] == \
+        ["session_opened", "session_started", "session_finished"], out
+
+
+def test_replay_of_a_partitioned_log_confirms_over_the_merged_records(tmp_path, ghost_in_the_filter, capsys):
+    """Read merged, one fold sees every partition: ``ghost``'s one opening (in p0001) is fresh."""
+    from agentlog.events.log.partitions import open_partition
+
+    root = tmp_path / "rollout"
+    for pid, sessions in ((0, ["a"]), (1, ["b", "ghost"])):
+        log = open_partition(root, pid, fsync="never")
+        try:
+            for sid in sessions:
+                log.append_batch([(sid, 0, SessionOpened(group_id=sid, group_size=1))])
+                log.append_batch([(sid, 1, SessionDropped(reason="y"))])
+        finally:
+            log.close()
+    assert main(["replay", str(root), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "VIOLATION" not in out and out.count("session_dropped") == 3, out
