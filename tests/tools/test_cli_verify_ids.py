@@ -132,12 +132,11 @@ def test_tail_shows_a_false_positive_as_a_fresh_session_and_a_real_reuse_as_a_vi
     assert [line.split()[6] for line in seen if "VIOLATION" in line] == ["'old':"], seen
 
 
-def test_trace_of_a_partitioned_log_confirms_in_the_partition_of_the_opening(tmp_path, ghost_in_the_filter):
-    """The scan reads the partition whose fold asks: ``ghost`` is fresh in p0001 though p0000 also holds one."""
+def _partitioned(root, sessions_by_partition):
+    """A partitioned log: partition ``i`` holds ``sessions_by_partition[i]``, each opened and dropped."""
     from agentlog.events.log.partitions import open_partition
 
-    root = tmp_path / "rollout"
-    for pid, sessions in ((0, ["ghost", "a"]), (1, ["b", "ghost"])):
+    for pid, sessions in enumerate(sessions_by_partition):
         log = open_partition(root, pid, fsync="never")
         try:
             for sid in sessions:
@@ -145,6 +144,12 @@ def test_trace_of_a_partitioned_log_confirms_in_the_partition_of_the_opening(tmp
                 log.append_batch([(sid, 1, SessionDropped(reason="y"))])
         finally:
             log.close()
+    return root
+
+
+def test_trace_of_a_partitioned_log_confirms_in_the_partition_of_the_opening(tmp_path, ghost_in_the_filter):
+    """The scan reads the partition whose fold asks: ``ghost`` is fresh in p0001 though p0000 also holds one."""
+    root = _partitioned(tmp_path / "rollout", [["ghost", "a"], ["b", "ghost"]])
     assert main(["trace", str(root), "-o", str(tmp_path / "t.json"), "--quiet"]) == 0
     trace = json.loads((tmp_path / "t.json").read_text())
     names = sorted(e["args"]["name"].split()[0] + e["args"]["name"].split()[-1]
@@ -171,17 +176,7 @@ def test_replay_shows_a_false_positive_as_a_fresh_session_and_a_real_reuse_as_a_
 
 def test_replay_of_a_partitioned_log_confirms_over_the_merged_records(tmp_path, ghost_in_the_filter, capsys):
     """Read merged, one fold sees every partition: ``ghost``'s one opening (in p0001) is fresh."""
-    from agentlog.events.log.partitions import open_partition
-
-    root = tmp_path / "rollout"
-    for pid, sessions in ((0, ["a"]), (1, ["b", "ghost"])):
-        log = open_partition(root, pid, fsync="never")
-        try:
-            for sid in sessions:
-                log.append_batch([(sid, 0, SessionOpened(group_id=sid, group_size=1))])
-                log.append_batch([(sid, 1, SessionDropped(reason="y"))])
-        finally:
-            log.close()
+    root = _partitioned(tmp_path / "rollout", [["a"], ["b", "ghost"]])
     assert main(["replay", str(root), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "VIOLATION" not in out and out.count("session_dropped") == 3, out
