@@ -26,6 +26,7 @@ are in flight). None of them records anything.
 from __future__ import annotations
 
 import asyncio
+import gc
 import secrets
 from collections import OrderedDict
 from typing import Any
@@ -109,6 +110,23 @@ class GatewayConfig(msgspec.Struct, frozen=True):
 
 #: What a session's routing key is (GatewayConfig.route_by).
 ROUTE_BY = ("session", "group")
+
+
+#: The garbage collector's young-generation threshold in agentlog's own processes that record
+#: turns (``agentlog serve``, a rollout worker): Python's default, 700 container objects allocated
+#: net, makes a young collection every ~30 turns of a busy gateway, each walking the young message
+#: lists of every request in flight (7-10 us of CPU a turn at 100k-token contexts,
+#: ``tools/bench/bench_capture.py``). Cycles are rare here; they are still collected, later.
+SERVICE_GC_THRESHOLD = 10_000
+
+
+def use_service_gc() -> tuple[int, int, int]:
+    """Raise this process's young-generation threshold to :data:`SERVICE_GC_THRESHOLD` (the older
+    generations' stay); returns the thresholds before. For processes agentlog runs as a service:
+    an application embedding the gateway keeps its own, as it keeps its own logging."""
+    before = gc.get_threshold()
+    gc.set_threshold(SERVICE_GC_THRESHOLD, *before[1:])
+    return before
 
 
 #: Bytes a recorded turn may take beyond its messages and prompt ids: the
@@ -230,7 +248,8 @@ class Gateway(TurnPath, AdminRoutes):
         self._site = site
         self.url = f"http://{host}:{site.port}"
         _log.info("gateway.listening", url=self.url, backend=self.backend.name, template=self.template.name,
-                  max_body_bytes=self.max_body_bytes, max_connections=c.max_connections, admin_connections=site.admin_connections)
+                  max_body_bytes=self.max_body_bytes, max_connections=c.max_connections, admin_connections=site.admin_connections,
+                  gc_threshold=gc.get_threshold()[0])  # the process's, set by its application (use_service_gc)
         return self.url
 
     async def drain(self, timeout_s: float) -> int:
