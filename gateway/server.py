@@ -113,19 +113,21 @@ ROUTE_BY = ("session", "group")
 
 
 #: The garbage collector's young-generation threshold in agentlog's own processes that record
-#: turns (``agentlog serve``, a rollout worker): Python's default, 700 container objects allocated
-#: net, makes a young collection every ~30 turns of a busy gateway, each walking the young message
-#: lists of every request in flight (7-10 us of CPU a turn at 100k-token contexts,
-#: ``tools/bench/bench_capture.py``). Cycles are rare here; they are still collected, later.
+#: turns (``agentlog serve``, a rollout worker, a Ray rollout actor). At Python's default (700
+#: container objects allocated net, up to 3.13), bench_capture's 64-session rounds at 100k-token
+#: contexts ran a young collection about every 30 turns, 7-11 us of CPU a turn; at this threshold
+#: 0-1.3 us (``tools/bench/bench_capture.py``). Cycles are still collected, less often.
 SERVICE_GC_THRESHOLD = 10_000
 
 
 def use_service_gc() -> tuple[int, int, int]:
     """Raise this process's young-generation threshold to :data:`SERVICE_GC_THRESHOLD` (the older
-    generations' stay); returns the thresholds before. For processes agentlog runs as a service:
-    an application embedding the gateway keeps its own, as it keeps its own logging."""
+    generations' stay; a higher one, or a collector switched off, is left as it is); returns the
+    thresholds before. For processes agentlog runs as a service: an application embedding the
+    gateway keeps its own, as it keeps its own logging."""
     before = gc.get_threshold()
-    gc.set_threshold(SERVICE_GC_THRESHOLD, *before[1:])
+    if 0 < before[0] < SERVICE_GC_THRESHOLD:
+        gc.set_threshold(SERVICE_GC_THRESHOLD, *before[1:])
     return before
 
 

@@ -246,6 +246,6 @@ def test_serve_runs_with_the_service_gc_threshold_and_an_embedded_gateway_keeps_
         await gw.stop()
         await engine.close()
 
-    gc.set_threshold(700, 10, 10)  # Python's default, as an application that never changed it has
+    gc.set_threshold(700, *gc.get_threshold()[1:])  # Python's default young threshold (up to 3.13)
     asyncio.run(embedded())
-    assert gc.get_threshold() == (700, 10, 10)
+    assert gc.get_threshold()[0] == 700

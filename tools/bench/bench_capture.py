@@ -50,9 +50,12 @@ gateway parses it, the agent echoes it back and answers with a tool result.
 
 The bench's process runs with the young-generation GC threshold that
 ``agentlog serve`` and the rollout workers set
-(``gateway.server.SERVICE_GC_THRESHOLD``); the 64-session rounds run a second
-time with Python's default threshold, as in an application that embeds the
-gateway and keeps its own, printed beside the GOAL line.
+(``gateway.server.SERVICE_GC_THRESHOLD``). The 64-session rounds run four
+times, alternated: at that threshold, twice at Python's default (as in an
+application that embeds the gateway and keeps its own), then at that
+threshold again, each after a full collection; the GOAL line takes the mean
+of the service arm's two runs and prints the default arm's beside it, with
+each arm's collections by generation.
 
     python tools/bench/bench_capture.py [--quick]
 """
@@ -77,15 +80,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from agentlog.tools.bench.capture_cpu import cpu_concurrent, cpu_per_turn, merged_runs, text as _text  # noqa: E402
+
 DIALECTS = ("chat", "messages", "responses")
-_FILLER = "def add(a, b):\n    return a + b\n# the tool's output, line by line\n"
-
-
-def _text(n: int, salt: str) -> str:
-    """``n`` ASCII characters (one token each with the built-in template)."""
-    head = f"[{salt}]\n"
-    body = (_FILLER * (n // len(_FILLER) + 1))[: max(0, n - len(head))]
-    return (head + body)[:n]
 
 
 def _shape(args) -> dict:
@@ -306,196 +303,6 @@ async def _throughput(args, n: int, shape: dict, pool, counter: list) -> dict:
             "client_cpu_ms": statistics.median(client_cpu) / total * 1e3}
 
 
-# ---------------------------------------------------------------- capture CPU per turn
-
-
-class _GcClock:
-    """CPU time the garbage collector spends while :attr:`on` (a ``gc.callbacks`` entry)."""
-
-    def __init__(self) -> None:
-        self.on = False
-        self.seconds = 0.0
-        self._t0 = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if not self.on:
-            return
-        if phase == "start":
-            self._t0 = time.thread_time()
-        else:
-            self.seconds += time.thread_time() - self._t0
-
-
-def _record(h, prompt, response, out):
-    """Record a turn as the gateway's turn path does (gateway/turn.py): staged with
-    ``begin_turn`` before the first await, in the request handler's own task (no
-    task per turn), its frozen messages and the cached prompt handed over as they
-    are. Returns the :class:`~agentlog.engine.handle.PendingTurn`."""
-    return h.begin_turn(messages=prompt.messages, prompt_ids=prompt.recorded, output_ids=out,
-                        output_log_probs=[-0.5] * len(out), finish_reason="stop", response_message=response,
-                        sampling={"temperature": 1.0}, frozen_messages=True)
-
-
-async def _cpu_per_turn(args, contexts: list[int]) -> list[dict]:
-    """Per context size: one session grown to it (context/20 new tokens a
-    turn), then ``cpu_turns`` turns that add context/400 tokens each (and an
-    answer with a tool call), timed phase by phase."""
-    from agentlog.engine import SessionEngine
-    from agentlog.events import FileLog
-    from agentlog.gateway import ByteChatTemplate, HFChatTemplate, ToolSpec
-    from agentlog.events.schema.lineage import turn_lineage
-    from agentlog.gateway.chat import assistant_message, pack_ids
-    from agentlog.gateway.prompt_cache import LineagePrompts, PromptCache
-    from agentlog.learner.hf_tiny import build_tokenizer
-
-    tools = [ToolSpec("bash", "run a shell command", {"type": "object", "properties": {"command": {"type": "string"}}})]
-    byte, hf = ByteChatTemplate(), HFChatTemplate(build_tokenizer())
-    tmp = tempfile.mkdtemp(prefix="bench-capture-cpu-")
-    log = FileLog.open(Path(tmp) / "log", fsync="batch")
-    engine = await SessionEngine.open(log)
-    rows = []
-    pt = time.process_time
-    try:
-        for ctx in contexts:
-            sid = f"cpu{ctx}"
-            h = await engine.open_session(sid, group_id=sid, group_size=1)
-            await h.start(harness="bench")
-            step = max(100, ctx // 20)
-            msgs = [{"role": "system", "content": _text(min(ctx // 2, 8000), sid)}, {"role": "user", "content": "fix it"}]
-            lineages = LineagePrompts()  # the gateway's byte-template caches, one per lineage (one here)
-            caches = {"byte": PromptCache(), "hf": PromptCache()}
-            cost = {k: [] for k in ("capture", "main", "byte_full", "byte_inc", "hf_full", "hf_inc", "wall")}
-            k, sizes = 0, []
-            while True:
-                wire = msgspec.json.encode(msgs)  # each request's messages arrive as fresh objects
-                length = len(byte.encode_prompt(msgs, tools))
-                timed = length >= ctx
-                if timed:
-                    sizes.append(length)
-                prompts = {}
-                caches["byte"] = lineages.pick(msgs)
-                for name, template in (("byte", byte), ("hf", hf)):
-                    if timed:
-                        fresh = msgspec.json.decode(wire)
-                        t0 = pt()
-                        pack_ids(template.encode_prompt(fresh, tools))
-                        cost[f"{name}_full"].append(pt() - t0)
-                    fresh = msgspec.json.decode(wire)
-                    t0 = pt()
-                    prompts[name] = caches[name].encode(template, fresh, tools)
-                    if timed:
-                        cost[f"{name}_inc"].append(pt() - t0)
-                prompt = prompts["byte"]
-                call = {"id": f"call_{k}", "name": "bash", "arguments": {"command": f"cat f{k}.py"}}
-                response = assistant_message("Looking.", [call])
-                out = byte.encode_text("Looking.\n" + byte.parser.render("bash", call["arguments"])) + [byte.EOS]
-                t0, m0, w0 = pt(), time.thread_time(), time.perf_counter()
-                env = await _record(h, prompt, response, out).durable
-                lineages.remember(turn_lineage(env.body), caches["byte"], prompt, response)
-                if timed:
-                    cost["capture"].append(pt() - t0)
-                    cost["wall"].append(time.perf_counter() - w0)
-                    cost["main"].append(time.thread_time() - m0)
-                caches["hf"].remember(prompts["hf"], response)
-                if timed and len(cost["capture"]) >= args.cpu_turns:
-                    break
-                grow = max(20, ctx // 400) if timed else step  # timed turns add little: the context stays near its size
-                msgs = msgs + [response, {"role": "tool", "content": _text(grow, f"{sid} out {k}"), "tool_call_id": call["id"]}]
-                k += 1
-            await h.finish(reward=0.0)
-            med = {key: statistics.median(v) * 1e6 for key, v in cost.items()}
-            rows.append({"ctx": ctx, "tokens": int(statistics.median(sizes)), **med})
-    finally:
-        await engine.close()
-        log.close()
-        shutil.rmtree(tmp)  # a run leaves no log behind (~50 MB each)
-    return rows
-
-
-async def _cpu_concurrent(args, ctx: int, n: int) -> dict:
-    """``n`` sessions grown to ``ctx`` tokens as :func:`_cpu_per_turn` grows
-    one, then ``cpu_turns`` rounds in which every session records a turn at
-    once (``asyncio.gather``), as a busy node's sessions do: the log's group
-    commit shares one fdatasync among the turns made durable together. Per
-    turn: the round's CPU (all threads; the event loop's thread alone) over
-    ``n``. Each round's prompts are encoded before it, untimed."""
-    from agentlog.engine import SessionEngine
-    from agentlog.events import FileLog
-    from agentlog.gateway import ByteChatTemplate, ToolSpec
-    from agentlog.events.schema.lineage import turn_lineage
-    from agentlog.gateway.chat import assistant_message
-    from agentlog.gateway.prompt_cache import LineagePrompts
-
-    tools = [ToolSpec("bash", "run a shell command", {"type": "object", "properties": {"command": {"type": "string"}}})]
-    byte = ByteChatTemplate()
-    tmp = tempfile.mkdtemp(prefix="bench-capture-cpu-many-")
-    log = FileLog.open(Path(tmp) / "log", fsync="batch")
-    engine = await SessionEngine.open(log)
-    pt = time.process_time
-    step = max(100, ctx // 20)
-    all_cpu, main_cpu, sizes = [], [], []
-    # The collector's share of the rounds' CPU: a young collection comes every `threshold` container
-    # objects allocated net, whoever allocated them (the request's decoding as much as the capture),
-    # and takes longer the more young objects it must walk. Counted in the capture's window, and
-    # over whole rounds (the request's decoding and encoding too), where a higher threshold cannot
-    # hide a collection by moving it out of the window.
-    clock = _GcClock()
-    gc_capture = gc_round = 0.0
-    try:
-        handles, caches, convs = [], [], []
-        for i in range(n):
-            sid = f"many{ctx}-{i}"
-            h = await engine.open_session(sid, group_id=f"many{ctx}", group_size=n)
-            await h.start(harness="bench")
-            handles.append(h)
-            caches.append(LineagePrompts())
-            convs.append([{"role": "system", "content": _text(min(ctx // 2, 8000), sid)}, {"role": "user", "content": "fix it"}])
-
-        k = 0
-        clock.on = True
-        gc.callbacks.append(clock)
-        while len(all_cpu) < args.cpu_turns:
-            g0 = clock.seconds
-            # Each request's messages arrive as fresh objects, encoded from the previous turn (untimed).
-            picked = [c.pick(m) for c, m in zip(caches, convs)]
-            prompts = [p.encode(byte, msgspec.json.decode(msgspec.json.encode(m)), tools) for p, m in zip(picked, convs)]
-            timed = min(len(p.packed) for p in prompts) // 4 >= ctx
-            call = {"id": f"call_{k}", "name": "bash", "arguments": {"command": f"cat f{k}.py"}}
-            responses = [assistant_message("Looking.", [call]) for _ in range(n)]
-            out = byte.encode_text("Looking.\n" + byte.parser.render("bash", call["arguments"])) + [byte.EOS]
-            g1, t0, m0 = clock.seconds, pt(), time.thread_time()
-            # Each turn staged as the gateway's request handler stages it (no task of its own), then made durable together.
-            staged = [_record(handles[i], prompts[i], responses[i], out) for i in range(n)]
-            envs = await asyncio.gather(*(t.durable for t in staged))
-            for i, env in enumerate(envs):
-                caches[i].remember(turn_lineage(env.body), picked[i], prompts[i], responses[i])
-            if timed:
-                all_cpu.append((pt() - t0) / n)
-                main_cpu.append((time.thread_time() - m0) / n)
-                sizes.append(statistics.median(len(p.packed) // 4 for p in prompts))
-                gc_capture += clock.seconds - g1
-                gc_round += clock.seconds - g0
-            grow = max(20, ctx // 400) if timed else step
-            for i, conv in enumerate(convs):
-                convs[i] = conv + [responses[i], {"role": "tool", "content": _text(grow, f"{i} out {k}"), "tool_call_id": call["id"]}]
-            k += 1
-        for h in handles:
-            await h.finish(reward=0.0)
-    finally:
-        if clock in gc.callbacks:
-            gc.callbacks.remove(clock)
-        await engine.close()
-        log.close()
-        shutil.rmtree(tmp)  # a run leaves no log behind (~50 MB each)
-    turns = len(all_cpu) * n
-    # The mean over every timed round, not the median: a round with a collection in it is as much
-    # the capture's cost as one without (the median of rounds, beside it, leaves the rarer ones out).
-    return {"ctx": ctx, "n": n, "tokens": int(statistics.median(sizes)), "gc_threshold": gc.get_threshold()[0],
-            "capture": statistics.fmean(all_cpu) * 1e6, "main": statistics.fmean(main_cpu) * 1e6,
-            "capture_median": statistics.median(all_cpu) * 1e6,
-            "gc": gc_capture / turns * 1e6, "gc_round": gc_round / turns * 1e6, "turns": turns}
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -519,11 +326,17 @@ async def _run(args) -> list[str]:
         for n, ctx, turns in args.runs:
             a = argparse.Namespace(**{**vars(args), "context": ctx, "turns": turns})
             runs.append((ctx, turns, await _throughput(a, n, _shape(a), pool, counter)))
-        cpu = await _cpu_per_turn(args, args.contexts)
-        many = await _cpu_concurrent(args, args.contexts[-1], args.cpu_sessions)
-        # The same rounds in a process that keeps Python's default thresholds (an application embedding the gateway).
-        gc.set_threshold(*python_gc)
-        many_default = await _cpu_concurrent(args, args.contexts[-1], args.cpu_sessions)
+        cpu = await cpu_per_turn(args, args.contexts)
+        # The 64-session rounds at the service threshold and, as in an application that embeds the gateway
+        # and keeps Python's thresholds, at those: alternated (first, default, default, first), each arm after a
+        # full collection; the GOAL line takes the service arm's mean over its two runs.
+        service_gc = gc.get_threshold()
+        arms: dict[int, list[dict]] = {service_gc[0]: [], python_gc[0]: []}
+        for threshold in (service_gc, python_gc, python_gc, service_gc):
+            gc.set_threshold(*threshold)
+            arms[threshold[0]].append(await cpu_concurrent(args, args.contexts[-1], args.cpu_sessions))
+        gc.set_threshold(*service_gc)
+        many, many_default = merged_runs(arms[service_gc[0]]), merged_runs(arms[python_gc[0]])
     finally:
         gc.set_threshold(*python_gc)
         pool.shutdown()
@@ -535,18 +348,20 @@ async def _run(args) -> list[str]:
                      f"{r['client_cpu_ms']:>12.2f}  {statistics.median(r['ratios']):.3f} ({pairs})")
     lines.append("(gw CPU: the gateway's process, all threads, per turn; client CPU: the agents' HTTP client process)")
     lines.append("")
-    lines.append("per turn, microseconds of CPU (median of "
-                 f"{args.cpu_turns} turns; capture = the gateway's begin_turn made durable + cache update, no HTTP, no tokenization)")
+    lines.append("per turn, microseconds of CPU (one session: the median of "
+                 f"{args.cpu_turns} turns; 64 sessions: the mean of {args.cpu_turns} rounds; capture = the gateway's "
+                 "begin_turn made durable + cache update, no HTTP, no tokenization)")
     lines.append(f"{'context':>9}{'capture':>9}{'main thr':>9}{'(wall)':>9}{'builtin full':>14}{'builtin incr':>14}{'HF full':>11}{'HF incr':>10}")
     for r in cpu:
         lines.append(f"{r['tokens']:>9}{r['capture']:>9.0f}{r['main']:>9.0f}{r['wall']:>9.0f}{r['byte_full']:>14.0f}{r['byte_inc']:>14.0f}"
                      f"{r['hf_full']:>11.0f}{r['hf_inc']:>10.0f}")
     for m in (many, many_default):
         lines.append(f"{m['tokens']:>9}{m['capture']:>9.0f}{m['main']:>9.0f}  <- {m['n']} sessions recording at once, GC threshold "
-                     f"{m['gc_threshold']} (per turn: the mean of the rounds' CPU over their turns; the log's group commit shares "
-                     f"their fdatasync; the garbage collector's CPU, {m['gc']:.0f} a turn, is in both; median round "
-                     f"{m['capture_median']:.0f}; the collector over whole rounds, the request's decoding and encoding "
-                     f"included, {m['gc_round']:.0f} a turn)")
+                     f"{m['gc_threshold']}, two runs ({m['runs']}) (per turn: the mean of the rounds' CPU over their turns, "
+                     f"not a median; the log's group commit shares their fdatasync; the garbage collector's CPU, "
+                     f"{m['gc']:.1f} a turn, is in the capture column; median round {m['capture_median']:.0f}; the "
+                     f"collector over whole rounds, the request's decoding and encoding included, {m['gc_round']:.1f} a "
+                     f"turn, collections by generation {m['collections']} in {m['turns']} turns)")
     lines.append("")
     r192 = next((r for ctx, _t, r in runs if r["n"] == args.runs[0][0]), None)
     r1000 = runs[-1][2]
@@ -560,9 +375,10 @@ async def _run(args) -> list[str]:
     # The goal is judged on the node it speaks of, many sessions recording at once (see the module docstring).
     lines.append(f"GOAL capture_cpu_us_per_turn_{many['ctx'] // 1000}k_ctx: {many['capture']:.0f} (goal <= 50) "
                  f"{'PASS' if many['capture'] <= 50 else 'MISS'}  [{many['n']} sessions at once, event loop's thread "
-                 f"{many['main']:.0f}, garbage collector {many['gc']:.0f} ({many['gc_round']:.0f} over whole rounds); "
-                 f"with Python's GC threshold {many_default['gc_threshold']}: {many_default['capture']:.0f} "
-                 f"(collector {many_default['gc']:.0f}, {many_default['gc_round']:.0f} over whole rounds); one session alone {big['capture']:.0f} (thread {big['main']:.0f}), each turn its own fdatasync; "
+                 f"{many['main']:.0f}, garbage collector {many['gc']:.1f} ({many['gc_round']:.1f} over whole rounds, "
+                 f"collections {many['collections']}); with Python's GC threshold {many_default['gc_threshold']}, "
+                 f"alternated: {many_default['capture']:.0f} (collector {many_default['gc']:.1f}, {many_default['gc_round']:.1f} "
+                 f"over whole rounds, collections {many_default['collections']}); one session alone {big['capture']:.0f} (thread {big['main']:.0f}), each turn its own fdatasync; "
                  f"tokenization per turn: builtin {big['byte_full']:.0f} -> {big['byte_inc']:.0f} us, "
                  f"HF {big['hf_full']:.0f} -> {big['hf_inc']:.0f} us, full -> incremental]")
     return lines
