@@ -105,7 +105,7 @@ async def cpu_per_turn(args, contexts: list[int]) -> list[dict]:
                 prompt = prompts["byte"]
                 call = {"id": f"call_{k}", "name": "bash", "arguments": {"command": f"cat f{k}.py"}}
                 response = assistant_message("Looking.", [call])
-                out = byte.encodetext("Looking.\n" + byte.parser.render("bash", call["arguments"])) + [byte.EOS]
+                out = byte.encode_text("Looking.\n" + byte.parser.render("bash", call["arguments"])) + [byte.EOS]
                 t0, m0, w0 = pt(), time.thread_time(), time.perf_counter()
                 env = await _record(h, prompt, response, out).durable
                 lineages.remember(turn_lineage(env.body), caches["byte"], prompt, response)
@@ -181,7 +181,7 @@ async def cpu_concurrent(args, ctx: int, n: int) -> dict:
             timed = min(len(p.packed) for p in prompts) // 4 >= ctx
             call = {"id": f"call_{k}", "name": "bash", "arguments": {"command": f"cat f{k}.py"}}
             responses = [assistant_message("Looking.", [call]) for _ in range(n)]
-            out = byte.encodetext("Looking.\n" + byte.parser.render("bash", call["arguments"])) + [byte.EOS]
+            out = byte.encode_text("Looking.\n" + byte.parser.render("bash", call["arguments"])) + [byte.EOS]
             g1, t0, m0 = clock.seconds, pt(), time.thread_time()
             # Each turn staged as the gateway's request handler stages it (no task of its own), then made durable together.
             staged = [_record(handles[i], prompts[i], responses[i], out) for i in range(n)]
