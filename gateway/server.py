@@ -26,7 +26,6 @@ are in flight). None of them records anything.
 from __future__ import annotations
 
 import asyncio
-import gc
 import secrets
 from collections import OrderedDict
 from typing import Any
@@ -110,25 +109,6 @@ class GatewayConfig(msgspec.Struct, frozen=True):
 
 #: What a session's routing key is (GatewayConfig.route_by).
 ROUTE_BY = ("session", "group")
-
-
-#: The garbage collector's young-generation threshold in agentlog's own processes that record
-#: turns (``agentlog serve``, a rollout worker, a Ray rollout actor). At Python's default (700
-#: container objects allocated net, up to 3.13), bench_capture's 64-session rounds at 100k-token
-#: contexts ran a young collection about every 30 turns, 7-11 us of CPU a turn; at this threshold
-#: 0-1.3 us (``tools/bench/bench_capture.py``). Cycles are still collected, less often.
-SERVICE_GC_THRESHOLD = 10_000
-
-
-def use_service_gc() -> tuple[int, int, int]:
-    """Raise this process's young-generation threshold to :data:`SERVICE_GC_THRESHOLD` (the older
-    generations' stay; a higher one, or a collector switched off, is left as it is); returns the
-    thresholds before. For processes agentlog runs as a service: an application embedding the
-    gateway keeps its own, as it keeps its own logging."""
-    before = gc.get_threshold()
-    if 0 < before[0] < SERVICE_GC_THRESHOLD:
-        gc.set_threshold(SERVICE_GC_THRESHOLD, *before[1:])
-    return before
 
 
 #: Bytes a recorded turn may take beyond its messages and prompt ids: the
@@ -250,8 +230,7 @@ class Gateway(TurnPath, AdminRoutes):
         self._site = site
         self.url = f"http://{host}:{site.port}"
         _log.info("gateway.listening", url=self.url, backend=self.backend.name, template=self.template.name,
-                  max_body_bytes=self.max_body_bytes, max_connections=c.max_connections, admin_connections=site.admin_connections,
-                  gc_threshold=gc.get_threshold()[0])  # the process's, set by its application (use_service_gc)
+                  max_body_bytes=self.max_body_bytes, max_connections=c.max_connections, admin_connections=site.admin_connections)
         return self.url
 
     async def drain(self, timeout_s: float) -> int:

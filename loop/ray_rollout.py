@@ -119,9 +119,6 @@ class RolloutActor:
         # Errors also go to stderr, which Ray forwards to the driver's console: a failed
         # worker is seen there at once (warnings, e.g. the demo's injected faults, stay in the file).
         configure_process_logging(self.run_dir, f"worker-{self.worker_id}", console=sys.stderr, console_level="error")
-        from agentlog.gateway.server import use_service_gc
-
-        use_service_gc()  # the actor's process is ours, as a worker process is (loop/worker.py's main)
         self.log = log.bind(component="ray_actor", worker=self.worker_id)
         import torch
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import contextlib
 import sys
 import time
@@ -48,7 +47,6 @@ from agentlog.engine import LocalSandbox, SessionEngine
 from agentlog.engine.tasks import Episode, Task, TextTask, load_tasks, select_task
 from agentlog.events.log.partitions import partition_name
 from agentlog.events.schema.types import PolicyUpdated, SessionOpened
-from agentlog.gateway.server import use_service_gc
 from agentlog.learner.learner import load_weights
 from agentlog.reducers.groups import Group
 
@@ -541,8 +539,7 @@ class RolloutWorker:
                 await self.reload_text()
             self.counts.update(await self.watch_log(rollout, restart.resume_orphans(self, engine)))
             await restart.complete_interrupted(self, engine, batch - 1)
-            self.log.info("worker.started", first_batch=batch, restart_aborted=engine.stats.get("restart_aborted", 0),
-                          gc_threshold=gc.get_threshold()[0])
+            self.log.info("worker.started", first_batch=batch, restart_aborted=engine.stats.get("restart_aborted", 0))
             while max_batches is None or done < max_batches:
                 if not await self.wait_for_step(max(0, batch - cfg.max_lag)):
                     break
@@ -584,7 +581,6 @@ def main(argv: list[str] | None = None) -> int:
 
     worker_id = args.worker_id or ("w0" if args.partition is None else partition_name(args.partition))
     configure_process_logging(args.run_dir, f"worker-{worker_id}")
-    use_service_gc()  # a process of ours that records turns (gateway.server.SERVICE_GC_THRESHOLD)
     torch.set_num_threads(cfg.torch_threads)
     worker = RolloutWorker(args.run_dir, cfg, worker_id=worker_id, partition=args.partition)
     asyncio.run(worker.run(max_batches=args.max_batches))

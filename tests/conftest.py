@@ -72,17 +72,6 @@ def _structlog_as_the_test_found_it():
     structlog.reset_defaults()
 
 
-@pytest.fixture(autouse=True)
-def _gc_thresholds_as_the_test_found_them():
-    """A command run in-process (``cli.main(["serve", ...])``) sets the collector's thresholds for
-    the rest of the process (``gateway.server.use_service_gc``): each test starts with the process's own."""
-    import gc
-
-    before = gc.get_threshold()
-    yield
-    gc.set_threshold(*before)
-
-
 def _one_torch_thread() -> None:
     """Torch in this process on one thread, where the test modules imported it (no import here):
     `make test` runs three xdist workers on two cores, and torch's default of one thread per core

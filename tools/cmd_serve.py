@@ -202,11 +202,9 @@ def _has_transformers() -> bool:
 async def _serve(args) -> int:
     from agentlog.engine import SessionEngine
     from agentlog.gateway import Gateway, GatewayConfig
-    from agentlog.gateway.server import use_service_gc
     from agentlog.events import FileLog
     from agentlog.events.log.api import LogCorruption, LogError
 
-    use_service_gc()  # this process records turns for a living (gateway.server.SERVICE_GC_THRESHOLD)
     backend, template, parser = _build(args)
     token = args.admin_token or secrets.token_urlsafe(18)
     try:

@@ -215,37 +215,3 @@ def test_sigterm_under_load_drains_within_the_bound_and_drops_the_rest_with_shut
     with FileLog.open(logdir) as log:
         drops = {e.session_id: e.body.reason for e in log.read() if isinstance(e.body, SessionDropped)}
     assert drops == dict.fromkeys(sessions, "shutdown")
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def test_serve_runs_with_the_service_gc_threshold_and_an_embedded_gateway_keeps_its_processs(tmp_path):
-    """`agentlog serve` raises the collector's young threshold (gateway.server.SERVICE_GC_THRESHOLD),
-    as its `gateway.listening` event says; a Gateway started inside someone else's process leaves
-    that process's thresholds as they were."""
-    import asyncio
-    import gc
-
-    from agentlog.engine import SessionEngine
-    from agentlog.events.log.api import MemoryLog
-    from agentlog.gateway import Gateway
-    from agentlog.gateway.server import SERVICE_GC_THRESHOLD
-    from gateway_helpers import ScriptedBackend
-
-    proc, _url, lines = _serve(tmp_path / "log")
-    proc.send_signal(signal.SIGINT)
-    proc.wait(30)
-    listening = [_ANSI.sub("", line) for line in lines if "gateway.listening" in line]
-    assert len(listening) == 1 and f"gc_threshold={SERVICE_GC_THRESHOLD}" in listening[0], lines
-
-    async def embedded() -> None:
-        engine = await SessionEngine.open(MemoryLog())
-        gw = Gateway(engine, ScriptedBackend(lambda p: "x"))
-        await gw.start("127.0.0.1", 0)
-        await gw.stop()
-        await engine.close()
-
-    gc.set_threshold(700, *gc.get_threshold()[1:])  # Python's default young threshold (up to 3.13)
-    asyncio.run(embedded())
-    assert gc.get_threshold()[0] == 700

@@ -89,14 +89,3 @@ def test_default_demo_reaches_a_reward_of_090_on_every_seed(tmp_path: Path, seed
     last = [r for _, r, _ in curve[-10:]]
     assert sum(first) / 5 <= 0.3
     assert sum(last) / 10 >= 0.9, f"seed {seed}: last rewards {last}"
-
-
-def test_the_worker_process_runs_with_the_service_gc_threshold(short_demo_run) -> None:
-    """A rollout worker is a process of agentlog's that records turns: it raises the collector's
-    young threshold (gateway.server.SERVICE_GC_THRESHOLD), as its `worker.started` event says."""
-    from agentlog.gateway.server import SERVICE_GC_THRESHOLD
-
-    cwd, _printed = short_demo_run
-    events = [json.loads(line) for line in (cwd / "runs" / "demo" / "logs" / "worker-w0.jsonl").read_text().splitlines()]
-    (started,) = [e for e in events if e.get("event") == "worker.started"]
-    assert started["gc_threshold"] == SERVICE_GC_THRESHOLD

@@ -17,9 +17,6 @@ def test_the_capture_cpu_arms_record_their_turns_and_count_the_collector():
     assert one["tokens"] >= 600 and one["capture"] > 0 and one["hf_full"] > 0 and one["byte_inc"] > 0
     many = asyncio.run(capture_cpu.cpu_concurrent(args, 600, 4))
     assert many["tokens"] >= 600 and many["turns"] == 2 * 4 and many["capture"] > 0 and many["main"] > 0
-    assert many["gc_threshold"] == gc.get_threshold()[0] and 0 <= many["gc"] <= many["gc_round"] + 1e-9
+    assert 0 <= many["gc"] <= many["gc_round"] + 1e-9
     assert len(many["collections"].split("/")) == 3
     assert not [cb for cb in gc.callbacks if isinstance(cb, capture_cpu._GcClock)], "the collector's clock was left registered"
-    both = capture_cpu.merged_runs([many, many])
-    assert both["turns"] == 16 and both["capture"] == many["capture"] and both["runs"].count(" ") == 1
-    assert both["collections"] == "/".join(str(2 * int(c)) for c in many["collections"].split("/"))

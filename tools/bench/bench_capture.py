@@ -48,15 +48,6 @@ gateway parses it, the agent echoes it back and answers with a tool result.
    collection in it counts as much as one without), with the collector's
    own CPU beside it (``gc.callbacks``).
 
-The bench's process runs with the young-generation GC threshold that
-``agentlog serve`` and the rollout workers set
-(``gateway.server.SERVICE_GC_THRESHOLD``). The 64-session rounds run four
-times, alternated: at that threshold, twice at Python's default (as in an
-application that embeds the gateway and keeps its own), then at that
-threshold again, each after a full collection; the GOAL line takes the mean
-of the service arm's two runs and prints the default arm's beside it, with
-each arm's collections by generation.
-
     python tools/bench/bench_capture.py [--quick]
 """
 
@@ -80,7 +71,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from agentlog.tools.bench.capture_cpu import cpu_concurrent, cpu_per_turn, merged_runs, text as _text  # noqa: E402
+from agentlog.tools.bench.capture_cpu import cpu_concurrent, cpu_per_turn, text as _text  # noqa: E402
 
 DIALECTS = ("chat", "messages", "responses")
 
@@ -307,18 +298,13 @@ async def _throughput(args, n: int, shape: dict, pool, counter: list) -> dict:
 
 
 async def _run(args) -> list[str]:
-    from agentlog.gateway.server import use_service_gc
-
     pool = cf.ProcessPoolExecutor(1)
     counter = [0]
-    # The gateway's process runs as `agentlog serve` and the rollout workers run: with the service GC threshold.
-    python_gc = use_service_gc()
     lines = [
         f"bench_capture: fake backend {args.decode_ms} ms/generated token, {args.prefill_ms} ms/uncached prompt token, "
         f"{args.output_tokens} output tokens/turn; FileLog fsync={args.fsync}; client in its own process; "
         f"{'every prompt encoded whole (--whole); ' if args.whole else ''}"
-        f"GC young threshold {gc.get_threshold()[0]} as agentlog serve and the workers run (Python's {python_gc[0]} beside "
-        f"the 64-session figure); load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
+        f"GC thresholds {gc.get_threshold()}; load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
         "",
     ]
     try:
@@ -327,18 +313,8 @@ async def _run(args) -> list[str]:
             a = argparse.Namespace(**{**vars(args), "context": ctx, "turns": turns})
             runs.append((ctx, turns, await _throughput(a, n, _shape(a), pool, counter)))
         cpu = await cpu_per_turn(args, args.contexts)
-        # The 64-session rounds at the service threshold and, as in an application that embeds the gateway
-        # and keeps Python's thresholds, at those: alternated (first, default, default, first), each arm after a
-        # full collection; the GOAL line takes the service arm's mean over its two runs.
-        service_gc = gc.get_threshold()
-        arms: dict[int, list[dict]] = {service_gc[0]: [], python_gc[0]: []}
-        for threshold in (service_gc, python_gc, python_gc, service_gc):
-            gc.set_threshold(*threshold)
-            arms[threshold[0]].append(await cpu_concurrent(args, args.contexts[-1], args.cpu_sessions))
-        gc.set_threshold(*service_gc)
-        many, many_default = merged_runs(arms[service_gc[0]]), merged_runs(arms[python_gc[0]])
+        many = await cpu_concurrent(args, args.contexts[-1], args.cpu_sessions)
     finally:
-        gc.set_threshold(*python_gc)
         pool.shutdown()
     lines.append(f"{'sessions':>9}{'context':>9}{'turns':>7}{'direct turns/s':>16}{'gateway turns/s':>17}"
                  f"{'gw CPU ms/turn':>16}{'client CPU':>12}  ratio (pairs)")
@@ -355,13 +331,12 @@ async def _run(args) -> list[str]:
     for r in cpu:
         lines.append(f"{r['tokens']:>9}{r['capture']:>9.0f}{r['main']:>9.0f}{r['wall']:>9.0f}{r['byte_full']:>14.0f}{r['byte_inc']:>14.0f}"
                      f"{r['hf_full']:>11.0f}{r['hf_inc']:>10.0f}")
-    for m in (many, many_default):
-        lines.append(f"{m['tokens']:>9}{m['capture']:>9.0f}{m['main']:>9.0f}  <- {m['n']} sessions recording at once, GC threshold "
-                     f"{m['gc_threshold']}, two runs ({m['runs']}) (per turn: the mean of the rounds' CPU over their turns, "
-                     f"not a median; the log's group commit shares their fdatasync; the garbage collector's CPU, "
-                     f"{m['gc']:.1f} a turn, is in the capture column; median round {m['capture_median']:.0f}; the "
-                     f"collector over whole rounds, the request's decoding and encoding included, {m['gc_round']:.1f} a "
-                     f"turn, collections by generation {m['collections']} in {m['turns']} turns)")
+    m = many
+    lines.append(f"{m['tokens']:>9}{m['capture']:>9.0f}{m['main']:>9.0f}  <- {m['n']} sessions recording at once (per turn: "
+                 f"the mean of the rounds' CPU over their turns, not a median; the log's group commit shares their "
+                 f"fdatasync; the garbage collector's CPU, {m['gc']:.1f} a turn, is in the capture column; median round "
+                 f"{m['capture_median']:.0f}; the collector over whole rounds, the request's decoding and encoding "
+                 f"included, {m['gc_round']:.1f} a turn, collections by generation {m['collections']} in {m['turns']} turns)")
     lines.append("")
     r192 = next((r for ctx, _t, r in runs if r["n"] == args.runs[0][0]), None)
     r1000 = runs[-1][2]
@@ -376,9 +351,7 @@ async def _run(args) -> list[str]:
     lines.append(f"GOAL capture_cpu_us_per_turn_{many['ctx'] // 1000}k_ctx: {many['capture']:.0f} (goal <= 50) "
                  f"{'PASS' if many['capture'] <= 50 else 'MISS'}  [{many['n']} sessions at once, event loop's thread "
                  f"{many['main']:.0f}, garbage collector {many['gc']:.1f} ({many['gc_round']:.1f} over whole rounds, "
-                 f"collections {many['collections']}); with Python's GC threshold {many_default['gc_threshold']}, "
-                 f"alternated: {many_default['capture']:.0f} (collector {many_default['gc']:.1f}, {many_default['gc_round']:.1f} "
-                 f"over whole rounds, collections {many_default['collections']}); one session alone {big['capture']:.0f} (thread {big['main']:.0f}), each turn its own fdatasync; "
+                 f"collections {many['collections']}); one session alone {big['capture']:.0f} (thread {big['main']:.0f}), each turn its own fdatasync; "
                  f"tokenization per turn: builtin {big['byte_full']:.0f} -> {big['byte_inc']:.0f} us, "
                  f"HF {big['hf_full']:.0f} -> {big['hf_inc']:.0f} us, full -> incremental]")
     return lines

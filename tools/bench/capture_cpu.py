@@ -211,19 +211,8 @@ async def cpu_concurrent(args, ctx: int, n: int) -> dict:
     turns = len(all_cpu) * n
     # The mean over every timed round, not the median: a round with a collection in it is as much
     # the capture's cost as one without (the median of rounds, beside it, leaves the rarer ones out).
-    return {"ctx": ctx, "n": n, "tokens": int(statistics.median(sizes)), "gc_threshold": gc.get_threshold()[0],
+    return {"ctx": ctx, "n": n, "tokens": int(statistics.median(sizes)),
             "capture": statistics.fmean(all_cpu) * 1e6, "main": statistics.fmean(main_cpu) * 1e6,
             "capture_median": statistics.median(all_cpu) * 1e6,
             "gc": gc_capture / turns * 1e6, "gc_round": gc_round / turns * 1e6, "turns": turns,
             "collections": "/".join(map(str, collections))}
-
-
-def merged_runs(runs: list[dict]) -> dict:
-    """Two runs of :func:`cpu_concurrent` as one: the means of their figures, their collections summed."""
-    out = dict(runs[0])
-    for key in ("capture", "main", "capture_median", "gc", "gc_round"):
-        out[key] = statistics.fmean(r[key] for r in runs)
-    out["turns"] = sum(r["turns"] for r in runs)
-    out["collections"] = "/".join(str(sum(int(r["collections"].split("/")[g]) for r in runs)) for g in range(3))
-    out["runs"] = " ".join(f"{r['capture']:.0f}" for r in runs)
-    return out

@@ -63,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from agentlog.loop.run_folder import Run
     from agentlog.loop.runlog import configure_process_logging
-    from agentlog.gateway.server import use_service_gc
     from agentlog.loop.worker import RolloutWorker
 
     p = argparse.ArgumentParser(prog="scripted-worker", description=main.__doc__)
@@ -72,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cfg = Run.load_config(args.run_dir)
     configure_process_logging(args.run_dir, "worker-w0")
-    use_service_gc()  # as loop/worker.py's main
     torch.set_num_threads(cfg.torch_threads)
     worker = RolloutWorker(args.run_dir, cfg)
     from agentlog.tools.bench.resume_steps import ScriptedModel
