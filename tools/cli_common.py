@@ -253,18 +253,23 @@ def id_scans_of(source: LogSource) -> Any:
     """``of(pid)``: the ``confirm_used`` of the lifecycle fold of ``source``'s partition ``pid``
     (None: the one log), an :class:`engine.ids.IdScans` reading it again: an opening the id filter
     alone calls a reuse is confirmed by a scan, so trace, tail, report and replay show what verify
-    finds. ``of("merged")``: for one fold over a partitioned log read merged, whose LSNs are
-    positions in :func:`read_tagged`'s order (``agentlog replay``)."""
+    finds."""
 
-    def of(pid: int | str | None) -> Any:
+    def of(pid: int | None) -> Any:
         from agentlog.engine.ids import IdScans
 
-        if pid == "merged":
-            return IdScans(lambda: _merged_positions(source), str(source))
-        part = source if pid is None else source.partition(int(pid))
+        part = source if pid is None else source.partition(pid)
         return IdScans(lambda: read_records(part, raw=True, quiet=True, desc="confirm a reused id"), str(part))
 
     return of
+
+
+def merged_id_scans(source: LogSource) -> Any:
+    """:func:`id_scans_of` for one fold over a partitioned log read merged, whose LSNs are
+    positions in :func:`read_tagged`'s order (``agentlog replay``)."""
+    from agentlog.engine.ids import IdScans
+
+    return IdScans(lambda: _merged_positions(source), str(source))
 
 
 class _Position(NamedTuple):

@@ -35,7 +35,7 @@ from typing import Any
 from agentlog.reducers.health import ALL_FLAGS
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import (
-    add_quiet, check_log_path, fmt_ts, id_scans_of, nonneg_int, read_records, read_tagged, record_id,
+    add_quiet, check_log_path, fmt_ts, id_scans_of, merged_id_scans, nonneg_int, read_records, read_tagged, record_id,
 )
 
 STATUSES = ("open", "running", "finished", "aborted", "dropped")
@@ -388,7 +388,7 @@ def run(args) -> int:
     from_lsn = args.from_lsn or 0
     # A reused id the id filter alone reports is confirmed by a scan, as verify does (with --session
     # the fold sees one session's records, and its filter no other id's).
-    confirm = id_scans_of(path)("merged" if merged else None)
+    confirm = merged_id_scans(path) if merged else id_scans_of(path)(None)
     for step in replay(envs, session_id=args.session, until_lsn=args.until_lsn, confirm_used=confirm):
         env = step.envelope
         sid = env.session_id

@@ -195,11 +195,12 @@ def run(args) -> int:
     try:
         # Not fsynced (durable=False): a trace is rebuilt from the log.
         with atomic_file(args.output, "w", encoding="utf-8", durable=False) as f:
+            confirm_for = id_scans_of(path)
             if path.partitioned:
                 counts = write_trace(read_tagged(path, quiet=args.quiet, desc="trace"), f, log=str(path), partitions=path.partitions(),
-                                     confirm_for=id_scans_of(path))
+                                     confirm_for=confirm_for)
             else:
-                counts = write_trace(read_records(path, quiet=args.quiet, desc="trace"), f, log=str(path), confirm_for=id_scans_of(path))
+                counts = write_trace(read_records(path, quiet=args.quiet, desc="trace"), f, log=str(path), confirm_for=confirm_for)
     except OSError as exc:
         raise CliError(f"{args.output}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None
     print(f"{args.output}: {counts['sessions']} sessions ({counts['in_flight']} in flight), {counts['turns']} turns, "

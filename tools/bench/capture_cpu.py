@@ -24,18 +24,15 @@ def text(n: int, salt: str) -> str:
 
 
 class _GcClock:
-    """CPU time the garbage collector spends while :attr:`on` (a ``gc.callbacks`` entry), and its
-    collections by generation."""
+    """CPU time the garbage collector spends while this is in ``gc.callbacks``, and its collections
+    by generation."""
 
     def __init__(self) -> None:
-        self.on = False
         self.seconds = 0.0
         self.collections = [0, 0, 0]
         self._t0 = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
-        if not self.on:
-            return
         if phase == "start":
             self._t0 = time.thread_time()
         else:
@@ -171,7 +168,6 @@ async def cpu_concurrent(args, ctx: int, n: int) -> dict:
             convs.append([{"role": "system", "content": text(min(ctx // 2, 8000), sid)}, {"role": "user", "content": "fix it"}])
 
         k = 0
-        clock.on = True
         gc.callbacks.append(clock)
         while len(all_cpu) < args.cpu_turns:
             g0, c0 = clock.seconds, list(clock.collections)
