@@ -43,7 +43,7 @@ import concurrent.futures
 from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 from ..._logging import get_logger
-from .api import EventLog, LogClosed, LogError, LogFenced, PendingRecord
+from .api import EventLog, LogClosed, LogError, LogFenced, OnDurable, PendingRecord
 from .format import FLAG_TERMINAL, encode_frame
 from .jetstream_conn import retry_errors
 from .jetstream_msg import HDR_CHUNK, HDR_MSG_ID
@@ -120,6 +120,9 @@ class JetStreamAppender(EventLog):
     """The append path of :class:`agentlog.events.log.jetstream.JetStreamLog`
     (its base class): LSN assignment, the writer task, group commit, atomic
     batches and publishes retried through a failover."""
+
+    #: :meth:`stage` and :meth:`submit` check and stage their record before they return.
+    stages_synchronously = True
 
     # Set by JetStreamLog (its constructor and open); declared here for the type checker.
     subject: str
@@ -464,3 +467,35 @@ class JetStreamAppender(EventLog):
         envs, done = self._submit([PendingRecord(session_id, session_seq, body)])
         await asyncio.wrap_future(done)
         return envs[0]
+
+    def submit(self, session_id: str, session_seq: int, body: Any) -> asyncio.Future[Envelope]:
+        """:meth:`EventLog.submit`: the record is checked and staged before this returns (bad
+        input raises here, nothing staged); the future resolves once the stream acknowledged it.
+        Cancelling it cancels the wait only."""
+        fut: asyncio.Future[Envelope] = asyncio.get_running_loop().create_future()
+
+        def answer(env: Envelope | None, exc: BaseException | None) -> None:
+            if fut.cancelled():
+                return
+            if exc is None:
+                fut.set_result(env)  # type: ignore[arg-type]
+            else:
+                fut.set_exception(exc)
+
+        self.stage(session_id, session_seq, body, answer)
+        return fut
+
+    def stage(self, session_id: str, session_seq: int, body: Any, on_durable: OnDurable) -> None:
+        """:meth:`EventLog.stage`: the record is checked and staged before this returns (bad input
+        raises here, nothing staged: the engine's turn path learns of a refusal at its call, not
+        a loop step later), and the stream's acknowledgement calls ``on_durable`` on the running
+        event loop, with no task between."""
+        envs, done = self._submit([PendingRecord(session_id, session_seq, body)])
+        env = envs[0]
+
+        def acknowledged(acked: asyncio.Future) -> None:
+            # `done` runs before _submit returns, so it is never cancelled; a failure goes to on_durable.
+            exc = asyncio.CancelledError() if acked.cancelled() else acked.exception()
+            on_durable(env if exc is None else None, exc)
+
+        asyncio.wrap_future(done).add_done_callback(acknowledged)

@@ -464,3 +464,59 @@ def test_a_stale_writer_whose_batch_landed_unacknowledged_is_fenced_by_name(nats
         if new is not None:
             new.close()
         appender.join(5)
+
+
+def test_stage_checks_and_stages_before_it_returns_and_calls_back_without_a_task(nats_server, stream):
+    """JetStreamLog stages synchronously, as the file log does: a refused record raises at
+    the call with nothing staged (not a loop step later, through the callback), and a
+    staged one takes its LSN at once and is acknowledged to ``on_durable`` on the loop,
+    with no task made for it."""
+
+    async def main(lg):
+        got = []
+        tasks = len(asyncio.all_tasks())
+        lg.stage("s", 0, opened(), lambda env, exc: got.append((env, exc)))
+        assert lg.next_seq("s") == 1 and lg.next_lsn == 1  # staged before stage returned
+        assert len(asyncio.all_tasks()) == tasks  # no task per record
+        with pytest.raises(SequenceError, match="'s'"):
+            lg.stage("s", 0, opened(), lambda env, exc: got.append(("refused", exc)))
+        assert lg.next_lsn == 1
+        waited = lg.submit("s", 1, small_event(1))
+        assert lg.next_seq("s") == 2 and len(asyncio.all_tasks()) == tasks
+        second = await waited
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        return got, second
+
+    with JetStreamLog.open(nats_server.url, stream, 0) as lg:
+        assert lg.stages_synchronously
+        got, second = asyncio.run(main(lg))
+        stored = list(lg.read())
+        assert got == [(stored[0], None)] and second == stored[1]
+
+
+def test_the_engine_stages_a_turn_on_jetstream_before_begin_turn_returns(nats_server, stream):
+    """The engine's turn path on a JetStream partition: begin_turn stages its record
+    before it returns (no task per turn), and the turn is applied at its acknowledgement."""
+    from agentlog.engine import SessionEngine
+
+    async def main(lg):
+        eng = await SessionEngine.open(lg)
+        h = await eng.open_session("s", group_id="g", group_size=1)
+        await h.start()
+        tasks = len(asyncio.all_tasks())
+        before = lg.next_lsn
+        pending = h.begin_turn(messages=[{"role": "user", "content": "fix it"}], prompt_ids=[5, 6, 7], output_ids=[8, 9],
+                               output_log_probs=[-0.5, -0.25], response_message={"role": "assistant", "content": "ok"})
+        assert lg.next_lsn == before + 1 and len(asyncio.all_tasks()) == tasks
+        env = await pending.durable
+        assert h.turns == 1 and env.lsn == before
+        await h.finish(reward=1.0)
+        await eng.close()
+        return env
+
+    with JetStreamLog.open(nats_server.url, stream, 0) as lg:
+        env = asyncio.run(main(lg))
+        assert list(lg.read())[env.lsn] == env
