@@ -56,6 +56,10 @@ from agentlog.events.schema.types import Envelope, PolicyUpdated
 
 from .lifecycle_step import EndedWindow, SessionLife, Violation, evolve, lsn_violation, resync
 
+#: ``confirm_used(session_id, lsn)``: whether the log holds ``session_id`` below ``lsn``
+#: (:attr:`SessionFold.confirm_used`; ``engine.ids.IdScans`` is the one a tool passes).
+ConfirmUsed = Callable[[str, int], bool]
+
 __all__ = ["HasLife", "IdSet", "LEARNER_TAG", "SessionFold", "Tracked"]
 
 #: The tag of the learner's records: learner progress, not a session's event.
@@ -128,7 +132,7 @@ class SessionFold(Generic[S]):
         #: ``confirm_used(session_id, lsn)``: whether the log holds ``session_id`` below ``lsn``, asked
         #: when the id filter alone says a ``session_opened`` reuses an id (it has false positives: a
         #: fold that can read its log confirms exactly, as the engine does at open); None trusts the filter.
-        self.confirm_used: Callable[[str, int], bool] | None = None
+        self.confirm_used: ConfirmUsed | None = None
         self._check_lsn, self._resync, self._evict = check_lsn, resync, evict
         self._opened, self._applied, self._ended = opened, applied, ended
         self._refused, self._learner, self._unknown = refused, learner, unknown

@@ -46,7 +46,7 @@ filter hit with a sparse scan of the log (see ``engine.core``).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import msgspec
 
@@ -67,7 +67,7 @@ from agentlog.events.schema.types import (
 from agentlog.events.schema.turn_delta import prompt_token_count
 
 from .errors import UnknownEventError
-from .fold import LEARNER_TAG, SessionFold, Tracked
+from .fold import LEARNER_TAG, ConfirmUsed, SessionFold, Tracked
 from .lifecycle_step import EndedWindow, EndedWindowSnapshot, SessionLife, Violation
 from .samples import final_raw_reward
 
@@ -289,7 +289,7 @@ class LifecycleState(_OnSessionFold):
     __slots__ = ("fold", "events", "ended", "tolerate_unknown", "unknown_events", "_out")
 
     def __init__(self, *, recent_window: int = 4096, id_capacity: int = 1 << 18, tolerate_unknown: bool = False,
-                 confirm_used: Callable[[str, int], bool] | None = None) -> None:
+                 confirm_used: ConfirmUsed | None = None) -> None:
         self.fold: SessionFold[_Track] = SessionFold(
             opened=self._opened, applied=self._applied, ended=self._ended, refused=self._refused, unknown=self._unknown,
             ended_window=recent_window, ids=IdFilter(id_capacity),
@@ -517,7 +517,7 @@ def replay(
     session_id: str | None = None,
     until_lsn: int | None = None,
     recent_window: int = 4096,
-    confirm_used: Callable[[str, int], bool] | None = None,
+    confirm_used: ConfirmUsed | None = None,
 ) -> Iterator[ReplayStep]:
     """Replay envelopes through the lifecycle, yielding each with the state
     before and after it (None: no such session), its violations and, on a

@@ -17,11 +17,12 @@ exactly the batches that were consumed, whatever the timing was.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Iterator, Mapping, NamedTuple
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from agentlog.events.schema.types import TERMINAL_EVENT_TYPES, Envelope, GroupRef, MemberRef, PolicyUpdated
 
 from .config import DEFAULT_CONFIG, ReduceConfig
+from .fold import ConfirmUsed
 from .groups import Group
 from .pipeline import InFlightWindow, Reducer
 
@@ -51,8 +52,12 @@ class PartitionFold:
 
     def __init__(self, config: ReduceConfig = DEFAULT_CONFIG, partitions: Iterable[int] = (),
                  windows: Mapping[int, InFlightWindow] | None = None,
-                 start: Mapping[int, int] | None = None) -> None:
+                 start: Mapping[int, int] | None = None,
+                 confirm_of: Callable[[int], ConfirmUsed] | None = None) -> None:
+        """``confirm_of(pid)``: the ``confirm_used`` of partition ``pid``'s reducer (see
+        :class:`Reducer`), for a fold that can read its partitions again."""
         self.config = config
+        self.confirm_of = confirm_of
         self.reducers: dict[int, Reducer] = {}
         self.frontier: dict[int, int] = {}
         self.windows: dict[int, InFlightWindow] = dict(windows or {})
@@ -61,7 +66,7 @@ class PartitionFold:
             self._add(pid, (start or {}).get(pid, 0))
 
     def _add(self, pid: int, start: int = 0) -> Reducer:
-        reducer = self.reducers[pid] = Reducer(self.config)
+        reducer = self.reducers[pid] = Reducer(self.config, confirm_used=None if self.confirm_of is None else self.confirm_of(pid))
         self.frontier[pid] = start
         self._terminal[pid] = {}
         return reducer

@@ -40,7 +40,8 @@ from agentlog.events.schema.types import (
 
 from .config import DEFAULT_CONFIG, ReduceConfig
 from .errors import ReduceError, UnknownEventError
-from .fold import SessionFold, Tracked
+from .fold import ConfirmUsed, SessionFold, Tracked
+from .lifecycle import IdFilter
 from .lifecycle_step import SessionLife, Violation
 from .groups import DROPPED, FINISHED, Group, GroupError, GroupTracker
 from .health import SessionHealth
@@ -114,14 +115,21 @@ class Reducer:
     Memory is bounded by the sessions and groups still in flight.
     """
 
-    def __init__(self, config: ReduceConfig = DEFAULT_CONFIG) -> None:
+    def __init__(self, config: ReduceConfig = DEFAULT_CONFIG, *, confirm_used: ConfirmUsed | None = None) -> None:
+        """``confirm_used``: for a reducer that can read its log again (``agentlog reconstruct``,
+        ``export-dataset``): it then also keeps an id filter over every session it opened, so a
+        reused id is refused however long ago it ended, and an opening the filter alone calls a
+        reuse is confirmed by ``confirm_used(session_id, lsn)`` (a scan of the log: the filter has
+        false positives). Without it (the online loop, whose engine refuses a reused id at open),
+        a reuse is refused within the last ``ENDED_WINDOW`` ended ids and within a pending group."""
         if not isinstance(config, ReduceConfig):
             raise TypeError(f"Reducer: expected a ReduceConfig, found {type(config).__name__}")
         self.config = config
         self._fold: SessionFold[_Session] = SessionFold(
             opened=self._opened, applied=self._applied, ended=self._terminal, refused=_refuse, unknown=_refuse_unknown,
-            ended_window=ENDED_WINDOW,
+            ended_window=ENDED_WINDOW, ids=None if confirm_used is None else IdFilter(),
         )
+        self._fold.confirm_used = confirm_used
         self._sessions = self._fold.live
         self._groups = GroupTracker(config.min_valid)
         self.metrics = MetricsAccumulator(config.reward_key, config.solve_threshold)

@@ -51,7 +51,8 @@ from agentlog.events.schema.turn import TurnDelta, TurnRecorded
 from agentlog.events.schema.types import Envelope, UnknownEvent, as_unknown_event
 
 from .config import DEFAULT_CONFIG, ReduceConfig
-from .fold import SessionFold
+from .fold import ConfirmUsed, SessionFold
+from .lifecycle import IdFilter
 from .lifecycle_step import SessionLife, Violation, ViolationKind
 from .groups import ABORTED, DROPPED, FINISHED, Group, GroupError, GroupTracker
 from .health import SessionHealth, flag_counts
@@ -209,7 +210,9 @@ class RunStats:
     #: Recently ended sessions remembered, to tell "after its terminal event" from "never opened".
     ENDED_WINDOW = 4096
 
-    def __init__(self, config: ReduceConfig = DEFAULT_CONFIG) -> None:
+    def __init__(self, config: ReduceConfig = DEFAULT_CONFIG, *, confirm_used: ConfirmUsed | None = None) -> None:
+        """``confirm_used``: as :class:`~agentlog.reducers.pipeline.Reducer`'s: with it, an id
+        filter over every session opened also counts a reuse of an id that ended long ago."""
         #: How groups and rewards are counted: ``min_valid``, ``reward_key``, ``solve_threshold``
         #: and the abort classes' outcomes (a failure joins its group's baseline).
         self.config = config
@@ -217,7 +220,9 @@ class RunStats:
         self._fold: SessionFold[_Live] = SessionFold(
             opened=self._opened, applied=self._applied, ended=self._terminal, refused=self._violation,
             learner=self._learner, unknown=self._unknown, ended_window=self.ENDED_WINDOW,
+            ids=None if confirm_used is None else IdFilter(),
         )
+        self._fold.confirm_used = confirm_used
         self._groups = GroupTracker(config.min_valid)
         #: Called with each group as it is released (after the metrics count it).
         self.on_group: Callable[[Group], None] | None = None
@@ -268,10 +273,10 @@ class RunStats:
         self.unknown_events: Counter[str] = Counter()
 
     @classmethod
-    def of(cls, config: ReduceConfig) -> "RunStats":
+    def of(cls, config: ReduceConfig, confirm_used: ConfirmUsed | None = None) -> "RunStats":
         """Statistics that count groups and rewards as ``config`` says (a run's own
-        ``min_valid``, ``reward_key`` and ``solve_threshold``)."""
-        return cls(config)
+        ``min_valid``, ``reward_key`` and ``solve_threshold``); ``confirm_used``: see :meth:`__init__`."""
+        return cls(config, confirm_used=confirm_used)
 
     # ------------------------------------------------------------------ feed
 

@@ -51,7 +51,9 @@ from pathlib import Path
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, finite_float, positive_int, read_tagged, reduce_config_of
+from agentlog.tools.cli_common import (
+    add_quiet, check_log_path, finite_float, id_scans_of, positive_int, read_tagged, reduce_config_of,
+)
 
 FORMATS = ("hf", "sft", "jsonl")
 #: The sessions exported when ``--status`` is not given: every one that ended.
@@ -335,7 +337,8 @@ def run(args) -> int:
             return False
         return min_reward is None or (row["reward"] is not None and row["reward"] >= min_reward)
 
-    fold = DatasetFold(config, group_advantages(estimator, eps), tokens=args.tokens, keep=keep, lineage_members=lineage_members)
+    fold = DatasetFold(config, group_advantages(estimator, eps), tokens=args.tokens, keep=keep, lineage_members=lineage_members,
+                       confirm_of=id_scans_of(path))
     made = _missing_dirs(out.parent)  # removed again when the export fails
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

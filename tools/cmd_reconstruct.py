@@ -41,7 +41,7 @@ import sys
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, nonneg_int, read_tagged, reduce_config_of
+from agentlog.tools.cli_common import add_quiet, check_log_path, id_scans_of, nonneg_int, read_tagged, reduce_config_of
 
 FORMATS = ("jsonl", "msgpack", "parquet")
 
@@ -322,7 +322,10 @@ def run(args) -> int:
     writer = _WRITERS[fmt](args.output, header)
     # One reducer per partition (a single log is partition 0): sessions never span
     # partitions, and each partition's LSNs are its own.
-    fold = PartitionFold(config)
+    # Each partition's reducer refuses a reused id however long ago it ended, a reuse its id
+    # filter alone reports confirmed by a scan of that partition (the filter has false positives).
+    scans = id_scans_of(path)
+    fold = PartitionFold(config, confirm_of=lambda pid: scans(pid if path.partitioned else None))
     digest = SampleDigest()
     groups = skipped = 0
     ok = False

@@ -27,7 +27,7 @@ from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, CliError
 from agentlog.tools.cli_common import (
-    add_quiet, check_log_path, fmt_ts, read_frame_batches, read_tagged, record_id,
+    add_quiet, check_log_path, fmt_ts, id_scans_of, merged_id_scans, read_frame_batches, read_tagged, record_id,
     reduce_config_of,
 )
 
@@ -54,7 +54,7 @@ def compute_stats(path: Any, *, quiet: bool = False) -> dict[str, Any]:
 
     if path.partitioned:
         return _partitioned_stats(path, quiet)
-    stats = RunStats.of(reduce_config_of(path))
+    stats = RunStats.of(reduce_config_of(path), confirm_used=id_scans_of(path)(None))
     feed = stats.feed_record
     decode = decode_projection
     rec = None
@@ -89,7 +89,7 @@ def _partitioned_stats(path: Any, quiet: bool) -> dict[str, Any]:
     from agentlog.events.log.api import SchemaError
     from agentlog.reducers.runstats import RunStats, decode_projection
 
-    stats = RunStats.of(reduce_config_of(path))
+    stats = RunStats.of(reduce_config_of(path), confirm_used=merged_id_scans(path))  # positions, as the fold is fed
     # Every partition is listed, an empty one with 0 events.
     parts: dict[str, dict[str, Any]] = {f"p{q:04d}": {"events": 0, "lsn_first": None, "lsn_last": None} for q in path.partitions()}
     named: dict[int, str] = {}  # merged position -> pNNNN:LSN, for violations only

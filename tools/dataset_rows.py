@@ -81,6 +81,7 @@ from agentlog.events.schema.types import (
     SessionAborted, SessionDropped, SessionFinished, SessionOpened, SessionStarted, TurnDelta, TurnRecorded,
 )
 from agentlog.reducers.config import ReduceConfig
+from agentlog.reducers.fold import ConfirmUsed
 from agentlog.reducers.groups import Group
 from agentlog.reducers.health import TRUNCATED
 from agentlog.reducers.outcome import SessionOutcome
@@ -256,8 +257,11 @@ class DatasetFold:
 
     def __init__(self, config: ReduceConfig, advantages: Callable[[list[float], list[int], list[bool]], list[float]], *,
                  tokens: bool = False, keep: Callable[[dict[str, Any]], bool] = lambda row: True,
-                 lineage_members: bool = False) -> None:
+                 lineage_members: bool = False, confirm_of: Callable[[int | None], ConfirmUsed] | None = None) -> None:
+        """``confirm_of(pid)``: the ``confirm_used`` of partition ``pid``'s reducer (see
+        :class:`~agentlog.reducers.pipeline.Reducer`)."""
         self.config = config
+        self.confirm_of = confirm_of
         #: The learner's ``lineage_advantage = "member"``: each lineage is a member of its group.
         self.lineage_members = lineage_members
         self._reducers: dict[int | None, Reducer] = {}  # one per partition: a session never spans partitions
@@ -274,7 +278,8 @@ class DatasetFold:
     def _reducer(self, pid: int | None) -> Reducer:
         reducer = self._reducers.get(pid)
         if reducer is None:
-            reducer = self._reducers[pid] = Reducer(self.config)
+            confirm = None if self.confirm_of is None else self.confirm_of(pid)
+            reducer = self._reducers[pid] = Reducer(self.config, confirm_used=confirm)
         return reducer
 
     def feed(self, pid: int | None, env: Any) -> list[dict[str, Any]]:

@@ -180,3 +180,83 @@ def test_replay_of_a_partitioned_log_confirms_over_the_merged_records(tmp_path, 
     assert main(["replay", str(root), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "VIOLATION" not in out and out.count("session_dropped") == 3, out
+
+
+# ------------------------------------------------ reconstruct, export-dataset and stats: every id ever opened
+
+
+@pytest.fixture
+def no_ended_window(monkeypatch):
+    """The offline folds forget every ended session at once, so a reuse is seen by the id filter or not at all
+    (as one of an id that ended more than ENDED_WINDOW sessions before)."""
+    from agentlog.reducers import pipeline
+    from agentlog.reducers.runstats import RunStats
+
+    monkeypatch.setattr(pipeline, "ENDED_WINDOW", 0)
+    monkeypatch.setattr(RunStats, "ENDED_WINDOW", 0)
+
+
+def test_reconstruct_refuses_a_reuse_beyond_its_window_and_passes_a_false_positive(tmp_path, ghost_in_the_filter,
+                                                                                   no_ended_window, capsys):
+    """``ghost`` (lsn 2, a false positive of the filter) is folded as the fresh session it is; ``old``'s
+    reuse at lsn 5 is refused, though the window forgot ``old`` long before."""
+    _false_positive_log(tmp_path / "log")
+    assert main(["reconstruct", str(tmp_path / "log"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "lsn 5" in err and "'old'" in err and "reused" in err, err
+
+
+def test_reconstruct_of_a_log_with_only_a_false_positive_gives_its_samples(tmp_path, ghost_in_the_filter, no_ended_window, capsys):
+    _write(tmp_path / "log", [
+        ("old", 0, SessionOpened(group_id="O", group_size=1)), ("old", 1, SessionDropped(reason="y")),
+        ("ghost", 0, SessionOpened(group_id="G", group_size=1)), ("ghost", 1, SessionStarted(harness="t")),
+        ("ghost", 2, SessionFinished(reward=1.0)),
+    ])
+    assert main(["reconstruct", str(tmp_path / "log"), "--quiet"]) == 0
+    assert "from 5 events; 2 groups released" in capsys.readouterr().out
+
+
+def test_reconstruct_of_a_partitioned_log_confirms_in_the_partition_of_the_opening(tmp_path, ghost_in_the_filter,
+                                                                                   no_ended_window, capsys):
+    """``ghost`` is fresh in p0001 though p0000 also holds one; ``a``'s reuse in p0000 is refused, naming its partition."""
+    from agentlog.events.log.partitions import open_partition
+
+    root = _partitioned(tmp_path / "rollout", [["ghost", "a"], ["b", "ghost"]])
+    assert main(["reconstruct", str(root), "--quiet"]) == 0
+    root = _partitioned(tmp_path / "again", [["a", "c"], ["ghost"]])
+    log = open_partition(root, 0, fsync="never")
+    try:
+        log.append_batch([("a", 0, SessionOpened(group_id="A2", group_size=1))])  # a reuse of a, in a group of its own
+    finally:
+        log.close()
+    assert main(["reconstruct", str(root), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "partition p0000: lsn 4" in err and "'a'" in err and "reused" in err, err
+
+
+def test_export_dataset_refuses_a_reuse_beyond_its_window_and_passes_a_false_positive(tmp_path, ghost_in_the_filter,
+                                                                                      no_ended_window, capsys):
+    _false_positive_log(tmp_path / "log")
+    assert main(["export-dataset", str(tmp_path / "log"), "-o", str(tmp_path / "d.jsonl"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "lsn 5" in err and "'old'" in err and "reused" in err, err
+
+
+def test_stats_counts_a_reuse_beyond_its_window_and_a_false_positive_as_a_session(tmp_path, ghost_in_the_filter,
+                                                                                   no_ended_window, capsys):
+    _false_positive_log(tmp_path / "log")
+    main(["stats", str(tmp_path / "log"), "--json"])
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["violations"]["by_kind"] == {"reused_id": 1}, stats["violations"]
+    (first,) = stats["violations"]["first"]
+    assert (first["lsn"], first["session_id"]) == (5, "old"), first
+    assert stats["sessions"]["finished"] == 1, stats["sessions"]
+
+
+def test_stats_of_a_partitioned_log_confirms_over_the_merged_records(tmp_path, ghost_in_the_filter, no_ended_window, capsys):
+    root = _partitioned(tmp_path / "rollout", [["a", "c", "a"], ["b", "ghost"]])
+    main(["stats", str(root), "--json"])
+    stats = json.loads(capsys.readouterr().out)
+    # The reuse at p0000:4 is refused; its drop at p0000:5 then follows a terminal event (as verify says too).
+    assert [(v["lsn"], v["session_id"], v["kind"]) for v in stats["violations"]["first"]] == \
+        [("p0000:4", "a", "reused_id"), ("p0000:5", "a", "after_terminal")], stats["violations"]
