@@ -48,7 +48,8 @@ gateway parses it, the agent echoes it back and answers with a tool result.
    collection in it counts as much as one without), with the collector's
    own CPU beside it (``gc.callbacks``).
 
-    python tools/bench/bench_capture.py [--quick]
+    python tools/bench/bench_capture.py [--quick] [--runs N:CTX:TURNS ...] [--repeats R]
+        [--cpu-turns T] [--cpu-sessions S] [--contexts TOKENS ...]
 """
 
 from __future__ import annotations
@@ -325,7 +326,7 @@ async def _run(args) -> list[str]:
     lines.append("(gw CPU: the gateway's process, all threads, per turn; client CPU: the agents' HTTP client process)")
     lines.append("")
     lines.append("per turn, microseconds of CPU (one session: the median of "
-                 f"{args.cpu_turns} turns; 64 sessions: the mean of {args.cpu_turns} rounds; capture = the gateway's "
+                 f"{args.cpu_turns} turns; {args.cpu_sessions} sessions: the mean of {args.cpu_turns} rounds; capture = the gateway's "
                  "begin_turn made durable + cache update, no HTTP, no tokenization)")
     lines.append(f"{'context':>9}{'capture':>9}{'main thr':>9}{'(wall)':>9}{'builtin full':>14}{'builtin incr':>14}{'HF full':>11}{'HF incr':>10}")
     for r in cpu:
@@ -357,6 +358,15 @@ async def _run(args) -> list[str]:
     return lines
 
 
+def _run_shape(value: str) -> tuple[int, int, int]:
+    """``SESSIONS:CONTEXT:TURNS`` (a ``--runs`` item) as three ints."""
+    try:
+        sessions, context, turns = (int(x) for x in value.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SESSIONS:CONTEXT:TURNS, got {value!r}") from None
+    return sessions, context, turns
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its tables and GOAL lines (exit 0 even on MISS)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -368,21 +378,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fsync", default="batch", choices=["always", "batch", "interval", "never", "memory"],
                    help="the throughput runs' log fsync policy (default batch, that of agentlog serve; memory: a MemoryLog)")
     p.add_argument("--whole", action="store_true", help="the gateway encodes every prompt whole (the 'before' of incremental encoding)")
+    p.add_argument("--runs", nargs="+", type=_run_shape, default=None, metavar="SESSIONS:CONTEXT:TURNS",
+                   help="the throughput runs (default 192:100000:30 1000:10000:10; turns 3 and 2 with --quick)")
+    p.add_argument("--repeats", type=int, default=1, help="gateway/direct pairs per throughput run")
+    p.add_argument("--cpu-turns", type=int, default=None, help="timed turns (rounds) of the CPU arms (default 20; 3 with --quick)")
+    # 64 sessions at the largest context by default: ~26 MB of prompts.
+    p.add_argument("--cpu-sessions", type=int, default=64, help="sessions recording at once in the concurrent CPU arm")
+    p.add_argument("--contexts", nargs="+", type=int, default=[1_000, 10_000, 100_000],
+                   help="context sizes (tokens) of the CPU arms; the concurrent arm runs at the last")
     args = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ["HF_HUB_OFFLINE"] = "1"
-    # (sessions, context tokens reached, turns): 192 sessions to 100k, then 1000 sessions to 10k
-    # (1000 sessions at 100k is ~1 GB of prompts held per arm, past a small bench machine).
     if args.decode_ms is None:
         # --quick is a smoke run (its shorter turns make the gateway's share larger, not smaller);
         # the figures in docs/performance.md come from the full run.
         args.decode_ms = 10.0 if args.quick else 20.0
-    if args.quick:
-        args.runs, args.repeats, args.cpu_turns = [(192, 100_000, 3), (1000, 10_000, 2)], 1, 3
-    else:
-        args.runs, args.repeats, args.cpu_turns = [(192, 100_000, 30), (1000, 10_000, 10)], 1, 20
-    args.cpu_sessions = 64  # the concurrent CPU arm: 64 sessions at the largest context (~26 MB of prompts)
-    args.contexts = [1_000, 10_000, 100_000]
+    # (sessions, context tokens reached, turns): 192 sessions to 100k, then 1000 sessions to 10k
+    # (1000 sessions at 100k is ~1 GB of prompts held per arm, past a small bench machine).
+    if args.runs is None:
+        args.runs = [(192, 100_000, 3), (1000, 10_000, 2)] if args.quick else [(192, 100_000, 30), (1000, 10_000, 10)]
+    if args.cpu_turns is None:
+        args.cpu_turns = 3 if args.quick else 20
     for line in asyncio.run(_run(args)):
         print(line)
     return 0

@@ -21,7 +21,7 @@ An extra line (information, not a goal) repeats 2 and 3 on bench_log's
 2048-token ``turn_recorded`` events, whose token ids are random (the worst
 case for compression).
 
-    .venv/bin/python tools/bench/bench_compression.py [--quick] [--dir DIR]
+    .venv/bin/python tools/bench/bench_compression.py [--quick] [--sessions N] [--turns N] [--random-events N] [--dir DIR]
 
 Ends with one GOAL line per goal; exits 0 even on a MISS.
 """
@@ -165,8 +165,8 @@ def append_vs_raw(root: Path, batches: list[list[tuple]], reps: int) -> dict:
     return dict(t=t, bytes={c: dir_bytes(dirs[c]) for c in COMPRESSIONS}, plain_frames=sum(sizes))
 
 
-def bench_sessions(root: Path, n_sessions: int, reps: int) -> dict:
-    base = session_turns(100)
+def bench_sessions(root: Path, n_sessions: int, n_turns: int, reps: int) -> dict:
+    base = session_turns(n_turns)
     sessions = [distinct_turns(base, k) for k in range(n_sessions)]
     traj = sum(trajectory_bytes(s) for s in sessions)
     dirs = {c: root / f"engine-{c}" for c in COMPRESSIONS}
@@ -181,7 +181,7 @@ def bench_sessions(root: Path, n_sessions: int, reps: int) -> dict:
     recs = [(e.session_id, e.session_seq, e.body, p) for e, (_s, _q, p) in zip(read_log(dirs["none"]), raw["none"])]
     batches = [recs[i : i + n_sessions] for i in range(0, len(recs), n_sessions)]
     app = append_vs_raw(root, batches, reps)
-    return dict(n=n_sessions, records=len(recs), traj=traj, seg=seg, t_engine=t_engine, t_replay=t_replay, app=app)
+    return dict(n=n_sessions, turns=n_turns, records=len(recs), traj=traj, seg=seg, t_engine=t_engine, t_replay=t_replay, app=app)
 
 
 def bench_random_tokens(root: Path, n: int, batch: int, reps: int) -> dict:
@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small run (well under a minute)")
     ap.add_argument("--sessions", type=int, help="concurrent 100-turn sessions (default 40; --quick 8)")
+    ap.add_argument("--turns", type=int, default=100, help="turns of each session (default 100)")
+    ap.add_argument("--random-events", type=int, help="2048-token events of the information line (default 1,024; --quick 256)")
     ap.add_argument("--dir", help="where to write (default: a temp dir on the default disk)")
     args = ap.parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
@@ -208,12 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     reps = 2 if args.quick else 3
     root = Path(tempfile.mkdtemp(prefix="bench_compression-", dir=args.dir))
     try:
-        s = bench_sessions(root, n_sessions, reps)
-        tok = bench_random_tokens(root, n=256, batch=32, reps=1) if args.quick else bench_random_tokens(root, n=1024, batch=64, reps=reps)
+        s = bench_sessions(root, n_sessions, args.turns, reps)
+        if args.quick:
+            tok = bench_random_tokens(root, n=args.random_events or 256, batch=32, reps=1)
+        else:
+            tok = bench_random_tokens(root, n=args.random_events or 1024, batch=64, reps=reps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     seg, traj, app, tr = s["seg"], s["traj"], s["app"], s["t_replay"]
-    print(f"{s['n']} concurrent 100-turn sessions through the engine ({s['t_engine']:.1f} s for both logs), "
+    print(f"{s['n']} concurrent {s['turns']}-turn sessions through the engine ({s['t_engine']:.1f} s for both logs), "
           f"{s['records']:,} events, all kept; trajectories {traj:,} B")
     print(f"  log on disk: uncompressed {seg['none']:,} B ({seg['none'] / traj:.2f}x), zstd {seg['zstd']:,} B ({seg['zstd'] / traj:.2f}x)")
     print(f"  replay s: uncompressed {tr['none']:.4f}, zstd {tr['zstd']:.4f}")
@@ -225,12 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"info, random token ids ({tok['n']} x 2048-token events, batches of {tok['batch']}): zstd {tb['zstd'] / tb['none']:.2f}x the bytes; "
           f"replay {tok['t_replay']['none'] / tok['t_replay']['zstd']:.2f}x; append vs raw fdatasync of the uncompressed bytes "
           f"{tt['raw'] / tt['zstd']:.2f}x (uncompressed append {tt['raw'] / tt['none']:.2f}x)")
-    print(goal("log_bytes_vs_final_trajectory_100_turns_compressed", seg["zstd"] / traj, "<=", 0.6))
-    print(goal("replay_compressed_vs_uncompressed", tr["none"] / tr["zstd"], ">=", 0.8))
     bound = ta["raw"] / (ta["compress"] + ta["raw_zstd"])
     print(f"  the most any writer that compresses each batch can reach here: {bound:.2f}x (compressing "
           f"{ta['compress']:.4f} s + raw write+fdatasync of the compressed bytes {ta['raw_zstd']:.4f} s, against "
           f"{ta['raw']:.4f} s for the uncompressed ones: each batch's fdatasync, not its bytes, sets the disk's time)")
+    # The GOAL lines come last, as in every benchmark (the bound above is information for the third).
+    print(goal(f"log_bytes_vs_final_trajectory_{s['turns']}_turns_compressed", seg["zstd"] / traj, "<=", 0.6))
+    print(goal("replay_compressed_vs_uncompressed", tr["none"] / tr["zstd"], ">=", 0.8))
     print(goal("durable_append_compressed_vs_raw_fdatasync_of_uncompressed_bytes", ta["raw"] / ta["zstd"], ">=", 1.0))
     return 0
 

@@ -16,7 +16,7 @@ text per token, split over a system prompt, a task, the model's answer and a
 tool's reply), and the second turn's messages decoded anew from JSON, so no
 two sessions (and no two turns) share a string the engine might keep.
 
-Usage: ``python tools/bench/bench_engine_memory.py [--quick] [--sessions N] [--contexts 1024,8192,32768]``.
+Usage: ``python tools/bench/bench_engine_memory.py [--quick] [--sessions N] [--contexts 1024,8192,32768] [--wave N] [--dir D]``.
 ``tools/bench/bench_engine.py`` runs the 8k row too, so its two GOAL lines come from one run.
 """
 
@@ -42,6 +42,8 @@ GOAL_CONTEXT = 8192
 OUTPUT_TOKENS = 256
 #: Characters of message text per token (English text and code run at about 4).
 CHARS_PER_TOKEN = 4
+#: Sessions set up at once (the log group-commits their appends); the warm-up is one such wave.
+WAVE = 500
 
 
 def resident_bytes() -> int:
@@ -94,13 +96,12 @@ async def _live_session(eng, sid: str, context: int) -> object:
     return h
 
 
-async def _measure(n: int, context: int, directory: Path) -> dict[str, float]:
+async def _measure(n: int, context: int, directory: Path, wave: int = WAVE) -> dict[str, float]:
     from agentlog.engine import SessionEngine
     from agentlog.events import FileLog
 
     log = FileLog.open(directory, fsync="batch")
     eng = await SessionEngine.open(log)
-    wave = 500  # sessions set up at once: the log group-commits their appends
     # Warm-up, one wave of sessions that then end: every code path runs, and the
     # heap reaches the peak a wave's temporaries need, so the baseline holds it.
     hs = await asyncio.gather(*(_live_session(eng, f"w{j}", context) for j in range(wave)))
@@ -116,9 +117,11 @@ async def _measure(n: int, context: int, directory: Path) -> dict[str, float]:
             "baseline_mb": before / 2**20, "after_mb": after / 2**20}
 
 
-def measure_in_child(n: int, context: int) -> dict[str, float]:
-    """Run one context size in a fresh interpreter; returns its figures."""
-    out = subprocess.run([sys.executable, __file__, "--one", str(context), "--sessions", str(n)],
+def measure_in_child(n: int, context: int, wave: int = WAVE, directory: Path | None = None) -> dict[str, float]:
+    """Run one context size in a fresh interpreter (its log in a temp dir under ``directory``,
+    removed after); returns its figures."""
+    where = ["--dir", str(directory)] if directory is not None else []
+    out = subprocess.run([sys.executable, __file__, "--one", str(context), "--sessions", str(n), "--wave", str(wave), *where],
                          check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -134,15 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="1,000 live sessions per context size (default 10,000)")
     ap.add_argument("--sessions", type=int, default=None)
     ap.add_argument("--contexts", default="1024,8192,32768", help="context sizes in tokens, comma-separated")
+    ap.add_argument("--wave", type=int, default=WAVE, help=f"sessions set up at once, and in the warm-up (default {WAVE})")
+    ap.add_argument("--dir", type=Path, default=None, help="where each context size's log goes (a temp dir in it, removed after)")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # the child: one context size
     args = ap.parse_args(argv)
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     if args.one is not None:
-        base = Path(tempfile.mkdtemp(prefix="bench_engine_memory_"))
+        base = Path(tempfile.mkdtemp(prefix="bench_engine_memory_", dir=args.dir))
         try:
-            res = asyncio.run(_measure(args.sessions, args.one, base / "log"))
+            res = asyncio.run(_measure(args.sessions, args.one, base / "log", args.wave))
         finally:
             shutil.rmtree(base, ignore_errors=True)
         print(json.dumps(res), flush=True)
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in (int(x) for x in args.contexts.split(",")):
         # 32k-token contexts at 10,000 sessions would take several GiB before the engine's memory is bounded.
         k = n if c <= GOAL_CONTEXT else max(1, n // 4)
-        rows.append(measure_in_child(k, c))
+        rows.append(measure_in_child(k, c, args.wave, args.dir))
     print(f"{'context (tokens)':>16}  {'live sessions':>13}  {'RSS per session':>15}  {'context as int32':>16}")
     for r in rows:
         print(f"{r['context']:>16,}  {r['sessions']:>13,}  {r['kb_per_session']:>12.1f} kB  {r['context'] * 4 / 1024:>13.1f} kB")

@@ -18,7 +18,8 @@ The HTTP load generator runs in its own process so its cost is not charged
 to the gateway's event loop. Goals: added p50 <= 2 ms; gateway turns/s at
 128 sessions >= 0.9x the backend alone.
 
-    python tools/bench/bench_gateway.py [--quick]
+    python tools/bench/bench_gateway.py [--quick] [--max-tokens N] [--sessions N ...] [--turns T]
+        [--repeats R] [--latency-turns T] [--dir D]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures as cf
+import shutil
 import statistics
 import sys
 import tempfile
@@ -87,7 +89,7 @@ async def _run(args) -> list[str]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=ByteChatTemplate.VOCAB_SIZE, max_seq_len=2048, d_model=64, n_layer=2, n_head=4))
     backend = TorchBackend(model, max_batch=128)
-    tmp = tempfile.mkdtemp(prefix="bench-gateway-")
+    tmp = tempfile.mkdtemp(prefix="bench-gateway-", dir=args.dir)
     log = FileLog.open(Path(tmp) / "log", fsync="batch")
     engine = await SessionEngine.open(log)
     gw = Gateway(engine, backend, config=GatewayConfig(max_turns=10_000))
@@ -209,6 +211,7 @@ async def _run(args) -> list[str]:
         await engine.close()
         await backend.close()
         log.close()
+        shutil.rmtree(tmp)  # a run leaves no log behind
     return lines
 
 
@@ -217,11 +220,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a small run (fewer turns)")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per turn")
+    p.add_argument("--sessions", nargs="+", type=int, default=[1, 16, 128],
+                   help="concurrent sessions of the throughput runs (the GOAL line is the last's)")
+    p.add_argument("--turns", type=int, default=None, help="turns per session in the throughput runs (default 6; 2 with --quick)")
+    p.add_argument("--repeats", type=int, default=None, help="gateway/backend pairs per throughput run (default 3; 1 with --quick)")
+    p.add_argument("--latency-turns", type=int, default=None, help="turns of the one-session latency run (default 200; 30 with --quick)")
+    p.add_argument("--dir", default=None, help="where the log's temporary folder goes (default: the system's; removed after)")
     args = p.parse_args(argv)
-    args.sessions = [1, 16, 128]
-    args.turns = 2 if args.quick else 6
-    args.repeats = 1 if args.quick else 3
-    args.latency_turns = 30 if args.quick else 200
+    if args.turns is None:
+        args.turns = 2 if args.quick else 6
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.latency_turns is None:
+        args.latency_turns = 30 if args.quick else 200
     for line in asyncio.run(_run(args)):
         print(line)
     return 0

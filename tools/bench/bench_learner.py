@@ -25,7 +25,8 @@ machine other tenants stretch wall time arbitrarily (and make OpenMP threads
 spin), but barely change the CPU time a computation needs. Throughput is
 therefore tokens per CPU second.
 
-Usage: ``python tools/bench/bench_learner.py [--quick] [--samples N] [--threads T]``
+Usage: ``python tools/bench/bench_learner.py [--quick] [--samples N] [--threads T]``; every size
+has its own option (``--help``), for a smoke run far below ``--quick``.
 """
 
 from __future__ import annotations
@@ -266,28 +267,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small run (CI smoke)")
     ap.add_argument("--samples", type=int, default=None, help="samples per learner step (default 64, quick 24)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1; CPU time adds up over threads)")
+    sizes = ap.add_argument_group("sizes (each defaults to the full run's, or --quick's)")
+    sizes.add_argument("--step-repeats", type=int, default=None, help="timed learner steps per layout (default 3, quick 2)")
+    sizes.add_argument("--d-model", type=int, default=None, help="width of the built-in GPT (default 128, quick 64)")
+    sizes.add_argument("--layers", type=int, default=None, help="blocks of the built-in GPT (default 2)")
+    sizes.add_argument("--loss-rows", type=int, default=None, help="rows of the loss benchmark (default 256, quick 64)")
+    sizes.add_argument("--loss-length", type=int, default=None, help="tokens per row of the loss benchmark (default 1024, quick 256)")
+    sizes.add_argument("--loss-repeats", type=int, default=None, help="timed loss calls per case (default 60, quick 10)")
+    sizes.add_argument("--hf-samples", type=int, default=None, help="samples of the HF Learner step (default 32, quick 12)")
+    sizes.add_argument("--hf-layers", type=int, default=None, help="layers of the HF Llama (default 4, quick 2)")
+    sizes.add_argument("--hf-width", type=int, default=None, help="width of the HF Llama (default 256, quick 128)")
+    sizes.add_argument("--hf-loss-repeats", type=int, default=None, help="timed HF loss-path calls (default 5, quick 3)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
+    def size(given: int | None, quick: int, full: int) -> int:
+        """An option's value, else the --quick or the full run's."""
+        return given if given is not None else quick if args.quick else full
+
     n = args.samples or (24 if args.quick else 64)
-    step_repeats = 2 if args.quick else 3
-    loss_repeats = 10 if args.quick else 60
-    d_model, n_layer = (64, 2) if args.quick else (128, 2)
+    step_repeats = size(args.step_repeats, 2, 3)
+    loss_repeats = size(args.loss_repeats, 10, 60)
+    d_model, n_layer = size(args.d_model, 64, 128), size(args.layers, 2, 2)
     samples = rollout_samples(n, np.random.default_rng(0))
     lengths = np.array([s.response_length for s in samples])
 
     step = bench_step(samples, step_repeats, d_model, n_layer)
-    loss = bench_loss(64 if args.quick else 256, 256 if args.quick else 1024, loss_repeats)
+    loss = bench_loss(size(args.loss_rows, 64, 256), size(args.loss_length, 256, 1024), loss_repeats)
     try:
         import transformers  # noqa: F401
     except ImportError:
         hf_step = hf_loss = None
     else:
-        hf_layers, hf_width = (2, 128) if args.quick else (4, 256)
-        hf_samples = samples[: 12 if args.quick else 32]
+        hf_layers, hf_width = size(args.hf_layers, 2, 4), size(args.hf_width, 128, 256)
+        hf_samples = samples[: size(args.hf_samples, 12, 32)]
         hf_step = bench_hf_step(hf_samples, step_repeats, hf_layers, hf_width)
-        hf_loss = bench_hf_loss(hf_samples[:8], 3 if args.quick else 5, hf_layers, hf_width)
+        hf_loss = bench_hf_loss(hf_samples[:8], size(args.hf_loss_repeats, 3, 5), hf_layers, hf_width)
 
     print(f"learner step: {n} samples, response length median {int(np.median(lengths))}, "
           f"p90 {int(np.percentile(lengths, 90))}, max {lengths.max()}; GPT d_model {d_model}, {n_layer} layers, "

@@ -11,7 +11,8 @@ logging (engine + log) in the worker's time per turn.
   discarded (a null engine whose handle methods do nothing). No faults, so
   both do exactly the same work apart from recording.
 
-Usage: ``python tools/bench/bench_loop.py [--quick]``.
+Usage: ``python tools/bench/bench_loop.py [--quick] [--keep DIR]``; every size has its own
+option (``--help``), for a smoke run far below ``--quick``.
 """
 
 from __future__ import annotations
@@ -157,6 +158,10 @@ class NullEngine:
     def session(self, session_id: str, **kw: Any) -> _NullSession:
         return _NullSession(session_id)
 
+    def owed_replacements(self, group_id: str) -> list[str]:
+        """No member is ever aborted here (the overhead runs inject no faults), so no refill is owed."""
+        return []
+
 
 async def _timed_batches(worker: RolloutWorker, engine: Any, first: int, n: int) -> float:
     t0 = time.perf_counter()
@@ -197,30 +202,45 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small run")
     p.add_argument("--keep", type=Path, default=None, help="keep the run folders under this directory")
+    sizes = p.add_argument_group("sizes (each defaults to the full run's, or --quick's)")
+    sizes.add_argument("--steps", type=int, default=None, help="learner steps of the learner-on run (default 30, quick 6)")
+    sizes.add_argument("--off-batches", type=int, default=None, help="worker batches of the learner-off run (default 12, quick 3)")
+    sizes.add_argument("--overhead-batches", type=int, default=None, help="batches per timed overhead repeat (default 3, quick 1)")
+    sizes.add_argument("--overhead-repeats", type=int, default=None, help="interleaved overhead repeats (default 3, quick 2)")
+    sizes.add_argument("--groups-per-step", type=int, default=LoopConfig.groups_per_step,
+                       help=f"groups per step (and per worker batch) of every run (default {LoopConfig.groups_per_step})")
+    sizes.add_argument("--group-size", type=int, default=LoopConfig.group_size,
+                       help=f"sessions per group of every run (default {LoopConfig.group_size})")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     # The table is the output; per-event logs of the in-process worker would drown it.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    steps = 6 if args.quick else 30
-    off_batches = 3 if args.quick else 12
-    ov_batches, ov_repeats = (1, 2) if args.quick else (3, 3)
+
+    def size(given: int | None, quick: int, full: int) -> int:
+        """An option's value, else the --quick or the full run's."""
+        return given if given is not None else quick if args.quick else full
+
+    steps = size(args.steps, 6, 30)
+    off_batches = size(args.off_batches, 3, 12)
+    ov_batches, ov_repeats = size(args.overhead_batches, 1, 3), size(args.overhead_repeats, 2, 3)
+    shape = dict(steps=steps, warmup_steps=0, groups_per_step=args.groups_per_step, group_size=args.group_size)
     base = Path(tempfile.mkdtemp(prefix="bench_loop_")) if args.keep is None else args.keep
     base.mkdir(parents=True, exist_ok=True)
     try:
-        on_cfg = LoopConfig(steps=steps, warmup_steps=0)
+        on_cfg = LoopConfig(**shape)
         t0 = time.perf_counter()
         run_loop(on_cfg, base / "on")
         on_wall = time.perf_counter() - t0
         on = rollout_rates(base / "on")
         lf = learner_figures(base / "on")
 
-        off_cfg = LoopConfig(steps=steps, warmup_steps=0, max_lag=10**6)
+        off_cfg = LoopConfig(**shape, max_lag=10**6)
         _fixed_policy_run(base / "off", off_cfg)
         worker = RolloutWorker(base / "off", off_cfg)
         asyncio.run(worker.run(max_batches=off_batches))
         off = rollout_rates(base / "off")
 
-        ov_cfg = LoopConfig(steps=steps, warmup_steps=0, max_lag=10**6, faults=FaultConfig.none())
+        ov_cfg = LoopConfig(**shape, max_lag=10**6, faults=FaultConfig.none())
         _fixed_policy_run(base / "ov", ov_cfg)
         ov = asyncio.run(overhead(base / "ov", ov_cfg, ov_batches, ov_repeats))
     finally:

@@ -18,7 +18,8 @@ estimate over every trained token of the run, and the CPU seconds of the
 run (``time.process_time``; the fastest of the rounds): what the one numeric
 path costs where the rollout and the learner share a core.
 
-    python tools/bench/bench_mismatch.py [--quick]
+    python tools/bench/bench_mismatch.py [--quick] [--rounds R] [--steps S] [--groups G] [--group-size N]
+        [--warmup-steps W] [--dir D]
 """
 
 from __future__ import annotations
@@ -88,15 +89,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small run (CI smoke)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds of both arms, alternating which goes first (default 2)")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default 8; 3 with --quick)")
+    ap.add_argument("--groups", type=int, default=None, help="groups per step (default 32; 8 with --quick)")
+    ap.add_argument("--group-size", type=int, default=None, help="rollouts per group (default 8; 4 with --quick)")
+    ap.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-up steps, once for both arms (default 50; 20 with --quick)")
+    ap.add_argument("--dir", default=None, help="where the runs' temporary folder goes (default: the system's; removed after)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    steps, groups, warmup = (3, 8, 20) if args.quick else (8, 32, 50)
-    cfg = LoopConfig(seed=0, steps=steps, groups_per_step=groups, group_size=8 if not args.quick else 4, max_lag=0,
+    sizes = (3, 8, 4, 20) if args.quick else (8, 32, 8, 50)
+    given = (args.steps, args.groups, args.group_size, args.warmup_steps)
+    steps, groups, group_size, warmup = (default if value is None else value for value, default in zip(given, sizes))
+    cfg = LoopConfig(seed=0, steps=steps, groups_per_step=groups, group_size=group_size, max_lag=0,
                      warmup_steps=0, stop_reward=0, time_budget_s=0)
     weights = warmed_weights(dataclasses.replace(cfg, warmup_steps=warmup, warmup_threads=1))
     arms: dict[str, list[dict[str, float]]] = {"ours": [], "torch kernels": []}
-    with tempfile.TemporaryDirectory(prefix="bench-mismatch-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-mismatch-", dir=args.dir) as tmp:
         order = [("ours", True), ("torch kernels", False)]
         for r in range(args.rounds or 2):
             for name, invariant in order if r % 2 else order[::-1]:  # the anchor first in even rounds

@@ -25,7 +25,8 @@ from a group's last terminal event to its gradient step.
   group's last terminal event (the members' terminal LSNs the record names,
   read back from their partition). p50 and p99 per worker count.
 
-Usage: ``python tools/bench/bench_partitions.py [--quick] [--events N] [--steps N] [--keep DIR]``;
+Usage: ``python tools/bench/bench_partitions.py [--quick] [--events N] [--steps N] [--keep DIR]``
+(``--groups-per-step``, ``--group-size``: a smaller loop, for a smoke run);
 on a Ray cluster: ``--backend ray --address auto --workers 1,8,32 --keep /shared/dir``
 (rates and latencies from the logs; no worker CPU figure for Ray actors).
 """
@@ -331,10 +332,13 @@ class ChildCpu:
         return at(t1_ns) - at(t0_ns)
 
 
-def run_with_workers(run_dir: Path, workers: int, steps: int, backend: str = "local", address: str = "") -> dict[str, Any]:
+def run_with_workers(run_dir: Path, workers: int, steps: int, backend: str = "local", address: str = "",
+                     groups_per_step: int = LoopConfig.groups_per_step, group_size: int = LoopConfig.group_size) -> dict[str, Any]:
     """The real loop with ``workers`` rollout workers (local processes, or Ray
-    actors of ``backend`` "ray" on the cluster at ``address``); rates, CPU and latencies."""
+    actors of ``backend`` "ray" on the cluster at ``address``), ``groups_per_step``
+    groups of ``group_size`` per step; rates, CPU and latencies."""
     cfg = LoopConfig(steps=steps, warmup_steps=0, stop_reward=0.0, time_budget_s=0.0,
+                     groups_per_step=groups_per_step, group_size=group_size,
                      rollout=RolloutConfig(workers=workers, backend=backend, address=address))
     with ChildCpu() as cpu:
         t0 = time.perf_counter()
@@ -421,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", default=",".join(map(str, WORKER_COUNTS)), help="worker counts of the loop runs (default 1,2,4)")
     p.add_argument("--backend", choices=("local", "ray"), default="local", help="rollout workers as local processes or Ray actors")
     p.add_argument("--address", default="", help="ray: the cluster to join (e.g. auto); default: a local Ray")
+    p.add_argument("--groups-per-step", type=int, default=LoopConfig.groups_per_step,
+                   help=f"groups per step of the loop runs (default {LoopConfig.groups_per_step})")
+    p.add_argument("--group-size", type=int, default=LoopConfig.group_size,
+                   help=f"sessions per group of the loop runs (default {LoopConfig.group_size})")
     args = p.parse_args(argv)
     # structlog is left unconfigured, so the library's loggers stay silent
     # (agentlog._logging): the tables are the output.
@@ -440,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         if not args.skip_loop:
             for n in tqdm(worker_counts, desc="loop runs", unit="run", leave=False):
-                runs.append(run_with_workers(work / f"loop-{n}", n, steps, args.backend, args.address))
+                runs.append(run_with_workers(work / f"loop-{n}", n, steps, args.backend, args.address,
+                                             args.groups_per_step, args.group_size))
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -456,8 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     if runs:
         print()
         where = "local worker processes" if args.backend == "local" else f"Ray actors ({args.address or 'a local Ray'})"
-        print(f"rollout: the real loop (learner + N {where}), lookup task, {LoopConfig().groups_per_step} groups x "
-              f"{LoopConfig().group_size} per step, {steps} steps, no warm-up, default faults, {os.cpu_count()} CPUs here")
+        print(f"rollout: the real loop (learner + N {where}), lookup task, {args.groups_per_step} groups x "
+              f"{args.group_size} per step, {steps} steps, no warm-up, default faults, {os.cpu_count()} CPUs here")
         print("  span: first session_opened to last rollout event; worker CPU/session: each worker's CPU over its own"
               " partition's span (start-up excluded); CPU s: whole processes, start-up included (local workers only)")
         print(f"{'workers':>7} {'wall s':>7} {'span s':>7} {'sessions':>9} {'sessions/s':>11} {'events/s':>9} "

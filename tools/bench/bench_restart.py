@@ -36,7 +36,7 @@ Goals: ``restart_1M_vs_10k_events`` and ``engine_restart_1M_vs_10k_events``
 (the total: FileLog.open + SessionEngine.open), each <= 2x (restart time
 after the long log over restart time after the short one).
 
-Usage: ``python tools/bench/bench_restart.py [--quick] [--long N] [--short N] [--dir D]``
+Usage: ``python tools/bench/bench_restart.py [--quick] [--long N] [--short N] [--repeat N] [--checkpoint-every N] [--dir D]``
 """
 
 from __future__ import annotations
@@ -58,10 +58,9 @@ import msgspec
 import numpy as np
 
 from agentlog.events.schema.types import PolicyUpdated, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+from agentlog.engine.checkpointer import RECORDS_PER_SESSION_IN_FLIGHT
+from agentlog.engine.core import DEFAULT_CHECKPOINT_EVERY
 from agentlog.events import FileLog, read_log
-from agentlog.loop.publish import publish
-from agentlog.loop.learner_records import read_learner_records
-from agentlog.loop.trainer import RecordsNeeded, read_resume_records, resume_point
 from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.pipeline import InFlightWindow, Reducer
 from agentlog.reducers.samples import digest_samples
@@ -157,6 +156,11 @@ def write_learner_log(run: Path) -> int:
     have written: a step every ``GROUPS_PER_STEP`` released groups, each with
     its low-water LSN (as :class:`agentlog.loop.trainer.LoopLearner` records
     it). Returns the steps."""
+    # The learner's modules (torch among them) are imported here, not at the top: the engine child
+    # imports this module for drive_engine and would take a second or more to import them for nothing.
+    from agentlog.loop.publish import publish
+    from agentlog.loop.trainer import RecordsNeeded
+
     llog = FileLog.open(run / "learner", fsync="never")
     try:
         reducer = Reducer(CONFIG)
@@ -181,6 +185,10 @@ def write_learner_log(run: Path) -> int:
 def restart(run: Path, *, from_zero: bool) -> tuple[float, list[tuple[str, str]], int]:
     """Seconds for a learner restart to catch up with the rollout log, the
     groups it then releases (id, sample digest), and the LSN it read from."""
+    # Before the clock; imported already by write_learner_log (see there why not at the top).
+    from agentlog.loop.learner_records import read_learner_records
+    from agentlog.loop.trainer import read_resume_records, resume_point
+
     t0 = time.perf_counter()
     if from_zero:  # as a learner log from before the two fields reads
         records = [msgspec.structs.replace(r, lsn_low_water=-1, records_from_lsn=-1)
@@ -207,19 +215,32 @@ def restart(run: Path, *, from_zero: bool) -> tuple[float, list[tuple[str, str]]
 
 #: Records the engine child appends after its last periodic checkpoint before it is killed.
 PAST_CHECKPOINT = 2_048
+#: The smallest ``--checkpoint-every``. Below 400 the engine's interval is its sessions in flight's
+#: (RECORDS_PER_SESSION_IN_FLIGHT each), not this; and its checkpoint loop looks every 0.2 s, a few hundred
+#: records at this workload's pace, so a much shorter interval would trip drive_engine's stall check.
+MIN_CHECKPOINT_EVERY = 1024
+assert MIN_CHECKPOINT_EVERY >= RECORDS_PER_SESSION_IN_FLIGHT * IN_FLIGHT_GROUPS * GROUP_SIZE
+
+
+def past_checkpoint(every: int) -> int:
+    """Records appended after the last checkpoint before the kill: :data:`PAST_CHECKPOINT`, or half
+    the interval when checkpoints come more often (a tiny run), so that no checkpoint falls due after."""
+    return min(PAST_CHECKPOINT, every // 2)
+
 
 ENGINE_CHILD = """
 import asyncio, sys
 sys.path.insert(0, {here!r})
 import bench_restart
-asyncio.run(bench_restart.drive_engine({path!r}, {events}, {seed}))
+asyncio.run(bench_restart.drive_engine({path!r}, {events}, {seed}, {every}))
 """
 
 
-async def drive_engine(path: str, events: int, seed: int) -> None:
+async def drive_engine(path: str, events: int, seed: int, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY) -> None:
     """The engine's workload, in a child process the parent then SIGKILLs:
     :func:`schedule`'s steps through ``SessionEngine`` on a FileLog,
-    with its periodic restart checkpoints on (the defaults). Prints ``DONE``
+    with its periodic restart checkpoints on (every ``checkpoint_every`` records:
+    the engine's default unless a tiny run asks for fewer). Prints ``DONE``
     and waits to be killed: no clean close, no last checkpoint."""
     from agentlog.engine import SessionEngine
     from agentlog.events import FileLog
@@ -227,14 +248,15 @@ async def drive_engine(path: str, events: int, seed: int) -> None:
     logging.getLogger("agentlog").setLevel(logging.ERROR)
     rng = random.Random(seed)
     log = FileLog.open(path, fsync="never")
-    eng = await SessionEngine.open(log)
+    eng = await SessionEngine.open(log, checkpoint_every=checkpoint_every)
+    past = past_checkpoint(checkpoint_every)
     handles: dict[str, Any] = {}
     lps = np.full(8, -0.5, dtype="<f4").tobytes()
     ckpt = eng._checkpointer
     for sid, gid, idx, step in schedule(rng):
-        # Past ``events``, on to exactly PAST_CHECKPOINT records after the last checkpoint tried (written, or
+        # Past ``events``, on to exactly ``past`` records after the last checkpoint tried (written, or
         # being written: the sleep below lets it land); fewer than checkpoint_every, so none falls due after.
-        if log.next_lsn >= events and log.next_lsn - ckpt._tried == PAST_CHECKPOINT:
+        if log.next_lsn >= events and log.next_lsn - ckpt._tried == past:
             break
         if eng.background_failure is not None or log.next_lsn - ckpt._tried > 2 * ckpt.every:
             raise RuntimeError(f"the engine's checkpoints stopped (lsn {log.next_lsn}, last tried at {ckpt._tried}): "
@@ -253,10 +275,10 @@ async def drive_engine(path: str, events: int, seed: int) -> None:
     await asyncio.sleep(3600)
 
 
-def write_engine_log(path: Path, events: int, seed: int = 0) -> tuple[int, int]:
+def write_engine_log(path: Path, events: int, seed: int = 0, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY) -> tuple[int, int]:
     """Run :func:`drive_engine` in a child and SIGKILL it once done; returns
     (the log's end, the LSN of its last checkpoint)."""
-    child = ENGINE_CHILD.format(here=str(Path(__file__).parent), path=str(path), events=events, seed=seed)
+    child = ENGINE_CHILD.format(here=str(Path(__file__).parent), path=str(path), events=events, seed=seed, every=checkpoint_every)
     proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -300,7 +322,7 @@ def engine_restart(path: Path, *, from_zero: bool) -> dict:
     return out
 
 
-def measure(base: Path, events: int, repeat: int) -> dict:
+def measure(base: Path, events: int, repeat: int, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY) -> dict:
     run = base / f"run-{events}"
     run.mkdir(parents=True)
     t0 = time.perf_counter()
@@ -316,11 +338,12 @@ def measure(base: Path, events: int, repeat: int) -> dict:
     if not ours[1]:
         raise AssertionError(f"{events:,} events: no group in flight was released after the restart")
     t0 = time.perf_counter()
-    end, ckpt_lsn = write_engine_log(run / "engine-log", events)
+    end, ckpt_lsn = write_engine_log(run / "engine-log", events, checkpoint_every=checkpoint_every)
     print(f"  {events:,} events: the engine's log written in {time.perf_counter() - t0:.1f} s, killed at lsn {end:,}"
           f" (last checkpoint at lsn {ckpt_lsn:,})", file=sys.stderr)
-    if end - ckpt_lsn != PAST_CHECKPOINT:  # the last one tried was not written (a warning in the child's log)
-        print(f"  NOTE: killed {end - ckpt_lsn:,} records after the last checkpoint written, not {PAST_CHECKPOINT:,}: "
+    past = past_checkpoint(checkpoint_every)
+    if end - ckpt_lsn != past:  # the last one tried was not written (a warning in the child's log)
+        print(f"  NOTE: killed {end - ckpt_lsn:,} records after the last checkpoint written, not {past:,}: "
               "the two restarts fold different amounts", file=sys.stderr)
     eng = min((engine_restart(run / "engine-log", from_zero=False) for _ in range(repeat)), key=lambda r: r["total"])
     eng_zero = min((engine_restart(run / "engine-log", from_zero=True) for _ in range(repeat)), key=lambda r: r["total"])
@@ -339,8 +362,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", type=int, default=None, help="events in the long log (default 1,000,000)")
     ap.add_argument("--short", type=int, default=10_000, help="events in the short log (default 10,000)")
     ap.add_argument("--repeat", type=int, default=3, help="take the best of this many restarts")
+    ap.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY,
+                    help=f"the engine child's checkpoint interval in records (default the engine's, {DEFAULT_CHECKPOINT_EVERY:,}); "
+                         f"at least {MIN_CHECKPOINT_EVERY}; a tiny run's logs can then be short")
     ap.add_argument("--dir", default=None, help="where to put the runs (default: a temp dir, removed after)")
     args = ap.parse_args(argv)
+    if args.checkpoint_every < MIN_CHECKPOINT_EVERY:
+        ap.error(f"--checkpoint-every: at least {MIN_CHECKPOINT_EVERY} (see MIN_CHECKPOINT_EVERY), found {args.checkpoint_every}")
     # The engine restart warns once per orphan it aborts: expected here.
     logging.getLogger("agentlog").setLevel(logging.ERROR)
     long_n = args.long or (100_000 if args.quick else 1_000_000)
@@ -349,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"bench_restart: learner restart with {IN_FLIGHT_GROUPS * GROUP_SIZE} sessions in flight, "
               f"after {args.short:,} and {long_n:,} events, dir {base}", file=sys.stderr)
-        short = measure(base, args.short, args.repeat)
-        long = measure(base, long_n, args.repeat)
+        short = measure(base, args.short, args.repeat, args.checkpoint_every)
+        long = measure(base, long_n, args.repeat, args.checkpoint_every)
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)

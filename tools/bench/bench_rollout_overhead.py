@@ -33,7 +33,7 @@ number of sessions in flight (the Python agent shares one HTTP client
 across its sessions for that reason; a fresh ``AsyncOpenAI`` per session
 cost ~20 ms of CPU each).
 
-    python tools/bench/bench_rollout_overhead.py [--quick]
+    python tools/bench/bench_rollout_overhead.py [--quick] [--max-tokens N] [--streams S] [--sessions ONE MANY] [--repeats R] [--dir D]
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-#: concurrency -> goal on the added time per turn (ms), see the module docstring.
-GOALS_MS = {1: 25.0, 32: 10.0}
+#: The goals on the added time per turn (ms), one session alone and many at once (32 by default): see the module docstring.
+GOAL_ONE_MS, GOAL_MANY_MS = 25.0, 10.0
 
 
 async def _through_gateway(concurrency: int, sessions_each: int, max_tokens: int, log_dir: Path, seed: int):
@@ -118,14 +118,15 @@ async def _direct(concurrency: int, sessions_each: int, prompts: dict, max_token
         await backend.close()
 
 
-def measure(concurrency: int, sessions_each: int, max_tokens: int, repeats: int) -> dict:
-    """Median over ``repeats`` of both walls, and the added ms per turn."""
+def measure(concurrency: int, sessions_each: int, max_tokens: int, repeats: int, parent: str | None = None) -> dict:
+    """Median over ``repeats`` of both walls, and the added ms per turn (each repeat's log and sandbox in a
+    temporary folder under ``parent``, the system's by default, removed after it)."""
     import torch
 
     torch.set_num_threads(1)
     rows = []
     for r in range(repeats):
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory(prefix="bench-rollout-", dir=parent) as tmp:
             wall_g, prompts = asyncio.run(_through_gateway(concurrency, sessions_each, max_tokens, Path(tmp) / "log", seed=r))
         assert len(prompts) == concurrency * sessions_each, f"expected one turn per session, found {len(prompts)} turns"
         wall_d = asyncio.run(_direct(concurrency, sessions_each, prompts, max_tokens, seed=r))
@@ -143,18 +144,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer sessions and one repeat (a smoke run)")
     p.add_argument("--max-tokens", type=int, default=16, help="output allowance per turn (default 16)")
+    p.add_argument("--streams", type=int, default=32, help="concurrent streams of the many-sessions arm (default 32)")
+    p.add_argument("--sessions", nargs=2, type=int, default=None, metavar=("ONE", "MANY"),
+                   help="sessions per stream at 1 stream and at --streams streams (default 40 6; 8 2 with --quick)")
+    p.add_argument("--repeats", type=int, default=None, help="runs of both walls per arm (default 3; 1 with --quick)")
+    p.add_argument("--dir", default=None, help="where each run's temporary folder goes (default: the system's; removed after)")
     args = p.parse_args(argv)
-    sessions_each = {1: 8 if args.quick else 40, 32: 2 if args.quick else 6}
-    repeats = 1 if args.quick else 3
+    one, many = args.sessions if args.sessions is not None else ((8, 2) if args.quick else (40, 6))
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    # (concurrency, sessions per stream, goal in ms): one session alone, then many at once.
+    arms = [(1, one, GOAL_ONE_MS), (args.streams, many, GOAL_MANY_MS)]
     results = []
-    for c in (1, 32):
-        res = measure(c, sessions_each[c], args.max_tokens, repeats)
-        results.append(res)
+    for c, sessions_each, goal in arms:
+        res = measure(c, sessions_each, args.max_tokens, repeats, args.dir)
+        results.append((res, goal))
         print(f"{c:>3} session(s): {res['turns']} turns, through gateway {res['wall_gateway_s']:.3f}s, direct {res['wall_direct_s']:.3f}s, "
               f"added {res['added_ms_per_turn']:.2f} ms/turn (latency per session-turn +{res['added_latency_ms']:.1f} ms), "
               f"ratio {res['ratio']:.2f}x", flush=True)
-    for res in results:
-        goal = GOALS_MS[res["concurrency"]]
+    for res, goal in results:
         ok = res["added_ms_per_turn"] <= goal
         print(f"GOAL rollout_added_ms_per_turn_{res['concurrency']}: {res['added_ms_per_turn']:.2f} ms "
               f"(goal <= {goal:.0f} ms) {'PASS' if ok else 'MISS'}")

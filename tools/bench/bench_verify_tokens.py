@@ -16,13 +16,14 @@ in one run:
 It ends with ``GOAL verify_tokens_turns_per_s_in_process`` (goal >= 200 turns/s), the
 anchor's rate and the max log-prob difference printed beside it.
 
-Usage: ``python -m agentlog.tools.bench.bench_verify_tokens [--quick] [--sessions N] [--turns T]``
+Usage: ``python -m agentlog.tools.bench.bench_verify_tokens [--quick] [--sessions N] [--turns T] [--dir DIR]``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import tempfile
 import time
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, default=None)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", type=Path, default=None,
+                   help="write the tiny model and the log under this directory, kept (default: a temporary one, removed)")
     args = p.parse_args(argv)
     sessions = args.sessions or (16 if args.quick else 128)
     from agentlog.learner.hf_tiny import build_tiny_hf
@@ -91,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     from agentlog.loop.token_check import collect_turns, verify_turns
     from agentlog.learner.hf_model import HFCausalLM
 
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+    with contextlib.ExitStack() as cleanup:
+        root = args.dir if args.dir is not None else Path(cleanup.enter_context(tempfile.TemporaryDirectory()))
         model_dir = build_tiny_hf(root / "model")
         written = record_sessions(root / "log", model_dir, sessions, args.turns, args.seed)
         scorer = ModelScorer(HFCausalLM(model_dir), run_template(None, None, str(model_dir)))
