@@ -64,7 +64,7 @@ class IdScans:
     one, with the warning ``engine.id_scans_capped`` naming ``where``: each scan reads the log from lsn 0,
     and only a log another writer filled with reused ids needs that many."""
 
-    __slots__ = ("_read", "cap", "where", "scans")
+    __slots__ = ("_read", "cap", "where", "scans", "_last")
 
     def __init__(self, read: Callable[[], Iterable[Any]], where: str, cap: int | None = None) -> None:
         self._read = read
@@ -73,8 +73,19 @@ class IdScans:
         self.where = where
         #: Scans run so far.
         self.scans = 0
+        # The last question and its answer: two folds of one pass (report's lifecycle and its
+        # reducer) ask about the same opening one after the other, and it is scanned once.
+        self._last: tuple[str, int, bool] | None = None
 
     def __call__(self, session_id: str, lsn: int) -> bool:
+        last = self._last
+        if last is not None and last[0] == session_id and last[1] == lsn:
+            return last[2]
+        used = self._scan(session_id, lsn)
+        self._last = (session_id, lsn, used)
+        return used
+
+    def _scan(self, session_id: str, lsn: int) -> bool:
         if self.scans >= self.cap:
             return True
         self.scans += 1

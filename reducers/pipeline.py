@@ -112,7 +112,8 @@ def _refuse_unknown(lsn: int, session_id: str, tag: str) -> None:
 class Reducer:
     """Incremental reducer: ``feed`` envelopes in LSN order, get outputs back.
 
-    Memory is bounded by the sessions and groups still in flight.
+    Memory is bounded by the sessions and groups still in flight, plus, with
+    ``confirm_used``, the id filter (4 bytes an id ever opened).
     """
 
     def __init__(self, config: ReduceConfig = DEFAULT_CONFIG, *, confirm_used: ConfirmUsed | None = None) -> None:

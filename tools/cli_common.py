@@ -250,15 +250,16 @@ class RecordDigest:
 
 
 def id_scans_of(source: LogSource) -> Any:
-    """``of(pid)``: the ``confirm_used`` of the lifecycle fold of ``source``'s partition ``pid``
-    (None: the one log), an :class:`engine.ids.IdScans` reading it again: an opening the id filter
-    alone calls a reuse is confirmed by a scan, so trace, tail, report and replay show what verify
-    finds."""
+    """``of(pid)``: the ``confirm_used`` of a fold of ``source``'s partition ``pid`` (of a log that is
+    not partitioned: the log itself, whatever ``pid`` says, None or the 0 a reducer keys it by), an
+    :class:`engine.ids.IdScans` reading it again: an opening the id filter alone calls a reuse is
+    confirmed by a scan, so trace, tail, report, replay, reconstruct, export-dataset and stats show
+    what verify finds."""
 
     def of(pid: int | None) -> Any:
         from agentlog.engine.ids import IdScans
 
-        part = source if pid is None else source.partition(pid)
+        part = source.partition(pid) if source.partitioned else source
         return IdScans(lambda: read_records(part, raw=True, quiet=True, desc="confirm a reused id"), str(part))
 
     return of

@@ -324,8 +324,7 @@ def run(args) -> int:
     # partitions, and each partition's LSNs are its own.
     # Each partition's reducer refuses a reused id however long ago it ended, a reuse its id
     # filter alone reports confirmed by a scan of that partition (the filter has false positives).
-    scans = id_scans_of(path)
-    fold = PartitionFold(config, confirm_of=lambda pid: scans(pid if path.partitioned else None))
+    fold = PartitionFold(config, confirm_of=id_scans_of(path))
     digest = SampleDigest()
     groups = skipped = 0
     ok = False

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 from ..._logging import get_logger
@@ -498,4 +499,6 @@ class JetStreamAppender(EventLog):
             exc = asyncio.CancelledError() if acked.cancelled() else acked.exception()
             on_durable(env if exc is None else None, exc)
 
-        asyncio.wrap_future(done).add_done_callback(acknowledged)
+        # In a context of its own: the caller's (with READING_STORED set, say, while the engine stages a
+        # turn it built) must not reach on_durable, which runs unflagged as the file log's does.
+        asyncio.wrap_future(done).add_done_callback(acknowledged, context=contextvars.Context())

@@ -497,10 +497,21 @@ def test_stage_checks_and_stages_before_it_returns_and_calls_back_without_a_task
         assert got == [(stored[0], None)] and second == stored[1]
 
 
-def test_the_engine_stages_a_turn_on_jetstream_before_begin_turn_returns(nats_server, stream):
+def test_the_engine_stages_a_turn_on_jetstream_before_begin_turn_returns(nats_server, stream, monkeypatch):
     """The engine's turn path on a JetStream partition: begin_turn stages its record
-    before it returns (no task per turn), and the turn is applied at its acknowledgement."""
-    from agentlog.engine import SessionEngine
+    before it returns (no task per turn), and the turn is applied at its acknowledgement,
+    without the flag under which the log checked the turn the engine built."""
+    from agentlog.engine import SessionEngine, core
+    from agentlog.events.schema.validation import READING_STORED
+
+    flagged: list[bool] = []
+    apply = core.SessionEngine._apply
+
+    def spying_apply(self, *args, **kwargs):
+        flagged.append(READING_STORED.get())
+        return apply(self, *args, **kwargs)
+
+    monkeypatch.setattr(core.SessionEngine, "_apply", spying_apply)
 
     async def main(lg):
         eng = await SessionEngine.open(lg)
@@ -520,3 +531,4 @@ def test_the_engine_stages_a_turn_on_jetstream_before_begin_turn_returns(nats_se
     with JetStreamLog.open(nats_server.url, stream, 0) as lg:
         env = asyncio.run(main(lg))
         assert list(lg.read())[env.lsn] == env
+    assert len(flagged) == 3 and not any(flagged), flagged  # started, the turn, finished (an opening has its own path)

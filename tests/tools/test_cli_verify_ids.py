@@ -260,3 +260,20 @@ def test_stats_of_a_partitioned_log_confirms_over_the_merged_records(tmp_path, g
     # The reuse at p0000:4 is refused; its drop at p0000:5 then follows a terminal event (as verify says too).
     assert [(v["lsn"], v["session_id"], v["kind"]) for v in stats["violations"]["first"]] == \
         [("p0000:4", "a", "reused_id"), ("p0000:5", "a", "after_terminal")], stats["violations"]
+
+
+def test_the_reports_reducer_refuses_a_reuse_beyond_its_window_as_reconstruct_does_with_one_scan_an_opening(
+        tmp_path, ghost_in_the_filter, no_ended_window):
+    """The report's sample digest is reconstruct's: its reducer refuses ``old``'s reuse (reduce_problem) and
+    folds ``ghost``; the lifecycle and the reducer ask about each opening once between them."""
+    _false_positive_log(tmp_path / "log")
+    source = check_log_path(str(tmp_path / "log"))
+    made = []
+
+    def confirm_for(pid):
+        made.append(id_scans_of(source)(pid))
+        return made[-1]
+
+    data = collect(read_records(source, quiet=True), str(source), confirm_for=confirm_for)
+    assert "lsn 5, session 'old'" in data.reduce_problem and "reused" in data.reduce_problem, data.reduce_problem
+    assert len(made) == 1 and made[0].scans == 2  # ghost's opening and old's second one, each scanned once

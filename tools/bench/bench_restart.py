@@ -258,7 +258,8 @@ async def drive_engine(path: str, events: int, seed: int, checkpoint_every: int 
         # being written: the sleep below lets it land); fewer than checkpoint_every, so none falls due after.
         if log.next_lsn >= events and log.next_lsn - ckpt._tried == past:
             break
-        if eng.background_failure is not None or log.next_lsn - ckpt._tried > 2 * ckpt.every:
+        # 8,192 at the least: a tiny run's interval is a fraction of a checkpoint poll's (0.2 s) worth of records.
+        if eng.background_failure is not None or log.next_lsn - ckpt._tried > max(2 * ckpt.every, 8192):
             raise RuntimeError(f"the engine's checkpoints stopped (lsn {log.next_lsn}, last tried at {ckpt._tried}): "
                                f"{eng.background_failure or 'no checkpoint falls due'}")
         if step == 0:

@@ -206,8 +206,10 @@ def collect(
         state = states.get(pid)
         if state is None:
             # Unknown event types shown, not interpreted (a newer writer's); a reused id confirmed by a scan.
-            state = states[pid] = LifecycleState(tolerate_unknown=True, confirm_used=confirm_for and confirm_for(pid))
-            reducers[pid] = Reducer(config or DEFAULT_CONFIG)
+            # Its reducer refuses a reused id as reconstruct's does, with the same scan confirming it.
+            confirm = confirm_for(pid) if confirm_for is not None else None
+            state = states[pid] = LifecycleState(tolerate_unknown=True, confirm_used=confirm)
+            reducers[pid] = Reducer(config or DEFAULT_CONFIG, confirm_used=confirm)
         state, out = reduce_lifecycle(state, env)
         summary = None
         bad = False
