@@ -259,7 +259,12 @@ def id_scans_of(source: LogSource) -> Any:
     def of(pid: int | None) -> Any:
         from agentlog.engine.ids import IdScans
 
-        part = source.partition(pid) if source.partitioned else source
+        if not source.partitioned:
+            part = source
+        elif pid is None:
+            raise ValueError(f"{source}: a fold of a partitioned log confirms in one partition; expected its id, found None")
+        else:
+            part = source.partition(pid)
         return IdScans(lambda: read_records(part, raw=True, quiet=True, desc="confirm a reused id"), str(part))
 
     return of
