@@ -23,7 +23,8 @@ compares the medians over the seeds.
 
 Usage: ``python tools/bench/bench_distill.py [--quick] [--seeds N] [--coef L] [--topk K --topk-coef C]``;
 a lambda sweep runs one arm: ``--only opd --seeds 1 --coef 1.0 --topk 0 --topk-coef 0``, and
-``--warmups DIR`` keeps the warm-ups between invocations.
+``--warmups DIR`` keeps the warm-ups between invocations. ``--warmup-steps``, ``--groups-per-step``
+and ``--group-size`` shrink the demo's shape (a smoke run; the defaults are the demo's).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def warmed_up(base: Path, cfg: LoopConfig) -> Path:
     """The seed's version 0 (the demo's warm-up of ``cfg``), as a learner checkpoint under
     ``base``: built once, then reused by every run of the seed (and by a later bench on the
     same ``--keep`` folder)."""
-    path = base / f"warmup-s{cfg.seed}-t{cfg.warmup_threads}.pt"
+    shape = "" if cfg.warmup_steps == LoopConfig.warmup_steps else f"-w{cfg.warmup_steps}"
+    path = base / f"warmup-s{cfg.seed}-t{cfg.warmup_threads}{shape}.pt"
     if not path.exists():
         task = select_task(cfg.task)
         model = build_model(cfg, task)
@@ -98,11 +100,13 @@ def start_from(run_dir: Path, cfg: LoopConfig, checkpoint: Path) -> None:
 
 
 def one_run(base: Path, seed: int, *, opd: bool, coef: float, max_steps: int, topk: int = DEMO_TOPK, topk_coef: float = DEMO_TOPK_COEF,
-            warmups: Path | None = None, learner: dict | None = None) -> dict:
+            warmups: Path | None = None, learner: dict | None = None, shape: dict | None = None) -> dict:
     """One run of the loop from the seed's shared warm-up; returns its steps to the target,
-    wall time and final reward."""
+    wall time and final reward. ``shape``: LoopConfig fields that change the demo's size
+    (warmup_steps, groups_per_step, group_size; none: the demo's)."""
     run_dir = base / f"{'opd' if opd else 'rl'}-s{seed}"
-    cfg = LoopConfig(seed=seed, steps=max_steps, stop_reward=TARGET, stop_window=WINDOW, time_budget_s=0, warmup_threads=1)
+    cfg = LoopConfig(seed=seed, steps=max_steps, stop_reward=TARGET, stop_window=WINDOW, time_budget_s=0, warmup_threads=1,
+                     **(shape or {}))
     if learner:
         cfg = LoopConfig.from_dict({**cfg.to_dict(), "learner": {**cfg.learner, **learner}})
     start_from(run_dir, cfg, warmed_up(warmups or base, cfg))
@@ -134,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topk-coef", type=float, default=DEMO_TOPK_COEF,
                    help=f"distill_topk_coef: weight of the top-K forward KL (default {DEMO_TOPK_COEF})")
     p.add_argument("--max-steps", type=int, default=None, help="most RL steps per run (default 80; --quick 40)")
+    demo = LoopConfig()
+    p.add_argument("--warmup-steps", type=int, default=demo.warmup_steps, help=f"supervised warm-up steps (default {demo.warmup_steps})")
+    p.add_argument("--groups-per-step", type=int, default=demo.groups_per_step, help=f"prompts per RL step (default {demo.groups_per_step})")
+    p.add_argument("--group-size", type=int, default=demo.group_size, help=f"samples per prompt (default {demo.group_size})")
     p.add_argument("--only", choices=("rl", "opd"), default=None, help="run one arm only (no GOAL line)")
     p.add_argument("--learner", action="append", default=[], metavar="KEY=VALUE",
                    help="override a LearnerConfig field in both arms (repeatable; JSON values)")
@@ -158,13 +166,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--learner {item!r}: expected KEY=VALUE with a JSON value")
         if not sep or not key.strip():
             p.error(f"--learner {item!r}: expected KEY=VALUE")
+    shape = {"warmup_steps": args.warmup_steps, "groups_per_step": args.groups_per_step, "group_size": args.group_size}
     arms = [a for a in ("rl", "opd") if args.only in (None, a)]
     results: dict[str, list[dict]] = {a: [] for a in arms}
     try:
         for seed in range(seeds):
             for arm in arms:
                 r = one_run(base, seed, opd=arm == "opd", coef=args.coef, max_steps=max_steps, topk=args.topk,
-                            topk_coef=args.topk_coef, warmups=args.warmups, learner=learner)
+                            topk_coef=args.topk_coef, warmups=args.warmups, learner=learner, shape=shape)
                 results[arm].append(r)
                 print(f"seed {seed} {arm:<3} steps to {TARGET}: {r['steps'] if r['steps'] is not None else f'>{max_steps}':>4}  "
                       f"trained {r['trained']:>3}  last reward {r['last_reward']:.2f}  wall {r['wall_s']:.0f} s"
@@ -175,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(base, ignore_errors=True)
 
     print()
-    print(f"lookup demo (32 prompts x 8 samples per step, one shared warm-up of 300 steps per seed, faults on, "
+    print(f"lookup demo ({args.groups_per_step} prompts x {args.group_size} samples per step, "
+          f"one shared warm-up of {args.warmup_steps} steps per seed, faults on, "
           f"1 thread per process), "
           f"seeds 0..{seeds - 1}, OPD lambda {args.coef}, top-{args.topk} forward KL x {args.topk_coef}; steps = policy versions to a {WINDOW}-step mean reward of {TARGET} "
           f"(never: {max_steps + 1})")

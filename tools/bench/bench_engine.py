@@ -21,7 +21,9 @@ One run measures, on a FileLog with fsync policy ``batch``:
   shared Machine would cost at those sizes (add_model/remove_model are O(n)),
   versus the immutable table the engine uses.
 
-Usage: ``python tools/bench/bench_engine.py [--quick] [--sessions N] [--concurrency C]``
+Usage: ``python tools/bench/bench_engine.py [--quick] [--sessions N] [--concurrency C]`` (the sizes of every
+other part have options too: ``--scale-low``, ``--scale-high``, ``--scale-sessions``, ``--live-sessions``,
+``--live-wave``, ``--decide-ops``; see ``--help``)
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from agentlog.events import FileLog
 from agentlog.events.log.api import MemoryLog
 from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 
-from agentlog.tools.bench.bench_engine_memory import GOAL_CONTEXT, goal_line, measure_in_child
+from agentlog.tools.bench.bench_engine_memory import GOAL_CONTEXT, WAVE, goal_line, measure_in_child
 
 
 
@@ -206,6 +208,11 @@ def decide_cost(n_live: int, ops: int = 2000) -> tuple[float, float]:
     return table_us, machine_us
 
 
+def thousands(n: int) -> str:
+    """A concurrency as the GOAL name shows it: 50000 -> "50k", 200 -> "0.2k"."""
+    return f"{n / 1000:g}k"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small run (seconds): 5,000 sessions, scaling 200 vs 5,000")
@@ -215,14 +222,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5, help="split the main run into alternating engine/anchor rounds")
     ap.add_argument("--dir", default=None, help="where to put the logs (default: a temp dir, removed after)")
+    ap.add_argument("--scale-low", type=int, default=None, help="the scaling's low concurrency (default 1,000; --quick 200)")
+    ap.add_argument("--scale-high", type=int, default=None, help="the scaling's high concurrency (default 50,000; --quick 5,000)")
+    ap.add_argument("--scale-sessions", type=int, default=None,
+                    help="sessions per scaling run (default 50,000; --quick the larger of --scale-high and half of --sessions)")
+    ap.add_argument("--live-sessions", type=int, default=None, help="live sessions for the resident memory (default 10,000; --quick 1,000)")
+    ap.add_argument("--live-wave", type=int, default=WAVE, help=f"sessions set up at once for the resident memory, and its warm-up (default {WAVE})")
+    ap.add_argument("--decide-ops", type=int, default=2000, help="session lifecycles timed per decide measure (default 2000)")
     args = ap.parse_args(argv)
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     quick = args.quick
     n = args.sessions or (5_000 if quick else 100_000)
     conc = args.concurrency or (1_000 if quick else 10_000)
-    lo, hi = (200, 5_000) if quick else (1_000, 50_000)
-    n_scale = max(hi, n // 2) if quick else 50_000
+    lo = args.scale_low or (200 if quick else 1_000)
+    hi = args.scale_high or (5_000 if quick else 50_000)
+    n_scale = args.scale_sessions or (max(hi, n // 2) if quick else 50_000)
+    n_live = args.live_sessions or (1_000 if quick else 10_000)
     toks, lps = _payload(args.tokens)
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench_engine_"))
     base.mkdir(parents=True, exist_ok=True)
@@ -270,9 +286,10 @@ def main(argv: list[str] | None = None) -> int:
             for name, fn in (("engine", run_engine), ("raw", run_raw)):
                 disk[(name, c)] = asyncio.run(fn(base / f"{name}-c{c}", n_scale, c, args.turns, toks, lps))
                 shutil.rmtree(base / f"{name}-c{c}", ignore_errors=True)
-        live = measure_in_child(1_000 if quick else 10_000, GOAL_CONTEXT)
-        tab_lo, mach_lo = decide_cost(lo)
-        tab_hi, mach_hi = decide_cost(hi)
+        # The child's log goes in a temp dir of its own under ``base`` (removed after), so --dir holds it too.
+        live = measure_in_child(n_live, GOAL_CONTEXT, args.live_wave, base)
+        tab_lo, mach_lo = decide_cost(lo, args.decide_ops)
+        tab_hi, mach_hi = decide_cost(hi, args.decide_ops)
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -303,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip())
     print(f"GOAL engine_vs_raw_append: {ratio:.2f}x (goal <= 1.5x) {'PASS' if ratio <= 1.5 else 'MISS'}")
     print(goal_line(live["kb_per_session"]))
-    print(f"GOAL per_session_cost_{hi // 1000}k_vs_{lo / 1000:g}k_concurrent: {scale:.2f}x (goal <= 1.3x) {'PASS' if scale <= 1.3 else 'MISS'}")
+    print(f"GOAL per_session_cost_{thousands(hi)}_vs_{thousands(lo)}_concurrent: {scale:.2f}x (goal <= 1.3x) {'PASS' if scale <= 1.3 else 'MISS'}")
     return 0
 
 

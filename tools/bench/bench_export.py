@@ -14,6 +14,9 @@ as the engine stores turns; ~80% finished, ~15% aborted, ~5% dropped) with
 
 Goal: ``export_dataset_100k_sessions_s`` <= 120 (the hf export, on 2 cores).
 
+Each line of the table also names the rows written (the samples of reconstruct; an export's
+rows and sessions from its ``export.json``): every export holds the whole log.
+
 Usage: ``python tools/bench/bench_export.py [--quick] [--sessions N] [--dir D] [--keep]``
 (``--quick``: 10k sessions, goal scaled to 12 s.)
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import random
 import shutil
@@ -97,6 +101,20 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
 
+def _written(out: Path) -> str:
+    """What an output holds: reconstruct's samples (lines), or an export's rows and sessions (its manifest)."""
+    if out.is_file():
+        with out.open("rb") as f:
+            return f"{sum(1 for _ in f):,} samples"
+    manifest = json.loads((out / "export.json").read_text())
+    return f"{manifest['rows']:,} rows of {manifest['sessions']:,} sessions"
+
+
+def _seconds(s: float) -> str:
+    """Seconds as the GOAL line shows them: one decimal, three significant digits below 10 s (a tiny run's)."""
+    return f"{s:.1f}" if s >= 10 else f"{s:.3g}"
+
+
 def _command(*argv: str) -> tuple[float, float]:
     """``agentlog ARGV`` in process: (wall s, CPU s of this process)."""
     from agentlog.tools.cli import main
@@ -110,13 +128,13 @@ def _command(*argv: str) -> tuple[float, float]:
     return wall, cpu
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="10k sessions (goal scaled to 12 s)")
     ap.add_argument("--sessions", type=int, default=None, help="sessions in the log (default 100,000)")
     ap.add_argument("--dir", default=None, help="where to write the log and the exports (default: a temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the log and the exports")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     n = args.sessions or (10_000 if args.quick else 100_000)
     tmp = Path(args.dir or tempfile.mkdtemp(prefix="bench_export_"))
     tmp.mkdir(parents=True, exist_ok=True)
@@ -135,13 +153,13 @@ def main() -> int:
         ):
             wall, cpu = _command(*argv)
             rows.append((name, wall, cpu, _size(out)))
-            print(f"{name:<40} {wall:8.1f} s wall {cpu:8.1f} s CPU {_size(out) / 1e6:8.1f} MB")
+            print(f"{name:<40} {wall:8.1f} s wall {cpu:8.1f} s CPU {_size(out) / 1e6:8.1f} MB  {_written(out)}")
         anchor = rows[0][1]
         hf = rows[2][1]
         print(f"hf export / reconstruct on the same log: {hf / anchor:.2f}x")
-        scale = f"{n // 1000}k"
+        scale = f"{n // 1000}k" if n % 1000 == 0 else str(n)
         target = 120.0 * n / 100_000
-        print(goal_line(f"export_dataset_{scale}_sessions_s", f"{hf:.1f}", "<=", f"{target:g}", hf <= target))
+        print(goal_line(f"export_dataset_{scale}_sessions_s", _seconds(hf), "<=", f"{target:g}", hf <= target))
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -10,7 +10,8 @@ measured in the same run on the same disk:
    the asyncio API, both durable per batch;
 4. full replay of the token-event log vs a raw read of the same files.
 
-    .venv/bin/python tools/bench/bench_log.py [--quick] [--dir DIR]
+    .venv/bin/python tools/bench/bench_log.py [--quick] [--dir DIR] [--turn-events N] [--batch N] [--reps N]
+        [--small-events N] [--async-events N] [--small-batch N] [--sessions N]
 
 Every measurement runs under both frame codecs (events.log.framecodec): the
 compiled one, when it is built, and the pure-Python fallback. Prints a table
@@ -292,18 +293,27 @@ def goal(name: str, measured: float, op: str, target: float, unit: str = "x") ->
     return goal_line(name, fmt(measured), op, fmt(target), ok)
 
 
-def measure_all(root: Path, quick: bool) -> dict:
-    """Every measurement, with the codec currently selected (events.log.framecodec)."""
-    if quick:
-        tok = bench_tokens(root, n=256, batch=32, reps=1)
-        n_small, n_async = 100_000, 20_000
-    else:
-        tok = bench_tokens(root, n=2048, batch=64, reps=3)
-        n_small, n_async = 1_000_000, 200_000
-    sync_rate, frame = bench_small_sync(root, n_small, batch=10_000, sessions=1000)
-    raw_small = bench_small_raw(root, n_small, frame, 10_000)
-    async_rate = bench_small_async(root, n_async, sessions=1000)
-    return dict(tok=tok, n_small=n_small, n_async=n_async, sync_rate=sync_rate, frame=frame, raw_small=raw_small, async_rate=async_rate)
+def measure_all(root: Path, sizes: argparse.Namespace) -> dict:
+    """Every measurement, with the codec currently selected (events.log.framecodec), at the resolved ``sizes``."""
+    tok = bench_tokens(root, n=sizes.turn_events, batch=sizes.batch, reps=sizes.reps)
+    n_small, n_async = sizes.small_events, sizes.async_events
+    sync_rate, frame = bench_small_sync(root, n_small, batch=sizes.small_batch, sessions=sizes.sessions)
+    raw_small = bench_small_raw(root, n_small, frame, sizes.small_batch)
+    async_rate = bench_small_async(root, n_async, sessions=sizes.sessions)
+    return dict(tok=tok, n_small=n_small, n_async=n_async, sessions=sizes.sessions, sync_rate=sync_rate, frame=frame,
+                raw_small=raw_small, async_rate=async_rate)
+
+
+def resolve_sizes(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the sizes left unset: the full run's, or ``--quick``'s."""
+    quick_or_full = {
+        "turn_events": (256, 2048), "batch": (32, 64), "reps": (1, 3),
+        "small_events": (100_000, 1_000_000), "async_events": (20_000, 200_000),
+    }
+    for name, (quick, full) in quick_or_full.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    return args
 
 
 def rows_of(r: dict) -> list[tuple[str, float, str]]:
@@ -322,7 +332,7 @@ def rows_of(r: dict) -> list[tuple[str, float, str]]:
         ("token events: JSONL read (json.loads)", tok["t_json_r"], f"{tok['n'] / tok['t_json_r']:,.0f} ev/s"),
         (f"small events ({r['frame']} B framed): sync batch", n_small / sync_rate, f"{sync_rate:,.0f} ev/s"),
         ("small events: raw write+fdatasync", n_small / raw_small, f"{raw_small:,.0f} ev/s"),
-        ("small events: asyncio append, 1000 sessions", n_async / async_rate, f"{async_rate:,.0f} ev/s"),
+        (f"small events: asyncio append, {r['sessions']} sessions", n_async / async_rate, f"{async_rate:,.0f} ev/s"),
     ]
 
 
@@ -344,7 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small run (seconds)")
     ap.add_argument("--dir", help="where to write (default: a temp dir on the default disk)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--turn-events", type=int, default=None, help="token events written (default 2048; --quick 256)")
+    ap.add_argument("--batch", type=int, default=None, help="token events per durable batch (default 64; --quick 32)")
+    ap.add_argument("--reps", type=int, default=None, help="runs of each token-event measure, best kept (default 3; --quick 1)")
+    ap.add_argument("--small-events", type=int, default=None, help="small events through the sync batch API (default 1,000,000; --quick 100,000)")
+    ap.add_argument("--async-events", type=int, default=None, help="small events through the asyncio API (default 200,000; --quick 20,000)")
+    ap.add_argument("--small-batch", type=int, default=10_000, help="small events per durable batch (default 10,000)")
+    ap.add_argument("--sessions", type=int, default=1000, help="sessions the small events are spread over (default 1000)")
+    args = resolve_sizes(ap.parse_args(argv))
     # Keep the table readable: the log's own info lines go nowhere here.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
 
@@ -356,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in codecs:
             framecodec.use_native(name == "compiled")
-            results[name] = measure_all(root, args.quick)
+            results[name] = measure_all(root, args)
     finally:
         framecodec.native = saved
         shutil.rmtree(root, ignore_errors=True)
