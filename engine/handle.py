@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Coroutine
 import numpy as np
 
 from agentlog._logging import get_logger
-from agentlog.events.log.api import EventLog, OnDurable, settle_from_task
+from agentlog.events.log.api import EventLog, OnDurable, answer, settle_from_task
 from agentlog.events.schema.lifecycle import TERMINAL_STATES, LifecycleError, State
 from agentlog.events.schema.types import (
     CommandRan,
@@ -73,13 +73,8 @@ class PendingTurn:
 
     def settle(self, env: Envelope | None, exc: BaseException | None) -> None:
         """Called once (on the loop) with the durable envelope or the failure."""
-        for fut in (self.durable, self._settled):
-            if fut.done():
-                continue
-            if exc is None:
-                fut.set_result(env)  # type: ignore[arg-type]
-            else:
-                fut.set_exception(exc)
+        answer(self.durable, env, exc)
+        answer(self._settled, env, exc)
         # Retrieved here: nobody may ever await _settled, and its exception is the durable one's.
         if exc is not None:
             self._settled.exception()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Callable
 
+from agentlog.events.log.api import answer
 from agentlog.events.log.commit import DurableCallback
 from agentlog.events.schema.lifecycle import State
 from agentlog.events.schema.turn_delta import EncodingContext
@@ -26,18 +27,6 @@ from .session_lock import release
 if TYPE_CHECKING:
     from .core import SessionEngine
     from .handle import SessionHandle
-
-
-def answer(waiter: Any, env: Any, exc: BaseException | None) -> None:
-    """Give ``waiter`` (the future a caller awaits, or a callable ``(env, exc)``) the record's
-    envelope or failure; a future whose wait was cancelled takes nothing."""
-    if not isinstance(waiter, asyncio.Future):
-        waiter(env, exc)
-    elif not waiter.done():
-        if exc is None:
-            waiter.set_result(env)
-        else:
-            waiter.set_exception(exc)
 
 
 class StagedRecord(DurableCallback):

@@ -200,6 +200,19 @@ def _check_one_by_one(sids: list[str], seqs: list[int], bodies: list[Any]) -> tu
 OnDurable = Callable[[Envelope | None, BaseException | None], None]
 
 
+def answer(waiter: Any, env: Any, exc: BaseException | None) -> None:
+    """Give ``waiter`` (the future a caller awaits, or a callable ``(env, exc)``, an
+    :data:`OnDurable`) a record's envelope or failure; a future already done (its wait
+    cancelled) takes nothing."""
+    if not isinstance(waiter, asyncio.Future):
+        waiter(env, exc)
+    elif not waiter.done():
+        if exc is None:
+            waiter.set_result(env)
+        else:
+            waiter.set_exception(exc)
+
+
 def settle_from_task(on_durable: OnDurable) -> Callable[[asyncio.Future], None]:
     """A done-callback for a task (or future) whose result is an envelope, calling ``on_durable``
     with (its result, None) or (None, what it raised or a CancelledError)."""

@@ -41,10 +41,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import functools
 from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 from ..._logging import get_logger
-from .api import EventLog, LogClosed, LogError, LogFenced, OnDurable, PendingRecord
+from .api import EventLog, LogClosed, LogError, LogFenced, OnDurable, PendingRecord, answer
 from .format import FLAG_TERMINAL, encode_frame
 from .jetstream_conn import retry_errors
 from .jetstream_msg import HDR_CHUNK, HDR_MSG_ID
@@ -474,16 +475,7 @@ class JetStreamAppender(EventLog):
         input raises here, nothing staged); the future resolves once the stream acknowledged it.
         Cancelling it cancels the wait only."""
         fut: asyncio.Future[Envelope] = asyncio.get_running_loop().create_future()
-
-        def answer(env: Envelope | None, exc: BaseException | None) -> None:
-            if fut.cancelled():
-                return
-            if exc is None:
-                fut.set_result(env)  # type: ignore[arg-type]
-            else:
-                fut.set_exception(exc)
-
-        self.stage(session_id, session_seq, body, answer)
+        self.stage(session_id, session_seq, body, functools.partial(answer, fut))
         return fut
 
     def stage(self, session_id: str, session_seq: int, body: Any, on_durable: OnDurable) -> None:
