@@ -24,9 +24,8 @@ import keyword
 from typing import Any, Callable, Union
 
 import msgspec
-import numpy as np
 
-from .packing import log_probs_view
+from .packing import all_finite
 from .validation import DEFERRED_FINITE_SCANS
 from .types import EVENT_TYPES, EventValidationError, _body_encoder, _bodies_decoder, _payloads_decoder
 
@@ -148,7 +147,7 @@ def check_bodies(bodies: list, kinds: set | frozenset | None = None) -> tuple[li
                         decoded[i] = how(back, bodies[i])
             finally:
                 DEFERRED_FINITE_SCANS.reset(token)
-            if scans and not np.isfinite(log_probs_view(b"".join(scans))).all():
+            if scans and not all_finite(b"".join(scans)):
                 raise EventValidationError(f"a batch of {len(bodies)} bodies: a turn's log-prob is not finite")
     except (msgspec.ValidationError, TypeError, ValueError, RecursionError) as exc:  # EventValidationError is a ValueError
         raise EventValidationError(f"a batch of {len(bodies)} bodies: one does not decode: {exc}") from None

@@ -5,6 +5,7 @@ views over the stored bytes."""
 
 from __future__ import annotations
 
+import math
 import sys
 from array import array
 from typing import Any, Callable
@@ -78,6 +79,20 @@ def pack_log_probs(values: Any) -> bytes:
     if arr.ndim != 1:
         raise EventValidationError(f"log-probs: expected a 1-D sequence of floats, found shape {arr.shape}")
     return arr.astype(LOGPROB_DTYPE).tobytes()
+
+
+#: Below this many bytes of float32 log-probs (a typical turn's output), :func:`all_finite` sums them in
+#: ``array``'s C loop; above, numpy's vectorised test is faster than its fixed cost of a few calls.
+_SUM_SCAN_BYTES = 1024
+
+
+def all_finite(raw: bytes) -> bool:
+    """Whether every float32 in packed log-prob bytes is finite (neither NaN nor infinite).
+    A short run is summed as doubles: a NaN or an infinity makes the sum non-finite (inf - inf
+    is NaN), and float32 values cannot overflow a double's sum below 2**900 of them."""
+    if len(raw) < _SUM_SCAN_BYTES and _ARRAY_PACKS:
+        return math.isfinite(sum(array("f", raw)))
+    return bool(np.isfinite(log_probs_view(raw)).all())
 
 
 def tokens_view(raw: bytes) -> np.ndarray:

@@ -53,7 +53,7 @@ import numpy as np
 from msgspec import UNSET, UnsetType
 
 from .lineage import LINEAGE_KEY, Lineage, check_lineage, lineage_of
-from .packing import log_probs_view, pack_log_probs, pack_tokens, packed_field, tokens_view
+from .packing import all_finite, log_probs_view, pack_log_probs, pack_tokens, packed_field, tokens_view
 from .validation import DEFERRED_FINITE_SCANS, READING_STORED, check_count, fail
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -115,9 +115,8 @@ class TurnBody(_Indexed, frozen=True, kw_only=True):
             if deferred is not None:
                 deferred.append(lp)  # scanned with the rest of its batch (see DEFERRED_FINITE_SCANS)
             else:
-                finite = np.isfinite(log_probs_view(lp))
-                if not finite.all():
-                    i = int(np.argmin(finite))
+                if not all_finite(lp):
+                    i = int(np.argmin(np.isfinite(log_probs_view(lp))))
                     fail(event, f"output_log_probs[{i}]", "a finite float", float(log_probs_view(lp)[i]))
         if self.version_spans is not UNSET:
             _check_version_spans(event, self.version_spans, len(out) // 4, self.policy_version)

@@ -54,3 +54,29 @@ def test_all_bool_token_ids_are_refused_as_before():
     with pytest.raises(EventValidationError, match="dtype bool"):
         pack_tokens([True, False])
     assert pack_tokens([1, True]) == np.array([1, 1], dtype="<i4").tobytes()  # numpy's int dtype takes a bool among ints
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), max_size=600), st.booleans())
+def test_all_finite_answers_as_numpy_for_any_float32s_short_or_long(values, as_bits):
+    """The sum test (short runs) and numpy's (long runs) agree with numpy's answer on every input,
+    NaNs of any payload, infinities of either sign, subnormals and float32's largest values included."""
+    from agentlog.events.schema.packing import all_finite
+
+    raw = np.asarray(values, dtype="<f4").tobytes()
+    if as_bits and raw:  # a NaN with an arbitrary payload, which no float literal gives
+        raw = raw[:-4] + (0x7F800001 + len(values)).to_bytes(4, "little")
+    assert all_finite(raw) == bool(np.isfinite(np.frombuffer(raw, "<f4")).all())
+
+
+def test_all_finite_finds_a_nan_or_infinity_among_huge_finite_values():
+    from agentlog.events.schema.packing import all_finite
+
+    big = np.full(200, np.finfo(np.float32).max, dtype="<f4")
+    assert all_finite(big.tobytes()) and all_finite((-big).tobytes())
+    for bad in (np.inf, -np.inf, np.nan):
+        mixed = big.copy()
+        mixed[7] = bad
+        assert not all_finite(mixed.tobytes())
+    both = np.array([np.inf, -np.inf], dtype="<f4")  # their sum is NaN: still not finite
+    assert not all_finite(both.tobytes())
