@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextvars
+import functools
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Iterator, Literal, NamedTuple, overload
 
@@ -457,7 +459,19 @@ class EventLog(abc.ABC):
 
 
 class MemoryLog(EventLog):
-    """An in-memory log with the same interface and rules (tests, dry runs)."""
+    """An in-memory log with the same interface and rules (tests, dry runs).
+
+    It stages synchronously, as the file log does: :meth:`stage` and :meth:`submit` append
+    before they return (a refusal raises there) and answer a loop step later, with no task a
+    record. A subclass that overrides :meth:`append` (a test log that delays, gates or fails
+    appends) stages through that ``append`` instead, as a task (``stages_synchronously`` False)."""
+
+    stages_synchronously = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "append" in cls.__dict__ and "stages_synchronously" not in cls.__dict__:
+            cls.stages_synchronously = False
 
     def __init__(self, clock: Callable[[], int] = time.time_ns) -> None:
         super().__init__(clock)
@@ -482,6 +496,22 @@ class MemoryLog(EventLog):
 
     async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
         return self.append_batch([PendingRecord(session_id, session_seq, body)])[0]
+
+    def submit(self, session_id: str, session_seq: int, body: Any) -> asyncio.Future[Envelope]:
+        if not self.stages_synchronously:
+            return super().submit(session_id, session_seq, body)
+        fut: asyncio.Future[Envelope] = asyncio.get_running_loop().create_future()
+        self.stage(session_id, session_seq, body, functools.partial(answer, fut))
+        return fut
+
+    def stage(self, session_id: str, session_seq: int, body: Any, on_durable: OnDurable) -> None:
+        if not self.stages_synchronously:
+            return super().stage(session_id, session_seq, body, on_durable)
+        loop = asyncio.get_running_loop()
+        env = self.append_batch([PendingRecord(session_id, session_seq, body)])[0]
+        # A loop step later, as a durable log answers, and in a context of its own: the caller's (the
+        # engine's READING_STORED while it stages a turn it built) must not reach on_durable.
+        loop.call_soon(on_durable, env, None, context=contextvars.Context())
 
     def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Any]:  # typed by EventLog.read's overloads
         from .read import RawRecord

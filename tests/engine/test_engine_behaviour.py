@@ -563,14 +563,14 @@ def test_run_command_uses_the_engine_default_sandbox(arun, tmp_path):
 
 
 def test_an_opening_a_log_refuses_a_step_late_refuses_what_queued_on_its_lock_and_appends_nothing(arun):
-    """A log that stages in a task (a MemoryLog) checks a session_opened a loop step after
+    """A log that stages in a task (a MemoryLog whose append is its own) checks a session_opened a loop step after
     open_session staged it; meanwhile close's drop (or an admin's start) may queue on the new
     session's lock. Once the log refuses the opening, what waited is refused as after an
     ending: the log holds nothing of the session."""
     from agentlog.events.schema.types import EventValidationError
 
     async def go():
-        log = MemoryLog()
+        log = YieldingLog(max_yields=0)
         eng = await SessionEngine.open(log)
         opening = asyncio.ensure_future(eng.open_session("x", group_id="g", group_size=1, metadata={"bad": object()}))
         await asyncio.sleep(0)  # staged; the log checks it in its own task

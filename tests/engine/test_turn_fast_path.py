@@ -16,6 +16,7 @@ from agentlog.events import FileLog, read_log
 from agentlog.events.log.api import LogClosed, MemoryLog
 from agentlog.events.log.osops import OsOps
 from agentlog.events.schema.types import SessionOpened
+from engine_helpers import YieldingLog
 
 TURN = dict(messages=[{"role": "user", "content": "fix the bug"}], prompt_ids=[5, 6, 7], output_ids=[8, 9],
             output_log_probs=[-0.5, -0.25], finish_reason="stop", response_message={"role": "assistant", "content": "ok"})
@@ -130,13 +131,14 @@ def _turn(i: int, **over) -> dict:
     return {**TURN, "messages": msgs, "prompt_ids": list(range(3 + 4 * i)), **over}
 
 
-@pytest.mark.parametrize("kind", ["file", "memory"])
+@pytest.mark.parametrize("kind", ["file", "memory", "task"])
 def test_a_contended_begin_turn_keeps_its_place_in_the_lock_queue_from_the_call(tmp_path, arun, kind):
     """Queued at the call, not when its task first runs: a finish or a record_turn the caller
     issues after it comes after it (the finish refused it as a straggler, the record_turn took
     its turn index)."""
     async def go():
-        log = FileLog.open(tmp_path / "log") if kind == "file" else MemoryLog()
+        log = {"file": lambda: FileLog.open(tmp_path / "log"), "memory": MemoryLog, "task": lambda: YieldingLog(max_yields=0)}[kind]()
+        assert log.stages_synchronously == (kind != "task")
         eng, h = await _running(log)
         first = h.begin_turn(**_turn(0))  # holds the lock
         second = h.begin_turn(**_turn(1, output_ids=[1, 1], output_log_probs=[]))  # contended
@@ -410,20 +412,21 @@ async def _two_turns(h, path: str) -> None:
 
 
 @pytest.mark.parametrize("path", ["record_turn", "begin_turn"])
-@pytest.mark.parametrize("kind", ["file", "memory"])
+@pytest.mark.parametrize("kind", ["file", "memory", "task"])
 def test_a_turn_the_engine_built_runs_its_value_checks_once(tmp_path, arun, path, kind):
     """The caller's values are checked when the TurnRecorded is built; the log's
     write-time check of what the engine derived from it decodes it strictly but
     does not run the turn's value checks a second time, where the log checks it
-    before begin_turn returns (a MemoryLog's stage checks a loop step later, so
-    it checks in full). Each run of a turn's value checks hands its log-probs to
+    before begin_turn returns (the file log and a MemoryLog; a log whose stage
+    runs its own append as a task checks a loop step later, so it checks in full). Each run of a turn's value checks hands its log-probs to
     DEFERRED_FINITE_SCANS when that is set. The stored turns are ones a check of
     each would accept."""
     from agentlog.events.schema.turn import TurnDelta, TurnRecorded
     from agentlog.events.schema.validation import DEFERRED_FINITE_SCANS
 
     async def go():
-        log = FileLog.open(tmp_path / "log") if kind == "file" else MemoryLog()
+        log = {"file": lambda: FileLog.open(tmp_path / "log"), "memory": MemoryLog, "task": lambda: YieldingLog(max_yields=0)}[kind]()
+        assert log.stages_synchronously == (kind != "task")
         eng, h = await _running(log)
         scans: list[bytes] = []
         token = DEFERRED_FINITE_SCANS.set(scans)
@@ -436,7 +439,7 @@ def test_a_turn_the_engine_built_runs_its_value_checks_once(tmp_path, arun, path
         return log, len(scans)
 
     log, checks = arun(go())
-    assert checks == (4 if kind == "memory" and path == "begin_turn" else 2)
+    assert checks == (4 if kind == "task" and path == "begin_turn" else 2)
     stored = [e.body for e in log.read(0) if isinstance(e.body, (TurnRecorded, TurnDelta))]
     log.close()
     assert [b.turn_index for b in stored] == [0, 1]
@@ -471,8 +474,8 @@ def test_a_turn_the_engine_built_with_a_field_of_the_wrong_type_is_refused_by_th
 
 
 def test_a_log_that_stages_a_loop_step_later_checks_a_built_turn_in_full(arun, monkeypatch):
-    """A log whose stage() runs the append as a task (the default: MemoryLog)
-    checks the turn a loop step after begin_turn returned, when the caller may
+    """A log whose stage() runs the append as a task (the default; here a MemoryLog whose
+    append is its own) checks the turn a loop step after begin_turn returned, when the caller may
     have changed a value it handed over: that log checks every value again,
     and the engine's code after the turn runs with no check switched off."""
     from agentlog.engine import core
@@ -487,7 +490,7 @@ def test_a_log_that_stages_a_loop_step_later_checks_a_built_turn_in_full(arun, m
         return apply(self, *args, **kwargs)
 
     async def go():
-        log = MemoryLog()
+        log = YieldingLog(max_yields=0)
         assert not log.stages_synchronously
         eng, h = await _running(log)
         spans = [[0, 1], [1, 2]]

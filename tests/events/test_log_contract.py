@@ -293,3 +293,48 @@ class TestJetStreamLog(LogContract):
         from agentlog.events.log.jetstream import JetStreamLog
 
         return JetStreamLog.open(self.urls, f"contract{next(self.streams)}", 3, replicas=self.replicas, clock=clock)
+
+
+def test_a_memory_log_stages_at_the_call_and_answers_a_loop_step_later_without_a_task():
+    """MemoryLog stages synchronously, as the file log does: a refusal raises at the call with
+    nothing appended, and on_durable runs a loop step later, unflagged, with no task made."""
+    from agentlog.events.schema.validation import READING_STORED
+
+    async def main():
+        log = MemoryLog()
+        got = []
+        tasks = len(asyncio.all_tasks())
+        token = READING_STORED.set(True)  # as the engine stages a turn it built
+        try:
+            log.stage("s", 0, opened(), lambda env, exc: got.append((env, exc, READING_STORED.get())))
+        finally:
+            READING_STORED.reset(token)
+        assert log.next_lsn == 1 and got == [] and len(asyncio.all_tasks()) == tasks
+        with pytest.raises(SequenceError):
+            log.stage("s", 0, opened(), lambda env, exc: got.append(("refused", exc, None)))
+        await asyncio.sleep(0)
+        return log, got
+
+    log, got = asyncio.run(main())
+    assert log.stages_synchronously and got == [(log._records[0], None, False)]
+
+
+def test_a_memory_log_whose_append_is_overridden_stages_through_it_as_a_task():
+    """A test log that delays or fails its appends overrides ``append``: stage and submit go through it."""
+    seen = []
+
+    class Counting(MemoryLog):
+        async def append(self, session_id, session_seq, body):
+            seen.append(session_id)
+            return await super().append(session_id, session_seq, body)
+
+    async def main():
+        log = Counting()
+        done = []
+        log.stage("s", 0, opened(), lambda env, exc: done.append(env))
+        assert log.next_lsn == 0  # staged in a task, a loop step later
+        await log.submit("t", 0, opened())
+        return log, done
+
+    log, done = asyncio.run(main())
+    assert not log.stages_synchronously and seen == ["s", "t"] and [e.session_id for e in done] == ["s"]
