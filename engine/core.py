@@ -401,12 +401,15 @@ class SessionEngine(BackgroundWork):
         lg.warning("session.straggler_refused", what=what, state=str(state) if state is not None else None)
         raise StragglerRefused(session_id, what, state)
 
-    async def _append(self, h: SessionHandle, body: Any, dest: State | None, context: EncodingContext | None = None,
-                      settled: Callable[[], None] | None = None) -> Envelope:
+    def _append(self, h: SessionHandle, body: Any, dest: State | None, context: EncodingContext | None = None,
+                settled: Callable[[], None] | None = None) -> asyncio.Future[Envelope]:
         """Append one record of ``h`` and apply it (:meth:`_stage`), called holding ``h``'s lock,
-        which this releases on every path; returns the record's envelope. ``settled``: called once
-        the record is applied or failed (or the log refused it). Cancelling the wait cancels nothing."""
-        done = asyncio.get_running_loop().create_future()
+        which this releases on every path; returns a future of the record's envelope (a refusal
+        raises here). ``settled``: called once the record is applied or failed (or the log refused
+        it). Cancelling the wait cancels nothing. A plain function, not a coroutine: a record in
+        flight holds one coroutine fewer, which every full collection would walk (thousands of
+        sessions in flight keep their objects into the old generation)."""
+        done: asyncio.Future[Envelope] = asyncio.get_running_loop().create_future()
         try:
             self._stage(h, body, dest, context, done, settled, True)
         except BaseException:
@@ -414,7 +417,7 @@ class SessionEngine(BackgroundWork):
             if settled is not None:
                 settled()
             raise
-        return await done
+        return done
 
     def _stage(self, h: SessionHandle, body: Any, dest: State | None, context: EncodingContext | None, waiter: Any,
                settled: Callable[[], None] | None = None, caller_waits: bool = False) -> None:
