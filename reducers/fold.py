@@ -114,6 +114,7 @@ class SessionFold(Generic[S]):
         unknown: Callable[[int, str, str], None] | None = None,
         ended_window: int = 0,
         ids: IdSet | None = None,
+        confirm_used: ConfirmUsed | None = None,
         session_id: str | None = None,
         check_lsn: bool = True,
         resync: bool = True,
@@ -132,7 +133,7 @@ class SessionFold(Generic[S]):
         #: ``confirm_used(session_id, lsn)``: whether the log holds ``session_id`` below ``lsn``, asked
         #: when the id filter alone says a ``session_opened`` reuses an id (it has false positives: a
         #: fold that can read its log confirms exactly, as the engine does at open); None trusts the filter.
-        self.confirm_used: ConfirmUsed | None = None
+        self.confirm_used = confirm_used
         self._check_lsn, self._resync, self._evict = check_lsn, resync, evict
         self._opened, self._applied, self._ended = opened, applied, ended
         self._refused, self._learner, self._unknown = refused, learner, unknown

@@ -292,10 +292,8 @@ class LifecycleState(_OnSessionFold):
                  confirm_used: ConfirmUsed | None = None) -> None:
         self.fold: SessionFold[_Track] = SessionFold(
             opened=self._opened, applied=self._applied, ended=self._ended, refused=self._refused, unknown=self._unknown,
-            ended_window=recent_window, ids=IdFilter(id_capacity),
+            ended_window=recent_window, ids=IdFilter(id_capacity), confirm_used=confirm_used,
         )
-        #: See :attr:`reducers.fold.SessionFold.confirm_used` (None: the id filter answers alone).
-        self.fold.confirm_used = confirm_used
         self.events = 0
         self.ended = 0
         #: Pass over events of unknown types (counted below) instead of raising UnknownEventError.

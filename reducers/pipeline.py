@@ -128,9 +128,8 @@ class Reducer:
         self.config = config
         self._fold: SessionFold[_Session] = SessionFold(
             opened=self._opened, applied=self._applied, ended=self._terminal, refused=_refuse, unknown=_refuse_unknown,
-            ended_window=ENDED_WINDOW, ids=None if confirm_used is None else IdFilter(),
+            ended_window=ENDED_WINDOW, ids=None if confirm_used is None else IdFilter(), confirm_used=confirm_used,
         )
-        self._fold.confirm_used = confirm_used
         self._sessions = self._fold.live
         self._groups = GroupTracker(config.min_valid)
         self.metrics = MetricsAccumulator(config.reward_key, config.solve_threshold)

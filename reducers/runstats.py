@@ -220,9 +220,8 @@ class RunStats:
         self._fold: SessionFold[_Live] = SessionFold(
             opened=self._opened, applied=self._applied, ended=self._terminal, refused=self._violation,
             learner=self._learner, unknown=self._unknown, ended_window=self.ENDED_WINDOW,
-            ids=None if confirm_used is None else IdFilter(),
+            ids=None if confirm_used is None else IdFilter(), confirm_used=confirm_used,
         )
-        self._fold.confirm_used = confirm_used
         self._groups = GroupTracker(config.min_valid)
         #: Called with each group as it is released (after the metrics count it).
         self.on_group: Callable[[Group], None] | None = None

@@ -417,8 +417,14 @@ class EventLog(abc.ABC):
         (bad input raises here, nothing staged), so a flag set around this call
         covers the record's check and nothing after it (as ``engine.handle.stage_built_turn`` does);
         cancelling the future cancels the wait only, as with :meth:`append`. This
-        default runs :meth:`append` as a task."""
-        return asyncio.get_running_loop().create_task(self.append(session_id, session_seq, body))
+        default is :meth:`stage` answering a future for a log that stages synchronously,
+        and else runs :meth:`append` as a task."""
+        loop = asyncio.get_running_loop()
+        if not self.stages_synchronously:
+            return loop.create_task(self.append(session_id, session_seq, body))
+        fut: asyncio.Future[Envelope] = loop.create_future()
+        self.stage(session_id, session_seq, body, functools.partial(answer, fut))
+        return fut
 
     def stage(self, session_id: str, session_seq: int, body: Any, on_durable: OnDurable) -> None:
         """Append one record from asyncio without awaiting it: ``on_durable(env, None)``
@@ -496,13 +502,6 @@ class MemoryLog(EventLog):
 
     async def append(self, session_id: str, session_seq: int, body: Any) -> Envelope:
         return self.append_batch([PendingRecord(session_id, session_seq, body)])[0]
-
-    def submit(self, session_id: str, session_seq: int, body: Any) -> asyncio.Future[Envelope]:
-        if not self.stages_synchronously:
-            return super().submit(session_id, session_seq, body)
-        fut: asyncio.Future[Envelope] = asyncio.get_running_loop().create_future()
-        self.stage(session_id, session_seq, body, functools.partial(answer, fut))
-        return fut
 
     def stage(self, session_id: str, session_seq: int, body: Any, on_durable: OnDurable) -> None:
         if not self.stages_synchronously:

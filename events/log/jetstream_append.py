@@ -41,11 +41,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
-import functools
 from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 from ..._logging import get_logger
-from .api import EventLog, LogClosed, LogError, LogFenced, OnDurable, PendingRecord, answer
+from .api import EventLog, LogClosed, LogError, LogFenced, OnDurable, PendingRecord
 from .format import FLAG_TERMINAL, encode_frame
 from .jetstream_conn import retry_errors
 from .jetstream_msg import HDR_CHUNK, HDR_MSG_ID
@@ -123,7 +122,7 @@ class JetStreamAppender(EventLog):
     (its base class): LSN assignment, the writer task, group commit, atomic
     batches and publishes retried through a failover."""
 
-    #: :meth:`stage` and :meth:`submit` check and stage their record before they return.
+    #: :meth:`stage` (and so :meth:`EventLog.submit`) checks and stages its record before it returns.
     stages_synchronously = True
 
     # Set by JetStreamLog (its constructor and open); declared here for the type checker.
@@ -469,14 +468,6 @@ class JetStreamAppender(EventLog):
         envs, done = self._submit([PendingRecord(session_id, session_seq, body)])
         await asyncio.wrap_future(done)
         return envs[0]
-
-    def submit(self, session_id: str, session_seq: int, body: Any) -> asyncio.Future[Envelope]:
-        """:meth:`EventLog.submit`: the record is checked and staged before this returns (bad
-        input raises here, nothing staged); the future resolves once the stream acknowledged it.
-        Cancelling it cancels the wait only."""
-        fut: asyncio.Future[Envelope] = asyncio.get_running_loop().create_future()
-        self.stage(session_id, session_seq, body, functools.partial(answer, fut))
-        return fut
 
     def stage(self, session_id: str, session_seq: int, body: Any, on_durable: OnDurable) -> None:
         """:meth:`EventLog.stage`: the record is checked and staged before this returns (bad input
