@@ -31,7 +31,7 @@ subagent from a rewrite, so token-only agents that spawn subagents declare them.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -93,8 +93,9 @@ class _Thread:
         self.context = EncodingContext()
         self.key = key
         self.last_turn = -1
-        #: (call id, tool name, argument texts) of its last answer's calls not matched to a subagent.
-        self.pending: list[tuple[str, str, tuple[str, ...]]] = []
+        #: (call id, tool name, argument texts) of its last answer's calls not matched to a subagent
+        #: (an empty tuple until it has one: a tuple, unlike an empty list, is no object for the collector to walk).
+        self.pending: Sequence[tuple[str, str, tuple[str, ...]]] = ()
         #: Every tool call id its answers made -> the turn that made it (declared calls are looked up here).
         self.calls: dict[str, int] = {}
         #: What its first turn recorded (None for an undeclared root).
@@ -327,7 +328,7 @@ class LineageTracker:
             # A call stays pending until a subagent claims it or a later prompt carries its result
             # (Claude Code answers a Task call only once its subagent ended); the newest _PENDING kept.
             kept = [c for c in thread.pending if c[0] not in answered]
-            thread.pending = (kept + calls)[-_PENDING:]
+            thread.pending = (kept + calls)[-_PENDING:] or ()
         if calls:
             for call_id, _name, _texts in calls:
                 thread.calls[call_id] = turn_index

@@ -483,6 +483,9 @@ class MemoryLog(EventLog):
         super().__init__(clock)
         self._records: list[Envelope] = []
         self._closed = False
+        #: Records staged this loop step, answered together by one callback (:meth:`_answer_staged`).
+        self._unanswered: list[tuple[OnDurable, Envelope]] = []
+        self._unanswered_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def next_lsn(self) -> int:
@@ -509,8 +512,32 @@ class MemoryLog(EventLog):
         loop = asyncio.get_running_loop()
         env = self.append_batch([PendingRecord(session_id, session_seq, body)])[0]
         # A loop step later, as a durable log answers, and in a context of its own: the caller's (the
-        # engine's READING_STORED while it stages a turn it built) must not reach on_durable.
-        loop.call_soon(on_durable, env, None, context=contextvars.Context())
+        # engine's READING_STORED while it stages a turn it built) must not reach on_durable. The
+        # records staged in one step are answered by one callback, as the file log answers a flush:
+        # a record in flight then holds a list entry, not a handle, a context and their arguments
+        # (objects every full collection walks while thousands of sessions are in flight).
+        if self._unanswered and self._unanswered_loop is loop:
+            self._unanswered.append((on_durable, env))
+            return
+        if self._unanswered:  # staged from another event loop meanwhile: that loop still answers its own
+            loop.call_soon(on_durable, env, None, context=contextvars.Context())
+            return
+        self._unanswered.append((on_durable, env))
+        self._unanswered_loop = loop
+        loop.call_soon(self._answer_staged, context=contextvars.Context())
+
+    def _answer_staged(self) -> None:
+        """Answer every record staged since the last call (see :meth:`stage`), in staging order. A
+        callback that raises is reported to the loop's exception handler, and the others are still answered."""
+        staged, self._unanswered = self._unanswered, []
+        loop, self._unanswered_loop = self._unanswered_loop, None
+        for on_durable, env in staged:
+            try:
+                on_durable(env, None)
+            except Exception as failure:
+                assert loop is not None
+                loop.call_exception_handler({"message": f"memory log: the durable callback of LSN {env.lsn} "
+                                             f"(session {env.session_id!r}) raised", "exception": failure})
 
     def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Any]:  # typed by EventLog.read's overloads
         from .read import RawRecord
