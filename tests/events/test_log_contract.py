@@ -319,6 +319,38 @@ def test_a_memory_log_stages_at_the_call_and_answers_a_loop_step_later_without_a
     assert log.stages_synchronously and got == [(log._records[0], None, False)]
 
 
+def test_a_memory_log_answers_one_loop_steps_records_together_in_order_and_reports_a_raising_callback():
+    """The records staged in one loop step are answered by one callback, as a file log answers a flush
+    (no handle and context a record in flight): a callback scheduled between two stagings runs after
+    both answers. A durable callback that raises goes to the loop's exception handler, naming its LSN
+    and session, and the records after it are still answered; the next step's records are answered anew."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        reported = []
+        loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+        log = MemoryLog()
+        order = []
+
+        def failing(env, exc):
+            order.append(("a", env.lsn))
+            raise RuntimeError("callback bug")
+
+        log.stage("a", 0, opened(), failing)
+        loop.call_soon(order.append, "between")
+        log.stage("b", 0, opened(), lambda env, exc: order.append(("b", env.lsn, exc)))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        log.stage("c", 0, opened(), lambda env, exc: order.append(("c", env.lsn, exc)))
+        await asyncio.sleep(0)
+        return order, reported
+
+    order, reported = asyncio.run(main())
+    assert order == [("a", 0), ("b", 1, None), "between", ("c", 2, None)]
+    assert len(reported) == 1 and isinstance(reported[0]["exception"], RuntimeError)
+    assert "LSN 0" in reported[0]["message"] and "'a'" in reported[0]["message"]
+
+
 def test_a_memory_log_whose_append_is_overridden_stages_through_it_as_a_task():
     """A test log that delays or fails its appends overrides ``append``: stage and submit go through it."""
     seen = []

@@ -8,6 +8,11 @@ from __future__ import annotations
 import math
 import re
 
+import asyncio
+
+import pytest
+
+from agentlog.events.log.api import MemoryLog
 from agentlog.tools.bench import bench_engine
 
 GOAL_RE = re.compile(r"^GOAL ([\w.]+): (-?[\d.]+)(x?) \(goal (<=) ([\d.]+)\3\) (PASS|MISS)$", re.M)
@@ -37,8 +42,24 @@ def test_the_benchmark_runs_every_measure_and_prints_its_three_goal_lines_last(c
     assert re.search(r"^restart fold from lsn 0 \(SessionEngine\.open\) +[\d,]+ events/s +72 events ", out, re.M), out
     assert re.search(r"^engine / raw over MemoryLog \(CPU only\) .* 24 sessions$", out, re.M), out
     assert re.search(r"^engine over MemoryLog, 4 / 16 concurrent .* 16 sessions x 2 each$", out, re.M), out
+    assert re.search(r"^raw appends over MemoryLog, 4 / 16 +[\d.]+ / [\d.]+ us/session +[\d.]+x ", out, re.M), out
     assert re.search(r"^resident memory per live session, 8,192-token context +-?[\d.]+ kB +8 live sessions ", out, re.M), out
     assert re.search(r"^decide: transitions models, 4 / 16 live ", out, re.M), out
     # The engine log of round one stays for the fold, the open sessions' log for the memory; every other log
     # (the raw arms, round two, the scaling runs, the child's) is removed.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engine0", "mem"]
+
+
+@pytest.mark.parametrize("arm", [bench_engine.run_raw, bench_engine.run_engine], ids=["raw", "engine"])
+def test_both_arms_over_a_memory_log_hold_every_session_in_flight_at_once(arm, monkeypatch):
+    # The scaling goal compares sessions in flight together: over a MemoryLog, whose append never suspends,
+    # an anchor awaiting append ran its sessions one after another. With 8 sessions and 8 in flight, each
+    # session's opening must come before any session's second record.
+    logs: list[MemoryLog] = []
+    monkeypatch.setattr(bench_engine, "_open_log", lambda path: logs.append(MemoryLog()) or logs[-1])
+    toks, lps = bench_engine._payload(4)
+    asyncio.run(arm(None, 8, 8, 2, toks, lps))
+    records = list(logs[0].read())
+    assert len(records) == 8 * 5
+    assert sorted(r.session_id for r in records[:8]) == [f"s{i}" for i in range(8)]
+    assert all(r.session_seq == 0 for r in records[:8])
