@@ -31,7 +31,7 @@ subagent from a rewrite, so token-only agents that spawn subagents declare them.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -95,7 +95,7 @@ class _Thread:
         self.last_turn = -1
         #: (call id, tool name, argument texts) of its last answer's calls not matched to a subagent
         #: (an empty tuple until it has one: a tuple, unlike an empty list, is no object for the collector to walk).
-        self.pending: Sequence[tuple[str, str, tuple[str, ...]]] = ()
+        self.pending: Sequence[ToolCall] = ()
         #: Every tool call id its answers made -> the turn that made it (declared calls are looked up here).
         self.calls: dict[str, int] = {}
         #: What its first turn recorded (None for an undeclared root).
@@ -134,7 +134,7 @@ class LineageTracker:
     def __init__(self) -> None:
         self._threads: dict[str, _Thread] = {}
         self._recent: list[_Thread] = []  # most recently active first
-        self._staged: tuple[str, bytes, Lineage | None, list[tuple[str, str, tuple[str, ...]]], set[str]] | None = None
+        self._staged: tuple[str, bytes, Lineage | None, Sequence[ToolCall], Collection[str]] | None = None
         self._subs = 0  # detected lineages named so far
 
     def __len__(self) -> int:
@@ -186,8 +186,10 @@ class LineageTracker:
         ``extends_previous``: whether the turn extends the session's previous
         turn in log order (the delta encoding found all of it shared)."""
         messages = turn.messages
-        calls = tool_calls(turn.response_message)
-        answered = answered_calls(messages)
+        # Empty ones as the shared empty tuple: staged until the commit, an empty list or set would be
+        # one more object a session in flight for every full collection to walk.
+        calls: Sequence[ToolCall] = tool_calls(turn.response_message) or ()
+        answered: Collection[str] = answered_calls(messages) or ()
         if declared is not None:
             value = self._declared_lineage(declared, turn)
             existing = self._threads.get(declared.id)
@@ -306,8 +308,8 @@ class LineageTracker:
         lineage_id, key, first, calls, answered = staged
         self._apply(lineage_id, key, first, calls, turn_index, context, answered)
 
-    def _apply(self, lineage_id: str, key: bytes, first: Lineage | None, calls: list[tuple[str, str, tuple[str, ...]]],
-               turn_index: int, context: EncodingContext, answered: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    def _apply(self, lineage_id: str, key: bytes, first: Lineage | None, calls: Sequence[ToolCall],
+               turn_index: int, context: EncodingContext, answered: Collection[str] = ()) -> None:
         thread = self._threads.get(lineage_id)
         recent = self._recent
         if thread is None:
@@ -328,7 +330,7 @@ class LineageTracker:
             # A call stays pending until a subagent claims it or a later prompt carries its result
             # (Claude Code answers a Task call only once its subagent ended); the newest _PENDING kept.
             kept = [c for c in thread.pending if c[0] not in answered]
-            thread.pending = (kept + calls)[-_PENDING:] or ()
+            thread.pending = (kept + list(calls))[-_PENDING:] or ()
         if calls:
             for call_id, _name, _texts in calls:
                 thread.calls[call_id] = turn_index
@@ -358,7 +360,7 @@ class LineageTracker:
             context = contexts[lineage_id] if turn_index == turn.turn_index else empty
             unclaimed = [c for c in calls if c[0] not in claimed]
             self._apply(lineage_id, _key(turn.messages, contexts[lineage_id].digests), origins.get(lineage_id), unclaimed,
-                        turn_index, context, set(answered))
+                        turn_index, context, answered)
 
 
 def lineage_id_is_sub(lineage_id: str) -> bool:

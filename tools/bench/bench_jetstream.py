@@ -47,17 +47,7 @@ import structlog
 from agentlog.events import FileLog
 from agentlog.events.log.api import EventLog
 from agentlog.events.schema.types import SessionOpened
-
-
-def _bench_log():
-    """bench_log.py beside this file (the event builders and the GOAL line this bench shares with it),
-    loaded from its path: tools/bench is a folder of scripts, not a package."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_log", Path(__file__).resolve().with_name("bench_log.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from agentlog.tools.bench.bench_log import goal, goal_line, small, turn_events
 
 
 def _nats_cluster():
@@ -73,8 +63,6 @@ def _nats_cluster():
     return module.NatsCluster, module.find_nats_server
 
 
-_shared = _bench_log()
-goal, goal_line, small, turn_events = _shared.goal, _shared.goal_line, _shared.small, _shared.turn_events
 
 #: Stream names unique to this invocation (a server given with --r1-server may hold an earlier run's).
 _streams = (f"bench-{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
