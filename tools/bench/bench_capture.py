@@ -73,6 +73,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from agentlog.tools.bench.capture_cpu import cpu_concurrent, cpu_per_turn, text as _text  # noqa: E402
+from agentlog.tools.bench.goals import goal_line, meets  # noqa: E402
 
 DIALECTS = ("chat", "messages", "responses")
 
@@ -344,13 +345,13 @@ async def _run(args) -> list[str]:
     big = cpu[-1]
     ratio192 = statistics.median(r192["ratios"])
     ratio1000 = statistics.median(r1000["ratios"])
-    lines.append(f"GOAL capture_throughput_vs_direct_{r192['n']}_sessions_{args.runs[0][1] // 1000}k_ctx: {ratio192:.3f}x "
-                 f"(goal >= 0.96x) {'PASS' if ratio192 >= 0.96 else 'MISS'}")
-    lines.append(f"GOAL capture_throughput_vs_direct_{r1000['n']}_sessions: {ratio1000:.3f}x (goal >= 0.90x) "
-                 f"{'PASS' if ratio1000 >= 0.90 else 'MISS'}")
+    lines.append(goal_line(f"capture_throughput_vs_direct_{r192['n']}_sessions_{args.runs[0][1] // 1000}k_ctx",
+                           f"{ratio192:.3f}x", ">=", "0.96x", meets(ratio192, ">=", 0.96)))
+    lines.append(goal_line(f"capture_throughput_vs_direct_{r1000['n']}_sessions", f"{ratio1000:.3f}x", ">=", "0.90x",
+                           meets(ratio1000, ">=", 0.90)))
     # The goal is judged on the node it speaks of, many sessions recording at once (see the module docstring).
-    lines.append(f"GOAL capture_cpu_us_per_turn_{many['ctx'] // 1000}k_ctx: {many['capture']:.0f} (goal <= 50) "
-                 f"{'PASS' if many['capture'] <= 50 else 'MISS'}  [{many['n']} sessions at once, event loop's thread "
+    lines.append(goal_line(f"capture_cpu_us_per_turn_{many['ctx'] // 1000}k_ctx", f"{many['capture']:.0f}", "<=", "50",
+                           meets(many['capture'], "<=", 50)) + f"  [{many['n']} sessions at once, event loop's thread "
                  f"{many['main']:.0f}, garbage collector {many['gc']:.1f} ({many['gc_round']:.1f} over whole rounds, "
                  f"collections {many['collections']}); one session alone {big['capture']:.0f} (thread {big['main']:.0f}), each turn its own fdatasync; "
                  f"tokenization per turn: builtin {big['byte_full']:.0f} -> {big['byte_inc']:.0f} us, "

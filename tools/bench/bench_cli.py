@@ -58,6 +58,7 @@ from agentlog.events.schema.types import (  # noqa: E402
     SessionStarted,
     TurnRecorded,
 )
+from agentlog.tools.bench.goals import goal_line, meets  # noqa: E402
 
 GROUP = 4
 WORDS = ("def", "return", "self", "import", "error", "test", "file", "line", "value", "class", "assert", "fix")
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         w_stats, c_stats = stats_of[codecs[0]]
         print(f"[{codecs[0]}] stats vs raw read, CPU time: {c_raw / c_stats:.2f}x")
         ratio = w_raw / w_stats
-        print(f"GOAL stats_vs_raw_read: {ratio:.2f}x (goal >= 0.3x) {'PASS' if ratio >= 0.3 else 'MISS'}")
+        print(goal_line("stats_vs_raw_read", f"{ratio:.2f}x", ">=", "0.3x", meets(ratio, ">=", 0.3)))
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(base, ignore_errors=True)

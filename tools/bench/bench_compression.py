@@ -49,7 +49,8 @@ from agentlog.events import FileLog, read_log  # noqa: E402
 from agentlog.events.log.batch_compression import ZSTD_LEVEL  # noqa: E402
 from agentlog.events.log.format import FRAME_OVERHEAD  # noqa: E402
 from agentlog.tools.bench.bench_growth import session_turns, trajectory_bytes  # noqa: E402
-from agentlog.tools.bench.bench_log import dir_bytes, drop_dir, goal, turn_events  # noqa: E402
+from agentlog.tools.bench.bench_log import dir_bytes, drop_dir, turn_events  # noqa: E402
+from agentlog.tools.bench.goals import goal  # noqa: E402
 from agentlog.tools.bench.probe_fdatasync import write_synced  # noqa: E402
 
 COMPRESSIONS = ("none", "zstd")

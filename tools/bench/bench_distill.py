@@ -53,6 +53,7 @@ from agentlog.loop.policy import build_model
 from agentlog.loop.publish import checkpoint_path, publish
 from agentlog.loop.learner_records import read_learner_records
 from agentlog.loop.run import reward_curve, run_loop
+from agentlog.tools.bench.goals import goal_line, meets
 
 #: The demo's stop rule: the mean reward of this many trained steps reaches TARGET.
 WINDOW = 10
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{statistics.mean(r['wall_s'] for r in rs):>11.1f}")
     if len(arms) == 2:
         ratio = med["opd"] / med["rl"]
-        print(f"GOAL opd_steps_to_0.9_vs_rl: {ratio:.2f}x (goal <= 0.5x) {'PASS' if ratio <= 0.5 else 'MISS'}")
+        print(goal_line("opd_steps_to_0.9_vs_rl", f"{ratio:.2f}x", "<=", "0.5x", meets(ratio, "<=", 0.5)))
     return 0
 
 

@@ -50,7 +50,8 @@ from agentlog.events import FileLog
 from agentlog.events.log.api import MemoryLog
 from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 
-from agentlog.tools.bench.bench_engine_memory import GOAL_CONTEXT, WAVE, goal_line, measure_in_child
+from agentlog.tools.bench.bench_engine_memory import GOAL_CONTEXT, WAVE, measure_in_child, rss_goal_line
+from agentlog.tools.bench.goals import goal_line, meets
 
 
 
@@ -327,9 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip())
-    print(f"GOAL engine_vs_raw_append: {ratio:.2f}x (goal <= 1.5x) {'PASS' if ratio <= 1.5 else 'MISS'}")
-    print(goal_line(live["kb_per_session"]))
-    print(f"GOAL per_session_cost_{thousands(hi)}_vs_{thousands(lo)}_concurrent: {scale:.2f}x (goal <= 1.3x) {'PASS' if scale <= 1.3 else 'MISS'}")
+    print(goal_line("engine_vs_raw_append", f"{ratio:.2f}x", "<=", "1.5x", meets(ratio, "<=", 1.5)))
+    print(rss_goal_line(live["kb_per_session"]))
+    print(goal_line(f"per_session_cost_{thousands(hi)}_vs_{thousands(lo)}_concurrent", f"{scale:.2f}x", "<=", "1.3x",
+                    meets(scale, "<=", 1.3)))
     return 0
 
 

@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from agentlog.tools.bench.goals import goal_line, meets
+
 #: The goal: resident kB per live session at an 8k-token context.
 GOAL_KB = 64
 GOAL_CONTEXT = 8192
@@ -126,10 +128,10 @@ def measure_in_child(n: int, context: int, wave: int = WAVE, directory: Path | N
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def goal_line(kb: float) -> str:
+def rss_goal_line(kb: float) -> str:
     """The GOAL line for the 8k-token context."""
-    return (f"GOAL rss_per_live_session_{GOAL_CONTEXT // 1024}k_ctx_kb: {kb:.1f} (goal <= {GOAL_KB}) "
-            f"{'PASS' if kb <= GOAL_KB else 'MISS'}")
+    return goal_line(f"rss_per_live_session_{GOAL_CONTEXT // 1024}k_ctx_kb", f"{kb:.1f}", "<=", f"{GOAL_KB}",
+                     meets(kb, "<=", GOAL_KB))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['context']:>16,}  {r['sessions']:>13,}  {r['kb_per_session']:>12.1f} kB  {r['context'] * 4 / 1024:>13.1f} kB")
     at_goal = [r for r in rows if r["context"] == GOAL_CONTEXT]
     if at_goal:
-        print(goal_line(at_goal[0]["kb_per_session"]))
+        print(rss_goal_line(at_goal[0]["kb_per_session"]))
     return 0
 
 

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentlog.tools.bench.bench_log import goal_line
+from agentlog.tools.bench.goals import goal_line
 
 GROUP = 4
 SYSTEM = {"role": "system", "content": "You are a coding agent. Fix the bug so that the tests pass."}

@@ -83,7 +83,7 @@ from typing import Any
 import msgspec
 
 from agentlog.tools.bench import simulated_server
-from agentlog.tools.bench.bench_log import goal_line
+from agentlog.tools.bench.goals import goal_line
 
 SERVERS = 4
 ARMS = ("affinity", "round_robin", "failover")

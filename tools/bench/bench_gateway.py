@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from agentlog.tools.bench.goals import goal_line, meets  # noqa: E402
 
 
 # ---------------------------------------------------------------- client process
@@ -203,8 +204,9 @@ async def _run(args) -> list[str]:
         lines.append(f"(medians of {args.repeats} back-to-back pairs; ratio = median of per-pair ratios)")
         lines.append("")
         ratio = rows[-1][3]
-        lines.append(f"GOAL gateway_added_latency_p50_ms: {p50:.2f} (goal <= 2.0) {'PASS' if p50 <= 2.0 else 'MISS'}")
-        lines.append(f"GOAL gateway_vs_backend_turns_per_s_at_{rows[-1][0]}_sessions: {ratio:.2f}x (goal >= 0.9x) {'PASS' if ratio >= 0.9 else 'MISS'}")
+        lines.append(goal_line("gateway_added_latency_p50_ms", f"{p50:.2f}", "<=", "2.0", meets(p50, "<=", 2.0)))
+        lines.append(goal_line(f"gateway_vs_backend_turns_per_s_at_{rows[-1][0]}_sessions", f"{ratio:.2f}x", ">=", "0.9x",
+                               meets(ratio, ">=", 0.9)))
     finally:
         pool.shutdown()
         await gw.stop()

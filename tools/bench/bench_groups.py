@@ -42,7 +42,7 @@ from agentlog.engine import SessionEngine
 from agentlog.events.log.api import MemoryLog
 from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.pipeline import reduce_log
-from agentlog.tools.bench.bench_log import goal, goal_line
+from agentlog.tools.bench.goals import goal, goal_line
 
 GROUP = 8
 ABORT_P = 0.05

@@ -47,6 +47,7 @@ from agentlog.events.log.api import MemoryLog  # noqa: E402
 from agentlog.events.schema.types import Envelope, TurnDelta, TurnRecorded, decode_body, encode_body  # noqa: E402
 from agentlog.reducers.config import ReduceConfig  # noqa: E402
 from agentlog.reducers.pipeline import Reducer, reduce_log  # noqa: E402
+from agentlog.tools.bench.goals import goal_line, meets  # noqa: E402
 
 SYSTEM_TOKENS = 2000
 GENERATED = 200
@@ -214,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         per_token[(n, every)] = dc
         ratio[(n, every)] = db / traj
     r = ratio[(args.goal_turns, 0)]
-    print(f"GOAL log_bytes_vs_final_trajectory_{args.goal_turns}_turns: {r:.2f}x (goal <= 1.5x) {'PASS' if r <= 1.5 else 'MISS'}")
+    print(goal_line(f"log_bytes_vs_final_trajectory_{args.goal_turns}_turns", f"{r:.2f}x", "<=", "1.5x", meets(r, "<=", 1.5)))
     g = per_token[(longest, 0)] / per_token[(shortest, 0)]
-    print(f"GOAL reducer_cpu_per_token_{longest}_vs_{shortest}_turns: {g:.2f}x (goal <= 1.5x) {'PASS' if g <= 1.5 else 'MISS'}")
+    print(goal_line(f"reducer_cpu_per_token_{longest}_vs_{shortest}_turns", f"{g:.2f}x", "<=", "1.5x", meets(g, "<=", 1.5)))
     return 0
 
 

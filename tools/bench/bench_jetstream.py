@@ -47,7 +47,8 @@ import structlog
 from agentlog.events import FileLog
 from agentlog.events.log.api import EventLog
 from agentlog.events.schema.types import SessionOpened
-from agentlog.tools.bench.bench_log import goal, goal_line, small, turn_events
+from agentlog.tools.bench.bench_log import small, turn_events
+from agentlog.tools.bench.goals import goal, goal_line
 
 
 def _nats_cluster():

@@ -51,6 +51,7 @@ from agentlog.learner.learner import Learner  # noqa: E402
 from agentlog.learner.loss import LossInputs, total_loss  # noqa: E402
 from agentlog.learner.model import GPT, GPTConfig  # noqa: E402
 from agentlog.reducers.samples import COMPLETED, Sample  # noqa: E402
+from agentlog.tools.bench.goals import goal_line, meets  # noqa: E402
 
 VOCAB = 512
 MAX_LEN = 1664
@@ -330,13 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     speedup = step["packing"]["tokens_per_s"] / step["padding"]["tokens_per_s"]
     ratio = loss["default"][0] / loss["default"][1]
-    print(f"GOAL packing_speedup: {speedup:.2f}x (goal >= 1.5x) {'PASS' if speedup >= 1.5 else 'MISS'}")
-    print(f"GOAL loss_vs_reference: {ratio:.2f}x (goal <= 1.1x) {'PASS' if ratio <= 1.1 else 'MISS'}")
+    print(goal_line("packing_speedup", f"{speedup:.2f}x", ">=", "1.5x", meets(speedup, ">=", 1.5)))
+    print(goal_line("loss_vs_reference", f"{ratio:.2f}x", "<=", "1.1x", meets(ratio, "<=", 1.1)))
     if hf_step is not None:
         hf_speedup = hf_step["packing"]["tokens_per_s"] / hf_step["padding"]["tokens_per_s"]
         hf_ratio = hf_loss[0] / hf_loss[1]
-        print(f"GOAL hf_packing_speedup: {hf_speedup:.2f}x (goal >= 1.5x) {'PASS' if hf_speedup >= 1.5 else 'MISS'}")
-        print(f"GOAL hf_policy_loss_overhead: {hf_ratio:.2f}x (goal <= 1.1x) {'PASS' if hf_ratio <= 1.1 else 'MISS'}")
+        print(goal_line("hf_packing_speedup", f"{hf_speedup:.2f}x", ">=", "1.5x", meets(hf_speedup, ">=", 1.5)))
+        print(goal_line("hf_policy_loss_overhead", f"{hf_ratio:.2f}x", "<=", "1.1x", meets(hf_ratio, "<=", 1.1)))
     return 0
 
 

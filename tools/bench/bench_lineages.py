@@ -85,7 +85,7 @@ from agentlog.events.schema.validation import READING_STORED
 from agentlog.reducers.pipeline import Reducer
 from agentlog.reducers.row_builder import Row
 from agentlog.reducers.samples import Sample
-from agentlog.tools.bench.bench_log import goal_line
+from agentlog.tools.bench.goals import goal_line
 from agentlog.tools.progress import ProgressBar
 
 GROUP_SIZE = 4

@@ -43,6 +43,7 @@ from agentlog.events import FileLog, read_log  # noqa: E402
 from agentlog.events.log import framecodec, segmap  # noqa: E402
 from agentlog.events.log.format import list_segments, segment_name  # noqa: E402
 from agentlog.events.schema.types import CommandRan, TurnRecorded  # noqa: E402
+from agentlog.tools.bench.goals import goal  # noqa: E402
 
 TOKENS = 2048
 
@@ -279,18 +280,6 @@ def bench_small_raw(root: Path, n: int, frame: int, batch: int) -> float:
 
 
 # ---------------------------------------------------------------- main
-
-
-def goal_line(name: str, measured: str, op: str, target: str, ok: bool) -> str:
-    """The one GOAL line every benchmark prints: ``measured`` and ``target`` as they are shown."""
-    return f"GOAL {name}: {measured} (goal {op} {target}) {'PASS' if ok else 'MISS'}"
-
-
-def goal(name: str, measured: float, op: str, target: float, unit: str = "x") -> str:
-    """:func:`goal_line` of a number against its target (``unit`` "x": a ratio)."""
-    ok = measured >= target if op == ">=" else measured <= target
-    fmt = (lambda v: f"{v:,.0f}{unit}") if unit != "x" else (lambda v: f"{v:.2f}x")
-    return goal_line(name, fmt(measured), op, fmt(target), ok)
 
 
 def measure_all(root: Path, sizes: argparse.Namespace) -> dict:

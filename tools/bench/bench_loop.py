@@ -39,6 +39,7 @@ from agentlog.loop.policy import build_model
 from agentlog.loop.run import run_loop
 from agentlog.loop.run_folder import Run
 from agentlog.loop.worker import RolloutWorker
+from agentlog.tools.bench.goals import goal_line, meets
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     ratio = on["sessions_per_s"] / off["sessions_per_s"]
     print(f"rollout with the learner on vs off: {ratio:.2f}x sessions/s (the two processes share the cores)")
-    print(f"GOAL logging_overhead: {ov['overhead']:.1%} of worker time per turn (goal < 5%) {'PASS' if ov['overhead'] < 0.05 else 'MISS'}")
+    print(goal_line("logging_overhead", f"{ov['overhead']:.1%} of worker time per turn", "<", "5%", meets(ov["overhead"], "<", 0.05)))
     return 0
 
 

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import math
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ from agentlog.loop.config import LoopConfig  # noqa: E402
 from agentlog.loop.learner_records import mismatch_summary, read_learner_records  # noqa: E402
 from agentlog.loop.trainer import LoopLearner  # noqa: E402
 from agentlog.loop.worker import RolloutWorker  # noqa: E402
+from agentlog.tools.bench.goals import goal_line, meets  # noqa: E402
 
 
 def warmed_weights(cfg: LoopConfig) -> dict[str, torch.Tensor]:
@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     anchor = max(x["max"] for x in arms["torch kernels"])
     cost = min(x["rl_cpu_s"] for x in arms["ours"]) / min(x["rl_cpu_s"] for x in arms["torch kernels"])
     print()
-    print(f"GOAL train_rollout_logprob_abs_diff_max_in_process: {ours:g} (goal == 0) {'PASS' if ours == 0 else 'MISS'}"
-          f"    anchor, torch kernels: {anchor:.3g}")
-    print(f"GOAL in_process_rl_cpu_vs_torch_kernels: {cost:.2f}x (goal <= 1.1x) {'PASS' if cost <= 1.1 and math.isfinite(cost) else 'MISS'}")
+    print(goal_line("train_rollout_logprob_abs_diff_max_in_process", f"{ours:g}", "==", "0", meets(ours, "==", 0))
+          + f"    anchor, torch kernels: {anchor:.3g}")
+    print(goal_line("in_process_rl_cpu_vs_torch_kernels", f"{cost:.2f}x", "<=", "1.1x", meets(cost, "<=", 1.1)))
     return 0
 
 

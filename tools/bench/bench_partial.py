@@ -103,7 +103,7 @@ from tqdm import tqdm
 
 from agentlog.gateway import SamplingParams, SGLangBackend, TorchBackend
 from agentlog.gateway.weight_sync import GatedBackend, SGLangWeightSync
-from agentlog.tools.bench.bench_log import goal_line
+from agentlog.tools.bench.goals import goal_line
 from agentlog.tools.bench.bench_loop import percentile
 from agentlog.tools.bench import simulated_server
 

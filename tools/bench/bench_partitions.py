@@ -64,6 +64,7 @@ from agentlog.loop.run import run_loop
 from agentlog.loop.trainer import PartitionWatch, StepCutter, step_size
 from agentlog.reducers.partitioned import PartitionFold
 from agentlog.reducers.pipeline import Reducer
+from agentlog.tools.bench.goals import goal_line, meets
 
 GROUPS_PER_BATCH = 32
 GROUP_SIZE = 8
@@ -479,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sessions/s vs {runs[0]['workers']} worker(s): " + ", ".join(f"{r['workers']} workers {r['sessions_per_s'] / one:.2f}x" for r in runs))
     print()
     ratio = mc["us_cpu"][16] / mc["us_cpu"][1]
-    print(f"GOAL merge_16_vs_1_partition_cost_per_event: {ratio:.2f}x (goal <= {GOAL_RATIO}x) {'PASS' if ratio <= GOAL_RATIO else 'MISS'}")
+    print(goal_line("merge_16_vs_1_partition_cost_per_event", f"{ratio:.2f}x", "<=", f"{GOAL_RATIO}x", meets(ratio, "<=", GOAL_RATIO)))
     return 0
 
 

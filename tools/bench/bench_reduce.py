@@ -54,6 +54,7 @@ from agentlog.events.schema.types import (  # noqa: E402
 )
 from agentlog.reducers.config import ReduceConfig  # noqa: E402
 from agentlog.reducers.pipeline import Reducer  # noqa: E402
+from agentlog.tools.bench.goals import goal_line, meets  # noqa: E402
 
 TURNS = 8
 GROUP = 8
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nsample digest {digest}")
         print(f"reduce / decoding read: {over_read:.2f}x the CPU time (wall {w_red / w_read:.2f}x);"
               f" baseline / reduce: {speedup:.1f}x (wall {w_base / w_red:.1f}x)")
-        print(f"GOAL reduce_vs_jsonl_lists_speedup: {speedup:.1f}x (goal >= 10x) {'PASS' if speedup >= 10 else 'MISS'}")
+        print(goal_line("reduce_vs_jsonl_lists_speedup", f"{speedup:.1f}x", ">=", "10x", meets(speedup, ">=", 10)))
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)

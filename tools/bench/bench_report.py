@@ -49,6 +49,7 @@ def _load_file_module(name: str, path: Path, **spec_kw):
 
 
 from agentlog.tools.bench.synthetic_log import write_many_sessions  # noqa: E402  (the report tests' log builder)
+from agentlog.tools.bench.goals import goal_line, meets  # noqa: E402
 
 #: The commit whose tools/report is the anchor (the report before it became one bounded streaming pass).
 ANCHOR_COMMIT = "5b1e66f"
@@ -121,8 +122,7 @@ def _renders(page: Path, tmp: Path) -> tuple[bool, str]:
 
 
 def _goal(name: str, value: float, op: str, target: float) -> None:
-    ok = {"<=": value <= target, "==": value == target}[op]
-    print(f"GOAL {name}: {value:.3g} (goal {op} {target:g}) {'PASS' if ok else 'MISS'}")
+    print(goal_line(name, f"{value:.3g}", op, f"{target:g}", meets(value, op, target)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,7 @@ from agentlog.events import FileLog, read_log
 from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.pipeline import InFlightWindow, Reducer
 from agentlog.reducers.samples import digest_samples
+from agentlog.tools.bench.goals import goal_line, meets
 
 CONFIG = ReduceConfig(min_valid=2)
 GROUP_SIZE = 4
@@ -401,9 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         return "1M" if n == 1_000_000 else f"{n // 1000}k" if n % 1000 == 0 else str(n)
 
     label = f"{label(long_n)}_vs_{label(args.short)}"
-    print(f"GOAL restart_{label}_events: {ratio:.2f}x (goal <= 2x) {'PASS' if ratio <= 2 else 'MISS'}")
-    print(f"GOAL engine_restart_{label}_events: {eng_ratio:.2f}x (goal <= 2x; FileLog.open + SessionEngine.open) "
-          f"{'PASS' if eng_ratio <= 2 else 'MISS'}")
+    print(goal_line(f"restart_{label}_events", f"{ratio:.2f}x", "<=", "2x", meets(ratio, "<=", 2)))
+    print(goal_line(f"engine_restart_{label}_events", f"{eng_ratio:.2f}x", "<=", "2x; FileLog.open + SessionEngine.open",
+                    meets(eng_ratio, "<=", 2)))
     return 0
 
 

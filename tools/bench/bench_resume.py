@@ -52,6 +52,7 @@ from agentlog.events.schema.types import SessionFinished, SessionResumed, TurnRe
 from agentlog.loop import FaultConfig, LoopConfig
 from agentlog.loop.run import start_process
 from agentlog.tools.bench import scripted_worker
+from agentlog.tools.bench.goals import goal_line, meets
 
 
 def _worker(run: Path, args: argparse.Namespace, *extra: str) -> Any:
@@ -148,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         ours, anchor = arms[True], arms[False]
         fraction = ours["resumed_ok"] / max(1, ours["orphans"])
         ratio = ours["lost_s"] / anchor["lost_s"] if anchor["lost_s"] else float("inf")
-        print(f"GOAL resumed_fraction_after_worker_kill: {fraction:.3f} (goal >= 0.95) {'PASS' if fraction >= 0.95 else 'MISS'}")
-        print(f"GOAL generation_seconds_lost_per_crash_resume_vs_abort: {ratio:.3f}x (goal <= 0.1x) "
-              f"{'PASS' if ratio <= 0.1 else 'MISS'}")
+        print(goal_line("resumed_fraction_after_worker_kill", f"{fraction:.3f}", ">=", "0.95", meets(fraction, ">=", 0.95)))
+        print(goal_line("generation_seconds_lost_per_crash_resume_vs_abort", f"{ratio:.3f}x", "<=", "0.1x",
+                        meets(ratio, "<=", 0.1)))
     except BaseException:
         print(f"bench_resume: the runs are kept in {root} for a look", file=sys.stderr)
         raise

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from agentlog.tools.bench.goals import goal_line, meets  # noqa: E402
 
 #: The goals on the added time per turn (ms), one session alone and many at once (32 by default): see the module docstring.
 GOAL_ONE_MS, GOAL_MANY_MS = 25.0, 10.0
@@ -162,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
               f"added {res['added_ms_per_turn']:.2f} ms/turn (latency per session-turn +{res['added_latency_ms']:.1f} ms), "
               f"ratio {res['ratio']:.2f}x", flush=True)
     for res, goal in results:
-        ok = res["added_ms_per_turn"] <= goal
-        print(f"GOAL rollout_added_ms_per_turn_{res['concurrency']}: {res['added_ms_per_turn']:.2f} ms "
-              f"(goal <= {goal:.0f} ms) {'PASS' if ok else 'MISS'}")
+        added = res["added_ms_per_turn"]
+        print(goal_line(f"rollout_added_ms_per_turn_{res['concurrency']}", f"{added:.2f} ms", "<=", f"{goal:.0f} ms",
+                        meets(added, "<=", goal)))
     return 0
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 from agentlog.engine.sandbox import CONTROL_DIR, LocalSandbox
 from agentlog.engine.snapshot_files import blake
 from agentlog.engine.snapshots import RACY_WINDOW_NS, SnapshotStore
-from agentlog.tools.bench.bench_log import goal, goal_line
+from agentlog.tools.bench.goals import goal, goal_line
 
 SUBDIRS = 10
 SESSION = "bench-session"

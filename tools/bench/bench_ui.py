@@ -63,6 +63,7 @@ import numpy as np
 from agentlog.tools.bench.bench_cli import WORDS
 from agentlog.tools.bench.synthetic_log import write_many_sessions
 from agentlog.tools.progress import new_bar
+from agentlog.tools.bench.goals import goal_line, meets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -220,7 +221,7 @@ def _ms(s: float) -> str:
 
 
 def _goal(name: str, value: float, target: float, digits: int = 0) -> None:
-    print(f"GOAL {name}: {value:.{digits}f} (goal <= {target:g}) {'PASS' if value <= target else 'MISS'}")
+    print(goal_line(name, f"{value:.{digits}f}", "<=", f"{target:g}", meets(value, "<=", target)))
 
 
 async def live_lag(http: aiohttp.ClientSession, url: str, eng: Any, log_dir: Path, from_lsn: int, samples: int,

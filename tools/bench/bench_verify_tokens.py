@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from agentlog.events import FileLog, read_log
 from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
-from agentlog.tools.bench.bench_log import goal_line
+from agentlog.tools.bench.goals import goal_line
 
 TEMPERATURE = 1.0
 NEW_TOKENS = 24
