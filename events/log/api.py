@@ -516,12 +516,16 @@ class MemoryLog(EventLog):
         # records staged in one step are answered by one callback, as the file log answers a flush:
         # a record in flight then holds a list entry, not a handle, a context and their arguments
         # (objects every full collection walks while thousands of sessions are in flight).
-        if self._unanswered and self._unanswered_loop is loop:
-            self._unanswered.append((on_durable, env))
-            return
-        if self._unanswered:  # staged from another event loop meanwhile: that loop still answers its own
-            loop.call_soon(on_durable, env, None, context=contextvars.Context())
-            return
+        if self._unanswered:
+            if self._unanswered_loop is loop:
+                self._unanswered.append((on_durable, env))
+                return
+            assert self._unanswered_loop is not None
+            if not self._unanswered_loop.is_closed():  # staged from another loop meanwhile: it still answers its own
+                loop.call_soon(on_durable, env, None, context=contextvars.Context())
+                return
+            # Its loop closed before it ran the answers: nobody is left to await them.
+            self._unanswered = []
         self._unanswered.append((on_durable, env))
         self._unanswered_loop = loop
         loop.call_soon(self._answer_staged, context=contextvars.Context())

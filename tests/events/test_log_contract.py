@@ -351,6 +351,36 @@ def test_a_memory_log_answers_one_loop_steps_records_together_in_order_and_repor
     assert "LSN 0" in reported[0]["message"] and "'a'" in reported[0]["message"]
 
 
+def test_a_memory_log_answers_on_each_loop_it_is_used_from_even_after_one_closed_unanswered():
+    """Records staged from a second loop while the first loop's answers wait are answered by the second;
+    once the first loop closed without running its answers, the next records are batched again."""
+    log = MemoryLog()
+    got = []
+
+    async def stage(sid):
+        log.stage(sid, 0, opened(), lambda env, exc: got.append(env.session_id))
+
+    async def stage_and_stop():
+        asyncio.get_running_loop().stop()  # the loop stops after this step, before the answer's
+        await stage("a")
+
+    first = asyncio.new_event_loop()
+    first.create_task(stage_and_stop())
+    first.run_forever()
+    assert got == [] and log._unanswered_loop is first
+
+    async def stage_and_wait(sids):
+        for sid in sids:
+            await stage(sid)
+        await asyncio.sleep(0)
+
+    asyncio.run(stage_and_wait(["b"]))  # while the first loop is open: answered on this loop, one by one
+    assert got == ["b"]
+    first.close()
+    asyncio.run(stage_and_wait(["c", "d"]))  # the first loop is gone: its batch is dropped, these batched anew
+    assert got == ["b", "c", "d"] and log._unanswered == [] and log._unanswered_loop is None
+
+
 def test_a_memory_log_whose_append_is_overridden_stages_through_it_as_a_task():
     """A test log that delays or fails its appends overrides ``append``: stage and submit go through it."""
     seen = []
