@@ -121,7 +121,10 @@ def generate_log(path: Path, target_bytes: int, seed: int = 0, quiet: bool = Fal
     log = FileLog.open(path, fsync="never", segment_bytes=64 << 20)
     group = 0
     size = 0
-    bar = tqdm(total=target_bytes, unit="B", unit_scale=True, desc="generate", disable=quiet, leave=False)
+    # The bar counts what stops the generation: the groups when a count is given (it may come first), else the bytes.
+    by_groups = max_groups is not None
+    bar = (tqdm(total=max_groups, unit="group", desc="generate", disable=quiet, leave=False) if by_groups
+           else tqdm(total=target_bytes, unit="B", unit_scale=True, desc="generate", disable=quiet, leave=False))
     try:
         while size < target_bytes and (max_groups is None or group < max_groups):
             sessions = [(f"s{group}-{i}", _session_bodies(rng, pool, group, i)) for i in range(GROUP)]
@@ -135,9 +138,12 @@ def generate_log(path: Path, target_bytes: int, seed: int = 0, quiet: bool = Fal
                         seqs[i] += 1
             log.append_batch(batch)
             group += 1
+            if by_groups:
+                bar.update(1)
             if group % 16 == 0:
                 new = _log_bytes(path)
-                bar.update(new - size)
+                if not by_groups:
+                    bar.update(new - size)
                 size = new
     finally:
         log.close()
