@@ -319,7 +319,7 @@ class LineageTracker:
             if first is not None and first.spawn_call:
                 parent = self._threads.get(first.parent)
                 if parent is not None:
-                    parent.pending = [c for c in parent.pending if c[0] != first.spawn_call]
+                    parent.pending = [c for c in parent.pending if c[0] != first.spawn_call] or ()
             recent.insert(0, thread)
         elif recent[0] is not thread:  # every lineage is in _recent; the common turn continues the newest
             recent.remove(thread)
@@ -330,7 +330,8 @@ class LineageTracker:
             # A call stays pending until a subagent claims it or a later prompt carries its result
             # (Claude Code answers a Task call only once its subagent ended); the newest _PENDING kept.
             kept = [c for c in thread.pending if c[0] not in answered]
-            thread.pending = (kept + list(calls))[-_PENDING:] or ()
+            kept.extend(calls)
+            thread.pending = kept[-_PENDING:] or ()
         if calls:
             for call_id, _name, _texts in calls:
                 thread.calls[call_id] = turn_index

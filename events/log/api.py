@@ -468,7 +468,7 @@ class MemoryLog(EventLog):
     """An in-memory log with the same interface and rules (tests, dry runs).
 
     It stages synchronously, as the file log does: :meth:`stage` and :meth:`submit` append
-    before they return (a refusal raises there) and answer a loop step later, with no task a
+    before they return (a refusal raises there) and answer later, never inside the call, with no task a
     record. A subclass that overrides :meth:`append` (a test log that delays, gates or fails
     appends) stages through that ``append`` instead, as a task (``stages_synchronously`` False)."""
 
@@ -483,8 +483,9 @@ class MemoryLog(EventLog):
         super().__init__(clock)
         self._records: list[Envelope] = []
         self._closed = False
-        #: Records staged this loop step, answered together by one callback (:meth:`_answer_staged`).
-        self._unanswered: list[tuple[OnDurable, Envelope]] = []
+        #: The records staged since the loop last answered, with that loop: a batch its own callback
+        #: answers (:meth:`_answer_staged`), open to more records until that callback runs.
+        self._unanswered: list[tuple[OnDurable, Envelope]] | None = None
         self._unanswered_loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -511,35 +512,36 @@ class MemoryLog(EventLog):
             return super().stage(session_id, session_seq, body, on_durable)
         loop = asyncio.get_running_loop()
         env = self.append_batch([PendingRecord(session_id, session_seq, body)])[0]
-        # A loop step later, as a durable log answers, and in a context of its own: the caller's (the
-        # engine's READING_STORED while it stages a turn it built) must not reach on_durable. The
-        # records staged in one step are answered by one callback, as the file log answers a flush:
-        # a record in flight then holds a list entry, not a handle, a context and their arguments
+        # Later, as a durable log answers (never inside this call), and in a context of its own: the caller's
+        # (the engine's READING_STORED while it stages a turn it built) must not reach on_durable. The records
+        # staged before the loop answers are answered by one callback, in one context, as the file log answers
+        # a flush: a record in flight then holds a list entry, not a handle, a context and their arguments
         # (objects every full collection walks while thousands of sessions are in flight).
-        if self._unanswered:
-            if self._unanswered_loop is loop:
-                self._unanswered.append((on_durable, env))
-                return
-            assert self._unanswered_loop is not None
-            if not self._unanswered_loop.is_closed():  # staged from another loop meanwhile: it still answers its own
-                loop.call_soon(on_durable, env, None, context=contextvars.Context())
-                return
-            # Its loop closed before it ran the answers: nobody is left to await them.
-            self._unanswered = []
-        self._unanswered.append((on_durable, env))
-        self._unanswered_loop = loop
-        loop.call_soon(self._answer_staged, context=contextvars.Context())
+        batch = self._unanswered
+        if batch is None or self._unanswered_loop is not loop:
+            # The first since the last answer, or staged from another loop (which answers the batch it has).
+            batch = self._unanswered = []
+            self._unanswered_loop = loop
+            loop.call_soon(self._answer_staged, batch, context=contextvars.Context())
+        batch.append((on_durable, env))
 
-    def _answer_staged(self) -> None:
-        """Answer every record staged since the last call (see :meth:`stage`), in staging order. A
-        callback that raises is reported to the loop's exception handler, and the others are still answered."""
-        staged, self._unanswered = self._unanswered, []
-        loop, self._unanswered_loop = self._unanswered_loop, None
-        for on_durable, env in staged:
+    def _answer_staged(self, batch: list[tuple[OnDurable, Envelope]]) -> None:
+        """Answer ``batch``'s records (see :meth:`stage`) in staging order; a record staged from
+        here on starts the next batch. A callback that raises is reported to the loop's exception
+        handler, as asyncio reports a callback's error, and the others are still answered; on
+        SystemExit or KeyboardInterrupt, which stop the loop, the rest go back on it first."""
+        if self._unanswered is batch:
+            self._unanswered = self._unanswered_loop = None
+        loop = asyncio.get_running_loop()
+        for i, (on_durable, env) in enumerate(batch):
             try:
                 on_durable(env, None)
-            except Exception as failure:
-                assert loop is not None
+            except (SystemExit, KeyboardInterrupt):
+                rest = batch[i + 1:]
+                if rest:
+                    loop.call_soon(self._answer_staged, rest, context=contextvars.Context())
+                raise
+            except BaseException as failure:
                 loop.call_exception_handler({"message": f"memory log: the durable callback of LSN {env.lsn} "
                                              f"(session {env.session_id!r}) raised", "exception": failure})
 

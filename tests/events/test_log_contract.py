@@ -351,34 +351,71 @@ def test_a_memory_log_answers_one_loop_steps_records_together_in_order_and_repor
     assert "LSN 0" in reported[0]["message"] and "'a'" in reported[0]["message"]
 
 
-def test_a_memory_log_answers_on_each_loop_it_is_used_from_even_after_one_closed_unanswered():
-    """Records staged from a second loop while the first loop's answers wait are answered by the second;
-    once the first loop closed without running its answers, the next records are batched again."""
+def test_a_memory_log_answers_on_each_loop_it_is_used_from():
+    """A batch waiting on a loop that stopped before answering it stays that loop's: records staged
+    from another loop meanwhile are batched and answered there, and the first loop answers its own
+    when it runs again; once it is closed, the next records still batch."""
     log = MemoryLog()
     got = []
 
-    async def stage(sid):
+    def stage(sid):
         log.stage(sid, 0, opened(), lambda env, exc: got.append(env.session_id))
 
     async def stage_and_stop():
         asyncio.get_running_loop().stop()  # the loop stops after this step, before the answer's
-        await stage("a")
+        stage("a")
 
-    first = asyncio.new_event_loop()
-    first.create_task(stage_and_stop())
-    first.run_forever()
-    assert got == [] and log._unanswered_loop is first
-
-    async def stage_and_wait(sids):
-        for sid in sids:
-            await stage(sid)
+    async def stage_two_around_a_marker(first, second):
+        stage(first)
+        asyncio.get_running_loop().call_soon(got.append, "marker")
+        stage(second)
+        await asyncio.sleep(0)
         await asyncio.sleep(0)
 
-    asyncio.run(stage_and_wait(["b"]))  # while the first loop is open: answered on this loop, one by one
-    assert got == ["b"]
-    first.close()
-    asyncio.run(stage_and_wait(["c", "d"]))  # the first loop is gone: its batch is dropped, these batched anew
-    assert got == ["b", "c", "d"] and log._unanswered == [] and log._unanswered_loop is None
+    stopped = asyncio.new_event_loop()
+    stopped.create_task(stage_and_stop())
+    stopped.run_forever()
+    assert got == []
+    asyncio.run(stage_two_around_a_marker("b", "c"))
+    assert got == ["b", "c", "marker"]
+    stopped.run_until_complete(asyncio.sleep(0))
+    assert got == ["b", "c", "marker", "a"]
+    stopped.close()
+    asyncio.run(stage_two_around_a_marker("d", "e"))
+    assert got[4:] == ["d", "e", "marker"]
+
+
+def test_a_memory_log_answers_the_rest_of_a_batch_whatever_a_callback_raises():
+    """A callback raising CancelledError is reported as any other error, and the next record is
+    answered; one raising KeyboardInterrupt stops the loop, and the rest are answered when it runs again."""
+    log = MemoryLog()
+    got = []
+
+    def raising(exc_type):
+        def callback(env, exc):
+            got.append(env.session_id)
+            raise exc_type()
+        return callback
+
+    async def stage_three():
+        log.stage("a", 0, opened(), raising(asyncio.CancelledError))
+        log.stage("b", 0, opened(), raising(KeyboardInterrupt))
+        log.stage("c", 0, opened(), lambda env, exc: got.append(env.session_id))
+
+    loop = asyncio.new_event_loop()
+    reported = []
+    loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(stage_three())
+        assert got == ["a", "b"]
+        loop.call_soon(loop.stop)  # queued after the rest of the batch
+        loop.run_forever()
+        assert got == ["a", "b", "c"]
+    finally:
+        loop.close()
+    assert len(reported) == 1 and isinstance(reported[0]["exception"], asyncio.CancelledError)
+    assert "LSN 0" in reported[0]["message"]
 
 
 def test_a_memory_log_whose_append_is_overridden_stages_through_it_as_a_task():

@@ -42,8 +42,24 @@ def test_the_line_reads_name_measure_goal_and_verdict():
     assert goal("n", math.nan, "<=", 1.0).endswith(" MISS")
 
 
+#: A string literal that starts a GOAL line (an f-string, a plain one to concatenate or %-format)...
+_WRITES_GOAL = re.compile(r"""(?<![\w.])[fFrR]?["']GOAL """)
+#: ...except where a script reads such lines back.
+_READS_GOAL = re.compile(r"""\.(replace|startswith|split|removeprefix)\(["']GOAL """)
+
+
 def test_no_benchmark_script_formats_a_goal_line_of_its_own():
     # One owner: a script that wrote "GOAL ..." itself could drift from the format readers parse.
     own = [f"{p.name}:{i}" for p in sorted(BENCH.glob("*.py")) if p.name != "goals.py"
-           for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"""f?["']GOAL \{?\w""", line)]
+           for i, line in enumerate(p.read_text().splitlines(), 1) if _WRITES_GOAL.search(line) and not _READS_GOAL.search(line)]
     assert own == []
+
+
+@pytest.mark.parametrize("line", ['print(f"GOAL x: {v} (goal <= 1) PASS")', 'out = "GOAL " + name', "s = 'GOAL %s: %s' % (n, v)"])
+def test_the_ownership_check_sees_each_way_of_writing_a_line(line):
+    assert _WRITES_GOAL.search(line) and not _READS_GOAL.search(line)
+
+
+def test_the_ownership_check_lets_a_script_read_goal_lines():
+    assert not _WRITES_GOAL.search('if line.startswith("GOAL "):') or _READS_GOAL.search('if line.startswith("GOAL "):')
+    assert _READS_GOAL.search('print("   " + line.replace("GOAL ", "", 1))')

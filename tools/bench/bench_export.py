@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentlog.tools.bench.goals import goal_line
+from agentlog.tools.bench.goals import goal_line, meets
 
 GROUP = 4
 SYSTEM = {"role": "system", "content": "You are a coding agent. Fix the bug so that the tests pass."}
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf export / reconstruct on the same log: {hf / anchor:.2f}x")
         scale = f"{n // 1000}k" if n % 1000 == 0 else str(n)
         target = 120.0 * n / 100_000
-        print(goal_line(f"export_dataset_{scale}_sessions_s", _seconds(hf), "<=", f"{target:g}", hf <= target))
+        print(goal_line(f"export_dataset_{scale}_sessions_s", _seconds(hf), "<=", f"{target:g}", meets(hf, "<=", target)))
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -42,7 +42,7 @@ from agentlog.engine import SessionEngine
 from agentlog.events.log.api import MemoryLog
 from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.pipeline import reduce_log
-from agentlog.tools.bench.goals import goal, goal_line
+from agentlog.tools.bench.goals import goal, goal_line, meets
 
 GROUP = 8
 ABORT_P = 0.05
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     dropped, gen_drop = wasted_share(ReduceConfig(min_valid=GROUP), groups, args.seed)
     print(f"wasted rollouts, {groups} groups of {GROUP}, {ABORT_P:.0%} infrastructure aborts: refill {wasted:.3f} "
           f"of {gen_refill} sessions; group_drop {dropped:.3f} of {gen_drop} sessions (arithmetic: {1 - (1 - ABORT_P) ** GROUP:.3f})")
-    lines.append(goal_line("wasted_rollouts_refill_at_5pct_aborts_n8", f"{wasted:.3f}", "<=", "0.06", wasted <= 0.06)
+    lines.append(goal_line("wasted_rollouts_refill_at_5pct_aborts_n8", f"{wasted:.3f}", "<=", "0.06", meets(wasted, "<=", 0.06))
                  + f"  [group_drop {dropped:.3f}]")
 
     with tempfile.TemporaryDirectory(prefix="bench-groups-", dir=args.dir) as tmp:
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{equal} steps equal to their records); one offline reduction: {t_reduce:.1f} s")
         # Two decimals: a small run's diff takes well under a second, which goal()'s whole seconds would print as 0.
         lines.append(goal_line("counterfactual_rereduce_100k_sessions_s" if sessions == 100_000 else f"counterfactual_rereduce_{sessions}_sessions_s",
-                               f"{t_cf:.2f} s", "<=", "60 s", t_cf <= 60.0) + f"  [one reduction {t_reduce:.1f} s]")
+                               f"{t_cf:.2f} s", "<=", "60 s", meets(t_cf, "<=", 60.0)) + f"  [one reduction {t_reduce:.1f} s]")
     for line in lines:
         print(line)
     return 0

@@ -48,7 +48,7 @@ from agentlog.events import FileLog
 from agentlog.events.log.api import EventLog
 from agentlog.events.schema.types import SessionOpened
 from agentlog.tools.bench.bench_log import small, turn_events
-from agentlog.tools.bench.goals import goal, goal_line
+from agentlog.tools.bench.goals import goal, goal_line, meets
 
 
 def _nats_cluster():
@@ -62,7 +62,6 @@ def _nats_cluster():
     sys.modules["nats_cluster"] = module  # its dataclasses look their module up while being defined
     spec.loader.exec_module(module)
     return module.NatsCluster, module.find_nats_server
-
 
 
 #: Stream names unique to this invocation (a server given with --r1-server may hold an earlier run's).
@@ -298,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     print(goal("jetstream_r3_turns_mb_s", r3["turn_mb"], ">=", 20, " MB/s"))
     print(goal("jetstream_r1_batch100_small_events", r1["batch100"], ">=", 10_000, " ev/s"))
     # In hundredths, as in the table: a loopback p99 is a few ms, and can be under one.
-    print(goal_line("jetstream_r3_follow_p99_ms", f"{r3['p99']:.2f} ms", "<=", "50 ms", r3["p99"] <= 50))
+    print(goal_line("jetstream_r3_follow_p99_ms", f"{r3['p99']:.2f} ms", "<=", "50 ms", meets(r3["p99"], "<=", 50)))
     return 0
 
 

@@ -85,7 +85,7 @@ from agentlog.events.schema.validation import READING_STORED
 from agentlog.reducers.pipeline import Reducer
 from agentlog.reducers.row_builder import Row
 from agentlog.reducers.samples import Sample
-from agentlog.tools.bench.goals import goal_line
+from agentlog.tools.bench.goals import goal_line, meets
 from agentlog.tools.progress import ProgressBar
 
 GROUP_SIZE = 4
@@ -503,14 +503,14 @@ def main(argv: list[str] | None = None) -> int:
     print(goal_line("rows_per_session_with_subagents_vs_lineages",
                     f"{ratio:.2f}x (token-only, declared: {stats[('token-only', 'lineages')]['rows'] / stats[('token-only', 'lineages')]['lineages']:.2f}x; "
                     f"before lineages {anchor['rows'] / n:.2f} rows/session with messages, {tok_anchor['rows'] / n:.2f} token-only, "
-                    f"for {lin['lineages'] / n:.2f} lineages and {switches / n:.1f} switches)", "==", "1.0x", one_each and ratio == 1.0))
+                    f"for {lin['lineages'] / n:.2f} lineages and {switches / n:.1f} switches)", "==", "1.0x", one_each and meets(ratio, "==", 1.0)))
     repeated = sum(stats[(m, "lineages")]["repeated"] for m in rec)
     print(goal_line("repeated_trained_tokens_with_subagents",
                     f"{repeated} (before lineages: {anchor['repeated']} with messages, {tok_anchor['repeated']} token-only)",
-                    "==", "0", repeated == 0))
+                    "==", "0", meets(repeated, "==", 0)))
     us = cpu_ns / 1e3 / cpu_turns
     print(goal_line("lineage_detection_cpu_us_per_turn",
-                    f"{us:.1f} (whole recording: {rec['messages']['cpu_s'] * 1e6 / turns:.0f} us CPU per turn)", "<=", "20", us <= 20))
+                    f"{us:.1f} (whole recording: {rec['messages']['cpu_s'] * 1e6 / turns:.0f} us CPU per turn)", "<=", "20", meets(us, "<=", 20)))
     return 0
 
 
