@@ -1,4 +1,4 @@
-"""The GOAL line every benchmark script ends with, in one place.
+"""The GOAL line every benchmark script ends with, in one place: written and read back.
 
 Each script prints one line per goal, last, in the form
 ``GOAL <name>: <measured> (goal <op> <target>) PASS|MISS``; text a script adds
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Callable
+import re
+from typing import Callable, NamedTuple
 
 #: The comparisons a goal may state, by the operator its line shows.
 _OPS: dict[str, Callable[[float, float], bool]] = {
@@ -38,3 +39,29 @@ def goal(name: str, measured: float, op: str, target: float, unit: str = "x") ->
     (``unit`` "x": a ratio shown to two decimals; another unit: a whole count with separators)."""
     fmt = (lambda v: f"{v:,.0f}{unit}") if unit != "x" else (lambda v: f"{v:.2f}x")
     return goal_line(name, fmt(measured), op, fmt(target), meets(measured, op, target))
+
+
+class GoalLine(NamedTuple):
+    """One GOAL line read back (:func:`parse_goal_line`): each part as the line shows it."""
+
+    name: str
+    measured: str
+    op: str
+    target: str
+    passed: bool
+    #: What the script printed after the verdict (an anchor, a breakdown), or "".
+    after: str
+
+
+#: ``GOAL <name>: <measured> (goal <op> <target>) PASS|MISS[ <more>]``; the measured text may hold
+#: parentheses of its own (an anchor beside the figure), so the last "(goal " opens the goal.
+_LINE = re.compile(r"^GOAL (\S+): (.*) \(goal (" + "|".join(map(re.escape, _OPS)) + r") (.*?)\) (PASS|MISS)(.*)$")
+
+
+def parse_goal_line(line: str) -> GoalLine | None:
+    """The GOAL line ``line`` as its parts, or None when it is not one."""
+    m = _LINE.match(line.rstrip("\n"))
+    if m is None:
+        return None
+    name, measured, op, target, verdict, after = m.groups()
+    return GoalLine(name, measured, op, target, verdict == "PASS", after.strip())

@@ -1,0 +1,110 @@
+"""run_goals: every script in a process of its own, one at a time, its GOAL lines gathered into one table;
+a script that fails, times out or prints no GOAL line is an ERROR and makes the run exit 1, a MISS does not.
+The scripts here are small stand-ins written for the test, so the runner itself is what runs."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+from hypothesis import given, strategies as st
+
+from agentlog.tools.bench import run_goals
+from agentlog.tools.bench.goals import goal_line, parse_goal_line
+
+SCRIPTS = {
+    "bench_ok.py": '''
+        import argparse
+        p = argparse.ArgumentParser()
+        p.add_argument("--quick", action="store_true")
+        quick = p.parse_args().quick
+        print("a table row")
+        print("GOAL ok_ratio: 1.20x (goal <= 1.5x) PASS")
+        print(f"GOAL ok_rate: 12 ev/s ({'quick' if quick else 'full'} run) (goal >= 20 ev/s) MISS  [anchor 40 ev/s]")
+    ''',
+    "bench_fails.py": '''
+        import sys
+        print("GOAL half_done: 1.00x (goal <= 2x) PASS")
+        print("Traceback: something broke", file=sys.stderr)
+        sys.exit(3)
+    ''',
+    "bench_silent.py": '''
+        print("a table, and no goal")
+    ''',
+    "bench_slow.py": '''
+        import time
+        print("started", flush=True)
+        time.sleep(60)
+    ''',
+}
+
+
+@pytest.fixture()
+def bench_dir(tmp_path):
+    for name, body in SCRIPTS.items():
+        (tmp_path / name).write_text(textwrap.dedent(body))
+    return tmp_path
+
+
+def test_every_script_runs_and_each_failure_is_an_error_that_fails_the_run(bench_dir, tmp_path, capsys):
+    out_json = tmp_path / "goals.json"
+    code = run_goals.main(["--dir", str(bench_dir), "--timeout", "3", "--json", str(out_json)])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 1
+    rows = [line.split() for line in out if line.startswith("bench_")]
+    assert [(r[0], r[1], r[-1]) for r in rows] == [
+        ("bench_fails.py", "half_done", "PASS"), ("bench_ok.py", "ok_ratio", "PASS"), ("bench_ok.py", "ok_rate", "MISS")]
+    errors = {line.split(":", 1)[0]: line for line in out if line.startswith("ERROR ")}
+    assert set(errors) == {"ERROR bench_fails.py", "ERROR bench_silent.py", "ERROR bench_slow.py"}
+    assert "exit status 3" in errors["ERROR bench_fails.py"] and "something broke" in errors["ERROR bench_fails.py"]
+    assert "no GOAL line" in errors["ERROR bench_silent.py"] and "a table, and no goal" in errors["ERROR bench_silent.py"]
+    assert "timed out after 3 s" in errors["ERROR bench_slow.py"] and "started" in errors["ERROR bench_slow.py"]
+    saved = json.loads(out_json.read_text())
+    ok = next(r for r in saved["results"] if r["script"] == "bench_ok.py")
+    assert ok["error"] is None and ok["goals"][1] == {"name": "ok_rate", "measured": "12 ev/s (full run)", "op": ">=",
+                                                      "target": "20 ev/s", "passed": False, "after": "[anchor 40 ev/s]"}
+
+
+def test_a_miss_alone_exits_0_and_quick_reaches_the_scripts_that_take_it(bench_dir, capsys):
+    assert run_goals.main(["--dir", str(bench_dir), "--only", "bench_ok", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "12 ev/s (quick run)" in out and "ERROR" not in out
+
+
+def test_skip_leaves_scripts_out_and_an_unknown_name_is_refused(bench_dir, capsys):
+    assert run_goals.main(["--dir", str(bench_dir), "--skip", "bench_fails.py", "bench_silent", "bench_slow"]) == 0
+    assert run_goals.main(["--dir", str(bench_dir), "--only", "bench_nope"]) == 2
+    assert "no such script" in capsys.readouterr().err
+
+
+def test_an_information_only_script_owes_no_goal_line_and_runs_only_when_named(bench_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(run_goals, "INFORMATION_ONLY", {"bench_silent.py"})
+    assert run_goals.main(["--dir", str(bench_dir), "--only", "bench_silent"]) == 0
+    assert "ERROR" not in capsys.readouterr().out
+    ran = tmp_path / "ran.json"
+    assert run_goals.main(["--dir", str(bench_dir), "--skip", "bench_fails", "bench_slow", "--json", str(ran)]) == 0
+    assert [r["script"] for r in json.loads(ran.read_text())["results"]] == ["bench_ok.py"]
+
+
+def test_the_information_only_script_is_left_out_unless_named():
+    names = {s.name for s in run_goals.scripts_in(run_goals.HERE)}
+    assert run_goals.INFORMATION_ONLY <= names  # the set names scripts that exist
+    assert "goals.py" not in names and "run_goals.py" not in names and "bench_engine.py" in names
+
+
+_TEXT = st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=30).map(str.strip).filter(bool)
+
+
+@given(name=st.from_regex(r"[a-z][a-z0-9_.]{0,30}", fullmatch=True), measured=_TEXT, op=st.sampled_from([">=", "<=", "<", ">", "=="]),
+       target=_TEXT.filter(lambda t: ")" not in t), ok=st.booleans())
+def test_a_written_goal_line_reads_back_as_written(name, measured, op, target, ok):
+    line = goal_line(name, measured, op, target, ok)
+    back = parse_goal_line(line)
+    assert back is not None and (back.name, back.op, back.target, back.passed) == (name, op, target, ok)
+    assert back.measured == measured or " (goal " in measured  # a measure that itself holds " (goal " is ambiguous
+
+
+def test_a_line_that_is_not_a_goal_reads_as_none():
+    assert parse_goal_line("  round 1/5: raw 2.97 s") is None
+    assert parse_goal_line("GOAL broken: 1.0x (goal ~ 2x) PASS") is None

@@ -1,0 +1,121 @@
+"""Run the benchmark scripts one after another and gather every GOAL line into one table.
+
+Each script runs in a process of its own, with this interpreter, one at a time (they time
+themselves: two at once would charge each other's load to both). ``--quick`` is passed to the
+scripts that take it. The table lists each goal as its script printed it, with PASS or MISS;
+a script that exits non-zero, times out or prints no GOAL line is an ERROR, with the end of its
+output, and makes this script exit 1 (a MISS is information and does not). ``--json`` writes
+the same results for a later run to compare with.
+
+Usage: ``python tools/bench/run_goals.py [--quick] [--only NAME ...] [--skip NAME ...]
+[--timeout S] [--json PATH]`` (NAME: a script's file name, with or without ``.py``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from agentlog.tools.bench.goals import GoalLine, parse_goal_line
+
+HERE = Path(__file__).resolve().parent
+
+#: Scripts that print no GOAL line of their own (information only): left out unless named with --only,
+#: and then no GOAL line is expected of them.
+INFORMATION_ONLY = {"bench_engine_instructions.py"}
+
+
+def scripts_in(folder: Path) -> list[Path]:
+    """The benchmark scripts of ``folder`` (``bench_*.py``), by name."""
+    return sorted(folder.glob("bench_*.py"))
+
+
+def takes_quick(script: Path) -> bool:
+    """Whether ``script`` has a ``--quick`` option (its argument parser names it)."""
+    return '"--quick"' in script.read_text()
+
+
+def run_script(script: Path, quick: bool, timeout_s: float) -> dict:
+    """Run ``script`` and read its GOAL lines: ``{"script", "seconds", "goals", "error"}``, where
+    ``goals`` are :class:`GoalLine` dicts and ``error`` is None or what went wrong, with the end of
+    the script's output."""
+    argv = [sys.executable, str(script)] + (["--quick"] if quick and takes_quick(script) else [])
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        # What the script printed before it was killed: bytes, whatever text= says.
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return {"script": script.name, "seconds": time.perf_counter() - t0, "goals": [],
+                "error": f"timed out after {timeout_s:g} s; last output: {_tail(out)}"}
+    seconds = time.perf_counter() - t0
+    goals = [g._asdict() for g in map(parse_goal_line, done.stdout.splitlines()) if g is not None]
+    error = None
+    if done.returncode != 0:
+        error = f"exit status {done.returncode}; last output: {_tail(done.stderr or done.stdout)}"
+    elif not goals and script.name not in INFORMATION_ONLY:
+        error = f"no GOAL line in its output; last output: {_tail(done.stdout)}"
+    return {"script": script.name, "seconds": seconds, "goals": goals, "error": error}
+
+
+def _tail(text: str, lines: int = 5) -> str:
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:]) or "(none)"
+
+
+def table(results: list[dict]) -> list[str]:
+    """The results as aligned rows: each goal (script, name, measured, goal, verdict), then each ERROR."""
+    rows = [("script", "goal", "measured", "target", "")]
+    for r in results:
+        for g in map(lambda d: GoalLine(**d), r["goals"]):
+            rows.append((r["script"], g.name, g.measured, f"{g.op} {g.target}", "PASS" if g.passed else "MISS"))
+    width = [max(len(row[i]) for row in rows) for i in range(4)]
+    out = ["  ".join(c.ljust(width[i]) if i < 4 else c for i, c in enumerate(row)).rstrip() for row in rows]
+    out += [f"ERROR {r['script']}: {r['error']}" for r in results if r["error"]]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="pass --quick to the scripts that take it")
+    ap.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run these scripts only")
+    ap.add_argument("--skip", nargs="+", default=[], metavar="NAME", help="leave these scripts out")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds a script may run (default 3600)")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--dir", default=str(HERE), help=argparse.SUPPRESS)  # the tests' own scripts
+    args = ap.parse_args(argv)
+
+    def named(names: list[str]) -> set[str]:
+        return {n if n.endswith(".py") else f"{n}.py" for n in names}
+
+    found = scripts_in(Path(args.dir))
+    if args.only is not None:
+        wanted = named(args.only)
+        unknown = wanted - {s.name for s in found}
+        if unknown:
+            print(f"run_goals: no such script in {args.dir}: {', '.join(sorted(unknown))}", file=sys.stderr)
+            return 2
+        chosen = [s for s in found if s.name in wanted]
+    else:
+        chosen = [s for s in found if s.name not in INFORMATION_ONLY]
+    chosen = [s for s in chosen if s.name not in named(args.skip)]
+
+    from tqdm import tqdm
+
+    results = []
+    with tqdm(chosen, unit="script", desc="benchmarks", file=sys.stderr) as bar:
+        for script in bar:
+            bar.set_postfix_str(script.name)
+            results.append(run_script(script, args.quick, args.timeout))
+    for line in table(results):
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"quick": args.quick, "results": results}, indent=1))
+    return 1 if any(r["error"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
