@@ -53,7 +53,7 @@ def test_every_script_runs_and_each_failure_is_an_error_that_fails_the_run(bench
     out = capsys.readouterr().out.splitlines()
     assert code == 1
     rows = [line.split() for line in out if line.startswith("bench_")]
-    assert [(r[0], r[1], r[-1]) for r in rows] == [
+    assert [(r[0], r[1], r[2]) for r in rows] == [
         ("bench_fails.py", "half_done", "PASS"), ("bench_ok.py", "ok_ratio", "PASS"), ("bench_ok.py", "ok_rate", "MISS")]
     errors = {line.split(":", 1)[0]: line for line in out if line.startswith("ERROR ")}
     assert set(errors) == {"ERROR bench_fails.py", "ERROR bench_silent.py", "ERROR bench_slow.py"}

@@ -67,11 +67,12 @@ def _tail(text: str, lines: int = 5) -> str:
 
 
 def table(results: list[dict]) -> list[str]:
-    """The results as aligned rows: each goal (script, name, measured, goal, verdict), then each ERROR."""
-    rows = [("script", "goal", "measured", "target", "")]
+    """The results as aligned rows: each goal (script, name, verdict, target, measured: the longest
+    text last, unpadded), then each ERROR."""
+    rows = [("script", "goal", "", "target", "measured")]
     for r in results:
         for g in map(lambda d: GoalLine(**d), r["goals"]):
-            rows.append((r["script"], g.name, g.measured, f"{g.op} {g.target}", "PASS" if g.passed else "MISS"))
+            rows.append((r["script"], g.name, "PASS" if g.passed else "MISS", f"{g.op} {g.target}", g.measured))
     width = [max(len(row[i]) for row in rows) for i in range(4)]
     out = ["  ".join(c.ljust(width[i]) if i < 4 else c for i, c in enumerate(row)).rstrip() for row in rows]
     out += [f"ERROR {r['script']}: {r['error']}" for r in results if r["error"]]
