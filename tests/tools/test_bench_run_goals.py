@@ -93,6 +93,34 @@ def test_the_information_only_script_is_left_out_unless_named():
     assert "goals.py" not in names and "run_goals.py" not in names and "bench_engine.py" in names
 
 
+def test_against_an_earlier_run_lists_each_verdict_that_changed_and_each_goal_one_run_lacks(bench_dir, tmp_path, capsys):
+    def goal(name, measured, passed):
+        return {"name": name, "measured": measured, "op": "<=", "target": "1.5x", "passed": passed, "after": ""}
+
+    before = tmp_path / "before.json"
+    before.write_text(json.dumps({"quick": False, "results": [
+        {"script": "bench_ok.py", "seconds": 1.0, "error": None,
+         "goals": [goal("ok_ratio", "1.70x", False), goal("ok_rate", "11 ev/s (full run)", False), goal("ok_gone", "1.00x", True)]},
+        {"script": "bench_not_run_now.py", "seconds": 1.0, "error": None, "goals": [goal("elsewhere", "9x", False)]},
+    ]}))
+    assert run_goals.main(["--dir", str(bench_dir), "--only", "bench_ok", "--against", str(before)]) == 0  # information
+    out = capsys.readouterr().out.splitlines()
+    since = out.index(f"since {before}: 2 change(s)")
+    assert out[since + 1:] == [
+        "GONE bench_ok.py ok_gone: printed no longer (was PASS, 1.00x)",
+        "CHANGED bench_ok.py ok_ratio: MISS -> PASS (1.70x -> 1.20x, goal <= 1.5x)",
+    ]
+    assert run_goals.main(["--dir", str(bench_dir), "--only", "bench_ok", "--quick", "--against", str(before)]) == 0
+    assert "was a full run and this one is --quick: its verdicts came at other sizes" in capsys.readouterr().err
+
+
+def test_against_a_file_that_is_not_an_earlier_run_is_refused(bench_dir, tmp_path, capsys):
+    for text in ("not json", '{"results": 3}', "[1, 2]"):
+        (tmp_path / "bad.json").write_text(text)
+        assert run_goals.main(["--dir", str(bench_dir), "--only", "bench_ok", "--against", str(tmp_path / "bad.json")]) == 2
+        assert "--against" in capsys.readouterr().err
+
+
 _TEXT = st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=30).map(str.strip).filter(bool)
 
 

@@ -5,10 +5,10 @@ themselves: two at once would charge each other's load to both). ``--quick`` is 
 scripts that take it. The table lists each goal as its script printed it, with PASS or MISS;
 a script that exits non-zero, times out or prints no GOAL line is an ERROR, with the end of its
 output, and makes this script exit 1 (a MISS is information and does not). ``--json`` writes
-the same results for a later run to compare with.
+the same results; ``--against`` an earlier run's file lists the goals whose verdict changed since.
 
 Usage: ``python tools/bench/run_goals.py [--quick] [--only NAME ...] [--skip NAME ...]
-[--timeout S] [--json PATH]`` (NAME: a script's file name, with or without ``.py``)
+[--timeout S] [--json PATH] [--against PATH]`` (NAME: a script's file name, with or without ``.py``)
 """
 
 from __future__ import annotations
@@ -79,6 +79,30 @@ def table(results: list[dict]) -> list[str]:
     return out
 
 
+def changes(before: dict, after: list[dict]) -> list[str]:
+    """What changed from an earlier run's results (``before``: a ``--json`` file's content) to
+    ``after``: each goal whose verdict flipped, each goal only one run has. A figure that moved
+    without changing its verdict is not listed: this VM's runs spread by about 10%."""
+    def verdicts(results: list[dict]) -> dict[tuple[str, str], dict]:
+        return {(r["script"], g["name"]): g for r in results for g in r["goals"]}
+
+    ran = {r["script"] for r in after}
+    old = {k: g for k, g in verdicts(before["results"]).items() if k[0] in ran}  # scripts not run now: no news
+    new = verdicts(after)
+    out = []
+    for key in sorted(old.keys() | new.keys()):
+        script, name = key
+        was, now = old.get(key), new.get(key)
+        if was is None:
+            out.append(f"NEW {script} {name}: {'PASS' if now['passed'] else 'MISS'} ({now['measured']})")
+        elif now is None:
+            out.append(f"GONE {script} {name}: printed no longer (was {'PASS' if was['passed'] else 'MISS'}, {was['measured']})")
+        elif was["passed"] != now["passed"]:
+            flip = "PASS -> MISS" if was["passed"] else "MISS -> PASS"
+            out.append(f"CHANGED {script} {name}: {flip} ({was['measured']} -> {now['measured']}, goal {now['op']} {now['target']})")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="pass --quick to the scripts that take it")
@@ -86,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="+", default=[], metavar="NAME", help="leave these scripts out")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds a script may run (default 3600)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--against", default=None, metavar="JSON",
+                    help="an earlier run's --json file: list the goals whose verdict changed since (information)")
     ap.add_argument("--dir", default=str(HERE), help=argparse.SUPPRESS)  # the tests' own scripts
     args = ap.parse_args(argv)
 
@@ -104,6 +130,22 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [s for s in found if s.name not in INFORMATION_ONLY]
     chosen = [s for s in chosen if s.name not in named(args.skip)]
 
+    before = None
+    if args.against:
+        try:
+            before = json.loads(Path(args.against).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"run_goals: --against {args.against}: cannot read it as JSON ({exc})", file=sys.stderr)
+            return 2
+        if not isinstance(before, dict) or not isinstance(before.get("results"), list):
+            print(f"run_goals: --against {args.against}: expected the --json file of an earlier run "
+                  "(an object with a \"results\" list)", file=sys.stderr)
+            return 2
+        if bool(before.get("quick")) != args.quick:
+            kind = {True: "--quick", False: "full"}
+            print(f"run_goals: --against {args.against} was a {kind[bool(before.get('quick'))]} run and this one is "
+                  f"{kind[args.quick]}: its verdicts came at other sizes", file=sys.stderr)
+
     from tqdm import tqdm
 
     results = []
@@ -113,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_script(script, args.quick, args.timeout))
     for line in table(results):
         print(line)
+    if before is not None:
+        diff = changes(before, results)
+        print(f"since {args.against}: " + (f"{len(diff)} change(s)" if diff else "no verdict changed"))
+        for line in diff:
+            print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"quick": args.quick, "results": results}, indent=1))
     return 1 if any(r["error"] for r in results) else 0
