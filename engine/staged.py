@@ -17,8 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Callable
 
-from agentlog.events.log.api import answer
-from agentlog.events.log.commit import DurableCallback
+from agentlog.events.log.api import DurableCallback, answer
 from agentlog.events.schema.lifecycle import State
 from agentlog.events.schema.turn_delta import EncodingContext
 

@@ -215,6 +215,49 @@ def answer(waiter: Any, env: Any, exc: BaseException | None) -> None:
             waiter.set_exception(exc)
 
 
+class DurableCallback:
+    """A waiter of the writer thread in place of an asyncio future
+    (:meth:`FileLog.stage <agentlog.events.log.writer.FileLog.stage>`): where
+    the loop would set a future, it runs ``fn(env, None)``, or ``fn(None, exc)``
+    when the log failed (a subclass overrides :meth:`run` instead). It should
+    not raise: what it raises goes to the loop's exception handler, naming the
+    record, and the other records answered with it (a flush, a loop step's batch)
+    are still answered, as asyncio treats a callback's error; SystemExit and
+    KeyboardInterrupt propagate. Called as ``(env, exc)`` itself, it is an
+    ``on_durable`` for any log's ``stage``."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[Any, BaseException | None], None]) -> None:
+        self.fn = fn
+
+    def done(self) -> bool:
+        return False  # a callback is never cancelled: it runs once, for the one record it waits for
+
+    def set_result(self, env: Any) -> None:
+        self._call(env, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._call(None, exc)
+
+    def __call__(self, env: Any, exc: BaseException | None) -> None:
+        self._call(env, exc)
+
+    def run(self, env: Any, exc: BaseException | None) -> None:
+        """What the acknowledgement (``env``) or the failure (``exc``) of the record does."""
+        self.fn(env, exc)
+
+    def _call(self, env: Any, exc: BaseException | None) -> None:
+        try:
+            self.run(env, exc)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as failure:  # the other waiters must still be answered: reported, never swallowed
+            record = f"LSN {env.lsn} (session {env.session_id!r}), acknowledged" if env is not None else "a failed record"
+            asyncio.get_running_loop().call_exception_handler(
+                {"message": f"log: the durable callback of {record}, raised", "exception": failure})
+
+
 def settle_from_task(on_durable: OnDurable) -> Callable[[asyncio.Future], None]:
     """A done-callback for a task (or future) whose result is an envelope, calling ``on_durable``
     with (its result, None) or (None, what it raised or a CancelledError)."""
@@ -485,7 +528,7 @@ class MemoryLog(EventLog):
         self._closed = False
         #: The records staged since the loop last answered, with that loop: a batch its own callback
         #: answers (:meth:`_answer_staged`), open to more records until that callback runs.
-        self._unanswered: list[tuple[OnDurable, Envelope]] | None = None
+        self._unanswered: list[tuple[DurableCallback, Envelope]] | None = None
         self._unanswered_loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -523,27 +566,23 @@ class MemoryLog(EventLog):
             batch = self._unanswered = []
             self._unanswered_loop = loop
             loop.call_soon(self._answer_staged, batch, context=contextvars.Context())
-        batch.append((on_durable, env))
+        # As the file log's writer does: a DurableCallback (the engine's records are) is the waiter itself.
+        batch.append((on_durable if isinstance(on_durable, DurableCallback) else DurableCallback(on_durable), env))
 
-    def _answer_staged(self, batch: list[tuple[OnDurable, Envelope]]) -> None:
+    def _answer_staged(self, batch: list[tuple[DurableCallback, Envelope]]) -> None:
         """Answer ``batch``'s records (see :meth:`stage`) in staging order; a record staged from
-        here on starts the next batch. A callback that raises is reported to the loop's exception
-        handler, as asyncio reports a callback's error, and the others are still answered; on
-        SystemExit or KeyboardInterrupt, which stop the loop, the rest go back on it first."""
+        here on starts the next batch. A raising callback is reported by :class:`DurableCallback`;
+        on SystemExit or KeyboardInterrupt, which stop the loop, the rest go back on it first."""
         if self._unanswered is batch:
             self._unanswered = self._unanswered_loop = None
-        loop = asyncio.get_running_loop()
-        for i, (on_durable, env) in enumerate(batch):
+        for i, (waiter, env) in enumerate(batch):
             try:
-                on_durable(env, None)
+                waiter.set_result(env)
             except (SystemExit, KeyboardInterrupt):
                 rest = batch[i + 1:]
                 if rest:
-                    loop.call_soon(self._answer_staged, rest, context=contextvars.Context())
+                    asyncio.get_running_loop().call_soon(self._answer_staged, rest, context=contextvars.Context())
                 raise
-            except BaseException as failure:
-                loop.call_exception_handler({"message": f"memory log: the durable callback of LSN {env.lsn} "
-                                             f"(session {env.session_id!r}) raised", "exception": failure})
 
     def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Any]:  # typed by EventLog.read's overloads
         from .read import RawRecord

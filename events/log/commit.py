@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from agentlog._logging import get_logger
 
-from .api import LogClosed, LogFenced
+from .api import DurableCallback, LogClosed, LogFenced
 from .format import Checkpoint, segment_name
 
 if TYPE_CHECKING:
@@ -313,45 +313,6 @@ class GroupCommit:
                 self._commit(end)
             except LogClosed:
                 return  # fatal: already recorded and reported to every waiter
-
-class DurableCallback:
-    """A waiter of the writer thread in place of an asyncio future
-    (:meth:`FileLog.stage <agentlog.events.log.writer.FileLog.stage>`): where
-    the loop would set a future, it runs ``fn(env, None)``, or ``fn(None, exc)``
-    when the log failed (a subclass overrides :meth:`run` instead). It should
-    not raise: what it raises goes to the loop's exception handler, and the
-    flush's other waiters are answered. Called as ``(env, exc)`` itself, it is an
-    ``on_durable`` for any log's ``stage``."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[[Any, BaseException | None], None]) -> None:
-        self.fn = fn
-
-    def done(self) -> bool:
-        return False  # a callback is never cancelled: it runs once, for the one record it waits for
-
-    def set_result(self, env: Any) -> None:
-        self._call(env, None)
-
-    def set_exception(self, exc: BaseException) -> None:
-        self._call(None, exc)
-
-    def __call__(self, env: Any, exc: BaseException | None) -> None:
-        self._call(env, exc)
-
-    def run(self, env: Any, exc: BaseException | None) -> None:
-        """What the acknowledgement (``env``) or the failure (``exc``) of the record does."""
-        self.fn(env, exc)
-
-    def _call(self, env: Any, exc: BaseException | None) -> None:
-        try:
-            self.run(env, exc)
-        except Exception as failure:  # the flush's other waiters must still be answered: reported, never swallowed
-            asyncio.get_running_loop().call_exception_handler(
-                {"message": f"log: a durable callback raised ({'acknowledged' if exc is None else 'failed'} record)",
-                 "exception": failure})
-
 
 def _set_futures(items: list) -> None:
     for fut, env in items:

@@ -64,9 +64,9 @@ from agentlog._logging import get_logger
 
 from . import framecodec
 from ..fs import fsync_dir, write_atomic
-from .api import CheckedBatch, EventLog, LogClosed, LogError, NotALog, OnDurable, PendingRecord, check_record_body
+from .api import CheckedBatch, DurableCallback, EventLog, LogClosed, LogError, NotALog, OnDurable, PendingRecord, check_record_body
 from .batch_compression import BatchCompression, check_compression, chosen_compression
-from .commit import DurableCallback, GroupCommit, _Submission
+from .commit import GroupCommit, _Submission
 from .fence import _SPARE_PREFIX, FenceAndSpares, _Spare
 from .format import CHECKPOINT_EVERY_BYTES, DEFAULT_MAX_RECORD_BYTES, DURABLE_NAME, ENV_HDR, FENCE_NAME, FRAME_OVERHEAD
 from .format import INDEX_EVERY_BYTES, INDEX_NAME, LOCK_NAME, SEG_HDR_SIZE, Checkpoint, is_log_dir
