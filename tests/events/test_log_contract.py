@@ -418,6 +418,36 @@ def test_a_memory_log_answers_the_rest_of_a_batch_whatever_a_callback_raises():
     assert "LSN 0" in reported[0]["message"]
 
 
+def test_a_file_log_flush_answers_every_record_when_one_callback_raises_cancelled_error(tmp_path):
+    """The file log's writer answers a flush through DurableCallback, which MemoryLog shares: a callback
+    raising CancelledError is reported, naming its record, and the flush's other records are answered."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        reported = []
+        loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+        log = FileLog.open(tmp_path / "log")
+        got = []
+        done = loop.create_future()
+
+        def cancelling(env, exc):
+            got.append(env.session_id)
+            raise asyncio.CancelledError()
+
+        try:
+            log.stage("a", 0, opened(), cancelling)
+            log.stage("b", 0, opened(), lambda env, exc: (got.append(env.session_id), done.set_result(None)))
+            await asyncio.wait_for(done, 10)
+        finally:
+            log.close()
+        return got, reported
+
+    got, reported = asyncio.run(main())
+    assert got == ["a", "b"]
+    assert len(reported) == 1 and isinstance(reported[0]["exception"], asyncio.CancelledError)
+    assert "LSN 0 (session 'a')" in reported[0]["message"]
+
+
 def test_a_memory_log_whose_append_is_overridden_stages_through_it_as_a_task():
     """A test log that delays or fails its appends overrides ``append``: stage and submit go through it."""
     seen = []
