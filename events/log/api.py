@@ -216,15 +216,11 @@ def answer(waiter: Any, env: Any, exc: BaseException | None) -> None:
 
 
 class DurableCallback:
-    """A waiter of the writer thread in place of an asyncio future
-    (:meth:`FileLog.stage <agentlog.events.log.writer.FileLog.stage>`): where
-    the loop would set a future, it runs ``fn(env, None)``, or ``fn(None, exc)``
-    when the log failed (a subclass overrides :meth:`run` instead). It should
-    not raise: what it raises goes to the loop's exception handler, naming the
-    record, and the other records answered with it (a flush, a loop step's batch)
-    are still answered, as asyncio treats a callback's error; SystemExit and
-    KeyboardInterrupt propagate. Called as ``(env, exc)`` itself, it is an
-    ``on_durable`` for any log's ``stage``."""
+    """A waiter in place of an asyncio future (the file log's and MemoryLog's ``stage``): it runs
+    ``fn(env, None)``, or ``fn(None, exc)`` when the log failed (a subclass overrides :meth:`run`).
+    What it raises goes to the loop's exception handler, naming the record, and the records answered
+    with it are still answered (SystemExit and KeyboardInterrupt propagate). Called as ``(env, exc)``
+    itself, it is an ``on_durable`` for any log's ``stage``."""
 
     __slots__ = ("fn",)
 
