@@ -18,10 +18,13 @@ valid id may be ``..`` or longer than a file name may be. The id is in the file.
 **Dedup.** Contents are stored once, whoever holds them. Per session the store
 keeps the previous snapshot's stat of each file (size, mtime, inode, ctime ->
 digest) and does not read a file whose stat is unchanged. A stat is remembered
-only if its mtime and ctime are older than the snapshot's start by
-:data:`RACY_WINDOW_NS`: timestamps tick with the kernel's coarse clock, so a
-write in the same tick as an earlier one could leave the stat unchanged (such a
-file is read again next time). Other files are read once each, hashed while
+only if its mtime and ctime are older, by :data:`RACY_WINDOW_NS`, than the
+moment the snapshot began to read that file: timestamps tick with the kernel's
+coarse clock, so a write in the same tick as an earlier one could leave the stat
+unchanged (such a file is read again next time). A write after the read comes
+a tick after an mtime that old at the least, so the stat shows it; a tree the
+sandbox's set-up wrote just before its first snapshot is then read twice only
+in the part that snapshot read within the window. Other files are read once each, hashed while
 copied (or reflinked and the clone hashed; see snapshot_files on why never hard
 links), in chunks.
 
@@ -54,6 +57,7 @@ snapshot and restore calls do not overlap (other sessions' may, from threads).
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import stat
@@ -78,7 +82,10 @@ __all__ = ["SnapshotStore", "SnapshotInfo", "GcReport", "ManifestEntry", "Snapsh
 
 _log = get_logger("agentlog.engine.snapshots")
 
-#: A stat is trusted next time only if older than the snapshot's start by this much (see Dedup).
+#: A manifest's entries are sorted by path.
+_entry_path = operator.attrgetter("path")
+
+#: A stat is trusted next time only if older than the file's reading by this much (see Dedup).
 RACY_WINDOW_NS = 100_000_000
 #: Temp files of another store instance older than this are a dead process's leftovers.
 STALE_TMP_S = 3600.0
@@ -119,7 +126,7 @@ class _Ref(msgspec.Struct):
 
 class _StatCache(msgspec.Struct):
     root: bytes
-    files: dict[bytes, tuple[StatKey, str]]
+    files: dict[bytes, tuple[StatKey, ManifestEntry]]  # a file's trusted stat and its entry
 
 
 class SnapshotStore:
@@ -163,11 +170,11 @@ class SnapshotStore:
         snapshot: durable when this returns, and named by the session's ref.
         ``turn_index``: the turn it precedes; the ref keeps the newest snapshot of each of the
         session's last ``keep_last`` turns (None: the next turn after the ref's newest)."""
-        t0, start_ns = time.perf_counter(), time.time_ns()
+        t0 = time.perf_counter()
         root = os.fsencode(Path(workdir).absolute())
         cache = self._caches.pop(session_id, None)
         old = cache.files if cache is not None and cache.root == root else {}
-        fresh: dict[bytes, tuple[StatKey, str]] = {}
+        fresh: dict[bytes, tuple[StatKey, ManifestEntry]] = {}
         entries: list[ManifestEntry] = []
         pins: list[str] = []
         temps: list[Path] = []
@@ -178,31 +185,35 @@ class SnapshotStore:
         files = total = new_bytes = read_bytes = 0
         try:
             for rel, path, st in walk_tree(root):
-                mode = st.st_mode & 0o7777
-                if stat.S_ISDIR(st.st_mode):
-                    entries.append(ManifestEntry(rel, "dir", mode))
-                elif stat.S_ISLNK(st.st_mode):
-                    entries.append(ManifestEntry(rel, "symlink", mode, target=os.readlink(path)))
-                elif stat.S_ISREG(st.st_mode):
+                kind = stat.S_IFMT(st.st_mode)
+                if kind == stat.S_IFREG:
                     key = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
                     known = old.get(rel)
                     if known is not None and known[0] == key:
-                        digest, size = known[1], st.st_size
-                        hits.append(digest)
+                        # Unchanged, its stat trusted already: its entry as last time (a chmod moves the ctime).
+                        entry = known[1]
+                        hits.append(entry.digest)
+                        fresh[rel] = known
                     else:
+                        read_ns = time.time_ns()
                         digest, size, added, key, mode = self._store_file(path, rel, pins, temps, syncs, new)
                         new_bytes += added
                         read_bytes += size
-                    if max(key[1], key[3]) < start_ns - RACY_WINDOW_NS:
-                        fresh[rel] = (key, digest)
-                    entries.append(ManifestEntry(rel, "file", mode, size, digest))
-                    files, total = files + 1, total + size
+                        entry = ManifestEntry(rel, "file", mode, size, digest)
+                        if max(key[1], key[3]) < read_ns - RACY_WINDOW_NS:
+                            fresh[rel] = (key, entry)
+                    entries.append(entry)
+                    files, total = files + 1, total + entry.size
+                elif kind == stat.S_IFDIR:
+                    entries.append(ManifestEntry(rel, "dir", st.st_mode & 0o7777))
+                elif kind == stat.S_IFLNK:
+                    entries.append(ManifestEntry(rel, "symlink", st.st_mode & 0o7777, target=os.readlink(path)))
                 else:
                     self._log.warning("sandbox.snapshot_skipped", session=session_id, turn_index=turn_index, path=os.fsdecode(rel),
                                       kind=kind_name(st.st_mode))
             # Live through the session's previous snapshot (its ref); pinned in case that ref goes.
             self._pin(hits, pins)
-            entries.sort(key=lambda e: e.path)
+            entries.sort(key=_entry_path)
             data = msgspec.msgpack.encode(Manifest(MANIFEST_VERSION, entries))
             digest = blake(data).hexdigest()
             self._pin([digest], pins)

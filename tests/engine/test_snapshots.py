@@ -233,6 +233,56 @@ def test_unchanged_files_are_neither_read_nor_stored_again_and_changes_cost_only
     assert len(store.refs()["s1"]) == 30  # keep_last=100: the first, then 29 changes; the unchanged one not twice
 
 
+def _racy_tree(w: Path, late: bytes, *, fifo: bool) -> None:
+    """``w`` holding ``z/late`` (written now, so its stat is inside the racy window) and, with
+    ``fifo``, a fifo at the top: the walk reaches the fifo (skipped, with a warning) before it
+    goes down into ``z``."""
+    (w / "z").mkdir(parents=True)
+    if fifo:
+        os.mkfifo(w / "pipe")
+    (w / "z" / "late").write_bytes(late)
+
+
+def test_a_file_written_just_before_the_snapshot_is_read_again_next_time(tmp_path):
+    # Its stat is too fresh to trust: a write in the same clock tick, after the snapshot read it,
+    # could leave size, mtime and ctime as they were.
+    w = tmp_path / "w"
+    _racy_tree(w, b"x" * 5000, fifo=False)
+    written = os.stat(w / "z" / "late").st_ctime_ns
+    store = SnapshotStore(tmp_path / "store")
+    store.snapshot(w, "s1")
+    read_within = time.time_ns() - written < RACY_WINDOW_NS
+    assert read_within, "the set-up took longer than the racy window: nothing tested"
+    time.sleep(RACY_WINDOW_NS / 1e9 + 0.02)
+    assert store.snapshot(w, "s1").read_bytes == 5000  # read again, now a window after its write
+    assert store.snapshot(w, "s1").read_bytes == 0  # and trusted from then on
+
+
+def test_a_file_read_a_racy_window_after_its_write_is_trusted_though_the_snapshot_began_inside_it(tmp_path):
+    # What decides is when the snapshot read the file, not when the snapshot began: a write after
+    # the read comes a tick after the file's mtime at the least, so the stat shows it. A sandbox's
+    # first snapshot, right after its set-up wrote the tree, then needs no second reading of the files
+    # it read late. The walk is held up at the fifo by the application's log processor (the snapshot
+    # logs a skipped fifo), past the window, before it reads z/late.
+    w = tmp_path / "w"
+    _racy_tree(w, b"x" * 5000, fifo=True)
+    written = os.stat(w / "z" / "late").st_ctime_ns
+
+    def slow(logger, method, event_dict):
+        if event_dict["event"] == "sandbox.snapshot_skipped":
+            time.sleep(RACY_WINDOW_NS / 1e9 + 0.05)
+        return event_dict
+
+    store = SnapshotStore(tmp_path / "store")
+    with capture_logs(processors=[slow]):
+        began = time.time_ns()
+        first = store.snapshot(w, "s1")
+        second = store.snapshot(w, "s1")
+    assert began - written < RACY_WINDOW_NS, "the set-up took longer than the racy window: nothing tested"
+    assert first.read_bytes == 5000
+    assert second.read_bytes == 0
+
+
 def test_a_same_size_rewrite_with_its_mtime_put_back_is_still_seen(tmp_path):
     w = tmp_path / "w"
     w.mkdir()
