@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(median {statistics.median(r['snap_s']) * 1e3:.1f} ms, max {max(r['snap_s']) * 1e3:.1f} ms), "
           f"collect {gc * 1e3:.1f} ms")
     print(f"per turn: {read / mb:.2f} MB read and hashed, {new / mb:.2f} MB stored; of the reads, turn 0's {infos[0].read_bytes / mb:.1f} MB "
-          f"are files the first snapshot found written in its last {RACY_WINDOW_NS / 1e6:.0f} ms (stats too fresh to trust)")
+          f"are files the first snapshot read within {RACY_WINDOW_NS / 1e6:.0f} ms of their last write (stats too fresh to trust)")
     print(f"BLAKE2b-256 alone on this machine: {blake_mb_s():.0f} MB/s")
     print(f"full restore of the last snapshot: {restore.seconds * 1e3:.0f} ms for {restore.bytes / mb:.1f} MB "
           f"({restore.bytes / mb / restore.seconds:.0f} MB/s, every object re-hashed)")
