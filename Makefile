@@ -43,8 +43,10 @@ lint: $(VENV)/.installed
 	done
 	$(VENV)/bin/mypy
 
+# Every benchmark, one at a time, kept in runs/bench and compared with the last run of its kind
+# (BENCH_ARGS=--quick for the small sizes); see tools/bench/run_goals.py.
 bench: $(VENV)/.installed
-	for b in tools/bench/bench_*.py; do $(PY) $$b || exit 1; done
+	$(PY) tools/bench/run_goals.py --history runs/bench $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

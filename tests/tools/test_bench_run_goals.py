@@ -121,6 +121,49 @@ def test_against_a_file_that_is_not_an_earlier_run_is_refused(bench_dir, tmp_pat
         assert "--against" in capsys.readouterr().err
 
 
+def test_history_keeps_each_run_and_compares_it_with_the_newest_earlier_run_of_its_kind(bench_dir, tmp_path, capsys):
+    history = tmp_path / "history"
+
+    def run(*extra: str) -> tuple[list[str], str]:
+        assert run_goals.main(["--dir", str(bench_dir), "--only", "bench_ok", "--history", str(history), *extra]) == 0
+        captured = capsys.readouterr()
+        return captured.out.splitlines(), captured.err
+
+    out, err = run()
+    assert "no earlier full run in" in err and not any(line.startswith("since ") for line in out)
+    first = sorted(history.iterdir())
+    assert len(first) == 1 and out[-1] == f"kept in {first[0]}"
+    kept = json.loads(first[0].read_text())
+    assert kept["quick"] is False and kept["started"].endswith("Z") and "cores" in kept["machine"]
+    assert [g["name"] for g in kept["results"][0]["goals"]] == ["ok_ratio", "ok_rate"]
+
+    # A quick run is compared with quick runs only: the full one above is not its kind.
+    out, err = run("--quick")
+    assert "no earlier --quick run in" in err
+    # The newest full run is the one compared with: make it say ok_ratio missed, and the next run lists the flip.
+    kept["results"][0]["goals"][0].update(measured="1.70x", passed=False)
+    first[0].write_text(json.dumps(kept))
+    out, _ = run()
+    assert out[out.index(f"since {first[0]}: 1 change(s)") + 1] == \
+        "CHANGED bench_ok.py ok_ratio: MISS -> PASS (1.70x -> 1.20x, goal <= 1.5x)"
+    runs = sorted(history.iterdir())
+    assert len(runs) == 3 and [p.name.endswith("-quick.json") for p in runs] == [False, True, False]
+    out, _ = run()
+    assert f"since {runs[2]}: no verdict changed" in out  # the newest full run, not the first
+
+
+def test_history_with_against_compares_with_the_file_named(bench_dir, tmp_path, capsys):
+    before = tmp_path / "before.json"
+    before.write_text(json.dumps({"quick": False, "results": []}))
+    history = tmp_path / "history"
+    history.mkdir()
+    (history / "goals-20260101-000000.000000.json").write_text("not json: never read, --against wins")
+    assert run_goals.main(["--dir", str(bench_dir), "--only", "bench_ok", "--history", str(history),
+                           "--against", str(before)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"since {before}: 2 change(s)" in out and len(list(history.iterdir())) == 2
+
+
 _TEXT = st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=30).map(str.strip).filter(bool)
 
 

@@ -6,18 +6,25 @@ scripts that take it. The table lists each goal as its script printed it, with P
 a script that exits non-zero, times out or prints no GOAL line is an ERROR, with the end of its
 output, and makes this script exit 1 (a MISS is information and does not). ``--json`` writes
 the same results; ``--against`` an earlier run's file lists the goals whose verdict changed since.
+``--history DIR`` keeps every run in ``DIR`` (one file a run, named by its UTC start) and compares
+each with the newest earlier run of the same kind there (full or ``--quick``): what ``make bench``
+does, so a run at any time, nightly say, says what drifted since the last one.
 
 Usage: ``python tools/bench/run_goals.py [--quick] [--only NAME ...] [--skip NAME ...]
-[--timeout S] [--json PATH] [--against PATH]`` (NAME: a script's file name, with or without ``.py``)
+[--timeout S] [--json PATH] [--against PATH] [--history DIR]`` (NAME: a script's file name, with or
+without ``.py``)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from agentlog.tools.bench.goals import GoalLine, parse_goal_line
@@ -103,6 +110,31 @@ def changes(before: dict, after: list[dict]) -> list[str]:
     return out
 
 
+def history_file(folder: Path, started: datetime, quick: bool) -> Path:
+    """Where ``--history`` keeps a run that started at ``started`` (UTC, to the microsecond: two runs
+    never share a name): the names sort by start."""
+    return folder / f"goals-{started.strftime('%Y%m%d-%H%M%S.%f')}{'-quick' if quick else ''}.json"
+
+
+def last_run_in(folder: Path, quick: bool) -> Path | None:
+    """The newest run of this kind (full or ``--quick``) ``--history`` kept in ``folder``, if any."""
+    if not folder.is_dir():
+        return None
+    runs = [p for p in folder.glob("goals-*.json") if p.stem.endswith("-quick") == quick]
+    return max(runs, key=lambda p: p.name, default=None)
+
+
+def read_run(path: Path) -> dict:
+    """An earlier run's results (a ``--json`` file); ValueError saying why a file is not one."""
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read it as JSON ({exc})") from None
+    if not isinstance(before, dict) or not isinstance(before.get("results"), list):
+        raise ValueError("expected the --json file of an earlier run (an object with a \"results\" list)")
+    return before
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="pass --quick to the scripts that take it")
@@ -112,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--against", default=None, metavar="JSON",
                     help="an earlier run's --json file: list the goals whose verdict changed since (information)")
+    ap.add_argument("--history", default=None, metavar="DIR",
+                    help="keep this run in DIR and, unless --against is given, compare it with DIR's newest earlier "
+                         "run of the same kind")
     ap.add_argument("--dir", default=str(HERE), help=argparse.SUPPRESS)  # the tests' own scripts
     args = ap.parse_args(argv)
 
@@ -130,20 +165,23 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [s for s in found if s.name not in INFORMATION_ONLY]
     chosen = [s for s in chosen if s.name not in named(args.skip)]
 
+    started = datetime.now(timezone.utc)
+    against = Path(args.against) if args.against else None
+    if against is None and args.history:
+        against = last_run_in(Path(args.history), args.quick)
+        if against is None:
+            print(f"run_goals: no earlier {'--quick' if args.quick else 'full'} run in {args.history}: nothing to compare with",
+                  file=sys.stderr)
     before = None
-    if args.against:
+    if against is not None:
         try:
-            before = json.loads(Path(args.against).read_text())
-        except (OSError, ValueError) as exc:
-            print(f"run_goals: --against {args.against}: cannot read it as JSON ({exc})", file=sys.stderr)
-            return 2
-        if not isinstance(before, dict) or not isinstance(before.get("results"), list):
-            print(f"run_goals: --against {args.against}: expected the --json file of an earlier run "
-                  "(an object with a \"results\" list)", file=sys.stderr)
+            before = read_run(against)
+        except ValueError as exc:
+            print(f"run_goals: --against {against}: {exc}", file=sys.stderr)
             return 2
         if bool(before.get("quick")) != args.quick:
             kind = {True: "--quick", False: "full"}
-            print(f"run_goals: --against {args.against} was a {kind[bool(before.get('quick'))]} run and this one is "
+            print(f"run_goals: --against {against} was a {kind[bool(before.get('quick'))]} run and this one is "
                   f"{kind[args.quick]}: its verdicts came at other sizes", file=sys.stderr)
 
     from tqdm import tqdm
@@ -157,11 +195,18 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     if before is not None:
         diff = changes(before, results)
-        print(f"since {args.against}: " + (f"{len(diff)} change(s)" if diff else "no verdict changed"))
+        print(f"since {against}: " + (f"{len(diff)} change(s)" if diff else "no verdict changed"))
         for line in diff:
             print(line)
+    run = {"quick": args.quick, "started": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "machine": f"{platform.node()}, {os.cpu_count()} cores, {platform.platform()}", "results": results}
     if args.json:
-        Path(args.json).write_text(json.dumps({"quick": args.quick, "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps(run, indent=1))
+    if args.history:
+        kept = history_file(Path(args.history), started, args.quick)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps(run, indent=1))
+        print(f"kept in {kept}")
     return 1 if any(r["error"] for r in results) else 0
 
 
