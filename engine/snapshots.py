@@ -15,18 +15,17 @@ A ref's file name is the session id when it is a plain name (letters, digits,
 ``._-``, no leading dot, at most 128 characters), else ``~`` and a hash of it: a
 valid id may be ``..`` or longer than a file name may be. The id is in the file.
 
-**Dedup.** Contents are stored once, whoever holds them. Per session the store
-keeps the previous snapshot's stat of each file (size, mtime, inode, ctime ->
-digest) and does not read a file whose stat is unchanged. A stat is remembered
-only if its mtime and ctime are older, by :data:`RACY_WINDOW_NS`, than the
-moment the snapshot began to read that file: timestamps tick with the kernel's
-coarse clock, so a write in the same tick as an earlier one could leave the stat
-unchanged (such a file is read again next time). A write after the read comes
-a tick after an mtime that old at the least, so the stat shows it; a tree the
-sandbox's set-up wrote just before its first snapshot is then read twice only
-in the part that snapshot read within the window. Other files are read once each, hashed while
-copied (or reflinked and the clone hashed; see snapshot_files on why never hard
-links), in chunks.
+**Dedup.** Contents are stored once, whoever holds them. Per session the store keeps the
+previous snapshot's stat of each file (size, mtime, inode, ctime -> its manifest entry)
+and does not read a file whose stat is unchanged. A stat is remembered only if its mtime
+and ctime are older, by :data:`RACY_WINDOW_NS`, than the moment the snapshot began to
+read that file: timestamps tick with the kernel's coarse clock, so a write in the same
+tick as an earlier one could leave the stat unchanged (such a file is read again next
+time). A write begun after the read gets a timestamp a tick after an mtime that old at
+the least (timestamps finer than the window, from this machine's clock), so the stat
+shows it; a tree written just before a sandbox's first snapshot is read twice only where
+that snapshot read it within the window. Other files are read once each, hashed while
+copied (or reflinked and the clone hashed; see snapshot_files on why never hard links).
 
 **Durability.** :meth:`SnapshotStore.snapshot` returns once the snapshot is
 durable: the new objects, the manifest and the session's new ref are written to
@@ -81,10 +80,7 @@ from .snapshot_files import (
 __all__ = ["SnapshotStore", "SnapshotInfo", "GcReport", "ManifestEntry", "SnapshotError", "SnapshotDamaged", "SnapshotMissing"]
 
 _log = get_logger("agentlog.engine.snapshots")
-
-#: A manifest's entries are sorted by path.
-_entry_path = operator.attrgetter("path")
-
+_entry_path = operator.attrgetter("path")  # a manifest's entries are sorted by path
 #: A stat is trusted next time only if older than the file's reading by this much (see Dedup).
 RACY_WINDOW_NS = 100_000_000
 #: Temp files of another store instance older than this are a dead process's leftovers.
@@ -193,7 +189,7 @@ class SnapshotStore:
                         # Unchanged, its stat trusted already: its entry as last time (a chmod moves the ctime).
                         entry = known[1]
                         hits.append(entry.digest)
-                        fresh[rel] = known
+                        fresh[entry.path] = known  # keyed by the entry's own path: one copy of each name
                     else:
                         read_ns = time.time_ns()
                         digest, size, added, key, mode = self._store_file(path, rel, pins, temps, syncs, new)
