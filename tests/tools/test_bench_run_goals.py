@@ -130,26 +130,53 @@ def test_history_keeps_each_run_and_compares_it_with_the_newest_earlier_run_of_i
         return captured.out.splitlines(), captured.err
 
     out, err = run()
-    assert "no earlier full run in" in err and not any(line.startswith("since ") for line in out)
+    assert "no earlier full run of these scripts in" in err and not any(line.startswith("since ") for line in out)
     first = sorted(history.iterdir())
     assert len(first) == 1 and out[-1] == f"kept in {first[0]}"
     kept = json.loads(first[0].read_text())
-    assert kept["quick"] is False and kept["started"].endswith("Z") and "cores" in kept["machine"]
+    assert kept["quick"] is False and kept["started"].endswith("+00:00") and "cores" in kept["machine"]
     assert [g["name"] for g in kept["results"][0]["goals"]] == ["ok_ratio", "ok_rate"]
 
     # A quick run is compared with quick runs only: the full one above is not its kind.
     out, err = run("--quick")
-    assert "no earlier --quick run in" in err
+    assert "no earlier --quick run of these scripts in" in err
     # The newest full run is the one compared with: make it say ok_ratio missed, and the next run lists the flip.
     kept["results"][0]["goals"][0].update(measured="1.70x", passed=False)
+    kept["machine"] = "another host, 64 cores"
     first[0].write_text(json.dumps(kept))
-    out, _ = run()
+    out, err = run()
+    assert f"{first[0]} ran on another machine (another host, 64 cores)" in err
     assert out[out.index(f"since {first[0]}: 1 change(s)") + 1] == \
         "CHANGED bench_ok.py ok_ratio: MISS -> PASS (1.70x -> 1.20x, goal <= 1.5x)"
     runs = sorted(history.iterdir())
     assert len(runs) == 3 and [p.name.endswith("-quick.json") for p in runs] == [False, True, False]
     out, _ = run()
     assert f"since {runs[2]}: no verdict changed" in out  # the newest full run, not the first
+
+
+def test_history_skips_a_torn_run_and_a_run_of_other_scripts_for_the_newest_that_covers_this_one(bench_dir, tmp_path, capsys):
+    history = tmp_path / "history"
+    assert run_goals.main(["--dir", str(bench_dir), "--only", "bench_ok", "--history", str(history)]) == 0
+    (good,) = history.iterdir()
+    # Newer than it: a run of another script only, and a run torn mid-write.
+    (history / "goals-29990101-000000.000000.json").write_text(json.dumps(
+        {"quick": False, "results": [{"script": "bench_other.py", "seconds": 1.0, "error": None, "goals": []}]}))
+    (history / "goals-29990101-000001.000000.json").write_text('{"quick": false, "resul')
+    (history / "goals-latest.json").write_text("{}")  # not a name the history gives: never read
+    capsys.readouterr()
+    assert run_goals.main(["--dir", str(bench_dir), "--only", "bench_ok", "--history", str(history)]) == 0
+    captured = capsys.readouterr()
+    assert "skipping goals-29990101-000001.000000.json: cannot read it as JSON" in captured.err
+    assert "goals-latest" not in captured.err
+    assert f"since {good}: no verdict changed" in captured.out.splitlines()
+
+
+def test_history_that_cannot_be_a_folder_is_refused_before_any_benchmark_runs(bench_dir, tmp_path, capsys):
+    not_a_folder = tmp_path / "a_file"
+    not_a_folder.write_text("")
+    assert run_goals.main(["--dir", str(bench_dir), "--only", "bench_ok", "--history", str(not_a_folder)]) == 2
+    captured = capsys.readouterr()
+    assert f"--history {not_a_folder}: cannot use it as a folder" in captured.err and "bench_ok.py" not in captured.out
 
 
 def test_history_with_against_compares_with_the_file_named(bench_dir, tmp_path, capsys):

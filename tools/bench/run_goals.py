@@ -6,9 +6,10 @@ scripts that take it. The table lists each goal as its script printed it, with P
 a script that exits non-zero, times out or prints no GOAL line is an ERROR, with the end of its
 output, and makes this script exit 1 (a MISS is information and does not). ``--json`` writes
 the same results; ``--against`` an earlier run's file lists the goals whose verdict changed since.
-``--history DIR`` keeps every run in ``DIR`` (one file a run, named by its UTC start) and compares
-each with the newest earlier run of the same kind there (full or ``--quick``): what ``make bench``
-does, so a run at any time, nightly say, says what drifted since the last one.
+``--history DIR`` keeps every run in ``DIR`` (one file a run, named by its UTC start, with its
+machine) and compares each with the newest earlier run there of the same kind (full or ``--quick``)
+that ran every script this one runs: what ``make bench`` does, so a run at any time, nightly say,
+says what drifted since the last one.
 
 Usage: ``python tools/bench/run_goals.py [--quick] [--only NAME ...] [--skip NAME ...]
 [--timeout S] [--json PATH] [--against PATH] [--history DIR]`` (NAME: a script's file name, with or
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -110,18 +112,14 @@ def changes(before: dict, after: list[dict]) -> list[str]:
     return out
 
 
+#: A run ``--history`` kept: ``goals-<UTC start to the microsecond>[-quick].json``.
+_HISTORY_NAME = re.compile(r"goals-\d{8}-\d{6}\.\d{6}(-quick)?\.json")
+
+
 def history_file(folder: Path, started: datetime, quick: bool) -> Path:
     """Where ``--history`` keeps a run that started at ``started`` (UTC, to the microsecond: two runs
     never share a name): the names sort by start."""
     return folder / f"goals-{started.strftime('%Y%m%d-%H%M%S.%f')}{'-quick' if quick else ''}.json"
-
-
-def last_run_in(folder: Path, quick: bool) -> Path | None:
-    """The newest run of this kind (full or ``--quick``) ``--history`` kept in ``folder``, if any."""
-    if not folder.is_dir():
-        return None
-    runs = [p for p in folder.glob("goals-*.json") if p.stem.endswith("-quick") == quick]
-    return max(runs, key=lambda p: p.name, default=None)
 
 
 def read_run(path: Path) -> dict:
@@ -133,6 +131,24 @@ def read_run(path: Path) -> dict:
     if not isinstance(before, dict) or not isinstance(before.get("results"), list):
         raise ValueError("expected the --json file of an earlier run (an object with a \"results\" list)")
     return before
+
+
+def last_run_in(folder: Path, quick: bool, scripts: set[str]) -> tuple[Path, dict] | None:
+    """The newest run of this kind (full or ``--quick``) ``--history`` kept in ``folder`` that ran every
+    one of ``scripts`` (a run of a few scripts is no measure of the others), and its results. A
+    file that cannot be read is skipped with a warning: one torn file does not stop every later run."""
+    if not folder.is_dir():
+        return None
+    kept = [p for p in folder.iterdir() if _HISTORY_NAME.fullmatch(p.name) and p.stem.endswith("-quick") == quick]
+    for path in sorted(kept, key=lambda p: p.name, reverse=True):
+        try:
+            run = read_run(path)
+        except ValueError as exc:
+            print(f"run_goals: --history {folder}: skipping {path.name}: {exc}", file=sys.stderr)
+            continue
+        if scripts <= {r.get("script") for r in run["results"] if isinstance(r, dict)}:
+            return path, run
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,23 +182,39 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [s for s in chosen if s.name not in named(args.skip)]
 
     started = datetime.now(timezone.utc)
-    against = Path(args.against) if args.against else None
-    if against is None and args.history:
-        against = last_run_in(Path(args.history), args.quick)
-        if against is None:
-            print(f"run_goals: no earlier {'--quick' if args.quick else 'full'} run in {args.history}: nothing to compare with",
-                  file=sys.stderr)
-    before = None
+    history = Path(args.history) if args.history else None
+    if history is not None:  # a folder that cannot take the run is refused now, not after hours of benchmarks
+        try:
+            history.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(f"run_goals: --history {history}: cannot use it as a folder ({exc})", file=sys.stderr)
+            return 2
+        if not os.access(history, os.W_OK | os.X_OK):
+            print(f"run_goals: --history {history}: this user cannot write there", file=sys.stderr)
+            return 2
+    against, before = (Path(args.against), None) if args.against else (None, None)
     if against is not None:
         try:
             before = read_run(against)
         except ValueError as exc:
             print(f"run_goals: --against {against}: {exc}", file=sys.stderr)
             return 2
+    elif history is not None:
+        found_run = last_run_in(history, args.quick, {s.name for s in chosen})
+        if found_run is None:
+            print(f"run_goals: no earlier {'--quick' if args.quick else 'full'} run of these scripts in {history}: "
+                  "nothing to compare with", file=sys.stderr)
+        else:
+            against, before = found_run
+    machine = f"{platform.node()}, {os.cpu_count()} cores, {platform.platform()}"
+    if before is not None:
         if bool(before.get("quick")) != args.quick:
             kind = {True: "--quick", False: "full"}
             print(f"run_goals: --against {against} was a {kind[bool(before.get('quick'))]} run and this one is "
                   f"{kind[args.quick]}: its verdicts came at other sizes", file=sys.stderr)
+        if before.get("machine", machine) != machine:
+            print(f"run_goals: {against} ran on another machine ({before['machine']}): its verdicts are not this one's",
+                  file=sys.stderr)
 
     from tqdm import tqdm
 
@@ -198,14 +230,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"since {against}: " + (f"{len(diff)} change(s)" if diff else "no verdict changed"))
         for line in diff:
             print(line)
-    run = {"quick": args.quick, "started": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
-           "machine": f"{platform.node()}, {os.cpu_count()} cores, {platform.platform()}", "results": results}
+    run = {"quick": args.quick, "started": started.isoformat(), "machine": machine, "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(run, indent=1))
-    if args.history:
-        kept = history_file(Path(args.history), started, args.quick)
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        kept.write_text(json.dumps(run, indent=1))
+    if history is not None:
+        kept = history_file(history, started, args.quick)
+        part = kept.with_name(kept.name + ".part")  # renamed in whole: a torn write is never a kept run
+        part.write_text(json.dumps(run, indent=1))
+        os.replace(part, kept)
         print(f"kept in {kept}")
     return 1 if any(r["error"] for r in results) else 0
 
