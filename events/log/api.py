@@ -23,15 +23,8 @@ import msgspec
 from ..errors import AgentlogError
 from ..schema.batch_check import check_bodies
 from ..schema.types import (
-    EVENT_TYPES,
-    KNOWN_TAGS,
-    TERMINAL_EVENT_TYPES,
-    Envelope,
-    EventValidationError,
-    check_body,
-    describe_validation_error,
-    stored_tag,
-    validate_id,
+    EVENT_TYPES, KNOWN_TAGS, TERMINAL_EVENT_TYPES, Envelope, EventValidationError, check_body, describe_validation_error,
+    stored_tag, validate_id,
 )
 
 if TYPE_CHECKING:
@@ -252,6 +245,20 @@ class DurableCallback:
             record = f"LSN {env.lsn} (session {env.session_id!r}), acknowledged" if env is not None else "a failed record"
             asyncio.get_running_loop().call_exception_handler(
                 {"message": f"log: the durable callback of {record}, raised", "exception": failure})
+
+
+def answer_durable(items: list) -> None:
+    """Answer a batch of ``(waiter, envelope)`` in order (the file log's flush, MemoryLog's loop step);
+    a future already done (its wait cancelled) takes nothing. SystemExit or KeyboardInterrupt from a
+    waiter stops the loop: the rest of the batch goes back on it first, so none stays unanswered."""
+    for i, (waiter, env) in enumerate(items):
+        try:
+            if isinstance(waiter, DurableCallback) or not waiter.done():  # a callback is never done: the call spared
+                waiter.set_result(env)
+        except (SystemExit, KeyboardInterrupt):
+            if i + 1 < len(items):
+                asyncio.get_running_loop().call_soon(answer_durable, items[i + 1:], context=contextvars.Context())
+            raise
 
 
 def settle_from_task(on_durable: OnDurable) -> Callable[[asyncio.Future], None]:
@@ -551,11 +558,10 @@ class MemoryLog(EventLog):
             return super().stage(session_id, session_seq, body, on_durable)
         loop = asyncio.get_running_loop()
         env = self.append_batch([PendingRecord(session_id, session_seq, body)])[0]
-        # Later, as a durable log answers (never inside this call), and in a context of its own: the caller's
-        # (the engine's READING_STORED while it stages a turn it built) must not reach on_durable. The records
-        # staged before the loop answers are answered by one callback, in one context, as the file log answers
-        # a flush: a record in flight then holds a list entry, not a handle, a context and their arguments
-        # (objects every full collection walks while thousands of sessions are in flight).
+        # Later, as a durable log answers (never inside this call), in a context of its own: the caller's (the
+        # engine's READING_STORED while it stages a built turn) must not reach on_durable. One callback answers
+        # the records staged before the loop does, as a flush: a record in flight holds a list entry, not a
+        # handle, a context and their arguments (objects every full collection walks).
         batch = self._unanswered
         if batch is None or self._unanswered_loop is not loop:
             # The first since the last answer, or staged from another loop (which answers the batch it has).
@@ -566,19 +572,11 @@ class MemoryLog(EventLog):
         batch.append((on_durable if isinstance(on_durable, DurableCallback) else DurableCallback(on_durable), env))
 
     def _answer_staged(self, batch: list[tuple[DurableCallback, Envelope]]) -> None:
-        """Answer ``batch``'s records (see :meth:`stage`) in staging order; a record staged from
-        here on starts the next batch. A raising callback is reported by :class:`DurableCallback`;
-        on SystemExit or KeyboardInterrupt, which stop the loop, the rest go back on it first."""
+        """Answer ``batch``'s records (see :meth:`stage`, :func:`answer_durable`); a record staged
+        from here on starts the next batch."""
         if self._unanswered is batch:
             self._unanswered = self._unanswered_loop = None
-        for i, (waiter, env) in enumerate(batch):
-            try:
-                waiter.set_result(env)
-            except (SystemExit, KeyboardInterrupt):
-                rest = batch[i + 1:]
-                if rest:
-                    asyncio.get_running_loop().call_soon(self._answer_staged, rest, context=contextvars.Context())
-                raise
+        answer_durable(batch)
 
     def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Any]:  # typed by EventLog.read's overloads
         from .read import RawRecord

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from agentlog._logging import get_logger
 
-from .api import DurableCallback, LogClosed, LogFenced
+from .api import LogClosed, LogFenced, answer_durable
 from .format import Checkpoint, segment_name
 
 if TYPE_CHECKING:
@@ -259,7 +259,7 @@ class GroupCommit:
             _end, fut, env, loop = w.popleft()
             by_loop.setdefault(loop, []).append((fut, env))
         for loop, items in by_loop.items():
-            _call_in_loop(loop, _set_futures, items)
+            _call_in_loop(loop, answer_durable, items)
 
     def _writer_loop(self) -> None:
         """The writer thread: group-commits async appends; syncs under ``interval``.
@@ -313,12 +313,6 @@ class GroupCommit:
                 self._commit(end)
             except LogClosed:
                 return  # fatal: already recorded and reported to every waiter
-
-def _set_futures(items: list) -> None:
-    for fut, env in items:
-        if isinstance(fut, DurableCallback) or not fut.done():  # a callback is never done: its done() call spared
-            fut.set_result(env)
-
 
 def _fail_futures(items: list, err: BaseException) -> None:
     for fut, _ in items:

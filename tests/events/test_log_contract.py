@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from agentlog.events import FileLog
-from agentlog.events.log.api import EventLog, LogClosed, MemoryLog, PendingRecord, SequenceError
+from agentlog.events.log.api import DurableCallback, EventLog, LogClosed, MemoryLog, PendingRecord, SequenceError, answer_durable
 from agentlog.events.schema.types import EventValidationError, SessionDropped, SessionFinished, SessionOpened, SessionStarted, UnknownEvent
 import make_golden_shim
 from event_samples import small_event
@@ -446,6 +446,34 @@ def test_a_file_log_flush_answers_every_record_when_one_callback_raises_cancelle
     assert got == ["a", "b"]
     assert len(reported) == 1 and isinstance(reported[0]["exception"], asyncio.CancelledError)
     assert "LSN 0 (session 'a')" in reported[0]["message"]
+
+
+def test_a_flush_interrupted_by_a_callback_puts_its_other_records_back_on_the_loop():
+    """Both logs answer a batch through answer_durable (the file log's flush: futures of ``append``
+    and callbacks of ``stage`` side by side): one raising KeyboardInterrupt stops the loop, and the
+    batch's other records are answered when it runs again; a future whose wait was cancelled takes nothing."""
+    envs = list(MemoryLog().append_batch([PendingRecord(s, 0, opened()) for s in "abcd"]))
+    got = []
+
+    def interrupting(env, exc):
+        got.append(env.session_id)
+        raise KeyboardInterrupt()
+
+    loop = asyncio.new_event_loop()
+    try:
+        fut, cancelled = loop.create_future(), loop.create_future()
+        cancelled.cancel()
+        batch = [(DurableCallback(interrupting), envs[0]), (cancelled, envs[1]), (fut, envs[2]),
+                 (DurableCallback(lambda env, exc: got.append(env.session_id)), envs[3])]
+        loop.call_soon(answer_durable, batch)
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_forever()
+        assert got == ["a"] and not fut.done()
+        loop.call_soon(loop.stop)  # queued after the rest of the batch
+        loop.run_forever()
+        assert got == ["a", "d"] and fut.result() is envs[2] and cancelled.cancelled()
+    finally:
+        loop.close()
 
 
 def test_a_memory_log_whose_append_is_overridden_stages_through_it_as_a_task():
