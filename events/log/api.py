@@ -529,10 +529,9 @@ class MemoryLog(EventLog):
         super().__init__(clock)
         self._records: list[Envelope] = []
         self._closed = False
-        #: The records staged since the loop last answered, with that loop: a batch its own callback
+        #: The loop and the records staged on it since it last answered: a batch its own callback
         #: answers (:meth:`_answer_staged`), open to more records until that callback runs.
-        self._unanswered: list[tuple[DurableCallback, Envelope]] | None = None
-        self._unanswered_loop: asyncio.AbstractEventLoop | None = None
+        self._unanswered: tuple[asyncio.AbstractEventLoop, list[tuple[DurableCallback, Envelope]]] | None = None
 
     @property
     def next_lsn(self) -> int:
@@ -562,11 +561,12 @@ class MemoryLog(EventLog):
         # engine's READING_STORED while it stages a built turn) must not reach on_durable. One callback answers
         # the records staged before the loop does, as a flush: a record in flight holds a list entry, not a
         # handle, a context and their arguments (objects every full collection walks).
-        batch = self._unanswered
-        if batch is None or self._unanswered_loop is not loop:
-            # The first since the last answer, or staged from another loop (which answers the batch it has).
-            batch = self._unanswered = []
-            self._unanswered_loop = loop
+        open_batch = self._unanswered
+        if open_batch is not None and open_batch[0] is loop:
+            batch = open_batch[1]
+        else:  # the first since the last answer, or staged from another loop (which answers the batch it has)
+            batch = []
+            self._unanswered = (loop, batch)
             loop.call_soon(self._answer_staged, batch, context=contextvars.Context())
         # As the file log's writer does: a DurableCallback (the engine's records are) is the waiter itself.
         batch.append((on_durable if isinstance(on_durable, DurableCallback) else DurableCallback(on_durable), env))
@@ -574,8 +574,8 @@ class MemoryLog(EventLog):
     def _answer_staged(self, batch: list[tuple[DurableCallback, Envelope]]) -> None:
         """Answer ``batch``'s records (see :meth:`stage`, :func:`answer_durable`); a record staged
         from here on starts the next batch."""
-        if self._unanswered is batch:
-            self._unanswered = self._unanswered_loop = None
+        if self._unanswered is not None and self._unanswered[1] is batch:
+            self._unanswered = None
         answer_durable(batch)
 
     def read(self, from_lsn: int = 0, *, raw: bool = False) -> Iterator[Any]:  # typed by EventLog.read's overloads

@@ -289,13 +289,12 @@ def main(argv: list[str] | None = None) -> int:
         # anchor, to show what the log and the interpreter add at high concurrency.
         mem = {lo: 0.0, hi: 0.0}
         mem_raw = {lo: 0.0, hi: 0.0}  # plain appends the same way: what the interpreter's heap adds by itself
-        for c in (lo, hi, hi, lo):
-            mem[c] += asyncio.run(run_engine(None, n_scale, c, args.turns, toks, lps))
-            mem_raw[c] += asyncio.run(run_raw(None, n_scale, c, args.turns, toks, lps))
-        # The same with the garbage collector off: what is left when its full collections, which walk every
+        # The engine with the garbage collector off: what is left when its full collections, which walk every
         # session's objects in flight, are not counted.
         mem_no_gc = {lo: 0.0, hi: 0.0}
         for c in (lo, hi, hi, lo):
+            mem[c] += asyncio.run(run_engine(None, n_scale, c, args.turns, toks, lps))
+            mem_raw[c] += asyncio.run(run_raw(None, n_scale, c, args.turns, toks, lps))
             gc.disable()
             try:
                 mem_no_gc[c] += asyncio.run(run_engine(None, n_scale, c, args.turns, toks, lps))

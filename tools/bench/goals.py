@@ -29,9 +29,14 @@ def meets(measured: float, op: str, target: float) -> bool:
     return not math.isnan(measured) and compare(measured, target)
 
 
+def verdict(ok: bool) -> str:
+    """A goal's verdict as its line shows it."""
+    return "PASS" if ok else "MISS"
+
+
 def goal_line(name: str, measured: str, op: str, target: str, ok: bool) -> str:
     """The GOAL line of ``name``: ``measured`` and ``target`` as they are shown, ``ok`` its verdict."""
-    return f"GOAL {name}: {measured} (goal {op} {target}) {'PASS' if ok else 'MISS'}"
+    return f"GOAL {name}: {measured} (goal {op} {target}) {verdict(ok)}"
 
 
 def goal(name: str, measured: float, op: str, target: float, unit: str = "x") -> str:

@@ -29,7 +29,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from agentlog.tools.bench.goals import GoalLine, parse_goal_line
+from agentlog.events.fs import write_atomic
+from agentlog.tools.bench.goals import GoalLine, parse_goal_line, verdict
 
 HERE = Path(__file__).resolve().parent
 
@@ -81,7 +82,7 @@ def table(results: list[dict]) -> list[str]:
     rows = [("script", "goal", "", "target", "measured")]
     for r in results:
         for g in map(lambda d: GoalLine(**d), r["goals"]):
-            rows.append((r["script"], g.name, "PASS" if g.passed else "MISS", f"{g.op} {g.target}", g.measured))
+            rows.append((r["script"], g.name, verdict(g.passed), f"{g.op} {g.target}", g.measured))
     width = [max(len(row[i]) for row in rows) for i in range(4)]
     out = ["  ".join(c.ljust(width[i]) if i < 4 else c for i, c in enumerate(row)).rstrip() for row in rows]
     out += [f"ERROR {r['script']}: {r['error']}" for r in results if r["error"]]
@@ -103,12 +104,11 @@ def changes(before: dict, after: list[dict]) -> list[str]:
         script, name = key
         was, now = old.get(key), new.get(key)
         if was is None:
-            out.append(f"NEW {script} {name}: {'PASS' if now['passed'] else 'MISS'} ({now['measured']})")
+            out.append(f"NEW {script} {name}: {verdict(now['passed'])} ({now['measured']})")
         elif now is None:
-            out.append(f"GONE {script} {name}: printed no longer (was {'PASS' if was['passed'] else 'MISS'}, {was['measured']})")
+            out.append(f"GONE {script} {name}: printed no longer (was {verdict(was['passed'])}, {was['measured']})")
         elif was["passed"] != now["passed"]:
-            flip = "PASS -> MISS" if was["passed"] else "MISS -> PASS"
-            out.append(f"CHANGED {script} {name}: {flip} ({was['measured']} -> {now['measured']}, goal {now['op']} {now['target']})")
+            out.append(f"CHANGED {script} {name}: {verdict(was['passed'])} -> {verdict(now['passed'])} ({was['measured']} -> {now['measured']}, goal {now['op']} {now['target']})")
     return out
 
 
@@ -149,6 +149,25 @@ def last_run_in(folder: Path, quick: bool, scripts: set[str]) -> tuple[Path, dic
         if scripts <= {r.get("script") for r in run["results"] if isinstance(r, dict)}:
             return path, run
     return None
+
+
+def _kind(quick: bool) -> str:
+    return "--quick" if quick else "full"
+
+
+def earlier_run(against: str | None, history: Path | None, quick: bool, scripts: set[str]) -> tuple[Path | None, dict | None]:
+    """The run this one is compared with, and its results: the file ``against`` names (ValueError when
+    it is not an earlier run), else the newest fitting run ``history`` kept (:func:`last_run_in`),
+    else none."""
+    if against is not None:
+        return Path(against), read_run(Path(against))
+    if history is None:
+        return None, None
+    found = last_run_in(history, quick, scripts)
+    if found is None:
+        print(f"run_goals: no earlier {_kind(quick)} run of these scripts in {history}: nothing to compare with", file=sys.stderr)
+        return None, None
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,26 +211,16 @@ def main(argv: list[str] | None = None) -> int:
         if not os.access(history, os.W_OK | os.X_OK):
             print(f"run_goals: --history {history}: this user cannot write there", file=sys.stderr)
             return 2
-    against, before = (Path(args.against), None) if args.against else (None, None)
-    if against is not None:
-        try:
-            before = read_run(against)
-        except ValueError as exc:
-            print(f"run_goals: --against {against}: {exc}", file=sys.stderr)
-            return 2
-    elif history is not None:
-        found_run = last_run_in(history, args.quick, {s.name for s in chosen})
-        if found_run is None:
-            print(f"run_goals: no earlier {'--quick' if args.quick else 'full'} run of these scripts in {history}: "
-                  "nothing to compare with", file=sys.stderr)
-        else:
-            against, before = found_run
+    try:
+        against, before = earlier_run(args.against, history, args.quick, {s.name for s in chosen})
+    except ValueError as exc:
+        print(f"run_goals: --against {args.against}: {exc}", file=sys.stderr)
+        return 2
     machine = f"{platform.node()}, {os.cpu_count()} cores, {platform.platform()}"
     if before is not None:
         if bool(before.get("quick")) != args.quick:
-            kind = {True: "--quick", False: "full"}
-            print(f"run_goals: --against {against} was a {kind[bool(before.get('quick'))]} run and this one is "
-                  f"{kind[args.quick]}: its verdicts came at other sizes", file=sys.stderr)
+            print(f"run_goals: --against {against} was a {_kind(bool(before.get('quick')))} run and this one is "
+                  f"{_kind(args.quick)}: its verdicts came at other sizes", file=sys.stderr)
         if before.get("machine", machine) != machine:
             print(f"run_goals: {against} ran on another machine ({before['machine']}): its verdicts are not this one's",
                   file=sys.stderr)
@@ -230,14 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"since {against}: " + (f"{len(diff)} change(s)" if diff else "no verdict changed"))
         for line in diff:
             print(line)
-    run = {"quick": args.quick, "started": started.isoformat(), "machine": machine, "results": results}
+    run = json.dumps({"quick": args.quick, "started": started.isoformat(), "machine": machine, "results": results}, indent=1)
     if args.json:
-        Path(args.json).write_text(json.dumps(run, indent=1))
+        Path(args.json).write_text(run)
     if history is not None:
         kept = history_file(history, started, args.quick)
-        part = kept.with_name(kept.name + ".part")  # renamed in whole: a torn write is never a kept run
-        part.write_text(json.dumps(run, indent=1))
-        os.replace(part, kept)
+        write_atomic(history, kept.name, run.encode())  # renamed in whole: a torn write is never a kept run
         print(f"kept in {kept}")
     return 1 if any(r["error"] for r in results) else 0
 
