@@ -472,7 +472,11 @@ class SessionEngine(BackgroundWork):
             self._refuse(h.session_id, type(body).__struct_config__.tag, h.state, h)
         return await self._append(h, body, None)  # releases the lock
 
-    async def _transition(self, h: SessionHandle, trigger: str, body: Any, *, drain: bool = True) -> Envelope | None:
+    async def _transition(self, h: SessionHandle, trigger: str, body: Any, *, drain: bool = True,
+                          then: Callable[[], None] | None = None) -> Envelope | None:
+        """Record ``h``'s transition ``trigger`` with ``body`` (None when the session already left the
+        states it applies to). ``then``: called as the record is applied or refused (:meth:`_append`'s
+        ``settled``), before anything else of the session's runs."""
         # Decide early (cheap) so a refused trigger does not wait for the drain.
         if next_state(h.session_id, h.state, trigger) is None:
             return None
@@ -482,7 +486,7 @@ class SessionEngine(BackgroundWork):
             await acquire_contended(h)
         else:
             h._busy = True
-        settled = None
+        settled = then
         try:
             dest = next_state(h.session_id, h.state, trigger)  # raises for an illegal one
             if dest is None:
@@ -493,19 +497,22 @@ class SessionEngine(BackgroundWork):
                 # Counted until the abort is applied, so concurrent aborts respect the cap.
                 body = msgspec.structs.replace(body, refill=True)
                 self._refills_deciding[h.group_id] = self._refills_deciding.get(h.group_id, 0) + 1
-                settled = partial(self._refill_decided, h.group_id)
+                settled = partial(self._refill_decided, h.group_id, then)
         except BaseException:
             release(h)
             raise
         return await self._append(h, body, dest, settled=settled)  # releases the lock
 
-    def _refill_decided(self, group_id: str) -> None:
-        """An abort that owes ``group_id`` a replacement is applied (or failed): no longer deciding."""
+    def _refill_decided(self, group_id: str, then: Callable[[], None] | None = None) -> None:
+        """An abort that owes ``group_id`` a replacement is applied (or failed): no longer deciding;
+        then ``then`` (see :meth:`_transition`)."""
         left = self._refills_deciding[group_id] - 1
         if left:
             self._refills_deciding[group_id] = left
         else:
             del self._refills_deciding[group_id]
+        if then is not None:
+            then()
 
     def _owes_refill(self, group_id: str, reason: str) -> bool:
         """Whether an abort for ``reason`` in ``group_id`` owes the group a replacement:

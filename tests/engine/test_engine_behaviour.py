@@ -18,6 +18,7 @@ from agentlog.engine import (
     StragglerRefused,
 )
 from agentlog.events.schema.lifecycle import IllegalTransition, SessionClosed, State
+from agentlog.events import FileLog
 from agentlog.events.log.api import LogClosed, MemoryLog
 from agentlog.events.schema.packing import pack_tokens
 from agentlog.events.schema.types import (
@@ -629,4 +630,47 @@ def test_an_acknowledged_record_whose_apply_fails_answers_its_caller_and_the_res
             assert eng.background_failure is not None and "'c'" in eng.background_failure
         finally:
             log.close()
+    arun(go())
+
+
+@pytest.mark.parametrize("use_file_log", [False, True])
+def test_a_cancelled_sessions_task_is_cancelled_as_the_drop_is_applied_before_it_runs_again(arun, tmp_path, use_file_log):
+    """``cancel`` cancels the task playing the session when its drop is applied, in the same loop
+    step, not once the canceller runs again: a task that was already due to run (here one
+    polling every loop step, as a worker between awaits is) never records past its session's end
+    (a finish after the drop raised SessionClosed and killed an over-sampling worker)."""
+
+    async def go():
+        log = FileLog.open(tmp_path / "log", fsync="never") if use_file_log else MemoryLog()
+        eng = await SessionEngine.open(log)
+        seen: list[str] = []
+        started = asyncio.Event()
+
+        async def play() -> None:
+            async with eng.session("s", group_id="g", group_size=1) as h:
+                await h.start()
+                started.set()
+                try:
+                    while h.state is State.RUNNING:
+                        await asyncio.sleep(0)  # due to run again at every loop step
+                    await h.finish(reward=1.0)
+                    seen.append("finish recorded")
+                except SessionClosed:
+                    seen.append("SessionClosed")
+                    raise
+                except asyncio.CancelledError:
+                    seen.append("cancelled")
+                    raise
+
+        owner = asyncio.ensure_future(play())
+        await started.wait()
+        env = await eng.get("s").cancel("oversampled")
+        assert env is not None and env.body.reason == "oversampled"
+        with pytest.raises(asyncio.CancelledError):
+            await owner
+        assert seen == ["cancelled"]
+        assert [e.body.__struct_config__.tag for e in log.read(0)][-1] == "session_dropped"
+        await eng.close()
+        log.close()
+
     arun(go())
