@@ -277,7 +277,7 @@ class RestartFold:
         fold.check = LifecycleCheck.from_snapshot(ckpt.lifecycle)
         if fold.check.recent.size != recent_window:
             window = EndedWindow(recent_window)
-            for sid, (state, lsn) in fold.check.recent.items():
+            for sid, state, lsn in fold.check.recent.entries():
                 window.note(sid, state, lsn)
             fold.check.recent = window
         fold.groups = GroupTracker.from_snapshot(ckpt.groups)

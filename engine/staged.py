@@ -18,7 +18,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any, Callable
 
 from agentlog.events.log.api import DurableCallback, answer
-from agentlog.events.schema.lifecycle import State
+from agentlog.events.schema.lifecycle import TERMINAL_STATES, State
 from agentlog.events.schema.turn_delta import EncodingContext
 
 from .session_lock import release
@@ -39,8 +39,9 @@ class StagedRecord(DurableCallback):
                  context: EncodingContext | None, waiter: Any, settled: Callable[[], None] | None = None) -> None:
         self.engine, self.h, self.body, self.dest, self.context = engine, h, body, dest, context
         self.seq = h._seq
-        # An ending cancels the session's in-flight work, never the task that ends it (applied from a callback).
-        self.ender = asyncio.current_task()
+        # An ending cancels the session's in-flight work, never the task that ends it (applied from a
+        # callback); a record that ends nothing needs no task looked up.
+        self.ender = asyncio.current_task() if dest in TERMINAL_STATES else None
         self.waiter, self.settled = waiter, settled
 
     def run(self, env: Any, exc: BaseException | None) -> None:

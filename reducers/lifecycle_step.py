@@ -211,38 +211,42 @@ class EndedWindow:
         if size < 0:
             raise ValueError(f"EndedWindow size: expected >= 0, found {size}")
         self.size = size
-        self._ended: OrderedDict[str, tuple[State, int]] = OrderedDict()
+        # Each entry is held as the very tuple a checkpoint stores, ``(session_id, state, lsn)``, so
+        # :meth:`to_snapshot` copies one list of pointers instead of building a tuple an entry: it runs
+        # in the event loop's thread at every checkpoint, over the whole window.
+        self._ended: OrderedDict[str, tuple[str, State, int]] = OrderedDict()
 
     def note(self, session_id: str, state: State, lsn: int) -> None:
         """Remember that ``session_id`` ended in ``state`` at ``lsn``."""
         if self.size == 0:
             return
-        self._ended[session_id] = (state, lsn)
+        self._ended[session_id] = (session_id, state, lsn)
         if len(self._ended) > self.size:
             self._ended.popitem(last=False)
 
     def get(self, session_id: str) -> tuple[State, int] | None:
         """``(terminal state, lsn)`` of a recently ended session, else None."""
-        return self._ended.get(session_id)
+        r = self._ended.get(session_id)
+        return None if r is None else r[1:]
 
     def describe(self, session_id: str) -> str | None:
         """How the session ended, for :func:`evolve`'s ``ended``; None if not in the window."""
         r = self._ended.get(session_id)
-        return None if r is None else f"it ended {r[0]} at lsn {r[1]}"
+        return None if r is None else f"it ended {r[1]} at lsn {r[2]}"
 
-    def items(self):
-        """``(session_id, (state, lsn))``, oldest first."""
-        return self._ended.items()
+    def entries(self) -> list[tuple[str, State, int]]:
+        """``(session_id, state, lsn)`` of each session in the window, oldest first."""
+        return list(self._ended.values())
 
     def to_snapshot(self) -> "EndedWindowSnapshot":
         """The window as plain data (oldest first), for a checkpoint."""
-        return EndedWindowSnapshot(self.size, [(sid, st, lsn) for sid, (st, lsn) in self._ended.items()])
+        return EndedWindowSnapshot(self.size, self.entries())
 
     @classmethod
     def from_snapshot(cls, snap: "EndedWindowSnapshot") -> "EndedWindow":
         """The window :meth:`to_snapshot` saw."""
         w = cls(snap.size)
-        w._ended = OrderedDict((sid, (state, lsn)) for sid, state, lsn in snap.ended)
+        w._ended = OrderedDict((entry[0], entry) for entry in snap.ended)
         return w
 
     def __len__(self) -> int:

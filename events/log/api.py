@@ -253,7 +253,9 @@ def answer_durable(items: list) -> None:
     waiter stops the loop: the rest of the batch goes back on it first, so none stays unanswered."""
     for i, (waiter, env) in enumerate(items):
         try:
-            if isinstance(waiter, DurableCallback) or not waiter.done():  # a callback is never done: the call spared
+            if isinstance(waiter, DurableCallback):
+                waiter._call(env, None)  # a callback is never done, and its set_result is this call: both spared
+            elif not waiter.done():
                 waiter.set_result(env)
         except (SystemExit, KeyboardInterrupt):
             if i + 1 < len(items):

@@ -157,7 +157,7 @@ def test_folding_any_split_incrementally_equals_folding_in_one_batch(seed, fault
         parts.feed(records[a:b])
     assert parts.calls == whole.calls
     assert {s: t.life for s, t in parts.fold.live.items()} == {s: t.life for s, t in whole.fold.live.items()}
-    assert list(parts.fold.recent.items()) == list(whole.fold.recent.items()) and parts.fold.next_lsn == whole.fold.next_lsn
+    assert list(parts.fold.recent.entries()) == list(whole.fold.recent.entries()) and parts.fold.next_lsn == whole.fold.next_lsn
     # The check behind verify and the engine's restart, resumed from its snapshot at every cut.
     batch = LifecycleCheck(recent_window=2)
     want = [v for r in records for v in batch.feed(*r)]

@@ -400,3 +400,27 @@ def test_reopening_a_live_id_is_reported_and_does_not_disturb_the_session():
     assert {v.lsn for v in violations(out)} == {bad.lsn}
     [summ] = summaries(out)
     assert summ.turns == 1 and summ.status == "finished"
+
+
+@given(ends=st.lists(st.tuples(st.sampled_from("abcdefgh"), st.sampled_from([State.FINISHED, State.ABORTED, State.DROPPED])),
+                     max_size=8, unique_by=lambda end: end[0]),  # a session ends once
+       size=st.integers(min_value=0, max_value=6))
+def test_the_ended_window_snapshots_its_own_entries_oldest_first_and_reads_back_equal(ends, size):
+    """A checkpoint snapshots the window in the event loop's thread, over the whole window: the
+    snapshot is the window's entries themselves (no tuple built an entry), oldest first, and a
+    window read back from it answers as the original."""
+    from agentlog.reducers.lifecycle_step import EndedWindow, EndedWindowSnapshot
+    import msgspec
+
+    window = EndedWindow(size)
+    for lsn, (sid, state) in enumerate(ends):
+        window.note(sid, state, lsn)
+    snap = window.to_snapshot()
+    kept = [(sid, state, lsn) for lsn, (sid, state) in enumerate(ends)][-size:] if size else []
+    assert snap.ended == kept
+    assert all(a is b for a, b in zip(snap.ended, window.entries()))  # the window's own tuples
+    back = EndedWindow.from_snapshot(msgspec.msgpack.decode(msgspec.msgpack.encode(snap), type=EndedWindowSnapshot))
+    assert back.entries() == window.entries() and len(back) == len(window)
+    for sid in "abcdefghz":
+        assert back.get(sid) == window.get(sid) and back.describe(sid) == window.describe(sid)
+        assert window.get(sid) == next(((st_, lsn) for s, st_, lsn in kept if s == sid), None)
