@@ -476,7 +476,8 @@ class SessionEngine(BackgroundWork):
                           then: Callable[[], None] | None = None) -> Envelope | None:
         """Record ``h``'s transition ``trigger`` with ``body`` (None when the session already left the
         states it applies to). ``then``: called as the record is applied or refused (:meth:`_append`'s
-        ``settled``), before anything else of the session's runs."""
+        ``settled``), before anything else of the session's runs; never when nothing was staged
+        (None returned, or a refusal raised before staging)."""
         # Decide early (cheap) so a refused trigger does not wait for the drain.
         if next_state(h.session_id, h.state, trigger) is None:
             return None

@@ -12,7 +12,7 @@ budget timer when a session opens and cancels what is left at close.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Coroutine
+from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
 from agentlog._logging import get_logger
 from agentlog.events.schema.lifecycle import TERMINAL_STATES, SessionClosed
@@ -42,7 +42,8 @@ class BackgroundWork:
     drain_s: float
 
     if TYPE_CHECKING:
-        async def _transition(self, h: SessionHandle, trigger: str, body: Any, *, drain: bool = True) -> Envelope | None: ...
+        async def _transition(self, h: SessionHandle, trigger: str, body: Any, *, drain: bool = True,
+                              then: Callable[[], None] | None = None) -> Envelope | None: ...
 
     def _on_budget(self, h: SessionHandle) -> None:
         h._timer = None

@@ -201,7 +201,7 @@ class EndedWindowSnapshot(msgspec.Struct, frozen=True):
 
 
 class EndedWindow:
-    """The most recently ended sessions (``session_id -> (state, lsn)``), bounded,
+    """The most recently ended sessions (:meth:`get`: ``session_id -> (state, lsn)``), bounded,
     so a fold can tell "after its terminal event" from "never opened" without
     remembering every session ever run."""
 

@@ -254,7 +254,7 @@ def answer_durable(items: list) -> None:
     for i, (waiter, env) in enumerate(items):
         try:
             if isinstance(waiter, DurableCallback):
-                waiter._call(env, None)  # a callback is never done, and its set_result is this call: both spared
+                waiter._call(env, None)  # a callback is never done, and its set_result is this call: one call spared
             elif not waiter.done():
                 waiter.set_result(env)
         except (SystemExit, KeyboardInterrupt):

@@ -662,15 +662,17 @@ def test_a_cancelled_sessions_task_is_cancelled_as_the_drop_is_applied_before_it
                     seen.append("cancelled")
                     raise
 
-        owner = asyncio.ensure_future(play())
-        await started.wait()
-        env = await eng.get("s").cancel("oversampled")
-        assert env is not None and env.body.reason == "oversampled"
-        with pytest.raises(asyncio.CancelledError):
-            await owner
-        assert seen == ["cancelled"]
-        assert [e.body.__struct_config__.tag for e in log.read(0)][-1] == "session_dropped"
-        await eng.close()
-        log.close()
+        try:
+            owner = asyncio.ensure_future(play())
+            await asyncio.wait_for(started.wait(), 10)
+            env = await asyncio.wait_for(eng.get("s").cancel("oversampled"), 10)
+            assert env is not None and env.body.reason == "oversampled"
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(owner, 10)
+            assert seen == ["cancelled"]
+            assert [e.body.__struct_config__.tag for e in log.read(0)][-1] == "session_dropped"
+            await eng.close()
+        finally:
+            log.close()
 
     arun(go())
