@@ -473,11 +473,10 @@ class SessionEngine(BackgroundWork):
         return await self._append(h, body, None)  # releases the lock
 
     async def _transition(self, h: SessionHandle, trigger: str, body: Any, *, drain: bool = True,
-                          then: Callable[[], None] | None = None) -> Envelope | None:
+                          stop_owner: bool = False) -> Envelope | None:
         """Record ``h``'s transition ``trigger`` with ``body`` (None when the session already left the
-        states it applies to). ``then``: called as the record is applied or refused (:meth:`_append`'s
-        ``settled``), before anything else of the session's runs; never when nothing was staged
-        (None returned, or a refusal raised before staging)."""
+        states it applies to). ``stop_owner``: cancel the task playing the session as the ending is
+        applied (:meth:`_stop_owner`)."""
         # Decide early (cheap) so a refused trigger does not wait for the drain.
         if next_state(h.session_id, h.state, trigger) is None:
             return None
@@ -487,18 +486,20 @@ class SessionEngine(BackgroundWork):
             await acquire_contended(h)
         else:
             h._busy = True
-        settled = then
+        settled = None
         try:
             dest = next_state(h.session_id, h.state, trigger)  # raises for an illegal one
             if dest is None:
                 release(h)
                 return None
+            if stop_owner:
+                settled = partial(self._stop_owner, h, dest, asyncio.current_task())
             if trigger == "abort" and not body.refill and self._owes_refill(h.group_id, body.reason):
                 # The engine decides, the log records: the group is released only with a replacement.
                 # Counted until the abort is applied, so concurrent aborts respect the cap.
                 body = msgspec.structs.replace(body, refill=True)
                 self._refills_deciding[h.group_id] = self._refills_deciding.get(h.group_id, 0) + 1
-                settled = partial(self._refill_decided, h.group_id, then)
+                settled = partial(self._refill_decided, h.group_id, settled)
         except BaseException:
             release(h)
             raise
@@ -506,7 +507,7 @@ class SessionEngine(BackgroundWork):
 
     def _refill_decided(self, group_id: str, then: Callable[[], None] | None = None) -> None:
         """An abort that owes ``group_id`` a replacement is applied (or failed): no longer deciding;
-        then ``then`` (see :meth:`_transition`)."""
+        then ``then``, the record's other ``settled``."""
         left = self._refills_deciding[group_id] - 1
         if left:
             self._refills_deciding[group_id] = left
@@ -514,6 +515,16 @@ class SessionEngine(BackgroundWork):
             del self._refills_deciding[group_id]
         if then is not None:
             then()
+
+    def _stop_owner(self, h: SessionHandle, ended: State, caller: asyncio.Task | None) -> None:
+        """As ``h``'s ending to ``ended`` is applied (an :meth:`_append` ``settled``, before anything else of the
+        session's runs): cancel the task playing it (``engine.session``'s), unless that is ``caller``, who ended
+        it. Cancelled once the caller ran again, a task already due to run would first go on to record past the
+        session's end (a turn refused, a finish raising SessionClosed). Nothing when the ending was refused."""
+        owner = h._owner
+        if h.state is ended and owner is not None and owner is not caller and not owner.done():
+            h._owner_cancelled = True
+            owner.cancel()
 
     def _owes_refill(self, group_id: str, reason: str) -> bool:
         """Whether an abort for ``reason`` in ``group_id`` owes the group a replacement:

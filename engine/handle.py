@@ -204,17 +204,8 @@ class SessionHandle:
     async def cancel(self, reason: str) -> Envelope | None:
         """Drop the session for ``reason`` and cancel the task playing it (the one in
         ``engine.session``), which then sees CancelledError. None if it already ended.
-        The task is cancelled as the drop is applied, before it runs again: cancelled once
-        this caller ran again, a task already due to run would first go on to record past
-        its session's end (a turn refused, a finish raising SessionClosed)."""
-        canceller = asyncio.current_task()
-
-        def cancel_owner() -> None:  # runs as the drop is applied, or refused
-            owner = self._owner
-            if self.state is State.DROPPED and owner is not None and owner is not canceller and not owner.done():
-                owner.cancel()
-
-        return await self._engine._transition(self, "drop", SessionDropped(reason=reason), then=cancel_owner)
+        The task is cancelled as the drop is applied, before it runs again."""
+        return await self._engine._transition(self, "drop", SessionDropped(reason=reason), stop_owner=True)
 
     async def drop(self, reason: str) -> Envelope | None:
         """open/running -> dropped (cleanup, no sample). A no-op returning None

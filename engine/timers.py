@@ -12,7 +12,7 @@ budget timer when a session opens and cancels what is left at close.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Coroutine
 
 from agentlog._logging import get_logger
 from agentlog.events.schema.lifecycle import TERMINAL_STATES, SessionClosed
@@ -43,7 +43,7 @@ class BackgroundWork:
 
     if TYPE_CHECKING:
         async def _transition(self, h: SessionHandle, trigger: str, body: Any, *, drain: bool = True,
-                              then: Callable[[], None] | None = None) -> Envelope | None: ...
+                              stop_owner: bool = False) -> Envelope | None: ...
 
     def _on_budget(self, h: SessionHandle) -> None:
         h._timer = None
@@ -100,15 +100,10 @@ class BackgroundWork:
                 t.cancel()
         body = SessionAborted(reason=TIMEOUT_REASON, error=f"wall-clock budget of {h.budget_s}s exhausted")
         try:
-            await self._transition(h, "abort", body, drain=False)
+            await self._transition(h, "abort", body, drain=False, stop_owner=True)
         except SessionClosed:
             # It ended on its own while we waited for its lock: nothing to abort.
             h._expired = False
-            return
-        owner = h._owner
-        if owner is not None and not owner.done() and owner is not asyncio.current_task():
-            h._owner_cancelled = True
-            owner.cancel()
 
     async def _drain(self, h: SessionHandle) -> None:
         """Wait up to drain_s for the session's in-flight work, then cancel the rest."""
