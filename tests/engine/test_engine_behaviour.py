@@ -676,3 +676,37 @@ def test_a_cancelled_sessions_task_is_cancelled_as_the_drop_is_applied_before_it
             log.close()
 
     arun(go())
+
+
+def test_a_spent_budgets_task_is_cancelled_as_the_abort_is_applied_before_it_runs_again(arun):
+    """The budget's abort stops the task playing the session as cancel's drop does: as the abort is
+    applied, so a task already due to run never goes on to record past the end (the context then
+    raises SessionTimeout)."""
+
+    async def go():
+        log = MemoryLog()
+        eng = await SessionEngine.open(log)
+        seen: list[str] = []
+
+        async def play() -> None:
+            async with eng.session("s", group_id="g", group_size=1, budget_s=0.05) as h:
+                await h.start()
+                try:
+                    while h.state is State.RUNNING:
+                        await asyncio.sleep(0)  # due to run again at every loop step
+                    await h.finish(reward=1.0)
+                    seen.append("finish tried")
+                except SessionClosed:
+                    seen.append("SessionClosed")
+                    raise
+                except asyncio.CancelledError:
+                    seen.append("cancelled")
+                    raise
+
+        with pytest.raises(SessionTimeout):
+            await asyncio.wait_for(play(), 10)
+        assert seen == ["cancelled"]
+        assert [e.body.__struct_config__.tag for e in log.read(0)][-1] == "session_aborted"
+        await eng.close()
+
+    arun(go())
