@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -633,6 +634,27 @@ def test_an_acknowledged_record_whose_apply_fails_answers_its_caller_and_the_res
     arun(go())
 
 
+async def _play_until_ended_then_finish(eng: SessionEngine, seen: list[str], started: asyncio.Event | None = None,
+                                        **session: Any) -> None:
+    """Play session "s", then poll every loop step (as a worker between awaits is always due to run)
+    until it is no longer running, and finish it; ``seen`` gets what that task met."""
+    async with eng.session("s", group_id="g", group_size=1, **session) as h:
+        await h.start()
+        if started is not None:
+            started.set()
+        try:
+            while h.state is State.RUNNING:
+                await asyncio.sleep(0)
+            await h.finish(reward=1.0)
+            seen.append("finish recorded")
+        except SessionClosed:
+            seen.append("SessionClosed")
+            raise
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+
 @pytest.mark.parametrize("use_file_log", [False, True])
 def test_a_cancelled_sessions_task_is_cancelled_as_the_drop_is_applied_before_it_runs_again(arun, tmp_path, use_file_log):
     """``cancel`` cancels the task playing the session when its drop is applied, in the same loop
@@ -645,25 +667,8 @@ def test_a_cancelled_sessions_task_is_cancelled_as_the_drop_is_applied_before_it
         eng = await SessionEngine.open(log)
         seen: list[str] = []
         started = asyncio.Event()
-
-        async def play() -> None:
-            async with eng.session("s", group_id="g", group_size=1) as h:
-                await h.start()
-                started.set()
-                try:
-                    while h.state is State.RUNNING:
-                        await asyncio.sleep(0)  # due to run again at every loop step
-                    await h.finish(reward=1.0)
-                    seen.append("finish recorded")
-                except SessionClosed:
-                    seen.append("SessionClosed")
-                    raise
-                except asyncio.CancelledError:
-                    seen.append("cancelled")
-                    raise
-
         try:
-            owner = asyncio.ensure_future(play())
+            owner = asyncio.ensure_future(_play_until_ended_then_finish(eng, seen, started))
             await asyncio.wait_for(started.wait(), 10)
             env = await asyncio.wait_for(eng.get("s").cancel("oversampled"), 10)
             assert env is not None and env.body.reason == "oversampled"
@@ -687,24 +692,8 @@ def test_a_spent_budgets_task_is_cancelled_as_the_abort_is_applied_before_it_run
         log = MemoryLog()
         eng = await SessionEngine.open(log)
         seen: list[str] = []
-
-        async def play() -> None:
-            async with eng.session("s", group_id="g", group_size=1, budget_s=0.05) as h:
-                await h.start()
-                try:
-                    while h.state is State.RUNNING:
-                        await asyncio.sleep(0)  # due to run again at every loop step
-                    await h.finish(reward=1.0)
-                    seen.append("finish tried")
-                except SessionClosed:
-                    seen.append("SessionClosed")
-                    raise
-                except asyncio.CancelledError:
-                    seen.append("cancelled")
-                    raise
-
         with pytest.raises(SessionTimeout):
-            await asyncio.wait_for(play(), 10)
+            await asyncio.wait_for(_play_until_ended_then_finish(eng, seen, budget_s=0.05), 10)
         assert seen == ["cancelled"]
         assert [e.body.__struct_config__.tag for e in log.read(0)][-1] == "session_aborted"
         await eng.close()
