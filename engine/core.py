@@ -438,16 +438,18 @@ class SessionEngine(BackgroundWork):
         else:
             stage_built_turn(self._log_, h.session_id, staged.seq, body, staged, caller_waits)
 
-    def _apply(self, h: SessionHandle, body: Any, dest: State | None, env: Envelope | None,
-               context: EncodingContext | None = None, ender: asyncio.Task | None = None) -> None:
-        """Apply ``h``'s record as the log acknowledged it (``env``, whose body is what the log
-        stored: a caller may change what it handed over once it was staged; None: see
-        :meth:`_stage`), and tell the checkpointer it is applied. ``ender``: the task that
-        staged a terminal event."""
-        body = body if env is None else env.body
+    def _apply(self, h: SessionHandle, staged: StagedRecord, lsn: int | None, stored: Any = None) -> None:
+        """Apply ``h``'s record ``staged`` as the log acknowledged it, at ``lsn`` (None: see
+        :meth:`_stage`), and tell the checkpointer it is applied. What is applied is what was
+        stored, never what a caller changed afterwards in a dict it handed over: ``stored``, the
+        body as the log decoded it back, when its envelope holds one; else (the file log's, whose
+        body decodes on first use) the body the engine built, whose fields read here are values
+        (a turn's index, a terminal event's reason), and what was read of a turn as it was staged
+        and encoded (:class:`~agentlog.engine.staged.StagedRecord`)."""
+        body, dest, context = staged.body, staged.dest, staged.context
         h._seq += 1
         if type(body) is TurnDelta or type(body) is TurnRecorded:
-            n_out, temperature = scored_against(body)
+            n_out, temperature = (staged.n_out, staged.temperature) if stored is None else scored_against(stored)
             h.turns += 1
             h._turn_outputs.append(n_out)
             h._turn_temperatures.append(temperature)
@@ -457,9 +459,9 @@ class SessionEngine(BackgroundWork):
         if dest is not None:
             h.state = dest
             if dest in TERMINAL_STATES:
-                self._release(h, body, None if env is None else env.lsn, ender)
+                self._release(h, body, lsn, staged.ender)
         if self._checkpointer is not None:
-            self._checkpointer.applied(None if env is None else env.lsn, h.session_id, h._seq - 1)
+            self._checkpointer.applied(lsn, h.session_id, h._seq - 1)
 
     async def _in_session(self, h: SessionHandle, body: Any) -> Envelope:
         # In-session events are legal only while running (events.schema.lifecycle.RUNNING_ONLY_EVENTS).

@@ -38,6 +38,7 @@ from agentlog.events.schema.types import (
     pack_log_probs,
     pack_tokens,
 )
+from agentlog.events.schema.lineage import turn_lineage
 from agentlog.events.schema.turn_delta import EncodingContext, ExtendedPrompt
 from agentlog.events.schema.validation import READING_STORED
 
@@ -61,15 +62,21 @@ def _copied(value: Any) -> Any:
 
 
 class PendingTurn:
-    """A turn :meth:`SessionHandle.begin_turn` staged: ``durable`` (a future of its
-    envelope) is what a caller awaits, and may cancel; :meth:`settled` waits
-    for the record itself, whatever became of that wait."""
+    """A turn :meth:`SessionHandle.begin_turn` staged: ``durable`` (a future of its envelope) is what
+    a caller awaits, and may cancel; :meth:`settled` waits for the record itself, whatever became of
+    that wait. ``turn_index`` and ``lineage`` (its id, as ``turn_lineage`` gives it) are set once the
+    turn is built (at once, unless it queued for the lock): no need to decode the envelope's body."""
 
-    __slots__ = ("durable", "_settled")
+    __slots__ = ("durable", "_settled", "turn_index", "lineage")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.durable: asyncio.Future[Envelope] = loop.create_future()
         self._settled: asyncio.Future[Envelope] = loop.create_future()
+        self.turn_index, self.lineage = -1, ""
+
+    def built(self, body: Any) -> None:
+        """Note the turn ``body`` the engine built for this pending turn."""
+        self.turn_index, self.lineage = body.turn_index, turn_lineage(body)
 
     def settle(self, env: Envelope | None, exc: BaseException | None) -> None:
         """Called once (on the loop) with the durable envelope or the failure."""
@@ -283,12 +290,13 @@ class SessionHandle:
             # and dicts copied: an agent loop may extend its conversation once this returns).
             task = loop.create_task(h._record_queued(
                 queue_for(h), _copied(messages), _copied(prompt_ids), _copied(sampling), frozen_messages, declared_lineage,
-                {k: _copied(v) for k, v in fields.items()}))
+                {k: _copied(v) for k, v in fields.items()}, pending))
             task.add_done_callback(settle_from_task(pending.settle))
             return pending
         h._busy = True
         try:
             body, after = h._turn_body(messages, prompt_ids, sampling, frozen_messages, declared_lineage, fields)
+            pending.built(body)
             h._engine._stage(h, body, None, after, pending.settle)
         except BaseException:
             release(h)
@@ -297,11 +305,12 @@ class SessionHandle:
 
     async def _record_queued(self, queued: asyncio.Future, messages: list[dict[str, Any]] | None, prompt_ids: Any,
                              sampling: dict[str, Any] | None, frozen_messages: bool, declared_lineage: Declared | None,
-                             fields: dict[str, Any]) -> Envelope:
+                             fields: dict[str, Any], pending: PendingTurn) -> Envelope:
         """:meth:`record_turn` of a turn :meth:`begin_turn` queued for the busy lock (``queued``)."""
         await handed_over(self, queued)
         try:
             body, after = self._turn_body(messages, prompt_ids, sampling, frozen_messages, declared_lineage, fields)
+            pending.built(body)
         except BaseException:
             release(self)
             raise

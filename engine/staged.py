@@ -18,7 +18,9 @@ import asyncio
 from typing import TYPE_CHECKING, Any, Callable
 
 from agentlog.events.log.api import DurableCallback, answer
+from agentlog.events.schema.types import Envelope
 from agentlog.events.schema.lifecycle import TERMINAL_STATES, State
+from agentlog.events.schema.turn import TurnDelta, TurnRecorded, scored_against
 from agentlog.events.schema.turn_delta import EncodingContext
 
 from .session_lock import release
@@ -33,7 +35,7 @@ class StagedRecord(DurableCallback):
     it, apply it (``dest``: the state it moves to, or None; ``context``: the one a turn the
     engine built leaves), release the lock, call ``settled`` and answer ``waiter``."""
 
-    __slots__ = ("engine", "h", "body", "dest", "context", "seq", "ender", "waiter", "settled")
+    __slots__ = ("engine", "h", "body", "dest", "context", "seq", "ender", "waiter", "settled", "n_out", "temperature")
 
     def __init__(self, engine: "SessionEngine", h: "SessionHandle", body: Any, dest: State | None,
                  context: EncodingContext | None, waiter: Any, settled: Callable[[], None] | None = None) -> None:
@@ -43,6 +45,11 @@ class StagedRecord(DurableCallback):
         # callback); a record that ends nothing needs no task looked up.
         self.ender = asyncio.current_task() if dest in TERMINAL_STATES else None
         self.waiter, self.settled = waiter, settled
+        if type(body) is TurnDelta or type(body) is TurnRecorded:
+            # What a teacher's scores of the turn are checked against, read as it is staged (and, by
+            # a log that stages synchronously, encoded): a caller may change the sampling dict it
+            # handed over once this returns. Two slots, not a tuple: no object more per turn.
+            self.n_out, self.temperature = scored_against(body)
 
     def run(self, env: Any, exc: BaseException | None) -> None:
         """Apply the record the log acknowledged (``env``), or not (``exc``, a failure), release the
@@ -51,10 +58,11 @@ class StagedRecord(DurableCallback):
         engine, h = self.engine, self.h
         try:
             if env is not None:
-                engine._apply(h, self.body, self.dest, env, self.context, self.ender)
+                # The body as stored when the envelope holds it decoded; a LazyEnvelope's decodes on first use.
+                engine._apply(h, self, env.lsn, env.body if type(env) is Envelope else None)
             elif isinstance(exc, asyncio.CancelledError) and engine.log.next_seq(h.session_id) != self.seq:
                 # A log that stages in a task had it cancelled after the record went out (SessionEngine._stage).
-                engine._apply(h, self.body, self.dest, None, self.context, self.ender)
+                engine._apply(h, self, None)
         except Exception as failure:  # handed to the waiter, logged and in health: never swallowed
             env, exc = None, engine._not_applied(h, env, failure)
         finally:

@@ -24,7 +24,6 @@ from agentlog.events.schema.lifecycle import IllegalTransition
 from agentlog.events.log.api import LogClosed
 from agentlog.engine.lineages import Declared, LineageError
 from agentlog.engine.handle import PendingTurn
-from agentlog.events.schema.lineage import turn_lineage
 from agentlog.events.schema.turn import SERVER_KEY, SERVER_MOVED_FROM_KEY
 from agentlog.events.schema.types import turn_temperature
 
@@ -282,13 +281,12 @@ class TurnPath:
             )
             t_rec = time.perf_counter()
             # Cancelling this wait (the client left) cancels nothing of the record.
-            env = await pending.durable
+            await pending.durable
         except asyncio.CancelledError:
             # The client left while the turn was being made durable: finish
             # recording it, then mark it undelivered so it is never trained.
-            env = await self._settle_record(pending, log)
-            if env is not None:
-                await self._undelivered(h, env.body.turn_index, "client disconnected before the response was sent", log)
+            if await self._settle_record(pending, log) is not None:
+                await self._undelivered(h, pending.turn_index, "client disconnected before the response was sent", log)
             raise
         except IllegalTransition as exc:
             log.info("gateway.turn_refused", reason=str(exc))
@@ -296,10 +294,10 @@ class TurnPath:
         except LineageError as exc:  # another turn changed the session's lineages since the check
             log.info("gateway.turn_refused", reason=str(exc))
             return self._error(api.error_style, 400, "invalid_request_error", f"{LINEAGE_HEADER}: {exc}")
-        turn = env.body.turn_index
+        turn = pending.turn_index  # the engine's, as its lineage: the envelope's body is not decoded for them
         if gen.server:
             cfg.server = gen.server
-        cfg.prompts.remember(turn_lineage(env.body), cache, prompt, response_message)
+        cfg.prompts.remember(pending.lineage, cache, prompt, response_message)
         self.stats["turns"] += 1
         cfg.calls["turns"] += 1
         if cfg.turns is not None:

@@ -476,11 +476,11 @@ class EventLog(abc.ABC):
 
     def stage(self, session_id: str, session_seq: int, body: Any, on_durable: OnDurable) -> None:
         """Append one record from asyncio without awaiting it: ``on_durable(env, None)``
-        is called on the running event loop once the record is durable, or
-        ``on_durable(None, exc)`` when the append failed; it must not raise.
-        A log that stages synchronously (the file log) refuses bad input here,
-        raising with nothing staged, and calls back with no task between: the
-        gateway's turn path saves the hops of a task. This default runs
+        is called on the running event loop once the record is durable (``env.body`` may
+        be decoded on first use: the file log's is), or ``on_durable(None, exc)`` when the
+        append failed; it must not raise. A log that stages synchronously (the file log)
+        refuses bad input here, raising with nothing staged, and calls back with no task
+        between: the gateway's turn path saves the hops of a task. This default runs
         :meth:`append` as a task (its refusals reach ``on_durable``)."""
         task = asyncio.get_running_loop().create_task(self.append(session_id, session_seq, body))
         task.add_done_callback(settle_from_task(on_durable))

@@ -18,13 +18,22 @@ raises during the iteration, as an eager read did, with the same error
 tag whose fields this version cannot read, else ``LogCorruption``, naming the
 segment, the offset and the LSN). Only building the body waits.
 
+The file log's ``stage`` (the engine's way in) acknowledges with one too
+(:func:`staged_envelope`): the record was encoded and decoded back strictly
+when it was staged, so a reader can decode it, but that decoded copy is not
+kept. Kept, it would be five or six more objects for the garbage collector
+to walk for each record in flight (a turn's messages, its sampling, its
+response message), which held a capture's collections at twice the rate
+(``tools/bench/capture_cpu.py``); the engine applies the body it built, and
+whoever asks for ``body`` gets it decoded from the stored bytes.
+
 A LazyEnvelope is an :class:`~agentlog.events.schema.types.Envelope` in every
 way a caller observes through attributes: ``isinstance``, equality (with
 eager envelopes too), hashing, ``repr``, pickling (as a plain Envelope,
 decoded: what Ray and multiprocessing send) and ``msgspec.structs.replace``.
 msgspec's encoders and ``msgspec.structs.asdict``/``astuple`` read the
 fields' slots directly, past ``body``: an encoder refuses an undecoded
-envelope (TypeError naming :class:`StoredBody`), ``asdict`` would hand the
+envelope (TypeError naming :class:`UndecodedStoredBody`), ``asdict`` would hand the
 StoredBody over. Call :meth:`LazyEnvelope.eager` (or touch ``body``) first.
 """
 
@@ -35,10 +44,10 @@ from typing import Any, Iterable, Iterator
 import msgspec
 
 from ..schema.read_check import checked_tag
-from ..schema.types import Envelope, UnknownEvent, decode_body
+from ..schema.types import EVENT_TYPES, Envelope, UnknownEvent, decode_body
 from .scan import Frame, payload_error
 
-__all__ = ["LazyEnvelope", "StoredBody"]
+__all__ = ["LazyEnvelope", "StoredBody", "UndecodedStoredBody", "staged_envelope"]
 
 #: The slot ``Envelope.body`` is stored in; LazyEnvelope's ``body`` property reads and fills it.
 _body_slot = Envelope.__dict__["body"]
@@ -46,25 +55,41 @@ _get_slot = _body_slot.__get__
 _set_slot = _body_slot.__set__
 
 
-class StoredBody:
-    """An undecoded body that is known to decode: the frame it came from, its
-    segment's name (what an error names) and the event's tag. Deliberately
-    not a type msgspec can encode: an encoder that meets it raises instead of
-    writing it."""
+class UndecodedStoredBody:
+    """The value of :attr:`StoredBody.undecoded`: a type no msgspec encoder takes."""
 
-    __slots__ = ("frame", "segment", "tag")
+    __slots__ = ()
 
-    def __init__(self, frame: Frame, segment: str, tag: str) -> None:
-        self.frame = frame
-        self.segment = segment
-        self.tag = tag
+
+_UNDECODED = UndecodedStoredBody()
+
+
+class StoredBody(msgspec.Struct, gc=False):
+    """An undecoded body that is known to decode: its payload, where it lies
+    (the segment's name and the frame's offset, what an error names) and the
+    event's tag. Not a body msgspec can encode: its ``undecoded`` field holds
+    an :class:`UndecodedStoredBody`, so an encoder that meets it raises
+    (naming that type) instead of writing it.
+
+    A struct, not a class of our own, for its untracked instances (``gc=False``):
+    one is made for each record a reader yields and each record the file log
+    stages, and an object the garbage collector tracks would cost each of them
+    its walks. Safe untracked: what it holds (bytes or a view of them, strings,
+    an int, a shared marker) can never lead back to it."""
+
+    payload: Any
+    segment: str
+    offset: int
+    tag: str
+    undecoded: UndecodedStoredBody = _UNDECODED
 
 
 def _decode(env: "LazyEnvelope", stored: StoredBody) -> Any:
-    frame = stored.frame
     try:
-        body = decode_body(frame.payload)
+        body = decode_body(stored.payload)
     except msgspec.DecodeError as exc:  # ValidationError included
+        # The error names the segment, the frame's offset and the LSN (its end and flags are not kept, nor read).
+        frame = Frame(stored.offset, stored.offset, env.lsn, env.session_seq, env.ts_ns, 0, env.session_id, stored.payload)
         raise payload_error(stored.segment, frame, exc) from exc
     _set_slot(env, body)  # the slot, not the frozen struct's setattr: the envelope's value does not change
     return body
@@ -140,6 +165,18 @@ class LazyEnvelope(Envelope, frozen=True, gc=False):
 LazyEnvelope.body = property(_body, doc="The event body, decoded on first access (then kept).")  # type: ignore[assignment]
 
 
+def staged_envelope(lsn: int, session_id: str, session_seq: int, ts_ns: int, event_type: type, payload: bytes,
+                    segment: str, offset: int) -> LazyEnvelope:
+    """The LazyEnvelope of a record the writer has just staged: ``payload``, the bytes it
+    stores (an ``event_type`` body's) as the frame at ``offset`` of segment ``segment``,
+    already checked to decode (:func:`~agentlog.events.log.api.check_record_body`)."""
+    return LazyEnvelope(lsn, session_id, session_seq, ts_ns, StoredBody(payload, segment, offset, _TAG_OF[event_type]))  # type: ignore[arg-type]  # the body, until built
+
+
+#: Each event type's tag, looked up once a staged record rather than read off its struct config.
+_TAG_OF: dict[type, str] = {t: t.__struct_config__.tag for t in EVENT_TYPES}  # type: ignore[attr-defined]
+
+
 def lazy_envelope(frame: Frame, segment: str) -> LazyEnvelope:
     """The LazyEnvelope of a CRC-valid frame of segment ``segment``. Its
     payload is checked here (:func:`~agentlog.events.schema.read_check.checked_tag`:
@@ -152,7 +189,7 @@ def lazy_envelope(frame: Frame, segment: str) -> LazyEnvelope:
     except msgspec.DecodeError as exc:  # ValidationError included
         raise payload_error(segment, frame, exc) from exc
     if type(tag) is str:
-        return LazyEnvelope(frame.lsn, frame.session_id, frame.session_seq, frame.ts_ns, StoredBody(frame, segment, tag))  # type: ignore[arg-type]  # the body, until built
+        return LazyEnvelope(frame.lsn, frame.session_id, frame.session_seq, frame.ts_ns, StoredBody(frame.payload, segment, frame.offset, tag))  # type: ignore[arg-type]  # the body, until built
     return LazyEnvelope(frame.lsn, frame.session_id, frame.session_seq, frame.ts_ns, tag)
 
 
@@ -169,4 +206,4 @@ def lazy_envelopes(frames: Iterable[Frame], segment: str, from_lsn: int = 0) -> 
             tag = check(fr[7])
         except msgspec.DecodeError as exc:  # ValidationError included
             raise payload_error(segment, fr, exc) from exc
-        yield make(lsn, fr[6], fr[3], fr[4], stored(fr, segment, tag) if type(tag) is str else tag)  # type: ignore[arg-type]
+        yield make(lsn, fr[6], fr[3], fr[4], stored(fr[7], segment, fr[0], tag) if type(tag) is str else tag)  # type: ignore[arg-type]

@@ -70,10 +70,11 @@ from .commit import GroupCommit, _Submission
 from .fence import _SPARE_PREFIX, FenceAndSpares, _Spare
 from .format import CHECKPOINT_EVERY_BYTES, DEFAULT_MAX_RECORD_BYTES, DURABLE_NAME, ENV_HDR, FENCE_NAME, FRAME_OVERHEAD
 from .format import INDEX_EVERY_BYTES, INDEX_NAME, LOCK_NAME, SEG_HDR_SIZE, Checkpoint, is_log_dir
-from .format import pack_durable, pack_fence, read_durable, read_fence
+from .format import pack_durable, pack_fence, read_durable, read_fence, segment_name
 from .lock import acquire_lock, release_lock
 from .staging import _BIG_PAYLOAD, FrameStaging
 from .read import Cursor
+from .lazy import staged_envelope
 from .osops import OsOps, raise_nofile_limit
 from .recovery import fence_without_log, recover
 from .writer_checkpoint import WriterCheckpoints
@@ -220,6 +221,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         self._assigned = 0  # next LSN to hand out
         self._acked = 0  # records below this are acknowledged
         self._seg_first: int | None = None  # segment the next frame goes to; None: start one
+        self._seg_label: tuple[int | None, str] = (None, "")  # _seg_first and its file's name, for staged envelopes
         self._seg_size = 0
         self._last_index_off = 0
         self._ckpt_off = 0  # offset in the active segment of the last checkpoint taken
@@ -377,13 +379,15 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         self._queue(ops, end)
         return envs, end
 
-    def _submit_one(self, sid: str, seq: int, body: Any) -> tuple[Envelope, int]:
+    def _submit_one(self, sid: str, seq: int, body: Any, staged: bool = False) -> tuple[Envelope, int]:
         """:meth:`_submit` of one record (caller holds _cv), for ``append``:
         the common case (the next record of an open session, a frame that
         fits the active segment short of its next index entry, the compiled
         codec; a big payload is written where it lies, after its frame's
         prefix) is checked and framed without a batch's columns; anything
-        else goes through :meth:`_submit`."""
+        else goes through :meth:`_submit`. ``staged`` (:meth:`stage`): the common
+        case's envelope keeps the stored bytes, not the body decoded back
+        (:func:`~agentlog.events.log.lazy.staged_envelope`)."""
         codec = framecodec.native
         if (
             codec is None
@@ -396,7 +400,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         ):
             envs, end = self._submit([(sid, seq, body)])
             return envs[0], end
-        payload, body = check_record_body(sid, seq, body)
+        payload, body = check_record_body(sid, seq, body)  # decoded back: what a reader gets
         sidb = sid.encode()
         n = FRAME_OVERHEAD + len(sidb) + len(payload)
         seg_size = self._seg_size
@@ -424,6 +428,14 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
             self._next_seq[sid] = seq + 1
         self._seg_size = seg_size + n
         end = lsn + 1
+        env: Envelope
+        if staged:
+            label = self._seg_label
+            if label[0] != self._seg_first:  # the name of the active segment, made once it changed
+                label = self._seg_label = (self._seg_first, segment_name(self._seg_first))
+            env = staged_envelope(lsn, sid, seq, ts, type(body), payload, label[1], seg_size)
+        else:
+            env = Envelope(lsn, sid, seq, ts, body)
         pending = self._pending
         if pending and self._policy != "always" and seg_size + n - self._ckpt_off < self._ckpt_every:
             last = pending[-1]
@@ -434,9 +446,9 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
                 if big:
                     run.append(payload)
                 last.end = self._assigned = end
-                return Envelope(lsn, sid, seq, ts, body), end
+                return env, end
         self._queue([[frame, payload] if big else [frame]], end)
-        return Envelope(lsn, sid, seq, ts, body), end
+        return env, end
 
     def _queue(self, ops: list, end: int) -> None:
         """Under _cv: hand staged frames (records up to ``end``) to the group commit."""
@@ -483,15 +495,17 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         input raises here, nothing staged), and the writer thread's
         acknowledgement calls ``on_durable`` on the loop directly, no future
         or task between. A :class:`DurableCallback` is taken as the waiter itself (one object
-        less a record)."""
+        less a record). The envelope it is given holds the stored bytes, its body decoded on
+        first use (:func:`~agentlog.events.log.lazy.staged_envelope`)."""
         waiter = on_durable if isinstance(on_durable, DurableCallback) else DurableCallback(on_durable)
-        self._enqueue(session_id, session_seq, body, waiter)
+        self._enqueue(session_id, session_seq, body, waiter, True)
 
-    def _enqueue(self, session_id: str, session_seq: int, body: Any, waiter: Any) -> None:
-        """Stage one record and hand ``waiter`` (a future, or a DurableCallback) to the writer thread."""
+    def _enqueue(self, session_id: str, session_seq: int, body: Any, waiter: Any, staged: bool = False) -> None:
+        """Stage one record and hand ``waiter`` (a future, or a DurableCallback) to the writer thread
+        (``staged``: see :meth:`_submit_one`)."""
         loop = asyncio.get_running_loop()
         with self._mutex:  # self._cv's lock
-            env, end = self._submit_one(session_id, session_seq, body)
+            env, end = self._submit_one(session_id, session_seq, body, staged)
             self._waiters.append((end, waiter, env, loop))
             if self._thread_idle:
                 # Wake the writer only when it sleeps; a busy writer picks this

@@ -15,6 +15,8 @@ from agentlog.engine.session_lock import release
 from agentlog.events import FileLog, read_log
 from agentlog.events.log.api import LogClosed, MemoryLog
 from agentlog.events.log.osops import OsOps
+from agentlog.events.log.lazy import LazyEnvelope
+from agentlog.events.schema.lineage import ROOT_LINEAGE, turn_lineage
 from agentlog.events.schema.types import SessionOpened
 from engine_helpers import YieldingLog
 
@@ -64,6 +66,31 @@ def test_begin_turn_records_the_bytes_record_turn_records(tmp_path, arun):
 
     async def go():
         assert await one(tmp_path / "a", True) == await one(tmp_path / "b", False)
+    arun(go())
+
+
+def test_a_staged_turns_envelope_keeps_the_stored_bytes_and_its_pending_turn_says_its_index_and_lineage(tmp_path, arun):
+    """On the file log a turn is acknowledged with the bytes it stored, not with the body decoded
+    back when the log checked it: that copy (its messages, its response) is not held while the turn
+    waits for the disk. What the gateway needs, the turn's index and lineage, the pending turn
+    says; the body, when used, is what a reader of the log gets."""
+    async def go():
+        log = FileLog.open(tmp_path / "log")
+        eng, h = await _running(log)
+        main = h.begin_turn(**_turn(0))
+        env = await main.durable
+        assert type(env) is LazyEnvelope and not env.decoded and env.tag == "turn_delta"
+        # A turn that does not extend the conversation is another lineage's (a subagent's).
+        sub = h.begin_turn(**{**TURN, "messages": [{"role": "user", "content": "a subagent's task"}]})
+        sub_env = await sub.durable
+        assert not sub_env.decoded
+        assert (main.turn_index, main.lineage) == (0, ROOT_LINEAGE) and sub.turn_index == 1 and sub.lineage != ROOT_LINEAGE
+        await h.finish(reward=1.0)
+        await eng.close()
+        log.close()
+        stored = [e for e in read_log(tmp_path / "log") if e.tag == "turn_delta"]
+        assert [env, sub_env] == stored
+        assert [turn_lineage(e.body) for e in stored] == [main.lineage, sub.lineage]
     arun(go())
 
 
@@ -147,6 +174,8 @@ def test_a_contended_begin_turn_keeps_its_place_in_the_lock_queue_from_the_call(
         await h.finish(reward=1.0)
         envs = [await first.settled(), await second.settled(), third, await fourth.settled()]
         assert [e.body.turn_index for e in envs] == [0, 1, 2, 3]
+        # The engine's own index and lineage of each, queued or not: what the gateway reads.
+        assert [(p.turn_index, p.lineage) for p in (first, second, fourth)] == [(0, ROOT_LINEAGE), (1, ROOT_LINEAGE), (3, ROOT_LINEAGE)]
         await eng.close()
         log.close()
     arun(go())

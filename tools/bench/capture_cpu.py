@@ -57,7 +57,6 @@ async def cpu_per_turn(args, contexts: list[int]) -> list[dict]:
     from agentlog.engine import SessionEngine
     from agentlog.events import FileLog
     from agentlog.gateway import ByteChatTemplate, HFChatTemplate, ToolSpec
-    from agentlog.events.schema.lineage import turn_lineage
     from agentlog.gateway.chat import assistant_message, pack_ids
     from agentlog.gateway.prompt_cache import LineagePrompts, PromptCache
     from agentlog.learner.hf_tiny import build_tokenizer
@@ -104,8 +103,9 @@ async def cpu_per_turn(args, contexts: list[int]) -> list[dict]:
                 response = assistant_message("Looking.", [call])
                 out = byte.encode_text("Looking.\n" + byte.parser.render("bash", call["arguments"])) + [byte.EOS]
                 t0, m0, w0 = pt(), time.thread_time(), time.perf_counter()
-                env = await _record(h, prompt, response, out).durable
-                lineages.remember(turn_lineage(env.body), caches["byte"], prompt, response)
+                pending = _record(h, prompt, response, out)
+                await pending.durable
+                lineages.remember(pending.lineage, caches["byte"], prompt, response)
                 if timed:
                     cost["capture"].append(pt() - t0)
                     cost["wall"].append(time.perf_counter() - w0)
@@ -136,7 +136,6 @@ async def cpu_concurrent(args, ctx: int, n: int) -> dict:
     from agentlog.engine import SessionEngine
     from agentlog.events import FileLog
     from agentlog.gateway import ByteChatTemplate, ToolSpec
-    from agentlog.events.schema.lineage import turn_lineage
     from agentlog.gateway.chat import assistant_message
     from agentlog.gateway.prompt_cache import LineagePrompts
 
@@ -181,9 +180,9 @@ async def cpu_concurrent(args, ctx: int, n: int) -> dict:
             g1, t0, m0 = clock.seconds, pt(), time.thread_time()
             # Each turn staged as the gateway's request handler stages it (no task of its own), then made durable together.
             staged = [_record(handles[i], prompts[i], responses[i], out) for i in range(n)]
-            envs = await asyncio.gather(*(t.durable for t in staged))
-            for i, env in enumerate(envs):
-                caches[i].remember(turn_lineage(env.body), picked[i], prompts[i], responses[i])
+            await asyncio.gather(*(t.durable for t in staged))
+            for i, pending in enumerate(staged):
+                caches[i].remember(pending.lineage, picked[i], prompts[i], responses[i])
             if timed:
                 all_cpu.append((pt() - t0) / n)
                 main_cpu.append((time.thread_time() - m0) / n)
