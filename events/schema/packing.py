@@ -6,6 +6,7 @@ views over the stored bytes."""
 from __future__ import annotations
 
 import math
+import struct
 import sys
 from array import array
 from typing import Any, Callable
@@ -20,25 +21,27 @@ LOGPROB_DTYPE = np.dtype("<f4")
 
 
 # A list of Python numbers (what backends and agents hand over) packs through
-# ``array`` in one C pass, about twice as fast as numpy's conversion for a
-# turn's few hundred values. For plain ints, floats and numpy scalars the
-# result is numpy's, bytes and refusals alike (a differential test): ``array``
-# refuses a float or str among token ids and a token past int32, and numpy's
-# path then runs and words the error. It converts each item as ``int()`` /
-# ``float()`` would, so it also takes items numpy's shape inference refuses in
-# a list: a one-element tensor, any object with ``__index__`` (tokens) or
-# ``__float__`` (log-probs); the values stored are those items' values. It is
-# used only where its items are 4-byte little-endian, as stored.
-_ARRAY_PACKS = sys.byteorder == "little" and array("i").itemsize == 4 and array("f").itemsize == 4
+# ``struct`` in one C pass: for a turn's few hundred values about twice as fast
+# as numpy's conversion, and as ``array`` (which parses each item through
+# ``PyArg_Parse``: a tenth of a captured turn's instructions). For plain ints,
+# floats and numpy scalars the result is numpy's, bytes and refusals alike (a
+# differential test): ``struct`` refuses a float or str among token ids, a token
+# past int32 and a log-prob past float32, and numpy's path then runs and words
+# the error (or stores the infinity the finite check refuses). It converts each
+# item as ``operator.index()`` / ``float()`` would, so it also takes items
+# numpy's shape inference refuses in a list: a one-element tensor, any object
+# with ``__index__`` (tokens) or ``__float__`` (log-probs); the values stored are
+# those items' values. Its ``<`` formats are little-endian, 4 bytes an item, as stored.
+_ARRAY_PACKS = sys.byteorder == "little" and array("f").itemsize == 4  # all_finite's sum over the stored bytes
 
 
 def pack_tokens(values: Any) -> bytes:
     """Token ids (list, tuple, numpy array or bytes) -> little-endian int32 bytes."""
     # An all-bool list is refused by numpy's path (dtype bool): a first item that is a bool goes there.
-    if type(values) is list and _ARRAY_PACKS and values and type(values[0]) is not bool:
+    if type(values) is list and values and type(values[0]) is not bool:
         try:
-            return array("i", values).tobytes()
-        except (TypeError, OverflowError):
+            return struct.pack(f"<{len(values)}i", *values)
+        except (TypeError, OverflowError, struct.error):
             pass  # refused: numpy's path says why
     if isinstance(values, (bytes, bytearray, memoryview)):
         raw = bytes(values)
@@ -60,11 +63,11 @@ def pack_tokens(values: Any) -> bytes:
 
 def pack_log_probs(values: Any) -> bytes:
     """Log-probs (list, tuple, numpy array or bytes) -> little-endian float32 bytes."""
-    if type(values) is list and _ARRAY_PACKS:
+    if type(values) is list:
         try:
-            return array("f", values).tobytes()  # rounds each double to float32 as numpy's astype does
-        except (TypeError, OverflowError):
-            pass  # a str or other non-number: numpy's path converts it or says why
+            return struct.pack(f"<{len(values)}f", *values)  # rounds each double to float32 as numpy's astype does
+        except (TypeError, OverflowError, struct.error):
+            pass  # a str or other non-number, or past float32: numpy's path converts it or says why
     if isinstance(values, (bytes, bytearray, memoryview)):
         raw = bytes(values)
         if len(raw) % 4:

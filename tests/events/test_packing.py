@@ -1,4 +1,4 @@
-"""Token ids and log-probs given as a list pack through ``array`` (the fast
+"""Token ids and log-probs given as a list pack through ``struct`` (the fast
 path) to exactly what numpy's path gives the same values as a tuple, and a
 list that path would refuse is refused alike."""
 
@@ -27,7 +27,7 @@ _items = st.one_of(
 
 def _outcome(pack, values):
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's cast of a double past float32 warns; array's does not
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's cast of a double past float32 warns
         try:
             return "ok", pack(values)
         except (EventValidationError, OverflowError, TypeError, ValueError) as exc:
