@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterable
+from typing import Any
 
 import msgspec
 from msgspec import UNSET
@@ -142,16 +142,22 @@ def message_text(content: Any) -> str:
     return ""
 
 
-def _strings(value: Any, depth: int = 0) -> Iterable[str]:
-    """The strings inside a tool call's arguments (a few levels deep)."""
+def _strings(value: Any, out: list[str], depth: int = 0) -> list[str]:
+    """The strings inside a tool call's arguments (a few levels deep), appended to ``out``, in
+    order. Appended, not yielded: a generator a level would be two more objects and frames a
+    call, and every answer of an agent session has its calls read (:func:`tool_calls`)."""
     if isinstance(value, str):
-        yield value
+        out.append(value)
     elif depth < 3 and isinstance(value, dict):
         for v in value.values():
-            yield from _strings(v, depth + 1)
+            if type(v) is str:  # the common argument: no call
+                out.append(v)
+            else:
+                _strings(v, out, depth + 1)
     elif depth < 3 and isinstance(value, list):
         for v in value:
-            yield from _strings(v, depth + 1)
+            _strings(v, out, depth + 1)
+    return out
 
 
 def tool_calls(response: Any) -> list[ToolCall]:
@@ -172,7 +178,7 @@ def tool_calls(response: Any) -> list[ToolCall]:
             except (ValueError, RecursionError):
                 pass  # not JSON after all, or nested too deep to parse: matched as the text it is
         if isinstance(call_id, str) and call_id:
-            out.append((call_id, name if isinstance(name, str) else "", tuple(_strings(args))))
+            out.append((call_id, name if isinstance(name, str) else "", tuple(_strings(args, []))))
     return out
 
 

@@ -6,16 +6,19 @@ tracker against the live one."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
 from agentlog.engine import SessionEngine
 from agentlog.engine.lineages import Declared, LineageError, LineageTracker
 from agentlog.events.log.api import MemoryLog
-from agentlog.events.schema.lineage import turn_lineage
+from agentlog.events.schema.lineage import tool_calls, turn_lineage
 from agentlog.events.schema.turn_delta import EncodingContext, full_turns
 from agentlog.events.schema.types import TurnRecorded
 from agentlog.gateway.turn import LINEAGE_HEADER, _Refused, declared_lineage
@@ -94,6 +97,32 @@ def test_tool_call_argument_text_nested_past_the_json_parsers_limit_does_not_fai
     log = asyncio.run(recorded([turn(PARENT, [1, 2], [3], {"role": "assistant", "content": "", "tool_calls": [call]}),
                                 turn(SUB, [5, 6], [7])]))
     assert lineages(log) == ["main", "sub-1"]
+
+
+def _strings_spec(value: Any, depth: int = 0):
+    """What placement reads of a call's arguments: every string, depth first, three levels down."""
+    if isinstance(value, str):
+        yield value
+    elif depth < 3 and isinstance(value, dict):
+        for v in value.values():
+            yield from _strings_spec(v, depth + 1)
+    elif depth < 3 and isinstance(value, list):
+        for v in value:
+            yield from _strings_spec(v, depth + 1)
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=4),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+                     max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON, st.booleans())
+def test_a_calls_argument_strings_are_read_as_the_spec_says_whatever_their_nesting(args, as_text):
+    """``tool_calls`` appends the strings (no generator a level): the same strings, in the same order."""
+    arguments = json.dumps(args) if as_text and isinstance(args, dict) else args
+    (call,) = tool_calls({"tool_calls": [{"id": "c", "name": "Task", "arguments": arguments}]})
+    assert call == ("c", "Task", tuple(_strings_spec(args)))
 
 
 def test_a_callers_own_sampling_lineage_is_refused_naming_it():
