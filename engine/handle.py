@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Coroutine
 import numpy as np
 
 from agentlog._logging import get_logger
-from agentlog.events.log.api import EventLog, OnDurable, answer, settle_from_task
+from agentlog.events.log.api import EventLog, OnDurable, settle_from_task
 from agentlog.events.schema.lifecycle import TERMINAL_STATES, LifecycleError, State
 from agentlog.events.schema.types import (
     CommandRan,
@@ -38,13 +38,13 @@ from agentlog.events.schema.types import (
     pack_log_probs,
     pack_tokens,
 )
-from agentlog.events.schema.lineage import turn_lineage
 from agentlog.events.schema.turn_delta import EncodingContext, ExtendedPrompt
 from agentlog.events.schema.validation import READING_STORED
 
 from .errors import SessionTimeout
 from .lineages import Declared, LineageTracker
 from .session_lock import acquire_contended, handed_over, queue_for, release
+from .staged import PendingTurn
 
 if TYPE_CHECKING:
     from .core import SessionEngine
@@ -59,40 +59,6 @@ _BEFORE_THE_FIRST_TURN = EncodingContext()
 def _copied(value: Any) -> Any:
     """A list or dict a caller handed over, copied (one level: a message object is kept as it is)."""
     return list(value) if type(value) is list else dict(value) if type(value) is dict else value
-
-
-class PendingTurn:
-    """A turn :meth:`SessionHandle.begin_turn` staged: ``durable`` (a future of its envelope) is what
-    a caller awaits, and may cancel; :meth:`settled` waits for the record itself, whatever became of
-    that wait. ``turn_index`` and ``lineage`` (its id, as ``turn_lineage`` gives it) are set once the
-    turn is built (at once, unless it queued for the lock): no need to decode the envelope's body."""
-
-    __slots__ = ("durable", "_settled", "turn_index", "lineage")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.durable: asyncio.Future[Envelope] = loop.create_future()
-        self._settled: asyncio.Future[Envelope] = loop.create_future()
-        self.turn_index, self.lineage = -1, ""
-
-    def built(self, body: Any) -> None:
-        """Note the turn ``body`` the engine built for this pending turn."""
-        self.turn_index, self.lineage = body.turn_index, turn_lineage(body)
-
-    def settle(self, env: Envelope | None, exc: BaseException | None) -> None:
-        """Called once (on the loop) with the durable envelope or the failure."""
-        answer(self.durable, env, exc)
-        answer(self._settled, env, exc)
-        # Retrieved here: nobody may ever await _settled, and its exception is the durable one's.
-        if exc is not None:
-            self._settled.exception()
-
-    async def settled(self) -> Envelope:
-        """The durable envelope (raises what recording it raised)."""
-        try:
-            return await asyncio.shield(self._settled)
-        finally:
-            if self.durable.done() and not self.durable.cancelled():
-                self.durable.exception()  # retrieved: raised here instead
 
 
 def stage_built_turn(log: EventLog, session_id: str, seq: int, body: Any, on_durable: OnDurable,

@@ -1,4 +1,5 @@
-"""A record the engine staged, waiting for the log's acknowledgement: :class:`StagedRecord`.
+"""A record the engine staged, waiting for the log's acknowledgement: :class:`StagedRecord`,
+and what a caller of ``begin_turn`` holds of its turn meanwhile: :class:`PendingTurn`.
 
 The engine applies each of its records when the log acknowledges it, at its
 LSN, never when a caller's wait is cancelled (:meth:`SessionEngine._stage
@@ -18,6 +19,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any, Callable
 
 from agentlog.events.log.api import DurableCallback, answer
+from agentlog.events.schema.lineage import turn_lineage
 from agentlog.events.schema.types import Envelope
 from agentlog.events.schema.lifecycle import TERMINAL_STATES, State
 from agentlog.events.schema.turn import TurnDelta, TurnRecorded, scored_against
@@ -28,6 +30,56 @@ from .session_lock import release
 if TYPE_CHECKING:
     from .core import SessionEngine
     from .handle import SessionHandle
+
+
+class PendingTurn:
+    """A turn :meth:`SessionHandle.begin_turn` staged: ``durable`` (a future of its envelope) is what
+    a caller awaits, and may cancel; :meth:`settled` waits for the record itself, whatever became of
+    that wait. ``turn_index`` and ``lineage`` (its id, as ``turn_lineage`` gives it) are set once the
+    turn is built (at once, unless it queued for the lock): no need to decode the envelope's body."""
+
+    __slots__ = ("durable", "_settled", "_env", "_exc", "turn_index", "lineage")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.durable: asyncio.Future[Envelope] = loop.create_future()
+        # The record's outcome is kept once it settles; a future for it is made only when settled()
+        # waits before then. Most callers never ask: one future (and one tracked object) less a turn.
+        self._settled: asyncio.Future[Envelope] | None = None
+        self._env: Any = _UNSETTLED
+        self._exc: BaseException | None = None
+        self.turn_index, self.lineage = -1, ""
+
+    def built(self, body: Any) -> None:
+        """Note the turn ``body`` the engine built for this pending turn."""
+        self.turn_index, self.lineage = body.turn_index, turn_lineage(body)
+
+    def settle(self, env: Envelope | None, exc: BaseException | None) -> None:
+        """Called once (on the loop) with the durable envelope or the failure."""
+        answer(self.durable, env, exc)
+        self._env, self._exc = env, exc
+        waiting = self._settled
+        if waiting is not None:
+            answer(waiting, env, exc)
+            if exc is not None:
+                waiting.exception()  # retrieved here: settled() raises it, and its wait may be cancelled
+
+    async def settled(self) -> Envelope:
+        """The durable envelope (raises what recording it raised)."""
+        try:
+            if self._env is _UNSETTLED:
+                if self._settled is None:
+                    self._settled = asyncio.get_running_loop().create_future()
+                return await asyncio.shield(self._settled)
+            if self._exc is not None:
+                raise self._exc
+            return self._env
+        finally:
+            if self.durable.done() and not self.durable.cancelled():
+                self.durable.exception()  # retrieved: raised here instead
+
+
+#: :attr:`PendingTurn._env` until the turn settles (its envelope, or None with the failure).
+_UNSETTLED = object()
 
 
 class StagedRecord(DurableCallback):

@@ -23,7 +23,7 @@ from agentlog.events.errors import AgentlogError
 from agentlog.events.schema.lifecycle import IllegalTransition
 from agentlog.events.log.api import LogClosed
 from agentlog.engine.lineages import Declared, LineageError
-from agentlog.engine.handle import PendingTurn
+from agentlog.engine.staged import PendingTurn
 from agentlog.events.schema.turn import SERVER_KEY, SERVER_MOVED_FROM_KEY
 from agentlog.events.schema.types import turn_temperature
 
