@@ -64,12 +64,18 @@ def run_arm(arm: str, sessions: int) -> None:
 
 def instructions(arm: str, sessions: int) -> int:
     """Instructions the child running ``arm`` over ``sessions`` sessions executed (callgrind's Ir)."""
-    cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, __file__,
-           "--child", arm, str(sessions)]
+    return callgrind_count([__file__, "--child", arm, str(sessions)], f"{arm} over {sessions} sessions")
+
+
+def callgrind_count(script_args: list[str], what: str, valgrind_options: tuple[str, ...] = ()) -> int:
+    """Instructions (callgrind's Ir) that ``python *script_args`` executed under callgrind, every
+    thread, where it collected (everywhere, unless ``valgrind_options`` say otherwise). Raises
+    RuntimeError naming ``what`` when the child failed or callgrind counted nothing."""
+    cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *valgrind_options, sys.executable, *script_args]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     found = _COLLECTED.search(done.stderr)
     if done.returncode != 0 or found is None:
-        raise RuntimeError(f"{arm} over {sessions} sessions under callgrind: exit {done.returncode}, "
+        raise RuntimeError(f"{what} under callgrind: exit {done.returncode}, "
                            f"expected a 'Collected : N' line; stderr ends: {done.stderr[-800:]}")
     return int(found.group(1))
 

@@ -126,13 +126,15 @@ async def cpu_per_turn(args, contexts: list[int]) -> list[dict]:
     return rows
 
 
-async def cpu_concurrent(args, ctx: int, n: int) -> dict:
+async def cpu_concurrent(args, ctx: int, n: int, window=None) -> dict:
     """``n`` sessions grown to ``ctx`` tokens as :func:`cpu_per_turn` grows
     one, then ``cpu_turns`` rounds in which every session records a turn at
     once (``asyncio.gather``), as a busy node's sessions do: the log's group
     commit shares one fdatasync among the turns made durable together. Per
     turn: the round's CPU (all threads; the event loop's thread alone) over
-    ``n``. Each round's prompts are encoded before it, untimed."""
+    ``n``. Each round's prompts are encoded before it, untimed. ``window``: an
+    object whose ``start()`` and ``stop()`` bracket each timed round's capture
+    (``bench_capture_instructions.py`` counts the instructions between them)."""
     from agentlog.engine import SessionEngine
     from agentlog.events import FileLog
     from agentlog.gateway import ByteChatTemplate, ToolSpec
@@ -178,11 +180,15 @@ async def cpu_concurrent(args, ctx: int, n: int) -> dict:
             responses = [assistant_message("Looking.", [call]) for _ in range(n)]
             out = byte.encode_text("Looking.\n" + byte.parser.render("bash", call["arguments"])) + [byte.EOS]
             g1, t0, m0 = clock.seconds, pt(), time.thread_time()
+            if timed and window is not None:
+                window.start()
             # Each turn staged as the gateway's request handler stages it (no task of its own), then made durable together.
             staged = [_record(handles[i], prompts[i], responses[i], out) for i in range(n)]
             await asyncio.gather(*(t.durable for t in staged))
             for i, pending in enumerate(staged):
                 caches[i].remember(pending.lineage, picked[i], prompts[i], responses[i])
+            if timed and window is not None:
+                window.stop()
             if timed:
                 all_cpu.append((pt() - t0) / n)
                 main_cpu.append((time.thread_time() - m0) / n)

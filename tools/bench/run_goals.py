@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 
 #: Scripts that print no GOAL line of their own (information only): left out unless named with --only,
 #: and then no GOAL line is expected of them.
-INFORMATION_ONLY = {"bench_engine_instructions.py"}
+INFORMATION_ONLY = {"bench_engine_instructions.py", "bench_capture_instructions.py"}
 
 
 def scripts_in(folder: Path) -> list[Path]:
