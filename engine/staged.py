@@ -38,7 +38,7 @@ class PendingTurn:
     that wait. ``turn_index`` and ``lineage`` (its id, as ``turn_lineage`` gives it) are set once the
     turn is built (at once, unless it queued for the lock): no need to decode the envelope's body."""
 
-    __slots__ = ("durable", "_settled", "_env", "_exc", "turn_index", "lineage")
+    __slots__ = ("durable", "_settled", "_env", "_exc", "_tb", "turn_index", "lineage")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.durable: asyncio.Future[Envelope] = loop.create_future()
@@ -47,6 +47,7 @@ class PendingTurn:
         self._settled: asyncio.Future[Envelope] | None = None
         self._env: Any = _UNSETTLED
         self._exc: BaseException | None = None
+        self._tb: Any = None  # the failure's traceback as it settled: raised with it each time, as a future does
         self.turn_index, self.lineage = -1, ""
 
     def built(self, body: Any) -> None:
@@ -57,6 +58,8 @@ class PendingTurn:
         """Called once (on the loop) with the durable envelope or the failure."""
         answer(self.durable, env, exc)
         self._env, self._exc = env, exc
+        if exc is not None:
+            self._tb = exc.__traceback__
         waiting = self._settled
         if waiting is not None:
             answer(waiting, env, exc)
@@ -71,7 +74,7 @@ class PendingTurn:
                     self._settled = asyncio.get_running_loop().create_future()
                 return await asyncio.shield(self._settled)
             if self._exc is not None:
-                raise self._exc
+                raise self._exc.with_traceback(self._tb)
             return self._env
         finally:
             if self.durable.done() and not self.durable.cancelled():

@@ -1,5 +1,5 @@
-"""The envelopes the file log's readers yield: :class:`LazyEnvelope`, whose
-body is built the first time it is used.
+"""The envelopes the file log's readers yield, and its ``stage`` acknowledges
+with: :class:`LazyEnvelope`, whose body is built the first time it is used.
 
 A reader hands over every record, but many consumers look at the headers of
 many and the bodies of few (a replay of one session, a count of events by
@@ -72,8 +72,8 @@ class StoredBody(msgspec.Struct, gc=False):
     (naming that type) instead of writing it.
 
     A struct, not a class of our own, for its untracked instances (``gc=False``):
-    one is made for each record a reader yields and each record the file log
-    stages, and an object the garbage collector tracks would cost each of them
+    one is made for each record a reader yields and each record the file log's
+    ``stage`` acknowledges in its common case, and an object the garbage collector tracks would cost each of them
     its walks. Safe untracked: what it holds (bytes or a view of them, strings,
     an int, a shared marker) can never lead back to it."""
 
@@ -104,8 +104,8 @@ def _body(env: "LazyEnvelope") -> Any:
 
 
 class LazyEnvelope(Envelope, frozen=True, gc=False):
-    """An Envelope read from a log file, its body decoded on first use (see
-    the module docstring). Built by the log's readers, never by hand."""
+    """An Envelope read from a log file (or staged to one), its body decoded on first
+    use (see the module docstring). Built by the log's readers and its ``stage``, never by hand."""
 
     @property
     def tag(self) -> str:

@@ -415,9 +415,17 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
             return envs[0], end
         if not self._spares:
             self._reserve_spares(0, seg_size + n)  # with a spare at hand it has nothing to do
-        # From here on nothing can fail.
         ts = self._clock()
         lsn = self._assigned
+        env: Envelope  # made before any state changes: what could fail making it (memory) leaves none half changed
+        if staged:
+            label = self._seg_label
+            if label[0] != self._seg_first:  # the name of the active segment, made once it changed
+                label = self._seg_label = (self._seg_first, segment_name(self._seg_first))
+            env = staged_envelope(lsn, sid, seq, ts, type(body), payload, label[1], seg_size)
+        else:
+            env = Envelope(lsn, sid, seq, ts, body)
+        # From here on nothing can fail.
         # A big payload is written where it lies (writev), after its frame's prefix, whose CRC covers it.
         big = len(payload) >= _BIG_PAYLOAD
         if type(body) in _TERMINAL_TYPES:
@@ -428,14 +436,6 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
             self._next_seq[sid] = seq + 1
         self._seg_size = seg_size + n
         end = lsn + 1
-        env: Envelope
-        if staged:
-            label = self._seg_label
-            if label[0] != self._seg_first:  # the name of the active segment, made once it changed
-                label = self._seg_label = (self._seg_first, segment_name(self._seg_first))
-            env = staged_envelope(lsn, sid, seq, ts, type(body), payload, label[1], seg_size)
-        else:
-            env = Envelope(lsn, sid, seq, ts, body)
         pending = self._pending
         if pending and self._policy != "always" and seg_size + n - self._ckpt_off < self._ckpt_every:
             last = pending[-1]

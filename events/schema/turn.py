@@ -261,7 +261,8 @@ def turn_temperature(sampling: Any) -> float | None:
     if not isinstance(sampling, dict):
         return None
     ignored = sampling.get("ignored") or ()
-    value = 1.0 if isinstance(ignored, (list, tuple)) and "temperature" in ignored else sampling.get("temperature", 1.0)
+    # A set is stored as an array: read as stored, whether before or after the log has it.
+    value = 1.0 if isinstance(ignored, (list, tuple, set, frozenset)) and "temperature" in ignored else sampling.get("temperature", 1.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < math.inf:
         return None
     return float(value)

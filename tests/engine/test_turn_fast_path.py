@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import traceback
 
 import pytest
 
@@ -17,7 +18,8 @@ from agentlog.events.log.api import LogClosed, MemoryLog
 from agentlog.events.log.osops import OsOps
 from agentlog.events.log.lazy import LazyEnvelope
 from agentlog.events.schema.lineage import ROOT_LINEAGE, turn_lineage
-from agentlog.events.schema.types import SessionOpened
+from agentlog.events.schema.turn import turn_temperature
+from agentlog.events.schema.types import EventValidationError, SessionOpened
 from engine_helpers import YieldingLog
 
 TURN = dict(messages=[{"role": "user", "content": "fix the bug"}], prompt_ids=[5, 6, 7], output_ids=[8, 9],
@@ -222,6 +224,36 @@ def test_a_staged_turn_is_applied_as_the_log_stored_it(tmp_path, arun):
     arun(go())
 
 
+@pytest.mark.parametrize("kind", ["file", "memory"])
+def test_a_turns_temperature_as_the_engine_reads_it_is_the_one_a_reader_of_the_log_reads(tmp_path, arun, kind):
+    """Read as the turn is staged, from the caller's values, and by a reader from what was stored: the
+    same, whatever the sampling's form (a set of ignored settings is stored as an array)."""
+    async def go():
+        log = FileLog.open(tmp_path / "log") if kind == "file" else MemoryLog()
+        eng, h = await _running(log)
+        samplings = [{"temperature": 0.5, "ignored": {"temperature"}}, {"temperature": 0.5, "ignored": ("top_p",)},
+                     {"temperature": 0.5, "ignored": frozenset({"temperature", "top_p"})}]
+        for i, sampling in enumerate(samplings):
+            await h.begin_turn(**_turn(i), sampling=sampling).durable
+        stored = [turn_temperature(e.body.sampling) for e in log.read() if e.tag == "turn_delta"]
+        assert list(h._turn_temperatures) == stored == [1.0, 0.5, 1.0]
+        await eng.close()
+        log.close()
+    arun(go())
+
+
+def test_a_turn_whose_sampling_is_no_dict_is_refused_by_the_log_naming_the_field(tmp_path, arun):
+    async def go():
+        log = FileLog.open(tmp_path / "log")
+        eng, h = await _running(log)
+        with pytest.raises(EventValidationError, match=r"sampling: expected `object`, got `array`"):
+            h.begin_turn(**_turn(0), sampling=["temperature"])
+        assert not h._busy and h.turns == 0
+        await eng.close()
+        log.close()
+    arun(go())
+
+
 @pytest.mark.parametrize("path", ["begin_turn", "record_turn"])
 def test_a_record_the_engine_fails_to_apply_is_reported_in_health_as_in_the_log(tmp_path, arun, path, monkeypatch):
     """A bug while applying an acknowledged turn (injected in the lineage commit) is never quiet:
@@ -271,10 +303,16 @@ def test_a_failed_flush_reaches_the_waiter_and_frees_the_lock_without_applying(t
         eng, h = await _running(log)
         ops.fail = True
         pending = h.begin_turn(**TURN)
+        early = asyncio.create_task(pending.settled())  # waits before the failure arrives
+        await asyncio.sleep(0)
         with pytest.raises(LogClosed, match="Input/output error"):
             await pending.durable
-        with pytest.raises(LogClosed):
-            await pending.settled()
+        depths = []
+        for waited in (early, pending.settled(), pending.settled()):  # before it came, after it, and again
+            with pytest.raises(LogClosed) as failure:
+                await waited
+            depths.append(len(traceback.extract_tb(failure.value.__traceback__)))
+        assert depths[1] == depths[2], depths  # raised with its traceback as it settled, not grown with each call
         assert h.turns == 0 and not h._busy
         assert "Input/output error" in log.fatal_reason
     arun(go())

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
 from agentlog.tools.bench import bench_capture_instructions as bench
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+needs_helper = pytest.mark.skipif(shutil.which("cc") is None or not Path("/usr/include/valgrind/callgrind.h").exists(),
+                                  reason="needs a C compiler and valgrind/callgrind.h (apt-get install valgrind)")
 
 
-@needs_compiler
+@needs_helper
 def test_the_window_brackets_each_timed_round_and_nothing_else(tmp_path, monkeypatch):
     library = bench.build_window(tmp_path)
     calls: list[str] = []
@@ -36,6 +39,7 @@ def test_the_window_brackets_each_timed_round_and_nothing_else(tmp_path, monkeyp
     assert calls == ["start", "stop"] * 2  # the growing rounds before them are not counted
 
 
+@needs_compiler
 def test_a_broken_compiler_is_named_with_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "_WINDOW_C", "#include <no/such_header.h>\n")
     with pytest.raises(RuntimeError, match=r"compiling the window helper .* failed \(needs valgrind/callgrind.h"):

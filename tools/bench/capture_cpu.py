@@ -44,7 +44,7 @@ def _record(h, prompt, response, out):
     """Record a turn as the gateway's turn path does (gateway/turn.py): staged with
     ``begin_turn`` before the first await, in the request handler's own task (no
     task per turn), its frozen messages and the cached prompt handed over as they
-    are. Returns the :class:`~agentlog.engine.handle.PendingTurn`."""
+    are. Returns the :class:`~agentlog.engine.staged.PendingTurn`."""
     return h.begin_turn(messages=prompt.messages, prompt_ids=prompt.recorded, output_ids=out,
                         output_log_probs=[-0.5] * len(out), finish_reason="stop", response_message=response,
                         sampling={"temperature": 1.0}, frozen_messages=True)
