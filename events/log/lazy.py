@@ -44,7 +44,7 @@ from typing import Any, Iterable, Iterator
 import msgspec
 
 from ..schema.read_check import checked_tag
-from ..schema.types import EVENT_TYPES, Envelope, UnknownEvent, decode_body
+from ..schema.types import Envelope, UnknownEvent, decode_body
 from .scan import Frame, payload_error
 
 __all__ = ["LazyEnvelope", "StoredBody", "UndecodedStoredBody", "staged_envelope"]
@@ -170,11 +170,8 @@ def staged_envelope(lsn: int, session_id: str, session_seq: int, ts_ns: int, eve
     """The LazyEnvelope of a record the writer has just staged: ``payload``, the bytes it
     stores (an ``event_type`` body's) as the frame at ``offset`` of segment ``segment``,
     already checked to decode (:func:`~agentlog.events.log.api.check_record_body`)."""
-    return LazyEnvelope(lsn, session_id, session_seq, ts_ns, StoredBody(payload, segment, offset, _TAG_OF[event_type]))  # type: ignore[arg-type]  # the body, until built
-
-
-#: Each event type's tag, looked up once a staged record rather than read off its struct config.
-_TAG_OF: dict[type, str] = {t: t.__struct_config__.tag for t in EVENT_TYPES}  # type: ignore[attr-defined]
+    tag = event_type.__struct_config__.tag  # type: ignore[attr-defined]  # every event type is a tagged struct
+    return LazyEnvelope(lsn, session_id, session_seq, ts_ns, StoredBody(payload, segment, offset, tag))  # type: ignore[arg-type]  # the body, until built
 
 
 def lazy_envelope(frame: Frame, segment: str) -> LazyEnvelope:

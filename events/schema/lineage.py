@@ -102,7 +102,7 @@ def lineage_of(sampling: Any) -> Any:
     """The :class:`Lineage` a turn's ``sampling`` records, UNSET when none (the root lineage).
     Reads what was checked when written: no checks run again. A ``sampling`` that is no dict
     (a turn not checked yet, which the log will refuse) records none."""
-    value = sampling.get(LINEAGE_KEY) if sampling and isinstance(sampling, dict) else None
+    value = sampling.get(LINEAGE_KEY) if isinstance(sampling, dict) else None
     if value is None:
         return UNSET
     token = READING_STORED.set(True)
