@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -32,6 +33,27 @@ def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 60.0, pr
         if time.monotonic() - t0 > timeout:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+def freeze_mid_batch(worker, open_sessions: Callable[[], set[str]], procs=(),
+                     in_flight: Callable[[], bool] | None = None, looks: int = 200) -> set[str]:
+    """Stop ``worker`` (SIGSTOP) at a moment its log shows sessions open, and return them
+    (``open_sessions()``, read again while it is frozen).
+
+    Reading the log while the worker is frozen makes what it says what a kill then leaves:
+    seeing sessions open and stopping the worker are not a race. A look that finds the batch
+    already over lets the worker go on (SIGCONT) instead of killing it, so a miss costs the run
+    none of its steps, as a kill and restart between batches would. ``in_flight``: a cheaper
+    test to poll between looks (a tail of the log), by default ``open_sessions`` itself."""
+    poll = in_flight or (lambda: bool(open_sessions()))
+    for _look in range(looks):
+        wait_for("sessions in flight", poll, 60, procs)
+        worker.send_signal(signal.SIGSTOP)
+        found = open_sessions()
+        if found:
+            return found
+        worker.send_signal(signal.SIGCONT)
+    pytest.fail(f"the worker had no session open at any of {looks} looks while it was frozen")
 
 
 def kill_live(*procs) -> None:

@@ -26,7 +26,7 @@ from agentlog.loop.run_folder import Run
 from agentlog.loop.learner_records import read_learner_records
 from agentlog.loop.run import start_process
 
-from loop_helpers import small_config, wait_for
+from loop_helpers import freeze_mid_batch, small_config, wait_for
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -124,20 +124,12 @@ def test_a_run_on_jetstream_with_a_restarted_worker_fences_the_old_one_and_recon
                         live.discard(env.session_id)
                 return bool(live)
 
-            orphans: set[str] = set()
             try:
-                for _attempt in range(20):
-                    wait_for("sessions in flight on p0001", in_flight, 60, procs)
-                    os.kill(workers[1].pid, signal.SIGSTOP)
-                    assert workers[1].poll() is None and _version(run_logs) < cfg.steps, (
-                        "the run was over before worker 1 could be frozen mid-run")
-                    orphans = _open_sessions(p1)
-                    if orphans:
-                        break
-                    os.kill(workers[1].pid, signal.SIGCONT)
+                orphans = freeze_mid_batch(workers[1], lambda: _open_sessions(p1), procs, in_flight=in_flight)
             finally:
                 tail.close()
-            assert orphans, "could not freeze the worker mid-batch in 20 attempts"
+            assert workers[1].poll() is None and _version(run_logs) < cfg.steps, (
+                "the run was over before worker 1 could be frozen mid-run")
             acknowledged = [(e.lsn, e.session_id, e.body) for e in p1.read()]
             stale = workers[1]
             workers[1] = start_process("worker", run, "--partition", "1")

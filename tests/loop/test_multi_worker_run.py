@@ -19,7 +19,7 @@ from agentlog.loop.config import RolloutConfig
 from agentlog.loop.learner_records import read_learner_records
 from agentlog.loop.run import start_process
 
-from loop_helpers import kill_live, learner_version, small_config, wait_for
+from loop_helpers import freeze_mid_batch, kill_live, learner_version, small_config, wait_for
 from short_demo import SHORT_DEMO_ARGS
 
 
@@ -88,15 +88,12 @@ def test_a_killed_worker_restarts_on_its_partition_with_a_new_epoch_and_loses_no
     try:
         wait_for("learner version 2", lambda: learner_version(run) >= 2, 120, [learner, *workers.values()])
         epoch_before = read_fence(p1)
-        for _attempt in range(20):
-            wait_for("sessions in flight on p0001", lambda: bool(_open_sessions(p1)), 60, [learner, *workers.values()])
-            _kill(workers[1])
-            acknowledged = [(e.lsn, e.session_id, e.body) for e in read_log(p1, 0)]
-            orphans = _open_sessions(p1)
-            workers[1] = start_process("worker", run, "--partition", "1")
-            if orphans:
-                break
-        assert orphans, "could not kill the worker mid-batch in 20 attempts"
+        frozen_with = freeze_mid_batch(workers[1], lambda: _open_sessions(p1), [learner, *workers.values()])
+        _kill(workers[1])
+        acknowledged = [(e.lsn, e.session_id, e.body) for e in read_log(p1, 0)]
+        orphans = _open_sessions(p1)
+        assert orphans == frozen_with, (orphans, frozen_with)  # a kill of a frozen process writes nothing more
+        workers[1] = start_process("worker", run, "--partition", "1")
         wait_for("the final version", lambda: learner.poll() is not None, 180, list(workers.values()))
         assert learner.returncode == 0
         for w in workers.values():

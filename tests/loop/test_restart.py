@@ -5,15 +5,13 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-import pytest
-
 from agentlog.events.schema.types import SessionAborted, SessionDropped, SessionFinished, SessionOpened
 from agentlog.events import read_log
 from agentlog.loop.check import check_run
 from agentlog.loop.run import start_process
 from agentlog.loop.learner_records import read_learner_records
 
-from loop_helpers import kill_live, learner_version, small_config, wait_for
+from loop_helpers import freeze_mid_batch, kill_live, learner_version, small_config, wait_for
 
 
 def _kill(proc) -> None:
@@ -27,23 +25,6 @@ def _both_exit_cleanly(learner, worker) -> None:
     assert learner.returncode == 0
     worker.wait(timeout=60)
     assert worker.returncode == 0
-
-
-def _freeze_mid_batch(worker, rollout: Path, procs, attempts: int = 200) -> set[str]:
-    """Stop ``worker`` (SIGSTOP) at a moment it holds sessions open, and return them.
-
-    The log is read again while the worker is frozen, so what it says is what a kill then
-    leaves: seeing sessions open and killing are not a race. A look that finds the batch
-    already ended lets the worker go on (SIGCONT) instead of killing it: a miss costs the
-    run no progress, where a kill and restart between batches would use up its steps."""
-    for _attempt in range(attempts):
-        wait_for("sessions in flight", lambda: bool(_open_sessions(rollout, durable_only=False)), 60, procs)
-        worker.send_signal(signal.SIGSTOP)
-        open_now = _open_sessions(rollout, durable_only=False)
-        if open_now:
-            return open_now
-        worker.send_signal(signal.SIGCONT)
-    pytest.fail(f"the worker had no session open at any of {attempts} looks while it was frozen")
 
 
 def _open_sessions(rollout: Path, *, durable_only: bool = True) -> set[str]:
@@ -103,7 +84,7 @@ def test_killed_worker_restart_aborts_orphans_with_engine_restart_and_training_g
     orphans: set[str] = set()
     try:
         wait_for("learner version 2", lambda: learner_version(run) >= 2, 120, [worker, learner])
-        frozen_with = _freeze_mid_batch(worker, run / "rollout", [worker, learner])
+        frozen_with = freeze_mid_batch(worker, lambda: _open_sessions(run / "rollout", durable_only=False), [worker, learner])
         _kill(worker)
         orphans = _open_sessions(run / "rollout", durable_only=False)
         assert orphans == frozen_with, (orphans, frozen_with)  # a kill of a frozen process writes nothing more
