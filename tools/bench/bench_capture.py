@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", nargs="+", type=_run_shape, default=None, metavar="SESSIONS:CONTEXT:TURNS",
                    help="the throughput runs (default 192:100000:30 1000:10000:10; turns 3 and 2 with --quick)")
     p.add_argument("--repeats", type=int, default=1, help="gateway/direct pairs per throughput run")
-    p.add_argument("--cpu-turns", type=int, default=None, help="timed turns (rounds) of the CPU arms (default 20; 3 with --quick)")
+    p.add_argument("--cpu-turns", type=int, default=None, help="timed turns (rounds) of the CPU arms (default 20; 12 with --quick)")
     # 64 sessions at the largest context by default: ~26 MB of prompts.
     p.add_argument("--cpu-sessions", type=int, default=64, help="sessions recording at once in the concurrent CPU arm")
     p.add_argument("--contexts", nargs="+", type=int, default=[1_000, 10_000, 100_000],
@@ -399,7 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs is None:
         args.runs = [(192, 100_000, 3), (1000, 10_000, 2)] if args.quick else [(192, 100_000, 30), (1000, 10_000, 10)]
     if args.cpu_turns is None:
-        args.cpu_turns = 3 if args.quick else 20
+        # 12 with --quick, not fewer: the many-sessions arm's mean over 3 rounds spread from 75 to 150 us a turn
+        # from run to run of the same code (its first rounds and one middle collection weigh a third each);
+        # over 12 rounds, 67 and 68 in the same minutes. A timed round takes well under a second.
+        args.cpu_turns = 12 if args.quick else 20
     for line in asyncio.run(_run(args)):
         print(line)
     return 0
