@@ -192,7 +192,10 @@ class ChatCompletionsAPI(WireAPI):
             content = text_of(m.get("content"), f"{where}.content")
             if role == "assistant":
                 calls = []
-                for j, tc in enumerate(m.get("tool_calls") or []):
+                listed = m.get("tool_calls")
+                if listed is not None and not isinstance(listed, list):  # never read a string's characters as calls
+                    raise RequestError(f"{where}.tool_calls", "a list of tool call objects", listed)
+                for j, tc in enumerate(listed or ()):
                     fn = tc.get("function") if isinstance(tc, dict) else None
                     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                         raise RequestError(f"{where}.tool_calls[{j}].function", "an object with a string name", tc)

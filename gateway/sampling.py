@@ -32,7 +32,12 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite int or float, not a bool. An int is finite however large: ``math.isfinite``
+    would convert it to a float first, and raise OverflowError past 1.8e308 (a JSON ``1`` with
+    400 zeros). The rules' ranges compare a large int exactly."""
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v))
 
 
 #: The temperatures every backend samples at as given. vLLM raises a

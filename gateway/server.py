@@ -447,6 +447,10 @@ class Gateway(TurnPath, AdminRoutes):
             raise _Refused(413, "request_too_large", f"request body over the limit of {cap} bytes ({exc.text})") from None
         except TimeoutError:
             raise _Refused(408, "request_timeout", f"request body did not arrive within {self.config.body_timeout_s} s") from None
+        except web.RequestPayloadError as exc:  # aiohttp could not decode the body: its Content-Encoding, its chunks
+            encoding = request.headers.get("Content-Encoding", "none")
+            raise _Refused(400, "invalid_request_error",
+                           f"request body could not be read (Content-Encoding: {encoding}): {exc}") from None
         if len(raw) > cap:  # chunked bodies are checked here
             raise _Refused(413, "request_too_large", f"request body of {len(raw)} bytes is over the limit of {cap}")
         try:
@@ -520,15 +524,20 @@ class Gateway(TurnPath, AdminRoutes):
         return await self._turn(request, "messages")
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
+        reserved = 0
         try:
-            key = self._api_key(request)
-            self._session(key, self._session_id(key))
-            req = APIS["messages"].parse(await self._body(request))
-        except _Refused as exc:
-            return self._error("anthropic", exc.status, exc.kind, str(exc))
-        except RequestError as exc:
-            return self._error("anthropic", 400, "invalid_request_error", str(exc))
-        return web.json_response({"input_tokens": len(self.template.encode_prompt(req.messages, req.tools))})
+            try:
+                key = self._api_key(request)
+                self._session(key, self._session_id(key))
+                reserved = self._reserve_body(request)  # a large body counts against the budget, as a turn's does
+                req = APIS["messages"].parse(await self._body(request))
+            except _Refused as exc:
+                return self._error("anthropic", exc.status, exc.kind, str(exc))
+            except RequestError as exc:
+                return self._error("anthropic", 400, "invalid_request_error", str(exc))
+            return web.json_response({"input_tokens": len(self.template.encode_prompt(req.messages, req.tools))})
+        finally:
+            self._large_bodies -= reserved
 
 
 def _is_operator_request(request: web.Request) -> bool:
