@@ -124,18 +124,32 @@ class Cursor:
             os.close(self.fd)
             self.fd = None
 
-    def _switch(self, first: int, offset: int, expected: int) -> bool:
+    def _switch(self, first: int, offset: int, expected: int, listed: list[int]) -> bool:
+        """Move to segment ``first`` at ``offset`` (record ``expected`` next). False where the
+        log ends here: no such segment yet, or its header is still being created. ``listed``:
+        the segments listed (ascending first LSNs). When one of them starts after ``first``,
+        that segment is not still to come but lost or cut, and its records with it: raised as
+        LogCorruption (what verify says), never read as the end of a shorter log."""
+        later = listed[bisect.bisect_right(listed, first)] if listed and listed[-1] > first else None
         try:
             fd, _epoch, _size = open_segment(self.dir, first)
         except FileNotFoundError:
-            return False
-        except LogCorruption:
-            # A segment being created has a short (or not yet written) header;
-            # it only counts as damage once records past it are durable.
-            head = read_head(self.dir / segment_name(first))
-            if header_being_created(len(head), head):
+            if later is None:
                 return False
-            raise
+            raise LogCorruption(
+                f"log {self.dir}: segment {segment_name(later)} starts at lsn {later}, expected {first}: segment "
+                f"{segment_name(first)}, which would hold lsn {first}..{later - 1}, is missing",
+                segment=segment_name(later), offset=0, last_good_lsn=first - 1,
+            ) from None
+        except LogCorruption as err:
+            # A segment being created has a short (or not yet written) header;
+            # it only counts as damage once records past it are durable, or a later segment exists.
+            head = read_head(self.dir / segment_name(first))
+            if later is None and header_being_created(len(head), head):
+                return False
+            raise LogCorruption(f"log {self.dir}: {err}; segment {segment_name(later)} follows, so this is damage, not a "
+                                f"segment still being created (it would hold lsn {first} on)" if later is not None else str(err),
+                                segment=err.segment, offset=err.offset, last_good_lsn=first - 1) from None
         self.close()
         self.fd = fd
         self.ino = os.fstat(fd).st_ino
@@ -170,7 +184,7 @@ class Cursor:
             j = bisect.bisect_right(entries, (self.from_lsn, 1 << 62)) - 1
             if j >= 0:
                 expected, offset = entries[j]
-        if not self._switch(first, offset, expected):
+        if not self._switch(first, offset, expected, segs):
             self.name = segment_name(first)  # named if the records it should hold are missing
             return False
         if offset != SEG_HDR_SIZE:
@@ -304,7 +318,9 @@ class Cursor:
                     except FileNotFoundError:
                         self._check_reached(limit)
                         return
-                if self._switch(nxt, SEG_HDR_SIZE, nxt):
+                if self._listed is None:
+                    self._listed = list_segments(self.dir)
+                if self._switch(nxt, SEG_HDR_SIZE, nxt, self._listed):
                     continue
                 self._check_reached(limit)
                 return
