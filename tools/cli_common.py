@@ -136,6 +136,26 @@ def check_log_path(arg: str, *, allow_empty: bool = False) -> LogSource:
     return source
 
 
+def check_output_path(source: LogSource, output: str | None, option: str = "-o") -> None:
+    """Refuse (exit 2) an output path that is, or is inside, a log ``source`` reads (a segment,
+    its DURABLE or INDEX, a partition), or its run folder's learner log or ``config.json``. A
+    typo or a tab completion there would replace the log with the command's output: a reading
+    command never modifies a log. Call it before anything is opened for writing."""
+    from agentlog.events.log.source import RUN_CONFIG, RUN_LEARNER_LOG, is_location_url
+
+    if output is None or output == "-":
+        return
+    protected = [] if is_location_url(source.location) else [Path(source.location)]
+    if source.run_dir is not None:
+        protected += [source.run_dir / RUN_LEARNER_LOG, source.run_dir / RUN_CONFIG]
+    out = Path(output).resolve()  # through symlinks: a link into the log is the log
+    for place in protected:
+        place = place.resolve()
+        if out == place or place in out.parents:
+            raise CliError(f"{option} {output}: is {'' if out == place else 'inside '}{place}, which this command reads; "
+                           "write the output elsewhere", EXIT_USAGE)
+
+
 def _run_folder_logs(path: Path, allow_empty: bool) -> tuple[LogSource | None, Exception | None]:
     """The rollout logs of the run folder ``path`` when its config keeps them
     elsewhere than its ``rollout/`` (on JetStream); ``(None, None)`` for any other
@@ -355,6 +375,19 @@ def nonneg_int(text: str) -> int:
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1."""
     return _int_at_least(text, 1)
+
+
+def tcp_port(text: str) -> int:
+    """argparse type: a TCP port, 0 to 65535 (0: any free port)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port 0-65535, found {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0-65535, found {value}")
+    return value
 
 
 def positive_float(text: str) -> float:

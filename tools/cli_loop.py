@@ -21,6 +21,7 @@ from typing import Sequence
 
 from agentlog.events.fs import atomic_path
 from agentlog.tools.cli import EXIT_DATA, EXIT_INTERRUPTED, EXIT_USAGE, CliError
+from agentlog.tools.cli_common import positive_float
 
 from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig, MetricsConfig, field_help
 
@@ -155,7 +156,7 @@ def add_output_flags(p) -> None:
     p.add_argument("--out", type=Path, default=None, metavar="DIR", help="run folder (default runs/<run-id>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-report", action="store_true", help="skip report.html")
-    p.add_argument("--timeout", type=float, default=None, metavar="S", help="give up (exit 1) after S seconds")
+    p.add_argument("--timeout", type=positive_float, default=None, metavar="S", help="give up (exit 1) after S seconds (> 0)")
 
 
 def config_from_args(args, base: LoopConfig, *, task_modules: Sequence[str] = (), import_dirs: Sequence[Path] = ()) -> LoopConfig:

@@ -52,7 +52,7 @@ from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import (
-    add_quiet, check_log_path, finite_float, id_scans_of, positive_int, read_tagged, reduce_config_of,
+    add_quiet, check_log_path, check_output_path, finite_float, id_scans_of, positive_int, read_tagged, reduce_config_of,
 )
 
 FORMATS = ("hf", "sft", "jsonl")
@@ -324,9 +324,10 @@ def run(args) -> int:
     fmt = args.format
     statuses = _statuses(args.status)
     out = Path(args.output)
-    _check_output(out)
     writer_type = _writer(fmt)
     path = check_log_path(args.log)
+    check_output_path(path, args.output)
+    _check_output(out)
     config = reduce_config_of(path, args.config)
     estimator, eps, lineage_members = _advantage_settings(path, args.estimator, args.config)
     groups = set(args.group or ())

@@ -41,7 +41,9 @@ import sys
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, id_scans_of, nonneg_int, read_tagged, reduce_config_of
+from agentlog.tools.cli_common import (
+    add_quiet, check_log_path, check_output_path, id_scans_of, nonneg_int, read_tagged, reduce_config_of,
+)
 
 FORMATS = ("jsonl", "msgpack", "parquet")
 
@@ -82,6 +84,15 @@ def run_counterfactual(args) -> int:
     from agentlog.loop.counterfactual import compare, format_diff, policy_config
     from agentlog.loop.run_folder import Run
 
+    # What a plain reconstruct takes and --policy would drop without a word: the policy's TOML says the settings.
+    ignored = [flag for flag, given in (
+        ("-o", args.output is not None), ("--format", args.format is not None), ("--fork-threshold", args.fork_threshold is not None),
+        ("--max-context-tokens", args.max_context_tokens is not None), ("--allow-repeated-targets", args.allow_repeated_targets),
+        ("--config", args.config is not None)) if given]
+    if ignored:
+        raise CliError(f"reconstruct --policy: {', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not go with "
+                       "--policy (it writes no samples; put "
+                       "reduce settings in the policy file)", EXIT_USAGE)
     path = check_log_path(args.log)
     run_dir = path.run_dir
     if run_dir is None:
@@ -302,6 +313,7 @@ def run(args) -> int:
     from agentlog.reducers.samples import SampleDigest
 
     path = check_log_path(args.log)
+    check_output_path(path, args.output)
     # A run folder's own settings (the samples and groups its learner trained), or the run's config given.
     base = reduce_config_of(path, args.config)
     overrides = {}

@@ -19,7 +19,8 @@ from typing import Any, Iterable
 from agentlog.events.fs import atomic_file
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
 from agentlog.tools.cli_common import (
-    add_quiet, check_log_path, id_scans_of, learner_log_of, nonneg_int, read_records, read_tagged, reduce_config_of,
+    add_quiet, check_log_path, check_output_path, id_scans_of, learner_log_of, nonneg_int, read_records, read_tagged,
+    reduce_config_of,
 )
 
 
@@ -42,6 +43,7 @@ def run(args) -> int:
     from agentlog.tools.report.render import render
 
     path = check_log_path(args.log)
+    check_output_path(path, args.output)
     learner = learner_log_of(path)
     envelopes: Iterable[Any]
     if path.partitioned:

@@ -26,7 +26,7 @@ import signal
 import sys
 
 from agentlog.tools.cli import EXIT_DATA, CliError
-from agentlog.tools.cli_common import nonneg_int, positive_float, positive_int
+from agentlog.tools.cli_common import nonneg_int, positive_float, positive_int, tcp_port
 from agentlog.tools.progress import ProgressBar
 
 
@@ -42,7 +42,7 @@ def register(sub) -> None:
     p.add_argument("--checkpoint", default="", help="torch backend: the built-in GPT's weights: a learner checkpoint (policy-vNNNNN.pt), a weights file or a bare state_dict (loaded with weights_only=True)")
     p.add_argument("--tool-parser", default="hermes", help="how tool calls are parsed from model text (hermes, none)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8000, help="port (0: any free port)")
+    p.add_argument("--port", type=tcp_port, default=8000, help="port (0: any free port)")
     p.add_argument("--fsync", choices=["always", "batch", "interval", "never"], default="batch", help="log fsync policy (default batch)")
     p.add_argument("--max-turns", type=positive_int, default=256, help="turn cap per session (answered 429 beyond it)")
     p.add_argument("--max-tokens", type=positive_int, default=512, help="default output allowance per turn")
@@ -53,19 +53,6 @@ def register(sub) -> None:
     p.add_argument("--drain", type=positive_float, default=5.0, metavar="S", help="on SIGTERM/SIGINT, seconds to let in-flight turns finish before their sessions are dropped with reason 'shutdown' (default 5)")
     p.add_argument("--admin-token", default=os.environ.get("AGENTLOG_ADMIN_TOKEN", ""), help="admin API token (default: $AGENTLOG_ADMIN_TOKEN, else generated and printed)")
     p.set_defaults(func=run)
-
-
-def _port(text: str) -> int:
-    """argparse type: a TCP port, 0 to 65535 (0: any free port)."""
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port 0-65535, found {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port 0-65535, found {value}")
-    return value
 
 
 def default_gateway_model(seed: int = 0):

@@ -39,7 +39,7 @@ from typing import IO, Any, Iterable
 
 from agentlog.events.fs import atomic_file
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, id_scans_of, read_records, read_tagged
+from agentlog.tools.cli_common import add_quiet, check_log_path, check_output_path, id_scans_of, read_records, read_tagged
 
 #: The one process every session track belongs to.
 TRACE_PID = 1
@@ -192,6 +192,7 @@ def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "", partit
 def run(args) -> int:
     """Stream the log into the trace file, written atomically."""
     path = check_log_path(args.log)
+    check_output_path(path, args.output)
     try:
         # Not fsynced (durable=False): a trace is rebuilt from the log.
         with atomic_file(args.output, "w", encoding="utf-8", durable=False) as f:

@@ -18,7 +18,7 @@ import signal
 import sys
 
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, nonneg_int
+from agentlog.tools.cli_common import add_quiet, tcp_port
 
 
 def register(sub) -> None:
@@ -26,7 +26,7 @@ def register(sub) -> None:
     p = sub.add_parser("ui", help="a read-only local web app over a run (finished or live): sessions, tokens, groups, steps")
     p.add_argument("source", metavar="SOURCE", help="a run folder, a log directory or nats://host:port/stream")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; another one needs --token)")
-    p.add_argument("--port", type=nonneg_int, default=8765, metavar="P", help="port to bind (default 8765; 0: any free port)")
+    p.add_argument("--port", type=tcp_port, default=8765, metavar="P", help="port to bind (default 8765; 0: any free port)")
     p.add_argument("--token", default=None, metavar="T", help="require this token on every request (Bearer header or ?token=)")
     p.add_argument("--index", default=None, metavar="PATH", help="the session index file (default <run>/.agentlog-ui/index.sqlite)")
     p.add_argument("--no-browser", action="store_true", help="do not open a browser (the default: only the URL is printed)")

@@ -75,6 +75,10 @@ _COLUMNS = ("session_id", "group_id", "partition", "status", "reason", "reward",
             "version_max", "flags", "first_ts", "resumes")
 
 
+class IndexUnusableError(AgentlogError):
+    """An index path the user named (``--index``) that SQLite cannot open: another file, a directory."""
+
+
 class IndexLockedError(AgentlogError):
     """Another process (or server) holds the index file: two writers would corrupt its position."""
 
@@ -162,8 +166,11 @@ class SessionIndex:
     journal). One process at a time holds the index: an exclusive lock on ``<path>.lock``
     (holding its pid); a second opener gets :class:`IndexLockedError`."""
 
-    def __init__(self, source: LogSource, path: Path, config: Any) -> None:
+    def __init__(self, source: LogSource, path: Path, config: Any, *, owned: bool = False) -> None:
         self.source, self.path, self.config = source, Path(path), config
+        #: The file is this tool's own cache (the default path): one SQLite cannot read is rebuilt.
+        #: A path the user named is never removed unless it is an index of ours (IndexUnusableError).
+        self.owned = owned
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rebuilt_why: str | None = None  # why this start rebuilt the index (None: new or reused)
         self.resumed = False  # this start reused an index that held records
@@ -182,8 +189,21 @@ class SessionIndex:
     def _open(self) -> None:
         from agentlog.reducers.fold import SessionFold
 
-        self._db = self._connect()
-        self._check_identity()
+        try:
+            self._db = self._connect()
+            self._check_identity()
+        except sqlite3.DatabaseError as exc:  # not a SQLite file (or a directory): damaged, or someone else's
+            if getattr(self, "_db", None) is not None:
+                self._db.close()
+            if not self.owned:
+                raise IndexUnusableError(
+                    f"--index {self.path}: not an index `agentlog ui` can open (sqlite3: {exc}); name a new file "
+                    "or one this command wrote, or leave --index out for the default") from None
+            self.rebuilt_why = f"the index file could not be read (sqlite3: {exc})"
+            log.warning("ui.index.rebuild", path=str(self.path), source=str(self.source), why=self.rebuilt_why)
+            self._remove_files()
+            self._db = self._connect()
+            self._check_identity()
         self._reader = self._connect()
         self._pos: dict[int, tuple[int, str, str]] = {
             k: (n, f, lf) for k, n, f, lf in self._db.execute("SELECT pkey, next_lsn, first_fp, last_fp FROM position")}
@@ -227,6 +247,11 @@ class SessionIndex:
         fcntl.flock(self._lock_file, fcntl.LOCK_UN)
         self._lock_file.close()
 
+    def _remove_files(self) -> None:
+        """Remove the index file and its journal (to rebuild it)."""
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         db.execute("PRAGMA journal_mode=WAL")
@@ -255,8 +280,7 @@ class SessionIndex:
             self.rebuilt_why = why
             log.warning("ui.index.rebuild", path=str(self.path), source=str(self.source), why=why)
             self._db.close()
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+            self._remove_files()
             self._db = self._connect()
         self._db.executescript(_SCHEMA)
         self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", want.items())

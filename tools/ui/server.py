@@ -77,9 +77,9 @@ class UiServer:
     def __init__(self, source: str, *, token: str | None = None, index_path: str | None = None,
                  host: str = "127.0.0.1", quiet: bool = True) -> None:
         from agentlog.tools.cli import EXIT_USAGE, CliError
-        from agentlog.tools.cli_common import check_log_path, learner_log_of, reduce_config_of
+        from agentlog.tools.cli_common import check_log_path, check_output_path, learner_log_of, reduce_config_of
 
-        from .index import IndexLockedError, SessionIndex, default_index_path
+        from .index import IndexLockedError, IndexUnusableError, SessionIndex, default_index_path
         from .trainer import TrainerScores
         from .views import RunViews
 
@@ -92,11 +92,14 @@ class UiServer:
         config = reduce_config_of(self.source)
         path = Path(index_path) if index_path else default_index_path(self.source, source)
         try:
-            self.index = SessionIndex(self.source, path, config)
+            check_output_path(self.source, str(path), "--index")  # never a file inside the log it indexes
+            self.index = SessionIndex(self.source, path, config, owned=not index_path)
         except BaseException as exc:
             self.source.close()
-            if isinstance(exc, IndexLockedError):
+            if isinstance(exc, (IndexLockedError, IndexUnusableError)):
                 raise CliError(f"ui: {exc}", EXIT_USAGE) from None
+            if isinstance(exc, OSError):  # a folder it may not create, a file it may not write
+                raise CliError(f"ui: {path}: cannot open the index: {exc.strerror or exc}", EXIT_USAGE) from None
             raise
         self.views = RunViews(self.source, self.learner, config, self.source.run_dir)
         self.trainer = TrainerScores(self.source.run_dir, config)
