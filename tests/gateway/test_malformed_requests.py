@@ -91,6 +91,28 @@ def test_a_body_that_does_not_decompress_is_a_json_400_naming_the_encoding(encod
 # ------------------------------------------------------------ 4. an SGLang answer with ill-shaped token items
 
 
+async def _answered_502_naming(route: str, answer: dict, make_backend, shown: str) -> None:
+    """A fake inference server answering ``route`` with ``answer``: the gateway's chat turn through
+    ``make_backend(url)`` is a 502 whose message holds ``shown``, and nothing is recorded."""
+    async def handler(request: web.Request) -> web.Response:
+        await request.json()
+        return web.json_response(answer)
+
+    app = web.Application()
+    app.router.add_post(route, handler)
+    runner, url = await serve_app(app)
+    try:
+        async with rig(make_backend(url)) as (gw, engine, log):
+            await open_running(engine, "s")
+            status, _, text = await _post_raw(gw.url, "/v1/chat/completions", key_for(gw, "s"),
+                                              json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode())
+            assert status == 502, (status, text[:300])
+            assert shown in json.loads(text)["error"]["message"]
+            assert turns_of(log) == []
+    finally:
+        await runner.cleanup()
+
+
 @pytest.mark.parametrize("item, shown", [
     ({"logprob": -0.1, "token_id": 72}, "output_token_logprobs[0]"),  # an object: once a 500 "KeyError: 0"
     ([-0.1, 72.9, None], "output_token_logprobs[0]"),              # int(72.9) once recorded token 72
@@ -99,28 +121,9 @@ def test_a_body_that_does_not_decompress_is_a_json_400_naming_the_encoding(encod
 ])
 def test_an_sglang_answer_with_ill_shaped_token_items_is_a_502_naming_the_field_and_records_nothing(item, shown):
     """Token ids are taken as the server sent them (ints), never converted into tokens it did not produce."""
-    async def body():
-        async def generate(request: web.Request) -> web.Response:
-            await request.json()
-            triples = [item] + [[-0.1, t, None] for t in TEMPLATE.encode_text("i") + [TEMPLATE.EOS]]
-            return web.json_response({"meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": triples,
-                                                    "weight_version": "1"}})
-
-        app = web.Application()
-        app.router.add_post("/generate", generate)
-        runner, url = await serve_app(app)
-        try:
-            async with rig(SGLangBackend(url, timeout_s=5)) as (gw, engine, log):
-                await open_running(engine, "s")
-                status, ctype, text = await _post_raw(gw.url, "/v1/chat/completions", key_for(gw, "s"),
-                                                      json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode())
-                assert status == 502, (status, text[:300])
-                assert shown in json.loads(text)["error"]["message"]
-                assert turns_of(log) == []
-        finally:
-            await runner.cleanup()
-
-    run(body())
+    triples = [item] + [[-0.1, t, None] for t in TEMPLATE.encode_text("i") + [TEMPLATE.EOS]]
+    answer = {"meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": triples, "weight_version": "1"}}
+    run(_answered_502_naming("/generate", answer, lambda url: SGLangBackend(url, timeout_s=5), shown))
 
 
 @pytest.mark.parametrize("token_ids, log_probs, shown", [
@@ -133,27 +136,9 @@ def test_an_sglang_answer_with_ill_shaped_token_items_is_a_502_naming_the_field_
 def test_a_vllm_answer_with_ill_typed_token_ids_or_log_probs_is_a_502_naming_the_field_and_records_nothing(
         token_ids, log_probs, shown):
     """The OpenAI-compatible completions backend takes token ids and log-probs as the server sent them."""
-    async def body():
-        async def completions(request: web.Request) -> web.Response:
-            await request.json()
-            return web.json_response({"choices": [{"text": "", "token_ids": token_ids, "finish_reason": "stop",
-                                                   "logprobs": {"token_logprobs": log_probs, "tokens": ["token_id:72"]}}]})
-
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner, url = await serve_app(app)
-        try:
-            async with rig(OpenAICompletionsBackend(url, "m", timeout_s=5)) as (gw, engine, log):
-                await open_running(engine, "s")
-                status, _, text = await _post_raw(gw.url, "/v1/chat/completions", key_for(gw, "s"),
-                                                  json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode())
-                assert status == 502, (status, text[:300])
-                assert shown in json.loads(text)["error"]["message"]
-                assert turns_of(log) == []
-        finally:
-            await runner.cleanup()
-
-    run(body())
+    answer = {"choices": [{"text": "", "token_ids": token_ids, "finish_reason": "stop",
+                           "logprobs": {"token_logprobs": log_probs, "tokens": ["token_id:72"]}}]}
+    run(_answered_502_naming("/v1/completions", answer, lambda url: OpenAICompletionsBackend(url, "m", timeout_s=5), shown))
 
 
 # ------------------------------------------------------------ 5. count_tokens and the large-body budget
