@@ -95,7 +95,7 @@ def _session_members(items: Sequence[Any]) -> tuple[list[_Member], int]:
             m = by_key.get(key)
             reward = float(s.reward)
             if m is None:
-                m = by_key[key] = _Member(s.group_id, s.session_id, not s.remove_sample, reward, [])
+                m = by_key[key] = _Member(s.group_id, s.session_id, not _out_of_baseline(s), reward, [])
                 members.append(m)
             elif reward != m.reward and not (math.isnan(reward) and math.isnan(m.reward)):
                 raise ValueError(
@@ -103,7 +103,7 @@ def _session_members(items: Sequence[Any]) -> tuple[list[_Member], int]:
                     f"rewards ({m.reward} and {s.reward}); a session has one reward"
                 )
             m.samples.append(s)
-            m.valid = m.valid and not s.remove_sample
+            m.valid = m.valid and not _out_of_baseline(s)
         return members, skipped
     for g in items:
         if isinstance(g, Sample):
@@ -194,8 +194,8 @@ class Learner:
         rewards = torch.tensor([m.reward for m in members], dtype=torch.float64)
         valid = torch.tensor([m.valid for m in members], dtype=torch.bool)
         member_adv = compute_advantages(
-            rewards, gids, valid, estimator=self.config.estimator, eps=self.config.adv_eps
-        ).to(torch.float32)
+            rewards, gids, valid, estimator=self.config.estimator, eps=self.config.adv_eps, dtype=torch.float32
+        )
         samples: list[Sample] = []
         adv: list[torch.Tensor] = []
         removed = sampling_removed = 0
@@ -529,6 +529,13 @@ def _reward_stats(rewards: Iterable[float]) -> dict[str, float]:
 def _sampling_removed(sample: Sample) -> bool:
     """Whether the reducers removed this row because its sampling cannot be reproduced."""
     return sample.remove_sample and "sampling_error" in sample.metadata
+
+
+def _out_of_baseline(sample: Sample) -> bool:
+    """Whether a plain sample's removal takes its session out of the group's baseline: any removal
+    but one for its sampling alone (the row is not trained, the session's reward still counts, as
+    its released group says: reducers.samples)."""
+    return sample.remove_sample and not (_sampling_removed(sample) and "reward_error" not in sample.metadata)
 
 
 def _to_cpu(value: Any) -> Any:

@@ -173,3 +173,30 @@ def test_a_non_finite_gradient_in_a_later_mini_batch_leaves_the_step_unapplied()
     assert learner.scheduler.last_epoch == epoch and learner.policy_version == 1 and learner.steps == 1
     learner.step(samples[:2], [1.0, -1.0])  # and it trains on afterwards
     assert learner.policy_version == 2
+
+
+def test_a_plain_sample_list_keeps_a_sampling_refused_member_in_the_baseline_as_its_groups_do():
+    """A row refused for its sampling (top_p, top_k) is not trained, but its session's reward stays in the
+    baseline. step(groups) did so; step(samples), the documented alternative, took the member out."""
+    model = tiny_gpt()
+    recorded = [{"temperature": 1.0, "top_p": 0.9}, {"temperature": 1.0}, {"temperature": 1.0, "top_k": 5},
+                {"temperature": 1.0}]
+    groups = reduce_log(sampled_log(model, [1.0] * 4, recorded)).groups
+    learner = Learner(copy.deepcopy(model), LearnerConfig())
+    s_groups, adv_groups, m_groups = learner.prepare(groups)
+    s_plain, adv_plain, m_plain = learner.prepare([s for g in groups for s in g.samples])
+    assert [s.session_id for s in s_plain] == [s.session_id for s in s_groups] == ["s1", "s3"]
+    assert m_plain["rollout/valid_members"] == m_groups["rollout/valid_members"] == 4.0
+    assert torch.equal(adv_plain, adv_groups)
+
+
+@pytest.mark.parametrize("rewards, estimator", [([1e308, 1e308, 0.0], "grpo"), ([1e200, -1e200, 0.0, 0.0], "grpo"),
+                                                ([1e39, 0.0], "dr_grpo")])
+def test_rewards_too_large_to_normalise_are_refused_naming_the_group(rewards, estimator):
+    """Finite rewards whose sum or squares leave float64 gave NaN advantages (an error about the gradient norm
+    much later) or, through an infinite std, a silent 0; past float32, dr_grpo gave inf."""
+    from agentlog.learner.advantages import compute_advantages
+
+    with pytest.raises(ValueError, match=r"group 7 are too large to normalise"):
+        compute_advantages(torch.tensor(rewards, dtype=torch.float64), torch.tensor([7] * len(rewards)),
+                           torch.tensor([True] * len(rewards)), estimator, dtype=torch.float32)  # as the learner asks
