@@ -7,7 +7,10 @@ its trained spans (:attr:`Row.trained_spans`) takes the scores of the turn
 it came from, so a sample's teacher log-probs line up with its response
 tokens exactly as its rollout log-probs do. Tokens that carry no loss have
 none. Several teachers: the mean of their log-probs per token; top-K only
-when exactly one teacher sent it.
+when exactly one teacher sent it, with one K, for every token of the row it
+scored: a row where it sent top-K for some of them only (another span, another
+turn) or with different K gets none, and says why in
+``metadata["teacher_top_k_dropped"]`` (never a top-K of token 0 where none was sent).
 
 A teacher that failed on a turn (``error``), or scored it at a temperature
 other than the one the turn was sampled at, leaves that turn unscored and
@@ -34,8 +37,9 @@ class _TurnScores:
 
     def __init__(self, n_out: int) -> None:
         self.n_out = n_out
-        # teacher id -> (log-probs, NaN where unscored; top ids (n_out, k) or None; top log-probs or None)
-        self.by_teacher: dict[str, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] = {}
+        # teacher id -> (log-probs, NaN where unscored; top ids (n_out, k) or None; top log-probs or None;
+        # which tokens came with top-K, or None)
+        self.by_teacher: dict[str, tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]] = {}
         self.errors: list[str] = []
 
 
@@ -70,7 +74,7 @@ class TeacherScores:
         end = body.start + len(scores)
         if end > n_out:
             raise TeacherScoreError(f"{where}: tokens {body.start}..{end - 1} run past the turn's {n_out} output tokens")
-        lp, ids, tlp = turn.by_teacher.get(teacher, (None, None, None))
+        lp, ids, tlp, has_top = turn.by_teacher.get(teacher, (None, None, None, None))
         if lp is None:
             lp = np.full(n_out, np.nan, dtype=np.float32)
         elif not np.isnan(lp[body.start:end]).all():
@@ -82,11 +86,13 @@ class TeacherScores:
             if ids is None:
                 ids = np.zeros((n_out, k), dtype=np.int32)
                 tlp = np.zeros((n_out, k), dtype=np.float32)
+                has_top = np.zeros(n_out, dtype=bool)
             if ids.shape[1] != k:
                 raise TeacherScoreError(f"{where}: top_k {k}, but earlier scores of this turn sent {ids.shape[1]}")
             ids[body.start:end] = top[0]
             tlp[body.start:end] = top[1]
-        turn.by_teacher[teacher] = (lp, ids, tlp)
+            has_top[body.start:end] = True
+        turn.by_teacher[teacher] = (lp, ids, tlp, has_top)
 
     def row_fields(self, row: Any) -> dict[str, Any]:
         """The Sample fields (and ``metadata``) of ``row``'s teacher scores;
@@ -107,15 +113,19 @@ class TeacherScores:
         n = row.response_length
         total = np.zeros(n, dtype=np.float64)
         count = np.zeros(n, dtype=np.int32)
-        widths = [ids.shape[1] for ts in turns.values() for _, ids, _ in ts.by_teacher.values() if ids is not None]
+        widths = sorted({ids.shape[1] for ts in turns.values() for _, ids, _, _ in ts.by_teacher.values() if ids is not None})
         top_k = widths[0] if len(teachers) == 1 and widths else 0
+        if len(widths) > 1 and len(teachers) == 1:
+            metadata["teacher_top_k_dropped"] = f"{teachers[0]} sent top_k {' and '.join(map(str, widths))} on different turns"
+            top_k = 0
         top_ids = np.zeros((n, top_k), dtype=np.int32)
         top_lp = np.zeros((n, top_k), dtype=np.float32)
+        with_top = np.zeros(n, dtype=bool)
         for r_off, k, turn, o_off in row.trained_spans:
             ts = turns.get(turn)
             if ts is None:
                 continue
-            for lp, ids, tlp in ts.by_teacher.values():
+            for lp, ids, tlp, has_top in ts.by_teacher.values():
                 part = lp[o_off:o_off + k].astype(np.float64)
                 ok = ~np.isnan(part)
                 total[r_off:r_off + k][ok] += part[ok]
@@ -123,7 +133,12 @@ class TeacherScores:
                 if top_k and ids is not None:
                     top_ids[r_off:r_off + k][ok] = ids[o_off:o_off + k][ok]
                     top_lp[r_off:r_off + k][ok] = tlp[o_off:o_off + k][ok]
+                    with_top[r_off:r_off + k] |= ok & has_top[o_off:o_off + k]
         scored = count > 0
+        if top_k and not with_top[scored].all():
+            metadata["teacher_top_k_dropped"] = (f"{teachers[0]} sent top-K for {int(with_top[scored].sum())} of the "
+                                                 f"{int(scored.sum())} tokens it scored in this row")
+            top_k = 0
         mean = np.zeros(n, dtype=np.float32)
         mean[scored] = (total[scored] / count[scored]).astype(np.float32)
         fields: dict[str, Any] = {

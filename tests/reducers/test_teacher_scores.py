@@ -184,3 +184,24 @@ def test_any_scoring_of_any_turns_lines_up_token_for_token(turns, data) -> None:
             pos += 1
     assert pos == s.response_length
     assert encode_sample(reduce_log(log).samples[0]) == encode_sample(s)
+
+
+@pytest.mark.parametrize("scores, why", [
+    # Turn 0 with top-2, turn 1 without: its tokens had ids 0 and log-prob 0, marked real in the batch, and the
+    # top-K loss pulled them toward token 0.
+    ([(0, "t", 0, [-0.5, -0.5], ([[10, 12], [11, 13]], [[-0.5, -1.5], [-0.5, -1.5]])), (1, "t", 0, [-0.5, -0.5], None)],
+     "t@v1 sent top-K for 2 of the 4 tokens it scored in this row"),
+    # One span of a turn with top-K, the other without.
+    ([(0, "t", 0, [-0.5], ([[10, 12]], [[-0.5, -1.5]])), (0, "t", 1, [-0.5], None), (1, "t", 0, [-0.5, -0.5], None)],
+     "t@v1 sent top-K for 1 of the 4 tokens it scored in this row"),
+    # Top-1 on turn 0, top-2 on turn 1: the fold died in numpy, naming no session.
+    ([(0, "t", 0, [-0.5, -0.5], ([[10], [11]], [[-0.5], [-0.5]])),
+      (1, "t", 0, [-0.5, -0.5], ([[30, 21], [31, 21]], [[-0.5, -1.0], [-0.5, -1.0]]))],
+     "t@v1 sent top_k 1 and 2 on different turns"),
+])
+def test_a_row_whose_top_k_does_not_cover_every_scored_token_with_one_k_carries_none_and_says_why(scores, why):
+    log = _play([2, 2], scores)
+    (s,) = reduce_log(log).samples
+    assert s.mask.tolist() == [1, 1, 0, 0, 1, 1]  # turn 0, the tool's tokens, turn 1
+    assert s.teacher_top_k == 0 and s.metadata["teacher_top_k_dropped"] == why
+    assert s.teacher_mask.tolist() == [1, 1, 0, 0, 1, 1]  # the log-probs still distil every scored token
