@@ -22,6 +22,7 @@ does), and read in one pass over the log (:func:`reducers.resume.resume_points`)
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING
 
 from agentlog._logging import get_logger
@@ -31,6 +32,7 @@ from agentlog.events.schema.types import SessionResumed
 from agentlog.reducers.resume import ResumePoint, resume_points
 
 from .handle import SessionHandle
+from .lineages import LineageTracker
 
 if TYPE_CHECKING:
     from .core import SessionEngine
@@ -73,16 +75,19 @@ async def resume(engine: "SessionEngine", point: ResumePoint, snapshot: str, *, 
     """Append ``session_resumed`` for the adopted ``point`` (which must be running), with
     ``snapshot`` the digest restored, and return its handle ready for the next turn."""
     h = engine._live[point.session_id]
+    # Set afresh, never added to: a resume the log refuses (a bad snapshot digest) leaves the orphan
+    # undecided, and a retry must find the handle as the first try would have.
     if point.last_turn is not None:
         # The context the last durable turn left: the next turn is stored as a delta against it.
         _, h._context = EncodingContext().encode(point.last_turn)
+        h._lineages = LineageTracker()
         h._lineages.rebuild(point.lineage_turns.values(), point.lineage_origins, point.lineage_history)
-    h._turn_outputs.extend(point.turn_outputs)
-    h._turn_temperatures.extend(point.turn_temperatures)
+    h._turn_outputs = array("I", point.turn_outputs)
+    h._turn_temperatures = array("d", point.turn_temperatures)
     body = SessionResumed(incarnation=point.resumes + 1, durable_turns=point.durable_turns, snapshot=snapshot,
                           snapshot_turn=point.snapshot_turn, worker=worker)
     await engine._transition(h, "resume", body)
-    h.budget_s = budget_s if budget_s is not None else engine.session_budget_s
+    h.budget_s = budget_s  # the engine's default already applied (SessionEngine.resume)
     engine._opened_again(h)
     h.log.info("session.resumed", incarnation=body.incarnation, durable_turns=point.durable_turns, snapshot=snapshot[:16])
     return h

@@ -197,9 +197,10 @@ class SessionEngine(BackgroundWork):
         append ``session_resumed`` naming ``snapshot`` (the digest its sandbox was restored
         from) and return its handle. Raises KeyError naming the session when it is not an
         undecided orphan, and IllegalTransition when it never started."""
+        budget = self._budget(session_id, budget_s)  # before the orphan is taken: a refusal leaves it undecided
         point = self._undecided(session_id)
         try:
-            h = await engine_adopt.resume(self, point, snapshot, worker=worker, budget_s=budget_s)
+            h = await engine_adopt.resume(self, point, snapshot, worker=worker, budget_s=budget)
         except BaseException:
             if self.status(session_id) not in TERMINAL_STATES:
                 self.orphans[session_id] = point  # still undecided: the caller may abort it
@@ -218,6 +219,15 @@ class SessionEngine(BackgroundWork):
         """``async with engine.resumed(id, snapshot, worker=..., budget_s=...) as h``: :meth:`resume`
         as the scope :meth:`session` gives a new session: the session always ends."""
         return _SessionContext(self, session_id, {"snapshot": snapshot, **kwargs}, resume=True)
+
+    def _budget(self, session_id: str, budget_s: float | None) -> float | None:
+        """The wall-clock budget a session opened or resumed with ``budget_s`` gets (the engine's default
+        when None); ValueError naming the session when it is not seconds >= 0. Checked before anything
+        is decided: the session's timer starts once its record is acknowledged."""
+        budget = budget_s if budget_s is not None else self.session_budget_s
+        if budget is not None and (type(budget) not in (int, float) or not 0 <= budget < math.inf):
+            raise ValueError(f"session {session_id!r}: budget_s: expected seconds >= 0 (or None), found {budget!r}")
+        return budget
 
     def _undecided(self, session_id: str) -> ResumePoint:
         point = self.orphans.pop(session_id, None)
@@ -289,10 +299,7 @@ class SessionEngine(BackgroundWork):
         if self._closed:
             raise EngineClosed(f"engine closed; cannot open session {session_id!r}")
         validate_id("session_id", session_id)
-        budget = budget_s if budget_s is not None else self.session_budget_s
-        if budget is not None and (type(budget) not in (int, float) or not 0 <= budget < math.inf):
-            # Checked before anything is decided: the session's timer starts once its opening is acknowledged.
-            raise ValueError(f"session {session_id!r}: budget_s: expected seconds >= 0 (or None), found {budget!r}")
+        budget = self._budget(session_id, budget_s)
         if sample_index is None:
             # A replacement takes a slot past the originals', never one an original may still open.
             sample_index = self._groups.replacement_index(group_id) if replaces else self._groups.next_sample_index(group_id)

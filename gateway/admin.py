@@ -23,7 +23,7 @@ from aiohttp import web
 
 from agentlog._logging import get_logger
 from agentlog.engine.core import DuplicateSession
-from agentlog.events.schema.lifecycle import IllegalTransition
+from agentlog.events.schema.lifecycle import TERMINAL_STATES, IllegalTransition
 from agentlog.events.log.api import LogClosed
 from agentlog.events.schema.types import EventValidationError, normalize_reward, validate_id
 from agentlog.reducers.groups import GroupError
@@ -271,8 +271,12 @@ class AdminRoutes:
         except LogClosed as exc:  # the writer went fatal meanwhile: nothing more can be appended, not even an abort
             self._forget_if_ended(req.session_id)
             return self._admin_unable(f"{what} (opened, not started)", self._log_unable() or str(exc))
+        except IllegalTransition as exc:  # ended before it started (an admin drop or abort overtook it): nothing to undo
+            self._forget_if_ended(req.session_id)
+            return self._admin_refused(409, "invalid_request_error", f"{what} (opened, then ended before it started: {h.state})", exc)
         except Exception as exc:  # opened but not started: end it, so no session is left half-done
-            await h.abort("admin_open_failed", error=f"{type(exc).__name__}: {exc}")
+            if h.state not in TERMINAL_STATES:
+                await h.abort("admin_open_failed", error=f"{type(exc).__name__}: {exc}")
             self._forget_if_ended(req.session_id)
             return self._admin_failed(f"{what} (opened, then aborted: it could not start)", exc)
         opened = {"session_id": req.session_id, "state": str(h.state), "group_id": req.group_id, "sample_index": h.sample_index}

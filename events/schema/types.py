@@ -41,8 +41,9 @@ SCHEMA_VERSION = 1
 #: Longest session / group id accepted, in UTF-8 bytes.
 MAX_ID_BYTES = 256
 #: Forbidden in ids: a path separator (ids end up in file names and URLs),
-#: a C0 control or DEL..C1 control.
-_ID_BAD_CHAR = re.compile(r"[/\\\x00-\x1f\x7f-\x9f]")
+#: a C0 control or DEL..C1 control, a lone surrogate (no UTF-8 encoding: the
+#: file log could not frame it, where the memory log would keep it).
+_ID_BAD_CHAR = re.compile(r"[/\\\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def validate_id(kind: str, value: Any) -> str:
@@ -58,7 +59,7 @@ def validate_id(kind: str, value: Any) -> str:
     if bad is not None:
         i, ch = bad.start(), bad.group()
         raise EventValidationError(
-            f"{kind}: expected no path separator or control character, found {ch!r} at index {i} in {value!r}"
+            f"{kind}: expected no path separator, control character or lone surrogate, found {ch!r} at index {i} in {value!r}"
         )
     return value
 

@@ -15,7 +15,7 @@ from agentlog.engine import RESTART_REASON, SessionEngine
 from agentlog.events import FileLog
 from agentlog.events.log.api import MemoryLog
 from agentlog.events.schema.lifecycle import IllegalTransition, State
-from agentlog.events.schema.types import SessionAborted, SessionResumed, TurnDelta
+from agentlog.events.schema.types import EventValidationError, SessionAborted, SessionResumed, TurnDelta
 from agentlog.reducers.pipeline import reduce_log
 
 D0, D1, D2, D2B = ("0a" * 32), ("1b" * 32), ("2c" * 32), ("3d" * 32)
@@ -257,3 +257,61 @@ def test_a_root_lineage_its_agent_named_is_the_conversation_a_resume_continues(a
     point = _resume_point_after(arun, play)
     assert point.root_lineage == "orchestrator" and point.durable_turns == 3
     assert point.conversation()[-1] == {"role": "assistant", "content": "step 2"}
+
+
+async def _crashed_with_two_turns(path) -> None:
+    """A running session 's' with two turns, its engine abandoned (a killed worker)."""
+    log = FileLog.open(path)
+    eng = await SessionEngine.open(log)
+    h = await eng.open_session("s", group_id="g", group_size=1)
+    await h.start()
+    for _ in range(2):
+        await h.record_turn(prompt_ids=[1, 2, 3], output_ids=[4, 5], output_log_probs=[-0.1, -0.2],
+                            sampling={"temperature": 1.0})
+    log.close()
+
+
+def test_a_refused_resume_then_a_retry_leaves_the_handle_as_one_resume_would(arun, tmp_path):
+    """A resume the log refuses (a bad snapshot digest) changes nothing of the adopted handle: its retry
+    once doubled the turns' outputs, so a teacher score of turn 2, never recorded, was accepted and
+    the reducers then refused the log."""
+    async def go():
+        await _crashed_with_two_turns(tmp_path / "run")
+        log = FileLog.open(tmp_path / "run")
+        eng = await SessionEngine.open(log, adopt_orphans=True)
+        with pytest.raises(EventValidationError, match="snapshot"):
+            await eng.resume("s", "not-a-digest")
+        h = await eng.resume("s", D0)
+        assert (h.turns, list(h._turn_outputs)) == (2, [2, 2])
+        with pytest.raises(ValueError, match="teacher_scored.turn_index: expected a recorded turn in \\[0, 2\\)"):
+            await h.record_teacher_scores(2, teacher="t", teacher_version="1", temperature=1.0, log_probs=[-0.1])
+        await h.record_turn(prompt_ids=[1, 2, 3, 4, 5, 9], output_ids=[6], output_log_probs=[-0.3], sampling={"temperature": 1.0})
+        await h.finish(reward=1.0)
+        await eng.close()
+        reduce_log(log)  # the log reduces
+        log.close()
+
+    arun(go())
+
+
+@pytest.mark.parametrize("budget", [float("nan"), -1.0, "60"])
+def test_a_bad_resume_budget_is_refused_before_anything_is_appended(arun, tmp_path, budget):
+    """open_session refused such a budget_s; resume took it: NaN or -1 aborted the session at once
+    (wall_clock_timeout), "60" raised TypeError after session_resumed was durable, and its retry
+    appended a second session_resumed of the same incarnation."""
+    async def go():
+        await _crashed_with_two_turns(tmp_path / "run")
+        log = FileLog.open(tmp_path / "run")
+        eng = await SessionEngine.open(log, adopt_orphans=True)
+        before = log.next_lsn
+        with pytest.raises(ValueError, match="session 's': budget_s"):
+            await eng.resume("s", D0, budget_s=budget)
+        assert log.next_lsn == before
+        h = await eng.resume("s", D0)  # still undecided: the retry resumes it
+        assert h.state is State.RUNNING
+        await eng.close()
+        incarnations = [e.body.incarnation for e in log.read(0) if isinstance(e.body, SessionResumed)]
+        log.close()
+        assert incarnations == [1]
+
+    arun(go())

@@ -116,6 +116,7 @@ def test_finish_reason_must_be_stop_length_or_abort():
         ("a\\b", "path separator"),
         ("a\nb", "control character"),
         ("a\x00b", "control character"),
+        ("a\ud800b", "lone surrogate"),  # no UTF-8: the file log raised a bare UnicodeEncodeError, MemoryLog kept it
         ("x" * (MAX_ID_BYTES + 1), "at most"),
         (42, "non-empty str"),
     ],

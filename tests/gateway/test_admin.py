@@ -351,3 +351,47 @@ def test_a_write_refused_by_the_log_is_answered_as_json_and_opens_nothing(error,
             assert engine._groups.pending() == {}  # the refused member left its group
 
     run(body())
+
+
+class _GatedOpenLog(MemoryLog):
+    """A log whose session_opened waits for ``gate`` (a slow disk)."""
+
+    gate = None
+
+    async def append(self, sid, seq, body):
+        if isinstance(body, SessionOpened) and self.gate is not None:
+            await self.gate.wait()
+        return self.append_batch([(sid, seq, body)])[0]
+
+
+def test_an_admin_open_that_a_drop_overtakes_is_a_409_json_answer_naming_the_session():
+    """A drop finds the session live while its opening waits for the disk, and queues before the open's
+    start. The start is then refused (dropped); the open's handler once aborted it, which raised out of its
+    except block: aiohttp's plain-text 500 and a traceback in the log."""
+    import asyncio
+
+    async def body():
+        log = _GatedOpenLog()
+        async with rig(ScriptedBackend(lambda p: "ok"), log=log) as (gw, engine, log):
+            gw.admin_token = "tok"
+            log.gate = asyncio.Event()
+            headers = {"X-Admin-Token": "tok", "Content-Type": "application/json"}
+            async with aiohttp.ClientSession() as s:
+                async def post(path, payload):
+                    async with s.post(gw.url + path, data=json.dumps(payload), headers=headers) as r:
+                        return r.status, await r.text()
+
+                opening = asyncio.create_task(post("/admin/sessions", {"session_id": "s"}))
+                while engine.get("s") is None:
+                    await asyncio.sleep(0.005)
+                dropping = asyncio.create_task(post("/admin/sessions/s/drop", {}))
+                await asyncio.sleep(0.1)
+                log.gate.set()
+                (status, text), (drop_status, _) = await opening, await dropping
+            assert drop_status == 200
+            assert status == 409, (status, text)
+            message = json.loads(text)["error"]["message"]
+            assert "'s'" in message and "ended before it started" in message, message
+            assert engine.status("s") == "dropped"
+
+    run(body())
