@@ -146,7 +146,14 @@ class SessionHandle:
         shutdown, a cancel, or anyone's ``drop``: cleanup, never a sample) or aborted by the
         engine when its wall-clock budget ran out. A finish or abort after that raises
         SessionClosed; one who plays the session may take it as this ending's doing."""
-        return self.state is State.DROPPED or self._expired
+        return self.state is State.DROPPED or self._ended_by_budget
+
+    @property
+    def _ended_by_budget(self) -> bool:
+        """The budget's abort took the session, or is about to: not when it finished or was dropped
+        first. (``_expire`` sets ``_expired`` before it waits for the session's lock, and clears it only
+        once it wakes to find the session ended; an owner may leave its scope in between.)"""
+        return self._expired and self.state is not State.FINISHED and self.state is not State.DROPPED
 
     @property
     def log(self) -> Any:
@@ -539,7 +546,7 @@ class _SessionContext:
         h = self._h
         assert h is not None
         h._owner = None
-        if h._expired:
+        if h._ended_by_budget:
             if h._owner_cancelled:
                 task = asyncio.current_task()
                 if task is not None and et is not None and issubclass(et, asyncio.CancelledError):

@@ -699,3 +699,44 @@ def test_a_spent_budgets_task_is_cancelled_as_the_abort_is_applied_before_it_run
         await eng.close()
 
     arun(go())
+
+
+class _GatedFinishLog(MemoryLog):
+    """A log whose session_finished waits for ``gate`` (a slow disk)."""
+
+    gate: asyncio.Event | None = None
+
+    async def append(self, sid, seq, body):
+        if isinstance(body, SessionFinished) and self.gate is not None:
+            await self.gate.wait()
+        return self.append_batch([(sid, seq, body)])[0]
+
+
+def test_a_session_that_finished_while_its_budget_ran_out_is_not_reported_as_timed_out(arun):
+    """The budget runs out while the owner's finish waits for the disk, with a cleanup drop queued on the
+    lock before the budget's abort: the finish is recorded, no abort is, yet ``engine.session`` raised
+    SessionTimeout ("aborted with reason wall_clock_timeout") for the finished session."""
+    async def go():
+        log = _GatedFinishLog()
+        eng = await SessionEngine.open(log, checkpoint_every=0)
+        log.gate = asyncio.Event()
+
+        async def cleanup(h):
+            await asyncio.sleep(0.01)
+            await h.drop("cleanup")  # finds it finished: nothing to drop
+
+        async def disk():
+            await asyncio.sleep(0.15)  # past the 0.05 s budget
+            log.gate.set()
+
+        async with eng.session("s", group_id="g", group_size=1, budget_s=0.05) as h:
+            await h.start()
+            tasks = [asyncio.create_task(cleanup(h)), asyncio.create_task(disk())]
+            await h.finish(reward=1.0)
+            assert not h.ended_by_engine
+        await asyncio.gather(*tasks)
+        await asyncio.sleep(0.05)
+        assert [type(e.body).__name__ for e in log.read()][-1] == "SessionFinished" and h.state is State.FINISHED
+        await eng.close()
+
+    arun(go())
