@@ -277,6 +277,28 @@ def test_report_of_a_generated_run_stays_small_and_renders_with_the_learner_curv
     assert len(p.sessions) == 10 + 2 * len(ABORT_REASONS) + 25
 
 
+@pytest.mark.required
+def test_an_abort_reason_is_drawn_as_text_in_the_reports_chart_never_as_a_link(tmp_path, chromium):
+    """Plotly reads a category label as its own markup (<a href>, <span style>, <br>): a recorded abort
+    reason was drawn as a live link to another site, and as styled text, in the reasons chart."""
+    from agentlog.events import FileLog
+    from agentlog.events.schema.types import SessionAborted, SessionOpened, SessionStarted
+    from agentlog.tools.cli import main
+
+    reason = '<a href="https://evil.example/phish">click here</a><span style="font-size:300px">BIG</span>'
+    writer = FileLog.open(tmp_path / "log", fsync="batch")
+    writer.append_batch([("s", 0, SessionOpened(group_id="g", group_size=1)), ("s", 1, SessionStarted()),
+                         ("s", 2, SessionAborted(reason=reason))])
+    writer.close()
+    out = tmp_path / "report.html"
+    assert main(["report", str(tmp_path / "log"), "-o", str(out), "-q"]) == 0
+    dom = _chromium_dump_dom(chromium, out.as_uri(), tmp_path / "profile").stdout
+    chart = dom[dom.index('id="reasons"'):dom.index("<h2>Staleness</h2>")]
+    assert "evil.example" not in "".join(p.split(">")[0] for p in chart.split("<a ")[1:]), "the reason became a link"
+    assert '<tspan style="font-size:300px">' not in chart, "the reason became styled markup"
+    assert "click here" in chart and "BIG" in chart  # drawn, as text
+
+
 @pytest.mark.slow
 def test_report_of_a_100k_session_log_is_under_10_mb_and_renders(tmp_path, chromium):
     log = tmp_path / "100k.log"

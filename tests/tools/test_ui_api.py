@@ -713,3 +713,54 @@ def test_sigterm_stops_the_server_cleanly_even_with_sigint_ignored(ui_run, tmp_p
         proc.kill()
     assert proc.returncode == 0, err
     _open_index(ui_run.log, index).close()  # the index lock was released
+
+
+def _write_ended(path, sessions) -> None:
+    """A log of one-member sessions: (id, the finish's metadata, or an abort's reason when given)."""
+    from agentlog.events import FileLog
+    from agentlog.events.schema.types import SessionAborted, SessionFinished, SessionOpened, SessionStarted
+
+    writer = FileLog.open(path, fsync="batch")
+    batch = []
+    for sid, verdict, reason in sessions:
+        batch += [(sid, 0, SessionOpened(group_id="g-" + sid, group_size=1)), (sid, 1, SessionStarted())]
+        batch.append((sid, 2, SessionAborted(reason=reason) if reason else SessionFinished(reward=1.0, metadata=verdict)))
+    writer.append_batch(batch)
+    writer.close()
+
+
+def test_a_session_whose_verifier_details_hold_nan_or_inf_is_served_with_them_as_text(tmp_path):
+    """A verifier may record float('nan') or inf in its details, which no JSON holds: the session view was a
+    500 ("internal error (ValueError)") for such a session, which `show` and the report display."""
+    _write_ended(tmp_path / "log", [("nan-score", {"score": float("nan")}, ""), ("inf-score", {"score": float("-inf")}, "")])
+    url, stop = start_ui(tmp_path / "log", index_path=tmp_path / "i.sqlite")
+    try:
+        for sid, shown in (("nan-score", "nan"), ("inf-score", "-inf")):
+            with urllib.request.urlopen(f"{url}/api/session/{sid}", timeout=20) as resp:
+                assert resp.status == 200
+                assert f'"score": "{shown}"' in resp.read().decode()
+    finally:
+        stop()
+
+
+@pytest.mark.parametrize("authorization, status", [(b"Bearer \xff\xfe", 401), (b"bearer s3cret", 200), (b"BEARER s3cret", 200)])
+def test_the_token_check_answers_any_authorization_header_as_json(tmp_path, authorization, status):
+    """A header that is not UTF-8 made the token check raise UnicodeEncodeError: aiohttp's plain-text 500 and
+    a traceback in the log. The scheme's name is case-insensitive."""
+    import socket
+
+    _write_ended(tmp_path / "log", [("s", {}, "")])
+    url, stop = start_ui(tmp_path / "log", index_path=tmp_path / "i.sqlite", host="0.0.0.0", token="s3cret")
+    host, port = url.split("//")[1].rsplit(":", 1)
+    try:
+        with socket.create_connection(("127.0.0.1", int(port)), timeout=10) as s:
+            s.sendall(b"GET /api/run HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: " + authorization + b"\r\nConnection: close\r\n\r\n")
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+    finally:
+        stop()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status}".encode()), answer[:300]
+    if status == 401:
+        assert "token" in json.loads(body)["error"]

@@ -217,7 +217,10 @@ def reasons_figure(data: ReportData) -> Any:
     for outcome, counts in (("aborted", data.abort_reasons), ("dropped", data.drop_reasons)):
         if counts:
             items = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-            fig.add_trace(go.Bar(name=outcome, x=[k for k, _ in items], y=[v for _, v in items], marker_color=COLOURS[outcome]))
+            # Escaped: plotly reads a category label as its own markup (<a href>, <span style>, <br>), and a
+            # reason is recorded text; it decodes the entities back, so the reason shows as written.
+            fig.add_trace(go.Bar(name=outcome, x=[html.escape(k, quote=False) for k, _ in items], y=[v for _, v in items],
+                                 marker_color=COLOURS[outcome]))
     if not fig.data:
         return _layout(_empty(fig, "no session aborted or dropped"))
     return _layout(fig, yaxis_title="sessions", barmode="group")

@@ -60,8 +60,23 @@ class BadRequest(AgentlogError, ValueError):
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(text=json.dumps(data, allow_nan=False, default=str), status=status,
-                        content_type="application/json")
+    try:
+        text = json.dumps(data, allow_nan=False, default=str)
+    except ValueError:  # a NaN or an infinity in recorded content (a verifier's details): no JSON has them
+        text = json.dumps(_finite(data), allow_nan=False, default=str)
+    return web.Response(text=text, status=status, content_type="application/json")
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with each non-finite float as the string Python prints for it ("nan", "inf", "-inf"),
+    as ``agentlog show`` shows it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -260,9 +275,11 @@ class UiServer:
     def _authorized(self, request: web.Request) -> bool:
         given = request.query.get("token")
         header = request.headers.get("Authorization", "")
-        if header.startswith("Bearer "):
-            given = header[len("Bearer "):]
-        return given is not None and hmac.compare_digest(given.encode(), str(self.token).encode())
+        if header[:7].lower() == "bearer ":  # the scheme's name is case-insensitive (RFC 9110)
+            given = header[7:]
+        # surrogatepass: a header's bytes that are not UTF-8 (or a query's %ED%A0%80) decode to surrogates,
+        # which a plain encode() refuses; this one encodes any str, one to one, so only the token matches.
+        return given is not None and hmac.compare_digest(given.encode("utf-8", "surrogatepass"), str(self.token).encode())
 
     async def _page(self, request: web.Request) -> web.StreamResponse:
         page = STATIC_DIR / "index.html"
