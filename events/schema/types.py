@@ -48,13 +48,16 @@ _ID_BAD_CHAR = re.compile(r"[/\\\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 def validate_id(kind: str, value: Any) -> str:
     """Check a session or group id: a non-empty str of at most MAX_ID_BYTES
-    UTF-8 bytes with no path separators and no control characters."""
+    UTF-8 bytes with no path separators, no control characters and no lone
+    surrogates, and neither ``.`` nor ``..``."""
     if not isinstance(value, str) or not value:
         raise EventValidationError(f"{kind}: expected a non-empty str, found {value!r}")
     if len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
         raise EventValidationError(
             f"{kind}: expected at most {MAX_ID_BYTES} UTF-8 bytes, found {len(value.encode('utf-8', 'surrogatepass'))} in {value[:40]!r}..."
         )
+    if value == "." or value == "..":  # a path's own names: a URL or a file named so is another place
+        raise EventValidationError(f"{kind}: expected an id other than '.' or '..', found {value!r}")
     bad = _ID_BAD_CHAR.search(value)  # one C-level scan; ids are checked on every append
     if bad is not None:
         i, ch = bad.start(), bad.group()

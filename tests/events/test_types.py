@@ -117,6 +117,8 @@ def test_finish_reason_must_be_stop_length_or_abort():
         ("a\nb", "control character"),
         ("a\x00b", "control character"),
         ("a\ud800b", "lone surrogate"),  # no UTF-8: the file log raised a bare UnicodeEncodeError, MemoryLog kept it
+        ("..", "other than '.' or '..'"),  # the ui's page asked for /api/session/.. and the browser made it /api/
+        (".", "other than '.' or '..'"),
         ("x" * (MAX_ID_BYTES + 1), "at most"),
         (42, "non-empty str"),
     ],
