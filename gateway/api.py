@@ -89,16 +89,16 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _tool_items(items: Any, where: str) -> list[dict[str, Any]]:
-    """The tool definitions at ``where``: absent is none; anything but a list
-    of objects is a RequestError (never silently read as no tools)."""
+def _tool_items(items: Any, where: str, what: str = "tool") -> list[dict[str, Any]]:
+    """The tool definitions (or tool calls: ``what``) at ``where``: absent is none; anything but
+    a list of objects is a RequestError (never silently read as none, nor a string's characters)."""
     if items is None:
         return []
     if not isinstance(items, list):
-        raise RequestError(where, "a list of tool objects", items)
+        raise RequestError(where, f"a list of {what} objects", items)
     for i, t in enumerate(items):
         if not isinstance(t, dict):
-            raise RequestError(f"{where}[{i}]", "a tool object", t)
+            raise RequestError(f"{where}[{i}]", f"a {what} object", t)
     return items
 
 
@@ -192,11 +192,8 @@ class ChatCompletionsAPI(WireAPI):
             content = text_of(m.get("content"), f"{where}.content")
             if role == "assistant":
                 calls = []
-                listed = m.get("tool_calls")
-                if listed is not None and not isinstance(listed, list):  # never read a string's characters as calls
-                    raise RequestError(f"{where}.tool_calls", "a list of tool call objects", listed)
-                for j, tc in enumerate(listed or ()):
-                    fn = tc.get("function") if isinstance(tc, dict) else None
+                for j, tc in enumerate(_tool_items(m.get("tool_calls"), f"{where}.tool_calls", "tool call")):
+                    fn = tc.get("function")
                     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                         raise RequestError(f"{where}.tool_calls[{j}].function", "an object with a string name", tc)
                     calls.append({"id": str(tc.get("id", "")), "name": fn["name"], "arguments": fn.get("arguments")})

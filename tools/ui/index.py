@@ -168,9 +168,7 @@ class SessionIndex:
 
     def __init__(self, source: LogSource, path: Path, config: Any, *, owned: bool = False) -> None:
         self.source, self.path, self.config = source, Path(path), config
-        #: The file is this tool's own cache (the default path): one SQLite cannot read is rebuilt.
-        #: A path the user named is never removed unless it is an index of ours (IndexUnusableError).
-        self.owned = owned
+        self.owned = owned  #: the default path, this tool's own cache: rebuilt when SQLite cannot read it
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rebuilt_why: str | None = None  # why this start rebuilt the index (None: new or reused)
         self.resumed = False  # this start reused an index that held records
@@ -193,16 +191,10 @@ class SessionIndex:
             self._db = self._connect()
             self._check_identity()
         except sqlite3.DatabaseError as exc:  # not a SQLite file (or a directory): damaged, or someone else's
-            if getattr(self, "_db", None) is not None:
-                self._db.close()
-            if not self.owned:
-                raise IndexUnusableError(
-                    f"--index {self.path}: not an index `agentlog ui` can open (sqlite3: {exc}); name a new file "
-                    "or one this command wrote, or leave --index out for the default") from None
-            self.rebuilt_why = f"the index file could not be read (sqlite3: {exc})"
-            log.warning("ui.index.rebuild", path=str(self.path), source=str(self.source), why=self.rebuilt_why)
-            self._remove_files()
-            self._db = self._connect()
+            if not self.owned:  # a file the user named is left as it is
+                raise IndexUnusableError(f"--index {self.path}: not an index `agentlog ui` can open (sqlite3: {exc}); "
+                                         "name a new file or one it wrote, or leave --index out for the default") from None
+            self._rebuild(f"the index file could not be read (sqlite3: {exc})")
             self._check_identity()
         self._reader = self._connect()
         self._pos: dict[int, tuple[int, str, str]] = {
@@ -247,10 +239,15 @@ class SessionIndex:
         fcntl.flock(self._lock_file, fcntl.LOCK_UN)
         self._lock_file.close()
 
-    def _remove_files(self) -> None:
-        """Remove the index file and its journal (to rebuild it)."""
+    def _rebuild(self, why: str) -> None:
+        """Start the index file afresh, ``why`` saying what made the old one unusable."""
+        self.rebuilt_why = why
+        log.warning("ui.index.rebuild", path=str(self.path), source=str(self.source), why=why)
+        if getattr(self, "_db", None) is not None:  # not when the first connect failed
+            self._db.close()
         for suffix in ("", "-wal", "-shm"):
             Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+        self._db = self._connect()
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -277,11 +274,7 @@ class SessionIndex:
             if why is None:
                 why = self._position_mismatch()
         if why is not None:
-            self.rebuilt_why = why
-            log.warning("ui.index.rebuild", path=str(self.path), source=str(self.source), why=why)
-            self._db.close()
-            self._remove_files()
-            self._db = self._connect()
+            self._rebuild(why)
         self._db.executescript(_SCHEMA)
         self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", want.items())
 
