@@ -103,6 +103,7 @@ def test_the_end_to_end_checks_are_marked_required():
     assert ids == {
         "tests/tools/test_cli_tail_report.py::test_report_in_headless_chromium_draws_every_chart_and_the_sessions_table",
         "tests/tools/test_cli_tail_report.py::test_report_of_a_generated_run_stays_small_and_renders_with_the_learner_curves",
+        "tests/tools/test_cli_tail_report.py::test_an_abort_reason_is_drawn_as_text_in_the_reports_chart_never_as_a_link",
         "tests/gateway/test_agent_clis.py::test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded[claude-code]",
         "tests/gateway/test_agent_clis.py::test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded[codex]",
         "tests/gateway/test_agent_clis.py::test_claude_code_subagents_become_lineages_spawned_by_their_agent_calls",
