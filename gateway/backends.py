@@ -140,29 +140,36 @@ def id_list(ids: "Sequence[int] | np.ndarray") -> list[int]:
     return list(map(int, ids))  # 1.3x faster than a comprehension on a 100k-token prompt
 
 
+def _is_token_id(x: Any) -> bool:
+    """A token id as a server's JSON answer must hold it: an int. ``int()`` would take a bool or a
+    float such as 72.9 and record token 1 or 72, which the server never produced."""
+    return type(x) is int
+
+
+def _is_log_prob(x: Any) -> bool:
+    """A log-prob as a server's JSON answer must hold it: a number (a bool or a string is not one,
+    whatever ``float()`` would make of it)."""
+    return type(x) is float or type(x) is int
+
+
 def _answered_ids(values: Any, where: str) -> list[int]:
-    """Token ids from a server's JSON answer, as sent: ValueError naming the first item that is
-    not an int. ``int()`` would take a bool or a float such as 72.9 and record token 1 or 72,
-    which the server never produced."""
+    """Token ids from a server's JSON answer, as sent: ValueError naming the first that is not one."""
     if not isinstance(values, list):
         raise ValueError(f"{where}: expected a list of token ids, found {type(values).__name__}")
     for i, x in enumerate(values):
-        if type(x) is not int:
+        if not _is_token_id(x):
             raise ValueError(f"{where}[{i}]: expected an int token id, found {x!r:.60}")
     return values
 
 
 def _answered_log_probs(values: Any, where: str) -> list[float]:
-    """Log-probs from a server's JSON answer: ValueError naming the first item that is not a
-    number (a bool or a string is not one, whatever ``float()`` would make of it)."""
+    """Log-probs from a server's JSON answer: ValueError naming the first that is not a number."""
     if not isinstance(values, list):
         raise ValueError(f"{where}: expected a list of log-probs, found {type(values).__name__}")
-    out = []
     for i, x in enumerate(values):
-        if type(x) is not float and type(x) is not int:
+        if not _is_log_prob(x):
             raise ValueError(f"{where}[{i}]: expected a number, found {x!r:.60}")
-        out.append(float(x))
-    return out
+    return [float(x) for x in values]
 
 
 # ---------------------------------------------------------------- HTTP backends
@@ -278,9 +285,7 @@ class SGLangBackend(_HTTPBackend):
             raise BackendError(self.name, "/generate meta_info lacks output_token_logprobs (was return_logprob honoured?)", 200)
         log_probs, output_ids = [], []
         for i, t in enumerate(triples):
-            # The id as sent (an int): int() would take 72.9 or true and record a token the server never produced.
-            if (not isinstance(t, list) or len(t) < 2 or type(t[1]) is not int
-                    or (type(t[0]) is not float and type(t[0]) is not int)):
+            if not isinstance(t, list) or len(t) < 2 or not _is_token_id(t[1]) or not _is_log_prob(t[0]):
                 raise BackendError(self.name, f"/generate output_token_logprobs[{i}]: expected a [logprob (a number), "
                                               f"token_id (an int), ...] item, found {t!r:.120}", 200)
             log_probs.append(float(t[0]))

@@ -158,14 +158,18 @@ class Cursor:
         self.next_first = None  # listed by _stretches as it starts on the segment
         return True
 
+    def _segments(self) -> list[int]:
+        """The segments (first LSNs, ascending), listed once per :meth:`_stretches` call."""
+        if self._listed is None:
+            self._listed = list_segments(self.dir)
+        return self._listed
+
     def _find_next(self, first: int) -> None:
         """Record the first LSN of the segment after ``first``, if one is listed. The
         directory is listed once per :meth:`_stretches` call (after its ``limit`` was read,
         which the stale-writer check needs), not once per segment: a read across N
         segments lists it once, not N times (each listing costs O(N))."""
-        segs = self._listed
-        if segs is None:
-            segs = self._listed = list_segments(self.dir)
+        segs = self._segments()
         i = bisect.bisect_right(segs, first)
         self.next_first = segs[i] if i < len(segs) else None
 
@@ -318,9 +322,7 @@ class Cursor:
                     except FileNotFoundError:
                         self._check_reached(limit)
                         return
-                if self._listed is None:
-                    self._listed = list_segments(self.dir)
-                if self._switch(nxt, SEG_HDR_SIZE, nxt, self._listed):
+                if self._switch(nxt, SEG_HDR_SIZE, nxt, self._segments()):
                     continue
                 self._check_reached(limit)
                 return
