@@ -43,7 +43,11 @@ def test_the_benchmark_runs_every_measure_and_prints_its_three_goal_lines_last(c
     assert re.search(r"^engine / raw over MemoryLog \(CPU only\) .* 24 sessions$", out, re.M), out
     assert re.search(r"^engine over MemoryLog, 4 / 16 concurrent .* 16 sessions x 2 each$", out, re.M), out
     assert re.search(r"^engine over MemoryLog, collector off, 4 / 16 +[\d.]+ / [\d.]+ us/session +[\d.]+x +16 sessions x 2 each$", out, re.M), out
-    assert re.search(r"^raw appends over MemoryLog, 4 / 16 +[\d.]+ / [\d.]+ us/session +[\d.]+x ", out, re.M), out
+    raw_scale = re.search(r"^raw appends over MemoryLog, 4 / 16 +[\d.]+ / [\d.]+ us/session +([\d.]+)x ", out, re.M)
+    assert raw_scale, out
+    # What the engine adds to the interpreter's own scaling: the goal's ratio over the anchor's (both rounded).
+    over = re.search(r"^engine's scaling over the anchor's, over MemoryLog +([\d.]+)x +\(information", out, re.M)
+    assert over and float(over.group(1)) == pytest.approx(scale / float(raw_scale.group(1)), rel=0.05, abs=0.02), out
     assert re.search(r"^resident memory per live session, 8,192-token context +-?[\d.]+ kB +8 live sessions ", out, re.M), out
     assert re.search(r"^decide: transitions models, 4 / 16 live ", out, re.M), out
     # The engine log of round one stays for the fold, the open sessions' log for the memory; every other log

@@ -329,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
          f"{mem_no_gc[hi] / mem_no_gc[lo]:.2f}x", f"{n_scale:,} sessions x 2 each"),
         (f"raw appends over MemoryLog, {lo:,} / {hi:,}", f"{us(mem_raw[lo], 2):.1f} / {us(mem_raw[hi], 2):.1f} us/session",
          f"{mem_raw[hi] / mem_raw[lo]:.2f}x", "(the anchor's own scaling: the collector walks a larger heap)"),
+        # The goal below is on the engine's scaling alone, as its text was written; this row is what the
+        # engine adds to the interpreter's own (an O(n) step per operation in the engine would show here).
+        ("engine's scaling over the anchor's, over MemoryLog", f"{scale / (mem_raw[hi] / mem_raw[lo]):.2f}x",
+         "(information: per_session_cost below divided by the row above)", ""),
         (f"engine over FileLog, {lo:,} / {hi:,} concurrent", f"{us(disk[('engine', lo)]):.1f} / {us(disk[('engine', hi)]):.1f} us/session", f"{disk[('engine', hi)] / disk[('engine', lo)]:.2f}x", f"{n_scale:,} sessions each"),
         (f"raw appends over FileLog, {lo:,} / {hi:,}", f"{us(disk[('raw', lo)]):.1f} / {us(disk[('raw', hi)]):.1f} us/session", f"{disk[('raw', hi)] / disk[('raw', lo)]:.2f}x", "(the anchor's own scaling)"),
         ("restart fold from lsn 0 (SessionEngine.open)", f"{fold_events / t_fold:,.0f} events/s", f"{fold_events:,} events", f"{t_fold:.2f} s"),
