@@ -203,11 +203,12 @@ class LoopConfig:
             # the built-in GPT has neither.
             raise ConfigError(f"[inference] backend {self.inference.backend!r}: needs hf_model (the HF model the server was "
                               "launched on); the built-in GPT can only be served in-process")
-        for name in ("steps", "stop_window", "groups_per_step", "group_size", "d_model", "n_layer", "n_head", "warmup_batch", "torch_threads", "warmup_threads"):
+        for name in ("steps", "stop_window", "groups_per_step", "group_size", "d_model", "n_layer", "n_head", "warmup_batch", "torch_threads", "warmup_threads",
+                     "keep_checkpoints"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"LoopConfig.{name}: expected an int >= 1, found {v!r}")
-        for name in ("max_lag", "max_staleness", "max_untrainable_batches", "warmup_steps", "warmup_lr_steps", "keep_checkpoints", "seed"):
+        for name in ("max_lag", "max_staleness", "max_untrainable_batches", "warmup_steps", "warmup_lr_steps", "seed"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"LoopConfig.{name}: expected an int >= 0, found {v!r}")

@@ -54,8 +54,9 @@ class FaultConfig:
                 raise ConfigError(f"FaultConfig.{name}: expected a fraction in [0, 1], found {v!r}")
         if self.exception_rate + self.timeout_rate + self.drop_rate + self.empty_marker_rate > 1.0:
             raise ConfigError("FaultConfig: exception, timeout, drop and empty-marker rates must sum to at most 1")
-        if not self.timeout_budget_s > 0:
-            raise ConfigError(f"FaultConfig.timeout_budget_s: expected > 0, found {self.timeout_budget_s!r}")
+        v = self.timeout_budget_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ConfigError(f"FaultConfig.timeout_budget_s: expected a finite number of seconds > 0, found {v!r}")
 
     @classmethod
     def none(cls) -> "FaultConfig":
@@ -233,10 +234,10 @@ class ResumeConfig:
             raise ConfigError(f"[resume] enabled: expected true or false, found {self.enabled!r}")
         if type(self.max_resumes) is not int or self.max_resumes < 0:
             raise ConfigError(f"[resume] max_resumes: expected an int >= 0, found {self.max_resumes!r}")
-        for name, low in (("restore_timeout_s", 0.0), ("keep_aborted_s", -1.0)):
+        for name, zero_ok in (("restore_timeout_s", False), ("keep_aborted_s", True)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not low < v < math.inf:
-                raise ConfigError(f"[resume] {name}: expected a number of seconds {'> 0' if low == 0 else '>= 0'}, found {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v if zero_ok else 0 < v) or not v < math.inf:
+                raise ConfigError(f"[resume] {name}: expected a number of seconds {'>= 0' if zero_ok else '> 0'}, found {v!r}")
 
 
 #: Where the rollout workers run: local processes, or Ray actors.

@@ -68,10 +68,13 @@ def save_hf_checkpoint(model: torch.nn.Module, checkpoint: str | os.PathLike) ->
 def publish(learner_log: EventLog, record: PolicyUpdated, weights: "WeightStore | None" = None) -> None:
     """Append ``record`` to the learner log (after its checkpoint was saved). With
     ``weights`` (``Run.weight_store()``: a run on JetStream) the version is first put
-    into the object store and the record names the object and its digest."""
+    into the object store and the record names the object and its digest; the object
+    that falls out of the kept window is deleted once the record is appended."""
     if weights is not None:
         record = weights.publish(record)
     learner_log.append_batch([(LEARNER_STREAM, learner_log.next_seq(LEARNER_STREAM), record)])
+    if weights is not None:
+        weights.prune(record.policy_version)  # only now: until the append, the newest record names an older object
 
 
 def prune_checkpoints(checkpoint_dir: Path, newest_version: int, keep: int) -> None:

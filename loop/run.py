@@ -24,6 +24,7 @@ run's JetStream stream (:class:`agentlog.loop.run_folder.Run` owns the layout).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import subprocess
@@ -246,6 +247,20 @@ def refuse_another_runs_stream(run: Run) -> None:
                         f"set [log] stream to a new name (or resume in the run's own folder)")
 
 
+def refuse_another_config(run_dir: Path, cfg: LoopConfig) -> None:
+    """Raise LoopError when ``run_dir`` already holds a run whose ``config.json`` is not
+    ``cfg``: its logs and checkpoints were made with that config, which every reading
+    command folds them with; it is never replaced (nor the run marked) by another run's."""
+    def plain(c: LoopConfig) -> dict:
+        return json.loads(json.dumps(c.to_dict(), sort_keys=True))
+
+    saved, given = plain(Run.load_config(run_dir)), plain(cfg)
+    if saved != given:
+        changed = sorted(k for k in set(saved) | set(given) if saved.get(k) != given.get(k))
+        raise LoopError(f"{Run.config_file(run_dir)}: {run_dir} already holds a run made with another config (it differs in "
+                        f"{', '.join(changed)}); its config is kept: choose a new run folder")
+
+
 def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: Callable[[LoopConfig, Path], RunProgress] | None = None,
              timeout_s: float | None = None) -> RunResult:
     """Run the learner and the rollout workers (``cfg.rollout``) on ``run_dir`` until
@@ -267,6 +282,8 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: Callable[[LoopConfig, 
     if cfg.log.backend == "nats" and not cfg.log.stream:
         # Pinned in config.json: the stream stays the run's if the folder is renamed.
         cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, stream=cfg.log.stream_for(run_dir)))
+    if not fresh:
+        refuse_another_config(run_dir, cfg)
     run = Run.open(run_dir, cfg)
     try:
         if fresh:

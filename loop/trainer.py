@@ -420,6 +420,8 @@ class LoopLearner:
                 record = msgspec.structs.replace(record, records_from_lsn=needed.note(llog.next_lsn, record, low_water))
                 self.pending_lost.clear()
                 publish(llog, record, run.weight_store())
+                # Older checkpoints go only now that the log names the newest one (the resume point).
+                prune_checkpoints(self.ckpt_dir, record.policy_version, cfg.keep_checkpoints)
                 sinks.log(record.step, record.metrics)  # after the log: the record is the source of truth
                 self.busy_s += time.perf_counter() - t_busy
                 self.log.info("learner.policy_updated", step=step, policy_version=record.policy_version,
@@ -528,8 +530,9 @@ class LoopLearner:
         metrics["rollout/reward_mean"] = reward_mean(valid_rewards)
         metrics["rollout/solve_rate"] = float(sum(solved) / len(solved)) if solved else math.nan
         if self.learner.policy_version != version:
+            # Pruned only once the record naming it is appended (LoopLearner.run): until then the
+            # learner log's newest record names an older checkpoint, the resume point.
             checkpoint = str(self.save_checkpoint(self.learner.policy_version))
-            prune_checkpoints(self.ckpt_dir, self.learner.policy_version, cfg.keep_checkpoints)
         now = time.time_ns()
         lags = sorted((now - released_at[key]) / 1e9 for key in ((r.partition, r.group.group_id) for r in released) if key in released_at)
         if lags:

@@ -270,9 +270,8 @@ class WeightStore:
 
     def put(self, version: int, checkpoint: Path) -> StoredWeights:
         """Put ``version`` into the bucket (created on first use): the HF directory
-        beside ``checkpoint`` when there is one, else the checkpoint file; then delete
-        the object of the version that falls out of the kept window (newest ``keep``
-        and every :data:`~agentlog.loop.publish.KEEP_EVERY`-th, as the folder keeps)."""
+        beside ``checkpoint`` when there is one, else the checkpoint file. Nothing is
+        deleted here: :meth:`prune` runs once the record naming ``version`` is appended."""
         hf_dir = hf_checkpoint_dir(checkpoint)
         source = hf_dir if hf_dir.is_dir() else Path(checkpoint)
         if not source.exists():
@@ -284,7 +283,6 @@ class WeightStore:
 
     async def _put(self, name: str, version: int, source: Path) -> StoredWeights:
         from nats.js.api import ObjectMeta, ObjectMetaOptions
-        from nats.js.errors import ObjectNotFoundError
 
         obs = await self._store(create=True)
         if self.chunk_bytes > self._nc.max_payload:
@@ -298,15 +296,28 @@ class WeightStore:
             info = await self._watched(obs.put(name, data, meta=meta), progress, f"put {name} (policy version {version})")
         finally:
             data.close()
-        old = version - self.keep
-        if old >= 0 and old % KEEP_EVERY != 0:
-            for stale in (object_name(old, True), object_name(old, False)):
-                try:
-                    await retried(lambda stale=stale: obs.delete(stale), f"delete {stale}", self._where(), self.timeout_s,
-                                  self._per_try_s, "[log] weights_timeout_s")
-                except ObjectNotFoundError:
-                    continue
         return StoredWeights(name, info.digest, info.size)
+
+    def prune(self, newest_version: int) -> None:
+        """Delete the object of the version that falls out of the kept window once
+        ``newest_version`` is published (newest ``keep`` and every
+        :data:`~agentlog.loop.publish.KEEP_EVERY`-th, as the folder keeps). Called only
+        after the learner log holds the record naming ``newest_version``: until then the
+        newest record names an older version, which a worker and a resumed learner read."""
+        old = newest_version - self.keep
+        if old >= 0 and old % KEEP_EVERY != 0:
+            self._call(self._delete(old))
+
+    async def _delete(self, version: int) -> None:
+        from nats.js.errors import ObjectNotFoundError
+
+        obs = await self._store(create=True)
+        for stale in (object_name(version, True), object_name(version, False)):
+            try:
+                await retried(lambda stale=stale: obs.delete(stale), f"delete {stale}", self._where(), self.timeout_s,
+                              self._per_try_s, "[log] weights_timeout_s")
+            except ObjectNotFoundError:
+                continue
 
     # -- the worker side ------------------------------------------------------
 

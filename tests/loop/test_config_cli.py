@@ -65,11 +65,24 @@ def test_toml_config_with_learner_and_faults_tables(tmp_path: Path) -> None:
         ({"min_valid": 9}, "min_valid: expected 1..group_size"),
         ({"faults": {"drop_rate": 1.5}}, "drop_rate: expected a fraction"),
         ({"temperature": 0.0}, "temperature: expected a number > 0"),
+        # 0 deleted each checkpoint as it was saved, before the record naming it was appended.
+        ({"keep_checkpoints": 0}, "keep_checkpoints: expected an int >= 1"),
+        # Accepted, then the worker crashed opening its first session (the engine's budget is finite).
+        ({"faults": {"timeout_budget_s": float("inf")}}, "timeout_budget_s: expected a finite number of seconds > 0"),
+        # Accepted (the bound was > -1), then the worker's snapshot store refused it at start.
+        ({"resume": {"keep_aborted_s": -0.5}}, r"keep_aborted_s: expected a number of seconds >= 0"),
     ],
 )
 def test_out_of_range_values_are_refused_by_name(values, message) -> None:
     with pytest.raises(ConfigError, match=message):
         LoopConfig.from_dict(values)
+
+
+def test_an_infinite_fault_budget_in_toml_is_refused_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "train.toml"
+    path.write_text("[faults]\ntimeout_budget_s = inf\n")
+    with pytest.raises(ConfigError, match=r"train\.toml.*timeout_budget_s"):
+        LoopConfig.load(path)
 
 
 def test_train_with_a_bad_config_exits_2_with_one_line(tmp_path: Path, capsys) -> None:

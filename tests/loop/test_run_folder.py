@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
 import time
 from pathlib import Path
@@ -13,7 +15,9 @@ from agentlog.events import read_log
 from agentlog.events.log.source import LogSource, SourceError, StreamMissing
 from agentlog.events.schema.types import PolicyUpdated, SessionOpened
 from agentlog.loop.config import ConfigError, LogConfig, LoopConfig, RolloutConfig
-from agentlog.loop.run import LoopError, refuse_another_runs_stream
+from agentlog.loop import FaultConfig, LoopLearner, RolloutWorker
+from agentlog.loop.run import LoopError, refuse_another_runs_stream, run_loop
+from agentlog.loop.run_marker import incomplete_reason
 from agentlog.loop.run_folder import Run
 
 
@@ -119,3 +123,22 @@ def test_a_nats_run_keeps_its_logs_on_one_stream(tmp_path: Path, nats_server) ->
     with pytest.raises(SourceError, match="cannot connect to a NATS server"):
         bad = LoopConfig(log=LogConfig(backend="nats", url="nats://127.0.0.1:1", stream=stream))
         Run.open(run_dir, bad).open_rollout_view()
+
+
+def test_run_loop_refuses_a_folder_holding_a_run_made_with_another_config(tmp_path):
+    cfg = LoopConfig(steps=1, groups_per_step=2, group_size=2, warmup_steps=0, faults=FaultConfig.none(), stop_reward=0,
+                     time_budget_s=0, max_lag=0, d_model=32, n_layer=1, n_head=2)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    Run.save_config(run_dir, cfg)
+
+    async def train() -> None:
+        await asyncio.wait_for(asyncio.gather(LoopLearner(run_dir, cfg).run(), RolloutWorker(run_dir, cfg).run()), 60)
+
+    asyncio.run(train())  # a complete run: its config.json, logs and checkpoints
+    before = Run.config_file(run_dir).read_bytes()
+    other = dataclasses.replace(cfg, seed=7, group_size=4)
+    with pytest.raises(LoopError, match="another config"):
+        run_loop(other, run_dir, timeout_s=60)
+    assert Run.config_file(run_dir).read_bytes() == before, "the run's config.json was replaced by another run's"
+    assert incomplete_reason(run_dir) is None, f"the complete run was marked incomplete: {incomplete_reason(run_dir)}"

@@ -280,6 +280,30 @@ def test_pruned_versions_stalled_fetches_and_oversized_chunks(tmp_path: Path, na
         store.close()
 
 
+def test_an_append_that_fails_leaves_the_object_the_newest_record_names(tmp_path: Path, nats_server) -> None:
+    """With keep_checkpoints = 1, putting version 2 used to delete version 1's object before the
+    record naming version 2 was appended: when that append failed, the learner log's newest
+    record named an object no longer in the bucket. The bucket is pruned only after the append."""
+    cfg = _config(nats_server.url, "ws-prune-late", weights="store")
+    cfg.keep_checkpoints = 1
+    learner_dir, worker_dir = _hosts(tmp_path, cfg)
+    learner = Learner(build_model(cfg, select_task(cfg.task)), cfg.learner_config())
+    with Run.open(learner_dir) as run:
+        llog = run.open_learner()
+        for v in (0, 1):
+            path = learner.save_checkpoint(checkpoint_path(run.checkpoints, v))
+            publish(llog, PolicyUpdated(step=v, policy_version=v, checkpoint=str(path)), run.weight_store())
+        llog.close()  # the next append fails, as one whose fsync failed does
+        path = learner.save_checkpoint(checkpoint_path(run.checkpoints, 2))
+        with pytest.raises(Exception, match="closed"):
+            publish(llog, PolicyUpdated(step=2, policy_version=2, checkpoint=str(path)), run.weight_store())
+    with Run.open(worker_dir) as worker_run:
+        records = _published(worker_run, 2)
+        assert records[-1].policy_version == 1
+        source = version_source(worker_run, records[-1], hf_policy=False, worker_id="w0")
+        assert source is not None and source.is_file(), "the newest record's object was deleted by a publish that failed"
+
+
 def test_weights_settings_are_checked_by_name() -> None:
     """Bad ``[log] weights*`` values are refused by name, with what was expected."""
     cases = {
