@@ -124,8 +124,21 @@ class LearnerConfig:
             raise bad("tis_cap", "None or a value > 0")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise bad("grad_clip", "None or a value > 0")
-        if not self.lr > 0:
-            raise bad("lr", "a value > 0")
+        # A NaN or infinite coefficient would surface only as a NaN loss or NaN weights a step later.
+        for name, allowed, ok in (
+            ("lr", "a finite value > 0", lambda v: 0 < v < math.inf),
+            ("adam_eps", "a finite value > 0", lambda v: 0 < v < math.inf),
+            ("adv_eps", "a finite value >= 0", lambda v: 0 <= v < math.inf),
+            ("kl_coef", "a finite value >= 0", lambda v: 0 <= v < math.inf),
+            ("weight_decay", "a finite value >= 0", lambda v: 0 <= v < math.inf),
+            ("entropy_coef", "a finite value", math.isfinite),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise bad(name, allowed)
+        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else ()
+        if len(betas) != 2 or not all(not isinstance(b, bool) and isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+            raise bad("betas", "two values in [0, 1)")
         if self.warmup_steps < 0:
             raise bad("warmup_steps", "an integer >= 0")
         if self.num_steps_per_rollout < 1:

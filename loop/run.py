@@ -298,6 +298,10 @@ def run_loop(cfg: LoopConfig, run_dir: Path, *, progress: Callable[[LoopConfig, 
         except LoopError as exc:
             mark_incomplete(run_dir, f"failed: {str(exc).splitlines()[0]}")
             raise
+        except Exception as exc:  # the marker says what stopped the run, not "running"
+            first = (str(exc).splitlines() or [""])[0]
+            mark_incomplete(run_dir, f"failed: {type(exc).__name__}: {first}")
+            raise
         (run_dir / INCOMPLETE_MARKER).unlink()
         return result
     finally:

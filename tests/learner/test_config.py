@@ -17,6 +17,10 @@ from agentlog.learner.config import LearnerConfig
     ("num_steps_per_rollout", 0), ("max_tokens_per_batch", 0),
     ("distill_coef", -0.5), ("distill_coef", float("nan")), ("distill_coef", float("inf")), ("distill_coef", "0.5"),
     ("distill_topk_coef", -1.0), ("distill_topk_coef", float("inf")),
+    # Accepted before, each a NaN loss or NaN weights a step later:
+    ("lr", float("inf")), ("adam_eps", 0.0), ("adam_eps", float("nan")), ("adv_eps", float("nan")), ("adv_eps", -1.0),
+    ("kl_coef", float("nan")), ("kl_coef", float("inf")), ("kl_coef", -1.0), ("weight_decay", float("inf")),
+    ("weight_decay", -1.0), ("entropy_coef", float("nan")), ("betas", (1.5, 0.9)), ("betas", (0.9,)),
 ])
 def test_bad_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"LearnerConfig.{field}.*{value!r}"):

@@ -142,3 +142,18 @@ def test_run_loop_refuses_a_folder_holding_a_run_made_with_another_config(tmp_pa
         run_loop(other, run_dir, timeout_s=60)
     assert Run.config_file(run_dir).read_bytes() == before, "the run's config.json was replaced by another run's"
     assert incomplete_reason(run_dir) is None, f"the complete run was marked incomplete: {incomplete_reason(run_dir)}"
+
+
+def test_run_loop_marks_the_folder_with_an_unexpected_failure_not_running(tmp_path, monkeypatch):
+    """An error other than a LoopError (here the OS refusing to start the learner's process) used to
+    leave INCOMPLETE saying the loop was still running."""
+    from agentlog.loop import run as run_module
+
+    def no_process(*args, **kwargs):
+        raise OSError(11, "Resource temporarily unavailable (fork refused)")
+
+    monkeypatch.setattr(run_module, "start_process", no_process)
+    with pytest.raises(OSError, match="fork refused"):
+        run_loop(LoopConfig(steps=1), tmp_path / "run", timeout_s=60)
+    reason = incomplete_reason(tmp_path / "run")
+    assert reason is not None and reason.endswith(" failed: BlockingIOError: [Errno 11] Resource temporarily unavailable (fork refused)"), reason
