@@ -272,8 +272,11 @@ class RolloutConfig:
     (applied at the next token, the partial output resubmitted as prompt); both partial modes record each token's version."""
 
     def __post_init__(self) -> None:
-        if type(self.workers) is not int or self.workers < 1:
-            raise ConfigError(f"[rollout] workers: expected an int >= 1, found {self.workers!r}")
+        from agentlog.events.log.partitions import MAX_PARTITIONS
+
+        if type(self.workers) is not int or not 1 <= self.workers <= MAX_PARTITIONS:
+            raise ConfigError(f"[rollout] workers: expected an int in 1..{MAX_PARTITIONS} (one log partition "
+                              f"p0000..p{MAX_PARTITIONS - 1} each), found {self.workers!r}")
         if self.weight_update not in WEIGHT_UPDATE_MODES:
             raise ConfigError(f"[rollout] weight_update: expected one of {WEIGHT_UPDATE_MODES}, found {self.weight_update!r}")
         if self.backend not in ROLLOUT_BACKENDS:
@@ -288,11 +291,20 @@ class RolloutConfig:
                 isinstance(k, str) and k and not isinstance(v, bool) and isinstance(v, (int, float)) and v >= 0
                 for k, v in self.resources.items()):
             raise ConfigError(f"[rollout] resources: expected a table of resource name -> amount >= 0, found {self.resources!r}")
+        builtin = sorted(k for k in self.resources if k in ("CPU", "GPU"))
+        if builtin:
+            raise ConfigError(f"[rollout] resources: expected custom resource names, found Ray's built-in {builtin[0]!r} "
+                              "(Ray refuses CPU and GPU there; CPUs are [rollout] num_cpus, and a GPU node can be "
+                              "given a custom resource, e.g. ray start --resources='{\"agentlog_rollout\": 1}')")
         self.resources = {k: float(v) for k, v in self.resources.items()}
         for name in ("num_cpus", "lost_after_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ConfigError(f"[rollout] {name}: expected a number >= 0, found {v!r}")
+        # Ray refuses fractional amounts finer than 1/10000 (ValueError from ray.remote(...).options()).
+        for name, v in [("num_cpus", self.num_cpus), *(("resources", a) for a in self.resources.values())]:
+            if abs(v * 10_000 - round(v * 10_000)) > 1e-6:
+                raise ConfigError(f"[rollout] {name}: expected an amount in steps of 0.0001 (Ray's precision), found {v!r}")
 
     @property
     def partitioned(self) -> bool:

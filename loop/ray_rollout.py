@@ -27,6 +27,7 @@ Every ``ray.get`` here has a timeout. Ray is an optional dependency
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 import threading
@@ -342,7 +343,8 @@ def local_ray_init_kwargs(cfg: LoopConfig) -> dict[str, Any]:
     return dict(
         address="local",
         num_cpus=max(os.cpu_count() or 1, int(ro.num_cpus * ro.workers + 0.999)),
-        resources={k: v * ro.workers for k, v in ro.resources.items()},
+        # A node's totals must be whole numbers (Ray refuses 0.5 x 3 = 1.5): rounded up, so that every actor fits.
+        resources={k: float(math.ceil(round(v * ro.workers, 4))) for k, v in ro.resources.items()},
         include_dashboard=False,
         object_store_memory=100 * 1024 * 1024,
         _node_ip_address="127.0.0.1",

@@ -312,10 +312,11 @@ def _run(cfg: LoopConfig, run_dir: Path, run: Run, progress: Callable[[LoopConfi
          timeout_s: float | None) -> RunResult:
     t0 = time.monotonic()
     learner = start_process("trainer", run_dir)
-    rollouts = rollout_backend(cfg, run_dir)
-    progress_of_partitions = PartitionProgress(run)
-    bar = progress(cfg, run_dir) if progress is not None else None
-    try:
+    rollouts = bar = None
+    try:  # from here on, whatever fails stops the learner's process (it would train on, orphaned)
+        rollouts = rollout_backend(cfg, run_dir)
+        progress_of_partitions = PartitionProgress(run)
+        bar = progress(cfg, run_dir) if progress is not None else None
         rollouts.start()
         seen = 0
         aborted = dropped = 0
@@ -362,7 +363,8 @@ def _run(cfg: LoopConfig, run_dir: Path, run: Run, progress: Callable[[LoopConfi
         if bar is not None:
             bar.close()
         try:
-            rollouts.stop()
+            if rollouts is not None:
+                rollouts.stop()
         finally:
             if learner.poll() is None:
                 learner.kill()

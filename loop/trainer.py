@@ -51,14 +51,13 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 import msgspec
 import torch
 
 from agentlog._logging import get_logger
 from agentlog.engine.tasks import load_tasks, select_task
-from agentlog.events.log.api import EventLog
 from agentlog.events.log.partitions import partition_name
 from agentlog.events.log.source import follow_sources
 from agentlog.events.schema.types import Envelope, PolicyUpdated
@@ -66,13 +65,13 @@ from agentlog.learner.learner import Learner
 from agentlog.learner.mismatch import warn_past
 from agentlog.reducers.groups import Group, reward_mean, row_trains
 from agentlog.reducers.partitioned import PartitionFold, ReleasedGroup
-from agentlog.reducers.pipeline import InFlightWindow
 from agentlog.reducers.samples import distill_problem
 
 from .config import GroupsConfig, LoopConfig
 from .dynamic_sampling import ends_chain, oversampled, zero_spread
 from .naming import redraw_of
-from .learner_records import STOPPED_UNTRAINABLE, record_consumed, record_frontier, step_digest
+from .learner_records import STOPPED_UNTRAINABLE, step_digest
+from .learner_restart import RecordsNeeded, read_resume_records, resume_point
 from .metric_sinks import MetricSinks
 from .policy import build_model
 from .run_folder import Run
@@ -139,90 +138,6 @@ def distill_refusal(group: Group) -> str:
             if problem:
                 return f"distill: {problem}"  # distill_problem names the session and row
     return ""
-
-
-class ResumePoint(NamedTuple):
-    """Where a restarted learner picks the rollout logs up (:func:`resume_point`)."""
-
-    consumed: set[tuple[int, str]]  # (partition, group) of every group trained or skipped by a recorded step
-    read_from: dict[int, int]  # per partition, the LSN to read from (absent: 0)
-    windows: dict[int, InFlightWindow]  # per partition, what of it to feed the fresh reducer
-    lost: dict[int, str]  # partitions declared lost -> why
-
-
-def resume_point(records: list[PolicyUpdated]) -> ResumePoint:
-    """The resume point after the learner log's ``records`` (in order).
-
-    Per partition, from the last record's low-water mark when recorded: the
-    fold is rebuilt from the in-flight window (:class:`InFlightWindow`), not
-    from a snapshot, so the groups it releases afterwards, and their
-    samples, are those a fold from 0 releases. No record, or a last record
-    written before the field (-1): from 0."""
-    consumed: set[tuple[int, str]] = set()
-    lost: dict[int, str] = {}
-    for r in records:
-        consumed.update(record_consumed(r))
-        lost.update(r.lost_partitions)
-    settled: dict[int, set[str]] = {}
-    for pid, gid in consumed:
-        settled.setdefault(pid, set()).add(gid)
-    last = records[-1] if records else None
-    if last is not None and last.low_water:
-        read_from = dict(last.low_water)
-    elif last is not None and last.lsn_low_water >= 0:
-        read_from = {0: last.lsn_low_water}
-    else:
-        read_from = {}
-    through = {pid: end - 1 for pid, end in record_frontier(last).items()} if read_from else {}
-    windows = {pid: InFlightWindow(through.get(pid, -1), settled.get(pid, set())) for pid in set(through) | set(settled)}
-    return ResumePoint(consumed, read_from, windows, lost)
-
-
-class RecordsNeeded:
-    """Which learner-log records a restart after the newest one must read.
-
-    It keeps (learner-log LSN, per-partition frontier, trained anything) of
-    the records still needed, starting from those a restart read (``history``)."""
-
-    def __init__(self, stop_window: int, history: Iterable[tuple[int, PolicyUpdated]] = ()) -> None:
-        self.stop_window = stop_window
-        self.entries: list[tuple[int, dict[int, int], bool]] = [(lsn, record_frontier(r), bool(r.groups)) for lsn, r in history]
-
-    def note(self, own_lsn: int, record: PolicyUpdated, low_water: dict[int, int]) -> int:
-        """Remember ``record`` (about to be appended at learner-log LSN
-        ``own_lsn``) and return its ``records_from_lsn``: the oldest record a
-        restart after it must read. That is the first record whose frontier
-        passes the low-water mark of some partition (records before it hold
-        only groups released before the marks, whose sessions all opened
-        before them, so the replay never meets them), or earlier where the
-        stop rule's last ``stop_window`` trained records reach further back.
-        Older entries are forgotten, so this stays bounded."""
-        self.entries.append((own_lsn, record_frontier(record), bool(record.groups)))
-        last = len(self.entries) - 1
-
-        def reaches(frontier: dict[int, int]) -> bool:
-            return any(frontier.get(pid, 0) > mark for pid, mark in low_water.items())
-
-        window_first = next(i for i, (_, frontier, _) in enumerate(self.entries) if reaches(frontier) or i == last)
-        trained = [i for i, (_, _, t) in enumerate(self.entries) if t]
-        if self.stop_window <= 0:
-            rewards_first = last  # no stop rule looks back
-        else:
-            rewards_first = trained[-self.stop_window] if len(trained) >= self.stop_window else 0
-        del self.entries[: min(window_first, rewards_first)]
-        return self.entries[0][0]
-
-
-def read_resume_records(llog: EventLog) -> list[tuple[int, PolicyUpdated]]:
-    """The records of the learner log ``llog`` a restart needs, with their
-    learner-log LSNs: from the last record's ``records_from_lsn`` on, or the
-    whole log when the last record predates that field."""
-    end = llog.next_lsn
-    if end == 0:
-        return []
-    last = next(iter(llog.read(end - 1)))
-    start = last.body.records_from_lsn if isinstance(last.body, PolicyUpdated) and last.body.records_from_lsn >= 0 else 0
-    return [(env.lsn, env.body) for env in llog.read(start) if isinstance(env.body, PolicyUpdated)]
 
 
 def step_size(cfg: LoopConfig, lost: Iterable[int] = ()) -> int:
@@ -315,6 +230,15 @@ class PartitionWatch:
                            f"(lost_after_s {self.lost_after_s:g}) after lsn {frontier.get(other, 0) - 1}")
             del self.last_seen[other]
         return lost
+
+    def paused(self, seconds: float) -> None:
+        """The learner read nothing for ``seconds`` (it trained a step): that
+        time is no partition's silence, whose records may sit unread behind it."""
+        if self.lost_after_s <= 0 or seconds <= 0:
+            return
+        for pid in self.last_seen:
+            self.last_seen[pid] += seconds
+        self._next_check += seconds
 
 
 class LoopLearner:
@@ -423,7 +347,9 @@ class LoopLearner:
                 # Older checkpoints go only now that the log names the newest one (the resume point).
                 prune_checkpoints(self.ckpt_dir, record.policy_version, cfg.keep_checkpoints)
                 sinks.log(record.step, record.metrics)  # after the log: the record is the source of truth
-                self.busy_s += time.perf_counter() - t_busy
+                busy = time.perf_counter() - t_busy
+                self.busy_s += busy
+                watch.paused(busy)  # training is not waiting: no partition's silence counts it
                 self.log.info("learner.policy_updated", step=step, policy_version=record.policy_version,
                               reward_mean=record.metrics.get("rollout/reward_mean"),
                               solve_rate=record.metrics.get("rollout/solve_rate"),

@@ -21,7 +21,8 @@ from agentlog.events.schema.types import PolicyUpdated
 from agentlog.events import FileLog
 from agentlog.loop.publish import publish
 from agentlog.loop.learner_records import read_learner_records
-from agentlog.loop.trainer import LoopLearner, read_resume_records, resume_point
+from agentlog.loop.learner_restart import read_resume_records, resume_point
+from agentlog.loop.trainer import LoopLearner
 from agentlog.reducers.errors import ReduceError
 from agentlog.reducers.pipeline import InFlightWindow, Reducer
 from agentlog.reducers.samples import digest_samples

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from agentlog.events.schema.types import MemberRef
 from agentlog.learner.batching import make_batches
-from agentlog.loop.trainer import LoopLearner, StepCutter, resume_point
+from agentlog.loop.learner_restart import resume_point
+from agentlog.loop.trainer import LoopLearner, StepCutter
 from agentlog.loop.learner_records import step_digest
 from agentlog.reducers.partitioned import PartitionFold, rebuild_batches, reduce_partitions
 

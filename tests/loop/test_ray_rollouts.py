@@ -20,7 +20,7 @@ from agentlog.events import read_log
 from agentlog.loop.check import check_run
 from agentlog.loop.config import RolloutConfig
 from agentlog.loop.learner_records import read_learner_records
-from agentlog.loop.ray_rollout import RayRollouts
+from agentlog.loop.ray_rollout import RayRollouts, local_ray_init_kwargs
 from agentlog.loop.run import start_process
 
 from loop_helpers import learner_version, small_config
@@ -277,3 +277,19 @@ def test_a_ray_address_where_something_else_listens_exits_2_naming_what_answered
     assert len(lines) == 1, done.stderr
     assert f"[rollout] address '127.0.0.1:{port}': not Ray: {answered}" in lines[0], lines[0]
     assert "ray.rpc.NodeInfoGcsService/GetClusterId" in lines[0] and not (tmp_path / "run").exists()
+
+
+def test_a_local_ray_starts_with_fractional_rollout_resources_per_actor() -> None:
+    """A local Ray (no ``[rollout] address``) offers every actor its ``resources``. Half a rollout slot
+    times three workers is 1.5, which a Ray node refuses ("Resource quantities must all be whole
+    numbers": a raw ValueError out of ``ray.init`` in ``RayRollouts.start``). The totals are rounded up."""
+    cfg = small_config(rollout=RolloutConfig(workers=3, backend="ray", num_cpus=0.5, resources={"agentlog_rollout": 0.5}))
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(**local_ray_init_kwargs(cfg))  # what RayRollouts.start calls without an address
+    try:
+        have = ray.cluster_resources()
+        assert have.get("agentlog_rollout", 0.0) >= 0.5 * 3, have
+        assert have.get("CPU", 0.0) >= 0.5 * 3, have
+    finally:
+        ray.shutdown()

@@ -157,3 +157,31 @@ def test_run_loop_marks_the_folder_with_an_unexpected_failure_not_running(tmp_pa
         run_loop(LoopConfig(steps=1), tmp_path / "run", timeout_s=60)
     reason = incomplete_reason(tmp_path / "run")
     assert reason is not None and reason.endswith(" failed: BlockingIOError: [Errno 11] Resource temporarily unavailable (fork refused)"), reason
+
+
+def test_a_driver_failing_before_its_workers_start_stops_the_learners_process(tmp_path, monkeypatch):
+    """The driver starts the learner's process first; a failure setting up what follows (the
+    partitions' progress here, as an unreachable log store fails) used to leave it running, orphaned."""
+    from agentlog.loop import run as run_module
+
+    started = []
+
+    def recorded(*args, **kwargs):
+        started.append(start(*args, **kwargs))
+        return started[-1]
+
+    def unreadable(run):
+        raise OSError(5, "Input/output error (the rollout logs cannot be listed)")
+
+    start = run_module.start_process
+    monkeypatch.setattr(run_module, "start_process", recorded)
+    monkeypatch.setattr(run_module, "PartitionProgress", unreadable)
+    try:
+        with pytest.raises(OSError, match="cannot be listed"):
+            run_loop(LoopConfig(steps=1), tmp_path / "run", timeout_s=60)
+        assert [p.poll() is not None for p in started] == [True], "the learner's process was left running"
+    finally:
+        for p in started:  # without the fix: not left behind the test either
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -2,7 +2,7 @@
 
 A restarted learner reads the tail of its own log (the records from the last
 one's ``records_from_lsn``: the consumed groups it needs and the low-water
-LSN, :func:`agentlog.loop.trainer.resume_point`), then
+LSN, :func:`agentlog.loop.learner_restart.resume_point`), then
 folds the rollout log through a fresh reducer until it reaches the end,
 where it can train again. This measures that fold on a run with 100
 sessions in flight (25 groups of 4, advanced in a seeded random order, so
@@ -160,7 +160,7 @@ def write_learner_log(run: Path) -> int:
     # The learner's modules (torch among them) are imported here, not at the top: the engine child
     # imports this module for drive_engine and would take a second or more to import them for nothing.
     from agentlog.loop.publish import publish
-    from agentlog.loop.trainer import RecordsNeeded
+    from agentlog.loop.learner_restart import RecordsNeeded
 
     llog = FileLog.open(run / "learner", fsync="never")
     try:
@@ -188,7 +188,7 @@ def restart(run: Path, *, from_zero: bool) -> tuple[float, list[tuple[str, str]]
     groups it then releases (id, sample digest), and the LSN it read from."""
     # Before the clock; imported already by write_learner_log (see there why not at the top).
     from agentlog.loop.learner_records import read_learner_records
-    from agentlog.loop.trainer import read_resume_records, resume_point
+    from agentlog.loop.learner_restart import read_resume_records, resume_point
 
     t0 = time.perf_counter()
     if from_zero:  # as a learner log from before the two fields reads
