@@ -54,7 +54,7 @@ import time
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from ..._logging import get_logger
-from .api import LogClosed, LogError, LogFenced
+from .api import LogClosed, LogCorruption, LogError, LogFenced
 from .jetstream_append import HDR_EPOCH, JetStreamAppender, _Msg, is_wrong_last_sequence
 from .jetstream_conn import Bridge, connect, retried
 from .jetstream_cursor import follow_subject, read_subject
@@ -68,6 +68,47 @@ log = get_logger(__name__)
 def _epoch_of(msg) -> int:
     """The epoch of the writer that published ``msg`` (0 for a message without one)."""
     return int((msg.headers or {}).get(HDR_EPOCH, 0))
+
+
+#: The longest duration the server takes (a Go time.Duration, in whole seconds).
+_MAX_DURATION_S = (2**63 - 1) // 10**9
+
+
+def _subject_matches(pattern: str, subject: str) -> bool:
+    """Whether the NATS subject ``pattern`` (``*`` one token, ``>`` the rest) covers ``subject``."""
+    pat, sub = pattern.split("."), subject.split(".")
+    for i, token in enumerate(pat):
+        if token == ">":
+            return len(sub) > i
+        if i >= len(sub) or (token != "*" and token != sub[i]):
+            return False
+    return len(pat) == len(sub)
+
+
+def _check_stream_config(cfg, where: str, subject: str) -> None:
+    """LogError naming the setting when an existing stream (made by someone else)
+    cannot hold a log: the subject not bound to it, no direct gets (readers and
+    the landed check need them), or retention and limits that drop stored records."""
+    from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
+
+    def bad(what: str, found: Any, expected: str) -> LogError:
+        return LogError(f"{where}: the stream's {what} is {found!r}, expected {expected} (a stream made by JetStreamLog.open)")
+
+    if not any(_subject_matches(p, subject) for p in cfg.subjects or []):
+        raise bad("subjects", cfg.subjects, f"one that covers {subject!r}")
+    if not cfg.allow_direct:
+        raise bad("allow_direct", cfg.allow_direct, "True")
+    if cfg.storage not in (None, StorageType.FILE):
+        raise bad("storage", cfg.storage, "file")
+    if cfg.retention not in (None, RetentionPolicy.LIMITS):
+        raise bad("retention", cfg.retention, "limits (records are never removed)")
+    if cfg.max_age:
+        raise bad("max_age", cfg.max_age, "0 (records never expire)")
+    if cfg.discard in (None, DiscardPolicy.OLD):
+        for name in ("max_msgs", "max_bytes", "max_msgs_per_subject"):
+            value = getattr(cfg, name)
+            if value is not None and value > 0:
+                raise bad(name, value, "no limit (-1): with discard 'old' the server deletes acknowledged records")
 
 
 class JetStreamLog(JetStreamAppender):
@@ -130,11 +171,11 @@ class JetStreamLog(JetStreamAppender):
             raise ValueError(f"stream name: expected letters, digits, '-' or '_' (1..200), found {stream!r}")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 5:
             raise ValueError(f"replicas: expected an int in 1..5, found {replicas!r}")
-        if not duplicate_window_s > 0:
-            raise ValueError(f"duplicate_window_s: expected seconds > 0, found {duplicate_window_s!r}")
-        for name, value in (("publish_timeout_s", publish_timeout_s), ("failover_timeout_s", failover_timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name}: expected seconds > 0, found {value!r}")
+        for name, value in (("duplicate_window_s", duplicate_window_s), ("connect_timeout_s", connect_timeout_s),
+                            ("publish_timeout_s", publish_timeout_s), ("failover_timeout_s", failover_timeout_s)):
+            # At most a Go time.Duration (the server's type for the duplicate window): about 292 years.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= _MAX_DURATION_S:
+                raise ValueError(f"{name}: expected seconds > 0 (at most {_MAX_DURATION_S}), found {value!r}")
         self = cls(url=url, stream=stream, partition=partition, clock=clock)
         self._publish_timeout_s, self._failover_timeout_s = float(publish_timeout_s), float(failover_timeout_s)
         try:
@@ -176,6 +217,7 @@ class JetStreamLog(JetStreamAppender):
                 allow_atomic=True,
             )
             info = await ask("creating the stream", lambda: self._js.add_stream(cfg))
+        _check_stream_config(info.config, self.where, self.subject)
         if (info.config.num_replicas or 1) != replicas:
             raise LogError(f"{self.where}: the stream has {info.config.num_replicas} replicas, expected {replicas}")
         if not info.config.allow_atomic:
@@ -220,6 +262,11 @@ class JetStreamLog(JetStreamAppender):
                     self._next = rec.lsn + 1
         finally:
             await cur.close()
+        if cur.joiner.parts:  # held back by readers; appending after them would bury every later record
+            raise LogCorruption(
+                f"{self.where} seq {cur.joiner.first}: the subject ends in {len(cur.joiner.parts)} chunk(s) of a record "
+                f"whose last chunk never came (after lsn {self._next - 1}); expected whole records: not appending after them",
+                segment=self.where, last_good_lsn=self._next - 1)
         return cur.end
 
     async def _last_message(self):

@@ -62,7 +62,7 @@ async def retried(call, what: str, where: str, timeout_s: float, per_try_s: floa
     responders, a 503 from the server, a peer still offline); any other error at once. Past the
     deadline a LogError names ``where``, ``what`` was asked and the
     ``setting`` that bounds it."""
-    from nats.js.errors import APIError
+    from nats.js.errors import APIError, ServiceUnavailableError
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -71,6 +71,9 @@ async def retried(call, what: str, where: str, timeout_s: float, per_try_s: floa
         try:
             return await asyncio.wait_for(call(), timeout=per_try_s)
         except retried_errors as exc:
+            if isinstance(exc, ServiceUnavailableError) and exc.code is None:  # nats-py's "no responders" to $JS.API
+                raise LogError(f"{where}: {what}: no JetStream API answered on the server (no responders); expected a "
+                               f"nats-server with JetStream enabled (nats-server -js)") from exc
             if isinstance(exc, APIError) and exc.code != 503 and exc.err_code not in TRANSIENT_API_ERRORS:
                 raise
             if loop.time() >= deadline:
@@ -85,13 +88,27 @@ async def connect(url, connect_timeout_s: float, error_cb=None):
     node a client is on dies, it must reach the survivors while the stream
     elects a leader; the callers' deadlines, not the connection, bound
     their requests."""
-    nats = require_nats()
+    require_nats()
+    from nats.aio.client import Client
+
     servers = [url] if isinstance(url, str) else list(url)
     servers = [u.strip() for entry in servers for u in str(entry).split(",") if u.strip()]
     if not servers:
         raise ValueError(f"url: expected a nats:// URL or a list of them, found {url!r}")
-    return await nats.connect(servers=servers, connect_timeout=connect_timeout_s, error_cb=error_cb,
-                              allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    # nats-py never gives up on a first connection while reconnects are unlimited: bound it
+    # (every server tried at least once), so a wrong URL is an error, not an open that hangs.
+    nc = Client()
+    give_up_s = (connect_timeout_s + 0.2) * len(servers) + 1.0
+    try:
+        await asyncio.wait_for(nc.connect(servers=servers, connect_timeout=connect_timeout_s, error_cb=error_cb,
+                                          allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.2),
+                               timeout=give_up_s)
+    except asyncio.TimeoutError:
+        last = nc.last_error
+        await nc.close()
+        raise LogError(f"cannot connect to a NATS server at {', '.join(servers)} within {give_up_s:g} s "
+                       f"(last error: {last!r}); expected a running nats-server with JetStream") from None
+    return nc
 
 
 class Bridge:

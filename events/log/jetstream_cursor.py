@@ -176,7 +176,9 @@ class SubjectCursor:
                 continue
             if self.expected is None:  # a read from a later LSN begins at what the search found
                 first_lsn = msg_id_lsn(msg.headers)
-                self.expected = first_lsn if first_lsn is not None else self.from_lsn
+                # Never past from_lsn: a first record later than it means the records between are
+                # missing (deleted, expired), and the frame check below names the gap.
+                self.expected = min(first_lsn, self.from_lsn) if first_lsn is not None else self.from_lsn
             try:
                 rec = decode_message(frame, f"{self.where} seq {self.seen}", self.expected)
                 self.expected += 1

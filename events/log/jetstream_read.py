@@ -75,9 +75,11 @@ class JetStreamRun:
             raise LogError(f"{self.where}: cannot connect: {exc!r}") from exc
         self.js = self.nc.jetstream(timeout=request_timeout_s)
         try:
-            await self._stream_info()
+            info = await self._stream_info()
         except NotFoundError:
             raise NotALog(f"{self.where}: no such stream (expected a run written by JetStreamLog)") from None
+        if not info.config.allow_direct:  # reads from an LSN and the end of a log are direct gets
+            raise LogError(f"{self.where}: the stream's allow_direct is False, expected True (a stream made by JetStreamLog.open)")
 
     async def _stream_info(self, **kw: Any) -> Any:
         """The stream's info, asked again while the cluster elects a leader
