@@ -65,9 +65,14 @@ from ..schema.types import Envelope
 log = get_logger(__name__)
 
 
-def _epoch_of(msg) -> int:
-    """The epoch of the writer that published ``msg`` (0 for a message without one)."""
-    return int((msg.headers or {}).get(HDR_EPOCH, 0))
+def _epoch_of(msg, where: str) -> int:
+    """The epoch of the writer that published ``msg`` (0 for a message without one);
+    LogCorruption naming the message when its epoch header is not a whole number."""
+    value = (msg.headers or {}).get(HDR_EPOCH, "0")
+    if not value.isascii() or not value.isdigit():
+        raise LogCorruption(f"{where} seq {msg.seq}: header {HDR_EPOCH} is {value!r}, expected a whole number "
+                            "(a message no agentlog writer published)", segment=where)
+    return int(value)
 
 
 #: The longest duration the server takes (a Go time.Duration, in whole seconds).
@@ -243,7 +248,7 @@ class JetStreamLog(JetStreamAppender):
         # writer is then refused as if fenced).
         epoch = -1
         if self._last_seq:
-            epoch = _epoch_of(await self._last_message())
+            epoch = _epoch_of(await self._last_message(), self.where)
         self.epoch = epoch + 1
 
     async def _read_records(self, from_lsn: int, end: int | None = None) -> int:
@@ -303,7 +308,7 @@ class JetStreamLog(JetStreamAppender):
                         epoch=self.epoch,
                     ) from exc
             last = await self._last_message()
-            self._last_seq, self.epoch, self._next = last.seq, _epoch_of(last) + 1, lsn_after(last, self.where)
+            self._last_seq, self.epoch, self._next = last.seq, _epoch_of(last, self.where) + 1, lsn_after(last, self.where)
             tries += 1
         if self._next == recovered:
             return
@@ -342,6 +347,8 @@ class JetStreamLog(JetStreamAppender):
         return read_subject(self._bridge, self._js, self.stream, self.subject, self.where, from_lsn, raw=raw)
 
     def follow(self, from_lsn: int = 0, *, poll_s: float = 0.05, raw: bool = False) -> AsyncIterator[Envelope]:
+        if self._closed:  # as read: its connection's loop is gone
+            raise LogClosed(f"{self.where}: closed")
         return follow_subject(self._bridge, self._js, self.stream, self.subject, self.where, from_lsn, raw=raw, poll_s=poll_s)
 
     # -- closing -------------------------------------------------------------

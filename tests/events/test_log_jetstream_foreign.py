@@ -260,3 +260,38 @@ def test_a_reader_of_a_foreign_stream_without_direct_gets_is_told_at_open(nats_s
     outcome, exc = in_thread(read, 40)
     assert outcome == "raised" and isinstance(exc, LogError) and "allow_direct" in str(exc), (outcome, exc)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_last_message_whose_epoch_header_is_not_a_number_is_named_at_open(nats_server, stream):
+    """A fence another client published with a non-numeric epoch header, at the end of the subject:
+    the writer's open read it with int() (a raw ValueError naming nothing)."""
+    from agentlog.events.log.jetstream_append import HDR_EPOCH
+    from agentlog.events.log.jetstream_msg import HDR_KIND, HDR_NEXT_LSN, KIND_FENCE
+
+    with JetStreamLog.open(nats_server.url, stream, 0) as lg:
+        lg.append_batch([("a", 0, opened())])
+        subject = lg.subject
+
+    async def foreign(js):
+        await js.publish(subject, b"", headers={HDR_KIND: KIND_FENCE, HDR_NEXT_LSN: "1", HDR_EPOCH: "seven"})
+
+    raw(nats_server.url, foreign)
+    with pytest.raises(LogCorruption, match=rf"subject '{subject}'.* seq \d+: header {HDR_EPOCH} is 'seven', expected a whole number"):
+        JetStreamLog.open(nats_server.url, stream, 0, failover_timeout_s=2)
+
+
+def test_follow_after_close_is_log_closed_as_read_is(nats_server, stream):
+    """follow() of a closed writer reached its connection's stopped loop (a RuntimeError)."""
+    from agentlog.events.log.api import LogClosed
+
+    lg = JetStreamLog.open(nats_server.url, stream, 0)
+    lg.close()
+    with pytest.raises(LogClosed, match=rf"stream '{stream}'.*closed"):
+        lg.read(0)
+
+    async def first():
+        async for env in lg.follow(0):
+            return env
+
+    with pytest.raises(LogClosed, match=rf"stream '{stream}'.*closed"):
+        asyncio.run(first())
