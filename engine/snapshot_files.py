@@ -335,3 +335,18 @@ def swap_in(stage: Path, workdir: Path) -> None:
     if os.path.lexists(old / CONTROL_DIR):
         os.rename(old / CONTROL_DIR, workdir / CONTROL_DIR)
     remove_tree(old)
+
+
+def make_store_dirs(root: Path, dirs: tuple[Path, ...]) -> None:
+    """Make the snapshot store's directories under ``root`` that are missing (and sync ``root`` and
+    its parent when any was made); SnapshotError naming the path when one is something else."""
+    made = [d for d in dirs if not d.is_dir()]
+    for d in made:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as e:
+            raise SnapshotError(f"snapshot store {root}: cannot make {d} ({e}); expected a directory (a snapshot "
+                                f"store holds the directories {', '.join(p.name + '/' for p in dirs)})") from e
+    if made:
+        fsync_dir(root)
+        fsync_dir(root.parent)

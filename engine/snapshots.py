@@ -74,7 +74,7 @@ from agentlog.events.schema.types import SNAPSHOT_DIGEST_RE
 
 from .snapshot_files import (
     CHUNK, MANIFEST_VERSION, Manifest, ManifestEntry, Reflinks, SnapshotDamaged, SnapshotError, SnapshotMissing, SyncBatch,
-    blake, check_manifest, copy_hashing, fsync_dir, kind_name, new_stage, remove_tree, stored_files, swap_in, walk_tree, write_all,
+    blake, check_manifest, copy_hashing, fsync_dir, kind_name, make_store_dirs, new_stage, remove_tree, stored_files, swap_in, walk_tree, write_all,
 )
 
 __all__ = ["SnapshotStore", "SnapshotInfo", "GcReport", "ManifestEntry", "SnapshotError", "SnapshotDamaged", "SnapshotMissing"]
@@ -138,12 +138,7 @@ class SnapshotStore:
         self.keep_aborted_s = float(keep_aborted_s)
         self._objects, self._manifests = self.root / "objects", self.root / "manifests"
         self._refs, self._kept, self._tmp = self.root / "refs", self.root / "kept", self.root / "tmp"
-        made = [d for d in (self._objects, self._manifests, self._refs, self._kept, self._tmp) if not d.is_dir()]
-        for d in made:
-            d.mkdir(parents=True, exist_ok=True)
-        if made:
-            fsync_dir(self.root)
-            fsync_dir(self.root.parent)
+        make_store_dirs(self.root, (self._objects, self._manifests, self._refs, self._kept, self._tmp))
         self._dev = os.stat(self._tmp).st_dev
         self._token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # names this instance's temp files
         self._lock = threading.Lock()  # the pins, the refs in memory, a collection's extra pins
@@ -485,6 +480,9 @@ class SnapshotStore:
         cutoff = time.time() - STALE_TMP_S
         for p in self._tmp.iterdir():
             if not p.name.startswith(self._token + "-") and p.lstat().st_mtime < cutoff:
+                if stat.S_ISDIR(p.lstat().st_mode):  # the store writes files only: not its leftover
+                    self._log.warning("snapshots.tmp_not_ours", path=str(p), why="a directory in the store's tmp/; left in place")
+                    continue
                 p.unlink(missing_ok=True)
 
     def _next_ref(self, session_id: str, digest: str, turn_index: int | None) -> _Ref | None:
@@ -532,14 +530,13 @@ class SnapshotStore:
 
     def _read_ref(self, path: Path) -> _Ref | None:
         try:
-            data = path.read_bytes()
+            return msgspec.msgpack.decode(path.read_bytes(), type=_Ref)
         except FileNotFoundError:
             return None
-        try:
-            return msgspec.msgpack.decode(data, type=_Ref)
-        except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            # Never guess: a collection that skipped it could remove a live snapshot.
-            raise SnapshotError(f"snapshot store {self.root}: ref file {path} is unreadable ({e}); expected a msgpack ref") from e
+        except (OSError, msgspec.ValidationError, msgspec.DecodeError) as e:
+            # A directory, an unreadable or undecodable file. Never guess: a collection that skipped it
+            # could remove a live snapshot.
+            raise SnapshotError(f"snapshot store {self.root}: ref file {path} cannot be read ({e}); expected a msgpack ref") from e
 
     def _read_refs(self, base: Path) -> dict[Path, _Ref]:
         out = {}

@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
+from agentlog._logging import get_logger
 from agentlog.engine import SessionEngine, SessionTimeout
 
 from .demo.faults import InjectedFault
 from .naming import member_id
+
+log = get_logger("agentlog.loop.group_play")
 
 #: How a session may end that is the session's outcome, not the worker's failure.
 SESSION_ENDINGS = (asyncio.CancelledError, InjectedFault, SessionTimeout)
@@ -28,9 +31,13 @@ async def play_group(engine: SessionEngine, gid: str, size: int, play: Play, fau
     ``unplayed(index, replaces=...)`` (which opens and drops it) instead of played."""
     tasks = [asyncio.ensure_future(with_refills(engine, gid, i, play, faults.get(i), on_refill, cancelled, unplayed))
              for i in range(size)]
-    for r in await asyncio.gather(*tasks, return_exceptions=True):
-        if isinstance(r, BaseException) and not isinstance(r, SESSION_ENDINGS):
-            raise r
+    failures = [(i, r) for i, r in enumerate(await asyncio.gather(*tasks, return_exceptions=True))
+                if isinstance(r, BaseException) and not isinstance(r, SESSION_ENDINGS)]
+    for i, exc in failures[1:]:  # the first is raised; the others are never dropped unseen
+        log.error("group.member_failed", group_id=gid, member=i, error=f"{type(exc).__name__}: {exc}", exc_info=exc,
+                  effect=f"raised with the group's first failure (member {failures[0][0]})")
+    if failures:
+        raise failures[0][1]
 
 
 async def end_unplayed(engine: SessionEngine, gid: str, size: int, opened: set[str], **open_kw: Any) -> int:

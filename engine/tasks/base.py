@@ -184,7 +184,7 @@ def select_task(name: str | None = None, **kwargs: Any) -> "Task | TextTask":
     installed package declares one; else it raises TaskError listing the
     registered harnesses. The result is a token-level :class:`Task` or a
     text-level :class:`~.text.TextTask`."""
-    from .text import TextTask
+    from .text import TextTask, check_text_task
 
     try:
         factory = harness.select(name or None)
@@ -194,4 +194,6 @@ def select_task(name: str | None = None, **kwargs: Any) -> "Task | TextTask":
     if not isinstance(task, (Task, TextTask)):
         raise TaskError(f"harness {name!r} is not a task (its factory returned {type(task).__name__});"
                         " the loop needs an engine.tasks.Task or engine.tasks.TextTask")
+    if isinstance(task, TextTask):
+        check_text_task(task)
     return task

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import base64
+import math
 import posixpath
 import random
 import shlex
@@ -76,6 +77,25 @@ class TextTask(abc.ABC):
     @abc.abstractmethod
     async def verify(self, episode: TextEpisode, sandbox: Sandbox) -> Verdict:
         """Score the agent's work in ``sandbox`` once the agent has stopped."""
+
+
+def check_text_task(task: TextTask) -> TextTask:
+    """``task`` if its numbers are sound, else a TaskError naming the task, the field and what
+    was expected (a zero budget would abort every session, a NaN one fail each mid-batch)."""
+    from .base import TaskError
+
+    for name, kind, finite in (("max_turns", int, True), ("max_new_tokens", int, True),
+                                ("session_budget_s", float, False), ("command_budget_s", float, True)):
+        v = getattr(task, name, None)
+        if kind is int:
+            ok = type(v) is int and v >= 1
+            want = "an int >= 1"
+        else:
+            ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0 and (v < math.inf or not finite))
+            want = "a finite number of seconds > 0" if finite else "a number of seconds > 0"
+        if not ok:
+            raise TaskError(f"task {task.name!r} ({type(task).__qualname__}): {name}: expected {want}, found {v!r}")
+    return task
 
 
 def verdict_of_command(result: CommandResult) -> Verdict:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+from structlog.testing import capture_logs
+
 from agentlog.engine import SessionEngine
 from agentlog.events.log.api import MemoryLog
 from agentlog.events.schema.types import SessionDropped, SessionFinished
@@ -51,3 +54,22 @@ def test_a_replacement_owed_when_its_group_is_cancelled_is_opened_and_dropped_ne
     assert finished == [] and dropped == {f"{G}-s1": OVERSAMPLED, f"{G}-s2": OVERSAMPLED}
     (group,) = reduce_log(log, RULES).groups
     assert group.replaced == ((f"{G}-s2", f"{G}-s0"),) and oversampled(group)
+
+
+def test_every_members_failure_is_reported_not_only_the_first() -> None:
+    async def main() -> None:
+        engine = await SessionEngine.open(MemoryLog(), drain_s=0.1)
+        try:
+            async def play(i: int, slot: int, *, fault=None, replaces=""):
+                await asyncio.sleep(0.01 * i)
+                raise RuntimeError(f"member {i} broke: disk {i} gone")
+
+            with capture_logs() as logs:
+                with pytest.raises(RuntimeError, match="member 0 broke"):
+                    await group_play.play_group(engine, "g0", 3, play, {}, lambda *a: None)
+            text = repr(logs)
+            assert "member 1 broke" in text and "member 2 broke" in text, logs
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
