@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import math
 import operator
 import os
 import threading
@@ -83,6 +84,8 @@ from ..schema.types import EVENT_TYPES, TERMINAL_EVENT_TYPES, Envelope
 log = get_logger("agentlog.events.log.writer")
 
 FSYNC_POLICIES = ("always", "batch", "interval", "never")
+#: The largest max_record_bytes a frame's u32 length (and a compressed batch's u32 raw length) can hold.
+MAX_RECORD_BYTES_LIMIT = 0xFFFFFFFF - FRAME_OVERHEAD - (1 << 16)
 _EVENT_TYPES = frozenset(EVENT_TYPES)
 _TERMINAL_TYPES = frozenset(TERMINAL_EVENT_TYPES)
 
@@ -143,20 +146,21 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         together as batches, ``"none"`` does not; None (default) keeps what the log's last
         segment records (see :mod:`~agentlog.events.log.batch_compression`).
 
-        ``_flock=False`` is a test seam, not an option: it skips the flock to
-        simulate a second writer on another node of a shared filesystem,
-        where this node's flock does not exclude it. It is private because
-        two live writers of one directory are never a supported setup: the
-        fence stops a stale incarnation, with a race window, and does not
-        make concurrent writers safe."""
-        if fsync not in FSYNC_POLICIES:
-            raise ValueError(f"fsync: expected one of {'/'.join(FSYNC_POLICIES)}, found {fsync!r}")
-        if segment_bytes < SEG_HDR_SIZE + 64:
-            raise ValueError(f"segment_bytes: expected at least {SEG_HDR_SIZE + 64}, found {segment_bytes}")
-        if max_record_bytes < 64:
-            raise ValueError(f"max_record_bytes: expected at least 64, found {max_record_bytes}")
-        if checkpoint_bytes < 1:
-            raise ValueError(f"checkpoint_bytes: expected at least 1, found {checkpoint_bytes}")
+        ``_flock=False`` is a test seam, not an option: it skips the flock to simulate a
+        second writer on another node of a shared filesystem. Two live writers of one
+        directory are never supported: the fence stops a stale incarnation, with a race
+        window, and does not make concurrent writers safe."""
+        for name, value, ok, expected in (
+            ("fsync", fsync, fsync in FSYNC_POLICIES, f"one of {'/'.join(FSYNC_POLICIES)}"),
+            ("segment_bytes", segment_bytes, segment_bytes >= SEG_HDR_SIZE + 64, f"at least {SEG_HDR_SIZE + 64}"),
+            ("max_record_bytes", max_record_bytes, 64 <= max_record_bytes <= MAX_RECORD_BYTES_LIMIT,
+             f"64..{MAX_RECORD_BYTES_LIMIT} (a frame's length is a u32)"),
+            ("interval_s", interval_s, not isinstance(interval_s, bool) and isinstance(interval_s, (int, float))
+             and 0 <= interval_s < math.inf, "a finite number of seconds >= 0"),
+            ("checkpoint_bytes", checkpoint_bytes, checkpoint_bytes >= 1, "at least 1"),
+        ):
+            if not ok:
+                raise ValueError(f"{name}: expected {expected}, found {value!r}")
         directory = Path(path)
         if directory.exists() and not directory.is_dir():
             raise NotALog(f"{directory}: is a file, expected a log directory")
@@ -380,14 +384,12 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         return envs, end
 
     def _submit_one(self, sid: str, seq: int, body: Any, staged: bool = False) -> tuple[Envelope, int]:
-        """:meth:`_submit` of one record (caller holds _cv), for ``append``:
-        the common case (the next record of an open session, a frame that
-        fits the active segment short of its next index entry, the compiled
-        codec; a big payload is written where it lies, after its frame's
-        prefix) is checked and framed without a batch's columns; anything
-        else goes through :meth:`_submit`. ``staged`` (:meth:`stage`): the common
-        case's envelope keeps the stored bytes, not the body decoded back
-        (:func:`~agentlog.events.log.lazy.staged_envelope`)."""
+        """:meth:`_submit` of one record (caller holds _cv), for ``append``: the common case (the
+        next record of an open session, a frame that fits the active segment short of its next
+        index entry, the compiled codec; a big payload is written where it lies, after its frame's
+        prefix) is checked and framed without a batch's columns; anything else goes through
+        :meth:`_submit`. ``staged`` (:meth:`stage`): the common case's envelope keeps the stored
+        bytes, not the body decoded back (:func:`~agentlog.events.log.lazy.staged_envelope`)."""
         codec = framecodec.native
         if (
             codec is None
