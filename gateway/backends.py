@@ -297,10 +297,15 @@ class SGLangBackend(_HTTPBackend):
         if self.partial and "weight_version" not in meta:
             raise BackendError(self.name, f"/generate meta_info lacks weight_version (rid {rid}): resubmitting partial "
                                           "outputs needs the version that generated each part", 200)
-        version = meta.get("weight_version", self.policy_version)
-        try:
-            version = int(version)
-        except (TypeError, ValueError):
+        answered = meta.get("weight_version", self.policy_version)
+        if isinstance(answered, str) and answered.isascii() and answered.isdigit():
+            version = int(answered)
+        elif type(answered) is int and answered >= 0:
+            version = answered
+        elif self.partial and answered != "default":  # "default": SGLang's launch weights, before any update
+            raise BackendError(self.name, f"/generate meta_info.weight_version {answered!r:.60} (rid {rid}): expected a "
+                                          "policy version (an int >= 0, as a string) or 'default' (the launch weights)", 200)
+        else:
             version = self.policy_version
         return Generation(output_ids, log_probs, kind, version, time.perf_counter() - t0)
 

@@ -262,8 +262,8 @@ class Fleet(Backend):
                 tried.add(m.name)
                 if exc.status == 0 and not isinstance(exc, _TakenOut):
                     self._take_out(m, "answer", f"a generation got no answer: {exc}")
-                if len(tried) == len(self.members) or not self.in_routing():
-                    raise
+                if all(r.name in tried for r in self.in_routing()):
+                    raise  # every member left in routing failed it: their error, not "no server left in routing"
                 continue
             finally:
                 m.inflight -= 1
@@ -338,6 +338,8 @@ class Fleet(Backend):
             except Exception as exc:  # this member's probe broke, not the prober: it counts as a failed probe
                 reason = f"health probe raised {type(exc).__name__}: {exc}"
             if reason is not None:
+                if m.out_kind == "update" and reason == m.backend.fatal_reason:
+                    return  # only its failed update's own reason (weights unknown): the next update reaches it and is the cure
                 self._take_out(m, "probe", f"health probe failed: {reason}")
             elif m.out_reason is not None:
                 await self._readmit(m)

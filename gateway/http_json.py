@@ -34,6 +34,26 @@ import msgspec
 from agentlog.events.errors import AgentlogError
 from agentlog.gateway.json_depth import MAX_JSON_DEPTH, text_depth
 
+def base_url_problem(url: str) -> str:
+    """Why ``url`` is not an http(s) base URL a client can connect to ("" when it is): a
+    scheme, a host, a port in 1..65535 when given, no whitespace. Config checks and the
+    teacher's URL use this one rule; each raises its own error naming the setting."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError: not a number, or out of range
+    except ValueError as exc:
+        return f"not an http(s) base URL ({exc})"
+    if parts.scheme not in ("http", "https"):
+        return "not an http(s) URL"
+    if not parts.hostname or any(c.isspace() for c in url):
+        return "no host (expected http://host:port)"
+    if port == 0:
+        return "port 0 (expected a port in 1..65535)"
+    return ""
+
+
 #: Bytes of an error answer read for its message (the rest is never read).
 ERROR_BYTES = 4096
 #: Characters of an error answer's text shown in a message.

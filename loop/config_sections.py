@@ -119,6 +119,13 @@ class AgentConfig:
             raise ConfigError(f"[agent] max_tokens: expected an int >= 1 (0: the task's max_new_tokens), found {self.max_tokens!r}")
 
 
+def _check_base_url(where: str, url: str) -> None:
+    from agentlog.gateway.http_json import base_url_problem
+
+    if problem := base_url_problem(url):
+        raise ConfigError(f"{where}: expected the server's http(s) base URL (http://host:port), found {url!r}: {problem}")
+
+
 @dataclass
 class InferenceConfig:
     """Where a text task's model calls are served (the ``[inference]`` table)."""
@@ -155,6 +162,8 @@ class InferenceConfig:
             raise ConfigError(f"[inference] url: backend {self.backend!r} needs the server's http(s) base URL, found {self.url!r}")
         elif self.backend == "vllm" and not self.served_dir:
             raise ConfigError("[inference] served_dir: backend 'vllm' needs the directory its server was launched on (vLLM reloads from there)")
+        if not self.servers and self.backend != "in-process":
+            _check_base_url("[inference] url", self.url)
         if type(self.context_length) is not int or self.context_length < 64:
             raise ConfigError(f"[inference] context_length: expected an int >= 64, found {self.context_length!r}")
         from agentlog.gateway.backends import HEADER_NAME
@@ -191,6 +200,8 @@ class InferenceConfig:
                                   else "http(s) base URLs") + f", found {url!r}")
             if url != "in-process" and not url.startswith(("http://", "https://")):
                 raise ConfigError(f"{where}: expected the server's http(s) base URL, found {url!r}")
+            if url != "in-process":
+                _check_base_url(where, url)
             served_dir = spec.get("served_dir", self.served_dir if len(self.servers) == 1 else "")
             if self.backend == "vllm" and not served_dir:
                 raise ConfigError(f"{where}: backend 'vllm' needs served_dir, the directory this server was launched on")

@@ -43,13 +43,12 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Collection, NamedTuple, Protocol, Sequence, runtime_checkable
-from urllib.parse import urlsplit
 
 import numpy as np
 import torch
 
 from agentlog.events.errors import AgentlogError
-from agentlog.gateway.http_json import HTTPJSONError, JSONClient, NonFiniteJSON
+from agentlog.gateway.http_json import HTTPJSONError, JSONClient, NonFiniteJSON, base_url_problem
 from agentlog._logging import get_logger
 
 log = get_logger("agentlog.loop.teacher")
@@ -190,9 +189,8 @@ def _clip(value: Any, limit: int = 120) -> str:
 
 def generate_url(url: str) -> str:
     """The ``/generate`` URL of a teacher server given as its base URL or as the ``/generate`` URL itself."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"HTTPTeacher: url {url!r} is not an http(s) URL (expected e.g. http://127.0.0.1:30000)")
+    if problem := base_url_problem(url):
+        raise ValueError(f"HTTPTeacher: url {url!r} is not an http(s) base URL: {problem} (expected e.g. http://127.0.0.1:30000)")
     url = url.rstrip("/")
     return url if url.endswith("/generate") else url + "/generate"
 

@@ -21,6 +21,8 @@ reading commands give the same results on DIR as on the stream.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from agentlog.events.log.source import LogSource
@@ -77,17 +79,36 @@ def run(args) -> int:
         raise CliError(f"{directory}: exists and is {'not a directory' if not directory.is_dir() else 'not empty'}; "
                        "expected a new or empty directory to export into", EXIT_USAGE)
     source = check_log_path(args.source, allow_empty=True)
+    plan = plan_export(source, directory)
+    # Written into a hidden sibling and renamed to DIR once every log is copied: an export
+    # that fails part way (or is interrupted) leaves no DIR that reads as a complete run.
+    try:
+        where = directory.absolute()  # "." has no name, and its parent is itself
+        where.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{where.name}.", suffix=".export-partial", dir=where.parent))
+    except OSError as exc:
+        raise CliError(f"{directory}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None
     copies = []
-    for name, dest in plan_export(source, directory).items():
+    try:
+        for name, dest in plan.items():
+            staged = staging / dest.relative_to(directory)
+            try:
+                copies.append(export_log(source.sibling(name), staged, name))
+            except CopyError as exc:
+                raise CliError(str(exc), EXIT_DATA) from None
+            except LogError as exc:  # corruption on the stream, or the server stopped answering
+                raise CliError(f"{source.sibling(name)}: {exc}", EXIT_DATA) from None
+            except OSError as exc:
+                raise CliError(f"{dest}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None
+            copies[-1].dest = str(dest)
+            print(copies[-1].line())
         try:
-            copies.append(export_log(source.sibling(name), dest, name))
-        except CopyError as exc:
-            raise CliError(str(exc), EXIT_DATA) from None
-        except LogError as exc:  # corruption on the stream, or the server stopped answering
-            raise CliError(f"{source.sibling(name)}: {exc}", EXIT_DATA) from None
+            os.replace(staging, directory)  # DIR is missing or empty (checked above): replaced whole
         except OSError as exc:
-            raise CliError(f"{dest}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None
-        print(copies[-1].line())
+            raise CliError(f"{directory}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     equal = all(c.equal for c in copies)
     print(f"exported {len(copies)} log(s), {sum(c.records for c in copies)} records, from {source} to {directory}: "
           f"{'every log EQUAL' if equal else 'DIFFERENT (see above)'}")

@@ -1,0 +1,45 @@
+"""When every member in routing answered a 5xx (and another member is out), the error the
+turn gets must be the servers' own, not "no server left in routing (s0: None; ...)": the
+members that failed are still in routing, and their reason is not None."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentlog.gateway import SGLangBackend
+from agentlog.gateway.backends import BackendError, ROUTING_KEY, SamplingParams
+from agentlog.gateway.fleet import Fleet, FleetMember
+from agentlog.gateway.weight_sync import GatedBackend, SGLangWeightSync
+from gateway_helpers import FakeServer, run
+
+
+def test_every_member_in_routing_failing_with_a_5xx_raises_their_error():
+    async def main():
+        servers = [await FakeServer("sglang").start() for _ in range(3)]
+        members = []
+        for i, s in enumerate(servers):
+            backend = GatedBackend(SGLangBackend(s.url))
+            members.append(FleetMember(f"s{i}", backend, SGLangWeightSync(s.url, gate=backend.gate)))
+        fleet = Fleet(members)
+        try:
+            servers[2].healthy = False
+            await fleet.probe_all()
+            assert [m.out_reason is None for m in members] == [True, True, False]
+            servers[0].fail_next_generate = servers[1].fail_next_generate = 500
+
+            async def go():
+                ROUTING_KEY.set("k")
+                return await fleet.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
+
+            with pytest.raises(BackendError) as info:
+                await go()
+            msg = str(info.value)
+            assert "failing on purpose with 500" in msg, msg
+            assert ": None" not in msg, msg
+            assert [m.out_reason is None for m in members] == [True, True, False]  # a 5xx leaves them in routing
+        finally:
+            await fleet.close()
+            for s in servers:
+                await s.stop()
+
+    run(main(), timeout=20)
