@@ -48,7 +48,7 @@ def resume_point(records: list[PolicyUpdated]) -> ResumePoint:
         read_from = {0: last.lsn_low_water}
     else:
         read_from = {}
-    through = {pid: end - 1 for pid, end in record_frontier(last).items()} if read_from else {}
+    through = {pid: end - 1 for pid, end in record_frontier(last).items()} if read_from and last is not None else {}
     windows = {pid: InFlightWindow(through.get(pid, -1), settled.get(pid, set())) for pid in set(through) | set(settled)}
     return ResumePoint(consumed, read_from, windows, lost)
 

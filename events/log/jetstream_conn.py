@@ -100,8 +100,10 @@ async def connect(url, connect_timeout_s: float, error_cb=None):
     nc = Client()
     give_up_s = (connect_timeout_s + 0.2) * len(servers) + 1.0
     try:
-        await asyncio.wait_for(nc.connect(servers=servers, connect_timeout=connect_timeout_s, error_cb=error_cb,
-                                          allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.2),
+        # nats-py annotates both durations as int; it takes seconds as floats (asyncio timeouts).
+        await asyncio.wait_for(nc.connect(servers=servers, connect_timeout=connect_timeout_s,  # type: ignore[arg-type]
+                                          error_cb=error_cb, allow_reconnect=True, max_reconnect_attempts=-1,
+                                          reconnect_time_wait=0.2),  # type: ignore[arg-type]
                                timeout=give_up_s)
     except asyncio.TimeoutError:
         last = nc.last_error
