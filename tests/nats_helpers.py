@@ -80,6 +80,21 @@ def run(coro):
 
 
 
+def raw(url: str, coro_fn):
+    """Run ``coro_fn(js)`` on a fresh plain nats-py connection to ``url`` (what another client
+    would do: a foreign stream, a deleted or foreign message); returns its result."""
+    import nats
+
+    async def main():
+        nc = await nats.connect(url)
+        try:
+            return await coro_fn(nc.jetstream())
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())
+
+
 def pause(pid: int, timeout_s: float = 10.0) -> None:
     """SIGSTOP the server ``pid`` and return once every one of its threads is stopped: the signal
     is only queued when ``kill`` returns, and a loaded machine can let a thread answer one more

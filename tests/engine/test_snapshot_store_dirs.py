@@ -12,6 +12,15 @@ import pytest
 from agentlog.engine import SnapshotError, SnapshotStore
 
 
+def _store_with_one_snapshot(tmp_path: Path) -> tuple[SnapshotStore, str]:
+    """A store holding one live snapshot (session s1's turn 0), and its digest."""
+    store = SnapshotStore(tmp_path / "store")
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "a").write_text("a")
+    return store, store.snapshot(work, "s1", turn_index=0).digest
+
+
 def test_a_store_root_that_is_a_file_is_refused_naming_it(tmp_path: Path) -> None:
     f = tmp_path / "notastore"
     f.write_text("my notes\n")
@@ -30,11 +39,7 @@ def test_a_store_whose_refs_is_a_file_is_refused_naming_it(tmp_path: Path) -> No
 
 
 def test_a_directory_among_the_refs_is_named_and_nothing_live_is_lost(tmp_path: Path) -> None:
-    store = SnapshotStore(tmp_path / "store")
-    work = tmp_path / "w"
-    work.mkdir()
-    (work / "a").write_text("a")
-    digest = store.snapshot(work, "s1", turn_index=0).digest
+    store, digest = _store_with_one_snapshot(tmp_path)
     (store.root / "refs" / "junk").mkdir()
     with pytest.raises(SnapshotError, match="junk"):
         store.refs()
@@ -44,11 +49,7 @@ def test_a_directory_among_the_refs_is_named_and_nothing_live_is_lost(tmp_path: 
 
 
 def test_a_stale_directory_in_tmp_does_not_break_collection(tmp_path: Path) -> None:
-    store = SnapshotStore(tmp_path / "store")
-    work = tmp_path / "w"
-    work.mkdir()
-    (work / "a").write_text("a")
-    digest = store.snapshot(work, "s1", turn_index=0).digest
+    store, digest = _store_with_one_snapshot(tmp_path)
     stray = store.root / "tmp" / "somebodys-dir"
     stray.mkdir()
     (stray / "f").write_text("keep me")

@@ -11,7 +11,7 @@ import pytest
 from agentlog.events.log.api import LogClosed, LogCorruption, LogError, LogFenced, SequenceError
 from agentlog.events.schema.types import SessionFinished, SessionOpened
 from event_samples import small_event
-from nats_helpers import pause
+from nats_helpers import pause, raw
 
 nats = pytest.importorskip("nats", reason="JetStreamLog needs the nats extra: pip install 'agentlog[nats]'")
 
@@ -27,19 +27,6 @@ def opened() -> SessionOpened:
 @pytest.fixture
 def stream():
     return f"js{next(_names)}"
-
-
-def raw(url, coro_fn):
-    """Run ``coro_fn(js)`` on a fresh plain nats-py connection (what another client would do)."""
-
-    async def main():
-        nc = await nats.connect(url)
-        try:
-            return await coro_fn(nc.jetstream())
-        finally:
-            await nc.close()
-
-    return asyncio.run(main())
 
 
 def test_a_new_writer_fences_the_old_one_and_continues_its_lsns(nats_server, stream):

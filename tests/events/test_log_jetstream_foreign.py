@@ -19,6 +19,7 @@ nats = pytest.importorskip("nats", reason="JetStreamLog needs the nats extra: pi
 
 from agentlog.events.log.jetstream import JetStreamLog  # noqa: E402
 from nats_cluster import free_ports  # noqa: E402
+from nats_helpers import raw  # noqa: E402
 
 _names = itertools.count()
 
@@ -26,19 +27,6 @@ _names = itertools.count()
 @pytest.fixture
 def stream():
     return f"rv{next(_names)}"
-
-
-def raw(url, coro_fn):
-    """Run ``coro_fn(js)`` on a fresh plain nats-py connection (another client)."""
-
-    async def main():
-        nc = await nats.connect(url)
-        try:
-            return await coro_fn(nc.jetstream())
-        finally:
-            await nc.close()
-
-    return asyncio.run(main())
 
 
 def opened() -> SessionOpened:

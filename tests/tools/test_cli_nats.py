@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cli_helpers import ROOT, read_lines_until, write_many_sessions, write_run
+from nats_helpers import raw
 
 pytest.importorskip("nats", reason="the nats:// URLs need the nats extra: pip install 'agentlog[nats]'")
 
@@ -376,16 +377,7 @@ def test_verify_names_a_damaged_message_on_the_stream(nats_server, capsys):
     log.append_batch([("s0", 0, SessionOpened(group_id="g0", group_size=1, sample_index=0))])
     log.close()
 
-    async def publish() -> None:
-        import nats
-
-        nc = await nats.connect(nats_server.url)
-        try:
-            await nc.jetstream().publish("damaged.p0000", b"not a frame at all, but long enough to be read as one")
-        finally:
-            await nc.close()
-
-    asyncio.run(publish())
+    raw(nats_server.url, lambda js: js.publish("damaged.p0000", b"not a frame at all, but long enough to be read as one"))
     code, out, err = cli(capsys, "verify", f"{nats_server.url}/damaged")
     assert code == 1, (out, err)
     assert f"p0000: {nats_server.url}/damaged/p0000: CORRUPT: nats stream 'damaged' subject 'damaged.p0000' seq 3:" in out
@@ -451,3 +443,24 @@ def test_a_run_folder_on_jetstream_reads_as_its_stream(nats_run_folder, nats_ser
     assert code == 0 and "every log EQUAL" in out, err
     code, _, err = cli(capsys, "import", str(run), f"{nats_server.url}/again")
     assert code == 2 and "keeps its logs on JetStream already" in err
+
+
+def test_a_failed_export_leaves_no_directory_that_looks_complete(nats_server, tmp_path, capsys):
+    for pid in (0, 1):
+        log = JetStreamLog.open(nats_server.url, "halfexp", pid)
+        log.append_batch([(f"s{pid}", 0, SessionOpened(group_id=f"g{pid}", group_size=1, sample_index=0))])
+        log.close()
+
+    # A foreign message on p0001: the export copies p0000 whole, then fails on p0001.
+    raw(nats_server.url, lambda js: js.publish("halfexp.p0001", b"not a frame at all, but long enough to be read as one"))
+    out_dir = tmp_path / "exported"
+    code, _, err = cli(capsys, "export", f"{nats_server.url}/halfexp", str(out_dir))
+    assert code == 1 and "halfexp" in err
+    # Nothing that a reading command would take for the run (p0000 whole, p0001 cut at its damage).
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert not out_dir.exists() or not any(out_dir.iterdir()), left
+    assert left in ([], ["exported"]), left
+    # A good export into the same DIR afterwards works (an existing empty DIR too).
+    out_dir.mkdir(exist_ok=True)
+    assert main(["export", f"{nats_server.url}/halfexp/p0000", str(out_dir)]) == 0
+    assert (out_dir).is_dir() and any(out_dir.iterdir())
