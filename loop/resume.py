@@ -66,8 +66,9 @@ class SessionSnapshots:
         self.store = SnapshotStore(Path(root), keep_aborted_s=keep_aborted_s)
         self.counts: dict[str, int] = {"snapshots": 0, "snapshot_failures": 0, "collected_objects": 0}
         self._ended = 0
-        #: Per session, its snapshot in progress: a thread cancelling cannot stop, awaited by session_ended.
-        self._inflight: dict[str, asyncio.Future[Any]] = {}
+        #: Per session, its snapshots in progress (threads cancelling cannot stop), awaited by session_ended.
+        #: Several at once where an agent sends turns concurrently (subagents): every one is awaited.
+        self._inflight: dict[str, set[asyncio.Future[Any]]] = {}
 
     def before_turn(self, h: Any, sandbox: Any) -> Callable[[int], Awaitable[None]]:
         """The gateway's ``before_turn`` hook for session ``h``: snapshot ``sandbox`` as the
@@ -80,8 +81,9 @@ class SessionSnapshots:
                 return
             t0 = time.perf_counter()
             sid = h.session_id
-            job = self._inflight[sid] = asyncio.ensure_future(sandbox.snapshot(self.store, sid, turn_index))
-            job.add_done_callback(lambda _: self._inflight.pop(sid) if self._inflight.get(sid) is job else None)
+            job = asyncio.ensure_future(sandbox.snapshot(self.store, sid, turn_index))
+            self._inflight.setdefault(sid, set()).add(job)
+            job.add_done_callback(lambda _: self._forget(sid, job))
             try:
                 # Shielded: a turn cancelled mid-snapshot (its client gone, its session's budget
                 # spent) leaves the snapshot's thread running; session_ended waits for it, so no
@@ -98,13 +100,22 @@ class SessionSnapshots:
 
         return snapshot
 
+    def _forget(self, session_id: str, job: asyncio.Future[Any]) -> None:
+        jobs = self._inflight.get(session_id)
+        if jobs is not None:
+            jobs.discard(job)
+            if not jobs:
+                del self._inflight[session_id]
+
     async def session_ended(self, session_id: str, state: State | None) -> None:
         """Release the session's snapshots (an aborted session keeps its last one for
-        ``keep_aborted_s``), once its snapshot in progress, if any, is over; every
-        :data:`COLLECT_EVERY` ends, collect the store's garbage."""
-        job = self._inflight.get(session_id)
-        if job is not None:
-            await asyncio.wait([job])
+        ``keep_aborted_s``), once every snapshot of it in progress is over (a later one would
+        write a ref after the session's went); every :data:`COLLECT_EVERY` ends, collect the
+        store's garbage."""
+        jobs = list(self._inflight.get(session_id, ()))
+        if jobs:
+            await asyncio.wait(jobs)
+        for job in jobs:
             if not job.cancelled() and job.exception() is not None:  # its turn was cancelled: nobody else hears of it
                 exc = job.exception()
                 log.warning("sandbox.snapshot_failed", session_id=session_id, error=f"{type(exc).__name__}: {exc}",

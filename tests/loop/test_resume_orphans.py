@@ -156,6 +156,54 @@ def test_a_snapshot_running_when_its_session_ends_leaves_no_ref(tmp_path):
     asyncio.run(go())
 
 
+def test_two_snapshots_of_one_session_at_once_are_both_awaited_at_its_end(tmp_path):
+    """An agent that sends turns concurrently (subagents) snapshots one session twice at once. The
+    second used to replace the first in the in-progress map, so the session's end waited only for it
+    and the first wrote a ref after the session's went: a ref never collected."""
+    gate, finished = threading.Event(), threading.Event()
+
+    class FirstSlow(LocalSandbox):
+        """Its first snapshot's thread waits for ``gate``; later ones run at once."""
+
+        calls = 0
+
+        async def snapshot(self, store, session_id, turn_index=None):
+            FirstSlow.calls += 1
+            slow = FirstSlow.calls == 1
+
+            def run():
+                if slow:
+                    gate.wait(10)
+                try:
+                    return store.snapshot(self.workdir, session_id, turn_index=turn_index)
+                finally:
+                    if slow:
+                        finished.set()
+
+            return await asyncio.to_thread(run)
+
+    async def go() -> None:
+        engine = await SessionEngine.open(MemoryLog())
+        snaps = SessionSnapshots(tmp_path / "store", keep_aborted_s=0)
+        h = await engine.open_session("s", group_id="g", group_size=1)
+        await h.start()
+        hook = snaps.before_turn(h, FirstSlow(tmp_path / "sb"))
+        first = asyncio.ensure_future(hook(0))
+        await asyncio.sleep(0.05)
+        await hook(0)  # the concurrent request's snapshot (before the same next turn), done while the first runs
+        first.cancel()  # its client went away
+        await h.finish(reward=1.0)
+        ended = asyncio.ensure_future(snaps.session_ended("s", State.FINISHED))
+        await asyncio.sleep(0.1)
+        assert not ended.done(), "the session's end did not wait for its first snapshot still in progress"
+        gate.set()
+        await ended
+        assert finished.is_set() and snaps.store.refs() == {}  # no ref outlives its session
+        await engine.close()
+
+    asyncio.run(go())
+
+
 def test_an_orphan_whose_group_the_config_no_longer_draws_is_refused_saying_why():
     cfg = LoopConfig(task="resume-steps", task_modules=["agentlog.tools.bench.resume_steps"], groups_per_step=2, group_size=4)
     drawn: list[int] = []
