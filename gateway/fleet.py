@@ -405,8 +405,9 @@ class Fleet(Backend):
             results = await asyncio.gather(*(one(m) for m in targets))
             failed = [(m, exc) for m, exc in zip(targets, results) if exc is not None]
             if len(failed) == len(targets):
-                raise BackendError(self.name, f"the update to version {policy_version} from {path} reached no server: "
-                                   + "; ".join(f"{m.name}: {type(e).__name__}: {e}" for m, e in failed))
+                why = ("; ".join(f"{m.name}: {type(e).__name__}: {e}" for m, e in failed)
+                       or "every server is out of routing, left to the prober (" + "; ".join(f"{m.name}: {m.out_reason}" for m in self.members) + ")")
+                raise BackendError(self.name, f"the update to version {policy_version} from {path} reached no server: {why}")
             self.version = policy_version
             self._last_update = (str(path), policy_version)
             for m, exc in failed:

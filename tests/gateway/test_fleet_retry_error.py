@@ -1,4 +1,4 @@
-"""When every member in routing answered a 5xx (and another member is out), the error the
+"""The fleet's errors name what failed. When every member in routing answered a 5xx (and another member is out), the error the
 turn gets must be the servers' own, not "no server left in routing (s0: None; ...)": the
 members that failed are still in routing, and their reason is not None."""
 
@@ -37,6 +37,30 @@ def test_every_member_in_routing_failing_with_a_5xx_raises_their_error():
             assert "failing on purpose with 500" in msg, msg
             assert ": None" not in msg, msg
             assert [m.out_reason is None for m in members] == [True, True, False]  # a 5xx leaves them in routing
+        finally:
+            await fleet.close()
+            for s in servers:
+                await s.stop()
+
+    run(main(), timeout=20)
+
+
+def test_an_update_with_every_member_out_names_each_members_reason():
+    """With every member out for a failed probe, an update reaches none: its error used to end in
+    "reached no server: " and nothing after it."""
+    async def main():
+        servers = [await FakeServer("sglang").start() for _ in range(2)]
+        members = []
+        for i, s in enumerate(servers):
+            backend = GatedBackend(SGLangBackend(s.url))
+            members.append(FleetMember(f"s{i}", backend, SGLangWeightSync(s.url, gate=backend.gate)))
+        fleet = Fleet(members)
+        try:
+            for s in servers:
+                s.healthy = False
+            await fleet.probe_all()
+            with pytest.raises(BackendError, match=r"reached no server: every server is out of routing.*s0: health probe failed.*s1: health probe failed"):
+                await fleet.reload_weights("/nowhere/v1", 1)
         finally:
             await fleet.close()
             for s in servers:
