@@ -285,13 +285,17 @@ class LoopConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, base_dir: Path | None = None) -> "LoopConfig":
         """Build from plain data; an unknown key raises and lists the known ones.
-        Relative directories of a ``[task]`` table's ``path`` are resolved
-        against ``base_dir`` (default: the current directory)."""
+        Relative directories of a ``[task]`` table's ``path``, the teachers' paths and
+        ``[log] weights_cache`` are resolved against ``base_dir`` (default: the current
+        directory), ``~`` expanded."""
         moved = sorted(k for k in MOVED_TO_GROUPS if k in values)
         if moved:
             raise ConfigError(f"{', '.join(moved)}: moved to the [groups] table (e.g. [groups] dynamic_sampling = true)")
         cfg = _from_mapping(cls, task_table(values, base_dir), "")
         cfg.distill.resolve_paths(base_dir)
+        if cfg.log.weights_cache:  # as [task] path: against the config file's folder, so every process finds one folder
+            base = Path(base_dir) if base_dir is not None else Path.cwd()
+            cfg.log.weights_cache = os.path.abspath(base / os.path.expanduser(cfg.log.weights_cache))
         return cfg
 
     def save(self, path: Path) -> None:

@@ -148,3 +148,16 @@ def test_demo_with_an_unknown_task_exits_2_and_leaves_no_run_folder(tmp_path: Pa
     # So the same --out is free for the next try (which fails later, on its own bad value, still before any run).
     _one_line_exit_2(cli_main(["demo", "--task", "nope", "--out", str(out)]), capsys.readouterr().err, "'nope'")
     assert not out.exists()
+
+
+def test_a_relative_weights_cache_is_resolved_against_the_config_files_folder(tmp_path: Path, monkeypatch) -> None:
+    """[log] weights_cache was used as given: relative to each worker process's own working
+    directory (the learner's and a worker's can differ), and "~" never expanded."""
+    (tmp_path / "conf").mkdir()
+    path = tmp_path / "conf" / "train.toml"
+    path.write_text('[log]\nweights_cache = "cache/weights"\n')
+    monkeypatch.chdir(tmp_path)
+    assert LoopConfig.load(path).log.weights_cache == str(tmp_path / "conf" / "cache" / "weights")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path.write_text('[log]\nweights_cache = "~/weights"\n')
+    assert LoopConfig.load(path).log.weights_cache == str(tmp_path / "home" / "weights")
