@@ -297,6 +297,9 @@ def execute(cfg: LoopConfig, args, *, title: str, prepare=None) -> int:
         why = incomplete_reason(run_dir)
         state = f"an incomplete run ({why}; runs are not resumed)" if why else "a run"
         raise CliError(f"--out {run_dir}: already holds {state}; choose another --out", EXIT_USAGE)
+    inside = next((p for p in run_dir.absolute().parents if Run.has_config(p)), None)
+    if inside is not None:  # its logs, checkpoints and folders would mix with this run's
+        raise CliError(f"--out {run_dir}: is inside the run folder {inside}; choose a folder outside any run", EXIT_USAGE)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from agentlog.tools.cli import build_parser, main as cli_main
+from agentlog.loop.run_folder import Run
 from agentlog.loop.config import ConfigError, FaultConfig, LoopConfig, MetricsConfig
 
 
@@ -139,6 +140,17 @@ def test_demo_out_naming_an_existing_file_exits_2(tmp_path: Path, capsys) -> Non
     plain.write_text("mine")
     _one_line_exit_2(cli_main(["demo", "--out", str(plain)]), capsys.readouterr().err, str(plain), "is a file")
     assert plain.read_text() == "mine"
+
+
+def test_demo_out_inside_another_run_folder_exits_2_and_makes_nothing(tmp_path: Path, capsys) -> None:
+    """--out runA/rollout used to start a run inside another: runA/rollout then read as a run folder."""
+    run_a = tmp_path / "runA"
+    run_a.mkdir()
+    Run.save_config(run_a, LoopConfig())
+    inside = run_a / "rollout" / "new"
+    _one_line_exit_2(cli_main(["demo", "--out", str(inside)]), capsys.readouterr().err, str(inside),
+                     f"is inside the run folder {run_a}")
+    assert sorted(p.name for p in run_a.iterdir()) == ["config.json"]
 
 
 def test_demo_with_an_unknown_task_exits_2_and_leaves_no_run_folder(tmp_path: Path, capsys) -> None:
