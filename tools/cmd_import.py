@@ -102,6 +102,11 @@ def run(args) -> int:
         dest.close()
         raise CliError(f"{args.dest}: stream {stream!r} already holds logs ({', '.join(held[:8])}); "
                        "import into a new stream, or pass --resume to continue an interrupted import", EXIT_USAGE)
+    foreign = sorted(set(held) - {partition_name(log) if isinstance(log, int) else log for log in plan}) if log_name is None else []
+    if foreign:  # --resume continues this directory's own import; a log it does not hold is another run's
+        dest.close()
+        raise CliError(f"{args.dest}: stream {stream!r} holds logs {args.directory} does not ({', '.join(foreign[:8])}); "
+                       "--resume continues an import of this directory only: import into a new stream", EXIT_USAGE)
     copies = []
     try:
         for log, source in plan.items():

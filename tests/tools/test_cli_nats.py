@@ -272,6 +272,11 @@ def test_import_resume_continues_a_partial_import_and_refuses_another_run(nats_s
     write_many_sessions(other, 6, seed=4)
     code, _, err = cli(capsys, "import", "--resume", str(other), f"{nats_server.url}/partial")
     assert code == 1 and "lsn 0 on the subject differs from the source's" in err
+    # A stream holding a log the directory does not (another run's partition) is refused before anything is copied.
+    extra = JetStreamLog.open(nats_server.url, "partial", 5)
+    extra.close()
+    code, _, err = cli(capsys, "import", "--resume", str(src), f"{nats_server.url}/partial")
+    assert code == 2 and "holds logs" in err and "p0005" in err and "--resume continues an import of this directory only" in err, err
 
 
 # ---------------------------------------------------------------- round trip, random event sets
