@@ -123,13 +123,15 @@ class TorchBackend(Backend):
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         prompt = id_list(prompt_ids)
+        # The request's own faults answer as a server's 400 would: a fleet raises them instead of
+        # taking every replica out as if it had not answered (status 0).
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
-            raise BackendError(self.name, f"prompt token ids {bad[:5]} outside the model's vocabulary [0, {self.vocab_size})")
+            raise BackendError(self.name, f"prompt token ids {bad[:5]} outside the model's vocabulary [0, {self.vocab_size})", 400)
         if len(prompt) + params.max_new_tokens > self.context_length:
             raise BackendError(
-                self.name, f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the context ({self.context_length})"
-            )
+                self.name, f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the context ({self.context_length})",
+                400)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         item = _Pending(prompt, params, fut, loop)

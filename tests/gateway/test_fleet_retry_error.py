@@ -67,3 +67,25 @@ def test_an_update_with_every_member_out_names_each_members_reason():
                 await s.stop()
 
     run(main(), timeout=20)
+
+
+def test_an_in_process_replicas_refusal_of_the_request_is_raised_leaving_every_replica_in():
+    """A prompt outside the model's vocabulary is the request's fault. An in-process replica raised it
+    as "no answer" (status 0): each replica tried in turn was taken out, and the fleet was empty."""
+    from agentlog.gateway import TorchBackend
+    from agentlog.tools.cmd_serve import default_gateway_model
+
+    async def main():
+        model = default_gateway_model()
+        members = [FleetMember(f"r{i}", TorchBackend(model), None) for i in range(2)]
+        fleet = Fleet(members)
+        try:
+            ROUTING_KEY.set("k")
+            with pytest.raises(BackendError, match="outside the model's vocabulary") as info:
+                await fleet.generate([1, 2, 10**6], SamplingParams(max_new_tokens=2))
+            assert info.value.status == 400
+            assert [m.out_reason for m in members] == [None, None]
+        finally:
+            await fleet.close()
+
+    run(main(), timeout=30)
