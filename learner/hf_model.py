@@ -56,7 +56,12 @@ class HFCausalLM(nn.Module):
                 raise ImportError("HFCausalLM needs `transformers`: pip install 'agentlog[hf]'") from exc
             quiet_transformers()
             from_pretrained_kwargs.setdefault("local_files_only", True)
-            model_or_path = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
+            from safetensors import SafetensorError
+
+            try:
+                model_or_path = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
+            except SafetensorError as exc:  # not an OSError: a weights file cut short or not safetensors
+                raise OSError(f"HFCausalLM: {path!r}: its *.safetensors weights do not load: {exc}") from exc
             self.source_dir = path
             if tokenizer is None and _has_tokenizer_files(path):
                 from transformers import AutoTokenizer
@@ -166,6 +171,7 @@ class HFCausalLM(nn.Module):
         """The state of an HF directory, read and checked against this model
         (as :meth:`load_hf_weights` checks it) but not applied: a server reads
         the next version while it still generates with this one."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         d = Path(directory)
@@ -174,7 +180,10 @@ class HFCausalLM(nn.Module):
             raise FileNotFoundError(f"{d}: no *.safetensors weights in this directory (expected an HF checkpoint)")
         state: dict[str, torch.Tensor] = {}
         for f in files:
-            state.update(load_file(str(f)))
+            try:
+                state.update(load_file(str(f)))
+            except SafetensorError as exc:  # not an OSError: a file cut short, or not safetensors
+                raise OSError(f"{f}: its weights do not load: {exc}") from exc
         # Checked before anything is copied, so a bad directory leaves the weights as they were.
         own = self.model.state_dict()
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()

@@ -33,10 +33,14 @@ from agentlog.reducers.samples import Sample
 from .config import LoopConfig
 from .publish import checkpoint_path, hf_checkpoint_dir
 
-__all__ = ["ModelScorer", "PolicyLoadError", "is_text_task", "load_policy", "run_template", "versioned_scorers"]
+__all__ = ["ModelScorer", "PolicyLoadError", "TokenCheckError", "is_text_task", "load_policy", "run_template", "versioned_scorers"]
 
 class PolicyLoadError(AgentlogError, ValueError):
     """A version's checkpoint exists but does not load (the message names the file and why)."""
+
+
+class TokenCheckError(AgentlogError, ValueError):
+    """A recorded turn the model cannot score (a token id outside its vocabulary: another tokenizer)."""
 
 
 #: Tokens scored per forward batch (padded): bounds memory on long turns.
@@ -47,12 +51,27 @@ class ModelScorer(Scorer):
     """Scores turns with an in-process torch policy (see the module docstring)."""
 
     name = "in-process"
-    no_tokenize = "no chat template (a token-level task, or a bare log: --model DIR brings its tokenizer's)"
+    no_tokenize = ("no chat template (a token-level task, a bare log, or a tokenizer without one: "
+                   "--model DIR brings its tokenizer's)")
 
     def __init__(self, model: torch.nn.Module, template: ChatTemplate | None = None, *, pad_id: int = 0) -> None:
         self.model = model.eval()
         self.template = template
         self.pad_id = pad_id
+
+    def out_of_vocabulary(self, prompt: TokenIds, output: TokenIds) -> str:
+        """Why the model cannot score this prompt and output ("" when it can): the first id outside its vocabulary."""
+        cfg = getattr(self.model, "config", None)
+        vocab = getattr(self.model, "vocab_size", None) or getattr(cfg, "vocab_size", None)
+        if vocab is None:
+            return ""
+        for where, ids in (("prompt", prompt), ("output", output)):
+            arr = np.asarray(ids, np.int64)
+            bad = np.flatnonzero((arr < 0) | (arr >= int(vocab)))
+            if bad.size:
+                return (f"{where} token {int(bad[0])} is id {int(arr[bad[0]])}, outside the model's vocabulary "
+                        f"[0, {int(vocab)}) (a model whose tokenizer is not the one the turns were recorded with?)")
+        return ""
 
     def score_batch(self, items: Sequence[tuple[TokenIds, TokenIds, float]]) -> list[list[float]]:
         """The log-probs of each item's output tokens ((prompt ids, output ids, temperature) per
@@ -138,7 +157,9 @@ def run_template(run_dir: Path | None, cfg: LoopConfig | None, model_dir: str | 
     from agentlog.gateway.chat import ByteChatTemplate, HFChatTemplate
 
     if model_dir is not None:
-        return HFChatTemplate.from_pretrained(model_dir)
+        template = HFChatTemplate.from_pretrained(model_dir)
+        # A base model's tokenizer has no chat template: nothing to retokenize with (log-probs still checked).
+        return template if getattr(template.tok, "chat_template", None) else None
     if cfg is None:
         return None
     if not is_text_task(cfg):

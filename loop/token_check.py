@@ -26,6 +26,7 @@ a turn whose version has no checkpoint is skipped, and counted.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -38,7 +39,7 @@ from agentlog.events.schema.turn_delta import common_prefix_tokens, full_turns
 from agentlog.events.schema.types import Envelope, TurnRecorded
 from agentlog.gateway.scoring import Scorer
 
-from .model_scorer import ModelScorer
+from .model_scorer import ModelScorer, TokenCheckError
 
 __all__ = ["CheckedTurn", "TokenReport", "Turn", "collect_turns", "verify_turns"]
 
@@ -173,38 +174,59 @@ def collect_turns(envelopes: Iterable[Envelope], *, sessions: int | None = None,
     return turns
 
 
-def comparable_offsets(turns: list[Turn]) -> tuple[list[int], int]:
-    """Where each turn's first output token sits among the output positions whose log-probs can
-    be compared (those of turns that recorded log-probs; what ``--corrupt`` counts), and how many
-    there are."""
+def _compared(turn: Turn, only_version: int | None) -> list[tuple[int, int]]:
+    """The output ranges ``(lo, hi)`` of ``turn`` whose log-probs are compared: none without recorded
+    log-probs; with ``only_version``, only the parts that version generated."""
+    if not len(turn.log_probs):
+        return []
+    return [(lo, hi) for lo, hi, v in turn.parts() if only_version is None or v == only_version]
+
+
+def comparable_offsets(turns: list[Turn], only_version: int | None = None) -> tuple[list[int], int]:
+    """Where each turn's first compared output token sits among the output positions whose
+    log-probs can be compared (those of turns that recorded log-probs, made by ``only_version``
+    when given; what ``--corrupt`` counts), and how many there are."""
     offsets, total = [], 0
     for t in turns:
         offsets.append(total)
-        total += len(t.output) if len(t.log_probs) else 0
+        total += sum(hi - lo for lo, hi in _compared(t, only_version))
     return offsets, total
 
 
-def corruptible_tokens(turns: list[Turn]) -> int:
+def corruptible_tokens(turns: list[Turn], only_version: int | None = None) -> int:
     """How many output positions ``--corrupt`` can name."""
-    return comparable_offsets(turns)[1]
+    return comparable_offsets(turns, only_version)[1]
 
 
-def corrupt_turns(turns: list[Turn], position: int) -> dict[str, Any]:
+def corrupt_turns(turns: list[Turn], position: int, only_version: int | None = None) -> dict[str, Any]:
     """The negative control: replace the recorded output token at ``position`` (counted as
     :func:`comparable_offsets` counts) by a neighbouring id; returns where it landed. ValueError
     past the last one."""
-    offsets, total = comparable_offsets(turns)
+    offsets, total = comparable_offsets(turns, only_version)
     if not 0 <= position < total:
         raise ValueError(f"--corrupt {position}: the checked turns hold {total} output tokens (positions 0..{total - 1})")
     for turn, first in zip(turns, offsets):
-        at = position - first
-        if len(turn.log_probs) and 0 <= at < len(turn.output):
-            old = int(turn.output[at])
-            turn.output = turn.output.copy()  # the record's own tokens stay as stored
-            turn.output[at] = old - 1 if old > 0 else old + 1
-            return {"position": position, "session": turn.session_id, "turn": turn.turn_index, "offset": at,
-                    "from": old, "to": int(turn.output[at]), "caught": False}
+        k = position - first
+        for lo, hi in _compared(turn, only_version):
+            if 0 <= k < hi - lo:
+                at = lo + k
+                old = int(turn.output[at])
+                turn.output = turn.output.copy()  # the record's own tokens stay as stored
+                turn.output[at] = old - 1 if old > 0 else old + 1
+                return {"position": position, "session": turn.session_id, "turn": turn.turn_index, "offset": at,
+                        "from": old, "to": int(turn.output[at]), "caught": False}
+            k -= hi - lo
     raise AssertionError("unreachable: position < total lies in some turn")
+
+
+def _global_position(ranges: list[tuple[int, int]], offset: int, pos: int) -> int:
+    """Output position ``pos`` of a turn counted as :func:`comparable_offsets` counts (-1 when not compared)."""
+    before = 0
+    for lo, hi in ranges:
+        if lo <= pos < hi:
+            return offset + before + pos - lo
+        before += hi - lo
+    return -1
 
 
 def _lp_compare(result: CheckedTurn, recorded: np.ndarray, scored: Sequence[float], lo: int, hi: int,
@@ -214,11 +236,12 @@ def _lp_compare(result: CheckedTurn, recorded: np.ndarray, scored: Sequence[floa
     diff = np.abs(np.asarray(scored, np.float64)[lo:hi] - np.asarray(recorded, np.float64)[lo:hi])
     if not diff.size:
         return
+    diff[np.isnan(diff)] = np.inf  # a NaN log-prob never matches (nor hides from the max and mean)
     n_before = result.tokens
     result.tokens += diff.size
     result.lp_max_abs_diff = max(result.lp_max_abs_diff, float(diff.max()))
     result.lp_mean_abs_diff = (result.lp_mean_abs_diff * n_before + float(diff.sum())) / result.tokens
-    over = np.flatnonzero(diff > tolerance)
+    over = np.flatnonzero(~(diff <= tolerance))
     if over.size:
         at = lo + int(over[0])
         result.lp_first_mismatch = at if result.lp_first_mismatch < 0 else min(result.lp_first_mismatch, at)
@@ -291,6 +314,12 @@ class _Part:
 async def _check_parts(scorer: Scorer, turns: list[Turn], parts: list[_Part], results: list[CheckedTurn],
                        tolerance: float, skip_retok: str) -> None:
     """The checks of the parts one scorer (one version) answers, folded into ``results``."""
+    if isinstance(scorer, ModelScorer):
+        for p in parts:
+            turn = turns[p.index]
+            why = scorer.out_of_vocabulary(turn.prompt, turn.output)
+            if why:
+                raise TokenCheckError(f"session {turn.session_id!r} turn {turn.turn_index} (lsn {turn.lsn}): {why}")
     scoreable = [p for p in parts if len(turns[p.index].log_probs)]
     # By length: an in-process batch then pads little.
     scoreable.sort(key=lambda p: len(turns[p.index].prompt) + len(turns[p.index].output))
@@ -319,8 +348,9 @@ async def _check_parts(scorer: Scorer, turns: list[Turn], parts: list[_Part], re
                 await _reproduce(scorer, turn, result)
 
 
-def _first_mismatch(turn: CheckedTurn, offset: int) -> dict[str, Any] | None:
-    """The turn's earliest failed check (``offset``: its first output token's global position)."""
+def _first_mismatch(turn: CheckedTurn, offset: int, ranges: list[tuple[int, int]]) -> dict[str, Any] | None:
+    """The turn's earliest failed check (``offset``: its first compared output token's global
+    position; ``ranges``: its compared output ranges)."""
     where = {"session": turn.session_id, "turn": turn.turn_index, "lsn": turn.lsn}
     if turn.retokenization == "mismatch":
         return {**where, "check": "retokenization", "position": turn.retok_first_diff, "message": turn.retok_message,
@@ -330,7 +360,7 @@ def _first_mismatch(turn: CheckedTurn, offset: int) -> dict[str, Any] | None:
         return None
     pos = min(found)
     check = "log_prob" if pos == turn.lp_first_mismatch else "reproduction"
-    return {**where, "check": check, "position": pos, "global_position": offset + pos}
+    return {**where, "check": check, "position": pos, "global_position": _global_position(ranges, offset, pos)}
 
 
 async def verify_turns(turns: list[Turn], scorer_at: Callable[[int], Scorer | None], *, engine: str,
@@ -343,11 +373,13 @@ async def verify_turns(turns: list[Turn], scorer_at: Callable[[int], Scorer | No
     the negative control at that output position (ValueError past the last one);
     ``skip_retokenization``: why not to retokenize (a token-level task's messages are for display).
     ``progress(n)`` is told of each n parts done."""
+    if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"verify_turns: tolerance must be a finite number >= 0, found {tolerance!r}")
     t0 = time.perf_counter()
     report = TokenReport(engine=engine, tolerance=tolerance)
     if corrupt is not None:
-        report.corrupt = corrupt_turns(turns, corrupt)
-    offsets, _ = comparable_offsets(turns)
+        report.corrupt = corrupt_turns(turns, corrupt, only_version)
+    offsets, _ = comparable_offsets(turns, only_version)
     results = [CheckedTurn(t.session_id, t.turn_index, t.lsn, t.version) for t in turns]
     parts: list[_Part] = []
     for i, t in enumerate(turns):
@@ -376,14 +408,14 @@ async def verify_turns(turns: list[Turn], scorer_at: Callable[[int], Scorer | No
         if result.tokens or result.retokenization or result.reproduction:
             result.skipped = ""  # some part was checked
     report.turns = results
-    _summarise(report, offsets)
+    _summarise(report, offsets, [_compared(t, only_version) for t in turns])
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def _summarise(report: TokenReport, offsets: list[int]) -> None:
+def _summarise(report: TokenReport, offsets: list[int], ranges: list[list[tuple[int, int]]]) -> None:
     diffs_sum = 0.0
-    for turn, offset in zip(report.turns, offsets):
+    for turn, offset, compared in zip(report.turns, offsets, ranges):
         if turn.skipped:
             report.turns_skipped += 1
             continue
@@ -400,7 +432,7 @@ def _summarise(report: TokenReport, offsets: list[int]) -> None:
             report.greedy_checked += 1
             report.greedy_mismatched += turn.reproduction == "mismatch"
         if report.first_mismatch is None:
-            report.first_mismatch = _first_mismatch(turn, offset)
+            report.first_mismatch = _first_mismatch(turn, offset, compared)
     report.lp_mean_abs_diff = diffs_sum / report.tokens if report.tokens else 0.0
     if report.corrupt is not None:
         first = report.first_mismatch

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Generator, Iterator, NamedTuple
@@ -415,4 +417,24 @@ def finite_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, found {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, found {text}")
+    return value
+
+
+def json_text(data: Any) -> str:
+    """``data`` as strict JSON (what ``--json`` prints and the UI's API answers): a NaN or an
+    infinity, which no JSON has (an engine that scored NaN, a verifier's details), becomes the
+    string Python prints for it ("nan", "inf", "-inf"), as ``agentlog show`` shows it."""
+    try:
+        return json.dumps(data, allow_nan=False, default=str)
+    except ValueError:
+        return json.dumps(_finite(data), allow_nan=False, default=str)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
     return value

@@ -23,11 +23,10 @@ cannot be reached or answers out of shape).
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, nonneg_int, positive_float, positive_int, read_tagged
+from agentlog.tools.cli_common import add_quiet, check_log_path, json_text, nonneg_int, positive_float, positive_int, read_tagged
 
 ENGINES = ("sglang", "vllm")
 
@@ -124,7 +123,7 @@ def run(args) -> int:
     if not turns:
         raise CliError(f"verify-tokens: {args.log} holds no recorded turn to check"
                        + (f" at version {args.version}" if args.version is not None else ""), EXIT_DATA)
-    total = corruptible_tokens(turns)
+    total = corruptible_tokens(turns, only_version)
     if args.corrupt is not None and args.corrupt >= total:
         raise CliError(f"verify-tokens: --corrupt {args.corrupt}: the checked turns hold {total} output tokens with "
                        f"recorded log-probs (positions 0..{total - 1})", EXIT_USAGE)
@@ -138,12 +137,16 @@ def run(args) -> int:
         raise CliError(f"verify-tokens: {exc}", EXIT_USAGE) from None
     finally:
         bar.close()
+    if not report.turns_checked:
+        why = "; ".join(sorted({t.skipped for t in report.turns if t.skipped}))
+        raise CliError(f"verify-tokens: {args.log}: none of its {len(turns)} turn(s) could be checked ({why}): "
+                       "their versions' checkpoints were pruned or never written", EXIT_DATA)
     if args.json:
         import msgspec
 
         data = msgspec.to_builtins(report)
         data["ok"] = report.ok
-        print(json.dumps(data))
+        print(json_text(data))  # an engine that scored NaN makes inf diffs: strict JSON all the same
     else:
         print("\n".join(format_report(report)))
     return EXIT_OK if report.ok else EXIT_DATA

@@ -36,6 +36,7 @@ from aiohttp import web
 
 from agentlog._logging import get_logger
 from agentlog.events.errors import AgentlogError
+from agentlog.tools.cli_common import json_text
 
 from .index import MAX_SQL_INT
 
@@ -60,23 +61,7 @@ class BadRequest(AgentlogError, ValueError):
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
-    try:
-        text = json.dumps(data, allow_nan=False, default=str)
-    except ValueError:  # a NaN or an infinity in recorded content (a verifier's details): no JSON has them
-        text = json.dumps(_finite(data), allow_nan=False, default=str)
-    return web.Response(text=text, status=status, content_type="application/json")
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with each non-finite float as the string Python prints for it ("nan", "inf", "-inf"),
-    as ``agentlog show`` shows it."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
+    return web.Response(text=json_text(data), status=status, content_type="application/json")
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -424,7 +409,7 @@ class UiServer:
                 if item is None:
                     break
                 event, data = item
-                await resp.write(f"event: {event}\ndata: {json.dumps(data, default=str)}\n\n".encode())
+                await resp.write(f"event: {event}\ndata: {json_text(data)}\n\n".encode())
         except ConnectionResetError:
             pass  # the client went away: nothing more to send it
         finally:
