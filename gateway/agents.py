@@ -25,6 +25,8 @@ import json
 import os
 import shlex
 import shutil
+import signal
+import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 from typing import Any, Sequence
@@ -51,16 +53,18 @@ class CLIAgent:
 
     def __init__(self, gateway_url: str, *, cli: str | None = None, budget_s: float = 300.0, model: str = "") -> None:
         self.gateway_url = gateway_url.rstrip("/")
-        self.cli = cli or find_cli(self.binary)
+        # Absolute: the CLI runs from the sandbox's workdir, not from where check_ready looked.
+        self.cli = (os.path.abspath(cli) if os.path.isfile(cli) else shutil.which(cli) or cli) if cli else find_cli(self.binary)
         self.budget_s = budget_s
         self.model = model
 
     #: The CLI's home folder, under the sandbox's workdir.
     home_dir = ""
 
-    def command(self, key_file: Path, workdir: Path, prompt: str) -> str:
+    def command(self, key_file: Path, workdir: Path, prompt: str, *, run_tag: str = "") -> str:
         """The shell command that runs the CLI once on ``prompt`` (stdin from
-        /dev/null), its API key read from ``key_file``."""
+        /dev/null), its API key read from ``key_file``; ``run_tag`` marks every
+        process of the run (see :func:`_kill_tagged`)."""
         raise NotImplementedError
 
     def check_ready(self) -> None:
@@ -87,12 +91,16 @@ class CLIAgent:
             raise ValueError(f"harness {self.name!r}: api_key: expected the session's key from the gateway, found {type(api_key).__name__}")
         workdir = Path(getattr(sandbox, "workdir", "."))
         key_file = _write_key(workdir / self.home_dir, api_key)
+        tag = uuid.uuid4().hex
         try:
             if str(handle.state) == "open":
                 await handle.start(harness=self.name, sandbox=getattr(sandbox, "name", ""), details={"gateway": self.gateway_url, "cli": self.cli})
-            return await handle.run_command(sandbox, self.command(key_file, workdir, prompt), self.budget_s)
+            return await handle.run_command(sandbox, self.command(key_file, workdir, prompt, run_tag=tag), self.budget_s)
         finally:
             key_file.unlink(missing_ok=True)  # read once by the shell at the CLI's start
+            # The sandbox killed the run's process group; the CLIs start their tools' shells in
+            # sessions of their own, which only the run's tag in their environment still finds.
+            _kill_tagged(tag)
 
 
     def model_stopped(self, result: Any) -> str | None:
@@ -142,10 +150,11 @@ class ClaudeCodeAgent(CLIAgent):
         self.system_prompt = system_prompt
         self.max_output_tokens = max_output_tokens
 
-    def command(self, key_file: Path, workdir: Path, prompt: str) -> str:
+    def command(self, key_file: Path, workdir: Path, prompt: str, *, run_tag: str = "") -> str:
         home = workdir / self.home_dir
         env = {
             "HOME": str(home),
+            "CLAUDE_CONFIG_DIR": str(home / ".claude"),  # else a user's $CLAUDE_CONFIG_DIR gets the config and transcripts
             "ANTHROPIC_BASE_URL": self.gateway_url,
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
             "CLAUDE_CODE_MAX_RETRIES": "0",
@@ -166,7 +175,7 @@ class ClaudeCodeAgent(CLIAgent):
             args += ["--system-prompt", self.system_prompt]
         if self.model:
             args += ["--model", self.model]
-        return _env_command(env, {"ANTHROPIC_API_KEY": key_file}, args, home)  # arrives as x-api-key
+        return _env_command(env, {"ANTHROPIC_API_KEY": key_file}, args, home, run_tag)  # arrives as x-api-key
 
     def model_stopped(self, result: Any) -> str | None:
         """``max_output_tokens`` when Claude Code gave up on the model's over-long answers (see :func:`_claude_stopped`)."""
@@ -184,7 +193,7 @@ class CodexAgent(CLIAgent):
         kw.setdefault("model", "gpt-4.1")  # a model family that gets the plain function-tool set
         super().__init__(gateway_url, **kw)
 
-    def command(self, key_file: Path, workdir: Path, prompt: str) -> str:
+    def command(self, key_file: Path, workdir: Path, prompt: str, *, run_tag: str = "") -> str:
         home = workdir / self.home_dir
         provider = (
             f'model_providers.gw={{name="gw", base_url="{self.gateway_url}/v1", env_key="OPENAI_API_KEY",'
@@ -196,7 +205,7 @@ class CodexAgent(CLIAgent):
             "-c", "model_provider=gw", "-c", provider, "-c", "analytics.enabled=false",
             "--disable", "plugins", "--dangerously-bypass-approvals-and-sandbox", prompt,
         ]
-        return _env_command(env, {"OPENAI_API_KEY": key_file}, args, home)  # arrives as Authorization: Bearer
+        return _env_command(env, {"OPENAI_API_KEY": key_file}, args, home, run_tag)  # arrives as Authorization: Bearer
 
 
 #: Claude Code's final message when the model's outputs kept hitting its output allowance.
@@ -213,7 +222,7 @@ def _claude_stopped(output_tail: str) -> str | None:
         return None
     try:
         res = json.loads(lines[-1])
-    except ValueError:
+    except (ValueError, RecursionError):  # garbage, or JSON nested past the decoder's stack
         return None
     if (isinstance(res, dict) and res.get("type") == "result" and res.get("is_error") and res.get("api_error_status") is None
             and _CLAUDE_OUTPUT_LIMIT in str(res.get("result", ""))):
@@ -262,12 +271,55 @@ def _write_key(home: Path, api_key: str) -> Path:
     return path
 
 
-def _env_command(env: dict[str, str], secrets: dict[str, Path], args: list[str], home: Path) -> str:
-    """``env`` assignments, then each of ``secrets`` read from its file by the
-    shell, so the command text (recorded) holds only the file's path."""
-    assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+#: What a CLI keeps of the sandbox's environment (``env -i`` drops the rest): the user's
+#: credentials, config folders (CLAUDE_CONFIG_DIR) and provider switches never reach it.
+PASSED_ENV = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TERM", "TZ", "USER", "LOGNAME", "SHELL",
+              "http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "all_proxy",
+              "SSL_CERT_FILE", "SSL_CERT_DIR", "NODE_EXTRA_CA_CERTS")
+
+#: The variable that tags every process of one CLI run (:func:`_kill_tagged`).
+RUN_TAG_VAR = "AGENTLOG_AGENT_RUN"
+
+
+def _env_command(env: dict[str, str], secrets: dict[str, Path], args: list[str], home: Path, run_tag: str = "") -> str:
+    """A clean environment (:data:`PASSED_ENV` of the sandbox's, a temp folder in
+    ``home``), ``env`` assignments, then each of ``secrets`` read from its file by
+    the shell, so the command text (recorded) holds only the file's path."""
+    tmp = home / "tmp"
+    env = {"TMPDIR": str(tmp), **env, **({RUN_TAG_VAR: run_tag} if run_tag else {})}
+    assigns = " ".join(f'${{{k}+{k}="${k}"}}' for k in PASSED_ENV)
+    assigns += "".join(f" {k}={shlex.quote(v)}" for k, v in env.items())
     assigns += "".join(f' {k}="$(cat {shlex.quote(str(path))})"' for k, path in secrets.items())
-    return f"mkdir -p {shlex.quote(str(home))} && env {assigns} {' '.join(shlex.quote(a) for a in args)} < /dev/null"
+    return f"mkdir -p {shlex.quote(str(tmp))} && env -i {assigns} {' '.join(shlex.quote(a) for a in args)} < /dev/null"
+
+
+def _kill_tagged(tag: str, rounds: int = 50) -> None:
+    """SIGKILL every process whose environment carries ``RUN_TAG_VAR=tag`` (Linux'
+    /proc; elsewhere nothing), again while a round finds one not killed yet (a
+    process may fork between the read and the kill)."""
+    if not tag or not os.path.isdir("/proc"):
+        return
+    needle = f"\0{RUN_TAG_VAR}={tag}\0".encode()
+    killed: set[int] = set()
+    for _ in range(rounds):
+        new = False
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in killed:
+                continue
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    environ = f.read()
+            except OSError:  # gone, or not ours to read
+                continue
+            if needle in b"\0" + environ + b"\0":
+                try:
+                    os.kill(int(name), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    continue
+                killed.add(int(name))
+                new = True
+        if not new:
+            return
 
 
 @harness.register("claude-code")

@@ -228,7 +228,8 @@ class Gateway(TurnPath, AdminRoutes):
                            admin_connections=c.admin_connections)
         await site.start()
         self._site = site
-        self.url = f"http://{host}:{site.port}"
+        # An IPv6 literal is bracketed in a URL (RFC 3986): http://::1:8000 names no port a client can use.
+        self.url = f"http://[{host}]:{site.port}" if ":" in host else f"http://{host}:{site.port}"
         _log.info("gateway.listening", url=self.url, backend=self.backend.name, template=self.template.name,
                   max_body_bytes=self.max_body_bytes, max_connections=c.max_connections, admin_connections=site.admin_connections)
         return self.url

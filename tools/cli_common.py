@@ -379,6 +379,18 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1)
 
 
+def http_base_url(text: str) -> str:
+    """argparse type: an http(s) base URL a client can connect to ("" passes: none given),
+    by the rule the config's server URLs follow (``http_json.base_url_problem``)."""
+    import argparse
+
+    from agentlog.gateway.http_json import base_url_problem
+
+    if text and (problem := base_url_problem(text)):
+        raise argparse.ArgumentTypeError(f"expected an http(s) base URL such as http://127.0.0.1:30000, found {text!r}: {problem}")
+    return text
+
+
 def tcp_port(text: str) -> int:
     """argparse type: a TCP port, 0 to 65535 (0: any free port)."""
     import argparse

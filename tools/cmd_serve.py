@@ -26,7 +26,7 @@ import signal
 import sys
 
 from agentlog.tools.cli import EXIT_DATA, CliError
-from agentlog.tools.cli_common import nonneg_int, positive_float, positive_int, tcp_port
+from agentlog.tools.cli_common import http_base_url, nonneg_int, positive_float, positive_int, tcp_port
 from agentlog.tools.progress import ProgressBar
 
 
@@ -35,7 +35,7 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="run the OpenAI/Anthropic-compatible recording gateway")
     p.add_argument("--log", required=True, help="log directory (created if missing)")
     p.add_argument("--backend", choices=["torch", "sglang", "vllm"], default="torch", help="inference backend (default: the built-in torch policy)")
-    p.add_argument("--backend-url", default="", help="base URL of the SGLang / vLLM server")
+    p.add_argument("--backend-url", type=http_base_url, default="", help="base URL of the SGLang / vLLM server")
     p.add_argument("--context-length", type=nonneg_int, default=0, help="SGLang / vLLM: the model's context (turns that would overflow it finish 'length')")
     p.add_argument("--model", default="", help="torch backend: a local Hugging Face model directory to serve (with its tokenizer and chat template; needs the hf extra); SGLang/vLLM: the model name sent to the server and reported by /v1/models")
     p.add_argument("--tokenizer", default="", help="Hugging Face tokenizer (name or path) for the chat template; needs transformers (default for SGLang/vLLM: --model when transformers is installed)")

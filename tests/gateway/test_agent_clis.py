@@ -18,6 +18,8 @@ import re
 import shutil
 import signal
 import subprocess
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -270,3 +272,133 @@ def test_cli_harness_hands_the_session_key_to_the_cli_and_never_records_it(agent
             await h.finish(reward=0.0)
 
     run(body())
+
+
+def _alive(marker: str) -> list[str]:
+    """The processes whose command line holds ``marker`` (pgrep itself left out)."""
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if "pgrep" not in ln]
+
+
+@pytest.mark.required
+@pytest.mark.parametrize("agent, tool", [("claude-code", "Bash"), ("codex", "exec_command")])
+def test_a_cli_agent_past_its_budget_leaves_no_process_running(agent, tool, cli_dir, tmp_path):
+    """The sandbox kills the run's process group at the budget, but both CLIs start their tools'
+    shells in sessions of their own: a tool's `sleep` used to outlive the session. Each run's
+    processes carry a tag in their environment, and every one carrying it is killed at its end."""
+    binary = {"claude-code": "claude", "codex": "codex"}[agent]
+    marker = f"sleep {300 + (uuid.uuid4().int % 1000) / 1000:.3f}"  # a unique command line to look for
+    key = "command" if tool == "Bash" else "cmd"
+
+    def reply(prompt: str) -> str:
+        return ('<tool_call>{"name": "%s", "arguments": {"%s": "touch started; %s; echo done", "description": "wait"}}</tool_call>'
+                % (tool, key, marker))
+
+    async def body():
+        async with rig(ScriptedBackend(reply)) as (gw, engine, log):
+            h = await open_running(engine, "s")
+            runner = harness.get(agent)(gw.url, cli=str(cli_dir / binary), budget_s=6)
+            return await runner.run(h, LocalSandbox(tmp_path / "work"), "wait", api_key=gw.session_key("s"))
+
+    try:
+        res = run(body(), timeout=60)
+        assert res.budget_exceeded, res.output_tail[-1500:]
+        assert (tmp_path / "work" / "started").exists(), "the tool's command never started: nothing was checked"
+        time.sleep(0.5)
+        assert not _alive(marker), f"{agent}: processes outlived the budget kill: {_alive(marker)}"
+    finally:
+        for ln in _alive(marker):  # without the fix: not left behind the test either
+            os.kill(int(ln.split()[0]), signal.SIGKILL)
+
+
+#: What a user's environment may hold that a CLI must never be handed.
+USER_SECRETS = {
+    "ANTHROPIC_AUTH_TOKEN": "user-real-anthropic-token",  # Claude Code sends it as Authorization: Bearer
+    "AWS_SECRET_ACCESS_KEY": "user-real-aws-secret",  # the policy's shell commands could print it into the log
+    "AGENTLOG_ADMIN_TOKEN": "user-real-admin-token",  # the gateway's admin credential
+    "CLAUDE_CODE_USE_BEDROCK": "1",  # would send the turns to Bedrock, not the gateway
+}
+
+
+@pytest.mark.parametrize("agent", ["claude-code", "codex"])
+def test_a_cli_agent_is_not_handed_the_users_secrets(agent, tmp_path, monkeypatch):
+    """The CLI ran with the user's whole environment; it now gets only PATH, locale, terminal,
+    proxy and CA settings, and what the harness sets."""
+    fake = tmp_path / "fake-cli"
+    fake.write_text('#!/bin/sh\nenv > "$HOME/seen-env"\n')
+    fake.chmod(0o755)
+    for k, v in USER_SECRETS.items():
+        monkeypatch.setenv(k, v)
+
+    async def body():
+        async with rig(ScriptedBackend(lambda p: "ok")) as (gw, engine, log):
+            h = await open_running(engine, "s")
+            runner = harness.get(agent)(gw.url, cli=str(fake), budget_s=30)
+            res = await runner.run(h, LocalSandbox(tmp_path / "work"), "hi", api_key=gw.session_key("s"))
+            assert res.exit_code == 0, res.output_tail
+            return (tmp_path / "work" / runner.home_dir / "seen-env").read_text()
+
+    seen = run(body())
+    leaked = [k for k in USER_SECRETS if f"\n{k}=" in "\n" + seen]
+    assert not leaked, f"{agent} was handed the user's {leaked}"
+    assert "\nPATH=" in "\n" + seen  # what it needs still arrives
+
+
+@pytest.mark.required
+def test_claude_code_writes_nothing_into_the_users_config_dir_or_tmp(cli_dir, tmp_path, monkeypatch):
+    """With the user's CLAUDE_CONFIG_DIR set, Claude Code wrote its config and session transcripts
+    there, and it left folders in the user's temp dir."""
+    user_cfg, user_tmp = tmp_path / "users-claude-config", tmp_path / "users-tmp"
+    user_cfg.mkdir()
+    user_tmp.mkdir()
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(user_cfg))
+    monkeypatch.setenv("TMPDIR", str(user_tmp))
+
+    async def body():
+        async with rig(ScriptedBackend(lambda p: "All done.")) as (gw, engine, log):
+            h = await open_running(engine, "s")
+            runner = harness.get("claude-code")(gw.url, cli=str(cli_dir / "claude"), budget_s=60)
+            res = await runner.run(h, LocalSandbox(tmp_path / "work"), "say done", api_key=gw.session_key("s"))
+            assert res.exit_code == 0, res.output_tail[-2000:]
+
+    run(body(), timeout=90)
+    assert sorted(p.name for p in user_cfg.rglob("*")) == [], "Claude Code wrote into the user's config dir"
+    assert sorted(p.name for p in user_tmp.rglob("*")) == [], "Claude Code left files in the user's temp dir"
+
+
+@pytest.mark.parametrize("agent", ["claude-code", "codex"])
+def test_a_cli_given_as_a_relative_path_runs_from_the_sandbox(agent, tmp_path, monkeypatch):
+    """``[agent] cli = "bin/fake-cli"`` passed check_ready (relative to the worker's folder), then
+    every session failed with exit 127: the CLI runs from the sandbox's workdir."""
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "fake-cli"
+    fake.write_text("#!/bin/sh\necho ran-the-cli\n")
+    fake.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+
+    async def body():
+        async with rig(ScriptedBackend(lambda p: "ok")) as (gw, engine, log):
+            h = await open_running(engine, "s")
+            runner = harness.get(agent)(gw.url, cli="bin/fake-cli", budget_s=30)
+            runner.check_ready()  # the run's preflight accepts it
+            return await runner.run(h, LocalSandbox(tmp_path / "work"), "hi", api_key=gw.session_key("s"))
+
+    res = run(body())
+    assert res.exit_code == 0 and "ran-the-cli" in res.output_tail, res.output_tail
+
+
+def test_claude_codes_result_reader_answers_none_for_garbage_output(tmp_path):
+    """A CLI that exits 1 printing JSON-like garbage nested 3,000 deep: ``model_stopped`` raised
+    RecursionError out of the rollout; it says None (a crash, recorded agent_crashed:exit_1)."""
+    fake = tmp_path / "fake-claude"
+    fake.write_text("#!/bin/sh\nprintf '%s' '{\"a\":'; head -c 3000 /dev/zero | tr '\\0' '['; echo; exit 1\n")
+    fake.chmod(0o755)
+
+    async def body():
+        async with rig(ScriptedBackend(lambda p: "ok")) as (gw, engine, log):
+            h = await open_running(engine, "s")
+            runner = harness.get("claude-code")(gw.url, cli=str(fake), budget_s=30)
+            return runner, await runner.run(h, LocalSandbox(tmp_path / "work"), "hi", api_key=gw.session_key("s"))
+
+    runner, res = run(body())
+    assert res.exit_code == 1 and runner.model_stopped(res) is None

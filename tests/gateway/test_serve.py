@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,10 +15,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from agentlog.events import FileLog, verify_log
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import SessionDropped, TurnRecorded
 from agentlog.reducers.pipeline import reduce_log
+from gateway_helpers import ScriptedBackend, run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,6 +102,10 @@ def test_serve_bad_input_is_one_line_exit_2_and_never_a_traceback(tmp_path, caps
         (["--checkpoint", str(tmp_path / "bad.pt")], "expected a learner checkpoint, a weights file or a state_dict of the built-in GPT"),
         (["--model", str(tmp_path / "no-model")], "no-model' is not a directory; expected a local Hugging Face model directory"),
         (["--log", str(tmp_path / "plain")], "is a file, expected a log directory"),
+        # Served with /health ok while every turn failed 502, the option never named:
+        (["--backend", "sglang", "--backend-url", "notaurl"], "--backend-url: expected an http(s) base URL"),
+        (["--backend", "sglang", "--backend-url", "ftp://127.0.0.1:30000"], "--backend-url: expected an http(s) base URL"),
+        (["--backend", "sglang", "--backend-url", "http://"], "--backend-url: expected an http(s) base URL"),
     ]
     for i, (extra, message) in enumerate(cases):
         args = ["--log", str(tmp_path / "log"), "--port", "0", *extra]
@@ -215,3 +224,38 @@ def test_sigterm_under_load_drains_within_the_bound_and_drops_the_rest_with_shut
     with FileLog.open(logdir) as log:
         drops = {e.session_id: e.body.reason for e in log.read() if isinstance(e.body, SessionDropped)}
     assert drops == dict.fromkeys(sessions, "shutdown")
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+def test_the_gateways_url_on_an_ipv6_host_is_one_a_client_can_use():
+    """It printed http://::1:PORT, which names no port a client can use; an IPv6 host is bracketed."""
+    from agentlog.engine import SessionEngine
+    from agentlog.events import MemoryLog
+    from agentlog.gateway import Gateway
+
+    async def body():
+        engine = await SessionEngine.open(MemoryLog())
+        gw = Gateway(engine, ScriptedBackend(lambda p: "ok"))
+        try:
+            url = await gw.start("::1", 0)
+            def get() -> dict:  # what an agent pointed at it does (on a thread: the loop serves it)
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    return json.loads(r.read())
+
+            return url, await asyncio.to_thread(get)
+        finally:
+            await gw.stop()
+            await engine.close()
+
+    url, health = run(body(), timeout=20)
+    assert url.startswith("http://[::1]:"), url
+    assert isinstance(health, dict) and health["status"] == "ok", health

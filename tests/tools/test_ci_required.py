@@ -107,6 +107,9 @@ def test_the_end_to_end_checks_are_marked_required():
         "tests/gateway/test_agent_clis.py::test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded[claude-code]",
         "tests/gateway/test_agent_clis.py::test_agent_cli_completes_a_tool_round_trip_and_every_turn_is_recorded[codex]",
         "tests/gateway/test_agent_clis.py::test_claude_code_subagents_become_lineages_spawned_by_their_agent_calls",
+        "tests/gateway/test_agent_clis.py::test_a_cli_agent_past_its_budget_leaves_no_process_running[claude-code-Bash]",
+        "tests/gateway/test_agent_clis.py::test_a_cli_agent_past_its_budget_leaves_no_process_running[codex-exec_command]",
+        "tests/gateway/test_agent_clis.py::test_claude_code_writes_nothing_into_the_users_config_dir_or_tmp",
         "tests/loop/test_claude_code_loop.py::test_claude_code_plays_every_session_of_a_training_step_and_each_model_call_is_a_recorded_turn",
     }, res.stdout
 
