@@ -4,6 +4,8 @@ members that failed are still in routing, and their reason is not None."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from agentlog.gateway import SGLangBackend
@@ -13,15 +15,26 @@ from agentlog.gateway.weight_sync import GatedBackend, SGLangWeightSync
 from gateway_helpers import FakeServer, run
 
 
+@contextlib.asynccontextmanager
+async def _sglang_fleet(n: int):
+    """A fleet of ``n`` gated SGLang members over fake servers: (servers, members, fleet), all stopped after."""
+    servers = [await FakeServer("sglang").start() for _ in range(n)]
+    members = []
+    for i, s in enumerate(servers):
+        backend = GatedBackend(SGLangBackend(s.url))
+        members.append(FleetMember(f"s{i}", backend, SGLangWeightSync(s.url, gate=backend.gate)))
+    fleet = Fleet(members)
+    try:
+        yield servers, members, fleet
+    finally:
+        await fleet.close()
+        for s in servers:
+            await s.stop()
+
+
 def test_every_member_in_routing_failing_with_a_5xx_raises_their_error():
     async def main():
-        servers = [await FakeServer("sglang").start() for _ in range(3)]
-        members = []
-        for i, s in enumerate(servers):
-            backend = GatedBackend(SGLangBackend(s.url))
-            members.append(FleetMember(f"s{i}", backend, SGLangWeightSync(s.url, gate=backend.gate)))
-        fleet = Fleet(members)
-        try:
+        async with _sglang_fleet(3) as (servers, members, fleet):
             servers[2].healthy = False
             await fleet.probe_all()
             assert [m.out_reason is None for m in members] == [True, True, False]
@@ -37,10 +50,6 @@ def test_every_member_in_routing_failing_with_a_5xx_raises_their_error():
             assert "failing on purpose with 500" in msg, msg
             assert ": None" not in msg, msg
             assert [m.out_reason is None for m in members] == [True, True, False]  # a 5xx leaves them in routing
-        finally:
-            await fleet.close()
-            for s in servers:
-                await s.stop()
 
     run(main(), timeout=20)
 
@@ -49,22 +58,12 @@ def test_an_update_with_every_member_out_names_each_members_reason():
     """With every member out for a failed probe, an update reaches none: its error used to end in
     "reached no server: " and nothing after it."""
     async def main():
-        servers = [await FakeServer("sglang").start() for _ in range(2)]
-        members = []
-        for i, s in enumerate(servers):
-            backend = GatedBackend(SGLangBackend(s.url))
-            members.append(FleetMember(f"s{i}", backend, SGLangWeightSync(s.url, gate=backend.gate)))
-        fleet = Fleet(members)
-        try:
+        async with _sglang_fleet(2) as (servers, members, fleet):
             for s in servers:
                 s.healthy = False
             await fleet.probe_all()
             with pytest.raises(BackendError, match=r"reached no server: every server is out of routing.*s0: health probe failed.*s1: health probe failed"):
                 await fleet.reload_weights("/nowhere/v1", 1)
-        finally:
-            await fleet.close()
-            for s in servers:
-                await s.stop()
 
     run(main(), timeout=20)
 

@@ -84,3 +84,25 @@ def test_a_version_without_a_policy_is_skipped_and_counted() -> None:
     report = _verify([_turn(_scores(V0), spans=((0, 7),))])
     assert report.ok and report.turns_skipped == 1 and report.turns_checked == 0
     assert report.turns[0].skipped == "no policy for version 7"
+
+
+def test_against_one_version_the_negative_control_lands_on_a_compared_token() -> None:
+    """--corrupt K counted every output token, also those of a version the engine does not hold:
+    the control could land on a token never compared, and report "NOT caught" against a right engine."""
+    # v0 made output tokens 0-2, v1 tokens 3-5; a server holding v1 compares only 3-5.
+    recorded = np.concatenate([_scores(V0)[:3], _scores(V1)[3:]])
+    turn = Turn(session_id="s", turn_index=0, lsn=10, version=0, prompt=PROMPT, output=OUTPUT, log_probs=recorded,
+                temperature=1.0, greedy=False, stop_ids=(), spans=((0, 0), (3, 1)))
+    report = asyncio.run(verify_turns([turn], lambda _v: V1, engine="v1 only", only_version=1, corrupt=0))
+    assert report.tokens == 3
+    assert report.corrupt["offset"] == 3, report.corrupt  # the first token v1 generated: the first compared one
+    assert report.ok and report.corrupt["caught"], (report.corrupt, report.first_mismatch)
+
+
+def test_a_nan_or_negative_tolerance_is_refused_not_a_silent_pass() -> None:
+    wrong = _scores(V0) - 1.0  # every token off by 1
+    for bad in (float("nan"), -0.5):
+        turn = Turn(session_id="s", turn_index=0, lsn=10, version=0, prompt=PROMPT, output=OUTPUT, log_probs=wrong,
+                    temperature=1.0, greedy=False, stop_ids=(), spans=((0, 0),))
+        with pytest.raises(ValueError, match="tolerance"):
+            asyncio.run(verify_turns([turn], lambda _v: V0, engine="v0", tolerance=bad))
