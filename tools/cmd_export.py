@@ -78,6 +78,10 @@ def run(args) -> int:
     if directory.exists() and (not directory.is_dir() or any(os.scandir(directory))):
         raise CliError(f"{directory}: exists and is {'not a directory' if not directory.is_dir() else 'not empty'}; "
                        "expected a new or empty directory to export into", EXIT_USAGE)
+    if directory.exists() and directory.resolve() == Path.cwd().resolve():
+        # DIR is renamed into place at the end, which would leave the shell standing in a removed folder.
+        raise CliError(f"{directory}: is the current directory; expected a new or empty folder other than it to export "
+                       "into (the export is written beside it and renamed into place)", EXIT_USAGE)
     source = check_log_path(args.source, allow_empty=True)
     plan = plan_export(source, directory)
     # Written into a hidden sibling and renamed to DIR once every log is copied: an export
@@ -103,7 +107,7 @@ def run(args) -> int:
             copies[-1].dest = str(dest)
             print(copies[-1].line())
         try:
-            os.replace(staging, directory)  # DIR is missing or empty (checked above): replaced whole
+            os.replace(staging, where)  # DIR is missing or empty (checked above): replaced whole
         except OSError as exc:
             raise CliError(f"{directory}: cannot write: {exc.strerror or exc}", EXIT_USAGE) from None
     except BaseException:

@@ -450,7 +450,7 @@ def test_a_run_folder_on_jetstream_reads_as_its_stream(nats_run_folder, nats_ser
     assert code == 2 and "keeps its logs on JetStream already" in err
 
 
-def test_a_failed_export_leaves_no_directory_that_looks_complete(nats_server, tmp_path, capsys):
+def test_a_failed_export_leaves_no_directory_that_looks_complete(nats_server, tmp_path, capsys, monkeypatch):
     for pid in (0, 1):
         log = JetStreamLog.open(nats_server.url, "halfexp", pid)
         log.append_batch([(f"s{pid}", 0, SessionOpened(group_id=f"g{pid}", group_size=1, sample_index=0))])
@@ -469,3 +469,9 @@ def test_a_failed_export_leaves_no_directory_that_looks_complete(nats_server, tm
     out_dir.mkdir(exist_ok=True)
     assert main(["export", f"{nats_server.url}/halfexp/p0000", str(out_dir)]) == 0
     assert (out_dir).is_dir() and any(out_dir.iterdir())
+    # The current directory, empty: it would be renamed away under the shell standing in it.
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    code, _, err = cli(capsys, "export", f"{nats_server.url}/halfexp/p0000", ".")
+    assert code == 2 and ".: is the current directory" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "here"] and not any((tmp_path / "here").iterdir())
