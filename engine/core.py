@@ -104,8 +104,14 @@ class SessionEngine(BackgroundWork):
         groups: ReduceConfig | None = None,
         adopt_orphans: bool = False,
     ) -> None:
-        if checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every: expected >= 0 records (0: no checkpoints), found {checkpoint_every}")
+        for name, value, ok, expected in (
+            ("checkpoint_every", checkpoint_every, type(checkpoint_every) is int and checkpoint_every >= 0, "an int >= 0 records (0: no checkpoints)"),
+            ("drain_s", drain_s, type(drain_s) in (int, float) and 0 <= drain_s < math.inf, "finite seconds >= 0"),
+            ("checkpoint_poll_s", checkpoint_poll_s, type(checkpoint_poll_s) in (int, float) and 0 < checkpoint_poll_s < math.inf, "finite seconds > 0"),
+            ("status_cache", status_cache, type(status_cache) is int and status_cache >= 0, "an int >= 0 (recently ended sessions kept)"),
+        ):
+            if not ok:
+                raise ValueError(f"{name}: expected {expected}, found {value!r}")
         self._log_ = log
         #: Adopt the sessions a killed process left open (engine.adopt) instead of aborting them.
         self.adopt_orphans = adopt_orphans
@@ -122,10 +128,8 @@ class SessionEngine(BackgroundWork):
         self._live: dict[str, SessionHandle] = {}
         self._status_cache = status_cache
         self._id_capacity = id_capacity
-        # Membership of the groups still in flight, under the reducers' own
-        # rule (GroupTracker.check_open): a member they would refuse is
-        # refused at open instead of poisoning the log. Released groups are
-        # forgotten, so this holds only the open groups.
+        # Membership of the groups in flight, under the reducers' own rule (GroupTracker.check_open): a member
+        # they would refuse is refused at open, not poisoning the log. Released groups are forgotten.
         self._groups = GroupTracker(min_valid=0)
         #: The abort classes and refill cap (a run's [groups]): with a "refill" class,
         #: an abort owes its group a replacement (recorded as session_aborted.refill).
@@ -144,7 +148,7 @@ class SessionEngine(BackgroundWork):
              "restart_folded", "resumed"), 0
         )
         #: Every id the log holds, and the recently ended sessions (engine.ids).
-        self._ids = SessionIds(log, IdFilter(id_capacity), (), EndedWindow(max(0, status_cache)), self.stats)
+        self._ids = SessionIds(log, IdFilter(id_capacity), (), EndedWindow(status_cache), self.stats)
 
     # -- construction and restart ----------------------------------------------
 

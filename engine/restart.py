@@ -344,6 +344,11 @@ def resume_fold(log: EventLog, path: Path | None, *, recent_window: int, id_capa
     if path is not None:
         try:
             ckpt = load_checkpoint(path, log)
+            recent = ckpt.lifecycle.recent
+            if recent.size < recent_window and len(recent.ended) >= recent.size:
+                # Full: it may have evicted sessions a window of recent_window would still hold.
+                raise CheckpointError(path, f"its recent window holds {recent.size} ended sessions, fewer than the "
+                                            f"{recent_window} asked for (status_cache): only the log has the rest")
         except FileNotFoundError:
             pass  # a log never checkpointed: fold it from the start
         except (CheckpointError, OSError) as exc:

@@ -941,3 +941,43 @@ def test_two_cancelled_finishes_in_one_group_give_the_group_the_release_lsn_of_t
             log.close()
 
     asyncio.run(go())
+
+
+async def _statuses_after_reopen(path, sids, **kw):
+    log = FileLog.open(path, fsync="never")
+    try:
+        eng = await SessionEngine.open(log, checkpoint_poll_s=3600, **kw)
+        out = {s: eng.status(s) for s in sids}
+        await eng.close()
+        return out
+    finally:
+        log.close()
+
+
+def test_a_checkpoint_with_a_smaller_recent_window_is_not_trusted_for_a_larger_one(tmp_path):
+    """A checkpoint written with status_cache=2 held two ended sessions; reopened with 64, the
+    engine knew only those two, where a restart from lsn 0 knows all six."""
+    path = tmp_path / "log"
+    sids = [f"s{i}" for i in range(6)]
+
+    async def write():
+        log = FileLog.open(path, fsync="never")
+        try:
+            eng = await SessionEngine.open(log, status_cache=2)
+            for sid in sids:
+                h = await eng.open_session(sid, group_id=sid, group_size=1)
+                await h.start()
+                await h.finish(reward=1.0)
+            await eng.close()  # writes the checkpoint (recent window of 2)
+        finally:
+            log.close()
+
+    asyncio.run(write())
+    assert (path / CHECKPOINT_NAME).exists()
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    (copy / CHECKPOINT_NAME).unlink()
+    ours = asyncio.run(_statuses_after_reopen(path, sids, status_cache=64))
+    zero = asyncio.run(_statuses_after_reopen(copy, sids, status_cache=64, checkpoint_every=0))
+    assert all(str(s) == "finished" for s in zero.values())
+    assert ours == zero
