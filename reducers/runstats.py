@@ -48,7 +48,7 @@ import msgspec
 
 from agentlog.events.schema.lifecycle import State
 from agentlog.events.schema.turn import TurnDelta, TurnRecorded
-from agentlog.events.schema.types import Envelope, UnknownEvent, as_unknown_event
+from agentlog.events.schema.types import Envelope, UnknownEvent, as_unknown_event, decode_deep
 
 from .config import DEFAULT_CONFIG, ReduceConfig
 from .fold import ConfirmUsed, SessionFold
@@ -180,6 +180,8 @@ def decode_projection(payload: Any) -> Any:
         if unknown is None:
             raise
         return unknown
+    except RecursionError:  # as decode_body: again on a fresh stack, else a DecodeError
+        return decode_deep(_decode_known, payload)
 
 
 _STATUS_OF = {State.FINISHED: FINISHED, State.ABORTED: ABORTED, State.DROPPED: DROPPED}

@@ -216,7 +216,11 @@ def step_json(env: Any, before: Any, after: Any, violations: Any = ()) -> dict[s
         "state_before": None if before is None else str(before),
         "state_after": None if after is None else str(after),
     }
-    out.update(event_fields(env.body))
+    fields = event_fields(env.body)
+    shadowed = {k: fields.pop(k) for k in list(fields) if k in out}  # a newer writer's field named like a header
+    out.update(fields)
+    if shadowed:
+        out["shadowed_fields"] = shadowed
     if violations:
         out["violations"] = [v.describe() for v in violations]
     return out

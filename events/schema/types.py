@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import msgspec
 import numpy as np
@@ -33,75 +33,12 @@ from msgspec import UNSET, UnsetType
 # own modules; their public names are re-exported here.
 from .packing import log_probs_view, pack_log_probs, pack_tokens, packed_field, tokens_view  # noqa: F401
 from .turn import FINISH_REASONS, TURN_BODY_FIELDS, TurnBody, TurnDelta, TurnRecorded, turn_temperature  # noqa: F401
-from .validation import READING_STORED, EventValidationError, fail  # noqa: F401
+from .validation import MAX_ID_BYTES, READING_STORED, EventValidationError, fail, normalize_reward, on_fresh_stack, validate_id  # noqa: F401
 from .resume_events import SNAPSHOT_DIGEST_RE, SandboxSnapshotted, SessionResumed  # noqa: F401
 
 SCHEMA_VERSION = 1
 
-#: Longest session / group id accepted, in UTF-8 bytes.
-MAX_ID_BYTES = 256
-#: Forbidden in ids: a path separator (ids end up in file names and URLs),
-#: a C0 control or DEL..C1 control, a lone surrogate (no UTF-8 encoding: the
-#: file log could not frame it, where the memory log would keep it).
-_ID_BAD_CHAR = re.compile(r"[/\\\x00-\x1f\x7f-\x9f\ud800-\udfff]")
-
-
-def validate_id(kind: str, value: Any) -> str:
-    """Check a session or group id: a non-empty str of at most MAX_ID_BYTES
-    UTF-8 bytes with no path separators, no control characters and no lone
-    surrogates, and neither ``.`` nor ``..``."""
-    if not isinstance(value, str) or not value:
-        raise EventValidationError(f"{kind}: expected a non-empty str, found {value!r}")
-    if len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
-        raise EventValidationError(
-            f"{kind}: expected at most {MAX_ID_BYTES} UTF-8 bytes, found {len(value.encode('utf-8', 'surrogatepass'))} in {value[:40]!r}..."
-        )
-    if value == "." or value == "..":  # a path's own names: a URL or a file named so is another place
-        raise EventValidationError(f"{kind}: expected an id other than '.' or '..', found {value!r}")
-    bad = _ID_BAD_CHAR.search(value)  # one C-level scan; ids are checked on every append
-    if bad is not None:
-        i, ch = bad.start(), bad.group()
-        raise EventValidationError(
-            f"{kind}: expected no path separator, control character or lone surrogate, found {ch!r} at index {i} in {value!r}"
-        )
-    return value
-
-
-# ---------------------------------------------------------------- rewards
-
 Reward = Union[float, dict[str, float]]
-
-
-#: The largest int a float holds exactly: a reward beyond it would be stored as another number.
-_EXACT_INT = 2**53
-
-
-def normalize_reward(event: str, field: str, value: Any, *, optional: bool = False) -> Any:
-    """Rewards are finite floats (int and bool converted) or dicts of them."""
-    if value is None and optional:
-        return None
-    if isinstance(value, (bool, int)) and not isinstance(value, float):
-        if abs(value) > _EXACT_INT:
-            fail(event, field, "a finite float (an int beyond 2**53 would not be stored as given)", value)
-        return float(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            fail(event, field, "a finite float", value)
-        return value
-    if isinstance(value, dict):
-        out = {}
-        for key, v in value.items():
-            if not isinstance(key, str):
-                fail(event, f"{field}[{key!r}]", "a str key", key)
-            if isinstance(v, (bool, int)) and not isinstance(v, float):
-                if abs(v) > _EXACT_INT:
-                    fail(event, f"{field}[{key!r}]", "a finite float (an int beyond 2**53 would not be stored as given)", v)
-                v = float(v)
-            if not isinstance(v, float) or not math.isfinite(v):
-                fail(event, f"{field}[{key!r}]", "a finite float", v)
-            out[key] = v
-        return out
-    fail(event, field, "a finite float or a dict of finite floats" + (" or None" if optional else ""), value)
 
 
 # ---------------------------------------------------------------- bodies
@@ -491,10 +428,30 @@ def decode_body(payload: bytes | memoryview) -> Any:
         if unknown is None:
             raise
         return unknown
-    except RecursionError as exc:
-        raise too_deep(exc) from None
+    except RecursionError:
+        return decode_deep(_body_decoder.decode, payload)
     finally:
         READING_STORED.reset(token)
+
+
+def decode_deep(decode: Callable[[Any], Any], payload: bytes | memoryview) -> Any:
+    """``decode(payload)`` (an UnknownEvent for a tag this version does not know) after it raised
+    RecursionError here: again at the bottom of a fresh stack (:func:`.validation.on_fresh_stack`;
+    the writer that checked the payload may have had more stack left than this reader), else a
+    DecodeError (:func:`too_deep`). The readers' rare path: their common one decodes inline."""
+    def known_or_unknown(data: bytes | memoryview) -> Any:
+        try:
+            return decode(data)
+        except msgspec.ValidationError:
+            unknown = as_unknown_event(data)
+            if unknown is None:
+                raise
+            return unknown
+
+    try:
+        return on_fresh_stack(known_or_unknown, payload)
+    except RecursionError as exc:
+        raise too_deep(exc) from None
 
 
 def too_deep(exc: RecursionError) -> msgspec.DecodeError:
@@ -591,3 +548,5 @@ def check_body(body: Any) -> tuple[bytes, Any]:
             # A body check's own message already names the event and the field.
             raise EventValidationError(what) from None
         raise EventValidationError(f"{tag}.{field}: {what}") from None
+    except msgspec.DecodeError as exc:  # not msgpack at all: a msgspec.Raw value holding malformed bytes
+        raise EventValidationError(f"{tag}: a reader could not decode it: {exc}") from None

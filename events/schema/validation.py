@@ -1,6 +1,8 @@
 """What the event bodies' write-time checks share: the error they raise, the
-switch that stands them aside while a stored record is decoded, and the
-helper that words a failure (event, field, what was expected, what was found).
+switch that stands them aside while a stored record is decoded, the helper
+that words a failure (event, field, what was expected, what was found), the
+checks of ids and rewards, and a fresh stack for a payload nested near the
+recursion limit.
 
 Every body module (:mod:`.types`, :mod:`.packing`, :mod:`.turn`) builds its
 checks on these, so the rule "validated on write, tolerant on read" is
@@ -10,7 +12,10 @@ implemented once.
 from __future__ import annotations
 
 import contextvars
-from typing import Any, NoReturn
+import math
+import re
+import threading
+from typing import Any, Callable, NoReturn
 
 from ..errors import AgentlogError
 
@@ -56,3 +61,91 @@ def check_count(event: str, field: str, value: Any) -> None:
     """An int >= 0 (not a bool), else EventValidationError."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         fail(event, field, "an int >= 0", value)
+
+
+# ---------------------------------------------------------------- ids and rewards
+
+#: Longest session / group id accepted, in UTF-8 bytes.
+MAX_ID_BYTES = 256
+#: Forbidden in ids: a path separator (ids end up in file names and URLs),
+#: a C0 control or DEL..C1 control, a lone surrogate (no UTF-8 encoding: the
+#: file log could not frame it, where the memory log would keep it).
+_ID_BAD_CHAR = re.compile(r"[/\\\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def validate_id(kind: str, value: Any) -> str:
+    """Check a session or group id: a non-empty str of at most MAX_ID_BYTES
+    UTF-8 bytes with no path separators, no control characters and no lone
+    surrogates, and neither ``.`` nor ``..``."""
+    if not isinstance(value, str) or not value:
+        raise EventValidationError(f"{kind}: expected a non-empty str, found {value!r}")
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+        raise EventValidationError(
+            f"{kind}: expected at most {MAX_ID_BYTES} UTF-8 bytes, found {len(value.encode('utf-8', 'surrogatepass'))} in {value[:40]!r}..."
+        )
+    if value == "." or value == "..":  # a path's own names: a URL or a file named so is another place
+        raise EventValidationError(f"{kind}: expected an id other than '.' or '..', found {value!r}")
+    bad = _ID_BAD_CHAR.search(value)  # one C-level scan; ids are checked on every append
+    if bad is not None:
+        i, ch = bad.start(), bad.group()
+        raise EventValidationError(
+            f"{kind}: expected no path separator, control character or lone surrogate, found {ch!r} at index {i} in {value!r}"
+        )
+    return value
+
+
+# ---------------------------------------------------------------- rewards
+
+#: The largest int a float holds exactly: a reward beyond it would be stored as another number.
+_EXACT_INT = 2**53
+
+
+def normalize_reward(event: str, field: str, value: Any, *, optional: bool = False) -> Any:
+    """Rewards are finite floats (int and bool converted) or dicts of them."""
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, int)) and not isinstance(value, float):
+        if abs(value) > _EXACT_INT:
+            fail(event, field, "a finite float (an int beyond 2**53 would not be stored as given)", value)
+        return float(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            fail(event, field, "a finite float", value)
+        return value
+    if isinstance(value, dict):
+        out = {}
+        for key, v in value.items():
+            if not isinstance(key, str):
+                fail(event, f"{field}[{key!r}]", "a str key", key)
+            if isinstance(v, (bool, int)) and not isinstance(v, float):
+                if abs(v) > _EXACT_INT:
+                    fail(event, f"{field}[{key!r}]", "a finite float (an int beyond 2**53 would not be stored as given)", v)
+                v = float(v)
+            if not isinstance(v, float) or not math.isfinite(v):
+                fail(event, f"{field}[{key!r}]", "a finite float", v)
+            out[key] = v
+        return out
+    fail(event, field, "a finite float or a dict of finite floats" + (" or None" if optional else ""), value)
+
+
+def on_fresh_stack(fn: Callable[[Any], Any], arg: Any) -> Any:
+    """``fn(arg)`` run in this context (``READING_STORED`` with it) on a new thread, at the
+    bottom of its stack: msgspec counts a payload's nesting against the interpreter's
+    recursion limit from the current depth, so a reader deep in its stack can fail on a
+    payload the writer's check decoded with more stack left. Only on that rare path."""
+    ctx = contextvars.copy_context()
+    out: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            out.append((True, ctx.run(fn, arg)))
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller's thread, raised there
+            out.append((False, exc))
+
+    t = threading.Thread(target=run, name="agentlog-deep-decode")
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if ok:
+        return value
+    raise value

@@ -219,3 +219,16 @@ def test_golden_v1_log_directory_still_reads():
 def test_new_fields_in_a_newer_writer_are_tolerated():
     raw = msgspec.msgpack.encode({"type": "session_dropped", "reason": "x", "added_in_v2": [1, 2]})
     assert decode_body(raw) == SessionDropped(reason="x")
+
+
+def test_a_value_encoded_as_malformed_msgpack_is_refused_naming_the_event():
+    """msgspec.Raw is written verbatim: bytes that are not one msgpack value make the
+    payload undecodable (msgspec.DecodeError, not its ValidationError subclass): refused
+    as EventValidationError like any other body a reader could not decode."""
+    body = SessionOpened(group_id="g", group_size=1, metadata={"k": msgspec.Raw(b"\x92\x01")})
+    with pytest.raises(EventValidationError, match=r"session_opened: a reader could not decode it: .*truncated"):
+        check_body(body)
+    from agentlog.events.log.api import check_record_body
+
+    with pytest.raises(EventValidationError, match=r"session 's' seq 0: session_opened: a reader could not decode it"):
+        check_record_body("s", 0, body)

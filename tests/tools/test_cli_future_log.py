@@ -54,3 +54,15 @@ def test_reconstruct_exits_1_naming_the_tag_and_saying_upgrade(tmp_path):
         "lsn 3, session 's-0': event type 'turn_scored' is unknown to this version of agentlog "
         "(the log was written by a newer one); upgrade agentlog to reduce this log"
     )
+
+
+def test_an_unknown_events_fields_never_overwrite_the_records_header():
+    """replay --json merged a newer writer's fields after the header: a field named session_id or
+    lsn misreported where the record lies. The header wins; the stored fields are all still shown."""
+    from agentlog.events.schema.types import Envelope, UnknownEvent
+    from agentlog.tools.cmd_replay import step_json
+
+    env = Envelope(7, "s", 3, 1, UnknownEvent("session_forked", {"session_id": "child", "lsn": 99, "depth": 2}))
+    obj = step_json(env, None, None)
+    assert (obj["lsn"], obj["session_id"], obj["type"], obj["unknown"]) == (7, "s", "session_forked", True)
+    assert obj["depth"] == 2 and obj["shadowed_fields"] == {"session_id": "child", "lsn": 99}  # every stored field still shown
