@@ -432,14 +432,21 @@ def finite_float(text: str) -> float:
     return value
 
 
-def json_text(data: Any) -> str:
-    """``data`` as strict JSON (what ``--json`` prints and the UI's API answers): a NaN or an
-    infinity, which no JSON has (an engine that scored NaN, a verifier's details), becomes the
-    string Python prints for it ("nan", "inf", "-inf"), as ``agentlog show`` shows it."""
+def json_text(data: Any, *, compact: bool = False) -> str:
+    """``data`` as strict JSON (what ``--json`` prints, the UI's API answers and ``trace``
+    writes): a NaN or an infinity, which no JSON has (an engine that scored NaN, a turn's
+    ``generate_s``), becomes the string Python prints for it ("nan", "inf", "-inf"), as
+    ``agentlog show`` shows it. ``compact``: no spaces, non-ASCII kept as it is."""
+    encode = _STRICT_COMPACT if compact else _STRICT
     try:
-        return json.dumps(data, allow_nan=False, default=str)
+        return encode(data)
     except ValueError:
-        return json.dumps(_finite(data), allow_nan=False, default=str)
+        return encode(_finite(data))
+
+
+#: The encoders of :func:`json_text`, made once (a trace encodes one event at a time).
+_STRICT = json.JSONEncoder(allow_nan=False, default=str).encode
+_STRICT_COMPACT = json.JSONEncoder(allow_nan=False, default=str, ensure_ascii=False, separators=(",", ":")).encode
 
 
 def _finite(value: Any) -> Any:

@@ -34,12 +34,11 @@ and its spans carry ``"partition": "p0003"`` and the LSN of the record as
 
 from __future__ import annotations
 
-import json
 from typing import IO, Any, Iterable
 
 from agentlog.events.fs import atomic_file
 from agentlog.tools.cli import EXIT_OK, EXIT_USAGE, CliError
-from agentlog.tools.cli_common import add_quiet, check_log_path, check_output_path, id_scans_of, read_records, read_tagged
+from agentlog.tools.cli_common import add_quiet, check_log_path, check_output_path, id_scans_of, json_text, read_records, read_tagged
 
 #: The one process every session track belongs to.
 TRACE_PID = 1
@@ -95,7 +94,8 @@ def write_trace(envelopes: Iterable[Any], out: IO[str], *, log: str = "", partit
     t0: int | None = None
     last_us = 0.0
     first = True
-    dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+    def dumps(obj: Any) -> str:  # strict JSON: a NaN generate_s or duration_s is written as "nan"
+        return json_text(obj, compact=True)
 
     def emit(event: dict[str, Any]) -> None:
         nonlocal first

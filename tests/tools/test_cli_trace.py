@@ -87,3 +87,28 @@ def test_trace_counts_match_a_generated_log(tmp_path):
     assert ends["dropped: cancelled"] == facts["dropped"]
     # Each session's events stay on its own track: one session span per tid.
     assert all(sum(1 for e in evs if e.get("cat") == "session") == 1 for tid, evs in by_tid.items() if tid)
+
+
+def test_a_nan_generate_s_or_an_infinite_duration_still_writes_strict_json(tmp_path):
+    """The schema does not bound generate_s or duration_s, and the trace wrote a NaN one as the bare
+    token NaN: no JSON parser but Python's reads it (Perfetto and chrome://tracing refuse the file)."""
+    from agentlog.events import FileLog
+    from agentlog.events.schema.types import CommandRan, SessionFinished, SessionOpened, SessionStarted, TurnRecorded
+
+    log = tmp_path / "log"
+    with FileLog.open(log) as w:
+        w.append_batch([("s", i, b) for i, b in enumerate([
+            SessionOpened(group_id="g", group_size=1), SessionStarted(),
+            TurnRecorded(turn_index=0, prompt_ids=[1, 2], output_ids=[3], generate_s=float("nan")),
+            CommandRan(command="ls", exit_code=0, duration_s=float("inf")), SessionFinished(reward=1.0)])])
+    out = tmp_path / "trace.json"
+    res = agentlog("trace", str(log), "-o", str(out), "-q")
+    assert res.returncode == 0, res.stderr
+
+    def refuse(token):
+        raise AssertionError(f"not JSON: {token}")
+
+    trace = json.loads(out.read_text(), parse_constant=refuse)
+    turn = next(e for e in trace["traceEvents"] if e.get("cat") == "turn")
+    assert turn["args"]["generate_s"] == "nan" and turn["dur"] == 0
+    _check_format(trace)
