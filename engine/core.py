@@ -40,7 +40,6 @@ tasks are :mod:`engine.timers`.
 from __future__ import annotations
 
 import asyncio
-import math
 from functools import partial
 from typing import Any, Callable
 
@@ -57,6 +56,7 @@ from agentlog.events.schema.types import (
     validate_id,
 )
 from agentlog.events.schema.turn import scored_against
+from agentlog.events.schema.validation import is_number
 from agentlog.events.schema.turn_delta import EncodingContext
 from agentlog.reducers.abort_classes import REFILL
 from agentlog.reducers.config import ReduceConfig
@@ -106,8 +106,8 @@ class SessionEngine(BackgroundWork):
     ) -> None:
         for name, value, ok, expected in (
             ("checkpoint_every", checkpoint_every, type(checkpoint_every) is int and checkpoint_every >= 0, "an int >= 0 records (0: no checkpoints)"),
-            ("drain_s", drain_s, type(drain_s) in (int, float) and 0 <= drain_s < math.inf, "finite seconds >= 0"),
-            ("checkpoint_poll_s", checkpoint_poll_s, type(checkpoint_poll_s) in (int, float) and 0 < checkpoint_poll_s < math.inf, "finite seconds > 0"),
+            ("drain_s", drain_s, is_number(drain_s, at_least=0), "finite seconds >= 0"),
+            ("checkpoint_poll_s", checkpoint_poll_s, is_number(checkpoint_poll_s, above=0), "finite seconds > 0"),
             ("status_cache", status_cache, type(status_cache) is int and status_cache >= 0, "an int >= 0 (recently ended sessions kept)"),
         ):
             if not ok:
@@ -229,7 +229,7 @@ class SessionEngine(BackgroundWork):
         when None); ValueError naming the session when it is not seconds >= 0. Checked before anything
         is decided: the session's timer starts once its record is acknowledged."""
         budget = budget_s if budget_s is not None else self.session_budget_s
-        if budget is not None and (type(budget) not in (int, float) or not 0 <= budget < math.inf):
+        if budget is not None and not is_number(budget, at_least=0):
             raise ValueError(f"session {session_id!r}: budget_s: expected seconds >= 0 (or None), found {budget!r}")
         return budget
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import math
 import os
 import re
 import signal
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from agentlog._logging import get_logger
+from agentlog.events.schema.validation import is_number
 
 if TYPE_CHECKING:  # engine.snapshots imports this module (CONTROL_DIR)
     from .snapshots import SnapshotInfo, SnapshotStore
@@ -94,7 +94,7 @@ class Sandbox(abc.ABC):
 
 
 def _check_budget(budget_s: float) -> float:
-    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not math.isfinite(budget_s) or budget_s <= 0:
+    if not is_number(budget_s, above=0):
         raise ValueError(f"run_command budget_s: expected a finite number > 0, found {budget_s!r}")
     return float(budget_s)
 

@@ -71,6 +71,7 @@ import msgspec
 from agentlog._logging import get_logger
 from agentlog.events.errors import ConfigError
 from agentlog.events.schema.types import SNAPSHOT_DIGEST_RE
+from agentlog.events.schema.validation import is_number
 
 from .snapshot_files import (
     CHUNK, MANIFEST_VERSION, Manifest, ManifestEntry, Reflinks, SnapshotDamaged, SnapshotError, SnapshotMissing, SyncBatch,
@@ -131,7 +132,7 @@ class SnapshotStore:
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int = 2, keep_aborted_s: float = 86400.0) -> None:
         if type(keep_last) is not int or keep_last < 1:
             raise ConfigError(f"SnapshotStore keep_last: expected an int >= 1, found {keep_last!r}")
-        if isinstance(keep_aborted_s, bool) or not isinstance(keep_aborted_s, (int, float)) or not 0 <= keep_aborted_s < float("inf"):
+        if not is_number(keep_aborted_s, at_least=0):
             raise ConfigError(f"SnapshotStore keep_aborted_s: expected a finite number >= 0, found {keep_aborted_s!r}")
         self.root = Path(root).absolute()
         self.keep_last = keep_last

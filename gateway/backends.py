@@ -24,7 +24,7 @@ import re
 import time
 import urllib.parse
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgspec
 import numpy as np
@@ -152,24 +152,15 @@ def _is_log_prob(x: Any) -> bool:
     return type(x) is float or type(x) is int
 
 
-def _answered_ids(values: Any, where: str) -> list[int]:
-    """Token ids from a server's JSON answer, as sent: ValueError naming the first that is not one."""
+def _answered(values: Any, where: str, is_item: Callable[[Any], bool], items: str, item: str) -> list:
+    """A list in a server's JSON answer, as sent (``items``: what it holds): ValueError naming the
+    first entry ``is_item`` refuses (``item``: what each must be)."""
     if not isinstance(values, list):
-        raise ValueError(f"{where}: expected a list of token ids, found {type(values).__name__}")
+        raise ValueError(f"{where}: expected a list of {items}, found {type(values).__name__}")
     for i, x in enumerate(values):
-        if not _is_token_id(x):
-            raise ValueError(f"{where}[{i}]: expected an int token id, found {x!r:.60}")
+        if not is_item(x):
+            raise ValueError(f"{where}[{i}]: expected {item}, found {x!r:.60}")
     return values
-
-
-def _answered_log_probs(values: Any, where: str) -> list[float]:
-    """Log-probs from a server's JSON answer: ValueError naming the first that is not a number."""
-    if not isinstance(values, list):
-        raise ValueError(f"{where}: expected a list of log-probs, found {type(values).__name__}")
-    for i, x in enumerate(values):
-        if not _is_log_prob(x):
-            raise ValueError(f"{where}[{i}]: expected a number, found {x!r:.60}")
-    return [float(x) for x in values]
 
 
 # ---------------------------------------------------------------- HTTP backends
@@ -359,12 +350,12 @@ class OpenAICompletionsBackend(_HTTPBackend):
         """One answer's (or one streamed chunk's) ``choices[0]``: its token ids and log-probs."""
         try:
             lp = choice["logprobs"]
-            log_probs = _answered_log_probs(lp["token_logprobs"], "choices[0].logprobs.token_logprobs")
+            log_probs = [float(x) for x in _answered(lp["token_logprobs"], "choices[0].logprobs.token_logprobs", _is_log_prob, "log-probs", "a number")]
             ids = choice.get("token_ids")
             if ids is None:  # "token_id:123" strings (vLLM's return_tokens_as_token_ids)
                 output_ids = [int(str(t).removeprefix("token_id:")) for t in lp["tokens"]]
             else:
-                output_ids = _answered_ids(ids, "choices[0].token_ids")
+                output_ids = _answered(ids, "choices[0].token_ids", _is_token_id, "token ids", "an int token id")
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise BackendError(self.name, f"/v1/completions: expected choices[0].logprobs with token ids: {type(exc).__name__}: {exc}", 200) from exc
         if len(output_ids) != len(log_probs):

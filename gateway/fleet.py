@@ -59,6 +59,7 @@ from typing import Any, Sequence
 import msgspec
 
 from agentlog._logging import get_logger
+from agentlog.events.schema.validation import is_number
 
 from .backends import ROUTING_KEY, Backend, BackendError, Generation, SamplingParams
 
@@ -138,11 +139,11 @@ class Fleet(Backend):
             raise ValueError(f"Fleet: member names must be unique, found {names}")
         if policy not in ROUTE_POLICIES:
             raise ValueError(f"Fleet: policy: expected one of {ROUTE_POLICIES}, found {policy!r}")
-        if isinstance(load_factor, bool) or not isinstance(load_factor, (int, float)) or not 1.0 <= load_factor < math.inf:
+        if not is_number(load_factor, at_least=1.0):
             raise ValueError(f"Fleet: load_factor: expected a number >= 1 (1.25: a server takes up to 25% over its share), "
                              f"found {load_factor!r}")
         for what, v in (("probe_interval_s", probe_interval_s), ("probe_timeout_s", probe_timeout_s), ("key_ttl_s", key_ttl_s)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            if not is_number(v, above=0):
                 raise ValueError(f"Fleet: {what}: expected seconds > 0, found {v!r}")
         self.members = list(members)
         self.policy = policy

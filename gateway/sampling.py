@@ -10,10 +10,10 @@ was found.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 from agentlog.events.errors import AgentlogError
+from agentlog.events.schema.validation import is_number
 
 
 class AdminFieldError(AgentlogError, ValueError):
@@ -31,13 +31,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
-    """A finite int or float, not a bool. An int is finite however large: ``math.isfinite``
-    would convert it to a float first, and raise OverflowError past 1.8e308 (a JSON ``1`` with
-    400 zeros). The rules' ranges compare a large int exactly."""
-    if isinstance(v, bool):
-        return False
-    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v))
 
 
 #: The temperatures every backend samples at as given. vLLM raises a
@@ -58,8 +51,8 @@ _INT32_MAX = 2**31 - 1
 #: torch.Generator.manual_seed; temperature 0 (greedy) has no per-token
 #: distribution to record log-probs from.
 SAMPLING_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "temperature": (lambda v: _is_number(v) and MIN_TEMPERATURE <= v <= MAX_TEMPERATURE, f"a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}]"),
-    "top_p": (lambda v: _is_number(v) and MIN_TOP_P <= v <= 1, f"a number in [{MIN_TOP_P:.3g}, 1]"),
+    "temperature": (lambda v: is_number(v) and MIN_TEMPERATURE <= v <= MAX_TEMPERATURE, f"a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}]"),
+    "top_p": (lambda v: is_number(v) and MIN_TOP_P <= v <= 1, f"a number in [{MIN_TOP_P:.3g}, 1]"),
     "top_k": (lambda v: _is_int(v) and -1 <= v <= _INT32_MAX, "an int in [-1, 2**31 - 1] (-1 or 0: off)"),
     "seed": (lambda v: _is_int(v) and 0 <= v < 2**63, "an int in [0, 2**63)"),
     "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= _INT32_MAX, "an int in [1, 2**31 - 1]"),

@@ -8,11 +8,11 @@ ValueError) that says which field, what was given and what is allowed.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from agentlog.events.errors import ConfigError
+from agentlog.events.schema.validation import is_number
 
 ESTIMATORS = ("grpo", "dr_grpo", "gspo")
 LINEAGE_ADVANTAGES = ("session", "member")
@@ -125,19 +125,13 @@ class LearnerConfig:
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise bad("grad_clip", "None or a value > 0")
         # A NaN or infinite coefficient would surface only as a NaN loss or NaN weights a step later.
-        for name, allowed, ok in (
-            ("lr", "a finite value > 0", lambda v: 0 < v < math.inf),
-            ("adam_eps", "a finite value > 0", lambda v: 0 < v < math.inf),
-            ("adv_eps", "a finite value >= 0", lambda v: 0 <= v < math.inf),
-            ("kl_coef", "a finite value >= 0", lambda v: 0 <= v < math.inf),
-            ("weight_decay", "a finite value >= 0", lambda v: 0 <= v < math.inf),
-            ("entropy_coef", "a finite value", math.isfinite),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-                raise bad(name, allowed)
+        for name, above, at_least in (("lr", 0, None), ("adam_eps", 0, None), ("adv_eps", None, 0), ("kl_coef", None, 0),
+                                      ("weight_decay", None, 0), ("entropy_coef", None, None)):
+            if not is_number(getattr(self, name), above=above, at_least=at_least):
+                bound = "" if above is None and at_least is None else f" > {above}" if above is not None else f" >= {at_least}"
+                raise bad(name, f"a finite value{bound}")
         betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else ()
-        if len(betas) != 2 or not all(not isinstance(b, bool) and isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        if len(betas) != 2 or not all(is_number(b, at_least=0) and b < 1 for b in betas):
             raise bad("betas", "two values in [0, 1)")
         if self.warmup_steps < 0:
             raise bad("warmup_steps", "an integer >= 0")
@@ -149,7 +143,7 @@ class LearnerConfig:
             raise bad("max_tokens_per_row", "None or an integer >= 1")
         for name in ("distill_coef", "distill_topk_coef"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            if not is_number(value, at_least=0):
                 raise bad(name, "a finite number >= 0")
         self.betas = tuple(self.betas)  # TOML and JSON hand back lists
 

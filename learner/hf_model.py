@@ -6,10 +6,11 @@ only when a model is built.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -56,12 +57,8 @@ class HFCausalLM(nn.Module):
                 raise ImportError("HFCausalLM needs `transformers`: pip install 'agentlog[hf]'") from exc
             quiet_transformers()
             from_pretrained_kwargs.setdefault("local_files_only", True)
-            from safetensors import SafetensorError
-
-            try:
+            with _weights_load(f"HFCausalLM: {path!r}"):
                 model_or_path = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
-            except SafetensorError as exc:  # not an OSError: a weights file cut short or not safetensors
-                raise OSError(f"HFCausalLM: {path!r}: its *.safetensors weights do not load: {exc}") from exc
             self.source_dir = path
             if tokenizer is None and _has_tokenizer_files(path):
                 from transformers import AutoTokenizer
@@ -171,7 +168,6 @@ class HFCausalLM(nn.Module):
         """The state of an HF directory, read and checked against this model
         (as :meth:`load_hf_weights` checks it) but not applied: a server reads
         the next version while it still generates with this one."""
-        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         d = Path(directory)
@@ -180,10 +176,8 @@ class HFCausalLM(nn.Module):
             raise FileNotFoundError(f"{d}: no *.safetensors weights in this directory (expected an HF checkpoint)")
         state: dict[str, torch.Tensor] = {}
         for f in files:
-            try:
+            with _weights_load(str(f)):
                 state.update(load_file(str(f)))
-            except SafetensorError as exc:  # not an OSError: a file cut short, or not safetensors
-                raise OSError(f"{f}: its weights do not load: {exc}") from exc
         # Checked before anything is copied, so a bad directory leaves the weights as they were.
         own = self.model.state_dict()
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
@@ -232,3 +226,15 @@ def quiet_transformers() -> None:
 
 def _has_tokenizer_files(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+@contextlib.contextmanager
+def _weights_load(what: str) -> Iterator[None]:
+    """safetensors' error as an OSError naming ``what``: it is not one (a file cut short, or not
+    safetensors), and every caller that names the version or the directory catches OSError."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as exc:
+        raise OSError(f"{what}: its weights do not load: {exc}") from exc

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from typing import Any, Mapping
 # A loop configuration value out of range or unknown raises the package's one ConfigError.
 from agentlog.events.errors import ConfigError
 from agentlog.events.fs import atomic_file
+from agentlog.events.schema.validation import is_number
 from agentlog.reducers.abort_classes import EXCLUDE_ALL
 from agentlog.reducers.health import check_flag_names
 
@@ -212,7 +212,7 @@ class LoopConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"LoopConfig.{name}: expected an int >= 0, found {v!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not 0 < self.temperature < math.inf:
+        if not is_number(self.temperature, above=0):
             raise ConfigError(f"LoopConfig.temperature: expected a number > 0, found {self.temperature!r}")
         if self.staleness_mode not in STALENESS_MODES:
             raise ConfigError(f"LoopConfig.staleness_mode: expected one of {STALENESS_MODES}, found {self.staleness_mode!r}")
@@ -223,7 +223,7 @@ class LoopConfig:
         if not self.tis_cap > 0:
             raise ConfigError(f"LoopConfig.tis_cap: expected > 0, found {self.tis_cap!r}")
         v = self.mismatch_warn_abs_diff
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+        if not is_number(v, at_least=0):
             raise ConfigError(f"LoopConfig.mismatch_warn_abs_diff: expected a finite number >= 0, found {v!r}")
         if not 0.0 <= self.warmup_wrong_rate <= 1.0:
             raise ConfigError(f"LoopConfig.warmup_wrong_rate: expected a fraction in [0, 1], found {self.warmup_wrong_rate!r}")

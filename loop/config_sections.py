@@ -26,6 +26,7 @@ from typing import Any, Mapping
 # A loop configuration value out of range or unknown raises the package's one ConfigError.
 from agentlog.events.errors import ConfigError
 from agentlog.events.schema.turn import WEIGHT_UPDATE_MODES
+from agentlog.events.schema.validation import is_number
 from agentlog.reducers.abort_classes import ABORT_CLASSES, RUN_OUTCOMES, check_abort_settings
 
 
@@ -54,9 +55,8 @@ class FaultConfig:
                 raise ConfigError(f"FaultConfig.{name}: expected a fraction in [0, 1], found {v!r}")
         if self.exception_rate + self.timeout_rate + self.drop_rate + self.empty_marker_rate > 1.0:
             raise ConfigError("FaultConfig: exception, timeout, drop and empty-marker rates must sum to at most 1")
-        v = self.timeout_budget_s
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
-            raise ConfigError(f"FaultConfig.timeout_budget_s: expected a finite number of seconds > 0, found {v!r}")
+        if not is_number(self.timeout_budget_s, above=0):
+            raise ConfigError(f"FaultConfig.timeout_budget_s: expected a finite number of seconds > 0, found {self.timeout_budget_s!r}")
 
     @classmethod
     def none(cls) -> "FaultConfig":
@@ -111,7 +111,7 @@ class AgentConfig:
                                   "the python-agent's prompt is the task's messages, and codex has no such option here")
         for name in ("budget_s", "command_budget_s"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            if not is_number(v, above=0):
                 raise ConfigError(f"[agent] {name}: expected a number of seconds > 0, found {v!r}")
         if type(self.max_tool_calls) is not int or self.max_tool_calls < 1:
             raise ConfigError(f"[agent] max_tool_calls: expected an int >= 1, found {self.max_tool_calls!r}")
@@ -173,10 +173,10 @@ class InferenceConfig:
         for name, allowed in (("route_by", ROUTE_BY), ("route_policy", ROUTE_POLICIES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"[inference] {name}: expected one of {allowed}, found {getattr(self, name)!r}")
-        for name, expected, ok in (("load_factor", "a number >= 1", lambda v: 1 <= v < math.inf),
-                                   ("probe_interval_s", "seconds > 0", lambda v: 0 < v < math.inf)):
+        for name, expected, ok in (("load_factor", "a number >= 1", is_number(self.load_factor, at_least=1)),
+                                   ("probe_interval_s", "seconds > 0", is_number(self.probe_interval_s, above=0))):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+            if not ok:
                 raise ConfigError(f"[inference] {name}: expected {expected}, found {v!r}")
         if self.routing_header is not None and (not isinstance(self.routing_header, str)
                                                 or (self.routing_header and not HEADER_NAME.fullmatch(self.routing_header))):
@@ -247,7 +247,7 @@ class ResumeConfig:
             raise ConfigError(f"[resume] max_resumes: expected an int >= 0, found {self.max_resumes!r}")
         for name, zero_ok in (("restore_timeout_s", False), ("keep_aborted_s", True)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v if zero_ok else 0 < v) or not v < math.inf:
+            if not (is_number(v, at_least=0) if zero_ok else is_number(v, above=0)):
                 raise ConfigError(f"[resume] {name}: expected a number of seconds {'>= 0' if zero_ok else '> 0'}, found {v!r}")
 
 
@@ -310,7 +310,7 @@ class RolloutConfig:
         self.resources = {k: float(v) for k, v in self.resources.items()}
         for name in ("num_cpus", "lost_after_s"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+            if not is_number(v, at_least=0):
                 raise ConfigError(f"[rollout] {name}: expected a number >= 0, found {v!r}")
         # Ray refuses fractional amounts finer than 1/10000 (ValueError from ray.remote(...).options()).
         for name, v in [("num_cpus", self.num_cpus), *(("resources", a) for a in self.resources.values())]:
@@ -397,13 +397,11 @@ class LogConfig:
                               "with backend 'file' the weights are in <run>/checkpoints")
         if type(self.weights_chunk_kib) is not int or not 1 <= self.weights_chunk_kib <= 65536:
             raise ConfigError(f"[log] weights_chunk_kib: expected an int in 1..65536 (KiB), found {self.weights_chunk_kib!r}")
-        if isinstance(self.weights_timeout_s, bool) or not isinstance(self.weights_timeout_s, (int, float)) \
-                or not 0 < self.weights_timeout_s < math.inf:
+        if not is_number(self.weights_timeout_s, above=0):
             raise ConfigError(f"[log] weights_timeout_s: expected a number of seconds > 0, found {self.weights_timeout_s!r}")
         if not isinstance(self.weights_cache, str):
             raise ConfigError(f"[log] weights_cache: expected a folder path (str), found {self.weights_cache!r}")
-        if isinstance(self.duplicate_window_s, bool) or not isinstance(self.duplicate_window_s, (int, float)) \
-                or not 0 < self.duplicate_window_s < math.inf:
+        if not is_number(self.duplicate_window_s, above=0):
             raise ConfigError(f"[log] duplicate_window_s: expected a number of seconds > 0, found {self.duplicate_window_s!r}")
 
     def servers(self) -> list[str]:
@@ -485,13 +483,13 @@ class DistillConfig:
         names = [t.name for t in self.teachers]
         if len(set(names)) != len(names):
             raise ConfigError(f"[distill] teachers: names must be unique, found {names}")
-        if isinstance(self.coef, bool) or not isinstance(self.coef, (int, float)) or not 0 <= self.coef < math.inf:
+        if not is_number(self.coef, at_least=0):
             raise ConfigError(f"[distill] coef: expected a number >= 0, found {self.coef!r}")
         if self.coef > 0 and not self.teachers:
             raise ConfigError(f"[distill] coef is {self.coef}, and no teachers are configured; add [[distill.teachers]]")
         if type(self.topk) is not int or self.topk < 0:
             raise ConfigError(f"[distill] topk: expected an int >= 0, found {self.topk!r}")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s < math.inf:
+        if not is_number(self.timeout_s, above=0):
             raise ConfigError(f"[distill] timeout_s: expected a number of seconds > 0, found {self.timeout_s!r}")
 
     def resolve_paths(self, base_dir: Path | None) -> None:
@@ -538,7 +536,7 @@ class GroupsConfig:
             raise ConfigError(problem)
         if type(self.max_redraws) is not int or self.max_redraws < 0:
             raise ConfigError(f"[groups] max_redraws: expected an int >= 0, found {self.max_redraws!r}")
-        if isinstance(self.oversample, bool) or not isinstance(self.oversample, (int, float)) or not 0 <= self.oversample <= 10:
+        if not is_number(self.oversample, at_least=0) or self.oversample > 10:
             raise ConfigError(f"[groups] oversample: expected a fraction of extra groups in [0, 10], found {self.oversample!r}")
         if not isinstance(self.dynamic_sampling, bool):
             raise ConfigError(f"[groups] dynamic_sampling: expected true or false, found {self.dynamic_sampling!r}")

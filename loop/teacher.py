@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import math
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +47,7 @@ import numpy as np
 import torch
 
 from agentlog.events.errors import AgentlogError
+from agentlog.events.schema.validation import is_number
 from agentlog.gateway.http_json import HTTPJSONError, JSONClient, NonFiniteJSON, base_url_problem
 from agentlog._logging import get_logger
 
@@ -117,7 +117,7 @@ def _check_request(who: str, prompt_ids: Sequence[int], output_ids: Sequence[int
     output = [int(t) for t in output_ids]
     if not prompt:
         raise ValueError(f"{who}: the prompt is empty; the first output token needs at least one token before it to be scored")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
+    if not is_number(temperature, above=0):
         raise ValueError(f"{who}: temperature must be a finite number > 0, found {temperature!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"{who}: top_k must be an int >= 0, found {top_k!r}")

@@ -26,7 +26,6 @@ a turn whose version has no checkpoint is skipped, and counted.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -37,6 +36,7 @@ import numpy as np
 from agentlog.events.schema.turn import turn_version_spans
 from agentlog.events.schema.turn_delta import common_prefix_tokens, full_turns
 from agentlog.events.schema.types import Envelope, TurnRecorded
+from agentlog.events.schema.validation import is_number
 from agentlog.gateway.scoring import Scorer
 
 from .model_scorer import ModelScorer, TokenCheckError
@@ -373,7 +373,7 @@ async def verify_turns(turns: list[Turn], scorer_at: Callable[[int], Scorer | No
     the negative control at that output position (ValueError past the last one);
     ``skip_retokenization``: why not to retokenize (a token-level task's messages are for display).
     ``progress(n)`` is told of each n parts done."""
-    if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance >= 0):
+    if not is_number(tolerance, at_least=0):
         raise ValueError(f"verify_turns: tolerance must be a finite number >= 0, found {tolerance!r}")
     t0 = time.perf_counter()
     report = TokenReport(engine=engine, tolerance=tolerance)

@@ -35,8 +35,9 @@ are matched exactly first, then by head.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
+
+from agentlog.events.schema.validation import is_number
 
 INFRASTRUCTURE = "infrastructure"
 POLICY = "policy"
@@ -107,7 +108,7 @@ def check_abort_settings(outcomes: Mapping[str, str], reasons: Mapping[str, str]
     or "" when they are: ``outcomes`` (class -> outcome), ``reasons`` (reason -> class), the
     failure reward (a finite number) and the refill cap (an int >= 0). The one check of them,
     for the reducers' configuration and a run's ``[groups]`` table alike."""
-    if isinstance(fail_reward, bool) or not isinstance(fail_reward, (int, float)) or not math.isfinite(fail_reward):
+    if not is_number(fail_reward):
         return f"{where} fail_reward: expected a finite number, found {fail_reward!r}"
     if type(max_refills) is not int or max_refills < 0:
         return f"{where} max_refills: expected an int >= 0, found {max_refills!r}"

@@ -18,13 +18,14 @@ segment, offset and LSN (the log layer's message), prefixed by the path.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as _dt
 import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Generator, Iterator, NamedTuple
+from typing import Any, Callable, Generator, Iterator, NamedTuple
 
 from agentlog.events.log.source import LogSource, open_source
 from agentlog.tools.cli import EXIT_DATA, EXIT_USAGE, CliError
@@ -357,33 +358,31 @@ def fmt_ts(ts_ns: int) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
 
 
-def _int_at_least(text: str, low: int) -> int:
-    import argparse
-
+def _parsed(text: str, parse: Callable[[str], Any], ok: Callable[[Any], bool], expected: str, unparsed: str = "") -> Any:
+    """What the argparse types below share: ``parse(text)``, refused naming ``expected`` (or
+    ``unparsed`` when it does not parse at all) unless ``ok`` of it."""
     try:
-        value = int(text)
+        value = parse(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= {low}, found {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"expected an int >= {low}, found {value}")
+        raise argparse.ArgumentTypeError(f"expected {unparsed or expected}, found {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, found {text}")
     return value
 
 
 def nonneg_int(text: str) -> int:
     """argparse type: an int >= 0."""
-    return _int_at_least(text, 0)
+    return _parsed(text, int, lambda v: v >= 0, "an int >= 0")
 
 
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1."""
-    return _int_at_least(text, 1)
+    return _parsed(text, int, lambda v: v >= 1, "an int >= 1")
 
 
 def http_base_url(text: str) -> str:
     """argparse type: an http(s) base URL a client can connect to ("" passes: none given),
     by the rule the config's server URLs follow (``http_json.base_url_problem``)."""
-    import argparse
-
     from agentlog.gateway.http_json import base_url_problem
 
     if text and (problem := base_url_problem(text)):
@@ -393,43 +392,17 @@ def http_base_url(text: str) -> str:
 
 def tcp_port(text: str) -> int:
     """argparse type: a TCP port, 0 to 65535 (0: any free port)."""
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port 0-65535, found {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port 0-65535, found {value}")
-    return value
+    return _parsed(text, int, lambda v: 0 <= v <= 65535, "a port 0-65535")
 
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0 (seconds, say)."""
-    import argparse
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, found {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, found {text}")
-    return value
+    return _parsed(text, float, lambda v: v > 0 and math.isfinite(v), "a number > 0")
 
 
 def finite_float(text: str) -> float:
     """argparse type: any finite number (a reward threshold, say)."""
-    import argparse
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, found {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, found {text}")
-    return value
+    return _parsed(text, float, math.isfinite, "a finite number", "a number")
 
 
 def json_text(data: Any, *, compact: bool = False) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import abc
 import base64
-import math
 import posixpath
 import random
 import shlex
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentlog.engine.sandbox import CommandResult, Sandbox
+from agentlog.events.schema.validation import is_number
 
 from .base import Verdict
 
@@ -91,7 +91,7 @@ def check_text_task(task: TextTask) -> TextTask:
             ok = type(v) is int and v >= 1
             want = "an int >= 1"
         else:
-            ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0 and (v < math.inf or not finite))
+            ok = is_number(v, above=0, finite=finite)
             want = "a finite number of seconds > 0" if finite else "a number of seconds > 0"
         if not ok:
             raise TaskError(f"task {task.name!r} ({type(task).__qualname__}): {name}: expected {want}, found {v!r}")

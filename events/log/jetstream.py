@@ -58,6 +58,7 @@ from .api import LogClosed, LogCorruption, LogError, LogFenced
 from .jetstream_append import HDR_EPOCH, JetStreamAppender, _Msg, is_wrong_last_sequence
 from .jetstream_conn import Bridge, connect, retried
 from .jetstream_cursor import follow_subject, read_subject
+from ..schema.validation import is_number
 from .jetstream_msg import HDR_KIND, HDR_MSG_ID, HDR_NEXT_LSN, KIND_FENCE, lsn_after
 from .jetstream_url import STREAM_RE, log_name
 from ..schema.types import Envelope
@@ -90,10 +91,11 @@ def _subject_matches(pattern: str, subject: str) -> bool:
     return len(pat) == len(sub)
 
 
-def _check_stream_config(cfg, where: str, subject: str) -> None:
-    """LogError naming the setting when an existing stream (made by someone else)
-    cannot hold a log: the subject not bound to it, no direct gets (readers and
-    the landed check need them), or retention and limits that drop stored records."""
+def _check_stream_config(cfg, where: str, subject: str, replicas: int) -> None:
+    """LogError naming the setting when a stream (one made by someone else, say)
+    cannot hold this log: the subject not bound to it, no direct gets (readers and
+    the landed check need them), retention and limits that drop stored records,
+    other replicas than asked for, or no atomic batches."""
     from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
 
     def bad(what: str, found: Any, expected: str) -> LogError:
@@ -114,6 +116,10 @@ def _check_stream_config(cfg, where: str, subject: str) -> None:
             value = getattr(cfg, name)
             if value is not None and value > 0:
                 raise bad(name, value, "no limit (-1): with discard 'old' the server deletes acknowledged records")
+    if (cfg.num_replicas or 1) != replicas:
+        raise LogError(f"{where}: the stream has {cfg.num_replicas} replicas, expected {replicas}")
+    if not cfg.allow_atomic:
+        raise LogError(f"{where}: the stream does not allow atomic batches (allow_atomic); create it with JetStreamLog.open")
 
 
 class JetStreamLog(JetStreamAppender):
@@ -179,7 +185,7 @@ class JetStreamLog(JetStreamAppender):
         for name, value in (("duplicate_window_s", duplicate_window_s), ("connect_timeout_s", connect_timeout_s),
                             ("publish_timeout_s", publish_timeout_s), ("failover_timeout_s", failover_timeout_s)):
             # At most a Go time.Duration (the server's type for the duplicate window): about 292 years.
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= _MAX_DURATION_S:
+            if not is_number(value, above=0) or value > _MAX_DURATION_S:
                 raise ValueError(f"{name}: expected seconds > 0 (at most {_MAX_DURATION_S}), found {value!r}")
         self = cls(url=url, stream=stream, partition=partition, clock=clock)
         self._publish_timeout_s, self._failover_timeout_s = float(publish_timeout_s), float(failover_timeout_s)
@@ -222,11 +228,7 @@ class JetStreamLog(JetStreamAppender):
                 allow_atomic=True,
             )
             info = await ask("creating the stream", lambda: self._js.add_stream(cfg))
-        _check_stream_config(info.config, self.where, self.subject)
-        if (info.config.num_replicas or 1) != replicas:
-            raise LogError(f"{self.where}: the stream has {info.config.num_replicas} replicas, expected {replicas}")
-        if not info.config.allow_atomic:
-            raise LogError(f"{self.where}: the stream does not allow atomic batches (allow_atomic); create it with JetStreamLog.open")
+        _check_stream_config(info.config, self.where, self.subject, replicas)
         await self._recover()
         await self._take_over()
         self._queue = asyncio.Queue()

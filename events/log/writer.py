@@ -53,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import math
 import operator
 import os
 import threading
@@ -65,6 +64,7 @@ from agentlog._logging import get_logger
 
 from . import framecodec
 from ..fs import fsync_dir, write_atomic
+from ..schema.validation import is_number
 from .api import CheckedBatch, DurableCallback, EventLog, LogClosed, LogError, NotALog, OnDurable, PendingRecord, check_record_body
 from .batch_compression import BatchCompression, check_compression, chosen_compression
 from .commit import GroupCommit, _Submission
@@ -155,8 +155,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
             ("segment_bytes", segment_bytes, segment_bytes >= SEG_HDR_SIZE + 64, f"at least {SEG_HDR_SIZE + 64}"),
             ("max_record_bytes", max_record_bytes, 64 <= max_record_bytes <= MAX_RECORD_BYTES_LIMIT,
              f"64..{MAX_RECORD_BYTES_LIMIT} (a frame's length is a u32)"),
-            ("interval_s", interval_s, not isinstance(interval_s, bool) and isinstance(interval_s, (int, float))
-             and 0 <= interval_s < math.inf, "a finite number of seconds >= 0"),
+            ("interval_s", interval_s, is_number(interval_s, at_least=0), "a finite number of seconds >= 0"),
             ("checkpoint_bytes", checkpoint_bytes, checkpoint_bytes >= 1, "at least 1"),
         ):
             if not ok:

@@ -57,6 +57,18 @@ def fail(event: str, field: str, expected: str, found: Any) -> NoReturn:
     raise EventValidationError(f"{event}.{field}: expected {expected}, found {shown}")
 
 
+def is_number(value: Any, *, above: float | None = None, at_least: float | None = None, finite: bool = True) -> bool:
+    """Whether ``value`` is a real number (an int or a float, not a bool, not NaN), finite unless
+    ``finite`` is False, and ``> above`` / ``>= at_least`` when given: the one rule behind the
+    numeric options and fields every layer checks. A huge int compares exactly (``math.isfinite``
+    would convert it to a float and raise OverflowError past 1.8e308)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return False
+    if finite and isinstance(value, float) and not math.isfinite(value):
+        return False
+    return (above is None or value > above) and (at_least is None or value >= at_least)
+
+
 def check_count(event: str, field: str, value: Any) -> None:
     """An int >= 0 (not a bool), else EventValidationError."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
