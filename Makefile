@@ -15,9 +15,9 @@ PYTEST_ARGS ?= -m "not slow" -n 3 --dist loadfile --durations=30
 
 # Torch goes in first, on its own: that takes the local CPU wheel instead of
 # letting a bare `torch` requirement pull a multi-GB CUDA build. The install
-# also builds the compiled frame codec (setup.py; skipped with a warning
+# also builds the compiled accelerators (setup.py; skipped with a warning
 # without a C compiler), so a changed C source reinstalls too.
-$(VENV)/.installed: pyproject.toml setup.py events/log/_framecodec.c
+$(VENV)/.installed: pyproject.toml setup.py events/log/_framecodec.c events/schema/_speedups.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[dev]'

@@ -1,10 +1,11 @@
-"""The optional compiled frame codec (agentlog.events.log._framecodec).
+"""The optional compiled accelerators (agentlog._compiled): the file log's frame
+codec (agentlog.events.log._framecodec) and the event schema's speedups
+(agentlog.events.schema._speedups).
 
-Everything else about the package is in pyproject.toml. The extension is an
+Everything else about the package is in pyproject.toml. Each extension is an
 accelerator: when it cannot be built (no C compiler, no Python headers, an
-unsupported platform) the build warns and goes on, and the pure-Python codec
-(agentlog.events.log.framecodec) is used instead. ``pip install`` never fails
-for want of a compiler.
+unsupported platform) the build warns and goes on, and its pure-Python path is
+used instead. ``pip install`` never fails for want of a compiler.
 """
 
 from __future__ import annotations
@@ -33,20 +34,18 @@ class OptionalBuildExt(build_ext):
     @staticmethod
     def _warn(exc: BaseException) -> None:
         print(
-            f"WARNING: agentlog's compiled frame codec was not built ({type(exc).__name__}: {exc}); "
-            "the pure-Python codec will be used (slower, same results)",
+            f"WARNING: an agentlog accelerator was not built ({type(exc).__name__}: {exc}); "
+            "its pure-Python path will be used (slower, same results)",
             file=sys.stderr,
         )
 
 
+_FLAGS = ["-O3", "-std=c99", "-Wall"] if sys.platform != "win32" else []
+
 setup(
     ext_modules=[
-        Extension(
-            "agentlog.events.log._framecodec",
-            sources=["events/log/_framecodec.c"],
-            extra_compile_args=["-O3", "-std=c99", "-Wall"] if sys.platform != "win32" else [],
-            optional=True,
-        )
+        Extension("agentlog.events.log._framecodec", sources=["events/log/_framecodec.c"], extra_compile_args=_FLAGS, optional=True),
+        Extension("agentlog.events.schema._speedups", sources=["events/schema/_speedups.c"], extra_compile_args=_FLAGS, optional=True),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -12,51 +12,26 @@ The compiled codec is used when it was built, unless the environment sets
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
-ENV_VAR = "AGENTLOG_PURE_PYTHON"
+from agentlog import _compiled as _switch
+from agentlog._compiled import ENV_VAR
 
 #: The compiled module's ``API`` this Python side calls (raised with every change to what it exports).
 API = 7
+_WHAT, _FALLBACK = "compiled codec", "pure-Python codec"
 
 
 def stale_reason(module: object) -> str:
     """Why a compiled codec module cannot serve this version of the Python side
     (built from an older ``_framecodec.c`` and never rebuilt), or "" when it can."""
-    found = getattr(module, "API", 1)
-    if found == API:
-        return ""
-    return (f"the compiled codec is stale (its API {found}, this version needs {API}): rebuild it with "
-            "`pip install -e .` (or `make .venv/.installed`); the pure-Python codec is used meanwhile")
+    return _switch.stale_reason(module, API, _WHAT, _FALLBACK)
 
 
-def _forced_pure() -> bool:
-    value = os.environ.get(ENV_VAR, "").strip().lower()
-    if value in ("", "0", "false", "no"):
-        return False
-    if value in ("1", "true", "yes"):
-        return True
-    raise ValueError(f"environment variable {ENV_VAR}={os.environ[ENV_VAR]!r}: expected 1/true/yes or 0/false/no (or unset)")
-
-
-try:
-    from . import _framecodec as _compiled
-except ImportError as _exc:  # not built: no compiler at install time, or an unsupported platform
-    _compiled: ModuleType | None = None
-    _missing = f"the compiled codec is not built ({_exc})"
-else:
-    _missing = stale_reason(_compiled)
-    if _missing:
-        _compiled = None
-        if not _forced_pure():  # the compiled codec was wanted
-            import warnings
-
-            warnings.warn(_missing, RuntimeWarning, stacklevel=2)
-
+_compiled, _missing = _switch.load("agentlog.events.log._framecodec", API, _WHAT, _FALLBACK)
 
 #: The compiled codec module in use, or None (pure Python).
-native: ModuleType | None = None if _forced_pure() else _compiled
+native: ModuleType | None = None if _switch.forced_pure() else _compiled
 
 
 def available() -> bool:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import msgspec
 import numpy as np
 
+from . import speedups
 from .validation import EventValidationError, fail
 
 TOKEN_DTYPE = np.dtype("<i4")
@@ -39,6 +40,11 @@ def pack_tokens(values: Any) -> bytes:
     """Token ids (list, tuple, numpy array or bytes) -> little-endian int32 bytes."""
     # An all-bool list is refused by numpy's path (dtype bool): a first item that is a bool goes there.
     if type(values) is list and values and type(values[0]) is not bool:
+        fast = speedups.native
+        if fast is not None:
+            packed = fast.pack_int32(values)  # None unless every item is an exact int in range
+            if packed is not None:
+                return packed
         try:
             return struct.pack(f"<{len(values)}i", *values)
         except (TypeError, OverflowError, struct.error):
@@ -64,6 +70,11 @@ def pack_tokens(values: Any) -> bytes:
 def pack_log_probs(values: Any) -> bytes:
     """Log-probs (list, tuple, numpy array or bytes) -> little-endian float32 bytes."""
     if type(values) is list:
+        fast = speedups.native
+        if fast is not None:
+            packed = fast.pack_float32(values)  # None unless every item is an exact float within float32
+            if packed is not None:
+                return packed
         try:
             return struct.pack(f"<{len(values)}f", *values)  # rounds each double to float32 as numpy's astype does
         except (TypeError, OverflowError, struct.error):
@@ -92,7 +103,11 @@ _SUM_SCAN_BYTES = 1024
 def all_finite(raw: bytes) -> bool:
     """Whether every float32 in packed log-prob bytes is finite (neither NaN nor infinite).
     A short run is summed as doubles: a NaN or an infinity makes the sum non-finite (inf - inf
-    is NaN), and float32 values cannot overflow a double's sum below 2**900 of them."""
+    is NaN), and float32 values cannot overflow a double's sum below 2**900 of them. The compiled
+    speedups test each value's exponent bits instead (:mod:`.speedups`)."""
+    fast = speedups.native
+    if fast is not None:
+        return fast.all_finite_f32(raw)
     if len(raw) < _SUM_SCAN_BYTES and _ARRAY_PACKS:
         return math.isfinite(sum(array("f", raw)))
     return bool(np.isfinite(log_probs_view(raw)).all())

@@ -37,6 +37,7 @@ import msgspec
 import numpy as np
 
 from ..errors import AgentlogError
+from . import speedups
 from .turn import TURN_BODY_FIELDS, TurnDelta, TurnRecorded
 from .types import TERMINAL_EVENT_TYPES, Envelope
 from .validation import READING_STORED
@@ -154,7 +155,11 @@ def message_digests(messages: Iterable[Any]) -> bytes:
 
 
 def _repeated_objects(new: list[Any], held: tuple[Any, ...]) -> int:
-    """Leading items of ``new`` that are the very objects of ``held`` (identity, not equality)."""
+    """Leading items of ``new`` that are the very objects of ``held`` (identity, not equality).
+    Compiled (:mod:`.speedups`), the pointers are compared without reading the objects."""
+    fast = speedups.native
+    if fast is not None and type(new) is list:
+        return fast.leading_identical(new, held)
     n = min(len(new), len(held))
     if all(map(is_, new, held)):  # the common case, compared in C (map stops at the shorter)
         return n

@@ -103,12 +103,17 @@ def test_wheel_installs_no_test_or_benchmark_code(wheel_names):
     assert not stray, f"the wheel carries files that are not part of the library: {stray}"
 
 
-def test_the_wheel_carries_the_compiled_frame_codec_where_it_builds(wheel_names):
-    """setup.py builds events/log/_framecodec.c into the wheel when a C compiler is
-    present (this checkout built it: its editable install has it)."""
-    from agentlog.events.log import framecodec
+@pytest.mark.parametrize("loader, stem, folder", [
+    ("agentlog.events.log.framecodec", "_framecodec", "agentlog/events/log"),
+    ("agentlog.events.schema.speedups", "_speedups", "agentlog/events/schema"),
+])
+def test_the_wheel_carries_the_compiled_accelerators_where_they_build(wheel_names, loader, stem, folder):
+    """setup.py builds events/log/_framecodec.c and events/schema/_speedups.c into the wheel when
+    a C compiler is present (this checkout built them: its editable install has them)."""
+    import importlib
 
-    if not framecodec.available():
-        pytest.skip("no compiled frame codec in this checkout (no C compiler at install time?)")
-    built = [n for n in wheel_names if PurePosixPath(n).name.startswith("_framecodec.") and n.endswith((".so", ".pyd"))]
-    assert [PurePosixPath(n).parent.as_posix() for n in built] == ["agentlog/events/log"], wheel_names
+    module = importlib.import_module(loader)
+    if not module.available():
+        pytest.skip(f"no compiled {stem} in this checkout (no C compiler at install time?)")
+    built = [n for n in wheel_names if PurePosixPath(n).name.startswith(f"{stem}.") and n.endswith((".so", ".pyd"))]
+    assert [PurePosixPath(n).parent.as_posix() for n in built] == [folder], wheel_names

@@ -1,0 +1,66 @@
+"""The optional compiled accelerators, and the one switch that turns them all off.
+
+Two C extensions are built at ``pip install`` when a C compiler is present
+(``setup.py``; without one the install warns and goes on):
+
+* :mod:`agentlog.events.log._framecodec`, the file log's framing and CRC32C
+  (selected by :mod:`agentlog.events.log.framecodec`);
+* :mod:`agentlog.events.schema._speedups`, the schema's packing of token ids
+  and log-probs, its finite check, and the turn encoding's identity
+  comparison (selected by :mod:`agentlog.events.schema.speedups`).
+
+Each is an accelerator of a pure-Python path that stays the reference: the
+differential tests hold both to identical results. Each is used when it was
+built and is current, unless the environment sets ``AGENTLOG_PURE_PYTHON=1``.
+A module built from an older source (a checkout updated without reinstalling)
+exports an older ``API`` number: it is then not used, and says why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from types import ModuleType
+
+#: Set to 1/true/yes to use the pure-Python path of every compiled accelerator.
+ENV_VAR = "AGENTLOG_PURE_PYTHON"
+
+
+def forced_pure() -> bool:
+    """Whether :data:`ENV_VAR` asks for the pure-Python paths. Raises ValueError,
+    naming the variable and its value, for a value that is neither yes nor no."""
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"environment variable {ENV_VAR}={os.environ[ENV_VAR]!r}: expected 1/true/yes or 0/false/no (or unset)")
+
+
+def stale_reason(module: object, api: int, what: str, fallback: str) -> str:
+    """Why the compiled ``module`` (``what``, in words) cannot serve the Python side that
+    needs its ``api``: built from an older source and never rebuilt. "" when it can.
+    ``fallback`` names the pure-Python path used meanwhile."""
+    found = getattr(module, "API", 1)
+    if found == api:
+        return ""
+    return (f"the {what} is stale (its API {found}, this version needs {api}): rebuild it with "
+            f"`pip install -e .` (or `make .venv/.installed`); the {fallback} is used meanwhile")
+
+
+def load(name: str, api: int, what: str, fallback: str) -> tuple[ModuleType | None, str]:
+    """Import the compiled module ``name`` (absolute): ``(module, "")`` when it was built and is
+    current, else ``(None, why)``: not built (no C compiler at install time, an unsupported
+    platform), or stale (see :func:`stale_reason`; a stale build also warns, unless the
+    environment asks for the pure-Python paths anyway)."""
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        return None, f"the {what} is not built ({exc})"
+    missing = stale_reason(module, api, what, fallback)
+    if missing:
+        if not forced_pure():  # the compiled module was wanted
+            warnings.warn(missing, RuntimeWarning, stacklevel=3)
+        return None, missing
+    return module, ""

@@ -1,0 +1,58 @@
+"""Whether the schema's hot loops run compiled: :mod:`agentlog.events.schema._speedups`,
+built from ``events/schema/_speedups.c`` at ``pip install`` when a C compiler is present.
+
+Every recorded turn packs its output token ids and log-probs, checks that every
+log-prob is finite, and finds which of its messages are the very objects of the
+session's previous turn. Each is a short loop over a few hundred Python objects;
+in Python it costs a tenth of a captured turn (``tools/bench/capture_cpu.py``).
+The compiled module runs the common case of each and hands anything else back to
+the Python path, which stays the reference: :mod:`~.packing` and
+:mod:`~.turn_delta` call ``native`` when it is set, and the differential tests
+hold both paths to identical bytes, verdicts and refusals.
+
+``native`` is the compiled module in use, or None: not built, stale (built from an
+older source), or switched off with ``AGENTLOG_PURE_PYTHON=1``
+(:mod:`agentlog._compiled`, the switch it shares with the file log's codec). Tests
+switch at run time with :func:`use_native`.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from agentlog import _compiled as _switch
+
+#: The compiled module's ``API`` this Python side calls (raised with every change to what it exports).
+API = 1
+_WHAT, _FALLBACK = "compiled schema speedups module", "pure-Python path"
+
+
+def stale_reason(module: object) -> str:
+    """Why a compiled speedups module cannot serve this version of the Python side
+    (built from an older ``_speedups.c`` and never rebuilt), or "" when it can."""
+    return _switch.stale_reason(module, API, _WHAT, _FALLBACK)
+
+
+_compiled, _missing = _switch.load("agentlog.events.schema._speedups", API, _WHAT, _FALLBACK)
+
+#: The compiled speedups module in use, or None (pure Python).
+native: ModuleType | None = None if _switch.forced_pure() else _compiled
+
+
+def available() -> bool:
+    """True when the compiled speedups were built (whether or not they are in use)."""
+    return _compiled is not None
+
+
+def unavailable_reason() -> str:
+    """Why the compiled speedups cannot be used ("" when they can)."""
+    return _missing
+
+
+def use_native(on: bool) -> None:
+    """Switch the speedups for this process (tests, benchmarks). Raises
+    RuntimeError when ``on`` and the compiled module was not built."""
+    global native
+    if on and _compiled is None:
+        raise RuntimeError(_missing)
+    native = _compiled if on else None
