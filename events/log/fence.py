@@ -69,6 +69,7 @@ class FenceAndSpares:
     _fence_path: str  # the FENCE file's path, as a str: built once, not per check
     _fence_bytes: bytes  # what this writer wrote to FENCE (its epoch)
     _segment_bytes: int
+    _spare_ahead_at: float  # _SPARE_AHEAD_FILL of _segment_bytes: a segment this full opens the next one's file
     _seg_fd: int | None
     _seg_first: int | None
     _seg_size: int
@@ -119,7 +120,7 @@ class FenceAndSpares:
                     f"segment ({errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror or exc})"
                     + ("; free file descriptors and retry, the log is healthy" if exc.errno in _OUT_OF_FDS else "")
                 ) from exc
-        if len(self._spares) == needed and end_size >= _SPARE_AHEAD_FILL * self._segment_bytes:
+        if len(self._spares) == needed and end_size >= self._spare_ahead_at:
             try:
                 self._open_spare()
             except OSError as exc:  # only ahead of need: the batch that needs it reserves it or is refused

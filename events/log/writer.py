@@ -68,7 +68,7 @@ from ..schema.validation import is_number
 from .api import CheckedBatch, DurableCallback, EventLog, LogClosed, LogError, NotALog, OnDurable, PendingRecord, check_record_body
 from .batch_compression import BatchCompression, check_compression, chosen_compression
 from .commit import GroupCommit, _Submission
-from .fence import _SPARE_PREFIX, FenceAndSpares, _Spare
+from .fence import _SPARE_AHEAD_FILL, _SPARE_PREFIX, FenceAndSpares, _Spare
 from .format import CHECKPOINT_EVERY_BYTES, DEFAULT_MAX_RECORD_BYTES, DURABLE_NAME, ENV_HDR, FENCE_NAME, FRAME_OVERHEAD
 from .format import INDEX_EVERY_BYTES, INDEX_NAME, LOCK_NAME, SEG_HDR_SIZE, Checkpoint, is_log_dir
 from .format import pack_durable, pack_fence, read_durable, read_fence, segment_name
@@ -175,6 +175,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         self._clock = clock
         self._policy = fsync
         self._segment_bytes = segment_bytes
+        self._spare_ahead_at = _SPARE_AHEAD_FILL * segment_bytes  # fence's rule, read on every append
         self._cap = max_record_bytes
         self._interval_s = interval_s
         self._ckpt_bytes = self._ckpt_every = checkpoint_bytes
@@ -405,17 +406,13 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         sidb = sid.encode()
         n = FRAME_OVERHEAD + len(sidb) + len(payload)
         seg_size = self._seg_size
-        if (
-            n > self._cap + FRAME_OVERHEAD - ENV_HDR.size
-            or seg_size + n > self._segment_bytes
-            or seg_size - self._last_index_off >= INDEX_EVERY_BYTES
-        ):
+        if n > self._cap + FRAME_OVERHEAD - ENV_HDR.size or seg_size + n > self._segment_bytes:
             terminal = type(body) in _TERMINAL_TYPES
             checked = CheckedBatch([sid], [seq], [body], [payload], [int(terminal)], {sid: seq + 1}, {sid} if terminal else set())
             envs, end = self._stage(checked)
             return envs[0], end
-        if not self._spares:
-            self._reserve_spares(0, seg_size + n)  # with a spare at hand it has nothing to do
+        if not self._spares and seg_size + n >= self._spare_ahead_at:
+            self._reserve_spares(0, seg_size + n)  # opens the next segment's file ahead of need
         ts = self._clock()
         lsn = self._assigned
         env: Envelope  # made before any state changes: what could fail making it (memory) leaves none half changed
@@ -436,6 +433,11 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
             frame = codec.encode_frame(lsn, seq, ts, 0, sidb, payload, big)
             self._next_seq[sid] = seq + 1
         self._seg_size = seg_size + n
+        if seg_size - self._last_index_off >= INDEX_EVERY_BYTES:
+            # A sparse index entry at this frame, as _stage_frames would make it.
+            assert self._seg_first is not None  # the fast path runs in an open segment
+            self._index[self._seg_first].append((lsn, seg_size))
+            self._last_index_off = seg_size
         end = lsn + 1
         pending = self._pending
         if pending and self._policy != "always" and seg_size + n - self._ckpt_off < self._ckpt_every:

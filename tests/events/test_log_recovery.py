@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 
 from agentlog.events import FileLog, LogCorruption, LogLocked, NotALog, read_log, verify_log
 from agentlog.events.log.format import DURABLE_NAME, INDEX_NAME, SEG_HDR_SIZE, list_segments, segment_name
-from agentlog.events.schema.types import SessionFinished, SessionOpened
+from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 from event_samples import small_event
 from log_helpers import copy_log, drop_watermark, flip_bit, frame_offsets, records, rng, seg_path, write_small_log
 
@@ -257,6 +257,32 @@ def test_read_seeks_with_the_sparse_index(tmp_path):
     with pytest.raises(LogCorruption):
         list(lg.read(0))
     lg.close()
+
+
+def test_appends_one_at_a_time_index_as_batches_do(tmp_path):
+    """The async append's fast path (one record, no batch) makes the sparse index entries the batch
+    path makes for the same records, and a read from a late LSN seeks with them."""
+    import asyncio
+
+    prompt = bytes(4000)  # 1,000 tokens: ~4 KB a record, records of one open session (the fast path's case)
+    bodies = [("s", 0, SessionOpened(group_id="g", group_size=1)), ("s", 1, SessionStarted(harness="h"))]
+    bodies += [("s", 2 + t, TurnRecorded(turn_index=t, prompt_ids=prompt)) for t in range(58)]
+    batched = FileLog.open(tmp_path / "batched")
+    for record in bodies:
+        batched.append_batch([record])
+    single = FileLog.open(tmp_path / "single", clock=lambda: 0)
+
+    async def one_by_one():
+        for sid, seq, body in bodies:
+            await single.append(sid, seq, body)
+
+    asyncio.run(one_by_one())
+    assert len(single._index[0]) > 2 and single._index == batched._index
+    tail = list(single.read(55))
+    flip_bit(seg_path(tmp_path / "single"), (SEG_HDR_SIZE + 10) * 8)  # damage the very first frame
+    assert list(single.read(55)) == tail and [e.lsn for e in tail] == list(range(55, 60))
+    batched.close()
+    single.close()
 
 
 def test_torn_segment_header_of_a_new_segment_is_removed(tmp_path):
