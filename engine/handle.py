@@ -269,7 +269,7 @@ class SessionHandle:
         h._busy = True
         try:
             body, after = h._turn_body(messages, prompt_ids, sampling, frozen_messages, declared_lineage, fields)
-            pending.built(body)
+            pending.built(body.turn_index, h._lineages.placed)
             h._engine._stage(h, body, None, after, pending.settle)
         except BaseException:
             release(h)
@@ -283,7 +283,7 @@ class SessionHandle:
         await handed_over(self, queued)
         try:
             body, after = self._turn_body(messages, prompt_ids, sampling, frozen_messages, declared_lineage, fields)
-            pending.built(body)
+            pending.built(body.turn_index, self._lineages.placed)
         except BaseException:
             release(self)
             raise

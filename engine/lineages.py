@@ -142,6 +142,13 @@ class LineageTracker:
 
     # -------------------------------------------------------------- deciding
 
+    @property
+    def placed(self) -> str:
+        """The id of the lineage the turn staged last (by :meth:`stamp` or :meth:`place`) was placed in:
+        what ``turn_lineage`` reads back from its body."""
+        assert self._staged is not None, "placed is read right after a turn was placed"
+        return self._staged[0]
+
     def check(self, declared: Declared) -> None:
         """Raise LineageError when ``declared`` cannot be taken now (what
         :meth:`place` would refuse), before anything runs."""
@@ -198,9 +205,10 @@ class LineageTracker:
             self._staged = (declared.id, key, first, calls, answered)
             return value if (value is not UNSET or declared.id != ROOT_LINEAGE) else UNSET
         thread = self._extended(turn, digests, extends_previous)
+        key = b""  # the key of a turn that starts a lineage (computed once, where needed)
         if thread is None:
-            key = _key(messages, digests)
-            if messages and key:
+            key = _key(messages, digests) if messages else b""
+            if key:
                 thread = next((t for t in self._recent if t.key == key), None)
             elif not messages and self._recent:
                 # A rewrite of a lineage's tokens (a re-tokenised last response: REALIGN) shares most
@@ -210,7 +218,6 @@ class LineageTracker:
         if thread is not None:
             self._staged = (thread.id, thread.key, None, calls, answered)
             return UNSET if thread.id == ROOT_LINEAGE else Lineage(thread.id)
-        key = _key(messages, digests)
         if not self._threads:
             self._staged = (ROOT_LINEAGE, key, None, calls, answered)
             return UNSET

@@ -19,7 +19,6 @@ import asyncio
 from typing import TYPE_CHECKING, Any, Callable
 
 from agentlog.events.log.api import DurableCallback, answer
-from agentlog.events.schema.lineage import turn_lineage
 from agentlog.events.schema.types import Envelope
 from agentlog.events.schema.lifecycle import TERMINAL_STATES, State
 from agentlog.events.schema.turn import TurnDelta, TurnRecorded, scored_against
@@ -50,9 +49,10 @@ class PendingTurn:
         self._tb: Any = None  # the failure's traceback as it settled: raised with it each time, as a future does
         self.turn_index, self.lineage = -1, ""
 
-    def built(self, body: Any) -> None:
-        """Note the turn ``body`` the engine built for this pending turn."""
-        self.turn_index, self.lineage = body.turn_index, turn_lineage(body)
+    def built(self, turn_index: int, lineage: str) -> None:
+        """Note the turn the engine built for this pending turn: its index and the id of the lineage
+        the engine placed it in (what ``turn_lineage`` reads back from its body)."""
+        self.turn_index, self.lineage = turn_index, lineage
 
     def settle(self, env: Envelope | None, exc: BaseException | None) -> None:
         """Called once (on the loop) with the durable envelope or the failure."""

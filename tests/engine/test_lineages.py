@@ -56,7 +56,11 @@ async def record(schedule: list[tuple[int, int]], lengths: list[int], declare: b
             if declare:
                 declared = Declared(f"L{lineage}", parent="" if lineage == 0 else "L0",
                                     call="" if lineage == 0 else f"call_{lineage}") if step == 0 else Declared(f"L{lineage}")
-            await h.record_turn(declared_lineage=declared, **convs[lineage][step])
+            if step % 2:  # the gateway's begin_turn, whose pending turn names the lineage placed
+                pending = h.begin_turn(declared_lineage=declared, **convs[lineage][step])
+                assert pending.lineage == turn_lineage((await pending.durable).body)
+            else:
+                await h.record_turn(declared_lineage=declared, **convs[lineage][step])
         await h.finish(1.0)
     await engine.close()
     return log
