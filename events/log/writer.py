@@ -433,8 +433,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
             frame = codec.encode_frame(lsn, seq, ts, 0, sidb, payload, big)
             self._next_seq[sid] = seq + 1
         self._seg_size = seg_size + n
-        if seg_size - self._last_index_off >= INDEX_EVERY_BYTES:
-            # A sparse index entry at this frame, as _stage_frames would make it.
+        if seg_size - self._last_index_off >= INDEX_EVERY_BYTES:  # a sparse index entry here, as _stage_frames makes
             assert self._seg_first is not None  # the fast path runs in an open segment
             self._index[self._seg_first].append((lsn, seg_size))
             self._last_index_off = seg_size
