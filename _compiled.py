@@ -49,18 +49,44 @@ def stale_reason(module: object, api: int, what: str, fallback: str) -> str:
             f"`pip install -e .` (or `make .venv/.installed`); the {fallback} is used meanwhile")
 
 
-def load(name: str, api: int, what: str, fallback: str) -> tuple[ModuleType | None, str]:
-    """Import the compiled module ``name`` (absolute): ``(module, "")`` when it was built and is
-    current, else ``(None, why)``: not built (no C compiler at install time, an unsupported
-    platform), or stale (see :func:`stale_reason`; a stale build also warns, unless the
-    environment asks for the pure-Python paths anyway)."""
-    try:
-        module = importlib.import_module(name)
-    except ImportError as exc:
-        return None, f"the {what} is not built ({exc})"
-    missing = stale_reason(module, api, what, fallback)
-    if missing:
-        if not forced_pure():  # the compiled module was wanted
-            warnings.warn(missing, RuntimeWarning, stacklevel=3)
-        return None, missing
-    return module, ""
+class Accelerator:
+    """One compiled accelerator as its Python side finds it: ``module`` (None when it cannot be
+    used) and ``missing`` (why not: "" when it can). Importing ``name`` (absolute) happens here:
+    a module not built (no C compiler at install time, an unsupported platform) or stale (see
+    :func:`stale_reason`; a stale build also warns, unless the environment asks for the
+    pure-Python paths anyway) is not used. The Python side keeps the module it calls as a
+    global of its own (``native``, read on every call) and sets it with :meth:`chosen`."""
+
+    def __init__(self, name: str, api: int, what: str, fallback: str) -> None:
+        self.api, self.what, self.fallback = api, what, fallback
+        self.module: ModuleType | None = None
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            self.missing = f"the {what} is not built ({exc})"
+            return
+        self.missing = self.stale_reason(module)
+        if self.missing:
+            if not forced_pure():  # the compiled module was wanted
+                warnings.warn(self.missing, RuntimeWarning, stacklevel=3)
+        else:
+            self.module = module
+
+    def stale_reason(self, module: object) -> str:
+        """Why ``module`` cannot serve this version of the Python side, or "" when it can."""
+        return stale_reason(module, self.api, self.what, self.fallback)
+
+    def available(self) -> bool:
+        """Whether the compiled module was built and is current (whether or not it is in use)."""
+        return self.module is not None
+
+    def chosen(self, on: bool) -> ModuleType | None:
+        """The module to call when switched ``on`` (tests, benchmarks), None when off. Raises
+        RuntimeError, saying why, when ``on`` and the module cannot be used."""
+        if on and self.module is None:
+            raise RuntimeError(self.missing)
+        return self.module if on else None
+
+    def in_use(self) -> ModuleType | None:
+        """The module to call at import: None when the environment asks for pure Python."""
+        return None if forced_pure() else self.module

@@ -19,39 +19,27 @@ from agentlog._compiled import ENV_VAR
 
 #: The compiled module's ``API`` this Python side calls (raised with every change to what it exports).
 API = 7
-_WHAT, _FALLBACK = "compiled codec", "pure-Python codec"
-
-
-def stale_reason(module: object) -> str:
-    """Why a compiled codec module cannot serve this version of the Python side
-    (built from an older ``_framecodec.c`` and never rebuilt), or "" when it can."""
-    return _switch.stale_reason(module, API, _WHAT, _FALLBACK)
-
-
-_compiled, _missing = _switch.load("agentlog.events.log._framecodec", API, _WHAT, _FALLBACK)
+_ACCELERATOR = _switch.Accelerator("agentlog.events.log._framecodec", API, "compiled codec", "pure-Python codec")
+_compiled, _missing = _ACCELERATOR.module, _ACCELERATOR.missing
 
 #: The compiled codec module in use, or None (pure Python).
-native: ModuleType | None = None if _switch.forced_pure() else _compiled
+native: ModuleType | None = _ACCELERATOR.in_use()
 
-
-def available() -> bool:
-    """True when the compiled codec was built (whether or not it is in use)."""
-    return _compiled is not None
+stale_reason = _ACCELERATOR.stale_reason  # why a built module cannot serve this Python side ("" when it can)
+available = _ACCELERATOR.available  # whether the compiled codec was built and is current
 
 
 def unavailable_reason() -> str:
     """Why the compiled codec cannot be used ("" when it can): not built (no C
     compiler at install time?), or built from an older source (stale)."""
-    return _missing
+    return _ACCELERATOR.missing
 
 
 def use_native(on: bool) -> None:
     """Switch the codec for this process (tests, benchmarks). Raises
     RuntimeError when ``on`` and the compiled codec was not built."""
     global native
-    if on and _compiled is None:
-        raise RuntimeError(_missing)
-    native = _compiled if on else None
+    native = _ACCELERATOR.chosen(on)
 
 
 def describe() -> str:

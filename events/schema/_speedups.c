@@ -35,23 +35,41 @@
 /* The module's API (speedups.API): raised with every change to what it exports. */
 #define SPEEDUPS_API 1
 
-static PyObject *pack_int32(PyObject *self, PyObject *values) {
+/* The packers' output: a bytes object of 4 bytes per item of the exact list ``values``, written
+ * from *at on. Returns 1, or 0 when ``values`` is not an exact list (the caller returns None),
+ * or -1 with an exception set. */
+static int packed_output(PyObject *values, PyObject **out, char **at) {
     if (!PyList_CheckExact(values)) {
-        Py_RETURN_NONE;
+        return 0;
     }
-    Py_ssize_t n = PyList_GET_SIZE(values);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
-    if (out == NULL) {
-        return NULL;
+    *out = PyBytes_FromStringAndSize(NULL, PyList_GET_SIZE(values) * 4);
+    if (*out == NULL) {
+        return -1;
     }
-    char *at = PyBytes_AS_STRING(out);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    *at = PyBytes_AS_STRING(*out);
+    return 1;
+}
+
+/* What a packer returns for an item it does not take: None, its output dropped. */
+#define HAND_BACK(out) \
+    do {                \
+        Py_DECREF(out); \
+        Py_RETURN_NONE; \
+    } while (0)
+
+static PyObject *pack_int32(PyObject *self, PyObject *values) {
+    PyObject *out;
+    char *at;
+    int made = packed_output(values, &out, &at);
+    if (made <= 0) {
+        return made < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    for (Py_ssize_t i = 0, n = PyList_GET_SIZE(values); i < n; i++) {
         PyObject *item = PyList_GET_ITEM(values, i);
         int overflow = 0;
         long long v = PyLong_CheckExact(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
         if (!PyLong_CheckExact(item) || overflow || v < INT32_MIN || v > INT32_MAX) {
-            Py_DECREF(out);
-            Py_RETURN_NONE; /* the Python path packs it or says why not */
+            HAND_BACK(out); /* the Python path packs it or says why not */
         }
         int32_t word = (int32_t)v;
         memcpy(at + 4 * i, &word, 4);
@@ -60,26 +78,21 @@ static PyObject *pack_int32(PyObject *self, PyObject *values) {
 }
 
 static PyObject *pack_float32(PyObject *self, PyObject *values) {
-    if (!PyList_CheckExact(values)) {
-        Py_RETURN_NONE;
+    PyObject *out;
+    char *at;
+    int made = packed_output(values, &out, &at);
+    if (made <= 0) {
+        return made < 0 ? NULL : Py_NewRef(Py_None);
     }
-    Py_ssize_t n = PyList_GET_SIZE(values);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
-    if (out == NULL) {
-        return NULL;
-    }
-    char *at = PyBytes_AS_STRING(out);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0, n = PyList_GET_SIZE(values); i < n; i++) {
         PyObject *item = PyList_GET_ITEM(values, i);
         if (!PyFloat_CheckExact(item)) {
-            Py_DECREF(out);
-            Py_RETURN_NONE;
+            HAND_BACK(out);
         }
         double d = PyFloat_AS_DOUBLE(item);
         float f = (float)d; /* rounded to nearest, as struct's "<f" (PyFloat_Pack4) rounds it */
         if (isinf(f) && !isinf(d)) {
-            Py_DECREF(out);
-            Py_RETURN_NONE; /* past float32: struct refuses it, numpy's path stores the infinity */
+            HAND_BACK(out); /* past float32: struct refuses it, numpy's path stores the infinity */
         }
         memcpy(at + 4 * i, &f, 4);
     }

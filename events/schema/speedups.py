@@ -24,35 +24,23 @@ from agentlog import _compiled as _switch
 
 #: The compiled module's ``API`` this Python side calls (raised with every change to what it exports).
 API = 1
-_WHAT, _FALLBACK = "compiled schema speedups module", "pure-Python path"
-
-
-def stale_reason(module: object) -> str:
-    """Why a compiled speedups module cannot serve this version of the Python side
-    (built from an older ``_speedups.c`` and never rebuilt), or "" when it can."""
-    return _switch.stale_reason(module, API, _WHAT, _FALLBACK)
-
-
-_compiled, _missing = _switch.load("agentlog.events.schema._speedups", API, _WHAT, _FALLBACK)
+_ACCELERATOR = _switch.Accelerator("agentlog.events.schema._speedups", API, "compiled schema speedups module", "pure-Python path")
+_compiled = _ACCELERATOR.module
 
 #: The compiled speedups module in use, or None (pure Python).
-native: ModuleType | None = None if _switch.forced_pure() else _compiled
+native: ModuleType | None = _ACCELERATOR.in_use()
 
-
-def available() -> bool:
-    """True when the compiled speedups were built (whether or not they are in use)."""
-    return _compiled is not None
+stale_reason = _ACCELERATOR.stale_reason  # why a built module cannot serve this Python side ("" when it can)
+available = _ACCELERATOR.available  # whether the compiled speedups were built and are current
 
 
 def unavailable_reason() -> str:
     """Why the compiled speedups cannot be used ("" when they can)."""
-    return _missing
+    return _ACCELERATOR.missing
 
 
 def use_native(on: bool) -> None:
     """Switch the speedups for this process (tests, benchmarks). Raises
     RuntimeError when ``on`` and the compiled module was not built."""
     global native
-    if on and _compiled is None:
-        raise RuntimeError(_missing)
-    native = _compiled if on else None
+    native = _ACCELERATOR.chosen(on)

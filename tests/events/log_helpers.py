@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 from agentlog.events import FileLog, read_log
@@ -85,3 +87,15 @@ def rng(seed: int) -> random.Random:
             return f"Random(seed={seed})"
 
     return _R(seed)
+
+
+def with_pure_switch(code: str, value: str | None) -> subprocess.CompletedProcess:
+    """Run ``python -c code`` with ``AGENTLOG_PURE_PYTHON`` set to ``value`` (None: unset), as
+    the compiled accelerators' switch (agentlog._compiled) reads it at import."""
+    from agentlog._compiled import ENV_VAR
+
+    env = dict(os.environ)
+    env.pop(ENV_VAR, None)
+    if value is not None:
+        env[ENV_VAR] = value
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
 import types
 from pathlib import Path
@@ -32,6 +30,7 @@ from agentlog.events.log.format import (
     segment_name,
 )
 from agentlog.events.log.scan import SegmentScanner
+from log_helpers import with_pure_switch
 
 pytestmark = pytest.mark.skipif(not framecodec.available(), reason="the compiled frame codec is not built")
 
@@ -327,21 +326,13 @@ def test_crc32c_backend_switch_names_the_kernel():
 # ---------------------------------------------------------------- the switch
 
 
-def _codec_in_child(value: str | None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop(framecodec.ENV_VAR, None)
-    if value is not None:
-        env[framecodec.ENV_VAR] = value
-    code = "from agentlog.events.log import framecodec; print(framecodec.native is not None, framecodec.describe())"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-
-
 def test_the_environment_variable_forces_the_pure_python_codec():
-    on = _codec_in_child(None)
+    code = "from agentlog.events.log import framecodec; print(framecodec.native is not None, framecodec.describe())"
+    on = with_pure_switch(code, None)
     assert on.returncode == 0 and on.stdout.startswith("True compiled"), on.stderr
-    off = _codec_in_child("1")
+    off = with_pure_switch(code, "1")
     assert off.returncode == 0 and off.stdout.startswith("False pure Python"), off.stderr
-    bad = _codec_in_child("maybe")
+    bad = with_pure_switch(code, "maybe")
     assert bad.returncode != 0 and "AGENTLOG_PURE_PYTHON='maybe'" in bad.stderr and "expected 1/true/yes" in bad.stderr
 
 

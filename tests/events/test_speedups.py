@@ -5,19 +5,16 @@ packing's differential tests are in test_packing.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import types
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentlog import _compiled
 from agentlog.events.schema import speedups
 from agentlog.events.schema.turn_delta import _repeated_objects
 
+from log_helpers import with_pure_switch
 from test_packing import PATHS, path
 
 _POOL = [{"role": "user", "content": str(i)} for i in range(6)]
@@ -50,23 +47,15 @@ class iter_list(list):  # noqa: N801 - a list subclass: the compiled comparison 
     pass
 
 
-def _speedups_in_child(value: str | None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop(_compiled.ENV_VAR, None)
-    if value is not None:
-        env[_compiled.ENV_VAR] = value
-    code = "from agentlog.events.schema import speedups; print(speedups.native is not None)"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-
-
 def test_the_environment_variable_switches_the_speedups_off_as_it_does_the_codec():
     if not speedups.available():
         pytest.skip(speedups.unavailable_reason())
-    on = _speedups_in_child(None)
+    code = "from agentlog.events.schema import speedups; print(speedups.native is not None)"
+    on = with_pure_switch(code, None)
     assert on.returncode == 0 and on.stdout.strip() == "True", on.stderr
-    off = _speedups_in_child("1")
+    off = with_pure_switch(code, "1")
     assert off.returncode == 0 and off.stdout.strip() == "False", off.stderr
-    bad = _speedups_in_child("maybe")
+    bad = with_pure_switch(code, "maybe")
     assert bad.returncode != 0 and "AGENTLOG_PURE_PYTHON='maybe'" in bad.stderr and "expected 1/true/yes" in bad.stderr
 
 
@@ -81,8 +70,8 @@ def test_a_stale_speedups_module_is_named_and_not_used():
 
 def test_use_native_refuses_what_was_not_built(monkeypatch):
     monkeypatch.setattr(speedups, "native", speedups.native)  # restored after
-    monkeypatch.setattr(speedups, "_compiled", None)
-    monkeypatch.setattr(speedups, "_missing", "the compiled schema speedups module is not built (no compiler)")
+    monkeypatch.setattr(speedups._ACCELERATOR, "module", None)
+    monkeypatch.setattr(speedups._ACCELERATOR, "missing", "the compiled schema speedups module is not built (no compiler)")
     with pytest.raises(RuntimeError, match="not built"):
         speedups.use_native(True)
     speedups.use_native(False)
