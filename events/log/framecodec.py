@@ -20,7 +20,7 @@ from agentlog._compiled import ENV_VAR
 #: The compiled module's ``API`` this Python side calls (raised with every change to what it exports).
 API = 7
 _ACCELERATOR = _switch.Accelerator("agentlog.events.log._framecodec", API, "compiled codec", "pure-Python codec")
-_compiled, _missing = _ACCELERATOR.module, _ACCELERATOR.missing
+_compiled = _ACCELERATOR.module  # the built module, in use or not (None: not built, or stale)
 
 #: The compiled codec module in use, or None (pure Python).
 native: ModuleType | None = _ACCELERATOR.in_use()
@@ -48,4 +48,4 @@ def describe() -> str:
         return f"compiled (CRC32C: {native.crc_backend()})"
     if _compiled is not None:
         return f"pure Python ({ENV_VAR} set or switched off)"
-    return f"pure Python ({_missing})"
+    return f"pure Python ({_ACCELERATOR.missing})"

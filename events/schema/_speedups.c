@@ -35,68 +35,66 @@
 /* The module's API (speedups.API): raised with every change to what it exports. */
 #define SPEEDUPS_API 1
 
-/* The packers' output: a bytes object of 4 bytes per item of the exact list ``values``, written
- * from *at on. Returns 1, or 0 when ``values`` is not an exact list (the caller returns None),
- * or -1 with an exception set. */
-static int packed_output(PyObject *values, PyObject **out, char **at) {
-    if (!PyList_CheckExact(values)) {
+/* Write ``item`` as 4 little-endian bytes at ``at``; 0 when it is not the packer's common case. */
+typedef int (*put_item)(PyObject *item, char *at);
+
+/* An exact int in int32 range (the Python path packs anything else, or says why not). */
+static int put_int32(PyObject *item, char *at) {
+    if (!PyLong_CheckExact(item)) {
         return 0;
     }
-    *out = PyBytes_FromStringAndSize(NULL, PyList_GET_SIZE(values) * 4);
-    if (*out == NULL) {
-        return -1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow || v < INT32_MIN || v > INT32_MAX) {
+        return 0;
     }
-    *at = PyBytes_AS_STRING(*out);
+    int32_t word = (int32_t)v;
+    memcpy(at, &word, 4);
     return 1;
 }
 
-/* What a packer returns for an item it does not take: None, its output dropped. */
-#define HAND_BACK(out) \
-    do {                \
-        Py_DECREF(out); \
-        Py_RETURN_NONE; \
-    } while (0)
-
-static PyObject *pack_int32(PyObject *self, PyObject *values) {
-    PyObject *out;
-    char *at;
-    int made = packed_output(values, &out, &at);
-    if (made <= 0) {
-        return made < 0 ? NULL : Py_NewRef(Py_None);
+/* An exact float within float32's range, rounded to nearest as struct's "<f" (PyFloat_Pack4)
+ * rounds it; past float32, struct refuses it and numpy's path stores the infinity. */
+static int put_float32(PyObject *item, char *at) {
+    if (!PyFloat_CheckExact(item)) {
+        return 0;
     }
-    for (Py_ssize_t i = 0, n = PyList_GET_SIZE(values); i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(values, i);
-        int overflow = 0;
-        long long v = PyLong_CheckExact(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
-        if (!PyLong_CheckExact(item) || overflow || v < INT32_MIN || v > INT32_MAX) {
-            HAND_BACK(out); /* the Python path packs it or says why not */
+    double d = PyFloat_AS_DOUBLE(item);
+    float f = (float)d;
+    if (isinf(f) && !isinf(d)) {
+        return 0;
+    }
+    memcpy(at, &f, 4);
+    return 1;
+}
+
+/* ``values``, an exact list, packed 4 bytes an item by ``put``; None when it is not a list or
+ * ``put`` does not take one of its items. */
+static PyObject *pack_list(PyObject *values, put_item put) {
+    if (!PyList_CheckExact(values)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(values);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (out == NULL) {
+        return NULL;
+    }
+    char *at = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!put(PyList_GET_ITEM(values, i), at + 4 * i)) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
         }
-        int32_t word = (int32_t)v;
-        memcpy(at + 4 * i, &word, 4);
     }
     return out;
 }
 
+static PyObject *pack_int32(PyObject *self, PyObject *values) {
+    return pack_list(values, put_int32);
+}
+
 static PyObject *pack_float32(PyObject *self, PyObject *values) {
-    PyObject *out;
-    char *at;
-    int made = packed_output(values, &out, &at);
-    if (made <= 0) {
-        return made < 0 ? NULL : Py_NewRef(Py_None);
-    }
-    for (Py_ssize_t i = 0, n = PyList_GET_SIZE(values); i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(values, i);
-        if (!PyFloat_CheckExact(item)) {
-            HAND_BACK(out);
-        }
-        double d = PyFloat_AS_DOUBLE(item);
-        float f = (float)d; /* rounded to nearest, as struct's "<f" (PyFloat_Pack4) rounds it */
-        if (isinf(f) && !isinf(d)) {
-            HAND_BACK(out); /* past float32: struct refuses it, numpy's path stores the infinity */
-        }
-        memcpy(at + 4 * i, &f, 4);
-    }
-    return out;
+    return pack_list(values, put_float32);
 }
 
 static PyObject *all_finite_f32(PyObject *self, PyObject *raw) {

@@ -25,7 +25,7 @@ from agentlog import _compiled as _switch
 #: The compiled module's ``API`` this Python side calls (raised with every change to what it exports).
 API = 1
 _ACCELERATOR = _switch.Accelerator("agentlog.events.schema._speedups", API, "compiled schema speedups module", "pure-Python path")
-_compiled = _ACCELERATOR.module
+_compiled = _ACCELERATOR.module  # the built module, in use or not (None: not built, or stale)
 
 #: The compiled speedups module in use, or None (pure Python).
 native: ModuleType | None = _ACCELERATOR.in_use()
