@@ -80,6 +80,11 @@ class Accelerator:
         """Whether the compiled module was built and is current (whether or not it is in use)."""
         return self.module is not None
 
+    def unavailable_reason(self) -> str:
+        """Why the compiled module cannot be used ("" when it can): not built (no C compiler at
+        install time?), or built from an older source (stale)."""
+        return self.missing
+
     def chosen(self, on: bool) -> ModuleType | None:
         """The module to call when switched ``on`` (tests, benchmarks), None when off. Raises
         RuntimeError, saying why, when ``on`` and the module cannot be used."""

@@ -26,13 +26,8 @@ _compiled = _ACCELERATOR.module  # the built module, in use or not (None: not bu
 native: ModuleType | None = _ACCELERATOR.in_use()
 
 stale_reason = _ACCELERATOR.stale_reason  # why a built module cannot serve this Python side ("" when it can)
+unavailable_reason = _ACCELERATOR.unavailable_reason  # why it cannot be used ("" when it can)
 available = _ACCELERATOR.available  # whether the compiled codec was built and is current
-
-
-def unavailable_reason() -> str:
-    """Why the compiled codec cannot be used ("" when it can): not built (no C
-    compiler at install time?), or built from an older source (stale)."""
-    return _ACCELERATOR.missing
 
 
 def use_native(on: bool) -> None:

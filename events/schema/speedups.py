@@ -31,12 +31,8 @@ _compiled = _ACCELERATOR.module  # the built module, in use or not (None: not bu
 native: ModuleType | None = _ACCELERATOR.in_use()
 
 stale_reason = _ACCELERATOR.stale_reason  # why a built module cannot serve this Python side ("" when it can)
+unavailable_reason = _ACCELERATOR.unavailable_reason  # why it cannot be used ("" when it can)
 available = _ACCELERATOR.available  # whether the compiled speedups were built and are current
-
-
-def unavailable_reason() -> str:
-    """Why the compiled speedups cannot be used ("" when they can)."""
-    return _ACCELERATOR.missing
 
 
 def use_native(on: bool) -> None:
