@@ -54,7 +54,7 @@ HOW_ORDER = "order"
 HOW_VALUES = (HOW_DECLARED, HOW_TOOL_CALL, HOW_ORDER)
 
 
-class Lineage(msgspec.Struct, frozen=True, omit_defaults=True):
+class Lineage(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     """The lineage a turn belongs to (see the module docstring). Only the
     lineage's first turn carries the fields after ``id``; a root lineage has
     no parent (``parent`` "" and ``parent_turn`` -1)."""

@@ -22,7 +22,7 @@ def _check_snapshot_digest(event: str, value: Any) -> None:
         fail(event, "digest" if event == "sandbox_snapshotted" else "snapshot", "64 lowercase hex digits (a snapshot's digest)", value)
 
 
-class SandboxSnapshotted(msgspec.Struct, frozen=True, tag="sandbox_snapshotted"):
+class SandboxSnapshotted(msgspec.Struct, frozen=True, gc=False, tag="sandbox_snapshotted"):
     """The session's sandbox was saved to its worker's snapshot store, as turn
     ``turn_index``'s request found it: after every command that ran before that
     turn, before the turn was generated. The snapshot's files were durable before
@@ -48,7 +48,7 @@ class SandboxSnapshotted(msgspec.Struct, frozen=True, tag="sandbox_snapshotted")
         _check_snapshot_digest("sandbox_snapshotted", self.digest)
 
 
-class SessionResumed(msgspec.Struct, frozen=True, tag="session_resumed"):
+class SessionResumed(msgspec.Struct, frozen=True, gc=False, tag="session_resumed"):
     """running -> running: a new incarnation took over a session whose previous
     one died (its worker was killed). It keeps the session's first
     ``durable_turns`` turns (every turn acknowledged before the crash; one in

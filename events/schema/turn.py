@@ -64,7 +64,7 @@ WEIGHT_UPDATE_MODES = ("drain", "continue", "resubmit")
 PARTIAL_MODES = WEIGHT_UPDATE_MODES[1:]
 
 
-class _Indexed(msgspec.Struct, frozen=True):
+class _Indexed(msgspec.Struct, frozen=True, gc=False):
     # Its own class so that ``turn_index`` is positional and first on the
     # wire, ahead of the subclass's prompt fields (TurnBody's are kw_only).
     turn_index: int

@@ -169,7 +169,7 @@ def _repeated_objects(new: list[Any], held: tuple[Any, ...]) -> int:
     return i
 
 
-class EncodingContext:
+class EncodingContext(msgspec.Struct, frozen=True, gc=False):
     """What the engine keeps of a live session's previous turn to encode the
     next one: its prompt and output token ids (the turn's own packed bytes,
     never concatenated) and the digests of its messages followed by its
@@ -184,15 +184,18 @@ class EncodingContext:
     ``objects``: the message objects those digests are of, one for one, held
     only when the turn was encoded with ``frozen=True`` (empty otherwise).
     Holding them keeps them alive, so an identity test against them is never
-    one against a recycled ``id()``."""
+    one against a recycled ``id()``.
 
-    __slots__ = ("prompt", "output", "digests", "objects")
+    A struct, not a class of our own, for its untracked instances (``gc=False``):
+    a live session holds its context for as long as it runs, so thousands in
+    flight would sit in the collector's old generation, walked by every full
+    collection. It holds bytes and the caller's message objects, never
+    anything that refers back to it, so it is never part of a cycle."""
 
-    def __init__(self, prompt: bytes = b"", output: bytes = b"", digests: bytes = b"", objects: tuple[Any, ...] = ()) -> None:
-        self.prompt = prompt
-        self.output = output
-        self.digests = digests
-        self.objects = objects
+    prompt: bytes = b""
+    output: bytes = b""
+    digests: bytes = b""
+    objects: tuple[Any, ...] = ()
 
     @property
     def tokens(self) -> bytes:

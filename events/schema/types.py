@@ -13,6 +13,13 @@ more (a new finish reason, a relaxed bound). Unknown fields are skipped and an
 unknown tag decodes to an :class:`UnknownEvent`, so an old reader can read a
 newer log and say what it does not understand.
 
+Every body is untracked by the cyclic garbage collector (``gc=False``, as
+the envelope is): a body holds plain data, never anything that refers back
+to it (the write check refuses a body that contains itself: msgpack cannot
+hold a cycle), and thousands in flight are each kept past their batch's
+fsync, into the collector's old generation, where every full collection
+would walk them. Their lists and dicts are tracked as any are.
+
 Token ids and log-probs travel as raw little-endian ``int32`` / ``float32``
 bytes (:mod:`.packing`). The two turn bodies and the fields they share live
 in :mod:`.turn`; what the checks share, in :mod:`.validation`. Their public
@@ -44,7 +51,7 @@ Reward = Union[float, dict[str, float]]
 # ---------------------------------------------------------------- bodies
 
 
-class SessionOpened(msgspec.Struct, frozen=True, tag="session_opened"):
+class SessionOpened(msgspec.Struct, frozen=True, gc=False, tag="session_opened"):
     """A session was created; it belongs to a GRPO group of ``group_size``."""
 
     group_id: str
@@ -79,7 +86,7 @@ class SessionOpened(msgspec.Struct, frozen=True, tag="session_opened"):
         return tokens_view(self.prompt_ids)
 
 
-class SessionStarted(msgspec.Struct, frozen=True, tag="session_started"):
+class SessionStarted(msgspec.Struct, frozen=True, gc=False, tag="session_started"):
     """The agent began: sandbox ready, harness launched."""
 
     harness: str = ""
@@ -87,14 +94,14 @@ class SessionStarted(msgspec.Struct, frozen=True, tag="session_started"):
     details: dict[str, Any] = {}
 
 
-class TurnUndelivered(msgspec.Struct, frozen=True, tag="turn_undelivered"):
+class TurnUndelivered(msgspec.Struct, frozen=True, gc=False, tag="turn_undelivered"):
     """A recorded turn's response never reached the agent; it is not trained."""
 
     turn_index: int
     reason: str = ""
 
 
-class TeacherScored(msgspec.Struct, frozen=True, tag="teacher_scored"):
+class TeacherScored(msgspec.Struct, frozen=True, gc=False, tag="teacher_scored"):
     """A teacher scored the output tokens of one of the session's turns
     (on-policy distillation): its log-prob of each scored token, at the
     turn's own sampling temperature, and optionally its top-K tokens.
@@ -172,7 +179,7 @@ class TeacherScored(msgspec.Struct, frozen=True, tag="teacher_scored"):
         return tokens_view(self.top_ids).reshape(-1, self.top_k), log_probs_view(self.top_log_probs).reshape(-1, self.top_k)
 
 
-class CommandRan(msgspec.Struct, frozen=True, tag="command_ran"):
+class CommandRan(msgspec.Struct, frozen=True, gc=False, tag="command_ran"):
     """A command ran in the session's sandbox (recorded for debugging)."""
 
     command: str
@@ -182,7 +189,7 @@ class CommandRan(msgspec.Struct, frozen=True, tag="command_ran"):
     output_tail: str = ""
 
 
-class RewardAssigned(msgspec.Struct, frozen=True, tag="reward_assigned"):
+class RewardAssigned(msgspec.Struct, frozen=True, gc=False, tag="reward_assigned"):
     """A verifier or reward model scored the session."""
 
     reward: Reward
@@ -194,7 +201,7 @@ class RewardAssigned(msgspec.Struct, frozen=True, tag="reward_assigned"):
         msgspec.structs.force_setattr(self, "reward", normalize_reward("reward_assigned", "reward", self.reward))
 
 
-class SessionFinished(msgspec.Struct, frozen=True, tag="session_finished"):
+class SessionFinished(msgspec.Struct, frozen=True, gc=False, tag="session_finished"):
     """Terminal: the session ended normally. ``reward`` None means: use the last RewardAssigned."""
 
     reward: Reward | None = None
@@ -212,7 +219,7 @@ class SessionFinished(msgspec.Struct, frozen=True, tag="session_finished"):
 MAX_TRACEBACK_CHARS = 8192
 
 
-class SessionAborted(msgspec.Struct, frozen=True, tag="session_aborted"):
+class SessionAborted(msgspec.Struct, frozen=True, gc=False, tag="session_aborted"):
     """Terminal: the session failed. It yields one zero-masked placeholder
     sample, unless its reason's abort class counts it as a failure
     (:mod:`agentlog.reducers.abort_classes`)."""
@@ -239,7 +246,7 @@ class SessionAborted(msgspec.Struct, frozen=True, tag="session_aborted"):
             msgspec.structs.force_setattr(self, "traceback", "..." + self.traceback[-(MAX_TRACEBACK_CHARS - 3) :])
 
 
-class SessionDropped(msgspec.Struct, frozen=True, tag="session_dropped"):
+class SessionDropped(msgspec.Struct, frozen=True, gc=False, tag="session_dropped"):
     """Terminal: cleanup only; the session is discarded without any sample."""
 
     reason: str
@@ -251,7 +258,7 @@ class SessionDropped(msgspec.Struct, frozen=True, tag="session_dropped"):
             fail("session_dropped", "reason", "a non-empty str", self.reason)
 
 
-class MemberRef(msgspec.Struct, frozen=True, array_like=True):
+class MemberRef(msgspec.Struct, frozen=True, gc=False, array_like=True):
     """A group member as the learner consumed it: the session and the LSN
     of its terminal event in its partition (dropped members included)."""
 
@@ -259,7 +266,7 @@ class MemberRef(msgspec.Struct, frozen=True, array_like=True):
     terminal_lsn: int
 
 
-class GroupRef(msgspec.Struct, frozen=True):
+class GroupRef(msgspec.Struct, frozen=True, gc=False):
     """One group a learner step consumed, named where it lives: its
     partition, its id, its members, and why it trained nothing ("" when it
     was trained). What a replay of the learner log needs to rebuild the
@@ -271,7 +278,7 @@ class GroupRef(msgspec.Struct, frozen=True):
     skip_reason: str = ""
 
 
-class PolicyUpdated(msgspec.Struct, frozen=True, tag="policy_updated"):
+class PolicyUpdated(msgspec.Struct, frozen=True, gc=False, tag="policy_updated"):
     """Learner side: one optimiser step produced ``policy_version``."""
 
     step: int
@@ -342,7 +349,7 @@ TERMINAL_EVENT_TYPES = (SessionFinished, SessionAborted, SessionDropped)
 KNOWN_TAGS: frozenset[str] = frozenset(t.__struct_config__.tag for t in EVENT_TYPES)
 
 
-class UnknownEvent(msgspec.Struct, frozen=True):
+class UnknownEvent(msgspec.Struct, frozen=True, gc=False):
     """A stored record whose tag this version does not know: a newer
     agentlog wrote it. Readers hand it over instead of failing, so ``replay``,
     ``stats`` and ``verify`` can show it; a fold that must interpret it raises

@@ -307,3 +307,14 @@ def test_message_digests_stop_at_the_first_message_msgpack_cannot_hold():
     for bad in ({"role": "user", "content": "\ud800"}, {"role": "tool", "content": "", "n": 2**70}, {"role": "user", "content": object()}):
         assert message_digests([ok, bad, ok]) == message_digests([ok])
         assert len(message_digests([ok, bad, ok])) == DIGEST_BYTES
+
+
+def test_a_context_is_never_walked_by_the_cyclic_collector():
+    """A live session holds its last turn's context for as long as it runs: untracked, the contexts of
+    thousands of sessions in flight cost a full collection nothing. It holds bytes and the caller's
+    frozen message objects (tracked themselves), never anything that refers back to it."""
+    import gc
+
+    history = [{"role": "user", "content": "hi"}]
+    _, ctx = EncodingContext().encode(TurnRecorded(turn_index=0, messages=history, response_message={"role": "assistant", "content": "ok"}), frozen=True)
+    assert ctx.objects and not gc.is_tracked(ctx)
