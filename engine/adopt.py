@@ -22,7 +22,6 @@ does), and read in one pass over the log (:func:`reducers.resume.resume_points`)
 
 from __future__ import annotations
 
-from array import array
 from typing import TYPE_CHECKING
 
 from agentlog._logging import get_logger
@@ -31,7 +30,7 @@ from agentlog.events.schema.turn_delta import EncodingContext
 from agentlog.events.schema.types import SessionResumed
 from agentlog.reducers.resume import ResumePoint, resume_points
 
-from .handle import SessionHandle
+from .handle import TURN_SCORE, SessionHandle
 from .lineages import LineageTracker
 
 if TYPE_CHECKING:
@@ -82,8 +81,7 @@ async def resume(engine: "SessionEngine", point: ResumePoint, snapshot: str, *, 
         _, h._context = EncodingContext().encode(point.last_turn)
         h._lineages = LineageTracker()
         h._lineages.rebuild(point.lineage_turns.values(), point.lineage_origins, point.lineage_history)
-    h._turn_outputs = array("I", point.turn_outputs)
-    h._turn_temperatures = array("d", point.turn_temperatures)
+    h._turn_scores = bytearray(b"".join(map(TURN_SCORE.pack, point.turn_outputs, point.turn_temperatures)))
     body = SessionResumed(incarnation=point.resumes + 1, durable_turns=point.durable_turns, snapshot=snapshot,
                           snapshot_turn=point.snapshot_turn, worker=worker)
     await engine._transition(h, "resume", body)

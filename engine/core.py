@@ -66,7 +66,7 @@ from agentlog.reducers.lifecycle_step import EndedWindow
 from agentlog.reducers.resume import ResumePoint
 
 from .errors import TIMEOUT_REASON, DuplicateSession, EngineClosed, SessionTimeout, StragglerRefused
-from .handle import SessionHandle, _SessionContext, stage_built_turn
+from .handle import TURN_SCORE, SessionHandle, _SessionContext, stage_built_turn
 from . import adopt as engine_adopt
 from .adopt import adopt_orphans
 from .checkpointer import Checkpointer
@@ -462,8 +462,7 @@ class SessionEngine(BackgroundWork):
         if type(body) is TurnDelta or type(body) is TurnRecorded:
             n_out, temperature = (staged.n_out, staged.temperature) if stored is None else scored_against(stored)
             h.turns += 1
-            h._turn_outputs.append(n_out)
-            h._turn_temperatures.append(temperature)
+            h._turn_scores += TURN_SCORE.pack(n_out, temperature)
             h._context = context
             if context is not None:
                 h._lineages.commit(body.turn_index, context)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import traceback as _traceback
-from array import array
+import struct
 from collections import deque
 from typing import TYPE_CHECKING, Any, Coroutine
 
@@ -54,6 +54,11 @@ _log = get_logger("agentlog.engine")
 
 #: The context of a session before its first turn: empty, shared by every handle (never changed).
 _BEFORE_THE_FIRST_TURN = EncodingContext()
+
+#: What a live session keeps of each recorded turn, for a teacher's scores of it: its output tokens and
+#: sampling temperature. One bytearray a session: unlike ``array`` or a list, it is no object the cyclic
+#: collector walks, and thousands of sessions in flight sit in its old generation.
+TURN_SCORE = struct.Struct("<Id")
 
 
 def _copied(value: Any) -> Any:
@@ -101,7 +106,7 @@ class SessionHandle:
     __slots__ = (
         "_engine", "session_id", "group_id", "sample_index", "state", "turns", "budget_s",
         "_seq", "_busy", "_waiters", "_inflight", "_timer", "_owner", "_owner_cancelled", "_expired", "_log",
-        "_context", "_turn_outputs", "_turn_temperatures", "_lineages", "opened_lsn",
+        "_context", "_turn_scores", "_lineages", "opened_lsn",
     )
 
     def __init__(self, engine: "SessionEngine", session_id: str, group_id: str, budget_s: float | None) -> None:
@@ -133,9 +138,8 @@ class SessionHandle:
         self._lineages = LineageTracker()
         #: Per recorded turn, its output tokens and sampling temperature (NaN
         #: when not a number): what a teacher's scores of the turn are checked
-        #: against. Packed arrays: 12 bytes a turn, where a list of tuples costs ~120.
-        self._turn_outputs = array("I")
-        self._turn_temperatures = array("d")
+        #: against (:data:`TURN_SCORE`, 12 bytes a turn, where a list of tuples costs ~120).
+        self._turn_scores = bytearray()
 
     def __repr__(self) -> str:
         return f"SessionHandle({self.session_id!r}, state={self.state}, turns={self.turns})"
@@ -371,11 +375,12 @@ class SessionHandle:
     def _scored_turn(self, turn_index: int, event: str) -> tuple[int, float | None]:
         if self.state is not State.RUNNING:
             self._engine._refuse(self.session_id, event, self.state, self)
-        if not isinstance(turn_index, int) or isinstance(turn_index, bool) or not 0 <= turn_index < len(self._turn_outputs):
+        recorded = len(self._turn_scores) // TURN_SCORE.size
+        if not isinstance(turn_index, int) or isinstance(turn_index, bool) or not 0 <= turn_index < recorded:
             raise ValueError(f"session {self.session_id!r}: {event}.turn_index: expected a recorded turn in "
-                             f"[0, {len(self._turn_outputs)}), found {turn_index!r}")
-        temperature = self._turn_temperatures[turn_index]
-        return self._turn_outputs[turn_index], None if math.isnan(temperature) else temperature
+                             f"[0, {recorded}), found {turn_index!r}")
+        n_out, temperature = TURN_SCORE.unpack_from(self._turn_scores, turn_index * TURN_SCORE.size)
+        return n_out, None if math.isnan(temperature) else temperature
 
     async def record_command(
         self, command: str, exit_code: int | None, budget_exceeded: bool, duration_s: float, output_tail: str

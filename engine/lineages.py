@@ -83,23 +83,24 @@ class Declared(msgspec.Struct, frozen=True):
             raise LineageError(f"lineage {self.id!r} names itself as its parent")
 
 
-class _Thread:
-    """One lineage of a live session."""
+class _Thread(msgspec.Struct, gc=False):
+    """One lineage of a live session.
 
-    __slots__ = ("id", "context", "key", "last_turn", "pending", "calls", "first")
+    A struct for its untracked instances (``gc=False``), as the tracker's: a live
+    session holds them for as long as it runs, so thousands in flight would sit in
+    the collector's old generation. Neither holds anything that refers back to it."""
 
-    def __init__(self, lineage_id: str, key: bytes, first: Lineage | None) -> None:
-        self.id = lineage_id
-        self.context = EncodingContext()
-        self.key = key
-        self.last_turn = -1
-        #: (call id, tool name, argument texts) of its last answer's calls not matched to a subagent
-        #: (an empty tuple until it has one: a tuple, unlike an empty list, is no object for the collector to walk).
-        self.pending: Sequence[ToolCall] = ()
-        #: Every tool call id its answers made -> the turn that made it (declared calls are looked up here).
-        self.calls: dict[str, int] = {}
-        #: What its first turn recorded (None for an undeclared root).
-        self.first = first
+    id: str
+    key: bytes
+    #: What its first turn recorded (None for an undeclared root).
+    first: Lineage | None
+    context: EncodingContext = _EMPTY
+    last_turn: int = -1
+    #: (call id, tool name, argument texts) of its last answer's calls not matched to a subagent
+    #: (an empty tuple until it has one: a tuple, unlike an empty list, is no object for the collector to walk).
+    pending: Sequence[ToolCall] = ()
+    #: Every tool call id its answers made -> the turn that made it (declared calls are looked up here).
+    calls: dict[str, int] = {}
 
 
 def _key(messages: list[Any], digests: bytes) -> bytes:
@@ -124,18 +125,15 @@ def _first_user_text(messages: list[Any]) -> str:
     return ""
 
 
-class LineageTracker:
+class LineageTracker(msgspec.Struct, gc=False):
     """The lineages of one live session (see the module docstring). :meth:`place`
     decides a turn's lineage before it is appended; :meth:`commit` applies it
     once the turn is in the log (the session's lock is held in between)."""
 
-    __slots__ = ("_threads", "_recent", "_staged", "_subs")
-
-    def __init__(self) -> None:
-        self._threads: dict[str, _Thread] = {}
-        self._recent: list[_Thread] = []  # most recently active first
-        self._staged: tuple[str, bytes, Lineage | None, Sequence[ToolCall], Collection[str]] | None = None
-        self._subs = 0  # detected lineages named so far
+    _threads: dict[str, _Thread] = {}
+    _recent: list[_Thread] = []  # most recently active first
+    _staged: tuple[str, bytes, Lineage | None, Sequence[ToolCall], Collection[str]] | None = None
+    _subs: int = 0  # detected lineages named so far
 
     def __len__(self) -> int:
         return len(self._threads)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from agentlog.engine import RESTART_REASON, SessionEngine
+from agentlog.engine.handle import TURN_SCORE
 from agentlog.events import FileLog
 from agentlog.events.log.api import MemoryLog
 from agentlog.events.schema.lifecycle import IllegalTransition, State
@@ -282,7 +283,7 @@ def test_a_refused_resume_then_a_retry_leaves_the_handle_as_one_resume_would(aru
         with pytest.raises(EventValidationError, match="snapshot"):
             await eng.resume("s", "not-a-digest")
         h = await eng.resume("s", D0)
-        assert (h.turns, list(h._turn_outputs)) == (2, [2, 2])
+        assert (h.turns, [n for n, _ in TURN_SCORE.iter_unpack(h._turn_scores)]) == (2, [2, 2])
         with pytest.raises(ValueError, match="teacher_scored.turn_index: expected a recorded turn in \\[0, 2\\)"):
             await h.record_teacher_scores(2, teacher="t", teacher_version="1", temperature=1.0, log_probs=[-0.1])
         await h.record_turn(prompt_ids=[1, 2, 3, 4, 5, 9], output_ids=[6], output_log_probs=[-0.3], sampling={"temperature": 1.0})

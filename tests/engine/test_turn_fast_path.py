@@ -12,6 +12,7 @@ import traceback
 import pytest
 
 from agentlog.engine import SessionEngine, StragglerRefused
+from agentlog.engine.handle import TURN_SCORE
 from agentlog.engine.session_lock import release
 from agentlog.events import FileLog, read_log
 from agentlog.events.log.api import LogClosed, MemoryLog
@@ -204,6 +205,26 @@ def test_a_contended_begin_turn_records_the_arguments_as_they_were_at_the_call(t
     arun(go())
 
 
+def test_what_a_live_session_keeps_between_turns_is_never_walked_by_the_cyclic_collector(tmp_path, arun):
+    """Thousands of sessions in flight keep their state past every batch's fsync, into the collector's old
+    generation, where each full collection would walk it: the previous turn's context, the lineages and the
+    turns' scores are untracked (their handle itself, which holds tasks and futures, stays tracked)."""
+    import gc
+
+    async def go():
+        log = FileLog.open(tmp_path / "log")
+        eng, h = await _running(log)
+        for i in range(3):
+            await h.record_turn(**_turn(i), frozen_messages=True)
+        threads = list(h._lineages._threads.values())
+        assert threads and h._turn_scores
+        for kept in (h._context, h._lineages, h._lineages._threads, *threads, *(t.context for t in threads), h._turn_scores):
+            assert not gc.is_tracked(kept), kept
+        await eng.close()
+        log.close()
+    arun(go())
+
+
 def test_a_staged_turn_is_applied_as_the_log_stored_it(tmp_path, arun):
     """The engine applies the body the log acknowledged, not the caller's objects: a sampling
     dict changed once begin_turn returned left the engine's temperature of the turn (what
@@ -215,7 +236,7 @@ def test_a_staged_turn_is_applied_as_the_log_stored_it(tmp_path, arun):
         pending = h.begin_turn(**_turn(0), sampling=sampling)
         sampling["temperature"] = 1.0
         await pending.durable
-        assert list(h._turn_temperatures) == [0.7]
+        assert [t for _, t in TURN_SCORE.iter_unpack(h._turn_scores)] == [0.7]
         await h.record_teacher_scores(0, teacher="t", teacher_version="v", temperature=0.7, log_probs=[-0.1, -0.2])
         with pytest.raises(ValueError, match="sampled at temperature 0.7"):
             await h.record_teacher_scores(0, teacher="t", teacher_version="v", temperature=1.0, log_probs=[-0.1, -0.2])
@@ -236,7 +257,7 @@ def test_a_turns_temperature_as_the_engine_reads_it_is_the_one_a_reader_of_the_l
         for i, sampling in enumerate(samplings):
             await h.begin_turn(**_turn(i), sampling=sampling).durable
         stored = [turn_temperature(e.body.sampling) for e in log.read() if e.tag == "turn_delta"]
-        assert list(h._turn_temperatures) == stored == [1.0, 0.5, 1.0]
+        assert [t for _, t in TURN_SCORE.iter_unpack(h._turn_scores)] == stored == [1.0, 0.5, 1.0]
         await eng.close()
         log.close()
     arun(go())
@@ -280,7 +301,7 @@ def test_a_record_the_engine_fails_to_apply_is_reported_in_health_as_in_the_log(
         with pytest.raises(RecordNotApplied, match=r"the record at lsn \d+ is in the log, but the engine failed to apply it"):
             await (h.begin_turn(**_turn(1)).durable if path == "begin_turn" else h.record_turn(**_turn(1)))
         assert eng.background_failure is not None and "is in the log" in eng.background_failure
-        assert h.turns == 2 and list(h._turn_outputs) == [2, 2] and not h._busy
+        assert h.turns == 2 and [n for n, _ in TURN_SCORE.iter_unpack(h._turn_scores)] == [2, 2] and not h._busy
         await eng.close()
         log.close()
     arun(go())
