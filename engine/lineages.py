@@ -131,7 +131,9 @@ class LineageTracker(msgspec.Struct, gc=False):
     once the turn is in the log (the session's lock is held in between)."""
 
     _threads: dict[str, _Thread] = {}
-    _recent: list[_Thread] = []  # most recently active first
+    #: Most recently active first. A tuple, rebuilt when the order changes (the common turn continues the
+    #: newest): holding only untracked threads, it is itself no object for the collector to walk.
+    _recent: tuple[_Thread, ...] = ()
     _staged: tuple[str, bytes, Lineage | None, Sequence[ToolCall], Collection[str]] | None = None
     _subs: int = 0  # detected lineages named so far
 
@@ -325,10 +327,9 @@ class LineageTracker(msgspec.Struct, gc=False):
                 parent = self._threads.get(first.parent)
                 if parent is not None:
                     parent.pending = [c for c in parent.pending if c[0] != first.spawn_call] or ()
-            recent.insert(0, thread)
+            self._recent = recent = (thread, *recent)
         elif recent[0] is not thread:  # every lineage is in _recent; the common turn continues the newest
-            recent.remove(thread)
-            recent.insert(0, thread)
+            self._recent = recent = (thread, *(t for t in recent if t is not thread))
         thread.context = context
         thread.last_turn = turn_index
         if calls or thread.pending:
