@@ -205,9 +205,10 @@ class LineageTracker(msgspec.Struct, gc=False):
             self._staged = (declared.id, key, first, calls, answered)
             return value if (value is not UNSET or declared.id != ROOT_LINEAGE) else UNSET
         thread = self._extended(turn, digests, extends_previous)
-        key = b""  # the key of a turn that starts a lineage (computed once, where needed)
+        key = b""  # the key of a turn that starts a lineage: computed only when it continues none
         if thread is None:
-            key = _key(messages, digests) if messages else b""
+            if messages:
+                key = _key(messages, digests)
             if key:
                 thread = next((t for t in self._recent if t.key == key), None)
             elif not messages and self._recent:

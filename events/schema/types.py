@@ -543,21 +543,17 @@ def check_body(body: Any) -> tuple[bytes, Any]:
     except (TypeError, ValueError, OverflowError, RecursionError) as exc:
         # UnicodeEncodeError (a lone surrogate), an int beyond 64 bits, an object msgpack cannot hold,
         # a value nested deeper than the encoder follows.
-        raise EventValidationError(f"{_tag(body)}: cannot be encoded: {exc}") from None
+        raise EventValidationError(f"{event_tag(body)}: cannot be encoded: {exc}") from None
     try:
         return payload, _body_decoder.decode(payload)
     except RecursionError as exc:  # encoded, but nested too deep for a reader to decode
-        raise EventValidationError(f"{_tag(body)}: a reader could not decode it: {exc}") from None
+        raise EventValidationError(f"{event_tag(body)}: a reader could not decode it: {exc}") from None
     except msgspec.ValidationError as exc:
         field, what = describe_validation_error(exc)
         if not field:
             # A body check's own message already names the event and the field.
             raise EventValidationError(what) from None
-        raise EventValidationError(f"{_tag(body)}.{field}: {what}") from None
+        raise EventValidationError(f"{event_tag(body)}.{field}: {what}") from None
     except msgspec.DecodeError as exc:  # not msgpack at all: a msgspec.Raw value holding malformed bytes
-        raise EventValidationError(f"{_tag(body)}: a reader could not decode it: {exc}") from None
+        raise EventValidationError(f"{event_tag(body)}: a reader could not decode it: {exc}") from None
 
-
-def _tag(body: Any) -> str:
-    """The event name of a schema body, for an error message (read only when one is raised)."""
-    return str(type(body).__struct_config__.tag)
