@@ -274,7 +274,7 @@ class SessionHandle:
         try:
             body, after = h._turn_body(messages, prompt_ids, sampling, frozen_messages, declared_lineage, fields)
             pending.built(body.turn_index, h._lineages.placed)
-            h._engine._stage(h, body, None, after, pending.settle)
+            h._engine._stage(h, body, None, after, pending)
         except BaseException:
             release(h)
             raise

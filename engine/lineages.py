@@ -31,7 +31,7 @@ subagent from a rewrite, so token-only agents that spawn subagents declare them.
 
 from __future__ import annotations
 
-from typing import Any, Collection, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -118,6 +118,16 @@ def _key(messages: list[Any], digests: bytes) -> bytes:
     return key[0] + key[1]
 
 
+def _unanswered(thread: _Thread | None, messages: list[Any]) -> Sequence[ToolCall]:
+    """The calls ``thread`` has pending that a turn's prompt (``messages``) does not answer
+    (:func:`~agentlog.events.schema.lineage.answered_calls`): the shared empty tuple when it
+    answers them all, as an agent's next turn does."""
+    if thread is None or not thread.pending:
+        return ()
+    answered = answered_calls(messages)
+    return tuple([c for c in thread.pending if c[0] not in answered]) if answered else thread.pending
+
+
 def _first_user_text(messages: list[Any]) -> str:
     for m in messages:
         if isinstance(m, dict) and m.get("role") == "user":
@@ -134,7 +144,15 @@ class LineageTracker(msgspec.Struct, gc=False):
     #: Most recently active first. A tuple, rebuilt when the order changes (the common turn continues the
     #: newest): holding only untracked threads, it is itself no object for the collector to walk.
     _recent: tuple[_Thread, ...] = ()
-    _staged: tuple[str, bytes, Lineage | None, Sequence[ToolCall], Collection[str]] | None = None
+    #: The turn placed last, until :meth:`commit` applies it: its lineage's id (None: nothing staged),
+    #: that lineage's key, a new lineage's first-turn value, the answer's tool calls, and the calls the
+    #: lineage had pending that the turn's prompt left unanswered. Fields, not a tuple: a turn in flight
+    #: allocates nothing here for the collector to count.
+    _staged_id: str | None = None
+    _staged_key: bytes = b""
+    _staged_first: Lineage | None = None
+    _staged_calls: Sequence[ToolCall] = ()
+    _staged_left: Sequence[ToolCall] = ()
     _subs: int = 0  # detected lineages named so far
 
     def __len__(self) -> int:
@@ -146,8 +164,8 @@ class LineageTracker(msgspec.Struct, gc=False):
     def placed(self) -> str:
         """The id of the lineage the turn staged last (by :meth:`stamp` or :meth:`place`) was placed in:
         what ``turn_lineage`` reads back from its body."""
-        assert self._staged is not None, "placed is read right after a turn was placed"
-        return self._staged[0]
+        assert self._staged_id is not None, "placed is read right after a turn was placed"
+        return self._staged_id
 
     def check(self, declared: Declared) -> None:
         """Raise LineageError when ``declared`` cannot be taken now (what
@@ -193,16 +211,13 @@ class LineageTracker(msgspec.Struct, gc=False):
         ``extends_previous``: whether the turn extends the session's previous
         turn in log order (the delta encoding found all of it shared)."""
         messages = turn.messages
-        # Empty ones as the shared empty tuple: staged until the commit, an empty list or set would be
-        # one more object a session in flight for every full collection to walk.
-        calls: Sequence[ToolCall] = tool_calls(turn.response_message) or ()
-        answered: Collection[str] = answered_calls(messages) or ()
+        calls = tool_calls(turn.response_message)
         if declared is not None:
             value = self._declared_lineage(declared, turn)
             existing = self._threads.get(declared.id)
             key = existing.key if existing is not None else _key(messages, digests)
             first = value if existing is None and isinstance(value, Lineage) else None  # a new lineage's origin
-            self._staged = (declared.id, key, first, calls, answered)
+            self._stage(declared.id, key, first, calls, _unanswered(existing, messages))
             return value if (value is not UNSET or declared.id != ROOT_LINEAGE) else UNSET
         thread = self._extended(turn, digests, extends_previous)
         key = b""  # the key of a turn that starts a lineage: computed only when it continues none
@@ -217,14 +232,19 @@ class LineageTracker(msgspec.Struct, gc=False):
                 prompt = turn.prompt_ids
                 thread = max(self._recent, key=lambda t: t.context.shared_tokens(prompt)) if len(self._recent) > 1 else self._recent[0]
         if thread is not None:
-            self._staged = (thread.id, thread.key, None, calls, answered)
+            self._stage(thread.id, thread.key, None, calls, _unanswered(thread, messages))
             return UNSET if thread.id == ROOT_LINEAGE else Lineage(thread.id)
         if not self._threads:
-            self._staged = (ROOT_LINEAGE, key, None, calls, answered)
+            self._stage(ROOT_LINEAGE, key, None, calls, ())
             return UNSET
         lineage = self._spawned(self._new_id(), _first_user_text(messages))
-        self._staged = (lineage.id, key, lineage, calls, answered)
+        self._stage(lineage.id, key, lineage, calls, ())
         return lineage
+
+    def _stage(self, lineage_id: str, key: bytes, first: Lineage | None, calls: Sequence[ToolCall],
+               left: Sequence[ToolCall]) -> None:
+        self._staged_id, self._staged_key, self._staged_first = lineage_id, key, first
+        self._staged_calls, self._staged_left = calls, left
 
     def _extended(self, turn: TurnRecorded, digests: bytes, extends_previous: bool) -> _Thread | None:
         recent = self._recent
@@ -310,14 +330,16 @@ class LineageTracker(msgspec.Struct, gc=False):
 
     def commit(self, turn_index: int, context: EncodingContext) -> None:
         """The staged turn is in the log as ``turn_index``, leaving ``context``."""
-        staged, self._staged = self._staged, None
-        if staged is None:
+        lineage_id, self._staged_id = self._staged_id, None
+        if lineage_id is None:
             return
-        lineage_id, key, first, calls, answered = staged
-        self._apply(lineage_id, key, first, calls, turn_index, context, answered)
+        self._apply(lineage_id, self._staged_key, self._staged_first, self._staged_calls, turn_index, context,
+                    self._staged_left)
 
     def _apply(self, lineage_id: str, key: bytes, first: Lineage | None, calls: Sequence[ToolCall],
-               turn_index: int, context: EncodingContext, answered: Collection[str] = ()) -> None:
+               turn_index: int, context: EncodingContext, left: Sequence[ToolCall] = ()) -> None:
+        """Apply a turn of ``lineage_id`` that made ``calls``, its prompt leaving the lineage's
+        pending calls ``left`` unanswered (:func:`_unanswered`)."""
         thread = self._threads.get(lineage_id)
         recent = self._recent
         if thread is None:
@@ -327,18 +349,17 @@ class LineageTracker(msgspec.Struct, gc=False):
             if first is not None and first.spawn_call:
                 parent = self._threads.get(first.parent)
                 if parent is not None:
-                    parent.pending = [c for c in parent.pending if c[0] != first.spawn_call] or ()
+                    parent.pending = tuple([c for c in parent.pending if c[0] != first.spawn_call])
             self._recent = recent = (thread, *recent)
         elif recent[0] is not thread:  # every lineage is in _recent; the common turn continues the newest
             self._recent = recent = (thread, *(t for t in recent if t is not thread))
         thread.context = context
         thread.last_turn = turn_index
-        if calls or thread.pending:
-            # A call stays pending until a subagent claims it or a later prompt carries its result
-            # (Claude Code answers a Task call only once its subagent ended); the newest _PENDING kept.
-            kept = [c for c in thread.pending if c[0] not in answered]
-            kept.extend(calls)
-            thread.pending = kept[-_PENDING:] or ()
+        # A call stays pending until a subagent claims it or a later prompt carries its result
+        # (Claude Code answers a Task call only once its subagent ended); the newest _PENDING kept.
+        # Tuples: the common turn answers every call pending and makes new ones, kept as they came.
+        pending = (*left, *calls) if left else calls
+        thread.pending = pending[-_PENDING:] if len(pending) > _PENDING else pending
         if calls:
             for call_id, _name, _texts in calls:
                 thread.calls[call_id] = turn_index
@@ -366,9 +387,11 @@ class LineageTracker(msgspec.Struct, gc=False):
             if turn is None:
                 continue
             context = contexts[lineage_id] if turn_index == turn.turn_index else empty
-            unclaimed = [c for c in calls if c[0] not in claimed]
+            unclaimed = tuple([c for c in calls if c[0] not in claimed])
+            thread = self._threads.get(lineage_id)
+            left = tuple([c for c in thread.pending if c[0] not in answered]) if thread is not None else ()
             self._apply(lineage_id, _key(turn.messages, contexts[lineage_id].digests), origins.get(lineage_id), unclaimed,
-                        turn_index, context, answered)
+                        turn_index, context, left)
 
 
 def lineage_id_is_sub(lineage_id: str) -> bool:

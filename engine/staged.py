@@ -66,6 +66,10 @@ class PendingTurn:
             if exc is not None:
                 waiting.exception()  # retrieved here: settled() raises it, and its wait may be cancelled
 
+    #: Called as ``(env, exc)`` it settles (an :data:`~agentlog.events.log.api.OnDurable`): the engine
+    #: answers the pending turn itself, no bound method made a turn.
+    __call__ = settle
+
     async def settled(self) -> Envelope:
         """The durable envelope (raises what recording it raised)."""
         try:

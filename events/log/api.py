@@ -138,8 +138,7 @@ class CheckedRecord(NamedTuple):
 
 
 class CheckedBatch(NamedTuple):
-    """A batch that passed every write-time check, as columns (one entry per
-    record, in order): what the file log frames without a tuple per record."""
+    """A batch that passed every write-time check, as columns (one entry per record, in order): what the file log frames."""
 
     session_ids: list[str]
     seqs: list[int]
@@ -149,9 +148,8 @@ class CheckedBatch(NamedTuple):
     payloads: list[Any]
     #: 1 where the body is a terminal event, else 0 (the frame's flag).
     terminal: list[int]
-    #: Each session's next session_seq after the batch...
+    #: Each session's next session_seq after the batch, and the sessions whose last record in it is terminal (they end).
     next_seq: dict[str, int]
-    #: ...except the sessions whose last record in the batch is terminal: they end.
     ended: set[str]
 
     def records(self) -> list[CheckedRecord]:
@@ -196,9 +194,8 @@ OnDurable = Callable[[Envelope | None, BaseException | None], None]
 
 
 def answer(waiter: Any, env: Any, exc: BaseException | None) -> None:
-    """Give ``waiter`` (the future a caller awaits, or a callable ``(env, exc)``, an
-    :data:`OnDurable`) a record's envelope or failure; a future already done (its wait
-    cancelled) takes nothing."""
+    """Give ``waiter`` (the future a caller awaits, or an :data:`OnDurable` callable) a record's
+    envelope or failure; a future already done (its wait cancelled) takes nothing."""
     if not isinstance(waiter, asyncio.Future):
         waiter(env, exc)
     elif not waiter.done():
@@ -209,13 +206,15 @@ def answer(waiter: Any, env: Any, exc: BaseException | None) -> None:
 
 
 class DurableCallback:
-    """A waiter in place of an asyncio future (the file log's and MemoryLog's ``stage``): it runs
-    ``fn(env, None)``, or ``fn(None, exc)`` when the log failed (a subclass overrides :meth:`run`).
-    What it raises goes to the loop's exception handler, naming the record, and the records answered
-    with it are still answered (SystemExit and KeyboardInterrupt propagate). Called as ``(env, exc)``
-    itself, it is an ``on_durable`` for any log's ``stage``."""
+    """A waiter in place of an asyncio future (the file log's and MemoryLog's ``stage``): it runs ``fn(env, None)``, or
+    ``fn(None, exc)`` when the log failed (a subclass overrides :meth:`run`). What it raises goes to the loop's exception
+    handler, naming the record, and the records answered with it are still answered (SystemExit and KeyboardInterrupt
+    propagate). Called as ``(env, exc)``, it is an ``on_durable``. The file log's queue sets its ``end``, ``env``, ``loop``."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "end", "env", "loop")
+    end: int
+    env: Any
+    loop: asyncio.AbstractEventLoop
 
     def __init__(self, fn: Callable[[Any, BaseException | None], None]) -> None:
         self.fn = fn
@@ -248,15 +247,16 @@ class DurableCallback:
 
 
 def answer_durable(items: list) -> None:
-    """Answer a batch of ``(waiter, envelope)`` in order (the file log's flush, MemoryLog's loop step);
-    a future already done (its wait cancelled) takes nothing. SystemExit or KeyboardInterrupt from a
-    waiter stops the loop: the rest of the batch goes back on it first, so none stays unanswered."""
-    for i, (waiter, env) in enumerate(items):
+    """Answer a batch of ``(waiter, envelope)`` (or DurableCallbacks with their ``env``) in order (a flush); a future already
+    done takes nothing. SystemExit or KeyboardInterrupt from a waiter stops the loop: the rest of the batch goes back on it first."""
+    for i, item in enumerate(items):
         try:
-            if isinstance(waiter, DurableCallback):
-                waiter._call(env, None)  # a callback is never done, and its set_result is this call: one call spared
-            elif not waiter.done():
-                waiter.set_result(env)
+            if type(item) is not tuple:
+                item._call(item.env, None)  # a DurableCallback that carries its env (the file log's stage)
+            elif isinstance(item[0], DurableCallback):
+                item[0]._call(item[1], None)  # a callback is never done, and its set_result is this call
+            elif not item[0].done():
+                item[0].set_result(item[1])
         except (SystemExit, KeyboardInterrupt):
             if i + 1 < len(items):
                 asyncio.get_running_loop().call_soon(answer_durable, items[i + 1:], context=contextvars.Context())

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from agentlog._logging import get_logger
 
-from .api import LogClosed, LogFenced, answer_durable
+from .api import DurableCallback, LogClosed, LogFenced, answer_durable
 from .format import Checkpoint, segment_name
 
 if TYPE_CHECKING:
@@ -75,7 +75,8 @@ class GroupCommit:
     _cv: threading.Condition
     _mutex: threading.Lock  # _cv's lock
     _pending: collections.deque[_Submission]
-    _waiters: collections.deque[tuple[int, asyncio.Future, Any, asyncio.AbstractEventLoop]]
+    #: (end, future, envelope, loop) of an append or submit; a stage's DurableCallback carries them itself.
+    _waiters: collections.deque[tuple[int, asyncio.Future, Any, asyncio.AbstractEventLoop] | DurableCallback]
     _flushing: bool
     _closed: bool
     _fatal: BaseException | None
@@ -234,7 +235,8 @@ class GroupCommit:
         err = self._dead()
         by_loop: dict[Any, list] = {}
         while self._waiters:
-            _end, fut, _env, loop = self._waiters.popleft()
+            item = self._waiters.popleft()
+            fut, loop = (item[1], item[3]) if isinstance(item, tuple) else (item, item.loop)
             by_loop.setdefault(loop, []).append((fut, None))
         for loop, items in by_loop.items():
             _call_in_loop(loop, _fail_futures, items, err)
@@ -255,9 +257,17 @@ class GroupCommit:
         acked = self._acked
         by_loop: dict[Any, list] = {}
         w = self._waiters
-        while w and w[0][0] <= acked:
-            _end, fut, env, loop = w.popleft()
-            by_loop.setdefault(loop, []).append((fut, env))
+        while w:
+            first = w[0]
+            if isinstance(first, tuple):  # (end, future, envelope, loop): an append's future
+                if first[0] > acked:
+                    break
+                w.popleft()
+                by_loop.setdefault(first[3], []).append((first[1], first[2]))
+            else:  # a DurableCallback carrying its end, envelope and loop (stage)
+                if first.end > acked:
+                    break
+                by_loop.setdefault(first.loop, []).append(w.popleft())
         for loop, items in by_loop.items():
             _call_in_loop(loop, answer_durable, items)
 

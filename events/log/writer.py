@@ -205,7 +205,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         self._mutex = threading.Lock()
         self._cv = threading.Condition(self._mutex)
         self._pending: collections.deque[_Submission] = collections.deque()
-        self._waiters: collections.deque[tuple[int, asyncio.Future, Any, asyncio.AbstractEventLoop]] = collections.deque()
+        self._waiters: collections.deque[tuple[int, asyncio.Future, Any, asyncio.AbstractEventLoop] | DurableCallback] = collections.deque()
         self._flushing = False
         self._thread_idle = False
         self._closing = False
@@ -503,15 +503,15 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         self._enqueue(session_id, session_seq, body, waiter, True)
 
     def _enqueue(self, session_id: str, session_seq: int, body: Any, waiter: Any, staged: bool = False) -> None:
-        """Stage one record and hand ``waiter`` (a future, or a DurableCallback) to the writer thread
-        (``staged``: see :meth:`_submit_one`)."""
+        """Stage one record and hand ``waiter`` (a future, or with ``staged`` a DurableCallback: see :meth:`_submit_one`) to the writer thread."""
         loop = asyncio.get_running_loop()
         with self._mutex:  # self._cv's lock
             env, end = self._submit_one(session_id, session_seq, body, staged)
-            self._waiters.append((end, waiter, env, loop))
+            if staged:  # a DurableCallback (stage): it carries what a future waits with in a tuple
+                waiter.end, waiter.env, waiter.loop = end, env, loop
+            self._waiters.append(waiter if staged else (end, waiter, env, loop))
             if self._thread_idle:
-                # Wake the writer only when it sleeps; a busy writer picks this
-                # up when its flush ends, with everything else that piled up.
+                # Wake the writer only when it sleeps; a busy writer picks this up when its flush ends.
                 self._thread_idle = False
                 self._cv.notify_all()
 

@@ -161,11 +161,12 @@ def _strings(value: Any, out: list[str], depth: int = 0) -> list[str]:
     return out
 
 
-def tool_calls(response: Any) -> list[ToolCall]:
-    """(id, name, argument strings) of an answer's tool calls, in order."""
+def tool_calls(response: Any) -> tuple[ToolCall, ...]:
+    """(id, name, argument strings) of an answer's tool calls, in order (a tuple: the engine keeps
+    them while they are pending, and an answer without calls gives the shared empty tuple)."""
     calls = response.get("tool_calls") if isinstance(response, dict) else None
     if not isinstance(calls, list):
-        return []
+        return ()
     out = []
     for c in calls:
         if not isinstance(c, dict):
@@ -180,7 +181,7 @@ def tool_calls(response: Any) -> list[ToolCall]:
                 pass  # not JSON after all, or nested too deep to parse: matched as the text it is
         if isinstance(call_id, str) and call_id:
             out.append((call_id, name if isinstance(name, str) else "", tuple(_strings(args, []))))
-    return out
+    return tuple(out)
 
 
 def answered_calls(messages: list[Any]) -> set[str]:
