@@ -461,7 +461,7 @@ class LifecycleCheck(_OnSessionFold):
         ``next_lsn`` gives the same violations as checking from LSN 0."""
         return LifecycleCheckSnapshot(
             next_lsn=self.next_lsn, records=self.records,
-            live=[(sid, t.life.state, t.life.next_seq) for sid, t in self.fold.live.items()],
+            live=[(sid, t.life.state._value_, t.life.next_seq) for sid, t in self.fold.live.items()],  # type: ignore[misc]  # a value
             recent=self.recent.to_snapshot(), ids=self.ids.to_snapshot(),
         )
 
@@ -472,7 +472,7 @@ class LifecycleCheck(_OnSessionFold):
         check.records = snap.records
         fold = check.fold
         fold.next_lsn = snap.next_lsn
-        fold.live = {sid: Tracked(SessionLife(state, seq)) for sid, state, seq in snap.live}
+        fold.live = {sid: Tracked(SessionLife(State(state), seq)) for sid, state, seq in snap.live}
         fold.recent = EndedWindow.from_snapshot(snap.recent)
         fold.ids = IdFilter.from_snapshot(snap.ids)
         return check
@@ -484,7 +484,10 @@ def _track(lsn: int, session_id: str, record: object, life: SessionLife) -> Trac
 
 class LifecycleCheckSnapshot(msgspec.Struct, frozen=True):
     """:class:`LifecycleCheck` as plain data: the sessions in flight
-    ``(session_id, state, next_seq)``, the recent window and the id filter."""
+    ``(session_id, state, next_seq)``, the recent window and the id filter. A
+    snapshot built in memory holds each state as its value (a str, equal to the
+    State and encoded the same, so the tuple is one the collector can untrack);
+    one decoded holds the State."""
 
     next_lsn: int
     records: int

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -981,3 +982,31 @@ def test_a_checkpoint_with_a_smaller_recent_window_is_not_trusted_for_a_larger_o
     zero = asyncio.run(_statuses_after_reopen(copy, sids, status_cache=64, checkpoint_every=0))
     assert all(str(s) == "finished" for s in zero.values())
     assert ours == zero
+
+
+def test_a_served_checkpoints_sessions_in_flight_are_untracked_by_the_collector_once_it_saw_them(tmp_path):
+    """A checkpoint at 10,000 sessions in flight holds a (session, state, seq) tuple for each, kept until
+    the next one: with the State itself in it (an enum member is tracked), every tuple stayed tracked into
+    the collector's old generation and was walked by each full collection. Its value (a str, equal to the
+    State and encoded the same) lets the first collection untrack the tuple; and a fold continued from
+    such a checkpoint (folding from the log) has the State back."""
+    import gc
+
+    async def go():
+        log, eng, handles = await _engine_with_sessions(tmp_path / "log", 6)
+        try:
+            await _turn(handles[0])
+            ckpt = eng._checkpointer
+            served = ckpt._served(ckpt.frontier)
+            gc.collect()
+            assert served.lifecycle.live and not any(gc.is_tracked(t) for t in served.lifecycle.live)
+            assert {state for _sid, state, _seq in served.lifecycle.live} == {State.RUNNING}
+            as_states = [(sid, State(state), seq) for sid, state, seq in served.lifecycle.live]
+            assert msgspec.msgpack.encode(served.lifecycle.live) == msgspec.msgpack.encode(as_states)
+            assert served.comparable() == _fold_of(log)
+            continued = RestartFold.from_checkpoint(served)
+            assert {type(t.life.state) for t in continued.check.fold.live.values()} == {State}
+            await eng.close()
+        finally:
+            log.close()
+    asyncio.run(go())
