@@ -206,10 +206,10 @@ def answer(waiter: Any, env: Any, exc: BaseException | None) -> None:
 
 
 class DurableCallback:
-    """A waiter in place of an asyncio future (the file log's and MemoryLog's ``stage``): it runs ``fn(env, None)``, or
-    ``fn(None, exc)`` when the log failed (a subclass overrides :meth:`run`). What it raises goes to the loop's exception
-    handler, naming the record, and the records answered with it are still answered (SystemExit and KeyboardInterrupt
-    propagate). Called as ``(env, exc)``, it is an ``on_durable``. The file log's queue sets its ``end``, ``env``, ``loop``."""
+    """A waiter in place of an asyncio future (the file log's and MemoryLog's ``stage``): it runs ``fn(env, None)``, or ``fn(None,
+    exc)`` when the log failed (a subclass overrides :meth:`run`). What it raises goes to the loop's exception handler, naming the
+    record, and the records answered with it are still answered (SystemExit and KeyboardInterrupt propagate). Called as ``(env,
+    exc)``, it is an ``on_durable``. The file log's queue sets its ``end``, ``env``, ``loop``: one callback a record staged."""
 
     __slots__ = ("fn", "end", "env", "loop")
     end: int
