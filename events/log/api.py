@@ -194,8 +194,7 @@ OnDurable = Callable[[Envelope | None, BaseException | None], None]
 
 
 def answer(waiter: Any, env: Any, exc: BaseException | None) -> None:
-    """Give ``waiter`` (the future a caller awaits, or an :data:`OnDurable` callable) a record's
-    envelope or failure; a future already done (its wait cancelled) takes nothing."""
+    """Give ``waiter`` (a caller's future, or an :data:`OnDurable` callable) a record's envelope or failure; a future done takes nothing."""
     if not isinstance(waiter, asyncio.Future):
         waiter(env, exc)
     elif not waiter.done():
@@ -209,7 +208,7 @@ class DurableCallback:
     """A waiter in place of an asyncio future (the file log's and MemoryLog's ``stage``): it runs ``fn(env, None)``, or ``fn(None,
     exc)`` when the log failed (a subclass overrides :meth:`run`). What it raises goes to the loop's exception handler, naming the
     record, and the records answered with it are still answered (SystemExit and KeyboardInterrupt propagate). Called as ``(env,
-    exc)``, it is an ``on_durable``. The file log's queue sets its ``end``, ``env``, ``loop``: one callback a record staged."""
+    exc)``, it is an ``on_durable``. The file log's queue sets its ``end``, ``env``, ``loop`` while it waits (``end`` -1 when not)."""
 
     __slots__ = ("fn", "end", "env", "loop")
     end: int
@@ -217,7 +216,7 @@ class DurableCallback:
     loop: asyncio.AbstractEventLoop
 
     def __init__(self, fn: Callable[[Any, BaseException | None], None]) -> None:
-        self.fn = fn
+        self.fn, self.end = fn, -1  # end: -1 while not waiting in a log's queue (a subclass sets it too)
 
     def done(self) -> bool:
         return False  # a callback is never cancelled: it runs once, for the one record it waits for
@@ -251,8 +250,9 @@ def answer_durable(items: list) -> None:
     done takes nothing. SystemExit or KeyboardInterrupt from a waiter stops the loop: the rest of the batch goes back on it first."""
     for i, item in enumerate(items):
         try:
-            if type(item) is not tuple:
-                item._call(item.env, None)  # a DurableCallback that carries its env (the file log's stage)
+            if type(item) is not tuple:  # a DurableCallback that carries its env (the file log's stage), free again
+                env, item.env, item.end = item.env, None, -1
+                item._call(env, None)
             elif isinstance(item[0], DurableCallback):
                 item[0]._call(item[1], None)  # a callback is never done, and its set_result is this call
             elif not item[0].done():

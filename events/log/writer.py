@@ -507,11 +507,11 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         loop = asyncio.get_running_loop()
         with self._mutex:  # self._cv's lock
             env, end = self._submit_one(session_id, session_seq, body, staged)
-            if staged:  # a DurableCallback (stage): it carries what a future waits with in a tuple
+            bare = staged and waiter.end < 0  # a stage's DurableCallback not waiting already: it carries end, env, loop
+            if bare:
                 waiter.end, waiter.env, waiter.loop = end, env, loop
-            self._waiters.append(waiter if staged else (end, waiter, env, loop))
-            if self._thread_idle:
-                # Wake the writer only when it sleeps; a busy writer picks this up when its flush ends.
+            self._waiters.append(waiter if bare else (end, waiter, env, loop))
+            if self._thread_idle:  # wake the writer only when it sleeps; a busy one picks this up after its flush
                 self._thread_idle = False
                 self._cv.notify_all()
 

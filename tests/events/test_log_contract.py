@@ -185,6 +185,30 @@ class LogContract:
             assert [e.session_seq for e in r] == list(range(15))
             assert all(stored[e.lsn] == e for e in r)
 
+    def test_one_durable_callback_staged_for_several_records_answers_each_with_its_own_envelope(self, log):
+        """The file log's queue keeps a stage's callback as it is, its record's end and envelope set on it:
+        staged again while it waits (or once answered), it must still answer each record with that
+        record's envelope, in the log's order, as a future per record would."""
+        got = []
+        callback = DurableCallback(lambda env, exc: got.append((env.session_id, env.lsn) if env is not None else exc))
+
+        async def main():
+            log.stage("a", 0, opened(), callback)
+            log.stage("b", 0, opened(), callback)  # while the first still waits for the disk
+            for _ in range(500):
+                if len(got) == 2:
+                    break
+                await asyncio.sleep(0.002)
+            log.stage("c", 0, opened(), callback)  # once both were answered
+            await log.append("d", 0, opened())
+            for _ in range(500):
+                if len(got) == 3:
+                    break
+                await asyncio.sleep(0.002)
+
+        asyncio.run(main())
+        assert got == [("a", 0), ("b", 1), ("c", 2)]
+
     def test_async_append_refuses_bad_seq_immediately(self, log):
         async def main():
             await log.append("s", 0, opened())
