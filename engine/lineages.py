@@ -378,20 +378,20 @@ class LineageTracker(msgspec.Struct, gc=False):
         (full), each lineage's first-turn record, and every durable turn's
         ``(lineage, turn index, tool calls, calls its prompt answered)`` in log order
         (:class:`agentlog.reducers.resume.ResumePoint`): the calls made and still pending
-        are the live tracker's."""
+        are the live tracker's. Each turn is applied as the live tracker applied it, so a
+        subagent's first turn takes its spawning call off its parent's pending calls when it
+        comes, as it did live (not before its parent made it: the newest 32 kept are the same)."""
         last = {turn_lineage(t): t for t in last_turns}
         contexts = {lid: EncodingContext().encode(t)[1] for lid, t in last.items()}
-        claimed = {o.spawn_call for o in origins.values() if o.spawn_call}
         empty = EncodingContext()
         for lineage_id, turn_index, calls, answered in history:
             turn = last.get(lineage_id)
             if turn is None:
                 continue
             context = contexts[lineage_id] if turn_index == turn.turn_index else empty
-            unclaimed = tuple([c for c in calls if c[0] not in claimed])
             thread = self._threads.get(lineage_id)
             left = tuple([c for c in thread.pending if c[0] not in answered]) if thread is not None else ()
-            self._apply(lineage_id, _key(turn.messages, contexts[lineage_id].digests), origins.get(lineage_id), unclaimed,
+            self._apply(lineage_id, _key(turn.messages, contexts[lineage_id].digests), origins.get(lineage_id), tuple(calls),
                         turn_index, context, left)
 
 

@@ -199,6 +199,72 @@ def live_and_rebuilt() -> tuple[LineageTracker, LineageTracker]:
     return tracker, rebuilt
 
 
+def _agent_with_subagents(seed: int) -> tuple[LineageTracker, MemoryLog]:
+    """A session of 30 turns drawn from ``seed``: conversations that go on (answering some of their last
+    calls) or start (a subagent's prompt), answers that make 0 to 40 calls (Task or Bash), and now and
+    then a lineage declared with a parent and one of its calls. Returns the live tracker and the log."""
+    import random
+
+    rng = random.Random(seed)
+
+    async def run() -> tuple[LineageTracker, MemoryLog]:
+        log = MemoryLog()
+        engine = await SessionEngine.open(log)
+        h = await engine.open_session("s", group_id="g", group_size=1, sample_index=0)
+        await h.start()
+        conversations: list[dict[str, Any]] = []
+        next_call = 0
+        for step in range(30):
+            if conversations and rng.random() < 0.75:
+                conv = rng.choice(conversations)
+                messages = list(conv["messages"])
+                messages += [{"role": "tool", "tool_call_id": c, "content": "ok"} for c in conv["calls"] if rng.random() < 0.6]
+                messages.append({"role": "user", "content": f"go {step}"})
+            else:
+                conv = {"messages": [], "calls": []}
+                conversations.append(conv)
+                messages = [{"role": "system", "content": rng.choice("abc")}, {"role": "user", "content": rng.choice(["search it", "p1", "p2"])}]
+            calls = []
+            for _ in range(rng.choice([0, 1, 2, 3, 40])):
+                calls.append({"id": f"c{next_call}", "name": rng.choice(["Task", "Bash"]),
+                              "arguments": {"prompt": rng.choice(["search it", "p1", "p2"])}})
+                next_call += 1
+            response: dict[str, Any] = {"role": "assistant", "content": f"r{step}"}
+            if calls:
+                response["tool_calls"] = calls
+            declared = None
+            if len(h._lineages) and rng.random() < 0.2:
+                parent = rng.choice(list(h._lineages._threads))
+                made = list(h._lineages._threads[parent].calls)
+                declared = Declared(f"d{step}", parent=parent, call=rng.choice(made) if made and rng.random() < 0.7 else "")
+            try:
+                await h.record_turn(messages=messages, prompt_ids=[1, step + 2], output_ids=[5], output_log_probs=[-1.0],
+                                    response_message=response, declared_lineage=declared)
+            except LineageError:
+                continue  # a declared call another lineage already claimed: refused, nothing recorded
+            conv["messages"], conv["calls"] = messages + [response], [c["id"] for c in calls]
+        return h._lineages, log
+
+    return asyncio.run(run())
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000))
+def test_a_resumed_session_rebuilds_every_lineages_pending_and_made_calls_as_the_live_tracker_holds_them(seed):
+    """Resuming a session rebuilds its lineages from every durable turn: each lineage's calls still pending
+    (what a later subagent is matched to) and the calls it made (what a declared subagent names) are the
+    live tracker's, also where subagents claimed calls and where an answer made more calls than are kept."""
+    live, log = _agent_with_subagents(seed)
+    point = resume_points(log.read(), ["s"])["s"]
+    rebuilt = LineageTracker()
+    rebuilt.rebuild(point.lineage_turns.values(), point.lineage_origins, point.lineage_history)
+
+    def kept(tracker: LineageTracker) -> dict[str, tuple]:
+        return {k: (tuple(t.pending), dict(t.calls), t.last_turn, t.first) for k, t in tracker._threads.items()}
+
+    assert kept(rebuilt) == kept(live)
+
+
 def test_a_resumed_session_takes_a_subagent_declared_by_an_earlier_call_as_the_live_one_does():
     live, rebuilt = live_and_rebuilt()
     declared = Declared("A", parent="main", call="call_t1")
