@@ -649,37 +649,57 @@ def test_an_agent_sessions_pending_tool_calls_are_never_walked_by_the_cyclic_col
     arun(go())
 
 
-def test_a_staged_agent_turn_holds_few_objects_the_collector_counts_until_it_is_durable(tmp_path, arun):
+async def _tracked_objects_a_staged_agent_turn_holds(path) -> tuple[float, dict[str, int]]:
+    """The fewest tracked objects a staged agent turn holds until durable (over four rounds of 16 sessions
+    staging a turn each), with the types of the round's new objects: see the test below."""
+    import collections
+    import gc
+
+    log = FileLog.open(path)
+    eng = await SessionEngine.open(log)
+    handles = []
+    for s in range(16):
+        h = await eng.open_session(f"s{s}", group_id="g", group_size=16)
+        await h.start()
+        await h.record_turn(**_agent_turn(0), frozen_messages=True)
+        handles.append(h)
+    counts, kinds = [], {}
+    for i in range(1, 5):
+        turns = [_agent_turn(i) for _ in handles]
+        gc.collect()
+        gc.disable()
+        try:
+            before = {id(o) for o in gc.get_objects()}
+            pending = [h.begin_turn(**t, frozen_messages=True) for h, t in zip(handles, turns)]
+            new = [o for o in gc.get_objects() if id(o) not in before]
+        finally:
+            gc.enable()
+        counts.append(len(new))
+        kinds = dict(collections.Counter(type(o).__name__ for o in new))
+        del new
+        await asyncio.gather(*(p.durable for p in pending))
+    await eng.close()
+    log.close()
+    return min(counts) / len(handles), kinds
+
+
+def test_a_staged_agent_turn_holds_few_objects_the_collector_counts_until_it_is_durable(tmp_path):
     """A node's turns wait for their batch's fsync together, and each object the collector tracks that a
     staged turn holds until then counts toward the next collection (700 objects by default): staging an
     agent turn holds its pending turn and future, the engine's record of it, the messages it adds and
     its tool call, and nothing more (no tuple a record in the log's queue, no bound method, no set of
-    answered calls, no tuple of what the lineage staged: 12 objects a turn before they went)."""
-    import gc
+    answered calls, no tuple of what the lineage staged: 12 objects a turn before they went). Counted in
+    a process of its own: any other thread of the test run (Ray's, a NATS client's) allocates meanwhile."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    async def go():
-        log = FileLog.open(tmp_path / "log")
-        eng = await SessionEngine.open(log)
-        handles = []
-        for s in range(16):
-            h = await eng.open_session(f"s{s}", group_id="g", group_size=16)
-            await h.start()
-            await h.record_turn(**_agent_turn(0), frozen_messages=True)
-            handles.append(h)
-        counts = []
-        for i in range(1, 5):  # the fewest of four rounds: another thread (pytest-xdist's) may allocate meanwhile
-            turns = [_agent_turn(i) for _ in handles]
-            gc.collect()
-            gc.disable()
-            try:
-                before = {id(o) for o in gc.get_objects()}
-                pending = [h.begin_turn(**t, frozen_messages=True) for h, t in zip(handles, turns)]
-                counts.append(sum(1 for o in gc.get_objects() if id(o) not in before))
-            finally:
-                gc.enable()
-            await asyncio.gather(*(p.durable for p in pending))
-        per_turn = min(counts) / len(handles)
-        assert per_turn <= 9, f"{per_turn} tracked objects a staged turn"
-        await eng.close()
-        log.close()
-    arun(go())
+    child = ("import asyncio, json, sys; sys.path.insert(0, sys.argv[1]); "
+             "from test_turn_fast_path import _tracked_objects_a_staged_agent_turn_holds as measure; "
+             "print(json.dumps(asyncio.run(measure(sys.argv[2]))))")
+    done = subprocess.run([sys.executable, "-c", child, str(Path(__file__).parent), str(tmp_path / "log")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    per_turn, kinds = json.loads(done.stdout.strip().splitlines()[-1])
+    assert per_turn <= 9, f"{per_turn} tracked objects a staged turn (the last round's: {kinds})"
