@@ -49,7 +49,7 @@ from agentlog._logging import get_logger
 from agentlog.events.log.api import EventLog
 from agentlog.events.schema.types import payload_tag
 from agentlog.reducers.fold import LEARNER_TAG
-from agentlog.reducers.lifecycle import LifecycleCheckSnapshot
+from agentlog.reducers.lifecycle import LifecycleCheckSnapshot, live_entry
 
 from .restart import CHECKPOINT_FORMAT, CheckpointError, EngineCheckpoint, RestartFold, anchor_at, write_checkpoint
 
@@ -267,11 +267,7 @@ class Checkpointer:
         ids, recent = eng._ids.snapshots()
         lifecycle = LifecycleCheckSnapshot(
             next_lsn=cut, records=cut + self._records_offset,
-            # The state's value (a str, equal to the State and encoded the same): a tuple of a session's id, its
-            # state and seq then holds nothing the cyclic collector tracks (an enum member is tracked), so the
-            # collection after it untracks it, and a checkpoint's 10,000 tuples never reach the old generation.
-            live=[(h.session_id, h.state._value_, h._seq) for h in live],  # type: ignore[misc]  # a State's value
-            recent=recent, ids=ids,
+            live=[live_entry(h.session_id, h.state, h._seq) for h in live], recent=recent, ids=ids,
         )
         return EngineCheckpoint(
             format=CHECKPOINT_FORMAT, next_lsn=cut, anchor=b"", lifecycle=lifecycle,

@@ -31,7 +31,7 @@ subagent from a rewrite, so token-only agents that spawn subagents declare them.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -118,13 +118,15 @@ def _key(messages: list[Any], digests: bytes) -> bytes:
     return key[0] + key[1]
 
 
-def _unanswered(thread: _Thread | None, messages: list[Any]) -> Sequence[ToolCall]:
-    """The calls ``thread`` has pending that a turn's prompt (``messages``) does not answer
-    (:func:`~agentlog.events.schema.lineage.answered_calls`): the shared empty tuple when it
-    answers them all, as an agent's next turn does."""
+def _unanswered(thread: _Thread | None, messages: list[Any] | None = None, answered: Collection[str] = ()) -> Sequence[ToolCall]:
+    """The calls ``thread`` has pending that a turn does not answer: those its prompt
+    (``messages``, read by :func:`~agentlog.events.schema.lineage.answered_calls` only when
+    something is pending) or ``answered`` (a resume point's) leave open. The shared empty
+    tuple when it answers them all, as an agent's next turn does."""
     if thread is None or not thread.pending:
         return ()
-    answered = answered_calls(messages)
+    if messages is not None:
+        answered = answered_calls(messages)
     return tuple([c for c in thread.pending if c[0] not in answered]) if answered else thread.pending
 
 
@@ -389,10 +391,8 @@ class LineageTracker(msgspec.Struct, gc=False):
             if turn is None:
                 continue
             context = contexts[lineage_id] if turn_index == turn.turn_index else empty
-            thread = self._threads.get(lineage_id)
-            left = tuple([c for c in thread.pending if c[0] not in answered]) if thread is not None else ()
             self._apply(lineage_id, _key(turn.messages, contexts[lineage_id].digests), origins.get(lineage_id), tuple(calls),
-                        turn_index, context, left)
+                        turn_index, context, _unanswered(self._threads.get(lineage_id), answered=answered))
 
 
 def lineage_id_is_sub(lineage_id: str) -> bool:

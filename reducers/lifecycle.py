@@ -81,6 +81,7 @@ __all__ = [
     "ReplayStep",
     "SessionSummary",
     "Violation",
+    "live_entry",
     "reduce_lifecycle",
     "reduce_lifecycle_many",
     "replay",
@@ -461,7 +462,7 @@ class LifecycleCheck(_OnSessionFold):
         ``next_lsn`` gives the same violations as checking from LSN 0."""
         return LifecycleCheckSnapshot(
             next_lsn=self.next_lsn, records=self.records,
-            live=[(sid, t.life.state._value_, t.life.next_seq) for sid, t in self.fold.live.items()],  # type: ignore[misc]  # a value
+            live=[live_entry(sid, t.life.state, t.life.next_seq) for sid, t in self.fold.live.items()],
             recent=self.recent.to_snapshot(), ids=self.ids.to_snapshot(),
         )
 
@@ -482,11 +483,17 @@ def _track(lsn: int, session_id: str, record: object, life: SessionLife) -> Trac
     return Tracked(life)
 
 
+def live_entry(session_id: str, state: State, next_seq: int) -> tuple[str, State, int]:
+    """A session in flight as a :class:`LifecycleCheckSnapshot` built in memory holds it: its state as
+    the State's value (a str, equal to the State and encoded the same), so the first collection that
+    sees the tuple untracks it (an enum member is tracked: 10,000 of these would reach the old generation)."""
+    return (session_id, state._value_, next_seq)  # type: ignore[return-value]  # the State's value, as said
+
+
 class LifecycleCheckSnapshot(msgspec.Struct, frozen=True):
     """:class:`LifecycleCheck` as plain data: the sessions in flight
     ``(session_id, state, next_seq)``, the recent window and the id filter. A
-    snapshot built in memory holds each state as its value (a str, equal to the
-    State and encoded the same, so the tuple is one the collector can untrack);
+    snapshot built in memory holds each state as its value (:func:`live_entry`);
     one decoded holds the State."""
 
     next_lsn: int
