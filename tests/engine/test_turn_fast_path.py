@@ -668,12 +668,19 @@ async def _tracked_objects_a_staged_agent_turn_holds(path) -> tuple[float, dict[
         turns = [_agent_turn(i) for _ in handles]
         gc.collect()
         gc.disable()
+        with log._cv:
+            # The writer, idle since the last round was durable, is not woken until the round is counted: on a
+            # loaded machine it flushed the first turns meanwhile, and the loop's callbacks answering them
+            # (its Handles and Contexts) were counted as if the turns held them.
+            log._thread_idle = False
         try:
             before = {id(o) for o in gc.get_objects()}
             pending = [h.begin_turn(**t, frozen_messages=True) for h, t in zip(handles, turns)]
             new = [o for o in gc.get_objects() if id(o) not in before]
         finally:
             gc.enable()
+            with log._cv:
+                log._cv.notify_all()
         counts.append(len(new))
         kinds = dict(collections.Counter(type(o).__name__ for o in new))
         del new
