@@ -372,7 +372,12 @@ def abort_orphans(log: EventLog, fold: RestartFold, keep: set[str] | frozenset[s
     fold: a session whose opening the fold refused (a reused id, a refused
     membership) is open in the log all the same, and left open here it
     would never be aborted.
-    ``keep``: sessions adopted to resume (:mod:`engine.adopt`), left as they are."""
+    ``keep``: sessions adopted to resume (:mod:`engine.adopt`), left as they are.
+
+    These aborts owe their groups no replacement (``refill`` unset), even where the group
+    rules refill infrastructure aborts: nobody plays a replacement for a batch a crash
+    interrupted (the loop's ``complete_interrupted`` would open and abort it), so one owed
+    would only keep its group from being released."""
     folded = fold.check.open_sessions()
     orphans = {sid: seq for sid, seq in log.open_sessions().items() if sid not in keep}
     if not orphans:

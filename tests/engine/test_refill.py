@@ -180,3 +180,41 @@ def test_abort_class_tables_are_checked_by_name() -> None:
     # The reducers' default excludes every abort (old logs rebuild byte for byte).
     assert {ReduceConfig().outcome_of(r) for r in ("wall_clock_timeout", "engine_restart", "verifier_failed:X", "mine")} == {
         "exclude"}
+
+
+def test_the_aborts_of_a_restart_owe_no_replacement_even_where_their_class_is_refilled(tmp_path: Path) -> None:
+    """A restart aborts the sessions a killed engine left running (``engine_restart``, an
+    infrastructure reason) and owes their groups nothing, though infrastructure aborts are
+    refilled: nobody plays a replacement of a batch that was interrupted (the loop opens and
+    aborts what it still owed), so one owed would hold its group unreleased. The decision is
+    recorded: the abort's ``refill`` is unset, and the group reduces with the orphan excluded."""
+    config = ReduceConfig(**RULES)
+
+    async def first() -> None:
+        log = FileLog.open(tmp_path / "log")
+        eng = await SessionEngine.open(log, groups=config, checkpoint_every=0)
+        done = await eng.open_session("g-s0", group_id="g", group_size=2, sample_index=0)
+        await done.start()
+        await done.finish(reward=1.0)
+        orphan = await eng.open_session("g-s1", group_id="g", group_size=2, sample_index=1)
+        await orphan.start()
+        log.close()  # killed with g-s1 running
+
+    async def second() -> tuple[int, list[str]]:
+        log = FileLog.open(tmp_path / "log")
+        eng = await SessionEngine.open(log, groups=config, checkpoint_every=0)
+        try:
+            return eng.stats["restart_aborted"], eng.owed_replacements("g")
+        finally:
+            await eng.close()
+            log.close()
+
+    asyncio.run(first())
+    aborted, owed = asyncio.run(second())
+    assert (aborted, owed) == (1, [])
+    with FileLog.open(tmp_path / "log") as log:
+        (abort,) = [e.body for e in log.read() if isinstance(e.body, SessionAborted)]
+        (group,) = reduce_log(log, config).groups
+    assert abort.reason == "engine_restart" and not abort.refill  # unset: no replacement owed
+    assert config.outcome_of(abort.reason) == "refill"  # the class is refilled; the restart's abort is not
+    assert group.replaced == () and group.n_valid == 1
