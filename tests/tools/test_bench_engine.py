@@ -55,6 +55,16 @@ def test_the_benchmark_runs_every_measure_and_prints_its_three_goal_lines_last(c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engine0", "mem"]
 
 
+def test_the_scaling_is_measured_in_a_fresh_interpreter_with_every_arm_at_both_concurrencies():
+    """The scaling rows come from a child process (the main run's heap is not what they measure): its
+    three arms at both concurrencies, each the seconds of two runs."""
+    got = bench_engine.scaling_in_child(8, 2, 4, 1, 16)
+    assert sorted(got) == ["engine", "engine_no_gc", "raw"]
+    for arm, by_concurrency in got.items():
+        assert sorted(by_concurrency) == [2, 4], (arm, by_concurrency)
+        assert all(0 < t < 60 and math.isfinite(t) for t in by_concurrency.values()), (arm, by_concurrency)
+
+
 @pytest.mark.parametrize("arm", [bench_engine.run_raw, bench_engine.run_engine], ids=["raw", "engine"])
 def test_both_arms_over_a_memory_log_hold_every_session_in_flight_at_once(arm, monkeypatch):
     # The scaling goal compares sessions in flight together: over a MemoryLog, whose append never suspends,
