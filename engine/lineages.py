@@ -337,7 +337,7 @@ class LineageTracker(msgspec.Struct, gc=False):
             return
         self._apply(lineage_id, self._staged_key, self._staged_first, self._staged_calls, turn_index, context,
                     self._staged_left)
-        self._staged_first, self._staged_calls, self._staged_left = None, (), ()  # nothing of it kept
+        self._staged_first, self._staged_calls, self._staged_left = None, (), ()  # nothing of it kept (the key is bytes)
 
     def _apply(self, lineage_id: str, key: bytes, first: Lineage | None, calls: Sequence[ToolCall],
                turn_index: int, context: EncodingContext, left: Sequence[ToolCall] = ()) -> None:

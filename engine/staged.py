@@ -99,7 +99,7 @@ class StagedRecord(DurableCallback):
     def __init__(self, engine: "SessionEngine", h: "SessionHandle", body: Any, dest: State | None,
                  context: EncodingContext | None, waiter: Any, settled: Callable[[], None] | None = None) -> None:
         self.engine, self.h, self.body, self.dest, self.context = engine, h, body, dest, context
-        self.seq, self.end = h._seq, -1  # end: DurableCallback's (not waiting in a log's queue yet)
+        self.seq, self.end = h._seq, DurableCallback.NOT_QUEUED  # DurableCallback's end (its __init__ is not called: no fn)
         # An ending cancels the session's in-flight work, never the task that ends it (applied from a
         # callback); a record that ends nothing needs no task looked up.
         self.ender = asyncio.current_task() if dest in TERMINAL_STATES else None

@@ -208,15 +208,15 @@ class DurableCallback:
     """A waiter in place of an asyncio future (the file log's and MemoryLog's ``stage``): it runs ``fn(env, None)``, or ``fn(None,
     exc)`` when the log failed (a subclass overrides :meth:`run`). What it raises goes to the loop's exception handler, naming the
     record, and the records answered with it are still answered (SystemExit and KeyboardInterrupt propagate). Called as ``(env,
-    exc)``, it is an ``on_durable``. The file log's queue sets its ``end``, ``env``, ``loop`` while it waits (``end`` -1 when not)."""
+    exc)``, it is an ``on_durable``. The file log's queue sets its ``end``, ``env``, ``loop`` while it waits (``end`` NOT_QUEUED when not)."""
 
     __slots__ = ("fn", "end", "env", "loop")
-    end: int
+    NOT_QUEUED = -1  # its end while it waits in no log's queue
     env: Any
     loop: asyncio.AbstractEventLoop
 
     def __init__(self, fn: Callable[[Any, BaseException | None], None]) -> None:
-        self.fn, self.end = fn, -1  # end: -1 while not waiting in a log's queue (a subclass sets it too)
+        self.fn, self.end = fn, DurableCallback.NOT_QUEUED  # a subclass that does not call this sets it too
 
     def done(self) -> bool:
         return False  # a callback is never cancelled: it runs once, for the one record it waits for
@@ -251,7 +251,7 @@ def answer_durable(items: list) -> None:
     for i, item in enumerate(items):
         try:
             if type(item) is not tuple:  # a DurableCallback that carries its env (the file log's stage), free again
-                env, item.env, item.end = item.env, None, -1
+                env, item.env, item.end = item.env, None, DurableCallback.NOT_QUEUED
                 item._call(env, None)
             elif isinstance(item[0], DurableCallback):
                 item[0]._call(item[1], None)  # a callback is never done, and its set_result is this call

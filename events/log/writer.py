@@ -507,7 +507,7 @@ class FileLog(GroupCommit, FrameStaging, FenceAndSpares, WriterCheckpoints, Batc
         loop = asyncio.get_running_loop()
         with self._mutex:  # self._cv's lock
             env, end = self._submit_one(session_id, session_seq, body, staged)
-            bare = staged and waiter.end < 0  # a stage's DurableCallback not waiting already: it carries end, env, loop
+            bare = staged and waiter.end == DurableCallback.NOT_QUEUED  # a stage's DurableCallback not waiting already: it carries end, env, loop
             if bare:
                 waiter.end, waiter.env, waiter.loop = end, env, loop
             self._waiters.append(waiter if bare else (end, waiter, env, loop))

@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +54,7 @@ from agentlog.events import FileLog
 from agentlog.events.log.api import MemoryLog
 from agentlog.events.schema.types import SessionFinished, SessionOpened, SessionStarted, TurnRecorded
 
+from agentlog.tools.bench.child import json_from_child
 from agentlog.tools.bench.bench_engine_memory import GOAL_CONTEXT, WAVE, measure_in_child, rss_goal_line
 from agentlog.tools.bench.goals import goal_line, meets
 
@@ -242,10 +242,8 @@ def scaling_in_child(n_sessions: int, lo: int, hi: int, turns: int, tokens: int)
     """:func:`scaling_rows` in a fresh interpreter. In the process of the main run the collector walks
     what its 100,000 sessions left behind, and the scaling measured that heap (1.83x in the full run of
     2026-12-07 13:33 UTC, where the same rows alone gave 1.40-1.46x), not the engine."""
-    argv = [sys.executable, __file__, "--scaling-child", "--scale-sessions", str(n_sessions), "--scale-low", str(lo),
-            "--scale-high", str(hi), "--turns", str(turns), "--tokens", str(tokens)]
-    done = subprocess.run(argv, check=True, capture_output=True, text=True)
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = json_from_child([__file__, "--scaling-child", "--scale-sessions", str(n_sessions), "--scale-low", str(lo),
+                           "--scale-high", str(hi), "--turns", str(turns), "--tokens", str(tokens)])
     return {arm: {int(c): float(t) for c, t in by_c.items()} for arm, by_c in got.items()}
 
 

@@ -30,11 +30,11 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from agentlog.tools.bench.child import json_from_child
 from agentlog.tools.bench.goals import goal_line, meets
 
 #: The goal: resident kB per live session at an 8k-token context.
@@ -123,9 +123,7 @@ def measure_in_child(n: int, context: int, wave: int = WAVE, directory: Path | N
     """Run one context size in a fresh interpreter (its log in a temp dir under ``directory``,
     removed after); returns its figures."""
     where = ["--dir", str(directory)] if directory is not None else []
-    out = subprocess.run([sys.executable, __file__, "--one", str(context), "--sessions", str(n), "--wave", str(wave), *where],
-                         check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json_from_child([__file__, "--one", str(context), "--sessions", str(n), "--wave", str(wave), *where])
 
 
 def rss_goal_line(kb: float) -> str:

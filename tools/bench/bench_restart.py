@@ -64,6 +64,7 @@ from agentlog.events import FileLog, read_log
 from agentlog.reducers.config import ReduceConfig
 from agentlog.reducers.pipeline import InFlightWindow, Reducer
 from agentlog.reducers.samples import digest_samples
+from agentlog.tools.bench.child import json_from_child
 from agentlog.tools.bench.goals import goal_line, meets
 
 CONFIG = ReduceConfig(min_valid=2)
@@ -307,16 +308,11 @@ def engine_restart(path: Path, *, from_zero: bool) -> dict:
     whole log (``checkpoint_every=0``: the anchor). ``took``: SessionEngine.open;
     ``log_open``: FileLog.open before it (the log's own crash recovery, which
     rescans what was appended since its last INDEX checkpoint); ``total``: both."""
-    import json
-
     copy = path.with_name(path.name + "-restart")
     shutil.copytree(path, copy)
     try:
         child = RESTART_CHILD.format(here=str(Path(__file__).parent), path=str(copy), from_zero=from_zero)
-        res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=600)
-        if res.returncode != 0:
-            raise RuntimeError(f"the restarted engine failed (exit {res.returncode}): {res.stderr[-2000:]}")
-        out = json.loads(res.stdout.strip().splitlines()[-1])
+        out = json_from_child(["-c", child], timeout=600)
     finally:
         shutil.rmtree(copy)
     if not out["aborted"]:
