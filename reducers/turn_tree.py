@@ -14,12 +14,14 @@ class TrajectoryError(AgentlogError, ValueError):
 
 
 class _Node:
-    __slots__ = ("role", "message", "parent", "children", "turn")
+    # No parent pointer: the tree only points down, so a session's tree is
+    # freed by reference counting the moment the reducer evicts the session,
+    # instead of waiting as cyclic garbage for a full collection.
+    __slots__ = ("role", "message", "children", "turn")
 
-    def __init__(self, role: Any, message: Any, parent: "_Node | None") -> None:
+    def __init__(self, role: Any, message: Any) -> None:
         self.role = role
         self.message = message
-        self.parent = parent
         self.children: list[_Node] = []
         # The generated turn this node holds; None for routing-only nodes.
         self.turn: Any = None  # a trajectory._Turn
@@ -39,7 +41,7 @@ class MessageTree:
     def __init__(self, lineage: str, fork_threshold: int) -> None:
         self.lineage = lineage
         self.fork_threshold = fork_threshold
-        self.root = _Node(None, None, None)
+        self.root = _Node(None, None)
         self.last_generated: _Node | None = None
         # The last routed prompt and the nodes its messages matched or mounted
         # (the routing fast path, see _mount_point).
@@ -71,13 +73,13 @@ class MessageTree:
                 path.append(node)
             rest = messages[depth:]
             for msg in rest:
-                node = node.add(_Node(msg.get("role"), msg, node))
+                node = node.add(_Node(msg.get("role"), msg))
                 path.append(node)
             self._prev_messages = messages
             self._prev_path = path
             turn.decision.mounted_nodes = len(rest)
             turn.decision.routing = "merged_rewrite" if merged else ("mounted" if rest else "matched")
-        leaf = node.add(_Node("assistant", body.response_message, node))
+        leaf = node.add(_Node("assistant", body.response_message))
         leaf.turn = turn
         self.last_generated = leaf
 
