@@ -41,42 +41,48 @@ def stream():
     return f"jsc{next(_names)}"
 
 
-def stream_info(cluster, stream: str, within_s: float = 45.0):
-    """The stream's info as a fresh client sees it (leader, replicas, state).
+async def answered(ask, within_s: float):
+    """``await ask()``, asked again while the cluster leaves it unanswered.
 
-    Asked again until ``within_s`` is spent: the cluster answers the stream's
-    info only from its stream leader, with the meta leader's say. On two
-    loaded cores (the suite's workers, the cluster and the test's own writers
-    at full speed) one answer took over 10 s in CI, and around a kill the
-    meta leader may itself be in election (4 to 9 s). A request the cluster
-    leaves unanswered is asked anew; the last timeout is raised at the end."""
+    The cluster answers a stream's info and messages only from the stream
+    leader, with the meta leader's say. On two loaded cores (the suite's
+    workers, the cluster and the test's own writers at full speed) one answer
+    took over 10 s in CI, and around a kill the meta leader may itself be in
+    election (4 to 9 s). The last timeout is raised once ``within_s`` is spent."""
     import nats.errors
 
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await ask()
+        except nats.errors.TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+
+
+def stream_info(cluster, stream: str, within_s: float = 45.0):
+    """The stream's info as a fresh client sees it (leader, replicas, state)."""
+
     async def body():
-        deadline = time.monotonic() + within_s
         async with nats_client(cluster) as nc:
             js = nc.jetstream(timeout=5)
-            while True:
-                try:
-                    return await js.stream_info(stream)
-                except nats.errors.TimeoutError:
-                    if time.monotonic() > deadline:
-                        raise
+            return await answered(lambda: js.stream_info(stream), within_s)
 
     return run(body())
 
 
-def stored_messages(cluster, stream: str) -> list[tuple[int, dict]]:
+def stored_messages(cluster, stream: str, within_s: float = 45.0) -> list[tuple[int, dict]]:
     """(sequence, headers) of every message of the stream, asked of the stream leader."""
 
     async def body():
         async with nats_client(cluster) as nc:
             js = nc.jetstream(timeout=5)
-            info = await js.stream_info(stream)
-            return [
-                (seq, (await js.get_msg(stream, seq)).headers or {})
-                for seq in range(info.state.first_seq, info.state.last_seq + 1)
-            ]
+            info = await answered(lambda: js.stream_info(stream), within_s)
+            out = []
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                msg = await answered(lambda: js.get_msg(stream, seq), within_s)
+                out.append((seq, msg.headers or {}))
+            return out
 
     return run(body())
 
