@@ -51,13 +51,14 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import msgspec
 import torch
 
 from agentlog._logging import get_logger
 from agentlog.engine.tasks import load_tasks, select_task
+from agentlog.events.errors import AgentlogError
 from agentlog.events.log.partitions import partition_name
 from agentlog.events.log.source import follow_sources
 from agentlog.events.schema.types import Envelope, PolicyUpdated
@@ -202,17 +203,26 @@ class PartitionWatch:
     ``lost_after_s`` is declared lost (0 never declares one), except the one
     heard from last: when every worker is silent they may all be waiting on
     the learner, which waits on the lost ones' share. The learner records the
-    decision, so a replay never depends on when it was made."""
+    decision, so a replay never depends on when it was made.
 
-    def __init__(self, lost_after_s: float, partitions: Iterable[int]) -> None:
+    Silence is what a partition *wrote*, not what the learner has read of it:
+    before one is declared, ``durable_end(pid)`` (its log's next durable LSN,
+    :meth:`LogSource.next_lsn`) is asked, and a partition whose durable
+    records run past what was read is not silent, however long the learner
+    took to reach them (a loaded machine, a slow first read)."""
+
+    def __init__(self, lost_after_s: float, partitions: Iterable[int],
+                 durable_end: Callable[[int], int] | None = None) -> None:
         self.lost_after_s = lost_after_s
+        self.durable_end = durable_end
         now = time.monotonic()
         self.last_seen = {pid: now for pid in partitions}
         self._next_check = now + lost_after_s
 
     def saw(self, pid: int | None, frontier: dict[int, int]) -> dict[int, str]:
         """Note an event of ``pid`` (None: a heartbeat, nothing new anywhere);
-        the partitions now declared lost, with why."""
+        the partitions now declared lost, with why. ``frontier``: each
+        partition's next LSN to read."""
         if self.lost_after_s <= 0:
             return {}
         now = time.monotonic()
@@ -221,7 +231,7 @@ class PartitionWatch:
         if now < self._next_check:
             return {}
         self._next_check = now + min(1.0, self.lost_after_s)
-        silent = [p for p, seen in self.last_seen.items() if now - seen >= self.lost_after_s]
+        silent = [p for p, seen in self.last_seen.items() if now - seen >= self.lost_after_s and not self._unread(p, frontier, now)]
         if len(silent) == len(self.last_seen):
             silent.remove(max(silent, key=lambda p: (self.last_seen[p], -p)))
         lost = {}
@@ -230,6 +240,22 @@ class PartitionWatch:
                            f"(lost_after_s {self.lost_after_s:g}) after lsn {frontier.get(other, 0) - 1}")
             del self.last_seen[other]
         return lost
+
+    def _unread(self, pid: int, frontier: dict[int, int], now: float) -> bool:
+        """Whether ``pid`` holds durable records past ``frontier`` (then it is
+        heard from now). A log that cannot say is taken at its silence, and the
+        failure logged: the decision then rests on what was read, as before."""
+        if self.durable_end is None:
+            return False
+        try:
+            end = self.durable_end(pid)
+        except (OSError, TimeoutError, AgentlogError) as exc:
+            log.warning("learner.partition_end_unknown", partition=partition_name(pid), error=repr(exc))
+            return False
+        if end <= frontier.get(pid, 0):
+            return False
+        self.last_seen[pid] = now
+        return True
 
     def paused(self, seconds: float) -> None:
         """The learner read nothing for ``seconds`` (it trained a step): that
@@ -318,7 +344,7 @@ class LoopLearner:
             sources = {pid: src for pid, src in run.rollout_logs().items() if pid not in lost}
             fold = PartitionFold(cfg.reduce_config(), sources, windows=windows, start=read_from)
             cutter = StepCutter(fold, consumed, step_size(cfg, lost), cfg.groups)
-            watch = PartitionWatch(cfg.rollout.lost_after_s, sources)
+            watch = PartitionWatch(cfg.rollout.lost_after_s, sources, lambda pid: sources[pid].next_lsn())
             idle_s = min(1.0, cfg.rollout.lost_after_s / 4) if cfg.rollout.lost_after_s > 0 else None
             async for pid, env in follow_sources(sources, read_from, poll_s=0.01, idle_s=idle_s):
                 if pid is not None and pid not in sources:

@@ -103,3 +103,32 @@ def test_a_lost_partition_is_still_lost_after_a_restart_once_its_record_is_no_lo
     assert 1 in resume_point(needed).lost, (
         "a restarted learner forgets that p0001 was declared lost (the declaring record is before "
         "records_from_lsn): it reads p0001 again and cuts steps of the full groups_per_step")
+
+
+def test_silence_is_what_a_partition_wrote_not_what_the_learner_has_read_of_it(tmp_path: Path) -> None:
+    """A learner slow to reach a partition's durable records (a loaded machine, a long first read) does
+    not declare it lost: the watch asks the log how far it is durable before it declares one. Read to its
+    end and silent past ``lost_after_s``, a partition is declared lost, naming the last LSN read."""
+    from agentlog.events.log.source import open_source
+    from agentlog.loop.trainer import PartitionWatch
+
+    root = tmp_path / "rollout"
+    counts = {}
+    for pid in (0, 1):
+        log = open_partition(root, pid)
+        try:
+            counts[pid] = len(log.append_batch([(e.session_id, e.session_seq, e.body) for e in play_groups(_specs(pid), seed=pid).read(0)]))
+        finally:
+            log.close()
+    parts = {pid: open_source(root).partition(pid) for pid in (0, 1)}
+    watch = PartitionWatch(0.2, parts, lambda pid: parts[pid].next_lsn())
+    by_reads_alone = PartitionWatch(0.2, parts)  # what the learner decided before it asked the log
+    unread = {0: counts[0], 1: 0}  # all of p0000 read, none of p0001
+    time.sleep(0.3)
+    assert set(by_reads_alone.saw(0, unread)) == {1}
+    assert watch.saw(0, unread) == {}, "a partition whose durable records were not read yet was declared lost"
+    read = {0: counts[0], 1: counts[1]}
+    assert watch.saw(1, read) == {}
+    time.sleep(0.3)
+    lost = watch.saw(0, read)
+    assert set(lost) == {1} and f"after lsn {counts[1] - 1}" in lost[1], lost
