@@ -51,7 +51,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import msgspec
 import torch
@@ -60,7 +60,7 @@ from agentlog._logging import get_logger
 from agentlog.engine.tasks import load_tasks, select_task
 from agentlog.events.errors import AgentlogError
 from agentlog.events.log.partitions import partition_name
-from agentlog.events.log.source import follow_sources
+from agentlog.events.log.source import LogSource, follow_sources
 from agentlog.events.schema.types import Envelope, PolicyUpdated
 from agentlog.learner.learner import Learner
 from agentlog.learner.mismatch import warn_past
@@ -219,6 +219,12 @@ class PartitionWatch:
         self.last_seen = {pid: now for pid in partitions}
         self._next_check = now + lost_after_s
 
+    @classmethod
+    def of_sources(cls, lost_after_s: float, sources: Mapping[int, LogSource]) -> "PartitionWatch":
+        """The watch of the partitions ``sources`` (pid -> its log), each asked
+        how far it is durable before it is declared lost."""
+        return cls(lost_after_s, sources, lambda pid: sources[pid].next_lsn())
+
     def saw(self, pid: int | None, frontier: dict[int, int]) -> dict[int, str]:
         """Note an event of ``pid`` (None: a heartbeat, nothing new anywhere);
         the partitions now declared lost, with why. ``frontier``: each
@@ -344,7 +350,7 @@ class LoopLearner:
             sources = {pid: src for pid, src in run.rollout_logs().items() if pid not in lost}
             fold = PartitionFold(cfg.reduce_config(), sources, windows=windows, start=read_from)
             cutter = StepCutter(fold, consumed, step_size(cfg, lost), cfg.groups)
-            watch = PartitionWatch(cfg.rollout.lost_after_s, sources, lambda pid: sources[pid].next_lsn())
+            watch = PartitionWatch.of_sources(cfg.rollout.lost_after_s, sources)
             idle_s = min(1.0, cfg.rollout.lost_after_s / 4) if cfg.rollout.lost_after_s > 0 else None
             async for pid, env in follow_sources(sources, read_from, poll_s=0.01, idle_s=idle_s):
                 if pid is not None and pid not in sources:

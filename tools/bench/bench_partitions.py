@@ -165,7 +165,7 @@ async def _learner_consume(root: Path, k: int, groups: int, groups_per_step: int
     sources = {pid: open_source(partition_dir(root, pid), check=False, partitioned=False) for pid in range(k)}
     fold = PartitionFold(cfg.reduce_config(), sources)
     cutter = StepCutter(fold, set(), step_size(cfg))
-    watch = PartitionWatch(cfg.rollout.lost_after_s, sources)
+    watch = PartitionWatch.of_sources(cfg.rollout.lost_after_s, sources)
     idle_s = min(1.0, cfg.rollout.lost_after_s / 4) if cfg.rollout.lost_after_s > 0 else None
     events = released = 0
     stream = follow_sources(sources, {}, poll_s=0.01, idle_s=idle_s)
