@@ -211,8 +211,7 @@ class PartitionWatch:
     records run past what was read is not silent, however long the learner
     took to reach them (a loaded machine, a slow first read)."""
 
-    def __init__(self, lost_after_s: float, partitions: Iterable[int],
-                 durable_end: Callable[[int], int] | None = None) -> None:
+    def __init__(self, lost_after_s: float, partitions: Iterable[int], durable_end: Callable[[int], int]) -> None:
         self.lost_after_s = lost_after_s
         self.durable_end = durable_end
         now = time.monotonic()
@@ -251,8 +250,6 @@ class PartitionWatch:
         """Whether ``pid`` holds durable records past ``frontier`` (then it is
         heard from now). A log that cannot say is taken at its silence, and the
         failure logged: the decision then rests on what was read, as before."""
-        if self.durable_end is None:
-            return False
         try:
             end = self.durable_end(pid)
         except (OSError, TimeoutError, AgentlogError) as exc:

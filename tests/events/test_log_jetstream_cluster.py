@@ -20,6 +20,7 @@ import pytest
 from nats_helpers import nats_client, run
 
 from agentlog.events.log.api import LogClosed, LogError, LogFenced
+from agentlog.events.log.jetstream_conn import retried
 from agentlog.events.schema.types import SessionOpened
 from event_samples import small_event
 
@@ -41,32 +42,19 @@ def stream():
     return f"jsc{next(_names)}"
 
 
-async def answered(ask, within_s: float):
-    """``await ask()``, asked again while the cluster leaves it unanswered.
-
-    The cluster answers a stream's info and messages only from the stream
-    leader, with the meta leader's say. On two loaded cores (the suite's
-    workers, the cluster and the test's own writers at full speed) one answer
-    took over 10 s in CI, and around a kill the meta leader may itself be in
-    election (4 to 9 s). The last timeout is raised once ``within_s`` is spent."""
-    import nats.errors
-
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            return await ask()
-        except nats.errors.TimeoutError:
-            if time.monotonic() > deadline:
-                raise
-
-
 def stream_info(cluster, stream: str, within_s: float = 45.0):
-    """The stream's info as a fresh client sees it (leader, replicas, state)."""
+    """The stream's info as a fresh client sees it (leader, replicas, state).
+
+    Asked through the log's own ``retried`` while the cluster leaves it unanswered: the
+    cluster answers a stream's info and messages only from the stream leader, with the meta
+    leader's say. On two loaded cores (the suite's workers, the cluster and the test's own
+    writers at full speed) one answer took over 10 s in CI, and around a kill the meta leader
+    may itself be in election (4 to 9 s)."""
 
     async def body():
         async with nats_client(cluster) as nc:
             js = nc.jetstream(timeout=5)
-            return await answered(lambda: js.stream_info(stream), within_s)
+            return await retried(lambda: js.stream_info(stream), "the stream's info", stream, within_s, 5.0, "within_s")
 
     return run(body())
 
@@ -77,10 +65,10 @@ def stored_messages(cluster, stream: str, within_s: float = 45.0) -> list[tuple[
     async def body():
         async with nats_client(cluster) as nc:
             js = nc.jetstream(timeout=5)
-            info = await answered(lambda: js.stream_info(stream), within_s)
+            info = await retried(lambda: js.stream_info(stream), "the stream's info", stream, within_s, 5.0, "within_s")
             out = []
             for seq in range(info.state.first_seq, info.state.last_seq + 1):
-                msg = await answered(lambda: js.get_msg(stream, seq), within_s)
+                msg = await retried(lambda: js.get_msg(stream, seq), f"message {seq}", stream, within_s, 5.0, "within_s")
                 out.append((seq, msg.headers or {}))
             return out
 

@@ -122,7 +122,7 @@ def test_silence_is_what_a_partition_wrote_not_what_the_learner_has_read_of_it(t
             log.close()
     parts = {pid: open_source(root).partition(pid) for pid in (0, 1)}
     watch = PartitionWatch.of_sources(0.2, parts)  # as the learner watches its partitions
-    by_reads_alone = PartitionWatch(0.2, parts)  # what the learner decided before it asked the log
+    by_reads_alone = PartitionWatch(0.2, parts, lambda pid: 0)  # what the learner decided before it asked the log
     unread = {0: counts[0], 1: 0}  # all of p0000 read, none of p0001
     time.sleep(0.3)
     assert set(by_reads_alone.saw(0, unread)) == {1}
