@@ -1,7 +1,7 @@
 """Child process of the crash test: appends forever and reports every
 acknowledged record on stdout as ``lsn session seq`` lines, until SIGKILLed.
 
-    python crash_child.py LOG_DIR SEED
+    python crash_child.py LOG_DIR SEED [COMPRESSION]
 
 Sessions continue across crashes (their next seq comes from the reopened
 log), every payload is derived from (session, seq), and both the asyncio and
@@ -39,8 +39,10 @@ def main() -> None:
     # stdout carries the acknowledgements only.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     path, seed = sys.argv[1], int(sys.argv[2])
+    compression = sys.argv[3] if len(sys.argv) > 3 else "none"  # "zstd": every flush one compressed batch
     rnd = random.Random(seed)
-    lg = FileLog.open(path, segment_bytes=8192, checkpoint_bytes=1024)  # periodic INDEX checkpoints inside segments too
+    # Periodic INDEX checkpoints inside segments too.
+    lg = FileLog.open(path, segment_bytes=8192, checkpoint_bytes=1024, compression=compression)
     os.write(1, b"ready\n")
     # Async appenders own the a* sessions, the batch thread the b* ones, so
     # each session's next seq is only ever read by the one that appends to it.

@@ -20,12 +20,13 @@ from log_helpers import rng
 CHILD = Path(__file__).with_name("crash_child.py")
 
 
-def _run_and_kill(log_dir: Path, seed: int, delay_s: float) -> list[tuple[int, str, int]]:
-    """Start a child, let it append for ``delay_s`` after it is ready, SIGKILL it;
-    returns every (lsn, session, seq) it reported as acknowledged."""
+def _run_and_kill(log_dir: Path, seed: int, delay_s: float, compression: str) -> list[tuple[int, str, int]]:
+    """Start a child writing with ``compression``, let it append for ``delay_s`` after it is
+    ready, SIGKILL it; returns every (lsn, session, seq) it reported as acknowledged."""
     err_path = log_dir.parent / f"child-{seed}.err"
     err = open(err_path, "wb")
-    proc = subprocess.Popen([sys.executable, str(CHILD), str(log_dir), str(seed)], stdout=subprocess.PIPE, stderr=err)
+    proc = subprocess.Popen([sys.executable, str(CHILD), str(log_dir), str(seed), compression], stdout=subprocess.PIPE,
+                            stderr=err)
     buf = b""
     fd = proc.stdout.fileno()
     deadline = None
@@ -95,13 +96,13 @@ def _check(log_dir: Path, acked_all: dict[int, tuple[str, int]], verified: list[
     return len(recs)
 
 
-def _crash_loop(log_dir: Path, kills: int, seed: int) -> None:
+def _crash_loop(log_dir: Path, kills: int, seed: int, compression: str = "none") -> None:
     r = rng(seed)
     acked_all: dict[int, tuple[str, int]] = {}
     verified: list[tuple[str, int, bytes]] = []
     total_acked = 0
     for k in range(kills):
-        acked = _run_and_kill(log_dir, r.randrange(1 << 30), r.uniform(0.0, 0.25))
+        acked = _run_and_kill(log_dir, r.randrange(1 << 30), r.uniform(0.0, 0.25), compression)
         total_acked += len(acked)
         for lsn, sid, seq in acked:
             assert acked_all.setdefault(lsn, (sid, seq)) == (sid, seq), f"lsn {lsn} acknowledged twice"
@@ -117,6 +118,22 @@ def test_acknowledged_appends_survive_sigkill_at_random_moments(tmp_path, codec)
     the child and the checks: the same test, at half the cost); every
     acknowledged record survives."""
     _crash_loop(tmp_path / "log", kills=20 if codec == "compiled" else 10, seed=20261130)
+
+
+def test_acknowledged_compressed_batches_survive_sigkill_at_random_moments(tmp_path):
+    """The same with ``compression="zstd"``: a kill can land mid-way through a compressed
+    batch (one frame holding a flush's records), and recovery cuts a torn one whole; every
+    acknowledged record survives, and the reopened log is still compressed."""
+    from agentlog.events.log.format import SEG_HDR_SIZE, list_segments, parse_segment_header, segment_name
+
+    log_dir = tmp_path / "log"
+    _crash_loop(log_dir, kills=10, seed=20261207, compression="zstd")
+    segments = list_segments(log_dir)
+    assert len(segments) > 1, "the kills must land across segments, or rotation was never under test"
+    for first in segments:
+        name = segment_name(first)
+        header = parse_segment_header((log_dir / name).read_bytes()[:SEG_HDR_SIZE], name, first)
+        assert header.compression == "zstd", f"{name} was written without compression"
 
 
 @pytest.mark.slow

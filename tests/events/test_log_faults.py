@@ -72,10 +72,11 @@ def _fill(lg, start, n):
 
 @pytest.mark.parametrize("op", ["write", "fdatasync"])
 @pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
-def test_io_error_makes_the_writer_fatal_and_reopen_recovers(tmp_path, op, code):
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_io_error_makes_the_writer_fatal_and_reopen_recovers(tmp_path, op, code, compression):
     d = tmp_path / "log"
     ops = FaultyOps()
-    lg = FileLog.open(d, os_ops=ops)
+    lg = FileLog.open(d, os_ops=ops, compression=compression)
     acked = _fill(lg, 0, 5)
     ops.fail[op] = code
     with pytest.raises(LogClosed, match=r"fatal.*reopen") as info:
@@ -98,10 +99,11 @@ def test_io_error_makes_the_writer_fatal_and_reopen_recovers(tmp_path, op, code)
 
 
 @pytest.mark.parametrize("op", ["write", "fdatasync", "pwrite"])
-def test_async_appenders_all_fail_and_none_hang_when_the_writer_dies(tmp_path, op):
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_async_appenders_all_fail_and_none_hang_when_the_writer_dies(tmp_path, op, compression):
     d = tmp_path / "log"
     ops = FaultyOps()
-    lg = FileLog.open(d, os_ops=ops)
+    lg = FileLog.open(d, os_ops=ops, compression=compression)
     acked = _fill(lg, 0, 3)
     ops.fail[op] = errno.EIO
 
@@ -118,22 +120,25 @@ def test_async_appenders_all_fail_and_none_hang_when_the_writer_dies(tmp_path, o
     lg.close()
 
 
-def test_short_writes_are_completed(tmp_path):
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_short_writes_are_completed(tmp_path, compression):
     """A short write is not an error: the writer writes the rest."""
     d = tmp_path / "log"
     ops = FaultyOps()
     ops.short_max = 7
-    lg = FileLog.open(d, os_ops=ops, segment_bytes=2048)
+    lg = FileLog.open(d, os_ops=ops, segment_bytes=2048, compression=compression)
     envs = _fill(lg, 0, 30)
     assert ops.calls["write"] > 100
     lg.close()
     assert list(read_log(d)) == envs
 
 
-def test_short_write_then_enospc_leaves_a_torn_tail_that_reopen_cuts(tmp_path):
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_short_write_then_enospc_leaves_a_torn_tail_that_reopen_cuts(tmp_path, compression):
+    """(Compressed, the torn frame is a batch of the flush's records: cut whole.)"""
     d = tmp_path / "log"
     ops = FaultyOps()
-    lg = FileLog.open(d, os_ops=ops)
+    lg = FileLog.open(d, os_ops=ops, compression=compression)
     acked = _fill(lg, 0, 4)
     ops.fail_after_bytes = 50  # half a frame reaches the file, then the disk is full
     with pytest.raises(LogClosed, match="No space left"):
@@ -255,7 +260,9 @@ class PowerCutOps(OsOps):
 @pytest.mark.parametrize("checkpoint_bytes", [None, 256], ids=["rotation-checkpoints", "periodic-checkpoints"])
 @pytest.mark.parametrize("watermark_reached_disk", [False, True], ids=["all-unsynced-lost", "watermark-kept"])
 @pytest.mark.parametrize("policy", ["always", "batch", "interval", "never"])
-def test_a_power_cut_loses_only_unsynced_records_and_the_log_reopens(tmp_path, policy, watermark_reached_disk, checkpoint_bytes, monkeypatch):
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_power_cut_loses_only_unsynced_records_and_the_log_reopens(tmp_path, policy, watermark_reached_disk, checkpoint_bytes,
+                                                                     compression, monkeypatch):
     from structlog.testing import capture_logs
 
     from agentlog.events.log import writer_checkpoint as log_writer
@@ -267,7 +274,7 @@ def test_a_power_cut_loses_only_unsynced_records_and_the_log_reopens(tmp_path, p
     ops = PowerCutOps()
     kw = {} if checkpoint_bytes is None else {"checkpoint_bytes": checkpoint_bytes}
     monkeypatch.setattr(log_writer, "_CKPT_SPACING", 0)  # an interval smaller than the INDEX spacing, as given
-    lg = FileLog.open(d, fsync=policy, segment_bytes=2048, interval_s=3600, os_ops=ops, **kw)
+    lg = FileLog.open(d, fsync=policy, segment_bytes=2048, interval_s=3600, os_ops=ops, compression=compression, **kw)
     acked = _fill(lg, 0, 40)
     segs = list_segments(d)
     assert len(segs) >= 3, "the test needs sealed (synced) segments and an open one"
