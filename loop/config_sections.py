@@ -351,10 +351,11 @@ class LogConfig:
     """nats: copies JetStream keeps of the stream (3 on a 3-node cluster)."""
     duplicate_window_s: float = 120.0
     """nats: how long the server remembers message ids to drop a retried publish (seconds)."""
+    compression: str = "none"
+    """file: the logs' record batches, none or zstd (each flush's frames as one zstd frame, read back transparently)."""
     weights: str = "auto"
-    """nats: how rollout workers get each version's weights: auto (the run folder's checkpoint when their host
-    sees it, else fetched from the run's JetStream object store), store (always fetched), folder (a shared
-    folder only: nothing is put into the object store)."""
+    """nats: how rollout workers get each version's weights: auto (the run folder's checkpoint when their host sees it,
+    else fetched from the run's JetStream object store), store (always fetched), folder (a shared folder only)."""
     weights_chunk_kib: int = 128
     """nats: chunk size of the weights in the object store (KiB; at most the server's max_payload, 1 MiB by default)."""
     weights_timeout_s: float = 60.0
@@ -363,6 +364,7 @@ class LogConfig:
     """nats: where workers keep fetched versions ("": <run>/weights-cache), in <cache>/<stream>/<worker>."""
 
     def __post_init__(self) -> None:
+        from agentlog.events.log.batch_compression import COMPRESSIONS
         from agentlog.events.log.jetstream_url import STREAM_RE, parse_nats_url
 
         if self.backend not in LOG_BACKENDS:
@@ -370,18 +372,16 @@ class LogConfig:
         for name in ("url", "stream"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"[log] {name}: expected a str, found {getattr(self, name)!r}")
-        if self.backend == "file":
-            given = [name for name in ("url", "stream") if getattr(self, name)]
-            if given:
-                raise ConfigError(f"[log] {given[0]}: only the nats backend takes it (backend is 'file')")
-        else:
+        given = [name for name in ("url", "stream") if getattr(self, name)]
+        if self.backend == "file" and given:
+            raise ConfigError(f"[log] {given[0]}: only the nats backend takes it (backend is 'file')")
+        if self.backend == "nats":
             if not self.url:
                 raise ConfigError("[log] url: backend 'nats' needs the servers' URL, e.g. nats://127.0.0.1:4222")
             if not self.url.startswith("nats://"):
                 raise ConfigError(f"[log] url: expected nats://host:port[,host:port], found {self.url!r}")
             if "/" in self.url.removeprefix("nats://"):
-                raise ConfigError(f"[log] url: expected nats://host:port[,host:port] without a path (the stream goes in "
-                                  f"[log] stream), found {self.url!r}")
+                raise ConfigError(f"[log] url: expected nats://host:port[,host:port] without a path (the stream goes in [log] stream), found {self.url!r}")
             try:
                 parse_nats_url(f"{self.url}/stream")
             except ValueError as exc:
@@ -393,8 +393,7 @@ class LogConfig:
         if self.weights not in WEIGHTS_MODES:
             raise ConfigError(f"[log] weights: expected one of {WEIGHTS_MODES}, found {self.weights!r}")
         if self.backend == "file" and self.weights == "store":
-            raise ConfigError("[log] weights: 'store' needs backend 'nats' (the JetStream object store); "
-                              "with backend 'file' the weights are in <run>/checkpoints")
+            raise ConfigError("[log] weights: 'store' needs backend 'nats' (the JetStream object store); with backend 'file' the weights are in <run>/checkpoints")
         if type(self.weights_chunk_kib) is not int or not 1 <= self.weights_chunk_kib <= 65536:
             raise ConfigError(f"[log] weights_chunk_kib: expected an int in 1..65536 (KiB), found {self.weights_chunk_kib!r}")
         if not is_number(self.weights_timeout_s, above=0):
@@ -403,6 +402,9 @@ class LogConfig:
             raise ConfigError(f"[log] weights_cache: expected a folder path (str), found {self.weights_cache!r}")
         if not is_number(self.duplicate_window_s, above=0):
             raise ConfigError(f"[log] duplicate_window_s: expected a number of seconds > 0, found {self.duplicate_window_s!r}")
+        if self.compression not in COMPRESSIONS or (self.backend == "nats" and self.compression != "none"):
+            raise ConfigError(f"[log] compression: expected one of {COMPRESSIONS} (only 'none' with backend 'nats', which "
+                              f"stores each record as a message of its own), found {self.compression!r}")
 
     def servers(self) -> list[str]:
         """The server URLs of ``url``, one each (nats-py takes a list; it does not split a comma-joined string)."""

@@ -199,7 +199,8 @@ class Run:
 
     def _open(self, source: LogSource, *, fence: bool) -> EventLog:
         c = self.config
-        return source.open_writer(fsync=c.fsync, fence=fence, replicas=c.log.replicas, duplicate_window_s=c.log.duplicate_window_s)
+        return source.open_writer(fsync=c.fsync, fence=fence, replicas=c.log.replicas, duplicate_window_s=c.log.duplicate_window_s,
+                                  compression=c.log.compression)
 
     # -- lifetime -------------------------------------------------------------
 

@@ -44,6 +44,9 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=tcp_port, default=8000, help="port (0: any free port)")
     p.add_argument("--fsync", choices=["always", "batch", "interval", "never"], default="batch", help="log fsync policy (default batch)")
+    p.add_argument("--compression", choices=["zstd", "none"], default=None,
+                   help="the log's record batches: zstd (each flush's records as one compressed frame) or none "
+                        "(default: what an existing log's last segment records; a new log: none)")
     p.add_argument("--max-turns", type=positive_int, default=256, help="turn cap per session (answered 429 beyond it)")
     p.add_argument("--max-tokens", type=positive_int, default=512, help="default output allowance per turn")
     p.add_argument("--header-timeout", type=positive_float, default=10.0, metavar="S", help="seconds a request's head may take, from accept (or a kept-alive connection's next first byte); slower connections are closed (default 10)")
@@ -195,7 +198,7 @@ async def _serve(args) -> int:
     backend, template, parser = _build(args)
     token = args.admin_token or secrets.token_urlsafe(18)
     try:
-        log = FileLog.open(args.log, fsync=args.fsync)
+        log = FileLog.open(args.log, fsync=args.fsync, compression=args.compression)
     except LogCorruption as exc:  # damage that recovery must not cut away: acknowledged records
         await backend.close()
         raise CliError(f"--log {args.log}: cannot serve this log: {exc} (see agentlog verify {args.log})") from None

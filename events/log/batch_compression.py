@@ -84,11 +84,15 @@ def chosen_compression(requested: str | None, directory: Path, segments: list[in
     (a new log: none)."""
     if requested is not None:
         return None if requested == "none" else requested
-    if not segments:
-        return None
-    name = segment_name(segments[-1])
+    return segment_compression(directory, segments[-1]) if segments else None
+
+
+def segment_compression(directory: Path, first_lsn: int) -> str | None:
+    """The compression ("zstd" or None) the header of segment ``first_lsn`` of the log at
+    ``directory`` records; LogCorruption naming the segment when the header is damaged."""
+    name = segment_name(first_lsn)
     with open(directory / name, "rb") as f:
-        return parse_segment_header(f.read(SEG_HDR_SIZE), name, segments[-1]).compression
+        return parse_segment_header(f.read(SEG_HDR_SIZE), name, first_lsn).compression
 
 
 def pack_batch(first_lsn: int, count: int, raw: bytes | memoryview, data: bytes) -> bytes:

@@ -190,12 +190,16 @@ class LogSource:
     # -- writing and checking --------------------------------------------------
 
     def open_writer(self, *, fsync: str = "batch", fence: bool = False, replicas: int = 1,
-                    duplicate_window_s: float = 120.0, clock: Callable[[], int] | None = None) -> EventLog:
+                    duplicate_window_s: float = 120.0, clock: Callable[[], int] | None = None,
+                    compression: str | None = None) -> EventLog:
         """Open (or create) this log as its one writer. ``fsync``: a file
         log's policy; ``fence`` takes a new writer epoch (a JetStream writer
         always does); ``replicas`` and ``duplicate_window_s``: the stream's
         settings, used when the writer creates it; ``clock``: the records'
-        timestamps (default: the wall clock; a copy replays the source's)."""
+        timestamps (default: the wall clock; a copy replays the source's);
+        ``compression``: a file log's record batches, "zstd" or "none" (None:
+        what the log's last segment records; a new log: none). A log that
+        cannot compress (JetStream) refuses "zstd" with ValueError."""
         raise ValueError(f"{self}: a partitioned log is written one partition at a time (open partition(pid)'s writer)")
 
     def fence_epoch(self) -> int | None:

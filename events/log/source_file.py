@@ -73,11 +73,12 @@ class FileLogSource(_Directory):
         return total
 
     def open_writer(self, *, fsync: str = "batch", fence: bool = False, replicas: int = 1,
-                    duplicate_window_s: float = 120.0, clock: Callable[[], int] | None = None) -> EventLog:
+                    duplicate_window_s: float = 120.0, clock: Callable[[], int] | None = None,
+                    compression: str | None = None) -> EventLog:
         from .writer import FileLog
 
         options: dict[str, Any] = {} if clock is None else {"clock": clock}
-        return FileLog.open(self.path, fsync=fsync, fence=fence, **options)
+        return FileLog.open(self.path, fsync=fsync, fence=fence, compression=compression, **options)
 
     def fence_epoch(self) -> int | None:
         from .format import read_fence

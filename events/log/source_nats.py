@@ -132,10 +132,15 @@ class SubjectSource(_NatsSource):
         return self._stream.exists() and self._ref().exists()
 
     def open_writer(self, *, fsync: str = "batch", fence: bool = False, replicas: int = 1,
-                    duplicate_window_s: float = 120.0, clock: Callable[[], int] | None = None) -> EventLog:
+                    duplicate_window_s: float = 120.0, clock: Callable[[], int] | None = None,
+                    compression: str | None = None) -> EventLog:
+        from .batch_compression import check_compression
         from .jetstream import JetStreamLog
         from .partitions import parse_partition_name
 
+        if check_compression(compression) == "zstd":
+            raise ValueError(f"{self.describe()}: compression 'zstd' compresses a file log's record batches; a JetStream "
+                             "log stores each record as a message of its own (expected 'none' or None)")
         assert self.name is not None  # a subject source always names its log
         pid = parse_partition_name(self.name)
         options: dict[str, Any] = {} if clock is None else {"clock": clock}

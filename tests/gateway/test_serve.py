@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from agentlog.events import FileLog, verify_log
+from agentlog.events import FileLog, read_log, verify_log
+from agentlog.events.log.batch_compression import segment_compression
+from agentlog.events.log.format import list_segments
 from agentlog.events.schema.turn_delta import full_turns
 from agentlog.events.schema.types import SessionDropped, TurnRecorded
 from agentlog.reducers.pipeline import reduce_log
@@ -55,9 +57,11 @@ def _serve(logdir: Path, *extra: str) -> tuple[subprocess.Popen, str, list[str]]
     return proc, url, lines
 
 
-def test_serve_records_turns_of_admin_opened_sessions_into_a_durable_log(tmp_path):
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_serve_records_turns_of_admin_opened_sessions_into_a_durable_log(tmp_path, compression):
+    """(With ``--compression zstd`` the log's segments say so, and the records read back the same.)"""
     logdir = tmp_path / "log"
-    proc, url, lines = _serve(logdir, "--max-tokens", "6")
+    proc, url, lines = _serve(logdir, "--max-tokens", "6", *(["--compression", compression] if compression else []))
     try:
         admin = {"X-Admin-Token": "tok"}
         assert _call(url + "/admin/sessions", {"session_id": "x"}, {})[0] == 403
@@ -79,6 +83,8 @@ def test_serve_records_turns_of_admin_opened_sessions_into_a_durable_log(tmp_pat
     output = "".join(lines) + proc.stdout.read()
     assert "a1" in output and key not in output
     assert not [f for f in logdir.rglob("*") if f.is_file() and key.encode() in f.read_bytes()]
+    assert not [r.lsn for r in read_log(logdir, raw=True) if key.encode() in bytes(r.payload)]  # compressed or not
+    assert {segment_compression(logdir, first) for first in list_segments(logdir)} == {compression}
     with FileLog.open(logdir) as log:
         turns = [e.body for e in full_turns(log.read()) if isinstance(e.body, TurnRecorded)]
         assert len(turns) == 1 and turns[0].output_tokens.size <= 6
@@ -98,6 +104,7 @@ def test_serve_bad_input_is_one_line_exit_2_and_never_a_traceback(tmp_path, caps
         (["--port", "70000"], "--port: expected a port 0-65535, found 70000"),
         (["--max-turns", "0"], "--max-turns: expected an int >= 1, found 0"),
         (["--fsync", "sometimes"], "--fsync: invalid choice: 'sometimes'"),
+        (["--compression", "gzip"], "--compression: invalid choice: 'gzip'"),
         (["--checkpoint", str(tmp_path / "missing.pt")], "missing.pt: No such file or directory"),
         (["--checkpoint", str(tmp_path / "bad.pt")], "expected a learner checkpoint, a weights file or a state_dict of the built-in GPT"),
         (["--model", str(tmp_path / "no-model")], "no-model' is not a directory; expected a local Hugging Face model directory"),

@@ -228,6 +228,8 @@ def test_log_table_errors_name_the_field_and_what_was_expected() -> None:
         "backend = \"nats\"\nurl = \"nats://h:4222\"\nduplicate_window_s = -1": "[log] duplicate_window_s: expected a number of seconds > 0",
         "url = \"nats://h:4222\"": "[log] url: only the nats backend takes it",
         "replica = 3": "[log] unknown key(s) ['replica']",
+        "compression = \"gzip\"": "[log] compression: expected one of ('zstd', 'none')",
+        "backend = \"nats\"\nurl = \"nats://h:4222\"\ncompression = \"zstd\"": "(only 'none' with backend 'nats'",
     }
     import tomllib
 

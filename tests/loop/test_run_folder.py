@@ -72,6 +72,28 @@ def test_a_partitioned_run_has_one_rollout_log_per_partition(tmp_path: Path) -> 
     assert "(3 partitions, one per worker)" in run.describe()
 
 
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_log_compression_from_the_config_reaches_every_log_the_run_writes(tmp_path: Path, compression: str) -> None:
+    """``[log] compression``: each partition's log and the learner log are written with it, and read back the same."""
+    from agentlog.events.log.batch_compression import segment_compression
+    from agentlog.events.log.format import list_segments
+
+    cfg = LoopConfig(fsync="never", rollout=RolloutConfig(workers=2), log=LogConfig(compression=compression))
+    with Run.open(tmp_path / "run", cfg) as run:
+        written = {}
+        for pid in (0, 1):
+            with run.open_rollout(pid, fence=True) as w:
+                written[pid] = w.append_batch([(f"s{pid}-{i}", 0, opened(i)) for i in range(40)])
+        with run.open_learner() as w:
+            learner = w.append_batch([("learner", 0, PolicyUpdated(step=0, policy_version=0, checkpoint="c"))])
+        folders = [tmp_path / "run" / "rollout" / "p0000", tmp_path / "run" / "rollout" / "p0001", tmp_path / "run" / "learner"]
+        expected = None if compression == "none" else compression
+        assert {str(d): {segment_compression(d, first) for first in list_segments(d)} for d in folders} == {
+            str(d): {expected} for d in folders}
+        assert {pid: list(run.rollout_logs()[pid].read()) for pid in (0, 1)} == written
+        assert list(run.learner.read()) == learner
+
+
 def test_the_config_is_typed_and_a_folder_without_one_is_no_run(tmp_path: Path) -> None:
     assert Run.at(tmp_path) is None and not Run.has_config(tmp_path)
     (tmp_path / "config.json").write_text('{"steps": "many"}')
@@ -102,6 +124,8 @@ def test_a_nats_run_keeps_its_logs_on_one_stream(tmp_path: Path, nats_server) ->
         assert tail.poll() == []  # no stream yet: nothing to read, no error
         with pytest.raises(StreamMissing, match=rf"\(its logs: {nats_server.url}/{stream}\): .*no such stream"):
             run.open_rollout_view()
+        with pytest.raises(ValueError, match=rf"{stream}.p0000: compression 'zstd' compresses a file log's record batches"):
+            run.rollout_log(None).open_writer(compression="zstd")  # what [log] refuses for nats, refused by the API too
         with run.open_rollout(None, fence=True) as w:
             envs = w.append_batch([("s", 0, opened())])
         with run.open_learner() as w:
