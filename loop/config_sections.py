@@ -1,8 +1,7 @@
-"""The tables of a run's config: ``[faults]`` (:class:`FaultConfig`),
-``[agent]`` (:class:`AgentConfig`), ``[inference]`` (:class:`InferenceConfig`),
-``[metrics]`` (:class:`MetricsConfig`), ``[rollout]`` (:class:`RolloutConfig`),
-``[log]`` (:class:`LogConfig`: where the logs live, files or a JetStream
-stream), ``[groups]`` (:class:`GroupsConfig`: abort classes, dynamic sampling) and ``[distill]`` (:class:`DistillConfig`, with its
+"""The tables of a run's config: ``[faults]`` (:class:`FaultConfig`), ``[agent]`` (:class:`AgentConfig`),
+``[inference]`` (:class:`InferenceConfig`), ``[metrics]`` (:class:`MetricsConfig`), ``[rollout]`` (:class:`RolloutConfig`),
+``[log]`` (:class:`LogConfig`: where the logs live, files or a JetStream stream, and how file logs compress),
+``[groups]`` (:class:`GroupsConfig`: abort classes, dynamic sampling) and ``[distill]`` (:class:`DistillConfig`, with its
 ``[[distill.teachers]]``, :class:`TeacherSpec`): each a dataclass that checks
 its own values. And how a table is built from plain data (JSON, TOML):
 :func:`check_field_types` and ``_from_mapping``, which name the table, the
@@ -352,7 +351,7 @@ class LogConfig:
     duplicate_window_s: float = 120.0
     """nats: how long the server remembers message ids to drop a retried publish (seconds)."""
     compression: str = "none"
-    """file: the logs' record batches, none or zstd (each flush's frames as one zstd frame, read back transparently)."""
+    """file: none, or zstd (each flush's records in zstd batches of up to 256 KiB, read back transparently)."""
     weights: str = "auto"
     """nats: how rollout workers get each version's weights: auto (the run folder's checkpoint when their host sees it,
     else fetched from the run's JetStream object store), store (always fetched), folder (a shared folder only)."""
@@ -402,9 +401,10 @@ class LogConfig:
             raise ConfigError(f"[log] weights_cache: expected a folder path (str), found {self.weights_cache!r}")
         if not is_number(self.duplicate_window_s, above=0):
             raise ConfigError(f"[log] duplicate_window_s: expected a number of seconds > 0, found {self.duplicate_window_s!r}")
-        if self.compression not in COMPRESSIONS or (self.backend == "nats" and self.compression != "none"):
-            raise ConfigError(f"[log] compression: expected one of {COMPRESSIONS} (only 'none' with backend 'nats', which "
-                              f"stores each record as a message of its own), found {self.compression!r}")
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(f"[log] compression: expected one of {COMPRESSIONS}, found {self.compression!r}")
+        if self.backend == "nats" and self.compression != "none":
+            raise ConfigError(f"[log] compression: {self.compression!r} needs backend 'file' (nats stores each record as a message of its own); expected 'none'")
 
     def servers(self) -> list[str]:
         """The server URLs of ``url``, one each (nats-py takes a list; it does not split a comma-joined string)."""

@@ -45,7 +45,7 @@ def register(sub) -> None:
     p.add_argument("--port", type=tcp_port, default=8000, help="port (0: any free port)")
     p.add_argument("--fsync", choices=["always", "batch", "interval", "never"], default="batch", help="log fsync policy (default batch)")
     p.add_argument("--compression", choices=["zstd", "none"], default=None,
-                   help="the log's record batches: zstd (each flush's records as one compressed frame) or none "
+                   help="the log's record batches: zstd (each flush's records in compressed batches) or none "
                         "(default: what an existing log's last segment records; a new log: none)")
     p.add_argument("--max-turns", type=positive_int, default=256, help="turn cap per session (answered 429 beyond it)")
     p.add_argument("--max-tokens", type=positive_int, default=512, help="default output allowance per turn")

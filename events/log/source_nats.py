@@ -138,9 +138,10 @@ class SubjectSource(_NatsSource):
         from .jetstream import JetStreamLog
         from .partitions import parse_partition_name
 
-        if check_compression(compression) == "zstd":
-            raise ValueError(f"{self.describe()}: compression 'zstd' compresses a file log's record batches; a JetStream "
-                             "log stores each record as a message of its own (expected 'none' or None)")
+        if compression not in (None, "none"):
+            check_compression(compression)  # an unknown value: its own message first
+            raise ValueError(f"{self.describe()}: compression {compression!r} compresses a file log's record batches; a "
+                             "JetStream log stores each record as a message of its own (expected 'none' or None)")
         assert self.name is not None  # a subject source always names its log
         pid = parse_partition_name(self.name)
         options: dict[str, Any] = {} if clock is None else {"clock": clock}

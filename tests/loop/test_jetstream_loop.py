@@ -229,7 +229,7 @@ def test_log_table_errors_name_the_field_and_what_was_expected() -> None:
         "url = \"nats://h:4222\"": "[log] url: only the nats backend takes it",
         "replica = 3": "[log] unknown key(s) ['replica']",
         "compression = \"gzip\"": "[log] compression: expected one of ('zstd', 'none')",
-        "backend = \"nats\"\nurl = \"nats://h:4222\"\ncompression = \"zstd\"": "(only 'none' with backend 'nats'",
+        "backend = \"nats\"\nurl = \"nats://h:4222\"\ncompression = \"zstd\"": "[log] compression: 'zstd' needs backend 'file'",
     }
     import tomllib
 
