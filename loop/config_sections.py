@@ -363,7 +363,7 @@ class LogConfig:
     """nats: where workers keep fetched versions ("": <run>/weights-cache), in <cache>/<stream>/<worker>."""
 
     def __post_init__(self) -> None:
-        from agentlog.events.log.batch_compression import COMPRESSIONS
+        from agentlog.events.log.format import COMPRESSIONS
         from agentlog.events.log.jetstream_url import STREAM_RE, parse_nats_url
 
         if self.backend not in LOG_BACKENDS:

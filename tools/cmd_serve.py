@@ -25,6 +25,7 @@ import secrets
 import signal
 import sys
 
+from agentlog.events.log.format import COMPRESSIONS
 from agentlog.tools.cli import EXIT_DATA, CliError
 from agentlog.tools.cli_common import http_base_url, nonneg_int, positive_float, positive_int, tcp_port
 from agentlog.tools.progress import ProgressBar
@@ -44,7 +45,7 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=tcp_port, default=8000, help="port (0: any free port)")
     p.add_argument("--fsync", choices=["always", "batch", "interval", "never"], default="batch", help="log fsync policy (default batch)")
-    p.add_argument("--compression", choices=["zstd", "none"], default=None,
+    p.add_argument("--compression", choices=COMPRESSIONS, default=None,
                    help="the log's record batches: zstd (each flush's records in compressed batches) or none "
                         "(default: what an existing log's last segment records; a new log: none)")
     p.add_argument("--max-turns", type=positive_int, default=256, help="turn cap per session (answered 429 beyond it)")

@@ -54,8 +54,6 @@ from ..schema.types import TERMINAL_EVENT_TYPES, Envelope
 if TYPE_CHECKING:
     pass
 
-#: The values of ``FileLog.open(compression=...)``: None keeps the log's choice.
-COMPRESSIONS = ("zstd", "none")
 #: zstd's fast level -1: no entropy coding of literals, so a batch decompresses about 5x faster than at level 1
 #: and compresses about 2.5x faster, for about 1.4x the bytes (measured on 100-turn agent sessions: 0.45x the
 #: final trajectory against 0.32x, replay 0.61x of an uncompressed log's against 0.34x; bench_compression.py).
@@ -69,13 +67,6 @@ _HEAD = FRAME_HDR.size - FRAME_CRC.size  # length + type, after the CRC
 _TERMINAL_SET = frozenset(TERMINAL_EVENT_TYPES)
 _BATCH_PREFIX = FRAME_PREFIX + BATCH_HDR.size
 _unpack_frame_hdr, _unpack_batch_hdr = FRAME_HDR.unpack_from, BATCH_HDR.unpack_from
-
-
-def check_compression(value: str | None) -> str | None:
-    """``value`` checked as a ``compression`` option (None, "zstd" or "none")."""
-    if value is not None and value not in COMPRESSIONS:
-        raise ValueError(f"compression: expected one of {'/'.join(COMPRESSIONS)} or None (keep the log's), found {value!r}")
-    return value
 
 
 def chosen_compression(requested: str | None, directory: Path, segments: list[int]) -> str | None:

@@ -83,6 +83,17 @@ FORMAT_VERSION_PLAIN = 1
 SEG_FLAG_ZSTD = 1
 #: Compression name -> segment header flags; None is a log without compression.
 SEG_COMPRESSION_FLAGS = {None: 0, "zstd": SEG_FLAG_ZSTD}
+#: The values of ``FileLog.open(compression=...)`` (None keeps the log's choice), of
+#: ``agentlog serve --compression`` and of the loop's ``[log] compression``.
+COMPRESSIONS = ("zstd", "none")
+
+
+def check_compression(value: str | None) -> str | None:
+    """``value`` checked as a ``compression`` option (None, "zstd" or "none")."""
+    if value is not None and value not in COMPRESSIONS:
+        raise ValueError(f"compression: expected one of {'/'.join(COMPRESSIONS)} or None (keep the log's), found {value!r}")
+    return value
+
 SEG_MAGIC = b"AGLOGSEG"
 SEG_HDR = struct.Struct("<8sHHQQI")
 SEG_HDR_SIZE = SEG_HDR.size  # 32

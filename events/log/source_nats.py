@@ -134,7 +134,7 @@ class SubjectSource(_NatsSource):
     def open_writer(self, *, fsync: str = "batch", fence: bool = False, replicas: int = 1,
                     duplicate_window_s: float = 120.0, clock: Callable[[], int] | None = None,
                     compression: str | None = None) -> EventLog:
-        from .batch_compression import check_compression
+        from .format import check_compression
         from .jetstream import JetStreamLog
         from .partitions import parse_partition_name
 

@@ -66,12 +66,12 @@ from . import framecodec
 from ..fs import fsync_dir, write_atomic
 from ..schema.validation import is_number
 from .api import CheckedBatch, DurableCallback, EventLog, LogClosed, LogError, NotALog, OnDurable, PendingRecord, check_record_body
-from .batch_compression import BatchCompression, check_compression, chosen_compression
+from .batch_compression import BatchCompression, chosen_compression
 from .commit import GroupCommit, _Submission
 from .fence import _SPARE_AHEAD_FILL, _SPARE_PREFIX, FenceAndSpares, _Spare
 from .format import CHECKPOINT_EVERY_BYTES, DEFAULT_MAX_RECORD_BYTES, DURABLE_NAME, ENV_HDR, FENCE_NAME, FRAME_OVERHEAD
 from .format import INDEX_EVERY_BYTES, INDEX_NAME, LOCK_NAME, SEG_HDR_SIZE, Checkpoint, is_log_dir
-from .format import pack_durable, pack_fence, read_durable, read_fence, segment_name
+from .format import check_compression, pack_durable, pack_fence, read_durable, read_fence, segment_name
 from .lock import acquire_lock, release_lock
 from .staging import _BIG_PAYLOAD, FrameStaging
 from .read import Cursor
