@@ -36,4 +36,8 @@ def test_the_benchmark_prints_its_figures_and_its_three_goal_lines_last(capsys, 
     assert appended == uncompressed and frames < uncompressed, out  # the same records appended again; a segment header more
     assert "info, random token ids (8 x 2048-token events, batches of 32): " in out, out
     assert "the most any writer that compresses each batch can reach here: " in out, out
+    bound = re.search(r"can reach here: ([0-9.]+)x", out)
+    checked = re.search(r"also checks each batch as the log must can reach: ([0-9.]+)x \(the write-time check, check_bodies, ([0-9.]+) s", out)
+    assert bound and checked and float(checked[2]) > 0, out
+    assert float(checked[1]) <= float(bound[1]), out  # the check only adds to what the bound counts
     assert list(tmp_path.iterdir()) == [], "the benchmark left its logs behind"
