@@ -7,7 +7,9 @@ its other logs to ``DIR/<name>`` (the learner's to ``DIR/learner``). A URL
 naming one log (``nats://host:port/stream/p0003``) writes that log to DIR
 itself. A run folder whose ``config.json`` keeps its logs on JetStream
 (``[log] backend = "nats"``) stands for its stream. DIR must not exist yet,
-or be empty.
+or be empty. ``--compression zstd`` stores the copies' records compressed
+(each write's records together, as ``FileLog.open(compression="zstd")``
+does); the records, and so the digests, are the same either way.
 
 Every record keeps its LSN, session, seq, timestamp and payload
 (:mod:`agentlog.tools.log_transfer`), so the directories' frames are
@@ -25,6 +27,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from agentlog.events.log.format import COMPRESSIONS
 from agentlog.events.log.source import LogSource
 from agentlog.tools.cli import EXIT_DATA, EXIT_OK, EXIT_USAGE, CliError
 
@@ -34,6 +37,9 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="write a run's logs on JetStream (nats://host:port/stream) to log directories, frame for frame")
     p.add_argument("source", metavar="URL", help="nats://host:port/stream (every log of the run) or nats://host:port/stream/p0003 (one)")
     p.add_argument("directory", metavar="DIR", help="where to write: a new (or empty) directory")
+    p.add_argument("--compression", choices=COMPRESSIONS, default="none",
+                   help="how the copies store their records: zstd compresses the records each write takes together "
+                        "(FileLog.open's compression; default none)")
     p.set_defaults(func=run)
 
 
@@ -97,7 +103,7 @@ def run(args) -> int:
         for name, dest in plan.items():
             staged = staging / dest.relative_to(directory)
             try:
-                copies.append(export_log(source.sibling(name), staged, name))
+                copies.append(export_log(source.sibling(name), staged, name, args.compression))
             except CopyError as exc:
                 raise CliError(str(exc), EXIT_DATA) from None
             except LogError as exc:  # corruption on the stream, or the server stopped answering

@@ -15,7 +15,9 @@ would be caught there, not written wrong silently).
 How often a writer reads its clock differs: ``FileLog`` once per
 ``append_batch`` (every record of a batch shares one timestamp),
 ``JetStreamLog`` once per record. :func:`copy_records` cuts the source into
-batches accordingly (for a FileLog, one batch per run of equal timestamps).
+batches accordingly (for a FileLog, one batch per run of equal timestamps,
+several runs staged for each flush with ``FileLog.append_batches``, so that
+a compressed copy compresses them together).
 
 Payloads are not copied as bytes but decoded and re-encoded by the writer's
 check (the canonical msgspec encoding that wrote them). Every copy is
@@ -31,8 +33,14 @@ from typing import Any, Iterable, Iterator
 
 from agentlog.events.errors import AgentlogError
 
-#: Records per append when the writer stamps each record (JetStream; atomic batches hold up to 1000 messages).
+#: Records per append when the writer stamps each record (JetStream; atomic batches hold up to 1000 messages),
+#: and per run of one timestamp for a FileLog.
 BATCH = 256
+#: What a FileLog copy stages before one flush writes it (records, payload bytes): runs of one record (a
+#: stream's records each carry their own timestamp) share a write, and a compressed copy compresses them
+#: together; held in memory until the flush.
+FLUSH_RECORDS = 4096
+FLUSH_BYTES = 8 << 20
 
 
 class ReplayClock:
@@ -60,50 +68,72 @@ class CopyError(AgentlogError):
     """A record the copy could not write as it was recorded; the message names the log, LSN and why."""
 
 
-def _batches(records: Iterator[Any], *, per_record_ts: bool) -> Iterator[list[tuple[Any, Any]]]:
-    """The source as batches of ``(raw record, envelope)``: up to BATCH when the
-    writer stamps each record, else runs of one timestamp (up to BATCH)."""
+def _appends(records: Iterator[Any], *, per_record_ts: bool) -> Iterator[list[list[tuple[Any, Any]]]]:
+    """The source as the copy's appends, each a list of batches of ``(raw
+    record, envelope)``. A writer that stamps each record (JetStream) takes
+    one batch of up to BATCH records an append. A FileLog stamps a batch, so
+    its batches are runs of one timestamp (up to BATCH records), and one
+    append (``append_batches``: one flush) takes runs until they hold
+    FLUSH_RECORDS records or FLUSH_BYTES of payload: runs of one record each
+    (a stream's records carry their own timestamps) then share a write, and
+    a compressed copy compresses them together."""
+    runs: list[list[tuple[Any, Any]]] = []
     batch: list[tuple[Any, Any]] = []
+    held = staged = 0  # records and payload bytes in ``runs`` and ``batch``
     for rec in records:
         if batch and (len(batch) >= BATCH or (not per_record_ts and rec.ts_ns != batch[0][0].ts_ns)):
-            yield batch
+            runs.append(batch)
             batch = []
+            if per_record_ts or held >= FLUSH_RECORDS or staged >= FLUSH_BYTES:
+                yield runs
+                runs, held, staged = [], 0, 0
         batch.append((rec, rec.decode()))
+        held += 1
+        staged += len(rec.payload)
     if batch:
-        yield batch
+        runs.append(batch)
+    if runs:
+        yield runs
 
 
 def copy_records(records: Iterator[Any], dest: Any, clock: ReplayClock, *, where: str, per_record_ts: bool,
                  digest: Any = None) -> int:
     """Append the RawRecords ``records`` (LSN order, from ``dest.next_lsn``)
     to the log ``dest``, opened with ``clock``, keeping each LSN, session,
-    seq and timestamp. ``digest`` (a RecordDigest), when given, takes every
-    source record. Returns how many were copied; raises :class:`CopyError`
-    naming ``where`` and the LSN for a record the writer refuses or that
-    would not come out as recorded."""
+    seq and timestamp (``per_record_ts``: ``dest`` reads its clock once per
+    record, a JetStreamLog; else once per batch, a FileLog, which takes
+    several batches an ``append_batches``). ``digest`` (a RecordDigest), when
+    given, takes every source record. Returns how many were copied; raises
+    :class:`CopyError` naming ``where`` and the LSN for a record the writer
+    refuses or that would not come out as recorded."""
     from agentlog.events.log.api import LogError, SchemaError
     from agentlog.events.schema.types import EventValidationError
 
+    def bodies(batch: list[tuple[Any, Any]]) -> list[tuple[str, int, Any]]:
+        return [(env.session_id, env.session_seq, env.body) for _, env in batch]
+
     n = 0
     try:
-        for batch in _batches(records, per_record_ts=per_record_ts):
-            first = batch[0][0]
+        for runs in _appends(records, per_record_ts=per_record_ts):
+            first = runs[0][0][0]
             if first.lsn != dest.next_lsn:
                 raise CopyError(f"{where}: record at lsn {first.lsn}, but the copy is at lsn {dest.next_lsn} "
                                 "(the source's LSNs must run from 0 without a gap)")
             if per_record_ts:
-                clock.load(rec.ts_ns for rec, _ in batch)
+                clock.load(rec.ts_ns for rec, _ in runs[0])
+                written = [dest.append_batch(bodies(runs[0]))]
             else:
-                clock.load([first.ts_ns])  # the batch is a run of one timestamp
-            envs = dest.append_batch([(env.session_id, env.session_seq, env.body) for _, env in batch])
+                clock.load([run[0][0].ts_ns for run in runs])  # each run is of one timestamp
+                written = dest.append_batches([bodies(run) for run in runs])
             if len(clock):
                 raise CopyError(f"{where}: the writer read its clock {len(clock)} time(s) less than expected at lsn {first.lsn}")
-            for (rec, _), got in zip(batch, envs):
-                if (got.lsn, got.ts_ns) != (rec.lsn, rec.ts_ns):
-                    raise CopyError(f"{where}: lsn {rec.lsn} ts {rec.ts_ns} was written as lsn {got.lsn} ts {got.ts_ns}")
-                if digest is not None:
-                    digest.update(rec)
-            n += len(batch)
+            for run, envs in zip(runs, written, strict=True):
+                for (rec, _), got in zip(run, envs, strict=True):
+                    if (got.lsn, got.ts_ns) != (rec.lsn, rec.ts_ns):
+                        raise CopyError(f"{where}: lsn {rec.lsn} ts {rec.ts_ns} was written as lsn {got.lsn} ts {got.ts_ns}")
+                    if digest is not None:
+                        digest.update(rec)
+                n += len(run)
     except SchemaError as exc:
         raise CopyError(f"{where}: {exc}") from None
     except (EventValidationError, LogError) as exc:  # an unknown (newer) event type, a sequence gap, a refused publish
@@ -140,9 +170,10 @@ class Copied:
         return f"{self.name}: {self.records} records -> {self.dest}: records {self.copy_digest} {verdict}"
 
 
-def export_log(ref: Any, directory: Any, name: str) -> Copied:
+def export_log(ref: Any, directory: Any, name: str, compression: str = "none") -> Copied:
     """Write the log ``ref`` (a LogSource: one log of a run's stream) to a new
-    log directory, frame for frame; read it back and compare digests."""
+    log directory, frame for frame (its records stored as ``compression``
+    says: see ``FileLog.open``); read it back and compare digests."""
     from agentlog.events.log.source import open_source
     from agentlog.tools.cli_common import RecordDigest
 
@@ -150,7 +181,7 @@ def export_log(ref: Any, directory: Any, name: str) -> Copied:
     source = RecordDigest()
     copy_log = open_source(directory, check=False, partitioned=False)
     # fsync "never": the copy syncs once, at close (a crash mid-export leaves a copy to delete, not a run to lose).
-    dest = copy_log.open_writer(fsync="never", clock=clock, fence=False)
+    dest = copy_log.open_writer(fsync="never", clock=clock, fence=False, compression=compression)
     try:
         it = ref.read(raw=True)
         try:

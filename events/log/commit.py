@@ -96,6 +96,33 @@ class GroupCommit:
     _write_checkpoint_if_fds: Callable[..., None]
     _compression: str | None
     _lay_out_batches: Callable[[list[_Submission]], None]
+    _submit: Callable[[Iterable[Any]], tuple[list[Any], int]]
+
+    def append_batches(self, batches: Iterable[Iterable[Any]]) -> list[list[Any]]:
+        """Append each of ``batches`` atomically and in order, as ``append_batch``
+        does, and make them durable with one commit: every batch is staged
+        first (its checks, then its LSNs and one reading of the clock, as
+        ``append_batch`` stamps a batch), then one flush writes them all (one
+        sync, under the fsync policy). So batches with timestamps of their own
+        (``agentlog export``'s copy of a stream, whose records each carry one)
+        share a write, and a compressed log compresses them together. Returns
+        each batch's envelopes once durable. A batch the checks refuse raises
+        its error (nothing of it is appended, nor of any batch after it) once
+        the batches before it are durable. The caller bounds how much it
+        stages: every batch is held in memory until the flush."""
+        done: list[list[Any]] = []
+        end = 0
+        try:
+            for records in batches:
+                with self._mutex:  # self._cv's lock, as append_batch stages
+                    envs, last = self._submit(records)
+                if envs:
+                    end = last
+                done.append(envs)
+        finally:
+            if end:  # also when a batch was refused: the ones staged before it are appended
+                self._commit(end)
+        return done
 
     def _take(self) -> list[_Submission]:
         if self._policy == "always":

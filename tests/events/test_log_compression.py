@@ -6,6 +6,7 @@ a compressed one, and that recovery and verify treat a batch as one frame."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 import string
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from agentlog.events import FileLog, read_log
 from agentlog.events.log import format as log_format
-from agentlog.events.log.api import LogCorruption
+from agentlog.events.log.api import LogCorruption, SequenceError
 from agentlog.events.log.format import (
     BATCH_HDR,
     FRAME_PREFIX,
@@ -310,3 +311,70 @@ def test_records_written_by_one_flush_share_a_batch_and_checkpoints_hold_their_l
         assert ckpt.open_sessions == expected, ckpt.lsn
         checked += 1
     assert checked > 5
+
+
+def _clock_from(start: int):
+    ticks = itertools.count(start)
+    return lambda: next(ticks)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    batches=st.lists(st.integers(1, 30), min_size=1, max_size=10),
+    size=st.sampled_from([0, 40, 3000, -50]),
+    compression=st.sampled_from(["zstd", "none"]),
+)
+def test_append_batches_stores_what_append_batch_stores_batch_by_batch(tmp_path_factory, batches, size, compression):
+    """``append_batches`` numbers and stamps each batch as ``append_batch`` does (one clock
+    reading a batch), and the log reads back the same records, however it stores them."""
+    base = tmp_path_factory.mktemp("batches")
+    recs, seq = [], 0
+    for n in batches:
+        recs.append(_records("s", seq, n, size))
+        seq += n
+    one = FileLog.open(base / "one", compression=compression, clock=_clock_from(100))
+    by_one = [one.append_batch(b) for b in recs]
+    one.close()
+    many = FileLog.open(base / "many", compression=compression, clock=_clock_from(100))
+    together = many.append_batches(recs)
+    many.close()
+    assert together == by_one
+    assert len({e.ts_ns for b in together for e in b}) == len(batches)
+    assert list(read_log(base / "many")) == list(read_log(base / "one")) == [e for b in by_one for e in b]
+    assert verify_log(base / "many").status == "ok"
+
+
+def test_append_batches_writes_its_batches_in_one_flush_so_they_compress_together(tmp_path):
+    """Batches of a record or two, each with its own timestamp (what ``agentlog export``
+    copies from a stream): ``append_batch`` stores each on its own (a small batch, or plain
+    frames where compressing so little saves too little); ``append_batches`` stores them all
+    in one compressed batch."""
+    recs = [_records("s", 2 * k, 2, size=-60) for k in range(40)]
+    one = FileLog.open(tmp_path / "one", compression="zstd", clock=_clock_from(1))
+    for b in recs:
+        one.append_batch(b)
+    one.close()
+    many = FileLog.open(tmp_path / "many", compression="zstd", clock=_clock_from(1))
+    many.append_batches(recs)
+    many.close()
+    assert [typ for _, typ, _ in _units(tmp_path / "many")] == [TYPE_BATCH]
+    assert len(_units(tmp_path / "one")) >= len(recs)
+    assert list(read_log(tmp_path / "many")) == list(read_log(tmp_path / "one"))
+    assert seg_path(tmp_path / "many").stat().st_size < seg_path(tmp_path / "one").stat().st_size * 0.7
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_append_batches_makes_the_batches_before_a_refused_one_durable_and_nothing_after_it(tmp_path, compression):
+    d = tmp_path / "log"
+    lg = FileLog.open(d, compression=compression)
+    first, gap, after = _records("s", 0, 5), _records("s", 7, 2), _records("s", 5, 2)
+    with pytest.raises(SequenceError, match="'s'.*7"):
+        lg.append_batches([first, _records("t", 0, 3), gap, after])
+    assert lg.next_lsn == 8
+    lg.close()
+    assert [(e.session_id, e.session_seq) for e in read_log(d)] == [("s", i) for i in range(5)] + [("t", i) for i in range(3)]
+    assert verify_log(d).status == "ok"
+    lg = FileLog.open(d, compression=compression)  # the session goes on where the durable records left it
+    lg.append_batch(after)
+    lg.close()
+    assert len(list(read_log(d))) == 10

@@ -299,6 +299,28 @@ def _sessions(draw_sessions):
     return out
 
 
+@pytest.mark.required
+def test_export_with_compression_stores_the_streams_records_compressed_and_equal(js_run, capsys, tmp_path):
+    """``--compression zstd``: every copy's segments say zstd and hold the same records (digests
+    equal to the plain export's and the stream's). A stream's records each carry their own
+    timestamp, so the copy stages many of them for each write, and they compress together."""
+    from agentlog.events.log.batch_compression import segment_compression
+    from agentlog.events.log.verify import verify_log
+    from agentlog.tools.log_transfer import digest_of
+
+    url, exported, counts = js_run
+    packed = tmp_path / "packed"
+    code, out, err = cli(capsys, "export", "--compression", "zstd", url, str(packed))
+    assert code == 0, err
+    assert out.rstrip().endswith("every log EQUAL"), out
+    for rel in ("rollout/p0000", "rollout/p0001", "learner"):
+        assert segment_compression(packed / rel, 0) == "zstd" and segment_compression(exported / rel, 0) is None
+        assert digest_of(read_log(packed / rel, raw=True)).hexdigest() == digest_of(read_log(exported / rel, raw=True)).hexdigest()
+        assert verify_log(packed / rel).status == "ok"
+    sizes = {d: sum(p.stat().st_size for p in (d / "rollout/p0001").glob("*.seg")) for d in (packed, exported)}
+    assert sizes[packed] < sizes[exported] / 2, sizes
+
+
 _STREAMS = iter(range(1 << 30))
 
 
@@ -308,11 +330,13 @@ _STREAMS = iter(range(1 << 30))
     sessions=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.sampled_from(["finished", "aborted", "running"])),
                       min_size=1, max_size=6),
     stamps=st.lists(st.integers(1_700_000_000_000_000_000, 1_700_000_000_000_000_005), min_size=64, max_size=64),
+    compression=st.sampled_from(["none", "zstd"]),
 )
-def test_export_then_import_round_trips_random_runs(nats_server, tmp_path_factory, sessions, stamps):
+def test_export_then_import_round_trips_random_runs(nats_server, tmp_path_factory, sessions, stamps, compression):
     """Random sessions over up to 3 partitions, stamped by a clock that repeats
-    and goes back (what the copy must keep as it is): stream -> export ->
-    import gives the same digests for every log, at each step."""
+    and goes back (what the copy must keep as it is): stream -> export (its
+    copies compressed or not) -> import gives the same digests for every log,
+    at each step."""
     n = next(_STREAMS)
     src, dst = f"hypsrc{n}", f"hypdst{n}"
     ticks = iter(stamps * 8)
@@ -331,7 +355,7 @@ def test_export_then_import_round_trips_random_runs(nats_server, tmp_path_factor
         for log in logs.values():
             log.close()
     directory = tmp_path_factory.mktemp("hyp") / "run"
-    assert main(["export", f"{nats_server.url}/{src}", str(directory)]) == 0
+    assert main(["export", "--compression", compression, f"{nats_server.url}/{src}", str(directory)]) == 0
     assert main(["import", str(directory), f"{nats_server.url}/{dst}"]) == 0
     from agentlog.events.log.jetstream_read import JetStreamRun
     from agentlog.tools.log_transfer import digest_of
@@ -363,6 +387,7 @@ def test_bad_urls_and_missing_streams_are_named(nats_server, js_run, capsys, tmp
         (("export", str(exported), str(tmp_path / "e")), "expected nats://host:port/stream, or a run folder whose logs are on JetStream"),
         (("export", url, str(exported)), "exists and is not empty"),
         (("export", f"nats://{host}/nosuchstream", str(tmp_path / "e2")), "no such stream"),
+        (("export", "--compression", "gzip", url, str(tmp_path / "e3")), "--compression: invalid choice: 'gzip' (choose from 'zstd', 'none')"),
         (("import", str(exported), str(tmp_path / "i")), "expected nats://host:port/stream to import into"),
         (("import", str(exported), f"{url}/p0000"), "holds 3 logs"),
         (("import", str(exported), url), f"stream '{STREAM}' already holds logs"),
