@@ -68,28 +68,52 @@ class CopyError(AgentlogError):
     """A record the copy could not write as it was recorded; the message names the log, LSN and why."""
 
 
-def _appends(records: Iterator[Any], *, per_record_ts: bool) -> Iterator[list[list[tuple[Any, Any]]]]:
+def _appends(records: Iterator[Any], first_lsn: int, *, where: str, per_record_ts: bool) -> Iterator[list[list[tuple[Any, Any]]]]:
     """The source as the copy's appends, each a list of batches of ``(raw
-    record, envelope)``. A writer that stamps each record (JetStream) takes
-    one batch of up to BATCH records an append. A FileLog stamps a batch, so
-    its batches are runs of one timestamp (up to BATCH records), and one
-    append (``append_batches``: one flush) takes runs until they hold
-    FLUSH_RECORDS records or FLUSH_BYTES of payload: runs of one record each
-    (a stream's records carry their own timestamps) then share a write, and
-    a compressed copy compresses them together."""
+    record, envelope)``, its LSNs checked to run on from ``first_lsn``. A
+    writer that stamps each record (JetStream) takes one batch of up to BATCH
+    records an append. A FileLog stamps a batch, so its batches are runs of
+    one timestamp (up to BATCH records), and one append (``append_batches``:
+    one flush) takes runs until they reach FLUSH_RECORDS records or
+    FLUSH_BYTES of payload: runs of one record each (a stream's records carry
+    their own timestamps) then share a write, and a compressed copy
+    compresses them together. A record the source cannot give (damage, a lost
+    server) or that does not decode, and a gap in the LSNs, raise
+    :class:`CopyError` naming that record's LSN (the runs held for the append
+    are not written)."""
+    from agentlog.events.log.api import LogError, SchemaError
+    from agentlog.events.schema.types import EventValidationError
+
     runs: list[list[tuple[Any, Any]]] = []
     batch: list[tuple[Any, Any]] = []
     held = staged = 0  # records and payload bytes in ``runs`` and ``batch``
-    for rec in records:
+    lsn = first_lsn
+    it = iter(records)
+    while True:
+        try:
+            rec = next(it, None)
+        except LogError as exc:  # the source's own error (it names where on the source)
+            raise CopyError(f"{where}: at lsn {lsn}: {exc}") from None
+        if rec is None:
+            break
+        if rec.lsn != lsn:
+            raise CopyError(f"{where}: record at lsn {rec.lsn}, but the copy is at lsn {lsn} "
+                            "(the source's LSNs must run from 0 without a gap)")
         if batch and (len(batch) >= BATCH or (not per_record_ts and rec.ts_ns != batch[0][0].ts_ns)):
             runs.append(batch)
             batch = []
             if per_record_ts or held >= FLUSH_RECORDS or staged >= FLUSH_BYTES:
                 yield runs
                 runs, held, staged = [], 0, 0
-        batch.append((rec, rec.decode()))
+        try:
+            batch.append((rec, rec.decode()))
+        except SchemaError as exc:  # it names the record
+            raise CopyError(f"{where}: {exc}") from None
+        except EventValidationError as exc:  # an unknown (newer) event type
+            raise CopyError(f"{where}: at lsn {lsn}: {exc}") from None
         held += 1
         staged += len(rec.payload)
+        lsn += 1
     if batch:
         runs.append(batch)
     if runs:
@@ -104,8 +128,8 @@ def copy_records(records: Iterator[Any], dest: Any, clock: ReplayClock, *, where
     record, a JetStreamLog; else once per batch, a FileLog, which takes
     several batches an ``append_batches``). ``digest`` (a RecordDigest), when
     given, takes every source record. Returns how many were copied; raises
-    :class:`CopyError` naming ``where`` and the LSN for a record the writer
-    refuses or that would not come out as recorded."""
+    :class:`CopyError` naming ``where`` and the LSN for a record the source
+    cannot give, the writer refuses or that would not come out as recorded."""
     from agentlog.events.log.api import LogError, SchemaError
     from agentlog.events.schema.types import EventValidationError
 
@@ -113,31 +137,28 @@ def copy_records(records: Iterator[Any], dest: Any, clock: ReplayClock, *, where
         return [(env.session_id, env.session_seq, env.body) for _, env in batch]
 
     n = 0
-    try:
-        for runs in _appends(records, per_record_ts=per_record_ts):
-            first = runs[0][0][0]
-            if first.lsn != dest.next_lsn:
-                raise CopyError(f"{where}: record at lsn {first.lsn}, but the copy is at lsn {dest.next_lsn} "
-                                "(the source's LSNs must run from 0 without a gap)")
+    for runs in _appends(records, dest.next_lsn, where=where, per_record_ts=per_record_ts):
+        first = runs[0][0][0]
+        try:
             if per_record_ts:
                 clock.load(rec.ts_ns for rec, _ in runs[0])
                 written = [dest.append_batch(bodies(runs[0]))]
             else:
                 clock.load([run[0][0].ts_ns for run in runs])  # each run is of one timestamp
                 written = dest.append_batches([bodies(run) for run in runs])
-            if len(clock):
-                raise CopyError(f"{where}: the writer read its clock {len(clock)} time(s) less than expected at lsn {first.lsn}")
-            for run, envs in zip(runs, written, strict=True):
-                for (rec, _), got in zip(run, envs, strict=True):
-                    if (got.lsn, got.ts_ns) != (rec.lsn, rec.ts_ns):
-                        raise CopyError(f"{where}: lsn {rec.lsn} ts {rec.ts_ns} was written as lsn {got.lsn} ts {got.ts_ns}")
-                    if digest is not None:
-                        digest.update(rec)
-                n += len(run)
-    except SchemaError as exc:
-        raise CopyError(f"{where}: {exc}") from None
-    except (EventValidationError, LogError) as exc:  # an unknown (newer) event type, a sequence gap, a refused publish
-        raise CopyError(f"{where}: at lsn {dest.next_lsn}: {exc}") from None
+        except SchemaError as exc:
+            raise CopyError(f"{where}: {exc}") from None
+        except (EventValidationError, LogError) as exc:  # a sequence gap, a refused publish: the batches before it are written
+            raise CopyError(f"{where}: at lsn {dest.next_lsn}: {exc}") from None
+        if len(clock):
+            raise CopyError(f"{where}: the writer read its clock {len(clock)} time(s) less than expected at lsn {first.lsn}")
+        for run, envs in zip(runs, written, strict=True):
+            for (rec, _), got in zip(run, envs, strict=True):
+                if (got.lsn, got.ts_ns) != (rec.lsn, rec.ts_ns):
+                    raise CopyError(f"{where}: lsn {rec.lsn} ts {rec.ts_ns} was written as lsn {got.lsn} ts {got.ts_ns}")
+                if digest is not None:
+                    digest.update(rec)
+            n += len(run)
     return n
 
 

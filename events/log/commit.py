@@ -102,8 +102,9 @@ class GroupCommit:
         """Append each of ``batches`` atomically and in order, as ``append_batch``
         does, and make them durable with one commit: every batch is staged
         first (its checks, then its LSNs and one reading of the clock, as
-        ``append_batch`` stamps a batch), then one flush writes them all (one
-        sync, under the fsync policy). So batches with timestamps of their own
+        ``append_batch`` stamps a batch), then one flush writes them all and
+        syncs them per the fsync policy (``always`` flushes and syncs each
+        batch on its own, as it does each append call). So batches with timestamps of their own
         (``agentlog export``'s copy of a stream, whose records each carry one)
         share a write, and a compressed log compresses them together. Returns
         each batch's envelopes once durable. A batch the checks refuse raises

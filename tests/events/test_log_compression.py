@@ -371,6 +371,7 @@ def test_append_batches_makes_the_batches_before_a_refused_one_durable_and_nothi
     with pytest.raises(SequenceError, match="'s'.*7"):
         lg.append_batches([first, _records("t", 0, 3), gap, after])
     assert lg.next_lsn == 8
+    assert len(list(lg.read())) == 8  # durable when it raises, not only once close() flushes what is staged
     lg.close()
     assert [(e.session_id, e.session_seq) for e in read_log(d)] == [("s", i) for i in range(5)] + [("t", i) for i in range(3)]
     assert verify_log(d).status == "ok"
