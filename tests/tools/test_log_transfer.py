@@ -8,11 +8,15 @@ import itertools
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from agentlog.events import FileLog, read_log
+from agentlog.events import Envelope, FileLog, read_log
 from agentlog.events.log.format import list_segments, segment_name
+from agentlog.events.log.read import RawRecord
 from agentlog.events.schema.types import CommandRan, SessionOpened
-from agentlog.tools.log_transfer import FLUSH_RECORDS, CopyError, ReplayClock, copy_records
+from agentlog.tools import log_transfer
+from agentlog.tools.log_transfer import FLUSH_RECORDS, CopyError, ReplayClock, _appends, copy_records
 
 N = 300
 
@@ -62,3 +66,41 @@ def test_a_gap_in_the_sources_lsns_is_named_before_anything_after_it_is_written(
     assert message == ("SRC -> DST: record at lsn 201, but the copy is at lsn 200 "
                        "(the source's LSNs must run from 0 without a gap)"), message
     assert copied == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    stamps=st.lists(st.integers(0, 3), min_size=1, max_size=120),
+    sizes=st.lists(st.integers(0, 400), min_size=1, max_size=120),
+    per_record_ts=st.booleans(),
+    batch=st.integers(1, 9),
+    flush_records=st.integers(1, 40),
+    flush_bytes=st.integers(1, 5_000),
+)
+def test_the_copys_appends_hold_every_record_once_in_order_in_runs_a_writer_can_stamp(
+        stamps, sizes, per_record_ts, batch, flush_records, flush_bytes):
+    """How ``_appends`` cuts a source (small limits, so every cut is reached): every record once,
+    in order; a batch of at most BATCH records, of one timestamp where the writer stamps a batch;
+    one batch an append where it stamps each record; else runs gathered until an append holds
+    FLUSH_RECORDS records or FLUSH_BYTES of payload (a run more at most), never fewer but the last."""
+    ts = list(itertools.accumulate(stamps))  # runs of one timestamp where a step is 0
+    records = [RawRecord.of_envelope(Envelope(lsn, "s", lsn, t, CommandRan(command="x", exit_code=0, output_tail="y" * sizes[lsn % len(sizes)])))
+               for lsn, t in enumerate(ts)]
+    with pytest.MonkeyPatch.context() as limits:
+        limits.setattr(log_transfer, "BATCH", batch)
+        limits.setattr(log_transfer, "FLUSH_RECORDS", flush_records)
+        limits.setattr(log_transfer, "FLUSH_BYTES", flush_bytes)
+        appends = list(_appends(iter(records), 0, where="w", per_record_ts=per_record_ts))
+    assert [rec for runs in appends for run in runs for rec, _env in run] == records
+    assert all(env == rec.decode() for runs in appends for run in runs for rec, env in run)
+    for k, runs in enumerate(appends):
+        assert all(0 < len(run) <= batch for run in runs)
+        if per_record_ts:
+            assert len(runs) == 1
+            continue
+        assert all(len({rec.ts_ns for rec, _ in run}) == 1 for run in runs)
+        held, staged = sum(map(len, runs)), sum(len(rec.payload) for run in runs for rec, _ in run)
+        before_last = sum(map(len, runs[:-1])), sum(len(rec.payload) for run in runs[:-1] for rec, _ in run)
+        assert before_last[0] < flush_records and before_last[1] < flush_bytes  # it took runs only while short of both
+        if k < len(appends) - 1:
+            assert held >= flush_records or staged >= flush_bytes
