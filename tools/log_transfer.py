@@ -68,52 +68,59 @@ class CopyError(AgentlogError):
     """A record the copy could not write as it was recorded; the message names the log, LSN and why."""
 
 
-def _appends(records: Iterator[Any], first_lsn: int, *, where: str, per_record_ts: bool) -> Iterator[list[list[tuple[Any, Any]]]]:
-    """The source as the copy's appends, each a list of batches of ``(raw
-    record, envelope)``, its LSNs checked to run on from ``first_lsn``. A
-    writer that stamps each record (JetStream) takes one batch of up to BATCH
-    records an append. A FileLog stamps a batch, so its batches are runs of
-    one timestamp (up to BATCH records), and one append (``append_batches``:
-    one flush) takes runs until they reach FLUSH_RECORDS records or
-    FLUSH_BYTES of payload: runs of one record each (a stream's records carry
-    their own timestamps) then share a write, and a compressed copy
-    compresses them together. A record the source cannot give (damage, a lost
+def _read(records: Iterator[Any], lsn: int, where: str) -> Iterator[tuple[Any, Any]]:
+    """``(raw record, envelope)`` of each source record, its LSNs checked to
+    run on from ``lsn``. A record the source cannot give (damage, a lost
     server) or that does not decode, and a gap in the LSNs, raise
-    :class:`CopyError` naming that record's LSN (the runs held for the append
-    are not written)."""
+    :class:`CopyError` naming that record's LSN."""
     from agentlog.events.log.api import LogError, SchemaError
     from agentlog.events.schema.types import EventValidationError
 
-    runs: list[list[tuple[Any, Any]]] = []
-    batch: list[tuple[Any, Any]] = []
-    held = staged = 0  # records and payload bytes in ``runs`` and ``batch``
-    lsn = first_lsn
     it = iter(records)
     while True:
         try:
-            rec = next(it, None)
-        except LogError as exc:  # the source's own error (it names where on the source)
+            rec = next(it, None)  # only the source's own errors: the caller's come from its own code
+        except LogError as exc:  # it names where on the source
             raise CopyError(f"{where}: at lsn {lsn}: {exc}") from None
         if rec is None:
-            break
+            return
         if rec.lsn != lsn:
             raise CopyError(f"{where}: record at lsn {rec.lsn}, but the copy is at lsn {lsn} "
                             "(the source's LSNs must run from 0 without a gap)")
+        try:
+            env = rec.decode()
+        except SchemaError as exc:  # it names the record
+            raise CopyError(f"{where}: {exc}") from None
+        except EventValidationError as exc:  # an unknown (newer) event type
+            raise CopyError(f"{where}: at lsn {lsn}: {exc}") from None
+        yield rec, env
+        lsn += 1
+
+
+def _appends(records: Iterator[Any], first_lsn: int, *, where: str, per_record_ts: bool) -> Iterator[list[list[tuple[Any, Any]]]]:
+    """The source (:func:`_read` from ``first_lsn``) as the copy's appends,
+    each a list of batches of ``(raw record, envelope)``. A writer that
+    stamps each record (JetStream) takes one batch of up to BATCH records an
+    append. A FileLog stamps a batch, so its batches are runs of one
+    timestamp (up to BATCH records), and one append (``append_batches``: one
+    flush) takes runs until they reach FLUSH_RECORDS records or FLUSH_BYTES
+    of payload: runs of one record each (a stream's records carry their own
+    timestamps) then share a write, and a compressed copy compresses them
+    together. A source error raises before the runs held for the append are
+    written."""
+    runs: list[list[tuple[Any, Any]]] = []
+    batch: list[tuple[Any, Any]] = []
+    held = staged = 0  # records and payload bytes in ``runs`` and ``batch``
+    for rec, env in _read(records, first_lsn, where):
         if batch and (len(batch) >= BATCH or (not per_record_ts and rec.ts_ns != batch[0][0].ts_ns)):
             runs.append(batch)
             batch = []
             if per_record_ts or held >= FLUSH_RECORDS or staged >= FLUSH_BYTES:
                 yield runs
                 runs, held, staged = [], 0, 0
-        try:
-            batch.append((rec, rec.decode()))
-        except SchemaError as exc:  # it names the record
-            raise CopyError(f"{where}: {exc}") from None
-        except EventValidationError as exc:  # an unknown (newer) event type
-            raise CopyError(f"{where}: at lsn {lsn}: {exc}") from None
+        batch.append((rec, env))
         held += 1
         staged += len(rec.payload)
-        lsn += 1
     if batch:
         runs.append(batch)
     if runs:

@@ -54,7 +54,7 @@ from agentlog.events.log.batch_compression import ZSTD_LEVEL  # noqa: E402
 from agentlog.events.log.format import FRAME_OVERHEAD  # noqa: E402
 from agentlog.events.schema.batch_check import check_bodies  # noqa: E402
 from agentlog.tools.bench.bench_growth import session_turns, trajectory_bytes  # noqa: E402
-from agentlog.tools.bench.bench_log import dir_bytes, drop_dir, turn_events  # noqa: E402
+from agentlog.tools.bench.bench_log import best, dir_bytes, drop_dir, turn_events  # noqa: E402
 from agentlog.tools.bench.goals import goal  # noqa: E402
 from agentlog.tools.bench.probe_fdatasync import write_synced  # noqa: E402
 
@@ -148,22 +148,13 @@ def append_vs_raw(root: Path, batches: list[list[tuple]], reps: int) -> dict:
     # The bound on any writer that compresses each batch here: compressing it (zstd at the log's
     # level, timed apart) and then a raw write + fdatasync of only the compressed bytes.
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-    t_compress = float("inf")
-    for _ in range(max(reps, 2)):
-        t0 = time.perf_counter()
-        packed = [compressor.compress(chunk) for chunk in plain]
-        t_compress = min(t_compress, time.perf_counter() - t0)
-
+    packed = [compressor.compress(chunk) for chunk in plain]
+    t_compress = best(lambda: [compressor.compress(chunk) for chunk in plain], max(reps, 2))
     # What keeping "nothing a reader cannot decode reaches the log" costs any writer at least: the
     # write-time check of each batch (check_bodies: encoded once, decoded back strictly, every body
     # check run), timed apart as compressing is.
     only_bodies = [[body for _sid, _seq, body in b] for b in bodies]
-    t_check = float("inf")
-    for _ in range(max(reps, 2)):
-        t0 = time.perf_counter()
-        for b in only_bodies:
-            check_bodies(b)
-        t_check = min(t_check, time.perf_counter() - t0)
+    t_check = best(lambda: [check_bodies(b) for b in only_bodies], max(reps, 2))
 
     def raw_write(chunks: list) -> Callable[[], float]:
         def run() -> float:
